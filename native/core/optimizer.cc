@@ -1,0 +1,78 @@
+#include "native/core/optimizer.h"
+
+#include <cmath>
+
+namespace dlt {
+namespace {
+
+void ApplySgd(uint32_t dim, float lr, const float* g, float* w) {
+  for (uint32_t j = 0; j < dim; ++j) w[j] -= lr * g[j];
+}
+
+// ResourceSparseApplyAdagradV2: acc += g^2; w -= lr * g / (sqrt(acc) + eps).
+void ApplyAdagrad(const OptimizerConfig& c, uint32_t dim, float lr,
+                  const float* g, float* w, float* acc) {
+  for (uint32_t j = 0; j < dim; ++j) {
+    acc[j] += g[j] * g[j];
+    w[j] -= lr * g[j] / (std::sqrt(acc[j]) + c.epsilon);
+  }
+}
+
+// ResourceApplyAdam on the touched row with a per-row step count t:
+// lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
+// v += (g^2 - v)(1 - b2); w -= lr_t * m / (eps + sqrt(v)).
+void ApplyAdam(const OptimizerConfig& c, uint32_t dim, float lr,
+               const float* g, float* w, float* m, float* v, uint32_t* step) {
+  if (*step != UINT32_MAX) ++*step;
+  const float t = static_cast<float>(*step);
+  const float b1_power = std::pow(c.beta1, t);
+  const float b2_power = std::pow(c.beta2, t);
+  const float lr_t = lr * std::sqrt(1.0f - b2_power) / (1.0f - b1_power);
+  const float one_minus_b1 = 1.0f - c.beta1;
+  const float one_minus_b2 = 1.0f - c.beta2;
+  for (uint32_t j = 0; j < dim; ++j) {
+    m[j] += (g[j] - m[j]) * one_minus_b1;
+    v[j] += (g[j] * g[j] - v[j]) * one_minus_b2;
+    w[j] -= lr_t * m[j] / (c.epsilon + std::sqrt(v[j]));
+  }
+}
+
+// ResourceSparseApplyFtrl (no l2 shrinkage, linear not multiplied by lr).
+void ApplyFtrl(const OptimizerConfig& c, uint32_t dim, float lr,
+               const float* g, float* w, float* acc, float* linear) {
+  const float p = c.learning_rate_power;
+  const bool sqrt_power = p == -0.5f;
+  for (uint32_t j = 0; j < dim; ++j) {
+    const float new_acc = acc[j] + g[j] * g[j];
+    const float new_pow = sqrt_power ? std::sqrt(new_acc) : std::pow(new_acc, -p);
+    const float old_pow = sqrt_power ? std::sqrt(acc[j]) : std::pow(acc[j], -p);
+    linear[j] += g[j] - (new_pow - old_pow) / lr * w[j];
+    const float clipped = std::fmin(std::fmax(linear[j], -c.l1), c.l1);
+    const float x = clipped - linear[j];
+    const float y = new_pow / lr + 2.0f * c.l2;
+    w[j] = x / y;
+    acc[j] = new_acc;
+  }
+}
+
+}  // namespace
+
+void ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr,
+              const float* grad, float* values, float* slots, uint32_t* step) {
+  switch (c.kind) {
+    case OptimizerKind::kSgd:
+      ApplySgd(dim, lr, grad, values);
+      return;
+    case OptimizerKind::kAdagrad:
+      ApplyAdagrad(c, dim, lr, grad, values, slots);
+      return;
+    case OptimizerKind::kAdam:
+      ApplyAdam(c, dim, lr, grad, values, slots, slots + dim, step);
+      return;
+    case OptimizerKind::kFtrl:
+      ApplyFtrl(c, dim, lr, grad, values, slots, slots + dim);
+      return;
+  }
+}
+
+}  // namespace dlt

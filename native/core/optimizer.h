@@ -1,0 +1,20 @@
+// Server-side optimizers (update_method). Each applies one already summed
+// gradient row to one stored row and its slots, with the same arithmetic as
+// TensorFlow's sparse apply kernels.
+#ifndef TF_DLT_NATIVE_CORE_OPTIMIZER_H_
+#define TF_DLT_NATIVE_CORE_OPTIMIZER_H_
+
+#include <cstdint>
+
+#include "native/core/table_config.h"
+
+namespace dlt {
+
+// Updates `values` (dim floats), `slots` (SlotsPerValue(kind) * dim floats)
+// and the row's step count with gradient `grad` and learning rate `lr`.
+void ApplyRow(const OptimizerConfig& config, uint32_t dim, float lr,
+              const float* grad, float* values, float* slots, uint32_t* step);
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_CORE_OPTIMIZER_H_

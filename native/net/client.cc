@@ -1,0 +1,574 @@
+#include "native/net/client.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "native/core/routing.h"
+#include "native/net/buffer.h"
+#include "native/net/socket.h"
+
+namespace dlt {
+
+using net::Clock;
+
+struct Client::ShardState {
+  std::string address;
+  std::mutex mu;
+  std::vector<int> idle;  // guarded by mu
+  bool greeted = false;   // guarded by mu
+  ShardInfo info;         // guarded by mu
+};
+
+// One shard's part of an exchange: frames to send, a handler for replies.
+struct Client::Call {
+  struct Frame {
+    uint8_t header[wire::kHeaderBytes];
+    std::string prefix;
+    const void* body[2] = {nullptr, nullptr};
+    size_t body_bytes[2] = {0, 0};
+    size_t Bytes() const {
+      return wire::kHeaderBytes + prefix.size() + body_bytes[0] + body_bytes[1];
+    }
+  };
+  size_t shard = 0;
+  wire::Opcode opcode = wire::Opcode::kPull;
+  std::vector<Frame> frames;
+  uint64_t first_request_id = 0;
+  std::function<Status(size_t frame, const uint8_t* payload, size_t bytes)>
+      on_reply;
+
+  // Fills up to `max_iov` iovecs with the unsent bytes from `offset` of frame
+  // `frame_index` on; returns how many.
+  int FillIov(size_t frame_index, size_t offset, struct iovec* iov,
+              int max_iov) const;
+};
+
+namespace {
+
+struct Io {
+  int fd = -1;
+  size_t send_frame = 0;
+  size_t send_offset = 0;
+  Status send_error;
+  size_t replies = 0;
+  uint8_t header[wire::kHeaderBytes];
+  size_t header_got = 0;
+  wire::FrameHeader frame;
+  net::Buffer payload;
+  size_t payload_got = 0;
+  bool in_payload = false;
+  std::vector<bool> answered;
+};
+
+}  // namespace
+
+int Client::Call::FillIov(size_t frame_index, size_t offset, struct iovec* iov,
+                          int max_iov) const {
+  int n = 0;
+  for (size_t f = frame_index; f < frames.size() && n + 4 <= max_iov; ++f) {
+    const Frame& fr = frames[f];
+    const void* parts[4] = {fr.header, fr.prefix.data(), fr.body[0], fr.body[1]};
+    const size_t sizes[4] = {wire::kHeaderBytes, fr.prefix.size(),
+                             fr.body_bytes[0], fr.body_bytes[1]};
+    for (int k = 0; k < 4; ++k) {
+      if (offset >= sizes[k]) {
+        offset -= sizes[k];
+        continue;
+      }
+      iov[n].iov_base = const_cast<char*>(static_cast<const char*>(parts[k])) + offset;
+      iov[n].iov_len = sizes[k] - offset;
+      offset = 0;
+      ++n;
+    }
+  }
+  return n;
+}
+
+Client::Client(std::vector<std::string> addresses, ClientOptions options)
+    : options_(std::move(options)) {
+  for (std::string& a : addresses) {
+    shards_.push_back(std::make_unique<ShardState>());
+    shards_.back()->address = std::move(a);
+  }
+}
+
+Client::~Client() {
+  for (auto& s : shards_) {
+    for (int fd : s->idle) net::CloseFd(fd);
+  }
+}
+
+std::string Client::Context(size_t shard, const char* op) const {
+  return "shard " + std::to_string(shard) + " (" + shards_[shard]->address +
+         ") " + op;
+}
+
+uint32_t Client::ShardOf(int64_t id) const {
+  return ShardOfBucket(BucketOf(id), static_cast<uint32_t>(shards_.size()));
+}
+
+Status Client::Hello(size_t shard, int fd) {
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  wire::HelloRequest request;
+  request.token = options_.auth_token;
+  const std::string payload = wire::EncodeHelloRequest(request);
+  uint8_t header[wire::kHeaderBytes];
+  wire::EncodeHeader({wire::Opcode::kHello, 0, 0,
+                      static_cast<uint32_t>(payload.size())},
+                     header);
+  struct iovec iov[2] = {{header, sizeof(header)},
+                         {const_cast<char*>(payload.data()), payload.size()}};
+  Status s = net::SendAll(fd, iov, 2, deadline);
+  uint8_t reply_header[wire::kHeaderBytes];
+  // Even when sending failed the server may have explained why before closing.
+  Status r = net::RecvAll(fd, reply_header, sizeof(reply_header), deadline);
+  if (!r.ok()) return s.ok() ? r : s;
+  wire::FrameHeader h;
+  DLT_RETURN_IF_ERROR(wire::DecodeHeader(reply_header, 1u << 20, &h));
+  std::string body(h.payload_bytes, '\0');
+  DLT_RETURN_IF_ERROR(net::RecvAll(fd, &body[0], body.size(), deadline));
+  const auto* p = reinterpret_cast<const uint8_t*>(body.data());
+  if (h.opcode == wire::Opcode::kError) return wire::DecodeError(p, body.size());
+  if (h.opcode != wire::Opcode::kHello || !(h.flags & wire::kFlagResponse)) {
+    return Internal("expected a Hello reply");
+  }
+  wire::HelloReply reply;
+  DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(p, body.size(), &reply));
+  if (reply.num_buckets != kNumBuckets) {
+    return FailedPrecondition("server routes over " +
+                              std::to_string(reply.num_buckets) +
+                              " buckets, this client over " +
+                              std::to_string(kNumBuckets));
+  }
+  if (reply.num_shards != shards_.size() || reply.shard_index != shard) {
+    return FailedPrecondition(
+        "server says it is shard " + std::to_string(reply.shard_index) +
+        " of " + std::to_string(reply.num_shards) +
+        ", but the client lists it as shard " + std::to_string(shard) +
+        " of " + std::to_string(shards_.size()) +
+        "; list the shard addresses in shard-index order");
+  }
+  ShardState& st = *shards_[shard];
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.info.address = st.address;
+  st.info.shard_index = reply.shard_index;
+  st.info.num_shards = reply.num_shards;
+  st.info.admin_port = reply.admin_port;
+  st.info.max_frame_bytes = reply.max_frame_bytes;
+  st.greeted = true;
+  return OkStatus();
+}
+
+Status Client::Acquire(size_t shard, Conn* conn) {
+  ShardState& st = *shards_[shard];
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (!st.idle.empty()) {
+      conn->fd = st.idle.back();
+      conn->reused = true;
+      st.idle.pop_back();
+      return OkStatus();
+    }
+  }
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  int fd = -1;
+  Status s = net::Connect(st.address, deadline, &fd);
+  if (!s.ok()) {
+    if (s.code() == Code::kDeadlineExceeded || s.code() == Code::kInvalidArgument) {
+      // A shard that cannot be reached in time is unavailable, not slow.
+      return Unavailable("connect: " + s.message());
+    }
+    return s.WithContext("connect");
+  }
+  s = Hello(shard, fd);
+  if (!s.ok()) {
+    net::CloseFd(fd);
+    if (s.code() == Code::kDeadlineExceeded) return Unavailable("Hello: " + s.message());
+    return s.WithContext("Hello");
+  }
+  conn->fd = fd;
+  conn->reused = false;
+  return OkStatus();
+}
+
+void Client::Release(size_t shard, int fd) {
+  ShardState& st = *shards_[shard];
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
+    st.idle.push_back(fd);
+  } else {
+    net::CloseFd(fd);
+  }
+}
+
+uint32_t Client::FrameLimit(size_t shard) {
+  ShardState& st = *shards_[shard];
+  std::lock_guard<std::mutex> lock(st.mu);
+  return std::min(options_.frame_bytes, st.info.max_frame_bytes);
+}
+
+Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
+  infos->clear();
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    bool greeted;
+    {
+      std::lock_guard<std::mutex> lock(shards_[i]->mu);
+      greeted = shards_[i]->greeted;
+    }
+    if (!greeted) {
+      Conn conn;
+      Status s = Acquire(i, &conn);
+      if (!s.ok()) return s.WithContext(Context(i, "Hello"));
+      Release(i, conn.fd);
+    }
+    std::lock_guard<std::mutex> lock(shards_[i]->mu);
+    infos->push_back(shards_[i]->info);
+  }
+  return OkStatus();
+}
+
+Status Client::Exchange(std::vector<Call>* calls, const char* op,
+                        bool* any_reused) {
+  *any_reused = false;
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
+  std::vector<Io> io(calls->size());
+  auto close_all = [&]() {
+    for (Io& x : io) {
+      net::CloseFd(x.fd);
+      x.fd = -1;
+    }
+  };
+  for (size_t c = 0; c < calls->size(); ++c) {
+    Call& call = (*calls)[c];
+    Conn conn;
+    Status s = Acquire(call.shard, &conn);
+    if (!s.ok()) {
+      close_all();
+      return s.WithContext(Context(call.shard, op));
+    }
+    io[c].fd = conn.fd;
+    *any_reused = *any_reused || conn.reused;
+    io[c].answered.assign(call.frames.size(), false);
+    call.first_request_id = next_request_id_.fetch_add(call.frames.size());
+    for (size_t f = 0; f < call.frames.size(); ++f) {
+      Call::Frame& fr = call.frames[f];
+      const size_t payload = fr.Bytes() - wire::kHeaderBytes;
+      wire::EncodeHeader({call.opcode, 0, call.first_request_id + f,
+                          static_cast<uint32_t>(payload)},
+                         fr.header);
+    }
+  }
+  std::vector<struct pollfd> fds(calls->size());
+  size_t remaining = calls->size();
+  for (size_t c = 0; c < calls->size(); ++c) {
+    if ((*calls)[c].frames.empty()) --remaining;
+  }
+  while (remaining > 0) {
+    for (size_t c = 0; c < calls->size(); ++c) {
+      const Call& call = (*calls)[c];
+      const bool done = io[c].replies == call.frames.size();
+      const bool sending = io[c].send_frame < call.frames.size() && io[c].send_error.ok();
+      fds[c] = {done ? -1 : io[c].fd,
+                static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0};
+    }
+    const int rc = poll(fds.data(), fds.size(), net::RemainingMs(deadline));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0) {
+      for (size_t c = 0; c < calls->size(); ++c) {
+        if (io[c].replies < (*calls)[c].frames.size()) {
+          close_all();
+          return DeadlineExceeded(
+              Context((*calls)[c].shard, op) + ": no reply within " +
+              std::to_string(options_.request_timeout_ms) + " ms");
+        }
+      }
+    }
+    for (size_t c = 0; c < calls->size(); ++c) {
+      Call& call = (*calls)[c];
+      Io& x = io[c];
+      if (fds[c].fd < 0 || fds[c].revents == 0) continue;
+      auto fail = [&](const Status& s) {
+        close_all();
+        return s.WithContext(Context(call.shard, op));
+      };
+      if ((fds[c].revents & (POLLOUT | POLLERR)) && x.send_frame < call.frames.size() &&
+          x.send_error.ok()) {
+        struct iovec iov[64];
+        const int n = call.FillIov(x.send_frame, x.send_offset, iov, 64);
+        struct msghdr msg;
+        std::memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = iov;
+        msg.msg_iovlen = static_cast<size_t>(n);
+        const ssize_t sent = sendmsg(x.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          // Keep reading: the server may have sent an error frame first.
+          x.send_error = Unavailable(std::string("send: ") + std::strerror(errno));
+        } else if (sent > 0) {
+          size_t left = static_cast<size_t>(sent);
+          while (left > 0) {
+            const size_t in_frame = call.frames[x.send_frame].Bytes() - x.send_offset;
+            if (left >= in_frame) {
+              left -= in_frame;
+              ++x.send_frame;
+              x.send_offset = 0;
+            } else {
+              x.send_offset += left;
+              left = 0;
+            }
+          }
+        }
+      }
+      if (!(fds[c].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      for (;;) {
+        uint8_t* dst;
+        size_t want;
+        if (!x.in_payload) {
+          dst = x.header + x.header_got;
+          want = wire::kHeaderBytes - x.header_got;
+        } else {
+          dst = x.payload.data() + x.payload_got;
+          want = x.frame.payload_bytes - x.payload_got;
+        }
+        ssize_t got = want == 0 ? 0 : recv(x.fd, dst, want, MSG_DONTWAIT);
+        if (want != 0) {
+          if (got == 0) {
+            return fail(x.send_error.ok() ? Unavailable("connection closed by the server")
+                                          : x.send_error);
+          }
+          if (got < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+            return fail(Unavailable(std::string("recv: ") + std::strerror(errno)));
+          }
+        }
+        if (!x.in_payload) {
+          x.header_got += static_cast<size_t>(got);
+          if (x.header_got < wire::kHeaderBytes) continue;
+          Status s = wire::DecodeHeader(x.header, UINT32_MAX, &x.frame);
+          if (!s.ok()) return fail(Internal("bad reply frame: " + s.message()));
+          if (!(x.frame.flags & wire::kFlagResponse)) {
+            return fail(Internal("reply frame lacks the response flag"));
+          }
+          x.payload.Reserve(x.frame.payload_bytes);
+          x.payload_got = 0;
+          x.in_payload = true;
+          if (x.frame.payload_bytes > 0) continue;
+        } else {
+          x.payload_got += static_cast<size_t>(got);
+          if (x.payload_got < x.frame.payload_bytes) continue;
+        }
+        // A whole reply frame is here.
+        x.in_payload = false;
+        x.header_got = 0;
+        const uint8_t* p = x.payload.data();
+        const size_t bytes = x.frame.payload_bytes;
+        if (x.frame.opcode == wire::Opcode::kError) {
+          return fail(wire::DecodeError(p, bytes));
+        }
+        const uint64_t id = x.frame.request_id;
+        if (id < call.first_request_id ||
+            id >= call.first_request_id + call.frames.size() ||
+            x.answered[id - call.first_request_id]) {
+          return fail(Internal("reply to unknown request id " + std::to_string(id)));
+        }
+        if (x.frame.opcode != call.opcode) {
+          return fail(Internal("reply opcode does not match the request"));
+        }
+        const size_t f = id - call.first_request_id;
+        x.answered[f] = true;
+        Status s = call.on_reply(f, p, bytes);
+        if (!s.ok()) return fail(s);
+        if (++x.replies == call.frames.size()) {
+          --remaining;
+          break;
+        }
+      }
+    }
+  }
+  for (size_t c = 0; c < calls->size(); ++c) {
+    Release((*calls)[c].shard, io[c].fd);
+  }
+  return OkStatus();
+}
+
+namespace {
+
+// Positions of the ids each shard owns, in input order.
+void GroupByShard(const Client& client, const int64_t* ids, size_t n,
+                  size_t num_shards, std::vector<std::vector<uint32_t>>* groups) {
+  groups->assign(num_shards, {});
+  if (num_shards == 1) {
+    (*groups)[0].resize(n);
+    for (size_t i = 0; i < n; ++i) (*groups)[0][i] = static_cast<uint32_t>(i);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    (*groups)[client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));
+  }
+}
+
+Status CheckBatch(size_t n, uint32_t dim) {
+  if (n > UINT32_MAX) return InvalidArgument("at most 2^32-1 ids per call");
+  if (dim == 0 || dim > kMaxDim) {
+    return InvalidArgument("dim must be in [1, " + std::to_string(kMaxDim) +
+                           "], got " + std::to_string(dim));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids,
+                    size_t n, PullMode mode, float* out) {
+  DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
+  DLT_RETURN_IF_ERROR(ValidateTableName(table));
+  bool any_reused = false;
+  Status s = PullOnce(table, dim, ids, n, mode, out, &any_reused);
+  if (!s.ok() && s.code() == Code::kUnavailable && any_reused) {
+    // A pooled connection may have died while idle; pulls are safe to repeat.
+    s = PullOnce(table, dim, ids, n, mode, out, &any_reused);
+  }
+  return s;
+}
+
+Status Client::PullOnce(const std::string& table, uint32_t dim,
+                        const int64_t* ids, size_t n, PullMode mode, float* out,
+                        bool* any_reused) {
+  *any_reused = false;
+  if (n == 0) return OkStatus();
+  std::vector<ShardInfo> infos;  // greets every shard once
+  DLT_RETURN_IF_ERROR(GetShardInfos(&infos));
+  std::vector<std::vector<uint32_t>> groups;
+  GroupByShard(*this, ids, n, shards_.size(), &groups);
+  std::vector<std::vector<int64_t>> shard_ids(shards_.size());
+  std::vector<Call> calls;
+  const size_t prefix_bytes =
+      wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const std::vector<uint32_t>& pos = groups[s];
+    if (pos.empty()) continue;
+    const uint32_t limit = FrameLimit(s);
+    const size_t by_request = (limit - prefix_bytes) / 8;
+    const size_t by_reply = (limit - wire::kPullReplyFixed) / (size_t{4} * dim);
+    const size_t rows_per_frame = std::min(by_request, by_reply);
+    if (rows_per_frame == 0) {
+      return ResourceExhausted(Context(s, "Pull") + ": one row of dim " +
+                               std::to_string(dim) + " exceeds the frame limit of " +
+                               std::to_string(limit) + " bytes");
+    }
+    const int64_t* shard_ids_ptr = ids;
+    if (shards_.size() > 1) {
+      shard_ids[s].resize(pos.size());
+      for (size_t k = 0; k < pos.size(); ++k) shard_ids[s][k] = ids[pos[k]];
+      shard_ids_ptr = shard_ids[s].data();
+    }
+    Call call;
+    call.shard = s;
+    call.opcode = wire::Opcode::kPull;
+    for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
+      const size_t count = std::min(rows_per_frame, pos.size() - begin);
+      Call::Frame fr;
+      fr.prefix = wire::EncodePullPrefix(table, dim, static_cast<uint32_t>(count), mode);
+      fr.body[0] = shard_ids_ptr + begin;
+      fr.body_bytes[0] = count * 8;
+      call.frames.push_back(std::move(fr));
+    }
+    const bool identity = shards_.size() == 1;
+    call.on_reply = [&pos, rows_per_frame, dim, out, identity](
+                        size_t frame, const uint8_t* p, size_t bytes) -> Status {
+      const size_t begin = frame * rows_per_frame;
+      const size_t count = std::min(rows_per_frame, pos.size() - begin);
+      uint32_t got_dim, got_rows;
+      std::memcpy(&got_dim, p, 4);
+      std::memcpy(&got_rows, p + 4, 4);
+      if (bytes != wire::kPullReplyFixed + size_t{4} * dim * count ||
+          got_dim != dim || got_rows != count) {
+        return Internal("Pull reply has the wrong size");
+      }
+      const float* rows = reinterpret_cast<const float*>(p + wire::kPullReplyFixed);
+      if (identity) {
+        std::memcpy(out + begin * dim, rows, sizeof(float) * dim * count);
+      } else {
+        for (size_t k = 0; k < count; ++k) {
+          std::memcpy(out + size_t{pos[begin + k]} * dim, rows + k * dim,
+                      sizeof(float) * dim);
+        }
+      }
+      return OkStatus();
+    };
+    calls.push_back(std::move(call));
+  }
+  return Exchange(&calls, "Pull", any_reused);
+}
+
+Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids,
+                    const float* grads, size_t n, float learning_rate) {
+  DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
+  DLT_RETURN_IF_ERROR(ValidateTableName(table));
+  if (n == 0) return OkStatus();
+  std::vector<ShardInfo> infos;  // greets every shard once
+  DLT_RETURN_IF_ERROR(GetShardInfos(&infos));
+  std::vector<std::vector<uint32_t>> groups;
+  GroupByShard(*this, ids, n, shards_.size(), &groups);
+  std::vector<std::vector<int64_t>> shard_ids(shards_.size());
+  std::vector<std::vector<float>> shard_grads(shards_.size());
+  std::vector<Call> calls;
+  const size_t prefix_bytes =
+      wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const std::vector<uint32_t>& pos = groups[s];
+    if (pos.empty()) continue;
+    const uint32_t limit = FrameLimit(s);
+    const size_t rows_per_frame = (limit - prefix_bytes) / (8 + size_t{4} * dim);
+    if (rows_per_frame == 0) {
+      return ResourceExhausted(Context(s, "Push") + ": one row of dim " +
+                               std::to_string(dim) + " exceeds the frame limit of " +
+                               std::to_string(limit) + " bytes");
+    }
+    const int64_t* ids_ptr = ids;
+    const float* grads_ptr = grads;
+    if (shards_.size() > 1) {
+      shard_ids[s].resize(pos.size());
+      shard_grads[s].resize(pos.size() * dim);
+      for (size_t k = 0; k < pos.size(); ++k) {
+        shard_ids[s][k] = ids[pos[k]];
+        std::memcpy(&shard_grads[s][k * dim], grads + size_t{pos[k]} * dim,
+                    sizeof(float) * dim);
+      }
+      ids_ptr = shard_ids[s].data();
+      grads_ptr = shard_grads[s].data();
+    }
+    Call call;
+    call.shard = s;
+    call.opcode = wire::Opcode::kPush;
+    for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
+      const size_t count = std::min(rows_per_frame, pos.size() - begin);
+      Call::Frame fr;
+      fr.prefix = wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count),
+                                         learning_rate);
+      fr.body[0] = ids_ptr + begin;
+      fr.body_bytes[0] = count * 8;
+      fr.body[1] = grads_ptr + begin * dim;
+      fr.body_bytes[1] = count * dim * sizeof(float);
+      call.frames.push_back(std::move(fr));
+    }
+    call.on_reply = [](size_t, const uint8_t*, size_t bytes) -> Status {
+      if (bytes != wire::kPushReplyBytes) return Internal("Push reply has the wrong size");
+      return OkStatus();
+    };
+    calls.push_back(std::move(call));
+  }
+  bool any_reused = false;
+  return Exchange(&calls, "Push", &any_reused);
+}
+
+}  // namespace dlt

@@ -1,0 +1,93 @@
+// C++ client of the data plane (no TF headers): a connection pool per shard,
+// connect and request deadlines, reconnects, and pipelined requests. One call
+// sends every frame it needs to every touched shard at once and gathers the
+// replies, matched by request id, on one thread.
+#ifndef TF_DLT_NATIVE_NET_CLIENT_H_
+#define TF_DLT_NATIVE_NET_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "native/core/status.h"
+#include "native/core/table.h"
+#include "native/net/wire.h"
+
+namespace dlt {
+
+struct ClientOptions {
+  std::string auth_token;
+  int connect_timeout_ms = 5000;
+  // Deadline of one Pull or Push across all its shards and frames.
+  int request_timeout_ms = 30000;
+  // Target payload bytes per frame; large batches are split into frames of at
+  // most this size (and never above the server's maximum).
+  uint32_t frame_bytes = 8u << 20;
+  // Idle connections kept per shard.
+  int max_idle_connections = 8;
+};
+
+struct ShardInfo {
+  std::string address;
+  uint32_t shard_index = 0;
+  uint32_t num_shards = 0;
+  uint32_t admin_port = 0;
+  uint32_t max_frame_bytes = 0;
+};
+
+class Client {
+ public:
+  Client(std::vector<std::string> addresses, ClientOptions options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  size_t num_shards() const { return shards_.size(); }
+  const ClientOptions& options() const { return options_; }
+
+  // Says Hello to every shard (if not done yet) and returns what they said.
+  Status GetShardInfos(std::vector<ShardInfo>* infos);
+
+  // Rows of `ids` into `out` ([n, dim]); routed by bucket, one pipelined
+  // exchange per touched shard, all shards at once. Retried once on a fresh
+  // connection when a pooled connection turned out to be dead.
+  Status Pull(const std::string& table, uint32_t dim, const int64_t* ids,
+              size_t n, PullMode mode, float* out);
+
+  // Sends gradients ([n, dim]) to the owning shards. Never retried: the
+  // shard may have applied it.
+  Status Push(const std::string& table, uint32_t dim, const int64_t* ids,
+              const float* grads, size_t n, float learning_rate);
+
+  // Which shard each id routes to.
+  uint32_t ShardOf(int64_t id) const;
+
+ private:
+  struct ShardState;
+  struct Call;
+  struct Conn {
+    int fd = -1;
+    bool reused = false;
+  };
+
+  Status Acquire(size_t shard, Conn* conn);
+  void Release(size_t shard, int fd);
+  Status Hello(size_t shard, int fd);
+  uint32_t FrameLimit(size_t shard);
+  Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
+  Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids,
+                  size_t n, PullMode mode, float* out, bool* any_reused);
+  std::string Context(size_t shard, const char* op) const;
+
+  const ClientOptions options_;
+  std::vector<std::unique_ptr<ShardState>> shards_;
+  std::atomic<uint64_t> next_request_id_{1};
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_CLIENT_H_

@@ -1,0 +1,242 @@
+#include "native/net/wire.h"
+
+#include <cstring>
+
+namespace dlt {
+namespace wire {
+namespace {
+
+template <typename T>
+void Put(uint8_t* out, size_t offset, T value) {
+  std::memcpy(out + offset, &value, sizeof(T));
+}
+
+template <typename T>
+T Get(const uint8_t* in, size_t offset) {
+  T value;
+  std::memcpy(&value, in + offset, sizeof(T));
+  return value;
+}
+
+template <typename T>
+void Append(std::string* out, T value) {
+  out->append(reinterpret_cast<const char*>(&value), sizeof(T));
+}
+
+std::string TablePrefix(const std::string& table, uint32_t dim,
+                        uint32_t num_ids, uint8_t mode, float lr) {
+  std::string out;
+  out.reserve(kTableRequestFixed + PaddedNameBytes(table.size()));
+  Append<uint32_t>(&out, dim);
+  Append<uint32_t>(&out, num_ids);
+  Append<uint16_t>(&out, static_cast<uint16_t>(table.size()));
+  Append<uint8_t>(&out, mode);
+  Append<uint8_t>(&out, 0);
+  Append<float>(&out, lr);
+  out.append(table);
+  out.resize(kTableRequestFixed + PaddedNameBytes(table.size()), '\0');
+  return out;
+}
+
+// Parses the common part; `row_floats_per_id` is 0 for Pull, dim for Push.
+Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push,
+                          TableRequest* r) {
+  const char* op = push ? "Push" : "Pull";
+  if (bytes < kTableRequestFixed) {
+    return InvalidArgument(std::string(op) + " payload of " +
+                           std::to_string(bytes) + " bytes is shorter than " +
+                           "its 16-byte fixed part");
+  }
+  r->dim = Get<uint32_t>(p, 0);
+  r->num_ids = Get<uint32_t>(p, 4);
+  const uint16_t name_bytes = Get<uint16_t>(p, 8);
+  const uint8_t mode = Get<uint8_t>(p, 10);
+  const uint8_t reserved = Get<uint8_t>(p, 11);
+  if (reserved != 0) {
+    return InvalidArgument(std::string(op) + " reserved byte must be 0");
+  }
+  if (push) {
+    if (mode != 0) {
+      return InvalidArgument("Push flags byte must be 0, got " +
+                             std::to_string(mode));
+    }
+    r->learning_rate = Get<float>(p, 12);
+  } else {
+    if (mode > static_cast<uint8_t>(PullMode::kZerosNoInsert)) {
+      return InvalidArgument("Pull mode must be 0, 1 or 2, got " +
+                             std::to_string(mode));
+    }
+    r->mode = static_cast<PullMode>(mode);
+    if (Get<uint32_t>(p, 12) != 0) {
+      return InvalidArgument("Pull reserved word must be 0");
+    }
+  }
+  const size_t name_end = kTableRequestFixed + PaddedNameBytes(name_bytes);
+  const uint64_t row_bytes =
+      uint64_t{8} + (push ? uint64_t{4} * r->dim : uint64_t{0});
+  const uint64_t expected = name_end + row_bytes * r->num_ids;
+  if (name_end > bytes || expected != bytes) {
+    return InvalidArgument(
+        std::string(op) + " payload is " + std::to_string(bytes) +
+        " bytes, but its header (name " + std::to_string(name_bytes) +
+        " bytes, " + std::to_string(r->num_ids) + " ids, dim " +
+        std::to_string(r->dim) + ") implies " + std::to_string(expected));
+  }
+  r->table.assign(reinterpret_cast<const char*>(p) + kTableRequestFixed,
+                  name_bytes);
+  for (size_t i = kTableRequestFixed + name_bytes; i < name_end; ++i) {
+    if (p[i] != 0) {
+      return InvalidArgument(std::string(op) + " table name padding must be 0");
+    }
+  }
+  r->ids = reinterpret_cast<const int64_t*>(p + name_end);
+  r->grads = push ? reinterpret_cast<const float*>(p + name_end +
+                                                   size_t{8} * r->num_ids)
+                  : nullptr;
+  return OkStatus();
+}
+
+}  // namespace
+
+void EncodeHeader(const FrameHeader& h, uint8_t* out) {
+  Put<uint32_t>(out, 0, kMagic);
+  Put<uint8_t>(out, 4, kVersion);
+  Put<uint8_t>(out, 5, static_cast<uint8_t>(h.opcode));
+  Put<uint16_t>(out, 6, h.flags);
+  Put<uint64_t>(out, 8, h.request_id);
+  Put<uint32_t>(out, 16, h.payload_bytes);
+  Put<uint32_t>(out, 20, 0);
+}
+
+Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes,
+                    FrameHeader* h) {
+  h->request_id = Get<uint64_t>(in, 8);
+  h->opcode = static_cast<Opcode>(Get<uint8_t>(in, 5));
+  h->flags = Get<uint16_t>(in, 6);
+  h->payload_bytes = Get<uint32_t>(in, 16);
+  if (Get<uint32_t>(in, 0) != kMagic) {
+    return InvalidArgument("bad frame magic: not a DLT frame");
+  }
+  if (Get<uint8_t>(in, 4) != kVersion) {
+    return InvalidArgument("unsupported protocol version " +
+                           std::to_string(Get<uint8_t>(in, 4)) +
+                           "; this peer speaks version " +
+                           std::to_string(kVersion));
+  }
+  if (Get<uint32_t>(in, 20) != 0 || (h->flags & ~kFlagResponse) != 0) {
+    return InvalidArgument("frame header reserved bits must be 0");
+  }
+  if (h->payload_bytes > max_payload_bytes) {
+    return ResourceExhausted("frame payload of " +
+                             std::to_string(h->payload_bytes) +
+                             " bytes exceeds the maximum of " +
+                             std::to_string(max_payload_bytes));
+  }
+  return OkStatus();
+}
+
+std::string EncodeHelloRequest(const HelloRequest& r) {
+  std::string out;
+  Append<uint32_t>(&out, r.protocol_version);
+  Append<uint32_t>(&out, static_cast<uint32_t>(r.token.size()));
+  out.append(r.token);
+  return out;
+}
+
+Status DecodeHelloRequest(const uint8_t* p, size_t bytes, HelloRequest* r) {
+  if (bytes < kHelloRequestFixed) {
+    return InvalidArgument("Hello payload of " + std::to_string(bytes) +
+                           " bytes is shorter than 8");
+  }
+  r->protocol_version = Get<uint32_t>(p, 0);
+  const uint32_t token_bytes = Get<uint32_t>(p, 4);
+  if (token_bytes > kMaxTokenBytes || kHelloRequestFixed + token_bytes != bytes) {
+    return InvalidArgument("Hello token length " + std::to_string(token_bytes) +
+                           " does not match its " + std::to_string(bytes) +
+                           "-byte payload (tokens are at most 4096 bytes)");
+  }
+  r->token.assign(reinterpret_cast<const char*>(p) + kHelloRequestFixed,
+                  token_bytes);
+  return OkStatus();
+}
+
+std::string EncodeHelloReply(const HelloReply& r) {
+  std::string out;
+  Append<uint32_t>(&out, r.protocol_version);
+  Append<uint32_t>(&out, r.shard_index);
+  Append<uint32_t>(&out, r.num_shards);
+  Append<uint32_t>(&out, r.num_buckets);
+  Append<uint32_t>(&out, r.admin_port);
+  Append<uint32_t>(&out, r.max_frame_bytes);
+  return out;
+}
+
+Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r) {
+  if (bytes != kHelloReplyBytes) {
+    return Internal("Hello reply is " + std::to_string(bytes) +
+                    " bytes, expected 24");
+  }
+  r->protocol_version = Get<uint32_t>(p, 0);
+  r->shard_index = Get<uint32_t>(p, 4);
+  r->num_shards = Get<uint32_t>(p, 8);
+  r->num_buckets = Get<uint32_t>(p, 12);
+  r->admin_port = Get<uint32_t>(p, 16);
+  r->max_frame_bytes = Get<uint32_t>(p, 20);
+  return OkStatus();
+}
+
+std::string EncodePullPrefix(const std::string& table, uint32_t dim,
+                             uint32_t num_ids, PullMode mode) {
+  return TablePrefix(table, dim, num_ids, static_cast<uint8_t>(mode), 0.0f);
+}
+
+std::string EncodePushPrefix(const std::string& table, uint32_t dim,
+                             uint32_t num_ids, float learning_rate) {
+  return TablePrefix(table, dim, num_ids, 0, learning_rate);
+}
+
+Status DecodePullRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
+  return DecodeTableRequest(p, bytes, /*push=*/false, r);
+}
+
+Status DecodePushRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
+  return DecodeTableRequest(p, bytes, /*push=*/true, r);
+}
+
+void EncodePullReplyPrefix(uint32_t dim, uint32_t rows, uint8_t* out) {
+  Put<uint32_t>(out, 0, dim);
+  Put<uint32_t>(out, 4, rows);
+}
+
+std::string EncodePushReply(uint32_t rows_applied) {
+  std::string out;
+  Append<uint32_t>(&out, rows_applied);
+  Append<uint32_t>(&out, 0);
+  return out;
+}
+
+std::string EncodeError(Code code, const std::string& message) {
+  std::string out;
+  Append<uint32_t>(&out, static_cast<uint32_t>(code));
+  Append<uint32_t>(&out, static_cast<uint32_t>(message.size()));
+  out.append(message);
+  return out;
+}
+
+Status DecodeError(const uint8_t* p, size_t bytes) {
+  if (bytes < kErrorFixed) return Internal("malformed error frame from peer");
+  const uint32_t code = Get<uint32_t>(p, 0);
+  const uint32_t length = Get<uint32_t>(p, 4);
+  if (kErrorFixed + uint64_t{length} != bytes) {
+    return Internal("malformed error frame from peer");
+  }
+  std::string message(reinterpret_cast<const char*>(p) + kErrorFixed, length);
+  if (!IsWireCode(code)) {
+    return Internal("peer sent error code " + std::to_string(code) + ": " +
+                    message);
+  }
+  return Status(static_cast<Code>(code), message);
+}
+
+}  // namespace wire
+}  // namespace dlt

@@ -1,0 +1,111 @@
+// DLT wire protocol v1: the frame layout of the data plane, specified in
+// docs/wire-protocol.md and pinned by tests/data/frames_golden.txt. All
+// integers and floats are little-endian.
+#ifndef TF_DLT_NATIVE_NET_WIRE_H_
+#define TF_DLT_NATIVE_NET_WIRE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "native/core/status.h"
+#include "native/core/table.h"
+
+namespace dlt {
+namespace wire {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "the DLT wire format is little-endian; so must the host be");
+
+inline constexpr uint32_t kMagic = 0x50544c44;  // bytes "DLTP"
+inline constexpr uint8_t kVersion = 1;
+inline constexpr size_t kHeaderBytes = 24;
+inline constexpr uint16_t kFlagResponse = 0x1;
+inline constexpr uint32_t kDefaultMaxFrameBytes = 64u << 20;
+inline constexpr uint32_t kMinMaxFrameBytes = 4096;
+inline constexpr uint32_t kMaxTokenBytes = 4096;
+inline constexpr size_t kHelloRequestFixed = 8;
+inline constexpr size_t kHelloReplyBytes = 24;
+inline constexpr size_t kTableRequestFixed = 16;
+inline constexpr size_t kPullReplyFixed = 8;
+inline constexpr size_t kPushReplyBytes = 8;
+inline constexpr size_t kErrorFixed = 8;
+
+enum class Opcode : uint8_t {
+  kHello = 1,
+  kPull = 2,
+  kPush = 3,
+  kError = 15,
+};
+
+struct FrameHeader {
+  Opcode opcode = Opcode::kHello;
+  uint16_t flags = 0;
+  uint64_t request_id = 0;
+  uint32_t payload_bytes = 0;
+};
+
+void EncodeHeader(const FrameHeader& header, uint8_t* out);
+// Checks magic, version, reserved bits and the payload bound. Fills as much
+// of `header` as could be read (request_id too) even on error.
+Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes,
+                    FrameHeader* header);
+
+inline size_t PaddedNameBytes(size_t name_bytes) {
+  return (name_bytes + 7) & ~size_t{7};
+}
+
+struct HelloRequest {
+  uint32_t protocol_version = kVersion;
+  std::string token;
+};
+struct HelloReply {
+  uint32_t protocol_version = kVersion;
+  uint32_t shard_index = 0;
+  uint32_t num_shards = 0;
+  uint32_t num_buckets = 0;
+  uint32_t admin_port = 0;
+  uint32_t max_frame_bytes = 0;
+};
+
+std::string EncodeHelloRequest(const HelloRequest& request);
+Status DecodeHelloRequest(const uint8_t* payload, size_t bytes,
+                          HelloRequest* request);
+std::string EncodeHelloReply(const HelloReply& reply);
+Status DecodeHelloReply(const uint8_t* payload, size_t bytes,
+                        HelloReply* reply);
+
+// The part of a Pull or Push request before the ids: fixed fields and the
+// zero-padded table name.
+std::string EncodePullPrefix(const std::string& table, uint32_t dim,
+                             uint32_t num_ids, PullMode mode);
+std::string EncodePushPrefix(const std::string& table, uint32_t dim,
+                             uint32_t num_ids, float learning_rate);
+
+// A parsed Pull or Push request; pointers point into the payload.
+struct TableRequest {
+  std::string table;
+  uint32_t dim = 0;
+  uint32_t num_ids = 0;
+  PullMode mode = PullMode::kInsert;  // Pull only
+  float learning_rate = 0.0f;         // Push only
+  const int64_t* ids = nullptr;
+  const float* grads = nullptr;  // Push only
+};
+Status DecodePullRequest(const uint8_t* payload, size_t bytes,
+                         TableRequest* request);
+Status DecodePushRequest(const uint8_t* payload, size_t bytes,
+                         TableRequest* request);
+
+// Pull reply: u32 dim, u32 rows, then rows * dim float32.
+void EncodePullReplyPrefix(uint32_t dim, uint32_t rows, uint8_t* out);
+std::string EncodePushReply(uint32_t rows_applied);
+std::string EncodeError(Code code, const std::string& message);
+// Turns an error payload into the Status it carries; a malformed payload or a
+// code outside the wire set becomes INTERNAL.
+Status DecodeError(const uint8_t* payload, size_t bytes);
+
+}  // namespace wire
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_WIRE_H_

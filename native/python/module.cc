@@ -1,0 +1,410 @@
+// pybind11 bindings of the native core, data-plane server and client:
+// the extension tf_dlt._native. Batched calls release the GIL. Errors are
+// raised as the tf_dlt.errors class of their code.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "native/core/routing.h"
+#include "native/core/shard.h"
+#include "native/core/status.h"
+#include "native/core/table.h"
+#include "native/core/table_config.h"
+#include "native/net/client.h"
+#include "native/net/data_server.h"
+
+namespace py = pybind11;
+
+namespace dlt {
+namespace {
+
+using IdArray = py::array_t<int64_t, py::array::c_style>;
+using FloatArray = py::array_t<float, py::array::c_style>;
+using StepArray = py::array_t<uint32_t, py::array::c_style>;
+
+[[noreturn]] void Raise(const Status& s) {
+  py::object error = py::module_::import("tf_dlt.errors")
+                         .attr("error_for_code")(static_cast<int>(s.code()),
+                                                 s.message());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+  throw py::error_already_set();
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+template <typename E>
+E Lookup(const py::dict& d, const char* key, const char* const* names, int count,
+         const char* what) {
+  const std::string name = py::cast<std::string>(d[key]);
+  for (int i = 0; i < count; ++i) {
+    if (name == names[i]) return static_cast<E>(i);
+  }
+  Raise(InvalidArgument(std::string("unknown ") + what + " '" + name + "'"));
+}
+
+constexpr const char* kInitNames[] = {"zeros", "constant", "uniform", "normal",
+                                      "truncated_normal"};
+constexpr const char* kOptNames[] = {"sgd", "adagrad", "adam", "ftrl"};
+
+float GetFloat(const py::dict& d, const char* key, float fallback) {
+  return d.contains(key) ? py::cast<float>(d[key]) : fallback;
+}
+
+TableConfig ConfigFromDict(const py::dict& d) {
+  TableConfig c;
+  c.name = py::cast<std::string>(d["name"]);
+  c.dim = py::cast<uint32_t>(d["dim"]);
+  c.seed = py::cast<uint64_t>(d["seed"]);
+  const py::dict init = d["initializer"];
+  InitializerConfig& i = c.initializer;
+  i.kind = Lookup<InitializerKind>(init, "kind", kInitNames, 5, "initializer");
+  i.value = GetFloat(init, "value", i.value);
+  i.minval = GetFloat(init, "minval", i.minval);
+  i.maxval = GetFloat(init, "maxval", i.maxval);
+  i.mean = GetFloat(init, "mean", i.mean);
+  i.stddev = GetFloat(init, "stddev", i.stddev);
+  const py::dict opt = d["optimizer"];
+  OptimizerConfig& o = c.optimizer;
+  o.kind = Lookup<OptimizerKind>(opt, "kind", kOptNames, 4, "optimizer");
+  o.initial_accumulator = GetFloat(opt, "initial_accumulator", o.initial_accumulator);
+  o.epsilon = GetFloat(opt, "epsilon", o.epsilon);
+  o.beta1 = GetFloat(opt, "beta1", o.beta1);
+  o.beta2 = GetFloat(opt, "beta2", o.beta2);
+  o.learning_rate_power = GetFloat(opt, "learning_rate_power", o.learning_rate_power);
+  o.l1 = GetFloat(opt, "l1", o.l1);
+  o.l2 = GetFloat(opt, "l2", o.l2);
+  return c;
+}
+
+py::dict ConfigToDict(const TableConfig& c) {
+  py::dict init;
+  init["kind"] = InitializerName(c.initializer.kind);
+  init["value"] = c.initializer.value;
+  init["minval"] = c.initializer.minval;
+  init["maxval"] = c.initializer.maxval;
+  init["mean"] = c.initializer.mean;
+  init["stddev"] = c.initializer.stddev;
+  py::dict opt;
+  opt["kind"] = OptimizerName(c.optimizer.kind);
+  opt["initial_accumulator"] = c.optimizer.initial_accumulator;
+  opt["epsilon"] = c.optimizer.epsilon;
+  opt["beta1"] = c.optimizer.beta1;
+  opt["beta2"] = c.optimizer.beta2;
+  opt["learning_rate_power"] = c.optimizer.learning_rate_power;
+  opt["l1"] = c.optimizer.l1;
+  opt["l2"] = c.optimizer.l2;
+  py::dict d;
+  d["name"] = c.name;
+  d["dim"] = c.dim;
+  d["seed"] = c.seed;
+  d["initializer"] = init;
+  d["optimizer"] = opt;
+  return d;
+}
+
+void CheckRows(const py::array& a, size_t n, size_t width, const char* what) {
+  if (a.ndim() != 2 || static_cast<size_t>(a.shape(0)) != n ||
+      static_cast<size_t>(a.shape(1)) != width) {
+    Raise(InvalidArgument(std::string(what) + " must have shape [" +
+                          std::to_string(n) + ", " + std::to_string(width) + "]"));
+  }
+}
+
+void CheckIds(const IdArray& ids) {
+  if (ids.ndim() != 1) Raise(InvalidArgument("ids must be a 1-D int64 array"));
+}
+
+FloatArray PullTable(Table& t, const IdArray& ids, int mode) {
+  CheckIds(ids);
+  if (mode < 0 || mode > 2) Raise(InvalidArgument("pull mode must be 0, 1 or 2"));
+  const size_t n = static_cast<size_t>(ids.shape(0));
+  FloatArray out({n, static_cast<size_t>(t.dim())});
+  {
+    py::gil_scoped_release release;
+    t.Pull(ids.data(), n, static_cast<PullMode>(mode), out.mutable_data());
+  }
+  return out;
+}
+
+class PyExporter {
+ public:
+  explicit PyExporter(std::shared_ptr<Table> table)
+      : table_(std::move(table)), exporter_(table_.get()) {}
+
+  py::object Next(size_t max_rows) {
+    const size_t dim = table_->dim(), slots = table_->slot_floats();
+    IdArray ids(max_rows);
+    FloatArray values({max_rows, dim});
+    FloatArray slot_values({max_rows, slots});
+    StepArray steps(max_rows);
+    StepArray buckets(max_rows);
+    RowBuffers b{ids.mutable_data(), values.mutable_data(),
+                 slot_values.mutable_data(), steps.mutable_data(),
+                 buckets.mutable_data()};
+    size_t n;
+    {
+      py::gil_scoped_release release;
+      n = exporter_.Next(max_rows, b);
+    }
+    if (n == 0) return py::none();
+    py::slice head(0, static_cast<py::ssize_t>(n), 1);
+    return py::make_tuple(ids[head], values[head], slot_values[head], steps[head],
+                          buckets[head]);
+  }
+
+ private:
+  std::shared_ptr<Table> table_;
+  Table::Exporter exporter_;
+};
+
+py::dict CountersToDict(const ServerCounters& c) {
+  py::dict d;
+  d["connections_accepted"] = c.connections_accepted.load();
+  d["connections_open"] = c.connections_open.load();
+  d["hellos"] = c.hellos.load();
+  d["pulls"] = c.pulls.load();
+  d["pushes"] = c.pushes.load();
+  d["pulled_rows"] = c.pulled_rows.load();
+  d["pushed_rows"] = c.pushed_rows.load();
+  d["bytes_in"] = c.bytes_in.load();
+  d["bytes_out"] = c.bytes_out.load();
+  py::dict errors;
+  for (int code = 1; code < 17; ++code) {
+    const uint64_t v = c.errors[code].load();
+    if (v) errors[CodeName(static_cast<Code>(code))] = v;
+  }
+  d["errors"] = errors;
+  d["pull_latency"] = c.pull_latency.Snapshot();
+  d["push_latency"] = c.push_latency.Snapshot();
+  return d;
+}
+
+}  // namespace
+}  // namespace dlt
+
+PYBIND11_MODULE(_native, m) {
+  using namespace dlt;
+  m.doc() = "Native core of tf_dlt: table core, data-plane server and client.";
+  m.attr("NUM_BUCKETS") = kNumBuckets;
+  m.attr("STRIPES") = kStripes;
+  m.attr("PROTOCOL_VERSION") = static_cast<int>(wire::kVersion);
+  m.attr("DEFAULT_MAX_FRAME_BYTES") = wire::kDefaultMaxFrameBytes;
+
+  m.def("bucket_of", [](const IdArray& ids) {
+    CheckIds(ids);
+    py::array_t<uint32_t> out(ids.shape(0));
+    auto* o = out.mutable_data();
+    for (py::ssize_t i = 0; i < ids.shape(0); ++i) o[i] = BucketOf(ids.data()[i]);
+    return out;
+  });
+  m.def("validate_table_config", [](const py::dict& d) {
+    const TableConfig c = ConfigFromDict(d);
+    Check(ValidateTableConfig(c));
+    return ConfigToDict(c);
+  });
+  m.def("latency_bucket_bounds_us", []() {
+    std::vector<double> out;
+    for (int i = 0; i < LatencyHistogram::kBuckets; ++i) {
+      out.push_back(LatencyHistogram::UpperBoundMicros(i));
+    }
+    return out;
+  });
+
+  py::class_<Table, std::shared_ptr<Table>>(m, "Table")
+      .def(py::init([](const py::dict& d) {
+        const TableConfig c = ConfigFromDict(d);
+        Check(ValidateTableConfig(c));
+        return std::make_shared<Table>(c);
+      }))
+      .def_property_readonly("config", [](const Table& t) { return ConfigToDict(t.config()); })
+      .def_property_readonly("name", [](const Table& t) { return t.config().name; })
+      .def_property_readonly("dim", &Table::dim)
+      .def_property_readonly("slot_floats", &Table::slot_floats)
+      .def_property_readonly("record_bytes", &Table::record_bytes)
+      .def("size", &Table::size)
+      .def("bytes", &Table::bytes)
+      .def("pull", &PullTable, py::arg("ids"), py::arg("mode") = 0)
+      .def("push",
+           [](Table& t, const IdArray& ids, const FloatArray& grads, float lr) {
+             CheckIds(ids);
+             const size_t n = static_cast<size_t>(ids.shape(0));
+             CheckRows(grads, n, t.dim(), "grads");
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = t.Push(ids.data(), grads.data(), n, lr);
+             }
+             Check(s);
+           })
+      .def("import_rows",
+           [](Table& t, const IdArray& ids, const FloatArray& values,
+              const py::object& slots, const py::object& steps) {
+             CheckIds(ids);
+             const size_t n = static_cast<size_t>(ids.shape(0));
+             CheckRows(values, n, t.dim(), "values");
+             FloatArray slot_array;
+             StepArray step_array;
+             const float* slot_ptr = nullptr;
+             const uint32_t* step_ptr = nullptr;
+             if (!slots.is_none() && t.slot_floats() > 0) {
+               slot_array = slots.cast<FloatArray>();
+               CheckRows(slot_array, n, t.slot_floats(), "slots");
+               slot_ptr = slot_array.data();
+             }
+             if (!steps.is_none()) {
+               step_array = steps.cast<StepArray>();
+               if (step_array.ndim() != 1 || static_cast<size_t>(step_array.shape(0)) != n) {
+                 Raise(InvalidArgument("steps must have shape [" + std::to_string(n) + "]"));
+               }
+               step_ptr = step_array.data();
+             }
+             py::gil_scoped_release release;
+             t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n);
+           },
+           py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
+           py::arg("steps") = py::none())
+      .def("exporter", [](std::shared_ptr<Table> t) {
+        return std::make_unique<PyExporter>(std::move(t));
+      });
+
+  py::class_<PyExporter>(m, "Exporter").def("next", &PyExporter::Next);
+
+  py::class_<Shard, std::shared_ptr<Shard>>(m, "Shard")
+      .def(py::init([](uint32_t index, uint32_t num_shards) {
+        if (num_shards == 0 || num_shards > kNumBuckets || index >= num_shards) {
+          Raise(InvalidArgument("shard index " + std::to_string(index) +
+                                " of " + std::to_string(num_shards) +
+                                " is invalid: need 0 <= index < num_shards <= " +
+                                std::to_string(kNumBuckets)));
+        }
+        return std::make_shared<Shard>(index, num_shards);
+      }))
+      .def_property_readonly("shard_index", &Shard::shard_index)
+      .def_property_readonly("num_shards", &Shard::num_shards)
+      .def_property_readonly("first_bucket", &Shard::first_bucket)
+      .def_property_readonly("end_bucket", &Shard::end_bucket)
+      .def("create_table",
+           [](Shard& s, const py::dict& d) {
+             bool created = false;
+             Check(s.CreateTable(ConfigFromDict(d), &created));
+             return created;
+           })
+      .def("drop_table", [](Shard& s, const std::string& name) { Check(s.DropTable(name)); })
+      .def("get_table",
+           [](const Shard& s, const std::string& name) {
+             std::shared_ptr<Table> t;
+             Check(s.GetTable(name, &t));
+             return t;
+           })
+      .def("tables", &Shard::Tables)
+      .def("install_tables", &Shard::InstallTables)
+      .def("check_ownership", [](const Shard& s, const IdArray& ids) {
+        CheckIds(ids);
+        Check(s.CheckOwnership(ids.data(), static_cast<size_t>(ids.shape(0))));
+      });
+
+  py::class_<DataServer>(m, "DataServer")
+      .def(py::init([](std::shared_ptr<Shard> shard, const std::string& bind, int port,
+                       int max_connections, const std::string& auth_token,
+                       uint32_t max_frame_bytes, uint32_t admin_port, int io_timeout_ms) {
+             DataServerOptions o;
+             o.bind = bind;
+             o.port = port;
+             o.max_connections = max_connections;
+             o.auth_token = auth_token;
+             o.max_frame_bytes = max_frame_bytes;
+             o.admin_port = admin_port;
+             o.io_timeout_ms = io_timeout_ms;
+             return std::make_unique<DataServer>(std::move(shard), o);
+           }),
+           py::arg("shard"), py::arg("bind") = "0.0.0.0", py::arg("port") = 0,
+           py::arg("max_connections") = 64, py::arg("auth_token") = "",
+           py::arg("max_frame_bytes") = wire::kDefaultMaxFrameBytes,
+           py::arg("admin_port") = 0, py::arg("io_timeout_ms") = 30000)
+      .def("start", [](DataServer& s) { Check(s.Start()); })
+      .def_property_readonly("port", &DataServer::port)
+      .def("set_admin_port", &DataServer::set_admin_port)
+      .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });
+
+  py::class_<Client>(m, "Client")
+      .def(py::init([](std::vector<std::string> addresses, const std::string& auth_token,
+                       int connect_timeout_ms, int request_timeout_ms,
+                       uint32_t frame_bytes, int max_idle_connections) {
+             if (addresses.empty()) Raise(InvalidArgument("at least one shard address is needed"));
+             if (connect_timeout_ms <= 0 || request_timeout_ms <= 0) {
+               Raise(InvalidArgument("timeouts must be positive"));
+             }
+             if (frame_bytes < wire::kMinMaxFrameBytes) {
+               Raise(InvalidArgument("frame_bytes must be at least 4096"));
+             }
+             ClientOptions o;
+             o.auth_token = auth_token;
+             o.connect_timeout_ms = connect_timeout_ms;
+             o.request_timeout_ms = request_timeout_ms;
+             o.frame_bytes = frame_bytes;
+             o.max_idle_connections = max_idle_connections;
+             return std::make_unique<Client>(std::move(addresses), o);
+           }),
+           py::arg("addresses"), py::arg("auth_token") = "",
+           py::arg("connect_timeout_ms") = 5000, py::arg("request_timeout_ms") = 30000,
+           py::arg("frame_bytes") = 8u << 20, py::arg("max_idle_connections") = 8)
+      .def_property_readonly("num_shards", &Client::num_shards)
+      .def("shard_infos",
+           [](Client& c) {
+             std::vector<ShardInfo> infos;
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.GetShardInfos(&infos);
+             }
+             Check(s);
+             py::list out;
+             for (const ShardInfo& i : infos) {
+               py::dict d;
+               d["address"] = i.address;
+               d["shard_index"] = i.shard_index;
+               d["num_shards"] = i.num_shards;
+               d["admin_port"] = i.admin_port;
+               d["max_frame_bytes"] = i.max_frame_bytes;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("pull",
+           [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
+              int mode) {
+             CheckIds(ids);
+             if (mode < 0 || mode > 2) Raise(InvalidArgument("pull mode must be 0, 1 or 2"));
+             const size_t n = static_cast<size_t>(ids.shape(0));
+             FloatArray out({n, static_cast<size_t>(dim)});
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.Pull(table, dim, ids.data(), n, static_cast<PullMode>(mode),
+                          out.mutable_data());
+             }
+             Check(s);
+             return out;
+           },
+           py::arg("table"), py::arg("dim"), py::arg("ids"), py::arg("mode") = 0)
+      .def("push",
+           [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
+              const FloatArray& grads, float lr) {
+             CheckIds(ids);
+             const size_t n = static_cast<size_t>(ids.shape(0));
+             CheckRows(grads, n, dim, "grads");
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.Push(table, dim, ids.data(), grads.data(), n, lr);
+             }
+             Check(s);
+           });
+}

@@ -1,0 +1,125 @@
+"""Build of tf_dlt: the Python packages and the native extension.
+
+Compile flags (C++ standard, C++ ABI, defines) come from tf.sysconfig only, so
+everything native matches the installed TensorFlow. Build with
+``pip install --no-build-isolation .`` after installing requirements/build.txt.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pybind11
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.extension import Extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Pure C++ (no TF or Python headers): table core, wire format, server, client.
+# BUILD lists the same files; tests/test_packaging.py keeps them equal.
+NATIVE_CORE_SOURCES = [
+    "native/core/initializer.cc",
+    "native/core/optimizer.cc",
+    "native/core/shard.cc",
+    "native/core/status.cc",
+    "native/core/table.cc",
+    "native/core/table_config.cc",
+    "native/net/client.cc",
+    "native/net/data_server.cc",
+    "native/net/server_stats.cc",
+    "native/net/socket.cc",
+    "native/net/wire.cc",
+]
+PYTHON_EXTENSION_SOURCES = ["native/python/module.cc"]
+
+
+def _version() -> str:
+    scope: dict[str, str] = {}
+    with open(os.path.join(ROOT, "tf_dlt", "version.py"), encoding="utf-8") as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
+
+
+def tf_compile_flags() -> list[str]:
+    """TensorFlow's compile flags minus its include path (the native core
+    includes no TF header)."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import tensorflow as tf; print('\\n'.join(tf.sysconfig.get_compile_flags()))"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    ).stdout.split()
+    return [flag for flag in out if not flag.startswith("-I")]
+
+
+class BuildExt(build_ext):
+    """Generates the control-plane protobuf code, then compiles with TF's
+    flags."""
+
+    def run(self) -> None:
+        self._generate_protos()
+        flags = tf_compile_flags()
+        for ext in self.extensions:
+            ext.extra_compile_args = flags + ext.extra_compile_args
+        super().run()
+
+    def _generate_protos(self) -> None:
+        from grpc_tools import protoc
+
+        proto = "tf_dlt/proto/dlt.proto"
+        include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
+        rc = protoc.main(
+            ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={ROOT}",
+             f"--grpc_python_out={ROOT}", f"--pyi_out={ROOT}", os.path.join(ROOT, proto)]
+        )
+        if rc != 0:
+            raise RuntimeError(f"protoc failed on {proto}")
+        if not self.inplace:  # copy into the build tree
+            for name in ("dlt_pb2.py", "dlt_pb2_grpc.py", "dlt_pb2.pyi"):
+                src = os.path.join(ROOT, "tf_dlt", "proto", name)
+                dst_dir = os.path.join(self.build_lib, "tf_dlt", "proto")
+                os.makedirs(dst_dir, exist_ok=True)
+                self.copy_file(src, os.path.join(dst_dir, name))
+
+
+native = Extension(
+    "tf_dlt._native",
+    sources=NATIVE_CORE_SOURCES + PYTHON_EXTENSION_SOURCES,
+    include_dirs=[ROOT, pybind11.get_include()],
+    extra_compile_args=["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"],
+    extra_link_args=["-pthread"],
+    language="c++",
+)
+
+setup(
+    name="tf-dlt",
+    version=_version(),
+    description="Distributed embedding lookup table for TensorFlow 2 / Keras 3",
+    long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tf_dlt", "tf_dlt.*"]) + ["tf_dlt.layers", "tf_dlt.transpiler"],
+    package_dir={"tf_dlt": "tf_dlt", "tf_dlt.layers": "keras_layers", "tf_dlt.transpiler": "transpiler"},
+    package_data={"tf_dlt.proto": ["*.proto", "*.pyi"]},
+    ext_modules=[native],
+    cmdclass={"build_ext": BuildExt},
+    install_requires=[
+        "numpy>=1.26",
+        "grpcio>=1.70",
+        "grpcio-health-checking>=1.70",
+        "grpcio-reflection>=1.70",
+        "protobuf>=5.29",
+        "h5py>=3.10",
+        "fsspec>=2024.2",
+    ],
+    extras_require={
+        "tf": ["tensorflow==2.21.0"],
+        "s3": ["s3fs"],
+        "hdfs": ["pyarrow"],
+    },
+    entry_points={"console_scripts": ["tf-dlt=tf_dlt.cli:main"]},
+)

@@ -1,0 +1,42 @@
+"""tf_dlt: a distributed embedding lookup table for TensorFlow / Keras 3.
+
+``import tf_dlt`` does not import TensorFlow: the shard server and the Python
+client work without it. Names are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tf_dlt.version import __version__
+
+if TYPE_CHECKING:
+    from tf_dlt import errors, initializers, optimizers, routing
+    from tf_dlt.client import Client
+    from tf_dlt.table_config import TableConfig
+
+_LAZY = {
+    "Client": ("tf_dlt.client", "Client"),
+    "TableConfig": ("tf_dlt.table_config", "TableConfig"),
+    "errors": ("tf_dlt.errors", None),
+    "initializers": ("tf_dlt.initializers", None),
+    "optimizers": ("tf_dlt.optimizers", None),
+    "routing": ("tf_dlt.routing", None),
+}
+
+__all__ = ["Client", "TableConfig", "__version__", "errors", "initializers", "optimizers", "routing"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tf_dlt' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,290 @@
+"""tf_dlt.Client: the Python client of a cluster of shard servers.
+
+The data plane (pull, push) goes through the C++ client in the native
+extension, the one implementation of the wire protocol; the control plane
+(tables, save, load, stats) is gRPC to each shard's admin port, which every
+shard advertises in its Hello reply, so users only ever list data addresses.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from google.protobuf import json_format
+
+from tf_dlt import _native, errors, grpc_util, initializers, manifest, optimizers
+from tf_dlt.table_config import TableConfig
+
+
+_PULL_MODES = {"init": 1, "zeros": 2}
+
+
+def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    a = np.asarray(ids)
+    if a.dtype == np.int64:
+        return np.ascontiguousarray(a)
+    if a.size == 0 and a.dtype == np.float64:  # np.asarray([]) is float64
+        return a.astype(np.int64)
+    if a.dtype.kind in "iu" and np.can_cast(a.dtype, np.int64, "safe"):
+        return a.astype(np.int64)
+    raise errors.InvalidArgumentError(
+        f"ids must be int64 (or an integer type that converts safely), got {a.dtype}"
+    )
+
+
+class Client:
+    """Client of the shard servers of one cluster.
+
+    Args:
+        pservers: data-plane addresses ``host:port``, in shard-index order.
+        auth_token: token the shards require (empty: none).
+        connect_timeout: seconds to connect and say Hello to a shard.
+        request_timeout: deadline in seconds of one pull, push or admin call
+            (save and load get `persist_timeout`).
+        persist_timeout: deadline in seconds of save and load.
+        frame_bytes: target bytes per data-plane frame; bigger batches are
+            split and pipelined.
+    """
+
+    def __init__(
+        self,
+        pservers: Sequence[str] | str,
+        *,
+        auth_token: str = "",
+        connect_timeout: float = 5.0,
+        request_timeout: float = 30.0,
+        persist_timeout: float = 3600.0,
+        frame_bytes: int = 8 << 20,
+    ) -> None:
+        if isinstance(pservers, str):
+            pservers = [p for p in pservers.split(",") if p]
+        self.pservers = list(pservers)
+        if not self.pservers:
+            raise errors.InvalidArgumentError("Client needs at least one shard address")
+        self._token = auth_token
+        self._request_timeout = request_timeout
+        self._persist_timeout = persist_timeout
+        self._data = _native.Client(
+            self.pservers,
+            auth_token=auth_token,
+            connect_timeout_ms=max(1, int(connect_timeout * 1000)),
+            request_timeout_ms=max(1, int(request_timeout * 1000)),
+            frame_bytes=frame_bytes,
+        )
+        self._dims: dict[str, int] = {}
+        self._channels: list[grpc.Channel] = []
+        self._stubs: list[Any] = []
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.pservers)
+
+    def shard_infos(self) -> list[dict[str, Any]]:
+        """What each shard said in its Hello: index, count, admin port."""
+        return list(self._data.shard_infos())
+
+    # Control plane ------------------------------------------------------------
+
+    def _admin(self) -> list[Any]:
+        if not self._stubs:
+            from tf_dlt.proto import dlt_pb2_grpc
+
+            for address, info in zip(self.pservers, self.shard_infos()):
+                host = address.rsplit(":", 1)[0]
+                channel = grpc.insecure_channel(
+                    f"{host}:{info['admin_port']}",
+                    options=[
+                        ("grpc.max_receive_message_length", 64 << 20),
+                        ("grpc.max_send_message_length", 64 << 20),
+                    ],
+                )
+                self._channels.append(channel)
+                self._stubs.append(dlt_pb2_grpc.ShardAdminStub(channel))
+        return self._stubs
+
+    def _on_all(self, method: str, request: Any, timeout: float | None = None) -> list[Any]:
+        """Calls `method` on every shard at once; raises the first failure
+        (in shard order) as a tf_dlt error naming the shard."""
+        stubs = self._admin()
+        deadline = timeout or self._request_timeout
+        metadata = grpc_util.bearer(self._token)
+        calls = [
+            getattr(stub, method).future(request, timeout=deadline, metadata=metadata)
+            for stub in stubs
+        ]
+        results = []
+        for i, call in enumerate(calls):
+            try:
+                results.append(call.result())
+            except grpc.RpcError as e:
+                raise grpc_util.error_from_rpc(
+                    e, f"shard {i} ({self.pservers[i]}) {method}"
+                ) from None
+        return results
+
+    def create_table(
+        self,
+        name: str,
+        dim: int,
+        initializer: initializers.InitializerLike = "uniform",
+        optimizer: optimizers.OptimizerLike = "sgd",
+        seed: int = 0,
+    ) -> TableConfig:
+        """Creates a table on every shard (a no-op where an identical one
+        exists; ALREADY_EXISTS where a different one does)."""
+        from tf_dlt.proto import dlt_pb2
+
+        config = TableConfig.create(name, dim, initializer, optimizer, seed)
+        self._on_all("CreateTable", dlt_pb2.CreateTableRequest(config=config.to_proto()))
+        self._dims[name] = config.dim
+        return config
+
+    def drop_table(self, name: str) -> None:
+        from tf_dlt.proto import dlt_pb2
+
+        self._on_all("DropTable", dlt_pb2.DropTableRequest(name=name))
+        self._dims.pop(name, None)
+
+    def list_tables(self) -> dict[str, dict[str, Any]]:
+        """Tables with their config and rows and bytes summed over shards."""
+        from tf_dlt.proto import dlt_pb2
+
+        out: dict[str, dict[str, Any]] = {}
+        for reply in self._on_all("ListTables", dlt_pb2.ListTablesRequest()):
+            for info in reply.tables:
+                config = TableConfig.from_proto(info.config)
+                entry = out.setdefault(config.name, {"config": config, "rows": 0, "bytes": 0})
+                entry["rows"] += info.rows
+                entry["bytes"] += info.bytes
+        for name, entry in out.items():
+            self._dims[name] = entry["config"].dim
+        return out
+
+    def save(self, path: str) -> dict[str, Any]:
+        """Saves every shard into checkpoint directory `path` (a local path
+        or an fsspec URL: file://, s3://, hdfs://, memory://) and commits it
+        by writing the manifest last. Returns the manifest."""
+        from tf_dlt.proto import dlt_pb2
+
+        save_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(4)
+        replies = self._on_all(
+            "Save", dlt_pb2.SaveRequest(path=path, save_id=save_id), self._persist_timeout
+        )
+        parts = []
+        for r in replies:
+            part = json_format.MessageToDict(
+                r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+            part["bytes"] = int(part["bytes"])
+            part["tables"] = [
+                {"config": TableConfig.from_proto(t.config).to_dict(), "rows": t.rows}
+                for t in r.tables
+            ]
+            parts.append(part)
+        return manifest.write_manifest(path, parts, save_id)
+
+    def load(self, path: str) -> dict[str, dict[str, Any]]:
+        """Loads checkpoint `path` onto every shard (any shard count at save
+        time). Returns the loaded tables with rows summed over shards."""
+        from tf_dlt.proto import dlt_pb2
+
+        manifest.read_manifest(path)  # fail fast, before any shard starts
+        out: dict[str, dict[str, Any]] = {}
+        for reply in self._on_all("Load", dlt_pb2.LoadRequest(path=path), self._persist_timeout):
+            for info in reply.tables:
+                config = TableConfig.from_proto(info.config)
+                entry = out.setdefault(config.name, {"config": config, "rows": 0})
+                entry["rows"] += info.rows
+                self._dims[config.name] = config.dim
+        return out
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-shard statistics: tables (rows, bytes), pulls, pushes, rows,
+        bytes, errors by code, pull/push latency p50/p99 in microseconds."""
+        from tf_dlt.proto import dlt_pb2
+
+        return [
+            json_format.MessageToDict(
+                r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            )
+            for r in self._on_all("Stats", dlt_pb2.StatsRequest())
+        ]
+
+    # Data plane ---------------------------------------------------------------
+
+    def _dim(self, table: str) -> int:
+        if table not in self._dims:
+            self.list_tables()
+        if table not in self._dims:
+            raise errors.NotFoundError(f"no table {table!r} on the shards")
+        return self._dims[table]
+
+    def pull(
+        self,
+        table: str,
+        ids: npt.ArrayLike,
+        *,
+        training: bool = True,
+        missing: str = "init",
+    ) -> npt.NDArray[np.float32]:
+        """Rows of `ids` (any shape) as float32 ``ids.shape + (dim,)``.
+
+        With ``training=True`` unseen ids get rows created with their initial
+        value; otherwise nothing is inserted and unseen ids read as their
+        initial value (``missing="init"``) or zeros (``missing="zeros"``).
+        """
+        if missing not in _PULL_MODES:
+            raise errors.InvalidArgumentError(
+                f"missing must be one of {sorted(_PULL_MODES)}, got {missing!r}"
+            )
+        a = _as_ids(ids)
+        dim = self._dim(table)
+        mode = 0 if training else _PULL_MODES[missing]
+        rows = self._data.pull(table, dim, a.reshape(-1), mode)
+        return rows.reshape(a.shape + (dim,))
+
+    def push(
+        self,
+        table: str,
+        ids: npt.ArrayLike,
+        grads: npt.ArrayLike,
+        learning_rate: float,
+    ) -> None:
+        """Applies `grads` (``ids.shape + (dim,)``) to the rows of `ids` with
+        the table's optimizer and `learning_rate`. Repeated ids are summed.
+        Non-finite gradients are rejected and nothing is applied."""
+        a = _as_ids(ids)
+        dim = self._dim(table)
+        g = np.asarray(grads)
+        if g.dtype.kind != "f":
+            raise errors.InvalidArgumentError(f"grads must be floating point, got {g.dtype}")
+        if g.shape != a.shape + (dim,):
+            raise errors.InvalidArgumentError(
+                f"grads must have shape {a.shape + (dim,)} (ids.shape + (dim,)), got {g.shape}"
+            )
+        lr = float(learning_rate)
+        self._data.push(
+            table, dim, a.reshape(-1), np.ascontiguousarray(g, np.float32).reshape(-1, dim), lr
+        )
+
+    # Lifecycle ----------------------------------------------------------------
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+

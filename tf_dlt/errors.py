@@ -1,0 +1,89 @@
+"""Errors raised by tf_dlt's Python API, one class per status code.
+
+The codes are the canonical gRPC / absl codes, the same numbers the wire
+protocol and the control plane carry. Each class also derives from the closest
+builtin exception, so ``except ValueError`` catches a bad argument.
+"""
+
+from __future__ import annotations
+
+
+class DltError(Exception):
+    """Base class: a failed tf_dlt operation with a status `code`."""
+
+    code: int = 2
+    code_name: str = "UNKNOWN"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgumentError(DltError, ValueError):
+    code, code_name = 3, "INVALID_ARGUMENT"
+
+
+class DeadlineExceededError(DltError, TimeoutError):
+    code, code_name = 4, "DEADLINE_EXCEEDED"
+
+
+class NotFoundError(DltError, LookupError):
+    code, code_name = 5, "NOT_FOUND"
+
+
+class AlreadyExistsError(DltError):
+    code, code_name = 6, "ALREADY_EXISTS"
+
+
+class ResourceExhaustedError(DltError):
+    code, code_name = 8, "RESOURCE_EXHAUSTED"
+
+
+class FailedPreconditionError(DltError):
+    code, code_name = 9, "FAILED_PRECONDITION"
+
+
+class InternalError(DltError):
+    code, code_name = 13, "INTERNAL"
+
+
+class UnavailableError(DltError, ConnectionError):
+    code, code_name = 14, "UNAVAILABLE"
+
+
+class UnauthenticatedError(DltError, PermissionError):
+    code, code_name = 16, "UNAUTHENTICATED"
+
+
+_BY_CODE: dict[int, type[DltError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        DeadlineExceededError,
+        NotFoundError,
+        AlreadyExistsError,
+        ResourceExhaustedError,
+        FailedPreconditionError,
+        InternalError,
+        UnavailableError,
+        UnauthenticatedError,
+    )
+}
+
+
+def error_for_code(code: int, message: str) -> DltError:
+    """Returns the exception for a status code (DltError for unknown codes)."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        error = DltError(f"status code {code}: {message}")
+        error.code = code
+        return error
+    return cls(message)
+
+
+def error_for_name(code_name: str, message: str) -> DltError:
+    """Returns the exception for a code name such as "NOT_FOUND"."""
+    for cls in _BY_CODE.values():
+        if cls.code_name == code_name:
+            return cls(message)
+    return DltError(f"{code_name}: {message}")

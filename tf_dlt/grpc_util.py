@@ -1,0 +1,27 @@
+"""Mapping between tf_dlt errors and gRPC status codes, both ways."""
+
+from __future__ import annotations
+
+import grpc
+
+from tf_dlt import errors
+
+_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+
+AUTH_METADATA_KEY = "authorization"
+
+
+def status_code_for(error: errors.DltError) -> grpc.StatusCode:
+    return _STATUS_BY_CODE.get(error.code, grpc.StatusCode.UNKNOWN)
+
+
+def error_from_rpc(error: grpc.RpcError, context: str) -> errors.DltError:
+    """Turns a failed call into the tf_dlt error of the same code."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    return errors.error_for_code(code.value[0], f"{context}: {details}")
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying `token`, or none when it is empty."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()

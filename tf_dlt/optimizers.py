@@ -1,0 +1,116 @@
+"""Server-side optimizers of distributed tables (the "update_method").
+
+Shards apply them to the rows a push touches, with the same arithmetic as
+TensorFlow's sparse apply kernels. Repeated ids in one push are summed first.
+The learning rate travels with every push, so client-side schedules work; the
+hyper-parameters below are fixed when the table is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+from tf_dlt import errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """Base class; `kind` names the optimizer on the wire."""
+
+    kind = "sgd"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD(Optimizer):
+    """Plain SGD: ``w -= lr * g``."""
+
+    kind = "sgd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Adagrad(Optimizer):
+    """Adagrad as ``ResourceSparseApplyAdagradV2``.
+
+    ``acc += g^2; w -= lr * g / (sqrt(acc) + epsilon)``.
+
+    Args:
+        initial_accumulator: starting accumulator value, >= 0.
+        epsilon: added to the denominator, >= 0.
+    """
+
+    kind = "adagrad"
+    initial_accumulator: float = 0.1
+    epsilon: float = 1e-7
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam(Optimizer):
+    """Adam as ``ResourceApplyAdam`` on each touched row, with a per-row step.
+
+    A row's step count grows by one each time a push touches it, and its bias
+    correction uses that count ("lazy" Adam, as sparse Adam variants do).
+
+    Args:
+        beta1: decay of the first moment, in [0, 1).
+        beta2: decay of the second moment, in [0, 1).
+        epsilon: added to the denominator, > 0.
+    """
+
+    kind = "adam"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-7
+
+
+@dataclasses.dataclass(frozen=True)
+class Ftrl(Optimizer):
+    """FTRL-Proximal as ``ResourceSparseApplyFtrl``.
+
+    Args:
+        learning_rate_power: <= 0; -0.5 is the usual choice.
+        l1: L1 regularization strength, >= 0.
+        l2: L2 regularization strength, >= 0.
+        initial_accumulator: starting accumulator value, > 0.
+    """
+
+    kind = "ftrl"
+    learning_rate_power: float = -0.5
+    l1: float = 0.0
+    l2: float = 0.0
+    initial_accumulator: float = 0.1
+
+
+_BY_NAME: dict[str, type[Optimizer]] = {
+    "sgd": SGD,
+    "adagrad": Adagrad,
+    "adam": Adam,
+    "ftrl": Ftrl,
+}
+
+OptimizerLike = Union[str, Optimizer, dict[str, Any]]
+
+
+def get(identifier: OptimizerLike) -> Optimizer:
+    """Returns an optimizer from a name, an instance or a `to_dict()` dict."""
+    if isinstance(identifier, Optimizer):
+        return identifier
+    if isinstance(identifier, dict):
+        fields = dict(identifier)
+        kind = fields.pop("kind", None)
+        cls = _BY_NAME.get(str(kind))
+        if cls is None:
+            raise errors.InvalidArgumentError(
+                f"unknown optimizer kind {kind!r}; expected one of {sorted(_BY_NAME)}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: float(v) for k, v in fields.items() if k in names})
+    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
+        return _BY_NAME[identifier.lower()]()
+    raise errors.InvalidArgumentError(
+        f"unknown optimizer {identifier!r}; expected one of {sorted(_BY_NAME)} "
+        "or a tf_dlt.optimizers instance"
+    )

@@ -1,0 +1,238 @@
+"""Checkpoint files of one shard: HDF5 (h5py) written through fsspec.
+
+Layout of a checkpoint directory (see docs/checkpoints.md):
+
+    MANIFEST.json                          written last; commits the checkpoint
+    shard-00000-of-00002.<save_id>.h5      one file per shard that saved
+
+Each shard file holds, per table, the rows sorted by routing bucket with a
+``bucket_offsets`` index, so a shard of any other shard count reads exactly
+the row range of the buckets it owns. Every file's SHA-256 is recorded in the
+manifest and checked before a row is read. Saving streams rows in chunks; it
+never holds a second copy of the shard in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import fsspec
+import h5py
+import numpy as np
+
+from tf_dlt import _native, errors
+from tf_dlt.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    filesystem,
+    is_local,
+    read_manifest,
+    shard_file_name,
+)
+from tf_dlt.routing import NUM_BUCKETS
+from tf_dlt.table_config import difference, normalized
+
+_CHUNK_BYTES = 8 << 20
+_HASH_BLOCK = 8 << 20
+
+
+def _chunk_rows(table: Any) -> int:
+    """Rows per read or write batch (about 8 MiB)."""
+    return max(1, _CHUNK_BYTES // (4 * (table.dim + table.slot_floats) + 16))
+
+
+def _storage_chunk_rows(table: Any) -> int:
+    """Rows per HDF5 chunk: about 1 MiB, never more than the table holds."""
+    per_row = 4 * (table.dim + table.slot_floats) + 16
+    return max(1, min((1 << 20) // per_row, table.size()))
+
+
+def _sha256_of(f: IO[bytes]) -> str:
+    digest = hashlib.sha256()
+    while block := f.read(_HASH_BLOCK):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_shard_file(local_path: str, shard: Any, save_id: str) -> list[dict[str, Any]]:
+    """Streams every table of `shard` into an HDF5 file; returns table infos."""
+    infos = []
+    with h5py.File(local_path, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["save_id"] = save_id
+        f.attrs["shard_index"] = shard.shard_index
+        f.attrs["num_shards"] = shard.num_shards
+        f.attrs["first_bucket"] = shard.first_bucket
+        f.attrs["end_bucket"] = shard.end_bucket
+        f.attrs["num_buckets"] = NUM_BUCKETS
+        tables = f.create_group("tables")
+        for k, table in enumerate(sorted(shard.tables(), key=lambda t: t.name)):
+            g = tables.create_group(f"t{k:05d}")
+            g.attrs["config"] = json.dumps(table.config, sort_keys=True)
+            rows = _storage_chunk_rows(table)
+            dim, slots = table.dim, table.slot_floats
+            ids = g.create_dataset("ids", (0,), np.int64, maxshape=(None,), chunks=(rows,))
+            values = g.create_dataset(
+                "values", (0, dim), np.float32, maxshape=(None, dim), chunks=(rows, dim)
+            )
+            slot_ds = (
+                g.create_dataset(
+                    "slots", (0, slots), np.float32, maxshape=(None, slots), chunks=(rows, slots)
+                )
+                if slots
+                else None
+            )
+            steps = g.create_dataset("steps", (0,), np.uint32, maxshape=(None,), chunks=(rows,))
+            counts = np.zeros(NUM_BUCKETS, np.int64)
+            exporter = table.exporter()
+            n = 0
+            while (chunk := exporter.next(_chunk_rows(table))) is not None:
+                c_ids, c_values, c_slots, c_steps, c_buckets = chunk
+                m = len(c_ids)
+                for ds in (ids, values, slot_ds, steps):
+                    if ds is not None:
+                        ds.resize(n + m, axis=0)
+                ids[n : n + m] = c_ids
+                values[n : n + m] = c_values
+                if slot_ds is not None:
+                    slot_ds[n : n + m] = c_slots
+                steps[n : n + m] = c_steps
+                counts += np.bincount(c_buckets, minlength=NUM_BUCKETS)
+                n += m
+            offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            g.create_dataset("bucket_offsets", data=offsets)
+            infos.append({"config": table.config, "rows": n})
+    return infos
+
+
+def save_shard(path: str, shard: Any, save_id: str) -> dict[str, Any]:
+    """Writes this shard's file into checkpoint directory `path`.
+
+    The file gets a save-specific name, so a committed checkpoint at the same
+    path is never overwritten; only the manifest (written by the caller after
+    every shard succeeded) makes the new files part of a checkpoint.
+    """
+    if not save_id or not all(c.isalnum() or c in "-_" for c in save_id):
+        raise errors.InvalidArgumentError(f"save_id must be alphanumeric, got {save_id!r}")
+    start = time.monotonic()
+    fs, root = filesystem(path)
+    name = shard_file_name(shard.shard_index, shard.num_shards, save_id)
+    fs.makedirs(root, exist_ok=True)
+    target = f"{root}/{name}"
+    if is_local(fs):
+        tmp = f"{target}.tmp-{os.getpid()}"
+        try:
+            infos = _write_shard_file(tmp, shard, save_id)
+            with open(tmp, "rb") as f:
+                sha = _sha256_of(f)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        size = os.path.getsize(target)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as spool:
+            local = os.path.join(spool, name)
+            infos = _write_shard_file(local, shard, save_id)
+            with open(local, "rb") as f:
+                sha = _sha256_of(f)
+            size = os.path.getsize(local)
+            fs.put_file(local, target)
+    return {
+        "file": name,
+        "sha256": sha,
+        "bytes": size,
+        "shard_index": shard.shard_index,
+        "num_shards": shard.num_shards,
+        "first_bucket": shard.first_bucket,
+        "end_bucket": shard.end_bucket,
+        "tables": infos,
+        "seconds": time.monotonic() - start,
+    }
+
+
+@contextlib.contextmanager
+def _open_verified(fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any]) -> Iterator[h5py.File]:
+    target = f"{root}/{entry['file']}"
+    try:
+        with fs.open(target, "rb") as f:
+            sha = _sha256_of(f)
+    except FileNotFoundError:
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} named in the manifest is missing"
+        ) from None
+    if sha != entry["sha256"]:
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} is corrupt: SHA-256 {sha} != manifest {entry['sha256']}"
+        )
+    with fs.open(target, "rb") as raw, h5py.File(raw, "r") as f:
+        yield f
+
+
+def load_shard(path: str, shard: Any) -> dict[str, Any]:
+    """Reads the rows this shard owns from checkpoint `path`.
+
+    Everything is verified and loaded into new tables first; they replace the
+    shard's same-named tables in one step only when all of it succeeded, so a
+    failed load leaves the shard as it was. Works with any shard count at save
+    time: rows are picked by routing bucket.
+    """
+    start = time.monotonic()
+    manifest = read_manifest(path)
+    first, end = shard.first_bucket, shard.end_bucket
+    existing = {t.name: normalized(t.config) for t in shard.tables()}
+    fresh: dict[str, Any] = {}
+    for info in manifest["tables"]:
+        config = normalized(info["config"])
+        name = config["name"]
+        if name in existing and existing[name] != config:
+            raise errors.FailedPreconditionError(
+                f"table {name!r} on this shard differs from the checkpoint's "
+                f"({difference(existing[name], config)}); drop the table first to load it"
+            )
+        fresh[name] = _native.Table(config)
+    fs, root = filesystem(path)
+    for entry in manifest["files"]:
+        if entry["end_bucket"] <= first or entry["first_bucket"] >= end:
+            continue  # that shard owned none of our buckets
+        with _open_verified(fs, root, entry) as f:
+            for g in f["tables"].values():
+                config = json.loads(g.attrs["config"])
+                table = fresh.get(config["name"])
+                if table is None or normalized(table.config) != normalized(config):
+                    raise errors.FailedPreconditionError(
+                        f"{entry['file']} holds table {config['name']!r} with a config the "
+                        "manifest does not list"
+                    )
+                offsets = g["bucket_offsets"][...]
+                lo, hi = int(offsets[first]), int(offsets[end])
+                step = _chunk_rows(table)
+                slots = g["slots"] if "slots" in g else None
+                for a in range(lo, hi, step):
+                    b = min(hi, a + step)
+                    table.import_rows(
+                        g["ids"][a:b],
+                        g["values"][a:b],
+                        None if slots is None else slots[a:b],
+                        g["steps"][a:b],
+                    )
+    tables = list(fresh.values())
+    shard.install_tables(tables)
+    return {
+        "tables": [
+            {"config": t.config, "rows": t.size(), "bytes": t.bytes(), "record_bytes": t.record_bytes}
+            for t in tables
+        ],
+        "seconds": time.monotonic() - start,
+    }

@@ -1,0 +1,101 @@
+"""Command line of the shard server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+from tf_dlt import _native, errors
+from tf_dlt.server.shard_server import ShardServer
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(
+        prog="tf-dlt server", description="Serve one shard of tf_dlt's distributed tables."
+    )
+    p.add_argument("--port", type=int, default=7000, help="data-plane port (0: any free port)")
+    p.add_argument("--admin-port", type=int, default=0, help="gRPC control-plane port (0: any)")
+    p.add_argument("--shard-index", type=int, default=0, help="this shard's index")
+    p.add_argument("--num-shards", type=int, default=1, help="number of shards in the cluster")
+    p.add_argument("--bind", default="0.0.0.0", help="listen address of both planes")
+    p.add_argument("--auth-token-file", help="file holding the token clients must present")
+    p.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=_native.DEFAULT_MAX_FRAME_BYTES,
+        help="largest data-plane frame payload accepted",
+    )
+    p.add_argument("--threads", type=int, default=64, help="data-plane connections served at once")
+    p.add_argument("--load-from", help="checkpoint to load before serving")
+    p.add_argument(
+        "--stop-grace", type=float, default=60.0, help="seconds SIGTERM waits for a running Save"
+    )
+    p.add_argument(
+        "--port-file", help="write 'data_port admin_port' here once serving (for launchers)"
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level,
+        format=f"%(asctime)s shard-{args.shard_index} %(levelname)s %(message)s",
+    )
+    log = logging.getLogger("tf_dlt.server")
+    token = ""
+    if args.auth_token_file:
+        try:
+            with open(args.auth_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            log.error("cannot read --auth-token-file: %s", e)
+            return 2
+        if not token:
+            log.error("--auth-token-file %s is empty", args.auth_token_file)
+            return 2
+    try:
+        server = ShardServer(
+            args.shard_index,
+            args.num_shards,
+            bind=args.bind,
+            port=args.port,
+            admin_port=args.admin_port,
+            auth_token=token,
+            max_frame_bytes=args.max_frame_bytes,
+            threads=args.threads,
+            load_from=args.load_from,
+            stop_grace_s=args.stop_grace,
+        ).start()
+    except (errors.DltError, OSError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        # stop() blocks for the grace period; run it outside the handler.
+        import threading
+
+        threading.Thread(target=server.stop, name="dlt-stop").start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(f"{server.port} {server.admin_port}\n")
+        import os
+
+        os.replace(tmp, args.port_file)
+    while not server.wait(timeout=0.5):
+        pass
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))

@@ -1,0 +1,154 @@
+"""ShardServer: one shard's process-level lifecycle. It owns the native shard
+(tables), the C++ data-plane server and the gRPC control plane (ShardAdmin,
+grpc.health.v1, reflection), and stops them in order."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tf_dlt import _native
+from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+from tf_dlt.server import checkpoint, service
+
+log = logging.getLogger("tf_dlt.server")
+
+SERVICE_NAME = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].full_name
+_GRPC_MESSAGE_BYTES = 64 << 20
+
+
+class ShardServer:
+    """A shard server, built unstarted; `start()` binds (port 0 picks a free
+    port) and `stop()` shuts down in order. Usable as a context manager.
+
+    Args:
+        shard_index: this shard's index, 0 <= shard_index < num_shards.
+        num_shards: number of shards of the cluster.
+        bind: address both planes listen on.
+        port: data-plane port (0: any free port).
+        admin_port: control-plane (gRPC) port (0: any free port).
+        auth_token: when non-empty, required on both planes.
+        max_frame_bytes: largest data-plane frame payload accepted.
+        threads: data-plane connections served at once.
+        io_timeout_s: once a frame starts, the rest must arrive within this.
+        load_from: checkpoint to load before serving.
+        stop_grace_s: how long `stop()` lets control-plane calls (a Save)
+            finish.
+    """
+
+    def __init__(
+        self,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        *,
+        bind: str = "0.0.0.0",
+        port: int = 0,
+        admin_port: int = 0,
+        auth_token: str = "",
+        max_frame_bytes: int = _native.DEFAULT_MAX_FRAME_BYTES,
+        threads: int = 64,
+        io_timeout_s: float = 30.0,
+        load_from: str | None = None,
+        stop_grace_s: float = 60.0,
+    ) -> None:
+        self.shard = _native.Shard(shard_index, num_shards)
+        self._bind = bind
+        self._admin_port_requested = admin_port
+        self._auth_token = auth_token
+        self._load_from = load_from
+        self._stop_grace_s = stop_grace_s
+        self.data_server = _native.DataServer(
+            self.shard,
+            bind=bind,
+            port=port,
+            max_connections=threads,
+            auth_token=auth_token,
+            max_frame_bytes=max_frame_bytes,
+            io_timeout_ms=int(io_timeout_s * 1000),
+        )
+        self._grpc: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self.servicer = service.ShardAdminServicer(self.shard, self.data_server)
+        self.admin_port = 0
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    @property
+    def port(self) -> int:
+        """The bound data-plane port (valid after start)."""
+        return int(self.data_server.port)
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self._bind in ("0.0.0.0", "::", "") else self._bind
+        return f"{host}:{self.port}"
+
+    def start(self) -> ShardServer:
+        if self._load_from:
+            result = checkpoint.load_shard(self._load_from, self.shard)
+            rows = sum(t["rows"] for t in result["tables"])
+            log.info("loaded %d rows from %s in %.2f s", rows, self._load_from, result["seconds"])
+        interceptors = [service.AuthInterceptor(self._auth_token)] if self._auth_token else []
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dlt-admin"),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", _GRPC_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _GRPC_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        dlt_pb2_grpc.add_ShardAdminServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        bind = f"[{self._bind}]" if ":" in self._bind else self._bind
+        self.admin_port = server.add_insecure_port(f"{bind}:{self._admin_port_requested}")
+        if self.admin_port == 0:
+            raise OSError(f"cannot bind the admin port {self._bind}:{self._admin_port_requested}")
+        self.data_server.set_admin_port(self.admin_port)
+        self.data_server.start()
+        server.start()
+        self._grpc = server
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "shard %d/%d serving: data port %d, admin port %d",
+            self.shard.shard_index,
+            self.shard.num_shards,
+            self.port,
+            self.admin_port,
+        )
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Reports NOT_SERVING, lets in-flight control calls (a Save) finish
+        within the grace period, then lets every data-plane connection finish
+        its request in hand. Idempotent."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            grace = self._stop_grace_s if grace_s is None else grace_s
+            self._health.enter_graceful_shutdown()
+            if self._grpc is not None:
+                self._grpc.stop(grace).wait()
+            self.data_server.stop()
+            self._stopped.set()
+            log.info("shard %d stopped", self.shard.shard_index)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until stopped; returns False on timeout."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> ShardServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,143 @@
+"""TableConfig: what a distributed table is (name, dim, seed, initializer,
+optimizer), and its conversions to the native dict and the control-plane
+protobuf."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tf_dlt import errors, initializers, optimizers
+
+if TYPE_CHECKING:
+    from tf_dlt.proto import dlt_pb2
+
+
+def _as_float32(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in fields.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """Configuration of one distributed table.
+
+    Args:
+        name: table name: letters, digits and ``_-./``, at most 255 bytes.
+        dim: number of float32 values per row, 1..65536.
+        initializer: how unseen rows start (name or `tf_dlt.initializers`).
+        optimizer: server-side update_method (name or `tf_dlt.optimizers`).
+        seed: seed of the deterministic initializer.
+    """
+
+    name: str
+    dim: int
+    initializer: initializers.Initializer = dataclasses.field(
+        default_factory=initializers.RandomUniform
+    )
+    optimizer: optimizers.Optimizer = dataclasses.field(default_factory=optimizers.SGD)
+    seed: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        dim: int,
+        initializer: initializers.InitializerLike = "uniform",
+        optimizer: optimizers.OptimizerLike = "sgd",
+        seed: int = 0,
+    ) -> TableConfig:
+        """Builds and validates a config from names or objects."""
+        if not isinstance(name, str):
+            raise errors.InvalidArgumentError(f"table name must be a str, got {name!r}")
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+            raise errors.InvalidArgumentError(f"dim must be an int, got {dim!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
+            0 <= seed < 2**64
+        ):
+            raise errors.InvalidArgumentError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        if not 1 <= int(dim) <= 65536:
+            raise errors.InvalidArgumentError(f"dim must be in [1, 65536], got {dim}")
+        config = cls(
+            name=name,
+            dim=int(dim),
+            initializer=initializers.get(initializer),
+            optimizer=optimizers.get(optimizer),
+            seed=int(seed),
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raises InvalidArgumentError naming the first problem, if any."""
+        from tf_dlt import _native
+
+        _native.validate_table_config(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain-dict form the native core and checkpoints use."""
+        return {
+            "name": self.name,
+            "dim": self.dim,
+            "seed": self.seed,
+            "initializer": _as_float32(self.initializer.to_dict()),
+            "optimizer": _as_float32(self.optimizer.to_dict()),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TableConfig:
+        return cls(
+            name=str(d["name"]),
+            dim=int(d["dim"]),
+            seed=int(d["seed"]),
+            initializer=initializers.get(dict(d["initializer"])),
+            optimizer=optimizers.get(dict(d["optimizer"])),
+        )
+
+    def same_table(self, other: TableConfig) -> bool:
+        """True when both describe the same table (at float32 precision)."""
+        return self.to_dict() == other.to_dict()
+
+    def to_proto(self) -> dlt_pb2.TableConfig:
+        from tf_dlt.proto import dlt_pb2
+
+        d = self.to_dict()
+        return dlt_pb2.TableConfig(
+            name=d["name"],
+            dim=d["dim"],
+            seed=d["seed"],
+            initializer=dlt_pb2.InitializerConfig(**d["initializer"]),
+            optimizer=dlt_pb2.OptimizerConfig(**d["optimizer"]),
+        )
+
+    @classmethod
+    def from_proto(cls, p: dlt_pb2.TableConfig) -> TableConfig:
+        from google.protobuf import json_format
+
+        d = json_format.MessageToDict(
+            p, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        d["seed"] = int(d.get("seed", 0))
+        return cls.from_dict(d)
+
+
+def normalized(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (a native or checkpoint dict) with only the fields its
+    initializer and optimizer use, at float32 precision."""
+    return TableConfig.from_dict(config).to_dict()
+
+
+def difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The fields in which two config dicts differ, e.g. "dim: 8 vs 16"."""
+    left, right = normalized(a), normalized(b)
+    diffs = []
+    for key in ("name", "dim", "seed"):
+        if left[key] != right[key]:
+            diffs.append(f"{key}: {left[key]} vs {right[key]}")
+    for part in ("initializer", "optimizer"):
+        for key in sorted(set(left[part]) | set(right[part])):
+            x, y = left[part].get(key), right[part].get(key)
+            if x != y:
+                diffs.append(f"{part}.{key}: {x} vs {y}")
+    return ", ".join(diffs) or "none"
