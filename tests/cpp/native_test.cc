@@ -1,0 +1,370 @@
+// Tests of the native core with no TF or Python: routing and frame golden
+// vectors (shared with the Python suite), table semantics, and a real
+// DataServer + Client round trip on loopback. Run by tests/test_native_cpp.py:
+//   native_test <tests/data dir>
+// Prints one line per failure and "N passed, M failed" at the end.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "native/core/initializer.h"
+#include "native/core/routing.h"
+#include "native/core/shard.h"
+#include "native/core/table.h"
+#include "native/net/client.h"
+#include "native/net/data_server.h"
+#include "native/net/socket.h"
+#include "native/net/wire.h"
+
+namespace dlt {
+namespace {
+
+std::string g_data_dir;
+int g_failures_in_test = 0;
+
+#define EXPECT(cond)                                                        \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      std::printf("  %s:%d: expected %s\n", __FILE__, __LINE__, #cond);     \
+      ++g_failures_in_test;                                                 \
+    }                                                                       \
+  } while (0)
+
+#define EXPECT_OK(expr)                                                     \
+  do {                                                                      \
+    const Status _s = (expr);                                               \
+    if (!_s.ok()) {                                                         \
+      std::printf("  %s:%d: %s -> %s\n", __FILE__, __LINE__, #expr,         \
+                  _s.ToString().c_str());                                   \
+      ++g_failures_in_test;                                                 \
+    }                                                                       \
+  } while (0)
+
+std::vector<std::vector<std::string>> ReadRows(const std::string& name) {
+  std::ifstream in(g_data_dir + "/" + name);
+  std::vector<std::vector<std::string>> rows;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream fields(line);
+    std::vector<std::string> row;
+    std::string f;
+    while (fields >> f) row.push_back(f);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+std::string Hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(digits[c >> 4]);
+    out.push_back(digits[c & 15]);
+  }
+  return out;
+}
+
+std::string Frame(wire::Opcode op, uint16_t flags, uint64_t id, const std::string& payload) {
+  uint8_t header[wire::kHeaderBytes];
+  wire::EncodeHeader({op, flags, id, static_cast<uint32_t>(payload.size())}, header);
+  return std::string(reinterpret_cast<char*>(header), sizeof(header)) + payload;
+}
+
+template <typename T>
+std::string Bytes(const std::vector<T>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+TableConfig Config(const std::string& name, uint32_t dim, OptimizerKind opt) {
+  TableConfig c;
+  c.name = name;
+  c.dim = dim;
+  c.seed = 7;
+  c.initializer.kind = InitializerKind::kUniform;
+  c.optimizer.kind = opt;
+  return c;
+}
+
+void TestRoutingGolden() {
+  const auto rows = ReadRows("routing_golden.txt");
+  EXPECT(rows.size() >= 30);
+  for (const auto& r : rows) {
+    const int64_t id = std::stoll(r[0]);
+    const uint64_t mix = std::stoull(r[1], nullptr, 16);
+    EXPECT(Mix64(static_cast<uint64_t>(id)) == mix);
+    EXPECT(BucketOf(id) == std::stoul(r[2]));
+    const uint32_t counts[] = {1, 2, 3, 7};
+    for (int k = 0; k < 4; ++k) EXPECT(ShardOf(id, counts[k]) == std::stoul(r[3 + k]));
+  }
+}
+
+void TestBucketRanges() {
+  for (uint32_t n : {1u, 2u, 3u, 7u, 100u, 4096u}) {
+    for (uint32_t b = 0; b < kNumBuckets; ++b) {
+      const uint32_t s = ShardOfBucket(b, n);
+      EXPECT(FirstBucket(s, n) <= b && b < FirstBucket(s + 1, n));
+    }
+    EXPECT(FirstBucket(0, n) == 0 && FirstBucket(n, n) == kNumBuckets);
+  }
+}
+
+void TestFramesGolden() {
+  std::map<std::string, std::string> golden;
+  for (const auto& r : ReadRows("frames_golden.txt")) golden[r[0]] = r[1];
+  EXPECT(golden.size() == 8);
+  wire::HelloRequest hello;
+  hello.token = "secret";
+  EXPECT(Hex(Frame(wire::Opcode::kHello, 0, 1, wire::EncodeHelloRequest(hello))) ==
+         golden["hello_request"]);
+  wire::HelloReply reply;
+  reply.shard_index = 1;
+  reply.num_shards = 3;
+  reply.num_buckets = 4096;
+  reply.admin_port = 7001;
+  reply.max_frame_bytes = 64u << 20;
+  EXPECT(Hex(Frame(wire::Opcode::kHello, 1, 1, wire::EncodeHelloReply(reply))) ==
+         golden["hello_reply"]);
+  const std::vector<int64_t> ids = {1, -1, INT64_MAX};
+  EXPECT(Hex(Frame(wire::Opcode::kPull, 0, 2,
+                   wire::EncodePullPrefix("emb", 4, 3, PullMode::kInsert) + Bytes(ids))) ==
+         golden["pull_request"]);
+  EXPECT(Hex(Frame(wire::Opcode::kPull, 0, 5,
+                   wire::EncodePullPrefix("emb", 4, 1, PullMode::kZerosNoInsert) +
+                       Bytes(std::vector<int64_t>{INT64_MIN}))) ==
+         golden["pull_request_infer_zeros"]);
+  uint8_t prefix[8];
+  wire::EncodePullReplyPrefix(2, 2, prefix);
+  EXPECT(Hex(Frame(wire::Opcode::kPull, 1, 2,
+                   std::string(reinterpret_cast<char*>(prefix), 8) +
+                       Bytes(std::vector<float>{0.5f, -1.0f, 2.0f, 0.25f}))) ==
+         golden["pull_reply"]);
+  EXPECT(Hex(Frame(wire::Opcode::kPush, 0, 3,
+                   wire::EncodePushPrefix("ctr/user1", 2, 2, 0.01f) +
+                       Bytes(std::vector<int64_t>{7, -7}) +
+                       Bytes(std::vector<float>{0.5f, -0.5f, 1.0f, 2.0f}))) ==
+         golden["push_request"]);
+  EXPECT(Hex(Frame(wire::Opcode::kPush, 1, 3, wire::EncodePushReply(2))) ==
+         golden["push_reply"]);
+  EXPECT(Hex(Frame(wire::Opcode::kError, 1, 4,
+                   wire::EncodeError(Code::kNotFound, "no table 'x'"))) == golden["error"]);
+
+  // Decoding the golden push request gives back its fields.
+  std::string raw;
+  const std::string& hex = golden["push_request"];
+  for (size_t i = 0; i < hex.size(); i += 2) raw.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  wire::FrameHeader h;
+  EXPECT_OK(wire::DecodeHeader(reinterpret_cast<const uint8_t*>(raw.data()), 1 << 20, &h));
+  EXPECT(h.opcode == wire::Opcode::kPush && h.request_id == 3);
+  std::string payload = raw.substr(wire::kHeaderBytes);
+  std::vector<uint64_t> aligned((payload.size() + 7) / 8);
+  std::memcpy(aligned.data(), payload.data(), payload.size());
+  wire::TableRequest req;
+  EXPECT_OK(wire::DecodePushRequest(reinterpret_cast<const uint8_t*>(aligned.data()),
+                                    payload.size(), &req));
+  EXPECT(req.table == "ctr/user1" && req.dim == 2 && req.num_ids == 2);
+  EXPECT(req.ids[1] == -7 && req.grads[3] == 2.0f && req.learning_rate == 0.01f);
+  // A header whose payload exceeds the limit is RESOURCE_EXHAUSTED.
+  EXPECT(wire::DecodeHeader(reinterpret_cast<const uint8_t*>(raw.data()), 16, &h).code() ==
+         Code::kResourceExhausted);
+}
+
+void TestInitializerIsPureFunctionOfSeedAndId() {
+  TableConfig c = Config("t", 16, OptimizerKind::kSgd);
+  for (auto kind : {InitializerKind::kUniform, InitializerKind::kNormal,
+                    InitializerKind::kTruncatedNormal}) {
+    c.initializer.kind = kind;
+    Table a(c), b(c);
+    std::vector<int64_t> ids = {5, 1, INT64_MIN, 99};
+    std::vector<int64_t> reversed(ids.rbegin(), ids.rend());
+    std::vector<float> ra(ids.size() * 16), rb(ids.size() * 16);
+    a.Pull(ids.data(), ids.size(), PullMode::kInsert, ra.data());
+    b.Pull(reversed.data(), reversed.size(), PullMode::kInsert, rb.data());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      EXPECT(std::memcmp(&ra[i * 16], &rb[(ids.size() - 1 - i) * 16], 64) == 0);
+    }
+    std::vector<float> direct(16);
+    InitializeRow(c.initializer, c.seed, 5, 16, direct.data());
+    EXPECT(std::memcmp(direct.data(), ra.data(), 64) == 0);
+  }
+}
+
+void TestTablePullModesAndPush() {
+  Table t(Config("t", 4, OptimizerKind::kSgd));
+  const std::vector<int64_t> ids = {10, 20, 10};
+  std::vector<float> out(12);
+  t.Pull(ids.data(), 3, PullMode::kZerosNoInsert, out.data());
+  EXPECT(t.size() == 0 && out[0] == 0.0f);
+  t.Pull(ids.data(), 3, PullMode::kInitNoInsert, out.data());
+  EXPECT(t.size() == 0 && out[0] != 0.0f);
+  std::vector<float> init(out);
+  t.Pull(ids.data(), 3, PullMode::kInsert, out.data());
+  EXPECT(t.size() == 2 && out == init);
+  const std::vector<float> grads = {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+  EXPECT_OK(t.Push(ids.data(), grads.data(), 3, 0.5f));
+  t.Pull(ids.data(), 3, PullMode::kInsert, out.data());
+  // id 10 appears twice: its gradients are summed (1 + 3) before the update.
+  EXPECT(std::fabs(out[0] - (init[0] - 0.5f * 4)) < 1e-6f);
+  EXPECT(std::fabs(out[4] - (init[4] - 0.5f * 2)) < 1e-6f);
+  std::vector<float> bad = grads;
+  bad[5] = NAN;
+  EXPECT(t.Push(ids.data(), bad.data(), 3, 0.5f).code() == Code::kInvalidArgument);
+  std::vector<float> after(12);
+  t.Pull(ids.data(), 3, PullMode::kInsert, after.data());
+  EXPECT(after == out);  // nothing applied
+}
+
+void TestTableGrowthAndExport() {
+  Table t(Config("t", 3, OptimizerKind::kAdagrad));
+  const size_t n = 200000;
+  std::vector<int64_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i * 2654435761ULL) - 7;
+  std::vector<float> out(n * 3);
+  t.Pull(ids.data(), n, PullMode::kInsert, out.data());
+  EXPECT(t.size() == n);
+  EXPECT(t.bytes() >= n * t.record_bytes());
+  std::vector<float> again(n * 3);
+  t.Pull(ids.data(), n, PullMode::kInsert, again.data());
+  EXPECT(again == out);
+  Table::Exporter ex(&t);
+  std::vector<int64_t> eids(1000);
+  std::vector<float> vals(3000), slots(3000);
+  std::vector<uint32_t> steps(1000), buckets(1000);
+  RowBuffers b{eids.data(), vals.data(), slots.data(), steps.data(), buckets.data()};
+  size_t total = 0, got;
+  uint32_t last_bucket = 0;
+  bool sorted = true;
+  while ((got = ex.Next(1000, b)) > 0) {
+    for (size_t i = 0; i < got; ++i) {
+      sorted = sorted && buckets[i] >= last_bucket && buckets[i] == BucketOf(eids[i]);
+      last_bucket = buckets[i];
+      sorted = sorted && slots[i * 3] == 0.1f;
+    }
+    total += got;
+  }
+  EXPECT(sorted);
+  EXPECT(total == n);
+}
+
+void TestShardConfigConflicts() {
+  Shard shard(0, 1);
+  bool created = false;
+  EXPECT_OK(shard.CreateTable(Config("a", 4, OptimizerKind::kSgd), &created));
+  EXPECT(created);
+  EXPECT_OK(shard.CreateTable(Config("a", 4, OptimizerKind::kSgd), &created));
+  EXPECT(!created);
+  EXPECT(shard.CreateTable(Config("a", 8, OptimizerKind::kSgd), &created).code() ==
+         Code::kAlreadyExists);
+  EXPECT(shard.CreateTable(Config("bad name!", 8, OptimizerKind::kSgd), &created).code() ==
+         Code::kInvalidArgument);
+  std::shared_ptr<Table> t;
+  EXPECT(shard.GetTable("zzz", &t).code() == Code::kNotFound);
+}
+
+void TestClientServerRoundTrip() {
+  auto shard = std::make_shared<Shard>(0, 1);
+  bool created;
+  EXPECT_OK(shard->CreateTable(Config("emb", 8, OptimizerKind::kSgd), &created));
+  DataServerOptions o;
+  o.bind = "127.0.0.1";
+  o.auth_token = "tok";
+  o.max_frame_bytes = 4096;  // forces the client to split batches
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  const std::string address = "127.0.0.1:" + std::to_string(server.port());
+  ClientOptions co;
+  co.auth_token = "tok";
+  Client client({address}, co);
+  std::vector<int64_t> ids(1000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i) * 31 - 500;
+  std::vector<float> remote(ids.size() * 8), local(ids.size() * 8);
+  EXPECT_OK(client.Pull("emb", 8, ids.data(), ids.size(), PullMode::kInsert, remote.data()));
+  std::shared_ptr<Table> t;
+  EXPECT_OK(shard->GetTable("emb", &t));
+  t->Pull(ids.data(), ids.size(), PullMode::kInsert, local.data());
+  EXPECT(remote == local);
+  std::vector<float> grads(ids.size() * 8, 1.0f);
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.25f));
+  EXPECT_OK(client.Pull("emb", 8, ids.data(), ids.size(), PullMode::kInsert, remote.data()));
+  EXPECT(std::fabs(remote[0] - (local[0] - 0.25f)) < 1e-6f);
+  EXPECT(server.counters().pulls.load() > 2);  // split into several frames
+
+  Status s = client.Pull("nope", 8, ids.data(), 4, PullMode::kInsert, remote.data());
+  EXPECT(s.code() == Code::kNotFound);
+  EXPECT(s.message().find("shard 0 (" + address + ") Pull") != std::string::npos);
+  s = client.Pull("emb", 4, ids.data(), 4, PullMode::kInsert, remote.data());
+  EXPECT(s.code() == Code::kInvalidArgument);
+
+  ClientOptions wrong;
+  wrong.auth_token = "nope";
+  Client intruder({address}, wrong);
+  EXPECT(intruder.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, remote.data()).code() ==
+         Code::kUnauthenticated);
+  server.Stop();
+  ClientOptions quick;
+  quick.connect_timeout_ms = 1000;
+  Client late({address}, quick);
+  EXPECT(late.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, remote.data()).code() ==
+         Code::kUnavailable);
+}
+
+void TestStalledServerHitsDeadline() {
+  int fd = -1, port = 0;
+  EXPECT_OK(net::Listen("127.0.0.1", 0, 4, &fd, &port));  // accepts, never answers
+  ClientOptions o;
+  o.connect_timeout_ms = 300;
+  o.request_timeout_ms = 300;
+  Client client({"127.0.0.1:" + std::to_string(port)}, o);
+  std::vector<int64_t> ids = {1};
+  std::vector<float> out(4);
+  const Status s = client.Pull("emb", 4, ids.data(), 1, PullMode::kInsert, out.data());
+  EXPECT(s.code() == Code::kUnavailable);  // Hello never answered: unreachable shard
+  EXPECT(s.message().find("shard 0 (127.0.0.1:") != std::string::npos);
+  net::CloseFd(fd);
+}
+
+}  // namespace
+}  // namespace dlt
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: native_test <tests/data dir>\n");
+    return 2;
+  }
+  dlt::g_data_dir = argv[1];
+  const std::vector<std::pair<const char*, std::function<void()>>> tests = {
+      {"RoutingGolden", dlt::TestRoutingGolden},
+      {"BucketRanges", dlt::TestBucketRanges},
+      {"FramesGolden", dlt::TestFramesGolden},
+      {"InitializerIsPureFunctionOfSeedAndId", dlt::TestInitializerIsPureFunctionOfSeedAndId},
+      {"TablePullModesAndPush", dlt::TestTablePullModesAndPush},
+      {"TableGrowthAndExport", dlt::TestTableGrowthAndExport},
+      {"ShardConfigConflicts", dlt::TestShardConfigConflicts},
+      {"ClientServerRoundTrip", dlt::TestClientServerRoundTrip},
+      {"StalledServerHitsDeadline", dlt::TestStalledServerHitsDeadline},
+  };
+  int passed = 0, failed = 0;
+  for (const auto& [name, fn] : tests) {
+    dlt::g_failures_in_test = 0;
+    fn();
+    if (dlt::g_failures_in_test == 0) {
+      ++passed;
+    } else {
+      ++failed;
+      std::printf("FAILED %s\n", name);
+    }
+  }
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}

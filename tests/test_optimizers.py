@@ -1,0 +1,140 @@
+"""Server-side optimizers against TensorFlow's own apply kernels.
+
+The oracle for each update_method is the TF kernel on a tf.Variable holding
+the same initial rows, fed the gradients of each push with repeated ids summed
+first (tf.math.unsorted_segment_sum), since the shards sum them before the
+update. Values and slots must agree to 1e-6 after several pushes with a
+changing learning rate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dlt import _native
+from tf_dlt.table_config import TableConfig
+
+DIM = 6
+STEPS = 5
+TOL = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def _export(table: Any) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
+    rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+    exporter = table.exporter()
+    while (chunk := exporter.next(1000)) is not None:
+        ids, values, slots, steps, _ = chunk
+        for k, i in enumerate(ids):
+            rows[int(i)] = (values[k], slots[k], int(steps[k]))
+    return rows
+
+
+def _pushes(seed: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(STEPS):
+        ids = rng.integers(0, 40, size=64).astype(np.int64)  # many repeats
+        grads = rng.normal(0, 1, size=(64, DIM)).astype(np.float32)
+        out.append((ids, grads, 0.05 + 0.02 * step))
+    return out
+
+
+def _summed(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    unique, inverse = np.unique(ids, return_inverse=True)
+    summed = tf.math.unsorted_segment_sum(grads, inverse, len(unique)).numpy()
+    return unique, summed
+
+
+def _table(optimizer: dict[str, Any]) -> tuple[Any, np.ndarray]:
+    config = TableConfig.create("t", DIM, "normal", optimizer, seed=3).to_dict()
+    table = _native.Table(config)
+    initial = table.pull(np.arange(40, dtype=np.int64))  # creates rows 0..39
+    return table, initial
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "ftrl"])
+def test_sparse_optimizers_match_tf_kernels(optimizer: str) -> None:
+    opt = {
+        "sgd": {"kind": "sgd"},
+        "adagrad": {"kind": "adagrad", "initial_accumulator": 0.1, "epsilon": 1e-7},
+        "ftrl": {
+            "kind": "ftrl",
+            "learning_rate_power": -0.5,
+            "l1": 0.01,
+            "l2": 0.02,
+            "initial_accumulator": 0.1,
+        },
+    }[optimizer]
+    table, initial = _table(opt)
+    var = tf.Variable(initial)
+    accum = tf.Variable(np.full_like(initial, opt.get("initial_accumulator", 0.0)))
+    linear = tf.Variable(np.zeros_like(initial))
+    for ids, grads, lr in _pushes(1):
+        table.push(ids, grads, lr)
+        unique, summed = _summed(ids, grads)
+        if optimizer == "sgd":
+            tf.raw_ops.ResourceSparseApplyProximalGradientDescent(
+                var=var.handle, alpha=lr, l1=0.0, l2=0.0, grad=summed, indices=unique
+            )
+        elif optimizer == "adagrad":
+            tf.raw_ops.ResourceSparseApplyAdagradV2(
+                var=var.handle, accum=accum.handle, lr=lr, epsilon=1e-7, grad=summed,
+                indices=unique,
+            )  # fmt: skip
+        else:
+            tf.raw_ops.ResourceSparseApplyFtrl(
+                var=var.handle, accum=accum.handle, linear=linear.handle, grad=summed,
+                indices=unique, lr=lr, l1=0.01, l2=0.02, lr_power=-0.5,
+            )  # fmt: skip
+    rows = _export(table)
+    got = np.stack([rows[i][0] for i in range(40)])
+    np.testing.assert_allclose(got, var.numpy(), **TOL)
+    if optimizer in ("adagrad", "ftrl"):
+        np.testing.assert_allclose(np.stack([rows[i][1][:DIM] for i in range(40)]), accum.numpy(), **TOL)
+    if optimizer == "ftrl":
+        np.testing.assert_allclose(np.stack([rows[i][1][DIM:] for i in range(40)]), linear.numpy(), **TOL)
+
+
+def test_adam_matches_tf_kernel_with_per_row_steps() -> None:
+    opt = {"kind": "adam", "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7}
+    table, initial = _table(opt)
+    values = initial.copy()
+    m = np.zeros_like(values)
+    v = np.zeros_like(values)
+    steps = np.zeros(40, np.int64)
+    for ids, grads, lr in _pushes(2):
+        table.push(ids, grads, lr)
+        unique, summed = _summed(ids, grads)
+        steps[unique] += 1
+        # Rows touched the same number of times share one bias correction;
+        # beta**t is taken in float32 from the float32 beta, as Keras does.
+        for t in np.unique(steps[unique]):
+            rows = unique[steps[unique] == t]
+            g = summed[steps[unique] == t]
+            var, mv, vv = tf.Variable(values[rows]), tf.Variable(m[rows]), tf.Variable(v[rows])
+            tf.raw_ops.ResourceApplyAdam(
+                var=var.handle, m=mv.handle, v=vv.handle,
+                beta1_power=np.power(np.float32(0.9), np.float32(t)),
+                beta2_power=np.power(np.float32(0.999), np.float32(t)),
+                lr=np.float32(lr), beta1=np.float32(0.9), beta2=np.float32(0.999),
+                epsilon=np.float32(1e-7), grad=g,
+            )  # fmt: skip
+            values[rows], m[rows], v[rows] = var.numpy(), mv.numpy(), vv.numpy()
+    rows = _export(table)
+    np.testing.assert_allclose(np.stack([rows[i][0] for i in range(40)]), values, **TOL)
+    np.testing.assert_allclose(np.stack([rows[i][1][:DIM] for i in range(40)]), m, **TOL)
+    np.testing.assert_allclose(np.stack([rows[i][1][DIM:] for i in range(40)]), v, **TOL)
+    assert [rows[i][2] for i in range(40)] == list(steps)
+
+
+def test_push_creates_unseen_rows_from_their_initial_value() -> None:
+    table, _ = _table({"kind": "sgd"})
+    fresh = np.array([1000, 1001], np.int64)
+    initial = table.pull(fresh, mode=1)  # inference: not inserted
+    assert table.size() == 40
+    table.push(fresh, np.ones((2, DIM), np.float32), 0.5)
+    np.testing.assert_allclose(table.pull(fresh), initial - 0.5, **TOL)

@@ -1,0 +1,173 @@
+"""Shard server processes on loopback: pull/push round trips on 1 and 3
+shards against the in-process table core as the oracle, stats, health,
+reflection, clean SIGTERM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import Cluster, stop_process
+from tf_dlt import _native
+from tf_dlt.table_config import TableConfig
+
+EXTREMES = [-(2**63), -(2**63) + 1, -1, 0, 1, 2**63 - 2, 2**63 - 1]
+
+
+def _oracle(name: str, dim: int, optimizer: str, seed: int = 5) -> object:
+    """The same table in this process: what the shards must compute."""
+    return _native.Table(TableConfig.create(name, dim, "uniform", optimizer, seed).to_dict())
+
+
+def _ids(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    ids[: n // 4] = ids[n // 4 : n // 2]  # repeats
+    return np.concatenate([ids, np.array(EXTREMES, np.int64)])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl"])
+def test_pull_push_round_trip_matches_table_core(cluster: Cluster, optimizer: str) -> None:
+    client = cluster.client()
+    client.create_table("emb", 8, "uniform", optimizer, seed=5)
+    oracle = _oracle("emb", 8, optimizer)
+    ids = _ids(2000)
+    np.testing.assert_array_equal(client.pull("emb", ids), oracle.pull(ids))
+    grads = np.random.default_rng(1).normal(size=(len(ids), 8)).astype(np.float32)
+    for lr in (0.1, 0.05):
+        client.push("emb", ids, grads, lr)
+        oracle.push(ids, grads, lr)
+    np.testing.assert_allclose(client.pull("emb", ids), oracle.pull(ids), rtol=1e-6, atol=1e-7)
+    tables = client.list_tables()
+    assert tables["emb"]["rows"] == len(np.unique(ids))
+    client.close()
+
+
+def test_pull_shapes_empty_batches_and_inference_modes(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.create_table("emb", 4, "normal", "sgd", seed=1)
+    ids = np.arange(24, dtype=np.int64).reshape(2, 3, 4)
+    assert client.pull("emb", ids, training=False).shape == (2, 3, 4, 4)
+    assert client.list_tables()["emb"]["rows"] == 0  # inference inserts nothing
+    zeros = client.pull("emb", ids, training=False, missing="zeros")
+    np.testing.assert_array_equal(zeros, np.zeros((2, 3, 4, 4), np.float32))
+    initial = client.pull("emb", ids, training=False)
+    np.testing.assert_array_equal(client.pull("emb", ids), initial)  # now inserted
+    assert client.list_tables()["emb"]["rows"] == 24
+    assert client.pull("emb", np.zeros((0,), np.int64)).shape == (0, 4)
+    client.push("emb", np.zeros((0,), np.int64), np.zeros((0, 4), np.float32), 0.1)
+    client.close()
+
+
+def test_rows_do_not_depend_on_shard_count(start_cluster: Callable[..., Cluster]) -> None:
+    one, three = start_cluster(1), start_cluster(3)
+    ids = _ids(3000, seed=7)
+    rows = []
+    for c in (one, three):
+        client = c.client()
+        client.create_table("t", 16, "truncated_normal", "adagrad", seed=11)
+        rows.append(client.pull("t", ids[::-1])[::-1])
+        client.close()
+    np.testing.assert_array_equal(rows[0], rows[1])
+
+
+def test_batches_larger_than_a_frame_are_split(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(2, "--max-frame-bytes", "65536")
+    client = cluster.client()
+    client.create_table("big", 16, "uniform", "sgd", seed=2)
+    ids = _ids(50_000, seed=3)
+    oracle = _oracle("big", 16, "sgd", seed=2)
+    np.testing.assert_array_equal(client.pull("big", ids), oracle.pull(ids))
+    grads = np.ones((len(ids), 16), np.float32)
+    client.push("big", ids, grads, 0.5)
+    oracle.push(ids, grads, 0.5)
+    np.testing.assert_allclose(client.pull("big", ids), oracle.pull(ids), atol=1e-6)
+    stats = client.stats()
+    assert sum(int(s["pulls"]) for s in stats) > 2 * len(stats)  # several frames per shard
+    client.close()
+
+
+def test_concurrent_clients_lose_no_update(cluster: Cluster) -> None:
+    setup = cluster.client()
+    setup.create_table("c", 4, "zeros", "sgd")
+    ids = np.arange(500, dtype=np.int64)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            with cluster.client() as client:
+                for _ in range(20):
+                    client.push("c", ids, np.ones((500, 4), np.float32), 0.01)
+                    client.pull("c", ids)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    # SGD updates commute: 4 clients x 20 pushes of 0.01 each.
+    np.testing.assert_allclose(setup.pull("c", ids), np.full((500, 4), -0.8, np.float32), atol=1e-5)
+    setup.close()
+
+
+def test_stats_count_traffic(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.create_table("s", 4, "zeros", "sgd")
+    ids = np.arange(1000, dtype=np.int64)
+    client.pull("s", ids)
+    client.push("s", ids, np.ones((1000, 4), np.float32), 0.1)
+    stats = client.stats()
+    assert [s["shard_index"] for s in stats] == list(range(len(cluster.addresses)))
+    assert sum(int(s["pulled_rows"]) for s in stats) == 1000
+    assert sum(int(s["pushed_rows"]) for s in stats) == 1000
+    assert sum(int(s["tables"][0]["rows"]) for s in stats) == 1000
+    for s in stats:
+        assert int(s["pull_latency"]["count"]) >= 1
+        assert s["pull_latency"]["p99_us"] >= s["pull_latency"]["p50_us"] > 0
+    client.close()
+
+
+def test_health_and_reflection(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(1)
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "tf_dlt.v1.ShardAdmin"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"tf_dlt.v1.ShardAdmin", "grpc.health.v1.Health"} <= names
+
+
+def test_sigterm_stops_cleanly(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(1)
+    client = cluster.client()
+    client.create_table("t", 4)
+    client.pull("t", [1, 2, 3])
+    assert stop_process(cluster.processes[0]) == 0
+    assert "stopped" in cluster.log(0)
+    client.close()
+
+
+def test_cli_help_names_every_flag() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_dlt.cli", "server", "--help"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    for flag in ("--port", "--admin-port", "--shard-index", "--num-shards", "--bind",
+                 "--auth-token-file", "--max-frame-bytes", "--threads", "--load-from"):  # fmt: skip
+        assert flag in out
