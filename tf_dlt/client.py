@@ -191,12 +191,32 @@ class Client:
 
     def load(self, path: str) -> dict[str, dict[str, Any]]:
         """Loads checkpoint `path` onto every shard (any shard count at save
-        time). Returns the loaded tables with rows summed over shards."""
+        time). Returns the loaded tables with rows summed over shards.
+
+        Two phases: every shard first reads and verifies its rows into staged
+        tables; only when all succeeded do they install them. A failed load
+        (missing or corrupt file, mismatched config) changes no shard.
+        """
         from tf_dlt.proto import dlt_pb2
 
         manifest.read_manifest(path)  # fail fast, before any shard starts
+        load_id = secrets.token_hex(8)
+        request = dlt_pb2.LoadRequest
+        try:
+            self._on_all(
+                "Load",
+                request(path=path, phase=request.PREPARE, load_id=load_id),
+                self._persist_timeout,
+            )
+        except errors.DltError:
+            try:
+                self._on_all("Load", request(phase=request.ABORT, load_id=load_id))
+            except errors.DltError:
+                pass  # the shard drops it with its next prepared load anyway
+            raise
         out: dict[str, dict[str, Any]] = {}
-        for reply in self._on_all("Load", dlt_pb2.LoadRequest(path=path), self._persist_timeout):
+        commit = request(phase=request.COMMIT, load_id=load_id)
+        for reply in self._on_all("Load", commit):
             for info in reply.tables:
                 config = TableConfig.from_proto(info.config)
                 entry = out.setdefault(config.name, {"config": config, "rows": 0})

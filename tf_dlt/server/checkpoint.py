@@ -181,12 +181,21 @@ def _open_verified(fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, An
 
 
 def load_shard(path: str, shard: Any) -> dict[str, Any]:
-    """Reads the rows this shard owns from checkpoint `path`.
+    """Reads the rows this shard owns from checkpoint `path` and installs
+    them (see `prepare_load`); a failed load leaves the shard as it was."""
+    staged = prepare_load(path, shard)
+    shard.install_tables(staged["staged"])
+    return staged
 
-    Everything is verified and loaded into new tables first; they replace the
-    shard's same-named tables in one step only when all of it succeeded, so a
-    failed load leaves the shard as it was. Works with any shard count at save
-    time: rows are picked by routing bucket.
+
+def prepare_load(path: str, shard: Any) -> dict[str, Any]:
+    """Reads and verifies the rows this shard owns from checkpoint `path` into
+    new tables, returned under "staged" and not installed.
+
+    Works with any shard count at save time: rows are picked by routing
+    bucket. Installing the staged tables (`shard.install_tables`) replaces
+    same-named tables in one step, so a cluster can verify on every shard
+    before any shard changes.
     """
     start = time.monotonic()
     manifest = read_manifest(path)
@@ -228,8 +237,8 @@ def load_shard(path: str, shard: Any) -> dict[str, Any]:
                         g["steps"][a:b],
                     )
     tables = list(fresh.values())
-    shard.install_tables(tables)
     return {
+        "staged": tables,
         "tables": [
             {"config": t.config, "rows": t.size(), "bytes": t.bytes(), "record_bytes": t.record_bytes}
             for t in tables

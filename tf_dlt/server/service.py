@@ -87,6 +87,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._shard = shard
         self._data_server = data_server
         self._persist_lock = threading.Lock()  # one Save or Load at a time
+        self._staged: dict[str, dict[str, Any]] = {}  # guarded by _persist_lock
         self._errors_lock = threading.Lock()
         self._errors: dict[str, int] = {}
         self.last_save_seconds = 0.0
@@ -138,13 +139,38 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def Load(self, request: Any, context: grpc.ServicerContext) -> Any:
+        phase = request.phase
+        if phase in (dlt_pb2.LoadRequest.COMMIT, dlt_pb2.LoadRequest.ABORT):
+            with self._persist_lock:
+                staged = self._staged.pop(request.load_id, None)
+                if staged is None:
+                    if phase == dlt_pb2.LoadRequest.ABORT:
+                        return dlt_pb2.LoadResponse()
+                    raise errors.FailedPreconditionError(
+                        f"no load prepared under id {request.load_id!r}"
+                    )
+                if phase == dlt_pb2.LoadRequest.COMMIT:
+                    self._shard.install_tables(staged["staged"])
+                    log.info("committed load %s", request.load_id)
+            return self._load_response(staged)
         if not request.path:
             raise errors.InvalidArgumentError("Load needs a path")
+        if phase == dlt_pb2.LoadRequest.PREPARE and not request.load_id:
+            raise errors.InvalidArgumentError("a prepared Load needs a load_id")
         with self._persist_lock:
             log.info("loading from %s", request.path)
-            result = checkpoint.load_shard(request.path, self._shard)
+            result = checkpoint.prepare_load(request.path, self._shard)
+            if phase == dlt_pb2.LoadRequest.PREPARE:
+                # One staged load at a time: a new one replaces an abandoned one.
+                self._staged = {request.load_id: result}
+            else:
+                self._shard.install_tables(result["staged"])
         self.last_load_seconds = result["seconds"]
-        log.info("loaded %s in %.2f s", request.path, result["seconds"])
+        log.info("read %s in %.2f s", request.path, result["seconds"])
+        return self._load_response(result)
+
+    @staticmethod
+    def _load_response(result: dict[str, Any]) -> Any:
         return dlt_pb2.LoadResponse(
             tables=[_info_from_dict(i) for i in result["tables"]], seconds=result["seconds"]
         )

@@ -1,0 +1,200 @@
+"""Bad input: each case gets a clear typed error naming the problem, the
+server keeps serving other connections, and nothing partial is committed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable
+
+import frames
+import grpc
+import numpy as np
+import pytest
+
+from conftest import Cluster
+from tf_dlt import _native, errors
+from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+
+def _connect(cluster: Cluster) -> socket.socket:
+    host, port = cluster.addresses[0].split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _still_serves(cluster: Cluster) -> None:
+    with cluster.client() as client:
+        client.pull("emb", [1, 2, 3])
+
+
+@pytest.fixture
+def one(start_cluster: Callable[..., Cluster]) -> Cluster:
+    cluster = start_cluster(1)
+    with cluster.client() as client:
+        client.create_table("emb", 4, "uniform", "adagrad")
+    return cluster
+
+
+def test_wrong_dtypes_are_rejected(one: Cluster) -> None:
+    with one.client() as client:
+        with pytest.raises(errors.InvalidArgumentError, match="ids must be int64.*float64"):
+            client.pull("emb", np.array([1.0, 2.0]))
+        with pytest.raises(errors.InvalidArgumentError, match="uint64"):
+            client.pull("emb", np.array([1], np.uint64))
+        with pytest.raises(errors.InvalidArgumentError, match="grads must be floating point"):
+            client.push("emb", [1], np.ones((1, 4), np.int32), 0.1)
+        with pytest.raises(errors.InvalidArgumentError, match=r"grads must have shape \(2, 4\)"):
+            client.push("emb", [1, 2], np.ones((2, 3), np.float32), 0.1)
+        client.pull("emb", np.array([1, 2], np.int32))  # safe integer casts are fine
+
+
+def test_unknown_table_and_dim_mismatch(one: Cluster) -> None:
+    raw = _native.Client(one.addresses)
+    with pytest.raises(errors.NotFoundError, match=r"shard 0 \(127.0.0.1:\d+\) Pull: no table 'nope'.*'emb'"):
+        raw.pull("nope", 4, np.array([1], np.int64))
+    with pytest.raises(errors.InvalidArgumentError, match="table 'emb' has dim 4, the request says 8"):
+        raw.pull("emb", 8, np.array([1], np.int64))
+    with pytest.raises(errors.InvalidArgumentError, match="has dim 4, the request says 2"):
+        raw.push("emb", 2, np.array([1], np.int64), np.ones((1, 2), np.float32), 0.1)
+    with one.client() as client, pytest.raises(errors.NotFoundError, match="no table 'nope'"):
+        client.pull("nope", [1])
+    _still_serves(one)
+
+
+def test_non_finite_gradients_change_nothing(one: Cluster) -> None:
+    with one.client() as client:
+        ids = np.arange(10, dtype=np.int64)
+        before = client.pull("emb", ids)
+        for bad in (np.nan, np.inf, -np.inf):
+            grads = np.ones((10, 4), np.float32)
+            grads[7, 2] = bad
+            with pytest.raises(errors.InvalidArgumentError, match=r"row 7 \(id 7\).*non-finite"):
+                client.push("emb", ids, grads, 0.1)
+        with pytest.raises(errors.InvalidArgumentError, match="learning rate"):
+            client.push("emb", ids, np.ones((10, 4), np.float32), float("nan"))
+        np.testing.assert_array_equal(client.pull("emb", ids), before)
+
+
+def test_invalid_table_configs(one: Cluster) -> None:
+    with one.client() as client:
+        with pytest.raises(errors.InvalidArgumentError, match="letters, digits"):
+            client.create_table("bad name!", 4)
+        with pytest.raises(errors.InvalidArgumentError, match=r"dim must be in \[1, 65536\], got 0"):
+            client.create_table("x", 0)
+        with pytest.raises(errors.InvalidArgumentError, match="unknown optimizer 'rmsprop'"):
+            client.create_table("x", 4, optimizer="rmsprop")
+        with pytest.raises(errors.InvalidArgumentError, match="minval < maxval"):
+            client.create_table("x", 4, initializer={"kind": "uniform", "minval": 1, "maxval": 0})
+        with pytest.raises(errors.AlreadyExistsError, match="exists"):
+            client.create_table("emb", 8)
+        client.create_table("emb", 4, "uniform", "adagrad")  # identical: fine
+
+
+def test_oversize_frame_is_refused_and_server_survives(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(1, "--max-frame-bytes", "65536")
+    with cluster.client() as client:
+        client.create_table("emb", 4)
+    with _connect(cluster) as sock:
+        sock.sendall(frames.hello(1))
+        assert frames.read_frame(sock)[0] == frames.HELLO
+        sock.sendall(frames.HEADER.pack(frames.MAGIC, 1, frames.PULL, 0, 9, 1 << 30, 0))
+        opcode, _, request_id, payload = frames.read_frame(sock)
+        assert (opcode, request_id) == (frames.ERROR, 9)
+        code, message = frames.error_of(payload)
+        assert code == errors.ResourceExhaustedError.code
+        assert "exceeds the maximum of 65536" in message
+        assert frames.closed_by_peer(sock)
+    _still_serves(cluster)
+
+
+def test_big_batches_are_split_not_rejected(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(1, "--max-frame-bytes", "4096")
+    with cluster.client() as client:
+        client.create_table("emb", 64)
+        assert client.pull("emb", np.arange(10_000)).shape == (10_000, 64)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        os.urandom(24),
+        frames.HEADER.pack(b"DLTP", 9, 1, 0, 1, 0, 0),  # unknown version
+        frames.HEADER.pack(b"DLTP", 1, 1, 0, 1, 0, 7),  # reserved bits set
+    ],
+    ids=["http", "random", "version", "reserved"],
+)
+def test_garbage_frames_get_an_error_and_a_close(one: Cluster, garbage: bytes) -> None:
+    with _connect(one) as sock:
+        sock.sendall(garbage)
+        opcode, _, _, payload = frames.read_frame(sock)
+        assert opcode == frames.ERROR
+        assert frames.error_of(payload)[0] == errors.InvalidArgumentError.code
+        assert frames.closed_by_peer(sock)
+    _still_serves(one)
+
+
+def test_truncated_frames_and_malformed_payloads(one: Cluster) -> None:
+    with _connect(one) as sock:  # half a header, then hang up
+        sock.sendall(frames.hello(1)[:10])
+    with _connect(one) as sock:
+        sock.sendall(frames.hello(1))
+        frames.read_frame(sock)
+        # A Pull whose payload disagrees with its own counts keeps the stream in
+        # sync (the length is in the header): error, connection stays open.
+        bad = frames.pull(2, "emb", 4, [1, 2])
+        bad = bad[:28] + struct.pack("<I", 5) + bad[32:]  # claims 5 ids, carries 2
+        sock.sendall(bad + frames.pull(3, "emb", 4, [1]))
+        opcode, _, rid, payload = frames.read_frame(sock)
+        assert (opcode, rid) == (frames.ERROR, 2)
+        assert "implies" in frames.error_of(payload)[1]
+        assert frames.read_frame(sock)[:3] == (frames.PULL, frames.RESPONSE, 3)
+        sock.sendall(frames.frame(77, 4, b""))  # unknown opcode
+        opcode, _, rid, payload = frames.read_frame(sock)
+        assert (opcode, rid) == (frames.ERROR, 4) and "unknown opcode 77" in frames.error_of(payload)[1]
+    _still_serves(one)
+
+
+def test_frames_before_hello_are_unauthenticated(one: Cluster) -> None:
+    with _connect(one) as sock:
+        sock.sendall(frames.pull(1, "emb", 4, [1]))
+        opcode, _, _, payload = frames.read_frame(sock)
+        assert opcode == frames.ERROR
+        assert frames.error_of(payload) == (16, "the first frame on a connection must be Hello")
+        assert frames.closed_by_peer(sock)
+
+
+def test_auth_token_on_both_planes(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(2, token="s3cret-token")
+    with cluster.client() as client:
+        client.create_table("emb", 4)
+        client.pull("emb", [1, 2])
+    with pytest.raises(errors.UnauthenticatedError, match="Hello: wrong or missing auth token"):
+        _native.Client(cluster.addresses, auth_token="wrong").pull("emb", 4, np.array([1], np.int64))
+    with pytest.raises(errors.UnauthenticatedError):
+        _native.Client(cluster.addresses).pull("emb", 4, np.array([1], np.int64))
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}") as channel:
+        stub = dlt_pb2_grpc.ShardAdminStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListTables(dlt_pb2.ListTablesRequest(), timeout=10,
+                            metadata=(("authorization", "Bearer wrong"),))  # fmt: skip
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for i in range(2):
+        assert "s3cret-token" not in cluster.log(i)
+
+
+def test_shard_listed_in_the_wrong_order(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(2)
+    swapped = list(reversed(cluster.addresses))
+    with pytest.raises(errors.FailedPreconditionError, match="shard-index order"):
+        _native.Client(swapped).pull("emb", 4, np.array([1], np.int64))
+
+
+def test_down_shard_is_unavailable_within_the_deadline() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = _native.Client([f"127.0.0.1:{port}"], connect_timeout_ms=2000)
+    with pytest.raises(errors.UnavailableError, match=rf"shard 0 \(127.0.0.1:{port}\)"):
+        client.pull("emb", 4, np.array([1], np.int64))

@@ -1,0 +1,227 @@
+"""Save / Load: per-shard HDF5 files through fsspec, manifest last, checksums,
+re-sharding by bucket, local files, S3 (moto on loopback) and memory://."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import Cluster
+from tf_dlt import Client, errors
+from tf_dlt.server import ShardServer
+
+Rows = dict[int, tuple[bytes, bytes, int]]
+
+
+def _checkpoint_rows(directory: Path) -> dict[str, Rows]:
+    """Every row of a local checkpoint, read straight from its files."""
+    manifest = json.loads((directory / "MANIFEST.json").read_text())
+    out: dict[str, Rows] = {}
+    for entry in manifest["files"]:
+        with h5py.File(directory / entry["file"], "r") as f:
+            for g in f["tables"].values():
+                name = json.loads(g.attrs["config"])["name"]
+                slots = g["slots"][...] if "slots" in g else np.zeros((len(g["ids"]), 0))
+                rows = out.setdefault(name, {})
+                for i, v, s, t in zip(g["ids"][...], g["values"][...], slots, g["steps"][...]):
+                    assert int(i) not in rows
+                    rows[int(i)] = (v.tobytes(), s.tobytes(), int(t))
+    return out
+
+
+def _train(client: Client, seed: int = 0) -> np.ndarray:
+    client.create_table("adam", 8, "normal", "adam", seed=1)
+    client.create_table("sgd", 3, "uniform", "sgd", seed=2)
+    client.create_table("user/ftrl", 5, "zeros", "ftrl", seed=3)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(2**63), 2**63 - 1, 5000, dtype=np.int64)
+    ids[:100] = [-(2**63)] * 50 + [2**63 - 1] * 50
+    for step in range(3):
+        batch = ids[step * 1000 : step * 1000 + 2000]
+        for name, dim in (("adam", 8), ("sgd", 3), ("user/ftrl", 5)):
+            client.pull(name, batch)
+            client.push(name, batch, rng.normal(size=(len(batch), dim)).astype(np.float32), 0.1)
+    return ids
+
+
+def test_save_two_shards_load_three_identical_rows_and_slots(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    two = start_cluster(2)
+    with two.client() as client:
+        ids = _train(client)
+        expected = {name: client.pull(name, ids) for name in ("adam", "sgd", "user/ftrl")}
+        manifest = client.save(str(tmp_path / "ck2"))
+    assert manifest["num_shards"] == 2 and len(manifest["files"]) == 2
+    three = start_cluster(3)
+    with three.client() as client:
+        loaded = client.load(str(tmp_path / "ck2"))
+        assert {n: e["rows"] for n, e in loaded.items()} == {
+            t["config"]["name"]: t["rows"] for t in manifest["tables"]
+        }
+        for name, rows in expected.items():
+            np.testing.assert_array_equal(client.pull(name, ids, training=False), rows)
+        client.save(str(tmp_path / "ck3"))
+    # Values, optimizer slots and Adam step counts all survive the re-shard.
+    assert _checkpoint_rows(tmp_path / "ck2") == _checkpoint_rows(tmp_path / "ck3")
+
+
+def test_server_loads_checkpoint_at_start(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    one = start_cluster(1)
+    with one.client() as client:
+        ids = _train(client)
+        expected = client.pull("adam", ids)
+        client.save(str(tmp_path / "ck"))
+    restarted = start_cluster(2, "--load-from", str(tmp_path / "ck"))
+    with restarted.client() as client:
+        np.testing.assert_array_equal(client.pull("adam", ids), expected)
+
+
+def test_saving_again_replaces_the_previous_files(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    cluster = start_cluster(2)
+    path = tmp_path / "ck"
+    with cluster.client() as client:
+        client.create_table("t", 4)
+        client.pull("t", np.arange(100))
+        first = client.save(str(path))
+        client.push("t", np.arange(100), np.ones((100, 4), np.float32), 1.0)
+        after = client.pull("t", np.arange(100))
+        second = client.save(str(path))
+        assert {f["file"] for f in first["files"]}.isdisjoint(f["file"] for f in second["files"])
+        assert sorted(os.listdir(path)) == sorted(["MANIFEST.json"] + [f["file"] for f in second["files"]])
+        client.push("t", np.arange(100), np.ones((100, 4), np.float32), 1.0)
+        client.load(str(path))
+        np.testing.assert_array_equal(client.pull("t", np.arange(100)), after)
+
+
+def _broken_checkpoint(cluster: Cluster, path: Path) -> tuple[Client, np.ndarray, dict[str, Any]]:
+    client = cluster.client()
+    client.create_table("t", 4, "uniform", "adagrad")
+    ids = np.arange(1000)
+    client.push("t", ids, np.ones((1000, 4), np.float32), 0.1)
+    manifest = client.save(str(path))
+    client.push("t", ids, np.ones((1000, 4), np.float32), 0.1)  # state differs from the checkpoint
+    return client, client.pull("t", ids), manifest
+
+
+def test_missing_shard_file_fails_and_changes_nothing(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    client, before, manifest = _broken_checkpoint(start_cluster(2), tmp_path / "ck")
+    os.remove(tmp_path / "ck" / manifest["files"][1]["file"])
+    with pytest.raises(errors.FailedPreconditionError, match="named in the manifest is missing"):
+        client.load(str(tmp_path / "ck"))
+    np.testing.assert_array_equal(client.pull("t", np.arange(1000)), before)
+    client.close()
+
+
+def test_corrupt_shard_file_fails_and_changes_nothing(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    client, before, manifest = _broken_checkpoint(start_cluster(2), tmp_path / "ck")
+    victim = tmp_path / "ck" / manifest["files"][0]["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(errors.FailedPreconditionError, match="is corrupt: SHA-256"):
+        client.load(str(tmp_path / "ck"))
+    np.testing.assert_array_equal(client.pull("t", np.arange(1000)), before)
+    client.close()
+
+
+def test_mismatched_table_config_fails_and_changes_nothing(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    cluster = start_cluster(1)
+    with cluster.client() as client:
+        client.create_table("t", 4, "uniform", "adagrad")
+        client.save(str(tmp_path / "ck"))
+        client.drop_table("t")
+        client.create_table("t", 8, "uniform", "sgd")
+        before = client.pull("t", np.arange(10))
+        with pytest.raises(errors.FailedPreconditionError, match=r"dim: 8 vs 4.*optimizer.kind: sgd vs adagrad"):
+            client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("t", np.arange(10)), before)
+
+
+def test_no_manifest_means_no_checkpoint(start_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
+    cluster = start_cluster(1)
+    (tmp_path / "empty").mkdir()
+    with cluster.client() as client, pytest.raises(errors.NotFoundError, match="MANIFEST.json is missing"):
+        client.load(str(tmp_path / "empty"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "MANIFEST.json").write_text("{not json")
+    with cluster.client() as client, pytest.raises(errors.FailedPreconditionError, match="not valid JSON"):
+        client.load(str(tmp_path / "bad"))
+
+
+@pytest.fixture
+def s3_endpoint() -> Iterator[str]:
+    """A real S3 API server (moto) on loopback, port 0."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{server._server.server_port}"  # type: ignore[attr-defined]
+    finally:
+        server.stop()
+
+
+def test_s3_round_trip(
+    start_cluster: Callable[..., Cluster], s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem(anon=False).mkdir("ckpt-bucket")
+    cluster = start_cluster(2, env=env)
+    with cluster.client() as client:
+        ids = _train(client)
+        expected = client.pull("adam", ids)
+        manifest = client.save("s3://ckpt-bucket/run/step-10")
+        client.push("adam", ids, np.ones((len(ids), 8), np.float32), 1.0)
+        client.load("s3://ckpt-bucket/run/step-10")
+        np.testing.assert_array_equal(client.pull("adam", ids), expected)
+    listing = s3fs.S3FileSystem().ls("ckpt-bucket/run/step-10")
+    assert sorted(p.rsplit("/", 1)[1] for p in listing) == sorted(
+        ["MANIFEST.json"] + [f["file"] for f in manifest["files"]]
+    )
+    restarted = start_cluster(3, env=env)
+    with restarted.client() as client:
+        client.load("s3://ckpt-bucket/run/step-10")
+        np.testing.assert_array_equal(client.pull("adam", ids), expected)
+
+
+def test_memory_filesystem_with_in_process_shards() -> None:
+    servers = [ShardServer(i, 2, bind="127.0.0.1").start() for i in range(2)]
+    try:
+        with Client([s.address for s in servers]) as client:
+            ids = _train(client)
+            expected = client.pull("sgd", ids)
+            client.save("memory://ckpt/a")
+            client.drop_table("sgd")
+            client.load("memory://ckpt/a")
+            np.testing.assert_array_equal(client.pull("sgd", ids), expected)
+    finally:
+        for s in servers:
+            s.stop()
