@@ -47,7 +47,11 @@ def tf_compile_flags() -> list[str]:
     """TensorFlow's compile flags minus its include path (the native core
     includes no TF header)."""
     out = subprocess.run(
-        [sys.executable, "-c", "import tensorflow as tf; print('\\n'.join(tf.sysconfig.get_compile_flags()))"],
+        [
+            sys.executable,
+            "-c",
+            "import tensorflow as tf; print('\\n'.join(tf.sysconfig.get_compile_flags()))",
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -73,8 +77,15 @@ class BuildExt(build_ext):
         proto = "tf_dlt/proto/dlt.proto"
         include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
         rc = protoc.main(
-            ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={ROOT}",
-             f"--grpc_python_out={ROOT}", f"--pyi_out={ROOT}", os.path.join(ROOT, proto)]
+            [
+                "protoc",
+                f"-I{ROOT}",
+                f"-I{include}",
+                f"--python_out={ROOT}",
+                f"--grpc_python_out={ROOT}",
+                f"--pyi_out={ROOT}",
+                os.path.join(ROOT, proto),
+            ]
         )
         if rc != 0:
             raise RuntimeError(f"protoc failed on {proto}")
@@ -103,7 +114,11 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tf_dlt", "tf_dlt.*"]) + ["tf_dlt.layers", "tf_dlt.transpiler"],
-    package_dir={"tf_dlt": "tf_dlt", "tf_dlt.layers": "keras_layers", "tf_dlt.transpiler": "transpiler"},
+    package_dir={
+        "tf_dlt": "tf_dlt",
+        "tf_dlt.layers": "keras_layers",
+        "tf_dlt.transpiler": "transpiler",
+    },
     package_data={"tf_dlt.proto": ["*.proto", "*.pyi"]},
     ext_modules=[native],
     cmdclass={"build_ext": BuildExt},

@@ -34,7 +34,9 @@ def pull(request_id: int, table: str, dim: int, ids: list[int], mode: int = 0) -
     return frame(PULL, request_id, fixed + _name(table) + struct.pack(f"<{len(ids)}q", *ids))
 
 
-def push(request_id: int, table: str, dim: int, ids: list[int], grads: np.ndarray, lr: float) -> bytes:
+def push(
+    request_id: int, table: str, dim: int, ids: list[int], grads: np.ndarray, lr: float
+) -> bytes:
     fixed = struct.pack("<IIHBBf", dim, len(ids), len(table.encode()), 0, 0, lr)
     body = struct.pack(f"<{len(ids)}q", *ids) + np.asarray(grads, "<f4").tobytes()
     return frame(PUSH, request_id, fixed + _name(table) + body)

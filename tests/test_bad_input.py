@@ -8,14 +8,15 @@ import socket
 import struct
 from collections.abc import Callable
 
-import frames
 import grpc
 import numpy as np
 import pytest
 
-from conftest import Cluster
 from tf_dlt import _native, errors
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+import frames
+from conftest import Cluster
 
 
 def _connect(cluster: Cluster) -> socket.socket:
@@ -51,9 +52,13 @@ def test_wrong_dtypes_are_rejected(one: Cluster) -> None:
 
 def test_unknown_table_and_dim_mismatch(one: Cluster) -> None:
     raw = _native.Client(one.addresses)
-    with pytest.raises(errors.NotFoundError, match=r"shard 0 \(127.0.0.1:\d+\) Pull: no table 'nope'.*'emb'"):
+    with pytest.raises(
+        errors.NotFoundError, match=r"shard 0 \(127.0.0.1:\d+\) Pull: no table 'nope'.*'emb'"
+    ):
         raw.pull("nope", 4, np.array([1], np.int64))
-    with pytest.raises(errors.InvalidArgumentError, match="table 'emb' has dim 4, the request says 8"):
+    with pytest.raises(
+        errors.InvalidArgumentError, match="table 'emb' has dim 4, the request says 8"
+    ):
         raw.pull("emb", 8, np.array([1], np.int64))
     with pytest.raises(errors.InvalidArgumentError, match="has dim 4, the request says 2"):
         raw.push("emb", 2, np.array([1], np.int64), np.ones((1, 2), np.float32), 0.1)
@@ -80,7 +85,9 @@ def test_invalid_table_configs(one: Cluster) -> None:
     with one.client() as client:
         with pytest.raises(errors.InvalidArgumentError, match="letters, digits"):
             client.create_table("bad name!", 4)
-        with pytest.raises(errors.InvalidArgumentError, match=r"dim must be in \[1, 65536\], got 0"):
+        with pytest.raises(
+            errors.InvalidArgumentError, match=r"dim must be in \[1, 65536\], got 0"
+        ):
             client.create_table("x", 0)
         with pytest.raises(errors.InvalidArgumentError, match="unknown optimizer 'rmsprop'"):
             client.create_table("x", 4, optimizer="rmsprop")
@@ -91,7 +98,9 @@ def test_invalid_table_configs(one: Cluster) -> None:
         client.create_table("emb", 4, "uniform", "adagrad")  # identical: fine
 
 
-def test_oversize_frame_is_refused_and_server_survives(start_cluster: Callable[..., Cluster]) -> None:
+def test_oversize_frame_is_refused_and_server_survives(
+    start_cluster: Callable[..., Cluster],
+) -> None:
     cluster = start_cluster(1, "--max-frame-bytes", "65536")
     with cluster.client() as client:
         client.create_table("emb", 4)
@@ -152,7 +161,9 @@ def test_truncated_frames_and_malformed_payloads(one: Cluster) -> None:
         assert frames.read_frame(sock)[:3] == (frames.PULL, frames.RESPONSE, 3)
         sock.sendall(frames.frame(77, 4, b""))  # unknown opcode
         opcode, _, rid, payload = frames.read_frame(sock)
-        assert (opcode, rid) == (frames.ERROR, 4) and "unknown opcode 77" in frames.error_of(payload)[1]
+        assert (opcode, rid) == (frames.ERROR, 4) and "unknown opcode 77" in frames.error_of(
+            payload
+        )[1]
     _still_serves(one)
 
 
@@ -171,7 +182,9 @@ def test_auth_token_on_both_planes(start_cluster: Callable[..., Cluster]) -> Non
         client.create_table("emb", 4)
         client.pull("emb", [1, 2])
     with pytest.raises(errors.UnauthenticatedError, match="Hello: wrong or missing auth token"):
-        _native.Client(cluster.addresses, auth_token="wrong").pull("emb", 4, np.array([1], np.int64))
+        _native.Client(cluster.addresses, auth_token="wrong").pull(
+            "emb", 4, np.array([1], np.int64)
+        )
     with pytest.raises(errors.UnauthenticatedError):
         _native.Client(cluster.addresses).pull("emb", 4, np.array([1], np.int64))
     with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}") as channel:

@@ -13,9 +13,10 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import Cluster
 from tf_dlt import Client, errors
 from tf_dlt.server import ShardServer
+
+from conftest import Cluster
 
 Rows = dict[int, tuple[bytes, bytes, int]]
 
@@ -30,7 +31,9 @@ def _checkpoint_rows(directory: Path) -> dict[str, Rows]:
                 name = json.loads(g.attrs["config"])["name"]
                 slots = g["slots"][...] if "slots" in g else np.zeros((len(g["ids"]), 0))
                 rows = out.setdefault(name, {})
-                for i, v, s, t in zip(g["ids"][...], g["values"][...], slots, g["steps"][...]):
+                for i, v, s, t in zip(
+                    g["ids"][...], g["values"][...], slots, g["steps"][...], strict=True
+                ):
                     assert int(i) not in rows
                     rows[int(i)] = (v.tobytes(), s.tobytes(), int(t))
     return out
@@ -99,7 +102,9 @@ def test_saving_again_replaces_the_previous_files(
         after = client.pull("t", np.arange(100))
         second = client.save(str(path))
         assert {f["file"] for f in first["files"]}.isdisjoint(f["file"] for f in second["files"])
-        assert sorted(os.listdir(path)) == sorted(["MANIFEST.json"] + [f["file"] for f in second["files"]])
+        assert sorted(os.listdir(path)) == sorted(
+            ["MANIFEST.json"] + [f["file"] for f in second["files"]]
+        )
         client.push("t", np.arange(100), np.ones((100, 4), np.float32), 1.0)
         client.load(str(path))
         np.testing.assert_array_equal(client.pull("t", np.arange(100)), after)
@@ -150,19 +155,29 @@ def test_mismatched_table_config_fails_and_changes_nothing(
         client.drop_table("t")
         client.create_table("t", 8, "uniform", "sgd")
         before = client.pull("t", np.arange(10))
-        with pytest.raises(errors.FailedPreconditionError, match=r"dim: 8 vs 4.*optimizer.kind: sgd vs adagrad"):
+        with pytest.raises(
+            errors.FailedPreconditionError, match=r"dim: 8 vs 4.*optimizer.kind: sgd vs adagrad"
+        ):
             client.load(str(tmp_path / "ck"))
         np.testing.assert_array_equal(client.pull("t", np.arange(10)), before)
 
 
-def test_no_manifest_means_no_checkpoint(start_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
+def test_no_manifest_means_no_checkpoint(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
     cluster = start_cluster(1)
     (tmp_path / "empty").mkdir()
-    with cluster.client() as client, pytest.raises(errors.NotFoundError, match="MANIFEST.json is missing"):
+    with (
+        cluster.client() as client,
+        pytest.raises(errors.NotFoundError, match="MANIFEST.json is missing"),
+    ):
         client.load(str(tmp_path / "empty"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "MANIFEST.json").write_text("{not json")
-    with cluster.client() as client, pytest.raises(errors.FailedPreconditionError, match="not valid JSON"):
+    with (
+        cluster.client() as client,
+        pytest.raises(errors.FailedPreconditionError, match="not valid JSON"),
+    ):
         client.load(str(tmp_path / "bad"))
 
 

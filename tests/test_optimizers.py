@@ -94,9 +94,13 @@ def test_sparse_optimizers_match_tf_kernels(optimizer: str) -> None:
     got = np.stack([rows[i][0] for i in range(40)])
     np.testing.assert_allclose(got, var.numpy(), **TOL)
     if optimizer in ("adagrad", "ftrl"):
-        np.testing.assert_allclose(np.stack([rows[i][1][:DIM] for i in range(40)]), accum.numpy(), **TOL)
+        np.testing.assert_allclose(
+            np.stack([rows[i][1][:DIM] for i in range(40)]), accum.numpy(), **TOL
+        )
     if optimizer == "ftrl":
-        np.testing.assert_allclose(np.stack([rows[i][1][DIM:] for i in range(40)]), linear.numpy(), **TOL)
+        np.testing.assert_allclose(
+            np.stack([rows[i][1][DIM:] for i in range(40)]), linear.numpy(), **TOL
+        )
 
 
 def test_adam_matches_tf_kernel_with_per_row_steps() -> None:

@@ -9,9 +9,9 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-import frames
 import numpy as np
 
+import frames
 from conftest import Cluster
 
 GOLDEN = Path(__file__).parent / "data" / "frames_golden.txt"
@@ -35,7 +35,9 @@ def test_golden_frames_follow_the_spec() -> None:
     )
     grads = np.array([[0.5, -0.5], [1.0, 2.0]], np.float32)
     assert g["push_request"] == frames.push(3, "ctr/user1", 2, [7, -7], grads, np.float32(0.01))
-    assert g["push_reply"] == frames.frame(frames.PUSH, 3, struct.pack("<II", 2, 0), frames.RESPONSE)
+    assert g["push_reply"] == frames.frame(
+        frames.PUSH, 3, struct.pack("<II", 2, 0), frames.RESPONSE
+    )
     msg = b"no table 'x'"
     assert g["error"] == frames.frame(
         frames.ERROR, 4, struct.pack("<II", 5, len(msg)) + msg, frames.RESPONSE

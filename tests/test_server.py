@@ -15,9 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import Cluster, stop_process
 from tf_dlt import _native
 from tf_dlt.table_config import TableConfig
+
+from conftest import Cluster, stop_process
 
 EXTREMES = [-(2**63), -(2**63) + 1, -1, 0, 1, 2**63 - 2, 2**63 - 1]
 

@@ -25,7 +25,15 @@ _LAZY = {
     "routing": ("tf_dlt.routing", None),
 }
 
-__all__ = ["Client", "TableConfig", "__version__", "errors", "initializers", "optimizers", "routing"]
+__all__ = [
+    "Client",
+    "TableConfig",
+    "__version__",
+    "errors",
+    "initializers",
+    "optimizers",
+    "routing",
+]
 
 
 def __getattr__(name: str) -> Any:

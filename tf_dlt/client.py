@@ -21,7 +21,6 @@ from google.protobuf import json_format
 from tf_dlt import _native, errors, grpc_util, initializers, manifest, optimizers
 from tf_dlt.table_config import TableConfig
 
-
 _PULL_MODES = {"init": 1, "zeros": 2}
 
 
@@ -95,7 +94,7 @@ class Client:
         if not self._stubs:
             from tf_dlt.proto import dlt_pb2_grpc
 
-            for address, info in zip(self.pservers, self.shard_infos()):
+            for address, info in zip(self.pservers, self.shard_infos(), strict=True):
                 host = address.rsplit(":", 1)[0]
                 channel = grpc.insecure_channel(
                     f"{host}:{info['admin_port']}",
@@ -306,5 +305,3 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-

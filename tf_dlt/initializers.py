@@ -8,7 +8,7 @@ insertion order or process. ``get("uniform")`` or an instance selects one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 from tf_dlt import errors
 
@@ -94,7 +94,7 @@ _BY_NAME: dict[str, type[Initializer]] = {
     "truncated_normal": TruncatedNormal,
 }
 
-InitializerLike = Union[str, Initializer, dict[str, Any]]
+InitializerLike = str | Initializer | dict[str, Any]
 
 
 def get(identifier: InitializerLike) -> Initializer:

@@ -64,7 +64,10 @@ def write_manifest(path: str, parts: list[dict[str, Any]], save_id: str) -> dict
         "num_buckets": NUM_BUCKETS,
         "tables": [tables[name] for name in sorted(tables)],
         "files": [
-            {k: p[k] for k in ("file", "sha256", "bytes", "shard_index", "first_bucket", "end_bucket")}
+            {
+                k: p[k]
+                for k in ("file", "sha256", "bytes", "shard_index", "first_bucket", "end_bucket")
+            }
             for p in parts
         ],
     }
@@ -96,7 +99,7 @@ def read_manifest(path: str) -> dict[str, Any]:
     fs, root = filesystem(path)
     try:
         with fs.open(f"{root}/{MANIFEST}", "rb") as f:
-            manifest = json.loads(f.read())
+            manifest: dict[str, Any] = json.loads(f.read())
     except FileNotFoundError:
         raise errors.NotFoundError(
             f"no committed checkpoint at {path!r}: {MANIFEST} is missing"

@@ -9,7 +9,7 @@ hyper-parameters below are fixed when the table is created.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any
 
 from tf_dlt import errors
 
@@ -91,7 +91,7 @@ _BY_NAME: dict[str, type[Optimizer]] = {
     "ftrl": Ftrl,
 }
 
-OptimizerLike = Union[str, Optimizer, dict[str, Any]]
+OptimizerLike = str | Optimizer | dict[str, Any]
 
 
 def get(identifier: OptimizerLike) -> Optimizer:

@@ -53,8 +53,10 @@ class TableConfig:
             raise errors.InvalidArgumentError(f"table name must be a str, got {name!r}")
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
             raise errors.InvalidArgumentError(f"dim must be an int, got {dim!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
-            0 <= seed < 2**64
+        if (
+            isinstance(seed, bool)
+            or not isinstance(seed, (int, np.integer))
+            or not (0 <= seed < 2**64)
         ):
             raise errors.InvalidArgumentError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if not 1 <= int(dim) <= 65536:

@@ -15,9 +15,7 @@ constexpr double kTruncation = 2.0;
 constexpr int kMaxRedraws = 64;
 
 // Counter-based generator: the n-th 64-bit draw for a row key.
-inline uint64_t Draw(uint64_t row_key, uint64_t n) {
-  return Mix64(row_key + (n + 1) * kGolden);
-}
+inline uint64_t Draw(uint64_t row_key, uint64_t n) { return Mix64(row_key + (n + 1) * kGolden); }
 
 // Uniform in [0, 1) with 24 random bits, exact in float.
 inline float UnitFloat(uint64_t bits) {
@@ -37,8 +35,8 @@ inline double StandardNormal(uint64_t row_key, uint64_t n) {
 
 }  // namespace
 
-void InitializeRow(const InitializerConfig& c, uint64_t seed, int64_t id,
-                   uint32_t dim, float* out) {
+void InitializeRow(const InitializerConfig& c, uint64_t seed, int64_t id, uint32_t dim,
+                   float* out) {
   const uint64_t row_key = Mix64(Mix64(seed ^ kGolden) ^ static_cast<uint64_t>(id));
   switch (c.kind) {
     case InitializerKind::kZeros:

@@ -11,8 +11,8 @@
 namespace dlt {
 
 // Writes the `dim` initial values of `id` into `out`.
-void InitializeRow(const InitializerConfig& config, uint64_t seed, int64_t id,
-                   uint32_t dim, float* out);
+void InitializeRow(const InitializerConfig& config, uint64_t seed, int64_t id, uint32_t dim,
+                   float* out);
 
 // Writes the initial optimizer slots of one row (`SlotsPerValue * dim` floats).
 void InitializeSlots(const OptimizerConfig& config, uint32_t dim, float* slots);

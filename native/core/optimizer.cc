@@ -10,8 +10,8 @@ void ApplySgd(uint32_t dim, float lr, const float* g, float* w) {
 }
 
 // ResourceSparseApplyAdagradV2: acc += g^2; w -= lr * g / (sqrt(acc) + eps).
-void ApplyAdagrad(const OptimizerConfig& c, uint32_t dim, float lr,
-                  const float* g, float* w, float* acc) {
+void ApplyAdagrad(const OptimizerConfig& c, uint32_t dim, float lr, const float* g, float* w,
+                  float* acc) {
   for (uint32_t j = 0; j < dim; ++j) {
     acc[j] += g[j] * g[j];
     w[j] -= lr * g[j] / (std::sqrt(acc[j]) + c.epsilon);
@@ -21,8 +21,8 @@ void ApplyAdagrad(const OptimizerConfig& c, uint32_t dim, float lr,
 // ResourceApplyAdam on the touched row with a per-row step count t:
 // lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
 // v += (g^2 - v)(1 - b2); w -= lr_t * m / (eps + sqrt(v)).
-void ApplyAdam(const OptimizerConfig& c, uint32_t dim, float lr,
-               const float* g, float* w, float* m, float* v, uint32_t* step) {
+void ApplyAdam(const OptimizerConfig& c, uint32_t dim, float lr, const float* g, float* w, float* m,
+               float* v, uint32_t* step) {
   if (*step != UINT32_MAX) ++*step;
   const float t = static_cast<float>(*step);
   const float b1_power = std::pow(c.beta1, t);
@@ -38,8 +38,8 @@ void ApplyAdam(const OptimizerConfig& c, uint32_t dim, float lr,
 }
 
 // ResourceSparseApplyFtrl (no l2 shrinkage, linear not multiplied by lr).
-void ApplyFtrl(const OptimizerConfig& c, uint32_t dim, float lr,
-               const float* g, float* w, float* acc, float* linear) {
+void ApplyFtrl(const OptimizerConfig& c, uint32_t dim, float lr, const float* g, float* w,
+               float* acc, float* linear) {
   const float p = c.learning_rate_power;
   const bool sqrt_power = p == -0.5f;
   for (uint32_t j = 0; j < dim; ++j) {
@@ -57,8 +57,8 @@ void ApplyFtrl(const OptimizerConfig& c, uint32_t dim, float lr,
 
 }  // namespace
 
-void ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr,
-              const float* grad, float* values, float* slots, uint32_t* step) {
+void ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr, const float* grad, float* values,
+              float* slots, uint32_t* step) {
   switch (c.kind) {
     case OptimizerKind::kSgd:
       ApplySgd(dim, lr, grad, values);

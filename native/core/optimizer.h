@@ -12,8 +12,8 @@ namespace dlt {
 
 // Updates `values` (dim floats), `slots` (SlotsPerValue(kind) * dim floats)
 // and the row's step count with gradient `grad` and learning rate `lr`.
-void ApplyRow(const OptimizerConfig& config, uint32_t dim, float lr,
-              const float* grad, float* values, float* slots, uint32_t* step);
+void ApplyRow(const OptimizerConfig& config, uint32_t dim, float lr, const float* grad,
+              float* values, float* slots, uint32_t* step);
 
 }  // namespace dlt
 

@@ -20,26 +20,20 @@ inline uint64_t Mix64(uint64_t x) {
   return x;
 }
 
-inline uint32_t BucketOfHash(uint64_t h) {
-  return static_cast<uint32_t>(h % kNumBuckets);
-}
+inline uint32_t BucketOfHash(uint64_t h) { return static_cast<uint32_t>(h % kNumBuckets); }
 
-inline uint32_t BucketOf(int64_t id) {
-  return BucketOfHash(Mix64(static_cast<uint64_t>(id)));
-}
+inline uint32_t BucketOf(int64_t id) { return BucketOfHash(Mix64(static_cast<uint64_t>(id))); }
 
 // The default bucket map: shard i owns the contiguous bucket range
 // [FirstBucket(i, n), FirstBucket(i + 1, n)).
 inline uint32_t ShardOfBucket(uint32_t bucket, uint32_t num_shards) {
-  return static_cast<uint32_t>(
-      (static_cast<uint64_t>(bucket) * num_shards) / kNumBuckets);
+  return static_cast<uint32_t>((static_cast<uint64_t>(bucket) * num_shards) / kNumBuckets);
 }
 
 inline uint32_t FirstBucket(uint32_t shard, uint32_t num_shards) {
   // Smallest b with b * n / B >= shard.
-  return static_cast<uint32_t>(
-      (static_cast<uint64_t>(shard) * kNumBuckets + num_shards - 1) /
-      num_shards);
+  return static_cast<uint32_t>((static_cast<uint64_t>(shard) * kNumBuckets + num_shards - 1) /
+                               num_shards);
 }
 
 inline uint32_t ShardOf(int64_t id, uint32_t num_shards) {

@@ -19,8 +19,8 @@ Status Shard::CreateTable(const TableConfig& config, bool* created) {
   auto it = tables_.find(config.name);
   if (it != tables_.end()) {
     if (SameTable(it->second->config(), config)) return OkStatus();
-    return AlreadyExists("table " + Describe(it->second->config()) +
-                         " exists; cannot create " + Describe(config));
+    return AlreadyExists("table " + Describe(it->second->config()) + " exists; cannot create " +
+                         Describe(config));
   }
   tables_.emplace(config.name, std::make_shared<Table>(config));
   *created = true;
@@ -30,14 +30,12 @@ Status Shard::CreateTable(const TableConfig& config, bool* created) {
 Status Shard::DropTable(const std::string& name) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (tables_.erase(name) == 0) {
-    return NotFound("no table '" + name + "' on shard " +
-                    std::to_string(shard_index_));
+    return NotFound("no table '" + name + "' on shard " + std::to_string(shard_index_));
   }
   return OkStatus();
 }
 
-Status Shard::GetTable(const std::string& name,
-                       std::shared_ptr<Table>* table) const {
+Status Shard::GetTable(const std::string& name, std::shared_ptr<Table>* table) const {
   std::shared_lock<std::shared_mutex> lock(mu_);
   auto it = tables_.find(name);
   if (it != tables_.end()) {
@@ -48,9 +46,8 @@ Status Shard::GetTable(const std::string& name,
   for (const auto& entry : tables_) {
     known += (known.empty() ? "'" : ", '") + entry.first + "'";
   }
-  return NotFound("no table '" + name + "' on shard " +
-                  std::to_string(shard_index_) + " (tables: " +
-                  (known.empty() ? "none" : known) + ")");
+  return NotFound("no table '" + name + "' on shard " + std::to_string(shard_index_) +
+                  " (tables: " + (known.empty() ? "none" : known) + ")");
 }
 
 std::vector<std::shared_ptr<Table>> Shard::Tables() const {
@@ -71,11 +68,10 @@ Status Shard::CheckOwnership(const int64_t* ids, size_t n) const {
   for (size_t i = 0; i < n; ++i) {
     const uint32_t bucket = BucketOf(ids[i]);
     if (!OwnsBucket(bucket)) {
-      return InvalidArgument(
-          "id " + std::to_string(ids[i]) + " routes to shard " +
-          std::to_string(ShardOfBucket(bucket, num_shards_)) + " of " +
-          std::to_string(num_shards_) + ", not to this shard " +
-          std::to_string(shard_index_) + "; the client's shard list is wrong");
+      return InvalidArgument("id " + std::to_string(ids[i]) + " routes to shard " +
+                             std::to_string(ShardOfBucket(bucket, num_shards_)) + " of " +
+                             std::to_string(num_shards_) + ", not to this shard " +
+                             std::to_string(shard_index_) + "; the client's shard list is wrong");
     }
   }
   return OkStatus();

@@ -24,9 +24,7 @@ class Shard {
   uint32_t num_shards() const { return num_shards_; }
   uint32_t first_bucket() const { return first_bucket_; }
   uint32_t end_bucket() const { return end_bucket_; }
-  bool OwnsBucket(uint32_t bucket) const {
-    return bucket >= first_bucket_ && bucket < end_bucket_;
-  }
+  bool OwnsBucket(uint32_t bucket) const { return bucket >= first_bucket_ && bucket < end_bucket_; }
 
   // Creates a table. Creating one that exists with the same configuration
   // succeeds with *created = false; a different configuration is

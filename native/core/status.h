@@ -32,8 +32,7 @@ bool IsWireCode(uint32_t code);
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(Code code, std::string message)
-      : code_(code), message_(std::move(message)) {}
+  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
 
   bool ok() const { return code_ == Code::kOk; }
   Code code() const { return code_; }
@@ -52,24 +51,16 @@ inline Status OkStatus() { return Status(); }
 inline Status InvalidArgument(std::string m) {
   return Status(Code::kInvalidArgument, std::move(m));
 }
-inline Status NotFound(std::string m) {
-  return Status(Code::kNotFound, std::move(m));
-}
-inline Status AlreadyExists(std::string m) {
-  return Status(Code::kAlreadyExists, std::move(m));
-}
+inline Status NotFound(std::string m) { return Status(Code::kNotFound, std::move(m)); }
+inline Status AlreadyExists(std::string m) { return Status(Code::kAlreadyExists, std::move(m)); }
 inline Status ResourceExhausted(std::string m) {
   return Status(Code::kResourceExhausted, std::move(m));
 }
 inline Status FailedPrecondition(std::string m) {
   return Status(Code::kFailedPrecondition, std::move(m));
 }
-inline Status Internal(std::string m) {
-  return Status(Code::kInternal, std::move(m));
-}
-inline Status Unavailable(std::string m) {
-  return Status(Code::kUnavailable, std::move(m));
-}
+inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
+inline Status Unavailable(std::string m) { return Status(Code::kUnavailable, std::move(m)); }
 inline Status Unauthenticated(std::string m) {
   return Status(Code::kUnauthenticated, std::move(m));
 }

@@ -96,8 +96,7 @@ struct Table::Stripe {
     const uint32_t k = ChunkOf(num_records, &offset);
     if (k >= num_chunks) {
       if (k >= kMaxChunks) return kEmpty;
-      const size_t bytes = RoundUp(
-          (size_t{1} << (k + kBaseRecordsLog2)) * record_bytes, 4096);
+      const size_t bytes = RoundUp((size_t{1} << (k + kBaseRecordsLog2)) * record_bytes, 4096);
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) return kEmpty;
@@ -117,17 +116,13 @@ struct Table::Stripe {
 Table::Table(const TableConfig& config)
     : config_(config),
       slot_floats_(SlotsPerValue(config.optimizer.kind) * config.dim),
-      record_bytes_(RoundUp(sizeof(RowHeader) +
-                                sizeof(float) * (config.dim + slot_floats_),
-                            8)),
+      record_bytes_(RoundUp(sizeof(RowHeader) + sizeof(float) * (config.dim + slot_floats_), 8)),
       stripes_(new Stripe[kStripes]) {}
 
 Table::~Table() = default;
 
-void Table::GroupByStripe(const int64_t* ids, size_t n,
-                          std::vector<uint64_t>* hashes,
-                          std::vector<uint32_t>* order,
-                          std::vector<uint32_t>* starts) const {
+void Table::GroupByStripe(const int64_t* ids, size_t n, std::vector<uint64_t>* hashes,
+                          std::vector<uint32_t>* order, std::vector<uint32_t>* starts) const {
   hashes->resize(n);
   order->resize(n);
   starts->assign(kStripes + 1, 0);
@@ -163,8 +158,7 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
           missing.push_back(pos);
           continue;
         }
-        std::memcpy(out + size_t{pos} * dim,
-                    stripe.Record(rec, record_bytes_) + sizeof(RowHeader),
+        std::memcpy(out + size_t{pos} * dim, stripe.Record(rec, record_bytes_) + sizeof(RowHeader),
                     row_bytes);
       }
     }
@@ -175,8 +169,7 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     }
     if (mode == PullMode::kInitNoInsert) {
       for (uint32_t pos : missing) {
-        InitializeRow(config_.initializer, config_.seed, ids[pos], dim,
-                      out + size_t{pos} * dim);
+        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, out + size_t{pos} * dim);
       }
       continue;
     }
@@ -199,33 +192,28 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
         InitializeRow(config_.initializer, config_.seed, ids[pos], dim, values);
         InitializeSlots(config_.optimizer, dim, values + dim);
       }
-      std::memcpy(dst, stripe.Record(rec, record_bytes_) + sizeof(RowHeader),
-                  row_bytes);
+      std::memcpy(dst, stripe.Record(rec, record_bytes_) + sizeof(RowHeader), row_bytes);
     }
   }
 }
 
-Status Table::Push(const int64_t* ids, const float* grads, size_t n,
-                   float lr) {
+Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   if (!std::isfinite(lr) || lr < 0) {
-    return InvalidArgument("learning rate must be finite and >= 0, got " +
-                           std::to_string(lr));
+    return InvalidArgument("learning rate must be finite and >= 0, got " + std::to_string(lr));
   }
   if (config_.optimizer.kind == OptimizerKind::kFtrl && !(lr > 0)) {
-    return InvalidArgument("ftrl needs a learning rate > 0, got " +
-                           std::to_string(lr));
+    return InvalidArgument("ftrl needs a learning rate > 0, got " + std::to_string(lr));
   }
   const uint32_t dim = config_.dim;
   for (size_t i = 0; i < n * dim; ++i) {
     if (!std::isfinite(grads[i])) {
-      return InvalidArgument("gradient row " + std::to_string(i / dim) +
-                             " (id " + std::to_string(ids[i / dim]) +
+      return InvalidArgument("gradient row " + std::to_string(i / dim) + " (id " +
+                             std::to_string(ids[i / dim]) +
                              ") holds a non-finite value; nothing applied");
     }
   }
   thread_local std::vector<uint64_t> hashes;
-  thread_local std::vector<uint32_t> order, starts, recs, slot_of, firsts,
-      unique_of;
+  thread_local std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of;
   thread_local std::vector<float> summed;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   for (uint32_t s = 0; s < kStripes; ++s) {
@@ -285,13 +273,12 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n,
     }
     for (size_t u = 0; u < firsts.size(); ++u) {
       const uint32_t k = firsts[u];
-      const float* g = duplicates ? summed.data() + u * dim
-                                  : grads + size_t{order[begin + k]} * dim;
+      const float* g =
+          duplicates ? summed.data() + u * dim : grads + size_t{order[begin + k]} * dim;
       char* r = stripe.Record(recs[k], record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
       float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
-      ApplyRow(config_.optimizer, dim, lr, g, values, values + dim,
-               &header->step);
+      ApplyRow(config_.optimizer, dim, lr, g, values, values + dim, &header->step);
     }
   }
   return OkStatus();
@@ -321,8 +308,7 @@ void Table::Import(const int64_t* ids, const float* values, const float* slots,
       std::memcpy(row, values + size_t{pos} * dim, sizeof(float) * dim);
       if (slot_floats_ == 0) continue;
       if (slots) {
-        std::memcpy(row + dim, slots + size_t{pos} * slot_floats_,
-                    sizeof(float) * slot_floats_);
+        std::memcpy(row + dim, slots + size_t{pos} * slot_floats_, sizeof(float) * slot_floats_);
       } else {
         InitializeSlots(config_.optimizer, dim, row + dim);
       }
@@ -360,9 +346,7 @@ size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
       std::shared_lock<std::shared_mutex> lock(stripe.mu);
       order_.resize(stripe.num_records);
       for (uint32_t r = 0; r < stripe.num_records; ++r) {
-        const int64_t id = reinterpret_cast<const RowHeader*>(
-                               stripe.Record(r, record_bytes))
-                               ->id;
+        const int64_t id = reinterpret_cast<const RowHeader*>(stripe.Record(r, record_bytes))->id;
         order_[r] = Entry{BucketOf(id), r, id};
       }
       lock.unlock();
@@ -384,8 +368,7 @@ size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
         out.steps[written] = header->step;
         std::memcpy(out.values + written * dim, row, sizeof(float) * dim);
         if (slot_floats) {
-          std::memcpy(out.slots + written * slot_floats, row + dim,
-                      sizeof(float) * slot_floats);
+          std::memcpy(out.slots + written * slot_floats, row + dim, sizeof(float) * slot_floats);
         }
       }
     }

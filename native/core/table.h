@@ -31,10 +31,10 @@ static_assert(kNumBuckets % kStripes == 0, "stripes must split buckets evenly");
 
 // Rows copied out of a table by an Exporter; arrays sized by the caller.
 struct RowBuffers {
-  int64_t* ids = nullptr;     // [n]
-  float* values = nullptr;    // [n, dim]
-  float* slots = nullptr;     // [n, slot_floats]; may be null when 0 slots
-  uint32_t* steps = nullptr;  // [n]
+  int64_t* ids = nullptr;       // [n]
+  float* values = nullptr;      // [n, dim]
+  float* slots = nullptr;       // [n, slot_floats]; may be null when 0 slots
+  uint32_t* steps = nullptr;    // [n]
   uint32_t* buckets = nullptr;  // [n] routing bucket of each id
 };
 
@@ -61,8 +61,8 @@ class Table {
 
   // Inserts or overwrites rows. `slots` may be null (fresh slots) and
   // `steps` may be null (step 0).
-  void Import(const int64_t* ids, const float* values, const float* slots,
-              const uint32_t* steps, size_t n);
+  void Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
+              size_t n);
 
   size_t size() const;
   // Bytes in use: rows with their slots, plus the index.
@@ -95,14 +95,11 @@ class Table {
  private:
   struct Stripe;
 
-  uint32_t StripeOf(uint64_t hash) const {
-    return BucketOfHash(hash) / (kNumBuckets / kStripes);
-  }
+  uint32_t StripeOf(uint64_t hash) const { return BucketOfHash(hash) / (kNumBuckets / kStripes); }
   // Groups positions 0..n-1 by stripe into `order`; `starts` gets kStripes+1
   // offsets. `hashes` receives Mix64 of each id.
   void GroupByStripe(const int64_t* ids, size_t n, std::vector<uint64_t>* hashes,
-                     std::vector<uint32_t>* order,
-                     std::vector<uint32_t>* starts) const;
+                     std::vector<uint32_t>* order, std::vector<uint32_t>* starts) const;
 
   TableConfig config_;
   uint32_t slot_floats_;

@@ -13,17 +13,14 @@ bool Finite(float v) { return std::isfinite(v); }
 Status ValidateTableName(const std::string& name) {
   if (name.empty()) return InvalidArgument("table name must not be empty");
   if (name.size() > kMaxTableNameBytes) {
-    return InvalidArgument("table name is " + std::to_string(name.size()) +
-                           " bytes, at most " +
+    return InvalidArgument("table name is " + std::to_string(name.size()) + " bytes, at most " +
                            std::to_string(kMaxTableNameBytes) + " allowed");
   }
   for (char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                    (c >= '0' && c <= '9') || c == '_' || c == '-' ||
-                    c == '.' || c == '/';
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '-' || c == '.' || c == '/';
     if (!ok) {
-      return InvalidArgument("table name '" + name +
-                             "' may only hold letters, digits and _-./");
+      return InvalidArgument("table name '" + name + "' may only hold letters, digits and _-./");
     }
   }
   return OkStatus();
@@ -33,13 +30,12 @@ Status ValidateTableConfig(const TableConfig& c) {
   DLT_RETURN_IF_ERROR(ValidateTableName(c.name));
   const std::string where = "table '" + c.name + "': ";
   if (c.dim == 0 || c.dim > kMaxDim) {
-    return InvalidArgument(where + "dim must be in [1, " +
-                           std::to_string(kMaxDim) + "], got " +
+    return InvalidArgument(where + "dim must be in [1, " + std::to_string(kMaxDim) + "], got " +
                            std::to_string(c.dim));
   }
   const InitializerConfig& i = c.initializer;
-  if (!Finite(i.value) || !Finite(i.minval) || !Finite(i.maxval) ||
-      !Finite(i.mean) || !Finite(i.stddev)) {
+  if (!Finite(i.value) || !Finite(i.minval) || !Finite(i.maxval) || !Finite(i.mean) ||
+      !Finite(i.stddev)) {
     return InvalidArgument(where + "initializer parameters must be finite");
   }
   switch (i.kind) {
@@ -48,17 +44,18 @@ Status ValidateTableConfig(const TableConfig& c) {
       break;
     case InitializerKind::kUniform:
       if (!(i.minval < i.maxval)) {
-        return InvalidArgument(where + "uniform initializer needs minval < "
-                                       "maxval, got [" +
-                               std::to_string(i.minval) + ", " +
-                               std::to_string(i.maxval) + ")");
+        return InvalidArgument(where +
+                               "uniform initializer needs minval < "
+                               "maxval, got [" +
+                               std::to_string(i.minval) + ", " + std::to_string(i.maxval) + ")");
       }
       break;
     case InitializerKind::kNormal:
     case InitializerKind::kTruncatedNormal:
       if (!(i.stddev > 0)) {
-        return InvalidArgument(where + "normal initializer needs stddev > 0, "
-                                       "got " +
+        return InvalidArgument(where +
+                               "normal initializer needs stddev > 0, "
+                               "got " +
                                std::to_string(i.stddev));
       }
       break;
@@ -71,23 +68,25 @@ Status ValidateTableConfig(const TableConfig& c) {
     case OptimizerKind::kSgd:
       break;
     case OptimizerKind::kAdagrad:
-      if (!(o.initial_accumulator >= 0) || !(o.epsilon >= 0) ||
-          !Finite(o.initial_accumulator) || !Finite(o.epsilon)) {
-        return InvalidArgument(where + "adagrad needs finite "
-                                       "initial_accumulator >= 0 and "
-                                       "epsilon >= 0");
+      if (!(o.initial_accumulator >= 0) || !(o.epsilon >= 0) || !Finite(o.initial_accumulator) ||
+          !Finite(o.epsilon)) {
+        return InvalidArgument(where +
+                               "adagrad needs finite "
+                               "initial_accumulator >= 0 and "
+                               "epsilon >= 0");
       }
       if (o.initial_accumulator == 0 && o.epsilon == 0) {
-        return InvalidArgument(where + "adagrad with initial_accumulator = 0 "
-                                       "needs epsilon > 0");
+        return InvalidArgument(where +
+                               "adagrad with initial_accumulator = 0 "
+                               "needs epsilon > 0");
       }
       break;
     case OptimizerKind::kAdam:
       if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
-        return InvalidArgument(where + "adam needs beta1 and beta2 in [0, 1), "
-                                       "got " +
-                               std::to_string(o.beta1) + ", " +
-                               std::to_string(o.beta2));
+        return InvalidArgument(where +
+                               "adam needs beta1 and beta2 in [0, 1), "
+                               "got " +
+                               std::to_string(o.beta1) + ", " + std::to_string(o.beta2));
       }
       if (!(o.epsilon > 0) || !Finite(o.epsilon)) {
         return InvalidArgument(where + "adam needs a finite epsilon > 0");
@@ -95,8 +94,9 @@ Status ValidateTableConfig(const TableConfig& c) {
       break;
     case OptimizerKind::kFtrl:
       if (!(o.learning_rate_power <= 0) || !Finite(o.learning_rate_power)) {
-        return InvalidArgument(where + "ftrl needs learning_rate_power <= 0, "
-                                       "got " +
+        return InvalidArgument(where +
+                               "ftrl needs learning_rate_power <= 0, "
+                               "got " +
                                std::to_string(o.learning_rate_power));
       }
       if (!(o.l1 >= 0) || !(o.l2 >= 0) || !Finite(o.l1) || !Finite(o.l2)) {
@@ -161,22 +161,19 @@ bool SameTable(const TableConfig& a, const TableConfig& b) {
   const InitializerConfig& ib = b.initializer;
   const OptimizerConfig& oa = a.optimizer;
   const OptimizerConfig& ob = b.optimizer;
-  return a.name == b.name && a.dim == b.dim && a.seed == b.seed &&
-         ia.kind == ib.kind && ia.value == ib.value &&
-         ia.minval == ib.minval && ia.maxval == ib.maxval &&
+  return a.name == b.name && a.dim == b.dim && a.seed == b.seed && ia.kind == ib.kind &&
+         ia.value == ib.value && ia.minval == ib.minval && ia.maxval == ib.maxval &&
          ia.mean == ib.mean && ia.stddev == ib.stddev && oa.kind == ob.kind &&
-         oa.initial_accumulator == ob.initial_accumulator &&
-         oa.epsilon == ob.epsilon && oa.beta1 == ob.beta1 &&
-         oa.beta2 == ob.beta2 &&
-         oa.learning_rate_power == ob.learning_rate_power && oa.l1 == ob.l1 &&
-         oa.l2 == ob.l2;
+         oa.initial_accumulator == ob.initial_accumulator && oa.epsilon == ob.epsilon &&
+         oa.beta1 == ob.beta1 && oa.beta2 == ob.beta2 &&
+         oa.learning_rate_power == ob.learning_rate_power && oa.l1 == ob.l1 && oa.l2 == ob.l2;
 }
 
 std::string Describe(const TableConfig& c) {
   std::ostringstream out;
   out << "'" << c.name << "' (dim " << c.dim << ", seed " << c.seed << ", "
-      << InitializerName(c.initializer.kind) << " initializer, "
-      << OptimizerName(c.optimizer.kind) << ")";
+      << InitializerName(c.initializer.kind) << " initializer, " << OptimizerName(c.optimizer.kind)
+      << ")";
   return out.str();
 }
 

@@ -20,7 +20,7 @@ enum class InitializerKind : uint32_t {
 
 struct InitializerConfig {
   InitializerKind kind = InitializerKind::kZeros;
-  float value = 0.0f;  // kConstant
+  float value = 0.0f;     // kConstant
   float minval = -0.05f;  // kUniform
   float maxval = 0.05f;
   float mean = 0.0f;  // kNormal, kTruncatedNormal
@@ -37,8 +37,8 @@ enum class OptimizerKind : uint32_t {
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSgd;
   float initial_accumulator = 0.1f;  // kAdagrad, kFtrl
-  float epsilon = 1e-7f;  // kAdagrad, kAdam
-  float beta1 = 0.9f;  // kAdam
+  float epsilon = 1e-7f;             // kAdagrad, kAdam
+  float beta1 = 0.9f;                // kAdam
   float beta2 = 0.999f;
   float learning_rate_power = -0.5f;  // kFtrl
   float l1 = 0.0f;

@@ -40,13 +40,11 @@ struct Client::Call {
   wire::Opcode opcode = wire::Opcode::kPull;
   std::vector<Frame> frames;
   uint64_t first_request_id = 0;
-  std::function<Status(size_t frame, const uint8_t* payload, size_t bytes)>
-      on_reply;
+  std::function<Status(size_t frame, const uint8_t* payload, size_t bytes)> on_reply;
 
   // Fills up to `max_iov` iovecs with the unsent bytes from `offset` of frame
   // `frame_index` on; returns how many.
-  int FillIov(size_t frame_index, size_t offset, struct iovec* iov,
-              int max_iov) const;
+  int FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const;
 };
 
 namespace {
@@ -68,14 +66,13 @@ struct Io {
 
 }  // namespace
 
-int Client::Call::FillIov(size_t frame_index, size_t offset, struct iovec* iov,
-                          int max_iov) const {
+int Client::Call::FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const {
   int n = 0;
   for (size_t f = frame_index; f < frames.size() && n + 4 <= max_iov; ++f) {
     const Frame& fr = frames[f];
     const void* parts[4] = {fr.header, fr.prefix.data(), fr.body[0], fr.body[1]};
-    const size_t sizes[4] = {wire::kHeaderBytes, fr.prefix.size(),
-                             fr.body_bytes[0], fr.body_bytes[1]};
+    const size_t sizes[4] = {wire::kHeaderBytes, fr.prefix.size(), fr.body_bytes[0],
+                             fr.body_bytes[1]};
     for (int k = 0; k < 4; ++k) {
       if (offset >= sizes[k]) {
         offset -= sizes[k];
@@ -105,8 +102,7 @@ Client::~Client() {
 }
 
 std::string Client::Context(size_t shard, const char* op) const {
-  return "shard " + std::to_string(shard) + " (" + shards_[shard]->address +
-         ") " + op;
+  return "shard " + std::to_string(shard) + " (" + shards_[shard]->address + ") " + op;
 }
 
 uint32_t Client::ShardOf(int64_t id) const {
@@ -120,9 +116,7 @@ Status Client::Hello(size_t shard, int fd) {
   request.token = options_.auth_token;
   const std::string payload = wire::EncodeHelloRequest(request);
   uint8_t header[wire::kHeaderBytes];
-  wire::EncodeHeader({wire::Opcode::kHello, 0, 0,
-                      static_cast<uint32_t>(payload.size())},
-                     header);
+  wire::EncodeHeader({wire::Opcode::kHello, 0, 0, static_cast<uint32_t>(payload.size())}, header);
   struct iovec iov[2] = {{header, sizeof(header)},
                          {const_cast<char*>(payload.data()), payload.size()}};
   Status s = net::SendAll(fd, iov, 2, deadline);
@@ -142,18 +136,15 @@ Status Client::Hello(size_t shard, int fd) {
   wire::HelloReply reply;
   DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(p, body.size(), &reply));
   if (reply.num_buckets != kNumBuckets) {
-    return FailedPrecondition("server routes over " +
-                              std::to_string(reply.num_buckets) +
-                              " buckets, this client over " +
-                              std::to_string(kNumBuckets));
+    return FailedPrecondition("server routes over " + std::to_string(reply.num_buckets) +
+                              " buckets, this client over " + std::to_string(kNumBuckets));
   }
   if (reply.num_shards != shards_.size() || reply.shard_index != shard) {
-    return FailedPrecondition(
-        "server says it is shard " + std::to_string(reply.shard_index) +
-        " of " + std::to_string(reply.num_shards) +
-        ", but the client lists it as shard " + std::to_string(shard) +
-        " of " + std::to_string(shards_.size()) +
-        "; list the shard addresses in shard-index order");
+    return FailedPrecondition("server says it is shard " + std::to_string(reply.shard_index) +
+                              " of " + std::to_string(reply.num_shards) +
+                              ", but the client lists it as shard " + std::to_string(shard) +
+                              " of " + std::to_string(shards_.size()) +
+                              "; list the shard addresses in shard-index order");
   }
   ShardState& st = *shards_[shard];
   std::lock_guard<std::mutex> lock(st.mu);
@@ -235,8 +226,7 @@ Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
   return OkStatus();
 }
 
-Status Client::Exchange(std::vector<Call>* calls, const char* op,
-                        bool* any_reused) {
+Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reused) {
   *any_reused = false;
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
@@ -262,9 +252,8 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op,
     for (size_t f = 0; f < call.frames.size(); ++f) {
       Call::Frame& fr = call.frames[f];
       const size_t payload = fr.Bytes() - wire::kHeaderBytes;
-      wire::EncodeHeader({call.opcode, 0, call.first_request_id + f,
-                          static_cast<uint32_t>(payload)},
-                         fr.header);
+      wire::EncodeHeader(
+          {call.opcode, 0, call.first_request_id + f, static_cast<uint32_t>(payload)}, fr.header);
     }
   }
   std::vector<struct pollfd> fds(calls->size());
@@ -277,8 +266,7 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op,
       const Call& call = (*calls)[c];
       const bool done = io[c].replies == call.frames.size();
       const bool sending = io[c].send_frame < call.frames.size() && io[c].send_error.ok();
-      fds[c] = {done ? -1 : io[c].fd,
-                static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0};
+      fds[c] = {done ? -1 : io[c].fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0};
     }
     const int rc = poll(fds.data(), fds.size(), net::RemainingMs(deadline));
     if (rc < 0 && errno == EINTR) continue;
@@ -286,9 +274,8 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op,
       for (size_t c = 0; c < calls->size(); ++c) {
         if (io[c].replies < (*calls)[c].frames.size()) {
           close_all();
-          return DeadlineExceeded(
-              Context((*calls)[c].shard, op) + ": no reply within " +
-              std::to_string(options_.request_timeout_ms) + " ms");
+          return DeadlineExceeded(Context((*calls)[c].shard, op) + ": no reply within " +
+                                  std::to_string(options_.request_timeout_ms) + " ms");
         }
       }
     }
@@ -375,8 +362,7 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op,
           return fail(wire::DecodeError(p, bytes));
         }
         const uint64_t id = x.frame.request_id;
-        if (id < call.first_request_id ||
-            id >= call.first_request_id + call.frames.size() ||
+        if (id < call.first_request_id || id >= call.first_request_id + call.frames.size() ||
             x.answered[id - call.first_request_id]) {
           return fail(Internal("reply to unknown request id " + std::to_string(id)));
         }
@@ -403,8 +389,8 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op,
 namespace {
 
 // Positions of the ids each shard owns, in input order.
-void GroupByShard(const Client& client, const int64_t* ids, size_t n,
-                  size_t num_shards, std::vector<std::vector<uint32_t>>* groups) {
+void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num_shards,
+                  std::vector<std::vector<uint32_t>>* groups) {
   groups->assign(num_shards, {});
   if (num_shards == 1) {
     (*groups)[0].resize(n);
@@ -419,16 +405,16 @@ void GroupByShard(const Client& client, const int64_t* ids, size_t n,
 Status CheckBatch(size_t n, uint32_t dim) {
   if (n > UINT32_MAX) return InvalidArgument("at most 2^32-1 ids per call");
   if (dim == 0 || dim > kMaxDim) {
-    return InvalidArgument("dim must be in [1, " + std::to_string(kMaxDim) +
-                           "], got " + std::to_string(dim));
+    return InvalidArgument("dim must be in [1, " + std::to_string(kMaxDim) + "], got " +
+                           std::to_string(dim));
   }
   return OkStatus();
 }
 
 }  // namespace
 
-Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids,
-                    size_t n, PullMode mode, float* out) {
+Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
+                    PullMode mode, float* out) {
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
   bool any_reused = false;
@@ -440,9 +426,8 @@ Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids,
   return s;
 }
 
-Status Client::PullOnce(const std::string& table, uint32_t dim,
-                        const int64_t* ids, size_t n, PullMode mode, float* out,
-                        bool* any_reused) {
+Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
+                        PullMode mode, float* out, bool* any_reused) {
   *any_reused = false;
   if (n == 0) return OkStatus();
   std::vector<ShardInfo> infos;  // greets every shard once
@@ -451,8 +436,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim,
   GroupByShard(*this, ids, n, shards_.size(), &groups);
   std::vector<std::vector<int64_t>> shard_ids(shards_.size());
   std::vector<Call> calls;
-  const size_t prefix_bytes =
-      wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
+  const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
   for (size_t s = 0; s < shards_.size(); ++s) {
     const std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
@@ -461,9 +445,8 @@ Status Client::PullOnce(const std::string& table, uint32_t dim,
     const size_t by_reply = (limit - wire::kPullReplyFixed) / (size_t{4} * dim);
     const size_t rows_per_frame = std::min(by_request, by_reply);
     if (rows_per_frame == 0) {
-      return ResourceExhausted(Context(s, "Pull") + ": one row of dim " +
-                               std::to_string(dim) + " exceeds the frame limit of " +
-                               std::to_string(limit) + " bytes");
+      return ResourceExhausted(Context(s, "Pull") + ": one row of dim " + std::to_string(dim) +
+                               " exceeds the frame limit of " + std::to_string(limit) + " bytes");
     }
     const int64_t* shard_ids_ptr = ids;
     if (shards_.size() > 1) {
@@ -483,15 +466,15 @@ Status Client::PullOnce(const std::string& table, uint32_t dim,
       call.frames.push_back(std::move(fr));
     }
     const bool identity = shards_.size() == 1;
-    call.on_reply = [&pos, rows_per_frame, dim, out, identity](
-                        size_t frame, const uint8_t* p, size_t bytes) -> Status {
+    call.on_reply = [&pos, rows_per_frame, dim, out, identity](size_t frame, const uint8_t* p,
+                                                               size_t bytes) -> Status {
       const size_t begin = frame * rows_per_frame;
       const size_t count = std::min(rows_per_frame, pos.size() - begin);
       uint32_t got_dim, got_rows;
       std::memcpy(&got_dim, p, 4);
       std::memcpy(&got_rows, p + 4, 4);
-      if (bytes != wire::kPullReplyFixed + size_t{4} * dim * count ||
-          got_dim != dim || got_rows != count) {
+      if (bytes != wire::kPullReplyFixed + size_t{4} * dim * count || got_dim != dim ||
+          got_rows != count) {
         return Internal("Pull reply has the wrong size");
       }
       const float* rows = reinterpret_cast<const float*>(p + wire::kPullReplyFixed);
@@ -499,8 +482,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim,
         std::memcpy(out + begin * dim, rows, sizeof(float) * dim * count);
       } else {
         for (size_t k = 0; k < count; ++k) {
-          std::memcpy(out + size_t{pos[begin + k]} * dim, rows + k * dim,
-                      sizeof(float) * dim);
+          std::memcpy(out + size_t{pos[begin + k]} * dim, rows + k * dim, sizeof(float) * dim);
         }
       }
       return OkStatus();
@@ -510,8 +492,8 @@ Status Client::PullOnce(const std::string& table, uint32_t dim,
   return Exchange(&calls, "Pull", any_reused);
 }
 
-Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids,
-                    const float* grads, size_t n, float learning_rate) {
+Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
+                    size_t n, float learning_rate) {
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
   if (n == 0) return OkStatus();
@@ -522,17 +504,15 @@ Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids,
   std::vector<std::vector<int64_t>> shard_ids(shards_.size());
   std::vector<std::vector<float>> shard_grads(shards_.size());
   std::vector<Call> calls;
-  const size_t prefix_bytes =
-      wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
+  const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
   for (size_t s = 0; s < shards_.size(); ++s) {
     const std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
     const uint32_t limit = FrameLimit(s);
     const size_t rows_per_frame = (limit - prefix_bytes) / (8 + size_t{4} * dim);
     if (rows_per_frame == 0) {
-      return ResourceExhausted(Context(s, "Push") + ": one row of dim " +
-                               std::to_string(dim) + " exceeds the frame limit of " +
-                               std::to_string(limit) + " bytes");
+      return ResourceExhausted(Context(s, "Push") + ": one row of dim " + std::to_string(dim) +
+                               " exceeds the frame limit of " + std::to_string(limit) + " bytes");
     }
     const int64_t* ids_ptr = ids;
     const float* grads_ptr = grads;
@@ -541,8 +521,7 @@ Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids,
       shard_grads[s].resize(pos.size() * dim);
       for (size_t k = 0; k < pos.size(); ++k) {
         shard_ids[s][k] = ids[pos[k]];
-        std::memcpy(&shard_grads[s][k * dim], grads + size_t{pos[k]} * dim,
-                    sizeof(float) * dim);
+        std::memcpy(&shard_grads[s][k * dim], grads + size_t{pos[k]} * dim, sizeof(float) * dim);
       }
       ids_ptr = shard_ids[s].data();
       grads_ptr = shard_grads[s].data();
@@ -553,8 +532,7 @@ Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids,
     for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
       const size_t count = std::min(rows_per_frame, pos.size() - begin);
       Call::Frame fr;
-      fr.prefix = wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count),
-                                         learning_rate);
+      fr.prefix = wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count), learning_rate);
       fr.body[0] = ids_ptr + begin;
       fr.body_bytes[0] = count * 8;
       fr.body[1] = grads_ptr + begin * dim;

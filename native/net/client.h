@@ -55,13 +55,13 @@ class Client {
   // Rows of `ids` into `out` ([n, dim]); routed by bucket, one pipelined
   // exchange per touched shard, all shards at once. Retried once on a fresh
   // connection when a pooled connection turned out to be dead.
-  Status Pull(const std::string& table, uint32_t dim, const int64_t* ids,
-              size_t n, PullMode mode, float* out);
+  Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
+              float* out);
 
   // Sends gradients ([n, dim]) to the owning shards. Never retried: the
   // shard may have applied it.
-  Status Push(const std::string& table, uint32_t dim, const int64_t* ids,
-              const float* grads, size_t n, float learning_rate);
+  Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
+              size_t n, float learning_rate);
 
   // Which shard each id routes to.
   uint32_t ShardOf(int64_t id) const;
@@ -79,8 +79,8 @@ class Client {
   Status Hello(size_t shard, int fd);
   uint32_t FrameLimit(size_t shard);
   Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
-  Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids,
-                  size_t n, PullMode mode, float* out, bool* any_reused);
+  Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
+                  PullMode mode, float* out, bool* any_reused);
   std::string Context(size_t shard, const char* op) const;
 
   const ClientOptions options_;

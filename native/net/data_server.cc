@@ -1,10 +1,10 @@
 #include "native/net/data_server.h"
 
 #include <errno.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -35,16 +35,13 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
 
 uint64_t MicrosSince(Clock::time_point start) {
   return static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start)
-          .count());
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
 }
 
 }  // namespace
 
 DataServer::DataServer(std::shared_ptr<Shard> shard, DataServerOptions options)
-    : shard_(std::move(shard)),
-      options_(std::move(options)),
-      admin_port_(options_.admin_port) {}
+    : shard_(std::move(shard)), options_(std::move(options)), admin_port_(options_.admin_port) {}
 
 DataServer::~DataServer() { Stop(); }
 
@@ -57,8 +54,7 @@ Status DataServer::Start() {
   if (options_.max_connections < 1) {
     return InvalidArgument("the connection limit must be at least 1");
   }
-  DLT_RETURN_IF_ERROR(net::Listen(options_.bind, options_.port, 128,
-                                  &listen_fd_, &port_));
+  DLT_RETURN_IF_ERROR(net::Listen(options_.bind, options_.port, 128, &listen_fd_, &port_));
   acceptor_ = std::thread([this] { AcceptLoop(); });
   return OkStatus();
 }
@@ -99,16 +95,14 @@ void DataServer::AcceptLoop() {
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     counters_.connections_accepted.fetch_add(1);
-    if (counters_.connections_open.load() >=
-        static_cast<uint64_t>(options_.max_connections)) {
+    if (counters_.connections_open.load() >= static_cast<uint64_t>(options_.max_connections)) {
       const std::string payload = wire::EncodeError(
           Code::kResourceExhausted,
-          "server is at its limit of " +
-              std::to_string(options_.max_connections) + " connections");
+          "server is at its limit of " + std::to_string(options_.max_connections) + " connections");
       uint8_t header[wire::kHeaderBytes];
-      wire::EncodeHeader({wire::Opcode::kError, wire::kFlagResponse, 0,
-                          static_cast<uint32_t>(payload.size())},
-                         header);
+      wire::EncodeHeader(
+          {wire::Opcode::kError, wire::kFlagResponse, 0, static_cast<uint32_t>(payload.size())},
+          header);
       struct iovec iov[2] = {{header, sizeof(header)},
                              {const_cast<char*>(payload.data()), payload.size()}};
       (void)net::SendAll(fd, iov, 2, Clock::now() + std::chrono::seconds(1));
@@ -154,8 +148,7 @@ void DataServer::Serve(Connection* connection) {
       counters_.errors[static_cast<int>(s.code())].fetch_add(1);
       const std::string payload = wire::EncodeError(s.code(), s.message());
       reply.resize(wire::kHeaderBytes);
-      wire::EncodeHeader({wire::Opcode::kError, wire::kFlagResponse,
-                          header.request_id,
+      wire::EncodeHeader({wire::Opcode::kError, wire::kFlagResponse, header.request_id,
                           static_cast<uint32_t>(payload.size())},
                          reinterpret_cast<uint8_t*>(&reply[0]));
       reply += payload;
@@ -178,16 +171,15 @@ void DataServer::Serve(Connection* connection) {
   connection->done.store(true);
 }
 
-bool DataServer::Handle(const wire::FrameHeader& header,
-                        const uint8_t* payload, bool* authenticated,
-                        std::string* reply) {
+bool DataServer::Handle(const wire::FrameHeader& header, const uint8_t* payload,
+                        bool* authenticated, std::string* reply) {
   const Clock::time_point start = Clock::now();
   bool keep_open = true;
   auto respond = [&](wire::Opcode opcode, const std::string& body) {
     reply->resize(wire::kHeaderBytes);
-    wire::EncodeHeader({opcode, wire::kFlagResponse, header.request_id,
-                        static_cast<uint32_t>(body.size())},
-                       reinterpret_cast<uint8_t*>(&(*reply)[0]));
+    wire::EncodeHeader(
+        {opcode, wire::kFlagResponse, header.request_id, static_cast<uint32_t>(body.size())},
+        reinterpret_cast<uint8_t*>(&(*reply)[0]));
     reply->append(body);
   };
   auto fail = [&](const Status& s, bool close) {
@@ -207,8 +199,7 @@ bool DataServer::Handle(const wire::FrameHeader& header,
                                   "; this server speaks version 1"),
                   true);
     }
-    if (!options_.auth_token.empty() &&
-        !ConstantTimeEquals(hello.token, options_.auth_token)) {
+    if (!options_.auth_token.empty() && !ConstantTimeEquals(hello.token, options_.auth_token)) {
       return fail(Unauthenticated("wrong or missing auth token"), true);
     }
     *authenticated = true;
@@ -223,14 +214,12 @@ bool DataServer::Handle(const wire::FrameHeader& header,
     return true;
   }
   if (!*authenticated) {
-    return fail(Unauthenticated("the first frame on a connection must be Hello"),
-                true);
+    return fail(Unauthenticated("the first frame on a connection must be Hello"), true);
   }
-  if (header.opcode != wire::Opcode::kPull &&
-      header.opcode != wire::Opcode::kPush) {
-    return fail(InvalidArgument("unknown opcode " +
-                                std::to_string(static_cast<int>(header.opcode))),
-                false);
+  if (header.opcode != wire::Opcode::kPull && header.opcode != wire::Opcode::kPush) {
+    return fail(
+        InvalidArgument("unknown opcode " + std::to_string(static_cast<int>(header.opcode))),
+        false);
   }
   const bool push = header.opcode == wire::Opcode::kPush;
   wire::TableRequest request;
@@ -241,18 +230,16 @@ bool DataServer::Handle(const wire::FrameHeader& header,
   s = shard_->GetTable(request.table, &table);
   if (!s.ok()) return fail(s, false);
   if (request.dim != table->dim()) {
-    return fail(InvalidArgument("table '" + request.table + "' has dim " +
-                                std::to_string(table->dim()) +
-                                ", the request says " +
-                                std::to_string(request.dim)),
-                false);
+    return fail(
+        InvalidArgument("table '" + request.table + "' has dim " + std::to_string(table->dim()) +
+                        ", the request says " + std::to_string(request.dim)),
+        false);
   }
   s = shard_->CheckOwnership(request.ids, request.num_ids);
   if (!s.ok()) return fail(s, false);
 
   if (push) {
-    s = table->Push(request.ids, request.grads, request.num_ids,
-                    request.learning_rate);
+    s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
     if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
     respond(wire::Opcode::kPush, wire::EncodePushReply(request.num_ids));
     counters_.pushes.fetch_add(1);
@@ -260,8 +247,7 @@ bool DataServer::Handle(const wire::FrameHeader& header,
     counters_.push_latency.Record(MicrosSince(start));
     return true;
   }
-  const uint64_t body = wire::kPullReplyFixed +
-                        uint64_t{4} * request.dim * request.num_ids;
+  const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * request.dim * request.num_ids;
   if (body > options_.max_frame_bytes) {
     return fail(ResourceExhausted("reply of " + std::to_string(body) +
                                   " bytes would exceed the maximum frame of " +
@@ -271,14 +257,12 @@ bool DataServer::Handle(const wire::FrameHeader& header,
   }
   reply->resize(wire::kHeaderBytes + body);
   uint8_t* out = reinterpret_cast<uint8_t*>(&(*reply)[0]);
-  wire::EncodeHeader({wire::Opcode::kPull, wire::kFlagResponse,
-                      header.request_id, static_cast<uint32_t>(body)},
-                     out);
-  wire::EncodePullReplyPrefix(request.dim, request.num_ids,
-                              out + wire::kHeaderBytes);
+  wire::EncodeHeader(
+      {wire::Opcode::kPull, wire::kFlagResponse, header.request_id, static_cast<uint32_t>(body)},
+      out);
+  wire::EncodePullReplyPrefix(request.dim, request.num_ids, out + wire::kHeaderBytes);
   table->Pull(request.ids, request.num_ids, request.mode,
-              reinterpret_cast<float*>(out + wire::kHeaderBytes +
-                                       wire::kPullReplyFixed));
+              reinterpret_cast<float*>(out + wire::kHeaderBytes + wire::kPullReplyFixed));
   counters_.pulls.fetch_add(1);
   counters_.pulled_rows.fetch_add(request.num_ids);
   counters_.pull_latency.Record(MicrosSince(start));

@@ -59,8 +59,8 @@ class DataServer {
   void AcceptLoop();
   void Serve(Connection* connection);
   // Handles one request frame; returns false when the connection must close.
-  bool Handle(const wire::FrameHeader& header, const uint8_t* payload,
-              bool* authenticated, std::string* reply);
+  bool Handle(const wire::FrameHeader& header, const uint8_t* payload, bool* authenticated,
+              std::string* reply);
   void ReapFinished();
 
   std::shared_ptr<Shard> shard_;

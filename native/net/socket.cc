@@ -18,8 +18,7 @@ namespace {
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
-Status WaitFor(int fd, short events, Clock::time_point deadline,
-               const char* what) {
+Status WaitFor(int fd, short events, Clock::time_point deadline, const char* what) {
   for (;;) {
     struct pollfd p = {fd, events, 0};
     const int rc = poll(&p, 1, RemainingMs(deadline));
@@ -32,9 +31,8 @@ Status WaitFor(int fd, short events, Clock::time_point deadline,
 }  // namespace
 
 int RemainingMs(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                        deadline - Clock::now())
-                        .count();
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   if (left <= 0) return 0;
   return left > 0x7fffffff ? 0x7fffffff : static_cast<int>(left);
 }
@@ -52,7 +50,8 @@ Status ParseAddress(const std::string& address, std::string* host, int* port) {
   char* end = nullptr;
   const long value = std::strtol(p.c_str(), &end, 10);
   if (h.empty() || *end != '\0' || value <= 0 || value > 65535) {
-    return InvalidArgument("address '" + address + "' must be host:port with "
+    return InvalidArgument("address '" + address +
+                           "' must be host:port with "
                            "a port in 1..65535");
   }
   *host = h;
@@ -69,8 +68,7 @@ void CloseFd(int fd) {
   if (fd >= 0) close(fd);
 }
 
-Status Connect(const std::string& address, Clock::time_point deadline,
-               int* out_fd) {
+Status Connect(const std::string& address, Clock::time_point deadline, int* out_fd) {
   std::string host;
   int port = 0;
   DLT_RETURN_IF_ERROR(ParseAddress(address, &host, &port));
@@ -79,15 +77,13 @@ Status Connect(const std::string& address, Clock::time_point deadline,
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   struct addrinfo* result = nullptr;
-  const int gai = getaddrinfo(host.c_str(), std::to_string(port).c_str(),
-                              &hints, &result);
+  const int gai = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &result);
   if (gai != 0) {
     return Unavailable("cannot resolve '" + host + "': " + gai_strerror(gai));
   }
   Status last = Unavailable("no address for '" + host + "'");
   for (struct addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
-    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC,
-                          ai->ai_protocol);
+    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
       last = Unavailable("socket: " + ErrnoText(errno));
       continue;
@@ -122,31 +118,27 @@ Status Connect(const std::string& address, Clock::time_point deadline,
   return last;
 }
 
-Status Listen(const std::string& bind_host, int port, int backlog, int* out_fd,
-              int* bound_port) {
+Status Listen(const std::string& bind_host, int port, int backlog, int* out_fd, int* bound_port) {
   struct addrinfo hints;
   std::memset(&hints, 0, sizeof(hints));
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;
   struct addrinfo* result = nullptr;
-  const int gai =
-      getaddrinfo(bind_host.empty() ? nullptr : bind_host.c_str(),
-                  std::to_string(port).c_str(), &hints, &result);
+  const int gai = getaddrinfo(bind_host.empty() ? nullptr : bind_host.c_str(),
+                              std::to_string(port).c_str(), &hints, &result);
   if (gai != 0) {
-    return InvalidArgument("cannot resolve bind address '" + bind_host +
-                           "': " + gai_strerror(gai));
+    return InvalidArgument("cannot resolve bind address '" + bind_host + "': " + gai_strerror(gai));
   }
   Status last = Unavailable("no bind address");
   for (struct addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
-    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC,
-                          ai->ai_protocol);
+    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, backlog) != 0) {
-      last = Unavailable("cannot listen on " + bind_host + ":" +
-                         std::to_string(port) + ": " + ErrnoText(errno));
+      last = Unavailable("cannot listen on " + bind_host + ":" + std::to_string(port) + ": " +
+                         ErrnoText(errno));
       close(fd);
       continue;
     }
@@ -165,8 +157,7 @@ Status Listen(const std::string& bind_host, int port, int backlog, int* out_fd,
   return last;
 }
 
-Status SendAll(int fd, struct iovec* iov, int iovcnt,
-               Clock::time_point deadline) {
+Status SendAll(int fd, struct iovec* iov, int iovcnt, Clock::time_point deadline) {
   while (iovcnt > 0) {
     if (iov->iov_len == 0) {
       ++iov;

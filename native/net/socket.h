@@ -26,8 +26,7 @@ Status ParseAddress(const std::string& address, std::string* host, int* port);
 Status Connect(const std::string& address, Clock::time_point deadline, int* fd);
 
 // Binds and listens; *port receives the bound port (useful with port 0).
-Status Listen(const std::string& bind_host, int port, int backlog, int* fd,
-              int* bound_port);
+Status Listen(const std::string& bind_host, int port, int backlog, int* fd, int* bound_port);
 
 // Sends the iovecs completely on a non-blocking socket before the deadline.
 Status SendAll(int fd, struct iovec* iov, int iovcnt, Clock::time_point deadline);

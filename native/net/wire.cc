@@ -23,8 +23,8 @@ void Append(std::string* out, T value) {
   out->append(reinterpret_cast<const char*>(&value), sizeof(T));
 }
 
-std::string TablePrefix(const std::string& table, uint32_t dim,
-                        uint32_t num_ids, uint8_t mode, float lr) {
+std::string TablePrefix(const std::string& table, uint32_t dim, uint32_t num_ids, uint8_t mode,
+                        float lr) {
   std::string out;
   out.reserve(kTableRequestFixed + PaddedNameBytes(table.size()));
   Append<uint32_t>(&out, dim);
@@ -39,13 +39,11 @@ std::string TablePrefix(const std::string& table, uint32_t dim,
 }
 
 // Parses the common part; `row_floats_per_id` is 0 for Pull, dim for Push.
-Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push,
-                          TableRequest* r) {
+Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableRequest* r) {
   const char* op = push ? "Push" : "Pull";
   if (bytes < kTableRequestFixed) {
-    return InvalidArgument(std::string(op) + " payload of " +
-                           std::to_string(bytes) + " bytes is shorter than " +
-                           "its 16-byte fixed part");
+    return InvalidArgument(std::string(op) + " payload of " + std::to_string(bytes) +
+                           " bytes is shorter than " + "its 16-byte fixed part");
   }
   r->dim = Get<uint32_t>(p, 0);
   r->num_ids = Get<uint32_t>(p, 4);
@@ -57,14 +55,12 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push,
   }
   if (push) {
     if (mode != 0) {
-      return InvalidArgument("Push flags byte must be 0, got " +
-                             std::to_string(mode));
+      return InvalidArgument("Push flags byte must be 0, got " + std::to_string(mode));
     }
     r->learning_rate = Get<float>(p, 12);
   } else {
     if (mode > static_cast<uint8_t>(PullMode::kZerosNoInsert)) {
-      return InvalidArgument("Pull mode must be 0, 1 or 2, got " +
-                             std::to_string(mode));
+      return InvalidArgument("Pull mode must be 0, 1 or 2, got " + std::to_string(mode));
     }
     r->mode = static_cast<PullMode>(mode);
     if (Get<uint32_t>(p, 12) != 0) {
@@ -72,27 +68,22 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push,
     }
   }
   const size_t name_end = kTableRequestFixed + PaddedNameBytes(name_bytes);
-  const uint64_t row_bytes =
-      uint64_t{8} + (push ? uint64_t{4} * r->dim : uint64_t{0});
+  const uint64_t row_bytes = uint64_t{8} + (push ? uint64_t{4} * r->dim : uint64_t{0});
   const uint64_t expected = name_end + row_bytes * r->num_ids;
   if (name_end > bytes || expected != bytes) {
-    return InvalidArgument(
-        std::string(op) + " payload is " + std::to_string(bytes) +
-        " bytes, but its header (name " + std::to_string(name_bytes) +
-        " bytes, " + std::to_string(r->num_ids) + " ids, dim " +
-        std::to_string(r->dim) + ") implies " + std::to_string(expected));
+    return InvalidArgument(std::string(op) + " payload is " + std::to_string(bytes) +
+                           " bytes, but its header (name " + std::to_string(name_bytes) +
+                           " bytes, " + std::to_string(r->num_ids) + " ids, dim " +
+                           std::to_string(r->dim) + ") implies " + std::to_string(expected));
   }
-  r->table.assign(reinterpret_cast<const char*>(p) + kTableRequestFixed,
-                  name_bytes);
+  r->table.assign(reinterpret_cast<const char*>(p) + kTableRequestFixed, name_bytes);
   for (size_t i = kTableRequestFixed + name_bytes; i < name_end; ++i) {
     if (p[i] != 0) {
       return InvalidArgument(std::string(op) + " table name padding must be 0");
     }
   }
   r->ids = reinterpret_cast<const int64_t*>(p + name_end);
-  r->grads = push ? reinterpret_cast<const float*>(p + name_end +
-                                                   size_t{8} * r->num_ids)
-                  : nullptr;
+  r->grads = push ? reinterpret_cast<const float*>(p + name_end + size_t{8} * r->num_ids) : nullptr;
   return OkStatus();
 }
 
@@ -108,8 +99,7 @@ void EncodeHeader(const FrameHeader& h, uint8_t* out) {
   Put<uint32_t>(out, 20, 0);
 }
 
-Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes,
-                    FrameHeader* h) {
+Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes, FrameHeader* h) {
   h->request_id = Get<uint64_t>(in, 8);
   h->opcode = static_cast<Opcode>(Get<uint8_t>(in, 5));
   h->flags = Get<uint16_t>(in, 6);
@@ -118,19 +108,15 @@ Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes,
     return InvalidArgument("bad frame magic: not a DLT frame");
   }
   if (Get<uint8_t>(in, 4) != kVersion) {
-    return InvalidArgument("unsupported protocol version " +
-                           std::to_string(Get<uint8_t>(in, 4)) +
-                           "; this peer speaks version " +
-                           std::to_string(kVersion));
+    return InvalidArgument("unsupported protocol version " + std::to_string(Get<uint8_t>(in, 4)) +
+                           "; this peer speaks version " + std::to_string(kVersion));
   }
   if (Get<uint32_t>(in, 20) != 0 || (h->flags & ~kFlagResponse) != 0) {
     return InvalidArgument("frame header reserved bits must be 0");
   }
   if (h->payload_bytes > max_payload_bytes) {
-    return ResourceExhausted("frame payload of " +
-                             std::to_string(h->payload_bytes) +
-                             " bytes exceeds the maximum of " +
-                             std::to_string(max_payload_bytes));
+    return ResourceExhausted("frame payload of " + std::to_string(h->payload_bytes) +
+                             " bytes exceeds the maximum of " + std::to_string(max_payload_bytes));
   }
   return OkStatus();
 }
@@ -155,8 +141,7 @@ Status DecodeHelloRequest(const uint8_t* p, size_t bytes, HelloRequest* r) {
                            " does not match its " + std::to_string(bytes) +
                            "-byte payload (tokens are at most 4096 bytes)");
   }
-  r->token.assign(reinterpret_cast<const char*>(p) + kHelloRequestFixed,
-                  token_bytes);
+  r->token.assign(reinterpret_cast<const char*>(p) + kHelloRequestFixed, token_bytes);
   return OkStatus();
 }
 
@@ -173,8 +158,7 @@ std::string EncodeHelloReply(const HelloReply& r) {
 
 Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r) {
   if (bytes != kHelloReplyBytes) {
-    return Internal("Hello reply is " + std::to_string(bytes) +
-                    " bytes, expected 24");
+    return Internal("Hello reply is " + std::to_string(bytes) + " bytes, expected 24");
   }
   r->protocol_version = Get<uint32_t>(p, 0);
   r->shard_index = Get<uint32_t>(p, 4);
@@ -185,13 +169,13 @@ Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r) {
   return OkStatus();
 }
 
-std::string EncodePullPrefix(const std::string& table, uint32_t dim,
-                             uint32_t num_ids, PullMode mode) {
+std::string EncodePullPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
+                             PullMode mode) {
   return TablePrefix(table, dim, num_ids, static_cast<uint8_t>(mode), 0.0f);
 }
 
-std::string EncodePushPrefix(const std::string& table, uint32_t dim,
-                             uint32_t num_ids, float learning_rate) {
+std::string EncodePushPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
+                             float learning_rate) {
   return TablePrefix(table, dim, num_ids, 0, learning_rate);
 }
 
@@ -232,8 +216,7 @@ Status DecodeError(const uint8_t* p, size_t bytes) {
   }
   std::string message(reinterpret_cast<const char*>(p) + kErrorFixed, length);
   if (!IsWireCode(code)) {
-    return Internal("peer sent error code " + std::to_string(code) + ": " +
-                    message);
+    return Internal("peer sent error code " + std::to_string(code) + ": " + message);
   }
   return Status(static_cast<Code>(code), message);
 }

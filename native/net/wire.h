@@ -48,12 +48,9 @@ struct FrameHeader {
 void EncodeHeader(const FrameHeader& header, uint8_t* out);
 // Checks magic, version, reserved bits and the payload bound. Fills as much
 // of `header` as could be read (request_id too) even on error.
-Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes,
-                    FrameHeader* header);
+Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes, FrameHeader* header);
 
-inline size_t PaddedNameBytes(size_t name_bytes) {
-  return (name_bytes + 7) & ~size_t{7};
-}
+inline size_t PaddedNameBytes(size_t name_bytes) { return (name_bytes + 7) & ~size_t{7}; }
 
 struct HelloRequest {
   uint32_t protocol_version = kVersion;
@@ -69,18 +66,16 @@ struct HelloReply {
 };
 
 std::string EncodeHelloRequest(const HelloRequest& request);
-Status DecodeHelloRequest(const uint8_t* payload, size_t bytes,
-                          HelloRequest* request);
+Status DecodeHelloRequest(const uint8_t* payload, size_t bytes, HelloRequest* request);
 std::string EncodeHelloReply(const HelloReply& reply);
-Status DecodeHelloReply(const uint8_t* payload, size_t bytes,
-                        HelloReply* reply);
+Status DecodeHelloReply(const uint8_t* payload, size_t bytes, HelloReply* reply);
 
 // The part of a Pull or Push request before the ids: fixed fields and the
 // zero-padded table name.
-std::string EncodePullPrefix(const std::string& table, uint32_t dim,
-                             uint32_t num_ids, PullMode mode);
-std::string EncodePushPrefix(const std::string& table, uint32_t dim,
-                             uint32_t num_ids, float learning_rate);
+std::string EncodePullPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
+                             PullMode mode);
+std::string EncodePushPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
+                             float learning_rate);
 
 // A parsed Pull or Push request; pointers point into the payload.
 struct TableRequest {
@@ -92,10 +87,8 @@ struct TableRequest {
   const int64_t* ids = nullptr;
   const float* grads = nullptr;  // Push only
 };
-Status DecodePullRequest(const uint8_t* payload, size_t bytes,
-                         TableRequest* request);
-Status DecodePushRequest(const uint8_t* payload, size_t bytes,
-                         TableRequest* request);
+Status DecodePullRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
+Status DecodePushRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
 
 // Pull reply: u32 dim, u32 rows, then rows * dim float32.
 void EncodePullReplyPrefix(uint32_t dim, uint32_t rows, uint8_t* out);

@@ -28,8 +28,7 @@ using StepArray = py::array_t<uint32_t, py::array::c_style>;
 
 [[noreturn]] void Raise(const Status& s) {
   py::object error = py::module_::import("tf_dlt.errors")
-                         .attr("error_for_code")(static_cast<int>(s.code()),
-                                                 s.message());
+                         .attr("error_for_code")(static_cast<int>(s.code()), s.message());
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
   throw py::error_already_set();
 }
@@ -48,8 +47,7 @@ E Lookup(const py::dict& d, const char* key, const char* const* names, int count
   Raise(InvalidArgument(std::string("unknown ") + what + " '" + name + "'"));
 }
 
-constexpr const char* kInitNames[] = {"zeros", "constant", "uniform", "normal",
-                                      "truncated_normal"};
+constexpr const char* kInitNames[] = {"zeros", "constant", "uniform", "normal", "truncated_normal"};
 constexpr const char* kOptNames[] = {"sgd", "adagrad", "adam", "ftrl"};
 
 float GetFloat(const py::dict& d, const char* key, float fallback) {
@@ -111,8 +109,8 @@ py::dict ConfigToDict(const TableConfig& c) {
 void CheckRows(const py::array& a, size_t n, size_t width, const char* what) {
   if (a.ndim() != 2 || static_cast<size_t>(a.shape(0)) != n ||
       static_cast<size_t>(a.shape(1)) != width) {
-    Raise(InvalidArgument(std::string(what) + " must have shape [" +
-                          std::to_string(n) + ", " + std::to_string(width) + "]"));
+    Raise(InvalidArgument(std::string(what) + " must have shape [" + std::to_string(n) + ", " +
+                          std::to_string(width) + "]"));
   }
 }
 
@@ -144,9 +142,8 @@ class PyExporter {
     FloatArray slot_values({max_rows, slots});
     StepArray steps(max_rows);
     StepArray buckets(max_rows);
-    RowBuffers b{ids.mutable_data(), values.mutable_data(),
-                 slot_values.mutable_data(), steps.mutable_data(),
-                 buckets.mutable_data()};
+    RowBuffers b{ids.mutable_data(), values.mutable_data(), slot_values.mutable_data(),
+                 steps.mutable_data(), buckets.mutable_data()};
     size_t n;
     {
       py::gil_scoped_release release;
@@ -154,8 +151,7 @@ class PyExporter {
     }
     if (n == 0) return py::none();
     py::slice head(0, static_cast<py::ssize_t>(n), 1);
-    return py::make_tuple(ids[head], values[head], slot_values[head], steps[head],
-                          buckets[head]);
+    return py::make_tuple(ids[head], values[head], slot_values[head], steps[head], buckets[head]);
   }
 
  private:
@@ -242,46 +238,45 @@ PYBIND11_MODULE(_native, m) {
              }
              Check(s);
            })
-      .def("import_rows",
-           [](Table& t, const IdArray& ids, const FloatArray& values,
-              const py::object& slots, const py::object& steps) {
-             CheckIds(ids);
-             const size_t n = static_cast<size_t>(ids.shape(0));
-             CheckRows(values, n, t.dim(), "values");
-             FloatArray slot_array;
-             StepArray step_array;
-             const float* slot_ptr = nullptr;
-             const uint32_t* step_ptr = nullptr;
-             if (!slots.is_none() && t.slot_floats() > 0) {
-               slot_array = slots.cast<FloatArray>();
-               CheckRows(slot_array, n, t.slot_floats(), "slots");
-               slot_ptr = slot_array.data();
-             }
-             if (!steps.is_none()) {
-               step_array = steps.cast<StepArray>();
-               if (step_array.ndim() != 1 || static_cast<size_t>(step_array.shape(0)) != n) {
-                 Raise(InvalidArgument("steps must have shape [" + std::to_string(n) + "]"));
-               }
-               step_ptr = step_array.data();
-             }
-             py::gil_scoped_release release;
-             t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n);
-           },
-           py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
-           py::arg("steps") = py::none())
-      .def("exporter", [](std::shared_ptr<Table> t) {
-        return std::make_unique<PyExporter>(std::move(t));
-      });
+      .def(
+          "import_rows",
+          [](Table& t, const IdArray& ids, const FloatArray& values, const py::object& slots,
+             const py::object& steps) {
+            CheckIds(ids);
+            const size_t n = static_cast<size_t>(ids.shape(0));
+            CheckRows(values, n, t.dim(), "values");
+            FloatArray slot_array;
+            StepArray step_array;
+            const float* slot_ptr = nullptr;
+            const uint32_t* step_ptr = nullptr;
+            if (!slots.is_none() && t.slot_floats() > 0) {
+              slot_array = slots.cast<FloatArray>();
+              CheckRows(slot_array, n, t.slot_floats(), "slots");
+              slot_ptr = slot_array.data();
+            }
+            if (!steps.is_none()) {
+              step_array = steps.cast<StepArray>();
+              if (step_array.ndim() != 1 || static_cast<size_t>(step_array.shape(0)) != n) {
+                Raise(InvalidArgument("steps must have shape [" + std::to_string(n) + "]"));
+              }
+              step_ptr = step_array.data();
+            }
+            py::gil_scoped_release release;
+            t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n);
+          },
+          py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
+          py::arg("steps") = py::none())
+      .def("exporter",
+           [](std::shared_ptr<Table> t) { return std::make_unique<PyExporter>(std::move(t)); });
 
   py::class_<PyExporter>(m, "Exporter").def("next", &PyExporter::Next);
 
   py::class_<Shard, std::shared_ptr<Shard>>(m, "Shard")
       .def(py::init([](uint32_t index, uint32_t num_shards) {
         if (num_shards == 0 || num_shards > kNumBuckets || index >= num_shards) {
-          Raise(InvalidArgument("shard index " + std::to_string(index) +
-                                " of " + std::to_string(num_shards) +
-                                " is invalid: need 0 <= index < num_shards <= " +
-                                std::to_string(kNumBuckets)));
+          Raise(InvalidArgument(
+              "shard index " + std::to_string(index) + " of " + std::to_string(num_shards) +
+              " is invalid: need 0 <= index < num_shards <= " + std::to_string(kNumBuckets)));
         }
         return std::make_shared<Shard>(index, num_shards);
       }))
@@ -311,8 +306,8 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<DataServer>(m, "DataServer")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& bind, int port,
-                       int max_connections, const std::string& auth_token,
-                       uint32_t max_frame_bytes, uint32_t admin_port, int io_timeout_ms) {
+                       int max_connections, const std::string& auth_token, uint32_t max_frame_bytes,
+                       uint32_t admin_port, int io_timeout_ms) {
              DataServerOptions o;
              o.bind = bind;
              o.port = port;
@@ -325,8 +320,8 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("shard"), py::arg("bind") = "0.0.0.0", py::arg("port") = 0,
            py::arg("max_connections") = 64, py::arg("auth_token") = "",
-           py::arg("max_frame_bytes") = wire::kDefaultMaxFrameBytes,
-           py::arg("admin_port") = 0, py::arg("io_timeout_ms") = 30000)
+           py::arg("max_frame_bytes") = wire::kDefaultMaxFrameBytes, py::arg("admin_port") = 0,
+           py::arg("io_timeout_ms") = 30000)
       .def("start", [](DataServer& s) { Check(s.Start()); })
       .def_property_readonly("port", &DataServer::port)
       .def("set_admin_port", &DataServer::set_admin_port)
@@ -335,8 +330,8 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<Client>(m, "Client")
       .def(py::init([](std::vector<std::string> addresses, const std::string& auth_token,
-                       int connect_timeout_ms, int request_timeout_ms,
-                       uint32_t frame_bytes, int max_idle_connections) {
+                       int connect_timeout_ms, int request_timeout_ms, uint32_t frame_bytes,
+                       int max_idle_connections) {
              if (addresses.empty()) Raise(InvalidArgument("at least one shard address is needed"));
              if (connect_timeout_ms <= 0 || request_timeout_ms <= 0) {
                Raise(InvalidArgument("timeouts must be positive"));
@@ -352,9 +347,9 @@ PYBIND11_MODULE(_native, m) {
              o.max_idle_connections = max_idle_connections;
              return std::make_unique<Client>(std::move(addresses), o);
            }),
-           py::arg("addresses"), py::arg("auth_token") = "",
-           py::arg("connect_timeout_ms") = 5000, py::arg("request_timeout_ms") = 30000,
-           py::arg("frame_bytes") = 8u << 20, py::arg("max_idle_connections") = 8)
+           py::arg("addresses"), py::arg("auth_token") = "", py::arg("connect_timeout_ms") = 5000,
+           py::arg("request_timeout_ms") = 30000, py::arg("frame_bytes") = 8u << 20,
+           py::arg("max_idle_connections") = 8)
       .def_property_readonly("num_shards", &Client::num_shards)
       .def("shard_infos",
            [](Client& c) {
@@ -377,34 +372,33 @@ PYBIND11_MODULE(_native, m) {
              }
              return out;
            })
-      .def("pull",
-           [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
-              int mode) {
-             CheckIds(ids);
-             if (mode < 0 || mode > 2) Raise(InvalidArgument("pull mode must be 0, 1 or 2"));
-             const size_t n = static_cast<size_t>(ids.shape(0));
-             FloatArray out({n, static_cast<size_t>(dim)});
-             Status s;
-             {
-               py::gil_scoped_release release;
-               s = c.Pull(table, dim, ids.data(), n, static_cast<PullMode>(mode),
-                          out.mutable_data());
-             }
-             Check(s);
-             return out;
-           },
-           py::arg("table"), py::arg("dim"), py::arg("ids"), py::arg("mode") = 0)
-      .def("push",
-           [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
-              const FloatArray& grads, float lr) {
-             CheckIds(ids);
-             const size_t n = static_cast<size_t>(ids.shape(0));
-             CheckRows(grads, n, dim, "grads");
-             Status s;
-             {
-               py::gil_scoped_release release;
-               s = c.Push(table, dim, ids.data(), grads.data(), n, lr);
-             }
-             Check(s);
-           });
+      .def(
+          "pull",
+          [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids, int mode) {
+            CheckIds(ids);
+            if (mode < 0 || mode > 2) Raise(InvalidArgument("pull mode must be 0, 1 or 2"));
+            const size_t n = static_cast<size_t>(ids.shape(0));
+            FloatArray out({n, static_cast<size_t>(dim)});
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = c.Pull(table, dim, ids.data(), n, static_cast<PullMode>(mode),
+                         out.mutable_data());
+            }
+            Check(s);
+            return out;
+          },
+          py::arg("table"), py::arg("dim"), py::arg("ids"), py::arg("mode") = 0)
+      .def("push", [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
+                      const FloatArray& grads, float lr) {
+        CheckIds(ids);
+        const size_t n = static_cast<size_t>(ids.shape(0));
+        CheckRows(grads, n, dim, "grads");
+        Status s;
+        {
+          py::gil_scoped_release release;
+          s = c.Push(table, dim, ids.data(), grads.data(), n, lr);
+        }
+        Check(s);
+      });
 }

@@ -33,22 +33,21 @@ namespace {
 std::string g_data_dir;
 int g_failures_in_test = 0;
 
-#define EXPECT(cond)                                                        \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::printf("  %s:%d: expected %s\n", __FILE__, __LINE__, #cond);     \
-      ++g_failures_in_test;                                                 \
-    }                                                                       \
+#define EXPECT(cond)                                                    \
+  do {                                                                  \
+    if (!(cond)) {                                                      \
+      std::printf("  %s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
+      ++g_failures_in_test;                                             \
+    }                                                                   \
   } while (0)
 
-#define EXPECT_OK(expr)                                                     \
-  do {                                                                      \
-    const Status _s = (expr);                                               \
-    if (!_s.ok()) {                                                         \
-      std::printf("  %s:%d: %s -> %s\n", __FILE__, __LINE__, #expr,         \
-                  _s.ToString().c_str());                                   \
-      ++g_failures_in_test;                                                 \
-    }                                                                       \
+#define EXPECT_OK(expr)                                                                     \
+  do {                                                                                      \
+    const Status _s = (expr);                                                               \
+    if (!_s.ok()) {                                                                         \
+      std::printf("  %s:%d: %s -> %s\n", __FILE__, __LINE__, #expr, _s.ToString().c_str()); \
+      ++g_failures_in_test;                                                                 \
+    }                                                                                       \
   } while (0)
 
 std::vector<std::vector<std::string>> ReadRows(const std::string& name) {
@@ -150,20 +149,19 @@ void TestFramesGolden() {
                    std::string(reinterpret_cast<char*>(prefix), 8) +
                        Bytes(std::vector<float>{0.5f, -1.0f, 2.0f, 0.25f}))) ==
          golden["pull_reply"]);
-  EXPECT(Hex(Frame(wire::Opcode::kPush, 0, 3,
-                   wire::EncodePushPrefix("ctr/user1", 2, 2, 0.01f) +
-                       Bytes(std::vector<int64_t>{7, -7}) +
-                       Bytes(std::vector<float>{0.5f, -0.5f, 1.0f, 2.0f}))) ==
-         golden["push_request"]);
-  EXPECT(Hex(Frame(wire::Opcode::kPush, 1, 3, wire::EncodePushReply(2))) ==
-         golden["push_reply"]);
+  EXPECT(Hex(Frame(
+             wire::Opcode::kPush, 0, 3,
+             wire::EncodePushPrefix("ctr/user1", 2, 2, 0.01f) + Bytes(std::vector<int64_t>{7, -7}) +
+                 Bytes(std::vector<float>{0.5f, -0.5f, 1.0f, 2.0f}))) == golden["push_request"]);
+  EXPECT(Hex(Frame(wire::Opcode::kPush, 1, 3, wire::EncodePushReply(2))) == golden["push_reply"]);
   EXPECT(Hex(Frame(wire::Opcode::kError, 1, 4,
                    wire::EncodeError(Code::kNotFound, "no table 'x'"))) == golden["error"]);
 
   // Decoding the golden push request gives back its fields.
   std::string raw;
   const std::string& hex = golden["push_request"];
-  for (size_t i = 0; i < hex.size(); i += 2) raw.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i < hex.size(); i += 2)
+    raw.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   wire::FrameHeader h;
   EXPECT_OK(wire::DecodeHeader(reinterpret_cast<const uint8_t*>(raw.data()), 1 << 20, &h));
   EXPECT(h.opcode == wire::Opcode::kPush && h.request_id == 3);
@@ -182,8 +180,8 @@ void TestFramesGolden() {
 
 void TestInitializerIsPureFunctionOfSeedAndId() {
   TableConfig c = Config("t", 16, OptimizerKind::kSgd);
-  for (auto kind : {InitializerKind::kUniform, InitializerKind::kNormal,
-                    InitializerKind::kTruncatedNormal}) {
+  for (auto kind :
+       {InitializerKind::kUniform, InitializerKind::kNormal, InitializerKind::kTruncatedNormal}) {
     c.initializer.kind = kind;
     Table a(c), b(c);
     std::vector<int64_t> ids = {5, 1, INT64_MIN, 99};

@@ -43,12 +43,12 @@ _CHUNK_BYTES = 8 << 20
 _HASH_BLOCK = 8 << 20
 
 
-def _chunk_rows(table: Any) -> int:
+def _chunk_rows(table: _native.Table) -> int:
     """Rows per read or write batch (about 8 MiB)."""
     return max(1, _CHUNK_BYTES // (4 * (table.dim + table.slot_floats) + 16))
 
 
-def _storage_chunk_rows(table: Any) -> int:
+def _storage_chunk_rows(table: _native.Table) -> int:
     """Rows per HDF5 chunk: about 1 MiB, never more than the table holds."""
     per_row = 4 * (table.dim + table.slot_floats) + 16
     return max(1, min((1 << 20) // per_row, table.size()))
@@ -61,7 +61,7 @@ def _sha256_of(f: IO[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _write_shard_file(local_path: str, shard: Any, save_id: str) -> list[dict[str, Any]]:
+def _write_shard_file(local_path: str, shard: _native.Shard, save_id: str) -> list[dict[str, Any]]:
     """Streams every table of `shard` into an HDF5 file; returns table infos."""
     infos = []
     with h5py.File(local_path, "w") as f:
@@ -114,7 +114,7 @@ def _write_shard_file(local_path: str, shard: Any, save_id: str) -> list[dict[st
     return infos
 
 
-def save_shard(path: str, shard: Any, save_id: str) -> dict[str, Any]:
+def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
     """Writes this shard's file into checkpoint directory `path`.
 
     The file gets a save-specific name, so a committed checkpoint at the same
@@ -163,7 +163,9 @@ def save_shard(path: str, shard: Any, save_id: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _open_verified(fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any]) -> Iterator[h5py.File]:
+def _open_verified(
+    fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any]
+) -> Iterator[h5py.File]:
     target = f"{root}/{entry['file']}"
     try:
         with fs.open(target, "rb") as f:
@@ -180,7 +182,7 @@ def _open_verified(fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, An
         yield f
 
 
-def load_shard(path: str, shard: Any) -> dict[str, Any]:
+def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
     """Reads the rows this shard owns from checkpoint `path` and installs
     them (see `prepare_load`); a failed load leaves the shard as it was."""
     staged = prepare_load(path, shard)
@@ -188,7 +190,7 @@ def load_shard(path: str, shard: Any) -> dict[str, Any]:
     return staged
 
 
-def prepare_load(path: str, shard: Any) -> dict[str, Any]:
+def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
     """Reads and verifies the rows this shard owns from checkpoint `path` into
     new tables, returned under "staged" and not installed.
 
@@ -240,7 +242,12 @@ def prepare_load(path: str, shard: Any) -> dict[str, Any]:
     return {
         "staged": tables,
         "tables": [
-            {"config": t.config, "rows": t.size(), "bytes": t.bytes(), "record_bytes": t.record_bytes}
+            {
+                "config": t.config,
+                "rows": t.size(),
+                "bytes": t.bytes(),
+                "record_bytes": t.record_bytes,
+            }
             for t in tables
         ],
         "seconds": time.monotonic() - start,

@@ -44,7 +44,7 @@ def _handler(method: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
-def table_info(table: Any) -> dlt_pb2.TableInfo:
+def table_info(table: _native.Table) -> dlt_pb2.TableInfo:
     return dlt_pb2.TableInfo(
         config=TableConfig.from_dict(table.config).to_proto(),
         rows=table.size(),
@@ -83,7 +83,7 @@ def summarize_latency(buckets: list[int]) -> dlt_pb2.LatencySummary:
 class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
     """CreateTable, DropTable, ListTables, Save, Load and Stats of one shard."""
 
-    def __init__(self, shard: Any, data_server: Any) -> None:
+    def __init__(self, shard: _native.Shard, data_server: _native.DataServer) -> None:
         self._shard = shard
         self._data_server = data_server
         self._persist_lock = threading.Lock()  # one Save or Load at a time
@@ -102,7 +102,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         config = TableConfig.from_proto(request.config)
         created = self._shard.create_table(config.to_dict())
         if created:
-            log.info("created table %s (dim %d, %s)", config.name, config.dim, config.optimizer.kind)
+            log.info(
+                "created table %s (dim %d, %s)", config.name, config.dim, config.optimizer.kind
+            )
         return dlt_pb2.CreateTableResponse(created=created)
 
     @_handler
@@ -227,4 +229,3 @@ class AuthInterceptor(grpc.ServerInterceptor):
             ):
                 return continuation(details)
         return self._deny
-

@@ -1,0 +1,60 @@
+"""Packaging: BUILD and setup.py build the same sources, the mapped packages
+install under tf_dlt only, and the server and client need no TensorFlow."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import tf_dlt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup_list(name: str) -> list[str]:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{name} not found in setup.py")
+
+
+def test_build_and_setup_list_the_same_sources() -> None:
+    build = (ROOT / "BUILD").read_text()
+    bazel_sources = set(re.findall(r'"(native/[^"]+\.cc)"', build))
+    setup_sources = set(_setup_list("NATIVE_CORE_SOURCES") + _setup_list("PYTHON_EXTENSION_SOURCES"))
+    assert bazel_sources == setup_sources
+    on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "native").rglob("*.cc")}
+    assert setup_sources == on_disk
+    headers = {str(p.relative_to(ROOT)) for p in (ROOT / "native").rglob("*.h")}
+    assert headers == set(re.findall(r'"(native/[^"]+\.h)"', build))
+
+
+def test_mapped_packages_install_under_tf_dlt_only() -> None:
+    assert importlib.util.find_spec("tf_dlt.layers") is not None
+    assert importlib.util.find_spec("tf_dlt.transpiler") is not None
+    code = "import importlib.util as u; print(u.find_spec('keras_layers'), u.find_spec('transpiler'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
+    )
+    assert out.stdout.split() == ["None", "None"]
+
+
+def test_server_and_client_import_no_tensorflow() -> None:
+    code = (
+        "import sys, tf_dlt, tf_dlt.server, tf_dlt.server.main, tf_dlt.client, tf_dlt.errors\n"
+        "tf_dlt.Client, tf_dlt.optimizers, tf_dlt.initializers\n"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/", timeout=120)
+
+
+def test_version_has_one_source() -> None:
+    scope: dict[str, str] = {}
+    exec((ROOT / "tf_dlt" / "version.py").read_text(), scope)
+    assert tf_dlt.__version__ == scope["__version__"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", tf_dlt.__version__)
