@@ -26,7 +26,8 @@ def _setup_list(name: str) -> list[str]:
 def test_build_and_setup_list_the_same_sources() -> None:
     build = (ROOT / "BUILD").read_text()
     bazel_sources = set(re.findall(r'"(native/[^"]+\.cc)"', build))
-    setup_sources = set(_setup_list("NATIVE_CORE_SOURCES") + _setup_list("PYTHON_EXTENSION_SOURCES"))
+    setup_sources = set(_setup_list("NATIVE_CORE_SOURCES"))
+    setup_sources |= set(_setup_list("PYTHON_EXTENSION_SOURCES"))
     assert bazel_sources == setup_sources
     on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "native").rglob("*.cc")}
     assert setup_sources == on_disk
@@ -37,7 +38,9 @@ def test_build_and_setup_list_the_same_sources() -> None:
 def test_mapped_packages_install_under_tf_dlt_only() -> None:
     assert importlib.util.find_spec("tf_dlt.layers") is not None
     assert importlib.util.find_spec("tf_dlt.transpiler") is not None
-    code = "import importlib.util as u; print(u.find_spec('keras_layers'), u.find_spec('transpiler'))"
+    code = (
+        "import importlib.util as u; print(u.find_spec('keras_layers'), u.find_spec('transpiler'))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
     )

@@ -1,0 +1,91 @@
+"""Save / Load throughput of one shard (shared/research/perf.md B9) against
+plain disk I/O of the same number of bytes measured in the same run:
+
+- save: checkpoint.save_shard GB/s vs sequential write + fsync (target >= 0.7)
+- load: checkpoint.load_shard GB/s vs reading the same bytes back from the
+  page cache (target >= 0.5 or >= 1 GB/s, whichever is lower)
+
+GB/s counts the shard file's bytes. Usage:
+  python bench/bench_persist.py [--rows N] [--dim D] [--dir PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_core import make_table  # noqa: E402
+from common import emit, log  # noqa: E402
+
+from tf_dlt import _native  # noqa: E402
+from tf_dlt.manifest import write_manifest  # noqa: E402
+from tf_dlt.server import checkpoint  # noqa: E402
+
+
+def disk_write_read(path: Path, nbytes: int) -> tuple[float, float]:
+    """(write+fsync GB/s, read GB/s) of `nbytes` in 8 MiB blocks."""
+    block = os.urandom(8 << 20)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(0, nbytes, len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(8 << 20):
+            pass
+    read = nbytes / (time.perf_counter() - start) / 1e9
+    path.unlink()
+    return write, read
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = p.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="tf_dlt-bench-", dir=args.dir))
+    try:
+        log(f"persist: {args.rows} rows of dim {args.dim}, adagrad")
+        table, _ = make_table(args.rows, args.dim)
+        shard = _native.Shard(0, 1)
+        shard.install_tables([table])
+        start = time.perf_counter()
+        part = checkpoint.save_shard(str(base / "ck"), shard, "bench")
+        save_s = time.perf_counter() - start
+        write_manifest(str(base / "ck"), [part], "bench")
+        nbytes = part["bytes"]
+        fresh = _native.Shard(0, 1)
+        start = time.perf_counter()
+        checkpoint.load_shard(str(base / "ck"), fresh)
+        load_s = time.perf_counter() - start
+        assert fresh.tables()[0].size() == args.rows
+        write_gbs, read_gbs = disk_write_read(base / "plain.bin", nbytes)
+        common = {"rows": args.rows, "dim": args.dim, "bytes": nbytes, "unit": "GB/s"}
+        emit({
+            **common, "name": "persist_save", "value": nbytes / save_s / 1e9, "seconds": save_s,
+            "baseline_name": "sequential write + fsync, same bytes", "baseline_value": write_gbs,
+            "target_ratio": ">= 0.7",
+        })  # fmt: skip
+        emit({
+            **common, "name": "persist_load", "value": nbytes / load_s / 1e9, "seconds": load_s,
+            "baseline_name": "sequential read (page cache), same bytes", "baseline_value": read_gbs,
+            "target_ratio": ">= 0.5 or >= 1 GB/s, whichever is lower",
+        })  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

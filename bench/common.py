@@ -1,0 +1,59 @@
+"""Shared helpers of the benchmarks: timing, the JSON line format, loadavg.
+
+Every case prints one JSON line with its same-run baseline and the ratio;
+absolute figures on a 2-core shared machine swing 2-3x, ratios much less.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).parent / "out"
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def median_seconds(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> tuple[float, float]:
+    """(median, p99-ish max) seconds per call of `fn` after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), max(times)
+
+
+def emit(record: dict[str, Any]) -> dict[str, Any]:
+    """Prints one JSON line (and appends it to bench/out/results.jsonl)."""
+    record = {"loadavg": round(loadavg(), 2), "noisy": loadavg() > os.cpu_count(), **record}
+    if record.get("baseline_value") and record.get("value") is not None:
+        record["ratio"] = round(record["value"] / record["baseline_value"], 3)
+    line = json.dumps(record, sort_keys=True)
+    print(line, flush=True)
+    OUT.mkdir(exist_ok=True)
+    with (OUT / "results.jsonl").open("a") as f:
+        f.write(line + "\n")
+    return record
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
