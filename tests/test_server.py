@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -165,9 +166,10 @@ def test_sigterm_stops_cleanly(start_cluster: Callable[..., Cluster]) -> None:
 
 
 def test_cli_help_names_every_flag() -> None:
+    tf_dlt_command = Path(sys.executable).parent / "tf-dlt"  # the installed entry point
     out = subprocess.run(
-        [sys.executable, "-m", "tf_dlt.cli", "server", "--help"],
-        capture_output=True, text=True, check=True, timeout=60,
+        [str(tf_dlt_command), "server", "--help"],
+        capture_output=True, text=True, check=True, timeout=60, cwd="/",
     ).stdout  # fmt: skip
     for flag in ("--port", "--admin-port", "--shard-index", "--num-shards", "--bind",
                  "--auth-token-file", "--max-frame-bytes", "--threads", "--load-from"):  # fmt: skip

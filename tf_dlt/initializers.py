@@ -10,17 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tf_dlt import errors
+from tf_dlt import _spec
 
 
 @dataclasses.dataclass(frozen=True)
-class Initializer:
-    """Base class; `kind` names the initializer on the wire."""
-
-    kind = "zeros"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **dataclasses.asdict(self)}
+class Initializer(_spec.Spec):
+    """Base class of initializers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,21 +94,4 @@ InitializerLike = str | Initializer | dict[str, Any]
 
 def get(identifier: InitializerLike) -> Initializer:
     """Returns an initializer from a name, an instance or a `to_dict()` dict."""
-    if isinstance(identifier, Initializer):
-        return identifier
-    if isinstance(identifier, dict):
-        fields = dict(identifier)
-        kind = fields.pop("kind", None)
-        cls = _BY_NAME.get(str(kind))
-        if cls is None:
-            raise errors.InvalidArgumentError(
-                f"unknown initializer kind {kind!r}; expected one of {sorted(_BY_NAME)}"
-            )
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: float(v) for k, v in fields.items() if k in names})
-    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
-        return _BY_NAME[identifier.lower()]()
-    raise errors.InvalidArgumentError(
-        f"unknown initializer {identifier!r}; expected one of {sorted(_BY_NAME)} "
-        "or a tf_dlt.initializers instance"
-    )
+    return _spec.resolve(identifier, Initializer, _BY_NAME, "initializer")

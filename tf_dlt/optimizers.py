@@ -11,17 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tf_dlt import errors
+from tf_dlt import _spec
 
 
 @dataclasses.dataclass(frozen=True)
-class Optimizer:
-    """Base class; `kind` names the optimizer on the wire."""
-
-    kind = "sgd"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **dataclasses.asdict(self)}
+class Optimizer(_spec.Spec):
+    """Base class of optimizers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,21 +91,4 @@ OptimizerLike = str | Optimizer | dict[str, Any]
 
 def get(identifier: OptimizerLike) -> Optimizer:
     """Returns an optimizer from a name, an instance or a `to_dict()` dict."""
-    if isinstance(identifier, Optimizer):
-        return identifier
-    if isinstance(identifier, dict):
-        fields = dict(identifier)
-        kind = fields.pop("kind", None)
-        cls = _BY_NAME.get(str(kind))
-        if cls is None:
-            raise errors.InvalidArgumentError(
-                f"unknown optimizer kind {kind!r}; expected one of {sorted(_BY_NAME)}"
-            )
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: float(v) for k, v in fields.items() if k in names})
-    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
-        return _BY_NAME[identifier.lower()]()
-    raise errors.InvalidArgumentError(
-        f"unknown optimizer {identifier!r}; expected one of {sorted(_BY_NAME)} "
-        "or a tf_dlt.optimizers instance"
-    )
+    return _spec.resolve(identifier, Optimizer, _BY_NAME, "optimizer")

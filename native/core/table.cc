@@ -139,6 +139,22 @@ void Table::GroupByStripe(const int64_t* ids, size_t n, std::vector<uint64_t>* h
   }
 }
 
+uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
+  uint32_t rec = stripe->Find(hash, id);
+  if (rec != kEmpty) return rec;
+  rec = stripe->Insert(hash, id, record_bytes_);
+  if (rec == kEmpty) return kEmpty;
+  char* r = stripe->Record(rec, record_bytes_);
+  auto* header = reinterpret_cast<RowHeader*>(r);
+  header->id = id;
+  header->step = 0;
+  header->reserved = 0;
+  float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
+  InitializeRow(config_.initializer, config_.seed, id, config_.dim, values);
+  InitializeSlots(config_.optimizer, config_.dim, values + config_.dim);
+  return rec;
+}
+
 void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts, missing;
@@ -176,21 +192,10 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     for (uint32_t pos : missing) {
       float* dst = out + size_t{pos} * dim;
-      uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
-      if (rec == kEmpty) {
-        rec = stripe.Insert(hashes[pos], ids[pos], record_bytes_);
-        if (rec == kEmpty) {  // out of address space: serve without storing
-          InitializeRow(config_.initializer, config_.seed, ids[pos], dim, dst);
-          continue;
-        }
-        char* r = stripe.Record(rec, record_bytes_);
-        auto* header = reinterpret_cast<RowHeader*>(r);
-        header->id = ids[pos];
-        header->step = 0;
-        header->reserved = 0;
-        float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
-        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, values);
-        InitializeSlots(config_.optimizer, dim, values + dim);
+      const uint32_t rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
+      if (rec == kEmpty) {  // out of address space: serve without storing
+        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, dst);
+        continue;
       }
       std::memcpy(dst, stripe.Record(rec, record_bytes_) + sizeof(RowHeader), row_bytes);
     }
@@ -225,21 +230,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     recs.resize(count);
     for (uint32_t k = 0; k < count; ++k) {
       const uint32_t pos = order[begin + k];
-      uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
+      const uint32_t rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
       if (rec == kEmpty) {
-        rec = stripe.Insert(hashes[pos], ids[pos], record_bytes_);
-        if (rec == kEmpty) {
-          return ResourceExhausted("table '" + config_.name +
-                                   "' cannot grow: out of address space");
-        }
-        char* r = stripe.Record(rec, record_bytes_);
-        auto* header = reinterpret_cast<RowHeader*>(r);
-        header->id = ids[pos];
-        header->step = 0;
-        header->reserved = 0;
-        float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
-        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, values);
-        InitializeSlots(config_.optimizer, dim, values + dim);
+        return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
       }
       recs[k] = rec;
     }

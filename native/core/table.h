@@ -96,6 +96,10 @@ class Table {
   struct Stripe;
 
   uint32_t StripeOf(uint64_t hash) const { return BucketOfHash(hash) / (kNumBuckets / kStripes); }
+  // Returns the record of `id`, creating it with its initial value and fresh
+  // slots when absent; 0xffffffff when the stripe cannot grow. Caller holds
+  // the stripe's lock exclusively.
+  uint32_t FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id);
   // Groups positions 0..n-1 by stripe into `order`; `starts` gets kStripes+1
   // offsets. `hashes` receives Mix64 of each id.
   void GroupByStripe(const int64_t* ids, size_t n, std::vector<uint64_t>* hashes,

@@ -413,6 +413,26 @@ Status CheckBatch(size_t n, uint32_t dim) {
 
 }  // namespace
 
+Status Client::Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups) {
+  std::vector<ShardInfo> infos;  // greets every shard once
+  DLT_RETURN_IF_ERROR(GetShardInfos(&infos));
+  GroupByShard(*this, ids, n, shards_.size(), groups);
+  return OkStatus();
+}
+
+Status Client::RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t prefix_bytes,
+                            size_t request_row_bytes, size_t reply_row_bytes, size_t* rows) {
+  const uint32_t limit = FrameLimit(shard);
+  size_t n = (limit - prefix_bytes) / request_row_bytes;
+  if (reply_row_bytes > 0) n = std::min(n, (limit - wire::kPullReplyFixed) / reply_row_bytes);
+  if (n == 0) {
+    return ResourceExhausted(Context(shard, op) + ": one row of dim " + std::to_string(dim) +
+                             " exceeds the frame limit of " + std::to_string(limit) + " bytes");
+  }
+  *rows = n;
+  return OkStatus();
+}
+
 Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                     PullMode mode, float* out) {
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
@@ -430,24 +450,17 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
                         PullMode mode, float* out, bool* any_reused) {
   *any_reused = false;
   if (n == 0) return OkStatus();
-  std::vector<ShardInfo> infos;  // greets every shard once
-  DLT_RETURN_IF_ERROR(GetShardInfos(&infos));
   std::vector<std::vector<uint32_t>> groups;
-  GroupByShard(*this, ids, n, shards_.size(), &groups);
+  DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
   std::vector<std::vector<int64_t>> shard_ids(shards_.size());
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
   for (size_t s = 0; s < shards_.size(); ++s) {
     const std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
-    const uint32_t limit = FrameLimit(s);
-    const size_t by_request = (limit - prefix_bytes) / 8;
-    const size_t by_reply = (limit - wire::kPullReplyFixed) / (size_t{4} * dim);
-    const size_t rows_per_frame = std::min(by_request, by_reply);
-    if (rows_per_frame == 0) {
-      return ResourceExhausted(Context(s, "Pull") + ": one row of dim " + std::to_string(dim) +
-                               " exceeds the frame limit of " + std::to_string(limit) + " bytes");
-    }
+    size_t rows_per_frame;
+    DLT_RETURN_IF_ERROR(
+        RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * dim, &rows_per_frame));
     const int64_t* shard_ids_ptr = ids;
     if (shards_.size() > 1) {
       shard_ids[s].resize(pos.size());
@@ -497,10 +510,8 @@ Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, 
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
   if (n == 0) return OkStatus();
-  std::vector<ShardInfo> infos;  // greets every shard once
-  DLT_RETURN_IF_ERROR(GetShardInfos(&infos));
   std::vector<std::vector<uint32_t>> groups;
-  GroupByShard(*this, ids, n, shards_.size(), &groups);
+  DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
   std::vector<std::vector<int64_t>> shard_ids(shards_.size());
   std::vector<std::vector<float>> shard_grads(shards_.size());
   std::vector<Call> calls;
@@ -508,12 +519,9 @@ Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, 
   for (size_t s = 0; s < shards_.size(); ++s) {
     const std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
-    const uint32_t limit = FrameLimit(s);
-    const size_t rows_per_frame = (limit - prefix_bytes) / (8 + size_t{4} * dim);
-    if (rows_per_frame == 0) {
-      return ResourceExhausted(Context(s, "Push") + ": one row of dim " + std::to_string(dim) +
-                               " exceeds the frame limit of " + std::to_string(limit) + " bytes");
-    }
+    size_t rows_per_frame;
+    DLT_RETURN_IF_ERROR(
+        RowsPerFrame(s, "Push", dim, prefix_bytes, 8 + size_t{4} * dim, 0, &rows_per_frame));
     const int64_t* ids_ptr = ids;
     const float* grads_ptr = grads;
     if (shards_.size() > 1) {

@@ -78,6 +78,13 @@ class Client {
   void Release(size_t shard, int fd);
   Status Hello(size_t shard, int fd);
   uint32_t FrameLimit(size_t shard);
+  // Greets every shard (once) and groups the positions of `ids` by shard.
+  Status Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups);
+  // The most rows per frame to `shard` whose request (prefix_bytes plus
+  // request_row_bytes per row) and reply (reply_row_bytes per row, 0: none)
+  // fit its frame limit.
+  Status RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t prefix_bytes,
+                      size_t request_row_bytes, size_t reply_row_bytes, size_t* rows);
   Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
   Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                   PullMode mode, float* out, bool* any_reused);
