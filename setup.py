@@ -101,7 +101,13 @@ native = Extension(
     "tf_dlt._native",
     sources=NATIVE_CORE_SOURCES + PYTHON_EXTENSION_SOURCES,
     include_dirs=[ROOT, pybind11.get_include()],
-    extra_compile_args=["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"],
+    extra_compile_args=[
+        "-O3",
+        "-fno-math-errno",
+        "-fvisibility=hidden",
+        "-Wall",
+        "-Wno-unused-parameter",
+    ],
     extra_link_args=["-pthread"],
     language="c++",
 )

@@ -19,6 +19,11 @@ constexpr uint32_t kEmpty = 0xffffffffu;
 constexpr uint32_t kBaseRecordsLog2 = 6;
 constexpr uint32_t kMaxChunks = 32;
 constexpr size_t kHugePage = size_t{2} << 20;
+// Prefetch distances (in ids) of the batched lookup's index probes and row copies.
+constexpr uint32_t kProbeAhead = 32;
+constexpr uint32_t kCopyAhead = 8;
+// Rows ahead whose record and gradient a push prefetches.
+constexpr uint32_t kApplyAhead = 2;
 
 struct RowHeader {
   int64_t id;
@@ -34,6 +39,23 @@ struct IndexEntry {
 };
 
 inline size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+// Index of the first NaN or infinity in `v[0..n)`, or n. The scan is a
+// branch-free OR of exponent tests (it vectorizes); the slow search runs only
+// when something is wrong.
+size_t FirstNonFinite(const float* v, size_t n) {
+  uint32_t any = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &v[i], sizeof(bits));
+    any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  if (!any) return n;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(v[i])) return i;
+  }
+  return n;
+}
 
 }  // namespace
 
@@ -62,6 +84,10 @@ struct Table::Stripe {
     uint32_t offset;
     const uint32_t k = ChunkOf(record, &offset);
     return chunks[k] + static_cast<size_t>(offset) * record_bytes;
+  }
+
+  void PrefetchSlot(uint64_t hash) const {
+    if (!index.empty()) __builtin_prefetch(&index[(hash >> 12) & (index.size() - 1)]);
   }
 
   // Looks `key` up; returns its record or kEmpty. Caller holds mu (any mode).
@@ -157,7 +183,7 @@ uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
 
 void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
   thread_local std::vector<uint64_t> hashes;
-  thread_local std::vector<uint32_t> order, starts, missing;
+  thread_local std::vector<uint32_t> order, starts, missing, recs;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   const uint32_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * dim;
@@ -167,9 +193,26 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     missing.clear();
     {
       std::shared_lock<std::shared_mutex> lock(stripe.mu);
-      for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
+      // Three stages a few ids apart, so the cache misses of the index
+      // probe, the record read and the output write overlap.
+      const uint32_t begin = starts[s], end = starts[s + 1];
+      recs.resize(end - begin);
+      for (uint32_t k = begin; k < end; ++k) {
+        if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
         const uint32_t pos = order[k];
         const uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
+        recs[k - begin] = rec;
+        if (rec != kEmpty)
+          __builtin_prefetch(stripe.Record(rec, record_bytes_) + sizeof(RowHeader));
+      }
+      for (uint32_t k = begin; k < end; ++k) {
+        if (k + kCopyAhead < end && recs[k + kCopyAhead - begin] != kEmpty) {
+          const char* next = stripe.Record(recs[k + kCopyAhead - begin], record_bytes_);
+          for (size_t b = 0; b < sizeof(RowHeader) + row_bytes; b += 64)
+            __builtin_prefetch(next + b);
+        }
+        const uint32_t pos = order[k];
+        const uint32_t rec = recs[k - begin];
         if (rec == kEmpty) {
           missing.push_back(pos);
           continue;
@@ -210,12 +253,11 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     return InvalidArgument("ftrl needs a learning rate > 0, got " + std::to_string(lr));
   }
   const uint32_t dim = config_.dim;
-  for (size_t i = 0; i < n * dim; ++i) {
-    if (!std::isfinite(grads[i])) {
-      return InvalidArgument("gradient row " + std::to_string(i / dim) + " (id " +
-                             std::to_string(ids[i / dim]) +
-                             ") holds a non-finite value; nothing applied");
-    }
+  const size_t bad = FirstNonFinite(grads, n * dim);
+  if (bad < n * dim) {
+    return InvalidArgument("gradient row " + std::to_string(bad / dim) + " (id " +
+                           std::to_string(ids[bad / dim]) +
+                           ") holds a non-finite value; nothing applied");
   }
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of;
@@ -229,6 +271,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     recs.resize(count);
     for (uint32_t k = 0; k < count; ++k) {
+      if (k + kProbeAhead < count) stripe.PrefetchSlot(hashes[order[begin + k + kProbeAhead]]);
       const uint32_t pos = order[begin + k];
       const uint32_t rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
       if (rec == kEmpty) {
@@ -264,7 +307,17 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         for (uint32_t j = 0; j < dim; ++j) acc[j] += g[j];
       }
     }
+    const size_t touched_bytes = sizeof(RowHeader) + sizeof(float) * (dim + slot_floats_);
     for (size_t u = 0; u < firsts.size(); ++u) {
+      if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
+        const uint32_t ahead = firsts[u + kApplyAhead];
+        const char* next = stripe.Record(recs[ahead], record_bytes_);
+        for (size_t b = 0; b < touched_bytes; b += 64) __builtin_prefetch(next + b, 1);
+        if (!duplicates) {
+          const char* g = reinterpret_cast<const char*>(grads + size_t{order[begin + ahead]} * dim);
+          for (size_t b = 0; b < sizeof(float) * dim; b += 64) __builtin_prefetch(g + b);
+        }
+      }
       const uint32_t k = firsts[u];
       const float* g =
           duplicates ? summed.data() + u * dim : grads + size_t{order[begin + k]} * dim;
