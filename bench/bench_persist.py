@@ -5,7 +5,9 @@ plain disk I/O of the same number of bytes measured in the same run:
 - load: checkpoint.load_shard GB/s vs reading the same bytes back from the
   page cache (target >= 0.5 or >= 1 GB/s, whichever is lower)
 
-GB/s counts the shard file's bytes. Usage:
+GB/s counts the shard file's bytes. Disk figures swing a lot here, so save,
+load and the plain I/O baseline run interleaved `--reps` times and the
+medians are compared. Usage:
   python bench/bench_persist.py [--rows N] [--dim D] [--dir PATH]
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +57,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="tf_dlt-bench-", dir=args.dir))
     try:
@@ -61,17 +65,24 @@ def main() -> None:
         table, _ = make_table(args.rows, args.dim)
         shard = _native.Shard(0, 1)
         shard.install_tables([table])
-        start = time.perf_counter()
-        part = checkpoint.save_shard(str(base / "ck"), shard, "bench")
-        save_s = time.perf_counter() - start
-        write_manifest(str(base / "ck"), [part], "bench")
+        saves, loads, writes, reads = [], [], [], []
+        for rep in range(args.reps):
+            write_gbs, read_gbs = disk_write_read(base / "plain.bin", table.bytes())
+            writes.append(write_gbs)
+            reads.append(read_gbs)
+            start = time.perf_counter()
+            part = checkpoint.save_shard(str(base / "ck"), shard, f"bench{rep}")
+            saves.append(time.perf_counter() - start)
+            write_manifest(str(base / "ck"), [part], f"bench{rep}")
+            fresh = _native.Shard(0, 1)
+            start = time.perf_counter()
+            checkpoint.load_shard(str(base / "ck"), fresh)
+            loads.append(time.perf_counter() - start)
+            assert fresh.tables()[0].size() == args.rows
+            del fresh
         nbytes = part["bytes"]
-        fresh = _native.Shard(0, 1)
-        start = time.perf_counter()
-        checkpoint.load_shard(str(base / "ck"), fresh)
-        load_s = time.perf_counter() - start
-        assert fresh.tables()[0].size() == args.rows
-        write_gbs, read_gbs = disk_write_read(base / "plain.bin", nbytes)
+        save_s, load_s = statistics.median(saves), statistics.median(loads)
+        write_gbs, read_gbs = statistics.median(writes), statistics.median(reads)
         common = {"rows": args.rows, "dim": args.dim, "bytes": nbytes, "unit": "GB/s"}
         emit({
             **common, "name": "persist_save", "value": nbytes / save_s / 1e9, "seconds": save_s,

@@ -38,20 +38,29 @@ void ApplyAdam(const OptimizerConfig& c, uint32_t dim, float lr, const float* g,
 }
 
 // ResourceSparseApplyFtrl (no l2 shrinkage, linear not multiplied by lr).
+// `Power(x)` is x^(-learning_rate_power); the usual -0.5 gets its own
+// instantiation (a sqrt) so the loop vectorizes.
+template <typename PowerFn>
+void FtrlLoop(const OptimizerConfig& c, uint32_t dim, float lr, const float* g, float* w,
+              float* acc, float* linear, PowerFn power) {
+  for (uint32_t j = 0; j < dim; ++j) {
+    const float new_acc = acc[j] + g[j] * g[j];
+    const float new_pow = power(new_acc);
+    linear[j] += g[j] - (new_pow - power(acc[j])) / lr * w[j];
+    const float l = linear[j];
+    const float clipped = l < -c.l1 ? -c.l1 : (l > c.l1 ? c.l1 : l);
+    w[j] = (clipped - l) / (new_pow / lr + 2.0f * c.l2);
+    acc[j] = new_acc;
+  }
+}
+
 void ApplyFtrl(const OptimizerConfig& c, uint32_t dim, float lr, const float* g, float* w,
                float* acc, float* linear) {
   const float p = c.learning_rate_power;
-  const bool sqrt_power = p == -0.5f;
-  for (uint32_t j = 0; j < dim; ++j) {
-    const float new_acc = acc[j] + g[j] * g[j];
-    const float new_pow = sqrt_power ? std::sqrt(new_acc) : std::pow(new_acc, -p);
-    const float old_pow = sqrt_power ? std::sqrt(acc[j]) : std::pow(acc[j], -p);
-    linear[j] += g[j] - (new_pow - old_pow) / lr * w[j];
-    const float clipped = std::fmin(std::fmax(linear[j], -c.l1), c.l1);
-    const float x = clipped - linear[j];
-    const float y = new_pow / lr + 2.0f * c.l2;
-    w[j] = x / y;
-    acc[j] = new_acc;
+  if (p == -0.5f) {
+    FtrlLoop(c, dim, lr, g, w, acc, linear, [](float x) { return std::sqrt(x); });
+  } else {
+    FtrlLoop(c, dim, lr, g, w, acc, linear, [p](float x) { return std::pow(x, -p); });
   }
 }
 
