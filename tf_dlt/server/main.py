@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from types import FrameType
 
@@ -79,8 +81,6 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)
         # stop() blocks for the grace period; run it outside the handler.
-        import threading
-
         threading.Thread(target=server.stop, name="dlt-stop").start()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -89,8 +89,6 @@ def run(args: argparse.Namespace) -> int:
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(f"{server.port} {server.admin_port}\n")
-        import os
-
         os.replace(tmp, args.port_file)
     while not server.wait(timeout=0.5):
         pass
