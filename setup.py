@@ -7,6 +7,7 @@ everything native matches the installed TensorFlow. Build with
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,16 @@ NATIVE_CORE_SOURCES = [
     "native/net/wire.cc",
 ]
 PYTHON_EXTENSION_SOURCES = ["native/python/module.cc"]
+# TF custom ops: the only translation units that include TensorFlow headers.
+TF_OPS_SOURCES = [
+    "ops/cc/kernels/client_kernels.cc",
+    "ops/cc/kernels/client_resource.cc",
+    "ops/cc/kernels/lookup_grad_kernels.cc",
+    "ops/cc/kernels/lookup_kernels.cc",
+    "ops/cc/kernels/push_kernels.cc",
+    "ops/cc/ops/dlt_ops.cc",
+]
+OPS_LIBRARY = "tf_dlt._dlt_ops"
 
 
 def _version() -> str:
@@ -43,21 +54,21 @@ def _version() -> str:
     return scope["__version__"]
 
 
-def tf_compile_flags() -> list[str]:
-    """TensorFlow's compile flags minus its include path (the native core
-    includes no TF header)."""
+def tf_sysconfig() -> tuple[list[str], list[str]]:
+    """TensorFlow's (compile flags, link flags), from tf.sysconfig."""
+    code = (
+        "import json, tensorflow as tf; "
+        "print(json.dumps([tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))"
+    )
     out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import tensorflow as tf; print('\\n'.join(tf.sysconfig.get_compile_flags()))",
-        ],
+        [sys.executable, "-c", code],
         check=True,
         capture_output=True,
         text=True,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    ).stdout.split()
-    return [flag for flag in out if not flag.startswith("-I")]
+    ).stdout
+    compile_flags, link_flags = json.loads(out.strip().splitlines()[-1])
+    return compile_flags, link_flags
 
 
 class BuildExt(build_ext):
@@ -66,10 +77,24 @@ class BuildExt(build_ext):
 
     def run(self) -> None:
         self._generate_protos()
-        flags = tf_compile_flags()
+        compile_flags, link_flags = tf_sysconfig()
+        no_include = [f for f in compile_flags if not f.startswith("-I")]
         for ext in self.extensions:
-            ext.extra_compile_args = flags + ext.extra_compile_args
+            if ext.name == OPS_LIBRARY:
+                ext.extra_compile_args = compile_flags + ext.extra_compile_args
+                ext.extra_link_args = link_flags + ext.extra_link_args
+            else:  # the native core and its bindings include no TF header
+                ext.extra_compile_args = no_include + ext.extra_compile_args
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
         super().run()
+
+    def get_ext_filename(self, fullname: str) -> str:
+        # Plain "_dlt_ops.so": tf.load_op_library loads it by path. distutils
+        # asks both with the full and with the last dotted name.
+        if fullname.split(".")[-1] == OPS_LIBRARY.split(".")[-1]:
+            return os.path.join(*fullname.split(".")) + ".so"
+        return str(super().get_ext_filename(fullname))
 
     def _generate_protos(self) -> None:
         from grpc_tools import protoc
@@ -97,18 +122,25 @@ class BuildExt(build_ext):
                 self.copy_file(src, os.path.join(dst_dir, name))
 
 
+NATIVE_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
+
 native = Extension(
     "tf_dlt._native",
     sources=NATIVE_CORE_SOURCES + PYTHON_EXTENSION_SOURCES,
     include_dirs=[ROOT, pybind11.get_include()],
-    extra_compile_args=[
-        "-O3",
-        "-fno-math-errno",
-        "-fvisibility=hidden",
-        "-Wall",
-        "-Wno-unused-parameter",
-    ],
+    extra_compile_args=NATIVE_FLAGS,
     extra_link_args=["-pthread"],
+    language="c++",
+)
+
+# The op library carries its own copy of the native core, hidden: it exports
+# no third-party or tf_dlt symbols, so nothing clashes with what TF exports.
+dlt_ops = Extension(
+    OPS_LIBRARY,
+    sources=NATIVE_CORE_SOURCES + TF_OPS_SOURCES,
+    include_dirs=[ROOT],
+    extra_compile_args=NATIVE_FLAGS + ["-Wno-sign-compare"],
+    extra_link_args=["-pthread", "-Wl,--exclude-libs,ALL", "-Wl,--no-undefined"],
     language="c++",
 )
 
@@ -126,7 +158,7 @@ setup(
         "tf_dlt.transpiler": "transpiler",
     },
     package_data={"tf_dlt.proto": ["*.proto", "*.pyi"]},
-    ext_modules=[native],
+    ext_modules=[native, dlt_ops],
     cmdclass={"build_ext": BuildExt},
     install_requires=[
         "numpy>=1.26",

@@ -1,7 +1,8 @@
 """tf_dlt: a distributed embedding lookup table for TensorFlow / Keras 3.
 
 ``import tf_dlt`` does not import TensorFlow: the shard server and the Python
-client work without it. Names are loaded on first use.
+client work without it. Names are loaded on first use; ``tf_dlt.ops`` (the
+TensorFlow ops) imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
+    from tf_dlt import dlt_ops as ops
     from tf_dlt import errors, initializers, optimizers, routing
     from tf_dlt.client import Client
     from tf_dlt.table_config import TableConfig
@@ -20,6 +22,7 @@ _LAZY = {
     "Client": ("tf_dlt.client", "Client"),
     "TableConfig": ("tf_dlt.table_config", "TableConfig"),
     "errors": ("tf_dlt.errors", None),
+    "ops": ("tf_dlt.dlt_ops", None),
     "initializers": ("tf_dlt.initializers", None),
     "optimizers": ("tf_dlt.optimizers", None),
     "routing": ("tf_dlt.routing", None),

@@ -1,0 +1,184 @@
+#include "ops/cc/kernels/client_resource.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "ops/cc/kernels/status_util.h"
+
+namespace tensorflow {
+namespace dlt_ops {
+
+WorkQueue::WorkQueue(int threads) {
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+}
+
+WorkQueue::~WorkQueue() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // the last reference was dropped by work running on t
+    } else {
+      t.join();
+    }
+  }
+}
+
+void WorkQueue::Schedule(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(fn));
+  }
+  cv_.notify_one();
+}
+
+void WorkQueue::Run() {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      fn = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    fn();
+  }
+}
+
+ClientResource::ClientResource(ClientResourceOptions options)
+    : options_(std::move(options)), work_(options_.worker_threads) {
+  if (options_.addresses.empty()) {
+    embedded_ = std::make_shared<dlt::Shard>(0, 1);
+  } else {
+    tcp_ = std::make_unique<dlt::Client>(options_.addresses, options_.tcp);
+  }
+}
+
+ClientResource::~ClientResource() = default;
+
+std::string ClientResource::DebugString() const {
+  if (embedded()) return "DltClient(embedded)";
+  std::string out = "DltClient(tcp:";
+  for (size_t i = 0; i < options_.addresses.size(); ++i) {
+    out += (i ? "," : "") + options_.addresses[i];
+  }
+  return out + ")";
+}
+
+absl::Status ClientResource::CreateTable(const dlt::TableConfig& config) {
+  if (!embedded()) {
+    return absl::FailedPreconditionError(
+        "tables of shard servers are created through their control plane "
+        "(tf_dlt.Client.create_table), not by Dlt>CreateTable");
+  }
+  bool created = false;
+  return ToAbsl(embedded_->CreateTable(config, &created), "embedded CreateTable");
+}
+
+absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const int64_t* ids,
+                                  size_t n, dlt::PullMode mode, float* out) {
+  if (tcp_) return ToAbsl(tcp_->Pull(table, dim, ids, n, mode, out));
+  std::shared_ptr<dlt::Table> t;
+  const std::string context = "embedded table '" + table + "' Lookup";
+  TF_RETURN_IF_ERROR(ToAbsl(embedded_->GetTable(table, &t), context));
+  if (t->dim() != dim) {
+    return absl::InvalidArgumentError(context + ": the table has dim " + std::to_string(t->dim()) +
+                                      ", the op says " + std::to_string(dim));
+  }
+  t->Pull(ids, n, mode, out);
+  return absl::OkStatus();
+}
+
+absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const int64_t* ids,
+                                  const float* grads, size_t n, float learning_rate) {
+  if (tcp_) return ToAbsl(tcp_->Push(table, dim, ids, grads, n, learning_rate));
+  std::shared_ptr<dlt::Table> t;
+  const std::string context = "embedded table '" + table + "' Push";
+  TF_RETURN_IF_ERROR(ToAbsl(embedded_->GetTable(table, &t), context));
+  if (t->dim() != dim) {
+    return absl::InvalidArgumentError(context + ": the table has dim " + std::to_string(t->dim()) +
+                                      ", the op says " + std::to_string(dim));
+  }
+  return ToAbsl(t->Push(ids, grads, n, learning_rate), context);
+}
+
+void ClientResource::EnqueuePush(std::function<absl::Status()> work,
+                                 std::function<void(absl::Status)> admitted,
+                                 std::function<void(absl::Status)> finished) {
+  PendingPush push{std::move(work), std::move(admitted), std::move(finished)};
+  absl::Status earlier;
+  {
+    mutex_lock lock(mu_);
+    if (!async_error_.ok()) {
+      earlier = async_error_;
+      async_error_ = absl::OkStatus();
+    } else if (inflight_ >= options_.max_inflight_pushes) {
+      waiting_.push_back(std::move(push));  // backpressure: admitted later
+      return;
+    } else {
+      ++inflight_;
+    }
+  }
+  if (!earlier.ok()) {
+    push.admitted(absl::Status(
+        earlier.code(), "an earlier asynchronous push failed: " + std::string(earlier.message())));
+    return;
+  }
+  Start(std::move(push));
+}
+
+void ClientResource::Start(PendingPush push) {
+  Ref();  // held until the push is done, even if every handle goes away
+  auto admitted = std::move(push.admitted);
+  Schedule([this, work = std::move(push.work), finished = std::move(push.finished)]() {
+    const absl::Status status = work();
+    if (finished) finished(status);
+    OnPushDone(status, /*record_error=*/!finished);
+    Unref();
+  });
+  admitted(absl::OkStatus());
+}
+
+void ClientResource::OnPushDone(const absl::Status& status, bool record_error) {
+  std::vector<PendingPush> to_start;
+  std::vector<std::function<void(absl::Status)>> flushed;
+  absl::Status flush_status;
+  {
+    mutex_lock lock(mu_);
+    --inflight_;
+    if (record_error && !status.ok() && async_error_.ok()) async_error_ = status;
+    while (!waiting_.empty() && inflight_ < options_.max_inflight_pushes) {
+      to_start.push_back(std::move(waiting_.front()));
+      waiting_.pop_front();
+      ++inflight_;
+    }
+    if (inflight_ == 0 && waiting_.empty() && !flush_waiters_.empty()) {
+      flushed.swap(flush_waiters_);
+      flush_status = async_error_;
+      async_error_ = absl::OkStatus();
+    }
+  }
+  for (PendingPush& p : to_start) Start(std::move(p));
+  for (auto& done : flushed) done(flush_status);
+}
+
+void ClientResource::Flush(std::function<void(absl::Status)> done) {
+  absl::Status status;
+  {
+    mutex_lock lock(mu_);
+    if (inflight_ > 0 || !waiting_.empty()) {
+      flush_waiters_.push_back(std::move(done));
+      return;
+    }
+    status = async_error_;
+    async_error_ = absl::OkStatus();
+  }
+  done(status);
+}
+
+}  // namespace dlt_ops
+}  // namespace tensorflow

@@ -1,0 +1,111 @@
+// ClientResource: the state behind a Dlt>Client handle. It reaches the tables
+// through one of two transports: `tcp` (the C++ data-plane client, shard
+// servers elsewhere) or `embedded` (the same table core in this process, no
+// sockets). It also owns the worker threads remote calls run on and the
+// bounded queue of asynchronous pushes.
+#ifndef TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
+#define TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "native/core/shard.h"
+#include "native/core/table.h"
+#include "native/net/client.h"
+#include "tensorflow/core/framework/resource_base.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "tensorflow/core/platform/thread_annotations.h"
+
+namespace tensorflow {
+namespace dlt_ops {
+
+struct ClientResourceOptions {
+  // Empty: embedded transport.
+  std::vector<std::string> addresses;
+  dlt::ClientOptions tcp;
+  int max_inflight_pushes = 4;
+  int worker_threads = 4;
+};
+
+// A fixed set of worker threads running closures in FIFO order. Its
+// destructor drains the queue; when it runs on one of its own workers, that
+// worker is detached instead of joined.
+class WorkQueue {
+ public:
+  explicit WorkQueue(int threads);
+  ~WorkQueue();
+  void Schedule(std::function<void()> fn);
+
+ private:
+  void Run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;  // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
+class ClientResource : public ResourceBase {
+ public:
+  explicit ClientResource(ClientResourceOptions options);
+  ~ClientResource() override;
+
+  std::string DebugString() const override;
+  bool embedded() const { return tcp_ == nullptr; }
+
+  // Runs `fn` on the resource's worker threads.
+  void Schedule(std::function<void()> fn) { work_.Schedule(std::move(fn)); }
+
+  // Embedded only: creates a table (a no-op for an identical one).
+  absl::Status CreateTable(const dlt::TableConfig& config);
+
+  // Blocking pull of `n` distinct ids into `out` ([n, dim]).
+  absl::Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
+                    dlt::PullMode mode, float* out);
+  // Blocking push of `n` rows.
+  absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
+                    size_t n, float learning_rate);
+
+  // Queues a push (`work` does it). At most max_inflight_pushes run at once;
+  // `admitted` runs when this one starts (or fails at once with the error of
+  // an earlier asynchronous push, which it then clears). `finished`, when
+  // given, gets the push's result (a synchronous push); without it the push
+  // is asynchronous and its error is kept for the next Push or Flush.
+  // Callbacks never run under the resource's lock.
+  void EnqueuePush(std::function<absl::Status()> work, std::function<void(absl::Status)> admitted,
+                   std::function<void(absl::Status)> finished);
+  // Calls `done` once every push queued before it finished, with the first
+  // error of those pushes not yet reported (then cleared).
+  void Flush(std::function<void(absl::Status)> done);
+
+ private:
+  struct PendingPush {
+    std::function<absl::Status()> work;
+    std::function<void(absl::Status)> admitted;
+    std::function<void(absl::Status)> finished;
+  };
+  void Start(PendingPush push);
+  void OnPushDone(const absl::Status& status, bool record_error);
+
+  const ClientResourceOptions options_;
+  std::unique_ptr<dlt::Client> tcp_;
+  std::shared_ptr<dlt::Shard> embedded_;
+  mutable mutex mu_;
+  int inflight_ TF_GUARDED_BY(mu_) = 0;
+  std::deque<PendingPush> waiting_ TF_GUARDED_BY(mu_);
+  std::vector<std::function<void(absl::Status)>> flush_waiters_ TF_GUARDED_BY(mu_);
+  absl::Status async_error_ TF_GUARDED_BY(mu_);
+  WorkQueue work_;  // last: destroyed (drained) first
+};
+
+}  // namespace dlt_ops
+}  // namespace tensorflow
+
+#endif  // TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_

@@ -1,0 +1,65 @@
+// Dlt>LookupGrad: the gradient of looked-up rows (ids.shape + [dim]) turned
+// into one summed row per distinct id, in order of first appearance; no RPC.
+#include <cstring>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tensorflow {
+namespace dlt_ops {
+namespace {
+
+class LookupGradOp : public OpKernel {
+ public:
+  explicit LookupGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    const Tensor& grads = ctx->input(1);
+    OP_REQUIRES(ctx, grads.dims() == ids.dims() + 1,
+                errors::InvalidArgument("grads must have shape ids.shape + [dim]; ids have shape ",
+                                        ids.shape().DebugString(), ", grads ",
+                                        grads.shape().DebugString()));
+    for (int d = 0; d < ids.dims(); ++d) {
+      OP_REQUIRES(ctx, grads.dim_size(d) == ids.dim_size(d),
+                  errors::InvalidArgument("grads must have shape ids.shape + [dim]; ids have "
+                                          "shape ",
+                                          ids.shape().DebugString(), ", grads ",
+                                          grads.shape().DebugString()));
+    }
+    const int64_t n = ids.NumElements();
+    const int64_t dim = grads.dim_size(grads.dims() - 1);
+    const int64_t* id = ids.flat<int64_t>().data();
+    const float* g = grads.flat<float>().data();
+    absl::flat_hash_map<int64_t, int64_t> slot_of;
+    slot_of.reserve(n);
+    std::vector<int64_t> unique;
+    std::vector<int64_t> slot(n);
+    for (int64_t i = 0; i < n; ++i) {
+      auto [it, inserted] = slot_of.try_emplace(id[i], static_cast<int64_t>(unique.size()));
+      if (inserted) unique.push_back(id[i]);
+      slot[i] = it->second;
+    }
+    const int64_t u = static_cast<int64_t>(unique.size());
+    Tensor* unique_ids = nullptr;
+    Tensor* summed = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({u}), &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({u, dim}), &summed));
+    std::memcpy(unique_ids->flat<int64_t>().data(), unique.data(), sizeof(int64_t) * u);
+    float* out = summed->flat<float>().data();
+    std::memset(out, 0, sizeof(float) * u * dim);
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = out + slot[i] * dim;
+      const float* src = g + i * dim;
+      for (int64_t j = 0; j < dim; ++j) dst[j] += src[j];
+    }
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>LookupGrad").Device(DEVICE_CPU), LookupGradOp);
+
+}  // namespace
+}  // namespace dlt_ops
+}  // namespace tensorflow

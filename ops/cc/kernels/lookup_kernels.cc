@@ -1,0 +1,95 @@
+// Dlt>Lookup: rows of ids of any shape. The ids are deduplicated, the
+// distinct ones pulled (the tcp transport routes them by bucket and asks every
+// touched shard at once), and the rows stitched back in input order. The pull
+// runs on the client's worker threads: ComputeAsync never blocks.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "ops/cc/kernels/client_resource.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tensorflow {
+namespace dlt_ops {
+namespace {
+
+class LookupOp : public AsyncOpKernel {
+ public:
+  explicit LookupOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    int64_t dim;
+    bool training;
+    std::string missing;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("training", &training));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("missing", &missing));
+    OP_REQUIRES(ctx, dim <= dlt::kMaxDim,
+                errors::InvalidArgument("dim must be at most ", dlt::kMaxDim, ", got ", dim));
+    dim_ = static_cast<uint32_t>(dim);
+    mode_ = training ? dlt::PullMode::kInsert
+                     : (missing == "zeros" ? dlt::PullMode::kZerosNoInsert
+                                           : dlt::PullMode::kInitNoInsert);
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK_ASYNC(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client), done);
+    const Tensor& ids = ctx->input(1);
+    TensorShape shape = ids.shape();
+    OP_REQUIRES_OK_ASYNC(ctx, shape.AddDimWithStatus(dim_), done);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape, &out), done);
+    const int64_t n = ids.NumElements();
+    OP_REQUIRES_ASYNC(ctx, n < (int64_t{1} << 31),
+                      errors::InvalidArgument("at most 2^31-1 ids per Lookup, got ", n), done);
+    if (n == 0) {
+      done();
+      return;
+    }
+    ClientResource* c = client.release();  // unreffed by the closure
+    c->Schedule([this, ctx, done, c, ids, out, n]() {
+      const int64_t* id = ids.flat<int64_t>().data();
+      float* rows = out->flat<float>().data();
+      // Distinct ids in order of first appearance, and each id's slot.
+      absl::flat_hash_map<int64_t, int32_t> slot_of;
+      slot_of.reserve(n);
+      std::vector<int64_t> unique;
+      std::vector<int32_t> slot(n);
+      for (int64_t i = 0; i < n; ++i) {
+        auto [it, inserted] = slot_of.try_emplace(id[i], static_cast<int32_t>(unique.size()));
+        if (inserted) unique.push_back(id[i]);
+        slot[i] = it->second;
+      }
+      absl::Status status;
+      if (static_cast<int64_t>(unique.size()) == n) {
+        status = c->Pull(table_, dim_, id, n, mode_, rows);
+      } else {
+        std::vector<float> distinct(unique.size() * dim_);
+        status = c->Pull(table_, dim_, unique.data(), unique.size(), mode_, distinct.data());
+        if (status.ok()) {
+          for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(rows + i * dim_, distinct.data() + size_t{slot[i]} * dim_,
+                        sizeof(float) * dim_);
+          }
+        }
+      }
+      ctx->SetStatus(status);
+      c->Unref();
+      done();
+    });
+  }
+
+ private:
+  std::string table_;
+  uint32_t dim_ = 0;
+  dlt::PullMode mode_ = dlt::PullMode::kInsert;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>Lookup").Device(DEVICE_CPU), LookupOp);
+
+}  // namespace
+}  // namespace dlt_ops
+}  // namespace tensorflow

@@ -1,0 +1,84 @@
+// Dlt>Push: gradient rows to the shards through the client's bounded push
+// queue. Asynchronous by default (done once admitted), or synchronous (done
+// once applied). ComputeAsync never blocks; done() runs exactly once.
+#include <string>
+
+#include "ops/cc/kernels/client_resource.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tensorflow {
+namespace dlt_ops {
+namespace {
+
+class PushOp : public AsyncOpKernel {
+ public:
+  explicit PushOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    int64_t dim;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sync", &sync_));
+    OP_REQUIRES(ctx, dim <= dlt::kMaxDim,
+                errors::InvalidArgument("dim must be at most ", dlt::kMaxDim, ", got ", dim));
+    dim_ = static_cast<uint32_t>(dim);
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK_ASYNC(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client), done);
+    const Tensor ids = ctx->input(1);
+    const Tensor grads = ctx->input(2);
+    const Tensor& lr = ctx->input(3);
+    OP_REQUIRES_ASYNC(ctx, TensorShapeUtils::IsVector(ids.shape()),
+                      errors::InvalidArgument("unique_ids must be a vector, got shape ",
+                                              ids.shape().DebugString()),
+                      done);
+    OP_REQUIRES_ASYNC(
+        ctx, grads.dims() == 2 && grads.dim_size(0) == ids.dim_size(0) && grads.dim_size(1) == dim_,
+        errors::InvalidArgument("grads must have shape [", ids.dim_size(0), ", ", dim_, "], got ",
+                                grads.shape().DebugString()),
+        done);
+    OP_REQUIRES_ASYNC(ctx, TensorShapeUtils::IsScalar(lr.shape()),
+                      errors::InvalidArgument("learning_rate must be a scalar"), done);
+    const float learning_rate = lr.scalar<float>()();
+    const int64_t n = ids.NumElements();
+    if (n == 0) {
+      done();
+      return;
+    }
+    ClientResource* c = client.get();
+    auto work = [c, ids, grads, n, learning_rate, table = table_, dim = dim_]() {
+      return c->Push(table, dim, ids.flat<int64_t>().data(), grads.flat<float>().data(),
+                     static_cast<size_t>(n), learning_rate);
+    };
+    const bool sync = sync_;
+    auto admitted = [ctx, done, sync](absl::Status status) {
+      if (!status.ok()) {
+        ctx->SetStatus(status);
+        done();
+      } else if (!sync) {
+        done();
+      }
+    };
+    std::function<void(absl::Status)> finished;
+    if (sync) {
+      finished = [ctx, done](absl::Status status) {
+        ctx->SetStatus(status);
+        done();
+      };
+    }
+    c->EnqueuePush(std::move(work), std::move(admitted), std::move(finished));
+  }
+
+ private:
+  std::string table_;
+  uint32_t dim_ = 0;
+  bool sync_ = false;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>Push").Device(DEVICE_CPU), PushOp);
+
+}  // namespace
+}  // namespace dlt_ops
+}  // namespace tensorflow

@@ -1,0 +1,119 @@
+// Registrations of the Dlt> ops: inputs, attrs, shape functions. No kernels
+// here (they live in ops/cc/kernels/). Every op touching the shards or the
+// embedded tables is stateful, so TF never folds, dedups or caches it.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tensorflow {
+namespace {
+
+using shape_inference::DimensionHandle;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+REGISTER_OP("Dlt>Client")
+    .Output("handle: resource")
+    .Attr("addresses: list(string) = []")
+    .Attr("auth_token: string = ''")
+    .Attr("connect_timeout_ms: int = 5000")
+    .Attr("request_timeout_ms: int = 30000")
+    .Attr("frame_bytes: int = 8388608")
+    .Attr("max_inflight_pushes: int = 4")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+A client of the distributed tables: TCP to the shard servers at `addresses`
+(in shard-index order), or the embedded in-process tables when `addresses` is
+empty. TF_DLT_PSERVERS (comma-separated) replaces non-empty addresses.
+)doc");
+
+REGISTER_OP("Dlt>CreateTable")
+    .Input("client: resource")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .Attr("seed: int = 0")
+    .Attr("initializer: string")
+    .Attr("initializer_params: list(float)")
+    .Attr("optimizer: string")
+    .Attr("optimizer_params: list(float)")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Creates a table in an embedded client (idempotent for an identical config).
+initializer_params: value, minval, maxval, mean, stddev.
+optimizer_params: initial_accumulator, epsilon, beta1, beta2,
+learning_rate_power, l1, l2.
+)doc");
+
+REGISTER_OP("Dlt>Lookup")
+    .Input("client: resource")
+    .Input("ids: int64")
+    .Output("rows: float")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .Attr("training: bool = true")
+    .Attr("missing: {'init', 'zeros'} = 'init'")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->Concatenate(c->input(1), c->Vector(dim), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Rows of `ids` (any shape): float32 ids.shape + [dim]. With training, unseen
+ids are inserted with their initial value; otherwise nothing is inserted and
+unseen ids read as their initial value (missing='init') or zeros.
+)doc");
+
+REGISTER_OP("Dlt>LookupGrad")
+    .Input("ids: int64")
+    .Input("grads: float")
+    .Output("unique_ids: int64")
+    .Output("summed_grads: float")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grads;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), 1, &grads));
+      DimensionHandle dim = c->Dim(grads, -1);
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, dim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Turns the gradient of looked-up rows (ids.shape + [dim]) into one summed
+gradient row per distinct id, in order of first appearance.
+)doc");
+
+REGISTER_OP("Dlt>Push")
+    .Input("client: resource")
+    .Input("unique_ids: int64")
+    .Input("grads: float")
+    .Input("learning_rate: float")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .Attr("sync: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Sends gradient rows to the shards, which apply the table's optimizer with
+`learning_rate`. Asynchronous unless `sync`: it returns once the push is
+admitted (at most max_inflight_pushes in flight); errors of earlier pushes
+surface at the next Push or Flush.
+)doc");
+
+REGISTER_OP("Dlt>Flush")
+    .Input("client: resource")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Waits until every push admitted before it has been applied; raises the first
+error of those pushes.
+)doc");
+
+}  // namespace
+}  // namespace tensorflow

@@ -1,0 +1,196 @@
+"""TensorFlow ops of tf_dlt: the Dlt> op library, loaded once, and typed
+wrappers around it.
+
+- `ClientResource(pservers)`: the handle the other ops take. ``pservers=None``
+  (or empty) selects the embedded transport: the table core in this process,
+  no sockets, shared by every embedded client of the process.
+- `lookup`, `lookup_grad`, `push`, `flush`: see each docstring.
+
+All ops run eagerly and inside ``tf.function``; they are stateful and have no
+XLA kernels (``jit_compile=True`` fails). ``TF_DLT_PSERVERS`` (comma-separated
+``host:port``; see `override_pservers`) replaces the shard addresses of every
+non-embedded client created after it is set, so a graph or SavedModel built
+against one cluster can run against another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import tensorflow as tf
+
+from tf_dlt.table_config import TableConfig
+
+LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dlt_ops.so")
+PSERVERS_ENV = "TF_DLT_PSERVERS"
+EMBEDDED_SHARED_NAME = "dlt_embedded"
+
+_load_lock = threading.Lock()
+_library: ModuleType | None = None
+
+
+def load_library() -> ModuleType:
+    """Loads _dlt_ops.so into TensorFlow once; raises ImportError naming the
+    path, the TensorFlow version and the cause when that fails."""
+    global _library
+    with _load_lock:
+        if _library is None:
+            try:
+                _library = tf.load_op_library(LIBRARY_PATH)
+            except Exception as e:  # noqa: BLE001 - re-raised with context
+                raise ImportError(
+                    f"cannot load the tf_dlt op library {LIBRARY_PATH} into TensorFlow "
+                    f"{tf.__version__} (tf_dlt is built for 2.21): {type(e).__name__}: {e}"
+                ) from e
+        return _library
+
+
+def override_pservers(addresses: Sequence[str] | None) -> None:
+    """Points clients created from now on at `addresses` (shard-index order)
+    instead of the ones they were built with; None removes the override."""
+    if addresses is None:
+        os.environ.pop(PSERVERS_ENV, None)
+    else:
+        os.environ[PSERVERS_ENV] = ",".join(addresses)
+
+
+class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ignore[misc]
+    """The Dlt>Client handle: the cluster the ops talk to.
+
+    Args:
+        pservers: data-plane addresses of the shard servers in shard-index
+            order, or None / [] for the embedded in-process tables.
+        auth_token: token the shards require (empty: none).
+        connect_timeout: seconds to connect to a shard and say Hello.
+        request_timeout: deadline in seconds of one lookup or push.
+        frame_bytes: target bytes per frame; bigger batches are split.
+        max_inflight_pushes: asynchronous pushes in flight at once; more wait
+            (backpressure).
+    """
+
+    def __init__(
+        self,
+        pservers: Sequence[str] | None = None,
+        *,
+        auth_token: str = "",
+        connect_timeout: float = 5.0,
+        request_timeout: float = 30.0,
+        frame_bytes: int = 8 << 20,
+        max_inflight_pushes: int = 4,
+    ) -> None:
+        self.pservers = list(pservers or [])
+        self._attrs: dict[str, Any] = {
+            "addresses": self.pservers,
+            "auth_token": auth_token,
+            "connect_timeout_ms": max(1, int(connect_timeout * 1000)),
+            "request_timeout_ms": max(1, int(request_timeout * 1000)),
+            "frame_bytes": int(frame_bytes),
+            "max_inflight_pushes": int(max_inflight_pushes),
+        }
+        if self.pservers:
+            digest = hashlib.sha256(repr(sorted(self._attrs.items())).encode()).hexdigest()
+            self._shared_name = f"dlt_tcp_{digest[:16]}"
+        else:
+            self._shared_name = EMBEDDED_SHARED_NAME
+        super().__init__(device="/CPU:0")
+
+    @property
+    def embedded(self) -> bool:
+        return not self.pservers
+
+    def _create_resource(self) -> tf.Tensor:
+        return load_library().dlt_client(shared_name=self._shared_name, **self._attrs)
+
+
+def create_table(client: ClientResource, config: TableConfig) -> None:
+    """Creates `config`'s table in an embedded client (a no-op when an
+    identical one exists). Tables on shard servers are created with
+    `tf_dlt.Client.create_table`."""
+    d = config.to_dict()
+    init, opt = d["initializer"], d["optimizer"]
+    load_library().dlt_create_table(
+        client=client.resource_handle,
+        table=config.name,
+        dim=config.dim,
+        seed=config.seed - (1 << 64) if config.seed >= 1 << 63 else config.seed,
+        initializer=init["kind"],
+        initializer_params=[
+            init.get(k, 0.0) for k in ("value", "minval", "maxval", "mean", "stddev")
+        ],
+        optimizer=opt["kind"],
+        optimizer_params=[
+            opt.get(k, 0.0)
+            for k in (
+                "initial_accumulator",
+                "epsilon",
+                "beta1",
+                "beta2",
+                "learning_rate_power",
+                "l1",
+                "l2",
+            )
+        ],  # fmt: skip
+    )
+
+
+def lookup(
+    client: ClientResource,
+    ids: tf.Tensor,
+    table: str,
+    dim: int,
+    *,
+    training: bool = True,
+    missing: str = "init",
+) -> tf.Tensor:
+    """Rows of int64 `ids` (any shape): float32 ``ids.shape + [dim]``.
+
+    Distinct ids are pulled once; with the tcp transport each touched shard
+    gets one pipelined request, all at once. With ``training=False`` nothing
+    is inserted: unseen ids read as their initial value (``missing="init"``)
+    or zeros (``missing="zeros"``).
+    """
+    return load_library().dlt_lookup(
+        client=client.resource_handle, ids=ids, table=table, dim=dim, training=training,
+        missing=missing,
+    )  # fmt: skip
+
+
+def lookup_grad(ids: tf.Tensor, grads: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(unique_ids, summed_grads): the gradient of looked-up rows
+    (``ids.shape + [dim]``) summed per distinct id, in first-seen order."""
+    out = load_library().dlt_lookup_grad(ids=ids, grads=grads)
+    return out.unique_ids, out.summed_grads
+
+
+def push(
+    client: ClientResource,
+    unique_ids: tf.Tensor,
+    grads: tf.Tensor,
+    learning_rate: tf.Tensor | float,
+    table: str,
+    dim: int,
+    *,
+    sync: bool = False,
+) -> tf.Operation | None:
+    """Sends gradient rows (``[n, dim]`` for ``n`` distinct ids) to the shards,
+    which apply the table's optimizer with `learning_rate`.
+
+    Asynchronous by default: it returns once admitted (at most
+    ``max_inflight_pushes`` in flight); an error surfaces at the next push or
+    `flush`. ``sync=True`` returns after the shards applied it.
+    """
+    return load_library().dlt_push(
+        client=client.resource_handle, unique_ids=unique_ids, grads=grads,
+        learning_rate=tf.cast(learning_rate, tf.float32), table=table, dim=dim, sync=sync,
+    )  # fmt: skip
+
+
+def flush(client: ClientResource) -> tf.Operation | None:
+    """Waits until every push issued before it was applied; raises the first
+    error among them."""
+    return load_library().dlt_flush(client=client.resource_handle)
