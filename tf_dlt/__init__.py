@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
-    from tf_dlt import dlt_ops as ops
+    from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
     from tf_dlt import errors, initializers, optimizers, routing
     from tf_dlt.client import Client
     from tf_dlt.table_config import TableConfig
