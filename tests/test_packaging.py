@@ -25,14 +25,23 @@ def _setup_list(name: str) -> list[str]:
 
 def test_build_and_setup_list_the_same_sources() -> None:
     build = (ROOT / "BUILD").read_text()
-    bazel_sources = set(re.findall(r'"(native/[^"]+\.cc)"', build))
+    bazel_sources = set(re.findall(r'"((?:native|ops)/[^"]+\.cc)"', build))
     setup_sources = set(_setup_list("NATIVE_CORE_SOURCES"))
     setup_sources |= set(_setup_list("PYTHON_EXTENSION_SOURCES"))
+    setup_sources |= set(_setup_list("TF_OPS_SOURCES"))
     assert bazel_sources == setup_sources
-    on_disk = {str(p.relative_to(ROOT)) for p in (ROOT / "native").rglob("*.cc")}
+    on_disk = {
+        str(p.relative_to(ROOT)) for d in ("native", "ops") for p in (ROOT / d).rglob("*.cc")
+    }
     assert setup_sources == on_disk
-    headers = {str(p.relative_to(ROOT)) for p in (ROOT / "native").rglob("*.h")}
-    assert headers == set(re.findall(r'"(native/[^"]+\.h)"', build))
+    headers = {str(p.relative_to(ROOT)) for d in ("native", "ops") for p in (ROOT / d).rglob("*.h")}
+    assert headers == set(re.findall(r'"((?:native|ops)/[^"]+\.h)"', build))
+
+
+def test_only_the_op_sources_include_tensorflow_headers() -> None:
+    for path in (ROOT / "native").rglob("*"):
+        if path.suffix in (".h", ".cc"):
+            assert '#include "tensorflow/' not in path.read_text(), path
 
 
 def test_mapped_packages_install_under_tf_dlt_only() -> None:

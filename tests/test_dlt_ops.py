@@ -1,0 +1,316 @@
+"""The Dlt> TensorFlow ops against real shard processes and the embedded
+transport. Oracles: tf_dlt.Client.pull (the Python client of the same
+shards), the in-process table core, and tf.math.unsorted_segment_sum."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dlt import _native
+from tf_dlt import dlt_ops as ops
+from tf_dlt.table_config import TableConfig
+
+import frames
+from conftest import Cluster
+
+DIM = 8
+
+
+def _ids(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    ids[: n // 3] = ids[n // 3 : 2 * (n // 3)]  # duplicates
+    ids[-2:] = [-(2**63), 2**63 - 1]
+    return ids
+
+
+def _remote(cluster: Cluster, optimizer: str = "adagrad", **kwargs: object) -> ops.ClientResource:
+    with cluster.client() as client:
+        client.create_table("emb", DIM, "uniform", optimizer, seed=4)
+    return ops.ClientResource(cluster.addresses, **kwargs)  # type: ignore[arg-type]
+
+
+def _oracle(optimizer: str = "adagrad") -> _native.Table:
+    return _native.Table(TableConfig.create("emb", DIM, "uniform", optimizer, seed=4).to_dict())
+
+
+def test_remote_lookup_equals_client_pull(cluster: Cluster) -> None:
+    client = _remote(cluster)
+    ids = _ids(3000).reshape(30, 100)
+    rows = ops.lookup(client, ids, "emb", DIM)
+    assert rows.shape == (30, 100, DIM) and rows.dtype == tf.float32
+    with cluster.client() as py:
+        np.testing.assert_array_equal(rows.numpy(), py.pull("emb", ids))
+
+
+def test_push_then_lookup_shows_the_optimizer_update(cluster: Cluster) -> None:
+    client = _remote(cluster)
+    oracle = _oracle()
+    ids = _ids(2000, seed=1)
+    rows = ops.lookup(client, ids, "emb", DIM)
+    np.testing.assert_array_equal(rows.numpy(), oracle.pull(ids))
+    upstream = tf.random.stateless_normal((len(ids), DIM), seed=(1, 2))
+    unique, summed = ops.lookup_grad(ids, upstream)
+    ops.push(client, unique, summed, 0.1, "emb", DIM, sync=True)
+    oracle.push(ids, upstream.numpy(), 0.1)  # the shards sum repeats the same way
+    np.testing.assert_allclose(
+        ops.lookup(client, ids, "emb", DIM).numpy(), oracle.pull(ids), atol=1e-6
+    )
+
+
+def test_async_pushes_are_all_applied_after_flush(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(2)
+    client = _remote(cluster, "sgd", max_inflight_pushes=2)
+    ids = np.arange(500, dtype=np.int64)
+    before = ops.lookup(client, ids, "emb", DIM).numpy()
+    for _ in range(20):  # more than the bound: later ones wait for admission
+        ops.push(client, ids, tf.ones((500, DIM)), 0.01, "emb", DIM)
+    ops.flush(client)
+    np.testing.assert_allclose(ops.lookup(client, ids, "emb", DIM).numpy(), before - 0.2, atol=1e-5)
+
+
+def test_lookup_grad_equals_unsorted_segment_sum() -> None:
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 50, size=(7, 40)).astype(np.int64)
+    grads = rng.normal(size=(7, 40, 5)).astype(np.float32)
+    unique, summed = ops.lookup_grad(ids, grads)
+    flat = ids.reshape(-1)
+    _, first = np.unique(flat, return_index=True)
+    np.testing.assert_array_equal(unique.numpy(), flat[np.sort(first)])  # first-seen order
+    inverse = np.searchsorted(unique.numpy(), flat, sorter=np.argsort(unique.numpy()))
+    inverse = np.argsort(unique.numpy())[inverse]
+    expected = tf.math.unsorted_segment_sum(grads.reshape(-1, 5), inverse, len(unique))
+    np.testing.assert_allclose(summed.numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="ids.shape"):
+        ops.lookup_grad(ids, grads[:, :10])
+
+
+def test_embedded_equals_remote(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(3)
+    remote = _remote(cluster, "adam")
+    embedded = ops.ClientResource()
+    ops.create_table(embedded, TableConfig.create("emb_adam", DIM, "uniform", "adam", seed=4))
+    ids = _ids(1500, seed=5)
+    for step in range(3):
+        r = ops.lookup(remote, ids, "emb", DIM)
+        e = ops.lookup(embedded, ids, "emb_adam", DIM)
+        np.testing.assert_allclose(r.numpy(), e.numpy(), atol=1e-6)
+        unique, summed = ops.lookup_grad(ids, tf.fill((len(ids), DIM), 0.1 * (step + 1)))
+        ops.push(remote, unique, summed, 0.05, "emb", DIM, sync=True)
+        ops.push(embedded, unique, summed, 0.05, "emb_adam", DIM, sync=True)
+
+
+def test_ops_inside_tf_function_and_graph_shapes(cluster: Cluster) -> None:
+    client = _remote(cluster, "sgd")
+    oracle = _oracle("sgd")
+
+    @tf.function
+    def step(ids: tf.Tensor) -> tf.Tensor:
+        rows = ops.lookup(client, ids, "emb", DIM)
+        loss = tf.reduce_sum(rows * rows)
+        grads = 2.0 * rows
+        unique, summed = ops.lookup_grad(ids, grads)
+        ops.push(client, unique, summed, 0.1, "emb", DIM, sync=True)
+        return loss
+
+    ids = _ids(600, seed=7).reshape(20, 30)
+    for _ in range(3):
+        rows = oracle.pull(ids.reshape(-1))
+        expected = float(np.sum(rows.astype(np.float64) ** 2))
+        assert float(step(tf.constant(ids))) == pytest.approx(expected, rel=1e-5)
+        oracle.push(ids.reshape(-1), 2.0 * rows, 0.1)
+    concrete = tf.function(lambda x: ops.lookup(client, x, "emb", DIM)).get_concrete_function(
+        tf.TensorSpec([None, 3], tf.int64)
+    )
+    assert concrete.output_shapes.as_list() == [None, 3, DIM]
+
+
+def test_inference_lookup_inserts_nothing(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(1)
+    client = _remote(cluster)
+    ids = np.arange(10, dtype=np.int64)
+    zeros = ops.lookup(client, ids, "emb", DIM, training=False, missing="zeros")
+    np.testing.assert_array_equal(zeros.numpy(), 0)
+    initial = ops.lookup(client, ids, "emb", DIM, training=False)
+    np.testing.assert_array_equal(initial.numpy(), _oracle().pull(ids))
+    with cluster.client() as py:
+        assert py.list_tables()["emb"]["rows"] == 0
+
+
+def test_big_batches_are_split_into_frames(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(2, "--max-frame-bytes", "65536")
+    client = _remote(cluster)
+    ids = np.arange(100_000, dtype=np.int64)
+    rows = ops.lookup(client, ids, "emb", DIM)
+    np.testing.assert_array_equal(rows.numpy(), _oracle().pull(ids))
+    ops.push(client, ids, tf.ones((100_000, DIM)), 0.1, "emb", DIM, sync=True)
+
+
+def test_xla_is_refused(start_cluster: Callable[..., Cluster]) -> None:
+    client = ops.ClientResource()
+    ops.create_table(client, TableConfig.create("xla", 4))
+
+    @tf.function(jit_compile=True)
+    def f(ids: tf.Tensor) -> tf.Tensor:
+        return ops.lookup(client, ids, "xla", 4)
+
+    with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)):
+        f(tf.constant([1, 2], tf.int64))
+
+
+# Error kinds, one by one -----------------------------------------------------
+
+
+def test_non_int64_ids_are_rejected() -> None:
+    client = ops.ClientResource()
+    ops.create_table(client, TableConfig.create("typed", 4))
+    with pytest.raises((TypeError, tf.errors.InvalidArgumentError)):
+        ops.lookup(client, tf.constant([1.0, 2.0]), "typed", 4)
+    with pytest.raises((TypeError, tf.errors.InvalidArgumentError)):
+        ops.lookup(client, tf.constant([1, 2], tf.int32), "typed", 4)
+
+
+def test_unknown_table_is_not_found(cluster: Cluster) -> None:
+    client = _remote(cluster)
+    with pytest.raises(
+        tf.errors.NotFoundError, match=r"shard \d \(127.0.0.1:\d+\) Pull: no table 'nope'"
+    ):
+        ops.lookup(client, np.arange(100, dtype=np.int64), "nope", DIM)
+    with pytest.raises(tf.errors.NotFoundError, match="embedded table 'nope'"):
+        ops.lookup(ops.ClientResource(), np.arange(3, dtype=np.int64), "nope", DIM)
+
+
+def test_dim_mismatch_is_invalid_argument(start_cluster: Callable[..., Cluster]) -> None:
+    client = _remote(start_cluster(1))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="has dim 8, the request says 4"):
+        ops.lookup(client, np.arange(3, dtype=np.int64), "emb", 4)
+
+
+def test_wrong_token_is_unauthenticated(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(1, token="tok")
+    with cluster.client() as py:
+        py.create_table("emb", DIM)
+    ok = ops.ClientResource(cluster.addresses, auth_token="tok")
+    ops.lookup(ok, np.arange(3, dtype=np.int64), "emb", DIM)
+    bad = ops.ClientResource(cluster.addresses, auth_token="wrong")
+    with pytest.raises(tf.errors.UnauthenticatedError, match=r"shard 0 \(127.0.0.1:\d+\)"):
+        ops.lookup(bad, np.arange(3, dtype=np.int64), "emb", DIM)
+
+
+def test_row_above_the_frame_limit_is_resource_exhausted(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(1, "--max-frame-bytes", "4096")
+    with cluster.client() as py:
+        py.create_table("wide", 2048)
+    client = ops.ClientResource(cluster.addresses)
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="exceeds the frame limit"):
+        ops.lookup(client, np.arange(3, dtype=np.int64), "wide", 2048)
+
+
+def test_down_shard_is_unavailable_within_the_deadline() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = ops.ClientResource([f"127.0.0.1:{port}"], connect_timeout=1.0)
+    with pytest.raises(tf.errors.UnavailableError, match=rf"shard 0 \(127.0.0.1:{port}\)"):
+        ops.lookup(client, np.arange(3, dtype=np.int64), "emb", DIM)
+
+
+@pytest.fixture
+def stalled_shard() -> Iterator[str]:
+    """A shard that answers Hello and then never answers anything."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+    conns: list[socket.socket] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conns.append(conn)
+            frames.read_frame(conn)
+            reply = struct.pack("<6I", 1, 0, 1, 4096, 0, 1 << 20)
+            conn.sendall(frames.frame(frames.HELLO, 0, reply, frames.RESPONSE))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    for c in conns:
+        c.close()
+    listener.close()
+
+
+def test_stalled_shard_hits_the_deadline(stalled_shard: str) -> None:
+    client = ops.ClientResource([stalled_shard], request_timeout=0.5)
+    with pytest.raises(tf.errors.DeadlineExceededError, match=r"shard 0 \(127.0.0.1:\d+\) Pull"):
+        ops.lookup(client, np.arange(3, dtype=np.int64), "emb", DIM)
+    with pytest.raises(tf.errors.DeadlineExceededError, match="Push"):
+        ops.push(
+            client, np.arange(3, dtype=np.int64), tf.ones((3, DIM)), 0.1, "emb", DIM, sync=True
+        )
+
+
+def test_async_push_error_surfaces_at_flush(start_cluster: Callable[..., Cluster]) -> None:
+    client = _remote(start_cluster(1))
+    ops.push(client, np.arange(3, dtype=np.int64), tf.ones((3, DIM)), 0.1, "missing", DIM)
+    with pytest.raises(tf.errors.NotFoundError, match="no table 'missing'"):
+        ops.flush(client)
+    ops.flush(client)  # reported once
+
+
+def test_pservers_override(
+    start_cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = start_cluster(1)
+    with cluster.client() as py:
+        py.create_table("emb", DIM)
+    monkeypatch.setenv(ops.PSERVERS_ENV, cluster.addresses[0])
+    client = ops.ClientResource(["127.0.0.1:1"])  # overridden
+    assert ops.lookup(client, np.arange(3, dtype=np.int64), "emb", DIM).shape == (3, DIM)
+
+
+def test_op_library_exports_no_foreign_symbols() -> None:
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", "-C", ops.LIBRARY_PATH], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    names = [line.split(" ", 2)[2] for line in out.splitlines() if line.count(" ") >= 2]
+    # Only vague-linkage instantiations of the C++ standard library remain.
+    foreign = [n for n in names if not ("std::" in n or "__gnu_cxx" in n)]
+    assert foreign == []
+    needed = subprocess.run(
+        ["readelf", "-d", ops.LIBRARY_PATH], capture_output=True, text=True, check=True
+    ).stdout
+    libs = sorted(
+        set(line.split("[")[1].split("]")[0] for line in needed.splitlines() if "NEEDED" in line)
+    )
+    # Linked against TensorFlow's framework and the C/C++ runtime only.
+    system = {"libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6", "ld-linux-x86-64.so.2"}
+    assert "libtensorflow_framework.so.2" in libs
+    assert set(libs) - system == {"libtensorflow_framework.so.2"}
+
+
+def test_library_loads_once_and_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Path(ops.LIBRARY_PATH).exists()
+    assert ops.load_library() is ops.load_library()
+    monkeypatch.setattr(ops, "_library", None)
+    monkeypatch.setattr(ops, "LIBRARY_PATH", "/nonexistent/_dlt_ops.so")
+    with pytest.raises(ImportError, match=r"/nonexistent/_dlt_ops.so into TensorFlow 2\.21"):
+        ops.load_library()
