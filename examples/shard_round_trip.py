@@ -9,48 +9,15 @@ gradient of a squared error towards a fixed target row per id, and pushes it
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 import tf_dlt
+from tf_dlt.server.local import LocalCluster
 
 DIM = 16
-
-
-def start_shards(
-    num_shards: int, workdir: Path, *extra: str
-) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
-    procs, port_files = [], []
-    for i in range(num_shards):
-        port_file = workdir / f"shard{i}-of-{num_shards}.port"
-        port_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--bind", "127.0.0.1",
-               "--shard-index", str(i), "--num-shards", str(num_shards),
-               "--port-file", str(port_file), "--log-level", "WARNING", *extra]  # fmt: skip
-        procs.append(subprocess.Popen(cmd))
-        port_files.append(port_file)
-    addresses = []
-    for proc, port_file in zip(procs, port_files, strict=True):
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stop(procs)
-                raise SystemExit(f"shard server failed to start (exit {proc.returncode})")
-            time.sleep(0.05)
-        addresses.append(f"127.0.0.1:{port_file.read_text().split()[0]}")
-    return procs, addresses
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        p.wait(30)
 
 
 def target(ids: np.ndarray) -> np.ndarray:
@@ -68,8 +35,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-main-") as tmp:
         workdir = Path(tmp)
-        procs, addresses = start_shards(2, workdir)
-        try:
+        with LocalCluster(2, "--log-level", "WARNING") as two:
+            addresses = two.addresses
             with tf_dlt.Client(addresses) as client:
                 client.create_table("ctr_emb", DIM, "uniform", tf_dlt.optimizers.Adagrad(), seed=1)
                 print(f"2 shard servers at {', '.join(addresses)}; training {args.steps} steps")
@@ -90,14 +57,11 @@ def main() -> None:
                 ckpt = workdir / "ckpt"
                 manifest = client.save(str(ckpt))
                 print(f"saved {len(manifest['files'])} shard files to {ckpt}")
-        finally:
-            stop(procs)
-        procs, addresses = start_shards(3, workdir, "--load-from", str(workdir / "ckpt"))
-        try:
-            with tf_dlt.Client(addresses) as client:
-                same = np.array_equal(client.pull("ctr_emb", probe, training=False), expected)
-        finally:
-            stop(procs)
+        with (
+            LocalCluster(3, "--log-level", "WARNING", "--load-from", str(ckpt)) as three,
+            tf_dlt.Client(three.addresses) as client,
+        ):
+            same = np.array_equal(client.pull("ctr_emb", probe, training=False), expected)
         print(f"reloaded onto 3 shards: rows identical = {same}")
         if not same:
             raise SystemExit(1)

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tf_dlt import _native
 from tf_dlt.table_config import TableConfig
 
-from conftest import Cluster, stop_process
+from conftest import Cluster
 
 EXTREMES = [-(2**63), -(2**63) + 1, -1, 0, 1, 2**63 - 2, 2**63 - 1]
 
@@ -160,7 +160,7 @@ def test_sigterm_stops_cleanly(start_cluster: Callable[..., Cluster]) -> None:
     client = cluster.client()
     client.create_table("t", 4)
     client.pull("t", [1, 2, 3])
-    assert stop_process(cluster.processes[0]) == 0
+    assert cluster.stop() == [0]
     assert "stopped" in cluster.log(0)
     client.close()
 

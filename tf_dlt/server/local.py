@@ -1,0 +1,120 @@
+"""LocalCluster: shard server processes on this machine, on loopback with
+ports picked by the OS. Used by the examples, the benchmarks and the tests;
+every wait is bounded and `stop()` ends every process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+class LocalCluster:
+    """`num_shards` shard servers (`python -m tf_dlt.server`) on 127.0.0.1.
+
+    Args:
+        num_shards: processes to start, one per shard.
+        server_args: extra `tf-dlt server` flags for every shard.
+        workdir: where port files and logs go (default: a temporary folder).
+        env: extra environment variables of the processes.
+        start_timeout: seconds each shard gets to start serving.
+    """
+
+    def __init__(
+        self,
+        num_shards: int,
+        *server_args: str,
+        workdir: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self.num_shards = num_shards
+        self._args = list(server_args)
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tf_dlt-cluster-")
+        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self._env = {**os.environ, **(env or {})}
+        self._timeout = start_timeout
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.addresses: list[str] = []
+        self.admin_ports: list[int] = []
+
+    def log_path(self, shard: int) -> Path:
+        return self.workdir / f"shard{shard}.log"
+
+    def log(self, shard: int) -> str:
+        return self.log_path(shard).read_text(errors="replace")
+
+    def start(self) -> LocalCluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        port_files = []
+        for i in range(self.num_shards):
+            port_file = self.workdir / f"shard{i}.port"
+            port_file.unlink(missing_ok=True)
+            port_files.append(port_file)
+            cmd = [
+                sys.executable, "-m", "tf_dlt.server", "--port", "0", "--admin-port", "0",
+                "--bind", "127.0.0.1", "--shard-index", str(i), "--num-shards",
+                str(self.num_shards), "--port-file", str(port_file), *self._args,
+            ]  # fmt: skip
+            with self.log_path(i).open("wb") as log:
+                self.processes.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=self.workdir,
+                        stdout=subprocess.DEVNULL,
+                        stderr=log,
+                        env=self._env,
+                    )  # fmt: skip
+                )
+        try:
+            for i, (proc, port_file) in enumerate(zip(self.processes, port_files, strict=True)):
+                data, admin = self._wait_for_ports(i, proc, port_file)
+                self.addresses.append(f"127.0.0.1:{data}")
+                self.admin_ports.append(admin)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for_ports(
+        self, shard: int, proc: subprocess.Popen[bytes], port_file: Path
+    ) -> tuple[int, int]:
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            if port_file.exists():
+                data, admin = port_file.read_text().split()
+                return int(data), int(admin)
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"shard {shard} exited with {proc.returncode}:\n{self.log(shard)}"
+                )
+            time.sleep(0.05)
+        raise TimeoutError(f"shard {shard} did not start in {self._timeout} s:\n{self.log(shard)}")
+
+    def stop(self, timeout: float = 20.0) -> list[int | None]:
+        """SIGTERM to every shard, SIGKILL to any still running after
+        `timeout`; returns the exit codes."""
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return [proc.returncode for proc in self.processes]
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
