@@ -134,6 +134,16 @@ def test_ops_inside_tf_function_and_graph_shapes(cluster: Cluster) -> None:
     assert concrete.output_shapes.as_list() == [None, 3, DIM]
 
 
+def test_client_first_used_inside_a_function_serves_everywhere() -> None:
+    client = ops.ClientResource()
+    ops.create_table(ops.ClientResource(), TableConfig.create("scoped", 4))
+    first = tf.function(lambda x: ops.lookup(client, x, "scoped", 4))
+    second = tf.function(lambda x: tf.reduce_sum(ops.lookup(client, x, "scoped", 4)))
+    ids = tf.constant([1, 2], tf.int64)
+    np.testing.assert_array_equal(first(ids).numpy(), ops.lookup(client, ids, "scoped", 4).numpy())
+    assert float(second(ids)) == pytest.approx(float(tf.reduce_sum(first(ids))))
+
+
 def test_inference_lookup_inserts_nothing(start_cluster: Callable[..., Cluster]) -> None:
     cluster = start_cluster(1)
     client = _remote(cluster)

@@ -98,6 +98,10 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         else:
             self._shared_name = EMBEDDED_SHARED_NAME
         super().__init__(device="/CPU:0")
+        # Create the handle outside any function being traced, so one client
+        # serves every tf.function and eager call, whichever comes first.
+        with tf.init_scope():
+            self._resource_handle = self._create_resource()
 
     @property
     def embedded(self) -> bool:
