@@ -20,9 +20,9 @@ using net::Clock;
 struct Client::ShardState {
   std::string address;
   std::mutex mu;
-  std::vector<int> idle;  // guarded by mu
-  bool greeted = false;   // guarded by mu
-  ShardInfo info;         // guarded by mu
+  std::vector<Conn> idle;  // guarded by mu
+  bool greeted = false;    // guarded by mu
+  ShardInfo info;          // guarded by mu
 };
 
 // One shard's part of an exchange: frames to send, a handler for replies.
@@ -48,6 +48,9 @@ struct Client::Call {
 };
 
 namespace {
+
+// Receive buffers above this size are freed when their connection goes idle.
+constexpr size_t kKeepBufferBytes = 64u << 20;
 
 struct Io {
   int fd = -1;
@@ -97,7 +100,7 @@ Client::Client(std::vector<std::string> addresses, ClientOptions options)
 
 Client::~Client() {
   for (auto& s : shards_) {
-    for (int fd : s->idle) net::CloseFd(fd);
+    for (Conn& c : s->idle) net::CloseFd(c.fd);
   }
 }
 
@@ -162,7 +165,7 @@ Status Client::Acquire(size_t shard, Conn* conn) {
   {
     std::lock_guard<std::mutex> lock(st.mu);
     if (!st.idle.empty()) {
-      conn->fd = st.idle.back();
+      *conn = std::move(st.idle.back());
       conn->reused = true;
       st.idle.pop_back();
       return OkStatus();
@@ -190,13 +193,14 @@ Status Client::Acquire(size_t shard, Conn* conn) {
   return OkStatus();
 }
 
-void Client::Release(size_t shard, int fd) {
+void Client::Release(size_t shard, Conn conn) {
   ShardState& st = *shards_[shard];
   std::lock_guard<std::mutex> lock(st.mu);
   if (static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
-    st.idle.push_back(fd);
+    conn.buffer.Trim(kKeepBufferBytes);
+    st.idle.push_back(std::move(conn));
   } else {
-    net::CloseFd(fd);
+    net::CloseFd(conn.fd);
   }
 }
 
@@ -218,7 +222,7 @@ Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
       Conn conn;
       Status s = Acquire(i, &conn);
       if (!s.ok()) return s.WithContext(Context(i, "Hello"));
-      Release(i, conn.fd);
+      Release(i, std::move(conn));
     }
     std::lock_guard<std::mutex> lock(shards_[i]->mu);
     infos->push_back(shards_[i]->info);
@@ -246,6 +250,7 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
       return s.WithContext(Context(call.shard, op));
     }
     io[c].fd = conn.fd;
+    io[c].payload = std::move(conn.buffer);
     *any_reused = *any_reused || conn.reused;
     io[c].answered.assign(call.frames.size(), false);
     call.first_request_id = next_request_id_.fetch_add(call.frames.size());
@@ -381,7 +386,10 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
     }
   }
   for (size_t c = 0; c < calls->size(); ++c) {
-    Release((*calls)[c].shard, io[c].fd);
+    Conn conn;
+    conn.fd = io[c].fd;
+    conn.buffer = std::move(io[c].payload);
+    Release((*calls)[c].shard, std::move(conn));
   }
   return OkStatus();
 }

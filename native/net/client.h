@@ -15,6 +15,7 @@
 
 #include "native/core/status.h"
 #include "native/core/table.h"
+#include "native/net/buffer.h"
 #include "native/net/wire.h"
 
 namespace dlt {
@@ -69,13 +70,16 @@ class Client {
  private:
   struct ShardState;
   struct Call;
+  // A connection with its receive buffer, kept together in the pool so big
+  // replies do not cost fresh memory on every call.
   struct Conn {
     int fd = -1;
     bool reused = false;
+    net::Buffer buffer;
   };
 
   Status Acquire(size_t shard, Conn* conn);
-  void Release(size_t shard, int fd);
+  void Release(size_t shard, Conn conn);
   Status Hello(size_t shard, int fd);
   uint32_t FrameLimit(size_t shard);
   // Greets every shard (once) and groups the positions of `ids` by shard.

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
+#include "ops/cc/kernels/dedup.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
@@ -33,15 +33,9 @@ class LookupGradOp : public OpKernel {
     const int64_t dim = grads.dim_size(grads.dims() - 1);
     const int64_t* id = ids.flat<int64_t>().data();
     const float* g = grads.flat<float>().data();
-    absl::flat_hash_map<int64_t, int64_t> slot_of;
-    slot_of.reserve(n);
-    std::vector<int64_t> unique;
-    std::vector<int64_t> slot(n);
-    for (int64_t i = 0; i < n; ++i) {
-      auto [it, inserted] = slot_of.try_emplace(id[i], static_cast<int64_t>(unique.size()));
-      if (inserted) unique.push_back(id[i]);
-      slot[i] = it->second;
-    }
+    thread_local Deduper dedup;
+    thread_local std::vector<int64_t> unique, slot;
+    dedup.Run(id, n, &unique, &slot);
     const int64_t u = static_cast<int64_t>(unique.size());
     Tensor* unique_ids = nullptr;
     Tensor* summed = nullptr;

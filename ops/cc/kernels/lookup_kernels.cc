@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "ops/cc/kernels/client_resource.h"
+#include "ops/cc/kernels/dedup.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -53,21 +53,16 @@ class LookupOp : public AsyncOpKernel {
     c->Schedule([this, ctx, done, c, ids, out, n]() {
       const int64_t* id = ids.flat<int64_t>().data();
       float* rows = out->flat<float>().data();
-      // Distinct ids in order of first appearance, and each id's slot.
-      absl::flat_hash_map<int64_t, int32_t> slot_of;
-      slot_of.reserve(n);
-      std::vector<int64_t> unique;
-      std::vector<int32_t> slot(n);
-      for (int64_t i = 0; i < n; ++i) {
-        auto [it, inserted] = slot_of.try_emplace(id[i], static_cast<int32_t>(unique.size()));
-        if (inserted) unique.push_back(id[i]);
-        slot[i] = it->second;
-      }
+      // Worker threads persist, so these keep their storage between steps.
+      thread_local Deduper dedup;
+      thread_local std::vector<int64_t> unique, slot;
+      thread_local std::vector<float> distinct;
+      dedup.Run(id, n, &unique, &slot);
       absl::Status status;
       if (static_cast<int64_t>(unique.size()) == n) {
         status = c->Pull(table_, dim_, id, n, mode_, rows);
       } else {
-        std::vector<float> distinct(unique.size() * dim_);
+        distinct.resize(unique.size() * dim_);
         status = c->Pull(table_, dim_, unique.data(), unique.size(), mode_, distinct.data());
         if (status.ok()) {
           for (int64_t i = 0; i < n; ++i) {
