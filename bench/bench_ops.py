@@ -121,9 +121,11 @@ def consumed_lookup(client: ops.ClientResource) -> tf.types.experimental.Generic
     return f
 
 
-def rows_per_s(fn, batches: list[tf.Tensor], reps: int = 9) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+def rows_per_s(fn, batches: list[tf.Tensor], reps: int = 15) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
     it = iter(range(10**9))
-    p50, worst = median_seconds(lambda: fn(batches[next(it) % len(batches)]).numpy(), reps=reps)
+    p50, worst = median_seconds(
+        lambda: fn(batches[next(it) % len(batches)]).numpy(), reps=reps, warmup=5
+    )
     return len(batches[0]) / p50, p50, worst
 
 

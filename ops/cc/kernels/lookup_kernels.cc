@@ -1,7 +1,8 @@
-// Dlt>Lookup: rows of ids of any shape. The ids are deduplicated, the
-// distinct ones pulled (the tcp transport routes them by bucket and asks every
-// touched shard at once), and the rows stitched back in input order. The pull
-// runs on the client's worker threads: ComputeAsync never blocks.
+// Dlt>Lookup: rows of ids of any shape. Remote (tcp): the ids are
+// deduplicated, the distinct ones pulled on the client's worker threads (routed
+// by bucket, every touched shard at once) and the rows stitched back in input
+// order; ComputeAsync never blocks. Embedded: the in-process table is read in
+// place.
 #include <cstring>
 #include <string>
 #include <vector>
@@ -49,11 +50,22 @@ class LookupOp : public AsyncOpKernel {
       done();
       return;
     }
+    if (client->embedded()) {
+      // In-process table: no I/O to wait for, and the table core handles
+      // repeated ids itself, so look up in place.
+      OP_REQUIRES_OK_ASYNC(ctx,
+                           client->Pull(table_, dim_, ids.flat<int64_t>().data(), n, mode_,
+                                        out->flat<float>().data()),
+                           done);
+      done();
+      return;
+    }
     ClientResource* c = client.release();  // unreffed by the closure
     c->Schedule([this, ctx, done, c, ids, out, n]() {
       const int64_t* id = ids.flat<int64_t>().data();
       float* rows = out->flat<float>().data();
-      // Worker threads persist, so these keep their storage between steps.
+      // Remote: pull each distinct id once. Worker threads persist, so these
+      // keep their storage between steps.
       thread_local Deduper dedup;
       thread_local std::vector<int64_t> unique, slot;
       thread_local std::vector<float> distinct;
