@@ -1,7 +1,8 @@
 """tf_dlt.layers: Keras layers backed by distributed tables.
 
-Installed as ``tf_dlt.layers`` (never importable as ``keras_layers``). The
-Embedding layer arrives with the Keras integration; nothing is exported yet.
+Installed as ``tf_dlt.layers`` (never importable as ``keras_layers``).
 """
 
-__all__: list[str] = []
+from tf_dlt.layers.embedding import Embedding
+
+__all__ = ["Embedding"]

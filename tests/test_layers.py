@@ -1,0 +1,217 @@
+"""tf_dlt.layers.Embedding against keras.layers.Embedding as the oracle:
+equal initial rows and SGD must give the same outputs, losses and rows, on the
+embedded tables and on shard processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dlt import dlt_ops as ops
+from tf_dlt.layers import Embedding
+
+from conftest import Cluster
+
+VOCAB, DIM, STEPS = 50, 4, 20
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, size=(8 * STEPS, 3)).astype("int64")
+    y = rng.normal(size=(8 * STEPS, 1)).astype("float32")
+    return x, y
+
+
+def _model(layer: keras.layers.Layer) -> keras.Model:
+    inp = keras.Input((3,), dtype="int64")
+    dense = keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="zeros")
+    return keras.Model(inp, dense(keras.layers.Flatten()(layer(inp))))
+
+
+def _rows(layer: Embedding) -> np.ndarray:
+    assert layer.client is not None
+    ids = np.arange(VOCAB, dtype=np.int64)
+    return ops.lookup(layer.client, ids, layer.table_name, DIM, training=False).numpy()
+
+
+def _pair(
+    layer: Embedding, **compile_kwargs: object
+) -> tuple[keras.Model, keras.Model, keras.layers.Embedding]:
+    dist = _model(layer)
+    keras_emb = keras.layers.Embedding(VOCAB, DIM)
+    local = _model(keras_emb)
+    keras_emb.set_weights([_rows(layer)])
+    for m in (dist, local):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
+    return dist, local, keras_emb
+
+
+def _distributed(name: str, **kwargs: object) -> Embedding:
+    options: dict[str, object] = {"optimizer": "sgd", "learning_rate": 0.1, "sync_push": True}
+    options.update(kwargs)
+    return Embedding(output_dim=DIM, is_distributed=True, name=name, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_fit_matches_keras_embedding(steps_per_execution: int) -> None:
+    layer = _distributed(f"fit_spe{steps_per_execution}")
+    dist, local, keras_emb = _pair(layer, steps_per_execution=steps_per_execution)
+    x, y = _data()
+    np.testing.assert_allclose(dist.predict(x, verbose=0), local.predict(x, verbose=0), atol=1e-6)
+    h1 = dist.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    h2 = local.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(_rows(layer), keras_emb.get_weights()[0], atol=1e-5)
+    assert float(layer.anchor.numpy()) == 0.0
+    assert int(layer.pushes.numpy()) == STEPS
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_fit_matches_keras_embedding_on_shard_processes(
+    start_cluster: Callable[..., Cluster], num_shards: int
+) -> None:
+    cluster = start_cluster(num_shards)
+    layer = _distributed("remote_emb")
+    with cluster.client() as client:
+        config = layer.table_config
+        client.create_table(
+            config.name, config.dim, config.initializer, config.optimizer, config.seed
+        )
+    layer.use_client(ops.ClientResource(cluster.addresses))
+    dist, local, keras_emb = _pair(layer)
+    x, y = _data()
+    h1 = dist.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    h2 = local.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(_rows(layer), keras_emb.get_weights()[0], atol=1e-5)
+
+
+def test_evaluate_and_predict_never_push_and_insert_nothing() -> None:
+    layer = _distributed("infer_only")
+    model = _model(layer)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _data()
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+    assert int(layer.pushes.numpy()) == 0
+
+
+def test_inference_sees_asynchronous_pushes() -> None:
+    layer = Embedding(output_dim=DIM, is_distributed=True, learning_rate=1.0, name="async_emb")
+    model = _model(layer)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = _data()
+    before = model.predict(x, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # async pushes
+    after = model.predict(x, verbose=0)  # flushes first
+    rows_now = _rows(layer)
+    expected = rows_now[x].reshape(len(x), -1).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(before, after)
+
+
+def test_custom_gradient_tape_loop_pushes() -> None:
+    layer = _distributed("tape_loop")
+    model = _model(layer)
+    opt = keras.optimizers.SGD(0.1)
+    x, y = _data()
+    before = _rows(layer)
+
+    @tf.function
+    def step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    for i in range(3):
+        step(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8])
+    assert int(layer.pushes.numpy()) == 3
+    assert not np.allclose(_rows(layer), before)
+
+
+def test_learning_rate_schedule_counts_pushes() -> None:
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    layer = _distributed("scheduled", learning_rate=schedule)
+    layer.build()
+    assert float(layer._current_learning_rate()) == pytest.approx(0.1)
+    layer.pushes.assign(2)
+    assert float(layer._current_learning_rate()) == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_ragged_and_sparse_combiners_match_embedding_lookup_sparse(combiner: str) -> None:
+    layer = Embedding(
+        output_dim=DIM, is_distributed=True, combiner=combiner, name=f"comb_{combiner}"
+    )
+    ragged = tf.ragged.constant([[1, 2, 2], [7], [3, 4, 5, 6]], dtype=tf.int64)
+    out_ragged = layer(ragged)
+    out_sparse = layer(ragged.to_sparse())
+    table = tf.constant(_rows(layer))
+    expected = tf.nn.embedding_lookup_sparse(table, ragged.to_sparse(), None, combiner=combiner)
+    np.testing.assert_allclose(out_ragged.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out_sparse.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_any_rank_ids_and_mask_zero() -> None:
+    layer = Embedding(output_dim=DIM, is_distributed=True, mask_zero=True, name="ranked")
+    ids = tf.constant([[[0, 5], [2**62, -3]]], tf.int64)
+    assert layer(ids).shape == (1, 2, 2, DIM)
+    np.testing.assert_array_equal(layer.compute_mask(ids).numpy(), [[[False, True], [True, True]]])
+    local = Embedding(VOCAB, DIM, mask_zero=True)
+    keras_emb = keras.layers.Embedding(VOCAB, DIM, mask_zero=True)
+    small = tf.constant([[0, 3]])
+    np.testing.assert_array_equal(
+        local.compute_mask(small).numpy(), keras_emb.compute_mask(small).numpy()
+    )
+
+
+def test_local_mode_is_keras_embedding_with_chosen_gradient_kind() -> None:
+    for is_sparse, kind in ((True, tf.IndexedSlices), (False, tf.Tensor)):
+        layer = Embedding(VOCAB, DIM, is_sparse=is_sparse)
+        ids = tf.constant([[1, 2], [2, 3]])
+        with tf.GradientTape() as tape:
+            out = layer(ids)
+            loss = tf.reduce_sum(out)
+        assert out.shape == (2, 2, DIM)
+        grad = tape.gradient(loss, layer.trainable_variables)[0]
+        assert isinstance(grad, kind)
+        np.testing.assert_allclose(tf.convert_to_tensor(grad).numpy()[2], np.full(DIM, 2.0))
+
+
+def test_validation_names_the_bad_value() -> None:
+    with pytest.raises(ValueError, match="output_dim must be a positive int, got None"):
+        Embedding(100)
+    with pytest.raises(ValueError, match="input_dim must be a positive int for a local table"):
+        Embedding(output_dim=8)
+    with pytest.raises(ValueError, match=r"combiner must be one of .*'max'"):
+        Embedding(output_dim=8, is_distributed=True, combiner="max")
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        Embedding(output_dim=8, is_distributed=True, optimizer="rmsprop")
+    layer = Embedding(output_dim=8, is_distributed=True, name="needs_combiner")
+    with pytest.raises(ValueError, match="set combiner"):
+        layer(tf.ragged.constant([[1], [2, 3]], dtype=tf.int64))
+
+
+def test_config_round_trip_and_keras_file(tmp_path: object) -> None:
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    layer = Embedding(
+        output_dim=DIM, is_distributed=True, optimizer="adagrad", learning_rate=schedule,
+        combiner=None, seed=3, name="roundtrip",
+    )  # fmt: skip
+    clone = Embedding.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+    assert clone.table_config.same_table(layer.table_config)
+    model = _model(layer)
+    path = f"{tmp_path}/model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.get_layer("roundtrip").get_config() == layer.get_config()
+    x, _ = _data()
+    # Both read the same embedded table in this process.
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
