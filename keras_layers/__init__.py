@@ -3,6 +3,6 @@
 Installed as ``tf_dlt.layers`` (never importable as ``keras_layers``).
 """
 
-from tf_dlt.layers.embedding import Embedding
+from .embedding import Embedding
 
 __all__ = ["Embedding"]

@@ -37,14 +37,14 @@ def _table_initializer(identifier: Any) -> initializers.Initializer:
     return initializers.get(identifier)
 
 
-@tf.custom_gradient  # type: ignore[misc]
+@tf.custom_gradient  # type: ignore[untyped-decorator]
 def _densify_gradient(table: tf.Tensor) -> tuple[tf.Tensor, Any]:
     """Identity whose gradient is converted to a dense tensor."""
     return tf.identity(table), lambda dy: tf.convert_to_tensor(dy)
 
 
 @keras.saving.register_keras_serializable(package="tf_dlt")
-class Embedding(keras.layers.Layer):
+class Embedding(keras.layers.Layer):  # type: ignore[misc]
     """Turns int ids into dense vectors, like `keras.layers.Embedding`.
 
     Args:
@@ -196,7 +196,7 @@ class Embedding(keras.layers.Layer):
         lookup_training = bool(training)
         layer = self
 
-        @tf.custom_gradient  # type: ignore[misc]
+        @tf.custom_gradient  # type: ignore[untyped-decorator]
         def lookup(anchor: tf.Tensor) -> tuple[tf.Tensor, Any]:
             # Inference (evaluate, predict, serving) first waits for pending
             # asynchronous pushes, so it reads every applied update.
@@ -248,7 +248,7 @@ class Embedding(keras.layers.Layer):
     # Serialization -----------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
-        config = super().get_config()
+        config: dict[str, Any] = super().get_config()
         init = self.embeddings_initializer
         if isinstance(init, initializers.Initializer):
             init = init.to_dict()
