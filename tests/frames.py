@@ -11,7 +11,7 @@ import numpy as np
 
 HEADER = struct.Struct("<4sBBHQII")
 MAGIC = b"DLTP"
-HELLO, PULL, PUSH, ERROR = 1, 2, 3, 15
+HELLO, PULL, PUSH, ASSIGN, ERROR = 1, 2, 3, 4, 15
 RESPONSE = 1
 
 
@@ -40,6 +40,12 @@ def push(
     fixed = struct.pack("<IIHBBf", dim, len(ids), len(table.encode()), 0, 0, lr)
     body = struct.pack(f"<{len(ids)}q", *ids) + np.asarray(grads, "<f4").tobytes()
     return frame(PUSH, request_id, fixed + _name(table) + body)
+
+
+def assign(request_id: int, table: str, dim: int, ids: list[int], values: np.ndarray) -> bytes:
+    fixed = struct.pack("<IIHBBI", dim, len(ids), len(table.encode()), 0, 0, 0)
+    body = struct.pack(f"<{len(ids)}q", *ids) + np.asarray(values, "<f4").tobytes()
+    return frame(ASSIGN, request_id, fixed + _name(table) + body)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

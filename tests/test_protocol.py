@@ -42,7 +42,8 @@ def test_golden_frames_follow_the_spec() -> None:
     assert g["error"] == frames.frame(
         frames.ERROR, 4, struct.pack("<II", 5, len(msg)) + msg, frames.RESPONSE
     )
-    assert len(g) == 8
+    assert g["assign_request"] == frames.assign(6, "emb", 2, [5], np.array([[1.5, -2.0]]))
+    assert len(g) == 9
 
 
 def test_pipelined_requests_are_matched_by_request_id(

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tf_dlt import _native
+from tf_dlt import errors as tf_dlt_errors
 from tf_dlt.table_config import TableConfig
 
 from conftest import Cluster
@@ -174,3 +175,28 @@ def test_cli_help_names_every_flag() -> None:
     for flag in ("--port", "--admin-port", "--shard-index", "--num-shards", "--bind",
                  "--auth-token-file", "--max-frame-bytes", "--threads", "--load-from"):  # fmt: skip
         assert flag in out
+
+
+def test_assign_sets_rows_with_fresh_slots(cluster: Cluster) -> None:
+    client = cluster.client()
+    client.create_table("up", 4, "uniform", "adagrad", seed=5)
+    oracle = _oracle("up", 4, "adagrad")
+    ids = _ids(500, seed=9)
+    values = np.random.default_rng(2).normal(size=(len(ids), 4)).astype(np.float32)
+    client.push("up", ids, np.ones((len(ids), 4), np.float32), 0.1)  # accumulators move
+    client.assign("up", ids, values)
+    oracle.import_rows(ids, values)  # values set, slots fresh: what Assign must do
+    # Repeated ids: the last occurrence wins in both.
+    np.testing.assert_array_equal(client.pull("up", ids), oracle.pull(ids))
+    client.push("up", ids, np.ones((len(ids), 4), np.float32), 0.1)
+    oracle.push(ids, np.ones((len(ids), 4), np.float32), 0.1)
+    np.testing.assert_allclose(client.pull("up", ids), oracle.pull(ids), rtol=1e-6, atol=1e-7)
+    bad = values.copy()
+    bad[3, 1] = np.nan
+    before = client.pull("up", ids)
+    with pytest.raises(
+        tf_dlt_errors.InvalidArgumentError, match="non-finite value; nothing sent"
+    ):
+        client.assign("up", ids, bad)
+    np.testing.assert_array_equal(client.pull("up", ids), before)
+    client.close()

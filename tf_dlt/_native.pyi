@@ -115,3 +115,10 @@ class Client:
         grads: npt.NDArray[np.float32],
         lr: float,
     ) -> None: ...
+    def assign(
+        self,
+        table: str,
+        dim: int,
+        ids: npt.NDArray[np.int64],
+        values: npt.NDArray[np.float32],
+    ) -> None: ...

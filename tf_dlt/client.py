@@ -292,6 +292,23 @@ class Client:
             table, dim, a.reshape(-1), np.ascontiguousarray(g, np.float32).reshape(-1, dim), lr
         )
 
+    def assign(self, table: str, ids: npt.ArrayLike, values: npt.ArrayLike) -> None:
+        """Sets the rows of `ids` to `values` (``ids.shape + (dim,)``), with
+        fresh optimizer slots: uploads an existing embedding. Non-finite
+        values are rejected and nothing is assigned."""
+        a = _as_ids(ids)
+        dim = self._dim(table)
+        v = np.asarray(values)
+        if v.dtype.kind != "f":
+            raise errors.InvalidArgumentError(f"values must be floating point, got {v.dtype}")
+        if v.shape != a.shape + (dim,):
+            raise errors.InvalidArgumentError(
+                f"values must have shape {a.shape + (dim,)} (ids.shape + (dim,)), got {v.shape}"
+            )
+        self._data.assign(
+            table, dim, a.reshape(-1), np.ascontiguousarray(v, np.float32).reshape(-1, dim)
+        )
+
     # Lifecycle ----------------------------------------------------------------
 
     def close(self) -> None:

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 
+#include "native/core/finite.h"
 #include "native/core/initializer.h"
 #include "native/core/optimizer.h"
 
@@ -39,23 +40,6 @@ struct IndexEntry {
 };
 
 inline size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
-
-// Index of the first NaN or infinity in `v[0..n)`, or n. The scan is a
-// branch-free OR of exponent tests (it vectorizes); the slow search runs only
-// when something is wrong.
-size_t FirstNonFinite(const float* v, size_t n) {
-  uint32_t any = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &v[i], sizeof(bits));
-    any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  if (!any) return n;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(v[i])) return i;
-  }
-  return n;
-}
 
 }  // namespace
 
@@ -327,6 +311,17 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       ApplyRow(config_.optimizer, dim, lr, g, values, values + dim, &header->step);
     }
   }
+  return OkStatus();
+}
+
+Status Table::Assign(const int64_t* ids, const float* values, size_t n) {
+  const size_t bad = FirstNonFinite(values, n * config_.dim);
+  if (bad < n * config_.dim) {
+    return InvalidArgument("row " + std::to_string(bad / config_.dim) + " (id " +
+                           std::to_string(ids[bad / config_.dim]) +
+                           ") holds a non-finite value; nothing assigned");
+  }
+  Import(ids, values, nullptr, nullptr, n);
   return OkStatus();
 }
 

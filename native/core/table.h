@@ -59,6 +59,10 @@ class Table {
   // (and changes nothing for) non-finite gradients or learning rates.
   Status Push(const int64_t* ids, const float* grads, size_t n, float lr);
 
+  // Sets the values of rows (created if absent) and resets their optimizer
+  // slots and steps. Rejects (and changes nothing for) non-finite values.
+  Status Assign(const int64_t* ids, const float* values, size_t n);
+
   // Inserts or overwrites rows. `slots` may be null (fresh slots) and
   // `steps` may be null (step 0).
   void Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "native/core/finite.h"
 #include "native/core/routing.h"
 #include "native/net/buffer.h"
 #include "native/net/socket.h"
@@ -515,13 +516,36 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
 
 Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
                     size_t n, float learning_rate) {
+  return SendRows(wire::Opcode::kPush, table, dim, ids, grads, n, learning_rate);
+}
+
+Status Client::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
+                      const float* values, size_t n) {
+  return SendRows(wire::Opcode::kAssign, table, dim, ids, values, n, 0.0f);
+}
+
+Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim,
+                        const int64_t* ids, const float* rows, size_t n, float learning_rate) {
+  const char* op = opcode == wire::Opcode::kPush ? "Push" : "Assign";
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
   if (n == 0) return OkStatus();
+  // Checked here, before any shard gets its part, so a bad batch changes no
+  // shard (each shard checks its own part again).
+  const size_t bad = FirstNonFinite(rows, n * dim);
+  if (bad < n * dim) {
+    return InvalidArgument(std::string(op) + ": row " + std::to_string(bad / dim) + " (id " +
+                           std::to_string(ids[bad / dim]) +
+                           ") holds a non-finite value; nothing sent");
+  }
+  if (opcode == wire::Opcode::kPush && (!std::isfinite(learning_rate) || learning_rate < 0)) {
+    return InvalidArgument("Push: learning rate must be finite and >= 0, got " +
+                           std::to_string(learning_rate));
+  }
   std::vector<std::vector<uint32_t>> groups;
   DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
   std::vector<std::vector<int64_t>> shard_ids(shards_.size());
-  std::vector<std::vector<float>> shard_grads(shards_.size());
+  std::vector<std::vector<float>> shard_rows(shards_.size());
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
   for (size_t s = 0; s < shards_.size(); ++s) {
@@ -529,40 +553,45 @@ Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, 
     if (pos.empty()) continue;
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
-        RowsPerFrame(s, "Push", dim, prefix_bytes, 8 + size_t{4} * dim, 0, &rows_per_frame));
+        RowsPerFrame(s, op, dim, prefix_bytes, 8 + size_t{4} * dim, 0, &rows_per_frame));
     const int64_t* ids_ptr = ids;
-    const float* grads_ptr = grads;
+    const float* rows_ptr = rows;
     if (shards_.size() > 1) {
       shard_ids[s].resize(pos.size());
-      shard_grads[s].resize(pos.size() * dim);
+      shard_rows[s].resize(pos.size() * dim);
       for (size_t k = 0; k < pos.size(); ++k) {
         shard_ids[s][k] = ids[pos[k]];
-        std::memcpy(&shard_grads[s][k * dim], grads + size_t{pos[k]} * dim, sizeof(float) * dim);
+        std::memcpy(&shard_rows[s][k * dim], rows + size_t{pos[k]} * dim, sizeof(float) * dim);
       }
       ids_ptr = shard_ids[s].data();
-      grads_ptr = shard_grads[s].data();
+      rows_ptr = shard_rows[s].data();
     }
     Call call;
     call.shard = s;
-    call.opcode = wire::Opcode::kPush;
+    call.opcode = opcode;
     for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
       const size_t count = std::min(rows_per_frame, pos.size() - begin);
       Call::Frame fr;
-      fr.prefix = wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count), learning_rate);
+      fr.prefix =
+          opcode == wire::Opcode::kPush
+              ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count), learning_rate)
+              : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
       fr.body[0] = ids_ptr + begin;
       fr.body_bytes[0] = count * 8;
-      fr.body[1] = grads_ptr + begin * dim;
+      fr.body[1] = rows_ptr + begin * dim;
       fr.body_bytes[1] = count * dim * sizeof(float);
       call.frames.push_back(std::move(fr));
     }
-    call.on_reply = [](size_t, const uint8_t*, size_t bytes) -> Status {
-      if (bytes != wire::kPushReplyBytes) return Internal("Push reply has the wrong size");
+    call.on_reply = [op](size_t, const uint8_t*, size_t bytes) -> Status {
+      if (bytes != wire::kPushReplyBytes) {
+        return Internal(std::string(op) + " reply has the wrong size");
+      }
       return OkStatus();
     };
     calls.push_back(std::move(call));
   }
   bool any_reused = false;
-  return Exchange(&calls, "Push", &any_reused);
+  return Exchange(&calls, op, &any_reused);
 }
 
 }  // namespace dlt

@@ -64,6 +64,11 @@ class Client {
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate);
 
+  // Sets the values of rows (fresh optimizer slots), e.g. to upload an
+  // existing embedding. Rejects non-finite values. Not retried.
+  Status Assign(const std::string& table, uint32_t dim, const int64_t* ids, const float* values,
+                size_t n);
+
   // Which shard each id routes to.
   uint32_t ShardOf(int64_t id) const;
 
@@ -90,6 +95,8 @@ class Client {
   Status RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t prefix_bytes,
                       size_t request_row_bytes, size_t reply_row_bytes, size_t* rows);
   Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
+  Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
+                  const float* rows, size_t n, float learning_rate);
   Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                   PullMode mode, float* out, bool* any_reused);
   std::string Context(size_t shard, const char* op) const;

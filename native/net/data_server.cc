@@ -216,15 +216,18 @@ bool DataServer::Handle(const wire::FrameHeader& header, const uint8_t* payload,
   if (!*authenticated) {
     return fail(Unauthenticated("the first frame on a connection must be Hello"), true);
   }
-  if (header.opcode != wire::Opcode::kPull && header.opcode != wire::Opcode::kPush) {
+  if (header.opcode != wire::Opcode::kPull && header.opcode != wire::Opcode::kPush &&
+      header.opcode != wire::Opcode::kAssign) {
     return fail(
         InvalidArgument("unknown opcode " + std::to_string(static_cast<int>(header.opcode))),
         false);
   }
   const bool push = header.opcode == wire::Opcode::kPush;
+  const bool assign = header.opcode == wire::Opcode::kAssign;
   wire::TableRequest request;
-  Status s = push ? wire::DecodePushRequest(payload, header.payload_bytes, &request)
-                  : wire::DecodePullRequest(payload, header.payload_bytes, &request);
+  Status s = push     ? wire::DecodePushRequest(payload, header.payload_bytes, &request)
+             : assign ? wire::DecodeAssignRequest(payload, header.payload_bytes, &request)
+                      : wire::DecodePullRequest(payload, header.payload_bytes, &request);
   if (!s.ok()) return fail(s, false);
   std::shared_ptr<Table> table;
   s = shard_->GetTable(request.table, &table);
@@ -238,6 +241,13 @@ bool DataServer::Handle(const wire::FrameHeader& header, const uint8_t* payload,
   s = shard_->CheckOwnership(request.ids, request.num_ids);
   if (!s.ok()) return fail(s, false);
 
+  if (assign) {
+    s = table->Assign(request.ids, request.grads, request.num_ids);
+    if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
+    respond(wire::Opcode::kAssign, wire::EncodePushReply(request.num_ids));
+    counters_.assigned_rows.fetch_add(request.num_ids);
+    return true;
+  }
   if (push) {
     s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
     if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);

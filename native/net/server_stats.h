@@ -29,6 +29,7 @@ struct ServerCounters {
   std::atomic<uint64_t> pushes{0};
   std::atomic<uint64_t> pulled_rows{0};
   std::atomic<uint64_t> pushed_rows{0};
+  std::atomic<uint64_t> assigned_rows{0};
   std::atomic<uint64_t> bytes_in{0};
   std::atomic<uint64_t> bytes_out{0};
   std::atomic<uint64_t> errors[17] = {};  // by Code

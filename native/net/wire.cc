@@ -187,6 +187,18 @@ Status DecodePushRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
   return DecodeTableRequest(p, bytes, /*push=*/true, r);
 }
 
+std::string EncodeAssignPrefix(const std::string& table, uint32_t dim, uint32_t num_ids) {
+  return TablePrefix(table, dim, num_ids, 0, 0.0f);
+}
+
+Status DecodeAssignRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
+  DLT_RETURN_IF_ERROR(DecodeTableRequest(p, bytes, /*push=*/true, r));
+  uint32_t reserved;
+  std::memcpy(&reserved, p + 12, sizeof(reserved));
+  if (reserved != 0) return InvalidArgument("Assign reserved word must be 0");
+  return OkStatus();
+}
+
 void EncodePullReplyPrefix(uint32_t dim, uint32_t rows, uint8_t* out) {
   Put<uint32_t>(out, 0, dim);
   Put<uint32_t>(out, 4, rows);

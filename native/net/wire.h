@@ -35,6 +35,7 @@ enum class Opcode : uint8_t {
   kHello = 1,
   kPull = 2,
   kPush = 3,
+  kAssign = 4,
   kError = 15,
 };
 
@@ -89,6 +90,10 @@ struct TableRequest {
 };
 Status DecodePullRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
 Status DecodePushRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
+// Assign: Push's layout with the learning-rate word reserved (0); `grads`
+// then points at the row values.
+std::string EncodeAssignPrefix(const std::string& table, uint32_t dim, uint32_t num_ids);
+Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
 
 // Pull reply: u32 dim, u32 rows, then rows * dim float32.
 void EncodePullReplyPrefix(uint32_t dim, uint32_t rows, uint8_t* out);

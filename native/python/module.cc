@@ -168,6 +168,7 @@ py::dict CountersToDict(const ServerCounters& c) {
   d["pushes"] = c.pushes.load();
   d["pulled_rows"] = c.pulled_rows.load();
   d["pushed_rows"] = c.pushed_rows.load();
+  d["assigned_rows"] = c.assigned_rows.load();
   d["bytes_in"] = c.bytes_in.load();
   d["bytes_out"] = c.bytes_out.load();
   py::dict errors;
@@ -389,15 +390,28 @@ PYBIND11_MODULE(_native, m) {
             return out;
           },
           py::arg("table"), py::arg("dim"), py::arg("ids"), py::arg("mode") = 0)
-      .def("push", [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
-                      const FloatArray& grads, float lr) {
+      .def("push",
+           [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
+              const FloatArray& grads, float lr) {
+             CheckIds(ids);
+             const size_t n = static_cast<size_t>(ids.shape(0));
+             CheckRows(grads, n, dim, "grads");
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.Push(table, dim, ids.data(), grads.data(), n, lr);
+             }
+             Check(s);
+           })
+      .def("assign", [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
+                        const FloatArray& values) {
         CheckIds(ids);
         const size_t n = static_cast<size_t>(ids.shape(0));
-        CheckRows(grads, n, dim, "grads");
+        CheckRows(values, n, dim, "values");
         Status s;
         {
           py::gil_scoped_release release;
-          s = c.Push(table, dim, ids.data(), grads.data(), n, lr);
+          s = c.Assign(table, dim, ids.data(), values.data(), n);
         }
         Check(s);
       });

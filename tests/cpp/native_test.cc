@@ -122,7 +122,7 @@ void TestBucketRanges() {
 void TestFramesGolden() {
   std::map<std::string, std::string> golden;
   for (const auto& r : ReadRows("frames_golden.txt")) golden[r[0]] = r[1];
-  EXPECT(golden.size() == 8);
+  EXPECT(golden.size() == 9);
   wire::HelloRequest hello;
   hello.token = "secret";
   EXPECT(Hex(Frame(wire::Opcode::kHello, 0, 1, wire::EncodeHelloRequest(hello))) ==
@@ -153,6 +153,9 @@ void TestFramesGolden() {
              wire::Opcode::kPush, 0, 3,
              wire::EncodePushPrefix("ctr/user1", 2, 2, 0.01f) + Bytes(std::vector<int64_t>{7, -7}) +
                  Bytes(std::vector<float>{0.5f, -0.5f, 1.0f, 2.0f}))) == golden["push_request"]);
+  EXPECT(Hex(Frame(wire::Opcode::kAssign, 0, 6,
+                   wire::EncodeAssignPrefix("emb", 2, 1) + Bytes(std::vector<int64_t>{5}) +
+                       Bytes(std::vector<float>{1.5f, -2.0f}))) == golden["assign_request"]);
   EXPECT(Hex(Frame(wire::Opcode::kPush, 1, 3, wire::EncodePushReply(2))) == golden["push_reply"]);
   EXPECT(Hex(Frame(wire::Opcode::kError, 1, 4,
                    wire::EncodeError(Code::kNotFound, "no table 'x'"))) == golden["error"]);
