@@ -194,9 +194,7 @@ def test_assign_sets_rows_with_fresh_slots(cluster: Cluster) -> None:
     bad = values.copy()
     bad[3, 1] = np.nan
     before = client.pull("up", ids)
-    with pytest.raises(
-        tf_dlt_errors.InvalidArgumentError, match="non-finite value; nothing sent"
-    ):
+    with pytest.raises(tf_dlt_errors.InvalidArgumentError, match="non-finite value; nothing sent"):
         client.assign("up", ids, bad)
     np.testing.assert_array_equal(client.pull("up", ids), before)
     client.close()
