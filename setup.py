@@ -42,6 +42,7 @@ TF_OPS_SOURCES = [
     "ops/cc/kernels/lookup_grad_kernels.cc",
     "ops/cc/kernels/lookup_kernels.cc",
     "ops/cc/kernels/push_kernels.cc",
+    "ops/cc/kernels/table_io_kernels.cc",
     "ops/cc/ops/dlt_ops.cc",
 ]
 OPS_LIBRARY = "tf_dlt._dlt_ops"

@@ -26,6 +26,7 @@ _LAZY = {
     "initializers": ("tf_dlt.initializers", None),
     "optimizers": ("tf_dlt.optimizers", None),
     "routing": ("tf_dlt.routing", None),
+    "transpile": ("tf_dlt.transpiler", "transpile"),
 }
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "initializers",
     "optimizers",
     "routing",
+    "transpile",
 ]
 
 

@@ -194,6 +194,22 @@ def push(
     )  # fmt: skip
 
 
+def assign(
+    client: ClientResource, ids: tf.Tensor, values: tf.Tensor, table: str, dim: int
+) -> tf.Operation | None:
+    """Sets the rows of `ids` ([n]) to `values` ([n, dim]) with fresh optimizer
+    slots (uploads an existing embedding). Synchronous."""
+    return load_library().dlt_assign(
+        client=client.resource_handle, ids=ids, values=values, table=table, dim=dim
+    )
+
+
+def export_table(client: ClientResource, table: str, dim: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """(ids [n], values [n, dim]) of every row of an embedded table."""
+    out = load_library().dlt_export_table(client=client.resource_handle, table=table, dim=dim)
+    return out.ids, out.values
+
+
 def flush(client: ClientResource) -> tf.Operation | None:
     """Waits until every push issued before it was applied; raises the first
     error among them."""

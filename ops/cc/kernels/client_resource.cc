@@ -83,12 +83,7 @@ absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const 
                                   size_t n, dlt::PullMode mode, float* out) {
   if (tcp_) return ToAbsl(tcp_->Pull(table, dim, ids, n, mode, out));
   std::shared_ptr<dlt::Table> t;
-  const std::string context = "embedded table '" + table + "' Lookup";
-  TF_RETURN_IF_ERROR(ToAbsl(embedded_->GetTable(table, &t), context));
-  if (t->dim() != dim) {
-    return absl::InvalidArgumentError(context + ": the table has dim " + std::to_string(t->dim()) +
-                                      ", the op says " + std::to_string(dim));
-  }
+  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Lookup", &t));
   t->Pull(ids, n, mode, out);
   return absl::OkStatus();
 }
@@ -97,13 +92,53 @@ absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const 
                                   const float* grads, size_t n, float learning_rate) {
   if (tcp_) return ToAbsl(tcp_->Push(table, dim, ids, grads, n, learning_rate));
   std::shared_ptr<dlt::Table> t;
-  const std::string context = "embedded table '" + table + "' Push";
-  TF_RETURN_IF_ERROR(ToAbsl(embedded_->GetTable(table, &t), context));
-  if (t->dim() != dim) {
-    return absl::InvalidArgumentError(context + ": the table has dim " + std::to_string(t->dim()) +
-                                      ", the op says " + std::to_string(dim));
+  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Push", &t));
+  return ToAbsl(t->Push(ids, grads, n, learning_rate), "embedded table '" + table + "' Push");
+}
+
+absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
+                                    const float* values, size_t n) {
+  if (tcp_) return ToAbsl(tcp_->Assign(table, dim, ids, values, n));
+  std::shared_ptr<dlt::Table> t;
+  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Assign", &t));
+  return ToAbsl(t->Assign(ids, values, n), "embedded table '" + table + "' Assign");
+}
+
+absl::Status ClientResource::Export(const std::string& table, uint32_t dim,
+                                    std::vector<int64_t>* ids, std::vector<float>* values) {
+  if (tcp_) {
+    return absl::FailedPreconditionError(
+        "rows on shard servers are exported with tf_dlt.Client.save, not Dlt>ExportTable");
   }
-  return ToAbsl(t->Push(ids, grads, n, learning_rate), context);
+  std::shared_ptr<dlt::Table> t;
+  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Export", &t));
+  constexpr size_t kChunk = 65536;
+  std::vector<float> slots(kChunk * t->slot_floats());
+  std::vector<uint32_t> steps(kChunk), buckets(kChunk);
+  dlt::Table::Exporter exporter(t.get());
+  for (;;) {
+    const size_t at = ids->size();
+    ids->resize(at + kChunk);
+    values->resize((at + kChunk) * dim);
+    dlt::RowBuffers out{ids->data() + at, values->data() + at * dim, slots.data(), steps.data(),
+                        buckets.data()};
+    const size_t got = exporter.Next(kChunk, out);
+    ids->resize(at + got);
+    values->resize((at + got) * dim);
+    if (got == 0) return absl::OkStatus();
+  }
+}
+
+absl::Status ClientResource::EmbeddedTable(const std::string& table, uint32_t dim, const char* op,
+                                           std::shared_ptr<dlt::Table>* out) {
+  const std::string context = "embedded table '" + table + "' " + op;
+  TF_RETURN_IF_ERROR(ToAbsl(embedded_->GetTable(table, out), context));
+  if ((*out)->dim() != dim) {
+    return absl::InvalidArgumentError(context + ": the table has dim " +
+                                      std::to_string((*out)->dim()) + ", the op says " +
+                                      std::to_string(dim));
+  }
+  return absl::OkStatus();
 }
 
 void ClientResource::EnqueuePush(std::function<absl::Status()> work,

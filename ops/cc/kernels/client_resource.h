@@ -69,6 +69,13 @@ class ClientResource : public ResourceBase {
   // Blocking pull of `n` distinct ids into `out` ([n, dim]).
   absl::Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                     dlt::PullMode mode, float* out);
+  // Blocking assignment of `n` rows (fresh slots).
+  absl::Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
+                      const float* values, size_t n);
+  // Embedded only: every row of `table`.
+  absl::Status Export(const std::string& table, uint32_t dim, std::vector<int64_t>* ids,
+                      std::vector<float>* values);
+
   // Blocking push of `n` rows.
   absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
                     size_t n, float learning_rate);
@@ -91,6 +98,9 @@ class ClientResource : public ResourceBase {
     std::function<void(absl::Status)> admitted;
     std::function<void(absl::Status)> finished;
   };
+  // The embedded table `table`, checked to have `dim`.
+  absl::Status EmbeddedTable(const std::string& table, uint32_t dim, const char* op,
+                             std::shared_ptr<dlt::Table>* out);
   void Start(PendingPush push);
   void OnPushDone(const absl::Status& status, bool record_error);
 

@@ -106,6 +106,38 @@ admitted (at most max_inflight_pushes in flight); errors of earlier pushes
 surface at the next Push or Flush.
 )doc");
 
+REGISTER_OP("Dlt>Assign")
+    .Input("client: resource")
+    .Input("ids: int64")
+    .Input("values: float")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Sets the rows of `ids` ([n]) to `values` ([n, dim]) with fresh optimizer
+slots, e.g. to upload an existing embedding. Synchronous.
+)doc");
+
+REGISTER_OP("Dlt>ExportTable")
+    .Input("client: resource")
+    .Output("ids: int64")
+    .Output("values: float")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, dim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Every row of an embedded table: ids [n] and values [n, dim]. Tables on shard
+servers are exported with tf_dlt.Client.save.
+)doc");
+
 REGISTER_OP("Dlt>Flush")
     .Input("client: resource")
     .SetIsStateful()

@@ -1,0 +1,137 @@
+"""transpile(model, pservers): a new model whose distributed embeddings (and,
+on request, plain Keras embeddings) are backed by the given shard servers.
+
+A pure rewrite on `keras.models.clone_model`: the input model is never
+changed; every other layer is rebuilt from its config and gets a copy of its
+weights; the tables are created on the servers and the existing rows
+uploaded; a compiled model comes back compiled the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from tf_dlt import dlt_ops as ops
+from tf_dlt.client import Client
+from tf_dlt.layers.embedding import Embedding
+
+EMBEDDED = "embedded"
+
+
+def _flat_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
+    out: dict[str, keras.layers.Layer] = {}
+    for layer in model.layers:
+        out[layer.name] = layer
+        if isinstance(layer, keras.Model):
+            out.update(_flat_layers(layer))
+    return out
+
+
+def _check_rewritable(model: keras.Model) -> None:
+    if isinstance(model, keras.Sequential):
+        return
+    if not getattr(model, "_is_graph_network", False) and type(model).__name__ != "Functional":
+        raise TypeError(
+            f"transpile supports Sequential and Functional models (also nested); "
+            f"{type(model).__name__} is a subclassed model: build it with the Functional API, "
+            "or create its tf_dlt.layers.Embedding layers with a shard client "
+            "(layer.use_client) before building it"
+        )
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            _check_rewritable(layer)
+
+
+def transpile(
+    model: keras.Model,
+    pservers: Sequence[str] | str = EMBEDDED,
+    *,
+    convert_keras_embeddings: bool = False,
+    auth_token: str = "",
+    **client_options: Any,
+) -> keras.Model:
+    """Returns a copy of `model` whose distributed tables live on `pservers`.
+
+    Args:
+        model: a Sequential or Functional Keras model (nested ones too).
+        pservers: shard data addresses in shard-index order, or "embedded" for
+            the in-process tables.
+        convert_keras_embeddings: also turn `keras.layers.Embedding` (and local
+            `tf_dlt.layers.Embedding`) layers into distributed ones, their
+            weights uploaded as ids 0..input_dim-1 (SGD on the shards, the
+            layer's learning rate 0.01; set other ones by building the
+            tf_dlt layer yourself).
+        auth_token: token of the shard servers.
+        **client_options: more `tf_dlt.ops.ClientResource` options
+            (timeouts, frame_bytes, max_inflight_pushes).
+
+    Returns:
+        A new model; `model` is not modified. Rows are copied with fresh
+        optimizer slots. Transpiling a model already backed by `pservers`
+        again gives an equivalent model and moves no rows.
+    """
+    _check_rewritable(model)
+    addresses: list[str] = [] if pservers == EMBEDDED else list(pservers)
+    if isinstance(pservers, str) and pservers != EMBEDDED:
+        addresses = [p for p in pservers.split(",") if p]
+    target = ops.ClientResource(addresses, auth_token=auth_token, **client_options)
+    control = Client(addresses, auth_token=auth_token) if addresses else None
+    uploads: list[tuple[Embedding, Any]] = []
+
+    def create(layer: Embedding) -> None:
+        config = layer.table_config
+        if control is not None:
+            control.create_table(
+                config.name, config.dim, config.initializer, config.optimizer, config.seed
+            )
+
+    def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+        if isinstance(layer, Embedding) and layer.is_distributed:
+            new = Embedding.from_config(layer.get_config())
+            new.use_client(target)
+            create(new)
+            source = layer.client
+            if source is not None and source.pservers != target.pservers:
+                if not source.embedded:
+                    raise ValueError(
+                        f"layer {layer.name!r} is already on other shard servers "
+                        f"({source.pservers}); move tables between clusters with "
+                        "tf_dlt.Client.save and load"
+                    )
+                uploads.append((new, ops.export_table(source, layer.table_name, layer.output_dim)))
+            return new
+        is_local_embedding = isinstance(layer, keras.layers.Embedding) or (
+            isinstance(layer, Embedding) and not layer.is_distributed
+        )
+        if convert_keras_embeddings and is_local_embedding:
+            new = Embedding(
+                output_dim=layer.output_dim, is_distributed=True, mask_zero=layer.mask_zero,
+                name=layer.name,
+            )  # fmt: skip
+            new.use_client(target)
+            create(new)
+            weights = layer.get_weights()[0]
+            uploads.append((new, (np.arange(len(weights), dtype=np.int64), weights)))
+            return new
+        return layer.__class__.from_config(layer.get_config())
+
+    new_model = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    old_layers = _flat_layers(model)
+    for name, layer in _flat_layers(new_model).items():
+        if isinstance(layer, Embedding) and layer.is_distributed or isinstance(layer, keras.Model):
+            continue
+        old = old_layers.get(name)
+        if old is not None and old.get_weights():
+            layer.set_weights(old.get_weights())
+    for layer, (ids, values) in uploads:
+        ops.assign(target, ids, values, layer.table_name, layer.output_dim)
+    if control is not None:
+        control.close()
+    if getattr(model, "compiled", False):
+        # Same loss, metrics and options; a fresh optimizer from its config.
+        new_model.compile_from_config(model.get_compile_config())
+    return new_model
