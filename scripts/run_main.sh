@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The main job: set up, then run the example on local shard server processes.
+# The main job: set up, then train the CTR example on the embedded tables.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh" requirements/build.txt
 cd "$ROOT"
-.venv/bin/python examples/shard_round_trip.py "$@"
+.venv/bin/python examples/ctr_main.py "$@"

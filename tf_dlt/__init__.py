@@ -14,7 +14,13 @@ from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
     from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
-    from tf_dlt import errors, initializers, optimizers, routing
+    from tf_dlt import (
+        errors,
+        initializers,
+        layers,  # noqa: F401
+        optimizers,
+        routing,
+    )
     from tf_dlt.client import Client
     from tf_dlt.table_config import TableConfig
 
@@ -24,6 +30,7 @@ _LAZY = {
     "errors": ("tf_dlt.errors", None),
     "ops": ("tf_dlt.dlt_ops", None),
     "initializers": ("tf_dlt.initializers", None),
+    "layers": ("tf_dlt.layers", None),
     "optimizers": ("tf_dlt.optimizers", None),
     "routing": ("tf_dlt.routing", None),
     "transpile": ("tf_dlt.transpiler", "transpile"),
