@@ -37,6 +37,23 @@ def _table_initializer(identifier: Any) -> initializers.Initializer:
     return initializers.get(identifier)
 
 
+def combine(
+    combiner: str | None, rows: tf.Tensor, segment_ids: tf.Tensor, n: tf.Tensor
+) -> tf.Tensor:
+    """Reduces the rows of each example ("sum", "mean" or "sqrtn"), as
+    tf.nn.embedding_lookup_sparse does; empty examples give zeros."""
+    segment_ids = tf.cast(segment_ids, tf.int32)
+    n = tf.cast(n, tf.int32)
+    total = tf.math.unsorted_segment_sum(rows, segment_ids, n)
+    if combiner == "sum":
+        return total
+    counts = tf.math.unsorted_segment_sum(tf.ones_like(segment_ids, tf.float32), segment_ids, n)
+    counts = tf.expand_dims(counts, -1)
+    if combiner == "mean":
+        return tf.math.divide_no_nan(total, counts)
+    return tf.math.divide_no_nan(total, tf.sqrt(counts))
+
+
 @tf.custom_gradient  # type: ignore[untyped-decorator]
 def _densify_gradient(table: tf.Tensor) -> tuple[tf.Tensor, Any]:
     """Identity whose gradient is converted to a dense tensor."""
@@ -134,6 +151,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             # The ops have no XLA kernels: Keras turns jit_compile "auto" off.
             self.supports_jit = False
         self.client: ops.ClientResource | None = None
+        # Set while a serving graph is traced: its lookups must not wait for
+        # pushes (a serving process has none), so the graph holds only lookups.
+        self.serving = False
 
     # Building --------------------------------------------------------------
 
@@ -176,7 +196,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                     "to 'sum', 'mean' or 'sqrtn'"
                 )
             rows = self._rows(tf.cast(inputs.flat_values, tf.int64), training)
-            return self._combine(rows, inputs.value_rowids(), inputs.nrows())
+            return combine(self.combiner, rows, inputs.value_rowids(), inputs.nrows())
         ids = tf.cast(inputs, tf.int64)
         if self.combiner is not None:
             raise ValueError(
@@ -200,7 +220,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         def lookup(anchor: tf.Tensor) -> tuple[tf.Tensor, Any]:
             # Inference (evaluate, predict, serving) first waits for pending
             # asynchronous pushes, so it reads every applied update.
-            flushed = None if lookup_training else ops.flush(client)
+            flushed = None if lookup_training or layer.serving else ops.flush(client)
             with tf.control_dependencies([flushed] if flushed is not None else []):
                 rows = ops.lookup(client, ids, table_name, dim, training=lookup_training)
 
@@ -222,18 +242,6 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
             return tf.cast(lr(tf.cast(self.pushes, tf.float32)), tf.float32)
         return tf.constant(float(lr), tf.float32)
-
-    def _combine(self, rows: tf.Tensor, segment_ids: tf.Tensor, n: tf.Tensor) -> tf.Tensor:
-        segment_ids = tf.cast(segment_ids, tf.int32)
-        n = tf.cast(n, tf.int32)
-        total = tf.math.unsorted_segment_sum(rows, segment_ids, n)
-        if self.combiner == "sum":
-            return total
-        counts = tf.math.unsorted_segment_sum(tf.ones_like(segment_ids, tf.float32), segment_ids, n)
-        counts = tf.expand_dims(counts, -1)
-        if self.combiner == "mean":
-            return tf.math.divide_no_nan(total, counts)
-        return tf.math.divide_no_nan(total, tf.sqrt(counts))
 
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:

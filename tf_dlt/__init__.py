@@ -1,26 +1,22 @@
 """tf_dlt: a distributed embedding lookup table for TensorFlow / Keras 3.
 
 ``import tf_dlt`` does not import TensorFlow: the shard server and the Python
-client work without it. Names are loaded on first use; ``tf_dlt.ops`` (the
+client work without it. When TensorFlow is already imported, it registers the
+Dlt> ops (so SavedModels using them load). Names are loaded on first use; ``tf_dlt.ops`` (the
 TensorFlow ops) imports TensorFlow.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
     from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
-    from tf_dlt import (
-        errors,
-        initializers,
-        layers,  # noqa: F401
-        optimizers,
-        routing,
-    )
+    from tf_dlt import errors, initializers, optimizers, routing
     from tf_dlt.client import Client
     from tf_dlt.table_config import TableConfig
 
@@ -28,6 +24,7 @@ _LAZY = {
     "Client": ("tf_dlt.client", "Client"),
     "TableConfig": ("tf_dlt.table_config", "TableConfig"),
     "errors": ("tf_dlt.errors", None),
+    "export_saved_model": ("tf_dlt.export", "export_saved_model"),
     "ops": ("tf_dlt.dlt_ops", None),
     "initializers": ("tf_dlt.initializers", None),
     "layers": ("tf_dlt.layers", None),
@@ -41,11 +38,18 @@ __all__ = [
     "TableConfig",
     "__version__",
     "errors",
+    "export_saved_model",
     "initializers",
     "optimizers",
     "routing",
     "transpile",
 ]
+
+
+if "tensorflow" in sys.modules:
+    # TensorFlow is already loaded: register the Dlt> ops now, so a SavedModel
+    # that uses them loads right after `import tf_dlt`.
+    importlib.import_module("tf_dlt.dlt_ops").load_library()
 
 
 def __getattr__(name: str) -> Any:

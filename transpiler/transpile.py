@@ -31,6 +31,23 @@ def _flat_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
     return out
 
 
+def copy_weights(source: keras.Model, target: keras.Model) -> None:
+    """Copies the weights of every layer of `source` into the layer of the
+    same name in `target`, except distributed tables (their rows live in the
+    tables) and layers whose weights differ in shape (rewritten layers)."""
+    old_layers = _flat_layers(source)
+    for name, layer in _flat_layers(target).items():
+        if isinstance(layer, keras.Model) or (
+            isinstance(layer, Embedding) and layer.is_distributed
+        ):
+            continue
+        old = old_layers.get(name)
+        if old is None or not old.get_weights() or not layer.get_weights():
+            continue
+        if [w.shape for w in old.get_weights()] == [w.shape for w in layer.get_weights()]:
+            layer.set_weights(old.get_weights())
+
+
 def _check_rewritable(model: keras.Model) -> None:
     if isinstance(model, keras.Sequential):
         return
@@ -120,13 +137,7 @@ def transpile(
         return layer.__class__.from_config(layer.get_config())
 
     new_model = keras.models.clone_model(model, clone_function=clone, recursive=True)
-    old_layers = _flat_layers(model)
-    for name, layer in _flat_layers(new_model).items():
-        if isinstance(layer, Embedding) and layer.is_distributed or isinstance(layer, keras.Model):
-            continue
-        old = old_layers.get(name)
-        if old is not None and old.get_weights():
-            layer.set_weights(old.get_weights())
+    copy_weights(model, new_model)
     for layer, (ids, values) in uploads:
         ops.assign(target, ids, values, layer.table_name, layer.output_dim)
     if control is not None:

@@ -1,0 +1,134 @@
+"""SavedModel export in both modes, each loaded in a fresh process and
+checked against the live model's predictions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dlt
+from tf_dlt.layers import Embedding
+from tf_dlt.server.local import LocalCluster
+
+from conftest import Cluster
+
+LOAD_AND_SERVE = """
+import sys
+{guard}
+import numpy as np, tensorflow as tf
+{imports}
+m = tf.saved_model.load(sys.argv[1])
+x = np.load(sys.argv[2])
+np.save(sys.argv[3], m.serve(tf.constant(x)).numpy())
+assert {tf_dlt_loaded} ('tf_dlt' in sys.modules and sys.modules['tf_dlt'] is not None)
+"""
+
+
+def _serve_elsewhere(
+    tmp: Path, path: Path, x: np.ndarray, *, with_tf_dlt: bool, env: dict[str, str] | None = None
+) -> np.ndarray:
+    script = LOAD_AND_SERVE.format(
+        guard="" if with_tf_dlt else "sys.modules['tf_dlt'] = None  # plain TensorFlow only",
+        imports="import tf_dlt" if with_tf_dlt else "",
+        tf_dlt_loaded="" if with_tf_dlt else "not",
+    )
+    np.save(tmp / "x.npy", x)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(tmp / "x.npy"), str(tmp / "y.npy")],
+        capture_output=True, text=True, cwd="/", timeout=300, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return np.load(tmp / "y.npy")
+
+
+def _model(name: str) -> keras.Model:
+    inp = keras.Input((3,), dtype="int64", name="ids")
+    emb = Embedding(
+        output_dim=4, is_distributed=True, optimizer="adagrad", learning_rate=0.1, name=name
+    )
+    out = keras.layers.Dense(1, name="head")(keras.layers.Flatten()(emb(inp)))
+    model = keras.Model(inp, out)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(4)
+    return rng.integers(0, 200, size=(64, 3)).astype("int64"), rng.normal(size=(64, 1)).astype(
+        "float32"
+    )
+
+
+def test_remote_export_serves_from_the_shards_and_can_be_repointed(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    cluster = start_cluster(2)
+    model = tf_dlt.transpile(_model("exp_remote"), cluster.addresses)
+    x, y = _data()
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)  # asynchronous pushes
+    tf_dlt.export_saved_model(model, str(tmp_path / "remote"))  # flushes them first
+    live = model.predict(x, verbose=0)
+    graph = (tmp_path / "remote" / "saved_model.pb").read_bytes()
+    assert b"Dlt>Lookup" in graph and b"Dlt>Push" not in graph
+    np.testing.assert_allclose(
+        _serve_elsewhere(tmp_path, tmp_path / "remote", x, with_tf_dlt=True), live, atol=1e-6
+    )
+    # The same rows on another cluster, reached through TF_DLT_PSERVERS.
+    with cluster.client() as client:
+        client.save(str(tmp_path / "ckpt"))
+    with LocalCluster(
+        3, "--load-from", str(tmp_path / "ckpt"), workdir=tmp_path / "other"
+    ) as other:
+        cluster.stop()
+        moved = _serve_elsewhere(
+            tmp_path, tmp_path / "remote", x, with_tf_dlt=True,
+            env={"TF_DLT_PSERVERS": ",".join(other.addresses)},
+        )  # fmt: skip
+    np.testing.assert_allclose(moved, live, atol=1e-6)
+
+
+def test_remote_export_of_embedded_tables_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="embedded tables"):
+        tf_dlt.export_saved_model(_model("exp_embedded"), str(tmp_path / "m"))
+
+
+def test_standalone_export_loads_with_plain_tensorflow(tmp_path: Path) -> None:
+    model = _model("exp_standalone")
+    x, y = _data()
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    tf_dlt.export_saved_model(model, str(tmp_path / "standalone"), mode="standalone")
+    graph = (tmp_path / "standalone" / "saved_model.pb").read_bytes()
+    assert b"Dlt>" not in graph
+    served = _serve_elsewhere(tmp_path, tmp_path / "standalone", x, with_tf_dlt=False)
+    np.testing.assert_allclose(served, model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_standalone_export_of_chosen_ids(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    cluster = start_cluster(1)
+    model = tf_dlt.transpile(_model("exp_subset"), cluster.addresses)
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    known = np.unique(x[:32])
+    with pytest.raises(ValueError, match="pass ids="):
+        tf_dlt.export_saved_model(model, str(tmp_path / "all"), mode="standalone")
+    tf_dlt.export_saved_model(
+        model, str(tmp_path / "subset"), mode="standalone", ids={"exp_subset": known}
+    )
+    served = _serve_elsewhere(tmp_path, tmp_path / "subset", x[:32], with_tf_dlt=False)
+    np.testing.assert_allclose(served, model.predict(x[:32], verbose=0), atol=1e-6)
+    # Ids that were not exported read as zeros.
+    unknown = np.full((2, 3), 10**12, np.int64)
+    bias = model.get_layer("head").get_weights()[1]
+    np.testing.assert_allclose(
+        _serve_elsewhere(tmp_path, tmp_path / "subset", unknown, with_tf_dlt=False),
+        np.tile(bias, (2, 1)), atol=1e-6,
+    )  # fmt: skip
