@@ -25,6 +25,9 @@ _LAZY = {
     "TableConfig": ("tf_dlt.table_config", "TableConfig"),
     "errors": ("tf_dlt.errors", None),
     "export_saved_model": ("tf_dlt.export", "export_saved_model"),
+    "save": ("tf_dlt.model_checkpoint", "save"),
+    "load": ("tf_dlt.model_checkpoint", "load"),
+    "ModelCheckpoint": ("tf_dlt.model_checkpoint", "ModelCheckpoint"),
     "ops": ("tf_dlt.dlt_ops", None),
     "initializers": ("tf_dlt.initializers", None),
     "layers": ("tf_dlt.layers", None),
@@ -35,6 +38,7 @@ _LAZY = {
 
 __all__ = [
     "Client",
+    "ModelCheckpoint",
     "TableConfig",
     "__version__",
     "errors",
@@ -42,6 +46,7 @@ __all__ = [
     "initializers",
     "optimizers",
     "routing",
+    "save",
     "transpile",
 ]
 

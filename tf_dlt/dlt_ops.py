@@ -204,10 +204,30 @@ def assign(
     )
 
 
-def export_table(client: ClientResource, table: str, dim: int) -> tuple[tf.Tensor, tf.Tensor]:
-    """(ids [n], values [n, dim]) of every row of an embedded table."""
+def export_table(
+    client: ClientResource, table: str, dim: int
+) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(ids [n], values [n, dim], slots [n, k], steps [n]) of every row of an
+    embedded table: values with their optimizer state."""
     out = load_library().dlt_export_table(client=client.resource_handle, table=table, dim=dim)
-    return out.ids, out.values
+    return out.ids, out.values, out.slots, out.steps
+
+
+def import_table(
+    client: ClientResource,
+    table: str,
+    dim: int,
+    ids: tf.Tensor,
+    values: tf.Tensor,
+    slots: tf.Tensor,
+    steps: tf.Tensor,
+) -> tf.Operation | None:
+    """Inserts or overwrites rows of an embedded table with their optimizer
+    state (the inverse of `export_table`)."""
+    return load_library().dlt_import_table(
+        client=client.resource_handle, ids=ids, values=values, slots=slots,
+        steps=tf.cast(steps, tf.int64), table=table, dim=dim,
+    )  # fmt: skip
 
 
 def flush(client: ClientResource) -> tf.Operation | None:

@@ -140,7 +140,7 @@ def _rows_of(
             f"layer {layer.name!r} is on shard servers: pass ids={{{layer.table_name!r}: [...]}} "
             "to choose the rows a standalone model holds"
         )
-    keys, values = ops.export_table(layer.client, layer.table_name, layer.output_dim)
+    keys, values, _, _ = ops.export_table(layer.client, layer.table_name, layer.output_dim)
     return keys.numpy(), values.numpy()
 
 

@@ -119,7 +119,8 @@ def transpile(
                         f"({source.pservers}); move tables between clusters with "
                         "tf_dlt.Client.save and load"
                     )
-                uploads.append((new, ops.export_table(source, layer.table_name, layer.output_dim)))
+                ids, values, _, _ = ops.export_table(source, layer.table_name, layer.output_dim)
+                uploads.append((new, (ids, values)))
             return new
         is_local_embedding = isinstance(layer, keras.layers.Embedding) or (
             isinstance(layer, Embedding) and not layer.is_distributed

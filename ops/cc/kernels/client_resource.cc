@@ -105,28 +105,52 @@ absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, cons
 }
 
 absl::Status ClientResource::Export(const std::string& table, uint32_t dim,
-                                    std::vector<int64_t>* ids, std::vector<float>* values) {
+                                    std::vector<int64_t>* ids, std::vector<float>* values,
+                                    std::vector<float>* slots, std::vector<uint32_t>* steps,
+                                    uint32_t* slot_floats) {
   if (tcp_) {
     return absl::FailedPreconditionError(
         "rows on shard servers are exported with tf_dlt.Client.save, not Dlt>ExportTable");
   }
   std::shared_ptr<dlt::Table> t;
   TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Export", &t));
+  *slot_floats = t->slot_floats();
   constexpr size_t kChunk = 65536;
-  std::vector<float> slots(kChunk * t->slot_floats());
-  std::vector<uint32_t> steps(kChunk), buckets(kChunk);
+  std::vector<uint32_t> buckets(kChunk);
   dlt::Table::Exporter exporter(t.get());
   for (;;) {
     const size_t at = ids->size();
     ids->resize(at + kChunk);
     values->resize((at + kChunk) * dim);
-    dlt::RowBuffers out{ids->data() + at, values->data() + at * dim, slots.data(), steps.data(),
-                        buckets.data()};
+    slots->resize((at + kChunk) * *slot_floats);
+    steps->resize(at + kChunk);
+    dlt::RowBuffers out{ids->data() + at, values->data() + at * dim,
+                        slots->data() + at * *slot_floats, steps->data() + at, buckets.data()};
     const size_t got = exporter.Next(kChunk, out);
     ids->resize(at + got);
     values->resize((at + got) * dim);
+    slots->resize((at + got) * *slot_floats);
+    steps->resize(at + got);
     if (got == 0) return absl::OkStatus();
   }
+}
+
+absl::Status ClientResource::Import(const std::string& table, uint32_t dim, const int64_t* ids,
+                                    const float* values, const float* slots, size_t slot_floats,
+                                    const uint32_t* steps, size_t n) {
+  if (tcp_) {
+    return absl::FailedPreconditionError(
+        "rows on shard servers are imported with tf_dlt.Client.load, not Dlt>ImportTable");
+  }
+  std::shared_ptr<dlt::Table> t;
+  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Import", &t));
+  if (slot_floats != t->slot_floats()) {
+    return absl::InvalidArgumentError("embedded table '" + table + "' Import: the table has " +
+                                      std::to_string(t->slot_floats()) +
+                                      " slot floats per row, got " + std::to_string(slot_floats));
+  }
+  t->Import(ids, values, slot_floats ? slots : nullptr, steps, n);
+  return absl::OkStatus();
 }
 
 absl::Status ClientResource::EmbeddedTable(const std::string& table, uint32_t dim, const char* op,

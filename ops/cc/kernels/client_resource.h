@@ -72,9 +72,14 @@ class ClientResource : public ResourceBase {
   // Blocking assignment of `n` rows (fresh slots).
   absl::Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* values, size_t n);
-  // Embedded only: every row of `table`.
+  // Embedded only: every row of `table` with its slots and step count.
   absl::Status Export(const std::string& table, uint32_t dim, std::vector<int64_t>* ids,
-                      std::vector<float>* values);
+                      std::vector<float>* values, std::vector<float>* slots,
+                      std::vector<uint32_t>* steps, uint32_t* slot_floats);
+  // Embedded only: inserts or overwrites rows with their slots and steps.
+  absl::Status Import(const std::string& table, uint32_t dim, const int64_t* ids,
+                      const float* values, const float* slots, size_t slot_floats,
+                      const uint32_t* steps, size_t n);
 
   // Blocking push of `n` rows.
   absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,

@@ -1,6 +1,7 @@
 // Dlt>Assign (set rows with fresh slots, on either transport; async, the work
-// runs on the client's worker threads) and Dlt>ExportTable (every row of an
-// embedded table). Used to move tables between transports.
+// runs on the client's worker threads), Dlt>ExportTable and Dlt>ImportTable
+// (every row of an embedded table with its optimizer state). Used to move
+// tables between transports and to checkpoint embedded tables.
 #include <string>
 #include <vector>
 
@@ -68,15 +69,20 @@ class ExportTableOp : public OpKernel {
     core::RefCountPtr<ClientResource> client;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
     std::vector<int64_t> ids;
-    std::vector<float> values;
-    OP_REQUIRES_OK(ctx, client->Export(table_, dim_, &ids, &values));
+    std::vector<float> values, slots;
+    std::vector<uint32_t> steps;
+    uint32_t slot_floats = 0;
+    OP_REQUIRES_OK(ctx, client->Export(table_, dim_, &ids, &values, &slots, &steps, &slot_floats));
     const int64_t n = static_cast<int64_t>(ids.size());
-    Tensor* ids_out = nullptr;
-    Tensor* values_out = nullptr;
+    Tensor *ids_out, *values_out, *slots_out, *steps_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &ids_out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, dim_}), &values_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n, slot_floats}), &slots_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({n}), &steps_out));
     std::copy(ids.begin(), ids.end(), ids_out->flat<int64_t>().data());
     std::copy(values.begin(), values.end(), values_out->flat<float>().data());
+    std::copy(slots.begin(), slots.end(), slots_out->flat<float>().data());
+    std::copy(steps.begin(), steps.end(), steps_out->flat<int64_t>().data());
   }
 
  private:
@@ -85,6 +91,41 @@ class ExportTableOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>ExportTable").Device(DEVICE_CPU), ExportTableOp);
+
+class ImportTableOp : public OpKernel {
+ public:
+  explicit ImportTableOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    const Tensor& ids = ctx->input(1);
+    const Tensor& values = ctx->input(2);
+    const Tensor& slots = ctx->input(3);
+    const Tensor& steps = ctx->input(4);
+    const int64_t n = ids.NumElements();
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(ids.shape()) && values.dims() == 2 &&
+                    values.dim_size(0) == n && values.dim_size(1) == dim_ && slots.dims() == 2 &&
+                    slots.dim_size(0) == n && steps.NumElements() == n,
+                errors::InvalidArgument("ImportTable needs ids [n], values [n, ", dim_,
+                                        "], slots [n, k] and steps [n]"));
+    std::vector<uint32_t> steps32(n);
+    const int64_t* s = steps.flat<int64_t>().data();
+    for (int64_t i = 0; i < n; ++i) steps32[i] = static_cast<uint32_t>(s[i]);
+    OP_REQUIRES_OK(
+        ctx, client->Import(table_, dim_, ids.flat<int64_t>().data(), values.flat<float>().data(),
+                            slots.flat<float>().data(), slots.dim_size(1), steps32.data(), n));
+  }
+
+ private:
+  std::string table_;
+  uint32_t dim_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>ImportTable").Device(DEVICE_CPU), ImportTableOp);
 
 }  // namespace
 }  // namespace dlt_ops

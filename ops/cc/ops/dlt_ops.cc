@@ -123,6 +123,8 @@ REGISTER_OP("Dlt>ExportTable")
     .Input("client: resource")
     .Output("ids: int64")
     .Output("values: float")
+    .Output("slots: float")
+    .Output("steps: int64")
     .Attr("table: string")
     .Attr("dim: int >= 1")
     .SetIsStateful()
@@ -131,11 +133,29 @@ REGISTER_OP("Dlt>ExportTable")
       TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
       c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, dim));
+      c->set_output(2, c->Matrix(InferenceContext::kUnknownDim, InferenceContext::kUnknownDim));
+      c->set_output(3, c->Vector(InferenceContext::kUnknownDim));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Every row of an embedded table: ids [n] and values [n, dim]. Tables on shard
-servers are exported with tf_dlt.Client.save.
+Every row of an embedded table: ids [n], values [n, dim], optimizer slots
+[n, slot_floats] and step counts [n]. Tables on shard servers are exported
+with tf_dlt.Client.save.
+)doc");
+
+REGISTER_OP("Dlt>ImportTable")
+    .Input("client: resource")
+    .Input("ids: int64")
+    .Input("values: float")
+    .Input("slots: float")
+    .Input("steps: int64")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Inserts or overwrites rows of an embedded table with their optimizer slots
+and step counts (the inverse of Dlt>ExportTable).
 )doc");
 
 REGISTER_OP("Dlt>Flush")
