@@ -1,15 +1,20 @@
 """The main job: train the CTR model of ctr_model.py with its embeddings in
-the embedded (in-process) tables, the single-machine default, and report AUC.
+the embedded (in-process) tables, the single-machine default, report AUC,
+save a checkpoint (tf_dlt.save) and export a SavedModel that plain
+TensorFlow serves (mode="standalone").
 
-python examples/ctr_main.py [--train 200000] [--epochs 2] [--batch 1024]
+python examples/ctr_main.py [--train 200000] [--epochs 2] [--batch 1024] [--out out/ctr]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from ctr_model import make_data, make_model
+
+import tf_dlt
 
 
 def main() -> None:
@@ -18,6 +23,7 @@ def main() -> None:
     parser.add_argument("--validation", type=int, default=20_000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--out", default="out/ctr", help="where the checkpoint and SavedModel go")
     args = parser.parse_args()
     x, y = make_data(args.train, seed=0)
     vx, vy = make_data(args.validation, seed=1)
@@ -33,6 +39,10 @@ def main() -> None:
         f"pushes to table {layer.table_name!r}"
     )
     print(f"validation: loss {loss:.4f}  AUC {auc:.4f}")
+    out = Path(args.out).resolve()
+    tf_dlt.save(model, str(out / "checkpoint"))
+    tf_dlt.export_saved_model(model, str(out / "serving" / "1"), mode="standalone")
+    print(f"checkpoint: {out / 'checkpoint'}; SavedModel: {out / 'serving' / '1'}")
 
 
 if __name__ == "__main__":

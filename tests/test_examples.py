@@ -20,10 +20,15 @@ def _run(script: str, *args: str) -> str:
     return out.stdout
 
 
-def test_main_job_trains_and_reports_auc() -> None:
-    out = _run("ctr_main.py", "--train", "20000", "--validation", "4000", "--epochs", "2")
+def test_main_job_trains_saves_and_exports(tmp_path: Path) -> None:
+    out = _run(
+        "ctr_main.py", "--train", "20000", "--validation", "4000", "--epochs", "2",
+        "--out", str(tmp_path),
+    )  # fmt: skip
     auc = float(re.search(r"AUC (\d\.\d+)", out).group(1))  # type: ignore[union-attr]
     assert auc > 0.6, out  # chance is 0.5; the task has learnable id effects
+    assert (tmp_path / "checkpoint" / "tf_dlt_model.json").exists()
+    assert (tmp_path / "serving" / "1" / "saved_model.pb").exists()
 
 
 def test_two_shard_example() -> None:
