@@ -278,36 +278,31 @@ class Client:
         """Applies `grads` (``ids.shape + (dim,)``) to the rows of `ids` with
         the table's optimizer and `learning_rate`. Repeated ids are summed.
         Non-finite gradients are rejected and nothing is applied."""
-        a = _as_ids(ids)
-        dim = self._dim(table)
-        g = np.asarray(grads)
-        if g.dtype.kind != "f":
-            raise errors.InvalidArgumentError(f"grads must be floating point, got {g.dtype}")
-        if g.shape != a.shape + (dim,):
-            raise errors.InvalidArgumentError(
-                f"grads must have shape {a.shape + (dim,)} (ids.shape + (dim,)), got {g.shape}"
-            )
-        lr = float(learning_rate)
-        self._data.push(
-            table, dim, a.reshape(-1), np.ascontiguousarray(g, np.float32).reshape(-1, dim), lr
-        )
+        flat_ids, rows, dim = self._id_rows(table, ids, grads, "grads")
+        self._data.push(table, dim, flat_ids, rows, float(learning_rate))
 
     def assign(self, table: str, ids: npt.ArrayLike, values: npt.ArrayLike) -> None:
         """Sets the rows of `ids` to `values` (``ids.shape + (dim,)``), with
         fresh optimizer slots: uploads an existing embedding. Non-finite
         values are rejected and nothing is assigned."""
+        flat_ids, rows, dim = self._id_rows(table, ids, values, "values")
+        self._data.assign(table, dim, flat_ids, rows)
+
+    def _id_rows(
+        self, table: str, ids: npt.ArrayLike, rows: npt.ArrayLike, what: str
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], int]:
+        """Checks ids and their rows (``ids.shape + (dim,)``, floating point);
+        returns them flattened for the native client, and the dim."""
         a = _as_ids(ids)
         dim = self._dim(table)
-        v = np.asarray(values)
-        if v.dtype.kind != "f":
-            raise errors.InvalidArgumentError(f"values must be floating point, got {v.dtype}")
-        if v.shape != a.shape + (dim,):
+        r = np.asarray(rows)
+        if r.dtype.kind != "f":
+            raise errors.InvalidArgumentError(f"{what} must be floating point, got {r.dtype}")
+        if r.shape != a.shape + (dim,):
             raise errors.InvalidArgumentError(
-                f"values must have shape {a.shape + (dim,)} (ids.shape + (dim,)), got {v.shape}"
+                f"{what} must have shape {a.shape + (dim,)} (ids.shape + (dim,)), got {r.shape}"
             )
-        self._data.assign(
-            table, dim, a.reshape(-1), np.ascontiguousarray(v, np.float32).reshape(-1, dim)
-        )
+        return a.reshape(-1), np.ascontiguousarray(r, np.float32).reshape(-1, dim), dim
 
     # Lifecycle ----------------------------------------------------------------
 
