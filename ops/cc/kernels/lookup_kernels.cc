@@ -9,6 +9,7 @@
 
 #include "ops/cc/kernels/client_resource.h"
 #include "ops/cc/kernels/dedup.h"
+#include "ops/cc/kernels/table_attrs.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -20,16 +21,11 @@ namespace {
 class LookupOp : public AsyncOpKernel {
  public:
   explicit LookupOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    int64_t dim;
     bool training;
     std::string missing;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
+    OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("training", &training));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("missing", &missing));
-    OP_REQUIRES(ctx, dim <= dlt::kMaxDim,
-                errors::InvalidArgument("dim must be at most ", dlt::kMaxDim, ", got ", dim));
-    dim_ = static_cast<uint32_t>(dim);
     mode_ = training ? dlt::PullMode::kInsert
                      : (missing == "zeros" ? dlt::PullMode::kZerosNoInsert
                                            : dlt::PullMode::kInitNoInsert);

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "ops/cc/kernels/client_resource.h"
+#include "ops/cc/kernels/table_attrs.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -15,13 +16,8 @@ namespace {
 class PushOp : public AsyncOpKernel {
  public:
   explicit PushOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    int64_t dim;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
+    OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("sync", &sync_));
-    OP_REQUIRES(ctx, dim <= dlt::kMaxDim,
-                errors::InvalidArgument("dim must be at most ", dlt::kMaxDim, ", got ", dim));
-    dim_ = static_cast<uint32_t>(dim);
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {

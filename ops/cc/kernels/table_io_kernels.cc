@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "ops/cc/kernels/client_resource.h"
+#include "ops/cc/kernels/table_attrs.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -13,17 +14,6 @@
 namespace tensorflow {
 namespace dlt_ops {
 namespace {
-
-absl::Status ReadTableAttrs(OpKernelConstruction* ctx, std::string* table, uint32_t* dim) {
-  int64_t d;
-  TF_RETURN_IF_ERROR(ctx->GetAttr("table", table));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("dim", &d));
-  if (d > dlt::kMaxDim) {
-    return absl::InvalidArgumentError("dim must be at most " + std::to_string(dlt::kMaxDim));
-  }
-  *dim = static_cast<uint32_t>(d);
-  return absl::OkStatus();
-}
 
 class AssignOp : public AsyncOpKernel {
  public:
