@@ -291,3 +291,23 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if isinstance(init, dict) and "class_name" in init:
             config["embeddings_initializer"] = keras.initializers.deserialize(init)
         return cls(**config)
+
+
+def walk_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """Every layer of `model`, nested models' layers included (after the
+    nested model itself)."""
+    out: list[keras.layers.Layer] = []
+    for layer in model.layers:
+        out.append(layer)
+        if isinstance(layer, keras.Model):
+            out += walk_layers(layer)
+    return out
+
+
+def distributed_layers(model: keras.Model) -> list[Embedding]:
+    """The distributed `Embedding` layers of `model`, nested ones included."""
+    return [
+        layer
+        for layer in walk_layers(model)
+        if isinstance(layer, Embedding) and layer.is_distributed
+    ]

@@ -11,8 +11,6 @@ import pytest
 import tf_dlt
 from tf_dlt.server.local import LocalCluster
 
-DATA = Path(__file__).parent / "data"
-
 
 def pytest_configure(config: pytest.Config) -> None:
     # The suite tests the installed package; keras_layers must install as tf_dlt.layers.

@@ -104,6 +104,10 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
             self._resource_handle = self._create_resource()
 
     @property
+    def auth_token(self) -> str:
+        return str(self._attrs["auth_token"])
+
+    @property
     def embedded(self) -> bool:
         return not self.pservers
 

@@ -20,20 +20,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dlt import dlt_ops as ops
+from tf_dlt.layers.embedding import distributed_layers
 
 MODES = ("remote", "standalone")
-
-
-def _distributed_layers(model: keras.Model) -> list[Any]:
-    from tf_dlt.layers import Embedding
-
-    found = []
-    for layer in model.layers:
-        if isinstance(layer, keras.Model):
-            found += _distributed_layers(layer)
-        elif isinstance(layer, Embedding) and layer.is_distributed:
-            found.append(layer)
-    return found
 
 
 @contextlib.contextmanager
@@ -73,7 +62,7 @@ def export_saved_model(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    layers = _distributed_layers(model)
+    layers = distributed_layers(model)
     for layer in layers:  # every pending push lands before rows are read
         ops.flush(layer.client)
     if mode == "remote":

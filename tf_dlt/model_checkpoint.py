@@ -26,7 +26,7 @@ import numpy as np
 from tf_dlt import _native, errors, manifest
 from tf_dlt import dlt_ops as ops
 from tf_dlt.client import Client
-from tf_dlt.export import _distributed_layers
+from tf_dlt.layers.embedding import distributed_layers
 from tf_dlt.table_config import difference, normalized
 
 MODEL_FILE = "tf_dlt_model.json"
@@ -44,14 +44,14 @@ def _cluster(layers: list[Any]) -> tuple[list[str], str]:
             "tf_dlt.save handles one cluster (or the embedded tables) per model"
         )
     addresses = list(kinds.pop()) if kinds else []
-    token = layers[0].client._attrs["auth_token"] if layers else ""
+    token = layers[0].client.auth_token if layers else ""
     return addresses, token
 
 
 def save(model: keras.Model, path: str) -> dict[str, Any]:
     """Saves the tables of `model`'s distributed embeddings (waiting for
     pending pushes first) and its dense weights under `path`."""
-    layers = _distributed_layers(model)
+    layers = distributed_layers(model)
     for layer in layers:
         ops.flush(layer.client)
     addresses, token = _cluster(layers)
@@ -100,7 +100,7 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
         info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
     except FileNotFoundError:
         raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
-    layers = _distributed_layers(model)
+    layers = distributed_layers(model)
     missing = set(info["tables"]) - {layer.table_name for layer in layers}
     if missing:
         raise errors.FailedPreconditionError(

@@ -17,18 +17,13 @@ import numpy as np
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt.client import Client
-from tf_dlt.layers.embedding import Embedding
+from tf_dlt.layers.embedding import Embedding, walk_layers
 
 EMBEDDED = "embedded"
 
 
 def _flat_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
-    out: dict[str, keras.layers.Layer] = {}
-    for layer in model.layers:
-        out[layer.name] = layer
-        if isinstance(layer, keras.Model):
-            out.update(_flat_layers(layer))
-    return out
+    return {layer.name: layer for layer in walk_layers(model)}
 
 
 def copy_weights(source: keras.Model, target: keras.Model) -> None:
