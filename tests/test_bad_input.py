@@ -211,3 +211,19 @@ def test_down_shard_is_unavailable_within_the_deadline() -> None:
     client = _native.Client([f"127.0.0.1:{port}"], connect_timeout_ms=2000)
     with pytest.raises(errors.UnavailableError, match=rf"shard 0 \(127.0.0.1:{port}\)"):
         client.pull("emb", 4, np.array([1], np.int64))
+
+
+def test_sizes_that_would_wrap_are_refused(one: Cluster) -> None:
+    """dim 2^31-2 and 2^31 ids make a Push of 2^64 bytes, which once wrapped
+    to 0 and let a payload of only the fixed part through."""
+    with _connect(one) as sock:
+        sock.sendall(frames.hello(1))
+        frames.read_frame(sock)
+        name = b"emb\0\0\0\0\0"
+        payload = struct.pack("<IIHBBf", 2**31 - 2, 2**31, 3, 0, 0, 0.5) + name
+        sock.sendall(frames.frame(frames.PUSH, 2, payload))
+        opcode, _, rid, reply = frames.read_frame(sock)
+        code, message = frames.error_of(reply)
+        assert (opcode, rid, code) == (frames.ERROR, 2, errors.InvalidArgumentError.code)
+        assert "dim 2147483646 exceeds the maximum of 65536" in message
+    _still_serves(one)

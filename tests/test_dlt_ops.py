@@ -324,3 +324,50 @@ def test_library_loads_once_and_fails_loudly(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(ops, "LIBRARY_PATH", "/nonexistent/_dlt_ops.so")
     with pytest.raises(ImportError, match=r"/nonexistent/_dlt_ops.so into TensorFlow 2\.21"):
         ops.load_library()
+
+
+def test_lookup_checks_its_size_before_allocating_the_output() -> None:
+    """2^20 ids of dim 4096 would be a 16 GiB output: refused from the
+    shapes, before any memory is taken (the table does not even exist)."""
+    client = ops.ClientResource()
+    ids = tf.zeros([1 << 20], tf.int64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="at most 2\\^31-1 values"):
+        ops.lookup(client, ids, "absent", 4096)
+
+
+def test_import_table_refuses_non_finite_rows_and_steps_beyond_32_bits() -> None:
+    client = ops.ClientResource()
+    config = TableConfig.create("imported", 2, optimizer="adagrad")
+    ops.create_table(client, config)
+    ids = tf.constant([1, 2], tf.int64)
+    values = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    slots = tf.constant([[0.1, 0.1], [0.1, 0.1]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite value; nothing imported"):
+        ops.import_table(client, "imported", 2, ids, values + [[0.0, np.nan], [0, 0]], slots,
+                         tf.constant([1, 1]))  # fmt: skip
+    with pytest.raises(tf.errors.InvalidArgumentError, match="slots of row 1"):
+        ops.import_table(client, "imported", 2, ids, values, slots + [[0, 0], [np.inf, 0]],
+                         tf.constant([1, 1]))  # fmt: skip
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"step count 4294967296 of row 1"):
+        ops.import_table(client, "imported", 2, ids, values, slots,
+                         tf.constant([1, 1 << 32], tf.int64))  # fmt: skip
+    assert int(tf.size(ops.export_table(client, "imported", 2)[0])) == 0  # nothing imported
+    ops.import_table(client, "imported", 2, ids, values, slots, tf.constant([3, (1 << 32) - 1]))
+    steps = ops.export_table(client, "imported", 2)[3].numpy()
+    assert sorted(steps.tolist()) == [3, (1 << 32) - 1]
+
+
+def test_native_import_refuses_non_finite_rows_and_truncated_steps() -> None:
+    table = _oracle()
+    ids = np.array([5, 6])
+    values = np.ones((2, DIM), np.float32)
+    with pytest.raises(ValueError, match="non-finite"):
+        table.import_rows(ids, np.where(np.eye(2, DIM) > 0, np.nan, values).astype(np.float32))
+    for steps in (np.array([1, 1 << 32]), np.array([-1, 0]), np.array([0, 2**64 - 1], np.uint64)):
+        with pytest.raises(ValueError, match="outside \\[0, 2\\^32-1\\]"):
+            table.import_rows(ids, values, None, steps)
+    with pytest.raises(ValueError, match="integer array"):
+        table.import_rows(ids, values, None, np.array([1.5, 2.0]))
+    assert table.size() == 0
+    table.import_rows(ids, values, None, np.array([7, (1 << 32) - 1], np.int64))
+    assert table.size() == 2

@@ -11,16 +11,23 @@ ShardAdmin method."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from native_build import SANITIZER_ENV, build
+
+from tf_dlt import _native
 
 import frames
 from conftest import Cluster
@@ -232,3 +239,91 @@ def test_control_plane_survives_random_requests(
     assert client.pull(TABLE, np.arange(4), training=False).shape == (4, DIM)
     channel.close()
     client.close()
+
+
+SANITIZED_CASES = 2_000
+
+
+@pytest.fixture
+def sanitized_shard() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """tests/cpp/fuzz_shard built with AddressSanitizer and
+    UndefinedBehaviorSanitizer, serving table "fuzz" (dim 4) on loopback."""
+    binary = build("fuzz_shard", "sanitized")
+    args = ["hello_timeout_ms=500", "io_timeout_ms=1000", "max_unauthenticated=64"]
+    proc = subprocess.Popen(
+        [str(binary), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **SANITIZER_ENV},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), proc.stderr.read() if proc.stderr else line
+        yield proc, int(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_sanitized_data_plane_under_fuzz_big_frames_idlers_and_slow_writers(
+    sanitized_shard: tuple[subprocess.Popen[str], int],
+) -> None:
+    """The data plane built with ASan and UBSan: fuzz cases, frames up to the
+    maximum size, hundreds of idle connections and slow writers, while a
+    valid client keeps being served; then a clean stop with no report."""
+    proc, port = sanitized_shard
+    address = f"127.0.0.1:{port}"
+    valid = _native.Client([address], connect_timeout_ms=5000, request_timeout_ms=30000)
+
+    def still_serving() -> None:
+        rows = valid.pull(TABLE, DIM, np.arange(100, dtype=np.int64), 2)
+        assert rows.shape == (100, DIM) and np.isfinite(rows).all()
+
+    count = {"n": 0}
+
+    @settings(max_examples=SANITIZED_CASES, **FUZZ_SETTINGS)
+    @given(data=cases, hello_first=st.booleans())
+    def run(data: bytes, hello_first: bool) -> None:
+        _exchange(port, data, hello_first)
+        count["n"] += 1
+        if count["n"] % 500 == 0:
+            still_serving()
+
+    run()
+    # Frames of the maximum size: garbage, and a valid 8 MiB push.
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(frames.hello())
+        frames.read_frame(sock)
+        size = 64 << 20
+        sock.sendall(frames.HEADER.pack(frames.MAGIC, 1, frames.PULL, 0, 5, size, 0))
+        sock.sendall(b"\xff" * size)
+        opcode, _, rid, payload = frames.read_frame(sock)
+        assert (opcode, rid) == (frames.ERROR, 5)
+        n = (8 << 20) // (8 + 4 * DIM)
+        ids = list(range(n))
+        sock.sendall(frames.push(6, TABLE, DIM, ids, np.full((n, DIM), 1e-3, np.float32), 0.1))
+        assert frames.read_frame(sock)[:3] == (frames.PUSH, frames.RESPONSE, 6)
+    # Idle connections past the unauthenticated cap, and slow writers.
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    frame = frames.pull(7, TABLE, DIM, list(range(64)))
+    for k, sock in enumerate(slow):
+        if k % 2:  # authenticated, then half a frame a byte at a time
+            sock.sendall(frames.hello())
+            frames.read_frame(sock)
+        for byte in frame[:12]:
+            sock.sendall(bytes([byte]))
+    still_serving()
+    for sock in slow:
+        assert frames.closed_by_peer(sock, timeout=15)  # io or hello timeout
+    for sock in idle + slow:
+        sock.close()
+    still_serving()
+
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    for report in ("AddressSanitizer", "LeakSanitizer", "runtime error", "UndefinedBehavior"):
+        assert report not in stderr, stderr
+    print(f"\n{count['n']} fuzz cases, max-size frames, 300 idlers, 20 slow writers under "
+          f"ASan+UBSan; {stderr.strip().splitlines()[-1]}")  # fmt: skip

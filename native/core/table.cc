@@ -142,7 +142,8 @@ struct Table::Stripe {
   // Appends a record for `key`; caller holds mu exclusively and has checked
   // the key is absent. Returns the record, or kEmpty when memory ran out.
   uint32_t Insert(uint64_t hash, int64_t key, size_t record_bytes) {
-    if ((num_records + 1) * 4 > index.size() * 3) Grow();
+    if (num_records >= kEmpty - 1) return kEmpty;  // record numbers are 32-bit
+    if (IndexMustGrow(num_records, index.size())) Grow();
     uint32_t offset;
     const uint32_t k = ChunkOf(num_records, &offset);
     if (k >= num_chunks) {
@@ -362,12 +363,25 @@ Status Table::Assign(const int64_t* ids, const float* values, size_t n) {
                            std::to_string(ids[bad / config_.dim]) +
                            ") holds a non-finite value; nothing assigned");
   }
-  Import(ids, values, nullptr, nullptr, n);
-  return OkStatus();
+  return Import(ids, values, nullptr, nullptr, n);
 }
 
-void Table::Import(const int64_t* ids, const float* values, const float* slots,
-                   const uint32_t* steps, size_t n) {
+Status Table::Import(const int64_t* ids, const float* values, const float* slots,
+                     const uint32_t* steps, size_t n) {
+  const size_t bad = FirstNonFinite(values, n * config_.dim);
+  if (bad < n * config_.dim) {
+    return InvalidArgument("row " + std::to_string(bad / config_.dim) + " (id " +
+                           std::to_string(ids[bad / config_.dim]) +
+                           ") holds a non-finite value; nothing imported");
+  }
+  if (slots != nullptr && slot_floats_ > 0) {
+    const size_t bad_slot = FirstNonFinite(slots, n * slot_floats_);
+    if (bad_slot < n * slot_floats_) {
+      return InvalidArgument("optimizer slots of row " + std::to_string(bad_slot / slot_floats_) +
+                             " (id " + std::to_string(ids[bad_slot / slot_floats_]) +
+                             ") hold a non-finite value; nothing imported");
+    }
+  }
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts;
   GroupByStripe(ids, n, &hashes, &order, &starts);
@@ -380,7 +394,9 @@ void Table::Import(const int64_t* ids, const float* values, const float* slots,
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
       if (rec == kEmpty) rec = stripe.Insert(hashes[pos], ids[pos], record_bytes_);
-      if (rec == kEmpty) continue;
+      if (rec == kEmpty) {
+        return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
+      }
       char* r = stripe.Record(rec, record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
       header->id = ids[pos];
@@ -396,6 +412,7 @@ void Table::Import(const int64_t* ids, const float* values, const float* slots,
       }
     }
   }
+  return OkStatus();
 }
 
 size_t Table::size() const {

@@ -27,6 +27,13 @@ enum class PullMode : uint8_t {
 };
 
 inline constexpr uint32_t kStripes = 64;
+
+// True when a stripe index of `capacity` slots must grow before it takes
+// one more record after `records` (load factor at most 0.75). In 64 bits, so
+// it keeps growing past 2^30 records.
+inline bool IndexMustGrow(uint64_t records, uint64_t capacity) {
+  return (records + 1) * 4 > capacity * 3;
+}
 static_assert(kNumBuckets % kStripes == 0, "stripes must split buckets evenly");
 
 // Rows copied out of a table by an Exporter; arrays sized by the caller.
@@ -64,9 +71,10 @@ class Table {
   Status Assign(const int64_t* ids, const float* values, size_t n);
 
   // Inserts or overwrites rows. `slots` may be null (fresh slots) and
-  // `steps` may be null (step 0).
-  void Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
-              size_t n);
+  // `steps` may be null (step 0). Rejects (and changes nothing for) rows or
+  // slots holding NaN or infinity.
+  Status Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
+                size_t n);
 
   size_t size() const;
   // Bytes in use: rows with their slots, plus the index.

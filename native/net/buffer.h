@@ -1,17 +1,33 @@
-// A growable byte buffer that never zero-fills (frames are fully written
-// before they are read).
+// Byte buffers of the data plane: a growable buffer that never zero-fills
+// (frames are fully written before they are read), and a small pool that
+// recycles large ones so big frames do not page-fault fresh memory each time.
 #ifndef TF_DLT_NATIVE_NET_BUFFER_H_
 #define TF_DLT_NATIVE_NET_BUFFER_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 namespace dlt {
 namespace net {
 
 class Buffer {
  public:
+  Buffer() = default;
+  Buffer(Buffer&& other) noexcept : data_(std::move(other.data_)), capacity_(other.capacity_) {
+    other.capacity_ = 0;
+  }
+  Buffer& operator=(Buffer&& other) noexcept {
+    data_ = std::move(other.data_);
+    capacity_ = other.capacity_;
+    other.capacity_ = 0;
+    return *this;
+  }
+
   // Returns storage for at least `bytes`; earlier contents are not kept.
   uint8_t* Reserve(size_t bytes) {
     if (bytes > capacity_) {
@@ -22,18 +38,83 @@ class Buffer {
     }
     return data_.get();
   }
+  // Returns storage for at least `bytes`, keeping the first `keep` bytes.
+  uint8_t* Grow(size_t bytes, size_t keep) {
+    if (bytes > capacity_) {
+      std::unique_ptr<uint8_t[]> next(new uint8_t[bytes]);
+      if (keep > 0) std::memcpy(next.get(), data_.get(), std::min(keep, capacity_));
+      data_ = std::move(next);
+      capacity_ = bytes;
+    }
+    return data_.get();
+  }
   uint8_t* data() { return data_.get(); }
+  const uint8_t* data() const { return data_.get(); }
+  size_t capacity() const { return capacity_; }
   // Frees storage above `keep` bytes so one huge frame does not pin memory.
   void Trim(size_t keep) {
-    if (capacity_ > keep) {
-      data_.reset();
-      capacity_ = 0;
-    }
+    if (capacity_ > keep) Release();
+  }
+  void Release() {
+    data_.reset();
+    capacity_ = 0;
   }
 
  private:
   std::unique_ptr<uint8_t[]> data_;
   size_t capacity_ = 0;
+};
+
+// Keeps up to `max_buffers` buffers of at most `max_bytes` each for reuse.
+// Thread-safe.
+class BufferPool {
+ public:
+  BufferPool(size_t max_buffers, size_t max_bytes)
+      : max_buffers_(max_buffers), max_bytes_(max_bytes) {}
+
+  // A buffer with capacity for `bytes`: the smallest pooled one that fits,
+  // else a new one.
+  Buffer Get(size_t bytes) {
+    Buffer out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      size_t best = free_.size();
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].capacity() >= bytes &&
+            (best == free_.size() || free_[i].capacity() < free_[best].capacity())) {
+          best = i;
+        }
+      }
+      if (best < free_.size()) {
+        out = std::move(free_[best]);
+        free_[best] = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    out.Reserve(bytes);
+    return out;
+  }
+
+  // Takes `buffer` back; keeps it when it is small enough and the pool has
+  // room (else replaces a smaller pooled one, or frees it).
+  void Put(Buffer buffer) {
+    if (buffer.capacity() == 0 || buffer.capacity() > max_bytes_) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() < max_buffers_) {
+      free_.push_back(std::move(buffer));
+      return;
+    }
+    auto smallest = std::min_element(
+        free_.begin(), free_.end(),
+        [](const Buffer& a, const Buffer& b) { return a.capacity() < b.capacity(); });
+    if (smallest->capacity() < buffer.capacity()) *smallest = std::move(buffer);
+  }
+
+ private:
+  const size_t max_buffers_;
+  const size_t max_bytes_;
+  std::mutex mu_;
+  std::vector<Buffer> free_;  // guarded by mu_
 };
 
 }  // namespace net

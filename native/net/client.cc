@@ -35,6 +35,7 @@ struct Client::Call {
     std::string prefix;
     const void* body[2] = {nullptr, nullptr};
     size_t body_bytes[2] = {0, 0};
+    size_t reply_bytes = 0;  // the payload its reply must have
     size_t Bytes() const {
       return wire::kHeaderBytes + prefix.size() + body_bytes[0] + body_bytes[1];
     }
@@ -48,6 +49,9 @@ struct Client::Call {
   // Fills up to `max_iov` iovecs with the unsent bytes from `offset` of frame
   // `frame_index` on; returns how many.
   int FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const;
+  // Checks a reply header against the request it answers (id not answered
+  // yet, opcode, exact payload size) before its payload is read.
+  Status CheckReply(const wire::FrameHeader& frame, const std::vector<bool>& answered) const;
 };
 
 namespace {
@@ -93,6 +97,29 @@ int Client::Call::FillIov(size_t frame_index, size_t offset, struct iovec* iov, 
   return n;
 }
 
+Status Client::Call::CheckReply(const wire::FrameHeader& frame,
+                                const std::vector<bool>& answered) const {
+  if (frame.opcode == wire::Opcode::kError) {
+    if (frame.payload_bytes > wire::kErrorFixed + wire::kMaxErrorMessageBytes) {
+      return Internal("error reply of " + std::to_string(frame.payload_bytes) +
+                      " bytes exceeds the largest error frame");
+    }
+    return OkStatus();
+  }
+  const uint64_t id = frame.request_id;
+  if (id < first_request_id || id >= first_request_id + frames.size() ||
+      answered[id - first_request_id]) {
+    return Internal("reply to unknown request id " + std::to_string(id));
+  }
+  if (frame.opcode != opcode) return Internal("reply opcode does not match the request");
+  const size_t expected = frames[id - first_request_id].reply_bytes;
+  if (frame.payload_bytes != expected) {
+    return Internal("reply of " + std::to_string(frame.payload_bytes) +
+                    " bytes; the request expects " + std::to_string(expected));
+  }
+  return OkStatus();
+}
+
 Client::Client(std::vector<std::string> addresses, ClientOptions options)
     : options_(std::move(options)) {
   for (std::string& a : addresses) {
@@ -131,7 +158,15 @@ Status Client::Hello(size_t shard, int fd) {
   Status r = net::RecvAll(fd, reply_header, sizeof(reply_header), deadline);
   if (!r.ok()) return s.ok() ? r : s;
   wire::FrameHeader h;
-  DLT_RETURN_IF_ERROR(wire::DecodeHeader(reply_header, 1u << 20, &h));
+  DLT_RETURN_IF_ERROR(wire::DecodeHeader(reply_header, UINT32_MAX, &h));
+  // Read no more than a Hello reply or an error can hold.
+  const size_t allowed = h.opcode == wire::Opcode::kError
+                             ? wire::kErrorFixed + wire::kMaxErrorMessageBytes
+                             : wire::kHelloReplyBytes;
+  if (h.payload_bytes > allowed) {
+    return Internal("Hello reply of " + std::to_string(h.payload_bytes) + " bytes exceeds " +
+                    std::to_string(allowed));
+  }
   std::string body(h.payload_bytes, '\0');
   DLT_RETURN_IF_ERROR(net::RecvAll(fd, &body[0], body.size(), deadline));
   const auto* p = reinterpret_cast<const uint8_t*>(body.data());
@@ -163,42 +198,93 @@ Status Client::Hello(size_t shard, int fd) {
   return OkStatus();
 }
 
+namespace {
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// True when a pooled connection was closed (or spoke out of turn) while
+// idle: a non-blocking peek finds end-of-stream, an error or stray bytes.
+bool ClosedWhileIdle(int fd) {
+  uint8_t byte;
+  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
+}
+
+}  // namespace
+
 Status Client::Acquire(size_t shard, Conn* conn) {
   ShardState& st = *shards_[shard];
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    if (!st.idle.empty()) {
-      *conn = std::move(st.idle.back());
-      conn->reused = true;
+  const int64_t now = NowMs();
+  for (;;) {
+    Conn pooled;
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      if (st.idle.empty()) break;
+      pooled = std::move(st.idle.back());
       st.idle.pop_back();
-      return OkStatus();
     }
+    if (now - pooled.idle_since_ms > options_.idle_close_ms || ClosedWhileIdle(pooled.fd)) {
+      net::CloseFd(pooled.fd);
+      continue;
+    }
+    *conn = std::move(pooled);
+    conn->reused = true;
+    return OkStatus();
   }
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   int fd = -1;
-  Status s = net::Connect(st.address, deadline, &fd);
-  if (!s.ok()) {
-    if (s.code() == Code::kDeadlineExceeded || s.code() == Code::kInvalidArgument) {
-      // A shard that cannot be reached in time is unavailable, not slow.
-      return Unavailable("connect: " + s.message());
-    }
-    return s.WithContext("connect");
-  }
-  s = Hello(shard, fd);
-  if (!s.ok()) {
-    net::CloseFd(fd);
-    if (s.code() == Code::kDeadlineExceeded) return Unavailable("Hello: " + s.message());
-    return s.WithContext("Hello");
-  }
+  DLT_RETURN_IF_ERROR(Connect(shard, &fd));
   conn->fd = fd;
   conn->reused = false;
   return OkStatus();
 }
 
+Status Client::Connect(size_t shard, int* out_fd) {
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  int backoff_ms = options_.retry_backoff_ms;
+  for (;;) {
+    int fd = -1;
+    Status s = net::Connect(shards_[shard]->address, deadline, &fd);
+    if (!s.ok()) {
+      if (s.code() == Code::kDeadlineExceeded || s.code() == Code::kInvalidArgument) {
+        // A shard that cannot be reached in time is unavailable, not slow.
+        return Unavailable("connect: " + s.message());
+      }
+      return s.WithContext("connect");
+    }
+    s = Hello(shard, fd);
+    if (s.ok()) {
+      *out_fd = fd;
+      return OkStatus();
+    }
+    net::CloseFd(fd);
+    if (s.code() == Code::kResourceExhausted) {
+      // The shard is at its connection cap: others will close; try again.
+      const auto wake = Clock::now() + std::chrono::milliseconds(backoff_ms);
+      if (wake < deadline) {
+        std::this_thread::sleep_until(wake);
+        backoff_ms *= 2;
+        continue;
+      }
+    }
+    if (s.code() == Code::kDeadlineExceeded) return Unavailable("Hello: " + s.message());
+    return s.WithContext("Hello");
+  }
+}
+
 void Client::Release(size_t shard, Conn conn) {
   ShardState& st = *shards_[shard];
+  conn.idle_since_ms = NowMs();
   std::lock_guard<std::mutex> lock(st.mu);
+  // Connections idle too long go first (the pool is used from its back).
+  while (!st.idle.empty() &&
+         conn.idle_since_ms - st.idle.front().idle_since_ms > options_.idle_close_ms) {
+    net::CloseFd(st.idle.front().fd);
+    st.idle.erase(st.idle.begin());
+  }
   if (static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
     conn.buffer.Trim(kKeepBufferBytes);
     st.idle.push_back(std::move(conn));
@@ -353,6 +439,10 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
           if (!(x.frame.flags & wire::kFlagResponse)) {
             return fail(Internal("reply frame lacks the response flag"));
           }
+          // The size is checked before a byte of the payload is read or
+          // buffered: a reply can hold exactly what its request expects.
+          s = call.CheckReply(x.frame, x.answered);
+          if (!s.ok()) return fail(s);
           x.payload.Reserve(x.frame.payload_bytes);
           x.payload_got = 0;
           x.in_payload = true;
@@ -369,15 +459,7 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
         if (x.frame.opcode == wire::Opcode::kError) {
           return fail(wire::DecodeError(p, bytes));
         }
-        const uint64_t id = x.frame.request_id;
-        if (id < call.first_request_id || id >= call.first_request_id + call.frames.size() ||
-            x.answered[id - call.first_request_id]) {
-          return fail(Internal("reply to unknown request id " + std::to_string(id)));
-        }
-        if (x.frame.opcode != call.opcode) {
-          return fail(Internal("reply opcode does not match the request"));
-        }
-        const size_t f = id - call.first_request_id;
+        const size_t f = x.frame.request_id - call.first_request_id;
         x.answered[f] = true;
         Status s = call.on_reply(f, p, bytes);
         if (!s.ok()) return fail(s);
@@ -503,6 +585,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
       fr.prefix = wire::EncodePullPrefix(table, dim, static_cast<uint32_t>(count), mode);
       fr.body[0] = shard_ids_ptr + begin;
       fr.body_bytes[0] = count * 8;
+      fr.reply_bytes = wire::kPullReplyFixed + size_t{4} * dim * count;
       call.frames.push_back(std::move(fr));
     }
     const bool identity = shards_.size() == 1;
@@ -510,12 +593,16 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
                                                                size_t bytes) -> Status {
       const size_t begin = frame * rows_per_frame;
       const size_t count = std::min(rows_per_frame, pos.size() - begin);
+      if (bytes != wire::kPullReplyFixed + size_t{4} * dim * count) {
+        return Internal("Pull reply has the wrong size");
+      }
       uint32_t got_dim, got_rows;
       std::memcpy(&got_dim, p, 4);
       std::memcpy(&got_rows, p + 4, 4);
-      if (bytes != wire::kPullReplyFixed + size_t{4} * dim * count || got_dim != dim ||
-          got_rows != count) {
-        return Internal("Pull reply has the wrong size");
+      if (got_dim != dim || got_rows != count) {
+        return Internal("Pull reply names dim " + std::to_string(got_dim) + " and " +
+                        std::to_string(got_rows) + " rows; the request has dim " +
+                        std::to_string(dim) + " and " + std::to_string(count) + " ids");
       }
       const float* rows = reinterpret_cast<const float*>(p + wire::kPullReplyFixed);
       if (identity) {
@@ -598,6 +685,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
       fr.body_bytes[0] = count * 8;
       fr.body[1] = rows_ptr + begin * dim;
       fr.body_bytes[1] = count * dim * sizeof(float);
+      fr.reply_bytes = wire::kPushReplyBytes;
       call.frames.push_back(std::move(fr));
     }
     call.on_reply = [op](size_t, const uint8_t*, size_t bytes) -> Status {

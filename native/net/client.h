@@ -28,8 +28,11 @@ struct ClientOptions {
   // Target payload bytes per frame; large batches are split into frames of at
   // most this size (and never above the server's maximum).
   uint32_t frame_bytes = 8u << 20;
-  // Idle connections kept per shard.
+  // Idle connections kept per shard, each closed once idle this long
+  // (shorter than the servers' idle timeout, so a pooled connection is
+  // never one the server already closed).
   int max_idle_connections = 8;
+  int idle_close_ms = 60000;
   // A pull that fails with UNAVAILABLE (a shard restarting, a dropped
   // connection) is repeated up to this many times, after retry_backoff_ms,
   // doubling, while the request deadline allows. Pulls are idempotent;
@@ -88,9 +91,14 @@ class Client {
     int fd = -1;
     bool reused = false;
     net::Buffer buffer;
+    int64_t idle_since_ms = 0;  // when it went back to the pool
   };
 
+  // A pooled connection that is still open, or a new one (connected and
+  // greeted; a Hello refused with RESOURCE_EXHAUSTED is retried with backoff
+  // within the connect timeout).
   Status Acquire(size_t shard, Conn* conn);
+  Status Connect(size_t shard, int* fd);
   void Release(size_t shard, Conn conn);
   Status Hello(size_t shard, int fd);
   uint32_t FrameLimit(size_t shard);

@@ -26,7 +26,17 @@ class LatencyHistogram {
 
 struct ServerCounters {
   std::atomic<uint64_t> connections_accepted{0};
-  std::atomic<uint64_t> connections_open{0};
+  std::atomic<uint64_t> connections_open{0};           // gauge: every open socket
+  std::atomic<uint64_t> connections_authenticated{0};  // gauge: said Hello
+  std::atomic<uint64_t> connections_refused{0};        // Hello past the connection cap
+  std::atomic<uint64_t> connections_evicted{0};        // unauthenticated, closed for a newer one
+  std::atomic<uint64_t> connections_waiting{0};        // gauge: waiting for buffer memory
+  std::atomic<uint64_t> memory_waits{0};
+  std::atomic<uint64_t> hello_timeouts{0};
+  std::atomic<uint64_t> idle_timeouts{0};
+  std::atomic<uint64_t> io_timeouts{0};
+  std::atomic<uint64_t> accept_errors{0};   // accept failed (out of descriptors or memory)
+  std::atomic<uint64_t> buffered_bytes{0};  // gauge: frames and replies held
   std::atomic<uint64_t> hellos{0};
   std::atomic<uint64_t> pulls{0};
   std::atomic<uint64_t> pushes{0};

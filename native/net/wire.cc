@@ -67,10 +67,17 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
       return InvalidArgument("Pull reserved word must be 0");
     }
   }
+  if (r->dim > kMaxDim) {
+    return InvalidArgument(std::string(op) + " dim " + std::to_string(r->dim) +
+                           " exceeds the maximum of " + std::to_string(kMaxDim));
+  }
   const size_t name_end = kTableRequestFixed + PaddedNameBytes(name_bytes);
   const uint64_t row_bytes = uint64_t{8} + (push ? uint64_t{4} * r->dim : uint64_t{0});
-  const uint64_t expected = name_end + row_bytes * r->num_ids;
-  if (name_end > bytes || expected != bytes) {
+  // Compared by division: the product of untrusted counts must never wrap.
+  const bool fits = name_end <= bytes && (bytes - name_end) % row_bytes == 0 &&
+                    (bytes - name_end) / row_bytes == r->num_ids;
+  if (!fits) {
+    const uint64_t expected = name_end + row_bytes * r->num_ids;  // dim is bounded: no wrap
     return InvalidArgument(std::string(op) + " payload is " + std::to_string(bytes) +
                            " bytes, but its header (name " + std::to_string(name_bytes) +
                            " bytes, " + std::to_string(r->num_ids) + " ids, dim " +
@@ -212,15 +219,26 @@ std::string EncodePushReply(uint32_t rows_applied) {
 }
 
 std::string EncodeError(Code code, const std::string& message) {
+  std::string text = message;
+  if (text.size() > kMaxErrorMessageBytes) {
+    const std::string cut = " [...]";
+    text.resize(kMaxErrorMessageBytes - cut.size());
+    // Never end inside a UTF-8 sequence.
+    while (!text.empty() && (static_cast<uint8_t>(text.back()) & 0xc0) == 0x80) text.pop_back();
+    if (!text.empty() && (static_cast<uint8_t>(text.back()) & 0x80)) text.pop_back();
+    text += cut;
+  }
   std::string out;
   Append<uint32_t>(&out, static_cast<uint32_t>(code));
-  Append<uint32_t>(&out, static_cast<uint32_t>(message.size()));
-  out.append(message);
+  Append<uint32_t>(&out, static_cast<uint32_t>(text.size()));
+  out.append(text);
   return out;
 }
 
 Status DecodeError(const uint8_t* p, size_t bytes) {
-  if (bytes < kErrorFixed) return Internal("malformed error frame from peer");
+  if (bytes < kErrorFixed || bytes > kErrorFixed + kMaxErrorMessageBytes) {
+    return Internal("malformed error frame from peer");
+  }
   const uint32_t code = Get<uint32_t>(p, 0);
   const uint32_t length = Get<uint32_t>(p, 4);
   if (kErrorFixed + uint64_t{length} != bytes) {

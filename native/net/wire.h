@@ -25,11 +25,16 @@ inline constexpr uint32_t kDefaultMaxFrameBytes = 64u << 20;
 inline constexpr uint32_t kMinMaxFrameBytes = 4096;
 inline constexpr uint32_t kMaxTokenBytes = 4096;
 inline constexpr size_t kHelloRequestFixed = 8;
+// The largest Hello request payload (a token of kMaxTokenBytes).
+inline constexpr size_t kMaxHelloRequestBytes = kHelloRequestFixed + kMaxTokenBytes;
 inline constexpr size_t kHelloReplyBytes = 24;
 inline constexpr size_t kTableRequestFixed = 16;
 inline constexpr size_t kPullReplyFixed = 8;
 inline constexpr size_t kPushReplyBytes = 8;
 inline constexpr size_t kErrorFixed = 8;
+// Error messages are cut to this many bytes when encoded; a peer's error
+// payload above kErrorFixed + kMaxErrorMessageBytes is malformed.
+inline constexpr size_t kMaxErrorMessageBytes = 4096;
 
 enum class Opcode : uint8_t {
   kHello = 1,

@@ -118,6 +118,37 @@ void CheckIds(const IdArray& ids) {
   if (ids.ndim() != 1) Raise(InvalidArgument("ids must be a 1-D int64 array"));
 }
 
+// Update counts of `n` rows as uint32, from an array of any integer type:
+// values outside [0, 2^32) are refused, never truncated.
+template <typename T>
+void CopySteps(const py::array& a, size_t n, uint32_t* out) {
+  const auto wide = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(a);
+  for (size_t i = 0; i < n; ++i) {
+    const T v = wide.data()[i];
+    if (v < 0 || static_cast<uint64_t>(v) > UINT32_MAX) {
+      Raise(InvalidArgument("step count " + std::to_string(v) + " of row " + std::to_string(i) +
+                            " is outside [0, 2^32-1]"));
+    }
+    out[i] = static_cast<uint32_t>(v);
+  }
+}
+
+StepArray StepsFrom(const py::object& steps, size_t n) {
+  const py::array a = py::array::ensure(steps);
+  const std::string kind = a ? py::str(a.dtype().attr("kind")).cast<std::string>() : "";
+  if (kind != "i" && kind != "u") Raise(InvalidArgument("steps must be an integer array"));
+  if (a.ndim() != 1 || static_cast<size_t>(a.shape(0)) != n) {
+    Raise(InvalidArgument("steps must have shape [" + std::to_string(n) + "]"));
+  }
+  StepArray out(n);
+  if (kind == "u") {
+    CopySteps<uint64_t>(a, n, out.mutable_data());
+  } else {
+    CopySteps<int64_t>(a, n, out.mutable_data());
+  }
+  return out;
+}
+
 FloatArray PullTable(Table& t, const IdArray& ids, int mode) {
   CheckIds(ids);
   if (mode < 0 || mode > 2) Raise(InvalidArgument("pull mode must be 0, 1 or 2"));
@@ -163,6 +194,16 @@ py::dict CountersToDict(const ServerCounters& c) {
   py::dict d;
   d["connections_accepted"] = c.connections_accepted.load();
   d["connections_open"] = c.connections_open.load();
+  d["connections_authenticated"] = c.connections_authenticated.load();
+  d["connections_refused"] = c.connections_refused.load();
+  d["connections_evicted"] = c.connections_evicted.load();
+  d["connections_waiting"] = c.connections_waiting.load();
+  d["memory_waits"] = c.memory_waits.load();
+  d["hello_timeouts"] = c.hello_timeouts.load();
+  d["idle_timeouts"] = c.idle_timeouts.load();
+  d["io_timeouts"] = c.io_timeouts.load();
+  d["accept_errors"] = c.accept_errors.load();
+  d["buffered_bytes"] = c.buffered_bytes.load();
   d["hellos"] = c.hellos.load();
   d["pulls"] = c.pulls.load();
   d["pushes"] = c.pushes.load();
@@ -258,14 +299,15 @@ PYBIND11_MODULE(_native, m) {
               slot_ptr = slot_array.data();
             }
             if (!steps.is_none()) {
-              step_array = steps.cast<StepArray>();
-              if (step_array.ndim() != 1 || static_cast<size_t>(step_array.shape(0)) != n) {
-                Raise(InvalidArgument("steps must have shape [" + std::to_string(n) + "]"));
-              }
+              step_array = StepsFrom(steps, n);
               step_ptr = step_array.data();
             }
-            py::gil_scoped_release release;
-            t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n);
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n);
+            }
+            Check(s);
           },
           py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
           py::arg("steps") = py::none())
@@ -310,7 +352,9 @@ PYBIND11_MODULE(_native, m) {
   py::class_<DataServer>(m, "DataServer")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& bind, int port,
                        int max_connections, const std::string& auth_token, uint32_t max_frame_bytes,
-                       uint32_t admin_port, int io_timeout_ms) {
+                       uint32_t admin_port, int io_timeout_ms, int worker_threads,
+                       int max_unauthenticated, int hello_timeout_ms, int idle_timeout_ms,
+                       uint64_t max_buffered_bytes) {
              DataServerOptions o;
              o.bind = bind;
              o.port = port;
@@ -319,14 +363,23 @@ PYBIND11_MODULE(_native, m) {
              o.max_frame_bytes = max_frame_bytes;
              o.admin_port = admin_port;
              o.io_timeout_ms = io_timeout_ms;
+             o.worker_threads = worker_threads;
+             o.max_unauthenticated = max_unauthenticated;
+             o.hello_timeout_ms = hello_timeout_ms;
+             o.idle_timeout_ms = idle_timeout_ms;
+             o.max_buffered_bytes = max_buffered_bytes;
              return std::make_unique<DataServer>(std::move(shard), o);
            }),
-           py::arg("shard"), py::arg("bind") = "0.0.0.0", py::arg("port") = 0,
-           py::arg("max_connections") = 64, py::arg("auth_token") = "",
+           py::arg("shard"), py::arg("bind") = "127.0.0.1", py::arg("port") = 0,
+           py::arg("max_connections") = 0, py::arg("auth_token") = "",
            py::arg("max_frame_bytes") = wire::kDefaultMaxFrameBytes, py::arg("admin_port") = 0,
-           py::arg("io_timeout_ms") = 30000)
+           py::arg("io_timeout_ms") = 30000, py::arg("worker_threads") = 0,
+           py::arg("max_unauthenticated") = 256, py::arg("hello_timeout_ms") = 5000,
+           py::arg("idle_timeout_ms") = 600000, py::arg("max_buffered_bytes") = uint64_t{1} << 30)
       .def("start", [](DataServer& s) { Check(s.Start()); })
       .def_property_readonly("port", &DataServer::port)
+      .def_property_readonly("max_connections", &DataServer::max_connections)
+      .def_property_readonly("worker_threads", &DataServer::worker_threads)
       .def("set_admin_port", &DataServer::set_admin_port)
       .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
       .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });

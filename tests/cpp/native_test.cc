@@ -1,12 +1,15 @@
 // Tests of the native core with no TF or Python: routing and frame golden
 // vectors (shared with the Python suite), table semantics, and a real
-// DataServer + Client round trip on loopback. Run by tests/test_native_cpp.py:
-//   native_test <tests/data dir>
-// Prints one line per failure and "N passed, M failed" at the end.
+// DataServer + Client round trip on loopback. Built with the other files of
+// tests/cpp by tests/test_native_cpp.py and run as
+//   native_test <tests/data dir> [test name]
+#include <dirent.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -16,42 +19,25 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "native/core/initializer.h"
 #include "native/core/routing.h"
 #include "native/core/shard.h"
 #include "native/core/table.h"
+#include "native/core/work_queue.h"
 #include "native/net/client.h"
 #include "native/net/data_server.h"
 #include "native/net/socket.h"
 #include "native/net/wire.h"
+#include "tests/cpp/harness.h"
 
 namespace dlt {
 namespace {
 
-std::string g_data_dir;
-int g_failures_in_test = 0;
-
-#define EXPECT(cond)                                                    \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      std::printf("  %s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures_in_test;                                             \
-    }                                                                   \
-  } while (0)
-
-#define EXPECT_OK(expr)                                                                     \
-  do {                                                                                      \
-    const Status _s = (expr);                                                               \
-    if (!_s.ok()) {                                                                         \
-      std::printf("  %s:%d: %s -> %s\n", __FILE__, __LINE__, #expr, _s.ToString().c_str()); \
-      ++g_failures_in_test;                                                                 \
-    }                                                                                       \
-  } while (0)
-
 std::vector<std::vector<std::string>> ReadRows(const std::string& name) {
-  std::ifstream in(g_data_dir + "/" + name);
+  std::ifstream in(testing::g_data_dir + "/" + name);
   std::vector<std::vector<std::string>> rows;
   std::string line;
   while (std::getline(in, line)) {
@@ -96,7 +82,7 @@ TableConfig Config(const std::string& name, uint32_t dim, OptimizerKind opt) {
   return c;
 }
 
-void TestRoutingGolden() {
+DLT_TEST(TestRoutingGolden) {
   const auto rows = ReadRows("routing_golden.txt");
   EXPECT(rows.size() >= 30);
   for (const auto& r : rows) {
@@ -109,7 +95,7 @@ void TestRoutingGolden() {
   }
 }
 
-void TestBucketRanges() {
+DLT_TEST(TestBucketRanges) {
   for (uint32_t n : {1u, 2u, 3u, 7u, 100u, 4096u}) {
     for (uint32_t b = 0; b < kNumBuckets; ++b) {
       const uint32_t s = ShardOfBucket(b, n);
@@ -119,7 +105,7 @@ void TestBucketRanges() {
   }
 }
 
-void TestFramesGolden() {
+DLT_TEST(TestFramesGolden) {
   std::map<std::string, std::string> golden;
   for (const auto& r : ReadRows("frames_golden.txt")) golden[r[0]] = r[1];
   EXPECT(golden.size() == 9);
@@ -181,7 +167,7 @@ void TestFramesGolden() {
          Code::kResourceExhausted);
 }
 
-void TestInitializerIsPureFunctionOfSeedAndId() {
+DLT_TEST(TestInitializerIsPureFunctionOfSeedAndId) {
   TableConfig c = Config("t", 16, OptimizerKind::kSgd);
   for (auto kind :
        {InitializerKind::kUniform, InitializerKind::kNormal, InitializerKind::kTruncatedNormal}) {
@@ -201,7 +187,7 @@ void TestInitializerIsPureFunctionOfSeedAndId() {
   }
 }
 
-void TestTablePullModesAndPush() {
+DLT_TEST(TestTablePullModesAndPush) {
   Table t(Config("t", 4, OptimizerKind::kSgd));
   const std::vector<int64_t> ids = {10, 20, 10};
   std::vector<float> out(12);
@@ -226,7 +212,7 @@ void TestTablePullModesAndPush() {
   EXPECT(after == out);  // nothing applied
 }
 
-void TestTableGrowthAndExport() {
+DLT_TEST(TestTableGrowthAndExport) {
   Table t(Config("t", 3, OptimizerKind::kAdagrad));
   const size_t n = 200000;
   std::vector<int64_t> ids(n);
@@ -258,7 +244,7 @@ void TestTableGrowthAndExport() {
   EXPECT(total == n);
 }
 
-void TestShardConfigConflicts() {
+DLT_TEST(TestShardConfigConflicts) {
   Shard shard(0, 1);
   bool created = false;
   EXPECT_OK(shard.CreateTable(Config("a", 4, OptimizerKind::kSgd), &created));
@@ -273,7 +259,7 @@ void TestShardConfigConflicts() {
   EXPECT(shard.GetTable("zzz", &t).code() == Code::kNotFound);
 }
 
-void TestClientServerRoundTrip() {
+DLT_TEST(TestClientServerRoundTrip) {
   auto shard = std::make_shared<Shard>(0, 1);
   bool created;
   EXPECT_OK(shard->CreateTable(Config("emb", 8, OptimizerKind::kSgd), &created));
@@ -320,7 +306,7 @@ void TestClientServerRoundTrip() {
          Code::kUnavailable);
 }
 
-void TestStalledServerHitsDeadline() {
+DLT_TEST(TestStalledServerHitsDeadline) {
   int fd = -1, port = 0;
   EXPECT_OK(net::Listen("127.0.0.1", 0, 4, &fd, &port));  // accepts, never answers
   ClientOptions o;
@@ -335,37 +321,98 @@ void TestStalledServerHitsDeadline() {
   net::CloseFd(fd);
 }
 
+int ThreadCount() {
+  int n = 0;
+  DIR* dir = opendir("/proc/self/task");
+  while (struct dirent* e = readdir(dir)) n += e->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+// A closure that drops the last reference to the queue's owner destroys the
+// queue on one of its own workers. That worker used to go back to the freed
+// queue's mutex when the closure returned: a use-after-free that left the
+// thread blocked on freed memory for good. Now it exits.
+DLT_TEST(TestWorkQueueDestroyedByItsOwnTask) {
+  const int threads_before = ThreadCount();
+  for (int round = 0; round < 20; ++round) {
+    auto* queue = new WorkQueue(2);
+    std::atomic<bool> deleted{false};
+    queue->Schedule([&] {
+      delete queue;
+      deleted.store(true);
+    });
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!deleted.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT(deleted.load());
+  }
+  // Every detached worker returns through its loop and exits.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (ThreadCount() > threads_before && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT(ThreadCount() == threads_before);
+  std::atomic<int> ran{0};
+  {
+    WorkQueue queue(3);
+    for (int i = 0; i < 100; ++i) queue.Schedule([&] { ran.fetch_add(1); });
+  }  // drains
+  EXPECT(ran.load() == 100);
+}
+
+// dim 2^31-2 makes a Push row 2^33 bytes; times 2^31 ids that is 2^64,
+// which wrapped to 0 and let a payload of just the fixed part through.
+DLT_TEST(TestDecoderRejectsSizesThatWouldWrap) {
+  const uint32_t dim = (1u << 31) - 2, ids = 1u << 31;
+  const std::string push = wire::EncodePushPrefix("emb", dim, ids, 0.5f);
+  wire::TableRequest r;
+  Status s =
+      wire::DecodePushRequest(reinterpret_cast<const uint8_t*>(push.data()), push.size(), &r);
+  EXPECT(s.code() == Code::kInvalidArgument);
+  EXPECT(s.message().find("exceeds the maximum of 65536") != std::string::npos);
+  const std::string assign = wire::EncodeAssignPrefix("emb", dim, ids);
+  EXPECT(
+      wire::DecodeAssignRequest(reinterpret_cast<const uint8_t*>(assign.data()), assign.size(), &r)
+          .code() == Code::kInvalidArgument);
+  // The largest dim still decodes when the payload holds what it says.
+  std::string ok = wire::EncodePushPrefix("emb", kMaxDim, 1, 0.5f);
+  ok.append(8 + 4 * size_t{kMaxDim}, '\0');
+  EXPECT_OK(wire::DecodePushRequest(reinterpret_cast<const uint8_t*>(ok.data()), ok.size(), &r));
+  // One id short of what the counts imply: refused (by division, no product).
+  ok.resize(ok.size() - 1);
+  EXPECT(
+      wire::DecodePushRequest(reinterpret_cast<const uint8_t*>(ok.data()), ok.size(), &r).code() ==
+      Code::kInvalidArgument);
+}
+
+// The growth test of a stripe index was 32-bit: (2^30 + 1) * 4 wrapped to 4
+// and the index stopped growing at 2^30 records.
+DLT_TEST(TestIndexKeepsGrowingPast2To30Records) {
+  EXPECT(IndexMustGrow(uint64_t{1} << 30, uint64_t{1} << 30));
+  EXPECT(IndexMustGrow(uint64_t{3} << 30, uint64_t{1} << 32));
+  EXPECT(!IndexMustGrow((uint64_t{3} << 30) - 2, uint64_t{1} << 32));
+  EXPECT(IndexMustGrow(12, 16) && !IndexMustGrow(11, 16));
+}
+
+DLT_TEST(TestImportRejectsNonFiniteRows) {
+  Table t(Config("t", 2, OptimizerKind::kAdagrad));
+  const std::vector<int64_t> ids = {1, 2};
+  std::vector<float> values = {1, 2, 3, NAN};
+  std::vector<float> slots = {0.1f, 0.1f, 0.1f, 0.1f};
+  const std::vector<uint32_t> steps = {3, 4};
+  Status s = t.Import(ids.data(), values.data(), slots.data(), steps.data(), 2);
+  EXPECT(s.code() == Code::kInvalidArgument && s.message().find("id 2") != std::string::npos);
+  values[3] = 4;
+  slots[0] = INFINITY;
+  s = t.Import(ids.data(), values.data(), slots.data(), steps.data(), 2);
+  EXPECT(s.code() == Code::kInvalidArgument && s.message().find("slots") != std::string::npos);
+  EXPECT(t.size() == 0);  // nothing imported
+  slots[0] = 0.5f;
+  EXPECT_OK(t.Import(ids.data(), values.data(), slots.data(), steps.data(), 2));
+  EXPECT(t.size() == 2);
+}
+
 }  // namespace
 }  // namespace dlt
-
-int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: native_test <tests/data dir>\n");
-    return 2;
-  }
-  dlt::g_data_dir = argv[1];
-  const std::vector<std::pair<const char*, std::function<void()>>> tests = {
-      {"RoutingGolden", dlt::TestRoutingGolden},
-      {"BucketRanges", dlt::TestBucketRanges},
-      {"FramesGolden", dlt::TestFramesGolden},
-      {"InitializerIsPureFunctionOfSeedAndId", dlt::TestInitializerIsPureFunctionOfSeedAndId},
-      {"TablePullModesAndPush", dlt::TestTablePullModesAndPush},
-      {"TableGrowthAndExport", dlt::TestTableGrowthAndExport},
-      {"ShardConfigConflicts", dlt::TestShardConfigConflicts},
-      {"ClientServerRoundTrip", dlt::TestClientServerRoundTrip},
-      {"StalledServerHitsDeadline", dlt::TestStalledServerHitsDeadline},
-  };
-  int passed = 0, failed = 0;
-  for (const auto& [name, fn] : tests) {
-    dlt::g_failures_in_test = 0;
-    fn();
-    if (dlt::g_failures_in_test == 0) {
-      ++passed;
-    } else {
-      ++failed;
-      std::printf("FAILED %s\n", name);
-    }
-  }
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
-}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -23,15 +24,76 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--admin-port", type=int, default=0, help="gRPC control-plane port (0: any)")
     p.add_argument("--shard-index", type=int, default=0, help="this shard's index")
     p.add_argument("--num-shards", type=int, default=1, help="number of shards in the cluster")
-    p.add_argument("--bind", default="0.0.0.0", help="listen address of both planes")
+    p.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        help="listen address of both planes (default loopback; another address needs "
+        "--auth-token-file or --insecure)",
+    )
     p.add_argument("--auth-token-file", help="file holding the token clients must present")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve a non-loopback address without a token (a private network you trust)",
+    )
     p.add_argument(
         "--max-frame-bytes",
         type=int,
         default=_native.DEFAULT_MAX_FRAME_BYTES,
         help="largest data-plane frame payload accepted",
     )
-    p.add_argument("--threads", type=int, default=64, help="data-plane connections served at once")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="data-plane worker threads (default 0: one per CPU the process may use)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="authenticated data-plane connections at once (default 0: what ulimit -n allows)",
+    )
+    p.add_argument(
+        "--max-unauthenticated",
+        type=int,
+        default=256,
+        help="connections yet to say Hello; past it the oldest is closed",
+    )
+    p.add_argument(
+        "--hello-timeout", type=float, default=5.0, help="seconds a connection has to say Hello"
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an idle authenticated connection stays open (0: forever)",
+    )
+    p.add_argument(
+        "--io-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for the rest of a started frame to arrive and for a reply to be taken",
+    )
+    p.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=1 << 30,
+        help="bytes of frames and replies held over all connections (past it, connections wait)",
+    )
+    p.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=[],
+        help="where Save and Load may go: a path or URL prefix (repeat for several; "
+        "memory:// only when named; default: any local path or object store)",
+    )
+    p.add_argument(
+        "--load-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a prepared or uncommitted cluster load is kept before it expires",
+    )
     p.add_argument("--load-from", help="checkpoint to load before serving")
     p.add_argument(
         "--stop-grace", type=float, default=60.0, help="seconds SIGTERM waits for a running Save"
@@ -56,6 +118,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+def is_loopback(host: str) -> bool:
+    """True when `host` (an address or name) is only reachable from this
+    machine."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         stream=sys.stderr,
@@ -77,6 +150,19 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         log.error("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
         return 2
+    if not token and not args.insecure and not is_loopback(args.bind):
+        log.error(
+            "refusing to serve %s without a token: anyone who reaches it could read, change and "
+            "save every table. Give --auth-token-file, bind 127.0.0.1, or pass --insecure on a "
+            "network you trust",
+            args.bind,
+        )
+        return 2
+    if not args.checkpoint_root:
+        log.warning(
+            "no --checkpoint-root: Save and Load may use any local path or object-store URL "
+            "a client names"
+        )
     server_tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     try:
         server = ShardServer(
@@ -88,6 +174,14 @@ def run(args: argparse.Namespace) -> int:
             auth_token=token,
             max_frame_bytes=args.max_frame_bytes,
             threads=args.threads,
+            max_connections=args.max_connections,
+            max_unauthenticated=args.max_unauthenticated,
+            hello_timeout_s=args.hello_timeout,
+            idle_timeout_s=args.idle_timeout,
+            io_timeout_s=args.io_timeout,
+            max_buffered_bytes=args.max_buffered_bytes,
+            checkpoint_roots=args.checkpoint_root,
+            load_timeout_s=args.load_timeout,
             load_from=args.load_from,
             stop_grace_s=args.stop_grace,
             metrics_port=args.metrics_port,

@@ -5,7 +5,10 @@ grpc.health.v1, reflection), and stops them in order."""
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
+from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
 
@@ -15,12 +18,26 @@ from grpc_reflection.v1alpha import reflection
 
 from tf_dlt import _native, tls
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import checkpoint, metrics, service
+from tf_dlt.server import checkpoint, metrics, paths, service
 
 log = logging.getLogger("tf_dlt.server")
 
 SERVICE_NAME = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].full_name
 _GRPC_MESSAGE_BYTES = 64 << 20
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU
+    quota (a container's limit), at least 1."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
 
 
 class ShardServer:
@@ -35,8 +52,18 @@ class ShardServer:
         admin_port: control-plane (gRPC) port (0: any free port).
         auth_token: when non-empty, required on both planes.
         max_frame_bytes: largest data-plane frame payload accepted.
-        threads: data-plane connections served at once.
-        io_timeout_s: once a frame starts, the rest must arrive within this.
+        threads: data-plane worker threads (0: one per CPU this process may
+            use).
+        max_connections: authenticated data-plane connections at once (0:
+            as many as the open-file limit allows).
+        max_unauthenticated: connections that have not said Hello yet; a
+            new one past this closes the oldest.
+        hello_timeout_s: a connection must say Hello within this.
+        idle_timeout_s: an authenticated connection idle this long is
+            closed (0: never).
+        io_timeout_s: once a frame starts, the rest must arrive within this,
+            and a reply must be taken within this.
+        max_buffered_bytes: frames and replies held over all connections.
         load_from: checkpoint to load before serving.
         stop_grace_s: how long `stop()` lets control-plane calls (a Save)
             finish.
@@ -44,6 +71,11 @@ class ShardServer:
             None: no metrics endpoint).
         tls: (cert, key, client CA or None) PEM files: serve the control
             plane over TLS (with a client CA: mutual TLS); None: plaintext.
+        checkpoint_roots: where Save and Load may go
+            (`tf_dlt.server.paths.CheckpointRoots`); empty: any local path
+            or object store.
+        load_timeout_s: a prepared or committed-but-unfinished cluster load
+            is dropped (prepared) or made final (committed) after this.
     """
 
     def __init__(
@@ -51,17 +83,24 @@ class ShardServer:
         shard_index: int = 0,
         num_shards: int = 1,
         *,
-        bind: str = "0.0.0.0",
+        bind: str = "127.0.0.1",
         port: int = 0,
         admin_port: int = 0,
         auth_token: str = "",
         max_frame_bytes: int = _native.DEFAULT_MAX_FRAME_BYTES,
-        threads: int = 64,
+        threads: int = 0,
+        max_connections: int = 0,
+        max_unauthenticated: int = 256,
+        hello_timeout_s: float = 5.0,
+        idle_timeout_s: float = 600.0,
         io_timeout_s: float = 30.0,
+        max_buffered_bytes: int = 1 << 30,
         load_from: str | None = None,
         stop_grace_s: float = 60.0,
         metrics_port: int | None = None,
         tls: tuple[str, str, str | None] | None = None,
+        checkpoint_roots: Sequence[str] = (),
+        load_timeout_s: float = 600.0,
     ) -> None:
         self.shard = _native.Shard(shard_index, num_shards)
         self._metrics_port_requested = metrics_port
@@ -77,14 +116,24 @@ class ShardServer:
             self.shard,
             bind=bind,
             port=port,
-            max_connections=threads,
+            max_connections=max_connections,
             auth_token=auth_token,
             max_frame_bytes=max_frame_bytes,
-            io_timeout_ms=int(io_timeout_s * 1000),
+            io_timeout_ms=max(1, int(io_timeout_s * 1000)),
+            worker_threads=threads or available_cpus(),
+            max_unauthenticated=max_unauthenticated,
+            hello_timeout_ms=max(1, int(hello_timeout_s * 1000)),
+            idle_timeout_ms=int(idle_timeout_s * 1000),
+            max_buffered_bytes=max_buffered_bytes,
         )
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
-        self.servicer = service.ShardAdminServicer(self.shard, self.data_server)
+        self.servicer = service.ShardAdminServicer(
+            self.shard,
+            self.data_server,
+            paths.CheckpointRoots(checkpoint_roots),
+            load_timeout_s=load_timeout_s,
+        )
         self.admin_port = 0
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -143,12 +192,16 @@ class ShardServer:
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "shard %d/%d serving: data port %d, admin port %d%s",
+            "shard %d/%d serving on %s: data port %d, admin port %d%s; %d worker threads, up to "
+            "%d connections",
             self.shard.shard_index,
             self.shard.num_shards,
+            self._bind,
             self.port,
             self.admin_port,
             f", metrics port {self.metrics_port}" if self._metrics is not None else "",
+            self.data_server.worker_threads,
+            self.data_server.max_connections,
         )
         return self
 
@@ -164,6 +217,7 @@ class ShardServer:
             if self._grpc is not None:
                 self._grpc.stop(grace).wait()
             self.data_server.stop()
+            self.servicer.close()
             if self._metrics is not None:
                 http_server, thread = self._metrics
                 http_server.shutdown()

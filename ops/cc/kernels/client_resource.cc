@@ -9,47 +9,6 @@
 namespace tensorflow {
 namespace dlt_ops {
 
-WorkQueue::WorkQueue(int threads) {
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
-}
-
-WorkQueue::~WorkQueue() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  for (std::thread& t : threads_) {
-    if (t.get_id() == std::this_thread::get_id()) {
-      t.detach();  // the last reference was dropped by work running on t
-    } else {
-      t.join();
-    }
-  }
-}
-
-void WorkQueue::Schedule(std::function<void()> fn) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(fn));
-  }
-  cv_.notify_one();
-}
-
-void WorkQueue::Run() {
-  for (;;) {
-    std::function<void()> fn;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      fn = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    fn();
-  }
-}
-
 ClientResource::ClientResource(ClientResourceOptions options)
     : options_(std::move(options)), work_(options_.worker_threads) {
   if (options_.addresses.empty()) {
@@ -228,8 +187,8 @@ absl::Status ClientResource::Import(const std::string& table, uint32_t dim, cons
                                       std::to_string(t->slot_floats()) +
                                       " slot floats per row, got " + std::to_string(slot_floats));
   }
-  t->Import(ids, values, slot_floats ? slots : nullptr, steps, n);
-  return absl::OkStatus();
+  return ToAbsl(t->Import(ids, values, slot_floats ? slots : nullptr, steps, n),
+                "embedded table '" + table + "' Import");
 }
 
 absl::Status ClientResource::EmbeddedTable(const std::string& table, uint32_t dim, const char* op,

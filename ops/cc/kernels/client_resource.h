@@ -7,18 +7,17 @@
 #define TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "native/core/shard.h"
 #include "native/core/table.h"
+#include "native/core/work_queue.h"
 #include "native/net/client.h"
 #include "native/net/server_stats.h"
 #include "tensorflow/core/framework/resource_base.h"
@@ -34,24 +33,6 @@ struct ClientResourceOptions {
   dlt::ClientOptions tcp;
   int max_inflight_pushes = 4;
   int worker_threads = 4;
-};
-
-// A fixed set of worker threads running closures in FIFO order. Its
-// destructor drains the queue; when it runs on one of its own workers, that
-// worker is detached instead of joined.
-class WorkQueue {
- public:
-  explicit WorkQueue(int threads);
-  ~WorkQueue();
-  void Schedule(std::function<void()> fn);
-
- private:
-  void Run();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;  // guarded by mu_
-  bool stopping_ = false;                    // guarded by mu_
-  std::vector<std::thread> threads_;
 };
 
 class ClientResource : public ResourceBase {
@@ -136,7 +117,7 @@ class ClientResource : public ResourceBase {
   std::deque<PendingPush> waiting_ TF_GUARDED_BY(mu_);
   std::vector<std::function<void(absl::Status)>> flush_waiters_ TF_GUARDED_BY(mu_);
   absl::Status async_error_ TF_GUARDED_BY(mu_);
-  WorkQueue work_;  // last: destroyed (drained) first
+  dlt::WorkQueue work_;  // last: destroyed (drained) first
 };
 
 }  // namespace dlt_ops

@@ -35,13 +35,18 @@ class LookupOp : public AsyncOpKernel {
     core::RefCountPtr<ClientResource> client;
     OP_REQUIRES_OK_ASYNC(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client), done);
     const Tensor& ids = ctx->input(1);
+    const int64_t n = ids.NumElements();
+    // Checked before anything is allocated.
+    OP_REQUIRES_ASYNC(ctx, n < (int64_t{1} << 31),
+                      errors::InvalidArgument("at most 2^31-1 ids per Lookup, got ", n), done);
+    OP_REQUIRES_ASYNC(ctx, n * dim_ < (int64_t{1} << 31),
+                      errors::InvalidArgument("a Lookup returns at most 2^31-1 values (8 GiB); ", n,
+                                              " ids of dim ", dim_, " would be ", n * dim_),
+                      done);
     TensorShape shape = ids.shape();
     OP_REQUIRES_OK_ASYNC(ctx, shape.AddDimWithStatus(dim_), done);
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape, &out), done);
-    const int64_t n = ids.NumElements();
-    OP_REQUIRES_ASYNC(ctx, n < (int64_t{1} << 31),
-                      errors::InvalidArgument("at most 2^31-1 ids per Lookup, got ", n), done);
     if (n == 0) {
       done();
       return;

@@ -104,7 +104,12 @@ class ImportTableOp : public OpKernel {
                                         "], slots [n, k] and steps [n]"));
     std::vector<uint32_t> steps32(n);
     const int64_t* s = steps.flat<int64_t>().data();
-    for (int64_t i = 0; i < n; ++i) steps32[i] = static_cast<uint32_t>(s[i]);
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, s[i] >= 0 && s[i] <= int64_t{UINT32_MAX},
+                  errors::InvalidArgument("ImportTable: step count ", s[i], " of row ", i,
+                                          " is outside [0, 2^32-1]"));
+      steps32[i] = static_cast<uint32_t>(s[i]);
+    }
     OP_REQUIRES_OK(
         ctx, client->Import(table_, dim_, ids.flat<int64_t>().data(), values.flat<float>().data(),
                             slots.flat<float>().data(), slots.dim_size(1), steps32.data(), n));

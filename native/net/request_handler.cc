@@ -1,0 +1,179 @@
+#include "native/net/request_handler.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "native/core/routing.h"
+
+namespace dlt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  size_t diff = a.size() ^ b.size();
+  const size_t n = a.size() > b.size() ? a.size() : b.size();
+  for (size_t i = 0; i < n; ++i) {
+    const uint8_t x = i < a.size() ? static_cast<uint8_t>(a[i]) : 0;
+    const uint8_t y = i < b.size() ? static_cast<uint8_t>(b[i]) : 0;
+    diff |= static_cast<size_t>(x ^ y);
+  }
+  return diff == 0;
+}
+
+uint64_t MicrosSince(Clock::time_point start) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count());
+}
+
+// Writes a reply frame of `body` for `request_id` into `reply`.
+size_t Respond(wire::Opcode opcode, uint64_t request_id, const std::string& body,
+               net::Buffer* reply) {
+  uint8_t* out = reply->Reserve(wire::kHeaderBytes + body.size());
+  wire::EncodeHeader({opcode, wire::kFlagResponse, request_id, static_cast<uint32_t>(body.size())},
+                     out);
+  if (!body.empty()) std::memcpy(out + wire::kHeaderBytes, body.data(), body.size());
+  return wire::kHeaderBytes + body.size();
+}
+
+}  // namespace
+
+RequestHandler::RequestHandler(std::shared_ptr<Shard> shard, std::string auth_token,
+                               uint32_t max_frame_bytes, ServerCounters* counters)
+    : shard_(std::move(shard)),
+      auth_token_(std::move(auth_token)),
+      max_frame_bytes_(max_frame_bytes),
+      counters_(counters) {}
+
+Status RequestHandler::CheckHeader(const wire::FrameHeader& header, bool authenticated) const {
+  if (header.flags & wire::kFlagResponse) {
+    return InvalidArgument("a request frame must not carry the response flag");
+  }
+  if (authenticated) return OkStatus();
+  if (header.opcode != wire::Opcode::kHello) {
+    return Unauthenticated("the first frame on a connection must be Hello");
+  }
+  if (header.payload_bytes > wire::kMaxHelloRequestBytes) {
+    return InvalidArgument("Hello payload of " + std::to_string(header.payload_bytes) +
+                           " bytes exceeds the " + std::to_string(wire::kMaxHelloRequestBytes) +
+                           " bytes a Hello may have");
+  }
+  return OkStatus();
+}
+
+size_t RequestHandler::ReplyBound(const wire::FrameHeader& header,
+                                  const uint8_t* pull_sizes) const {
+  // Errors and small replies: a fixed allowance (error messages are short).
+  constexpr size_t kSmallReply =
+      wire::kHeaderBytes + wire::kErrorFixed + wire::kMaxErrorMessageBytes;
+  if (header.opcode != wire::Opcode::kPull || pull_sizes == nullptr) return kSmallReply;
+  uint32_t dim, num_ids;
+  std::memcpy(&dim, pull_sizes, 4);
+  std::memcpy(&num_ids, pull_sizes + 4, 4);
+  const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * dim * num_ids;
+  if (body > max_frame_bytes_) return kSmallReply;  // refused with an error
+  return std::max<size_t>(kSmallReply, wire::kHeaderBytes + body);
+}
+
+size_t RequestHandler::ErrorReply(uint64_t request_id, const Status& status, net::Buffer* reply) {
+  counters_->errors[static_cast<int>(status.code())].fetch_add(1);
+  return Respond(wire::Opcode::kError, request_id,
+                 wire::EncodeError(status.code(), status.message()), reply);
+}
+
+size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* payload,
+                              bool* authenticated, net::Buffer* reply, bool* keep_open) {
+  const Clock::time_point start = Clock::now();
+  *keep_open = true;
+  const uint64_t id = header.request_id;
+  auto fail = [&](const Status& s, bool close) {
+    *keep_open = !close;
+    return ErrorReply(id, s, reply);
+  };
+
+  if (header.opcode == wire::Opcode::kHello) {
+    wire::HelloRequest hello;
+    Status s = wire::DecodeHelloRequest(payload, header.payload_bytes, &hello);
+    if (!s.ok()) return fail(s, true);
+    if (hello.protocol_version != wire::kVersion) {
+      return fail(InvalidArgument("client speaks protocol version " +
+                                  std::to_string(hello.protocol_version) +
+                                  "; this server speaks version 1"),
+                  true);
+    }
+    if (!auth_token_.empty() && !ConstantTimeEquals(hello.token, auth_token_)) {
+      return fail(Unauthenticated("wrong or missing auth token"), true);
+    }
+    *authenticated = true;
+    counters_->hellos.fetch_add(1);
+    wire::HelloReply out;
+    out.shard_index = shard_->shard_index();
+    out.num_shards = shard_->num_shards();
+    out.num_buckets = kNumBuckets;
+    out.admin_port = admin_port_.load();
+    out.max_frame_bytes = max_frame_bytes_;
+    return Respond(wire::Opcode::kHello, id, wire::EncodeHelloReply(out), reply);
+  }
+  if (!*authenticated) {
+    return fail(Unauthenticated("the first frame on a connection must be Hello"), true);
+  }
+  if (header.opcode != wire::Opcode::kPull && header.opcode != wire::Opcode::kPush &&
+      header.opcode != wire::Opcode::kAssign) {
+    return fail(
+        InvalidArgument("unknown opcode " + std::to_string(static_cast<int>(header.opcode))),
+        false);
+  }
+  const bool push = header.opcode == wire::Opcode::kPush;
+  const bool assign = header.opcode == wire::Opcode::kAssign;
+  wire::TableRequest request;
+  Status s = push     ? wire::DecodePushRequest(payload, header.payload_bytes, &request)
+             : assign ? wire::DecodeAssignRequest(payload, header.payload_bytes, &request)
+                      : wire::DecodePullRequest(payload, header.payload_bytes, &request);
+  if (!s.ok()) return fail(s, false);
+  std::shared_ptr<Table> table;
+  s = shard_->GetTable(request.table, &table);
+  if (!s.ok()) return fail(s, false);
+  if (request.dim != table->dim()) {
+    return fail(
+        InvalidArgument("table '" + request.table + "' has dim " + std::to_string(table->dim()) +
+                        ", the request says " + std::to_string(request.dim)),
+        false);
+  }
+  s = shard_->CheckOwnership(request.ids, request.num_ids);
+  if (!s.ok()) return fail(s, false);
+
+  if (assign) {
+    s = table->Assign(request.ids, request.grads, request.num_ids);
+    if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
+    counters_->assigned_rows.fetch_add(request.num_ids);
+    return Respond(wire::Opcode::kAssign, id, wire::EncodePushReply(request.num_ids), reply);
+  }
+  if (push) {
+    s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
+    if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
+    counters_->pushes.fetch_add(1);
+    counters_->pushed_rows.fetch_add(request.num_ids);
+    counters_->push_latency.Record(MicrosSince(start));
+    return Respond(wire::Opcode::kPush, id, wire::EncodePushReply(request.num_ids), reply);
+  }
+  const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * request.dim * request.num_ids;
+  if (body > max_frame_bytes_) {
+    return fail(
+        ResourceExhausted("reply of " + std::to_string(body) +
+                          " bytes would exceed the maximum frame of " +
+                          std::to_string(max_frame_bytes_) + " bytes; send fewer ids per frame"),
+        false);
+  }
+  uint8_t* out = reply->Reserve(wire::kHeaderBytes + body);
+  wire::EncodeHeader({wire::Opcode::kPull, wire::kFlagResponse, id, static_cast<uint32_t>(body)},
+                     out);
+  wire::EncodePullReplyPrefix(request.dim, request.num_ids, out + wire::kHeaderBytes);
+  table->Pull(request.ids, request.num_ids, request.mode,
+              reinterpret_cast<float*>(out + wire::kHeaderBytes + wire::kPullReplyFixed));
+  counters_->pulls.fetch_add(1);
+  counters_->pulled_rows.fetch_add(request.num_ids);
+  counters_->pull_latency.Record(MicrosSince(start));
+  return wire::kHeaderBytes + body;
+}
+
+}  // namespace dlt

@@ -1,0 +1,59 @@
+// Serves request frames of the DLT wire protocol v1 against a Shard: Hello
+// (version and token), Pull, Push and Assign. No I/O here: the data-plane
+// server reads whole frames and sends the reply frames this writes.
+#ifndef TF_DLT_NATIVE_NET_REQUEST_HANDLER_H_
+#define TF_DLT_NATIVE_NET_REQUEST_HANDLER_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "native/core/shard.h"
+#include "native/core/status.h"
+#include "native/net/buffer.h"
+#include "native/net/server_stats.h"
+#include "native/net/wire.h"
+
+namespace dlt {
+
+class RequestHandler {
+ public:
+  RequestHandler(std::shared_ptr<Shard> shard, std::string auth_token, uint32_t max_frame_bytes,
+                 ServerCounters* counters);
+
+  void set_admin_port(uint32_t port) { admin_port_.store(port); }
+  uint32_t max_frame_bytes() const { return max_frame_bytes_; }
+
+  // Checks a frame header before its payload is read. Before the Hello only
+  // a Hello of at most a Hello's size passes, so nothing larger is ever
+  // buffered for an unauthenticated peer.
+  Status CheckHeader(const wire::FrameHeader& header, bool authenticated) const;
+
+  // Upper bound of the reply frame (header included) that a request needs,
+  // from its header and, for a Pull, the first 8 bytes of its payload (dim
+  // and id count; null when the payload is shorter): used to reserve memory
+  // before the payload is read.
+  size_t ReplyBound(const wire::FrameHeader& header, const uint8_t* pull_sizes) const;
+
+  // Serves one whole request frame; writes the reply frame into `reply` and
+  // returns its size. `*authenticated` turns true on a valid Hello.
+  // `*keep_open` turns false when the connection must close after the reply.
+  size_t Handle(const wire::FrameHeader& header, const uint8_t* payload, bool* authenticated,
+                net::Buffer* reply, bool* keep_open);
+
+  // The reply frame of an error (counted by its code); returns its size.
+  size_t ErrorReply(uint64_t request_id, const Status& status, net::Buffer* reply);
+
+ private:
+  std::shared_ptr<Shard> shard_;
+  const std::string auth_token_;
+  const uint32_t max_frame_bytes_;
+  std::atomic<uint32_t> admin_port_{0};
+  ServerCounters* counters_;
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_REQUEST_HANDLER_H_

@@ -1,0 +1,465 @@
+// The data plane under an adversary: idle sockets, oversize and slow frames,
+// connection caps, memory bounds, many connections, and peers that send
+// malformed replies. Real sockets on loopback, bounded waits.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "native/core/routing.h"
+#include "native/core/shard.h"
+#include "native/net/client.h"
+#include "native/net/data_server.h"
+#include "native/net/socket.h"
+#include "native/net/wire.h"
+#include "tests/cpp/harness.h"
+
+namespace dlt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<Shard> ShardWithTable(uint32_t dim) {
+  auto shard = std::make_shared<Shard>(0, 1);
+  TableConfig c;
+  c.name = "emb";
+  c.dim = dim;
+  c.initializer.kind = InitializerKind::kUniform;
+  bool created;
+  EXPECT_OK(shard->CreateTable(c, &created));
+  return shard;
+}
+
+std::string Address(const DataServer& server) {
+  return "127.0.0.1:" + std::to_string(server.port());
+}
+
+std::string FrameOf(wire::Opcode op, uint64_t id, const std::string& payload) {
+  uint8_t header[wire::kHeaderBytes];
+  wire::EncodeHeader({op, 0, id, static_cast<uint32_t>(payload.size())}, header);
+  return std::string(reinterpret_cast<char*>(header), sizeof(header)) + payload;
+}
+
+std::string HelloFrame(const std::string& token = "") {
+  wire::HelloRequest hello;
+  hello.token = token;
+  return FrameOf(wire::Opcode::kHello, 1, wire::EncodeHelloRequest(hello));
+}
+
+std::string PullFrame(uint64_t id, uint32_t dim, const std::vector<int64_t>& ids) {
+  std::string p =
+      wire::EncodePullPrefix("emb", dim, static_cast<uint32_t>(ids.size()), PullMode::kInsert);
+  p.append(reinterpret_cast<const char*>(ids.data()), ids.size() * 8);
+  return FrameOf(wire::Opcode::kPull, id, p);
+}
+
+// A raw socket to a server, closed on destruction.
+class Raw {
+ public:
+  explicit Raw(const std::string& address) {
+    EXPECT_OK(net::Connect(address, Clock::now() + std::chrono::seconds(5), &fd_));
+  }
+  ~Raw() { net::CloseFd(fd_); }
+  Raw(const Raw&) = delete;
+  Raw& operator=(const Raw&) = delete;
+  int fd() const { return fd_; }
+
+  Status Send(const std::string& bytes) {
+    struct iovec iov = {const_cast<char*>(bytes.data()), bytes.size()};
+    return net::SendAll(fd_, &iov, 1, Clock::now() + std::chrono::seconds(5));
+  }
+  // The next frame: its header and payload.
+  Status Read(wire::FrameHeader* header, std::string* payload, int timeout_ms = 5000) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    uint8_t bytes[wire::kHeaderBytes];
+    DLT_RETURN_IF_ERROR(net::RecvAll(fd_, bytes, sizeof(bytes), deadline));
+    DLT_RETURN_IF_ERROR(wire::DecodeHeader(bytes, UINT32_MAX, header));
+    payload->assign(header->payload_bytes, '\0');
+    return net::RecvAll(fd_, &(*payload)[0], payload->size(), deadline);
+  }
+  Status Greet(const std::string& token = "") {
+    DLT_RETURN_IF_ERROR(Send(HelloFrame(token)));
+    wire::FrameHeader h;
+    std::string payload;
+    DLT_RETURN_IF_ERROR(Read(&h, &payload));
+    if (h.opcode != wire::Opcode::kHello) {
+      return wire::DecodeError(reinterpret_cast<const uint8_t*>(payload.data()), payload.size());
+    }
+    return OkStatus();
+  }
+  // True once the peer has closed (end of stream or reset) within the time.
+  bool ClosedByPeer(int timeout_ms) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    char buf[4096];
+    while (Clock::now() < deadline) {
+      struct pollfd p = {fd_, POLLIN, 0};
+      if (poll(&p, 1, net::RemainingMs(deadline)) <= 0) continue;
+      const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return true;
+    }
+    return false;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+bool WaitFor(const std::function<bool()>& done, int timeout_ms) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (Clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return done();
+}
+
+std::vector<int64_t> Iota(size_t n) {
+  std::vector<int64_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i);
+  return ids;
+}
+
+// Sockets that never say a word used to hold the server's threads: 4x the
+// old cap of 64 of them now only push each other out, and a trainer still
+// connects and pulls at once.
+DLT_TEST(TestIdleSocketsCannotLockOutATrainer) {
+  auto shard = ShardWithTable(8);
+  DataServerOptions o;
+  o.max_unauthenticated = 16;
+  o.hello_timeout_ms = 60000;  // the cap, not the deadline, is what is tested
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  std::vector<std::unique_ptr<Raw>> idle;
+  for (int i = 0; i < 256; ++i) idle.push_back(std::make_unique<Raw>(Address(server)));
+  EXPECT(WaitFor([&] { return server.counters().connections_evicted.load() >= 240; }, 10000));
+  ClientOptions co;
+  co.connect_timeout_ms = 1000;
+  co.request_timeout_ms = 1000;
+  Client client({Address(server)}, co);
+  const std::vector<int64_t> ids = Iota(100);
+  std::vector<float> out(100 * 8);
+  EXPECT_OK(client.Pull("emb", 8, ids.data(), ids.size(), PullMode::kInsert, out.data()));
+  EXPECT(server.counters().connections_open.load() <= 16 + 2);
+}
+
+DLT_TEST(TestHelloDeadlineClosesSilentSockets) {
+  auto shard = ShardWithTable(8);
+  DataServerOptions o;
+  o.hello_timeout_ms = 200;
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  std::vector<std::unique_ptr<Raw>> idle;
+  for (int i = 0; i < 5; ++i) idle.push_back(std::make_unique<Raw>(Address(server)));
+  for (auto& r : idle) EXPECT(r->ClosedByPeer(5000));
+  EXPECT(server.counters().hello_timeouts.load() == 5);
+  // One that greets in time stays.
+  Raw greeted(Address(server));
+  EXPECT_OK(greeted.Greet());
+  EXPECT(!greeted.ClosedByPeer(500));
+}
+
+// Before the Hello nothing larger than a Hello is read: an oversize frame
+// is refused from its header, without allocating its body.
+DLT_TEST(TestNothingLargerThanAHelloBeforeHello) {
+  auto shard = ShardWithTable(8);
+  DataServerOptions o;
+  o.auth_token = "secret";
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  {
+    Raw r(Address(server));
+    uint8_t header[wire::kHeaderBytes];
+    wire::EncodeHeader({wire::Opcode::kHello, 0, 1, 64u << 20}, header);
+    EXPECT_OK(r.Send(std::string(reinterpret_cast<char*>(header), sizeof(header))));
+    wire::FrameHeader h;
+    std::string payload;
+    EXPECT_OK(r.Read(&h, &payload));
+    const Status s =
+        wire::DecodeError(reinterpret_cast<const uint8_t*>(payload.data()), payload.size());
+    EXPECT(h.opcode == wire::Opcode::kError && s.code() == Code::kInvalidArgument);
+    EXPECT(s.message().find("exceeds the 4104 bytes a Hello may have") != std::string::npos);
+    EXPECT(r.ClosedByPeer(2000));
+    EXPECT(server.counters().buffered_bytes.load() == 0);
+  }
+  {
+    Raw r(Address(server));  // a Pull before the Hello
+    EXPECT_OK(r.Send(PullFrame(7, 8, {1, 2})));
+    wire::FrameHeader h;
+    std::string payload;
+    EXPECT_OK(r.Read(&h, &payload));
+    EXPECT(h.request_id == 7 && h.opcode == wire::Opcode::kError);
+    EXPECT(wire::DecodeError(reinterpret_cast<const uint8_t*>(payload.data()), payload.size())
+               .code() == Code::kUnauthenticated);
+    EXPECT(r.ClosedByPeer(2000));
+  }
+  {
+    Raw r(Address(server));  // the wrong token
+    EXPECT(r.Greet("wrong").code() == Code::kUnauthenticated);
+    EXPECT(r.ClosedByPeer(2000));
+  }
+}
+
+DLT_TEST(TestConnectionCapRefusesThenRetriedHelloGetsIn) {
+  auto shard = ShardWithTable(8);
+  DataServerOptions o;
+  o.max_connections = 2;
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  EXPECT(server.max_connections() == 2);
+  auto a = std::make_unique<Raw>(Address(server));
+  Raw b(Address(server));
+  EXPECT_OK(a->Greet());
+  EXPECT_OK(b.Greet());
+  const std::vector<int64_t> ids = Iota(4);
+  std::vector<float> out(4 * 8);
+  ClientOptions quick;
+  quick.connect_timeout_ms = 300;
+  Client refused({Address(server)}, quick);
+  const Status s = refused.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
+  EXPECT(s.code() == Code::kResourceExhausted);
+  EXPECT(s.message().find("limit of 2 connections") != std::string::npos);
+  EXPECT(server.counters().connections_refused.load() >= 2);  // retried before giving up
+  // A slot frees while a patient client retries its Hello with backoff.
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    a.reset();
+  });
+  ClientOptions patient;
+  patient.connect_timeout_ms = 5000;
+  Client later({Address(server)}, patient);
+  EXPECT_OK(later.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data()));
+  release.join();
+}
+
+DLT_TEST(TestIdleAndSlowConnectionsAreClosed) {
+  auto shard = ShardWithTable(8);
+  DataServerOptions o;
+  o.idle_timeout_ms = 200;
+  o.io_timeout_ms = 300;
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  Raw idle(Address(server));
+  EXPECT_OK(idle.Greet());
+  EXPECT(idle.ClosedByPeer(5000));
+  EXPECT(server.counters().idle_timeouts.load() == 1);
+  Raw slow(Address(server));  // a slow writer: 30 bytes of a frame, then nothing
+  EXPECT_OK(slow.Greet());
+  EXPECT_OK(slow.Send(PullFrame(2, 8, Iota(16)).substr(0, 30)));
+  EXPECT(slow.ClosedByPeer(5000));
+  EXPECT(server.counters().io_timeouts.load() == 1);
+  // A slow reader: a 4 MiB reply it never reads is dropped after io_timeout
+  // while other connections are served.
+  Raw reader(Address(server));
+  EXPECT_OK(reader.Greet());
+  int small = 4096;
+  setsockopt(reader.fd(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  EXPECT_OK(reader.Send(PullFrame(3, 8, Iota(131072))));
+  Client client({Address(server)}, ClientOptions());
+  const std::vector<int64_t> ids = Iota(64);
+  std::vector<float> out(64 * 8);
+  EXPECT_OK(client.Pull("emb", 8, ids.data(), ids.size(), PullMode::kInsert, out.data()));
+  EXPECT(WaitFor([&] { return server.counters().io_timeouts.load() == 2; }, 5000));
+  EXPECT(WaitFor([&] { return server.counters().buffered_bytes.load() == 0; }, 2000));
+}
+
+DLT_TEST(TestPipelinedFramesAreAnsweredInOrder) {
+  auto shard = ShardWithTable(4);
+  DataServer server(shard, DataServerOptions());
+  EXPECT_OK(server.Start());
+  Raw r(Address(server));
+  EXPECT_OK(r.Greet());
+  std::string frames;
+  for (uint64_t id = 10; id < 20; ++id) frames += PullFrame(id, 4, Iota(id));
+  EXPECT_OK(r.Send(frames));
+  for (uint64_t id = 10; id < 20; ++id) {
+    wire::FrameHeader h;
+    std::string payload;
+    EXPECT_OK(r.Read(&h, &payload));
+    EXPECT(h.request_id == id && h.opcode == wire::Opcode::kPull);
+    EXPECT(payload.size() == wire::kPullReplyFixed + 16 * id);
+  }
+}
+
+// Past max_buffered_bytes connections wait their turn instead of failing,
+// and every byte is given back.
+DLT_TEST(TestMemoryBoundMakesConnectionsWaitNotFail) {
+  auto shard = ShardWithTable(16);
+  DataServerOptions o;
+  o.max_buffered_bytes = 256 << 10;
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      Client client({Address(server)}, ClientOptions());
+      std::vector<int64_t> ids = Iota(20000);
+      for (auto& id : ids) id += t * 100000;
+      std::vector<float> out(ids.size() * 16), grads(ids.size() * 16, 0.01f);
+      for (int round = 0; round < 5; ++round) {
+        if (!client.Pull("emb", 16, ids.data(), ids.size(), PullMode::kInsert, out.data()).ok() ||
+            !client.Push("emb", 16, ids.data(), grads.data(), ids.size(), 0.1f).ok()) {
+          failures.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT(failures.load() == 0);
+  EXPECT(server.counters().memory_waits.load() > 0);
+  EXPECT(WaitFor([&] { return server.counters().buffered_bytes.load() == 0; }, 2000));
+  EXPECT(server.counters().connections_waiting.load() == 0);
+}
+
+DLT_TEST(TestTwoThousandConnectionsServedAtOnce) {
+  auto shard = ShardWithTable(4);
+  DataServerOptions o;
+  o.worker_threads = 2;
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  std::vector<std::unique_ptr<Raw>> conns;
+  for (int i = 0; i < 2000; ++i) {
+    conns.push_back(std::make_unique<Raw>(Address(server)));
+    EXPECT_OK(conns.back()->Send(HelloFrame()));
+  }
+  for (size_t i = 0; i < conns.size(); ++i) {
+    EXPECT_OK(conns[i]->Send(PullFrame(2, 4, {static_cast<int64_t>(i), -1})));
+  }
+  int answered = 0;
+  for (auto& c : conns) {
+    wire::FrameHeader h;
+    std::string payload;
+    bool ok = c->Read(&h, &payload).ok() && h.opcode == wire::Opcode::kHello;
+    ok = ok && c->Read(&h, &payload).ok() && h.opcode == wire::Opcode::kPull;
+    answered += ok;
+  }
+  EXPECT(answered == 2000);
+  EXPECT(server.counters().connections_authenticated.load() == 2000);
+}
+
+// A stand-in shard that greets correctly, then answers the first request
+// with whatever `reply` builds from its header.
+class FakeShard {
+ public:
+  explicit FakeShard(std::function<std::string(const wire::FrameHeader&)> reply)
+      : reply_(std::move(reply)) {
+    EXPECT_OK(net::Listen("127.0.0.1", 0, 4, &listen_fd_, &port_));
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~FakeShard() {
+    thread_.join();
+    net::CloseFd(listen_fd_);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  void Run() {
+    struct pollfd p = {listen_fd_, POLLIN, 0};
+    if (poll(&p, 1, 5000) <= 0) return;
+    const int fd = accept(listen_fd_, nullptr, nullptr);
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    for (int frame = 0; frame < 2; ++frame) {
+      uint8_t bytes[wire::kHeaderBytes];
+      wire::FrameHeader h;
+      if (!net::RecvAll(fd, bytes, sizeof(bytes), deadline).ok()) break;
+      (void)wire::DecodeHeader(bytes, UINT32_MAX, &h);
+      std::string payload(h.payload_bytes, '\0');
+      if (!net::RecvAll(fd, &payload[0], payload.size(), deadline).ok()) break;
+      std::string out;
+      if (frame == 0) {
+        wire::HelloReply hello;
+        hello.num_shards = 1;
+        hello.num_buckets = kNumBuckets;
+        hello.max_frame_bytes = 1 << 20;
+        const std::string body = wire::EncodeHelloReply(hello);
+        uint8_t header[wire::kHeaderBytes];
+        wire::EncodeHeader({wire::Opcode::kHello, wire::kFlagResponse, h.request_id,
+                            static_cast<uint32_t>(body.size())},
+                           header);
+        out = std::string(reinterpret_cast<char*>(header), sizeof(header)) + body;
+      } else {
+        out = reply_(h);
+      }
+      struct iovec iov = {&out[0], out.size()};
+      (void)net::SendAll(fd, &iov, 1, deadline);
+    }
+    // Hold the connection briefly so the client reads what was sent.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    close(fd);
+  }
+
+  std::function<std::string(const wire::FrameHeader&)> reply_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+std::string ReplyHeader(wire::Opcode op, uint64_t id, uint32_t payload_bytes) {
+  uint8_t header[wire::kHeaderBytes];
+  wire::EncodeHeader({op, wire::kFlagResponse, id, payload_bytes}, header);
+  return std::string(reinterpret_cast<char*>(header), sizeof(header));
+}
+
+// A reply's size is checked against what its request expects before a
+// byte of it is read: an empty Pull reply (once a null dereference) and a
+// header claiming 4 GiB both fail cleanly.
+DLT_TEST(TestClientBoundsReplySizes) {
+  const std::vector<int64_t> ids = Iota(4);
+  std::vector<float> out(4 * 8);
+  ClientOptions o;
+  o.request_timeout_ms = 2000;
+  o.pull_retries = 0;
+  {
+    FakeShard fake([](const wire::FrameHeader& h) {
+      return ReplyHeader(wire::Opcode::kPull, h.request_id, 0);
+    });
+    Client client({fake.address()}, o);
+    const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
+    EXPECT(s.code() == Code::kInternal);
+    EXPECT(s.message().find("reply of 0 bytes; the request expects 136") != std::string::npos);
+  }
+  {
+    FakeShard fake([](const wire::FrameHeader& h) {
+      return ReplyHeader(wire::Opcode::kPull, h.request_id, UINT32_MAX);
+    });
+    Client client({fake.address()}, o);
+    const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
+    EXPECT(s.code() == Code::kInternal && s.message().find("4294967295") != std::string::npos);
+  }
+  {
+    FakeShard fake([](const wire::FrameHeader& h) {
+      return ReplyHeader(wire::Opcode::kError, h.request_id, 1u << 20);
+    });
+    Client client({fake.address()}, o);
+    const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
+    EXPECT(s.code() == Code::kInternal && s.message().find("largest error") != std::string::npos);
+  }
+}
+
+// A pooled connection the server closed while idle is noticed before use,
+// so a push (never retried) does not fail on it.
+DLT_TEST(TestPooledConnectionClosedByTheServerIsNotUsed) {
+  auto shard = ShardWithTable(8);
+  DataServerOptions o;
+  o.idle_timeout_ms = 100;
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  Client client({Address(server)}, ClientOptions());
+  const std::vector<int64_t> ids = Iota(8);
+  std::vector<float> out(8 * 8), grads(8 * 8, 1.0f);
+  EXPECT_OK(client.Pull("emb", 8, ids.data(), 8, PullMode::kInsert, out.data()));
+  EXPECT(WaitFor([&] { return server.counters().idle_timeouts.load() == 1; }, 5000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), 8, 0.1f));
+}
+
+}  // namespace
+}  // namespace dlt

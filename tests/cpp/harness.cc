@@ -1,0 +1,50 @@
+#include "tests/cpp/harness.h"
+
+#include <utility>
+#include <vector>
+
+namespace dlt {
+namespace testing {
+
+std::string g_data_dir;
+int g_failures_in_test = 0;
+
+namespace {
+
+std::vector<std::pair<const char*, void (*)()>>& Tests() {
+  static auto* tests = new std::vector<std::pair<const char*, void (*)()>>();
+  return *tests;
+}
+
+}  // namespace
+
+bool Register(const char* name, void (*fn)()) {
+  Tests().emplace_back(name, fn);
+  return true;
+}
+
+}  // namespace testing
+}  // namespace dlt
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: native_test <tests/data dir> [test name]\n");
+    return 2;
+  }
+  dlt::testing::g_data_dir = argv[1];
+  int passed = 0, failed = 0;
+  for (const auto& [name, fn] : dlt::testing::Tests()) {
+    if (argc > 2 && std::string(argv[2]) != name) continue;
+    dlt::testing::g_failures_in_test = 0;
+    fn();
+    std::fflush(stdout);
+    if (dlt::testing::g_failures_in_test == 0) {
+      ++passed;
+    } else {
+      ++failed;
+      std::printf("FAILED %s\n", name);
+    }
+  }
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
