@@ -228,7 +228,8 @@ def test_s3_round_trip(
 
 
 def test_memory_filesystem_with_in_process_shards() -> None:
-    servers = [ShardServer(i, 2, bind="127.0.0.1").start() for i in range(2)]
+    roots = ["memory://"]  # memory:// only where a root names it
+    servers = [ShardServer(i, 2, checkpoint_roots=roots).start() for i in range(2)]
     try:
         with Client([s.address for s in servers]) as client:
             ids = _train(client)

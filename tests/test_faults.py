@@ -110,6 +110,38 @@ def test_training_recovers_from_a_killed_shard(
         assert (tmp_path / "ck" / f"epoch-{epoch}" / "tf_dlt_model.json").exists()
 
 
+def test_training_recovers_from_a_shard_lost_before_the_first_checkpoint(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Killed in the first epoch, the shard comes back without tables: the
+    checkpoint resilient_fit writes before the first epoch is restored."""
+    cluster = start_cluster(2)
+    model = _model(cluster)
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 2000, size=(128, 3)), rng.normal(size=(128, 1)).astype("float32")
+    restarts: list[threading.Timer] = []
+
+    class Crash(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            if batch == 3 and not restarts:
+                cluster.kill(1)
+                restarts.append(threading.Timer(1.0, cluster.restart, args=(1,)))
+                restarts[-1].start()
+
+    try:
+        history = tf_dlt.resilient_fit(
+            model, x, y, checkpoint=str(tmp_path / "ck"), epochs=2, batch_size=16, verbose=0,
+            callbacks=[Crash()],
+        )  # fmt: skip
+    finally:
+        for timer in restarts:
+            timer.join(30)
+    assert history.restarts == 1
+    assert len(history.history["loss"]) == 2  # both epochs, from the starting checkpoint
+    assert (tmp_path / "ck" / "epoch-0" / "tf_dlt_model.json").exists()
+    assert (tmp_path / "ck" / "epoch-2" / "tf_dlt_model.json").exists()
+
+
 def test_a_shard_killed_during_save_leaves_the_last_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

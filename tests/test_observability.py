@@ -6,6 +6,7 @@ operations show progress."""
 from __future__ import annotations
 
 import io
+import re
 import socket
 import subprocess
 import sys
@@ -78,6 +79,16 @@ def test_shard_metrics_move_with_traffic(
     assert after[0]["tf_dlt_errors_total{code=INVALID_ARGUMENT}"] == 1
     assert after[0]["tf_dlt_errors_total{code=NOT_FOUND}"] == 1
     assert a["tf_dlt_save_seconds_count"] == 1 and a["tf_dlt_last_save_seconds"] > 0
+    # Connection gauges and the caps in force; a stranger who never says Hello.
+    assert a["tf_dlt_connections_authenticated"] >= 1 and a["tf_dlt_connection_limit"] > 0
+    assert a["tf_dlt_worker_threads"] >= 1 and a["tf_dlt_buffered_bytes"] == 0
+    assert a["tf_dlt_connection_timeouts_total{kind=hello}"] == 0
+    stranger = socket.create_connection((host, int(port)), timeout=10)
+    assert frames.closed_by_peer(stranger, timeout=20)  # --hello-timeout: 5 s
+    stranger.close()
+    later = _scrape(cluster.metrics_ports[0])
+    assert later["tf_dlt_connection_timeouts_total{kind=hello}"] == 1
+    assert later["tf_dlt_connections_accepted_total"] > a["tf_dlt_connections_accepted_total"]
 
 
 def test_client_metrics_callback_reports_each_epoch(
@@ -127,6 +138,8 @@ def test_stats_command_prints_shards_and_tables(start_cluster: Callable[..., Clu
     assert lines[0].split()[:4] == ["shard", "address", "tables", "rows"]
     assert [line.split()[1] for line in lines[1:3]] == cluster.addresses
     assert any(line.split()[:3] == ["alpha", "4", "50"] for line in lines)
+    assert lines[0].split()[-1] == "conns/max"
+    assert re.fullmatch(r"[1-9]\d*/[1-9]\d*", lines[1].split()[-1])  # connections / the cap
     down = subprocess.run(
         [sys.executable, "-m", "tf_dlt.cli", "stats", "--pservers", "127.0.0.1:1"],
         capture_output=True, text=True, timeout=60, cwd="/",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,16 +114,16 @@ class Client:
                 self._stubs.append(dlt_pb2_grpc.ShardAdminStub(channel))
         return self._stubs
 
-    def _on_all(
+    def _call_all(
         self,
         method: str,
         request: Any,
         timeout: float | None = None,
         progress: Progress | None = None,
     ) -> list[Any]:
-        """Calls `method` on every shard at once; raises the first failure
-        (in shard order) as a tf_dlt error naming the shard. `progress`
-        advances as each shard answers."""
+        """Calls `method` on every shard at once; returns each shard's reply
+        or its failure as a tf_dlt error naming the shard, in shard order.
+        `progress` advances as each shard answers."""
         stubs = self._admin()
         deadline = timeout or self._request_timeout
         metadata = grpc_util.bearer(self._token)
@@ -138,14 +137,28 @@ class Client:
             for _ in calls:
                 i = answered.get()
                 progress.update(1, f"(shard {i} {'failed' if calls[i].exception() else 'done'})")
-        results = []
+        results: list[Any] = []
         for i, call in enumerate(calls):
             try:
                 results.append(call.result())
             except grpc.RpcError as e:
-                raise grpc_util.error_from_rpc(
-                    e, f"shard {i} ({self.pservers[i]}) {method}"
-                ) from None
+                results.append(
+                    grpc_util.error_from_rpc(e, f"shard {i} ({self.pservers[i]}) {method}")
+                )
+        return results
+
+    def _on_all(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        progress: Progress | None = None,
+    ) -> list[Any]:
+        """`_call_all`, raising the first failure (in shard order)."""
+        results = self._call_all(method, request, timeout, progress)
+        for result in results:
+            if isinstance(result, errors.DltError):
+                raise result
         return results
 
     def create_table(
@@ -193,7 +206,7 @@ class Client:
         shards finishing on stderr (None: when stderr is a terminal)."""
         from tf_dlt.proto import dlt_pb2
 
-        save_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(4)
+        save_id = manifest.new_save_id()
         with Progress(f"saving {path}", len(self.pservers), "shards", enabled=progress) as bar:
             replies = self._on_all(
                 "Save",
@@ -219,32 +232,61 @@ class Client:
         time). Returns the loaded tables with rows summed over shards.
         `progress`: show shards finishing on stderr (None: on a terminal).
 
-        Two phases: every shard first reads and verifies its rows into staged
-        tables; only when all succeeded do they install them. A failed load
-        (missing or corrupt file, mismatched config) changes no shard.
+        All or nothing: every shard first reads and verifies its rows into
+        staged tables (PREPARE); only when all succeeded do they install
+        them (COMMIT), each keeping what it replaced until every shard
+        committed (FINISH). A failed prepare changes no shard; a commit that
+        fails on some shard is rolled back on the others (ROLLBACK), and the
+        error says which shards hold what.
         """
-        from tf_dlt.proto import dlt_pb2
-
         manifest.read_manifest(path)  # fail fast, before any shard starts
         load_id = secrets.token_hex(8)
+        self._prepare_load(path, load_id, progress)
+        return self._commit_load(path, load_id)
+
+    def _prepare_load(self, path: str, load_id: str, progress: bool | None) -> None:
+        from tf_dlt.proto import dlt_pb2
+
         request = dlt_pb2.LoadRequest
-        try:
-            with Progress(f"loading {path}", len(self.pservers), "shards", enabled=progress) as bar:
-                self._on_all(
-                    "Load",
-                    request(path=path, phase=request.PREPARE, load_id=load_id),
-                    self._persist_timeout,
-                    bar,
+        with Progress(f"loading {path}", len(self.pservers), "shards", enabled=progress) as bar:
+            results = self._call_all(
+                "Load",
+                request(path=path, phase=request.PREPARE, load_id=load_id),
+                self._persist_timeout,
+                bar,
+            )
+        failures = [r for r in results if isinstance(r, errors.DltError)]
+        if failures:
+            # Shards that did prepare drop what they staged (or it expires).
+            self._call_all("Load", request(phase=request.ABORT, load_id=load_id))
+            raise failures[0]
+
+    def _commit_load(self, path: str, load_id: str) -> dict[str, dict[str, Any]]:
+        from tf_dlt.proto import dlt_pb2
+
+        request = dlt_pb2.LoadRequest
+        results = self._call_all("Load", request(phase=request.COMMIT, load_id=load_id))
+        failed = [i for i, r in enumerate(results) if isinstance(r, errors.DltError)]
+        if failed:
+            committed = [i for i in range(self.num_shards) if i not in failed]
+            undone = self._call_all("Load", request(phase=request.ROLLBACK, load_id=load_id))
+            stuck = [i for i in committed if isinstance(undone[i], errors.DltError)]
+            first: errors.DltError = results[failed[0]]
+            if stuck:
+                state = (
+                    f"shards {stuck} could not be rolled back and hold the checkpoint's tables, "
+                    f"the others what they held before: load {path!r} again once every shard "
+                    "answers"
                 )
-        except errors.DltError:
-            try:
-                self._on_all("Load", request(phase=request.ABORT, load_id=load_id))
-            except errors.DltError:
-                pass  # the shard drops it with its next prepared load anyway
-            raise
+            else:
+                state = "every other shard was rolled back to what it held before"
+            raise type(first)(
+                f"load of {path!r} did not commit on shards {failed} ({first.message}); {state}"
+            )
+        # Every shard committed: each frees what the load replaced.
+        self._call_all("Load", request(phase=request.FINISH, load_id=load_id))
         out: dict[str, dict[str, Any]] = {}
-        commit = request(phase=request.COMMIT, load_id=load_id)
-        for reply in self._on_all("Load", commit):
+        for reply in results:
             for info in reply.tables:
                 config = TableConfig.from_proto(info.config)
                 entry = out.setdefault(config.name, {"config": config, "rows": 0})

@@ -19,7 +19,7 @@ from tf_dlt.tls import TlsConfig
 
 _SHARD_COLUMNS = (
     "shard", "address", "tables", "rows", "MB", "pulls", "pushes", "pulled rows",
-    "pushed rows", "pull p50/p99 us", "push p50/p99 us", "errors", "conns",
+    "pushed rows", "pull p50/p99 us", "push p50/p99 us", "errors", "conns/max",
 )  # fmt: skip
 
 
@@ -44,6 +44,7 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
     """The per-shard and per-table tables `tf-dlt stats` prints."""
     shard_rows = []
+    pending: list[str] = []
     by_table: dict[str, list[int]] = {}
     for s, address in zip(stats, addresses, strict=True):
         tables = s.get("tables", [])
@@ -60,8 +61,11 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
             f"{size / 1e6:.1f}", str(s.get("pulls", 0)), str(s.get("pushes", 0)),
             str(s.get("pulled_rows", 0)), str(s.get("pushed_rows", 0)),
             _p50_p99(pull), _p50_p99(push),
-            str(errors_total), str(s.get("connections_open", 0)),
+            str(errors_total),
+            f"{s.get('connections_authenticated', 0)}/{s.get('max_connections', 0)}",
         ))  # fmt: skip
+        if s.get("pending_load"):
+            pending.append(f"shard {s.get('shard_index', 0)}: {s['pending_load']}")
     table_rows = [
         (name, str(dim), str(rows), f"{size / 1e6:.1f}")
         for name, (rows, size, dim) in sorted(by_table.items())
@@ -70,6 +74,7 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
         _table(_SHARD_COLUMNS, shard_rows)
         + "\n\n"
         + _table(("table", "dim", "rows", "MB"), table_rows)
+        + "".join(f"\n\nin progress: {line}" for line in pending)
     )
 
 

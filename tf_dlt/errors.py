@@ -35,6 +35,10 @@ class AlreadyExistsError(DltError):
     code, code_name = 6, "ALREADY_EXISTS"
 
 
+class PermissionDeniedError(DltError, PermissionError):
+    code, code_name = 7, "PERMISSION_DENIED"
+
+
 class ResourceExhaustedError(DltError):
     code, code_name = 8, "RESOURCE_EXHAUSTED"
 
@@ -62,6 +66,7 @@ _BY_CODE: dict[int, type[DltError]] = {
         DeadlineExceededError,
         NotFoundError,
         AlreadyExistsError,
+        PermissionDeniedError,
         ResourceExhaustedError,
         FailedPreconditionError,
         InternalError,

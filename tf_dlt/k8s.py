@@ -10,7 +10,11 @@ the replica counts and the table size (docs/kubernetes.md):
   container that waits until every shard answers;
 - the checkpoint location: an object-store URL (s3://, gs://, hdfs://), with
   credentials from a Secret, or a shared ReadWriteMany PersistentVolumeClaim
-  mounted at the same path in shards and trainers.
+  mounted at the same path in shards and trainers; the shards save and load
+  only there (--checkpoint-root);
+- the auth token both planes require: an existing Secret
+  (--auth-token-secret), or by default a new Secret with a random token
+  (each run of the generator makes a new one); --insecure serves without.
 
     tf-dlt k8s --name ctr --image registry.example/ctr:1 --pservers 4 --workers 8 \\
         --rows 2e9 --dim 16 --optimizer adagrad --checkpoint s3://bucket/ctr \\
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import secrets
 import sys
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -66,7 +71,11 @@ class JobSpec:
     storage_class: str | None = None
     credentials_secret: str | None = None
     auth_token_secret: str | None = None
+    insecure: bool = False
     load_from: str | None = None
+    # The token of the Secret generated when none is named (filled in
+    # __post_init__; empty when a Secret is named or with `insecure`).
+    generated_token: str = ""
     labels: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,6 +98,32 @@ class JobSpec:
                 f"checkpoint must be a URL (s3://...) or a path under {CHECKPOINT_MOUNT}/ "
                 f"(the shared volume), got {self.checkpoint!r}"
             )
+        if self.insecure and self.auth_token_secret:
+            raise ValueError("--insecure and --auth-token-secret exclude each other")
+        if not self.insecure and not self.auth_token_secret and not self.generated_token:
+            self.generated_token = secrets.token_urlsafe(32)
+
+    @property
+    def token_secret(self) -> str | None:
+        """The Secret holding the token (named or generated); None: insecure."""
+        if self.insecure:
+            return None
+        return self.auth_token_secret or f"{self.name}-token"
+
+    @property
+    def shard_threads(self) -> int:
+        """Worker threads of a shard: its CPU request, rounded up (a
+        container sees every core of its node, not its limit)."""
+        cpu = self.shard_cpu
+        cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+        return max(1, math.ceil(cores))
+
+    @property
+    def shard_connections(self) -> int:
+        """Authenticated connections a shard accepts: each trainer holds up
+        to about 32 per shard (ops' pulls and pushes, its Python client, a
+        pool of idle ones), with room for restarts."""
+        return max(1024, self.workers * 64)
 
     @property
     def on_volume(self) -> bool:
@@ -137,12 +172,23 @@ def _secret_env(spec: JobSpec) -> list[dict[str, Any]]:
 
 
 def _token_volume(spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    if not spec.auth_token_secret:
+    if not spec.token_secret:
         return [], []
     return (
         [{"name": "auth-token", "mountPath": "/etc/tf-dlt", "readOnly": True}],
-        [{"name": "auth-token", "secret": {"secretName": spec.auth_token_secret}}],
+        [{"name": "auth-token", "secret": {"secretName": spec.token_secret}}],
     )
+
+
+def token_secret(spec: JobSpec) -> dict[str, Any]:
+    """The generated Secret with the auth token (key "token")."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(spec, f"{spec.name}-token", "auth"),
+        "type": "Opaque",
+        "stringData": {"token": spec.generated_token},
+    }
 
 
 def service(spec: JobSpec) -> dict[str, Any]:
@@ -175,11 +221,16 @@ def stateful_set(spec: JobSpec) -> dict[str, Any]:
     args = [
         "server", f"--port={DATA_PORT}", f"--admin-port={ADMIN_PORT}",
         f"--metrics-port={METRICS_PORT}", "--bind=0.0.0.0", "--shard-index=$(SHARD_INDEX)",
-        f"--num-shards={spec.pservers}",
+        f"--num-shards={spec.pservers}", f"--threads={spec.shard_threads}",
+        f"--max-connections={spec.shard_connections}", f"--checkpoint-root={spec.checkpoint}",
     ]  # fmt: skip
-    if spec.auth_token_secret:
+    if spec.token_secret:
         args.append("--auth-token-file=/etc/tf-dlt/token")
+    else:
+        args.append("--insecure")
     if spec.load_from:
+        if not spec.load_from.startswith(spec.checkpoint.rstrip("/") + "/"):
+            args.append(f"--checkpoint-root={spec.load_from}")
         args.append(f"--load-from={spec.load_from}")
     probe = {"grpc": {"port": ADMIN_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
@@ -240,7 +291,7 @@ def trainer_job(spec: JobSpec) -> dict[str, Any]:
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
     wait = (
         f"until tf-dlt stats --pservers {','.join(spec.ps_addresses())}"
-        + (" --auth-token-file /etc/tf-dlt/token" if spec.auth_token_secret else "")
+        + (" --auth-token-file /etc/tf-dlt/token" if spec.token_secret else "")
         + " > /dev/null; do echo waiting for the shards; sleep 2; done"
     )
     return {
@@ -303,6 +354,8 @@ def checkpoint_claim(spec: JobSpec) -> dict[str, Any]:
 def manifests(spec: JobSpec) -> list[dict[str, Any]]:
     """Every object of the job, in the order to apply them."""
     out = [checkpoint_claim(spec)] if spec.on_volume else []
+    if spec.generated_token:
+        out.append(token_secret(spec))
     return out + [service(spec), stateful_set(spec), trainer_job(spec)]
 
 
@@ -318,7 +371,19 @@ def render(spec: JobSpec) -> str:
         f"x{capacity.overhead():.3f} measured overhead) x{spec.headroom} headroom "
         f"+ {BASE_MEMORY_MIB} MiB = {memory} MiB per shard.",
         f"# Checkpoints: {spec.checkpoint}"
-        + (" (shared ReadWriteMany volume)" if spec.on_volume else ""),
+        + (" (shared ReadWriteMany volume)" if spec.on_volume else "")
+        + "; shards save and load nowhere else.",
+        f"# Data plane: {spec.shard_threads} worker threads per shard (its CPU request), up to "
+        f"{spec.shard_connections} trainer connections (64 per trainer, at least 1024).",
+        "# Auth: "
+        + (
+            f"a new random token in Secret {spec.name}-token (each run of `tf-dlt k8s` makes a "
+            "new one: apply once, or pass --auth-token-secret)."
+            if spec.generated_token
+            else f"the token in Secret {spec.auth_token_secret}."
+            if spec.auth_token_secret
+            else "none (--insecure): keep the shards on a network only the job reaches."
+        ),
         "# Generated by `tf-dlt k8s`; see docs/kubernetes.md.",
     ]
     body = str(yaml.safe_dump_all(manifests(spec), sort_keys=False, width=1000))
@@ -350,7 +415,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--checkpoint-volume-size", default="100Gi")
     a("--storage-class", help="storage class of the shared checkpoint volume")
     a("--credentials-secret", help="Secret with object-store credentials (env vars)")
-    a("--auth-token-secret", help="Secret with key 'token': the shards' auth token")
+    a(
+        "--auth-token-secret",
+        help="existing Secret with key 'token': the shards' auth token (default: generate one)",
+    )
+    a("--insecure", action="store_true", help="no auth token (a network only the job reaches)")
     a("--load-from", help="checkpoint the shards load before serving")
     a("--shard-cpu", default="2")
     a("--worker-cpu", default="4")
@@ -368,7 +437,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             headroom=args.headroom, shard_cpu=args.shard_cpu, worker_cpu=args.worker_cpu,
             worker_memory=args.worker_memory, checkpoint_volume_size=args.checkpoint_volume_size,
             storage_class=args.storage_class, credentials_secret=args.credentials_secret,
-            auth_token_secret=args.auth_token_secret, load_from=args.load_from,
+            auth_token_secret=args.auth_token_secret, insecure=args.insecure,
+            load_from=args.load_from,
         )  # fmt: skip
     except ValueError as e:
         print(f"tf-dlt k8s: {e}", file=sys.stderr)

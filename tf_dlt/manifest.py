@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import secrets
 import time
 from typing import Any
 
@@ -20,6 +22,22 @@ from tf_dlt.routing import NUM_BUCKETS
 MANIFEST = "MANIFEST.json"
 FORMAT = "tf_dlt-checkpoint"
 FORMAT_VERSION = 1
+
+
+# Files a save writes: shard-<i>-of-<n>.<save id>.h5, and .tmp-<pid> while
+# it is written; save ids are "<UTC date>T<time><microseconds>-<8 hex
+# digits>" (new_save_id; ids of earlier versions lack the microseconds).
+_OWN_FILE = re.compile(
+    r"^shard-\d{5}-of-\d{5}\.(?P<save_id>\d{8}T\d{6}(\d{6})?-[0-9a-f]{8})\.h5(\.tmp-\d+)?$"
+)
+
+
+def new_save_id() -> str:
+    """A save id: sorts by time (UTC, to the microsecond), unique by its
+    random tail."""
+    now = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1e6):06d}"
+    return f"{stamp}-{secrets.token_hex(4)}"
 
 
 def shard_file_name(shard_index: int, num_shards: int, save_id: str) -> str:
@@ -72,6 +90,12 @@ def write_manifest(path: str, parts: list[dict[str, Any]], save_id: str) -> dict
         ],
     }
     fs, root = filesystem(path)
+    for part in parts:  # a concurrent save to the same path may have removed them
+        if not fs.exists(f"{root}/{part['file']}"):
+            raise errors.FailedPreconditionError(
+                f"{part['file']} is gone from {path} before its manifest was written (another "
+                "save to the same path removed it?); the checkpoint there is unchanged"
+            )
     data = json.dumps(manifest, indent=2, sort_keys=True).encode()
     if is_local(fs):
         tmp = f"{root}/{MANIFEST}.tmp-{os.getpid()}"
@@ -82,16 +106,24 @@ def write_manifest(path: str, parts: list[dict[str, Any]], save_id: str) -> dict
         os.replace(tmp, f"{root}/{MANIFEST}")
     else:
         fs.pipe_file(f"{root}/{MANIFEST}", data)
-    _remove_unreferenced(fs, root, {p["file"] for p in parts})
+    _remove_superseded(fs, root, {p["file"] for p in parts}, save_id)
     return manifest
 
 
-def _remove_unreferenced(fs: fsspec.AbstractFileSystem, root: str, keep: set[str]) -> None:
+def _remove_superseded(
+    fs: fsspec.AbstractFileSystem, root: str, keep: set[str], save_id: str
+) -> None:
+    """Removes files that earlier saves to `root` wrote (the previous
+    checkpoint's, and those of saves that never committed): tf_dlt's own
+    file names only, with a save id older than `save_id`. Anything else in
+    the directory, and files of a newer save still in progress, stay."""
     for entry in fs.ls(root, detail=False):
         name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("shard-") and name not in keep:
-            with contextlib.suppress(FileNotFoundError, OSError):
-                fs.rm(f"{root}/{name}")
+        match = _OWN_FILE.match(name)
+        if match is None or name in keep or match.group("save_id") >= save_id:
+            continue
+        with contextlib.suppress(FileNotFoundError, OSError):
+            fs.rm(f"{root}/{name}")
 
 
 def read_manifest(path: str) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import tempfile
 import time
 from typing import Any
@@ -35,7 +34,7 @@ TABLES_DIR = "tables"
 _CHUNK = 1 << 16
 
 
-def _tables_of(model: keras.Model) -> list[Any]:
+def table_holders(model: keras.Model) -> list[Any]:
     """What holds the model's tables: its distributed layers, and its
     optimizer when that keeps the dense weights in a table
     (tf_dlt.DenseOnShards). Each has client, table_name, output_dim and
@@ -50,7 +49,7 @@ def _tables_of(model: keras.Model) -> list[Any]:
 def save(model: keras.Model, path: str) -> dict[str, Any]:
     """Saves the tables of `model`'s distributed embeddings (waiting for
     pending pushes first) and its dense weights under `path`."""
-    layers = _tables_of(model)
+    layers = table_holders(model)
     for layer in layers:
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
@@ -72,7 +71,7 @@ def save(model: keras.Model, path: str) -> dict[str, Any]:
             )
         from tf_dlt.server import checkpoint
 
-        save_id = time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(4)
+        save_id = manifest.new_save_id()
         part = checkpoint.save_shard(tables, shard, save_id)
         manifest.write_manifest(tables, [part], save_id)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
@@ -99,7 +98,7 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
         info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
     except FileNotFoundError:
         raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
-    layers = _tables_of(model)
+    layers = table_holders(model)
     missing = set(info["tables"]) - {layer.table_name for layer in layers}
     if missing:
         raise errors.FailedPreconditionError(

@@ -13,6 +13,12 @@ at the same address. resilient_fit then:
    the checkpoint's);
 4. continues fit from the epoch after that checkpoint.
 
+Before the first epoch it writes a checkpoint of the starting state
+(``epoch-<initial_epoch>``), so a shard lost in the first epoch has a
+consistent point to return to too. A shard lost while that first checkpoint
+is written gets its tables created again (their rows start from the
+tables' initializers) before the checkpoint is retried.
+
 After `max_restarts` recoveries, or on any other error, the error propagates.
 """
 
@@ -30,7 +36,7 @@ from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.client import Client
 from tf_dlt.layers.embedding import cluster_of, distributed_layers
-from tf_dlt.model_checkpoint import ModelCheckpoint, load
+from tf_dlt.model_checkpoint import ModelCheckpoint, load, save, table_holders
 
 log = logging.getLogger("tf_dlt.recovery")
 
@@ -71,6 +77,15 @@ def _drain(model: keras.Model) -> None:
             pass
 
 
+def _create_tables(model: keras.Model, pservers: Sequence[str], token: str) -> None:
+    """Creates the model's tables on every shard where they are missing (a
+    shard restarted empty); existing ones are left as they are."""
+    with Client(pservers, auth_token=token) as client:
+        for holder in table_holders(model):
+            c = holder.table_config
+            client.create_table(c.name, c.dim, c.initializer, c.optimizer, c.seed)
+
+
 def resilient_fit(
     model: keras.Model,
     *args: Any,
@@ -96,6 +111,11 @@ def resilient_fit(
     restarts = 0
     while True:
         try:
+            if not saver.saved:
+                start = saver.path.format(epoch=initial_epoch)
+                save(model, start)
+                saver.saved.append(start)
+                saver.epochs.append(initial_epoch)
             history = model.fit(
                 *args, epochs=epochs, initial_epoch=initial_epoch,
                 callbacks=[*(callbacks or []), saver], **kwargs,
@@ -115,5 +135,6 @@ def resilient_fit(
             initial_epoch = saver.epochs[-1]
             log.warning("shards back after %.1f s; resumed from %s", waited, last)
         else:
-            log.warning("shards back after %.1f s; no checkpoint yet: epoch %d again",
-                        waited, initial_epoch)  # fmt: skip
+            _create_tables(model, pservers, token)
+            log.warning("shards back after %.1f s before the first checkpoint: tables created "
+                        "again where missing", waited)  # fmt: skip

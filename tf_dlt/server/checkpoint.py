@@ -41,6 +41,8 @@ from tf_dlt.table_config import difference, normalized
 
 _CHUNK_BYTES = 8 << 20
 _HASH_BLOCK = 8 << 20
+# Shard files up to this size are verified and parsed in memory.
+_SPOOL_IN_MEMORY = 256 << 20
 
 
 def _chunk_rows(table: _native.Table) -> int:
@@ -166,20 +168,31 @@ def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
 def _open_verified(
     fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any]
 ) -> Iterator[h5py.File]:
+    """Opens a shard file whose bytes match the manifest's SHA-256. The file
+    is read once, hashed as it is copied into a private spool (memory up to
+    256 MiB, else a temporary file), and the rows are parsed from the spool:
+    the bytes loaded are the bytes hashed, even if the file changes meanwhile.
+    """
     target = f"{root}/{entry['file']}"
-    try:
-        with fs.open(target, "rb") as f:
-            sha = _sha256_of(f)
-    except FileNotFoundError:
-        raise errors.FailedPreconditionError(
-            f"checkpoint file {target} named in the manifest is missing"
-        ) from None
-    if sha != entry["sha256"]:
-        raise errors.FailedPreconditionError(
-            f"checkpoint file {target} is corrupt: SHA-256 {sha} != manifest {entry['sha256']}"
-        )
-    with fs.open(target, "rb") as raw, h5py.File(raw, "r") as f:
-        yield f
+    digest = hashlib.sha256()
+    with tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY, prefix="tf_dlt-load-") as spool:
+        try:
+            with fs.open(target, "rb") as f:
+                while block := f.read(_HASH_BLOCK):
+                    digest.update(block)
+                    spool.write(block)
+        except FileNotFoundError:
+            raise errors.FailedPreconditionError(
+                f"checkpoint file {target} named in the manifest is missing"
+            ) from None
+        if digest.hexdigest() != entry["sha256"]:
+            raise errors.FailedPreconditionError(
+                f"checkpoint file {target} is corrupt: SHA-256 {digest.hexdigest()} != manifest "
+                f"{entry['sha256']}"
+            )
+        spool.seek(0)
+        with h5py.File(spool, "r") as h5:
+            yield h5
 
 
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:

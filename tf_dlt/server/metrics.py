@@ -9,7 +9,13 @@ scrape from the shard's own counters, so nothing is counted twice:
 - tf_dlt_pull_latency_seconds / tf_dlt_push_latency_seconds: histograms;
 - tf_dlt_save_seconds / tf_dlt_load_seconds: summaries (count, sum) of
   checkpoint saves and loads, tf_dlt_last_{save,load}_seconds gauges;
-- tf_dlt_connections_open (gauge), tf_dlt_connections_accepted_total;
+- tf_dlt_connections_open, tf_dlt_connections_authenticated,
+  tf_dlt_connections_waiting (for buffer memory), tf_dlt_buffered_bytes
+  (gauges); tf_dlt_connections_accepted_total,
+  tf_dlt_connections_refused_total (Hello past --max-connections),
+  tf_dlt_connections_evicted_total (closed before their Hello for a newer
+  connection), tf_dlt_connection_timeouts_total {kind="hello"|"idle"|"io"};
+- tf_dlt_connection_limit, tf_dlt_worker_threads (gauges);
 - tf_dlt_shard_info {shard, num_shards}: 1.
 """
 
@@ -74,11 +80,28 @@ class ShardCollector:
             ("tf_dlt_bytes_received", "bytes_in", "Data-plane bytes received"),
             ("tf_dlt_bytes_sent", "bytes_out", "Data-plane bytes sent"),
             ("tf_dlt_connections_accepted", "connections_accepted", "Connections accepted"),
-        ):
+            ("tf_dlt_connections_refused", "connections_refused", "Hellos past the cap"),
+            ("tf_dlt_connections_evicted", "connections_evicted",
+             "Connections closed before their Hello to make room"),
+        ):  # fmt: skip
             yield CounterMetricFamily(name, doc, value=c[key])
-        yield GaugeMetricFamily(
-            "tf_dlt_connections_open", "Data-plane connections open", value=c["connections_open"]
+        timeouts = CounterMetricFamily(
+            "tf_dlt_connection_timeouts", "Connections closed by a timeout", labels=["kind"]
         )
+        for kind in ("hello", "idle", "io"):
+            timeouts.add_metric([kind], c[f"{kind}_timeouts"])
+        yield timeouts
+        for name, value, doc in (
+            ("tf_dlt_connections_open", c["connections_open"], "Data-plane connections open"),
+            ("tf_dlt_connections_authenticated", c["connections_authenticated"],
+             "Connections that said Hello"),
+            ("tf_dlt_connections_waiting", c["connections_waiting"],
+             "Connections waiting for buffer memory"),
+            ("tf_dlt_buffered_bytes", c["buffered_bytes"], "Bytes of frames and replies held"),
+            ("tf_dlt_connection_limit", s["max_connections"], "Authenticated connections allowed"),
+            ("tf_dlt_worker_threads", s["worker_threads"], "Data-plane worker threads"),
+        ):  # fmt: skip
+            yield GaugeMetricFamily(name, doc, value=value)
         errors = CounterMetricFamily("tf_dlt_errors", "Errors answered, by code", labels=["code"])
         for code, count in sorted(s["errors"].items()):
             errors.add_metric([code], count)

@@ -3,10 +3,13 @@ the shard, and turns tf_dlt errors into gRPC status codes. No table logic."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,7 +17,7 @@ import grpc
 
 from tf_dlt import _native, errors, grpc_util, latency
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import checkpoint
+from tf_dlt.server import checkpoint, paths
 from tf_dlt.table_config import TableConfig
 
 log = logging.getLogger("tf_dlt.server")
@@ -70,14 +73,50 @@ def summarize_latency(buckets: list[int]) -> dlt_pb2.LatencySummary:
     )
 
 
-class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
-    """CreateTable, DropTable, ListTables, Save, Load and Stats of one shard."""
+@dataclasses.dataclass
+class PendingLoad:
+    """A cluster load between its phases on this shard: prepared (staged
+    tables, not installed) or committed (installed; `undo` holds what they
+    replaced, None where a table was absent, until FINISH or ROLLBACK)."""
 
-    def __init__(self, shard: _native.Shard, data_server: _native.DataServer) -> None:
+    load_id: str
+    path: str
+    phase: str  # "prepared" or "committed"
+    since: float
+    result: dict[str, Any]
+    undo: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> str:
+        age = time.monotonic() - self.since
+        return f"load {self.load_id!r} of {self.path!r}, {self.phase} {age:.0f} s ago"
+
+
+class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
+    """CreateTable, DropTable, ListTables, Save, Load and Stats of one shard.
+
+    Args:
+        shard: the native shard.
+        data_server: its data plane (for statistics).
+        roots: where Save and Load may go.
+        load_timeout_s: a prepared load is dropped, and a committed one made
+            final, after this long without its next phase.
+    """
+
+    def __init__(
+        self,
+        shard: _native.Shard,
+        data_server: _native.DataServer,
+        roots: paths.CheckpointRoots | None = None,
+        load_timeout_s: float = 600.0,
+    ) -> None:
         self._shard = shard
         self._data_server = data_server
+        self._roots = roots or paths.CheckpointRoots()
+        self._load_timeout_s = load_timeout_s
         self._persist_lock = threading.Lock()  # one Save or Load at a time
-        self._staged: dict[str, dict[str, Any]] = {}  # guarded by _persist_lock
+        # At most one cluster load between phases; guarded by _persist_lock.
+        self._pending: PendingLoad | None = None
+        self._expiry: threading.Timer | None = None
         self._errors_lock = threading.Lock()
         self._errors: dict[str, int] = {}
         self.last_save_seconds = 0.0
@@ -114,6 +153,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
     def Save(self, request: Any, context: grpc.ServicerContext) -> Any:
         if not request.path:
             raise errors.InvalidArgumentError("Save needs a path")
+        self._roots.check(request.path, "Save")
         with self._persist_lock:
             log.info("saving to %s", request.path)
             part = checkpoint.save_shard(request.path, self._shard, request.save_id)
@@ -135,30 +175,35 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def Load(self, request: Any, context: grpc.ServicerContext) -> Any:
+        phases = dlt_pb2.LoadRequest
         phase = request.phase
-        if phase in (dlt_pb2.LoadRequest.COMMIT, dlt_pb2.LoadRequest.ABORT):
+        if phase in (phases.COMMIT, phases.ABORT, phases.FINISH, phases.ROLLBACK):
+            if not request.load_id:
+                raise errors.InvalidArgumentError("this Load phase needs a load_id")
             with self._persist_lock:
-                staged = self._staged.pop(request.load_id, None)
-                if staged is None:
-                    if phase == dlt_pb2.LoadRequest.ABORT:
-                        return dlt_pb2.LoadResponse()
-                    raise errors.FailedPreconditionError(
-                        f"no load prepared under id {request.load_id!r}"
-                    )
-                if phase == dlt_pb2.LoadRequest.COMMIT:
-                    self._shard.install_tables(staged["staged"])
-                    log.info("committed load %s", request.load_id)
-            return self._load_response(staged)
+                return self._load_response(self._next_phase(phase, request.load_id))
+        if phase not in (phases.LOAD, phases.PREPARE):
+            raise errors.InvalidArgumentError(f"unknown Load phase {phase}")
         if not request.path:
             raise errors.InvalidArgumentError("Load needs a path")
-        if phase == dlt_pb2.LoadRequest.PREPARE and not request.load_id:
+        if phase == phases.PREPARE and not request.load_id:
             raise errors.InvalidArgumentError("a prepared Load needs a load_id")
+        self._roots.check(request.path, "Load")
         with self._persist_lock:
+            if self._pending is not None:
+                # One cluster load at a time: a second one never replaces a
+                # load another client is in the middle of.
+                raise errors.FailedPreconditionError(
+                    f"shard {self._shard.shard_index} is in the middle of "
+                    f"{self._pending.describe()}; it expires {self._load_timeout_s:.0f} s after "
+                    "its last phase unless committed or aborted first"
+                )
             log.info("loading from %s", request.path)
             result = checkpoint.prepare_load(request.path, self._shard)
-            if phase == dlt_pb2.LoadRequest.PREPARE:
-                # One staged load at a time: a new one replaces an abandoned one.
-                self._staged = {request.load_id: result}
+            if phase == phases.PREPARE:
+                self._set_pending(
+                    PendingLoad(request.load_id, request.path, "prepared", time.monotonic(), result)
+                )
             else:
                 self._shard.install_tables(result["staged"])
         self.last_load_seconds = result["seconds"]
@@ -166,6 +211,85 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self.load_seconds_total += result["seconds"]
         log.info("read %s in %.2f s", request.path, result["seconds"])
         return self._load_response(result)
+
+    def _next_phase(self, phase: int, load_id: str) -> dict[str, Any]:
+        """COMMIT, ABORT, FINISH or ROLLBACK of `load_id`; the caller holds
+        the persist lock."""
+        phases = dlt_pb2.LoadRequest
+        pending = self._pending if self._pending and self._pending.load_id == load_id else None
+        empty: dict[str, Any] = {"tables": [], "seconds": 0.0}
+        if phase == phases.COMMIT:
+            if pending is None or pending.phase != "prepared":
+                raise errors.FailedPreconditionError(
+                    f"no load prepared under id {load_id!r} on shard {self._shard.shard_index} "
+                    f"(never prepared, aborted, or expired after {self._load_timeout_s:.0f} s)"
+                )
+            current = {t.name: t for t in self._shard.tables()}
+            pending.undo = {t.name: current.get(t.name) for t in pending.result["staged"]}
+            self._shard.install_tables(pending.result["staged"])
+            pending.result["staged"] = []
+            pending.phase, pending.since = "committed", time.monotonic()
+            self._set_pending(pending)
+            log.info("committed load %s", load_id)
+            return pending.result
+        if phase == phases.ABORT:
+            if pending is not None and pending.phase == "committed":
+                raise errors.FailedPreconditionError(
+                    f"load {load_id!r} is committed on shard {self._shard.shard_index}: "
+                    "ROLLBACK undoes it"
+                )
+            if pending is not None:
+                self._set_pending(None)
+                log.info("aborted load %s", load_id)
+            return empty
+        if phase == phases.FINISH:
+            if pending is not None and pending.phase == "committed":
+                self._set_pending(None)  # what the load replaced is freed
+            return empty
+        # ROLLBACK
+        if pending is None:
+            raise errors.FailedPreconditionError(
+                f"nothing to roll back for load {load_id!r} on shard {self._shard.shard_index}: "
+                f"never committed here, or final after {self._load_timeout_s:.0f} s"
+            )
+        if pending.phase == "committed":
+            for name, table in pending.undo.items():
+                if table is not None:
+                    self._shard.install_tables([table])
+                else:
+                    with contextlib.suppress(errors.NotFoundError):
+                        self._shard.drop_table(name)
+            log.warning("rolled back load %s", load_id)
+        self._set_pending(None)
+        return empty
+
+    def _set_pending(self, pending: PendingLoad | None) -> None:
+        """Makes `pending` the load between phases (None: none), with its
+        expiry; the caller holds the persist lock."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self._pending = pending
+        if pending is not None:
+            self._expiry = threading.Timer(self._load_timeout_s, self._expire, args=(pending,))
+            self._expiry.daemon = True
+            self._expiry.start()
+
+    def _expire(self, pending: PendingLoad) -> None:
+        with self._persist_lock:
+            if self._pending is not pending:
+                return
+            log.warning(
+                "%s expired: %s", pending.describe(),
+                "its staged tables are dropped" if pending.phase == "prepared" else "it is final",
+            )  # fmt: skip
+            self._pending = None
+            self._expiry = None
+
+    def close(self) -> None:
+        """Cancels the expiry timer (at shutdown)."""
+        with self._persist_lock:
+            self._set_pending(None)
 
     @staticmethod
     def _load_response(result: dict[str, Any]) -> Any:
@@ -181,7 +305,11 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             for name, count in self._errors.items():
                 errors_by_code[name] = errors_by_code.get(name, 0) + count
         tables = sorted(self._shard.tables(), key=lambda t: t.name)
+        pending = self._pending
         return {
+            "pending_load": pending.describe() if pending is not None else "",
+            "max_connections": self._data_server.max_connections,
+            "worker_threads": self._data_server.worker_threads,
             "shard_index": self._shard.shard_index,
             "num_shards": self._shard.num_shards,
             "tables": [{"name": t.name, "rows": t.size(), "bytes": t.bytes()} for t in tables],
@@ -219,6 +347,17 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             last_save_seconds=s["last_save_seconds"],
             last_load_seconds=s["last_load_seconds"],
             data_port=self._data_server.port,
+            connections_authenticated=c["connections_authenticated"],
+            connections_refused=c["connections_refused"],
+            connections_evicted=c["connections_evicted"],
+            connections_waiting=c["connections_waiting"],
+            hello_timeouts=c["hello_timeouts"],
+            idle_timeouts=c["idle_timeouts"],
+            io_timeouts=c["io_timeouts"],
+            buffered_bytes=c["buffered_bytes"],
+            max_connections=s["max_connections"],
+            worker_threads=s["worker_threads"],
+            pending_load=s["pending_load"],
         )
 
 
