@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = "python examples/ctr_multi_trainer.py --epochs 3"
 EXAMPLES = {
     "ctr-volume.yaml": "--name ctr --image registry.example/ctr-train:1 --pservers 2 --workers 2 "
-    "--rows 1e8 --dim 16 --optimizer adagrad --checkpoint /checkpoints/ctr",
+    "--rows 1e8 --dim 16 --optimizer adagrad --checkpoint /checkpoints/ctr "
+    "--auth-token-secret ctr-token",
     "ctr-s3.yaml": "--name ctr --image registry.example/ctr-train:1 --pservers 4 --workers 8 "
     "--rows 2e9 --dim 16 --optimizer adagrad --checkpoint s3://example-bucket/ctr "
     "--credentials-secret ctr-s3 --auth-token-secret ctr-token",
@@ -151,3 +152,37 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
 def test_bad_flags_are_refused(flags: str, message: str) -> None:
     out = _generate(flags)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_a_token_secret_is_generated_unless_one_is_named_or_insecure() -> None:
+    runs = [_generate("--name ctr --image i:1") for _ in range(2)]
+    tokens = []
+    for out in runs:
+        assert out.returncode == 0, out.stderr
+        objects = _objects(out.stdout)
+        secret = objects["Secret"]
+        assert secret["metadata"]["name"] == "ctr-token"
+        tokens.append(secret["stringData"]["token"])
+        shard = objects["StatefulSet"]["spec"]["template"]["spec"]
+        assert {"name": "auth-token", "secret": {"secretName": "ctr-token"}} in shard["volumes"]
+        assert "--auth-token-file=/etc/tf-dlt/token" in shard["containers"][0]["args"]
+        for doc in yaml.safe_load_all(out.stdout):
+            kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+    assert len(tokens[0]) >= 40 and tokens[0] != tokens[1]  # random, new on every run
+    insecure = _objects(_generate("--name ctr --image i:1 --insecure").stdout)
+    assert "Secret" not in insecure
+    args = insecure["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--insecure" in args and not any(a.startswith("--auth-token-file") for a in args)
+
+
+def test_shards_are_sized_and_bounded_for_their_trainers() -> None:
+    spec = k8s.JobSpec(
+        name="ctr", image="i:1", command=["t"], workers=100, shard_cpu="1500m",
+        checkpoint="s3://b/run", load_from="s3://other/base",
+    )  # fmt: skip
+    args = k8s.stateful_set(spec)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--threads=2" in args and "--max-connections=6400" in args
+    assert "--checkpoint-root=s3://b/run" in args and "--checkpoint-root=s3://other/base" in args
+    small = k8s.JobSpec(name="ctr", image="i:1", command=["t"], workers=2)
+    small_args = k8s.stateful_set(small)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--max-connections=1024" in small_args
