@@ -10,6 +10,7 @@ $PY -m pip install -q -r requirements/bench.txt
 $PY bench/bench_core.py
 $PY bench/bench_persist.py
 $PY bench/bench_ops.py
+$PY bench/bench_connections.py
 $PY bench/bench_keras.py
 $PY bench/bench_scale.py --write-capacity
 $PY bench/bench_peers.py
