@@ -32,7 +32,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     """Runs `tf-dlt server` expecting it to refuse to start."""
     return subprocess.run(
         [sys.executable, "-m", "tf_dlt.server", "--port", "0", *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, cwd="/",  # the installed package
     )  # fmt: skip
 
 
