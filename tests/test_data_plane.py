@@ -157,7 +157,8 @@ def test_a_thousand_connections_from_several_processes(
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+            cwd="/",  # the installed package, not the checkout
+        )
         for p in range(4)
     ]
     try:
