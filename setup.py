@@ -34,6 +34,7 @@ NATIVE_CORE_SOURCES = [
     "native/net/request_handler.cc",
     "native/net/server_stats.cc",
     "native/net/socket.cc",
+    "native/net/transport.cc",
     "native/net/wire.cc",
 ]
 PYTHON_EXTENSION_SOURCES = ["native/python/module.cc"]
@@ -160,7 +161,7 @@ setup(
         "tf_dlt.layers": "keras_layers",
         "tf_dlt.transpiler": "transpiler",
     },
-    package_data={"tf_dlt.proto": ["*.proto", "*.pyi"], "tf_dlt": ["data/*.json"]},
+    package_data={"tf_dlt.proto": ["*.proto", "*.pyi"], "tf_dlt.tools": ["data/*.json"]},
     ext_modules=[native, dlt_ops],
     cmdclass={"build_ext": BuildExt},
     install_requires=[
@@ -179,5 +180,5 @@ setup(
         "s3": ["s3fs"],
         "hdfs": ["pyarrow"],
     },
-    entry_points={"console_scripts": ["tf-dlt=tf_dlt.cli:main"]},
+    entry_points={"console_scripts": ["tf-dlt=tf_dlt.tools.cli:main"]},
 )

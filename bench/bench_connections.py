@@ -29,10 +29,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from common import emit, log  # noqa: E402
-from native_build import build  # noqa: E402
 
 import tf_dlt  # noqa: E402
 from tf_dlt.server.local import LocalCluster  # noqa: E402
+
+from native_build import build  # noqa: E402
 
 TABLE, DIM, IDS = "conn", 16, 256
 

@@ -1,8 +1,8 @@
 """Save / Load throughput of one shard (shared/research/perf.md B9) against
 plain disk I/O of the same number of bytes measured in the same run:
 
-- save: checkpoint.save_shard GB/s vs sequential write + fsync (target >= 0.7)
-- load: checkpoint.load_shard GB/s vs reading the same bytes back from the
+- save: shard_files.save_shard GB/s vs sequential write + fsync (target >= 0.7)
+- load: shard_files.load_shard GB/s vs reading the same bytes back from the
   page cache (target >= 0.5 or >= 1 GB/s, whichever is lower)
 
 GB/s counts the shard file's bytes. Disk figures swing a lot here, so save,
@@ -27,8 +27,8 @@ from bench_core import make_table  # noqa: E402
 from common import emit, log  # noqa: E402
 
 from tf_dlt import _native  # noqa: E402
-from tf_dlt.manifest import write_manifest  # noqa: E402
-from tf_dlt.server import checkpoint  # noqa: E402
+from tf_dlt.checkpoint import shard_files  # noqa: E402
+from tf_dlt.checkpoint.manifest import write_manifest  # noqa: E402
 
 
 def disk_write_read(path: Path, nbytes: int) -> tuple[float, float]:
@@ -71,12 +71,12 @@ def main() -> None:
             writes.append(write_gbs)
             reads.append(read_gbs)
             start = time.perf_counter()
-            part = checkpoint.save_shard(str(base / "ck"), shard, f"bench{rep}")
+            part = shard_files.save_shard(str(base / "ck"), shard, f"bench{rep}")
             saves.append(time.perf_counter() - start)
             write_manifest(str(base / "ck"), [part], f"bench{rep}")
             fresh = _native.Shard(0, 1)
             start = time.perf_counter()
-            checkpoint.load_shard(str(base / "ck"), fresh)
+            shard_files.load_shard(str(base / "ck"), fresh)
             loads.append(time.perf_counter() - start)
             assert fresh.tables()[0].size() == args.rows
             del fresh

@@ -15,7 +15,7 @@ Measured in one run, growing one Adagrad table through 1M, 10M, 30M and
   cluster, GB/s.
 
 Writes JSON lines to bench/out/results.jsonl and the measured figures the
-capacity planner reads to tf_dlt/data/capacity.json (`--write-capacity`).
+capacity planner reads to tf_dlt/tools/data/capacity.json (`--write-capacity`).
 
 Usage: python bench/bench_scale.py [--rows 100000000] [--dim 10] [--write-capacity]
 """
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import OUT, emit, log, sorted_seconds  # noqa: E402
 
 import tf_dlt  # noqa: E402
-from tf_dlt import capacity  # noqa: E402
 from tf_dlt.server.local import LocalCluster  # noqa: E402
+from tf_dlt.tools import capacity  # noqa: E402
 
 CAPACITY = Path(__file__).resolve().parent.parent / "tf_dlt" / "data" / "capacity.json"
 TABLE = "scale"
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--optimizer", default="adagrad")
     ap.add_argument("--checkpoint", default=str(OUT / "scale-ck"))
     ap.add_argument(
-        "--write-capacity", action="store_true", help="update tf_dlt/data/capacity.json"
+        "--write-capacity", action="store_true", help="update tf_dlt/tools/data/capacity.json"
     )
     args = ap.parse_args()
     dim, rng = args.dim, np.random.default_rng(0)

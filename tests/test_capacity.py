@@ -1,5 +1,5 @@
 """tf-dlt plan: the capacity plan follows from the measured figures in
-tf_dlt/data/capacity.json (written by bench/bench_scale.py)."""
+tf_dlt/tools/data/capacity.json (written by bench/bench_scale.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tf_dlt import capacity
+from tf_dlt.tools import capacity
 
 
 def test_figures_are_measured_and_complete() -> None:
@@ -44,7 +44,7 @@ def test_plan_for_the_design_target() -> None:
 
 
 def test_plan_command_prints_the_plan_and_its_assumptions() -> None:
-    cmd = [sys.executable, "-m", "tf_dlt.cli", "plan", "--rows", "1e11", "--dim", "10",
+    cmd = [sys.executable, "-m", "tf_dlt.tools.cli", "plan", "--rows", "1e11", "--dim", "10",
            "--optimizer", "adagrad", "--trainers", "100", "--batch", "4096"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
     assert out.returncode == 0, out.stderr

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 import tf_dlt
 from tf_dlt import dlt_ops as ops
-from tf_dlt import errors, manifest
+from tf_dlt import errors
+from tf_dlt.checkpoint import manifest
 from tf_dlt.layers import Embedding
 
 from conftest import Cluster
@@ -100,9 +101,9 @@ def test_training_recovers_from_a_killed_shard(
     assert len(history.history["loss"]) == 2  # epochs 3 and 4, after resuming from epoch 2
     # Resumed from the epoch-2 checkpoint: every row of it is back, on both shards.
     staged = tf_dlt._native.Shard(0, 1)
-    from tf_dlt.server import checkpoint
+    from tf_dlt.checkpoint import shard_files
 
-    checkpoint.load_shard(str(tmp_path / "ck" / "epoch-2" / "tables"), staged)
+    shard_files.load_shard(str(tmp_path / "ck" / "epoch-2" / "tables"), staged)
     table = staged.get_table("faulty")
     assert table.size() == len(ids)
     np.testing.assert_array_equal(seen["resumed_rows"], table.pull(ids, 1))

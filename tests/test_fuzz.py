@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from native_build import SANITIZER_ENV, build
 
 from tf_dlt import _native
 
 import frames
 from conftest import Cluster
+from native_build import SANITIZER_ENV, build
 
 DATA_CASES = 10_000
 CONTROL_CASES = 2_000

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import tf_dlt
-from tf_dlt import capacity, k8s
+from tf_dlt.tools import capacity, k8s
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = "python examples/ctr_multi_trainer.py --epochs 3"
@@ -37,7 +37,7 @@ def _generate(flags: str) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable,
         "-m",
-        "tf_dlt.cli",
+        "tf_dlt.tools.cli",
         "k8s",
         *shlex.split(flags),
         "--",

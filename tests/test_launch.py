@@ -23,7 +23,7 @@ AUC_TOLERANCE = 0.02
 
 
 def _launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "tf_dlt.cli", "launch", *args]
+    cmd = [sys.executable, "-m", "tf_dlt.tools.cli", "launch", *args]
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, cwd="/"
     )  # outside the source tree: the installed package
@@ -88,7 +88,7 @@ def test_a_failing_trainer_stops_everything() -> None:
 
 def test_sigint_stops_everything() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tf_dlt.cli", "launch", "--pservers", "1", "--workers", "2",
+        [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", "1", "--workers", "2",
          "--", sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
     )  # fmt: skip

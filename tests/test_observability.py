@@ -130,7 +130,8 @@ def test_stats_command_prints_shards_and_tables(start_cluster: Callable[..., Clu
         client.create_table("alpha", 4)
         client.pull("alpha", np.arange(50))
     out = subprocess.run(
-        [sys.executable, "-m", "tf_dlt.cli", "stats", "--pservers", ",".join(cluster.addresses)],
+        [sys.executable, "-m", "tf_dlt.tools.cli", "stats",
+         "--pservers", ",".join(cluster.addresses)],
         capture_output=True, text=True, timeout=60, cwd="/",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -141,7 +142,7 @@ def test_stats_command_prints_shards_and_tables(start_cluster: Callable[..., Clu
     assert lines[0].split()[-1] == "conns/max"
     assert re.fullmatch(r"[1-9]\d*/[1-9]\d*", lines[1].split()[-1])  # connections / the cap
     down = subprocess.run(
-        [sys.executable, "-m", "tf_dlt.cli", "stats", "--pservers", "127.0.0.1:1"],
+        [sys.executable, "-m", "tf_dlt.tools.cli", "stats", "--pservers", "127.0.0.1:1"],
         capture_output=True, text=True, timeout=60, cwd="/",
     )  # fmt: skip
     assert down.returncode == 1 and "tf-dlt stats:" in down.stderr

@@ -70,3 +70,57 @@ def test_version_has_one_source() -> None:
     exec((ROOT / "tf_dlt" / "version.py").read_text(), scope)
     assert tf_dlt.__version__ == scope["__version__"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", tf_dlt.__version__)
+
+
+# Which parts of the package each part may import: dependencies point one
+# way, from the tools and the Keras features down to the core.
+_LAYERS = {
+    "core": {"core", "checkpoint"},  # the client commits checkpoints
+    "checkpoint": {"core", "checkpoint"},
+    "server": {"core", "checkpoint", "server"},
+    "layers": {"core", "layers"},
+    "keras": {"core", "checkpoint", "layers", "keras"},
+    "transpiler": {"core", "layers", "keras", "transpiler"},
+    "tools": {"core", "server", "tools"},
+}
+_PARTS = {
+    "checkpoint": "tf_dlt/checkpoint", "server": "tf_dlt/server", "keras": "tf_dlt/keras",
+    "tools": "tf_dlt/tools", "layers": "keras_layers", "transpiler": "transpiler",
+}  # fmt: skip
+
+
+def _part_of_module(module: str) -> str | None:
+    """The part a tf_dlt module belongs to (None: not tf_dlt's)."""
+    if module != "tf_dlt" and not module.startswith("tf_dlt."):
+        return None
+    second = module.split(".")[1] if "." in module else ""
+    return second if second in _LAYERS and second != "core" else "core"
+
+
+def _part_of_file(path: Path) -> str:
+    rel = str(path.relative_to(ROOT))
+    return next((part for part, prefix in _PARTS.items() if rel.startswith(prefix)), "core")
+
+
+def test_dependencies_point_one_way() -> None:
+    sources = [*(ROOT / "tf_dlt").rglob("*.py"), *(ROOT / "keras_layers").rglob("*.py"),
+               *(ROOT / "transpiler").rglob("*.py")]  # fmt: skip
+    wrong = []
+    for path in sources:
+        if "proto" in path.parts or path == ROOT / "tf_dlt" / "__init__.py":
+            continue  # generated code; the package's facade names everything lazily
+        part = _part_of_file(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                target = _part_of_module(name)
+                if target is not None and target not in _LAYERS[part]:
+                    wrong.append(f"{path.relative_to(ROOT)} ({part}) imports {name} ({target})")
+    assert not wrong, "\n".join(wrong)
+    # The core never imports Keras itself either.
+    for path in (ROOT / "tf_dlt").glob("*.py"):
+        assert "import keras" not in path.read_text(), path

@@ -107,8 +107,8 @@ def test_tls_control_plane(start_cluster: Callable[..., Cluster], tmp_path: Path
         assert grpc_util.serving(admin)
     assert not grpc_util.serving(admin, timeout=2)
     out = subprocess.run(
-        [sys.executable, "-m", "tf_dlt.cli", "stats", "--pservers", ",".join(cluster.addresses),
-         "--tls-ca", pki.ca],
+        [sys.executable, "-m", "tf_dlt.tools.cli", "stats",
+         "--pservers", ",".join(cluster.addresses), "--tls-ca", pki.ca],
         capture_output=True, text=True, timeout=60, cwd="/",
     )  # fmt: skip
     assert out.returncode == 0 and "secure" in out.stdout, out.stderr

@@ -18,26 +18,26 @@ if TYPE_CHECKING:
     from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
     from tf_dlt import errors, initializers, optimizers, routing
     from tf_dlt.client import Client
-    from tf_dlt.client_metrics import ClientMetrics
     from tf_dlt.cluster import ClusterSpec, cluster_from_env
-    from tf_dlt.dense_sync import DenseOnShards
-    from tf_dlt.recovery import resilient_fit, wait_for_shards
+    from tf_dlt.keras.client_metrics import ClientMetrics
+    from tf_dlt.keras.dense_sync import DenseOnShards
+    from tf_dlt.keras.recovery import resilient_fit, wait_for_shards
     from tf_dlt.table_config import TableConfig
 
 _LAZY = {
     "Client": ("tf_dlt.client", "Client"),
-    "ClientMetrics": ("tf_dlt.client_metrics", "ClientMetrics"),
+    "ClientMetrics": ("tf_dlt.keras.client_metrics", "ClientMetrics"),
     "ClusterSpec": ("tf_dlt.cluster", "ClusterSpec"),
-    "DenseOnShards": ("tf_dlt.dense_sync", "DenseOnShards"),
+    "DenseOnShards": ("tf_dlt.keras.dense_sync", "DenseOnShards"),
     "cluster_from_env": ("tf_dlt.cluster", "cluster_from_env"),
     "TableConfig": ("tf_dlt.table_config", "TableConfig"),
     "errors": ("tf_dlt.errors", None),
-    "export_saved_model": ("tf_dlt.export", "export_saved_model"),
-    "save": ("tf_dlt.model_checkpoint", "save"),
-    "resilient_fit": ("tf_dlt.recovery", "resilient_fit"),
-    "wait_for_shards": ("tf_dlt.recovery", "wait_for_shards"),
-    "load": ("tf_dlt.model_checkpoint", "load"),
-    "ModelCheckpoint": ("tf_dlt.model_checkpoint", "ModelCheckpoint"),
+    "export_saved_model": ("tf_dlt.keras.export", "export_saved_model"),
+    "save": ("tf_dlt.keras.checkpoint", "save"),
+    "resilient_fit": ("tf_dlt.keras.recovery", "resilient_fit"),
+    "wait_for_shards": ("tf_dlt.keras.recovery", "wait_for_shards"),
+    "load": ("tf_dlt.keras.checkpoint", "load"),
+    "ModelCheckpoint": ("tf_dlt.keras.checkpoint", "ModelCheckpoint"),
     "ops": ("tf_dlt.dlt_ops", None),
     "initializers": ("tf_dlt.initializers", None),
     "layers": ("tf_dlt.layers", None),

@@ -18,7 +18,8 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf import json_format
 
-from tf_dlt import _native, errors, grpc_util, initializers, manifest, optimizers, tls
+from tf_dlt import _native, errors, grpc_util, initializers, optimizers, tls
+from tf_dlt.checkpoint import manifest
 from tf_dlt.progress import Progress
 from tf_dlt.table_config import TableConfig
 from tf_dlt.tls import TlsConfig

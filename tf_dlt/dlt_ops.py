@@ -19,10 +19,11 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dlt.table_config import TableConfig
@@ -126,31 +127,17 @@ def create_table(client: ClientResource, config: TableConfig) -> None:
     """Creates `config`'s table in an embedded client (a no-op when an
     identical one exists). Tables on shard servers are created with
     `tf_dlt.Client.create_table`."""
-    d = config.to_dict()
-    init, opt = d["initializer"], d["optimizer"]
+    from tf_dlt import _native
+
     load_library().dlt_create_table(
-        client=client.resource_handle,
-        table=config.name,
-        dim=config.dim,
-        seed=config.seed - (1 << 64) if config.seed >= 1 << 63 else config.seed,
-        initializer=init["kind"],
-        initializer_params=[
-            init.get(k, 0.0) for k in ("value", "minval", "maxval", "mean", "stddev")
-        ],
-        optimizer=opt["kind"],
-        optimizer_params=[
-            opt.get(k, 0.0)
-            for k in (
-                "initial_accumulator",
-                "epsilon",
-                "beta1",
-                "beta2",
-                "learning_rate_power",
-                "l1",
-                "l2",
-            )
-        ],  # fmt: skip
+        client=client.resource_handle, config=_native.encode_table_config(config.to_dict())
     )
+
+
+def drop_table(client: ClientResource, table: str) -> None:
+    """Drops a table of an embedded client. Tables on shard servers are
+    dropped with `tf_dlt.Client.drop_table`."""
+    load_library().dlt_drop_table(client=client.resource_handle, table=table)
 
 
 def lookup(
@@ -222,6 +209,27 @@ def export_table(
     embedded table: values with their optimizer state."""
     out = load_library().dlt_export_table(client=client.resource_handle, table=table, dim=dim)
     return out.ids, out.values, out.slots, out.steps
+
+
+def export_chunks(
+    client: ClientResource, table: str, dim: int, max_rows: int = 65536
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """The rows of an embedded table in (bucket, id) order, `max_rows` at a
+    time, as NumPy (ids, values, slots, steps, buckets): what a checkpoint
+    file holds, without a second copy of the table. One pass per table at a
+    time in a client."""
+    start = True
+    while True:
+        out = load_library().dlt_export_chunk(
+            client=client.resource_handle, start=start, table=table, dim=dim, max_rows=max_rows
+        )
+        start = False
+        if int(tf.size(out.ids)) == 0:
+            return
+        yield (
+            out.ids.numpy(), out.values.numpy(), out.slots.numpy(), out.steps.numpy(),
+            out.buckets.numpy(),
+        )  # fmt: skip
 
 
 def import_table(

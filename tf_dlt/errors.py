@@ -84,11 +84,3 @@ def error_for_code(code: int, message: str) -> DltError:
         error.code = code
         return error
     return cls(message)
-
-
-def error_for_name(code_name: str, message: str) -> DltError:
-    """Returns the exception for a code name such as "NOT_FOUND"."""
-    for cls in _BY_CODE.values():
-        if cls.code_name == code_name:
-            return cls(message)
-    return DltError(f"{code_name}: {message}")

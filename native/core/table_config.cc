@@ -1,6 +1,10 @@
 #include "native/core/table_config.h"
 
+#include <climits>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <sstream>
 
 namespace dlt {
@@ -86,6 +90,7 @@ Status ValidateTableConfig(const TableConfig& c) {
     case OptimizerKind::kSgd:
       break;
     case OptimizerKind::kAdagrad:
+    case OptimizerKind::kKerasAdagrad:
       if (!(o.initial_accumulator >= 0) || !(o.epsilon >= 0) || !Finite(o.initial_accumulator) ||
           !Finite(o.epsilon)) {
         return InvalidArgument(where +
@@ -136,6 +141,7 @@ uint32_t SlotsPerValue(OptimizerKind kind) {
     case OptimizerKind::kSgd:
       return 0;
     case OptimizerKind::kAdagrad:
+    case OptimizerKind::kKerasAdagrad:
       return 1;
     case OptimizerKind::kAdam:
     case OptimizerKind::kFtrl:
@@ -144,47 +150,64 @@ uint32_t SlotsPerValue(OptimizerKind kind) {
   return 0;
 }
 
-const char* OptimizerName(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kSgd:
-      return "sgd";
-    case OptimizerKind::kAdagrad:
-      return "adagrad";
-    case OptimizerKind::kAdam:
-      return "adam";
-    case OptimizerKind::kFtrl:
-      return "ftrl";
+namespace {
+
+constexpr const char* kInitializerNames[] = {"zeros", "constant", "uniform", "normal",
+                                             "truncated_normal"};
+constexpr const char* kOptimizerNames[] = {"sgd", "adagrad", "adam", "ftrl", "keras_adagrad"};
+
+template <typename Kind, size_t N>
+bool ParseKind(const char* const (&names)[N], const std::string& name, Kind* kind) {
+  for (size_t i = 0; i < N; ++i) {
+    if (name == names[i]) {
+      *kind = static_cast<Kind>(i);
+      return true;
+    }
   }
-  return "unknown";
+  return false;
+}
+
+template <size_t N>
+const char* KindName(const char* const (&names)[N], uint32_t kind) {
+  return kind < N ? names[kind] : "unknown";
+}
+
+std::string FloatText(float v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(v));
+  return buf;
+}
+
+}  // namespace
+
+const char* OptimizerName(OptimizerKind kind) {
+  return KindName(kOptimizerNames, static_cast<uint32_t>(kind));
 }
 
 const char* InitializerName(InitializerKind kind) {
-  switch (kind) {
-    case InitializerKind::kZeros:
-      return "zeros";
-    case InitializerKind::kConstant:
-      return "constant";
-    case InitializerKind::kUniform:
-      return "uniform";
-    case InitializerKind::kNormal:
-      return "normal";
-    case InitializerKind::kTruncatedNormal:
-      return "truncated_normal";
-  }
-  return "unknown";
+  return KindName(kInitializerNames, static_cast<uint32_t>(kind));
+}
+
+bool ParseInitializerKind(const std::string& name, InitializerKind* kind) {
+  return ParseKind(kInitializerNames, name, kind);
+}
+
+bool ParseOptimizerKind(const std::string& name, OptimizerKind* kind) {
+  return ParseKind(kOptimizerNames, name, kind);
 }
 
 bool SameTable(const TableConfig& a, const TableConfig& b) {
-  const InitializerConfig& ia = a.initializer;
-  const InitializerConfig& ib = b.initializer;
-  const OptimizerConfig& oa = a.optimizer;
-  const OptimizerConfig& ob = b.optimizer;
-  return a.name == b.name && a.dim == b.dim && a.seed == b.seed && ia.kind == ib.kind &&
-         ia.value == ib.value && ia.minval == ib.minval && ia.maxval == ib.maxval &&
-         ia.mean == ib.mean && ia.stddev == ib.stddev && oa.kind == ob.kind &&
-         oa.initial_accumulator == ob.initial_accumulator && oa.epsilon == ob.epsilon &&
-         oa.beta1 == ob.beta1 && oa.beta2 == ob.beta2 &&
-         oa.learning_rate_power == ob.learning_rate_power && oa.l1 == ob.l1 && oa.l2 == ob.l2;
+  if (a.name != b.name || a.dim != b.dim || a.seed != b.seed ||
+      a.initializer.kind != b.initializer.kind || a.optimizer.kind != b.optimizer.kind) {
+    return false;
+  }
+  for (const InitializerField& f : kInitializerFields) {
+    if (a.initializer.*f.member != b.initializer.*f.member) return false;
+  }
+  for (const OptimizerField& f : kOptimizerFields) {
+    if (a.optimizer.*f.member != b.optimizer.*f.member) return false;
+  }
+  return true;
 }
 
 std::string Describe(const TableConfig& c) {
@@ -193,6 +216,70 @@ std::string Describe(const TableConfig& c) {
       << InitializerName(c.initializer.kind) << " initializer, " << OptimizerName(c.optimizer.kind)
       << ")";
   return out.str();
+}
+
+std::string EncodeTableConfig(const TableConfig& c) {
+  std::string out = "name=" + c.name + " dim=" + std::to_string(c.dim) +
+                    " seed=" + std::to_string(c.seed) +
+                    " initializer=" + InitializerName(c.initializer.kind);
+  for (const InitializerField& f : kInitializerFields) {
+    out += std::string(" initializer.") + f.name + "=" + FloatText(c.initializer.*f.member);
+  }
+  out += std::string(" optimizer=") + OptimizerName(c.optimizer.kind);
+  for (const OptimizerField& f : kOptimizerFields) {
+    out += std::string(" optimizer.") + f.name + "=" + FloatText(c.optimizer.*f.member);
+  }
+  return out;
+}
+
+Status DecodeTableConfig(const std::string& text, TableConfig* c) {
+  std::istringstream in(text);
+  std::string token;
+  while (in >> token) {
+    const size_t eq = token.find('=');
+    if (eq == std::string::npos) {
+      return InvalidArgument("table config token '" + Escaped(token) + "' is not key=value");
+    }
+    const std::string key = token.substr(0, eq), value = token.substr(eq + 1);
+    char* end = nullptr;
+    bool known = true, parsed = true;
+    if (key == "name") {
+      c->name = value;
+    } else if (key == "dim") {
+      const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
+      parsed = *end == '\0' && v <= UINT32_MAX;
+      c->dim = static_cast<uint32_t>(v);
+    } else if (key == "seed") {
+      c->seed = std::strtoull(value.c_str(), &end, 10);
+      parsed = *end == '\0';
+    } else if (key == "initializer") {
+      parsed = ParseInitializerKind(value, &c->initializer.kind);
+    } else if (key == "optimizer") {
+      parsed = ParseOptimizerKind(value, &c->optimizer.kind);
+    } else {
+      known = false;
+      const float v = std::strtof(value.c_str(), &end);
+      for (const InitializerField& f : kInitializerFields) {
+        if (key == std::string("initializer.") + f.name) {
+          c->initializer.*f.member = v;
+          known = true;
+        }
+      }
+      for (const OptimizerField& f : kOptimizerFields) {
+        if (key == std::string("optimizer.") + f.name) {
+          c->optimizer.*f.member = v;
+          known = true;
+        }
+      }
+      parsed = !value.empty() && *end == '\0';
+    }
+    if (!known) return InvalidArgument("unknown table config field '" + Escaped(key) + "'");
+    if (!parsed) {
+      return InvalidArgument("table config field " + Escaped(key) + " has a bad value '" +
+                             Escaped(value) + "'");
+    }
+  }
+  return OkStatus();
 }
 
 }  // namespace dlt

@@ -37,67 +37,39 @@ void Check(const Status& s) {
   if (!s.ok()) Raise(s);
 }
 
-template <typename E>
-E Lookup(const py::dict& d, const char* key, const char* const* names, int count,
-         const char* what) {
-  const std::string name = py::cast<std::string>(d[key]);
-  for (int i = 0; i < count; ++i) {
-    if (name == names[i]) return static_cast<E>(i);
-  }
-  Raise(InvalidArgument(std::string("unknown ") + what + " '" + name + "'"));
-}
-
-constexpr const char* kInitNames[] = {"zeros", "constant", "uniform", "normal", "truncated_normal"};
-constexpr const char* kOptNames[] = {"sgd", "adagrad", "adam", "ftrl"};
-
-float GetFloat(const py::dict& d, const char* key, float fallback) {
-  return d.contains(key) ? py::cast<float>(d[key]) : fallback;
-}
-
+// A config from its dict form (tf_dlt.TableConfig.to_dict()); parameters
+// not given keep their defaults. The field names come from the one list in
+// table_config.h.
 TableConfig ConfigFromDict(const py::dict& d) {
   TableConfig c;
   c.name = py::cast<std::string>(d["name"]);
   c.dim = py::cast<uint32_t>(d["dim"]);
   c.seed = py::cast<uint64_t>(d["seed"]);
   const py::dict init = d["initializer"];
-  InitializerConfig& i = c.initializer;
-  i.kind = Lookup<InitializerKind>(init, "kind", kInitNames, 5, "initializer");
-  i.value = GetFloat(init, "value", i.value);
-  i.minval = GetFloat(init, "minval", i.minval);
-  i.maxval = GetFloat(init, "maxval", i.maxval);
-  i.mean = GetFloat(init, "mean", i.mean);
-  i.stddev = GetFloat(init, "stddev", i.stddev);
+  const std::string init_kind = py::cast<std::string>(init["kind"]);
+  if (!ParseInitializerKind(init_kind, &c.initializer.kind)) {
+    Raise(InvalidArgument("unknown initializer '" + init_kind + "'"));
+  }
+  for (const InitializerField& f : kInitializerFields) {
+    if (init.contains(f.name)) c.initializer.*f.member = py::cast<float>(init[f.name]);
+  }
   const py::dict opt = d["optimizer"];
-  OptimizerConfig& o = c.optimizer;
-  o.kind = Lookup<OptimizerKind>(opt, "kind", kOptNames, 4, "optimizer");
-  o.initial_accumulator = GetFloat(opt, "initial_accumulator", o.initial_accumulator);
-  o.epsilon = GetFloat(opt, "epsilon", o.epsilon);
-  o.beta1 = GetFloat(opt, "beta1", o.beta1);
-  o.beta2 = GetFloat(opt, "beta2", o.beta2);
-  o.learning_rate_power = GetFloat(opt, "learning_rate_power", o.learning_rate_power);
-  o.l1 = GetFloat(opt, "l1", o.l1);
-  o.l2 = GetFloat(opt, "l2", o.l2);
+  const std::string opt_kind = py::cast<std::string>(opt["kind"]);
+  if (!ParseOptimizerKind(opt_kind, &c.optimizer.kind)) {
+    Raise(InvalidArgument("unknown optimizer '" + opt_kind + "'"));
+  }
+  for (const OptimizerField& f : kOptimizerFields) {
+    if (opt.contains(f.name)) c.optimizer.*f.member = py::cast<float>(opt[f.name]);
+  }
   return c;
 }
 
 py::dict ConfigToDict(const TableConfig& c) {
-  py::dict init;
+  py::dict init, opt, d;
   init["kind"] = InitializerName(c.initializer.kind);
-  init["value"] = c.initializer.value;
-  init["minval"] = c.initializer.minval;
-  init["maxval"] = c.initializer.maxval;
-  init["mean"] = c.initializer.mean;
-  init["stddev"] = c.initializer.stddev;
-  py::dict opt;
+  for (const InitializerField& f : kInitializerFields) init[f.name] = c.initializer.*f.member;
   opt["kind"] = OptimizerName(c.optimizer.kind);
-  opt["initial_accumulator"] = c.optimizer.initial_accumulator;
-  opt["epsilon"] = c.optimizer.epsilon;
-  opt["beta1"] = c.optimizer.beta1;
-  opt["beta2"] = c.optimizer.beta2;
-  opt["learning_rate_power"] = c.optimizer.learning_rate_power;
-  opt["l1"] = c.optimizer.l1;
-  opt["l2"] = c.optimizer.l2;
-  py::dict d;
+  for (const OptimizerField& f : kOptimizerFields) opt[f.name] = c.optimizer.*f.member;
   d["name"] = c.name;
   d["dim"] = c.dim;
   d["seed"] = c.seed;
@@ -242,6 +214,11 @@ PYBIND11_MODULE(_native, m) {
     auto* o = out.mutable_data();
     for (py::ssize_t i = 0; i < ids.shape(0); ++i) o[i] = BucketOf(ids.data()[i]);
     return out;
+  });
+  m.def("encode_table_config", [](const py::dict& d) {
+    const TableConfig c = ConfigFromDict(d);
+    Check(ValidateTableConfig(c));
+    return EncodeTableConfig(c);
   });
   m.def("validate_table_config", [](const py::dict& d) {
     const TableConfig c = ConfigFromDict(d);

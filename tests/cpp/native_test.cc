@@ -30,6 +30,7 @@
 #include "native/net/client.h"
 #include "native/net/data_server.h"
 #include "native/net/socket.h"
+#include "native/net/transport.h"
 #include "native/net/wire.h"
 #include "tests/cpp/harness.h"
 
@@ -412,6 +413,57 @@ DLT_TEST(TestImportRejectsNonFiniteRows) {
   slots[0] = 0.5f;
   EXPECT_OK(t.Import(ids.data(), values.data(), slots.data(), steps.data(), 2));
   EXPECT(t.size() == 2);
+}
+
+DLT_TEST(TestTableConfigEncodingRoundTrips) {
+  TableConfig c = Config("a/b.c-d_e", 24, OptimizerKind::kFtrl);
+  c.seed = 18446744073709551615ull;
+  c.initializer.kind = InitializerKind::kTruncatedNormal;
+  c.initializer.mean = 0.25f;
+  c.initializer.stddev = 0.1f;
+  c.optimizer.l1 = 1e-3f;
+  c.optimizer.learning_rate_power = -0.75f;
+  TableConfig back;
+  EXPECT_OK(DecodeTableConfig(EncodeTableConfig(c), &back));
+  EXPECT(SameTable(c, back));
+  EXPECT(EncodeTableConfig(back) == EncodeTableConfig(c));
+  EXPECT(DecodeTableConfig("name=x dim=4 colour=blue", &back).code() == Code::kInvalidArgument);
+  EXPECT(DecodeTableConfig("name=x dim=four", &back).code() == Code::kInvalidArgument);
+  EXPECT(DecodeTableConfig("optimizer=rmsprop", &back).code() == Code::kInvalidArgument);
+  EXPECT(DecodeTableConfig("optimizer.epsilon=", &back).code() == Code::kInvalidArgument);
+  InitializerKind ik;
+  OptimizerKind ok;
+  EXPECT(ParseInitializerKind("truncated_normal", &ik) && ik == InitializerKind::kTruncatedNormal);
+  EXPECT(ParseOptimizerKind("adam", &ok) && ok == OptimizerKind::kAdam);
+  EXPECT(!ParseOptimizerKind("Adam", &ok));
+}
+
+DLT_TEST(TestTransportsServeTheSameCalls) {
+  auto embedded = EmbeddedTransport();
+  EXPECT(embedded->embedded());
+  EXPECT_OK(embedded->CreateTable(Config("emb", 4, OptimizerKind::kAdagrad)));
+  const std::vector<int64_t> ids = {3, 1, 2};
+  std::vector<float> rows(12), grads(12, 1.0f);
+  EXPECT_OK(embedded->Pull("emb", 4, ids.data(), 3, PullMode::kInsert, rows.data()));
+  EXPECT_OK(embedded->Push("emb", 4, ids.data(), grads.data(), 3, 0.1f));
+  EXPECT(embedded->Pull("emb", 8, ids.data(), 3, PullMode::kInsert, rows.data()).code() ==
+         Code::kInvalidArgument);
+  EXPECT(embedded->Pull("nope", 4, ids.data(), 3, PullMode::kInsert, rows.data()).code() ==
+         Code::kNotFound);
+  std::unique_ptr<TableExport> pass;
+  EXPECT_OK(embedded->OpenExport("emb", 4, &pass));
+  std::vector<int64_t> out_ids;
+  std::vector<float> values, slots;
+  std::vector<uint32_t> steps, buckets;
+  size_t total = 0, got;
+  while ((got = pass->Next(2, &out_ids, &values, &slots, &steps, &buckets)) > 0) total += got;
+  EXPECT(total == 3 && out_ids.size() == 3 && slots.size() == 12 && steps[0] == 1);
+  EXPECT_OK(embedded->Import("emb", 4, out_ids.data(), values.data(), nullptr, 0, steps.data(), 3));
+  auto tcp = TcpTransport({"127.0.0.1:1"}, ClientOptions());
+  EXPECT(!tcp->embedded());
+  EXPECT(tcp->CreateTable(Config("emb", 4, OptimizerKind::kSgd)).code() ==
+         Code::kFailedPrecondition);
+  EXPECT(tcp->OpenExport("emb", 4, &pass).code() == Code::kFailedPrecondition);
 }
 
 }  // namespace

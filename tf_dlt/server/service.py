@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 import grpc
 
 from tf_dlt import _native, errors, grpc_util, latency
+from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import checkpoint, paths
+from tf_dlt.server import paths
 from tf_dlt.table_config import TableConfig
 
 log = logging.getLogger("tf_dlt.server")
@@ -156,7 +157,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._roots.check(request.path, "Save")
         with self._persist_lock:
             log.info("saving to %s", request.path)
-            part = checkpoint.save_shard(request.path, self._shard, request.save_id)
+            part = shard_files.save_shard(request.path, self._shard, request.save_id)
         self.last_save_seconds = part["seconds"]
         self.saves += 1
         self.save_seconds_total += part["seconds"]
@@ -199,7 +200,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                     "its last phase unless committed or aborted first"
                 )
             log.info("loading from %s", request.path)
-            result = checkpoint.prepare_load(request.path, self._shard)
+            result = shard_files.prepare_load(request.path, self._shard)
             if phase == phases.PREPARE:
                 self._set_pending(
                     PendingLoad(request.load_id, request.path, "prepared", time.monotonic(), result)

@@ -17,8 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tf_dlt import _native, tls
+from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import checkpoint, metrics, paths, service
+from tf_dlt.server import metrics, paths, service
 
 log = logging.getLogger("tf_dlt.server")
 
@@ -150,7 +151,7 @@ class ShardServer:
 
     def start(self) -> ShardServer:
         if self._load_from:
-            result = checkpoint.load_shard(self._load_from, self.shard)
+            result = shard_files.load_shard(self._load_from, self.shard)
             rows = sum(t["rows"] for t in result["tables"])
             log.info("loaded %d rows from %s in %.2f s", rows, self._load_from, result["seconds"])
         interceptors = (

@@ -57,58 +57,13 @@ class ClientOp : public ResourceOpKernel<ClientResource> {
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>Client").Device(DEVICE_CPU), ClientOp);
 
-bool ParseInitializer(const std::string& kind, dlt::InitializerKind* out) {
-  static const char* const kNames[] = {"zeros", "constant", "uniform", "normal",
-                                       "truncated_normal"};
-  for (int i = 0; i < 5; ++i) {
-    if (kind == kNames[i]) {
-      *out = static_cast<dlt::InitializerKind>(i);
-      return true;
-    }
-  }
-  return false;
-}
-
-bool ParseOptimizer(const std::string& kind, dlt::OptimizerKind* out) {
-  static const char* const kNames[] = {"sgd", "adagrad", "adam", "ftrl"};
-  for (int i = 0; i < 4; ++i) {
-    if (kind == kNames[i]) {
-      *out = static_cast<dlt::OptimizerKind>(i);
-      return true;
-    }
-  }
-  return false;
-}
-
 class CreateTableOp : public OpKernel {
  public:
   explicit CreateTableOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int64_t dim, seed;
-    std::string init, opt;
-    std::vector<float> ip, op;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &config_.name));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("initializer", &init));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("initializer_params", &ip));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &opt));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer_params", &op));
-    OP_REQUIRES(ctx, ParseInitializer(init, &config_.initializer.kind),
-                errors::InvalidArgument("unknown initializer '", init, "'"));
-    OP_REQUIRES(ctx, ParseOptimizer(opt, &config_.optimizer.kind),
-                errors::InvalidArgument("unknown optimizer '", opt, "'"));
-    OP_REQUIRES(ctx, ip.size() == 5 && op.size() == 7,
-                errors::InvalidArgument("initializer_params needs 5 values and "
-                                        "optimizer_params 7"));
-    OP_REQUIRES(ctx, dim <= dlt::kMaxDim,
-                errors::InvalidArgument("dim must be at most ", dlt::kMaxDim, ", got ", dim));
-    config_.dim = static_cast<uint32_t>(dim);
-    config_.seed = static_cast<uint64_t>(seed);
-    dlt::InitializerConfig& i = config_.initializer;
-    i.value = ip[0], i.minval = ip[1], i.maxval = ip[2], i.mean = ip[3], i.stddev = ip[4];
-    dlt::OptimizerConfig& o = config_.optimizer;
-    o.initial_accumulator = op[0], o.epsilon = op[1], o.beta1 = op[2], o.beta2 = op[3];
-    o.learning_rate_power = op[4], o.l1 = op[5], o.l2 = op[6];
+    std::string text;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("config", &text));
+    OP_REQUIRES_OK(ctx, ToAbsl(dlt::DecodeTableConfig(text, &config_), "Dlt>CreateTable config"));
+    OP_REQUIRES_OK(ctx, ToAbsl(dlt::ValidateTableConfig(config_), "Dlt>CreateTable"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -122,6 +77,24 @@ class CreateTableOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>CreateTable").Device(DEVICE_CPU), CreateTableOp);
+
+class DropTableOp : public OpKernel {
+ public:
+  explicit DropTableOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    OP_REQUIRES_OK(ctx, client->DropTable(table_));
+  }
+
+ private:
+  std::string table_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>DropTable").Device(DEVICE_CPU), DropTableOp);
 
 class FlushOp : public AsyncOpKernel {
  public:

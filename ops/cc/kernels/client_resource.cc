@@ -10,13 +10,10 @@ namespace tensorflow {
 namespace dlt_ops {
 
 ClientResource::ClientResource(ClientResourceOptions options)
-    : options_(std::move(options)), work_(options_.worker_threads) {
-  if (options_.addresses.empty()) {
-    embedded_ = std::make_shared<dlt::Shard>(0, 1);
-  } else {
-    tcp_ = std::make_unique<dlt::Client>(options_.addresses, options_.tcp);
-  }
-}
+    : options_(std::move(options)),
+      transport_(options_.addresses.empty() ? dlt::EmbeddedTransport()
+                                            : dlt::TcpTransport(options_.addresses, options_.tcp)),
+      work_(options_.worker_threads) {}
 
 ClientResource::~ClientResource() = default;
 
@@ -30,13 +27,15 @@ std::string ClientResource::DebugString() const {
 }
 
 absl::Status ClientResource::CreateTable(const dlt::TableConfig& config) {
-  if (!embedded()) {
-    return absl::FailedPreconditionError(
-        "tables of shard servers are created through their control plane "
-        "(tf_dlt.Client.create_table), not by Dlt>CreateTable");
+  return ToAbsl(transport_->CreateTable(config));
+}
+
+absl::Status ClientResource::DropTable(const std::string& table) {
+  {
+    mutex_lock lock(export_mu_);
+    exports_.erase(table);
   }
-  bool created = false;
-  return ToAbsl(embedded_->CreateTable(config, &created), "embedded CreateTable");
+  return ToAbsl(transport_->DropTable(table));
 }
 
 void ClientResource::Count(const absl::Status& status, size_t rows, uint32_t dim, uint64_t micros,
@@ -56,14 +55,7 @@ void ClientResource::Count(const absl::Status& status, size_t rows, uint32_t dim
 absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const int64_t* ids,
                                   size_t n, dlt::PullMode mode, float* out) {
   const uint64_t start = Env::Default()->NowMicros();
-  absl::Status status;
-  if (tcp_) {
-    status = ToAbsl(tcp_->Pull(table, dim, ids, n, mode, out));
-  } else {
-    std::shared_ptr<dlt::Table> t;
-    status = EmbeddedTable(table, dim, "Lookup", &t);
-    if (status.ok()) t->Pull(ids, n, mode, out);
-  }
+  const absl::Status status = ToAbsl(transport_->Pull(table, dim, ids, n, mode, out));
   Count(status, n, dim, Env::Default()->NowMicros() - start, counters_.pulls, counters_.pulled_rows,
         counters_.pull_bytes, counters_.pull_errors, counters_.pull_latency);
   return status;
@@ -72,16 +64,7 @@ absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const 
 absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const int64_t* ids,
                                   const float* grads, size_t n, float learning_rate) {
   const uint64_t start = Env::Default()->NowMicros();
-  absl::Status status;
-  if (tcp_) {
-    status = ToAbsl(tcp_->Push(table, dim, ids, grads, n, learning_rate));
-  } else {
-    std::shared_ptr<dlt::Table> t;
-    status = EmbeddedTable(table, dim, "Push", &t);
-    if (status.ok()) {
-      status = ToAbsl(t->Push(ids, grads, n, learning_rate), "embedded table '" + table + "' Push");
-    }
-  }
+  const absl::Status status = ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate));
   Count(status, n, dim, Env::Default()->NowMicros() - start, counters_.pushes,
         counters_.pushed_rows, counters_.push_bytes, counters_.push_errors, counters_.push_latency);
   return status;
@@ -136,71 +119,40 @@ std::string ClientResource::StatsJson() const {
 
 absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                                     const float* values, size_t n) {
-  if (tcp_) return ToAbsl(tcp_->Assign(table, dim, ids, values, n));
-  std::shared_ptr<dlt::Table> t;
-  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Assign", &t));
-  return ToAbsl(t->Assign(ids, values, n), "embedded table '" + table + "' Assign");
+  return ToAbsl(transport_->Assign(table, dim, ids, values, n));
 }
 
-absl::Status ClientResource::Export(const std::string& table, uint32_t dim,
-                                    std::vector<int64_t>* ids, std::vector<float>* values,
-                                    std::vector<float>* slots, std::vector<uint32_t>* steps,
+absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool start,
+                                    size_t max_rows, std::vector<int64_t>* ids,
+                                    std::vector<float>* values, std::vector<float>* slots,
+                                    std::vector<uint32_t>* steps, std::vector<uint32_t>* buckets,
                                     uint32_t* slot_floats) {
-  if (tcp_) {
-    return absl::FailedPreconditionError(
-        "rows on shard servers are exported with tf_dlt.Client.save, not Dlt>ExportTable");
+  mutex_lock lock(export_mu_);
+  std::unique_ptr<dlt::TableExport>& open = exports_[table];
+  if (start || open == nullptr) {
+    absl::Status s = ToAbsl(transport_->OpenExport(table, dim, &open));
+    if (!s.ok()) {
+      exports_.erase(table);
+      return s;
+    }
   }
-  std::shared_ptr<dlt::Table> t;
-  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Export", &t));
-  *slot_floats = t->slot_floats();
+  *slot_floats = open->slot_floats();
   constexpr size_t kChunk = 65536;
-  std::vector<uint32_t> buckets(kChunk);
-  dlt::Table::Exporter exporter(t.get());
-  for (;;) {
-    const size_t at = ids->size();
-    ids->resize(at + kChunk);
-    values->resize((at + kChunk) * dim);
-    slots->resize((at + kChunk) * *slot_floats);
-    steps->resize(at + kChunk);
-    dlt::RowBuffers out{ids->data() + at, values->data() + at * dim,
-                        slots->data() + at * *slot_floats, steps->data() + at, buckets.data()};
-    const size_t got = exporter.Next(kChunk, out);
-    ids->resize(at + got);
-    values->resize((at + got) * dim);
-    slots->resize((at + got) * *slot_floats);
-    steps->resize(at + got);
-    if (got == 0) return absl::OkStatus();
-  }
+  size_t got;
+  do {
+    got =
+        open->Next(max_rows ? max_rows - ids->size() : kChunk, ids, values, slots, steps, buckets);
+  } while (got > 0 && (max_rows == 0 || ids->size() < max_rows));
+  // The pass ends with the call that finds no row left (so a chunk that took
+  // the last rows is not followed by a fresh pass); a whole export ends at once.
+  if (ids->empty() || max_rows == 0) exports_.erase(table);
+  return absl::OkStatus();
 }
 
 absl::Status ClientResource::Import(const std::string& table, uint32_t dim, const int64_t* ids,
                                     const float* values, const float* slots, size_t slot_floats,
                                     const uint32_t* steps, size_t n) {
-  if (tcp_) {
-    return absl::FailedPreconditionError(
-        "rows on shard servers are imported with tf_dlt.Client.load, not Dlt>ImportTable");
-  }
-  std::shared_ptr<dlt::Table> t;
-  TF_RETURN_IF_ERROR(EmbeddedTable(table, dim, "Import", &t));
-  if (slot_floats != t->slot_floats()) {
-    return absl::InvalidArgumentError("embedded table '" + table + "' Import: the table has " +
-                                      std::to_string(t->slot_floats()) +
-                                      " slot floats per row, got " + std::to_string(slot_floats));
-  }
-  return ToAbsl(t->Import(ids, values, slot_floats ? slots : nullptr, steps, n),
-                "embedded table '" + table + "' Import");
-}
-
-absl::Status ClientResource::EmbeddedTable(const std::string& table, uint32_t dim, const char* op,
-                                           std::shared_ptr<dlt::Table>* out) {
-  const std::string context = "embedded table '" + table + "' " + op;
-  TF_RETURN_IF_ERROR(ToAbsl(embedded_->GetTable(table, out), context));
-  if ((*out)->dim() != dim) {
-    return absl::InvalidArgumentError(context + ": the table has dim " +
-                                      std::to_string((*out)->dim()) + ", the op says " +
-                                      std::to_string(dim));
-  }
-  return absl::OkStatus();
+  return ToAbsl(transport_->Import(table, dim, ids, values, slots, slot_floats, steps, n));
 }
 
 void ClientResource::EnqueuePush(std::function<absl::Status()> work,

@@ -1,25 +1,26 @@
 // ClientResource: the state behind a Dlt>Client handle. It reaches the tables
-// through one of two transports: `tcp` (the C++ data-plane client, shard
-// servers elsewhere) or `embedded` (the same table core in this process, no
-// sockets). It also owns the worker threads remote calls run on and the
-// bounded queue of asynchronous pushes.
+// through a dlt::Transport: TCP (shard servers elsewhere) or embedded (the
+// same table core in this process, no sockets). It also owns the worker
+// threads remote calls run on, the bounded queue of asynchronous pushes, the
+// client-side counters, and exports in progress (Dlt>ExportChunk).
 #ifndef TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
 #define TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
 
 #include <atomic>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "native/core/shard.h"
 #include "native/core/table.h"
 #include "native/core/work_queue.h"
 #include "native/net/client.h"
 #include "native/net/server_stats.h"
+#include "native/net/transport.h"
 #include "tensorflow/core/framework/resource_base.h"
 #include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/thread_annotations.h"
@@ -41,13 +42,15 @@ class ClientResource : public ResourceBase {
   ~ClientResource() override;
 
   std::string DebugString() const override;
-  bool embedded() const { return tcp_ == nullptr; }
+  bool embedded() const { return transport_->embedded(); }
 
   // Runs `fn` on the resource's worker threads.
   void Schedule(std::function<void()> fn) { work_.Schedule(std::move(fn)); }
 
   // Embedded only: creates a table (a no-op for an identical one).
   absl::Status CreateTable(const dlt::TableConfig& config);
+  // Embedded only: drops a table (and any export of it in progress).
+  absl::Status DropTable(const std::string& table);
 
   // Blocking pull of `n` distinct ids into `out` ([n, dim]).
   absl::Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
@@ -55,10 +58,14 @@ class ClientResource : public ResourceBase {
   // Blocking assignment of `n` rows (fresh slots).
   absl::Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* values, size_t n);
-  // Embedded only: every row of `table` with its slots and step count.
-  absl::Status Export(const std::string& table, uint32_t dim, std::vector<int64_t>* ids,
-                      std::vector<float>* values, std::vector<float>* slots,
-                      std::vector<uint32_t>* steps, uint32_t* slot_floats);
+  // Embedded only: up to `max_rows` rows of `table` with their slots, step
+  // counts and buckets, in (bucket, id) order, continuing the export of
+  // `table` in progress unless `start`; none when it is complete (the
+  // export then ends). `max_rows` 0: every (remaining) row at once.
+  absl::Status Export(const std::string& table, uint32_t dim, bool start, size_t max_rows,
+                      std::vector<int64_t>* ids, std::vector<float>* values,
+                      std::vector<float>* slots, std::vector<uint32_t>* steps,
+                      std::vector<uint32_t>* buckets, uint32_t* slot_floats);
   // Embedded only: inserts or overwrites rows with their slots and steps.
   absl::Status Import(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* values, const float* slots, size_t slot_floats,
@@ -91,9 +98,6 @@ class ClientResource : public ResourceBase {
     std::function<void(absl::Status)> admitted;
     std::function<void(absl::Status)> finished;
   };
-  // The embedded table `table`, checked to have `dim`.
-  absl::Status EmbeddedTable(const std::string& table, uint32_t dim, const char* op,
-                             std::shared_ptr<dlt::Table>* out);
   void Start(PendingPush push);
   void OnPushDone(const absl::Status& status, bool record_error);
 
@@ -110,8 +114,9 @@ class ClientResource : public ResourceBase {
 
   const ClientResourceOptions options_;
   Counters counters_;
-  std::unique_ptr<dlt::Client> tcp_;
-  std::shared_ptr<dlt::Shard> embedded_;
+  std::unique_ptr<dlt::Transport> transport_;
+  mutex export_mu_;
+  std::map<std::string, std::unique_ptr<dlt::TableExport>> exports_ TF_GUARDED_BY(export_mu_);
   mutable mutex mu_;
   int inflight_ TF_GUARDED_BY(mu_) = 0;
   std::deque<PendingPush> waiting_ TF_GUARDED_BY(mu_);

@@ -1,7 +1,8 @@
 // Dlt>Assign (set rows with fresh slots, on either transport; async, the work
-// runs on the client's worker threads), Dlt>ExportTable and Dlt>ImportTable
-// (every row of an embedded table with its optimizer state). Used to move
+// runs on the client's worker threads), Dlt>ExportTable / Dlt>ExportChunk and
+// Dlt>ImportTable (rows of an embedded table with their optimizer state). Used to move
 // tables between transports and to checkpoint embedded tables.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -49,20 +50,25 @@ class AssignOp : public AsyncOpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>Assign").Device(DEVICE_CPU), AssignOp);
 
-class ExportTableOp : public OpKernel {
+// Dlt>ExportTable (every row at once) and Dlt>ExportChunk (the next rows of
+// a pass): ids, values, slots and steps (and for chunks, buckets).
+class ExportOp : public OpKernel {
  public:
-  explicit ExportTableOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit ExportOp(OpKernelConstruction* ctx) : OpKernel(ctx), chunked_(ctx->num_inputs() == 2) {
     OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
+    if (chunked_) OP_REQUIRES_OK(ctx, ctx->GetAttr("max_rows", &max_rows_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<ClientResource> client;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    const bool start = !chunked_ || ctx->input(1).scalar<bool>()();
     std::vector<int64_t> ids;
     std::vector<float> values, slots;
-    std::vector<uint32_t> steps;
+    std::vector<uint32_t> steps, buckets;
     uint32_t slot_floats = 0;
-    OP_REQUIRES_OK(ctx, client->Export(table_, dim_, &ids, &values, &slots, &steps, &slot_floats));
+    OP_REQUIRES_OK(ctx, client->Export(table_, dim_, start, chunked_ ? max_rows_ : 0, &ids, &values,
+                                       &slots, &steps, &buckets, &slot_floats));
     const int64_t n = static_cast<int64_t>(ids.size());
     Tensor *ids_out, *values_out, *slots_out, *steps_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &ids_out));
@@ -73,14 +79,22 @@ class ExportTableOp : public OpKernel {
     std::copy(values.begin(), values.end(), values_out->flat<float>().data());
     std::copy(slots.begin(), slots.end(), slots_out->flat<float>().data());
     std::copy(steps.begin(), steps.end(), steps_out->flat<int64_t>().data());
+    if (chunked_) {
+      Tensor* buckets_out;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({n}), &buckets_out));
+      std::copy(buckets.begin(), buckets.end(), buckets_out->flat<int32_t>().data());
+    }
   }
 
  private:
+  const bool chunked_;
   std::string table_;
   uint32_t dim_ = 0;
+  int64_t max_rows_ = 0;
 };
 
-REGISTER_KERNEL_BUILDER(Name("Dlt>ExportTable").Device(DEVICE_CPU), ExportTableOp);
+REGISTER_KERNEL_BUILDER(Name("Dlt>ExportTable").Device(DEVICE_CPU), ExportOp);
+REGISTER_KERNEL_BUILDER(Name("Dlt>ExportChunk").Device(DEVICE_CPU), ExportOp);
 
 class ImportTableOp : public OpKernel {
  public:

@@ -12,6 +12,20 @@ using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
+// Rows copied out of a table: ids [n], values [n, dim], slots [n, k],
+// steps [n] and, for chunks, buckets [n].
+absl::Status ExportedRowsShape(InferenceContext* c) {
+  int64_t dim;
+  TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+  c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+  c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, dim));
+  c->set_output(2, c->Matrix(InferenceContext::kUnknownDim, InferenceContext::kUnknownDim));
+  for (int i = 3; i < c->num_outputs(); ++i) {
+    c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
+  }
+  return absl::OkStatus();
+}
+
 REGISTER_OP("Dlt>Client")
     .Output("handle: resource")
     .Attr("addresses: list(string) = []")
@@ -32,20 +46,22 @@ empty. TF_DLT_PSERVERS (comma-separated) replaces non-empty addresses.
 
 REGISTER_OP("Dlt>CreateTable")
     .Input("client: resource")
-    .Attr("table: string")
-    .Attr("dim: int >= 1")
-    .Attr("seed: int = 0")
-    .Attr("initializer: string")
-    .Attr("initializer_params: list(float)")
-    .Attr("optimizer: string")
-    .Attr("optimizer_params: list(float)")
+    .Attr("config: string")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
 Creates a table in an embedded client (idempotent for an identical config).
-initializer_params: value, minval, maxval, mean, stddev.
-optimizer_params: initial_accumulator, epsilon, beta1, beta2,
-learning_rate_power, l1, l2.
+config: the table's configuration as dlt::EncodeTableConfig writes it
+(tf_dlt.ops.create_table makes it from a tf_dlt.TableConfig).
+)doc");
+
+REGISTER_OP("Dlt>DropTable")
+    .Input("client: resource")
+    .Attr("table: string")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Drops a table of an embedded client (NOT_FOUND when it has none).
 )doc");
 
 REGISTER_OP("Dlt>Lookup")
@@ -137,19 +153,31 @@ REGISTER_OP("Dlt>ExportTable")
     .Attr("table: string")
     .Attr("dim: int >= 1")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, dim));
-      c->set_output(2, c->Matrix(InferenceContext::kUnknownDim, InferenceContext::kUnknownDim));
-      c->set_output(3, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(ExportedRowsShape)
     .Doc(R"doc(
 Every row of an embedded table: ids [n], values [n, dim], optimizer slots
 [n, slot_floats] and step counts [n]. Tables on shard servers are exported
 with tf_dlt.Client.save.
+)doc");
+
+REGISTER_OP("Dlt>ExportChunk")
+    .Input("client: resource")
+    .Input("start: bool")
+    .Output("ids: int64")
+    .Output("values: float")
+    .Output("slots: float")
+    .Output("steps: int64")
+    .Output("buckets: int32")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .Attr("max_rows: int >= 1 = 65536")
+    .SetIsStateful()
+    .SetShapeFn(ExportedRowsShape)
+    .Doc(R"doc(
+The next rows (at most max_rows) of an embedded table in (bucket, id) order,
+as Dlt>ExportTable returns them plus each id's routing bucket; `start`
+begins a new pass. Empty outputs: the pass is complete. Saving a table chunk
+by chunk never holds a second copy of it.
 )doc");
 
 REGISTER_OP("Dlt>ImportTable")

@@ -14,7 +14,7 @@ from tensorflow.core.framework import summary_pb2
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import latency
-from tf_dlt.layers.embedding import distributed_layers
+from tf_dlt.keras.walk import distributed_layers
 
 _COUNTS = ("pulls", "pulled_rows", "pull_bytes", "pull_errors", "pushes", "pushed_rows",
            "push_bytes", "push_errors")  # fmt: skip

@@ -15,7 +15,9 @@ never holds a second copy of the shard in memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -28,7 +30,7 @@ import h5py
 import numpy as np
 
 from tf_dlt import _native, errors
-from tf_dlt.manifest import (
+from tf_dlt.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     filesystem,
@@ -45,15 +47,47 @@ _HASH_BLOCK = 8 << 20
 _SPOOL_IN_MEMORY = 256 << 20
 
 
-def _chunk_rows(table: _native.Table) -> int:
+# One chunk of a table's rows in (bucket, id) order: ids, values, optimizer
+# slots, update counts and routing buckets.
+Chunk = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclasses.dataclass
+class TableRows:
+    """The rows of one table to write: its config (the native dict form),
+    its row layout, and its chunks in (bucket, id) order, produced one at a
+    time so no second copy of the table is ever held."""
+
+    config: dict[str, Any]
+    dim: int
+    slot_floats: int
+    chunks: Iterator[Chunk]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Which shard of how many wrote a file, and the buckets it owned."""
+
+    shard_index: int = 0
+    num_shards: int = 1
+    first_bucket: int = 0
+    end_bucket: int = NUM_BUCKETS
+
+
+def chunk_rows(dim: int, slot_floats: int) -> int:
     """Rows per read or write batch (about 8 MiB)."""
-    return max(1, _CHUNK_BYTES // (4 * (table.dim + table.slot_floats) + 16))
+    return max(1, _CHUNK_BYTES // (4 * (dim + slot_floats) + 16))
 
 
-def _storage_chunk_rows(table: _native.Table) -> int:
-    """Rows per HDF5 chunk: about 1 MiB, never more than the table holds."""
-    per_row = 4 * (table.dim + table.slot_floats) + 16
-    return max(1, min((1 << 20) // per_row, table.size()))
+def native_rows(table: _native.Table) -> TableRows:
+    """A native table's rows, copied out a chunk at a time."""
+
+    def chunks() -> Iterator[Chunk]:
+        exporter = table.exporter()
+        while (chunk := exporter.next(chunk_rows(table.dim, table.slot_floats))) is not None:
+            yield chunk
+
+    return TableRows(table.config, table.dim, table.slot_floats, chunks())
 
 
 def _sha256_of(f: IO[bytes]) -> str:
@@ -63,61 +97,81 @@ def _sha256_of(f: IO[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _write_shard_file(local_path: str, shard: _native.Shard, save_id: str) -> list[dict[str, Any]]:
-    """Streams every table of `shard` into an HDF5 file; returns table infos."""
+def _write_table(group: h5py.Group, rows: TableRows) -> int:
+    """Streams one table's chunks into `group`; returns its row count."""
+    group.attrs["config"] = json.dumps(rows.config, sort_keys=True)
+    dim, slots = rows.dim, rows.slot_floats
+    first = next(rows.chunks, None)
+    # HDF5 chunks of about 1 MiB, never larger than a small table.
+    per_row = 4 * (dim + slots) + 16
+    storage = max(1, min((1 << 20) // per_row, len(first[0]) if first is not None else 1))
+
+    def dataset(name: str, dtype: Any, width: int | None) -> h5py.Dataset:
+        shape, chunks = ((0,), (storage,)) if width is None else ((0, width), (storage, width))
+        maxshape = (None,) if width is None else (None, width)
+        return group.create_dataset(name, shape, dtype, maxshape=maxshape, chunks=chunks)
+
+    ids = dataset("ids", np.int64, None)
+    values = dataset("values", np.float32, dim)
+    steps = dataset("steps", np.uint32, None)
+    slot_ds = dataset("slots", np.float32, slots) if slots else None
+    counts = np.zeros(NUM_BUCKETS, np.int64)
+    n = 0
+    for c_ids, c_values, c_slots, c_steps, c_buckets in (
+        itertools.chain([first], rows.chunks) if first is not None else ()
+    ):
+        m = len(c_ids)
+        if m == 0:
+            continue
+        for ds in (ids, values, slot_ds, steps):
+            if ds is not None:
+                ds.resize(n + m, axis=0)
+        ids[n : n + m] = c_ids
+        values[n : n + m] = c_values
+        if slot_ds is not None:
+            slot_ds[n : n + m] = c_slots
+        steps[n : n + m] = c_steps
+        counts += np.bincount(c_buckets, minlength=NUM_BUCKETS)
+        n += m
+    offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    group.create_dataset("bucket_offsets", data=offsets)
+    return n
+
+
+def _write_shard_file(
+    local_path: str, layout: ShardLayout, tables: list[TableRows], save_id: str
+) -> list[dict[str, Any]]:
+    """Streams `tables` (sorted by name) into an HDF5 file; returns table
+    infos."""
     infos = []
     with h5py.File(local_path, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["save_id"] = save_id
-        f.attrs["shard_index"] = shard.shard_index
-        f.attrs["num_shards"] = shard.num_shards
-        f.attrs["first_bucket"] = shard.first_bucket
-        f.attrs["end_bucket"] = shard.end_bucket
+        f.attrs["shard_index"] = layout.shard_index
+        f.attrs["num_shards"] = layout.num_shards
+        f.attrs["first_bucket"] = layout.first_bucket
+        f.attrs["end_bucket"] = layout.end_bucket
         f.attrs["num_buckets"] = NUM_BUCKETS
-        tables = f.create_group("tables")
-        for k, table in enumerate(sorted(shard.tables(), key=lambda t: t.name)):
-            g = tables.create_group(f"t{k:05d}")
-            g.attrs["config"] = json.dumps(table.config, sort_keys=True)
-            rows = _storage_chunk_rows(table)
-            dim, slots = table.dim, table.slot_floats
-            ids = g.create_dataset("ids", (0,), np.int64, maxshape=(None,), chunks=(rows,))
-            values = g.create_dataset(
-                "values", (0, dim), np.float32, maxshape=(None, dim), chunks=(rows, dim)
-            )
-            slot_ds = (
-                g.create_dataset(
-                    "slots", (0, slots), np.float32, maxshape=(None, slots), chunks=(rows, slots)
-                )
-                if slots
-                else None
-            )
-            steps = g.create_dataset("steps", (0,), np.uint32, maxshape=(None,), chunks=(rows,))
-            counts = np.zeros(NUM_BUCKETS, np.int64)
-            exporter = table.exporter()
-            n = 0
-            while (chunk := exporter.next(_chunk_rows(table))) is not None:
-                c_ids, c_values, c_slots, c_steps, c_buckets = chunk
-                m = len(c_ids)
-                for ds in (ids, values, slot_ds, steps):
-                    if ds is not None:
-                        ds.resize(n + m, axis=0)
-                ids[n : n + m] = c_ids
-                values[n : n + m] = c_values
-                if slot_ds is not None:
-                    slot_ds[n : n + m] = c_slots
-                steps[n : n + m] = c_steps
-                counts += np.bincount(c_buckets, minlength=NUM_BUCKETS)
-                n += m
-            offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
-            np.cumsum(counts, out=offsets[1:])
-            g.create_dataset("bucket_offsets", data=offsets)
-            infos.append({"config": table.config, "rows": n})
+        group = f.create_group("tables")
+        for k, rows in enumerate(sorted(tables, key=lambda t: str(t.config["name"]))):
+            n = _write_table(group.create_group(f"t{k:05d}"), rows)
+            infos.append({"config": rows.config, "rows": n})
     return infos
 
 
 def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
-    """Writes this shard's file into checkpoint directory `path`.
+    """Writes this shard's file into checkpoint directory `path` (see
+    `save_tables`)."""
+    layout = ShardLayout(shard.shard_index, shard.num_shards, shard.first_bucket, shard.end_bucket)
+    return save_tables(path, layout, [native_rows(t) for t in shard.tables()], save_id)
+
+
+def save_tables(
+    path: str, layout: ShardLayout, tables: list[TableRows], save_id: str
+) -> dict[str, Any]:
+    """Writes one shard file of `tables` into checkpoint directory `path`.
 
     The file gets a save-specific name, so a committed checkpoint at the same
     path is never overwritten; only the manifest (written by the caller after
@@ -127,13 +181,13 @@ def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
         raise errors.InvalidArgumentError(f"save_id must be alphanumeric, got {save_id!r}")
     start = time.monotonic()
     fs, root = filesystem(path)
-    name = shard_file_name(shard.shard_index, shard.num_shards, save_id)
+    name = shard_file_name(layout.shard_index, layout.num_shards, save_id)
     fs.makedirs(root, exist_ok=True)
     target = f"{root}/{name}"
     if is_local(fs):
         tmp = f"{target}.tmp-{os.getpid()}"
         try:
-            infos = _write_shard_file(tmp, shard, save_id)
+            infos = _write_shard_file(tmp, layout, tables, save_id)
             with open(tmp, "rb") as f:
                 sha = _sha256_of(f)
             with open(tmp, "rb+") as f:
@@ -146,7 +200,7 @@ def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
     else:
         with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as spool:
             local = os.path.join(spool, name)
-            infos = _write_shard_file(local, shard, save_id)
+            infos = _write_shard_file(local, layout, tables, save_id)
             with open(local, "rb") as f:
                 sha = _sha256_of(f)
             size = os.path.getsize(local)
@@ -155,10 +209,10 @@ def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
         "file": name,
         "sha256": sha,
         "bytes": size,
-        "shard_index": shard.shard_index,
-        "num_shards": shard.num_shards,
-        "first_bucket": shard.first_bucket,
-        "end_bucket": shard.end_bucket,
+        "shard_index": layout.shard_index,
+        "num_shards": layout.num_shards,
+        "first_bucket": layout.first_bucket,
+        "end_bucket": layout.end_bucket,
         "tables": infos,
         "seconds": time.monotonic() - start,
     }
@@ -241,7 +295,7 @@ def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
                     )
                 offsets = g["bucket_offsets"][...]
                 lo, hi = int(offsets[first]), int(offsets[end])
-                step = _chunk_rows(table)
+                step = chunk_rows(table.dim, table.slot_floats)
                 slots = g["slots"] if "slots" in g else None
                 for a in range(lo, hi, step):
                     b = min(hi, a + step)

@@ -35,10 +35,10 @@ import tensorflow as tf
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.client import Client
-from tf_dlt.layers.embedding import cluster_of, distributed_layers
-from tf_dlt.model_checkpoint import ModelCheckpoint, load, save, table_holders
+from tf_dlt.keras.checkpoint import ModelCheckpoint, load, save
+from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
 
-log = logging.getLogger("tf_dlt.recovery")
+log = logging.getLogger("tf_dlt.keras.recovery")
 
 # What a crashed or unreachable shard raises, in TF ops and in the client.
 SHARD_LOST = (

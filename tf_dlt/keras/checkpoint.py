@@ -22,28 +22,17 @@ from typing import Any
 import keras
 import numpy as np
 
-from tf_dlt import _native, errors, manifest
+from tf_dlt import _native, errors
 from tf_dlt import dlt_ops as ops
+from tf_dlt.checkpoint import manifest, shard_files
 from tf_dlt.client import Client
-from tf_dlt.layers.embedding import cluster_of, distributed_layers
+from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
 from tf_dlt.table_config import difference, normalized
 
 MODEL_FILE = "tf_dlt_model.json"
 DENSE_FILE = "dense.weights.h5"
 TABLES_DIR = "tables"
 _CHUNK = 1 << 16
-
-
-def table_holders(model: keras.Model) -> list[Any]:
-    """What holds the model's tables: its distributed layers, and its
-    optimizer when that keeps the dense weights in a table
-    (tf_dlt.DenseOnShards). Each has client, table_name, output_dim and
-    table_config."""
-    holders: list[Any] = list(distributed_layers(model))
-    optimizer = getattr(model, "optimizer", None)
-    if getattr(optimizer, "client", None) is not None and hasattr(optimizer, "table_config"):
-        holders.append(optimizer)
-    return holders
 
 
 def save(model: keras.Model, path: str) -> dict[str, Any]:
@@ -60,19 +49,18 @@ def save(model: keras.Model, path: str) -> dict[str, Any]:
         with Client(addresses, auth_token=token) as client:
             client.save(tables)
     elif layers:
-        shard = _native.Shard(0, 1)
+        # Straight from the embedded tables into the file, a chunk at a time.
+        rows = []
         for layer in layers:
-            shard.create_table(layer.table_config.to_dict())
-            ids, values, slots, steps = ops.export_table(
-                layer.client, layer.table_name, layer.output_dim
-            )
-            shard.get_table(layer.table_name).import_rows(
-                ids.numpy(), values.numpy(), slots.numpy(), steps.numpy().astype(np.uint32)
-            )
-        from tf_dlt.server import checkpoint
-
+            config = layer.table_config.to_dict()
+            slot_floats = _native.Table(config).slot_floats
+            chunks = ops.export_chunks(
+                layer.client, layer.table_name, layer.output_dim,
+                shard_files.chunk_rows(layer.output_dim, slot_floats),
+            )  # fmt: skip
+            rows.append(shard_files.TableRows(config, layer.output_dim, slot_floats, chunks))
         save_id = manifest.new_save_id()
-        part = checkpoint.save_shard(tables, shard, save_id)
+        part = shard_files.save_tables(tables, shard_files.ShardLayout(), rows, save_id)
         manifest.write_manifest(tables, [part], save_id)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
@@ -99,6 +87,11 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
     layers = table_holders(model)
+    # Tables following the compiled optimizer take its form before their
+    # configs are compared with the checkpoint's.
+    if getattr(model, "compiled", False):
+        for layer in distributed_layers(model):
+            layer.follow_optimizer(model.optimizer)
     missing = set(info["tables"]) - {layer.table_name for layer in layers}
     if missing:
         raise errors.FailedPreconditionError(
@@ -119,10 +112,8 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
 
 
 def _load_embedded(tables: str, layers: list[Any]) -> None:
-    from tf_dlt.server import checkpoint
-
     staged = _native.Shard(0, 1)
-    checkpoint.load_shard(tables, staged)  # verified: checksums, configs
+    shard_files.load_shard(tables, staged)  # verified: checksums, configs
     by_name = {t.name: t for t in staged.tables()}
     for layer in layers:  # check everything before changing anything
         t = by_name.get(layer.table_name)

@@ -33,11 +33,11 @@ from typing import IO, Any
 
 import yaml  # type: ignore[import-untyped]
 
-from tf_dlt import capacity
+from tf_dlt.tools import capacity
 
 DATA_PORT, ADMIN_PORT, METRICS_PORT = 7000, 7001, 9100
 CHECKPOINT_MOUNT = "/checkpoints"
-# Requests: the table (bytes per row as tf_dlt.capacity measured them) times
+# Requests: the table (bytes per row as tf_dlt.tools.capacity measured them) times
 # `headroom` for growth and save buffers, plus the process and gRPC server.
 BASE_MEMORY_MIB = 512
 _GI = 1 << 30

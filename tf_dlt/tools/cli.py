@@ -13,8 +13,8 @@ from collections.abc import Sequence
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tf-dlt", description="tf_dlt command line")
     commands = parser.add_subparsers(dest="command", required=True)
-    from tf_dlt import capacity, cluster_stats, k8s, launch
     from tf_dlt.server import main as server_main
+    from tf_dlt.tools import capacity, cluster_stats, k8s, launch
 
     server_main.build_parser(
         commands.add_parser("server", help="serve one shard of the distributed tables")

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_dlt import _native
 from tf_dlt import dlt_ops as ops
-from tf_dlt.layers.embedding import cluster_of, distributed_layers
+from tf_dlt.keras.walk import cluster_of, copy_weights, distributed_layers
 
 MODES = ("remote", "standalone")
 # Custom gradients are not saved: the graph then needs no push op.
@@ -182,8 +182,8 @@ def _scan_shards(
     from a checkpoint the shards write to `staging`."""
     import tempfile
 
+    from tf_dlt.checkpoint import shard_files
     from tf_dlt.client import Client
-    from tf_dlt.server import checkpoint
 
     addresses, token = cluster_of(layers)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-export-") as tmp:
@@ -191,9 +191,9 @@ def _scan_shards(
         with Client(addresses, auth_token=token) as client:
             client.save(path)
         staged = _native.Shard(0, 1)
-        checkpoint.load_shard(path, staged)
+        shard_files.load_shard(path, staged)
         if staging is not None:
-            from tf_dlt import manifest
+            from tf_dlt.checkpoint import manifest
 
             fs, root = manifest.filesystem(path)
             fs.rm(root, recursive=True)
@@ -219,7 +219,6 @@ def _export_standalone(
     layers: list[Any],
     rows: dict[str, tuple[np.ndarray, np.ndarray]],
 ) -> None:
-    from tf_dlt.transpiler.transpile import copy_weights
 
     distributed = {id(layer) for layer in layers}
 

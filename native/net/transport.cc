@@ -1,0 +1,150 @@
+#include "native/net/transport.h"
+
+#include <utility>
+
+#include "native/core/shard.h"
+
+namespace dlt {
+
+size_t TableExport::Next(size_t max_rows, std::vector<int64_t>* ids, std::vector<float>* values,
+                         std::vector<float>* slots, std::vector<uint32_t>* steps,
+                         std::vector<uint32_t>* buckets) {
+  const size_t at = ids->size(), d = dim(), k = slot_floats();
+  ids->resize(at + max_rows);
+  values->resize((at + max_rows) * d);
+  slots->resize((at + max_rows) * k);
+  steps->resize(at + max_rows);
+  buckets->resize(at + max_rows);
+  const RowBuffers out{ids->data() + at, values->data() + at * d, slots->data() + at * k,
+                       steps->data() + at, buckets->data() + at};
+  const size_t got = exporter_.Next(max_rows, out);
+  ids->resize(at + got);
+  values->resize((at + got) * d);
+  slots->resize((at + got) * k);
+  steps->resize(at + got);
+  buckets->resize(at + got);
+  return got;
+}
+
+namespace {
+
+class Tcp : public Transport {
+ public:
+  Tcp(std::vector<std::string> addresses, const ClientOptions& options)
+      : client_(std::move(addresses), options) {}
+  bool embedded() const override { return false; }
+
+  Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
+              float* out) override {
+    return client_.Pull(table, dim, ids, n, mode, out);
+  }
+  Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
+              size_t n, float learning_rate) override {
+    return client_.Push(table, dim, ids, grads, n, learning_rate);
+  }
+  Status Assign(const std::string& table, uint32_t dim, const int64_t* ids, const float* values,
+                size_t n) override {
+    return client_.Assign(table, dim, ids, values, n);
+  }
+  Status CreateTable(const TableConfig&) override {
+    return FailedPrecondition(
+        "tables of shard servers are created through their control plane "
+        "(tf_dlt.Client.create_table), not by Dlt>CreateTable");
+  }
+  Status DropTable(const std::string&) override {
+    return FailedPrecondition(
+        "tables of shard servers are dropped through their control plane "
+        "(tf_dlt.Client.drop_table), not by Dlt>DropTable");
+  }
+  Status OpenExport(const std::string&, uint32_t, std::unique_ptr<TableExport>*) override {
+    return FailedPrecondition(
+        "rows on shard servers are exported with tf_dlt.Client.save, not Dlt>ExportTable");
+  }
+  Status Import(const std::string&, uint32_t, const int64_t*, const float*, const float*, size_t,
+                const uint32_t*, size_t) override {
+    return FailedPrecondition(
+        "rows on shard servers are imported with tf_dlt.Client.load, not Dlt>ImportTable");
+  }
+
+ private:
+  Client client_;
+};
+
+class Embedded : public Transport {
+ public:
+  bool embedded() const override { return true; }
+
+  Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
+              float* out) override {
+    std::shared_ptr<Table> t;
+    DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
+    t->Pull(ids, n, mode, out);
+    return OkStatus();
+  }
+  Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
+              size_t n, float learning_rate) override {
+    std::shared_ptr<Table> t;
+    DLT_RETURN_IF_ERROR(Find(table, dim, "Push", &t));
+    return t->Push(ids, grads, n, learning_rate).WithContext(Where(table, "Push"));
+  }
+  Status Assign(const std::string& table, uint32_t dim, const int64_t* ids, const float* values,
+                size_t n) override {
+    std::shared_ptr<Table> t;
+    DLT_RETURN_IF_ERROR(Find(table, dim, "Assign", &t));
+    return t->Assign(ids, values, n).WithContext(Where(table, "Assign"));
+  }
+  Status CreateTable(const TableConfig& config) override {
+    bool created = false;
+    return shard_.CreateTable(config, &created).WithContext("embedded CreateTable");
+  }
+  Status DropTable(const std::string& table) override {
+    return shard_.DropTable(table).WithContext(Where(table, "Drop"));
+  }
+  Status OpenExport(const std::string& table, uint32_t dim,
+                    std::unique_ptr<TableExport>* out) override {
+    std::shared_ptr<Table> t;
+    DLT_RETURN_IF_ERROR(Find(table, dim, "Export", &t));
+    *out = std::make_unique<TableExport>(std::move(t));
+    return OkStatus();
+  }
+  Status Import(const std::string& table, uint32_t dim, const int64_t* ids, const float* values,
+                const float* slots, size_t slot_floats, const uint32_t* steps, size_t n) override {
+    std::shared_ptr<Table> t;
+    DLT_RETURN_IF_ERROR(Find(table, dim, "Import", &t));
+    if (slot_floats != 0 && slot_floats != t->slot_floats()) {
+      return InvalidArgument(Where(table, "Import") + ": the table has " +
+                             std::to_string(t->slot_floats()) + " slot floats per row, got " +
+                             std::to_string(slot_floats));
+    }
+    return t->Import(ids, values, slot_floats ? slots : nullptr, steps, n)
+        .WithContext(Where(table, "Import"));
+  }
+
+ private:
+  static std::string Where(const std::string& table, const char* op) {
+    return "embedded table '" + table + "' " + op;
+  }
+  // The table, checked to have `dim`.
+  Status Find(const std::string& table, uint32_t dim, const char* op, std::shared_ptr<Table>* out) {
+    DLT_RETURN_IF_ERROR(shard_.GetTable(table, out).WithContext(Where(table, op)));
+    if ((*out)->dim() != dim) {
+      return InvalidArgument(Where(table, op) + ": the table has dim " +
+                             std::to_string((*out)->dim()) + ", the op says " +
+                             std::to_string(dim));
+    }
+    return OkStatus();
+  }
+
+  Shard shard_{0, 1};
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> TcpTransport(std::vector<std::string> addresses,
+                                        const ClientOptions& options) {
+  return std::make_unique<Tcp>(std::move(addresses), options);
+}
+
+std::unique_ptr<Transport> EmbeddedTransport() { return std::make_unique<Embedded>(); }
+
+}  // namespace dlt

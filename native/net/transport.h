@@ -1,0 +1,69 @@
+// How a client reaches its tables: over TCP to shard servers (the data-plane
+// Client) or in this process (an embedded Shard, the single-machine default).
+// The op library's ClientResource holds one; no TF or Python headers.
+#ifndef TF_DLT_NATIVE_NET_TRANSPORT_H_
+#define TF_DLT_NATIVE_NET_TRANSPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "native/core/status.h"
+#include "native/core/table.h"
+#include "native/core/table_config.h"
+#include "native/net/client.h"
+
+namespace dlt {
+
+// Rows of one table copied out in (bucket, id) order, a chunk at a time.
+class TableExport {
+ public:
+  TableExport(std::shared_ptr<Table> table) : table_(std::move(table)), exporter_(table_.get()) {}
+  uint32_t dim() const { return table_->dim(); }
+  uint32_t slot_floats() const { return table_->slot_floats(); }
+  // Appends up to `max_rows` rows to the vectors; returns how many (0: done).
+  size_t Next(size_t max_rows, std::vector<int64_t>* ids, std::vector<float>* values,
+              std::vector<float>* slots, std::vector<uint32_t>* steps,
+              std::vector<uint32_t>* buckets);
+
+ private:
+  std::shared_ptr<Table> table_;
+  Table::Exporter exporter_;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual bool embedded() const = 0;
+
+  virtual Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
+                      PullMode mode, float* out) = 0;
+  virtual Status Push(const std::string& table, uint32_t dim, const int64_t* ids,
+                      const float* grads, size_t n, float learning_rate) = 0;
+  // Sets rows (fresh optimizer slots).
+  virtual Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
+                        const float* values, size_t n) = 0;
+
+  // Embedded only (shard servers do these through their control plane).
+  virtual Status CreateTable(const TableConfig& config) = 0;
+  virtual Status DropTable(const std::string& table) = 0;
+  virtual Status OpenExport(const std::string& table, uint32_t dim,
+                            std::unique_ptr<TableExport>* out) = 0;
+  // Inserts or overwrites rows with their optimizer slots (`slot_floats`
+  // per row; 0: fresh slots) and update counts.
+  virtual Status Import(const std::string& table, uint32_t dim, const int64_t* ids,
+                        const float* values, const float* slots, size_t slot_floats,
+                        const uint32_t* steps, size_t n) = 0;
+};
+
+// Shard servers at `addresses` (shard-index order).
+std::unique_ptr<Transport> TcpTransport(std::vector<std::string> addresses,
+                                        const ClientOptions& options);
+// Tables in this process.
+std::unique_ptr<Transport> EmbeddedTransport();
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_TRANSPORT_H_

@@ -1,0 +1,80 @@
+"""Walking a Keras model for what tf_dlt keeps outside it: every layer
+(nested models included), the distributed embeddings, the cluster their
+tables live on, and everything that holds a table (the embeddings and a
+`tf_dlt.DenseOnShards` optimizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from tf_dlt import errors
+from tf_dlt.layers.embedding import Embedding
+
+
+def walk_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """Every layer of `model`, nested models' layers included (after the
+    nested model itself)."""
+    out: list[keras.layers.Layer] = []
+    for layer in model.layers:
+        out.append(layer)
+        if isinstance(layer, keras.Model):
+            out += walk_layers(layer)
+    return out
+
+
+def distributed_layers(model: keras.Model) -> list[Embedding]:
+    """The distributed `Embedding` layers of `model`, nested ones included."""
+    return [
+        layer
+        for layer in walk_layers(model)
+        if isinstance(layer, Embedding) and layer.is_distributed
+    ]
+
+
+def cluster_of(layers: list[Any]) -> tuple[list[str], str]:
+    """(addresses, auth token) shared by the layers' clients; [] if embedded."""
+    kinds = {tuple(layer.client.pservers) for layer in layers}
+    if len(kinds) > 1:
+        raise errors.InvalidArgumentError(
+            f"the model's tables are on {len(kinds)} different clusters ({sorted(kinds)}); "
+            "tf_dlt.save and export_saved_model handle one cluster (or the embedded tables) "
+            "per model"
+        )
+    addresses = list(kinds.pop()) if kinds else []
+    token = layers[0].client.auth_token if layers else ""
+    return addresses, token
+
+
+def table_holders(model: keras.Model) -> list[Any]:
+    """What holds the model's tables: its distributed layers, and its
+    optimizer when that keeps the dense weights in a table
+    (tf_dlt.DenseOnShards). Each has client, table_name, output_dim and
+    table_config."""
+    holders: list[Any] = list(distributed_layers(model))
+    optimizer = getattr(model, "optimizer", None)
+    if getattr(optimizer, "client", None) is not None and hasattr(optimizer, "table_config"):
+        holders.append(optimizer)
+    return holders
+
+
+def _flat_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
+    return {layer.name: layer for layer in walk_layers(model)}
+
+
+def copy_weights(source: keras.Model, target: keras.Model) -> None:
+    """Copies the weights of every layer of `source` into the layer of the
+    same name in `target`, except distributed tables (their rows live in the
+    tables) and layers whose weights differ in shape (rewritten layers)."""
+    old_layers = _flat_layers(source)
+    for name, layer in _flat_layers(target).items():
+        if isinstance(layer, keras.Model) or (
+            isinstance(layer, Embedding) and layer.is_distributed
+        ):
+            continue
+        old = old_layers.get(name)
+        if old is None or not old.get_weights() or not layer.get_weights():
+            continue
+        if [w.shape for w in old.get_weights()] == [w.shape for w in layer.get_weights()]:
+            layer.set_weights(old.get_weights())
