@@ -4,6 +4,10 @@ embeddings live in one distributed table."""
 
 from __future__ import annotations
 
+import quiet_tensorflow  # noqa: F401  (first: TensorFlow loads without its log lines)
+
+# isort: split
+
 import keras
 import numpy as np
 

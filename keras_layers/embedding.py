@@ -3,39 +3,31 @@ live in a distributed lookup table.
 
 Forward: `Dlt>Lookup`. Backward: a `tf.custom_gradient` on a scalar "anchor"
 weight turns the gradient of the looked-up rows into one summed row per
-distinct id (`Dlt>LookupGrad`) and pushes it (`Dlt>Push`); the shard applies
-the table's optimizer. Keras' optimizer never sees the table: it writes the
-anchor's zero gradient into the anchor (`overwrite_with_gradient`).
+distinct id (`Dlt>LookupGrad`) and keeps it for the step. Keras' optimizer
+never sees the table: its apply step writes the anchor's gradient into the
+anchor (`overwrite_with_gradient`), and that write pushes the kept rows
+(`Dlt>Push`), so a step the optimizer skips (a LossScaleOptimizer on
+overflow) pushes nothing. The shard applies the table's optimizer: the
+compiled Keras optimizer's, unless the layer names its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors, initializers, optimizers
 from tf_dlt.table_config import TableConfig
 
+from . import keras_settings
+
 _COMBINERS = (None, "sum", "mean", "sqrtn")
-
-_KERAS_INITIALIZERS: dict[str, initializers.Initializer] = {
-    "uniform": initializers.RandomUniform(-0.05, 0.05),
-    "random_uniform": initializers.RandomUniform(-0.05, 0.05),
-    "zeros": initializers.Zeros(),
-    "normal": initializers.RandomNormal(0.0, 0.05),
-    "random_normal": initializers.RandomNormal(0.0, 0.05),
-    "truncated_normal": initializers.TruncatedNormal(0.0, 0.05),
-}
-
-
-def _table_initializer(identifier: Any) -> initializers.Initializer:
-    if isinstance(identifier, str) and identifier.lower() in _KERAS_INITIALIZERS:
-        return _KERAS_INITIALIZERS[identifier.lower()]
-    return initializers.get(identifier)
 
 
 def combine(
@@ -93,14 +85,54 @@ def _model_optimizer(layer: keras.layers.Layer) -> Any:
     return optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
 
 
+@dataclasses.dataclass
+class _Pending:
+    """One step's rows, summed per distinct id in the backward pass, waiting
+    for the optimizer's apply step, and the graph they belong to."""
+
+    graph: Any
+    ids: tf.Tensor
+    grads: tf.Tensor
+    optimizer: Any
+
+
+def _within(graph: Any) -> bool:
+    """True when the current graph is `graph` or nested in it (a cond
+    branch, a while body)."""
+    current = tf.compat.v1.get_default_graph()
+    while current is not None:
+        if current is graph:
+            return True
+        current = getattr(current, "outer_graph", None)
+    return False
+
+
+class _Anchor(keras.Variable):  # type: ignore[misc]
+    """The scalar anchor weight: the optimizer overwrites it with its
+    gradient in the apply step, and that is when the layer pushes the step's
+    rows."""
+
+    def __init__(self, on_apply: Callable[[Any], Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._on_apply = on_apply
+
+    def assign(self, value: Any) -> Any:
+        pushed = self._on_apply(value)
+        if pushed is None:
+            return super().assign(value)
+        with tf.control_dependencies([pushed]):
+            return super().assign(tf.identity(value))
+
+
 @keras.saving.register_keras_serializable(package="tf_dlt")
 class Embedding(keras.layers.Layer):  # type: ignore[misc]
     """Turns int ids into dense vectors, like `keras.layers.Embedding`.
 
     Args:
         input_dim: vocabulary size; required for local tables
-            (``is_distributed=False``), ignored by distributed ones (any int64
-            id is valid there).
+            (``is_distributed=False``); optional for distributed ones (any
+            int64 id is valid there), where it sizes shape-dependent Keras
+            initializers (Glorot, He, ...) and must match `weights`.
         output_dim: size of each vector; always required.
         is_distributed: False keeps the rows in a local Keras variable, as
             `keras.layers.Embedding` does; True keeps them in the distributed
@@ -108,21 +140,32 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             transpiled onto shard servers).
         is_sparse: local tables only: gradients as `tf.IndexedSlices` (True)
             or dense (False). Distributed tables always push sparse rows.
-        embeddings_initializer: a Keras initializer name ("uniform", "normal",
-            "truncated_normal", "zeros") or a `tf_dlt.initializers` object.
-            Distributed rows are initialized on first use, deterministically
-            from (seed, id).
+        embeddings_initializer: any Keras initializer (object, name or
+            config) or a `tf_dlt.initializers` object. Local tables use it as
+            `keras.layers.Embedding` does; distributed rows start from the
+            per-id deterministic form of RandomNormal, RandomUniform,
+            TruncatedNormal, Zeros, Ones, Constant (arguments and seed kept)
+            and, with `input_dim`, VarianceScaling / Glorot / He / Lecun.
         optimizer: distributed tables: the server-side update_method, a name
             ("sgd", "adagrad", "adam", "ftrl") or a `tf_dlt.optimizers`
-            object. Default "sgd".
+            object. None (default): the compiled Keras optimizer's (SGD,
+            Adagrad, Adam and Ftrl, with their hyper-parameters).
         learning_rate: distributed tables: the learning rate sent with every
             push, a float or a `keras.optimizers.schedules.LearningRateSchedule`
-            evaluated at the number of pushes this layer has made.
-        combiner: None for dense ids of any rank; "sum", "mean" or "sqrtn" to
-            reduce the rows of each example of a `tf.RaggedTensor` or
-            `tf.SparseTensor` input, as `tf.nn.embedding_lookup_sparse` does.
+            evaluated at the number of pushes this layer has made. None
+            (default): the compiled Keras optimizer's current learning rate
+            (a schedule evaluated at its iterations).
+        combiner: None for dense ids of any rank (a `tf.RaggedTensor` gives
+            ragged rows, a `tf.SparseTensor` is looked up as the dense tensor
+            it stands for, absent entries being id 0, as Keras does); "sum",
+            "mean" or "sqrtn" to reduce the rows of each example of a ragged
+            or sparse input, as `tf.nn.embedding_lookup_sparse` does.
         mask_zero: as in Keras: id 0 is padding and produces a mask.
-        seed: distributed tables: seed of the deterministic initializer.
+        weights: initial rows, a `(input_dim, output_dim)` array (or a list
+            holding one), as `keras.layers.Embedding` takes; distributed
+            tables get them as ids 0..input_dim-1.
+        seed: distributed tables: seed of the deterministic initializer
+            (default: the Keras initializer's seed, else 0).
         table_name: distributed tables: name of the table (default: the layer
             name).
         sync_push: distributed tables: wait for every push to be applied
@@ -140,22 +183,23 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         optimizer: optimizers.OptimizerLike | None = None,
         combiner: str | None = None,
         mask_zero: bool = False,
-        learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.01,
-        seed: int = 0,
+        learning_rate: float | keras.optimizers.schedules.LearningRateSchedule | None = None,
+        seed: int | None = None,
         table_name: str | None = None,
         sync_push: bool = False,
         name: str | None = None,
+        weights: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(name=name, **kwargs)
         if output_dim is None or isinstance(output_dim, bool) or int(output_dim) < 1:
             raise ValueError(f"output_dim must be a positive int, got {output_dim!r}")
-        if not is_distributed and (
-            input_dim is None or isinstance(input_dim, bool) or int(input_dim) < 1
-        ):
+        if input_dim is not None and (isinstance(input_dim, bool) or int(input_dim) < 1):
+            raise ValueError(f"input_dim must be a positive int, got {input_dim!r}")
+        if not is_distributed and input_dim is None:
             raise ValueError(
-                f"input_dim must be a positive int for a local table (is_distributed=False), "
-                f"got {input_dim!r}"
+                "input_dim must be a positive int for a local table (is_distributed=False), "
+                "got None"
             )
         if combiner not in _COMBINERS:
             raise ValueError(f"combiner must be one of {_COMBINERS}, got {combiner!r}")
@@ -165,21 +209,31 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         self.output_dim = int(output_dim)
         self.is_distributed = bool(is_distributed)
         self.is_sparse = bool(is_sparse)
+        if isinstance(embeddings_initializer, dict) and "class_name" in embeddings_initializer:
+            embeddings_initializer = keras.initializers.deserialize(embeddings_initializer)
         self.embeddings_initializer = embeddings_initializer
         self.combiner = combiner
         self.mask_zero = bool(mask_zero)
+        self.supports_masking = self.mask_zero
         self.learning_rate = learning_rate
-        self.seed = int(seed)
         self.table_name = table_name or self.name
         self.sync_push = bool(sync_push)
-        self.optimizer = optimizers.get(optimizer or "sgd")
+        # None: the table follows the compiled Keras optimizer.
+        self.optimizer = None if optimizer is None else optimizers.get(optimizer)
+        self.seed = seed
+        self.initial_weights = _initial_weights(weights, self.input_dim, self.output_dim)
+        if self.initial_weights is not None and self.input_dim is None:
+            self.input_dim = len(self.initial_weights)
         if self.is_distributed:
+            initializer, keras_seed = keras_settings.table_initializer(
+                embeddings_initializer, self.input_dim, self.output_dim
+            )
             self.table_config = TableConfig.create(
                 self.table_name,
                 self.output_dim,
-                _table_initializer(embeddings_initializer),
-                self.optimizer,
-                self.seed,
+                initializer,
+                self.optimizer or optimizers.SGD(),  # until the model's is known
+                seed if seed is not None else (keras_seed or 0),
             )
             # The ops have no XLA kernels: Keras turns jit_compile "auto" off.
             self.supports_jit = False
@@ -187,14 +241,21 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # Set while a serving graph is traced: its lookups must not wait for
         # pushes (a serving process has none), so the graph holds only lookups.
         self.serving = False
+        self._pending: _Pending | None = None
+        if self.initial_weights is not None and not self.is_distributed:
+            self.build()
 
     # Building --------------------------------------------------------------
 
     def build(self, input_shape: Any = None) -> None:
+        if getattr(self, "built", False):
+            return
         if self.is_distributed:
-            self.anchor = self.add_weight(
-                shape=(), initializer="zeros", trainable=True, name="anchor"
-            )
+            with keras.name_scope(self.name):
+                self.anchor = _Anchor(
+                    self._push_pending, initializer="zeros", shape=(), trainable=True,
+                    name="anchor",
+                )  # fmt: skip
             self.anchor.overwrite_with_gradient = True
             # Pushes made (the step of a learning-rate schedule); under a
             # MirroredStrategy the replicas push together, once per step.
@@ -211,13 +272,22 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 self.client = ops.ClientResource()
             if self.client.embedded:
                 ops.create_table(self.client, self.table_config)
+                self._upload_initial_weights()
         else:
             self.embeddings = self.add_weight(
                 shape=(self.input_dim, self.output_dim),
-                initializer=self.embeddings_initializer,
+                initializer=keras_settings.keras_initializer(self.embeddings_initializer),
                 name="embeddings",
             )
+            if self.initial_weights is not None:
+                self.embeddings.assign(self.initial_weights)
         self.built = True
+
+    def _upload_initial_weights(self) -> None:
+        if self.initial_weights is None or self.client is None:
+            return
+        ids = np.arange(len(self.initial_weights), dtype=np.int64)
+        ops.assign(self.client, ids, self.initial_weights, self.table_name, self.output_dim)
 
     def use_client(self, client: ops.ClientResource) -> None:
         """Backs this layer's table with `client` (the transpiler's hook)."""
@@ -225,18 +295,62 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if self.built and client.embedded:
             ops.create_table(client, self.table_config)
 
+    def follow_optimizer(self, optimizer: Any) -> None:
+        """Gives the table the server-side form of the Keras `optimizer`,
+        when the layer names none itself. An embedded table created for
+        another optimizer is created again with its rows (fresh slots) if
+        no push trained it yet; otherwise, and for tables on shard servers,
+        FailedPreconditionError says what to do."""
+        if not self.is_distributed or self.optimizer is not None or optimizer is None:
+            return
+        wanted = keras_settings.table_optimizer(optimizer)
+        if wanted == self.table_config.optimizer:
+            return
+        config = dataclasses.replace(self.table_config, optimizer=wanted)
+        if self.built and self.client is not None:
+            have = self.table_config.optimizer.kind
+            if not self.client.embedded:
+                raise errors.FailedPreconditionError(
+                    f"table {self.table_name!r} on the shards was created with {have}, but the "
+                    f"model is compiled with {type(keras_settings.inner(optimizer)).__name__}: "
+                    "compile the model before tf_dlt.transpile (which creates its tables for the "
+                    f"compiled optimizer), or give layer {self.name!r} optimizer="
+                )
+            with tf.init_scope():
+                self._recreate_embedded_table(config)
+        self.table_config = config
+
+    def _recreate_embedded_table(self, config: TableConfig) -> None:
+        assert self.client is not None
+        ids, values, _, steps = ops.export_table(self.client, self.table_name, self.output_dim)
+        if bool(tf.reduce_any(steps > 0)):
+            raise errors.FailedPreconditionError(
+                f"table {self.table_name!r} was trained with "
+                f"{self.table_config.optimizer.kind}; the model is now compiled for "
+                f"{config.optimizer.kind}: give layer {self.name!r} optimizer="
+                f"{self.table_config.optimizer.kind!r} to keep training it, or start from a "
+                "checkpoint saved with the new optimizer"
+            )
+        ops.drop_table(self.client, self.table_name)
+        ops.create_table(self.client, config)
+        if int(tf.size(ids)):
+            no_slots = tf.zeros([tf.size(ids), 0], tf.float32)
+            ops.import_table(
+                self.client, self.table_name, self.output_dim, ids, values, no_slots, steps
+            )
+
     # Forward ---------------------------------------------------------------
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
+        if isinstance(inputs, tf.SparseTensor) and self.combiner is None:
+            # As keras.layers.Embedding: the dense tensor it stands for.
+            inputs = tf.sparse.to_dense(inputs)
         if isinstance(inputs, tf.SparseTensor):
             inputs = tf.RaggedTensor.from_sparse(inputs)
         if isinstance(inputs, tf.RaggedTensor):
-            if self.combiner is None:
-                raise ValueError(
-                    f"layer {self.name!r} got a RaggedTensor or SparseTensor; set combiner "
-                    "to 'sum', 'mean' or 'sqrtn'"
-                )
             rows = self._rows(tf.cast(inputs.flat_values, tf.int64), training)
+            if self.combiner is None:
+                return inputs.with_flat_values(rows)
             return combine(self.combiner, rows, inputs.value_rowids(), inputs.nrows())
         ids = tf.cast(inputs, tf.int64)
         if self.combiner is not None:
@@ -250,24 +364,33 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if not self.is_distributed:
             table = self.embeddings.value  # the backing tf.Variable
             if self.is_sparse:
-                return tf.gather(table, ids)  # tf.IndexedSlices gradient
-            return tf.gather(_densify_gradient(table), ids)
+                rows = tf.gather(table, ids)  # tf.IndexedSlices gradient
+            else:
+                rows = tf.gather(_densify_gradient(table), ids)
+            return tf.cast(rows, self.compute_dtype)
         assert self.client is not None
         client, table_name, dim = self.client, self.table_name, self.output_dim
         lookup_training = bool(training)
         optimizer = _model_optimizer(self) if lookup_training else None
-        self._check_optimizer(optimizer)
+        if lookup_training:
+            self._check_optimizer(optimizer)
+            self.follow_optimizer(optimizer)
+            self._pending = None  # a new step: rows never applied are dropped
         dynamic_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         scaled = dynamic_scale or getattr(optimizer, "loss_scale_factor", None) is not None
         layer = self
+        per_occurrence = self.table_config.optimizer.kind == "keras_adagrad"
 
         @tf.custom_gradient  # type: ignore[untyped-decorator]
         def lookup(anchor: tf.Tensor) -> tuple[tf.Tensor, Any]:
             # Inference (evaluate, predict, serving) first waits for pending
-            # asynchronous pushes, so it reads every applied update.
+            # asynchronous pushes, so it reads every applied update; ids
+            # without a row read as zeros there, as in both exports.
             flushed = None if lookup_training or layer.serving else ops.flush(client)
             with tf.control_dependencies([flushed] if flushed is not None else []):
-                rows = ops.lookup(client, ids, table_name, dim, training=lookup_training)
+                rows = ops.lookup(
+                    client, ids, table_name, dim, training=lookup_training, missing="zeros"
+                )
 
             def grad(dy: tf.Tensor) -> tf.Tensor:
                 dy = tf.cast(tf.convert_to_tensor(dy), tf.float32)
@@ -277,16 +400,21 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                     # (unsummed) sparse gradients would not.
                     scale = optimizer.scale_loss(tf.constant(1.0))
                     dy = dy / tf.cast(scale, tf.float32)
-                unique, summed = ops.lookup_grad(ids, dy)
-                pushed = layer._push_all_replicas(unique, summed, skip_non_finite=dynamic_scale)
-                with tf.control_dependencies([pushed]):
-                    if not dynamic_scale:
-                        return tf.zeros_like(anchor)
-                    # An overflow is normal under dynamic loss scaling: a step
-                    # the table skipped (nothing pushed) hands the optimizer a
-                    # NaN, so it skips the step too.
-                    nan = tf.constant(float("nan"), anchor.dtype)
-                    return tf.where(pushed, tf.zeros_like(anchor), nan)
+                if per_occurrence:
+                    # Keras' Adagrad squares each occurrence of an id: the
+                    # shard gets them unsummed.
+                    unique, summed = tf.reshape(ids, [-1]), tf.reshape(dy, [-1, dim])
+                else:
+                    unique, summed = ops.lookup_grad(ids, dy)
+                anchor_grad = tf.zeros_like(anchor)
+                if dynamic_scale:
+                    # An overflow is normal under dynamic loss scaling: the
+                    # optimizer sees a NaN and skips the step, pushing
+                    # nothing (see _push_pending).
+                    finite = tf.reduce_all(tf.math.is_finite(summed))
+                    anchor_grad = tf.where(finite, anchor_grad, tf.constant(np.nan, anchor.dtype))
+                layer._keep_for_apply(unique, summed, optimizer)
+                return anchor_grad
 
             return rows, grad
 
@@ -295,48 +423,65 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # variable of keras.layers.Embedding, and leave in the compute dtype.
         return tf.cast(rows, self.compute_dtype)
 
-    def _push_all_replicas(
-        self, unique: tf.Tensor, summed: tf.Tensor, skip_non_finite: bool
-    ) -> tf.Tensor:
-        """Pushes one step's rows; True if pushed. Replicas of a
-        MirroredStrategy meet first (`merge_call`, after every replica's
-        lookups) and push their rows together once, as the all-reduced
-        gradient Keras applies to a variable."""
+    # Pushing in the optimizer's apply step ------------------------------------
+
+    def _keep_for_apply(self, unique: tf.Tensor, summed: tf.Tensor, optimizer: Any) -> None:
+        """Keeps one step's rows until the optimizer applies the step. Replicas
+        of a MirroredStrategy meet first (`merge_call`, after every replica's
+        lookups) and keep their rows together, as the all-reduced gradient
+        Keras applies to a variable."""
+        graph = tf.compat.v1.get_default_graph()
         replica = tf.distribute.get_replica_context()
         if not tf.distribute.has_strategy() or replica is None or replica.num_replicas_in_sync == 1:
-            return self._push(unique, summed, skip_non_finite)
+            self._pending = _Pending(graph, unique, summed, optimizer)
+            return
 
-        def merged(strategy: tf.distribute.Strategy, unique: Any, summed: Any) -> tf.Tensor:
+        def merged(strategy: tf.distribute.Strategy, unique: Any, summed: Any) -> None:
             ids = tf.concat(strategy.experimental_local_results(unique), 0)
             grads = tf.concat(strategy.experimental_local_results(summed), 0)
-            return self._push(ids, grads, skip_non_finite)
+            self._pending = _Pending(graph, ids, grads, optimizer)
 
-        return replica.merge_call(merged, args=(unique, summed))
+        replica.merge_call(merged, args=(unique, summed))
 
-    def _push(self, unique: tf.Tensor, summed: tf.Tensor, skip_non_finite: bool) -> tf.Tensor:
-        """Pushes rows (the shard sums repeated ids); with `skip_non_finite`
-        a step with an overflow pushes nothing. True if pushed."""
+    def _push_pending(self, value: Any) -> tf.Tensor | None:
+        """Called as the optimizer writes the anchor: pushes the rows kept
+        for this step (once, for every replica). None when nothing of this
+        step is pending (a restore or another write of the anchor)."""
+        pending = self._pending
+        if pending is None or not _within(pending.graph):
+            return None
+        replica = tf.distribute.get_replica_context()
+        if (
+            tf.distribute.has_strategy()
+            and replica is not None
+            and replica.num_replicas_in_sync > 1
+        ):
+
+            def merged(strategy: tf.distribute.Strategy) -> tf.Tensor:
+                self._pending = None
+                return self._push(pending)
+
+            return replica.merge_call(merged)
+        self._pending = None
+        return self._push(pending)
+
+    def _push(self, pending: _Pending) -> tf.Tensor:
+        """Pushes the rows (the shard sums repeated ids); True once queued
+        (or applied, with sync_push)."""
         client = self.client
         assert client is not None
-
-        def push() -> tf.Tensor:
-            lr = self._current_learning_rate()
-            pushed = ops.push(
-                client, unique, summed, lr, self.table_name, self.output_dim,
-                sync=self.sync_push,
-            )  # fmt: skip
-            count = self.pushes.assign_add(1)
-            deps = [d for d in (pushed, count) if d is not None]
-            with tf.control_dependencies(deps):
-                return tf.constant(True)
-
-        if not skip_non_finite:
-            return push()
-        finite = tf.reduce_all(tf.math.is_finite(summed))
-        return tf.cond(finite, push, lambda: tf.constant(False))
+        lr = self._current_learning_rate(pending.optimizer)
+        pushed = ops.push(
+            client, pending.ids, pending.grads, lr, self.table_name, self.output_dim,
+            sync=self.sync_push,
+        )  # fmt: skip
+        count = self.pushes.assign_add(1)
+        deps = [d for d in (pushed, count) if d is not None]
+        with tf.control_dependencies(deps):
+            return tf.constant(True)
 
     def _check_optimizer(self, optimizer: Any) -> None:
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        inner = keras_settings.inner(optimizer)
         steps = getattr(inner, "gradient_accumulation_steps", None)
         if steps:
             raise ValueError(
@@ -344,9 +489,17 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 f"{steps} steps (gradient_accumulation_steps), which distributed tables do "
                 "not support: their rows are pushed every step. Use a larger batch instead."
             )
+        if optimizer is None and (self.optimizer is None or self.learning_rate is None):
+            raise ValueError(
+                f"layer {self.name!r} follows the model's optimizer (optimizer=None or "
+                "learning_rate=None), but it trains outside a compiled model: compile the model, "
+                "or give the layer optimizer= and learning_rate="
+            )
 
-    def _current_learning_rate(self) -> tf.Tensor:
+    def _current_learning_rate(self, optimizer: Any) -> tf.Tensor:
         lr = self.learning_rate
+        if lr is None:
+            return keras_settings.current_learning_rate(optimizer)
         if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
             return tf.cast(lr(tf.cast(self.pushes, tf.float32)), tf.float32)
         return tf.constant(float(lr), tf.float32)
@@ -354,12 +507,17 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:
             return None
-        return tf.not_equal(inputs, 0)
+        return keras.ops.not_equal(inputs, 0)
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
         if self.combiner is not None:
             return (input_shape[0], self.output_dim)
         return tuple(input_shape) + (self.output_dim,)
+
+    def compute_output_spec(self, inputs: Any, training: Any = None) -> Any:
+        shape = self.compute_output_shape(inputs.shape)
+        ragged = getattr(inputs, "ragged", False) and self.combiner is None
+        return keras.KerasTensor(shape, dtype=self.compute_dtype, ragged=ragged)
 
     # Serialization -----------------------------------------------------------
 
@@ -368,7 +526,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         init = self.embeddings_initializer
         if isinstance(init, initializers.Initializer):
             init = init.to_dict()
-        elif not isinstance(init, str):
+        elif not isinstance(init, (str, dict)):
             init = keras.initializers.serialize(init)
         lr = self.learning_rate
         if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
@@ -379,7 +537,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             is_distributed=self.is_distributed,
             is_sparse=self.is_sparse,
             embeddings_initializer=init,
-            optimizer=self.optimizer.to_dict(),
+            optimizer=None if self.optimizer is None else self.optimizer.to_dict(),
             combiner=self.combiner,
             mask_zero=self.mask_zero,
             learning_rate=lr,
@@ -395,41 +553,23 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         lr = config.get("learning_rate")
         if isinstance(lr, dict):
             config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
-        init = config.get("embeddings_initializer")
-        if isinstance(init, dict) and "class_name" in init:
-            config["embeddings_initializer"] = keras.initializers.deserialize(init)
         return cls(**config)
 
 
-def walk_layers(model: keras.Model) -> list[keras.layers.Layer]:
-    """Every layer of `model`, nested models' layers included (after the
-    nested model itself)."""
-    out: list[keras.layers.Layer] = []
-    for layer in model.layers:
-        out.append(layer)
-        if isinstance(layer, keras.Model):
-            out += walk_layers(layer)
-    return out
-
-
-def distributed_layers(model: keras.Model) -> list[Embedding]:
-    """The distributed `Embedding` layers of `model`, nested ones included."""
-    return [
-        layer
-        for layer in walk_layers(model)
-        if isinstance(layer, Embedding) and layer.is_distributed
-    ]
-
-
-def cluster_of(layers: list[Any]) -> tuple[list[str], str]:
-    """(addresses, auth token) shared by the layers' clients; [] if embedded."""
-    kinds = {tuple(layer.client.pservers) for layer in layers}
-    if len(kinds) > 1:
-        raise errors.InvalidArgumentError(
-            f"the model's tables are on {len(kinds)} different clusters ({sorted(kinds)}); "
-            "tf_dlt.save and export_saved_model handle one cluster (or the embedded tables) "
-            "per model"
+def _initial_weights(weights: Any, input_dim: int | None, output_dim: int) -> np.ndarray | None:
+    """`weights` as keras.layers.Embedding takes them: one (input_dim,
+    output_dim) matrix, alone or in a list."""
+    if weights is None:
+        return None
+    if isinstance(weights, (list, tuple)):
+        if len(weights) != 1:
+            raise ValueError(f"weights must hold one matrix, got {len(weights)}")
+        weights = weights[0]
+    matrix = np.asarray(weights, dtype=np.float32)
+    rows = input_dim if input_dim is not None else (matrix.shape[0] if matrix.ndim == 2 else None)
+    if matrix.ndim != 2 or matrix.shape != (rows, output_dim):
+        raise ValueError(
+            f"weights must have shape (input_dim, output_dim) = ({input_dim}, {output_dim}), "
+            f"got {matrix.shape}"
         )
-    addresses = list(kinds.pop()) if kinds else []
-    token = layers[0].client.auth_token if layers else ""
-    return addresses, token
+    return matrix

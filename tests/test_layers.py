@@ -33,9 +33,19 @@ def _model(layer: keras.layers.Layer) -> keras.Model:
 
 
 def _rows(layer: Embedding) -> np.ndarray:
+    """The table's rows of ids 0..VOCAB-1 (initial values where none yet)."""
     assert layer.client is not None
     ids = np.arange(VOCAB, dtype=np.int64)
     return ops.lookup(layer.client, ids, layer.table_name, DIM, training=False).numpy()
+
+
+def _materialized(layer: Embedding) -> np.ndarray:
+    """Gives ids 0..VOCAB-1 rows (their initial values) in the table: ids
+    without a row read as zeros in inference."""
+    rows = _rows(layer)
+    assert layer.client is not None
+    ops.assign(layer.client, np.arange(VOCAB, dtype=np.int64), rows, layer.table_name, DIM)
+    return rows
 
 
 def _pair(
@@ -44,7 +54,7 @@ def _pair(
     dist = _model(layer)
     keras_emb = keras.layers.Embedding(VOCAB, DIM)
     local = _model(keras_emb)
-    keras_emb.set_weights([_rows(layer)])
+    keras_emb.set_weights([_materialized(layer)])
     for m in (dist, local):
         m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", **compile_kwargs)
     return dist, local, keras_emb
@@ -139,9 +149,9 @@ def test_learning_rate_schedule_counts_pushes() -> None:
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
     layer = _distributed("scheduled", learning_rate=schedule)
     layer.build()
-    assert float(layer._current_learning_rate()) == pytest.approx(0.1)
+    assert float(layer._current_learning_rate(None)) == pytest.approx(0.1)
     layer.pushes.assign(2)
-    assert float(layer._current_learning_rate()) == pytest.approx(0.025)
+    assert float(layer._current_learning_rate(None)) == pytest.approx(0.025)
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
@@ -150,9 +160,10 @@ def test_ragged_and_sparse_combiners_match_embedding_lookup_sparse(combiner: str
         output_dim=DIM, is_distributed=True, combiner=combiner, name=f"comb_{combiner}"
     )
     ragged = tf.ragged.constant([[1, 2, 2], [7], [3, 4, 5, 6]], dtype=tf.int64)
+    layer.build()
+    table = tf.constant(_materialized(layer))
     out_ragged = layer(ragged)
     out_sparse = layer(ragged.to_sparse())
-    table = tf.constant(_rows(layer))
     expected = tf.nn.embedding_lookup_sparse(table, ragged.to_sparse(), None, combiner=combiner)
     np.testing.assert_allclose(out_ragged.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(out_sparse.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
@@ -170,7 +181,7 @@ def test_combiners_on_shard_processes(
             c = layer.table_config
             client.create_table(c.name, c.dim, c.initializer, c.optimizer, c.seed)
         layer.use_client(ops.ClientResource(cluster.addresses))
-        table = tf.constant(_rows(layer))
+        table = tf.constant(_materialized(layer))
         sparse = ragged.to_sparse()
         expected = tf.nn.embedding_lookup_sparse(table, sparse, None, combiner=combiner)
         np.testing.assert_allclose(layer(ragged).numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
@@ -212,9 +223,11 @@ def test_validation_names_the_bad_value() -> None:
         Embedding(output_dim=8, is_distributed=True, combiner="max")
     with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
         Embedding(output_dim=8, is_distributed=True, optimizer="rmsprop")
-    layer = Embedding(output_dim=8, is_distributed=True, name="needs_combiner")
-    with pytest.raises(ValueError, match="set combiner"):
-        layer(tf.ragged.constant([[1], [2, 3]], dtype=tf.int64))
+    layer = Embedding(output_dim=8, is_distributed=True, combiner="sum", name="needs_ragged")
+    with pytest.raises(ValueError, match="feed a RaggedTensor or SparseTensor"):
+        layer(tf.constant([[1, 2]], tf.int64))
+    with pytest.raises(ValueError, match=r"weights must have shape \(input_dim, output_dim\)"):
+        Embedding(10, 8, weights=np.zeros((10, 4)))
 
 
 def test_config_round_trip_and_keras_file(tmp_path: object) -> None:

@@ -142,3 +142,27 @@ def test_push_creates_unseen_rows_from_their_initial_value() -> None:
     assert table.size() == 40
     table.push(fresh, np.ones((2, DIM), np.float32), 0.5)
     np.testing.assert_allclose(table.pull(fresh), initial - 0.5, **TOL)
+
+
+def test_keras_adagrad_matches_keras_on_sparse_gradients_with_repeated_ids() -> None:
+    """The oracle is keras.optimizers.Adagrad applying the same pushes as
+    tf.IndexedSlices (repeated ids and all): each occurrence's square goes
+    into the accumulator, and the update divides by sqrt(acc + epsilon)."""
+    import keras
+
+    opt = {"kind": "keras_adagrad", "initial_accumulator": 0.1, "epsilon": 1e-7}
+    table, initial = _table(opt)
+    var = keras.Variable(initial)
+    keras_opt = keras.optimizers.Adagrad(1.0, initial_accumulator_value=0.1, epsilon=1e-7)
+    repeated = 0
+    for ids, grads, lr in _pushes(3):
+        repeated += len(ids) - len(np.unique(ids))
+        table.push(ids, grads, lr)
+        keras_opt.learning_rate = lr
+        slices = tf.IndexedSlices(tf.constant(grads), tf.constant(ids), tf.constant(initial.shape))
+        keras_opt.apply_gradients([(slices, var)])
+    assert repeated > 0  # the case where Keras' arithmetic differs from TF's kernel
+    rows = _export(table)
+    np.testing.assert_allclose(np.stack([rows[i][0] for i in range(40)]), var.numpy(), **TOL)
+    accumulator = keras_opt.variables[-1].numpy()
+    np.testing.assert_allclose(np.stack([rows[i][1] for i in range(40)]), accumulator, **TOL)

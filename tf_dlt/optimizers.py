@@ -79,11 +79,29 @@ class Ftrl(Optimizer):
     initial_accumulator: float = 0.1
 
 
+@dataclasses.dataclass(frozen=True)
+class KerasAdagrad(Optimizer):
+    """Adagrad with the arithmetic of ``keras.optimizers.Adagrad`` on sparse
+    gradients (what a table follows when the model is compiled with Keras'
+    Adagrad): the accumulator takes the square of each occurrence of an id
+    in a push, not of their sum, and ``w -= lr * g / sqrt(acc + epsilon)``.
+
+    Args:
+        initial_accumulator: starting accumulator value, >= 0.
+        epsilon: added under the square root, >= 0.
+    """
+
+    kind = "keras_adagrad"
+    initial_accumulator: float = 0.1
+    epsilon: float = 1e-7
+
+
 _BY_NAME: dict[str, type[Optimizer]] = {
     "sgd": SGD,
     "adagrad": Adagrad,
     "adam": Adam,
     "ftrl": Ftrl,
+    "keras_adagrad": KerasAdagrad,
 }
 
 OptimizerLike = str | Optimizer | dict[str, Any]

@@ -17,33 +17,14 @@ import numpy as np
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt.client import Client
-from tf_dlt.layers.embedding import Embedding, walk_layers
+from tf_dlt.cluster import ClusterSpec
+from tf_dlt.keras.walk import copy_weights
+from tf_dlt.layers.embedding import Embedding
 from tf_dlt.progress import Progress
 
 EMBEDDED = "embedded"
 # Rows per upload call: bounded memory per call, and progress to show.
 _UPLOAD_ROWS = 1 << 16
-
-
-def _flat_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
-    return {layer.name: layer for layer in walk_layers(model)}
-
-
-def copy_weights(source: keras.Model, target: keras.Model) -> None:
-    """Copies the weights of every layer of `source` into the layer of the
-    same name in `target`, except distributed tables (their rows live in the
-    tables) and layers whose weights differ in shape (rewritten layers)."""
-    old_layers = _flat_layers(source)
-    for name, layer in _flat_layers(target).items():
-        if isinstance(layer, keras.Model) or (
-            isinstance(layer, Embedding) and layer.is_distributed
-        ):
-            continue
-        old = old_layers.get(name)
-        if old is None or not old.get_weights() or not layer.get_weights():
-            continue
-        if [w.shape for w in old.get_weights()] == [w.shape for w in layer.get_weights()]:
-            layer.set_weights(old.get_weights())
 
 
 def _check_rewritable(model: keras.Model) -> None:
@@ -63,7 +44,7 @@ def _check_rewritable(model: keras.Model) -> None:
 
 def transpile(
     model: keras.Model,
-    pservers: Sequence[str] | str = EMBEDDED,
+    pservers: Sequence[str] | str | ClusterSpec = EMBEDDED,
     *,
     convert_keras_embeddings: bool = False,
     auth_token: str = "",
@@ -73,13 +54,16 @@ def transpile(
 
     Args:
         model: a Sequential or Functional Keras model (nested ones too).
-        pservers: shard data addresses in shard-index order, or "embedded" for
-            the in-process tables.
+        pservers: shard data addresses in shard-index order, a
+            `tf_dlt.ClusterSpec` (`tf_dlt.cluster_from_env()`; no shards:
+            embedded), or "embedded" for the in-process tables.
         convert_keras_embeddings: also turn `keras.layers.Embedding` (and local
             `tf_dlt.layers.Embedding`) layers into distributed ones, their
-            weights uploaded as ids 0..input_dim-1 (SGD on the shards, the
-            layer's learning rate 0.01; set other ones by building the
-            tf_dlt layer yourself).
+            weights uploaded as ids 0..input_dim-1.
+
+        Tables whose layers name no optimizer are created for the model's
+        compiled optimizer (its server-side form, same hyper-parameters; the
+        learning rate follows it step by step); compile before transpiling.
         auth_token: token of the shard servers.
         **client_options: more `tf_dlt.ops.ClientResource` options
             (timeouts, frame_bytes, max_inflight_pushes).
@@ -90,14 +74,21 @@ def transpile(
         again gives an equivalent model and moves no rows.
     """
     _check_rewritable(model)
-    addresses: list[str] = [] if pservers == EMBEDDED else list(pservers)
-    if isinstance(pservers, str) and pservers != EMBEDDED:
-        addresses = [p for p in pservers.split(",") if p]
+    if isinstance(pservers, ClusterSpec):
+        addresses = list(pservers.pservers)
+    elif isinstance(pservers, str):
+        addresses = [] if pservers == EMBEDDED else [p for p in pservers.split(",") if p]
+    else:
+        addresses = list(pservers)
+    compiled_optimizer = (
+        getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+    )
     target = ops.ClientResource(addresses, auth_token=auth_token, **client_options)
     control = Client(addresses, auth_token=auth_token) if addresses else None
     uploads: list[tuple[Embedding, Any]] = []
 
     def create(layer: Embedding) -> None:
+        layer.follow_optimizer(compiled_optimizer)
         config = layer.table_config
         if control is not None:
             control.create_table(
@@ -125,8 +116,8 @@ def transpile(
         )
         if convert_keras_embeddings and is_local_embedding:
             new = Embedding(
-                output_dim=layer.output_dim, is_distributed=True, mask_zero=layer.mask_zero,
-                name=layer.name,
+                input_dim=layer.input_dim, output_dim=layer.output_dim, is_distributed=True,
+                mask_zero=layer.mask_zero, name=layer.name,
             )  # fmt: skip
             new.use_client(target)
             create(new)

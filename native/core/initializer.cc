@@ -78,6 +78,7 @@ void InitializeSlots(const OptimizerConfig& c, uint32_t dim, float* slots) {
     case OptimizerKind::kSgd:
       return;
     case OptimizerKind::kAdagrad:
+    case OptimizerKind::kKerasAdagrad:
       for (uint32_t j = 0; j < dim; ++j) slots[j] = c.initial_accumulator;
       return;
     case OptimizerKind::kAdam:  // m, v

@@ -18,6 +18,16 @@ void ApplyAdagrad(const OptimizerConfig& c, uint32_t dim, float lr, const float*
   }
 }
 
+// keras.optimizers.Adagrad on a sparse gradient: acc += sum of each
+// occurrence's g^2; w -= lr * g / sqrt(acc + eps).
+void ApplyKerasAdagrad(const OptimizerConfig& c, uint32_t dim, float lr, const float* g,
+                       const float* squares, float* w, float* acc) {
+  for (uint32_t j = 0; j < dim; ++j) {
+    acc[j] += squares ? squares[j] : g[j] * g[j];
+    w[j] -= lr * g[j] / std::sqrt(acc[j] + c.epsilon);
+  }
+}
+
 // ResourceApplyAdam on the touched row with a per-row step count t:
 // lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
 // v += (g^2 - v)(1 - b2); w -= lr_t * m / (eps + sqrt(v)).
@@ -65,8 +75,8 @@ void ApplyFtrl(const OptimizerConfig& c, uint32_t dim, float lr, const float* g,
 
 }  // namespace
 
-void ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr, const float* grad, float* values,
-              float* slots, uint32_t* step) {
+void ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr, const float* grad,
+              const float* grad_squares, float* values, float* slots, uint32_t* step) {
   // Every optimizer counts the pushes that touched the row (saturating):
   // Adam's t, and the update frequency that exports choose rows by.
   if (*step != UINT32_MAX) ++*step;
@@ -82,6 +92,9 @@ void ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr, const float* gra
       return;
     case OptimizerKind::kFtrl:
       ApplyFtrl(c, dim, lr, grad, values, slots, slots + dim);
+      return;
+    case OptimizerKind::kKerasAdagrad:
+      ApplyKerasAdagrad(c, dim, lr, grad, grad_squares, values, slots);
       return;
   }
 }

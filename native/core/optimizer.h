@@ -11,11 +11,13 @@
 namespace dlt {
 
 // Updates `values` (dim floats), `slots` (SlotsPerValue(kind) * dim floats)
-// with gradient `grad` and learning rate `lr`, and counts the update in
-// `step` (saturating at UINT32_MAX): Adam's t, the row's update frequency
-// for every optimizer.
+// with gradient `grad` (the push's rows of this id, summed) and learning rate
+// `lr`, and counts the update in `step` (saturating at UINT32_MAX): Adam's
+// t, the row's update frequency for every optimizer. `grad_squares`: the sum
+// of each occurrence's squared gradient (null when the id occurred once, so
+// it is grad^2); only Keras Adagrad uses it.
 void ApplyRow(const OptimizerConfig& config, uint32_t dim, float lr, const float* grad,
-              float* values, float* slots, uint32_t* step);
+              const float* grad_squares, float* values, float* slots, uint32_t* step);
 
 }  // namespace dlt
 

@@ -287,7 +287,8 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   }
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of;
-  thread_local std::vector<float> summed;
+  thread_local std::vector<float> summed, squares;
+  const bool keep_squares = config_.optimizer.kind == OptimizerKind::kKerasAdagrad;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   for (uint32_t s = 0; s < kStripes; ++s) {
     const uint32_t begin = starts[s], end = starts[s + 1];
@@ -327,10 +328,14 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     }
     if (duplicates) {
       summed.assign(firsts.size() * dim, 0.0f);
+      if (keep_squares) squares.assign(firsts.size() * dim, 0.0f);
       for (uint32_t k = 0; k < count; ++k) {
         const float* g = grads + size_t{order[begin + k]} * dim;
         float* acc = summed.data() + size_t{unique_of[k]} * dim;
         for (uint32_t j = 0; j < dim; ++j) acc[j] += g[j];
+        if (!keep_squares) continue;
+        float* sq = squares.data() + size_t{unique_of[k]} * dim;
+        for (uint32_t j = 0; j < dim; ++j) sq[j] += g[j] * g[j];
       }
     }
     const size_t touched_bytes = sizeof(RowHeader) + sizeof(float) * (dim + slot_floats_);
@@ -350,7 +355,8 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       char* r = stripe.Record(recs[k], record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
       float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
-      ApplyRow(config_.optimizer, dim, lr, g, values, values + dim, &header->step);
+      const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
+      ApplyRow(config_.optimizer, dim, lr, g, sq, values, values + dim, &header->step);
     }
   }
   return OkStatus();
