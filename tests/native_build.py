@@ -51,7 +51,12 @@ def build(program: str, flavor: str = "plain", sources: Sequence[Path] = ()) -> 
     core = [s for s in sorted((ROOT / "native").rglob("*.cc")) if "python" not in s.parts]
     cpp = ROOT / "tests/cpp"
     own = list(sources) or (
-        [cpp / "harness.cc", cpp / "native_test.cc", cpp / "data_plane_test.cc"]
+        [
+            cpp / "harness.cc",
+            cpp / "native_test.cc",
+            cpp / "data_plane_test.cc",
+            cpp / "memory_policy_test.cc",
+        ]
         if program == "native_test"
         else [cpp / f"{program}.cc"]
     )

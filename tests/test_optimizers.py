@@ -27,7 +27,7 @@ def _export(table: Any) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
     rows: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
     exporter = table.exporter()
     while (chunk := exporter.next(1000)) is not None:
-        ids, values, slots, steps, _ = chunk
+        ids, values, slots, steps, _, _ = chunk
         for k, i in enumerate(ids):
             rows[int(i)] = (values[k], slots[k], int(steps[k]))
     return rows

@@ -16,7 +16,7 @@ from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
     from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
-    from tf_dlt import errors, initializers, optimizers, routing
+    from tf_dlt import admission, errors, expiry, initializers, optimizers, routing
     from tf_dlt.client import Client
     from tf_dlt.cluster import ClusterSpec, cluster_from_env
     from tf_dlt.keras.client_metrics import ClientMetrics
@@ -31,7 +31,9 @@ _LAZY = {
     "DenseOnShards": ("tf_dlt.keras.dense_sync", "DenseOnShards"),
     "cluster_from_env": ("tf_dlt.cluster", "cluster_from_env"),
     "TableConfig": ("tf_dlt.table_config", "TableConfig"),
+    "admission": ("tf_dlt.admission", None),
     "errors": ("tf_dlt.errors", None),
+    "expiry": ("tf_dlt.expiry", None),
     "export_saved_model": ("tf_dlt.keras.export", "export_saved_model"),
     "save": ("tf_dlt.keras.checkpoint", "save"),
     "resilient_fit": ("tf_dlt.keras.recovery", "resilient_fit"),
@@ -54,8 +56,10 @@ __all__ = [
     "ModelCheckpoint",
     "TableConfig",
     "__version__",
+    "admission",
     "cluster_from_env",
     "errors",
+    "expiry",
     "export_saved_model",
     "initializers",
     "optimizers",

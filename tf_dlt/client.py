@@ -27,6 +27,10 @@ from tf_dlt.tls import TlsConfig
 _PULL_MODES = {"init": 1, "zeros": 2}
 
 
+# Counters of a table's memory policy, as list_tables sums them.
+_POLICY_COUNTERS = {"admitted": 0, "refused": 0, "expired": 0, "evicted": 0, "shrunk": 0}
+
+
 def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
     a = np.asarray(ids)
     if a.dtype == np.int64:
@@ -169,12 +173,16 @@ class Client:
         initializer: initializers.InitializerLike = "uniform",
         optimizer: optimizers.OptimizerLike = "sgd",
         seed: int = 0,
+        **policy: Any,
     ) -> TableConfig:
         """Creates a table on every shard (a no-op where an identical one
-        exists; ALREADY_EXISTS where a different one does)."""
+        exists; ALREADY_EXISTS where a different one does). `policy`: the
+        memory-policy arguments of `TableConfig.create` (admission,
+        unadmitted, ttl, max_rows, eviction, value_dtype, slot_dtype,
+        rounding)."""
         from tf_dlt.proto import dlt_pb2
 
-        config = TableConfig.create(name, dim, initializer, optimizer, seed)
+        config = TableConfig.create(name, dim, initializer, optimizer, seed, **policy)
         self._on_all("CreateTable", dlt_pb2.CreateTableRequest(config=config.to_proto()))
         self._dims[name] = config.dim
         return config
@@ -186,19 +194,41 @@ class Client:
         self._dims.pop(name, None)
 
     def list_tables(self) -> dict[str, dict[str, Any]]:
-        """Tables with their config and rows and bytes summed over shards."""
+        """Tables with their config, and rows, bytes and the memory policy's
+        counters (admitted, refused, expired, evicted, shrunk) summed over
+        shards."""
         from tf_dlt.proto import dlt_pb2
 
         out: dict[str, dict[str, Any]] = {}
         for reply in self._on_all("ListTables", dlt_pb2.ListTablesRequest()):
             for info in reply.tables:
                 config = TableConfig.from_proto(info.config)
-                entry = out.setdefault(config.name, {"config": config, "rows": 0, "bytes": 0})
+                entry = out.setdefault(
+                    config.name, {"config": config, "rows": 0, "bytes": 0, **_POLICY_COUNTERS}
+                )
                 entry["rows"] += info.rows
                 entry["bytes"] += info.bytes
+                for key in _POLICY_COUNTERS:
+                    entry[key] += getattr(info.policy_counters, key)
         for name, entry in out.items():
             self._dims[name] = entry["config"].dim
         return out
+
+    def shrink(self, table: str, *, min_count: int = 0, unseen_for: int = 0) -> int:
+        """Removes, on every shard, the rows of `table` updated fewer than
+        `min_count` times or untouched for more than `unseen_for` units of
+        the table's clock (pushes of the table on each shard, or seconds with
+        a `tf_dlt.expiry.Seconds` ttl). 0 turns a condition off. Returns the
+        rows removed."""
+        from tf_dlt.proto import dlt_pb2
+
+        for name, value in (("min_count", min_count), ("unseen_for", unseen_for)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise errors.InvalidArgumentError(f"{name} must be an int >= 0, got {value!r}")
+        if min_count == 0 and unseen_for == 0:
+            raise errors.InvalidArgumentError("shrink needs min_count or unseen_for")
+        request = dlt_pb2.ShrinkRequest(table=table, min_count=min_count, unseen_for=unseen_for)
+        return sum(r.removed for r in self._on_all("Shrink", request, self._persist_timeout))
 
     def save(self, path: str, *, progress: bool | None = None) -> dict[str, Any]:
         """Saves every shard into checkpoint directory `path` (a local path

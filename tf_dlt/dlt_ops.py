@@ -213,11 +213,11 @@ def export_table(
 
 def export_chunks(
     client: ClientResource, table: str, dim: int, max_rows: int = 65536
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """The rows of an embedded table in (bucket, id) order, `max_rows` at a
-    time, as NumPy (ids, values, slots, steps, buckets): what a checkpoint
-    file holds, without a second copy of the table. One pass per table at a
-    time in a client."""
+    time, as NumPy (ids, values, slots, steps, buckets, touched stamps): what
+    a checkpoint file holds, without a second copy of the table. One pass per
+    table at a time in a client."""
     start = True
     while True:
         out = load_library().dlt_export_chunk(
@@ -228,7 +228,7 @@ def export_chunks(
             return
         yield (
             out.ids.numpy(), out.values.numpy(), out.slots.numpy(), out.steps.numpy(),
-            out.buckets.numpy(),
+            out.buckets.numpy(), out.touched.numpy(),
         )  # fmt: skip
 
 
@@ -240,12 +240,43 @@ def import_table(
     values: tf.Tensor,
     slots: tf.Tensor,
     steps: tf.Tensor,
+    touched: tf.Tensor | None = None,
 ) -> tf.Operation | None:
     """Inserts or overwrites rows of an embedded table with their optimizer
-    state (the inverse of `export_table`)."""
+    state and last-touched stamps (None: now); the inverse of
+    `export_chunks`."""
+    stamps = tf.zeros([0], tf.int64) if touched is None else tf.cast(touched, tf.int64)
     return load_library().dlt_import_table(
         client=client.resource_handle, ids=ids, values=values, slots=slots,
-        steps=tf.cast(steps, tf.int64), table=table, dim=dim,
+        steps=tf.cast(steps, tf.int64), touched=stamps, table=table, dim=dim,
+    )  # fmt: skip
+
+
+def table_state(client: ClientResource, table: str, dim: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """An embedded table's clock and admission sketch: (clock, counters
+    [4096, slice bytes], pushes counted per slice [4096]); the sketch arrays
+    are empty without Frequency admission."""
+    out = load_library().dlt_table_state(client=client.resource_handle, table=table, dim=dim)
+    return int(out.clock), out.sketch.numpy(), out.added.numpy()
+
+
+def set_table_state(
+    client: ClientResource,
+    table: str,
+    dim: int,
+    clock: int,
+    first_bucket: int = 0,
+    sketch: np.ndarray | None = None,
+    added: np.ndarray | None = None,
+) -> tf.Operation | None:
+    """Sets an embedded table's push clock and the sketch slices of buckets
+    [first_bucket, first_bucket + len(added)) (the inverse of
+    `table_state`)."""
+    counters = np.zeros((0, 0), np.uint8) if sketch is None else sketch
+    counts = np.zeros(0, np.int64) if added is None else np.asarray(added, np.int64)
+    return load_library().dlt_set_table_state(
+        client=client.resource_handle, clock=np.int64(clock), first_bucket=np.int64(first_bucket),
+        sketch=counters, added=counts, table=table, dim=dim,
     )  # fmt: skip
 
 

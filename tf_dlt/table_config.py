@@ -1,6 +1,6 @@
 """TableConfig: what a distributed table is (name, dim, seed, initializer,
-optimizer), and its conversions to the native dict and the control-plane
-protobuf."""
+optimizer, memory policy), and its conversions to the native dict and the
+control-plane protobuf."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tf_dlt import errors, initializers, optimizers
+from tf_dlt import admission as admission_lib
+from tf_dlt import errors, expiry, initializers, optimizers
 
 if TYPE_CHECKING:
     from tf_dlt.proto import dlt_pb2
@@ -17,6 +18,19 @@ if TYPE_CHECKING:
 
 def _as_float32(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in fields.items()}
+
+
+# Choices of the policy's named fields (the first is the default).
+UNADMITTED = ("zeros", "initial")
+EVICTION = ("lfu", "lru")
+DTYPES = ("float32", "bfloat16", "float16")
+ROUNDING = ("stochastic", "nearest")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise errors.InvalidArgumentError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +43,20 @@ class TableConfig:
         initializer: how unseen rows start (name or `tf_dlt.initializers`).
         optimizer: server-side update_method (name or `tf_dlt.optimizers`).
         seed: seed of the deterministic initializer.
+        admission: which ids get a row (`tf_dlt.admission`; every id by
+            default).
+        unadmitted: what an id without a row reads: "zeros" or "initial"
+            (its initial value).
+        ttl: rows untouched for longer are removed (`tf_dlt.expiry.Pushes`
+            or `tf_dlt.expiry.Seconds`); None keeps them.
+        max_rows: rows per shard; past it the lowest-scoring rows are
+            evicted (0: unbounded).
+        eviction: "lfu" (fewest updates, then oldest) or "lru" (oldest).
+        value_dtype: how values are stored: "float32", "bfloat16" or
+            "float16" (always float32 on the wire and in TensorFlow).
+        slot_dtype: how optimizer slots are stored, the same choices.
+        rounding: how 16-bit updates round: "stochastic" (unbiased,
+            deterministic per seed, id and update) or "nearest".
     """
 
     name: str
@@ -38,6 +66,14 @@ class TableConfig:
     )
     optimizer: optimizers.Optimizer = dataclasses.field(default_factory=optimizers.SGD)
     seed: int = 0
+    admission: admission_lib.Admission = dataclasses.field(default_factory=admission_lib.All)
+    unadmitted: str = "zeros"
+    ttl: expiry.Ttl | None = None
+    max_rows: int = 0
+    eviction: str = "lfu"
+    value_dtype: str = "float32"
+    slot_dtype: str = "float32"
+    rounding: str = "stochastic"
 
     @classmethod
     def create(
@@ -47,6 +83,14 @@ class TableConfig:
         initializer: initializers.InitializerLike = "uniform",
         optimizer: optimizers.OptimizerLike = "sgd",
         seed: int = 0,
+        admission: admission_lib.AdmissionLike = None,
+        unadmitted: str = "zeros",
+        ttl: expiry.Ttl | None = None,
+        max_rows: int = 0,
+        eviction: str = "lfu",
+        value_dtype: str = "float32",
+        slot_dtype: str = "float32",
+        rounding: str = "stochastic",
     ) -> TableConfig:
         """Builds and validates a config from names or objects."""
         if not isinstance(name, str):
@@ -61,12 +105,24 @@ class TableConfig:
             raise errors.InvalidArgumentError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if not 1 <= int(dim) <= 65536:
             raise errors.InvalidArgumentError(f"dim must be in [1, 65536], got {dim}")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)):
+            raise errors.InvalidArgumentError(f"max_rows must be an int >= 0, got {max_rows!r}")
+        if max_rows < 0:
+            raise errors.InvalidArgumentError(f"max_rows must be an int >= 0, got {max_rows!r}")
         config = cls(
             name=name,
             dim=int(dim),
             initializer=initializers.get(initializer),
             optimizer=optimizers.get(optimizer),
             seed=int(seed),
+            admission=admission_lib.get(admission),
+            unadmitted=_choice("unadmitted", unadmitted, UNADMITTED),
+            ttl=expiry.get(ttl),
+            max_rows=int(max_rows),
+            eviction=_choice("eviction", eviction, EVICTION),
+            value_dtype=_choice("value_dtype", value_dtype, DTYPES),
+            slot_dtype=_choice("slot_dtype", slot_dtype, DTYPES),
+            rounding=_choice("rounding", rounding, ROUNDING),
         )
         config.validate()
         return config
@@ -77,6 +133,31 @@ class TableConfig:
 
         _native.validate_table_config(self.to_dict())
 
+    def policy(self) -> dict[str, Any]:
+        """The memory policy as the config dict's "policy" part: every field,
+        the unused ones at their defaults."""
+        policy: dict[str, Any] = {
+            "admission": "all",
+            "min_count": 1,
+            "sketch_bytes": 0,
+            "probability": 1.0,
+            "unadmitted": self.unadmitted,
+            "clock": self.ttl.clock if self.ttl else "pushes",
+            "ttl": self.ttl.amount if self.ttl else 0,
+            "max_rows": self.max_rows,
+            "eviction": self.eviction,
+            "value_dtype": self.value_dtype,
+            "slot_dtype": self.slot_dtype,
+            "rounding": self.rounding,
+        }
+        policy.update(self.admission.policy_fields())
+        return _as_float32(policy)
+
+    @property
+    def has_policy(self) -> bool:
+        """True when any part of the memory policy differs from the default."""
+        return self.policy() != TableConfig(self.name, self.dim).policy()
+
     def to_dict(self) -> dict[str, Any]:
         """The plain-dict form the native core and checkpoints use."""
         return {
@@ -85,16 +166,26 @@ class TableConfig:
             "seed": self.seed,
             "initializer": _as_float32(self.initializer.to_dict()),
             "optimizer": _as_float32(self.optimizer.to_dict()),
+            "policy": self.policy(),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TableConfig:
+        p = {k: v for k, v in dict(d.get("policy") or {}).items() if v not in ("", None)}
         return cls(
             name=str(d["name"]),
             dim=int(d["dim"]),
             seed=int(d["seed"]),
             initializer=initializers.get(dict(d["initializer"])),
             optimizer=optimizers.get(dict(d["optimizer"])),
+            admission=admission_lib.from_policy(p),
+            unadmitted=str(p.get("unadmitted", "zeros")),
+            ttl=expiry.from_policy(str(p.get("clock", "pushes")), int(p.get("ttl", 0))),
+            max_rows=int(p.get("max_rows", 0)),
+            eviction=str(p.get("eviction", "lfu")),
+            value_dtype=str(p.get("value_dtype", "float32")),
+            slot_dtype=str(p.get("slot_dtype", "float32")),
+            rounding=str(p.get("rounding", "stochastic")),
         )
 
     def same_table(self, other: TableConfig) -> bool:
@@ -111,6 +202,7 @@ class TableConfig:
             seed=d["seed"],
             initializer=dlt_pb2.InitializerConfig(**d["initializer"]),
             optimizer=dlt_pb2.OptimizerConfig(**d["optimizer"]),
+            policy=dlt_pb2.PolicyConfig(**d["policy"]),
         )
 
     @classmethod
@@ -137,7 +229,7 @@ def difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     for key in ("name", "dim", "seed"):
         if left[key] != right[key]:
             diffs.append(f"{key}: {left[key]} vs {right[key]}")
-    for part in ("initializer", "optimizer"):
+    for part in ("initializer", "optimizer", "policy"):
         for key in sorted(set(left[part]) | set(right[part])):
             x, y = left[part].get(key), right[part].get(key)
             if x != y:

@@ -1,5 +1,6 @@
 #include "native/core/shard.h"
 
+#include <chrono>
 #include <mutex>
 
 #include "native/core/routing.h"
@@ -12,6 +13,51 @@ Shard::Shard(uint32_t shard_index, uint32_t num_shards)
       first_bucket_(FirstBucket(shard_index, num_shards)),
       end_bucket_(FirstBucket(shard_index + 1, num_shards)) {}
 
+Shard::~Shard() { StopSweeper(); }
+
+std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
+  return std::make_shared<Table>(config, first_bucket_, end_bucket_);
+}
+
+size_t Shard::Sweep() {
+  size_t removed = 0;
+  for (const auto& t : Tables()) {
+    if (t->config().policy.ttl != 0) removed += t->Expire(t->Now());
+  }
+  return removed;
+}
+
+void Shard::StartSweeper(int interval_ms) {
+  std::unique_lock<std::mutex> lock(sweeper_mu_);
+  sweep_interval_ms_ = interval_ms;
+  if (sweeper_.joinable()) {
+    sweeper_cv_.notify_all();
+    return;
+  }
+  stop_sweeper_ = false;
+  sweeper_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(sweeper_mu_);
+    while (!stop_sweeper_) {
+      const auto interval = std::chrono::milliseconds(sweep_interval_ms_);
+      if (sweeper_cv_.wait_for(lock, interval, [this] { return stop_sweeper_; })) break;
+      lock.unlock();
+      Sweep();
+      lock.lock();
+    }
+  });
+}
+
+void Shard::StopSweeper() {
+  std::thread thread;
+  {
+    std::unique_lock<std::mutex> lock(sweeper_mu_);
+    stop_sweeper_ = true;
+    thread = std::move(sweeper_);
+  }
+  sweeper_cv_.notify_all();
+  if (thread.joinable()) thread.join();
+}
+
 Status Shard::CreateTable(const TableConfig& config, bool* created) {
   *created = false;
   DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
@@ -22,7 +68,7 @@ Status Shard::CreateTable(const TableConfig& config, bool* created) {
     return AlreadyExists("table " + Describe(it->second->config()) + " exists; cannot create " +
                          Describe(config));
   }
-  tables_.emplace(config.name, std::make_shared<Table>(config));
+  tables_.emplace(config.name, NewTable(config));
   *created = true;
   return OkStatus();
 }

@@ -4,11 +4,14 @@
 #ifndef TF_DLT_NATIVE_CORE_SHARD_H_
 #define TF_DLT_NATIVE_CORE_SHARD_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "native/core/status.h"
@@ -19,6 +22,9 @@ namespace dlt {
 class Shard {
  public:
   Shard(uint32_t shard_index, uint32_t num_shards);
+  ~Shard();
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
 
   uint32_t shard_index() const { return shard_index_; }
   uint32_t num_shards() const { return num_shards_; }
@@ -40,6 +46,17 @@ class Shard {
   // Checks that every id routes to this shard; INVALID_ARGUMENT otherwise.
   Status CheckOwnership(const int64_t* ids, size_t n) const;
 
+  // A table for this shard's buckets (not installed).
+  std::shared_ptr<Table> NewTable(const TableConfig& config) const;
+
+  // Removes the expired rows of every table with a ttl, one stripe at a
+  // time; returns the rows removed.
+  size_t Sweep();
+  // Sweeps every `interval_ms` on a background thread until destruction or
+  // StopSweeper; a second call only changes the interval.
+  void StartSweeper(int interval_ms);
+  void StopSweeper();
+
  private:
   const uint32_t shard_index_;
   const uint32_t num_shards_;
@@ -47,6 +64,12 @@ class Shard {
   const uint32_t end_bucket_;
   mutable std::shared_mutex mu_;
   std::map<std::string, std::shared_ptr<Table>> tables_;  // guarded by mu_
+
+  std::mutex sweeper_mu_;
+  std::condition_variable sweeper_cv_;
+  std::thread sweeper_;        // guarded by sweeper_mu_
+  int sweep_interval_ms_ = 0;  // guarded by sweeper_mu_
+  bool stop_sweeper_ = false;  // guarded by sweeper_mu_
 };
 
 }  // namespace dlt

@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <string>
 
 #include "native/core/finite.h"
+#include "native/core/half.h"
 #include "native/core/initializer.h"
 #include "native/core/optimizer.h"
 
@@ -27,11 +29,19 @@ constexpr uint32_t kProbeAhead = 32;
 constexpr uint32_t kCopyAhead = 8;
 // Rows ahead whose record and gradient a push prefetches.
 constexpr uint32_t kApplyAhead = 2;
+// Index slots a removal pass examines per hold of a stripe's lock.
+constexpr size_t kRemovalSlots = 8192;
+// Salts of the per-id random streams (initial rows use their own).
+constexpr uint64_t kAdmitSalt = 0x243f6a8885a308d3ULL;
+constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;
+constexpr uint64_t kSlotRoundSalt = 0xa4093822299f31d0ULL;
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
 
+// A record: this header, then the values, then the optimizer slots.
 struct RowHeader {
   int64_t id;
-  uint32_t step;
-  uint32_t reserved;
+  uint32_t step;     // updates applied (Adam's t; LFU's frequency)
+  uint32_t touched;  // clock stamp of the last update (or creation)
 };
 static_assert(sizeof(RowHeader) == 16, "row header layout");
 
@@ -84,12 +94,15 @@ using Index = std::vector<IndexEntry, HugePageAllocator<IndexEntry>>;
 
 }  // namespace
 
-// One stripe: lock, index and arena. Records are never moved or freed while
-// the table lives, so a record number stays valid across index growth.
+// One stripe: lock, index and arena. Records never move while the table
+// lives; a removed row's record goes to a free list and is reused.
 struct Table::Stripe {
   mutable std::shared_mutex mu;
-  Index index;  // capacity is a power of two (or empty)
-  uint32_t num_records = 0;
+  Index index;               // capacity is a power of two (or empty)
+  uint32_t num_records = 0;  // records ever allocated (live + free)
+  uint32_t live = 0;
+  uint64_t removals = 0;  // rows ever removed (exports re-check rows after one)
+  std::vector<uint32_t> free_records;
   char* chunks[kMaxChunks] = {};
   size_t chunk_bytes[kMaxChunks] = {};
   uint32_t num_chunks = 0;
@@ -111,19 +124,27 @@ struct Table::Stripe {
     return chunks[k] + static_cast<size_t>(offset) * record_bytes;
   }
 
+  size_t Home(uint64_t hash) const { return (hash >> 12) & (index.size() - 1); }
+
   void PrefetchSlot(uint64_t hash) const {
-    if (!index.empty()) __builtin_prefetch(&index[(hash >> 12) & (index.size() - 1)]);
+    if (!index.empty()) __builtin_prefetch(&index[Home(hash)]);
+  }
+
+  // The index slot holding `key`, or kEmpty. Caller holds mu (any mode).
+  size_t FindSlot(uint64_t hash, int64_t key) const {
+    if (index.empty()) return kEmpty;
+    const size_t mask = index.size() - 1;
+    for (size_t i = Home(hash);; i = (i + 1) & mask) {
+      const IndexEntry& e = index[i];
+      if (e.record == kEmpty) return kEmpty;
+      if (e.key == key) return i;
+    }
   }
 
   // Looks `key` up; returns its record or kEmpty. Caller holds mu (any mode).
   uint32_t Find(uint64_t hash, int64_t key) const {
-    if (index.empty()) return kEmpty;
-    const size_t mask = index.size() - 1;
-    for (size_t i = (hash >> 12) & mask;; i = (i + 1) & mask) {
-      const IndexEntry& e = index[i];
-      if (e.record == kEmpty) return kEmpty;
-      if (e.key == key) return e.record;
-    }
+    const size_t i = FindSlot(hash, key);
+    return i == kEmpty ? kEmpty : index[i].record;
   }
 
   void Grow() {
@@ -139,39 +160,153 @@ struct Table::Stripe {
     index.swap(next);
   }
 
-  // Appends a record for `key`; caller holds mu exclusively and has checked
+  // Adds a record for `key`; caller holds mu exclusively and has checked
   // the key is absent. Returns the record, or kEmpty when memory ran out.
   uint32_t Insert(uint64_t hash, int64_t key, size_t record_bytes) {
-    if (num_records >= kEmpty - 1) return kEmpty;  // record numbers are 32-bit
-    if (IndexMustGrow(num_records, index.size())) Grow();
-    uint32_t offset;
-    const uint32_t k = ChunkOf(num_records, &offset);
-    if (k >= num_chunks) {
-      if (k >= kMaxChunks) return kEmpty;
-      const size_t bytes = RoundUp((size_t{1} << (k + kBaseRecordsLog2)) * record_bytes, 4096);
-      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) return kEmpty;
-      if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
-      chunks[k] = static_cast<char*>(p);
-      chunk_bytes[k] = bytes;
-      num_chunks = k + 1;
+    if (IndexMustGrow(live, index.size())) Grow();
+    uint32_t rec;
+    if (!free_records.empty()) {
+      rec = free_records.back();
+      free_records.pop_back();
+    } else {
+      if (num_records >= kEmpty - 1) return kEmpty;  // record numbers are 32-bit
+      uint32_t offset;
+      const uint32_t k = ChunkOf(num_records, &offset);
+      if (k >= num_chunks) {
+        if (k >= kMaxChunks) return kEmpty;
+        const size_t bytes = RoundUp((size_t{1} << (k + kBaseRecordsLog2)) * record_bytes, 4096);
+        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) return kEmpty;
+        if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
+        chunks[k] = static_cast<char*>(p);
+        chunk_bytes[k] = bytes;
+        num_chunks = k + 1;
+      }
+      rec = num_records++;
     }
     const size_t mask = index.size() - 1;
-    size_t i = (hash >> 12) & mask;
+    size_t i = Home(hash);
     while (index[i].record != kEmpty) i = (i + 1) & mask;
-    index[i] = IndexEntry{key, num_records, 0};
-    return num_records++;
+    index[i] = IndexEntry{key, rec, 0};
+    ++live;
+    return rec;
+  }
+
+  // Removes the entry at index slot `i` (backward-shift deletion, so the
+  // index never holds tombstones) and frees its record. Caller holds mu
+  // exclusively.
+  void EraseSlot(size_t i) {
+    const size_t mask = index.size() - 1;
+    free_records.push_back(index[i].record);
+    --live;
+    ++removals;
+    size_t hole = i;
+    for (size_t j = (i + 1) & mask; index[j].record != kEmpty; j = (j + 1) & mask) {
+      const size_t home = (Mix64(static_cast<uint64_t>(index[j].key)) >> 12) & mask;
+      // The entry at j may move into the hole unless its home lies
+      // cyclically in (hole, j].
+      const bool stays = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+      if (stays) continue;
+      index[hole] = index[j];
+      hole = j;
+    }
+    index[hole] = IndexEntry{0, kEmpty, 0};
   }
 };
 
-Table::Table(const TableConfig& config)
+Table::Table(const TableConfig& config, uint32_t first_bucket, uint32_t end_bucket)
     : config_(config),
       slot_floats_(SlotsPerValue(config.optimizer.kind) * config.dim),
-      record_bytes_(RoundUp(sizeof(RowHeader) + sizeof(float) * (config.dim + slot_floats_), 8)),
-      stripes_(new Stripe[kStripes]) {}
+      value_bytes_(DtypeBytes(config.policy.value_dtype) * config.dim),
+      record_bytes_(RoundUp(sizeof(RowHeader) + value_bytes_ +
+                                size_t{DtypeBytes(config.policy.slot_dtype)} * slot_floats_,
+                            8)),
+      wide_(config.policy.value_dtype == static_cast<uint64_t>(StorageDtype::kFloat32) &&
+            config.policy.slot_dtype == static_cast<uint64_t>(StorageDtype::kFloat32)),
+      stripes_(new Stripe[kStripes]) {
+  // Each stripe holds at most its share of max_rows: the share of the
+  // table's buckets it serves (ids spread evenly over buckets), rounded
+  // down, so the quotas never add up to more than max_rows.
+  const uint64_t owned = end_bucket - first_bucket;
+  constexpr uint32_t kBucketsPerStripe = kNumBuckets / kStripes;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    const uint32_t lo = std::max(first_bucket, s * kBucketsPerStripe);
+    const uint32_t hi = std::min(end_bucket, (s + 1) * kBucketsPerStripe);
+    const uint64_t mine = hi > lo ? hi - lo : 0;
+    stripe_quota_[s] = config.policy.max_rows * mine / owned;
+  }
+  if (config.policy.admission == static_cast<uint64_t>(AdmissionKind::kFrequency)) {
+    sketch_ =
+        std::make_unique<FrequencySketch>(config.policy.sketch_bytes, first_bucket, end_bucket);
+  }
+}
 
 Table::~Table() = default;
+
+uint32_t Table::Now() const {
+  if (config_.policy.clock == static_cast<uint64_t>(ClockKind::kSeconds)) {
+    return static_cast<uint32_t>(std::time(nullptr));
+  }
+  return static_cast<uint32_t>(pushes_.load(std::memory_order_relaxed));
+}
+
+void Table::ReadValues(const char* record, float* out) const {
+  LoadValues(record + sizeof(RowHeader), config_.policy.value_dtype, config_.dim, out);
+}
+
+void Table::ReadSlots(const char* record, float* out) const {
+  LoadValues(record + sizeof(RowHeader) + value_bytes_, config_.policy.slot_dtype, slot_floats_,
+             out);
+}
+
+void Table::WriteRow(char* record, int64_t id, uint32_t step, const float* values,
+                     const float* slots, bool stochastic) {
+  const uint64_t key =
+      Mix64(Mix64(config_.seed ^ kRoundSalt) ^ static_cast<uint64_t>(id)) + step * kGolden;
+  StoreValues(values, config_.policy.value_dtype, stochastic, key, config_.dim,
+              record + sizeof(RowHeader));
+  if (slot_floats_ == 0) return;
+  StoreValues(slots, config_.policy.slot_dtype, stochastic, key ^ kSlotRoundSalt, slot_floats_,
+              record + sizeof(RowHeader) + value_bytes_);
+}
+
+bool Table::ProbabilityAdmits(int64_t id) const {
+  const uint64_t bits = Mix64(Mix64(config_.seed ^ kAdmitSalt) ^ static_cast<uint64_t>(id));
+  return static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0) <
+         static_cast<double>(config_.policy.probability);
+}
+
+bool Table::AdmitOnPush(uint64_t hash, int64_t id, std::vector<uint64_t>* counted) {
+  switch (static_cast<AdmissionKind>(config_.policy.admission)) {
+    case AdmissionKind::kAll:
+      return true;
+    case AdmissionKind::kProbability:
+      return ProbabilityAdmits(id);
+    case AdmissionKind::kFrequency:
+      break;
+  }
+  // Count each id once per push: `counted` is an open-addressing set of
+  // hashes (0 marks a free cell; a hash of 0 is stored as 1, which at worst
+  // merges two ids' counts in one push).
+  const uint64_t h = hash == 0 ? 1 : hash;
+  const size_t mask = counted->size() - 1;
+  size_t i = (h >> 7) & mask;
+  while ((*counted)[i] != 0) {
+    if ((*counted)[i] == h) return false;  // counted (and refused) earlier in this push
+    i = (i + 1) & mask;
+  }
+  (*counted)[i] = h;
+  return sketch_->Add(hash) >= config_.policy.min_count;
+}
+
+void Table::Unadmitted(int64_t id, float* out) const {
+  if (config_.policy.unadmitted == static_cast<uint64_t>(UnadmittedValue::kInitial)) {
+    InitializeRow(config_.initializer, config_.seed, id, config_.dim, out);
+  } else {
+    std::memset(out, 0, sizeof(float) * config_.dim);
+  }
+}
 
 void Table::GroupByStripe(const int64_t* ids, size_t n, std::vector<uint64_t>* hashes,
                           std::vector<uint32_t>* order, std::vector<uint32_t>* starts) const {
@@ -196,14 +331,24 @@ uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
   if (rec != kEmpty) return rec;
   rec = stripe->Insert(hash, id, record_bytes_);
   if (rec == kEmpty) return kEmpty;
+  rows_.fetch_add(1, std::memory_order_relaxed);
   char* r = stripe->Record(rec, record_bytes_);
   auto* header = reinterpret_cast<RowHeader*>(r);
   header->id = id;
   header->step = 0;
-  header->reserved = 0;
-  float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
-  InitializeRow(config_.initializer, config_.seed, id, config_.dim, values);
-  InitializeSlots(config_.optimizer, config_.dim, values + config_.dim);
+  header->touched = Now();
+  if (wide_) {
+    float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
+    InitializeRow(config_.initializer, config_.seed, id, config_.dim, values);
+    InitializeSlots(config_.optimizer, config_.dim, values + config_.dim);
+    return rec;
+  }
+  thread_local std::vector<float> values, slots;
+  values.resize(config_.dim);
+  slots.resize(slot_floats_);
+  InitializeRow(config_.initializer, config_.seed, id, config_.dim, values.data());
+  InitializeSlots(config_.optimizer, config_.dim, slots.data());
+  WriteRow(r, id, 0, values.data(), slots.data(), /*stochastic=*/false);
   return rec;
 }
 
@@ -213,6 +358,7 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
   GroupByStripe(ids, n, &hashes, &order, &starts);
   const uint32_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * dim;
+  const auto admission = static_cast<AdmissionKind>(config_.policy.admission);
   for (uint32_t s = 0; s < kStripes; ++s) {
     if (starts[s] == starts[s + 1]) continue;
     Stripe& stripe = stripes_[s];
@@ -234,7 +380,7 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
       for (uint32_t k = begin; k < end; ++k) {
         if (k + kCopyAhead < end && recs[k + kCopyAhead - begin] != kEmpty) {
           const char* next = stripe.Record(recs[k + kCopyAhead - begin], record_bytes_);
-          for (size_t b = 0; b < sizeof(RowHeader) + row_bytes; b += 64)
+          for (size_t b = 0; b < sizeof(RowHeader) + value_bytes_; b += 64)
             __builtin_prefetch(next + b);
         }
         const uint32_t pos = order[k];
@@ -243,8 +389,12 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
           missing.push_back(pos);
           continue;
         }
-        std::memcpy(out + size_t{pos} * dim, stripe.Record(rec, record_bytes_) + sizeof(RowHeader),
-                    row_bytes);
+        const char* r = stripe.Record(rec, record_bytes_);
+        if (wide_) {
+          std::memcpy(out + size_t{pos} * dim, r + sizeof(RowHeader), row_bytes);
+        } else {
+          ReadValues(r, out + size_t{pos} * dim);
+        }
       }
     }
     if (missing.empty()) continue;
@@ -258,15 +408,33 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
       }
       continue;
     }
+    // Training: rows are made here only for ids admitted on sight; the
+    // others read the unadmitted default until a push admits them.
+    size_t admitted = 0;
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     for (uint32_t pos : missing) {
       float* dst = out + size_t{pos} * dim;
-      const uint32_t rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
-      if (rec == kEmpty) {  // out of address space: serve without storing
-        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, dst);
+      const bool admit = admission == AdmissionKind::kAll ||
+                         (admission == AdmissionKind::kProbability && ProbabilityAdmits(ids[pos]));
+      uint32_t rec = kEmpty;
+      if (admit) {
+        const uint32_t live = stripe.live;
+        rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
+        admitted += stripe.live - live;
+      }
+      if (rec == kEmpty) {  // not admitted, or out of address space: store nothing
+        if (admit) {
+          InitializeRow(config_.initializer, config_.seed, ids[pos], dim, dst);
+        } else {
+          Unadmitted(ids[pos], dst);
+        }
         continue;
       }
-      std::memcpy(dst, stripe.Record(rec, record_bytes_) + sizeof(RowHeader), row_bytes);
+      ReadValues(stripe.Record(rec, record_bytes_), dst);
+    }
+    if (admitted) {
+      admitted_.fetch_add(admitted, std::memory_order_relaxed);
+      if (config_.policy.max_rows) EvictFrom(&stripe, Now());
     }
   }
 }
@@ -285,27 +453,53 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
                            std::to_string(ids[bad / dim]) +
                            ") holds a non-finite value; nothing applied");
   }
-  thread_local std::vector<uint64_t> hashes;
-  thread_local std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of;
-  thread_local std::vector<float> summed, squares;
+  pushes_.fetch_add(1, std::memory_order_relaxed);
+  const uint32_t now = Now();
+  thread_local std::vector<uint64_t> hashes, counted;
+  thread_local std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
+  thread_local std::vector<float> summed, squares, values, slots;
   const bool keep_squares = config_.optimizer.kind == OptimizerKind::kKerasAdagrad;
+  const bool frequency = sketch_ != nullptr;
+  const bool stochastic =
+      config_.policy.rounding == static_cast<uint64_t>(RoundingKind::kStochastic);
   GroupByStripe(ids, n, &hashes, &order, &starts);
   for (uint32_t s = 0; s < kStripes; ++s) {
     const uint32_t begin = starts[s], end = starts[s + 1];
     if (begin == end) continue;
-    const uint32_t count = end - begin;
     Stripe& stripe = stripes_[s];
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
-    recs.resize(count);
-    for (uint32_t k = 0; k < count; ++k) {
-      if (k + kProbeAhead < count) stripe.PrefetchSlot(hashes[order[begin + k + kProbeAhead]]);
-      const uint32_t pos = order[begin + k];
-      const uint32_t rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
-      if (rec == kEmpty) {
-        return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
-      }
-      recs[k] = rec;
+    // Find (or admit and create) each id's record; `kept` holds the
+    // positions that have one, `recs` their records.
+    recs.clear();
+    kept.clear();
+    if (frequency) {
+      size_t cap = 16;
+      while (cap < 2 * size_t{end - begin}) cap <<= 1;
+      counted.assign(cap, 0);
     }
+    uint64_t admitted = 0, refused = 0;
+    for (uint32_t k = begin; k < end; ++k) {
+      if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
+      const uint32_t pos = order[k];
+      uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
+      if (rec == kEmpty) {
+        if (!AdmitOnPush(hashes[pos], ids[pos], &counted)) {
+          ++refused;
+          continue;
+        }
+        rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
+        if (rec == kEmpty) {
+          return ResourceExhausted("table '" + config_.name +
+                                   "' cannot grow: out of address space");
+        }
+        ++admitted;
+      }
+      kept.push_back(pos);
+      recs.push_back(rec);
+    }
+    if (admitted) admitted_.fetch_add(admitted, std::memory_order_relaxed);
+    if (refused) refused_.fetch_add(refused, std::memory_order_relaxed);
+    const uint32_t count = static_cast<uint32_t>(kept.size());
     // Deduplicate by record: slot_of maps a hash slot to an index in firsts.
     size_t cap = 16;
     while (cap < 2 * size_t{count}) cap <<= 1;
@@ -330,7 +524,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       summed.assign(firsts.size() * dim, 0.0f);
       if (keep_squares) squares.assign(firsts.size() * dim, 0.0f);
       for (uint32_t k = 0; k < count; ++k) {
-        const float* g = grads + size_t{order[begin + k]} * dim;
+        const float* g = grads + size_t{kept[k]} * dim;
         float* acc = summed.data() + size_t{unique_of[k]} * dim;
         for (uint32_t j = 0; j < dim; ++j) acc[j] += g[j];
         if (!keep_squares) continue;
@@ -338,29 +532,111 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         for (uint32_t j = 0; j < dim; ++j) sq[j] += g[j] * g[j];
       }
     }
-    const size_t touched_bytes = sizeof(RowHeader) + sizeof(float) * (dim + slot_floats_);
+    const size_t touched_bytes = record_bytes_;
+    if (!wide_) {
+      values.resize(dim);
+      slots.resize(slot_floats_);
+    }
     for (size_t u = 0; u < firsts.size(); ++u) {
       if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
         const uint32_t ahead = firsts[u + kApplyAhead];
         const char* next = stripe.Record(recs[ahead], record_bytes_);
         for (size_t b = 0; b < touched_bytes; b += 64) __builtin_prefetch(next + b, 1);
         if (!duplicates) {
-          const char* g = reinterpret_cast<const char*>(grads + size_t{order[begin + ahead]} * dim);
+          const char* g = reinterpret_cast<const char*>(grads + size_t{kept[ahead]} * dim);
           for (size_t b = 0; b < sizeof(float) * dim; b += 64) __builtin_prefetch(g + b);
         }
       }
       const uint32_t k = firsts[u];
-      const float* g =
-          duplicates ? summed.data() + u * dim : grads + size_t{order[begin + k]} * dim;
+      const float* g = duplicates ? summed.data() + u * dim : grads + size_t{kept[k]} * dim;
       char* r = stripe.Record(recs[k], record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
-      float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
+      header->touched = now;
       const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
-      ApplyRow(config_.optimizer, dim, lr, g, sq, values, values + dim, &header->step);
+      if (wide_) {
+        float* v = reinterpret_cast<float*>(r + sizeof(RowHeader));
+        ApplyRow(config_.optimizer, dim, lr, g, sq, v, v + dim, &header->step);
+        continue;
+      }
+      ReadValues(r, values.data());
+      ReadSlots(r, slots.data());
+      ApplyRow(config_.optimizer, dim, lr, g, sq, values.data(), slots.data(), &header->step);
+      WriteRow(r, header->id, header->step, values.data(), slots.data(), stochastic);
     }
+    if (admitted && config_.policy.max_rows) EvictFrom(&stripe, now);
   }
   return OkStatus();
 }
+
+void Table::EvictFrom(Stripe* stripe, uint32_t now) {
+  const uint64_t quota = stripe_quota_[stripe - stripes_.get()];
+  if (stripe->live <= quota) return;
+  // Evict a little below the quota, so eviction runs once per many inserts.
+  const uint64_t slack = std::min<uint64_t>(quota, std::max<uint64_t>(1, quota / 32));
+  const size_t want = static_cast<size_t>(stripe->live - quota + slack);
+  thread_local std::vector<std::pair<uint64_t, size_t>> scored;  // (score, index slot)
+  scored.clear();
+  const bool lfu = config_.policy.eviction == static_cast<uint64_t>(EvictionKind::kLfu);
+  for (size_t i = 0; i < stripe->index.size(); ++i) {
+    const IndexEntry& e = stripe->index[i];
+    if (e.record == kEmpty) continue;
+    const auto* h = reinterpret_cast<const RowHeader*>(stripe->Record(e.record, record_bytes_));
+    const uint32_t age = now - h->touched;
+    // Lowest first: fewest updates (LFU), then longest untouched.
+    const uint64_t recency = 0xffffffffu - age;
+    scored.emplace_back(lfu ? (uint64_t{h->step} << 32) | recency : recency, i);
+  }
+  std::nth_element(scored.begin(), scored.begin() + (want - 1), scored.end());
+  // Erase by key: each erase may shift other entries' slots.
+  thread_local std::vector<int64_t> victims;
+  victims.clear();
+  for (size_t v = 0; v < want; ++v) victims.push_back(stripe->index[scored[v].second].key);
+  for (int64_t key : victims) {
+    stripe->EraseSlot(stripe->FindSlot(Mix64(static_cast<uint64_t>(key)), key));
+  }
+  rows_.fetch_sub(static_cast<int64_t>(want), std::memory_order_relaxed);
+  evicted_.fetch_add(want, std::memory_order_relaxed);
+}
+
+size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
+                     std::atomic<uint64_t>* counter) {
+  if (min_count == 0 && unseen_for == 0) return 0;
+  size_t removed = 0;
+  std::vector<int64_t> victims;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    Stripe& stripe = stripes_[s];
+    // A slice of the index per lock hold. Entries a removal shifts into an
+    // examined slice, or an index growth between holds, can hide a row
+    // from this pass; the next pass takes it.
+    for (size_t begin = 0;; begin += kRemovalSlots) {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      if (begin >= stripe.index.size()) break;
+      const size_t end = std::min(stripe.index.size(), begin + kRemovalSlots);
+      victims.clear();
+      for (size_t i = begin; i < end; ++i) {
+        const IndexEntry& e = stripe.index[i];
+        if (e.record == kEmpty) continue;
+        const auto* h = reinterpret_cast<const RowHeader*>(stripe.Record(e.record, record_bytes_));
+        const bool rare = min_count != 0 && h->step < min_count;
+        const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
+        if (rare || stale) victims.push_back(e.key);
+      }
+      for (int64_t key : victims) {
+        stripe.EraseSlot(stripe.FindSlot(Mix64(static_cast<uint64_t>(key)), key));
+      }
+      removed += victims.size();
+    }
+  }
+  rows_.fetch_sub(static_cast<int64_t>(removed), std::memory_order_relaxed);
+  counter->fetch_add(removed, std::memory_order_relaxed);
+  return removed;
+}
+
+size_t Table::Shrink(uint64_t min_count, uint64_t unseen_for, uint32_t now) {
+  return Remove(min_count, unseen_for, now, &shrunk_);
+}
+
+size_t Table::Expire(uint32_t now) { return Remove(0, config_.policy.ttl, now, &expired_); }
 
 Status Table::Assign(const int64_t* ids, const float* values, size_t n) {
   const size_t bad = FirstNonFinite(values, n * config_.dim);
@@ -373,7 +649,7 @@ Status Table::Assign(const int64_t* ids, const float* values, size_t n) {
 }
 
 Status Table::Import(const int64_t* ids, const float* values, const float* slots,
-                     const uint32_t* steps, size_t n) {
+                     const uint32_t* steps, size_t n, const uint32_t* touched) {
   const size_t bad = FirstNonFinite(values, n * config_.dim);
   if (bad < n * config_.dim) {
     return InvalidArgument("row " + std::to_string(bad / config_.dim) + " (id " +
@@ -390,54 +666,84 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
   }
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts;
+  thread_local std::vector<float> fresh_slots;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   const uint32_t dim = config_.dim;
+  const uint32_t now = Now();
+  fresh_slots.resize(slot_floats_);
+  InitializeSlots(config_.optimizer, dim, fresh_slots.data());
   for (uint32_t s = 0; s < kStripes; ++s) {
     if (starts[s] == starts[s + 1]) continue;
     Stripe& stripe = stripes_[s];
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
+    bool inserted = false;
     for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
-      if (rec == kEmpty) rec = stripe.Insert(hashes[pos], ids[pos], record_bytes_);
       if (rec == kEmpty) {
-        return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
+        rec = stripe.Insert(hashes[pos], ids[pos], record_bytes_);
+        if (rec == kEmpty) {
+          return ResourceExhausted("table '" + config_.name +
+                                   "' cannot grow: out of address space");
+        }
+        rows_.fetch_add(1, std::memory_order_relaxed);
+        inserted = true;
       }
       char* r = stripe.Record(rec, record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
       header->id = ids[pos];
       header->step = steps ? steps[pos] : 0;
-      header->reserved = 0;
-      float* row = reinterpret_cast<float*>(r + sizeof(RowHeader));
-      std::memcpy(row, values + size_t{pos} * dim, sizeof(float) * dim);
-      if (slot_floats_ == 0) continue;
-      if (slots) {
-        std::memcpy(row + dim, slots + size_t{pos} * slot_floats_, sizeof(float) * slot_floats_);
-      } else {
-        InitializeSlots(config_.optimizer, dim, row + dim);
-      }
+      header->touched = touched ? touched[pos] : now;
+      const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
+      WriteRow(r, ids[pos], header->step, values + size_t{pos} * dim, row_slots,
+               /*stochastic=*/false);
     }
+    if (inserted && config_.policy.max_rows) EvictFrom(&stripe, now);
   }
   return OkStatus();
 }
 
 size_t Table::size() const {
-  size_t total = 0;
+  const int64_t rows = rows_.load(std::memory_order_relaxed);
+  return rows < 0 ? 0 : static_cast<size_t>(rows);
+}
+
+size_t Table::bytes() const {
+  size_t total = sketch_ ? sketch_->bytes() : 0;
   for (uint32_t s = 0; s < kStripes; ++s) {
     std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-    total += stripes_[s].num_records;
+    total += size_t{stripes_[s].num_records} * record_bytes_ +
+             stripes_[s].index.size() * sizeof(IndexEntry) +
+             stripes_[s].free_records.capacity() * sizeof(uint32_t);
   }
   return total;
 }
 
-size_t Table::bytes() const {
-  size_t total = 0;
-  for (uint32_t s = 0; s < kStripes; ++s) {
-    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-    total += size_t{stripes_[s].num_records} * record_bytes_ +
-             stripes_[s].index.size() * sizeof(IndexEntry);
-  }
-  return total;
+TableCounters Table::counters() const {
+  TableCounters c;
+  c.admitted = admitted_.load(std::memory_order_relaxed);
+  c.refused = refused_.load(std::memory_order_relaxed);
+  c.expired = expired_.load(std::memory_order_relaxed);
+  c.evicted = evicted_.load(std::memory_order_relaxed);
+  c.shrunk = shrunk_.load(std::memory_order_relaxed);
+  return c;
+}
+
+void Table::ReadSketch(uint32_t bucket, uint8_t* counters, uint32_t* added) const {
+  std::shared_lock<std::shared_mutex> lock(stripes_[bucket / (kNumBuckets / kStripes)].mu);
+  sketch_->ReadSlice(bucket, counters, added);
+}
+
+void Table::WriteSketch(uint32_t bucket, const uint8_t* counters, uint32_t added) {
+  std::unique_lock<std::shared_mutex> lock(stripes_[bucket / (kNumBuckets / kStripes)].mu);
+  sketch_->WriteSlice(bucket, counters, added);
+}
+
+uint32_t Table::SketchEstimate(int64_t id) const {
+  if (!sketch_) return 0;
+  const uint64_t hash = Mix64(static_cast<uint64_t>(id));
+  std::shared_lock<std::shared_mutex> lock(stripes_[StripeOf(hash)].mu);
+  return sketch_->Estimate(hash);
 }
 
 size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
@@ -449,10 +755,11 @@ size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
     Stripe& stripe = table_->stripes_[stripe_];
     if (!loaded_) {
       std::shared_lock<std::shared_mutex> lock(stripe.mu);
-      order_.resize(stripe.num_records);
-      for (uint32_t r = 0; r < stripe.num_records; ++r) {
-        const int64_t id = reinterpret_cast<const RowHeader*>(stripe.Record(r, record_bytes))->id;
-        order_[r] = Entry{BucketOf(id), r, id};
+      order_.clear();
+      order_.reserve(stripe.live);
+      removals_ = stripe.removals;
+      for (const IndexEntry& e : stripe.index) {
+        if (e.record != kEmpty) order_.push_back(Entry{BucketOf(e.key), e.record, e.key});
       }
       lock.unlock();
       std::sort(order_.begin(), order_.end(), [](const Entry& a, const Entry& b) {
@@ -463,18 +770,23 @@ size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
     }
     {
       std::shared_lock<std::shared_mutex> lock(stripe.mu);
-      for (; pos_ < order_.size() && written < max_rows; ++pos_, ++written) {
+      for (; pos_ < order_.size() && written < max_rows; ++pos_) {
         const Entry& e = order_[pos_];
+        // A row removed (and maybe its record reused) since the list was
+        // made is skipped.
+        if (stripe.removals != removals_ &&
+            stripe.Find(Mix64(static_cast<uint64_t>(e.id)), e.id) != e.record) {
+          continue;
+        }
         const char* r = stripe.Record(e.record, record_bytes);
         const auto* header = reinterpret_cast<const RowHeader*>(r);
-        const float* row = reinterpret_cast<const float*>(r + sizeof(RowHeader));
         out.ids[written] = e.id;
         out.buckets[written] = e.bucket;
         out.steps[written] = header->step;
-        std::memcpy(out.values + written * dim, row, sizeof(float) * dim);
-        if (slot_floats) {
-          std::memcpy(out.slots + written * slot_floats, row + dim, sizeof(float) * slot_floats);
-        }
+        if (out.touched) out.touched[written] = header->touched;
+        table_->ReadValues(r, out.values + written * dim);
+        if (slot_floats) table_->ReadSlots(r, out.slots + written * slot_floats);
+        ++written;
       }
     }
     if (pos_ == order_.size()) {

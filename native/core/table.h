@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "native/core/routing.h"
+#include "native/core/sketch.h"
 #include "native/core/status.h"
 #include "native/core/table_config.h"
 
@@ -43,12 +44,25 @@ struct RowBuffers {
   float* slots = nullptr;       // [n, slot_floats]; may be null when 0 slots
   uint32_t* steps = nullptr;    // [n]
   uint32_t* buckets = nullptr;  // [n] routing bucket of each id
+  uint32_t* touched = nullptr;  // [n] last-touched stamps; may be null
+};
+
+// What the table's memory policy did since it was created.
+struct TableCounters {
+  uint64_t admitted = 0;  // rows created by training (pull or push)
+  uint64_t refused = 0;   // pushed ids that were not admitted (per id and push)
+  uint64_t expired = 0;   // rows removed by ttl sweeps
+  uint64_t evicted = 0;   // rows removed to stay within max_rows
+  uint64_t shrunk = 0;    // rows removed by explicit Shrink calls
 };
 
 class Table {
  public:
-  // `config` must have passed ValidateTableConfig.
-  explicit Table(const TableConfig& config);
+  // `config` must have passed ValidateTableConfig. The table serves ids of
+  // buckets [first_bucket, end_bucket) (its shard's); only the admission
+  // sketch depends on that range.
+  explicit Table(const TableConfig& config, uint32_t first_bucket = 0,
+                 uint32_t end_bucket = kNumBuckets);
   ~Table();
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
@@ -58,27 +72,56 @@ class Table {
   // Optimizer slot floats per row (SlotsPerValue * dim).
   uint32_t slot_floats() const { return slot_floats_; }
 
-  // Writes the rows of `ids[0..n)` to `out` ([n, dim]). Thread-safe.
+  // Writes the rows of `ids[0..n)` to `out` ([n, dim]). Thread-safe. In
+  // training mode (kInsert) an absent id gets a row only when admission
+  // admits it on a pull (every id, or Probability admission); otherwise it
+  // reads the unadmitted default and nothing is stored.
   void Pull(const int64_t* ids, size_t n, PullMode mode, float* out);
 
   // Applies `grads` ([n, dim]) with learning rate `lr`; repeated ids are
-  // summed first; unseen ids are created with their initial value. Rejects
-  // (and changes nothing for) non-finite gradients or learning rates.
+  // summed first; absent ids that admission admits are created with their
+  // initial value, others are counted (Frequency) and dropped. Stamps every
+  // row it updates. Rejects (and changes nothing for) non-finite gradients
+  // or learning rates.
   Status Push(const int64_t* ids, const float* grads, size_t n, float lr);
 
   // Sets the values of rows (created if absent) and resets their optimizer
   // slots and steps. Rejects (and changes nothing for) non-finite values.
   Status Assign(const int64_t* ids, const float* values, size_t n);
 
-  // Inserts or overwrites rows. `slots` may be null (fresh slots) and
-  // `steps` may be null (step 0). Rejects (and changes nothing for) rows or
-  // slots holding NaN or infinity.
+  // Inserts or overwrites rows. `slots` may be null (fresh slots), `steps`
+  // may be null (step 0) and `touched` may be null (stamped now). Rejects
+  // (and changes nothing for) rows or slots holding NaN or infinity.
   Status Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
-                size_t n);
+                size_t n, const uint32_t* touched = nullptr);
+
+  // Removes rows updated fewer than `min_count` times (0: any count) or not
+  // touched for more than `unseen_for` clock units at `now` (0: any age).
+  // Holds one stripe at a time, a slice of its index at a time, so pulls
+  // never wait for a whole-table pass. Returns the rows removed.
+  size_t Shrink(uint64_t min_count, uint64_t unseen_for, uint32_t now);
+  // Removes the rows whose ttl has passed at `now`; 0 without a ttl.
+  size_t Expire(uint32_t now);
+
+  // The table's clock (ClockKind): pushes this table has taken, or
+  // seconds since the Unix epoch; 32 bits, compared modulo 2^32.
+  uint32_t Now() const;
+  // Sets the push clock (a loaded table continues from its checkpoint).
+  void SetPushClock(uint32_t pushes) { pushes_.store(pushes); }
 
   size_t size() const;
-  // Bytes in use: rows with their slots, plus the index.
+  // Bytes in use: rows with their slots, the index and the sketch.
   size_t bytes() const;
+  TableCounters counters() const;
+
+  // The admission sketch (Frequency admission only): per bucket slices of
+  // sketch_slice_bytes() counters plus a count of pushes since halving.
+  bool has_sketch() const { return sketch_ != nullptr; }
+  uint32_t sketch_slice_bytes() const { return sketch_ ? sketch_->slice_counters() : 0; }
+  void ReadSketch(uint32_t bucket, uint8_t* counters, uint32_t* added) const;
+  void WriteSketch(uint32_t bucket, const uint8_t* counters, uint32_t added);
+  // Frequency estimate of an id in the sketch (0 without one).
+  uint32_t SketchEstimate(int64_t id) const;
   // Bytes of one stored row (header, values and slots).
   size_t record_bytes() const { return record_bytes_; }
 
@@ -96,6 +139,7 @@ class Table {
     uint32_t stripe_ = 0;
     bool loaded_ = false;
     size_t pos_ = 0;
+    uint64_t removals_ = 0;  // the stripe's removals when order_ was made
     struct Entry {
       uint32_t bucket;
       uint32_t record;
@@ -106,6 +150,24 @@ class Table {
 
  private:
   struct Stripe;
+
+  // Whether the policy admits an absent id on a push; counts it in the
+  // sketch (once per push: `counted` holds the hashes counted by this push).
+  bool AdmitOnPush(uint64_t hash, int64_t id, std::vector<uint64_t>* counted);
+  bool ProbabilityAdmits(int64_t id) const;
+  // Fills `out` with the unadmitted default of `id`.
+  void Unadmitted(int64_t id, float* out) const;
+  // Removes this stripe's lowest-scoring rows when it holds more than its
+  // quota of max_rows. Caller holds the lock.
+  void EvictFrom(Stripe* stripe, uint32_t now);
+  // Rows removed by Shrink / Expire into `counter`.
+  size_t Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
+                std::atomic<uint64_t>* counter);
+  // Copies a stored row's values (or slots) to/from float32.
+  void ReadValues(const char* record, float* out) const;
+  void ReadSlots(const char* record, float* out) const;
+  void WriteRow(char* record, int64_t id, uint32_t step, const float* values, const float* slots,
+                bool stochastic);
 
   uint32_t StripeOf(uint64_t hash) const { return BucketOfHash(hash) / (kNumBuckets / kStripes); }
   // Returns the record of `id`, creating it with its initial value and fresh
@@ -119,8 +181,15 @@ class Table {
 
   TableConfig config_;
   uint32_t slot_floats_;
+  uint32_t value_bytes_;  // bytes of the stored values of a row
   size_t record_bytes_;
+  bool wide_;  // values and slots stored as float32
   std::unique_ptr<Stripe[]> stripes_;
+  uint64_t stripe_quota_[kStripes] = {};     // max_rows per stripe (with max_rows)
+  std::unique_ptr<FrequencySketch> sketch_;  // Frequency admission only
+  std::atomic<uint64_t> pushes_{0};
+  std::atomic<int64_t> rows_{0};
+  std::atomic<uint64_t> admitted_{0}, refused_{0}, expired_{0}, evicted_{0}, shrunk_{0};
 };
 
 }  // namespace dlt

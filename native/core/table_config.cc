@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "native/core/routing.h"
+
 namespace dlt {
 namespace {
 
@@ -27,6 +29,35 @@ std::string Escaped(const std::string& name) {
     }
   }
   return out;
+}
+
+Status ValidatePolicy(const PolicyConfig& p, const std::string& where) {
+  for (const PolicyField& f : kPolicyFields) {
+    if (f.values != nullptr && p.*f.member >= f.num_values) {
+      return InvalidArgument(where + "unknown " + f.name + " " + std::to_string(p.*f.member));
+    }
+  }
+  if (p.admission == static_cast<uint64_t>(AdmissionKind::kFrequency)) {
+    if (p.min_count < 1 || p.min_count > kMaxMinCount) {
+      return InvalidArgument(where + "frequency admission needs min_count in [1, " +
+                             std::to_string(kMaxMinCount) + "], got " +
+                             std::to_string(p.min_count));
+    }
+    if (p.sketch_bytes < kNumBuckets * 4 * 8 || p.sketch_bytes > kMaxSketchBytes) {
+      return InvalidArgument(where + "frequency admission needs sketch_bytes in [" +
+                             std::to_string(kNumBuckets * 4 * 8) + ", 2^40], got " +
+                             std::to_string(p.sketch_bytes));
+    }
+  }
+  if (p.admission == static_cast<uint64_t>(AdmissionKind::kProbability) &&
+      !(p.probability > 0.0f && p.probability <= 1.0f)) {
+    return InvalidArgument(where + "probability admission needs a probability in (0, 1], got " +
+                           std::to_string(p.probability));
+  }
+  if (p.ttl > kMaxTtl) {
+    return InvalidArgument(where + "ttl must be at most 2^31-1, got " + std::to_string(p.ttl));
+  }
+  return OkStatus();
 }
 
 }  // namespace
@@ -133,7 +164,11 @@ Status ValidateTableConfig(const TableConfig& c) {
       return InvalidArgument(where + "unknown optimizer kind " +
                              std::to_string(static_cast<uint32_t>(o.kind)));
   }
-  return OkStatus();
+  return ValidatePolicy(c.policy, where);
+}
+
+uint32_t DtypeBytes(uint64_t dtype) {
+  return dtype == static_cast<uint64_t>(StorageDtype::kFloat32) ? 4 : 2;
 }
 
 uint32_t SlotsPerValue(OptimizerKind kind) {
@@ -172,6 +207,11 @@ const char* KindName(const char* const (&names)[N], uint32_t kind) {
   return kind < N ? names[kind] : "unknown";
 }
 
+const char* PolicyValueName(const PolicyConfig& p, const PolicyField& f) {
+  const uint64_t v = p.*f.member;
+  return v < f.num_values ? f.values[v] : "unknown";
+}
+
 std::string FloatText(float v) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(v));
@@ -207,14 +247,22 @@ bool SameTable(const TableConfig& a, const TableConfig& b) {
   for (const OptimizerField& f : kOptimizerFields) {
     if (a.optimizer.*f.member != b.optimizer.*f.member) return false;
   }
-  return true;
+  for (const PolicyField& f : kPolicyFields) {
+    if (a.policy.*f.member != b.policy.*f.member) return false;
+  }
+  return a.policy.probability == b.policy.probability;
 }
 
 std::string Describe(const TableConfig& c) {
   std::ostringstream out;
   out << "'" << c.name << "' (dim " << c.dim << ", seed " << c.seed << ", "
-      << InitializerName(c.initializer.kind) << " initializer, " << OptimizerName(c.optimizer.kind)
-      << ")";
+      << InitializerName(c.initializer.kind) << " initializer, " << OptimizerName(c.optimizer.kind);
+  const PolicyConfig& p = c.policy;
+  if (p.admission != 0) out << ", " << PolicyValueName(p, kPolicyFields[0]) << " admission";
+  if (p.ttl != 0) out << ", ttl " << p.ttl << " " << PolicyValueName(p, kPolicyFields[4]);
+  if (p.max_rows != 0) out << ", max_rows " << p.max_rows;
+  if (p.value_dtype != 0) out << ", " << PolicyValueName(p, kPolicyFields[8]) << " values";
+  out << ")";
   return out.str();
 }
 
@@ -229,8 +277,32 @@ std::string EncodeTableConfig(const TableConfig& c) {
   for (const OptimizerField& f : kOptimizerFields) {
     out += std::string(" optimizer.") + f.name + "=" + FloatText(c.optimizer.*f.member);
   }
+  for (const PolicyField& f : kPolicyFields) {
+    out += std::string(" policy.") + f.name + "=" +
+           (f.values ? PolicyValueName(c.policy, f) : std::to_string(c.policy.*f.member));
+  }
+  out += std::string(" policy.") + kProbabilityField + "=" + FloatText(c.policy.probability);
   return out;
 }
+
+namespace {
+
+bool ParsePolicyValue(const PolicyField& f, const std::string& value, uint64_t* out) {
+  if (f.values == nullptr) {
+    char* end = nullptr;
+    *out = std::strtoull(value.c_str(), &end, 10);
+    return !value.empty() && value[0] != '-' && *end == '\0';
+  }
+  for (uint32_t i = 0; i < f.num_values; ++i) {
+    if (value == f.values[i]) {
+      *out = i;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
 
 Status DecodeTableConfig(const std::string& text, TableConfig* c) {
   std::istringstream in(text);
@@ -256,6 +328,14 @@ Status DecodeTableConfig(const std::string& text, TableConfig* c) {
       parsed = ParseInitializerKind(value, &c->initializer.kind);
     } else if (key == "optimizer") {
       parsed = ParseOptimizerKind(value, &c->optimizer.kind);
+    } else if (key.rfind("policy.", 0) == 0 && key != std::string("policy.") + kProbabilityField) {
+      known = false;
+      for (const PolicyField& f : kPolicyFields) {
+        if (key == std::string("policy.") + f.name) {
+          known = true;
+          parsed = ParsePolicyValue(f, value, &(c->policy.*f.member));
+        }
+      }
     } else {
       known = false;
       const float v = std::strtof(value.c_str(), &end);
@@ -270,6 +350,10 @@ Status DecodeTableConfig(const std::string& text, TableConfig* c) {
           c->optimizer.*f.member = v;
           known = true;
         }
+      }
+      if (key == std::string("policy.") + kProbabilityField) {
+        c->policy.probability = v;
+        known = true;
       }
       parsed = !value.empty() && *end == '\0';
     }

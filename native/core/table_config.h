@@ -49,12 +49,45 @@ struct OptimizerConfig {
   float l2 = 0.0f;
 };
 
+// Which ids get a row. Rows are created only for admitted ids; a pull of
+// any other id returns the `unadmitted` default and stores nothing.
+enum class AdmissionKind : uint32_t {
+  kAll = 0,          // every id (the default)
+  kFrequency = 1,    // once pushed min_count times (counted in a sketch)
+  kProbability = 2,  // a pure function of (seed, id) admits a fraction
+};
+enum class UnadmittedValue : uint32_t { kZeros = 0, kInitial = 1 };
+// What a row's "last touched" stamp counts: pushes of the table on this
+// shard, or seconds (wall clock).
+enum class ClockKind : uint32_t { kPushes = 0, kSeconds = 1 };
+enum class EvictionKind : uint32_t { kLfu = 0, kLru = 1 };
+enum class StorageDtype : uint32_t { kFloat32 = 0, kBfloat16 = 1, kFloat16 = 2 };
+enum class RoundingKind : uint32_t { kStochastic = 0, kNearest = 1 };
+
+// Memory policy of a table: admission, expiry, eviction and row storage.
+// Integers and enums are held as uint64 so that one field list covers them.
+struct PolicyConfig {
+  uint64_t admission = 0;     // AdmissionKind
+  uint64_t min_count = 1;     // kFrequency: pushes before a row is made
+  uint64_t sketch_bytes = 0;  // kFrequency: sketch memory, whole table
+  uint64_t unadmitted = 0;    // UnadmittedValue
+  uint64_t clock = 0;         // ClockKind
+  uint64_t ttl = 0;           // remove rows untouched this long; 0: never
+  uint64_t max_rows = 0;      // rows per shard; 0: unbounded
+  uint64_t eviction = 0;      // EvictionKind
+  uint64_t value_dtype = 0;   // StorageDtype of values
+  uint64_t slot_dtype = 0;    // StorageDtype of optimizer slots
+  uint64_t rounding = 0;      // RoundingKind of 16-bit updates
+  float probability = 1.0f;   // kProbability: fraction of ids admitted
+};
+
 struct TableConfig {
   std::string name;
   uint32_t dim = 0;
   uint64_t seed = 0;
   InitializerConfig initializer;
   OptimizerConfig optimizer;
+  PolicyConfig policy;
 };
 
 // Largest accepted dim (one row is at most 256 KiB of values).
@@ -101,6 +134,47 @@ inline constexpr OptimizerField kOptimizerFields[] = {
     {"l1", &OptimizerConfig::l1},
     {"l2", &OptimizerConfig::l2},
 };
+
+// The policy fields, by name: enum fields name their values (index = enum
+// value); plain integers have none. Names are those of TableConfig.to_dict()
+// ["policy"] in Python and of the proto's PolicyConfig.
+struct PolicyField {
+  const char* name;
+  uint64_t PolicyConfig::* member;
+  const char* const* values;  // null for a plain integer
+  uint32_t num_values;
+};
+inline constexpr const char* kAdmissionNames[] = {"all", "frequency", "probability"};
+inline constexpr const char* kUnadmittedNames[] = {"zeros", "initial"};
+inline constexpr const char* kClockNames[] = {"pushes", "seconds"};
+inline constexpr const char* kEvictionNames[] = {"lfu", "lru"};
+inline constexpr const char* kDtypeNames[] = {"float32", "bfloat16", "float16"};
+inline constexpr const char* kRoundingNames[] = {"stochastic", "nearest"};
+inline constexpr PolicyField kPolicyFields[] = {
+    {"admission", &PolicyConfig::admission, kAdmissionNames, 3},
+    {"min_count", &PolicyConfig::min_count, nullptr, 0},
+    {"sketch_bytes", &PolicyConfig::sketch_bytes, nullptr, 0},
+    {"unadmitted", &PolicyConfig::unadmitted, kUnadmittedNames, 2},
+    {"clock", &PolicyConfig::clock, kClockNames, 2},
+    {"ttl", &PolicyConfig::ttl, nullptr, 0},
+    {"max_rows", &PolicyConfig::max_rows, nullptr, 0},
+    {"eviction", &PolicyConfig::eviction, kEvictionNames, 2},
+    {"value_dtype", &PolicyConfig::value_dtype, kDtypeNames, 3},
+    {"slot_dtype", &PolicyConfig::slot_dtype, kDtypeNames, 3},
+    {"rounding", &PolicyConfig::rounding, kRoundingNames, 2},
+};
+// The one float field of the policy.
+inline constexpr const char* kProbabilityField = "probability";
+
+// Largest accepted Frequency min_count (counters are 8-bit).
+inline constexpr uint64_t kMaxMinCount = 255;
+// Largest accepted ttl: stamps are 32-bit and compared modulo 2^32.
+inline constexpr uint64_t kMaxTtl = (uint64_t{1} << 31) - 1;
+// Largest accepted sketch_bytes (the whole table's sketch).
+inline constexpr uint64_t kMaxSketchBytes = uint64_t{1} << 40;
+
+// Bytes per stored value of a dtype (4 or 2).
+uint32_t DtypeBytes(uint64_t dtype);
 
 // A config as one line of text, e.g. "name=emb dim=16 seed=0
 // initializer=uniform initializer.minval=-0.05 ... optimizer=adagrad

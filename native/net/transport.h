@@ -26,11 +26,22 @@ class TableExport {
   // Appends up to `max_rows` rows to the vectors; returns how many (0: done).
   size_t Next(size_t max_rows, std::vector<int64_t>* ids, std::vector<float>* values,
               std::vector<float>* slots, std::vector<uint32_t>* steps,
-              std::vector<uint32_t>* buckets);
+              std::vector<uint32_t>* buckets, std::vector<uint32_t>* touched);
 
  private:
   std::shared_ptr<Table> table_;
   Table::Exporter exporter_;
+};
+
+// What a table keeps besides its rows: its clock and, with Frequency
+// admission, the sketch slices of buckets [first_bucket, first_bucket +
+// added.size()), slice_bytes each.
+struct TableStateData {
+  uint32_t clock = 0;
+  uint32_t first_bucket = 0;
+  uint32_t slice_bytes = 0;
+  std::vector<uint8_t> sketch;
+  std::vector<uint32_t> added;
 };
 
 class Transport {
@@ -52,10 +63,15 @@ class Transport {
   virtual Status OpenExport(const std::string& table, uint32_t dim,
                             std::unique_ptr<TableExport>* out) = 0;
   // Inserts or overwrites rows with their optimizer slots (`slot_floats`
-  // per row; 0: fresh slots) and update counts.
+  // per row; 0: fresh slots), update counts and last-touched stamps (null:
+  // now).
   virtual Status Import(const std::string& table, uint32_t dim, const int64_t* ids,
                         const float* values, const float* slots, size_t slot_floats,
-                        const uint32_t* steps, size_t n) = 0;
+                        const uint32_t* steps, const uint32_t* touched, size_t n) = 0;
+  // The table's clock and sketch (all buckets), and setting them back
+  // (the sketch slices `state` holds; the push clock).
+  virtual Status GetState(const std::string& table, uint32_t dim, TableStateData* state) = 0;
+  virtual Status SetState(const std::string& table, uint32_t dim, const TableStateData& state) = 0;
 };
 
 // Shard servers at `addresses` (shard-index order).

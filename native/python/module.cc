@@ -25,6 +25,7 @@ namespace {
 using IdArray = py::array_t<int64_t, py::array::c_style>;
 using FloatArray = py::array_t<float, py::array::c_style>;
 using StepArray = py::array_t<uint32_t, py::array::c_style>;
+using ByteArray = py::array_t<uint8_t, py::array::c_style>;
 
 [[noreturn]] void Raise(const Status& s) {
   py::object error = py::module_::import("tf_dlt.errors")
@@ -61,6 +62,27 @@ TableConfig ConfigFromDict(const py::dict& d) {
   for (const OptimizerField& f : kOptimizerFields) {
     if (opt.contains(f.name)) c.optimizer.*f.member = py::cast<float>(opt[f.name]);
   }
+  if (!d.contains("policy")) return c;  // configs written before policies existed
+  const py::dict policy = d["policy"];
+  for (const PolicyField& f : kPolicyFields) {
+    if (!policy.contains(f.name)) continue;
+    if (f.values == nullptr) {
+      c.policy.*f.member = py::cast<uint64_t>(policy[f.name]);
+      continue;
+    }
+    const std::string value = py::cast<std::string>(policy[f.name]);
+    bool known = false;
+    for (uint32_t i = 0; i < f.num_values; ++i) {
+      if (value == f.values[i]) {
+        c.policy.*f.member = i;
+        known = true;
+      }
+    }
+    if (!known) Raise(InvalidArgument(std::string("unknown ") + f.name + " '" + value + "'"));
+  }
+  if (policy.contains(kProbabilityField)) {
+    c.policy.probability = py::cast<float>(policy[kProbabilityField]);
+  }
   return c;
 }
 
@@ -75,6 +97,17 @@ py::dict ConfigToDict(const TableConfig& c) {
   d["seed"] = c.seed;
   d["initializer"] = init;
   d["optimizer"] = opt;
+  py::dict policy;
+  for (const PolicyField& f : kPolicyFields) {
+    const uint64_t v = c.policy.*f.member;
+    if (f.values == nullptr) {
+      policy[f.name] = v;
+    } else {
+      policy[f.name] = v < f.num_values ? f.values[v] : "unknown";
+    }
+  }
+  policy[kProbabilityField] = c.policy.probability;
+  d["policy"] = policy;
   return d;
 }
 
@@ -145,8 +178,9 @@ class PyExporter {
     FloatArray slot_values({max_rows, slots});
     StepArray steps(max_rows);
     StepArray buckets(max_rows);
-    RowBuffers b{ids.mutable_data(), values.mutable_data(), slot_values.mutable_data(),
-                 steps.mutable_data(), buckets.mutable_data()};
+    StepArray touched(max_rows);
+    RowBuffers b{ids.mutable_data(),   values.mutable_data(),  slot_values.mutable_data(),
+                 steps.mutable_data(), buckets.mutable_data(), touched.mutable_data()};
     size_t n;
     {
       py::gil_scoped_release release;
@@ -154,13 +188,32 @@ class PyExporter {
     }
     if (n == 0) return py::none();
     py::slice head(0, static_cast<py::ssize_t>(n), 1);
-    return py::make_tuple(ids[head], values[head], slot_values[head], steps[head], buckets[head]);
+    return py::make_tuple(ids[head], values[head], slot_values[head], steps[head], buckets[head],
+                          touched[head]);
   }
 
  private:
   std::shared_ptr<Table> table_;
   Table::Exporter exporter_;
 };
+
+py::dict TableCountersToDict(const TableCounters& c) {
+  py::dict d;
+  d["admitted"] = c.admitted;
+  d["refused"] = c.refused;
+  d["expired"] = c.expired;
+  d["evicted"] = c.evicted;
+  d["shrunk"] = c.shrunk;
+  return d;
+}
+
+void CheckSketch(const Table& t, uint32_t first_bucket, uint32_t end_bucket) {
+  if (!t.has_sketch()) Raise(FailedPrecondition("table '" + t.config().name + "' has no sketch"));
+  if (first_bucket > end_bucket || end_bucket > kNumBuckets) {
+    Raise(InvalidArgument("bucket range [" + std::to_string(first_bucket) + ", " +
+                          std::to_string(end_bucket) + ") is invalid"));
+  }
+}
 
 py::dict CountersToDict(const ServerCounters& c) {
   py::dict d;
@@ -234,11 +287,15 @@ PYBIND11_MODULE(_native, m) {
   });
 
   py::class_<Table, std::shared_ptr<Table>>(m, "Table")
-      .def(py::init([](const py::dict& d) {
-        const TableConfig c = ConfigFromDict(d);
-        Check(ValidateTableConfig(c));
-        return std::make_shared<Table>(c);
-      }))
+      .def(py::init([](const py::dict& d, uint32_t first_bucket, uint32_t end_bucket) {
+             const TableConfig c = ConfigFromDict(d);
+             Check(ValidateTableConfig(c));
+             if (first_bucket >= end_bucket || end_bucket > kNumBuckets) {
+               Raise(InvalidArgument("bucket range is invalid"));
+             }
+             return std::make_shared<Table>(c, first_bucket, end_bucket);
+           }),
+           py::arg("config"), py::arg("first_bucket") = 0, py::arg("end_bucket") = kNumBuckets)
       .def_property_readonly("config", [](const Table& t) { return ConfigToDict(t.config()); })
       .def_property_readonly("name", [](const Table& t) { return t.config().name; })
       .def_property_readonly("dim", &Table::dim)
@@ -262,7 +319,7 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "import_rows",
           [](Table& t, const IdArray& ids, const FloatArray& values, const py::object& slots,
-             const py::object& steps) {
+             const py::object& steps, const py::object& touched) {
             CheckIds(ids);
             const size_t n = static_cast<size_t>(ids.shape(0));
             CheckRows(values, n, t.dim(), "values");
@@ -279,15 +336,72 @@ PYBIND11_MODULE(_native, m) {
               step_array = StepsFrom(steps, n);
               step_ptr = step_array.data();
             }
+            StepArray touched_array;
+            const uint32_t* touched_ptr = nullptr;
+            if (!touched.is_none()) {
+              touched_array = StepsFrom(touched, n);
+              touched_ptr = touched_array.data();
+            }
             Status s;
             {
               py::gil_scoped_release release;
-              s = t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n);
+              s = t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr);
             }
             Check(s);
           },
           py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
-          py::arg("steps") = py::none())
+          py::arg("steps") = py::none(), py::arg("touched") = py::none())
+      .def(
+          "shrink",
+          [](Table& t, uint64_t min_count, uint64_t unseen_for, const py::object& now) {
+            const uint32_t at = now.is_none() ? t.Now() : py::cast<uint32_t>(now);
+            py::gil_scoped_release release;
+            return t.Shrink(min_count, unseen_for, at);
+          },
+          py::arg("min_count") = 0, py::arg("unseen_for") = 0, py::arg("now") = py::none())
+      .def(
+          "expire",
+          [](Table& t, const py::object& now) {
+            const uint32_t at = now.is_none() ? t.Now() : py::cast<uint32_t>(now);
+            py::gil_scoped_release release;
+            return t.Expire(at);
+          },
+          py::arg("now") = py::none())
+      .def("now", &Table::Now)
+      .def("set_push_clock", &Table::SetPushClock)
+      .def("counters", [](const Table& t) { return TableCountersToDict(t.counters()); })
+      .def_property_readonly("sketch_slice_bytes", &Table::sketch_slice_bytes)
+      .def("read_sketch",
+           [](const Table& t, uint32_t first_bucket, uint32_t end_bucket) {
+             CheckSketch(t, first_bucket, end_bucket);
+             const size_t n = end_bucket - first_bucket, width = t.sketch_slice_bytes();
+             ByteArray counters({n, width});
+             StepArray added(n);
+             for (size_t b = 0; b < n; ++b) {
+               t.ReadSketch(first_bucket + static_cast<uint32_t>(b),
+                            counters.mutable_data() + b * width, added.mutable_data() + b);
+             }
+             return py::make_tuple(counters, added);
+           })
+      .def("write_sketch",
+           [](Table& t, uint32_t first_bucket, const ByteArray& counters, const StepArray& added) {
+             const size_t n = added.ndim() == 1 ? static_cast<size_t>(added.shape(0)) : 0;
+             CheckSketch(t, first_bucket, first_bucket + static_cast<uint32_t>(n));
+             CheckRows(counters, n, t.sketch_slice_bytes(), "sketch counters");
+             for (size_t b = 0; b < n; ++b) {
+               t.WriteSketch(first_bucket + static_cast<uint32_t>(b),
+                             counters.data() + b * t.sketch_slice_bytes(), added.data()[b]);
+             }
+           })
+      .def("sketch_estimate",
+           [](const Table& t, const IdArray& ids) {
+             CheckIds(ids);
+             py::array_t<uint32_t> out(ids.shape(0));
+             for (py::ssize_t i = 0; i < ids.shape(0); ++i) {
+               out.mutable_data()[i] = t.SketchEstimate(ids.data()[i]);
+             }
+             return out;
+           })
       .def("exporter",
            [](std::shared_ptr<Table> t) { return std::make_unique<PyExporter>(std::move(t)); });
 
@@ -320,6 +434,15 @@ PYBIND11_MODULE(_native, m) {
              return t;
            })
       .def("tables", &Shard::Tables)
+      .def("new_table",
+           [](const Shard& s, const py::dict& d) {
+             const TableConfig c = ConfigFromDict(d);
+             Check(ValidateTableConfig(c));
+             return s.NewTable(c);
+           })
+      .def("sweep", &Shard::Sweep, py::call_guard<py::gil_scoped_release>())
+      .def("start_sweeper", &Shard::StartSweeper, py::arg("interval_ms"))
+      .def("stop_sweeper", &Shard::StopSweeper, py::call_guard<py::gil_scoped_release>())
       .def("install_tables", &Shard::InstallTables)
       .def("check_ownership", [](const Shard& s, const IdArray& ids) {
         CheckIds(ids);

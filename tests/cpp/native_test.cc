@@ -423,6 +423,14 @@ DLT_TEST(TestTableConfigEncodingRoundTrips) {
   c.initializer.stddev = 0.1f;
   c.optimizer.l1 = 1e-3f;
   c.optimizer.learning_rate_power = -0.75f;
+  c.policy.admission = static_cast<uint64_t>(AdmissionKind::kFrequency);
+  c.policy.min_count = 3;
+  c.policy.sketch_bytes = 1 << 20;
+  c.policy.ttl = 86400;
+  c.policy.clock = static_cast<uint64_t>(ClockKind::kSeconds);
+  c.policy.value_dtype = static_cast<uint64_t>(StorageDtype::kBfloat16);
+  c.policy.probability = 0.25f;
+  EXPECT_OK(ValidateTableConfig(c));
   TableConfig back;
   EXPECT_OK(DecodeTableConfig(EncodeTableConfig(c), &back));
   EXPECT(SameTable(c, back));
@@ -431,6 +439,14 @@ DLT_TEST(TestTableConfigEncodingRoundTrips) {
   EXPECT(DecodeTableConfig("name=x dim=four", &back).code() == Code::kInvalidArgument);
   EXPECT(DecodeTableConfig("optimizer=rmsprop", &back).code() == Code::kInvalidArgument);
   EXPECT(DecodeTableConfig("optimizer.epsilon=", &back).code() == Code::kInvalidArgument);
+  EXPECT(DecodeTableConfig("policy.eviction=fifo", &back).code() == Code::kInvalidArgument);
+  EXPECT(DecodeTableConfig("policy.max_rows=-1", &back).code() == Code::kInvalidArgument);
+  TableConfig bad = c;
+  bad.policy.min_count = 256;
+  EXPECT(ValidateTableConfig(bad).code() == Code::kInvalidArgument);
+  bad = c;
+  bad.policy.sketch_bytes = 1000;
+  EXPECT(ValidateTableConfig(bad).code() == Code::kInvalidArgument);
   InitializerKind ik;
   OptimizerKind ok;
   EXPECT(ParseInitializerKind("truncated_normal", &ik) && ik == InitializerKind::kTruncatedNormal);
@@ -454,11 +470,22 @@ DLT_TEST(TestTransportsServeTheSameCalls) {
   EXPECT_OK(embedded->OpenExport("emb", 4, &pass));
   std::vector<int64_t> out_ids;
   std::vector<float> values, slots;
-  std::vector<uint32_t> steps, buckets;
+  std::vector<uint32_t> steps, buckets, touched;
   size_t total = 0, got;
-  while ((got = pass->Next(2, &out_ids, &values, &slots, &steps, &buckets)) > 0) total += got;
+  while ((got = pass->Next(2, &out_ids, &values, &slots, &steps, &buckets, &touched)) > 0) {
+    total += got;
+  }
   EXPECT(total == 3 && out_ids.size() == 3 && slots.size() == 12 && steps[0] == 1);
-  EXPECT_OK(embedded->Import("emb", 4, out_ids.data(), values.data(), nullptr, 0, steps.data(), 3));
+  EXPECT(touched.size() == 3 && touched[0] == 1);  // stamped by the first push
+  EXPECT_OK(embedded->Import("emb", 4, out_ids.data(), values.data(), nullptr, 0, steps.data(),
+                             touched.data(), 3));
+  TableStateData state;
+  EXPECT_OK(embedded->GetState("emb", 4, &state));
+  EXPECT(state.clock == 1 && state.added.empty());
+  state.clock = 7;
+  EXPECT_OK(embedded->SetState("emb", 4, state));
+  EXPECT_OK(embedded->GetState("emb", 4, &state));
+  EXPECT(state.clock == 7);
   auto tcp = TcpTransport({"127.0.0.1:1"}, ClientOptions());
   EXPECT(!tcp->embedded());
   EXPECT(tcp->CreateTable(Config("emb", 4, OptimizerKind::kSgd)).code() ==

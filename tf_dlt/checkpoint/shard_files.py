@@ -7,7 +7,9 @@ Layout of a checkpoint directory (see docs/checkpoints.md):
 
 Each shard file holds, per table, the rows sorted by routing bucket with a
 ``bucket_offsets`` index, so a shard of any other shard count reads exactly
-the row range of the buckets it owns. Every file's SHA-256 is recorded in the
+the row range of the buckets it owns; with them each row's update count and
+last-touched stamp, the table's clock, and the admission sketch's slices of
+the buckets the writer owned. Every file's SHA-256 is recorded in the
 manifest and checked before a row is read. Saving streams rows in chunks; it
 never holds a second copy of the shard in memory.
 """
@@ -48,20 +50,34 @@ _SPOOL_IN_MEMORY = 256 << 20
 
 
 # One chunk of a table's rows in (bucket, id) order: ids, values, optimizer
-# slots, update counts and routing buckets.
-Chunk = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+# slots, update counts, routing buckets and last-touched stamps.
+Chunk = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclasses.dataclass
+class TableState:
+    """What a table keeps besides its rows: its clock when the rows were
+    read (stamps are saved relative to it for a push clock) and, with
+    Frequency admission, the sketch slices of buckets [first_bucket,
+    first_bucket + len(added))."""
+
+    clock: int = 0
+    sketch: np.ndarray | None = None  # uint8 [buckets, slice bytes]
+    added: np.ndarray | None = None  # uint32 [buckets]
+    first_bucket: int = 0
 
 
 @dataclasses.dataclass
 class TableRows:
     """The rows of one table to write: its config (the native dict form),
-    its row layout, and its chunks in (bucket, id) order, produced one at a
-    time so no second copy of the table is ever held."""
+    its row layout, its chunks in (bucket, id) order, produced one at a time
+    so no second copy of the table is ever held, and its state."""
 
     config: dict[str, Any]
     dim: int
     slot_floats: int
     chunks: Iterator[Chunk]
+    state: TableState = dataclasses.field(default_factory=TableState)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +95,26 @@ def chunk_rows(dim: int, slot_floats: int) -> int:
     return max(1, _CHUNK_BYTES // (4 * (dim + slot_floats) + 16))
 
 
-def native_rows(table: _native.Table) -> TableRows:
+def native_state(table: _native.Table, first_bucket: int, end_bucket: int) -> TableState:
+    """A native table's clock and its sketch slices of [first_bucket,
+    end_bucket)."""
+    state = TableState(clock=table.now(), first_bucket=first_bucket)
+    if table.sketch_slice_bytes:
+        state.sketch, state.added = table.read_sketch(first_bucket, end_bucket)
+    return state
+
+
+def native_rows(table: _native.Table, layout: ShardLayout) -> TableRows:
     """A native table's rows, copied out a chunk at a time."""
+    # The clock is read first: a stamp is never newer than it.
+    state = native_state(table, layout.first_bucket, layout.end_bucket)
 
     def chunks() -> Iterator[Chunk]:
         exporter = table.exporter()
         while (chunk := exporter.next(chunk_rows(table.dim, table.slot_floats))) is not None:
             yield chunk
 
-    return TableRows(table.config, table.dim, table.slot_floats, chunks())
+    return TableRows(table.config, table.dim, table.slot_floats, chunks(), state)
 
 
 def _sha256_of(f: IO[bytes]) -> str:
@@ -114,16 +141,23 @@ def _write_table(group: h5py.Group, rows: TableRows) -> int:
     ids = dataset("ids", np.int64, None)
     values = dataset("values", np.float32, dim)
     steps = dataset("steps", np.uint32, None)
+    touched = dataset("touched", np.uint32, None)
     slot_ds = dataset("slots", np.float32, slots) if slots else None
+    state = rows.state
+    group.attrs["clock"] = state.clock
+    if state.sketch is not None and state.added is not None:
+        group.create_dataset("sketch", data=state.sketch)
+        group.create_dataset("sketch_added", data=state.added)
+        group.attrs["sketch_first_bucket"] = state.first_bucket
     counts = np.zeros(NUM_BUCKETS, np.int64)
     n = 0
-    for c_ids, c_values, c_slots, c_steps, c_buckets in (
+    for c_ids, c_values, c_slots, c_steps, c_buckets, c_touched in (
         itertools.chain([first], rows.chunks) if first is not None else ()
     ):
         m = len(c_ids)
         if m == 0:
             continue
-        for ds in (ids, values, slot_ds, steps):
+        for ds in (ids, values, slot_ds, steps, touched):
             if ds is not None:
                 ds.resize(n + m, axis=0)
         ids[n : n + m] = c_ids
@@ -131,6 +165,7 @@ def _write_table(group: h5py.Group, rows: TableRows) -> int:
         if slot_ds is not None:
             slot_ds[n : n + m] = c_slots
         steps[n : n + m] = c_steps
+        touched[n : n + m] = c_touched
         counts += np.bincount(c_buckets, minlength=NUM_BUCKETS)
         n += m
     offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
@@ -165,7 +200,7 @@ def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
     """Writes this shard's file into checkpoint directory `path` (see
     `save_tables`)."""
     layout = ShardLayout(shard.shard_index, shard.num_shards, shard.first_bucket, shard.end_bucket)
-    return save_tables(path, layout, [native_rows(t) for t in shard.tables()], save_id)
+    return save_tables(path, layout, [native_rows(t, layout) for t in shard.tables()], save_id)
 
 
 def save_tables(
@@ -249,6 +284,43 @@ def _open_verified(
             yield h5
 
 
+def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> None:
+    """Imports the rows of buckets [first, end) of file group `g` into a
+    fresh `table`, with their update counts and stamps, and the sketch slices
+    the file has of those buckets. Stamps of a push clock count against the
+    writer's own clock (each shard counts its pushes): they are restored as
+    the same ages against the fresh table's clock, 0, whichever shards wrote
+    them."""
+    saved_clock = int(g.attrs.get("clock", 0))
+    seconds = json.loads(g.attrs["config"]).get("policy", {}).get("clock") == "seconds"
+    offsets = g["bucket_offsets"][...]
+    lo, hi = int(offsets[first]), int(offsets[end])
+    step = chunk_rows(table.dim, table.slot_floats)
+    slots = g["slots"] if "slots" in g else None
+    touched = g["touched"] if "touched" in g else None
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        stamps = None
+        if touched is not None:
+            stamps = touched[a:b]
+            if not seconds:  # the same age against clock 0 (modulo 2^32)
+                stamps = (stamps.astype(np.int64) - saved_clock) % (1 << 32)
+        table.import_rows(
+            g["ids"][a:b],
+            g["values"][a:b],
+            None if slots is None else slots[a:b],
+            g["steps"][a:b],
+            stamps,
+        )
+    if "sketch" in g and table.sketch_slice_bytes:
+        sketch_first = int(g.attrs["sketch_first_bucket"])
+        added = g["sketch_added"]
+        lo_b, hi_b = max(first, sketch_first), min(end, sketch_first + len(added))
+        if lo_b < hi_b:
+            rows = slice(lo_b - sketch_first, hi_b - sketch_first)
+            table.write_sketch(lo_b, g["sketch"][rows], added[rows])
+
+
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
     """Reads the rows this shard owns from checkpoint `path` and installs
     them (see `prepare_load`); a failed load leaves the shard as it was."""
@@ -279,7 +351,7 @@ def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
                 f"table {name!r} on this shard differs from the checkpoint's "
                 f"({difference(existing[name], config)}); drop the table first to load it"
             )
-        fresh[name] = _native.Table(config)
+        fresh[name] = shard.new_table(config)
     fs, root = filesystem(path)
     for entry in manifest["files"]:
         if entry["end_bucket"] <= first or entry["first_bucket"] >= end:
@@ -293,18 +365,7 @@ def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
                         f"{entry['file']} holds table {config['name']!r} with a config the "
                         "manifest does not list"
                     )
-                offsets = g["bucket_offsets"][...]
-                lo, hi = int(offsets[first]), int(offsets[end])
-                step = chunk_rows(table.dim, table.slot_floats)
-                slots = g["slots"] if "slots" in g else None
-                for a in range(lo, hi, step):
-                    b = min(hi, a + step)
-                    table.import_rows(
-                        g["ids"][a:b],
-                        g["values"][a:b],
-                        None if slots is None else slots[a:b],
-                        g["steps"][a:b],
-                    )
+                restore_rows(g, table, first, end)
     tables = list(fresh.values())
     return {
         "staged": tables,

@@ -22,7 +22,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from tf_dlt import _native, errors
+from tf_dlt import _native, errors, routing
 from tf_dlt import dlt_ops as ops
 from tf_dlt.checkpoint import manifest, shard_files
 from tf_dlt.client import Client
@@ -54,11 +54,14 @@ def save(model: keras.Model, path: str) -> dict[str, Any]:
         for layer in layers:
             config = layer.table_config.to_dict()
             slot_floats = _native.Table(config).slot_floats
+            # The clock is read first: a stamp is never newer than it.
+            clock, sketch, added = ops.table_state(layer.client, layer.table_name, layer.output_dim)
+            state = shard_files.TableState(clock, sketch if len(added) else None, added)
             chunks = ops.export_chunks(
                 layer.client, layer.table_name, layer.output_dim,
                 shard_files.chunk_rows(layer.output_dim, slot_floats),
             )  # fmt: skip
-            rows.append(shard_files.TableRows(config, layer.output_dim, slot_floats, chunks))
+            rows.append(shard_files.TableRows(config, layer.output_dim, slot_floats, chunks, state))
         save_id = manifest.new_save_id()
         part = shard_files.save_tables(tables, shard_files.ShardLayout(), rows, save_id)
         manifest.write_manifest(tables, [part], save_id)
@@ -126,12 +129,19 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
         t = by_name.get(layer.table_name)
         if t is None:
             continue
+        # The clock and sketch first: the stamps imported below are ages
+        # against that clock.
+        state = shard_files.native_state(t, 0, routing.NUM_BUCKETS)
+        ops.set_table_state(
+            layer.client, layer.table_name, layer.output_dim, state.clock, 0, state.sketch,
+            state.added,
+        )  # fmt: skip
         exporter = t.exporter()
         while (chunk := exporter.next(_CHUNK)) is not None:
-            ids, values, slots, steps, _ = chunk
+            ids, values, slots, steps, _, touched = chunk
             ops.import_table(
                 layer.client, layer.table_name, layer.output_dim, ids, values, slots,
-                steps.astype(np.int64),
+                steps.astype(np.int64), touched.astype(np.int64),
             )  # fmt: skip
 
 

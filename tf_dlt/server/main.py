@@ -94,6 +94,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=600.0,
         help="seconds a prepared or uncommitted cluster load is kept before it expires",
     )
+    p.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=10.0,
+        help="seconds between sweeps removing rows past their table's ttl",
+    )
     p.add_argument("--load-from", help="checkpoint to load before serving")
     p.add_argument(
         "--stop-grace", type=float, default=60.0, help="seconds SIGTERM waits for a running Save"
@@ -182,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             max_buffered_bytes=args.max_buffered_bytes,
             checkpoint_roots=args.checkpoint_root,
             load_timeout_s=args.load_timeout,
+            sweep_interval_s=args.sweep_interval,
             load_from=args.load_from,
             stop_grace_s=args.stop_grace,
             metrics_port=args.metrics_port,

@@ -53,6 +53,7 @@ def table_info(table: _native.Table) -> dlt_pb2.TableInfo:
         rows=table.size(),
         bytes=table.bytes(),
         record_bytes=table.record_bytes,
+        policy_counters=dlt_pb2.PolicyCounters(**table.counters()),
     )
 
 
@@ -144,6 +145,16 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._shard.drop_table(request.name)
         log.info("dropped table %s", request.name)
         return dlt_pb2.DropTableResponse()
+
+    @_handler
+    def Shrink(self, request: Any, context: grpc.ServicerContext) -> Any:
+        table = self._shard.get_table(request.table)
+        removed = table.shrink(request.min_count, request.unseen_for)
+        log.info(
+            "shrink of %s (min_count %d, unseen_for %d) removed %d rows",
+            request.table, request.min_count, request.unseen_for, removed,
+        )  # fmt: skip
+        return dlt_pb2.ShrinkResponse(removed=removed, rows=table.size())
 
     @_handler
     def ListTables(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -313,7 +324,10 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "worker_threads": self._data_server.worker_threads,
             "shard_index": self._shard.shard_index,
             "num_shards": self._shard.num_shards,
-            "tables": [{"name": t.name, "rows": t.size(), "bytes": t.bytes()} for t in tables],
+            "tables": [
+                {"name": t.name, "rows": t.size(), "bytes": t.bytes(), **t.counters()}
+                for t in tables
+            ],
             "table_objects": tables,
             "counters": c,
             "errors": errors_by_code,

@@ -77,6 +77,8 @@ class ShardServer:
             or object store.
         load_timeout_s: a prepared or committed-but-unfinished cluster load
             is dropped (prepared) or made final (committed) after this.
+        sweep_interval_s: how often rows past their table's ttl are
+            removed (one stripe of a table at a time).
     """
 
     def __init__(
@@ -102,8 +104,12 @@ class ShardServer:
         tls: tuple[str, str, str | None] | None = None,
         checkpoint_roots: Sequence[str] = (),
         load_timeout_s: float = 600.0,
+        sweep_interval_s: float = 10.0,
     ) -> None:
+        if not sweep_interval_s > 0:
+            raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
         self.shard = _native.Shard(shard_index, num_shards)
+        self._sweep_interval_ms = max(1, int(sweep_interval_s * 1000))
         self._metrics_port_requested = metrics_port
         self._tls = tls
         self._metrics: Any = None
@@ -184,6 +190,7 @@ class ShardServer:
             raise OSError(f"cannot bind the admin port {self._bind}:{self._admin_port_requested}")
         self.data_server.set_admin_port(self.admin_port)
         self.data_server.start()
+        self.shard.start_sweeper(self._sweep_interval_ms)
         server.start()
         self._grpc = server
         if self._metrics_port_requested is not None:
@@ -218,6 +225,7 @@ class ShardServer:
             if self._grpc is not None:
                 self._grpc.stop(grace).wait()
             self.data_server.stop()
+            self.shard.stop_sweeper()
             self.servicer.close()
             if self._metrics is not None:
                 http_server, thread = self._metrics

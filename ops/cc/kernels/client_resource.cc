@@ -126,7 +126,7 @@ absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool
                                     size_t max_rows, std::vector<int64_t>* ids,
                                     std::vector<float>* values, std::vector<float>* slots,
                                     std::vector<uint32_t>* steps, std::vector<uint32_t>* buckets,
-                                    uint32_t* slot_floats) {
+                                    std::vector<uint32_t>* touched, uint32_t* slot_floats) {
   mutex_lock lock(export_mu_);
   std::unique_ptr<dlt::TableExport>& open = exports_[table];
   if (start || open == nullptr) {
@@ -140,8 +140,8 @@ absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool
   constexpr size_t kChunk = 65536;
   size_t got;
   do {
-    got =
-        open->Next(max_rows ? max_rows - ids->size() : kChunk, ids, values, slots, steps, buckets);
+    got = open->Next(max_rows ? max_rows - ids->size() : kChunk, ids, values, slots, steps, buckets,
+                     touched);
   } while (got > 0 && (max_rows == 0 || ids->size() < max_rows));
   // The pass ends with the call that finds no row left (so a chunk that took
   // the last rows is not followed by a fresh pass); a whole export ends at once.
@@ -151,8 +151,18 @@ absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool
 
 absl::Status ClientResource::Import(const std::string& table, uint32_t dim, const int64_t* ids,
                                     const float* values, const float* slots, size_t slot_floats,
-                                    const uint32_t* steps, size_t n) {
-  return ToAbsl(transport_->Import(table, dim, ids, values, slots, slot_floats, steps, n));
+                                    const uint32_t* steps, const uint32_t* touched, size_t n) {
+  return ToAbsl(transport_->Import(table, dim, ids, values, slots, slot_floats, steps, touched, n));
+}
+
+absl::Status ClientResource::GetState(const std::string& table, uint32_t dim,
+                                      dlt::TableStateData* state) {
+  return ToAbsl(transport_->GetState(table, dim, state));
+}
+
+absl::Status ClientResource::SetState(const std::string& table, uint32_t dim,
+                                      const dlt::TableStateData& state) {
+  return ToAbsl(transport_->SetState(table, dim, state));
 }
 
 void ClientResource::EnqueuePush(std::function<absl::Status()> work,

@@ -65,11 +65,16 @@ class ClientResource : public ResourceBase {
   absl::Status Export(const std::string& table, uint32_t dim, bool start, size_t max_rows,
                       std::vector<int64_t>* ids, std::vector<float>* values,
                       std::vector<float>* slots, std::vector<uint32_t>* steps,
-                      std::vector<uint32_t>* buckets, uint32_t* slot_floats);
-  // Embedded only: inserts or overwrites rows with their slots and steps.
+                      std::vector<uint32_t>* buckets, std::vector<uint32_t>* touched,
+                      uint32_t* slot_floats);
+  // Embedded only: inserts or overwrites rows with their slots, steps and
+  // last-touched stamps (null: now).
   absl::Status Import(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* values, const float* slots, size_t slot_floats,
-                      const uint32_t* steps, size_t n);
+                      const uint32_t* steps, const uint32_t* touched, size_t n);
+  // Embedded only: a table's clock and sketch, and setting them.
+  absl::Status GetState(const std::string& table, uint32_t dim, dlt::TableStateData* state);
+  absl::Status SetState(const std::string& table, uint32_t dim, const dlt::TableStateData& state);
 
   // Blocking push of `n` rows.
   absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,

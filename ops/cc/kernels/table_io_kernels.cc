@@ -16,6 +16,20 @@ namespace tensorflow {
 namespace dlt_ops {
 namespace {
 
+// An int64 tensor's values as uint32, refusing (never truncating) others.
+absl::Status ToUint32(const char* what, const Tensor& t, std::vector<uint32_t>* out) {
+  const int64_t n = t.NumElements();
+  const int64_t* v = t.flat<int64_t>().data();
+  out->resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (v[i] < 0 || v[i] > int64_t{UINT32_MAX}) {
+      return errors::InvalidArgument(what, " ", v[i], " of row ", i, " is outside [0, 2^32-1]");
+    }
+    (*out)[i] = static_cast<uint32_t>(v[i]);
+  }
+  return absl::OkStatus();
+}
+
 class AssignOp : public AsyncOpKernel {
  public:
   explicit AssignOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
@@ -51,7 +65,8 @@ class AssignOp : public AsyncOpKernel {
 REGISTER_KERNEL_BUILDER(Name("Dlt>Assign").Device(DEVICE_CPU), AssignOp);
 
 // Dlt>ExportTable (every row at once) and Dlt>ExportChunk (the next rows of
-// a pass): ids, values, slots and steps (and for chunks, buckets).
+// a pass): ids, values, slots and steps (and for chunks, buckets and
+// last-touched stamps).
 class ExportOp : public OpKernel {
  public:
   explicit ExportOp(OpKernelConstruction* ctx) : OpKernel(ctx), chunked_(ctx->num_inputs() == 2) {
@@ -65,10 +80,10 @@ class ExportOp : public OpKernel {
     const bool start = !chunked_ || ctx->input(1).scalar<bool>()();
     std::vector<int64_t> ids;
     std::vector<float> values, slots;
-    std::vector<uint32_t> steps, buckets;
+    std::vector<uint32_t> steps, buckets, touched;
     uint32_t slot_floats = 0;
     OP_REQUIRES_OK(ctx, client->Export(table_, dim_, start, chunked_ ? max_rows_ : 0, &ids, &values,
-                                       &slots, &steps, &buckets, &slot_floats));
+                                       &slots, &steps, &buckets, &touched, &slot_floats));
     const int64_t n = static_cast<int64_t>(ids.size());
     Tensor *ids_out, *values_out, *slots_out, *steps_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &ids_out));
@@ -80,9 +95,11 @@ class ExportOp : public OpKernel {
     std::copy(slots.begin(), slots.end(), slots_out->flat<float>().data());
     std::copy(steps.begin(), steps.end(), steps_out->flat<int64_t>().data());
     if (chunked_) {
-      Tensor* buckets_out;
+      Tensor *buckets_out, *touched_out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({n}), &buckets_out));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(5, TensorShape({n}), &touched_out));
       std::copy(buckets.begin(), buckets.end(), buckets_out->flat<int32_t>().data());
+      std::copy(touched.begin(), touched.end(), touched_out->flat<int64_t>().data());
     }
   }
 
@@ -109,24 +126,22 @@ class ImportTableOp : public OpKernel {
     const Tensor& values = ctx->input(2);
     const Tensor& slots = ctx->input(3);
     const Tensor& steps = ctx->input(4);
+    const Tensor& touched = ctx->input(5);
     const int64_t n = ids.NumElements();
     OP_REQUIRES(ctx,
                 TensorShapeUtils::IsVector(ids.shape()) && values.dims() == 2 &&
                     values.dim_size(0) == n && values.dim_size(1) == dim_ && slots.dims() == 2 &&
-                    slots.dim_size(0) == n && steps.NumElements() == n,
+                    slots.dim_size(0) == n && steps.NumElements() == n &&
+                    (touched.NumElements() == n || touched.NumElements() == 0),
                 errors::InvalidArgument("ImportTable needs ids [n], values [n, ", dim_,
-                                        "], slots [n, k] and steps [n]"));
-    std::vector<uint32_t> steps32(n);
-    const int64_t* s = steps.flat<int64_t>().data();
-    for (int64_t i = 0; i < n; ++i) {
-      OP_REQUIRES(ctx, s[i] >= 0 && s[i] <= int64_t{UINT32_MAX},
-                  errors::InvalidArgument("ImportTable: step count ", s[i], " of row ", i,
-                                          " is outside [0, 2^32-1]"));
-      steps32[i] = static_cast<uint32_t>(s[i]);
-    }
+                                        "], slots [n, k], steps [n] and touched [n] or []"));
+    std::vector<uint32_t> steps32, touched32;
+    OP_REQUIRES_OK(ctx, ToUint32("step count", steps, &steps32));
+    OP_REQUIRES_OK(ctx, ToUint32("touched stamp", touched, &touched32));
     OP_REQUIRES_OK(
         ctx, client->Import(table_, dim_, ids.flat<int64_t>().data(), values.flat<float>().data(),
-                            slots.flat<float>().data(), slots.dim_size(1), steps32.data(), n));
+                            slots.flat<float>().data(), slots.dim_size(1), steps32.data(),
+                            touched32.empty() ? nullptr : touched32.data(), n));
   }
 
  private:
@@ -135,6 +150,79 @@ class ImportTableOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>ImportTable").Device(DEVICE_CPU), ImportTableOp);
+
+// Dlt>TableState: an embedded table's clock and admission sketch.
+class TableStateOp : public OpKernel {
+ public:
+  explicit TableStateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    dlt::TableStateData state;
+    OP_REQUIRES_OK(ctx, client->GetState(table_, dim_, &state));
+    const int64_t buckets = static_cast<int64_t>(state.added.size());
+    Tensor *clock, *sketch, *added;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &clock));
+    OP_REQUIRES_OK(ctx,
+                   ctx->allocate_output(1, TensorShape({buckets, state.slice_bytes}), &sketch));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({buckets}), &added));
+    clock->scalar<int64_t>()() = state.clock;
+    std::copy(state.sketch.begin(), state.sketch.end(), sketch->flat<uint8_t>().data());
+    std::copy(state.added.begin(), state.added.end(), added->flat<int64_t>().data());
+  }
+
+ private:
+  std::string table_;
+  uint32_t dim_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>TableState").Device(DEVICE_CPU), TableStateOp);
+
+// Dlt>SetTableState: sets an embedded table's push clock and the sketch
+// slices given.
+class SetTableStateOp : public OpKernel {
+ public:
+  explicit SetTableStateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    const Tensor& clock = ctx->input(1);
+    const Tensor& first_bucket = ctx->input(2);
+    const Tensor& sketch = ctx->input(3);
+    const Tensor& added = ctx->input(4);
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsScalar(clock.shape()) &&
+                    TensorShapeUtils::IsScalar(first_bucket.shape()) && sketch.dims() == 2 &&
+                    TensorShapeUtils::IsVector(added.shape()) &&
+                    sketch.dim_size(0) == added.dim_size(0),
+                errors::InvalidArgument("SetTableState needs scalars clock and first_bucket, "
+                                        "sketch [buckets, bytes] and added [buckets]"));
+    const int64_t c = clock.scalar<int64_t>()(), first = first_bucket.scalar<int64_t>()();
+    OP_REQUIRES(ctx, c >= 0 && c <= int64_t{UINT32_MAX} && first >= 0 && first < (1 << 16),
+                errors::InvalidArgument("SetTableState: clock ", c, " or first bucket ", first,
+                                        " out of range"));
+    dlt::TableStateData state;
+    state.clock = static_cast<uint32_t>(c);
+    state.first_bucket = static_cast<uint32_t>(first);
+    state.slice_bytes = static_cast<uint32_t>(sketch.dim_size(1));
+    const uint8_t* bytes = sketch.flat<uint8_t>().data();
+    state.sketch.assign(bytes, bytes + sketch.NumElements());
+    OP_REQUIRES_OK(ctx, ToUint32("sketch count", added, &state.added));
+    OP_REQUIRES_OK(ctx, client->SetState(table_, dim_, state));
+  }
+
+ private:
+  std::string table_;
+  uint32_t dim_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>SetTableState").Device(DEVICE_CPU), SetTableStateOp);
 
 }  // namespace
 }  // namespace dlt_ops

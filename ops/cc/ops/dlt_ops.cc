@@ -168,6 +168,7 @@ REGISTER_OP("Dlt>ExportChunk")
     .Output("slots: float")
     .Output("steps: int64")
     .Output("buckets: int32")
+    .Output("touched: int64")
     .Attr("table: string")
     .Attr("dim: int >= 1")
     .Attr("max_rows: int >= 1 = 65536")
@@ -175,7 +176,8 @@ REGISTER_OP("Dlt>ExportChunk")
     .SetShapeFn(ExportedRowsShape)
     .Doc(R"doc(
 The next rows (at most max_rows) of an embedded table in (bucket, id) order,
-as Dlt>ExportTable returns them plus each id's routing bucket; `start`
+as Dlt>ExportTable returns them plus each id's routing bucket and
+last-touched stamp (in the table's clock); `start`
 begins a new pass. Empty outputs: the pass is complete. Saving a table chunk
 by chunk never holds a second copy of it.
 )doc");
@@ -186,13 +188,51 @@ REGISTER_OP("Dlt>ImportTable")
     .Input("values: float")
     .Input("slots: float")
     .Input("steps: int64")
+    .Input("touched: int64")
     .Attr("table: string")
     .Attr("dim: int >= 1")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
-Inserts or overwrites rows of an embedded table with their optimizer slots
-and step counts (the inverse of Dlt>ExportTable).
+Inserts or overwrites rows of an embedded table with their optimizer slots,
+step counts and last-touched stamps (empty `touched`: now); the inverse of
+Dlt>ExportChunk.
+)doc");
+
+REGISTER_OP("Dlt>TableState")
+    .Input("client: resource")
+    .Output("clock: int64")
+    .Output("sketch: uint8")
+    .Output("added: int64")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Matrix(InferenceContext::kUnknownDim, InferenceContext::kUnknownDim));
+      c->set_output(2, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+An embedded table's clock (pushes taken, or seconds) and, with Frequency
+admission, its sketch: one slice of counters per routing bucket [4096,
+bytes] and the pushes each slice counted since it last halved [4096]
+(empty without a sketch).
+)doc");
+
+REGISTER_OP("Dlt>SetTableState")
+    .Input("client: resource")
+    .Input("clock: int64")
+    .Input("first_bucket: int64")
+    .Input("sketch: uint8")
+    .Input("added: int64")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Sets an embedded table's push clock and the sketch slices of buckets
+[first_bucket, first_bucket + buckets) (the inverse of Dlt>TableState).
 )doc");
 
 REGISTER_OP("Dlt>Flush")

@@ -1,0 +1,240 @@
+// The table core's memory policy: removal (backward-shift deletion, record
+// reuse) against a map oracle, eviction, ttl, admission and its sketch, and
+// 16-bit storage against exhaustive conversions.
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "native/core/half.h"
+#include "native/core/initializer.h"
+#include "native/core/routing.h"
+#include "native/core/sketch.h"
+#include "native/core/table.h"
+#include "tests/cpp/harness.h"
+
+namespace dlt {
+namespace {
+
+TableConfig PolicyTable(uint32_t dim) {
+  TableConfig c;
+  c.name = "p";
+  c.dim = dim;
+  c.seed = 9;
+  c.initializer.kind = InitializerKind::kUniform;
+  c.optimizer.kind = OptimizerKind::kAdagrad;
+  return c;
+}
+
+// Every row of `t` as id -> (values, step).
+std::map<int64_t, std::pair<std::vector<float>, uint32_t>> Contents(Table* t) {
+  std::map<int64_t, std::pair<std::vector<float>, uint32_t>> out;
+  Table::Exporter ex(t);
+  const uint32_t dim = t->dim();
+  std::vector<int64_t> ids(512);
+  std::vector<float> values(512 * dim), slots(512 * t->slot_floats());
+  std::vector<uint32_t> steps(512), buckets(512);
+  const RowBuffers b{ids.data(), values.data(), slots.data(), steps.data(), buckets.data()};
+  size_t got;
+  while ((got = ex.Next(512, b)) > 0) {
+    for (size_t i = 0; i < got; ++i) {
+      out[ids[i]] = {std::vector<float>(&values[i * dim], &values[(i + 1) * dim]), steps[i]};
+    }
+  }
+  return out;
+}
+
+DLT_TEST(TestRemovalMatchesAnOracleUnderChurn) {
+  // Rounds of imports and shrinks: the table must always hold exactly the
+  // oracle's rows, whatever the probe chains the deletions rewrote.
+  Table t(PolicyTable(2));
+  std::map<int64_t, std::pair<std::vector<float>, uint32_t>> oracle;
+  std::mt19937_64 rng(5);
+  for (int round = 0; round < 30; ++round) {
+    std::vector<int64_t> ids;
+    std::vector<float> values;
+    std::vector<uint32_t> steps;
+    for (int i = 0; i < 3000; ++i) {
+      const int64_t id = static_cast<int64_t>(rng() % 20000) - 10000;
+      const uint32_t step = static_cast<uint32_t>(rng() % 8);
+      ids.push_back(id);
+      values.push_back(static_cast<float>(id));
+      values.push_back(static_cast<float>(round));
+      steps.push_back(step);
+    }
+    EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, steps.data(), ids.size()));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      oracle[ids[i]] = {{values[2 * i], values[2 * i + 1]}, steps[i]};
+    }
+    const uint64_t min_count = 1 + round % 4;
+    const size_t removed = t.Shrink(min_count, 0, t.Now());
+    size_t expected = 0;
+    for (auto it = oracle.begin(); it != oracle.end();) {
+      if (it->second.second < min_count) {
+        it = oracle.erase(it);
+        ++expected;
+      } else {
+        ++it;
+      }
+    }
+    EXPECT(removed == expected);
+    EXPECT(t.size() == oracle.size());
+  }
+  EXPECT(Contents(&t) == oracle);
+  // Every remaining id is found by a pull; a removed one reads its default.
+  std::vector<int64_t> ids;
+  for (const auto& e : oracle) ids.push_back(e.first);
+  std::vector<float> out(ids.size() * 2);
+  t.Pull(ids.data(), ids.size(), PullMode::kZerosNoInsert, out.data());
+  bool found = true;
+  for (size_t i = 0; i < ids.size(); ++i) found = found && out[2 * i] == static_cast<float>(ids[i]);
+  EXPECT(found);
+}
+
+DLT_TEST(TestTtlIsExactAtItsBoundary) {
+  TableConfig c = PolicyTable(1);
+  c.policy.ttl = 3;
+  Table t(c);
+  const int64_t a = 1, b = 2;
+  const float g = 1.0f;
+  EXPECT_OK(t.Push(&a, &g, 1, 0.1f));  // clock 1: a stamped 1
+  for (int i = 0; i < 3; ++i) EXPECT_OK(t.Push(&b, &g, 1, 0.1f));
+  EXPECT(t.Now() == 4 && t.Expire(t.Now()) == 0 && t.size() == 2);  // a is 3 pushes old
+  EXPECT_OK(t.Push(&b, &g, 1, 0.1f));
+  EXPECT(t.Expire(t.Now()) == 1 && t.size() == 1);  // 4 pushes old: gone
+  EXPECT(t.counters().expired == 1);
+  // Stamps compare modulo 2^32: a clock that wrapped still measures ages.
+  t.SetPushClock(0xfffffffeu);
+  EXPECT_OK(t.Push(&b, &g, 1, 0.1f));  // stamped 0xffffffff
+  t.SetPushClock(2);                   // 3 pushes later, wrapped
+  EXPECT(t.Expire(2) == 0);
+  EXPECT(t.Expire(3) == 1);
+}
+
+DLT_TEST(TestEvictionKeepsTheBoundAndTheFrequentRows) {
+  for (EvictionKind kind : {EvictionKind::kLfu, EvictionKind::kLru}) {
+    TableConfig c = PolicyTable(2);
+    c.policy.max_rows = 5000;
+    c.policy.eviction = static_cast<uint64_t>(kind);
+    Table t(c);
+    std::vector<int64_t> hot(200);
+    for (int i = 0; i < 200; ++i) hot[i] = i;
+    std::vector<float> grads(2 * 20000, 0.01f);
+    for (int round = 0; round < 50; ++round) {
+      // LFU: hot rows are updated often; LRU: they were touched last.
+      if (kind == EvictionKind::kLfu || round == 49) {
+        EXPECT_OK(t.Push(hot.data(), grads.data(), hot.size(), 0.1f));
+      }
+      std::vector<int64_t> cold(400);
+      for (int i = 0; i < 400; ++i) cold[i] = 1000 + round * 400 + i;
+      EXPECT_OK(t.Push(cold.data(), grads.data(), cold.size(), 0.1f));
+      EXPECT(t.size() <= 5000);
+    }
+    if (kind == EvictionKind::kLru) EXPECT_OK(t.Push(hot.data(), grads.data(), hot.size(), 0.1f));
+    const auto rows = Contents(&t);
+    size_t hot_kept = 0;
+    for (int64_t id : hot) hot_kept += rows.count(id);
+    EXPECT(hot_kept == hot.size());
+    EXPECT(t.counters().evicted == 200 + 50 * 400 - t.size());
+  }
+}
+
+DLT_TEST(TestFrequencyAdmissionCountsEachPushOnce) {
+  TableConfig c = PolicyTable(2);
+  c.policy.admission = static_cast<uint64_t>(AdmissionKind::kFrequency);
+  c.policy.min_count = 3;
+  c.policy.sketch_bytes = 1 << 22;
+  Table t(c);
+  const std::vector<int64_t> ids = {7, 7, 7, 8};  // 7 three times in one push: counted once
+  const std::vector<float> grads(8, 1.0f);
+  std::vector<float> out(8);
+  t.Pull(ids.data(), 4, PullMode::kInsert, out.data());
+  EXPECT(t.size() == 0 && out[0] == 0.0f);  // a pull never admits
+  EXPECT_OK(t.Push(ids.data(), grads.data(), 4, 0.1f));
+  EXPECT_OK(t.Push(ids.data(), grads.data(), 4, 0.1f));
+  EXPECT(t.size() == 0 && t.counters().refused == 8);
+  EXPECT_OK(t.Push(ids.data(), grads.data(), 4, 0.1f));
+  EXPECT(t.size() == 2 && t.counters().admitted == 2);
+  // The admitting push applied its gradient (summed: 3 occurrences of 7).
+  std::vector<float> init(2);
+  InitializeRow(c.initializer, c.seed, 7, 2, init.data());
+  t.Pull(ids.data(), 1, PullMode::kZerosNoInsert, out.data());
+  const float expected = init[0] - 0.1f * 3.0f / (std::sqrt(0.1f + 9.0f) + 1e-7f);
+  EXPECT(std::fabs(out[0] - expected) < 1e-5f);
+}
+
+DLT_TEST(TestSketchNeverUndercountsAndStaysWithinItsBound) {
+  // One bucket's slice of width w; n distinct ids with known counts. A
+  // count-min estimate is >= the true count, and exceeds it by more than
+  // e*N/w (N: pushes counted in the slice) with probability at most e^-4.
+  const uint64_t sketch_bytes = uint64_t{kNumBuckets} * FrequencySketch::kDepth * 512;
+  FrequencySketch sketch(sketch_bytes, 0, kNumBuckets);
+  const uint32_t w = sketch.width();
+  EXPECT(w == 512);
+  std::map<uint64_t, uint32_t> truth;
+  std::vector<uint64_t> hashes;
+  std::mt19937_64 rng(3);
+  // Ids of bucket 17 only, counts 1..4: 1,000 ids, 2,500 pushes (below the
+  // slice's window of 10 * w, so nothing is halved).
+  while (hashes.size() < 1000) {
+    const uint64_t h = rng();
+    if (BucketOfHash(h) == 17) hashes.push_back(h);
+  }
+  uint64_t pushes = 0;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    const uint32_t count = 1 + static_cast<uint32_t>(i % 4);
+    for (uint32_t k = 0; k < count; ++k) sketch.Add(hashes[i]);
+    truth[hashes[i]] = count;
+    pushes += count;
+  }
+  const double bound = std::exp(1.0) * static_cast<double>(pushes) / w;
+  size_t under = 0, beyond = 0;
+  for (const auto& [h, count] : truth) {
+    const uint32_t est = sketch.Estimate(h);
+    under += est < count;
+    beyond += est > count + bound;
+  }
+  EXPECT(under == 0);
+  EXPECT(beyond <= truth.size() * std::exp(-4.0) + 5);
+  // After a window of pushes the slice halves: counts age.
+  const uint64_t h = hashes[3];  // true count 4
+  for (uint32_t k = 0; k < sketch.window(); ++k) sketch.Add(rng() * kNumBuckets + 17);
+  EXPECT(sketch.Estimate(h) < 4);
+}
+
+DLT_TEST(Test16BitRoundingMatchesExhaustiveConversions) {
+  // Every finite 16-bit value converts back to itself; float32 values
+  // between two neighbours round to the nearer (ties to even).
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const uint16_t b = static_cast<uint16_t>(bits);
+    const float bf = Bfloat16ToFloat(b);
+    if (std::isfinite(bf)) EXPECT(Bfloat16ToFloat(ToBfloat16Nearest(bf)) == bf);
+    const float hf = Float16ToFloat(b);
+    if (std::isfinite(hf)) EXPECT(Float16ToFloat(ToFloat16Nearest(hf)) == hf);
+  }
+  EXPECT(ToFloat16Nearest(1.0f + 1.0f / 2048) == 0x3c00);  // tie: to even (1.0)
+  EXPECT(ToFloat16Nearest(1.0f + 3.0f / 2048) == 0x3c02);  // tie: to even
+  EXPECT(ToFloat16Nearest(1e6f) == 0x7bff);                // saturates at 65504
+  EXPECT(ToFloat16Nearest(-1e6f) == 0xfbff);
+  EXPECT(ToBfloat16Nearest(1.0f + 1.0f / 256) == 0x3f80);                      // tie: to even
+  EXPECT(Float16ToFloat(ToFloat16Nearest(3e-6f)) == 2.9802322387695312e-06f);  // subnormal
+  // Stochastic rounding is unbiased: the mean of many draws is the value.
+  const float x = 1.0f + 1.0f / 3.0f / 1024.0f;  // a third of a float16 step above 1
+  double sum = 0;
+  const uint32_t n = 200000;
+  std::vector<uint16_t> out(1);
+  for (uint32_t k = 0; k < n; ++k) {
+    StoreValues(&x, static_cast<uint64_t>(StorageDtype::kFloat16), true, k, 1, out.data());
+    sum += Float16ToFloat(out[0]);
+  }
+  EXPECT(std::fabs(sum / n - x) < 2e-6);
+  // ... and a pure function of its key.
+  uint16_t again;
+  StoreValues(&x, static_cast<uint64_t>(StorageDtype::kFloat16), true, 41, 1, out.data());
+  StoreValues(&x, static_cast<uint64_t>(StorageDtype::kFloat16), true, 41, 1, &again);
+  EXPECT(out[0] == again);
+}
+
+}  // namespace
+}  // namespace dlt
