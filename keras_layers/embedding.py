@@ -23,6 +23,8 @@ import tensorflow as tf
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors, initializers, optimizers
+from tf_dlt import admission as admission_lib
+from tf_dlt import expiry
 from tf_dlt.table_config import TableConfig
 
 from . import keras_settings
@@ -171,6 +173,22 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         sync_push: distributed tables: wait for every push to be applied
             before the training step ends (deterministic runs, tests).
         name: layer name.
+        admission: distributed tables: which ids get a row,
+            `tf_dlt.admission.Frequency(min_count)` or
+            `tf_dlt.admission.Probability(p)`; None: every id.
+        unadmitted: distributed tables: what an id without a row reads in
+            training, "zeros" or "initial" (its initial value). Inference
+            reads zeros for it, as for any id without a row.
+        ttl: distributed tables: rows untouched for longer are removed,
+            `tf_dlt.expiry.Pushes(n)` or `tf_dlt.expiry.Seconds(s)`.
+        max_rows: distributed tables: rows per shard; past it the
+            lowest-scoring rows are evicted (0: unbounded).
+        eviction: distributed tables: "lfu" or "lru".
+        value_dtype: distributed tables: how rows are stored, "float32",
+            "bfloat16" or "float16" (float32 in TensorFlow either way).
+        slot_dtype: distributed tables: how optimizer slots are stored.
+        rounding: distributed tables: how 16-bit updates round,
+            "stochastic" or "nearest".
     """
 
     def __init__(
@@ -189,6 +207,14 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         sync_push: bool = False,
         name: str | None = None,
         weights: Any = None,
+        admission: admission_lib.AdmissionLike = None,
+        unadmitted: str = "zeros",
+        ttl: expiry.Ttl | dict[str, Any] | None = None,
+        max_rows: int = 0,
+        eviction: str = "lfu",
+        value_dtype: str = "float32",
+        slot_dtype: str = "float32",
+        rounding: str = "stochastic",
         **kwargs: Any,
     ) -> None:
         super().__init__(name=name, **kwargs)
@@ -221,6 +247,16 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # None: the table follows the compiled Keras optimizer.
         self.optimizer = None if optimizer is None else optimizers.get(optimizer)
         self.seed = seed
+        self.memory_policy: dict[str, Any] = {
+            "admission": admission_lib.get(admission),
+            "unadmitted": unadmitted,
+            "ttl": expiry.get(ttl),
+            "max_rows": max_rows,
+            "eviction": eviction,
+            "value_dtype": value_dtype,
+            "slot_dtype": slot_dtype,
+            "rounding": rounding,
+        }
         self.initial_weights = _initial_weights(weights, self.input_dim, self.output_dim)
         if self.initial_weights is not None and self.input_dim is None:
             self.input_dim = len(self.initial_weights)
@@ -234,6 +270,12 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 initializer,
                 self.optimizer or optimizers.SGD(),  # until the model's is known
                 seed if seed is not None else (keras_seed or 0),
+                **self.memory_policy,
+            )
+        elif TableConfig.create("local", 1, **self.memory_policy).has_policy:
+            raise ValueError(
+                "admission, unadmitted, ttl, max_rows, eviction, value_dtype, slot_dtype and "
+                "rounding apply to distributed tables (is_distributed=True)"
             )
             # The ops have no XLA kernels: Keras turns jit_compile "auto" off.
             self.supports_jit = False
@@ -544,8 +586,16 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             seed=self.seed,
             table_name=self.table_name,
             sync_push=self.sync_push,
+            **self.policy_config(),
         )
         return config
+
+    def policy_config(self) -> dict[str, Any]:
+        """The memory-policy arguments in their config (JSON) form."""
+        policy = dict(self.memory_policy)
+        policy["admission"] = admission_lib.to_config(policy["admission"])
+        policy["ttl"] = expiry.to_config(policy["ttl"])
+        return policy
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Embedding:

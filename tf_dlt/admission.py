@@ -91,21 +91,37 @@ class Probability(Admission):
         return {"admission": self.kind, "probability": float(self.p)}
 
 
-AdmissionLike = Admission | str | None
+AdmissionLike = Admission | str | dict[str, Any] | None
 
 
 def get(identifier: AdmissionLike) -> Admission:
-    """An admission policy from an instance, None / "all", or a policy dict."""
+    """An admission policy from an instance, None / "all", or the dict of
+    `to_config`."""
     if identifier is None:
         return All()
     if isinstance(identifier, Admission):
         return identifier
     if isinstance(identifier, str) and identifier == "all":
         return All()
+    if isinstance(identifier, dict) and identifier.get("kind") in _BY_KIND:
+        fields = {k: v for k, v in identifier.items() if k != "kind"}
+        return _BY_KIND[identifier["kind"]](**fields)
     raise errors.InvalidArgumentError(
         f"admission must be None, 'all', tf_dlt.admission.Frequency(min_count) or "
         f"tf_dlt.admission.Probability(p), got {identifier!r}"
     )
+
+
+def to_config(admission: Admission) -> dict[str, Any]:
+    """A JSON-friendly form that `get` reads back (for Keras configs)."""
+    return {"kind": admission.kind, **dataclasses.asdict(admission)}
+
+
+_BY_KIND: dict[str, type[Admission]] = {
+    "all": All,
+    "frequency": Frequency,
+    "probability": Probability,
+}
 
 
 def from_policy(policy: dict[str, Any]) -> Admission:

@@ -180,11 +180,15 @@ class Client:
         memory-policy arguments of `TableConfig.create` (admission,
         unadmitted, ttl, max_rows, eviction, value_dtype, slot_dtype,
         rounding)."""
+        config = TableConfig.create(name, dim, initializer, optimizer, seed, **policy)
+        return self.create_table_from_config(config)
+
+    def create_table_from_config(self, config: TableConfig) -> TableConfig:
+        """Creates `config`'s table on every shard, as `create_table`."""
         from tf_dlt.proto import dlt_pb2
 
-        config = TableConfig.create(name, dim, initializer, optimizer, seed, **policy)
         self._on_all("CreateTable", dlt_pb2.CreateTableRequest(config=config.to_proto()))
-        self._dims[name] = config.dim
+        self._dims[config.name] = config.dim
         return config
 
     def drop_table(self, name: str) -> None:
@@ -357,8 +361,11 @@ class Client:
         """Rows of `ids` (any shape) as float32 ``ids.shape + (dim,)``.
 
         With ``training=True`` unseen ids get rows created with their initial
-        value; otherwise nothing is inserted and unseen ids read as their
-        initial value (``missing="init"``) or zeros (``missing="zeros"``).
+        value when the table's admission admits them on sight (every id, or
+        `tf_dlt.admission.Probability`), else they read the table's
+        ``unadmitted`` default and nothing is stored; otherwise nothing is
+        inserted and unseen ids read as their initial value
+        (``missing="init"``) or zeros (``missing="zeros"``).
         """
         if missing not in _PULL_MODES:
             raise errors.InvalidArgumentError(

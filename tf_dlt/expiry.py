@@ -14,6 +14,7 @@ fits the 8 bytes every row already had.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from tf_dlt import errors
 
@@ -50,12 +51,22 @@ class Seconds(Ttl):
     clock = "seconds"
 
 
-def get(identifier: Ttl | None) -> Ttl | None:
+def get(identifier: Ttl | dict[str, Any] | None) -> Ttl | None:
+    """A ttl from an instance, None, or the dict of `to_config`."""
     if identifier is None or isinstance(identifier, Ttl):
         return identifier
+    if isinstance(identifier, dict) and set(identifier) == {"clock", "amount"}:
+        cls = {"pushes": Pushes, "seconds": Seconds}.get(identifier["clock"])
+        if cls is not None:
+            return cls(identifier["amount"])
     raise errors.InvalidArgumentError(
         f"ttl must be None, tf_dlt.expiry.Pushes(n) or tf_dlt.expiry.Seconds(s), got {identifier!r}"
     )
+
+
+def to_config(ttl: Ttl | None) -> dict[str, Any] | None:
+    """A JSON-friendly form that `get` reads back (for Keras configs)."""
+    return None if ttl is None else {"clock": ttl.clock, "amount": ttl.amount}
 
 
 def from_policy(clock: str, ttl: int) -> Ttl | None:

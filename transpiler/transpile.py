@@ -89,11 +89,8 @@ def transpile(
 
     def create(layer: Embedding) -> None:
         layer.follow_optimizer(compiled_optimizer)
-        config = layer.table_config
         if control is not None:
-            control.create_table(
-                config.name, config.dim, config.initializer, config.optimizer, config.seed
-            )
+            control.create_table_from_config(layer.table_config)
 
     def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
         if isinstance(layer, Embedding) and layer.is_distributed:

@@ -37,19 +37,20 @@ constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;
 constexpr uint64_t kSlotRoundSalt = 0xa4093822299f31d0ULL;
 constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
 
-// A record: this header, then the values, then the optimizer slots.
+// A record: this header, then the values, then the optimizer slots. The
+// id lives in the index entry that points at the record.
 struct RowHeader {
-  int64_t id;
   uint32_t step;     // updates applied (Adam's t; LFU's frequency)
   uint32_t touched;  // clock stamp of the last update (or creation)
 };
-static_assert(sizeof(RowHeader) == 16, "row header layout");
+static_assert(sizeof(RowHeader) == 8, "row header layout");
 
-struct IndexEntry {
+// 12 bytes, unaligned keys: x86 loads them at full speed.
+struct __attribute__((packed)) IndexEntry {
   int64_t key;
   uint32_t record;
-  uint32_t reserved;
 };
+static_assert(sizeof(IndexEntry) == 12, "index entry layout");
 
 inline size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
@@ -149,7 +150,7 @@ struct Table::Stripe {
 
   void Grow() {
     const size_t capacity = index.empty() ? 16 : index.size() * 2;
-    Index next(capacity, IndexEntry{0, kEmpty, 0});
+    Index next(capacity, IndexEntry{0, kEmpty});
     const size_t mask = capacity - 1;
     for (const IndexEntry& e : index) {
       if (e.record == kEmpty) continue;
@@ -188,7 +189,7 @@ struct Table::Stripe {
     const size_t mask = index.size() - 1;
     size_t i = Home(hash);
     while (index[i].record != kEmpty) i = (i + 1) & mask;
-    index[i] = IndexEntry{key, rec, 0};
+    index[i] = IndexEntry{key, rec};
     ++live;
     return rec;
   }
@@ -211,7 +212,7 @@ struct Table::Stripe {
       index[hole] = index[j];
       hole = j;
     }
-    index[hole] = IndexEntry{0, kEmpty, 0};
+    index[hole] = IndexEntry{0, kEmpty};
   }
 };
 
@@ -334,7 +335,6 @@ uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
   rows_.fetch_add(1, std::memory_order_relaxed);
   char* r = stripe->Record(rec, record_bytes_);
   auto* header = reinterpret_cast<RowHeader*>(r);
-  header->id = id;
   header->step = 0;
   header->touched = Now();
   if (wide_) {
@@ -561,7 +561,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       ReadValues(r, values.data());
       ReadSlots(r, slots.data());
       ApplyRow(config_.optimizer, dim, lr, g, sq, values.data(), slots.data(), &header->step);
-      WriteRow(r, header->id, header->step, values.data(), slots.data(), stochastic);
+      WriteRow(r, ids[kept[k]], header->step, values.data(), slots.data(), stochastic);
     }
     if (admitted && config_.policy.max_rows) EvictFrom(&stripe, now);
   }
@@ -691,7 +691,6 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       }
       char* r = stripe.Record(rec, record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
-      header->id = ids[pos];
       header->step = steps ? steps[pos] : 0;
       header->touched = touched ? touched[pos] : now;
       const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();

@@ -318,7 +318,9 @@ def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> N
         lo_b, hi_b = max(first, sketch_first), min(end, sketch_first + len(added))
         if lo_b < hi_b:
             rows = slice(lo_b - sketch_first, hi_b - sketch_first)
-            table.write_sketch(lo_b, g["sketch"][rows], added[rows])
+            table.write_sketch(
+                lo_b, np.asarray(g["sketch"][rows], np.uint8), np.asarray(added[rows], np.uint32)
+            )
 
 
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:

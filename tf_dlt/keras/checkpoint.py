@@ -56,7 +56,9 @@ def save(model: keras.Model, path: str) -> dict[str, Any]:
             slot_floats = _native.Table(config).slot_floats
             # The clock is read first: a stamp is never newer than it.
             clock, sketch, added = ops.table_state(layer.client, layer.table_name, layer.output_dim)
-            state = shard_files.TableState(clock, sketch if len(added) else None, added)
+            state = shard_files.TableState(
+                clock, sketch if len(added) else None, added.astype(np.uint32)
+            )
             chunks = ops.export_chunks(
                 layer.client, layer.table_name, layer.output_dim,
                 shard_files.chunk_rows(layer.output_dim, slot_floats),

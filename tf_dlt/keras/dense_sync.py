@@ -152,9 +152,8 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
             return
         from tf_dlt.client import Client
 
-        c = self.table_config
         with Client(self.pservers, auth_token=self.auth_token) as control:
-            control.create_table(c.name, c.dim, c.initializer, c.optimizer, c.seed)
+            control.create_table_from_config(self.table_config)
 
     def _pull(self, ids: Any) -> np.ndarray:
         assert self.client is not None

@@ -82,8 +82,7 @@ def _create_tables(model: keras.Model, pservers: Sequence[str], token: str) -> N
     shard restarted empty); existing ones are left as they are."""
     with Client(pservers, auth_token=token) as client:
         for holder in table_holders(model):
-            c = holder.table_config
-            client.create_table(c.name, c.dim, c.initializer, c.optimizer, c.seed)
+            client.create_table_from_config(holder.table_config)
 
 
 def resilient_fit(

@@ -1,7 +1,11 @@
 """Prometheus metrics of a shard server (prometheus_client), read on each
 scrape from the shard's own counters, so nothing is counted twice:
 
-- tf_dlt_table_rows / tf_dlt_table_bytes {table}: gauges;
+- tf_dlt_table_rows / tf_dlt_table_bytes {table}: gauges (rows resident);
+- tf_dlt_table_rows_admitted_total, _refused_total, _expired_total,
+  _evicted_total, _shrunk_total {table}: what each table's memory policy did
+  (rows made by training; pushed ids not admitted; rows removed by ttl
+  sweeps, by max_rows eviction, by shrink);
 - tf_dlt_pulls_total, tf_dlt_pushes_total, tf_dlt_{pulled,pushed,assigned}_rows_total,
   tf_dlt_bytes_{received,sent}_total: counters (per-second rates in PromQL:
   rate(tf_dlt_pulls_total[1m]));
@@ -65,11 +69,24 @@ class ShardCollector:
         yield info
         rows = GaugeMetricFamily("tf_dlt_table_rows", "Rows of each table", labels=["table"])
         size = GaugeMetricFamily("tf_dlt_table_bytes", "Bytes of each table", labels=["table"])
+        policy = {
+            key: CounterMetricFamily(f"tf_dlt_table_rows_{key}", doc, labels=["table"])
+            for key, doc in (
+                ("admitted", "Rows made by training (admitted ids)"),
+                ("refused", "Pushed ids not admitted (per id and push)"),
+                ("expired", "Rows removed by ttl sweeps"),
+                ("evicted", "Rows evicted to stay within max_rows"),
+                ("shrunk", "Rows removed by shrink"),
+            )
+        }
         for t in s["tables"]:
             rows.add_metric([t["name"]], t["rows"])
             size.add_metric([t["name"]], t["bytes"])
+            for key, family in policy.items():
+                family.add_metric([t["name"]], t[key])
         yield rows
         yield size
+        yield from policy.values()
         c = s["counters"]
         for name, key, doc in (
             ("tf_dlt_pulls", "pulls", "Pull requests served"),

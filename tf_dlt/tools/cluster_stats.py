@@ -41,19 +41,28 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+# Counters of each table's memory policy, as the table lines show them.
+_POLICY = ("admitted", "refused", "expired", "evicted", "shrunk")
+
+
 def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
     """The per-shard and per-table tables `tf-dlt stats` prints."""
     shard_rows = []
     pending: list[str] = []
-    by_table: dict[str, list[int]] = {}
+    by_table: dict[str, list[int]] = {}  # rows, bytes, dim, then _POLICY counts
     for s, address in zip(stats, addresses, strict=True):
         tables = s.get("tables", [])
         rows = sum(int(t["rows"]) for t in tables)
         size = sum(int(t["bytes"]) for t in tables)
         for t in tables:
-            entry = by_table.setdefault(t["config"]["name"], [0, 0, int(t["config"]["dim"])])
+            entry = by_table.setdefault(
+                t["config"]["name"], [0, 0, int(t["config"]["dim"])] + [0] * len(_POLICY)
+            )
             entry[0] += int(t["rows"])
             entry[1] += int(t["bytes"])
+            counters = t.get("policy_counters", {})
+            for i, key in enumerate(_POLICY):
+                entry[3 + i] += int(counters.get(key, 0))
         pull, push = s["pull_latency"], s["push_latency"]
         errors_total = sum(int(v) for v in s.get("errors", {}).values())
         shard_rows.append((
@@ -67,13 +76,13 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
         if s.get("pending_load"):
             pending.append(f"shard {s.get('shard_index', 0)}: {s['pending_load']}")
     table_rows = [
-        (name, str(dim), str(rows), f"{size / 1e6:.1f}")
-        for name, (rows, size, dim) in sorted(by_table.items())
+        (name, str(dim), str(rows), f"{size / 1e6:.1f}", *map(str, counts))
+        for name, (rows, size, dim, *counts) in sorted(by_table.items())
     ]
     return (
         _table(_SHARD_COLUMNS, shard_rows)
         + "\n\n"
-        + _table(("table", "dim", "rows", "MB"), table_rows)
+        + _table(("table", "dim", "rows", "MB", *_POLICY), table_rows)
         + "".join(f"\n\nin progress: {line}" for line in pending)
     )
 

@@ -1,0 +1,294 @@
+"""Memory-bounded tables over the wire: admission decided alike on any shard
+count, ttl sweeps, shrink, eviction, 16-bit rows, the counters in stats and
+metrics, and checkpoint round trips (shards and embedded, re-sharded) that
+keep rows, slots, update counts, ages and the admission sketch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tf_dlt
+from conftest import Cluster
+from tf_dlt import admission, errors, expiry
+from tf_dlt.tools.cluster_stats import format_stats
+
+DIM = 4
+
+
+def _stream(seed: int, batches: int = 12, batch: int = 400) -> list[np.ndarray]:
+    """Zipf-like ids: a few frequent, a long tail seen once."""
+    rng = np.random.default_rng(seed)
+    return [(rng.zipf(1.3, batch) % 5000).astype(np.int64) for _ in range(batches)]
+
+
+def _train(client: tf_dlt.Client, table: str, stream: list[np.ndarray]) -> None:
+    for ids in stream:
+        client.pull(table, ids)
+        grads = np.cos(ids[:, None] * np.arange(1, DIM + 1)).astype(np.float32) * 0.1
+        client.push(table, ids, grads, learning_rate=0.1)
+
+
+def _rows(client: tf_dlt.Client, table: str, ids: np.ndarray) -> np.ndarray:
+    return client.pull(table, ids, training=False, missing="zeros")
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [admission.Frequency(min_count=3, sketch_bytes=1 << 22), admission.Probability(0.3)],
+    ids=["frequency", "probability"],
+)
+def test_admission_decides_alike_on_1_and_3_shards(
+    start_cluster: Callable[..., Cluster], policy: admission.Admission
+) -> None:
+    """Same stream, 1 and 3 shard processes: the same ids get rows, with the
+    same values; unadmitted ids read zeros and store nothing."""
+    stream = _stream(1)
+    everything = np.unique(np.concatenate(stream))
+    results = []
+    for shards in (1, 3):
+        cluster = start_cluster(shards)
+        with cluster.client() as client:
+            client.create_table("adm", DIM, "uniform", "adagrad", seed=5, admission=policy)
+            _train(client, "adm", stream)
+            rows = _rows(client, "adm", everything)
+            info = client.list_tables()["adm"]
+            assert info["rows"] == int(np.any(rows != 0, axis=1).sum())
+            assert info["admitted"] == info["rows"]
+            results.append(rows)
+    np.testing.assert_array_equal(results[0], results[1])
+    present = np.any(results[0] != 0, axis=1)
+    assert 0 < present.sum() < len(everything)  # some kept out, some admitted
+    if isinstance(policy, admission.Frequency):
+        counts = {i: sum(int(i in set(b.tolist())) for b in stream) for i in everything.tolist()}
+        # Small stream, large sketch: exact counts, so exactly the ids pushed
+        # min_count times or more have rows.
+        expected = np.array([counts[i] >= 3 for i in everything.tolist()])
+        np.testing.assert_array_equal(present, expected)
+
+
+def test_shrink_ttl_eviction_and_their_counters(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(2, "--sweep-interval", "0.1")
+    with cluster.client() as client:
+        ids = np.arange(1000, dtype=np.int64)
+        grads = np.ones((1000, DIM), np.float32)
+        client.create_table("shr", DIM, "uniform", "sgd")
+        client.push("shr", ids, grads, learning_rate=0.1)
+        client.push("shr", ids[:100], grads[:100], learning_rate=0.1)
+        assert client.shrink("shr", min_count=2) == 900
+        assert client.list_tables()["shr"]["rows"] == 100
+        with pytest.raises(errors.InvalidArgumentError, match="min_count or unseen_for"):
+            client.shrink("shr")
+        with pytest.raises(errors.NotFoundError):
+            client.shrink("nope", min_count=1)
+
+        # ttl of 2 pushes: the sweep (every 0.1 s) removes rows 3 pushes old.
+        client.create_table("ttl", DIM, "uniform", "sgd", ttl=expiry.Pushes(2))
+        old, fresh = ids[:50], ids[50:60]
+        client.push("ttl", old, grads[:50], learning_rate=0.1)
+        for _ in range(3):
+            client.push("ttl", fresh, grads[:10], learning_rate=0.1)
+        deadline = time.monotonic() + 10
+        while client.list_tables()["ttl"]["rows"] > 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = client.list_tables()["ttl"]
+        assert info["rows"] == 10 and info["expired"] == 50
+        assert np.all(_rows(client, "ttl", old) == 0)
+
+        # max_rows per shard with LFU: the frequent ids survive a flood.
+        client.create_table("cap", DIM, "uniform", "sgd", max_rows=2000)
+        hot = np.arange(64, dtype=np.int64)
+        for k in range(10):
+            client.push("cap", hot, grads[:64], learning_rate=0.1)
+            flood = np.arange(10_000 + k * 1000, 11_000 + k * 1000, dtype=np.int64)
+            client.push("cap", flood, grads, learning_rate=0.1)
+        info = client.list_tables()["cap"]
+        assert info["rows"] <= 2 * 2000 and info["evicted"] == info["admitted"] - info["rows"]
+        assert np.all(np.any(_rows(client, "cap", hot) != 0, axis=1))
+        text = format_stats(client.stats(), cluster.addresses)
+        assert "evicted" in text and "expired" in text
+
+
+def test_sixteen_bit_rows_take_less_memory_and_train(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(1)
+    ids = np.arange(20_000, dtype=np.int64)
+    grads = np.full((len(ids), 16), 0.01, np.float32)
+    with cluster.client() as client:
+        sizes = {}
+        for dtype in ("float32", "bfloat16", "float16"):
+            name = f"r_{dtype}"
+            client.create_table(name, 16, "uniform", "adagrad", value_dtype=dtype, slot_dtype=dtype)
+            before = client.pull(name, ids)
+            client.push(name, ids, grads, learning_rate=0.1)
+            after = _rows(client, name, ids)
+            assert np.all(after < before)  # every row moved against its gradient
+            sizes[dtype] = client.list_tables()[name]["bytes"] / len(ids)
+    assert sizes["bfloat16"] <= 0.6 * sizes["float32"]
+    assert sizes["float16"] <= 0.6 * sizes["float32"]
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+def test_checkpoint_keeps_every_option_across_shard_counts(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, value_dtype: str
+) -> None:
+    """2 shards save, 3 shards load: rows, slots and counts equal; ages kept
+    (a shrink by age removes the same rows); the sketch kept (an id pushed
+    twice before the save is admitted by its third push after the load)."""
+    policy = dict(
+        admission=admission.Frequency(min_count=3, sketch_bytes=1 << 22),
+        ttl=expiry.Pushes(1000),
+        max_rows=100_000,
+        value_dtype=value_dtype,
+        slot_dtype=value_dtype,
+    )
+    grads = np.ones((300, DIM), np.float32) * 0.1
+    ids = np.arange(300, dtype=np.int64)
+    pending = np.arange(1000, 1010, dtype=np.int64)  # pushed twice: not admitted yet
+    two = start_cluster(2)
+    with two.client() as client:
+        client.create_table("ck", DIM, "uniform", "adam", seed=3, **policy)
+        for _ in range(3):
+            client.push("ck", ids, grads, learning_rate=0.1)
+        for _ in range(2):
+            client.push("ck", pending, grads[:10], learning_rate=0.1)
+        # Rows 0..99 pushed again later: they are younger.
+        for _ in range(5):
+            client.push("ck", ids[:100], grads[:100], learning_rate=0.1)
+        saved = _rows(client, "ck", ids)
+        assert np.all(_rows(client, "ck", pending) == 0)
+        client.save(str(tmp_path / "ck"))
+    three = start_cluster(3)
+    with three.client() as client:
+        client.load(str(tmp_path / "ck"))
+        info = client.list_tables()["ck"]
+        assert info["config"].admission == policy["admission"]
+        assert info["config"].value_dtype == value_dtype
+        np.testing.assert_array_equal(_rows(client, "ck", ids), saved)
+        client.push("ck", pending, grads[:10], learning_rate=0.1)  # third push: admitted
+        assert np.all(np.any(_rows(client, "ck", pending) != 0, axis=1))
+        # Rows 100..299 are at least 5 pushes old on their shard at save
+        # time; rows 0..99 were touched last. A shrink by age takes the old.
+        removed = client.shrink("ck", unseen_for=4)
+        assert removed == 200
+        assert np.all(np.any(_rows(client, "ck", ids[:100]) != 0, axis=1))
+
+
+def test_keras_layer_with_a_policy_trains_saves_and_restores(tmp_path: Path) -> None:
+    """An embedded table with Frequency admission, a ttl and bfloat16 rows in
+    a Functional model: fit, tf_dlt.save, a fresh model, tf_dlt.load: the same
+    rows and the same sketch (admission continues where it was)."""
+    import keras
+
+    def build() -> keras.Model:
+        ids = keras.Input((3,), dtype="int64")
+        emb = tf_dlt.layers.Embedding(
+            output_dim=DIM,
+            is_distributed=True,
+            optimizer="adagrad",
+            admission=admission.Frequency(min_count=2, sketch_bytes=1 << 20),
+            ttl=expiry.Seconds(86400),
+            value_dtype="bfloat16",
+            table_name="pol_emb",
+            sync_push=True,
+            name="pol_emb",
+        )
+        out = keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids)))
+        model = keras.Model(ids, out)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    model = build()
+    layer = model.get_layer("pol_emb")
+    config = layer.get_config()
+    assert config["admission"] == {"kind": "frequency", "min_count": 2, "sketch_bytes": 1 << 20}
+    assert tf_dlt.layers.Embedding.from_config(config).table_config == layer.table_config
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (64, 3)).astype(np.int64)
+    model.fit(x, rng.normal(size=(64, 1)), batch_size=16, epochs=1, verbose=0)
+    once = np.array([[900, 901, 902]], np.int64)  # one push each: pending
+    model.fit(once, np.zeros((1, 1)), batch_size=1, epochs=1, verbose=0)
+    probe = np.concatenate([np.arange(50), [900, 901, 902]]).astype(np.int64)
+    before = model.predict(probe.reshape(-1, 1).repeat(3, axis=1), verbose=0)
+    tf_dlt.save(model, str(tmp_path / "m"))
+
+    restored = build()
+    tf_dlt.load(restored, str(tmp_path / "m"))
+    after = restored.predict(probe.reshape(-1, 1).repeat(3, axis=1), verbose=0)
+    np.testing.assert_allclose(after, before, rtol=1e-6)
+    client = restored.get_layer("pol_emb").client
+    ids900, *_ = tf_dlt.ops.export_table(client, "pol_emb", DIM)
+    assert not set(ids900.numpy().tolist()) & {900, 901, 902}
+    restored.fit(once, np.zeros((1, 1)), batch_size=1, epochs=1, verbose=0)  # second push
+    ids_after, *_ = tf_dlt.ops.export_table(client, "pol_emb", DIM)
+    assert {900, 901, 902} <= set(ids_after.numpy().tolist())
+
+
+def test_policy_arguments_are_validated() -> None:
+    with pytest.raises(ValueError, match="apply to distributed tables"):
+        tf_dlt.layers.Embedding(10, DIM, admission=admission.Probability(0.5))
+    with pytest.raises(ValueError, match=r"min_count must be an int in \[1, 255\]"):
+        admission.Frequency(min_count=0)
+    with pytest.raises(ValueError, match=r"p must be in \(0, 1\]"):
+        admission.Probability(1.5)
+    with pytest.raises(ValueError, match="ttl must be an int"):
+        expiry.Pushes(0)
+    with pytest.raises(ValueError, match="value_dtype must be one of"):
+        tf_dlt.TableConfig.create("t", 4, value_dtype="int8")
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        tf_dlt.layers.Embedding(output_dim=DIM, is_distributed=True, eviction="fifo")
+
+
+def test_transpiled_filtered_table_exports_what_predict_serves(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A model with Frequency admission and bfloat16 rows, transpiled onto 2
+    shards: the shard tables carry the policy; ids kept out by admission
+    predict zeros live and in the standalone export, which holds only the
+    admitted rows."""
+    import os
+    import subprocess
+    import sys
+
+    import keras
+
+    cluster = start_cluster(2)
+    ids = keras.Input((2,), dtype="int64")
+    emb = tf_dlt.layers.Embedding(
+        output_dim=DIM, is_distributed=True, optimizer="adagrad", learning_rate=0.1,
+        admission=admission.Frequency(min_count=2), value_dtype="bfloat16", name="filt",
+    )  # fmt: skip
+    model = keras.Model(ids, keras.layers.Flatten()(emb(ids)))
+    model.compile(optimizer="sgd", loss="mse")
+    model = tf_dlt.transpile(model, cluster.addresses)
+    with cluster.client() as client:
+        config = client.list_tables()["filt"]["config"]
+    assert config.admission == admission.Frequency(min_count=2)
+    assert config.value_dtype == "bfloat16"
+    rng = np.random.default_rng(0)
+    frequent = np.tile(np.arange(20).reshape(10, 2), (4, 1))  # each id in 4 batches
+    rare = 1000 + np.arange(16).reshape(8, 2)  # each id once
+    x = np.concatenate([frequent, rare])
+    model.fit(x, rng.normal(size=(len(x), 2 * DIM)), batch_size=8, shuffle=False, verbose=0)
+    probe = np.array([[0, 1000], [19, 10**12]])
+    live = model.predict(probe, verbose=0)
+    assert np.all(live[:, DIM:] == 0) and np.all(live[:, :DIM] != 0)
+    tf_dlt.export_saved_model(model, str(tmp_path / "standalone"), mode="standalone")
+    np.save(tmp_path / "x.npy", probe)
+    code = (
+        "import sys, numpy as np, tensorflow as tf\n"
+        "m = tf.saved_model.load(sys.argv[1])\n"
+        "np.save(sys.argv[3], m.serve(tf.constant(np.load(sys.argv[2]))).numpy())\n"
+    )
+    out = tmp_path / "standalone.npy"
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "standalone"), str(tmp_path / "x.npy"),
+         str(out)],
+        check=True, timeout=300, cwd="/", env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )  # fmt: skip
+    np.testing.assert_allclose(np.load(out), live, atol=1e-6)
+    with cluster.client() as client:
+        assert client.list_tables()["filt"]["rows"] == 20
