@@ -21,10 +21,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dlt import dlt_ops as ops
-from tf_dlt import errors, initializers, optimizers
 from tf_dlt import admission as admission_lib
-from tf_dlt import expiry
+from tf_dlt import dlt_ops as ops
+from tf_dlt import errors, expiry, initializers, optimizers
 from tf_dlt.table_config import TableConfig
 
 from . import keras_settings

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import tf_dlt
-from conftest import Cluster
 from tf_dlt import admission, errors, expiry
 from tf_dlt.tools.cluster_stats import format_stats
+
+from conftest import Cluster
 
 DIM = 4
 

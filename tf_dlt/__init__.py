@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
-    from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
     from tf_dlt import admission, errors, expiry, initializers, optimizers, routing
+    from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
     from tf_dlt.client import Client
     from tf_dlt.cluster import ClusterSpec, cluster_from_env
     from tf_dlt.keras.client_metrics import ClientMetrics
