@@ -38,7 +38,8 @@ import tf_dlt  # noqa: E402
 from tf_dlt.server.local import LocalCluster  # noqa: E402
 from tf_dlt.tools import capacity  # noqa: E402
 
-CAPACITY = Path(__file__).resolve().parent.parent / "tf_dlt" / "data" / "capacity.json"
+# The checkout's copy (not the installed package's).
+CAPACITY = Path(__file__).resolve().parent.parent / "tf_dlt" / "tools" / "data" / "capacity.json"
 TABLE = "scale"
 SMALL = "scale_1m"
 INSERT_BATCH = 1 << 20

@@ -4,7 +4,9 @@ bench script appends its JSON lines there) and writes PNGs to docs/img/:
 - pull_vs_batch.png: pull rows/s vs batch size (bench_scale.py, 1M rows);
 - pull_vs_table_size.png: pull and push rows/s and pull latency vs rows in
   the table (bench_scale.py, 1M .. 100M rows);
-- pull_vs_shards.png: pull rows/s vs shard processes (bench_ops.py shards).
+- pull_vs_shards.png: pull rows/s vs shard processes (bench_ops.py shards);
+- admission.png: resident rows and held-out AUC vs Frequency min_count
+  (bench_admission.py; min_count 1 is the unfiltered table).
 
 The latest record of each kind is plotted. Usage: python bench/plot.py
 """
@@ -75,6 +77,22 @@ def main() -> None:
                title=f"Pull rows/s vs shards (batch {shards[0]['batch']})")  # fmt: skip
         ax.grid(alpha=0.3, axis="y")
         _save(fig, "pull_vs_shards.png")
+    admitted = _latest(records, "admission", "min_count")
+    if admitted:
+        base = admitted[0]
+        counts = [1] + [r["min_count"] for r in admitted]
+        rows = [base["baseline_rows"] / 1e6] + [r["rows"] / 1e6 for r in admitted]
+        auc = [base["baseline_auc"]] + [r["auc"] for r in admitted]
+        fig, a1 = plt.subplots(figsize=(6, 3.8))
+        a1.bar(counts, rows, color="tab:blue", alpha=0.6, label="resident rows")
+        a1.set(xlabel="Frequency min_count (1: no admission)", ylabel="resident rows (M)",
+               title=f"Admission on a long-tail stream ({base['train']:,} examples)")  # fmt: skip
+        a2 = a1.twinx()
+        a2.plot(counts, auc, "o-", color="tab:red", label="held-out AUC")
+        a2.set_ylabel("held-out AUC")
+        handles = a1.get_legend_handles_labels()[0] + a2.get_legend_handles_labels()[0]
+        a2.legend(handles, [h.get_label() for h in handles], loc="center right")
+        _save(fig, "admission.png")
 
 
 if __name__ == "__main__":

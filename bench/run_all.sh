@@ -13,5 +13,7 @@ $PY bench/bench_ops.py
 $PY bench/bench_connections.py
 $PY bench/bench_keras.py
 $PY bench/bench_scale.py --write-capacity
+$PY bench/bench_admission.py
+$PY bench/bench_memory.py
 $PY bench/bench_peers.py
 $PY bench/plot.py

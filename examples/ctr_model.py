@@ -8,6 +8,8 @@ import quiet_tensorflow  # noqa: F401  (first: TensorFlow loads without its log 
 
 # isort: split
 
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -17,12 +19,15 @@ NUM_DENSE, NUM_CATEGORICAL, DIM = 13, 26, 8
 VOCAB_PER_FEATURE = 1_000_000
 
 
-def make_data(n: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Features and 0/1 labels. Each categorical value has a hidden effect
-    (a fixed function of the id), so the embeddings have something to learn."""
+def make_data(
+    n: int, seed: int, zipf: float = 1.2, vocab: int = VOCAB_PER_FEATURE
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Features and 0/1 labels; categorical values Zipf(`zipf`) over `vocab`
+    ids per feature. Each categorical value has a hidden effect (a fixed
+    function of the id), so the embeddings have something to learn."""
     rng = np.random.default_rng(seed)
     dense = rng.normal(size=(n, NUM_DENSE)).astype("float32")
-    values = rng.zipf(1.2, size=(n, NUM_CATEGORICAL)) % VOCAB_PER_FEATURE
+    values = rng.zipf(zipf, size=(n, NUM_CATEGORICAL)) % vocab
     # One table for all features: the feature index goes into the high bits.
     ids = (np.arange(NUM_CATEGORICAL, dtype=np.int64) << 40) + values.astype(np.int64)
     effect = np.sin(ids % 9973 * 0.37) * 0.6
@@ -31,12 +36,14 @@ def make_data(n: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
     return {"dense_features": dense, "categorical_ids": ids}, labels
 
 
-def make_model() -> keras.Model:
+def make_model(name: str = "ctr_emb", **table_options: Any) -> keras.Model:
+    """The model; `table_options` go to the distributed Embedding (a memory
+    policy, e.g. admission=tf_dlt.admission.Frequency(3))."""
     dense = keras.Input((NUM_DENSE,), name="dense_features")
     categorical = keras.Input((NUM_CATEGORICAL,), dtype="int64", name="categorical_ids")
     embedded = tf_dlt.layers.Embedding(
         output_dim=DIM, is_distributed=True, optimizer="adagrad", learning_rate=0.05,
-        name="ctr_emb",
+        name=name, **table_options,
     )(categorical)  # fmt: skip
     x = keras.layers.Concatenate()([keras.layers.Flatten()(embedded), dense])
     x = keras.layers.Dense(64, activation="relu")(x)

@@ -18,7 +18,7 @@ def test_figures_are_measured_and_complete() -> None:
     assert f["rows"] >= 1_000_000 and f["raw_record_bytes"] == capacity.raw_record_bytes(
         f["dim"], f["optimizer"]
     )
-    assert 1.0 <= capacity.overhead() < 2.0
+    assert 0 < capacity.index_bytes_per_row() < 64
     for key in ("pull_rows_per_s_per_shard", "push_rows_per_s_per_shard",
                 "save_bytes_per_s_per_shard", "load_bytes_per_s_per_shard"):  # fmt: skip
         assert f[key] > 0
@@ -27,7 +27,8 @@ def test_figures_are_measured_and_complete() -> None:
 def test_plan_for_the_design_target() -> None:
     p = capacity.plan(1e11, 10, "adagrad", 100, 4096, shard_memory_gib=64, headroom=1.5)
     per_row = capacity.bytes_per_row(10, "adagrad")
-    assert p.bytes_per_row == pytest.approx(96 * capacity.overhead())  # 16 + 4 x 10 x 2
+    # 8 B header + 4 x 10 x 2 B values and slots, + the measured index bytes
+    assert p.bytes_per_row == pytest.approx(88 + capacity.index_bytes_per_row())
     assert p.table_bytes == pytest.approx(1e11 * per_row)
     assert p.memory_shards == math.ceil(1e11 * per_row * 1.5 / (64 * 2**30))
     assert p.shards == max(p.memory_shards, p.throughput_shards)
@@ -54,3 +55,22 @@ def test_plan_command_prints_the_plan_and_its_assumptions() -> None:
         assert expected in text
     bad = subprocess.run(cmd[:5] + ["0", "--dim", "10"], capture_output=True, text=True, cwd="/")
     assert bad.returncode == 2 and "must be positive" in bad.stderr
+
+
+def test_plan_takes_admission_and_16_bit_rows() -> None:
+    full = capacity.plan(1e11, 16, "adagrad", 100, 4096)
+    half = capacity.plan(1e11, 16, "adagrad", 100, 4096, value_dtype="bfloat16",
+                         slot_dtype="bfloat16")  # fmt: skip
+    assert capacity.raw_record_bytes(16, "adagrad", "bfloat16", "bfloat16") == 8 + 32 + 32
+    assert half.bytes_per_row == pytest.approx(72 + capacity.index_bytes_per_row())
+    assert half.memory_shards < full.memory_shards
+    filtered = capacity.plan(1e11, 16, "adagrad", 100, 4096, admission_rate=0.25,
+                             sketch_bytes=2**40)  # fmt: skip
+    assert filtered.resident_rows == 2.5e10
+    assert filtered.table_bytes == pytest.approx(2.5e10 * full.bytes_per_row + 2**40)
+    assert filtered.checkpoint_bytes == pytest.approx(full.checkpoint_bytes / 4)
+    assert filtered.pull_bytes_per_step == full.pull_bytes_per_step  # every id is still pulled
+    with pytest.raises(ValueError, match="admission_rate"):
+        capacity.plan(1e11, 16, "adagrad", 100, 4096, admission_rate=0)
+    with pytest.raises(ValueError, match="dtypes must be one of"):
+        capacity.raw_record_bytes(16, "adagrad", "int8")

@@ -97,7 +97,8 @@ def test_objects_match_the_replica_counts_and_sizes() -> None:
         assert shard[probe]["grpc"] == {"port": k8s.ADMIN_PORT}
     # 2e9 rows / 4 shards x measured bytes per row (dim 16, Adagrad) x 1.5 + 512 MiB
     per_row = capacity.bytes_per_row(16, "adagrad")
-    assert per_row == pytest.approx(144 * capacity.overhead())  # 16 + 4 x 16 x (1 + 1) B raw
+    # 8 B header + 4 x 16 x (1 + 1) B values and slots, + the measured index bytes
+    assert per_row == pytest.approx(136 + capacity.index_bytes_per_row())
     expected = int(-(-2e9 / 4 * per_row * 1.5 // (1 << 20))) + 512
     assert shard["resources"]["requests"]["memory"] == f"{expected}Mi"
     assert shard["envFrom"] == [{"secretRef": {"name": "s3"}}]
@@ -186,3 +187,16 @@ def test_shards_are_sized_and_bounded_for_their_trainers() -> None:
     small = k8s.JobSpec(name="ctr", image="i:1", command=["t"], workers=2)
     small_args = k8s.stateful_set(small)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--max-connections=1024" in small_args
+
+
+def test_shard_memory_follows_admission_and_row_dtypes() -> None:
+    job = {"name": "ctr", "image": "i", "command": ["python", "t.py"], "rows": 2e9, "pservers": 4}
+    base = k8s.JobSpec(**job)
+    half = k8s.JobSpec(**job, value_dtype="bfloat16", slot_dtype="bfloat16", admission_rate=0.25)
+    per_row = capacity.bytes_per_row(16, "adagrad", "bfloat16", "bfloat16")
+    assert per_row == pytest.approx(72 + capacity.index_bytes_per_row())
+    expected = int(-(-2e9 * 0.25 / 4 * per_row * 1.5 // (1 << 20))) + 512
+    assert k8s.shard_memory(half) == expected < k8s.shard_memory(base)
+    assert "x 0.25 admitted" in k8s.render(half) and "bfloat16 values" in k8s.render(half)
+    with pytest.raises(ValueError, match="admission_rate"):
+        k8s.JobSpec(name="ctr", image="i", command=[], admission_rate=2.0)

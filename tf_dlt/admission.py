@@ -8,10 +8,11 @@ once admitted, its row starts from its initial value.
 - `All()`: every id gets a row on first use (the default).
 - `Frequency(min_count)`: an id gets a row on the push that makes it pushed
   `min_count` times. Pushes are counted in a count-min sketch (4 rows of
-  8-bit counters, conservative update, per routing bucket) of
-  `sketch_bytes` for the whole table; each shard holds the part of its
-  buckets. A count is never under-estimated; docs/memory.md gives the
-  over-estimate bound and how to size the sketch.
+  8-bit counters, conservative update, per routing bucket, halved after as
+  many pushes as a row has counters) of `sketch_bytes` for the whole table;
+  each shard holds the part of its buckets. A count is never
+  under-estimated; docs/memory.md gives the over-estimate bound and how to
+  size the sketch.
 - `Probability(p)`: a pure function of (table seed, id) admits a fraction
   `p` of ids, on first use, identically on every shard and after restarts.
 """

@@ -2,9 +2,11 @@
 // conservative update and 8-bit saturating counters, kept per routing
 // bucket. Each bucket has its own `depth x width` counters, so a shard holds
 // only its buckets' slices and a checkpoint can hand any slice to any shard
-// count. Each slice ages on its own: after 10 x width counted pushes its
-// counters are halved (TinyLFU's reset), so the sketch never fills up and
-// counts recent traffic. Not thread-safe: the table calls it under the lock
+// count. Each slice ages on its own: after `width` counted pushes its
+// counters are halved (TinyLFU's reset), so a slice never holds more than
+// `width` pushes' worth of counts: an estimate exceeds the true count by
+// more than e (2.72) with probability at most e^-4 (count-min's bound with
+// N <= width). Not thread-safe: the table calls it under the lock
 // of the stripe that holds the bucket.
 #ifndef TF_DLT_NATIVE_CORE_SKETCH_H_
 #define TF_DLT_NATIVE_CORE_SKETCH_H_
@@ -30,7 +32,7 @@ class FrequencySketch {
   // Counters of one bucket's slice (kDepth * width).
   uint32_t slice_counters() const { return kDepth * width_; }
   // Pushes counted in a slice before it halves.
-  uint32_t window() const { return 10 * width_; }
+  uint32_t window() const { return width_; }
   uint64_t bytes() const { return counters_.size() + added_.size() * sizeof(uint32_t); }
   bool Owns(uint32_t bucket) const { return bucket >= first_ && bucket < end_; }
 

@@ -168,15 +168,15 @@ DLT_TEST(TestSketchNeverUndercountsAndStaysWithinItsBound) {
   // One bucket's slice of width w; n distinct ids with known counts. A
   // count-min estimate is >= the true count, and exceeds it by more than
   // e*N/w (N: pushes counted in the slice) with probability at most e^-4.
-  const uint64_t sketch_bytes = uint64_t{kNumBuckets} * FrequencySketch::kDepth * 512;
-  FrequencySketch sketch(sketch_bytes, 0, kNumBuckets);
+  const uint64_t sketch_bytes = uint64_t{kNumBuckets} * FrequencySketch::kDepth * 4096;
+  FrequencySketch sketch(sketch_bytes, 17, 18);  // bucket 17's slice only
   const uint32_t w = sketch.width();
-  EXPECT(w == 512);
+  EXPECT(w == 4096);
   std::map<uint64_t, uint32_t> truth;
   std::vector<uint64_t> hashes;
   std::mt19937_64 rng(3);
   // Ids of bucket 17 only, counts 1..4: 1,000 ids, 2,500 pushes (below the
-  // slice's window of 10 * w, so nothing is halved).
+  // slice's window of w pushes, so nothing is halved).
   while (hashes.size() < 1000) {
     const uint64_t h = rng();
     if (BucketOfHash(h) == 17) hashes.push_back(h);
@@ -197,6 +197,7 @@ DLT_TEST(TestSketchNeverUndercountsAndStaysWithinItsBound) {
   }
   EXPECT(under == 0);
   EXPECT(beyond <= truth.size() * std::exp(-4.0) + 5);
+  EXPECT(sketch.Estimate(rng() * kNumBuckets + 18) == 0);  // not this sketch's bucket
   // After a window of pushes the slice halves: counts age.
   const uint64_t h = hashes[3];  // true count 4
   for (uint32_t k = 0; k < sketch.window(); ++k) sketch.Add(rng() * kNumBuckets + 17);

@@ -25,7 +25,10 @@ from typing import IO, Any
 
 DATA = Path(__file__).parent / "data" / "capacity.json"
 SLOTS = {"sgd": 0, "adagrad": 1, "keras_adagrad": 1, "adam": 2, "ftrl": 2}
-HEADER_BYTES = 16  # id and update count
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+HEADER_BYTES = 8  # update count and last-touched stamp
+# A checkpoint row besides its values and slots: id, update count, stamp.
+FILE_ROW_BYTES = 16
 
 
 @cache
@@ -35,26 +38,48 @@ def figures() -> dict[str, Any]:
     return data
 
 
-def raw_record_bytes(dim: int, optimizer: str) -> int:
-    """Header, values and optimizer slots of one row."""
+def raw_record_bytes(
+    dim: int, optimizer: str, value_dtype: str = "float32", slot_dtype: str = "float32"
+) -> int:
+    """Header, values and optimizer slots of one stored row (8-byte aligned)."""
     if optimizer not in SLOTS:
         raise ValueError(f"optimizer must be one of {sorted(SLOTS)}, got {optimizer!r}")
-    return HEADER_BYTES + 4 * dim * (1 + SLOTS[optimizer])
+    for dtype in (value_dtype, slot_dtype):
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtypes must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    raw = HEADER_BYTES + dim * (
+        DTYPE_BYTES[value_dtype] + DTYPE_BYTES[slot_dtype] * SLOTS[optimizer]
+    )
+    return -(-raw // 8) * 8
 
 
-def overhead() -> float:
-    """Measured table bytes per row over the raw record (index, arena)."""
+def index_bytes_per_row() -> float:
+    """Measured table bytes per row beyond the record: the index (12-byte
+    entries at a load factor of 0.375 to 0.75) and arena slack."""
     f = figures()
-    return float(f["table_bytes_per_row"]) / float(f["raw_record_bytes"])
+    return float(f["table_bytes_per_row"]) - float(f["raw_record_bytes"])
 
 
-def bytes_per_row(dim: int, optimizer: str) -> float:
-    """Memory one row takes on a shard, from the measured overhead."""
-    return raw_record_bytes(dim, optimizer) * overhead()
+def bytes_per_row(
+    dim: int, optimizer: str, value_dtype: str = "float32", slot_dtype: str = "float32"
+) -> float:
+    """Memory one row takes on a shard: its record plus the measured index
+    bytes per row."""
+    return raw_record_bytes(dim, optimizer, value_dtype, slot_dtype) + index_bytes_per_row()
+
+
+def checkpoint_bytes_per_row(dim: int, optimizer: str) -> float:
+    """Bytes one row takes in a checkpoint (float32 values and slots, id,
+    count and stamp), scaled from the measured figure."""
+    f = figures()
+    measured = FILE_ROW_BYTES + 4 * int(f["dim"]) * (1 + SLOTS[str(f["optimizer"])])
+    mine = FILE_ROW_BYTES + 4 * dim * (1 + SLOTS[optimizer])
+    return float(f["checkpoint_bytes_per_row"]) * mine / measured
 
 
 @dataclass(frozen=True)
 class Plan:
+    resident_rows: float
     shards: int
     memory_shards: int
     throughput_shards: int
@@ -80,16 +105,26 @@ def plan(
     headroom: float = 1.5,
     steps_per_second: float = 10.0,
     unique_fraction: float = 1.0,
+    value_dtype: str = "float32",
+    slot_dtype: str = "float32",
+    admission_rate: float = 1.0,
+    sketch_bytes: float = 0.0,
 ) -> Plan:
-    """Shards needed for memory (rows x bytes/row x headroom per shard of
+    """Shards needed for memory (rows x `admission_rate` resident rows x
+    bytes/row, plus the admission sketch, x headroom per shard of
     `shard_memory_gib`) and for throughput (every trainer pulling and
     pushing `batch` x `unique_fraction` rows `steps_per_second` times a
-    second, at the measured rows/s per shard), whichever is larger."""
+    second, at the measured rows/s per shard), whichever is larger. `rows`
+    counts the distinct ids the tables see; `admission_rate` the fraction
+    that get a row (1 without admission; measure it with bench_admission)."""
     if rows <= 0 or dim < 1 or trainers < 1 or batch < 1:
         raise ValueError("rows, dim, trainers and batch must be positive")
+    if not 0 < admission_rate <= 1 or sketch_bytes < 0:
+        raise ValueError("admission_rate must be in (0, 1] and sketch_bytes >= 0")
     f = figures()
-    per_row = bytes_per_row(dim, optimizer)
-    table = rows * per_row
+    per_row = bytes_per_row(dim, optimizer, value_dtype, slot_dtype)
+    resident = rows * admission_rate
+    table = resident * per_row + sketch_bytes
     memory_shards = math.ceil(table * headroom / (shard_memory_gib * 2**30))
     ids = math.ceil(trainers * batch * unique_fraction)
     # Per-shard rows/s were measured at dim f["dim"]: scale by payload size.
@@ -100,12 +135,9 @@ def plan(
     seconds_per_step = ids / pull_rate + ids / push_rate
     throughput_shards = math.ceil(seconds_per_step * steps_per_second)
     shards = max(1, memory_shards, throughput_shards)
-    checkpoint = (
-        rows
-        * float(f["checkpoint_bytes_per_row"])
-        * (raw_record_bytes(dim, optimizer) / float(f["raw_record_bytes"]))
-    )
+    checkpoint = resident * checkpoint_bytes_per_row(dim, optimizer)
     return Plan(
+        resident_rows=resident,
         shards=shards,
         memory_shards=memory_shards,
         throughput_shards=throughput_shards,
@@ -132,9 +164,16 @@ def _size(n: float) -> str:
 def report(p: Plan, args: argparse.Namespace) -> str:
     f = figures()
     per_second = (p.pull_bytes_per_step + p.push_bytes_per_step) * args.steps_per_second
+    admitted = (
+        f" of which {p.resident_rows:.3g} admitted ({args.admission_rate:g})"
+        if args.admission_rate < 1
+        else ""
+    )
+    sketch = f" + {_size(args.sketch_bytes)} sketch" if args.sketch_bytes else ""
     return "\n".join([
-        f"table: {args.rows:.3g} rows x dim {args.dim}, {args.optimizer}: "
-        f"{p.bytes_per_row:.0f} B/row -> {_size(p.table_bytes)}",
+        f"table: {args.rows:.3g} ids{admitted} x dim {args.dim}, {args.optimizer}, "
+        f"{args.value_dtype} values, {args.slot_dtype} slots: "
+        f"{p.bytes_per_row:.0f} B/row{sketch} -> {_size(p.table_bytes)}",
         f"shards: {p.shards} (memory needs {p.memory_shards} at {args.shard_memory_gib:g} GiB "
         f"each with x{args.headroom:g} headroom; throughput needs {p.throughput_shards} for "
         f"{args.steps_per_second:g} steps/s)",
@@ -148,8 +187,11 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         f"{p.load_seconds:.0f} s (all shards in parallel)",
         "",
         "assumptions:",
-        f"- bytes/row = (16 B header + 4 x dim x (1 + optimizer slots)) x {overhead():.3f}, the "
-        f"table overhead measured at {int(f['rows']):,} rows of dim {f['dim']} ({f['optimizer']});",
+        f"- bytes/row = 8 B header + dim x (value bytes + slot bytes x optimizer slots), "
+        f"rounded to 8, + {index_bytes_per_row():.1f} B of index per row, measured at "
+        f"{int(f['rows']):,} rows of dim {f['dim']} ({f['optimizer']});",
+        "- with admission, only admitted ids hold a row; the sketch is per table "
+        "(spread over the shards); checkpoints store float32 rows whatever the dtype;",
         f"- per shard: pull {float(f['pull_rows_per_s_per_shard']):,.0f} rows/s, push "
         f"{float(f['push_rows_per_s_per_shard']):,.0f} rows/s at dim {f['dim']} (scaled by payload "
         f"bytes for other dims), save {_size(float(f['save_bytes_per_s_per_shard']))}/s, load "
@@ -174,6 +216,15 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--steps-per-second", type=float, default=10.0, help="per trainer")
     a("--shard-memory-gib", type=float, default=64.0, help="memory of one shard's host")
     a("--headroom", type=float, default=1.5, help="memory over the table estimate")
+    a("--value-dtype", default="float32", choices=sorted(DTYPE_BYTES), help="stored values")
+    a("--slot-dtype", default="float32", choices=sorted(DTYPE_BYTES), help="stored slots")
+    a(
+        "--admission-rate",
+        type=float,
+        default=1.0,
+        help="fraction of ids that get a row (admission; 1: every id)",
+    )
+    a("--sketch-bytes", type=float, default=0.0, help="Frequency admission sketch memory")
     a("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -185,6 +236,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             args.rows, args.dim, args.optimizer, args.trainers, args.batch,
             shard_memory_gib=args.shard_memory_gib, headroom=args.headroom,
             steps_per_second=args.steps_per_second, unique_fraction=args.unique_fraction,
+            value_dtype=args.value_dtype, slot_dtype=args.slot_dtype,
+            admission_rate=args.admission_rate, sketch_bytes=args.sketch_bytes,
         )  # fmt: skip
     except ValueError as e:
         print(f"tf-dlt plan: {e}", file=sys.stderr)

@@ -43,9 +43,10 @@ BASE_MEMORY_MIB = 512
 _GI = 1 << 30
 
 
-def shard_memory_mib(rows: float, shards: int, dim: int, optimizer: str, headroom: float) -> int:
-    """Memory request of one shard in MiB."""
-    table = rows / shards * capacity.bytes_per_row(dim, optimizer) * headroom
+def shard_memory(spec: JobSpec) -> int:
+    """Memory request of one shard in MiB: its share of the admitted rows."""
+    per_row = capacity.bytes_per_row(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
+    table = spec.rows * spec.admission_rate / spec.pservers * per_row * spec.headroom
     return int(math.ceil(table / (1 << 20))) + BASE_MEMORY_MIB
 
 
@@ -61,6 +62,9 @@ class JobSpec:
     rows: float = 1e8
     dim: int = 16
     optimizer: str = "adagrad"
+    value_dtype: str = "float32"
+    slot_dtype: str = "float32"
+    admission_rate: float = 1.0
     checkpoint: str = f"{CHECKPOINT_MOUNT}/run"
     namespace: str = "default"
     headroom: float = 1.5
@@ -91,6 +95,13 @@ class JobSpec:
             )
         if self.dim < 1 or self.rows < 0 or self.headroom < 1:
             raise ValueError("dim must be >= 1, rows >= 0 and headroom >= 1")
+        if not 0 < self.admission_rate <= 1:
+            raise ValueError(f"admission_rate must be in (0, 1], got {self.admission_rate}")
+        for dtype in (self.value_dtype, self.slot_dtype):
+            if dtype not in capacity.DTYPE_BYTES:
+                raise ValueError(
+                    f"dtypes must be one of {sorted(capacity.DTYPE_BYTES)}, got {dtype!r}"
+                )
         if not self.command:
             raise ValueError("no trainer command: give it after '--'")
         if self.on_volume and not self.checkpoint.startswith(CHECKPOINT_MOUNT + "/"):
@@ -211,7 +222,7 @@ def service(spec: JobSpec) -> dict[str, Any]:
 
 
 def stateful_set(spec: JobSpec) -> dict[str, Any]:
-    memory = shard_memory_mib(spec.rows, spec.pservers, spec.dim, spec.optimizer, spec.headroom)
+    memory = shard_memory(spec)
     env, mounts, volumes = _storage_env(spec)
     token_mounts, token_volumes = _token_volume(spec)
     env.append({
@@ -361,14 +372,15 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
 
 def render(spec: JobSpec) -> str:
     """The manifests as one YAML stream, with the sizing assumptions."""
-    per_row = capacity.bytes_per_row(spec.dim, spec.optimizer)
-    raw = capacity.raw_record_bytes(spec.dim, spec.optimizer)
-    memory = shard_memory_mib(spec.rows, spec.pservers, spec.dim, spec.optimizer, spec.headroom)
+    per_row = capacity.bytes_per_row(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
+    raw = capacity.raw_record_bytes(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
+    memory = shard_memory(spec)
     head = [
         f"# tf_dlt job {spec.name!r}: {spec.pservers} shard servers, {spec.workers} trainers.",
-        f"# Shard memory: {spec.rows:.3g} rows / {spec.pservers} shards x {per_row:.0f} B/row "
-        f"(dim {spec.dim}, {spec.optimizer}: {raw} B header, values and slots, "
-        f"x{capacity.overhead():.3f} measured overhead) x{spec.headroom} headroom "
+        f"# Shard memory: {spec.rows:.3g} ids x {spec.admission_rate:g} admitted / "
+        f"{spec.pservers} shards x {per_row:.0f} B/row (dim {spec.dim}, {spec.optimizer}, "
+        f"{spec.value_dtype} values, {spec.slot_dtype} slots: {raw} B header, values and slots "
+        f"+ {capacity.index_bytes_per_row():.1f} B measured index) x{spec.headroom} headroom "
         f"+ {BASE_MEMORY_MIB} MiB = {memory} MiB per shard.",
         f"# Checkpoints: {spec.checkpoint}"
         + (" (shared ReadWriteMany volume)" if spec.on_volume else "")
@@ -406,6 +418,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="server-side optimizer",
     )
     a("--headroom", type=float, default=1.5, help="memory request over the table estimate")
+    a("--value-dtype", default="float32", choices=sorted(capacity.DTYPE_BYTES))
+    a("--slot-dtype", default="float32", choices=sorted(capacity.DTYPE_BYTES))
+    a(
+        "--admission-rate",
+        type=float,
+        default=1.0,
+        help="fraction of ids that get a row (tables with admission)",
+    )
     where = f"a path under {CHECKPOINT_MOUNT} on a shared volume"
     a(
         "--checkpoint",
@@ -434,6 +454,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             name=args.name, image=args.image, command=list(getattr(args, "trainer_command", [])),
             pservers=args.pservers, workers=args.workers, rows=args.rows, dim=args.dim,
             optimizer=args.optimizer, checkpoint=args.checkpoint, namespace=args.namespace,
+            value_dtype=args.value_dtype, slot_dtype=args.slot_dtype,
+            admission_rate=args.admission_rate,
             headroom=args.headroom, shard_cpu=args.shard_cpu, worker_cpu=args.worker_cpu,
             worker_memory=args.worker_memory, checkpoint_volume_size=args.checkpoint_volume_size,
             storage_class=args.storage_class, credentials_secret=args.credentials_secret,
