@@ -68,6 +68,10 @@ def test_shard_metrics_move_with_traffic(
     assert all(a["tf_dlt_table_bytes{table=m}"] > 0 for a in after)
     assert sum(a["tf_dlt_pulled_rows_total"] for a in after) == 1000
     assert sum(a["tf_dlt_pushed_rows_total"] for a in after) == 100
+    # The memory policy's counters: 1000 rows made by training, none removed.
+    assert sum(a["tf_dlt_table_rows_admitted_total{table=m}"] for a in after) == 1000
+    for kind in ("refused", "expired", "evicted", "shrunk"):
+        assert all(a[f"tf_dlt_table_rows_{kind}_total{{table=m}}"] == 0 for a in after)
     a = after[0]
     assert a["tf_dlt_pulls_total"] >= 1 and a["tf_dlt_pushes_total"] >= 1
     assert a["tf_dlt_pull_latency_seconds_count"] >= 1 and a["tf_dlt_pull_latency_seconds_sum"] > 0
@@ -86,7 +90,15 @@ def test_shard_metrics_move_with_traffic(
     stranger = socket.create_connection((host, int(port)), timeout=10)
     assert frames.closed_by_peer(stranger, timeout=20)  # --hello-timeout: 5 s
     stranger.close()
+    with cluster.client() as client:
+        removed = client.shrink("m", min_count=1)  # the 900 rows never pushed
     later = _scrape(cluster.metrics_ports[0])
+    assert (
+        later["tf_dlt_table_rows_shrunk_total{table=m}"]
+        + _scrape(cluster.metrics_ports[1])["tf_dlt_table_rows_shrunk_total{table=m}"]
+        == removed
+        == 900
+    )
     assert later["tf_dlt_connection_timeouts_total{kind=hello}"] == 1
     assert later["tf_dlt_connections_accepted_total"] > a["tf_dlt_connections_accepted_total"]
 
