@@ -226,16 +226,23 @@ Table::Table(const TableConfig& config, uint32_t first_bucket, uint32_t end_buck
       wide_(config.policy.value_dtype == static_cast<uint64_t>(StorageDtype::kFloat32) &&
             config.policy.slot_dtype == static_cast<uint64_t>(StorageDtype::kFloat32)),
       stripes_(new Stripe[kStripes]) {
+  const uint64_t owned = end_bucket - first_bucket;
+  uint64_t buckets_in[kStripes] = {};
+  for (uint32_t b = 0; b < kNumBuckets; ++b) {
+    uint32_t s = 0;
+    if (b >= end_bucket) {
+      s = kStripes - 1;
+    } else if (b >= first_bucket) {
+      s = static_cast<uint32_t>((b - first_bucket) * uint64_t{kStripes} / owned);
+      ++buckets_in[s];
+    }
+    stripe_of_bucket_[b] = static_cast<uint8_t>(s);
+  }
   // Each stripe holds at most its share of max_rows: the share of the
   // table's buckets it serves (ids spread evenly over buckets), rounded
   // down, so the quotas never add up to more than max_rows.
-  const uint64_t owned = end_bucket - first_bucket;
-  constexpr uint32_t kBucketsPerStripe = kNumBuckets / kStripes;
   for (uint32_t s = 0; s < kStripes; ++s) {
-    const uint32_t lo = std::max(first_bucket, s * kBucketsPerStripe);
-    const uint32_t hi = std::min(end_bucket, (s + 1) * kBucketsPerStripe);
-    const uint64_t mine = hi > lo ? hi - lo : 0;
-    stripe_quota_[s] = config.policy.max_rows * mine / owned;
+    stripe_quota_[s] = config.policy.max_rows * buckets_in[s] / owned;
   }
   if (config.policy.admission == static_cast<uint64_t>(AdmissionKind::kFrequency)) {
     sketch_ =
@@ -729,12 +736,12 @@ TableCounters Table::counters() const {
 }
 
 void Table::ReadSketch(uint32_t bucket, uint8_t* counters, uint32_t* added) const {
-  std::shared_lock<std::shared_mutex> lock(stripes_[bucket / (kNumBuckets / kStripes)].mu);
+  std::shared_lock<std::shared_mutex> lock(stripes_[stripe_of_bucket_[bucket]].mu);
   sketch_->ReadSlice(bucket, counters, added);
 }
 
 void Table::WriteSketch(uint32_t bucket, const uint8_t* counters, uint32_t added) {
-  std::unique_lock<std::shared_mutex> lock(stripes_[bucket / (kNumBuckets / kStripes)].mu);
+  std::unique_lock<std::shared_mutex> lock(stripes_[stripe_of_bucket_[bucket]].mu);
   sketch_->WriteSlice(bucket, counters, added);
 }
 

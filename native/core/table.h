@@ -122,6 +122,8 @@ class Table {
   void WriteSketch(uint32_t bucket, const uint8_t* counters, uint32_t added);
   // Frequency estimate of an id in the sketch (0 without one).
   uint32_t SketchEstimate(int64_t id) const;
+  // The stripe (lock, index, arena) that holds the rows of `bucket`.
+  uint32_t StripeOfBucket(uint32_t bucket) const { return stripe_of_bucket_[bucket]; }
   // Bytes of one stored row (header, values and slots).
   size_t record_bytes() const { return record_bytes_; }
 
@@ -169,7 +171,7 @@ class Table {
   void WriteRow(char* record, int64_t id, uint32_t step, const float* values, const float* slots,
                 bool stochastic);
 
-  uint32_t StripeOf(uint64_t hash) const { return BucketOfHash(hash) / (kNumBuckets / kStripes); }
+  uint32_t StripeOf(uint64_t hash) const { return stripe_of_bucket_[BucketOfHash(hash)]; }
   // Returns the record of `id`, creating it with its initial value and fresh
   // slots when absent; 0xffffffff when the stripe cannot grow. Caller holds
   // the stripe's lock exclusively.
@@ -185,7 +187,12 @@ class Table {
   size_t record_bytes_;
   bool wide_;  // values and slots stored as float32
   std::unique_ptr<Stripe[]> stripes_;
-  uint64_t stripe_quota_[kStripes] = {};     // max_rows per stripe (with max_rows)
+  uint64_t stripe_quota_[kStripes] = {};  // max_rows per stripe (with max_rows)
+  // The table's own buckets spread over all stripes in order (a shard of
+  // many owns few buckets), so stripes stay contiguous bucket ranges and an
+  // export in stripe order is in bucket order. Buckets outside the range go
+  // to the first or last stripe.
+  uint8_t stripe_of_bucket_[kNumBuckets];
   std::unique_ptr<FrequencySketch> sketch_;  // Frequency admission only
   std::atomic<uint64_t> pushes_{0};
   std::atomic<int64_t> rows_{0};

@@ -140,6 +140,43 @@ DLT_TEST(TestEvictionKeepsTheBoundAndTheFrequentRows) {
   }
 }
 
+DLT_TEST(TestAShardOfFewBucketsSpreadsThemOverTheStripes) {
+  // A shard of 256 owns 16 buckets: they go to 16 stripes (16 locks), in
+  // bucket order, so exports stay in (bucket, id) order and eviction quotas
+  // split the rows 16 ways.
+  TableConfig c = PolicyTable(2);
+  c.policy.max_rows = 1600;
+  Table t(c, 32, 48);
+  uint32_t last = 0;
+  bool increasing = true;
+  for (uint32_t b = 32; b < 48; ++b) {
+    increasing = increasing && (b == 32 || t.StripeOfBucket(b) > last);
+    last = t.StripeOfBucket(b);
+  }
+  EXPECT(increasing && t.StripeOfBucket(32) == 0 && last < kStripes);
+  EXPECT(t.StripeOfBucket(0) == 0 && t.StripeOfBucket(4095) == kStripes - 1);
+  std::vector<int64_t> ids;
+  for (int64_t id = 0; ids.size() < 20000; ++id) {
+    const uint32_t b = BucketOf(id);
+    if (b >= 32 && b < 48) ids.push_back(id);
+  }
+  std::vector<float> grads(ids.size() * 2, 0.01f);
+  EXPECT_OK(t.Push(ids.data(), grads.data(), ids.size(), 0.1f));
+  EXPECT(t.size() <= 1600 && t.size() >= 1500);
+  Table::Exporter ex(&t);
+  std::vector<int64_t> out(4096);
+  std::vector<float> values(4096 * 2), slots(4096 * 2);
+  std::vector<uint32_t> steps(4096), buckets(4096);
+  const RowBuffers rb{out.data(), values.data(), slots.data(), steps.data(), buckets.data()};
+  const size_t got = ex.Next(4096, rb);
+  bool sorted = got == t.size();
+  for (size_t i = 1; i < got; ++i) {
+    sorted = sorted &&
+             (buckets[i - 1] < buckets[i] || (buckets[i - 1] == buckets[i] && out[i - 1] < out[i]));
+  }
+  EXPECT(sorted);
+}
+
 DLT_TEST(TestFrequencyAdmissionCountsEachPushOnce) {
   TableConfig c = PolicyTable(2);
   c.policy.admission = static_cast<uint64_t>(AdmissionKind::kFrequency);
