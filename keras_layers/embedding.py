@@ -271,13 +271,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 seed if seed is not None else (keras_seed or 0),
                 **self.memory_policy,
             )
+            # The ops have no XLA kernels: Keras turns jit_compile "auto" off.
+            self.supports_jit = False
         elif TableConfig.create("local", 1, **self.memory_policy).has_policy:
             raise ValueError(
                 "admission, unadmitted, ttl, max_rows, eviction, value_dtype, slot_dtype and "
                 "rounding apply to distributed tables (is_distributed=True)"
             )
-            # The ops have no XLA kernels: Keras turns jit_compile "auto" off.
-            self.supports_jit = False
         self.client: ops.ClientResource | None = None
         # Set while a serving graph is traced: its lookups must not wait for
         # pushes (a serving process has none), so the graph holds only lookups.

@@ -101,14 +101,15 @@ def test_shrink_ttl_eviction_and_their_counters(start_cluster: Callable[..., Clu
         assert np.all(_rows(client, "ttl", old) == 0)
 
         # max_rows per shard with LFU: the frequent ids survive a flood.
-        client.create_table("cap", DIM, "uniform", "sgd", max_rows=2000)
+        client.create_table("cap", DIM, "uniform", "sgd", max_rows=4096)
         hot = np.arange(64, dtype=np.int64)
         for k in range(10):
             client.push("cap", hot, grads[:64], learning_rate=0.1)
             flood = np.arange(10_000 + k * 1000, 11_000 + k * 1000, dtype=np.int64)
             client.push("cap", flood, grads, learning_rate=0.1)
         info = client.list_tables()["cap"]
-        assert info["rows"] <= 2 * 2000 and info["evicted"] == info["admitted"] - info["rows"]
+        assert info["rows"] <= 2 * 4096 and info["evicted"] == info["admitted"] - info["rows"]
+        assert info["evicted"] > 0
         assert np.all(np.any(_rows(client, "cap", hot) != 0, axis=1))
         text = format_stats(client.stats(), cluster.addresses)
         assert "evicted" in text and "expired" in text
@@ -241,6 +242,63 @@ def test_policy_arguments_are_validated() -> None:
         tf_dlt.TableConfig.create("t", 4, value_dtype="int8")
     with pytest.raises(ValueError, match="eviction must be one of"):
         tf_dlt.layers.Embedding(output_dim=DIM, is_distributed=True, eviction="fifo")
+    for rows in (100, 2**41):
+        with pytest.raises(ValueError, match=r"max_rows must be 0 \(unbounded\) or in \[4096"):
+            tf_dlt.TableConfig.create("t", 4, max_rows=rows)
+    with pytest.raises(ValueError, match="admission must be"):
+        admission.get({"kind": "frequency", "min_cnt": 2})
+    # Distributed layers turn XLA off (their ops have no XLA kernels), with a
+    # memory policy or without; local ones leave it to Keras.
+    assert not tf_dlt.layers.Embedding(output_dim=DIM, is_distributed=True).supports_jit
+    with_policy = tf_dlt.layers.Embedding(
+        output_dim=DIM, is_distributed=True, admission=admission.Probability(0.5)
+    )
+    assert not with_policy.supports_jit
+    assert tf_dlt.layers.Embedding(10, DIM).supports_jit
+
+
+def test_sketch_slices_outside_the_table_are_refused() -> None:
+    from tf_dlt import _native
+
+    config = tf_dlt.TableConfig.create("s", 4, admission=admission.Frequency(2, 1 << 20))
+    table = _native.Table(config.to_dict(), 100, 200)
+    counters, added = table.read_sketch(100, 200)
+    assert counters.shape == (100, table.sketch_slice_bytes)
+    with pytest.raises(ValueError, match="not the table's sketch's"):
+        table.write_sketch(0, counters, added)
+    with pytest.raises(ValueError, match="not the table's sketch's"):
+        table.read_sketch(150, 250)
+
+
+def test_stamps_newer_than_the_saved_clock_load_as_fresh(tmp_path: Path) -> None:
+    """Rows pushed while a save copies them carry stamps up to the clock read
+    after the copy; a file whose stamps are newer than its clock (older
+    builds read it first) loads them as age 0, never as 2^32 pushes old."""
+    from tf_dlt import _native
+    from tf_dlt.checkpoint import manifest, shard_files
+
+    config = tf_dlt.TableConfig.create("st", 2, "zeros", "sgd", ttl=expiry.Pushes(100))
+    ids = np.arange(4, dtype=np.int64)
+    buckets = tf_dlt.routing.bucket_of(ids)
+    order = np.lexsort((ids, buckets))
+    chunk = (ids[order], np.ones((4, 2), np.float32), np.zeros((4, 0), np.float32),
+             np.ones(4, np.uint32), buckets[order].astype(np.uint32),
+             np.array([5, 10, 15, 20], np.uint32))  # fmt: skip
+    rows = shard_files.TableRows(
+        config.to_dict(), 2, 0, iter([chunk]), lambda: shard_files.TableState(clock=12)
+    )
+    save_id = manifest.new_save_id()
+    path = str(tmp_path / "ck")
+    part = shard_files.save_tables(path, shard_files.ShardLayout(), [rows], save_id)
+    manifest.write_manifest(path, [part], save_id)
+    shard = _native.Shard(0, 1)
+    shard_files.load_shard(path, shard)
+    table = shard.get_table("st")
+    stamps = dict(zip(*table.exporter().next(10)[::5], strict=True))
+    # Ages against the new clock 0: 7 and 2 (saved 12 - 5, 12 - 10); 0 for 15, 20.
+    age = {int(i): (-int(stamps[i])) % 2**32 for i in stamps}
+    assert sorted(age.values()) == [0, 0, 2, 7]
+    assert table.shrink(unseen_for=5) == 1  # only the row 7 pushes old
 
 
 def test_transpiled_filtered_table_exports_what_predict_serves(

@@ -105,8 +105,11 @@ def get(identifier: AdmissionLike) -> Admission:
     if isinstance(identifier, str) and identifier == "all":
         return All()
     if isinstance(identifier, dict) and identifier.get("kind") in _BY_KIND:
+        cls = _BY_KIND[identifier["kind"]]
         fields = {k: v for k, v in identifier.items() if k != "kind"}
-        return _BY_KIND[identifier["kind"]](**fields)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(fields) <= known:
+            return cls(**fields)
     raise errors.InvalidArgumentError(
         f"admission must be None, 'all', tf_dlt.admission.Frequency(min_count) or "
         f"tf_dlt.admission.Probability(p), got {identifier!r}"

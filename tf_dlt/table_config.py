@@ -107,8 +107,10 @@ class TableConfig:
             raise errors.InvalidArgumentError(f"dim must be in [1, 65536], got {dim}")
         if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)):
             raise errors.InvalidArgumentError(f"max_rows must be an int >= 0, got {max_rows!r}")
-        if max_rows < 0:
-            raise errors.InvalidArgumentError(f"max_rows must be an int >= 0, got {max_rows!r}")
+        if max_rows != 0 and not 4096 <= max_rows <= 2**40:
+            raise errors.InvalidArgumentError(
+                f"max_rows must be 0 (unbounded) or in [4096, 2**40], got {max_rows!r}"
+            )
         config = cls(
             name=name,
             dim=int(dim),

@@ -29,17 +29,18 @@ size_t Shard::Sweep() {
 
 void Shard::StartSweeper(int interval_ms) {
   std::unique_lock<std::mutex> lock(sweeper_mu_);
-  sweep_interval_ms_ = interval_ms;
+  sweep_interval_ms_ = interval_ms > 0 ? interval_ms : 1;
   if (sweeper_.joinable()) {
     sweeper_cv_.notify_all();
     return;
   }
-  stop_sweeper_ = false;
-  sweeper_ = std::thread([this] {
+  const uint64_t generation = sweeper_generation_;
+  sweeper_ = std::thread([this, generation] {
     std::unique_lock<std::mutex> lock(sweeper_mu_);
-    while (!stop_sweeper_) {
+    const auto stopped = [this, generation] { return sweeper_generation_ != generation; };
+    while (!stopped()) {
       const auto interval = std::chrono::milliseconds(sweep_interval_ms_);
-      if (sweeper_cv_.wait_for(lock, interval, [this] { return stop_sweeper_; })) break;
+      if (sweeper_cv_.wait_for(lock, interval, stopped)) break;
       lock.unlock();
       Sweep();
       lock.lock();
@@ -51,7 +52,7 @@ void Shard::StopSweeper() {
   std::thread thread;
   {
     std::unique_lock<std::mutex> lock(sweeper_mu_);
-    stop_sweeper_ = true;
+    ++sweeper_generation_;
     thread = std::move(sweeper_);
   }
   sweeper_cv_.notify_all();

@@ -52,8 +52,8 @@ class Shard {
   // Removes the expired rows of every table with a ttl, one stripe at a
   // time; returns the rows removed.
   size_t Sweep();
-  // Sweeps every `interval_ms` on a background thread until destruction or
-  // StopSweeper; a second call only changes the interval.
+  // Sweeps every `interval_ms` (> 0) on a background thread until
+  // destruction or StopSweeper; a second call only changes the interval.
   void StartSweeper(int interval_ms);
   void StopSweeper();
 
@@ -69,7 +69,9 @@ class Shard {
   std::condition_variable sweeper_cv_;
   std::thread sweeper_;        // guarded by sweeper_mu_
   int sweep_interval_ms_ = 0;  // guarded by sweeper_mu_
-  bool stop_sweeper_ = false;  // guarded by sweeper_mu_
+  // Bumped by every StopSweeper: a sweeper thread runs while it is the one
+  // it started under, so a restart never revives a thread being stopped.
+  uint64_t sweeper_generation_ = 0;  // guarded by sweeper_mu_
 };
 
 }  // namespace dlt

@@ -223,6 +223,8 @@ Table::Table(const TableConfig& config, uint32_t first_bucket, uint32_t end_buck
       record_bytes_(RoundUp(sizeof(RowHeader) + value_bytes_ +
                                 size_t{DtypeBytes(config.policy.slot_dtype)} * slot_floats_,
                             8)),
+      first_bucket_(first_bucket),
+      end_bucket_(end_bucket),
       wide_(config.policy.value_dtype == static_cast<uint64_t>(StorageDtype::kFloat32) &&
             config.policy.slot_dtype == static_cast<uint64_t>(StorageDtype::kFloat32)),
       stripes_(new Stripe[kStripes]) {
@@ -579,7 +581,7 @@ void Table::EvictFrom(Stripe* stripe, uint32_t now) {
   const uint64_t quota = stripe_quota_[stripe - stripes_.get()];
   if (stripe->live <= quota) return;
   // Evict a little below the quota, so eviction runs once per many inserts.
-  const uint64_t slack = std::min<uint64_t>(quota, std::max<uint64_t>(1, quota / 32));
+  const uint64_t slack = quota / 32;
   const size_t want = static_cast<size_t>(stripe->live - quota + slack);
   thread_local std::vector<std::pair<uint64_t, size_t>> scored;  // (score, index slot)
   scored.clear();
@@ -733,6 +735,11 @@ TableCounters Table::counters() const {
   c.evicted = evicted_.load(std::memory_order_relaxed);
   c.shrunk = shrunk_.load(std::memory_order_relaxed);
   return c;
+}
+
+bool Table::SketchHolds(uint32_t first_bucket, uint32_t end_bucket) const {
+  return sketch_ != nullptr && first_bucket >= first_bucket_ && end_bucket <= end_bucket_ &&
+         first_bucket <= end_bucket;
 }
 
 void Table::ReadSketch(uint32_t bucket, uint8_t* counters, uint32_t* added) const {

@@ -118,6 +118,9 @@ class Table {
   // sketch_slice_bytes() counters plus a count of pushes since halving.
   bool has_sketch() const { return sketch_ != nullptr; }
   uint32_t sketch_slice_bytes() const { return sketch_ ? sketch_->slice_counters() : 0; }
+  // True when the sketch holds the slices of buckets [first, end).
+  bool SketchHolds(uint32_t first_bucket, uint32_t end_bucket) const;
+  // One bucket's slice; the bucket must be one SketchHolds names.
   void ReadSketch(uint32_t bucket, uint8_t* counters, uint32_t* added) const;
   void WriteSketch(uint32_t bucket, const uint8_t* counters, uint32_t added);
   // Frequency estimate of an id in the sketch (0 without one).
@@ -185,7 +188,8 @@ class Table {
   uint32_t slot_floats_;
   uint32_t value_bytes_;  // bytes of the stored values of a row
   size_t record_bytes_;
-  bool wide_;  // values and slots stored as float32
+  uint32_t first_bucket_, end_bucket_;  // the buckets this table serves
+  bool wide_;                           // values and slots stored as float32
   std::unique_ptr<Stripe[]> stripes_;
   uint64_t stripe_quota_[kStripes] = {};  // max_rows per stripe (with max_rows)
   // The table's own buckets spread over all stripes in order (a shard of

@@ -54,6 +54,10 @@ Status ValidatePolicy(const PolicyConfig& p, const std::string& where) {
     return InvalidArgument(where + "probability admission needs a probability in (0, 1], got " +
                            std::to_string(p.probability));
   }
+  if (p.max_rows != 0 && (p.max_rows < kMinMaxRows || p.max_rows > kMaxMaxRows)) {
+    return InvalidArgument(where + "max_rows must be 0 (unbounded) or in [4096, 2^40], got " +
+                           std::to_string(p.max_rows));
+  }
   if (p.ttl > kMaxTtl) {
     return InvalidArgument(where + "ttl must be at most 2^31-1, got " + std::to_string(p.ttl));
   }

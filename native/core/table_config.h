@@ -170,6 +170,10 @@ inline constexpr const char* kProbabilityField = "probability";
 inline constexpr uint64_t kMaxMinCount = 255;
 // Largest accepted ttl: stamps are 32-bit and compared modulo 2^32.
 inline constexpr uint64_t kMaxTtl = (uint64_t{1} << 31) - 1;
+// max_rows, when set, is in [kMinMaxRows, kMaxMaxRows]: each stripe in use
+// gets a quota of at least one row, and quotas never overflow.
+inline constexpr uint64_t kMinMaxRows = 4096;
+inline constexpr uint64_t kMaxMaxRows = uint64_t{1} << 40;
 // Largest accepted sketch_bytes (the whole table's sketch).
 inline constexpr uint64_t kMaxSketchBytes = uint64_t{1} << 40;
 

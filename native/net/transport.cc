@@ -152,8 +152,8 @@ class Embedded : public Transport {
     DLT_RETURN_IF_ERROR(Find(table, dim, "SetState", &t));
     const size_t buckets = state.added.size();
     if (buckets != 0) {
-      if (!t->has_sketch() || state.slice_bytes != t->sketch_slice_bytes() ||
-          state.first_bucket + buckets > kNumBuckets ||
+      if (!t->SketchHolds(state.first_bucket, state.first_bucket + buckets) ||
+          state.slice_bytes != t->sketch_slice_bytes() ||
           state.sketch.size() != buckets * state.slice_bytes) {
         return InvalidArgument(Where(table, "SetState") + ": the sketch does not fit the table (" +
                                std::to_string(t->sketch_slice_bytes()) + " bytes per bucket)");

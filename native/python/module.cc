@@ -209,9 +209,9 @@ py::dict TableCountersToDict(const TableCounters& c) {
 
 void CheckSketch(const Table& t, uint32_t first_bucket, uint32_t end_bucket) {
   if (!t.has_sketch()) Raise(FailedPrecondition("table '" + t.config().name + "' has no sketch"));
-  if (first_bucket > end_bucket || end_bucket > kNumBuckets) {
+  if (!t.SketchHolds(first_bucket, end_bucket)) {
     Raise(InvalidArgument("bucket range [" + std::to_string(first_bucket) + ", " +
-                          std::to_string(end_bucket) + ") is invalid"));
+                          std::to_string(end_bucket) + ") is not the table's sketch's"));
   }
 }
 

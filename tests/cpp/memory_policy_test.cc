@@ -1,15 +1,18 @@
 // The table core's memory policy: removal (backward-shift deletion, record
 // reuse) against a map oracle, eviction, ttl, admission and its sketch, and
 // 16-bit storage against exhaustive conversions.
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "native/core/half.h"
 #include "native/core/initializer.h"
 #include "native/core/routing.h"
+#include "native/core/shard.h"
 #include "native/core/sketch.h"
 #include "native/core/table.h"
 #include "tests/cpp/harness.h"
@@ -145,7 +148,7 @@ DLT_TEST(TestAShardOfFewBucketsSpreadsThemOverTheStripes) {
   // bucket order, so exports stay in (bucket, id) order and eviction quotas
   // split the rows 16 ways.
   TableConfig c = PolicyTable(2);
-  c.policy.max_rows = 1600;
+  c.policy.max_rows = 4800;
   Table t(c, 32, 48);
   uint32_t last = 0;
   bool increasing = true;
@@ -162,19 +165,46 @@ DLT_TEST(TestAShardOfFewBucketsSpreadsThemOverTheStripes) {
   }
   std::vector<float> grads(ids.size() * 2, 0.01f);
   EXPECT_OK(t.Push(ids.data(), grads.data(), ids.size(), 0.1f));
-  EXPECT(t.size() <= 1600 && t.size() >= 1500);
+  EXPECT(t.size() <= 4800 && t.size() >= 4500);
   Table::Exporter ex(&t);
-  std::vector<int64_t> out(4096);
-  std::vector<float> values(4096 * 2), slots(4096 * 2);
-  std::vector<uint32_t> steps(4096), buckets(4096);
+  std::vector<int64_t> out(8192);
+  std::vector<float> values(8192 * 2), slots(8192 * 2);
+  std::vector<uint32_t> steps(8192), buckets(8192);
   const RowBuffers rb{out.data(), values.data(), slots.data(), steps.data(), buckets.data()};
-  const size_t got = ex.Next(4096, rb);
+  const size_t got = ex.Next(8192, rb);
   bool sorted = got == t.size();
   for (size_t i = 1; i < got; ++i) {
     sorted = sorted &&
              (buckets[i - 1] < buckets[i] || (buckets[i - 1] == buckets[i] && out[i - 1] < out[i]));
   }
   EXPECT(sorted);
+}
+
+DLT_TEST(TestSweeperStartsAndStopsRepeatedly) {
+  // A sweeper started right after a stop runs on its own; the stopped one
+  // ends (a shared stop flag once revived it and hung the next join).
+  Shard shard(0, 1);
+  TableConfig c = PolicyTable(1);
+  c.policy.ttl = 1;
+  bool created = false;
+  EXPECT_OK(shard.CreateTable(c, &created));
+  std::shared_ptr<Table> t;
+  EXPECT_OK(shard.GetTable("p", &t));
+  const int64_t a = 1, b = 2;
+  const float g = 1.0f;
+  EXPECT_OK(t->Push(&a, &g, 1, 0.1f));
+  for (int i = 0; i < 20; ++i) {
+    shard.StartSweeper(1);
+    shard.StopSweeper();
+  }
+  EXPECT_OK(t->Push(&b, &g, 1, 0.1f));
+  EXPECT_OK(t->Push(&b, &g, 1, 0.1f));  // row 1 is now 2 pushes old
+  shard.StartSweeper(1);
+  for (int i = 0; i < 2000 && t->size() > 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT(t->size() == 1);
+  shard.StopSweeper();
 }
 
 DLT_TEST(TestFrequencyAdmissionCountsEachPushOnce) {

@@ -447,6 +447,9 @@ DLT_TEST(TestTableConfigEncodingRoundTrips) {
   bad = c;
   bad.policy.sketch_bytes = 1000;
   EXPECT(ValidateTableConfig(bad).code() == Code::kInvalidArgument);
+  bad = c;
+  bad.policy.max_rows = 4095;  // some stripe would get no row at all
+  EXPECT(ValidateTableConfig(bad).code() == Code::kInvalidArgument);
   InitializerKind ik;
   OptimizerKind ok;
   EXPECT(ParseInitializerKind("truncated_normal", &ik) && ik == InitializerKind::kTruncatedNormal);

@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import fsspec
@@ -71,13 +71,14 @@ class TableState:
 class TableRows:
     """The rows of one table to write: its config (the native dict form),
     its row layout, its chunks in (bucket, id) order, produced one at a time
-    so no second copy of the table is ever held, and its state."""
+    so no second copy of the table is ever held, and its state, read once
+    the last chunk was copied (so the clock is never older than a stamp)."""
 
     config: dict[str, Any]
     dim: int
     slot_floats: int
     chunks: Iterator[Chunk]
-    state: TableState = dataclasses.field(default_factory=TableState)
+    state: Callable[[], TableState] = TableState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +107,14 @@ def native_state(table: _native.Table, first_bucket: int, end_bucket: int) -> Ta
 
 def native_rows(table: _native.Table, layout: ShardLayout) -> TableRows:
     """A native table's rows, copied out a chunk at a time."""
-    # The clock is read first: a stamp is never newer than it.
-    state = native_state(table, layout.first_bucket, layout.end_bucket)
 
     def chunks() -> Iterator[Chunk]:
         exporter = table.exporter()
         while (chunk := exporter.next(chunk_rows(table.dim, table.slot_floats))) is not None:
             yield chunk
+
+    def state() -> TableState:
+        return native_state(table, layout.first_bucket, layout.end_bucket)
 
     return TableRows(table.config, table.dim, table.slot_floats, chunks(), state)
 
@@ -143,12 +145,6 @@ def _write_table(group: h5py.Group, rows: TableRows) -> int:
     steps = dataset("steps", np.uint32, None)
     touched = dataset("touched", np.uint32, None)
     slot_ds = dataset("slots", np.float32, slots) if slots else None
-    state = rows.state
-    group.attrs["clock"] = state.clock
-    if state.sketch is not None and state.added is not None:
-        group.create_dataset("sketch", data=state.sketch)
-        group.create_dataset("sketch_added", data=state.added)
-        group.attrs["sketch_first_bucket"] = state.first_bucket
     counts = np.zeros(NUM_BUCKETS, np.int64)
     n = 0
     for c_ids, c_values, c_slots, c_steps, c_buckets, c_touched in (
@@ -171,6 +167,14 @@ def _write_table(group: h5py.Group, rows: TableRows) -> int:
     offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     group.create_dataset("bucket_offsets", data=offsets)
+    # Read after the rows: rows pushed while they were copied carry stamps up
+    # to this clock, never beyond it.
+    state = rows.state()
+    group.attrs["clock"] = state.clock
+    if state.sketch is not None and state.added is not None:
+        group.create_dataset("sketch", data=state.sketch)
+        group.create_dataset("sketch_added", data=state.added)
+        group.attrs["sketch_first_bucket"] = state.first_bucket
     return n
 
 
@@ -304,7 +308,9 @@ def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> N
         if touched is not None:
             stamps = touched[a:b]
             if not seconds:  # the same age against clock 0 (modulo 2^32)
-                stamps = (stamps.astype(np.int64) - saved_clock) % (1 << 32)
+                age = (saved_clock - stamps.astype(np.int64)) % (1 << 32)
+                age[age >= 1 << 31] = 0  # newer than the clock (files of older builds)
+                stamps = (-age) % (1 << 32)
         table.import_rows(
             g["ids"][a:b],
             g["values"][a:b],

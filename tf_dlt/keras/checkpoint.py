@@ -13,6 +13,7 @@ write theirs (one shard), so either kind loads the other's checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -54,11 +55,7 @@ def save(model: keras.Model, path: str) -> dict[str, Any]:
         for layer in layers:
             config = layer.table_config.to_dict()
             slot_floats = _native.Table(config).slot_floats
-            # The clock is read first: a stamp is never newer than it.
-            clock, sketch, added = ops.table_state(layer.client, layer.table_name, layer.output_dim)
-            state = shard_files.TableState(
-                clock, sketch if len(added) else None, added.astype(np.uint32)
-            )
+            state = functools.partial(_embedded_state, layer)
             chunks = ops.export_chunks(
                 layer.client, layer.table_name, layer.output_dim,
                 shard_files.chunk_rows(layer.output_dim, slot_floats),
@@ -114,6 +111,15 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
         fs.get_file(f"{root}/{DENSE_FILE}", local)
         model.load_weights(local)
     return info
+
+
+def _embedded_state(layer: Any) -> shard_files.TableState:
+    """An embedded table's clock and sketch (all buckets), as a shard file
+    records them."""
+    clock, sketch, added = ops.table_state(layer.client, layer.table_name, layer.output_dim)
+    if not len(added):
+        return shard_files.TableState(clock)
+    return shard_files.TableState(clock, sketch, added.astype(np.uint32))
 
 
 def _load_embedded(tables: str, layers: list[Any]) -> None:
