@@ -198,5 +198,11 @@ def test_shard_memory_follows_admission_and_row_dtypes() -> None:
     expected = int(-(-2e9 * 0.25 / 4 * per_row * 1.5 // (1 << 20))) + 512
     assert k8s.shard_memory(half) == expected < k8s.shard_memory(base)
     assert "x 0.25 admitted" in k8s.render(half) and "bfloat16 values" in k8s.render(half)
+    # The admission sketch is spread over the shards: each requests its share.
+    sketched = k8s.JobSpec(**job, sketch_bytes=4 * 2**30)
+    assert k8s.shard_memory(sketched) - k8s.shard_memory(base) in (1536, 1537)  # 1 GiB x 1.5
+    assert "sketch / 4" in k8s.render(sketched)
     with pytest.raises(ValueError, match="admission_rate"):
         k8s.JobSpec(name="ctr", image="i", command=[], admission_rate=2.0)
+    with pytest.raises(ValueError, match="sketch_bytes"):
+        k8s.JobSpec(name="ctr", image="i", command=[], sketch_bytes=-1)

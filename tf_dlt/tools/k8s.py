@@ -44,9 +44,11 @@ _GI = 1 << 30
 
 
 def shard_memory(spec: JobSpec) -> int:
-    """Memory request of one shard in MiB: its share of the admitted rows."""
+    """Memory request of one shard in MiB: its share of the admitted rows and
+    of the admission sketch."""
     per_row = capacity.bytes_per_row(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
-    table = spec.rows * spec.admission_rate / spec.pservers * per_row * spec.headroom
+    rows = spec.rows * spec.admission_rate / spec.pservers * per_row
+    table = (rows + spec.sketch_bytes / spec.pservers) * spec.headroom
     return int(math.ceil(table / (1 << 20))) + BASE_MEMORY_MIB
 
 
@@ -65,6 +67,7 @@ class JobSpec:
     value_dtype: str = "float32"
     slot_dtype: str = "float32"
     admission_rate: float = 1.0
+    sketch_bytes: float = 0.0
     checkpoint: str = f"{CHECKPOINT_MOUNT}/run"
     namespace: str = "default"
     headroom: float = 1.5
@@ -97,6 +100,8 @@ class JobSpec:
             raise ValueError("dim must be >= 1, rows >= 0 and headroom >= 1")
         if not 0 < self.admission_rate <= 1:
             raise ValueError(f"admission_rate must be in (0, 1], got {self.admission_rate}")
+        if self.sketch_bytes < 0:
+            raise ValueError(f"sketch_bytes must be >= 0, got {self.sketch_bytes}")
         for dtype in (self.value_dtype, self.slot_dtype):
             if dtype not in capacity.DTYPE_BYTES:
                 raise ValueError(
@@ -380,8 +385,9 @@ def render(spec: JobSpec) -> str:
         f"# Shard memory: {spec.rows:.3g} ids x {spec.admission_rate:g} admitted / "
         f"{spec.pservers} shards x {per_row:.0f} B/row (dim {spec.dim}, {spec.optimizer}, "
         f"{spec.value_dtype} values, {spec.slot_dtype} slots: {raw} B header, values and slots "
-        f"+ {capacity.index_bytes_per_row():.1f} B measured index) x{spec.headroom} headroom "
-        f"+ {BASE_MEMORY_MIB} MiB = {memory} MiB per shard.",
+        f"+ {capacity.index_bytes_per_row():.1f} B measured index)"
+        + (f" + {spec.sketch_bytes:.3g} B sketch / {spec.pservers}" if spec.sketch_bytes else "")
+        + f" x{spec.headroom} headroom + {BASE_MEMORY_MIB} MiB = {memory} MiB per shard.",
         f"# Checkpoints: {spec.checkpoint}"
         + (" (shared ReadWriteMany volume)" if spec.on_volume else "")
         + "; shards save and load nowhere else.",
@@ -426,6 +432,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=1.0,
         help="fraction of ids that get a row (tables with admission)",
     )
+    a("--sketch-bytes", type=float, default=0.0, help="Frequency admission sketch memory")
     where = f"a path under {CHECKPOINT_MOUNT} on a shared volume"
     a(
         "--checkpoint",
@@ -455,7 +462,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             pservers=args.pservers, workers=args.workers, rows=args.rows, dim=args.dim,
             optimizer=args.optimizer, checkpoint=args.checkpoint, namespace=args.namespace,
             value_dtype=args.value_dtype, slot_dtype=args.slot_dtype,
-            admission_rate=args.admission_rate,
+            admission_rate=args.admission_rate, sketch_bytes=args.sketch_bytes,
             headroom=args.headroom, shard_cpu=args.shard_cpu, worker_cpu=args.worker_cpu,
             worker_memory=args.worker_memory, checkpoint_volume_size=args.checkpoint_volume_size,
             storage_class=args.storage_class, credentials_secret=args.credentials_secret,
