@@ -214,6 +214,12 @@ struct Table::Stripe {
     }
     index[hole] = IndexEntry{0, kEmpty};
   }
+
+  // Removes the rows of `keys` (present ones); by key, since each removal
+  // may shift other entries. Caller holds mu exclusively.
+  void EraseKeys(const std::vector<int64_t>& keys) {
+    for (int64_t key : keys) EraseSlot(FindSlot(Mix64(static_cast<uint64_t>(key)), key));
+  }
 };
 
 Table::Table(const TableConfig& config, uint32_t first_bucket, uint32_t end_bucket)
@@ -596,13 +602,10 @@ void Table::EvictFrom(Stripe* stripe, uint32_t now) {
     scored.emplace_back(lfu ? (uint64_t{h->step} << 32) | recency : recency, i);
   }
   std::nth_element(scored.begin(), scored.begin() + (want - 1), scored.end());
-  // Erase by key: each erase may shift other entries' slots.
   thread_local std::vector<int64_t> victims;
   victims.clear();
   for (size_t v = 0; v < want; ++v) victims.push_back(stripe->index[scored[v].second].key);
-  for (int64_t key : victims) {
-    stripe->EraseSlot(stripe->FindSlot(Mix64(static_cast<uint64_t>(key)), key));
-  }
+  stripe->EraseKeys(victims);
   rows_.fetch_sub(static_cast<int64_t>(want), std::memory_order_relaxed);
   evicted_.fetch_add(want, std::memory_order_relaxed);
 }
@@ -630,9 +633,7 @@ size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
         const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
         if (rare || stale) victims.push_back(e.key);
       }
-      for (int64_t key : victims) {
-        stripe.EraseSlot(stripe.FindSlot(Mix64(static_cast<uint64_t>(key)), key));
-      }
+      stripe.EraseKeys(victims);
       removed += victims.size();
     }
   }

@@ -77,6 +77,21 @@ def checkpoint_bytes_per_row(dim: int, optimizer: str) -> float:
     return float(f["checkpoint_bytes_per_row"]) * mine / measured
 
 
+def table_bytes(
+    rows: float,
+    dim: int,
+    optimizer: str,
+    value_dtype: str = "float32",
+    slot_dtype: str = "float32",
+    admission_rate: float = 1.0,
+    sketch_bytes: float = 0.0,
+) -> float:
+    """Memory of a table that sees `rows` distinct ids, of which
+    `admission_rate` get a row, with its admission sketch (all shards)."""
+    per_row = bytes_per_row(dim, optimizer, value_dtype, slot_dtype)
+    return rows * admission_rate * per_row + sketch_bytes
+
+
 @dataclass(frozen=True)
 class Plan:
     resident_rows: float
@@ -124,7 +139,7 @@ def plan(
     f = figures()
     per_row = bytes_per_row(dim, optimizer, value_dtype, slot_dtype)
     resident = rows * admission_rate
-    table = resident * per_row + sketch_bytes
+    table = table_bytes(rows, dim, optimizer, value_dtype, slot_dtype, admission_rate, sketch_bytes)
     memory_shards = math.ceil(table * headroom / (shard_memory_gib * 2**30))
     ids = math.ceil(trainers * batch * unique_fraction)
     # Per-shard rows/s were measured at dim f["dim"]: scale by payload size.

@@ -46,10 +46,11 @@ _GI = 1 << 30
 def shard_memory(spec: JobSpec) -> int:
     """Memory request of one shard in MiB: its share of the admitted rows and
     of the admission sketch."""
-    per_row = capacity.bytes_per_row(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
-    rows = spec.rows * spec.admission_rate / spec.pservers * per_row
-    table = (rows + spec.sketch_bytes / spec.pservers) * spec.headroom
-    return int(math.ceil(table / (1 << 20))) + BASE_MEMORY_MIB
+    table = capacity.table_bytes(
+        spec.rows, spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype,
+        spec.admission_rate, spec.sketch_bytes,
+    )  # fmt: skip
+    return int(math.ceil(table / spec.pservers * spec.headroom / (1 << 20))) + BASE_MEMORY_MIB
 
 
 @dataclass
