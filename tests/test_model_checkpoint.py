@@ -16,6 +16,7 @@ import pytest
 import tf_dlt
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
+from tf_dlt.checkpoint import manifest
 from tf_dlt.layers import Embedding
 
 from conftest import Cluster
@@ -91,6 +92,7 @@ MISMATCHED_LOAD = """
 import sys
 import keras, numpy as np, tf_dlt
 from tf_dlt import errors
+from tf_dlt.checkpoint import manifest
 inp = keras.Input((3,), dtype="int64")
 layer = tf_dlt.layers.Embedding(
     output_dim=4, is_distributed=True, optimizer="sgd", name=sys.argv[3])
@@ -124,3 +126,41 @@ def test_load_refuses_a_mismatched_table_and_changes_nothing(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr[-3000:]
     assert "refused: table 'ck_mismatch' differs from the checkpoint's" in out.stdout
     assert "optimizer" in out.stdout
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["embedded", "2shards"])
+def test_incremental_checkpoints_with_full_every_and_keep(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, remote: bool
+) -> None:
+    name = f"ck_delta_{int(remote)}"
+    model = _model(name)
+    addresses = start_cluster(2).addresses if remote else []
+    if remote:
+        model = tf_dlt.transpile(model, addresses)
+    x, y = _data()
+    run = tmp_path / "run"
+    callback = tf_dlt.ModelCheckpoint(str(run / "epoch-{epoch}"), full_every=3, keep=2)
+    model.fit(x, y, epochs=5, batch_size=16, verbose=0, callbacks=[callback])
+    assert callback.kinds == ["full", "delta", "delta", "full", "delta"]
+    # Keep 2 (epochs 4 and 5): epoch 5 is a delta on epoch 4, a full one.
+    assert [p.rsplit("-", 1)[-1] for p in callback.deleted] == ["1", "2", "3"]
+    assert sorted(p.name for p in run.iterdir()) == ["epoch-4", "epoch-5"]
+    expected = model.predict(x, verbose=0)
+    state = _state(model, name) if not remote else None
+    fresh = _model(name)
+    if remote:
+        fresh = tf_dlt.transpile(fresh, addresses)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+    tf_dlt.load(fresh, str(run / "epoch-5"))
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)
+    if state is not None:
+        for got, want in zip(_state(fresh, name), state, strict=True):
+            np.testing.assert_array_equal(got, want)  # values, Adam slots and steps
+    # A delta on top of the load holds only what training changes after it.
+    fresh.fit(x[:16], y[:16], epochs=1, batch_size=16, verbose=0)
+    info = tf_dlt.save(fresh, str(tmp_path / "after"), incremental=True)
+    tables = manifest.read_manifest(str(tmp_path / "after" / "tables"))
+    assert info["kind"] == "delta" and tables["chain_length"] == 3
+    assert 0 < tables["tables"][0]["rows"] <= 48
+    tf_dlt.load(model, str(tmp_path / "after"))
+    np.testing.assert_allclose(model.predict(x, verbose=0), fresh.predict(x, verbose=0), atol=1e-6)

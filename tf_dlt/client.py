@@ -234,21 +234,35 @@ class Client:
         request = dlt_pb2.ShrinkRequest(table=table, min_count=min_count, unseen_for=unseen_for)
         return sum(r.removed for r in self._on_all("Shrink", request, self._persist_timeout))
 
-    def save(self, path: str, *, progress: bool | None = None) -> dict[str, Any]:
+    def save(
+        self, path: str, *, base: str | None = None, progress: bool | None = None
+    ) -> dict[str, Any]:
         """Saves every shard into checkpoint directory `path` (a local path
         or an fsspec URL: file://, s3://, hdfs://, memory://) and commits it
         by writing the manifest last. Returns the manifest. `progress`: show
-        shards finishing on stderr (None: when stderr is a terminal)."""
+        shards finishing on stderr (None: when stderr is a terminal).
+
+        With `base` (a committed checkpoint in another directory: the last
+        one saved or loaded, typically) the save is a delta: each shard
+        writes only the rows changed since `base` (value, optimizer slots
+        and metadata of a row together) and the ids removed since. A table
+        a shard cannot tell the changes of (created since, the shard
+        restarted, or `base` is older than the last 4 saves it took) is
+        written in full; the manifest is then still a valid delta, or a full
+        checkpoint when every table was written in full. Loading `path`
+        reads the chain: the full base and every delta up to `path`.
+        """
         from tf_dlt.proto import dlt_pb2
 
+        parent: dict[str, Any] | None = None
+        if base is not None:
+            parent = self._delta_parent(path, base)
         save_id = manifest.new_save_id()
+        request = dlt_pb2.SaveRequest(
+            path=path, save_id=save_id, base_save_id=parent["save_id"] if parent else ""
+        )
         with Progress(f"saving {path}", len(self.pservers), "shards", enabled=progress) as bar:
-            replies = self._on_all(
-                "Save",
-                dlt_pb2.SaveRequest(path=path, save_id=save_id),
-                self._persist_timeout,
-                bar,
-            )
+            replies = self._on_all("Save", request, self._persist_timeout, bar)
         parts = []
         for r in replies:
             part = json_format.MessageToDict(
@@ -256,11 +270,32 @@ class Client:
             )
             part["bytes"] = int(part["bytes"])
             part["tables"] = [
-                {"config": TableConfig.from_proto(t.config).to_dict(), "rows": t.rows}
+                {
+                    "config": TableConfig.from_proto(t.config).to_dict(),
+                    "rows": t.rows,
+                    "mode": t.mode or "full",
+                    "removed": t.removed,
+                }
                 for t in r.tables
             ]
             parts.append(part)
-        return manifest.write_manifest(path, parts, save_id)
+        return manifest.write_manifest(path, parts, save_id, parent)
+
+    @staticmethod
+    def _delta_parent(path: str, base: str) -> dict[str, Any]:
+        """The parent record of a delta at `path` on top of `base`."""
+        fs, root = manifest.filesystem(path)
+        base_fs, base_root = manifest.filesystem(base)
+        if type(fs) is type(base_fs) and root == base_root:
+            raise errors.InvalidArgumentError(
+                f"a delta needs a directory of its own: {path!r} is its base"
+            )
+        base_manifest = manifest.read_manifest(base)
+        return {
+            "path": base,
+            "save_id": base_manifest["save_id"],
+            "chain_length": base_manifest.get("chain_length", 1),
+        }
 
     def load(self, path: str, *, progress: bool | None = None) -> dict[str, dict[str, Any]]:
         """Loads checkpoint `path` onto every shard (any shard count at save
@@ -274,7 +309,7 @@ class Client:
         fails on some shard is rolled back on the others (ROLLBACK), and the
         error says which shards hold what.
         """
-        manifest.read_manifest(path)  # fail fast, before any shard starts
+        manifest.resolve_chain(path)  # fail fast, before any shard starts
         load_id = secrets.token_hex(8)
         self._prepare_load(path, load_id, progress)
         return self._commit_load(path, load_id)

@@ -211,25 +211,66 @@ def export_table(
     return out.ids, out.values, out.slots, out.steps
 
 
+class ExportPass:
+    """One pass over the rows of an embedded table in (bucket, id) order,
+    `max_rows` at a time, as NumPy (ids, values, slots, steps, buckets,
+    touched stamps): what a checkpoint file holds, without a second copy of
+    the table. One pass per table at a time in a client.
+
+    With a `save_id`, the pass is that save of the table on top of save
+    `base`: when the table tracks `base`, only the rows changed since are
+    yielded, and once the pass is complete `base_clock` is the table's clock
+    at the base (None: every row was yielded) and `removed` the ids removed
+    since, in (bucket, id) order.
+    """
+
+    def __init__(
+        self,
+        client: ClientResource,
+        table: str,
+        dim: int,
+        max_rows: int = 65536,
+        save_id: str = "",
+        base: str = "",
+    ) -> None:
+        self._args = dict(
+            client=client.resource_handle, table=table, dim=dim, max_rows=max_rows,
+            save_id=save_id, base=base,
+        )  # fmt: skip
+        self.base_clock: int | None = None
+        self.removed = np.zeros(0, np.int64)
+
+    def __iter__(
+        self,
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        start = True
+        while True:
+            out = load_library().dlt_export_chunk(start=start, **self._args)
+            start = False
+            if int(tf.size(out.base_clock)):
+                self.base_clock = int(out.base_clock[0])
+            if int(tf.size(out.ids)) == 0:
+                self.removed = out.removed.numpy()
+                return
+            yield (
+                out.ids.numpy(), out.values.numpy(), out.slots.numpy(), out.steps.numpy(),
+                out.buckets.numpy(), out.touched.numpy(),
+            )  # fmt: skip
+
+
 def export_chunks(
     client: ClientResource, table: str, dim: int, max_rows: int = 65536
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """The rows of an embedded table in (bucket, id) order, `max_rows` at a
-    time, as NumPy (ids, values, slots, steps, buckets, touched stamps): what
-    a checkpoint file holds, without a second copy of the table. One pass per
-    table at a time in a client."""
-    start = True
-    while True:
-        out = load_library().dlt_export_chunk(
-            client=client.resource_handle, start=start, table=table, dim=dim, max_rows=max_rows
-        )
-        start = False
-        if int(tf.size(out.ids)) == 0:
-            return
-        yield (
-            out.ids.numpy(), out.values.numpy(), out.slots.numpy(), out.steps.numpy(),
-            out.buckets.numpy(), out.touched.numpy(),
-        )  # fmt: skip
+) -> ExportPass:
+    """The rows of an embedded table, `max_rows` at a time (`ExportPass`)."""
+    return ExportPass(client, table, dim, max_rows)
+
+
+def mark_table_loaded(client: ClientResource, table: str, dim: int, save_id: str) -> None:
+    """An embedded table now holds checkpoint `save_id` exactly: a delta on
+    top of it holds only what changes after this call."""
+    load_library().dlt_mark_table_loaded(
+        client=client.resource_handle, table=table, dim=dim, save_id=save_id
+    )
 
 
 def import_table(

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 
 #include "native/core/finite.h"
 #include "native/core/half.h"
@@ -52,7 +53,19 @@ struct __attribute__((packed)) IndexEntry {
 };
 static_assert(sizeof(IndexEntry) == 12, "index entry layout");
 
+// An id removed while a save is tracked, with the generation then.
+struct __attribute__((packed)) Removal {
+  int64_t key;
+  uint32_t generation;
+};
+static_assert(sizeof(Removal) == 12, "removal log entry layout");
+
 inline size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+// A stripe's removal log may hold this many entries plus a quarter of its
+// rows; past that the table stops tracking (its next delta is written in
+// full) rather than grow without bound.
+constexpr size_t kLogSlack = 4096;
 
 // Allocator of the index: blocks of 2 MiB and more come from mmap with
 // MADV_HUGEPAGE, so a probe of a large index misses the TLB far less (with
@@ -106,7 +119,10 @@ struct Table::Stripe {
   std::vector<uint32_t> free_records;
   char* chunks[kMaxChunks] = {};
   size_t chunk_bytes[kMaxChunks] = {};
+  // Per record: the generation of its last write (change tracking).
+  std::unique_ptr<uint16_t[]> generations[kMaxChunks];
   uint32_t num_chunks = 0;
+  std::vector<Removal> removed;  // ids removed while a save is tracked
 
   ~Stripe() {
     for (uint32_t k = 0; k < num_chunks; ++k) munmap(chunks[k], chunk_bytes[k]);
@@ -123,6 +139,17 @@ struct Table::Stripe {
     uint32_t offset;
     const uint32_t k = ChunkOf(record, &offset);
     return chunks[k] + static_cast<size_t>(offset) * record_bytes;
+  }
+
+  uint16_t& Generation(uint32_t record) {
+    uint32_t offset;
+    const uint32_t k = ChunkOf(record, &offset);
+    return generations[k][offset];
+  }
+  uint16_t Generation(uint32_t record) const {
+    uint32_t offset;
+    const uint32_t k = ChunkOf(record, &offset);
+    return generations[k][offset];
   }
 
   size_t Home(uint64_t hash) const { return (hash >> 12) & (index.size() - 1); }
@@ -148,8 +175,10 @@ struct Table::Stripe {
     return i == kEmpty ? kEmpty : index[i].record;
   }
 
-  void Grow() {
-    const size_t capacity = index.empty() ? 16 : index.size() * 2;
+  void Grow() { GrowTo(index.empty() ? 16 : index.size() * 2); }
+
+  // Rehashes into `capacity` (a power of two) slots.
+  void GrowTo(size_t capacity) {
     Index next(capacity, IndexEntry{0, kEmpty});
     const size_t mask = capacity - 1;
     for (const IndexEntry& e : index) {
@@ -173,17 +202,7 @@ struct Table::Stripe {
       if (num_records >= kEmpty - 1) return kEmpty;  // record numbers are 32-bit
       uint32_t offset;
       const uint32_t k = ChunkOf(num_records, &offset);
-      if (k >= num_chunks) {
-        if (k >= kMaxChunks) return kEmpty;
-        const size_t bytes = RoundUp((size_t{1} << (k + kBaseRecordsLog2)) * record_bytes, 4096);
-        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) return kEmpty;
-        if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
-        chunks[k] = static_cast<char*>(p);
-        chunk_bytes[k] = bytes;
-        num_chunks = k + 1;
-      }
+      if (k >= num_chunks && !AddChunk(record_bytes)) return kEmpty;
       rec = num_records++;
     }
     const size_t mask = index.size() - 1;
@@ -192,6 +211,28 @@ struct Table::Stripe {
     index[i] = IndexEntry{key, rec};
     ++live;
     return rec;
+  }
+
+  // Maps the next arena chunk (and its generations); false when out of
+  // chunks or memory.
+  bool AddChunk(size_t record_bytes) {
+    const uint32_t k = num_chunks;
+    if (k >= kMaxChunks) return false;
+    const size_t records = size_t{1} << (k + kBaseRecordsLog2);
+    const size_t bytes = RoundUp(records * record_bytes, 4096);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
+    generations[k].reset(new (std::nothrow) uint16_t[records]);
+    if (!generations[k]) {
+      munmap(p, bytes);
+      return false;
+    }
+    chunks[k] = static_cast<char*>(p);
+    chunk_bytes[k] = bytes;
+    num_chunks = k + 1;
+    return true;
   }
 
   // Removes the entry at index slot `i` (backward-shift deletion, so the
@@ -215,10 +256,19 @@ struct Table::Stripe {
     index[hole] = IndexEntry{0, kEmpty};
   }
 
-  // Removes the rows of `keys` (present ones); by key, since each removal
-  // may shift other entries. Caller holds mu exclusively.
-  void EraseKeys(const std::vector<int64_t>& keys) {
-    for (int64_t key : keys) EraseSlot(FindSlot(Mix64(static_cast<uint64_t>(key)), key));
+  // Removes the rows of `keys` that are present, by key, since each
+  // removal may shift other entries; logs them with `generation` when
+  // `log`. Returns how many were removed. Caller holds mu exclusively.
+  size_t EraseKeys(const std::vector<int64_t>& keys, bool log, uint32_t generation) {
+    size_t erased = 0;
+    for (int64_t key : keys) {
+      const size_t slot = FindSlot(Mix64(static_cast<uint64_t>(key)), key);
+      if (slot == kEmpty) continue;
+      EraseSlot(slot);
+      ++erased;
+      if (log) removed.push_back(Removal{key, generation});
+    }
+    return erased;
   }
 };
 
@@ -352,6 +402,7 @@ uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
   auto* header = reinterpret_cast<RowHeader*>(r);
   header->step = 0;
   header->touched = Now();
+  stripe->Generation(rec) = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
   if (wide_) {
     float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
     InitializeRow(config_.initializer, config_.seed, id, config_.dim, values);
@@ -548,6 +599,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
     }
     const size_t touched_bytes = record_bytes_;
+    const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
     if (!wide_) {
       values.resize(dim);
       slots.resize(slot_floats_);
@@ -567,6 +619,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       char* r = stripe.Record(recs[k], record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
       header->touched = now;
+      stripe.Generation(recs[k]) = generation;
       const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
       if (wide_) {
         float* v = reinterpret_cast<float*>(r + sizeof(RowHeader));
@@ -605,9 +658,7 @@ void Table::EvictFrom(Stripe* stripe, uint32_t now) {
   thread_local std::vector<int64_t> victims;
   victims.clear();
   for (size_t v = 0; v < want; ++v) victims.push_back(stripe->index[scored[v].second].key);
-  stripe->EraseKeys(victims);
-  rows_.fetch_sub(static_cast<int64_t>(want), std::memory_order_relaxed);
-  evicted_.fetch_add(want, std::memory_order_relaxed);
+  evicted_.fetch_add(EraseFrom(stripe, victims), std::memory_order_relaxed);
 }
 
 size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
@@ -633,11 +684,9 @@ size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
         const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
         if (rare || stale) victims.push_back(e.key);
       }
-      stripe.EraseKeys(victims);
-      removed += victims.size();
+      removed += EraseFrom(&stripe, victims);
     }
   }
-  rows_.fetch_sub(static_cast<int64_t>(removed), std::memory_order_relaxed);
   counter->fetch_add(removed, std::memory_order_relaxed);
   return removed;
 }
@@ -687,6 +736,7 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
     Stripe& stripe = stripes_[s];
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     bool inserted = false;
+    const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
     for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
@@ -703,6 +753,7 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       auto* header = reinterpret_cast<RowHeader*>(r);
       header->step = steps ? steps[pos] : 0;
       header->touched = touched ? touched[pos] : now;
+      stripe.Generation(rec) = generation;
       const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
       WriteRow(r, ids[pos], header->step, values + size_t{pos} * dim, row_slots,
                /*stochastic=*/false);
@@ -721,9 +772,10 @@ size_t Table::bytes() const {
   size_t total = sketch_ ? sketch_->bytes() : 0;
   for (uint32_t s = 0; s < kStripes; ++s) {
     std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-    total += size_t{stripes_[s].num_records} * record_bytes_ +
+    total += size_t{stripes_[s].num_records} * (record_bytes_ + sizeof(uint16_t)) +
              stripes_[s].index.size() * sizeof(IndexEntry) +
-             stripes_[s].free_records.capacity() * sizeof(uint32_t);
+             stripes_[s].free_records.capacity() * sizeof(uint32_t) +
+             stripes_[s].removed.capacity() * sizeof(Removal);
   }
   return total;
 }
@@ -760,6 +812,152 @@ uint32_t Table::SketchEstimate(int64_t id) const {
   return sketch_->Estimate(hash);
 }
 
+size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
+  const bool log = logging_.load(std::memory_order_relaxed);
+  const size_t erased = stripe->EraseKeys(keys, log, generation_.load(std::memory_order_relaxed));
+  rows_.fetch_sub(static_cast<int64_t>(erased), std::memory_order_relaxed);
+  if (log && stripe->removed.size() > kLogSlack + stripe->live / 4) {
+    // Tracking this many removals would cost more than a full write of the
+    // table: stop, and let the next save write the table in full.
+    log_overflow_.store(true, std::memory_order_relaxed);
+    logging_.store(false, std::memory_order_relaxed);
+  }
+  return erased;
+}
+
+bool Table::ChangedSince(uint16_t row_generation, uint32_t since) const {
+  const uint32_t window = generation_.load(std::memory_order_relaxed) - since;
+  // A window of 2^16 generations or more cannot be told apart in 16 bits:
+  // every row counts as changed.
+  if (window >= 0xffffu) return true;
+  const auto delta = static_cast<uint16_t>(row_generation - static_cast<uint16_t>(since));
+  return delta != 0 && delta <= window;
+}
+
+SaveStart Table::BeginSave(const std::string& save_id, const std::string& base_id) {
+  std::lock_guard<std::mutex> lock(saves_mu_);
+  SaveStart start;
+  if (log_overflow_.exchange(false)) {
+    saves_.clear();  // the removals since any tracked save are incomplete
+  }
+  for (const SaveMark& mark : saves_) {
+    if (!base_id.empty() && mark.id == base_id) {
+      start.tracked = true;
+      start.since = mark.generation;
+      start.base_clock = mark.clock;
+    }
+  }
+  // Changes from now on carry a newer generation than this save's mark.
+  const uint32_t generation = generation_.fetch_add(1);
+  saves_.push_back(SaveMark{save_id, generation, Now()});
+  if (saves_.size() > kTrackedSaves) saves_.erase(saves_.begin());
+  // Removals at or before the oldest generation still needed are dropped.
+  uint32_t keep_after = saves_.front().generation;
+  if (start.tracked) keep_after = std::min(keep_after, start.since);
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    Stripe& stripe = stripes_[s];
+    std::unique_lock<std::shared_mutex> stripe_lock(stripe.mu);
+    auto& log = stripe.removed;
+    log.erase(std::remove_if(log.begin(), log.end(),
+                             [&](const Removal& r) { return r.generation <= keep_after; }),
+              log.end());
+    if (log.capacity() > 2 * log.size() + 1024) log.shrink_to_fit();
+  }
+  logging_.store(true, std::memory_order_relaxed);
+  return start;
+}
+
+void Table::MarkLoaded(const std::string& save_id) {
+  std::lock_guard<std::mutex> lock(saves_mu_);
+  const uint32_t generation = generation_.fetch_add(1);
+  saves_.assign(1, SaveMark{save_id, generation, Now()});
+  log_overflow_.store(false);
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::unique_lock<std::shared_mutex> stripe_lock(stripes_[s].mu);
+    stripes_[s].removed.clear();
+    stripes_[s].removed.shrink_to_fit();
+  }
+  logging_.store(true, std::memory_order_relaxed);
+}
+
+std::vector<int64_t> Table::RemovedSince(uint32_t since) const {
+  std::vector<std::pair<uint32_t, int64_t>> found;  // (bucket, id)
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    for (const Removal& r : stripes_[s].removed) {
+      if (r.generation > since) found.emplace_back(BucketOf(r.key), r.key);
+    }
+  }
+  std::sort(found.begin(), found.end());
+  found.erase(std::unique(found.begin(), found.end()), found.end());
+  std::vector<int64_t> ids(found.size());
+  for (size_t i = 0; i < found.size(); ++i) ids[i] = found[i].second;
+  return ids;
+}
+
+size_t Table::Erase(const int64_t* ids, size_t n) {
+  thread_local std::vector<uint64_t> hashes;
+  thread_local std::vector<uint32_t> order, starts;
+  GroupByStripe(ids, n, &hashes, &order, &starts);
+  std::vector<int64_t> keys;
+  size_t erased = 0;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    if (starts[s] == starts[s + 1]) continue;
+    keys.clear();
+    for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) keys.push_back(ids[order[k]]);
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    erased += EraseFrom(&stripes_[s], keys);
+  }
+  return erased;
+}
+
+size_t Table::EraseBuckets(uint32_t first, uint32_t end) {
+  if (first >= end || end > kNumBuckets) return 0;
+  size_t erased = 0;
+  std::vector<int64_t> keys;
+  // Stripes hold contiguous bucket ranges, in order.
+  for (uint32_t s = stripe_of_bucket_[first]; s <= stripe_of_bucket_[end - 1]; ++s) {
+    Stripe& stripe = stripes_[s];
+    std::unique_lock<std::shared_mutex> lock(stripe.mu);
+    keys.clear();
+    for (const IndexEntry& e : stripe.index) {
+      if (e.record == kEmpty) continue;
+      const uint32_t bucket = BucketOf(e.key);
+      if (bucket >= first && bucket < end) keys.push_back(e.key);
+    }
+    erased += EraseFrom(&stripe, keys);
+  }
+  return erased;
+}
+
+void Table::Reserve(size_t rows, uint32_t threads) {
+  const size_t per_stripe = rows / kStripes + rows / (kStripes * 16) + 64;
+  std::atomic<uint32_t> next{0};
+  auto work = [&]() {
+    for (uint32_t s; (s = next.fetch_add(1)) < kStripes;) {
+      Stripe& stripe = stripes_[s];
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      size_t capacity = std::max<size_t>(16, stripe.index.size());
+      while (IndexMustGrow(per_stripe, capacity)) capacity *= 2;
+      if (capacity > stripe.index.size()) stripe.GrowTo(capacity);  // writes every slot
+      const uint32_t first_new = stripe.num_chunks;
+      while (stripe.num_chunks < kMaxChunks &&
+             (size_t{1} << (stripe.num_chunks + kBaseRecordsLog2)) - (1u << kBaseRecordsLog2) <
+                 per_stripe) {
+        if (!stripe.AddChunk(record_bytes_)) break;
+      }
+      // Fault the new chunks in now, a page at a time.
+      for (uint32_t k = first_new; k < stripe.num_chunks; ++k) {
+        for (size_t b = 0; b < stripe.chunk_bytes[k]; b += 4096) stripe.chunks[k][b] = 0;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (uint32_t t = 1; t < std::max<uint32_t>(1, threads); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
 size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
   const uint32_t dim = table_->config_.dim;
   const uint32_t slot_floats = table_->slot_floats_;
@@ -773,7 +971,9 @@ size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
       order_.reserve(stripe.live);
       removals_ = stripe.removals;
       for (const IndexEntry& e : stripe.index) {
-        if (e.record != kEmpty) order_.push_back(Entry{BucketOf(e.key), e.record, e.key});
+        if (e.record == kEmpty) continue;
+        if (changed_only_ && !table_->ChangedSince(stripe.Generation(e.record), since_)) continue;
+        order_.push_back(Entry{BucketOf(e.key), e.record, e.key});
       }
       lock.unlock();
       std::sort(order_.begin(), order_.end(), [](const Entry& a, const Entry& b) {

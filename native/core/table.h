@@ -10,7 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <vector>
 
 #include "native/core/routing.h"
@@ -45,6 +47,13 @@ struct RowBuffers {
   uint32_t* steps = nullptr;    // [n]
   uint32_t* buckets = nullptr;  // [n] routing bucket of each id
   uint32_t* touched = nullptr;  // [n] last-touched stamps; may be null
+};
+
+// Where a save stands in a table's change tracking (Table::BeginSave).
+struct SaveStart {
+  bool tracked = false;     // the base is a save or load this table tracks
+  uint32_t since = 0;       // its generation: rows changed after it are new
+  uint32_t base_clock = 0;  // the table's clock at the base
 };
 
 // What the table's memory policy did since it was created.
@@ -103,6 +112,31 @@ class Table {
   // Removes the rows whose ttl has passed at `now`; 0 without a ttl.
   size_t Expire(uint32_t now);
 
+  // Delta checkpoints (docs/checkpoints.md). Every row a pull, push,
+  // assign or import writes is stamped with the table's current generation
+  // (16 bits per row, beside the arena); while the table tracks a save,
+  // removed ids are logged with theirs. A save starts a new generation.
+  //
+  // Starts save `save_id` on top of `base_id` ("": a full save). The result
+  // says whether the base is tracked: then the rows changed since it are
+  // those an Exporter made with `since` yields, and RemovedSince names the
+  // ids removed since. The last kTrackedSaves saves and loads are tracked.
+  SaveStart BeginSave(const std::string& save_id, const std::string& base_id);
+  // The table holds checkpoint `save_id` exactly (after a load): tracking
+  // restarts from it, and the rows written so far count as unchanged.
+  void MarkLoaded(const std::string& save_id);
+  // Ids removed after generation `since`, sorted by (bucket, id), unique.
+  std::vector<int64_t> RemovedSince(uint32_t since) const;
+  // Removes the rows of `ids` that are present; returns how many.
+  size_t Erase(const int64_t* ids, size_t n);
+  // Removes every row of buckets [first, end); returns how many.
+  size_t EraseBuckets(uint32_t first, uint32_t end);
+  // Sizes the index and arena of every stripe for `rows` rows spread evenly
+  // over this table's buckets, and touches the new memory now, with
+  // `threads` threads (a load fills the table at memory speed after it).
+  void Reserve(size_t rows, uint32_t threads);
+  static constexpr size_t kTrackedSaves = 4;
+
   // The table's clock (ClockKind): pushes this table has taken, or
   // seconds since the Unix epoch; 32 bits, compared modulo 2^32.
   uint32_t Now() const;
@@ -133,14 +167,18 @@ class Table {
   // Iterates the rows present when each stripe is reached, sorted by
   // (bucket, id). Rows are copied in chunks, holding each stripe's lock only
   // while a chunk is copied; concurrent pushes may land between chunks.
+  // With `since` (a SaveStart's), only the rows changed after it.
   class Exporter {
    public:
     explicit Exporter(Table* table) : table_(table) {}
+    Exporter(Table* table, uint32_t since) : table_(table), changed_only_(true), since_(since) {}
     // Copies up to `max_rows` rows; returns how many (0 at the end).
     size_t Next(size_t max_rows, const RowBuffers& out);
 
    private:
     Table* table_;
+    bool changed_only_ = false;
+    uint32_t since_ = 0;
     uint32_t stripe_ = 0;
     bool loaded_ = false;
     size_t pos_ = 0;
@@ -173,6 +211,12 @@ class Table {
   void ReadSlots(const char* record, float* out) const;
   void WriteRow(char* record, int64_t id, uint32_t step, const float* values, const float* slots,
                 bool stochastic);
+  // Removes the rows of `keys` (present ones) from `stripe`, logging them
+  // while a save is tracked; returns how many. Caller holds the lock
+  // exclusively.
+  size_t EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys);
+  // Whether a row stamped `row_generation` changed after `since`.
+  bool ChangedSince(uint16_t row_generation, uint32_t since) const;
 
   uint32_t StripeOf(uint64_t hash) const { return stripe_of_bucket_[BucketOfHash(hash)]; }
   // Returns the record of `id`, creating it with its initial value and fresh
@@ -199,6 +243,18 @@ class Table {
   uint8_t stripe_of_bucket_[kNumBuckets];
   std::unique_ptr<FrequencySketch> sketch_;  // Frequency admission only
   std::atomic<uint64_t> pushes_{0};
+  // Change tracking: the generation rows are stamped with now, and the
+  // saves (or the load) tracked, newest last.
+  std::atomic<uint32_t> generation_{1};
+  struct SaveMark {
+    std::string id;
+    uint32_t generation;
+    uint32_t clock;
+  };
+  mutable std::mutex saves_mu_;
+  std::vector<SaveMark> saves_;            // guarded by saves_mu_
+  std::atomic<bool> logging_{false};       // removals are logged
+  std::atomic<bool> log_overflow_{false};  // a stripe's log outgrew its cap
   std::atomic<int64_t> rows_{0};
   std::atomic<uint64_t> admitted_{0}, refused_{0}, expired_{0}, evicted_{0}, shrunk_{0};
 };

@@ -58,7 +58,8 @@ class Tcp : public Transport {
         "tables of shard servers are dropped through their control plane "
         "(tf_dlt.Client.drop_table), not by Dlt>DropTable");
   }
-  Status OpenExport(const std::string&, uint32_t, std::unique_ptr<TableExport>*) override {
+  Status OpenExport(const std::string&, uint32_t, const std::string&, const std::string&,
+                    std::unique_ptr<TableExport>*) override {
     return FailedPrecondition(
         "rows on shard servers are exported with tf_dlt.Client.save, not Dlt>ExportTable");
   }
@@ -71,6 +72,9 @@ class Tcp : public Transport {
     return FailedPrecondition("a table on shard servers is saved with tf_dlt.Client.save");
   }
   Status SetState(const std::string&, uint32_t, const TableStateData&) override {
+    return FailedPrecondition("a table on shard servers is loaded with tf_dlt.Client.load");
+  }
+  Status MarkLoaded(const std::string&, uint32_t, const std::string&) override {
     return FailedPrecondition("a table on shard servers is loaded with tf_dlt.Client.load");
   }
 
@@ -113,11 +117,17 @@ class Embedded : public Transport {
   Status DropTable(const std::string& table) override {
     return shard_.DropTable(table).WithContext(Where(table, "Drop"));
   }
-  Status OpenExport(const std::string& table, uint32_t dim,
-                    std::unique_ptr<TableExport>* out) override {
+  Status OpenExport(const std::string& table, uint32_t dim, const std::string& save_id,
+                    const std::string& base, std::unique_ptr<TableExport>* out) override {
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Export", &t));
-    *out = std::make_unique<TableExport>(std::move(t));
+    *out = std::make_unique<TableExport>(std::move(t), save_id, base);
+    return OkStatus();
+  }
+  Status MarkLoaded(const std::string& table, uint32_t dim, const std::string& save_id) override {
+    std::shared_ptr<Table> t;
+    DLT_RETURN_IF_ERROR(Find(table, dim, "MarkLoaded", &t));
+    t->MarkLoaded(save_id);
     return OkStatus();
   }
   Status Import(const std::string& table, uint32_t dim, const int64_t* ids, const float* values,

@@ -18,10 +18,24 @@
 namespace dlt {
 
 // Rows of one table copied out in (bucket, id) order, a chunk at a time.
+// With a `save_id`, the export is that save of the table (Table::BeginSave):
+// with a tracked `base`, only the rows changed since it, and Removed() the
+// ids removed since.
 class TableExport {
  public:
-  TableExport(std::shared_ptr<Table> table) : table_(std::move(table)), exporter_(table_.get()) {}
+  explicit TableExport(std::shared_ptr<Table> table, const std::string& save_id = "",
+                       const std::string& base = "")
+      : table_(std::move(table)),
+        start_(save_id.empty() ? SaveStart{} : table_->BeginSave(save_id, base)),
+        exporter_(start_.tracked ? Table::Exporter(table_.get(), start_.since)
+                                 : Table::Exporter(table_.get())) {}
   uint32_t dim() const { return table_->dim(); }
+  // Whether only changed rows are exported, and the table's clock at the base.
+  bool delta() const { return start_.tracked; }
+  uint32_t base_clock() const { return start_.base_clock; }
+  std::vector<int64_t> Removed() const {
+    return start_.tracked ? table_->RemovedSince(start_.since) : std::vector<int64_t>{};
+  }
   uint32_t slot_floats() const { return table_->slot_floats(); }
   // Appends up to `max_rows` rows to the vectors; returns how many (0: done).
   size_t Next(size_t max_rows, std::vector<int64_t>* ids, std::vector<float>* values,
@@ -30,6 +44,7 @@ class TableExport {
 
  private:
   std::shared_ptr<Table> table_;
+  SaveStart start_;
   Table::Exporter exporter_;
 };
 
@@ -60,8 +75,10 @@ class Transport {
   // Embedded only (shard servers do these through their control plane).
   virtual Status CreateTable(const TableConfig& config) = 0;
   virtual Status DropTable(const std::string& table) = 0;
-  virtual Status OpenExport(const std::string& table, uint32_t dim,
-                            std::unique_ptr<TableExport>* out) = 0;
+  // An export of `table`; with a `save_id`, that save on top of `base`
+  // (TableExport).
+  virtual Status OpenExport(const std::string& table, uint32_t dim, const std::string& save_id,
+                            const std::string& base, std::unique_ptr<TableExport>* out) = 0;
   // Inserts or overwrites rows with their optimizer slots (`slot_floats`
   // per row; 0: fresh slots), update counts and last-touched stamps (null:
   // now).
@@ -72,6 +89,8 @@ class Transport {
   // (the sketch slices `state` holds; the push clock).
   virtual Status GetState(const std::string& table, uint32_t dim, TableStateData* state) = 0;
   virtual Status SetState(const std::string& table, uint32_t dim, const TableStateData& state) = 0;
+  // The table holds checkpoint `save_id` exactly (Table::MarkLoaded).
+  virtual Status MarkLoaded(const std::string& table, uint32_t dim, const std::string& save_id) = 0;
 };
 
 // Shard servers at `addresses` (shard-index order).

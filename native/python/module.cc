@@ -168,8 +168,10 @@ FloatArray PullTable(Table& t, const IdArray& ids, int mode) {
 
 class PyExporter {
  public:
-  explicit PyExporter(std::shared_ptr<Table> table)
-      : table_(std::move(table)), exporter_(table_.get()) {}
+  PyExporter(std::shared_ptr<Table> table, const py::object& since)
+      : table_(std::move(table)),
+        exporter_(since.is_none() ? Table::Exporter(table_.get())
+                                  : Table::Exporter(table_.get(), since.cast<uint32_t>())) {}
 
   py::object Next(size_t max_rows) {
     const size_t dim = table_->dim(), slots = table_->slot_floats();
@@ -402,8 +404,40 @@ PYBIND11_MODULE(_native, m) {
              }
              return out;
            })
-      .def("exporter",
-           [](std::shared_ptr<Table> t) { return std::make_unique<PyExporter>(std::move(t)); });
+      .def(
+          "exporter",
+          [](std::shared_ptr<Table> t, const py::object& since) {
+            return std::make_unique<PyExporter>(std::move(t), since);
+          },
+          py::arg("since") = py::none())
+      .def("begin_save",
+           [](Table& t, const std::string& save_id, const std::string& base) {
+             py::gil_scoped_release release;
+             const SaveStart s = t.BeginSave(save_id, base);
+             py::gil_scoped_acquire acquire;
+             return py::make_tuple(s.tracked, s.since, s.base_clock);
+           })
+      .def("mark_loaded", &Table::MarkLoaded, py::call_guard<py::gil_scoped_release>())
+      .def("removed_since",
+           [](const Table& t, uint32_t since) {
+             std::vector<int64_t> ids;
+             {
+               py::gil_scoped_release release;
+               ids = t.RemovedSince(since);
+             }
+             IdArray out(ids.size());
+             std::copy(ids.begin(), ids.end(), out.mutable_data());
+             return out;
+           })
+      .def("erase",
+           [](Table& t, const IdArray& ids) {
+             CheckIds(ids);
+             py::gil_scoped_release release;
+             return t.Erase(ids.data(), static_cast<size_t>(ids.shape(0)));
+           })
+      .def("erase_buckets", &Table::EraseBuckets, py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &Table::Reserve, py::arg("rows"), py::arg("threads") = 1,
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<PyExporter>(m, "Exporter").def("next", &PyExporter::Next);
 

@@ -1,11 +1,13 @@
 // The table core's memory policy: removal (backward-shift deletion, record
 // reuse) against a map oracle, eviction, ttl, admission and its sketch, and
 // 16-bit storage against exhaustive conversions.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -302,6 +304,94 @@ DLT_TEST(Test16BitRoundingMatchesExhaustiveConversions) {
   StoreValues(&x, static_cast<uint64_t>(StorageDtype::kFloat16), true, 41, 1, out.data());
   StoreValues(&x, static_cast<uint64_t>(StorageDtype::kFloat16), true, 41, 1, &again);
   EXPECT(out[0] == again);
+}
+
+// Ids of the rows an export yields, with `since` when given.
+std::vector<int64_t> Exported(Table* t, const SaveStart* start) {
+  Table::Exporter ex = start ? Table::Exporter(t, start->since) : Table::Exporter(t);
+  const uint32_t dim = t->dim();
+  std::vector<int64_t> ids(512), out;
+  std::vector<float> values(512 * dim), slots(512 * t->slot_floats());
+  std::vector<uint32_t> steps(512), buckets(512);
+  const RowBuffers b{ids.data(), values.data(), slots.data(), steps.data(), buckets.data()};
+  size_t got;
+  while ((got = ex.Next(512, b)) > 0) out.insert(out.end(), ids.begin(), ids.begin() + got);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+DLT_TEST(TestDeltaExportsOnlyRowsChangedSinceItsBase) {
+  Table t(PolicyTable(2));
+  std::vector<int64_t> ids(1000);
+  for (int64_t i = 0; i < 1000; ++i) ids[i] = i * 7919;
+  std::vector<float> grads(2 * 1000, 0.5f);
+  EXPECT_OK(t.Push(ids.data(), grads.data(), ids.size(), 0.1f));
+  // No tracked base: a save exports everything.
+  SaveStart first = t.BeginSave("s1", "");
+  EXPECT(!first.tracked);
+  EXPECT(Exported(&t, nullptr).size() == 1000);
+  // Change 10 rows (a push), create 5 (a pull), remove 3.
+  const std::vector<int64_t> pushed(ids.begin(), ids.begin() + 10);
+  EXPECT_OK(t.Push(pushed.data(), grads.data(), pushed.size(), 0.1f));
+  const std::vector<int64_t> created = {-1, -2, -3, -4, -5};
+  std::vector<float> out(2 * 5);
+  t.Pull(created.data(), created.size(), PullMode::kInsert, out.data());
+  const std::vector<int64_t> removed = {ids[500], ids[501], ids[502], 123456789};
+  EXPECT(t.Erase(removed.data(), removed.size()) == 3);
+  SaveStart second = t.BeginSave("s2", "s1");
+  EXPECT(second.tracked);
+  std::vector<int64_t> want(pushed);
+  want.insert(want.end(), created.begin(), created.end());
+  std::sort(want.begin(), want.end());
+  EXPECT(Exported(&t, &second) == want);
+  std::vector<int64_t> gone = t.RemovedSince(second.since);
+  std::sort(gone.begin(), gone.end());
+  std::vector<int64_t> want_gone(removed.begin(), removed.begin() + 3);
+  std::sort(want_gone.begin(), want_gone.end());
+  EXPECT(gone == want_gone);
+  // Changes after a save's start belong to the next delta, whichever base.
+  EXPECT_OK(t.Push(ids.data() + 900, grads.data(), 1, 0.1f));
+  SaveStart third = t.BeginSave("s3", "s2");
+  EXPECT(third.tracked && Exported(&t, &third) == std::vector<int64_t>{ids[900]});
+  EXPECT(t.RemovedSince(third.since).empty());
+  // A failed save (s3 never committed): the next one on s2 still sees both.
+  SaveStart fourth = t.BeginSave("s4", "s2");
+  EXPECT(fourth.tracked && Exported(&t, &fourth) == std::vector<int64_t>{ids[900]});
+  EXPECT(t.RemovedSince(fourth.since).empty());
+  // An unknown base exports everything.
+  EXPECT(!t.BeginSave("s5", "nope").tracked);
+  // Only the last kTrackedSaves saves are tracked.
+  for (int k = 0; k < 4; ++k) t.BeginSave("x" + std::to_string(k), "");
+  EXPECT(!t.BeginSave("s6", "s2").tracked);
+}
+
+DLT_TEST(TestLoadedTableTracksFromItsCheckpoint) {
+  Table t(PolicyTable(2));
+  std::vector<int64_t> ids = {1, 2, 3, 4};
+  std::vector<float> values(8, 1.0f);
+  EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, nullptr, ids.size()));
+  t.MarkLoaded("head");
+  SaveStart start = t.BeginSave("next", "head");
+  EXPECT(start.tracked && Exported(&t, &start).empty());
+  EXPECT(t.EraseBuckets(0, kNumBuckets) == 4 && t.size() == 0);
+  EXPECT(t.RemovedSince(start.since).size() == 4);
+}
+
+DLT_TEST(TestRemovalLogIsBoundedAndOverflowMeansAFullSave) {
+  Table t(PolicyTable(1));
+  t.BeginSave("s1", "");
+  // Churn far past the log's cap: each round adds and removes rows.
+  std::vector<int64_t> ids(40000);
+  std::vector<float> values(40000, 1.0f);
+  for (int round = 0; round < 8; ++round) {
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int64_t(round) * 1000000 + int64_t(i);
+    EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, nullptr, ids.size()));
+    EXPECT(t.Erase(ids.data(), ids.size()) == ids.size());
+  }
+  const size_t bytes_full = t.bytes();
+  EXPECT(!t.BeginSave("s2", "s1").tracked);  // the log overflowed
+  EXPECT(t.bytes() < bytes_full);            // and was dropped
+  EXPECT(t.BeginSave("s3", "s2").tracked);   // tracking resumes
 }
 
 }  // namespace

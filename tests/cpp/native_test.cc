@@ -470,7 +470,7 @@ DLT_TEST(TestTransportsServeTheSameCalls) {
   EXPECT(embedded->Pull("nope", 4, ids.data(), 3, PullMode::kInsert, rows.data()).code() ==
          Code::kNotFound);
   std::unique_ptr<TableExport> pass;
-  EXPECT_OK(embedded->OpenExport("emb", 4, &pass));
+  EXPECT_OK(embedded->OpenExport("emb", 4, "", "", &pass));
   std::vector<int64_t> out_ids;
   std::vector<float> values, slots;
   std::vector<uint32_t> steps, buckets, touched;
@@ -493,7 +493,7 @@ DLT_TEST(TestTransportsServeTheSameCalls) {
   EXPECT(!tcp->embedded());
   EXPECT(tcp->CreateTable(Config("emb", 4, OptimizerKind::kSgd)).code() ==
          Code::kFailedPrecondition);
-  EXPECT(tcp->OpenExport("emb", 4, &pass).code() == Code::kFailedPrecondition);
+  EXPECT(tcp->OpenExport("emb", 4, "", "", &pass).code() == Code::kFailedPrecondition);
 }
 
 }  // namespace

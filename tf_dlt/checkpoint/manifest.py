@@ -7,6 +7,7 @@ after every shard saved its part). No h5py here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -55,29 +56,76 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in protocols
 
 
-def write_manifest(path: str, parts: list[dict[str, Any]], save_id: str) -> dict[str, Any]:
+def parent_reference(path: str, parent: str) -> str:
+    """How a delta at `path` names its parent checkpoint `parent`: a path
+    relative to `path` when both are on one filesystem (a run directory can
+    be moved or copied whole), else `parent` as given."""
+    fs, root = filesystem(path)
+    parent_fs, parent_root = filesystem(parent)
+    if type(fs) is type(parent_fs) and fs.protocol == parent_fs.protocol:
+        if is_local(fs):
+            return os.path.relpath(os.path.abspath(parent_root), os.path.abspath(root))
+        # posixpath: object-store keys are "/"-separated on every platform.
+        import posixpath
+
+        return posixpath.relpath(parent_root, root)
+    return parent
+
+
+def resolve_parent(path: str, reference: str) -> str:
+    """The parent checkpoint's path from a child at `path` and its
+    `parent_reference`."""
+    if "://" in reference or os.path.isabs(reference):
+        return reference
+    fs, root = filesystem(path)
+    joined = os.path.normpath(os.path.join(root, reference))
+    if is_local(fs):
+        return joined
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    return f"{protocol}://{joined}"
+
+
+def write_manifest(
+    path: str,
+    parts: list[dict[str, Any]],
+    save_id: str,
+    parent: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Commits a checkpoint: writes MANIFEST.json atomically, then removes
-    files of earlier saves at `path` that the new manifest does not name."""
+    files of earlier saves at `path` that the new manifest does not name.
+
+    With `parent` ({"path", "save_id", "chain_length"} of the checkpoint a
+    delta was saved on top of) the manifest is a delta naming it, unless
+    every shard wrote every table in full (then it is a full checkpoint)."""
     parts = sorted(parts, key=lambda p: p["shard_index"])
     num_shards = parts[0]["num_shards"] if parts else 0
     if [p["shard_index"] for p in parts] != list(range(num_shards)):
         raise errors.InvalidArgumentError("a checkpoint needs one part from every shard")
     tables: dict[str, dict[str, Any]] = {}
+    every_table_full = True
     for part in parts:
         for info in part["tables"]:
             config = info["config"]
-            known = tables.setdefault(config["name"], {"config": config, "rows": 0})
+            known = tables.setdefault(
+                config["name"], {"config": config, "rows": 0, "removed": 0, "full_files": 0}
+            )
             if known["config"] != config:
                 raise errors.FailedPreconditionError(
                     f"table {config['name']!r} differs between shards: "
                     f"{known['config']} vs {config}"
                 )
             known["rows"] += info["rows"]
+            known["removed"] += info.get("removed", 0)
+            full = info.get("mode", "full") == "full"
+            known["full_files"] += int(full)
+            every_table_full &= full
+    delta = parent is not None and not every_table_full
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "save_id": save_id,
         "created_unix": time.time(),
+        "kind": "delta" if delta else "full",
         "num_shards": num_shards,
         "num_buckets": NUM_BUCKETS,
         "tables": [tables[name] for name in sorted(tables)],
@@ -89,6 +137,14 @@ def write_manifest(path: str, parts: list[dict[str, Any]], save_id: str) -> dict
             for p in parts
         ],
     }
+    if delta and parent is not None:
+        manifest["parent"] = {
+            "path": parent_reference(path, parent["path"]),
+            "save_id": parent["save_id"],
+        }
+        manifest["chain_length"] = int(parent.get("chain_length", 1)) + 1
+    else:
+        manifest["chain_length"] = 1
     fs, root = filesystem(path)
     for part in parts:  # a concurrent save to the same path may have removed them
         if not fs.exists(f"{root}/{part['file']}"):
@@ -148,3 +204,63 @@ def read_manifest(path: str) -> dict[str, Any]:
             f"{NUM_BUCKETS}"
         )
     return manifest
+
+
+# A chain longer than this is refused (a cycle, or a chain that should have
+# been compacted long ago).
+MAX_CHAIN = 10000
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One checkpoint of a chain: where it is and its manifest."""
+
+    path: str
+    manifest: dict[str, Any]
+
+    @property
+    def save_id(self) -> str:
+        return str(self.manifest["save_id"])
+
+    @property
+    def kind(self) -> str:
+        return str(self.manifest.get("kind", "full"))
+
+
+def resolve_chain(path: str) -> list[Link]:
+    """The checkpoints a load of `path` reads, oldest first: the full base,
+    then every delta up to `path`. Each link's manifest is read and checked,
+    and each delta's parent must be the very save it was taken on top of;
+    a broken link is refused (FailedPreconditionError) naming it."""
+    links: list[Link] = []
+    current, expected = path, ""
+    while True:
+        try:
+            manifest = read_manifest(current)
+        except errors.NotFoundError:
+            if not links:
+                raise
+            raise errors.FailedPreconditionError(
+                f"broken checkpoint chain: {links[-1].path!r} is a delta on top of save "
+                f"{expected} at {current!r}, which holds no committed checkpoint; load a "
+                "checkpoint before it, or restore the missing one"
+            ) from None
+        if links and manifest["save_id"] != expected:
+            raise errors.FailedPreconditionError(
+                f"broken checkpoint chain: {links[-1].path!r} is a delta on top of save "
+                f"{expected} at {current!r}, which now holds save {manifest['save_id']}"
+            )
+        links.append(Link(current, manifest))
+        if links[-1].kind == "full":
+            return links[::-1]
+        parent = manifest.get("parent")
+        if not isinstance(parent, dict) or not parent.get("path") or not parent.get("save_id"):
+            raise errors.FailedPreconditionError(
+                f"{current}/{MANIFEST} is a delta that names no parent checkpoint"
+            )
+        if len(links) >= MAX_CHAIN:
+            raise errors.FailedPreconditionError(
+                f"checkpoint chain of {path!r} is longer than {MAX_CHAIN} links (a cycle?)"
+            )
+        expected = str(parent["save_id"])
+        current = resolve_parent(current, str(parent["path"]))

@@ -32,12 +32,12 @@ import h5py
 import numpy as np
 
 from tf_dlt import _native, errors
+from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     filesystem,
     is_local,
-    read_manifest,
     shard_file_name,
 )
 from tf_dlt.routing import NUM_BUCKETS
@@ -59,12 +59,19 @@ class TableState:
     """What a table keeps besides its rows: its clock when the rows were
     read (stamps are saved relative to it for a push clock) and, with
     Frequency admission, the sketch slices of buckets [first_bucket,
-    first_bucket + len(added))."""
+    first_bucket + len(added)). For a delta (rows changed since a base):
+    the clock at the base and the ids removed since, in (bucket, id) order."""
 
     clock: int = 0
     sketch: np.ndarray | None = None  # uint8 [buckets, slice bytes]
     added: np.ndarray | None = None  # uint32 [buckets]
     first_bucket: int = 0
+    base_clock: int | None = None  # None: every row was written (mode "full")
+    removed: np.ndarray | None = None  # int64 ids
+
+    @property
+    def mode(self) -> str:
+        return "full" if self.base_clock is None else "delta"
 
 
 @dataclasses.dataclass
@@ -105,16 +112,25 @@ def native_state(table: _native.Table, first_bucket: int, end_bucket: int) -> Ta
     return state
 
 
-def native_rows(table: _native.Table, layout: ShardLayout) -> TableRows:
-    """A native table's rows, copied out a chunk at a time."""
+def native_rows(
+    table: _native.Table, layout: ShardLayout, save_id: str = "", base: str = ""
+) -> TableRows:
+    """A native table's rows, copied out a chunk at a time. With a
+    `save_id`, the copy is that save of the table (its change tracking
+    starts a new generation): on top of save `base`, when the table tracks
+    it, only the rows changed since, with the ids removed since."""
+    tracked, since, base_clock = table.begin_save(save_id, base) if save_id else (False, 0, 0)
 
     def chunks() -> Iterator[Chunk]:
-        exporter = table.exporter()
+        exporter = table.exporter(since if tracked else None)
         while (chunk := exporter.next(chunk_rows(table.dim, table.slot_floats))) is not None:
             yield chunk
 
     def state() -> TableState:
-        return native_state(table, layout.first_bucket, layout.end_bucket)
+        out = native_state(table, layout.first_bucket, layout.end_bucket)
+        if tracked:  # removals up to now: after every row was copied
+            out.base_clock, out.removed = base_clock, table.removed_since(since)
+        return out
 
     return TableRows(table.config, table.dim, table.slot_floats, chunks(), state)
 
@@ -126,8 +142,8 @@ def _sha256_of(f: IO[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _write_table(group: h5py.Group, rows: TableRows) -> int:
-    """Streams one table's chunks into `group`; returns its row count."""
+def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
+    """Streams one table's chunks into `group`; returns its row count and state."""
     group.attrs["config"] = json.dumps(rows.config, sort_keys=True)
     dim, slots = rows.dim, rows.slot_floats
     first = next(rows.chunks, None)
@@ -171,11 +187,25 @@ def _write_table(group: h5py.Group, rows: TableRows) -> int:
     # to this clock, never beyond it.
     state = rows.state()
     group.attrs["clock"] = state.clock
+    group.attrs["mode"] = state.mode
+    if state.base_clock is not None:
+        removed = np.asarray(state.removed if state.removed is not None else [], np.int64)
+        group.attrs["base_clock"] = state.base_clock
+        group.create_dataset("removed", data=removed)
+        group.create_dataset("removed_offsets", data=_bucket_offsets(removed))
     if state.sketch is not None and state.added is not None:
         group.create_dataset("sketch", data=state.sketch)
         group.create_dataset("sketch_added", data=state.added)
         group.attrs["sketch_first_bucket"] = state.first_bucket
-    return n
+    return n, state
+
+
+def _bucket_offsets(ids: np.ndarray) -> np.ndarray:
+    """Offsets [NUM_BUCKETS + 1] of ids sorted by bucket."""
+    counts = np.bincount(_native.bucket_of(ids), minlength=NUM_BUCKETS) if len(ids) else 0
+    offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
+    np.cumsum(np.broadcast_to(counts, (NUM_BUCKETS,)), out=offsets[1:])
+    return offsets
 
 
 def _write_shard_file(
@@ -195,16 +225,18 @@ def _write_shard_file(
         f.attrs["num_buckets"] = NUM_BUCKETS
         group = f.create_group("tables")
         for k, rows in enumerate(sorted(tables, key=lambda t: str(t.config["name"]))):
-            n = _write_table(group.create_group(f"t{k:05d}"), rows)
-            infos.append({"config": rows.config, "rows": n})
+            n, state = _write_table(group.create_group(f"t{k:05d}"), rows)
+            removed = 0 if state.removed is None else len(state.removed)
+            infos.append({"config": rows.config, "rows": n, "mode": state.mode, "removed": removed})
     return infos
 
 
-def save_shard(path: str, shard: _native.Shard, save_id: str) -> dict[str, Any]:
+def save_shard(path: str, shard: _native.Shard, save_id: str, base: str = "") -> dict[str, Any]:
     """Writes this shard's file into checkpoint directory `path` (see
-    `save_tables`)."""
+    `save_tables`); on top of save `base`, only what changed since."""
     layout = ShardLayout(shard.shard_index, shard.num_shards, shard.first_bucket, shard.end_bucket)
-    return save_tables(path, layout, [native_rows(t, layout) for t in shard.tables()], save_id)
+    tables = [native_rows(t, layout, save_id, base) for t in shard.tables()]
+    return save_tables(path, layout, tables, save_id)
 
 
 def save_tables(
@@ -289,14 +321,14 @@ def _open_verified(
 
 
 def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> None:
-    """Imports the rows of buckets [first, end) of file group `g` into a
-    fresh `table`, with their update counts and stamps, and the sketch slices
-    the file has of those buckets. Stamps of a push clock count against the
+    """Imports the rows of buckets [first, end) of file group `g` into
+    `table`, with their update counts and stamps, and the sketch slices the
+    file has of those buckets. Stamps of a push clock count against the
     writer's own clock (each shard counts its pushes): they are restored as
-    the same ages against the fresh table's clock, 0, whichever shards wrote
-    them."""
+    the same ages against `table`'s clock, whichever shards wrote them."""
     saved_clock = int(g.attrs.get("clock", 0))
     seconds = json.loads(g.attrs["config"]).get("policy", {}).get("clock") == "seconds"
+    now = table.now()
     offsets = g["bucket_offsets"][...]
     lo, hi = int(offsets[first]), int(offsets[end])
     step = chunk_rows(table.dim, table.slot_floats)
@@ -307,10 +339,10 @@ def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> N
         stamps = None
         if touched is not None:
             stamps = touched[a:b]
-            if not seconds:  # the same age against clock 0 (modulo 2^32)
+            if not seconds:  # the same age against the table's clock (modulo 2^32)
                 age = (saved_clock - stamps.astype(np.int64)) % (1 << 32)
                 age[age >= 1 << 31] = 0  # newer than the clock (files of older builds)
-                stamps = (-age) % (1 << 32)
+                stamps = (now - age) % (1 << 32)
         table.import_rows(
             g["ids"][a:b],
             g["values"][a:b],
@@ -329,6 +361,96 @@ def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> N
             )
 
 
+NewTable = Callable[[dict[str, Any]], _native.Table]
+
+
+def _apply_group(
+    g: h5py.Group,
+    entry: dict[str, Any],
+    listed: dict[str, dict[str, Any]],
+    tables: dict[str, _native.Table],
+    new_table: NewTable,
+    buckets: tuple[int, int],
+    clocks: dict[str, int],
+) -> None:
+    """Applies one table of one shard file to `tables` for buckets
+    `buckets`: a full table's rows replace those of the file's buckets; a
+    delta's removals go first, then its rows (changed or new) overwrite."""
+    config = json.loads(g.attrs["config"])
+    name = config["name"]
+    if name not in listed or normalized(listed[name]["config"]) != normalized(config):
+        raise errors.FailedPreconditionError(
+            f"{entry['file']} holds table {name!r} with a config the manifest does not list"
+        )
+    mode = str(g.attrs.get("mode", "full"))
+    table = tables.get(name)
+    if table is None or normalized(table.config) != normalized(config):
+        if mode != "full":
+            raise errors.FailedPreconditionError(
+                f"{entry['file']} holds changes to table {name!r} that the checkpoints before "
+                "it do not have in this configuration: the chain is inconsistent"
+            )
+        table = tables[name] = new_table(config)
+        clocks[name] = table.now()
+    lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+    if mode == "full":
+        table.erase_buckets(lo, hi)
+    else:
+        offsets = g["removed_offsets"][...]
+        table.erase(np.asarray(g["removed"][int(offsets[lo]) : int(offsets[hi])], np.int64))
+        if config.get("policy", {}).get("clock") != "seconds":
+            # Rows already here aged by the pushes the writer took since the
+            # base; several writers of our buckets: the most of them.
+            elapsed = (int(g.attrs["clock"]) - int(g.attrs["base_clock"])) % (1 << 32)
+            target = (clocks.setdefault(name, table.now()) + elapsed) % (1 << 32)
+            if (target - table.now()) % (1 << 32) < 1 << 31:
+                table.set_push_clock(target)
+    restore_rows(g, table, *buckets)
+
+
+def apply_link(
+    link: manifest_lib.Link,
+    tables: dict[str, _native.Table],
+    new_table: NewTable,
+    buckets: tuple[int, int],
+    *,
+    verify_first: bool = False,
+    threads: int = 1,
+) -> None:
+    """Applies one checkpoint of a chain to `tables` (name -> table) for the
+    routing buckets [first, end): a full checkpoint replaces them with new
+    tables; a delta changes them in place (tables created, replaced and
+    dropped by it are changed in `tables`). `verify_first`: check every file
+    of the link before changing anything (for tables in use)."""
+    m = link.manifest
+    listed = {normalized(i["config"])["name"]: i for i in m["tables"]}
+    if link.kind == "full":
+        tables.clear()
+        owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
+        for name, info in listed.items():
+            tables[name] = new_table(info["config"])
+            tables[name].reserve(int(info["rows"] * owned * 1.02) + 1024, threads)
+    for name in [n for n in tables if n not in listed]:
+        del tables[name]  # dropped since the previous checkpoint
+    clocks = {name: t.now() for name, t in tables.items()}
+    fs, root = filesystem(link.path)
+    entries = [
+        e for e in m["files"] if e["end_bucket"] > buckets[0] and e["first_bucket"] < buckets[1]
+    ]
+    with contextlib.ExitStack() as stack:
+        opened: list[tuple[dict[str, Any], h5py.File]] = []
+        for entry in entries:
+            if verify_first:
+                opened.append((entry, stack.enter_context(_open_verified(fs, root, entry))))
+                continue
+            with _open_verified(fs, root, entry) as f:
+                for g in f["tables"].values():
+                    _apply_group(g, entry, listed, tables, new_table, buckets, clocks)
+        for entry, f in opened:
+            for g in f["tables"].values():
+                _apply_group(g, entry, listed, tables, new_table, buckets, clocks)
+
+
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
     """Reads the rows this shard owns from checkpoint `path` and installs
     them (see `prepare_load`); a failed load leaves the shard as it was."""
@@ -338,20 +460,22 @@ def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
 
 
 def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
-    """Reads and verifies the rows this shard owns from checkpoint `path` into
-    new tables, returned under "staged" and not installed.
+    """Reads and verifies the rows this shard owns from checkpoint `path`
+    (the chain of its full base and every delta up to it) into new tables,
+    returned under "staged" and not installed.
 
-    Works with any shard count at save time: rows are picked by routing
-    bucket. Installing the staged tables (`shard.install_tables`) replaces
-    same-named tables in one step, so a cluster can verify on every shard
-    before any shard changes.
+    Works with any shard count at save time, and a different one for each
+    checkpoint of the chain: rows are picked by routing bucket. Installing
+    the staged tables (`shard.install_tables`) replaces same-named tables in
+    one step, so a cluster can verify on every shard before any shard
+    changes. The staged tables track changes from `path` on, so a delta
+    saved on top of it later holds only what changed after the load.
     """
     start = time.monotonic()
-    manifest = read_manifest(path)
-    first, end = shard.first_bucket, shard.end_bucket
+    chain = manifest_lib.resolve_chain(path)
+    head = chain[-1].manifest
     existing = {t.name: normalized(t.config) for t in shard.tables()}
-    fresh: dict[str, Any] = {}
-    for info in manifest["tables"]:
+    for info in head["tables"]:
         config = normalized(info["config"])
         name = config["name"]
         if name in existing and existing[name] != config:
@@ -359,24 +483,17 @@ def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
                 f"table {name!r} on this shard differs from the checkpoint's "
                 f"({difference(existing[name], config)}); drop the table first to load it"
             )
-        fresh[name] = shard.new_table(config)
-    fs, root = filesystem(path)
-    for entry in manifest["files"]:
-        if entry["end_bucket"] <= first or entry["first_bucket"] >= end:
-            continue  # that shard owned none of our buckets
-        with _open_verified(fs, root, entry) as f:
-            for g in f["tables"].values():
-                config = json.loads(g.attrs["config"])
-                table = fresh.get(config["name"])
-                if table is None or normalized(table.config) != normalized(config):
-                    raise errors.FailedPreconditionError(
-                        f"{entry['file']} holds table {config['name']!r} with a config the "
-                        "manifest does not list"
-                    )
-                restore_rows(g, table, first, end)
-    tables = list(fresh.values())
+    tables: dict[str, _native.Table] = {}
+    buckets = (shard.first_bucket, shard.end_bucket)
+    for link in chain:
+        apply_link(link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1)
+    staged = list(tables.values())
+    for t in staged:
+        t.mark_loaded(head["save_id"])
     return {
-        "staged": tables,
+        "staged": staged,
+        "save_id": head["save_id"],
+        "links": len(chain),
         "tables": [
             {
                 "config": t.config,
@@ -384,7 +501,7 @@ def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
                 "bytes": t.bytes(),
                 "record_bytes": t.record_bytes,
             }
-            for t in tables
+            for t in staged
         ],
         "seconds": time.monotonic() - start,
     }

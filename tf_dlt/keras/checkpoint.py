@@ -25,45 +25,51 @@ import numpy as np
 
 from tf_dlt import _native, errors, routing
 from tf_dlt import dlt_ops as ops
-from tf_dlt.checkpoint import manifest, shard_files
+from tf_dlt.checkpoint import chain, manifest, shard_files
 from tf_dlt.client import Client
 from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
 from tf_dlt.table_config import difference, normalized
 
 MODEL_FILE = "tf_dlt_model.json"
+# The model attribute naming the checkpoint it last saved or loaded.
+_LAST_CHECKPOINT = "_tf_dlt_last_checkpoint"
 DENSE_FILE = "dense.weights.h5"
 TABLES_DIR = "tables"
 _CHUNK = 1 << 16
 
 
-def save(model: keras.Model, path: str) -> dict[str, Any]:
+def save(
+    model: keras.Model, path: str, *, incremental: bool = False, base: str | None = None
+) -> dict[str, Any]:
     """Saves the tables of `model`'s distributed embeddings (waiting for
-    pending pushes first) and its dense weights under `path`."""
+    pending pushes first) and its dense weights under `path`.
+
+    Args:
+        incremental: save the tables as a delta (the rows changed, and the
+            ids removed, since the checkpoint this model last saved or
+            loaded) when there is one; the dense weights are saved whole.
+        base: the checkpoint to save a delta on top of (implies
+            `incremental`); another directory than `path`.
+
+    Returns what the checkpoint holds, with "kind" ("full" or "delta") and,
+    for a delta, "parent".
+    """
+    if base is None and incremental:
+        base = getattr(model, _LAST_CHECKPOINT, None)
     layers = table_holders(model)
     for layer in layers:
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
     fs, root = manifest.filesystem(path)
     fs.makedirs(root, exist_ok=True)
-    tables = f"{path.rstrip('/')}/{TABLES_DIR}"
+    tables = _tables_of(path)
+    base_tables = _tables_of(base) if base is not None else None
+    written: dict[str, Any] = {"kind": "full"}
     if addresses:
         with Client(addresses, auth_token=token) as client:
-            client.save(tables)
+            written = client.save(tables, base=base_tables)
     elif layers:
-        # Straight from the embedded tables into the file, a chunk at a time.
-        rows = []
-        for layer in layers:
-            config = layer.table_config.to_dict()
-            slot_floats = _native.Table(config).slot_floats
-            state = functools.partial(_embedded_state, layer)
-            chunks = ops.export_chunks(
-                layer.client, layer.table_name, layer.output_dim,
-                shard_files.chunk_rows(layer.output_dim, slot_floats),
-            )  # fmt: skip
-            rows.append(shard_files.TableRows(config, layer.output_dim, slot_floats, chunks, state))
-        save_id = manifest.new_save_id()
-        part = shard_files.save_tables(tables, shard_files.ShardLayout(), rows, save_id)
-        manifest.write_manifest(tables, [part], save_id)
+        written = _save_embedded(layers, tables, base_tables)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
         model.save_weights(local)
@@ -74,9 +80,45 @@ def save(model: keras.Model, path: str) -> dict[str, Any]:
         "tables": [layer.table_name for layer in layers],
         "transport": "tcp" if addresses else "embedded",
         "created_unix": time.time(),
+        "kind": written.get("kind", "full"),
     }
+    if info["kind"] == "delta" and base is not None:
+        info["parent"] = manifest.parent_reference(path, base)
     fs.pipe_file(f"{root}/{MODEL_FILE}", json.dumps(info, indent=2).encode())
+    setattr(model, _LAST_CHECKPOINT, path)
     return info
+
+
+def _tables_of(path: str) -> str:
+    return f"{path.rstrip('/')}/{TABLES_DIR}"
+
+
+def _save_embedded(layers: list[Any], tables: str, base: str | None) -> dict[str, Any]:
+    """Writes embedded tables straight into a one-shard checkpoint at
+    `tables`, a chunk at a time; a delta on top of `base` when given."""
+    parent = None
+    if base is not None:
+        base_manifest = manifest.read_manifest(base)
+        parent = {
+            "path": base,
+            "save_id": base_manifest["save_id"],
+            "chain_length": base_manifest.get("chain_length", 1),
+        }
+    save_id = manifest.new_save_id()
+    rows = []
+    for layer in layers:
+        config = layer.table_config.to_dict()
+        slot_floats = _native.Table(config).slot_floats
+        export = ops.ExportPass(
+            layer.client, layer.table_name, layer.output_dim,
+            shard_files.chunk_rows(layer.output_dim, slot_floats), save_id,
+            parent["save_id"] if parent else "",
+        )  # fmt: skip
+        state = functools.partial(_embedded_state, layer, export)
+        chunks = iter(export)
+        rows.append(shard_files.TableRows(config, layer.output_dim, slot_floats, chunks, state))
+    part = shard_files.save_tables(tables, shard_files.ShardLayout(), rows, save_id)
+    return manifest.write_manifest(tables, [part], save_id, parent)
 
 
 def load(model: keras.Model, path: str) -> dict[str, Any]:
@@ -100,7 +142,7 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
             f"the checkpoint holds tables {sorted(missing)} that the model has no layer for"
         )
     addresses, token = cluster_of(layers)
-    tables = f"{path.rstrip('/')}/{TABLES_DIR}"
+    tables = _tables_of(path)
     if layers and addresses:
         with Client(addresses, auth_token=token) as client:
             client.load(tables)
@@ -110,21 +152,25 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
         local = os.path.join(tmp, DENSE_FILE)
         fs.get_file(f"{root}/{DENSE_FILE}", local)
         model.load_weights(local)
+    setattr(model, _LAST_CHECKPOINT, path)
     return info
 
 
-def _embedded_state(layer: Any) -> shard_files.TableState:
+def _embedded_state(layer: Any, export: ops.ExportPass) -> shard_files.TableState:
     """An embedded table's clock and sketch (all buckets), as a shard file
-    records them."""
+    records them, and for a delta what `export` (complete) found."""
     clock, sketch, added = ops.table_state(layer.client, layer.table_name, layer.output_dim)
-    if not len(added):
-        return shard_files.TableState(clock)
-    return shard_files.TableState(clock, sketch, added.astype(np.uint32))
+    state = shard_files.TableState(clock)
+    if len(added):
+        state.sketch, state.added = sketch, added.astype(np.uint32)
+    if export.base_clock is not None:
+        state.base_clock, state.removed = export.base_clock, export.removed
+    return state
 
 
 def _load_embedded(tables: str, layers: list[Any]) -> None:
     staged = _native.Shard(0, 1)
-    shard_files.load_shard(tables, staged)  # verified: checksums, configs
+    loaded = shard_files.load_shard(tables, staged)  # verified: checksums, configs
     by_name = {t.name: t for t in staged.tables()}
     for layer in layers:  # check everything before changing anything
         t = by_name.get(layer.table_name)
@@ -137,8 +183,11 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
         t = by_name.get(layer.table_name)
         if t is None:
             continue
-        # The clock and sketch first: the stamps imported below are ages
-        # against that clock.
+        # The table holds exactly the checkpoint's rows: a fresh one, then
+        # the clock and sketch (the stamps imported below are ages against
+        # that clock), the rows, and the mark a delta on top of it starts from.
+        ops.drop_table(layer.client, layer.table_name)
+        ops.create_table(layer.client, layer.table_config)
         state = shard_files.native_state(t, 0, routing.NUM_BUCKETS)
         ops.set_table_state(
             layer.client, layer.table_name, layer.output_dim, state.clock, 0, state.sketch,
@@ -151,6 +200,7 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
                 layer.client, layer.table_name, layer.output_dim, ids, values, slots,
                 steps.astype(np.int64), touched.astype(np.int64),
             )  # fmt: skip
+        ops.mark_table_loaded(layer.client, layer.table_name, layer.output_dim, loaded["save_id"])
 
 
 class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
@@ -160,20 +210,49 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
     Args:
         path: e.g. "s3://bucket/run/epoch-{epoch}".
         every_n_epochs: how often, in epochs.
+        full_every: every this many saves a full checkpoint, and deltas
+            (rows changed since the save before) in between; None: every
+            save is full.
+        keep: after each save, delete the checkpoints this callback saved
+            except the newest `keep` and those they need (the base and
+            deltas a kept delta loads through); None: delete nothing.
     """
 
-    def __init__(self, path: str, every_n_epochs: int = 1) -> None:
+    def __init__(
+        self,
+        path: str,
+        every_n_epochs: int = 1,
+        *,
+        full_every: int | None = None,
+        keep: int | None = None,
+    ) -> None:
         super().__init__()
         if every_n_epochs < 1:
             raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+        if full_every is not None and full_every < 1:
+            raise ValueError(f"full_every must be >= 1 or None, got {full_every}")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1 or None, got {keep}")
         self.path = path
         self.every_n_epochs = every_n_epochs
+        self.full_every = full_every
+        self.keep = keep
         self.saved: list[str] = []
         self.epochs: list[int] = []  # epochs completed at each saved path
+        self.kinds: list[str] = []  # "full" or "delta", per saved path
+        self.deleted: list[str] = []
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if (epoch + 1) % self.every_n_epochs == 0:
-            target = self.path.format(epoch=epoch + 1)
-            save(self.model, target)
-            self.saved.append(target)
-            self.epochs.append(epoch + 1)
+        if (epoch + 1) % self.every_n_epochs != 0:
+            return
+        target = self.path.format(epoch=epoch + 1)
+        base = None
+        if self.full_every is not None and self.saved and len(self.saved) % self.full_every:
+            base = self.saved[-1]
+        info = save(self.model, target, base=base)
+        self.saved.append(target)
+        self.epochs.append(epoch + 1)
+        self.kinds.append(info["kind"])
+        if self.keep is not None:
+            live = [p for p in self.saved if p not in self.deleted]
+            self.deleted.extend(chain.retain(live, self.keep, tables_dir=TABLES_DIR))

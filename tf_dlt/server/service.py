@@ -63,6 +63,8 @@ def _info_from_dict(info: dict[str, Any]) -> dlt_pb2.TableInfo:
         rows=info["rows"],
         bytes=info.get("bytes", 0),
         record_bytes=info.get("record_bytes", 0),
+        mode=info.get("mode", ""),
+        removed=info.get("removed", 0),
     )
 
 
@@ -168,7 +170,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._roots.check(request.path, "Save")
         with self._persist_lock:
             log.info("saving to %s", request.path)
-            part = shard_files.save_shard(request.path, self._shard, request.save_id)
+            part = shard_files.save_shard(
+                request.path, self._shard, request.save_id, request.base_save_id
+            )
         self.last_save_seconds = part["seconds"]
         self.saves += 1
         self.save_seconds_total += part["seconds"]

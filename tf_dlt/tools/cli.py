@@ -1,7 +1,8 @@
 """The `tf-dlt` command: `tf-dlt server ...` runs a shard server; `tf-dlt
 launch ... -- cmd` runs shard servers and trainers on this machine; `tf-dlt
 stats --pservers ...` prints per-shard statistics; `tf-dlt k8s ... -- cmd`
-prints Kubernetes manifests; `tf-dlt plan ...` a capacity plan."""
+prints Kubernetes manifests; `tf-dlt plan ...` a capacity plan; `tf-dlt checkpoint ls|compact|prune`
+works on checkpoint chains."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tf-dlt", description="tf_dlt command line")
     commands = parser.add_subparsers(dest="command", required=True)
     from tf_dlt.server import main as server_main
-    from tf_dlt.tools import capacity, cluster_stats, k8s, launch
+    from tf_dlt.tools import capacity, checkpoints, cluster_stats, k8s, launch
 
     server_main.build_parser(
         commands.add_parser("server", help="serve one shard of the distributed tables")
@@ -38,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     capacity.build_parser(
         commands.add_parser("plan", help="shards, memory, network and save time for a table size")
     )
+    checkpoints.build_parser(
+        commands.add_parser("checkpoint", help="list, compact or prune checkpoint chains")
+    )
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     args.trainer_command = trainer
     if args.command == "server":
@@ -50,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return k8s.run(args)
     if args.command == "plan":
         return capacity.run(args)
+    if args.command == "checkpoint":
+        return checkpoints.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

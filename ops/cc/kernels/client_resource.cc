@@ -123,14 +123,16 @@ absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, cons
 }
 
 absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool start,
-                                    size_t max_rows, std::vector<int64_t>* ids,
+                                    size_t max_rows, const std::string& save_id,
+                                    const std::string& base, std::vector<int64_t>* ids,
                                     std::vector<float>* values, std::vector<float>* slots,
                                     std::vector<uint32_t>* steps, std::vector<uint32_t>* buckets,
-                                    std::vector<uint32_t>* touched, uint32_t* slot_floats) {
+                                    std::vector<uint32_t>* touched, uint32_t* slot_floats,
+                                    std::vector<int64_t>* removed, int64_t* base_clock) {
   mutex_lock lock(export_mu_);
   std::unique_ptr<dlt::TableExport>& open = exports_[table];
   if (start || open == nullptr) {
-    absl::Status s = ToAbsl(transport_->OpenExport(table, dim, &open));
+    absl::Status s = ToAbsl(transport_->OpenExport(table, dim, save_id, base, &open));
     if (!s.ok()) {
       exports_.erase(table);
       return s;
@@ -143,10 +145,19 @@ absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool
     got = open->Next(max_rows ? max_rows - ids->size() : kChunk, ids, values, slots, steps, buckets,
                      touched);
   } while (got > 0 && (max_rows == 0 || ids->size() < max_rows));
+  *base_clock = open->delta() ? int64_t{open->base_clock()} : -1;
   // The pass ends with the call that finds no row left (so a chunk that took
   // the last rows is not followed by a fresh pass); a whole export ends at once.
-  if (ids->empty() || max_rows == 0) exports_.erase(table);
+  if (ids->empty() || max_rows == 0) {
+    *removed = open->Removed();
+    exports_.erase(table);
+  }
   return absl::OkStatus();
+}
+
+absl::Status ClientResource::MarkLoaded(const std::string& table, uint32_t dim,
+                                        const std::string& save_id) {
+  return ToAbsl(transport_->MarkLoaded(table, dim, save_id));
 }
 
 absl::Status ClientResource::Import(const std::string& table, uint32_t dim, const int64_t* ids,

@@ -62,11 +62,18 @@ class ClientResource : public ResourceBase {
   // counts and buckets, in (bucket, id) order, continuing the export of
   // `table` in progress unless `start`; none when it is complete (the
   // export then ends). `max_rows` 0: every (remaining) row at once.
+  // With a `save_id` (taken when `start`), the pass is that save on top of
+  // `base` (dlt::TableExport): `*base_clock` is the table's clock at the
+  // base when only changed rows are exported (-1: every row), and the call
+  // that ends the pass fills `removed` with the ids removed since the base.
   absl::Status Export(const std::string& table, uint32_t dim, bool start, size_t max_rows,
+                      const std::string& save_id, const std::string& base,
                       std::vector<int64_t>* ids, std::vector<float>* values,
                       std::vector<float>* slots, std::vector<uint32_t>* steps,
                       std::vector<uint32_t>* buckets, std::vector<uint32_t>* touched,
-                      uint32_t* slot_floats);
+                      uint32_t* slot_floats, std::vector<int64_t>* removed, int64_t* base_clock);
+  // Embedded only: the table holds checkpoint `save_id` exactly.
+  absl::Status MarkLoaded(const std::string& table, uint32_t dim, const std::string& save_id);
   // Embedded only: inserts or overwrites rows with their slots, steps and
   // last-touched stamps (null: now).
   absl::Status Import(const std::string& table, uint32_t dim, const int64_t* ids,

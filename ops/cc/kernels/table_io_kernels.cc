@@ -71,19 +71,25 @@ class ExportOp : public OpKernel {
  public:
   explicit ExportOp(OpKernelConstruction* ctx) : OpKernel(ctx), chunked_(ctx->num_inputs() == 2) {
     OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
-    if (chunked_) OP_REQUIRES_OK(ctx, ctx->GetAttr("max_rows", &max_rows_));
+    if (chunked_) {
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("max_rows", &max_rows_));
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("save_id", &save_id_));
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("base", &base_));
+    }
   }
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<ClientResource> client;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
     const bool start = !chunked_ || ctx->input(1).scalar<bool>()();
-    std::vector<int64_t> ids;
+    std::vector<int64_t> ids, removed;
     std::vector<float> values, slots;
     std::vector<uint32_t> steps, buckets, touched;
     uint32_t slot_floats = 0;
-    OP_REQUIRES_OK(ctx, client->Export(table_, dim_, start, chunked_ ? max_rows_ : 0, &ids, &values,
-                                       &slots, &steps, &buckets, &touched, &slot_floats));
+    int64_t base_clock = -1;
+    OP_REQUIRES_OK(ctx, client->Export(table_, dim_, start, chunked_ ? max_rows_ : 0, save_id_,
+                                       base_, &ids, &values, &slots, &steps, &buckets, &touched,
+                                       &slot_floats, &removed, &base_clock));
     const int64_t n = static_cast<int64_t>(ids.size());
     Tensor *ids_out, *values_out, *slots_out, *steps_out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &ids_out));
@@ -95,16 +101,23 @@ class ExportOp : public OpKernel {
     std::copy(slots.begin(), slots.end(), slots_out->flat<float>().data());
     std::copy(steps.begin(), steps.end(), steps_out->flat<int64_t>().data());
     if (chunked_) {
-      Tensor *buckets_out, *touched_out;
+      Tensor *buckets_out, *touched_out, *removed_out, *base_clock_out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({n}), &buckets_out));
       OP_REQUIRES_OK(ctx, ctx->allocate_output(5, TensorShape({n}), &touched_out));
+      const int64_t m = static_cast<int64_t>(removed.size());
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(6, TensorShape({m}), &removed_out));
+      const int64_t delta = base_clock >= 0 ? 1 : 0;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(7, TensorShape({delta}), &base_clock_out));
       std::copy(buckets.begin(), buckets.end(), buckets_out->flat<int32_t>().data());
       std::copy(touched.begin(), touched.end(), touched_out->flat<int64_t>().data());
+      std::copy(removed.begin(), removed.end(), removed_out->flat<int64_t>().data());
+      if (delta) base_clock_out->flat<int64_t>()(0) = base_clock;
     }
   }
 
  private:
   const bool chunked_;
+  std::string save_id_, base_;
   std::string table_;
   uint32_t dim_ = 0;
   int64_t max_rows_ = 0;
@@ -223,6 +236,27 @@ class SetTableStateOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>SetTableState").Device(DEVICE_CPU), SetTableStateOp);
+
+// Dlt>MarkTableLoaded: an embedded table holds checkpoint `save_id` exactly.
+class MarkTableLoadedOp : public OpKernel {
+ public:
+  explicit MarkTableLoadedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("save_id", &save_id_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    OP_REQUIRES_OK(ctx, client->MarkLoaded(table_, dim_, save_id_));
+  }
+
+ private:
+  std::string table_, save_id_;
+  uint32_t dim_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>MarkTableLoaded").Device(DEVICE_CPU), MarkTableLoadedOp);
 
 }  // namespace
 }  // namespace dlt_ops

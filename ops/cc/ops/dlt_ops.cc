@@ -169,9 +169,13 @@ REGISTER_OP("Dlt>ExportChunk")
     .Output("steps: int64")
     .Output("buckets: int32")
     .Output("touched: int64")
+    .Output("removed: int64")
+    .Output("base_clock: int64")
     .Attr("table: string")
     .Attr("dim: int >= 1")
     .Attr("max_rows: int >= 1 = 65536")
+    .Attr("save_id: string = ''")
+    .Attr("base: string = ''")
     .SetIsStateful()
     .SetShapeFn(ExportedRowsShape)
     .Doc(R"doc(
@@ -180,6 +184,12 @@ as Dlt>ExportTable returns them plus each id's routing bucket and
 last-touched stamp (in the table's clock); `start`
 begins a new pass. Empty outputs: the pass is complete. Saving a table chunk
 by chunk never holds a second copy of it.
+
+With `save_id`, the pass is that save of the table on top of save `base`:
+when the table tracks `base`, only the rows changed since it are exported,
+`base_clock` is [the table's clock at the base] ([] when every row is
+exported), and the call that completes the pass returns in `removed` the
+ids removed since the base, sorted by (bucket, id).
 )doc");
 
 REGISTER_OP("Dlt>ImportTable")
@@ -233,6 +243,19 @@ REGISTER_OP("Dlt>SetTableState")
     .Doc(R"doc(
 Sets an embedded table's push clock and the sketch slices of buckets
 [first_bucket, first_bucket + buckets) (the inverse of Dlt>TableState).
+)doc");
+
+REGISTER_OP("Dlt>MarkTableLoaded")
+    .Input("client: resource")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .Attr("save_id: string")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+An embedded table now holds checkpoint `save_id` exactly (it was loaded
+from it): the next delta save on top of that checkpoint writes only the rows
+changed after this call.
 )doc");
 
 REGISTER_OP("Dlt>Flush")

@@ -1,0 +1,337 @@
+"""Delta checkpoints and chains: a chain loads to exactly the state a full
+save of the same moment loads (values, slots, steps, ages) on 1 and 3
+shards; tombstones; a row and its slots from one moment while pushes run;
+broken, corrupt and interrupted links; retention and compaction."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tf_dlt
+from tf_dlt import _native, errors
+from tf_dlt.checkpoint import chain, manifest, shard_files
+
+from conftest import Cluster
+
+# id -> (values, slots, step, age against the table's clock)
+Rows = dict[int, tuple[bytes, bytes, int, int]]
+
+
+def _staged_rows(path: str, num_shards: int) -> dict[str, Rows]:
+    """Every row a load of `path` onto `num_shards` shards gives, read from
+    the staged tables (no server involved)."""
+    out: dict[str, Rows] = {}
+    for index in range(num_shards):
+        staged = shard_files.prepare_load(path, _native.Shard(index, num_shards))["staged"]
+        for table in staged:
+            rows = out.setdefault(table.name, {})
+            exporter = table.exporter()
+            now = table.now()
+            seconds = table.config["policy"]["clock"] == "seconds"
+            while (chunk := exporter.next(4096)) is not None:
+                ids, values, slots, steps, _, touched = chunk
+                for i in range(len(ids)):
+                    age = int(touched[i]) if seconds else (now - int(touched[i])) % (1 << 32)
+                    rows[int(ids[i])] = (
+                        values[i].tobytes(), slots[i].tobytes(), int(steps[i]), age
+                    )  # fmt: skip
+    return out
+
+
+def _train(client: tf_dlt.Client, ids: np.ndarray, seed: int, tables: dict[str, int]) -> None:
+    rng = np.random.default_rng(seed)
+    for name, dim in tables.items():
+        client.pull(name, ids)
+        client.push(name, ids, rng.normal(size=(len(ids), dim)).astype(np.float32), 0.1)
+
+
+TABLES = {"adam": 8, "ftrl": 5, "sgd": 3}
+
+
+def _create(client: tf_dlt.Client) -> None:
+    client.create_table("adam", 8, "normal", "adam", seed=1)
+    client.create_table("ftrl", 5, "zeros", "ftrl", seed=3)
+    client.create_table("sgd", 3, "uniform", "sgd", seed=2)
+
+
+@pytest.mark.parametrize("load_shards", [1, 3])
+def test_chain_loads_what_a_full_save_of_the_same_state_loads(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, load_shards: int
+) -> None:
+    cluster = start_cluster(2)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-(2**63), 2**63 - 1, 6000, dtype=np.int64)
+    with cluster.client() as c:
+        _create(c)
+        _train(c, ids[:4000], 1, TABLES)
+        c.save(str(tmp_path / "base"))
+        _train(c, ids[:300], 2, TABLES)  # changed rows
+        _train(c, ids[4000:4500], 3, {"adam": 8})  # new rows
+        assert c.shrink("ftrl", min_count=2) > 0  # tombstones
+        d1 = c.save(str(tmp_path / "d1"), base=str(tmp_path / "base"))
+        c.drop_table("ftrl")
+        c.create_table("emb2", 4, "normal", "adagrad", seed=5)  # a table new since the base
+        _train(c, ids[4500:5000], 4, {"emb2": 4, "adam": 8})
+        for _ in range(3):  # sgd rows untouched for 2 pushes go
+            _train(c, ids[:10], 5, {"sgd": 3})
+        assert c.shrink("sgd", unseen_for=2) > 0
+        d2 = c.save(str(tmp_path / "d2"), base=str(tmp_path / "d1"))
+        full = c.save(str(tmp_path / "full"))
+    assert (d1["kind"], d1["chain_length"], d2["kind"], d2["chain_length"]) == (
+        "delta", 2, "delta", 3
+    )  # fmt: skip
+    by_name = {t["config"]["name"]: t for t in d1["tables"]}
+    assert by_name["adam"]["rows"] == 800 and by_name["sgd"]["rows"] == 300
+    assert by_name["ftrl"]["removed"] > 0 and by_name["ftrl"]["full_files"] == 0
+    emb2 = {t["config"]["name"]: t for t in d2["tables"]}["emb2"]
+    assert emb2["full_files"] == 2  # new since the base: written whole
+    assert {t["config"]["name"] for t in full["tables"]} == {"adam", "emb2", "sgd"}
+    chained = _staged_rows(str(tmp_path / "d2"), load_shards)
+    whole = _staged_rows(str(tmp_path / "full"), load_shards)
+    assert set(chained) == {"adam", "emb2", "sgd"}
+    for name in whole:
+        assert chained[name] == whole[name], name
+    assert len(whole["sgd"]) < 4000  # expiry removed rows, and the chain knows
+
+
+def test_chain_onto_a_running_cluster_and_deltas_on_top_of_the_load(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    ids = np.arange(3000, dtype=np.int64)
+    with start_cluster(2).client() as c:
+        _create(c)
+        _train(c, ids, 1, TABLES)
+        c.save(str(tmp_path / "base"))
+        _train(c, ids[:50], 2, TABLES)
+        c.save(str(tmp_path / "d1"), base=str(tmp_path / "base"))
+    three = start_cluster(3)
+    with three.client() as c:
+        loaded = c.load(str(tmp_path / "d1"))
+        assert loaded["adam"]["rows"] == 3000
+        # A delta on top of the loaded checkpoint holds only what changed
+        # after the load, on the new shard count.
+        _train(c, ids[100:110], 3, {"adam": 8})
+        d2 = c.save(str(tmp_path / "d2"), base=str(tmp_path / "d1"))
+        c.save(str(tmp_path / "full"))
+    assert {t["config"]["name"]: t["rows"] for t in d2["tables"]} == {
+        "adam": 10, "ftrl": 0, "sgd": 0
+    }  # fmt: skip
+    assert d2["num_shards"] == 3 and d2["kind"] == "delta"
+    assert _staged_rows(str(tmp_path / "d2"), 2) == _staged_rows(str(tmp_path / "full"), 2)
+
+
+def test_removed_and_readmitted_rows(start_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
+    ids = np.arange(1000, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1)
+        _train(c, ids, 1, {"t": 4})
+        c.save(str(tmp_path / "base"))
+        _train(c, ids[:500], 2, {"t": 4})  # rows [0, 500) get 2 updates
+        assert c.shrink("t", min_count=2) == 500  # [500, 1000) go
+        _train(c, ids[900:], 3, {"t": 4})  # [900, 1000) come back, fresh
+        c.save(str(tmp_path / "d1"), base=str(tmp_path / "base"))
+        c.save(str(tmp_path / "full"))
+    rows = _staged_rows(str(tmp_path / "d1"), 1)["t"]
+    assert sorted(rows) == list(range(500)) + list(range(900, 1000))
+    assert rows == _staged_rows(str(tmp_path / "full"), 1)["t"]
+
+
+def test_a_row_and_its_slots_come_from_one_moment_while_pushes_run(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Every row of a delta taken during pushes equals an oracle replay of
+    the same pushes after as many updates as the row's step count: value,
+    Adam slots and step from one moment (DeepRec #1023 mixed them)."""
+    n, dim, pushes = 20000, 4, 24
+    config = tf_dlt.TableConfig.create("adam", dim, "normal", "adam", seed=3)
+    ids = np.arange(n, dtype=np.int64)
+
+    def grads(k: int) -> np.ndarray:
+        return np.random.default_rng(k).normal(size=(n, dim)).astype(np.float32)
+
+    # The oracle: the same pushes on a local table, every step recorded.
+    oracle = _native.Table(config.to_dict())
+    states = []
+    oracle.pull(ids)
+    for k in range(pushes):
+        oracle.push(ids, grads(k), 0.01)
+        ex = oracle.exporter()
+        got = {}
+        while (chunk := ex.next(8192)) is not None:
+            for i in range(len(chunk[0])):
+                got[int(chunk[0][i])] = (chunk[1][i].tobytes(), chunk[2][i].tobytes())
+        states.append(got)
+    with start_cluster(2).client() as c:
+        c.create_table_from_config(config)
+        c.pull("adam", ids)
+        c.push("adam", ids, grads(0), 0.01)
+        c.save(str(tmp_path / "base"))
+
+        def push_rest() -> None:
+            with tf_dlt.Client(c.pservers) as pusher:
+                for k in range(1, pushes):
+                    pusher.push("adam", ids, grads(k), 0.01)
+
+        worker = threading.Thread(target=push_rest)
+        worker.start()
+        saved = []
+        while worker.is_alive() or not saved:
+            saved.append(c.save(str(tmp_path / f"d{len(saved)}"), base=str(tmp_path / "base")))
+        worker.join()
+    steps_seen = set()
+    for k in range(len(saved)):
+        rows = _staged_rows(str(tmp_path / f"d{k}"), 1)["adam"]
+        assert len(rows) == n
+        for i, (values, slots, step, _) in rows.items():
+            assert (values, slots) == states[step - 1][i], (k, i, step)
+            steps_seen.add(step)
+    assert len(steps_seen) > 1  # the saves did overlap the pushes
+
+
+def test_broken_missing_and_corrupt_links_are_refused_naming_them(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    ids = np.arange(2000, dtype=np.int64)
+    with start_cluster(2).client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1)
+        _train(c, ids, 1, {"t": 4})
+        c.save(str(tmp_path / "base"))
+        for k in (1, 2, 3):
+            _train(c, ids[k * 10 : k * 10 + 10], k, {"t": 4})
+            prev = "base" if k == 1 else f"d{k - 1}"
+            c.save(str(tmp_path / f"d{k}"), base=str(tmp_path / prev))
+        before = c.pull("t", ids)
+        # A corrupt delta: refused, naming its file; the chain before it loads.
+        d3 = json.loads((tmp_path / "d3" / "MANIFEST.json").read_text())
+        victim = tmp_path / "d3" / d3["files"][1]["file"]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        with pytest.raises(errors.FailedPreconditionError, match=d3["files"][1]["file"]):
+            c.load(str(tmp_path / "d3"))
+        np.testing.assert_array_equal(c.pull("t", ids), before)  # nothing changed
+        c.load(str(tmp_path / "d2"))
+        # A missing link: refused, naming it.
+        shutil.rmtree(tmp_path / "d1")
+        with pytest.raises(errors.FailedPreconditionError, match="broken checkpoint chain.*d1"):
+            c.load(str(tmp_path / "d2"))
+        # A link replaced by another save: refused.
+        c.save(str(tmp_path / "d1"))
+        with pytest.raises(errors.FailedPreconditionError, match="now holds save"):
+            c.load(str(tmp_path / "d2"))
+        c.load(str(tmp_path / "base"))
+        with pytest.raises(errors.InvalidArgumentError, match="directory of its own"):
+            c.save(str(tmp_path / "base"), base=str(tmp_path / "base"))
+
+
+def test_shard_killed_during_a_delta_save_leaves_the_chain_before_it_loadable(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    cluster = start_cluster(2)
+    ids = np.arange(200_000, dtype=np.int64)
+    with cluster.client(request_timeout=60) as c:
+        c.create_table("t", 64, "normal", "adagrad", seed=1)
+        for k in range(0, len(ids), 50_000):
+            _train(c, ids[k : k + 50_000], k, {"t": 64})
+        c.save(str(tmp_path / "base"))
+        _train(c, ids[:100_000], 7, {"t": 64})
+        c.save(str(tmp_path / "d1"), base=str(tmp_path / "base"))
+        _train(c, ids, 8, {"t": 64})
+        errors_seen: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                c.save(str(tmp_path / "d2"), base=str(tmp_path / "d1"))
+            except errors.DltError as e:
+                errors_seen.append(e)
+
+        worker = threading.Thread(target=save)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "d2").glob("shard-00001-*.tmp-*")):
+            assert time.monotonic() < deadline and worker.is_alive(), "the save never started"
+            time.sleep(0.005)
+        cluster.kill(1)
+        worker.join(120)
+        assert errors_seen and not (tmp_path / "d2" / "MANIFEST.json").exists()
+    cluster.restart(1)
+    with cluster.client() as c:
+        c.load(str(tmp_path / "d1"))
+        assert c.list_tables()["t"]["rows"] == len(ids)
+
+
+def test_compact_ls_and_prune_from_the_command_line(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    ids = np.arange(3000, dtype=np.int64)
+    run = tmp_path / "run"
+    with start_cluster(2).client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1)
+        _train(c, ids, 1, {"t": 4})
+        c.save(str(run / "c1"))
+        for k in range(2, 6):
+            _train(c, ids[k * 10 : k * 10 + 10], k, {"t": 4})
+            c.save(str(run / f"c{k}"), base=str(run / f"c{k - 1}"))
+        c.save(str(run / "c6"))  # a new base
+        _train(c, ids[:5], 6, {"t": 4})
+        c.save(str(run / "c7"), base=str(run / "c6"))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tf_dlt.tools.cli", "checkpoint", *args],
+            capture_output=True, text=True, cwd="/", timeout=120,
+        )  # fmt: skip
+
+    out = cli("ls", str(run / "c5"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()[1:]
+    assert [line.split()[0] for line in lines] == ["full"] + ["delta"] * 4
+    assert lines[-1].endswith(str(run / "c5"))
+    listed = json.loads(cli("ls", str(run), "--json").stdout)
+    assert [r["path"].rsplit("/", 1)[-1] for r in listed] == [f"c{k}" for k in range(1, 8)]
+    out = cli("compact", str(run / "c5"), str(tmp_path / "compacted"), "--num-shards", "3")
+    assert out.returncode == 0, out.stderr
+    compacted = manifest.read_manifest(str(tmp_path / "compacted"))
+    assert compacted["kind"] == "full" and compacted["num_shards"] == 3
+    assert _staged_rows(str(tmp_path / "compacted"), 2) == _staged_rows(str(run / "c5"), 2)
+    # Keep the newest 2 (c6, c7): c1..c5 go. Keep 4 (c4..c7): c4 and c5
+    # need c1..c3, so nothing goes.
+    out = cli("prune", str(run), "--keep", "4")
+    assert out.returncode == 0 and "kept 7" in out.stdout, out.stdout + out.stderr
+    out = cli("prune", str(run), "--keep", "2")
+    assert sorted(os.listdir(run)) == ["c6", "c7"], out.stdout
+    assert cli("ls", str(tmp_path / "nothing")).returncode == 1
+
+
+def test_retain_never_deletes_what_a_kept_checkpoint_needs(tmp_path: Path) -> None:
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    table = shard.get_table("t")
+    paths: list[str] = []
+    for k in range(7):  # full, delta, delta, full, delta, delta, delta
+        table.push(np.arange(k * 5, k * 5 + 5, dtype=np.int64), np.ones((5, 2), np.float32), 0.1)
+        path, save_id = str(tmp_path / f"c{k}"), manifest.new_save_id()
+        parent = None
+        if k not in (0, 3):
+            base = manifest.read_manifest(paths[-1])
+            parent = {"path": paths[-1], "save_id": base["save_id"],
+                      "chain_length": base["chain_length"]}  # fmt: skip
+        part = shard_files.save_shard(path, shard, save_id, parent["save_id"] if parent else "")
+        manifest.write_manifest(path, [part], save_id, parent)
+        paths.append(path)
+    assert chain.retain(paths, 2) == paths[:3]  # c5, c6 need c3, c4
+    assert sorted(os.listdir(tmp_path)) == ["c3", "c4", "c5", "c6"]
+    assert chain.retain(paths[3:], 1) == []
+    with pytest.raises(errors.InvalidArgumentError):
+        chain.retain(paths[3:], 0)

@@ -1,0 +1,135 @@
+"""Checkpoint chains as a whole: listing them, keeping the newest N with
+everything they need, and compacting a chain into one full checkpoint.
+
+A chain is a full checkpoint and the deltas saved on top of it, each naming
+its parent in its manifest (`manifest.resolve_chain`). Model checkpoints
+(`tf_dlt.save`) keep their tables' chain in a ``tables/`` subdirectory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+from tf_dlt import _native, errors
+from tf_dlt.checkpoint import manifest as manifest_lib
+from tf_dlt.checkpoint import shard_files
+
+
+def _key(path: str) -> str:
+    """A path in one normal form, to compare checkpoints by location."""
+    fs, root = manifest_lib.filesystem(path)
+    return os.path.normpath(os.path.abspath(root)) if manifest_lib.is_local(fs) else root
+
+
+def tables_path(path: str, tables_dir: str | None = None) -> str:
+    """Where the table checkpoint of `path` is: `path` itself, or its
+    `tables_dir` subdirectory for a model checkpoint."""
+    return f"{path.rstrip('/')}/{tables_dir}" if tables_dir else path
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint found in a directory."""
+
+    path: str  # what a user loads (a model checkpoint's directory, or the tables')
+    tables: str  # the table checkpoint inside it
+    manifest: dict[str, Any]
+
+
+def find(directory: str) -> list[Checkpoint]:
+    """The committed checkpoints in `directory` (itself, its
+    subdirectories, and model checkpoints' ``tables/``), oldest first by
+    save id (the time of the save)."""
+    fs, root = manifest_lib.filesystem(directory)
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    prefix = "" if manifest_lib.is_local(fs) or "://" not in directory else f"{protocol}://"
+    candidates = [directory]
+    with contextlib.suppress(FileNotFoundError):
+        for entry in fs.ls(root, detail=True):
+            if entry["type"] == "directory":
+                candidates.append(prefix + str(entry["name"]).rstrip("/"))
+    found = []
+    for path in candidates:
+        for tables, tables_dir in ((path, None), (tables_path(path, "tables"), "tables")):
+            try:
+                m = manifest_lib.read_manifest(tables)
+            except (errors.NotFoundError, errors.FailedPreconditionError):
+                continue
+            found.append(Checkpoint(path, tables_path(path, tables_dir), m))
+            break
+    return sorted(found, key=lambda c: str(c.manifest["save_id"]))
+
+
+def needed(paths: list[str], tables_dir: str | None = None) -> set[str]:
+    """The table checkpoints (in `_key` form) that loading any of `paths`
+    reads: each one's chain."""
+    out: set[str] = set()
+    for path in paths:
+        for link in manifest_lib.resolve_chain(tables_path(path, tables_dir)):
+            out.add(_key(link.path))
+    return out
+
+
+def retain(paths: list[str], keep: int, tables_dir: str | None = None) -> list[str]:
+    """Deletes the checkpoints of `paths` (oldest first) except the newest
+    `keep` and every checkpoint their chains need; returns those deleted. A
+    checkpoint whose chain cannot be read is kept, and so is all before it."""
+    if keep < 1:
+        raise errors.InvalidArgumentError(f"keep must be >= 1, got {keep}")
+    kept = paths[-keep:]
+    try:
+        need = needed(kept, tables_dir)
+    except errors.DltError:
+        return []  # a broken chain: never guess what it needs
+    deleted = []
+    for path in paths[:-keep]:
+        if _key(tables_path(path, tables_dir)) in need:
+            continue
+        fs, root = manifest_lib.filesystem(path)
+        fs.rm(root, recursive=True)
+        deleted.append(path)
+    return deleted
+
+
+def describe(path: str) -> list[dict[str, Any]]:
+    """The chain a load of `path` reads, oldest first: per checkpoint its
+    path, kind, save id, creation time, shard count, rows and removals
+    written, and bytes of its files."""
+    out = []
+    for link in manifest_lib.resolve_chain(path):
+        m = link.manifest
+        out.append(
+            {
+                "path": link.path,
+                "kind": link.kind,
+                "save_id": link.save_id,
+                "created_unix": m.get("created_unix", 0.0),
+                "num_shards": m["num_shards"],
+                "rows": sum(t["rows"] for t in m["tables"]),
+                "removed": sum(t.get("removed", 0) for t in m["tables"]),
+                "bytes": sum(f["bytes"] for f in m["files"]),
+            }
+        )
+    return out
+
+
+def compact(source: str, target: str, num_shards: int | None = None) -> dict[str, Any]:
+    """Writes the state the chain of `source` loads as one full checkpoint
+    at `target`, with `num_shards` files (default: the head's shard count).
+    One file's share of the table is in memory at a time."""
+    if _key(source) == _key(target):
+        raise errors.InvalidArgumentError("compact needs a target other than its source")
+    head = manifest_lib.resolve_chain(source)[-1].manifest
+    n = num_shards or int(head["num_shards"])
+    save_id = manifest_lib.new_save_id()
+    parts = []
+    for index in range(n):
+        shard = _native.Shard(index, n)
+        staged = shard_files.prepare_load(source, shard)
+        shard.install_tables(staged["staged"])
+        parts.append(shard_files.save_shard(target, shard, save_id))
+        del shard, staged
+    return manifest_lib.write_manifest(target, parts, save_id)
