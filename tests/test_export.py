@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import tf_dlt
+import tf_dlt.checkpoint.manifest
 from tf_dlt.layers import Embedding
 from tf_dlt.server.local import LocalCluster
 
@@ -168,3 +170,38 @@ def test_standalone_export_of_the_most_frequent_rows(
         tf_dlt.export_saved_model(model, str(tmp_path / "x"), mode="standalone", most_frequent=0)
     with pytest.raises(ValueError, match="choose the rows of a standalone export"):
         tf_dlt.export_saved_model(model, str(tmp_path / "x"), most_frequent=3)
+
+
+def test_remote_export_served_by_followers_tracks_training_deltas(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """The serving fleet follows the trainer's checkpoint directory: the
+    remote SavedModel, pointed at it with TF_DLT_PSERVERS, predicts what
+    the model predicted at each committed delta."""
+    trainer = start_cluster(2)
+    model = tf_dlt.transpile(_model("exp_follow"), trainer.addresses)
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    run = tmp_path / "run"
+    tf_dlt.save(model, str(run / "c1"))
+    tf_dlt.export_saved_model(model, str(tmp_path / "remote"))
+    followers = start_cluster(
+        3, "--read-only", "--follow", str(run), "--follow-interval", "0.1"
+    )  # fmt: skip
+    env = {"TF_DLT_PSERVERS": ",".join(followers.addresses)}
+    # Dense weights stay as exported; only the tables move on.
+    head = model.get_layer("head").get_weights()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    model.get_layer("head").set_weights(head)
+    info = tf_dlt.save(model, str(run / "c2"), incremental=True)
+    assert info["kind"] == "delta"
+    live = model.predict(x, verbose=0)
+    target = tf_dlt.checkpoint.manifest.read_manifest(str(run / "c2" / "tables"))["save_id"]
+    with followers.client() as f:
+        for _ in range(600):
+            if all(s.get("serving_save_id") == target for s in f.stats()):
+                break
+            time.sleep(0.05)
+        assert all(s.get("serving_save_id") == target for s in f.stats())
+    served = _serve_elsewhere(tmp_path, tmp_path / "remote", x, with_tf_dlt=True, env=env)
+    np.testing.assert_allclose(served, live, atol=1e-6)

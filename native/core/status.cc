@@ -34,6 +34,7 @@ bool IsWireCode(uint32_t code) {
     case Code::kNotFound:
     case Code::kUnauthenticated:
     case Code::kResourceExhausted:
+    case Code::kFailedPrecondition:
     case Code::kUnavailable:
     case Code::kInternal:
       return true;

@@ -79,6 +79,7 @@ class DataServer {
   Status Start();
   int port() const { return port_; }
   void set_admin_port(uint32_t port) { handler_.set_admin_port(port); }
+  void set_read_only(bool read_only) { handler_.set_read_only(read_only); }
   // Authenticated connections allowed (max_connections resolved at Start).
   int max_connections() const { return max_connections_; }
   int worker_threads() const { return static_cast<int>(workers_.size()); }

@@ -125,6 +125,14 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
   }
   const bool push = header.opcode == wire::Opcode::kPush;
   const bool assign = header.opcode == wire::Opcode::kAssign;
+  const bool read_only = read_only_.load(std::memory_order_relaxed);
+  if ((push || assign) && read_only) {
+    return fail(
+        FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
+                           " is read-only (it serves checkpoints): " +
+                           (push ? "pushes" : "assignments") + " go to the training shards"),
+        false);
+  }
   wire::TableRequest request;
   Status s = push     ? wire::DecodePushRequest(payload, header.payload_bytes, &request)
              : assign ? wire::DecodeAssignRequest(payload, header.payload_bytes, &request)
@@ -168,7 +176,9 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
   wire::EncodeHeader({wire::Opcode::kPull, wire::kFlagResponse, id, static_cast<uint32_t>(body)},
                      out);
   wire::EncodePullReplyPrefix(request.dim, request.num_ids, out + wire::kHeaderBytes);
-  table->Pull(request.ids, request.num_ids, request.mode,
+  const PullMode mode =
+      read_only && request.mode == PullMode::kInsert ? PullMode::kZerosNoInsert : request.mode;
+  table->Pull(request.ids, request.num_ids, mode,
               reinterpret_cast<float*>(out + wire::kHeaderBytes + wire::kPullReplyFixed));
   counters_->pulls.fetch_add(1);
   counters_->pulled_rows.fetch_add(request.num_ids);

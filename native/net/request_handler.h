@@ -24,6 +24,9 @@ class RequestHandler {
                  ServerCounters* counters);
 
   void set_admin_port(uint32_t port) { admin_port_.store(port); }
+  // A read-only shard (it serves checkpoints) refuses pushes and
+  // assignments, and a pull never creates a row (absent ids read zeros).
+  void set_read_only(bool read_only) { read_only_.store(read_only); }
   uint32_t max_frame_bytes() const { return max_frame_bytes_; }
 
   // Checks a frame header before its payload is read. Before the Hello only
@@ -51,6 +54,7 @@ class RequestHandler {
   const std::string auth_token_;
   const uint32_t max_frame_bytes_;
   std::atomic<uint32_t> admin_port_{0};
+  std::atomic<bool> read_only_{false};
   ServerCounters* counters_;
 };
 

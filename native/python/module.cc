@@ -511,6 +511,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("max_unauthenticated") = 256, py::arg("hello_timeout_ms") = 5000,
            py::arg("idle_timeout_ms") = 600000, py::arg("max_buffered_bytes") = uint64_t{1} << 30)
       .def("start", [](DataServer& s) { Check(s.Start()); })
+      .def("set_read_only", &DataServer::set_read_only)
       .def_property_readonly("port", &DataServer::port)
       .def_property_readonly("max_connections", &DataServer::max_connections)
       .def_property_readonly("worker_threads", &DataServer::worker_threads)

@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -227,14 +228,17 @@ class Link:
         return str(self.manifest.get("kind", "full"))
 
 
-def resolve_chain(path: str) -> list[Link]:
+def resolve_chain(path: str, allow: Callable[[str], None] | None = None) -> list[Link]:
     """The checkpoints a load of `path` reads, oldest first: the full base,
     then every delta up to `path`. Each link's manifest is read and checked,
     and each delta's parent must be the very save it was taken on top of;
-    a broken link is refused (FailedPreconditionError) naming it."""
+    a broken link is refused (FailedPreconditionError) naming it. `allow`
+    raises for a parent path the caller may not read (checkpoint roots)."""
     links: list[Link] = []
     current, expected = path, ""
     while True:
+        if allow is not None:
+            allow(current)
         try:
             manifest = read_manifest(current)
         except errors.NotFoundError:

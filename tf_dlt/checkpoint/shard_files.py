@@ -459,7 +459,9 @@ def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
     return staged
 
 
-def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
+def prepare_load(
+    path: str, shard: _native.Shard, allow: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Reads and verifies the rows this shard owns from checkpoint `path`
     (the chain of its full base and every delta up to it) into new tables,
     returned under "staged" and not installed.
@@ -470,9 +472,10 @@ def prepare_load(path: str, shard: _native.Shard) -> dict[str, Any]:
     one step, so a cluster can verify on every shard before any shard
     changes. The staged tables track changes from `path` on, so a delta
     saved on top of it later holds only what changed after the load.
+    `allow` raises for a checkpoint of the chain the caller may not read.
     """
     start = time.monotonic()
-    chain = manifest_lib.resolve_chain(path)
+    chain = manifest_lib.resolve_chain(path, allow)
     head = chain[-1].manifest
     existing = {t.name: normalized(t.config) for t in shard.tables()}
     for info in head["tables"]:

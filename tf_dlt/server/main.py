@@ -102,6 +102,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--load-from", help="checkpoint to load before serving")
     p.add_argument(
+        "--read-only",
+        action="store_true",
+        help="serve checkpoints only: pushes, saves, loads and table changes are refused",
+    )
+    p.add_argument(
+        "--follow",
+        metavar="CHECKPOINT_DIR",
+        help="with --read-only: serve the newest checkpoint chain in this directory and apply "
+        "every new delta as it is committed",
+    )
+    p.add_argument(
+        "--follow-interval", type=float, default=5.0, help="seconds between reads of --follow"
+    )
+    p.add_argument(
         "--stop-grace", type=float, default=60.0, help="seconds SIGTERM waits for a running Save"
     )
     p.add_argument("--tls-cert", help="PEM certificate: serve the control plane over TLS")
@@ -190,6 +204,9 @@ def run(args: argparse.Namespace) -> int:
             load_timeout_s=args.load_timeout,
             sweep_interval_s=args.sweep_interval,
             load_from=args.load_from,
+            read_only=args.read_only,
+            follow=args.follow,
+            follow_interval_s=args.follow_interval,
             stop_grace_s=args.stop_grace,
             metrics_port=args.metrics_port,
             tls=server_tls,

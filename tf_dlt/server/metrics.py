@@ -20,7 +20,11 @@ scrape from the shard's own counters, so nothing is counted twice:
   tf_dlt_connections_evicted_total (closed before their Hello for a newer
   connection), tf_dlt_connection_timeouts_total {kind="hello"|"idle"|"io"};
 - tf_dlt_connection_limit, tf_dlt_worker_threads (gauges);
-- tf_dlt_shard_info {shard, num_shards}: 1.
+- tf_dlt_shard_info {shard, num_shards}: 1;
+- a read-only shard: tf_dlt_read_only (1), tf_dlt_serving_checkpoint_info
+  {path, save_id}: 1; following a directory also tf_dlt_follow_current
+  (1 when serving its newest committed checkpoint), tf_dlt_follow_lag_seconds
+  (how long a newer one has waited) and tf_dlt_deltas_applied_total.
 """
 
 from __future__ import annotations
@@ -67,6 +71,29 @@ class ShardCollector:
         info = GaugeMetricFamily("tf_dlt_shard_info", "This shard", labels=["shard", "num_shards"])
         info.add_metric([str(s["shard_index"]), str(s["num_shards"])], 1)
         yield info
+        yield GaugeMetricFamily(
+            "tf_dlt_read_only", "1 when the shard serves checkpoints read-only",
+            value=int(s["read_only"]),
+        )  # fmt: skip
+        if s["read_only"]:
+            serving = GaugeMetricFamily(
+                "tf_dlt_serving_checkpoint_info", "The checkpoint a read-only shard serves",
+                labels=["path", "save_id"],
+            )  # fmt: skip
+            serving.add_metric([s.get("serving_path", ""), s.get("serving_save_id", "")], 1)
+            yield serving
+        if s.get("follow_dir"):
+            yield GaugeMetricFamily(
+                "tf_dlt_follow_current", "1 when serving the newest committed checkpoint",
+                value=int(s["follow_current"]),
+            )  # fmt: skip
+            yield GaugeMetricFamily(
+                "tf_dlt_follow_lag_seconds", "How long a newer committed checkpoint has waited",
+                value=s["follow_lag_seconds"],
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "tf_dlt_deltas_applied", "Deltas applied in place", value=s["deltas_applied"]
+            )
         rows = GaugeMetricFamily("tf_dlt_table_rows", "Rows of each table", labels=["table"])
         size = GaugeMetricFamily("tf_dlt_table_bytes", "Bytes of each table", labels=["table"])
         policy = {

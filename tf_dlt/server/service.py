@@ -127,6 +127,20 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self.last_load_seconds = 0.0
         self.saves = self.loads = 0
         self.save_seconds_total = self.load_seconds_total = 0.0
+        # Read-only (None: writable): why, for the errors; what it serves.
+        self.read_only: str | None = None
+        self.serving: dict[str, Any] = {}
+
+    def allow_load(self, path: str) -> None:
+        """Raises unless Load may read `path` (every checkpoint of a chain)."""
+        self._roots.check(path, "Load")
+
+    def _writable(self, what: str) -> None:
+        if self.read_only is not None:
+            raise errors.FailedPreconditionError(
+                f"shard {self._shard.shard_index} is read-only ({self.read_only}): {what} goes "
+                "to the training shards"
+            )
 
     def count_error(self, code_name: str) -> None:
         with self._errors_lock:
@@ -134,6 +148,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def CreateTable(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._writable("CreateTable")
         config = TableConfig.from_proto(request.config)
         created = self._shard.create_table(config.to_dict())
         if created:
@@ -144,12 +159,14 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def DropTable(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._writable("DropTable")
         self._shard.drop_table(request.name)
         log.info("dropped table %s", request.name)
         return dlt_pb2.DropTableResponse()
 
     @_handler
     def Shrink(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._writable("Shrink")
         table = self._shard.get_table(request.table)
         removed = table.shrink(request.min_count, request.unseen_for)
         log.info(
@@ -165,6 +182,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def Save(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._writable("Save")
         if not request.path:
             raise errors.InvalidArgumentError("Save needs a path")
         self._roots.check(request.path, "Save")
@@ -191,6 +209,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def Load(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._writable("Load")
         phases = dlt_pb2.LoadRequest
         phase = request.phase
         if phase in (phases.COMMIT, phases.ABORT, phases.FINISH, phases.ROLLBACK):
@@ -215,7 +234,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                     "its last phase unless committed or aborted first"
                 )
             log.info("loading from %s", request.path)
-            result = shard_files.prepare_load(request.path, self._shard)
+            result = shard_files.prepare_load(request.path, self._shard, self.allow_load)
             if phase == phases.PREPARE:
                 self._set_pending(
                     PendingLoad(request.load_id, request.path, "prepared", time.monotonic(), result)
@@ -341,6 +360,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "load_seconds_total": self.load_seconds_total,
             "last_save_seconds": self.last_save_seconds,
             "last_load_seconds": self.last_load_seconds,
+            "read_only": self.read_only is not None,
+            **self.serving,
         }
 
     @_handler
@@ -377,6 +398,14 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             max_connections=s["max_connections"],
             worker_threads=s["worker_threads"],
             pending_load=s["pending_load"],
+            read_only=s["read_only"],
+            serving_path=s.get("serving_path", ""),
+            serving_save_id=s.get("serving_save_id", ""),
+            follow_dir=s.get("follow_dir", ""),
+            follow_current=s.get("follow_current", False),
+            follow_lag_seconds=s.get("follow_lag_seconds", 0.0),
+            follow_error=s.get("follow_error", ""),
+            deltas_applied=s.get("deltas_applied", 0),
         )
 
 

@@ -19,11 +19,15 @@ from grpc_reflection.v1alpha import reflection
 from tf_dlt import _native, tls
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import metrics, paths, service
+from tf_dlt.server import follower, metrics, paths, service
+from tf_dlt.server.follower import Follower, FollowStatus
 
 log = logging.getLogger("tf_dlt.server")
 
 SERVICE_NAME = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].full_name
+# Health service of a follower: SERVING while it serves the newest committed
+# checkpoint of its directory, NOT_SERVING while behind (it still serves).
+FOLLOW_SERVICE = "tf_dlt.follow"
 _GRPC_MESSAGE_BYTES = 64 << 20
 
 
@@ -79,6 +83,13 @@ class ShardServer:
             is dropped (prepared) or made final (committed) after this.
         sweep_interval_s: how often rows past their table's ttl are
             removed (one stripe of a table at a time).
+        read_only: serve checkpoints only: pushes, assignments, saves,
+            loads and table changes are refused, pulls never create rows,
+            nothing expires.
+        follow: with `read_only`, a directory of checkpoints to follow
+            (`tf_dlt.server.follower`): the newest chain, then every delta
+            as it is committed.
+        follow_interval_s: how often `follow` is read.
     """
 
     def __init__(
@@ -105,9 +116,16 @@ class ShardServer:
         checkpoint_roots: Sequence[str] = (),
         load_timeout_s: float = 600.0,
         sweep_interval_s: float = 10.0,
+        read_only: bool = False,
+        follow: str | None = None,
+        follow_interval_s: float = 5.0,
     ) -> None:
         if not sweep_interval_s > 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
+        if follow and not read_only:
+            raise ValueError("following a checkpoint directory needs read_only")
+        if follow and load_from:
+            raise ValueError("give load_from or follow, not both")
         self.shard = _native.Shard(shard_index, num_shards)
         self._sweep_interval_ms = max(1, int(sweep_interval_s * 1000))
         self._metrics_port_requested = metrics_port
@@ -141,6 +159,14 @@ class ShardServer:
             paths.CheckpointRoots(checkpoint_roots),
             load_timeout_s=load_timeout_s,
         )
+        self._read_only = read_only
+        self.follower: Follower | None = None
+        if follow:
+            paths.CheckpointRoots(checkpoint_roots).check(follow, "Follow")
+            self.follower = Follower(
+                self.shard, follow, follow_interval_s, on_change=self._follow_changed,
+                allow=self.servicer.allow_load,
+            )  # fmt: skip
         self.admin_port = 0
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -155,11 +181,32 @@ class ShardServer:
         host = "127.0.0.1" if self._bind in ("0.0.0.0", "::", "") else self._bind
         return f"{host}:{self.port}"
 
+    def _follow_changed(self, status: FollowStatus) -> None:
+        self.servicer.serving = follower.describe(status)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        self._health.set(
+            FOLLOW_SERVICE,
+            serving if status.current else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+
     def start(self) -> ShardServer:
+        if self._read_only:
+            self.data_server.set_read_only(True)
+            self.servicer.read_only = (
+                f"it follows {self.follower.status().directory}"
+                if self.follower is not None
+                else "it serves a checkpoint"
+            )
         if self._load_from:
             result = shard_files.load_shard(self._load_from, self.shard)
             rows = sum(t["rows"] for t in result["tables"])
             log.info("loaded %d rows from %s in %.2f s", rows, self._load_from, result["seconds"])
+            if self._read_only:
+                self.servicer.serving = {
+                    "serving_path": self._load_from, "serving_save_id": result["save_id"]
+                }  # fmt: skip
+        if self.follower is not None:
+            self.follower.start()
         interceptors = (
             [service.AuthInterceptor(self._auth_token, self.servicer.count_error)]
             if self._auth_token
@@ -190,7 +237,8 @@ class ShardServer:
             raise OSError(f"cannot bind the admin port {self._bind}:{self._admin_port_requested}")
         self.data_server.set_admin_port(self.admin_port)
         self.data_server.start()
-        self.shard.start_sweeper(self._sweep_interval_ms)
+        if not self._read_only:  # a read-only shard serves its checkpoint as it is
+            self.shard.start_sweeper(self._sweep_interval_ms)
         server.start()
         self._grpc = server
         if self._metrics_port_requested is not None:
@@ -222,6 +270,8 @@ class ShardServer:
                 return
             grace = self._stop_grace_s if grace_s is None else grace_s
             self._health.enter_graceful_shutdown()
+            if self.follower is not None:
+                self.follower.stop()
             if self._grpc is not None:
                 self._grpc.stop(grace).wait()
             self.data_server.stop()

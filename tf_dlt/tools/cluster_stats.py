@@ -49,6 +49,7 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
     """The per-shard and per-table tables `tf-dlt stats` prints."""
     shard_rows = []
     pending: list[str] = []
+    serving: list[str] = []
     by_table: dict[str, list[int]] = {}  # rows, bytes, dim, then _POLICY counts
     for s, address in zip(stats, addresses, strict=True):
         tables = s.get("tables", [])
@@ -75,6 +76,18 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
         ))  # fmt: skip
         if s.get("pending_load"):
             pending.append(f"shard {s.get('shard_index', 0)}: {s['pending_load']}")
+        if s.get("read_only"):
+            line = f"shard {s.get('shard_index', 0)}: read-only, serving " + (
+                f"{s.get('serving_path', '')} (save {s.get('serving_save_id', '')})"
+            )
+            if s.get("follow_dir"):
+                state = "current" if s.get("follow_current") else (
+                    f"BEHIND {float(s.get('follow_lag_seconds', 0)):.0f} s"
+                )  # fmt: skip
+                line += f"; follows {s['follow_dir']}: {state}, {s.get('deltas_applied', 0)} deltas"
+                if s.get("follow_error"):
+                    line += f"; error: {s['follow_error']}"
+            serving.append(line)
     table_rows = [
         (name, str(dim), str(rows), f"{size / 1e6:.1f}", *map(str, counts))
         for name, (rows, size, dim, *counts) in sorted(by_table.items())
@@ -84,6 +97,7 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
         + "\n\n"
         + _table(("table", "dim", "rows", "MB", *_POLICY), table_rows)
         + "".join(f"\n\nin progress: {line}" for line in pending)
+        + "".join(f"\n\n{line}" for line in serving)
     )
 
 

@@ -1,0 +1,174 @@
+"""Read-only shards following a checkpoint directory (tf-dlt server
+--read-only --follow DIR): they serve the newest chain, apply each delta as
+it is committed, refuse writes, and keep serving what they have when a
+delta is broken, saying so in Stats and the health service."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import tf_dlt
+from tf_dlt import errors
+from tf_dlt.checkpoint import manifest
+
+from conftest import Cluster
+
+
+def _wait_for(cluster: Cluster, done: Callable[[list[dict[str, Any]]], bool]) -> list[Any]:
+    deadline = time.monotonic() + 60
+    with cluster.client() as c:
+        while True:
+            stats = c.stats()
+            if done(stats):
+                return stats
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+
+
+def _serving(save_id: str) -> Callable[[list[dict[str, Any]]], bool]:
+    return lambda stats: all(s.get("serving_save_id") == save_id for s in stats)
+
+
+def _follow_health(cluster: Cluster, shard: int = 0) -> tuple[int, int]:
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[shard]}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        overall = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        follow = stub.Check(health_pb2.HealthCheckRequest(service="tf_dlt.follow"), timeout=10)
+        return overall, follow.status
+
+
+def _push(c: tf_dlt.Client, ids: np.ndarray, seed: int) -> None:
+    c.pull("t", ids)
+    c.push("t", ids, np.random.default_rng(seed).normal(size=(len(ids), 4)).astype(np.float32), 0.1)
+
+
+def test_followers_track_training_through_deltas_and_refuse_writes(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    ids = np.arange(5000, dtype=np.int64)
+    trainer = start_cluster(2)
+    with trainer.client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1)
+        _push(c, ids, 1)
+        c.save(str(run / "c1"))
+        c1 = c.pull("t", ids)
+    # Three serving shards follow what two training shards save.
+    followers = start_cluster(
+        3, "--read-only", "--follow", str(run), "--follow-interval", "0.1"
+    )  # fmt: skip
+    first = manifest.read_manifest(str(run / "c1"))["save_id"]
+    _wait_for(followers, _serving(first))
+    with followers.client() as f:
+        np.testing.assert_array_equal(f.pull("t", ids), c1)
+        with pytest.raises(errors.FailedPreconditionError, match="read-only"):
+            f.push("t", ids[:3], np.ones((3, 4), np.float32), 0.1)
+        with pytest.raises(errors.FailedPreconditionError, match="read-only"):
+            f.save(str(tmp_path / "nope"))
+        with pytest.raises(errors.FailedPreconditionError, match="read-only"):
+            f.create_table("u", 2)
+        with pytest.raises(errors.FailedPreconditionError, match="read-only"):
+            f.load(str(run / "c1"))
+        # A pull of an unknown id reads zeros and creates nothing.
+        np.testing.assert_array_equal(f.pull("t", np.array([10**12])), np.zeros((1, 4)))
+        assert f.list_tables()["t"]["rows"] == len(ids)
+    with trainer.client() as c:
+        _push(c, ids[:100], 2)
+        assert c.shrink("t", min_count=2) == len(ids) - 100
+        _push(c, np.arange(9000, 9010, dtype=np.int64), 3)
+        d2 = c.save(str(run / "c2"), base=str(run / "c1"))
+        c2 = c.pull("t", ids[:100])
+        new = c.pull("t", np.arange(9000, 9010, dtype=np.int64))
+    stats = _wait_for(followers, _serving(d2["save_id"]))
+    assert all(s["follow_current"] and int(s["deltas_applied"]) == 1 for s in stats)
+    with followers.client() as f:
+        np.testing.assert_array_equal(f.pull("t", ids[:100]), c2)
+        np.testing.assert_array_equal(f.pull("t", np.arange(9000, 9010, dtype=np.int64)), new)
+        # Removed rows are gone (read zeros), not served stale.
+        np.testing.assert_array_equal(f.pull("t", ids[100:]), np.zeros((len(ids) - 100, 4)))
+        assert f.list_tables()["t"]["rows"] == 110
+    assert _follow_health(followers) == (
+        health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.SERVING
+    )  # fmt: skip
+
+
+def test_a_broken_delta_keeps_followers_serving_what_they_have(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    ids = np.arange(2000, dtype=np.int64)
+    trainer = start_cluster(1)
+    with trainer.client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1)
+        _push(c, ids, 1)
+        c.save(str(run / "c1"))
+        _push(c, ids[:10], 2)
+        d2 = c.save(str(run / "c2"), base=str(run / "c1"))
+        served = c.pull("t", ids)
+    followers = start_cluster(
+        2, "--read-only", "--follow", str(run), "--follow-interval", "0.1"
+    )  # fmt: skip
+    _wait_for(followers, _serving(d2["save_id"]))
+    with trainer.client() as c:
+        _push(c, ids[:10], 3)
+        # Written beside the run and moved in whole once corrupt, so the
+        # followers never see it intact (its parent path is relative).
+        d3 = c.save(str(tmp_path / "stage" / "c3"), base=str(run / "c2"))
+    victim = tmp_path / "stage" / "c3" / d3["files"][0]["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    (tmp_path / "stage" / "c3").rename(run / "c3")
+    stats = _wait_for(followers, lambda s: all(x.get("follow_error") for x in s))
+    for s in stats:
+        assert s["serving_save_id"] == d2["save_id"] and not s["follow_current"]
+        assert d3["files"][0]["file"] in s["follow_error"] and s["follow_lag_seconds"] >= 0
+    with followers.client() as f:
+        np.testing.assert_array_equal(f.pull("t", ids), served)
+    assert _follow_health(followers) == (
+        health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    )  # fmt: skip
+    # A new full checkpoint: the followers load it and are current again.
+    with trainer.client() as c:
+        full = c.save(str(run / "c4"))
+        latest = c.pull("t", ids)
+    stats = _wait_for(followers, _serving(full["save_id"]))
+    assert all(s["follow_current"] and not s["follow_error"] for s in stats)
+    with followers.client() as f:
+        np.testing.assert_array_equal(f.pull("t", ids), latest)
+
+
+def test_follower_reports_in_stats_and_metrics(tmp_path: Path) -> None:
+    from urllib.request import urlopen
+
+    from tf_dlt.server import ShardServer
+    from tf_dlt.tools.cluster_stats import format_stats
+
+    shard = tf_dlt._native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    shard.get_table("t").push(np.arange(10, dtype=np.int64), np.ones((10, 2), np.float32), 0.1)
+    from tf_dlt.checkpoint import shard_files
+
+    save_id = manifest.new_save_id()
+    part = shard_files.save_shard(str(tmp_path / "run" / "c1"), shard, save_id)
+    manifest.write_manifest(str(tmp_path / "run" / "c1"), [part], save_id)
+    with ShardServer(
+        read_only=True, follow=str(tmp_path / "run"), follow_interval_s=0.1, metrics_port=0
+    ) as server:
+        text = urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
+        assert b"tf_dlt_read_only 1.0" in text and b"tf_dlt_follow_current 1.0" in text
+        assert f'save_id="{save_id}"'.encode() in text
+        with tf_dlt.Client([server.address]) as c:
+            out = format_stats(c.stats(), [server.address])
+        assert f"read-only, serving {tmp_path / 'run' / 'c1'} (save {save_id})" in out
+        assert "current, 0 deltas" in out
+    with pytest.raises(ValueError, match="read_only"):
+        ShardServer(follow=str(tmp_path / "run"))

@@ -1,0 +1,184 @@
+"""A read-only shard following a checkpoint directory (`tf-dlt server
+--read-only --follow DIR`): it loads the newest committed chain there, then
+applies every new delta as training commits it, so serving tracks training
+within one delta interval without any load on the training shards.
+
+A delta extending the chain served is applied in place, one checkpoint at a
+time, each verified whole before it changes anything (a pull during an
+apply may see part of that delta's rows). Any other newer checkpoint (a new
+full base, another chain) is loaded into staged tables and installed in one
+step. Whatever fails, the shard keeps serving what it has and says why
+(`status()`, Stats, metrics and the health service "tf_dlt.follow")."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tf_dlt import _native, errors
+from tf_dlt.checkpoint import chain, shard_files
+from tf_dlt.checkpoint import manifest as manifest_lib
+
+log = logging.getLogger("tf_dlt.server")
+
+
+@dataclasses.dataclass
+class FollowStatus:
+    """What a follower serves and how current it is."""
+
+    directory: str
+    serving_path: str = ""
+    serving_save_id: str = ""
+    current: bool = False  # serving the newest committed checkpoint of the directory
+    lag_seconds: float = 0.0  # how long a newer committed checkpoint has waited
+    error: str = ""  # why it is not current ("" when it is)
+    deltas_applied: int = 0
+    loads: int = 0
+
+
+class Follower:
+    """Keeps `shard` serving the newest checkpoint chain in `directory`.
+
+    Args:
+        shard: the read-only shard's native tables.
+        directory: where training commits checkpoints (each in a
+            subdirectory, or model checkpoints with their tables/).
+        interval_s: how often the directory is read.
+        on_change: called after every change of status.
+        allow: raises for a checkpoint path it may not read.
+    """
+
+    def __init__(
+        self,
+        shard: _native.Shard,
+        directory: str,
+        interval_s: float = 5.0,
+        on_change: Callable[[FollowStatus], None] | None = None,
+        allow: Callable[[str], None] | None = None,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self._shard = shard
+        self._interval_s = interval_s
+        self._on_change = on_change
+        self._allow = allow
+        self._status = FollowStatus(directory)
+        self._lock = threading.Lock()  # one poll at a time; guards _status
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def status(self) -> FollowStatus:
+        with self._lock:
+            return dataclasses.replace(self._status)
+
+    def start(self) -> Follower:
+        """Brings the shard to the newest checkpoint now (serving whatever
+        it managed on failure), then follows on a background thread."""
+        self.poll()
+        self._thread = threading.Thread(target=self._run, name="dlt-follow", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - a follower never dies; it reports
+                log.exception("following %s failed", self._status.directory)
+
+    def poll(self) -> FollowStatus:
+        """Reads the directory once and catches up as far as it can."""
+        with self._lock:
+            status = self._status
+            found = chain.find(status.directory)
+            newer = [c for c in found if str(c.manifest["save_id"]) > status.serving_save_id]
+            if not newer:
+                status.error = "" if found else f"no committed checkpoint in {status.directory}"
+                status.current, status.lag_seconds = bool(found), 0.0
+                self._changed()
+                return dataclasses.replace(status)
+            failures = []
+            for candidate in reversed(newer):  # the newest that can be reached
+                try:
+                    links = manifest_lib.resolve_chain(candidate.tables, self._allow)
+                except errors.DltError as e:
+                    failures.append(f"{candidate.path}: {e.message}")
+                    continue
+                try:
+                    self._catch_up(candidate, links)
+                except errors.DltError as e:
+                    failures.append(f"{candidate.path}: {e.message}")
+                break
+            status.current = status.serving_save_id == str(newer[-1].manifest["save_id"])
+            status.error = "; ".join(failures)
+            waiting = [
+                float(c.manifest.get("created_unix", 0.0))
+                for c in newer
+                if str(c.manifest["save_id"]) > status.serving_save_id
+            ]
+            status.lag_seconds = max(0.0, time.time() - min(waiting)) if waiting else 0.0
+            if status.error:
+                log.warning("following %s: %s", status.directory, status.error)
+            self._changed()
+            return dataclasses.replace(status)
+
+    def _catch_up(self, head: chain.Checkpoint, links: list[manifest_lib.Link]) -> None:
+        """Moves the shard along `links` to `head`: in place from the
+        checkpoint served when the chain extends it, else a staged load."""
+        status = self._status
+        served = [link.save_id for link in links]
+        if status.serving_save_id not in served:
+            result = shard_files.prepare_load(head.tables, self._shard, self._allow)
+            self._install(result["staged"])
+            status.serving_path, status.serving_save_id = head.path, str(result["save_id"])
+            status.loads += 1
+            log.info("serving %s (%d checkpoint(s) loaded)", head.path, result["links"])
+            return
+        buckets = (self._shard.first_bucket, self._shard.end_bucket)
+        for link in links[served.index(status.serving_save_id) + 1 :]:
+            tables = {t.name: t for t in self._shard.tables()}
+            start = time.monotonic()
+            shard_files.apply_link(link, tables, self._shard.new_table, buckets, verify_first=True)
+            self._install(list(tables.values()))
+            status.serving_path, status.serving_save_id = link.path, link.save_id
+            status.deltas_applied += 1
+            log.info("applied %s %s in %.2f s", link.kind, link.path, time.monotonic() - start)
+        status.serving_path = head.path
+
+    def _install(self, tables: list[_native.Table]) -> None:
+        """Makes `tables` the shard's tables: new ones installed, others
+        dropped."""
+        keep = {t.name for t in tables}
+        current = {t.name: t for t in self._shard.tables()}
+        self._shard.install_tables([t for t in tables if current.get(t.name) is not t])
+        for name in current:
+            if name not in keep:
+                self._shard.drop_table(name)
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(dataclasses.replace(self._status))
+
+
+def describe(status: FollowStatus | None) -> dict[str, Any]:
+    """The follower's status as Stats and the metrics report it."""
+    if status is None:
+        return {}
+    return {
+        "serving_path": status.serving_path,
+        "serving_save_id": status.serving_save_id,
+        "follow_dir": status.directory,
+        "follow_current": status.current,
+        "follow_lag_seconds": status.lag_seconds,
+        "follow_error": status.error,
+        "deltas_applied": status.deltas_applied,
+    }
