@@ -3,7 +3,11 @@ plain disk I/O of the same number of bytes measured in the same run:
 
 - save: shard_files.save_shard GB/s vs sequential write + fsync (target >= 0.7)
 - load: shard_files.load_shard GB/s vs reading the same bytes back from the
-  page cache (target >= 0.5 or >= 1 GB/s, whichever is lower)
+  page cache and from disk (O_DIRECT), target >= 1 GB/s. The first load of
+  the run is reported apart ("cold"): its table memory is new to the process,
+  and on a VM the first touch of memory the guest has not used yet costs far
+  more than the load itself; later loads reuse memory a table held before,
+  as a long-running shard does.
 
 GB/s counts the shard file's bytes. Disk figures swing a lot here, so save,
 load and the plain I/O baseline run interleaved `--reps` times and the
@@ -50,6 +54,27 @@ def disk_write_read(path: Path, nbytes: int) -> tuple[float, float]:
     return write, read
 
 
+def direct_read(path: Path) -> float:
+    """GB/s of reading `path` with O_DIRECT (from the device, not the page
+    cache), 8 MiB at a time; 0 where O_DIRECT is refused."""
+    import mmap
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return 0.0
+    buf = mmap.mmap(-1, 8 << 20)
+    total, start = 0, time.perf_counter()
+    try:
+        while (n := os.readv(fd, [buf])) > 0:
+            total += n
+    except OSError:
+        return 0.0
+    finally:
+        os.close(fd)
+    return total / (time.perf_counter() - start) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,7 +82,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=4)
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="tf_dlt-bench-", dir=args.dir))
     try:
@@ -65,7 +90,7 @@ def main() -> None:
         table, _ = make_table(args.rows, args.dim)
         shard = _native.Shard(0, 1)
         shard.install_tables([table])
-        saves, loads, writes, reads = [], [], [], []
+        saves, loads, writes, reads, directs = [], [], [], [], []
         for rep in range(args.reps):
             write_gbs, read_gbs = disk_write_read(base / "plain.bin", table.bytes())
             writes.append(write_gbs)
@@ -74,6 +99,10 @@ def main() -> None:
             part = shard_files.save_shard(str(base / "ck"), shard, f"bench{rep}")
             saves.append(time.perf_counter() - start)
             write_manifest(str(base / "ck"), [part], f"bench{rep}")
+            directs.append(direct_read(base / "ck" / part["file"]))
+        # Loads back to back (a save between them would hand the memory a
+        # loaded table freed to the page cache, and every load would be cold).
+        for _ in range(args.reps):
             fresh = _native.Shard(0, 1)
             start = time.perf_counter()
             shard_files.load_shard(str(base / "ck"), fresh)
@@ -81,6 +110,7 @@ def main() -> None:
             assert fresh.tables()[0].size() == args.rows
             del fresh
         nbytes = part["bytes"]
+        cold_s = loads.pop(0)
         save_s, load_s = statistics.median(saves), statistics.median(loads)
         write_gbs, read_gbs = statistics.median(writes), statistics.median(reads)
         common = {"rows": args.rows, "dim": args.dim, "bytes": nbytes, "unit": "GB/s"}
@@ -89,11 +119,14 @@ def main() -> None:
             "baseline_name": "sequential write + fsync, same bytes", "baseline_value": write_gbs,
             "target_ratio": ">= 0.7",
         })  # fmt: skip
-        emit({
-            **common, "name": "persist_load", "value": nbytes / load_s / 1e9, "seconds": load_s,
-            "baseline_name": "sequential read (page cache), same bytes", "baseline_value": read_gbs,
-            "target_ratio": ">= 0.5 or >= 1 GB/s, whichever is lower",
-        })  # fmt: skip
+        direct_gbs = statistics.median(directs)
+        for name, seconds in (("persist_load", load_s), ("persist_load_cold", cold_s)):
+            emit({
+                **common, "name": name, "value": nbytes / seconds / 1e9, "seconds": seconds,
+                "baseline_name": "sequential read (page cache), same bytes",
+                "baseline_value": read_gbs, "disk_read_gbs": direct_gbs,
+                "target": ">= 1 GB/s",
+            })  # fmt: skip
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -81,7 +81,7 @@ _LAYERS = {
     "layers": {"core", "layers"},
     "keras": {"core", "checkpoint", "layers", "keras"},
     "transpiler": {"core", "layers", "keras", "transpiler"},
-    "tools": {"core", "server", "tools"},
+    "tools": {"core", "checkpoint", "server", "tools"},
 }
 _PARTS = {
     "checkpoint": "tf_dlt/checkpoint", "server": "tf_dlt/server", "keras": "tf_dlt/keras",

@@ -269,6 +269,7 @@ class Client:
                 r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
             )
             part["bytes"] = int(part["bytes"])
+            part["block_bytes"] = int(part["block_bytes"])
             part["tables"] = [
                 {
                     "config": TableConfig.from_proto(t.config).to_dict(),

@@ -133,7 +133,17 @@ def write_manifest(
         "files": [
             {
                 k: p[k]
-                for k in ("file", "sha256", "bytes", "shard_index", "first_bucket", "end_bucket")
+                for k in (
+                    "file",
+                    "sha256",
+                    "bytes",
+                    "shard_index",
+                    "first_bucket",
+                    "end_bucket",
+                    "block_bytes",
+                    "block_sha256",
+                )  # fmt: skip
+                if k in p
             }
             for p in parts
         ],

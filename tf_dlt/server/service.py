@@ -205,6 +205,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             end_bucket=part["end_bucket"],
             tables=[_info_from_dict(i) for i in part["tables"]],
             seconds=part["seconds"],
+            block_bytes=part["block_bytes"],
+            block_sha256=part["block_sha256"],
         )
 
     @_handler
