@@ -9,6 +9,7 @@ PY=.venv/bin/python
 $PY -m pip install -q -r requirements/bench.txt
 $PY bench/bench_core.py
 $PY bench/bench_persist.py
+$PY bench/bench_delta.py
 $PY bench/bench_ops.py
 $PY bench/bench_connections.py
 $PY bench/bench_keras.py
