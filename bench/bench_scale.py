@@ -168,6 +168,7 @@ def main() -> None:
             "table_bytes_per_row": last["table_bytes_per_row"],
             "rss_bytes_per_row": last["rss_bytes_per_row"],
             "raw_record_bytes": capacity.raw_record_bytes(dim, args.optimizer),
+            "generation_bytes": capacity.GENERATION_BYTES,
             "pull_rows_per_s_per_shard": last["pull_rows_per_s"] / 2,
             "push_rows_per_s_per_shard": last["push_rows_per_s"] / 2,
             "save_bytes_per_s_per_shard": size / save_s / 2,

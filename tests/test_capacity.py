@@ -27,8 +27,9 @@ def test_figures_are_measured_and_complete() -> None:
 def test_plan_for_the_design_target() -> None:
     p = capacity.plan(1e11, 10, "adagrad", 100, 4096, shard_memory_gib=64, headroom=1.5)
     per_row = capacity.bytes_per_row(10, "adagrad")
-    # 8 B header + 4 x 10 x 2 B values and slots, + the measured index bytes
-    assert p.bytes_per_row == pytest.approx(88 + capacity.index_bytes_per_row())
+    # 8 B header + 4 x 10 x 2 B values and slots, the 2 B change generation,
+    # + the measured index bytes
+    assert p.bytes_per_row == pytest.approx(88 + 2 + capacity.index_bytes_per_row())
     assert p.table_bytes == pytest.approx(1e11 * per_row)
     assert p.memory_shards == math.ceil(1e11 * per_row * 1.5 / (64 * 2**30))
     assert p.shards == max(p.memory_shards, p.throughput_shards)
@@ -62,7 +63,9 @@ def test_plan_takes_admission_and_16_bit_rows() -> None:
     half = capacity.plan(1e11, 16, "adagrad", 100, 4096, value_dtype="bfloat16",
                          slot_dtype="bfloat16")  # fmt: skip
     assert capacity.raw_record_bytes(16, "adagrad", "bfloat16", "bfloat16") == 8 + 32 + 32
-    assert half.bytes_per_row == pytest.approx(72 + capacity.index_bytes_per_row())
+    assert half.bytes_per_row == pytest.approx(
+        72 + capacity.GENERATION_BYTES + capacity.index_bytes_per_row()
+    )
     assert half.memory_shards < full.memory_shards
     filtered = capacity.plan(1e11, 16, "adagrad", 100, 4096, admission_rate=0.25,
                              sketch_bytes=2**40)  # fmt: skip

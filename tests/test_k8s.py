@@ -98,7 +98,9 @@ def test_objects_match_the_replica_counts_and_sizes() -> None:
     # 2e9 rows / 4 shards x measured bytes per row (dim 16, Adagrad) x 1.5 + 512 MiB
     per_row = capacity.bytes_per_row(16, "adagrad")
     # 8 B header + 4 x 16 x (1 + 1) B values and slots, + the measured index bytes
-    assert per_row == pytest.approx(136 + capacity.index_bytes_per_row())
+    assert per_row == pytest.approx(
+        136 + capacity.GENERATION_BYTES + capacity.index_bytes_per_row()
+    )
     expected = int(-(-2e9 / 4 * per_row * 1.5 // (1 << 20))) + 512
     assert shard["resources"]["requests"]["memory"] == f"{expected}Mi"
     assert shard["envFrom"] == [{"secretRef": {"name": "s3"}}]
@@ -194,7 +196,7 @@ def test_shard_memory_follows_admission_and_row_dtypes() -> None:
     base = k8s.JobSpec(**job)
     half = k8s.JobSpec(**job, value_dtype="bfloat16", slot_dtype="bfloat16", admission_rate=0.25)
     per_row = capacity.bytes_per_row(16, "adagrad", "bfloat16", "bfloat16")
-    assert per_row == pytest.approx(72 + capacity.index_bytes_per_row())
+    assert per_row == pytest.approx(72 + capacity.GENERATION_BYTES + capacity.index_bytes_per_row())
     expected = int(-(-2e9 * 0.25 / 4 * per_row * 1.5 // (1 << 20))) + 512
     assert k8s.shard_memory(half) == expected < k8s.shard_memory(base)
     assert "x 0.25 admitted" in k8s.render(half) and "bfloat16 values" in k8s.render(half)

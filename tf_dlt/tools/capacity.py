@@ -27,6 +27,9 @@ DATA = Path(__file__).parent / "data" / "capacity.json"
 SLOTS = {"sgd": 0, "adagrad": 1, "keras_adagrad": 1, "adam": 2, "ftrl": 2}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HEADER_BYTES = 8  # update count and last-touched stamp
+# Per row beside its record: the generation of its last write (delta
+# checkpoints' change tracking).
+GENERATION_BYTES = 2
 # A checkpoint row besides its values and slots: id, update count, stamp.
 FILE_ROW_BYTES = 16
 
@@ -54,18 +57,24 @@ def raw_record_bytes(
 
 
 def index_bytes_per_row() -> float:
-    """Measured table bytes per row beyond the record: the index (12-byte
-    entries at a load factor of 0.375 to 0.75) and arena slack."""
+    """Measured table bytes per row beyond the record and its generation:
+    the index (12-byte entries at a load factor of 0.375 to 0.75) and arena
+    slack. Figures measured before change tracking have no generation."""
     f = figures()
-    return float(f["table_bytes_per_row"]) - float(f["raw_record_bytes"])
+    measured_generation = float(f.get("generation_bytes", 0))
+    return float(f["table_bytes_per_row"]) - float(f["raw_record_bytes"]) - measured_generation
 
 
 def bytes_per_row(
     dim: int, optimizer: str, value_dtype: str = "float32", slot_dtype: str = "float32"
 ) -> float:
-    """Memory one row takes on a shard: its record plus the measured index
-    bytes per row."""
-    return raw_record_bytes(dim, optimizer, value_dtype, slot_dtype) + index_bytes_per_row()
+    """Memory one row takes on a shard: its record, its generation and the
+    measured index bytes per row."""
+    return (
+        raw_record_bytes(dim, optimizer, value_dtype, slot_dtype)
+        + GENERATION_BYTES
+        + index_bytes_per_row()
+    )
 
 
 def checkpoint_bytes_per_row(dim: int, optimizer: str) -> float:
@@ -203,7 +212,8 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         "",
         "assumptions:",
         f"- bytes/row = 8 B header + dim x (value bytes + slot bytes x optimizer slots), "
-        f"rounded to 8, + {index_bytes_per_row():.1f} B of index per row, measured at "
+        f"rounded to 8, + {GENERATION_BYTES} B change generation (delta checkpoints) "
+        f"+ {index_bytes_per_row():.1f} B of index per row, measured at "
         f"{int(f['rows']):,} rows of dim {f['dim']} ({f['optimizer']});",
         "- with admission, only admitted ids hold a row; the sketch is per table "
         "(spread over the shards); checkpoints store float32 rows whatever the dtype;",
