@@ -335,3 +335,31 @@ def test_retain_never_deletes_what_a_kept_checkpoint_needs(tmp_path: Path) -> No
     assert chain.retain(paths[3:], 1) == []
     with pytest.raises(errors.InvalidArgumentError):
         chain.retain(paths[3:], 0)
+
+
+def test_a_shard_restarted_empty_is_saved_as_it_is(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A shard that restarted without loading has lost its rows: a delta
+    then says so (its buckets hold nothing, then whatever it made since),
+    exactly as a full save of the same moment does."""
+    cluster = start_cluster(2)
+    ids = np.arange(4000, dtype=np.int64)
+    with cluster.client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1)
+        _train(c, ids, 1, {"t": 4})
+        c.save(str(tmp_path / "base"))
+    cluster.kill(1)
+    cluster.restart(1)
+    with cluster.client() as c:
+        d1 = c.save(str(tmp_path / "d1"), base=str(tmp_path / "base"))
+        c.save(str(tmp_path / "full1"))
+        c.create_table("t", 4, "normal", "adagrad", seed=1)  # back on shard 1, empty
+        _train(c, ids[:100], 2, {"t": 4})
+        d2 = c.save(str(tmp_path / "d2"), base=str(tmp_path / "d1"))
+        c.save(str(tmp_path / "full2"))
+    assert d1["kind"] == "delta" and d2["tables"][0]["full_files"] == 1
+    for delta, full in (("d1", "full1"), ("d2", "full2")):
+        rows = _staged_rows(str(tmp_path / delta), 3)
+        assert rows == _staged_rows(str(tmp_path / full), 3), delta
+    assert 0 < len(_staged_rows(str(tmp_path / "d1"), 1)["t"]) < len(ids)

@@ -645,6 +645,19 @@ def apply_link(
     entries = [
         e for e in m["files"] if e["end_bucket"] > buckets[0] and e["first_bucket"] < buckets[1]
     ]
+
+    def apply_file(entry: dict[str, Any], f: h5py.File) -> None:
+        held = set()
+        for g in f["tables"].values():
+            _apply_group(g, entry, listed, tables, new_table, buckets, clocks)
+            held.add(json.loads(g.attrs["config"])["name"])
+        # A table the writer did not have (it restarted empty, say) has no
+        # rows in the writer's buckets, as in a full checkpoint.
+        lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+        for name in set(listed) - held:
+            if name in tables:
+                tables[name].erase_buckets(lo, hi)
+
     with contextlib.ExitStack() as stack:
         opened: list[tuple[dict[str, Any], h5py.File]] = []
         for entry in entries:
@@ -652,11 +665,9 @@ def apply_link(
                 opened.append((entry, stack.enter_context(_open_verified(fs, root, entry))))
                 continue
             with _open_verified(fs, root, entry) as f:
-                for g in f["tables"].values():
-                    _apply_group(g, entry, listed, tables, new_table, buckets, clocks)
+                apply_file(entry, f)
         for entry, f in opened:
-            for g in f["tables"].values():
-                _apply_group(g, entry, listed, tables, new_table, buckets, clocks)
+            apply_file(entry, f)
 
 
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
