@@ -946,9 +946,14 @@ void Table::Reserve(size_t rows, uint32_t threads) {
                  per_stripe) {
         if (!stripe.AddChunk(record_bytes_)) break;
       }
-      // Fault the new chunks in now, a page at a time.
+      // Fault in now, a page at a time, the new memory the expected rows
+      // will use (not the rest of the last chunk, which may be as large).
       for (uint32_t k = first_new; k < stripe.num_chunks; ++k) {
-        for (size_t b = 0; b < stripe.chunk_bytes[k]; b += 4096) stripe.chunks[k][b] = 0;
+        const size_t first_record = ((size_t{1} << k) - 1) << kBaseRecordsLog2;
+        if (first_record >= per_stripe) break;
+        const size_t used =
+            std::min(stripe.chunk_bytes[k], (per_stripe - first_record) * record_bytes_);
+        for (size_t b = 0; b < used; b += 4096) stripe.chunks[k][b] = 0;
       }
     }
   };

@@ -394,5 +394,23 @@ DLT_TEST(TestRemovalLogIsBoundedAndOverflowMeansAFullSave) {
   EXPECT(t.BeginSave("s3", "s2").tracked);   // tracking resumes
 }
 
+DLT_TEST(TestReserveSizesATableForItsRowsOnSeveralThreads) {
+  // A table sized first holds the same rows in no more memory than one
+  // that grew as rows came (its arena is sized for the expected rows).
+  const size_t n = 50000;
+  std::vector<int64_t> ids(n);
+  std::vector<float> values(n * 4);
+  for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i * 2654435761u);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 97);
+  Table grown(PolicyTable(4)), sized(PolicyTable(4));
+  EXPECT_OK(grown.Import(ids.data(), values.data(), nullptr, nullptr, n));
+  sized.Reserve(n, 2);
+  EXPECT(sized.size() == 0);
+  EXPECT_OK(sized.Import(ids.data(), values.data(), nullptr, nullptr, n));
+  EXPECT(sized.size() == n);
+  EXPECT(Contents(&sized) == Contents(&grown));
+  EXPECT(sized.bytes() <= grown.bytes() * 11 / 10);
+}
+
 }  // namespace
 }  // namespace dlt
