@@ -9,34 +9,32 @@ Each shard file holds, per table, the rows sorted by routing bucket with a
 ``bucket_offsets`` index, so a shard of any other shard count reads exactly
 the row range of the buckets it owns; with them each row's update count and
 last-touched stamp, the table's clock, and the admission sketch's slices of
-the buckets the writer owned. Every file's SHA-256 is recorded in the
-manifest and checked before a row is read. Saving streams rows in chunks; it
-never holds a second copy of the shard in memory.
+the buckets the writer owned; in a delta, only the rows changed since its
+base and the ids removed since. Every block of a file has its SHA-256 in the
+manifest, checked before any of its rows is read (`verified`). Saving streams
+rows in chunks; it never holds a second copy of the shard in memory. A load
+applies each checkpoint of a chain in turn (`apply_link`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import hashlib
-import io
 import itertools
 import json
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any
+from typing import Any
 
-import fsspec
 import h5py
 import numpy as np
 
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest as manifest_lib
+from tf_dlt.checkpoint import verified
 from tf_dlt.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -48,15 +46,6 @@ from tf_dlt.routing import NUM_BUCKETS
 from tf_dlt.table_config import difference, normalized
 
 _CHUNK_BYTES = 8 << 20
-_HASH_BLOCK = 8 << 20
-# Files are hashed in blocks of this size: the manifest lists each block's
-# SHA-256, so a load verifies every block as it parses it, in parallel.
-BLOCK_BYTES = 16 << 20
-# Verified blocks a load keeps, and reads ahead.
-_CACHED_BLOCKS = 16
-_READ_AHEAD = 2
-# Shard files up to this size are verified and parsed in memory.
-_SPOOL_IN_MEMORY = 256 << 20
 
 
 # One chunk of a table's rows in (bucket, id) order: ids, values, optimizer
@@ -143,19 +132,6 @@ def native_rows(
         return out
 
     return TableRows(table.config, table.dim, table.slot_floats, chunks(), state)
-
-
-def _block_digests(f: IO[bytes]) -> tuple[str, list[str]]:
-    """(root, per-block SHA-256 hex digests) of a file read in
-    BLOCK_BYTES blocks; the root is the SHA-256 of the block digests."""
-    blocks = []
-    while block := f.read(BLOCK_BYTES):
-        blocks.append(hashlib.sha256(block).hexdigest())
-    return _root_of(blocks), blocks
-
-
-def _root_of(blocks: list[str]) -> str:
-    return hashlib.sha256(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
 
 
 def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
@@ -276,7 +252,7 @@ def save_tables(
         try:
             infos = _write_shard_file(tmp, layout, tables, save_id)
             with open(tmp, "rb") as f:
-                sha, blocks = _block_digests(f)
+                sha, blocks = verified.block_digests(f)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
@@ -289,13 +265,13 @@ def save_tables(
             local = os.path.join(spool, name)
             infos = _write_shard_file(local, layout, tables, save_id)
             with open(local, "rb") as f:
-                sha, blocks = _block_digests(f)
+                sha, blocks = verified.block_digests(f)
             size = os.path.getsize(local)
             fs.put_file(local, target)
     return {
         "file": name,
         "sha256": sha,
-        "block_bytes": BLOCK_BYTES,
+        "block_bytes": verified.BLOCK_BYTES,
         "block_sha256": blocks,
         "bytes": size,
         "shard_index": layout.shard_index,
@@ -305,208 +281,6 @@ def save_tables(
         "tables": infos,
         "seconds": time.monotonic() - start,
     }
-
-
-class _VerifiedBlocks(io.RawIOBase):
-    """A shard file read through blocks checked against the manifest's
-    per-block SHA-256 before any byte of them is returned: what HDF5 parses
-    is what was verified, even if the file changes meanwhile. Blocks are
-    read and hashed ahead on worker threads while the caller parses."""
-
-    def __init__(self, f: IO[bytes], entry: dict[str, Any], where: str) -> None:
-        super().__init__()
-        self._f = f
-        self._where = where
-        self._size = int(entry["bytes"])
-        self._block = int(entry["block_bytes"])
-        self._digests = list(entry["block_sha256"])
-        if len(self._digests) != -(-self._size // self._block) or _root_of(
-            self._digests
-        ) != entry.get("sha256"):
-            raise errors.FailedPreconditionError(
-                f"the manifest's block checksums of {where} do not match its SHA-256"
-            )
-        self._pos = 0
-        self._io = threading.Lock()
-        self._cache: collections.OrderedDict[int, Future[memoryview]] = collections.OrderedDict()
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="dlt-verify")
-        self.error: errors.DltError | None = None
-
-    def _read_block(self, k: int) -> memoryview:
-        offset = k * self._block
-        want = min(self._block, self._size - offset)
-        with self._io:
-            self._f.seek(offset)
-            data = self._f.read(want)
-        if len(data) != want:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {self._where} is shorter than the manifest's {self._size} bytes"
-            )
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != self._digests[k]:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {self._where} is corrupt: SHA-256 of block {k} ({offset} bytes "
-                f"in) is {digest}, the manifest says {self._digests[k]}"
-            )
-        return memoryview(data)
-
-    def _get(self, k: int) -> memoryview:
-        for ahead in range(k, min(k + _READ_AHEAD + 1, len(self._digests))):
-            if ahead not in self._cache:
-                self._cache[ahead] = self._pool.submit(self._read_block, ahead)
-        self._cache.move_to_end(k)
-        while len(self._cache) > _CACHED_BLOCKS:
-            self._cache.popitem(last=False)
-        try:
-            return self._cache[k].result()
-        except errors.DltError as e:
-            self.error = e
-            raise
-
-    def view(self, offset: int, size: int) -> memoryview:
-        """Bytes [offset, offset + size) of the file, verified: a view of
-        one block when they lie in one, else a copy."""
-        if offset < 0 or offset + size > self._size:
-            raise errors.FailedPreconditionError(
-                f"{self._where}: a dataset chunk lies outside the file"
-            )
-        k, within = divmod(offset, self._block)
-        if within + size <= self._block:
-            return self._get(k)[within : within + size]
-        out = bytearray(size)
-        self.seek(offset)
-        self.readinto(out)
-        return memoryview(out)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), self._size - self._pos))
-        done = 0
-        while done < n:
-            k, within = divmod(self._pos + done, self._block)
-            data = self._get(k)
-            take = min(n - done, len(data) - within)
-            out[done : done + take] = data[within : within + take]
-            done += take
-        self._pos += n
-        return n
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._cache.clear()
-        super().close()
-
-
-# The verified reader of each shard file open for a load, by HDF5 file id.
-_READERS: dict[int, _VerifiedBlocks] = {}
-
-
-class _RawRows:
-    """Reads rows of a table group's datasets straight from verified blocks
-    (each HDF5 chunk located once, no HDF5 copy), when every dataset is
-    stored in unfiltered chunks of the same rows; else `of` returns None."""
-
-    def __init__(self, g: h5py.Group, reader: _VerifiedBlocks) -> None:
-        self._reader = reader
-        self._sets = {name: g[name] for name in ("ids", "values", "slots", "steps", "touched")
-                      if name in g}  # fmt: skip
-        rows = {ds.chunks[0] if ds.chunks else 0 for ds in self._sets.values()}
-        self.ok = (
-            len(rows) == 1
-            and 0 not in rows
-            and all(ds.id.get_create_plist().get_nfilters() == 0 for ds in self._sets.values())
-        )
-        self.chunk = rows.pop() if self.ok else 0
-        # (dataset id, dtype, row shape, bytes per row, coordinate tail)
-        self._layout = {
-            name: (
-                ds.id,
-                ds.dtype,
-                ds.shape[1:],
-                ds.dtype.itemsize * int(np.prod(ds.shape[1:])),
-                (0,) * (len(ds.shape) - 1),
-            )  # fmt: skip
-            for name, ds in self._sets.items()
-        }
-
-    def read(self, name: str, a: int, b: int) -> np.ndarray | None:
-        """Rows [a, b) of dataset `name` (None if absent); [a, b) must lie
-        within one chunk."""
-        layout = self._layout.get(name)
-        if layout is None:
-            return None
-        dsid, dtype, row_shape, row_bytes, tail = layout
-        start = a - a % self.chunk
-        info = dsid.get_chunk_info_by_coord((start, *tail))
-        raw = self._reader.view(
-            int(info.byte_offset) + (a - start) * row_bytes, (b - a) * row_bytes
-        )
-        return np.frombuffer(raw, dtype).reshape((b - a, *row_shape))
-
-
-@contextlib.contextmanager
-def _open_verified(
-    fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any]
-) -> Iterator[h5py.File]:
-    """Opens a shard file whose bytes match the manifest. With per-block
-    checksums (files of this version), each block is verified as it is read
-    (`_VerifiedBlocks`); older files are read once, hashed whole as they are
-    copied into a private spool, and parsed from it. Either way the bytes
-    parsed are the bytes verified, even if the file changes meanwhile."""
-    target = f"{root}/{entry['file']}"
-    if "block_sha256" in entry:
-        try:
-            f = fs.open(target, "rb")
-        except FileNotFoundError:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} named in the manifest is missing"
-            ) from None
-        with f, _VerifiedBlocks(f, entry, target) as blocks:
-            try:
-                with h5py.File(blocks, "r") as h5:
-                    _READERS[h5.id.id] = blocks
-                    try:
-                        yield h5
-                    finally:
-                        del _READERS[h5.id.id]
-            except Exception:
-                if blocks.error is not None:  # HDF5 hides the reader's error
-                    raise blocks.error from None
-                raise
-        return
-    digest = hashlib.sha256()
-    with tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY, prefix="tf_dlt-load-") as spool:
-        try:
-            with fs.open(target, "rb") as f:
-                while block := f.read(_HASH_BLOCK):
-                    digest.update(block)
-                    spool.write(block)
-        except FileNotFoundError:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} named in the manifest is missing"
-            ) from None
-        if digest.hexdigest() != entry["sha256"]:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} is corrupt: SHA-256 {digest.hexdigest()} != manifest "
-                f"{entry['sha256']}"
-            )
-        spool.seek(0)
-        with h5py.File(spool, "r") as h5:
-            yield h5
 
 
 def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> None:
@@ -523,8 +297,8 @@ def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> N
     step = chunk_rows(table.dim, table.slot_floats)
     slots = g["slots"] if "slots" in g else None
     touched = g["touched"] if "touched" in g else None
-    reader = _READERS.get(g.file.id.id)
-    raw = _RawRows(g, reader) if reader is not None else None
+    reader = verified.READERS.get(g.file.id.id)
+    raw = verified.RawRows(g, reader) if reader is not None else None
     if raw is not None and raw.ok:  # HDF5 chunk by HDF5 chunk, from the verified blocks
 
         def read(a: int, b: int) -> tuple[Any, ...]:
@@ -662,9 +436,9 @@ def apply_link(
         opened: list[tuple[dict[str, Any], h5py.File]] = []
         for entry in entries:
             if verify_first:
-                opened.append((entry, stack.enter_context(_open_verified(fs, root, entry))))
+                opened.append((entry, stack.enter_context(verified.open_verified(fs, root, entry))))
                 continue
-            with _open_verified(fs, root, entry) as f:
+            with verified.open_verified(fs, root, entry) as f:
                 apply_file(entry, f)
         for entry, f in opened:
             apply_file(entry, f)
