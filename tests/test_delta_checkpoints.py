@@ -363,3 +363,57 @@ def test_a_shard_restarted_empty_is_saved_as_it_is(
         rows = _staged_rows(str(tmp_path / delta), 3)
         assert rows == _staged_rows(str(tmp_path / full), 3), delta
     assert 0 < len(_staged_rows(str(tmp_path / "d1"), 1)["t"]) < len(ids)
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("file", "../../../etc/passwd", "not a shard file name"),
+        ("file", "shard-00000-of-00001.20261124T000000000000-0000abcd.h5.tmp-12", "not a shard"),
+        ("block_bytes", 0, "block_bytes"),
+        ("block_bytes", 1 << 40, "block_bytes"),
+        ("block_sha256", ["00"], "one SHA-256 per block"),
+        ("bytes", -1, "bytes must be an integer"),
+        ("end_bucket", 1 << 20, "bucket range"),
+        ("sha256", "zz", "not a SHA-256"),
+    ],
+)
+def test_crafted_manifests_are_refused_before_any_file_is_read(
+    tmp_path: Path, field: str, value: object, why: str
+) -> None:
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    shard.get_table("t").push(np.arange(5, dtype=np.int64), np.ones((5, 2), np.float32), 0.1)
+    save_id = manifest.new_save_id()
+    path = str(tmp_path / "c")
+    manifest.write_manifest(path, [shard_files.save_shard(path, shard, save_id)], save_id)
+    doc = json.loads((tmp_path / "c" / "MANIFEST.json").read_text())
+    doc["files"][0][field] = value
+    (tmp_path / "c" / "MANIFEST.json").write_text(json.dumps(doc))
+    with pytest.raises(errors.FailedPreconditionError, match=why):
+        shard_files.prepare_load(path, _native.Shard(0, 1))
+
+
+def test_a_parent_outside_the_allowed_roots_is_refused(tmp_path: Path) -> None:
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    paths = []
+    for k in range(2):
+        path, save_id = (
+            str(tmp_path / ("outside" if k == 0 else "root") / f"c{k}"),
+            (manifest.new_save_id()),
+        )
+        parent = None
+        if paths:
+            base = manifest.read_manifest(paths[-1])
+            parent = {"path": paths[-1], "save_id": base["save_id"], "chain_length": 1}
+        part = shard_files.save_shard(path, shard, save_id, parent["save_id"] if parent else "")
+        manifest.write_manifest(path, [part], save_id, parent)
+        shard.get_table("t").push(np.arange(3, dtype=np.int64), np.ones((3, 2), np.float32), 0.1)
+        paths.append(path)
+    from tf_dlt.server import paths as server_paths
+
+    roots = server_paths.CheckpointRoots([str(tmp_path / "root")])
+    with pytest.raises(errors.PermissionDeniedError, match="outside"):
+        shard_files.prepare_load(paths[1], _native.Shard(0, 1), lambda p: roots.check(p, "Load"))
+    assert shard_files.prepare_load(paths[1], _native.Shard(0, 1))["links"] == 2

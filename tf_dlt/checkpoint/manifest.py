@@ -214,7 +214,60 @@ def read_manifest(path: str) -> dict[str, Any]:
             f"checkpoint routes over {manifest.get('num_buckets')} buckets, this build over "
             f"{NUM_BUCKETS}"
         )
+    _check_files(manifest, path)
     return manifest
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Block sizes a manifest may name (a save writes BLOCK_BYTES).
+MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4096, 1 << 30
+
+
+def _check_files(manifest: dict[str, Any], path: str) -> None:
+    """Refuses a manifest whose file entries a load could not use safely: a
+    name that is not a shard file of this directory (no paths), checksums
+    that are not SHA-256 hex digests, sizes or bucket ranges out of range."""
+
+    def bad(why: str) -> errors.FailedPreconditionError:
+        return errors.FailedPreconditionError(f"{path}/{MANIFEST} is malformed: {why}")
+
+    files = manifest.get("files")
+    tables = manifest.get("tables")
+    if not isinstance(files, list) or not isinstance(tables, list):
+        raise bad("it lists no files or tables")
+    for entry in files:
+        if not isinstance(entry, dict):
+            raise bad("a file entry is not an object")
+        name = entry.get("file")
+        if not isinstance(name, str) or _OWN_FILE.match(name) is None or ".tmp-" in name:
+            raise bad(f"file {name!r} is not a shard file name")
+        ints: dict[str, int] = {}
+        for key in ("bytes", "first_bucket", "end_bucket", "shard_index"):
+            value = entry.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(f"{name}: {key} must be an integer >= 0, got {value!r}")
+            ints[key] = value
+        if not ints["first_bucket"] < ints["end_bucket"] <= NUM_BUCKETS:
+            raise bad(f"{name}: bucket range [{ints['first_bucket']}, {ints['end_bucket']})")
+        if not isinstance(entry.get("sha256"), str) or not _HEX64.match(entry["sha256"]):
+            raise bad(f"{name}: sha256 is not a SHA-256 hex digest")
+        if "block_sha256" in entry:
+            block, digests = entry.get("block_bytes"), entry["block_sha256"]
+            if (
+                isinstance(block, bool)
+                or not isinstance(block, int)
+                or not (MIN_BLOCK_BYTES <= block <= MAX_BLOCK_BYTES)
+            ):
+                raise bad(f"{name}: block_bytes {block!r} is outside [4096, 2^30]")
+            if (
+                not isinstance(digests, list)
+                or len(digests) != -(-ints["bytes"] // block)
+                or not all(isinstance(d, str) and _HEX64.match(d) for d in digests)
+            ):
+                raise bad(f"{name}: block_sha256 does not hold one SHA-256 per block")
+    for info in tables:
+        if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
+            raise bad("a table entry has no config")
 
 
 # A chain longer than this is refused (a cycle, or a chain that should have

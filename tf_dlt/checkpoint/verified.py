@@ -61,10 +61,8 @@ class VerifiedBlocks(io.RawIOBase):
         self._where = where
         self._size = int(entry["bytes"])
         self._block = int(entry["block_bytes"])
-        self._digests = list(entry["block_sha256"])
-        if len(self._digests) != -(-self._size // self._block) or root_of(
-            self._digests
-        ) != entry.get("sha256"):
+        self._digests = list(entry["block_sha256"])  # checked by manifest.read_manifest
+        if root_of(self._digests) != entry.get("sha256"):
             raise errors.FailedPreconditionError(
                 f"the manifest's block checksums of {where} do not match its SHA-256"
             )
