@@ -59,6 +59,13 @@ def _train(client: tf_dlt.Client, ids: np.ndarray, seed: int, tables: dict[str, 
 TABLES = {"adam": 8, "ftrl": 5, "sgd": 3}
 
 
+def _base(client: tf_dlt.Client, ids: np.ndarray, path: Path) -> None:
+    """Table "t" (dim 4, Adagrad) trained on `ids`, saved in full at `path`."""
+    client.create_table("t", 4, "normal", "adagrad", seed=1)
+    _train(client, ids, 1, {"t": 4})
+    client.save(str(path))
+
+
 def _create(client: tf_dlt.Client) -> None:
     client.create_table("adam", 8, "normal", "adam", seed=1)
     client.create_table("ftrl", 5, "zeros", "ftrl", seed=3)
@@ -134,9 +141,7 @@ def test_chain_onto_a_running_cluster_and_deltas_on_top_of_the_load(
 def test_removed_and_readmitted_rows(start_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
     ids = np.arange(1000, dtype=np.int64)
     with start_cluster(1).client() as c:
-        c.create_table("t", 4, "normal", "adagrad", seed=1)
-        _train(c, ids, 1, {"t": 4})
-        c.save(str(tmp_path / "base"))
+        _base(c, ids, tmp_path / "base")
         _train(c, ids[:500], 2, {"t": 4})  # rows [0, 500) get 2 updates
         assert c.shrink("t", min_count=2) == 500  # [500, 1000) go
         _train(c, ids[900:], 3, {"t": 4})  # [900, 1000) come back, fresh
@@ -204,9 +209,7 @@ def test_broken_missing_and_corrupt_links_are_refused_naming_them(
 ) -> None:
     ids = np.arange(2000, dtype=np.int64)
     with start_cluster(2).client() as c:
-        c.create_table("t", 4, "normal", "adagrad", seed=1)
-        _train(c, ids, 1, {"t": 4})
-        c.save(str(tmp_path / "base"))
+        _base(c, ids, tmp_path / "base")
         for k in (1, 2, 3):
             _train(c, ids[k * 10 : k * 10 + 10], k, {"t": 4})
             prev = "base" if k == 1 else f"d{k - 1}"
@@ -346,9 +349,7 @@ def test_a_shard_restarted_empty_is_saved_as_it_is(
     cluster = start_cluster(2)
     ids = np.arange(4000, dtype=np.int64)
     with cluster.client() as c:
-        c.create_table("t", 4, "normal", "adagrad", seed=1)
-        _train(c, ids, 1, {"t": 4})
-        c.save(str(tmp_path / "base"))
+        _base(c, ids, tmp_path / "base")
     cluster.kill(1)
     cluster.restart(1)
     with cluster.client() as c:
@@ -417,3 +418,36 @@ def test_a_parent_outside_the_allowed_roots_is_refused(tmp_path: Path) -> None:
     with pytest.raises(errors.PermissionDeniedError, match="outside"):
         shard_files.prepare_load(paths[1], _native.Shard(0, 1), lambda p: roots.check(p, "Load"))
     assert shard_files.prepare_load(paths[1], _native.Shard(0, 1))["links"] == 2
+
+
+def test_a_delta_never_overwrites_a_checkpoint_its_base_needs(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    ids = np.arange(500, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        _base(c, ids, tmp_path / "a")
+        _train(c, ids[:5], 2, {"t": 4})
+        c.save(str(tmp_path / "b"), base=str(tmp_path / "a"))
+        # Ping-pong between two directories would destroy both.
+        with pytest.raises(errors.InvalidArgumentError, match="needs"):
+            c.save(str(tmp_path / "a"), base=str(tmp_path / "b"))
+        c.load(str(tmp_path / "b"))
+        c.load(str(tmp_path / "a"))
+
+
+def test_a_chain_that_loops_is_refused_at_once(tmp_path: Path) -> None:
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    save_id = manifest.new_save_id()
+    path = str(tmp_path / "c")
+    manifest.write_manifest(path, [shard_files.save_shard(path, shard, save_id)], save_id)
+    doc = json.loads((tmp_path / "c" / "MANIFEST.json").read_text())
+    doc.update(kind="delta", parent={"path": ".", "save_id": save_id}, chain_length=2)
+    (tmp_path / "c" / "MANIFEST.json").write_text(json.dumps(doc))
+    with pytest.raises(errors.FailedPreconditionError, match="cycle"):
+        manifest.resolve_chain(path)
+    doc.update(kind="full")
+    doc["tables"][0]["rows"] = -5
+    (tmp_path / "c" / "MANIFEST.json").write_text(json.dumps(doc))
+    with pytest.raises(errors.FailedPreconditionError, match="rows must be"):
+        manifest.read_manifest(path)

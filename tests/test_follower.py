@@ -172,3 +172,48 @@ def test_follower_reports_in_stats_and_metrics(tmp_path: Path) -> None:
         assert "current, 0 deltas" in out
     with pytest.raises(ValueError, match="read_only"):
         ShardServer(follow=str(tmp_path / "run"))
+
+
+def test_a_delta_corrupt_past_its_first_block_changes_nothing(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A delta is verified whole before a follower changes anything: a bad
+    byte among the second table's rows leaves the first table as it was
+    too, and a later table of another shape is followed."""
+    run = tmp_path / "run"
+    ids = np.arange(50_000, dtype=np.int64)  # a delta of ~53 MB: four blocks
+    trainer = start_cluster(1)
+    with trainer.client() as c:
+        for name in ("a", "b"):
+            c.create_table(name, 64, "normal", "adagrad", seed=1)
+            c.pull(name, ids)
+        c.save(str(run / "c1"))
+        served = {name: c.pull(name, ids) for name in ("a", "b")}
+    followers = start_cluster(
+        1, "--read-only", "--follow", str(run), "--follow-interval", "0.1"
+    )  # fmt: skip
+    _wait_for(followers, _serving(manifest.read_manifest(str(run / "c1"))["save_id"]))
+    with trainer.client() as c:
+        for name in ("a", "b"):
+            c.push(name, ids, np.ones((len(ids), 64), np.float32), 0.1)
+        d2 = c.save(str(tmp_path / "stage" / "c2"), base=str(run / "c1"))
+    victim = tmp_path / "stage" / "c2" / d2["files"][0]["file"]
+    assert victim.stat().st_size > 48 << 20
+    data = bytearray(victim.read_bytes())
+    data[len(data) * 3 // 4] ^= 0xFF  # among table b's rows, after all of a's
+    victim.write_bytes(bytes(data))
+    (tmp_path / "stage" / "c2").rename(run / "c2")
+    _wait_for(followers, lambda s: all(x.get("follow_error") for x in s))
+    with followers.client() as f:
+        for name in ("a", "b"):
+            np.testing.assert_array_equal(f.pull(name, ids), served[name])
+    # Training replaces a table with another shape: followers follow.
+    with trainer.client() as c:
+        c.drop_table("a")
+        c.create_table("a", 8, "zeros", "sgd")
+        c.pull("a", ids[:10])
+        full = c.save(str(run / "c3"))
+    _wait_for(followers, _serving(full["save_id"]))
+    with followers.client() as f:
+        assert f.list_tables()["a"]["config"].dim == 8
+        np.testing.assert_array_equal(f.pull("a", ids[:10]), np.zeros((10, 8)))

@@ -164,3 +164,18 @@ def test_incremental_checkpoints_with_full_every_and_keep(
     assert 0 < tables["tables"][0]["rows"] <= 48
     tf_dlt.load(model, str(tmp_path / "after"))
     np.testing.assert_allclose(model.predict(x, verbose=0), fresh.predict(x, verbose=0), atol=1e-6)
+
+
+def test_incremental_saves_to_one_path_stay_loadable(tmp_path: Path) -> None:
+    """`incremental=True` on the path it saved last would overwrite its own
+    base: it saves in full instead."""
+    model = _model("ck_same_path")
+    x, y = _data()
+    for _ in range(3):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        info = tf_dlt.save(model, str(tmp_path / "latest"), incremental=True)
+        assert info["kind"] == "full"
+    expected = model.predict(x, verbose=0)
+    fresh = _model("ck_same_path")
+    tf_dlt.load(fresh, str(tmp_path / "latest"))
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)

@@ -256,7 +256,7 @@ class Client:
 
         parent: dict[str, Any] | None = None
         if base is not None:
-            parent = self._delta_parent(path, base)
+            parent = manifest.delta_parent(path, base)
         save_id = manifest.new_save_id()
         request = dlt_pb2.SaveRequest(
             path=path, save_id=save_id, base_save_id=parent["save_id"] if parent else ""
@@ -270,6 +270,8 @@ class Client:
             )
             part["bytes"] = int(part["bytes"])
             part["block_bytes"] = int(part["block_bytes"])
+            if not part["block_bytes"]:  # a shard of an earlier version: whole-file hash only
+                del part["block_bytes"], part["block_sha256"]
             part["tables"] = [
                 {
                     "config": TableConfig.from_proto(t.config).to_dict(),
@@ -281,22 +283,6 @@ class Client:
             ]
             parts.append(part)
         return manifest.write_manifest(path, parts, save_id, parent)
-
-    @staticmethod
-    def _delta_parent(path: str, base: str) -> dict[str, Any]:
-        """The parent record of a delta at `path` on top of `base`."""
-        fs, root = manifest.filesystem(path)
-        base_fs, base_root = manifest.filesystem(base)
-        if type(fs) is type(base_fs) and root == base_root:
-            raise errors.InvalidArgumentError(
-                f"a delta needs a directory of its own: {path!r} is its base"
-            )
-        base_manifest = manifest.read_manifest(base)
-        return {
-            "path": base,
-            "save_id": base_manifest["save_id"],
-            "chain_length": base_manifest.get("chain_length", 1),
-        }
 
     def load(self, path: str, *, progress: bool | None = None) -> dict[str, dict[str, Any]]:
         """Loads checkpoint `path` onto every shard (any shard count at save

@@ -864,6 +864,10 @@ SaveStart Table::BeginSave(const std::string& save_id, const std::string& base_i
     if (log.capacity() > 2 * log.size() + 1024) log.shrink_to_fit();
   }
   logging_.store(true, std::memory_order_relaxed);
+  // A log that overflowed during this call may have missed removals of
+  // this save's window: the save is then written in full (the flag stays
+  // set, so the next save drops the marks too).
+  if (log_overflow_.load()) start.tracked = false;
   return start;
 }
 
@@ -911,8 +915,10 @@ size_t Table::Erase(const int64_t* ids, size_t n) {
   return erased;
 }
 
-size_t Table::EraseBuckets(uint32_t first, uint32_t end) {
+size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, size_t num_keep) {
   if (first >= end || end > kNumBuckets) return 0;
+  std::vector<int64_t> kept(keep, keep + num_keep);
+  std::sort(kept.begin(), kept.end());
   size_t erased = 0;
   std::vector<int64_t> keys;
   // Stripes hold contiguous bucket ranges, in order.
@@ -923,7 +929,9 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end) {
     for (const IndexEntry& e : stripe.index) {
       if (e.record == kEmpty) continue;
       const uint32_t bucket = BucketOf(e.key);
-      if (bucket >= first && bucket < end) keys.push_back(e.key);
+      if (bucket >= first && bucket < end && !std::binary_search(kept.begin(), kept.end(), e.key)) {
+        keys.push_back(e.key);
+      }
     }
     erased += EraseFrom(&stripe, keys);
   }
@@ -957,9 +965,23 @@ void Table::Reserve(size_t rows, uint32_t threads) {
       }
     }
   };
+  // Sizing is best effort: a stripe that cannot get the memory (or a
+  // thread that cannot start) leaves the rest to grow as rows arrive.
+  auto guarded = [&]() {
+    try {
+      work();
+    } catch (const std::exception&) {
+    }
+  };
   std::vector<std::thread> pool;
-  for (uint32_t t = 1; t < std::max<uint32_t>(1, threads); ++t) pool.emplace_back(work);
-  work();
+  for (uint32_t t = 1; t < std::max<uint32_t>(1, threads); ++t) {
+    try {
+      pool.emplace_back(guarded);
+    } catch (const std::exception&) {
+      break;
+    }
+  }
+  guarded();
   for (std::thread& t : pool) t.join();
 }
 

@@ -129,8 +129,10 @@ class Table {
   std::vector<int64_t> RemovedSince(uint32_t since) const;
   // Removes the rows of `ids` that are present; returns how many.
   size_t Erase(const int64_t* ids, size_t n);
-  // Removes every row of buckets [first, end); returns how many.
-  size_t EraseBuckets(uint32_t first, uint32_t end);
+  // Removes every row of buckets [first, end) except the ids of `keep`;
+  // returns how many.
+  size_t EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep = nullptr,
+                      size_t num_keep = 0);
   // Sizes the index and arena of every stripe for `rows` rows spread evenly
   // over this table's buckets, and touches the new memory now, with
   // `threads` threads (a load fills the table at memory speed after it).

@@ -435,7 +435,19 @@ PYBIND11_MODULE(_native, m) {
              py::gil_scoped_release release;
              return t.Erase(ids.data(), static_cast<size_t>(ids.shape(0)));
            })
-      .def("erase_buckets", &Table::EraseBuckets, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "erase_buckets",
+          [](Table& t, uint32_t first, uint32_t end, const py::object& keep) {
+            IdArray kept;
+            if (!keep.is_none()) {
+              kept = keep.cast<IdArray>();
+              CheckIds(kept);
+            }
+            const size_t n = keep.is_none() ? 0 : static_cast<size_t>(kept.shape(0));
+            py::gil_scoped_release release;
+            return t.EraseBuckets(first, end, n ? kept.data() : nullptr, n);
+          },
+          py::arg("first"), py::arg("end"), py::arg("keep") = py::none())
       .def("reserve", &Table::Reserve, py::arg("rows"), py::arg("threads") = 1,
            py::call_guard<py::gil_scoped_release>());
 

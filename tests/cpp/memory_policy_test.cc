@@ -373,7 +373,10 @@ DLT_TEST(TestLoadedTableTracksFromItsCheckpoint) {
   t.MarkLoaded("head");
   SaveStart start = t.BeginSave("next", "head");
   EXPECT(start.tracked && Exported(&t, &start).empty());
-  EXPECT(t.EraseBuckets(0, kNumBuckets) == 4 && t.size() == 0);
+  const std::vector<int64_t> keep = {3, 2, 99};
+  EXPECT(t.EraseBuckets(0, kNumBuckets, keep.data(), keep.size()) == 2 && t.size() == 2);
+  EXPECT(Exported(&t, nullptr) == (std::vector<int64_t>{2, 3}));
+  EXPECT(t.EraseBuckets(0, kNumBuckets) == 2 && t.size() == 0);
   EXPECT(t.RemovedSince(start.since).size() == 4);
 }
 

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from typing import Any
 
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import shard_files
 
-
-def _key(path: str) -> str:
-    """A path in one normal form, to compare checkpoints by location."""
-    fs, root = manifest_lib.filesystem(path)
-    return os.path.normpath(os.path.abspath(root)) if manifest_lib.is_local(fs) else root
+_key = manifest_lib.location_key  # a path in one normal form
 
 
 def tables_path(path: str, tables_dir: str | None = None) -> str:

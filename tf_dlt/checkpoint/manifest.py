@@ -205,6 +205,8 @@ def read_manifest(path: str) -> dict[str, Any]:
         ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise errors.FailedPreconditionError(f"{path}/{MANIFEST} is not valid JSON: {e}") from e
+    if not isinstance(manifest, dict):
+        raise errors.FailedPreconditionError(f"{path}/{MANIFEST} is not a JSON object")
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise errors.FailedPreconditionError(
             f"{path}/{MANIFEST} is not a {FORMAT} v{FORMAT_VERSION} manifest"
@@ -231,6 +233,13 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
     def bad(why: str) -> errors.FailedPreconditionError:
         return errors.FailedPreconditionError(f"{path}/{MANIFEST} is malformed: {why}")
 
+    if not isinstance(manifest.get("save_id"), str) or not manifest["save_id"]:
+        raise bad("it has no save_id")
+    if manifest.get("kind", "full") not in ("full", "delta"):
+        raise bad(f"kind {manifest.get('kind')!r} is neither 'full' nor 'delta'")
+    created = manifest.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise bad("created_unix is not a number")
     files = manifest.get("files")
     tables = manifest.get("tables")
     if not isinstance(files, list) or not isinstance(tables, list):
@@ -268,6 +277,9 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
     for info in tables:
         if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
             raise bad("a table entry has no config")
+        rows = info.get("rows")
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise bad(f"a table's rows must be an integer >= 0, got {rows!r}")
 
 
 # A chain longer than this is refused (a cycle, or a chain that should have
@@ -298,10 +310,16 @@ def resolve_chain(path: str, allow: Callable[[str], None] | None = None) -> list
     a broken link is refused (FailedPreconditionError) naming it. `allow`
     raises for a parent path the caller may not read (checkpoint roots)."""
     links: list[Link] = []
+    seen: set[tuple[str, str]] = set()
     current, expected = path, ""
     while True:
         if allow is not None:
             allow(current)
+        if (location_key(current), expected) in seen:
+            raise errors.FailedPreconditionError(
+                f"checkpoint chain of {path!r} is a cycle through {current!r}"
+            )
+        seen.add((location_key(current), expected))
         try:
             manifest = read_manifest(current)
         except errors.NotFoundError:
@@ -331,3 +349,32 @@ def resolve_chain(path: str, allow: Callable[[str], None] | None = None) -> list
             )
         expected = str(parent["save_id"])
         current = resolve_parent(current, str(parent["path"]))
+
+
+def location_key(path: str) -> str:
+    """A checkpoint's location in one normal form, to compare two paths."""
+    fs, root = filesystem(path)
+    return os.path.normpath(os.path.abspath(root)) if is_local(fs) else root
+
+
+def chain_holds(base: str, path: str) -> bool:
+    """Whether loading `base` reads the checkpoint at `path` (so saving into
+    `path` would break `base`)."""
+    here = location_key(path)
+    return any(location_key(link.path) == here for link in resolve_chain(base))
+
+
+def delta_parent(path: str, base: str) -> dict[str, Any]:
+    """The parent record of a delta to be saved at `path` on top of `base`
+    (write_manifest's `parent`); refuses a `path` that `base`'s chain reads,
+    which the save would overwrite."""
+    links = resolve_chain(base)
+    here = location_key(path)
+    for link in links:
+        if location_key(link.path) == here:
+            raise errors.InvalidArgumentError(
+                f"a delta at {path!r} would overwrite {link.path!r}, which its base {base!r} "
+                "needs: save a delta into a directory of its own"
+            )
+    head = links[-1].manifest
+    return {"path": base, "save_id": head["save_id"], "chain_length": head.get("chain_length", 1)}

@@ -252,7 +252,7 @@ def save_tables(
         try:
             infos = _write_shard_file(tmp, layout, tables, save_id)
             with open(tmp, "rb") as f:
-                sha, blocks = verified.block_digests(f)
+                sha, blocks = verified.file_digests(f)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
@@ -265,7 +265,7 @@ def save_tables(
             local = os.path.join(spool, name)
             infos = _write_shard_file(local, layout, tables, save_id)
             with open(local, "rb") as f:
-                sha, blocks = verified.block_digests(f)
+                sha, blocks = verified.file_digests(f)
             size = os.path.getsize(local)
             fs.put_file(local, target)
     return {
@@ -346,6 +346,22 @@ def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> N
 NewTable = Callable[[dict[str, Any]], _native.Table]
 
 
+def _offsets(g: h5py.Group, name: str, rows: int, where: str) -> np.ndarray:
+    """A bucket offsets dataset, checked: NUM_BUCKETS + 1 non-decreasing
+    offsets within the `rows` rows they index."""
+    if name not in g:
+        raise errors.FailedPreconditionError(f"{where} has no {name}")
+    offsets = np.asarray(g[name][...], np.int64)
+    if (
+        offsets.shape != (NUM_BUCKETS + 1,)
+        or offsets[0] != 0
+        or np.any(np.diff(offsets) < 0)
+        or offsets[-1] != rows
+    ):
+        raise errors.FailedPreconditionError(f"{where}: {name} is malformed")
+    return offsets
+
+
 def _apply_group(
     g: h5py.Group,
     entry: dict[str, Any],
@@ -353,18 +369,22 @@ def _apply_group(
     tables: dict[str, _native.Table],
     new_table: NewTable,
     buckets: tuple[int, int],
-    clocks: dict[str, int],
+    link: _LinkState,
 ) -> None:
     """Applies one table of one shard file to `tables` for buckets
     `buckets`: a full table's rows replace those of the file's buckets; a
     delta's removals go first, then its rows (changed or new) overwrite."""
     config = json.loads(g.attrs["config"])
     name = config["name"]
+    where = f"{entry['file']} (table {name!r})"
     if name not in listed or normalized(listed[name]["config"]) != normalized(config):
         raise errors.FailedPreconditionError(
             f"{entry['file']} holds table {name!r} with a config the manifest does not list"
         )
     mode = str(g.attrs.get("mode", "full"))
+    if mode not in ("full", "delta") or "ids" not in g or "values" not in g or "steps" not in g:
+        raise errors.FailedPreconditionError(f"{where} is malformed")
+    offsets = _offsets(g, "bucket_offsets", len(g["ids"]), where)
     table = tables.get(name)
     if table is None or normalized(table.config) != normalized(config):
         if mode != "full":
@@ -373,21 +393,39 @@ def _apply_group(
                 "it do not have in this configuration: the chain is inconsistent"
             )
         table = tables[name] = new_table(config)
-        clocks[name] = table.now()
+        link.fresh.add(name)
+        link.clocks[name] = table.now()
     lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
     if mode == "full":
-        table.erase_buckets(lo, hi)
-    else:
-        offsets = g["removed_offsets"][...]
-        table.erase(np.asarray(g["removed"][int(offsets[lo]) : int(offsets[hi])], np.int64))
-        if config.get("policy", {}).get("clock") != "seconds":
-            # Rows already here aged by the pushes the writer took since the
-            # base; several writers of our buckets: the most of them.
-            elapsed = (int(g.attrs["clock"]) - int(g.attrs["base_clock"])) % (1 << 32)
-            target = (clocks.setdefault(name, table.now()) + elapsed) % (1 << 32)
-            if (target - table.now()) % (1 << 32) < 1 << 31:
-                table.set_push_clock(target)
+        restore_rows(g, table, *buckets)
+        if name not in link.fresh:
+            # The rows of these buckets are the file's: the others go, after
+            # the file's are in (a table in use never reads empty meanwhile).
+            keep = np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64)
+            table.erase_buckets(lo, hi, keep)
+        return
+    if "base_clock" not in g.attrs:
+        raise errors.FailedPreconditionError(f"{where} is a delta without its base_clock")
+    removed = _offsets(g, "removed_offsets", len(g["removed"]) if "removed" in g else 0, where)
+    table.erase(np.asarray(g["removed"][int(removed[lo]) : int(removed[hi])], np.int64))
+    if config.get("policy", {}).get("clock") != "seconds":
+        # Rows already here aged by the pushes the writer took since the
+        # base; several writers of our buckets: the most of them.
+        elapsed = (int(g.attrs["clock"]) - int(g.attrs["base_clock"])) % (1 << 32)
+        target = (link.clocks.setdefault(name, table.now()) + elapsed) % (1 << 32)
+        if (target - table.now()) % (1 << 32) < 1 << 31:
+            table.set_push_clock(target)
     restore_rows(g, table, *buckets)
+
+
+@dataclasses.dataclass
+class _LinkState:
+    """What applying one checkpoint of a chain keeps across its files: the
+    tables it created (nothing to replace in them) and each table's clock
+    when the link started."""
+
+    fresh: set[str]
+    clocks: dict[str, int]
 
 
 def apply_link(
@@ -396,34 +434,43 @@ def apply_link(
     new_table: NewTable,
     buckets: tuple[int, int],
     *,
-    verify_first: bool = False,
+    in_use: bool = False,
     threads: int = 1,
 ) -> None:
     """Applies one checkpoint of a chain to `tables` (name -> table) for the
     routing buckets [first, end): a full checkpoint replaces them with new
     tables; a delta changes them in place (tables created, replaced and
-    dropped by it are changed in `tables`). `verify_first`: check every file
-    of the link before changing anything (for tables in use)."""
+    dropped by it are changed in `tables`).
+
+    `in_use`: the tables serve meanwhile. Every file of the link is then
+    copied locally and verified whole before anything changes, and a table a
+    delta holds whole gets its new rows before the old ones go.
+    """
     m = link.manifest
     listed = {normalized(i["config"])["name"]: i for i in m["tables"]}
-    if link.kind == "full":
-        tables.clear()
-        owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
-        for name, info in listed.items():
-            tables[name] = new_table(info["config"])
-            tables[name].reserve(int(info["rows"] * owned * 1.02) + 1024, threads)
-    for name in [n for n in tables if n not in listed]:
-        del tables[name]  # dropped since the previous checkpoint
-    clocks = {name: t.now() for name, t in tables.items()}
     fs, root = filesystem(link.path)
     entries = [
         e for e in m["files"] if e["end_bucket"] > buckets[0] and e["first_bucket"] < buckets[1]
     ]
+    state = _LinkState(set(), {})
+    if link.kind == "full":
+        tables.clear()
+        owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
+        file_bytes = sum(int(e["bytes"]) for e in entries)
+        for name, info in listed.items():
+            tables[name] = table = new_table(info["config"])
+            state.fresh.add(name)
+            # Sized for its share of the rows, never more than the files hold.
+            most = file_bytes // (4 * (table.dim + table.slot_floats) + 16)
+            table.reserve(min(int(int(info["rows"]) * owned * 1.02) + 1024, most), threads)
+    for name in [n for n in tables if n not in listed]:
+        del tables[name]  # dropped since the previous checkpoint
+    state.clocks.update({name: t.now() for name, t in tables.items()})
 
     def apply_file(entry: dict[str, Any], f: h5py.File) -> None:
         held = set()
         for g in f["tables"].values():
-            _apply_group(g, entry, listed, tables, new_table, buckets, clocks)
+            _apply_group(g, entry, listed, tables, new_table, buckets, state)
             held.add(json.loads(g.attrs["config"])["name"])
         # A table the writer did not have (it restarted empty, say) has no
         # rows in the writer's buckets, as in a full checkpoint.
@@ -432,16 +479,18 @@ def apply_link(
             if name in tables:
                 tables[name].erase_buckets(lo, hi)
 
-    with contextlib.ExitStack() as stack:
-        opened: list[tuple[dict[str, Any], h5py.File]] = []
+    if not in_use:
         for entry in entries:
-            if verify_first:
-                opened.append((entry, stack.enter_context(verified.open_verified(fs, root, entry))))
-                continue
             with verified.open_verified(fs, root, entry) as f:
                 apply_file(entry, f)
-        for entry, f in opened:
-            apply_file(entry, f)
+        return
+    with tempfile.TemporaryDirectory(prefix="tf_dlt-apply-") as spool:
+        for entry in entries:  # every byte verified before any table changes
+            verified.fetch_verified(fs, root, entry, spool)
+        local, local_root = filesystem(spool)
+        for entry in entries:
+            with verified.open_verified(local, local_root, entry) as f:
+                apply_file(entry, f)
 
 
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
@@ -453,7 +502,11 @@ def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
 
 
 def prepare_load(
-    path: str, shard: _native.Shard, allow: Callable[[str], None] | None = None
+    path: str,
+    shard: _native.Shard,
+    allow: Callable[[str], None] | None = None,
+    *,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Reads and verifies the rows this shard owns from checkpoint `path`
     (the chain of its full base and every delta up to it) into new tables,
@@ -466,6 +519,8 @@ def prepare_load(
     changes. The staged tables track changes from `path` on, so a delta
     saved on top of it later holds only what changed after the load.
     `allow` raises for a checkpoint of the chain the caller may not read.
+    `replace`: a same-named table of another configuration on the shard is
+    to be replaced (a follower), not a reason to refuse.
     """
     start = time.monotonic()
     chain = manifest_lib.resolve_chain(path, allow)
@@ -474,7 +529,7 @@ def prepare_load(
     for info in head["tables"]:
         config = normalized(info["config"])
         name = config["name"]
-        if name in existing and existing[name] != config:
+        if not replace and name in existing and existing[name] != config:
             raise errors.FailedPreconditionError(
                 f"table {name!r} on this shard differs from the checkpoint's "
                 f"({difference(existing[name], config)}); drop the table first to load it"

@@ -1,8 +1,8 @@
 """Reading a shard file so that what is parsed is what was verified.
 
-A save records each 16 MiB block's SHA-256 (the file's SHA-256 is that of
-the block digests); a load hashes blocks ahead on worker threads and hands
-HDF5, or the rows themselves (`RawRows`), only bytes of verified blocks.
+A save records each 16 MiB block's SHA-256 besides the whole file's; a load
+hashes blocks ahead on worker threads and hands HDF5, or the rows themselves
+(`RawRows`), only bytes of verified blocks.
 Files of earlier versions (one whole-file SHA-256) are hashed as they are
 copied into a private spool and parsed from it.
 """
@@ -36,17 +36,77 @@ _READ_AHEAD = 2
 _SPOOL_IN_MEMORY = 256 << 20
 
 
-def block_digests(f: IO[bytes]) -> tuple[str, list[str]]:
-    """(root, per-block SHA-256 hex digests) of a file read in
-    BLOCK_BYTES blocks; the root is the SHA-256 of the block digests."""
+def file_digests(f: IO[bytes]) -> tuple[str, list[str]]:
+    """(SHA-256 of the whole file, SHA-256 of each BLOCK_BYTES block) from
+    one read; the whole-file hash runs on a second thread."""
+    whole = hashlib.sha256()
     blocks = []
-    while block := f.read(BLOCK_BYTES):
-        blocks.append(hashlib.sha256(block).hexdigest())
-    return root_of(blocks), blocks
+    with ThreadPoolExecutor(1, thread_name_prefix="dlt-hash") as pool:
+        pending: Future[None] | None = None
+        while block := f.read(BLOCK_BYTES):
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(whole.update, block)
+            blocks.append(hashlib.sha256(block).hexdigest())
+        if pending is not None:
+            pending.result()
+    return whole.hexdigest(), blocks
 
 
-def root_of(blocks: list[str]) -> str:
-    return hashlib.sha256(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
+def fetch_verified(
+    fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any], directory: str
+) -> str:
+    """Copies a shard file into `directory`, checking every block (or the
+    whole file, for files of earlier versions) on the way; returns the copy's
+    path. Nothing of a file that fails is used."""
+    target = f"{root}/{entry['file']}"
+    local = f"{directory}/{entry['file']}"
+    if "block_sha256" not in entry:
+        with open(local, "wb") as out:
+            _copy_whole(fs, target, entry, out)
+        return local
+    block = int(entry["block_bytes"])
+    try:
+        with fs.open(target, "rb") as f, open(local, "wb") as out:
+            for k, digest in enumerate(entry["block_sha256"]):
+                data = f.read(block)
+                if hashlib.sha256(data).hexdigest() != digest:
+                    raise errors.FailedPreconditionError(
+                        f"checkpoint file {target} is corrupt: block {k} ({k * block} bytes in) "
+                        "does not match the manifest's SHA-256"
+                    )
+                out.write(data)
+            if f.read(1):
+                raise errors.FailedPreconditionError(
+                    f"checkpoint file {target} is longer than the manifest says"
+                )
+    except FileNotFoundError:
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} named in the manifest is missing"
+        ) from None
+    return local
+
+
+def _copy_whole(
+    fs: fsspec.AbstractFileSystem, target: str, entry: dict[str, Any], out: IO[bytes]
+) -> None:
+    """Copies a file of an earlier version (one whole-file SHA-256) into
+    `out`, hashing it on the way; refuses it unless it matches."""
+    digest = hashlib.sha256()
+    try:
+        with fs.open(target, "rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                digest.update(block)
+                out.write(block)
+    except FileNotFoundError:
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} named in the manifest is missing"
+        ) from None
+    if digest.hexdigest() != entry["sha256"]:
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} is corrupt: SHA-256 {digest.hexdigest()} != manifest "
+            f"{entry['sha256']}"
+        )
 
 
 class VerifiedBlocks(io.RawIOBase):
@@ -58,14 +118,10 @@ class VerifiedBlocks(io.RawIOBase):
     def __init__(self, f: IO[bytes], entry: dict[str, Any], where: str) -> None:
         super().__init__()
         self._f = f
-        self._where = where
+        self._where = self.where = where
         self._size = int(entry["bytes"])
         self._block = int(entry["block_bytes"])
         self._digests = list(entry["block_sha256"])  # checked by manifest.read_manifest
-        if root_of(self._digests) != entry.get("sha256"):
-            raise errors.FailedPreconditionError(
-                f"the manifest's block checksums of {where} do not match its SHA-256"
-            )
         self._pos = 0
         self._io = threading.Lock()
         self._cache: collections.OrderedDict[int, Future[memoryview]] = collections.OrderedDict()
@@ -165,7 +221,9 @@ class RawRows:
         self._sets = {name: g[name] for name in ("ids", "values", "slots", "steps", "touched")
                       if name in g}  # fmt: skip
         rows = {ds.chunks[0] if ds.chunks else 0 for ds in self._sets.values()}
-        self.ok = (
+        self.ok = all(
+            ds.chunks is not None and ds.chunks[1:] == ds.shape[1:] for ds in self._sets.values()
+        ) and (
             len(rows) == 1
             and 0 not in rows
             and all(ds.id.get_create_plist().get_nfilters() == 0 for ds in self._sets.values())
@@ -192,6 +250,10 @@ class RawRows:
         dsid, dtype, row_shape, row_bytes, tail = layout
         start = a - a % self.chunk
         info = dsid.get_chunk_info_by_coord((start, *tail))
+        if info.byte_offset is None:
+            raise errors.FailedPreconditionError(
+                f"{self._reader.where}: dataset {name} has no stored chunk at row {start}"
+            )
         raw = self._reader.view(
             int(info.byte_offset) + (a - start) * row_bytes, (b - a) * row_bytes
         )
@@ -228,22 +290,8 @@ def open_verified(
                     raise blocks.error from None
                 raise
         return
-    digest = hashlib.sha256()
     with tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY, prefix="tf_dlt-load-") as spool:
-        try:
-            with fs.open(target, "rb") as f:
-                while block := f.read(_HASH_BLOCK):
-                    digest.update(block)
-                    spool.write(block)
-        except FileNotFoundError:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} named in the manifest is missing"
-            ) from None
-        if digest.hexdigest() != entry["sha256"]:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} is corrupt: SHA-256 {digest.hexdigest()} != manifest "
-                f"{entry['sha256']}"
-            )
+        _copy_whole(fs, target, entry, spool)
         spool.seek(0)
         with h5py.File(spool, "r") as h5:
             yield h5

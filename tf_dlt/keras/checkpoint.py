@@ -55,7 +55,7 @@ def save(
     for a delta, "parent".
     """
     if base is None and incremental:
-        base = getattr(model, _LAST_CHECKPOINT, None)
+        base = _implied_base(model, path)
     layers = table_holders(model)
     for layer in layers:
         ops.flush(layer.client)
@@ -93,17 +93,25 @@ def _tables_of(path: str) -> str:
     return f"{path.rstrip('/')}/{TABLES_DIR}"
 
 
+def _implied_base(model: keras.Model, path: str) -> str | None:
+    """The checkpoint an incremental save of `model` to `path` builds on:
+    the one it last saved or loaded, unless that is gone or its chain reads
+    `path` (saving there would break it); then None (a full save)."""
+    last: str | None = getattr(model, _LAST_CHECKPOINT, None)
+    if last is None:
+        return None
+    try:
+        if manifest.chain_holds(_tables_of(last), _tables_of(path)):
+            return None
+    except errors.DltError:
+        return None  # the last checkpoint is gone or broken: start a new chain
+    return last
+
+
 def _save_embedded(layers: list[Any], tables: str, base: str | None) -> dict[str, Any]:
     """Writes embedded tables straight into a one-shard checkpoint at
     `tables`, a chunk at a time; a delta on top of `base` when given."""
-    parent = None
-    if base is not None:
-        base_manifest = manifest.read_manifest(base)
-        parent = {
-            "path": base,
-            "save_id": base_manifest["save_id"],
-            "chain_length": base_manifest.get("chain_length", 1),
-        }
+    parent = manifest.delta_parent(tables, base) if base is not None else None
     save_id = manifest.new_save_id()
     rows = []
     for layer in layers:

@@ -96,40 +96,50 @@ class Follower:
                 log.exception("following %s failed", self._status.directory)
 
     def poll(self) -> FollowStatus:
-        """Reads the directory once and catches up as far as it can."""
+        """Reads the directory once and catches up as far as it can; any
+        failure is reported in the status, never raised."""
         with self._lock:
-            status = self._status
-            found = chain.find(status.directory)
-            newer = [c for c in found if str(c.manifest["save_id"]) > status.serving_save_id]
-            if not newer:
-                status.error = "" if found else f"no committed checkpoint in {status.directory}"
-                status.current, status.lag_seconds = bool(found), 0.0
+            try:
+                self._poll()
+            except Exception as e:  # noqa: BLE001 - a follower keeps serving and says why
+                log.exception("following %s failed", self._status.directory)
+                self._status.error = f"{type(e).__name__}: {e}"
+                self._status.current = False
                 self._changed()
-                return dataclasses.replace(status)
-            failures = []
-            for candidate in reversed(newer):  # the newest that can be reached
-                try:
-                    links = manifest_lib.resolve_chain(candidate.tables, self._allow)
-                except errors.DltError as e:
-                    failures.append(f"{candidate.path}: {e.message}")
-                    continue
-                try:
-                    self._catch_up(candidate, links)
-                except errors.DltError as e:
-                    failures.append(f"{candidate.path}: {e.message}")
-                break
-            status.current = status.serving_save_id == str(newer[-1].manifest["save_id"])
-            status.error = "; ".join(failures)
-            waiting = [
-                float(c.manifest.get("created_unix", 0.0))
-                for c in newer
-                if str(c.manifest["save_id"]) > status.serving_save_id
-            ]
-            status.lag_seconds = max(0.0, time.time() - min(waiting)) if waiting else 0.0
-            if status.error:
-                log.warning("following %s: %s", status.directory, status.error)
+            return dataclasses.replace(self._status)
+
+    def _poll(self) -> None:
+        status = self._status
+        found = chain.find(status.directory)
+        newer = [c for c in found if str(c.manifest["save_id"]) > status.serving_save_id]
+        if not newer:
+            status.error = "" if found else f"no committed checkpoint in {status.directory}"
+            status.current, status.lag_seconds = bool(found), 0.0
             self._changed()
-            return dataclasses.replace(status)
+            return
+        failures = []
+        for candidate in reversed(newer):  # the newest that can be reached
+            try:
+                links = manifest_lib.resolve_chain(candidate.tables, self._allow)
+            except errors.DltError as e:
+                failures.append(f"{candidate.path}: {e.message}")
+                continue
+            try:
+                self._catch_up(candidate, links)
+            except errors.DltError as e:
+                failures.append(f"{candidate.path}: {e.message}")
+            break
+        status.current = status.serving_save_id == str(newer[-1].manifest["save_id"])
+        status.error = "; ".join(failures)
+        waiting = [
+            float(c.manifest.get("created_unix", 0.0))
+            for c in newer
+            if str(c.manifest["save_id"]) > status.serving_save_id
+        ]
+        status.lag_seconds = max(0.0, time.time() - min(waiting)) if waiting else 0.0
+        if status.error:
+            log.warning("following %s: %s", status.directory, status.error)
+        self._changed()
 
     def _catch_up(self, head: chain.Checkpoint, links: list[manifest_lib.Link]) -> None:
         """Moves the shard along `links` to `head`: in place from the
@@ -137,7 +147,7 @@ class Follower:
         status = self._status
         served = [link.save_id for link in links]
         if status.serving_save_id not in served:
-            result = shard_files.prepare_load(head.tables, self._shard, self._allow)
+            result = shard_files.prepare_load(head.tables, self._shard, self._allow, replace=True)
             self._install(result["staged"])
             status.serving_path, status.serving_save_id = head.path, str(result["save_id"])
             status.loads += 1
@@ -147,7 +157,7 @@ class Follower:
         for link in links[served.index(status.serving_save_id) + 1 :]:
             tables = {t.name: t for t in self._shard.tables()}
             start = time.monotonic()
-            shard_files.apply_link(link, tables, self._shard.new_table, buckets, verify_first=True)
+            shard_files.apply_link(link, tables, self._shard.new_table, buckets, in_use=True)
             self._install(list(tables.values()))
             status.serving_path, status.serving_save_id = link.path, link.save_id
             status.deltas_applied += 1
