@@ -221,6 +221,8 @@ def read_manifest(path: str) -> dict[str, Any]:
 
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# A committed shard file's name (any save id `save_tables` accepts): never a path.
+_SHARD_FILE = re.compile(r"^shard-\d{5}-of-\d{5}\.[A-Za-z0-9_-]+\.h5$")
 # Block sizes a manifest may name (a save writes BLOCK_BYTES).
 MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4096, 1 << 30
 
@@ -248,7 +250,7 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
         if not isinstance(entry, dict):
             raise bad("a file entry is not an object")
         name = entry.get("file")
-        if not isinstance(name, str) or _OWN_FILE.match(name) is None or ".tmp-" in name:
+        if not isinstance(name, str) or _SHARD_FILE.match(name) is None:
             raise bad(f"file {name!r} is not a shard file name")
         ints: dict[str, int] = {}
         for key in ("bytes", "first_bucket", "end_bucket", "shard_index"):
