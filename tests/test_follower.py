@@ -50,6 +50,14 @@ def _push(c: tf_dlt.Client, ids: np.ndarray, seed: int) -> None:
     c.push("t", ids, np.random.default_rng(seed).normal(size=(len(ids), 4)).astype(np.float32), 0.1)
 
 
+def _start_run(c: tf_dlt.Client, ids: np.ndarray, run: Path) -> np.ndarray:
+    """Table "t" trained on `ids` and saved in full as run/c1; its rows."""
+    c.create_table("t", 4, "normal", "adagrad", seed=1)
+    _push(c, ids, 1)
+    c.save(str(run / "c1"))
+    return c.pull("t", ids)
+
+
 def test_followers_track_training_through_deltas_and_refuse_writes(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
@@ -57,10 +65,7 @@ def test_followers_track_training_through_deltas_and_refuse_writes(
     ids = np.arange(5000, dtype=np.int64)
     trainer = start_cluster(2)
     with trainer.client() as c:
-        c.create_table("t", 4, "normal", "adagrad", seed=1)
-        _push(c, ids, 1)
-        c.save(str(run / "c1"))
-        c1 = c.pull("t", ids)
+        c1 = _start_run(c, ids, run)
     # Three serving shards follow what two training shards save.
     followers = start_cluster(
         3, "--read-only", "--follow", str(run), "--follow-interval", "0.1"
@@ -107,9 +112,7 @@ def test_a_broken_delta_keeps_followers_serving_what_they_have(
     ids = np.arange(2000, dtype=np.int64)
     trainer = start_cluster(1)
     with trainer.client() as c:
-        c.create_table("t", 4, "normal", "adagrad", seed=1)
-        _push(c, ids, 1)
-        c.save(str(run / "c1"))
+        _start_run(c, ids, run)
         _push(c, ids[:10], 2)
         d2 = c.save(str(run / "c2"), base=str(run / "c1"))
         served = c.pull("t", ids)

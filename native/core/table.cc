@@ -128,10 +128,13 @@ struct Table::Stripe {
     for (uint32_t k = 0; k < num_chunks; ++k) munmap(chunks[k], chunk_bytes[k]);
   }
 
+  // The first record of arena chunk k: the records of chunks 0..k-1.
+  static size_t FirstRecordOf(uint32_t k) { return ((size_t{1} << k) - 1) << kBaseRecordsLog2; }
+
   static uint32_t ChunkOf(uint32_t record, uint32_t* offset) {
     const uint32_t q = (record >> kBaseRecordsLog2) + 1;
     const uint32_t k = 31 - static_cast<uint32_t>(__builtin_clz(q));
-    *offset = record - (((1u << k) - 1) << kBaseRecordsLog2);
+    *offset = record - static_cast<uint32_t>(FirstRecordOf(k));
     return k;
   }
 
@@ -950,14 +953,13 @@ void Table::Reserve(size_t rows, uint32_t threads) {
       if (capacity > stripe.index.size()) stripe.GrowTo(capacity);  // writes every slot
       const uint32_t first_new = stripe.num_chunks;
       while (stripe.num_chunks < kMaxChunks &&
-             (size_t{1} << (stripe.num_chunks + kBaseRecordsLog2)) - (1u << kBaseRecordsLog2) <
-                 per_stripe) {
+             Stripe::FirstRecordOf(stripe.num_chunks) < per_stripe) {
         if (!stripe.AddChunk(record_bytes_)) break;
       }
       // Fault in now, a page at a time, the new memory the expected rows
       // will use (not the rest of the last chunk, which may be as large).
       for (uint32_t k = first_new; k < stripe.num_chunks; ++k) {
-        const size_t first_record = ((size_t{1} << k) - 1) << kBaseRecordsLog2;
+        const size_t first_record = Stripe::FirstRecordOf(k);
         if (first_record >= per_stripe) break;
         const size_t used =
             std::min(stripe.chunk_bytes[k], (per_stripe - first_record) * record_bytes_);

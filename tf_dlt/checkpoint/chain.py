@@ -39,13 +39,11 @@ def find(directory: str) -> list[Checkpoint]:
     subdirectories, and model checkpoints' ``tables/``), oldest first by
     save id (the time of the save)."""
     fs, root = manifest_lib.filesystem(directory)
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
-    prefix = "" if manifest_lib.is_local(fs) or "://" not in directory else f"{protocol}://"
     candidates = [directory]
     with contextlib.suppress(FileNotFoundError):
         for entry in fs.ls(root, detail=True):
             if entry["type"] == "directory":
-                candidates.append(prefix + str(entry["name"]).rstrip("/"))
+                candidates.append(manifest_lib.url_of(fs, str(entry["name"]).rstrip("/")))
     found = []
     for path in candidates:
         for tables, tables_dir in ((path, None), (tables_path(path, "tables"), "tables")):

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import posixpath
 import re
 import secrets
 import time
@@ -52,6 +53,12 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, root.rstrip("/")
 
 
+def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A path within `fs` as something `filesystem` opens again: as it is
+    for local files, else with its protocol."""
+    return path if is_local(fs) else str(fs.unstrip_protocol(path))
+
+
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocols
@@ -67,8 +74,6 @@ def parent_reference(path: str, parent: str) -> str:
         if is_local(fs):
             return os.path.relpath(os.path.abspath(parent_root), os.path.abspath(root))
         # posixpath: object-store keys are "/"-separated on every platform.
-        import posixpath
-
         return posixpath.relpath(parent_root, root)
     return parent
 
@@ -79,11 +84,7 @@ def resolve_parent(path: str, reference: str) -> str:
     if "://" in reference or os.path.isabs(reference):
         return reference
     fs, root = filesystem(path)
-    joined = os.path.normpath(os.path.join(root, reference))
-    if is_local(fs):
-        return joined
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
-    return f"{protocol}://{joined}"
+    return url_of(fs, os.path.normpath(os.path.join(root, reference)))
 
 
 def write_manifest(

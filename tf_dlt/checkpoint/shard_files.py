@@ -97,9 +97,15 @@ class ShardLayout:
     end_bucket: int = NUM_BUCKETS
 
 
+def file_row_bytes(dim: int, slot_floats: int) -> int:
+    """Bytes of one row in a shard file: values and slots (float32), id,
+    update count and stamp."""
+    return 4 * (dim + slot_floats) + 16
+
+
 def chunk_rows(dim: int, slot_floats: int) -> int:
     """Rows per read or write batch (about 8 MiB)."""
-    return max(1, _CHUNK_BYTES // (4 * (dim + slot_floats) + 16))
+    return max(1, _CHUNK_BYTES // file_row_bytes(dim, slot_floats))
 
 
 def native_state(table: _native.Table, first_bucket: int, end_bucket: int) -> TableState:
@@ -140,7 +146,7 @@ def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
     dim, slots = rows.dim, rows.slot_floats
     first = next(rows.chunks, None)
     # HDF5 chunks of about 1 MiB, never larger than a small table.
-    per_row = 4 * (dim + slots) + 16
+    per_row = file_row_bytes(dim, slots)
     storage = max(1, min((1 << 20) // per_row, len(first[0]) if first is not None else 1))
 
     def dataset(name: str, dtype: Any, width: int | None) -> h5py.Dataset:
@@ -283,21 +289,28 @@ def save_tables(
     }
 
 
-def restore_rows(g: h5py.Group, table: _native.Table, first: int, end: int) -> None:
-    """Imports the rows of buckets [first, end) of file group `g` into
-    `table`, with their update counts and stamps, and the sketch slices the
-    file has of those buckets. Stamps of a push clock count against the
-    writer's own clock (each shard counts its pushes): they are restored as
-    the same ages against `table`'s clock, whichever shards wrote them."""
+def restore_rows(
+    g: h5py.Group,
+    table: _native.Table,
+    buckets: tuple[int, int],
+    offsets: np.ndarray,
+    reader: verified.VerifiedBlocks | None,
+) -> None:
+    """Imports the rows of buckets [first, end) of file group `g` (whose
+    checked `bucket_offsets` are `offsets`) into `table`, with their update
+    counts and stamps, and the sketch slices the file has of those buckets;
+    straight from `reader`'s verified blocks where it can. Stamps of a push
+    clock count against the writer's own clock (each shard counts its
+    pushes): they are restored as the same ages against `table`'s clock,
+    whichever shards wrote them."""
+    first, end = buckets
     saved_clock = int(g.attrs.get("clock", 0))
-    seconds = json.loads(g.attrs["config"]).get("policy", {}).get("clock") == "seconds"
+    seconds = table.config["policy"]["clock"] == "seconds"
     now = table.now()
-    offsets = g["bucket_offsets"][...]
     lo, hi = int(offsets[first]), int(offsets[end])
     step = chunk_rows(table.dim, table.slot_floats)
     slots = g["slots"] if "slots" in g else None
     touched = g["touched"] if "touched" in g else None
-    reader = verified.READERS.get(g.file.id.id)
     raw = verified.RawRows(g, reader) if reader is not None else None
     if raw is not None and raw.ok:  # HDF5 chunk by HDF5 chunk, from the verified blocks
 
@@ -365,17 +378,19 @@ def _offsets(g: h5py.Group, name: str, rows: int, where: str) -> np.ndarray:
 def _apply_group(
     g: h5py.Group,
     entry: dict[str, Any],
+    reader: verified.VerifiedBlocks | None,
     listed: dict[str, dict[str, Any]],
     tables: dict[str, _native.Table],
     new_table: NewTable,
     buckets: tuple[int, int],
     link: _LinkState,
-) -> None:
+) -> str:
     """Applies one table of one shard file to `tables` for buckets
     `buckets`: a full table's rows replace those of the file's buckets; a
-    delta's removals go first, then its rows (changed or new) overwrite."""
+    delta's removals go first, then its rows (changed or new) overwrite.
+    Returns the table's name."""
     config = json.loads(g.attrs["config"])
-    name = config["name"]
+    name = str(config["name"])
     where = f"{entry['file']} (table {name!r})"
     if name not in listed or normalized(listed[name]["config"]) != normalized(config):
         raise errors.FailedPreconditionError(
@@ -397,13 +412,13 @@ def _apply_group(
         link.clocks[name] = table.now()
     lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
     if mode == "full":
-        restore_rows(g, table, *buckets)
+        restore_rows(g, table, buckets, offsets, reader)
         if name not in link.fresh:
             # The rows of these buckets are the file's: the others go, after
             # the file's are in (a table in use never reads empty meanwhile).
             keep = np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64)
             table.erase_buckets(lo, hi, keep)
-        return
+        return name
     if "base_clock" not in g.attrs:
         raise errors.FailedPreconditionError(f"{where} is a delta without its base_clock")
     removed = _offsets(g, "removed_offsets", len(g["removed"]) if "removed" in g else 0, where)
@@ -415,7 +430,8 @@ def _apply_group(
         target = (link.clocks.setdefault(name, table.now()) + elapsed) % (1 << 32)
         if (target - table.now()) % (1 << 32) < 1 << 31:
             table.set_push_clock(target)
-    restore_rows(g, table, *buckets)
+    restore_rows(g, table, buckets, offsets, reader)
+    return name
 
 
 @dataclasses.dataclass
@@ -461,17 +477,19 @@ def apply_link(
             tables[name] = table = new_table(info["config"])
             state.fresh.add(name)
             # Sized for its share of the rows, never more than the files hold.
-            most = file_bytes // (4 * (table.dim + table.slot_floats) + 16)
+            most = file_bytes // file_row_bytes(table.dim, table.slot_floats)
             table.reserve(min(int(int(info["rows"]) * owned * 1.02) + 1024, most), threads)
     for name in [n for n in tables if n not in listed]:
         del tables[name]  # dropped since the previous checkpoint
     state.clocks.update({name: t.now() for name, t in tables.items()})
 
-    def apply_file(entry: dict[str, Any], f: h5py.File) -> None:
-        held = set()
-        for g in f["tables"].values():
-            _apply_group(g, entry, listed, tables, new_table, buckets, state)
-            held.add(json.loads(g.attrs["config"])["name"])
+    def apply_file(
+        entry: dict[str, Any], f: h5py.File, reader: verified.VerifiedBlocks | None
+    ) -> None:
+        held = {
+            _apply_group(g, entry, reader, listed, tables, new_table, buckets, state)
+            for g in f["tables"].values()
+        }
         # A table the writer did not have (it restarted empty, say) has no
         # rows in the writer's buckets, as in a full checkpoint.
         lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
@@ -481,16 +499,16 @@ def apply_link(
 
     if not in_use:
         for entry in entries:
-            with verified.open_verified(fs, root, entry) as f:
-                apply_file(entry, f)
+            with verified.open_verified(fs, root, entry) as (f, reader):
+                apply_file(entry, f, reader)
         return
     with tempfile.TemporaryDirectory(prefix="tf_dlt-apply-") as spool:
         for entry in entries:  # every byte verified before any table changes
             verified.fetch_verified(fs, root, entry, spool)
         local, local_root = filesystem(spool)
         for entry in entries:
-            with verified.open_verified(local, local_root, entry) as f:
-                apply_file(entry, f)
+            with verified.open_verified(local, local_root, entry) as (f, reader):
+                apply_file(entry, f, reader)
 
 
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:

@@ -53,6 +53,17 @@ def file_digests(f: IO[bytes]) -> tuple[str, list[str]]:
     return whole.hexdigest(), blocks
 
 
+def _check_block(where: str, k: int, offset: int, data: bytes, digest: str) -> None:
+    """Refuses block `k` of a file (at `offset`) unless its SHA-256 is the
+    manifest's `digest`."""
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != digest:
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {where} is corrupt: SHA-256 of block {k} ({offset} bytes in) is "
+            f"{actual}, the manifest says {digest}"
+        )
+
+
 def fetch_verified(
     fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any], directory: str
 ) -> str:
@@ -70,11 +81,7 @@ def fetch_verified(
         with fs.open(target, "rb") as f, open(local, "wb") as out:
             for k, digest in enumerate(entry["block_sha256"]):
                 data = f.read(block)
-                if hashlib.sha256(data).hexdigest() != digest:
-                    raise errors.FailedPreconditionError(
-                        f"checkpoint file {target} is corrupt: block {k} ({k * block} bytes in) "
-                        "does not match the manifest's SHA-256"
-                    )
+                _check_block(target, k, k * block, data, digest)
                 out.write(data)
             if f.read(1):
                 raise errors.FailedPreconditionError(
@@ -118,7 +125,7 @@ class VerifiedBlocks(io.RawIOBase):
     def __init__(self, f: IO[bytes], entry: dict[str, Any], where: str) -> None:
         super().__init__()
         self._f = f
-        self._where = self.where = where
+        self.where = where
         self._size = int(entry["bytes"])
         self._block = int(entry["block_bytes"])
         self._digests = list(entry["block_sha256"])  # checked by manifest.read_manifest
@@ -136,14 +143,9 @@ class VerifiedBlocks(io.RawIOBase):
             data = self._f.read(want)
         if len(data) != want:
             raise errors.FailedPreconditionError(
-                f"checkpoint file {self._where} is shorter than the manifest's {self._size} bytes"
+                f"checkpoint file {self.where} is shorter than the manifest's {self._size} bytes"
             )
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != self._digests[k]:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {self._where} is corrupt: SHA-256 of block {k} ({offset} bytes "
-                f"in) is {digest}, the manifest says {self._digests[k]}"
-            )
+        _check_block(self.where, k, offset, data, self._digests[k])
         return memoryview(data)
 
     def _get(self, k: int) -> memoryview:
@@ -164,7 +166,7 @@ class VerifiedBlocks(io.RawIOBase):
         one block when they lie in one, else a copy."""
         if offset < 0 or offset + size > self._size:
             raise errors.FailedPreconditionError(
-                f"{self._where}: a dataset chunk lies outside the file"
+                f"{self.where}: a dataset chunk lies outside the file"
             )
         k, within = divmod(offset, self._block)
         if within + size <= self._block:
@@ -207,28 +209,27 @@ class VerifiedBlocks(io.RawIOBase):
         super().close()
 
 
-# The verified reader of each shard file open for a load, by HDF5 file id.
-READERS: dict[int, VerifiedBlocks] = {}
-
-
 class RawRows:
     """Reads rows of a table group's datasets straight from verified blocks
-    (each HDF5 chunk located once, no HDF5 copy), when every dataset is
-    stored in unfiltered chunks of the same rows; else `of` returns None."""
+    (each HDF5 chunk located once, no HDF5 copy). `ok` is False unless every
+    dataset is stored in unfiltered chunks of whole rows, the same rows for
+    all; then the caller reads through HDF5 instead."""
 
     def __init__(self, g: h5py.Group, reader: VerifiedBlocks) -> None:
         self._reader = reader
         self._sets = {name: g[name] for name in ("ids", "values", "slots", "steps", "touched")
                       if name in g}  # fmt: skip
-        rows = {ds.chunks[0] if ds.chunks else 0 for ds in self._sets.values()}
-        self.ok = all(
-            ds.chunks is not None and ds.chunks[1:] == ds.shape[1:] for ds in self._sets.values()
-        ) and (
-            len(rows) == 1
-            and 0 not in rows
-            and all(ds.id.get_create_plist().get_nfilters() == 0 for ds in self._sets.values())
+        sets = self._sets.values()
+        self.ok = (
+            all(
+                ds.chunks is not None
+                and ds.chunks[1:] == ds.shape[1:]
+                and ds.id.get_create_plist().get_nfilters() == 0
+                for ds in sets
+            )
+            and len({ds.chunks[0] for ds in sets}) == 1
         )
-        self.chunk = rows.pop() if self.ok else 0
+        self.chunk = next(iter(sets)).chunks[0] if self.ok else 0
         # (dataset id, dtype, row shape, bytes per row, coordinate tail)
         self._layout = {
             name: (
@@ -263,9 +264,10 @@ class RawRows:
 @contextlib.contextmanager
 def open_verified(
     fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any]
-) -> Iterator[h5py.File]:
-    """Opens a shard file whose bytes match the manifest. With per-block
-    checksums (files of this version), each block is verified as it is read
+) -> Iterator[tuple[h5py.File, VerifiedBlocks | None]]:
+    """Opens a shard file whose bytes match the manifest: (the HDF5 file,
+    its verified reader for `RawRows`, or None). With per-block checksums
+    (files of this version), each block is verified as it is read
     (`VerifiedBlocks`); older files are read once, hashed whole as they are
     copied into a private spool, and parsed from it. Either way the bytes
     parsed are the bytes verified, even if the file changes meanwhile."""
@@ -280,11 +282,7 @@ def open_verified(
         with f, VerifiedBlocks(f, entry, target) as blocks:
             try:
                 with h5py.File(blocks, "r") as h5:
-                    READERS[h5.id.id] = blocks
-                    try:
-                        yield h5
-                    finally:
-                        del READERS[h5.id.id]
+                    yield h5, blocks
             except Exception:
                 if blocks.error is not None:  # HDF5 hides the reader's error
                     raise blocks.error from None
@@ -294,4 +292,4 @@ def open_verified(
         _copy_whole(fs, target, entry, spool)
         spool.seek(0)
         with h5py.File(spool, "r") as h5:
-            yield h5
+            yield h5, None

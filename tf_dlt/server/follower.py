@@ -37,7 +37,6 @@ class FollowStatus:
     lag_seconds: float = 0.0  # how long a newer committed checkpoint has waited
     error: str = ""  # why it is not current ("" when it is)
     deltas_applied: int = 0
-    loads: int = 0
 
 
 class Follower:
@@ -90,10 +89,7 @@ class Follower:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - a follower never dies; it reports
-                log.exception("following %s failed", self._status.directory)
+            self.poll()  # never raises: failures go to the status
 
     def poll(self) -> FollowStatus:
         """Reads the directory once and catches up as far as it can; any
@@ -150,7 +146,6 @@ class Follower:
             result = shard_files.prepare_load(head.tables, self._shard, self._allow, replace=True)
             self._install(result["staged"])
             status.serving_path, status.serving_save_id = head.path, str(result["save_id"])
-            status.loads += 1
             log.info("serving %s (%d checkpoint(s) loaded)", head.path, result["links"])
             return
         buckets = (self._shard.first_bucket, self._shard.end_bucket)
@@ -179,10 +174,8 @@ class Follower:
             self._on_change(dataclasses.replace(self._status))
 
 
-def describe(status: FollowStatus | None) -> dict[str, Any]:
+def describe(status: FollowStatus) -> dict[str, Any]:
     """The follower's status as Stats and the metrics report it."""
-    if status is None:
-        return {}
     return {
         "serving_path": status.serving_path,
         "serving_save_id": status.serving_save_id,
