@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # Pure C++ (no TF or Python headers): table core, wire format, server, client.
 # BUILD lists the same files; tests/test_packaging.py keeps them equal.
 NATIVE_CORE_SOURCES = [
+    "native/core/disk_tier.cc",
     "native/core/half.cc",
     "native/core/initializer.cc",
     "native/core/optimizer.cc",

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 import tf_dlt
+from tf_dlt import _native
+from tf_dlt.checkpoint import shard_files
 from tf_dlt.server.local import LocalCluster
 
 
@@ -17,6 +19,31 @@ def pytest_configure(config: pytest.Config) -> None:
     import importlib.util
 
     assert importlib.util.find_spec("tf_dlt.layers") is not None, "tf_dlt is not installed"
+
+
+# id -> (values, slots, step, age against the table's clock)
+Rows = dict[int, tuple[bytes, bytes, int, int]]
+
+
+def staged_rows(path: str, num_shards: int) -> dict[str, Rows]:
+    """Every row a load of `path` onto `num_shards` shards gives, read from
+    the staged tables (no server involved)."""
+    out: dict[str, Rows] = {}
+    for index in range(num_shards):
+        staged = shard_files.prepare_load(path, _native.Shard(index, num_shards))["staged"]
+        for table in staged:
+            rows = out.setdefault(table.name, {})
+            exporter = table.exporter()
+            now = table.now()
+            seconds = table.config["policy"]["clock"] == "seconds"
+            while (chunk := exporter.next(4096)) is not None:
+                ids, values, slots, steps, _, touched = chunk
+                for i in range(len(ids)):
+                    age = int(touched[i]) if seconds else (now - int(touched[i])) % (1 << 32)
+                    rows[int(ids[i])] = (
+                        values[i].tobytes(), slots[i].tobytes(), int(steps[i]), age
+                    )  # fmt: skip
+    return out
 
 
 class Cluster(LocalCluster):

@@ -22,31 +22,7 @@ import tf_dlt
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files
 
-from conftest import Cluster
-
-# id -> (values, slots, step, age against the table's clock)
-Rows = dict[int, tuple[bytes, bytes, int, int]]
-
-
-def _staged_rows(path: str, num_shards: int) -> dict[str, Rows]:
-    """Every row a load of `path` onto `num_shards` shards gives, read from
-    the staged tables (no server involved)."""
-    out: dict[str, Rows] = {}
-    for index in range(num_shards):
-        staged = shard_files.prepare_load(path, _native.Shard(index, num_shards))["staged"]
-        for table in staged:
-            rows = out.setdefault(table.name, {})
-            exporter = table.exporter()
-            now = table.now()
-            seconds = table.config["policy"]["clock"] == "seconds"
-            while (chunk := exporter.next(4096)) is not None:
-                ids, values, slots, steps, _, touched = chunk
-                for i in range(len(ids)):
-                    age = int(touched[i]) if seconds else (now - int(touched[i])) % (1 << 32)
-                    rows[int(ids[i])] = (
-                        values[i].tobytes(), slots[i].tobytes(), int(steps[i]), age
-                    )  # fmt: skip
-    return out
+from conftest import Cluster, staged_rows
 
 
 def _train(client: tf_dlt.Client, ids: np.ndarray, seed: int, tables: dict[str, int]) -> None:
@@ -104,8 +80,8 @@ def test_chain_loads_what_a_full_save_of_the_same_state_loads(
     emb2 = {t["config"]["name"]: t for t in d2["tables"]}["emb2"]
     assert emb2["full_files"] == 2  # new since the base: written whole
     assert {t["config"]["name"] for t in full["tables"]} == {"adam", "emb2", "sgd"}
-    chained = _staged_rows(str(tmp_path / "d2"), load_shards)
-    whole = _staged_rows(str(tmp_path / "full"), load_shards)
+    chained = staged_rows(str(tmp_path / "d2"), load_shards)
+    whole = staged_rows(str(tmp_path / "full"), load_shards)
     assert set(chained) == {"adam", "emb2", "sgd"}
     for name in whole:
         assert chained[name] == whole[name], name
@@ -135,7 +111,7 @@ def test_chain_onto_a_running_cluster_and_deltas_on_top_of_the_load(
         "adam": 10, "ftrl": 0, "sgd": 0
     }  # fmt: skip
     assert d2["num_shards"] == 3 and d2["kind"] == "delta"
-    assert _staged_rows(str(tmp_path / "d2"), 2) == _staged_rows(str(tmp_path / "full"), 2)
+    assert staged_rows(str(tmp_path / "d2"), 2) == staged_rows(str(tmp_path / "full"), 2)
 
 
 def test_removed_and_readmitted_rows(start_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
@@ -147,9 +123,9 @@ def test_removed_and_readmitted_rows(start_cluster: Callable[..., Cluster], tmp_
         _train(c, ids[900:], 3, {"t": 4})  # [900, 1000) come back, fresh
         c.save(str(tmp_path / "d1"), base=str(tmp_path / "base"))
         c.save(str(tmp_path / "full"))
-    rows = _staged_rows(str(tmp_path / "d1"), 1)["t"]
+    rows = staged_rows(str(tmp_path / "d1"), 1)["t"]
     assert sorted(rows) == list(range(500)) + list(range(900, 1000))
-    assert rows == _staged_rows(str(tmp_path / "full"), 1)["t"]
+    assert rows == staged_rows(str(tmp_path / "full"), 1)["t"]
 
 
 def test_a_row_and_its_slots_come_from_one_moment_while_pushes_run(
@@ -196,7 +172,7 @@ def test_a_row_and_its_slots_come_from_one_moment_while_pushes_run(
         worker.join()
     steps_seen = set()
     for k in range(len(saved)):
-        rows = _staged_rows(str(tmp_path / f"d{k}"), 1)["adam"]
+        rows = staged_rows(str(tmp_path / f"d{k}"), 1)["adam"]
         assert len(rows) == n
         for i, (values, slots, step, _) in rows.items():
             assert (values, slots) == states[step - 1][i], (k, i, step)
@@ -307,7 +283,7 @@ def test_compact_ls_and_prune_from_the_command_line(
     assert out.returncode == 0, out.stderr
     compacted = manifest.read_manifest(str(tmp_path / "compacted"))
     assert compacted["kind"] == "full" and compacted["num_shards"] == 3
-    assert _staged_rows(str(tmp_path / "compacted"), 2) == _staged_rows(str(run / "c5"), 2)
+    assert staged_rows(str(tmp_path / "compacted"), 2) == staged_rows(str(run / "c5"), 2)
     # Keep the newest 2 (c6, c7): c1..c5 go. Keep 4 (c4..c7): c4 and c5
     # need c1..c3, so nothing goes.
     out = cli("prune", str(run), "--keep", "4")
@@ -361,9 +337,9 @@ def test_a_shard_restarted_empty_is_saved_as_it_is(
         c.save(str(tmp_path / "full2"))
     assert d1["kind"] == "delta" and d2["tables"][0]["full_files"] == 1
     for delta, full in (("d1", "full1"), ("d2", "full2")):
-        rows = _staged_rows(str(tmp_path / delta), 3)
-        assert rows == _staged_rows(str(tmp_path / full), 3), delta
-    assert 0 < len(_staged_rows(str(tmp_path / "d1"), 1)["t"]) < len(ids)
+        rows = staged_rows(str(tmp_path / delta), 3)
+        assert rows == staged_rows(str(tmp_path / full), 3), delta
+    assert 0 < len(staged_rows(str(tmp_path / "d1"), 1)["t"]) < len(ids)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,16 @@
 #include "native/core/shard.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <map>
 #include <mutex>
+#include <system_error>
 
 #include "native/core/routing.h"
 
@@ -13,10 +22,209 @@ Shard::Shard(uint32_t shard_index, uint32_t num_shards)
       first_bucket_(FirstBucket(shard_index, num_shards)),
       end_bucket_(FirstBucket(shard_index + 1, num_shards)) {}
 
-Shard::~Shard() { StopSweeper(); }
+namespace {
+
+// The keeper keeps the rows' RAM under this fraction of the budget (the
+// rest is headroom for rows that arrive between passes), and moves rows
+// out down to kLowWater of that.
+constexpr double kTargetFraction = 0.9;
+constexpr double kLowWater = 0.95;
+// Rows a pass moves per table at most (a pass stays short), unless a
+// sixteenth of the table is more.
+constexpr size_t kMovesPerPass = 262144;
+// A table whose tier failed is left alone this long.
+constexpr auto kErrorBackoff = std::chrono::seconds(5);
+// Passes between two checks of max_rows across tiers.
+constexpr uint64_t kPassesPerEviction = 50;
+
+// Holds an exclusive flock on `dir`/LOCK; -1 when another process holds it.
+int LockDirectory(const std::string& dir) {
+  const int fd = open((dir + "/LOCK").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return -1;
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+}  // namespace
+
+Shard::~Shard() {
+  StopKeeper();
+  StopSweeper();
+  if (tier_lock_fd_ >= 0) close(tier_lock_fd_);
+}
 
 std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
-  return std::make_shared<Table>(config, first_bucket_, end_bucket_);
+  auto table = std::make_shared<Table>(config, first_bucket_, end_bucket_);
+  if (tier_root_.empty()) return table;
+  // Each table object has a directory of its own: a load builds a table
+  // while the one it replaces still serves.
+  const std::string dir = tier_root_ + "/t" + std::to_string(next_table_dir_++) + "-" + config.name;
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  table->AttachTier(dir);
+  // Until the keeper's next pass: the rows that fit what is free now.
+  const uint64_t resident = ResidentBytes();
+  const uint64_t free_bytes = resident < budget_ * kTargetFraction
+                                  ? static_cast<uint64_t>(budget_ * kTargetFraction) - resident
+                                  : 0;
+  table->SetRamLimit(std::max<uint64_t>(kStripes * 64, free_bytes / table->ram_row_bytes()));
+  return table;
+}
+
+uint64_t Shard::ResidentBytes() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  unsigned long long size = 0, resident = 0;  // NOLINT: fscanf's types
+  const int got = std::fscanf(f, "%llu %llu", &size, &resident);
+  std::fclose(f);
+  return got == 2 ? resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
+Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_dir,
+                              int interval_ms) {
+  if (budget_ != 0 || !tier_root_.empty()) {
+    return FailedPrecondition("the memory budget is set once, at start");
+  }
+  if (!storage_dir.empty() && budget_bytes == 0) {
+    return InvalidArgument("a storage dir needs a memory budget: rows move to disk past it");
+  }
+  if (!Tables().empty()) return FailedPrecondition("set the memory budget before tables exist");
+  if (!storage_dir.empty()) {
+    namespace fs = std::filesystem;
+    std::error_code error;
+    fs::create_directories(storage_dir, error);
+    if (error) {
+      return InvalidArgument("cannot create storage dir " + storage_dir + ": " + error.message());
+    }
+    // Tier files of shards that are gone are stale: a restart loads from a
+    // checkpoint, never from them. A directory whose LOCK is held belongs to
+    // a live shard process and is left alone.
+    for (const auto& entry : fs::directory_iterator(storage_dir, error)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("shard-", 0) != 0 || !entry.is_directory()) continue;
+      const int fd = LockDirectory(entry.path().string());
+      if (fd < 0) continue;
+      fs::remove_all(entry.path(), error);
+      close(fd);
+    }
+    const std::string root = storage_dir + "/shard-" + std::to_string(shard_index_);
+    fs::create_directories(root, error);
+    if (error) return InvalidArgument("cannot create " + root + ": " + error.message());
+    tier_lock_fd_ = LockDirectory(root);
+    if (tier_lock_fd_ < 0) {
+      return FailedPrecondition("storage dir " + root + " is in use by another shard process");
+    }
+    tier_root_ = root;
+  }
+  budget_ = budget_bytes;
+  if (budget_ == 0) return OkStatus();
+  keeper_ = std::thread([this, interval_ms] {
+    std::unique_lock<std::mutex> lock(keeper_mu_);
+    while (!keeper_stop_) {
+      lock.unlock();
+      const size_t moved = KeepMemory();
+      lock.lock();
+      if (moved > 0) continue;  // still over the budget: no pause
+      keeper_cv_.wait_for(lock, std::chrono::milliseconds(std::max(1, interval_ms)),
+                          [this] { return keeper_stop_; });
+    }
+  });
+  return OkStatus();
+}
+
+void Shard::StopKeeper() {
+  {
+    std::lock_guard<std::mutex> lock(keeper_mu_);
+    keeper_stop_ = true;
+  }
+  keeper_cv_.notify_all();
+  if (keeper_.joinable()) keeper_.join();
+}
+
+size_t Shard::KeepMemory() {
+  if (budget_ == 0) return 0;
+  std::lock_guard<std::mutex> pass_lock(keeper_pass_mu_);
+  auto& failed = keeper_failed_;
+  const auto now = std::chrono::steady_clock::now();
+  const std::vector<std::shared_ptr<Table>> tables = Tables();
+  const uint64_t resident = ResidentBytes();
+  resident_.store(resident, std::memory_order_relaxed);
+  // What is not the tables' (the interpreter, buffers) is measured; the
+  // tables' own fixed parts (sketches, tier fingerprints) are subtracted.
+  uint64_t table_bytes = 0, fixed = 0, live_bytes = 0;
+  for (const auto& t : tables) {
+    table_bytes += t->bytes();
+    fixed += t->ram_fixed_bytes();
+    live_bytes += t->ram_rows() * t->ram_row_bytes();
+  }
+  const uint64_t overhead = resident > table_bytes ? resident - table_bytes : 0;
+  const double room = budget_ * kTargetFraction - static_cast<double>(overhead + fixed);
+  const uint64_t target = room > 0 ? static_cast<uint64_t>(room) : 0;
+  table_target_.store(target, std::memory_order_relaxed);
+  size_t moved = 0;
+  if (live_bytes > target) {
+    const double excess = static_cast<double>(live_bytes) - target * kLowWater;
+    for (const auto& t : tables) {
+      auto f = failed.find(t.get());
+      if (f != failed.end() && now - f->second < kErrorBackoff) continue;
+      const uint64_t rows = t->ram_rows();
+      const double share = static_cast<double>(rows * t->ram_row_bytes()) / live_bytes;
+      size_t want = static_cast<size_t>(excess * share / t->ram_row_bytes()) + 1;
+      want = std::min(want, std::max<size_t>(kMovesPerPass, rows / 16));
+      Status status;
+      moved += t->Demote(want, &status);
+      if (!status.ok()) {
+        t->SetTierError(status.message());
+        failed[t.get()] = now;
+      } else if (f != failed.end()) {
+        t->SetTierError("");
+        failed.erase(f);
+      }
+    }
+  }
+  SetRamLimits(tables, target);
+  const double since = std::chrono::duration<double>(now - keeper_rated_).count();
+  if (since >= 1.0) {
+    for (const auto& t : tables) t->UpdateTierRates(since);
+    keeper_rated_ = now;
+  }
+  if (++keeper_passes_ % kPassesPerEviction == 0) {
+    for (const auto& t : tables) t->EvictAcrossTiers();
+  }
+  // Forget tables that are gone.
+  for (auto it = failed.begin(); it != failed.end();) {
+    const bool present = std::any_of(tables.begin(), tables.end(),
+                                     [&](const auto& t) { return t.get() == it->first; });
+    it = present ? std::next(it) : failed.erase(it);
+  }
+  return moved;
+}
+
+void Shard::SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint64_t target) {
+  uint64_t live_bytes = 0;
+  for (const auto& t : tables) live_bytes += t->ram_rows() * t->ram_row_bytes();
+  for (const auto& t : tables) {
+    if (!t->has_tier()) continue;
+    // Each table's share of the target: its share of the RAM rows now (an
+    // even split while none are).
+    const double share = live_bytes > 0
+                             ? static_cast<double>(t->ram_rows() * t->ram_row_bytes()) / live_bytes
+                             : 1.0 / tables.size();
+    t->SetRamLimit(std::max<uint64_t>(kStripes * 64,
+                                      static_cast<uint64_t>(target * share / t->ram_row_bytes())));
+  }
+}
+
+Shard::MemoryStatus Shard::memory_status() const {
+  MemoryStatus m;
+  m.budget = budget_;
+  m.resident = resident_.load(std::memory_order_relaxed);
+  m.table_target = table_target_.load(std::memory_order_relaxed);
+  m.storage_dir = tier_root_;
+  return m;
 }
 
 size_t Shard::Sweep() {

@@ -4,6 +4,8 @@
 #ifndef TF_DLT_NATIVE_CORE_SHARD_H_
 #define TF_DLT_NATIVE_CORE_SHARD_H_
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -57,7 +59,30 @@ class Shard {
   void StartSweeper(int interval_ms);
   void StopSweeper();
 
+  // Tiered storage (docs/tiered_storage.md). `budget_bytes` (0: none) bounds
+  // the process's resident memory: past it the coldest rows move to a disk
+  // tier under `storage_dir`, or without one ("") are evicted. Call once,
+  // before any table exists. Takes `storage_dir`/shard-<index> (locked while
+  // this process lives: FAILED_PRECONDITION when another process holds it)
+  // and deletes what earlier processes left there. Starts the keeper thread
+  // that enforces the budget every `interval_ms`.
+  Status ConfigureMemory(uint64_t budget_bytes, const std::string& storage_dir, int interval_ms);
+  // One pass of the keeper: moves rows out of RAM until the tables fit
+  // the budget; returns the rows moved.
+  size_t KeepMemory();
+  struct MemoryStatus {
+    uint64_t budget = 0;        // bytes; 0: none
+    uint64_t resident = 0;      // the process's resident bytes at the last pass
+    uint64_t table_target = 0;  // bytes the RAM rows may take
+    std::string storage_dir;    // this shard's tier directory ("": none)
+  };
+  MemoryStatus memory_status() const;
+  // The process's resident set in bytes (/proc/self/statm).
+  static uint64_t ResidentBytes();
+
  private:
+  void StopKeeper();
+  void SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint64_t target);
   const uint32_t shard_index_;
   const uint32_t num_shards_;
   const uint32_t first_bucket_;
@@ -72,6 +97,22 @@ class Shard {
   // Bumped by every StopSweeper: a sweeper thread runs while it is the one
   // it started under, so a restart never revives a thread being stopped.
   uint64_t sweeper_generation_ = 0;  // guarded by sweeper_mu_
+
+  // Tiered storage; set once by ConfigureMemory.
+  uint64_t budget_ = 0;
+  std::string tier_root_;  // storage_dir/shard-<index>, "" without a disk tier
+  int tier_lock_fd_ = -1;
+  mutable std::atomic<uint64_t> next_table_dir_{0};
+  std::atomic<uint64_t> resident_{0}, table_target_{0};
+  std::mutex keeper_mu_;
+  std::condition_variable keeper_cv_;
+  bool keeper_stop_ = false;  // guarded by keeper_mu_
+  std::thread keeper_;
+  std::mutex keeper_pass_mu_;                           // one KeepMemory pass at a time
+  uint64_t keeper_passes_ = 0;                          // guarded by keeper_pass_mu_
+  std::chrono::steady_clock::time_point keeper_rated_;  // guarded by keeper_pass_mu_
+  // Tables whose tier failed, and when (guarded by keeper_pass_mu_).
+  std::map<const Table*, std::chrono::steady_clock::time_point> keeper_failed_;
 };
 
 }  // namespace dlt

@@ -1,8 +1,10 @@
 #include "native/core/table.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -32,6 +34,13 @@ constexpr uint32_t kCopyAhead = 8;
 constexpr uint32_t kApplyAhead = 2;
 // Index slots a removal pass examines per hold of a stripe's lock.
 constexpr size_t kRemovalSlots = 8192;
+// Disk tier pages a pass over cold rows reads per hold of a stripe's lock,
+// and rows a demotion writes per hold.
+constexpr uint32_t kColdPagesPerHold = 32;
+constexpr size_t kDemoteBatch = 256;
+// Milliseconds a push waits at most for the memory keeper while the RAM
+// rows are far past their limit (back-pressure instead of memory growth).
+constexpr int kRoomWaits = 100;
 // Salts of the per-id random streams (initial rows use their own).
 constexpr uint64_t kAdmitSalt = 0x243f6a8885a308d3ULL;
 constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;
@@ -115,14 +124,17 @@ struct Table::Stripe {
   Index index;               // capacity is a power of two (or empty)
   uint32_t num_records = 0;  // records ever allocated (live + free)
   uint32_t live = 0;
-  uint64_t removals = 0;  // rows ever removed (exports re-check rows after one)
+  // Rows ever removed or moved between tiers (exports re-check rows after
+  // one).
+  uint64_t removals = 0;
   std::vector<uint32_t> free_records;
   char* chunks[kMaxChunks] = {};
   size_t chunk_bytes[kMaxChunks] = {};
   // Per record: the generation of its last write (change tracking).
   std::unique_ptr<uint16_t[]> generations[kMaxChunks];
   uint32_t num_chunks = 0;
-  std::vector<Removal> removed;  // ids removed while a save is tracked
+  std::vector<Removal> removed;    // ids removed while a save is tracked
+  std::unique_ptr<TierFile> tier;  // cold rows (with a disk tier)
 
   ~Stripe() {
     for (uint32_t k = 0; k < num_chunks; ++k) munmap(chunks[k], chunk_bytes[k]);
@@ -311,7 +323,263 @@ Table::Table(const TableConfig& config, uint32_t first_bucket, uint32_t end_buck
   }
 }
 
-Table::~Table() = default;
+Table::~Table() {
+  stripes_.reset();  // closes and unlinks the tier files
+  if (!tier_dir_.empty()) rmdir(tier_dir_.c_str());
+}
+
+void Table::AttachTier(const std::string& dir) {
+  tier_dir_ = dir;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "/stripe-%02u.tier", s);
+    stripes_[s].tier = std::make_unique<TierFile>(dir + name, record_bytes_);
+  }
+}
+
+void Table::WaitForRoom() const {
+  const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
+  if (!has_tier() || limit == 0) return;
+  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 8; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+bool Table::RamFull(const Stripe& stripe) const {
+  const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
+  if (limit == 0 || !stripe.tier) return false;
+  // A stripe's share, plus a margin for uneven stripes and for rows that
+  // arrive between two passes of the keeper.
+  return stripe.live >= limit / kStripes + limit / (16 * kStripes) + 16;
+}
+
+Status Table::Promote(Stripe* stripe, uint64_t hash, int64_t id, uint32_t* rec) {
+  *rec = kEmpty;
+  if (!stripe->tier || stripe->tier->rows() == 0) return OkStatus();
+  thread_local std::vector<char> scratch;
+  scratch.resize(record_bytes_);
+  uint32_t slot;
+  uint16_t generation = 0;
+  DLT_RETURN_IF_ERROR(stripe->tier->Find(hash, id, scratch.data(), &slot, &generation));
+  if (slot == TierFile::kNoSlot) return OkStatus();
+  const uint32_t r = stripe->Insert(hash, id, record_bytes_);
+  if (r == kEmpty) {
+    return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
+  }
+  std::memcpy(stripe->Record(r, record_bytes_), scratch.data(), record_bytes_);
+  stripe->Generation(r) = generation;  // a move is not a change
+  stripe->tier->Remove(slot);
+  ++stripe->removals;
+  cold_rows_.fetch_sub(1, std::memory_order_relaxed);
+  promotions_.fetch_add(1, std::memory_order_relaxed);
+  *rec = r;
+  return OkStatus();
+}
+
+void Table::FillRecord(char* r, int64_t id, uint32_t step, uint32_t touched, const float* values,
+                       const float* slots) {
+  auto* header = reinterpret_cast<RowHeader*>(r);
+  header->step = step;
+  header->touched = touched;
+  WriteRow(r, id, step, values, slots, /*stochastic=*/false);
+}
+
+template <typename Hold, typename Fn>
+Status Table::ForEachCold(Stripe* stripe, Hold hold, Fn fn) {
+  TierFile* tier = stripe->tier.get();
+  if (tier == nullptr) return OkStatus();
+  std::vector<char> buffer;
+  for (uint32_t first = 0;; first += kColdPagesPerHold) {
+    auto lock = hold();
+    if (first >= tier->pages()) break;
+    const uint32_t n = std::min(kColdPagesPerHold, tier->pages() - first);
+    const uint32_t per_page = tier->slots_per_page();
+    bool any = false;
+    for (uint32_t slot = first * per_page; slot < (first + n) * per_page && !any; ++slot) {
+      any = tier->Used(slot);
+    }
+    if (!any) continue;
+    buffer.resize(size_t{n} * tier->page_bytes());
+    DLT_RETURN_IF_ERROR(tier->ReadPages(first, n, buffer.data()));
+    for (uint32_t p = 0; p < n; ++p) {
+      const char* page = buffer.data() + size_t{p} * tier->page_bytes();
+      for (uint32_t s = 0; s < per_page; ++s) {
+        const uint32_t slot = (first + p) * per_page + s;
+        if (!tier->Used(slot)) continue;
+        const char* data = tier->SlotIn(page, s);
+        fn(slot, TierFile::KeyOf(data), TierFile::RecordOf(data));
+      }
+    }
+  }
+  return OkStatus();
+}
+
+uint64_t Table::Score(const char* record, uint32_t now) const {
+  const auto* h = reinterpret_cast<const RowHeader*>(record);
+  const uint32_t age = now - h->touched;
+  // Lowest first: fewest updates (LFU), then longest untouched.
+  const uint64_t recency = 0xffffffffu - age;
+  const bool lfu = config_.policy.eviction == static_cast<uint64_t>(EvictionKind::kLfu);
+  return lfu ? (uint64_t{h->step} << 32) | recency : recency;
+}
+
+std::vector<int64_t> Table::Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored, size_t want) {
+  want = std::min(want, scored->size());
+  std::vector<int64_t> keys;
+  if (want == 0) return keys;
+  std::nth_element(scored->begin(), scored->begin() + (want - 1), scored->end());
+  keys.reserve(want);
+  for (size_t v = 0; v < want; ++v) keys.push_back((*scored)[v].second);
+  return keys;
+}
+
+size_t Table::Demote(size_t want, Status* status) {
+  *status = OkStatus();
+  const bool to_disk = has_tier();
+  const uint32_t now = Now();
+  const size_t total = ram_rows();
+  if (want == 0 || total == 0) return 0;
+  size_t moved = 0;
+  std::vector<std::pair<uint64_t, int64_t>> scored;
+  std::vector<char> scratch(record_bytes_);
+  for (uint32_t s = 0; s < kStripes && status->ok(); ++s) {
+    Stripe& stripe = stripes_[s];
+    std::vector<int64_t> victims;
+    {
+      std::shared_lock<std::shared_mutex> lock(stripe.mu);
+      // This stripe's share of the rows to move, rounded up.
+      const size_t share = (want * size_t{stripe.live} + total - 1) / total;
+      if (share == 0) continue;
+      scored.clear();
+      scored.reserve(stripe.live);
+      for (const IndexEntry& e : stripe.index) {
+        if (e.record == kEmpty) continue;
+        scored.emplace_back(Score(stripe.Record(e.record, record_bytes_), now), e.key);
+      }
+      victims = Lowest(&scored, share);
+    }
+    if (!to_disk) {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      const size_t erased = EraseFrom(&stripe, victims);
+      evicted_.fetch_add(erased, std::memory_order_relaxed);
+      moved += erased;
+      continue;
+    }
+    // A batch of rows per hold of the lock: pulls of this stripe wait for
+    // at most a batch of disk writes.
+    for (size_t begin = 0; begin < victims.size() && status->ok(); begin += kDemoteBatch) {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      const size_t end = std::min(victims.size(), begin + kDemoteBatch);
+      for (size_t v = begin; v < end; ++v) {
+        const int64_t key = victims[v];
+        const uint64_t hash = Mix64(static_cast<uint64_t>(key));
+        const size_t slot = stripe.FindSlot(hash, key);
+        if (slot == kEmpty) continue;  // removed (or moved) since it was chosen
+        const uint32_t rec = stripe.index[slot].record;
+        *status =
+            stripe.tier->Put(hash, key, stripe.Record(rec, record_bytes_), stripe.Generation(rec));
+        if (!status->ok()) break;
+        stripe.EraseSlot(slot);
+        cold_rows_.fetch_add(1, std::memory_order_relaxed);
+        ++moved;
+      }
+    }
+  }
+  demotions_.fetch_add(to_disk ? moved : 0, std::memory_order_relaxed);
+  return moved;
+}
+
+size_t Table::EvictAcrossTiers() {
+  if (!has_tier() || config_.policy.max_rows == 0) return 0;
+  const uint32_t now = Now();
+  size_t evicted = 0;
+  std::vector<std::pair<uint64_t, int64_t>> scored;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    Stripe& stripe = stripes_[s];
+    const uint64_t quota = stripe_quota_[s];
+    size_t rows;
+    {
+      std::shared_lock<std::shared_mutex> lock(stripe.mu);
+      rows = stripe.live + stripe.tier->rows();
+      if (rows <= quota + quota / 32) continue;
+      scored.clear();
+      for (const IndexEntry& e : stripe.index) {
+        if (e.record == kEmpty) continue;
+        scored.emplace_back(Score(stripe.Record(e.record, record_bytes_), now), e.key);
+      }
+    }
+    const Status read = ForEachCold(
+        &stripe, [&] { return std::shared_lock<std::shared_mutex>(stripe.mu); },
+        [&](uint32_t, int64_t key, const char* record) {
+          scored.emplace_back(Score(record, now), key);
+        });
+    if (!read.ok()) {
+      SetTierError(read.message());
+      continue;
+    }
+    // Down to the quota less the same slack EvictFrom leaves.
+    const std::vector<int64_t> victims = Lowest(&scored, rows - quota + quota / 32);
+    std::unique_lock<std::shared_mutex> lock(stripe.mu);
+    evicted += EraseFrom(&stripe, victims);
+  }
+  evicted_.fetch_add(evicted, std::memory_order_relaxed);
+  return evicted;
+}
+
+size_t Table::ram_fixed_bytes() const {
+  size_t total = sketch_ ? sketch_->bytes() : 0;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    total += stripes_[s].removed.capacity() * sizeof(Removal) +
+             (stripes_[s].tier ? stripes_[s].tier->ram_bytes() : 0);
+  }
+  return total;
+}
+
+size_t Table::ram_rows() const {
+  const int64_t ram =
+      rows_.load(std::memory_order_relaxed) - cold_rows_.load(std::memory_order_relaxed);
+  return ram < 0 ? 0 : static_cast<size_t>(ram);
+}
+
+void Table::SetTierError(const std::string& error) {
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  tier_error_ = error;
+}
+
+void Table::UpdateTierRates(double seconds) {
+  const TierStats now = tier_stats();
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  if (seconds > 0) {
+    rates_.promotions_per_s = (now.promotions - rates_.promotions) / seconds;
+    rates_.demotions_per_s = (now.demotions - rates_.demotions) / seconds;
+    rates_.disk_reads_per_s = (now.disk_reads - rates_.disk_reads) / seconds;
+  }
+  rates_.promotions = now.promotions;
+  rates_.demotions = now.demotions;
+  rates_.disk_reads = now.disk_reads;
+}
+
+TierStats Table::tier_stats() const {
+  TierStats t;
+  t.ram_rows = ram_rows();
+  const int64_t cold = cold_rows_.load(std::memory_order_relaxed);
+  t.disk_rows = cold < 0 ? 0 : static_cast<uint64_t>(cold);
+  t.ram_bytes = bytes();
+  for (uint32_t s = 0; s < kStripes && has_tier(); ++s) {
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    t.disk_bytes += stripes_[s].tier->disk_bytes();
+    t.disk_reads += stripes_[s].tier->reads();
+  }
+  t.promotions = promotions_.load(std::memory_order_relaxed);
+  t.demotions = demotions_.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  t.error = tier_error_;
+  t.promotions_per_s = rates_.promotions_per_s;
+  t.demotions_per_s = rates_.demotions_per_s;
+  t.disk_reads_per_s = rates_.disk_reads_per_s;
+  return t;
+}
 
 uint32_t Table::Now() const {
   if (config_.policy.clock == static_cast<uint64_t>(ClockKind::kSeconds)) {
@@ -421,7 +689,7 @@ uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
   return rec;
 }
 
-void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
+Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts, missing, recs;
   GroupByStripe(ids, n, &hashes, &order, &starts);
@@ -467,11 +735,12 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
       }
     }
     if (missing.empty()) continue;
-    if (mode == PullMode::kZerosNoInsert) {
+    const bool tiered = stripe.tier != nullptr;
+    if (mode == PullMode::kZerosNoInsert && !tiered) {
       for (uint32_t pos : missing) std::memset(out + size_t{pos} * dim, 0, row_bytes);
       continue;
     }
-    if (mode == PullMode::kInitNoInsert) {
+    if (mode == PullMode::kInitNoInsert && !tiered) {
       for (uint32_t pos : missing) {
         InitializeRow(config_.initializer, config_.seed, ids[pos], dim, out + size_t{pos} * dim);
       }
@@ -481,12 +750,45 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     // others read the unadmitted default until a push admits them.
     size_t admitted = 0;
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
+    // Cold rows move into RAM while it has room; else they are read where
+    // they are, and a new row is left for its push to make.
+    const bool promote = !RamFull(stripe);
+    thread_local std::vector<char> cold;
     for (uint32_t pos : missing) {
       float* dst = out + size_t{pos} * dim;
+      if (tiered && stripe.tier->rows() != 0) {
+        uint32_t rec = stripe.Find(hashes[pos], ids[pos]);  // moved in meanwhile?
+        if (rec == kEmpty && promote) {
+          DLT_RETURN_IF_ERROR(Promote(&stripe, hashes[pos], ids[pos], &rec));
+        }
+        if (rec != kEmpty) {
+          ReadValues(stripe.Record(rec, record_bytes_), dst);
+          continue;
+        }
+        if (!promote) {
+          cold.resize(record_bytes_);
+          uint32_t slot;
+          uint16_t generation;
+          DLT_RETURN_IF_ERROR(
+              stripe.tier->Find(hashes[pos], ids[pos], cold.data(), &slot, &generation));
+          if (slot != TierFile::kNoSlot) {
+            ReadValues(cold.data(), dst);
+            continue;
+          }
+        }
+      }
+      if (mode == PullMode::kZerosNoInsert) {
+        std::memset(dst, 0, row_bytes);
+        continue;
+      }
+      if (mode == PullMode::kInitNoInsert) {
+        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, dst);
+        continue;
+      }
       const bool admit = admission == AdmissionKind::kAll ||
                          (admission == AdmissionKind::kProbability && ProbabilityAdmits(ids[pos]));
       uint32_t rec = kEmpty;
-      if (admit) {
+      if (admit && promote) {
         const uint32_t live = stripe.live;
         rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
         admitted += stripe.live - live;
@@ -503,9 +805,10 @@ void Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     }
     if (admitted) {
       admitted_.fetch_add(admitted, std::memory_order_relaxed);
-      if (config_.policy.max_rows) EvictFrom(&stripe, Now());
+      if (config_.policy.max_rows && !tiered) EvictFrom(&stripe, Now());
     }
   }
+  return OkStatus();
 }
 
 Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
@@ -522,6 +825,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
                            std::to_string(ids[bad / dim]) +
                            ") holds a non-finite value; nothing applied");
   }
+  WaitForRoom();
   pushes_.fetch_add(1, std::memory_order_relaxed);
   const uint32_t now = Now();
   thread_local std::vector<uint64_t> hashes, counted;
@@ -551,6 +855,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
+      if (rec == kEmpty && stripe.tier) {
+        DLT_RETURN_IF_ERROR(Promote(&stripe, hashes[pos], ids[pos], &rec));
+      }
       if (rec == kEmpty) {
         if (!AdmitOnPush(hashes[pos], ids[pos], &counted)) {
           ++refused;
@@ -634,7 +941,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       ApplyRow(config_.optimizer, dim, lr, g, sq, values.data(), slots.data(), &header->step);
       WriteRow(r, ids[kept[k]], header->step, values.data(), slots.data(), stochastic);
     }
-    if (admitted && config_.policy.max_rows) EvictFrom(&stripe, now);
+    if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }
   return OkStatus();
 }
@@ -645,23 +952,13 @@ void Table::EvictFrom(Stripe* stripe, uint32_t now) {
   // Evict a little below the quota, so eviction runs once per many inserts.
   const uint64_t slack = quota / 32;
   const size_t want = static_cast<size_t>(stripe->live - quota + slack);
-  thread_local std::vector<std::pair<uint64_t, size_t>> scored;  // (score, index slot)
+  thread_local std::vector<std::pair<uint64_t, int64_t>> scored;  // (score, key)
   scored.clear();
-  const bool lfu = config_.policy.eviction == static_cast<uint64_t>(EvictionKind::kLfu);
-  for (size_t i = 0; i < stripe->index.size(); ++i) {
-    const IndexEntry& e = stripe->index[i];
+  for (const IndexEntry& e : stripe->index) {
     if (e.record == kEmpty) continue;
-    const auto* h = reinterpret_cast<const RowHeader*>(stripe->Record(e.record, record_bytes_));
-    const uint32_t age = now - h->touched;
-    // Lowest first: fewest updates (LFU), then longest untouched.
-    const uint64_t recency = 0xffffffffu - age;
-    scored.emplace_back(lfu ? (uint64_t{h->step} << 32) | recency : recency, i);
+    scored.emplace_back(Score(stripe->Record(e.record, record_bytes_), now), e.key);
   }
-  std::nth_element(scored.begin(), scored.begin() + (want - 1), scored.end());
-  thread_local std::vector<int64_t> victims;
-  victims.clear();
-  for (size_t v = 0; v < want; ++v) victims.push_back(stripe->index[scored[v].second].key);
-  evicted_.fetch_add(EraseFrom(stripe, victims), std::memory_order_relaxed);
+  evicted_.fetch_add(EraseFrom(stripe, Lowest(&scored, want)), std::memory_order_relaxed);
 }
 
 size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
@@ -689,6 +986,18 @@ size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
       }
       removed += EraseFrom(&stripe, victims);
     }
+    // Cold rows: each batch of pages is read and judged under the lock.
+    const Status read = ForEachCold(
+        &stripe, [&] { return std::unique_lock<std::shared_mutex>(stripe.mu); },
+        [&](uint32_t slot, int64_t key, const char* record) {
+          const auto* h = reinterpret_cast<const RowHeader*>(record);
+          const bool rare = min_count != 0 && h->step < min_count;
+          const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
+          if (!rare && !stale) return;
+          EraseCold(&stripe, slot, key);
+          ++removed;
+        });
+    if (!read.ok()) SetTierError(read.message());
   }
   counter->fetch_add(removed, std::memory_order_relaxed);
   return removed;
@@ -707,11 +1016,11 @@ Status Table::Assign(const int64_t* ids, const float* values, size_t n) {
                            std::to_string(ids[bad / config_.dim]) +
                            ") holds a non-finite value; nothing assigned");
   }
-  return Import(ids, values, nullptr, nullptr, n);
+  return Import(ids, values, nullptr, nullptr, n, nullptr, /*to_disk=*/false);
 }
 
 Status Table::Import(const int64_t* ids, const float* values, const float* slots,
-                     const uint32_t* steps, size_t n, const uint32_t* touched) {
+                     const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk) {
   const size_t bad = FirstNonFinite(values, n * config_.dim);
   if (bad < n * config_.dim) {
     return InvalidArgument("row " + std::to_string(bad / config_.dim) + " (id " +
@@ -729,6 +1038,7 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts;
   thread_local std::vector<float> fresh_slots;
+  thread_local std::vector<char> cold;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   const uint32_t dim = config_.dim;
   const uint32_t now = Now();
@@ -743,6 +1053,29 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
     for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
+      if (rec == kEmpty && stripe.tier && to_disk && RamFull(stripe)) {
+        // RAM is full (a load past the budget): the row goes to disk, over
+        // its cold copy if it has one.
+        cold.resize(record_bytes_);
+        uint32_t slot = TierFile::kNoSlot;
+        uint16_t old_generation;
+        DLT_RETURN_IF_ERROR(
+            stripe.tier->Find(hashes[pos], ids[pos], cold.data(), &slot, &old_generation));
+        const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
+        FillRecord(cold.data(), ids[pos], steps ? steps[pos] : 0, touched ? touched[pos] : now,
+                   values + size_t{pos} * dim, row_slots);
+        if (slot != TierFile::kNoSlot) {
+          DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold.data(), generation));
+          continue;
+        }
+        DLT_RETURN_IF_ERROR(stripe.tier->Put(hashes[pos], ids[pos], cold.data(), generation));
+        rows_.fetch_add(1, std::memory_order_relaxed);
+        cold_rows_.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      if (rec == kEmpty && stripe.tier) {
+        DLT_RETURN_IF_ERROR(Promote(&stripe, hashes[pos], ids[pos], &rec));
+      }
       if (rec == kEmpty) {
         rec = stripe.Insert(hashes[pos], ids[pos], record_bytes_);
         if (rec == kEmpty) {
@@ -761,7 +1094,7 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       WriteRow(r, ids[pos], header->step, values + size_t{pos} * dim, row_slots,
                /*stochastic=*/false);
     }
-    if (inserted && config_.policy.max_rows) EvictFrom(&stripe, now);
+    if (inserted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }
   return OkStatus();
 }
@@ -778,7 +1111,8 @@ size_t Table::bytes() const {
     total += size_t{stripes_[s].num_records} * (record_bytes_ + sizeof(uint16_t)) +
              stripes_[s].index.size() * sizeof(IndexEntry) +
              stripes_[s].free_records.capacity() * sizeof(uint32_t) +
-             stripes_[s].removed.capacity() * sizeof(Removal);
+             stripes_[s].removed.capacity() * sizeof(Removal) +
+             (stripes_[s].tier ? stripes_[s].tier->ram_bytes() : 0);
   }
   return total;
 }
@@ -815,10 +1149,39 @@ uint32_t Table::SketchEstimate(int64_t id) const {
   return sketch_->Estimate(hash);
 }
 
+void Table::EraseCold(Stripe* stripe, uint32_t slot, int64_t key) {
+  stripe->tier->Remove(slot);
+  ++stripe->removals;
+  cold_rows_.fetch_sub(1, std::memory_order_relaxed);
+  rows_.fetch_sub(1, std::memory_order_relaxed);
+  if (logging_.load(std::memory_order_relaxed)) {
+    stripe->removed.push_back(Removal{key, generation_.load(std::memory_order_relaxed)});
+  }
+}
+
 size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
   const bool log = logging_.load(std::memory_order_relaxed);
-  const size_t erased = stripe->EraseKeys(keys, log, generation_.load(std::memory_order_relaxed));
+  size_t erased = stripe->EraseKeys(keys, log, generation_.load(std::memory_order_relaxed));
   rows_.fetch_sub(static_cast<int64_t>(erased), std::memory_order_relaxed);
+  if (stripe->tier && stripe->tier->rows() != 0 && erased < keys.size()) {
+    // The keys not in RAM may be cold.
+    thread_local std::vector<char> scratch;
+    scratch.resize(record_bytes_);
+    for (int64_t key : keys) {
+      const uint64_t hash = Mix64(static_cast<uint64_t>(key));
+      if (stripe->FindSlot(hash, key) != kEmpty) continue;  // cannot be: erased above
+      uint32_t slot;
+      uint16_t generation;
+      const Status found = stripe->tier->Find(hash, key, scratch.data(), &slot, &generation);
+      if (!found.ok()) {
+        SetTierError(found.message());
+        continue;
+      }
+      if (slot == TierFile::kNoSlot) continue;
+      EraseCold(stripe, slot, key);
+      ++erased;
+    }
+  }
   if (log && stripe->removed.size() > kLogSlack + stripe->live / 4) {
     // Tracking this many removals would cost more than a full write of the
     // table: stop, and let the next save write the table in full.
@@ -925,23 +1288,43 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
   size_t erased = 0;
   std::vector<int64_t> keys;
   // Stripes hold contiguous bucket ranges, in order.
+  const auto goes = [&](int64_t key) {
+    const uint32_t bucket = BucketOf(key);
+    return bucket >= first && bucket < end && !std::binary_search(kept.begin(), kept.end(), key);
+  };
   for (uint32_t s = stripe_of_bucket_[first]; s <= stripe_of_bucket_[end - 1]; ++s) {
     Stripe& stripe = stripes_[s];
-    std::unique_lock<std::shared_mutex> lock(stripe.mu);
-    keys.clear();
-    for (const IndexEntry& e : stripe.index) {
-      if (e.record == kEmpty) continue;
-      const uint32_t bucket = BucketOf(e.key);
-      if (bucket >= first && bucket < end && !std::binary_search(kept.begin(), kept.end(), e.key)) {
-        keys.push_back(e.key);
+    {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      keys.clear();
+      for (const IndexEntry& e : stripe.index) {
+        if (e.record != kEmpty && goes(e.key)) keys.push_back(e.key);
       }
+      erased += EraseFrom(&stripe, keys);
     }
-    erased += EraseFrom(&stripe, keys);
+    const Status read = ForEachCold(
+        &stripe, [&] { return std::unique_lock<std::shared_mutex>(stripe.mu); },
+        [&](uint32_t slot, int64_t key, const char*) {
+          if (!goes(key)) return;
+          EraseCold(&stripe, slot, key);
+          ++erased;
+        });
+    if (!read.ok()) SetTierError(read.message());
   }
   return erased;
 }
 
 void Table::Reserve(size_t rows, uint32_t threads) {
+  const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
+  if (has_tier() && limit != 0 && rows > limit) {
+    // The rows past the RAM limit go to disk: size the tier files for them.
+    const size_t cold = (rows - limit) / kStripes + (rows - limit) / (kStripes * 16) + 64;
+    for (uint32_t s = 0; s < kStripes; ++s) {
+      std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+      stripes_[s].tier->Reserve(cold);
+    }
+    rows = limit;
+  }
   const size_t per_stripe = rows / kStripes + rows / (kStripes * 16) + 64;
   std::atomic<uint32_t> next{0};
   auto work = [&]() {
@@ -987,49 +1370,110 @@ void Table::Reserve(size_t rows, uint32_t threads) {
   for (std::thread& t : pool) t.join();
 }
 
+bool Table::Exporter::List(Stripe* stripe) {
+  order_.clear();
+  // Rows may move between tiers while the cold rows are read a batch at a
+  // time; a listing that saw a move is made again, the third time under
+  // one hold of the lock.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    order_.clear();
+    std::shared_lock<std::shared_mutex> whole;
+    if (attempt == 2) whole = std::shared_lock<std::shared_mutex>(stripe->mu);
+    uint64_t removals, layout;
+    {
+      std::shared_lock<std::shared_mutex> lock;
+      if (attempt < 2) lock = std::shared_lock<std::shared_mutex>(stripe->mu);
+      order_.reserve(stripe->live);
+      removals = removals_ = stripe->removals;
+      layout = stripe->tier ? stripe->tier->layout() : 0;
+      for (const IndexEntry& e : stripe->index) {
+        if (e.record == kEmpty) continue;
+        if (changed_only_ && !table_->ChangedSince(stripe->Generation(e.record), since_)) continue;
+        order_.push_back(Entry{BucketOf(e.key), e.record, e.key, false});
+      }
+    }
+    if (!stripe->tier) break;
+    error_ = table_->ForEachCold(
+        stripe,
+        [&] {
+          return attempt < 2 ? std::shared_lock<std::shared_mutex>(stripe->mu)
+                             : std::shared_lock<std::shared_mutex>();
+        },
+        [&](uint32_t slot, int64_t key, const char*) {
+          if (changed_only_ && !table_->ChangedSince(stripe->tier->Generation(slot), since_)) {
+            return;
+          }
+          order_.push_back(Entry{BucketOf(key), slot, key, true});
+        });
+    if (!error_.ok()) return false;
+    std::shared_lock<std::shared_mutex> lock;
+    if (attempt < 2) lock = std::shared_lock<std::shared_mutex>(stripe->mu);
+    if (stripe->removals == removals && stripe->tier->layout() == layout) break;
+  }
+  std::sort(order_.begin(), order_.end(), [](const Entry& a, const Entry& b) {
+    return a.bucket != b.bucket ? a.bucket < b.bucket : a.id < b.id;
+  });
+  return true;
+}
+
+bool Table::Exporter::Copy(Stripe* stripe, const Entry& e, const RowBuffers& out, size_t i) {
+  const Table& t = *table_;
+  const char* r = nullptr;
+  thread_local std::vector<char> slot_data;
+  if (stripe->removals == removals_ && !e.cold) {
+    r = stripe->Record(e.record, t.record_bytes_);
+  } else {
+    // Look the row up wherever it is now (removed rows, and records
+    // reused since the listing, are skipped).
+    const uint64_t hash = Mix64(static_cast<uint64_t>(e.id));
+    const uint32_t rec = stripe->Find(hash, e.id);
+    if (rec != kEmpty) {
+      r = stripe->Record(rec, t.record_bytes_);
+    } else if (stripe->tier) {
+      slot_data.resize(stripe->tier->slot_bytes());
+      uint32_t slot = TierFile::kNoSlot;
+      uint16_t generation;
+      if (e.cold && e.record < stripe->tier->slots() && stripe->tier->Used(e.record)) {
+        error_ = stripe->tier->ReadSlot(e.record, slot_data.data());
+        if (!error_.ok()) return false;
+        if (TierFile::KeyOf(slot_data.data()) == e.id) slot = e.record;
+      }
+      if (slot == TierFile::kNoSlot) {  // moved since the listing
+        error_ =
+            stripe->tier->Find(hash, e.id, slot_data.data() + sizeof(int64_t), &slot, &generation);
+        if (!error_.ok()) return false;
+      }
+      if (slot != TierFile::kNoSlot) r = TierFile::RecordOf(slot_data.data());
+    }
+    if (r == nullptr) return false;
+  }
+  const auto* header = reinterpret_cast<const RowHeader*>(r);
+  out.ids[i] = e.id;
+  out.buckets[i] = e.bucket;
+  out.steps[i] = header->step;
+  if (out.touched) out.touched[i] = header->touched;
+  t.ReadValues(r, out.values + i * t.config_.dim);
+  if (t.slot_floats_) t.ReadSlots(r, out.slots + i * t.slot_floats_);
+  return true;
+}
+
 size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
-  const uint32_t dim = table_->config_.dim;
-  const uint32_t slot_floats = table_->slot_floats_;
-  const size_t record_bytes = table_->record_bytes_;
   size_t written = 0;
-  while (written < max_rows && stripe_ < kStripes) {
+  while (written < max_rows && stripe_ < kStripes && error_.ok()) {
     Stripe& stripe = table_->stripes_[stripe_];
     if (!loaded_) {
-      std::shared_lock<std::shared_mutex> lock(stripe.mu);
-      order_.clear();
-      order_.reserve(stripe.live);
-      removals_ = stripe.removals;
-      for (const IndexEntry& e : stripe.index) {
-        if (e.record == kEmpty) continue;
-        if (changed_only_ && !table_->ChangedSince(stripe.Generation(e.record), since_)) continue;
-        order_.push_back(Entry{BucketOf(e.key), e.record, e.key});
-      }
-      lock.unlock();
-      std::sort(order_.begin(), order_.end(), [](const Entry& a, const Entry& b) {
-        return a.bucket != b.bucket ? a.bucket < b.bucket : a.id < b.id;
-      });
+      if (!List(&stripe)) break;
       loaded_ = true;
       pos_ = 0;
     }
     {
       std::shared_lock<std::shared_mutex> lock(stripe.mu);
       for (; pos_ < order_.size() && written < max_rows; ++pos_) {
-        const Entry& e = order_[pos_];
-        // A row removed (and maybe its record reused) since the list was
-        // made is skipped.
-        if (stripe.removals != removals_ &&
-            stripe.Find(Mix64(static_cast<uint64_t>(e.id)), e.id) != e.record) {
-          continue;
+        if (Copy(&stripe, order_[pos_], out, written)) {
+          ++written;
+        } else if (!error_.ok()) {
+          break;
         }
-        const char* r = stripe.Record(e.record, record_bytes);
-        const auto* header = reinterpret_cast<const RowHeader*>(r);
-        out.ids[written] = e.id;
-        out.buckets[written] = e.bucket;
-        out.steps[written] = header->step;
-        if (out.touched) out.touched[written] = header->touched;
-        table_->ReadValues(r, out.values + written * dim);
-        if (slot_floats) table_->ReadSlots(r, out.slots + written * slot_floats);
-        ++written;
       }
     }
     if (pos_ == order_.size()) {
@@ -1039,7 +1483,7 @@ size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
       order_.shrink_to_fit();
     }
   }
-  return written;
+  return error_.ok() ? written : 0;
 }
 
 }  // namespace dlt

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "native/core/disk_tier.h"
 #include "native/core/routing.h"
 #include "native/core/sketch.h"
 #include "native/core/status.h"
@@ -65,6 +66,20 @@ struct TableCounters {
   uint64_t shrunk = 0;    // rows removed by explicit Shrink calls
 };
 
+// Where a table's rows live (docs/tiered_storage.md).
+struct TierStats {
+  uint64_t ram_rows = 0;
+  uint64_t disk_rows = 0;
+  uint64_t ram_bytes = 0;   // Table::bytes()
+  uint64_t disk_bytes = 0;  // the tier files' sizes
+  uint64_t promotions = 0;  // cold rows a pull or push moved into RAM
+  uint64_t demotions = 0;   // rows moved to the disk tier
+  uint64_t disk_reads = 0;  // slots read from the tier files
+  // The three counters' rates over the keeper's last second.
+  double promotions_per_s = 0, demotions_per_s = 0, disk_reads_per_s = 0;
+  std::string error;  // the last disk error ("" when none since)
+};
+
 class Table {
  public:
   // `config` must have passed ValidateTableConfig. The table serves ids of
@@ -84,8 +99,11 @@ class Table {
   // Writes the rows of `ids[0..n)` to `out` ([n, dim]). Thread-safe. In
   // training mode (kInsert) an absent id gets a row only when admission
   // admits it on a pull (every id, or Probability admission); otherwise it
-  // reads the unadmitted default and nothing is stored.
-  void Pull(const int64_t* ids, size_t n, PullMode mode, float* out);
+  // reads the unadmitted default and nothing is stored. A cold row (disk
+  // tier) moves into RAM unless RAM is at its limit: then it is read where
+  // it is, and an absent id reads its initial value without a row (its
+  // push makes it). Fails only on a disk error.
+  Status Pull(const int64_t* ids, size_t n, PullMode mode, float* out);
 
   // Applies `grads` ([n, dim]) with learning rate `lr`; repeated ids are
   // summed first; absent ids that admission admits are created with their
@@ -96,13 +114,16 @@ class Table {
 
   // Sets the values of rows (created if absent) and resets their optimizer
   // slots and steps. Rejects (and changes nothing for) non-finite values.
+  // Never writes to the disk tier (cold rows move into RAM).
   Status Assign(const int64_t* ids, const float* values, size_t n);
 
   // Inserts or overwrites rows. `slots` may be null (fresh slots), `steps`
   // may be null (step 0) and `touched` may be null (stamped now). Rejects
-  // (and changes nothing for) rows or slots holding NaN or infinity.
+  // (and changes nothing for) rows or slots holding NaN or infinity. With
+  // a disk tier and RAM at its limit, rows go to disk when `to_disk` (a
+  // load; never on the request path), else cold rows move into RAM.
   Status Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
-                size_t n, const uint32_t* touched = nullptr);
+                size_t n, const uint32_t* touched = nullptr, bool to_disk = true);
 
   // Removes rows updated fewer than `min_count` times (0: any count) or not
   // touched for more than `unseen_for` clock units at `now` (0: any age).
@@ -139,14 +160,48 @@ class Table {
   void Reserve(size_t rows, uint32_t threads);
   static constexpr size_t kTrackedSaves = 4;
 
+  // Tiered storage (docs/tiered_storage.md). Keeps the table's cold rows
+  // in one file per stripe under `dir` (an empty directory this table
+  // owns; removed with the table). Call before the table is used.
+  void AttachTier(const std::string& dir);
+  bool has_tier() const { return !tier_dir_.empty(); }
+  // Rows the RAM tier should hold (0: no limit). Past it (by a margin) a
+  // pull reads a cold row where it is instead of moving it, and an import
+  // places new rows on disk. Set by the shard's memory keeper.
+  void SetRamLimit(uint64_t rows) { ram_limit_.store(rows, std::memory_order_relaxed); }
+  uint64_t ram_limit() const { return ram_limit_.load(std::memory_order_relaxed); }
+  // Moves up to `rows` of the coldest RAM rows (the table's eviction
+  // order) to the disk tier, or without one removes them (counted as
+  // evicted). Returns how many; a disk error stops it and lands in
+  // *status (the rows stay in RAM).
+  size_t Demote(size_t rows, Status* status);
+  // With a disk tier and max_rows: removes the lowest-scoring rows of both
+  // tiers of each stripe over its quota; returns how many.
+  size_t EvictAcrossTiers();
+  // Rows in RAM, and RAM bytes one more RAM row costs (record, generation,
+  // index entry at the average fill).
+  size_t ram_rows() const;
+  size_t ram_row_bytes() const { return record_bytes_ + sizeof(uint16_t) + 24; }
+  // RAM bytes that do not grow with the RAM rows: the sketch, the disk
+  // tier's per-slot fingerprints and generations, removal logs.
+  size_t ram_fixed_bytes() const;
+  TierStats tier_stats() const;
+  // Records a disk error of this table's tier (the keeper's, for stats).
+  void SetTierError(const std::string& error);
+  // Sets the rates in tier_stats() from the counters' change since the
+  // last call, `seconds` ago (the keeper calls it about once a second).
+  void UpdateTierRates(double seconds);
+
   // The table's clock (ClockKind): pushes this table has taken, or
   // seconds since the Unix epoch; 32 bits, compared modulo 2^32.
   uint32_t Now() const;
   // Sets the push clock (a loaded table continues from its checkpoint).
   void SetPushClock(uint32_t pushes) { pushes_.store(pushes); }
 
+  // Rows in both tiers.
   size_t size() const;
-  // Bytes in use: rows with their slots, the index and the sketch.
+  // RAM bytes in use: rows with their slots, the index, the sketch and the
+  // disk tier's per-slot fingerprints and generations.
   size_t bytes() const;
   TableCounters counters() const;
 
@@ -166,6 +221,8 @@ class Table {
   // Bytes of one stored row (header, values and slots).
   size_t record_bytes() const { return record_bytes_; }
 
+  struct Stripe;
+
   // Iterates the rows present when each stripe is reached, sorted by
   // (bucket, id). Rows are copied in chunks, holding each stripe's lock only
   // while a chunk is copied; concurrent pushes may land between chunks.
@@ -174,8 +231,10 @@ class Table {
    public:
     explicit Exporter(Table* table) : table_(table) {}
     Exporter(Table* table, uint32_t since) : table_(table), changed_only_(true), since_(since) {}
-    // Copies up to `max_rows` rows; returns how many (0 at the end).
+    // Copies up to `max_rows` rows; returns how many (0 at the end, or
+    // after a disk error: check error()).
     size_t Next(size_t max_rows, const RowBuffers& out);
+    const Status& error() const { return error_; }
 
    private:
     Table* table_;
@@ -185,17 +244,22 @@ class Table {
     bool loaded_ = false;
     size_t pos_ = 0;
     uint64_t removals_ = 0;  // the stripe's removals when order_ was made
+    Status error_;
     struct Entry {
       uint32_t bucket;
-      uint32_t record;
+      uint32_t record;  // RAM record, or disk tier slot when `cold`
       int64_t id;
+      bool cold;
     };
+    // Lists the stripe's rows into order_; false on a disk error.
+    bool List(Stripe* stripe);
+    // Copies the row of `e` (wherever it now is) into row `i` of `out`;
+    // false when it is gone or on a disk error.
+    bool Copy(Stripe* stripe, const Entry& e, const RowBuffers& out, size_t i);
     std::vector<Entry> order_;  // this stripe's rows sorted by (bucket, id)
   };
 
  private:
-  struct Stripe;
-
   // Whether the policy admits an absent id on a push; counts it in the
   // sketch (once per push: `counted` holds the hashes counted by this push).
   bool AdmitOnPush(uint64_t hash, int64_t id, std::vector<uint64_t>* counted);
@@ -213,10 +277,33 @@ class Table {
   void ReadSlots(const char* record, float* out) const;
   void WriteRow(char* record, int64_t id, uint32_t step, const float* values, const float* slots,
                 bool stochastic);
-  // Removes the rows of `keys` (present ones) from `stripe`, logging them
-  // while a save is tracked; returns how many. Caller holds the lock
-  // exclusively.
+  // Removes the rows of `keys` (present ones, in either tier) from
+  // `stripe`, logging them while a save is tracked; returns how many.
+  // Caller holds the lock exclusively.
   size_t EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys);
+  // Removes disk tier slot `slot` (holding `key`) like EraseFrom.
+  void EraseCold(Stripe* stripe, uint32_t slot, int64_t key);
+  // Moves `id` from the stripe's disk tier into RAM: *rec gets its
+  // record, or kEmpty when the tier does not hold it. Caller holds the
+  // lock exclusively.
+  Status Promote(Stripe* stripe, uint64_t hash, int64_t id, uint32_t* rec);
+  // Whether the stripe's RAM rows reached their share of the RAM limit.
+  bool RamFull(const Stripe& stripe) const;
+  // Waits (a while at most) for the memory keeper when the RAM rows are
+  // far past the RAM limit.
+  void WaitForRoom() const;
+  // Calls fn(slot, key, record) for every cold row of `stripe`, reading its
+  // tier file a batch of pages at a time; `hold` takes (and returns) the
+  // lock for each batch. Stops at a disk error.
+  template <typename Hold, typename Fn>
+  Status ForEachCold(Stripe* stripe, Hold hold, Fn fn);
+  // Fills record `r` with a header and the row's values and slots.
+  void FillRecord(char* r, int64_t id, uint32_t step, uint32_t touched, const float* values,
+                  const float* slots);
+  // The lowest-scoring `want` of `scored` (score, key) pairs' keys.
+  static std::vector<int64_t> Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored,
+                                     size_t want);
+  uint64_t Score(const char* record, uint32_t now) const;
   // Whether a row stamped `row_generation` changed after `since`.
   bool ChangedSince(uint16_t row_generation, uint32_t since) const;
 
@@ -257,8 +344,16 @@ class Table {
   std::vector<SaveMark> saves_;            // guarded by saves_mu_
   std::atomic<bool> logging_{false};       // removals are logged
   std::atomic<bool> log_overflow_{false};  // a stripe's log outgrew its cap
-  std::atomic<int64_t> rows_{0};
+  std::atomic<int64_t> rows_{0};           // both tiers
   std::atomic<uint64_t> admitted_{0}, refused_{0}, expired_{0}, evicted_{0}, shrunk_{0};
+  // Tiered storage.
+  std::string tier_dir_;  // "" without a disk tier
+  std::atomic<int64_t> cold_rows_{0};
+  std::atomic<uint64_t> ram_limit_{0};
+  std::atomic<uint64_t> promotions_{0}, demotions_{0};
+  mutable std::mutex tier_error_mu_;
+  std::string tier_error_;  // guarded by tier_error_mu_
+  TierStats rates_;         // last counters and rates; guarded by tier_error_mu_
 };
 
 }  // namespace dlt

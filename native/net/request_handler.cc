@@ -178,8 +178,10 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
   wire::EncodePullReplyPrefix(request.dim, request.num_ids, out + wire::kHeaderBytes);
   const PullMode mode =
       read_only && request.mode == PullMode::kInsert ? PullMode::kZerosNoInsert : request.mode;
-  table->Pull(request.ids, request.num_ids, mode,
-              reinterpret_cast<float*>(out + wire::kHeaderBytes + wire::kPullReplyFixed));
+  s = table->Pull(request.ids, request.num_ids, mode,
+                  reinterpret_cast<float*>(out + wire::kHeaderBytes + wire::kPullReplyFixed));
+  // A disk tier error: the reply written so far is replaced by the error.
+  if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
   counters_->pulls.fetch_add(1);
   counters_->pulled_rows.fetch_add(request.num_ids);
   counters_->pull_latency.Record(MicrosSince(start));

@@ -93,8 +93,7 @@ class Embedded : public Transport {
               float* out) override {
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
-    t->Pull(ids, n, mode, out);
-    return OkStatus();
+    return t->Pull(ids, n, mode, out);
   }
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate) override {

@@ -37,7 +37,9 @@ class TableExport {
     return start_.tracked ? table_->RemovedSince(start_.since) : std::vector<int64_t>{};
   }
   uint32_t slot_floats() const { return table_->slot_floats(); }
-  // Appends up to `max_rows` rows to the vectors; returns how many (0: done).
+  const Status& error() const { return exporter_.error(); }
+  // Appends up to `max_rows` rows to the vectors; returns how many (0: done,
+  // or a disk tier error: see error()).
   size_t Next(size_t max_rows, std::vector<int64_t>* ids, std::vector<float>* values,
               std::vector<float>* slots, std::vector<uint32_t>* steps,
               std::vector<uint32_t>* buckets, std::vector<uint32_t>* touched);

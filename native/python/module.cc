@@ -159,10 +159,12 @@ FloatArray PullTable(Table& t, const IdArray& ids, int mode) {
   if (mode < 0 || mode > 2) Raise(InvalidArgument("pull mode must be 0, 1 or 2"));
   const size_t n = static_cast<size_t>(ids.shape(0));
   FloatArray out({n, static_cast<size_t>(t.dim())});
+  Status status;
   {
     py::gil_scoped_release release;
-    t.Pull(ids.data(), n, static_cast<PullMode>(mode), out.mutable_data());
+    status = t.Pull(ids.data(), n, static_cast<PullMode>(mode), out.mutable_data());
   }
+  if (!status.ok()) Raise(status);
   return out;
 }
 
@@ -188,6 +190,7 @@ class PyExporter {
       py::gil_scoped_release release;
       n = exporter_.Next(max_rows, b);
     }
+    if (!exporter_.error().ok()) Raise(exporter_.error());
     if (n == 0) return py::none();
     py::slice head(0, static_cast<py::ssize_t>(n), 1);
     return py::make_tuple(ids[head], values[head], slot_values[head], steps[head], buckets[head],
@@ -206,6 +209,22 @@ py::dict TableCountersToDict(const TableCounters& c) {
   d["expired"] = c.expired;
   d["evicted"] = c.evicted;
   d["shrunk"] = c.shrunk;
+  return d;
+}
+
+py::dict TierStatsToDict(const TierStats& t) {
+  py::dict d;
+  d["ram_rows"] = t.ram_rows;
+  d["disk_rows"] = t.disk_rows;
+  d["ram_bytes"] = t.ram_bytes;
+  d["disk_bytes"] = t.disk_bytes;
+  d["promotions"] = t.promotions;
+  d["demotions"] = t.demotions;
+  d["disk_reads"] = t.disk_reads;
+  d["promotions_per_s"] = t.promotions_per_s;
+  d["demotions_per_s"] = t.demotions_per_s;
+  d["disk_reads_per_s"] = t.disk_reads_per_s;
+  d["tier_error"] = t.error;
   return d;
 }
 
@@ -372,6 +391,28 @@ PYBIND11_MODULE(_native, m) {
       .def("now", &Table::Now)
       .def("set_push_clock", &Table::SetPushClock)
       .def("counters", [](const Table& t) { return TableCountersToDict(t.counters()); })
+      .def("tier_stats",
+           [](const Table& t) {
+             TierStats stats;
+             {
+               py::gil_scoped_release release;
+               stats = t.tier_stats();
+             }
+             return TierStatsToDict(stats);
+           })
+      .def_property_readonly("has_tier", &Table::has_tier)
+      .def("set_ram_limit", &Table::SetRamLimit, py::arg("rows"))
+      .def("demote",
+           [](Table& t, size_t rows) {
+             Status s;
+             size_t moved;
+             {
+               py::gil_scoped_release release;
+               moved = t.Demote(rows, &s);
+             }
+             Check(s);
+             return moved;
+           })
       .def_property_readonly("sketch_slice_bytes", &Table::sketch_slice_bytes)
       .def("read_sketch",
            [](const Table& t, uint32_t first_bucket, uint32_t end_bucket) {
@@ -490,6 +531,23 @@ PYBIND11_MODULE(_native, m) {
       .def("start_sweeper", &Shard::StartSweeper, py::arg("interval_ms"))
       .def("stop_sweeper", &Shard::StopSweeper, py::call_guard<py::gil_scoped_release>())
       .def("install_tables", &Shard::InstallTables)
+      .def(
+          "configure_memory",
+          [](Shard& s, uint64_t budget, const std::string& storage_dir, int interval_ms) {
+            Check(s.ConfigureMemory(budget, storage_dir, interval_ms));
+          },
+          py::arg("budget_bytes"), py::arg("storage_dir") = "", py::arg("interval_ms") = 20)
+      .def("keep_memory", &Shard::KeepMemory, py::call_guard<py::gil_scoped_release>())
+      .def("memory_status",
+           [](const Shard& s) {
+             const Shard::MemoryStatus m = s.memory_status();
+             py::dict d;
+             d["budget"] = m.budget;
+             d["resident"] = m.resident;
+             d["table_target"] = m.table_target;
+             d["storage_dir"] = m.storage_dir;
+             return d;
+           })
       .def("check_ownership", [](const Shard& s, const IdArray& ids) {
         CheckIds(ids);
         Check(s.CheckOwnership(ids.data(), static_cast<size_t>(ids.shape(0))));

@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> ids(100);
   for (int64_t i = 0; i < 100; ++i) ids[i] = i;
   std::vector<float> rows(400);
-  table->Pull(ids.data(), ids.size(), dlt::PullMode::kInsert, rows.data());
+  if (!table->Pull(ids.data(), ids.size(), dlt::PullMode::kInsert, rows.data()).ok()) return 1;
   dlt::DataServer server(shard, options);
   if (s.ok()) s = server.Start();
   if (!s.ok()) {

@@ -91,7 +91,7 @@ DLT_TEST(TestRemovalMatchesAnOracleUnderChurn) {
   std::vector<int64_t> ids;
   for (const auto& e : oracle) ids.push_back(e.first);
   std::vector<float> out(ids.size() * 2);
-  t.Pull(ids.data(), ids.size(), PullMode::kZerosNoInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kZerosNoInsert, out.data()));
   bool found = true;
   for (size_t i = 0; i < ids.size(); ++i) found = found && out[2 * i] == static_cast<float>(ids[i]);
   EXPECT(found);
@@ -218,7 +218,7 @@ DLT_TEST(TestFrequencyAdmissionCountsEachPushOnce) {
   const std::vector<int64_t> ids = {7, 7, 7, 8};  // 7 three times in one push: counted once
   const std::vector<float> grads(8, 1.0f);
   std::vector<float> out(8);
-  t.Pull(ids.data(), 4, PullMode::kInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), 4, PullMode::kInsert, out.data()));
   EXPECT(t.size() == 0 && out[0] == 0.0f);  // a pull never admits
   EXPECT_OK(t.Push(ids.data(), grads.data(), 4, 0.1f));
   EXPECT_OK(t.Push(ids.data(), grads.data(), 4, 0.1f));
@@ -228,7 +228,7 @@ DLT_TEST(TestFrequencyAdmissionCountsEachPushOnce) {
   // The admitting push applied its gradient (summed: 3 occurrences of 7).
   std::vector<float> init(2);
   InitializeRow(c.initializer, c.seed, 7, 2, init.data());
-  t.Pull(ids.data(), 1, PullMode::kZerosNoInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), 1, PullMode::kZerosNoInsert, out.data()));
   const float expected = init[0] - 0.1f * 3.0f / (std::sqrt(0.1f + 9.0f) + 1e-7f);
   EXPECT(std::fabs(out[0] - expected) < 1e-5f);
 }
@@ -335,7 +335,7 @@ DLT_TEST(TestDeltaExportsOnlyRowsChangedSinceItsBase) {
   EXPECT_OK(t.Push(pushed.data(), grads.data(), pushed.size(), 0.1f));
   const std::vector<int64_t> created = {-1, -2, -3, -4, -5};
   std::vector<float> out(2 * 5);
-  t.Pull(created.data(), created.size(), PullMode::kInsert, out.data());
+  EXPECT_OK(t.Pull(created.data(), created.size(), PullMode::kInsert, out.data()));
   const std::vector<int64_t> removed = {ids[500], ids[501], ids[502], 123456789};
   EXPECT(t.Erase(removed.data(), removed.size()) == 3);
   SaveStart second = t.BeginSave("s2", "s1");

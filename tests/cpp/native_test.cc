@@ -177,8 +177,8 @@ DLT_TEST(TestInitializerIsPureFunctionOfSeedAndId) {
     std::vector<int64_t> ids = {5, 1, INT64_MIN, 99};
     std::vector<int64_t> reversed(ids.rbegin(), ids.rend());
     std::vector<float> ra(ids.size() * 16), rb(ids.size() * 16);
-    a.Pull(ids.data(), ids.size(), PullMode::kInsert, ra.data());
-    b.Pull(reversed.data(), reversed.size(), PullMode::kInsert, rb.data());
+    EXPECT_OK(a.Pull(ids.data(), ids.size(), PullMode::kInsert, ra.data()));
+    EXPECT_OK(b.Pull(reversed.data(), reversed.size(), PullMode::kInsert, rb.data()));
     for (size_t i = 0; i < ids.size(); ++i) {
       EXPECT(std::memcmp(&ra[i * 16], &rb[(ids.size() - 1 - i) * 16], 64) == 0);
     }
@@ -192,16 +192,16 @@ DLT_TEST(TestTablePullModesAndPush) {
   Table t(Config("t", 4, OptimizerKind::kSgd));
   const std::vector<int64_t> ids = {10, 20, 10};
   std::vector<float> out(12);
-  t.Pull(ids.data(), 3, PullMode::kZerosNoInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), 3, PullMode::kZerosNoInsert, out.data()));
   EXPECT(t.size() == 0 && out[0] == 0.0f);
-  t.Pull(ids.data(), 3, PullMode::kInitNoInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), 3, PullMode::kInitNoInsert, out.data()));
   EXPECT(t.size() == 0 && out[0] != 0.0f);
   std::vector<float> init(out);
-  t.Pull(ids.data(), 3, PullMode::kInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), 3, PullMode::kInsert, out.data()));
   EXPECT(t.size() == 2 && out == init);
   const std::vector<float> grads = {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
   EXPECT_OK(t.Push(ids.data(), grads.data(), 3, 0.5f));
-  t.Pull(ids.data(), 3, PullMode::kInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), 3, PullMode::kInsert, out.data()));
   // id 10 appears twice: its gradients are summed (1 + 3) before the update.
   EXPECT(std::fabs(out[0] - (init[0] - 0.5f * 4)) < 1e-6f);
   EXPECT(std::fabs(out[4] - (init[4] - 0.5f * 2)) < 1e-6f);
@@ -209,7 +209,7 @@ DLT_TEST(TestTablePullModesAndPush) {
   bad[5] = NAN;
   EXPECT(t.Push(ids.data(), bad.data(), 3, 0.5f).code() == Code::kInvalidArgument);
   std::vector<float> after(12);
-  t.Pull(ids.data(), 3, PullMode::kInsert, after.data());
+  EXPECT_OK(t.Pull(ids.data(), 3, PullMode::kInsert, after.data()));
   EXPECT(after == out);  // nothing applied
 }
 
@@ -219,11 +219,11 @@ DLT_TEST(TestTableGrowthAndExport) {
   std::vector<int64_t> ids(n);
   for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i * 2654435761ULL) - 7;
   std::vector<float> out(n * 3);
-  t.Pull(ids.data(), n, PullMode::kInsert, out.data());
+  EXPECT_OK(t.Pull(ids.data(), n, PullMode::kInsert, out.data()));
   EXPECT(t.size() == n);
   EXPECT(t.bytes() >= n * t.record_bytes());
   std::vector<float> again(n * 3);
-  t.Pull(ids.data(), n, PullMode::kInsert, again.data());
+  EXPECT_OK(t.Pull(ids.data(), n, PullMode::kInsert, again.data()));
   EXPECT(again == out);
   Table::Exporter ex(&t);
   std::vector<int64_t> eids(1000);
@@ -280,7 +280,7 @@ DLT_TEST(TestClientServerRoundTrip) {
   EXPECT_OK(client.Pull("emb", 8, ids.data(), ids.size(), PullMode::kInsert, remote.data()));
   std::shared_ptr<Table> t;
   EXPECT_OK(shard->GetTable("emb", &t));
-  t->Pull(ids.data(), ids.size(), PullMode::kInsert, local.data());
+  EXPECT_OK(t->Pull(ids.data(), ids.size(), PullMode::kInsert, local.data()));
   EXPECT(remote == local);
   std::vector<float> grads(ids.size() * 8, 1.0f);
   EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.25f));

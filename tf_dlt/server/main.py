@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from tf_dlt import _native, errors
+from tf_dlt import _native, errors, sizes
 from tf_dlt.server.shard_server import ShardServer
 
 
@@ -100,6 +100,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=10.0,
         help="seconds between sweeps removing rows past their table's ttl",
     )
+    p.add_argument(
+        "--memory-budget",
+        type=_size,
+        default=0,
+        metavar="BYTES",
+        help="resident memory this shard may use, e.g. 12GiB (default: no budget). Past it the "
+        "coldest rows move to --storage-dir, or without one are evicted",
+    )
+    p.add_argument(
+        "--storage-dir",
+        help="local SSD directory for the disk tier of rows past --memory-budget; a cache of "
+        "this shard's state, emptied at start (a restart loads from a checkpoint)",
+    )
     p.add_argument("--load-from", help="checkpoint to load before serving")
     p.add_argument(
         "--read-only",
@@ -136,6 +149,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def _size(text: str) -> int:
+    try:
+        return sizes.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def is_loopback(host: str) -> bool:
@@ -210,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
             stop_grace_s=args.stop_grace,
             metrics_port=args.metrics_port,
             tls=server_tls,
+            memory_budget=args.memory_budget,
+            storage_dir=args.storage_dir,
         ).start()
     except (errors.DltError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)
@@ -222,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # A file past the size limit fails its write (a disk tier or checkpoint
+    # error the shard reports) instead of killing the shard.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if args.port_file:
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:

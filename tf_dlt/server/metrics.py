@@ -1,7 +1,14 @@
 """Prometheus metrics of a shard server (prometheus_client), read on each
 scrape from the shard's own counters, so nothing is counted twice:
 
-- tf_dlt_table_rows / tf_dlt_table_bytes {table}: gauges (rows resident);
+- tf_dlt_table_rows / tf_dlt_table_bytes {table}: gauges (rows in both tiers;
+  RAM bytes);
+- tf_dlt_table_tier_rows / tf_dlt_table_tier_bytes {table, tier="ram"|"disk"}:
+  where the rows live; tf_dlt_table_promotions_total,
+  tf_dlt_table_demotions_total, tf_dlt_table_disk_reads_total {table} (rates
+  in PromQL); tf_dlt_table_tier_error {table, error}: 1 while the disk tier
+  fails; tf_dlt_memory_budget_bytes and tf_dlt_resident_bytes (gauges, with
+  --memory-budget);
 - tf_dlt_table_rows_admitted_total, _refused_total, _expired_total,
   _evicted_total, _shrunk_total {table}: what each table's memory policy did
   (rows made by training; pushed ids not admitted; rows removed by ttl
@@ -114,6 +121,7 @@ class ShardCollector:
         yield rows
         yield size
         yield from policy.values()
+        yield from _tier_metrics(s)
         c = s["counters"]
         for name, key, doc in (
             ("tf_dlt_pulls", "pulls", "Pull requests served"),
@@ -170,6 +178,48 @@ class ShardCollector:
             yield GaugeMetricFamily(
                 f"tf_dlt_last_{kind}_seconds", f"Duration of the last checkpoint {kind}", value=last
             )
+
+
+def _tier_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    """Rows and bytes per tier, moves between them and disk reads."""
+    tier_rows = GaugeMetricFamily(
+        "tf_dlt_table_tier_rows", "Rows of each table per tier", labels=["table", "tier"]
+    )
+    tier_bytes = GaugeMetricFamily(
+        "tf_dlt_table_tier_bytes", "Bytes of each table per tier", labels=["table", "tier"]
+    )
+    moves = {
+        key: CounterMetricFamily(f"tf_dlt_table_{key}", doc, labels=["table"])
+        for key, doc in (
+            ("promotions", "Cold rows a pull or push moved into RAM"),
+            ("demotions", "Rows moved to the disk tier"),
+            ("disk_reads", "Row slots read from the disk tier"),
+        )
+    }
+    failing = GaugeMetricFamily(
+        "tf_dlt_table_tier_error", "1 while a table's disk tier fails", labels=["table", "error"]
+    )
+    for t in s["tables"]:
+        tier_rows.add_metric([t["name"], "ram"], t["ram_rows"])
+        tier_rows.add_metric([t["name"], "disk"], t["disk_rows"])
+        tier_bytes.add_metric([t["name"], "ram"], t["ram_bytes"])
+        tier_bytes.add_metric([t["name"], "disk"], t["disk_bytes"])
+        for key, family in moves.items():
+            family.add_metric([t["name"]], t[key])
+        if t["tier_error"]:
+            failing.add_metric([t["name"], t["tier_error"]], 1)
+    yield tier_rows
+    yield tier_bytes
+    yield from moves.values()
+    yield failing
+    memory = s["memory"]
+    if memory["budget"]:
+        yield GaugeMetricFamily(
+            "tf_dlt_memory_budget_bytes", "The shard's memory budget", value=memory["budget"]
+        )
+        yield GaugeMetricFamily(
+            "tf_dlt_resident_bytes", "The shard's resident memory", value=memory["resident"]
+        )
 
 
 def serve(servicer: ShardAdminServicer, bind: str, port: int) -> tuple[Any, int]:

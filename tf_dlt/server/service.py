@@ -48,13 +48,32 @@ def _handler(method: Callable[..., R]) -> Callable[..., R]:
 
 
 def table_info(table: _native.Table) -> dlt_pb2.TableInfo:
+    tier = _tier_dict(table)
     return dlt_pb2.TableInfo(
         config=TableConfig.from_dict(table.config).to_proto(),
         rows=table.size(),
-        bytes=table.bytes(),
+        bytes=tier["ram_bytes"],
         record_bytes=table.record_bytes,
         policy_counters=dlt_pb2.PolicyCounters(**table.counters()),
+        tier=dlt_pb2.TierInfo(
+            ram_rows=tier["ram_rows"],
+            disk_rows=tier["disk_rows"],
+            disk_bytes=tier["disk_bytes"],
+            promotions=tier["promotions"],
+            demotions=tier["demotions"],
+            disk_reads=tier["disk_reads"],
+            error=tier["tier_error"],
+            promotions_per_s=tier["promotions_per_s"],
+            demotions_per_s=tier["demotions_per_s"],
+            disk_reads_per_s=tier["disk_reads_per_s"],
+        ),
     )
+
+
+def _tier_dict(table: _native.Table) -> dict[str, Any]:
+    """A table's tier stats, with "bytes" the RAM bytes (as before tiers)."""
+    tier = table.tier_stats()
+    return {"bytes": tier["ram_bytes"], **tier}
 
 
 def _info_from_dict(info: dict[str, Any]) -> dlt_pb2.TableInfo:
@@ -350,9 +369,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "shard_index": self._shard.shard_index,
             "num_shards": self._shard.num_shards,
             "tables": [
-                {"name": t.name, "rows": t.size(), "bytes": t.bytes(), **t.counters()}
-                for t in tables
+                {"name": t.name, "rows": t.size(), **t.counters(), **_tier_dict(t)} for t in tables
             ],
+            "memory": self._shard.memory_status(),
             "table_objects": tables,
             "counters": c,
             "errors": errors_by_code,
@@ -408,6 +427,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             follow_lag_seconds=s.get("follow_lag_seconds", 0.0),
             follow_error=s.get("follow_error", ""),
             deltas_applied=s.get("deltas_applied", 0),
+            memory_budget=s["memory"]["budget"],
+            resident_bytes=s["memory"]["resident"],
+            storage_dir=s["memory"]["storage_dir"],
         )
 
 

@@ -90,6 +90,12 @@ class ShardServer:
             (`tf_dlt.server.follower`): the newest chain, then every delta
             as it is committed.
         follow_interval_s: how often `follow` is read.
+        memory_budget: bytes of resident memory this process may use (0:
+            no budget). Past it the coldest rows move to `storage_dir`, or
+            without one are evicted (docs/tiered_storage.md).
+        storage_dir: a local SSD directory for the disk tier: a cache of
+            this shard's state, emptied at start (a restart loads from a
+            checkpoint).
     """
 
     def __init__(
@@ -119,6 +125,8 @@ class ShardServer:
         read_only: bool = False,
         follow: str | None = None,
         follow_interval_s: float = 5.0,
+        memory_budget: int = 0,
+        storage_dir: str | None = None,
     ) -> None:
         if not sweep_interval_s > 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
@@ -126,7 +134,12 @@ class ShardServer:
             raise ValueError("following a checkpoint directory needs read_only")
         if follow and load_from:
             raise ValueError("give load_from or follow, not both")
+        if memory_budget < 0:
+            raise ValueError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
+        if storage_dir and not memory_budget:
+            raise ValueError("storage_dir needs a memory_budget: rows move to disk past it")
         self.shard = _native.Shard(shard_index, num_shards)
+        self.shard.configure_memory(memory_budget, storage_dir or "")
         self._sweep_interval_ms = max(1, int(sweep_interval_s * 1000))
         self._metrics_port_requested = metrics_port
         self._tls = tls

@@ -18,10 +18,12 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 from typing import IO, Any
+
+from tf_dlt import sizes
 
 DATA = Path(__file__).parent / "data" / "capacity.json"
 SLOTS = {"sgd": 0, "adagrad": 1, "keras_adagrad": 1, "adam": 2, "ftrl": 2}
@@ -32,6 +34,14 @@ HEADER_BYTES = 8  # update count and last-touched stamp
 GENERATION_BYTES = 2
 # A checkpoint row besides its values and slots: id, update count, stamp.
 FILE_ROW_BYTES = 16
+# The disk tier (docs/tiered_storage.md): a cold row keeps a 16-bit
+# fingerprint and a 16-bit generation per slot in RAM, and takes an 8-byte id
+# plus its record on disk; tier files double when 3/4 full, so slots are
+# 3/8 to 3/4 used: the plan takes the mean, 9/16.
+TIER_RAM_BYTES_PER_SLOT = 4
+TIER_MEAN_FILL = 9 / 16
+# The keeper holds RAM rows under this fraction of --memory-budget.
+BUDGET_FRACTION = 0.9
 
 
 @cache
@@ -101,6 +111,60 @@ def table_bytes(
     return rows * admission_rate * per_row + sketch_bytes
 
 
+def zipf_hit_rate(rows: float, hot: float, skew: float) -> float:
+    """Fraction of Zipf(`skew`) accesses over `rows` ids that fall on the
+    `hot` most frequent ones (generalized harmonic numbers, by the integral
+    with the first terms summed)."""
+    if hot >= rows:
+        return 1.0
+    if hot <= 0:
+        return 0.0
+
+    def harmonic(n: float) -> float:
+        head = min(n, 1000.0)
+        total = float(sum(float(k) ** -skew for k in range(1, int(head) + 1)))
+        if n <= head:
+            return total
+        if abs(skew - 1.0) < 1e-9:
+            return total + math.log(n / head)
+        return total + float(n ** (1 - skew) - head ** (1 - skew)) / (1 - skew)
+
+    return harmonic(hot) / harmonic(rows)
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Where each shard's rows live with a memory budget and a disk tier."""
+
+    ram_rows_per_shard: float
+    disk_rows_per_shard: float
+    cold_ram_bytes_per_row: float
+    disk_bytes_per_row: float
+    disk_bytes_per_shard: float
+    hit_rate: float  # pulls served from RAM under the traffic's skew
+
+
+def tier_plan(
+    rows_per_shard: float, per_row: float, record: int, budget: float, skew: float
+) -> Tiers:
+    """RAM rows (the hottest) and disk rows of a shard of `rows_per_shard`
+    rows under a `budget` of bytes, and the RAM hit rate under Zipf(skew)
+    (ids hash evenly over shards, so each shard sees the same skew)."""
+    cold_ram = TIER_RAM_BYTES_PER_SLOT / TIER_MEAN_FILL
+    disk_row = (8 + record) / TIER_MEAN_FILL
+    room = budget * BUDGET_FRACTION - rows_per_shard * cold_ram
+    ram_rows = min(rows_per_shard, max(0.0, room / (per_row - cold_ram)))
+    disk_rows = rows_per_shard - ram_rows
+    return Tiers(
+        ram_rows_per_shard=ram_rows,
+        disk_rows_per_shard=disk_rows,
+        cold_ram_bytes_per_row=cold_ram,
+        disk_bytes_per_row=disk_row,
+        disk_bytes_per_shard=disk_rows * disk_row,
+        hit_rate=zipf_hit_rate(rows_per_shard, ram_rows, skew),
+    )
+
+
 @dataclass(frozen=True)
 class Plan:
     resident_rows: float
@@ -116,6 +180,7 @@ class Plan:
     save_seconds: float
     load_seconds: float
     checkpoint_bytes: float
+    tiers: Tiers | None = None
 
 
 def plan(
@@ -133,6 +198,9 @@ def plan(
     slot_dtype: str = "float32",
     admission_rate: float = 1.0,
     sketch_bytes: float = 0.0,
+    memory_budget: float = 0.0,
+    ssd_bytes: float = 0.0,
+    skew: float = 1.05,
 ) -> Plan:
     """Shards needed for memory (rows x `admission_rate` resident rows x
     bytes/row, plus the admission sketch, x headroom per shard of
@@ -140,16 +208,34 @@ def plan(
     pushing `batch` x `unique_fraction` rows `steps_per_second` times a
     second, at the measured rows/s per shard), whichever is larger. `rows`
     counts the distinct ids the tables see; `admission_rate` the fraction
-    that get a row (1 without admission; measure it with bench_admission)."""
+    that get a row (1 without admission; measure it with bench_admission).
+
+    With a disk tier (`ssd_bytes` per shard, and `memory_budget` bytes per
+    shard), a shard's RAM holds only its hottest rows and a 7 B entry per
+    cold row: the shards needed are those whose budgets hold the cold
+    entries (plus some hot rows) and whose SSDs hold the cold rows."""
     if rows <= 0 or dim < 1 or trainers < 1 or batch < 1:
         raise ValueError("rows, dim, trainers and batch must be positive")
+    if memory_budget < 0 or ssd_bytes < 0 or skew <= 0:
+        raise ValueError("memory_budget and ssd_bytes must be >= 0 and skew > 0")
+    if ssd_bytes and not memory_budget:
+        raise ValueError("an SSD size needs a memory budget: rows move to disk past it")
     if not 0 < admission_rate <= 1 or sketch_bytes < 0:
         raise ValueError("admission_rate must be in (0, 1] and sketch_bytes >= 0")
     f = figures()
     per_row = bytes_per_row(dim, optimizer, value_dtype, slot_dtype)
     resident = rows * admission_rate
     table = table_bytes(rows, dim, optimizer, value_dtype, slot_dtype, admission_rate, sketch_bytes)
-    memory_shards = math.ceil(table * headroom / (shard_memory_gib * 2**30))
+    shard_memory = memory_budget or shard_memory_gib * 2**30
+    memory_shards = math.ceil(table * headroom / shard_memory)
+    record = raw_record_bytes(dim, optimizer, value_dtype, slot_dtype)
+    if ssd_bytes:
+        # The fewest shards whose budgets keep a tenth for hot rows after
+        # the cold entries, and whose SSDs hold the rest.
+        cold_ram = TIER_RAM_BYTES_PER_SLOT / TIER_MEAN_FILL
+        by_index = resident * cold_ram / (memory_budget * BUDGET_FRACTION * 0.9)
+        by_disk = resident * (8 + record) / TIER_MEAN_FILL / ssd_bytes
+        memory_shards = max(1, math.ceil(max(by_index, by_disk)))
     ids = math.ceil(trainers * batch * unique_fraction)
     # Per-shard rows/s were measured at dim f["dim"]: scale by payload size.
     payload = 8 + 4 * dim
@@ -160,6 +246,9 @@ def plan(
     throughput_shards = math.ceil(seconds_per_step * steps_per_second)
     shards = max(1, memory_shards, throughput_shards)
     checkpoint = resident * checkpoint_bytes_per_row(dim, optimizer)
+    tiers = (
+        tier_plan(resident / shards, per_row, record, memory_budget, skew) if ssd_bytes else None
+    )
     return Plan(
         resident_rows=resident,
         shards=shards,
@@ -167,13 +256,14 @@ def plan(
         throughput_shards=throughput_shards,
         bytes_per_row=per_row,
         table_bytes=table,
-        memory_per_shard_bytes=table / shards * headroom,
+        memory_per_shard_bytes=memory_budget if ssd_bytes else table / shards * headroom,
         ids_per_step=ids,
         pull_bytes_per_step=ids * payload,
         push_bytes_per_step=ids * payload,
         save_seconds=checkpoint / (float(f["save_bytes_per_s_per_shard"]) * shards),
         load_seconds=checkpoint / (float(f["load_bytes_per_s_per_shard"]) * shards),
         checkpoint_bytes=checkpoint,
+        tiers=tiers,
     )
 
 
@@ -194,15 +284,31 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         else ""
     )
     sketch = f" + {_size(args.sketch_bytes)} sketch" if args.sketch_bytes else ""
+    t = p.tiers
+    tiers = [] if t is None else [
+        f"tiers per shard: RAM {t.ram_rows_per_shard:.3g} hot rows + "
+        f"{t.cold_ram_bytes_per_row:.1f} B per cold row "
+        f"({args.memory_budget / 2**30:.3g} GiB budget, "
+        f"{BUDGET_FRACTION:g} of it for the tables); disk {t.disk_rows_per_shard:.3g} rows x "
+        f"{t.disk_bytes_per_row:.0f} B = {_size(t.disk_bytes_per_shard)} of "
+        f"{_size(args.ssd)} SSD",
+        f"expected RAM hit rate under Zipf({args.skew:g}) traffic: {100 * t.hit_rate:.1f}% "
+        f"(the rest reads the disk tier once, then serves from RAM)",
+    ]  # fmt: skip
     return "\n".join([
         f"table: {args.rows:.3g} ids{admitted} x dim {args.dim}, {args.optimizer}, "
         f"{args.value_dtype} values, {args.slot_dtype} slots: "
         f"{p.bytes_per_row:.0f} B/row{sketch} -> {_size(p.table_bytes)}",
-        f"shards: {p.shards} (memory needs {p.memory_shards} at {args.shard_memory_gib:g} GiB "
-        f"each with x{args.headroom:g} headroom; throughput needs {p.throughput_shards} for "
-        f"{args.steps_per_second:g} steps/s)",
+        f"shards: {p.shards} (memory needs {p.memory_shards} "
+        + (
+            f"with a {args.memory_budget / 2**30:.3g} GiB budget and {_size(args.ssd)} SSD each"
+            if t
+            else f"at {args.shard_memory_gib:g} GiB each with x{args.headroom:g} headroom"
+        )
+        + f"; throughput needs {p.throughput_shards} for {args.steps_per_second:g} steps/s)",
         f"memory per shard: {p.memory_per_shard_bytes / 2**30:.1f} GiB "
-        f"(its share of the table x{args.headroom:g} headroom)",
+        + ("(its memory budget)" if t else f"(its share of the table x{args.headroom:g} headroom)"),
+        *tiers,
         f"network per step (all {args.trainers} trainers, {p.ids_per_step:,} ids): pull "
         f"{_size(p.pull_bytes_per_step)}, push {_size(p.push_bytes_per_step)}; at "
         f"{args.steps_per_second:g} steps/s: {_size(per_second)}/s, "
@@ -230,6 +336,14 @@ def report(p: Plan, args: argparse.Namespace) -> str:
     ])  # fmt: skip
 
 
+def parse_size(text: str) -> int:
+    """`sizes.parse_bytes` for argparse (its error as a usage error)."""
+    try:
+        return sizes.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
     a("--rows", type=float, required=True, help="rows over all tables, e.g. 1e11")
@@ -250,6 +364,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="fraction of ids that get a row (admission; 1: every id)",
     )
     a("--sketch-bytes", type=float, default=0.0, help="Frequency admission sketch memory")
+    a(
+        "--memory-budget",
+        type=parse_size,
+        default=0,
+        help="per shard, e.g. 48GiB: the shards' --memory-budget (replaces --shard-memory-gib)",
+    )
+    a("--ssd", type=parse_size, default=0, help="per shard, e.g. 1.6TB: SSD for the disk tier")
+    a("--skew", type=float, default=1.05, help="Zipf exponent of the ids' traffic (hit rate)")
     a("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -263,9 +385,10 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             steps_per_second=args.steps_per_second, unique_fraction=args.unique_fraction,
             value_dtype=args.value_dtype, slot_dtype=args.slot_dtype,
             admission_rate=args.admission_rate, sketch_bytes=args.sketch_bytes,
+            memory_budget=args.memory_budget, ssd_bytes=args.ssd, skew=args.skew,
         )  # fmt: skip
     except ValueError as e:
         print(f"tf-dlt plan: {e}", file=sys.stderr)
         return 2
-    out.write((json.dumps(p.__dict__, indent=2) if args.json else report(p, args)) + "\n")
+    out.write((json.dumps(asdict(p), indent=2) if args.json else report(p, args)) + "\n")
     return 0

@@ -1,6 +1,6 @@
 """`tf-dlt stats --pservers host:port,...`: one line per shard (rows, bytes,
-traffic, latency, errors, connections), then one per table, from each
-shard's Stats call.
+traffic, latency, errors, connections), then one per table, then (with a
+memory budget) where each shard's rows live, from each shard's Stats call.
 
     tf-dlt stats --pservers ps-0:7000,ps-1:7000 [--auth-token-file F] [--json]
 """
@@ -43,6 +43,34 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 
 # Counters of each table's memory policy, as the table lines show them.
 _POLICY = ("admitted", "refused", "expired", "evicted", "shrunk")
+
+
+_TIER_COLUMNS = (
+    "shard", "budget MB", "resident MB", "table", "RAM rows", "RAM MB", "disk rows", "disk MB",
+    "promoted/s", "demoted/s", "disk reads/s", "tier error",
+)  # fmt: skip
+
+
+def _tier_rows(stats: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """One line per table of each shard with a memory budget."""
+    rows: list[tuple[str, ...]] = []
+    for s in stats:
+        budget = int(s.get("memory_budget", 0))
+        if not budget:
+            continue
+        for t in s.get("tables", []):
+            tier = t.get("tier", {})
+            rows.append((
+                str(s.get("shard_index", 0)), f"{budget / 1e6:.0f}",
+                f"{int(s.get('resident_bytes', 0)) / 1e6:.0f}", t["config"]["name"],
+                str(tier.get("ram_rows", 0)), f"{int(t.get('bytes', 0)) / 1e6:.1f}",
+                str(tier.get("disk_rows", 0)), f"{int(tier.get('disk_bytes', 0)) / 1e6:.1f}",
+                f"{float(tier.get('promotions_per_s', 0)):.0f}",
+                f"{float(tier.get('demotions_per_s', 0)):.0f}",
+                f"{float(tier.get('disk_reads_per_s', 0)):.0f}",
+                tier.get("error", "") or "-",
+            ))  # fmt: skip
+    return rows
 
 
 def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
@@ -92,10 +120,12 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
         (name, str(dim), str(rows), f"{size / 1e6:.1f}", *map(str, counts))
         for name, (rows, size, dim, *counts) in sorted(by_table.items())
     ]
+    tiers = _tier_rows(stats)
     return (
         _table(_SHARD_COLUMNS, shard_rows)
         + "\n\n"
         + _table(("table", "dim", "rows", "MB", *_POLICY), table_rows)
+        + ("\n\n" + _table(_TIER_COLUMNS, tiers) if tiers else "")
         + "".join(f"\n\nin progress: {line}" for line in pending)
         + "".join(f"\n\n{line}" for line in serving)
     )

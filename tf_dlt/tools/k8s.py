@@ -37,6 +37,7 @@ from tf_dlt.tools import capacity
 
 DATA_PORT, ADMIN_PORT, METRICS_PORT = 7000, 7001, 9100
 CHECKPOINT_MOUNT = "/checkpoints"
+TIER_MOUNT = "/tier"
 # Requests: the table (bytes per row as tf_dlt.tools.capacity measured them) times
 # `headroom` for growth and save buffers, plus the process and gRPC server.
 BASE_MEMORY_MIB = 512
@@ -45,7 +46,10 @@ _GI = 1 << 30
 
 def shard_memory(spec: JobSpec) -> int:
     """Memory request of one shard in MiB: its share of the admitted rows and
-    of the admission sketch."""
+    of the admission sketch; with a memory budget, the budget and the 10%
+    a shard may pass it by."""
+    if spec.memory_budget:
+        return int(math.ceil(spec.memory_budget * 1.1 / (1 << 20)))
     table = capacity.table_bytes(
         spec.rows, spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype,
         spec.admission_rate, spec.sketch_bytes,
@@ -81,6 +85,12 @@ class JobSpec:
     auth_token_secret: str | None = None
     insecure: bool = False
     load_from: str | None = None
+    # Tiered storage (docs/tiered_storage.md): the shards' --memory-budget
+    # (bytes, 0: none) and the size of the local SSD volume of each shard's
+    # disk tier ("" : no disk tier), of `tier_storage_class`.
+    memory_budget: int = 0
+    tier_volume_size: str = ""
+    tier_storage_class: str | None = None
     # The token of the Secret generated when none is named (filled in
     # __post_init__; empty when a Secret is named or with `insecure`).
     generated_token: str = ""
@@ -115,6 +125,10 @@ class JobSpec:
                 f"checkpoint must be a URL (s3://...) or a path under {CHECKPOINT_MOUNT}/ "
                 f"(the shared volume), got {self.checkpoint!r}"
             )
+        if self.memory_budget < 0:
+            raise ValueError(f"memory_budget must be >= 0, got {self.memory_budget}")
+        if self.tier_volume_size and not self.memory_budget:
+            raise ValueError("a disk tier (--ssd) needs --memory-budget: rows move to it past it")
         if self.insecure and self.auth_token_secret:
             raise ValueError("--insecure and --auth-token-secret exclude each other")
         if not self.insecure and not self.auth_token_secret and not self.generated_token:
@@ -245,6 +259,11 @@ def stateful_set(spec: JobSpec) -> dict[str, Any]:
         args.append("--auth-token-file=/etc/tf-dlt/token")
     else:
         args.append("--insecure")
+    if spec.memory_budget:
+        args.append(f"--memory-budget={spec.memory_budget}")
+    if spec.tier_volume_size:
+        args.append(f"--storage-dir={TIER_MOUNT}")
+        mounts = [*mounts, {"name": "tier", "mountPath": TIER_MOUNT}]
     if spec.load_from:
         if not spec.load_from.startswith(spec.checkpoint.rstrip("/") + "/"):
             args.append(f"--checkpoint-root={spec.load_from}")
@@ -272,11 +291,26 @@ def stateful_set(spec: JobSpec) -> dict[str, Any]:
         },
         "volumeMounts": mounts + token_mounts,
     }
+    claims = []
+    if spec.tier_volume_size:
+        # Each shard's own local SSD: the disk tier is a cache of its state,
+        # emptied at start, so the claim need not outlive the pod's data.
+        claim: dict[str, Any] = {
+            "metadata": {"name": "tier"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": spec.tier_volume_size}},
+            },
+        }
+        if spec.tier_storage_class:
+            claim["spec"]["storageClassName"] = spec.tier_storage_class
+        claims.append(claim)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _metadata(spec, spec.ps_service, "ps"),
         "spec": {
+            **({"volumeClaimTemplates": claims} if claims else {}),
             "serviceName": spec.ps_service,
             "replicas": spec.pservers,
             "podManagementPolicy": "Parallel",
@@ -449,6 +483,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     a("--insecure", action="store_true", help="no auth token (a network only the job reaches)")
     a("--load-from", help="checkpoint the shards load before serving")
+    a(
+        "--memory-budget",
+        type=capacity.parse_size,
+        default=0,
+        help="each shard's --memory-budget, e.g. 48GiB (sets its memory request)",
+    )
+    a("--ssd", default="", help="each shard's disk tier volume, e.g. 1600Gi (needs a budget)")
+    a("--tier-storage-class", help="storage class of the disk tier volumes (local SSD)")
     a("--shard-cpu", default="2")
     a("--worker-cpu", default="4")
     a("--worker-memory", default="8Gi")
@@ -468,7 +510,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             worker_memory=args.worker_memory, checkpoint_volume_size=args.checkpoint_volume_size,
             storage_class=args.storage_class, credentials_secret=args.credentials_secret,
             auth_token_secret=args.auth_token_secret, insecure=args.insecure,
-            load_from=args.load_from,
+            load_from=args.load_from, memory_budget=args.memory_budget,
+            tier_volume_size=args.ssd, tier_storage_class=args.tier_storage_class,
         )  # fmt: skip
     except ValueError as e:
         print(f"tf-dlt k8s: {e}", file=sys.stderr)

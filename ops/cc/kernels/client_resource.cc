@@ -145,6 +145,11 @@ absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool
     got = open->Next(max_rows ? max_rows - ids->size() : kChunk, ids, values, slots, steps, buckets,
                      touched);
   } while (got > 0 && (max_rows == 0 || ids->size() < max_rows));
+  if (!open->error().ok()) {
+    const absl::Status failed = ToAbsl(open->error());
+    exports_.erase(table);
+    return failed;
+  }
   *base_clock = open->delta() ? int64_t{open->base_clock()} : -1;
   // The pass ends with the call that finds no row left (so a chunk that took
   // the last rows is not followed by a fresh pass); a whole export ends at once.

@@ -1,0 +1,180 @@
+"""Tiered storage (docs/tiered_storage.md): one shard process serving a table
+larger than its --memory-budget, with the cold rows in --storage-dir,
+against the same table all in RAM, measured in the same run:
+
+- pull and push rows/s under Zipf(--skew) traffic and under uniform traffic
+  (the worst case), as a ratio of the all-RAM shard's (target >= 0.5 under
+  Zipf(1.05) with the table 10x the budget);
+- the shard's peak resident set (VmHWM) against the budget (target <=
+  budget + 10%);
+- rows/s against the budget as a fraction of the table (docs/img/tiers.png).
+
+Every shard loads the same checkpoint (written once from an embedded
+table), so each starts with the same rows: the tiered ones fill RAM to the
+budget and put the rest on disk. The tables' RAM bytes are measured on the
+all-RAM shard; a budget fraction f gives the shard f x those bytes plus
+what the idle process holds.
+
+Usage: python bench/bench_tiers.py [--rows N] [--dim D] [--fractions 0.1,0.25]
+       [--seconds S] [--skew 1.05] [--storage-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_core import make_table  # noqa: E402
+from common import emit, log  # noqa: E402
+
+from tf_dlt import Client, _native  # noqa: E402
+from tf_dlt.checkpoint import manifest, shard_files  # noqa: E402
+from tf_dlt.server.local import LocalCluster  # noqa: E402
+
+BATCH = 4096
+
+
+def peak_rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    line = next(x for x in status.splitlines() if x.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024
+
+
+def traffic(ids: np.ndarray, kind: str, skew: float, batches: int, seed: int) -> list[np.ndarray]:
+    """Batches of ids: Zipf(skew) ranks over a fixed random order of the ids,
+    or uniform."""
+    rng = np.random.default_rng(seed)
+    order = np.random.default_rng(99).permutation(len(ids))
+    out = []
+    for _ in range(batches):
+        if kind == "zipf":
+            ranks = np.minimum(rng.zipf(skew, BATCH) - 1, len(ids) - 1)
+            out.append(ids[order[ranks]])
+        else:
+            out.append(ids[rng.integers(0, len(ids), BATCH)])
+    return out
+
+
+def measure(
+    client: Client, batches: list[np.ndarray], dim: int, seconds: float
+) -> dict[str, float]:
+    """Pull then push each batch until `seconds` pass (after a warm-up pass
+    over a tenth of them); rows/s of each."""
+    grads = np.full((BATCH, dim), 1e-3, dtype=np.float32)
+    for b in batches[: len(batches) // 10]:
+        client.pull("bench", b)
+        client.push("bench", b, grads, 0.01)
+    pulled = pushed = 0
+    pull_s = push_s = 0.0
+    start = time.perf_counter()
+    i = len(batches) // 10
+    while time.perf_counter() - start < seconds:
+        b = batches[i % len(batches)]
+        i += 1
+        t = time.perf_counter()
+        client.pull("bench", b)
+        pull_s += time.perf_counter() - t
+        t = time.perf_counter()
+        client.push("bench", b, grads, 0.01)
+        push_s += time.perf_counter() - t
+        pulled += len(b)
+        pushed += len(b)
+    return {"pull_rows_per_s": pulled / pull_s, "push_rows_per_s": pushed / push_s}
+
+
+def run_shard(
+    checkpoint: Path, budget: int, storage: Path | None, traffic_sets: dict[str, list[np.ndarray]],
+    dim: int, seconds: float,
+) -> dict[str, object]:  # fmt: skip
+    args = ["--load-from", str(checkpoint), "--threads", "2"]
+    if budget:
+        args += ["--memory-budget", str(budget)]
+    if storage is not None:
+        shutil.rmtree(storage, ignore_errors=True)
+        args += ["--storage-dir", str(storage)]
+    start = time.perf_counter()
+    with LocalCluster(1, *args, start_timeout=1800) as cluster:
+        loaded = time.perf_counter() - start
+        pid = cluster.processes[0].pid
+        out: dict[str, object] = {"load_s": round(loaded, 1)}
+        with Client(cluster.addresses) as c:
+            (table,) = c.stats()[0]["tables"]
+            out["ram_bytes"] = int(table["bytes"])
+            out["tier_after_load"] = table.get("tier", {})
+            for kind, batches in traffic_sets.items():
+                out[kind] = measure(c, batches, dim, seconds)
+            (stats,) = c.stats()
+            out["tier"] = stats["tables"][0].get("tier", {})
+        out["peak_rss"] = peak_rss(pid)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=100_000_000)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--fractions", default="0.1,0.25,0.5")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--skew", type=float, default=1.05)
+    p.add_argument("--storage-dir", help="disk tier directory (default: under the temp dir)")
+    args = p.parse_args()
+    work = Path(
+        tempfile.mkdtemp(prefix="bench_tiers-", dir="/work" if Path("/work").is_dir() else None)
+    )
+    try:
+        log(f"building {args.rows:,} rows of dim {args.dim} (Adagrad)")
+        table, ids = make_table(args.rows, args.dim)
+        shard = _native.Shard(0, 1)
+        shard.install_tables([table])
+        checkpoint = work / "ckpt"
+        save_id = manifest.new_save_id()
+        part = shard_files.save_shard(str(checkpoint), shard, save_id)
+        manifest.write_manifest(str(checkpoint), [part], save_id)
+        del shard, table
+        sets = {
+            "zipf": traffic(ids, "zipf", args.skew, 400, 1),
+            "uniform": traffic(ids, "uniform", args.skew, 400, 2),
+        }
+        del ids
+        with LocalCluster(1) as idle:
+            idle_rss = peak_rss(idle.processes[0].pid)
+        log("all in RAM")
+        base = run_shard(checkpoint, 0, None, sets, args.dim, args.seconds)
+        table_ram = int(base["ram_bytes"])  # type: ignore[arg-type]
+        storage = Path(args.storage_dir) if args.storage_dir else work / "ssd"
+        results = []
+        for fraction in [float(f) for f in args.fractions.split(",")]:
+            budget = idle_rss + int(fraction * table_ram)
+            share = f"{fraction:g} of the table's {table_ram / 2**20:.0f} MiB"
+            log(f"budget {budget / 2**20:.0f} MiB: {share}")
+            got = run_shard(checkpoint, budget, storage, sets, args.dim, args.seconds)
+            results.append((fraction, budget, got))
+        for fraction, budget, got in results:
+            for kind in sets:
+                for op in ("pull", "push"):
+                    key = f"{op}_rows_per_s"
+                    emit({
+                        "bench": "tiers", "case": f"{kind} {op}", "rows": args.rows,
+                        "dim": args.dim, "budget_fraction": fraction, "budget_bytes": budget,
+                        "table_ram_bytes": table_ram, "idle_rss": idle_rss,
+                        "value": round(got[kind][key]),  # type: ignore[index]
+                        "baseline_value": round(base[kind][key]),  # type: ignore[index]
+                        "unit": "rows/s", "peak_rss": got["peak_rss"],
+                        "rss_over_budget": round(int(got["peak_rss"]) / budget, 3),  # type: ignore[arg-type]
+                        "tier": got["tier"], "tier_after_load": got["tier_after_load"],
+                        "load_s": got["load_s"], "baseline_load_s": base["load_s"],
+                        "baseline_peak_rss": base["peak_rss"], "skew": args.skew,
+                    })  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+#include "native/core/disk_tier.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "native/core/routing.h"
+
+namespace dlt {
+namespace {
+
+// A tier grows (doubles) past this fill; the two-choice placement keeps a
+// page from filling before its stripe does, well beyond it.
+constexpr uint64_t kFillNum = 3, kFillDen = 4;
+constexpr size_t kMinSlotsPerPage = 32;
+constexpr size_t kDiskPage = 4096;
+constexpr uint64_t kSecondSalt = 0x452821e638d01377ULL;
+constexpr uint64_t kPrintSalt = 0xbe5466cf34e90c6cULL;
+// Bytes a resize reads per call.
+constexpr size_t kResizeReadBytes = size_t{1} << 20;
+
+size_t RoundUpTo(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+Status FullWrite(int fd, const char* data, size_t n, off_t offset, int* err) {
+  while (n > 0) {
+    const ssize_t w = pwrite(fd, data, n, offset);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      *err = errno;
+      return Internal("write");
+    }
+    data += w;
+    n -= static_cast<size_t>(w);
+    offset += w;
+  }
+  return OkStatus();
+}
+
+Status FullRead(int fd, char* data, size_t n, off_t offset, int* err) {
+  while (n > 0) {
+    const ssize_t r = pread(fd, data, n, offset);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      *err = errno;
+      return Internal("read");
+    }
+    if (r == 0) {  // past the end: the file was truncated under us
+      *err = EIO;
+      return Internal("read");
+    }
+    data += r;
+    n -= static_cast<size_t>(r);
+    offset += r;
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+TierFile::TierFile(std::string path, size_t record_bytes)
+    : path_(std::move(path)),
+      record_bytes_(record_bytes),
+      slot_bytes_(sizeof(int64_t) + record_bytes),
+      page_bytes_(std::max(kDiskPage, RoundUpTo(kMinSlotsPerPage * slot_bytes_, kDiskPage))) {
+  slots_per_page_ = static_cast<uint32_t>(page_bytes_ / slot_bytes_);
+}
+
+TierFile::~TierFile() {
+  if (fd_ >= 0) {
+    close(fd_);
+    unlink(path_.c_str());
+  }
+}
+
+Status TierFile::IoError(const char* what, int err) const {
+  const std::string message =
+      std::string("disk tier ") + what + " failed for " + path_ + ": " + std::strerror(err);
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) return ResourceExhausted(message);
+  return Internal(message);
+}
+
+Status TierFile::Open(uint64_t rows) {
+  uint64_t pages = 1;
+  while (pages * slots_per_page_ * kFillNum < rows * kFillDen) pages *= 2;
+  if (pages > (uint64_t{1} << 31) / slots_per_page_) {
+    return InvalidArgument("disk tier " + path_ + " cannot hold " + std::to_string(rows) + " rows");
+  }
+  fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd_ < 0) return IoError("open", errno);
+  const Status sized = Resize(static_cast<uint32_t>(pages));
+  if (!sized.ok()) {  // closed again, so a later Put retries
+    close(fd_);
+    unlink(path_.c_str());
+    fd_ = -1;
+  }
+  return sized;
+}
+
+void TierFile::Reserve(uint64_t rows) {
+  if (fd_ < 0) {
+    size_hint_ = std::max(size_hint_, rows);
+    return;
+  }
+  uint32_t pages = num_pages_;
+  while (uint64_t{pages} * slots_per_page_ * kFillNum < rows * kFillDen) pages *= 2;
+  if (pages != num_pages_) (void)Resize(pages);  // Put grows it (and reports) otherwise
+}
+
+void TierFile::Place(uint64_t hash, uint32_t* first, uint32_t* second,
+                     uint16_t* fingerprint) const {
+  const uint32_t mask = num_pages_ - 1;
+  *first = static_cast<uint32_t>(hash >> 24) & mask;
+  *second = static_cast<uint32_t>(Mix64(hash ^ kSecondSalt)) & mask;
+  const auto print = static_cast<uint16_t>(Mix64(hash + kPrintSalt) >> 48);
+  *fingerprint = print == 0 ? 1 : print;
+}
+
+uint32_t TierFile::UsedIn(uint32_t page) const {
+  const uint16_t* f = fingerprints_.data() + size_t{page} * slots_per_page_;
+  uint32_t used = 0;
+  for (uint32_t s = 0; s < slots_per_page_; ++s) used += f[s] != 0;
+  return used;
+}
+
+int64_t TierFile::KeyOf(const char* slot_data) {
+  int64_t key;
+  std::memcpy(&key, slot_data, sizeof(key));
+  return key;
+}
+
+Status TierFile::ReadSlot(uint32_t slot, char* buffer) const {
+  const uint32_t page = slot / slots_per_page_;
+  const off_t offset =
+      static_cast<off_t>(size_t{page} * page_bytes_ + size_t{slot % slots_per_page_} * slot_bytes_);
+  int err = 0;
+  if (!FullRead(fd_, buffer, slot_bytes_, offset, &err).ok()) return IoError("read", err);
+  return OkStatus();
+}
+
+Status TierFile::ReadPages(uint32_t first, uint32_t n, char* buffer) const {
+  int err = 0;
+  if (!FullRead(fd_, buffer, size_t{n} * page_bytes_,
+                static_cast<off_t>(size_t{first} * page_bytes_), &err)
+           .ok()) {
+    return IoError("read", err);
+  }
+  return OkStatus();
+}
+
+Status TierFile::Find(uint64_t hash, int64_t key, char* record, uint32_t* slot,
+                      uint16_t* generation) {
+  *slot = kNoSlot;
+  if (rows_ == 0) return OkStatus();
+  uint32_t pages[2];
+  uint16_t print;
+  Place(hash, &pages[0], &pages[1], &print);
+  thread_local std::vector<char> buffer;
+  buffer.resize(slot_bytes_);
+  for (int c = 0; c < (pages[0] == pages[1] ? 1 : 2); ++c) {
+    const uint32_t first = pages[c] * slots_per_page_;
+    for (uint32_t s = first; s < first + slots_per_page_; ++s) {
+      if (fingerprints_[s] != print) continue;
+      ++reads_;
+      DLT_RETURN_IF_ERROR(ReadSlot(s, buffer.data()));
+      if (KeyOf(buffer.data()) != key) continue;  // a fingerprint collision
+      std::memcpy(record, RecordOf(buffer.data()), record_bytes_);
+      *slot = s;
+      *generation = generations_[s];
+      return OkStatus();
+    }
+  }
+  return OkStatus();
+}
+
+uint32_t TierFile::FreeSlot(uint64_t hash, uint16_t* fingerprint) const {
+  uint32_t first, second;
+  Place(hash, &first, &second, fingerprint);
+  const uint32_t page = UsedIn(second) < UsedIn(first) ? second : first;
+  const uint32_t base = page * slots_per_page_;
+  for (uint32_t s = base; s < base + slots_per_page_; ++s) {
+    if (fingerprints_[s] == 0) return s;
+  }
+  return kNoSlot;
+}
+
+Status TierFile::WriteSlot(uint32_t slot, int64_t key, const char* record) {
+  thread_local std::vector<char> buffer;
+  buffer.resize(slot_bytes_);
+  std::memcpy(buffer.data(), &key, sizeof(key));
+  std::memcpy(buffer.data() + sizeof(key), record, record_bytes_);
+  const off_t offset = static_cast<off_t>(size_t{slot / slots_per_page_} * page_bytes_ +
+                                          size_t{slot % slots_per_page_} * slot_bytes_);
+  int err = 0;
+  if (!FullWrite(fd_, buffer.data(), slot_bytes_, offset, &err).ok()) return IoError("write", err);
+  return OkStatus();
+}
+
+Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t generation) {
+  if (fd_ < 0) DLT_RETURN_IF_ERROR(Open(size_hint_));
+  if ((rows_ + 1) * kFillDen > uint64_t{num_pages_} * slots_per_page_ * kFillNum) {
+    DLT_RETURN_IF_ERROR(Resize(num_pages_ * 2));
+  }
+  uint16_t print;
+  uint32_t slot = FreeSlot(hash, &print);
+  if (slot == kNoSlot) {  // both pages full well below the target fill: rare
+    DLT_RETURN_IF_ERROR(Resize(num_pages_ * 2));
+    slot = FreeSlot(hash, &print);
+    if (slot == kNoSlot) return Internal("disk tier " + path_ + ": no free slot after growing");
+  }
+  DLT_RETURN_IF_ERROR(WriteSlot(slot, key, record));
+  fingerprints_[slot] = print;
+  generations_[slot] = generation;
+  ++rows_;
+  return OkStatus();
+}
+
+Status TierFile::Rewrite(uint32_t slot, int64_t key, const char* record, uint16_t generation) {
+  DLT_RETURN_IF_ERROR(WriteSlot(slot, key, record));
+  generations_[slot] = generation;
+  return OkStatus();
+}
+
+void TierFile::Remove(uint32_t slot) {
+  if (fingerprints_[slot] == 0) return;
+  fingerprints_[slot] = 0;
+  --rows_;
+}
+
+size_t TierFile::ram_bytes() const {
+  return fingerprints_.capacity() * sizeof(uint16_t) + generations_.capacity() * sizeof(uint16_t);
+}
+
+Status TierFile::Resize(uint32_t pages) {
+  if (pages == 0 || pages > (uint32_t{1} << 31) / slots_per_page_) {
+    return ResourceExhausted("disk tier " + path_ + " cannot grow past " +
+                             std::to_string(num_pages_) + " pages");
+  }
+  const off_t bytes = static_cast<off_t>(size_t{pages} * page_bytes_);
+  if (num_pages_ == 0) {
+    const int err = posix_fallocate(fd_, 0, bytes);
+    if (err != 0) return IoError("allocation", err);
+    num_pages_ = pages;
+    fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
+    generations_.assign(size_t{pages} * slots_per_page_, 0);
+    return OkStatus();
+  }
+  // Into a new file: the old one stays whole (and in use) if this fails.
+  const std::string next_path = path_ + ".resize";
+  const int next_fd = open(next_path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (next_fd < 0) return IoError("open", errno);
+  const int alloc_err = posix_fallocate(next_fd, 0, bytes);
+  if (alloc_err != 0) {
+    close(next_fd);
+    unlink(next_path.c_str());
+    return IoError("allocation", alloc_err);
+  }
+  TierFile next(next_path, record_bytes_);
+  next.fd_ = next_fd;
+  next.num_pages_ = pages;
+  next.fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
+  next.generations_.assign(size_t{pages} * slots_per_page_, 0);
+  const uint32_t batch = static_cast<uint32_t>(std::max<size_t>(1, kResizeReadBytes / page_bytes_));
+  std::vector<char> buffer(size_t{batch} * page_bytes_);
+  for (uint32_t first = 0; first < num_pages_; first += batch) {
+    const uint32_t n = std::min(batch, num_pages_ - first);
+    DLT_RETURN_IF_ERROR(ReadPages(first, n, buffer.data()));
+    for (uint32_t p = 0; p < n; ++p) {
+      const char* page = buffer.data() + size_t{p} * page_bytes_;
+      for (uint32_t s = 0; s < slots_per_page_; ++s) {
+        const uint32_t slot = (first + p) * slots_per_page_ + s;
+        if (fingerprints_[slot] == 0) continue;
+        const int64_t key = KeyOf(SlotIn(page, s));
+        uint16_t print;
+        const uint32_t to = next.FreeSlot(Mix64(static_cast<uint64_t>(key)), &print);
+        if (to == TierFile::kNoSlot) {
+          return Internal("disk tier " + path_ + ": a page overflowed while growing");
+        }
+        DLT_RETURN_IF_ERROR(next.WriteSlot(to, key, RecordOf(SlotIn(page, s))));
+        next.fingerprints_[to] = print;
+        next.generations_[to] = generations_[slot];
+        ++next.rows_;
+      }
+    }
+  }
+  if (rename(next_path.c_str(), path_.c_str()) != 0) return IoError("rename", errno);
+  close(fd_);
+  fd_ = next.fd_;
+  next.fd_ = -1;  // `next` no longer owns (or unlinks) the file
+  num_pages_ = pages;
+  ++layout_;
+  fingerprints_.swap(next.fingerprints_);
+  generations_.swap(next.generations_);
+  return OkStatus();
+}
+
+}  // namespace dlt

@@ -1,0 +1,109 @@
+// The disk tier of one table stripe: the stripe's cold rows in a file of
+// fixed-size pages on local SSD (docs/tiered_storage.md). An id's place is
+// computed from its hash (two candidate pages, the emptier one takes a new
+// row), so the only RAM a cold row costs is its slot's 16-bit fingerprint and
+// 16-bit generation. Occupancy lives in RAM only: freeing a slot (a promotion
+// or a removal) never writes to disk, and a lookup reads just the slots whose
+// fingerprint matches. Not thread-safe: the stripe's lock guards it. The file
+// is a cache of the shard's own state, unlinked when the tier goes; no TF or
+// Python headers.
+#ifndef TF_DLT_NATIVE_CORE_DISK_TIER_H_
+#define TF_DLT_NATIVE_CORE_DISK_TIER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "native/core/status.h"
+
+namespace dlt {
+
+class TierFile {
+ public:
+  static constexpr uint32_t kNoSlot = 0xffffffffu;
+
+  // A tier at `path` (created, or truncated if it exists) for records of
+  // `record_bytes`; nothing is allocated until Open.
+  TierFile(std::string path, size_t record_bytes);
+  ~TierFile();  // closes and unlinks the file
+  TierFile(const TierFile&) = delete;
+  TierFile& operator=(const TierFile&) = delete;
+
+  // Creates the file with room for `rows` rows at the target fill.
+  // RESOURCE_EXHAUSTED when the disk is full, INTERNAL on other I/O errors.
+  // Put opens the file itself when it is not open.
+  Status Open(uint64_t rows);
+  // Room for `rows` rows: the size the file opens with, or (best effort) a
+  // resize of an open file.
+  void Reserve(uint64_t rows);
+
+  // Looks `key` up (`hash` is Mix64 of it). When found, copies its record
+  // into `record` (record_bytes), its slot into *slot and its generation
+  // into *generation; *slot is kNoSlot when absent.
+  Status Find(uint64_t hash, int64_t key, char* record, uint32_t* slot, uint16_t* generation);
+  // Stores a row that is absent from the tier; grows the file when both
+  // candidate pages are full or the tier passes its target fill.
+  Status Put(uint64_t hash, int64_t key, const char* record, uint16_t generation);
+  // Overwrites the record in `slot` (found by Find) with `record`.
+  Status Rewrite(uint32_t slot, int64_t key, const char* record, uint16_t generation);
+  // Frees `slot` (RAM only).
+  void Remove(uint32_t slot);
+
+  // Slots, for iteration: a slot is in use when Used(slot).
+  uint32_t slots() const { return static_cast<uint32_t>(fingerprints_.size()); }
+  bool Used(uint32_t slot) const { return fingerprints_[slot] != 0; }
+  uint16_t Generation(uint32_t slot) const { return generations_[slot]; }
+  uint32_t slots_per_page() const { return slots_per_page_; }
+  // Reads pages [first, first + n) into `buffer` (n * page_bytes()).
+  Status ReadPages(uint32_t first, uint32_t n, char* buffer) const;
+  // The key and record of slot `s` of a page read by ReadPages.
+  const char* SlotIn(const char* page, uint32_t s) const { return page + size_t{s} * slot_bytes_; }
+  static int64_t KeyOf(const char* slot_data);
+  static const char* RecordOf(const char* slot_data) { return slot_data + sizeof(int64_t); }
+  // Reads slot `slot` (key then record) into `buffer` (slot_bytes()).
+  Status ReadSlot(uint32_t slot, char* buffer) const;
+
+  uint32_t pages() const { return num_pages_; }
+  // Bumped by every resize (slots move).
+  uint64_t layout() const { return layout_; }
+  size_t page_bytes() const { return page_bytes_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  uint64_t rows() const { return rows_; }
+  // RAM the tier holds per slot (fingerprints and generations).
+  size_t ram_bytes() const;
+  // Bytes of the file.
+  size_t disk_bytes() const { return size_t{num_pages_} * page_bytes_; }
+  // Slot reads (lookups and iteration) since creation.
+  uint64_t reads() const { return reads_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  // The two candidate pages and the fingerprint of a hash.
+  void Place(uint64_t hash, uint32_t* first, uint32_t* second, uint16_t* fingerprint) const;
+  uint32_t UsedIn(uint32_t page) const;
+  // A free slot of the emptier candidate page, or kNoSlot.
+  uint32_t FreeSlot(uint64_t hash, uint16_t* fingerprint) const;
+  Status WriteSlot(uint32_t slot, int64_t key, const char* record);
+  // Moves every row into a file of `pages` pages (a power of two).
+  Status Resize(uint32_t pages);
+  Status IoError(const char* what, int err) const;
+
+  const std::string path_;
+  const size_t record_bytes_;
+  const size_t slot_bytes_;
+  uint32_t slots_per_page_;
+  size_t page_bytes_;
+  int fd_ = -1;
+  uint32_t num_pages_ = 0;  // a power of two once open
+  uint64_t rows_ = 0;
+  uint64_t reads_ = 0;
+  uint64_t layout_ = 0;
+  uint64_t size_hint_ = 4096;           // rows the file opens with
+  std::vector<uint16_t> fingerprints_;  // per slot; 0: free
+  std::vector<uint16_t> generations_;   // per slot: the row's change generation
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_CORE_DISK_TIER_H_

@@ -1,0 +1,343 @@
+// Tiered storage: the disk tier file on its own, and tables whose rows move
+// between RAM and disk compared with all-RAM oracle tables fed the same
+// pushes, under concurrent pulls, pushes and demotions.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "native/core/disk_tier.h"
+#include "native/core/routing.h"
+#include "native/core/shard.h"
+#include "native/core/table.h"
+#include "tests/cpp/harness.h"
+
+namespace dlt {
+namespace {
+
+// A fresh directory under the system temp dir, removed at scope exit.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char pattern[] = "/tmp/dlt-tier-XXXXXX";
+    path = mkdtemp(pattern);
+  }
+  ~TempDir() {
+    std::error_code e;
+    std::filesystem::remove_all(path, e);
+  }
+};
+
+TableConfig TierTable(OptimizerKind optimizer, InitializerKind init = InitializerKind::kUniform) {
+  TableConfig c;
+  c.name = "tiered";
+  c.dim = 4;
+  c.seed = 3;
+  c.initializer.kind = init;
+  c.optimizer.kind = optimizer;
+  return c;
+}
+
+struct Row {
+  std::vector<float> values, slots;
+  uint32_t step;
+  bool operator==(const Row& o) const {
+    return values == o.values && slots == o.slots && step == o.step;
+  }
+};
+
+std::map<int64_t, Row> Rows(Table* t) {
+  std::map<int64_t, Row> out;
+  Table::Exporter ex(t);
+  const uint32_t dim = t->dim(), k = t->slot_floats();
+  std::vector<int64_t> ids(300);
+  std::vector<float> values(300 * dim), slots(300 * k);
+  std::vector<uint32_t> steps(300), buckets(300);
+  const RowBuffers b{ids.data(), values.data(), slots.data(), steps.data(), buckets.data()};
+  size_t got;
+  while ((got = ex.Next(300, b)) > 0) {
+    for (size_t i = 0; i < got; ++i) {
+      out[ids[i]] =
+          Row{std::vector<float>(&values[i * dim], &values[(i + 1) * dim]),
+              std::vector<float>(slots.data() + i * k, slots.data() + (i + 1) * k), steps[i]};
+    }
+  }
+  EXPECT_OK(ex.error());
+  return out;
+}
+
+DLT_TEST(TestTierFileStoresFindsGrowsAndFrees) {
+  TempDir dir;
+  constexpr size_t kRecord = 40;
+  TierFile tier(dir.path + "/s.tier", kRecord);
+  std::map<int64_t, std::string> oracle;
+  std::mt19937_64 rng(1);
+  std::vector<char> record(kRecord), got(kRecord);
+  // Far past the first size: the file grows (and moves every row) often.
+  for (int i = 0; i < 20000; ++i) {
+    const auto id = static_cast<int64_t>(rng());
+    for (auto& c : record) c = static_cast<char>(rng());
+    EXPECT_OK(tier.Put(Mix64(static_cast<uint64_t>(id)), id, record.data(), uint16_t(i & 0xffff)));
+    oracle[id] = std::string(record.begin(), record.end());
+  }
+  EXPECT(tier.rows() == oracle.size());
+  EXPECT(tier.disk_bytes() >= oracle.size() * (kRecord + 8));
+  size_t n = 0;
+  for (const auto& [id, bytes] : oracle) {
+    uint32_t slot;
+    uint16_t generation;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(id)), id, got.data(), &slot, &generation));
+    EXPECT(slot != TierFile::kNoSlot && std::string(got.begin(), got.end()) == bytes);
+    if (++n % 2 == 0 && slot != TierFile::kNoSlot) tier.Remove(slot);  // half go
+  }
+  EXPECT(tier.rows() == oracle.size() / 2);
+  n = 0;
+  for (const auto& [id, bytes] : oracle) {
+    uint32_t slot;
+    uint16_t generation;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(id)), id, got.data(), &slot, &generation));
+    EXPECT((++n % 2 == 0) == (slot == TierFile::kNoSlot));
+  }
+  // Absent ids are found absent.
+  for (int i = 0; i < 1000; ++i) {
+    uint32_t slot;
+    uint16_t generation;
+    const int64_t id = -1 - i;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(id)), id, got.data(), &slot, &generation));
+    EXPECT(slot == TierFile::kNoSlot);
+  }
+  const std::string path = tier.path();
+  EXPECT(std::filesystem::exists(path));
+}
+
+DLT_TEST(TestTierFileIsUnlinkedWithItsTier) {
+  TempDir dir;
+  std::string path = dir.path + "/s.tier";
+  {
+    TierFile tier(path, 16);
+    char record[16] = {1};
+    EXPECT_OK(tier.Put(Mix64(7), 7, record, 1));
+    EXPECT(std::filesystem::exists(path));
+  }
+  EXPECT(!std::filesystem::exists(path));
+}
+
+DLT_TEST(TestDemotedRowsComeBackExactly) {
+  // Adam rows demoted and promoted by pulls, pushes and assigns equal an
+  // all-RAM oracle fed the same calls, values, slots and steps.
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kAdam));
+  t.AttachTier(dir.path);
+  Table oracle(TierTable(OptimizerKind::kAdam));
+  std::mt19937_64 rng(2);
+  std::vector<float> out(4 * 512), expect(4 * 512);
+  for (int round = 0; round < 40; ++round) {
+    std::vector<int64_t> ids(512);
+    for (auto& id : ids) id = static_cast<int64_t>(rng() % 5000);
+    EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, out.data()));
+    EXPECT_OK(oracle.Pull(ids.data(), ids.size(), PullMode::kInsert, expect.data()));
+    EXPECT(out == expect);
+    std::vector<float> grads(ids.size() * 4);
+    for (auto& g : grads) g = static_cast<float>(static_cast<int>(rng() % 200) - 100) / 64.0f;
+    EXPECT_OK(t.Push(ids.data(), grads.data(), ids.size(), 0.01f));
+    EXPECT_OK(oracle.Push(ids.data(), grads.data(), ids.size(), 0.01f));
+    if (round % 7 == 3) {
+      EXPECT_OK(t.Assign(ids.data(), grads.data(), 16));
+      EXPECT_OK(oracle.Assign(ids.data(), grads.data(), 16));
+    }
+    Status s;
+    t.Demote(t.ram_rows() * 3 / 4, &s);  // most rows go cold each round
+    EXPECT_OK(s);
+    EXPECT(t.size() == oracle.size());
+  }
+  EXPECT(t.tier_stats().disk_rows > 0 && t.tier_stats().promotions > 0);
+  EXPECT(Rows(&t) == Rows(&oracle));
+  // Reads that insert nothing see cold rows where they are.
+  std::vector<int64_t> all;
+  for (const auto& [id, row] : Rows(&oracle)) all.push_back(id);
+  all.push_back(-77);  // absent
+  std::vector<float> a(all.size() * 4), b(all.size() * 4);
+  EXPECT_OK(t.Pull(all.data(), all.size(), PullMode::kZerosNoInsert, a.data()));
+  EXPECT_OK(oracle.Pull(all.data(), all.size(), PullMode::kZerosNoInsert, b.data()));
+  EXPECT(a == b);
+}
+
+DLT_TEST(TestConcurrentPullsPushesAndDemotionsLoseNothing) {
+  // Pushes from several threads while rows move in and out of RAM: with
+  // zero-initialized SGD rows and gradients in 1/8 steps every sum is exact
+  // in any order, so the table must equal the oracle bit for bit.
+  TempDir dir;
+  const TableConfig config = TierTable(OptimizerKind::kSgd, InitializerKind::kZeros);
+  Table t(config);
+  t.AttachTier(dir.path);
+  t.SetRamLimit(kStripes * 8);
+  Table oracle(config);
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0};
+  std::thread demoter([&] {
+    while (!stop.load()) {
+      Status s;
+      t.Demote(t.ram_rows() / 2 + 1, &s);
+      if (!s.ok()) failures.fetch_add(1);
+    }
+  });
+  std::vector<std::thread> workers;
+  for (int w = 0; w < 3; ++w) {
+    workers.emplace_back([&, w] {
+      std::mt19937_64 rng(10 + w);
+      std::vector<float> out(4 * 256);
+      for (int round = 0; round < 150; ++round) {
+        std::vector<int64_t> ids(256);
+        for (auto& id : ids) id = static_cast<int64_t>(rng() % 3000);
+        if (!t.Pull(ids.data(), ids.size(), PullMode::kInsert, out.data()).ok())
+          failures.fetch_add(1);
+        std::vector<float> grads(ids.size() * 4);
+        for (auto& g : grads) g = static_cast<float>(static_cast<int>(rng() % 16) - 8) / 8.0f;
+        if (!t.Push(ids.data(), grads.data(), ids.size(), 1.0f).ok()) failures.fetch_add(1);
+        if (!oracle.Push(ids.data(), grads.data(), ids.size(), 1.0f).ok()) failures.fetch_add(1);
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  stop.store(true);
+  demoter.join();
+  EXPECT(failures.load() == 0);
+  const TierStats stats = t.tier_stats();
+  EXPECT(stats.demotions > 0 && stats.promotions > 0 && stats.disk_rows > 0);
+  EXPECT(stats.ram_rows + stats.disk_rows == t.size());
+  const auto got = Rows(&t), want = Rows(&oracle);
+  EXPECT(got.size() == want.size());
+  EXPECT(got == want);
+}
+
+DLT_TEST(TestLoadPastTheRamLimitGoesToDiskAndPolicyCoversBothTiers) {
+  TempDir dir;
+  TableConfig config = TierTable(OptimizerKind::kAdagrad);
+  config.policy.clock = static_cast<uint64_t>(ClockKind::kPushes);
+  Table t(config);
+  t.AttachTier(dir.path);
+  t.SetRamLimit(kStripes * 16);
+  constexpr size_t kRows = 20000;
+  std::vector<int64_t> ids(kRows);
+  std::vector<float> values(kRows * 4), slots(kRows * 4, 0.5f);
+  std::vector<uint32_t> steps(kRows), touched(kRows);
+  for (size_t i = 0; i < kRows; ++i) {
+    ids[i] = static_cast<int64_t>(i) * 7919;
+    for (int j = 0; j < 4; ++j) values[i * 4 + j] = static_cast<float>(i) + j;
+    steps[i] = i % 2 ? 5 : 1;  // odd rows are frequent
+    touched[i] = 0;
+  }
+  t.Reserve(kRows, 2);
+  EXPECT_OK(t.Import(ids.data(), values.data(), slots.data(), steps.data(), kRows, touched.data()));
+  TierStats stats = t.tier_stats();
+  EXPECT(stats.ram_rows + stats.disk_rows == kRows);
+  EXPECT(stats.ram_rows <= kStripes * 16 + kStripes * 17);  // the limit, plus its margin
+  EXPECT(stats.disk_rows > kRows / 2);
+  // Every row reads back exactly.
+  const auto rows = Rows(&t);
+  EXPECT(rows.size() == kRows);
+  for (size_t i = 0; i < kRows; i += 997) {
+    const Row& r = rows.at(ids[i]);
+    EXPECT(r.values[3] == static_cast<float>(i) + 3 && r.step == steps[i]);
+  }
+  // Shrink by count removes rare rows in both tiers, logging them.
+  t.BeginSave("base", "");
+  EXPECT(t.Shrink(2, 0, t.Now()) == kRows / 2);
+  EXPECT(t.size() == kRows / 2);
+  EXPECT(t.RemovedSince(0).size() == kRows / 2);
+  // max_rows across tiers.
+  TableConfig capped = config;
+  capped.policy.max_rows = 4096;
+  Table c(capped);
+  std::filesystem::create_directories(dir.path + "/c");
+  c.AttachTier(dir.path + "/c");
+  c.SetRamLimit(kStripes * 16);
+  EXPECT_OK(c.Import(ids.data(), values.data(), slots.data(), steps.data(), kRows, touched.data()));
+  EXPECT(c.size() == kRows);
+  EXPECT(c.EvictAcrossTiers() > 0);
+  EXPECT(c.size() <= 4096 + 4096 / 32 + kStripes);
+  // The frequent rows are those kept.
+  size_t frequent = 0;
+  for (const auto& [id, row] : Rows(&c)) frequent += row.step == 5;
+  EXPECT(frequent == c.size());
+  // Erasing buckets reaches cold rows too.
+  const size_t kept = c.size();
+  EXPECT(c.EraseBuckets(0, kNumBuckets) == kept);
+  EXPECT(c.size() == 0 && c.tier_stats().disk_rows == 0);
+}
+
+DLT_TEST(TestAFullDiskLeavesRowsInRamAndSaysSo) {
+  // A file size limit stands in for a full disk: the tier cannot grow, the
+  // demotion fails with RESOURCE_EXHAUSTED naming the file, and every row
+  // still reads from RAM.
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kSgd));
+  t.AttachTier(dir.path);
+  std::vector<int64_t> ids(30000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  std::vector<float> before(ids.size() * 4), after(ids.size() * 4);
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, before.data()));
+  struct rlimit old;
+  getrlimit(RLIMIT_FSIZE, &old);
+  auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit tiny = old;
+  tiny.rlim_cur = 64 * 1024;
+  setrlimit(RLIMIT_FSIZE, &tiny);
+  Status s;
+  size_t moved = t.Demote(ids.size(), &s);
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  EXPECT(s.code() == Code::kResourceExhausted);
+  EXPECT(s.message().find(".tier") != std::string::npos);
+  EXPECT(moved < ids.size());
+  EXPECT(t.size() == ids.size());
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, after.data()));
+  EXPECT(before == after);
+  // With room again, the rest can go.
+  moved = t.Demote(t.ram_rows(), &s);
+  EXPECT_OK(s);
+  EXPECT(t.tier_stats().disk_rows > ids.size() / 2);
+}
+
+DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
+  TempDir dir;
+  // Stale files of a shard process that is gone.
+  std::filesystem::create_directories(dir.path + "/shard-0/t0-old");
+  std::FILE* stale = std::fopen((dir.path + "/shard-0/t0-old/stripe-00.tier").c_str(), "w");
+  std::fclose(stale);
+  auto shard = std::make_shared<Shard>(0, 1);
+  EXPECT_OK(shard->ConfigureMemory(Shard::ResidentBytes() + (16 << 20), dir.path, 5));
+  EXPECT(!std::filesystem::exists(dir.path + "/shard-0/t0-old"));
+  // A second process (here: shard object) cannot take the same directory.
+  Shard other(0, 1);
+  EXPECT(other.ConfigureMemory(1 << 30, dir.path, 5).code() == Code::kFailedPrecondition);
+  bool created;
+  EXPECT_OK(shard->CreateTable(TierTable(OptimizerKind::kAdagrad), &created));
+  std::shared_ptr<Table> t;
+  EXPECT_OK(shard->GetTable("tiered", &t));
+  // Far more rows than 16 MiB holds at 66 bytes a row in RAM.
+  std::vector<int64_t> ids(600000);
+  std::vector<float> out(ids.size() * 4);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  for (size_t at = 0; at < ids.size(); at += 10000) {
+    EXPECT_OK(t->Pull(ids.data() + at, 10000, PullMode::kInsert, out.data()));
+    shard->KeepMemory();
+  }
+  for (int i = 0; i < 20; ++i) shard->KeepMemory();
+  const TierStats stats = t->tier_stats();
+  EXPECT(stats.disk_rows > 0 && stats.demotions > 0);
+  EXPECT(stats.ram_rows + stats.disk_rows == ids.size());
+  EXPECT(stats.ram_rows * t->ram_row_bytes() <= shard->memory_status().table_target + (1 << 20));
+}
+
+}  // namespace
+}  // namespace dlt

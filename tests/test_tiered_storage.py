@@ -1,0 +1,281 @@
+"""Tiered storage through real shard processes (docs/tiered_storage.md):
+rows past --memory-budget move to --storage-dir and back, every row equals
+an all-RAM oracle fed the same pushes while pulls run concurrently,
+checkpoints read both tiers and a load fills RAM to the budget and the rest
+to disk, stale tier files go at start, and a full disk is an error the shard
+reports while it keeps serving from RAM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tf_dlt
+from tf_dlt import _native
+
+from conftest import Cluster, staged_rows
+
+DIM = 8
+# Far more than the RAM a budget of the process's own size plus ~24 MB
+# holds (98 bytes a RAM row at dim 8 with Adagrad).
+ROWS = 600_000
+BATCH = 20_000
+
+
+def _budget() -> str:
+    """A budget that leaves the tables about 24 MB beside an idle shard
+    process (measured: about 90 MB resident)."""
+    return str(130 << 20)
+
+
+def _tiers(client: tf_dlt.Client) -> list[dict[str, int]]:
+    return [t["tier"] for s in client.stats() for t in s["tables"] if t["config"]["name"] == "t"]
+
+
+def _wait_for_demotions(client: tf_dlt.Client) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(int(t.get("disk_rows", 0)) > 0 for t in _tiers(client)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no rows moved to disk: {_tiers(client)}")
+
+
+def _grads(k: int, n: int) -> np.ndarray:
+    return np.random.default_rng(k).normal(size=(n, DIM)).astype(np.float32)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_every_row_survives_demotion_and_promotion_under_concurrent_traffic(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, num_shards: int
+) -> None:
+    config = tf_dlt.TableConfig.create("t", DIM, "normal", "adagrad", seed=4)
+    oracle = _native.Table(config.to_dict())
+    rows = ROWS * num_shards  # each shard's RAM holds far fewer
+    ids = np.arange(rows, dtype=np.int64) * 7
+    cluster = start_cluster(
+        num_shards, "--memory-budget", _budget(), "--storage-dir", str(tmp_path / "ssd")
+    )
+    with cluster.client() as c:
+        c.create_table_from_config(config)
+        # Rows are made by pushes (a pull past the RAM limit makes none).
+        for at in range(0, rows, BATCH):
+            batch = ids[at : at + BATCH]
+            assert np.array_equal(c.pull("t", batch), oracle.pull(batch))
+            c.push("t", batch, _grads(100 + at, len(batch)), 0.05)
+            oracle.push(batch, _grads(100 + at, len(batch)), 0.05)
+        _wait_for_demotions(c)
+        stop = threading.Event()
+        failures: list[BaseException] = []
+
+        def pull_randomly(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            try:
+                with tf_dlt.Client(c.pservers) as puller:
+                    while not stop.is_set():
+                        puller.pull("t", ids[rng.integers(0, rows, 4096)])
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                failures.append(e)
+
+        pullers = [threading.Thread(target=pull_randomly, args=(s,)) for s in (1, 2)]
+        for p in pullers:
+            p.start()
+        # One pusher, so the oracle sees the same order: Zipf-like batches
+        # that pull cold rows back and push rows that may move meanwhile.
+        rng = np.random.default_rng(3)
+        try:
+            for k in range(30):
+                batch = ids[np.minimum(rng.zipf(1.2, BATCH) - 1, rows - 1)]
+                batch = np.concatenate([batch, ids[rng.integers(0, rows, 2000)]])
+                g = _grads(k, len(batch))
+                c.push("t", batch, g, 0.05)
+                oracle.push(batch, g, 0.05)
+        finally:
+            stop.set()
+            for p in pullers:
+                p.join()
+        assert not failures, failures
+        tiers = _tiers(c)
+        assert sum(int(t.get("promotions", 0)) for t in tiers) > 0
+        assert sum(int(t.get("disk_rows", 0)) for t in tiers) > rows // 4
+        # Every row: values, slots and steps of both tiers, through a save.
+        c.save(str(tmp_path / "ckpt"))
+        # Values through pulls too (cold rows are read or moved back).
+        for at in range(0, rows, BATCH):
+            assert np.array_equal(
+                c.pull("t", ids[at : at + BATCH]), oracle.pull(ids[at : at + BATCH])
+            )
+    saved = staged_rows(str(tmp_path / "ckpt"), 1)["t"]
+    ex = oracle.exporter()
+    count = 0
+    while (chunk := ex.next(65536)) is not None:
+        for i in range(len(chunk[0])):
+            values, slots, step, _ = saved[int(chunk[0][i])]
+            assert (values, slots, step) == (
+                chunk[1][i].tobytes(), chunk[2][i].tobytes(), int(chunk[3][i])
+            )  # fmt: skip
+            count += 1
+    assert count == len(saved) == rows
+
+
+def test_checkpoints_read_both_tiers_and_a_load_fills_ram_then_disk(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    ids = np.arange(ROWS, dtype=np.int64)
+    with start_cluster(1).client() as c:  # all in RAM
+        c.create_table("t", DIM, "normal", "adagrad", seed=2)
+        c.pull("t", ids)
+        c.push("t", ids, _grads(0, ROWS), 0.1)
+        c.save(str(tmp_path / "base"))
+    budget = ("--memory-budget", _budget(), "--storage-dir", str(tmp_path / "ssd"))
+    cluster = start_cluster(1, "--load-from", str(tmp_path / "base"), *budget)
+    with cluster.client() as c:
+        (tier,) = _tiers(c)
+        # The load placed what the budget does not hold on disk.
+        assert int(tier["disk_rows"]) > 0 and int(tier["ram_rows"]) > 0
+        assert int(tier["ram_rows"]) + int(tier["disk_rows"]) == ROWS
+        c.save(str(tmp_path / "full"))  # a full save of a tiered shard
+        c.push("t", ids[:5000], _grads(1, 5000), 0.1)  # promotes cold rows
+        c.shrink("t", min_count=2)  # removes rows of both tiers
+        c.save(str(tmp_path / "delta"), base=str(tmp_path / "full"))
+        c.save(str(tmp_path / "after"))  # the same state, in full
+        (tier,) = _tiers(c)
+    assert (
+        staged_rows(str(tmp_path / "full"), 1)["t"] == staged_rows(str(tmp_path / "base"), 1)["t"]
+    )
+    after = staged_rows(str(tmp_path / "after"), 1)["t"]
+    assert 5000 <= len(after) < ROWS
+    assert int(tier["ram_rows"]) + int(tier["disk_rows"]) == len(after)
+    assert staged_rows(str(tmp_path / "delta"), 1)["t"] == after
+
+
+def test_stale_tier_files_are_deleted_at_start_and_a_shared_dir_is_refused(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    ssd = tmp_path / "ssd"
+    stale = ssd / "shard-0" / "t7-t"
+    stale.mkdir(parents=True)
+    (stale / "stripe-00.tier").write_bytes(b"\x01" * 4096)
+    (ssd / "shard-3").mkdir()  # a shard of an older fleet shape, gone too
+    budget = ("--memory-budget", _budget(), "--storage-dir", str(ssd))
+    cluster = start_cluster(1, *budget)
+    assert not stale.exists() and not (ssd / "shard-3").exists()
+    with cluster.client() as c:
+        c.create_table("t", DIM, "normal", "adagrad")
+        c.pull("t", np.arange(ROWS, dtype=np.int64))
+        _wait_for_demotions(c)
+        assert list((ssd / "shard-0").glob("*/stripe-*.tier"))
+        # A second process on the same directory is refused at start.
+        second = subprocess.run(
+            [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--admin-port", "0", *budget],
+            capture_output=True, text=True, timeout=60, cwd="/",
+        )  # fmt: skip
+        assert second.returncode != 0
+        assert "in use by another shard process" in second.stderr
+    cluster.stop()
+    # The files of a stopped shard go with it.
+    assert not list((ssd / "shard-0").glob("*/stripe-*.tier"))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Callable[[int], None]]]:
+    """A directory on a 3 MiB filesystem (tmpfs), and a way to fill it."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)], capture_output=True
+    ).returncode == 0  # fmt: skip
+    if not mounted:
+        pytest.fail("this test needs a small filesystem: run as root (mount -t tmpfs)")
+
+    def fill(leave: int) -> None:
+        stat = os.statvfs(where)
+        free = stat.f_bavail * stat.f_frsize
+        with open(where / "filler", "wb") as f:
+            f.write(b"\0" * max(0, free - leave))
+
+    try:
+        yield where, fill
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_is_reported_and_ram_keeps_serving(
+    start_cluster: Callable[..., Cluster], small_disk: tuple[Path, Callable[[int], None]]
+) -> None:
+    where, fill = small_disk
+    fill(0)  # nothing left: the tier cannot take a single file
+    cluster = start_cluster(
+        1, "--memory-budget", _budget(), "--storage-dir", str(where), "--metrics-port", "0"
+    )
+    ids = np.arange(ROWS, dtype=np.int64)
+    with cluster.client() as c:
+        c.create_table("t", DIM, "normal", "adagrad", seed=5)
+        before = c.pull("t", ids)
+        deadline = time.monotonic() + 30
+        while not (tier := _tiers(c)[0]).get("error") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "No space left on device" in tier["error"], tier
+        assert "stripe-" in tier["error"]
+        assert int(tier.get("disk_rows", 0)) == 0
+        # Every row still served (from RAM), and training goes on.
+        assert np.array_equal(c.pull("t", ids), before)
+        c.push("t", ids[:1000], _grads(0, 1000), 0.1)
+        assert not np.array_equal(c.pull("t", ids[:1000]), before[:1000])
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{cluster.metrics_ports[0]}/metrics", timeout=10
+        ).read().decode()  # fmt: skip
+        assert 'tf_dlt_table_tier_error{error="' in metrics
+        # Space again: the keeper retries and rows move to disk (until the
+        # 3 MiB fill up again), and every row still reads the same.
+        (where / "filler").unlink()
+        _wait_for_demotions(c)
+        assert np.array_equal(c.pull("t", ids[1000:]), before[1000:])
+
+
+def test_resident_memory_stays_within_the_budget_and_metrics_show_the_tiers(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    cluster = start_cluster(
+        1, "--memory-budget", _budget(), "--storage-dir", str(tmp_path / "ssd"),
+        "--metrics-port", "0",
+    )  # fmt: skip
+    ids = np.arange(2 * ROWS, dtype=np.int64)  # about 5x what the budget holds
+    with cluster.client() as c:
+        c.create_table("t", DIM, "normal", "adagrad")
+        for at in range(0, len(ids), BATCH):
+            c.pull("t", ids[at : at + BATCH])
+        _wait_for_demotions(c)
+        rng = np.random.default_rng(0)
+        for _ in range(20):
+            batch = ids[rng.integers(0, len(ids), BATCH)]
+            c.pull("t", batch)
+            c.push("t", batch, _grads(1, BATCH), 0.1)
+        (stats,) = c.stats()
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{cluster.metrics_ports[0]}/metrics", timeout=10
+        ).read().decode()  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "tf_dlt.tools.cli", "stats", "--pservers", ",".join(c.pservers)],
+            capture_output=True, text=True, timeout=60, cwd="/",
+        ).stdout  # fmt: skip
+    # The peak resident set of the shard process, over the whole run.
+    status = Path(f"/proc/{cluster.processes[0].pid}/status").read_text()
+    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])
+    assert peak * 1024 <= int(_budget()) * 1.1, (peak, _budget())
+    assert 0 < int(stats["resident_bytes"]) <= int(_budget()) * 1.1
+    assert int(stats["memory_budget"]) == int(_budget())
+    for line in ('tf_dlt_table_tier_rows{table="t",tier="disk"}', "tf_dlt_table_promotions_total",
+                 "tf_dlt_table_demotions_total", "tf_dlt_table_disk_reads_total",
+                 "tf_dlt_memory_budget_bytes", "tf_dlt_resident_bytes"):  # fmt: skip
+        assert line in metrics
+    assert "disk rows" in out and "promoted/s" in out
