@@ -356,17 +356,16 @@ bool Table::RamFull(const Stripe& stripe) const {
 Status Table::Promote(Stripe* stripe, uint64_t hash, int64_t id, uint32_t* rec) {
   *rec = kEmpty;
   if (!stripe->tier || stripe->tier->rows() == 0) return OkStatus();
-  thread_local std::vector<char> scratch;
-  scratch.resize(record_bytes_);
+  char* scratch = ScratchRecord();
   uint32_t slot;
   uint16_t generation = 0;
-  DLT_RETURN_IF_ERROR(stripe->tier->Find(hash, id, scratch.data(), &slot, &generation));
+  DLT_RETURN_IF_ERROR(stripe->tier->Find(hash, id, scratch, &slot, &generation));
   if (slot == TierFile::kNoSlot) return OkStatus();
   const uint32_t r = stripe->Insert(hash, id, record_bytes_);
   if (r == kEmpty) {
     return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
   }
-  std::memcpy(stripe->Record(r, record_bytes_), scratch.data(), record_bytes_);
+  std::memcpy(stripe->Record(r, record_bytes_), scratch, record_bytes_);
   stripe->Generation(r) = generation;  // a move is not a change
   stripe->tier->Remove(slot);
   ++stripe->removals;
@@ -441,7 +440,6 @@ size_t Table::Demote(size_t want, Status* status) {
   if (want == 0 || total == 0) return 0;
   size_t moved = 0;
   std::vector<std::pair<uint64_t, int64_t>> scored;
-  std::vector<char> scratch(record_bytes_);
   for (uint32_t s = 0; s < kStripes && status->ok(); ++s) {
     Stripe& stripe = stripes_[s];
     std::vector<int64_t> victims;
@@ -526,14 +524,27 @@ size_t Table::EvictAcrossTiers() {
   return evicted;
 }
 
-size_t Table::ram_fixed_bytes() const {
+size_t Table::RamBytes(bool fixed_only) const {
   size_t total = sketch_ ? sketch_->bytes() : 0;
   for (uint32_t s = 0; s < kStripes; ++s) {
-    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-    total += stripes_[s].removed.capacity() * sizeof(Removal) +
-             (stripes_[s].tier ? stripes_[s].tier->ram_bytes() : 0);
+    const Stripe& stripe = stripes_[s];
+    std::shared_lock<std::shared_mutex> lock(stripe.mu);
+    total +=
+        stripe.removed.capacity() * sizeof(Removal) + (stripe.tier ? stripe.tier->ram_bytes() : 0);
+    if (fixed_only) continue;
+    total += size_t{stripe.num_records} * (record_bytes_ + sizeof(uint16_t)) +
+             stripe.index.size() * sizeof(IndexEntry) +
+             stripe.free_records.capacity() * sizeof(uint32_t);
   }
   return total;
+}
+
+size_t Table::ram_fixed_bytes() const { return RamBytes(/*fixed_only=*/true); }
+
+char* Table::ScratchRecord() const {
+  thread_local std::vector<char> scratch;
+  scratch.resize(record_bytes_);
+  return scratch.data();
 }
 
 size_t Table::ram_rows() const {
@@ -753,7 +764,6 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     // Cold rows move into RAM while it has room; else they are read where
     // they are, and a new row is left for its push to make.
     const bool promote = !RamFull(stripe);
-    thread_local std::vector<char> cold;
     for (uint32_t pos : missing) {
       float* dst = out + size_t{pos} * dim;
       if (tiered && stripe.tier->rows() != 0) {
@@ -766,13 +776,12 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
           continue;
         }
         if (!promote) {
-          cold.resize(record_bytes_);
+          char* cold = ScratchRecord();
           uint32_t slot;
           uint16_t generation;
-          DLT_RETURN_IF_ERROR(
-              stripe.tier->Find(hashes[pos], ids[pos], cold.data(), &slot, &generation));
+          DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &generation));
           if (slot != TierFile::kNoSlot) {
-            ReadValues(cold.data(), dst);
+            ReadValues(cold, dst);
             continue;
           }
         }
@@ -1038,7 +1047,6 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts;
   thread_local std::vector<float> fresh_slots;
-  thread_local std::vector<char> cold;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   const uint32_t dim = config_.dim;
   const uint32_t now = Now();
@@ -1056,19 +1064,18 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       if (rec == kEmpty && stripe.tier && to_disk && RamFull(stripe)) {
         // RAM is full (a load past the budget): the row goes to disk, over
         // its cold copy if it has one.
-        cold.resize(record_bytes_);
+        char* cold = ScratchRecord();
         uint32_t slot = TierFile::kNoSlot;
         uint16_t old_generation;
-        DLT_RETURN_IF_ERROR(
-            stripe.tier->Find(hashes[pos], ids[pos], cold.data(), &slot, &old_generation));
+        DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &old_generation));
         const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
-        FillRecord(cold.data(), ids[pos], steps ? steps[pos] : 0, touched ? touched[pos] : now,
+        FillRecord(cold, ids[pos], steps ? steps[pos] : 0, touched ? touched[pos] : now,
                    values + size_t{pos} * dim, row_slots);
         if (slot != TierFile::kNoSlot) {
-          DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold.data(), generation));
+          DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold, generation));
           continue;
         }
-        DLT_RETURN_IF_ERROR(stripe.tier->Put(hashes[pos], ids[pos], cold.data(), generation));
+        DLT_RETURN_IF_ERROR(stripe.tier->Put(hashes[pos], ids[pos], cold, generation));
         rows_.fetch_add(1, std::memory_order_relaxed);
         cold_rows_.fetch_add(1, std::memory_order_relaxed);
         continue;
@@ -1104,18 +1111,7 @@ size_t Table::size() const {
   return rows < 0 ? 0 : static_cast<size_t>(rows);
 }
 
-size_t Table::bytes() const {
-  size_t total = sketch_ ? sketch_->bytes() : 0;
-  for (uint32_t s = 0; s < kStripes; ++s) {
-    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-    total += size_t{stripes_[s].num_records} * (record_bytes_ + sizeof(uint16_t)) +
-             stripes_[s].index.size() * sizeof(IndexEntry) +
-             stripes_[s].free_records.capacity() * sizeof(uint32_t) +
-             stripes_[s].removed.capacity() * sizeof(Removal) +
-             (stripes_[s].tier ? stripes_[s].tier->ram_bytes() : 0);
-  }
-  return total;
-}
+size_t Table::bytes() const { return RamBytes(/*fixed_only=*/false); }
 
 TableCounters Table::counters() const {
   TableCounters c;
@@ -1164,15 +1160,13 @@ size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
   size_t erased = stripe->EraseKeys(keys, log, generation_.load(std::memory_order_relaxed));
   rows_.fetch_sub(static_cast<int64_t>(erased), std::memory_order_relaxed);
   if (stripe->tier && stripe->tier->rows() != 0 && erased < keys.size()) {
-    // The keys not in RAM may be cold.
-    thread_local std::vector<char> scratch;
-    scratch.resize(record_bytes_);
+    // The keys that were not in RAM (none is now) may be cold.
+    char* scratch = ScratchRecord();
     for (int64_t key : keys) {
       const uint64_t hash = Mix64(static_cast<uint64_t>(key));
-      if (stripe->FindSlot(hash, key) != kEmpty) continue;  // cannot be: erased above
       uint32_t slot;
       uint16_t generation;
-      const Status found = stripe->tier->Find(hash, key, scratch.data(), &slot, &generation);
+      const Status found = stripe->tier->Find(hash, key, scratch, &slot, &generation);
       if (!found.ok()) {
         SetTierError(found.message());
         continue;

@@ -304,6 +304,10 @@ class Table {
   static std::vector<int64_t> Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored,
                                      size_t want);
   uint64_t Score(const char* record, uint32_t now) const;
+  // RAM bytes of the table (the rows' part too unless `fixed_only`).
+  size_t RamBytes(bool fixed_only) const;
+  // This thread's buffer of one record (a cold row read or written).
+  char* ScratchRecord() const;
   // Whether a row stamped `row_generation` changed after `since`.
   bool ChangedSince(uint16_t row_generation, uint32_t since) const;
 

@@ -47,8 +47,9 @@ def _handler(method: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
-def table_info(table: _native.Table) -> dlt_pb2.TableInfo:
-    tier = _tier_dict(table)
+def table_info(table: _native.Table, tier: dict[str, Any] | None = None) -> dlt_pb2.TableInfo:
+    """`table`'s TableInfo; `tier`: its `_tier_dict`, when already read."""
+    tier = tier or _tier_dict(table)
     return dlt_pb2.TableInfo(
         config=TableConfig.from_dict(table.config).to_proto(),
         rows=table.size(),
@@ -392,7 +393,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return dlt_pb2.StatsResponse(
             shard_index=s["shard_index"],
             num_shards=s["num_shards"],
-            tables=[table_info(t) for t in s["table_objects"]],
+            tables=[
+                table_info(t, info) for t, info in zip(s["table_objects"], s["tables"], strict=True)
+            ],
             pulls=c["pulls"],
             pushes=c["pushes"],
             pulled_rows=c["pulled_rows"],
