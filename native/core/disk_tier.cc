@@ -83,9 +83,14 @@ Status TierFile::IoError(const char* what, int err) const {
   return Internal(message);
 }
 
-Status TierFile::Open(uint64_t rows) {
-  uint64_t pages = 1;
+uint64_t TierFile::PagesFor(uint64_t rows, uint64_t pages) const {
+  pages = std::max<uint64_t>(pages, 1);
   while (pages * slots_per_page_ * kFillNum < rows * kFillDen) pages *= 2;
+  return pages;
+}
+
+Status TierFile::Open(uint64_t rows) {
+  const uint64_t pages = PagesFor(rows, 1);
   if (pages > (uint64_t{1} << 31) / slots_per_page_) {
     return InvalidArgument("disk tier " + path_ + " cannot hold " + std::to_string(rows) + " rows");
   }
@@ -105,9 +110,10 @@ void TierFile::Reserve(uint64_t rows) {
     size_hint_ = std::max(size_hint_, rows);
     return;
   }
-  uint32_t pages = num_pages_;
-  while (uint64_t{pages} * slots_per_page_ * kFillNum < rows * kFillDen) pages *= 2;
-  if (pages != num_pages_) (void)Resize(pages);  // Put grows it (and reports) otherwise
+  const uint64_t pages = PagesFor(rows, num_pages_);
+  if (pages != num_pages_ && pages <= (uint64_t{1} << 31) / slots_per_page_) {
+    (void)Resize(static_cast<uint32_t>(pages));  // Put grows it (and reports) otherwise
+  }
 }
 
 void TierFile::Place(uint64_t hash, uint32_t* first, uint32_t* second,
@@ -228,6 +234,10 @@ void TierFile::Remove(uint32_t slot) {
   if (fingerprints_[slot] == 0) return;
   fingerprints_[slot] = 0;
   --rows_;
+}
+
+size_t TierFile::RamBytesFor(uint64_t rows) const {
+  return PagesFor(std::max(rows, rows_), num_pages_) * slots_per_page_ * 2 * sizeof(uint16_t);
 }
 
 size_t TierFile::ram_bytes() const {

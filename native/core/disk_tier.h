@@ -34,6 +34,9 @@ class TierFile {
   // RESOURCE_EXHAUSTED when the disk is full, INTERNAL on other I/O errors.
   // Put opens the file itself when it is not open.
   Status Open(uint64_t rows);
+  // Pages of a file with room for `rows` rows at the target fill, at least
+  // `pages`.
+  uint64_t PagesFor(uint64_t rows, uint64_t pages) const;
   // Room for `rows` rows: the size the file opens with, or (best effort) a
   // resize of an open file.
   void Reserve(uint64_t rows);
@@ -72,6 +75,8 @@ class TierFile {
   uint64_t rows() const { return rows_; }
   // RAM the tier holds per slot (fingerprints and generations).
   size_t ram_bytes() const;
+  // The RAM it would hold once sized for `rows` rows (Open or Reserve).
+  size_t RamBytesFor(uint64_t rows) const;
   // Bytes of the file.
   size_t disk_bytes() const { return size_t{num_pages_} * page_bytes_; }
   // Slot reads (lookups and iteration) since creation.

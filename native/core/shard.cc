@@ -1,6 +1,7 @@
 #include "native/core/shard.h"
 
 #include <fcntl.h>
+#include <malloc.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -36,6 +37,14 @@ constexpr size_t kMovesPerPass = 262144;
 constexpr auto kErrorBackoff = std::chrono::seconds(5);
 // Passes between two checks of max_rows across tiers.
 constexpr uint64_t kPassesPerEviction = 50;
+// Memory outside the tables above this share of the budget is given back
+// to the system (freed heap a load or a replaced table left) at most this
+// often.
+constexpr double kTrimShare = 0.05;
+constexpr auto kTrimInterval = std::chrono::seconds(1);
+// What a load buffers (tf_dlt/checkpoint/verified.py: 16 verified blocks
+// of 16 MiB, and two staged chunks of 8 MiB).
+constexpr uint64_t kLoadBuffer = uint64_t{272} << 20;
 
 // Holds an exclusive flock on `dir`/LOCK; -1 when another process holds it.
 int LockDirectory(const std::string& dir) {
@@ -65,10 +74,11 @@ std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   table->AttachTier(dir);
-  // Until the keeper's next pass: the rows that fit what is free now.
-  const uint64_t resident = ResidentBytes();
-  const uint64_t free_bytes = resident < budget_ * kTargetFraction
-                                  ? static_cast<uint64_t>(budget_ * kTargetFraction) - resident
+  // Until the keeper's next pass: the rows that fit what is free now,
+  // beside the buffers of the load that most likely fills the table.
+  const uint64_t used = ResidentBytes() + kLoadBuffer;
+  const uint64_t free_bytes = used < budget_ * kTargetFraction
+                                  ? static_cast<uint64_t>(budget_ * kTargetFraction) - used
                                   : 0;
   table->SetRamLimit(std::max<uint64_t>(kStripes * 64, free_bytes / table->ram_row_bytes()));
   return table;
@@ -160,7 +170,13 @@ size_t Shard::KeepMemory() {
     fixed += t->ram_fixed_bytes();
     live_bytes += t->ram_rows() * t->ram_row_bytes();
   }
-  const uint64_t overhead = resident > table_bytes ? resident - table_bytes : 0;
+  uint64_t overhead = resident > table_bytes ? resident - table_bytes : 0;
+  if (overhead > budget_ * kTrimShare && now - keeper_trimmed_ >= kTrimInterval) {
+    keeper_trimmed_ = now;
+    malloc_trim(0);
+    const uint64_t trimmed = ResidentBytes();
+    overhead = trimmed > table_bytes ? trimmed - table_bytes : 0;
+  }
   const double room = budget_ * kTargetFraction - static_cast<double>(overhead + fixed);
   const uint64_t target = room > 0 ? static_cast<uint64_t>(room) : 0;
   table_target_.store(target, std::memory_order_relaxed);

@@ -108,9 +108,10 @@ class Shard {
   std::condition_variable keeper_cv_;
   bool keeper_stop_ = false;  // guarded by keeper_mu_
   std::thread keeper_;
-  std::mutex keeper_pass_mu_;                           // one KeepMemory pass at a time
-  uint64_t keeper_passes_ = 0;                          // guarded by keeper_pass_mu_
-  std::chrono::steady_clock::time_point keeper_rated_;  // guarded by keeper_pass_mu_
+  std::mutex keeper_pass_mu_;                             // one KeepMemory pass at a time
+  uint64_t keeper_passes_ = 0;                            // guarded by keeper_pass_mu_
+  std::chrono::steady_clock::time_point keeper_rated_;    // guarded by keeper_pass_mu_
+  std::chrono::steady_clock::time_point keeper_trimmed_;  // guarded by keeper_pass_mu_
   // Tables whose tier failed, and when (guarded by keeper_pass_mu_).
   std::map<const Table*, std::chrono::steady_clock::time_point> keeper_failed_;
 };

@@ -1312,12 +1312,28 @@ void Table::Reserve(size_t rows, uint32_t threads) {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (has_tier() && limit != 0 && rows > limit) {
     // The rows past the RAM limit go to disk: size the tier files for them.
-    const size_t cold = (rows - limit) / kStripes + (rows - limit) / (kStripes * 16) + 64;
+    // The tier's RAM per cold slot comes out of the RAM rows' limit (twice:
+    // fewer RAM rows make more cold ones).
+    auto cold_per_stripe = [&](uint64_t ram_rows) {
+      return (rows - ram_rows) / kStripes + (rows - ram_rows) / (kStripes * 16) + 64;
+    };
+    uint64_t ram_rows = limit;
+    for (int pass = 0; pass < 2; ++pass) {
+      uint64_t tier_bytes = 0;
+      for (uint32_t s = 0; s < kStripes; ++s) {
+        std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+        tier_bytes += stripes_[s].tier->RamBytesFor(cold_per_stripe(ram_rows));
+      }
+      const uint64_t held = tier_bytes / ram_row_bytes();
+      ram_rows = std::max<uint64_t>(kStripes * 64, limit > held ? limit - held : 0);
+    }
+    SetRamLimit(ram_rows);
+    const size_t cold = cold_per_stripe(ram_rows);
     for (uint32_t s = 0; s < kStripes; ++s) {
       std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
       stripes_[s].tier->Reserve(cold);
     }
-    rows = limit;
+    rows = ram_rows;
   }
   const size_t per_stripe = rows / kStripes + rows / (kStripes * 16) + 64;
   std::atomic<uint32_t> next{0};

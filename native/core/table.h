@@ -157,6 +157,9 @@ class Table {
   // Sizes the index and arena of every stripe for `rows` rows spread evenly
   // over this table's buckets, and touches the new memory now, with
   // `threads` threads (a load fills the table at memory speed after it).
+  // With a disk tier, RAM is sized for the rows within the RAM limit (which
+  // gives up what the tier's RAM per cold slot will take) and the tier for
+  // the rest.
   void Reserve(size_t rows, uint32_t threads);
   static constexpr size_t kTrackedSaves = 4;
 

@@ -230,17 +230,29 @@ class RawRows:
             and len({ds.chunks[0] for ds in sets}) == 1
         )
         self.chunk = next(iter(sets)).chunks[0] if self.ok else 0
-        # (dataset id, dtype, row shape, bytes per row, coordinate tail)
+        # (file offset of each chunk by first row, dtype, row shape, bytes
+        # per row): the chunk index is walked once, not searched once per
+        # chunk (each search may read index blocks the block cache let go).
         self._layout = {
             name: (
-                ds.id,
+                self._chunk_offsets(ds) if self.ok else {},
                 ds.dtype,
                 ds.shape[1:],
                 ds.dtype.itemsize * int(np.prod(ds.shape[1:])),
-                (0,) * (len(ds.shape) - 1),
             )  # fmt: skip
             for name, ds in self._sets.items()
         }
+
+    @staticmethod
+    def _chunk_offsets(ds: h5py.Dataset) -> dict[int, int]:
+        offsets: dict[int, int] = {}
+
+        def visit(info: Any) -> None:
+            if info.byte_offset is not None:
+                offsets[int(info.chunk_offset[0])] = int(info.byte_offset)
+
+        ds.id.chunk_iter(visit)
+        return offsets
 
     def read(self, name: str, a: int, b: int) -> np.ndarray | None:
         """Rows [a, b) of dataset `name` (None if absent); [a, b) must lie
@@ -248,16 +260,13 @@ class RawRows:
         layout = self._layout.get(name)
         if layout is None:
             return None
-        dsid, dtype, row_shape, row_bytes, tail = layout
+        offsets, dtype, row_shape, row_bytes = layout
         start = a - a % self.chunk
-        info = dsid.get_chunk_info_by_coord((start, *tail))
-        if info.byte_offset is None:
+        if start not in offsets:
             raise errors.FailedPreconditionError(
                 f"{self._reader.where}: dataset {name} has no stored chunk at row {start}"
             )
-        raw = self._reader.view(
-            int(info.byte_offset) + (a - start) * row_bytes, (b - a) * row_bytes
-        )
+        raw = self._reader.view(offsets[start] + (a - start) * row_bytes, (b - a) * row_bytes)
         return np.frombuffer(raw, dtype).reshape((b - a, *row_shape))
 
 
