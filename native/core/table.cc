@@ -1325,7 +1325,9 @@ void Table::Reserve(size_t rows, uint32_t threads) {
         tier_bytes += stripes_[s].tier->RamBytesFor(cold_per_stripe(ram_rows));
       }
       const uint64_t held = tier_bytes / ram_row_bytes();
-      ram_rows = std::max<uint64_t>(kStripes * 64, limit > held ? limit - held : 0);
+      // Never above the limit given; a floor of a few rows per stripe.
+      ram_rows = std::max<uint64_t>(std::min<uint64_t>(limit, kStripes * 64),
+                                    limit > held ? limit - held : 0);
     }
     SetRamLimit(ram_rows);
     const size_t cold = cold_per_stripe(ram_rows);
