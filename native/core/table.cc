@@ -1309,14 +1309,14 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
 }
 
 void Table::Reserve(size_t rows, uint32_t threads) {
+  // A stripe's share of `n` rows spread over the buckets, with a margin.
+  auto per_stripe_of = [](uint64_t n) { return n / kStripes + n / (kStripes * 16) + 64; };
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (has_tier() && limit != 0 && rows > limit) {
     // The rows past the RAM limit go to disk: size the tier files for them.
     // The tier's RAM per cold slot comes out of the RAM rows' limit (twice:
     // fewer RAM rows make more cold ones).
-    auto cold_per_stripe = [&](uint64_t ram_rows) {
-      return (rows - ram_rows) / kStripes + (rows - ram_rows) / (kStripes * 16) + 64;
-    };
+    auto cold_per_stripe = [&](uint64_t ram_rows) { return per_stripe_of(rows - ram_rows); };
     uint64_t ram_rows = limit;
     for (int pass = 0; pass < 2; ++pass) {
       uint64_t tier_bytes = 0;
@@ -1337,7 +1337,7 @@ void Table::Reserve(size_t rows, uint32_t threads) {
     }
     rows = ram_rows;
   }
-  const size_t per_stripe = rows / kStripes + rows / (kStripes * 16) + 64;
+  const size_t per_stripe = per_stripe_of(rows);
   std::atomic<uint32_t> next{0};
   auto work = [&]() {
     for (uint32_t s; (s = next.fetch_add(1)) < kStripes;) {
