@@ -241,3 +241,37 @@ def test_memory_filesystem_with_in_process_shards() -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_load_reads_each_verified_block_of_a_large_file_about_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 150 MB file, more blocks than a load caches: a chunk index spread
+    # through the file would be re-read block by block, once per dataset.
+    from tf_dlt import TableConfig, _native
+    from tf_dlt.checkpoint import manifest, shard_files, verified
+
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig.create("t", 16, "uniform", "adagrad").to_dict())
+    ids = np.arange(1_000_000, dtype=np.int64) * 7919
+    for part in np.array_split(ids, 10):
+        shard.get_table("t").pull(part)
+    save_id = manifest.new_save_id()
+    path = str(tmp_path / "c")
+    entry = shard_files.save_shard(path, shard, save_id)
+    manifest.write_manifest(path, [entry], save_id)
+    blocks = len(entry["block_sha256"])
+    assert blocks >= 8
+
+    reads: list[int] = []
+    close = verified.VerifiedBlocks.close
+
+    def counted_close(self: verified.VerifiedBlocks) -> None:
+        reads.append(self.reads)
+        close(self)
+
+    monkeypatch.setattr(verified.VerifiedBlocks, "close", counted_close)
+    loaded = shard_files.prepare_load(path, _native.Shard(0, 1))["staged"][0]
+    assert loaded.size() == len(ids)
+    np.testing.assert_array_equal(loaded.pull(ids), shard.get_table("t").pull(ids))
+    assert sum(reads) <= blocks * 1.1 + 2, (sum(reads), blocks)

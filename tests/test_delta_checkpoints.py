@@ -349,6 +349,8 @@ def test_a_shard_restarted_empty_is_saved_as_it_is(
         ("file", "shard-00000-of-00001.20261124T000000000000-0000abcd.h5.tmp-12", "not a shard"),
         ("block_bytes", 0, "block_bytes"),
         ("block_bytes", 1 << 40, "block_bytes"),
+        ("meta_block_bytes", -1, "meta_block_bytes"),
+        ("meta_block_bytes", "1", "meta_block_bytes"),
         ("block_sha256", ["00"], "one SHA-256 per block"),
         ("bytes", -1, "bytes must be an integer"),
         ("end_bucket", 1 << 20, "bucket range"),

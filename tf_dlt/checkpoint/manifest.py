@@ -143,6 +143,7 @@ def write_manifest(
                     "end_bucket",
                     "block_bytes",
                     "block_sha256",
+                    "meta_block_bytes",
                 )  # fmt: skip
                 if k in p
             }
@@ -277,6 +278,9 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
                 or not all(isinstance(d, str) and _HEX64.match(d) for d in digests)
             ):
                 raise bad(f"{name}: block_sha256 does not hold one SHA-256 per block")
+        meta = entry.get("meta_block_bytes", 0)
+        if isinstance(meta, bool) or not isinstance(meta, int) or not 0 <= meta <= MAX_BLOCK_BYTES:
+            raise bad(f"{name}: meta_block_bytes {meta!r} is outside [0, 2^30]")
     for info in tables:
         if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
             raise bad("a table entry has no config")

@@ -29,9 +29,16 @@ _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
 # SHA-256, so a load verifies every block as it parses it, in parallel.
 BLOCK_BYTES = 16 << 20
-# Verified blocks a load keeps, and reads ahead.
-_CACHED_BLOCKS = 16
-_READ_AHEAD = 2
+# Verified blocks a load keeps, and reads ahead. A file whose HDF5 metadata
+# lies in blocks of its own (the manifest's meta_block_bytes; every file
+# saved since) is read in file order, so a few blocks suffice; in an older
+# file each dataset's chunk index is spread through the file, and the walk
+# of each index re-reads blocks the cache let go. native/core/shard.cc's
+# kLoadBuffer holds the small cache's bytes.
+_CACHED_BLOCKS = 6
+_READ_AHEAD = 1
+_SPREAD_CACHED_BLOCKS = 16
+_SPREAD_READ_AHEAD = 2
 # Shard files up to this size are verified and parsed in memory.
 _SPOOL_IN_MEMORY = 256 << 20
 
@@ -130,6 +137,10 @@ class VerifiedBlocks(io.RawIOBase):
         self._block = int(entry["block_bytes"])
         self._digests = list(entry["block_sha256"])  # checked by manifest.read_manifest
         self._pos = 0
+        clustered = int(entry.get("meta_block_bytes", 0)) > 0
+        self._cached = _CACHED_BLOCKS if clustered else _SPREAD_CACHED_BLOCKS
+        self._ahead = _READ_AHEAD if clustered else _SPREAD_READ_AHEAD
+        self.reads = 0  # blocks read and verified
         self._io = threading.Lock()
         self._cache: collections.OrderedDict[int, Future[memoryview]] = collections.OrderedDict()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="dlt-verify")
@@ -141,6 +152,7 @@ class VerifiedBlocks(io.RawIOBase):
         with self._io:
             self._f.seek(offset)
             data = self._f.read(want)
+            self.reads += 1
         if len(data) != want:
             raise errors.FailedPreconditionError(
                 f"checkpoint file {self.where} is shorter than the manifest's {self._size} bytes"
@@ -149,11 +161,11 @@ class VerifiedBlocks(io.RawIOBase):
         return memoryview(data)
 
     def _get(self, k: int) -> memoryview:
-        for ahead in range(k, min(k + _READ_AHEAD + 1, len(self._digests))):
+        for ahead in range(k, min(k + self._ahead + 1, len(self._digests))):
             if ahead not in self._cache:
                 self._cache[ahead] = self._pool.submit(self._read_block, ahead)
         self._cache.move_to_end(k)
-        while len(self._cache) > _CACHED_BLOCKS:
+        while len(self._cache) > self._cached:
             self._cache.popitem(last=False)
         try:
             return self._cache[k].result()
