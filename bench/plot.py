@@ -6,7 +6,10 @@ bench script appends its JSON lines there) and writes PNGs to docs/img/:
   the table (bench_scale.py, 1M .. 100M rows);
 - pull_vs_shards.png: pull rows/s vs shard processes (bench_ops.py shards);
 - admission.png: resident rows and held-out AUC vs Frequency min_count
-  (bench_admission.py; min_count 1 is the unfiltered table).
+  (bench_admission.py; min_count 1 is the unfiltered table);
+- tiers.png: a tiered shard's pull and push rows/s (as a share of the same
+  table all in RAM) and its peak RSS against the memory budget, vs the
+  budget as a fraction of the table (bench_tiers.py).
 
 The latest record of each kind is plotted. Usage: python bench/plot.py
 """
@@ -31,6 +34,42 @@ def _latest(records: list[dict[str, Any]], name: str, key: str) -> list[dict[str
     """The last record of `name` for each value of `key`, sorted by it."""
     by_key = {r[key]: r for r in records if r.get("name") == name}
     return [by_key[k] for k in sorted(by_key)]
+
+
+def _latest_tiers(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The last tiers run's records (the table size of the last one) by case,
+    each case's sorted by budget fraction."""
+    tiers = [r for r in records if r.get("bench") == "tiers"]
+    if not tiers:
+        return {}
+    rows = tiers[-1]["rows"]
+    by_case: dict[str, dict[float, dict[str, Any]]] = {}
+    for r in tiers:
+        if r["rows"] == rows:
+            by_case.setdefault(r["case"], {})[r["budget_fraction"]] = r
+    return {case: [got[f] for f in sorted(got)] for case, got in by_case.items()}
+
+
+def _plot_tiers(cases: dict[str, list[dict[str, Any]]]) -> None:
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    for case, points in cases.items():
+        fractions = [r["budget_fraction"] for r in points]
+        a1.plot(fractions, [r["value"] / r["baseline_value"] for r in points], "o-", label=case)
+    a1.axhline(0.5, color="grey", linestyle=":", label="target (Zipf)")
+    first = next(iter(cases.values()))[0]
+    a1.set(xlabel="memory budget / table's RAM", ylabel="rows/s vs all in RAM",
+           title=f"Tiered shard, {first['rows'] / 1e6:g}M rows of dim {first['dim']}")  # fmt: skip
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3)
+    points = next(iter(cases.values()))
+    fractions = [r["budget_fraction"] for r in points]
+    a2.plot(fractions, [r["rss_over_budget"] for r in points], "o-", label="peak RSS / budget")
+    a2.axhline(1.1, color="grey", linestyle=":", label="budget + 10%")
+    a2.set(xlabel="memory budget / table's RAM", ylabel="peak RSS / budget",
+           title="Peak RSS (load and traffic)", ylim=(0, 1.3))  # fmt: skip
+    a2.legend(fontsize=8)
+    a2.grid(alpha=0.3)
+    _save(fig, "tiers.png")
 
 
 def _save(fig: Any, name: str) -> None:
@@ -93,6 +132,9 @@ def main() -> None:
         handles = a1.get_legend_handles_labels()[0] + a2.get_legend_handles_labels()[0]
         a2.legend(handles, [h.get_label() for h in handles], loc="center right")
         _save(fig, "admission.png")
+    tiers = _latest_tiers(records)
+    if tiers:
+        _plot_tiers(tiers)
 
 
 if __name__ == "__main__":
