@@ -1,0 +1,129 @@
+"""Steadiness of remote training: `model.fit` of a CTR model on 2 local shard
+processes against the same model on embedded tables, alternated in one run.
+
+The stream: 26 categorical features with Zipf(--zipf) ids over 1M values
+each, 13 dense features, dim 16 rows with Adagrad, batch 1024, fed by a
+`tf.data.Dataset`. Each repetition trains a fresh embedded model and a
+fresh model transpiled onto a fresh 2-shard cluster for --epochs epochs on
+the same data. Per epoch it records examples/s and, for the remote model,
+the trainer's table traffic (`tf_dlt.ClientMetrics`: pull and push p50/p99,
+pushes in flight at the epoch's end).
+
+Reported (JSON lines, bench/out/results.jsonl): each remote epoch against
+the embedded epoch of the same repetition and index; the spread of the
+repetitions (slowest / fastest total examples/s, target >= 0.9, i.e. within
+10%); and how many epochs ran slower than the one before them (target 0).
+
+Usage: python bench/bench_fit_steady.py [--examples 500000] [--reps 3]
+       [--epochs 2] [--batch 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+from bench_keras import model  # noqa: E402
+from common import emit, log  # noqa: E402
+from ctr_model import make_data  # noqa: E402
+
+import tf_dlt  # noqa: E402
+from tf_dlt.server.local import LocalCluster  # noqa: E402
+
+DIM = 16
+
+
+class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
+    """Seconds of each epoch, and the logs ClientMetrics added to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: list[dict[str, Any]] = []
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        seconds = time.perf_counter() - self._start
+        kept = {k: float(v) for k, v in (logs or {}).items() if k.startswith("dlt_")}
+        self.epochs.append({"seconds": seconds, **kept})
+
+
+def fit(m: keras.Model, data: tf.data.Dataset, epochs: int, remote: bool) -> list[dict[str, Any]]:
+    clock = EpochClock()
+    callbacks = [tf_dlt.ClientMetrics(), clock] if remote else [clock]
+    m.fit(data, epochs=epochs, verbose=0, callbacks=callbacks)
+    return clock.epochs
+
+
+def layer(name: str) -> tf_dlt.layers.Embedding:
+    return tf_dlt.layers.Embedding(
+        output_dim=DIM, is_distributed=True, optimizer="adagrad", learning_rate=0.05, name=name
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--examples", type=int, default=500_000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--zipf", type=float, default=1.2)
+    args = p.parse_args()
+    x, y = make_data(args.examples, seed=0, zipf=args.zipf)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).prefetch(tf.data.AUTOTUNE)
+    runs: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] = []
+    for rep in range(args.reps):
+        log(f"repetition {rep + 1}: embedded")
+        embedded = fit(
+            model(layer(f"steady_embedded_{rep}"), keras.optimizers.Adam(1e-3)),
+            data, args.epochs, remote=False,
+        )  # fmt: skip
+        log(f"repetition {rep + 1}: 2 shard processes")
+        with LocalCluster(2, "--log-level", "WARNING") as cluster:
+            remote_model = tf_dlt.transpile(
+                model(layer(f"steady_remote_{rep}"), keras.optimizers.Adam(1e-3)),
+                cluster.addresses,
+            )
+            remote = fit(remote_model, data, args.epochs, remote=True)
+        runs.append((embedded, remote))
+    common = {"bench": "fit_steady", "examples": args.examples, "batch": args.batch,
+              "dim": DIM, "zipf": args.zipf, "unit": "examples/s"}  # fmt: skip
+    for rep, (embedded, remote) in enumerate(runs):
+        for epoch, (e, r) in enumerate(zip(embedded, remote, strict=True)):
+            emit({
+                **common, "case": "remote epoch", "rep": rep + 1, "epoch": epoch + 1,
+                "value": round(args.examples / r["seconds"]),
+                "baseline_name": "embedded tables, same repetition and epoch",
+                "baseline_value": round(args.examples / e["seconds"]),
+                "client": {k: round(v, 3) for k, v in r.items() if k != "seconds"},
+            })  # fmt: skip
+    for kind, index in (("remote", 1), ("embedded", 0)):
+        seen = args.examples * args.epochs
+        totals = [seen / sum(e["seconds"] for e in run[index]) for run in runs]
+        slower = sum(
+            later["seconds"] > earlier["seconds"]
+            for run in runs
+            for earlier, later in zip(run[index], run[index][1:], strict=False)
+        )
+        emit({
+            **common, "case": f"{kind} spread", "value": round(min(totals)),
+            "baseline_name": "fastest repetition", "baseline_value": round(max(totals)),
+            "repetitions": [round(t) for t in totals], "epochs_slower_than_previous": slower,
+            "target_ratio": ">= 0.9 and no slower epoch" if kind == "remote" else "reported",
+        })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
