@@ -56,12 +56,12 @@ def _plot_tiers(cases: dict[str, list[dict[str, Any]]]) -> None:
         fractions = [r["budget_fraction"] for r in points]
         a1.plot(fractions, [r["value"] / r["baseline_value"] for r in points], "o-", label=case)
     a1.axhline(0.5, color="grey", linestyle=":", label="target (Zipf)")
-    first = next(iter(cases.values()))[0]
+    points = next(iter(cases.values()))  # RSS and the table are one per budget
+    first = points[0]
     a1.set(xlabel="memory budget / table's RAM", ylabel="rows/s vs all in RAM",
            title=f"Tiered shard, {first['rows'] / 1e6:g}M rows of dim {first['dim']}")  # fmt: skip
     a1.legend(fontsize=8)
     a1.grid(alpha=0.3)
-    points = next(iter(cases.values()))
     fractions = [r["budget_fraction"] for r in points]
     a2.plot(fractions, [r["rss_over_budget"] for r in points], "o-", label="peak RSS / budget")
     a2.axhline(1.1, color="grey", linestyle=":", label="budget + 10%")

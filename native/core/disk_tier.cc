@@ -91,7 +91,7 @@ uint64_t TierFile::PagesFor(uint64_t rows, uint64_t pages) const {
 
 Status TierFile::Open(uint64_t rows) {
   const uint64_t pages = PagesFor(rows, 1);
-  if (pages > (uint64_t{1} << 31) / slots_per_page_) {
+  if (pages > MaxPages()) {
     return InvalidArgument("disk tier " + path_ + " cannot hold " + std::to_string(rows) + " rows");
   }
   fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -111,7 +111,7 @@ void TierFile::Reserve(uint64_t rows) {
     return;
   }
   const uint64_t pages = PagesFor(rows, num_pages_);
-  if (pages != num_pages_ && pages <= (uint64_t{1} << 31) / slots_per_page_) {
+  if (pages != num_pages_ && pages <= MaxPages()) {
     (void)Resize(static_cast<uint32_t>(pages));  // Put grows it (and reports) otherwise
   }
 }
@@ -245,7 +245,7 @@ size_t TierFile::ram_bytes() const {
 }
 
 Status TierFile::Resize(uint32_t pages) {
-  if (pages == 0 || pages > (uint32_t{1} << 31) / slots_per_page_) {
+  if (pages == 0 || pages > MaxPages()) {
     return ResourceExhausted("disk tier " + path_ + " cannot grow past " +
                              std::to_string(num_pages_) + " pages");
   }

@@ -84,6 +84,8 @@ class TierFile {
   const std::string& path() const { return path_; }
 
  private:
+  // The most pages a file may have (slot numbers stay below 2^31).
+  uint64_t MaxPages() const { return (uint64_t{1} << 31) / slots_per_page_; }
   // The two candidate pages and the fingerprint of a hash.
   void Place(uint64_t hash, uint32_t* first, uint32_t* second, uint16_t* fingerprint) const;
   uint32_t UsedIn(uint32_t page) const;
