@@ -55,6 +55,7 @@ def build(program: str, flavor: str = "plain", sources: Sequence[Path] = ()) -> 
             cpp / "harness.cc",
             cpp / "native_test.cc",
             cpp / "data_plane_test.cc",
+            cpp / "pull_ahead_test.cc",
             cpp / "memory_policy_test.cc",
             cpp / "tier_test.cc",
         ]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from tf_dlt.cluster import ClusterSpec, cluster_from_env
     from tf_dlt.keras.client_metrics import ClientMetrics
     from tf_dlt.keras.dense_sync import DenseOnShards
+    from tf_dlt.keras.pull_ahead import pull_ahead
     from tf_dlt.keras.recovery import resilient_fit, wait_for_shards
     from tf_dlt.table_config import TableConfig
 
@@ -41,6 +42,7 @@ _LAZY = {
     "load": ("tf_dlt.keras.checkpoint", "load"),
     "ModelCheckpoint": ("tf_dlt.keras.checkpoint", "ModelCheckpoint"),
     "ops": ("tf_dlt.dlt_ops", None),
+    "pull_ahead": ("tf_dlt.keras.pull_ahead", "pull_ahead"),
     "initializers": ("tf_dlt.initializers", None),
     "layers": ("tf_dlt.layers", None),
     "optimizers": ("tf_dlt.optimizers", None),
@@ -63,6 +65,7 @@ __all__ = [
     "export_saved_model",
     "initializers",
     "optimizers",
+    "pull_ahead",
     "resilient_fit",
     "routing",
     "save",

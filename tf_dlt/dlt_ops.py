@@ -162,6 +162,33 @@ def lookup(
     )  # fmt: skip
 
 
+def pull_ahead(
+    client: ClientResource,
+    ids: tf.Tensor,
+    table: str,
+    dim: int,
+    *,
+    training: bool = True,
+    missing: str = "init",
+    refresh: bool = True,
+) -> tf.Tensor:
+    """Starts pulling the rows of int64 `ids` for a later `lookup` of exactly
+    these ids (same `table`, `dim`, `training` and `missing`) and returns
+    `ids` at once; run it in the input pipeline, a batch or more ahead.
+
+    With `refresh`, the lookup that takes the rows re-pulls every id this
+    client pushed (or assigned) after the pull ahead began, so it reads what
+    a lookup without it would; without, it uses the rows as pulled. Pushes
+    of other trainers are seen as of the pull ahead. At most 8 pulls ahead
+    wait per table; an older one no lookup took is dropped. Remote clients
+    only: with the embedded tables it just returns `ids`.
+    """
+    return load_library().dlt_pull_ahead(
+        client=client.resource_handle, ids=ids, table=table, dim=dim, training=training,
+        missing=missing, refresh=refresh,
+    )  # fmt: skip
+
+
 def lookup_grad(ids: tf.Tensor, grads: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """(unique_ids, summed_grads): the gradient of looked-up rows
     (``ids.shape + [dim]``) summed per distinct id, in first-seen order."""

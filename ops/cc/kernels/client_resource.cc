@@ -65,9 +65,23 @@ absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const 
                                   const float* grads, size_t n, float learning_rate) {
   const uint64_t start = Env::Default()->NowMicros();
   const absl::Status status = ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate));
+  // Even a failed push may have been applied in part.
+  pull_ahead_.Pushed(table, ids, n);
   Count(status, n, dim, Env::Default()->NowMicros() - start, counters_.pushes,
         counters_.pushed_rows, counters_.push_bytes, counters_.push_errors, counters_.push_latency);
   return status;
+}
+
+void ClientResource::PullAheadOf(const std::string& table, uint32_t dim, dlt::PullMode mode,
+                                 const int64_t* ids, size_t n, bool refresh) {
+  std::shared_ptr<dlt::PulledAhead> pulled = pull_ahead_.Begin(table, mode, dim, ids, n, refresh);
+  Ref();
+  Schedule([this, pulled, table, dim, mode]() {
+    const absl::Status status =
+        Pull(table, dim, pulled->unique().data(), pulled->unique().size(), mode, pulled->rows());
+    pulled->Finish(status.ok());
+    Unref();
+  });
 }
 
 namespace {
@@ -94,6 +108,7 @@ std::string ClientResource::StatsJson() const {
     waiting = static_cast<int>(waiting_.size());
   }
   const Counters& c = counters_;
+  const dlt::PullAhead::Counts ahead = pull_ahead_.counts();
   std::string out = "{";
   const std::pair<const char*, uint64_t> scalars[] = {
       {"pulls", c.pulls.load()},
@@ -106,6 +121,10 @@ std::string ClientResource::StatsJson() const {
       {"push_errors", c.push_errors.load()},
       {"pushes_in_flight", static_cast<uint64_t>(inflight)},
       {"pushes_waiting", static_cast<uint64_t>(waiting)},
+      {"pulls_ahead", ahead.begun},
+      {"pulls_ahead_used", ahead.taken},
+      {"pulls_ahead_dropped", ahead.dropped},
+      {"pulled_ahead_stale_rows", ahead.stale_rows},
   };
   for (const auto& [name, value] : scalars) {
     out += "\"" + std::string(name) + "\":" + std::to_string(value) + ",";
@@ -113,13 +132,17 @@ std::string ClientResource::StatsJson() const {
   AppendHistogram("pull_latency", c.pull_latency, &out);
   out += ",";
   AppendHistogram("push_latency", c.push_latency, &out);
+  out += ",";
+  AppendHistogram("lookup_latency", c.lookup_latency, &out);
   out += "}";
   return out;
 }
 
 absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                                     const float* values, size_t n) {
-  return ToAbsl(transport_->Assign(table, dim, ids, values, n));
+  const absl::Status status = ToAbsl(transport_->Assign(table, dim, ids, values, n));
+  pull_ahead_.Pushed(table, ids, n);
+  return status;
 }
 
 absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool start,

@@ -19,6 +19,7 @@
 #include "native/core/table.h"
 #include "native/core/work_queue.h"
 #include "native/net/client.h"
+#include "native/net/pull_ahead.h"
 #include "native/net/server_stats.h"
 #include "native/net/transport.h"
 #include "tensorflow/core/framework/resource_base.h"
@@ -83,6 +84,24 @@ class ClientResource : public ResourceBase {
   absl::Status GetState(const std::string& table, uint32_t dim, dlt::TableStateData* state);
   absl::Status SetState(const std::string& table, uint32_t dim, const dlt::TableStateData& state);
 
+  // Starts pulling the distinct ids of a batch (`n` ids, copied) on the
+  // worker threads, for a later lookup of the same ids (TakePulledAhead);
+  // `refresh` as dlt::PullAhead::Begin.
+  void PullAheadOf(const std::string& table, uint32_t dim, dlt::PullMode mode, const int64_t* ids,
+                   size_t n, bool refresh);
+  // The pull ahead of exactly these ids, taken out; null if none waits. Every
+  // push or assignment by this client that completed after it began marked
+  // the ids it touched stale (PulledAhead::StaleIds).
+  std::shared_ptr<dlt::PulledAhead> TakePulledAhead(const std::string& table, uint32_t dim,
+                                                    dlt::PullMode mode, const int64_t* ids,
+                                                    size_t n) {
+    return pull_ahead_.Take(table, mode, dim, ids, n);
+  }
+
+  // Records a lookup (Dlt>Lookup, remote) that took `micros` from its start
+  // to its rows.
+  void CountLookup(uint64_t micros) { counters_.lookup_latency.Record(micros); }
+
   // Blocking push of `n` rows.
   absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
                     size_t n, float learning_rate);
@@ -116,7 +135,7 @@ class ClientResource : public ResourceBase {
   struct Counters {
     std::atomic<uint64_t> pulls{0}, pulled_rows{0}, pull_bytes{0}, pull_errors{0};
     std::atomic<uint64_t> pushes{0}, pushed_rows{0}, push_bytes{0}, push_errors{0};
-    dlt::LatencyHistogram pull_latency, push_latency;
+    dlt::LatencyHistogram pull_latency, push_latency, lookup_latency;
   };
   // Counts one call of `rows` rows of `dim` floats that took `micros`.
   static void Count(const absl::Status& status, size_t rows, uint32_t dim, uint64_t micros,
@@ -134,6 +153,7 @@ class ClientResource : public ResourceBase {
   std::deque<PendingPush> waiting_ TF_GUARDED_BY(mu_);
   std::vector<std::function<void(absl::Status)>> flush_waiters_ TF_GUARDED_BY(mu_);
   absl::Status async_error_ TF_GUARDED_BY(mu_);
+  dlt::PullAhead pull_ahead_;
   dlt::WorkQueue work_;  // last: destroyed (drained) first
 };
 

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <vector>
 
-#include "ops/cc/kernels/dedup.h"
+#include "native/core/dedup.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
@@ -33,7 +33,7 @@ class LookupGradOp : public OpKernel {
     const int64_t dim = grads.dim_size(grads.dims() - 1);
     const int64_t* id = ids.flat<int64_t>().data();
     const float* g = grads.flat<float>().data();
-    thread_local Deduper dedup;
+    thread_local dlt::Deduper dedup;
     thread_local std::vector<int64_t> unique, slot;
     dedup.Run(id, n, &unique, &slot);
     const int64_t u = static_cast<int64_t>(unique.size());

@@ -4,34 +4,78 @@
 // order; ComputeAsync never blocks. Embedded: the in-process table is read in
 // place.
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "native/core/dedup.h"
 #include "ops/cc/kernels/client_resource.h"
-#include "ops/cc/kernels/dedup.h"
 #include "ops/cc/kernels/table_attrs.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/env.h"
 
 namespace tensorflow {
 namespace dlt_ops {
 namespace {
 
+// The attrs table, dim, training and missing of Dlt>Lookup and Dlt>PullAhead.
+absl::Status ReadLookupAttrs(OpKernelConstruction* ctx, std::string* table, uint32_t* dim,
+                             dlt::PullMode* mode) {
+  bool training = true;
+  std::string missing;
+  TF_RETURN_IF_ERROR(ReadTableAttrs(ctx, table, dim));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("training", &training));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("missing", &missing));
+  *mode = training
+              ? dlt::PullMode::kInsert
+              : (missing == "zeros" ? dlt::PullMode::kZerosNoInsert : dlt::PullMode::kInitNoInsert);
+  return absl::OkStatus();
+}
+
+// Pulls `n` ids into `rows` ([n, dim], input order), each distinct id once.
+// Runs on a worker thread: they persist, so the scratch keeps its storage
+// between steps.
+absl::Status PullDistinct(ClientResource* c, const std::string& table, uint32_t dim,
+                          dlt::PullMode mode, const int64_t* id, int64_t n, float* rows) {
+  thread_local dlt::Deduper dedup;
+  thread_local std::vector<int64_t> unique, slot;
+  thread_local std::vector<float> distinct;
+  dedup.Run(id, n, &unique, &slot);
+  if (static_cast<int64_t>(unique.size()) == n) return c->Pull(table, dim, id, n, mode, rows);
+  distinct.resize(unique.size() * dim);
+  absl::Status status = c->Pull(table, dim, unique.data(), unique.size(), mode, distinct.data());
+  if (!status.ok()) return status;
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(rows + i * dim, distinct.data() + size_t{slot[i]} * dim, sizeof(float) * dim);
+  }
+  return status;
+}
+
+// The rows of a pull ahead that finished: the ids pushed since it began are
+// pulled again first.
+absl::Status RowsPulledAhead(ClientResource* c, dlt::PulledAhead* ahead, float* rows) {
+  const std::vector<int64_t> stale = ahead->StaleIds();
+  if (!stale.empty()) {
+    std::vector<float> fresh(stale.size() * ahead->dim());
+    absl::Status status = c->Pull(ahead->table(), ahead->dim(), stale.data(), stale.size(),
+                                  ahead->mode(), fresh.data());
+    if (!status.ok()) return status;
+    ahead->Refresh(fresh.data());
+  }
+  ahead->CopyRows(rows);
+  return absl::OkStatus();
+}
+
 class LookupOp : public AsyncOpKernel {
  public:
   explicit LookupOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    bool training;
-    std::string missing;
-    OP_REQUIRES_OK(ctx, ReadTableAttrs(ctx, &table_, &dim_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("training", &training));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("missing", &missing));
-    mode_ = training ? dlt::PullMode::kInsert
-                     : (missing == "zeros" ? dlt::PullMode::kZerosNoInsert
-                                           : dlt::PullMode::kInitNoInsert);
+    OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &table_, &dim_, &mode_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const uint64_t start = Env::Default()->NowMicros();
     core::RefCountPtr<ClientResource> client;
     OP_REQUIRES_OK_ASYNC(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client), done);
     const Tensor& ids = ctx->input(1);
@@ -51,42 +95,42 @@ class LookupOp : public AsyncOpKernel {
       done();
       return;
     }
+    const int64_t* id = ids.flat<int64_t>().data();
+    float* rows = out->flat<float>().data();
     if (client->embedded()) {
       // In-process table: no I/O to wait for, and the table core handles
       // repeated ids itself, so look up in place.
-      OP_REQUIRES_OK_ASYNC(ctx,
-                           client->Pull(table_, dim_, ids.flat<int64_t>().data(), n, mode_,
-                                        out->flat<float>().data()),
-                           done);
+      OP_REQUIRES_OK_ASYNC(ctx, client->Pull(table_, dim_, id, n, mode_, rows), done);
       done();
       return;
     }
-    ClientResource* c = client.release();  // unreffed by the closure
-    c->Schedule([this, ctx, done, c, ids, out, n]() {
-      const int64_t* id = ids.flat<int64_t>().data();
-      float* rows = out->flat<float>().data();
-      // Remote: pull each distinct id once. Worker threads persist, so these
-      // keep their storage between steps.
-      thread_local Deduper dedup;
-      thread_local std::vector<int64_t> unique, slot;
-      thread_local std::vector<float> distinct;
-      dedup.Run(id, n, &unique, &slot);
-      absl::Status status;
-      if (static_cast<int64_t>(unique.size()) == n) {
-        status = c->Pull(table_, dim_, id, n, mode_, rows);
-      } else {
-        distinct.resize(unique.size() * dim_);
-        status = c->Pull(table_, dim_, unique.data(), unique.size(), mode_, distinct.data());
-        if (status.ok()) {
-          for (int64_t i = 0; i < n; ++i) {
-            std::memcpy(rows + i * dim_, distinct.data() + size_t{slot[i]} * dim_,
-                        sizeof(float) * dim_);
-          }
-        }
-      }
+    ClientResource* c = client.release();  // unreffed by Finish
+    auto finish = [this, ctx, done, c, start](const absl::Status& status) {
       ctx->SetStatus(status);
+      c->CountLookup(Env::Default()->NowMicros() - start);
       c->Unref();
       done();
+    };
+    std::shared_ptr<dlt::PulledAhead> ahead = c->TakePulledAhead(table_, dim_, mode_, id, n);
+    if (ahead == nullptr) {
+      c->Schedule([this, c, ids, id, n, rows, finish]() {
+        finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
+      });
+      return;
+    }
+    if (ahead->done() && ahead->ok() && ahead->StaleIds().empty()) {
+      ahead->CopyRows(rows);  // the common case: no I/O left
+      finish(absl::OkStatus());
+      return;
+    }
+    // Runs once the pull ahead finished, on the worker that finished it (or
+    // here, if it has): refresh what this client pushed since, or pull the
+    // batch anew if the pull ahead failed.
+    ahead->Then([this, c, ids, id, n, rows, ahead, finish]() {
+      c->Schedule([this, c, ids, id, n, rows, ahead, finish]() {
+        finish(ahead->ok() ? RowsPulledAhead(c, ahead.get(), rows)
+                           : PullDistinct(c, table_, dim_, mode_, id, n, rows));
+      });
     });
   }
 
@@ -96,7 +140,36 @@ class LookupOp : public AsyncOpKernel {
   dlt::PullMode mode_ = dlt::PullMode::kInsert;
 };
 
+// Dlt>PullAhead: starts the pull for a later Dlt>Lookup and forwards the ids.
+class PullAheadOp : public OpKernel {
+ public:
+  explicit PullAheadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &table_, &dim_, &mode_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("refresh", &refresh_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    const Tensor& ids = ctx->input(1);
+    ctx->set_output(0, ids);
+    if (client->embedded() || ids.NumElements() == 0) return;
+    OP_REQUIRES(
+        ctx, ids.NumElements() < (int64_t{1} << 31),
+        errors::InvalidArgument("at most 2^31-1 ids per PullAhead, got ", ids.NumElements()));
+    client->PullAheadOf(table_, dim_, mode_, ids.flat<int64_t>().data(), ids.NumElements(),
+                        refresh_);
+  }
+
+ private:
+  std::string table_;
+  uint32_t dim_ = 0;
+  dlt::PullMode mode_ = dlt::PullMode::kInsert;
+  bool refresh_ = true;
+};
+
 REGISTER_KERNEL_BUILDER(Name("Dlt>Lookup").Device(DEVICE_CPU), LookupOp);
+REGISTER_KERNEL_BUILDER(Name("Dlt>PullAhead").Device(DEVICE_CPU), PullAheadOp);
 
 }  // namespace
 }  // namespace dlt_ops

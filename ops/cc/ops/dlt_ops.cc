@@ -90,6 +90,28 @@ ids are inserted with their initial value; otherwise nothing is inserted and
 unseen ids read as their initial value (missing='init') or zeros.
 )doc");
 
+REGISTER_OP("Dlt>PullAhead")
+    .Input("client: resource")
+    .Input("ids: int64")
+    .Output("ids_out: int64")
+    .Attr("table: string")
+    .Attr("dim: int >= 1")
+    .Attr("training: bool = true")
+    .Attr("missing: {'init', 'zeros'} = 'init'")
+    .Attr("refresh: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Starts pulling the rows of `ids` for a later Dlt>Lookup of exactly these ids
+(same table, dim, training and missing) and returns `ids` at once. Remote
+clients only; an embedded client just returns `ids`. With refresh, the
+lookup that takes the rows re-pulls every id this client pushed or assigned
+in between; without, it uses the rows as pulled.
+)doc");
+
 REGISTER_OP("Dlt>LookupGrad")
     .Input("ids: int64")
     .Input("grads: float")

@@ -1,9 +1,9 @@
-// Deduplication of id batches for the lookup kernels: distinct ids in order
-// of first appearance and the slot of every input id. Its open-addressing
+// Deduplication of id batches (the lookup kernels, pulls ahead): distinct ids
+// in order of first appearance and the slot of every input id. Its open-addressing
 // table keeps its storage between calls (use one per thread), so a training
 // step does not pay fresh memory for it.
-#ifndef TF_DLT_OPS_CC_KERNELS_DEDUP_H_
-#define TF_DLT_OPS_CC_KERNELS_DEDUP_H_
+#ifndef TF_DLT_NATIVE_CORE_DEDUP_H_
+#define TF_DLT_NATIVE_CORE_DEDUP_H_
 
 #include <algorithm>
 #include <cstdint>
@@ -11,8 +11,7 @@
 
 #include "native/core/routing.h"
 
-namespace tensorflow {
-namespace dlt_ops {
+namespace dlt {
 
 class Deduper {
  public:
@@ -24,12 +23,13 @@ class Deduper {
       keys_.resize(capacity);
       values_.resize(capacity);
     }
-    const size_t mask = capacity - 1;
+    mask_ = capacity - 1;
+    const size_t mask = mask_;
     std::fill(values_.begin(), values_.begin() + capacity, -1);
     unique->clear();
     slot->resize(n);
     for (int64_t i = 0; i < n; ++i) {
-      size_t h = dlt::Mix64(static_cast<uint64_t>(ids[i])) & mask;
+      size_t h = Mix64(static_cast<uint64_t>(ids[i])) & mask;
       while (values_[h] >= 0 && keys_[h] != ids[i]) h = (h + 1) & mask;
       if (values_[h] < 0) {
         keys_[h] = ids[i];
@@ -40,12 +40,23 @@ class Deduper {
     }
   }
 
+  // The index in the last Run's `unique` of `id`, or -1 if it was not there.
+  int64_t Find(int64_t id) const {
+    if (values_.empty()) return -1;
+    size_t h = Mix64(static_cast<uint64_t>(id)) & mask_;
+    while (values_[h] >= 0) {
+      if (keys_[h] == id) return values_[h];
+      h = (h + 1) & mask_;
+    }
+    return -1;
+  }
+
  private:
   std::vector<int64_t> keys_;
   std::vector<int64_t> values_;  // -1: empty
+  size_t mask_ = 0;
 };
 
-}  // namespace dlt_ops
-}  // namespace tensorflow
+}  // namespace dlt
 
-#endif  // TF_DLT_OPS_CC_KERNELS_DEDUP_H_
+#endif  // TF_DLT_NATIVE_CORE_DEDUP_H_

@@ -1,0 +1,132 @@
+#include "native/net/pull_ahead.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace dlt {
+
+PulledAhead::PulledAhead(std::string table, PullMode mode, uint32_t dim, const int64_t* ids,
+                         size_t n, bool refresh)
+    : table_(std::move(table)), mode_(mode), dim_(dim), refresh_(refresh), ids_(ids, ids + n) {
+  index_.Run(ids_.data(), static_cast<int64_t>(n), &unique_, &slot_);
+  rows_.resize(unique_.size() * dim_);
+  stale_.assign(unique_.size(), 0);
+}
+
+bool PulledAhead::Matches(const int64_t* ids, size_t n) const {
+  return n == ids_.size() && std::memcmp(ids, ids_.data(), n * sizeof(int64_t)) == 0;
+}
+
+void PulledAhead::Finish(bool ok) {
+  std::function<void()> then;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    ok_ = ok;
+    then.swap(then_);
+  }
+  if (then) then();
+}
+
+void PulledAhead::Then(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!done_) {
+      then_ = std::move(fn);
+      return;
+    }
+  }
+  fn();
+}
+
+bool PulledAhead::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+bool PulledAhead::ok() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ok_;
+}
+
+size_t PulledAhead::MarkStale(const int64_t* ids, size_t n) {
+  size_t marked = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t at = index_.Find(ids[i]);
+    if (at >= 0 && !stale_[at]) {
+      stale_[at] = 1;
+      ++marked;
+    }
+  }
+  return marked;
+}
+
+std::vector<int64_t> PulledAhead::StaleIds() const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < unique_.size(); ++i) {
+    if (stale_[i]) out.push_back(unique_[i]);
+  }
+  return out;
+}
+
+void PulledAhead::Refresh(const float* rows) {
+  for (size_t i = 0, k = 0; i < unique_.size(); ++i) {
+    if (!stale_[i]) continue;
+    std::memcpy(rows_.data() + i * dim_, rows + k * dim_, sizeof(float) * dim_);
+    ++k;
+  }
+}
+
+void PulledAhead::CopyRows(float* out) const {
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    std::memcpy(out + i * dim_, rows_.data() + size_t(slot_[i]) * dim_, sizeof(float) * dim_);
+  }
+}
+
+std::shared_ptr<PulledAhead> PullAhead::Begin(const std::string& table, PullMode mode, uint32_t dim,
+                                              const int64_t* ids, size_t n, bool refresh) {
+  auto pulled = std::make_shared<PulledAhead>(table, mode, dim, ids, n, refresh);
+  std::lock_guard<std::mutex> lock(mu_);
+  std::deque<std::shared_ptr<PulledAhead>>& queue = waiting_[table];
+  if (queue.size() >= max_per_table_) {
+    queue.pop_front();
+    ++counts_.dropped;
+  }
+  queue.push_back(pulled);
+  ++counts_.begun;
+  return pulled;
+}
+
+std::shared_ptr<PulledAhead> PullAhead::Take(const std::string& table, PullMode mode, uint32_t dim,
+                                             const int64_t* ids, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = waiting_.find(table);
+  if (it == waiting_.end()) return nullptr;
+  std::deque<std::shared_ptr<PulledAhead>>& queue = it->second;
+  for (auto p = queue.begin(); p != queue.end(); ++p) {
+    if ((*p)->mode() != mode || (*p)->dim() != dim || !(*p)->Matches(ids, n)) continue;
+    std::shared_ptr<PulledAhead> taken = std::move(*p);
+    // Older ones were skipped by the lookups they were for: never taken.
+    counts_.dropped += static_cast<uint64_t>(p - queue.begin());
+    queue.erase(queue.begin(), p + 1);
+    ++counts_.taken;
+    return taken;
+  }
+  return nullptr;
+}
+
+void PullAhead::Pushed(const std::string& table, const int64_t* ids, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = waiting_.find(table);
+  if (it == waiting_.end()) return;
+  for (const std::shared_ptr<PulledAhead>& pulled : it->second) {
+    if (pulled->refresh()) counts_.stale_rows += pulled->MarkStale(ids, n);
+  }
+}
+
+PullAhead::Counts PullAhead::counts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counts_;
+}
+
+}  // namespace dlt

@@ -1,0 +1,121 @@
+// PullAhead: rows pulled before the lookup that needs them. The input
+// pipeline starts a pull of a batch's ids (Dlt>PullAhead) while the trainer
+// still works on the batch before; a lookup of the same table, mode and ids
+// takes it instead of pulling. Every push of this client that completes after
+// a pull ahead began marks the ids it shares with that pull stale, and the
+// lookup re-pulls those: it reads each row as it stood after every push of
+// this client that completed before the lookup, as a lookup without pulling
+// ahead does. No TF headers: the C++ suite tests it.
+#ifndef TF_DLT_NATIVE_NET_PULL_AHEAD_H_
+#define TF_DLT_NATIVE_NET_PULL_AHEAD_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "native/core/dedup.h"
+#include "native/core/table.h"
+
+namespace dlt {
+
+// One pull ahead: a batch's ids, its distinct ids, and their rows once the
+// puller filled them.
+class PulledAhead {
+ public:
+  // `refresh`: later pushes mark the ids they share stale (see PullAhead).
+  PulledAhead(std::string table, PullMode mode, uint32_t dim, const int64_t* ids, size_t n,
+              bool refresh = true);
+
+  const std::string& table() const { return table_; }
+  PullMode mode() const { return mode_; }
+  uint32_t dim() const { return dim_; }
+  bool refresh() const { return refresh_; }
+  // The distinct ids, in order of first appearance, and their rows
+  // ([unique.size(), dim]) for the puller to fill.
+  const std::vector<int64_t>& unique() const { return unique_; }
+  float* rows() { return rows_.data(); }
+  // True when `ids` (n of them) are exactly this batch's.
+  bool Matches(const int64_t* ids, size_t n) const;
+
+  // The puller is done (`ok`: the rows are filled). Runs the continuation
+  // given to Then, on this thread.
+  void Finish(bool ok);
+  // Runs `fn` once the pull finished: now (on this thread) if it has,
+  // otherwise on the thread that calls Finish.
+  void Then(std::function<void()> fn);
+  bool done() const;
+  bool ok() const;
+
+  // The distinct ids pushed since the pull began (set while the pull ahead
+  // waits to be taken), and writing their fresh rows ([n, dim], in the
+  // order of StaleIds) over the pulled ones.
+  std::vector<int64_t> StaleIds() const;
+  void Refresh(const float* rows);
+  // The batch's rows, in input order: [n, dim].
+  void CopyRows(float* out) const;
+
+ private:
+  friend class PullAhead;
+  // Marks those of `ids` this pull holds stale; the number newly marked.
+  size_t MarkStale(const int64_t* ids, size_t n);
+
+  const std::string table_;
+  const PullMode mode_;
+  const uint32_t dim_;
+  const bool refresh_;
+  std::vector<int64_t> ids_;
+  Deduper index_;  // id -> index in unique_
+  std::vector<int64_t> unique_, slot_;
+  std::vector<float> rows_;
+  std::vector<uint8_t> stale_;  // per distinct id; written under PullAhead's lock
+  mutable std::mutex mu_;
+  bool done_ = false;           // guarded by mu_
+  bool ok_ = false;             // guarded by mu_
+  std::function<void()> then_;  // guarded by mu_
+};
+
+// The pulls ahead of one client, per table, waiting for their lookups.
+class PullAhead {
+ public:
+  // At most `max_per_table` pulls ahead wait per table: a new one past that
+  // drops the oldest (a batch never looked up, or looked up otherwise).
+  explicit PullAhead(size_t max_per_table = 8) : max_per_table_(max_per_table) {}
+
+  // Registers a pull ahead of `ids` (copied); the caller pulls its unique()
+  // into its rows() and calls Finish. Without `refresh`, pushes never mark
+  // it: its rows stay as pulled (they may miss the pushes in between).
+  std::shared_ptr<PulledAhead> Begin(const std::string& table, PullMode mode, uint32_t dim,
+                                     const int64_t* ids, size_t n, bool refresh = true);
+  // The oldest pull ahead of exactly these ids in `table` and `mode`, taken
+  // out (no later push marks it); null if there is none.
+  std::shared_ptr<PulledAhead> Take(const std::string& table, PullMode mode, uint32_t dim,
+                                    const int64_t* ids, size_t n);
+  // A push of `ids` to `table` completed (or failed: it may have been
+  // applied in part): those ids are stale in every waiting pull ahead that
+  // refreshes.
+  void Pushed(const std::string& table, const int64_t* ids, size_t n);
+
+  struct Counts {
+    uint64_t begun = 0;       // pulls ahead started
+    uint64_t taken = 0;       // lookups served by one
+    uint64_t dropped = 0;     // pulls ahead no lookup took
+    uint64_t stale_rows = 0;  // distinct ids marked stale (re-pulled when taken)
+  };
+  Counts counts() const;
+
+ private:
+  const size_t max_per_table_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::deque<std::shared_ptr<PulledAhead>>> waiting_;  // guarded by mu_
+  Counts counts_;                                                            // guarded by mu_
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_PULL_AHEAD_H_

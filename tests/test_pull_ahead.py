@@ -1,0 +1,178 @@
+"""tf_dlt.pull_ahead: model.fit pulls the rows of coming batches in the input
+pipeline; with sync_push=True training is the same as without, the pulled
+rows are used, and ids the trainer pushed in between are pulled again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dlt
+from tf_dlt import dlt_ops as ops
+from tf_dlt.layers import Embedding
+
+from conftest import Cluster
+
+VOCAB, DIM, BATCH = 50, 4, 8
+
+
+def _data(n: int = 96) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(3)
+    # Few ids: consecutive batches share many, so pushes hit pulled-ahead rows.
+    return {
+        "user": rng.integers(0, VOCAB, size=(n, 1)).astype("int32"),
+        "items": rng.integers(-VOCAB, VOCAB, size=(n, 3)).astype("int64"),
+        "price": rng.normal(size=(n, 2)).astype("float32"),
+    }, rng.normal(size=(n, 1)).astype("float32")
+
+
+def _model() -> keras.Model:
+    """Two tables fed by model inputs, one ragged-free dense feature."""
+    user = keras.Input((1,), dtype="int32", name="user")
+    items = keras.Input((3,), dtype="int64", name="items")
+    price = keras.Input((2,), name="price")
+    u = keras.layers.Flatten()(
+        Embedding(output_dim=DIM, is_distributed=True, name="u_emb", seed=1)(user)
+    )
+    i = Embedding(output_dim=DIM, is_distributed=True, name="i_emb", seed=2)(items)
+    i = keras.layers.GlobalAveragePooling1D()(i)
+    x = keras.layers.Concatenate()([u, i, price])
+    x = keras.layers.Dense(8, activation="relu")(x)
+    model = keras.Model({"user": user, "items": items, "price": price}, keras.layers.Dense(1)(x))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+def _remote(model: keras.Model, cluster: Cluster) -> keras.Model:
+    remote = tf_dlt.transpile(model, cluster.addresses)
+    for name in ("u_emb", "i_emb"):
+        remote.get_layer(name).sync_push = True
+    return remote
+
+
+def _stats(model: keras.Model) -> dict[str, Any]:
+    return ops.client_stats(model.get_layer("u_emb").client)
+
+
+def _rows(model: keras.Model, table: str) -> np.ndarray:
+    ids = np.arange(-VOCAB, VOCAB, dtype=np.int64)
+    return ops.lookup(
+        model.get_layer(table).client, ids, table, DIM, training=False, missing="zeros"
+    ).numpy()
+
+
+@pytest.mark.parametrize("source", ["dataset", "numpy"])
+def test_pulling_ahead_trains_exactly_as_without_under_sync_push(
+    start_cluster: Callable[..., Cluster], source: str
+) -> None:
+    model = _model()
+    plain = _remote(model, start_cluster(2))
+    ahead = tf_dlt.pull_ahead(_remote(model, start_cluster(2)))
+    x, y = _data()
+
+    def fit(m: keras.Model) -> list[float]:
+        if source == "dataset":
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+            history = m.fit(ds, epochs=2, verbose=0)
+        else:
+            history = m.fit(
+                x, y, batch_size=BATCH, epochs=2, shuffle=False, validation_split=0.25, verbose=0
+            )
+            assert len(history.history["val_loss"]) == 2
+        return list(history.history["loss"])
+
+    np.testing.assert_array_equal(fit(ahead), fit(plain))
+    for table in ("u_emb", "i_emb"):
+        np.testing.assert_array_equal(_rows(ahead, table), _rows(plain, table))
+    for a, b in zip(ahead.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    steps = 2 * (len(y) * (3 if source == "numpy" else 4) // 4 // BATCH)
+    stats = _stats(ahead)
+    # Both layers share the transpiled client: 2 lookups per step, each
+    # served by its pull ahead; ids pushed by the step before were pulled again.
+    assert stats["pulls_ahead_used"] == 2 * steps
+    assert stats["pulls_ahead"] == stats["pulls_ahead_used"] + stats["pulls_ahead_dropped"]
+    assert stats["pulled_ahead_stale_rows"] > 0
+    assert _stats(plain)["pulls_ahead"] == 0
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_client_metrics_report_pulls_ahead_and_lookup_time(
+    start_cluster: Callable[..., Cluster], refresh: bool
+) -> None:
+    remote = tf_dlt.pull_ahead(_remote(_model(), start_cluster(1)), refresh=refresh)
+    x, y = _data()
+    history = remote.fit(
+        x, y, batch_size=BATCH, epochs=1, callbacks=[tf_dlt.ClientMetrics()], verbose=0
+    ).history
+    assert history["dlt_pulls_ahead_used"] == [2.0 * len(y) // BATCH]
+    assert history["dlt_lookup_s"][0] > 0 and history["dlt_lookup_p50_ms"][0] > 0
+    # Without refresh nothing is pulled again: rows may miss one step's push.
+    assert (history["dlt_pulled_ahead_stale_rows"][0] > 0) == refresh
+
+
+def test_a_lookup_without_its_pull_ahead_still_pulls_and_old_ones_are_dropped(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(1)
+    client = ops.ClientResource(cluster.addresses)
+    with cluster.client() as control:
+        control.create_table("t", DIM)
+    ids = tf.constant([[3, 1], [3, 7]], tf.int64)
+    for _ in range(9):  # one more than wait per table
+        ops.pull_ahead(client, ids + 100, "t", DIM)
+    ops.pull_ahead(client, ids, "t", DIM)
+    rows = ops.lookup(client, ids, "t", DIM)
+    np.testing.assert_array_equal(rows[0, 0], rows[1, 0])
+    # Other ids, mode or dim: a plain pull, equal to the pulled-ahead rows.
+    np.testing.assert_array_equal(ops.lookup(client, ids, "t", DIM, training=False), rows)
+    stats = ops.client_stats(client)
+    assert stats["pulls_ahead"] == 10 and stats["pulls_ahead_used"] == 1
+    assert stats["pulls_ahead_dropped"] == 9
+    # A push between the pull ahead and its lookup: the pushed row is fresh.
+    ops.pull_ahead(client, ids, "t", DIM)
+    ops.push(client, tf.constant([7], tf.int64), tf.ones([1, DIM]), 1.0, "t", DIM, sync=True)
+    np.testing.assert_array_equal(
+        ops.lookup(client, ids, "t", DIM), ops.lookup(client, ids, "t", DIM, training=False)
+    )
+    assert ops.client_stats(client)["pulled_ahead_stale_rows"] == 1
+    # Without refresh the lookup keeps the rows as pulled: the push is missed.
+    before = ops.lookup(client, ids, "t", DIM, training=False)
+    ops.pull_ahead(client, ids, "t", DIM, refresh=False)
+    ops.push(client, tf.constant([7], tf.int64), tf.ones([1, DIM]), 1.0, "t", DIM, sync=True)
+    np.testing.assert_array_equal(ops.lookup(client, ids, "t", DIM), before)
+    assert not np.array_equal(ops.lookup(client, ids, "t", DIM, training=False), before)
+    assert ops.client_stats(client)["pulled_ahead_stale_rows"] == 1
+
+
+def test_embedded_tables_and_models_pull_ahead_cannot_serve(tmp_path: Any) -> None:
+    model = _model()
+    tf_dlt.pull_ahead(model)  # embedded: fits as before, nothing pulled
+    x, y = _data(32)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert _stats(model)["pulls_ahead"] == 0
+
+    class Tower(keras.Model):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = Embedding(output_dim=DIM, is_distributed=True)
+
+        def call(self, ids: Any) -> Any:
+            return self.emb(ids)
+
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="no symbolic inputs"):
+        tf_dlt.pull_ahead(Tower())
+    ids = keras.Input((2,), dtype="int64")
+    emb = Embedding(output_dim=DIM, is_distributed=True, name="shifted")
+    computed = keras.Model(ids, emb(keras.ops.add(ids, 1)))
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="does not take a model input"):
+        tf_dlt.pull_ahead(computed, layers=["shifted"])
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="no distributed Embedding"):
+        tf_dlt.pull_ahead(computed)
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="is not a distributed"):
+        tf_dlt.pull_ahead(model, layers=["dense"])

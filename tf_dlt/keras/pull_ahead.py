@@ -1,0 +1,239 @@
+"""Pulling the rows of the next batches while the current one trains.
+
+`pull_ahead(model)` makes the model's `fit` start, in the input pipeline, the
+pull of each batch's ids (`tf_dlt.ops.pull_ahead`) for the distributed
+`Embedding` layers that a model input feeds directly; the training step's
+lookup then finds the rows there instead of waiting for the shards. It works
+with a `tf.data.Dataset` and with NumPy (or tensor) inputs, which go through
+Keras's own data adapter first (batching, shuffling, class weights and
+validation_split as `fit` does them).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+
+from tf_dlt import dlt_ops as ops
+from tf_dlt import errors
+from tf_dlt.keras.walk import distributed_layers
+from tf_dlt.layers.embedding import Embedding
+
+# Batches prepared (and pulled) ahead of the one training: with refresh, 2;
+# without, 1, so a row misses at most the push of the step just before.
+_DEPTH = {True: 2, False: 1}
+
+
+def pull_ahead(
+    model: keras.Model, layers: list[Any] | None = None, *, refresh: bool = True
+) -> keras.Model:
+    """Makes `model.fit` pull the rows of coming batches ahead; returns `model`.
+
+    Args:
+        model: a compiled or uncompiled Functional or Sequential model whose
+            tables are on shard servers (after `tf_dlt.transpile`; call this
+            on the transpiled model). With the embedded tables it changes
+            nothing that matters: there is nothing to wait for.
+        layers: the distributed `Embedding` layers (objects or names) to pull
+            ahead for; None: every one that a model input feeds directly.
+        refresh: True: ids this trainer pushed after their pull ahead began
+            are pulled again by the step's lookup; False: they are not, and
+            pulls start 1 batch ahead instead of 2.
+
+    Consistency: with `refresh`, a pulled-ahead row reflects every push of
+    this trainer that completed before the training step's lookup, as
+    without pulling ahead, and with ``sync_push=True`` training is the same
+    as without; other trainers' pushes are seen as of the pull ahead, at
+    most 2 batches before. Without `refresh`, a row may miss the push of the
+    step just before its own (staleness bounded to one step), and other
+    trainers' pushes of that step. Evaluation and prediction are not pulled
+    ahead.
+    """
+    feeds = _feeds(model, layers)
+    if getattr(model, "distribute_strategy", None) is not None and (
+        model.distribute_strategy.num_replicas_in_sync > 1
+    ):
+        raise errors.InvalidArgumentError(
+            f"pull_ahead: the model trains on {model.distribute_strategy.num_replicas_in_sync} "
+            "replicas; each looks up a part of the batch, so rows pulled for whole batches would "
+            "never be used. Pull ahead works with one replica per trainer."
+        )
+    fit = getattr(model, "_dlt_plain_fit", None) or model.fit
+    model._dlt_plain_fit = fit
+    model._dlt_pull_ahead_feeds = feeds
+    model._dlt_pull_ahead_refresh = bool(refresh)
+    model.fit = functools.partial(_fit_pulling_ahead, model, fit)
+    return model
+
+
+def _feeds(model: keras.Model, wanted: list[Any] | None) -> list[tuple[int, Embedding]]:
+    """(index in model.inputs, layer) for each layer a model input feeds."""
+    inputs = list(getattr(model, "inputs", None) or [])
+    if not inputs:
+        raise errors.InvalidArgumentError(
+            f"pull_ahead: model {model.name!r} has no symbolic inputs; it needs a Functional or "
+            "Sequential model (built), whose inputs show which ids each layer looks up"
+        )
+    candidates = distributed_layers(model)
+    if wanted is not None:
+        by_name = {layer.name: layer for layer in candidates}
+        chosen = []
+        for item in wanted:
+            layer = by_name.get(item) if isinstance(item, str) else item
+            if layer is None or not any(layer is c for c in candidates):
+                raise errors.InvalidArgumentError(
+                    f"pull_ahead: {getattr(item, 'name', item)!r} is not a distributed "
+                    f"Embedding of model {model.name!r}"
+                )
+            chosen.append(layer)
+        candidates = chosen
+    feeds = []
+    for layer in candidates:
+        fed = _input_index(layer, inputs)
+        if fed is None:
+            if wanted is not None:
+                raise errors.InvalidArgumentError(
+                    f"pull_ahead: layer {layer.name!r} does not take a model input directly (its "
+                    "ids are computed in the step, so they are not known ahead); pull ahead for "
+                    "layers fed by an Input of dense or ragged ids"
+                )
+            continue
+        feeds.append((fed, layer))
+    if not feeds:
+        raise errors.InvalidArgumentError(
+            f"pull_ahead: no distributed Embedding of model {model.name!r} takes a model input "
+            "of dense or ragged ids directly"
+        )
+    return feeds
+
+
+def _input_index(layer: Embedding, inputs: list[Any]) -> int | None:
+    """Which of `inputs` the layer is called on (its only call), if any."""
+    nodes = getattr(layer, "_inbound_nodes", [])
+    if len(nodes) != 1:
+        return None
+    args = nodes[0].arguments.keras_tensors
+    if len(args) != 1 or getattr(args[0], "sparse", False):
+        return None
+    for i, tensor in enumerate(inputs):
+        if args[0] is tensor:
+            return i
+    return None
+
+
+def _fit_pulling_ahead(
+    model: keras.Model,
+    plain_fit: Any,
+    x: Any = None,
+    y: Any = None,
+    batch_size: int | None = None,
+    epochs: int = 1,
+    verbose: Any = "auto",
+    callbacks: Any = None,
+    validation_split: float = 0.0,
+    validation_data: Any = None,
+    shuffle: Any = True,
+    class_weight: Any = None,
+    sample_weight: Any = None,
+    initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int = 1,
+) -> Any:
+    if validation_split and validation_data is None:
+        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=validation_split
+        )
+    if not isinstance(x, tf.data.Dataset):
+        adapter = data_adapters.get_data_adapter(
+            x=x,
+            y=y,
+            sample_weight=sample_weight,
+            batch_size=batch_size,
+            steps_per_epoch=steps_per_epoch,
+            shuffle=shuffle,
+            class_weight=class_weight,
+        )
+        # Batched, shuffled and weighted by the adapter already.
+        x, y, sample_weight, class_weight = adapter.get_tf_dataset(), None, None, None
+        if adapter.num_batches is not None:
+            # Keras counts the steps of an epoch from the dataset's length.
+            x = x.apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
+        batch_size, shuffle = None, False
+    depth = _DEPTH[model._dlt_pull_ahead_refresh]
+    dataset = x.map(functools.partial(_start_pulls, model)).prefetch(depth)
+    return plain_fit(
+        x=dataset,
+        y=y,
+        batch_size=batch_size,
+        epochs=epochs,
+        verbose=verbose,
+        callbacks=callbacks,
+        validation_data=validation_data,
+        shuffle=shuffle,
+        class_weight=class_weight,
+        sample_weight=sample_weight,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch,
+        validation_steps=validation_steps,
+        validation_batch_size=validation_batch_size,
+        validation_freq=validation_freq,
+    )
+
+
+def _start_pulls(model: keras.Model, *element: Any) -> Any:
+    """One batch of the input pipeline, unchanged, once the pulls of its ids
+    have started."""
+    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(
+        element if len(element) > 1 else element[0]
+    )
+    flat = _model_inputs_of(model, x)
+    started = []
+    for index, layer in model._dlt_pull_ahead_feeds:
+        ids = flat[index]
+        if isinstance(ids, tf.RaggedTensor):
+            ids = ids.flat_values
+        elif isinstance(ids, tf.SparseTensor):
+            continue
+        started.append(
+            ops.pull_ahead(
+                layer.client,
+                tf.cast(ids, tf.int64),
+                layer.table_name,
+                layer.output_dim,
+                training=True,
+                missing="zeros",
+                refresh=model._dlt_pull_ahead_refresh,
+            )
+        )
+    with tf.control_dependencies(started):
+        return tf.nest.map_structure(tf.identity, element if len(element) > 1 else element[0])
+
+
+def _model_inputs_of(model: keras.Model, x: Any) -> list[Any]:
+    """`x` as the list of the model's inputs, in model.inputs order."""
+    inputs = model.inputs
+    if isinstance(x, dict):
+        names = [getattr(t, "name", None) for t in inputs]
+        struct = getattr(model, "_inputs_struct", None)
+        if isinstance(struct, dict):
+            names = [next(k for k, t in struct.items() if t is inp) for inp in inputs]
+        missing = [n for n in names if n not in x]
+        if missing:
+            raise errors.InvalidArgumentError(
+                f"pull_ahead: the batch has keys {sorted(x)}, not the model inputs {missing}"
+            )
+        return [x[n] for n in names]
+    flat = list(x) if isinstance(x, (list, tuple)) else [x]
+    if len(flat) != len(inputs):
+        raise errors.InvalidArgumentError(
+            f"pull_ahead: the batch has {len(flat)} inputs, model {model.name!r} takes "
+            f"{len(inputs)}"
+        )
+    return flat
