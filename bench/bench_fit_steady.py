@@ -15,7 +15,9 @@ the embedded epoch of the same repetition and index; each kind of remote run
 against the embedded runs (examples/s summed over repetitions, target
 >= 0.9); per kind, the spread of the repetitions (slowest / fastest total
 examples/s, target >= 0.9, i.e. within 10%) and how many epochs ran slower
-than the one before them (target 0).
+than the one before them (target 0); and per remote kind the bytes and round
+trips per step to the shards with the step time they imply on a 25 Gbit/s,
+100 us round-trip network (see `projection`).
 
 Usage: python bench/bench_fit_steady.py [--examples 500000] [--reps 3]
        [--epochs 2] [--batch 1024]
@@ -45,6 +47,8 @@ DIM = 16
 # The remote runs of each repetition: plain, and with tf_dlt.pull_ahead (ids
 # pushed in between pulled again, or not).
 REMOTE = ("remote", "remote pull-ahead", "remote pull-ahead no refresh")
+# The datacenter network the traffic is projected onto.
+NET_GBIT, NET_RTT_US = 25.0, 100.0
 
 
 class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
@@ -75,6 +79,48 @@ def layer(name: str) -> tf_dlt.layers.Embedding:
     return tf_dlt.layers.Embedding(
         output_dim=DIM, is_distributed=True, optimizer="adagrad", learning_rate=0.05, name=name
     )
+
+
+def projection(
+    kind: str, runs: list[dict[str, list[dict[str, Any]]]], examples: int, batch: int
+) -> dict[str, Any]:
+    """Bytes and round trips per step to the shards, measured, and the step
+    time they imply on a datacenter network (NET_GBIT, NET_RTT_US): the
+    compute of a step (the embedded run's) plus the network time on the
+    step's critical path. A plain lookup waits for a round trip and its
+    bytes; with pull-ahead only the ids pulled again (refresh) are on it,
+    the pull ahead itself overlapping the steps before. Pushes are
+    asynchronous: off the path while fewer than max_inflight_pushes wait."""
+    epochs = [e for run in runs for e in run[kind]]
+    steps = len(epochs) * -(-examples // batch)
+    per_step = {
+        key: sum(e[f"dlt_{key}"] for e in epochs) / steps
+        for key in ("pulls", "pull_bytes", "pushes", "push_bytes", "pulled_ahead_stale_rows")
+    }
+    row_bytes = 8 + 4 * DIM
+    bytes_per_us = NET_GBIT * 1e9 / 8 / 1e6
+    if kind == "remote":
+        on_path_us = NET_RTT_US + per_step["pull_bytes"] / bytes_per_us
+        on_path_trips = 1.0
+    else:  # pulled ahead: only the ids pulled again wait, in one more round trip
+        refreshed = per_step["pulled_ahead_stale_rows"]
+        on_path_trips = 1.0 if refreshed else 0.0
+        on_path_us = on_path_trips * NET_RTT_US + refreshed * row_bytes / bytes_per_us
+    compute_us = (
+        1e6
+        * sum(e["seconds"] for run in runs for e in run["embedded"])
+        / (len(runs) * len(runs[0]["embedded"]) * -(-examples // batch))
+    )
+    return {
+        "bench": "fit_steady", "case": f"{kind} network projection", "unit": "examples/s",
+        "network": f"{NET_GBIT:g} Gbit/s, {NET_RTT_US:g} us round trip",
+        "value": round(batch / ((compute_us + on_path_us) / 1e6)),
+        "baseline_name": "compute only (embedded step time)",
+        "baseline_value": round(batch / (compute_us / 1e6)),
+        "per_step": {k: round(v, 1) for k, v in per_step.items()},
+        "round_trips_on_path": on_path_trips, "network_us_on_path": round(on_path_us, 1),
+        "compute_us": round(compute_us, 1),
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -134,6 +180,8 @@ def main() -> None:
             "baseline_name": "embedded tables, same repetitions",
             "baseline_value": round(sum(totals["embedded"])), "target_ratio": ">= 0.9",
         })  # fmt: skip
+    for kind in REMOTE:
+        emit(projection(kind, runs, args.examples, args.batch))
     for kind, values in totals.items():
         slower = sum(
             later["seconds"] > earlier["seconds"]

@@ -21,6 +21,7 @@ import tensorflow as tf
 from prometheus_client.parser import text_string_to_metric_families
 
 import tf_dlt
+from tf_dlt.keras import client_metrics
 from tf_dlt.layers import Embedding
 from tf_dlt.progress import Progress
 
@@ -134,6 +135,27 @@ def test_client_metrics_callback_reports_each_epoch(
         for value in event.summary.value
     }
     assert {("epoch_dlt_pushes", 0), ("epoch_dlt_pushes", 1), ("batch_dlt_pull_p50_ms", 2)} <= tags
+
+
+def test_client_stats_count_pushes_waiting_for_admission_and_workers(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(1)
+    with cluster.client() as control:
+        control.create_table("waits", 4)
+    client = tf_dlt.ops.ClientResource(cluster.addresses, max_inflight_pushes=1)
+    ids, grads = tf.range(64, dtype=tf.int64), tf.ones([64, 4])
+    for _ in range(20):
+        tf_dlt.ops.push(client, ids, grads, 0.1, "waits", 4)
+    tf_dlt.ops.flush(client)
+    stats = tf_dlt.ops.client_stats(client)
+    # Every push is admitted once (most after waiting for the one in flight)
+    # and runs on a worker thread.
+    assert sum(stats["push_wait"]["buckets"]) == 20
+    assert sum(stats["worker_wait"]["buckets"]) == 20
+    logs = client_metrics.summarize(stats, None, 1.0)
+    assert logs["dlt_push_wait_s"] == stats["push_wait"]["sum_us"] / 1e6
+    assert logs["dlt_pushes"] == 20
 
 
 def test_stats_command_prints_shards_and_tables(start_cluster: Callable[..., Cluster]) -> None:

@@ -19,9 +19,12 @@ from tf_dlt.keras.walk import distributed_layers
 _COUNTS = ("pulls", "pulled_rows", "pull_bytes", "pull_errors", "pushes", "pushed_rows",
            "push_bytes", "push_errors", "pulls_ahead", "pulls_ahead_used", "pulls_ahead_dropped",
            "pulled_ahead_stale_rows")  # fmt: skip
-# Latency histograms: pulls and pushes on the wire, and whole lookups (what
-# a training step waits for: a lookup whose rows were pulled ahead is short).
+# Latency histograms ("<kind>_latency" in client_stats): pulls and pushes on
+# the wire, whole lookups (what a training step waits for: a lookup whose rows
+# were pulled ahead is short); and waits ("<kind>" there): for a worker
+# thread, and of a push for admission (backpressure on the step).
 _LATENCIES = ("pull", "push", "lookup")
+_WAITS = ("worker_wait", "push_wait")
 
 
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
@@ -49,17 +52,20 @@ def summarize(
     def delta(key: str) -> float:
         return float(now[key] - (before[key] if before else 0))
 
+    def buckets(key: str) -> list[int]:
+        counts = now[key]["buckets"]
+        return latency.difference(counts, before[key]["buckets"]) if before else counts
+
     out = {f"dlt_{k}": delta(k) for k in _COUNTS}
     for kind in _LATENCIES:
-        buckets = now[f"{kind}_latency"]["buckets"]
-        if before:
-            buckets = latency.difference(buckets, before[f"{kind}_latency"]["buckets"])
-        out[f"dlt_{kind}_p50_ms"] = latency.quantile_us(buckets, 0.5) / 1000
-        out[f"dlt_{kind}_p99_ms"] = latency.quantile_us(buckets, 0.99) / 1000
-    # Seconds the remote lookups took, summed: how long steps waited for rows.
-    out["dlt_lookup_s"] = (
-        now["lookup_latency"]["sum_us"] - (before["lookup_latency"]["sum_us"] if before else 0)
-    ) / 1e6
+        out[f"dlt_{kind}_p50_ms"] = latency.quantile_us(buckets(f"{kind}_latency"), 0.5) / 1000
+        out[f"dlt_{kind}_p99_ms"] = latency.quantile_us(buckets(f"{kind}_latency"), 0.99) / 1000
+    for kind in _WAITS:
+        out[f"dlt_{kind}_p99_ms"] = latency.quantile_us(buckets(kind), 0.99) / 1000
+    # Seconds summed: how long remote lookups took (steps waiting for rows),
+    # pushes waited for admission, and calls waited for a worker thread.
+    for key, name in (("lookup_latency", "lookup"), *((k, k) for k in _WAITS)):
+        out[f"dlt_{name}_s"] = (now[key]["sum_us"] - (before[key]["sum_us"] if before else 0)) / 1e6
     out["dlt_pull_mb_per_s"] = out["dlt_pull_bytes"] / 1e6 / max(seconds, 1e-9)
     out["dlt_push_mb_per_s"] = out["dlt_push_bytes"] / 1e6 / max(seconds, 1e-9)
     out["dlt_pushes_in_flight"] = float(now["pushes_in_flight"] + now["pushes_waiting"])
@@ -71,7 +77,7 @@ def _merge(stats: list[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {
         k: sum(s[k] for s in stats) for k in (*_COUNTS, "pushes_in_flight", "pushes_waiting")
     }
-    for kind in (f"{k}_latency" for k in _LATENCIES):
+    for kind in (*(f"{k}_latency" for k in _LATENCIES), *_WAITS):
         merged[kind] = {
             "buckets": [sum(col) for col in zip(*(s[kind]["buckets"] for s in stats), strict=True)],
             "sum_us": sum(s[kind]["sum_us"] for s in stats),
@@ -84,7 +90,9 @@ class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
     `dlt_pulls`, `dlt_pulled_rows`, `dlt_pull_bytes`, `dlt_pull_errors`, the
     same for pushes, `dlt_pull_p50_ms` / `_p99_ms` (and push), whole remote
     lookups as `dlt_lookup_p50_ms` / `_p99_ms` and `dlt_lookup_s` (seconds
-    summed), the pulls ahead (`dlt_pulls_ahead`, `dlt_pulls_ahead_used`,
+    summed), waits for a worker thread and of pushes for admission
+    (`dlt_worker_wait_s`, `dlt_push_wait_s` and their `_p99_ms`), the
+    pulls ahead (`dlt_pulls_ahead`, `dlt_pulls_ahead_used`,
     `dlt_pulls_ahead_dropped`, `dlt_pulled_ahead_stale_rows`),
     `dlt_pull_mb_per_s` / `dlt_push_mb_per_s` and `dlt_pushes_in_flight` (at
     the end of the epoch). Place it before callbacks that should see them.

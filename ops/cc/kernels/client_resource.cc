@@ -72,6 +72,13 @@ absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const 
   return status;
 }
 
+void ClientResource::Schedule(std::function<void()> fn) {
+  work_.Schedule([this, fn = std::move(fn), queued = Env::Default()->NowMicros()]() {
+    counters_.worker_wait.Record(Env::Default()->NowMicros() - queued);
+    fn();
+  });
+}
+
 void ClientResource::PullAheadOf(const std::string& table, uint32_t dim, dlt::PullMode mode,
                                  const int64_t* ids, size_t n, bool refresh) {
   std::shared_ptr<dlt::PulledAhead> pulled = pull_ahead_.Begin(table, mode, dim, ids, n, refresh);
@@ -134,6 +141,10 @@ std::string ClientResource::StatsJson() const {
   AppendHistogram("push_latency", c.push_latency, &out);
   out += ",";
   AppendHistogram("lookup_latency", c.lookup_latency, &out);
+  out += ",";
+  AppendHistogram("worker_wait", c.worker_wait, &out);
+  out += ",";
+  AppendHistogram("push_wait", c.push_wait, &out);
   out += "}";
   return out;
 }
@@ -207,7 +218,8 @@ absl::Status ClientResource::SetState(const std::string& table, uint32_t dim,
 void ClientResource::EnqueuePush(std::function<absl::Status()> work,
                                  std::function<void(absl::Status)> admitted,
                                  std::function<void(absl::Status)> finished) {
-  PendingPush push{std::move(work), std::move(admitted), std::move(finished)};
+  PendingPush push{Env::Default()->NowMicros(), std::move(work), std::move(admitted),
+                   std::move(finished)};
   absl::Status earlier;
   {
     mutex_lock lock(mu_);
@@ -230,6 +242,7 @@ void ClientResource::EnqueuePush(std::function<absl::Status()> work,
 }
 
 void ClientResource::Start(PendingPush push) {
+  counters_.push_wait.Record(Env::Default()->NowMicros() - push.enqueued_us);
   Ref();  // held until the push is done, even if every handle goes away
   auto admitted = std::move(push.admitted);
   Schedule([this, work = std::move(push.work), finished = std::move(push.finished)]() {

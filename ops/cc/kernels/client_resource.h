@@ -45,8 +45,9 @@ class ClientResource : public ResourceBase {
   std::string DebugString() const override;
   bool embedded() const { return transport_->embedded(); }
 
-  // Runs `fn` on the resource's worker threads.
-  void Schedule(std::function<void()> fn) { work_.Schedule(std::move(fn)); }
+  // Runs `fn` on the resource's worker threads (the time it waits for one
+  // is counted as worker_wait).
+  void Schedule(std::function<void()> fn);
 
   // Embedded only: creates a table (a no-op for an identical one).
   absl::Status CreateTable(const dlt::TableConfig& config);
@@ -125,6 +126,7 @@ class ClientResource : public ResourceBase {
 
  private:
   struct PendingPush {
+    uint64_t enqueued_us;
     std::function<absl::Status()> work;
     std::function<void(absl::Status)> admitted;
     std::function<void(absl::Status)> finished;
@@ -136,6 +138,9 @@ class ClientResource : public ResourceBase {
     std::atomic<uint64_t> pulls{0}, pulled_rows{0}, pull_bytes{0}, pull_errors{0};
     std::atomic<uint64_t> pushes{0}, pushed_rows{0}, push_bytes{0}, push_errors{0};
     dlt::LatencyHistogram pull_latency, push_latency, lookup_latency;
+    // Waiting for a worker thread, and a push waiting to be admitted
+    // (max_inflight_pushes in flight): time a training step may stall.
+    dlt::LatencyHistogram worker_wait, push_wait;
   };
   // Counts one call of `rows` rows of `dim` floats that took `micros`.
   static void Count(const absl::Status& status, size_t rows, uint32_t dim, uint64_t micros,
