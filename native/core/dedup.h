@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "native/core/routing.h"
@@ -56,6 +57,16 @@ class Deduper {
   std::vector<int64_t> values_;  // -1: empty
   size_t mask_ = 0;
 };
+
+// The rows of a batch in input order ([n, dim] into `out`) from the rows of
+// its distinct ids (`distinct`, in the order of Deduper::Run's `unique`) and
+// each input id's `slot`.
+inline void GatherBySlot(const float* distinct, const int64_t* slot, size_t n, size_t dim,
+                         float* out) {
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(out + i * dim, distinct + static_cast<size_t>(slot[i]) * dim, sizeof(float) * dim);
+  }
+}
 
 }  // namespace dlt
 

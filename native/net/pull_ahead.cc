@@ -1,6 +1,5 @@
 #include "native/net/pull_ahead.h"
 
-#include <algorithm>
 #include <cstring>
 
 namespace dlt {
@@ -78,9 +77,7 @@ void PulledAhead::Refresh(const float* rows) {
 }
 
 void PulledAhead::CopyRows(float* out) const {
-  for (size_t i = 0; i < ids_.size(); ++i) {
-    std::memcpy(out + i * dim_, rows_.data() + size_t(slot_[i]) * dim_, sizeof(float) * dim_);
-  }
+  GatherBySlot(rows_.data(), slot_.data(), ids_.size(), dim_, out);
 }
 
 std::shared_ptr<PulledAhead> PullAhead::Begin(const std::string& table, PullMode mode, uint32_t dim,

@@ -190,9 +190,8 @@ def _fit_pulling_ahead(
 def _start_pulls(model: keras.Model, *element: Any) -> Any:
     """One batch of the input pipeline, unchanged, once the pulls of its ids
     have started."""
-    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(
-        element if len(element) > 1 else element[0]
-    )
+    batch = element if len(element) > 1 else element[0]
+    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
     flat = _model_inputs_of(model, x)
     started = []
     for index, layer in model._dlt_pull_ahead_feeds:
@@ -213,17 +212,18 @@ def _start_pulls(model: keras.Model, *element: Any) -> Any:
             )
         )
     with tf.control_dependencies(started):
-        return tf.nest.map_structure(tf.identity, element if len(element) > 1 else element[0])
+        return tf.nest.map_structure(tf.identity, batch)
 
 
 def _model_inputs_of(model: keras.Model, x: Any) -> list[Any]:
     """`x` as the list of the model's inputs, in model.inputs order."""
     inputs = model.inputs
     if isinstance(x, dict):
-        names = [getattr(t, "name", None) for t in inputs]
         struct = getattr(model, "_inputs_struct", None)
         if isinstance(struct, dict):
             names = [next(k for k, t in struct.items() if t is inp) for inp in inputs]
+        else:
+            names = [t.name for t in inputs]
         missing = [n for n in names if n not in x]
         if missing:
             raise errors.InvalidArgumentError(

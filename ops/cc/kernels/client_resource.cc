@@ -83,9 +83,9 @@ void ClientResource::PullAheadOf(const std::string& table, uint32_t dim, dlt::Pu
                                  const int64_t* ids, size_t n, bool refresh) {
   std::shared_ptr<dlt::PulledAhead> pulled = pull_ahead_.Begin(table, mode, dim, ids, n, refresh);
   Ref();
-  Schedule([this, pulled, table, dim, mode]() {
-    const absl::Status status =
-        Pull(table, dim, pulled->unique().data(), pulled->unique().size(), mode, pulled->rows());
+  Schedule([this, pulled]() {
+    const absl::Status status = Pull(pulled->table(), pulled->dim(), pulled->unique().data(),
+                                     pulled->unique().size(), pulled->mode(), pulled->rows());
     pulled->Finish(status.ok());
     Unref();
   });

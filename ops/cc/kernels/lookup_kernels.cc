@@ -3,7 +3,6 @@
 // by bucket, every touched shard at once) and the rows stitched back in input
 // order; ComputeAsync never blocks. Embedded: the in-process table is read in
 // place.
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,10 +45,7 @@ absl::Status PullDistinct(ClientResource* c, const std::string& table, uint32_t 
   if (static_cast<int64_t>(unique.size()) == n) return c->Pull(table, dim, id, n, mode, rows);
   distinct.resize(unique.size() * dim);
   absl::Status status = c->Pull(table, dim, unique.data(), unique.size(), mode, distinct.data());
-  if (!status.ok()) return status;
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(rows + i * dim, distinct.data() + size_t{slot[i]} * dim, sizeof(float) * dim);
-  }
+  if (status.ok()) dlt::GatherBySlot(distinct.data(), slot.data(), n, dim, rows);
   return status;
 }
 
