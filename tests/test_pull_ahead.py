@@ -176,3 +176,27 @@ def test_embedded_tables_and_models_pull_ahead_cannot_serve(tmp_path: Any) -> No
         tf_dlt.pull_ahead(computed)
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="is not a distributed"):
         tf_dlt.pull_ahead(model, layers=["dense"])
+
+
+def test_a_pull_ahead_that_failed_on_a_killed_shard_fails_its_lookup_then_recovers(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(2)
+    with cluster.client() as control:
+        control.create_table("t", DIM)
+    client = ops.ClientResource(cluster.addresses, request_timeout=5.0)
+    ids = tf.range(100, dtype=tf.int64)
+    cluster.kill(1)
+    ops.pull_ahead(client, ids, "t", DIM)  # its pull fails; the op itself returns at once
+    # The lookup takes the failed pull ahead, pulls again, and names the shard.
+    with pytest.raises(tf.errors.UnavailableError, match="shard 1"):
+        ops.lookup(client, ids, "t", DIM)
+    assert ops.client_stats(client)["pulls_ahead_used"] == 1
+    cluster.restart(1)
+    with cluster.client() as control:
+        control.create_table("t", DIM)
+    ops.pull_ahead(client, ids, "t", DIM)
+    np.testing.assert_array_equal(
+        ops.lookup(client, ids, "t", DIM), ops.lookup(client, ids, "t", DIM, training=False)
+    )
+    assert ops.client_stats(client)["pulls_ahead_used"] == 2
