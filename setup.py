@@ -35,6 +35,7 @@ NATIVE_CORE_SOURCES = [
     "native/net/client.cc",
     "native/net/data_server.cc",
     "native/net/pull_ahead.cc",
+    "native/net/row_cache.cc",
     "native/net/request_handler.cc",
     "native/net/server_stats.cc",
     "native/net/socket.cc",

@@ -56,6 +56,7 @@ def build(program: str, flavor: str = "plain", sources: Sequence[Path] = ()) -> 
             cpp / "native_test.cc",
             cpp / "data_plane_test.cc",
             cpp / "pull_ahead_test.cc",
+            cpp / "row_cache_test.cc",
             cpp / "memory_policy_test.cc",
             cpp / "tier_test.cc",
         ]

@@ -227,3 +227,29 @@ def test_sizes_that_would_wrap_are_refused(one: Cluster) -> None:
         assert (opcode, rid, code) == (frames.ERROR, 2, errors.InvalidArgumentError.code)
         assert "dim 2147483646 exceeds the maximum of 65536" in message
     _still_serves(one)
+
+
+def test_state_pulls_on_the_wire_and_modes_past_3(one: Cluster) -> None:
+    with one.client() as client:
+        client.push("emb", [5], np.ones((1, 4), np.float32), 0.1)  # id 5 exists; 6 does not
+    with _connect(one) as sock:
+        sock.sendall(frames.hello(1))
+        frames.read_frame(sock)
+        # Mode 3: values, the Adagrad accumulator and the step as u32 bits.
+        sock.sendall(frames.pull(2, "emb", 4, [5, 6], mode=3))
+        opcode, _, rid, payload = frames.read_frame(sock)
+        assert (opcode, rid) == (frames.PULL, 2)
+        dim, rows = struct.unpack_from("<II", payload)
+        assert (dim, rows) == (4, 2) and len(payload) == 8 + 2 * 9 * 4
+        row5 = np.frombuffer(payload, np.float32, 9, 8)
+        row6 = np.frombuffer(payload, np.float32, 9, 8 + 36)
+        assert row5[8:].view(np.uint32)[0] == 1 and row6[8:].view(np.uint32)[0] == 0xFFFFFFFF
+        np.testing.assert_allclose(row5[4:8], 0.1 + 1.0)  # initial accumulator + g^2
+        assert not row6[:8].any()
+        sock.sendall(frames.pull(3, "emb", 4, [1], mode=4))
+        opcode, _, rid, payload = frames.read_frame(sock)
+        assert (opcode, rid) == (frames.ERROR, 3)
+        assert frames.error_of(payload)[1] == "Pull mode must be 0, 1, 2 or 3, got 4"
+    with one.client() as client:  # a state pull inserted nothing
+        assert client.list_tables()["emb"]["rows"] == 1
+    _still_serves(one)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from tf_dlt.keras.dense_sync import DenseOnShards
     from tf_dlt.keras.pull_ahead import pull_ahead
     from tf_dlt.keras.recovery import resilient_fit, wait_for_shards
+    from tf_dlt.keras.row_cache import hot_row_cache
     from tf_dlt.table_config import TableConfig
 
 _LAZY = {
@@ -43,6 +44,7 @@ _LAZY = {
     "ModelCheckpoint": ("tf_dlt.keras.checkpoint", "ModelCheckpoint"),
     "ops": ("tf_dlt.dlt_ops", None),
     "pull_ahead": ("tf_dlt.keras.pull_ahead", "pull_ahead"),
+    "hot_row_cache": ("tf_dlt.keras.row_cache", "hot_row_cache"),
     "initializers": ("tf_dlt.initializers", None),
     "layers": ("tf_dlt.layers", None),
     "optimizers": ("tf_dlt.optimizers", None),
@@ -63,6 +65,7 @@ __all__ = [
     "errors",
     "expiry",
     "export_saved_model",
+    "hot_row_cache",
     "initializers",
     "optimizers",
     "pull_ahead",

@@ -134,6 +134,32 @@ def create_table(client: ClientResource, config: TableConfig) -> None:
     )
 
 
+def configure_cache(
+    client: ClientResource,
+    config: TableConfig,
+    rows: int,
+    *,
+    max_staleness_steps: int = 0,
+    max_staleness_ms: int = 0,
+    min_count: int = 2,
+) -> None:
+    """Keeps a hot-row cache of `config`'s table in a client of shard
+    servers (a no-op for the embedded client): at most `rows` rows of the ids
+    looked up `min_count` times or more, with their optimizer state. The
+    client's pushes are applied to the cached rows with the table's
+    optimizer (so `config` must be the table's); a row is pulled again once
+    it is `max_staleness_steps` lookups of the table or `max_staleness_ms`
+    old (0: no bound of that kind; one is needed). `rows` 0 removes the
+    cache. `tf_dlt.hot_row_cache` does this for a model's layers."""
+    from tf_dlt import _native
+
+    load_library().dlt_configure_cache(
+        client=client.resource_handle, config=_native.encode_table_config(config.to_dict()),
+        rows=int(rows), max_staleness_steps=int(max_staleness_steps),
+        max_staleness_ms=int(max_staleness_ms), min_count=int(min_count),
+    )  # fmt: skip
+
+
 def drop_table(client: ClientResource, table: str) -> None:
     """Drops a table of an embedded client. Tables on shard servers are
     dropped with `tf_dlt.Client.drop_table`."""

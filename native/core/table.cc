@@ -700,7 +700,33 @@ uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
   return rec;
 }
 
+void Table::ReadState(const int64_t* ids, size_t n, float* out) const {
+  const uint32_t dim = config_.dim;
+  const size_t width = StateFloats(dim, slot_floats_);
+  for (size_t i = 0; i < n; ++i) {
+    float* row = out + i * width;
+    const uint64_t hash = Mix64(static_cast<uint64_t>(ids[i]));
+    const Stripe& stripe = stripes_[StripeOf(hash)];
+    std::shared_lock<std::shared_mutex> lock(stripe.mu);
+    const uint32_t rec = stripe.Find(hash, ids[i]);
+    uint32_t step = kNoState;
+    if (rec == kEmpty) {
+      std::memset(row, 0, sizeof(float) * (width - 1));
+    } else {
+      const char* r = stripe.Record(rec, record_bytes_);
+      step = reinterpret_cast<const RowHeader*>(r)->step;
+      ReadValues(r, row);
+      if (slot_floats_) ReadSlots(r, row + dim);
+    }
+    std::memcpy(row + width - 1, &step, sizeof(step));
+  }
+}
+
 Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
+  if (mode == PullMode::kState) {
+    ReadState(ids, n, out);
+    return OkStatus();
+  }
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts, missing, recs;
   GroupByStripe(ids, n, &hashes, &order, &starts);

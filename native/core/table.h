@@ -28,7 +28,17 @@ enum class PullMode : uint8_t {
   kInsert = 0,         // training: create the row with its initial value
   kInitNoInsert = 1,   // inference: return the initial value, insert nothing
   kZerosNoInsert = 2,  // inference: return zeros, insert nothing
+  // A row with its optimizer state (a trainer's hot-row cache fills from
+  // it): StateFloats(dim, slots) floats per id, inserting nothing; see
+  // Table::Pull.
+  kState = 3,
 };
+
+// Floats per row of a kState pull: the values, the optimizer slots, and
+// the row's step as the bits of a uint32 (kNoState: the table holds no
+// row for the id in RAM; values and slots are then zeros).
+inline uint32_t StateFloats(uint32_t dim, uint32_t slot_floats) { return dim + slot_floats + 1; }
+inline constexpr uint32_t kNoState = 0xffffffffu;
 
 inline constexpr uint32_t kStripes = 64;
 
@@ -277,6 +287,8 @@ class Table {
                 std::atomic<uint64_t>* counter);
   // Copies a stored row's values (or slots) to/from float32.
   void ReadValues(const char* record, float* out) const;
+  // Pull's kState.
+  void ReadState(const int64_t* ids, size_t n, float* out) const;
   void ReadSlots(const char* record, float* out) const;
   void WriteRow(char* record, int64_t id, uint32_t step, const float* values, const float* slots,
                 bool stochastic);

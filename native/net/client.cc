@@ -528,6 +528,19 @@ Status Client::RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t p
 
 Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                     PullMode mode, float* out) {
+  if (mode == PullMode::kState) {
+    return InvalidArgument("Pull mode kState returns wider rows: use PullState");
+  }
+  return PullRows(table, dim, ids, n, mode, dim, out);
+}
+
+Status Client::PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
+                         const int64_t* ids, size_t n, float* out) {
+  return PullRows(table, dim, ids, n, PullMode::kState, StateFloats(dim, slot_floats), out);
+}
+
+Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
+                        PullMode mode, uint32_t row_floats, float* out) {
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
   const auto deadline =
@@ -536,7 +549,7 @@ Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, 
   int retries = 0;
   bool stale_retried = false;
   bool any_reused = false;
-  Status s = PullOnce(table, dim, ids, n, mode, out, &any_reused);
+  Status s = PullOnce(table, dim, ids, n, mode, row_floats, out, &any_reused);
   while (!s.ok() && s.code() == Code::kUnavailable) {
     if (any_reused && !stale_retried) {
       // A pooled connection that died while idle: once more at once.
@@ -550,13 +563,13 @@ Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, 
       backoff_ms *= 2;
       ++retries;
     }
-    s = PullOnce(table, dim, ids, n, mode, out, &any_reused);
+    s = PullOnce(table, dim, ids, n, mode, row_floats, out, &any_reused);
   }
   return s;
 }
 
 Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                        PullMode mode, float* out, bool* any_reused) {
+                        PullMode mode, uint32_t row_floats, float* out, bool* any_reused) {
   *any_reused = false;
   if (n == 0) return OkStatus();
   std::vector<std::vector<uint32_t>> groups;
@@ -569,7 +582,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     if (pos.empty()) continue;
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
-        RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * dim, &rows_per_frame));
+        RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * row_floats, &rows_per_frame));
     const int64_t* shard_ids_ptr = ids;
     if (shards_.size() > 1) {
       shard_ids[s].resize(pos.size());
@@ -585,15 +598,15 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
       fr.prefix = wire::EncodePullPrefix(table, dim, static_cast<uint32_t>(count), mode);
       fr.body[0] = shard_ids_ptr + begin;
       fr.body_bytes[0] = count * 8;
-      fr.reply_bytes = wire::kPullReplyFixed + size_t{4} * dim * count;
+      fr.reply_bytes = wire::kPullReplyFixed + size_t{4} * row_floats * count;
       call.frames.push_back(std::move(fr));
     }
     const bool identity = shards_.size() == 1;
-    call.on_reply = [&pos, rows_per_frame, dim, out, identity](size_t frame, const uint8_t* p,
-                                                               size_t bytes) -> Status {
+    call.on_reply = [&pos, rows_per_frame, dim, row_floats, out, identity](
+                        size_t frame, const uint8_t* p, size_t bytes) -> Status {
       const size_t begin = frame * rows_per_frame;
       const size_t count = std::min(rows_per_frame, pos.size() - begin);
-      if (bytes != wire::kPullReplyFixed + size_t{4} * dim * count) {
+      if (bytes != wire::kPullReplyFixed + size_t{4} * row_floats * count) {
         return Internal("Pull reply has the wrong size");
       }
       uint32_t got_dim, got_rows;
@@ -605,11 +618,12 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
                         std::to_string(dim) + " and " + std::to_string(count) + " ids");
       }
       const float* rows = reinterpret_cast<const float*>(p + wire::kPullReplyFixed);
+      const size_t w = row_floats;
       if (identity) {
-        std::memcpy(out + begin * dim, rows, sizeof(float) * dim * count);
+        std::memcpy(out + begin * w, rows, sizeof(float) * w * count);
       } else {
         for (size_t k = 0; k < count; ++k) {
-          std::memcpy(out + size_t{pos[begin + k]} * dim, rows + k * dim, sizeof(float) * dim);
+          std::memcpy(out + size_t{pos[begin + k]} * w, rows + k * w, sizeof(float) * w);
         }
       }
       return OkStatus();

@@ -68,6 +68,11 @@ class Client {
   // connection when a pooled connection turned out to be dead.
   Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
               float* out);
+  // Pull's kState: the rows of `ids` with their optimizer state, into `out`
+  // ([n, StateFloats(dim, slot_floats)]); nothing is inserted. Retried as
+  // Pull. The shards' tables must have `slot_floats` slot floats per row.
+  Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
+                   size_t n, float* out);
 
   // Sends gradients ([n, dim]) to the owning shards. Never retried: the
   // shard may have applied it.
@@ -112,8 +117,11 @@ class Client {
   Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
                   const float* rows, size_t n, float learning_rate);
+  // Pull and PullState: rows of `row_floats` floats, retried.
+  Status PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
+                  PullMode mode, uint32_t row_floats, float* out);
   Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                  PullMode mode, float* out, bool* any_reused);
+                  PullMode mode, uint32_t row_floats, float* out, bool* any_reused);
   std::string Context(size_t shard, const char* op) const;
 
   const ClientOptions options_;

@@ -53,7 +53,7 @@ struct DataServer::Conn {
   // The header, then for a Pull the first 8 payload bytes (dim, id count),
   // which size its reply: memory for a frame and its reply is reserved in
   // one step, so no connection holds memory while it waits for more.
-  uint8_t head[wire::kHeaderBytes + 8];
+  uint8_t head[wire::kHeaderBytes + 12];
   size_t head_got = 0;
   size_t head_want = wire::kHeaderBytes;
   wire::FrameHeader header;
@@ -402,8 +402,8 @@ bool DataServer::ReadFrames(Conn* conn) {
             }
             return false;
           }
-          if (conn->header.opcode == wire::Opcode::kPull && conn->header.payload_bytes >= 8) {
-            conn->head_want += 8;  // the Pull's dim and id count size its reply
+          if (conn->header.opcode == wire::Opcode::kPull && conn->header.payload_bytes >= 12) {
+            conn->head_want += 12;  // the Pull's dim, id count and mode size its reply
             continue;
           }
         }

@@ -70,7 +70,12 @@ size_t RequestHandler::ReplyBound(const wire::FrameHeader& header,
   uint32_t dim, num_ids;
   std::memcpy(&dim, pull_sizes, 4);
   std::memcpy(&num_ids, pull_sizes + 4, 4);
-  const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * dim * num_ids;
+  // A kState pull's rows hold the slots and step too (at most 2 slots per
+  // value): the table is not known yet, so bound by the widest.
+  const uint64_t width = pull_sizes[10] == static_cast<uint8_t>(PullMode::kState)
+                             ? StateFloats(dim, 2 * dim)
+                             : uint64_t{dim};
+  const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * width * num_ids;
   if (body > max_frame_bytes_) return kSmallReply;  // refused with an error
   return std::max<size_t>(kSmallReply, wire::kHeaderBytes + body);
 }
@@ -164,7 +169,10 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
     counters_->push_latency.Record(MicrosSince(start));
     return Respond(wire::Opcode::kPush, id, wire::EncodePushReply(request.num_ids), reply);
   }
-  const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * request.dim * request.num_ids;
+  const uint64_t width = request.mode == PullMode::kState
+                             ? StateFloats(request.dim, table->slot_floats())
+                             : uint64_t{request.dim};
+  const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * width * request.num_ids;
   if (body > max_frame_bytes_) {
     return fail(
         ResourceExhausted("reply of " + std::to_string(body) +

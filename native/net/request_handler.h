@@ -35,8 +35,8 @@ class RequestHandler {
   Status CheckHeader(const wire::FrameHeader& header, bool authenticated) const;
 
   // Upper bound of the reply frame (header included) that a request needs,
-  // from its header and, for a Pull, the first 8 bytes of its payload (dim
-  // and id count; null when the payload is shorter): used to reserve memory
+  // from its header and, for a Pull, the first 12 bytes of its payload (dim,
+  // id count and mode; null when the payload is shorter): used to reserve memory
   // before the payload is read.
   size_t ReplyBound(const wire::FrameHeader& header, const uint8_t* pull_sizes) const;
 

@@ -40,6 +40,10 @@ class Tcp : public Transport {
               float* out) override {
     return client_.Pull(table, dim, ids, n, mode, out);
   }
+  Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
+                   size_t n, float* out) override {
+    return client_.PullState(table, dim, slot_floats, ids, n, out);
+  }
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate) override {
     return client_.Push(table, dim, ids, grads, n, learning_rate);
@@ -93,7 +97,21 @@ class Embedded : public Transport {
               float* out) override {
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
+    if (mode == PullMode::kState) {
+      return InvalidArgument("Pull mode kState returns wider rows: use PullState");
+    }
     return t->Pull(ids, n, mode, out);
+  }
+  Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
+                   size_t n, float* out) override {
+    std::shared_ptr<Table> t;
+    DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
+    if (t->slot_floats() != slot_floats) {
+      return FailedPrecondition("table '" + table + "' keeps " + std::to_string(t->slot_floats()) +
+                                " optimizer slot floats per row, the caller expects " +
+                                std::to_string(slot_floats));
+    }
+    return t->Pull(ids, n, PullMode::kState, out);
   }
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate) override {

@@ -68,6 +68,9 @@ class Transport {
 
   virtual Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                       PullMode mode, float* out) = 0;
+  // Rows with their optimizer state (Client::PullState).
+  virtual Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
+                           const int64_t* ids, size_t n, float* out) = 0;
   virtual Status Push(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* grads, size_t n, float learning_rate) = 0;
   // Sets rows (fresh optimizer slots).

@@ -18,13 +18,17 @@ from tf_dlt.keras.walk import distributed_layers
 
 _COUNTS = ("pulls", "pulled_rows", "pull_bytes", "pull_errors", "pushes", "pushed_rows",
            "push_bytes", "push_errors", "pulls_ahead", "pulls_ahead_used", "pulls_ahead_dropped",
-           "pulled_ahead_stale_rows")  # fmt: skip
+           "pulled_ahead_stale_rows", "cache_hits", "cache_misses", "cache_fills",
+           "cache_refreshes", "cache_evictions", "cache_applied_rows",
+           "cache_bytes_saved")  # fmt: skip
+# Hot-row caches now (summed over the tables), not per interval.
+_GAUGES = ("cache_rows", "cache_bytes", "cache_capacity_bytes")
 # Latency histograms ("<kind>_latency" in client_stats): pulls and pushes on
 # the wire, whole lookups (what a training step waits for: a lookup whose rows
 # were pulled ahead is short); and waits ("<kind>" there): for a worker
 # thread, and of a push for admission (backpressure on the step).
 _LATENCIES = ("pull", "push", "lookup")
-_WAITS = ("worker_wait", "push_wait")
+_WAITS = ("worker_wait", "push_wait", "cache_staleness")
 
 
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
@@ -64,19 +68,28 @@ def summarize(
         out[f"dlt_{kind}_p99_ms"] = latency.quantile_us(buckets(kind), 0.99) / 1000
     # Seconds summed: how long remote lookups took (steps waiting for rows),
     # pushes waited for admission, and calls waited for a worker thread.
-    for key, name in (("lookup_latency", "lookup"), *((k, k) for k in _WAITS)):
+    for key, name in (("lookup_latency", "lookup"), ("worker_wait",) * 2, ("push_wait",) * 2):
         out[f"dlt_{name}_s"] = (now[key]["sum_us"] - (before[key]["sum_us"] if before else 0)) / 1e6
     out["dlt_pull_mb_per_s"] = out["dlt_pull_bytes"] / 1e6 / max(seconds, 1e-9)
     out["dlt_push_mb_per_s"] = out["dlt_push_bytes"] / 1e6 / max(seconds, 1e-9)
     out["dlt_pushes_in_flight"] = float(now["pushes_in_flight"] + now["pushes_waiting"])
+    for key in _GAUGES:
+        out[f"dlt_{key}"] = float(now[key])
+    # Of the distinct ids the cached tables were asked for, the share served
+    # from the cache; the oldest row any lookup served, in lookups.
+    asked = out["dlt_cache_hits"] + out["dlt_cache_misses"]
+    out["dlt_cache_hit_rate"] = out["dlt_cache_hits"] / asked if asked else 0.0
+    out["dlt_cache_max_staleness_steps"] = float(now["cache_max_staleness_steps"])
     return out
 
 
 def _merge(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """Sums the snapshots of several clients."""
     merged: dict[str, Any] = {
-        k: sum(s[k] for s in stats) for k in (*_COUNTS, "pushes_in_flight", "pushes_waiting")
+        k: sum(s[k] for s in stats)
+        for k in (*_COUNTS, *_GAUGES, "pushes_in_flight", "pushes_waiting")
     }
+    merged["cache_max_staleness_steps"] = max(s["cache_max_staleness_steps"] for s in stats)
     for kind in (*(f"{k}_latency" for k in _LATENCIES), *_WAITS):
         merged[kind] = {
             "buckets": [sum(col) for col in zip(*(s[kind]["buckets"] for s in stats), strict=True)],
@@ -93,7 +106,15 @@ class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
     summed), waits for a worker thread and of pushes for admission
     (`dlt_worker_wait_s`, `dlt_push_wait_s` and their `_p99_ms`), the
     pulls ahead (`dlt_pulls_ahead`, `dlt_pulls_ahead_used`,
-    `dlt_pulls_ahead_dropped`, `dlt_pulled_ahead_stale_rows`),
+    `dlt_pulls_ahead_dropped`, `dlt_pulled_ahead_stale_rows`), the
+    hot-row caches (`dlt_cache_hits` and `dlt_cache_misses` in distinct ids
+    per lookup, `dlt_cache_hit_rate`, `dlt_cache_bytes_saved` (pull bytes
+    the hits did not cost), `dlt_cache_fills`, `dlt_cache_refreshes`,
+    `dlt_cache_evictions`, `dlt_cache_applied_rows` (own pushed rows applied
+    locally), `dlt_cache_rows`, `dlt_cache_bytes` and
+    `dlt_cache_capacity_bytes` now, the staleness of the oldest row a lookup
+    served as `dlt_cache_staleness_p99_ms`, and
+    `dlt_cache_max_staleness_steps`),
     `dlt_pull_mb_per_s` / `dlt_push_mb_per_s` and `dlt_pushes_in_flight` (at
     the end of the epoch). Place it before callbacks that should see them.
 

@@ -21,7 +21,7 @@ from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
-from tf_dlt.keras.walk import distributed_layers
+from tf_dlt.keras.walk import chosen_layers
 from tf_dlt.layers.embedding import Embedding
 
 # Batches prepared (and pulled) ahead of the one training: with refresh, 2;
@@ -79,19 +79,7 @@ def _feeds(model: keras.Model, wanted: list[Any] | None) -> list[tuple[int, Embe
             f"pull_ahead: model {model.name!r} has no symbolic inputs; it needs a Functional or "
             "Sequential model (built), whose inputs show which ids each layer looks up"
         )
-    candidates = distributed_layers(model)
-    if wanted is not None:
-        by_name = {layer.name: layer for layer in candidates}
-        chosen = []
-        for item in wanted:
-            layer = by_name.get(item) if isinstance(item, str) else item
-            if layer is None or not any(layer is c for c in candidates):
-                raise errors.InvalidArgumentError(
-                    f"pull_ahead: {getattr(item, 'name', item)!r} is not a distributed "
-                    f"Embedding of model {model.name!r}"
-                )
-            chosen.append(layer)
-        candidates = chosen
+    candidates = chosen_layers(model, wanted, "pull_ahead")
     feeds = []
     for layer in candidates:
         fed = _input_index(layer, inputs)

@@ -33,6 +33,25 @@ def distributed_layers(model: keras.Model) -> list[Embedding]:
     ]
 
 
+def chosen_layers(model: keras.Model, wanted: list[Any] | None, caller: str) -> list[Embedding]:
+    """The distributed `Embedding` layers of `model` that `wanted` names
+    (layer objects or names; None: all of them); `caller` prefixes errors."""
+    candidates = distributed_layers(model)
+    if wanted is None:
+        return candidates
+    by_name = {layer.name: layer for layer in candidates}
+    chosen = []
+    for item in wanted:
+        layer = by_name.get(item) if isinstance(item, str) else item
+        if layer is None or not any(layer is c for c in candidates):
+            raise errors.InvalidArgumentError(
+                f"{caller}: {getattr(item, 'name', item)!r} is not a distributed Embedding of "
+                f"model {model.name!r}"
+            )
+        chosen.append(layer)
+    return chosen
+
+
 def cluster_of(layers: list[Any]) -> tuple[list[str], str]:
     """(addresses, auth token) shared by the layers' clients; [] if embedded."""
     kinds = {tuple(layer.client.pservers) for layer in layers}

@@ -1,5 +1,5 @@
-// Kernels of Dlt>Client (creates or finds the ClientResource), Dlt>CreateTable
-// and Dlt>Flush.
+// Kernels of Dlt>Client (creates or finds the ClientResource), Dlt>CreateTable,
+// Dlt>ConfigureCache, Dlt>DropTable, Dlt>Flush and Dlt>ClientStats.
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -77,6 +77,42 @@ class CreateTableOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>CreateTable").Device(DEVICE_CPU), CreateTableOp);
+
+class ConfigureCacheOp : public OpKernel {
+ public:
+  explicit ConfigureCacheOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string text;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("config", &text));
+    OP_REQUIRES_OK(ctx,
+                   ToAbsl(dlt::DecodeTableConfig(text, &config_), "Dlt>ConfigureCache config"));
+    OP_REQUIRES_OK(ctx, ToAbsl(dlt::ValidateTableConfig(config_), "Dlt>ConfigureCache"));
+    int64_t rows, steps, ms, min_count;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rows", &rows));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_staleness_steps", &steps));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_staleness_ms", &ms));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("min_count", &min_count));
+    OP_REQUIRES(ctx, steps <= UINT32_MAX && ms <= UINT32_MAX,
+                errors::InvalidArgument("staleness bounds must be below 2^32"));
+    OP_REQUIRES(ctx, min_count >= 0 && min_count <= 255,
+                errors::InvalidArgument("min_count must be in [1, 255], got ", min_count));
+    options_.max_rows = static_cast<size_t>(rows);
+    options_.max_staleness_steps = static_cast<uint32_t>(steps);
+    options_.max_staleness_ms = static_cast<uint32_t>(ms);
+    options_.min_count = static_cast<uint32_t>(min_count);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    OP_REQUIRES_OK(ctx, client->ConfigureCache(config_, options_));
+  }
+
+ private:
+  dlt::TableConfig config_;
+  dlt::RowCacheOptions options_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>ConfigureCache").Device(DEVICE_CPU), ConfigureCacheOp);
 
 class DropTableOp : public OpKernel {
  public:

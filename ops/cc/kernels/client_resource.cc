@@ -61,12 +61,54 @@ absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const 
   return status;
 }
 
+absl::Status ClientResource::PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
+                                       const int64_t* ids, size_t n, float* out) {
+  const uint64_t start = Env::Default()->NowMicros();
+  const absl::Status status = ToAbsl(transport_->PullState(table, dim, slot_floats, ids, n, out));
+  Count(status, n, dlt::StateFloats(dim, slot_floats), Env::Default()->NowMicros() - start,
+        counters_.pulls, counters_.pulled_rows, counters_.pull_bytes, counters_.pull_errors,
+        counters_.pull_latency);
+  return status;
+}
+
+absl::Status ClientResource::ConfigureCache(const dlt::TableConfig& config,
+                                            const dlt::RowCacheOptions& options) {
+  if (embedded()) return absl::OkStatus();  // rows are in this process already
+  mutex_lock lock(cache_mu_);
+  if (options.max_rows == 0) {
+    caches_.erase(config.name);
+    return absl::OkStatus();
+  }
+  const std::string error = dlt::RowCacheOptionsError(options);
+  if (!error.empty()) return absl::InvalidArgumentError("table '" + config.name + "': " + error);
+  caches_[config.name] = std::make_shared<dlt::RowCache>(config.dim, config.optimizer, options);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<dlt::RowCache> ClientResource::CacheOf(const std::string& table) const {
+  mutex_lock lock(cache_mu_);
+  if (caches_.empty()) return nullptr;
+  auto it = caches_.find(table);
+  return it == caches_.end() ? nullptr : it->second;
+}
+
+void ClientResource::PushToCache(const std::string& table, const int64_t* ids, const float* grads,
+                                 size_t n, float learning_rate) {
+  if (std::shared_ptr<dlt::RowCache> cache = CacheOf(table)) {
+    cache->Pushed(ids, grads, n, learning_rate);
+  }
+}
+
 absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const int64_t* ids,
                                   const float* grads, size_t n, float learning_rate) {
   const uint64_t start = Env::Default()->NowMicros();
   const absl::Status status = ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate));
   // Even a failed push may have been applied in part.
   pull_ahead_.Pushed(table, ids, n);
+  if (!status.ok()) {
+    // The cache applied it already: read those rows from the shards again.
+    if (std::shared_ptr<dlt::RowCache> cache = CacheOf(table)) cache->Invalidate(ids, n);
+  }
   Count(status, n, dim, Env::Default()->NowMicros() - start, counters_.pushes,
         counters_.pushed_rows, counters_.push_bytes, counters_.push_errors, counters_.push_latency);
   return status;
@@ -81,6 +123,9 @@ void ClientResource::Schedule(std::function<void()> fn) {
 
 void ClientResource::PullAheadOf(const std::string& table, uint32_t dim, dlt::PullMode mode,
                                  const int64_t* ids, size_t n, bool refresh) {
+  // A cached table's lookup serves its hot rows from the cache and pulls
+  // the rest itself (docs/keras.md).
+  if (CacheOf(table) != nullptr) return;
   std::shared_ptr<dlt::PulledAhead> pulled = pull_ahead_.Begin(table, mode, dim, ids, n, refresh);
   Ref();
   Schedule([this, pulled]() {
@@ -116,6 +161,26 @@ std::string ClientResource::StatsJson() const {
   }
   const Counters& c = counters_;
   const dlt::PullAhead::Counts ahead = pull_ahead_.counts();
+  dlt::RowCache::Counts cached;
+  uint64_t cache_bytes = 0, cache_bytes_saved = 0, cache_capacity = 0;
+  {
+    mutex_lock lock(cache_mu_);
+    for (const auto& [name, cache] : caches_) {
+      const dlt::RowCache::Counts k = cache->counts();
+      cached.hits += k.hits;
+      cached.misses += k.misses;
+      cached.fills += k.fills;
+      cached.refreshes += k.refreshes;
+      cached.evictions += k.evictions;
+      cached.applied += k.applied;
+      cached.rows += k.rows;
+      cached.max_steps = std::max(cached.max_steps, k.max_steps);
+      cache_bytes += k.rows * cache->row_bytes();
+      cache_capacity += cache->options().max_rows * cache->row_bytes();
+      // What a pull of those rows would have cost (Count's arithmetic).
+      cache_bytes_saved += k.hits * (sizeof(int64_t) + sizeof(float) * cache->dim());
+    }
+  }
   std::string out = "{";
   const std::pair<const char*, uint64_t> scalars[] = {
       {"pulls", c.pulls.load()},
@@ -132,6 +197,17 @@ std::string ClientResource::StatsJson() const {
       {"pulls_ahead_used", ahead.taken},
       {"pulls_ahead_dropped", ahead.dropped},
       {"pulled_ahead_stale_rows", ahead.stale_rows},
+      {"cache_hits", cached.hits},
+      {"cache_misses", cached.misses},
+      {"cache_fills", cached.fills},
+      {"cache_refreshes", cached.refreshes},
+      {"cache_evictions", cached.evictions},
+      {"cache_applied_rows", cached.applied},
+      {"cache_rows", cached.rows},
+      {"cache_bytes", cache_bytes},
+      {"cache_capacity_bytes", cache_capacity},
+      {"cache_bytes_saved", cache_bytes_saved},
+      {"cache_max_staleness_steps", cached.max_steps},
   };
   for (const auto& [name, value] : scalars) {
     out += "\"" + std::string(name) + "\":" + std::to_string(value) + ",";
@@ -145,6 +221,8 @@ std::string ClientResource::StatsJson() const {
   AppendHistogram("worker_wait", c.worker_wait, &out);
   out += ",";
   AppendHistogram("push_wait", c.push_wait, &out);
+  out += ",";
+  AppendHistogram("cache_staleness", c.cache_staleness, &out);
   out += "}";
   return out;
 }
@@ -153,6 +231,7 @@ absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, cons
                                     const float* values, size_t n) {
   const absl::Status status = ToAbsl(transport_->Assign(table, dim, ids, values, n));
   pull_ahead_.Pushed(table, ids, n);
+  if (std::shared_ptr<dlt::RowCache> cache = CacheOf(table)) cache->Invalidate(ids, n);
   return status;
 }
 

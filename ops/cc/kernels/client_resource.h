@@ -20,6 +20,7 @@
 #include "native/core/work_queue.h"
 #include "native/net/client.h"
 #include "native/net/pull_ahead.h"
+#include "native/net/row_cache.h"
 #include "native/net/server_stats.h"
 #include "native/net/transport.h"
 #include "tensorflow/core/framework/resource_base.h"
@@ -57,6 +58,24 @@ class ClientResource : public ResourceBase {
   // Blocking pull of `n` distinct ids into `out` ([n, dim]).
   absl::Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                     dlt::PullMode mode, float* out);
+  // Blocking pull of `n` distinct ids with their optimizer state into `out`
+  // ([n, StateFloats(dim, slot_floats)]; Client::PullState).
+  absl::Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
+                         const int64_t* ids, size_t n, float* out);
+  // Keeps a hot-row cache of `config`'s table (dlt::RowCache; replacing
+  // one it has), or with options.max_rows 0 none. No-op when embedded.
+  absl::Status ConfigureCache(const dlt::TableConfig& config, const dlt::RowCacheOptions& options);
+  // The cache of `table`, or null.
+  std::shared_ptr<dlt::RowCache> CacheOf(const std::string& table) const;
+  // Records the staleness of a cached lookup's oldest row (`plan`).
+  void CountCached(const dlt::RowCache::Plan& plan) {
+    if (plan.hits > 0) counters_.cache_staleness.Record(plan.oldest_ms * 1000);
+  }
+  // Applies this client's push to the cached rows of `table` (at once, so
+  // the next lookup reads it even while the push is on its way).
+  void PushToCache(const std::string& table, const int64_t* ids, const float* grads, size_t n,
+                   float learning_rate);
+
   // Blocking assignment of `n` rows (fresh slots).
   absl::Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* values, size_t n);
@@ -141,6 +160,8 @@ class ClientResource : public ResourceBase {
     // Waiting for a worker thread, and a push waiting to be admitted
     // (max_inflight_pushes in flight): time a training step may stall.
     dlt::LatencyHistogram worker_wait, push_wait;
+    // Per cached lookup: how long ago its oldest cached row was pulled.
+    dlt::LatencyHistogram cache_staleness;
   };
   // Counts one call of `rows` rows of `dim` floats that took `micros`.
   static void Count(const absl::Status& status, size_t rows, uint32_t dim, uint64_t micros,
@@ -159,6 +180,8 @@ class ClientResource : public ResourceBase {
   std::vector<std::function<void(absl::Status)>> flush_waiters_ TF_GUARDED_BY(mu_);
   absl::Status async_error_ TF_GUARDED_BY(mu_);
   dlt::PullAhead pull_ahead_;
+  mutable mutex cache_mu_;
+  std::map<std::string, std::shared_ptr<dlt::RowCache>> caches_ TF_GUARDED_BY(cache_mu_);
   dlt::WorkQueue work_;  // last: destroyed (drained) first
 };
 

@@ -3,6 +3,7 @@
 // by bucket, every touched shard at once) and the rows stitched back in input
 // order; ComputeAsync never blocks. Embedded: the in-process table is read in
 // place.
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,69 @@ absl::Status PullDistinct(ClientResource* c, const std::string& table, uint32_t 
   absl::Status status = c->Pull(table, dim, unique.data(), unique.size(), mode, distinct.data());
   if (status.ok()) dlt::GatherBySlot(distinct.data(), slot.data(), n, dim, rows);
   return status;
+}
+
+// Pulls `n` ids into `rows` ([n, dim], input order) through the table's
+// hot-row cache: each distinct id once; fresh cached rows are served, the
+// frequent ids' rows (and stale cached ones) pulled with their state and
+// cached, the rest pulled plainly. Runs on a worker thread.
+absl::Status PullCached(ClientResource* c, dlt::RowCache* cache, const std::string& table,
+                        uint32_t dim, dlt::PullMode mode, const int64_t* id, int64_t n,
+                        float* rows) {
+  thread_local dlt::Deduper dedup;
+  thread_local std::vector<int64_t> unique, slot, some_ids;
+  thread_local std::vector<float> distinct, states, some_rows;
+  thread_local std::vector<uint32_t> absent;
+  thread_local dlt::RowCache::Plan plan;
+  dedup.Run(id, n, &unique, &slot);
+  distinct.resize(unique.size() * dim);
+  const int64_t now_ms = static_cast<int64_t>(Env::Default()->NowMicros() / 1000);
+  cache->Lookup(unique.data(), unique.size(), now_ms, distinct.data(), &plan);
+  c->CountCached(plan);
+  // Scatters `some_rows` (rows of the positions `at`) into `distinct`.
+  auto scatter = [dim](const std::vector<uint32_t>& at) {
+    for (size_t k = 0; k < at.size(); ++k) {
+      std::memcpy(&distinct[size_t{at[k]} * dim], &some_rows[k * dim], sizeof(float) * dim);
+    }
+  };
+  if (!plan.fill.empty()) {
+    some_ids.resize(plan.fill.size());
+    for (size_t k = 0; k < plan.fill.size(); ++k) some_ids[k] = unique[plan.fill[k]];
+    states.resize(plan.fill.size() * dlt::StateFloats(dim, cache->slot_floats()));
+    absl::Status status = c->PullState(table, dim, cache->slot_floats(), some_ids.data(),
+                                       some_ids.size(), states.data());
+    if (!status.ok()) {
+      return absl::Status(status.code(), "hot-row cache of table '" + table +
+                                             "': " + std::string(status.message()));
+    }
+    some_rows.resize(plan.fill.size() * dim);
+    cache->Fill(some_ids.data(), some_ids.size(), states.data(), now_ms, some_rows.data(), &absent);
+    for (uint32_t a : absent) plan.plain.push_back(plan.fill[a]);
+    if (!absent.empty()) {  // not written by Fill; overwritten by the plain pull below
+      size_t kept = 0;
+      for (size_t k = 0, a = 0; k < plan.fill.size(); ++k) {
+        if (a < absent.size() && absent[a] == k) {
+          ++a;
+          continue;
+        }
+        plan.fill[kept] = plan.fill[k];
+        std::memmove(&some_rows[kept * dim], &some_rows[k * dim], sizeof(float) * dim);
+        ++kept;
+      }
+      plan.fill.resize(kept);
+    }
+    scatter(plan.fill);
+  }
+  if (!plan.plain.empty()) {
+    some_ids.resize(plan.plain.size());
+    for (size_t k = 0; k < plan.plain.size(); ++k) some_ids[k] = unique[plan.plain[k]];
+    some_rows.resize(plan.plain.size() * dim);
+    TF_RETURN_IF_ERROR(
+        c->Pull(table, dim, some_ids.data(), some_ids.size(), mode, some_rows.data()));
+    scatter(plan.plain);
+  }
+  dlt::GatherBySlot(distinct.data(), slot.data(), n, dim, rows);
+  return absl::OkStatus();
 }
 
 // The rows of a pull ahead that finished: the ids pushed since it began are
@@ -107,6 +171,12 @@ class LookupOp : public AsyncOpKernel {
       c->Unref();
       done();
     };
+    if (std::shared_ptr<dlt::RowCache> cache = c->CacheOf(table_)) {
+      c->Schedule([this, c, ids, id, n, rows, cache, finish]() {
+        finish(PullCached(c, cache.get(), table_, dim_, mode_, id, n, rows));
+      });
+      return;
+    }
     std::shared_ptr<dlt::PulledAhead> ahead = c->TakePulledAhead(table_, dim_, mode_, id, n);
     if (ahead == nullptr) {
       c->Schedule([this, c, ids, id, n, rows, finish]() {

@@ -44,13 +44,19 @@ class PushOp : public AsyncOpKernel {
       return;
     }
     ClientResource* c = client.get();
+    c->PushToCache(table_, ids.flat<int64_t>().data(), grads.flat<float>().data(),
+                   static_cast<size_t>(n), learning_rate);
     auto work = [c, ids, grads, n, learning_rate, table = table_, dim = dim_]() {
       return c->Push(table, dim, ids.flat<int64_t>().data(), grads.flat<float>().data(),
                      static_cast<size_t>(n), learning_rate);
     };
     const bool sync = sync_;
-    auto admitted = [ctx, done, sync](absl::Status status) {
+    auto admitted = [ctx, done, sync, c, ids, n, table = table_](absl::Status status) {
       if (!status.ok()) {
+        // Never sent: the cached rows it changed are read again.
+        if (auto cache = c->CacheOf(table)) {
+          cache->Invalidate(ids.flat<int64_t>().data(), static_cast<size_t>(n));
+        }
         ctx->SetStatus(status);
         done();
       } else if (!sync) {

@@ -55,6 +55,23 @@ config: the table's configuration as dlt::EncodeTableConfig writes it
 (tf_dlt.ops.create_table makes it from a tf_dlt.TableConfig).
 )doc");
 
+REGISTER_OP("Dlt>ConfigureCache")
+    .Input("client: resource")
+    .Attr("config: string")
+    .Attr("rows: int >= 0")
+    .Attr("max_staleness_steps: int >= 0 = 0")
+    .Attr("max_staleness_ms: int >= 0 = 0")
+    .Attr("min_count: int = 2")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Keeps a hot-row cache of the table `config` describes in a client of shard
+servers (a no-op for an embedded client): at most `rows` rows of ids looked up
+`min_count` times, with their optimizer state; the client's pushes are applied
+to them with the table's optimizer, and a row is pulled again once it is
+`max_staleness_steps` lookups or `max_staleness_ms` old. rows 0 removes it.
+)doc");
+
 REGISTER_OP("Dlt>DropTable")
     .Input("client: resource")
     .Attr("table: string")

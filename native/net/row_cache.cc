@@ -1,0 +1,255 @@
+#include "native/net/row_cache.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "native/core/dedup.h"
+#include "native/core/optimizer.h"
+#include "native/core/routing.h"
+#include "native/core/table.h"
+
+namespace dlt {
+namespace {
+
+constexpr uint32_t kSketchRows = 4;
+constexpr uint32_t kSampled = 8;  // rows compared when the cache is full
+
+uint64_t NextRandom(uint64_t* state) {
+  *state ^= *state << 13;
+  *state ^= *state >> 7;
+  *state ^= *state << 17;
+  return *state;
+}
+
+}  // namespace
+
+std::string RowCacheOptionsError(const RowCacheOptions& options) {
+  if (options.max_rows == 0) return "a hot-row cache needs rows >= 1";
+  if (options.max_rows > (size_t{1} << 31)) return "a hot-row cache holds at most 2^31 rows";
+  if (options.max_staleness_steps == 0 && options.max_staleness_ms == 0) {
+    return "a hot-row cache needs a staleness bound: max_staleness_steps or max_staleness_ms "
+           "(other trainers' pushes reach cached rows only when they are refreshed)";
+  }
+  if (options.min_count == 0 || options.min_count > 255) {
+    return "a hot-row cache's min_count must be in [1, 255], got " +
+           std::to_string(options.min_count);
+  }
+  return "";
+}
+
+RowCache::RowCache(uint32_t dim, const OptimizerConfig& optimizer, RowCacheOptions options)
+    : dim_(dim),
+      optimizer_(optimizer),
+      options_(options),
+      slot_floats_(SlotsPerValue(optimizer.kind) * dim),
+      // Enough counters to tell the cached rows' frequencies apart.
+      sketch_width_(static_cast<uint32_t>(
+          std::min<size_t>(size_t{1} << 26, std::max<size_t>(1024, options.max_rows * 4)))),
+      sketch_(size_t{kSketchRows} * sketch_width_, 0) {}
+
+size_t RowCache::row_bytes() const {
+  // Values and slots, step, fill stamps, id, and an unordered_map node.
+  return sizeof(float) * (dim_ + slot_floats_) + sizeof(uint32_t) + 2 * sizeof(uint64_t) +
+         sizeof(int64_t) + 48;
+}
+
+uint32_t RowCache::Estimate(int64_t id) const {
+  const uint64_t h = Mix64(static_cast<uint64_t>(id));
+  uint32_t best = 255;
+  for (uint32_t r = 0; r < kSketchRows; ++r) {
+    const uint32_t col = static_cast<uint32_t>((h >> (16 * r)) % sketch_width_);
+    best = std::min<uint32_t>(best, sketch_[size_t{r} * sketch_width_ + col]);
+  }
+  return best;
+}
+
+uint32_t RowCache::Count(int64_t id) {
+  // Conservative update: only the counters at the minimum grow.
+  const uint64_t h = Mix64(static_cast<uint64_t>(id));
+  const uint32_t current = Estimate(id);
+  if (current < 255) {
+    for (uint32_t r = 0; r < kSketchRows; ++r) {
+      uint8_t& c = sketch_[size_t{r} * sketch_width_ +
+                           static_cast<uint32_t>((h >> (16 * r)) % sketch_width_)];
+      if (c == current) ++c;
+    }
+  }
+  if (++counted_ >= uint64_t{sketch_width_} * 8) {  // age: recent frequency wins
+    for (uint8_t& c : sketch_) c >>= 1;
+    counted_ = 0;
+  }
+  return std::min<uint32_t>(current + 1, 255);
+}
+
+int64_t RowCache::SlotFor(uint32_t count) {
+  if (ids_.size() < options_.max_rows) {
+    ids_.push_back(0);
+    data_.resize(data_.size() + dim_ + slot_floats_);
+    steps_.push_back(0);
+    filled_step_.push_back(0);
+    filled_ms_.push_back(0);
+    return static_cast<int64_t>(ids_.size() - 1);
+  }
+  uint32_t victim = 0, victim_count = 256;
+  const bool all = ids_.size() <= kSampled;  // a small cache: every row
+  for (uint32_t k = 0; k < (all ? ids_.size() : kSampled); ++k) {
+    const auto slot = all ? k : static_cast<uint32_t>(NextRandom(&sample_) % ids_.size());
+    const uint32_t c = Estimate(ids_[slot]);
+    if (c < victim_count) {
+      victim = slot;
+      victim_count = c;
+    }
+  }
+  if (victim_count >= count) return -1;
+  index_.erase(ids_[victim]);
+  ++counts_.evictions;
+  return victim;
+}
+
+void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows, Plan* plan) {
+  plan->fill.clear();
+  plan->plain.clear();
+  plan->hits = 0;
+  plan->oldest_steps = 0;
+  plan->oldest_ms = 0;
+  const size_t stride = dim_ + slot_floats_;
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t now_step = ++clock_;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t count = Count(ids[i]);
+    auto it = index_.find(ids[i]);
+    if (it != index_.end()) {
+      const uint32_t slot = it->second;
+      const uint64_t age_steps = now_step - filled_step_[slot];
+      const int64_t age_ms = now_ms - filled_ms_[slot];
+      const bool fresh =
+          (options_.max_staleness_steps == 0 || age_steps < options_.max_staleness_steps) &&
+          (options_.max_staleness_ms == 0 ||
+           age_ms < static_cast<int64_t>(options_.max_staleness_ms));
+      if (fresh) {
+        std::memcpy(rows + i * dim_, &data_[slot * stride], sizeof(float) * dim_);
+        ++plan->hits;
+        plan->oldest_steps = std::max<uint32_t>(plan->oldest_steps, age_steps);
+        plan->oldest_ms = std::max(plan->oldest_ms, age_ms);
+        continue;
+      }
+      plan->fill.push_back(static_cast<uint32_t>(i));  // a refresh
+      continue;
+    }
+    (count >= options_.min_count ? plan->fill : plan->plain).push_back(static_cast<uint32_t>(i));
+  }
+  counts_.hits += plan->hits;
+  counts_.misses += n - plan->hits;
+  counts_.max_steps = std::max<uint64_t>(counts_.max_steps, plan->oldest_steps);
+}
+
+void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t now_ms, float* rows,
+                    std::vector<uint32_t>* absent) {
+  absent->clear();
+  const size_t width = StateFloats(dim_, slot_floats_);
+  const size_t stride = dim_ + slot_floats_;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) {
+    const float* state = states + i * width;
+    uint32_t step;
+    std::memcpy(&step, state + width - 1, sizeof(step));
+    auto it = index_.find(ids[i]);
+    if (step == kNoState) {
+      if (it != index_.end()) {  // gone from the shards (evicted, expired)
+        const uint32_t slot = it->second;
+        index_.erase(it);
+        // The slot stays; moving the last row into it keeps slots dense.
+        const uint32_t last = static_cast<uint32_t>(ids_.size() - 1);
+        if (slot != last) {
+          ids_[slot] = ids_[last];
+          std::memcpy(&data_[slot * stride], &data_[last * stride], sizeof(float) * stride);
+          steps_[slot] = steps_[last];
+          filled_step_[slot] = filled_step_[last];
+          filled_ms_[slot] = filled_ms_[last];
+          index_[ids_[slot]] = slot;
+        }
+        ids_.pop_back();
+        data_.resize(data_.size() - stride);
+        steps_.pop_back();
+        filled_step_.pop_back();
+        filled_ms_.pop_back();
+      }
+      absent->push_back(static_cast<uint32_t>(i));
+      continue;
+    }
+    std::memcpy(rows + i * dim_, state, sizeof(float) * dim_);
+    int64_t slot;
+    if (it != index_.end()) {
+      slot = it->second;
+      ++counts_.refreshes;
+    } else {
+      slot = SlotFor(Estimate(ids[i]));
+      if (slot < 0) continue;  // rarer than every row sampled: not cached
+      index_[ids[i]] = static_cast<uint32_t>(slot);
+      ids_[slot] = ids[i];
+    }
+    std::memcpy(&data_[slot * stride], state, sizeof(float) * stride);
+    steps_[slot] = step;
+    filled_step_[slot] = clock_;
+    filled_ms_[slot] = now_ms;
+    ++counts_.fills;
+  }
+}
+
+void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr) {
+  // As Table::Push: an id's rows are summed in order (and, for Keras
+  // Adagrad, their squares), then applied once.
+  thread_local Deduper dedup;
+  thread_local std::vector<int64_t> unique, slot;
+  thread_local std::vector<float> summed, squares;
+  thread_local std::vector<uint32_t> occurrences;
+  dedup.Run(ids, static_cast<int64_t>(n), &unique, &slot);
+  const bool repeated = unique.size() < n;
+  const bool keep_squares = optimizer_.kind == OptimizerKind::kKerasAdagrad;
+  if (repeated) {
+    summed.assign(unique.size() * dim_, 0.0f);
+    occurrences.assign(unique.size(), 0);
+    if (keep_squares) squares.assign(unique.size() * dim_, 0.0f);
+    for (size_t i = 0; i < n; ++i) {
+      const float* g = grads + i * dim_;
+      float* acc = &summed[size_t(slot[i]) * dim_];
+      for (uint32_t j = 0; j < dim_; ++j) acc[j] += g[j];
+      ++occurrences[slot[i]];
+      if (!keep_squares) continue;
+      float* sq = &squares[size_t(slot[i]) * dim_];
+      for (uint32_t j = 0; j < dim_; ++j) sq[j] += g[j] * g[j];
+    }
+  }
+  const size_t stride = dim_ + slot_floats_;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t u = 0; u < unique.size(); ++u) {
+    auto it = index_.find(unique[u]);
+    if (it == index_.end()) continue;
+    float* row = &data_[size_t{it->second} * stride];
+    const float* g = repeated ? &summed[u * dim_] : grads + u * dim_;
+    const float* sq = repeated && keep_squares && occurrences[u] > 1 ? &squares[u * dim_] : nullptr;
+    ApplyRow(optimizer_, dim_, lr, g, sq, row, row + dim_, &steps_[it->second]);
+    ++counts_.applied;
+  }
+}
+
+void RowCache::Invalidate(const int64_t* ids, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) {
+    auto it = index_.find(ids[i]);
+    // Marked as pulled long ago: the next lookup refreshes it.
+    if (it == index_.end()) continue;
+    filled_step_[it->second] = clock_ - (uint64_t{1} << 40);
+    filled_ms_[it->second] = INT64_MIN / 4;
+  }
+}
+
+RowCache::Counts RowCache::counts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Counts c = counts_;
+  c.rows = ids_.size();
+  return c;
+}
+
+}  // namespace dlt

@@ -1,0 +1,109 @@
+// RowCache: a trainer's copy of the rows of one table's most frequent ids,
+// with their optimizer state, so lookups of hot ids skip the shards. Rows
+// come from kState pulls (values, slots and step). The trainer's own pushes
+// are applied to the cached rows with the table's optimizer (ApplyRow, the
+// shards' arithmetic), so a single trainer reads what the shards hold; other
+// trainers' pushes are seen when a row is refreshed, which happens once it
+// is max_staleness_steps lookups or max_staleness_ms old. An id is cached
+// once it was looked up min_count times (a count-min sketch, halved as it
+// fills); when full, a newcomer replaces the least frequent of a few sampled
+// rows if it is more frequent. No TF headers: the C++ suite tests it.
+#ifndef TF_DLT_NATIVE_NET_ROW_CACHE_H_
+#define TF_DLT_NATIVE_NET_ROW_CACHE_H_
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "native/core/table_config.h"
+
+namespace dlt {
+
+struct RowCacheOptions {
+  size_t max_rows = 0;               // the memory bound: rows held at most
+  uint32_t max_staleness_steps = 0;  // lookups of the table; 0: no bound
+  uint32_t max_staleness_ms = 0;     // 0: no bound (one of the two must be set)
+  uint32_t min_count = 2;            // lookups of an id before it is cached
+};
+
+// Checks `options` for a table of `dim`; the message names what is wrong.
+std::string RowCacheOptionsError(const RowCacheOptions& options);
+
+class RowCache {
+ public:
+  RowCache(uint32_t dim, const OptimizerConfig& optimizer, RowCacheOptions options);
+
+  uint32_t dim() const { return dim_; }
+  uint32_t slot_floats() const { return slot_floats_; }
+  const RowCacheOptions& options() const { return options_; }
+  const OptimizerConfig& optimizer() const { return optimizer_; }
+  // Memory one cached row takes, its index entry included (an estimate).
+  size_t row_bytes() const;
+
+  // How a lookup splits its distinct ids.
+  struct Plan {
+    std::vector<uint32_t> fill;   // positions to pull with their state (Fill)
+    std::vector<uint32_t> plain;  // positions to pull without
+    size_t hits = 0;
+    uint32_t oldest_steps = 0;  // the oldest row served: lookups and ms since its pull
+    int64_t oldest_ms = 0;
+  };
+  // One lookup of the distinct `ids` (one step of the cache's clock) at
+  // `now_ms`: the fresh cached rows go to `rows` ([n, dim], by position);
+  // `plan` gets the other positions: rows to (re)fill, and the rest.
+  void Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows, Plan* plan);
+  // Rows pulled with their state ([n, StateFloats(dim, slot_floats)]) for
+  // `ids`: cached (refreshed) and their values written to `rows` ([n, dim]).
+  // The positions the shards hold no row for (kNoState) go to `absent`.
+  void Fill(const int64_t* ids, size_t n, const float* states, int64_t now_ms, float* rows,
+            std::vector<uint32_t>* absent);
+  // This trainer pushed `grads` ([n, dim]) for `ids`: applied to the cached
+  // ones as the shards apply it (repeated ids summed first).
+  void Pushed(const int64_t* ids, const float* grads, size_t n, float lr);
+  // Forgets the cached rows of `ids` (an assignment, a failed push).
+  void Invalidate(const int64_t* ids, size_t n);
+
+  struct Counts {
+    uint64_t hits = 0;       // distinct ids served from the cache
+    uint64_t misses = 0;     // distinct ids pulled (filled or not)
+    uint64_t fills = 0;      // rows put in the cache
+    uint64_t refreshes = 0;  // of those, rows that were cached but too old
+    uint64_t evictions = 0;  // rows replaced by more frequent ones
+    uint64_t applied = 0;    // pushed rows applied locally
+    uint64_t rows = 0;       // rows held now
+    uint64_t max_steps = 0;  // the oldest row ever served, in lookups
+  };
+  Counts counts() const;
+
+ private:
+  uint32_t Count(int64_t id);  // counts one lookup of `id`; the estimate
+  uint32_t Estimate(int64_t id) const;
+  // A slot for a new row: a free one, or the least frequent of a sample if
+  // it is rarer than `count` (evicted); -1: none.
+  int64_t SlotFor(uint32_t count);
+
+  const uint32_t dim_;
+  const OptimizerConfig optimizer_;
+  const RowCacheOptions options_;
+  const uint32_t slot_floats_;
+  const uint32_t sketch_width_;
+  mutable std::mutex mu_;
+  uint64_t clock_ = 0;  // lookups so far
+  std::unordered_map<int64_t, uint32_t> index_;
+  // Per slot: id, values and slots, step, and when it was pulled.
+  std::vector<int64_t> ids_;
+  std::vector<float> data_;
+  std::vector<uint32_t> steps_;
+  std::vector<uint64_t> filled_step_;
+  std::vector<int64_t> filled_ms_;
+  std::vector<uint8_t> sketch_;  // 4 rows of sketch_width_ 8-bit counters
+  uint64_t counted_ = 0;         // since the sketch was last halved
+  uint64_t sample_ = 0x9e3779b97f4a7c15ull;
+  Counts counts_;
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_ROW_CACHE_H_

@@ -1,0 +1,223 @@
+// RowCache against a real Table: a trainer's cached rows, with its own pushes
+// applied locally, read exactly what the table holds; other writers' pushes
+// show once a row is refreshed; the memory bound, admission and eviction.
+// The "shards" are one Table in this process.
+#include "native/net/row_cache.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "native/core/table.h"
+#include "tests/cpp/harness.h"
+
+namespace dlt {
+namespace {
+
+TableConfig CacheTableConfig(OptimizerKind kind) {
+  TableConfig c;
+  c.name = "emb";
+  c.dim = 4;
+  c.optimizer.kind = kind;
+  c.initializer.kind = InitializerKind::kUniform;
+  c.seed = 3;
+  return c;
+}
+
+// One lookup of distinct `ids` through `cache`, pulling from `table` as the
+// lookup kernel does; returns the rows ([n, dim]).
+std::vector<float> CachedLookup(RowCache* cache, Table* table, const std::vector<int64_t>& ids,
+                                int64_t now_ms, RowCache::Plan* plan) {
+  const uint32_t dim = cache->dim();
+  std::vector<float> rows(ids.size() * dim, -1.0f);
+  cache->Lookup(ids.data(), ids.size(), now_ms, rows.data(), plan);
+  std::vector<uint32_t> plain = plan->plain;
+  if (!plan->fill.empty()) {
+    std::vector<int64_t> fill_ids;
+    for (uint32_t p : plan->fill) fill_ids.push_back(ids[p]);
+    std::vector<float> states(fill_ids.size() * StateFloats(dim, cache->slot_floats()));
+    EXPECT_OK(table->Pull(fill_ids.data(), fill_ids.size(), PullMode::kState, states.data()));
+    std::vector<float> filled(fill_ids.size() * dim);
+    std::vector<uint32_t> absent;
+    cache->Fill(fill_ids.data(), fill_ids.size(), states.data(), now_ms, filled.data(), &absent);
+    size_t a = 0;
+    for (size_t k = 0; k < plan->fill.size(); ++k) {
+      if (a < absent.size() && absent[a] == k) {
+        ++a;
+        plain.push_back(plan->fill[k]);
+        continue;
+      }
+      std::memcpy(&rows[plan->fill[k] * dim], &filled[k * dim], sizeof(float) * dim);
+    }
+  }
+  for (uint32_t p : plain) {
+    EXPECT_OK(table->Pull(&ids[p], 1, PullMode::kInsert, &rows[p * dim]));
+  }
+  return rows;
+}
+
+RowCacheOptions Options(size_t max_rows, uint32_t steps, uint32_t ms, uint32_t min_count) {
+  RowCacheOptions options;
+  options.max_rows = max_rows;
+  options.max_staleness_steps = steps;
+  options.max_staleness_ms = ms;
+  options.min_count = min_count;
+  return options;
+}
+
+std::vector<float> TableRows(Table* table, const std::vector<int64_t>& ids) {
+  std::vector<float> rows(ids.size() * table->dim());
+  EXPECT_OK(table->Pull(ids.data(), ids.size(), PullMode::kInsert, rows.data()));
+  return rows;
+}
+
+// Distinct Zipf-like ids: a few hot ones in every batch, a tail that varies.
+std::vector<int64_t> Batch(std::mt19937_64* rng) {
+  std::vector<int64_t> ids = {1, 2, 3, 4, 5};
+  for (int k = 0; k < 6; ++k) ids.push_back(100 + static_cast<int64_t>((*rng)() % 50));
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+DLT_TEST(RowCacheWithOwnPushesReadsExactlyWhatTheTableHolds) {
+  for (OptimizerKind kind :
+       {OptimizerKind::kSgd, OptimizerKind::kAdagrad, OptimizerKind::kKerasAdagrad,
+        OptimizerKind::kAdam, OptimizerKind::kFtrl}) {
+    const TableConfig config = CacheTableConfig(kind);
+    Table table(config);
+    RowCache cache(config.dim, config.optimizer, Options(64, 1000, 0, 2));
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<float> grad(-1.0f, 1.0f);
+    size_t hits = 0;
+    for (int step = 0; step < 40; ++step) {
+      const std::vector<int64_t> ids = Batch(&rng);
+      RowCache::Plan plan;
+      const std::vector<float> rows = CachedLookup(&cache, &table, ids, 0, &plan);
+      hits += plan.hits;
+      EXPECT(rows == TableRows(&table, ids));  // bitwise: the same arithmetic
+      // Per occurrence, as the Keras layer pushes: repeated ids are summed.
+      std::vector<int64_t> pushed = ids;
+      pushed.insert(pushed.end(), {ids[0], ids[1], ids[0]});
+      std::vector<float> grads(pushed.size() * config.dim);
+      for (float& g : grads) g = grad(rng);
+      EXPECT_OK(table.Push(pushed.data(), grads.data(), pushed.size(), 0.05f));
+      cache.Pushed(pushed.data(), grads.data(), pushed.size(), 0.05f);
+    }
+    EXPECT(hits > 150);  // the 5 hot ids from the third step on, and part of the tail
+    EXPECT(cache.counts().applied > 0 && cache.counts().refreshes == 0);
+  }
+}
+
+DLT_TEST(RowCacheRefreshesRowsOtherWritersChangedAfterTheStalenessBound) {
+  const TableConfig config = CacheTableConfig(OptimizerKind::kAdagrad);
+  Table table(config);
+  RowCache cache(config.dim, config.optimizer, Options(8, 3, 0, 1));
+  const std::vector<int64_t> ids = {10, 11};
+  TableRows(&table, ids);  // the rows exist
+  RowCache::Plan plan;
+  CachedLookup(&cache, &table, ids, 0, &plan);  // lookup 1: pulled and cached
+  EXPECT(plan.fill.size() == 2 && plan.hits == 0);
+  const std::vector<float> grads(2 * config.dim, 0.5f);
+  EXPECT_OK(table.Push(ids.data(), grads.data(), 2, 0.1f));  // another trainer's push
+  const std::vector<float> old_rows = CachedLookup(&cache, &table, ids, 0, &plan);  // lookup 2
+  EXPECT(plan.hits == 2 && plan.oldest_steps == 1);
+  EXPECT(old_rows != TableRows(&table, ids));   // stale, within the bound
+  CachedLookup(&cache, &table, ids, 0, &plan);  // lookup 3: 2 lookups old
+  EXPECT(plan.hits == 2 && plan.oldest_steps == 2);
+  const std::vector<float> fresh = CachedLookup(&cache, &table, ids, 0, &plan);  // 3 old
+  EXPECT(plan.hits == 0 && plan.fill.size() == 2);
+  EXPECT(fresh == TableRows(&table, ids));
+  EXPECT(cache.counts().refreshes == 2 && cache.counts().max_steps == 2);
+}
+
+DLT_TEST(RowCacheRefreshesAfterMaxStalenessMs) {
+  const TableConfig config = CacheTableConfig(OptimizerKind::kSgd);
+  Table table(config);
+  RowCache cache(config.dim, config.optimizer, Options(8, 0, 100, 1));
+  const std::vector<int64_t> ids = {10};
+  TableRows(&table, ids);
+  RowCache::Plan plan;
+  CachedLookup(&cache, &table, ids, 1000, &plan);
+  CachedLookup(&cache, &table, ids, 1099, &plan);
+  EXPECT(plan.hits == 1 && plan.oldest_ms == 99);
+  CachedLookup(&cache, &table, ids, 1100, &plan);
+  EXPECT(plan.hits == 0 && plan.fill.size() == 1);
+}
+
+DLT_TEST(RowCacheAdmitsFrequentIdsAndHoldsAtMostMaxRows) {
+  const TableConfig config = CacheTableConfig(OptimizerKind::kSgd);
+  Table table(config);
+  RowCache cache(config.dim, config.optimizer, Options(4, 1000, 0, 2));
+  RowCache::Plan plan;
+  // Seen once: pulled plainly, not cached.
+  CachedLookup(&cache, &table, {1, 2, 3}, 0, &plan);
+  EXPECT(plan.plain.size() == 3 && plan.fill.empty() && cache.counts().rows == 0);
+  CachedLookup(&cache, &table, {1, 2, 3}, 0, &plan);
+  EXPECT(plan.fill.size() == 3 && cache.counts().rows == 3);
+  CachedLookup(&cache, &table, {1, 2, 3, 4}, 0, &plan);
+  CachedLookup(&cache, &table, {1, 2, 3, 4}, 0, &plan);
+  EXPECT(plan.hits == 3 && plan.fill.size() == 1 && cache.counts().rows == 4);
+  // Full: a newcomer takes a slot only once it is more frequent than the
+  // rarest row sampled (id 4 was looked up twice).
+  for (int k = 0; k < 2; ++k) CachedLookup(&cache, &table, {9}, 0, &plan);
+  EXPECT(cache.counts().rows == 4 && cache.counts().evictions == 0);
+  CachedLookup(&cache, &table, {9}, 0, &plan);
+  CachedLookup(&cache, &table, {9}, 0, &plan);
+  EXPECT(plan.hits == 1 && cache.counts().rows == 4 && cache.counts().evictions == 1);
+}
+
+DLT_TEST(RowCacheInvalidateAndRowsGoneFromTheTable) {
+  const TableConfig config = CacheTableConfig(OptimizerKind::kSgd);
+  Table table(config);
+  RowCache cache(config.dim, config.optimizer, Options(8, 1000, 0, 1));
+  RowCache::Plan plan;
+  TableRows(&table, {1, 2});
+  CachedLookup(&cache, &table, {1, 2}, 0, &plan);
+  const int64_t one = 1;
+  cache.Invalidate(&one, 1);
+  CachedLookup(&cache, &table, {1, 2}, 0, &plan);
+  EXPECT(plan.hits == 1 && plan.fill.size() == 1);
+  // Gone from the table (evicted, expired): no state, pulled plainly and
+  // dropped from the cache.
+  EXPECT(table.Erase(&one, 1) == 1);
+  cache.Invalidate(&one, 1);
+  const std::vector<float> rows = CachedLookup(&cache, &table, {1, 2}, 0, &plan);
+  EXPECT(rows == TableRows(&table, {1, 2}));
+  EXPECT(cache.counts().rows == 1);
+}
+
+DLT_TEST(RowCacheOptionsNeedRowsAndAStalenessBound) {
+  RowCacheOptions options;
+  EXPECT(RowCacheOptionsError(options).find("rows") != std::string::npos);
+  options.max_rows = 10;
+  EXPECT(RowCacheOptionsError(options).find("staleness") != std::string::npos);
+  options.max_staleness_ms = 5;
+  EXPECT(RowCacheOptionsError(options).empty());
+  options.min_count = 0;
+  EXPECT(RowCacheOptionsError(options).find("min_count") != std::string::npos);
+}
+
+DLT_TEST(TableStatePullReadsValuesSlotsAndStepInsertingNothing) {
+  const TableConfig config = CacheTableConfig(OptimizerKind::kAdagrad);
+  Table table(config);
+  const std::vector<int64_t> ids = {4, 9};
+  const std::vector<float> grads(config.dim, 1.0f);
+  EXPECT_OK(table.Push(ids.data(), grads.data(), 1, 0.1f));  // id 4 exists; 9 does not
+  const uint32_t width = StateFloats(config.dim, table.slot_floats());
+  std::vector<float> states(2 * width);
+  EXPECT_OK(table.Pull(ids.data(), 2, PullMode::kState, states.data()));
+  uint32_t step4, step9;
+  std::memcpy(&step4, &states[width - 1], 4);
+  std::memcpy(&step9, &states[2 * width - 1], 4);
+  EXPECT(step4 == 1 && step9 == kNoState);
+  EXPECT(std::vector<float>(states.begin(), states.begin() + config.dim) == TableRows(&table, {4}));
+  EXPECT(states[config.dim] == 0.1f + 1.0f);  // the accumulator: initial + g^2
+  EXPECT(table.ram_rows() == 1);
+}
+
+}  // namespace
+}  // namespace dlt

@@ -1,0 +1,170 @@
+"""tf_dlt.hot_row_cache: hot rows served from the trainer, with its own pushes
+applied as the shards apply them (under sync_push=True training is the same
+as without the cache), other trainers' pushes seen within the staleness
+bound, failed pushes forgotten, and the counters ClientMetrics logs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dlt
+from tf_dlt import dlt_ops as ops
+from tf_dlt.layers import Embedding
+
+from conftest import Cluster
+
+VOCAB, DIM, BATCH = 40, 4, 16
+
+
+def _data(n: int = 192) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(5)
+    # Zipf-like ids: a few are in nearly every batch.
+    items = np.minimum(rng.zipf(1.3, size=(n, 3)), VOCAB) - 1
+    return {
+        "items": items.astype("int64"),
+        "price": rng.normal(size=(n, 2)).astype("float32"),
+    }, rng.normal(size=(n, 1)).astype("float32")
+
+
+def _model() -> keras.Model:
+    items = keras.Input((3,), dtype="int64", name="items")
+    price = keras.Input((2,), name="price")
+    i = Embedding(output_dim=DIM, is_distributed=True, name="i_emb", seed=2)(items)
+    i = keras.layers.GlobalAveragePooling1D()(i)
+    x = keras.layers.Concatenate()([i, price])
+    x = keras.layers.Dense(8, activation="relu")(x)
+    model = keras.Model({"items": items, "price": price}, keras.layers.Dense(1)(x))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+def _remote(model: keras.Model, cluster: Cluster) -> keras.Model:
+    remote = tf_dlt.transpile(model, cluster.addresses)
+    remote.get_layer("i_emb").sync_push = True
+    return remote
+
+
+def _shard_rows(cluster: Cluster, table: str, ids: np.ndarray, dim: int = DIM) -> np.ndarray:
+    """Rows as the shards hold them, read by a client of its own (no cache)."""
+    reader = ops.ClientResource(cluster.addresses, request_timeout=29.0)
+    return ops.lookup(reader, ids, table, dim, training=False, missing="zeros").numpy()
+
+
+def test_cache_trains_exactly_as_without_under_sync_push(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    model = _model()
+    plain_cluster, cached_cluster = start_cluster(2), start_cluster(2)
+    plain = _remote(model, plain_cluster)
+    cached = tf_dlt.hot_row_cache(_remote(model, cached_cluster), rows=16, max_staleness_steps=1000)
+    x, y = _data()
+    histories = []
+    for m in (plain, cached):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        h = m.fit(ds, epochs=2, verbose=0, callbacks=[tf_dlt.ClientMetrics()])
+        histories.append(h.history)
+    np.testing.assert_array_equal(histories[0]["loss"], histories[1]["loss"])
+    for a, b in zip(plain.get_weights(), cached.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ids = np.arange(VOCAB, dtype=np.int64)
+    np.testing.assert_array_equal(
+        _shard_rows(plain_cluster, "i_emb", ids), _shard_rows(cached_cluster, "i_emb", ids)
+    )
+    # The cache served, its rows follow the pushes, and it held its bound.
+    logs = histories[1]
+    stats = ops.client_stats(cached.get_layer("i_emb").client)
+    assert stats["cache_hits"] > 0 and stats["cache_applied_rows"] > 0
+    assert 0 < stats["cache_rows"] <= 16
+    assert sum(logs["dlt_cache_hits"]) == stats["cache_hits"]
+    assert 0 < logs["dlt_cache_hit_rate"][-1] < 1
+    assert sum(logs["dlt_cache_bytes_saved"]) == stats["cache_hits"] * (8 + 4 * DIM)
+    assert logs["dlt_cache_capacity_bytes"][-1] >= logs["dlt_cache_bytes"][-1] > 0
+    assert histories[0]["dlt_cache_hits"] == [0.0, 0.0]
+
+
+def test_other_trainers_pushes_reach_cached_rows_within_the_staleness_bound(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(2)
+    config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
+    mine = ops.ClientResource(cluster.addresses)
+    other = ops.ClientResource(cluster.addresses, request_timeout=28.0)
+    ops.configure_cache(mine, config, rows=8, max_staleness_steps=3, min_count=1)
+    ids = np.array([3, 11, -7], dtype=np.int64)
+    ops.lookup(other, ids, "t", DIM)  # the rows exist
+    first = ops.lookup(mine, ids, "t", DIM).numpy()  # lookup 1: pulled and cached
+    grads = np.full((3, DIM), 0.25, dtype=np.float32)
+    ops.push(other, ids, grads, 0.1, "t", DIM, sync=True)
+    fresh = _shard_rows(cluster, "t", ids)
+    assert not np.array_equal(first, fresh)
+    for _ in range(2):  # lookups 2 and 3: 1 and 2 lookups old, within the bound
+        np.testing.assert_array_equal(ops.lookup(mine, ids, "t", DIM).numpy(), first)
+    np.testing.assert_array_equal(ops.lookup(mine, ids, "t", DIM).numpy(), fresh)
+    stats = ops.client_stats(mine)
+    assert stats["cache_hits"] == 6 and stats["cache_refreshes"] == 3
+    assert stats["cache_max_staleness_steps"] == 2
+    # This trainer's own push is applied at once, as the shards apply it.
+    ops.push(mine, ids, grads, 0.1, "t", DIM, sync=True)
+    np.testing.assert_array_equal(
+        ops.lookup(mine, ids, "t", DIM).numpy(), _shard_rows(cluster, "t", ids)
+    )
+    assert ops.client_stats(mine)["cache_hits"] == 9
+
+
+def test_a_failed_push_is_forgotten_and_its_rows_pulled_again(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(1)
+    config = cluster.client().create_table("t", DIM, optimizer="sgd")
+    mine = ops.ClientResource(cluster.addresses)
+    ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
+    ids = np.array([1, 2], dtype=np.int64)
+    ops.lookup(mine, ids, "t", DIM)
+    before = ops.lookup(mine, ids, "t", DIM).numpy()  # cached now
+    bad = np.full((2, DIM), np.nan, dtype=np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite|NaN|finite"):
+        ops.push(mine, ids, bad, 0.1, "t", DIM, sync=True)
+    refreshes = ops.client_stats(mine)["cache_refreshes"]
+    after = ops.lookup(mine, ids, "t", DIM).numpy()
+    np.testing.assert_array_equal(after, before)  # the shards refused it: unchanged
+    assert np.isfinite(after).all()
+    assert ops.client_stats(mine)["cache_refreshes"] == refreshes + 2
+
+
+def test_cached_tables_are_not_pulled_ahead(start_cluster: Callable[..., Cluster]) -> None:
+    model = tf_dlt.pull_ahead(
+        tf_dlt.hot_row_cache(_remote(_model(), start_cluster(1)), rows=8, max_staleness_ms=60000)
+    )
+    x, y = _data(64)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    stats = ops.client_stats(model.get_layer("i_emb").client)
+    assert stats["pulls_ahead"] == 0 and stats["cache_hits"] > 0
+
+
+def test_hot_row_cache_errors_and_embedded_no_op(start_cluster: Callable[..., Cluster]) -> None:
+    embedded = _model()
+    embedded.build({"items": (None, 3), "price": (None, 2)})
+    assert tf_dlt.hot_row_cache(embedded, rows=8) is embedded  # nothing to cache
+    x, y = _data(32)
+    embedded.fit(x, y, batch_size=BATCH, verbose=0)
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="rows must be an int"):
+        tf_dlt.hot_row_cache(embedded, rows=-1)
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="max_staleness_steps or"):
+        tf_dlt.hot_row_cache(embedded, rows=8, max_staleness_steps=None)
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="max_staleness_ms must be"):
+        tf_dlt.hot_row_cache(embedded, rows=8, max_staleness_ms=0)
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="not a distributed Embedding"):
+        tf_dlt.hot_row_cache(embedded, rows=8, layers=["price"])
+    dense_only = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="no distributed Embedding"):
+        tf_dlt.hot_row_cache(dense_only, rows=8)
+    cluster = start_cluster(1)
+    config = cluster.client().create_table("t", DIM)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="min_count"):
+        ops.configure_cache(ops.ClientResource(cluster.addresses), config, 8,
+                            max_staleness_steps=2, min_count=0)  # fmt: skip

@@ -1,0 +1,92 @@
+"""A hot-row cache on the trainer for a model's distributed tables.
+
+`hot_row_cache(model, rows=...)` makes the trainer keep the rows of each
+table's most frequent ids, with their optimizer state, so their lookups skip
+the shards. The trainer's own pushes are applied to the cached rows with the
+table's optimizer, the shards' arithmetic, so one trainer reads what the
+shards hold; other trainers' pushes reach a cached row when it is pulled
+again, once it is `max_staleness_steps` lookups or `max_staleness_ms` old.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from tf_dlt import dlt_ops as ops
+from tf_dlt import errors
+from tf_dlt.keras.walk import chosen_layers
+
+
+def hot_row_cache(
+    model: keras.Model,
+    rows: int,
+    *,
+    max_staleness_steps: int | None = 16,
+    max_staleness_ms: int | None = None,
+    min_count: int = 2,
+    layers: list[Any] | None = None,
+) -> keras.Model:
+    """Caches the hot rows of the model's tables on this trainer; returns `model`.
+
+    Args:
+        model: a model whose tables are on shard servers (after
+            `tf_dlt.transpile`, and compiled: the cache applies pushes with
+            the table's optimizer). With the embedded tables it changes
+            nothing: the rows are in the process already.
+        rows: rows cached per table at most, the memory bound: each takes
+            its values and optimizer slots in float32 plus about 70 bytes
+            (`dlt_cache_capacity_bytes` in `tf_dlt.ClientMetrics`). 0 removes
+            the caches.
+        max_staleness_steps: a cached row is pulled again once the table was
+            looked up this many times since its pull (a training step looks
+            a table up once per layer that uses it). None: no such bound.
+        max_staleness_ms: the same in milliseconds. None: no such bound.
+            At least one bound is needed.
+        min_count: an id is cached once it was looked up this many times
+            (counted in a small frequency sketch); when the cache is full, a
+            newcomer replaces the rarest of a few sampled rows if it is more
+            frequent.
+        layers: the distributed `Embedding` layers (objects or names) whose
+            tables to cache; None: every one.
+
+    Consistency: a cached row reflects every push of this trainer, each
+    applied to it as the push leaves (a push that fails is forgotten: its
+    rows are pulled again). Pushes of other trainers are seen within the
+    staleness bound. A push still in flight when a row is pulled again may
+    be missing from it until its next refresh, as it would be from a pull
+    without the cache. Tables with a cache are not pulled ahead
+    (`tf_dlt.pull_ahead`): their lookups serve hot rows from the cache and
+    pull the rest.
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise errors.InvalidArgumentError(f"hot_row_cache: rows must be an int >= 0, got {rows!r}")
+    if rows and max_staleness_steps is None and max_staleness_ms is None:
+        raise errors.InvalidArgumentError(
+            "hot_row_cache: give max_staleness_steps or max_staleness_ms: other trainers' "
+            "pushes reach cached rows only when they are pulled again"
+        )
+    for name, value in (("max_staleness_steps", max_staleness_steps),
+                        ("max_staleness_ms", max_staleness_ms)):  # fmt: skip
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise errors.InvalidArgumentError(
+                f"hot_row_cache: {name} must be an int >= 1 or None, got {value!r}"
+            )
+    chosen = chosen_layers(model, layers, "hot_row_cache")
+    if not chosen:
+        raise errors.InvalidArgumentError(
+            f"hot_row_cache: model {model.name!r} has no distributed Embedding"
+        )
+    for layer in chosen:
+        if not layer.built or layer.client is None:
+            raise errors.FailedPreconditionError(
+                f"hot_row_cache: layer {layer.name!r} is not built yet; build the model "
+                "(tf_dlt.transpile does) first"
+            )
+        ops.configure_cache(
+            layer.client, layer.table_config, rows,
+            max_staleness_steps=max_staleness_steps or 0,
+            max_staleness_ms=max_staleness_ms or 0, min_count=min_count,
+        )  # fmt: skip
+    return model
