@@ -9,7 +9,10 @@ bench script appends its JSON lines there) and writes PNGs to docs/img/:
   (bench_admission.py; min_count 1 is the unfiltered table);
 - tiers.png: a tiered shard's pull and push rows/s (as a share of the same
   table all in RAM) and its peak RSS against the memory budget, vs the
-  budget as a fraction of the table (bench_tiers.py).
+  budget as a fraction of the table (bench_tiers.py);
+- cache.png: model.fit examples/s and bytes pulled per step (against no
+  cache) vs hot-row cache size, one line per staleness bound, per Zipf
+  exponent (bench_cache.py).
 
 The latest record of each kind is plotted. Usage: python bench/plot.py
 """
@@ -70,6 +73,45 @@ def _plot_tiers(cases: dict[str, list[dict[str, Any]]]) -> None:
     a2.legend(fontsize=8)
     a2.grid(alpha=0.3)
     _save(fig, "tiers.png")
+
+
+def _latest_cache_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Per Zipf exponent, the cached cases of the last bench_cache.py run
+    (the records after its "no cache" record)."""
+    runs: dict[float, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("bench") != "cache":
+            continue
+        if r["case"] == "no cache":
+            runs[r["zipf"]] = []
+        elif r["zipf"] in runs:
+            runs[r["zipf"]].append(r)
+    return [runs[z] for z in sorted(runs) if runs[z]]
+
+
+def _plot_cache(runs: list[list[dict[str, Any]]]) -> None:
+    fig, axes = plt.subplots(len(runs), 2, figsize=(10, 3.6 * len(runs)), squeeze=False)
+    for (a1, a2), cases in zip(axes, runs, strict=True):
+        first = cases[0]
+        for steps in sorted({r["staleness_steps"] for r in cases}):
+            line = sorted(
+                (r for r in cases if r["staleness_steps"] == steps), key=lambda r: r["rows"]
+            )
+            rows = [r["rows"] for r in line]
+            a1.plot(rows, [r["examples_per_s"] / 1e3 for r in line], "o-",
+                    label=f"refresh every {steps} lookups")  # fmt: skip
+            a2.plot(rows, [r["ratio"] for r in line], "o-", label=f"every {steps} lookups")
+        a1.axhline(first["examples_per_s_baseline"] / 1e3, color="k", ls="--", label="no cache")
+        a1.set(xscale="log", xlabel="cache rows per table", ylabel="k examples/s",
+               title=f"model.fit, 2 shards, Zipf({first['zipf']})")  # fmt: skip
+        a2.axhline(1.0, color="k", ls="--")
+        a2.axhline(0.5, color="tab:red", ls=":", label="target 0.5")
+        a2.set(xscale="log", xlabel="cache rows per table", ylabel="pull bytes per step / no cache",
+               title="Bytes pulled from the shards")  # fmt: skip
+        for ax in (a1, a2):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    _save(fig, "cache.png")
 
 
 def _save(fig: Any, name: str) -> None:
@@ -135,6 +177,9 @@ def main() -> None:
     tiers = _latest_tiers(records)
     if tiers:
         _plot_tiers(tiers)
+    cache = _latest_cache_runs(records)
+    if cache:
+        _plot_cache(cache)
 
 
 if __name__ == "__main__":

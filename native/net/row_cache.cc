@@ -24,6 +24,66 @@ uint64_t NextRandom(uint64_t* state) {
 
 }  // namespace
 
+size_t SlotIndex::Home(int64_t id) const {
+  return Mix64(static_cast<uint64_t>(id)) & (entries_.size() - 1);
+}
+
+uint32_t SlotIndex::Find(int64_t id) const {
+  if (entries_.empty()) return kNone;
+  const size_t mask = entries_.size() - 1;
+  for (size_t i = Home(id);; i = (i + 1) & mask) {
+    const Entry& e = entries_[i];
+    if (e.slot == kNone) return kNone;
+    if (e.id == id) return e.slot;
+  }
+}
+
+void SlotIndex::Set(int64_t id, uint32_t slot) {
+  if ((size_ + 1) * 2 > entries_.size()) Grow();
+  const size_t mask = entries_.size() - 1;
+  for (size_t i = Home(id);; i = (i + 1) & mask) {
+    Entry& e = entries_[i];
+    if (e.slot == kNone) {
+      e = {id, slot};
+      ++size_;
+      return;
+    }
+    if (e.id == id) {
+      e.slot = slot;
+      return;
+    }
+  }
+}
+
+void SlotIndex::Erase(int64_t id) {
+  if (entries_.empty()) return;
+  const size_t mask = entries_.size() - 1;
+  size_t i = Home(id);
+  while (entries_[i].slot != kNone && entries_[i].id != id) i = (i + 1) & mask;
+  if (entries_[i].slot == kNone) return;
+  // Backward shift: move later entries of the run into the hole when their
+  // home does not lie (cyclically) between the hole and them.
+  for (size_t j = (i + 1) & mask; entries_[j].slot != kNone; j = (j + 1) & mask) {
+    const size_t home = Home(entries_[j].id);
+    if (((j - home) & mask) >= ((j - i) & mask)) {
+      entries_[i] = entries_[j];
+      i = j;
+    }
+  }
+  entries_[i].slot = kNone;
+  --size_;
+}
+
+void SlotIndex::Grow() {
+  std::vector<Entry> old;
+  old.swap(entries_);
+  entries_.assign(std::max<size_t>(64, old.size() * 2), Entry{0, kNone});
+  size_ = 0;
+  for (const Entry& e : old) {
+    if (e.slot != kNone) Set(e.id, e.slot);
+  }
+}
+
 std::string RowCacheOptionsError(const RowCacheOptions& options) {
   if (options.max_rows == 0) return "a hot-row cache needs rows >= 1";
   if (options.max_rows > (size_t{1} << 31)) return "a hot-row cache holds at most 2^31 rows";
@@ -45,13 +105,14 @@ RowCache::RowCache(uint32_t dim, const OptimizerConfig& optimizer, RowCacheOptio
       slot_floats_(SlotsPerValue(optimizer.kind) * dim),
       // Enough counters to tell the cached rows' frequencies apart.
       sketch_width_(static_cast<uint32_t>(
-          std::min<size_t>(size_t{1} << 26, std::max<size_t>(1024, options.max_rows * 4)))),
+          std::min<size_t>(size_t{1} << 22, std::max<size_t>(1024, options.max_rows * 4)))),
       sketch_(size_t{kSketchRows} * sketch_width_, 0) {}
 
 size_t RowCache::row_bytes() const {
-  // Values and slots, step, fill stamps, id, and an unordered_map node.
-  return sizeof(float) * (dim_ + slot_floats_) + sizeof(uint32_t) + 2 * sizeof(uint64_t) +
-         sizeof(int64_t) + 48;
+  // Values and slots, step, fill stamps, id, and at most 4 index entries
+  // (the index is 1/4 to 1/2 full).
+  return sizeof(float) * (dim_ + slot_floats_) + sizeof(uint32_t) + sizeof(uint64_t) +
+         sizeof(int64_t) + sizeof(int64_t) + 4 * 16;
 }
 
 uint32_t RowCache::Estimate(int64_t id) const {
@@ -67,12 +128,16 @@ uint32_t RowCache::Estimate(int64_t id) const {
 uint32_t RowCache::Count(int64_t id) {
   // Conservative update: only the counters at the minimum grow.
   const uint64_t h = Mix64(static_cast<uint64_t>(id));
-  const uint32_t current = Estimate(id);
+  uint8_t* cells[kSketchRows];
+  uint32_t current = 255;
+  for (uint32_t r = 0; r < kSketchRows; ++r) {
+    cells[r] = &sketch_[size_t{r} * sketch_width_ +
+                        static_cast<uint32_t>((h >> (16 * r)) % sketch_width_)];
+    current = std::min<uint32_t>(current, *cells[r]);
+  }
   if (current < 255) {
-    for (uint32_t r = 0; r < kSketchRows; ++r) {
-      uint8_t& c = sketch_[size_t{r} * sketch_width_ +
-                           static_cast<uint32_t>((h >> (16 * r)) % sketch_width_)];
-      if (c == current) ++c;
+    for (uint8_t* c : cells) {
+      if (*c == current) ++*c;
     }
   }
   if (++counted_ >= uint64_t{sketch_width_} * 8) {  // age: recent frequency wins
@@ -80,6 +145,16 @@ uint32_t RowCache::Count(int64_t id) {
     counted_ = 0;
   }
   return std::min<uint32_t>(current + 1, 255);
+}
+
+uint32_t RowCache::RarestSampled() {
+  uint32_t rarest = 256;
+  const bool all = ids_.size() <= kSampled;  // a small cache: every row
+  for (uint32_t k = 0; k < (all ? ids_.size() : kSampled); ++k) {
+    const auto slot = all ? k : static_cast<uint32_t>(NextRandom(&sample_) % ids_.size());
+    rarest = std::min(rarest, Estimate(ids_[slot]));
+  }
+  return rarest;
 }
 
 int64_t RowCache::SlotFor(uint32_t count) {
@@ -102,7 +177,7 @@ int64_t RowCache::SlotFor(uint32_t count) {
     }
   }
   if (victim_count >= count) return -1;
-  index_.erase(ids_[victim]);
+  index_.Erase(ids_[victim]);
   ++counts_.evictions;
   return victim;
 }
@@ -116,11 +191,12 @@ void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows,
   const size_t stride = dim_ + slot_floats_;
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t now_step = ++clock_;
+  size_t admitted = 0;  // new rows this lookup plans to fill
+  int64_t bar = -1;     // the rarest sampled row's count, once needed
   for (size_t i = 0; i < n; ++i) {
     const uint32_t count = Count(ids[i]);
-    auto it = index_.find(ids[i]);
-    if (it != index_.end()) {
-      const uint32_t slot = it->second;
+    const uint32_t slot = index_.Find(ids[i]);
+    if (slot != SlotIndex::kNone) {
       const uint64_t age_steps = now_step - filled_step_[slot];
       const int64_t age_ms = now_ms - filled_ms_[slot];
       const bool fresh =
@@ -137,7 +213,15 @@ void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows,
       plan->fill.push_back(static_cast<uint32_t>(i));  // a refresh
       continue;
     }
-    (count >= options_.min_count ? plan->fill : plan->plain).push_back(static_cast<uint32_t>(i));
+    // Pulled with its state only if it will get a slot: a free one, or one
+    // of a rarer row (judged against a sample taken once per lookup).
+    bool admit = count >= options_.min_count;
+    if (admit && ids_.size() + admitted >= options_.max_rows) {
+      if (bar < 0) bar = RarestSampled();
+      admit = static_cast<int64_t>(count) > bar;
+    }
+    if (admit) ++admitted;
+    (admit ? plan->fill : plan->plain).push_back(static_cast<uint32_t>(i));
   }
   counts_.hits += plan->hits;
   counts_.misses += n - plan->hits;
@@ -154,11 +238,11 @@ void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t n
     const float* state = states + i * width;
     uint32_t step;
     std::memcpy(&step, state + width - 1, sizeof(step));
-    auto it = index_.find(ids[i]);
+    const uint32_t cached = index_.Find(ids[i]);
     if (step == kNoState) {
-      if (it != index_.end()) {  // gone from the shards (evicted, expired)
-        const uint32_t slot = it->second;
-        index_.erase(it);
+      if (cached != SlotIndex::kNone) {  // gone from the shards (evicted, expired)
+        const uint32_t slot = cached;
+        index_.Erase(ids[i]);
         // The slot stays; moving the last row into it keeps slots dense.
         const uint32_t last = static_cast<uint32_t>(ids_.size() - 1);
         if (slot != last) {
@@ -167,7 +251,7 @@ void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t n
           steps_[slot] = steps_[last];
           filled_step_[slot] = filled_step_[last];
           filled_ms_[slot] = filled_ms_[last];
-          index_[ids_[slot]] = slot;
+          index_.Set(ids_[slot], slot);
         }
         ids_.pop_back();
         data_.resize(data_.size() - stride);
@@ -180,13 +264,13 @@ void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t n
     }
     std::memcpy(rows + i * dim_, state, sizeof(float) * dim_);
     int64_t slot;
-    if (it != index_.end()) {
-      slot = it->second;
+    if (cached != SlotIndex::kNone) {
+      slot = cached;
       ++counts_.refreshes;
     } else {
       slot = SlotFor(Estimate(ids[i]));
       if (slot < 0) continue;  // rarer than every row sampled: not cached
-      index_[ids[i]] = static_cast<uint32_t>(slot);
+      index_.Set(ids[i], static_cast<uint32_t>(slot));
       ids_[slot] = ids[i];
     }
     std::memcpy(&data_[slot * stride], state, sizeof(float) * stride);
@@ -224,12 +308,12 @@ void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr
   const size_t stride = dim_ + slot_floats_;
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t u = 0; u < unique.size(); ++u) {
-    auto it = index_.find(unique[u]);
-    if (it == index_.end()) continue;
-    float* row = &data_[size_t{it->second} * stride];
+    const uint32_t cached = index_.Find(unique[u]);
+    if (cached == SlotIndex::kNone) continue;
+    float* row = &data_[size_t{cached} * stride];
     const float* g = repeated ? &summed[u * dim_] : grads + u * dim_;
     const float* sq = repeated && keep_squares && occurrences[u] > 1 ? &squares[u * dim_] : nullptr;
-    ApplyRow(optimizer_, dim_, lr, g, sq, row, row + dim_, &steps_[it->second]);
+    ApplyRow(optimizer_, dim_, lr, g, sq, row, row + dim_, &steps_[cached]);
     ++counts_.applied;
   }
 }
@@ -237,11 +321,11 @@ void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr
 void RowCache::Invalidate(const int64_t* ids, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < n; ++i) {
-    auto it = index_.find(ids[i]);
+    const uint32_t cached = index_.Find(ids[i]);
     // Marked as pulled long ago: the next lookup refreshes it.
-    if (it == index_.end()) continue;
-    filled_step_[it->second] = clock_ - (uint64_t{1} << 40);
-    filled_ms_[it->second] = INT64_MIN / 4;
+    if (cached == SlotIndex::kNone) continue;
+    filled_step_[cached] = clock_ - (uint64_t{1} << 40);
+    filled_ms_[cached] = INT64_MIN / 4;
   }
 }
 

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "native/core/table_config.h"
@@ -31,6 +30,28 @@ struct RowCacheOptions {
 // Checks `options` for a table of `dim`; the message names what is wrong.
 std::string RowCacheOptionsError(const RowCacheOptions& options);
 
+// The cache's id -> slot map: open addressing with linear probing, at most
+// half full, growing by doubling; erasing shifts the entries after it back.
+class SlotIndex {
+ public:
+  static constexpr uint32_t kNone = 0xffffffffu;
+  uint32_t Find(int64_t id) const;
+  // Sets the slot of `id` (inserted when absent).
+  void Set(int64_t id, uint32_t slot);
+  void Erase(int64_t id);
+  size_t size() const { return size_; }
+
+ private:
+  struct Entry {
+    int64_t id;
+    uint32_t slot;  // kNone: empty
+  };
+  size_t Home(int64_t id) const;
+  void Grow();
+  std::vector<Entry> entries_;
+  size_t size_ = 0;
+};
+
 class RowCache {
  public:
   RowCache(uint32_t dim, const OptimizerConfig& optimizer, RowCacheOptions options);
@@ -39,8 +60,10 @@ class RowCache {
   uint32_t slot_floats() const { return slot_floats_; }
   const RowCacheOptions& options() const { return options_; }
   const OptimizerConfig& optimizer() const { return optimizer_; }
-  // Memory one cached row takes, its index entry included (an estimate).
+  // Memory one cached row takes at most, its index entries included; and
+  // the memory that does not grow with the rows (the frequency sketch).
   size_t row_bytes() const;
+  size_t fixed_bytes() const { return sketch_.size(); }
 
   // How a lookup splits its distinct ids.
   struct Plan {
@@ -83,6 +106,8 @@ class RowCache {
   // A slot for a new row: a free one, or the least frequent of a sample if
   // it is rarer than `count` (evicted); -1: none.
   int64_t SlotFor(uint32_t count);
+  // The lowest count among a few sampled rows (256 when empty).
+  uint32_t RarestSampled();
 
   const uint32_t dim_;
   const OptimizerConfig optimizer_;
@@ -91,7 +116,7 @@ class RowCache {
   const uint32_t sketch_width_;
   mutable std::mutex mu_;
   uint64_t clock_ = 0;  // lookups so far
-  std::unordered_map<int64_t, uint32_t> index_;
+  SlotIndex index_;
   // Per slot: id, values and slots, step, and when it was pulled.
   std::vector<int64_t> ids_;
   std::vector<float> data_;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "native/core/table.h"
@@ -188,6 +189,29 @@ DLT_TEST(RowCacheInvalidateAndRowsGoneFromTheTable) {
   const std::vector<float> rows = CachedLookup(&cache, &table, {1, 2}, 0, &plan);
   EXPECT(rows == TableRows(&table, {1, 2}));
   EXPECT(cache.counts().rows == 1);
+}
+
+DLT_TEST(SlotIndexAgreesWithAMapUnderRandomSetsAndErases) {
+  SlotIndex index;
+  std::unordered_map<int64_t, uint32_t> model;
+  std::mt19937_64 rng(11);
+  for (int op = 0; op < 200000; ++op) {
+    // Few distinct ids, so runs collide and erasing shifts entries back.
+    const int64_t id = static_cast<int64_t>(rng() % 3000) - 1500;
+    if (rng() % 3 == 0) {
+      index.Erase(id);
+      model.erase(id);
+    } else {
+      const auto slot = static_cast<uint32_t>(rng() % 1000);
+      index.Set(id, slot);
+      model[id] = slot;
+    }
+  }
+  EXPECT(index.size() == model.size());
+  for (int64_t id = -1500; id < 1500; ++id) {
+    auto it = model.find(id);
+    EXPECT(index.Find(id) == (it == model.end() ? SlotIndex::kNone : it->second));
+  }
 }
 
 DLT_TEST(RowCacheOptionsNeedRowsAndAStalenessBound) {

@@ -36,9 +36,10 @@ def hot_row_cache(
             the table's optimizer). With the embedded tables it changes
             nothing: the rows are in the process already.
         rows: rows cached per table at most, the memory bound: each takes
-            its values and optimizer slots in float32 plus about 70 bytes
-            (`dlt_cache_capacity_bytes` in `tf_dlt.ClientMetrics`). 0 removes
-            the caches.
+            its values and optimizer slots in float32 plus at most 92 bytes,
+            and a frequency sketch of 4 x rows bytes (at most 16 MiB) per
+            table (`dlt_cache_capacity_bytes` in `tf_dlt.ClientMetrics`). 0
+            removes the caches.
         max_staleness_steps: a cached row is pulled again once the table was
             looked up this many times since its pull (a training step looks
             a table up once per layer that uses it). None: no such bound.

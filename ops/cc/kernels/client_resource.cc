@@ -175,8 +175,8 @@ std::string ClientResource::StatsJson() const {
       cached.applied += k.applied;
       cached.rows += k.rows;
       cached.max_steps = std::max(cached.max_steps, k.max_steps);
-      cache_bytes += k.rows * cache->row_bytes();
-      cache_capacity += cache->options().max_rows * cache->row_bytes();
+      cache_bytes += k.rows * cache->row_bytes() + cache->fixed_bytes();
+      cache_capacity += cache->options().max_rows * cache->row_bytes() + cache->fixed_bytes();
       // What a pull of those rows would have cost (Count's arithmetic).
       cache_bytes_saved += k.hits * (sizeof(int64_t) + sizeof(float) * cache->dim());
     }

@@ -3,7 +3,9 @@
 // by bucket, every touched shard at once) and the rows stitched back in input
 // order; ComputeAsync never blocks. Embedded: the in-process table is read in
 // place.
+#include <atomic>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,68 +52,139 @@ absl::Status PullDistinct(ClientResource* c, const std::string& table, uint32_t 
   return status;
 }
 
-// Pulls `n` ids into `rows` ([n, dim], input order) through the table's
-// hot-row cache: each distinct id once; fresh cached rows are served, the
-// frequent ids' rows (and stale cached ones) pulled with their state and
-// cached, the rest pulled plainly. Runs on a worker thread.
-absl::Status PullCached(ClientResource* c, dlt::RowCache* cache, const std::string& table,
-                        uint32_t dim, dlt::PullMode mode, const int64_t* id, int64_t n,
-                        float* rows) {
-  thread_local dlt::Deduper dedup;
-  thread_local std::vector<int64_t> unique, slot, some_ids;
-  thread_local std::vector<float> distinct, states, some_rows;
-  thread_local std::vector<uint32_t> absent;
-  thread_local dlt::RowCache::Plan plan;
-  dedup.Run(id, n, &unique, &slot);
-  distinct.resize(unique.size() * dim);
-  const int64_t now_ms = static_cast<int64_t>(Env::Default()->NowMicros() / 1000);
-  cache->Lookup(unique.data(), unique.size(), now_ms, distinct.data(), &plan);
-  c->CountCached(plan);
-  // Scatters `some_rows` (rows of the positions `at`) into `distinct`.
-  auto scatter = [dim](const std::vector<uint32_t>& at) {
+// A lookup through the table's hot-row cache: each distinct id once; the
+// fresh cached rows are served at once (on the calling thread: no I/O), and
+// the frequent ids' rows (or stale cached ones) pulled with their state and
+// cached while the rest is pulled plainly, both at once on worker threads;
+// the pull that finishes last assembles the rows.
+class CachedLookup {
+ public:
+  using Finish = std::function<void(const absl::Status&)>;
+
+  static void Start(ClientResource* c, std::shared_ptr<dlt::RowCache> cache,
+                    const std::string& table, uint32_t dim, dlt::PullMode mode, const int64_t* id,
+                    int64_t n, float* rows, Finish finish) {
+    auto job = std::shared_ptr<CachedLookup>(
+        new CachedLookup(c, std::move(cache), table, dim, mode, n, rows, std::move(finish)));
+    job->Plan(id);
+    const bool fill = !job->fill_ids_.empty(), plain = !job->plain_ids_.empty();
+    job->pending_ = int{fill} + int{plain};
+    if (!fill && !plain) return job->Complete();
+    if (fill) {
+      c->Schedule([job]() {
+        job->fill_status_ =
+            job->c_->PullState(job->table_, job->dim_, job->cache_->slot_floats(),
+                               job->fill_ids_.data(), job->fill_ids_.size(), job->states_.data());
+        job->Done();
+      });
+    }
+    if (plain) {
+      c->Schedule([job]() {
+        job->plain_status_ =
+            job->c_->Pull(job->table_, job->dim_, job->plain_ids_.data(), job->plain_ids_.size(),
+                          job->mode_, job->plain_rows_.data());
+        job->Done();
+      });
+    }
+  }
+
+ private:
+  CachedLookup(ClientResource* c, std::shared_ptr<dlt::RowCache> cache, const std::string& table,
+               uint32_t dim, dlt::PullMode mode, int64_t n, float* rows, Finish finish)
+      : c_(c),
+        cache_(std::move(cache)),
+        table_(table),
+        dim_(dim),
+        mode_(mode),
+        n_(n),
+        rows_(rows),
+        finish_(std::move(finish)) {}
+
+  void Plan(const int64_t* id) {
+    dlt::Deduper dedup;
+    dedup.Run(id, n_, &unique_, &slot_);
+    distinct_.resize(unique_.size() * dim_);
+    now_ms_ = static_cast<int64_t>(Env::Default()->NowMicros() / 1000);
+    cache_->Lookup(unique_.data(), unique_.size(), now_ms_, distinct_.data(), &plan_);
+    c_->CountCached(plan_);
+    for (uint32_t p : plan_.fill) fill_ids_.push_back(unique_[p]);
+    for (uint32_t p : plan_.plain) plain_ids_.push_back(unique_[p]);
+    states_.resize(fill_ids_.size() * dlt::StateFloats(dim_, cache_->slot_floats()));
+    plain_rows_.resize(plain_ids_.size() * dim_);
+  }
+
+  void Done() {
+    if (pending_.fetch_sub(1) == 1) Complete();
+  }
+
+  // Writes `from` (rows of the positions `at`) into the distinct rows.
+  void Scatter(const std::vector<uint32_t>& at, const float* from) {
     for (size_t k = 0; k < at.size(); ++k) {
-      std::memcpy(&distinct[size_t{at[k]} * dim], &some_rows[k * dim], sizeof(float) * dim);
+      std::memcpy(&distinct_[size_t{at[k]} * dim_], from + k * dim_, sizeof(float) * dim_);
     }
-  };
-  if (!plan.fill.empty()) {
-    some_ids.resize(plan.fill.size());
-    for (size_t k = 0; k < plan.fill.size(); ++k) some_ids[k] = unique[plan.fill[k]];
-    states.resize(plan.fill.size() * dlt::StateFloats(dim, cache->slot_floats()));
-    absl::Status status = c->PullState(table, dim, cache->slot_floats(), some_ids.data(),
-                                       some_ids.size(), states.data());
-    if (!status.ok()) {
-      return absl::Status(status.code(), "hot-row cache of table '" + table +
-                                             "': " + std::string(status.message()));
+  }
+
+  void Complete() {
+    absl::Status status = plain_status_;
+    if (status.ok() && !fill_status_.ok()) {
+      status = absl::Status(fill_status_.code(), "hot-row cache of table '" + table_ +
+                                                     "': " + std::string(fill_status_.message()));
     }
-    some_rows.resize(plan.fill.size() * dim);
-    cache->Fill(some_ids.data(), some_ids.size(), states.data(), now_ms, some_rows.data(), &absent);
-    for (uint32_t a : absent) plan.plain.push_back(plan.fill[a]);
-    if (!absent.empty()) {  // not written by Fill; overwritten by the plain pull below
-      size_t kept = 0;
-      for (size_t k = 0, a = 0; k < plan.fill.size(); ++k) {
-        if (a < absent.size() && absent[a] == k) {
-          ++a;
-          continue;
-        }
-        plan.fill[kept] = plan.fill[k];
-        std::memmove(&some_rows[kept * dim], &some_rows[k * dim], sizeof(float) * dim);
-        ++kept;
+    if (status.ok()) status = Assemble();
+    if (status.ok()) dlt::GatherBySlot(distinct_.data(), slot_.data(), n_, dim_, rows_);
+    finish_(status);
+  }
+
+  absl::Status Assemble() {
+    Scatter(plan_.plain, plain_rows_.data());
+    if (fill_ids_.empty()) return absl::OkStatus();
+    std::vector<float> filled(fill_ids_.size() * dim_);
+    std::vector<uint32_t> absent;
+    cache_->Fill(fill_ids_.data(), fill_ids_.size(), states_.data(), now_ms_, filled.data(),
+                 &absent);
+    std::vector<uint32_t> got;  // positions Fill wrote
+    got.reserve(fill_ids_.size() - absent.size());
+    std::vector<float> got_rows;
+    got_rows.reserve((fill_ids_.size() - absent.size()) * dim_);
+    for (size_t k = 0, a = 0; k < fill_ids_.size(); ++k) {
+      if (a < absent.size() && absent[a] == k) {
+        ++a;
+        continue;
       }
-      plan.fill.resize(kept);
+      got.push_back(plan_.fill[k]);
+      got_rows.insert(got_rows.end(), &filled[k * dim_], &filled[(k + 1) * dim_]);
     }
-    scatter(plan.fill);
+    Scatter(got, got_rows.data());
+    if (absent.empty()) return absl::OkStatus();
+    // Rows the shards do not hold in RAM (new, or on the disk tier): pulled
+    // plainly, on this worker.
+    std::vector<int64_t> ids(absent.size());
+    std::vector<uint32_t> at(absent.size());
+    for (size_t k = 0; k < absent.size(); ++k) {
+      ids[k] = fill_ids_[absent[k]];
+      at[k] = plan_.fill[absent[k]];
+    }
+    std::vector<float> more(ids.size() * dim_);
+    TF_RETURN_IF_ERROR(c_->Pull(table_, dim_, ids.data(), ids.size(), mode_, more.data()));
+    Scatter(at, more.data());
+    return absl::OkStatus();
   }
-  if (!plan.plain.empty()) {
-    some_ids.resize(plan.plain.size());
-    for (size_t k = 0; k < plan.plain.size(); ++k) some_ids[k] = unique[plan.plain[k]];
-    some_rows.resize(plan.plain.size() * dim);
-    TF_RETURN_IF_ERROR(
-        c->Pull(table, dim, some_ids.data(), some_ids.size(), mode, some_rows.data()));
-    scatter(plan.plain);
-  }
-  dlt::GatherBySlot(distinct.data(), slot.data(), n, dim, rows);
-  return absl::OkStatus();
-}
+
+  ClientResource* const c_;
+  const std::shared_ptr<dlt::RowCache> cache_;
+  const std::string table_;
+  const uint32_t dim_;
+  const dlt::PullMode mode_;
+  const int64_t n_;
+  float* const rows_;
+  const Finish finish_;
+  int64_t now_ms_ = 0;
+  std::vector<int64_t> unique_, slot_, fill_ids_, plain_ids_;
+  std::vector<float> distinct_, states_, plain_rows_;
+  dlt::RowCache::Plan plan_;
+  std::atomic<int> pending_{0};
+  absl::Status fill_status_, plain_status_;
+};
 
 // The rows of a pull ahead that finished: the ids pushed since it began are
 // pulled again first.
@@ -172,9 +245,9 @@ class LookupOp : public AsyncOpKernel {
       done();
     };
     if (std::shared_ptr<dlt::RowCache> cache = c->CacheOf(table_)) {
-      c->Schedule([this, c, ids, id, n, rows, cache, finish]() {
-        finish(PullCached(c, cache.get(), table_, dim_, mode_, id, n, rows));
-      });
+      // `ids` (a ref to the input) lives as long as the finish callback.
+      CachedLookup::Start(c, std::move(cache), table_, dim_, mode_, id, n, rows,
+                          [ids, finish](const absl::Status& status) { finish(status); });
       return;
     }
     std::shared_ptr<dlt::PulledAhead> ahead = c->TakePulledAhead(table_, dim_, mode_, id, n);

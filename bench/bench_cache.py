@@ -1,0 +1,142 @@
+"""The hot-row cache (`tf_dlt.hot_row_cache`) on the main job's model.
+
+The model and stream of examples/ctr_model.py (26 categorical features in
+one dim-8 Adagrad table, 13 dense features, batch 1024), with Zipf(--zipf)
+ids, trained on 2 local shard processes: once without a cache (the baseline,
+run first and again last) and once per cache size (--rows) and staleness
+bound (--steps, lookups of the table), each on a fresh cluster and a fresh
+copy of the same initial model. Per run: examples/s, bytes pulled from the
+shards per training step (`dlt_pull_bytes` of `tf_dlt.ClientMetrics`, the
+cache's state pulls included), the cache hit rate, and the held-out AUC
+after training (`model.evaluate` on --validation examples of another seed).
+
+Reported (JSON lines, bench/out/results.jsonl): per cached run, bytes pulled
+per step against the uncached runs (target <= 0.5), its AUC against theirs
+(target: within 0.002), examples/s against theirs; plus a projection of the
+pull bytes onto a 25 Gbit/s network. bench/plot.py draws examples/s against
+cache size and staleness (docs/img/cache.png).
+
+Usage: python bench/bench_cache.py [--train 200000] [--validation 20000]
+       [--epochs 2] [--zipf 1.05] [--rows 10000,100000,400000]
+       [--steps 4,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+from common import emit, log  # noqa: E402
+from ctr_model import make_data, make_model  # noqa: E402
+
+import tf_dlt  # noqa: E402
+from tf_dlt.server.local import LocalCluster  # noqa: E402
+
+NET_GBIT = 25.0
+
+
+def run(
+    template: keras.Model,
+    data: tf.data.Dataset,
+    validation: tuple[Any, Any],
+    epochs: int,
+    rows: int,
+    steps: int,
+) -> dict[str, Any]:
+    """Trains a copy of `template` on 2 fresh shards (with a cache of `rows`
+    rows refreshed every `steps` lookups, or none for rows 0)."""
+    with LocalCluster(2, "--log-level", "WARNING") as cluster:
+        model = tf_dlt.transpile(template, cluster.addresses)
+        if rows:
+            tf_dlt.hot_row_cache(model, rows=rows, max_staleness_steps=steps)
+        metrics = tf_dlt.ClientMetrics()
+        start = time.perf_counter()
+        history = model.fit(data, epochs=epochs, verbose=0, callbacks=[metrics])
+        seconds = time.perf_counter() - start
+        _, auc = model.evaluate(*validation, batch_size=1024, verbose=0)
+    logs = history.history
+    train_steps = sum(1 for _ in data) * epochs
+    asked = sum(logs["dlt_cache_hits"]) + sum(logs["dlt_cache_misses"])
+    return {
+        "seconds": seconds,
+        "auc": float(auc),
+        "pull_bytes_per_step": sum(logs["dlt_pull_bytes"]) / train_steps,
+        "pulls_per_step": sum(logs["dlt_pulls"]) / train_steps,
+        "hit_rate": sum(logs["dlt_cache_hits"]) / asked if asked else 0.0,
+        "cache_mb": logs["dlt_cache_bytes"][-1] / 1e6,
+        "capacity_mb": logs["dlt_cache_capacity_bytes"][-1] / 1e6,
+        "refreshes_per_step": sum(logs["dlt_cache_refreshes"]) / train_steps,
+        "staleness_p99_ms": max(logs["dlt_cache_staleness_p99_ms"]),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--train", type=int, default=200_000)
+    p.add_argument("--validation", type=int, default=20_000)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--zipf", type=float, default=1.05)
+    p.add_argument("--rows", default="10000,100000,400000")
+    p.add_argument("--steps", default="4,16,64")
+    args = p.parse_args()
+    x, y = make_data(args.train, seed=0, zipf=args.zipf)
+    validation = make_data(args.validation, seed=1, zipf=args.zipf)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).prefetch(tf.data.AUTOTUNE)
+    keras.utils.set_random_seed(0)
+    template = make_model(name="cache_emb")
+    template.build({"dense_features": (None, 13), "categorical_ids": (None, 26)})
+    cases = [(0, 0)] + [
+        (int(r), int(s)) for r in args.rows.split(",") for s in args.steps.split(",")
+    ] + [(0, 0)]  # fmt: skip
+    results = []
+    for rows, steps in cases:
+        log(f"2 shard processes, cache rows {rows}, staleness {steps} lookups")
+        results.append((rows, steps, run(template, data, validation, args.epochs, rows, steps)))
+    plain = [r for rows, _, r in results if rows == 0]
+    base_bytes = float(np.mean([r["pull_bytes_per_step"] for r in plain]))
+    base_auc = float(np.mean([r["auc"] for r in plain]))
+    base_speed = float(np.mean([args.train * args.epochs / r["seconds"] for r in plain]))
+    common = {"bench": "cache", "examples": args.train, "epochs": args.epochs,
+              "batch": args.batch, "zipf": args.zipf, "dim": 8}  # fmt: skip
+    emit({
+        **common, "case": "no cache", "unit": "examples/s", "value": round(base_speed),
+        "runs": [{k: round(v, 4) for k, v in r.items()} for r in plain],
+        "pull_bytes_per_step": round(base_bytes), "auc": round(base_auc, 4),
+    })  # fmt: skip
+    bytes_per_us = NET_GBIT * 1e9 / 8 / 1e6
+    for rows, steps, r in results:
+        if rows == 0:
+            continue
+        emit({
+            **common, "case": "cache", "rows": rows, "staleness_steps": steps,
+            "unit": "pull bytes per step", "value": round(r["pull_bytes_per_step"]),
+            "baseline_name": "no cache, same run", "baseline_value": round(base_bytes),
+            "target_ratio": "<= 0.5",
+            "auc": round(r["auc"], 4), "auc_baseline": round(base_auc, 4),
+            "auc_delta": round(r["auc"] - base_auc, 4), "auc_target": "within 0.002",
+            "examples_per_s": round(args.train * args.epochs / r["seconds"]),
+            "examples_per_s_baseline": round(base_speed),
+            "hit_rate": round(r["hit_rate"], 3), "cache_mb": round(r["cache_mb"], 1),
+            "capacity_mb": round(r["capacity_mb"], 1),
+            "refreshes_per_step": round(r["refreshes_per_step"], 1),
+            "staleness_p99_ms": round(r["staleness_p99_ms"], 1),
+            "pulls_per_step": round(r["pulls_per_step"], 2),
+            "pull_us_per_step_at_25gbit": round(r["pull_bytes_per_step"] / bytes_per_us, 1),
+            "pull_us_per_step_at_25gbit_baseline": round(base_bytes / bytes_per_us, 1),
+        })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
