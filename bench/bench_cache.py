@@ -4,8 +4,8 @@ The model and stream of examples/ctr_model.py (26 categorical features in
 one dim-8 Adagrad table, 13 dense features, batch 1024), with Zipf(--zipf)
 ids, trained on 2 local shard processes: once without a cache (the baseline,
 run first and again last) and once per cache size (--rows) and staleness
-bound (--steps, lookups of the table), each on a fresh cluster and a fresh
-copy of the same initial model. Per run: examples/s, bytes pulled from the
+bound (--steps, lookups of the table), each in a process of its own on a
+fresh cluster, from the same initial model. Per run: examples/s, bytes pulled from the
 shards per training step (`dlt_pull_bytes` of `tf_dlt.ClientMetrics`, the
 cache's state pulls included), the cache hit rate, and the held-out AUC
 after training (`model.evaluate` on --validation examples of another seed).
@@ -24,6 +24,8 @@ Usage: python bench/bench_cache.py [--train 200000] [--validation 20000]
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,20 +92,37 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--rows", default="10000,100000,400000")
     p.add_argument("--steps", default="4,16,64")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # "rows,steps": one run, in this process
     args = p.parse_args()
-    x, y = make_data(args.train, seed=0, zipf=args.zipf)
-    validation = make_data(args.validation, seed=1, zipf=args.zipf)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).prefetch(tf.data.AUTOTUNE)
-    keras.utils.set_random_seed(0)
-    template = make_model(name="cache_emb")
-    template.build({"dense_features": (None, 13), "categorical_ids": (None, 26)})
+    if args.case:
+        rows, steps = (int(v) for v in args.case.split(","))
+        x, y = make_data(args.train, seed=0, zipf=args.zipf)
+        validation = make_data(args.validation, seed=1, zipf=args.zipf)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+        keras.utils.set_random_seed(0)
+        template = make_model(name="cache_emb")
+        template.build({"dense_features": (None, 13), "categorical_ids": (None, 26)})
+        result = run(
+            template, data.prefetch(tf.data.AUTOTUNE), validation, args.epochs, rows, steps
+        )
+        print("RESULT", json.dumps(result), flush=True)
+        return
     cases = [(0, 0)] + [
         (int(r), int(s)) for r in args.rows.split(",") for s in args.steps.split(",")
     ] + [(0, 0)]  # fmt: skip
     results = []
     for rows, steps in cases:
+        # A process per run, as a training job is: nothing of one run
+        # (models, clients, caches) stays around for the next.
         log(f"2 shard processes, cache rows {rows}, staleness {steps} lookups")
-        results.append((rows, steps, run(template, data, validation, args.epochs, rows, steps)))
+        out = subprocess.run(
+            [sys.executable, __file__, "--case", f"{rows},{steps}", "--train", str(args.train),
+             "--validation", str(args.validation), "--epochs", str(args.epochs),
+             "--batch", str(args.batch), "--zipf", str(args.zipf)],
+            capture_output=True, text=True, check=True, timeout=1800,
+        ).stdout  # fmt: skip
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        results.append((rows, steps, json.loads(line[len("RESULT ") :])))
     plain = [r for rows, _, r in results if rows == 0]
     base_bytes = float(np.mean([r["pull_bytes_per_step"] for r in plain]))
     base_auc = float(np.mean([r["auc"] for r in plain]))

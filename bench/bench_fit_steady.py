@@ -6,7 +6,8 @@ each, 13 dense features, dim 16 rows with Adagrad, batch 1024, fed by a
 `tf.data.Dataset`. Each repetition trains a fresh embedded model and a
 fresh model transpiled onto a fresh 2-shard cluster for --epochs epochs on
 the same data: as is, with `tf_dlt.pull_ahead` and with it at
-refresh=False. Per epoch it records examples/s and, for the remote models,
+refresh=False. Each run is a trainer process of its own, as a training job
+is (--one-process: all in this one). Per epoch it records examples/s and, for the remote models,
 the trainer's table traffic (`tf_dlt.ClientMetrics`: pull, push and lookup p50/p99, seconds spent in
 lookups, pulls ahead used, pushes in flight at the epoch's end).
 
@@ -26,6 +27,8 @@ Usage: python bench/bench_fit_steady.py [--examples 500000] [--reps 3]
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -123,6 +126,31 @@ def projection(
     }  # fmt: skip
 
 
+_DATA: dict[tuple[int, int, float], tf.data.Dataset] = {}
+
+
+def one_run(kind: str, rep: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The epochs of one run of `kind` (embedded, or one of REMOTE on a
+    fresh 2-shard cluster)."""
+    key = (args.examples, args.batch, args.zipf)
+    if key not in _DATA:
+        x, y = make_data(args.examples, seed=0, zipf=args.zipf)
+        _DATA[key] = (
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).prefetch(tf.data.AUTOTUNE)
+        )
+    data = _DATA[key]
+    if kind == "embedded":
+        m = model(layer(f"steady_embedded_{rep}"), keras.optimizers.Adam(1e-3))
+        return fit(m, data, args.epochs, remote=False)
+    with LocalCluster(2, "--log-level", "WARNING") as cluster:
+        remote_model = tf_dlt.transpile(
+            model(layer(f"steady_{rep}"), keras.optimizers.Adam(1e-3)), cluster.addresses
+        )
+        if kind != "remote":
+            tf_dlt.pull_ahead(remote_model, refresh=not kind.endswith("no refresh"))
+        return fit(remote_model, data, args.epochs, remote=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,33 +160,38 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--zipf", type=float, default=1.2)
+    p.add_argument(
+        "--one-process", action="store_true",
+        help="every run in this process (as before), the earlier runs' models and clients "
+        "still in it",
+    )  # fmt: skip
+    p.add_argument("--run", help=argparse.SUPPRESS)  # "kind,rep": one run, in this process
     args = p.parse_args()
-    x, y = make_data(args.examples, seed=0, zipf=args.zipf)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).prefetch(tf.data.AUTOTUNE)
+    if args.run:
+        kind, rep = args.run.rsplit(",", 1)
+        print("RESULT", json.dumps(one_run(kind, int(rep), args)), flush=True)
+        return
     # Per repetition, the epochs of each kind of run.
     runs: list[dict[str, list[dict[str, Any]]]] = []
     for rep in range(args.reps):
-        log(f"repetition {rep + 1}: embedded")
-        run = {
-            "embedded": fit(
-                model(layer(f"steady_embedded_{rep}"), keras.optimizers.Adam(1e-3)),
-                data,
-                args.epochs,
-                remote=False,
-            )  # fmt: skip
-        }
-        for kind in REMOTE:
-            log(f"repetition {rep + 1}: 2 shard processes, {kind}")
-            with LocalCluster(2, "--log-level", "WARNING") as cluster:
-                remote_model = tf_dlt.transpile(
-                    model(layer(f"steady_{rep}"), keras.optimizers.Adam(1e-3)), cluster.addresses
-                )
-                if kind != "remote":
-                    tf_dlt.pull_ahead(remote_model, refresh=not kind.endswith("no refresh"))
-                run[kind] = fit(remote_model, data, args.epochs, remote=True)
+        run = {}
+        for kind in ("embedded", *REMOTE):
+            log(f"repetition {rep + 1}: {kind}")
+            if args.one_process:
+                run[kind] = one_run(kind, rep, args)
+                continue
+            out = subprocess.run(
+                [sys.executable, __file__, "--run", f"{kind},{rep}",
+                 "--examples", str(args.examples), "--epochs", str(args.epochs),
+                 "--batch", str(args.batch), "--zipf", str(args.zipf)],
+                capture_output=True, text=True, check=True, timeout=1800,
+            ).stdout  # fmt: skip
+            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+            run[kind] = json.loads(line[len("RESULT ") :])
         runs.append(run)
     common = {"bench": "fit_steady", "examples": args.examples, "batch": args.batch,
-              "dim": DIM, "zipf": args.zipf, "unit": "examples/s"}  # fmt: skip
+              "dim": DIM, "zipf": args.zipf, "unit": "examples/s",
+              "processes": "one" if args.one_process else "one per run"}  # fmt: skip
     for rep, run in enumerate(runs):
         for kind in REMOTE:
             for epoch, (e, r) in enumerate(zip(run["embedded"], run[kind], strict=True)):

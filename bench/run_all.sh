@@ -13,6 +13,9 @@ $PY bench/bench_delta.py
 $PY bench/bench_ops.py
 $PY bench/bench_connections.py
 $PY bench/bench_keras.py
+$PY bench/bench_fit_steady.py
+$PY bench/bench_cache.py
+$PY bench/bench_trainers.py
 $PY bench/bench_scale.py --write-capacity
 $PY bench/bench_admission.py
 $PY bench/bench_memory.py
