@@ -34,7 +34,7 @@ def _data(n: int = 192) -> tuple[dict[str, np.ndarray], np.ndarray]:
 def _model() -> keras.Model:
     items = keras.Input((3,), dtype="int64", name="items")
     price = keras.Input((2,), name="price")
-    i = Embedding(output_dim=DIM, is_distributed=True, name="i_emb", seed=2)(items)
+    i = Embedding(output_dim=DIM, is_distributed=True, name="hc_emb", seed=2)(items)
     i = keras.layers.GlobalAveragePooling1D()(i)
     x = keras.layers.Concatenate()([i, price])
     x = keras.layers.Dense(8, activation="relu")(x)
@@ -45,7 +45,7 @@ def _model() -> keras.Model:
 
 def _remote(model: keras.Model, cluster: Cluster) -> keras.Model:
     remote = tf_dlt.transpile(model, cluster.addresses)
-    remote.get_layer("i_emb").sync_push = True
+    remote.get_layer("hc_emb").sync_push = True
     return remote
 
 
@@ -73,11 +73,11 @@ def test_cache_trains_exactly_as_without_under_sync_push(
         np.testing.assert_array_equal(a, b)
     ids = np.arange(VOCAB, dtype=np.int64)
     np.testing.assert_array_equal(
-        _shard_rows(plain_cluster, "i_emb", ids), _shard_rows(cached_cluster, "i_emb", ids)
+        _shard_rows(plain_cluster, "hc_emb", ids), _shard_rows(cached_cluster, "hc_emb", ids)
     )
     # The cache served, its rows follow the pushes, and it held its bound.
     logs = histories[1]
-    stats = ops.client_stats(cached.get_layer("i_emb").client)
+    stats = ops.client_stats(cached.get_layer("hc_emb").client)
     assert stats["cache_hits"] > 0 and stats["cache_applied_rows"] > 0
     assert 0 < stats["cache_rows"] <= 16
     assert sum(logs["dlt_cache_hits"]) == stats["cache_hits"]
@@ -142,7 +142,7 @@ def test_cached_tables_are_not_pulled_ahead(start_cluster: Callable[..., Cluster
     )
     x, y = _data(64)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
-    stats = ops.client_stats(model.get_layer("i_emb").client)
+    stats = ops.client_stats(model.get_layer("hc_emb").client)
     assert stats["pulls_ahead"] == 0 and stats["cache_hits"] > 0
 
 

@@ -103,6 +103,9 @@ RowCache::RowCache(uint32_t dim, const OptimizerConfig& optimizer, RowCacheOptio
       optimizer_(optimizer),
       options_(options),
       slot_floats_(SlotsPerValue(optimizer.kind) * dim),
+      // Bytes of a state pull's row against a plain pull's (id included).
+      fill_cost_((sizeof(int64_t) + sizeof(float) * StateFloats(dim, slot_floats_)) /
+                 static_cast<double>(sizeof(int64_t) + sizeof(float) * dim)),
       // Enough counters to tell the cached rows' frequencies apart.
       sketch_width_(static_cast<uint32_t>(
           std::min<size_t>(size_t{1} << 22, std::max<size_t>(1024, options.max_rows * 4)))),
@@ -143,6 +146,9 @@ uint32_t RowCache::Count(int64_t id) {
   if (++counted_ >= uint64_t{sketch_width_} * 8) {  // age: recent frequency wins
     for (uint8_t& c : sketch_) c >>= 1;
     counted_ = 0;
+    // The halved counts stand for half the lookups they counted.
+    window_lookups_ = (window_lookups_ + lookups_since_halving_) / 2;
+    lookups_since_halving_ = 0;
   }
   return std::min<uint32_t>(current + 1, 255);
 }
@@ -182,6 +188,36 @@ int64_t RowCache::SlotFor(uint32_t count) {
   return victim;
 }
 
+bool RowCache::WorthCaching(uint32_t count) const {
+  if (count < options_.min_count) return false;
+  if (options_.max_staleness_steps == 0) return true;
+  // Lookups of the id expected before the row must be pulled again, against
+  // what a fill (and each refresh) costs in plain pulls: more, or the cache
+  // pulls more bytes than it saves.
+  const double covered = static_cast<double>(window_lookups_ + lookups_since_halving_);
+  return count * static_cast<double>(options_.max_staleness_steps) > fill_cost_ * covered;
+}
+
+void RowCache::EraseSlot(uint32_t slot) {
+  const size_t stride = dim_ + slot_floats_;
+  index_.Erase(ids_[slot]);
+  // Moving the last row into the freed slot keeps the slots dense.
+  const auto last = static_cast<uint32_t>(ids_.size() - 1);
+  if (slot != last) {
+    ids_[slot] = ids_[last];
+    std::memcpy(&data_[slot * stride], &data_[last * stride], sizeof(float) * stride);
+    steps_[slot] = steps_[last];
+    filled_step_[slot] = filled_step_[last];
+    filled_ms_[slot] = filled_ms_[last];
+    index_.Set(ids_[slot], slot);
+  }
+  ids_.pop_back();
+  data_.resize(data_.size() - stride);
+  steps_.pop_back();
+  filled_step_.pop_back();
+  filled_ms_.pop_back();
+}
+
 void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows, Plan* plan) {
   plan->fill.clear();
   plan->plain.clear();
@@ -191,6 +227,7 @@ void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows,
   const size_t stride = dim_ + slot_floats_;
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t now_step = ++clock_;
+  ++lookups_since_halving_;
   size_t admitted = 0;  // new rows this lookup plans to fill
   int64_t bar = -1;     // the rarest sampled row's count, once needed
   for (size_t i = 0; i < n; ++i) {
@@ -210,12 +247,19 @@ void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows,
         plan->oldest_ms = std::max(plan->oldest_ms, age_ms);
         continue;
       }
-      plan->fill.push_back(static_cast<uint32_t>(i));  // a refresh
+      if (WorthCaching(count)) {
+        plan->fill.push_back(static_cast<uint32_t>(i));  // a refresh
+        continue;
+      }
+      EraseSlot(slot);  // too rare now to pay for its refreshes
+      ++counts_.evictions;
+      plan->plain.push_back(static_cast<uint32_t>(i));
       continue;
     }
-    // Pulled with its state only if it will get a slot: a free one, or one
-    // of a rarer row (judged against a sample taken once per lookup).
-    bool admit = count >= options_.min_count;
+    // Pulled with its state only if it is worth it and will get a slot: a
+    // free one, or one of a rarer row (judged against a sample taken once
+    // per lookup).
+    bool admit = WorthCaching(count);
     if (admit && ids_.size() + admitted >= options_.max_rows) {
       if (bar < 0) bar = RarestSampled();
       admit = static_cast<int64_t>(count) > bar;
@@ -240,25 +284,7 @@ void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t n
     std::memcpy(&step, state + width - 1, sizeof(step));
     const uint32_t cached = index_.Find(ids[i]);
     if (step == kNoState) {
-      if (cached != SlotIndex::kNone) {  // gone from the shards (evicted, expired)
-        const uint32_t slot = cached;
-        index_.Erase(ids[i]);
-        // The slot stays; moving the last row into it keeps slots dense.
-        const uint32_t last = static_cast<uint32_t>(ids_.size() - 1);
-        if (slot != last) {
-          ids_[slot] = ids_[last];
-          std::memcpy(&data_[slot * stride], &data_[last * stride], sizeof(float) * stride);
-          steps_[slot] = steps_[last];
-          filled_step_[slot] = filled_step_[last];
-          filled_ms_[slot] = filled_ms_[last];
-          index_.Set(ids_[slot], slot);
-        }
-        ids_.pop_back();
-        data_.resize(data_.size() - stride);
-        steps_.pop_back();
-        filled_step_.pop_back();
-        filled_ms_.pop_back();
-      }
+      if (cached != SlotIndex::kNone) EraseSlot(cached);  // gone from the shards
       absent->push_back(static_cast<uint32_t>(i));
       continue;
     }

@@ -6,8 +6,11 @@
 // trainers' pushes are seen when a row is refreshed, which happens once it
 // is max_staleness_steps lookups or max_staleness_ms old. An id is cached
 // once it was looked up min_count times (a count-min sketch, halved as it
-// fills); when full, a newcomer replaces the least frequent of a few sampled
-// rows if it is more frequent. No TF headers: the C++ suite tests it.
+// fills) and, with a staleness bound in lookups, once it is looked up often
+// enough to repay its fills and refreshes (each pulls the state: 2.1x the
+// bytes of a plain pull for Adagrad); when full, a newcomer replaces the
+// least frequent of a few sampled rows if it is more frequent. A cached row
+// that became too rare is dropped instead of refreshed. No TF headers: the C++ suite tests it.
 #ifndef TF_DLT_NATIVE_NET_ROW_CACHE_H_
 #define TF_DLT_NATIVE_NET_ROW_CACHE_H_
 
@@ -108,11 +111,18 @@ class RowCache {
   int64_t SlotFor(uint32_t count);
   // The lowest count among a few sampled rows (256 when empty).
   uint32_t RarestSampled();
+  // Whether an id looked up `count` times (the sketch's estimate) is worth
+  // a fill: min_count, and with a staleness bound in lookups, more lookups
+  // expected within it than a fill costs in plain pulls.
+  bool WorthCaching(uint32_t count) const;
+  // Removes the row in `slot` (the last row moves into it).
+  void EraseSlot(uint32_t slot);
 
   const uint32_t dim_;
   const OptimizerConfig optimizer_;
   const RowCacheOptions options_;
   const uint32_t slot_floats_;
+  const double fill_cost_;
   const uint32_t sketch_width_;
   mutable std::mutex mu_;
   uint64_t clock_ = 0;  // lookups so far
@@ -125,6 +135,10 @@ class RowCache {
   std::vector<int64_t> filled_ms_;
   std::vector<uint8_t> sketch_;  // 4 rows of sketch_width_ 8-bit counters
   uint64_t counted_ = 0;         // since the sketch was last halved
+  // Lookups since the sketch was last halved, and those its counts stood
+  // for when it was (the counts cover about the sum).
+  uint64_t lookups_since_halving_ = 0;
+  uint64_t window_lookups_ = 0;
   uint64_t sample_ = 0x9e3779b97f4a7c15ull;
   Counts counts_;
 };

@@ -171,6 +171,29 @@ DLT_TEST(RowCacheAdmitsFrequentIdsAndHoldsAtMostMaxRows) {
   EXPECT(plan.hits == 1 && cache.counts().rows == 4 && cache.counts().evictions == 1);
 }
 
+DLT_TEST(RowCacheKeepsOnlyIdsThatRepayTheirRefreshes) {
+  const TableConfig config = CacheTableConfig(OptimizerKind::kSgd);
+  Table table(config);
+  // Refreshed every 2 lookups; a fill costs (8 + 4 x 5) / (8 + 4 x 4) = 1.17
+  // plain pulls, so an id must be looked up more than 0.58 times per lookup.
+  RowCache cache(config.dim, config.optimizer, Options(8, 2, 0, 1));
+  TableRows(&table, {1, 2});
+  RowCache::Plan plan;
+  for (int k = 0; k < 40; ++k) {
+    const std::vector<float> rows =
+        CachedLookup(&cache, &table,
+                     k % 4 == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{1}, 0, &plan);
+    EXPECT(rows ==
+           TableRows(&table, k % 4 == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{1}));
+  }
+  // Id 1 (every lookup) stays; id 2 (every 4th) was dropped and never taken back.
+  EXPECT(cache.counts().rows == 1 && cache.counts().evictions == 1);
+  CachedLookup(&cache, &table, {1}, 0, &plan);
+  EXPECT(plan.hits == 1 || plan.fill.size() == 1);
+  CachedLookup(&cache, &table, {2}, 0, &plan);
+  EXPECT(plan.plain.size() == 1);
+}
+
 DLT_TEST(RowCacheInvalidateAndRowsGoneFromTheTable) {
   const TableConfig config = CacheTableConfig(OptimizerKind::kSgd);
   Table table(config);

@@ -46,8 +46,11 @@ def hot_row_cache(
         max_staleness_ms: the same in milliseconds. None: no such bound.
             At least one bound is needed.
         min_count: an id is cached once it was looked up this many times
-            (counted in a small frequency sketch); when the cache is full, a
-            newcomer replaces the rarest of a few sampled rows if it is more
+            (counted in a small frequency sketch) and, with
+            `max_staleness_steps`, often enough that its expected lookups
+            within the bound repay its fill and refreshes (each pulls the
+            optimizer state too); when the cache is full, a newcomer
+            replaces the rarest of a few sampled rows if it is more
             frequent.
         layers: the distributed `Embedding` layers (objects or names) whose
             tables to cache; None: every one.
