@@ -106,9 +106,13 @@ RowCache::RowCache(uint32_t dim, const OptimizerConfig& optimizer, RowCacheOptio
       // Bytes of a state pull's row against a plain pull's (id included).
       fill_cost_((sizeof(int64_t) + sizeof(float) * StateFloats(dim, slot_floats_)) /
                  static_cast<double>(sizeof(int64_t) + sizeof(float) * dim)),
-      // Enough counters to tell the cached rows' frequencies apart.
+      // Enough counters to tell the cached rows' frequencies apart, and at
+      // least 2^20 so that a batch's one-off tail ids rarely look frequent
+      // (a count-min sketch only overestimates) and counts span hundreds of
+      // lookups before they halve.
       sketch_width_(static_cast<uint32_t>(
-          std::min<size_t>(size_t{1} << 22, std::max<size_t>(1024, options.max_rows * 4)))),
+          std::clamp<size_t>(options.max_rows * 4, size_t{1} << 20, size_t{1} << 22))),
+
       sketch_(size_t{kSketchRows} * sketch_width_, 0) {}
 
 size_t RowCache::row_bytes() const {

@@ -37,7 +37,7 @@ def hot_row_cache(
             nothing: the rows are in the process already.
         rows: rows cached per table at most, the memory bound: each takes
             its values and optimizer slots in float32 plus at most 92 bytes,
-            and a frequency sketch of 4 x rows bytes (at most 16 MiB) per
+            and a frequency sketch of 16 bytes per row (4 to 16 MiB) per
             table (`dlt_cache_capacity_bytes` in `tf_dlt.ClientMetrics`). 0
             removes the caches.
         max_staleness_steps: a cached row is pulled again once the table was
