@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import emit, log, median_seconds  # noqa: E402
 
 import tf_dlt  # noqa: E402
+from tf_dlt import _native  # noqa: E402
 from tf_dlt import dlt_ops as ops  # noqa: E402
 from tf_dlt.server.local import LocalCluster  # noqa: E402
 from tf_dlt.table_config import TableConfig  # noqa: E402
@@ -130,6 +132,12 @@ def rows_per_s(fn, batches: list[tf.Tensor], reps: int = 15) -> tuple[float, flo
     return len(batches[0]) / p50, p50, worst
 
 
+def cycling(fn: Any, items: list[Any]) -> Any:
+    """A no-argument call of `fn` on the next of `items`, round robin."""
+    it = iter(range(10**9))
+    return lambda: fn(items[next(it) % len(items)])
+
+
 def batches_of(ids: np.ndarray, batch: int, count: int = 8, seed: int = 0) -> list[tf.Tensor]:
     rng = np.random.default_rng(seed)
     return [tf.constant(ids[rng.integers(0, len(ids), batch)]) for _ in range(count)]
@@ -184,6 +192,28 @@ def case_remote(args: argparse.Namespace) -> None:
                   "baseline_name": "loopback TCP 64 B ping-pong p50 (Python)",
                   "baseline_value": rtt,
                   "target_ratio": "goal: p50 <= 3x RTT + 50 us"})  # fmt: skip
+
+        # Where a small lookup's time goes: a tf.function of a trivial
+        # gather (the dispatch every lookup pays), and the C++ client's pull
+        # alone (no TensorFlow, no worker hop).
+        var = tf.Variable(tf.zeros((16, DIM)))
+
+        @tf.function
+        def trivial(i: tf.Tensor) -> tf.Tensor:
+            return tf.reduce_sum(tf.gather(var, i % 16))
+
+        raw = _native.Client(cluster.addresses)
+        for n in (1, 64):
+            small = batches_of(ids, n, count=16, seed=n)
+            arrays = [b.numpy() for b in small]
+            dispatch = median_seconds(cycling(lambda b: trivial(b).numpy(), small), reps=300)[0]
+            wire = median_seconds(cycling(lambda a: raw.pull(TABLE, DIM, a), arrays), reps=300)[0]
+            emit({**common, "batch": n, "name": f"latency_parts_{n}", "unit": "us p50",
+                  "value": dispatch * 1e6, "client_pull_us": wire * 1e6,
+                  "baseline_name": "loopback TCP 64 B ping-pong p50 (Python)",
+                  "baseline_value": rtt,
+                  "note": "value: a tf.function of a trivial gather; client_pull_us: the C++ "
+                          "client's pull alone"})  # fmt: skip
 
         zipf = np.random.default_rng(1).zipf(1.05, (8, args.batch)) % args.rows
         zipf_batches = [tf.constant(ids[z]) for z in zipf]
