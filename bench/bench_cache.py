@@ -24,7 +24,6 @@ Usage: python bench/bench_cache.py [--train 200000] [--validation 20000]
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from common import emit, log  # noqa: E402
+from common import emit, log, print_result, result_of  # noqa: E402
 from ctr_model import make_data, make_model  # noqa: E402
 
 import tf_dlt  # noqa: E402
@@ -66,7 +65,7 @@ def run(
         seconds = time.perf_counter() - start
         _, auc = model.evaluate(*validation, batch_size=1024, verbose=0)
     logs = history.history
-    train_steps = sum(1 for _ in data) * epochs
+    train_steps = int(data.cardinality()) * epochs
     asked = sum(logs["dlt_cache_hits"]) + sum(logs["dlt_cache_misses"])
     return {
         "seconds": seconds,
@@ -105,7 +104,7 @@ def main() -> None:
         result = run(
             template, data.prefetch(tf.data.AUTOTUNE), validation, args.epochs, rows, steps
         )
-        print("RESULT", json.dumps(result), flush=True)
+        print_result(result)
         return
     cases = [(0, 0)] + [
         (int(r), int(s)) for r in args.rows.split(",") for s in args.steps.split(",")
@@ -121,8 +120,7 @@ def main() -> None:
              "--batch", str(args.batch), "--zipf", str(args.zipf)],
             capture_output=True, text=True, check=True, timeout=1800,
         ).stdout  # fmt: skip
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        results.append((rows, steps, json.loads(line[len("RESULT ") :])))
+        results.append((rows, steps, result_of(out)))
     plain = [r for rows, _, r in results if rows == 0]
     base_bytes = float(np.mean([r["pull_bytes_per_step"] for r in plain]))
     base_auc = float(np.mean([r["auc"] for r in plain]))

@@ -27,7 +27,6 @@ Usage: python bench/bench_fit_steady.py [--examples 500000] [--reps 3]
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ import tensorflow as tf
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 from bench_keras import model  # noqa: E402
-from common import emit, log  # noqa: E402
+from common import emit, log, print_result, result_of  # noqa: E402
 from ctr_model import make_data  # noqa: E402
 
 import tf_dlt  # noqa: E402
@@ -169,7 +168,7 @@ def main() -> None:
     args = p.parse_args()
     if args.run:
         kind, rep = args.run.rsplit(",", 1)
-        print("RESULT", json.dumps(one_run(kind, int(rep), args)), flush=True)
+        print_result(one_run(kind, int(rep), args))
         return
     # Per repetition, the epochs of each kind of run.
     runs: list[dict[str, list[dict[str, Any]]]] = []
@@ -186,8 +185,7 @@ def main() -> None:
                  "--batch", str(args.batch), "--zipf", str(args.zipf)],
                 capture_output=True, text=True, check=True, timeout=1800,
             ).stdout  # fmt: skip
-            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-            run[kind] = json.loads(line[len("RESULT ") :])
+            run[kind] = result_of(out)
         runs.append(run)
     common = {"bench": "fit_steady", "examples": args.examples, "batch": args.batch,
               "dim": DIM, "zipf": args.zipf, "unit": "examples/s",

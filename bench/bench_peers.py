@@ -22,7 +22,6 @@ Usage: python bench/bench_peers.py
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, log  # noqa: E402
+from common import emit, log, result_of  # noqa: E402
 
 from tf_dlt.server.local import LocalCluster  # noqa: E402
 
@@ -54,10 +53,9 @@ def run(python: Path | str, *args: str, env: dict[str, str] | None = None) -> di
         [str(python), str(WORKLOAD), *args], capture_output=True, text=True, timeout=1800,
         env={**os.environ, **(env or {})}, cwd="/",
     )  # fmt: skip
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
+    result: dict[str, Any] | None = result_of(out.stdout)
+    if out.returncode != 0 or result is None:
         raise RuntimeError(f"{args[0]} failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
     log(f"{' '.join(args)}: {result}")
     return result
 

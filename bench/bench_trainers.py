@@ -22,7 +22,6 @@ Usage: python bench/bench_trainers.py [--trainers 1,2,4] [--examples 100000]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, log  # noqa: E402
+from common import emit, log, print_result, result_of  # noqa: E402
 
 DIM = 16
 
@@ -63,7 +62,7 @@ def trainer(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     remote.fit(data, epochs=args.epochs, verbose=0)
     seconds = time.perf_counter() - start
-    print("RESULT", json.dumps({"examples_per_s": args.examples * args.epochs / seconds}))
+    print_result({"examples_per_s": args.examples * args.epochs / seconds})
 
 
 def run(count: int, args: argparse.Namespace) -> list[float]:
@@ -104,8 +103,7 @@ def run(count: int, args: argparse.Namespace) -> list[float]:
             out, _ = p.communicate(timeout=1800)
             if p.returncode != 0:
                 raise SystemExit(f"a trainer failed (exit {p.returncode}): {out[-2000:]}")
-            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-            rates.append(json.loads(line[len("RESULT ") :])["examples_per_s"])
+            rates.append(result_of(out)["examples_per_s"])
     return rates
 
 

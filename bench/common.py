@@ -63,3 +63,19 @@ def rss_bytes() -> int:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# A benchmark that runs its cases in child processes: the child prints its
+# result on one line (print_result), the parent reads it back (result_of).
+_RESULT = "RESULT "
+
+
+def print_result(value: Any) -> None:
+    print(_RESULT + json.dumps(value), flush=True)
+
+
+def result_of(stdout: str) -> Any:
+    """The value of the last result line in a child's `stdout`; None if it
+    printed none."""
+    lines = [line for line in stdout.splitlines() if line.startswith(_RESULT)]
+    return json.loads(lines[-1][len(_RESULT) :]) if lines else None

@@ -157,12 +157,16 @@ uint32_t RowCache::Count(int64_t id) {
   return std::min<uint32_t>(current + 1, 255);
 }
 
-uint32_t RowCache::RarestSampled() {
+uint32_t RowCache::RarestSampled(uint32_t* rarest_slot) {
   uint32_t rarest = 256;
   const bool all = ids_.size() <= kSampled;  // a small cache: every row
   for (uint32_t k = 0; k < (all ? ids_.size() : kSampled); ++k) {
     const auto slot = all ? k : static_cast<uint32_t>(NextRandom(&sample_) % ids_.size());
-    rarest = std::min(rarest, Estimate(ids_[slot]));
+    const uint32_t c = Estimate(ids_[slot]);
+    if (c < rarest) {
+      rarest = c;
+      if (rarest_slot != nullptr) *rarest_slot = slot;
+    }
   }
   return rarest;
 }
@@ -176,17 +180,8 @@ int64_t RowCache::SlotFor(uint32_t count) {
     filled_ms_.push_back(0);
     return static_cast<int64_t>(ids_.size() - 1);
   }
-  uint32_t victim = 0, victim_count = 256;
-  const bool all = ids_.size() <= kSampled;  // a small cache: every row
-  for (uint32_t k = 0; k < (all ? ids_.size() : kSampled); ++k) {
-    const auto slot = all ? k : static_cast<uint32_t>(NextRandom(&sample_) % ids_.size());
-    const uint32_t c = Estimate(ids_[slot]);
-    if (c < victim_count) {
-      victim = slot;
-      victim_count = c;
-    }
-  }
-  if (victim_count >= count) return -1;
+  uint32_t victim = 0;
+  if (RarestSampled(&victim) >= count) return -1;
   index_.Erase(ids_[victim]);
   ++counts_.evictions;
   return victim;

@@ -109,8 +109,9 @@ class RowCache {
   // A slot for a new row: a free one, or the least frequent of a sample if
   // it is rarer than `count` (evicted); -1: none.
   int64_t SlotFor(uint32_t count);
-  // The lowest count among a few sampled rows (256 when empty).
-  uint32_t RarestSampled();
+  // The lowest count among a few sampled rows (256 when empty), and
+  // (when given) that row's slot.
+  uint32_t RarestSampled(uint32_t* rarest_slot = nullptr);
   // Whether an id looked up `count` times (the sketch's estimate) is worth
   // a fill: min_count, and with a staleness bound in lookups, more lookups
   // expected within it than a fill costs in plain pulls.

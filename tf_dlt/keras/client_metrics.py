@@ -25,10 +25,12 @@ _COUNTS = ("pulls", "pulled_rows", "pull_bytes", "pull_errors", "pushes", "pushe
 _GAUGES = ("cache_rows", "cache_bytes", "cache_capacity_bytes")
 # Latency histograms ("<kind>_latency" in client_stats): pulls and pushes on
 # the wire, whole lookups (what a training step waits for: a lookup whose rows
-# were pulled ahead is short); and waits ("<kind>" there): for a worker
-# thread, and of a push for admission (backpressure on the step).
+# were pulled ahead is short); waits ("<kind>" there): for a worker thread,
+# and of a push for admission (backpressure on the step); and the age of the
+# oldest row each cached lookup served.
 _LATENCIES = ("pull", "push", "lookup")
-_WAITS = ("worker_wait", "push_wait", "cache_staleness")
+_WAITS = ("worker_wait", "push_wait")
+_HISTOGRAMS = (*_WAITS, "cache_staleness")
 
 
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
@@ -64,11 +66,11 @@ def summarize(
     for kind in _LATENCIES:
         out[f"dlt_{kind}_p50_ms"] = latency.quantile_us(buckets(f"{kind}_latency"), 0.5) / 1000
         out[f"dlt_{kind}_p99_ms"] = latency.quantile_us(buckets(f"{kind}_latency"), 0.99) / 1000
-    for kind in _WAITS:
+    for kind in _HISTOGRAMS:
         out[f"dlt_{kind}_p99_ms"] = latency.quantile_us(buckets(kind), 0.99) / 1000
     # Seconds summed: how long remote lookups took (steps waiting for rows),
     # pushes waited for admission, and calls waited for a worker thread.
-    for key, name in (("lookup_latency", "lookup"), ("worker_wait",) * 2, ("push_wait",) * 2):
+    for key, name in (("lookup_latency", "lookup"), *((k, k) for k in _WAITS)):
         out[f"dlt_{name}_s"] = (now[key]["sum_us"] - (before[key]["sum_us"] if before else 0)) / 1e6
     out["dlt_pull_mb_per_s"] = out["dlt_pull_bytes"] / 1e6 / max(seconds, 1e-9)
     out["dlt_push_mb_per_s"] = out["dlt_push_bytes"] / 1e6 / max(seconds, 1e-9)
@@ -90,7 +92,7 @@ def _merge(stats: list[dict[str, Any]]) -> dict[str, Any]:
         for k in (*_COUNTS, *_GAUGES, "pushes_in_flight", "pushes_waiting")
     }
     merged["cache_max_staleness_steps"] = max(s["cache_max_staleness_steps"] for s in stats)
-    for kind in (*(f"{k}_latency" for k in _LATENCIES), *_WAITS):
+    for kind in (*(f"{k}_latency" for k in _LATENCIES), *_HISTOGRAMS):
         merged[kind] = {
             "buckets": [sum(col) for col in zip(*(s[kind]["buckets"] for s in stats), strict=True)],
             "sum_us": sum(s[kind]["sum_us"] for s in stats),

@@ -101,7 +101,7 @@ class CachedLookup {
         finish_(std::move(finish)) {}
 
   void Plan(const int64_t* id) {
-    dlt::Deduper dedup;
+    thread_local dlt::Deduper dedup;  // keeps its storage between lookups
     dedup.Run(id, n_, &unique_, &slot_);
     distinct_.resize(unique_.size() * dim_);
     now_ms_ = static_cast<int64_t>(Env::Default()->NowMicros() / 1000);
@@ -142,19 +142,14 @@ class CachedLookup {
     std::vector<uint32_t> absent;
     cache_->Fill(fill_ids_.data(), fill_ids_.size(), states_.data(), now_ms_, filled.data(),
                  &absent);
-    std::vector<uint32_t> got;  // positions Fill wrote
-    got.reserve(fill_ids_.size() - absent.size());
-    std::vector<float> got_rows;
-    got_rows.reserve((fill_ids_.size() - absent.size()) * dim_);
-    for (size_t k = 0, a = 0; k < fill_ids_.size(); ++k) {
+    for (size_t k = 0, a = 0; k < fill_ids_.size(); ++k) {  // the rows Fill wrote
       if (a < absent.size() && absent[a] == k) {
         ++a;
         continue;
       }
-      got.push_back(plan_.fill[k]);
-      got_rows.insert(got_rows.end(), &filled[k * dim_], &filled[(k + 1) * dim_]);
+      std::memcpy(&distinct_[size_t{plan_.fill[k]} * dim_], &filled[k * dim_],
+                  sizeof(float) * dim_);
     }
-    Scatter(got, got_rows.data());
     if (absent.empty()) return absl::OkStatus();
     // Rows the shards do not hold in RAM (new, or on the disk tier): pulled
     // plainly, on this worker.
