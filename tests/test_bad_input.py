@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tf_dlt import _native, errors
+from tf_dlt import dlt_ops as ops
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 
 import frames
@@ -253,3 +254,32 @@ def test_state_pulls_on_the_wire_and_modes_past_3(one: Cluster) -> None:
     with one.client() as client:  # a state pull inserted nothing
         assert client.list_tables()["emb"]["rows"] == 1
     _still_serves(one)
+
+
+def test_state_pulls_too_big_for_a_frame_are_refused_or_split(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(1, "--max-frame-bytes", "65536")
+    with cluster.client() as client:
+        config = client.create_table("emb", 4, "uniform", "adagrad")
+        client.pull("emb", np.arange(2000))  # the rows exist
+    with _connect(cluster) as sock:
+        sock.sendall(frames.hello(1))
+        frames.read_frame(sock)
+        # 2,000 ids: a plain reply (32 KB) fits the frame, a state reply
+        # (9 floats a row: 72 KB) does not.
+        sock.sendall(frames.pull(2, "emb", 4, list(range(2000)), mode=3))
+        opcode, _, rid, payload = frames.read_frame(sock)
+        assert (opcode, rid) == (frames.ERROR, 2)
+        assert frames.error_of(payload)[0] == errors.ResourceExhaustedError.code
+        sock.sendall(frames.pull(3, "emb", 4, list(range(2000))))  # the connection still serves
+        assert frames.read_frame(sock)[:3] == (frames.PULL, frames.RESPONSE, 3)
+    # A trainer's cache sizes its state pulls to the frame: its fills are split.
+    client = ops.ClientResource(cluster.addresses)
+    ops.configure_cache(client, config, 4000, max_staleness_steps=100, min_count=1)
+    ids = np.arange(2000, dtype=np.int64)
+    cached = ops.lookup(client, ids, "emb", 4).numpy()
+    assert ops.client_stats(client)["cache_fills"] == 2000
+    plain = ops.lookup(ops.ClientResource(cluster.addresses, request_timeout=29.0), ids, "emb", 4)
+    np.testing.assert_array_equal(cached, plain.numpy())
+    _still_serves(cluster)
