@@ -194,8 +194,9 @@ def case_remote(args: argparse.Namespace) -> None:
                   "target_ratio": "goal: p50 <= 3x RTT + 50 us"})  # fmt: skip
 
         # Where a small lookup's time goes: a tf.function of a trivial
-        # gather (the dispatch every lookup pays), and the C++ client's pull
-        # alone (no TensorFlow, no worker hop).
+        # gather (the dispatch every lookup pays), the C++ client's pull
+        # alone (no TensorFlow), and what is left of the lookup through the
+        # op (the op's own share), each the median of 7 interleaved rounds.
         var = tf.Variable(tf.zeros((16, DIM)))
 
         @tf.function
@@ -203,17 +204,27 @@ def case_remote(args: argparse.Namespace) -> None:
             return tf.reduce_sum(tf.gather(var, i % 16))
 
         raw = _native.Client(cluster.addresses)
+        lookup = consumed_lookup(client)
         for n in (1, 64):
             small = batches_of(ids, n, count=16, seed=n)
             arrays = [b.numpy() for b in small]
-            dispatch = median_seconds(cycling(lambda b: trivial(b).numpy(), small), reps=300)[0]
-            wire = median_seconds(cycling(lambda a: raw.pull(TABLE, DIM, a), arrays), reps=300)[0]
+            lookup(small[0]), trivial(small[0])
+            rounds = []
+            for _ in range(7):
+                rounds.append([
+                    median_seconds(cycling(lambda b: lookup(b).numpy(), small), reps=200)[0],
+                    median_seconds(cycling(lambda b: trivial(b).numpy(), small), reps=200)[0],
+                    median_seconds(cycling(lambda a: raw.pull(TABLE, DIM, a), arrays), reps=200)[0],
+                ])  # fmt: skip
+            whole, dispatch, wire = (statistics.median(r[k] for r in rounds) for k in range(3))
+            own = statistics.median(r[0] - r[1] - r[2] for r in rounds)
             emit({**common, "batch": n, "name": f"latency_parts_{n}", "unit": "us p50",
                   "value": dispatch * 1e6, "client_pull_us": wire * 1e6,
+                  "lookup_us": whole * 1e6, "op_own_us": own * 1e6,
                   "baseline_name": "loopback TCP 64 B ping-pong p50 (Python)",
                   "baseline_value": rtt,
                   "note": "value: a tf.function of a trivial gather; client_pull_us: the C++ "
-                          "client's pull alone"})  # fmt: skip
+                          "client's pull alone; op_own_us: lookup - the two"})  # fmt: skip
 
         zipf = np.random.default_rng(1).zipf(1.05, (8, args.batch)) % args.rows
         zipf_batches = [tf.constant(ids[z]) for z in zipf]

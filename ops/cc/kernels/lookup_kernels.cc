@@ -1,8 +1,8 @@
 // Dlt>Lookup: rows of ids of any shape. Remote (tcp): the ids are
 // deduplicated, the distinct ones pulled on the client's worker threads (routed
 // by bucket, every touched shard at once) and the rows stitched back in input
-// order; ComputeAsync never blocks. Embedded: the in-process table is read in
-// place.
+// order; ComputeAsync blocks only for small lookups (kInlineFloats), pulled on
+// the calling thread. Embedded: the in-process table is read in place.
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -37,8 +37,8 @@ absl::Status ReadLookupAttrs(OpKernelConstruction* ctx, std::string* table, uint
 }
 
 // Pulls `n` ids into `rows` ([n, dim], input order), each distinct id once.
-// Runs on a worker thread: they persist, so the scratch keeps its storage
-// between steps.
+// Runs on a worker thread, or inline for small lookups: both kinds of thread
+// persist, so the scratch keeps its storage between steps.
 absl::Status PullDistinct(ClientResource* c, const std::string& table, uint32_t dim,
                           dlt::PullMode mode, const int64_t* id, int64_t n, float* rows) {
   thread_local dlt::Deduper dedup;
@@ -196,6 +196,10 @@ absl::Status RowsPulledAhead(ClientResource* c, dlt::PulledAhead* ahead, float* 
   return absl::OkStatus();
 }
 
+// Remote lookups of at most this many values are pulled on the calling
+// thread (a 16 KiB reply: 256 ids of dim 16).
+constexpr int64_t kInlineFloats = 4096;
+
 class LookupOp : public AsyncOpKernel {
  public:
   explicit LookupOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
@@ -246,6 +250,12 @@ class LookupOp : public AsyncOpKernel {
       return;
     }
     std::shared_ptr<dlt::PulledAhead> ahead = c->TakePulledAhead(table_, dim_, mode_, id, n);
+    if (ahead == nullptr && n * dim_ <= kInlineFloats) {
+      // Small: its round trip costs less than the hop to a worker thread
+      // and back, so it blocks this thread instead.
+      finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
+      return;
+    }
     if (ahead == nullptr) {
       c->Schedule([this, c, ids, id, n, rows, finish]() {
         finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
