@@ -84,14 +84,16 @@ def _latest_cache_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any
             continue
         if r["case"] == "no cache":
             runs[r["zipf"]] = []
-        elif r["zipf"] in runs:
+        elif r["zipf"] in runs:  # the cached cases, and the bound
             runs[r["zipf"]].append(r)
-    return [runs[z] for z in sorted(runs) if runs[z]]
+    return [runs[z] for z in sorted(runs) if any(r["case"] == "cache" for r in runs[z])]
 
 
 def _plot_cache(runs: list[list[dict[str, Any]]]) -> None:
     fig, axes = plt.subplots(len(runs), 2, figsize=(10, 3.6 * len(runs)), squeeze=False)
-    for (a1, a2), cases in zip(axes, runs, strict=True):
+    for (a1, a2), run in zip(axes, runs, strict=True):
+        cases = [r for r in run if r["case"] == "cache"]
+        bounds = [r["value"] for r in run if r["case"].startswith("best possible cache")]
         first = cases[0]
         for steps in sorted({r["staleness_steps"] for r in cases}):
             line = sorted(
@@ -106,6 +108,8 @@ def _plot_cache(runs: list[list[dict[str, Any]]]) -> None:
                title=f"model.fit, 2 shards, Zipf({first['zipf']})")  # fmt: skip
         a2.axhline(1.0, color="k", ls="--")
         a2.axhline(0.5, color="tab:red", ls=":", label="target 0.5")
+        if bounds:
+            a2.axhline(bounds[-1], color="tab:gray", ls="-.", label="best possible cache")
         a2.set(xscale="log", xlabel="cache rows per table", ylabel="pull bytes per step / no cache",
                title="Bytes pulled from the shards")  # fmt: skip
         for ax in (a1, a2):
