@@ -90,24 +90,26 @@ def projection(
     time they imply on a datacenter network (NET_GBIT, NET_RTT_US): the
     compute of a step (the embedded run's) plus the network time on the
     step's critical path. A plain lookup waits for a round trip and its
-    bytes; with pull-ahead only the ids pulled again (refresh) are on it,
-    the pull ahead itself overlapping the steps before. Pushes are
+    bytes; with pull-ahead only the ids the lookup pulls again (pushed and
+    not refreshed ahead) are on it, the pull ahead and its refreshes ahead
+    overlapping the steps before. Pushes are
     asynchronous: off the path while fewer than max_inflight_pushes wait."""
     epochs = [e for run in runs for e in run[kind]]
     steps = len(epochs) * -(-examples // batch)
     per_step = {
         key: sum(e[f"dlt_{key}"] for e in epochs) / steps
-        for key in ("pulls", "pull_bytes", "pushes", "push_bytes", "pulled_ahead_stale_rows")
-    }
+        for key in ("pulls", "pull_bytes", "pushes", "push_bytes", "pulled_ahead_stale_rows",
+                    "pulled_ahead_refreshed_rows")
+    }  # fmt: skip
     row_bytes = 8 + 4 * DIM
     bytes_per_us = NET_GBIT * 1e9 / 8 / 1e6
     if kind == "remote":
         on_path_us = NET_RTT_US + per_step["pull_bytes"] / bytes_per_us
         on_path_trips = 1.0
-    else:  # pulled ahead: only the ids pulled again wait, in one more round trip
-        refreshed = per_step["pulled_ahead_stale_rows"]
-        on_path_trips = 1.0 if refreshed else 0.0
-        on_path_us = on_path_trips * NET_RTT_US + refreshed * row_bytes / bytes_per_us
+    else:  # pulled ahead: only the ids pulled again at the lookup wait, in one more round trip
+        again = per_step["pulled_ahead_stale_rows"] - per_step["pulled_ahead_refreshed_rows"]
+        on_path_trips = 1.0 if again > 0 else 0.0
+        on_path_us = on_path_trips * NET_RTT_US + again * row_bytes / bytes_per_us
     compute_us = (
         1e6
         * sum(e["seconds"] for run in runs for e in run["embedded"])

@@ -4,6 +4,7 @@ rows are used, and ids the trainer pushed in between are pulled again."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,14 @@ def _remote(model: keras.Model, cluster: Cluster) -> keras.Model:
 
 def _stats(model: keras.Model) -> dict[str, Any]:
     return ops.client_stats(model.get_layer("u_emb").client)
+
+
+def _wait_for(done: Callable[[], bool]) -> None:
+    """Waits (10 s at most) for work the client's worker threads do."""
+    deadline = time.monotonic() + 10
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def _rows(model: keras.Model, table: str) -> np.ndarray:
@@ -141,13 +150,27 @@ def test_a_lookup_without_its_pull_ahead_still_pulls_and_old_ones_are_dropped(
         ops.lookup(client, ids, "t", DIM), ops.lookup(client, ids, "t", DIM, training=False)
     )
     assert ops.client_stats(client)["pulled_ahead_stale_rows"] == 1
+    # A push once the pull ahead is done: the pushed id is pulled again at
+    # once (a refresh ahead), so the lookup pulls nothing and is fresh.
+    # (The push before may have been refreshed ahead too, or not.)
+    before = ops.client_stats(client)
+    pulls, refreshed = before["pulls"], before["pulled_ahead_refreshed_rows"]
+    ops.pull_ahead(client, ids, "t", DIM)
+    _wait_for(lambda: ops.client_stats(client)["pulls"] == pulls + 1)
+    ops.push(client, tf.constant([1, 9], tf.int64), tf.ones([2, DIM]), 1.0, "t", DIM, sync=True)
+    _wait_for(lambda: ops.client_stats(client)["pulled_ahead_refreshed_rows"] == refreshed + 1)
+    rows = ops.lookup(client, ids, "t", DIM)
+    stats = ops.client_stats(client)
+    assert stats["pulls"] == pulls + 2 and stats["pulled_ahead_stale_rows"] == 2
+    np.testing.assert_array_equal(rows, ops.lookup(client, ids, "t", DIM, training=False))
     # Without refresh the lookup keeps the rows as pulled: the push is missed.
     before = ops.lookup(client, ids, "t", DIM, training=False)
     ops.pull_ahead(client, ids, "t", DIM, refresh=False)
     ops.push(client, tf.constant([7], tf.int64), tf.ones([1, DIM]), 1.0, "t", DIM, sync=True)
     np.testing.assert_array_equal(ops.lookup(client, ids, "t", DIM), before)
     assert not np.array_equal(ops.lookup(client, ids, "t", DIM, training=False), before)
-    assert ops.client_stats(client)["pulled_ahead_stale_rows"] == 1
+    assert ops.client_stats(client)["pulled_ahead_stale_rows"] == 2
+    assert ops.client_stats(client)["pulled_ahead_refreshed_rows"] == refreshed + 1
 
 
 def test_embedded_tables_and_models_pull_ahead_cannot_serve(tmp_path: Any) -> None:

@@ -1,5 +1,6 @@
 #include "native/net/pull_ahead.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace dlt {
@@ -17,25 +18,28 @@ bool PulledAhead::Matches(const int64_t* ids, size_t n) const {
 }
 
 void PulledAhead::Finish(bool ok) {
-  std::function<void()> then;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    ok_ = ok;
-    then.swap(then_);
-  }
-  if (then) then();
+  std::unique_lock<std::mutex> lock(mu_);
+  done_ = true;
+  ok_ = ok;
+  RunThenIfIdle(&lock);
 }
 
 void PulledAhead::Then(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!done_) {
+    if (!done_ || refreshing_) {
       then_ = std::move(fn);
       return;
     }
   }
   fn();
+}
+
+void PulledAhead::RunThenIfIdle(std::unique_lock<std::mutex>* lock) {
+  std::function<void()> then;
+  if (done_ && !refreshing_) then.swap(then_);
+  lock->unlock();
+  if (then) then();
 }
 
 bool PulledAhead::done() const {
@@ -48,7 +52,58 @@ bool PulledAhead::ok() const {
   return ok_;
 }
 
+bool PulledAhead::ready() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_ && ok_ && !refreshing_ && std::find(stale_.begin(), stale_.end(), 1) == stale_.end();
+}
+
+void PulledAhead::SetTaken() {
+  std::lock_guard<std::mutex> lock(mu_);
+  taken_ = true;
+}
+
+std::vector<int64_t> PulledAhead::TakeStale() {
+  std::vector<int64_t> ids;
+  refreshing_at_.clear();
+  for (size_t i = 0; i < unique_.size(); ++i) {
+    if (!stale_[i]) continue;
+    stale_[i] = 0;
+    refreshing_at_.push_back(static_cast<uint32_t>(i));
+    ids.push_back(unique_[i]);
+  }
+  return ids;
+}
+
+std::vector<int64_t> PulledAhead::BeginRefresh() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!done_ || !ok_ || taken_ || refreshing_) return {};
+  std::vector<int64_t> ids = TakeStale();
+  refreshing_ = !ids.empty();
+  return ids;
+}
+
+std::vector<int64_t> PulledAhead::RefreshDone(const float* rows) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (rows == nullptr) {
+    for (uint32_t at : refreshing_at_) stale_[at] = 1;  // the lookup pulls them
+  } else {
+    for (size_t k = 0; k < refreshing_at_.size(); ++k) {
+      std::memcpy(rows_.data() + size_t{refreshing_at_[k]} * dim_, rows + k * dim_,
+                  sizeof(float) * dim_);
+    }
+  }
+  std::vector<int64_t> next;
+  if (rows != nullptr && !taken_) next = TakeStale();
+  refreshing_ = !next.empty();
+  if (!refreshing_) {
+    refreshing_at_.clear();
+    RunThenIfIdle(&lock);
+  }
+  return next;
+}
+
 size_t PulledAhead::MarkStale(const int64_t* ids, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
   size_t marked = 0;
   for (size_t i = 0; i < n; ++i) {
     const int64_t at = index_.Find(ids[i]);
@@ -61,6 +116,7 @@ size_t PulledAhead::MarkStale(const int64_t* ids, size_t n) {
 }
 
 std::vector<int64_t> PulledAhead::StaleIds() const {
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
   for (size_t i = 0; i < unique_.size(); ++i) {
     if (stale_[i]) out.push_back(unique_[i]);
@@ -69,6 +125,7 @@ std::vector<int64_t> PulledAhead::StaleIds() const {
 }
 
 void PulledAhead::Refresh(const float* rows) {
+  std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0, k = 0; i < unique_.size(); ++i) {
     if (!stale_[i]) continue;
     std::memcpy(rows_.data() + i * dim_, rows + k * dim_, sizeof(float) * dim_);
@@ -86,6 +143,7 @@ std::shared_ptr<PulledAhead> PullAhead::Begin(const std::string& table, PullMode
   std::lock_guard<std::mutex> lock(mu_);
   std::deque<std::shared_ptr<PulledAhead>>& queue = waiting_[table];
   if (queue.size() >= max_per_table_) {
+    queue.front()->SetTaken();  // dropped: nothing refreshes it any more
     queue.pop_front();
     ++counts_.dropped;
   }
@@ -103,8 +161,11 @@ std::shared_ptr<PulledAhead> PullAhead::Take(const std::string& table, PullMode 
   for (auto p = queue.begin(); p != queue.end(); ++p) {
     if ((*p)->mode() != mode || (*p)->dim() != dim || !(*p)->Matches(ids, n)) continue;
     std::shared_ptr<PulledAhead> taken = std::move(*p);
-    // Older ones were skipped by the lookups they were for: never taken.
+    taken->SetTaken();
+    // Older ones were skipped by the lookups they were for: never taken
+    // (and no longer refreshed).
     counts_.dropped += static_cast<uint64_t>(p - queue.begin());
+    for (auto q = queue.begin(); q != p; ++q) (*q)->SetTaken();
     queue.erase(queue.begin(), p + 1);
     ++counts_.taken;
     return taken;
@@ -112,13 +173,24 @@ std::shared_ptr<PulledAhead> PullAhead::Take(const std::string& table, PullMode 
   return nullptr;
 }
 
-void PullAhead::Pushed(const std::string& table, const int64_t* ids, size_t n) {
+std::vector<std::shared_ptr<PulledAhead>> PullAhead::Pushed(const std::string& table,
+                                                            const int64_t* ids, size_t n) {
+  std::vector<std::shared_ptr<PulledAhead>> marked;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = waiting_.find(table);
-  if (it == waiting_.end()) return;
+  if (it == waiting_.end()) return marked;
   for (const std::shared_ptr<PulledAhead>& pulled : it->second) {
-    if (pulled->refresh()) counts_.stale_rows += pulled->MarkStale(ids, n);
+    if (!pulled->refresh()) continue;
+    const size_t stale = pulled->MarkStale(ids, n);
+    counts_.stale_rows += stale;
+    if (stale) marked.push_back(pulled);
   }
+  return marked;
+}
+
+void PullAhead::CountRefreshed(size_t rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  counts_.refreshed_rows += rows;
 }
 
 PullAhead::Counts PullAhead::counts() const {

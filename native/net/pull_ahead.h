@@ -2,10 +2,12 @@
 // pipeline starts a pull of a batch's ids (Dlt>PullAhead) while the trainer
 // still works on the batch before; a lookup of the same table, mode and ids
 // takes it instead of pulling. Every push of this client that completes after
-// a pull ahead began marks the ids it shares with that pull stale, and the
-// lookup re-pulls those: it reads each row as it stood after every push of
-// this client that completed before the lookup, as a lookup without pulling
-// ahead does. No TF headers: the C++ suite tests it.
+// a pull ahead began marks the ids it shares with that pull stale. Those are
+// pulled again at once, while the pull still waits for its lookup (a refresh
+// ahead), and the lookup re-pulls only what is still stale then: it reads
+// each row as it stood after every push of this client that completed
+// before the lookup, as a lookup without pulling ahead does. No TF headers:
+// the C++ suite tests it.
 #ifndef TF_DLT_NATIVE_NET_PULL_AHEAD_H_
 #define TF_DLT_NATIVE_NET_PULL_AHEAD_H_
 
@@ -46,15 +48,28 @@ class PulledAhead {
   // The puller is done (`ok`: the rows are filled). Runs the continuation
   // given to Then, on this thread.
   void Finish(bool ok);
-  // Runs `fn` once the pull finished: now (on this thread) if it has,
-  // otherwise on the thread that calls Finish.
+  // Runs `fn` once the pull and any refresh ahead finished: now (on this
+  // thread) if they have, otherwise on the thread that finishes the last.
   void Then(std::function<void()> fn);
   bool done() const;
   bool ok() const;
+  // Its rows can be copied as they are: pulled, not refreshing, none stale.
+  bool ready() const;
 
-  // The distinct ids pushed since the pull began (set while the pull ahead
-  // waits to be taken), and writing their fresh rows ([n, dim], in the
-  // order of StaleIds) over the pulled ones.
+  // A refresh ahead: the stale ids to pull again now, unmarked (empty, and
+  // nothing begun, when the pull is unfinished or failed, taken by its
+  // lookup, already refreshing, or nothing is stale). The refresher pulls
+  // them and calls RefreshDone with their rows ([n, dim], in that order; null
+  // if the pull failed: they are marked stale again and the refresh ends),
+  // which gives the ids marked stale meanwhile, to pull next; empty: the
+  // refresh ended (and the continuation given to Then ran).
+  std::vector<int64_t> BeginRefresh();
+  std::vector<int64_t> RefreshDone(const float* rows);
+
+  // The distinct ids pushed since the pull began and not refreshed ahead
+  // (set while the pull ahead waits to be taken), and writing their fresh
+  // rows ([n, dim], in the order of StaleIds) over the pulled ones; for the
+  // lookup that took the pull, once Then ran.
   std::vector<int64_t> StaleIds() const;
   void Refresh(const float* rows);
   // The batch's rows, in input order: [n, dim].
@@ -64,6 +79,14 @@ class PulledAhead {
   friend class PullAhead;
   // Marks those of `ids` this pull holds stale; the number newly marked.
   size_t MarkStale(const int64_t* ids, size_t n);
+  // Its lookup took it, or it was dropped: nothing marks or refreshes it
+  // from now on.
+  void SetTaken();
+  // Unmarks the stale ids, remembers their positions (refreshing_at_) and
+  // returns them. Needs mu_.
+  std::vector<int64_t> TakeStale();
+  // Runs then_ if the pull and refresh are over; releases `lock` first.
+  void RunThenIfIdle(std::unique_lock<std::mutex>* lock);
 
   const std::string table_;
   const PullMode mode_;
@@ -73,11 +96,14 @@ class PulledAhead {
   Deduper index_;  // id -> index in unique_
   std::vector<int64_t> unique_, slot_;
   std::vector<float> rows_;
-  std::vector<uint8_t> stale_;  // per distinct id; written under PullAhead's lock
   mutable std::mutex mu_;
-  bool done_ = false;           // guarded by mu_
-  bool ok_ = false;             // guarded by mu_
-  std::function<void()> then_;  // guarded by mu_
+  std::vector<uint8_t> stale_;           // per distinct id; guarded by mu_
+  std::vector<uint32_t> refreshing_at_;  // positions a refresh ahead pulls
+  bool done_ = false;                    // guarded by mu_
+  bool ok_ = false;                      // guarded by mu_
+  bool taken_ = false;                   // guarded by mu_
+  bool refreshing_ = false;              // guarded by mu_
+  std::function<void()> then_;           // guarded by mu_
 };
 
 // The pulls ahead of one client, per table, waiting for their lookups.
@@ -98,14 +124,22 @@ class PullAhead {
                                     const int64_t* ids, size_t n);
   // A push of `ids` to `table` completed (or failed: it may have been
   // applied in part): those ids are stale in every waiting pull ahead that
-  // refreshes.
-  void Pushed(const std::string& table, const int64_t* ids, size_t n);
+  // refreshes. Returns the pulls that got ids newly marked: the caller
+  // refreshes them ahead (PulledAhead::BeginRefresh), each as soon as it
+  // can, which keeps the wait of the lookups shortest (measured against
+  // refreshing only the next pull to be taken, which makes fewer pulls:
+  // docs/benchmarks.md).
+  std::vector<std::shared_ptr<PulledAhead>> Pushed(const std::string& table, const int64_t* ids,
+                                                   size_t n);
+  // A refresh ahead pulled `rows` ids again.
+  void CountRefreshed(size_t rows);
 
   struct Counts {
-    uint64_t begun = 0;       // pulls ahead started
-    uint64_t taken = 0;       // lookups served by one
-    uint64_t dropped = 0;     // pulls ahead no lookup took
-    uint64_t stale_rows = 0;  // distinct ids marked stale (re-pulled when taken)
+    uint64_t begun = 0;           // pulls ahead started
+    uint64_t taken = 0;           // lookups served by one
+    uint64_t dropped = 0;         // pulls ahead no lookup took
+    uint64_t stale_rows = 0;      // distinct ids marked stale
+    uint64_t refreshed_rows = 0;  // ids pulled again by refreshes ahead of their lookup
   };
   Counts counts() const;
 

@@ -31,7 +31,7 @@ DLT_TEST(PullAheadPullsDistinctIdsAndCopiesRowsInInputOrder) {
   std::shared_ptr<PulledAhead> taken =
       ahead.Take("emb", PullMode::kInsert, 2, ids.data(), ids.size());
   EXPECT(taken == pulled);
-  EXPECT(taken->done() && taken->ok() && taken->StaleIds().empty());
+  EXPECT(taken->done() && taken->ok() && taken->StaleIds().empty() && taken->ready());
   std::vector<float> out(ids.size() * 2);
   taken->CopyRows(out.data());
   EXPECT((out == std::vector<float>{7, 7.5f, 3, 3.5f, 7, 7.5f, -2, -1.5f, 3, 3.5f}));
@@ -119,6 +119,83 @@ DLT_TEST(PullAheadThenRunsOnceTheRowsArrive) {
   EXPECT(ran == 1 && pulled->done() && !pulled->ok());
   pulled->Then([&ran] { ++ran; });  // already done: runs at once
   EXPECT(ran == 2);
+}
+
+DLT_TEST(PullAheadRefreshesStaleIdsAheadOfTheLookup) {
+  PullAhead ahead;
+  const std::vector<int64_t> ids = {5, 6, 7, 6};
+  std::shared_ptr<PulledAhead> pulled =
+      ahead.Begin("emb", PullMode::kInsert, 2, ids.data(), ids.size());
+  FillRows(pulled.get());
+  const std::vector<int64_t> pushed = {6, 5};
+  // Unfinished: marked, nothing to refresh yet (the puller refreshes once done).
+  EXPECT((ahead.Pushed("emb", pushed.data(), pushed.size()) ==
+          std::vector<std::shared_ptr<PulledAhead>>{pulled}));
+  EXPECT(pulled->BeginRefresh().empty());
+  pulled->Finish(true);
+  EXPECT((pulled->BeginRefresh() == std::vector<int64_t>{5, 6}));
+  EXPECT(pulled->StaleIds().empty());      // unmarked while refreshing,
+  EXPECT(!pulled->ready());                // and not to be copied yet
+  EXPECT(pulled->BeginRefresh().empty());  // one refresh at a time
+  // A push lands during the refresh: 7 is next; then a lookup takes the pull
+  // and waits for the refresh to end.
+  const std::vector<int64_t> later = {7};
+  EXPECT((ahead.Pushed("emb", later.data(), later.size()) ==
+          std::vector<std::shared_ptr<PulledAhead>>{pulled}));
+  std::shared_ptr<PulledAhead> taken =
+      ahead.Take("emb", PullMode::kInsert, 2, ids.data(), ids.size());
+  int ran = 0;
+  taken->Then([&ran] { ++ran; });
+  EXPECT(ran == 0);
+  const std::vector<float> fresh = {50, 51, 60, 61};  // rows of 5 and 6
+  // Taken: the refresh stops; 7 is left stale for the lookup to pull.
+  EXPECT(pulled->RefreshDone(fresh.data()).empty());
+  EXPECT(ran == 1);
+  EXPECT((taken->StaleIds() == std::vector<int64_t>{7}) && !taken->ready());
+  std::vector<float> out(ids.size() * 2);
+  taken->CopyRows(out.data());
+  EXPECT((out == std::vector<float>{50, 51, 60, 61, 7, 7.5f, 60, 61}));
+}
+
+DLT_TEST(PullAheadRefreshGoesOnWithIdsMarkedMeanwhileAndRemarksOnFailure) {
+  PullAhead ahead;
+  const std::vector<int64_t> ids = {1, 2, 3};
+  std::shared_ptr<PulledAhead> pulled =
+      ahead.Begin("emb", PullMode::kInsert, 2, ids.data(), ids.size());
+  FillRows(pulled.get());
+  pulled->Finish(true);
+  const std::vector<int64_t> first = {1}, second = {1, 3};
+  ahead.Pushed("emb", first.data(), first.size());
+  EXPECT((pulled->BeginRefresh() == std::vector<int64_t>{1}));
+  ahead.Pushed("emb", second.data(), second.size());  // 1 again, and 3
+  const std::vector<float> one = {10, 11};
+  EXPECT((pulled->RefreshDone(one.data()) == std::vector<int64_t>{1, 3}));
+  // That pull fails: both are stale again, and the refresh ends.
+  EXPECT(pulled->RefreshDone(nullptr).empty());
+  EXPECT((pulled->StaleIds() == std::vector<int64_t>{1, 3}));
+  int ran = 0;
+  pulled->Then([&ran] { ++ran; });  // not refreshing: at once
+  EXPECT(ran == 1);
+  // A failed pull ahead is never refreshed.
+  std::shared_ptr<PulledAhead> failed =
+      ahead.Begin("emb", PullMode::kInsert, 2, first.data(), first.size());
+  failed->Finish(false);
+  ahead.Pushed("emb", first.data(), first.size());
+  EXPECT(failed->BeginRefresh().empty());
+}
+
+DLT_TEST(PullAheadPushReturnsEveryPullItMarked) {
+  PullAhead ahead;
+  const std::vector<int64_t> a = {1, 2}, b = {2, 3};
+  std::shared_ptr<PulledAhead> first = ahead.Begin("emb", PullMode::kInsert, 2, a.data(), 2);
+  std::shared_ptr<PulledAhead> second = ahead.Begin("emb", PullMode::kInsert, 2, b.data(), 2);
+  using Pulls = std::vector<std::shared_ptr<PulledAhead>>;
+  const std::vector<int64_t> three = {3}, two = {2}, nine = {9};
+  EXPECT((ahead.Pushed("emb", three.data(), 1) == Pulls{second}));
+  EXPECT((ahead.Pushed("emb", two.data(), 1) == Pulls{first, second}));
+  EXPECT(ahead.Pushed("emb", three.data(), 1).empty());  // marked already
+  EXPECT(ahead.Pushed("emb", nine.data(), 1).empty());
+  EXPECT(ahead.Pushed("other", two.data(), 1).empty());
 }
 
 }  // namespace

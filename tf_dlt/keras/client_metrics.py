@@ -18,9 +18,9 @@ from tf_dlt.keras.walk import distributed_layers
 
 _COUNTS = ("pulls", "pulled_rows", "pull_bytes", "pull_errors", "pushes", "pushed_rows",
            "push_bytes", "push_errors", "pulls_ahead", "pulls_ahead_used", "pulls_ahead_dropped",
-           "pulled_ahead_stale_rows", "cache_hits", "cache_misses", "cache_fills",
-           "cache_refreshes", "cache_evictions", "cache_applied_rows",
-           "cache_bytes_saved")  # fmt: skip
+           "pulled_ahead_stale_rows", "pulled_ahead_refreshed_rows", "cache_hits",
+           "cache_misses", "cache_fills", "cache_refreshes", "cache_evictions",
+           "cache_applied_rows", "cache_bytes_saved")  # fmt: skip
 # Hot-row caches now (summed over the tables), not per interval.
 _GAUGES = ("cache_rows", "cache_bytes", "cache_capacity_bytes")
 # Latency histograms ("<kind>_latency" in client_stats): pulls and pushes on
@@ -108,7 +108,8 @@ class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
     summed), waits for a worker thread and of pushes for admission
     (`dlt_worker_wait_s`, `dlt_push_wait_s` and their `_p99_ms`), the
     pulls ahead (`dlt_pulls_ahead`, `dlt_pulls_ahead_used`,
-    `dlt_pulls_ahead_dropped`, `dlt_pulled_ahead_stale_rows`), the
+    `dlt_pulls_ahead_dropped`, `dlt_pulled_ahead_stale_rows`,
+    `dlt_pulled_ahead_refreshed_rows`), the
     hot-row caches (`dlt_cache_hits` and `dlt_cache_misses` in distinct ids
     per lookup, `dlt_cache_hit_rate`, `dlt_cache_bytes_saved` (pull bytes
     the hits did not cost), `dlt_cache_fills`, `dlt_cache_refreshes`,

@@ -104,7 +104,7 @@ absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const 
   const uint64_t start = Env::Default()->NowMicros();
   const absl::Status status = ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate));
   // Even a failed push may have been applied in part.
-  pull_ahead_.Pushed(table, ids, n);
+  RefreshAhead(pull_ahead_.Pushed(table, ids, n));
   if (!status.ok()) {
     // The cache applied it already: read those rows from the shards again.
     if (std::shared_ptr<dlt::RowCache> cache = CacheOf(table)) cache->Invalidate(ids, n);
@@ -132,8 +132,31 @@ void ClientResource::PullAheadOf(const std::string& table, uint32_t dim, dlt::Pu
     const absl::Status status = Pull(pulled->table(), pulled->dim(), pulled->unique().data(),
                                      pulled->unique().size(), pulled->mode(), pulled->rows());
     pulled->Finish(status.ok());
+    RefreshNow(pulled.get());  // what pushes marked while it was pulled
     Unref();
   });
+}
+
+void ClientResource::RefreshAhead(std::vector<std::shared_ptr<dlt::PulledAhead>> marked) {
+  for (std::shared_ptr<dlt::PulledAhead>& pulled : marked) {
+    Ref();
+    Schedule([this, pulled = std::move(pulled)]() {
+      RefreshNow(pulled.get());
+      Unref();
+    });
+  }
+}
+
+void ClientResource::RefreshNow(dlt::PulledAhead* pulled) {
+  std::vector<int64_t> ids = pulled->BeginRefresh();
+  std::vector<float> rows;
+  while (!ids.empty()) {
+    rows.resize(ids.size() * pulled->dim());
+    const absl::Status status =
+        Pull(pulled->table(), pulled->dim(), ids.data(), ids.size(), pulled->mode(), rows.data());
+    if (status.ok()) pull_ahead_.CountRefreshed(ids.size());
+    ids = pulled->RefreshDone(status.ok() ? rows.data() : nullptr);
+  }
 }
 
 namespace {
@@ -197,6 +220,7 @@ std::string ClientResource::StatsJson() const {
       {"pulls_ahead_used", ahead.taken},
       {"pulls_ahead_dropped", ahead.dropped},
       {"pulled_ahead_stale_rows", ahead.stale_rows},
+      {"pulled_ahead_refreshed_rows", ahead.refreshed_rows},
       {"cache_hits", cached.hits},
       {"cache_misses", cached.misses},
       {"cache_fills", cached.fills},
@@ -230,7 +254,7 @@ std::string ClientResource::StatsJson() const {
 absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                                     const float* values, size_t n) {
   const absl::Status status = ToAbsl(transport_->Assign(table, dim, ids, values, n));
-  pull_ahead_.Pushed(table, ids, n);
+  RefreshAhead(pull_ahead_.Pushed(table, ids, n));
   if (std::shared_ptr<dlt::RowCache> cache = CacheOf(table)) cache->Invalidate(ids, n);
   return status;
 }

@@ -118,6 +118,12 @@ class ClientResource : public ResourceBase {
     return pull_ahead_.Take(table, mode, dim, ids, n);
   }
 
+  // Pulls again, on the worker threads, the ids pushes marked stale in
+  // `marked` (PullAhead::Pushed), before their lookups take them.
+  void RefreshAhead(std::vector<std::shared_ptr<dlt::PulledAhead>> marked);
+  // The same for one pull, on this thread.
+  void RefreshNow(dlt::PulledAhead* pulled);
+
   // Records a lookup (Dlt>Lookup, remote) that took `micros` from its start
   // to its rows.
   void CountLookup(uint64_t micros) { counters_.lookup_latency.Record(micros); }

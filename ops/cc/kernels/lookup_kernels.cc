@@ -262,14 +262,15 @@ class LookupOp : public AsyncOpKernel {
       });
       return;
     }
-    if (ahead->done() && ahead->ok() && ahead->StaleIds().empty()) {
+    if (ahead->ready()) {
       ahead->CopyRows(rows);  // the common case: no I/O left
       finish(absl::OkStatus());
       return;
     }
-    // Runs once the pull ahead finished, on the worker that finished it (or
-    // here, if it has): refresh what this client pushed since, or pull the
-    // batch anew if the pull ahead failed.
+    // Runs once the pull ahead and its refresh ahead finished, on the worker
+    // that finished the last (or here, if they have): pull again what this
+    // client pushed since and is not refreshed yet, or pull the batch anew
+    // if the pull ahead failed.
     ahead->Then([this, c, ids, id, n, rows, ahead, finish]() {
       c->Schedule([this, c, ids, id, n, rows, ahead, finish]() {
         finish(ahead->ok() ? RowsPulledAhead(c, ahead.get(), rows)
