@@ -18,11 +18,14 @@ updated by ResourceSparseApplyAdagradV2 (the local sparse step). TFRA and tf_dlt
 run twice, interleaved; the median of the two is reported.
 
 Usage: python bench/bench_peers.py
+       python bench/bench_peers.py --without-tfra   # tf_dlt on 2 shards vs
+           embedded only: 3 interleaved pairs, medians and per-pair ratios
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +68,30 @@ def _median(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     return {k: (a[k] + b[k]) / 2 for k in a if k.endswith("_per_s")}
 
 
+def shards_vs_embedded(reps: int) -> None:
+    """tf_dlt alone: the train step (and lookup) on 2 shard processes
+    against embedded tables, `reps` interleaved pairs, each run a process."""
+    runs: dict[str, list[dict[str, Any]]] = {"embedded": [], "2_shards": []}
+    for _ in range(reps):
+        runs["embedded"].append(run(sys.executable, "tf_dlt"))
+        with LocalCluster(2, "--log-level", "WARNING") as cluster:
+            runs["2_shards"].append(run(sys.executable, "tf_dlt", ",".join(cluster.addresses)))
+    for op, batch in (("lookup", 65536), ("train", 4096)):
+        key = f"{op}_keys_per_s"
+        shards = [r[key] for r in runs["2_shards"]]
+        embedded = [r[key] for r in runs["embedded"]]
+        emit({"name": f"peers_{op}_2_shards_vs_embedded", "dim": 16, "batch": batch,
+              "unit": "keys/s", "value": statistics.median(shards),
+              "baseline_name": "tf_dlt embedded, same run (medians)",
+              "baseline_value": statistics.median(embedded),
+              "pairs": [round(s / e, 3) for s, e in zip(shards, embedded, strict=True)],
+              "target_ratio": ">= 0.9" if op == "train" else "reported"})  # fmt: skip
+
+
 def main() -> None:
+    if "--without-tfra" in sys.argv:
+        shards_vs_embedded(reps=3)
+        return
     tfra_python = ensure_tfra_env()
     tfra_env = {"TF_USE_LEGACY_KERAS": "1"}
     tfra_runs, dlt_runs = [], []
