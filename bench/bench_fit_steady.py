@@ -9,7 +9,8 @@ the same data: as is, with `tf_dlt.pull_ahead` and with it at
 refresh=False. Each run is a trainer process of its own, as a training job
 is (--one-process: all in this one). Per epoch it records examples/s and, for the remote models,
 the trainer's table traffic (`tf_dlt.ClientMetrics`: pull, push and lookup p50/p99, seconds spent in
-lookups, pulls ahead used, pushes in flight at the epoch's end).
+lookups, pulls ahead used, pushes in flight at the epoch's end) and the
+shards' side: seconds they spent serving pulls and pushes (ShardTime).
 
 Reported (JSON lines, bench/out/results.jsonl): each remote epoch against
 the embedded epoch of the same repetition and index; each kind of remote run
@@ -70,11 +71,48 @@ class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
         self.epochs.append({"seconds": seconds, **kept})
 
 
-def fit(m: keras.Model, data: tf.data.Dataset, epochs: int, remote: bool) -> list[dict[str, Any]]:
+class ShardTime(keras.callbacks.Callback):  # type: ignore[misc]
+    """Seconds the shards spent serving pulls and pushes in each epoch,
+    summed over shards: the other side of the step's split. From the shards'
+    latency histograms (`tf_dlt.Client.stats`), each call counted at its
+    bucket's midpoint (buckets are 1.25x wide: within about 11%)."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        super().__init__()
+        self._client = tf_dlt.Client(addresses)
+        self.epochs: list[dict[str, float]] = []
+        self._start: dict[str, float] = {}
+
+    def _served(self) -> dict[str, float]:
+        out = {}
+        for kind in ("pull", "push"):
+            micros = 0.0
+            for shard in self._client.stats():
+                bounds = shard["bucket_bounds_us"]
+                for i, count in enumerate(shard[f"{kind}_latency"]["buckets"]):
+                    micros += int(count) * (bounds[max(i - 1, 0)] + bounds[i]) / 2
+            out[f"shard_{kind}_s"] = micros / 1e6
+        return out
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._start = self._served()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epochs.append({k: v - self._start[k] for k, v in self._served().items()})
+
+
+def fit(
+    m: keras.Model, data: tf.data.Dataset, epochs: int, addresses: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Epochs of `m.fit`; with the shards' `addresses`, the trainer's
+    (ClientMetrics) and the shards' (ShardTime) side of each."""
     clock = EpochClock()
-    callbacks = [tf_dlt.ClientMetrics(), clock] if remote else [clock]
-    m.fit(data, epochs=epochs, verbose=0, callbacks=callbacks)
-    return clock.epochs
+    if addresses is None:
+        m.fit(data, epochs=epochs, verbose=0, callbacks=[clock])
+        return clock.epochs
+    shards = ShardTime(addresses)
+    m.fit(data, epochs=epochs, verbose=0, callbacks=[tf_dlt.ClientMetrics(), shards, clock])
+    return [{**e, **s} for e, s in zip(clock.epochs, shards.epochs, strict=True)]
 
 
 def layer(name: str) -> tf_dlt.layers.Embedding:
@@ -142,14 +180,14 @@ def one_run(kind: str, rep: int, args: argparse.Namespace) -> list[dict[str, Any
     data = _DATA[key]
     if kind == "embedded":
         m = model(layer(f"steady_embedded_{rep}"), keras.optimizers.Adam(1e-3))
-        return fit(m, data, args.epochs, remote=False)
+        return fit(m, data, args.epochs)
     with LocalCluster(2, "--log-level", "WARNING") as cluster:
         remote_model = tf_dlt.transpile(
             model(layer(f"steady_{rep}"), keras.optimizers.Adam(1e-3)), cluster.addresses
         )
         if kind != "remote":
             tf_dlt.pull_ahead(remote_model, refresh=not kind.endswith("no refresh"))
-        return fit(remote_model, data, args.epochs, remote=True)
+        return fit(remote_model, data, args.epochs, cluster.addresses)
 
 
 def main() -> None:
