@@ -84,10 +84,11 @@ class ShardTime(keras.callbacks.Callback):  # type: ignore[misc]
         self._start: dict[str, float] = {}
 
     def _served(self) -> dict[str, float]:
+        shards = self._client.stats()
         out = {}
         for kind in ("pull", "push"):
             micros = 0.0
-            for shard in self._client.stats():
+            for shard in shards:
                 bounds = shard["bucket_bounds_us"]
                 for i, count in enumerate(shard[f"{kind}_latency"]["buckets"]):
                     micros += int(count) * (bounds[max(i - 1, 0)] + bounds[i]) / 2

@@ -250,13 +250,13 @@ class LookupOp : public AsyncOpKernel {
       return;
     }
     std::shared_ptr<dlt::PulledAhead> ahead = c->TakePulledAhead(table_, dim_, mode_, id, n);
-    if (ahead == nullptr && n * dim_ <= kInlineFloats) {
-      // Small: its round trip costs less than the hop to a worker thread
-      // and back, so it blocks this thread instead.
-      finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
-      return;
-    }
     if (ahead == nullptr) {
+      if (n * dim_ <= kInlineFloats) {
+        // Small: its round trip costs less than the hop to a worker thread
+        // and back, so it blocks this thread instead.
+        finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
+        return;
+      }
       c->Schedule([this, c, ids, id, n, rows, finish]() {
         finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
       });
