@@ -143,6 +143,53 @@ def test_training_recovers_from_a_shard_lost_before_the_first_checkpoint(
     assert (tmp_path / "ck" / "epoch-2" / "tf_dlt_model.json").exists()
 
 
+def test_training_with_pull_ahead_recovers_from_a_killed_shard(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Shard 1 dies while rows of the next batches are being pulled ahead:
+    the fit fails with a shard error, not a hang, resilient_fit reloads the
+    last checkpoint, and the resumed epochs are pulled ahead again."""
+    cluster = start_cluster(2)
+    model = tf_dlt.pull_ahead(_model(cluster))
+    rng = np.random.default_rng(2)
+    x, y = rng.integers(0, 2000, size=(256, 3)), rng.normal(size=(256, 1)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    restarts: list[threading.Timer] = []
+    used: list[float] = []
+
+    class Crash(keras.callbacks.Callback):  # type: ignore[misc]
+        epoch = 0
+
+        def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
+            self.epoch = epoch
+
+        def on_train_begin(self, logs: object = None) -> None:
+            used.append(ops.client_stats(model.get_layer("faulty").client)["pulls_ahead_used"])
+
+        on_train_end = on_train_begin
+
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            if self.epoch == 1 and batch == 5 and not restarts:
+                cluster.kill(1)
+                restarts.append(threading.Timer(1.0, cluster.restart, args=(1,)))
+                restarts[-1].start()
+
+    start = time.monotonic()
+    try:
+        history = tf_dlt.resilient_fit(
+            model, data, checkpoint=str(tmp_path / "ck"), epochs=3, verbose=0, callbacks=[Crash()]
+        )
+    finally:
+        for timer in restarts:
+            timer.join(30)
+    print(f"\nrecovered in {time.monotonic() - start:.1f} s with pull ahead")
+    assert history.restarts == 1
+    assert len(history.history["loss"]) == 2  # epochs 2 and 3, resumed from epoch 1
+    assert np.isfinite(history.history["loss"]).all()
+    # Every step of the resumed fit took its pull ahead: 16 per epoch.
+    assert len(used) == 3 and used[2] - used[1] == 2 * 16
+
+
 def test_a_shard_killed_during_save_leaves_the_last_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

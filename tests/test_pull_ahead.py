@@ -173,6 +173,28 @@ def test_a_lookup_without_its_pull_ahead_still_pulls_and_old_ones_are_dropped(
     assert ops.client_stats(client)["pulled_ahead_refreshed_rows"] == refreshed + 1
 
 
+def test_a_pull_ahead_left_by_a_stopped_pipeline_is_never_served(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A fit that failed (or ended) leaves the pulls its input pipeline began
+    for batches it never trained; rows then change without a push of this
+    client (a checkpoint loaded, another trainer). The next fit's lookup of
+    the same ids takes its own, newer pull ahead, not the left one."""
+    cluster = start_cluster(1)
+    client = ops.ClientResource(cluster.addresses)
+    ids = tf.constant([5, 6, 5], tf.int64)
+    with cluster.client() as control:
+        control.create_table("t", DIM)
+        ops.pull_ahead(client, ids, "t", DIM, refresh=False)  # left by the stopped fit
+        _wait_for(lambda: ops.client_stats(client)["pulls"] == 1)
+        control.assign("t", [5, 6], np.full((2, DIM), 3.0, np.float32))
+    ops.pull_ahead(client, ids, "t", DIM, refresh=False)  # the next fit's own
+    np.testing.assert_array_equal(ops.lookup(client, ids, "t", DIM), np.full((3, DIM), 3.0))
+    stats = ops.client_stats(client)
+    assert stats["pulls_ahead_used"] == 1 and stats["pulls_ahead_dropped"] == 1
+    assert stats["pulls"] == 2
+
+
 def test_embedded_tables_and_models_pull_ahead_cannot_serve(tmp_path: Any) -> None:
     model = _model()
     tf_dlt.pull_ahead(model)  # embedded: fits as before, nothing pulled

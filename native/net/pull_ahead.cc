@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 namespace dlt {
 
@@ -158,8 +159,13 @@ std::shared_ptr<PulledAhead> PullAhead::Take(const std::string& table, PullMode 
   auto it = waiting_.find(table);
   if (it == waiting_.end()) return nullptr;
   std::deque<std::shared_ptr<PulledAhead>>& queue = it->second;
-  for (auto p = queue.begin(); p != queue.end(); ++p) {
-    if ((*p)->mode() != mode || (*p)->dim() != dim || !(*p)->Matches(ids, n)) continue;
+  // The newest match: an older one of the same ids is a batch a lookup
+  // skipped, or one begun by an input pipeline that stopped (a fit that
+  // ended or failed, before a checkpoint was loaded): its rows may be older
+  // than the lookup's own pull ahead, which came later.
+  for (auto r = queue.rbegin(); r != queue.rend(); ++r) {
+    if ((*r)->mode() != mode || (*r)->dim() != dim || !(*r)->Matches(ids, n)) continue;
+    const auto p = std::prev(r.base());
     std::shared_ptr<PulledAhead> taken = std::move(*p);
     taken->SetTaken();
     // Older ones were skipped by the lookups they were for: never taken

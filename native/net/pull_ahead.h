@@ -118,8 +118,9 @@ class PullAhead {
   // it: its rows stay as pulled (they may miss the pushes in between).
   std::shared_ptr<PulledAhead> Begin(const std::string& table, PullMode mode, uint32_t dim,
                                      const int64_t* ids, size_t n, bool refresh = true);
-  // The oldest pull ahead of exactly these ids in `table` and `mode`, taken
-  // out (no later push marks it); null if there is none.
+  // The newest pull ahead of exactly these ids in `table`, `mode` and `dim`,
+  // taken out (no later push marks it) with every older one of the table
+  // (dropped); null if there is none.
   std::shared_ptr<PulledAhead> Take(const std::string& table, PullMode mode, uint32_t dim,
                                     const int64_t* ids, size_t n);
   // A push of `ids` to `table` completed (or failed: it may have been

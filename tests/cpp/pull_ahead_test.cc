@@ -108,6 +108,21 @@ DLT_TEST(PullAheadDropsSkippedAndOverflowingPulls) {
   EXPECT(ahead.Take("emb", PullMode::kInsert, 2, b.data(), 1) == nullptr);
 }
 
+DLT_TEST(PullAheadTakesTheNewestOfTheSameIds) {
+  // An older pull of the same ids was left by an input pipeline that
+  // stopped (a fit that failed, a checkpoint loaded since): the lookup takes
+  // the pull ahead begun for it, the newest, and drops the older one.
+  PullAhead ahead;
+  const std::vector<int64_t> ids = {4, 5};
+  std::shared_ptr<PulledAhead> left = ahead.Begin("emb", PullMode::kInsert, 2, ids.data(), 2);
+  std::shared_ptr<PulledAhead> own = ahead.Begin("emb", PullMode::kInsert, 2, ids.data(), 2);
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, ids.data(), 2) == own);
+  EXPECT(ahead.counts().taken == 1 && ahead.counts().dropped == 1);
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, ids.data(), 2) == nullptr);
+  // The dropped one is no longer marked by pushes.
+  EXPECT(ahead.Pushed("emb", ids.data(), 2).empty() && left->StaleIds().empty());
+}
+
 DLT_TEST(PullAheadThenRunsOnceTheRowsArrive) {
   PullAhead ahead;
   const std::vector<int64_t> ids = {1};
