@@ -22,7 +22,7 @@ trips per step to the shards with the step time they imply on a 25 Gbit/s,
 100 us round-trip network (see `projection`).
 
 Usage: python bench/bench_fit_steady.py [--examples 500000] [--reps 3]
-       [--epochs 2] [--batch 1024]
+       [--epochs 2] [--batch 1024] [--one-iterator]
 """
 
 from __future__ import annotations
@@ -103,16 +103,21 @@ class ShardTime(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 def fit(
-    m: keras.Model, data: tf.data.Dataset, epochs: int, addresses: list[str] | None = None
+    m: keras.Model,
+    data: tf.data.Dataset,
+    epochs: int,
+    steps_per_epoch: int | None,
+    addresses: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Epochs of `m.fit`; with the shards' `addresses`, the trainer's
     (ClientMetrics) and the shards' (ShardTime) side of each."""
     clock = EpochClock()
+    kwargs = {"epochs": epochs, "steps_per_epoch": steps_per_epoch, "verbose": 0}
     if addresses is None:
-        m.fit(data, epochs=epochs, verbose=0, callbacks=[clock])
+        m.fit(data, callbacks=[clock], **kwargs)
         return clock.epochs
     shards = ShardTime(addresses)
-    m.fit(data, epochs=epochs, verbose=0, callbacks=[tf_dlt.ClientMetrics(), shards, clock])
+    m.fit(data, callbacks=[tf_dlt.ClientMetrics(), shards, clock], **kwargs)
     return [{**e, **s} for e, s in zip(clock.epochs, shards.epochs, strict=True)]
 
 
@@ -178,17 +183,19 @@ def one_run(kind: str, rep: int, args: argparse.Namespace) -> list[dict[str, Any
         _DATA[key] = (
             tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).prefetch(tf.data.AUTOTUNE)
         )
-    data = _DATA[key]
+    data, steps = _DATA[key], None
+    if args.one_iterator:  # Keras keeps one iterator for all epochs
+        data, steps = data.repeat(), -(-args.examples // args.batch)
     if kind == "embedded":
         m = model(layer(f"steady_embedded_{rep}"), keras.optimizers.Adam(1e-3))
-        return fit(m, data, args.epochs)
+        return fit(m, data, args.epochs, steps)
     with LocalCluster(2, "--log-level", "WARNING") as cluster:
         remote_model = tf_dlt.transpile(
             model(layer(f"steady_{rep}"), keras.optimizers.Adam(1e-3)), cluster.addresses
         )
         if kind != "remote":
             tf_dlt.pull_ahead(remote_model, refresh=not kind.endswith("no refresh"))
-        return fit(remote_model, data, args.epochs, cluster.addresses)
+        return fit(remote_model, data, args.epochs, steps, cluster.addresses)
 
 
 def main() -> None:
@@ -204,6 +211,11 @@ def main() -> None:
         "--one-process", action="store_true",
         help="every run in this process (as before), the earlier runs' models and clients "
         "still in it",
+    )  # fmt: skip
+    p.add_argument(
+        "--one-iterator", action="store_true",
+        help="the dataset repeated, with steps_per_epoch: one iterator for all epochs, which "
+        "avoids tf.data's stall at an epoch's start (docs/benchmarks.md)",
     )  # fmt: skip
     p.add_argument("--run", help=argparse.SUPPRESS)  # "kind,rep": one run, in this process
     args = p.parse_args()
@@ -223,14 +235,16 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, __file__, "--run", f"{kind},{rep}",
                  "--examples", str(args.examples), "--epochs", str(args.epochs),
-                 "--batch", str(args.batch), "--zipf", str(args.zipf)],
+                 "--batch", str(args.batch), "--zipf", str(args.zipf),
+                 *(["--one-iterator"] if args.one_iterator else [])],
                 capture_output=True, text=True, check=True, timeout=1800,
             ).stdout  # fmt: skip
             run[kind] = result_of(out)
         runs.append(run)
     common = {"bench": "fit_steady", "examples": args.examples, "batch": args.batch,
               "dim": DIM, "zipf": args.zipf, "unit": "examples/s",
-              "processes": "one" if args.one_process else "one per run"}  # fmt: skip
+              "processes": "one" if args.one_process else "one per run",
+              "iterators": "one per fit" if args.one_iterator else "one per epoch"}  # fmt: skip
     for rep, run in enumerate(runs):
         for kind in REMOTE:
             for epoch, (e, r) in enumerate(zip(run["embedded"], run[kind], strict=True)):

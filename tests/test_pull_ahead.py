@@ -110,6 +110,35 @@ def test_pulling_ahead_trains_exactly_as_without_under_sync_push(
     assert _stats(plain)["pulls_ahead"] == 0
 
 
+def test_a_fit_pulls_ahead_across_epochs_with_one_iterator(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A dataset of known length is iterated once for the whole fit: the
+    next epoch's first batches are pulled ahead before the epoch before it
+    ends, and the pipeline ends with the fit's last step."""
+    remote = tf_dlt.pull_ahead(_remote(_model(), start_cluster(1)))
+    x, y = _data()
+    ahead_at_epoch_end: list[int] = []
+
+    class EpochEnd(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_epoch_end(self, epoch: int, logs: object = None) -> None:
+            if epoch < 2:
+                _wait_for(
+                    lambda: _stats(remote)["pulls_ahead"] > _stats(remote)["pulls_ahead_used"]
+                )
+            stats = _stats(remote)
+            ahead_at_epoch_end.append(stats["pulls_ahead"] - stats["pulls_ahead_used"])
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    history = remote.fit(ds, epochs=3, verbose=0, callbacks=[EpochEnd()])
+    assert len(history.history["loss"]) == 3
+    assert ahead_at_epoch_end[0] > 0 and ahead_at_epoch_end[2] == 0
+    stats = _stats(remote)
+    steps = 3 * len(y) // BATCH
+    assert stats["pulls_ahead"] == stats["pulls_ahead_used"] == 2 * steps
+    assert stats["pulls_ahead_dropped"] == 0
+
+
 @pytest.mark.parametrize("refresh", [True, False])
 def test_client_metrics_report_pulls_ahead_and_lookup_time(
     start_cluster: Callable[..., Cluster], refresh: bool

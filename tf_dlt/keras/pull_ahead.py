@@ -154,6 +154,8 @@ def _fit_pulling_ahead(
             # Keras counts the steps of an epoch from the dataset's length.
             x = x.apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
         batch_size, shuffle = None, False
+    if steps_per_epoch is None:
+        x, steps_per_epoch = _one_iterator(x, epochs - initial_epoch)
     depth = _DEPTH[model._dlt_pull_ahead_refresh]
     dataset = x.map(functools.partial(_start_pulls, model)).prefetch(depth)
     return plain_fit(
@@ -173,6 +175,22 @@ def _fit_pulling_ahead(
         validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )
+
+
+def _one_iterator(data: tf.data.Dataset, epochs: int) -> tuple[tf.data.Dataset, int | None]:
+    """`data` repeated for the fit's `epochs`, with its length as
+    steps_per_epoch, when that length is known: Keras then iterates it with
+    one iterator for the whole fit instead of one per epoch. Each epoch is
+    still one pass over the data (a shuffle that reshuffles each iteration
+    still does), the pipeline pulls the next epoch's first batches ahead
+    while the last steps of the epoch before train, and it ends with the
+    fit's last step. It also avoids a tf.data stall of up to the autotuner's
+    optimization period (seconds, growing with the epoch's length) when an
+    epoch's iterator is destroyed: docs/keras.md."""
+    batches = int(data.cardinality())
+    if batches <= 0 or epochs <= 1:  # unknown, infinite or empty; or one epoch
+        return data, None
+    return data.repeat(epochs), batches
 
 
 def _start_pulls(model: keras.Model, *element: Any) -> Any:
