@@ -28,6 +28,7 @@ Usage: python bench/bench_fit_steady.py [--examples 500000] [--reps 3]
 from __future__ import annotations
 
 import argparse
+import gc
 import subprocess
 import sys
 import time
@@ -69,6 +70,17 @@ class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
         seconds = time.perf_counter() - self._start
         kept = {k: float(v) for k, v in (logs or {}).items() if k.startswith("dlt_")}
         self.epochs.append({"seconds": seconds, **kept})
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self._start = time.perf_counter()
+
+    def teardown(self) -> None:
+        """Once fit returned: the seconds from its end to here, after a full
+        garbage collection (which frees its data iterator if a cycle holds
+        it), in the last epoch's record: tf.data's stall when the iterator
+        is destroyed (docs/keras.md) would show here."""
+        gc.collect()
+        self.epochs[-1]["teardown_s"] = time.perf_counter() - self._start
 
 
 class ShardTime(keras.callbacks.Callback):  # type: ignore[misc]
@@ -115,9 +127,11 @@ def fit(
     kwargs = {"epochs": epochs, "steps_per_epoch": steps_per_epoch, "verbose": 0}
     if addresses is None:
         m.fit(data, callbacks=[clock], **kwargs)
+        clock.teardown()
         return clock.epochs
     shards = ShardTime(addresses)
     m.fit(data, callbacks=[tf_dlt.ClientMetrics(), shards, clock], **kwargs)
+    clock.teardown()
     return [{**e, **s} for e, s in zip(clock.epochs, shards.epochs, strict=True)]
 
 
@@ -278,6 +292,7 @@ def main() -> None:
             **common, "case": f"{kind} spread", "value": round(min(values)),
             "baseline_name": "fastest repetition", "baseline_value": round(max(values)),
             "repetitions": [round(t) for t in values], "epochs_slower_than_previous": slower,
+            "fit_teardown_s": [round(run[kind][-1]["teardown_s"], 3) for run in runs],
             "target_ratio": "reported" if kind == "embedded" else ">= 0.9 and no slower epoch",
         })  # fmt: skip
 

@@ -148,7 +148,9 @@ def test_training_with_pull_ahead_recovers_from_a_killed_shard(
 ) -> None:
     """Shard 1 dies while rows of the next batches are being pulled ahead:
     the fit fails with a shard error, not a hang, resilient_fit reloads the
-    last checkpoint, and the resumed epochs are pulled ahead again."""
+    last checkpoint, and every step of the resumed epochs takes a pull ahead
+    again. (That pulls left by the failed fit are never served is tested in
+    test_pull_ahead.py.)"""
     cluster = start_cluster(2)
     model = tf_dlt.pull_ahead(_model(cluster))
     rng = np.random.default_rng(2)

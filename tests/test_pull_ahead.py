@@ -139,6 +139,40 @@ def test_a_fit_pulls_ahead_across_epochs_with_one_iterator(
     assert stats["pulls_ahead_dropped"] == 0
 
 
+def test_a_fit_keeps_its_epochs_under_steps_per_execution_and_drops_what_it_left(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """12 batches in calls of 5 steps: each epoch stays one pass (no
+    iteration across epochs, whose calls would run across a pass's end). A
+    fit stopped early leaves no pull ahead waiting."""
+    model = _model()
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse", steps_per_execution=5)
+    remote = tf_dlt.pull_ahead(_remote(model, start_cluster(1)))
+    x, y = _data()
+    used: list[int] = []
+
+    class Used(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_epoch_end(self, epoch: int, logs: object = None) -> None:
+            used.append(_stats(remote)["pulls_ahead_used"])
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    remote.fit(ds, epochs=3, verbose=0, callbacks=[Used()])
+    steps = len(y) // BATCH
+    assert used == [2 * steps, 4 * steps, 6 * steps]
+
+    class Stop(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            if batch >= 4:
+                self.model.stop_training = True
+
+    before = _stats(remote)
+    remote.fit(ds, epochs=3, verbose=0, callbacks=[Stop()])
+    stats = {k: v - before[k] for k, v in _stats(remote).items() if k.startswith("pulls_ahead")}
+    assert stats["pulls_ahead_used"] == 2 * 5  # one call of 5 steps
+    assert stats["pulls_ahead_dropped"] > 0  # begun for batches no step took
+    assert stats["pulls_ahead"] == stats["pulls_ahead_used"] + stats["pulls_ahead_dropped"]
+
+
 @pytest.mark.parametrize("refresh", [True, False])
 def test_client_metrics_report_pulls_ahead_and_lookup_time(
     start_cluster: Callable[..., Cluster], refresh: bool
@@ -208,7 +242,8 @@ def test_a_pull_ahead_left_by_a_stopped_pipeline_is_never_served(
     """A fit that failed (or ended) leaves the pulls its input pipeline began
     for batches it never trained; rows then change without a push of this
     client (a checkpoint loaded, another trainer). The next fit's lookup of
-    the same ids takes its own, newer pull ahead, not the left one."""
+    the same ids takes its own, newer pull ahead, not the left one; and the
+    fit drops what it left when it returns."""
     cluster = start_cluster(1)
     client = ops.ClientResource(cluster.addresses)
     ids = tf.constant([5, 6, 5], tf.int64)
@@ -222,6 +257,16 @@ def test_a_pull_ahead_left_by_a_stopped_pipeline_is_never_served(
     stats = ops.client_stats(client)
     assert stats["pulls_ahead_used"] == 1 and stats["pulls_ahead_dropped"] == 1
     assert stats["pulls"] == 2
+    # Dropped when the fit ends: a lookup without a pull ahead of its own
+    # (a custom loop, train_on_batch) then pulls the rows as they are.
+    ops.pull_ahead(client, ids, "t", DIM, refresh=False)
+    _wait_for(lambda: ops.client_stats(client)["pulls"] == 3)
+    with cluster.client() as control:
+        control.assign("t", [5, 6], np.full((2, DIM), 4.0, np.float32))
+    ops.drop_pulled_ahead(client)
+    np.testing.assert_array_equal(ops.lookup(client, ids, "t", DIM), np.full((3, DIM), 4.0))
+    stats = ops.client_stats(client)
+    assert stats["pulls_ahead_used"] == 1 and stats["pulls_ahead_dropped"] == 2
 
 
 def test_embedded_tables_and_models_pull_ahead_cannot_serve(tmp_path: Any) -> None:

@@ -215,6 +215,13 @@ def pull_ahead(
     )  # fmt: skip
 
 
+def drop_pulled_ahead(client: ClientResource) -> None:
+    """Drops the client's pulls ahead that no lookup took yet (their input
+    pipeline stopped); later lookups of those ids pull their rows.
+    `tf_dlt.pull_ahead`'s fit does this when it returns or fails."""
+    load_library().dlt_drop_pulled_ahead(client=client.resource_handle)
+
+
 def lookup_grad(ids: tf.Tensor, grads: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """(unique_ids, summed_grads): the gradient of looked-up rows
     (``ids.shape + [dim]``) summed per distinct id, in first-seen order."""

@@ -194,6 +194,18 @@ std::vector<std::shared_ptr<PulledAhead>> PullAhead::Pushed(const std::string& t
   return marked;
 }
 
+size_t PullAhead::DropAll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t dropped = 0;
+  for (auto& [table, queue] : waiting_) {
+    for (const std::shared_ptr<PulledAhead>& pulled : queue) pulled->SetTaken();
+    dropped += queue.size();
+  }
+  waiting_.clear();
+  counts_.dropped += dropped;
+  return dropped;
+}
+
 void PullAhead::CountRefreshed(size_t rows) {
   std::lock_guard<std::mutex> lock(mu_);
   counts_.refreshed_rows += rows;

@@ -134,6 +134,9 @@ class PullAhead {
                                                    size_t n);
   // A refresh ahead pulled `rows` ids again.
   void CountRefreshed(size_t rows);
+  // Drops every waiting pull ahead (the input pipeline that began them
+  // stopped: its fit ended or failed); the number dropped.
+  size_t DropAll();
 
   struct Counts {
     uint64_t begun = 0;           // pulls ahead started

@@ -106,6 +106,13 @@ DLT_TEST(PullAheadDropsSkippedAndOverflowingPulls) {
   EXPECT(ahead.Take("emb", PullMode::kInsert, 2, c.data(), 1) != nullptr);  // skips b
   EXPECT(ahead.counts().dropped == 2 && ahead.counts().taken == 1);
   EXPECT(ahead.Take("emb", PullMode::kInsert, 2, b.data(), 1) == nullptr);
+  // The pipeline stopped: every waiting pull is dropped, in every table.
+  ahead.Begin("emb", PullMode::kInsert, 2, a.data(), 1);
+  std::shared_ptr<PulledAhead> other = ahead.Begin("other", PullMode::kInsert, 2, b.data(), 1);
+  EXPECT(ahead.DropAll() == 2 && ahead.counts().dropped == 4);
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, a.data(), 1) == nullptr);
+  EXPECT(ahead.Pushed("other", b.data(), 1).empty() && other->StaleIds().empty());
+  EXPECT(ahead.DropAll() == 0);
 }
 
 DLT_TEST(PullAheadTakesTheNewestOfTheSameIds) {

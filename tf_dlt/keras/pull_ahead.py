@@ -154,42 +154,55 @@ def _fit_pulling_ahead(
             # Keras counts the steps of an epoch from the dataset's length.
             x = x.apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
         batch_size, shuffle = None, False
-    if steps_per_epoch is None:
-        x, steps_per_epoch = _one_iterator(x, epochs - initial_epoch)
+    if steps_per_epoch is None and epochs - initial_epoch > 1:
+        x, steps_per_epoch = _one_iterator(x, epochs, model.steps_per_execution)
     depth = _DEPTH[model._dlt_pull_ahead_refresh]
     dataset = x.map(functools.partial(_start_pulls, model)).prefetch(depth)
-    return plain_fit(
-        x=dataset,
-        y=y,
-        batch_size=batch_size,
-        epochs=epochs,
-        verbose=verbose,
-        callbacks=callbacks,
-        validation_data=validation_data,
-        shuffle=shuffle,
-        class_weight=class_weight,
-        sample_weight=sample_weight,
-        initial_epoch=initial_epoch,
-        steps_per_epoch=steps_per_epoch,
-        validation_steps=validation_steps,
-        validation_batch_size=validation_batch_size,
-        validation_freq=validation_freq,
-    )
+    try:
+        return plain_fit(
+            x=dataset,
+            y=y,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callbacks,
+            validation_data=validation_data,
+            shuffle=shuffle,
+            class_weight=class_weight,
+            sample_weight=sample_weight,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
+        )
+    finally:
+        # Pulls the pipeline began for batches no step took (the fit ended
+        # early, failed, or the pipeline ran past its last step) must not
+        # serve a later lookup of the same ids with rows as they were then.
+        for client in {
+            id(layer.client): layer.client for _, layer in model._dlt_pull_ahead_feeds
+        }.values():
+            ops.drop_pulled_ahead(client)
 
 
-def _one_iterator(data: tf.data.Dataset, epochs: int) -> tuple[tf.data.Dataset, int | None]:
+def _one_iterator(
+    data: tf.data.Dataset, epochs: int, steps_per_execution: int
+) -> tuple[tf.data.Dataset, int | None]:
     """`data` repeated for the fit's `epochs`, with its length as
-    steps_per_epoch, when that length is known: Keras then iterates it with
-    one iterator for the whole fit instead of one per epoch. Each epoch is
-    still one pass over the data (a shuffle that reshuffles each iteration
-    still does), the pipeline pulls the next epoch's first batches ahead
-    while the last steps of the epoch before train, and it ends with the
-    fit's last step. It also avoids a tf.data stall of up to the autotuner's
-    optimization period (seconds, growing with the epoch's length) when an
-    epoch's iterator is destroyed: docs/keras.md."""
+    steps_per_epoch, when that length is known (and a multiple of
+    `steps_per_execution`, whose calls would otherwise run across the end of
+    a pass): Keras then iterates it with one iterator for the whole fit
+    instead of one per epoch. Each epoch is still one pass over the data (a
+    shuffle that reshuffles each iteration still does), and the pipeline
+    pulls the next epoch's first batches ahead while the last steps of the
+    epoch before train. It also avoids a tf.data stall of up to the
+    autotuner's optimization period (seconds, growing with the fit's
+    length) when an epoch's iterator is destroyed; the fit's one iterator
+    can still meet it when the fit returns: docs/keras.md."""
     batches = int(data.cardinality())
-    if batches <= 0 or epochs <= 1:  # unknown, infinite or empty; or one epoch
-        return data, None
+    if batches <= 0 or batches % max(1, int(steps_per_execution)):
+        return data, None  # unknown, infinite or empty length: Keras's own iteration
     return data.repeat(epochs), batches
 
 

@@ -1,5 +1,6 @@
 // Kernels of Dlt>Client (creates or finds the ClientResource), Dlt>CreateTable,
-// Dlt>ConfigureCache, Dlt>DropTable, Dlt>Flush and Dlt>ClientStats.
+// Dlt>ConfigureCache, Dlt>DropTable, Dlt>Flush, Dlt>DropPulledAhead and
+// Dlt>ClientStats.
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -147,6 +148,19 @@ class FlushOp : public AsyncOpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>Flush").Device(DEVICE_CPU), FlushOp);
+
+class DropPulledAheadOp : public OpKernel {
+ public:
+  explicit DropPulledAheadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<ClientResource> client;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
+    client->DropPulledAhead();
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>DropPulledAhead").Device(DEVICE_CPU), DropPulledAheadOp);
 
 class ClientStatsOp : public OpKernel {
  public:

@@ -118,6 +118,9 @@ class ClientResource : public ResourceBase {
     return pull_ahead_.Take(table, mode, dim, ids, n);
   }
 
+  // Drops every pull ahead that waits for its lookup (Dlt>DropPulledAhead).
+  void DropPulledAhead() { pull_ahead_.DropAll(); }
+
   // Pulls again, on the worker threads, the ids pushes marked stale in
   // `marked` (PullAhead::Pushed), before their lookups take them.
   void RefreshAhead(std::vector<std::shared_ptr<dlt::PulledAhead>> marked);

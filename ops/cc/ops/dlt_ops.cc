@@ -309,6 +309,15 @@ Waits until every push admitted before it has been applied; raises the first
 error of those pushes.
 )doc");
 
+REGISTER_OP("Dlt>DropPulledAhead")
+    .Input("client: resource")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Drops every pull ahead (Dlt>PullAhead) of this client that no lookup took yet:
+the input pipeline that began them stopped. Later lookups pull their rows.
+)doc");
+
 REGISTER_OP("Dlt>ClientStats")
     .Input("client: resource")
     .Output("stats: string")
