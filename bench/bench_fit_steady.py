@@ -22,7 +22,7 @@ trips per step to the shards with the step time they imply on a 25 Gbit/s,
 100 us round-trip network (see `projection`).
 
 Usage: python bench/bench_fit_steady.py [--examples 500000] [--reps 3]
-       [--epochs 2] [--batch 1024] [--one-iterator]
+       [--epochs 2] [--batch 1024] [--one-iterator] [--no-autotune]
 """
 
 from __future__ import annotations
@@ -194,9 +194,14 @@ def one_run(kind: str, rep: int, args: argparse.Namespace) -> list[dict[str, Any
     key = (args.examples, args.batch, args.zipf)
     if key not in _DATA:
         x, y = make_data(args.examples, seed=0, zipf=args.zipf)
-        _DATA[key] = (
+        data = (
             tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).prefetch(tf.data.AUTOTUNE)
         )
+        if args.no_autotune:  # no autotuning thread, so no stall when an iterator is destroyed
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            data = data.with_options(options)
+        _DATA[key] = data
     data, steps = _DATA[key], None
     if args.one_iterator:  # Keras keeps one iterator for all epochs
         data, steps = data.repeat(), -(-args.examples // args.batch)
@@ -231,6 +236,10 @@ def main() -> None:
         help="the dataset repeated, with steps_per_epoch: one iterator for all epochs, which "
         "avoids tf.data's stall at an epoch's start (docs/benchmarks.md)",
     )  # fmt: skip
+    p.add_argument(
+        "--no-autotune", action="store_true",
+        help="the dataset with tf.data's autotuning off (docs/keras.md, 'Training')",
+    )  # fmt: skip
     p.add_argument("--run", help=argparse.SUPPRESS)  # "kind,rep": one run, in this process
     args = p.parse_args()
     if args.run:
@@ -250,7 +259,8 @@ def main() -> None:
                 [sys.executable, __file__, "--run", f"{kind},{rep}",
                  "--examples", str(args.examples), "--epochs", str(args.epochs),
                  "--batch", str(args.batch), "--zipf", str(args.zipf),
-                 *(["--one-iterator"] if args.one_iterator else [])],
+                 *(["--one-iterator"] if args.one_iterator else []),
+                 *(["--no-autotune"] if args.no_autotune else [])],
                 capture_output=True, text=True, check=True, timeout=1800,
             ).stdout  # fmt: skip
             run[kind] = result_of(out)
@@ -258,7 +268,8 @@ def main() -> None:
     common = {"bench": "fit_steady", "examples": args.examples, "batch": args.batch,
               "dim": DIM, "zipf": args.zipf, "unit": "examples/s",
               "processes": "one" if args.one_process else "one per run",
-              "iterators": "one per fit" if args.one_iterator else "one per epoch"}  # fmt: skip
+              "iterators": "one per fit" if args.one_iterator else "one per epoch",
+              "autotune": not args.no_autotune}  # fmt: skip
     for rep, run in enumerate(runs):
         for kind in REMOTE:
             for epoch, (e, r) in enumerate(zip(run["embedded"], run[kind], strict=True)):
