@@ -137,6 +137,12 @@ def test_a_fit_pulls_ahead_across_epochs_with_one_iterator(
     steps = 3 * len(y) // BATCH
     assert stats["pulls_ahead"] == stats["pulls_ahead_used"] == 2 * steps
     assert stats["pulls_ahead_dropped"] == 0
+    # From epoch 1 of 3: two passes; what the pipeline began past them is dropped.
+    history = remote.fit(ds, epochs=3, initial_epoch=1, verbose=0)
+    assert len(history.history["loss"]) == 2
+    stats = _stats(remote)
+    assert stats["pulls_ahead_used"] == 2 * (steps + 2 * len(y) // BATCH)
+    assert stats["pulls_ahead"] == stats["pulls_ahead_used"] + stats["pulls_ahead_dropped"]
 
 
 def test_a_fit_keeps_its_epochs_under_steps_per_execution_and_drops_what_it_left(
