@@ -14,7 +14,7 @@ from tensorflow.core.framework import summary_pb2
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import latency
-from tf_dlt.keras.walk import distributed_layers
+from tf_dlt.keras.walk import model_clients
 
 _COUNTS = ("pulls", "pulled_rows", "pull_bytes", "pull_errors", "pushes", "pushed_rows",
            "push_bytes", "push_errors", "pulls_ahead", "pulls_ahead_used", "pulls_ahead_dropped",
@@ -36,18 +36,6 @@ _HISTOGRAMS = (*_WAITS, "cache_staleness")
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
-
-
-def _clients(model: keras.Model) -> list[ops.ClientResource]:
-    """The distinct clients of the model's tables (and of its optimizer's
-    dense table, under tf_dlt.DenseOnShards)."""
-    found: dict[str, ops.ClientResource] = {}
-    candidates = [layer.client for layer in distributed_layers(model)]
-    candidates.append(getattr(model.optimizer, "client", None))
-    for client in candidates:
-        if isinstance(client, ops.ClientResource):
-            found.setdefault(client.shared_name, client)
-    return list(found.values())
 
 
 def summarize(
@@ -140,7 +128,7 @@ class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
         self._step = 0
 
     def _snapshot(self) -> tuple[dict[str, Any], float]:
-        clients = _clients(self.model)
+        clients = model_clients(self.model)
         stats = [ops.client_stats(c) for c in clients]
         return (_merge(stats) if stats else {}), time.monotonic()
 

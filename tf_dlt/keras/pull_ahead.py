@@ -21,7 +21,7 @@ from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
-from tf_dlt.keras.walk import chosen_layers
+from tf_dlt.keras.walk import chosen_layers, model_clients
 from tf_dlt.layers.embedding import Embedding
 
 # Batches prepared (and pulled) ahead of the one training: with refresh, 2;
@@ -180,9 +180,7 @@ def _fit_pulling_ahead(
         # Pulls the pipeline began for batches no step took (the fit ended
         # early, failed, or the pipeline ran past its last step) must not
         # serve a later lookup of the same ids with rows as they were then.
-        for client in {
-            id(layer.client): layer.client for _, layer in model._dlt_pull_ahead_feeds
-        }.values():
+        for client in model_clients(model):
             ops.drop_pulled_ahead(client)
 
 
@@ -202,7 +200,7 @@ def _one_iterator(
     can still meet it when the fit returns: docs/keras.md."""
     batches = int(data.cardinality())
     if batches <= 0 or batches % max(1, int(steps_per_execution)):
-        return data, None  # unknown, infinite or empty length: Keras's own iteration
+        return data, None  # Keras's own iteration, one iterator per epoch
     return data.repeat(epochs), batches
 
 

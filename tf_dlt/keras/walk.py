@@ -9,6 +9,7 @@ from typing import Any
 
 import keras
 
+from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.layers.embedding import Embedding
 
@@ -31,6 +32,18 @@ def distributed_layers(model: keras.Model) -> list[Embedding]:
         for layer in walk_layers(model)
         if isinstance(layer, Embedding) and layer.is_distributed
     ]
+
+
+def model_clients(model: keras.Model) -> list[ops.ClientResource]:
+    """The distinct clients of the model's tables (and of its optimizer's
+    dense table, under tf_dlt.DenseOnShards)."""
+    found: dict[str, ops.ClientResource] = {}
+    candidates = [layer.client for layer in distributed_layers(model)]
+    candidates.append(getattr(model.optimizer, "client", None))
+    for client in candidates:
+        if isinstance(client, ops.ClientResource):
+            found.setdefault(client.shared_name, client)
+    return list(found.values())
 
 
 def chosen_layers(model: keras.Model, wanted: list[Any] | None, caller: str) -> list[Embedding]:
