@@ -20,42 +20,60 @@ class Deduper {
            std::vector<int64_t>* slot) {
     size_t capacity = 16;
     while (capacity < 2 * static_cast<size_t>(n)) capacity <<= 1;
-    if (keys_.size() < capacity) {
-      keys_.resize(capacity);
-      values_.resize(capacity);
+    if (entries_.size() < capacity) {
+      entries_.assign(capacity, Entry{});
+      stamp_ = 0;
+    }
+    // A new stamp empties the table without touching it, except once every
+    // 2^32 runs.
+    if (++stamp_ == 0) {
+      for (Entry& e : entries_) e.stamp = 0;
+      stamp_ = 1;
     }
     mask_ = capacity - 1;
     const size_t mask = mask_;
-    std::fill(values_.begin(), values_.begin() + capacity, -1);
+    const uint32_t stamp = stamp_;
+    Entry* entries = entries_.data();
     unique->clear();
     slot->resize(n);
+    int64_t* slots = slot->data();
     for (int64_t i = 0; i < n; ++i) {
+      // Each probe is likely a cache miss: start the one a few ids ahead.
+      if (i + kProbeAhead < n) {
+        __builtin_prefetch(&entries[Mix64(static_cast<uint64_t>(ids[i + kProbeAhead])) & mask]);
+      }
       size_t h = Mix64(static_cast<uint64_t>(ids[i])) & mask;
-      while (values_[h] >= 0 && keys_[h] != ids[i]) h = (h + 1) & mask;
-      if (values_[h] < 0) {
-        keys_[h] = ids[i];
-        values_[h] = static_cast<int64_t>(unique->size());
+      while (entries[h].stamp == stamp && entries[h].key != ids[i]) h = (h + 1) & mask;
+      if (entries[h].stamp != stamp) {
+        entries[h] = {ids[i], static_cast<uint32_t>(unique->size()), stamp};
         unique->push_back(ids[i]);
       }
-      (*slot)[i] = values_[h];
+      slots[i] = entries[h].value;
     }
   }
 
   // The index in the last Run's `unique` of `id`, or -1 if it was not there.
   int64_t Find(int64_t id) const {
-    if (values_.empty()) return -1;
+    if (entries_.empty()) return -1;
     size_t h = Mix64(static_cast<uint64_t>(id)) & mask_;
-    while (values_[h] >= 0) {
-      if (keys_[h] == id) return values_[h];
+    while (entries_[h].stamp == stamp_) {
+      if (entries_[h].key == id) return entries_[h].value;
       h = (h + 1) & mask_;
     }
     return -1;
   }
 
  private:
-  std::vector<int64_t> keys_;
-  std::vector<int64_t> values_;  // -1: empty
+  static constexpr int64_t kProbeAhead = 8;
+  // Key and value share a cache line; `stamp` marks the run that filled it.
+  struct Entry {
+    int64_t key = 0;
+    uint32_t value = 0;
+    uint32_t stamp = 0;
+  };
+  std::vector<Entry> entries_;
   size_t mask_ = 0;
+  uint32_t stamp_ = 0;
 };
 
 // The rows of a batch in input order ([n, dim] into `out`) from the rows of

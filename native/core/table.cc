@@ -727,8 +727,19 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     ReadState(ids, n, out);
     return OkStatus();
   }
-  thread_local std::vector<uint64_t> hashes;
-  thread_local std::vector<uint32_t> order, starts, missing, recs;
+  // One thread_local, bound once: in a shared library every use of a
+  // thread_local calls __tls_get_addr, which the loops below would pay.
+  struct Scratch {
+    std::vector<uint64_t> hashes;
+    std::vector<uint32_t> order, starts, missing, recs;
+  };
+  thread_local Scratch tls;
+  Scratch& scratch = tls;
+  auto& hashes = scratch.hashes;
+  auto& order = scratch.order;
+  auto& starts = scratch.starts;
+  auto& missing = scratch.missing;
+  auto& recs = scratch.recs;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   const uint32_t dim = config_.dim;
   const size_t row_bytes = sizeof(float) * dim;
@@ -863,9 +874,26 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   WaitForRoom();
   pushes_.fetch_add(1, std::memory_order_relaxed);
   const uint32_t now = Now();
-  thread_local std::vector<uint64_t> hashes, counted;
-  thread_local std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
-  thread_local std::vector<float> summed, squares, values, slots;
+  struct Scratch {  // as in Pull: one thread_local, bound once
+    std::vector<uint64_t> hashes, counted;
+    std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
+    std::vector<float> summed, squares, values, slots;
+  };
+  thread_local Scratch tls;
+  Scratch& scratch = tls;
+  auto& hashes = scratch.hashes;
+  auto& counted = scratch.counted;
+  auto& order = scratch.order;
+  auto& starts = scratch.starts;
+  auto& recs = scratch.recs;
+  auto& slot_of = scratch.slot_of;
+  auto& firsts = scratch.firsts;
+  auto& unique_of = scratch.unique_of;
+  auto& kept = scratch.kept;
+  auto& summed = scratch.summed;
+  auto& squares = scratch.squares;
+  auto& values = scratch.values;
+  auto& slots = scratch.slots;
   const bool keep_squares = config_.optimizer.kind == OptimizerKind::kKerasAdagrad;
   const bool frequency = sketch_ != nullptr;
   const bool stochastic =

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "native/core/dedup.h"
 #include "native/core/finite.h"
 #include "native/core/routing.h"
 #include "native/net/buffer.h"
@@ -44,11 +45,30 @@ struct Client::Call {
   wire::Opcode opcode = wire::Opcode::kPull;
   std::vector<Frame> frames;
   uint64_t first_request_id = 0;
+  // Called with each whole reply frame's payload; for a call with `rows`
+  // set, only the reply's fixed part is in `payload` (the rows are in place).
   std::function<Status(size_t frame, const uint8_t* payload, size_t bytes)> on_reply;
+
+  // Pulls: the rows of a reply are received straight into the caller's
+  // memory, so the kernel's copy out of the socket is their only one. Row r
+  // of frame f goes to out + at * row_floats, at = pos[f * rows_per_frame + r]
+  // (or f * rows_per_frame + r without `pos`); the reply's first `fixed`
+  // payload bytes are buffered for on_reply.
+  struct RowTarget {
+    float* out = nullptr;  // nullptr: replies are buffered whole
+    const uint32_t* pos = nullptr;
+    size_t rows_per_frame = 0;
+    size_t row_floats = 0;
+    size_t fixed = 0;
+  } rows;
 
   // Fills up to `max_iov` iovecs with the unsent bytes from `offset` of frame
   // `frame_index` on; returns how many.
   int FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const;
+  // Fills up to `max_iov` iovecs with the destinations of frame `frame`'s
+  // reply rows from row byte `offset` (after the fixed part) to `end`;
+  // adjacent destinations share one iovec. Returns how many.
+  int FillRowIov(size_t frame, size_t offset, size_t end, struct iovec* iov, int max_iov) const;
   // Checks a reply header against the request it answers (id not answered
   // yet, opcode, exact payload size) before its payload is read.
   Status CheckReply(const wire::FrameHeader& frame, const std::vector<bool>& answered) const;
@@ -58,6 +78,10 @@ namespace {
 
 // Receive buffers above this size are freed when their connection goes idle.
 constexpr size_t kKeepBufferBytes = 64u << 20;
+// Destinations per recvmsg of reply rows (Linux's IOV_MAX), and the most
+// bytes one asks for (a socket buffer's worth).
+constexpr int kRowIov = 1024;
+constexpr size_t kRowRecvBytes = 1u << 20;
 
 struct Io {
   int fd = -1;
@@ -71,6 +95,7 @@ struct Io {
   net::Buffer payload;
   size_t payload_got = 0;
   bool in_payload = false;
+  bool direct = false;  // this frame's rows go straight to Call::rows
   std::vector<bool> answered;
 };
 
@@ -91,6 +116,29 @@ int Client::Call::FillIov(size_t frame_index, size_t offset, struct iovec* iov, 
       iov[n].iov_base = const_cast<char*>(static_cast<const char*>(parts[k])) + offset;
       iov[n].iov_len = sizes[k] - offset;
       offset = 0;
+      ++n;
+    }
+  }
+  return n;
+}
+
+int Client::Call::FillRowIov(size_t frame, size_t offset, size_t end, struct iovec* iov,
+                             int max_iov) const {
+  const size_t row_bytes = sizeof(float) * rows.row_floats;
+  const size_t first = frame * rows.rows_per_frame;
+  size_t in_row = offset % row_bytes;
+  int n = 0;
+  const size_t stop = std::min(end, offset + kRowRecvBytes);
+  for (size_t r = offset / row_bytes; r * row_bytes < stop && n < max_iov; ++r) {
+    const size_t at = rows.pos != nullptr ? rows.pos[first + r] : first + r;
+    char* dst = reinterpret_cast<char*>(rows.out + at * rows.row_floats) + in_row;
+    const size_t len = row_bytes - in_row;
+    in_row = 0;
+    if (n > 0 && static_cast<char*>(iov[n - 1].iov_base) + iov[n - 1].iov_len == dst) {
+      iov[n - 1].iov_len += len;
+    } else {
+      iov[n].iov_base = dst;
+      iov[n].iov_len = len;
       ++n;
     }
   }
@@ -410,16 +458,28 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
       }
       if (!(fds[c].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       for (;;) {
-        uint8_t* dst;
+        ssize_t got = 0;
         size_t want;
+        const size_t buffered = x.direct ? call.rows.fixed : x.frame.payload_bytes;
         if (!x.in_payload) {
-          dst = x.header + x.header_got;
           want = wire::kHeaderBytes - x.header_got;
+          got = recv(x.fd, x.header + x.header_got, want, MSG_DONTWAIT);
+        } else if (x.payload_got < buffered) {
+          want = buffered - x.payload_got;
+          got = recv(x.fd, x.payload.data() + x.payload_got, want, MSG_DONTWAIT);
         } else {
-          dst = x.payload.data() + x.payload_got;
           want = x.frame.payload_bytes - x.payload_got;
+          if (want > 0) {
+            struct iovec iov[kRowIov];
+            struct msghdr msg;
+            std::memset(&msg, 0, sizeof(msg));
+            msg.msg_iov = iov;
+            msg.msg_iovlen = static_cast<size_t>(call.FillRowIov(
+                x.frame.request_id - call.first_request_id, x.payload_got - buffered,
+                x.frame.payload_bytes - buffered, iov, kRowIov));
+            got = recvmsg(x.fd, &msg, MSG_DONTWAIT);
+          }
         }
-        ssize_t got = want == 0 ? 0 : recv(x.fd, dst, want, MSG_DONTWAIT);
         if (want != 0) {
           if (got == 0) {
             return fail(x.send_error.ok() ? Unavailable("connection closed by the server")
@@ -443,7 +503,8 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
           // buffered: a reply can hold exactly what its request expects.
           s = call.CheckReply(x.frame, x.answered);
           if (!s.ok()) return fail(s);
-          x.payload.Reserve(x.frame.payload_bytes);
+          x.direct = call.rows.out != nullptr && x.frame.opcode == call.opcode;
+          x.payload.Reserve(x.direct ? call.rows.fixed : x.frame.payload_bytes);
           x.payload_got = 0;
           x.in_payload = true;
           if (x.frame.payload_bytes > 0) continue;
@@ -481,17 +542,40 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
 
 namespace {
 
-// Positions of the ids each shard owns, in input order.
+// Positions of the ids each shard owns, in input order. With `repeats`, each
+// distinct id once: the position of its first occurrence, and every later
+// occurrence in `repeats` as (its position, the first's).
 void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num_shards,
-                  std::vector<std::vector<uint32_t>>* groups) {
+                  std::vector<std::vector<uint32_t>>* groups,
+                  std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   groups->assign(num_shards, {});
-  if (num_shards == 1) {
-    (*groups)[0].resize(n);
-    for (size_t i = 0; i < n; ++i) (*groups)[0][i] = static_cast<uint32_t>(i);
+  thread_local Deduper dedup;
+  thread_local std::vector<int64_t> unique, slot;
+  thread_local std::vector<uint32_t> firsts;
+  if (repeats != nullptr) {
+    repeats->clear();
+    dedup.Run(ids, static_cast<int64_t>(n), &unique, &slot);
+  }
+  if (repeats == nullptr || unique.size() == n) {
+    if (num_shards == 1) {
+      (*groups)[0].resize(n);
+      for (size_t i = 0; i < n; ++i) (*groups)[0][i] = static_cast<uint32_t>(i);
+      return;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      (*groups)[client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));
+    }
     return;
   }
+  firsts.clear();
   for (size_t i = 0; i < n; ++i) {
-    (*groups)[client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));
+    const auto u = static_cast<size_t>(slot[i]);
+    if (u == firsts.size()) {
+      firsts.push_back(static_cast<uint32_t>(i));
+      (*groups)[num_shards == 1 ? 0 : client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));
+    } else {
+      repeats->emplace_back(static_cast<uint32_t>(i), firsts[u]);
+    }
   }
 }
 
@@ -506,10 +590,11 @@ Status CheckBatch(size_t n, uint32_t dim) {
 
 }  // namespace
 
-Status Client::Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups) {
+Status Client::Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups,
+                     std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   std::vector<ShardInfo> infos;  // greets every shard once
   DLT_RETURN_IF_ERROR(GetShardInfos(&infos));
-  GroupByShard(*this, ids, n, shards_.size(), groups);
+  GroupByShard(*this, ids, n, shards_.size(), groups, repeats);
   return OkStatus();
 }
 
@@ -572,8 +657,11 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
                         PullMode mode, uint32_t row_floats, float* out, bool* any_reused) {
   *any_reused = false;
   if (n == 0) return OkStatus();
+  // Each distinct id is asked once; its row lands at its first position and
+  // is copied to the later ones.
   std::vector<std::vector<uint32_t>> groups;
-  DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
+  std::vector<std::pair<uint32_t, uint32_t>> repeats;
+  DLT_RETURN_IF_ERROR(Route(ids, n, &groups, &repeats));
   std::vector<std::vector<int64_t>> shard_ids(shards_.size());
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
@@ -583,8 +671,9 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
         RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * row_floats, &rows_per_frame));
+    const bool in_order = pos.size() == n;  // every id, each once, to this shard
     const int64_t* shard_ids_ptr = ids;
-    if (shards_.size() > 1) {
+    if (!in_order) {
       shard_ids[s].resize(pos.size());
       for (size_t k = 0; k < pos.size(); ++k) shard_ids[s][k] = ids[pos[k]];
       shard_ids_ptr = shard_ids[s].data();
@@ -601,14 +690,16 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
       fr.reply_bytes = wire::kPullReplyFixed + size_t{4} * row_floats * count;
       call.frames.push_back(std::move(fr));
     }
-    const bool identity = shards_.size() == 1;
-    call.on_reply = [&pos, rows_per_frame, dim, row_floats, out, identity](
-                        size_t frame, const uint8_t* p, size_t bytes) -> Status {
-      const size_t begin = frame * rows_per_frame;
-      const size_t count = std::min(rows_per_frame, pos.size() - begin);
-      if (bytes != wire::kPullReplyFixed + size_t{4} * row_floats * count) {
-        return Internal("Pull reply has the wrong size");
-      }
+    call.rows.out = out;
+    call.rows.pos = in_order ? nullptr : pos.data();
+    call.rows.rows_per_frame = rows_per_frame;
+    call.rows.row_floats = row_floats;
+    call.rows.fixed = wire::kPullReplyFixed;
+    call.on_reply = [&pos, rows_per_frame, dim](size_t frame, const uint8_t* p,
+                                                size_t bytes) -> Status {
+      // The size was checked against the request before the rows were read.
+      (void)bytes;
+      const size_t count = std::min(rows_per_frame, pos.size() - frame * rows_per_frame);
       uint32_t got_dim, got_rows;
       std::memcpy(&got_dim, p, 4);
       std::memcpy(&got_rows, p + 4, 4);
@@ -617,20 +708,16 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
                         std::to_string(got_rows) + " rows; the request has dim " +
                         std::to_string(dim) + " and " + std::to_string(count) + " ids");
       }
-      const float* rows = reinterpret_cast<const float*>(p + wire::kPullReplyFixed);
-      const size_t w = row_floats;
-      if (identity) {
-        std::memcpy(out + begin * w, rows, sizeof(float) * w * count);
-      } else {
-        for (size_t k = 0; k < count; ++k) {
-          std::memcpy(out + size_t{pos[begin + k]} * w, rows + k * w, sizeof(float) * w);
-        }
-      }
       return OkStatus();
     };
     calls.push_back(std::move(call));
   }
-  return Exchange(&calls, "Pull", any_reused);
+  DLT_RETURN_IF_ERROR(Exchange(&calls, "Pull", any_reused));
+  const size_t w = row_floats;
+  for (const auto& [at, first] : repeats) {
+    std::memcpy(out + size_t{at} * w, out + size_t{first} * w, sizeof(float) * w);
+  }
+  return OkStatus();
 }
 
 Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "native/core/status.h"
@@ -107,8 +108,10 @@ class Client {
   void Release(size_t shard, Conn conn);
   Status Hello(size_t shard, int fd);
   uint32_t FrameLimit(size_t shard);
-  // Greets every shard (once) and groups the positions of `ids` by shard.
-  Status Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups);
+  // Greets every shard (once) and groups the positions of `ids` by shard;
+  // with `repeats`, each distinct id once (GroupByShard in client.cc).
+  Status Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups,
+               std::vector<std::pair<uint32_t, uint32_t>>* repeats = nullptr);
   // The most rows per frame to `shard` whose request (prefix_bytes plus
   // request_row_bytes per row) and reply (reply_row_bytes per row, 0: none)
   // fit its frame limit.

@@ -17,11 +17,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "native/core/dedup.h"
 #include "native/core/initializer.h"
 #include "native/core/routing.h"
 #include "native/core/shard.h"
@@ -166,6 +168,30 @@ DLT_TEST(TestFramesGolden) {
   // A header whose payload exceeds the limit is RESOURCE_EXHAUSTED.
   EXPECT(wire::DecodeHeader(reinterpret_cast<const uint8_t*>(raw.data()), 16, &h).code() ==
          Code::kResourceExhausted);
+}
+
+// One Deduper across runs of different sizes, as a thread's lookups use it:
+// each run sees only its own ids (a new stamp empties the table untouched).
+DLT_TEST(TestDeduperRunsAreIndependent) {
+  dlt::Deduper dedup;
+  std::vector<int64_t> unique, slot;
+  std::mt19937_64 rng(5);
+  for (int64_t n : {1000, 3, 0, 5000, 17, 1000}) {
+    std::vector<int64_t> ids(static_cast<size_t>(n));
+    for (int64_t& id : ids) id = static_cast<int64_t>(rng() % 700) - 350;
+    dedup.Run(ids.data(), n, &unique, &slot);
+    std::map<int64_t, int64_t> first;  // id -> index in unique
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto [it, added] = first.emplace(ids[i], static_cast<int64_t>(first.size()));
+      EXPECT(slot[i] == it->second);
+      if (added) EXPECT(unique[static_cast<size_t>(it->second)] == ids[i]);
+    }
+    EXPECT(unique.size() == first.size());
+    for (int64_t id = -400; id < 400; ++id) {
+      auto it = first.find(id);
+      EXPECT(dedup.Find(id) == (it == first.end() ? -1 : it->second));
+    }
+  }
 }
 
 DLT_TEST(TestInitializerIsPureFunctionOfSeedAndId) {

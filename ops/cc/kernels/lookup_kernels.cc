@@ -1,7 +1,7 @@
-// Dlt>Lookup: rows of ids of any shape. Remote (tcp): the ids are
-// deduplicated, the distinct ones pulled on the client's worker threads (routed
-// by bucket, every touched shard at once) and the rows stitched back in input
-// order; ComputeAsync blocks only for small lookups (kInlineFloats), pulled on
+// Dlt>Lookup: rows of ids of any shape. Remote (tcp): pulled on the client's
+// worker threads, each distinct id once (dlt::Client routes them by bucket,
+// every touched shard at once, and receives the rows in place, in input
+// order); ComputeAsync blocks only for small lookups (kInlineFloats), pulled on
 // the calling thread. Embedded: the in-process table is read in place.
 #include <atomic>
 #include <cstring>
@@ -34,22 +34,6 @@ absl::Status ReadLookupAttrs(OpKernelConstruction* ctx, std::string* table, uint
               ? dlt::PullMode::kInsert
               : (missing == "zeros" ? dlt::PullMode::kZerosNoInsert : dlt::PullMode::kInitNoInsert);
   return absl::OkStatus();
-}
-
-// Pulls `n` ids into `rows` ([n, dim], input order), each distinct id once.
-// Runs on a worker thread, or inline for small lookups: both kinds of thread
-// persist, so the scratch keeps its storage between steps.
-absl::Status PullDistinct(ClientResource* c, const std::string& table, uint32_t dim,
-                          dlt::PullMode mode, const int64_t* id, int64_t n, float* rows) {
-  thread_local dlt::Deduper dedup;
-  thread_local std::vector<int64_t> unique, slot;
-  thread_local std::vector<float> distinct;
-  dedup.Run(id, n, &unique, &slot);
-  if (static_cast<int64_t>(unique.size()) == n) return c->Pull(table, dim, id, n, mode, rows);
-  distinct.resize(unique.size() * dim);
-  absl::Status status = c->Pull(table, dim, unique.data(), unique.size(), mode, distinct.data());
-  if (status.ok()) dlt::GatherBySlot(distinct.data(), slot.data(), n, dim, rows);
-  return status;
 }
 
 // A lookup through the table's hot-row cache: each distinct id once; the
@@ -254,11 +238,11 @@ class LookupOp : public AsyncOpKernel {
       if (n * dim_ <= kInlineFloats) {
         // Small: its round trip costs less than the hop to a worker thread
         // and back, so it blocks this thread instead.
-        finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
+        finish(c->Pull(table_, dim_, id, n, mode_, rows));
         return;
       }
       c->Schedule([this, c, ids, id, n, rows, finish]() {
-        finish(PullDistinct(c, table_, dim_, mode_, id, n, rows));
+        finish(c->Pull(table_, dim_, id, n, mode_, rows));
       });
       return;
     }
@@ -274,7 +258,7 @@ class LookupOp : public AsyncOpKernel {
     ahead->Then([this, c, ids, id, n, rows, ahead, finish]() {
       c->Schedule([this, c, ids, id, n, rows, ahead, finish]() {
         finish(ahead->ok() ? RowsPulledAhead(c, ahead.get(), rows)
-                           : PullDistinct(c, table_, dim_, mode_, id, n, rows));
+                           : c->Pull(table_, dim_, id, n, mode_, rows));
       });
     });
   }
