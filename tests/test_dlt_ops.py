@@ -52,29 +52,33 @@ def test_remote_lookup_equals_client_pull(cluster: Cluster) -> None:
         np.testing.assert_array_equal(rows.numpy(), py.pull("emb", ids))
 
 
-@pytest.mark.parametrize("dim", [3, 64])
-def test_pulls_ask_each_distinct_id_once_and_fill_its_repeats(cluster: Cluster, dim: int) -> None:
-    """A pull sends each distinct id once and receives its row in place, then
-    copies it to the id's repeats: the rows equal an in-process table's for
-    the Python client and the op, with 4 KiB frames (many per shard) and with
-    12-byte rows (rows split across reads), and the shards count the
-    distinct ids only."""
+@pytest.mark.parametrize("dim", [3, 256])
+def test_lookup_asks_each_distinct_id_once_and_fills_its_repeats(
+    cluster: Cluster, dim: int
+) -> None:
+    """A remote lookup sends each distinct id once, places its row as the
+    reply arrives and copies it to the id's repeats: the rows equal an
+    in-process table's, with 4 KiB frames (many per shard) and 8 MiB ones,
+    12-byte rows (reads end inside rows) and 1 KiB rows (a reply many times
+    the client's staging buffer). The shards and the op's client stats count
+    the distinct ids; the Python client's pull sends every id, as before."""
     with cluster.client() as py:
         py.create_table("rep", dim, "uniform", "adagrad", seed=4)
     oracle = _native.Table(TableConfig.create("rep", dim, "uniform", "adagrad", seed=4).to_dict())
-    ids = _ids(5000, seed=7)
+    ids = _ids(20000, seed=7)
     distinct = len(np.unique(ids))
     assert distinct < len(ids)
     want = oracle.pull(ids)
     for frame_bytes in (4096, 8 << 20):
         with cluster.client(frame_bytes=frame_bytes) as py:
             before = sum(int(s["pulled_rows"]) for s in py.stats())
-            np.testing.assert_array_equal(py.pull("rep", ids), want)
-            assert sum(int(s["pulled_rows"]) for s in py.stats()) - before == distinct
             resource = ops.ClientResource(cluster.addresses, frame_bytes=frame_bytes)
-            got = ops.lookup(resource, ids.reshape(50, 100), "rep", dim).numpy()
+            got = ops.lookup(resource, ids.reshape(200, 100), "rep", dim).numpy()
             np.testing.assert_array_equal(got.reshape(-1, dim), want)
-            assert sum(int(s["pulled_rows"]) for s in py.stats()) - before == 2 * distinct
+            assert sum(int(s["pulled_rows"]) for s in py.stats()) - before == distinct
+            assert ops.client_stats(resource)["pulled_rows"] == distinct
+            np.testing.assert_array_equal(py.pull("rep", ids), want)
+            assert sum(int(s["pulled_rows"]) for s in py.stats()) - before == distinct + len(ids)
 
 
 def test_push_then_lookup_shows_the_optimizer_update(cluster: Cluster) -> None:

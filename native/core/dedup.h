@@ -16,6 +16,7 @@ namespace dlt {
 
 class Deduper {
  public:
+  // `n` < 2^32 (the ops and the client bound their batches below that).
   void Run(const int64_t* ids, int64_t n, std::vector<int64_t>* unique,
            std::vector<int64_t>* slot) {
     size_t capacity = 16;

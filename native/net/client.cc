@@ -46,12 +46,14 @@ struct Client::Call {
   std::vector<Frame> frames;
   uint64_t first_request_id = 0;
   // Called with each whole reply frame's payload; for a call with `rows`
-  // set, only the reply's fixed part is in `payload` (the rows are in place).
+  // set, with the reply's fixed part (`bytes` = rows.fixed) once it is in,
+  // before the rows are read.
   std::function<Status(size_t frame, const uint8_t* payload, size_t bytes)> on_reply;
 
-  // Pulls: the rows of a reply are received straight into the caller's
-  // memory, so the kernel's copy out of the socket is their only one. Row r
-  // of frame f goes to out + at * row_floats, at = pos[f * rows_per_frame + r]
+  // Pulls: the rows of a reply are received through a small staging buffer
+  // that stays in cache (StageBytes) and copied to their places in the
+  // caller's memory as they arrive, so no reply is buffered whole. Row r of
+  // frame f goes to out + at * row_floats, at = pos[f * rows_per_frame + r]
   // (or f * rows_per_frame + r without `pos`); the reply's first `fixed`
   // payload bytes are buffered for on_reply.
   struct RowTarget {
@@ -65,10 +67,11 @@ struct Client::Call {
   // Fills up to `max_iov` iovecs with the unsent bytes from `offset` of frame
   // `frame_index` on; returns how many.
   int FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const;
-  // Fills up to `max_iov` iovecs with the destinations of frame `frame`'s
-  // reply rows from row byte `offset` (after the fixed part) to `end`;
-  // adjacent destinations share one iovec. Returns how many.
-  int FillRowIov(size_t frame, size_t offset, size_t end, struct iovec* iov, int max_iov) const;
+  // The staging buffer's size: whole rows, about kStageBytes, at least one.
+  size_t StageBytes() const;
+  // Copies `count` whole rows from `src`, rows `first` on of frame `frame`,
+  // to their places.
+  void PlaceRows(size_t frame, size_t first, const uint8_t* src, size_t count) const;
   // Checks a reply header against the request it answers (id not answered
   // yet, opcode, exact payload size) before its payload is read.
   Status CheckReply(const wire::FrameHeader& frame, const std::vector<bool>& answered) const;
@@ -78,10 +81,10 @@ namespace {
 
 // Receive buffers above this size are freed when their connection goes idle.
 constexpr size_t kKeepBufferBytes = 64u << 20;
-// Destinations per recvmsg of reply rows (Linux's IOV_MAX), and the most
-// bytes one asks for (a socket buffer's worth).
-constexpr int kRowIov = 1024;
-constexpr size_t kRowRecvBytes = 1u << 20;
+// Reply rows are staged in about this many bytes (a part of a core's L2).
+constexpr size_t kStageBytes = 256u << 10;
+// The largest pull whose dedup scratch a thread keeps for the next.
+constexpr size_t kKeepScratchIds = size_t{1} << 18;
 
 struct Io {
   int fd = -1;
@@ -95,7 +98,8 @@ struct Io {
   net::Buffer payload;
   size_t payload_got = 0;
   bool in_payload = false;
-  bool direct = false;  // this frame's rows go straight to Call::rows
+  bool direct = false;  // this frame's rows are staged to Call::rows
+  size_t staged = 0;    // bytes of a part row at the staging buffer's start
   std::vector<bool> answered;
 };
 
@@ -122,27 +126,22 @@ int Client::Call::FillIov(size_t frame_index, size_t offset, struct iovec* iov, 
   return n;
 }
 
-int Client::Call::FillRowIov(size_t frame, size_t offset, size_t end, struct iovec* iov,
-                             int max_iov) const {
+size_t Client::Call::StageBytes() const {
   const size_t row_bytes = sizeof(float) * rows.row_floats;
-  const size_t first = frame * rows.rows_per_frame;
-  size_t in_row = offset % row_bytes;
-  int n = 0;
-  const size_t stop = std::min(end, offset + kRowRecvBytes);
-  for (size_t r = offset / row_bytes; r * row_bytes < stop && n < max_iov; ++r) {
-    const size_t at = rows.pos != nullptr ? rows.pos[first + r] : first + r;
-    char* dst = reinterpret_cast<char*>(rows.out + at * rows.row_floats) + in_row;
-    const size_t len = row_bytes - in_row;
-    in_row = 0;
-    if (n > 0 && static_cast<char*>(iov[n - 1].iov_base) + iov[n - 1].iov_len == dst) {
-      iov[n - 1].iov_len += len;
-    } else {
-      iov[n].iov_base = dst;
-      iov[n].iov_len = len;
-      ++n;
-    }
+  return std::max<size_t>(1, kStageBytes / row_bytes) * row_bytes;
+}
+
+void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, size_t count) const {
+  const size_t w = rows.row_floats;
+  const size_t begin = frame * rows.rows_per_frame + first;
+  if (rows.pos == nullptr) {
+    std::memcpy(rows.out + begin * w, src, sizeof(float) * w * count);
+    return;
   }
-  return n;
+  for (size_t r = 0; r < count; ++r) {
+    std::memcpy(rows.out + size_t{rows.pos[begin + r]} * w, src + sizeof(float) * w * r,
+                sizeof(float) * w);
+  }
 }
 
 Status Client::Call::CheckReply(const wire::FrameHeader& frame,
@@ -468,16 +467,22 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
           want = buffered - x.payload_got;
           got = recv(x.fd, x.payload.data() + x.payload_got, want, MSG_DONTWAIT);
         } else {
+          // Rows: into the staging buffer after the fixed part, behind the
+          // part of a row left from the last read; whole rows to their places.
           want = x.frame.payload_bytes - x.payload_got;
           if (want > 0) {
-            struct iovec iov[kRowIov];
-            struct msghdr msg;
-            std::memset(&msg, 0, sizeof(msg));
-            msg.msg_iov = iov;
-            msg.msg_iovlen = static_cast<size_t>(call.FillRowIov(
-                x.frame.request_id - call.first_request_id, x.payload_got - buffered,
-                x.frame.payload_bytes - buffered, iov, kRowIov));
-            got = recvmsg(x.fd, &msg, MSG_DONTWAIT);
+            uint8_t* stage = x.payload.data() + buffered;
+            got = recv(x.fd, stage + x.staged, std::min(want, call.StageBytes() - x.staged),
+                       MSG_DONTWAIT);
+            if (got > 0) {
+              const size_t row_bytes = sizeof(float) * call.rows.row_floats;
+              const size_t placed = (x.payload_got - buffered - x.staged) / row_bytes;
+              const size_t total = x.staged + static_cast<size_t>(got);
+              const size_t whole = total / row_bytes;
+              call.PlaceRows(x.frame.request_id - call.first_request_id, placed, stage, whole);
+              x.staged = total - whole * row_bytes;
+              if (x.staged > 0) std::memmove(stage, stage + whole * row_bytes, x.staged);
+            }
           }
         }
         if (want != 0) {
@@ -504,12 +509,20 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
           s = call.CheckReply(x.frame, x.answered);
           if (!s.ok()) return fail(s);
           x.direct = call.rows.out != nullptr && x.frame.opcode == call.opcode;
-          x.payload.Reserve(x.direct ? call.rows.fixed : x.frame.payload_bytes);
+          x.payload.Reserve(x.direct ? call.rows.fixed + call.StageBytes() : x.frame.payload_bytes);
           x.payload_got = 0;
+          x.staged = 0;
           x.in_payload = true;
           if (x.frame.payload_bytes > 0) continue;
         } else {
+          const bool had_fixed = x.payload_got >= call.rows.fixed;
           x.payload_got += static_cast<size_t>(got);
+          if (x.direct && !had_fixed && x.payload_got >= call.rows.fixed) {
+            // The reply's fixed part is checked before its rows are read.
+            Status s = call.on_reply(x.frame.request_id - call.first_request_id, x.payload.data(),
+                                     call.rows.fixed);
+            if (!s.ok()) return fail(s);
+          }
           if (x.payload_got < x.frame.payload_bytes) continue;
         }
         // A whole reply frame is here.
@@ -522,8 +535,10 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
         }
         const size_t f = x.frame.request_id - call.first_request_id;
         x.answered[f] = true;
-        Status s = call.on_reply(f, p, bytes);
-        if (!s.ok()) return fail(s);
+        if (!x.direct) {
+          Status s = call.on_reply(f, p, bytes);
+          if (!s.ok()) return fail(s);
+        }
         if (++x.replies == call.frames.size()) {
           --remaining;
           break;
@@ -549,12 +564,22 @@ void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num
                   std::vector<std::vector<uint32_t>>* groups,
                   std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   groups->assign(num_shards, {});
-  thread_local Deduper dedup;
-  thread_local std::vector<int64_t> unique, slot;
-  thread_local std::vector<uint32_t> firsts;
+  // A thread keeps its scratch between pulls, up to a batch of
+  // kKeepScratchIds ids (about 12 MiB); a bigger one gets its own.
+  struct Scratch {
+    Deduper dedup;
+    std::vector<int64_t> unique, slot;
+    std::vector<uint32_t> firsts;
+  };
+  thread_local Scratch kept;
+  Scratch big;
+  Scratch& scratch = n <= kKeepScratchIds ? kept : big;
+  std::vector<int64_t>& unique = scratch.unique;
+  std::vector<int64_t>& slot = scratch.slot;
+  std::vector<uint32_t>& firsts = scratch.firsts;
   if (repeats != nullptr) {
     repeats->clear();
-    dedup.Run(ids, static_cast<int64_t>(n), &unique, &slot);
+    scratch.dedup.Run(ids, static_cast<int64_t>(n), &unique, &slot);
   }
   if (repeats == nullptr || unique.size() == n) {
     if (num_shards == 1) {
@@ -612,20 +637,21 @@ Status Client::RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t p
 }
 
 Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                    PullMode mode, float* out) {
+                    PullMode mode, float* out, bool dedup, size_t* sent) {
   if (mode == PullMode::kState) {
     return InvalidArgument("Pull mode kState returns wider rows: use PullState");
   }
-  return PullRows(table, dim, ids, n, mode, dim, out);
+  return PullRows(table, dim, ids, n, mode, dim, out, dedup, sent);
 }
 
 Status Client::PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
                          const int64_t* ids, size_t n, float* out) {
-  return PullRows(table, dim, ids, n, PullMode::kState, StateFloats(dim, slot_floats), out);
+  return PullRows(table, dim, ids, n, PullMode::kState, StateFloats(dim, slot_floats), out,
+                  /*dedup=*/false, nullptr);
 }
 
 Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                        PullMode mode, uint32_t row_floats, float* out) {
+                        PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent) {
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
   const auto deadline =
@@ -634,7 +660,7 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
   int retries = 0;
   bool stale_retried = false;
   bool any_reused = false;
-  Status s = PullOnce(table, dim, ids, n, mode, row_floats, out, &any_reused);
+  Status s = PullOnce(table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
   while (!s.ok() && s.code() == Code::kUnavailable) {
     if (any_reused && !stale_retried) {
       // A pooled connection that died while idle: once more at once.
@@ -648,20 +674,22 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
       backoff_ms *= 2;
       ++retries;
     }
-    s = PullOnce(table, dim, ids, n, mode, row_floats, out, &any_reused);
+    s = PullOnce(table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
   }
   return s;
 }
 
 Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                        PullMode mode, uint32_t row_floats, float* out, bool* any_reused) {
+                        PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent,
+                        bool* any_reused) {
   *any_reused = false;
+  if (sent != nullptr) *sent = 0;
   if (n == 0) return OkStatus();
-  // Each distinct id is asked once; its row lands at its first position and
-  // is copied to the later ones.
+  // With dedup each distinct id is asked once; its row lands at its first
+  // position and is copied to the later ones.
   std::vector<std::vector<uint32_t>> groups;
   std::vector<std::pair<uint32_t, uint32_t>> repeats;
-  DLT_RETURN_IF_ERROR(Route(ids, n, &groups, &repeats));
+  DLT_RETURN_IF_ERROR(Route(ids, n, &groups, dedup ? &repeats : nullptr));
   std::vector<std::vector<int64_t>> shard_ids(shards_.size());
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
@@ -697,8 +725,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     call.rows.fixed = wire::kPullReplyFixed;
     call.on_reply = [&pos, rows_per_frame, dim](size_t frame, const uint8_t* p,
                                                 size_t bytes) -> Status {
-      // The size was checked against the request before the rows were read.
-      (void)bytes;
+      if (bytes != wire::kPullReplyFixed) return Internal("Pull reply lacks its fixed part");
       const size_t count = std::min(rows_per_frame, pos.size() - frame * rows_per_frame);
       uint32_t got_dim, got_rows;
       std::memcpy(&got_dim, p, 4);
@@ -713,6 +740,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     calls.push_back(std::move(call));
   }
   DLT_RETURN_IF_ERROR(Exchange(&calls, "Pull", any_reused));
+  if (sent != nullptr) *sent = n - repeats.size();
   const size_t w = row_floats;
   for (const auto& [at, first] : repeats) {
     std::memcpy(out + size_t{at} * w, out + size_t{first} * w, sizeof(float) * w);

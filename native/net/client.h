@@ -66,9 +66,12 @@ class Client {
 
   // Rows of `ids` into `out` ([n, dim]); routed by bucket, one pipelined
   // exchange per touched shard, all shards at once. Retried once on a fresh
-  // connection when a pooled connection turned out to be dead.
+  // connection when a pooled connection turned out to be dead. With
+  // `dedup`, each distinct id is sent once and its row copied to its
+  // repeats; without, every id is sent (the shards answer repeats alike).
+  // `sent`: how many ids went to the shards.
   Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
-              float* out);
+              float* out, bool dedup = false, size_t* sent = nullptr);
   // Pull's kState: the rows of `ids` with their optimizer state, into `out`
   // ([n, StateFloats(dim, slot_floats)]); nothing is inserted. Retried as
   // Pull. The shards' tables must have `slot_floats` slot floats per row.
@@ -122,9 +125,10 @@ class Client {
                   const float* rows, size_t n, float learning_rate);
   // Pull and PullState: rows of `row_floats` floats, retried.
   Status PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                  PullMode mode, uint32_t row_floats, float* out);
+                  PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent);
   Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                  PullMode mode, uint32_t row_floats, float* out, bool* any_reused);
+                  PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent,
+                  bool* any_reused);
   std::string Context(size_t shard, const char* op) const;
 
   const ClientOptions options_;

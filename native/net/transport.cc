@@ -37,8 +37,8 @@ class Tcp : public Transport {
   bool embedded() const override { return false; }
 
   Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
-              float* out) override {
-    return client_.Pull(table, dim, ids, n, mode, out);
+              float* out, bool dedup, size_t* sent) override {
+    return client_.Pull(table, dim, ids, n, mode, out, dedup, sent);
   }
   Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
                    size_t n, float* out) override {
@@ -94,7 +94,8 @@ class Embedded : public Transport {
   bool embedded() const override { return true; }
 
   Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
-              float* out) override {
+              float* out, bool /*dedup*/, size_t* sent) override {
+    if (sent != nullptr) *sent = n;
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
     if (mode == PullMode::kState) {

@@ -66,8 +66,10 @@ class Transport {
   virtual ~Transport() = default;
   virtual bool embedded() const = 0;
 
+  // Client::Pull (`dedup`, `sent` as there; embedded: every id is read in
+  // place, so `sent` is n).
   virtual Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                      PullMode mode, float* out) = 0;
+                      PullMode mode, float* out, bool dedup, size_t* sent) = 0;
   // Rows with their optimizer state (Client::PullState).
   virtual Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
                            const int64_t* ids, size_t n, float* out) = 0;

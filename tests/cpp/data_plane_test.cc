@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -346,11 +347,13 @@ DLT_TEST(TestTwoThousandConnectionsServedAtOnce) {
 }
 
 // A stand-in shard that greets correctly, then answers the first request
-// with whatever `reply` builds from its header.
+// with whatever `reply` builds from its header and payload; with `trickle`,
+// a few bytes at a time (1 to 7, a slow writer).
 class FakeShard {
  public:
-  explicit FakeShard(std::function<std::string(const wire::FrameHeader&)> reply)
-      : reply_(std::move(reply)) {
+  using Reply = std::function<std::string(const wire::FrameHeader&, const std::string&)>;
+  explicit FakeShard(Reply reply, bool trickle = false)
+      : reply_(std::move(reply)), trickle_(trickle) {
     EXPECT_OK(net::Listen("127.0.0.1", 0, 4, &listen_fd_, &port_));
     thread_ = std::thread([this] { Run(); });
   }
@@ -386,17 +389,22 @@ class FakeShard {
                            header);
         out = std::string(reinterpret_cast<char*>(header), sizeof(header)) + body;
       } else {
-        out = reply_(h);
+        out = reply_(h, payload);
       }
-      struct iovec iov = {&out[0], out.size()};
-      (void)net::SendAll(fd, &iov, 1, deadline);
+      for (size_t at = 0, step = 1; at < out.size(); at += step, step = step % 7 + 1) {
+        if (!trickle_) step = out.size();
+        struct iovec iov = {&out[at], std::min(step, out.size() - at)};
+        if (!net::SendAll(fd, &iov, 1, deadline).ok()) break;
+        if (trickle_) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
     }
     // Hold the connection briefly so the client reads what was sent.
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     close(fd);
   }
 
-  std::function<std::string(const wire::FrameHeader&)> reply_;
+  Reply reply_;
+  bool trickle_ = false;
   int listen_fd_ = -1;
   int port_ = 0;
   std::thread thread_;
@@ -418,7 +426,7 @@ DLT_TEST(TestClientBoundsReplySizes) {
   o.request_timeout_ms = 2000;
   o.pull_retries = 0;
   {
-    FakeShard fake([](const wire::FrameHeader& h) {
+    FakeShard fake([](const wire::FrameHeader& h, const std::string&) {
       return ReplyHeader(wire::Opcode::kPull, h.request_id, 0);
     });
     Client client({fake.address()}, o);
@@ -427,7 +435,7 @@ DLT_TEST(TestClientBoundsReplySizes) {
     EXPECT(s.message().find("reply of 0 bytes; the request expects 136") != std::string::npos);
   }
   {
-    FakeShard fake([](const wire::FrameHeader& h) {
+    FakeShard fake([](const wire::FrameHeader& h, const std::string&) {
       return ReplyHeader(wire::Opcode::kPull, h.request_id, UINT32_MAX);
     });
     Client client({fake.address()}, o);
@@ -435,13 +443,87 @@ DLT_TEST(TestClientBoundsReplySizes) {
     EXPECT(s.code() == Code::kInternal && s.message().find("4294967295") != std::string::npos);
   }
   {
-    FakeShard fake([](const wire::FrameHeader& h) {
+    FakeShard fake([](const wire::FrameHeader& h, const std::string&) {
       return ReplyHeader(wire::Opcode::kError, h.request_id, 1u << 20);
     });
     Client client({fake.address()}, o);
     const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
     EXPECT(s.code() == Code::kInternal && s.message().find("largest error") != std::string::npos);
   }
+}
+
+// A Pull reply of rows whose values name their id (id + k / 8 for float k).
+std::string RowsReply(const wire::FrameHeader& h, const std::string& payload, uint32_t dim) {
+  wire::TableRequest request;
+  EXPECT_OK(wire::DecodePullRequest(reinterpret_cast<const uint8_t*>(payload.data()),
+                                    payload.size(), &request));
+  std::string body(wire::kPullReplyFixed + sizeof(float) * dim * request.num_ids, '\0');
+  wire::EncodePullReplyPrefix(dim, request.num_ids, reinterpret_cast<uint8_t*>(&body[0]));
+  for (uint32_t i = 0; i < request.num_ids; ++i) {
+    for (uint32_t k = 0; k < dim; ++k) {
+      const float v = static_cast<float>(request.ids[i]) + static_cast<float>(k) / 8;
+      std::memcpy(&body[wire::kPullReplyFixed + sizeof(float) * (size_t{i} * dim + k)], &v, 4);
+    }
+  }
+  return ReplyHeader(wire::Opcode::kPull, h.request_id, static_cast<uint32_t>(body.size())) + body;
+}
+
+// Rows received in place from a slow writer (rows and the reply's fixed part
+// split across reads at every offset): each distinct id is asked once, its
+// row lands at its first position and is copied to its repeats, and nothing
+// past the output is written. A reply naming the wrong dim is refused
+// before a row of it is written.
+DLT_TEST(TestPullRepliesTrickledInPlace) {
+  const uint32_t dim = 3;
+  const std::vector<int64_t> ids = {5, 9, 5, 7, 9, 5, 11};
+  const size_t guard = 16;
+  ClientOptions o;
+  o.request_timeout_ms = 5000;
+  o.pull_retries = 0;
+  std::vector<float> out(ids.size() * dim + guard, -1.0f);
+  uint32_t asked = 0;
+  {
+    FakeShard fake(
+        [&asked](const wire::FrameHeader& h, const std::string& payload) {
+          wire::TableRequest request;
+          if (wire::DecodePullRequest(reinterpret_cast<const uint8_t*>(payload.data()),
+                                      payload.size(), &request)
+                  .ok()) {
+            asked = request.num_ids;
+          }
+          return RowsReply(h, payload, dim);
+        },
+        /*trickle=*/true);
+    Client client({fake.address()}, o);
+    size_t sent = 0;
+    EXPECT_OK(client.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, out.data(),
+                          /*dedup=*/true, &sent));
+    EXPECT(sent == 4);
+  }
+  EXPECT(asked == 4);  // the fake's thread has ended
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (uint32_t k = 0; k < dim; ++k) {
+      EXPECT(out[i * dim + k] == static_cast<float>(ids[i]) + static_cast<float>(k) / 8);
+    }
+  }
+  for (size_t g = ids.size() * dim; g < out.size(); ++g) EXPECT(out[g] == -1.0f);
+
+  std::fill(out.begin(), out.end(), -1.0f);
+  {
+    FakeShard fake(
+        [](const wire::FrameHeader& h, const std::string& payload) {
+          std::string reply = RowsReply(h, payload, dim);
+          const uint32_t wrong = dim + 1;  // same size, wrong dim named
+          std::memcpy(&reply[wire::kHeaderBytes], &wrong, 4);
+          return reply;
+        },
+        /*trickle=*/true);
+    Client client({fake.address()}, o);
+    const Status s = client.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, out.data());
+    EXPECT(s.code() == Code::kInternal);
+    EXPECT(s.message().find("names dim 4") != std::string::npos);
+  }
+  for (float v : out) EXPECT(v == -1.0f);
 }
 
 // A pooled connection the server closed while idle is noticed before use,

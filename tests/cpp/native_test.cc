@@ -489,12 +489,13 @@ DLT_TEST(TestTransportsServeTheSameCalls) {
   EXPECT_OK(embedded->CreateTable(Config("emb", 4, OptimizerKind::kAdagrad)));
   const std::vector<int64_t> ids = {3, 1, 2};
   std::vector<float> rows(12), grads(12, 1.0f);
-  EXPECT_OK(embedded->Pull("emb", 4, ids.data(), 3, PullMode::kInsert, rows.data()));
+  EXPECT_OK(
+      embedded->Pull("emb", 4, ids.data(), 3, PullMode::kInsert, rows.data(), false, nullptr));
   EXPECT_OK(embedded->Push("emb", 4, ids.data(), grads.data(), 3, 0.1f));
-  EXPECT(embedded->Pull("emb", 8, ids.data(), 3, PullMode::kInsert, rows.data()).code() ==
-         Code::kInvalidArgument);
-  EXPECT(embedded->Pull("nope", 4, ids.data(), 3, PullMode::kInsert, rows.data()).code() ==
-         Code::kNotFound);
+  EXPECT(embedded->Pull("emb", 8, ids.data(), 3, PullMode::kInsert, rows.data(), false, nullptr)
+             .code() == Code::kInvalidArgument);
+  EXPECT(embedded->Pull("nope", 4, ids.data(), 3, PullMode::kInsert, rows.data(), false, nullptr)
+             .code() == Code::kNotFound);
   std::unique_ptr<TableExport> pass;
   EXPECT_OK(embedded->OpenExport("emb", 4, "", "", &pass));
   std::vector<int64_t> out_ids;

@@ -53,11 +53,12 @@ void ClientResource::Count(const absl::Status& status, size_t rows, uint32_t dim
 }
 
 absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const int64_t* ids,
-                                  size_t n, dlt::PullMode mode, float* out) {
+                                  size_t n, dlt::PullMode mode, float* out, bool dedup) {
   const uint64_t start = Env::Default()->NowMicros();
-  const absl::Status status = ToAbsl(transport_->Pull(table, dim, ids, n, mode, out));
-  Count(status, n, dim, Env::Default()->NowMicros() - start, counters_.pulls, counters_.pulled_rows,
-        counters_.pull_bytes, counters_.pull_errors, counters_.pull_latency);
+  size_t sent = n;
+  const absl::Status status = ToAbsl(transport_->Pull(table, dim, ids, n, mode, out, dedup, &sent));
+  Count(status, sent, dim, Env::Default()->NowMicros() - start, counters_.pulls,
+        counters_.pulled_rows, counters_.pull_bytes, counters_.pull_errors, counters_.pull_latency);
   return status;
 }
 

@@ -55,9 +55,11 @@ class ClientResource : public ResourceBase {
   // Embedded only: drops a table (and any export of it in progress).
   absl::Status DropTable(const std::string& table);
 
-  // Blocking pull of `n` distinct ids into `out` ([n, dim]).
+  // Blocking pull of `n` ids into `out` ([n, dim]); with `dedup` each
+  // distinct id is sent once (dlt::Client::Pull), else the ids should be
+  // distinct already. The stats count the ids sent.
   absl::Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                    dlt::PullMode mode, float* out);
+                    dlt::PullMode mode, float* out, bool dedup = false);
   // Blocking pull of `n` distinct ids with their optimizer state into `out`
   // ([n, StateFloats(dim, slot_floats)]; Client::PullState).
   absl::Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,

@@ -30,6 +30,8 @@ class LookupGradOp : public OpKernel {
                                           grads.shape().DebugString()));
     }
     const int64_t n = ids.NumElements();
+    OP_REQUIRES(ctx, n < (int64_t{1} << 31),
+                errors::InvalidArgument("at most 2^31-1 ids per LookupGrad, got ", n));
     const int64_t dim = grads.dim_size(grads.dims() - 1);
     const int64_t* id = ids.flat<int64_t>().data();
     const float* g = grads.flat<float>().data();

@@ -216,7 +216,8 @@ class LookupOp : public AsyncOpKernel {
     if (client->embedded()) {
       // In-process table: no I/O to wait for, and the table core handles
       // repeated ids itself, so look up in place.
-      OP_REQUIRES_OK_ASYNC(ctx, client->Pull(table_, dim_, id, n, mode_, rows), done);
+      OP_REQUIRES_OK_ASYNC(ctx, client->Pull(table_, dim_, id, n, mode_, rows, /*dedup=*/true),
+                           done);
       done();
       return;
     }
@@ -238,11 +239,11 @@ class LookupOp : public AsyncOpKernel {
       if (n * dim_ <= kInlineFloats) {
         // Small: its round trip costs less than the hop to a worker thread
         // and back, so it blocks this thread instead.
-        finish(c->Pull(table_, dim_, id, n, mode_, rows));
+        finish(c->Pull(table_, dim_, id, n, mode_, rows, /*dedup=*/true));
         return;
       }
       c->Schedule([this, c, ids, id, n, rows, finish]() {
-        finish(c->Pull(table_, dim_, id, n, mode_, rows));
+        finish(c->Pull(table_, dim_, id, n, mode_, rows, /*dedup=*/true));
       });
       return;
     }
@@ -258,7 +259,7 @@ class LookupOp : public AsyncOpKernel {
     ahead->Then([this, c, ids, id, n, rows, ahead, finish]() {
       c->Schedule([this, c, ids, id, n, rows, ahead, finish]() {
         finish(ahead->ok() ? RowsPulledAhead(c, ahead.get(), rows)
-                           : c->Pull(table_, dim_, id, n, mode_, rows));
+                           : c->Pull(table_, dim_, id, n, mode_, rows, /*dedup=*/true));
       });
     });
   }
