@@ -641,6 +641,7 @@ Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, 
   if (mode == PullMode::kState) {
     return InvalidArgument("Pull mode kState returns wider rows: use PullState");
   }
+  if (sent != nullptr) *sent = 0;
   return PullRows(table, dim, ids, n, mode, dim, out, dedup, sent);
 }
 

@@ -346,14 +346,15 @@ DLT_TEST(TestTwoThousandConnectionsServedAtOnce) {
   EXPECT(server.counters().connections_authenticated.load() == 2000);
 }
 
-// A stand-in shard that greets correctly, then answers the first request
-// with whatever `reply` builds from its header and payload; with `trickle`,
-// a few bytes at a time (1 to 7, a slow writer).
+// A stand-in shard that greets correctly, then answers the first
+// `requests` requests with whatever `reply` builds from each header and
+// payload; with `trickle`, a few bytes at a time (1 to 7, a slow writer),
+// with `chunk`, in writes of that many bytes.
 class FakeShard {
  public:
   using Reply = std::function<std::string(const wire::FrameHeader&, const std::string&)>;
-  explicit FakeShard(Reply reply, bool trickle = false)
-      : reply_(std::move(reply)), trickle_(trickle) {
+  explicit FakeShard(Reply reply, bool trickle = false, int requests = 1, size_t chunk = 0)
+      : reply_(std::move(reply)), trickle_(trickle), requests_(requests), chunk_(chunk) {
     EXPECT_OK(net::Listen("127.0.0.1", 0, 4, &listen_fd_, &port_));
     thread_ = std::thread([this] { Run(); });
   }
@@ -369,7 +370,7 @@ class FakeShard {
     if (poll(&p, 1, 5000) <= 0) return;
     const int fd = accept(listen_fd_, nullptr, nullptr);
     const auto deadline = Clock::now() + std::chrono::seconds(5);
-    for (int frame = 0; frame < 2; ++frame) {
+    for (int frame = 0; frame < 1 + requests_; ++frame) {
       uint8_t bytes[wire::kHeaderBytes];
       wire::FrameHeader h;
       if (!net::RecvAll(fd, bytes, sizeof(bytes), deadline).ok()) break;
@@ -392,7 +393,7 @@ class FakeShard {
         out = reply_(h, payload);
       }
       for (size_t at = 0, step = 1; at < out.size(); at += step, step = step % 7 + 1) {
-        if (!trickle_) step = out.size();
+        if (!trickle_) step = chunk_ > 0 ? chunk_ : out.size();
         struct iovec iov = {&out[at], std::min(step, out.size() - at)};
         if (!net::SendAll(fd, &iov, 1, deadline).ok()) break;
         if (trickle_) std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -405,6 +406,8 @@ class FakeShard {
 
   Reply reply_;
   bool trickle_ = false;
+  int requests_ = 1;
+  size_t chunk_ = 0;
   int listen_fd_ = -1;
   int port_ = 0;
   std::thread thread_;
@@ -468,12 +471,12 @@ std::string RowsReply(const wire::FrameHeader& h, const std::string& payload, ui
   return ReplyHeader(wire::Opcode::kPull, h.request_id, static_cast<uint32_t>(body.size())) + body;
 }
 
-// Rows received in place from a slow writer (rows and the reply's fixed part
-// split across reads at every offset): each distinct id is asked once, its
-// row lands at its first position and is copied to its repeats, and nothing
-// past the output is written. A reply naming the wrong dim is refused
-// before a row of it is written.
-DLT_TEST(TestPullRepliesTrickledInPlace) {
+// Rows from a slow writer (rows and the reply's fixed part split across
+// reads at every offset), staged and copied to their places: each distinct
+// id is asked once, its row lands at its first position and is copied to
+// its repeats, and nothing past the output is written. A reply naming the
+// wrong dim is refused before a row of it is placed.
+DLT_TEST(TestPullRepliesTrickledToTheirPlaces) {
   const uint32_t dim = 3;
   const std::vector<int64_t> ids = {5, 9, 5, 7, 9, 5, 11};
   const size_t guard = 16;
@@ -524,6 +527,37 @@ DLT_TEST(TestPullRepliesTrickledInPlace) {
     EXPECT(s.message().find("names dim 4") != std::string::npos);
   }
   for (float v : out) EXPECT(v == -1.0f);
+}
+
+// Replies of many frames, each several times the client's staging buffer,
+// written in odd chunks: reads end inside rows and fill the stage, and the
+// rows of every frame land in place (with repeats copied).
+DLT_TEST(TestPullRepliesLargerThanTheStage) {
+  const uint32_t dim = 256;  // 1 KiB rows: the stage holds 256
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 1200; ++i) ids.push_back(i % 900 * 3);  // 900 distinct
+  const size_t guard = 64;
+  std::vector<float> out(ids.size() * dim + guard, -1.0f);
+  ClientOptions o;
+  o.request_timeout_ms = 10000;
+  o.pull_retries = 0;
+  o.frame_bytes = 512u << 10;  // about 510 rows a frame: 2 frames
+  {
+    FakeShard fake([](const wire::FrameHeader& h,
+                      const std::string& payload) { return RowsReply(h, payload, dim); },
+                   /*trickle=*/false, /*requests=*/2, /*chunk=*/4099);
+    Client client({fake.address()}, o);
+    size_t sent = 0;
+    EXPECT_OK(client.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, out.data(),
+                          /*dedup=*/true, &sent));
+    EXPECT(sent == 900);
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (uint32_t k = 0; k < dim; k += 51) {
+      EXPECT(out[i * dim + k] == static_cast<float>(ids[i]) + static_cast<float>(k) / 8);
+    }
+  }
+  for (size_t g = ids.size() * dim; g < out.size(); ++g) EXPECT(out[g] == -1.0f);
 }
 
 // A pooled connection the server closed while idle is noticed before use,

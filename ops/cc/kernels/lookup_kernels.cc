@@ -1,7 +1,7 @@
 // Dlt>Lookup: rows of ids of any shape. Remote (tcp): pulled on the client's
 // worker threads, each distinct id once (dlt::Client routes them by bucket,
-// every touched shard at once, and receives the rows in place, in input
-// order); ComputeAsync blocks only for small lookups (kInlineFloats), pulled on
+// every touched shard at once, and copies the rows to their places in input
+// order as they arrive); ComputeAsync blocks only for small lookups (kInlineFloats), pulled on
 // the calling thread. Embedded: the in-process table is read in place.
 #include <atomic>
 #include <cstring>
@@ -216,7 +216,7 @@ class LookupOp : public AsyncOpKernel {
     if (client->embedded()) {
       // In-process table: no I/O to wait for, and the table core handles
       // repeated ids itself, so look up in place.
-      OP_REQUIRES_OK_ASYNC(ctx, client->Pull(table_, dim_, id, n, mode_, rows, /*dedup=*/true),
+      OP_REQUIRES_OK_ASYNC(ctx, client->Pull(table_, dim_, id, n, mode_, rows, /*dedup=*/false),
                            done);
       done();
       return;
