@@ -1,11 +1,13 @@
 // Deduplication of id batches (the lookup kernels, pulls ahead): distinct ids
 // in order of first appearance and the slot of every input id. Its open-addressing
-// table keeps its storage between calls (use one per thread), so a training
-// step does not pay fresh memory for it.
+// table keeps its storage between calls (ThreadScratch keeps one per thread
+// for batches up to a bound), so a training step does not pay fresh memory
+// for it.
 #ifndef TF_DLT_NATIVE_CORE_DEDUP_H_
 #define TF_DLT_NATIVE_CORE_DEDUP_H_
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -76,6 +78,30 @@ class Deduper {
   size_t mask_ = 0;
   uint32_t stamp_ = 0;
 };
+
+// A Deduper with its outputs: the base of a call site's scratch.
+struct DedupScratch {
+  Deduper dedup;
+  std::vector<int64_t> unique, slot;
+
+  void Run(const int64_t* ids, size_t n) {
+    dedup.Run(ids, static_cast<int64_t>(n), &unique, &slot);
+  }
+};
+
+// The largest batch (in ids) whose scratch a thread keeps for its next call:
+// about 12 MiB of dedup storage at most per thread.
+inline constexpr size_t kKeepScratchIds = size_t{1} << 18;
+
+// The calling thread's kept `Scratch` for a batch of `n` ids, or `own` (the
+// caller's, freed after its call) when the batch is larger. Each call site
+// passes a type of its own (a DedupScratch extended with what else it keeps),
+// so no two sites share a thread's scratch.
+template <typename Scratch>
+Scratch& ThreadScratch(size_t n, Scratch& own) {
+  thread_local Scratch kept;
+  return n <= kKeepScratchIds ? kept : own;
+}
 
 // The rows of a batch in input order ([n, dim] into `out`) from the rows of
 // its distinct ids (`distinct`, in the order of Deduper::Run's `unique`) and

@@ -83,8 +83,6 @@ namespace {
 constexpr size_t kKeepBufferBytes = 64u << 20;
 // Reply rows are staged in about this many bytes (a part of a core's L2).
 constexpr size_t kStageBytes = 256u << 10;
-// The largest pull whose dedup scratch a thread keeps for the next.
-constexpr size_t kKeepScratchIds = size_t{1} << 18;
 
 struct Io {
   int fd = -1;
@@ -564,22 +562,15 @@ void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num
                   std::vector<std::vector<uint32_t>>* groups,
                   std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   groups->assign(num_shards, {});
-  // A thread keeps its scratch between pulls, up to a batch of
-  // kKeepScratchIds ids (about 12 MiB); a bigger one gets its own.
-  struct Scratch {
-    Deduper dedup;
-    std::vector<int64_t> unique, slot;
+  struct Scratch : DedupScratch {
     std::vector<uint32_t> firsts;
   };
-  thread_local Scratch kept;
-  Scratch big;
-  Scratch& scratch = n <= kKeepScratchIds ? kept : big;
-  std::vector<int64_t>& unique = scratch.unique;
-  std::vector<int64_t>& slot = scratch.slot;
-  std::vector<uint32_t>& firsts = scratch.firsts;
+  Scratch own;
+  Scratch& scratch = ThreadScratch(n, own);
+  const std::vector<int64_t>& unique = scratch.unique;
   if (repeats != nullptr) {
     repeats->clear();
-    scratch.dedup.Run(ids, static_cast<int64_t>(n), &unique, &slot);
+    scratch.Run(ids, n);
   }
   if (repeats == nullptr || unique.size() == n) {
     if (num_shards == 1) {
@@ -592,9 +583,10 @@ void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num
     }
     return;
   }
+  std::vector<uint32_t>& firsts = scratch.firsts;
   firsts.clear();
   for (size_t i = 0; i < n; ++i) {
-    const auto u = static_cast<size_t>(slot[i]);
+    const auto u = static_cast<size_t>(scratch.slot[i]);
     if (u == firsts.size()) {
       firsts.push_back(static_cast<uint32_t>(i));
       (*groups)[num_shards == 1 ? 0 : client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));

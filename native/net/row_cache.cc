@@ -309,11 +309,18 @@ void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t n
 void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr) {
   // As Table::Push: an id's rows are summed in order (and, for Keras
   // Adagrad, their squares), then applied once.
-  thread_local Deduper dedup;
-  thread_local std::vector<int64_t> unique, slot;
-  thread_local std::vector<float> summed, squares;
-  thread_local std::vector<uint32_t> occurrences;
-  dedup.Run(ids, static_cast<int64_t>(n), &unique, &slot);
+  struct Scratch : DedupScratch {
+    std::vector<float> summed, squares;
+    std::vector<uint32_t> occurrences;
+  };
+  Scratch own;
+  Scratch& scratch = ThreadScratch(n, own);
+  scratch.Run(ids, n);
+  const std::vector<int64_t>& unique = scratch.unique;
+  const std::vector<int64_t>& slot = scratch.slot;
+  std::vector<float>& summed = scratch.summed;
+  std::vector<float>& squares = scratch.squares;
+  std::vector<uint32_t>& occurrences = scratch.occurrences;
   const bool repeated = unique.size() < n;
   const bool keep_squares = optimizer_.kind == OptimizerKind::kKerasAdagrad;
   if (repeated) {

@@ -194,6 +194,30 @@ DLT_TEST(TestDeduperRunsAreIndependent) {
   }
 }
 
+// A thread keeps one scratch per call site for batches up to kKeepScratchIds;
+// a larger batch gets the caller's own, so its storage is freed with the call.
+struct SiteAScratch {
+  std::vector<int64_t> unique;
+};
+struct SiteBScratch {
+  std::vector<int64_t> unique;
+};
+DLT_TEST(TestThreadScratchKeepsOnlyBoundedBatches) {
+  SiteAScratch own_a, other_a;
+  SiteAScratch& small = ThreadScratch(kKeepScratchIds, own_a);
+  EXPECT(&small != &own_a);
+  EXPECT(&ThreadScratch(1, other_a) == &small);  // kept across calls
+  EXPECT(&ThreadScratch(kKeepScratchIds + 1, own_a) == &own_a);
+  SiteBScratch own_b;
+  EXPECT(static_cast<void*>(&ThreadScratch(1, own_b)) != static_cast<void*>(&small));
+  SiteAScratch* elsewhere = nullptr;
+  std::thread([&] {
+    SiteAScratch own;
+    elsewhere = &ThreadScratch(1, own);
+  }).join();
+  EXPECT(elsewhere != &small);  // each thread has its own
+}
+
 DLT_TEST(TestInitializerIsPureFunctionOfSeedAndId) {
   TableConfig c = Config("t", 16, OptimizerKind::kSgd);
   for (auto kind :

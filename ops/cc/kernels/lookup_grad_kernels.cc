@@ -35,9 +35,12 @@ class LookupGradOp : public OpKernel {
     const int64_t dim = grads.dim_size(grads.dims() - 1);
     const int64_t* id = ids.flat<int64_t>().data();
     const float* g = grads.flat<float>().data();
-    thread_local dlt::Deduper dedup;
-    thread_local std::vector<int64_t> unique, slot;
-    dedup.Run(id, n, &unique, &slot);
+    struct Scratch : dlt::DedupScratch {};
+    Scratch own;
+    Scratch& scratch = dlt::ThreadScratch(static_cast<size_t>(n), own);
+    scratch.Run(id, static_cast<size_t>(n));
+    const std::vector<int64_t>& unique = scratch.unique;
+    const std::vector<int64_t>& slot = scratch.slot;
     const int64_t u = static_cast<int64_t>(unique.size());
     Tensor* unique_ids = nullptr;
     Tensor* summed = nullptr;

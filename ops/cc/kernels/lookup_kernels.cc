@@ -85,8 +85,11 @@ class CachedLookup {
         finish_(std::move(finish)) {}
 
   void Plan(const int64_t* id) {
-    thread_local dlt::Deduper dedup;  // keeps its storage between lookups
-    dedup.Run(id, n_, &unique_, &slot_);
+    struct Scratch {
+      dlt::Deduper dedup;
+    };
+    Scratch own;
+    dlt::ThreadScratch(static_cast<size_t>(n_), own).dedup.Run(id, n_, &unique_, &slot_);
     distinct_.resize(unique_.size() * dim_);
     now_ms_ = static_cast<int64_t>(Env::Default()->NowMicros() / 1000);
     cache_->Lookup(unique_.data(), unique_.size(), now_ms_, distinct_.data(), &plan_);
