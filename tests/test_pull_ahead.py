@@ -232,9 +232,12 @@ def test_a_lookup_without_its_pull_ahead_still_pulls_and_old_ones_are_dropped(
     stats = ops.client_stats(client)
     assert stats["pulls"] == pulls + 2 and stats["pulled_ahead_stale_rows"] == 2
     np.testing.assert_array_equal(rows, ops.lookup(client, ids, "t", DIM, training=False))
-    # Without refresh the lookup keeps the rows as pulled: the push is missed.
+    # Without refresh the lookup keeps the rows as pulled: a push after the
+    # pull (waited for: the pull runs on a worker thread) is missed.
     before = ops.lookup(client, ids, "t", DIM, training=False)
+    pulls = ops.client_stats(client)["pulls"]
     ops.pull_ahead(client, ids, "t", DIM, refresh=False)
+    _wait_for(lambda: ops.client_stats(client)["pulls"] == pulls + 1)
     ops.push(client, tf.constant([7], tf.int64), tf.ones([1, DIM]), 1.0, "t", DIM, sync=True)
     np.testing.assert_array_equal(ops.lookup(client, ids, "t", DIM), before)
     assert not np.array_equal(ops.lookup(client, ids, "t", DIM, training=False), before)
