@@ -5,6 +5,10 @@ each case one JSON line with its same-run baseline:
   consumed in graph, vs tf.nn.embedding_lookup on a tf.Variable of the same
   rows consumed in graph (target >= 0.2, goal >= 0.5) and vs one loopback TCP
   stream's GB/s (goal >= 0.7).
+- remote_pull_cpu: the pull's wall time per call beside the CPU time the
+  trainer and each shard process spent per pull, and their sum over the
+  cores (the wall time if every process overlapped perfectly), with the
+  two goals in ms.
 - latency_<n>: p50 / p99 of a lookup of 1, 64 and 1024 ids in a tf.function
   (latency_eager_<n>: the op called eagerly) vs a loopback TCP ping-pong
   round trip (p50 ratio reported; goal p50 <= 3x RTT + 50 us).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -34,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, log, median_seconds  # noqa: E402
+from common import cpu_seconds, emit, log, median_seconds  # noqa: E402
 
 import tf_dlt  # noqa: E402
 from tf_dlt import _native  # noqa: E402
@@ -175,6 +180,29 @@ def case_remote(args: argparse.Namespace) -> None:
         emit({**common, "name": "remote_pull_vs_tcp", "unit": "GB/s", "value": gbs,
               "baseline_name": "one loopback TCP stream (Python, 8 MiB recv)",
               "baseline_value": stream, "target_ratio": "goal >= 0.7"})  # fmt: skip
+
+        # Where the pull's time goes: CPU per pull of the trainer and of each
+        # shard process. Their sum over the cores is the fastest the pull
+        # could be on this machine with every process busy all the time.
+        f = consumed_lookup(client)
+        pids = ["self"] + [p.pid for p in cluster.processes]
+        reps = 60
+        f(batches[0]).numpy()
+        before = [cpu_seconds(p) for p in pids]
+        start = time.perf_counter()
+        for k in range(reps):
+            f(batches[k % len(batches)]).numpy()
+        wall_ms = (time.perf_counter() - start) / reps * 1e3
+        per_pull = [(cpu_seconds(p) - b) / reps * 1e3 for p, b in zip(pids, before, strict=True)]
+        cores = os.cpu_count() or 1
+        emit({**common, "name": "remote_pull_cpu", "unit": "ms per pull", "value": wall_ms,
+              "trainer_cpu_ms": per_pull[0], "shard_cpu_ms": per_pull[1:],
+              "cpu_sum_ms": sum(per_pull), "cores": cores,
+              "baseline_name": "CPU of all processes / cores (the wall time at full overlap)",
+              "baseline_value": sum(per_pull) / cores,
+              "goal_ms": {"0.5x embedding_lookup": args.batch / (0.5 * local) * 1e3,
+                          "0.7x TCP stream": args.batch * DIM * 4 / (0.7 * stream * 1e9) * 1e3},
+              "target_ratio": "reported"})  # fmt: skip
 
         rtt = tcp_rtt_us()
         for n in (1, 64, 1024):

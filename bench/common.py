@@ -61,6 +61,13 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS")
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds a process (all its threads) has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
