@@ -158,6 +158,11 @@ def test_hot_row_cache_errors_and_embedded_no_op(start_cluster: Callable[..., Cl
         tf_dlt.hot_row_cache(embedded, rows=8, max_staleness_steps=None)
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="max_staleness_ms must be"):
         tf_dlt.hot_row_cache(embedded, rows=8, max_staleness_ms=0)
+    for bad in (0, 256, 2.0, True):
+        with pytest.raises(
+            tf_dlt.errors.InvalidArgumentError, match=r"min_count must be .*\[1, 255\]"
+        ):
+            tf_dlt.hot_row_cache(embedded, rows=8, min_count=bad)
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="not a distributed Embedding"):
         tf_dlt.hot_row_cache(embedded, rows=8, layers=["price"])
     dense_only = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

@@ -202,9 +202,11 @@ def pull_ahead(
     these ids (same `table`, `dim`, `training` and `missing`) and returns
     `ids` at once; run it in the input pipeline, a batch or more ahead.
 
-    With `refresh`, the lookup that takes the rows re-pulls every id this
-    client pushed (or assigned) after the pull ahead began, so it reads what
-    a lookup without it would; without, it uses the rows as pulled. Pushes
+    With `refresh`, every id this client pushes (or assigns) while the pull
+    ahead waits is pulled again, ahead on the client's worker threads, and
+    the lookup that takes the rows pulls what is still stale then, so it
+    reads what a lookup without it would; without, it uses the rows as
+    pulled. Pushes
     of other trainers are seen as of the pull ahead. At most 8 pulls ahead
     wait per table; an older one no lookup took is dropped. Remote clients
     only: with the embedded tables it just returns `ids`.

@@ -7,8 +7,8 @@
 // is max_staleness_steps lookups or max_staleness_ms old. An id is cached
 // once it was looked up min_count times (a count-min sketch, halved as it
 // fills) and, with a staleness bound in lookups, once it is looked up often
-// enough to repay its fills and refreshes (each pulls the state: 2.1x the
-// bytes of a plain pull for Adagrad); when full, a newcomer replaces the
+// enough to repay its fills and refreshes (each pulls the state: 1.9x the
+// bytes of a plain pull for Adagrad at dim 8, ids counted); when full, a newcomer replaces the
 // least frequent of a few sampled rows if it is more frequent. A cached row
 // that became too rare is dropped instead of refreshed. No TF headers: the C++ suite tests it.
 #ifndef TF_DLT_NATIVE_NET_ROW_CACHE_H_
@@ -95,8 +95,8 @@ class RowCache {
     uint64_t hits = 0;       // distinct ids served from the cache
     uint64_t misses = 0;     // distinct ids pulled (filled or not)
     uint64_t fills = 0;      // rows put in the cache
-    uint64_t refreshes = 0;  // of those, rows that were cached but too old
-    uint64_t evictions = 0;  // rows replaced by more frequent ones
+    uint64_t refreshes = 0;  // of those, rows that were cached but too old or marked stale
+    uint64_t evictions = 0;  // rows replaced by more frequent ones or too rare to refresh
     uint64_t applied = 0;    // pushed rows applied locally
     uint64_t rows = 0;       // rows held now
     uint64_t max_steps = 0;  // the oldest row ever served, in lookups

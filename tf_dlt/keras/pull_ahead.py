@@ -41,9 +41,10 @@ def pull_ahead(
             nothing that matters: there is nothing to wait for.
         layers: the distributed `Embedding` layers (objects or names) to pull
             ahead for; None: every one that a model input feeds directly.
-        refresh: True: ids this trainer pushed after their pull ahead began
-            are pulled again by the step's lookup; False: they are not, and
-            pulls start 1 batch ahead instead of 2.
+        refresh: True: ids this trainer pushes while a pull ahead waits are
+            pulled again, at once on the client's worker threads (the step's
+            lookup pulls only what is still stale when it comes); False:
+            they are not, and pulls start 1 batch ahead instead of 2.
 
     Consistency: with `refresh`, a pulled-ahead row reflects every push of
     this trainer that completed before the training step's lookup, as

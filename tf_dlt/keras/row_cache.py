@@ -46,7 +46,7 @@ def hot_row_cache(
         max_staleness_ms: the same in milliseconds. None: no such bound.
             At least one bound is needed.
         min_count: an id is cached once it was looked up this many times
-            (counted in a small frequency sketch) and, with
+            (1 to 255; counted in a small frequency sketch) and, with
             `max_staleness_steps`, often enough that its expected lookups
             within the bound repay its fill and refreshes (each pulls the
             optimizer state too); when the cache is full, a newcomer
@@ -77,6 +77,10 @@ def hot_row_cache(
             raise errors.InvalidArgumentError(
                 f"hot_row_cache: {name} must be an int >= 1 or None, got {value!r}"
             )
+    if isinstance(min_count, bool) or not isinstance(min_count, int) or not 1 <= min_count <= 255:
+        raise errors.InvalidArgumentError(
+            f"hot_row_cache: min_count must be an int in [1, 255], got {min_count!r}"
+        )
     chosen = chosen_layers(model, layers, "hot_row_cache")
     if not chosen:
         raise errors.InvalidArgumentError(

@@ -124,9 +124,10 @@ REGISTER_OP("Dlt>PullAhead")
     .Doc(R"doc(
 Starts pulling the rows of `ids` for a later Dlt>Lookup of exactly these ids
 (same table, dim, training and missing) and returns `ids` at once. Remote
-clients only; an embedded client just returns `ids`. With refresh, the
-lookup that takes the rows re-pulls every id this client pushed or assigned
-in between; without, it uses the rows as pulled.
+clients only; an embedded client just returns `ids`. With refresh, every id
+this client pushes or assigns while the pull waits is pulled again, ahead on
+the client's worker threads, and the lookup that takes the rows pulls what
+is still stale then; without, it uses the rows as pulled.
 )doc");
 
 REGISTER_OP("Dlt>LookupGrad")
