@@ -168,7 +168,8 @@ def case_remote(args: argparse.Namespace) -> None:
         ids = fill(cluster, args.rows)
         client = ops.ClientResource(cluster.addresses)
         batches = batches_of(ids, args.batch)
-        pull_rate, p50, worst = rows_per_s(consumed_lookup(client), batches)
+        pull = consumed_lookup(client)
+        pull_rate, p50, worst = rows_per_s(pull, batches)
         gbs = pull_rate * DIM * 4 / 1e9
         local = local_baseline(args.rows, batches, ids)
         stream = tcp_stream_gbs()
@@ -184,14 +185,12 @@ def case_remote(args: argparse.Namespace) -> None:
         # Where the pull's time goes: CPU per pull of the trainer and of each
         # shard process. Their sum over the cores is the fastest the pull
         # could be on this machine with every process busy all the time.
-        f = consumed_lookup(client)
         pids = ["self"] + [p.pid for p in cluster.processes]
         reps = 60
-        f(batches[0]).numpy()
         before = [cpu_seconds(p) for p in pids]
         start = time.perf_counter()
         for k in range(reps):
-            f(batches[k % len(batches)]).numpy()
+            pull(batches[k % len(batches)]).numpy()
         wall_ms = (time.perf_counter() - start) / reps * 1e3
         per_pull = [(cpu_seconds(p) - b) / reps * 1e3 for p, b in zip(pids, before, strict=True)]
         cores = os.cpu_count() or 1

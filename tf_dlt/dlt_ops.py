@@ -206,10 +206,9 @@ def pull_ahead(
     ahead waits is pulled again, ahead on the client's worker threads, and
     the lookup that takes the rows pulls what is still stale then, so it
     reads what a lookup without it would; without, it uses the rows as
-    pulled. Pushes
-    of other trainers are seen as of the pull ahead. At most 8 pulls ahead
-    wait per table; an older one no lookup took is dropped. Remote clients
-    only: with the embedded tables it just returns `ids`.
+    pulled. Pushes of other trainers are seen as of the pull ahead. At most
+    8 pulls ahead wait per table; an older one no lookup took is dropped.
+    Remote clients only: with the embedded tables it just returns `ids`.
     """
     return load_library().dlt_pull_ahead(
         client=client.resource_handle, ids=ids, table=table, dim=dim, training=training,

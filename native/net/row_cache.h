@@ -8,9 +8,10 @@
 // once it was looked up min_count times (a count-min sketch, halved as it
 // fills) and, with a staleness bound in lookups, once it is looked up often
 // enough to repay its fills and refreshes (each pulls the state: 1.9x the
-// bytes of a plain pull for Adagrad at dim 8, ids counted); when full, a newcomer replaces the
-// least frequent of a few sampled rows if it is more frequent. A cached row
-// that became too rare is dropped instead of refreshed. No TF headers: the C++ suite tests it.
+// bytes of a plain pull for Adagrad at dim 8, ids counted); when full, a
+// newcomer replaces the least frequent of a few sampled rows if it is more
+// frequent. A cached row that became too rare is dropped instead of
+// refreshed. No TF headers: the C++ suite tests it.
 #ifndef TF_DLT_NATIVE_NET_ROW_CACHE_H_
 #define TF_DLT_NATIVE_NET_ROW_CACHE_H_
 

@@ -85,6 +85,8 @@ class CachedLookup {
         finish_(std::move(finish)) {}
 
   void Plan(const int64_t* id) {
+    // Only the Deduper is the thread's: unique_ and slot_ are this job's,
+    // read later on the worker that finishes it.
     struct Scratch {
       dlt::Deduper dedup;
     };
