@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pybind11
 from setuptools import find_packages, setup
@@ -45,12 +47,12 @@ NATIVE_CORE_SOURCES = [
 PYTHON_EXTENSION_SOURCES = ["native/python/module.cc"]
 # TF custom ops: the only translation units that include TensorFlow headers.
 TF_OPS_SOURCES = [
+    "ops/cc/kernels/assign_kernels.cc",
     "ops/cc/kernels/client_kernels.cc",
     "ops/cc/kernels/client_resource.cc",
     "ops/cc/kernels/lookup_grad_kernels.cc",
     "ops/cc/kernels/lookup_kernels.cc",
     "ops/cc/kernels/push_kernels.cc",
-    "ops/cc/kernels/table_io_kernels.cc",
     "ops/cc/ops/dlt_ops.cc",
 ]
 OPS_LIBRARY = "tf_dlt._dlt_ops"
@@ -80,9 +82,83 @@ def tf_sysconfig() -> tuple[list[str], list[str]]:
     return compile_flags, link_flags
 
 
+CORE_LIBRARY = "tf_dlt.libdlt_core"
+
+
+def _ext_basename(fullname: str) -> str:
+    return fullname.split(".")[-1]
+
+
+def _dependencies(dep_file: str) -> list[str] | None:
+    """The files a compiler's -MMD output (a make rule) names, or None when
+    there is no such file."""
+    try:
+        with open(dep_file, encoding="utf-8") as f:
+            text = f.read().replace("\\\n", " ")
+    except FileNotFoundError:
+        return None
+    _, _, deps = text.partition(":")
+    return deps.split()
+
+
+def _stamp_matches(path: str, command: list[str]) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read() == json.dumps(command)
+    except FileNotFoundError:
+        return False
+
+
+def _write_stamp(path: str, command: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(command))
+
+
+def _is_newer(path: str, than: str) -> bool:
+    return not os.path.exists(path) or os.path.getmtime(path) > os.path.getmtime(than)
+
+
+def object_is_current(obj: str, command: list[str]) -> bool:
+    """Whether `obj` was compiled with `command` and is newer than its source
+    and every header it included (from the -MMD file beside it)."""
+    if not os.path.exists(obj) or not _stamp_matches(obj + ".cmd", command):
+        return False
+    deps = _dependencies(obj + ".d")
+    return deps is not None and not any(_is_newer(dep, obj) for dep in deps)
+
+
+def compile_objects(
+    compiler: Any, sources: list[str], output_dir: str, include_dirs: list[str],
+    extra_args: list[str], jobs: int,
+) -> list[str]:  # fmt: skip
+    """Compiles `sources` into objects under `output_dir`, `jobs` at a time,
+    skipping each object that is current (`object_is_current`): a header
+    edit recompiles exactly the sources that include it."""
+    _, objects, extra, pp_opts, build = compiler._setup_compile(
+        output_dir, [], include_dirs, sources, [], extra_args
+    )
+    cc_args = compiler._get_cc_args(pp_opts, False, [])
+
+    def one(obj: str) -> None:
+        src, ext = build[obj]
+        postargs = [*extra, "-MMD", "-MF", obj + ".d"]
+        command = [*compiler.compiler_so, *cc_args, src, *postargs]
+        if object_is_current(obj, command):
+            return
+        compiler._compile(obj, src, ext, cc_args, postargs, pp_opts)
+        _write_stamp(obj + ".cmd", command)
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(one, objects))
+    return list(objects)
+
+
 class BuildExt(build_ext):
-    """Generates the control-plane protobuf code, then compiles with TF's
-    flags."""
+    """Generates the control-plane protobuf code, then builds the native core
+    once into libdlt_core.so and the two extensions that link it, with TF's
+    flags. Each object is rebuilt only when its source, a header it
+    includes or its command changed; each library is relinked only when an
+    object or its link command changed."""
 
     def run(self) -> None:
         self._generate_protos()
@@ -94,14 +170,46 @@ class BuildExt(build_ext):
                 ext.extra_link_args = link_flags + ext.extra_link_args
             else:  # the native core and its bindings include no TF header
                 ext.extra_compile_args = no_include + ext.extra_compile_args
-        if self.parallel is None:
-            self.parallel = os.cpu_count() or 1
         super().run()
 
+    def build_extensions(self) -> None:
+        # In order, one at a time: the core first, since the others link it;
+        # each compiles its own sources in parallel.
+        self.check_extensions_list(self.extensions)
+        for ext in self.extensions:
+            self.build_extension(ext)
+
+    def build_extension(self, ext: Extension) -> None:
+        target = self.get_ext_fullpath(ext.name)
+        jobs = self.parallel if isinstance(self.parallel, int) else os.cpu_count() or 1
+        objects = compile_objects(
+            self.compiler, list(ext.sources), self.build_temp, ext.include_dirs,
+            ext.extra_compile_args, jobs,
+        )  # fmt: skip
+        link_args = list(ext.extra_link_args)
+        if ext.name != CORE_LIBRARY:
+            core_dir = os.path.dirname(self.get_ext_fullpath(CORE_LIBRARY))
+            link_args = [f"-L{core_dir}", "-ldlt_core", "-Wl,-rpath,$ORIGIN", *link_args]
+        stamp = os.path.join(self.build_temp, _ext_basename(ext.name) + ".link")
+        command = [*objects, target, *link_args]
+        if (
+            os.path.exists(target)
+            and _stamp_matches(stamp, command)
+            and not any(_is_newer(obj, target) for obj in objects)
+        ):
+            return
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        self.compiler.link_shared_object(
+            objects, target, extra_postargs=link_args, target_lang="c++"
+        )
+        _write_stamp(stamp, command)
+
     def get_ext_filename(self, fullname: str) -> str:
-        # Plain "_dlt_ops.so": tf.load_op_library loads it by path. distutils
-        # asks both with the full and with the last dotted name.
-        if fullname.split(".")[-1] == OPS_LIBRARY.split(".")[-1]:
+        # Plain "_dlt_ops.so" (tf.load_op_library loads it by path) and
+        # "libdlt_core.so" (what the others link). distutils asks both with
+        # the full and with the last dotted name.
+        plain = {_ext_basename(OPS_LIBRARY), _ext_basename(CORE_LIBRARY)}
+        if _ext_basename(fullname) in plain:
             return os.path.join(*fullname.split(".")) + ".so"
         return str(super().get_ext_filename(fullname))
 
@@ -131,59 +239,82 @@ class BuildExt(build_ext):
                 self.copy_file(src, os.path.join(dst_dir, name))
 
 
-NATIVE_FLAGS = ["-O3", "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
+NATIVE_FLAGS = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-parameter"]
+# The extensions export nothing but their entry points; the core exports
+# the dlt namespace (native/core/exports.map) for them to link.
+HIDDEN = ["-fvisibility=hidden"]
+
+core = Extension(
+    CORE_LIBRARY,
+    sources=NATIVE_CORE_SOURCES,
+    include_dirs=[ROOT],
+    extra_compile_args=NATIVE_FLAGS,
+    extra_link_args=[
+        "-pthread",
+        "-Wl,-soname,libdlt_core.so",
+        f"-Wl,--version-script={os.path.join(ROOT, 'native/core/exports.map')}",
+        "-Wl,--no-undefined",
+    ],
+    language="c++",
+)
 
 native = Extension(
     "tf_dlt._native",
-    sources=NATIVE_CORE_SOURCES + PYTHON_EXTENSION_SOURCES,
+    sources=PYTHON_EXTENSION_SOURCES,
     include_dirs=[ROOT, pybind11.get_include()],
-    extra_compile_args=NATIVE_FLAGS,
+    extra_compile_args=NATIVE_FLAGS + HIDDEN,
     extra_link_args=["-pthread"],
     language="c++",
 )
 
-# The op library carries its own copy of the native core, hidden: it exports
-# no third-party or tf_dlt symbols, so nothing clashes with what TF exports.
+# The op library exports no third-party or tf_dlt symbols, so nothing
+# clashes with what TF exports; it reaches the core through libdlt_core.so.
 dlt_ops = Extension(
     OPS_LIBRARY,
-    sources=NATIVE_CORE_SOURCES + TF_OPS_SOURCES,
+    sources=TF_OPS_SOURCES,
     include_dirs=[ROOT],
-    extra_compile_args=NATIVE_FLAGS + ["-Wno-sign-compare"],
+    extra_compile_args=NATIVE_FLAGS + HIDDEN + ["-Wno-sign-compare"],
     extra_link_args=["-pthread", "-Wl,--exclude-libs,ALL", "-Wl,--no-undefined"],
     language="c++",
 )
 
-setup(
-    name="tf-dlt",
-    version=_version(),
-    description="Distributed embedding lookup table for TensorFlow 2 / Keras 3",
-    long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    packages=find_packages(include=["tf_dlt", "tf_dlt.*"]) + ["tf_dlt.layers", "tf_dlt.transpiler"],
-    package_dir={
-        "tf_dlt": "tf_dlt",
-        "tf_dlt.layers": "keras_layers",
-        "tf_dlt.transpiler": "transpiler",
-    },
-    package_data={"tf_dlt.proto": ["*.proto", "*.pyi"], "tf_dlt.tools": ["data/*.json"]},
-    ext_modules=[native, dlt_ops],
-    cmdclass={"build_ext": BuildExt},
-    install_requires=[
-        "numpy>=1.26",
-        "grpcio>=1.70",
-        "grpcio-health-checking>=1.70",
-        "grpcio-reflection>=1.70",
-        "protobuf>=5.29",
-        "h5py>=3.10",
-        "fsspec>=2024.2",
-        "prometheus_client>=0.20",
-        "PyYAML>=6",
-    ],
-    extras_require={
-        "tf": ["tensorflow==2.21.0"],
-        "s3": ["s3fs"],
-        "hdfs": ["pyarrow"],
-    },
-    entry_points={"console_scripts": ["tf-dlt=tf_dlt.tools.cli:main"]},
-)
+# setuptools runs this file as __main__; tests import it for its helpers.
+if __name__ == "__main__":
+    setup(
+        name="tf-dlt",
+        version=_version(),
+        description="Distributed embedding lookup table for TensorFlow 2 / Keras 3",
+        long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+        long_description_content_type="text/markdown",
+        python_requires=">=3.10",
+        packages=[
+            *find_packages(include=["tf_dlt", "tf_dlt.*"]),
+            "tf_dlt.layers",
+            "tf_dlt.transpiler",
+        ],
+        package_dir={
+            "tf_dlt": "tf_dlt",
+            "tf_dlt.layers": "keras_layers",
+            "tf_dlt.transpiler": "transpiler",
+        },
+        package_data={"tf_dlt.proto": ["*.proto", "*.pyi"], "tf_dlt.tools": ["data/*.json"]},
+        ext_modules=[core, native, dlt_ops],
+        cmdclass={"build_ext": BuildExt},
+        install_requires=[
+            "numpy>=1.26",
+            "grpcio>=1.70",
+            "grpcio-health-checking>=1.70",
+            "grpcio-reflection>=1.70",
+            "protobuf>=5.29",
+            "h5py>=3.10",
+            "fsspec>=2024.2",
+            "prometheus_client>=0.20",
+            "PyYAML>=6",
+        ],
+        extras_require={
+            "tf": ["tensorflow==2.21.0"],
+            "s3": ["s3fs"],
+            "hdfs": ["pyarrow"],
+        },
+        entry_points={"console_scripts": ["tf-dlt=tf_dlt.tools.cli:main"]},
+    )

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_seconds, emit, log, median_seconds  # noqa: E402
 
 import tf_dlt  # noqa: E402
-from tf_dlt import _native  # noqa: E402
+from tf_dlt import _native, embedded  # noqa: E402
 from tf_dlt import dlt_ops as ops  # noqa: E402
 from tf_dlt.server.local import LocalCluster  # noqa: E402
 from tf_dlt.table_config import TableConfig  # noqa: E402
@@ -306,7 +306,7 @@ def case_shards(args: argparse.Namespace) -> None:
 
 def case_embedded(args: argparse.Namespace) -> None:
     client = ops.ClientResource()
-    ops.create_table(client, TableConfig.create(TABLE, DIM, "uniform", "adagrad"))
+    embedded.create_table(TableConfig.create(TABLE, DIM, "uniform", "adagrad"))
     ids = np.arange(args.rows, dtype=np.int64) * 7919
     for start in range(0, args.rows, 1 << 18):
         ops.lookup(client, ids[start : start + (1 << 18)], TABLE, DIM)

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_dlt import admission as admission_lib
 from tf_dlt import dlt_ops as ops
-from tf_dlt import errors, expiry, initializers, optimizers
+from tf_dlt import embedded, errors, expiry, initializers, optimizers
 from tf_dlt.table_config import TableConfig
 
 from . import keras_settings
@@ -312,7 +312,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             if self.client is None:
                 self.client = ops.ClientResource()
             if self.client.embedded:
-                ops.create_table(self.client, self.table_config)
+                embedded.create_table(self.table_config)
                 self._upload_initial_weights()
         else:
             self.embeddings = self.add_weight(
@@ -334,7 +334,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         """Backs this layer's table with `client` (the transpiler's hook)."""
         self.client = client
         if self.built and client.embedded:
-            ops.create_table(client, self.table_config)
+            embedded.create_table(self.table_config)
 
     def follow_optimizer(self, optimizer: Any) -> None:
         """Gives the table the server-side form of the Keras `optimizer`,
@@ -362,9 +362,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         self.table_config = config
 
     def _recreate_embedded_table(self, config: TableConfig) -> None:
-        assert self.client is not None
-        ids, values, _, steps = ops.export_table(self.client, self.table_name, self.output_dim)
-        if bool(tf.reduce_any(steps > 0)):
+        _, _, _, steps = embedded.rows(self.table_name)
+        if steps.any():
             raise errors.FailedPreconditionError(
                 f"table {self.table_name!r} was trained with "
                 f"{self.table_config.optimizer.kind}; the model is now compiled for "
@@ -372,13 +371,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 f"{self.table_config.optimizer.kind!r} to keep training it, or start from a "
                 "checkpoint saved with the new optimizer"
             )
-        ops.drop_table(self.client, self.table_name)
-        ops.create_table(self.client, config)
-        if int(tf.size(ids)):
-            no_slots = tf.zeros([tf.size(ids), 0], tf.float32)
-            ops.import_table(
-                self.client, self.table_name, self.output_dim, ids, values, no_slots, steps
-            )
+        embedded.recreate_table(config)
 
     # Forward ---------------------------------------------------------------
 

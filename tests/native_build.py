@@ -21,6 +21,16 @@ SANITIZER_ENV = {
     "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:halt_on_error=1",
     "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
 }
+# The C++ suite's own sources (BUILD's cc_test lists the same).
+SUITE_SOURCES = [
+    "tests/cpp/harness.cc",
+    "tests/cpp/native_test.cc",
+    "tests/cpp/data_plane_test.cc",
+    "tests/cpp/pull_ahead_test.cc",
+    "tests/cpp/row_cache_test.cc",
+    "tests/cpp/memory_policy_test.cc",
+    "tests/cpp/tier_test.cc",
+]
 FLAVORS = {"plain": ["-O1"], "optimized": ["-O2"], "sanitized": ["-O1", *SANITIZE]}
 
 
@@ -51,15 +61,7 @@ def build(program: str, flavor: str = "plain", sources: Sequence[Path] = ()) -> 
     core = [s for s in sorted((ROOT / "native").rglob("*.cc")) if "python" not in s.parts]
     cpp = ROOT / "tests/cpp"
     own = list(sources) or (
-        [
-            cpp / "harness.cc",
-            cpp / "native_test.cc",
-            cpp / "data_plane_test.cc",
-            cpp / "pull_ahead_test.cc",
-            cpp / "row_cache_test.cc",
-            cpp / "memory_policy_test.cc",
-            cpp / "tier_test.cc",
-        ]
+        [ROOT / source for source in SUITE_SOURCES]
         if program == "native_test"
         else [cpp / f"{program}.cc"]
     )

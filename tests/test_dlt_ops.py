@@ -4,6 +4,7 @@ shards), the in-process table core, and tf.math.unsorted_segment_sum."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_dlt
 from tf_dlt import _native
 from tf_dlt import dlt_ops as ops
 from tf_dlt.table_config import TableConfig
@@ -127,7 +129,7 @@ def test_embedded_equals_remote(start_cluster: Callable[..., Cluster]) -> None:
     cluster = start_cluster(3)
     remote = _remote(cluster, "adam")
     embedded = ops.ClientResource()
-    ops.create_table(embedded, TableConfig.create("emb_adam", DIM, "uniform", "adam", seed=4))
+    tf_dlt.embedded.create_table(TableConfig.create("emb_adam", DIM, "uniform", "adam", seed=4))
     ids = _ids(1500, seed=5)
     for step in range(3):
         r = ops.lookup(remote, ids, "emb", DIM)
@@ -165,7 +167,7 @@ def test_ops_inside_tf_function_and_graph_shapes(cluster: Cluster) -> None:
 
 def test_client_first_used_inside_a_function_serves_everywhere() -> None:
     client = ops.ClientResource()
-    ops.create_table(ops.ClientResource(), TableConfig.create("scoped", 4))
+    tf_dlt.embedded.create_table(TableConfig.create("scoped", 4))
     first = tf.function(lambda x: ops.lookup(client, x, "scoped", 4))
     second = tf.function(lambda x: tf.reduce_sum(ops.lookup(client, x, "scoped", 4)))
     ids = tf.constant([1, 2], tf.int64)
@@ -196,7 +198,7 @@ def test_big_batches_are_split_into_frames(start_cluster: Callable[..., Cluster]
 
 def test_xla_is_refused(start_cluster: Callable[..., Cluster]) -> None:
     client = ops.ClientResource()
-    ops.create_table(client, TableConfig.create("xla", 4))
+    tf_dlt.embedded.create_table(TableConfig.create("xla", 4))
 
     @tf.function(jit_compile=True)
     def f(ids: tf.Tensor) -> tf.Tensor:
@@ -211,7 +213,7 @@ def test_xla_is_refused(start_cluster: Callable[..., Cluster]) -> None:
 
 def test_non_int64_ids_are_rejected() -> None:
     client = ops.ClientResource()
-    ops.create_table(client, TableConfig.create("typed", 4))
+    tf_dlt.embedded.create_table(TableConfig.create("typed", 4))
     with pytest.raises((TypeError, tf.errors.InvalidArgumentError)):
         ops.lookup(client, tf.constant([1.0, 2.0]), "typed", 4)
     with pytest.raises((TypeError, tf.errors.InvalidArgumentError)):
@@ -325,6 +327,20 @@ def test_pservers_override(
     assert ops.lookup(client, np.arange(3, dtype=np.int64), "emb", DIM).shape == (3, DIM)
 
 
+def _needed(library: str) -> set[str]:
+    out = subprocess.run(["readelf", "-d", library], capture_output=True, text=True, check=True)
+    needed = [line for line in out.stdout.splitlines() if "NEEDED" in line]
+    return {line.split("[")[1].split("]")[0] for line in needed}
+
+
+def _defined(library: str) -> list[str]:
+    """The demangled names `library` defines (its whole symbol table)."""
+    out = subprocess.run(
+        ["nm", "--defined-only", "-C", library], capture_output=True, text=True, check=True
+    ).stdout  # fmt: skip
+    return [line.split(" ", 2)[2] for line in out.splitlines() if line.count(" ") >= 2]
+
+
 def test_op_library_exports_no_foreign_symbols() -> None:
     out = subprocess.run(
         ["nm", "-D", "--defined-only", "-C", ops.LIBRARY_PATH], capture_output=True, text=True,
@@ -334,16 +350,43 @@ def test_op_library_exports_no_foreign_symbols() -> None:
     # Only vague-linkage instantiations of the C++ standard library remain.
     foreign = [n for n in names if not ("std::" in n or "__gnu_cxx" in n)]
     assert foreign == []
-    needed = subprocess.run(
-        ["readelf", "-d", ops.LIBRARY_PATH], capture_output=True, text=True, check=True
-    ).stdout
-    libs = sorted(
-        set(line.split("[")[1].split("]")[0] for line in needed.splitlines() if "NEEDED" in line)
-    )
-    # Linked against TensorFlow's framework and the C/C++ runtime only.
+    # Linked against TensorFlow's framework, the native core and the C/C++
+    # runtime only.
     system = {"libstdc++.so.6", "libm.so.6", "libgcc_s.so.1", "libc.so.6", "ld-linux-x86-64.so.2"}
-    assert "libtensorflow_framework.so.2" in libs
-    assert set(libs) - system == {"libtensorflow_framework.so.2"}
+    assert _needed(ops.LIBRARY_PATH) - system == {"libtensorflow_framework.so.2", "libdlt_core.so"}
+
+
+def test_one_native_core_per_process() -> None:
+    """The op library and the Python extension both link libdlt_core.so and
+    hold no code of the core themselves, so the embedded tables Python
+    makes are the ones the ops serve, and the other way round."""
+    core = str(Path(ops.LIBRARY_PATH).with_name("libdlt_core.so"))
+    # Functions the core's .cc files define (no inline copies in headers).
+    core_code = ("dlt::Table::Pull(", "dlt::Shard::CreateTable(", "dlt::Client::Pull(",
+                 "dlt::EmbeddedShard()")  # fmt: skip
+    for library in (ops.LIBRARY_PATH, _native.__file__):
+        assert "libdlt_core.so" in _needed(library), library
+        assert not [n for n in _defined(library) if n.startswith(core_code)], library
+    assert len({n.split("(")[0] for n in _defined(core) if n.startswith(core_code)}) == 4
+    mapped = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if line.endswith("/libdlt_core.so")]  # fmt: skip
+    assert set(mapped) == {os.path.realpath(core)}
+
+    config = TableConfig.create("one_core", DIM, "uniform", "sgd", seed=3)
+    tf_dlt.embedded.create_table(config)
+    table = tf_dlt.embedded.table("one_core")
+    client = ops.ClientResource()
+    ids = np.array([7, 1, 7, 40], np.int64)
+    rows = ops.lookup(client, ids, "one_core", DIM).numpy()  # the op inserts the rows
+    assert table.size() == 3
+    np.testing.assert_array_equal(rows, table.pull(ids, mode=2))  # read back from Python
+    ops.push(client, ids, tf.ones((4, DIM)), 0.5, "one_core", DIM, sync=True)
+    np.testing.assert_allclose(table.pull(ids, mode=2), rows - 0.5 * np.array([[2], [1], [2], [1]]))
+    table.import_rows(np.array([99], np.int64), np.full((1, DIM), 3.0, np.float32))
+    np.testing.assert_array_equal(ops.lookup(client, np.array([99]), "one_core", DIM).numpy(), 3.0)
+    tf_dlt.embedded.drop_table("one_core")
+    with pytest.raises(tf.errors.NotFoundError, match="one_core"):
+        ops.lookup(client, ids, "one_core", DIM)
 
 
 def test_library_loads_once_and_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -362,28 +405,6 @@ def test_lookup_checks_its_size_before_allocating_the_output() -> None:
     ids = tf.zeros([1 << 20], tf.int64)
     with pytest.raises(tf.errors.InvalidArgumentError, match="at most 2\\^31-1 values"):
         ops.lookup(client, ids, "absent", 4096)
-
-
-def test_import_table_refuses_non_finite_rows_and_steps_beyond_32_bits() -> None:
-    client = ops.ClientResource()
-    config = TableConfig.create("imported", 2, optimizer="adagrad")
-    ops.create_table(client, config)
-    ids = tf.constant([1, 2], tf.int64)
-    values = tf.constant([[1.0, 2.0], [3.0, 4.0]])
-    slots = tf.constant([[0.1, 0.1], [0.1, 0.1]])
-    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite value; nothing imported"):
-        ops.import_table(client, "imported", 2, ids, values + [[0.0, np.nan], [0, 0]], slots,
-                         tf.constant([1, 1]))  # fmt: skip
-    with pytest.raises(tf.errors.InvalidArgumentError, match="slots of row 1"):
-        ops.import_table(client, "imported", 2, ids, values, slots + [[0, 0], [np.inf, 0]],
-                         tf.constant([1, 1]))  # fmt: skip
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"step count 4294967296 of row 1"):
-        ops.import_table(client, "imported", 2, ids, values, slots,
-                         tf.constant([1, 1 << 32], tf.int64))  # fmt: skip
-    assert int(tf.size(ops.export_table(client, "imported", 2)[0])) == 0  # nothing imported
-    ops.import_table(client, "imported", 2, ids, values, slots, tf.constant([3, (1 << 32) - 1]))
-    steps = ops.export_table(client, "imported", 2)[3].numpy()
-    assert sorted(steps.tolist()) == [3, (1 << 32) - 1]
 
 
 def test_native_import_refuses_non_finite_rows_and_truncated_steps() -> None:

@@ -293,8 +293,8 @@ def test_an_embedded_table_takes_the_compiled_optimizer_at_the_first_step() -> N
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert layer.table_config.optimizer.kind == "keras_adagrad"
     assert layer.client is not None
-    _, _, slots, steps = ops.export_table(layer.client, "late_compile", DIM)
-    assert slots.shape[1] == DIM and int(tf.reduce_max(steps)) > 0  # accumulators, trained
+    _, _, slots, steps = tf_dlt.embedded.rows("late_compile")
+    assert slots.shape[1] == DIM and steps.max() > 0  # accumulators, trained
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     with pytest.raises(errors.FailedPreconditionError, match="was trained with keras_adagrad"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -221,12 +221,11 @@ def test_keras_layer_with_a_policy_trains_saves_and_restores(tmp_path: Path) -> 
     tf_dlt.load(restored, str(tmp_path / "m"))
     after = restored.predict(probe.reshape(-1, 1).repeat(3, axis=1), verbose=0)
     np.testing.assert_allclose(after, before, rtol=1e-6)
-    client = restored.get_layer("pol_emb").client
-    ids900, *_ = tf_dlt.ops.export_table(client, "pol_emb", DIM)
-    assert not set(ids900.numpy().tolist()) & {900, 901, 902}
+    ids900, *_ = tf_dlt.embedded.rows("pol_emb")
+    assert not set(ids900.tolist()) & {900, 901, 902}
     restored.fit(once, np.zeros((1, 1)), batch_size=1, epochs=1, verbose=0)  # second push
-    ids_after, *_ = tf_dlt.ops.export_table(client, "pol_emb", DIM)
-    assert {900, 901, 902} <= set(ids_after.numpy().tolist())
+    ids_after, *_ = tf_dlt.embedded.rows("pol_emb")
+    assert {900, 901, 902} <= set(ids_after.tolist())
 
 
 def test_policy_arguments_are_validated() -> None:

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import tf_dlt
-from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.checkpoint import manifest
 from tf_dlt.layers import Embedding
@@ -41,9 +40,9 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
 
 def _state(model: keras.Model, name: str) -> tuple[np.ndarray, ...]:
     layer = model.get_layer(name)
-    ids, values, slots, steps = ops.export_table(layer.client, name, 4)
-    order = np.argsort(ids.numpy())
-    return ids.numpy()[order], values.numpy()[order], slots.numpy()[order], steps.numpy()[order]
+    ids, values, slots, steps = tf_dlt.embedded.rows(layer.table_name)
+    order = np.argsort(ids)
+    return ids[order], values[order], slots[order], steps[order]
 
 
 def test_embedded_save_and_load_restore_rows_slots_and_dense_weights(tmp_path: Path) -> None:

@@ -1,16 +1,23 @@
-"""Packaging: BUILD and setup.py build the same sources, the mapped packages
-install under tf_dlt only, and the server and client need no TensorFlow."""
+"""Packaging: BUILD and setup.py build the same sources in the same shape,
+the build recompiles what a header edit touches, _native.pyi matches the
+module, the mapped packages install under tf_dlt only, and the server and
+client need no TensorFlow."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import tf_dlt
+
+import native_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +43,86 @@ def test_build_and_setup_list_the_same_sources() -> None:
     assert setup_sources == on_disk
     headers = {str(p.relative_to(ROOT)) for d in ("native", "ops") for p in (ROOT / d).rglob("*.h")}
     assert headers == set(re.findall(r'"((?:native|ops)/[^"]+\.h)"', build))
+
+
+def _bazel_target(build: str, name: str) -> str:
+    start = build.index(f'name = "{name}"')
+    return build[start : build.index("\n)\n", start)]
+
+
+def test_build_links_the_core_once_and_tests_every_suite_source() -> None:
+    build = (ROOT / "BUILD").read_text()
+    for extension in ("tf_dlt/_native.so", "tf_dlt/_dlt_ops.so"):
+        target = _bazel_target(build, extension)
+        assert '"tf_dlt/libdlt_core.so",' in target and '":native_core"' not in target
+    assert '":native_core"' in _bazel_target(build, "tf_dlt/libdlt_core.so")
+    suite = set(re.findall(r'"(tests/cpp/[^"]+)"', _bazel_target(build, "native_test")))
+    assert suite == {*native_build.SUITE_SOURCES, "tests/cpp/harness.h"}
+    assert set(native_build.SUITE_SOURCES) | {"tests/cpp/fuzz_shard.cc"} == {
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests/cpp").glob("*.cc")
+    }
+
+
+def _setup_module() -> Any:
+    spec = importlib.util.spec_from_file_location("tf_dlt_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines the build; setup() runs only as __main__
+    return module
+
+
+def test_a_header_edit_recompiles_exactly_what_includes_it(tmp_path: Path) -> None:
+    """setup.py's per-object rebuild rule (what `pip install .` runs in the
+    README's test command, reusing build/): an object is rebuilt when its
+    source, a header it includes or its command changed, and only then."""
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+
+    setup_py = _setup_module()
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    (tmp_path / "a.h").write_text("inline int a() { return 1; }\n")
+    (tmp_path / "uses_a.cc").write_text('#include "a.h"\nint f() { return a(); }\n')
+    (tmp_path / "alone.cc").write_text("int g() { return 2; }\n")
+    sources = [str(tmp_path / "uses_a.cc"), str(tmp_path / "alone.cc")]
+    out = str(tmp_path / "obj")
+
+    def build(flags: list[str]) -> dict[str, int]:
+        objects = setup_py.compile_objects(compiler, sources, out, [str(tmp_path)], flags, 2)
+        return {Path(o).stem: os.stat(o).st_mtime_ns for o in objects}
+
+    first = build(["-O0"])
+    assert build(["-O0"]) == first  # nothing changed: nothing compiled
+    later = time.time() + 5
+    os.utime(tmp_path / "a.h", (later, later))
+    second = build(["-O0"])
+    assert second["uses_a"] != first["uses_a"] and second["alone"] == first["alone"]
+    third = build(["-O1"])  # another command: everything
+    assert all(third[k] != second[k] for k in third)
+
+
+def test_native_stub_matches_the_module() -> None:
+    """tf_dlt/_native.pyi names exactly what tf_dlt._native defines: its
+    constants, functions, classes and each class's methods and properties."""
+    from tf_dlt import _native
+
+    stub = ast.parse((ROOT / "tf_dlt" / "_native.pyi").read_text())
+    stubbed: dict[str, set[str]] = {}
+    for node in stub.body:
+        if isinstance(node, ast.FunctionDef):
+            stubbed[node.name] = set()
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            stubbed[node.target.id] = set()  # a constant
+        elif isinstance(node, ast.ClassDef):
+            stubbed[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} - {
+                "__init__"
+            }
+    module = {n for n in dir(_native) if not n.startswith("_")}
+    assert set(stubbed) == module
+    for name, members in stubbed.items():
+        if members or isinstance(getattr(_native, name), type):
+            real = {n for n in dir(getattr(_native, name)) if not n.startswith("_")}
+            assert members == real, name
 
 
 def test_only_the_op_sources_include_tensorflow_headers() -> None:

@@ -3,7 +3,8 @@ wrappers around it.
 
 - `ClientResource(pservers)`: the handle the other ops take. ``pservers=None``
   (or empty) selects the embedded transport: the table core in this process,
-  no sockets, shared by every embedded client of the process.
+  no sockets, shared by every embedded client of the process. Its tables
+  are managed with `tf_dlt.embedded`.
 - `lookup`, `lookup_grad`, `push`, `flush`: see each docstring.
 
 All ops run eagerly and inside ``tf.function``; they are stateful and have no
@@ -19,11 +20,10 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tf_dlt.table_config import TableConfig
@@ -123,17 +123,6 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         return load_library().dlt_client(shared_name=self._shared_name, **self._attrs)
 
 
-def create_table(client: ClientResource, config: TableConfig) -> None:
-    """Creates `config`'s table in an embedded client (a no-op when an
-    identical one exists). Tables on shard servers are created with
-    `tf_dlt.Client.create_table`."""
-    from tf_dlt import _native
-
-    load_library().dlt_create_table(
-        client=client.resource_handle, config=_native.encode_table_config(config.to_dict())
-    )
-
-
 def configure_cache(
     client: ClientResource,
     config: TableConfig,
@@ -158,12 +147,6 @@ def configure_cache(
         rows=int(rows), max_staleness_steps=int(max_staleness_steps),
         max_staleness_ms=int(max_staleness_ms), min_count=int(min_count),
     )  # fmt: skip
-
-
-def drop_table(client: ClientResource, table: str) -> None:
-    """Drops a table of an embedded client. Tables on shard servers are
-    dropped with `tf_dlt.Client.drop_table`."""
-    load_library().dlt_drop_table(client=client.resource_handle, table=table)
 
 
 def lookup(
@@ -261,125 +244,6 @@ def assign(
     return load_library().dlt_assign(
         client=client.resource_handle, ids=ids, values=values, table=table, dim=dim
     )
-
-
-def export_table(
-    client: ClientResource, table: str, dim: int
-) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(ids [n], values [n, dim], slots [n, k], steps [n]) of every row of an
-    embedded table: values with their optimizer state."""
-    out = load_library().dlt_export_table(client=client.resource_handle, table=table, dim=dim)
-    return out.ids, out.values, out.slots, out.steps
-
-
-class ExportPass:
-    """One pass over the rows of an embedded table in (bucket, id) order,
-    `max_rows` at a time, as NumPy (ids, values, slots, steps, buckets,
-    touched stamps): what a checkpoint file holds, without a second copy of
-    the table. One pass per table at a time in a client.
-
-    With a `save_id`, the pass is that save of the table on top of save
-    `base`: when the table tracks `base`, only the rows changed since are
-    yielded, and once the pass is complete `base_clock` is the table's clock
-    at the base (None: every row was yielded) and `removed` the ids removed
-    since, in (bucket, id) order.
-    """
-
-    def __init__(
-        self,
-        client: ClientResource,
-        table: str,
-        dim: int,
-        max_rows: int = 65536,
-        save_id: str = "",
-        base: str = "",
-    ) -> None:
-        self._args = dict(
-            client=client.resource_handle, table=table, dim=dim, max_rows=max_rows,
-            save_id=save_id, base=base,
-        )  # fmt: skip
-        self.base_clock: int | None = None
-        self.removed = np.zeros(0, np.int64)
-
-    def __iter__(
-        self,
-    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        start = True
-        while True:
-            out = load_library().dlt_export_chunk(start=start, **self._args)
-            start = False
-            if int(tf.size(out.base_clock)):
-                self.base_clock = int(out.base_clock[0])
-            if int(tf.size(out.ids)) == 0:
-                self.removed = out.removed.numpy()
-                return
-            yield (
-                out.ids.numpy(), out.values.numpy(), out.slots.numpy(), out.steps.numpy(),
-                out.buckets.numpy(), out.touched.numpy(),
-            )  # fmt: skip
-
-
-def export_chunks(
-    client: ClientResource, table: str, dim: int, max_rows: int = 65536
-) -> ExportPass:
-    """The rows of an embedded table, `max_rows` at a time (`ExportPass`)."""
-    return ExportPass(client, table, dim, max_rows)
-
-
-def mark_table_loaded(client: ClientResource, table: str, dim: int, save_id: str) -> None:
-    """An embedded table now holds checkpoint `save_id` exactly: a delta on
-    top of it holds only what changes after this call."""
-    load_library().dlt_mark_table_loaded(
-        client=client.resource_handle, table=table, dim=dim, save_id=save_id
-    )
-
-
-def import_table(
-    client: ClientResource,
-    table: str,
-    dim: int,
-    ids: tf.Tensor,
-    values: tf.Tensor,
-    slots: tf.Tensor,
-    steps: tf.Tensor,
-    touched: tf.Tensor | None = None,
-) -> tf.Operation | None:
-    """Inserts or overwrites rows of an embedded table with their optimizer
-    state and last-touched stamps (None: now); the inverse of
-    `export_chunks`."""
-    stamps = tf.zeros([0], tf.int64) if touched is None else tf.cast(touched, tf.int64)
-    return load_library().dlt_import_table(
-        client=client.resource_handle, ids=ids, values=values, slots=slots,
-        steps=tf.cast(steps, tf.int64), touched=stamps, table=table, dim=dim,
-    )  # fmt: skip
-
-
-def table_state(client: ClientResource, table: str, dim: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """An embedded table's clock and admission sketch: (clock, counters
-    [4096, slice bytes], pushes counted per slice [4096]); the sketch arrays
-    are empty without Frequency admission."""
-    out = load_library().dlt_table_state(client=client.resource_handle, table=table, dim=dim)
-    return int(out.clock), out.sketch.numpy(), out.added.numpy()
-
-
-def set_table_state(
-    client: ClientResource,
-    table: str,
-    dim: int,
-    clock: int,
-    first_bucket: int = 0,
-    sketch: np.ndarray | None = None,
-    added: np.ndarray | None = None,
-) -> tf.Operation | None:
-    """Sets an embedded table's push clock and the sketch slices of buckets
-    [first_bucket, first_bucket + len(added)) (the inverse of
-    `table_state`)."""
-    counters = np.zeros((0, 0), np.uint8) if sketch is None else sketch
-    counts = np.zeros(0, np.int64) if added is None else np.asarray(added, np.int64)
-    return load_library().dlt_set_table_state(
-        client=client.resource_handle, clock=np.int64(clock), first_bucket=np.int64(first_bucket),
-        sketch=counters, added=counts, table=table, dim=dim,
-    )  # fmt: skip
 
 
 def flush(client: ClientResource) -> tf.Operation | None:

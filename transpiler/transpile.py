@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from tf_dlt import dlt_ops as ops
+from tf_dlt import embedded
 from tf_dlt.client import Client
 from tf_dlt.cluster import ClusterSpec
 from tf_dlt.keras.walk import copy_weights
@@ -105,7 +106,7 @@ def transpile(
                         f"({source.pservers}); move tables between clusters with "
                         "tf_dlt.Client.save and load"
                     )
-                ids, values, _, _ = ops.export_table(source, layer.table_name, layer.output_dim)
+                ids, values, _, _ = embedded.rows(layer.table_name)
                 uploads.append((new, (ids, values)))
             return new
         is_local_embedding = isinstance(layer, keras.layers.Embedding) or (

@@ -92,7 +92,7 @@ def run_tf_dlt(pservers):  # type: ignore[no-untyped-def]
     client = ops.ClientResource(pservers)
     config = TableConfig.create("bench", DIM, "zeros", tf_dlt.optimizers.Adagrad(), 0)
     if client.embedded:
-        ops.create_table(client, config)
+        tf_dlt.embedded.create_table(config)
     else:
         with tf_dlt.Client(pservers) as c:
             c.create_table(config.name, DIM, "zeros", "adagrad")

@@ -352,4 +352,13 @@ Status Shard::CheckOwnership(const int64_t* ids, size_t n) const {
   return OkStatus();
 }
 
+std::shared_ptr<Shard> EmbeddedShard() {
+  static const auto* const shard = [] {
+    auto* made = new std::shared_ptr<Shard>(std::make_shared<Shard>(0, 1));
+    (*made)->StartSweeper(kEmbeddedSweepMs);
+    return made;
+  }();
+  return *shard;
+}
+
 }  // namespace dlt

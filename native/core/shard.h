@@ -116,6 +116,15 @@ class Shard {
   std::map<const Table*, std::chrono::steady_clock::time_point> keeper_failed_;
 };
 
+// The embedded tables of this process: one Shard (index 0 of 1), the same
+// one for the op library's embedded transport and for Python
+// (tf_dlt._native.embedded_shard), since both link the one libdlt_core.so.
+// Made on first use with a sweeper running every kEmbeddedSweepMs (a sweep
+// of tables without a ttl does nothing); never destroyed, so no thread of
+// the process outlives it at exit.
+std::shared_ptr<Shard> EmbeddedShard();
+constexpr int kEmbeddedSweepMs = 10000;
+
 }  // namespace dlt
 
 #endif  // TF_DLT_NATIVE_CORE_SHARD_H_

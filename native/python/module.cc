@@ -553,6 +553,8 @@ PYBIND11_MODULE(_native, m) {
         Check(s.CheckOwnership(ids.data(), static_cast<size_t>(ids.shape(0))));
       });
 
+  m.def("embedded_shard", &EmbeddedShard);
+
   py::class_<DataServer>(m, "DataServer")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& bind, int port,
                        int max_connections, const std::string& auth_token, uint32_t max_frame_bytes,

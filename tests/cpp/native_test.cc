@@ -507,44 +507,36 @@ DLT_TEST(TestTableConfigEncodingRoundTrips) {
   EXPECT(!ParseOptimizerKind("Adam", &ok));
 }
 
-DLT_TEST(TestTransportsServeTheSameCalls) {
-  auto embedded = EmbeddedTransport();
+DLT_TEST(TestEmbeddedTransportServesTheProcessShard) {
+  // Tables made in the process's embedded shard are what every embedded
+  // transport serves, each of them the same rows.
+  bool created = false;
+  EXPECT_OK(EmbeddedShard()->CreateTable(Config("emb", 4, OptimizerKind::kAdagrad), &created));
+  EXPECT(created && EmbeddedShard() == EmbeddedShard());
+  auto embedded = EmbeddedTransport(), other = EmbeddedTransport();
   EXPECT(embedded->embedded());
-  EXPECT_OK(embedded->CreateTable(Config("emb", 4, OptimizerKind::kAdagrad)));
   const std::vector<int64_t> ids = {3, 1, 2};
-  std::vector<float> rows(12), grads(12, 1.0f);
+  std::vector<float> rows(12), grads(12, 1.0f), again(12);
   EXPECT_OK(
       embedded->Pull("emb", 4, ids.data(), 3, PullMode::kInsert, rows.data(), false, nullptr));
   EXPECT_OK(embedded->Push("emb", 4, ids.data(), grads.data(), 3, 0.1f));
+  EXPECT_OK(
+      other->Pull("emb", 4, ids.data(), 3, PullMode::kZerosNoInsert, again.data(), false, nullptr));
+  std::shared_ptr<Table> table;
+  EXPECT_OK(EmbeddedShard()->GetTable("emb", &table));
+  std::vector<float> direct(12);
+  EXPECT_OK(table->Pull(ids.data(), 3, PullMode::kZerosNoInsert, direct.data()));
+  EXPECT(again == direct && again != rows && table->size() == 3);
   EXPECT(embedded->Pull("emb", 8, ids.data(), 3, PullMode::kInsert, rows.data(), false, nullptr)
              .code() == Code::kInvalidArgument);
   EXPECT(embedded->Pull("nope", 4, ids.data(), 3, PullMode::kInsert, rows.data(), false, nullptr)
              .code() == Code::kNotFound);
-  std::unique_ptr<TableExport> pass;
-  EXPECT_OK(embedded->OpenExport("emb", 4, "", "", &pass));
-  std::vector<int64_t> out_ids;
-  std::vector<float> values, slots;
-  std::vector<uint32_t> steps, buckets, touched;
-  size_t total = 0, got;
-  while ((got = pass->Next(2, &out_ids, &values, &slots, &steps, &buckets, &touched)) > 0) {
-    total += got;
-  }
-  EXPECT(total == 3 && out_ids.size() == 3 && slots.size() == 12 && steps[0] == 1);
-  EXPECT(touched.size() == 3 && touched[0] == 1);  // stamped by the first push
-  EXPECT_OK(embedded->Import("emb", 4, out_ids.data(), values.data(), nullptr, 0, steps.data(),
-                             touched.data(), 3));
-  TableStateData state;
-  EXPECT_OK(embedded->GetState("emb", 4, &state));
-  EXPECT(state.clock == 1 && state.added.empty());
-  state.clock = 7;
-  EXPECT_OK(embedded->SetState("emb", 4, state));
-  EXPECT_OK(embedded->GetState("emb", 4, &state));
-  EXPECT(state.clock == 7);
+  EXPECT_OK(EmbeddedShard()->DropTable("emb"));
+  EXPECT(
+      other->Pull("emb", 4, ids.data(), 3, PullMode::kZerosNoInsert, again.data(), false, nullptr)
+          .code() == Code::kNotFound);
   auto tcp = TcpTransport({"127.0.0.1:1"}, ClientOptions());
   EXPECT(!tcp->embedded());
-  EXPECT(tcp->CreateTable(Config("emb", 4, OptimizerKind::kSgd)).code() ==
-         Code::kFailedPrecondition);
-  EXPECT(tcp->OpenExport("emb", 4, "", "", &pass).code() == Code::kFailedPrecondition);
 }
 
 }  // namespace

@@ -13,7 +13,6 @@ write theirs (one shard), so either kind loads the other's checkpoint.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import tempfile
@@ -21,10 +20,9 @@ import time
 from typing import Any
 
 import keras
-import numpy as np
 
-from tf_dlt import _native, errors, routing
 from tf_dlt import dlt_ops as ops
+from tf_dlt import embedded, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files
 from tf_dlt.client import Client
 from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
@@ -35,7 +33,6 @@ MODEL_FILE = "tf_dlt_model.json"
 _LAST_CHECKPOINT = "_tf_dlt_last_checkpoint"
 DENSE_FILE = "dense.weights.h5"
 TABLES_DIR = "tables"
-_CHUNK = 1 << 16
 
 
 def save(
@@ -109,23 +106,19 @@ def _implied_base(model: keras.Model, path: str) -> str | None:
 
 
 def _save_embedded(layers: list[Any], tables: str, base: str | None) -> dict[str, Any]:
-    """Writes embedded tables straight into a one-shard checkpoint at
-    `tables`, a chunk at a time; a delta on top of `base` when given."""
+    """Writes the layers' embedded tables into a one-shard checkpoint at
+    `tables`, as a shard server writes its own; a delta on top of `base`
+    when given."""
     parent = manifest.delta_parent(tables, base) if base is not None else None
     save_id = manifest.new_save_id()
-    rows = []
-    for layer in layers:
-        config = layer.table_config.to_dict()
-        slot_floats = _native.Table(config).slot_floats
-        export = ops.ExportPass(
-            layer.client, layer.table_name, layer.output_dim,
-            shard_files.chunk_rows(layer.output_dim, slot_floats), save_id,
-            parent["save_id"] if parent else "",
-        )  # fmt: skip
-        state = functools.partial(_embedded_state, layer, export)
-        chunks = iter(export)
-        rows.append(shard_files.TableRows(config, layer.output_dim, slot_floats, chunks, state))
-    part = shard_files.save_tables(tables, shard_files.ShardLayout(), rows, save_id)
+    layout = shard_files.ShardLayout()
+    rows = [
+        shard_files.native_rows(
+            embedded.table(layer.table_name), layout, save_id, parent["save_id"] if parent else ""
+        )
+        for layer in layers
+    ]
+    part = shard_files.save_tables(tables, layout, rows, save_id)
     return manifest.write_manifest(tables, [part], save_id, parent)
 
 
@@ -164,22 +157,12 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
     return info
 
 
-def _embedded_state(layer: Any, export: ops.ExportPass) -> shard_files.TableState:
-    """An embedded table's clock and sketch (all buckets), as a shard file
-    records them, and for a delta what `export` (complete) found."""
-    clock, sketch, added = ops.table_state(layer.client, layer.table_name, layer.output_dim)
-    state = shard_files.TableState(clock)
-    if len(added):
-        state.sketch, state.added = sketch, added.astype(np.uint32)
-    if export.base_clock is not None:
-        state.base_clock, state.removed = export.base_clock, export.removed
-    return state
-
-
 def _load_embedded(tables: str, layers: list[Any]) -> None:
-    staged = _native.Shard(0, 1)
-    loaded = shard_files.load_shard(tables, staged)  # verified: checksums, configs
-    by_name = {t.name: t for t in staged.tables()}
+    """Loads checkpoint `tables` into the embedded tables as a shard server
+    loads its own: every table is read and verified into new tables first,
+    then the layers' tables are replaced in one step."""
+    loaded = shard_files.prepare_load(tables, embedded.shard(), replace=True)
+    by_name = {t.name: t for t in loaded["staged"]}
     for layer in layers:  # check everything before changing anything
         t = by_name.get(layer.table_name)
         if t is not None and normalized(t.config) != layer.table_config.to_dict():
@@ -187,28 +170,8 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
                 f"table {layer.table_name!r} differs from the checkpoint's "
                 f"({difference(layer.table_config.to_dict(), t.config)})"
             )
-    for layer in layers:
-        t = by_name.get(layer.table_name)
-        if t is None:
-            continue
-        # The table holds exactly the checkpoint's rows: a fresh one, then
-        # the clock and sketch (the stamps imported below are ages against
-        # that clock), the rows, and the mark a delta on top of it starts from.
-        ops.drop_table(layer.client, layer.table_name)
-        ops.create_table(layer.client, layer.table_config)
-        state = shard_files.native_state(t, 0, routing.NUM_BUCKETS)
-        ops.set_table_state(
-            layer.client, layer.table_name, layer.output_dim, state.clock, 0, state.sketch,
-            state.added,
-        )  # fmt: skip
-        exporter = t.exporter()
-        while (chunk := exporter.next(_CHUNK)) is not None:
-            ids, values, slots, steps, _, touched = chunk
-            ops.import_table(
-                layer.client, layer.table_name, layer.output_dim, ids, values, slots,
-                steps.astype(np.int64), touched.astype(np.int64),
-            )  # fmt: skip
-        ops.mark_table_loaded(layer.client, layer.table_name, layer.output_dim, loaded["save_id"])
+    ours = {layer.table_name for layer in layers}
+    embedded.shard().install_tables([t for t in loaded["staged"] if t.name in ours])
 
 
 class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]

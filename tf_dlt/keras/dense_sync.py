@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dlt import dlt_ops as ops
-from tf_dlt import errors, initializers, optimizers
+from tf_dlt import embedded, errors, initializers, optimizers
 from tf_dlt.cluster import ClusterSpec
 from tf_dlt.table_config import TableConfig
 
@@ -148,7 +148,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
     def _create_table(self) -> None:
         assert self.client is not None
         if self.client.embedded:
-            ops.create_table(self.client, self.table_config)
+            embedded.create_table(self.table_config)
             return
         from tf_dlt.client import Client
 

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dlt import _native
+from tf_dlt import _native, embedded
 from tf_dlt import dlt_ops as ops
 from tf_dlt.keras.walk import cluster_of, copy_weights, distributed_layers
 
@@ -165,8 +165,8 @@ def _read_rows(
             rows[name] = (choice, values.numpy())
             continue
         if layer.client.embedded:
-            keys, values, _, steps = ops.export_table(layer.client, name, layer.output_dim)
-            scanned[name] = (keys.numpy(), values.numpy(), steps.numpy())
+            keys, values, _, steps = embedded.rows(name)
+            scanned[name] = (keys, values, steps)
         keys, values, steps = scanned[name]
         if choice is not None and choice < len(keys):
             top = np.lexsort((keys, -steps.astype(np.int64)))[:choice]

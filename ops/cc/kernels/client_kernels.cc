@@ -1,6 +1,5 @@
-// Kernels of Dlt>Client (creates or finds the ClientResource), Dlt>CreateTable,
-// Dlt>ConfigureCache, Dlt>DropTable, Dlt>Flush, Dlt>DropPulledAhead and
-// Dlt>ClientStats.
+// Kernels of Dlt>Client (creates or finds the ClientResource),
+// Dlt>ConfigureCache, Dlt>Flush, Dlt>DropPulledAhead and Dlt>ClientStats.
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -58,27 +57,6 @@ class ClientOp : public ResourceOpKernel<ClientResource> {
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>Client").Device(DEVICE_CPU), ClientOp);
 
-class CreateTableOp : public OpKernel {
- public:
-  explicit CreateTableOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string text;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("config", &text));
-    OP_REQUIRES_OK(ctx, ToAbsl(dlt::DecodeTableConfig(text, &config_), "Dlt>CreateTable config"));
-    OP_REQUIRES_OK(ctx, ToAbsl(dlt::ValidateTableConfig(config_), "Dlt>CreateTable"));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<ClientResource> client;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
-    OP_REQUIRES_OK(ctx, client->CreateTable(config_));
-  }
-
- private:
-  dlt::TableConfig config_;
-};
-
-REGISTER_KERNEL_BUILDER(Name("Dlt>CreateTable").Device(DEVICE_CPU), CreateTableOp);
-
 class ConfigureCacheOp : public OpKernel {
  public:
   explicit ConfigureCacheOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -114,24 +92,6 @@ class ConfigureCacheOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>ConfigureCache").Device(DEVICE_CPU), ConfigureCacheOp);
-
-class DropTableOp : public OpKernel {
- public:
-  explicit DropTableOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table", &table_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<ClientResource> client;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
-    OP_REQUIRES_OK(ctx, client->DropTable(table_));
-  }
-
- private:
-  std::string table_;
-};
-
-REGISTER_KERNEL_BUILDER(Name("Dlt>DropTable").Device(DEVICE_CPU), DropTableOp);
 
 class FlushOp : public AsyncOpKernel {
  public:

@@ -26,18 +26,6 @@ std::string ClientResource::DebugString() const {
   return out + ")";
 }
 
-absl::Status ClientResource::CreateTable(const dlt::TableConfig& config) {
-  return ToAbsl(transport_->CreateTable(config));
-}
-
-absl::Status ClientResource::DropTable(const std::string& table) {
-  {
-    mutex_lock lock(export_mu_);
-    exports_.erase(table);
-  }
-  return ToAbsl(transport_->DropTable(table));
-}
-
 void ClientResource::Count(const absl::Status& status, size_t rows, uint32_t dim, uint64_t micros,
                            std::atomic<uint64_t>& calls, std::atomic<uint64_t>& row_count,
                            std::atomic<uint64_t>& bytes, std::atomic<uint64_t>& failures,
@@ -258,65 +246,6 @@ absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, cons
   RefreshAhead(pull_ahead_.Pushed(table, ids, n));
   if (std::shared_ptr<dlt::RowCache> cache = CacheOf(table)) cache->Invalidate(ids, n);
   return status;
-}
-
-absl::Status ClientResource::Export(const std::string& table, uint32_t dim, bool start,
-                                    size_t max_rows, const std::string& save_id,
-                                    const std::string& base, std::vector<int64_t>* ids,
-                                    std::vector<float>* values, std::vector<float>* slots,
-                                    std::vector<uint32_t>* steps, std::vector<uint32_t>* buckets,
-                                    std::vector<uint32_t>* touched, uint32_t* slot_floats,
-                                    std::vector<int64_t>* removed, int64_t* base_clock) {
-  mutex_lock lock(export_mu_);
-  std::unique_ptr<dlt::TableExport>& open = exports_[table];
-  if (start || open == nullptr) {
-    absl::Status s = ToAbsl(transport_->OpenExport(table, dim, save_id, base, &open));
-    if (!s.ok()) {
-      exports_.erase(table);
-      return s;
-    }
-  }
-  *slot_floats = open->slot_floats();
-  constexpr size_t kChunk = 65536;
-  size_t got;
-  do {
-    got = open->Next(max_rows ? max_rows - ids->size() : kChunk, ids, values, slots, steps, buckets,
-                     touched);
-  } while (got > 0 && (max_rows == 0 || ids->size() < max_rows));
-  if (!open->error().ok()) {
-    const absl::Status failed = ToAbsl(open->error());
-    exports_.erase(table);
-    return failed;
-  }
-  *base_clock = open->delta() ? int64_t{open->base_clock()} : -1;
-  // The pass ends with the call that finds no row left (so a chunk that took
-  // the last rows is not followed by a fresh pass); a whole export ends at once.
-  if (ids->empty() || max_rows == 0) {
-    *removed = open->Removed();
-    exports_.erase(table);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ClientResource::MarkLoaded(const std::string& table, uint32_t dim,
-                                        const std::string& save_id) {
-  return ToAbsl(transport_->MarkLoaded(table, dim, save_id));
-}
-
-absl::Status ClientResource::Import(const std::string& table, uint32_t dim, const int64_t* ids,
-                                    const float* values, const float* slots, size_t slot_floats,
-                                    const uint32_t* steps, const uint32_t* touched, size_t n) {
-  return ToAbsl(transport_->Import(table, dim, ids, values, slots, slot_floats, steps, touched, n));
-}
-
-absl::Status ClientResource::GetState(const std::string& table, uint32_t dim,
-                                      dlt::TableStateData* state) {
-  return ToAbsl(transport_->GetState(table, dim, state));
-}
-
-absl::Status ClientResource::SetState(const std::string& table, uint32_t dim,
-                                      const dlt::TableStateData& state) {
-  return ToAbsl(transport_->SetState(table, dim, state));
 }
 
 void ClientResource::EnqueuePush(std::function<absl::Status()> work,

@@ -2,7 +2,8 @@
 // through a dlt::Transport: TCP (shard servers elsewhere) or embedded (the
 // same table core in this process, no sockets). It also owns the worker
 // threads remote calls run on, the bounded queue of asynchronous pushes, the
-// client-side counters, and exports in progress (Dlt>ExportChunk).
+// client-side counters. Embedded tables are managed through
+// dlt::EmbeddedShard(), not through it.
 #ifndef TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
 #define TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
 
@@ -50,11 +51,6 @@ class ClientResource : public ResourceBase {
   // is counted as worker_wait).
   void Schedule(std::function<void()> fn);
 
-  // Embedded only: creates a table (a no-op for an identical one).
-  absl::Status CreateTable(const dlt::TableConfig& config);
-  // Embedded only: drops a table (and any export of it in progress).
-  absl::Status DropTable(const std::string& table);
-
   // Blocking pull of `n` ids into `out` ([n, dim]); with `dedup` each
   // distinct id is sent once (dlt::Client::Pull), else the ids should be
   // distinct already. The stats count the ids sent.
@@ -81,31 +77,6 @@ class ClientResource : public ResourceBase {
   // Blocking assignment of `n` rows (fresh slots).
   absl::Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* values, size_t n);
-  // Embedded only: up to `max_rows` rows of `table` with their slots, step
-  // counts and buckets, in (bucket, id) order, continuing the export of
-  // `table` in progress unless `start`; none when it is complete (the
-  // export then ends). `max_rows` 0: every (remaining) row at once.
-  // With a `save_id` (taken when `start`), the pass is that save on top of
-  // `base` (dlt::TableExport): `*base_clock` is the table's clock at the
-  // base when only changed rows are exported (-1: every row), and the call
-  // that ends the pass fills `removed` with the ids removed since the base.
-  absl::Status Export(const std::string& table, uint32_t dim, bool start, size_t max_rows,
-                      const std::string& save_id, const std::string& base,
-                      std::vector<int64_t>* ids, std::vector<float>* values,
-                      std::vector<float>* slots, std::vector<uint32_t>* steps,
-                      std::vector<uint32_t>* buckets, std::vector<uint32_t>* touched,
-                      uint32_t* slot_floats, std::vector<int64_t>* removed, int64_t* base_clock);
-  // Embedded only: the table holds checkpoint `save_id` exactly.
-  absl::Status MarkLoaded(const std::string& table, uint32_t dim, const std::string& save_id);
-  // Embedded only: inserts or overwrites rows with their slots, steps and
-  // last-touched stamps (null: now).
-  absl::Status Import(const std::string& table, uint32_t dim, const int64_t* ids,
-                      const float* values, const float* slots, size_t slot_floats,
-                      const uint32_t* steps, const uint32_t* touched, size_t n);
-  // Embedded only: a table's clock and sketch, and setting them.
-  absl::Status GetState(const std::string& table, uint32_t dim, dlt::TableStateData* state);
-  absl::Status SetState(const std::string& table, uint32_t dim, const dlt::TableStateData& state);
-
   // Starts pulling the distinct ids of a batch (`n` ids, copied) on the
   // worker threads, for a later lookup of the same ids (TakePulledAhead);
   // `refresh` as dlt::PullAhead::Begin.
@@ -183,8 +154,6 @@ class ClientResource : public ResourceBase {
   const ClientResourceOptions options_;
   Counters counters_;
   std::unique_ptr<dlt::Transport> transport_;
-  mutex export_mu_;
-  std::map<std::string, std::unique_ptr<dlt::TableExport>> exports_ TF_GUARDED_BY(export_mu_);
   mutable mutex mu_;
   int inflight_ TF_GUARDED_BY(mu_) = 0;
   std::deque<PendingPush> waiting_ TF_GUARDED_BY(mu_);
