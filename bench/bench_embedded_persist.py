@@ -43,7 +43,9 @@ def _model(dim: int):  # type: ignore[no-untyped-def]
     import tf_dlt
 
     ids = keras.Input(shape=(1,), dtype="int64")
-    layer = tf_dlt.layers.Embedding(output_dim=dim, optimizer="adagrad", name="persist_emb")
+    layer = tf_dlt.layers.Embedding(
+        output_dim=dim, is_distributed=True, optimizer="adagrad", name="persist_emb"
+    )
     model = keras.Model(ids, keras.layers.Flatten()(layer(ids)))
     return model, layer
 
