@@ -24,7 +24,8 @@ import tensorflow as tf
 from tf_dlt import admission as admission_lib
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors, expiry, initializers, optimizers
-from tf_dlt.table_config import TableConfig
+from tf_dlt.memory_policy import MemoryPolicy
+from tf_dlt.table_config import TableConfig, memory_of
 
 from . import keras_settings
 
@@ -172,22 +173,15 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         sync_push: distributed tables: wait for every push to be applied
             before the training step ends (deterministic runs, tests).
         name: layer name.
-        admission: distributed tables: which ids get a row,
-            `tf_dlt.admission.Frequency(min_count)` or
-            `tf_dlt.admission.Probability(p)`; None: every id.
-        unadmitted: distributed tables: what an id without a row reads in
-            training, "zeros" or "initial" (its initial value). Inference
-            reads zeros for it, as for any id without a row.
-        ttl: distributed tables: rows untouched for longer are removed,
-            `tf_dlt.expiry.Pushes(n)` or `tf_dlt.expiry.Seconds(s)`.
-        max_rows: distributed tables: rows per shard; past it the
-            lowest-scoring rows are evicted (0: unbounded).
-        eviction: distributed tables: "lfu" or "lru".
-        value_dtype: distributed tables: how rows are stored, "float32",
-            "bfloat16" or "float16" (float32 in TensorFlow either way).
-        slot_dtype: distributed tables: how optimizer slots are stored.
-        rounding: distributed tables: how 16-bit updates round,
-            "stochastic" or "nearest".
+        memory: distributed tables: the table's memory policy, a
+            `tf_dlt.MemoryPolicy` (admission, what unadmitted ids read in
+            training, expiry, a row bound with its eviction, 16-bit storage)
+            or its config dict; None: none. Inference reads zeros for an id
+            without a row, whatever the policy.
+        admission, unadmitted, ttl, max_rows, eviction, value_dtype,
+            slot_dtype, rounding: the fields of `memory` as keywords, a
+            shorthand for ``memory=tf_dlt.MemoryPolicy.create(...)`` (not
+            both).
     """
 
     def __init__(
@@ -206,17 +200,24 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         sync_push: bool = False,
         name: str | None = None,
         weights: Any = None,
+        memory: MemoryPolicy | dict[str, Any] | None = None,
         admission: admission_lib.AdmissionLike = None,
-        unadmitted: str = "zeros",
+        unadmitted: str | None = None,
         ttl: expiry.Ttl | dict[str, Any] | None = None,
-        max_rows: int = 0,
-        eviction: str = "lfu",
-        value_dtype: str = "float32",
-        slot_dtype: str = "float32",
-        rounding: str = "stochastic",
+        max_rows: int | None = None,
+        eviction: str | None = None,
+        value_dtype: str | None = None,
+        slot_dtype: str | None = None,
+        rounding: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(name=name, **kwargs)
+        shorthand = {
+            "admission": admission, "unadmitted": unadmitted, "ttl": ttl, "max_rows": max_rows,
+            "eviction": eviction, "value_dtype": value_dtype, "slot_dtype": slot_dtype,
+            "rounding": rounding,
+        }  # fmt: skip
+        self.memory = memory_of(memory, **{k: v for k, v in shorthand.items() if v is not None})
         if output_dim is None or isinstance(output_dim, bool) or int(output_dim) < 1:
             raise ValueError(f"output_dim must be a positive int, got {output_dim!r}")
         if input_dim is not None and (isinstance(input_dim, bool) or int(input_dim) < 1):
@@ -246,16 +247,6 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # None: the table follows the compiled Keras optimizer.
         self.optimizer = None if optimizer is None else optimizers.get(optimizer)
         self.seed = seed
-        self.memory_policy: dict[str, Any] = {
-            "admission": admission_lib.get(admission),
-            "unadmitted": unadmitted,
-            "ttl": expiry.get(ttl),
-            "max_rows": max_rows,
-            "eviction": eviction,
-            "value_dtype": value_dtype,
-            "slot_dtype": slot_dtype,
-            "rounding": rounding,
-        }
         self.initial_weights = _initial_weights(weights, self.input_dim, self.output_dim)
         if self.initial_weights is not None and self.input_dim is None:
             self.input_dim = len(self.initial_weights)
@@ -269,14 +260,15 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 initializer,
                 self.optimizer or optimizers.SGD(),  # until the model's is known
                 seed if seed is not None else (keras_seed or 0),
-                **self.memory_policy,
+                self.memory,
             )
             # The ops have no XLA kernels: Keras turns jit_compile "auto" off.
             self.supports_jit = False
-        elif TableConfig.create("local", 1, **self.memory_policy).has_policy:
+        elif not self.memory.is_default:
             raise ValueError(
-                "admission, unadmitted, ttl, max_rows, eviction, value_dtype, slot_dtype and "
-                "rounding apply to distributed tables (is_distributed=True)"
+                "a memory policy (memory=, or admission, unadmitted, ttl, max_rows, eviction, "
+                "value_dtype, slot_dtype, rounding) applies to distributed tables "
+                "(is_distributed=True)"
             )
         self.client: ops.ClientResource | None = None
         # Set while a serving graph is traced: its lookups must not wait for
@@ -578,16 +570,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             seed=self.seed,
             table_name=self.table_name,
             sync_push=self.sync_push,
-            **self.policy_config(),
+            memory=self.memory.get_config(),
         )
         return config
-
-    def policy_config(self) -> dict[str, Any]:
-        """The memory-policy arguments in their config (JSON) form."""
-        policy = dict(self.memory_policy)
-        policy["admission"] = admission_lib.to_config(policy["admission"])
-        policy["ttl"] = expiry.to_config(policy["ttl"])
-        return policy
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Embedding:

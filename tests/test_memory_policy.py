@@ -167,8 +167,8 @@ def test_checkpoint_keeps_every_option_across_shard_counts(
     with three.client() as client:
         client.load(str(tmp_path / "ck"))
         info = client.list_tables()["ck"]
-        assert info["config"].admission == policy["admission"]
-        assert info["config"].value_dtype == value_dtype
+        assert info["config"].memory.admission == policy["admission"]
+        assert info["config"].memory.value_dtype == value_dtype
         np.testing.assert_array_equal(_rows(client, "ck", ids), saved)
         client.push("ck", pending, grads[:10], learning_rate=0.1)  # third push: admitted
         assert np.all(np.any(_rows(client, "ck", pending) != 0, axis=1))
@@ -206,7 +206,9 @@ def test_keras_layer_with_a_policy_trains_saves_and_restores(tmp_path: Path) -> 
     model = build()
     layer = model.get_layer("pol_emb")
     config = layer.get_config()
-    assert config["admission"] == {"kind": "frequency", "min_count": 2, "sketch_bytes": 1 << 20}
+    assert config["memory"]["admission"] == {
+        "kind": "frequency", "min_count": 2, "sketch_bytes": 1 << 20
+    }  # fmt: skip
     assert tf_dlt.layers.Embedding.from_config(config).table_config == layer.table_config
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (64, 3)).astype(np.int64)
@@ -228,8 +230,76 @@ def test_keras_layer_with_a_policy_trains_saves_and_restores(tmp_path: Path) -> 
     assert {900, 901, 902} <= set(ids_after.tolist())
 
 
+def test_memory_policy_is_one_object_for_configs_clients_and_layers(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A tf_dlt.MemoryPolicy given as memory= makes the same table as its
+    fields given as keywords, in TableConfig.create, Client.create_table and
+    the layer (whose config round-trips it); the two forms together are
+    refused, and each field's names are the native core's."""
+    from tf_dlt import _native, memory_policy
+
+    fields = dict(
+        admission=admission.Frequency(min_count=3), unadmitted="initial",
+        ttl=expiry.Pushes(50), max_rows=8192, eviction="lru", value_dtype="float16",
+        slot_dtype="bfloat16", rounding="nearest",
+    )  # fmt: skip
+    policy = tf_dlt.MemoryPolicy.create(**fields)
+    assert tf_dlt.MemoryPolicy.get(policy.get_config()) == policy
+    assert tf_dlt.MemoryPolicy.from_dict(policy.to_dict()) == policy
+    flat = tf_dlt.TableConfig.create("mp", DIM, "zeros", "adagrad", **fields)  # type: ignore[arg-type]
+    nested = tf_dlt.TableConfig.create("mp", DIM, "zeros", "adagrad", memory=policy)
+    assert flat == nested and nested.memory == policy
+    assert tf_dlt.TableConfig.from_dict(nested.to_dict()).same_table(nested)
+    with pytest.raises(ValueError, match="not both"):
+        tf_dlt.TableConfig.create("mp", DIM, memory=policy, max_rows=4096)
+    with pytest.raises(ValueError, match="unknown memory policy arguments"):
+        tf_dlt.TableConfig.create("mp", DIM, max_row=4096)
+
+    layer = tf_dlt.layers.Embedding(
+        output_dim=DIM, is_distributed=True, optimizer="adagrad", embeddings_initializer="zeros",
+        memory=policy, name="mp",
+    )  # fmt: skip
+    assert layer.table_config == nested
+    again = tf_dlt.layers.Embedding.from_config(layer.get_config())
+    assert again.memory == policy and again.table_config.same_table(nested)
+    shorthand = tf_dlt.layers.Embedding(
+        output_dim=DIM, is_distributed=True, optimizer="adagrad", embeddings_initializer="zeros",
+        name="mp", **fields,
+    )  # fmt: skip
+    assert shorthand.table_config == nested
+    with pytest.raises(ValueError, match="not both"):
+        tf_dlt.layers.Embedding(
+            output_dim=DIM, is_distributed=True, memory=policy, rounding="nearest"
+        )
+
+    cluster = start_cluster(1)
+    with cluster.client() as client:
+        client.create_table("mp", DIM, "zeros", "adagrad", memory=policy)
+        assert client.list_tables()["mp"]["config"].memory == policy
+        client.create_table("mp", DIM, "zeros", "adagrad", **fields)  # the same table: no-op
+
+    for field in ("unadmitted", "eviction", "value_dtype", "slot_dtype", "rounding"):
+        assert memory_policy.choices(field) == tuple(_native.POLICY_CHOICES[field])
+
+
+def test_capacity_reads_the_record_layout_from_the_core() -> None:
+    from tf_dlt import _native
+    from tf_dlt.tools import capacity
+
+    for optimizer in _native.OPTIMIZER_SLOTS:
+        for value_dtype in _native.DTYPE_BYTES:
+            for slot_dtype in _native.DTYPE_BYTES:
+                config = tf_dlt.TableConfig.create(
+                    "plan", 12, optimizer=optimizer, value_dtype=value_dtype, slot_dtype=slot_dtype
+                )
+                table = _native.Table(config.to_dict())
+                got = capacity.raw_record_bytes(12, optimizer, value_dtype, slot_dtype)
+                assert got == table.record_bytes, (optimizer, value_dtype, slot_dtype)
+
+
 def test_policy_arguments_are_validated() -> None:
-    with pytest.raises(ValueError, match="apply to distributed tables"):
+    with pytest.raises(ValueError, match="applies to distributed tables"):
         tf_dlt.layers.Embedding(10, DIM, admission=admission.Probability(0.5))
     with pytest.raises(ValueError, match=r"min_count must be an int in \[1, 255\]"):
         admission.Frequency(min_count=0)
@@ -324,8 +394,8 @@ def test_transpiled_filtered_table_exports_what_predict_serves(
     model = tf_dlt.transpile(model, cluster.addresses)
     with cluster.client() as client:
         config = client.list_tables()["filt"]["config"]
-    assert config.admission == admission.Frequency(min_count=2)
-    assert config.value_dtype == "bfloat16"
+    assert config.memory.admission == admission.Frequency(min_count=2)
+    assert config.memory.value_dtype == "bfloat16"
     rng = np.random.default_rng(0)
     frequent = np.tile(np.arange(20).reshape(10, 2), (4, 1))  # each id in 4 batches
     rare = 1000 + np.arange(16).reshape(8, 2)  # each id once

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
-    from tf_dlt import admission, errors, expiry, initializers, optimizers, routing
+    from tf_dlt import admission, embedded, errors, expiry, initializers, optimizers, routing
     from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
     from tf_dlt.client import Client
     from tf_dlt.cluster import ClusterSpec, cluster_from_env
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tf_dlt.keras.pull_ahead import pull_ahead
     from tf_dlt.keras.recovery import resilient_fit, wait_for_shards
     from tf_dlt.keras.row_cache import hot_row_cache
+    from tf_dlt.memory_policy import MemoryPolicy
     from tf_dlt.table_config import TableConfig
 
 _LAZY = {
@@ -31,6 +32,7 @@ _LAZY = {
     "ClientMetrics": ("tf_dlt.keras.client_metrics", "ClientMetrics"),
     "ClusterSpec": ("tf_dlt.cluster", "ClusterSpec"),
     "DenseOnShards": ("tf_dlt.keras.dense_sync", "DenseOnShards"),
+    "MemoryPolicy": ("tf_dlt.memory_policy", "MemoryPolicy"),
     "cluster_from_env": ("tf_dlt.cluster", "cluster_from_env"),
     "TableConfig": ("tf_dlt.table_config", "TableConfig"),
     "admission": ("tf_dlt.admission", None),
@@ -58,6 +60,7 @@ __all__ = [
     "ClientMetrics",
     "ClusterSpec",
     "DenseOnShards",
+    "MemoryPolicy",
     "ModelCheckpoint",
     "TableConfig",
     "__version__",

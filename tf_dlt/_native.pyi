@@ -9,11 +9,18 @@ NUM_BUCKETS: int
 STRIPES: int
 PROTOCOL_VERSION: int
 DEFAULT_MAX_FRAME_BYTES: int
+PULL_MODES: dict[str, int]
+POLICY_CHOICES: dict[str, list[str]]
+OPTIMIZER_SLOTS: dict[str, int]
+DTYPE_BYTES: dict[str, int]
+RECORD_HEADER_BYTES: int
+GENERATION_BYTES: int
 
 def bucket_of(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]: ...
 def validate_table_config(config: dict[str, Any]) -> dict[str, Any]: ...
 def encode_table_config(config: dict[str, Any]) -> str: ...
 def latency_bucket_bounds_us() -> list[float]: ...
+def record_bytes(config: dict[str, Any]) -> int: ...
 
 class Exporter:
     def next(

@@ -20,11 +20,13 @@ from google.protobuf import json_format
 
 from tf_dlt import _native, errors, grpc_util, initializers, optimizers, tls
 from tf_dlt.checkpoint import manifest
+from tf_dlt.memory_policy import MemoryPolicy
 from tf_dlt.progress import Progress
 from tf_dlt.table_config import TableConfig
 from tf_dlt.tls import TlsConfig
 
-_PULL_MODES = {"init": 1, "zeros": 2}
+# What an inference pull reads for an id without a row.
+_PULL_MODES = {name: _native.PULL_MODES[name] for name in ("init", "zeros")}
 
 
 # Counters of a table's memory policy, as list_tables sums them.
@@ -173,14 +175,15 @@ class Client:
         initializer: initializers.InitializerLike = "uniform",
         optimizer: optimizers.OptimizerLike = "sgd",
         seed: int = 0,
+        memory: MemoryPolicy | dict[str, Any] | None = None,
         **policy: Any,
     ) -> TableConfig:
         """Creates a table on every shard (a no-op where an identical one
-        exists; ALREADY_EXISTS where a different one does). `policy`: the
-        memory-policy arguments of `TableConfig.create` (admission,
-        unadmitted, ttl, max_rows, eviction, value_dtype, slot_dtype,
-        rounding)."""
-        config = TableConfig.create(name, dim, initializer, optimizer, seed, **policy)
+        exists; ALREADY_EXISTS where a different one does). `memory`: its
+        `tf_dlt.MemoryPolicy`; `policy`: the same fields as keywords
+        (admission, unadmitted, ttl, max_rows, eviction, value_dtype,
+        slot_dtype, rounding), as `TableConfig.create` takes them."""
+        config = TableConfig.create(name, dim, initializer, optimizer, seed, memory, **policy)
         return self.create_table_from_config(config)
 
     def create_table_from_config(self, config: TableConfig) -> TableConfig:

@@ -9,28 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tf_dlt import admission as admission_lib
-from tf_dlt import errors, expiry, initializers, optimizers
+from tf_dlt import errors, initializers, optimizers
+from tf_dlt.memory_policy import FIELDS as MEMORY_FIELDS
+from tf_dlt.memory_policy import MemoryPolicy, as_float32
 
 if TYPE_CHECKING:
     from tf_dlt.proto import dlt_pb2
-
-
-def _as_float32(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: (float(np.float32(v)) if isinstance(v, float) else v) for k, v in fields.items()}
-
-
-# Choices of the policy's named fields (the first is the default).
-UNADMITTED = ("zeros", "initial")
-EVICTION = ("lfu", "lru")
-DTYPES = ("float32", "bfloat16", "float16")
-ROUNDING = ("stochastic", "nearest")
-
-
-def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise errors.InvalidArgumentError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,20 +27,8 @@ class TableConfig:
         initializer: how unseen rows start (name or `tf_dlt.initializers`).
         optimizer: server-side update_method (name or `tf_dlt.optimizers`).
         seed: seed of the deterministic initializer.
-        admission: which ids get a row (`tf_dlt.admission`; every id by
-            default).
-        unadmitted: what an id without a row reads: "zeros" or "initial"
-            (its initial value).
-        ttl: rows untouched for longer are removed (`tf_dlt.expiry.Pushes`
-            or `tf_dlt.expiry.Seconds`); None keeps them.
-        max_rows: rows per shard; past it the lowest-scoring rows are
-            evicted (0: unbounded).
-        eviction: "lfu" (fewest updates, then oldest) or "lru" (oldest).
-        value_dtype: how values are stored: "float32", "bfloat16" or
-            "float16" (always float32 on the wire and in TensorFlow).
-        slot_dtype: how optimizer slots are stored, the same choices.
-        rounding: how 16-bit updates round: "stochastic" (unbiased,
-            deterministic per seed, id and update) or "nearest".
+        memory: the memory policy (`tf_dlt.MemoryPolicy`): admission,
+            expiry, a row bound and 16-bit storage; none by default.
     """
 
     name: str
@@ -66,14 +38,7 @@ class TableConfig:
     )
     optimizer: optimizers.Optimizer = dataclasses.field(default_factory=optimizers.SGD)
     seed: int = 0
-    admission: admission_lib.Admission = dataclasses.field(default_factory=admission_lib.All)
-    unadmitted: str = "zeros"
-    ttl: expiry.Ttl | None = None
-    max_rows: int = 0
-    eviction: str = "lfu"
-    value_dtype: str = "float32"
-    slot_dtype: str = "float32"
-    rounding: str = "stochastic"
+    memory: MemoryPolicy = dataclasses.field(default_factory=MemoryPolicy)
 
     @classmethod
     def create(
@@ -83,16 +48,13 @@ class TableConfig:
         initializer: initializers.InitializerLike = "uniform",
         optimizer: optimizers.OptimizerLike = "sgd",
         seed: int = 0,
-        admission: admission_lib.AdmissionLike = None,
-        unadmitted: str = "zeros",
-        ttl: expiry.Ttl | None = None,
-        max_rows: int = 0,
-        eviction: str = "lfu",
-        value_dtype: str = "float32",
-        slot_dtype: str = "float32",
-        rounding: str = "stochastic",
+        memory: MemoryPolicy | dict[str, Any] | None = None,
+        **policy: Any,
     ) -> TableConfig:
-        """Builds and validates a config from names or objects."""
+        """Builds and validates a config from names or objects. `policy`:
+        the fields of `memory` as keywords (admission, unadmitted, ttl,
+        max_rows, eviction, value_dtype, slot_dtype, rounding), a shorthand
+        for ``memory=MemoryPolicy.create(...)``; not both."""
         if not isinstance(name, str):
             raise errors.InvalidArgumentError(f"table name must be a str, got {name!r}")
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
@@ -105,26 +67,13 @@ class TableConfig:
             raise errors.InvalidArgumentError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if not 1 <= int(dim) <= 65536:
             raise errors.InvalidArgumentError(f"dim must be in [1, 65536], got {dim}")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)):
-            raise errors.InvalidArgumentError(f"max_rows must be an int >= 0, got {max_rows!r}")
-        if max_rows != 0 and not 4096 <= max_rows <= 2**40:
-            raise errors.InvalidArgumentError(
-                f"max_rows must be 0 (unbounded) or in [4096, 2**40], got {max_rows!r}"
-            )
         config = cls(
             name=name,
             dim=int(dim),
             initializer=initializers.get(initializer),
             optimizer=optimizers.get(optimizer),
             seed=int(seed),
-            admission=admission_lib.get(admission),
-            unadmitted=_choice("unadmitted", unadmitted, UNADMITTED),
-            ttl=expiry.get(ttl),
-            max_rows=int(max_rows),
-            eviction=_choice("eviction", eviction, EVICTION),
-            value_dtype=_choice("value_dtype", value_dtype, DTYPES),
-            slot_dtype=_choice("slot_dtype", slot_dtype, DTYPES),
-            rounding=_choice("rounding", rounding, ROUNDING),
+            memory=memory_of(memory, **policy),
         )
         config.validate()
         return config
@@ -136,29 +85,13 @@ class TableConfig:
         _native.validate_table_config(self.to_dict())
 
     def policy(self) -> dict[str, Any]:
-        """The memory policy as the config dict's "policy" part: every field,
-        the unused ones at their defaults."""
-        policy: dict[str, Any] = {
-            "admission": "all",
-            "min_count": 1,
-            "sketch_bytes": 0,
-            "probability": 1.0,
-            "unadmitted": self.unadmitted,
-            "clock": self.ttl.clock if self.ttl else "pushes",
-            "ttl": self.ttl.amount if self.ttl else 0,
-            "max_rows": self.max_rows,
-            "eviction": self.eviction,
-            "value_dtype": self.value_dtype,
-            "slot_dtype": self.slot_dtype,
-            "rounding": self.rounding,
-        }
-        policy.update(self.admission.policy_fields())
-        return _as_float32(policy)
+        """The memory policy as the config dict's "policy" part."""
+        return self.memory.to_dict()
 
     @property
     def has_policy(self) -> bool:
         """True when any part of the memory policy differs from the default."""
-        return self.policy() != TableConfig(self.name, self.dim).policy()
+        return not self.memory.is_default
 
     def to_dict(self) -> dict[str, Any]:
         """The plain-dict form the native core and checkpoints use."""
@@ -166,28 +99,20 @@ class TableConfig:
             "name": self.name,
             "dim": self.dim,
             "seed": self.seed,
-            "initializer": _as_float32(self.initializer.to_dict()),
-            "optimizer": _as_float32(self.optimizer.to_dict()),
+            "initializer": as_float32(self.initializer.to_dict()),
+            "optimizer": as_float32(self.optimizer.to_dict()),
             "policy": self.policy(),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TableConfig:
-        p = {k: v for k, v in dict(d.get("policy") or {}).items() if v not in ("", None)}
         return cls(
             name=str(d["name"]),
             dim=int(d["dim"]),
             seed=int(d["seed"]),
             initializer=initializers.get(dict(d["initializer"])),
             optimizer=optimizers.get(dict(d["optimizer"])),
-            admission=admission_lib.from_policy(p),
-            unadmitted=str(p.get("unadmitted", "zeros")),
-            ttl=expiry.from_policy(str(p.get("clock", "pushes")), int(p.get("ttl", 0))),
-            max_rows=int(p.get("max_rows", 0)),
-            eviction=str(p.get("eviction", "lfu")),
-            value_dtype=str(p.get("value_dtype", "float32")),
-            slot_dtype=str(p.get("slot_dtype", "float32")),
-            rounding=str(p.get("rounding", "stochastic")),
+            memory=MemoryPolicy.from_dict(d.get("policy")),
         )
 
     def same_table(self, other: TableConfig) -> bool:
@@ -216,6 +141,21 @@ class TableConfig:
         )
         d["seed"] = int(d.get("seed", 0))
         return cls.from_dict(d)
+
+
+def memory_of(memory: MemoryPolicy | dict[str, Any] | None = None, **policy: Any) -> MemoryPolicy:
+    """The policy `memory` names, or the one its fields given as keywords
+    make (never both)."""
+    unknown = set(policy) - set(MEMORY_FIELDS)
+    if unknown:
+        raise errors.InvalidArgumentError(
+            f"unknown memory policy arguments {sorted(unknown)}; known: {list(MEMORY_FIELDS)}"
+        )
+    if memory is not None and policy:
+        raise errors.InvalidArgumentError(
+            f"give the memory policy as memory= or as its fields ({sorted(policy)}), not both"
+        )
+    return MemoryPolicy.get(memory) if memory is not None else MemoryPolicy.create(**policy)
 
 
 def normalized(config: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "native/core/disk_tier.h"
+#include "native/core/pull_mode.h"
 #include "native/core/routing.h"
 #include "native/core/sketch.h"
 #include "native/core/status.h"
@@ -23,21 +24,6 @@
 
 namespace dlt {
 
-// What a pull does with an id the table does not hold yet.
-enum class PullMode : uint8_t {
-  kInsert = 0,         // training: create the row with its initial value
-  kInitNoInsert = 1,   // inference: return the initial value, insert nothing
-  kZerosNoInsert = 2,  // inference: return zeros, insert nothing
-  // A row with its optimizer state (a trainer's hot-row cache fills from
-  // it): StateFloats(dim, slots) floats per id, inserting nothing; see
-  // Table::Pull.
-  kState = 3,
-};
-
-// Floats per row of a kState pull: the values, the optimizer slots, and
-// the row's step as the bits of a uint32 (kNoState: the table holds no
-// row for the id in RAM; values and slots are then zeros).
-inline uint32_t StateFloats(uint32_t dim, uint32_t slot_floats) { return dim + slot_floats + 1; }
 inline constexpr uint32_t kNoState = 0xffffffffu;
 
 inline constexpr uint32_t kStripes = 64;
@@ -105,6 +91,13 @@ class Table {
   uint32_t dim() const { return config_.dim; }
   // Optimizer slot floats per row (SlotsPerValue * dim).
   uint32_t slot_floats() const { return slot_floats_; }
+
+  // A record: a header (update count and last-touched stamp), the values,
+  // then the optimizer slots, 8-byte aligned; beside it, the generation of
+  // its last write (change tracking). tools/capacity.py plans with these.
+  static constexpr size_t kRecordHeaderBytes = 8;
+  static constexpr size_t kGenerationBytes = 2;
+  static size_t RecordBytes(const TableConfig& config);
 
   // Writes the rows of `ids[0..n)` to `out` ([n, dim]). Thread-safe. In
   // training mode (kInsert) an absent id gets a row only when admission

@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "native/core/pull_mode.h"
 #include "native/core/status.h"
-#include "native/core/table.h"
 #include "native/net/buffer.h"
 #include "native/net/wire.h"
 

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "native/core/dedup.h"
-#include "native/core/table.h"
+#include "native/core/pull_mode.h"
 
 namespace dlt {
 

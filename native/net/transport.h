@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "native/core/pull_mode.h"
 #include "native/core/status.h"
-#include "native/core/table.h"
 #include "native/net/client.h"
 
 namespace dlt {

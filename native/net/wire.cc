@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "native/core/table_config.h"
+
 namespace dlt {
 namespace wire {
 namespace {

@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "native/core/pull_mode.h"
 #include "native/core/status.h"
-#include "native/core/table.h"
 
 namespace dlt {
 namespace wire {

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -281,6 +282,34 @@ PYBIND11_MODULE(_native, m) {
   m.attr("STRIPES") = kStripes;
   m.attr("PROTOCOL_VERSION") = static_cast<int>(wire::kVersion);
   m.attr("DEFAULT_MAX_FRAME_BYTES") = wire::kDefaultMaxFrameBytes;
+  // The core's names and layout, so Python never copies them.
+  py::dict pull_modes;
+  for (size_t i = 0; i < std::size(kPullModeNames); ++i) pull_modes[kPullModeNames[i]] = i;
+  m.attr("PULL_MODES") = pull_modes;
+  py::dict policy_choices;
+  for (const PolicyField& f : kPolicyFields) {
+    if (f.values == nullptr) continue;
+    py::list names;
+    for (uint32_t i = 0; i < f.num_values; ++i) names.append(f.values[i]);
+    policy_choices[f.name] = names;
+  }
+  m.attr("POLICY_CHOICES") = policy_choices;
+  py::dict optimizer_slots;
+  for (uint32_t k = 0; k <= static_cast<uint32_t>(OptimizerKind::kKerasAdagrad); ++k) {
+    const auto kind = static_cast<OptimizerKind>(k);
+    optimizer_slots[OptimizerName(kind)] = SlotsPerValue(kind);
+  }
+  m.attr("OPTIMIZER_SLOTS") = optimizer_slots;
+  py::dict dtype_bytes;
+  for (uint32_t d = 0; d < std::size(kDtypeNames); ++d) dtype_bytes[kDtypeNames[d]] = DtypeBytes(d);
+  m.attr("DTYPE_BYTES") = dtype_bytes;
+  m.attr("RECORD_HEADER_BYTES") = Table::kRecordHeaderBytes;
+  m.attr("GENERATION_BYTES") = Table::kGenerationBytes;
+  m.def("record_bytes", [](const py::dict& d) {
+    const TableConfig c = ConfigFromDict(d);
+    Check(ValidateTableConfig(c));
+    return Table::RecordBytes(c);
+  });
 
   m.def("bucket_of", [](const IdArray& ids) {
     CheckIds(ids);

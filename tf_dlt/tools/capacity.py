@@ -23,17 +23,18 @@ from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
-from tf_dlt import sizes
+from tf_dlt import _native, sizes
+from tf_dlt.checkpoint import shard_files
+from tf_dlt.table_config import TableConfig
 
 DATA = Path(__file__).parent / "data" / "capacity.json"
-SLOTS = {"sgd": 0, "adagrad": 1, "keras_adagrad": 1, "adam": 2, "ftrl": 2}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-HEADER_BYTES = 8  # update count and last-touched stamp
-# Per row beside its record: the generation of its last write (delta
+# The core's record layout (native/core/table.h): optimizer slots per value,
+# bytes per stored value, a record's header (update count and last-touched
+# stamp) and, beside each record, the generation of its last write (delta
 # checkpoints' change tracking).
-GENERATION_BYTES = 2
-# A checkpoint row besides its values and slots: id, update count, stamp.
-FILE_ROW_BYTES = 16
+SLOTS = _native.OPTIMIZER_SLOTS
+DTYPE_BYTES = _native.DTYPE_BYTES
+GENERATION_BYTES = _native.GENERATION_BYTES
 # The disk tier (docs/tiered_storage.md): a cold row keeps a 16-bit
 # fingerprint and a 16-bit generation per slot in RAM, and takes an 8-byte id
 # plus its record on disk; tier files double when 3/4 full, so slots are
@@ -60,10 +61,10 @@ def raw_record_bytes(
     for dtype in (value_dtype, slot_dtype):
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtypes must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    raw = HEADER_BYTES + dim * (
-        DTYPE_BYTES[value_dtype] + DTYPE_BYTES[slot_dtype] * SLOTS[optimizer]
+    config = TableConfig.create(
+        "plan", dim, optimizer=optimizer, value_dtype=value_dtype, slot_dtype=slot_dtype
     )
-    return -(-raw // 8) * 8
+    return _native.record_bytes(config.to_dict())
 
 
 def index_bytes_per_row() -> float:
@@ -91,8 +92,9 @@ def checkpoint_bytes_per_row(dim: int, optimizer: str) -> float:
     """Bytes one row takes in a checkpoint (float32 values and slots, id,
     count and stamp), scaled from the measured figure."""
     f = figures()
-    measured = FILE_ROW_BYTES + 4 * int(f["dim"]) * (1 + SLOTS[str(f["optimizer"])])
-    mine = FILE_ROW_BYTES + 4 * dim * (1 + SLOTS[optimizer])
+    f_dim = int(f["dim"])
+    measured = shard_files.file_row_bytes(f_dim, f_dim * SLOTS[str(f["optimizer"])])
+    mine = shard_files.file_row_bytes(dim, dim * SLOTS[optimizer])
     return float(f["checkpoint_bytes_per_row"]) * mine / measured
 
 

@@ -1,0 +1,157 @@
+// A table's memory policy: admission (probability, frequency sketch),
+// eviction (LFU/LRU scores) and expiry (ttl).
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "native/core/initializer.h"
+#include "native/core/table.h"
+#include "native/core/table_stripe.h"
+
+namespace dlt {
+
+uint64_t Table::Score(const char* record, uint32_t now) const {
+  const auto* h = reinterpret_cast<const RowHeader*>(record);
+  const uint32_t age = now - h->touched;
+  // Lowest first: fewest updates (LFU), then longest untouched.
+  const uint64_t recency = 0xffffffffu - age;
+  const bool lfu = config_.policy.eviction == static_cast<uint64_t>(EvictionKind::kLfu);
+  return lfu ? (uint64_t{h->step} << 32) | recency : recency;
+}
+
+std::vector<int64_t> Table::Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored, size_t want) {
+  want = std::min(want, scored->size());
+  std::vector<int64_t> keys;
+  if (want == 0) return keys;
+  std::nth_element(scored->begin(), scored->begin() + (want - 1), scored->end());
+  keys.reserve(want);
+  for (size_t v = 0; v < want; ++v) keys.push_back((*scored)[v].second);
+  return keys;
+}
+
+bool Table::ProbabilityAdmits(int64_t id) const {
+  const uint64_t bits = Mix64(Mix64(config_.seed ^ kAdmitSalt) ^ static_cast<uint64_t>(id));
+  return static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0) <
+         static_cast<double>(config_.policy.probability);
+}
+
+bool Table::AdmitOnPush(uint64_t hash, int64_t id, std::vector<uint64_t>* counted) {
+  switch (static_cast<AdmissionKind>(config_.policy.admission)) {
+    case AdmissionKind::kAll:
+      return true;
+    case AdmissionKind::kProbability:
+      return ProbabilityAdmits(id);
+    case AdmissionKind::kFrequency:
+      break;
+  }
+  // Count each id once per push: `counted` is an open-addressing set of
+  // hashes (0 marks a free cell; a hash of 0 is stored as 1, which at worst
+  // merges two ids' counts in one push).
+  const uint64_t h = hash == 0 ? 1 : hash;
+  const size_t mask = counted->size() - 1;
+  size_t i = (h >> 7) & mask;
+  while ((*counted)[i] != 0) {
+    if ((*counted)[i] == h) return false;  // counted (and refused) earlier in this push
+    i = (i + 1) & mask;
+  }
+  (*counted)[i] = h;
+  return sketch_->Add(hash) >= config_.policy.min_count;
+}
+
+void Table::Unadmitted(int64_t id, float* out) const {
+  if (config_.policy.unadmitted == static_cast<uint64_t>(UnadmittedValue::kInitial)) {
+    InitializeRow(config_.initializer, config_.seed, id, config_.dim, out);
+  } else {
+    std::memset(out, 0, sizeof(float) * config_.dim);
+  }
+}
+
+void Table::EvictFrom(Stripe* stripe, uint32_t now) {
+  const uint64_t quota = stripe_quota_[stripe - stripes_.get()];
+  if (stripe->live <= quota) return;
+  // Evict a little below the quota, so eviction runs once per many inserts.
+  const uint64_t slack = quota / 32;
+  const size_t want = static_cast<size_t>(stripe->live - quota + slack);
+  thread_local std::vector<std::pair<uint64_t, int64_t>> scored;  // (score, key)
+  scored.clear();
+  for (const IndexEntry& e : stripe->index) {
+    if (e.record == kEmpty) continue;
+    scored.emplace_back(Score(stripe->Record(e.record, record_bytes_), now), e.key);
+  }
+  evicted_.fetch_add(EraseFrom(stripe, Lowest(&scored, want)), std::memory_order_relaxed);
+}
+
+size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
+                     std::atomic<uint64_t>* counter) {
+  if (min_count == 0 && unseen_for == 0) return 0;
+  size_t removed = 0;
+  std::vector<int64_t> victims;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    Stripe& stripe = stripes_[s];
+    // A slice of the index per lock hold. Entries a removal shifts into an
+    // examined slice, or an index growth between holds, can hide a row
+    // from this pass; the next pass takes it.
+    for (size_t begin = 0;; begin += kRemovalSlots) {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      if (begin >= stripe.index.size()) break;
+      const size_t end = std::min(stripe.index.size(), begin + kRemovalSlots);
+      victims.clear();
+      for (size_t i = begin; i < end; ++i) {
+        const IndexEntry& e = stripe.index[i];
+        if (e.record == kEmpty) continue;
+        const auto* h = reinterpret_cast<const RowHeader*>(stripe.Record(e.record, record_bytes_));
+        const bool rare = min_count != 0 && h->step < min_count;
+        const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
+        if (rare || stale) victims.push_back(e.key);
+      }
+      removed += EraseFrom(&stripe, victims);
+    }
+    // Cold rows: each batch of pages is read and judged under the lock.
+    const Status read = ForEachCold(
+        &stripe, [&] { return std::unique_lock<std::shared_mutex>(stripe.mu); },
+        [&](uint32_t slot, int64_t key, const char* record) {
+          const auto* h = reinterpret_cast<const RowHeader*>(record);
+          const bool rare = min_count != 0 && h->step < min_count;
+          const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
+          if (!rare && !stale) return;
+          EraseCold(&stripe, slot, key);
+          ++removed;
+        });
+    if (!read.ok()) SetTierError(read.message());
+  }
+  counter->fetch_add(removed, std::memory_order_relaxed);
+  return removed;
+}
+
+size_t Table::Shrink(uint64_t min_count, uint64_t unseen_for, uint32_t now) {
+  return Remove(min_count, unseen_for, now, &shrunk_);
+}
+
+size_t Table::Expire(uint32_t now) { return Remove(0, config_.policy.ttl, now, &expired_); }
+
+bool Table::SketchHolds(uint32_t first_bucket, uint32_t end_bucket) const {
+  return sketch_ != nullptr && first_bucket >= first_bucket_ && end_bucket <= end_bucket_ &&
+         first_bucket <= end_bucket;
+}
+
+void Table::ReadSketch(uint32_t bucket, uint8_t* counters, uint32_t* added) const {
+  std::shared_lock<std::shared_mutex> lock(stripes_[stripe_of_bucket_[bucket]].mu);
+  sketch_->ReadSlice(bucket, counters, added);
+}
+
+void Table::WriteSketch(uint32_t bucket, const uint8_t* counters, uint32_t added) {
+  std::unique_lock<std::shared_mutex> lock(stripes_[stripe_of_bucket_[bucket]].mu);
+  sketch_->WriteSlice(bucket, counters, added);
+}
+
+uint32_t Table::SketchEstimate(int64_t id) const {
+  if (!sketch_) return 0;
+  const uint64_t hash = Mix64(static_cast<uint64_t>(id));
+  std::shared_lock<std::shared_mutex> lock(stripes_[StripeOf(hash)].mu);
+  return sketch_->Estimate(hash);
+}
+
+}  // namespace dlt

@@ -1,0 +1,319 @@
+// Private to the table's own sources (table.cc, table_tier.cc,
+// table_policy.cc, table_export.cc): a stripe's layout (index, arena,
+// removal log, disk tier), the record layout and the constants they share.
+// Nothing else includes it.
+#ifndef TF_DLT_NATIVE_CORE_TABLE_STRIPE_H_
+#define TF_DLT_NATIVE_CORE_TABLE_STRIPE_H_
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <shared_mutex>
+#include <vector>
+
+#include "native/core/table.h"
+
+namespace dlt {
+
+constexpr uint32_t kEmpty = 0xffffffffu;
+// Records in the first arena chunk of a stripe; chunk k holds kBase << k.
+constexpr uint32_t kBaseRecordsLog2 = 6;
+constexpr uint32_t kMaxChunks = 32;
+constexpr size_t kHugePage = size_t{2} << 20;
+// Prefetch distances (in ids) of the batched lookup's index probes and row copies.
+constexpr uint32_t kProbeAhead = 32;
+constexpr uint32_t kCopyAhead = 8;
+// Rows ahead whose record and gradient a push prefetches.
+constexpr uint32_t kApplyAhead = 2;
+// Index slots a removal pass examines per hold of a stripe's lock.
+constexpr size_t kRemovalSlots = 8192;
+// Disk tier pages a pass over cold rows reads per hold of a stripe's lock,
+// and rows a demotion writes per hold.
+constexpr uint32_t kColdPagesPerHold = 32;
+constexpr size_t kDemoteBatch = 256;
+// Milliseconds a push waits at most for the memory keeper while the RAM
+// rows are far past their limit (back-pressure instead of memory growth).
+constexpr int kRoomWaits = 100;
+// Salts of the per-id random streams (initial rows use their own).
+constexpr uint64_t kAdmitSalt = 0x243f6a8885a308d3ULL;
+constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;
+constexpr uint64_t kSlotRoundSalt = 0xa4093822299f31d0ULL;
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
+
+// A record: this header, then the values, then the optimizer slots. The
+// id lives in the index entry that points at the record.
+struct RowHeader {
+  uint32_t step;     // updates applied (Adam's t; LFU's frequency)
+  uint32_t touched;  // clock stamp of the last update (or creation)
+};
+static_assert(sizeof(RowHeader) == Table::kRecordHeaderBytes, "row header layout");
+
+// 12 bytes, unaligned keys: x86 loads them at full speed.
+struct __attribute__((packed)) IndexEntry {
+  int64_t key;
+  uint32_t record;
+};
+static_assert(sizeof(IndexEntry) == 12, "index entry layout");
+
+// An id removed while a save is tracked, with the generation then.
+struct __attribute__((packed)) Removal {
+  int64_t key;
+  uint32_t generation;
+};
+static_assert(sizeof(Removal) == 12, "removal log entry layout");
+
+inline size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+// A stripe's removal log may hold this many entries plus a quarter of its
+// rows; past that the table stops tracking (its next delta is written in
+// full) rather than grow without bound.
+constexpr size_t kLogSlack = 4096;
+
+// Allocator of the index: blocks of 2 MiB and more come from mmap with
+// MADV_HUGEPAGE, so a probe of a large index misses the TLB far less (with
+// THP in "madvise" mode malloc'd memory stays on 4 KiB pages).
+template <typename T>
+struct HugePageAllocator {
+  using value_type = T;
+  HugePageAllocator() = default;
+  template <typename U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}  // NOLINT: rebinding
+
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kHugePage) return std::allocator<T>().allocate(n);
+    void* p = mmap(nullptr, RoundUp(bytes, 4096), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    madvise(p, RoundUp(bytes, 4096), MADV_HUGEPAGE);
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kHugePage) {
+      std::allocator<T>().deallocate(p, n);
+    } else {
+      munmap(p, RoundUp(bytes, 4096));
+    }
+  }
+  template <typename U>
+  bool operator==(const HugePageAllocator<U>&) const {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const HugePageAllocator<U>&) const {
+    return false;
+  }
+};
+
+using Index = std::vector<IndexEntry, HugePageAllocator<IndexEntry>>;
+
+// One stripe: lock, index and arena. Records never move while the table
+// lives; a removed row's record goes to a free list and is reused.
+struct Table::Stripe {
+  mutable std::shared_mutex mu;
+  Index index;               // capacity is a power of two (or empty)
+  uint32_t num_records = 0;  // records ever allocated (live + free)
+  uint32_t live = 0;
+  // Rows ever removed or moved between tiers (exports re-check rows after
+  // one).
+  uint64_t removals = 0;
+  std::vector<uint32_t> free_records;
+  char* chunks[kMaxChunks] = {};
+  size_t chunk_bytes[kMaxChunks] = {};
+  // Per record: the generation of its last write (change tracking).
+  std::unique_ptr<uint16_t[]> generations[kMaxChunks];
+  static_assert(sizeof(uint16_t) == Table::kGenerationBytes, "generation layout");
+  uint32_t num_chunks = 0;
+  std::vector<Removal> removed;    // ids removed while a save is tracked
+  std::unique_ptr<TierFile> tier;  // cold rows (with a disk tier)
+
+  ~Stripe() {
+    for (uint32_t k = 0; k < num_chunks; ++k) munmap(chunks[k], chunk_bytes[k]);
+  }
+
+  // The first record of arena chunk k: the records of chunks 0..k-1.
+  static size_t FirstRecordOf(uint32_t k) { return ((size_t{1} << k) - 1) << kBaseRecordsLog2; }
+
+  static uint32_t ChunkOf(uint32_t record, uint32_t* offset) {
+    const uint32_t q = (record >> kBaseRecordsLog2) + 1;
+    const uint32_t k = 31 - static_cast<uint32_t>(__builtin_clz(q));
+    *offset = record - static_cast<uint32_t>(FirstRecordOf(k));
+    return k;
+  }
+
+  char* Record(uint32_t record, size_t record_bytes) const {
+    uint32_t offset;
+    const uint32_t k = ChunkOf(record, &offset);
+    return chunks[k] + static_cast<size_t>(offset) * record_bytes;
+  }
+
+  uint16_t& Generation(uint32_t record) {
+    uint32_t offset;
+    const uint32_t k = ChunkOf(record, &offset);
+    return generations[k][offset];
+  }
+  uint16_t Generation(uint32_t record) const {
+    uint32_t offset;
+    const uint32_t k = ChunkOf(record, &offset);
+    return generations[k][offset];
+  }
+
+  size_t Home(uint64_t hash) const { return (hash >> 12) & (index.size() - 1); }
+
+  void PrefetchSlot(uint64_t hash) const {
+    if (!index.empty()) __builtin_prefetch(&index[Home(hash)]);
+  }
+
+  // The index slot holding `key`, or kEmpty. Caller holds mu (any mode).
+  size_t FindSlot(uint64_t hash, int64_t key) const {
+    if (index.empty()) return kEmpty;
+    const size_t mask = index.size() - 1;
+    for (size_t i = Home(hash);; i = (i + 1) & mask) {
+      const IndexEntry& e = index[i];
+      if (e.record == kEmpty) return kEmpty;
+      if (e.key == key) return i;
+    }
+  }
+
+  // Looks `key` up; returns its record or kEmpty. Caller holds mu (any mode).
+  uint32_t Find(uint64_t hash, int64_t key) const {
+    const size_t i = FindSlot(hash, key);
+    return i == kEmpty ? kEmpty : index[i].record;
+  }
+
+  void Grow() { GrowTo(index.empty() ? 16 : index.size() * 2); }
+
+  // Rehashes into `capacity` (a power of two) slots.
+  void GrowTo(size_t capacity) {
+    Index next(capacity, IndexEntry{0, kEmpty});
+    const size_t mask = capacity - 1;
+    for (const IndexEntry& e : index) {
+      if (e.record == kEmpty) continue;
+      size_t i = (Mix64(static_cast<uint64_t>(e.key)) >> 12) & mask;
+      while (next[i].record != kEmpty) i = (i + 1) & mask;
+      next[i] = e;
+    }
+    index.swap(next);
+  }
+
+  // Adds a record for `key`; caller holds mu exclusively and has checked
+  // the key is absent. Returns the record, or kEmpty when memory ran out.
+  uint32_t Insert(uint64_t hash, int64_t key, size_t record_bytes) {
+    if (IndexMustGrow(live, index.size())) Grow();
+    uint32_t rec;
+    if (!free_records.empty()) {
+      rec = free_records.back();
+      free_records.pop_back();
+    } else {
+      if (num_records >= kEmpty - 1) return kEmpty;  // record numbers are 32-bit
+      uint32_t offset;
+      const uint32_t k = ChunkOf(num_records, &offset);
+      if (k >= num_chunks && !AddChunk(record_bytes)) return kEmpty;
+      rec = num_records++;
+    }
+    const size_t mask = index.size() - 1;
+    size_t i = Home(hash);
+    while (index[i].record != kEmpty) i = (i + 1) & mask;
+    index[i] = IndexEntry{key, rec};
+    ++live;
+    return rec;
+  }
+
+  // Maps the next arena chunk (and its generations); false when out of
+  // chunks or memory.
+  bool AddChunk(size_t record_bytes) {
+    const uint32_t k = num_chunks;
+    if (k >= kMaxChunks) return false;
+    const size_t records = size_t{1} << (k + kBaseRecordsLog2);
+    const size_t bytes = RoundUp(records * record_bytes, 4096);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
+    generations[k].reset(new (std::nothrow) uint16_t[records]);
+    if (!generations[k]) {
+      munmap(p, bytes);
+      return false;
+    }
+    chunks[k] = static_cast<char*>(p);
+    chunk_bytes[k] = bytes;
+    num_chunks = k + 1;
+    return true;
+  }
+
+  // Removes the entry at index slot `i` (backward-shift deletion, so the
+  // index never holds tombstones) and frees its record. Caller holds mu
+  // exclusively.
+  void EraseSlot(size_t i) {
+    const size_t mask = index.size() - 1;
+    free_records.push_back(index[i].record);
+    --live;
+    ++removals;
+    size_t hole = i;
+    for (size_t j = (i + 1) & mask; index[j].record != kEmpty; j = (j + 1) & mask) {
+      const size_t home = (Mix64(static_cast<uint64_t>(index[j].key)) >> 12) & mask;
+      // The entry at j may move into the hole unless its home lies
+      // cyclically in (hole, j].
+      const bool stays = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+      if (stays) continue;
+      index[hole] = index[j];
+      hole = j;
+    }
+    index[hole] = IndexEntry{0, kEmpty};
+  }
+
+  // Removes the rows of `keys` that are present, by key, since each
+  // removal may shift other entries; logs them with `generation` when
+  // `log`. Returns how many were removed. Caller holds mu exclusively.
+  size_t EraseKeys(const std::vector<int64_t>& keys, bool log, uint32_t generation) {
+    size_t erased = 0;
+    for (int64_t key : keys) {
+      const size_t slot = FindSlot(Mix64(static_cast<uint64_t>(key)), key);
+      if (slot == kEmpty) continue;
+      EraseSlot(slot);
+      ++erased;
+      if (log) removed.push_back(Removal{key, generation});
+    }
+    return erased;
+  }
+};
+
+// Calls fn(slot, key, record) for every row of the stripe's disk tier, a
+// few pages per hold() (which returns the lock to hold while they are read).
+template <typename Hold, typename Fn>
+Status Table::ForEachCold(Stripe* stripe, Hold hold, Fn fn) {
+  TierFile* tier = stripe->tier.get();
+  if (tier == nullptr) return OkStatus();
+  std::vector<char> buffer;
+  for (uint32_t first = 0;; first += kColdPagesPerHold) {
+    auto lock = hold();
+    if (first >= tier->pages()) break;
+    const uint32_t n = std::min(kColdPagesPerHold, tier->pages() - first);
+    const uint32_t per_page = tier->slots_per_page();
+    bool any = false;
+    for (uint32_t slot = first * per_page; slot < (first + n) * per_page && !any; ++slot) {
+      any = tier->Used(slot);
+    }
+    if (!any) continue;
+    buffer.resize(size_t{n} * tier->page_bytes());
+    DLT_RETURN_IF_ERROR(tier->ReadPages(first, n, buffer.data()));
+    for (uint32_t p = 0; p < n; ++p) {
+      const char* page = buffer.data() + size_t{p} * tier->page_bytes();
+      for (uint32_t s = 0; s < per_page; ++s) {
+        const uint32_t slot = (first + p) * per_page + s;
+        if (!tier->Used(slot)) continue;
+        const char* data = tier->SlotIn(page, s);
+        fn(slot, TierFile::KeyOf(data), TierFile::RecordOf(data));
+      }
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_CORE_TABLE_STRIPE_H_

@@ -1,0 +1,235 @@
+// A table's disk tier: attaching it, moving cold rows out of RAM and back,
+// the back-pressure that keeps RAM rows near their limit, and its stats.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "native/core/table.h"
+#include "native/core/table_stripe.h"
+
+namespace dlt {
+
+void Table::AttachTier(const std::string& dir) {
+  tier_dir_ = dir;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "/stripe-%02u.tier", s);
+    stripes_[s].tier = std::make_unique<TierFile>(dir + name, record_bytes_);
+  }
+}
+
+void Table::WaitForRoom() const {
+  const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
+  if (!has_tier() || limit == 0) return;
+  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 8; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+bool Table::RamFull(const Stripe& stripe) const {
+  const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
+  if (limit == 0 || !stripe.tier) return false;
+  // A stripe's share, plus a margin for uneven stripes and for rows that
+  // arrive between two passes of the keeper.
+  return stripe.live >= limit / kStripes + limit / (16 * kStripes) + 16;
+}
+
+Status Table::Promote(Stripe* stripe, uint64_t hash, int64_t id, uint32_t* rec) {
+  *rec = kEmpty;
+  if (!stripe->tier || stripe->tier->rows() == 0) return OkStatus();
+  char* scratch = ScratchRecord();
+  uint32_t slot;
+  uint16_t generation = 0;
+  DLT_RETURN_IF_ERROR(stripe->tier->Find(hash, id, scratch, &slot, &generation));
+  if (slot == TierFile::kNoSlot) return OkStatus();
+  const uint32_t r = stripe->Insert(hash, id, record_bytes_);
+  if (r == kEmpty) {
+    return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
+  }
+  std::memcpy(stripe->Record(r, record_bytes_), scratch, record_bytes_);
+  stripe->Generation(r) = generation;  // a move is not a change
+  stripe->tier->Remove(slot);
+  ++stripe->removals;
+  cold_rows_.fetch_sub(1, std::memory_order_relaxed);
+  promotions_.fetch_add(1, std::memory_order_relaxed);
+  *rec = r;
+  return OkStatus();
+}
+
+size_t Table::Demote(size_t want, Status* status) {
+  *status = OkStatus();
+  const bool to_disk = has_tier();
+  const uint32_t now = Now();
+  const size_t total = ram_rows();
+  if (want == 0 || total == 0) return 0;
+  size_t moved = 0;
+  std::vector<std::pair<uint64_t, int64_t>> scored;
+  for (uint32_t s = 0; s < kStripes && status->ok(); ++s) {
+    Stripe& stripe = stripes_[s];
+    std::vector<int64_t> victims;
+    {
+      std::shared_lock<std::shared_mutex> lock(stripe.mu);
+      // This stripe's share of the rows to move, rounded up.
+      const size_t share = (want * size_t{stripe.live} + total - 1) / total;
+      if (share == 0) continue;
+      scored.clear();
+      scored.reserve(stripe.live);
+      for (const IndexEntry& e : stripe.index) {
+        if (e.record == kEmpty) continue;
+        scored.emplace_back(Score(stripe.Record(e.record, record_bytes_), now), e.key);
+      }
+      victims = Lowest(&scored, share);
+    }
+    if (!to_disk) {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      const size_t erased = EraseFrom(&stripe, victims);
+      evicted_.fetch_add(erased, std::memory_order_relaxed);
+      moved += erased;
+      continue;
+    }
+    // A batch of rows per hold of the lock: pulls of this stripe wait for
+    // at most a batch of disk writes.
+    for (size_t begin = 0; begin < victims.size() && status->ok(); begin += kDemoteBatch) {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      const size_t end = std::min(victims.size(), begin + kDemoteBatch);
+      for (size_t v = begin; v < end; ++v) {
+        const int64_t key = victims[v];
+        const uint64_t hash = Mix64(static_cast<uint64_t>(key));
+        const size_t slot = stripe.FindSlot(hash, key);
+        if (slot == kEmpty) continue;  // removed (or moved) since it was chosen
+        const uint32_t rec = stripe.index[slot].record;
+        *status =
+            stripe.tier->Put(hash, key, stripe.Record(rec, record_bytes_), stripe.Generation(rec));
+        if (!status->ok()) break;
+        stripe.EraseSlot(slot);
+        cold_rows_.fetch_add(1, std::memory_order_relaxed);
+        ++moved;
+      }
+    }
+  }
+  demotions_.fetch_add(to_disk ? moved : 0, std::memory_order_relaxed);
+  return moved;
+}
+
+size_t Table::EvictAcrossTiers() {
+  if (!has_tier() || config_.policy.max_rows == 0) return 0;
+  const uint32_t now = Now();
+  size_t evicted = 0;
+  std::vector<std::pair<uint64_t, int64_t>> scored;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    Stripe& stripe = stripes_[s];
+    const uint64_t quota = stripe_quota_[s];
+    size_t rows;
+    {
+      std::shared_lock<std::shared_mutex> lock(stripe.mu);
+      rows = stripe.live + stripe.tier->rows();
+      if (rows <= quota + quota / 32) continue;
+      scored.clear();
+      for (const IndexEntry& e : stripe.index) {
+        if (e.record == kEmpty) continue;
+        scored.emplace_back(Score(stripe.Record(e.record, record_bytes_), now), e.key);
+      }
+    }
+    const Status read = ForEachCold(
+        &stripe, [&] { return std::shared_lock<std::shared_mutex>(stripe.mu); },
+        [&](uint32_t, int64_t key, const char* record) {
+          scored.emplace_back(Score(record, now), key);
+        });
+    if (!read.ok()) {
+      SetTierError(read.message());
+      continue;
+    }
+    // Down to the quota less the same slack EvictFrom leaves.
+    const std::vector<int64_t> victims = Lowest(&scored, rows - quota + quota / 32);
+    std::unique_lock<std::shared_mutex> lock(stripe.mu);
+    evicted += EraseFrom(&stripe, victims);
+  }
+  evicted_.fetch_add(evicted, std::memory_order_relaxed);
+  return evicted;
+}
+
+size_t Table::RamBytes(bool fixed_only) const {
+  size_t total = sketch_ ? sketch_->bytes() : 0;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    const Stripe& stripe = stripes_[s];
+    std::shared_lock<std::shared_mutex> lock(stripe.mu);
+    total +=
+        stripe.removed.capacity() * sizeof(Removal) + (stripe.tier ? stripe.tier->ram_bytes() : 0);
+    if (fixed_only) continue;
+    total += size_t{stripe.num_records} * (record_bytes_ + sizeof(uint16_t)) +
+             stripe.index.size() * sizeof(IndexEntry) +
+             stripe.free_records.capacity() * sizeof(uint32_t);
+  }
+  return total;
+}
+
+size_t Table::ram_fixed_bytes() const { return RamBytes(/*fixed_only=*/true); }
+
+char* Table::ScratchRecord() const {
+  thread_local std::vector<char> scratch;
+  scratch.resize(record_bytes_);
+  return scratch.data();
+}
+
+size_t Table::ram_rows() const {
+  const int64_t ram =
+      rows_.load(std::memory_order_relaxed) - cold_rows_.load(std::memory_order_relaxed);
+  return ram < 0 ? 0 : static_cast<size_t>(ram);
+}
+
+void Table::SetTierError(const std::string& error) {
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  tier_error_ = error;
+}
+
+void Table::UpdateTierRates(double seconds) {
+  const TierStats now = tier_stats();
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  if (seconds > 0) {
+    rates_.promotions_per_s = (now.promotions - rates_.promotions) / seconds;
+    rates_.demotions_per_s = (now.demotions - rates_.demotions) / seconds;
+    rates_.disk_reads_per_s = (now.disk_reads - rates_.disk_reads) / seconds;
+  }
+  rates_.promotions = now.promotions;
+  rates_.demotions = now.demotions;
+  rates_.disk_reads = now.disk_reads;
+}
+
+TierStats Table::tier_stats() const {
+  TierStats t;
+  t.ram_rows = ram_rows();
+  const int64_t cold = cold_rows_.load(std::memory_order_relaxed);
+  t.disk_rows = cold < 0 ? 0 : static_cast<uint64_t>(cold);
+  t.ram_bytes = bytes();
+  for (uint32_t s = 0; s < kStripes && has_tier(); ++s) {
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    t.disk_bytes += stripes_[s].tier->disk_bytes();
+    t.disk_reads += stripes_[s].tier->reads();
+  }
+  t.promotions = promotions_.load(std::memory_order_relaxed);
+  t.demotions = demotions_.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  t.error = tier_error_;
+  t.promotions_per_s = rates_.promotions_per_s;
+  t.demotions_per_s = rates_.demotions_per_s;
+  t.disk_reads_per_s = rates_.disk_reads_per_s;
+  return t;
+}
+
+void Table::EraseCold(Stripe* stripe, uint32_t slot, int64_t key) {
+  stripe->tier->Remove(slot);
+  ++stripe->removals;
+  cold_rows_.fetch_sub(1, std::memory_order_relaxed);
+  rows_.fetch_sub(1, std::memory_order_relaxed);
+  if (logging_.load(std::memory_order_relaxed)) {
+    stripe->removed.push_back(Removal{key, generation_.load(std::memory_order_relaxed)});
+  }
+}
+
+}  // namespace dlt

@@ -1,0 +1,76 @@
+// Private to the data-plane client's sources (client.cc,
+// client_connections.cc, client_exchange.cc): a shard's connection pool
+// state and one shard's part of an exchange. Nothing else includes it.
+#ifndef TF_DLT_NATIVE_NET_CLIENT_CALL_H_
+#define TF_DLT_NATIVE_NET_CLIENT_CALL_H_
+
+#include <sys/uio.h>
+
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "native/net/client.h"
+
+namespace dlt {
+
+struct Client::ShardState {
+  std::string address;
+  std::mutex mu;
+  std::vector<Conn> idle;  // guarded by mu
+  bool greeted = false;    // guarded by mu
+  ShardInfo info;          // guarded by mu
+};
+
+// One shard's part of an exchange: frames to send, a handler for replies.
+struct Client::Call {
+  struct Frame {
+    uint8_t header[wire::kHeaderBytes];
+    std::string prefix;
+    const void* body[2] = {nullptr, nullptr};
+    size_t body_bytes[2] = {0, 0};
+    size_t reply_bytes = 0;  // the payload its reply must have
+    size_t Bytes() const {
+      return wire::kHeaderBytes + prefix.size() + body_bytes[0] + body_bytes[1];
+    }
+  };
+  size_t shard = 0;
+  wire::Opcode opcode = wire::Opcode::kPull;
+  std::vector<Frame> frames;
+  uint64_t first_request_id = 0;
+  // Called with each whole reply frame's payload; for a call with `rows`
+  // set, with the reply's fixed part (`bytes` = rows.fixed) once it is in,
+  // before the rows are read.
+  std::function<Status(size_t frame, const uint8_t* payload, size_t bytes)> on_reply;
+
+  // Pulls: the rows of a reply are received through a small staging buffer
+  // that stays in cache (StageBytes) and copied to their places in the
+  // caller's memory as they arrive, so no reply is buffered whole. Row r of
+  // frame f goes to out + at * row_floats, at = pos[f * rows_per_frame + r]
+  // (or f * rows_per_frame + r without `pos`); the reply's first `fixed`
+  // payload bytes are buffered for on_reply.
+  struct RowTarget {
+    float* out = nullptr;  // nullptr: replies are buffered whole
+    const uint32_t* pos = nullptr;
+    size_t rows_per_frame = 0;
+    size_t row_floats = 0;
+    size_t fixed = 0;
+  } rows;
+
+  // Fills up to `max_iov` iovecs with the unsent bytes from `offset` of frame
+  // `frame_index` on; returns how many.
+  int FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const;
+  // The staging buffer's size: whole rows, about kStageBytes, at least one.
+  size_t StageBytes() const;
+  // Copies `count` whole rows from `src`, rows `first` on of frame `frame`,
+  // to their places.
+  void PlaceRows(size_t frame, size_t first, const uint8_t* src, size_t count) const;
+  // Checks a reply header against the request it answers (id not answered
+  // yet, opcode, exact payload size) before its payload is read.
+  Status CheckReply(const wire::FrameHeader& frame, const std::vector<bool>& answered) const;
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_CLIENT_CALL_H_

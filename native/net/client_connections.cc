@@ -1,0 +1,203 @@
+// The data-plane client's connections: one pool per shard, connecting with
+// backoff within the deadline, the Hello that authenticates and learns the
+// shard's limits, and returning connections to the pool.
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "native/core/routing.h"
+#include "native/net/buffer.h"
+#include "native/net/client.h"
+#include "native/net/client_call.h"
+#include "native/net/socket.h"
+
+namespace dlt {
+
+using net::Clock;
+
+Status Client::Hello(size_t shard, int fd) {
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  wire::HelloRequest request;
+  request.token = options_.auth_token;
+  const std::string payload = wire::EncodeHelloRequest(request);
+  uint8_t header[wire::kHeaderBytes];
+  wire::EncodeHeader({wire::Opcode::kHello, 0, 0, static_cast<uint32_t>(payload.size())}, header);
+  struct iovec iov[2] = {{header, sizeof(header)},
+                         {const_cast<char*>(payload.data()), payload.size()}};
+  Status s = net::SendAll(fd, iov, 2, deadline);
+  uint8_t reply_header[wire::kHeaderBytes];
+  // Even when sending failed the server may have explained why before closing.
+  Status r = net::RecvAll(fd, reply_header, sizeof(reply_header), deadline);
+  if (!r.ok()) return s.ok() ? r : s;
+  wire::FrameHeader h;
+  DLT_RETURN_IF_ERROR(wire::DecodeHeader(reply_header, UINT32_MAX, &h));
+  // Read no more than a Hello reply or an error can hold.
+  const size_t allowed = h.opcode == wire::Opcode::kError
+                             ? wire::kErrorFixed + wire::kMaxErrorMessageBytes
+                             : wire::kHelloReplyBytes;
+  if (h.payload_bytes > allowed) {
+    return Internal("Hello reply of " + std::to_string(h.payload_bytes) + " bytes exceeds " +
+                    std::to_string(allowed));
+  }
+  std::string body(h.payload_bytes, '\0');
+  DLT_RETURN_IF_ERROR(net::RecvAll(fd, &body[0], body.size(), deadline));
+  const auto* p = reinterpret_cast<const uint8_t*>(body.data());
+  if (h.opcode == wire::Opcode::kError) return wire::DecodeError(p, body.size());
+  if (h.opcode != wire::Opcode::kHello || !(h.flags & wire::kFlagResponse)) {
+    return Internal("expected a Hello reply");
+  }
+  wire::HelloReply reply;
+  DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(p, body.size(), &reply));
+  if (reply.num_buckets != kNumBuckets) {
+    return FailedPrecondition("server routes over " + std::to_string(reply.num_buckets) +
+                              " buckets, this client over " + std::to_string(kNumBuckets));
+  }
+  if (reply.num_shards != shards_.size() || reply.shard_index != shard) {
+    return FailedPrecondition("server says it is shard " + std::to_string(reply.shard_index) +
+                              " of " + std::to_string(reply.num_shards) +
+                              ", but the client lists it as shard " + std::to_string(shard) +
+                              " of " + std::to_string(shards_.size()) +
+                              "; list the shard addresses in shard-index order");
+  }
+  ShardState& st = *shards_[shard];
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.info.address = st.address;
+  st.info.shard_index = reply.shard_index;
+  st.info.num_shards = reply.num_shards;
+  st.info.admin_port = reply.admin_port;
+  st.info.max_frame_bytes = reply.max_frame_bytes;
+  st.greeted = true;
+  return OkStatus();
+}
+
+namespace {
+
+// Receive buffers above this size are freed when their connection goes idle.
+constexpr size_t kKeepBufferBytes = 64u << 20;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// True when a pooled connection was closed (or spoke out of turn) while
+// idle: a non-blocking peek finds end-of-stream, an error or stray bytes.
+bool ClosedWhileIdle(int fd) {
+  uint8_t byte;
+  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
+}
+
+}  // namespace
+
+Status Client::Acquire(size_t shard, Conn* conn) {
+  ShardState& st = *shards_[shard];
+  const int64_t now = NowMs();
+  for (;;) {
+    Conn pooled;
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      if (st.idle.empty()) break;
+      pooled = std::move(st.idle.back());
+      st.idle.pop_back();
+    }
+    if (now - pooled.idle_since_ms > options_.idle_close_ms || ClosedWhileIdle(pooled.fd)) {
+      net::CloseFd(pooled.fd);
+      continue;
+    }
+    *conn = std::move(pooled);
+    conn->reused = true;
+    return OkStatus();
+  }
+  int fd = -1;
+  DLT_RETURN_IF_ERROR(Connect(shard, &fd));
+  conn->fd = fd;
+  conn->reused = false;
+  return OkStatus();
+}
+
+Status Client::Connect(size_t shard, int* out_fd) {
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  int backoff_ms = options_.retry_backoff_ms;
+  for (;;) {
+    int fd = -1;
+    Status s = net::Connect(shards_[shard]->address, deadline, &fd);
+    if (!s.ok()) {
+      if (s.code() == Code::kDeadlineExceeded || s.code() == Code::kInvalidArgument) {
+        // A shard that cannot be reached in time is unavailable, not slow.
+        return Unavailable("connect: " + s.message());
+      }
+      return s.WithContext("connect");
+    }
+    s = Hello(shard, fd);
+    if (s.ok()) {
+      *out_fd = fd;
+      return OkStatus();
+    }
+    net::CloseFd(fd);
+    if (s.code() == Code::kResourceExhausted) {
+      // The shard is at its connection cap: others will close; try again.
+      const auto wake = Clock::now() + std::chrono::milliseconds(backoff_ms);
+      if (wake < deadline) {
+        std::this_thread::sleep_until(wake);
+        backoff_ms *= 2;
+        continue;
+      }
+    }
+    if (s.code() == Code::kDeadlineExceeded) return Unavailable("Hello: " + s.message());
+    return s.WithContext("Hello");
+  }
+}
+
+void Client::Release(size_t shard, Conn conn) {
+  ShardState& st = *shards_[shard];
+  conn.idle_since_ms = NowMs();
+  std::lock_guard<std::mutex> lock(st.mu);
+  // Connections idle too long go first (the pool is used from its back).
+  while (!st.idle.empty() &&
+         conn.idle_since_ms - st.idle.front().idle_since_ms > options_.idle_close_ms) {
+    net::CloseFd(st.idle.front().fd);
+    st.idle.erase(st.idle.begin());
+  }
+  if (static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
+    conn.buffer.Trim(kKeepBufferBytes);
+    st.idle.push_back(std::move(conn));
+  } else {
+    net::CloseFd(conn.fd);
+  }
+}
+
+uint32_t Client::FrameLimit(size_t shard) {
+  ShardState& st = *shards_[shard];
+  std::lock_guard<std::mutex> lock(st.mu);
+  return std::min(options_.frame_bytes, st.info.max_frame_bytes);
+}
+
+Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
+  infos->clear();
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    bool greeted;
+    {
+      std::lock_guard<std::mutex> lock(shards_[i]->mu);
+      greeted = shards_[i]->greeted;
+    }
+    if (!greeted) {
+      Conn conn;
+      Status s = Acquire(i, &conn);
+      if (!s.ok()) return s.WithContext(Context(i, "Hello"));
+      Release(i, std::move(conn));
+    }
+    std::lock_guard<std::mutex> lock(shards_[i]->mu);
+    infos->push_back(shards_[i]->info);
+  }
+  return OkStatus();
+}
+
+}  // namespace dlt

@@ -1,0 +1,298 @@
+// The data-plane client's exchange: one poll loop that sends every touched
+// shard its frames and receives their replies at once, staging reply rows
+// into their places as they arrive.
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "native/core/finite.h"
+#include "native/net/buffer.h"
+#include "native/net/client.h"
+#include "native/net/client_call.h"
+#include "native/net/socket.h"
+
+namespace dlt {
+
+using net::Clock;
+
+namespace {
+
+// Reply rows are staged in about this many bytes (a part of a core's L2).
+constexpr size_t kStageBytes = 256u << 10;
+
+struct Io {
+  int fd = -1;
+  size_t send_frame = 0;
+  size_t send_offset = 0;
+  Status send_error;
+  size_t replies = 0;
+  uint8_t header[wire::kHeaderBytes];
+  size_t header_got = 0;
+  wire::FrameHeader frame;
+  net::Buffer payload;
+  size_t payload_got = 0;
+  bool in_payload = false;
+  bool direct = false;  // this frame's rows are staged to Call::rows
+  size_t staged = 0;    // bytes of a part row at the staging buffer's start
+  std::vector<bool> answered;
+};
+
+}  // namespace
+
+int Client::Call::FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const {
+  int n = 0;
+  for (size_t f = frame_index; f < frames.size() && n + 4 <= max_iov; ++f) {
+    const Frame& fr = frames[f];
+    const void* parts[4] = {fr.header, fr.prefix.data(), fr.body[0], fr.body[1]};
+    const size_t sizes[4] = {wire::kHeaderBytes, fr.prefix.size(), fr.body_bytes[0],
+                             fr.body_bytes[1]};
+    for (int k = 0; k < 4; ++k) {
+      if (offset >= sizes[k]) {
+        offset -= sizes[k];
+        continue;
+      }
+      iov[n].iov_base = const_cast<char*>(static_cast<const char*>(parts[k])) + offset;
+      iov[n].iov_len = sizes[k] - offset;
+      offset = 0;
+      ++n;
+    }
+  }
+  return n;
+}
+
+size_t Client::Call::StageBytes() const {
+  const size_t row_bytes = sizeof(float) * rows.row_floats;
+  return std::max<size_t>(1, kStageBytes / row_bytes) * row_bytes;
+}
+
+void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, size_t count) const {
+  const size_t w = rows.row_floats;
+  const size_t begin = frame * rows.rows_per_frame + first;
+  if (rows.pos == nullptr) {
+    std::memcpy(rows.out + begin * w, src, sizeof(float) * w * count);
+    return;
+  }
+  for (size_t r = 0; r < count; ++r) {
+    std::memcpy(rows.out + size_t{rows.pos[begin + r]} * w, src + sizeof(float) * w * r,
+                sizeof(float) * w);
+  }
+}
+
+Status Client::Call::CheckReply(const wire::FrameHeader& frame,
+                                const std::vector<bool>& answered) const {
+  if (frame.opcode == wire::Opcode::kError) {
+    if (frame.payload_bytes > wire::kErrorFixed + wire::kMaxErrorMessageBytes) {
+      return Internal("error reply of " + std::to_string(frame.payload_bytes) +
+                      " bytes exceeds the largest error frame");
+    }
+    return OkStatus();
+  }
+  const uint64_t id = frame.request_id;
+  if (id < first_request_id || id >= first_request_id + frames.size() ||
+      answered[id - first_request_id]) {
+    return Internal("reply to unknown request id " + std::to_string(id));
+  }
+  if (frame.opcode != opcode) return Internal("reply opcode does not match the request");
+  const size_t expected = frames[id - first_request_id].reply_bytes;
+  if (frame.payload_bytes != expected) {
+    return Internal("reply of " + std::to_string(frame.payload_bytes) +
+                    " bytes; the request expects " + std::to_string(expected));
+  }
+  return OkStatus();
+}
+
+Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reused) {
+  *any_reused = false;
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
+  std::vector<Io> io(calls->size());
+  auto close_all = [&]() {
+    for (Io& x : io) {
+      net::CloseFd(x.fd);
+      x.fd = -1;
+    }
+  };
+  for (size_t c = 0; c < calls->size(); ++c) {
+    Call& call = (*calls)[c];
+    Conn conn;
+    Status s = Acquire(call.shard, &conn);
+    if (!s.ok()) {
+      close_all();
+      return s.WithContext(Context(call.shard, op));
+    }
+    io[c].fd = conn.fd;
+    io[c].payload = std::move(conn.buffer);
+    *any_reused = *any_reused || conn.reused;
+    io[c].answered.assign(call.frames.size(), false);
+    call.first_request_id = next_request_id_.fetch_add(call.frames.size());
+    for (size_t f = 0; f < call.frames.size(); ++f) {
+      Call::Frame& fr = call.frames[f];
+      const size_t payload = fr.Bytes() - wire::kHeaderBytes;
+      wire::EncodeHeader(
+          {call.opcode, 0, call.first_request_id + f, static_cast<uint32_t>(payload)}, fr.header);
+    }
+  }
+  std::vector<struct pollfd> fds(calls->size());
+  size_t remaining = calls->size();
+  for (size_t c = 0; c < calls->size(); ++c) {
+    if ((*calls)[c].frames.empty()) --remaining;
+  }
+  while (remaining > 0) {
+    for (size_t c = 0; c < calls->size(); ++c) {
+      const Call& call = (*calls)[c];
+      const bool done = io[c].replies == call.frames.size();
+      const bool sending = io[c].send_frame < call.frames.size() && io[c].send_error.ok();
+      fds[c] = {done ? -1 : io[c].fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0};
+    }
+    const int rc = poll(fds.data(), fds.size(), net::RemainingMs(deadline));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc <= 0) {
+      for (size_t c = 0; c < calls->size(); ++c) {
+        if (io[c].replies < (*calls)[c].frames.size()) {
+          close_all();
+          return DeadlineExceeded(Context((*calls)[c].shard, op) + ": no reply within " +
+                                  std::to_string(options_.request_timeout_ms) + " ms");
+        }
+      }
+    }
+    for (size_t c = 0; c < calls->size(); ++c) {
+      Call& call = (*calls)[c];
+      Io& x = io[c];
+      if (fds[c].fd < 0 || fds[c].revents == 0) continue;
+      auto fail = [&](const Status& s) {
+        close_all();
+        return s.WithContext(Context(call.shard, op));
+      };
+      if ((fds[c].revents & (POLLOUT | POLLERR)) && x.send_frame < call.frames.size() &&
+          x.send_error.ok()) {
+        struct iovec iov[64];
+        const int n = call.FillIov(x.send_frame, x.send_offset, iov, 64);
+        struct msghdr msg;
+        std::memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = iov;
+        msg.msg_iovlen = static_cast<size_t>(n);
+        const ssize_t sent = sendmsg(x.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          // Keep reading: the server may have sent an error frame first.
+          x.send_error = Unavailable(std::string("send: ") + std::strerror(errno));
+        } else if (sent > 0) {
+          size_t left = static_cast<size_t>(sent);
+          while (left > 0) {
+            const size_t in_frame = call.frames[x.send_frame].Bytes() - x.send_offset;
+            if (left >= in_frame) {
+              left -= in_frame;
+              ++x.send_frame;
+              x.send_offset = 0;
+            } else {
+              x.send_offset += left;
+              left = 0;
+            }
+          }
+        }
+      }
+      if (!(fds[c].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      for (;;) {
+        ssize_t got = 0;
+        size_t want;
+        const size_t buffered = x.direct ? call.rows.fixed : x.frame.payload_bytes;
+        if (!x.in_payload) {
+          want = wire::kHeaderBytes - x.header_got;
+          got = recv(x.fd, x.header + x.header_got, want, MSG_DONTWAIT);
+        } else if (x.payload_got < buffered) {
+          want = buffered - x.payload_got;
+          got = recv(x.fd, x.payload.data() + x.payload_got, want, MSG_DONTWAIT);
+        } else {
+          // Rows: into the staging buffer after the fixed part, behind the
+          // part of a row left from the last read; whole rows to their places.
+          want = x.frame.payload_bytes - x.payload_got;
+          if (want > 0) {
+            uint8_t* stage = x.payload.data() + buffered;
+            got = recv(x.fd, stage + x.staged, std::min(want, call.StageBytes() - x.staged),
+                       MSG_DONTWAIT);
+            if (got > 0) {
+              const size_t row_bytes = sizeof(float) * call.rows.row_floats;
+              const size_t placed = (x.payload_got - buffered - x.staged) / row_bytes;
+              const size_t total = x.staged + static_cast<size_t>(got);
+              const size_t whole = total / row_bytes;
+              call.PlaceRows(x.frame.request_id - call.first_request_id, placed, stage, whole);
+              x.staged = total - whole * row_bytes;
+              if (x.staged > 0) std::memmove(stage, stage + whole * row_bytes, x.staged);
+            }
+          }
+        }
+        if (want != 0) {
+          if (got == 0) {
+            return fail(x.send_error.ok() ? Unavailable("connection closed by the server")
+                                          : x.send_error);
+          }
+          if (got < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+            return fail(Unavailable(std::string("recv: ") + std::strerror(errno)));
+          }
+        }
+        if (!x.in_payload) {
+          x.header_got += static_cast<size_t>(got);
+          if (x.header_got < wire::kHeaderBytes) continue;
+          Status s = wire::DecodeHeader(x.header, UINT32_MAX, &x.frame);
+          if (!s.ok()) return fail(Internal("bad reply frame: " + s.message()));
+          if (!(x.frame.flags & wire::kFlagResponse)) {
+            return fail(Internal("reply frame lacks the response flag"));
+          }
+          // The size is checked before a byte of the payload is read or
+          // buffered: a reply can hold exactly what its request expects.
+          s = call.CheckReply(x.frame, x.answered);
+          if (!s.ok()) return fail(s);
+          x.direct = call.rows.out != nullptr && x.frame.opcode == call.opcode;
+          x.payload.Reserve(x.direct ? call.rows.fixed + call.StageBytes() : x.frame.payload_bytes);
+          x.payload_got = 0;
+          x.staged = 0;
+          x.in_payload = true;
+          if (x.frame.payload_bytes > 0) continue;
+        } else {
+          const bool had_fixed = x.payload_got >= call.rows.fixed;
+          x.payload_got += static_cast<size_t>(got);
+          if (x.direct && !had_fixed && x.payload_got >= call.rows.fixed) {
+            // The reply's fixed part is checked before its rows are read.
+            Status s = call.on_reply(x.frame.request_id - call.first_request_id, x.payload.data(),
+                                     call.rows.fixed);
+            if (!s.ok()) return fail(s);
+          }
+          if (x.payload_got < x.frame.payload_bytes) continue;
+        }
+        // A whole reply frame is here.
+        x.in_payload = false;
+        x.header_got = 0;
+        const uint8_t* p = x.payload.data();
+        const size_t bytes = x.frame.payload_bytes;
+        if (x.frame.opcode == wire::Opcode::kError) {
+          return fail(wire::DecodeError(p, bytes));
+        }
+        const size_t f = x.frame.request_id - call.first_request_id;
+        x.answered[f] = true;
+        if (!x.direct) {
+          Status s = call.on_reply(f, p, bytes);
+          if (!s.ok()) return fail(s);
+        }
+        if (++x.replies == call.frames.size()) {
+          --remaining;
+          break;
+        }
+      }
+    }
+  }
+  for (size_t c = 0; c < calls->size(); ++c) {
+    Conn conn;
+    conn.fd = io[c].fd;
+    conn.buffer = std::move(io[c].payload);
+    Release((*calls)[c].shard, std::move(conn));
+  }
+  return OkStatus();
+}
+
+}  // namespace dlt
