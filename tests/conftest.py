@@ -21,6 +21,22 @@ def pytest_configure(config: pytest.Config) -> None:
     assert importlib.util.find_spec("tf_dlt.layers") is not None, "tf_dlt is not installed"
 
 
+# Fixtures that start shard servers: a test using one is a cluster test.
+_SERVER_FIXTURES = {"start_cluster", "cluster"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test by what it needs, so one kind runs alone
+    (``pytest -m unit``): "cluster" for a test that starts shard servers (a
+    server fixture, or marked so by hand where it starts them itself),
+    "slow" as marked by hand, and "unit" for every other test."""
+    for item in items:
+        if _SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+        if item.get_closest_marker("cluster") is None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.unit)
+
+
 # id -> (values, slots, step, age against the table's clock)
 Rows = dict[int, tuple[bytes, bytes, int, int]]
 

@@ -227,6 +227,7 @@ def test_s3_round_trip(
         np.testing.assert_array_equal(client.pull("adam", ids), expected)
 
 
+@pytest.mark.cluster
 def test_memory_filesystem_with_in_process_shards() -> None:
     roots = ["memory://"]  # memory:// only where a root names it
     servers = [ShardServer(i, 2, checkpoint_roots=roots).start() for i in range(2)]

@@ -36,6 +36,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.cluster
 def test_serving_beyond_loopback_needs_a_token_or_insecure(tmp_path: Path) -> None:
     refused = _serve("--bind", "0.0.0.0")
     assert refused.returncode == 2
@@ -221,6 +222,7 @@ class _ChangingFS(MemoryFileSystem):  # type: ignore[misc]
         return io.BytesIO(bytes(data))
 
 
+@pytest.mark.cluster
 def test_load_parses_the_bytes_it_hashed() -> None:
     fsspec.register_implementation("changing", _ChangingFS, clobber=True)
     roots = ["changing://"]

@@ -149,6 +149,7 @@ def test_a_broken_delta_keeps_followers_serving_what_they_have(
         np.testing.assert_array_equal(f.pull("t", ids), latest)
 
 
+@pytest.mark.cluster
 def test_follower_reports_in_stats_and_metrics(tmp_path: Path) -> None:
     from urllib.request import urlopen
 

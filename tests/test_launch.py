@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ctr_multi_trainer.py"
 # Held-out AUC of 2 trainers on halves vs 1 trainer on all the data.

@@ -12,6 +12,8 @@ import pytest
 
 from native_build import ROOT, SANITIZER_ENV, build
 
+pytestmark = pytest.mark.slow  # builds the C++ suite twice (plain and sanitized)
+
 
 @pytest.mark.parametrize("flavor", ["plain", "sanitized"])
 def test_native_suite_passes(flavor: str) -> None:

@@ -129,6 +129,7 @@ def test_mutual_tls_requires_a_client_certificate(
         _exercise(client)
 
 
+@pytest.mark.cluster
 def test_bad_tls_flags_are_refused(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--tls-cert", "c.pem"],

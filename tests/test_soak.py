@@ -17,8 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from conftest import Cluster
+
+pytestmark = pytest.mark.slow
 
 SECONDS = float(os.environ.get("TF_DLT_SOAK_SECONDS", "20"))
 WARMUP = min(5.0, SECONDS / 4)
