@@ -20,19 +20,17 @@ Usage: python bench/bench_admission.py [--train 2000000] [--test 200000]
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from common import emit, log  # noqa: E402
-from ctr_model import make_data, make_model  # noqa: E402
+import tf_dlt
+from tf_dlt import admission
+from tf_dlt.server.local import LocalCluster
 
-import tf_dlt  # noqa: E402
-from tf_dlt import admission  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from common import emit, example, log
+
+_ctr = example("ctr_model")
+make_data, make_model = _ctr.make_data, _ctr.make_model
 
 ZIPF, VOCAB = 1.05, 10**9
 

@@ -27,20 +27,19 @@ import argparse
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from common import emit, log, print_result, result_of  # noqa: E402
-from ctr_model import make_data, make_model  # noqa: E402
+import tf_dlt
+from tf_dlt.server.local import LocalCluster
 
-import tf_dlt  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from common import emit, example, log, print_result, result_of
+
+_ctr = example("ctr_model")
+make_data, make_model = _ctr.make_data, _ctr.make_model
 
 NET_GBIT = 25.0
 

@@ -20,20 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from common import emit, log  # noqa: E402
+import tf_dlt
+from tf_dlt.server.local import LocalCluster
 
-import tf_dlt  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from common import emit, load_module, log
 
-from native_build import build  # noqa: E402
+build = load_module("tests/native_build.py").build
+
 
 TABLE, DIM, IDS = "conn", 16, 256
 

@@ -23,11 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import OUT, emit, log, median_seconds, rss_bytes  # noqa: E402
+from tf_dlt import _native
+from tf_dlt.table_config import TableConfig
 
-from tf_dlt import _native  # noqa: E402
-from tf_dlt.table_config import TableConfig  # noqa: E402
+from common import OUT, emit, log, median_seconds, rss_bytes
 
 INSERT_CHUNK = 1 << 20
 

@@ -17,20 +17,18 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_core import make_table  # noqa: E402
-from common import emit, log  # noqa: E402
+from tf_dlt import Client, _native
+from tf_dlt.checkpoint import manifest, shard_files
+from tf_dlt.server.local import LocalCluster
 
-from tf_dlt import Client, _native  # noqa: E402
-from tf_dlt.checkpoint import manifest, shard_files  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from bench_core import make_table
+from common import emit, log
 
 
 def save(shard: _native.Shard, path: Path, base: Path | None) -> tuple[float, int]:

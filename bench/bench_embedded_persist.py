@@ -18,8 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, log, print_result, result_of  # noqa: E402
+from common import emit, log, print_result, result_of
 
 
 def _status_kib(field: str) -> int:

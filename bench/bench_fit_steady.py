@@ -32,20 +32,19 @@ import gc
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from bench_keras import model  # noqa: E402
-from common import emit, log, print_result, result_of  # noqa: E402
-from ctr_model import make_data  # noqa: E402
+import tf_dlt
+from tf_dlt.server.local import LocalCluster
 
-import tf_dlt  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from bench_keras import model
+from common import emit, example, log, print_result, result_of
+
+_ctr = example("ctr_model")
+make_data = _ctr.make_data
 
 DIM = 16
 # The remote runs of each repetition: plain, and with tf_dlt.pull_ahead (ids

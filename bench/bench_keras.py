@@ -17,20 +17,19 @@ Usage: python bench/bench_keras.py [--examples 100000] [--batch 1024]
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import keras
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from common import emit, log  # noqa: E402
-from ctr_model import DIM, NUM_CATEGORICAL, NUM_DENSE, make_data  # noqa: E402
+import tf_dlt
+from tf_dlt.server.local import LocalCluster
 
-import tf_dlt  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from common import emit, example, log
+
+_ctr = example("ctr_model")
+DIM, NUM_CATEGORICAL, NUM_DENSE = _ctr.DIM, _ctr.NUM_CATEGORICAL, _ctr.NUM_DENSE
+make_data = _ctr.make_data
 
 VOCAB = 100_000  # per feature, so a local table fits: 26 * 100k rows
 

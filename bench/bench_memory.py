@@ -18,19 +18,16 @@ Usage: python bench/bench_memory.py [--cases bytes,admission,sweep] [--sweep-row
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, log  # noqa: E402
+import tf_dlt
+from tf_dlt import _native, admission, expiry
+from tf_dlt.server.local import LocalCluster
 
-import tf_dlt  # noqa: E402
-from tf_dlt import _native, admission, expiry  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from common import emit, log
 
 
 def _table(dim: int, **policy: Any) -> _native.Table:

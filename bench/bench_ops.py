@@ -30,22 +30,19 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_seconds, emit, log, median_seconds  # noqa: E402
+import tf_dlt
+from tf_dlt import _native, embedded
+from tf_dlt import dlt_ops as ops
+from tf_dlt.server.local import LocalCluster
+from tf_dlt.table_config import TableConfig
 
-import tf_dlt  # noqa: E402
-from tf_dlt import _native, embedded  # noqa: E402
-from tf_dlt import dlt_ops as ops  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
-from tf_dlt.table_config import TableConfig  # noqa: E402
+from common import cpu_seconds, emit, log, median_seconds
 
 DIM = 64
 TABLE = "bench"

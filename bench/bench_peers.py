@@ -24,6 +24,7 @@ Usage: python bench/bench_peers.py
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -31,10 +32,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, log, result_of  # noqa: E402
+from tf_dlt.server.local import LocalCluster
 
-from tf_dlt.server.local import LocalCluster  # noqa: E402
+from common import emit, log, result_of
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".bench" / "tfra-venv"
@@ -51,10 +51,14 @@ def ensure_tfra_env() -> Path:
     return python
 
 
+# Keys of the workload (bench/peers/workload.py --keys); main() sets it.
+_keys = 1_000_000
+
+
 def run(python: Path | str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     out = subprocess.run(
-        [str(python), str(WORKLOAD), *args], capture_output=True, text=True, timeout=1800,
-        env={**os.environ, **(env or {})}, cwd="/",
+        [str(python), str(WORKLOAD), *args, "--keys", str(_keys)], capture_output=True,
+        text=True, timeout=1800, env={**os.environ, **(env or {})}, cwd="/",
     )  # fmt: skip
     result: dict[str, Any] | None = result_of(out.stdout)
     if out.returncode != 0 or result is None:
@@ -89,8 +93,18 @@ def shards_vs_embedded(reps: int) -> None:
 
 
 def main() -> None:
-    if "--without-tfra" in sys.argv:
-        shards_vs_embedded(reps=3)
+    global _keys
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument(
+        "--without-tfra", action="store_true",
+        help="only tf_dlt on 2 shards against embedded (no TFRA environment)",
+    )  # fmt: skip
+    p.add_argument("--keys", type=int, default=1_000_000, help="keys of the workload")
+    p.add_argument("--reps", type=int, default=3, help="pairs of runs (--without-tfra)")
+    args = p.parse_args()
+    _keys = args.keys
+    if args.without_tfra:
+        shards_vs_embedded(reps=args.reps)
         return
     tfra_python = ensure_tfra_env()
     tfra_env = {"TF_USE_LEGACY_KERAS": "1"}
@@ -104,7 +118,7 @@ def main() -> None:
     keras_sgd = run(sys.executable, "keras", "sgd")
     keras_adagrad = run(sys.executable, "keras", "adagrad")
     tf_sparse = run(sys.executable, "tf_sparse")
-    common = {"dim": 16, "keys": 1_000_000, "peer": "TFRA 0.8.1 (TF 2.16.2, tf-keras)"}
+    common = {"dim": 16, "keys": _keys, "peer": "TFRA 0.8.1 (TF 2.16.2, tf-keras)"}
     for op, batch in (("insert", 1_000_000), ("lookup", 65536), ("train", 4096)):
         key = f"{op}_keys_per_s"
         for side, result in (("embedded", dlt), ("2_shards", shards)):

@@ -21,18 +21,16 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_core import make_table  # noqa: E402
-from common import emit, log  # noqa: E402
+from tf_dlt import _native
+from tf_dlt.checkpoint import shard_files
+from tf_dlt.checkpoint.manifest import write_manifest
 
-from tf_dlt import _native  # noqa: E402
-from tf_dlt.checkpoint import shard_files  # noqa: E402
-from tf_dlt.checkpoint.manifest import write_manifest  # noqa: E402
+from bench_core import make_table
+from common import emit, log
 
 
 def disk_write_read(path: Path, nbytes: int) -> tuple[float, float]:
@@ -82,7 +80,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--reps", type=int, default=4, help="at least 2: the first load is cold")
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="tf_dlt-bench-", dir=args.dir))
     try:

@@ -25,18 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import OUT, emit, log, sorted_seconds  # noqa: E402
+import tf_dlt
+from tf_dlt.server.local import LocalCluster
+from tf_dlt.tools import capacity
 
-import tf_dlt  # noqa: E402
-from tf_dlt.server.local import LocalCluster  # noqa: E402
-from tf_dlt.tools import capacity  # noqa: E402
+from common import OUT, emit, log, sorted_seconds
 
 # The checkout's copy (not the installed package's).
 CAPACITY = Path(__file__).resolve().parent.parent / "tf_dlt" / "tools" / "data" / "capacity.json"

@@ -29,19 +29,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, log, print_result, result_of  # noqa: E402
+from common import emit, example, log, print_result, result_of
 
 DIM = 16
 
 
 def trainer(args: argparse.Namespace) -> None:
     """One trainer: waits at the barrier, trains, prints its examples/s."""
-    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
     import keras
     import tensorflow as tf
+
     from bench_keras import model
-    from ctr_model import make_data
+
+    make_data = example("ctr_model").make_data
 
     import tf_dlt
 

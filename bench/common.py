@@ -6,6 +6,7 @@ absolute figures on a 2-core shared machine swing 2-3x, ratios much less.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -13,9 +14,32 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).parent / "out"
+
+
+def load_module(path: str) -> ModuleType:
+    """The module at `path` (from the repository root) outside bench/, e.g.
+    an example's model or the C++ test build, imported once by its path, so
+    no benchmark edits sys.path."""
+    name = Path(path).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def example(name: str) -> ModuleType:
+    """examples/<name>.py (after examples/quiet_tensorflow.py, which the
+    examples import first)."""
+    load_module("examples/quiet_tensorflow.py")
+    return load_module(f"examples/{name}.py")
 
 
 def loadavg() -> float:

@@ -5,6 +5,8 @@
     python bench/peers/workload.py keras sgd|adagrad   # keras.layers.Embedding in process
     python bench/peers/workload.py tf_sparse # tf.Variable + ResourceSparseApplyAdagradV2
 
+(each also takes --keys N: N keys instead of 1M.)
+
 Same ids (numpy PCG64, seed 0), dim, batch and optimizer (Adagrad, lr 0.05)
 on both sides. Prints one JSON object: keys/s for insert (1M new keys with
 given values), lookup (batches of 65536 present keys) and a full Keras train
@@ -19,15 +21,28 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-# bench/common.py needs only the standard library: it imports in TFRA's env too.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import median_seconds as _median_and_max  # noqa: E402
+
+def _common() -> Any:
+    """bench/common.py (standard library only: it imports in TFRA's env
+    too), by its path."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common.py")
+    spec = importlib.util.spec_from_file_location("common", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_median_and_max = _common().median_seconds
 
 
 def median_seconds(fn):  # type: ignore[no-untyped-def]
@@ -187,6 +202,10 @@ def run_tf_sparse():  # type: ignore[no-untyped-def]
 
 
 if __name__ == "__main__":
+    if "--keys" in sys.argv:  # fewer keys (bench_peers --keys: a smoke run)
+        at = sys.argv.index("--keys")
+        KEYS = int(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
     side = sys.argv[1]
     if side == "tfra":
         result = run_tfra()

@@ -6,7 +6,7 @@ set -euo pipefail
 label=${1:?label}; shift
 here=$(cd "$(dirname "$0")" && pwd)
 probe=${PROBE:-/work/tier_probe_build/probe}
-logdir=$here/logs/$label; mkdir -p "$logdir"
+logdir=$here/../out/tier_probe/$label; mkdir -p "$logdir"  # raw output stays out of git
 data=$(mktemp -d "${DATA_PARENT:-/work}/tier_probe_data.XXXXXX")
 trap 'rm -rf "$data"' EXIT
 { echo "== $(date -u +%FT%TZ) nproc=$(nproc)"; free -g; df -h "$data"; } > "$logdir/machine.txt"

@@ -1,6 +1,6 @@
-"""Turns logs/<run>/*.log of probe.cc into markdown tables.
+"""Turns bench/out/tier_probe/<run>/*.log of probe.cc into markdown tables.
 
-Usage: python summarize.py logs/run1 [logs/run2 ...]
+Usage: python summarize.py bench/out/tier_probe/run1 [bench/out/tier_probe/run2 ...]
 """
 
 from __future__ import annotations

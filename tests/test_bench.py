@@ -1,0 +1,45 @@
+"""The benchmarks as a suite: bench/cases.py lists every benchmark script,
+none edits sys.path, and every case still runs at its quick size (a smoke
+test: its figures are not checked; timing belongs to the benchmarks)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+
+def _case_names() -> list[str]:
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--list"], capture_output=True, text=True, check=True,
+        cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_the_case_list_holds_every_benchmark_and_none_edits_sys_path() -> None:
+    scripts = sorted(p.stem for p in BENCH.glob("bench_*.py"))
+    assert sorted(_case_names()) == scripts
+    commands = [line for line in (BENCH / "run_all.sh").read_text().splitlines()
+                if line.startswith("$PY")]  # fmt: skip
+    assert '$PY bench "$@"' in commands  # the list, not a list of its own
+    assert not [c for c in commands if "bench_" in c]
+    for path in [*BENCH.rglob("*.py")]:
+        assert "sys.path" not in path.read_text().replace("no benchmark edits sys.path", ""), path
+
+
+@pytest.mark.slow
+def test_every_case_runs_quick() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, cwd=ROOT,
+        timeout=1800,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-6000:]
+    ran = re.findall(r"^(bench_\w+): ok in", out.stderr, re.M)
+    assert sorted(ran) == sorted(_case_names()), out.stderr[-3000:]
