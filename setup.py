@@ -42,6 +42,7 @@ NATIVE_CORE_SOURCES = [
     "native/net/client_exchange.cc",
     "native/net/data_server.cc",
     "native/net/pull_ahead.cc",
+    "native/net/push_queue.cc",
     "native/net/row_cache.cc",
     "native/net/request_handler.cc",
     "native/net/server_stats.cc",
@@ -49,7 +50,13 @@ NATIVE_CORE_SOURCES = [
     "native/net/transport.cc",
     "native/net/wire.cc",
 ]
-PYTHON_EXTENSION_SOURCES = ["native/python/module.cc"]
+PYTHON_EXTENSION_SOURCES = [
+    "native/python/convert.cc",
+    "native/python/module.cc",
+    "native/python/net_bindings.cc",
+    "native/python/shard_bindings.cc",
+    "native/python/table_bindings.cc",
+]
 # TF custom ops: the only translation units that include TensorFlow headers.
 TF_OPS_SOURCES = [
     "ops/cc/kernels/assign_kernels.cc",
@@ -249,13 +256,17 @@ NATIVE_FLAGS = ["-O3", "-fno-math-errno", "-Wall", "-Wno-unused-parameter"]
 # the dlt namespace (native/core/exports.map) for them to link.
 HIDDEN = ["-fvisibility=hidden"]
 
+# The core exports its symbols, so it is compiled without semantic
+# interposition and linked -Bsymbolic-functions: its own calls inline and
+# bind inside the library as they did when it was linked statically.
 core = Extension(
     CORE_LIBRARY,
     sources=NATIVE_CORE_SOURCES,
     include_dirs=[ROOT],
-    extra_compile_args=NATIVE_FLAGS,
+    extra_compile_args=NATIVE_FLAGS + ["-fno-semantic-interposition"],
     extra_link_args=[
         "-pthread",
+        "-Wl,-Bsymbolic-functions",
         "-Wl,-soname,libdlt_core.so",
         f"-Wl,--version-script={os.path.join(ROOT, 'native/core/exports.map')}",
         "-Wl,--no-undefined",

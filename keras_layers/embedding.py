@@ -8,13 +8,13 @@ never sees the table: its apply step writes the anchor's gradient into the
 anchor (`overwrite_with_gradient`), and that write pushes the kept rows
 (`Dlt>Push`), so a step the optimizer skips (a LossScaleOptimizer on
 overflow) pushes nothing. The shard applies the table's optimizer: the
-compiled Keras optimizer's, unless the layer names its own.
+compiled Keras optimizer's, unless the layer names its own. The trap itself is
+gradient_trap.py; the combiners of ragged and sparse inputs combiners.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -28,102 +28,15 @@ from tf_dlt.memory_policy import MemoryPolicy
 from tf_dlt.table_config import TableConfig, memory_of
 
 from . import keras_settings
-
-_COMBINERS = (None, "sum", "mean", "sqrtn")
-
-
-def combine(
-    combiner: str | None, rows: tf.Tensor, segment_ids: tf.Tensor, n: tf.Tensor
-) -> tf.Tensor:
-    """Reduces the rows of each example ("sum", "mean" or "sqrtn"), as
-    tf.nn.embedding_lookup_sparse does; empty examples give zeros."""
-    segment_ids = tf.cast(segment_ids, tf.int32)
-    n = tf.cast(n, tf.int32)
-    total = tf.math.unsorted_segment_sum(rows, segment_ids, n)
-    if combiner == "sum":
-        return total
-    counts = tf.math.unsorted_segment_sum(tf.ones_like(segment_ids, tf.float32), segment_ids, n)
-    counts = tf.expand_dims(counts, -1)
-    if combiner == "mean":
-        return tf.math.divide_no_nan(total, counts)
-    return tf.math.divide_no_nan(total, tf.sqrt(counts))
-
-
-@tf.custom_gradient  # type: ignore[untyped-decorator]
-def _densify_gradient(table: tf.Tensor) -> tuple[tf.Tensor, Any]:
-    """Identity whose gradient is converted to a dense tensor."""
-    return tf.identity(table), lambda dy: tf.convert_to_tensor(dy)
-
-
-class _FlushAtEpochEnd(keras.metrics.Metric):  # type: ignore[misc]
-    """Waits for a layer's pending pushes when Keras reads the metrics
-    eagerly (end of a fit epoch, end of evaluate); inside the traced train
-    step it does nothing. Reports no value."""
-
-    def __init__(self, layer: Embedding) -> None:
-        super().__init__(name=f"{layer.name}_flush")
-        # A function, not the layer: saving walks attributes, and a metric
-        # holding its own layer would be a cycle.
-        self._client: Callable[[], ops.ClientResource | None] = lambda: layer.client
-
-    def update_state(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def reset_state(self) -> None:
-        pass
-
-    def result(self) -> dict[str, Any]:
-        client = self._client()
-        if client is not None and tf.executing_eagerly():
-            ops.flush(client)
-        return {}
-
-
-def _model_optimizer(layer: keras.layers.Layer) -> Any:
-    """The optimizer of the model whose call reaches `layer` (the entry
-    layer of the current Keras call), or None."""
-    context = layer._get_call_context()
-    optimizer = getattr(getattr(context, "entry_layer", None), "optimizer", None)
-    return optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
-
-
-@dataclasses.dataclass
-class _Pending:
-    """One step's rows, summed per distinct id in the backward pass, waiting
-    for the optimizer's apply step, and the graph they belong to."""
-
-    graph: Any
-    ids: tf.Tensor
-    grads: tf.Tensor
-    optimizer: Any
-
-
-def _within(graph: Any) -> bool:
-    """True when the current graph is `graph` or nested in it (a cond
-    branch, a while body)."""
-    current = tf.compat.v1.get_default_graph()
-    while current is not None:
-        if current is graph:
-            return True
-        current = getattr(current, "outer_graph", None)
-    return False
-
-
-class _Anchor(keras.Variable):  # type: ignore[misc]
-    """The scalar anchor weight: the optimizer overwrites it with its
-    gradient in the apply step, and that is when the layer pushes the step's
-    rows."""
-
-    def __init__(self, on_apply: Callable[[Any], Any], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._on_apply = on_apply
-
-    def assign(self, value: Any) -> Any:
-        pushed = self._on_apply(value)
-        if pushed is None:
-            return super().assign(value)
-        with tf.control_dependencies([pushed]):
-            return super().assign(tf.identity(value))
+from .combiners import COMBINERS, combine
+from .gradient_trap import (
+    Anchor,
+    FlushAtEpochEnd,
+    Pending,
+    densify_gradient,
+    model_optimizer,
+    within,
+)
 
 
 @keras.saving.register_keras_serializable(package="tf_dlt")
@@ -227,8 +140,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 "input_dim must be a positive int for a local table (is_distributed=False), "
                 "got None"
             )
-        if combiner not in _COMBINERS:
-            raise ValueError(f"combiner must be one of {_COMBINERS}, got {combiner!r}")
+        if combiner not in COMBINERS:
+            raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
         if mask_zero and combiner is not None:
             raise ValueError("mask_zero applies to dense ids; it cannot go with a combiner")
         self.input_dim = None if input_dim is None else int(input_dim)
@@ -274,7 +187,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # Set while a serving graph is traced: its lookups must not wait for
         # pushes (a serving process has none), so the graph holds only lookups.
         self.serving = False
-        self._pending: _Pending | None = None
+        self._pending: Pending | None = None
         if self.initial_weights is not None and not self.is_distributed:
             self.build()
 
@@ -285,7 +198,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             return
         if self.is_distributed:
             with keras.name_scope(self.name):
-                self.anchor = _Anchor(
+                self.anchor = Anchor(
                     self._push_pending, initializer="zeros", shape=(), trainable=True,
                     name="anchor",
                 )  # fmt: skip
@@ -300,7 +213,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 aggregation="only_first_replica",
                 name="pushes",
             )
-            self.flush_at_epoch_end = _FlushAtEpochEnd(self)
+            self.flush_at_epoch_end = FlushAtEpochEnd(self)
             if self.client is None:
                 self.client = ops.ClientResource()
             if self.client.embedded:
@@ -392,12 +305,12 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             if self.is_sparse:
                 rows = tf.gather(table, ids)  # tf.IndexedSlices gradient
             else:
-                rows = tf.gather(_densify_gradient(table), ids)
+                rows = tf.gather(densify_gradient(table), ids)
             return tf.cast(rows, self.compute_dtype)
         assert self.client is not None
         client, table_name, dim = self.client, self.table_name, self.output_dim
         lookup_training = bool(training)
-        optimizer = _model_optimizer(self) if lookup_training else None
+        optimizer = model_optimizer(self) if lookup_training else None
         if lookup_training:
             self._check_optimizer(optimizer)
             self.follow_optimizer(optimizer)
@@ -459,13 +372,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         graph = tf.compat.v1.get_default_graph()
         replica = tf.distribute.get_replica_context()
         if not tf.distribute.has_strategy() or replica is None or replica.num_replicas_in_sync == 1:
-            self._pending = _Pending(graph, unique, summed, optimizer)
+            self._pending = Pending(graph, unique, summed, optimizer)
             return
 
         def merged(strategy: tf.distribute.Strategy, unique: Any, summed: Any) -> None:
             ids = tf.concat(strategy.experimental_local_results(unique), 0)
             grads = tf.concat(strategy.experimental_local_results(summed), 0)
-            self._pending = _Pending(graph, ids, grads, optimizer)
+            self._pending = Pending(graph, ids, grads, optimizer)
 
         replica.merge_call(merged, args=(unique, summed))
 
@@ -474,7 +387,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         for this step (once, for every replica). None when nothing of this
         step is pending (a restore or another write of the anchor)."""
         pending = self._pending
-        if pending is None or not _within(pending.graph):
+        if pending is None or not within(pending.graph):
             return None
         replica = tf.distribute.get_replica_context()
         if (
@@ -491,7 +404,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         self._pending = None
         return self._push(pending)
 
-    def _push(self, pending: _Pending) -> tf.Tensor:
+    def _push(self, pending: Pending) -> tf.Tensor:
         """Pushes the rows (the shard sums repeated ids); True once queued
         (or applied, with sync_push)."""
         client = self.client

@@ -27,6 +27,7 @@ SUITE_SOURCES = [
     "tests/cpp/native_test.cc",
     "tests/cpp/data_plane_test.cc",
     "tests/cpp/pull_ahead_test.cc",
+    "tests/cpp/push_queue_test.cc",
     "tests/cpp/row_cache_test.cc",
     "tests/cpp/memory_policy_test.cc",
     "tests/cpp/tier_test.cc",

@@ -32,6 +32,8 @@ import frames
 from conftest import Cluster
 from native_build import SANITIZER_ENV, build
 
+pytestmark = pytest.mark.slow  # thousands of cases, and a sanitized shard build
+
 DATA_CASES = 10_000
 CONTROL_CASES = 2_000
 DIM = 4

@@ -123,7 +123,7 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
         self.rows = tf.Variable(padded, trainable=False, name="rows")
 
     def call(self, inputs: Any) -> Any:
-        from tf_dlt.layers.embedding import combine
+        from tf_dlt.layers.combiners import combine
 
         if isinstance(inputs, tf.SparseTensor):
             inputs = tf.RaggedTensor.from_sparse(inputs)

@@ -24,157 +24,25 @@ the replica counts and the table size (docs/kubernetes.md):
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import secrets
 import sys
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 import yaml  # type: ignore[import-untyped]
 
 from tf_dlt.tools import capacity
+from tf_dlt.tools.k8s_spec import (
+    ADMIN_PORT,
+    BASE_MEMORY_MIB,
+    CHECKPOINT_MOUNT,
+    DATA_PORT,
+    METRICS_PORT,
+    TIER_MOUNT,
+    JobSpec,
+    shard_memory,
+)
 
-DATA_PORT, ADMIN_PORT, METRICS_PORT = 7000, 7001, 9100
-CHECKPOINT_MOUNT = "/checkpoints"
-TIER_MOUNT = "/tier"
-# Requests: the table (bytes per row as tf_dlt.tools.capacity measured them) times
-# `headroom` for growth and save buffers, plus the process and gRPC server.
-BASE_MEMORY_MIB = 512
-_GI = 1 << 30
-
-
-def shard_memory(spec: JobSpec) -> int:
-    """Memory request of one shard in MiB: its share of the admitted rows and
-    of the admission sketch; with a memory budget, the budget and the 10%
-    a shard may pass it by."""
-    if spec.memory_budget:
-        return int(math.ceil(spec.memory_budget * 1.1 / (1 << 20)))
-    table = capacity.table_bytes(
-        spec.rows, spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype,
-        spec.admission_rate, spec.sketch_bytes,
-    )  # fmt: skip
-    return int(math.ceil(table / spec.pservers * spec.headroom / (1 << 20))) + BASE_MEMORY_MIB
-
-
-@dataclass
-class JobSpec:
-    """What the manifests describe; `tf-dlt k8s` fills it from its flags."""
-
-    name: str
-    image: str
-    command: list[str]
-    pservers: int = 2
-    workers: int = 2
-    rows: float = 1e8
-    dim: int = 16
-    optimizer: str = "adagrad"
-    value_dtype: str = "float32"
-    slot_dtype: str = "float32"
-    admission_rate: float = 1.0
-    sketch_bytes: float = 0.0
-    checkpoint: str = f"{CHECKPOINT_MOUNT}/run"
-    namespace: str = "default"
-    headroom: float = 1.5
-    shard_cpu: str = "2"
-    worker_cpu: str = "4"
-    worker_memory: str = "8Gi"
-    checkpoint_volume_size: str = "100Gi"
-    storage_class: str | None = None
-    credentials_secret: str | None = None
-    auth_token_secret: str | None = None
-    insecure: bool = False
-    load_from: str | None = None
-    # Tiered storage (docs/tiered_storage.md): the shards' --memory-budget
-    # (bytes, 0: none) and the size of the local SSD volume of each shard's
-    # disk tier ("" : no disk tier), of `tier_storage_class`.
-    memory_budget: int = 0
-    tier_volume_size: str = ""
-    tier_storage_class: str | None = None
-    # The token of the Secret generated when none is named (filled in
-    # __post_init__; empty when a Secret is named or with `insecure`).
-    generated_token: str = ""
-    labels: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("-", "").isalnum() or not self.name.islower():
-            raise ValueError(f"name must be lower-case letters, digits and '-', got {self.name!r}")
-        if self.pservers < 1 or self.workers < 1:
-            raise ValueError(
-                f"need pservers >= 1 and workers >= 1, got {self.pservers}, {self.workers}"
-            )
-        if self.optimizer not in capacity.SLOTS:
-            raise ValueError(
-                f"optimizer must be one of {sorted(capacity.SLOTS)}, got {self.optimizer!r}"
-            )
-        if self.dim < 1 or self.rows < 0 or self.headroom < 1:
-            raise ValueError("dim must be >= 1, rows >= 0 and headroom >= 1")
-        if not 0 < self.admission_rate <= 1:
-            raise ValueError(f"admission_rate must be in (0, 1], got {self.admission_rate}")
-        if self.sketch_bytes < 0:
-            raise ValueError(f"sketch_bytes must be >= 0, got {self.sketch_bytes}")
-        for dtype in (self.value_dtype, self.slot_dtype):
-            if dtype not in capacity.DTYPE_BYTES:
-                raise ValueError(
-                    f"dtypes must be one of {sorted(capacity.DTYPE_BYTES)}, got {dtype!r}"
-                )
-        if not self.command:
-            raise ValueError("no trainer command: give it after '--'")
-        if self.on_volume and not self.checkpoint.startswith(CHECKPOINT_MOUNT + "/"):
-            raise ValueError(
-                f"checkpoint must be a URL (s3://...) or a path under {CHECKPOINT_MOUNT}/ "
-                f"(the shared volume), got {self.checkpoint!r}"
-            )
-        if self.memory_budget < 0:
-            raise ValueError(f"memory_budget must be >= 0, got {self.memory_budget}")
-        if self.tier_volume_size and not self.memory_budget:
-            raise ValueError("a disk tier (--ssd) needs --memory-budget: rows move to it past it")
-        if self.insecure and self.auth_token_secret:
-            raise ValueError("--insecure and --auth-token-secret exclude each other")
-        if not self.insecure and not self.auth_token_secret and not self.generated_token:
-            self.generated_token = secrets.token_urlsafe(32)
-
-    @property
-    def token_secret(self) -> str | None:
-        """The Secret holding the token (named or generated); None: insecure."""
-        if self.insecure:
-            return None
-        return self.auth_token_secret or f"{self.name}-token"
-
-    @property
-    def shard_threads(self) -> int:
-        """Worker threads of a shard: its CPU request, rounded up (a
-        container sees every core of its node, not its limit)."""
-        cpu = self.shard_cpu
-        cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
-        return max(1, math.ceil(cores))
-
-    @property
-    def shard_connections(self) -> int:
-        """Authenticated connections a shard accepts: each trainer holds up
-        to about 32 per shard (ops' pulls and pushes, its Python client, a
-        pool of idle ones), with room for restarts."""
-        return max(1024, self.workers * 64)
-
-    @property
-    def on_volume(self) -> bool:
-        """The checkpoint is a path on the shared volume, not a URL."""
-        return "://" not in self.checkpoint
-
-    @property
-    def ps_service(self) -> str:
-        return f"{self.name}-ps"
-
-    def ps_addresses(self) -> list[str]:
-        host = f"{self.ps_service}.{self.namespace}.svc.cluster.local"
-        return [f"{self.ps_service}-{i}.{host}:{DATA_PORT}" for i in range(self.pservers)]
-
-    def tf_config(self) -> str:
-        """TF_CONFIG of every trainer pod (the index comes from the Job)."""
-        workers = [f"{self.name}-trainer-{i}:0" for i in range(self.workers)]
-        return json.dumps(
-            {"cluster": {"ps": self.ps_addresses(), "worker": workers}, "task": {"type": "worker"}}
-        )
+__all__ = ["ADMIN_PORT", "DATA_PORT", "METRICS_PORT", "JobSpec", "build_parser", "manifests",
+           "render", "run", "shard_memory"]  # fmt: skip
 
 
 def _labels(spec: JobSpec, role: str) -> dict[str, str]:

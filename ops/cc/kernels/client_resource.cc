@@ -13,6 +13,18 @@ ClientResource::ClientResource(ClientResourceOptions options)
     : options_(std::move(options)),
       transport_(options_.addresses.empty() ? dlt::EmbeddedTransport()
                                             : dlt::TcpTransport(options_.addresses, options_.tcp)),
+      // A push holds the resource until it is done, even if every handle
+      // goes away.
+      pushes_(
+          options_.max_inflight_pushes,
+          [this](std::function<void()> fn) {
+            Ref();
+            Schedule([this, fn = std::move(fn)]() {
+              fn();
+              Unref();
+            });
+          },
+          &counters_.push_wait),
       work_(options_.worker_threads) {}
 
 ClientResource::~ClientResource() = default;
@@ -165,12 +177,7 @@ void AppendHistogram(const char* name, const dlt::LatencyHistogram& h, std::stri
 }  // namespace
 
 std::string ClientResource::StatsJson() const {
-  int inflight, waiting;
-  {
-    mutex_lock lock(mu_);
-    inflight = inflight_;
-    waiting = static_cast<int>(waiting_.size());
-  }
+  const int inflight = pushes_.inflight(), waiting = pushes_.waiting();
   const Counters& c = counters_;
   const dlt::PullAhead::Counts ahead = pull_ahead_.counts();
   dlt::RowCache::Counts cached;
@@ -251,77 +258,17 @@ absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, cons
 void ClientResource::EnqueuePush(std::function<absl::Status()> work,
                                  std::function<void(absl::Status)> admitted,
                                  std::function<void(absl::Status)> finished) {
-  PendingPush push{Env::Default()->NowMicros(), std::move(work), std::move(admitted),
-                   std::move(finished)};
-  absl::Status earlier;
-  {
-    mutex_lock lock(mu_);
-    if (!async_error_.ok()) {
-      earlier = async_error_;
-      async_error_ = absl::OkStatus();
-    } else if (inflight_ >= options_.max_inflight_pushes) {
-      waiting_.push_back(std::move(push));  // backpressure: admitted later
-      return;
-    } else {
-      ++inflight_;
-    }
+  dlt::PushQueue::Done on_finished;
+  if (finished) {
+    on_finished = [finished = std::move(finished)](const dlt::Status& s) { finished(ToAbsl(s)); };
   }
-  if (!earlier.ok()) {
-    push.admitted(absl::Status(
-        earlier.code(), "an earlier asynchronous push failed: " + std::string(earlier.message())));
-    return;
-  }
-  Start(std::move(push));
-}
-
-void ClientResource::Start(PendingPush push) {
-  counters_.push_wait.Record(Env::Default()->NowMicros() - push.enqueued_us);
-  Ref();  // held until the push is done, even if every handle goes away
-  auto admitted = std::move(push.admitted);
-  Schedule([this, work = std::move(push.work), finished = std::move(push.finished)]() {
-    const absl::Status status = work();
-    if (finished) finished(status);
-    OnPushDone(status, /*record_error=*/!finished);
-    Unref();
-  });
-  admitted(absl::OkStatus());
-}
-
-void ClientResource::OnPushDone(const absl::Status& status, bool record_error) {
-  std::vector<PendingPush> to_start;
-  std::vector<std::function<void(absl::Status)>> flushed;
-  absl::Status flush_status;
-  {
-    mutex_lock lock(mu_);
-    --inflight_;
-    if (record_error && !status.ok() && async_error_.ok()) async_error_ = status;
-    while (!waiting_.empty() && inflight_ < options_.max_inflight_pushes) {
-      to_start.push_back(std::move(waiting_.front()));
-      waiting_.pop_front();
-      ++inflight_;
-    }
-    if (inflight_ == 0 && waiting_.empty() && !flush_waiters_.empty()) {
-      flushed.swap(flush_waiters_);
-      flush_status = async_error_;
-      async_error_ = absl::OkStatus();
-    }
-  }
-  for (PendingPush& p : to_start) Start(std::move(p));
-  for (auto& done : flushed) done(flush_status);
+  pushes_.Enqueue([work = std::move(work)]() { return FromAbsl(work()); },
+                  [admitted = std::move(admitted)](const dlt::Status& s) { admitted(ToAbsl(s)); },
+                  std::move(on_finished));
 }
 
 void ClientResource::Flush(std::function<void(absl::Status)> done) {
-  absl::Status status;
-  {
-    mutex_lock lock(mu_);
-    if (inflight_ > 0 || !waiting_.empty()) {
-      flush_waiters_.push_back(std::move(done));
-      return;
-    }
-    status = async_error_;
-    async_error_ = absl::OkStatus();
-  }
-  done(status);
+  pushes_.Flush([done = std::move(done)](const dlt::Status& s) { done(ToAbsl(s)); });
 }
 
 }  // namespace dlt_ops

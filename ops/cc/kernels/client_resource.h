@@ -8,7 +8,6 @@
 #define TF_DLT_OPS_CC_KERNELS_CLIENT_RESOURCE_H_
 
 #include <atomic>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -21,6 +20,7 @@
 #include "native/core/work_queue.h"
 #include "native/net/client.h"
 #include "native/net/pull_ahead.h"
+#include "native/net/push_queue.h"
 #include "native/net/row_cache.h"
 #include "native/net/server_stats.h"
 #include "native/net/transport.h"
@@ -108,7 +108,8 @@ class ClientResource : public ResourceBase {
   absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
                     size_t n, float learning_rate);
 
-  // Queues a push (`work` does it). At most max_inflight_pushes run at once;
+  // Queues a push (`work` does it) on the client's dlt::PushQueue. At most
+  // max_inflight_pushes run at once;
   // `admitted` runs when this one starts (or fails at once with the error of
   // an earlier asynchronous push, which it then clears). `finished`, when
   // given, gets the push's result (a synchronous push); without it the push
@@ -126,15 +127,6 @@ class ClientResource : public ResourceBase {
   std::string StatsJson() const;
 
  private:
-  struct PendingPush {
-    uint64_t enqueued_us;
-    std::function<absl::Status()> work;
-    std::function<void(absl::Status)> admitted;
-    std::function<void(absl::Status)> finished;
-  };
-  void Start(PendingPush push);
-  void OnPushDone(const absl::Status& status, bool record_error);
-
   struct Counters {
     std::atomic<uint64_t> pulls{0}, pulled_rows{0}, pull_bytes{0}, pull_errors{0};
     std::atomic<uint64_t> pushes{0}, pushed_rows{0}, push_bytes{0}, push_errors{0};
@@ -154,11 +146,7 @@ class ClientResource : public ResourceBase {
   const ClientResourceOptions options_;
   Counters counters_;
   std::unique_ptr<dlt::Transport> transport_;
-  mutable mutex mu_;
-  int inflight_ TF_GUARDED_BY(mu_) = 0;
-  std::deque<PendingPush> waiting_ TF_GUARDED_BY(mu_);
-  std::vector<std::function<void(absl::Status)>> flush_waiters_ TF_GUARDED_BY(mu_);
-  absl::Status async_error_ TF_GUARDED_BY(mu_);
+  dlt::PushQueue pushes_;  // its work runs on work_, which is drained first
   dlt::PullAhead pull_ahead_;
   mutable mutex cache_mu_;
   std::map<std::string, std::shared_ptr<dlt::RowCache>> caches_ TF_GUARDED_BY(cache_mu_);

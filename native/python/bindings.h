@@ -1,0 +1,62 @@
+// What the binding files of tf_dlt._native share: the array types, raising
+// a Status as its tf_dlt.errors class, a table config and the counters to
+// and from Python dicts, argument checks; and the function of each binding
+// file, called by module.cc in this order. No TF headers.
+#ifndef TF_DLT_NATIVE_PYTHON_BINDINGS_H_
+#define TF_DLT_NATIVE_PYTHON_BINDINGS_H_
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "native/core/status.h"
+#include "native/core/table.h"
+#include "native/core/table_config.h"
+#include "native/net/server_stats.h"
+
+namespace py = pybind11;
+
+namespace dlt {
+
+using IdArray = py::array_t<int64_t, py::array::c_style>;
+using FloatArray = py::array_t<float, py::array::c_style>;
+using StepArray = py::array_t<uint32_t, py::array::c_style>;
+using ByteArray = py::array_t<uint8_t, py::array::c_style>;
+
+[[noreturn]] void Raise(const Status& s);
+
+void Check(const Status& s);
+
+// A config from its dict form (tf_dlt.TableConfig.to_dict()); parameters
+// not given keep their defaults. The field names come from the one list in
+// table_config.h.
+TableConfig ConfigFromDict(const py::dict& d);
+
+py::dict ConfigToDict(const TableConfig& c);
+
+void CheckRows(const py::array& a, size_t n, size_t width, const char* what);
+
+void CheckIds(const IdArray& ids);
+
+void CopySteps(const py::array& a, size_t n, uint32_t* out);
+
+StepArray StepsFrom(const py::object& steps, size_t n);
+
+py::dict TableCountersToDict(const TableCounters& c);
+
+py::dict TierStatsToDict(const TierStats& t);
+
+py::dict CountersToDict(const ServerCounters& c);
+
+// The classes of each area: Table and its Exporter; Shard and the process's
+// embedded shard; the data-plane DataServer and Client.
+void BindTable(py::module_& m);
+void BindShard(py::module_& m);
+void BindNet(py::module_& m);
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_PYTHON_BINDINGS_H_

@@ -1,0 +1,139 @@
+// Bindings of the data plane: the DataServer a shard serves on and the
+// Client that pulls, pushes and assigns rows over TCP.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "native/core/shard.h"
+#include "native/net/client.h"
+#include "native/net/data_server.h"
+#include "native/python/bindings.h"
+
+namespace dlt {
+
+void BindNet(py::module_& m) {
+  py::class_<DataServer>(m, "DataServer")
+      .def(py::init([](std::shared_ptr<Shard> shard, const std::string& bind, int port,
+                       int max_connections, const std::string& auth_token, uint32_t max_frame_bytes,
+                       uint32_t admin_port, int io_timeout_ms, int worker_threads,
+                       int max_unauthenticated, int hello_timeout_ms, int idle_timeout_ms,
+                       uint64_t max_buffered_bytes) {
+             DataServerOptions o;
+             o.bind = bind;
+             o.port = port;
+             o.max_connections = max_connections;
+             o.auth_token = auth_token;
+             o.max_frame_bytes = max_frame_bytes;
+             o.admin_port = admin_port;
+             o.io_timeout_ms = io_timeout_ms;
+             o.worker_threads = worker_threads;
+             o.max_unauthenticated = max_unauthenticated;
+             o.hello_timeout_ms = hello_timeout_ms;
+             o.idle_timeout_ms = idle_timeout_ms;
+             o.max_buffered_bytes = max_buffered_bytes;
+             return std::make_unique<DataServer>(std::move(shard), o);
+           }),
+           py::arg("shard"), py::arg("bind") = "127.0.0.1", py::arg("port") = 0,
+           py::arg("max_connections") = 0, py::arg("auth_token") = "",
+           py::arg("max_frame_bytes") = wire::kDefaultMaxFrameBytes, py::arg("admin_port") = 0,
+           py::arg("io_timeout_ms") = 30000, py::arg("worker_threads") = 0,
+           py::arg("max_unauthenticated") = 256, py::arg("hello_timeout_ms") = 5000,
+           py::arg("idle_timeout_ms") = 600000, py::arg("max_buffered_bytes") = uint64_t{1} << 30)
+      .def("start", [](DataServer& s) { Check(s.Start()); })
+      .def("set_read_only", &DataServer::set_read_only)
+      .def_property_readonly("port", &DataServer::port)
+      .def_property_readonly("max_connections", &DataServer::max_connections)
+      .def_property_readonly("worker_threads", &DataServer::worker_threads)
+      .def("set_admin_port", &DataServer::set_admin_port)
+      .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });
+
+  py::class_<Client>(m, "Client")
+      .def(py::init([](std::vector<std::string> addresses, const std::string& auth_token,
+                       int connect_timeout_ms, int request_timeout_ms, uint32_t frame_bytes,
+                       int max_idle_connections) {
+             if (addresses.empty()) Raise(InvalidArgument("at least one shard address is needed"));
+             if (connect_timeout_ms <= 0 || request_timeout_ms <= 0) {
+               Raise(InvalidArgument("timeouts must be positive"));
+             }
+             if (frame_bytes < wire::kMinMaxFrameBytes) {
+               Raise(InvalidArgument("frame_bytes must be at least 4096"));
+             }
+             ClientOptions o;
+             o.auth_token = auth_token;
+             o.connect_timeout_ms = connect_timeout_ms;
+             o.request_timeout_ms = request_timeout_ms;
+             o.frame_bytes = frame_bytes;
+             o.max_idle_connections = max_idle_connections;
+             return std::make_unique<Client>(std::move(addresses), o);
+           }),
+           py::arg("addresses"), py::arg("auth_token") = "", py::arg("connect_timeout_ms") = 5000,
+           py::arg("request_timeout_ms") = 30000, py::arg("frame_bytes") = 8u << 20,
+           py::arg("max_idle_connections") = 8)
+      .def_property_readonly("num_shards", &Client::num_shards)
+      .def("shard_infos",
+           [](Client& c) {
+             std::vector<ShardInfo> infos;
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.GetShardInfos(&infos);
+             }
+             Check(s);
+             py::list out;
+             for (const ShardInfo& i : infos) {
+               py::dict d;
+               d["address"] = i.address;
+               d["shard_index"] = i.shard_index;
+               d["num_shards"] = i.num_shards;
+               d["admin_port"] = i.admin_port;
+               d["max_frame_bytes"] = i.max_frame_bytes;
+               out.append(d);
+             }
+             return out;
+           })
+      .def(
+          "pull",
+          [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids, int mode) {
+            CheckIds(ids);
+            if (mode < 0 || mode > 2) Raise(InvalidArgument("pull mode must be 0, 1 or 2"));
+            const size_t n = static_cast<size_t>(ids.shape(0));
+            FloatArray out({n, static_cast<size_t>(dim)});
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = c.Pull(table, dim, ids.data(), n, static_cast<PullMode>(mode),
+                         out.mutable_data());
+            }
+            Check(s);
+            return out;
+          },
+          py::arg("table"), py::arg("dim"), py::arg("ids"), py::arg("mode") = 0)
+      .def("push",
+           [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
+              const FloatArray& grads, float lr) {
+             CheckIds(ids);
+             const size_t n = static_cast<size_t>(ids.shape(0));
+             CheckRows(grads, n, dim, "grads");
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = c.Push(table, dim, ids.data(), grads.data(), n, lr);
+             }
+             Check(s);
+           })
+      .def("assign", [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
+                        const FloatArray& values) {
+        CheckIds(ids);
+        const size_t n = static_cast<size_t>(ids.shape(0));
+        CheckRows(values, n, dim, "values");
+        Status s;
+        {
+          py::gil_scoped_release release;
+          s = c.Assign(table, dim, ids.data(), values.data(), n);
+        }
+        Check(s);
+      });
+}
+
+}  // namespace dlt

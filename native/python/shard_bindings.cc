@@ -1,0 +1,75 @@
+// Bindings of Shard (the tables of one server, its bucket range, sweeps and
+// the memory keeper) and the process's embedded shard.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "native/core/shard.h"
+#include "native/python/bindings.h"
+
+namespace dlt {
+
+void BindShard(py::module_& m) {
+  py::class_<Shard, std::shared_ptr<Shard>>(m, "Shard")
+      .def(py::init([](uint32_t index, uint32_t num_shards) {
+        if (num_shards == 0 || num_shards > kNumBuckets || index >= num_shards) {
+          Raise(InvalidArgument(
+              "shard index " + std::to_string(index) + " of " + std::to_string(num_shards) +
+              " is invalid: need 0 <= index < num_shards <= " + std::to_string(kNumBuckets)));
+        }
+        return std::make_shared<Shard>(index, num_shards);
+      }))
+      .def_property_readonly("shard_index", &Shard::shard_index)
+      .def_property_readonly("num_shards", &Shard::num_shards)
+      .def_property_readonly("first_bucket", &Shard::first_bucket)
+      .def_property_readonly("end_bucket", &Shard::end_bucket)
+      .def("create_table",
+           [](Shard& s, const py::dict& d) {
+             bool created = false;
+             Check(s.CreateTable(ConfigFromDict(d), &created));
+             return created;
+           })
+      .def("drop_table", [](Shard& s, const std::string& name) { Check(s.DropTable(name)); })
+      .def("get_table",
+           [](const Shard& s, const std::string& name) {
+             std::shared_ptr<Table> t;
+             Check(s.GetTable(name, &t));
+             return t;
+           })
+      .def("tables", &Shard::Tables)
+      .def("new_table",
+           [](const Shard& s, const py::dict& d) {
+             const TableConfig c = ConfigFromDict(d);
+             Check(ValidateTableConfig(c));
+             return s.NewTable(c);
+           })
+      .def("sweep", &Shard::Sweep, py::call_guard<py::gil_scoped_release>())
+      .def("start_sweeper", &Shard::StartSweeper, py::arg("interval_ms"))
+      .def("stop_sweeper", &Shard::StopSweeper, py::call_guard<py::gil_scoped_release>())
+      .def("install_tables", &Shard::InstallTables)
+      .def(
+          "configure_memory",
+          [](Shard& s, uint64_t budget, const std::string& storage_dir, int interval_ms) {
+            Check(s.ConfigureMemory(budget, storage_dir, interval_ms));
+          },
+          py::arg("budget_bytes"), py::arg("storage_dir") = "", py::arg("interval_ms") = 20)
+      .def("keep_memory", &Shard::KeepMemory, py::call_guard<py::gil_scoped_release>())
+      .def("memory_status",
+           [](const Shard& s) {
+             const Shard::MemoryStatus m = s.memory_status();
+             py::dict d;
+             d["budget"] = m.budget;
+             d["resident"] = m.resident;
+             d["table_target"] = m.table_target;
+             d["storage_dir"] = m.storage_dir;
+             return d;
+           })
+      .def("check_ownership", [](const Shard& s, const IdArray& ids) {
+        CheckIds(ids);
+        Check(s.CheckOwnership(ids.data(), static_cast<size_t>(ids.shape(0))));
+      });
+
+  m.def("embedded_shard", &EmbeddedShard);
+}
+
+}  // namespace dlt

@@ -1,0 +1,76 @@
+"""The shard file format's parts shared by saving and loading: a chunk of
+rows, what a table keeps besides its rows, the rows to write and the layout
+of the shard that writes them, and row sizes. The layout of a checkpoint is
+in shard_files' docstring and docs/checkpoints.md."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from tf_dlt.routing import NUM_BUCKETS
+
+_CHUNK_BYTES = 8 << 20
+
+
+# One chunk of a table's rows in (bucket, id) order: ids, values, optimizer
+# slots, update counts, routing buckets and last-touched stamps.
+Chunk = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclasses.dataclass
+class TableState:
+    """What a table keeps besides its rows: its clock when the rows were
+    read (stamps are saved relative to it for a push clock) and, with
+    Frequency admission, the sketch slices of buckets [first_bucket,
+    first_bucket + len(added)). For a delta (rows changed since a base):
+    the clock at the base and the ids removed since, in (bucket, id) order."""
+
+    clock: int = 0
+    sketch: np.ndarray | None = None  # uint8 [buckets, slice bytes]
+    added: np.ndarray | None = None  # uint32 [buckets]
+    first_bucket: int = 0
+    base_clock: int | None = None  # None: every row was written (mode "full")
+    removed: np.ndarray | None = None  # int64 ids
+
+    @property
+    def mode(self) -> str:
+        return "full" if self.base_clock is None else "delta"
+
+
+@dataclasses.dataclass
+class TableRows:
+    """The rows of one table to write: its config (the native dict form),
+    its row layout, its chunks in (bucket, id) order, produced one at a time
+    so no second copy of the table is ever held, and its state, read once
+    the last chunk was copied (so the clock is never older than a stamp)."""
+
+    config: dict[str, Any]
+    dim: int
+    slot_floats: int
+    chunks: Iterator[Chunk]
+    state: Callable[[], TableState] = TableState
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Which shard of how many wrote a file, and the buckets it owned."""
+
+    shard_index: int = 0
+    num_shards: int = 1
+    first_bucket: int = 0
+    end_bucket: int = NUM_BUCKETS
+
+
+def file_row_bytes(dim: int, slot_floats: int) -> int:
+    """Bytes of one row in a shard file: values and slots (float32), id,
+    update count and stamp."""
+    return 4 * (dim + slot_floats) + 16
+
+
+def chunk_rows(dim: int, slot_floats: int) -> int:
+    """Rows per read or write batch (about 8 MiB)."""
+    return max(1, _CHUNK_BYTES // file_row_bytes(dim, slot_floats))

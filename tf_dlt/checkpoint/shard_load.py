@@ -1,0 +1,313 @@
+"""Loading shard files: a checkpoint chain (a full base and its deltas, any
+shard count each) applied link by link to new tables holding the buckets a
+shard owns, every block verified before its rows are read; the tables are
+staged, and installed in one step by the caller."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import h5py
+import numpy as np
+
+from tf_dlt import _native, errors
+from tf_dlt.checkpoint import manifest as manifest_lib
+from tf_dlt.checkpoint import verified
+from tf_dlt.checkpoint.manifest import filesystem
+from tf_dlt.checkpoint.shard_format import chunk_rows, file_row_bytes
+from tf_dlt.routing import NUM_BUCKETS
+from tf_dlt.table_config import difference, normalized
+
+
+def restore_rows(
+    g: h5py.Group,
+    table: _native.Table,
+    buckets: tuple[int, int],
+    offsets: np.ndarray,
+    reader: verified.VerifiedBlocks | None,
+) -> None:
+    """Imports the rows of buckets [first, end) of file group `g` (whose
+    checked `bucket_offsets` are `offsets`) into `table`, with their update
+    counts and stamps, and the sketch slices the file has of those buckets;
+    straight from `reader`'s verified blocks where it can. Stamps of a push
+    clock count against the writer's own clock (each shard counts its
+    pushes): they are restored as the same ages against `table`'s clock,
+    whichever shards wrote them."""
+    first, end = buckets
+    saved_clock = int(g.attrs.get("clock", 0))
+    seconds = table.config["policy"]["clock"] == "seconds"
+    now = table.now()
+    lo, hi = int(offsets[first]), int(offsets[end])
+    step = chunk_rows(table.dim, table.slot_floats)
+    slots = g["slots"] if "slots" in g else None
+    touched = g["touched"] if "touched" in g else None
+    raw = verified.RawRows(g, reader) if reader is not None else None
+    if raw is not None and raw.ok:  # HDF5 chunk by HDF5 chunk, from the verified blocks
+
+        def read(a: int, b: int) -> tuple[Any, ...]:
+            assert raw is not None
+            return tuple(raw.read(n, a, b) for n in ("ids", "values", "slots", "steps", "touched"))
+
+        step = raw.chunk
+    else:
+
+        def read(a: int, b: int) -> tuple[Any, ...]:
+            return (
+                g["ids"][a:b], g["values"][a:b], None if slots is None else slots[a:b],
+                g["steps"][a:b], None if touched is None else touched[a:b],
+            )  # fmt: skip
+
+    # One chunk is inserted (without the GIL) while the next is parsed.
+    with ThreadPoolExecutor(1, thread_name_prefix="dlt-import") as importer:
+        pending: Future[None] | None = None
+        a = lo
+        while a < hi:
+            b = min(hi, a - a % step + step)
+            ids, values, slot_rows, steps, stamps = read(a, b)
+            a = b
+            if stamps is not None:
+                if not seconds:  # the same age against the table's clock (modulo 2^32)
+                    age = (saved_clock - stamps.astype(np.int64)) % (1 << 32)
+                    age[age >= 1 << 31] = 0  # newer than the clock (files of older builds)
+                    stamps = (now - age) % (1 << 32)
+            if pending is not None:
+                pending.result()
+            pending = importer.submit(table.import_rows, ids, values, slot_rows, steps, stamps)
+        if pending is not None:
+            pending.result()
+    if "sketch" in g and table.sketch_slice_bytes:
+        sketch_first = int(g.attrs["sketch_first_bucket"])
+        added = g["sketch_added"]
+        lo_b, hi_b = max(first, sketch_first), min(end, sketch_first + len(added))
+        if lo_b < hi_b:
+            rows = slice(lo_b - sketch_first, hi_b - sketch_first)
+            table.write_sketch(
+                lo_b, np.asarray(g["sketch"][rows], np.uint8), np.asarray(added[rows], np.uint32)
+            )
+
+
+NewTable = Callable[[dict[str, Any]], _native.Table]
+
+
+def _offsets(g: h5py.Group, name: str, rows: int, where: str) -> np.ndarray:
+    """A bucket offsets dataset, checked: NUM_BUCKETS + 1 non-decreasing
+    offsets within the `rows` rows they index."""
+    if name not in g:
+        raise errors.FailedPreconditionError(f"{where} has no {name}")
+    offsets = np.asarray(g[name][...], np.int64)
+    if (
+        offsets.shape != (NUM_BUCKETS + 1,)
+        or offsets[0] != 0
+        or np.any(np.diff(offsets) < 0)
+        or offsets[-1] != rows
+    ):
+        raise errors.FailedPreconditionError(f"{where}: {name} is malformed")
+    return offsets
+
+
+def _apply_group(
+    g: h5py.Group,
+    entry: dict[str, Any],
+    reader: verified.VerifiedBlocks | None,
+    listed: dict[str, dict[str, Any]],
+    tables: dict[str, _native.Table],
+    new_table: NewTable,
+    buckets: tuple[int, int],
+    link: _LinkState,
+) -> str:
+    """Applies one table of one shard file to `tables` for buckets
+    `buckets`: a full table's rows replace those of the file's buckets; a
+    delta's removals go first, then its rows (changed or new) overwrite.
+    Returns the table's name."""
+    config = json.loads(g.attrs["config"])
+    name = str(config["name"])
+    where = f"{entry['file']} (table {name!r})"
+    if name not in listed or normalized(listed[name]["config"]) != normalized(config):
+        raise errors.FailedPreconditionError(
+            f"{entry['file']} holds table {name!r} with a config the manifest does not list"
+        )
+    mode = str(g.attrs.get("mode", "full"))
+    if mode not in ("full", "delta") or "ids" not in g or "values" not in g or "steps" not in g:
+        raise errors.FailedPreconditionError(f"{where} is malformed")
+    offsets = _offsets(g, "bucket_offsets", len(g["ids"]), where)
+    table = tables.get(name)
+    if table is None or normalized(table.config) != normalized(config):
+        if mode != "full":
+            raise errors.FailedPreconditionError(
+                f"{entry['file']} holds changes to table {name!r} that the checkpoints before "
+                "it do not have in this configuration: the chain is inconsistent"
+            )
+        table = tables[name] = new_table(config)
+        link.fresh.add(name)
+        link.clocks[name] = table.now()
+    lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+    if mode == "full":
+        restore_rows(g, table, buckets, offsets, reader)
+        if name not in link.fresh:
+            # The rows of these buckets are the file's: the others go, after
+            # the file's are in (a table in use never reads empty meanwhile).
+            keep = np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64)
+            table.erase_buckets(lo, hi, keep)
+        return name
+    if "base_clock" not in g.attrs:
+        raise errors.FailedPreconditionError(f"{where} is a delta without its base_clock")
+    removed = _offsets(g, "removed_offsets", len(g["removed"]) if "removed" in g else 0, where)
+    table.erase(np.asarray(g["removed"][int(removed[lo]) : int(removed[hi])], np.int64))
+    if config.get("policy", {}).get("clock") != "seconds":
+        # Rows already here aged by the pushes the writer took since the
+        # base; several writers of our buckets: the most of them.
+        elapsed = (int(g.attrs["clock"]) - int(g.attrs["base_clock"])) % (1 << 32)
+        target = (link.clocks.setdefault(name, table.now()) + elapsed) % (1 << 32)
+        if (target - table.now()) % (1 << 32) < 1 << 31:
+            table.set_push_clock(target)
+    restore_rows(g, table, buckets, offsets, reader)
+    return name
+
+
+@dataclasses.dataclass
+class _LinkState:
+    """What applying one checkpoint of a chain keeps across its files: the
+    tables it created (nothing to replace in them) and each table's clock
+    when the link started."""
+
+    fresh: set[str]
+    clocks: dict[str, int]
+
+
+def apply_link(
+    link: manifest_lib.Link,
+    tables: dict[str, _native.Table],
+    new_table: NewTable,
+    buckets: tuple[int, int],
+    *,
+    in_use: bool = False,
+    threads: int = 1,
+) -> None:
+    """Applies one checkpoint of a chain to `tables` (name -> table) for the
+    routing buckets [first, end): a full checkpoint replaces them with new
+    tables; a delta changes them in place (tables created, replaced and
+    dropped by it are changed in `tables`).
+
+    `in_use`: the tables serve meanwhile. Every file of the link is then
+    copied locally and verified whole before anything changes, and a table a
+    delta holds whole gets its new rows before the old ones go.
+    """
+    m = link.manifest
+    listed = {normalized(i["config"])["name"]: i for i in m["tables"]}
+    fs, root = filesystem(link.path)
+    entries = [
+        e for e in m["files"] if e["end_bucket"] > buckets[0] and e["first_bucket"] < buckets[1]
+    ]
+    state = _LinkState(set(), {})
+    if link.kind == "full":
+        tables.clear()
+        owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
+        file_bytes = sum(int(e["bytes"]) for e in entries)
+        for name, info in listed.items():
+            tables[name] = table = new_table(info["config"])
+            state.fresh.add(name)
+            # Sized for its share of the rows, never more than the files hold.
+            most = file_bytes // file_row_bytes(table.dim, table.slot_floats)
+            table.reserve(min(int(int(info["rows"]) * owned * 1.02) + 1024, most), threads)
+    for name in [n for n in tables if n not in listed]:
+        del tables[name]  # dropped since the previous checkpoint
+    state.clocks.update({name: t.now() for name, t in tables.items()})
+
+    def apply_file(
+        entry: dict[str, Any], f: h5py.File, reader: verified.VerifiedBlocks | None
+    ) -> None:
+        held = {
+            _apply_group(g, entry, reader, listed, tables, new_table, buckets, state)
+            for g in f["tables"].values()
+        }
+        # A table the writer did not have (it restarted empty, say) has no
+        # rows in the writer's buckets, as in a full checkpoint.
+        lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+        for name in set(listed) - held:
+            if name in tables:
+                tables[name].erase_buckets(lo, hi)
+
+    if not in_use:
+        for entry in entries:
+            with verified.open_verified(fs, root, entry) as (f, reader):
+                apply_file(entry, f, reader)
+        return
+    with tempfile.TemporaryDirectory(prefix="tf_dlt-apply-") as spool:
+        for entry in entries:  # every byte verified before any table changes
+            verified.fetch_verified(fs, root, entry, spool)
+        local, local_root = filesystem(spool)
+        for entry in entries:
+            with verified.open_verified(local, local_root, entry) as (f, reader):
+                apply_file(entry, f, reader)
+
+
+def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
+    """Reads the rows this shard owns from checkpoint `path` and installs
+    them (see `prepare_load`); a failed load leaves the shard as it was."""
+    staged = prepare_load(path, shard)
+    shard.install_tables(staged["staged"])
+    return staged
+
+
+def prepare_load(
+    path: str,
+    shard: _native.Shard,
+    allow: Callable[[str], None] | None = None,
+    *,
+    replace: bool = False,
+) -> dict[str, Any]:
+    """Reads and verifies the rows this shard owns from checkpoint `path`
+    (the chain of its full base and every delta up to it) into new tables,
+    returned under "staged" and not installed.
+
+    Works with any shard count at save time, and a different one for each
+    checkpoint of the chain: rows are picked by routing bucket. Installing
+    the staged tables (`shard.install_tables`) replaces same-named tables in
+    one step, so a cluster can verify on every shard before any shard
+    changes. The staged tables track changes from `path` on, so a delta
+    saved on top of it later holds only what changed after the load.
+    `allow` raises for a checkpoint of the chain the caller may not read.
+    `replace`: a same-named table of another configuration on the shard is
+    to be replaced (a follower), not a reason to refuse.
+    """
+    start = time.monotonic()
+    chain = manifest_lib.resolve_chain(path, allow)
+    head = chain[-1].manifest
+    existing = {t.name: normalized(t.config) for t in shard.tables()}
+    for info in head["tables"]:
+        config = normalized(info["config"])
+        name = config["name"]
+        if not replace and name in existing and existing[name] != config:
+            raise errors.FailedPreconditionError(
+                f"table {name!r} on this shard differs from the checkpoint's "
+                f"({difference(existing[name], config)}); drop the table first to load it"
+            )
+    tables: dict[str, _native.Table] = {}
+    buckets = (shard.first_bucket, shard.end_bucket)
+    for link in chain:
+        apply_link(link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1)
+    staged = list(tables.values())
+    for t in staged:
+        t.mark_loaded(head["save_id"])
+    return {
+        "staged": staged,
+        "save_id": head["save_id"],
+        "links": len(chain),
+        "tables": [
+            {
+                "config": t.config,
+                "rows": t.size(),
+                "bytes": t.bytes(),
+                "record_bytes": t.record_bytes,
+            }
+            for t in staged
+        ],
+        "seconds": time.monotonic() - start,
+    }

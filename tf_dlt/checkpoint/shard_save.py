@@ -1,0 +1,218 @@
+"""Writing one shard file: a native table's rows and state streamed chunk by
+chunk into HDF5 (rows sorted by routing bucket, with each bucket's offsets),
+spooled locally, digested block by block and put in place under a
+save-specific name. Never a second copy of the shard in memory."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import h5py
+import numpy as np
+
+from tf_dlt import _native, errors
+from tf_dlt.checkpoint import verified
+from tf_dlt.checkpoint.manifest import FORMAT, FORMAT_VERSION, filesystem, is_local, shard_file_name
+from tf_dlt.checkpoint.shard_format import (
+    Chunk,
+    ShardLayout,
+    TableRows,
+    TableState,
+    chunk_rows,
+    file_row_bytes,
+)
+from tf_dlt.routing import NUM_BUCKETS
+
+# HDF5 places file metadata (the chunk indexes above all) in blocks of this
+# size, so a load walks each dataset's index in a few verified blocks
+# instead of one node in every block of the file.
+_META_BLOCK_BYTES = 1 << 20
+
+
+def native_state(table: _native.Table, first_bucket: int, end_bucket: int) -> TableState:
+    """A native table's clock and its sketch slices of [first_bucket,
+    end_bucket)."""
+    state = TableState(clock=table.now(), first_bucket=first_bucket)
+    if table.sketch_slice_bytes:
+        state.sketch, state.added = table.read_sketch(first_bucket, end_bucket)
+    return state
+
+
+def native_rows(
+    table: _native.Table, layout: ShardLayout, save_id: str = "", base: str = ""
+) -> TableRows:
+    """A native table's rows, copied out a chunk at a time. With a
+    `save_id`, the copy is that save of the table (its change tracking
+    starts a new generation): on top of save `base`, when the table tracks
+    it, only the rows changed since, with the ids removed since."""
+    tracked, since, base_clock = table.begin_save(save_id, base) if save_id else (False, 0, 0)
+
+    def chunks() -> Iterator[Chunk]:
+        exporter = table.exporter(since if tracked else None)
+        while (chunk := exporter.next(chunk_rows(table.dim, table.slot_floats))) is not None:
+            yield chunk
+
+    def state() -> TableState:
+        out = native_state(table, layout.first_bucket, layout.end_bucket)
+        if tracked:  # removals up to now: after every row was copied
+            out.base_clock, out.removed = base_clock, table.removed_since(since)
+        return out
+
+    return TableRows(table.config, table.dim, table.slot_floats, chunks(), state)
+
+
+def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
+    """Streams one table's chunks into `group`; returns its row count and state."""
+    group.attrs["config"] = json.dumps(rows.config, sort_keys=True)
+    dim, slots = rows.dim, rows.slot_floats
+    first = next(rows.chunks, None)
+    # HDF5 chunks of about 1 MiB, never larger than a small table.
+    per_row = file_row_bytes(dim, slots)
+    storage = max(1, min((1 << 20) // per_row, len(first[0]) if first is not None else 1))
+
+    def dataset(name: str, dtype: Any, width: int | None) -> h5py.Dataset:
+        shape, chunks = ((0,), (storage,)) if width is None else ((0, width), (storage, width))
+        maxshape = (None,) if width is None else (None, width)
+        return group.create_dataset(name, shape, dtype, maxshape=maxshape, chunks=chunks)
+
+    ids = dataset("ids", np.int64, None)
+    values = dataset("values", np.float32, dim)
+    steps = dataset("steps", np.uint32, None)
+    touched = dataset("touched", np.uint32, None)
+    slot_ds = dataset("slots", np.float32, slots) if slots else None
+    counts = np.zeros(NUM_BUCKETS, np.int64)
+    n = 0
+    for c_ids, c_values, c_slots, c_steps, c_buckets, c_touched in (
+        itertools.chain([first], rows.chunks) if first is not None else ()
+    ):
+        m = len(c_ids)
+        if m == 0:
+            continue
+        for ds in (ids, values, slot_ds, steps, touched):
+            if ds is not None:
+                ds.resize(n + m, axis=0)
+        ids[n : n + m] = c_ids
+        values[n : n + m] = c_values
+        if slot_ds is not None:
+            slot_ds[n : n + m] = c_slots
+        steps[n : n + m] = c_steps
+        touched[n : n + m] = c_touched
+        counts += np.bincount(c_buckets, minlength=NUM_BUCKETS)
+        n += m
+    offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    group.create_dataset("bucket_offsets", data=offsets)
+    # Read after the rows: rows pushed while they were copied carry stamps up
+    # to this clock, never beyond it.
+    state = rows.state()
+    group.attrs["clock"] = state.clock
+    group.attrs["mode"] = state.mode
+    if state.base_clock is not None:
+        removed = np.asarray(state.removed if state.removed is not None else [], np.int64)
+        group.attrs["base_clock"] = state.base_clock
+        group.create_dataset("removed", data=removed)
+        group.create_dataset("removed_offsets", data=_bucket_offsets(removed))
+    if state.sketch is not None and state.added is not None:
+        group.create_dataset("sketch", data=state.sketch)
+        group.create_dataset("sketch_added", data=state.added)
+        group.attrs["sketch_first_bucket"] = state.first_bucket
+    return n, state
+
+
+def _bucket_offsets(ids: np.ndarray) -> np.ndarray:
+    """Offsets [NUM_BUCKETS + 1] of ids sorted by bucket."""
+    counts = np.bincount(_native.bucket_of(ids), minlength=NUM_BUCKETS) if len(ids) else 0
+    offsets = np.zeros(NUM_BUCKETS + 1, np.int64)
+    np.cumsum(np.broadcast_to(counts, (NUM_BUCKETS,)), out=offsets[1:])
+    return offsets
+
+
+def _write_shard_file(
+    local_path: str, layout: ShardLayout, tables: list[TableRows], save_id: str
+) -> list[dict[str, Any]]:
+    """Streams `tables` (sorted by name) into an HDF5 file; returns table
+    infos."""
+    infos = []
+    with h5py.File(local_path, "w", meta_block_size=_META_BLOCK_BYTES) as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["save_id"] = save_id
+        f.attrs["shard_index"] = layout.shard_index
+        f.attrs["num_shards"] = layout.num_shards
+        f.attrs["first_bucket"] = layout.first_bucket
+        f.attrs["end_bucket"] = layout.end_bucket
+        f.attrs["num_buckets"] = NUM_BUCKETS
+        group = f.create_group("tables")
+        for k, rows in enumerate(sorted(tables, key=lambda t: str(t.config["name"]))):
+            n, state = _write_table(group.create_group(f"t{k:05d}"), rows)
+            removed = 0 if state.removed is None else len(state.removed)
+            infos.append({"config": rows.config, "rows": n, "mode": state.mode, "removed": removed})
+    return infos
+
+
+def save_shard(path: str, shard: _native.Shard, save_id: str, base: str = "") -> dict[str, Any]:
+    """Writes this shard's file into checkpoint directory `path` (see
+    `save_tables`); on top of save `base`, only what changed since."""
+    layout = ShardLayout(shard.shard_index, shard.num_shards, shard.first_bucket, shard.end_bucket)
+    tables = [native_rows(t, layout, save_id, base) for t in shard.tables()]
+    return save_tables(path, layout, tables, save_id)
+
+
+def save_tables(
+    path: str, layout: ShardLayout, tables: list[TableRows], save_id: str
+) -> dict[str, Any]:
+    """Writes one shard file of `tables` into checkpoint directory `path`.
+
+    The file gets a save-specific name, so a committed checkpoint at the same
+    path is never overwritten; only the manifest (written by the caller after
+    every shard succeeded) makes the new files part of a checkpoint.
+    """
+    if not save_id or not all(c.isalnum() or c in "-_" for c in save_id):
+        raise errors.InvalidArgumentError(f"save_id must be alphanumeric, got {save_id!r}")
+    start = time.monotonic()
+    fs, root = filesystem(path)
+    name = shard_file_name(layout.shard_index, layout.num_shards, save_id)
+    fs.makedirs(root, exist_ok=True)
+    target = f"{root}/{name}"
+    if is_local(fs):
+        tmp = f"{target}.tmp-{os.getpid()}"
+        try:
+            infos = _write_shard_file(tmp, layout, tables, save_id)
+            with open(tmp, "rb") as f:
+                sha, blocks = verified.file_digests(f)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        size = os.path.getsize(target)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as spool:
+            local = os.path.join(spool, name)
+            infos = _write_shard_file(local, layout, tables, save_id)
+            with open(local, "rb") as f:
+                sha, blocks = verified.file_digests(f)
+            size = os.path.getsize(local)
+            fs.put_file(local, target)
+    return {
+        "file": name,
+        "sha256": sha,
+        "block_bytes": verified.BLOCK_BYTES,
+        "block_sha256": blocks,
+        "meta_block_bytes": _META_BLOCK_BYTES,
+        "bytes": size,
+        "shard_index": layout.shard_index,
+        "num_shards": layout.num_shards,
+        "first_bucket": layout.first_bucket,
+        "end_bucket": layout.end_bucket,
+        "tables": infos,
+        "seconds": time.monotonic() - start,
+    }
