@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -139,38 +140,59 @@ def object_is_current(obj: str, command: list[str]) -> bool:
     return deps is not None and not any(_is_newer(dep, obj) for dep in deps)
 
 
-def compile_objects(
+def object_jobs(
     compiler: Any, sources: list[str], output_dir: str, include_dirs: list[str],
-    extra_args: list[str], jobs: int,
-) -> list[str]:  # fmt: skip
-    """Compiles `sources` into objects under `output_dir`, `jobs` at a time,
-    skipping each object that is current (`object_is_current`): a header
-    edit recompiles exactly the sources that include it."""
+    extra_args: list[str],
+) -> tuple[list[str], list[Callable[[], None]]]:  # fmt: skip
+    """The objects of `sources` under `output_dir`, and a job per object
+    that is not current (`object_is_current`) to compile it: a header edit
+    recompiles exactly the sources that include it."""
     _, objects, extra, pp_opts, build = compiler._setup_compile(
         output_dir, [], include_dirs, sources, [], extra_args
     )
     cc_args = compiler._get_cc_args(pp_opts, False, [])
-
-    def one(obj: str) -> None:
+    jobs = []
+    for obj in objects:
         src, ext = build[obj]
         postargs = [*extra, "-MMD", "-MF", obj + ".d"]
         command = [*compiler.compiler_so, *cc_args, src, *postargs]
         if object_is_current(obj, command):
-            return
-        compiler._compile(obj, src, ext, cc_args, postargs, pp_opts)
-        _write_stamp(obj + ".cmd", command)
+            continue
 
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        list(pool.map(one, objects))
-    return list(objects)
+        def job(obj: str = obj, src: str = src, ext: str = ext, postargs: list[str] = postargs,
+                command: list[str] = command) -> None:  # fmt: skip
+            compiler._compile(obj, src, ext, cc_args, postargs, pp_opts)
+            _write_stamp(obj + ".cmd", command)
+
+        jobs.append(job)
+    return list(objects), jobs
+
+
+def run_jobs(jobs: list[Callable[[], None]], parallel: int) -> None:
+    """Runs `jobs`, `parallel` at a time; raises the first failure."""
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
+
+
+def compile_objects(
+    compiler: Any, sources: list[str], output_dir: str, include_dirs: list[str],
+    extra_args: list[str], parallel: int,
+) -> list[str]:  # fmt: skip
+    """Compiles what is not current of `sources` (`object_jobs`), `parallel`
+    at a time; returns every object."""
+    objects, jobs = object_jobs(compiler, sources, output_dir, include_dirs, extra_args)
+    run_jobs(jobs, parallel)
+    return objects
 
 
 class BuildExt(build_ext):
     """Generates the control-plane protobuf code, then builds the native core
     once into libdlt_core.so and the two extensions that link it, with TF's
-    flags. Each object is rebuilt only when its source, a header it
-    includes or its command changed; each library is relinked only when an
-    object or its link command changed."""
+    flags, compiling the objects of all three at once. Each object is
+    rebuilt only when its source, a header it includes or its command
+    changed; each library is relinked only when an object or its link
+    command changed."""
 
     def run(self) -> None:
         self._generate_protos()
@@ -185,19 +207,24 @@ class BuildExt(build_ext):
         super().run()
 
     def build_extensions(self) -> None:
-        # In order, one at a time: the core first, since the others link it;
-        # each compiles its own sources in parallel.
+        # Every object of the three libraries in one pool (the op library's,
+        # the slowest, first), then the core is linked, then the two that
+        # link it.
         self.check_extensions_list(self.extensions)
-        for ext in self.extensions:
-            self.build_extension(ext)
+        parallel = self.parallel if isinstance(self.parallel, int) else os.cpu_count() or 1
+        objects, jobs = {}, []
+        for ext in sorted(self.extensions, key=lambda e: e.name != OPS_LIBRARY):
+            objects[ext.name], own = object_jobs(
+                self.compiler, list(ext.sources), self.build_temp, ext.include_dirs,
+                ext.extra_compile_args,
+            )  # fmt: skip
+            jobs.extend(own)
+        run_jobs(jobs, parallel)
+        for ext in self.extensions:  # the core first
+            self._link(ext, objects[ext.name])
 
-    def build_extension(self, ext: Extension) -> None:
+    def _link(self, ext: Extension, objects: list[str]) -> None:
         target = self.get_ext_fullpath(ext.name)
-        jobs = self.parallel if isinstance(self.parallel, int) else os.cpu_count() or 1
-        objects = compile_objects(
-            self.compiler, list(ext.sources), self.build_temp, ext.include_dirs,
-            ext.extra_compile_args, jobs,
-        )  # fmt: skip
         link_args = list(ext.extra_link_args)
         if ext.name != CORE_LIBRARY:
             core_dir = os.path.dirname(self.get_ext_fullpath(CORE_LIBRARY))
