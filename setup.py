@@ -38,6 +38,7 @@ NATIVE_CORE_SOURCES = [
     "native/core/table_policy.cc",
     "native/core/table_tier.cc",
     "native/core/work_queue.cc",
+    "native/net/auth_tokens.cc",
     "native/net/client.cc",
     "native/net/client_connections.cc",
     "native/net/client_exchange.cc",

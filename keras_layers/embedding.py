@@ -38,6 +38,10 @@ from .gradient_trap import (
     within,
 )
 
+# Bits of integer a float type holds exactly: beyond 2^bits it cannot tell
+# neighbouring ids apart.
+_EXACT_INTEGER_BITS = {tf.float16: 11, tf.bfloat16: 8, tf.float32: 24, tf.float64: 53}
+
 
 @keras.saving.register_keras_serializable(package="tf_dlt")
 class Embedding(keras.layers.Layer):  # type: ignore[misc]
@@ -287,17 +291,39 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if isinstance(inputs, tf.SparseTensor):
             inputs = tf.RaggedTensor.from_sparse(inputs)
         if isinstance(inputs, tf.RaggedTensor):
-            rows = self._rows(tf.cast(inputs.flat_values, tf.int64), training)
+            rows = self._rows(self._ids(inputs.flat_values), training)
             if self.combiner is None:
                 return inputs.with_flat_values(rows)
             return combine(self.combiner, rows, inputs.value_rowids(), inputs.nrows())
-        ids = tf.cast(inputs, tf.int64)
+        ids = self._ids(inputs)
         if self.combiner is not None:
             raise ValueError(
                 f"layer {self.name!r} has combiner {self.combiner!r}: feed a RaggedTensor or "
                 "SparseTensor of ids"
             )
         return self._rows(ids, training)
+
+    def _ids(self, values: Any) -> tf.Tensor:
+        """`values` as int64 ids. Integers are cast; floats (a Keras Input's
+        default dtype, which Keras casts to the layer's float32 first) only
+        where every value is an integer the float type holds exactly
+        (|v| <= 2^24 for float32): above that, distinct ids would round to
+        one row, so InvalidArgumentError names the layer instead."""
+        values = tf.convert_to_tensor(values)
+        if values.dtype.is_integer:
+            return tf.cast(values, tf.int64)
+        if not values.dtype.is_floating:
+            raise TypeError(f"layer {self.name!r} takes integer ids, got {values.dtype.name}")
+        exact = float(2 ** _EXACT_INTEGER_BITS[values.dtype])
+        whole = tf.reduce_all((tf.floor(values) == values) & (tf.abs(values) <= exact))
+        message = (
+            f"layer {self.name} got {values.dtype.name} ids that are not whole numbers or are "
+            f"beyond +-{exact:.0f}, where {values.dtype.name} cannot tell ids apart: feed int64 "
+            "ids (a keras.Input of dtype int64)"
+        )
+        check = tf.debugging.Assert(whole, [message], name="ids_are_exact")
+        with tf.control_dependencies([check]):
+            return tf.cast(values, tf.int64)
 
     def _rows(self, ids: tf.Tensor, training: bool | None) -> tf.Tensor:
         if not self.is_distributed:

@@ -283,3 +283,20 @@ def test_state_pulls_too_big_for_a_frame_are_refused_or_split(
     plain = ops.lookup(ops.ClientResource(cluster.addresses, request_timeout=29.0), ids, "emb", 4)
     np.testing.assert_array_equal(cached, plain.numpy())
     _still_serves(cluster)
+
+
+def test_a_long_error_keeps_its_code_across_the_control_plane(one: Cluster) -> None:
+    """An error whose message is longer than gRPC's metadata limit (here a
+    Load of a 20,000-character path, which the message names) reaches the
+    caller with its own code and a bounded message, not as "Stream removed"
+    (RESOURCE_EXHAUSTED); the shard keeps serving."""
+    cluster = one
+    path = "/nonexistent/" + "d" * 20_000
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}") as channel:
+        stub = dlt_pb2_grpc.ShardAdminStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Load(dlt_pb2.LoadRequest(path=path), timeout=30)
+    assert info.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    details = info.value.details()
+    assert "characters left out" in details and len(details) <= 2000, details[:300]
+    _still_serves(cluster)

@@ -3,6 +3,7 @@ checked against the live model's predictions."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_dlt
 import tf_dlt.checkpoint.manifest
@@ -205,3 +207,37 @@ def test_remote_export_served_by_followers_tracks_training_deltas(
         assert all(s.get("serving_save_id") == target for s in f.stats())
     served = _serve_elsewhere(tmp_path, tmp_path / "remote", x, with_tf_dlt=True, env=env)
     np.testing.assert_allclose(served, live, atol=1e-6)
+
+
+def test_no_auth_token_is_written_into_an_exported_model(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """The shards' token reaches the trainer's lookups, but no file of a
+    remote SavedModel (nor a Keras export of the live model) holds it, nor
+    anything derived from it in the client's name; a serving process names
+    the token in a file through TF_DLT_AUTH_TOKEN_FILE, and without it is
+    refused by the shards."""
+    token = "tok-" + "8c1f" * 8
+    cluster = start_cluster(1, token=token)
+    model = tf_dlt.transpile(_model("exp_token"), cluster.addresses, auth_token=token)
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    live = model.predict(x, verbose=0)
+    tf_dlt.export_saved_model(model, str(tmp_path / "remote"))
+    tf.saved_model.save(model, str(tmp_path / "plain"))  # a user's own export
+    for root in (tmp_path / "remote", tmp_path / "plain"):
+        files = [p for p in root.rglob("*") if p.is_file()]
+        assert files
+        for path in files:
+            data = path.read_bytes()
+            assert token.encode() not in data, path
+            assert hashlib.sha256(token.encode()).hexdigest()[:16].encode() not in data, path
+    token_file = tmp_path / "serving-token"
+    token_file.write_text(token + "\n")
+    served = _serve_elsewhere(
+        tmp_path, tmp_path / "remote", x, with_tf_dlt=True,
+        env={"TF_DLT_AUTH_TOKEN_FILE": str(token_file)},
+    )  # fmt: skip
+    np.testing.assert_allclose(served, live, atol=1e-6)
+    with pytest.raises(AssertionError, match="Unauthenticated|UNAUTHENTICATED|token"):
+        _serve_elsewhere(tmp_path, tmp_path / "remote", x, with_tf_dlt=True)

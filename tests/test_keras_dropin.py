@@ -386,3 +386,26 @@ def test_transpile_takes_the_cluster_spec(start_cluster: Callable[..., Cluster])
         assert "spec_table" in client.list_tables()
     embedded = tf_dlt.transpile(model, tf_dlt.cluster_from_env({}))
     assert embedded.get_layer("spec_table").client.embedded
+
+
+def test_float_ids_are_taken_only_where_the_float_holds_the_id_exactly() -> None:
+    """A Keras Input is float32 unless told otherwise. Small whole ids in it
+    look up the rows int64 ids do; ids float32 cannot tell apart (1e12+1 and
+    1e12+2 are one float32) or that are not whole are refused, naming the
+    layer, instead of reading another id's row."""
+    layer = Embedding(output_dim=4, is_distributed=True, name="float_ids")
+    model = keras.Model(*(lambda x: (x, layer(x)))(keras.Input((2,))))
+    as_int = keras.Model(*(lambda x: (x, layer(x)))(keras.Input((2,), dtype="int64")))
+    small = np.array([[1, 2], [3, 16_777_216]])
+    np.testing.assert_array_equal(
+        model.predict(small.astype(np.float32), verbose=0), as_int.predict(small, verbose=0)
+    )
+    for bad in ([[1e12 + 1, 1e12 + 2]], [[1.5, 2.0]], [[float("nan"), 1.0]]):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="layer float_ids got float32 ids"):
+            model.predict(np.array(bad, np.float32), verbose=0)
+    # Keras casts float inputs to the layer's float32 first: float64 ids
+    # beyond 2^24 are refused as well, never merged.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="got float32 ids"):
+        layer(tf.constant([[2.0**40 + 1, 2.0**40 + 2]], tf.float64))
+    with pytest.raises(TypeError, match="takes integer ids, got string"):
+        layer(tf.constant([["a"]]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -166,3 +167,62 @@ def test_auth_token_is_required_and_never_logged(start_cluster: Callable[..., Cl
     logs = "".join(cluster.log(i) for i in range(2))
     assert "refused a control-plane call from" in logs  # the refusal is logged...
     assert token not in logs and wrong not in logs  # ...the tokens are not
+
+
+def test_table_names_never_lead_out_of_the_storage_dir(tmp_path: Path) -> None:
+    """A table name is never a path: one that climbs out ("x/../../out") is
+    refused before anything is created, and a table's tier directory under
+    --storage-dir is named by a counter, not by the table, so dropping it
+    removes only its own files."""
+    from tf_dlt import _native
+    from tf_dlt.table_config import TableConfig
+
+    storage = tmp_path / "deep" / "storage"
+    storage.mkdir(parents=True)
+    shard = _native.Shard(0, 1)
+    shard.configure_memory(1 << 30, str(storage), 1000)
+    for name in ("x/../../../outside", "../t", "a//b", "/abs"):
+        with pytest.raises(errors.InvalidArgumentError, match="part between its '/'s"):
+            shard.create_table(TableConfig(name, 4).to_dict())
+        with pytest.raises(errors.InvalidArgumentError):
+            TableConfig.create(name, 4)
+    shard.create_table(TableConfig("a/b", 4).to_dict())
+    shard.get_table("a/b").pull(np.arange(100, dtype=np.int64))
+    made = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert all(str(p).startswith("deep") for p in made), made
+    tier_dirs = [p.name for p in (storage / "shard-0").iterdir() if p.is_dir()]
+    assert tier_dirs and all(re.fullmatch(r"t\d+", d) for d in tier_dirs), tier_dirs
+    shard.drop_table("a/b")
+    del shard
+    assert storage.is_dir() and not [p for p in (storage / "shard-0").iterdir() if p.is_dir()]
+
+
+def test_a_save_never_writes_through_a_planted_link(tmp_path: Path) -> None:
+    """A save writes its shard file and its manifest through temporary files
+    created exclusively under random names: links planted at the names a
+    save used to take (<file>.tmp-<pid>, the caller choosing the save id)
+    are never written through, and what they point at is unchanged."""
+    import os
+
+    from tf_dlt import _native
+    from tf_dlt.checkpoint import manifest, shard_files
+    from tf_dlt.table_config import TableConfig
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 4).to_dict())
+    shard.get_table("t").pull(np.arange(10, dtype=np.int64))
+    save_id = manifest.new_save_id()
+    name = manifest.shard_file_name(0, 1, save_id)
+    for planted in (f"{name}.tmp-{os.getpid()}", f"{manifest.MANIFEST}.tmp-{os.getpid()}"):
+        os.symlink(victim, ck / planted)
+    part = shard_files.save_shard(str(ck), shard, save_id)
+    manifest.write_manifest(str(ck), [part], save_id)
+    assert victim.read_bytes() == b"precious"
+    fresh = _native.Shard(0, 1)
+    shard_files.load_shard(str(ck), fresh)
+    assert fresh.get_table("t").size() == 10
+    assert not [p for p in ck.iterdir() if ".tmp-" in p.name and not p.is_symlink()]

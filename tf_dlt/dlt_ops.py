@@ -26,6 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_dlt import _native
 from tf_dlt.table_config import TableConfig
 
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dlt_ops.so")
@@ -61,6 +62,15 @@ def override_pservers(addresses: Sequence[str] | None) -> None:
         os.environ[PSERVERS_ENV] = ",".join(addresses)
 
 
+_token_numbers: dict[str, int] = {}
+
+
+def _token_number(token: str) -> int:
+    """A small number for each distinct token this process used (0: none)."""
+    with _load_lock:
+        return _token_numbers.setdefault(token, len(_token_numbers) + 1) if token else 0
+
+
 class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ignore[misc]
     """The Dlt>Client handle: the cluster the ops talk to.
 
@@ -86,9 +96,11 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         max_inflight_pushes: int = 4,
     ) -> None:
         self.pservers = list(pservers or [])
+        # The token is no attribute (attributes are written into graphs and
+        # SavedModels): the kernel reads it from the core by client name.
+        self._auth_token = auth_token
         self._attrs: dict[str, Any] = {
             "addresses": self.pservers,
-            "auth_token": auth_token,
             "connect_timeout_ms": max(1, int(connect_timeout * 1000)),
             "request_timeout_ms": max(1, int(request_timeout * 1000)),
             "frame_bytes": int(frame_bytes),
@@ -96,7 +108,10 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         }
         if self.pservers:
             digest = hashlib.sha256(repr(sorted(self._attrs.items())).encode()).hexdigest()
-            self._shared_name = f"dlt_tcp_{digest[:16]}"
+            # Clients differing only in their token are different clients;
+            # the name holds a number per token, nothing derived from it.
+            self._shared_name = f"dlt_tcp_{digest[:16]}_{_token_number(auth_token)}"
+            _native.set_client_token(self._shared_name, auth_token)
         else:
             self._shared_name = EMBEDDED_SHARED_NAME
         super().__init__(device="/CPU:0")
@@ -107,7 +122,7 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
 
     @property
     def auth_token(self) -> str:
-        return str(self._attrs["auth_token"])
+        return self._auth_token
 
     @property
     def embedded(self) -> bool:
@@ -140,8 +155,6 @@ def configure_cache(
     it is `max_staleness_steps` lookups of the table or `max_staleness_ms`
     old (0: no bound of that kind; one is needed). `rows` 0 removes the
     cache. `tf_dlt.hot_row_cache` does this for a model's layers."""
-    from tf_dlt import _native
-
     load_library().dlt_configure_cache(
         client=client.resource_handle, config=_native.encode_table_config(config.to_dict()),
         rows=int(rows), max_staleness_steps=int(max_staleness_steps),

@@ -11,8 +11,24 @@ _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 AUTH_METADATA_KEY = "authorization"
 
 
+# Most characters of an error message a server sends: gRPC carries it in
+# metadata, and past its limit (8 KiB by default) the caller would get
+# "Stream removed" (RESOURCE_EXHAUSTED) instead of the error.
+MAX_DETAILS_CHARS = 2000
+
+
 def status_code_for(error: errors.DltError) -> grpc.StatusCode:
     return _STATUS_BY_CODE.get(error.code, grpc.StatusCode.UNKNOWN)
+
+
+def bounded_details(message: str) -> str:
+    """`message`, cut to MAX_DETAILS_CHARS (its start and end kept, saying
+    how much was left out), so an error keeps its code across gRPC."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    keep = MAX_DETAILS_CHARS // 2 - 40
+    cut = len(message) - 2 * keep
+    return f"{message[:keep]} ... ({cut} characters left out) ... {message[-keep:]}"
 
 
 def error_from_rpc(error: grpc.RpcError, context: str) -> errors.DltError:

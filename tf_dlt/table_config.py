@@ -22,7 +22,8 @@ class TableConfig:
     """Configuration of one distributed table.
 
     Args:
-        name: table name: letters, digits and ``_-./``, at most 255 bytes.
+        name: table name: letters, digits and ``_-./``, at most 255 bytes; no
+            part between '/'s empty, '.' or '..'.
         dim: number of float32 values per row, 1..65536.
         initializer: how unseen rows start (name or `tf_dlt.initializers`).
         optimizer: server-side update_method (name or `tf_dlt.optimizers`).

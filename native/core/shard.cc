@@ -71,7 +71,8 @@ std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
   if (tier_root_.empty()) return table;
   // Each table object has a directory of its own: a load builds a table
   // while the one it replaces still serves.
-  const std::string dir = tier_root_ + "/t" + std::to_string(next_table_dir_++) + "-" + config.name;
+  // Named by a counter alone: no path is ever built from a table's name.
+  const std::string dir = tier_root_ + "/t" + std::to_string(next_table_dir_++);
   std::error_code error;
   std::filesystem::create_directories(dir, error);
   table->AttachTier(dir);

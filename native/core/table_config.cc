@@ -1,5 +1,6 @@
 #include "native/core/table_config.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -79,6 +80,18 @@ Status ValidateTableName(const std::string& name) {
       return InvalidArgument("table name '" + Escaped(name) +
                              "' may only hold letters, digits and _-./");
     }
+  }
+  // '/' separates parts (an HDF5 group in a checkpoint): none empty, none
+  // "." or "..", so a name is never a path that leads elsewhere.
+  size_t start = 0;
+  while (start <= name.size()) {
+    const size_t end = std::min(name.find('/', start), name.size());
+    const std::string part = name.substr(start, end - start);
+    if (part.empty() || part == "." || part == "..") {
+      return InvalidArgument("table name '" + Escaped(name) +
+                             "' has an empty, '.' or '..' part between its '/'s");
+    }
+    start = end + 1;
   }
   return OkStatus();
 }

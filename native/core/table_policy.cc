@@ -15,7 +15,7 @@ namespace dlt {
 
 uint64_t Table::Score(const char* record, uint32_t now) const {
   const auto* h = reinterpret_cast<const RowHeader*>(record);
-  const uint32_t age = now - h->touched;
+  const uint32_t age = AgeAt(now, h->touched);
   // Lowest first: fewest updates (LFU), then longest untouched.
   const uint64_t recency = 0xffffffffu - age;
   const bool lfu = config_.policy.eviction == static_cast<uint64_t>(EvictionKind::kLfu);
@@ -104,7 +104,7 @@ size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
         if (e.record == kEmpty) continue;
         const auto* h = reinterpret_cast<const RowHeader*>(stripe.Record(e.record, record_bytes_));
         const bool rare = min_count != 0 && h->step < min_count;
-        const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
+        const bool stale = unseen_for != 0 && AgeAt(now, h->touched) > unseen_for;
         if (rare || stale) victims.push_back(e.key);
       }
       removed += EraseFrom(&stripe, victims);
@@ -115,7 +115,7 @@ size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
         [&](uint32_t slot, int64_t key, const char* record) {
           const auto* h = reinterpret_cast<const RowHeader*>(record);
           const bool rare = min_count != 0 && h->step < min_count;
-          const bool stale = unseen_for != 0 && uint32_t(now - h->touched) > unseen_for;
+          const bool stale = unseen_for != 0 && AgeAt(now, h->touched) > unseen_for;
           if (!rare && !stale) return;
           EraseCold(&stripe, slot, key);
           ++removed;

@@ -67,6 +67,14 @@ static_assert(sizeof(Removal) == 12, "removal log entry layout");
 
 inline size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
+// A row's age at `now` in clock units, modulo 2^32 (a wrapped push clock
+// still measures ages). A stamp ahead of `now` (clock skew between the hosts
+// of a save and a load, a clock stepped back) is age 0, never ancient.
+inline uint32_t AgeAt(uint32_t now, uint32_t touched) {
+  const uint32_t age = now - touched;
+  return age >= (uint32_t{1} << 31) ? 0 : age;
+}
+
 // A stripe's removal log may hold this many entries plus a quarter of its
 // rows; past that the table stops tracking (its next delta is written in
 // full) rather than grow without bound.

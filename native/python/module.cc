@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "native/core/routing.h"
+#include "native/net/auth_tokens.h"
 #include "native/net/server_stats.h"
 #include "native/net/wire.h"
 #include "native/python/bindings.h"
@@ -45,6 +46,8 @@ PYBIND11_MODULE(_native, m) {
     Check(ValidateTableConfig(c));
     return Table::RecordBytes(c);
   });
+
+  m.def("set_client_token", &SetClientToken, py::arg("name"), py::arg("token"));
 
   m.def("bucket_of", [](const IdArray& ids) {
     CheckIds(ids);

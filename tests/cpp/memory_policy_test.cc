@@ -117,6 +117,24 @@ DLT_TEST(TestTtlIsExactAtItsBoundary) {
   EXPECT(t.Expire(3) == 1);
 }
 
+DLT_TEST(TestStampsAheadOfTheClockAreAgeZero) {
+  // Under the seconds clock a row stamped ahead of now (a checkpoint saved on
+  // a host whose clock runs ahead, a clock stepped back) is fresh: neither a
+  // 30-day ttl nor a shrink by age takes it; a row really 31 days old goes.
+  TableConfig c = PolicyTable(1);
+  c.policy.clock = static_cast<uint64_t>(ClockKind::kSeconds);
+  c.policy.ttl = 30 * 86400;
+  Table t(c);
+  const uint32_t now = t.Now();
+  const std::vector<int64_t> ids = {1, 2, 3};
+  const std::vector<float> values = {1.0f, 2.0f, 3.0f};
+  const std::vector<uint32_t> steps = {1, 1, 1};
+  const std::vector<uint32_t> touched = {now + 2, now + 86400, now - 31 * 86400};
+  EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, steps.data(), 3, touched.data()));
+  EXPECT(t.Expire(now) == 1 && t.size() == 2);
+  EXPECT(t.Shrink(0, 3600, now) == 0 && t.size() == 2);
+}
+
 DLT_TEST(TestEvictionKeepsTheBoundAndTheFrequentRows) {
   for (EvictionKind kind : {EvictionKind::kLfu, EvictionKind::kLru}) {
     TableConfig c = PolicyTable(2);

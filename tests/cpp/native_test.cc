@@ -507,6 +507,15 @@ DLT_TEST(TestTableConfigEncodingRoundTrips) {
   EXPECT(!ParseOptimizerKind("Adam", &ok));
 }
 
+DLT_TEST(TestTableNamesAreNeverPathsThatLeadElsewhere) {
+  for (const char* good : {"emb", "user/ftrl", "a.b/c-d_e", "..a", "a.."}) {
+    EXPECT_OK(ValidateTableName(good));
+  }
+  for (const char* bad : {"x/../../../outside", "..", ".", "/abs", "a/", "a//b", "./a", "a/./b"}) {
+    EXPECT(ValidateTableName(bad).code() == Code::kInvalidArgument);
+  }
+}
+
 DLT_TEST(TestEmbeddedTransportServesTheProcessShard) {
   // Tables made in the process's embedded shard are what every embedded
   // transport serves, each of them the same rows.

@@ -13,6 +13,7 @@ import os
 import posixpath
 import re
 import secrets
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,12 +28,22 @@ FORMAT = "tf_dlt-checkpoint"
 FORMAT_VERSION = 1
 
 
-# Files a save writes: shard-<i>-of-<n>.<save id>.h5, and .tmp-<pid> while
-# it is written; save ids are "<UTC date>T<time><microseconds>-<8 hex
-# digits>" (new_save_id; ids of earlier versions lack the microseconds).
+# Files a save writes: shard-<i>-of-<n>.<save id>.h5, and .tmp-<random>
+# while it is written (exclusive_temp); save ids are "<UTC date>T<time>
+# <microseconds>-<8 hex digits>" (new_save_id; ids of earlier versions lack
+# the microseconds).
 _OWN_FILE = re.compile(
-    r"^shard-\d{5}-of-\d{5}\.(?P<save_id>\d{8}T\d{6}(\d{6})?-[0-9a-f]{8})\.h5(\.tmp-\d+)?$"
+    r"^shard-\d{5}-of-\d{5}\.(?P<save_id>\d{8}T\d{6}(\d{6})?-[0-9a-f]{8})\.h5(\.tmp-\w+)?$"
 )
+
+
+def exclusive_temp(target: str) -> tuple[int, str]:
+    """A new empty file beside local file `target` to write it in, opened
+    for writing: created exclusively under a random name (mode 0600), so a
+    file or link planted beside `target` is never written through. Returns
+    (its descriptor, its path)."""
+    directory, name = os.path.split(target)
+    return tempfile.mkstemp(prefix=f"{name}.tmp-", dir=directory or ".")
 
 
 def new_save_id() -> str:
@@ -167,12 +178,16 @@ def write_manifest(
             )
     data = json.dumps(manifest, indent=2, sort_keys=True).encode()
     if is_local(fs):
-        tmp = f"{root}/{MANIFEST}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, f"{root}/{MANIFEST}")
+        fd, tmp = exclusive_temp(f"{root}/{MANIFEST}")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, f"{root}/{MANIFEST}")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
     else:
         fs.pipe_file(f"{root}/{MANIFEST}", data)
     _remove_superseded(fs, root, {p["file"] for p in parts}, save_id)

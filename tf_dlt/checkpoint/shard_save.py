@@ -19,7 +19,14 @@ import numpy as np
 
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import verified
-from tf_dlt.checkpoint.manifest import FORMAT, FORMAT_VERSION, filesystem, is_local, shard_file_name
+from tf_dlt.checkpoint.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    exclusive_temp,
+    filesystem,
+    is_local,
+    shard_file_name,
+)
 from tf_dlt.checkpoint.shard_format import (
     Chunk,
     ShardLayout,
@@ -182,7 +189,8 @@ def save_tables(
     fs.makedirs(root, exist_ok=True)
     target = f"{root}/{name}"
     if is_local(fs):
-        tmp = f"{target}.tmp-{os.getpid()}"
+        fd, tmp = exclusive_temp(target)
+        os.close(fd)  # HDF5 opens it by name: ours, made just now
         try:
             infos = _write_shard_file(tmp, layout, tables, save_id)
             with open(tmp, "rb") as f:

@@ -37,11 +37,12 @@ def _handler(method: Callable[..., R]) -> Callable[..., R]:
             return method(self, request, context)
         except errors.DltError as e:
             self.count_error(e.code_name)
-            context.abort(grpc_util.status_code_for(e), e.message)
+            context.abort(grpc_util.status_code_for(e), grpc_util.bounded_details(e.message))
         except Exception as e:  # noqa: BLE001 - reported to the caller, server stays up
             log.exception("%s failed", method.__name__)
             self.count_error("INTERNAL")
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(e).__name__}: {e}")
+            message = f"{method.__name__}: {type(e).__name__}: {e}"
+            context.abort(grpc.StatusCode.INTERNAL, grpc_util.bounded_details(message))
         raise AssertionError("unreachable")
 
     return wrapper

@@ -1,10 +1,14 @@
 // Kernels of Dlt>Client (creates or finds the ClientResource),
 // Dlt>ConfigureCache, Dlt>Flush, Dlt>DropPulledAhead and Dlt>ClientStats.
+#include <cctype>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "native/net/auth_tokens.h"
 #include "ops/cc/kernels/client_resource.h"
 #include "ops/cc/kernels/status_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -19,12 +23,39 @@ namespace {
 // of a non-embedded client, so a graph (a SavedModel) can be pointed at other
 // servers where it is loaded.
 constexpr char kPserversEnv[] = "TF_DLT_PSERVERS";
+// Where a client's auth token comes from when no process code set it
+// (dlt::SetClientToken): a file named by this variable, e.g. a Kubernetes
+// Secret mounted in a serving pod. Tokens are never op attributes.
+constexpr char kTokenFileEnv[] = "TF_DLT_AUTH_TOKEN_FILE";
+
+// The auth token of client `name`: set by this process (tf_dlt.ops), else
+// read from the file TF_DLT_AUTH_TOKEN_FILE names (trailing whitespace
+// dropped), else none.
+absl::Status TokenOf(const std::string& name, std::string* token) {
+  *token = dlt::ClientToken(name);
+  const char* path = std::getenv(kTokenFileEnv);
+  if (!token->empty() || path == nullptr || *path == '\0') return absl::OkStatus();
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream text;
+  text << file.rdbuf();
+  if (!file) {
+    return errors::FailedPrecondition(kTokenFileEnv, " names ", path,
+                                      ", which cannot be read as the auth token file");
+  }
+  *token = text.str();
+  while (!token->empty() && std::isspace(static_cast<unsigned char>(token->back()))) {
+    token->pop_back();
+  }
+  return absl::OkStatus();
+}
 
 class ClientOp : public ResourceOpKernel<ClientResource> {
  public:
   explicit ClientOp(OpKernelConstruction* ctx) : ResourceOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("addresses", &options_.addresses));
+    // Graphs written before tokens left the attributes may still hold one.
     OP_REQUIRES_OK(ctx, ctx->GetAttr("auth_token", &options_.tcp.auth_token));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &name_));
     int64_t connect_ms, request_ms, frame_bytes, inflight;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("connect_timeout_ms", &connect_ms));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("request_timeout_ms", &request_ms));
@@ -48,11 +79,15 @@ class ClientOp : public ResourceOpKernel<ClientResource> {
 
  private:
   absl::Status CreateResource(ClientResource** resource) override TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (options_.tcp.auth_token.empty() && !options_.addresses.empty()) {
+      TF_RETURN_IF_ERROR(TokenOf(name_, &options_.tcp.auth_token));
+    }
     *resource = new ClientResource(options_);
     return absl::OkStatus();
   }
 
   ClientResourceOptions options_;
+  std::string name_;  // the client's shared name: the key of its token
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>Client").Device(DEVICE_CPU), ClientOp);

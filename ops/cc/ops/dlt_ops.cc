@@ -27,7 +27,11 @@ REGISTER_OP("Dlt>Client")
     .Doc(R"doc(
 A client of the distributed tables: TCP to the shard servers at `addresses`
 (in shard-index order), or the embedded in-process tables when `addresses` is
-empty. TF_DLT_PSERVERS (comma-separated) replaces non-empty addresses.
+empty. TF_DLT_PSERVERS (comma-separated) replaces non-empty addresses. The
+auth token is no attribute (graphs and SavedModels would hold it): it is the
+one this process set for the client's shared_name (dlt::SetClientToken), else
+the contents of the file TF_DLT_AUTH_TOKEN_FILE names. auth_token: only for
+graphs written before that; tf_dlt never sets it.
 )doc");
 
 REGISTER_OP("Dlt>ConfigureCache")
