@@ -284,6 +284,13 @@ def test_compact_ls_and_prune_from_the_command_line(
     compacted = manifest.read_manifest(str(tmp_path / "compacted"))
     assert compacted["kind"] == "full" and compacted["num_shards"] == 3
     assert staged_rows(str(tmp_path / "compacted"), 2) == staged_rows(str(run / "c5"), 2)
+    # A target inside the source's chain (a delta it reads, its base, itself)
+    # is refused before anything is written: the chain still loads the same.
+    before = staged_rows(str(run / "c5"), 2)
+    for inside in ("c3", "c1", "c5"):
+        out = cli("compact", str(run / "c5"), str(run / inside))
+        assert out.returncode != 0 and "would break the chain" in out.stderr, out.stderr
+    assert staged_rows(str(run / "c5"), 2) == before
     # Keep the newest 2 (c6, c7): c1..c5 go. Keep 4 (c4..c7): c4 and c5
     # need c1..c3, so nothing goes.
     out = cli("prune", str(run), "--keep", "4")

@@ -113,8 +113,12 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
     """Writes the state the chain of `source` loads as one full checkpoint
     at `target`, with `num_shards` files (default: the head's shard count).
     One file's share of the table is in memory at a time."""
-    if _key(source) == _key(target):
-        raise errors.InvalidArgumentError("compact needs a target other than its source")
+    if manifest_lib.chain_holds(source, target):
+        raise errors.InvalidArgumentError(
+            f"compact's target {target!r} is a checkpoint that loading {source!r} reads (the "
+            "source, its base or one of its deltas): writing there would break the chain; "
+            "give another target"
+        )
     head = manifest_lib.resolve_chain(source)[-1].manifest
     n = num_shards or int(head["num_shards"])
     save_id = manifest_lib.new_save_id()
