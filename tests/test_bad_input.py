@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -14,7 +15,9 @@ import pytest
 
 from tf_dlt import _native, errors
 from tf_dlt import dlt_ops as ops
+from tf_dlt.checkpoint import shard_format, shard_save
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+from tf_dlt.table_config import TableConfig
 
 import frames
 from conftest import Cluster
@@ -300,3 +303,66 @@ def test_a_long_error_keeps_its_code_across_the_control_plane(one: Cluster) -> N
     details = info.value.details()
     assert "characters left out" in details and len(details) <= 2000, details[:300]
     _still_serves(cluster)
+
+
+def test_a_push_whose_result_overflows_changes_nothing(one: Cluster, tmp_path: Path) -> None:
+    """One finite push cannot put infinity into a table (and so into every
+    later checkpoint): gradients past what the optimizer state can take are
+    refused before anything is sent, and an update that would overflow a
+    row's state anyway leaves the row as it was; saves keep loading."""
+    with one.client() as client:
+        client.create_table("plain", 4, "uniform", "sgd")
+        ids = np.arange(10, dtype=np.int64)
+        before = {t: client.pull(t, ids) for t in ("emb", "plain")}
+        grads = np.ones((10, 4), np.float32)
+        grads[3, 1] = 1e20  # squared: past float32 (Adagrad's accumulator)
+        with pytest.raises(errors.InvalidArgumentError, match=r"row 3 \(id 3\).*nothing sent"):
+            client.push("emb", ids, grads, 0.1)
+        grads[3, 1] = 3e37  # times the learning rate: past float32 (SGD's step)
+        with pytest.raises(errors.InvalidArgumentError, match=r"row 3 \(id 3\).*rate 10"):
+            client.push("plain", ids, grads, 10.0)
+        # Each gradient in range, their sum (one id pushed 400 times) not.
+        many = np.full(400, 5, np.int64)
+        with pytest.raises(
+            errors.InvalidArgumentError, match="table 'emb'.*id 5 would make its row non-finite"
+        ):
+            client.push("emb", many, np.full((400, 4), 1e18, np.float32), 0.1)
+        for t in ("emb", "plain"):
+            np.testing.assert_array_equal(client.pull(t, ids), before[t])
+        client.push("emb", ids, np.ones((10, 4), np.float32), 0.1)
+        trained = client.pull("emb", ids)
+        client.save(str(tmp_path / "ck"))
+        client.push("emb", ids, np.ones((10, 4), np.float32), 0.1)
+        client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("emb", ids), trained)
+    _still_serves(one)
+
+
+def test_the_table_refuses_an_update_that_overflows_its_row() -> None:
+    """The shard's own check, without the client's: the stripe holding the
+    row keeps every row as it was."""
+    table = _native.Table(TableConfig.create("t", 4, "uniform", "adagrad").to_dict())
+    ids = np.arange(1000, dtype=np.int64)
+    before = table.pull(ids)
+    with pytest.raises(errors.InvalidArgumentError, match="gradient row 3 .id 3.* holds 1e\\+20"):
+        grads = np.ones((1000, 4), np.float32)
+        grads[3, 0] = 1e20
+        table.push(ids, grads, 0.1)
+    with pytest.raises(errors.InvalidArgumentError, match="id 5 would make its row non-finite"):
+        table.push(np.full(400, 5, np.int64), np.full((400, 4), 1e18, np.float32), 0.1)
+    np.testing.assert_array_equal(table.pull(ids), before)
+    assert np.isfinite(table.pull(ids)).all()
+
+
+def test_a_save_refuses_rows_its_load_would_refuse(tmp_path: Path) -> None:
+    values = np.ones((3, 4), np.float32)
+    values[1, 2] = np.inf
+    chunk = (
+        np.array([1, 2, 3], np.int64), values, np.zeros((3, 4), np.float32),
+        np.zeros(3, np.uint32), _native.bucket_of(np.array([1, 2, 3], np.int64)),
+        np.zeros(3, np.uint32),
+    )  # fmt: skip
+    rows = shard_format.TableRows({"name": "t", "dim": 4}, 4, 4, iter([chunk]))
+    with pytest.raises(errors.InternalError, match="table 't': the values of id 2 are not finite"):
+        shard_save.save_tables(str(tmp_path / "ck"), shard_format.ShardLayout(), [rows], "s1")
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.endswith(".h5")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
-from tf_dlt import Client, errors
+from tf_dlt import Client, _native, errors
+from tf_dlt.checkpoint import shard_files
 from tf_dlt.server import ShardServer
 
 from conftest import Cluster
@@ -276,3 +278,69 @@ def test_a_load_reads_each_verified_block_of_a_large_file_about_once(
     assert loaded.size() == len(ids)
     np.testing.assert_array_equal(loaded.pull(ids), shard.get_table("t").pull(ids))
     assert sum(reads) <= blocks * 1.1 + 2, (sum(reads), blocks)
+
+
+def test_a_failed_load_leaves_the_shard_able_to_save_load_and_stop(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A load that fails among a table's rows leaves no file library object
+    behind (no lock of it held): while many Stats calls run, concurrent saves
+    and a load finish within their deadlines, and SIGTERM stops the shard."""
+    cluster = start_cluster(1)
+    ids = np.arange(50_000, dtype=np.int64)
+    with cluster.client(persist_timeout=60.0) as client:
+        for name in ("a", "b"):  # ~27 MB: the bad byte lies among table rows
+            client.create_table(name, 64, "normal", "adagrad", seed=1)
+            client.pull(name, ids)
+        manifest = client.save(str(tmp_path / "ck"))
+        victim = tmp_path / "ck" / manifest["files"][0]["file"]
+        data = bytearray(victim.read_bytes())
+        data[len(data) * 3 // 4] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        for _ in range(3):
+            with pytest.raises(errors.FailedPreconditionError, match="is corrupt"):
+                client.load(str(tmp_path / "ck"))
+        # The same in this process: h5py's global lock is free afterwards.
+        with pytest.raises(errors.FailedPreconditionError, match="is corrupt"):
+            shard_files.prepare_load(str(tmp_path / "ck"), _native.Shard(0, 1))
+        free: list[bool] = []
+
+        def probe() -> None:
+            free.append(bool(h5py._objects.phil.acquire(False)))
+            if free[-1]:
+                h5py._objects.phil.release()
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join(10)
+        assert free == [True]
+        stop = threading.Event()
+        failures: list[BaseException] = []
+
+        def stats() -> None:
+            try:
+                while not stop.is_set():
+                    client.list_tables()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        def save(k: int) -> None:
+            try:
+                client.save(str(tmp_path / f"again{k}"))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        pollers = [threading.Thread(target=stats) for _ in range(8)]
+        savers = [threading.Thread(target=save, args=(k,)) for k in range(3)]
+        for t in pollers + savers:
+            t.start()
+        for t in savers:
+            t.join(90)
+        stop.set()
+        for t in pollers:
+            t.join(30)
+        assert not failures, failures
+        assert not any(t.is_alive() for t in pollers + savers)
+        client.push("a", ids[:10], np.ones((10, 64), np.float32), 0.1)
+        client.load(str(tmp_path / "again0"))
+    assert cluster.stop(timeout=20) == [0]

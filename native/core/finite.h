@@ -1,13 +1,18 @@
-// FirstNonFinite: the check that keeps NaN and infinity out of tables, shared
-// by the table core (per shard) and the client (before anything is sent, so a
-// multi-shard push or assign is rejected everywhere or nowhere).
+// The checks that keep NaN and infinity out of tables, shared by the table
+// core (per shard) and the client (before anything is sent, so a multi-shard
+// push or assign is rejected everywhere or nowhere): FirstNonFinite for
+// values, CheckGradients for a push's gradients.
 #ifndef TF_DLT_NATIVE_CORE_FINITE_H_
 #define TF_DLT_NATIVE_CORE_FINITE_H_
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
+
+#include "native/core/status.h"
 
 namespace dlt {
 
@@ -26,6 +31,46 @@ inline size_t FirstNonFinite(const float* v, size_t n) {
     if (!std::isfinite(v[i])) return i;
   }
   return n;
+}
+
+// A push's gradients may not exceed kMaxGradient in magnitude, nor the
+// learning rate times their magnitude kMaxStep: past them the squares and
+// steps every optimizer keeps overflow float32 at once (1e18 squared is
+// 1e36, float32 ends at 3.4e38). Well-scaled gradients are many orders of
+// magnitude below; the table still checks each updated row (Table::Push).
+constexpr float kMaxGradient = 1e18f;
+constexpr float kMaxStep = 1e36f;
+
+// INVALID_ARGUMENT naming the first row (and its id) of `grads[0..n*dim)`
+// that is non-finite or too large for learning rate `lr` (finite, >= 0),
+// `op` and `outcome` framing the message; OK otherwise. One vectorized pass
+// when all is well.
+// `v` as printf's %g writes it (1e+20, 0.1).
+inline std::string ShortFloat(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  return text;
+}
+
+inline Status CheckGradients(const int64_t* ids, const float* grads, size_t n, uint32_t dim,
+                             float lr, const std::string& op, const std::string& outcome) {
+  const float limit = lr * kMaxGradient > kMaxStep ? kMaxStep / lr : kMaxGradient;
+  const size_t total = n * dim;
+  uint32_t any = 0;
+  for (size_t i = 0; i < total; ++i) any |= static_cast<uint32_t>(!(std::fabs(grads[i]) <= limit));
+  if (!any) return OkStatus();
+  for (size_t i = 0; i < total; ++i) {
+    if (std::fabs(grads[i]) <= limit) continue;
+    const std::string row = op + "gradient row " + std::to_string(i / dim) + " (id " +
+                            std::to_string(ids[i / dim]) + ")";
+    if (!std::isfinite(grads[i]))
+      return InvalidArgument(row + " holds a non-finite value; " + outcome);
+    return InvalidArgument(row + " holds " + ShortFloat(grads[i]) +
+                           ", beyond what the optimizer state can take at learning rate " +
+                           ShortFloat(lr) + " (|gradient| <= " + ShortFloat(limit) + "); " +
+                           outcome);
+  }
+  return OkStatus();
 }
 
 }  // namespace dlt

@@ -314,19 +314,15 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     return InvalidArgument("ftrl needs a learning rate > 0, got " + std::to_string(lr));
   }
   const uint32_t dim = config_.dim;
-  const size_t bad = FirstNonFinite(grads, n * dim);
-  if (bad < n * dim) {
-    return InvalidArgument("gradient row " + std::to_string(bad / dim) + " (id " +
-                           std::to_string(ids[bad / dim]) +
-                           ") holds a non-finite value; nothing applied");
-  }
+  DLT_RETURN_IF_ERROR(CheckGradients(ids, grads, n, dim, lr, "", "nothing applied"));
   WaitForRoom();
   pushes_.fetch_add(1, std::memory_order_relaxed);
   const uint32_t now = Now();
   struct Scratch {  // as in Pull: one thread_local, bound once
     std::vector<uint64_t> hashes, counted;
     std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
-    std::vector<float> summed, squares, values, slots;
+    std::vector<float> summed, squares, results;
+    std::vector<uint32_t> steps;
   };
   thread_local Scratch tls;
   Scratch& scratch = tls;
@@ -341,8 +337,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   auto& kept = scratch.kept;
   auto& summed = scratch.summed;
   auto& squares = scratch.squares;
-  auto& values = scratch.values;
-  auto& slots = scratch.slots;
+  auto& results = scratch.results;
+  auto& steps = scratch.steps;
+  const size_t row_floats = size_t{dim} + slot_floats_;
   const bool keep_squares = config_.optimizer.kind == OptimizerKind::kKerasAdagrad;
   const bool frequency = sketch_ != nullptr;
   const bool stochastic =
@@ -420,12 +417,12 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         for (uint32_t j = 0; j < dim; ++j) sq[j] += g[j] * g[j];
       }
     }
+    // Every row's update is computed before any is written, and checked:
+    // one that would leave a non-finite value (optimizer state grown too
+    // large for the gradient) leaves every row of the stripe as it was.
+    results.resize(firsts.size() * row_floats);
+    steps.resize(firsts.size());
     const size_t touched_bytes = record_bytes_;
-    const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
-    if (!wide_) {
-      values.resize(dim);
-      slots.resize(slot_floats_);
-    }
     for (size_t u = 0; u < firsts.size(); ++u) {
       if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
         const uint32_t ahead = firsts[u + kApplyAhead];
@@ -438,20 +435,41 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
       const uint32_t k = firsts[u];
       const float* g = duplicates ? summed.data() + u * dim : grads + size_t{kept[k]} * dim;
+      const char* r = stripe.Record(recs[k], record_bytes_);
+      float* row = results.data() + u * row_floats;
+      if (wide_) {
+        std::memcpy(row, r + sizeof(RowHeader), sizeof(float) * row_floats);
+      } else {
+        ReadValues(r, row);
+        ReadSlots(r, row + dim);
+      }
+      steps[u] = reinterpret_cast<const RowHeader*>(r)->step;
+      const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
+      ApplyRow(config_.optimizer, dim, lr, g, sq, row, row + dim, &steps[u]);
+    }
+    const size_t bad = FirstNonFinite(results.data(), results.size());
+    if (bad < results.size()) {
+      return InvalidArgument(
+          "push to table '" + config_.name + "': the update of id " +
+          std::to_string(ids[kept[firsts[bad / row_floats]]]) +
+          " would make its row non-finite (its optimizer state cannot take this gradient); it "
+          "and the " +
+          std::to_string(firsts.size() - 1) + " other rows of its stripe were left unchanged");
+    }
+    const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
+    for (size_t u = 0; u < firsts.size(); ++u) {
+      const uint32_t k = firsts[u];
       char* r = stripe.Record(recs[k], record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
       header->touched = now;
+      header->step = steps[u];
       stripe.Generation(recs[k]) = generation;
-      const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
+      const float* row = results.data() + u * row_floats;
       if (wide_) {
-        float* v = reinterpret_cast<float*>(r + sizeof(RowHeader));
-        ApplyRow(config_.optimizer, dim, lr, g, sq, v, v + dim, &header->step);
-        continue;
+        std::memcpy(r + sizeof(RowHeader), row, sizeof(float) * row_floats);
+      } else {
+        WriteRow(r, ids[kept[k]], steps[u], row, row + dim, stochastic);
       }
-      ReadValues(r, values.data());
-      ReadSlots(r, slots.data());
-      ApplyRow(config_.optimizer, dim, lr, g, sq, values.data(), slots.data(), &header->step);
-      WriteRow(r, ids[kept[k]], header->step, values.data(), slots.data(), stochastic);
     }
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }

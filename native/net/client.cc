@@ -249,15 +249,19 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   if (n == 0) return OkStatus();
   // Checked here, before any shard gets its part, so a bad batch changes no
   // shard (each shard checks its own part again).
-  const size_t bad = FirstNonFinite(rows, n * dim);
-  if (bad < n * dim) {
-    return InvalidArgument(std::string(op) + ": row " + std::to_string(bad / dim) + " (id " +
-                           std::to_string(ids[bad / dim]) +
-                           ") holds a non-finite value; nothing sent");
-  }
-  if (opcode == wire::Opcode::kPush && (!std::isfinite(learning_rate) || learning_rate < 0)) {
-    return InvalidArgument("Push: learning rate must be finite and >= 0, got " +
-                           std::to_string(learning_rate));
+  if (opcode == wire::Opcode::kPush) {
+    if (!std::isfinite(learning_rate) || learning_rate < 0) {
+      return InvalidArgument("Push: learning rate must be finite and >= 0, got " +
+                             std::to_string(learning_rate));
+    }
+    DLT_RETURN_IF_ERROR(CheckGradients(ids, rows, n, dim, learning_rate, "Push: ", "nothing sent"));
+  } else {
+    const size_t bad = FirstNonFinite(rows, n * dim);
+    if (bad < n * dim) {
+      return InvalidArgument(std::string(op) + ": row " + std::to_string(bad / dim) + " (id " +
+                             std::to_string(ids[bad / dim]) +
+                             ") holds a non-finite value; nothing sent");
+    }
   }
   std::vector<std::vector<uint32_t>> groups;
   DLT_RETURN_IF_ERROR(Route(ids, n, &groups));

@@ -223,9 +223,13 @@ def apply_link(
     def apply_file(
         entry: dict[str, Any], f: h5py.File, reader: verified.VerifiedBlocks | None
     ) -> None:
+        # The groups are listed first: h5py's iterators hold its global
+        # lock while suspended, and one left suspended by an error would
+        # keep it held (every later save and load of the process waits).
+        groups = list(f["tables"].values())
         held = {
             _apply_group(g, entry, reader, listed, tables, new_table, buckets, state)
-            for g in f["tables"].values()
+            for g in groups
         }
         # A table the writer did not have (it restarted empty, say) has no
         # rows in the writer's buckets, as in a full checkpoint.

@@ -102,6 +102,7 @@ def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
         m = len(c_ids)
         if m == 0:
             continue
+        _refuse_non_finite(str(rows.config["name"]), c_ids, c_values, c_slots)
         for ds in (ids, values, slot_ds, steps, touched):
             if ds is not None:
                 ds.resize(n + m, axis=0)
@@ -131,6 +132,22 @@ def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
         group.create_dataset("sketch_added", data=state.added)
         group.attrs["sketch_first_bucket"] = state.first_bucket
     return n, state
+
+
+def _refuse_non_finite(
+    name: str, ids: np.ndarray, values: np.ndarray, slots: np.ndarray | None
+) -> None:
+    """A save never commits what its load would refuse: a row holding a
+    non-finite value (which no push, assign or import lets in) fails it."""
+    for what, data in (("values", values), ("optimizer slots", slots)):
+        if data is None or data.size == 0:
+            continue
+        bad = ~np.isfinite(data).all(axis=1)
+        if bad.any():
+            raise errors.InternalError(
+                f"table {name!r}: the {what} of id {int(ids[np.argmax(bad)])} are not finite; "
+                "the save stops here, so no checkpoint holds them"
+            )
 
 
 def _bucket_offsets(ids: np.ndarray) -> np.ndarray:

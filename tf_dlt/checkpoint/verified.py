@@ -305,8 +305,9 @@ def open_verified(
                 with h5py.File(blocks, "r") as h5:
                     yield h5, blocks
             except Exception:
-                if blocks.error is not None:  # HDF5 hides the reader's error
-                    raise blocks.error from None
+                error, blocks.error = blocks.error, None  # no cycle through the reader
+                if error is not None:  # HDF5 hides the reader's error
+                    raise error from None
                 raise
         return
     with tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY, prefix="tf_dlt-load-") as spool:
