@@ -62,6 +62,14 @@ def staged_rows(path: str, num_shards: int) -> dict[str, Rows]:
     return out
 
 
+def flip_byte(file: Path, fraction: float = 0.75) -> None:
+    """Corrupts `file`: inverts its byte `fraction` of the way in (by
+    default among a shard file's rows, past its metadata)."""
+    data = bytearray(file.read_bytes())
+    data[int(len(data) * fraction)] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 class Cluster(LocalCluster):
     """Shard server processes started by `start_cluster`."""
 

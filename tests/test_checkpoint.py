@@ -18,7 +18,7 @@ from tf_dlt import Client, _native, errors
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.server import ShardServer
 
-from conftest import Cluster
+from conftest import Cluster, flip_byte
 
 Rows = dict[int, tuple[bytes, bytes, int]]
 
@@ -293,10 +293,7 @@ def test_a_failed_load_leaves_the_shard_able_to_save_load_and_stop(
             client.create_table(name, 64, "normal", "adagrad", seed=1)
             client.pull(name, ids)
         manifest = client.save(str(tmp_path / "ck"))
-        victim = tmp_path / "ck" / manifest["files"][0]["file"]
-        data = bytearray(victim.read_bytes())
-        data[len(data) * 3 // 4] ^= 0xFF
-        victim.write_bytes(bytes(data))
+        flip_byte(tmp_path / "ck" / manifest["files"][0]["file"])
         for _ in range(3):
             with pytest.raises(errors.FailedPreconditionError, match="is corrupt"):
                 client.load(str(tmp_path / "ck"))

@@ -463,3 +463,33 @@ def test_sixteen_bit_storage_equals_the_reference_conversions() -> None:
     assert abs(float(stochastic.mean()) - 0.9) < 0.002  # float32: 1 - 1000 x 1e-4
     # Reproducible: the random bits are a function of (seed, id, update).
     np.testing.assert_array_equal(train("stochastic"), stochastic)
+
+
+def test_loading_onto_fewer_shards_never_evicts_silently(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """24,000 rows saved by 4 shards of max_rows 8,000 do not fit 2 such
+    shards: the load is refused naming the table and the rows it would drop,
+    and nothing changes; onto 4 shards it loads whole."""
+    ids = np.arange(24_000, dtype=np.int64)
+    with start_cluster(4).client() as c:
+        c.create_table("t", DIM, "normal", "adagrad", seed=3, max_rows=8000)
+        c.push("t", ids, np.ones((len(ids), DIM), np.float32), 0.1)
+        assert c.list_tables()["t"]["rows"] == len(ids)
+        trained = c.pull("t", ids)
+        c.save(str(tmp_path / "ck"))
+    with start_cluster(2).client() as c:
+        c.create_table("t", DIM, "normal", "adagrad", seed=3, max_rows=8000)
+        c.push("t", ids[:100], np.ones((100, DIM), np.float32), 0.1)
+        before = c.pull("t", ids[:100])
+        with pytest.raises(
+            errors.FailedPreconditionError,
+            match=r"table 't': the checkpoint holds 1\d{4} rows for shard \d of 2, past its "
+            r"max_rows of 8000 per shard; loading would drop \d+ of them",
+        ):
+            c.load(str(tmp_path / "ck"))
+        assert c.list_tables()["t"]["rows"] == 100
+        np.testing.assert_array_equal(c.pull("t", ids[:100]), before)
+    with start_cluster(4).client() as c:
+        c.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(c.pull("t", ids), trained)

@@ -42,10 +42,10 @@ constexpr uint64_t kPassesPerEviction = 50;
 // often.
 constexpr double kTrimShare = 0.05;
 constexpr auto kTrimInterval = std::chrono::seconds(1);
-// What a load buffers (tf_dlt/checkpoint/verified.py: 6 verified blocks of
-// 16 MiB, and two staged chunks of 8 MiB). A file saved before its metadata
-// was clustered takes 16 blocks for a while; the keeper's passes measure it.
-constexpr uint64_t kLoadBuffer = uint64_t{112} << 20;
+// Allocations from this size up are mapped on their own (glibc's threshold
+// otherwise rises to the largest block freed, and a save's or load's 8 and
+// 16 MiB buffers then stay in the heap's arenas after they are freed).
+constexpr int kMmapThreshold = 1 << 20;
 
 // Holds an exclusive flock on `dir`/LOCK; -1 when another process holds it.
 int LockDirectory(const std::string& dir) {
@@ -68,6 +68,13 @@ Shard::~Shard() {
 
 std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
   auto table = std::make_shared<Table>(config, first_bucket_, end_bucket_);
+  {
+    std::lock_guard<std::mutex> lock(made_mu_);
+    made_.erase(std::remove_if(made_.begin(), made_.end(),
+                               [](const std::weak_ptr<Table>& t) { return t.expired(); }),
+                made_.end());
+    made_.push_back(table);
+  }
   if (tier_root_.empty()) return table;
   // Each table object has a directory of its own: a load builds a table
   // while the one it replaces still serves.
@@ -78,12 +85,29 @@ std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
   table->AttachTier(dir);
   // Until the keeper's next pass: the rows that fit what is free now,
   // beside the buffers of the load that most likely fills the table.
-  const uint64_t used = ResidentBytes() + kLoadBuffer;
+  const uint64_t used = ResidentBytes() + kPersistReserve;
   const uint64_t free_bytes = used < budget_ * kTargetFraction
                                   ? static_cast<uint64_t>(budget_ * kTargetFraction) - used
                                   : 0;
   table->SetRamLimit(std::max<uint64_t>(kStripes * 64, free_bytes / table->ram_row_bytes()));
   return table;
+}
+
+uint64_t Shard::StagedBytes() const {
+  std::vector<std::shared_ptr<Table>> made;
+  {
+    std::lock_guard<std::mutex> lock(made_mu_);
+    for (const auto& weak : made_) {
+      if (auto t = weak.lock()) made.push_back(std::move(t));
+    }
+  }
+  uint64_t bytes = 0;
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  for (const auto& t : made) {
+    auto it = tables_.find(t->config().name);
+    if (it == tables_.end() || it->second != t) bytes += t->bytes();
+  }
+  return bytes;
 }
 
 uint64_t Shard::ResidentBytes() {
@@ -131,6 +155,20 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
     }
     tier_root_ = root;
   }
+  if (budget_bytes != 0) {
+    const uint64_t held = ResidentBytes();
+    const uint64_t least =
+        static_cast<uint64_t>((held + kPersistReserve + kMinRowRoom) / kTargetFraction);
+    if (budget_bytes < least) {
+      const auto mib = [](uint64_t b) { return std::to_string((b + (1 << 20) - 1) >> 20); };
+      return InvalidArgument("a memory budget of " + mib(budget_bytes) +
+                             " MiB is below the smallest this shard can honour, " + mib(least) +
+                             " MiB: the process holds " + mib(held) +
+                             " MiB before any table, a save or load buffers up to " +
+                             mib(kPersistReserve) + " MiB, and the rows need room");
+    }
+    mallopt(M_MMAP_THRESHOLD, kMmapThreshold);
+  }
   budget_ = budget_bytes;
   if (budget_ == 0) return OkStatus();
   keeper_ = std::thread([this, interval_ms] {
@@ -172,6 +210,12 @@ size_t Shard::KeepMemory() {
     fixed += t->ram_fixed_bytes();
     live_bytes += t->ram_rows() * t->ram_row_bytes();
   }
+  // Staged tables (a load's, and those a load replaced) are tables, not
+  // overhead: the load was admitted with room for them (the loader checks
+  // `staged_bytes`), and they never make the keeper move installed rows.
+  const uint64_t staged = StagedBytes();
+  staged_bytes_.store(staged, std::memory_order_relaxed);
+  table_bytes += staged;
   uint64_t overhead = resident > table_bytes ? resident - table_bytes : 0;
   if (overhead > budget_ * kTrimShare && now - keeper_trimmed_ >= kTrimInterval) {
     keeper_trimmed_ = now;
@@ -179,7 +223,15 @@ size_t Shard::KeepMemory() {
     const uint64_t trimmed = ResidentBytes();
     overhead = trimmed > table_bytes ? trimmed - table_bytes : 0;
   }
-  const double room = budget_ * kTargetFraction - static_cast<double>(overhead + fixed);
+  // While a save or load runs, the overhead measured before it: its
+  // buffers are what kPersistReserve holds back.
+  if (persisting_.load(std::memory_order_acquire) == 0 || steady_overhead_ == 0) {
+    steady_overhead_ = overhead;
+  } else {
+    overhead = std::min(overhead, steady_overhead_);
+  }
+  const double room =
+      budget_ * kTargetFraction - static_cast<double>(overhead + fixed + kPersistReserve);
   const uint64_t target = room > 0 ? static_cast<uint64_t>(room) : 0;
   table_target_.store(target, std::memory_order_relaxed);
   size_t moved = 0;
@@ -236,11 +288,16 @@ void Shard::SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint
   }
 }
 
+void Shard::SetPersisting(bool persisting) {
+  persisting_.fetch_add(persisting ? 1 : -1, std::memory_order_acq_rel);
+}
+
 Shard::MemoryStatus Shard::memory_status() const {
   MemoryStatus m;
   m.budget = budget_;
   m.resident = resident_.load(std::memory_order_relaxed);
   m.table_target = table_target_.load(std::memory_order_relaxed);
+  m.staged_bytes = budget_ != 0 ? staged_bytes_.load(std::memory_order_relaxed) : StagedBytes();
   m.storage_dir = tier_root_;
   return m;
 }

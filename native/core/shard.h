@@ -66,7 +66,19 @@ class Shard {
   // this process lives: FAILED_PRECONDITION when another process holds it)
   // and deletes what earlier processes left there. Starts the keeper thread
   // that enforces the budget every `interval_ms`.
+  //
+  // The budget holds back kPersistReserve for a save's or load's buffers
+  // and refuses (INVALID_ARGUMENT, naming the smallest it takes) a budget
+  // that leaves the rows less than kMinRowRoom beside what the process
+  // holds now. Large allocations are then always mapped (a fixed
+  // M_MMAP_THRESHOLD), so what a save or load frees goes back to the system.
   Status ConfigureMemory(uint64_t budget_bytes, const std::string& storage_dir, int interval_ms);
+  static constexpr uint64_t kPersistReserve = uint64_t{128} << 20;
+  static constexpr uint64_t kMinRowRoom = uint64_t{16} << 20;
+  // A save or load runs (calls nest): meanwhile the keeper sizes the rows
+  // by the memory outside the tables measured before it, so the buffers it
+  // takes (within kPersistReserve) never make the keeper move rows.
+  void SetPersisting(bool persisting);
   // One pass of the keeper: moves rows out of RAM until the tables fit
   // the budget; returns the rows moved.
   size_t KeepMemory();
@@ -74,11 +86,18 @@ class Shard {
     uint64_t budget = 0;        // bytes; 0: none
     uint64_t resident = 0;      // the process's resident bytes at the last pass
     uint64_t table_target = 0;  // bytes the RAM rows may take
-    std::string storage_dir;    // this shard's tier directory ("": none)
+    // Bytes of tables made for this shard but not installed: a load's
+    // staged tables, and those a committed load replaced and keeps for a
+    // rollback. Never counted as overhead: they make the keeper move no
+    // installed row.
+    uint64_t staged_bytes = 0;
+    std::string storage_dir;  // this shard's tier directory ("": none)
   };
   MemoryStatus memory_status() const;
   // The process's resident set in bytes (/proc/self/statm).
   static uint64_t ResidentBytes();
+  // Bytes of the live tables NewTable made that are not installed.
+  uint64_t StagedBytes() const;
 
  private:
   void StopKeeper();
@@ -98,12 +117,16 @@ class Shard {
   // it started under, so a restart never revives a thread being stopped.
   uint64_t sweeper_generation_ = 0;  // guarded by sweeper_mu_
 
+  // Every table NewTable made, to tell staged ones from installed ones.
+  mutable std::mutex made_mu_;
+  mutable std::vector<std::weak_ptr<Table>> made_;  // guarded by made_mu_
+
   // Tiered storage; set once by ConfigureMemory.
   uint64_t budget_ = 0;
   std::string tier_root_;  // storage_dir/shard-<index>, "" without a disk tier
   int tier_lock_fd_ = -1;
   mutable std::atomic<uint64_t> next_table_dir_{0};
-  std::atomic<uint64_t> resident_{0}, table_target_{0};
+  std::atomic<uint64_t> resident_{0}, table_target_{0}, staged_bytes_{0};
   std::mutex keeper_mu_;
   std::condition_variable keeper_cv_;
   bool keeper_stop_ = false;  // guarded by keeper_mu_
@@ -112,6 +135,8 @@ class Shard {
   uint64_t keeper_passes_ = 0;                            // guarded by keeper_pass_mu_
   std::chrono::steady_clock::time_point keeper_rated_;    // guarded by keeper_pass_mu_
   std::chrono::steady_clock::time_point keeper_trimmed_;  // guarded by keeper_pass_mu_
+  std::atomic<int> persisting_{0};
+  uint64_t steady_overhead_ = 0;  // guarded by keeper_pass_mu_
   // Tables whose tier failed, and when (guarded by keeper_pass_mu_).
   std::map<const Table*, std::chrono::steady_clock::time_point> keeper_failed_;
 };

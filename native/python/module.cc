@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "native/core/routing.h"
+#include "native/core/shard.h"
 #include "native/net/auth_tokens.h"
 #include "native/net/server_stats.h"
 #include "native/net/wire.h"
@@ -40,6 +41,7 @@ PYBIND11_MODULE(_native, m) {
   for (uint32_t d = 0; d < std::size(kDtypeNames); ++d) dtype_bytes[kDtypeNames[d]] = DtypeBytes(d);
   m.attr("DTYPE_BYTES") = dtype_bytes;
   m.attr("RECORD_HEADER_BYTES") = Table::kRecordHeaderBytes;
+  m.attr("PERSIST_RESERVE_BYTES") = dlt::Shard::kPersistReserve;
   m.attr("GENERATION_BYTES") = Table::kGenerationBytes;
   m.def("record_bytes", [](const py::dict& d) {
     const TableConfig c = ConfigFromDict(d);

@@ -54,6 +54,7 @@ void BindShard(py::module_& m) {
           },
           py::arg("budget_bytes"), py::arg("storage_dir") = "", py::arg("interval_ms") = 20)
       .def("keep_memory", &Shard::KeepMemory, py::call_guard<py::gil_scoped_release>())
+      .def("set_persisting", &Shard::SetPersisting, py::arg("persisting"))
       .def("memory_status",
            [](const Shard& s) {
              const Shard::MemoryStatus m = s.memory_status();
@@ -61,6 +62,7 @@ void BindShard(py::module_& m) {
              d["budget"] = m.budget;
              d["resident"] = m.resident;
              d["table_target"] = m.table_target;
+             d["staged_bytes"] = m.staged_bytes;
              d["storage_dir"] = m.storage_dir;
              return d;
            })

@@ -5,12 +5,14 @@ in shard_files' docstring and docs/checkpoints.md."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from tf_dlt import _native
 from tf_dlt.routing import NUM_BUCKETS
 
 _CHUNK_BYTES = 8 << 20
@@ -74,3 +76,15 @@ def file_row_bytes(dim: int, slot_floats: int) -> int:
 def chunk_rows(dim: int, slot_floats: int) -> int:
     """Rows per read or write batch (about 8 MiB)."""
     return max(1, _CHUNK_BYTES // file_row_bytes(dim, slot_floats))
+
+
+@contextlib.contextmanager
+def persisting(shard: _native.Shard) -> Iterator[None]:
+    """Marks a save or load of `shard` as running: its memory keeper then
+    sizes the rows by what the process held before it, so the buffers it
+    takes (within the budget's reserve for them) never move rows."""
+    shard.set_persisting(True)
+    try:
+        yield
+    finally:
+        shard.set_persisting(False)

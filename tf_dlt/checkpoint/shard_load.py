@@ -21,7 +21,7 @@ from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import verified
 from tf_dlt.checkpoint.manifest import filesystem
-from tf_dlt.checkpoint.shard_format import chunk_rows, file_row_bytes
+from tf_dlt.checkpoint.shard_format import chunk_rows, file_row_bytes, persisting
 from tf_dlt.routing import NUM_BUCKETS
 from tf_dlt.table_config import difference, normalized
 
@@ -189,6 +189,7 @@ def apply_link(
     *,
     in_use: bool = False,
     threads: int = 1,
+    lean: bool = False,
 ) -> None:
     """Applies one checkpoint of a chain to `tables` (name -> table) for the
     routing buckets [first, end): a full checkpoint replaces them with new
@@ -198,6 +199,7 @@ def apply_link(
     `in_use`: the tables serve meanwhile. Every file of the link is then
     copied locally and verified whole before anything changes, and a table a
     delta holds whole gets its new rows before the old ones go.
+    `lean`: buffer few verified blocks (a shard with a memory budget).
     """
     m = link.manifest
     listed = {normalized(i["config"])["name"]: i for i in m["tables"]}
@@ -213,6 +215,8 @@ def apply_link(
         for name, info in listed.items():
             tables[name] = table = new_table(info["config"])
             state.fresh.add(name)
+            if lean and not table.has_tier:  # within a budget: grown as rows arrive
+                continue
             # Sized for its share of the rows, never more than the files hold.
             most = file_bytes // file_row_bytes(table.dim, table.slot_floats)
             table.reserve(min(int(int(info["rows"]) * owned * 1.02) + 1024, most), threads)
@@ -240,7 +244,7 @@ def apply_link(
 
     if not in_use:
         for entry in entries:
-            with verified.open_verified(fs, root, entry) as (f, reader):
+            with verified.open_verified(fs, root, entry, lean=lean) as (f, reader):
                 apply_file(entry, f, reader)
         return
     with tempfile.TemporaryDirectory(prefix="tf_dlt-apply-") as spool:
@@ -248,8 +252,76 @@ def apply_link(
             verified.fetch_verified(fs, root, entry, spool)
         local, local_root = filesystem(spool)
         for entry in entries:
-            with verified.open_verified(local, local_root, entry) as (f, reader):
+            with verified.open_verified(local, local_root, entry, lean=lean) as (f, reader):
                 apply_file(entry, f, reader)
+
+
+# Bytes a table's index takes per row besides its record (measured: about
+# 27 at a million rows; more while it grows).
+_INDEX_BYTES_PER_ROW = 32
+
+
+def _check_room(
+    chain: list[manifest_lib.Link], shard: _native.Shard, buckets: tuple[int, int]
+) -> None:
+    """A load stages its tables beside the installed ones (a failed load
+    changes nothing). On a shard with a memory budget and no disk tier the
+    staged rows must fit beside what the process holds now: otherwise the
+    load is refused before anything is read (RESOURCE_EXHAUSTED), never
+    made to fit by evicting rows."""
+    memory = shard.memory_status()
+    budget = int(memory["budget"])
+    if not budget or memory["storage_dir"]:
+        return
+    rows: dict[str, tuple[dict[str, Any], int]] = {}
+    for link in chain:  # the full base's rows, and at most every delta's
+        if link.kind == "full":
+            rows.clear()
+        for info in link.manifest["tables"]:
+            name = normalized(info["config"])["name"]
+            before = rows.get(name, (None, 0))[1]
+            rows[name] = (info["config"], before + int(info["rows"]))
+    owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
+    need = sum(
+        n * owned * (_native.record_bytes(normalized(config)) + _INDEX_BYTES_PER_ROW)
+        for config, n in rows.values()
+    )
+    resident = max(int(memory["resident"]), _resident_bytes())
+    if resident + need + _native.PERSIST_RESERVE_BYTES > budget:
+        mib = 1 << 20
+        raise errors.ResourceExhaustedError(
+            f"shard {shard.shard_index}: this load stages about {need / mib:.0f} MiB of rows "
+            f"beside the {resident / mib:.0f} MiB the process holds and the "
+            f"{_native.PERSIST_RESERVE_BYTES / mib:.0f} MiB its buffers take, past its "
+            f"memory budget of {budget / mib:.0f} MiB and with no --storage-dir to spill to; "
+            "nothing was read or changed. Raise --memory-budget, give the shard a "
+            "--storage-dir, load onto more shards, or drop the tables the load replaces first"
+        )
+
+
+def _resident_bytes() -> int:
+    """This process's resident set in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None:
+    """Rows a staged table evicted to stay within its max_rows (a checkpoint
+    of more shards loaded onto fewer) would be lost: the load is refused,
+    naming the table and how many rows, and nothing changes."""
+    for t in staged:
+        evicted = int(t.counters()["evicted"])
+        if evicted:
+            held = t.size() + evicted
+            raise errors.FailedPreconditionError(
+                f"table {t.name!r}: the checkpoint holds {held} rows for shard "
+                f"{shard.shard_index} of {shard.num_shards}, past its max_rows of "
+                f"{t.config['policy']['max_rows']} per shard; loading would drop {evicted} of "
+                "them, so nothing was changed. Load onto more shards, or raise max_rows"
+            )
 
 
 def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
@@ -281,6 +353,13 @@ def prepare_load(
     `replace`: a same-named table of another configuration on the shard is
     to be replaced (a follower), not a reason to refuse.
     """
+    with persisting(shard):
+        return _prepare_load(path, shard, allow, replace)
+
+
+def _prepare_load(
+    path: str, shard: _native.Shard, allow: Callable[[str], None] | None, replace: bool
+) -> dict[str, Any]:
     start = time.monotonic()
     chain = manifest_lib.resolve_chain(path, allow)
     head = chain[-1].manifest
@@ -293,11 +372,14 @@ def prepare_load(
                 f"table {name!r} on this shard differs from the checkpoint's "
                 f"({difference(existing[name], config)}); drop the table first to load it"
             )
-    tables: dict[str, _native.Table] = {}
     buckets = (shard.first_bucket, shard.end_bucket)
+    _check_room(chain, shard, buckets)
+    tables: dict[str, _native.Table] = {}
+    lean = bool(shard.memory_status()["budget"])
     for link in chain:
-        apply_link(link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1)
+        apply_link(link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1, lean=lean)
     staged = list(tables.values())
+    _refuse_evictions(staged, shard)
     for t in staged:
         t.mark_loaded(head["save_id"])
     return {

@@ -34,6 +34,7 @@ from tf_dlt.checkpoint.shard_format import (
     TableState,
     chunk_rows,
     file_row_bytes,
+    persisting,
 )
 from tf_dlt.routing import NUM_BUCKETS
 
@@ -185,8 +186,9 @@ def save_shard(path: str, shard: _native.Shard, save_id: str, base: str = "") ->
     """Writes this shard's file into checkpoint directory `path` (see
     `save_tables`); on top of save `base`, only what changed since."""
     layout = ShardLayout(shard.shard_index, shard.num_shards, shard.first_bucket, shard.end_bucket)
-    tables = [native_rows(t, layout, save_id, base) for t in shard.tables()]
-    return save_tables(path, layout, tables, save_id)
+    with persisting(shard):
+        tables = [native_rows(t, layout, save_id, base) for t in shard.tables()]
+        return save_tables(path, layout, tables, save_id)
 
 
 def save_tables(

@@ -34,11 +34,13 @@ BLOCK_BYTES = 16 << 20
 # saved since) is read in file order, so a few blocks suffice; in an older
 # file each dataset's chunk index is spread through the file, and the walk
 # of each index re-reads blocks the cache let go. native/core/shard.cc's
-# kLoadBuffer holds the small cache's bytes.
+# Shard::kPersistReserve holds a lean load's bytes: on a shard with a
+# memory budget, 2 blocks (one read ahead) whatever the layout.
 _CACHED_BLOCKS = 6
 _READ_AHEAD = 1
 _SPREAD_CACHED_BLOCKS = 16
 _SPREAD_READ_AHEAD = 2
+_LEAN_CACHED_BLOCKS = 2
 # Shard files up to this size are verified and parsed in memory.
 _SPOOL_IN_MEMORY = 256 << 20
 
@@ -129,7 +131,9 @@ class VerifiedBlocks(io.RawIOBase):
     is what was verified, even if the file changes meanwhile. Blocks are
     read and hashed ahead on worker threads while the caller parses."""
 
-    def __init__(self, f: IO[bytes], entry: dict[str, Any], where: str) -> None:
+    def __init__(
+        self, f: IO[bytes], entry: dict[str, Any], where: str, *, lean: bool = False
+    ) -> None:
         super().__init__()
         self._f = f
         self.where = where
@@ -140,6 +144,8 @@ class VerifiedBlocks(io.RawIOBase):
         clustered = int(entry.get("meta_block_bytes", 0)) > 0
         self._cached = _CACHED_BLOCKS if clustered else _SPREAD_CACHED_BLOCKS
         self._ahead = _READ_AHEAD if clustered else _SPREAD_READ_AHEAD
+        if lean:  # within a memory budget: fewer blocks, more reads
+            self._cached, self._ahead = _LEAN_CACHED_BLOCKS, 1
         self.reads = 0  # blocks read and verified
         self._io = threading.Lock()
         self._cache: collections.OrderedDict[int, Future[memoryview]] = collections.OrderedDict()
@@ -284,14 +290,15 @@ class RawRows:
 
 @contextlib.contextmanager
 def open_verified(
-    fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any]
+    fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any], *, lean: bool = False
 ) -> Iterator[tuple[h5py.File, VerifiedBlocks | None]]:
     """Opens a shard file whose bytes match the manifest: (the HDF5 file,
     its verified reader for `RawRows`, or None). With per-block checksums
     (files of this version), each block is verified as it is read
     (`VerifiedBlocks`); older files are read once, hashed whole as they are
     copied into a private spool, and parsed from it. Either way the bytes
-    parsed are the bytes verified, even if the file changes meanwhile."""
+    parsed are the bytes verified, even if the file changes meanwhile.
+    `lean`: keep few verified blocks (a shard with a memory budget)."""
     target = f"{root}/{entry['file']}"
     if "block_sha256" in entry:
         try:
@@ -300,7 +307,7 @@ def open_verified(
             raise errors.FailedPreconditionError(
                 f"checkpoint file {target} named in the manifest is missing"
             ) from None
-        with f, VerifiedBlocks(f, entry, target) as blocks:
+        with f, VerifiedBlocks(f, entry, target, lean=lean) as blocks:
             try:
                 with h5py.File(blocks, "r") as h5:
                     yield h5, blocks

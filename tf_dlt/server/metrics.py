@@ -8,7 +8,8 @@ scrape from the shard's own counters, so nothing is counted twice:
   tf_dlt_table_demotions_total, tf_dlt_table_disk_reads_total {table} (rates
   in PromQL); tf_dlt_table_tier_error {table, error}: 1 while the disk tier
   fails; tf_dlt_memory_budget_bytes and tf_dlt_resident_bytes (gauges, with
-  --memory-budget);
+  --memory-budget); tf_dlt_staged_bytes (gauge: tables a load staged, or
+  replaced and keeps for a rollback);
 - tf_dlt_table_rows_admitted_total, _refused_total, _expired_total,
   _evicted_total, _shrunk_total {table}: what each table's memory policy did
   (rows made by training; pushed ids not admitted; rows removed by ttl
@@ -220,6 +221,11 @@ def _tier_metrics(s: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "tf_dlt_resident_bytes", "The shard's resident memory", value=memory["resident"]
         )
+    yield GaugeMetricFamily(
+        "tf_dlt_staged_bytes",
+        "Bytes of tables a load staged, or replaced and keeps for a rollback",
+        value=memory["staged_bytes"],
+    )
 
 
 def serve(servicer: ShardAdminServicer, bind: str, port: int) -> tuple[Any, int]:

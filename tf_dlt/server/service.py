@@ -434,6 +434,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             memory_budget=s["memory"]["budget"],
             resident_bytes=s["memory"]["resident"],
             storage_dir=s["memory"]["storage_dir"],
+            staged_bytes=s["memory"]["staged_bytes"],
         )
 
 
