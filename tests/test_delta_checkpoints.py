@@ -20,7 +20,7 @@ import pytest
 
 import tf_dlt
 from tf_dlt import _native, errors
-from tf_dlt.checkpoint import chain, manifest, shard_files
+from tf_dlt.checkpoint import chain, manifest, shard_files, shard_format, shard_save
 
 from conftest import Cluster, staged_rows
 
@@ -436,3 +436,30 @@ def test_a_chain_that_loops_is_refused_at_once(tmp_path: Path) -> None:
     (tmp_path / "c" / "MANIFEST.json").write_text(json.dumps(doc))
     with pytest.raises(errors.FailedPreconditionError, match="rows must be"):
         manifest.read_manifest(path)
+
+
+def test_a_removal_log_overflowing_during_a_delta_save_writes_the_table_whole(
+    tmp_path: Path,
+) -> None:
+    """A wave of removals between a delta save's start and its end (a ttl
+    sweep, a shrink, an eviction wave) overflows the table's removal log:
+    the delta then holds the table whole, and the chain loads exactly the
+    rows the table has."""
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig.create("t", 4, "normal", "adagrad", seed=1).to_dict())
+    table = shard.get_table("t")
+    ids = np.arange(400_000, dtype=np.int64)
+    table.push(ids, np.ones((len(ids), 4), np.float32), 0.1)
+    c1, c2 = str(tmp_path / "c1"), str(tmp_path / "c2")
+    manifest.write_manifest(c1, [shard_files.save_shard(c1, shard, "s1")], "s1")
+    table.push(ids[:1000], np.ones((1000, 4), np.float32), 0.1)
+    rows = shard_save.native_rows(table, shard_format.ShardLayout(), "s2", "s1")
+    assert rows.whole is not None  # a delta on top of s1
+    table.erase(ids[1000:360_000])  # mid-save: ~5,600 removals a stripe overflow its log
+    parent = manifest.delta_parent(c2, c1)
+    part = shard_save.save_tables(c2, shard_format.ShardLayout(), [rows], "s2")
+    assert [t["mode"] for t in part["tables"]] == ["full"]
+    manifest.write_manifest(c2, [part], "s2", parent)
+    staged = shard_files.prepare_load(c2, _native.Shard(0, 1))["staged"]
+    assert [t.size() for t in staged] == [table.size()] == [41_000]
+    np.testing.assert_array_equal(staged[0].pull(ids[::97]), table.pull(ids[::97]))

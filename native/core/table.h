@@ -150,7 +150,10 @@ class Table {
   // restarts from it, and the rows written so far count as unchanged.
   void MarkLoaded(const std::string& save_id);
   // Ids removed after generation `since`, sorted by (bucket, id), unique.
-  std::vector<int64_t> RemovedSince(uint32_t since) const;
+  // FAILED_PRECONDITION when the removal log overflowed since the save
+  // began (a ttl sweep, shrink or eviction wave): the ids would be
+  // incomplete, and the table must be written whole.
+  Status RemovedSince(uint32_t since, std::vector<int64_t>* ids) const;
   // Removes the rows of `ids` that are present; returns how many.
   size_t Erase(const int64_t* ids, size_t n);
   // Removes every row of buckets [first, end) except the ids of `keep`;

@@ -100,7 +100,13 @@ void Table::MarkLoaded(const std::string& save_id) {
   logging_.store(true, std::memory_order_relaxed);
 }
 
-std::vector<int64_t> Table::RemovedSince(uint32_t since) const {
+Status Table::RemovedSince(uint32_t since, std::vector<int64_t>* ids) const {
+  if (log_overflow_.load()) {
+    return FailedPrecondition("table '" + config_.name +
+                              "': its removal log overflowed during the save (a ttl sweep, "
+                              "shrink or eviction wave); the ids removed since the base are "
+                              "incomplete, so the table is to be written whole");
+  }
   std::vector<std::pair<uint32_t, int64_t>> found;  // (bucket, id)
   for (uint32_t s = 0; s < kStripes; ++s) {
     std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
@@ -110,9 +116,12 @@ std::vector<int64_t> Table::RemovedSince(uint32_t since) const {
   }
   std::sort(found.begin(), found.end());
   found.erase(std::unique(found.begin(), found.end()), found.end());
-  std::vector<int64_t> ids(found.size());
-  for (size_t i = 0; i < found.size(); ++i) ids[i] = found[i].second;
-  return ids;
+  ids->resize(found.size());
+  for (size_t i = 0; i < found.size(); ++i) (*ids)[i] = found[i].second;
+  // Removals logged after the overflow check are complete only if the log
+  // did not overflow meanwhile.
+  if (log_overflow_.load()) return RemovedSince(since, ids);
+  return OkStatus();
 }
 
 size_t Table::Erase(const int64_t* ids, size_t n) {

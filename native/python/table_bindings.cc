@@ -223,10 +223,12 @@ void BindTable(py::module_& m) {
       .def("removed_since",
            [](const Table& t, uint32_t since) {
              std::vector<int64_t> ids;
+             Status status;
              {
                py::gil_scoped_release release;
-               ids = t.RemovedSince(since);
+               status = t.RemovedSince(since, &ids);
              }
+             Check(status);
              IdArray out(ids.size());
              std::copy(ids.begin(), ids.end(), out.mutable_data());
              return out;

@@ -55,6 +55,14 @@ class TableRows:
     slot_floats: int
     chunks: Iterator[Chunk]
     state: Callable[[], TableState] = TableState
+    # For a delta: the table's rows in full, written instead when `state`
+    # raises IncompleteDelta.
+    whole: Callable[[], TableRows] | None = None
+
+
+class IncompleteDelta(Exception):
+    """A delta's removals are incomplete (the table's removal log
+    overflowed while the save ran): the table is to be written whole."""
 
 
 @dataclasses.dataclass(frozen=True)

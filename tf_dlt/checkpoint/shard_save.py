@@ -29,6 +29,7 @@ from tf_dlt.checkpoint.manifest import (
 )
 from tf_dlt.checkpoint.shard_format import (
     Chunk,
+    IncompleteDelta,
     ShardLayout,
     TableRows,
     TableState,
@@ -62,18 +63,30 @@ def native_rows(
     it, only the rows changed since, with the ids removed since."""
     tracked, since, base_clock = table.begin_save(save_id, base) if save_id else (False, 0, 0)
 
-    def chunks() -> Iterator[Chunk]:
-        exporter = table.exporter(since if tracked else None)
+    def chunks(delta: bool) -> Iterator[Chunk]:
+        exporter = table.exporter(since if delta else None)
         while (chunk := exporter.next(chunk_rows(table.dim, table.slot_floats))) is not None:
             yield chunk
 
     def state() -> TableState:
-        out = native_state(table, layout.first_bucket, layout.end_bucket)
-        if tracked:  # removals up to now: after every row was copied
+        return native_state(table, layout.first_bucket, layout.end_bucket)
+
+    def delta_state() -> TableState:
+        out = state()
+        try:  # removals up to now: after every row was copied
             out.base_clock, out.removed = base_clock, table.removed_since(since)
+        except errors.FailedPreconditionError as e:
+            raise IncompleteDelta(str(e)) from None
         return out
 
-    return TableRows(table.config, table.dim, table.slot_floats, chunks(), state)
+    def whole() -> TableRows:
+        return TableRows(table.config, table.dim, table.slot_floats, chunks(False), state)
+
+    if not tracked:
+        return whole()
+    rows = TableRows(table.config, table.dim, table.slot_floats, chunks(True), delta_state)
+    rows.whole = whole
+    return rows
 
 
 def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
@@ -176,7 +189,17 @@ def _write_shard_file(
         f.attrs["num_buckets"] = NUM_BUCKETS
         group = f.create_group("tables")
         for k, rows in enumerate(sorted(tables, key=lambda t: str(t.config["name"]))):
-            n, state = _write_table(group.create_group(f"t{k:05d}"), rows)
+            name = f"t{k:05d}"
+            try:
+                n, state = _write_table(group.create_group(name), rows)
+            except IncompleteDelta:
+                if rows.whole is None:
+                    raise
+                # Removals the delta would miss: the table is written whole
+                # instead, as a table whose changes are not tracked.
+                del group[name]
+                rows = rows.whole()
+                n, state = _write_table(group.create_group(name), rows)
             removed = 0 if state.removed is None else len(state.removed)
             infos.append({"config": rows.config, "rows": n, "mode": state.mode, "removed": removed})
     return infos
