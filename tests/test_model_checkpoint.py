@@ -178,3 +178,30 @@ def test_incremental_saves_to_one_path_stay_loadable(tmp_path: Path) -> None:
     fresh = _model("ck_same_path")
     tf_dlt.load(fresh, str(tmp_path / "latest"))
     np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)
+
+
+def test_a_models_save_and_load_touch_only_its_own_tables(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Two models train on the same shards: loading model B's checkpoint
+    never rolls model A's table back, and B's checkpoint holds B's tables
+    only; a whole-cluster Client.save/load still covers every table."""
+    cluster = start_cluster(2)
+    model_a = tf_dlt.transpile(_model("ck_model_a"), cluster.addresses)
+    model_b = tf_dlt.transpile(_model("ck_model_b"), cluster.addresses)
+    x, y = _data()
+    for m in (model_a, model_b):
+        m.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.save(model_b, str(tmp_path / "b"))
+    held = manifest.read_manifest(str(tmp_path / "b" / "tables"))["tables"]
+    assert [t["config"]["name"] for t in held] == [model_b.get_layer("ck_model_b").table_name]
+    model_a.fit(x, y, epochs=1, batch_size=16, verbose=0)  # A moves on after B's save
+    a_now = model_a.predict(x, verbose=0)
+    b_saved = model_b.predict(x, verbose=0)
+    model_b.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.load(model_b, str(tmp_path / "b"))
+    np.testing.assert_allclose(model_b.predict(x, verbose=0), b_saved, atol=1e-6)
+    np.testing.assert_array_equal(model_a.predict(x, verbose=0), a_now)  # untouched
+    with cluster.client() as client:  # the whole cluster: every table
+        whole = client.save(str(tmp_path / "all"))
+        assert len(whole["tables"]) == 2

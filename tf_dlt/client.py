@@ -238,7 +238,12 @@ class Client:
         return sum(r.removed for r in self._on_all("Shrink", request, self._persist_timeout))
 
     def save(
-        self, path: str, *, base: str | None = None, progress: bool | None = None
+        self,
+        path: str,
+        *,
+        base: str | None = None,
+        tables: list[str] | None = None,
+        progress: bool | None = None,
     ) -> dict[str, Any]:
         """Saves every shard into checkpoint directory `path` (a local path
         or an fsspec URL: file://, s3://, hdfs://, memory://) and commits it
@@ -254,6 +259,9 @@ class Client:
         written in full; the manifest is then still a valid delta, or a full
         checkpoint when every table was written in full. Loading `path`
         reads the chain: the full base and every delta up to `path`.
+
+        `tables`: save only these tables (a model's: `tf_dlt.save` passes
+        them); None: every table on the shards.
         """
         from tf_dlt.proto import dlt_pb2
 
@@ -262,7 +270,10 @@ class Client:
             parent = manifest.delta_parent(path, base)
         save_id = manifest.new_save_id()
         request = dlt_pb2.SaveRequest(
-            path=path, save_id=save_id, base_save_id=parent["save_id"] if parent else ""
+            path=path,
+            save_id=save_id,
+            base_save_id=parent["save_id"] if parent else "",
+            tables=sorted(tables or ()),
         )
         with Progress(f"saving {path}", len(self.pservers), "shards", enabled=progress) as bar:
             replies = self._on_all("Save", request, self._persist_timeout, bar)
@@ -287,7 +298,9 @@ class Client:
             parts.append(part)
         return manifest.write_manifest(path, parts, save_id, parent)
 
-    def load(self, path: str, *, progress: bool | None = None) -> dict[str, dict[str, Any]]:
+    def load(
+        self, path: str, *, tables: list[str] | None = None, progress: bool | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Loads checkpoint `path` onto every shard (any shard count at save
         time). Returns the loaded tables with rows summed over shards.
         `progress`: show shards finishing on stderr (None: on a terminal).
@@ -298,20 +311,26 @@ class Client:
         committed (FINISH). A failed prepare changes no shard; a commit that
         fails on some shard is rolled back on the others (ROLLBACK), and the
         error says which shards hold what.
+
+        `tables`: load only these of the checkpoint's tables (a model's:
+        `tf_dlt.load` passes them), leaving every other table on the shards
+        as it is; None: every table the checkpoint holds.
         """
         manifest.resolve_chain(path)  # fail fast, before any shard starts
         load_id = secrets.token_hex(8)
-        self._prepare_load(path, load_id, progress)
+        self._prepare_load(path, load_id, progress, sorted(tables or ()))
         return self._commit_load(path, load_id)
 
-    def _prepare_load(self, path: str, load_id: str, progress: bool | None) -> None:
+    def _prepare_load(
+        self, path: str, load_id: str, progress: bool | None, tables: list[str]
+    ) -> None:
         from tf_dlt.proto import dlt_pb2
 
         request = dlt_pb2.LoadRequest
         with Progress(f"loading {path}", len(self.pservers), "shards", enabled=progress) as bar:
             results = self._call_all(
                 "Load",
-                request(path=path, phase=request.PREPARE, load_id=load_id),
+                request(path=path, phase=request.PREPARE, load_id=load_id, tables=tables),
                 self._persist_timeout,
                 bar,
             )

@@ -315,6 +315,16 @@ class Link:
 
     path: str
     manifest: dict[str, Any]
+    # Tables of the checkpoint a load leaves out (`only`).
+    skipped: frozenset[str] = frozenset()
+
+    def only(self, names: set[str]) -> Link:
+        """This link with only the tables named in `names` (a model's)."""
+        kept = [t for t in self.manifest["tables"] if t["config"]["name"] in names]
+        left_out = {t["config"]["name"] for t in self.manifest["tables"]} - names
+        return dataclasses.replace(
+            self, manifest={**self.manifest, "tables": kept}, skipped=frozenset(left_out)
+        )
 
     @property
     def save_id(self) -> str:

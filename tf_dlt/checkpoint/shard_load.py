@@ -121,13 +121,15 @@ def _apply_group(
     new_table: NewTable,
     buckets: tuple[int, int],
     link: _LinkState,
-) -> str:
+) -> str | None:
     """Applies one table of one shard file to `tables` for buckets
     `buckets`: a full table's rows replace those of the file's buckets; a
     delta's removals go first, then its rows (changed or new) overwrite.
-    Returns the table's name."""
+    Returns the table's name (None: a table the load leaves out)."""
     config = json.loads(g.attrs["config"])
     name = str(config["name"])
+    if name in link.skipped:
+        return None
     where = f"{entry['file']} (table {name!r})"
     if name not in listed or normalized(listed[name]["config"]) != normalized(config):
         raise errors.FailedPreconditionError(
@@ -179,6 +181,7 @@ class _LinkState:
 
     fresh: set[str]
     clocks: dict[str, int]
+    skipped: frozenset[str] = frozenset()
 
 
 def apply_link(
@@ -207,7 +210,7 @@ def apply_link(
     entries = [
         e for e in m["files"] if e["end_bucket"] > buckets[0] and e["first_bucket"] < buckets[1]
     ]
-    state = _LinkState(set(), {})
+    state = _LinkState(set(), {}, link.skipped)
     if link.kind == "full":
         tables.clear()
         owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
@@ -234,7 +237,7 @@ def apply_link(
         held = {
             _apply_group(g, entry, reader, listed, tables, new_table, buckets, state)
             for g in groups
-        }
+        } - {None}
         # A table the writer did not have (it restarted empty, say) has no
         # rows in the writer's buckets, as in a full checkpoint.
         lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
@@ -338,6 +341,7 @@ def prepare_load(
     allow: Callable[[str], None] | None = None,
     *,
     replace: bool = False,
+    tables: list[str] | None = None,
 ) -> dict[str, Any]:
     """Reads and verifies the rows this shard owns from checkpoint `path`
     (the chain of its full base and every delta up to it) into new tables,
@@ -351,17 +355,24 @@ def prepare_load(
     saved on top of it later holds only what changed after the load.
     `allow` raises for a checkpoint of the chain the caller may not read.
     `replace`: a same-named table of another configuration on the shard is
-    to be replaced (a follower), not a reason to refuse.
+    to be replaced (a follower), not a reason to refuse. `tables`: stage
+    only these of the checkpoint's tables (a model's); None: all of them.
     """
     with persisting(shard):
-        return _prepare_load(path, shard, allow, replace)
+        return _prepare_load(path, shard, allow, replace, tables)
 
 
 def _prepare_load(
-    path: str, shard: _native.Shard, allow: Callable[[str], None] | None, replace: bool
+    path: str,
+    shard: _native.Shard,
+    allow: Callable[[str], None] | None,
+    replace: bool,
+    only: list[str] | None,
 ) -> dict[str, Any]:
     start = time.monotonic()
     chain = manifest_lib.resolve_chain(path, allow)
+    if only is not None:
+        chain = [link.only(set(only)) for link in chain]
     head = chain[-1].manifest
     existing = {t.name: normalized(t.config) for t in shard.tables()}
     for info in head["tables"]:

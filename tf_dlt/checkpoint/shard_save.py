@@ -205,13 +205,23 @@ def _write_shard_file(
     return infos
 
 
-def save_shard(path: str, shard: _native.Shard, save_id: str, base: str = "") -> dict[str, Any]:
+def save_shard(
+    path: str,
+    shard: _native.Shard,
+    save_id: str,
+    base: str = "",
+    *,
+    tables: list[str] | None = None,
+) -> dict[str, Any]:
     """Writes this shard's file into checkpoint directory `path` (see
-    `save_tables`); on top of save `base`, only what changed since."""
+    `save_tables`); on top of save `base`, only what changed since.
+    `tables`: only these (NOT_FOUND naming one the shard lacks); None:
+    every table of the shard."""
     layout = ShardLayout(shard.shard_index, shard.num_shards, shard.first_bucket, shard.end_bucket)
+    chosen = shard.tables() if tables is None else [shard.get_table(n) for n in sorted(set(tables))]
     with persisting(shard):
-        tables = [native_rows(t, layout, save_id, base) for t in shard.tables()]
-        return save_tables(path, layout, tables, save_id)
+        rows = [native_rows(t, layout, save_id, base) for t in chosen]
+        return save_tables(path, layout, rows, save_id)
 
 
 def save_tables(

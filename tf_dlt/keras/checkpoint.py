@@ -64,7 +64,11 @@ def save(
     written: dict[str, Any] = {"kind": "full"}
     if addresses:
         with Client(addresses, auth_token=token) as client:
-            written = client.save(tables, base=base_tables)
+            # This model's tables only: other models' on the same shards
+            # are theirs to save.
+            written = client.save(
+                tables, base=base_tables, tables=[layer.table_name for layer in layers]
+            )
     elif layers:
         written = _save_embedded(layers, tables, base_tables)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
@@ -146,7 +150,9 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
     tables = _tables_of(path)
     if layers and addresses:
         with Client(addresses, auth_token=token) as client:
-            client.load(tables)
+            # This model's tables only: other models' on the same shards
+            # are left as they are.
+            client.load(tables, tables=[layer.table_name for layer in layers])
     elif layers:
         _load_embedded(tables, layers)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-load-") as tmp:
@@ -161,7 +167,8 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
     """Loads checkpoint `tables` into the embedded tables as a shard server
     loads its own: every table is read and verified into new tables first,
     then the layers' tables are replaced in one step."""
-    loaded = shard_files.prepare_load(tables, embedded.shard(), replace=True)
+    ours = sorted({layer.table_name for layer in layers})
+    loaded = shard_files.prepare_load(tables, embedded.shard(), replace=True, tables=ours)
     by_name = {t.name: t for t in loaded["staged"]}
     for layer in layers:  # check everything before changing anything
         t = by_name.get(layer.table_name)
@@ -170,8 +177,7 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
                 f"table {layer.table_name!r} differs from the checkpoint's "
                 f"({difference(layer.table_config.to_dict(), t.config)})"
             )
-    ours = {layer.table_name for layer in layers}
-    embedded.shard().install_tables([t for t in loaded["staged"] if t.name in ours])
+    embedded.shard().install_tables(loaded["staged"])
 
 
 class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]

@@ -210,7 +210,11 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         with self._persist_lock:
             log.info("saving to %s", request.path)
             part = shard_files.save_shard(
-                request.path, self._shard, request.save_id, request.base_save_id
+                request.path,
+                self._shard,
+                request.save_id,
+                request.base_save_id,
+                tables=list(request.tables) or None,
             )
         self.last_save_seconds = part["seconds"]
         self.saves += 1
@@ -257,7 +261,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                     "its last phase unless committed or aborted first"
                 )
             log.info("loading from %s", request.path)
-            result = shard_files.prepare_load(request.path, self._shard, self.allow_load)
+            result = shard_files.prepare_load(
+                request.path, self._shard, self.allow_load, tables=list(request.tables) or None
+            )
             if phase == phases.PREPARE:
                 self._set_pending(
                     PendingLoad(request.load_id, request.path, "prepared", time.monotonic(), result)
