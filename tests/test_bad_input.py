@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -366,3 +367,39 @@ def test_a_save_refuses_rows_its_load_would_refuse(tmp_path: Path) -> None:
     with pytest.raises(errors.InternalError, match="table 't': the values of id 2 are not finite"):
         shard_save.save_tables(str(tmp_path / "ck"), shard_format.ShardLayout(), [rows], "s1")
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.endswith(".h5")]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_peer_that_half_closes_with_a_large_reply_pending_costs_nothing(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """An authenticated peer asks for a reply far larger than the socket
+    buffers, shuts down its sending side and never reads: the shard waits
+    for room without spinning (no worker pinned until --io-timeout), keeps
+    serving others, and drops the connection at the timeout."""
+    cluster = start_cluster(1, "--io-timeout", "4", token="tok")
+    with cluster.client() as client:
+        client.create_table("wide", 256)
+    sock = _connect(cluster)
+    sock.sendall(frames.hello(1, "tok"))
+    assert frames.read_frame(sock)[:2] == (frames.HELLO, frames.RESPONSE)
+    sock.sendall(frames.pull(2, "wide", 256, list(range(20_000))))  # a 20 MB reply
+    sock.shutdown(socket.SHUT_WR)
+    pid = cluster.processes[0].pid
+    time.sleep(0.5)  # the reply fills the socket buffers
+    before = _cpu_seconds(pid)
+    time.sleep(2.0)
+    assert _cpu_seconds(pid) - before < 0.5  # a spinning worker takes ~2 s
+    with cluster.client() as client:
+        assert client.pull("wide", [1]).shape == (1, 256)
+    time.sleep(3.0)  # past --io-timeout: the shard drops the connection
+    sock.settimeout(10)
+    received = 0
+    while chunk := sock.recv(1 << 20):  # what the buffers held, then the end
+        received += len(chunk)
+    assert received < 20_000 * 256 * 4
+    sock.close()

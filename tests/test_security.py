@@ -226,3 +226,71 @@ def test_a_save_never_writes_through_a_planted_link(tmp_path: Path) -> None:
     shard_files.load_shard(str(ck), fresh)
     assert fresh.get_table("t").size() == 10
     assert not [p for p in ck.iterdir() if ".tmp-" in p.name and not p.is_symlink()]
+
+
+def test_a_load_reads_no_file_outside_the_checkpoint_and_leaks_no_digest(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A checkpoint directory under the shard's root whose shard files are
+    links (to a secret outside the root, to /dev/zero), a FIFO, or a file
+    whose size the manifest misstates: each load is refused at once, naming
+    the file, and no error carries a digest of anything read. The shard then
+    saves and loads normally."""
+    import hashlib
+    import json
+    import os
+
+    root = tmp_path / "root"
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cr3t-key-material" * 300)
+    cluster = start_cluster(1, "--checkpoint-root", str(root))
+    with cluster.client(persist_timeout=30.0) as client:
+        client.create_table("t", 4)
+        client.pull("t", np.arange(100))
+        good = client.save(str(root / "good"))
+        entry = good["files"][0]
+        digests = {hashlib.sha256(secret.read_bytes()[:n]).hexdigest() for n in (1, 4096, 5700)}
+
+        def crafted(name: str, plant: Callable[[Path], None], **fields: object) -> str:
+            ck = root / name
+            ck.mkdir()
+            plant(ck / entry["file"])
+            forged = {**good, "files": [{**entry, **fields}]}
+            (ck / "MANIFEST.json").write_text(json.dumps(forged))
+            return str(ck)
+
+        size = secret.stat().st_size
+        attacks = {
+            crafted(
+                "link", lambda p: os.symlink(secret, p),
+                bytes=size, block_bytes=4096, block_sha256=["0" * 64] * -(-size // 4096),
+            ): "not a regular file",
+            crafted(
+                "zero", lambda p: os.symlink("/dev/zero", p),
+                bytes=1 << 40, block_sha256=None,
+            ): "not a regular file",
+            crafted("fifo", lambda p: os.mkfifo(p)): "not a regular file",
+            crafted(
+                "size", lambda p: p.write_bytes(secret.read_bytes()), bytes=4096,
+            ): "holds 5700 bytes, the manifest says 4096",
+        }  # fmt: skip
+        for path, why in attacks.items():
+            manifest_path = Path(path) / "MANIFEST.json"
+            forged = json.loads(manifest_path.read_text())
+            for f in forged["files"]:
+                if f.get("block_sha256") is None:
+                    f.pop("block_sha256", None)
+                    f.pop("block_bytes", None)
+            manifest_path.write_text(json.dumps(forged))
+            with pytest.raises(errors.FailedPreconditionError, match=why) as raised:
+                client.load(path)
+            assert not any(d in str(raised.value) for d in digests)
+        (root / "manifest_link").mkdir()
+        os.symlink("/dev/zero", root / "manifest_link" / "MANIFEST.json")
+        with pytest.raises(errors.FailedPreconditionError, match="a link, not followed"):
+            client.load(str(root / "manifest_link"))
+        with pytest.raises(errors.InvalidArgumentError, match="File name too long"):
+            client.load(str(root / ("x" * 5000)))
+        client.save(str(root / "again"))
+        client.load(str(root / "again"))
+    assert cluster.stop(timeout=20) == [0]

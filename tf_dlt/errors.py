@@ -7,6 +7,8 @@ builtin exception, so ``except ValueError`` catches a bad argument.
 
 from __future__ import annotations
 
+import errno
+
 
 class DltError(Exception):
     """Base class: a failed tf_dlt operation with a status `code`."""
@@ -84,3 +86,24 @@ def error_for_code(code: int, message: str) -> DltError:
         error.code = code
         return error
     return cls(message)
+
+
+_BY_ERRNO: dict[int, type[DltError]] = {
+    errno.ENAMETOOLONG: InvalidArgumentError,
+    errno.EINVAL: InvalidArgumentError,
+    errno.ENOENT: NotFoundError,
+    errno.ENOTDIR: NotFoundError,
+    errno.EACCES: PermissionDeniedError,
+    errno.EPERM: PermissionDeniedError,
+    errno.ENOSPC: ResourceExhaustedError,
+    errno.EDQUOT: ResourceExhaustedError,
+}
+
+
+def error_for_errno(error: OSError, what: str) -> DltError:
+    """The DltError for a failed file operation: `what` and the system's
+    reason, with the class its errno calls for (FailedPreconditionError for
+    the rest: a link where a file was expected, I/O errors)."""
+    reason = {errno.ELOOP: "a link, not followed"}.get(error.errno or 0, error.strerror)
+    cls = _BY_ERRNO.get(error.errno or 0, FailedPreconditionError)
+    return cls(f"{what}: {reason or error}")

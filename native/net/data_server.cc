@@ -63,6 +63,9 @@ struct DataServer::Conn {
   size_t out_bytes = 0;
   size_t out_sent = 0;
   bool close_after_reply = false;
+  // The peer shut down its side (EPOLLRDHUP seen): not waited for again, as
+  // it stays signalled (a reply then waits for room without a busy loop).
+  bool peer_closed = false;
   uint64_t reserved = 0;        // bytes of counters_.buffered_bytes this connection holds
   uint64_t reply_reserved = 0;  // of which for the reply
   // Waiting for memory (guarded by mu_): queued with `want` bytes; a woken
@@ -313,7 +316,7 @@ void DataServer::SetDeadline(Conn* conn, Deadline kind, int timeout_ms) {
 
 void DataServer::Arm(Conn* conn, uint32_t events) {
   struct epoll_event ev = {};
-  ev.events = events | EPOLLRDHUP | EPOLLONESHOT;
+  ev.events = events | (conn->peer_closed ? 0u : uint32_t{EPOLLRDHUP}) | EPOLLONESHOT;
   ev.data.ptr = conn;
   epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, conn->fd, &ev);
 }
@@ -323,6 +326,7 @@ void DataServer::Serve(Conn* conn, uint32_t events) {
     Close(conn);
     return;
   }
+  if (events & EPOLLRDHUP) conn->peer_closed = true;
   if (conn->out_sent < conn->out_bytes) {  // a reply waits for the socket
     if (!Flush(conn)) {
       Close(conn);

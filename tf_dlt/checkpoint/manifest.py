@@ -13,6 +13,7 @@ import os
 import posixpath
 import re
 import secrets
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -210,16 +211,39 @@ def _remove_superseded(
             fs.rm(f"{root}/{name}")
 
 
+# The largest MANIFEST.json a load reads (a million-file checkpoint's is
+# far below it).
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+def _read_manifest_bytes(fs: fsspec.AbstractFileSystem, target: str) -> bytes:
+    """MANIFEST.json's bytes: on a local disk a regular file only, never
+    through a link (nor a FIFO or a device); at most MAX_MANIFEST_BYTES."""
+    if is_local(fs):
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise errors.FailedPreconditionError(f"{target} is not a regular file")
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    else:
+        with fs.open(target, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise errors.FailedPreconditionError(f"{target} is larger than {MAX_MANIFEST_BYTES} bytes")
+    return bytes(data)
+
+
 def read_manifest(path: str) -> dict[str, Any]:
     """Reads and checks MANIFEST.json; NOT_FOUND when `path` holds none."""
     fs, root = filesystem(path)
     try:
-        with fs.open(f"{root}/{MANIFEST}", "rb") as f:
-            manifest: dict[str, Any] = json.loads(f.read())
+        manifest: dict[str, Any] = json.loads(_read_manifest_bytes(fs, f"{root}/{MANIFEST}"))
     except FileNotFoundError:
         raise errors.NotFoundError(
             f"no committed checkpoint at {path!r}: {MANIFEST} is missing"
         ) from None
+    except OSError as e:  # a link (ELOOP), a name too long, no permission
+        raise errors.error_for_errno(e, f"cannot read {path}/{MANIFEST}") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise errors.FailedPreconditionError(f"{path}/{MANIFEST} is not valid JSON: {e}") from e
     if not isinstance(manifest, dict):

@@ -13,6 +13,8 @@ import collections
 import contextlib
 import hashlib
 import io
+import os
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ import h5py
 import numpy as np
 
 from tf_dlt import errors
+from tf_dlt.checkpoint.manifest import is_local
 
 _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
@@ -64,13 +67,54 @@ def file_digests(f: IO[bytes]) -> tuple[str, list[str]]:
 
 def _check_block(where: str, k: int, offset: int, data: bytes, digest: str) -> None:
     """Refuses block `k` of a file (at `offset`) unless its SHA-256 is the
-    manifest's `digest`."""
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != digest:
+    manifest's `digest`. The message never carries the digest of what was
+    read: with a manifest choosing the block size, that would reveal a
+    file's bytes one load at a time."""
+    if hashlib.sha256(data).hexdigest() != digest:
         raise errors.FailedPreconditionError(
-            f"checkpoint file {where} is corrupt: SHA-256 of block {k} ({offset} bytes in) is "
-            f"{actual}, the manifest says {digest}"
+            f"checkpoint file {where} is corrupt: SHA-256 of block {k} ({offset} bytes in) "
+            "differs from the manifest's"
         )
+
+
+def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str, Any]) -> IO[bytes]:
+    """Opens shard file `target` (of manifest entry `entry`) to read. On a
+    local disk only a regular file of the manifest's size is opened, and
+    never through a link: a link planted among the files (to a file outside
+    the checkpoint roots, say), a FIFO or a device is refused before a byte
+    is read."""
+    missing = errors.FailedPreconditionError(
+        f"checkpoint file {target} named in the manifest is missing"
+    )
+    if not is_local(fs):
+        try:
+            return fs.open(target, "rb")  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            raise missing from None
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(target, flags)
+    except FileNotFoundError:
+        raise missing from None
+    except OSError as e:  # ELOOP: a link
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} is not a regular file (a link?); not read ({e.strerror})"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise errors.FailedPreconditionError(
+                f"checkpoint file {target} is not a regular file; not read"
+            )
+        if info.st_size != int(entry["bytes"]):
+            raise errors.FailedPreconditionError(
+                f"checkpoint file {target} holds {info.st_size} bytes, the manifest says "
+                f"{entry['bytes']}"
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def fetch_verified(
@@ -86,20 +130,15 @@ def fetch_verified(
             _copy_whole(fs, target, entry, out)
         return local
     block = int(entry["block_bytes"])
-    try:
-        with fs.open(target, "rb") as f, open(local, "wb") as out:
-            for k, digest in enumerate(entry["block_sha256"]):
-                data = f.read(block)
-                _check_block(target, k, k * block, data, digest)
-                out.write(data)
-            if f.read(1):
-                raise errors.FailedPreconditionError(
-                    f"checkpoint file {target} is longer than the manifest says"
-                )
-    except FileNotFoundError:
-        raise errors.FailedPreconditionError(
-            f"checkpoint file {target} named in the manifest is missing"
-        ) from None
+    with open_shard_file(fs, target, entry) as f, open(local, "wb") as out:
+        for k, digest in enumerate(entry["block_sha256"]):
+            data = f.read(block)
+            _check_block(target, k, k * block, data, digest)
+            out.write(data)
+        if f.read(1):
+            raise errors.FailedPreconditionError(
+                f"checkpoint file {target} is longer than the manifest says"
+            )
     return local
 
 
@@ -107,21 +146,23 @@ def _copy_whole(
     fs: fsspec.AbstractFileSystem, target: str, entry: dict[str, Any], out: IO[bytes]
 ) -> None:
     """Copies a file of an earlier version (one whole-file SHA-256) into
-    `out`, hashing it on the way; refuses it unless it matches."""
+    `out`, hashing it on the way; refuses it unless it matches. Reads at
+    most the manifest's size (and a byte to see the file is no longer)."""
     digest = hashlib.sha256()
-    try:
-        with fs.open(target, "rb") as f:
-            while block := f.read(_HASH_BLOCK):
-                digest.update(block)
-                out.write(block)
-    except FileNotFoundError:
-        raise errors.FailedPreconditionError(
-            f"checkpoint file {target} named in the manifest is missing"
-        ) from None
+    left = int(entry["bytes"])
+    with open_shard_file(fs, target, entry) as f:
+        while left > 0 and (block := f.read(min(_HASH_BLOCK, left))):
+            digest.update(block)
+            out.write(block)
+            left -= len(block)
+        if left or f.read(1):
+            raise errors.FailedPreconditionError(
+                f"checkpoint file {target} differs in size from the manifest's {entry['bytes']} "
+                "bytes"
+            )
     if digest.hexdigest() != entry["sha256"]:
         raise errors.FailedPreconditionError(
-            f"checkpoint file {target} is corrupt: SHA-256 {digest.hexdigest()} != manifest "
-            f"{entry['sha256']}"
+            f"checkpoint file {target} is corrupt: its SHA-256 differs from the manifest's"
         )
 
 
@@ -301,12 +342,7 @@ def open_verified(
     `lean`: keep few verified blocks (a shard with a memory budget)."""
     target = f"{root}/{entry['file']}"
     if "block_sha256" in entry:
-        try:
-            f = fs.open(target, "rb")
-        except FileNotFoundError:
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} named in the manifest is missing"
-            ) from None
+        f = open_shard_file(fs, target, entry)
         with f, VerifiedBlocks(f, entry, target, lean=lean) as blocks:
             try:
                 with h5py.File(blocks, "r") as h5:
