@@ -463,3 +463,45 @@ def test_a_removal_log_overflowing_during_a_delta_save_writes_the_table_whole(
     staged = shard_files.prepare_load(c2, _native.Shard(0, 1))["staged"]
     assert [t.size() for t in staged] == [table.size()] == [41_000]
     np.testing.assert_array_equal(staged[0].pull(ids[::97]), table.pull(ids[::97]))
+
+
+def test_prune_reads_each_checkpoints_own_layout(tmp_path: Path) -> None:
+    """A directory holding a table checkpoint (oldest) and model
+    checkpoints (tables in tables/): prune keeps the newest by their own
+    layout, deleting the old one, instead of guessing from the oldest."""
+    import argparse
+
+    from tf_dlt.tools import checkpoints
+
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig.create("t", 4).to_dict())
+    shard.get_table("t").pull(np.arange(100, dtype=np.int64))
+    run = tmp_path / "run"
+    for path in (run / "c1", run / "m2" / "tables", run / "m3" / "tables"):
+        save_id = manifest.new_save_id()
+        manifest.write_manifest(
+            str(path), [shard_files.save_shard(str(path), shard, save_id)], save_id
+        )
+    assert checkpoints.run(argparse.Namespace(verb="prune", directory=str(run), keep=2)) == 0
+    assert sorted(os.listdir(run)) == ["m2", "m3"]
+
+
+def test_a_save_syncs_the_directory_after_its_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard file's and the manifest's renames are made durable: the
+    checkpoint directory itself is synced after each."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig.create("t", 4).to_dict())
+    path = tmp_path / "ck"
+    save_id = manifest.new_save_id()
+    manifest.write_manifest(str(path), [shard_files.save_shard(str(path), shard, save_id)], save_id)
+    assert synced.count(str(path)) == 2  # after the shard file's rename, after the manifest's

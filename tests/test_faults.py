@@ -92,13 +92,18 @@ def test_training_recovers_from_a_killed_shard(
     try:
         history = tf_dlt.resilient_fit(
             model, x, y, checkpoint=str(tmp_path / "ck"), epochs=4, batch_size=16, verbose=0,
-            callbacks=[Crash()],
+            callbacks=[Crash()], keep=3,
         )  # fmt: skip
     finally:
         for timer in restarts:  # no restart may outlive the test's cluster
             timer.join(30)
     assert history.restarts == 1
-    assert len(history.history["loss"]) == 2  # epochs 3 and 4, after resuming from epoch 2
+    # Every epoch's logs: 1 and 2 from the first fit, 3 and 4 after resuming.
+    assert history.epoch == [0, 1, 2, 3]
+    assert len(history.history["loss"]) == 4
+    assert all(np.isfinite(history.history["loss"]))
+    # keep=3: the newest three checkpoints (epoch-0 and epoch-1 deleted).
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch-2", "epoch-3", "epoch-4"]
     # Resumed from the epoch-2 checkpoint: every row of it is back, on both shards.
     staged = tf_dlt._native.Shard(0, 1)
     from tf_dlt.checkpoint import shard_files
@@ -186,7 +191,7 @@ def test_training_with_pull_ahead_recovers_from_a_killed_shard(
             timer.join(30)
     print(f"\nrecovered in {time.monotonic() - start:.1f} s with pull ahead")
     assert history.restarts == 1
-    assert len(history.history["loss"]) == 2  # epochs 2 and 3, resumed from epoch 1
+    assert len(history.history["loss"]) == 3  # epoch 1, then 2 and 3 resumed from epoch 1
     assert np.isfinite(history.history["loss"]).all()
     # Every step of the resumed fit took its pull ahead: 16 per epoch.
     assert len(used) == 3 and used[2] - used[1] == 2 * 16

@@ -25,6 +25,10 @@ def tables_path(path: str, tables_dir: str | None = None) -> str:
     return f"{path.rstrip('/')}/{tables_dir}" if tables_dir else path
 
 
+def _tables_of(path: str, tables_dir: str | None, tables: dict[str, str] | None) -> str:
+    return tables[path] if tables is not None and path in tables else tables_path(path, tables_dir)
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint found in a directory."""
@@ -56,30 +60,40 @@ def find(directory: str) -> list[Checkpoint]:
     return sorted(found, key=lambda c: str(c.manifest["save_id"]))
 
 
-def needed(paths: list[str], tables_dir: str | None = None) -> set[str]:
+def needed(
+    paths: list[str], tables_dir: str | None = None, tables: dict[str, str] | None = None
+) -> set[str]:
     """The table checkpoints (in `_key` form) that loading any of `paths`
     reads: each one's chain."""
     out: set[str] = set()
     for path in paths:
-        for link in manifest_lib.resolve_chain(tables_path(path, tables_dir)):
+        for link in manifest_lib.resolve_chain(_tables_of(path, tables_dir, tables)):
             out.add(_key(link.path))
     return out
 
 
-def retain(paths: list[str], keep: int, tables_dir: str | None = None) -> list[str]:
+def retain(
+    paths: list[str],
+    keep: int,
+    tables_dir: str | None = None,
+    tables: dict[str, str] | None = None,
+) -> list[str]:
     """Deletes the checkpoints of `paths` (oldest first) except the newest
     `keep` and every checkpoint their chains need; returns those deleted. A
-    checkpoint whose chain cannot be read is kept, and so is all before it."""
+    checkpoint whose chain cannot be read is kept, and so is all before it.
+    Each path's table checkpoint is `tables[path]` where given (a directory
+    mixing model and table checkpoints), else `tables_path(path,
+    tables_dir)`."""
     if keep < 1:
         raise errors.InvalidArgumentError(f"keep must be >= 1, got {keep}")
     kept = paths[-keep:]
     try:
-        need = needed(kept, tables_dir)
+        need = needed(kept, tables_dir, tables)
     except errors.DltError:
         return []  # a broken chain: never guess what it needs
     deleted = []
     for path in paths[:-keep]:
-        if _key(tables_path(path, tables_dir)) in need:
+        if _key(_tables_of(path, tables_dir, tables)) in need:
             continue
         fs, root = manifest_lib.filesystem(path)
         fs.rm(root, recursive=True)

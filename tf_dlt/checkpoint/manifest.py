@@ -47,6 +47,18 @@ def exclusive_temp(target: str) -> tuple[int, str]:
     return tempfile.mkstemp(prefix=f"{name}.tmp-", dir=directory or ".")
 
 
+def sync_directory(directory: str) -> None:
+    """Makes a rename into local `directory` durable (a crash after it
+    cannot lose the new name on filesystems that need the directory
+    synced); a filesystem that cannot sync a directory is left as it is."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def new_save_id() -> str:
     """A save id: sorts by time (UTC, to the microsecond), unique by its
     random tail."""
@@ -186,6 +198,7 @@ def write_manifest(
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, f"{root}/{MANIFEST}")
+            sync_directory(root)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)

@@ -26,6 +26,7 @@ from tf_dlt.checkpoint.manifest import (
     filesystem,
     is_local,
     shard_file_name,
+    sync_directory,
 )
 from tf_dlt.checkpoint.shard_format import (
     Chunk,
@@ -250,6 +251,7 @@ def save_tables(
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
+            sync_directory(root)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)

@@ -85,11 +85,31 @@ def _create_tables(model: keras.Model, pservers: Sequence[str], token: str) -> N
             client.create_table_from_config(holder.table_config)
 
 
+class _EpochLogs(keras.callbacks.Callback):  # type: ignore[misc]
+    """Every epoch's logs over all of resilient_fit's fits: an epoch run
+    again after a recovery replaces what its first run logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logs: dict[int, dict[str, Any]] = {}
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.logs[epoch] = dict(logs or {})
+
+    def into(self, history: keras.callbacks.History) -> keras.callbacks.History:
+        """`history` (the last fit's) holding every epoch's logs."""
+        history.epoch = sorted(self.logs)
+        keys = sorted({k for logs in self.logs.values() for k in logs})
+        history.history = {k: [self.logs[e].get(k) for e in history.epoch] for k in keys}
+        return history
+
+
 def resilient_fit(
     model: keras.Model,
     *args: Any,
     checkpoint: str,
     every_n_epochs: int = 1,
+    keep: int | None = None,
     max_restarts: int = 3,
     wait_timeout: float = 600.0,
     callbacks: list[keras.callbacks.Callback] | None = None,
@@ -98,13 +118,17 @@ def resilient_fit(
     """`model.fit(*args, **kwargs)` with a `tf_dlt.ModelCheckpoint` writing
     to ``checkpoint`` + "/epoch-{epoch}" every `every_n_epochs` epochs, and
     recovery from lost shards as the module docstring describes. The model's
-    tables must be on shard servers. Returns the History of the last fit;
-    its `restarts` attribute counts the recoveries."""
+    tables must be on shard servers. `keep`: after each save, delete the
+    checkpoints this run wrote except the newest `keep` (None: keep all).
+    Returns the last fit's History holding every epoch's logs (an epoch run
+    again after a recovery: its last run's); its `restarts` attribute counts
+    the recoveries."""
     layers = distributed_layers(model)
     pservers, token = cluster_of(layers)
     if not pservers:
         raise ValueError("resilient_fit recovers shard servers: transpile the model onto them")
-    saver = ModelCheckpoint(checkpoint.rstrip("/") + "/epoch-{epoch}", every_n_epochs)
+    saver = ModelCheckpoint(checkpoint.rstrip("/") + "/epoch-{epoch}", every_n_epochs, keep=keep)
+    epoch_logs = _EpochLogs()
     epochs = int(kwargs.pop("epochs", 1))
     initial_epoch = int(kwargs.pop("initial_epoch", 0))
     restarts = 0
@@ -117,8 +141,9 @@ def resilient_fit(
                 saver.epochs.append(initial_epoch)
             history = model.fit(
                 *args, epochs=epochs, initial_epoch=initial_epoch,
-                callbacks=[*(callbacks or []), saver], **kwargs,
+                callbacks=[*(callbacks or []), epoch_logs, saver], **kwargs,
             )  # fmt: skip
+            history = epoch_logs.into(history)
             history.restarts = restarts
             return history
         except SHARD_LOST as e:

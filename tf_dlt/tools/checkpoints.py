@@ -94,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
         if args.verb == "prune":
             found = chain.find(args.directory)
             found = [c for c in found if c.path != args.directory]
-            tables_dir = "tables" if found and found[0].tables != found[0].path else None
-            deleted = chain.retain([c.path for c in found], args.keep, tables_dir)
+            # Each checkpoint's own layout (a directory may mix model and
+            # table checkpoints).
+            tables = {c.path: c.tables for c in found}
+            deleted = chain.retain([c.path for c in found], args.keep, tables=tables)
             for path in deleted:
                 print(f"deleted {path}")
             print(f"kept {len(found) - len(deleted)} checkpoint(s)")
