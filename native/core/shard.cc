@@ -128,6 +128,20 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
     return InvalidArgument("a storage dir needs a memory budget: rows move to disk past it");
   }
   if (!Tables().empty()) return FailedPrecondition("set the memory budget before tables exist");
+  if (budget_bytes != 0) {
+    malloc_trim(0);  // what the process holds, not what it freed
+    const uint64_t held = ResidentBytes();
+    const uint64_t least =
+        static_cast<uint64_t>((held + kPersistReserve + kMinRowRoom) / kTargetFraction);
+    if (budget_bytes < least) {
+      const auto mib = [](uint64_t b) { return std::to_string((b + (1 << 20) - 1) >> 20); };
+      return InvalidArgument("a memory budget of " + mib(budget_bytes) +
+                             " MiB is below the smallest this shard can honour, " + mib(least) +
+                             " MiB: the process holds " + mib(held) +
+                             " MiB before any table, a save or load buffers up to " +
+                             mib(kPersistReserve) + " MiB, and the rows need room");
+    }
+  }
   if (!storage_dir.empty()) {
     namespace fs = std::filesystem;
     std::error_code error;
@@ -155,20 +169,7 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
     }
     tier_root_ = root;
   }
-  if (budget_bytes != 0) {
-    const uint64_t held = ResidentBytes();
-    const uint64_t least =
-        static_cast<uint64_t>((held + kPersistReserve + kMinRowRoom) / kTargetFraction);
-    if (budget_bytes < least) {
-      const auto mib = [](uint64_t b) { return std::to_string((b + (1 << 20) - 1) >> 20); };
-      return InvalidArgument("a memory budget of " + mib(budget_bytes) +
-                             " MiB is below the smallest this shard can honour, " + mib(least) +
-                             " MiB: the process holds " + mib(held) +
-                             " MiB before any table, a save or load buffers up to " +
-                             mib(kPersistReserve) + " MiB, and the rows need room");
-    }
-    mallopt(M_MMAP_THRESHOLD, kMmapThreshold);
-  }
+  if (budget_bytes != 0) mallopt(M_MMAP_THRESHOLD, kMmapThreshold);
   budget_ = budget_bytes;
   if (budget_ == 0) return OkStatus();
   keeper_ = std::thread([this, interval_ms] {

@@ -32,6 +32,13 @@ TableConfig PolicyTable(uint32_t dim) {
   return c;
 }
 
+// The ids removed from `t` since generation `since` (the log complete).
+std::vector<int64_t> Removed(const Table& t, uint32_t since) {
+  std::vector<int64_t> ids;
+  EXPECT_OK(t.RemovedSince(since, &ids));
+  return ids;
+}
+
 // Every row of `t` as id -> (values, step).
 std::map<int64_t, std::pair<std::vector<float>, uint32_t>> Contents(Table* t) {
   std::map<int64_t, std::pair<std::vector<float>, uint32_t>> out;
@@ -362,7 +369,7 @@ DLT_TEST(TestDeltaExportsOnlyRowsChangedSinceItsBase) {
   want.insert(want.end(), created.begin(), created.end());
   std::sort(want.begin(), want.end());
   EXPECT(Exported(&t, &second) == want);
-  std::vector<int64_t> gone = t.RemovedSince(second.since);
+  std::vector<int64_t> gone = Removed(t, second.since);
   std::sort(gone.begin(), gone.end());
   std::vector<int64_t> want_gone(removed.begin(), removed.begin() + 3);
   std::sort(want_gone.begin(), want_gone.end());
@@ -371,16 +378,34 @@ DLT_TEST(TestDeltaExportsOnlyRowsChangedSinceItsBase) {
   EXPECT_OK(t.Push(ids.data() + 900, grads.data(), 1, 0.1f));
   SaveStart third = t.BeginSave("s3", "s2");
   EXPECT(third.tracked && Exported(&t, &third) == std::vector<int64_t>{ids[900]});
-  EXPECT(t.RemovedSince(third.since).empty());
+  EXPECT(Removed(t, third.since).empty());
   // A failed save (s3 never committed): the next one on s2 still sees both.
   SaveStart fourth = t.BeginSave("s4", "s2");
   EXPECT(fourth.tracked && Exported(&t, &fourth) == std::vector<int64_t>{ids[900]});
-  EXPECT(t.RemovedSince(fourth.since).empty());
+  EXPECT(Removed(t, fourth.since).empty());
   // An unknown base exports everything.
   EXPECT(!t.BeginSave("s5", "nope").tracked);
   // Only the last kTrackedSaves saves are tracked.
   for (int k = 0; k < 4; ++k) t.BeginSave("x" + std::to_string(k), "");
   EXPECT(!t.BeginSave("s6", "s2").tracked);
+}
+
+DLT_TEST(TestAnOverflowedRemovalLogIsRefusedNotPartial) {
+  Table t(PolicyTable(2));
+  std::vector<int64_t> ids(400000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  std::vector<float> values(ids.size() * 2, 1.0f);
+  EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, nullptr, ids.size()));
+  t.BeginSave("s1", "");
+  const SaveStart start = t.BeginSave("s2", "s1");
+  EXPECT(start.tracked);
+  // Mid-save: more removals than a stripe's log holds.
+  EXPECT(t.Erase(ids.data(), 360000) == 360000);
+  std::vector<int64_t> gone;
+  const Status s = t.RemovedSince(start.since, &gone);
+  EXPECT(s.code() == Code::kFailedPrecondition &&
+         s.message().find("written whole") != std::string::npos);
+  EXPECT(!t.BeginSave("s3", "s2").tracked);  // the next save is whole
 }
 
 DLT_TEST(TestLoadedTableTracksFromItsCheckpoint) {
@@ -395,7 +420,7 @@ DLT_TEST(TestLoadedTableTracksFromItsCheckpoint) {
   EXPECT(t.EraseBuckets(0, kNumBuckets, keep.data(), keep.size()) == 2 && t.size() == 2);
   EXPECT(Exported(&t, nullptr) == (std::vector<int64_t>{2, 3}));
   EXPECT(t.EraseBuckets(0, kNumBuckets) == 2 && t.size() == 0);
-  EXPECT(t.RemovedSince(start.since).size() == 4);
+  EXPECT(Removed(t, start.since).size() == 4);
 }
 
 DLT_TEST(TestRemovalLogIsBoundedAndOverflowMeansAFullSave) {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "native/core/dedup.h"
+#include "native/core/finite.h"
 #include "native/core/initializer.h"
 #include "native/core/routing.h"
 #include "native/core/shard.h"
@@ -463,6 +464,30 @@ DLT_TEST(TestImportRejectsNonFiniteRows) {
   slots[0] = 0.5f;
   EXPECT_OK(t.Import(ids.data(), values.data(), slots.data(), steps.data(), 2));
   EXPECT(t.size() == 2);
+}
+
+DLT_TEST(TestAPushThatWouldOverflowAChangesNothingInItsStripe) {
+  Table t(Config("t", 2, OptimizerKind::kAdagrad));
+  std::vector<int64_t> ids(1000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  std::vector<float> before(ids.size() * 2), after(ids.size() * 2);
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, before.data()));
+  // Too large for any optimizer's state: refused before anything.
+  std::vector<float> grads(ids.size() * 2, 1.0f);
+  grads[7] = 1e20f;
+  Status s = t.Push(ids.data(), grads.data(), ids.size(), 0.1f);
+  EXPECT(s.code() == Code::kInvalidArgument && s.message().find("id 3") != std::string::npos);
+  // Each gradient in range, their sum over one id repeated not.
+  const std::vector<int64_t> same(400, 5);
+  const std::vector<float> big(400 * 2, 1e18f);
+  s = t.Push(same.data(), big.data(), same.size(), 0.1f);
+  EXPECT(s.code() == Code::kInvalidArgument &&
+         s.message().find("id 5 would make its row non-finite") != std::string::npos);
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInitNoInsert, after.data()));
+  EXPECT(before == after);
+  EXPECT(CheckGradients(ids.data(), grads.data(), 1, 2, 1e37f, "", "").code() ==
+         Code::kInvalidArgument);  // 1 x 1e37 past kMaxStep
+  EXPECT_OK(CheckGradients(ids.data(), grads.data(), 1, 2, 0.1f, "", ""));
 }
 
 DLT_TEST(TestTableConfigEncodingRoundTrips) {
