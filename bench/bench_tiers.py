@@ -12,8 +12,9 @@ against the same table all in RAM, measured in the same run:
 Every shard loads the same checkpoint (written once from an embedded
 table), so each starts with the same rows: the tiered ones fill RAM to the
 budget and put the rest on disk. The tables' RAM bytes are measured on the
-all-RAM shard; a budget fraction f gives the shard f x those bytes plus
-what the idle process holds.
+all-RAM shard; a budget fraction f gives the shard's rows f x those bytes:
+the budget is that, what the idle process holds and the reserve a shard
+keeps for a save's or load's buffers, over the keeper's 90%.
 
 Usage: python bench/bench_tiers.py [--rows N] [--dim D] [--fractions 0.1,0.25]
        [--seconds S] [--skew 1.05] [--storage-dir DIR]
@@ -149,7 +150,8 @@ def main() -> None:
         storage = Path(args.storage_dir) if args.storage_dir else work / "ssd"
         results = []
         for fraction in [float(f) for f in args.fractions.split(",")]:
-            budget = idle_rss + int(fraction * table_ram)
+            rows_room = max(fraction * table_ram, _native.MIN_ROW_ROOM_BYTES)
+            budget = int((idle_rss + _native.PERSIST_RESERVE_BYTES + rows_room) / 0.9) + (1 << 20)
             share = f"{fraction:g} of the table's {table_ram / 2**20:.0f} MiB"
             log(f"budget {budget / 2**20:.0f} MiB: {share}")
             got = run_shard(checkpoint, budget, storage, sets, args.dim, args.seconds)

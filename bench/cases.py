@@ -46,7 +46,7 @@ CASES = (
     Case("bench_memory", "memory policy costs: 16-bit bytes, admission, sweeps",
          quick=("--cases", "admission,sweep", "--sweep-rows", "20000")),
     Case("bench_tiers", "a table 10x the memory budget on the disk tier",
-         quick=("--rows", "50000", "--fractions", "0.5", "--seconds", "1")),
+         quick=("--rows", "400000", "--fractions", "0.25", "--seconds", "1")),
     Case("bench_peers", "side by side with TFRA (a TF 2.16 environment of its own)",
          quick=("--without-tfra", "--keys", "20000", "--reps", "1")),
 )  # fmt: skip

@@ -15,6 +15,7 @@ OPTIMIZER_SLOTS: dict[str, int]
 DTYPE_BYTES: dict[str, int]
 RECORD_HEADER_BYTES: int
 PERSIST_RESERVE_BYTES: int
+MIN_ROW_ROOM_BYTES: int
 GENERATION_BYTES: int
 
 def bucket_of(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]: ...

@@ -42,6 +42,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DTYPE_BYTES") = dtype_bytes;
   m.attr("RECORD_HEADER_BYTES") = Table::kRecordHeaderBytes;
   m.attr("PERSIST_RESERVE_BYTES") = dlt::Shard::kPersistReserve;
+  m.attr("MIN_ROW_ROOM_BYTES") = dlt::Shard::kMinRowRoom;
   m.attr("GENERATION_BYTES") = Table::kGenerationBytes;
   m.def("record_bytes", [](const py::dict& d) {
     const TableConfig c = ConfigFromDict(d);
