@@ -318,11 +318,11 @@ class Client:
         """
         manifest.resolve_chain(path)  # fail fast, before any shard starts
         load_id = secrets.token_hex(8)
-        self._prepare_load(path, load_id, progress, sorted(tables or ()))
+        self._prepare_load(path, load_id, progress, tables)
         return self._commit_load(path, load_id)
 
     def _prepare_load(
-        self, path: str, load_id: str, progress: bool | None, tables: list[str]
+        self, path: str, load_id: str, progress: bool | None, tables: list[str] | None = None
     ) -> None:
         from tf_dlt.proto import dlt_pb2
 
@@ -330,7 +330,9 @@ class Client:
         with Progress(f"loading {path}", len(self.pservers), "shards", enabled=progress) as bar:
             results = self._call_all(
                 "Load",
-                request(path=path, phase=request.PREPARE, load_id=load_id, tables=tables),
+                request(
+                    path=path, phase=request.PREPARE, load_id=load_id, tables=sorted(tables or ())
+                ),
                 self._persist_timeout,
                 bar,
             )
