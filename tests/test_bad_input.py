@@ -339,9 +339,38 @@ def test_a_push_whose_result_overflows_changes_nothing(one: Cluster, tmp_path: P
     _still_serves(one)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl"])
+def test_each_optimizer_leaves_a_row_it_would_overflow_as_it_was(optimizer: str) -> None:
+    """The shard's own check, fused into each optimizer's update: one id
+    pushed 4,000 times at 1e18 (each gradient in range, their sum not) is
+    refused naming it and keeps its values and slots; the push's other row
+    is applied."""
+    table = _native.Table(TableConfig.create("t", 4, "uniform", optimizer).to_dict())
+    ids = np.array([1] + [5] * 4000, np.int64)
+    grads = np.full((len(ids), 4), 1e18, np.float32)
+    grads[0] = 1.0
+    lr = 1e17 if optimizer == "sgd" else 0.1  # SGD: lr x sum(g) past float32
+    table.pull(np.array([1, 5], np.int64))
+
+    def state() -> dict[int, tuple[bytes, bytes, int]]:  # id -> (values, slots, step)
+        ids, values, slots, steps, _, _ = table.exporter().next(16)
+        assert np.isfinite(values).all() and np.isfinite(slots).all()
+        return {
+            int(i): (v.tobytes(), s.tobytes(), int(t))
+            for i, v, s, t in zip(ids, values, slots, steps, strict=True)
+        }
+
+    before = state()
+    with pytest.raises(errors.InvalidArgumentError, match="id 5 would make its row non-finite"):
+        table.push(ids, grads, lr)
+    after = state()
+    assert after[5] == before[5]
+    assert after[1] != before[1]
+
+
 def test_the_table_refuses_an_update_that_overflows_its_row() -> None:
-    """The shard's own check, without the client's: the stripe holding the
-    row keeps every row as it was."""
+    """The shard's own check, without the client's: the row keeps its
+    values."""
     table = _native.Table(TableConfig.create("t", 4, "uniform", "adagrad").to_dict())
     ids = np.arange(1000, dtype=np.int64)
     before = table.pull(ids)

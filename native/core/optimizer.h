@@ -15,8 +15,9 @@ namespace dlt {
 // `lr`, and counts the update in `step` (saturating at UINT32_MAX): Adam's
 // t, the row's update frequency for every optimizer. `grad_squares`: the sum
 // of each occurrence's squared gradient (null when the id occurred once, so
-// it is grad^2); only Keras Adagrad uses it.
-void ApplyRow(const OptimizerConfig& config, uint32_t dim, float lr, const float* grad,
+// it is grad^2); only Keras Adagrad uses it. Returns false when a value or
+// slot it wrote is NaN or infinite (the caller restores the row).
+bool ApplyRow(const OptimizerConfig& config, uint32_t dim, float lr, const float* grad,
               const float* grad_squares, float* values, float* slots, uint32_t* step);
 
 }  // namespace dlt

@@ -321,8 +321,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   struct Scratch {  // as in Pull: one thread_local, bound once
     std::vector<uint64_t> hashes, counted;
     std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
-    std::vector<float> summed, squares, results;
-    std::vector<uint32_t> steps;
+    std::vector<float> summed, squares, row;
   };
   thread_local Scratch tls;
   Scratch& scratch = tls;
@@ -337,9 +336,11 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   auto& kept = scratch.kept;
   auto& summed = scratch.summed;
   auto& squares = scratch.squares;
-  auto& results = scratch.results;
-  auto& steps = scratch.steps;
+  auto& row = scratch.row;
   const size_t row_floats = size_t{dim} + slot_floats_;
+  // The first id whose update would overflow (its row is left as it was).
+  constexpr int64_t kNoOverflow = INT64_MIN;
+  int64_t overflowed = kNoOverflow;
   const bool keep_squares = config_.optimizer.kind == OptimizerKind::kKerasAdagrad;
   const bool frequency = sketch_ != nullptr;
   const bool stochastic =
@@ -417,12 +418,12 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         for (uint32_t j = 0; j < dim; ++j) sq[j] += g[j] * g[j];
       }
     }
-    // Every row's update is computed before any is written, and checked:
-    // one that would leave a non-finite value (optimizer state grown too
-    // large for the gradient) leaves every row of the stripe as it was.
-    results.resize(firsts.size() * row_floats);
-    steps.resize(firsts.size());
+    // Each row's update is computed into scratch and checked before it is
+    // written: one that would leave a non-finite value (optimizer state
+    // grown too large for the gradient) leaves that row as it was.
+    const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
     const size_t touched_bytes = record_bytes_;
+    row.resize(row_floats);
     for (size_t u = 0; u < firsts.size(); ++u) {
       if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
         const uint32_t ahead = firsts[u + kApplyAhead];
@@ -435,43 +436,37 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
       const uint32_t k = firsts[u];
       const float* g = duplicates ? summed.data() + u * dim : grads + size_t{kept[k]} * dim;
-      const char* r = stripe.Record(recs[k], record_bytes_);
-      float* row = results.data() + u * row_floats;
-      if (wide_) {
-        std::memcpy(row, r + sizeof(RowHeader), sizeof(float) * row_floats);
-      } else {
-        ReadValues(r, row);
-        ReadSlots(r, row + dim);
-      }
-      steps[u] = reinterpret_cast<const RowHeader*>(r)->step;
-      const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
-      ApplyRow(config_.optimizer, dim, lr, g, sq, row, row + dim, &steps[u]);
-    }
-    const size_t bad = FirstNonFinite(results.data(), results.size());
-    if (bad < results.size()) {
-      return InvalidArgument(
-          "push to table '" + config_.name + "': the update of id " +
-          std::to_string(ids[kept[firsts[bad / row_floats]]]) +
-          " would make its row non-finite (its optimizer state cannot take this gradient); it "
-          "and the " +
-          std::to_string(firsts.size() - 1) + " other rows of its stripe were left unchanged");
-    }
-    const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
-    for (size_t u = 0; u < firsts.size(); ++u) {
-      const uint32_t k = firsts[u];
       char* r = stripe.Record(recs[k], record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
-      header->touched = now;
-      header->step = steps[u];
-      stripe.Generation(recs[k]) = generation;
-      const float* row = results.data() + u * row_floats;
+      // float32 rows are updated in place, their old values kept aside;
+      // 16-bit rows are widened into scratch and stored back.
+      float* v = wide_ ? reinterpret_cast<float*>(r + sizeof(RowHeader)) : row.data();
       if (wide_) {
-        std::memcpy(r + sizeof(RowHeader), row, sizeof(float) * row_floats);
+        std::memcpy(row.data(), v, sizeof(float) * row_floats);
       } else {
-        WriteRow(r, ids[kept[k]], steps[u], row, row + dim, stochastic);
+        ReadValues(r, v);
+        ReadSlots(r, v + dim);
       }
+      uint32_t step = header->step;
+      const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
+      if (!ApplyRow(config_.optimizer, dim, lr, g, sq, v, v + dim, &step)) {
+        if (wide_) std::memcpy(v, row.data(), sizeof(float) * row_floats);
+        if (overflowed == kNoOverflow) overflowed = ids[kept[k]];
+        continue;
+      }
+      header->touched = now;
+      header->step = step;
+      stripe.Generation(recs[k]) = generation;
+      if (!wide_) WriteRow(r, ids[kept[k]], step, v, v + dim, stochastic);
     }
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
+  }
+  if (overflowed != kNoOverflow) {
+    return InvalidArgument("push to table '" + config_.name + "': the update of id " +
+                           std::to_string(overflowed) +
+                           " would make its row non-finite (its optimizer state cannot take this "
+                           "gradient); that row was left as it was, the push's other rows were "
+                           "applied");
   }
   return OkStatus();
 }

@@ -466,7 +466,7 @@ DLT_TEST(TestImportRejectsNonFiniteRows) {
   EXPECT(t.size() == 2);
 }
 
-DLT_TEST(TestAPushThatWouldOverflowAChangesNothingInItsStripe) {
+DLT_TEST(TestAPushThatWouldOverflowARowLeavesItAsItWas) {
   Table t(Config("t", 2, OptimizerKind::kAdagrad));
   std::vector<int64_t> ids(1000);
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
