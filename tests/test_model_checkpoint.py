@@ -205,3 +205,30 @@ def test_a_models_save_and_load_touch_only_its_own_tables(
     with cluster.client() as client:  # the whole cluster: every table
         whole = client.save(str(tmp_path / "all"))
         assert len(whole["tables"]) == 2
+
+
+def test_compact_of_a_model_checkpoint_stays_loadable(tmp_path: Path) -> None:
+    """`tf-dlt checkpoint compact` of a model checkpoint at the head of a
+    delta chain writes a model checkpoint (tables, dense weights, model
+    file) that tf_dlt.load takes, holding what the chain held."""
+    import argparse
+
+    from tf_dlt.tools import checkpoints
+
+    model = _model("ck_compact")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.save(model, str(tmp_path / "m1"))
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    assert tf_dlt.save(model, str(tmp_path / "m2"), incremental=True)["kind"] == "delta"
+    expected = model.predict(x, verbose=0)
+    args = argparse.Namespace(
+        verb="compact", source=str(tmp_path / "m2"), target=str(tmp_path / "m3"), num_shards=2
+    )
+    assert checkpoints.run(args) == 0
+    held = manifest.read_manifest(str(tmp_path / "m3" / "tables"))
+    assert held["kind"] == "full" and held["num_shards"] == 2
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+    info = tf_dlt.load(model, str(tmp_path / "m3"))
+    assert info["kind"] == "full" and "parent" not in info
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)

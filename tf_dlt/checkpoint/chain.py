@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import time
 from typing import Any
 
 from tf_dlt import _native, errors
@@ -17,6 +19,12 @@ from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import shard_files
 
 _key = manifest_lib.location_key  # a path in one normal form
+
+# A model checkpoint (`tf_dlt.save`): its tables' checkpoint, its dense
+# weights (`model.save_weights`), and, written last, what it holds.
+TABLES_DIR = "tables"
+DENSE_FILE = "dense.weights.h5"
+MODEL_FILE = "tf_dlt_model.json"
 
 
 def tables_path(path: str, tables_dir: str | None = None) -> str:
@@ -50,7 +58,7 @@ def find(directory: str) -> list[Checkpoint]:
                 candidates.append(manifest_lib.url_of(fs, str(entry["name"]).rstrip("/")))
     found = []
     for path in candidates:
-        for tables, tables_dir in ((path, None), (tables_path(path, "tables"), "tables")):
+        for tables, tables_dir in ((path, None), (tables_path(path, TABLES_DIR), TABLES_DIR)):
             try:
                 m = manifest_lib.read_manifest(tables)
             except (errors.NotFoundError, errors.FailedPreconditionError):
@@ -144,3 +152,24 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
         parts.append(shard_files.save_shard(target, shard, save_id))
         del shard, staged
     return manifest_lib.write_manifest(target, parts, save_id)
+
+
+def compact_model(source: str, target: str, num_shards: int | None = None) -> dict[str, Any]:
+    """`compact` of a model checkpoint: its tables' chain compacted into
+    `target`/tables, its dense weights copied, and its model file written
+    last (a full checkpoint, no parent), so `tf_dlt.load` takes `target`
+    as it takes `source`. Returns the tables' manifest."""
+    fs, root = manifest_lib.filesystem(source)
+    try:
+        info = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
+    except FileNotFoundError:
+        raise errors.NotFoundError(
+            f"{source!r} is not a model checkpoint: no {MODEL_FILE}"
+        ) from None
+    written = compact(tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR), num_shards)
+    target_fs, target_root = manifest_lib.filesystem(target)
+    target_fs.pipe_file(f"{target_root}/{DENSE_FILE}", fs.cat_file(f"{root}/{DENSE_FILE}"))
+    info.pop("parent", None)
+    info.update(kind="full", created_unix=time.time())
+    target_fs.pipe_file(f"{target_root}/{MODEL_FILE}", json.dumps(info, indent=2).encode())
+    return written

@@ -28,11 +28,11 @@ from tf_dlt.client import Client
 from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
 from tf_dlt.table_config import difference, normalized
 
-MODEL_FILE = "tf_dlt_model.json"
+MODEL_FILE = chain.MODEL_FILE
 # The model attribute naming the checkpoint it last saved or loaded.
 _LAST_CHECKPOINT = "_tf_dlt_last_checkpoint"
-DENSE_FILE = "dense.weights.h5"
-TABLES_DIR = "tables"
+DENSE_FILE = chain.DENSE_FILE
+TABLES_DIR = chain.TABLES_DIR
 
 
 def save(

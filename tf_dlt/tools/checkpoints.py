@@ -85,8 +85,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.verb == "compact":
             found = chain.find(args.source)
-            source = next((c.tables for c in found if c.path == args.source), args.source)
-            m = chain.compact(source, args.target, args.num_shards)
+            model = any(c.path == args.source and c.tables != c.path for c in found)
+            # A model checkpoint stays one: tables, dense weights and model file.
+            m = (chain.compact_model if model else chain.compact)(
+                args.source, args.target, args.num_shards
+            )
             rows = sum(t["rows"] for t in m["tables"])
             print(f"wrote {args.target}: full checkpoint of {rows} rows in {m['num_shards']} "
                   f"file(s), {_size(sum(f['bytes'] for f in m['files']))}")  # fmt: skip
