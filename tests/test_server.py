@@ -4,6 +4,7 @@ reflection, clean SIGTERM."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -198,3 +199,18 @@ def test_assign_sets_rows_with_fresh_slots(cluster: Cluster) -> None:
         client.assign("up", ids, bad)
     np.testing.assert_array_equal(client.pull("up", ids), before)
     client.close()
+
+
+def test_an_admin_port_in_use_is_refused_with_a_reason_not_a_traceback() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "tf_dlt.server", "--shard-index", "0", "--num-shards", "1",
+             "--port", "0", "--admin-port", str(port)],
+            capture_output=True, text=True, timeout=60, cwd="/",
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"cannot bind the admin port 127.0.0.1:{port}: in use" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -241,13 +241,20 @@ class ShardServer:
         )
         bind = f"[{self._bind}]" if ":" in self._bind else self._bind
         address = f"{bind}:{self._admin_port_requested}"
-        if self._tls is not None:
-            credentials = tls.server_credentials(*self._tls)
-            self.admin_port = server.add_secure_port(address, credentials)
-        else:
-            self.admin_port = server.add_insecure_port(address)
+        try:
+            if self._tls is not None:
+                credentials = tls.server_credentials(*self._tls)
+                self.admin_port = server.add_secure_port(address, credentials)
+            else:
+                self.admin_port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind": in use, or not an address here
+            self.admin_port = 0
         if self.admin_port == 0:
-            raise OSError(f"cannot bind the admin port {self._bind}:{self._admin_port_requested}")
+            self.data_server.stop()
+            raise OSError(
+                f"cannot bind the admin port {address}: in use by another process, or not an "
+                "address of this host (--admin-port, --bind)"
+            )
         self.data_server.set_admin_port(self.admin_port)
         self.data_server.start()
         if not self._read_only:  # a read-only shard serves its checkpoint as it is
