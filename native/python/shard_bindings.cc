@@ -55,6 +55,7 @@ void BindShard(py::module_& m) {
           py::arg("budget_bytes"), py::arg("storage_dir") = "", py::arg("interval_ms") = 20)
       .def("keep_memory", &Shard::KeepMemory, py::call_guard<py::gil_scoped_release>())
       .def("set_persisting", &Shard::SetPersisting, py::arg("persisting"))
+      .def_static("resident_bytes", &Shard::ResidentBytes)
       .def("memory_status",
            [](const Shard& s) {
              const Shard::MemoryStatus m = s.memory_status();

@@ -17,7 +17,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 
@@ -229,14 +229,28 @@ def _remove_superseded(
 MAX_MANIFEST_BYTES = 256 << 20
 
 
+def open_regular(path: str) -> tuple[IO[bytes], int]:
+    """Opens local file `path` to read, never through a link (OSError
+    ELOOP), and only a regular file (a FIFO or a device would block or
+    never end): FailedPreconditionError otherwise. Returns the file and its
+    size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise errors.FailedPreconditionError(f"{path} is not a regular file; not read")
+        return os.fdopen(fd, "rb"), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_manifest_bytes(fs: fsspec.AbstractFileSystem, target: str) -> bytes:
     """MANIFEST.json's bytes: on a local disk a regular file only, never
     through a link (nor a FIFO or a device); at most MAX_MANIFEST_BYTES."""
     if is_local(fs):
-        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise errors.FailedPreconditionError(f"{target} is not a regular file")
+        f, _ = open_regular(target)
+        with f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
     else:
         with fs.open(target, "rb") as f:

@@ -289,7 +289,7 @@ def _check_room(
         n * owned * (_native.record_bytes(normalized(config)) + _INDEX_BYTES_PER_ROW)
         for config, n in rows.values()
     )
-    resident = max(int(memory["resident"]), _resident_bytes())
+    resident = max(int(memory["resident"]), _native.Shard.resident_bytes())
     if resident + need + _native.PERSIST_RESERVE_BYTES > budget:
         mib = 1 << 20
         raise errors.ResourceExhaustedError(
@@ -300,15 +300,6 @@ def _check_room(
             "nothing was read or changed. Raise --memory-budget, give the shard a "
             "--storage-dir, load onto more shards, or drop the tables the load replaces first"
         )
-
-
-def _resident_bytes() -> int:
-    """This process's resident set in bytes (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None:

@@ -13,8 +13,6 @@ import collections
 import contextlib
 import hashlib
 import io
-import os
-import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -26,7 +24,7 @@ import h5py
 import numpy as np
 
 from tf_dlt import errors
-from tf_dlt.checkpoint.manifest import is_local
+from tf_dlt.checkpoint.manifest import is_local, open_regular
 
 _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
@@ -96,30 +94,24 @@ def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str,
             return fs.open(target, "rb")  # type: ignore[no-any-return]
         except FileNotFoundError:
             raise missing from None
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(target, flags)
+        f, size = open_regular(target)
     except FileNotFoundError:
         raise missing from None
     except OSError as e:  # ELOOP: a link
         raise errors.FailedPreconditionError(
             f"checkpoint file {target} is not a regular file (a link?); not read ({e.strerror})"
         ) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} is not a regular file; not read"
-            )
-        if info.st_size != int(entry["bytes"]):
-            raise errors.FailedPreconditionError(
-                f"checkpoint file {target} holds {info.st_size} bytes, the manifest says "
-                f"{entry['bytes']}"
-            )
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    except errors.FailedPreconditionError:
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} is not a regular file; not read"
+        ) from None
+    if size != int(entry["bytes"]):
+        f.close()
+        raise errors.FailedPreconditionError(
+            f"checkpoint file {target} holds {size} bytes, the manifest says {entry['bytes']}"
+        )
+    return f
 
 
 def fetch_verified(
