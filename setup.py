@@ -230,7 +230,9 @@ class BuildExt(build_ext):
         if ext.name != CORE_LIBRARY:
             core_dir = os.path.dirname(self.get_ext_fullpath(CORE_LIBRARY))
             link_args = [f"-L{core_dir}", "-ldlt_core", "-Wl,-rpath,$ORIGIN", *link_args]
-        stamp = os.path.join(self.build_temp, _ext_basename(ext.name) + ".link")
+        # One stamp per destination: the install's build tree and in place.
+        where = "inplace" if self.inplace else "lib"
+        stamp = os.path.join(self.build_temp, f"{_ext_basename(ext.name)}.{where}.link")
         command = [*objects, target, *link_args]
         if (
             os.path.exists(target)

@@ -58,7 +58,7 @@ def run(
         model = tf_dlt.transpile(template, cluster.addresses)
         if rows:
             tf_dlt.hot_row_cache(model, rows=rows, max_staleness_steps=steps)
-        metrics = tf_dlt.ClientMetrics()
+        metrics = tf_dlt.ClientMetrics(logs="all")
         start = time.perf_counter()
         history = model.fit(data, epochs=epochs, verbose=0, callbacks=[metrics])
         seconds = time.perf_counter() - start

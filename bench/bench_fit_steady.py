@@ -95,7 +95,7 @@ class ShardTime(keras.callbacks.Callback):  # type: ignore[misc]
         self._start: dict[str, float] = {}
 
     def _served(self) -> dict[str, float]:
-        shards = self._client.stats()
+        shards = self._client.stats(buckets=True)
         out = {}
         for kind in ("pull", "push"):
             micros = 0.0
@@ -129,7 +129,7 @@ def fit(
         clock.teardown()
         return clock.epochs
     shards = ShardTime(addresses)
-    m.fit(data, callbacks=[tf_dlt.ClientMetrics(), shards, clock], **kwargs)
+    m.fit(data, callbacks=[tf_dlt.ClientMetrics(logs="all"), shards, clock], **kwargs)
     clock.teardown()
     return [{**e, **s} for e, s in zip(clock.epochs, shards.epochs, strict=True)]
 

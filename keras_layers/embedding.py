@@ -14,7 +14,11 @@ gradient_trap.py; the combiners of ragged and sparse inputs combiners.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -25,9 +29,9 @@ from tf_dlt import admission as admission_lib
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors, expiry, initializers, optimizers
 from tf_dlt.memory_policy import MemoryPolicy
-from tf_dlt.table_config import TableConfig, memory_of
+from tf_dlt.table_config import TableConfig, difference, memory_of
 
-from . import keras_settings
+from . import keras_settings, table_home
 from .combiners import COMBINERS, combine
 from .gradient_trap import (
     Anchor,
@@ -37,6 +41,30 @@ from .gradient_trap import (
     model_optimizer,
     within,
 )
+
+
+class _VariablesOnly(threading.local):
+    active = False
+
+
+_variables_only = _VariablesOnly()
+
+
+@contextlib.contextmanager
+def variables_only() -> Iterator[None]:
+    """Within it, Keras saving and loading (save_weights, load_weights)
+    write and read the layers' variables but not the embedded tables' rows:
+    tf_dlt.save and tf_dlt.load move those through the tables' checkpoint."""
+    before = _variables_only.active
+    _variables_only.active = True
+    try:
+        yield
+    finally:
+        _variables_only.active = before
+
+
+# What save_own_variables adds to the layer's weights for an embedded table.
+_ROWS_KEYS = ("table_ids", "table_values", "table_slots", "table_steps", "table_config")
 
 # Bits of integer a float type holds exactly: beyond 2^bits it cannot tell
 # neighbouring ids apart.
@@ -66,7 +94,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             TruncatedNormal, Zeros, Ones, Constant (arguments and seed kept)
             and, with `input_dim`, VarianceScaling / Glorot / He / Lecun.
         optimizer: distributed tables: the server-side update_method, a name
-            ("sgd", "adagrad", "adam", "ftrl") or a `tf_dlt.optimizers`
+            ("sgd", "adagrad", "adam", "ftrl", "momentum") or a `tf_dlt.optimizers`
             object. None (default): the compiled Keras optimizer's (SGD,
             Adagrad, Adam and Ftrl, with their hyper-parameters).
         learning_rate: distributed tables: the learning rate sent with every
@@ -188,6 +216,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 "(is_distributed=True)"
             )
         self.client: ops.ClientResource | None = None
+        # The table has the compiled optimizer where it lives (follow_optimizer).
+        self._settled = False
+        # The embedded table was taken from an earlier Keras session.
+        self._from_earlier_session = False
         # Set while a serving graph is traced: its lookups must not wait for
         # pushes (a serving process has none), so the graph holds only lookups.
         self.serving = False
@@ -221,7 +253,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             if self.client is None:
                 self.client = ops.ClientResource()
             if self.client.embedded:
-                embedded.create_table(self.table_config)
+                self._create_embedded_table()
                 self._upload_initial_weights()
         else:
             self.embeddings = self.add_weight(
@@ -242,45 +274,36 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
     def use_client(self, client: ops.ClientResource) -> None:
         """Backs this layer's table with `client` (the transpiler's hook)."""
         self.client = client
+        self._settled = False
         if self.built and client.embedded:
-            embedded.create_table(self.table_config)
+            self._create_embedded_table()
+
+    def _create_embedded_table(self) -> None:
+        assert self.client is not None
+        # Following the model's optimizer: not known before compile.
+        provisional = self.optimizer is None
+        self._from_earlier_session = table_home.create(
+            self.name, self.table_config, self.client, provisional
+        )
 
     def follow_optimizer(self, optimizer: Any) -> None:
         """Gives the table the server-side form of the Keras `optimizer`,
-        when the layer names none itself. An embedded table created for
-        another optimizer is created again with its rows (fresh slots) if
-        no push trained it yet; otherwise, and for tables on shard servers,
-        FailedPreconditionError says what to do."""
+        when the layer names none itself. The first call on a built layer
+        settles the table where it lives: one made before the optimizer was
+        known is replaced (rows kept, fresh slots) if no push trained it;
+        one trained with another optimizer is a FailedPreconditionError
+        saying what to do (see table_home)."""
         if not self.is_distributed or self.optimizer is not None or optimizer is None:
             return
-        wanted = keras_settings.table_optimizer(optimizer)
-        if wanted == self.table_config.optimizer:
+        wanted = keras_settings.table_optimizer(optimizer, self)
+        if wanted == self.table_config.optimizer and self._settled:
             return
         config = dataclasses.replace(self.table_config, optimizer=wanted)
         if self.built and self.client is not None:
-            have = self.table_config.optimizer.kind
-            if not self.client.embedded:
-                raise errors.FailedPreconditionError(
-                    f"table {self.table_name!r} on the shards was created with {have}, but the "
-                    f"model is compiled with {type(keras_settings.inner(optimizer)).__name__}: "
-                    "compile the model before tf_dlt.transpile (which creates its tables for the "
-                    f"compiled optimizer), or give layer {self.name!r} optimizer="
-                )
             with tf.init_scope():
-                self._recreate_embedded_table(config)
+                table_home.settle(self.name, config, self.client, self._from_earlier_session)
+            self._settled = True
         self.table_config = config
-
-    def _recreate_embedded_table(self, config: TableConfig) -> None:
-        _, _, _, steps = embedded.rows(self.table_name)
-        if steps.any():
-            raise errors.FailedPreconditionError(
-                f"table {self.table_name!r} was trained with "
-                f"{self.table_config.optimizer.kind}; the model is now compiled for "
-                f"{config.optimizer.kind}: give layer {self.name!r} optimizer="
-                f"{self.table_config.optimizer.kind!r} to keep training it, or start from a "
-                "checkpoint saved with the new optimizer"
-            )
-        embedded.recreate_table(config)
 
     # Forward ---------------------------------------------------------------
 
@@ -469,6 +492,19 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             return tf.cast(lr(tf.cast(self.pushes, tf.float32)), tf.float32)
         return tf.constant(float(lr), tf.float32)
 
+    def count_params(self) -> int:
+        """The layer's own weights (what Keras totals); for a distributed
+        table, `model.summary()` also shows its dim and where its rows are."""
+        count = int(super().count_params())
+        if not self.is_distributed:
+            return count
+        where = (
+            "embedded"
+            if self.client is None or self.client.embedded
+            else (f"{len(self.client.pservers)} shards")
+        )
+        return _TableParams(count, f"table dim {self.output_dim}, {where}")
+
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         if not self.mask_zero:
             return None
@@ -511,6 +547,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             sync_push=self.sync_push,
             memory=self.memory.get_config(),
         )
+        if self.client is not None and not self.client.embedded:
+            # Where the rows are (never the token: TF_DLT_AUTH_TOKEN_FILE).
+            config["pservers"] = list(self.client.pservers)
         return config
 
     @classmethod
@@ -519,7 +558,108 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         lr = config.get("learning_rate")
         if isinstance(lr, dict):
             config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
-        return cls(**config)
+        pservers = config.pop("pservers", None)
+        layer = cls(**config)
+        if pservers:  # TF_DLT_PSERVERS re-points it
+            layer.use_client(ops.ClientResource(pservers))
+        return layer
+
+    # Keras saving (.keras, .weights.h5) ------------------------------------------
+
+    def save_own_variables(self, store: Any) -> None:
+        """Saves the layer's weights and, for an embedded table, its rows
+        (values, optimizer slots, update counts) and config: they are this
+        process's state, as a Keras Embedding's weights are. Rows on shard
+        servers stay there (save them with tf_dlt.save). Within
+        `variables_only()` (tf_dlt.save, which writes the tables itself),
+        the weights only."""
+        super().save_own_variables(store)
+        if _variables_only.active or not self.is_distributed or not self.built:
+            return
+        if self.client is None or not self.client.embedded:
+            return
+        with tf.init_scope():
+            ops.flush(self.client)
+        ids, values, slots, steps = embedded.rows(self.table_name)
+        config = json.dumps(embedded.table(self.table_name).config, sort_keys=True)
+        store[_ROWS_KEYS[0]] = ids
+        store[_ROWS_KEYS[1]] = values
+        store[_ROWS_KEYS[2]] = slots
+        store[_ROWS_KEYS[3]] = steps
+        store[_ROWS_KEYS[4]] = np.frombuffer(config.encode(), np.uint8)
+
+    def load_own_variables(self, store: Any) -> None:
+        keys = set(store.keys())
+        variables = self._trainable_variables + self._non_trainable_variables
+        if sorted(keys - set(_ROWS_KEYS)) != sorted(str(i) for i in range(len(variables))):
+            raise ValueError(
+                f"layer {self.name!r} has {len(variables)} variables; the file holds {sorted(keys)}"
+            )
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
+        if not self.is_distributed or _variables_only.active:
+            return
+        has_rows = set(_ROWS_KEYS) <= keys
+        on_shards = self.client is not None and not self.client.embedded
+        if has_rows and on_shards:
+            raise errors.FailedPreconditionError(
+                f"layer {self.name!r} is on shard servers, but the file holds the rows of an "
+                "embedded table: load the file into a model on the embedded tables, then "
+                "tf_dlt.transpile it onto the shards (which uploads its rows)"
+            )
+        if has_rows:
+            self._import_rows(store)
+        elif not on_shards:
+            raise errors.FailedPreconditionError(
+                f"layer {self.name!r} keeps its rows in the embedded tables, but the file holds "
+                "none (written before .keras files carried them, or for another layer): restore "
+                "them with tf_dlt.load from a tf_dlt.save checkpoint"
+            )
+
+    def _import_rows(self, store: Any) -> None:
+        assert self.client is not None
+        saved = TableConfig.from_dict(json.loads(bytes(np.asarray(store[_ROWS_KEYS[4]])).decode()))
+        mine = self.table_config
+        if self.optimizer is None:  # following the model: the saved table's optimizer
+            mine = dataclasses.replace(mine, optimizer=saved.optimizer)
+        differs = difference(saved.to_dict(), dataclasses.replace(mine, name=saved.name).to_dict())
+        if differs != "none":
+            raise errors.FailedPreconditionError(
+                f"layer {self.name!r}: the file's table was saved with another config "
+                f"(file vs layer: {differs})"
+            )
+        config = dataclasses.replace(saved, name=self.table_name)
+        with tf.init_scope():
+            ops.flush(self.client)
+            table = embedded.shard().new_table(config.to_dict())
+            steps = np.asarray(store[_ROWS_KEYS[3]], np.uint32)
+            table.import_rows(
+                np.asarray(store[_ROWS_KEYS[0]], np.int64),
+                np.asarray(store[_ROWS_KEYS[1]], np.float32),
+                np.asarray(store[_ROWS_KEYS[2]], np.float32),
+                steps,
+            )
+            # Saved before any push: the first training step still settles
+            # its optimizer (the model's compiled one).
+            table.provisional = self.optimizer is None and not steps.any()
+            embedded.shard().install_tables([table])
+        self.table_config = config
+        self._settled = False
+
+
+class _TableParams(int):
+    """A parameter count that `model.summary()` prints with what the table
+    is (Keras formats it with "," and totals the weights, not this)."""
+
+    note: str
+
+    def __new__(cls, count: int, note: str) -> _TableParams:
+        value = super().__new__(cls, count)
+        value.note = note
+        return value
+
+    def __format__(self, spec: str) -> str:
+        return f"{int(self):{spec}} + {self.note}"
 
 
 def _initial_weights(weights: Any, input_dim: int | None, output_dim: int) -> np.ndarray | None:

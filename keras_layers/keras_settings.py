@@ -7,10 +7,12 @@
   arguments and seed; with `input_dim` also VarianceScaling and its Glorot,
   He and Lecun forms (their scale needs the table's shape).
 - A compiled Keras optimizer becomes the table's server-side optimizer with
-  the same hyper-parameters: SGD (without momentum), Adagrad, Adam (without
-  amsgrad; the table's Adam is lazy, see docs/keras.md) and Ftrl (without
-  beta and l2 shrinkage); each push carries the optimizer's current learning
-  rate (a schedule evaluated at its iterations).
+  the same hyper-parameters: SGD (with momentum and Nesterov too), Adagrad,
+  Adam and AdamW (without amsgrad) and Ftrl (without beta and l2
+  shrinkage), with their decoupled `weight_decay`; momentum, Adam and weight
+  decay are lazy (applied to the rows a push touches, see docs/keras.md).
+  Each push carries the optimizer's current learning rate (a schedule
+  evaluated at its iterations).
 - Local tables take Keras initializers as they are; a `tf_dlt.initializers`
   object becomes its Keras equivalent.
 """
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import keras
@@ -31,7 +34,8 @@ INITIALIZERS_SUPPORTED = (
     "GlorotUniform, HeNormal, HeUniform, LecunNormal, LecunUniform"
 )
 OPTIMIZERS_SUPPORTED = (
-    "SGD (no momentum), Adagrad, Adam (no amsgrad), Ftrl (no beta, no l2 shrinkage)"
+    "SGD (with or without momentum and Nesterov), Adagrad, Adam and AdamW (no amsgrad), Ftrl "
+    "(no beta, no l2 shrinkage); weight_decay with any of them"
 )
 # keras.initializers.VarianceScaling: stddev of a normal truncated at 2 stddev.
 _TRUNCATED_STDDEV = 0.87962566103423978
@@ -128,15 +132,17 @@ def inner(optimizer: Any) -> Any:
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
-def table_optimizer(optimizer: Any) -> optimizers.Optimizer:
+def table_optimizer(optimizer: Any, layer: Any = None) -> optimizers.Optimizer:
     """The server-side optimizer with the hyper-parameters of a Keras one;
-    ValueError naming what is supported otherwise."""
+    ValueError naming what is supported otherwise. `layer`: the Embedding
+    whose table it is (its anchor and name are checked against the
+    optimizer's `exclude_from_weight_decay`)."""
     opt = inner(optimizer)
     server_side = getattr(opt, "table_config", None)  # tf_dlt.DenseOnShards
     if server_side is not None:
         return server_side.optimizer  # type: ignore[no-any-return]
     name = type(opt).__name__
-    for option in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm"):
+    for option in ("clipnorm", "clipvalue", "global_clipnorm"):
         if getattr(opt, option, None):
             raise ValueError(
                 f"the model's {name} has {option}={getattr(opt, option)!r}, which a table's "
@@ -148,16 +154,23 @@ def table_optimizer(optimizer: Any) -> optimizers.Optimizer:
             f"the model's {name} keeps an exponential moving average (use_ema), which tables "
             "do not: give the tf_dlt Embedding layer its own optimizer="
         )
+    decay = {"weight_decay": _weight_decay(opt, layer)}
     k = keras.optimizers
-    if type(opt) is k.SGD and not opt.momentum and not opt.nesterov:
-        return optimizers.SGD()
+    if type(opt) is k.SGD:
+        if opt.momentum:
+            return optimizers.Momentum(
+                momentum=float(opt.momentum), nesterov=bool(opt.nesterov), **decay
+            )
+        return optimizers.SGD(**decay)  # Keras ignores nesterov without momentum
     if type(opt) is k.Adagrad:
         return optimizers.KerasAdagrad(
-            initial_accumulator=float(opt.initial_accumulator_value), epsilon=float(opt.epsilon)
+            initial_accumulator=float(opt.initial_accumulator_value),
+            epsilon=float(opt.epsilon),
+            **decay,
         )
-    if type(opt) is k.Adam and not opt.amsgrad:
+    if type(opt) in (k.Adam, k.AdamW) and not opt.amsgrad:
         return optimizers.Adam(
-            beta1=float(opt.beta_1), beta2=float(opt.beta_2), epsilon=float(opt.epsilon)
+            beta1=float(opt.beta_1), beta2=float(opt.beta_2), epsilon=float(opt.epsilon), **decay
         )
     if type(opt) is k.Ftrl and not opt.l2_shrinkage_regularization_strength and not float(opt.beta):
         return optimizers.Ftrl(
@@ -165,12 +178,30 @@ def table_optimizer(optimizer: Any) -> optimizers.Optimizer:
             l1=float(opt.l1_regularization_strength),
             l2=float(opt.l2_regularization_strength),
             initial_accumulator=float(opt.initial_accumulator_value),
+            **decay,
         )
     raise ValueError(
         f"a distributed table cannot follow the model's {name} "
         f"({_options(opt)}); tables follow {OPTIMIZERS_SUPPORTED}. Give the tf_dlt Embedding "
         "layer its own optimizer= and learning_rate= (a tf_dlt.optimizers name or object)"
     )
+
+
+def _weight_decay(opt: Any, layer: Any) -> float:
+    """The optimizer's decoupled weight decay for `layer`'s table: 0 when it
+    has none or excludes the layer (`exclude_from_weight_decay` with its
+    anchor variable, or a name pattern matching the layer or table name)."""
+    decay = float(getattr(opt, "weight_decay", None) or 0.0)
+    if not decay or layer is None:
+        return decay
+    anchor = getattr(layer, "anchor", None)
+    if anchor is not None and not opt._use_weight_decay(anchor):
+        return 0.0
+    pattern = getattr(opt, "_exclude_from_weight_decay_pattern", None)
+    names = (layer.name, getattr(layer, "table_name", layer.name))
+    if pattern is not None and any(re.search(pattern, n) for n in names):
+        return 0.0
+    return decay
 
 
 def _options(opt: Any) -> str:

@@ -19,3 +19,6 @@ fi
 # No build isolation: the build reads TensorFlow's compile flags from the
 # TensorFlow installed above.
 .venv/bin/python -m pip install -q --no-build-isolation --no-deps .
+# And in place (the same objects, linked into tf_dlt/), so `python` started in
+# the checkout, which imports the source tree, works too.
+.venv/bin/python setup.py -q build_ext --inplace

@@ -50,6 +50,12 @@ def test_insecure_serves_beyond_loopback(start_cluster: Callable[..., Cluster]) 
     with cluster.client() as client:
         client.create_table("t", 4)
     assert "WARNING" in cluster.log(0) and "no --checkpoint-root" in cluster.log(0)
+    # Only where it matters: not on loopback, not on a read-only shard.
+    quiet = [start_cluster(1), start_cluster(1, "--bind", "0.0.0.0", "--insecure", "--read-only")]
+    for other in quiet:
+        with other.client() as client:
+            client.list_tables()
+        assert "no --checkpoint-root" not in other.log(0)
 
 
 def test_checkpoint_roots_bound_save_and_load(

@@ -66,7 +66,7 @@ def test_cache_trains_exactly_as_without_under_sync_push(
     histories = []
     for m in (plain, cached):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-        h = m.fit(ds, epochs=2, verbose=0, callbacks=[tf_dlt.ClientMetrics()])
+        h = m.fit(ds, epochs=2, verbose=0, callbacks=[tf_dlt.ClientMetrics(logs="all")])
         histories.append(h.history)
     np.testing.assert_array_equal(histories[0]["loss"], histories[1]["loss"])
     for a, b in zip(plain.get_weights(), cached.get_weights(), strict=True):

@@ -208,3 +208,14 @@ def test_shard_memory_follows_admission_and_row_dtypes() -> None:
         k8s.JobSpec(name="ctr", image="i", command=[], admission_rate=2.0)
     with pytest.raises(ValueError, match="sketch_bytes"):
         k8s.JobSpec(name="ctr", image="i", command=[], sketch_bytes=-1)
+
+
+def test_trainers_get_the_token_file_every_client_reads() -> None:
+    """The train script needs no token code: trainer pods name the mounted
+    Secret in TF_DLT_AUTH_TOKEN_FILE, which tf_dlt.Client and the ops read."""
+    jobs = _objects(_generate(EXAMPLES["ctr-s3.yaml"]).stdout)
+    (container,) = jobs["Job"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TF_DLT_AUTH_TOKEN_FILE"] == "/etc/tf-dlt/token"
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert "/etc/tf-dlt" in mounts

@@ -267,10 +267,19 @@ def test_table_optimizers_from_keras_and_what_they_refuse() -> None:
     assert layer.table_config.optimizer == optimizers.Ftrl(learning_rate_power=-0.4, l1=0.01)
     layer.follow_optimizer(k.LossScaleOptimizer(k.Adagrad(initial_accumulator_value=0.2)))
     assert layer.table_config.optimizer == optimizers.KerasAdagrad(initial_accumulator=0.2)
+    layer.follow_optimizer(k.SGD(momentum=0.8, nesterov=True))
+    assert layer.table_config.optimizer == optimizers.Momentum(momentum=0.8, nesterov=True)
+    layer.follow_optimizer(k.AdamW(weight_decay=0.01))
+    assert layer.table_config.optimizer == optimizers.Adam(weight_decay=0.01)
+    layer.follow_optimizer(k.Adagrad(weight_decay=0.1))
+    assert layer.table_config.optimizer.weight_decay == pytest.approx(0.1)
+    excluding = k.AdamW(weight_decay=0.01)
+    excluding.exclude_from_weight_decay(var_names=["follow"])
+    layer.follow_optimizer(excluding)
+    assert layer.table_config.optimizer == optimizers.Adam()
     for refused, match in (
-        (k.RMSprop(), "cannot follow the model's RMSprop.*SGD \\(no momentum\\), Adagrad"),
-        (k.SGD(momentum=0.9), "cannot follow the model's SGD.*momentum=0.9"),
-        (k.AdamW(), "weight_decay"),
+        (k.RMSprop(), "cannot follow the model's RMSprop.*SGD \\(with or without momentum"),
+        (k.Adam(amsgrad=True), "cannot follow the model's Adam.*amsgrad=True"),
         (k.Adam(clipnorm=1.0), "clipnorm=1.0"),
     ):
         with pytest.raises(ValueError, match=match):

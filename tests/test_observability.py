@@ -116,7 +116,7 @@ def test_client_metrics_callback_reports_each_epoch(
     model.compile(optimizer="sgd", loss="mse")
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 500, size=(64, 3)), rng.normal(size=(64, 1)).astype("float32")
-    metrics = tf_dlt.ClientMetrics(log_dir=str(tmp_path / "tb"), every_n_batches=2)
+    metrics = tf_dlt.ClientMetrics(log_dir=str(tmp_path / "tb"), every_n_batches=2, logs="all")
     history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[metrics]).history
     assert history["dlt_pushes"] == [8.0, 8.0]  # per epoch, not cumulative
     assert all(p >= 8 for p in history["dlt_pulls"])
@@ -193,8 +193,8 @@ def test_save_and_load_show_progress(
         client.load(str(tmp_path / "ck"), progress=True)
         client.save(str(tmp_path / "quiet"), progress=False)
     err = capsys.readouterr().err
-    assert f"saving {tmp_path / 'ck'}: [" in err and "2/2 shards" in err
-    assert f"loading {tmp_path / 'ck'}: [" in err
+    assert f"saving {tmp_path / 'ck'}: " in err and "2/2 shards" in err
+    assert f"loading {tmp_path / 'ck'}: " in err
     assert "quiet" not in err
 
 
@@ -206,3 +206,41 @@ def test_progress_lines_off_a_terminal() -> None:
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2 and "1/4 rows" in lines[0] and lines[1].endswith("done")
     assert Progress("x", 1, "rows", stream=io.StringIO()).enabled is False  # not a tty
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_a_rich_bar() -> None:
+    stream = _Terminal()
+    with Progress("uploading t", 4, "rows", stream=stream) as bar:
+        assert bar.enabled and bar._bar is not None
+        bar.update(4, "done")
+    drawn = stream.getvalue()
+    assert "uploading t" in drawn and "4/4" in drawn and "rows" in drawn and "━" in drawn
+
+
+def test_client_metrics_keep_the_progress_line_short_by_default(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    cluster = start_cluster(1)
+    ids = keras.Input((3,), dtype="int64")
+    emb = Embedding(output_dim=4, is_distributed=True, name="short_line")
+    model = tf_dlt.transpile(
+        keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids)))),
+        cluster.addresses,
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 500, size=(64, 3)), rng.normal(size=(64, 1)).astype("float32")
+    summary, named = tf_dlt.ClientMetrics(), tf_dlt.ClientMetrics(logs=["dlt_pushes"])
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[summary]).history
+    shown = {k for k in history if k.startswith("dlt_")}
+    assert shown == set(client_metrics.SUMMARY)
+    assert len(summary.last) > 30 and summary.last["dlt_pushes"] == 8.0
+    history = model.fit(x, y, batch_size=8, verbose=0, callbacks=[named]).history
+    assert {k for k in history if k.startswith("dlt_")} == {"dlt_pushes"}
+    with pytest.raises(ValueError, match="summary"):
+        tf_dlt.ClientMetrics(logs="everything")

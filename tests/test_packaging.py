@@ -143,6 +143,28 @@ def test_mapped_packages_install_under_tf_dlt_only() -> None:
     assert out.stdout.split() == ["None", "None"]
 
 
+def test_python_started_in_the_checkout_runs_the_source_tree(tmp_path: Path) -> None:
+    """`python` in the repository root imports ./tf_dlt (built in place by
+    the set-up), with tf_dlt.layers and tf_dlt.transpiler mapped to their
+    folders, and trains a model on the embedded tables."""
+    code = (
+        "import os, numpy as np, keras, tf_dlt\n"
+        "from tf_dlt import _native, layers, transpiler\n"
+        "assert tf_dlt.__file__.startswith(os.getcwd()), tf_dlt.__file__\n"
+        "assert layers.__file__.startswith(os.path.join(os.getcwd(), 'keras_layers'))\n"
+        "ids = keras.Input((2,), dtype='int64')\n"
+        "emb = layers.Embedding(output_dim=4, is_distributed=True, name='from_checkout')\n"
+        "m = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))\n"
+        "m.compile(optimizer='adagrad', loss='mse')\n"
+        "m.fit(np.arange(16).reshape(8, 2), np.ones(8), verbose=0)\n"
+        "m = transpiler.transpile(m)\n"
+        "assert tf_dlt.embedded.table('from_checkout').size() == 16\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("PYTHONPATH", None)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300, env=env)
+
+
 def test_server_and_client_import_no_tensorflow() -> None:
     code = (
         "import sys, tf_dlt, tf_dlt.server, tf_dlt.server.main, tf_dlt.client, tf_dlt.errors\n"

@@ -186,7 +186,7 @@ def test_client_metrics_report_pulls_ahead_and_lookup_time(
     remote = tf_dlt.pull_ahead(_remote(_model(), start_cluster(1)), refresh=refresh)
     x, y = _data()
     history = remote.fit(
-        x, y, batch_size=BATCH, epochs=1, callbacks=[tf_dlt.ClientMetrics()], verbose=0
+        x, y, batch_size=BATCH, epochs=1, callbacks=[tf_dlt.ClientMetrics(logs="all")], verbose=0
     ).history
     assert history["dlt_pulls_ahead_used"] == [2.0 * len(y) // BATCH]
     assert history["dlt_lookup_s"][0] > 0 and history["dlt_lookup_p50_ms"][0] > 0
@@ -298,7 +298,7 @@ def test_embedded_tables_and_models_pull_ahead_cannot_serve(tmp_path: Any) -> No
     ids = keras.Input((2,), dtype="int64")
     emb = Embedding(output_dim=DIM, is_distributed=True, name="shifted")
     computed = keras.Model(ids, emb(keras.ops.add(ids, 1)))
-    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="does not take a model input"):
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="is not called on a model input"):
         tf_dlt.pull_ahead(computed, layers=["shifted"])
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="no distributed Embedding"):
         tf_dlt.pull_ahead(computed)
@@ -328,3 +328,25 @@ def test_a_pull_ahead_that_failed_on_a_killed_shard_fails_its_lookup_then_recove
         ops.lookup(client, ids, "t", DIM), ops.lookup(client, ids, "t", DIM, training=False)
     )
     assert ops.client_stats(client)["pulls_ahead_used"] == 2
+
+
+def test_a_table_two_inputs_share_is_pulled_ahead_for_each(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A two-tower model whose towers share one table (one layer called on
+    two inputs): both lookups of every step take their own pull ahead, and
+    none is dropped for the other."""
+    cluster = start_cluster(1)
+    users, items = keras.Input((2,), dtype="int64"), keras.Input((2,), dtype="int64")
+    shared = Embedding(output_dim=4, is_distributed=True, name="towers_emb")
+    tower = keras.layers.Flatten()
+    dot = keras.layers.Dot(axes=1)([tower(shared(users)), keras.layers.Flatten()(shared(items))])
+    model = keras.Model([users, items], dot)
+    model.compile(optimizer="sgd", loss="mse")
+    remote = tf_dlt.pull_ahead(tf_dlt.transpile(model, cluster.addresses))
+    rng = np.random.default_rng(0)
+    x = [rng.integers(0, 50, (64, 2)), rng.integers(50, 100, (64, 2))]
+    remote.fit(x, rng.normal(size=(64, 1)), batch_size=BATCH, epochs=2, verbose=0)
+    stats = ops.client_stats(remote.get_layer("towers_emb").client)
+    steps = 2 * 64 // BATCH
+    assert stats["pulls_ahead_used"] == 2 * steps  # every lookup took its own

@@ -95,12 +95,17 @@ def test_tls_control_plane(start_cluster: Callable[..., Cluster], tmp_path: Path
         client.save(str(tmp_path / "ck"))
     # Plaintext, or a CA that did not sign the shard's certificate: refused.
     other = Pki(tmp_path / "other", "another CA")
-    for tls in (None, TlsConfig(ca=other.ca)):
+    for tls, says in ((None, "serves TLS.*speaks plaintext"), (TlsConfig(ca=other.ca), "CA")):
         with pytest.MonkeyPatch.context() as mp:
             mp.delenv("TF_DLT_TLS_CA", raising=False)
             with tf_dlt.Client(cluster.addresses, tls=tls, request_timeout=5) as client:
-                with pytest.raises(errors.UnavailableError):
+                with pytest.raises(errors.UnavailableError, match=says):
                     client.list_tables()
+    # A TLS client meeting a plaintext shard is told so too.
+    plain = start_cluster(1)
+    with tf_dlt.Client(plain.addresses, tls=TlsConfig(ca=pki.ca), request_timeout=5) as client:
+        with pytest.raises(errors.UnavailableError, match="without --tls-cert"):
+            client.list_tables()
     # Health checks and tf-dlt stats over TLS, configured by the environment.
     admin = f"127.0.0.1:{cluster.admin_ports[0]}"
     with pytest.MonkeyPatch.context() as mp:
@@ -167,6 +172,25 @@ def test_auth_token_is_required_and_never_logged(start_cluster: Callable[..., Cl
     logs = "".join(cluster.log(i) for i in range(2))
     assert "refused a control-plane call from" in logs  # the refusal is logged...
     assert token not in logs and wrong not in logs  # ...the tokens are not
+
+
+def test_a_client_given_no_token_reads_the_token_file(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the ops' clients do: a trainer pod names its mounted Secret in
+    TF_DLT_AUTH_TOKEN_FILE and its code passes no token anywhere."""
+    cluster = start_cluster(2, token="file-token")
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token\n")
+    monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(token_file))
+    with tf_dlt.Client(cluster.addresses) as client:
+        client.create_table("from_file", 4)
+    monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(errors.FailedPreconditionError, match="TF_DLT_AUTH_TOKEN_FILE names"):
+        tf_dlt.Client(cluster.addresses)
+    monkeypatch.delenv("TF_DLT_AUTH_TOKEN_FILE")
+    with pytest.raises(errors.UnauthenticatedError):
+        tf_dlt.Client(cluster.addresses).list_tables()
 
 
 def test_table_names_never_lead_out_of_the_storage_dir(tmp_path: Path) -> None:

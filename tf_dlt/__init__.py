@@ -9,6 +9,9 @@ TensorFlow ops) imports TensorFlow.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -82,10 +85,87 @@ __all__ = [
 ]
 
 
+class _SourceTree(importlib.abc.MetaPathFinder):
+    """Run from a checkout (``python`` started in the repository root), the
+    source tree's tf_dlt is imported: this maps tf_dlt.layers and
+    tf_dlt.transpiler to their folders there, as the install does, and
+    explains a native module that was not built in place."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        folder = _SOURCE_FOLDERS.get(fullname)
+        if folder is not None:
+            init = os.path.join(self.root, folder, "__init__.py")
+            location = [os.path.dirname(init)]
+            return importlib.util.spec_from_file_location(
+                fullname, init, submodule_search_locations=location
+            )
+        if fullname in ("tf_dlt._native",):
+            raise ImportError(
+                f"tf_dlt is imported from its source tree ({self.root}), where the native code "
+                "is not built: build it in place with `python setup.py build_ext --inplace` "
+                "(scripts/setup_env.sh does), or run from outside the checkout to use the "
+                "installed package"
+            )
+        return None
+
+
+# Installed, keras_layers/ is tf_dlt.layers and transpiler/ tf_dlt.transpiler.
+_SOURCE_FOLDERS = {"tf_dlt.layers": "keras_layers", "tf_dlt.transpiler": "transpiler"}
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_ROOT, "keras_layers", "__init__.py")):
+    sys.meta_path.append(_SourceTree(_ROOT))
+
 if "tensorflow" in sys.modules:
     # TensorFlow is already loaded: register the Dlt> ops now, so a SavedModel
     # that uses them loads right after `import tf_dlt`.
     importlib.import_module("tf_dlt.dlt_ops").load_library()
+
+# The Keras objects a saved model may name (tf_dlt>Embedding, tf_dlt>DenseOnShards)
+# are registered as soon as Keras is loaded, so `keras.models.load_model`
+# works after `import tf_dlt` alone, whichever of the two comes first.
+_KERAS_MODULES = ("tf_dlt.layers", "tf_dlt.keras.dense_sync")
+
+
+def _register_keras_objects() -> None:
+    for module in _KERAS_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - never break the import of Keras
+            import warnings
+
+            warnings.warn(
+                f"tf_dlt could not register its Keras objects ({module}): {e}", stacklevel=2
+            )
+
+
+class _AfterKeras(importlib.abc.MetaPathFinder):
+    """Runs _register_keras_objects once the import of Keras has finished."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "keras":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _register_keras_objects()
+
+        loader.exec_module = exec_then_register
+        return spec
+
+
+if "keras" in sys.modules:
+    _register_keras_objects()
+else:
+    sys.meta_path.insert(0, _AfterKeras())
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ shard advertises in its Hello reply, so users only ever list data addresses.
 
 from __future__ import annotations
 
+import os
 import queue
 import secrets
 from collections.abc import Sequence
@@ -78,6 +79,7 @@ class Client:
         self.pservers = list(pservers)
         if not self.pservers:
             raise errors.InvalidArgumentError("Client needs at least one shard address")
+        auth_token = auth_token or token_from_env()
         self._token = auth_token
         self._tls = tls if tls is not None else TlsConfig.from_env()
         self._request_timeout = request_timeout
@@ -149,10 +151,27 @@ class Client:
             try:
                 results.append(call.result())
             except grpc.RpcError as e:
-                results.append(
-                    grpc_util.error_from_rpc(e, f"shard {i} ({self.pservers[i]}) {method}")
-                )
+                error = grpc_util.error_from_rpc(e, f"shard {i} ({self.pservers[i]}) {method}")
+                if isinstance(error, errors.UnavailableError):
+                    error = errors.UnavailableError(f"{error}{self._tls_hint()}")
+                results.append(error)
         return results
+
+    def _tls_hint(self) -> str:
+        """Why a control plane may be unreachable when the data plane
+        answered: TLS on one side only (gRPC says only "Socket closed" or
+        "handshake failed")."""
+        if self._tls is None:
+            return (
+                ". The shard's data plane answered but its control plane did not: if the shard "
+                "serves TLS (--tls-cert), give this client TLS too (tls=tf_dlt.tls.TlsConfig(...) "
+                "or TF_DLT_TLS_CA); this client speaks plaintext"
+            )
+        return (
+            ". The shard's data plane answered but its control plane did not: this client "
+            "speaks TLS (tls= or TF_DLT_TLS_*); if the shard runs without --tls-cert, drop "
+            "the client's TLS, else check that the CA matches the shard's certificate"
+        )
 
     def _on_all(
         self,
@@ -186,11 +205,16 @@ class Client:
         config = TableConfig.create(name, dim, initializer, optimizer, seed, memory, **policy)
         return self.create_table_from_config(config)
 
-    def create_table_from_config(self, config: TableConfig) -> TableConfig:
-        """Creates `config`'s table on every shard, as `create_table`."""
+    def create_table_from_config(
+        self, config: TableConfig, *, provisional: bool = False
+    ) -> TableConfig:
+        """Creates `config`'s table on every shard, as `create_table`.
+        `provisional`: the optimizer is not known yet (see
+        `tf_dlt.embedded.create_table`)."""
         from tf_dlt.proto import dlt_pb2
 
-        self._on_all("CreateTable", dlt_pb2.CreateTableRequest(config=config.to_proto()))
+        request = dlt_pb2.CreateTableRequest(config=config.to_proto(), provisional=provisional)
+        self._on_all("CreateTable", request)
         self._dims[config.name] = config.dim
         return config
 
@@ -265,9 +289,10 @@ class Client:
         """
         from tf_dlt.proto import dlt_pb2
 
+        path = manifest.absolute(path)  # the shards' working directory is not ours
         parent: dict[str, Any] | None = None
         if base is not None:
-            parent = manifest.delta_parent(path, base)
+            parent = manifest.delta_parent(path, manifest.absolute(base))
         save_id = manifest.new_save_id()
         request = dlt_pb2.SaveRequest(
             path=path,
@@ -316,6 +341,7 @@ class Client:
         `tf_dlt.load` passes them), leaving every other table on the shards
         as it is; None: every table the checkpoint holds.
         """
+        path = manifest.absolute(path)  # the shards' working directory is not ours
         manifest.resolve_chain(path)  # fail fast, before any shard starts
         load_id = secrets.token_hex(8)
         self._prepare_load(path, load_id, progress, tables)
@@ -375,17 +401,15 @@ class Client:
                 self._dims[config.name] = config.dim
         return out
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self, *, buckets: bool = False) -> list[dict[str, Any]]:
         """Per-shard statistics: tables (rows, bytes), pulls, pushes, rows,
-        bytes, errors by code, pull/push latency p50/p99 in microseconds."""
+        bytes, errors by code, pull/push latency (count, p50 and p99 in
+        microseconds). Numbers are numbers. `buckets`: also the latency
+        histograms' raw counts (`buckets` in each latency, with
+        `bucket_bounds_us` their upper bounds)."""
         from tf_dlt.proto import dlt_pb2
 
-        return [
-            json_format.MessageToDict(
-                r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-            )
-            for r in self._on_all("Stats", dlt_pb2.StatsRequest())
-        ]
+        return [_message_dict(r, buckets) for r in self._on_all("Stats", dlt_pb2.StatsRequest())]
 
     # Data plane ---------------------------------------------------------------
 
@@ -472,3 +496,56 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+TOKEN_FILE_ENV = "TF_DLT_AUTH_TOKEN_FILE"
+
+
+def token_from_env() -> str:
+    """The token in the file TF_DLT_AUTH_TOKEN_FILE names (trailing
+    whitespace dropped), "" when it is unset: what clients given no token
+    use, as the ops' clients do (a Kubernetes Secret mounted in the pod)."""
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().rstrip()
+    except OSError as e:
+        raise errors.FailedPreconditionError(
+            f"{TOKEN_FILE_ENV} names {path}, which cannot be read as the auth token file: "
+            f"{e.strerror}"
+        ) from None
+
+
+def _message_dict(message: Any, buckets: bool) -> dict[str, Any]:
+    """A reply as a dict of numbers (JSON's rules would make 64-bit ints
+    strings), enums by name, every field present; histogram buckets only
+    with `buckets`."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        # protobuf 7 has is_repeated only; 5 has label
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == 3
+        if not buckets and field.name in ("buckets", "bucket_bounds_us"):
+            continue
+        value = getattr(message, field.name)
+        kind = field.message_type
+        if kind is not None and kind.GetOptions().map_entry:
+            nested = kind.fields_by_name["value"].message_type is not None
+            out[field.name] = {
+                k: _message_dict(v, buckets) if nested else v for k, v in value.items()
+            }
+        elif kind is not None:
+            is_list = repeated
+            items = [_message_dict(v, buckets) for v in (value if is_list else [value])]
+            out[field.name] = items if is_list else items[0]
+        elif field.enum_type is not None:
+            names = {n: v.name for n, v in field.enum_type.values_by_number.items()}
+            is_list = repeated
+            values = [names.get(v, v) for v in (value if is_list else [value])]
+            out[field.name] = values if is_list else values[0]
+        elif repeated:
+            out[field.name] = list(value)
+        else:
+            out[field.name] = value
+    return out

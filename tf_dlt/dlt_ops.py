@@ -83,6 +83,10 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         frame_bytes: target bytes per frame; bigger batches are split.
         max_inflight_pushes: asynchronous pushes in flight at once; more wait
             (backpressure).
+        instance: "" (default): one client per set of shards and options in
+            the process, shared by every ClientResource made with them;
+            another string makes a client of its own (its connections,
+            push queue, pulls ahead and hot-row caches), as `private` does.
     """
 
     def __init__(
@@ -94,8 +98,14 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         request_timeout: float = 30.0,
         frame_bytes: int = 8 << 20,
         max_inflight_pushes: int = 4,
+        instance: str = "",
     ) -> None:
         self.pservers = list(pservers or [])
+        self.instance = instance
+        self._options: dict[str, Any] = {
+            "connect_timeout": connect_timeout, "request_timeout": request_timeout,
+            "frame_bytes": frame_bytes, "max_inflight_pushes": max_inflight_pushes,
+        }  # fmt: skip
         # The token is no attribute (attributes are written into graphs and
         # SavedModels): the kernel reads it from the core by client name.
         self._auth_token = auth_token
@@ -107,7 +117,8 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
             "max_inflight_pushes": int(max_inflight_pushes),
         }
         if self.pservers:
-            digest = hashlib.sha256(repr(sorted(self._attrs.items())).encode()).hexdigest()
+            key = repr(sorted(self._attrs.items())) + (f"/{instance}" if instance else "")
+            digest = hashlib.sha256(key.encode()).hexdigest()
             # Clients differing only in their token are different clients;
             # the name holds a number per token, nothing derived from it.
             self._shared_name = f"dlt_tcp_{digest[:16]}_{_token_number(auth_token)}"
@@ -123,6 +134,13 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
     @property
     def auth_token(self) -> str:
         return self._auth_token
+
+    def private(self, instance: str) -> ClientResource:
+        """A client of the same shards, token and options that no other
+        ClientResource shares unless made with the same `instance`."""
+        return ClientResource(
+            self.pservers, auth_token=self._auth_token, instance=instance, **self._options
+        )
 
     @property
     def embedded(self) -> bool:
@@ -193,6 +211,7 @@ def pull_ahead(
     training: bool = True,
     missing: str = "init",
     refresh: bool = True,
+    pulls_per_batch: int = 1,
 ) -> tf.Tensor:
     """Starts pulling the rows of int64 `ids` for a later `lookup` of exactly
     these ids (same `table`, `dim`, `training` and `missing`) and returns
@@ -203,12 +222,15 @@ def pull_ahead(
     the lookup that takes the rows pulls what is still stale then, so it
     reads what a lookup without it would; without, it uses the rows as
     pulled. Pushes of other trainers are seen as of the pull ahead. At most
-    8 pulls ahead wait per table; an older one no lookup took is dropped.
+    8 pulls ahead wait per table; a lookup drops those of earlier batches
+    that no lookup took. `pulls_per_batch`: how many pulls of this table
+    each batch starts, one after another (a table two inputs share: 2), so
+    a lookup never drops the other pulls of its own batch.
     Remote clients only: with the embedded tables it just returns `ids`.
     """
     return load_library().dlt_pull_ahead(
         client=client.resource_handle, ids=ids, table=table, dim=dim, training=training,
-        missing=missing, refresh=refresh,
+        missing=missing, refresh=refresh, pulls_per_batch=int(pulls_per_batch),
     )  # fmt: skip
 
 

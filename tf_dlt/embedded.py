@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tf_dlt import _native, errors
-from tf_dlt.table_config import TableConfig, difference, normalized
+from tf_dlt import _native
+from tf_dlt.table_config import TableConfig
 
 _CHUNK = 1 << 16
 
@@ -24,10 +24,18 @@ def shard() -> _native.Shard:
     return _native.embedded_shard()
 
 
-def create_table(config: TableConfig) -> None:
+def create_table(config: TableConfig, *, provisional: bool = False) -> bool:
     """Creates `config`'s table (a no-op when an identical one exists;
-    AlreadyExistsError naming both when a different one does)."""
-    shard().create_table(config.to_dict())
+    AlreadyExistsError naming both when a different one does). Returns
+    whether a table was made (or replaced).
+
+    `provisional`: the optimizer is not known yet (a layer following a
+    model not compiled yet); an existing table differing only in its
+    optimizer is taken as it is. A later call that knows the optimizer
+    settles a provisional table, replacing it (rows kept, fresh optimizer
+    slots) while no push trained it.
+    """
+    return shard().create_table(config.to_dict(), provisional)
 
 
 def drop_table(name: str) -> None:
@@ -53,20 +61,3 @@ def rows(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
                 np.zeros((0, t.slot_floats), np.float32), np.zeros(0, np.uint32))  # fmt: skip
     ids, values, slots, steps = (np.concatenate(column) for column in zip(*parts, strict=True))
     return ids, values, slots, steps
-
-
-def recreate_table(config: TableConfig) -> None:
-    """Replaces table `config.name`, in one step, by one of `config` (e.g.
-    another optimizer) holding the old rows' values and update counts with
-    fresh optimizer slots."""
-    old = table(config.name)
-    if old.dim != config.dim:
-        raise errors.InvalidArgumentError(
-            f"table {config.name!r} has dim {old.dim}, the new config "
-            f"{difference(normalized(old.config), config.to_dict())}"
-        )
-    ids, values, _, steps = rows(config.name)
-    new = shard().new_table(config.to_dict())
-    if len(ids):
-        new.import_rows(ids, values, None, steps)
-    shard().install_tables([new])

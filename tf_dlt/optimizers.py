@@ -1,9 +1,15 @@
 """Server-side optimizers of distributed tables (the "update_method").
 
 Shards apply them to the rows a push touches, with the same arithmetic as
-TensorFlow's sparse apply kernels. Repeated ids in one push are summed first.
-The learning rate travels with every push, so client-side schedules work; the
+TensorFlow's sparse apply kernels (Keras's for `KerasAdagrad` and
+`Momentum`). Repeated ids in one push are summed first. The learning rate
+travels with every push, so client-side schedules work; the
 hyper-parameters below are fixed when the table is created.
+
+Every optimizer takes `weight_decay` (keyword only): Keras's decoupled weight
+decay (`AdamW`, or any Keras optimizer's `weight_decay`), applied to a row
+when a push touches it, before the update: ``w -= w * weight_decay * lr``.
+Like the lazy Adam, it is lazy: a row no push touches is not decayed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,14 @@ from tf_dlt import _spec
 @dataclasses.dataclass(frozen=True)
 class Optimizer(_spec.Spec):
     """Base class of optimizers."""
+
+    weight_decay: float = dataclasses.field(default=0.0, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if not d["weight_decay"]:
+            del d["weight_decay"]  # the default: configs without it stay as they were
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +110,38 @@ class KerasAdagrad(Optimizer):
     epsilon: float = 1e-7
 
 
+@dataclasses.dataclass(frozen=True)
+class Momentum(Optimizer):
+    """SGD with momentum as ``keras.optimizers.SGD(momentum=, nesterov=)``,
+    on each touched row (lazy, as `Adam`): ``v = momentum * v - lr * g``;
+    ``w += v``, or with Nesterov ``w += momentum * v - lr * g``. The
+    velocity holds the learning rate, as Keras's does.
+
+    Args:
+        momentum: in [0, 1).
+        nesterov: Nesterov momentum.
+    """
+
+    kind = "momentum"
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nesterov", bool(self.nesterov))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["nesterov"] = 1.0 if self.nesterov else 0.0
+        return d
+
+
 _BY_NAME: dict[str, type[Optimizer]] = {
     "sgd": SGD,
     "adagrad": Adagrad,
     "adam": Adam,
     "ftrl": Ftrl,
     "keras_adagrad": KerasAdagrad,
+    "momentum": Momentum,
 }
 
 OptimizerLike = str | Optimizer | dict[str, Any]

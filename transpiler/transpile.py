@@ -17,9 +17,9 @@ import numpy as np
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded
-from tf_dlt.client import Client
 from tf_dlt.cluster import ClusterSpec
 from tf_dlt.keras.walk import copy_weights
+from tf_dlt.layers import table_home
 from tf_dlt.layers.embedding import Embedding
 from tf_dlt.progress import Progress
 
@@ -64,7 +64,9 @@ def transpile(
 
         Tables whose layers name no optimizer are created for the model's
         compiled optimizer (its server-side form, same hyper-parameters; the
-        learning rate follows it step by step); compile before transpiling.
+        learning rate follows it step by step); compiled later or again,
+        the first training step gives them its optimizer (while nothing
+        trained them).
         auth_token: token of the shard servers.
         **client_options: more `tf_dlt.ops.ClientResource` options
             (timeouts, frame_bytes, max_inflight_pushes).
@@ -85,17 +87,21 @@ def transpile(
         getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
     )
     target = ops.ClientResource(addresses, auth_token=auth_token, **client_options)
-    control = Client(addresses, auth_token=auth_token) if addresses else None
     uploads: list[tuple[Embedding, Any]] = []
 
     def create(layer: Embedding) -> None:
         layer.follow_optimizer(compiled_optimizer)
-        if control is not None:
-            control.create_table_from_config(layer.table_config)
+        if not target.embedded:
+            # Following the model: provisional until the first training step
+            # settles it (the model may be compiled again before training).
+            provisional = layer.optimizer is None
+            table_home.create(layer.name, layer.table_config, target, provisional)
 
     def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
         if isinstance(layer, Embedding) and layer.is_distributed:
-            new = Embedding.from_config(layer.get_config())
+            config = layer.get_config()
+            config.pop("pservers", None)  # the target's, below
+            new = Embedding.from_config(config)
             new.use_client(target)
             create(new)
             source = layer.client
@@ -135,8 +141,6 @@ def transpile(
                     target, ids[start:end], values[start:end], layer.table_name, layer.output_dim
                 )
                 bar.update(end - start)
-    if control is not None:
-        control.close()
     if getattr(model, "compiled", False):
         # Same loss, metrics and options; a fresh optimizer from its config.
         new_model.compile_from_config(model.get_compile_config())

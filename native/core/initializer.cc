@@ -84,6 +84,9 @@ void InitializeSlots(const OptimizerConfig& c, uint32_t dim, float* slots) {
     case OptimizerKind::kAdam:  // m, v
       for (uint32_t j = 0; j < 2 * dim; ++j) slots[j] = 0.0f;
       return;
+    case OptimizerKind::kMomentum:  // velocity
+      for (uint32_t j = 0; j < dim; ++j) slots[j] = 0.0f;
+      return;
     case OptimizerKind::kFtrl:  // accumulator, linear
       for (uint32_t j = 0; j < dim; ++j) slots[j] = c.initial_accumulator;
       for (uint32_t j = dim; j < 2 * dim; ++j) slots[j] = 0.0f;

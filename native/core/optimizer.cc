@@ -25,6 +25,28 @@ uint32_t ApplySgd(uint32_t dim, float lr, const float* g, float* w) {
   return bad;
 }
 
+// keras.optimizers.SGD(momentum=, nesterov=) on the row:
+// v = v * momentum - g * lr; w += v, or with Nesterov w += v * momentum - g * lr.
+uint32_t ApplyMomentum(const OptimizerConfig& c, uint32_t dim, float lr, const float* g, float* w,
+                       float* v) {
+  uint32_t bad = 0;
+  const float mu = c.momentum;
+  if (c.nesterov != 0.0f) {
+    for (uint32_t j = 0; j < dim; ++j) {
+      v[j] = v[j] * mu - g[j] * lr;
+      w[j] += v[j] * mu - g[j] * lr;
+      bad |= NonFiniteBit(w[j]) | NonFiniteBit(v[j]);
+    }
+  } else {
+    for (uint32_t j = 0; j < dim; ++j) {
+      v[j] = v[j] * mu - g[j] * lr;
+      w[j] += v[j];
+      bad |= NonFiniteBit(w[j]) | NonFiniteBit(v[j]);
+    }
+  }
+  return bad;
+}
+
 // ResourceSparseApplyAdagradV2: acc += g^2; w -= lr * g / (sqrt(acc) + eps).
 uint32_t ApplyAdagrad(const OptimizerConfig& c, uint32_t dim, float lr, const float* g, float* w,
                       float* acc) {
@@ -107,6 +129,11 @@ bool ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr, const float* gra
   // Every optimizer counts the pushes that touched the row (saturating):
   // Adam's t, and the update frequency that exports choose rows by.
   if (*step != UINT32_MAX) ++*step;
+  if (c.weight_decay != 0.0f) {
+    // Keras's decoupled weight decay, applied before the update (AdamW).
+    const float wd = c.weight_decay;
+    for (uint32_t j = 0; j < dim; ++j) values[j] = values[j] - values[j] * wd * lr;
+  }
   uint32_t bad = 0;
   switch (c.kind) {
     case OptimizerKind::kSgd:
@@ -123,6 +150,9 @@ bool ApplyRow(const OptimizerConfig& c, uint32_t dim, float lr, const float* gra
       break;
     case OptimizerKind::kKerasAdagrad:
       bad = ApplyKerasAdagrad(c, dim, lr, grad, grad_squares, values, slots);
+      break;
+    case OptimizerKind::kMomentum:
+      bad = ApplyMomentum(c, dim, lr, grad, values, slots);
       break;
   }
   return (bad & 0x80000000u) == 0;

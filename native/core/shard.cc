@@ -343,19 +343,60 @@ void Shard::StopSweeper() {
   if (thread.joinable()) thread.join();
 }
 
-Status Shard::CreateTable(const TableConfig& config, bool* created) {
+Status Shard::CreateTable(const TableConfig& config, bool* created, bool provisional) {
   *created = false;
   DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
   std::unique_lock<std::shared_mutex> lock(mu_);
   auto it = tables_.find(config.name);
-  if (it != tables_.end()) {
-    if (SameTable(it->second->config(), config)) return OkStatus();
-    return AlreadyExists("table " + Describe(it->second->config()) + " exists; cannot create " +
-                         Describe(config));
+  if (it == tables_.end()) {
+    std::shared_ptr<Table> table = NewTable(config);
+    table->set_provisional(provisional);
+    tables_.emplace(config.name, std::move(table));
+    *created = true;
+    return OkStatus();
   }
-  tables_.emplace(config.name, NewTable(config));
-  *created = true;
-  return OkStatus();
+  Table& have = *it->second;
+  if (SameTable(have.config(), config)) {
+    if (!provisional) have.set_provisional(false);
+    return OkStatus();
+  }
+  TableConfig other_optimizer = have.config();
+  other_optimizer.optimizer = config.optimizer;
+  const bool only_optimizer = SameTable(other_optimizer, config);
+  if (only_optimizer && provisional) return OkStatus();  // takes the existing table
+  if (only_optimizer && have.provisional() && have.pushes() == 0) {
+    std::shared_ptr<Table> settled = NewTable(config);
+    DLT_RETURN_IF_ERROR(CopyRows(&have, settled.get()));
+    it->second = std::move(settled);
+    *created = true;
+    return OkStatus();
+  }
+  std::string why = " exists";
+  if (only_optimizer && have.pushes() != 0)
+    why = " exists and was trained (" + std::to_string(have.pushes()) + " pushes)";
+  return AlreadyExists("table " + Describe(have.config()) + why + "; cannot create " +
+                       Describe(config));
+}
+
+Status Shard::CopyRows(Table* from, Table* to) {
+  constexpr size_t kChunk = 4096;
+  const uint32_t dim = from->dim();
+  std::vector<int64_t> ids(kChunk);
+  std::vector<float> values(kChunk * dim), slots(kChunk * size_t{from->slot_floats()});
+  std::vector<uint32_t> steps(kChunk), buckets(kChunk), touched(kChunk);
+  RowBuffers out;
+  out.ids = ids.data();
+  out.values = values.data();
+  out.slots = slots.empty() ? nullptr : slots.data();
+  out.steps = steps.data();
+  out.buckets = buckets.data();
+  out.touched = touched.data();
+  Table::Exporter exporter(from);
+  for (size_t n; (n = exporter.Next(kChunk, out)) > 0;) {
+    DLT_RETURN_IF_ERROR(
+        to->Import(ids.data(), values.data(), nullptr, steps.data(), n, touched.data()));
+  }
+  return exporter.error();
 }
 
 Status Shard::DropTable(const std::string& name) {

@@ -36,8 +36,16 @@ class Shard {
 
   // Creates a table. Creating one that exists with the same configuration
   // succeeds with *created = false; a different configuration is
-  // ALREADY_EXISTS naming both.
-  Status CreateTable(const TableConfig& config, bool* created);
+  // ALREADY_EXISTS naming both. The optimizer may not be known yet
+  // (`provisional`: a Keras layer following a model not compiled yet):
+  //  - a provisional request for a table that exists with the same
+  //    configuration but another optimizer takes the existing table;
+  //  - a request that knows its optimizer settles a provisional table: one
+  //    nothing trained yet (no push) is replaced, in one step, by one with
+  //    that optimizer holding the same rows (values, update counts, stamps;
+  //    fresh slots). Two trainers racing agree: the first settles it, the
+  //    second finds it settled.
+  Status CreateTable(const TableConfig& config, bool* created, bool provisional = false);
   Status DropTable(const std::string& name);
   // NOT_FOUND naming the shard and the tables it has when `name` is absent.
   Status GetTable(const std::string& name, std::shared_ptr<Table>* table) const;
@@ -101,6 +109,9 @@ class Shard {
 
  private:
   void StopKeeper();
+  // Copies every row of `from` into `to` (values, update counts, stamps;
+  // fresh optimizer slots).
+  static Status CopyRows(Table* from, Table* to);
   void SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint64_t target);
   const uint32_t shard_index_;
   const uint32_t num_shards_;

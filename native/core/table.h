@@ -206,6 +206,15 @@ class Table {
   uint32_t Now() const;
   // Sets the push clock (a loaded table continues from its checkpoint).
   void SetPushClock(uint32_t pushes) { pushes_.store(pushes); }
+  // Pushes applied since the table was made (a loaded table starts from
+  // its checkpoint's clock): 0 while nothing trained it.
+  uint64_t pushes() const { return pushes_.load(std::memory_order_relaxed); }
+
+  // A provisional table was made before its optimizer was known (a Keras
+  // layer following a model not yet compiled): Shard::CreateTable may still
+  // replace it by one with another optimizer while nothing trained it.
+  bool provisional() const { return provisional_.load(std::memory_order_relaxed); }
+  void set_provisional(bool provisional) { provisional_.store(provisional); }
 
   // Rows in both tiers.
   size_t size() const;
@@ -347,6 +356,7 @@ class Table {
   uint8_t stripe_of_bucket_[kNumBuckets];
   std::unique_ptr<FrequencySketch> sketch_;  // Frequency admission only
   std::atomic<uint64_t> pushes_{0};
+  std::atomic<bool> provisional_{false};
   // Change tracking: the generation rows are stamped with now, and the
   // saves (or the load) tracked, newest last.
   std::atomic<uint32_t> generation_{1};

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <sstream>
 
 #include "native/core/routing.h"
@@ -134,8 +135,22 @@ Status ValidateTableConfig(const TableConfig& c) {
                              std::to_string(static_cast<uint32_t>(i.kind)));
   }
   const OptimizerConfig& o = c.optimizer;
+  if (!(o.weight_decay >= 0) || !Finite(o.weight_decay)) {
+    return InvalidArgument(where + "weight_decay must be finite and >= 0, got " +
+                           std::to_string(o.weight_decay));
+  }
   switch (o.kind) {
     case OptimizerKind::kSgd:
+      break;
+    case OptimizerKind::kMomentum:
+      if (!(o.momentum >= 0 && o.momentum < 1)) {
+        return InvalidArgument(where + "momentum must be in [0, 1), got " +
+                               std::to_string(o.momentum));
+      }
+      if (o.nesterov != 0.0f && o.nesterov != 1.0f) {
+        return InvalidArgument(where + "nesterov must be 0 or 1, got " +
+                               std::to_string(o.nesterov));
+      }
       break;
     case OptimizerKind::kAdagrad:
     case OptimizerKind::kKerasAdagrad:
@@ -194,6 +209,7 @@ uint32_t SlotsPerValue(OptimizerKind kind) {
       return 0;
     case OptimizerKind::kAdagrad:
     case OptimizerKind::kKerasAdagrad:
+    case OptimizerKind::kMomentum:
       return 1;
     case OptimizerKind::kAdam:
     case OptimizerKind::kFtrl:
@@ -206,7 +222,9 @@ namespace {
 
 constexpr const char* kInitializerNames[] = {"zeros", "constant", "uniform", "normal",
                                              "truncated_normal"};
-constexpr const char* kOptimizerNames[] = {"sgd", "adagrad", "adam", "ftrl", "keras_adagrad"};
+constexpr const char* kOptimizerNames[] = {"sgd",  "adagrad",       "adam",
+                                           "ftrl", "keras_adagrad", "momentum"};
+static_assert(std::size(kOptimizerNames) == kNumOptimizerKinds);
 
 template <typename Kind, size_t N>
 bool ParseKind(const char* const (&names)[N], const std::string& name, Kind* kind) {
@@ -274,6 +292,7 @@ std::string Describe(const TableConfig& c) {
   std::ostringstream out;
   out << "'" << c.name << "' (dim " << c.dim << ", seed " << c.seed << ", "
       << InitializerName(c.initializer.kind) << " initializer, " << OptimizerName(c.optimizer.kind);
+  if (c.optimizer.weight_decay != 0) out << " with weight_decay " << c.optimizer.weight_decay;
   const PolicyConfig& p = c.policy;
   if (p.admission != 0) out << ", " << PolicyValueName(p, kPolicyFields[0]) << " admission";
   if (p.ttl != 0) out << ", ttl " << p.ttl << " " << PolicyValueName(p, kPolicyFields[4]);

@@ -36,7 +36,12 @@ enum class OptimizerKind : uint32_t {
   // takes the square of each occurrence of an id in a push, and
   // w -= lr * g / sqrt(acc + eps) (keras.optimizers.Adagrad).
   kKerasAdagrad = 4,
+  // SGD with momentum as keras.optimizers.SGD(momentum=, nesterov=), on the
+  // rows a push touches: v = momentum * v - lr * g; w += v (nesterov:
+  // w += momentum * v - lr * g).
+  kMomentum = 5,
 };
+inline constexpr uint32_t kNumOptimizerKinds = 6;
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSgd;
@@ -47,6 +52,11 @@ struct OptimizerConfig {
   float learning_rate_power = -0.5f;  // kFtrl
   float l1 = 0.0f;
   float l2 = 0.0f;
+  float momentum = 0.9f;  // kMomentum
+  float nesterov = 0.0f;  // kMomentum: 1 for Nesterov momentum
+  // Every kind: decoupled weight decay on the rows a push touches, before
+  // the update, as Keras applies `weight_decay` (AdamW): w -= w * wd * lr.
+  float weight_decay = 0.0f;
 };
 
 // Which ids get a row. Rows are created only for admitted ids; a pull of
@@ -133,6 +143,9 @@ inline constexpr OptimizerField kOptimizerFields[] = {
     {"learning_rate_power", &OptimizerConfig::learning_rate_power},
     {"l1", &OptimizerConfig::l1},
     {"l2", &OptimizerConfig::l2},
+    {"momentum", &OptimizerConfig::momentum},
+    {"nesterov", &OptimizerConfig::nesterov},
+    {"weight_decay", &OptimizerConfig::weight_decay},
 };
 
 // The policy fields, by name: enum fields name their values (index = enum

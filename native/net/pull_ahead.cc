@@ -139,11 +139,20 @@ void PulledAhead::CopyRows(float* out) const {
 }
 
 std::shared_ptr<PulledAhead> PullAhead::Begin(const std::string& table, PullMode mode, uint32_t dim,
-                                              const int64_t* ids, size_t n, bool refresh) {
+                                              const int64_t* ids, size_t n, bool refresh,
+                                              uint32_t pulls_per_batch) {
   auto pulled = std::make_shared<PulledAhead>(table, mode, dim, ids, n, refresh);
+  pulls_per_batch = std::max<uint32_t>(pulls_per_batch, 1);
   std::lock_guard<std::mutex> lock(mu_);
+  Batches& batches = batches_[table];
+  if (batches.in_batch >= pulls_per_batch) {
+    ++batches.batch;
+    batches.in_batch = 0;
+  }
+  ++batches.in_batch;
+  pulled->batch_ = batches.batch;
   std::deque<std::shared_ptr<PulledAhead>>& queue = waiting_[table];
-  if (queue.size() >= max_per_table_) {
+  if (queue.size() >= max_per_table_ * pulls_per_batch) {
     queue.front()->SetTaken();  // dropped: nothing refreshes it any more
     queue.pop_front();
     ++counts_.dropped;
@@ -168,11 +177,20 @@ std::shared_ptr<PulledAhead> PullAhead::Take(const std::string& table, PullMode 
     const auto p = std::prev(r.base());
     std::shared_ptr<PulledAhead> taken = std::move(*p);
     taken->SetTaken();
-    // Older ones were skipped by the lookups they were for: never taken
-    // (and no longer refreshed).
-    counts_.dropped += static_cast<uint64_t>(p - queue.begin());
-    for (auto q = queue.begin(); q != p; ++q) (*q)->SetTaken();
-    queue.erase(queue.begin(), p + 1);
+    // Older ones of earlier batches were skipped by the lookups they were
+    // for: never taken (and no longer refreshed). Those of its own batch
+    // wait for the batch's other lookups.
+    std::deque<std::shared_ptr<PulledAhead>> kept;
+    for (auto q = queue.begin(); q != p; ++q) {
+      if ((*q)->batch() < taken->batch()) {
+        (*q)->SetTaken();
+        ++counts_.dropped;
+      } else {
+        kept.push_back(std::move(*q));
+      }
+    }
+    kept.insert(kept.end(), std::make_move_iterator(p + 1), std::make_move_iterator(queue.end()));
+    queue.swap(kept);
     ++counts_.taken;
     return taken;
   }

@@ -35,6 +35,8 @@ class PulledAhead {
               bool refresh = true);
 
   const std::string& table() const { return table_; }
+  // The table's batch it was begun for (PullAhead::Begin).
+  uint64_t batch() const { return batch_; }
   PullMode mode() const { return mode_; }
   uint32_t dim() const { return dim_; }
   bool refresh() const { return refresh_; }
@@ -92,6 +94,7 @@ class PulledAhead {
   const PullMode mode_;
   const uint32_t dim_;
   const bool refresh_;
+  uint64_t batch_ = 0;  // set by PullAhead::Begin
   std::vector<int64_t> ids_;
   Deduper index_;  // id -> index in unique_
   std::vector<int64_t> unique_, slot_;
@@ -116,11 +119,15 @@ class PullAhead {
   // Registers a pull ahead of `ids` (copied); the caller pulls its unique()
   // into its rows() and calls Finish. Without `refresh`, pushes never mark
   // it: its rows stay as pulled (they may miss the pushes in between).
+  // Each batch begins `pulls_per_batch` pulls of the table one after
+  // another (a table two model inputs share: 2); they form one batch.
   std::shared_ptr<PulledAhead> Begin(const std::string& table, PullMode mode, uint32_t dim,
-                                     const int64_t* ids, size_t n, bool refresh = true);
+                                     const int64_t* ids, size_t n, bool refresh = true,
+                                     uint32_t pulls_per_batch = 1);
   // The newest pull ahead of exactly these ids in `table`, `mode` and `dim`,
-  // taken out (no later push marks it) with every older one of the table
-  // (dropped); null if there is none.
+  // taken out (no later push marks it) with every one of the table's
+  // earlier batches (dropped: their lookups skipped them); the other pulls
+  // of its own batch stay for their lookups. Null if there is none.
   std::shared_ptr<PulledAhead> Take(const std::string& table, PullMode mode, uint32_t dim,
                                     const int64_t* ids, size_t n);
   // A push of `ids` to `table` completed (or failed: it may have been
@@ -151,7 +158,12 @@ class PullAhead {
   const size_t max_per_table_;
   mutable std::mutex mu_;
   std::map<std::string, std::deque<std::shared_ptr<PulledAhead>>> waiting_;  // guarded by mu_
-  Counts counts_;                                                            // guarded by mu_
+  struct Batches {
+    uint64_t batch = 0;     // of the last pull begun
+    uint32_t in_batch = 0;  // pulls begun in it
+  };
+  std::map<std::string, Batches> batches_;  // guarded by mu_
+  Counts counts_;                           // guarded by mu_
 };
 
 }  // namespace dlt

@@ -32,7 +32,7 @@ PYBIND11_MODULE(_native, m) {
   }
   m.attr("POLICY_CHOICES") = policy_choices;
   py::dict optimizer_slots;
-  for (uint32_t k = 0; k <= static_cast<uint32_t>(OptimizerKind::kKerasAdagrad); ++k) {
+  for (uint32_t k = 0; k < kNumOptimizerKinds; ++k) {
     const auto kind = static_cast<OptimizerKind>(k);
     optimizer_slots[OptimizerName(kind)] = SlotsPerValue(kind);
   }

@@ -23,12 +23,14 @@ void BindShard(py::module_& m) {
       .def_property_readonly("num_shards", &Shard::num_shards)
       .def_property_readonly("first_bucket", &Shard::first_bucket)
       .def_property_readonly("end_bucket", &Shard::end_bucket)
-      .def("create_table",
-           [](Shard& s, const py::dict& d) {
-             bool created = false;
-             Check(s.CreateTable(ConfigFromDict(d), &created));
-             return created;
-           })
+      .def(
+          "create_table",
+          [](Shard& s, const py::dict& d, bool provisional) {
+            bool created = false;
+            Check(s.CreateTable(ConfigFromDict(d), &created, provisional));
+            return created;
+          },
+          py::arg("config"), py::arg("provisional") = false)
       .def("drop_table", [](Shard& s, const std::string& name) { Check(s.DropTable(name)); })
       .def("get_table",
            [](const Shard& s, const std::string& name) {

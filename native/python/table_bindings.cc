@@ -83,6 +83,8 @@ void BindTable(py::module_& m) {
       .def_property_readonly("dim", &Table::dim)
       .def_property_readonly("slot_floats", &Table::slot_floats)
       .def_property_readonly("record_bytes", &Table::record_bytes)
+      .def_property_readonly("pushes", &Table::pushes)
+      .def_property("provisional", &Table::provisional, &Table::set_provisional)
       .def("size", &Table::size)
       .def("bytes", &Table::bytes)
       .def("pull", &PullTable, py::arg("ids"), py::arg("mode") = 0)

@@ -26,6 +26,7 @@
 #include "native/core/dedup.h"
 #include "native/core/finite.h"
 #include "native/core/initializer.h"
+#include "native/core/optimizer.h"
 #include "native/core/routing.h"
 #include "native/core/shard.h"
 #include "native/core/table.h"
@@ -309,6 +310,68 @@ DLT_TEST(TestShardConfigConflicts) {
          Code::kInvalidArgument);
   std::shared_ptr<Table> t;
   EXPECT(shard.GetTable("zzz", &t).code() == Code::kNotFound);
+}
+
+// Keras's SGD momentum (and Nesterov) and decoupled weight decay, by hand:
+// w = 1, v = 0.5, g = 2, lr = 0.1, momentum 0.9, weight_decay 0.5.
+DLT_TEST(TestMomentumNesterovAndWeightDecayFollowKeras) {
+  OptimizerConfig c;
+  c.kind = OptimizerKind::kMomentum;
+  c.momentum = 0.9f;
+  c.weight_decay = 0.5f;
+  for (float nesterov : {0.0f, 1.0f}) {
+    c.nesterov = nesterov;
+    float w = 1.0f, v = 0.5f, g = 2.0f;
+    uint32_t step = 0;
+    EXPECT(ApplyRow(c, 1, 0.1f, &g, nullptr, &w, &v, &step));
+    const float decayed = 1.0f - 1.0f * 0.5f * 0.1f;   // 0.95
+    const float velocity = 0.5f * 0.9f - 2.0f * 0.1f;  // 0.25
+    const float want = nesterov != 0 ? decayed + velocity * 0.9f - 2.0f * 0.1f : decayed + velocity;
+    EXPECT(std::fabs(v - velocity) < 1e-6f);
+    EXPECT(std::fabs(w - want) < 1e-6f);
+    EXPECT(step == 1);
+  }
+  TableConfig bad = Config("m", 4, OptimizerKind::kMomentum);
+  bad.optimizer.momentum = 1.0f;
+  EXPECT(ValidateTableConfig(bad).code() == Code::kInvalidArgument);
+  bad.optimizer.momentum = 0.5f;
+  bad.optimizer.weight_decay = -1.0f;
+  EXPECT(ValidateTableConfig(bad).code() == Code::kInvalidArgument);
+}
+
+// A table made before its optimizer was known is settled once: replaced,
+// rows kept, while no push trained it; a trained one is refused.
+DLT_TEST(TestAProvisionalTableIsSettledOnceWhileUntrained) {
+  Shard shard(0, 1);
+  bool created = false;
+  EXPECT_OK(shard.CreateTable(Config("p", 4, OptimizerKind::kSgd), &created, true));
+  std::shared_ptr<Table> t;
+  EXPECT_OK(shard.GetTable("p", &t));
+  std::vector<int64_t> ids = {1, 2, 3};
+  std::vector<float> ones(12, 1.0f), out(12);
+  EXPECT_OK(t->Assign(ids.data(), ones.data(), ids.size()));
+  // A provisional request with another optimizer takes the table as it is.
+  EXPECT_OK(shard.CreateTable(Config("p", 4, OptimizerKind::kAdam), &created, true));
+  EXPECT(!created);
+  EXPECT_OK(shard.CreateTable(Config("p", 4, OptimizerKind::kAdagrad), &created));
+  EXPECT(created);
+  EXPECT_OK(shard.GetTable("p", &t));
+  EXPECT(t->config().optimizer.kind == OptimizerKind::kAdagrad && !t->provisional());
+  EXPECT(t->size() == 3);
+  EXPECT_OK(t->Pull(ids.data(), ids.size(), PullMode::kZerosNoInsert, out.data()));
+  EXPECT(out == ones);
+  // Settled: another optimizer is refused now, the same one is a no-op.
+  EXPECT(shard.CreateTable(Config("p", 4, OptimizerKind::kAdam), &created).code() ==
+         Code::kAlreadyExists);
+  EXPECT_OK(shard.CreateTable(Config("p", 4, OptimizerKind::kAdagrad), &created));
+  EXPECT(!created);
+  // A provisional table that a push trained keeps its optimizer.
+  EXPECT_OK(shard.CreateTable(Config("q", 4, OptimizerKind::kSgd), &created, true));
+  EXPECT_OK(shard.GetTable("q", &t));
+  EXPECT_OK(t->Push(ids.data(), ones.data(), ids.size(), 0.1f));
+  Status refused = shard.CreateTable(Config("q", 4, OptimizerKind::kAdam), &created);
+  EXPECT(refused.code() == Code::kAlreadyExists);
+  EXPECT(refused.message().find("was trained") != std::string::npos);
 }
 
 DLT_TEST(TestClientServerRoundTrip) {

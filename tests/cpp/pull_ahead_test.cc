@@ -115,6 +115,30 @@ DLT_TEST(PullAheadDropsSkippedAndOverflowingPulls) {
   EXPECT(ahead.DropAll() == 0);
 }
 
+// A table two model inputs share: each batch begins two pulls of it. The
+// batch's lookups take them in any order without dropping each other's; a
+// lookup of the next batch drops what the batch before left.
+DLT_TEST(PullAheadKeepsTheOtherPullsOfItsBatch) {
+  PullAhead ahead;
+  const std::vector<int64_t> u1 = {1}, i1 = {11}, u2 = {2}, i2 = {12};
+  ahead.Begin("emb", PullMode::kInsert, 2, u1.data(), 1, true, 2);
+  ahead.Begin("emb", PullMode::kInsert, 2, i1.data(), 1, true, 2);
+  ahead.Begin("emb", PullMode::kInsert, 2, u2.data(), 1, true, 2);
+  ahead.Begin("emb", PullMode::kInsert, 2, i2.data(), 1, true, 2);
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, i1.data(), 1) != nullptr);  // second first
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, u1.data(), 1) != nullptr);
+  EXPECT(ahead.counts().dropped == 0);
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, i2.data(), 1) != nullptr);
+  EXPECT(ahead.counts().dropped == 0);  // same batch: u2 still waits
+  ahead.Begin("emb", PullMode::kInsert, 2, u1.data(), 1, true, 2);
+  ahead.Begin("emb", PullMode::kInsert, 2, i1.data(), 1, true, 2);
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, u1.data(), 1) != nullptr);  // next batch
+  EXPECT(ahead.counts().dropped == 1);  // u2, left by the batch before
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, u2.data(), 1) == nullptr);
+  EXPECT(ahead.Take("emb", PullMode::kInsert, 2, i1.data(), 1) != nullptr);
+  EXPECT(ahead.counts().taken == 5);
+}
+
 DLT_TEST(PullAheadTakesTheNewestOfTheSameIds) {
   // An older pull of the same ids was left by an input pipeline that
   // stopped (a fit that failed, a checkpoint loaded since): the lookup takes

@@ -71,6 +71,13 @@ def shard_file_name(shard_index: int, num_shards: int, save_id: str) -> str:
     return f"shard-{shard_index:05d}-of-{num_shards:05d}.{save_id}.h5"
 
 
+def absolute(path: str) -> str:
+    """A local path made absolute against this process's working directory
+    (a shard server would resolve a relative one against its own); URLs as
+    they are."""
+    return path if "://" in path else os.path.abspath(path)
+
+
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of `path` and the path within it."""
     fs, root = fsspec.core.url_to_fs(path)

@@ -26,6 +26,7 @@ from tf_dlt import embedded, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files
 from tf_dlt.client import Client
 from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
+from tf_dlt.layers.embedding import variables_only
 from tf_dlt.table_config import difference, normalized
 
 MODEL_FILE = chain.MODEL_FILE
@@ -54,6 +55,7 @@ def save(
     if base is None and incremental:
         base = _implied_base(model, path)
     layers = table_holders(model)
+    _follow_compiled_optimizer(model)
     for layer in layers:
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
@@ -73,7 +75,8 @@ def save(
         written = _save_embedded(layers, tables, base_tables)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
-        model.save_weights(local)
+        with variables_only():  # the rows are in tables/
+            model.save_weights(local)
         fs.put_file(local, f"{root}/{DENSE_FILE}")
     info = {
         "format": "tf_dlt-model",
@@ -92,6 +95,16 @@ def save(
 
 def _tables_of(path: str) -> str:
     return f"{path.rstrip('/')}/{TABLES_DIR}"
+
+
+def _follow_compiled_optimizer(model: keras.Model) -> None:
+    """Tables following the compiled optimizer take (and settle) its form
+    before a save writes their configs or a load compares them with the
+    checkpoint's: a table not trained yet is saved as the optimizer it
+    will train with."""
+    if getattr(model, "compiled", False):
+        for layer in distributed_layers(model):
+            layer.follow_optimizer(model.optimizer)
 
 
 def _implied_base(model: keras.Model, path: str) -> str | None:
@@ -136,11 +149,7 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
     layers = table_holders(model)
-    # Tables following the compiled optimizer take its form before their
-    # configs are compared with the checkpoint's.
-    if getattr(model, "compiled", False):
-        for layer in distributed_layers(model):
-            layer.follow_optimizer(model.optimizer)
+    _follow_compiled_optimizer(model)
     missing = set(info["tables"]) - {layer.table_name for layer in layers}
     if missing:
         raise errors.FailedPreconditionError(
@@ -158,7 +167,8 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tf_dlt-load-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
         fs.get_file(f"{root}/{DENSE_FILE}", local)
-        model.load_weights(local)
+        with variables_only():
+            model.load_weights(local)
     setattr(model, _LAST_CHECKPOINT, path)
     return info
 

@@ -33,6 +33,15 @@ _WAITS = ("worker_wait", "push_wait")
 _HISTOGRAMS = (*_WAITS, "cache_staleness")
 
 
+# What the Keras logs (and the progress bar) get by default: the step's wait
+# for rows, the traffic, errors; and, where used, the pulls ahead and caches.
+SUMMARY = ("dlt_lookup_p50_ms", "dlt_lookup_s", "dlt_pull_mb_per_s", "dlt_push_mb_per_s",
+           "dlt_pull_errors", "dlt_push_errors")  # fmt: skip
+_SUMMARY_IF_USED = {
+    "dlt_pulls_ahead_used": "dlt_pulls_ahead",
+    "dlt_cache_hit_rate": "dlt_cache_rows",
+}
+
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
@@ -88,8 +97,27 @@ def _merge(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def chosen(values: dict[str, float], logs: str | list[str] | tuple[str, ...]) -> dict[str, float]:
+    """The entries of `values` that `logs` names: "summary" (SUMMARY, and
+    the pulls ahead and cache hit rate where they were used), "all", or
+    names."""
+    if logs == "all":
+        return values
+    if logs == "summary":
+        names = [*SUMMARY, *(k for k, used in _SUMMARY_IF_USED.items() if values.get(used))]
+    else:
+        names = list(logs)
+    return {name: values[name] for name in names if name in values}
+
+
 class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
-    """Adds the trainer's table traffic of each epoch to the Keras logs:
+    """Adds the trainer's table traffic of each epoch to the Keras logs. By
+    default a summary (`logs="summary"`: `dlt_lookup_p50_ms`,
+    `dlt_lookup_s`, `dlt_pull_mb_per_s`, `dlt_push_mb_per_s`,
+    `dlt_pull_errors`, `dlt_push_errors`, and `dlt_pulls_ahead_used` /
+    `dlt_cache_hit_rate` where pulls ahead / caches are used); `logs="all"`
+    (or a list of names) for more. TensorBoard (`log_dir`) and `last` (the
+    last epoch's values) always get all of them:
     `dlt_pulls`, `dlt_pulled_rows`, `dlt_pull_bytes`, `dlt_pull_errors`, the
     same for pushes, `dlt_pull_p50_ms` / `_p99_ms` (and push), whole remote
     lookups as `dlt_lookup_p50_ms` / `_p99_ms` and `dlt_lookup_s` (seconds
@@ -114,12 +142,24 @@ class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
             per epoch, "batch_<name>" every `every_n_batches` batches (step:
             the batch count) when given.
         every_n_batches: TensorBoard scalars every n training batches.
+        logs: what goes into the Keras logs (and so the progress bar and
+            History): "summary", "all", or a list of the names above.
     """
 
-    def __init__(self, log_dir: str | None = None, every_n_batches: int | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        every_n_batches: int | None = None,
+        logs: str | list[str] | tuple[str, ...] = "summary",
+    ) -> None:
         super().__init__()
         if every_n_batches is not None and every_n_batches < 1:
             raise ValueError(f"every_n_batches must be >= 1, got {every_n_batches}")
+        if isinstance(logs, str) and logs not in ("summary", "all"):
+            raise ValueError(f'logs must be "summary", "all" or a list of names, got {logs!r}')
+        self.logs = logs
+        # Every value of the last epoch (whatever `logs` shows).
+        self.last: dict[str, float] = {}
         self.log_dir = log_dir
         self.every_n_batches = every_n_batches
         self._writer: Any = None
@@ -155,8 +195,9 @@ class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         values, self._epoch_start = self._interval(self._epoch_start)
+        self.last = values
         if logs is not None:
-            logs.update(values)
+            logs.update(chosen(values, self.logs))
         self._write(values, epoch, "epoch_")
 
     def _write(self, values: dict[str, float], step: int, prefix: str) -> None:

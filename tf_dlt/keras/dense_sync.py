@@ -61,6 +61,7 @@ def _overwritten(variable: Any) -> bool:
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
+@keras.saving.register_keras_serializable(package="tf_dlt")
 class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
     """Trains a model's dense weights in a shard table shared by trainers.
 
@@ -68,7 +69,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         cluster: a `tf_dlt.ClusterSpec` (e.g. `tf_dlt.cluster_from_env()`) or
             the shard addresses; no shards means the embedded tables.
         update_method: the server-side optimizer of the dense table, a name
-            ("sgd", "adagrad", "adam", "ftrl") or a `tf_dlt.optimizers` object.
+            ("sgd", "adagrad", "adam", "ftrl", "momentum") or a `tf_dlt.optimizers` object.
         learning_rate: float or Keras schedule (of this trainer's steps).
         table: name of the dense table (one per model).
         is_chief: whether this trainer writes the initial weights (default:

@@ -113,6 +113,11 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
         super().__init__(**kwargs)
         self.combiner = combiner
         self.output_dim = int(rows.shape[1])
+        if len(keys) == 0:
+            # A table without rows (never trained): TF's hash table takes no
+            # empty initializer, and any id maps to the zero row, which is
+            # what an id without a row reads anyway.
+            keys, rows = np.zeros(1, np.int64), np.zeros((1, rows.shape[1]), np.float32)
         self.table = tf.lookup.StaticHashTable(
             tf.lookup.KeyValueTensorInitializer(
                 tf.constant(keys, tf.int64), tf.range(len(keys), dtype=tf.int64)

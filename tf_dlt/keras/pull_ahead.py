@@ -11,6 +11,7 @@ validation_split as `fit` does them).
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -73,7 +74,9 @@ def pull_ahead(
 
 
 def _feeds(model: keras.Model, wanted: list[Any] | None) -> list[tuple[int, Embedding]]:
-    """(index in model.inputs, layer) for each layer a model input feeds."""
+    """(index in model.inputs, layer) for each call of a chosen layer on a
+    model input: a layer whose table two inputs share (a two-tower model)
+    has a feed per input."""
     inputs = list(getattr(model, "inputs", None) or [])
     if not inputs:
         raise errors.InvalidArgumentError(
@@ -81,38 +84,34 @@ def _feeds(model: keras.Model, wanted: list[Any] | None) -> list[tuple[int, Embe
             "Sequential model (built), whose inputs show which ids each layer looks up"
         )
     candidates = chosen_layers(model, wanted, "pull_ahead")
-    feeds = []
+    feeds: list[tuple[int, Embedding]] = []
     for layer in candidates:
-        fed = _input_index(layer, inputs)
-        if fed is None:
-            if wanted is not None:
-                raise errors.InvalidArgumentError(
-                    f"pull_ahead: layer {layer.name!r} does not take a model input directly (its "
-                    "ids are computed in the step, so they are not known ahead); pull ahead for "
-                    "layers fed by an Input of dense or ragged ids"
-                )
-            continue
-        feeds.append((fed, layer))
+        fed = _input_indices(layer, inputs)
+        if not fed and wanted is not None:
+            raise errors.InvalidArgumentError(
+                f"pull_ahead: layer {layer.name!r} is not called on a model input (its ids are "
+                "computed in the step, so they are not known ahead); pull ahead for layers "
+                "called on an Input of dense or ragged ids"
+            )
+        feeds.extend((index, layer) for index in fed)
     if not feeds:
         raise errors.InvalidArgumentError(
-            f"pull_ahead: no distributed Embedding of model {model.name!r} takes a model input "
-            "of dense or ragged ids directly"
+            f"pull_ahead: no distributed Embedding of model {model.name!r} is called on a model "
+            "input of dense or ragged ids"
         )
     return feeds
 
 
-def _input_index(layer: Embedding, inputs: list[Any]) -> int | None:
-    """Which of `inputs` the layer is called on (its only call), if any."""
-    nodes = getattr(layer, "_inbound_nodes", [])
-    if len(nodes) != 1:
-        return None
-    args = nodes[0].arguments.keras_tensors
-    if len(args) != 1 or getattr(args[0], "sparse", False):
-        return None
-    for i, tensor in enumerate(inputs):
-        if args[0] is tensor:
-            return i
-    return None
+def _input_indices(layer: Embedding, inputs: list[Any]) -> list[int]:
+    """Which of `inputs` the layer is called on, once per call (a call on
+    something else, or on a sparse input, is skipped)."""
+    found: list[int] = []
+    for node in getattr(layer, "_inbound_nodes", []):
+        args = node.arguments.keras_tensors
+        if len(args) != 1 or getattr(args[0], "sparse", False):
+            continue
+        found.extend(i for i, tensor in enumerate(inputs) if args[0] is tensor)
+    return found
 
 
 def _fit_pulling_ahead(
@@ -211,8 +210,12 @@ def _start_pulls(model: keras.Model, *element: Any) -> Any:
     batch = element if len(element) > 1 else element[0]
     x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
     flat = _model_inputs_of(model, x)
+    feeds = model._dlt_pull_ahead_feeds
+    # Pulls of one table per batch: a lookup takes its own and drops only
+    # those of earlier batches, never those of the other calls of its batch.
+    per_batch = collections.Counter((id(layer.client), layer.table_name) for _, layer in feeds)
     started = []
-    for index, layer in model._dlt_pull_ahead_feeds:
+    for index, layer in feeds:
         ids = flat[index]
         if isinstance(ids, tf.RaggedTensor):
             ids = ids.flat_values
@@ -227,6 +230,7 @@ def _start_pulls(model: keras.Model, *element: Any) -> Any:
                 training=True,
                 missing="zeros",
                 refresh=model._dlt_pull_ahead_refresh,
+                pulls_per_batch=per_batch[(id(layer.client), layer.table_name)],
             )
         )
     with tf.control_dependencies(started):

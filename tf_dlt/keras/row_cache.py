@@ -10,6 +10,7 @@ again, once it is `max_staleness_steps` lookups or `max_staleness_ms` old.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import keras
@@ -92,9 +93,39 @@ def hot_row_cache(
                 f"hot_row_cache: layer {layer.name!r} is not built yet; build the model "
                 "(tf_dlt.transpile does) first"
             )
+    _own_clients(model, chosen)
+    for layer in chosen:
+        assert layer.client is not None
+        if layer.optimizer is None:  # the cache applies the table's optimizer: settle it
+            if not getattr(model, "compiled", False):
+                raise errors.FailedPreconditionError(
+                    f"hot_row_cache: layer {layer.name!r} follows the model's optimizer, and "
+                    f"model {model.name!r} is not compiled: compile it first (the cache applies "
+                    "pushes with the table's optimizer)"
+                )
+            layer.follow_optimizer(model.optimizer)
         ops.configure_cache(
             layer.client, layer.table_config, rows,
             max_staleness_steps=max_staleness_steps or 0,
             max_staleness_ms=max_staleness_ms or 0, min_count=min_count,
         )  # fmt: skip
     return model
+
+
+def _own_clients(model: keras.Model, chosen: list[Any]) -> None:
+    """Gives the chosen layers a client of this model's own, so the caches
+    (which live in a client) belong to this model: another model of the
+    same shards in this process, or a later one, keeps its own lookups and
+    pull-ahead. The model's step functions are traced again for it."""
+    tag = getattr(model, "_dlt_cache_client", None)
+    if tag is None:
+        tag = model._dlt_cache_client = f"hot_rows_{uuid.uuid4().hex[:12]}"
+    private: dict[str, ops.ClientResource] = {}
+    for layer in chosen:
+        client = layer.client
+        if client.embedded or client.instance == tag:
+            continue
+        if client.shared_name not in private:
+            private[client.shared_name] = client.private(tag)
+        layer.use_client(private[client.shared_name])
+        model.train_function = model.test_function = model.predict_function = None

@@ -198,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
             args.bind,
         )
         return 2
-    if not args.checkpoint_root:
+    if not args.checkpoint_root and not args.read_only and not is_loopback(args.bind):
+        # Only where it matters: others can reach the shard, and it saves
+        # and loads (a read-only shard does neither).
         log.warning(
             "no --checkpoint-root: Save and Load may use any local path or object-store URL "
             "a client names"

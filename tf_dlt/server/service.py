@@ -56,6 +56,7 @@ def table_info(table: _native.Table, tier: dict[str, Any] | None = None) -> dlt_
         rows=table.size(),
         bytes=tier["ram_bytes"],
         record_bytes=table.record_bytes,
+        provisional=table.provisional,
         policy_counters=dlt_pb2.PolicyCounters(**table.counters()),
         tier=dlt_pb2.TierInfo(
             ram_rows=tier["ram_rows"],
@@ -171,11 +172,13 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
     def CreateTable(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._writable("CreateTable")
         config = TableConfig.from_proto(request.config)
-        created = self._shard.create_table(config.to_dict())
+        created = self._shard.create_table(config.to_dict(), request.provisional)
         if created:
             log.info(
-                "created table %s (dim %d, %s)", config.name, config.dim, config.optimizer.kind
-            )
+                "created table %s (dim %d, %s%s)", config.name, config.dim,
+                config.optimizer.kind, ", until the trainer's optimizer is known"
+                if request.provisional else "",
+            )  # fmt: skip
         return dlt_pb2.CreateTableResponse(created=created)
 
     @_handler

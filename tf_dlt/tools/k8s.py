@@ -208,6 +208,9 @@ def trainer_job(spec: JobSpec) -> dict[str, Any]:
     token_mounts, token_volumes = _token_volume(spec)
     env.append({"name": "TF_CONFIG", "value": spec.tf_config()})
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
+    if spec.token_secret:
+        # Clients given no token read it (tf_dlt.Client and the ops alike).
+        env.append({"name": "TF_DLT_AUTH_TOKEN_FILE", "value": "/etc/tf-dlt/token"})
     wait = (
         f"until tf-dlt stats --pservers {','.join(spec.ps_addresses())}"
         + (" --auth-token-file /etc/tf-dlt/token" if spec.token_secret else "")

@@ -123,11 +123,13 @@ void ClientResource::Schedule(std::function<void()> fn) {
 }
 
 void ClientResource::PullAheadOf(const std::string& table, uint32_t dim, dlt::PullMode mode,
-                                 const int64_t* ids, size_t n, bool refresh) {
+                                 const int64_t* ids, size_t n, bool refresh,
+                                 uint32_t pulls_per_batch) {
   // A cached table's lookup serves its hot rows from the cache and pulls
   // the rest itself (docs/keras.md).
   if (CacheOf(table) != nullptr) return;
-  std::shared_ptr<dlt::PulledAhead> pulled = pull_ahead_.Begin(table, mode, dim, ids, n, refresh);
+  std::shared_ptr<dlt::PulledAhead> pulled =
+      pull_ahead_.Begin(table, mode, dim, ids, n, refresh, pulls_per_batch);
   Ref();
   Schedule([this, pulled]() {
     const absl::Status status = Pull(pulled->table(), pulled->dim(), pulled->unique().data(),

@@ -79,9 +79,9 @@ class ClientResource : public ResourceBase {
                       const float* values, size_t n);
   // Starts pulling the distinct ids of a batch (`n` ids, copied) on the
   // worker threads, for a later lookup of the same ids (TakePulledAhead);
-  // `refresh` as dlt::PullAhead::Begin.
+  // `refresh` and `pulls_per_batch` as dlt::PullAhead::Begin.
   void PullAheadOf(const std::string& table, uint32_t dim, dlt::PullMode mode, const int64_t* ids,
-                   size_t n, bool refresh);
+                   size_t n, bool refresh, uint32_t pulls_per_batch = 1);
   // The pull ahead of exactly these ids, taken out; null if none waits. Every
   // push or assignment by this client that completed after it began marked
   // the ids it touched stale (PulledAhead::StaleIds).

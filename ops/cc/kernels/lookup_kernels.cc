@@ -281,6 +281,9 @@ class PullAheadOp : public OpKernel {
   explicit PullAheadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &table_, &dim_, &mode_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("refresh", &refresh_));
+    int64_t pulls_per_batch = 1;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pulls_per_batch", &pulls_per_batch));
+    pulls_per_batch_ = static_cast<uint32_t>(pulls_per_batch);
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -293,7 +296,7 @@ class PullAheadOp : public OpKernel {
         ctx, ids.NumElements() < (int64_t{1} << 31),
         errors::InvalidArgument("at most 2^31-1 ids per PullAhead, got ", ids.NumElements()));
     client->PullAheadOf(table_, dim_, mode_, ids.flat<int64_t>().data(), ids.NumElements(),
-                        refresh_);
+                        refresh_, pulls_per_batch_);
   }
 
  private:
@@ -301,6 +304,7 @@ class PullAheadOp : public OpKernel {
   uint32_t dim_ = 0;
   dlt::PullMode mode_ = dlt::PullMode::kInsert;
   bool refresh_ = true;
+  uint32_t pulls_per_batch_ = 1;
 };
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>Lookup").Device(DEVICE_CPU), LookupOp);

@@ -86,6 +86,7 @@ REGISTER_OP("Dlt>PullAhead")
     .Attr("training: bool = true")
     .Attr("missing: {'init', 'zeros'} = 'init'")
     .Attr("refresh: bool = true")
+    .Attr("pulls_per_batch: int >= 1 = 1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->input(1));
@@ -97,7 +98,11 @@ Starts pulling the rows of `ids` for a later Dlt>Lookup of exactly these ids
 clients only; an embedded client just returns `ids`. With refresh, every id
 this client pushes or assigns while the pull waits is pulled again, ahead on
 the client's worker threads, and the lookup that takes the rows pulls what
-is still stale then; without, it uses the rows as pulled.
+is still stale then; without, it uses the rows as pulled. A lookup drops
+the table's pulls of earlier batches that no lookup took; a batch is
+`pulls_per_batch` consecutive pulls of the table (2 for a table that two
+model inputs share), so the lookups of one batch never drop each other's
+pulls.
 )doc");
 
 REGISTER_OP("Dlt>LookupGrad")

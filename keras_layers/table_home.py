@@ -1,0 +1,140 @@
+"""Where a layer's table lives, and for how long: creating it in the
+process's embedded shard or on shard servers, settling its optimizer, and
+the embedded tables' lifetime across Keras sessions.
+
+- A layer following the model's optimizer creates its table before the
+  optimizer is known (a *provisional* table, SGD until then); the first
+  training step settles it with the compiled optimizer's server-side form.
+  The shard replaces a provisional table nothing trained yet, in one step
+  (rows kept, fresh slots): both `build -> compile -> fit` and
+  `build -> transpile -> compile -> fit` work, and trainers racing agree.
+- An embedded table belongs to the Keras session (`keras.backend.
+  clear_session()` starts a new one) in which a layer made it. In a later
+  session, a layer of the same table name takes it when the configs are the
+  same, and gets a fresh table otherwise (the old rows are dropped, as a new
+  `keras.layers.Embedding` starts from fresh weights). In the same session a
+  different config is an error naming both and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+from tf_dlt import dlt_ops as ops
+from tf_dlt import embedded, errors
+from tf_dlt.client import Client
+from tf_dlt.table_config import TableConfig, difference
+
+# The Keras session each embedded table was made in (table name -> marker).
+_made_in: dict[str, Any] = {}
+
+
+class _Session:
+    """A marker object kept in Keras's global state: a new one after each
+    `keras.backend.clear_session()`."""
+
+
+def _session() -> Any:
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:  # pragma: no cover - Keras without that module
+        return None
+    return global_state.get_global_attribute("tf_dlt_session", _Session(), set_to_default=True)
+
+
+def control_client(client: ops.ClientResource) -> Client:
+    """A control-plane client of the shards `client` reaches: TF_DLT_PSERVERS
+    re-points both, and without a token of this process both read
+    TF_DLT_AUTH_TOKEN_FILE."""
+    override = os.environ.get(ops.PSERVERS_ENV, "")
+    addresses = [a for a in override.split(",") if a.strip()] or client.pservers
+    return Client(addresses, auth_token=client.auth_token)
+
+
+def create(layer: str, config: TableConfig, client: ops.ClientResource, provisional: bool) -> bool:
+    """Creates `config`'s table where `client` points; returns True when the
+    table was taken from an earlier Keras session (embedded only)."""
+    if not client.embedded:
+        with control_client(client) as control:
+            try:
+                control.create_table_from_config(config, provisional=provisional)
+            except errors.AlreadyExistsError as e:
+                raise errors.AlreadyExistsError(
+                    f"layer {layer!r}: {e}. Name the layer (or its table_name=) differently, or "
+                    f"drop the shards' table first (tf_dlt.Client(...).drop_table({config.name!r}"
+                    "), which loses its rows)"
+                ) from None
+        return False
+    session = _session()
+    earlier = config.name in _made_in and _made_in[config.name]() is not session
+    try:
+        made = embedded.create_table(config, provisional=provisional)
+    except errors.AlreadyExistsError:
+        if not earlier:  # this session's, or not a layer's (tf_dlt.load, the user's)
+            raise _conflict(layer, config, provisional) from None
+        embedded.drop_table(config.name)  # an earlier session's table
+        made = embedded.create_table(config, provisional=provisional)
+    if made or config.name not in _made_in or earlier:
+        _made_in[config.name] = weakref.ref(session) if session is not None else lambda: None
+    return earlier and not made
+
+
+def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: bool) -> None:
+    """Gives the table the optimizer of `config` (which knows it). `fresh`:
+    the table came from an earlier Keras session, so one trained with
+    another optimizer is replaced by a fresh one instead of refused."""
+    try:
+        _settle(config, client)
+        return
+    except errors.AlreadyExistsError as e:
+        if fresh and client.embedded:
+            embedded.drop_table(config.name)
+            create(layer, config, client, provisional=False)
+            return
+        trained = "was trained" in str(e)  # the shard's word for pushes applied
+        have = _existing(config.name, client)
+    kind = have.optimizer.kind if have is not None else "another optimizer"
+    how = "was trained with" if trained else "was settled by another trainer (or model) with"
+    raise errors.FailedPreconditionError(
+        f"table {config.name!r} {how} {kind}; this model is compiled for "
+        f"{config.optimizer.kind}: give layer {layer!r} optimizer={kind!r} to keep training it, "
+        "start from a checkpoint saved with the new optimizer, or drop the table "
+        f"(tf_dlt.embedded.drop_table / tf_dlt.Client.drop_table({config.name!r}), which loses "
+        "its rows) to train it afresh"
+    )
+
+
+def _settle(config: TableConfig, client: ops.ClientResource) -> None:
+    """The shard's CreateTable that knows the optimizer: AlreadyExistsError
+    as the shard words it (saying whether the table was trained)."""
+    if client.embedded:
+        embedded.create_table(config)
+        return
+    with control_client(client) as control:
+        control.create_table_from_config(config)
+
+
+def _existing(name: str, client: ops.ClientResource) -> TableConfig | None:
+    if client.embedded:
+        return TableConfig.from_dict(embedded.table(name).config)
+    with control_client(client) as control:
+        entry = control.list_tables().get(name)
+    return None if entry is None else entry["config"]
+
+
+def _conflict(layer: str, config: TableConfig, provisional: bool) -> errors.AlreadyExistsError:
+    have = TableConfig.from_dict(embedded.table(config.name).config)
+    wanted = config.to_dict()
+    if provisional:
+        wanted["optimizer"] = have.to_dict()["optimizer"]  # not known yet: not a difference
+    return errors.AlreadyExistsError(
+        f"layer {layer!r} wants the embedded table {config.name!r}, which exists with another "
+        f"config (existing vs wanted: {difference(have.to_dict(), wanted)}), made in this Keras "
+        f"session by another layer or by tf_dlt.embedded / tf_dlt.load. Give "
+        f"this layer another name (or table_name=); or call keras.backend.clear_session() "
+        f"before building the new model (a layer built after it gets a fresh table where the "
+        f"config differs); or drop the old table, losing its rows: "
+        f"tf_dlt.embedded.drop_table({config.name!r})"
+    )

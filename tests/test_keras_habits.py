@@ -1,0 +1,320 @@
+"""What Keras users habitually do, beyond the documented path: save with
+`model.save("m.keras")` and load in a fresh process after `import tf_dlt`
+alone, compile before or after transpiling, rebuild models in one process
+(notebooks, `keras.backend.clear_session()`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dlt
+from tf_dlt import embedded, errors
+from tf_dlt.layers import Embedding
+
+from conftest import Cluster
+
+DIM = 4
+
+
+def _model(name: str, *, initializer: str = "uniform", optimizer: str | None = None) -> keras.Model:
+    ids = keras.Input((3,), dtype="int64")
+    emb = Embedding(
+        output_dim=DIM, is_distributed=True, embeddings_initializer=initializer,
+        optimizer=optimizer, learning_rate=0.1 if optimizer else None, name=name,
+    )  # fmt: skip
+    out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Flatten()(emb(ids)))
+    return keras.Model(ids, out)
+
+
+def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 50, (256, 3))
+    return x, (x[:, 0] % 2).astype("float32")
+
+
+def _run(code: str, *args: str, env: dict[str, str] | None = None) -> None:
+    """Runs `code` in a fresh Python process (outside the checkout)."""
+    subprocess.run(
+        [sys.executable, "-c", code, *args], check=True, timeout=300, cwd="/",
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})},
+    )  # fmt: skip
+
+
+_LOAD_AND_PREDICT = """
+import sys
+{imports}
+import numpy as np
+model = keras.models.load_model(sys.argv[1])
+np.save(sys.argv[3], model.predict(np.load(sys.argv[2]), verbose=0))
+if len(sys.argv) > 4:  # training goes on from the file's rows and optimizer state
+    rows = tf_dlt.embedded.rows("{table}")
+    np.save(sys.argv[4], np.concatenate([rows[1], rows[2]], axis=1))
+"""
+
+
+@pytest.mark.parametrize("imports", ["import tf_dlt\nimport keras", "import keras\nimport tf_dlt"])
+def test_a_keras_file_of_an_embedded_model_carries_its_rows(imports: str, tmp_path: Path) -> None:
+    """model.save(".keras") + keras.models.load_model in a fresh process
+    after `import tf_dlt` (before or after keras): the same predictions, and
+    the rows come back with their optimizer slots (Adagrad accumulators)."""
+    table = "habit_saved_" + ("a" if imports.startswith("import tf_dlt") else "b")
+    model = _model(table)
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    x, y = _data()
+    model.fit(x, y, epochs=2, verbose=0)
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x[:16])
+    code = _LOAD_AND_PREDICT.format(imports=imports, table=table)
+    _run(code, str(tmp_path / "m.keras"), str(tmp_path / "x.npy"), str(tmp_path / "p.npy"),
+         str(tmp_path / "rows.npy"))  # fmt: skip
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), model.predict(x[:16], verbose=0))
+    _, values, slots, _ = embedded.rows(table)
+    saved = np.concatenate([values, slots], axis=1)
+    np.testing.assert_array_equal(np.load(tmp_path / "rows.npy"), saved)
+
+
+def test_a_keras_file_reloaded_in_process_trains_on_with_the_same_state(tmp_path: Path) -> None:
+    model = _model("habit_reloaded")
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    before = embedded.rows("habit_reloaded")
+    model.fit(x, y, epochs=1, verbose=0)  # moves the rows on
+    loaded = keras.models.load_model(tmp_path / "m.keras")  # puts the saved rows back
+    for saved, now in zip(before, embedded.rows("habit_reloaded"), strict=True):
+        np.testing.assert_array_equal(saved, now)
+    loaded.fit(x, y, epochs=1, verbose=0)  # the saved Adagrad state, settled again
+    assert embedded.table("habit_reloaded").config["optimizer"]["kind"] == "keras_adagrad"
+
+
+def test_a_keras_file_of_a_model_on_shards_predicts_where_the_shards_are(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """The file holds the layer's config with the shard addresses (never a
+    token) and the dense weights; loaded in a fresh process it reads the
+    rows on the shards."""
+    cluster = start_cluster(2, token="habit-token")
+    model = _model("habit_remote")
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    model = tf_dlt.transpile(model, cluster.addresses, auth_token=cluster.token)
+    x, y = _data()
+    model.fit(x, y, epochs=2, verbose=0)
+    model.save(tmp_path / "m.keras")
+    assert b"habit-token" not in (tmp_path / "m.keras").read_bytes()
+    np.save(tmp_path / "x.npy", x[:16])
+    token_file = tmp_path / "token"
+    token_file.write_text(cluster.token)
+    expected = model.predict(x[:16], verbose=0)
+    code = _LOAD_AND_PREDICT.format(imports="import tf_dlt, keras", table="habit_remote")
+    code += "model.fit(np.load(sys.argv[2]), np.ones(16), verbose=0)\n"  # trains on, same table
+    _run(code, str(tmp_path / "m.keras"), str(tmp_path / "x.npy"), str(tmp_path / "p.npy"),
+         env={"TF_DLT_AUTH_TOKEN_FILE": str(token_file)})  # fmt: skip
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), expected)
+    assert not np.allclose(model.predict(x[:16], verbose=0), expected)  # its pushes landed
+
+
+def test_an_embedded_keras_file_refuses_a_layer_on_shards_rather_than_differ(
+    tmp_path: Path,
+) -> None:
+    model = _model("habit_no_rows")
+    model.compile(optimizer="adagrad", loss="binary_crossentropy")
+    model.save(tmp_path / "m.keras")
+    layer = model.get_layer("habit_no_rows")
+    store: dict[str, np.ndarray] = {}
+    layer.save_own_variables(store)
+    assert {"table_ids", "table_values", "table_config"} <= set(store)
+    del store["table_ids"], store["table_values"], store["table_slots"], store["table_steps"]
+    del store["table_config"]
+    with pytest.raises(errors.FailedPreconditionError, match="holds none"):
+        layer.load_own_variables(store)
+
+
+@pytest.mark.parametrize("order", ["compile_then_transpile", "transpile_then_compile"])
+def test_both_compile_orders_train_on_shards_with_the_compiled_optimizer(
+    order: str, start_cluster: Callable[..., Cluster]
+) -> None:
+    cluster = start_cluster(2)
+    model = _model("habit_order")
+
+    def compile_args() -> dict[str, object]:
+        return {"optimizer": keras.optimizers.Adagrad(0.5), "loss": "binary_crossentropy"}
+
+    if order == "compile_then_transpile":
+        model.compile(**compile_args())
+        model = tf_dlt.transpile(model, cluster.addresses)
+    else:
+        model = tf_dlt.transpile(model, cluster.addresses)
+        with cluster.client() as client:
+            info = client.list_tables()["habit_order"]
+            assert info["config"].optimizer.kind == "sgd"  # until the optimizer is known
+        model.compile(**compile_args())
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    with cluster.client() as client:
+        assert client.list_tables()["habit_order"]["config"].optimizer.kind == "keras_adagrad"
+    # A second trainer doing the same agrees; one compiled otherwise is refused.
+    again = tf_dlt.transpile(_model("habit_order"), cluster.addresses)
+    again.compile(**compile_args())
+    again.fit(x, y, epochs=1, verbose=0)
+    other = tf_dlt.transpile(_model("habit_order"), cluster.addresses)
+    other.compile(optimizer="adam", loss="binary_crossentropy")
+    with pytest.raises(errors.FailedPreconditionError, match="was trained with keras_adagrad"):
+        other.fit(x, y, epochs=1, verbose=0)
+
+
+def test_racing_creates_of_a_provisional_table_agree(start_cluster: Callable[..., Cluster]) -> None:
+    cluster = start_cluster(2)
+    config = tf_dlt.TableConfig.create("habit_race", DIM, "zeros", "sgd", 0)
+    adagrad = tf_dlt.TableConfig.create("habit_race", DIM, "zeros", "adagrad", 0)
+    adam = tf_dlt.TableConfig.create("habit_race", DIM, "zeros", "adam", 0)
+    with cluster.client() as first, cluster.client() as second:
+        first.create_table_from_config(config, provisional=True)
+        first.assign("habit_race", np.arange(10), np.ones((10, DIM), np.float32))
+        second.create_table_from_config(adam, provisional=True)  # takes it as it is
+        assert first.list_tables()["habit_race"]["config"].optimizer.kind == "sgd"
+        first.create_table_from_config(adagrad)  # settles it, rows kept
+        with pytest.raises(errors.AlreadyExistsError, match="adagrad.*cannot create.*adam"):
+            second.create_table_from_config(adam)
+        second.create_table_from_config(adagrad)  # agrees
+        info = first.list_tables()["habit_race"]
+        assert info["config"].optimizer.kind == "adagrad" and info["rows"] == 10
+        np.testing.assert_array_equal(
+            first.pull("habit_race", np.arange(10), training=False), np.ones((10, DIM))
+        )
+
+
+def test_a_multi_trainer_compile_config_round_trips() -> None:
+    """DenseOnShards sits in the compile config: it is registered, and a
+    model compiled with it saves and loads its compile config."""
+    optimizer = tf_dlt.DenseOnShards(["127.0.0.1:1"], "adagrad", 0.01, table="habit_dense")
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert isinstance(again, tf_dlt.DenseOnShards)
+    assert again.pservers == ["127.0.0.1:1"] and again.table_config == optimizer.table_config
+
+
+def test_after_clear_session_a_new_layer_of_the_same_name_gets_a_fresh_table() -> None:
+    """Notebook habits: rebuilding after keras.backend.clear_session() with
+    another initializer or optimizer gets a fresh table; with the same
+    config it reuses the old rows; in one session a different config is an
+    error naming the table, both configs and what to do."""
+    x, y = _data()
+    first = _model("habit_notebook", initializer="zeros")
+    first.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    first.fit(x, y, epochs=1, verbose=0)
+    trained = embedded.rows("habit_notebook")[1]
+    refused = "habit_notebook.*clear_session.*drop_table"
+    with pytest.raises(errors.AlreadyExistsError, match=refused):
+        _model("habit_notebook", initializer="ones")
+    keras.backend.clear_session()
+    same = _model("habit_notebook", initializer="zeros")  # same config: the rows stay
+    np.testing.assert_array_equal(embedded.rows("habit_notebook")[1], trained)
+    same.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
+    same.fit(x, y, epochs=1, verbose=0)  # another optimizer: a fresh table
+    assert embedded.table("habit_notebook").config["optimizer"]["kind"] == "adam"
+    keras.backend.clear_session()
+    other = _model("habit_notebook", initializer="ones")  # another initializer: fresh
+    other.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    other.predict(x[:4], verbose=0)
+    assert embedded.table("habit_notebook").size() == 0
+    other.fit(x, y, epochs=1, verbose=0)
+    assert embedded.table("habit_notebook").config["optimizer"]["kind"] == "keras_adagrad"
+
+
+def _sequential(name: str, with_input: bool) -> keras.Sequential:
+    layers = [
+        Embedding(output_dim=DIM, is_distributed=True, name=name),
+        keras.layers.Flatten(),
+        keras.layers.Dense(1, activation="sigmoid"),
+    ]
+    if with_input:
+        layers.insert(0, keras.Input((3,), dtype="int64"))
+    return keras.Sequential(layers)
+
+
+@pytest.mark.parametrize("with_input", [True, False], ids=["input", "no_input"])
+def test_sequential_models_with_and_without_an_input_train_on_both_homes(
+    with_input: bool, start_cluster: Callable[..., Cluster]
+) -> None:
+    cluster = start_cluster(2)
+    x, y = _data()
+    name = f"habit_seq_{int(with_input)}"
+    local = _sequential(name, with_input)
+    local.compile(optimizer="adagrad", loss="binary_crossentropy")
+    local.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    unbuilt = _sequential(name + "_remote", with_input)
+    unbuilt.compile(optimizer="adagrad", loss="binary_crossentropy")
+    for model in (tf_dlt.transpile(local, cluster.addresses),
+                  tf_dlt.transpile(unbuilt, cluster.addresses)):  # fmt: skip
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        assert model.evaluate(x, y, verbose=0) > 0
+    remote = tf_dlt.transpile(local, cluster.addresses)
+    np.testing.assert_allclose(
+        remote.predict(x[:8], verbose=0), local.predict(x[:8], verbose=0), atol=1e-6
+    )
+
+
+def test_a_hot_row_cache_belongs_to_its_model(start_cluster: Callable[..., Cluster]) -> None:
+    """A cache lives in the model's own client: a later model of the same
+    shards in the process keeps pulling ahead (it once found the cache of
+    the first and silently pulled nothing ahead)."""
+    cluster = start_cluster(2)
+    x, y = _data()
+    cached = tf_dlt.transpile(_model("habit_cached"), cluster.addresses)
+    cached.compile(optimizer="adagrad", loss="binary_crossentropy")
+    tf_dlt.hot_row_cache(cached, rows=1000)
+    cached.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    layer = cached.get_layer("habit_cached")
+    assert tf_dlt.ops.client_stats(layer.client)["cache_hits"] > 0
+    later = tf_dlt.transpile(_model("habit_cached"), cluster.addresses)
+    later.compile(optimizer="adagrad", loss="binary_crossentropy")
+    tf_dlt.pull_ahead(later)
+    later.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    stats = tf_dlt.ops.client_stats(later.get_layer("habit_cached").client)
+    assert stats["pulls_ahead_used"] == len(x) // 32 and stats["cache_hits"] == 0
+
+
+def test_a_gpu_scope_on_a_machine_without_one_runs_the_ops_on_the_cpu() -> None:
+    """On a GPU machine the ops (CPU kernels only) are placed on the CPU;
+    here, without a GPU, a GPU scope must fall back as cleanly."""
+    assert not tf.config.list_physical_devices("GPU")
+    x, y = _data()
+    with tf.device("/GPU:0"):
+        model = _model("habit_gpu")
+        model.compile(optimizer="adagrad", loss="binary_crossentropy")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        rows = model.get_layer("habit_gpu")(tf.constant(x[:4]))
+    assert rows.device.endswith("CPU:0")
+    assert embedded.table("habit_gpu").size() > 0
+
+
+def test_model_summary_shows_what_a_distributed_table_is() -> None:
+    model = _model("habit_summary")
+    lines: list[str] = []
+    model.summary(print_fn=lambda line, *args, **kwargs: lines.append(line))
+    assert "2 + table dim" in "".join(lines)  # the cell wraps
+    layer = model.get_layer("habit_summary")
+    assert f"{layer.count_params():,}" == "2 + table dim 4, embedded"  # as summary formats it
+    assert int(layer.count_params()) == 2  # Keras's totals count the weights
+
+
+def test_a_keras_file_saved_before_training_still_takes_the_compiled_optimizer(
+    tmp_path: Path,
+) -> None:
+    model = _model("habit_untrained")
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    model.save(tmp_path / "m.keras")  # its table is still provisional (SGD)
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    loaded.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy")
+    x, y = _data()
+    loaded.fit(x, y, epochs=1, verbose=0)
+    assert embedded.table("habit_untrained").config["optimizer"]["kind"] == "adam"
