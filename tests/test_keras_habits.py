@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,8 +118,24 @@ def test_a_keras_file_of_a_model_on_shards_predicts_where_the_shards_are(
     expected = model.predict(x[:16], verbose=0)
     code = _LOAD_AND_PREDICT.format(imports="import tf_dlt, keras", table="habit_remote")
     code += "model.fit(np.load(sys.argv[2]), np.ones(16), verbose=0)\n"  # trains on, same table
-    _run(code, str(tmp_path / "m.keras"), str(tmp_path / "x.npy"), str(tmp_path / "p.npy"),
-         env={"TF_DLT_AUTH_TOKEN_FILE": str(token_file)})  # fmt: skip
+    code += "import os\n"
+    code += "assert model.get_layer('habit_remote').client.pservers == (\n"
+    code += "    os.environ['TF_DLT_PSERVERS'].split(','))\n"
+    # The file names dead addresses; TF_DLT_PSERVERS re-points the loaded model.
+    with zipfile.ZipFile(tmp_path / "m.keras") as original:
+        files = {n: original.read(n) for n in original.namelist()}
+    dead = ["127.0.0.1:1", "127.0.0.1:2"]
+    config = files["config.json"].decode()
+    assert all(address in config for address in cluster.addresses)  # where the rows are
+    for live, gone in zip(cluster.addresses, dead, strict=True):
+        config = config.replace(live, gone)
+    files["config.json"] = config.encode()
+    with zipfile.ZipFile(tmp_path / "moved.keras", "w") as moved:
+        for n, data in files.items():
+            moved.writestr(n, data)
+    _run(code, str(tmp_path / "moved.keras"), str(tmp_path / "x.npy"), str(tmp_path / "p.npy"),
+         env={"TF_DLT_AUTH_TOKEN_FILE": str(token_file),
+              "TF_DLT_PSERVERS": ",".join(cluster.addresses)})  # fmt: skip
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), expected)
     assert not np.allclose(model.predict(x[:16], verbose=0), expected)  # its pushes landed
 
