@@ -302,8 +302,14 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         config = dataclasses.replace(self.table_config, optimizer=wanted)
         if self.built and self.client is not None:
             with tf.init_scope():
-                table_home.settle(self.name, config, self.client, self._from_earlier_session)
+                fresh = table_home.settle(
+                    self.name, config, self.client, self._from_earlier_session
+                )
+                self.table_config = config
+                if fresh:  # an earlier session's table gave way to an empty one
+                    self._upload_initial_weights()
             self._settled = True
+            self._from_earlier_session = False  # ours now: never thrown away again
         self.table_config = config
 
     # Forward ---------------------------------------------------------------
@@ -648,6 +654,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             embedded.shard().install_tables([table])
         self.table_config = config
         self._settled = False
+        self._from_earlier_session = False
 
 
 class _TableParams(int):

@@ -31,17 +31,14 @@ from tf_dlt.table_config import TableConfig, difference
 _made_in: dict[str, Any] = {}
 
 
-class _Session:
-    """A marker object kept in Keras's global state: a new one after each
-    `keras.backend.clear_session()`."""
-
-
 def _session() -> Any:
+    """The Keras session: the process-wide state object that
+    `keras.backend.clear_session()` replaces (the same in every thread)."""
     try:
         from keras.src.backend.common import global_state
     except ImportError:  # pragma: no cover - Keras without that module
         return None
-    return global_state.get_global_attribute("tf_dlt_session", _Session(), set_to_default=True)
+    return global_state.GLOBAL_STATE_TRACKER
 
 
 def control_client(client: ops.ClientResource) -> Client:
@@ -81,18 +78,19 @@ def create(layer: str, config: TableConfig, client: ops.ClientResource, provisio
     return earlier and not made
 
 
-def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: bool) -> None:
+def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: bool) -> bool:
     """Gives the table the optimizer of `config` (which knows it). `fresh`:
-    the table came from an earlier Keras session, so one trained with
-    another optimizer is replaced by a fresh one instead of refused."""
+    the table came from an earlier Keras session (and this layer has not
+    settled it yet), so one trained with another optimizer is replaced by
+    a fresh, empty one instead of refused; returns True then."""
     try:
         _settle(config, client)
-        return
+        return False
     except errors.AlreadyExistsError as e:
         if fresh and client.embedded:
             embedded.drop_table(config.name)
             create(layer, config, client, provisional=False)
-            return
+            return True
         trained = "was trained" in str(e)  # the shard's word for pushes applied
         have = _existing(config.name, client)
     kind = have.optimizer.kind if have is not None else "another optimizer"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,12 +63,20 @@ if len(sys.argv) > 4:  # training goes on from the file's rows and optimizer sta
 """
 
 
-@pytest.mark.parametrize("imports", ["import tf_dlt\nimport keras", "import keras\nimport tf_dlt"])
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import tf_dlt\nimport keras",
+        "import keras\nimport tf_dlt",
+        "import tf_dlt\nimport tensorflow\nimport keras",  # TF probes for keras first
+    ],
+    ids=["tf_dlt_first", "keras_first", "tensorflow_between"],
+)
 def test_a_keras_file_of_an_embedded_model_carries_its_rows(imports: str, tmp_path: Path) -> None:
     """model.save(".keras") + keras.models.load_model in a fresh process
     after `import tf_dlt` (before or after keras): the same predictions, and
     the rows come back with their optimizer slots (Adagrad accumulators)."""
-    table = "habit_saved_" + ("a" if imports.startswith("import tf_dlt") else "b")
+    table = f"habit_saved_{len(imports)}"
     model = _model(table)
     model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
     x, y = _data()
@@ -335,3 +344,47 @@ def test_a_keras_file_saved_before_training_still_takes_the_compiled_optimizer(
     x, y = _data()
     loaded.fit(x, y, epochs=1, verbose=0)
     assert embedded.table("habit_untrained").config["optimizer"]["kind"] == "adam"
+
+
+def test_a_table_taken_from_an_earlier_session_is_kept_once_this_session_trained_it() -> None:
+    """Fresh-after-clear_session applies to the first settle only: once this
+    session trained the table, another optimizer is refused, never a silent
+    empty table. A fresh table gets the layer's `weights=` again."""
+    x, y = _data()
+    weights = np.full((50, DIM), 7.0, np.float32)
+
+    def model(optimizer: keras.optimizers.Optimizer) -> keras.Model:
+        ids = keras.Input((3,), dtype="int64")
+        emb = Embedding(50, DIM, is_distributed=True, weights=weights, name="habit_kept")
+        out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Flatten()(emb(ids)))
+        built = keras.Model(ids, out)
+        built.compile(optimizer=optimizer, loss="binary_crossentropy")
+        return built
+
+    model(keras.optimizers.SGD(0.1)).fit(x, y, epochs=1, verbose=0)
+    keras.backend.clear_session()
+    fresh = model(keras.optimizers.SGD(0.1, momentum=0.9))  # another optimizer: fresh table
+    fresh.fit(x[:1], y[:1], batch_size=1, epochs=1, verbose=0)
+    _, values, _, steps = embedded.rows("habit_kept")
+    assert steps.sum() == 3 and np.sum(np.abs(values - 7.0) < 0.5) >= len(values) - 3
+    fresh.fit(x, y, epochs=1, verbose=0)
+    fresh.compile(optimizer=keras.optimizers.Adam(), loss="binary_crossentropy")
+    with pytest.raises(errors.FailedPreconditionError, match="was trained with momentum"):
+        fresh.fit(x, y, epochs=1, verbose=0)
+    assert embedded.rows("habit_kept")[3].sum() > 3  # still the trained table
+
+
+def test_a_conflicting_layer_in_another_thread_of_the_session_is_refused() -> None:
+    _model("habit_threads", initializer="zeros")
+    failures: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            _model("habit_threads", initializer="ones")
+        except BaseException as e:  # noqa: BLE001 - reported to the test thread
+            failures.append(e)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert len(failures) == 1 and isinstance(failures[0], errors.AlreadyExistsError)

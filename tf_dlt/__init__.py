@@ -142,19 +142,30 @@ def _register_keras_objects() -> None:
 
 
 class _AfterKeras(importlib.abc.MetaPathFinder):
-    """Runs _register_keras_objects once the import of Keras has finished."""
+    """Runs _register_keras_objects once the import of Keras has finished.
+    Stays on sys.meta_path until that import really runs: a mere probe
+    (`importlib.util.find_spec("keras")`, as TensorFlow makes) is answered
+    with a spec that is never executed."""
+
+    def __init__(self) -> None:
+        self._finding = False
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "keras":
+        if fullname != "keras" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         exec_module = loader.exec_module
 
         def exec_then_register(module: Any) -> None:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             exec_module(module)
             _register_keras_objects()
 

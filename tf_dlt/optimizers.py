@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tf_dlt import _spec
+from tf_dlt import _spec, errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Momentum(Optimizer):
     velocity holds the learning rate, as Keras's does.
 
     Args:
-        momentum: in [0, 1).
+        momentum: in [0, 1].
         nesterov: Nesterov momentum.
     """
 
@@ -127,6 +127,10 @@ class Momentum(Optimizer):
     nesterov: bool = False
 
     def __post_init__(self) -> None:
+        if self.nesterov not in (0, 1):  # True, False, 1.0, 0.0
+            raise errors.InvalidArgumentError(
+                f"nesterov must be a bool (or 0 / 1), got {self.nesterov!r}"
+            )
         object.__setattr__(self, "nesterov", bool(self.nesterov))
 
     def to_dict(self) -> dict[str, Any]:

@@ -346,36 +346,52 @@ void Shard::StopSweeper() {
 Status Shard::CreateTable(const TableConfig& config, bool* created, bool provisional) {
   *created = false;
   DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
-  std::unique_lock<std::shared_mutex> lock(mu_);
-  auto it = tables_.find(config.name);
-  if (it == tables_.end()) {
-    std::shared_ptr<Table> table = NewTable(config);
-    table->set_provisional(provisional);
-    tables_.emplace(config.name, std::move(table));
-    *created = true;
-    return OkStatus();
-  }
-  Table& have = *it->second;
-  if (SameTable(have.config(), config)) {
-    if (!provisional) have.set_provisional(false);
-    return OkStatus();
-  }
-  TableConfig other_optimizer = have.config();
-  other_optimizer.optimizer = config.optimizer;
-  const bool only_optimizer = SameTable(other_optimizer, config);
-  if (only_optimizer && provisional) return OkStatus();  // takes the existing table
-  if (only_optimizer && have.provisional() && have.pushes() == 0) {
+  while (true) {
+    std::shared_ptr<Table> old;
+    uint64_t writes = 0;
+    {
+      std::unique_lock<std::shared_mutex> lock(mu_);
+      auto it = tables_.find(config.name);
+      if (it == tables_.end()) {
+        std::shared_ptr<Table> table = NewTable(config);
+        table->set_provisional(provisional);
+        tables_.emplace(config.name, std::move(table));
+        *created = true;
+        return OkStatus();
+      }
+      Table& have = *it->second;
+      if (SameTable(have.config(), config)) {
+        if (!provisional) have.set_provisional(false);
+        return OkStatus();
+      }
+      TableConfig other_optimizer = have.config();
+      other_optimizer.optimizer = config.optimizer;
+      const bool only_optimizer = SameTable(other_optimizer, config);
+      if (only_optimizer && provisional) return OkStatus();  // takes the existing table
+      if (!only_optimizer || !have.provisional() || have.pushes() != 0) {
+        std::string why = " exists";
+        if (only_optimizer && have.pushes() != 0) {
+          why = " exists and was trained (" + std::to_string(have.pushes()) + " pushes)";
+        }
+        return AlreadyExists("table " + Describe(have.config()) + why + "; cannot create " +
+                             Describe(config));
+      }
+      old = it->second;
+      writes = old->writes();
+    }
+    // The copy runs outside the shard's lock: every table's pulls and
+    // pushes go on meanwhile. It replaces the table only if nothing wrote
+    // to it since (else it decides again).
     std::shared_ptr<Table> settled = NewTable(config);
-    DLT_RETURN_IF_ERROR(CopyRows(&have, settled.get()));
-    it->second = std::move(settled);
-    *created = true;
-    return OkStatus();
+    DLT_RETURN_IF_ERROR(CopyRows(old.get(), settled.get()));
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    auto it = tables_.find(config.name);
+    if (it != tables_.end() && it->second == old && old->writes() == writes && old->provisional()) {
+      it->second = std::move(settled);
+      *created = true;
+      return OkStatus();
+    }
   }
-  std::string why = " exists";
-  if (only_optimizer && have.pushes() != 0)
-    why = " exists and was trained (" + std::to_string(have.pushes()) + " pushes)";
-  return AlreadyExists("table " + Describe(have.config()) + why + "; cannot create " +
-                       Describe(config));
 }
 
 Status Shard::CopyRows(Table* from, Table* to) {

@@ -483,6 +483,7 @@ Status Table::Assign(const int64_t* ids, const float* values, size_t n) {
 
 Status Table::Import(const int64_t* ids, const float* values, const float* slots,
                      const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk) {
+  imports_.fetch_add(1, std::memory_order_relaxed);
   const size_t bad = FirstNonFinite(values, n * config_.dim);
   if (bad < n * config_.dim) {
     return InvalidArgument("row " + std::to_string(bad / config_.dim) + " (id " +

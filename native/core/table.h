@@ -209,6 +209,9 @@ class Table {
   // Pushes applied since the table was made (a loaded table starts from
   // its checkpoint's clock): 0 while nothing trained it.
   uint64_t pushes() const { return pushes_.load(std::memory_order_relaxed); }
+  // Pushes plus assignments and imports made: changes when anything wrote
+  // rows (Shard::CreateTable re-checks it before replacing the table).
+  uint64_t writes() const { return pushes() + imports_.load(std::memory_order_relaxed); }
 
   // A provisional table was made before its optimizer was known (a Keras
   // layer following a model not yet compiled): Shard::CreateTable may still
@@ -357,6 +360,7 @@ class Table {
   std::unique_ptr<FrequencySketch> sketch_;  // Frequency admission only
   std::atomic<uint64_t> pushes_{0};
   std::atomic<bool> provisional_{false};
+  std::atomic<uint64_t> imports_{0};
   // Change tracking: the generation rows are stamped with now, and the
   // saves (or the load) tracked, newest last.
   std::atomic<uint32_t> generation_{1};

@@ -143,8 +143,8 @@ Status ValidateTableConfig(const TableConfig& c) {
     case OptimizerKind::kSgd:
       break;
     case OptimizerKind::kMomentum:
-      if (!(o.momentum >= 0 && o.momentum < 1)) {
-        return InvalidArgument(where + "momentum must be in [0, 1), got " +
+      if (!(o.momentum >= 0 && o.momentum <= 1)) {
+        return InvalidArgument(where + "momentum must be in [0, 1], got " +
                                std::to_string(o.momentum));
       }
       if (o.nesterov != 0.0f && o.nesterov != 1.0f) {

@@ -220,6 +220,7 @@ size_t PullAhead::DropAll() {
     dropped += queue.size();
   }
   waiting_.clear();
+  batches_.clear();  // the next pipeline starts its batches afresh
   counts_.dropped += dropped;
   return dropped;
 }

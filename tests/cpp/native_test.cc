@@ -332,7 +332,7 @@ DLT_TEST(TestMomentumNesterovAndWeightDecayFollowKeras) {
     EXPECT(step == 1);
   }
   TableConfig bad = Config("m", 4, OptimizerKind::kMomentum);
-  bad.optimizer.momentum = 1.0f;
+  bad.optimizer.momentum = 1.5f;
   EXPECT(ValidateTableConfig(bad).code() == Code::kInvalidArgument);
   bad.optimizer.momentum = 0.5f;
   bad.optimizer.weight_decay = -1.0f;

@@ -213,7 +213,9 @@ def _start_pulls(model: keras.Model, *element: Any) -> Any:
     feeds = model._dlt_pull_ahead_feeds
     # Pulls of one table per batch: a lookup takes its own and drops only
     # those of earlier batches, never those of the other calls of its batch.
-    per_batch = collections.Counter((id(layer.client), layer.table_name) for _, layer in feeds)
+    per_batch = collections.Counter(
+        (layer.client.shared_name, layer.table_name) for _, layer in feeds
+    )
     started = []
     for index, layer in feeds:
         ids = flat[index]
@@ -230,7 +232,7 @@ def _start_pulls(model: keras.Model, *element: Any) -> Any:
                 training=True,
                 missing="zeros",
                 refresh=model._dlt_pull_ahead_refresh,
-                pulls_per_batch=per_batch[(id(layer.client), layer.table_name)],
+                pulls_per_batch=per_batch[(layer.client.shared_name, layer.table_name)],
             )
         )
     with tf.control_dependencies(started):
