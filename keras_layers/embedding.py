@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -567,10 +566,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
         pservers = config.pop("pservers", None)
         layer = cls(**config)
-        if pservers:
-            override = os.environ.get(ops.PSERVERS_ENV, "")  # re-points a loaded model
-            pservers = [a.strip() for a in override.split(",") if a.strip()] or pservers
-            layer.use_client(ops.ClientResource(pservers))
+        if pservers:  # TF_DLT_PSERVERS re-points a loaded model
+            layer.use_client(ops.ClientResource(ops.overridden_pservers(pservers)))
         return layer
 
     # Keras saving (.keras, .weights.h5) ------------------------------------------

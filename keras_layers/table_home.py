@@ -18,7 +18,6 @@ the embedded tables' lifetime across Keras sessions.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any
 
@@ -45,24 +44,21 @@ def control_client(client: ops.ClientResource) -> Client:
     """A control-plane client of the shards `client` reaches: TF_DLT_PSERVERS
     re-points both, and without a token of this process both read
     TF_DLT_AUTH_TOKEN_FILE."""
-    override = os.environ.get(ops.PSERVERS_ENV, "")
-    addresses = [a for a in override.split(",") if a.strip()] or client.pservers
-    return Client(addresses, auth_token=client.auth_token)
+    return Client(ops.overridden_pservers(client.pservers), auth_token=client.auth_token)
 
 
 def create(layer: str, config: TableConfig, client: ops.ClientResource, provisional: bool) -> bool:
     """Creates `config`'s table where `client` points; returns True when the
     table was taken from an earlier Keras session (embedded only)."""
     if not client.embedded:
-        with control_client(client) as control:
-            try:
-                control.create_table_from_config(config, provisional=provisional)
-            except errors.AlreadyExistsError as e:
-                raise errors.AlreadyExistsError(
-                    f"layer {layer!r}: {e}. Name the layer (or its table_name=) differently, or "
-                    f"drop the shards' table first (tf_dlt.Client(...).drop_table({config.name!r}"
-                    "), which loses its rows)"
-                ) from None
+        try:
+            _create(config, client, provisional)
+        except errors.AlreadyExistsError as e:
+            raise errors.AlreadyExistsError(
+                f"layer {layer!r}: {e}. Name the layer (or its table_name=) differently, or "
+                f"drop the shards' table first (tf_dlt.Client(...).drop_table({config.name!r}"
+                "), which loses its rows)"
+            ) from None
         return False
     session = _session()
     earlier = config.name in _made_in and _made_in[config.name]() is not session
@@ -73,8 +69,7 @@ def create(layer: str, config: TableConfig, client: ops.ClientResource, provisio
             raise _conflict(layer, config, provisional) from None
         embedded.drop_table(config.name)  # an earlier session's table
         made = embedded.create_table(config, provisional=provisional)
-    if made or config.name not in _made_in or earlier:
-        _made_in[config.name] = weakref.ref(session) if session is not None else lambda: None
+    _made_in[config.name] = weakref.ref(session) if session is not None else lambda: None
     return earlier and not made
 
 
@@ -84,7 +79,7 @@ def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: b
     settled it yet), so one trained with another optimizer is replaced by
     a fresh, empty one instead of refused; returns True then."""
     try:
-        _settle(config, client)
+        _create(config, client, provisional=False)
         return False
     except errors.AlreadyExistsError as e:
         if fresh and client.embedded:
@@ -104,14 +99,14 @@ def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: b
     )
 
 
-def _settle(config: TableConfig, client: ops.ClientResource) -> None:
-    """The shard's CreateTable that knows the optimizer: AlreadyExistsError
-    as the shard words it (saying whether the table was trained)."""
+def _create(config: TableConfig, client: ops.ClientResource, provisional: bool) -> None:
+    """The shard's CreateTable: AlreadyExistsError as the shard words it
+    (saying whether the table was trained)."""
     if client.embedded:
-        embedded.create_table(config)
+        embedded.create_table(config, provisional=provisional)
         return
     with control_client(client) as control:
-        control.create_table_from_config(config)
+        control.create_table_from_config(config, provisional=provisional)
 
 
 def _existing(name: str, client: ops.ClientResource) -> TableConfig | None:

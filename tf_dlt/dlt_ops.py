@@ -62,6 +62,13 @@ def override_pservers(addresses: Sequence[str] | None) -> None:
         os.environ[PSERVERS_ENV] = ",".join(addresses)
 
 
+def overridden_pservers(addresses: Sequence[str]) -> list[str]:
+    """`addresses`, or those TF_DLT_PSERVERS names when it is set (as the
+    Dlt>Client kernel reads it), for the Python side of a client."""
+    override = os.environ.get(PSERVERS_ENV, "")
+    return [a.strip() for a in override.split(",") if a.strip()] or list(addresses)
+
+
 _token_numbers: dict[str, int] = {}
 
 
