@@ -360,7 +360,7 @@ if __name__ == "__main__":
         extras_require={
             "tf": ["tensorflow==2.21.0"],
             "s3": ["s3fs"],
-            "hdfs": ["pyarrow"],
+            "hdfs": ["hdfs-native"],
         },
         entry_points={"console_scripts": ["tf-dlt=tf_dlt.tools.cli:main"]},
     )

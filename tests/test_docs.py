@@ -6,8 +6,9 @@ directory, against 2 shard processes with an auth token. The harness:
 
 - replaces the placeholder addresses `ps-0:7000` and `ps-1:7000` (or
   `ps-1:7001`) by the shards' addresses, `auth_token="..."` by their token,
-  and the object-store URLs `s3://bucket/...` and `s3://b/...` by local
-  directories (real object stores are tested in test_storage);
+  and the store URLs `s3://bucket/...`, `s3://b/...`,
+  `hdfs://namenode.example.com:8020/...` and `hdfs://ns1/...` by local
+  directories (real stores are tested in test_real_stores);
 - writes the token to `./token` and names it in TF_DLT_AUTH_TOKEN_FILE, and
   sets TF_CONFIG to the shards with this process as the only trainer;
 - defines, before the first block, the names the pages use without making
@@ -74,6 +75,8 @@ def _as_run(code: str, addresses: list[str], tmp: Path) -> str:
         code = code.replace(placeholder, addresses[1])
     code = code.replace('auth_token="..."', f'auth_token="{TOKEN}"')
     code = code.replace("s3://bucket/", f"{tmp}/bucket/").replace("s3://b/", f"{tmp}/b/")
+    code = code.replace("hdfs://namenode.example.com:8020/", f"{tmp}/nn/")
+    code = code.replace("hdfs://ns1/", f"{tmp}/ns1/")
     return code
 
 

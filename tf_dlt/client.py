@@ -292,7 +292,8 @@ class Client:
         path = manifest.absolute(path)  # the shards' working directory is not ours
         parent: dict[str, Any] | None = None
         if base is not None:
-            parent = manifest.delta_parent(path, manifest.absolute(base))
+            with errors.storage_errors(f"reading the base {base}"):
+                parent = manifest.delta_parent(path, manifest.absolute(base))
         save_id = manifest.new_save_id()
         request = dlt_pb2.SaveRequest(
             path=path,
@@ -321,7 +322,8 @@ class Client:
                 for t in r.tables
             ]
             parts.append(part)
-        return manifest.write_manifest(path, parts, save_id, parent)
+        with errors.storage_errors(f"committing {path}"):
+            return manifest.write_manifest(path, parts, save_id, parent)
 
     def load(
         self, path: str, *, tables: list[str] | None = None, progress: bool | None = None
@@ -342,7 +344,8 @@ class Client:
         as it is; None: every table the checkpoint holds.
         """
         path = manifest.absolute(path)  # the shards' working directory is not ours
-        manifest.resolve_chain(path)  # fail fast, before any shard starts
+        with errors.storage_errors(f"reading {path}"):
+            manifest.resolve_chain(path)  # fail fast, before any shard starts
         load_id = secrets.token_hex(8)
         self._prepare_load(path, load_id, progress, tables)
         return self._commit_load(path, load_id)

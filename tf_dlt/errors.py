@@ -7,7 +7,10 @@ builtin exception, so ``except ValueError`` catches a bad argument.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import re
+from collections.abc import Iterator
 
 
 class DltError(Exception):
@@ -100,10 +103,81 @@ _BY_ERRNO: dict[int, type[DltError]] = {
 }
 
 
-def error_for_errno(error: OSError, what: str) -> DltError:
-    """The DltError for a failed file operation: `what` and the system's
-    reason, with the class its errno calls for (FailedPreconditionError for
-    the rest: a link where a file was expected, I/O errors)."""
-    reason = {errno.ELOOP: "a link, not followed"}.get(error.errno or 0, error.strerror)
-    cls = _BY_ERRNO.get(error.errno or 0, FailedPreconditionError)
-    return cls(f"{what}: {reason or error}")
+# Exception classes of filesystem libraries (matched by name, so none has to
+# be imported) that mean the store could not be reached or did not answer.
+_UNREACHABLE = frozenset({
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "ClientConnectorError", "ServerTimeoutError",
+})  # fmt: skip
+_NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+# Most characters of a filesystem library's own message kept in an error.
+MAX_REASON_CHARS = 400
+
+
+def error_for_storage(error: BaseException, what: str) -> DltError:
+    """The DltError for a failed file or object-store operation: `what` and
+    the first line of the library's reason (a Java stack trace or a
+    server's long reply after it is left out; at most MAX_REASON_CHARS),
+    with the class the failure calls for: NOT_FOUND, PERMISSION_DENIED,
+    ALREADY_EXISTS, RESOURCE_EXHAUSTED (a full disk or quota), UNAVAILABLE
+    (the store cannot be reached or timed out), UNAUTHENTICATED (no
+    credentials), FAILED_PRECONDITION for the rest (a link where a file was
+    expected, I/O errors)."""
+    if isinstance(error, DltError):
+        return error
+    names = {cls.__name__ for cls in type(error).__mro__}
+    code = getattr(error, "errno", None) if isinstance(error, OSError) else None
+    if code is None:  # Rust libraries (hdfs-native) say "... (os error 111)"
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        code = int(found.group(1)) if found else None
+    cls: type[DltError]
+    if isinstance(error, FileNotFoundError):
+        cls = NotFoundError
+    elif isinstance(error, PermissionError):
+        cls = PermissionDeniedError
+    elif isinstance(error, FileExistsError):
+        cls = AlreadyExistsError
+    elif isinstance(code, int) and code in _BY_ERRNO:
+        cls = _BY_ERRNO[code]
+    elif isinstance(error, (ConnectionError, TimeoutError)) or names & _UNREACHABLE:
+        cls = UnavailableError
+    elif code in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH):
+        cls = UnavailableError
+    elif names & _NO_CREDENTIALS:
+        cls = UnauthenticatedError
+    else:
+        cls = FailedPreconditionError
+    if isinstance(error, OSError) and error.errno == errno.ELOOP:
+        reason = "a link, not followed"
+    else:
+        text = (error.strerror if isinstance(error, OSError) and error.strerror else "") or str(
+            error
+        )
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        reason = lines[0] if lines else type(error).__name__
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[: MAX_REASON_CHARS - 3] + "..."
+        if type(error).__module__ != "builtins":
+            reason = f"{type(error).__name__}: {reason}"
+    return cls(f"{what}: {reason}")
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """Whether `error` is a filesystem library's failure (an OSError, or a
+    connection / credentials error of an object-store client)."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return isinstance(error, OSError) or bool(names & (_UNREACHABLE | _NO_CREDENTIALS))
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Raises a filesystem library's failure inside the block as the DltError
+    `error_for_storage` gives (tf_dlt's own errors pass as they are)."""
+    try:
+        yield
+    except DltError:
+        raise
+    except Exception as e:
+        if not is_storage_error(e):
+            raise
+        raise error_for_storage(e, what) from e

@@ -171,5 +171,7 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     target_fs.pipe_file(f"{target_root}/{DENSE_FILE}", fs.cat_file(f"{root}/{DENSE_FILE}"))
     info.pop("parent", None)
     info.update(kind="full", created_unix=time.time())
-    target_fs.pipe_file(f"{target_root}/{MODEL_FILE}", json.dumps(info, indent=2).encode())
+    manifest_lib.commit_file(
+        target_fs, f"{target_root}/{MODEL_FILE}", json.dumps(info, indent=2).encode()
+    )
     return written

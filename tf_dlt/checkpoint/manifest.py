@@ -78,10 +78,70 @@ def absolute(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
+# HDFS client settings tf_dlt starts from (hdfs-native takes Hadoop's keys;
+# the cluster's HADOOP_CONF_DIR files and fsspec's own configuration for
+# "hdfs" come on top): a NameNode that cannot be reached fails the request
+# after a few seconds of retries instead of blocking a shard's Save for
+# minutes.
+HDFS_DEFAULTS = {
+    "dfs.client.failover.max.attempts": "4",
+    "dfs.client.failover.sleep.base.millis": "200",
+    "dfs.client.failover.sleep.max.millis": "2000",
+}
+# Filesystems whose rename replaces a file atomically: a reader sees the
+# old MANIFEST.json or the new one, never a part of it or none.
+_ATOMIC_RENAME = frozenset({"hdfs", "viewfs"})
+
+
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of `path` and the path within it."""
-    fs, root = fsspec.core.url_to_fs(path)
+    protocol = (fsspec.core.split_protocol(path)[0] or "file").lower()
+    options: dict[str, Any] = {}
+    if protocol in _ATOMIC_RENAME:
+        options = dict(HDFS_DEFAULTS)
+    elif protocol not in ("file", "local", "memory"):
+        # Object stores: a listing must show what other processes wrote
+        # since (a follower polling, a save removing superseded files),
+        # never a copy cached by this one.
+        options = {"use_listings_cache": False}
+    configured = fsspec.config.conf.get(protocol, {})
+    options = {k: v for k, v in options.items() if k not in configured}
+    fs, root = fsspec.core.url_to_fs(path, **options)
     return fs, root.rstrip("/")
+
+
+def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None:
+    """Writes small file `target` (a manifest) so that a reader sees either
+    the file it replaces or all of `data`: on a local disk a synced temp
+    file renamed over it; on HDFS a temp file renamed over it (the
+    NameNode's rename is atomic); on an object store one PUT (objects
+    appear whole)."""
+    if is_local(fs):
+        root = os.path.dirname(target)
+        fd, tmp = exclusive_temp(target)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            sync_directory(root)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        return
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if _ATOMIC_RENAME & set(protocols):
+        tmp = f"{target}.tmp-{secrets.token_hex(8)}"
+        fs.pipe_file(tmp, data)
+        try:
+            fs.mv(tmp, target, overwrite=True)
+        finally:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                if fs.exists(tmp):
+                    fs.rm(tmp)
+        return
+    fs.pipe_file(target, data)
 
 
 def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -196,21 +256,7 @@ def write_manifest(
                 f"{part['file']} is gone from {path} before its manifest was written (another "
                 "save to the same path removed it?); the checkpoint there is unchanged"
             )
-    data = json.dumps(manifest, indent=2, sort_keys=True).encode()
-    if is_local(fs):
-        fd, tmp = exclusive_temp(f"{root}/{MANIFEST}")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, f"{root}/{MANIFEST}")
-            sync_directory(root)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-    else:
-        fs.pipe_file(f"{root}/{MANIFEST}", data)
+    commit_file(fs, f"{root}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True).encode())
     _remove_superseded(fs, root, {p["file"] for p in parts}, save_id)
     return manifest
 
@@ -277,7 +323,7 @@ def read_manifest(path: str) -> dict[str, Any]:
             f"no committed checkpoint at {path!r}: {MANIFEST} is missing"
         ) from None
     except OSError as e:  # a link (ELOOP), a name too long, no permission
-        raise errors.error_for_errno(e, f"cannot read {path}/{MANIFEST}") from None
+        raise errors.error_for_storage(e, f"cannot read {path}/{MANIFEST}") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise errors.FailedPreconditionError(f"{path}/{MANIFEST} is not valid JSON: {e}") from e
     if not isinstance(manifest, dict):

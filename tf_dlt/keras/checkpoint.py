@@ -52,6 +52,11 @@ def save(
     Returns what the checkpoint holds, with "kind" ("full" or "delta") and,
     for a delta, "parent".
     """
+    with errors.storage_errors(f"saving {path}"):
+        return _save(model, path, incremental, base)
+
+
+def _save(model: keras.Model, path: str, incremental: bool, base: str | None) -> dict[str, Any]:
     if base is None and incremental:
         base = _implied_base(model, path)
     layers = table_holders(model)
@@ -88,7 +93,7 @@ def save(
     }
     if info["kind"] == "delta" and base is not None:
         info["parent"] = manifest.parent_reference(path, base)
-    fs.pipe_file(f"{root}/{MODEL_FILE}", json.dumps(info, indent=2).encode())
+    manifest.commit_file(fs, f"{root}/{MODEL_FILE}", json.dumps(info, indent=2).encode())
     setattr(model, _LAST_CHECKPOINT, path)
     return info
 
@@ -143,6 +148,11 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
     """Restores what `save` wrote: the dense weights into `model` and the rows
     (with optimizer state) into the tables its layers use now, on shard
     servers or embedded, whichever held them at save time."""
+    with errors.storage_errors(f"loading {path}"):
+        return _load(model, path)
+
+
+def _load(model: keras.Model, path: str) -> dict[str, Any]:
     fs, root = manifest.filesystem(path)
     try:
         info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
@@ -242,4 +252,5 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self.kinds.append(info["kind"])
         if self.keep is not None:
             live = [p for p in self.saved if p not in self.deleted]
-            self.deleted.extend(chain.retain(live, self.keep, tables_dir=TABLES_DIR))
+            with errors.storage_errors(f"removing checkpoints older than the last {self.keep}"):
+                self.deleted.extend(chain.retain(live, self.keep, tables_dir=TABLES_DIR))

@@ -96,7 +96,8 @@ class Follower:
         failure is reported in the status, never raised."""
         with self._lock:
             try:
-                self._poll()
+                with errors.storage_errors(f"following {self._status.directory}"):
+                    self._poll()
             except Exception as e:  # noqa: BLE001 - a follower keeps serving and says why
                 log.exception("following %s failed", self._status.directory)
                 self._status.error = f"{type(e).__name__}: {e}"

@@ -210,7 +210,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         if not request.path:
             raise errors.InvalidArgumentError("Save needs a path")
         self._roots.check(request.path, "Save")
-        with self._persist_lock:
+        with self._persist_lock, errors.storage_errors(f"Save to {request.path}"):
             log.info("saving to %s", request.path)
             part = shard_files.save_shard(
                 request.path,
@@ -264,9 +264,10 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                     "its last phase unless committed or aborted first"
                 )
             log.info("loading from %s", request.path)
-            result = shard_files.prepare_load(
-                request.path, self._shard, self.allow_load, tables=list(request.tables) or None
-            )
+            with errors.storage_errors(f"Load of {request.path}"):
+                result = shard_files.prepare_load(
+                    request.path, self._shard, self.allow_load, tables=list(request.tables) or None
+                )
             if phase == phases.PREPARE:
                 self._set_pending(
                     PendingLoad(request.load_id, request.path, "prepared", time.monotonic(), result)

@@ -54,58 +54,63 @@ def _print_links(links: list[dict[str, object]]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.verb == "ls":
-            found = chain.find(args.path)
-            itself = next((c for c in found if c.path == args.path), None)
-            if itself is not None:  # one checkpoint: the chain it loads
-                links = chain.describe(itself.tables)
-                if args.json:
-                    print(json.dumps(links, indent=2))
-                else:
-                    _print_links(links)
-                return 0
-            rows = []
-            for c in found:
-                try:
-                    links = chain.describe(c.tables)
-                    loads = sum(int(str(x["bytes"])) for x in links)
-                    status = f"chain of {len(links)}, loads {_size(loads)}"
-                except errors.DltError as e:
-                    status = f"BROKEN: {e.message}"
-                rows.append({"path": c.path, "kind": c.manifest.get("kind", "full"),
-                             "save_id": c.manifest["save_id"], "chain": status})  # fmt: skip
-            if args.json:
-                print(json.dumps(rows, indent=2))
-            else:
-                for r in rows:
-                    print(f"{r['kind']:6} {r['save_id']}  {r['path']}  ({r['chain']})")
-            if not rows:
-                print(f"no committed checkpoint in {args.path}", file=sys.stderr)
-                return 1
-            return 0
-        if args.verb == "compact":
-            found = chain.find(args.source)
-            model = any(c.path == args.source and c.tables != c.path for c in found)
-            # A model checkpoint stays one: tables, dense weights and model file.
-            m = (chain.compact_model if model else chain.compact)(
-                args.source, args.target, args.num_shards
-            )
-            rows = sum(t["rows"] for t in m["tables"])
-            print(f"wrote {args.target}: full checkpoint of {rows} rows in {m['num_shards']} "
-                  f"file(s), {_size(sum(f['bytes'] for f in m['files']))}")  # fmt: skip
-            return 0
-        if args.verb == "prune":
-            found = chain.find(args.directory)
-            found = [c for c in found if c.path != args.directory]
-            # Each checkpoint's own layout (a directory may mix model and
-            # table checkpoints).
-            tables = {c.path: c.tables for c in found}
-            deleted = chain.retain([c.path for c in found], args.keep, tables=tables)
-            for path in deleted:
-                print(f"deleted {path}")
-            print(f"kept {len(found) - len(deleted)} checkpoint(s)")
-            return 0
+        with errors.storage_errors("reading or writing the checkpoints"):
+            return _run(args)
     except errors.DltError as e:
         print(f"tf-dlt checkpoint {args.verb}: {e.message}", file=sys.stderr)
         return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.verb == "ls":
+        found = chain.find(args.path)
+        itself = next((c for c in found if c.path == args.path), None)
+        if itself is not None:  # one checkpoint: the chain it loads
+            links = chain.describe(itself.tables)
+            if args.json:
+                print(json.dumps(links, indent=2))
+            else:
+                _print_links(links)
+            return 0
+        rows = []
+        for c in found:
+            try:
+                links = chain.describe(c.tables)
+                loads = sum(int(str(x["bytes"])) for x in links)
+                status = f"chain of {len(links)}, loads {_size(loads)}"
+            except errors.DltError as e:
+                status = f"BROKEN: {e.message}"
+            rows.append({"path": c.path, "kind": c.manifest.get("kind", "full"),
+                         "save_id": c.manifest["save_id"], "chain": status})  # fmt: skip
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                print(f"{r['kind']:6} {r['save_id']}  {r['path']}  ({r['chain']})")
+        if not rows:
+            print(f"no committed checkpoint in {args.path}", file=sys.stderr)
+            return 1
+        return 0
+    if args.verb == "compact":
+        found = chain.find(args.source)
+        model = any(c.path == args.source and c.tables != c.path for c in found)
+        # A model checkpoint stays one: tables, dense weights and model file.
+        m = (chain.compact_model if model else chain.compact)(
+            args.source, args.target, args.num_shards
+        )
+        rows = sum(t["rows"] for t in m["tables"])
+        print(f"wrote {args.target}: full checkpoint of {rows} rows in {m['num_shards']} "
+              f"file(s), {_size(sum(f['bytes'] for f in m['files']))}")  # fmt: skip
+        return 0
+    if args.verb == "prune":
+        found = chain.find(args.directory)
+        found = [c for c in found if c.path != args.directory]
+        # Each checkpoint's own layout (a directory may mix model and
+        # table checkpoints).
+        tables = {c.path: c.tables for c in found}
+        deleted = chain.retain([c.path for c in found], args.keep, tables=tables)
+        for path in deleted:
+            print(f"deleted {path}")
+        print(f"kept {len(found) - len(deleted)} checkpoint(s)")
+        return 0
     return 2

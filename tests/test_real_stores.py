@@ -1,0 +1,356 @@
+"""Checkpoints on a real HDFS (NameNode + DataNode of Hadoop 2.7.3 on
+loopback, reached through hdfs-native) and a real S3-compatible server
+(rclone serve s3), each started once for this module and stopped at its end
+(tf_dlt.tools.local_stores). Every test runs against both: full save and
+load, a delta chain, re-sharding 2 -> 3, `tf-dlt checkpoint ls/compact/
+prune`, a follower, ModelCheckpoint, a save cut short by a killed shard, a
+corrupt block, and the errors a store's failures become.
+
+Where Java, the Hadoop jars or a package is missing the tests skip saying
+which; under CI (CI=true) they fail instead, since CI's set-up installs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tf_dlt
+from tf_dlt import errors
+from tf_dlt.checkpoint import manifest
+from tf_dlt.tools import local_stores
+
+from conftest import Cluster, staged_rows
+
+pytestmark = pytest.mark.cluster
+
+
+@dataclasses.dataclass
+class Store:
+    """A running store: `root` is the URL prefix checkpoints go under, `env`
+    what a process needs to reach it."""
+
+    name: str
+    root: str
+    env: dict[str, str]
+
+    def url(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def fs(self, url: str) -> tuple[Any, str]:
+        return manifest.filesystem(url)
+
+    def names(self, url: str) -> list[str]:
+        fs, path = self.fs(url)
+        return sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"CI installs every store; here: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def hdfs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    reason = local_stores.hdfs_unavailable()
+    if reason:
+        _unavailable(reason)
+    with local_stores.LocalHdfs(tmp_path_factory.mktemp("hdfs")) as hdfs:
+        yield Store("hdfs", hdfs.url, {})
+
+
+@pytest.fixture(scope="module")
+def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    reason = local_stores.s3_unavailable()
+    if reason:
+        _unavailable(reason)
+    with (
+        local_stores.LocalS3(tmp_path_factory.mktemp("s3")) as s3,
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        for key, value in s3.env.items():
+            mp.setenv(key, value)
+        import s3fs  # type: ignore[import-untyped]
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield Store("s3", "s3://tf-dlt", s3.env)
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(params=["hdfs", "s3"])
+def store(request: pytest.FixtureRequest) -> Store:
+    """The store, with a directory of this test's own as its root."""
+    found: Store = request.getfixturevalue(f"{request.param}_store")
+    return dataclasses.replace(found, root=found.url(f"t-{secrets.token_hex(4)}"))
+
+
+def _train(client: tf_dlt.Client, ids: np.ndarray, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for name, dim in (("ada", 8), ("adam", 4)):
+        client.pull(name, ids)
+        client.push(name, ids, rng.normal(size=(len(ids), dim)).astype(np.float32), 0.1)
+
+
+def _chain(client: tf_dlt.Client, store: Store, ids: np.ndarray) -> None:
+    """Tables "ada" and "adam" trained and saved as run/c1 (full), c2 and c3
+    (deltas, c3 with rows removed)."""
+    client.create_table("ada", 8, "normal", "adagrad", seed=1)
+    client.create_table("adam", 4, "uniform", "adam", seed=2)
+    _train(client, ids, 1)
+    client.save(store.url("run", "c1"))
+    _train(client, ids[:300], 2)
+    client.save(store.url("run", "c2"), base=store.url("run", "c1"))
+    _train(client, ids[:100], 3)
+    client.shrink("ada", min_count=2)  # removes ids[300:], pushed once
+    _train(client, np.arange(10**6, 10**6 + 50, dtype=np.int64), 4)
+    client.save(store.url("run", "c3"), base=store.url("run", "c2"))
+
+
+def _snapshot(client: tf_dlt.Client, ids: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: client.pull(name, ids) for name in ("ada", "adam")}
+
+
+IDS = np.random.default_rng(0).integers(-(2**62), 2**62, 2000, dtype=np.int64)
+
+
+def test_full_save_delta_chain_and_resharding_2_to_3(
+    store: Store, start_cluster: Callable[..., Cluster]
+) -> None:
+    trainer = start_cluster(2, env=store.env)
+    with trainer.client() as c:
+        _chain(c, store, IDS)
+        tables = c.list_tables()
+        expected = _snapshot(c, IDS)  # (pulls make the removed rows anew)
+        c.push("ada", IDS, np.ones((len(IDS), 8), np.float32), 1.0)  # moves on
+        c.load(store.url("run", "c3"))
+        assert {k: v["rows"] for k, v in c.list_tables().items()} == {  # before any pull
+            k: v["rows"] for k, v in tables.items()
+        }
+        for name, rows in expected.items():
+            np.testing.assert_array_equal(c.pull(name, IDS), rows)
+    kinds = [manifest.read_manifest(store.url("run", f"c{k}"))["kind"] for k in (1, 2, 3)]
+    assert kinds == ["full", "delta", "delta"]
+    # A committed checkpoint holds its manifest and one file per shard, and
+    # nothing a save wrote on the way (temporary names).
+    files = [f["file"] for f in manifest.read_manifest(store.url("run", "c3"))["files"]]
+    assert store.names(store.url("run", "c3")) == sorted(["MANIFEST.json", *files])
+    with start_cluster(3, env=store.env).client() as c:
+        c.load(store.url("run", "c3"))
+        for name, rows in expected.items():
+            np.testing.assert_array_equal(c.pull(name, IDS), rows)
+
+
+def _cli(store: Store, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "checkpoint", *args],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **store.env},
+    )  # fmt: skip
+
+
+def test_checkpoint_ls_compact_and_prune(
+    store: Store, start_cluster: Callable[..., Cluster]
+) -> None:
+    with start_cluster(2, env=store.env).client() as c:
+        _chain(c, store, IDS)
+        c.save(store.url("run", "c4"))  # a new base
+    out = _cli(store, "ls", store.url("run", "c3"))
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[0] for line in out.stdout.splitlines()[1:]] == ["full", "delta", "delta"]
+    listed = json.loads(_cli(store, "ls", store.url("run"), "--json").stdout)
+    assert [r["path"].rsplit("/", 1)[-1] for r in listed] == ["c1", "c2", "c3", "c4"]
+    out = _cli(
+        store, "compact", store.url("run", "c3"), store.url("compacted"), "--num-shards", "3"
+    )
+    assert out.returncode == 0, out.stderr
+    compacted = manifest.read_manifest(store.url("compacted"))
+    assert compacted["kind"] == "full" and compacted["num_shards"] == 3
+    assert staged_rows(store.url("compacted"), 2) == staged_rows(store.url("run", "c3"), 2)
+    out = _cli(store, "prune", store.url("run"), "--keep", "2")  # c3 needs c1, c2
+    assert out.returncode == 0 and "kept 4" in out.stdout, out.stdout + out.stderr
+    out = _cli(store, "prune", store.url("run"), "--keep", "1")
+    assert out.returncode == 0, out.stderr
+    assert store.names(store.url("run")) == ["c4"]
+    assert _cli(store, "ls", store.url("nothing")).returncode == 1
+
+
+def test_a_follower_applies_the_deltas_saved_to_the_store(
+    store: Store, start_cluster: Callable[..., Cluster]
+) -> None:
+    trainer = start_cluster(2, env=store.env)
+    with trainer.client() as c:
+        c.create_table("ada", 8, "normal", "adagrad", seed=1)
+        c.create_table("adam", 4, "uniform", "adam", seed=2)
+        _train(c, IDS, 1)
+        c.save(store.url("run", "c1"))
+        first = _snapshot(c, IDS)
+    followers = start_cluster(
+        3, "--read-only", "--follow", store.url("run"), "--follow-interval", "0.2", env=store.env
+    )  # fmt: skip
+
+    def serving(save_id: str) -> None:
+        deadline = time.monotonic() + 90
+        with followers.client() as f:
+            while not all(s.get("serving_save_id") == save_id for s in f.stats()):
+                assert time.monotonic() < deadline, f.stats()
+                time.sleep(0.1)
+
+    serving(manifest.read_manifest(store.url("run", "c1"))["save_id"])
+    with followers.client() as f:
+        for name, rows in first.items():
+            np.testing.assert_array_equal(f.pull(name, IDS), rows)
+    with trainer.client() as c:
+        _train(c, IDS[:200], 2)
+        d2 = c.save(store.url("run", "c2"), base=store.url("run", "c1"))
+        second = _snapshot(c, IDS)
+    assert d2["kind"] == "delta"
+    serving(d2["save_id"])
+    with followers.client() as f:
+        assert all(int(s["deltas_applied"]) == 1 and s["follow_current"] for s in f.stats())
+        for name, rows in second.items():
+            np.testing.assert_array_equal(f.pull(name, IDS), rows)
+
+
+def test_model_checkpoint_with_full_every_and_keep(store: Store) -> None:
+    import keras
+
+    os.environ.update(store.env)  # the model's embedded tables save from this process
+    name = f"store_{store.name}"
+    inp = keras.Input((3,), dtype="int64")
+    emb = tf_dlt.layers.Embedding(
+        output_dim=4, is_distributed=True, optimizer="adam", learning_rate=0.05, name=name
+    )
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 300, size=(96, 3)).astype("int64")
+    y = rng.normal(size=(96, 1)).astype("float32")
+    callback = tf_dlt.ModelCheckpoint(store.url("run", "epoch-{epoch}"), full_every=2, keep=2)
+    model.fit(x, y, epochs=4, batch_size=16, verbose=0, callbacks=[callback])
+    assert callback.kinds == ["full", "delta", "full", "delta"]
+    assert [p.rsplit("-", 1)[-1] for p in callback.deleted] == ["1", "2"]
+    assert store.names(store.url("run")) == ["epoch-3", "epoch-4"]
+    expected = model.predict(x, verbose=0)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+    tf_dlt.load(model, store.url("run", "epoch-4"))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+
+
+def test_a_save_cut_short_by_a_killed_shard_leaves_the_last_checkpoint_loadable(
+    store: Store, start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"  # where the shards stage a file before it goes to the store
+    spool.mkdir()
+    cluster = start_cluster(2, env={**store.env, "TMPDIR": str(spool)})
+    ids = np.arange(100_000, dtype=np.int64)
+    with cluster.client(request_timeout=120) as c:
+        c.create_table("t", 32, "normal", "adagrad", seed=1)
+        c.push("t", ids, np.ones((len(ids), 32), np.float32), 0.1)
+        c.save(store.url("c1"))
+        c.push("t", ids, np.ones((len(ids), 32), np.float32), 0.1)
+        seen: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                c.save(store.url("c2"), base=store.url("c1"))
+            except errors.DltError as e:
+                seen.append(e)
+
+        worker = threading.Thread(target=save)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not list(spool.glob("tf_dlt-save-*/shard-00001-*")):
+            assert time.monotonic() < deadline and worker.is_alive(), "the save never started"
+            time.sleep(0.002)
+        cluster.kill(1)
+        worker.join(120)
+        assert seen and isinstance(seen[0], errors.UnavailableError), seen
+    fs, path = store.fs(store.url("c2"))
+    assert not fs.exists(f"{path}/MANIFEST.json")
+    cluster.restart(1)
+    with cluster.client() as c:
+        c.load(store.url("c1"))
+        assert c.list_tables()["t"]["rows"] == len(ids)
+        # The next save to the same path commits and leaves only its own files.
+        c.save(store.url("c2"), base=store.url("c1"))
+    files = [f["file"] for f in manifest.read_manifest(store.url("c2"))["files"]]
+    assert store.names(store.url("c2")) == sorted(["MANIFEST.json", *files])
+
+
+def test_a_corrupt_block_is_refused_naming_its_file(
+    store: Store, start_cluster: Callable[..., Cluster]
+) -> None:
+    with start_cluster(2, env=store.env).client() as c:
+        c.create_table("ada", 8, "normal", "adagrad", seed=1)
+        c.create_table("adam", 4, "uniform", "adam", seed=2)
+        _train(c, IDS, 1)
+        c.save(store.url("c1"))
+        before = _snapshot(c, IDS)
+        victim = manifest.read_manifest(store.url("c1"))["files"][1]["file"]
+        fs, path = store.fs(store.url("c1", victim))
+        data = bytearray(fs.cat_file(path))
+        data[int(len(data) * 0.75)] ^= 0xFF
+        fs.pipe_file(path, bytes(data))
+        _train(c, IDS, 2)
+        moved = _snapshot(c, IDS)
+        with pytest.raises(errors.FailedPreconditionError, match=victim):
+            c.load(store.url("c1"))
+        for name, rows in moved.items():  # nothing changed
+            np.testing.assert_array_equal(c.pull(name, IDS), rows)
+        assert not np.array_equal(moved["ada"], before["ada"])
+
+
+def _bounded(error: errors.DltError) -> None:
+    """A store's failure reaches the caller as a short message of its own
+    (a Java stack trace or a server's reply left out)."""
+    assert len(error.message) < 1500, error.message
+    assert "\tat " not in error.message and "org.apache.hadoop.hdfs.server" not in error.message
+
+
+def test_store_failures_reach_the_caller_as_typed_bounded_errors(
+    store: Store, start_cluster: Callable[..., Cluster]
+) -> None:
+    with start_cluster(2, env=store.env).client() as c:
+        c.create_table("ada", 8, "normal", "adagrad", seed=1)
+        _train_one = np.arange(100, dtype=np.int64)
+        c.push("ada", _train_one, np.ones((100, 8), np.float32), 0.1)
+        with pytest.raises(errors.NotFoundError, match="no committed checkpoint") as missing:
+            c.load(store.url("nothing"))
+        _bounded(missing.value)
+        # A path whose parent is a file, not a directory.
+        fs, path = store.fs(store.url("file"))
+        fs.pipe_file(path, b"not a directory")
+        if store.name == "hdfs":  # S3 has no directories: the key prefix is fine
+            with pytest.raises(errors.DltError) as under_a_file:
+                c.save(store.url("file", "ck"))
+            assert not isinstance(under_a_file.value, errors.InternalError)
+            _bounded(under_a_file.value)
+    # The store cannot be reached: UNAVAILABLE, after bounded retries.
+    if store.name == "hdfs":
+        dead, env = "hdfs://127.0.0.1:1/ck", store.env
+    else:
+        dead, env = store.url("ck"), {**store.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"}
+    with start_cluster(1, env=env).client(request_timeout=120) as c:
+        c.create_table("ada", 8, "normal", "adagrad", seed=1)
+        with pytest.raises(errors.UnavailableError) as unreachable:  # not the deadline
+            c.save(dead)
+        _bounded(unreachable.value)
+    if store.name == "s3":  # credentials the server refuses
+        wrong = {**store.env, "AWS_SECRET_ACCESS_KEY": "wrong"}
+        with start_cluster(1, env=wrong).client() as c:
+            c.create_table("ada", 8, "normal", "adagrad", seed=1)
+            with pytest.raises(errors.PermissionDeniedError) as refused:
+                c.save(store.url("ck"))
+            _bounded(refused.value)
