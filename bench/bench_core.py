@@ -31,8 +31,13 @@ from common import OUT, emit, log, median_seconds, rss_bytes
 INSERT_CHUNK = 1 << 20
 
 
-def make_table(rows: int, dim: int, optimizer: str = "adagrad") -> tuple[_native.Table, np.ndarray]:
-    table = _native.Table(TableConfig.create("bench", dim, "uniform", optimizer).to_dict())
+def make_table(
+    rows: int, dim: int, optimizer: str = "adagrad", **policy: str
+) -> tuple[_native.Table, np.ndarray]:
+    """A table of `rows` rows (`policy`: memory policy fields, e.g.
+    value_dtype) and its ids."""
+    config = TableConfig.create("bench", dim, "uniform", optimizer, **policy)
+    table = _native.Table(config.to_dict())
     ids = (np.arange(rows, dtype=np.int64) * np.int64(0x9E3779B97F4A7C15 >> 1)) ^ np.int64(12345)
     for start in range(0, rows, INSERT_CHUNK):
         table.pull(ids[start : start + INSERT_CHUNK])

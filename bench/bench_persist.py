@@ -12,7 +12,7 @@ plain disk I/O of the same number of bytes measured in the same run:
 GB/s counts the shard file's bytes. Disk figures swing a lot here, so save,
 load and the plain I/O baseline run interleaved `--reps` times and the
 medians are compared. Usage:
-  python bench/bench_persist.py [--rows N] [--dim D] [--dir PATH]
+  python bench/bench_persist.py [--rows N] [--dim D] [--dir PATH] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -81,11 +81,15 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--reps", type=int, default=4, help="at least 2: the first load is cold")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="the table's value and slot dtype (16-bit rows are stored as 16 bits)",
+    )  # fmt: skip
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="tf_dlt-bench-", dir=args.dir))
     try:
-        log(f"persist: {args.rows} rows of dim {args.dim}, adagrad")
-        table, _ = make_table(args.rows, args.dim)
+        log(f"persist: {args.rows} rows of dim {args.dim}, adagrad, {args.dtype}")
+        table, _ = make_table(args.rows, args.dim, value_dtype=args.dtype, slot_dtype=args.dtype)
         shard = _native.Shard(0, 1)
         shard.install_tables([table])
         saves, loads, writes, reads, directs = [], [], [], [], []
@@ -111,7 +115,10 @@ def main() -> None:
         cold_s = loads.pop(0)
         save_s, load_s = statistics.median(saves), statistics.median(loads)
         write_gbs, read_gbs = statistics.median(writes), statistics.median(reads)
-        common = {"rows": args.rows, "dim": args.dim, "bytes": nbytes, "unit": "GB/s"}
+        common = {
+            "rows": args.rows, "dim": args.dim, "dtype": args.dtype, "bytes": nbytes,
+            "unit": "GB/s",
+        }  # fmt: skip
         emit({
             **common, "name": "persist_save", "value": nbytes / save_s / 1e9, "seconds": save_s,
             "baseline_name": "sequential write + fsync, same bytes", "baseline_value": write_gbs,

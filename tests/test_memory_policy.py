@@ -5,15 +5,19 @@ keep rows, slots, update counts, ages and the admission sketch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
 import tf_dlt
 from tf_dlt import admission, errors, expiry
+from tf_dlt.checkpoint import manifest
 from tf_dlt.tools.cluster_stats import format_stats
 
 from conftest import Cluster
@@ -177,6 +181,48 @@ def test_checkpoint_keeps_every_option_across_shard_counts(
         removed = client.shrink("ck", unseen_for=4)
         assert removed == 200
         assert np.all(np.any(_rows(client, "ck", ids[:100]) != 0, axis=1))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_tables_are_checkpointed_as_sixteen_bits(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, dtype: str
+) -> None:
+    """Values and slots of a 16-bit table go to the file as 16 bits (a full
+    checkpoint and a delta), load exactly onto another shard count, are
+    listed by `tf-dlt checkpoint ls`, and take <= 0.6x the bytes of the same
+    table at float32."""
+    ids = np.random.default_rng(1).integers(-(2**62), 2**62, 150_000, dtype=np.int64)
+    rng = np.random.default_rng(2)
+    grads = rng.normal(size=(len(ids), 16)).astype(np.float32)
+    with start_cluster(2).client() as client:
+        for name, wide in (("half", dtype), ("wide", "float32")):
+            client.create_table(
+                name, 16, "uniform", "adam", seed=3, value_dtype=wide, slot_dtype=wide
+            )
+            client.push(name, ids, grads, learning_rate=0.1)
+            client.save(str(tmp_path / name), tables=[name])
+        client.push("half", ids[:500], grads[:500], learning_rate=0.1)
+        client.save(str(tmp_path / "half-d1"), base=str(tmp_path / "half"), tables=["half"])
+        saved = _rows(client, "half", ids)
+    half, wide = (manifest.read_manifest(str(tmp_path / n)) for n in ("half", "wide"))
+    assert half["format_version"] == 2 and wide["format_version"] == 1
+    assert sum(f["bytes"] for f in half["files"]) <= 0.6 * sum(f["bytes"] for f in wide["files"])
+    stored = np.float16 if dtype == "float16" else np.uint16
+    for directory in ("half", "half-d1"):
+        for entry in manifest.read_manifest(str(tmp_path / directory))["files"]:
+            with h5py.File(tmp_path / directory / entry["file"]) as f:
+                (group,) = f["tables"].values()
+                for name in ("values", "slots"):
+                    assert group[name].dtype == stored and group[name].attrs["dtype"] == dtype
+    with start_cluster(3).client() as client:
+        client.load(str(tmp_path / "half-d1"))
+        assert client.list_tables()["half"]["config"].memory.value_dtype == dtype
+        np.testing.assert_array_equal(_rows(client, "half", ids), saved)
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "checkpoint", "ls", str(tmp_path / "half-d1")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 3, out.stdout + out.stderr
 
 
 def test_keras_layer_with_a_policy_trains_saves_and_restores(tmp_path: Path) -> None:
@@ -493,3 +539,28 @@ def test_loading_onto_fewer_shards_never_evicts_silently(
     with start_cluster(4).client() as c:
         c.load(str(tmp_path / "ck"))
         np.testing.assert_array_equal(c.pull("t", ids), trained)
+
+
+def test_a_sixteen_bit_table_saved_as_float32_by_earlier_versions_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tf_dlt import _native
+    from tf_dlt.checkpoint import shard_files, shard_save
+    from tf_dlt.table_config import TableConfig
+
+    config = TableConfig.create("old", 8, "uniform", "adagrad", value_dtype="bfloat16",
+                                slot_dtype="bfloat16").to_dict()  # fmt: skip
+    table = _native.Table(config)
+    ids = np.arange(5000, dtype=np.int64)
+    table.pull(ids)
+    shard = _native.Shard(0, 1)
+    shard.install_tables([table])
+    with monkeypatch.context() as m:  # how files were written before 16-bit storage
+        m.setattr(shard_save, "table_dtypes", lambda config: ("float32", "float32"))
+        part = shard_files.save_shard(str(tmp_path / "ck"), shard, "old1")
+    manifest.write_manifest(str(tmp_path / "ck"), [part], "old1")
+    with h5py.File(tmp_path / "ck" / part["file"]) as f:
+        assert f["tables/t00000/values"].dtype == np.float32
+    fresh = _native.Shard(0, 1)
+    shard_files.load_shard(str(tmp_path / "ck"), fresh)
+    np.testing.assert_array_equal(fresh.get_table("old").pull(ids), table.pull(ids))

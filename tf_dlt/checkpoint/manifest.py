@@ -26,7 +26,10 @@ from tf_dlt.routing import NUM_BUCKETS
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "tf_dlt-checkpoint"
-FORMAT_VERSION = 1
+# 2: some table stores 16-bit values or slots as 16 bits (builds reading
+# only version 1 refuse it rather than misread them); 1: every row float32.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 # Files a save writes: shard-<i>-of-<n>.<save id>.h5, and .tmp-<random>
@@ -213,9 +216,14 @@ def write_manifest(
             known["full_files"] += int(full)
             every_table_full &= full
     delta = parent is not None and not every_table_full
+    sixteen_bit = any(
+        t["config"].get("policy", {}).get(k, "float32") != "float32"
+        for t in tables.values()
+        for k in ("value_dtype", "slot_dtype")
+    )
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if sixteen_bit else 1,
         "save_id": save_id,
         "created_unix": time.time(),
         "kind": "delta" if delta else "full",
@@ -328,9 +336,10 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise errors.FailedPreconditionError(f"{path}/{MANIFEST} is not valid JSON: {e}") from e
     if not isinstance(manifest, dict):
         raise errors.FailedPreconditionError(f"{path}/{MANIFEST} is not a JSON object")
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("format_version") not in READABLE_VERSIONS:
         raise errors.FailedPreconditionError(
-            f"{path}/{MANIFEST} is not a {FORMAT} v{FORMAT_VERSION} manifest"
+            f"{path}/{MANIFEST} is not a {FORMAT} manifest of a version this build reads "
+            f"({', '.join(f'v{v}' for v in READABLE_VERSIONS)})"
         )
     if manifest.get("num_buckets") != NUM_BUCKETS:
         raise errors.FailedPreconditionError(

@@ -75,6 +75,41 @@ class ShardLayout:
     end_bucket: int = NUM_BUCKETS
 
 
+# A 16-bit table's values and slots are stored as 16 bits: float16 as HDF5's
+# half float, bfloat16 (which HDF5 lacks) as its bits in uint16, the
+# dataset's attribute "dtype" naming it. Exact both ways: the table widens
+# a 16-bit value to float32 exactly, and narrowing it back loses nothing.
+_STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def stored_dtype(dtype: str) -> Any:
+    """The numpy dtype a file stores values or slots of table dtype `dtype`
+    ("float32", "float16", "bfloat16") in."""
+    return _STORED[dtype]
+
+
+def narrow(rows: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `rows` (16-bit values widened) as a file stores `dtype`."""
+    if dtype == "bfloat16":
+        return (np.ascontiguousarray(rows, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return np.asarray(rows, _STORED[dtype])
+
+
+def widen(rows: np.ndarray, dtype: str) -> np.ndarray:
+    """Rows read from a file storing `dtype`, as float32."""
+    if dtype == "bfloat16":
+        if rows.dtype != np.uint16:
+            raise ValueError(f"bfloat16 rows stored as {rows.dtype}, not uint16")
+        return (rows.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(rows, np.float32)
+
+
+def table_dtypes(config: dict[str, Any]) -> tuple[str, str]:
+    """(values, slots) dtype names of a table config (native dict form)."""
+    policy = config.get("policy", {})
+    return str(policy.get("value_dtype", "float32")), str(policy.get("slot_dtype", "float32"))
+
+
 def file_row_bytes(dim: int, slot_floats: int) -> int:
     """Bytes of one row in a shard file: values and slots (float32), id,
     update count and stamp."""

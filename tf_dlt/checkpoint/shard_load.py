@@ -21,7 +21,14 @@ from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import verified
 from tf_dlt.checkpoint.manifest import filesystem
-from tf_dlt.checkpoint.shard_format import chunk_rows, file_row_bytes, persisting
+from tf_dlt.checkpoint.shard_format import (
+    chunk_rows,
+    file_row_bytes,
+    persisting,
+    stored_dtype,
+    table_dtypes,
+    widen,
+)
 from tf_dlt.routing import NUM_BUCKETS
 from tf_dlt.table_config import difference, normalized
 
@@ -48,6 +55,8 @@ def restore_rows(
     step = chunk_rows(table.dim, table.slot_floats)
     slots = g["slots"] if "slots" in g else None
     touched = g["touched"] if "touched" in g else None
+    value_dtype = _stored_as(g["values"], table.config, 0)
+    slot_dtype = _stored_as(slots, table.config, 1) if slots is not None else "float32"
     raw = verified.RawRows(g, reader) if reader is not None else None
     if raw is not None and raw.ok:  # HDF5 chunk by HDF5 chunk, from the verified blocks
 
@@ -72,6 +81,9 @@ def restore_rows(
             b = min(hi, a - a % step + step)
             ids, values, slot_rows, steps, stamps = read(a, b)
             a = b
+            values = widen(values, value_dtype)
+            if slot_rows is not None:
+                slot_rows = widen(slot_rows, slot_dtype)
             if stamps is not None:
                 if not seconds:  # the same age against the table's clock (modulo 2^32)
                     age = (saved_clock - stamps.astype(np.int64)) % (1 << 32)
@@ -91,6 +103,21 @@ def restore_rows(
             table.write_sketch(
                 lo_b, np.asarray(g["sketch"][rows], np.uint8), np.asarray(added[rows], np.uint32)
             )
+
+
+def _stored_as(ds: h5py.Dataset, config: dict[str, Any], which: int) -> str:
+    """The dtype dataset `ds` (values or slots) stores: its "dtype"
+    attribute (files of earlier versions: float32), checked against the
+    HDF5 type and the table's own dtype."""
+    stored = ds.attrs.get("dtype", "float32")
+    stored = stored.decode() if isinstance(stored, bytes) else str(stored)
+    wanted = table_dtypes(config)[which]
+    if stored not in ("float32", wanted) or ds.dtype != np.dtype(stored_dtype(stored)):
+        raise errors.FailedPreconditionError(
+            f"{ds.file.filename}: {ds.name} holds {stored} ({ds.dtype}) rows; "
+            f"the table stores {wanted}"
+        )
+    return stored
 
 
 NewTable = Callable[[dict[str, Any]], _native.Table]

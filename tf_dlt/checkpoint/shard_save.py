@@ -36,7 +36,10 @@ from tf_dlt.checkpoint.shard_format import (
     TableState,
     chunk_rows,
     file_row_bytes,
+    narrow,
     persisting,
+    stored_dtype,
+    table_dtypes,
 )
 from tf_dlt.routing import NUM_BUCKETS
 
@@ -112,11 +115,15 @@ def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
         maxshape = (None,) if width is None else (None, width)
         return group.create_dataset(name, shape, dtype, maxshape=maxshape, chunks=chunks)
 
+    value_dtype, slot_dtype = table_dtypes(rows.config)
     ids = dataset("ids", np.int64, None)
-    values = dataset("values", np.float32, dim)
+    values = dataset("values", stored_dtype(value_dtype), dim)
+    values.attrs["dtype"] = value_dtype
     steps = dataset("steps", np.uint32, None)
     touched = dataset("touched", np.uint32, None)
-    slot_ds = dataset("slots", np.float32, slots) if slots else None
+    slot_ds = dataset("slots", stored_dtype(slot_dtype), slots) if slots else None
+    if slot_ds is not None:
+        slot_ds.attrs["dtype"] = slot_dtype
     counts = np.zeros(NUM_BUCKETS, np.int64)
     n = 0
     for c_ids, c_values, c_slots, c_steps, c_buckets, c_touched in (
@@ -130,9 +137,9 @@ def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
             if ds is not None:
                 ds.resize(n + m, axis=0)
         ids[n : n + m] = c_ids
-        values[n : n + m] = c_values
+        values[n : n + m] = narrow(c_values, value_dtype)
         if slot_ds is not None:
-            slot_ds[n : n + m] = c_slots
+            slot_ds[n : n + m] = narrow(c_slots, slot_dtype)
         steps[n : n + m] = c_steps
         touched[n : n + m] = c_touched
         counts += np.bincount(c_buckets, minlength=NUM_BUCKETS)
