@@ -226,7 +226,7 @@ def test_a_full_disk_is_reported_and_ram_keeps_serving(
         while not (tier := _tiers(c)[0]).get("error") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "No space left on device" in tier["error"], tier
-        assert "stripe-" in tier["error"]
+        assert "stripe-" in tier["error"] and int(tier["disk_write_errors"]) > 0
         assert int(tier.get("disk_rows", 0)) == 0
         # Every row still served (from RAM), and training goes on.
         assert np.array_equal(c.pull("t", ids), before)
@@ -236,6 +236,7 @@ def test_a_full_disk_is_reported_and_ram_keeps_serving(
             f"http://127.0.0.1:{cluster.metrics_ports[0]}/metrics", timeout=10
         ).read().decode()  # fmt: skip
         assert 'tf_dlt_table_tier_error{error="' in metrics
+        assert "tf_dlt_table_disk_write_errors_total{" in metrics
         # Space again: the keeper retries and rows move to disk (until the
         # 3 MiB fill up again), and every row still reads the same.
         (where / "filler").unlink()

@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include "native/core/routing.h"
@@ -25,7 +27,40 @@ constexpr size_t kResizeReadBytes = size_t{1} << 20;
 
 size_t RoundUpTo(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
+// An errno-like code of FullRead: the file ended before the bytes asked for.
+constexpr int kShortRead = -1;
+
+std::mutex fault_mu;
+DiskFaults pending_faults;              // guarded by fault_mu
+std::atomic<bool> faults_armed{false};  // any pending: checked on every I/O
+
+// One injected fault for a read (or a write) about to run: 0 (none), an
+// errno, or kShortRead.
+int TakeFault(bool read) {
+  if (!faults_armed.load(std::memory_order_relaxed)) return 0;
+  std::lock_guard<std::mutex> lock(fault_mu);
+  DiskFaults& f = pending_faults;
+  int fault = 0;
+  if (read && f.failing_reads > 0) {
+    --f.failing_reads;
+    fault = f.read_errno;
+  } else if (read && f.short_reads > 0) {
+    --f.short_reads;
+    fault = kShortRead;
+  } else if (!read && f.failing_writes > 0) {
+    --f.failing_writes;
+    fault = f.write_errno;
+  }
+  faults_armed.store(f.failing_reads + f.short_reads + f.failing_writes > 0,
+                     std::memory_order_relaxed);
+  return fault;
+}
+
 Status FullWrite(int fd, const char* data, size_t n, off_t offset, int* err) {
+  if (const int fault = TakeFault(false); fault != 0) {
+    *err = fault;
+    return Internal("write");
+  }
   while (n > 0) {
     const ssize_t w = pwrite(fd, data, n, offset);
     if (w < 0) {
@@ -41,25 +76,44 @@ Status FullWrite(int fd, const char* data, size_t n, off_t offset, int* err) {
 }
 
 Status FullRead(int fd, char* data, size_t n, off_t offset, int* err) {
+  const int fault = TakeFault(true);
+  if (fault > 0) {
+    *err = fault;
+    return Internal("read");
+  }
   while (n > 0) {
-    const ssize_t r = pread(fd, data, n, offset);
+    // An injected short read: half the bytes, then the end of the file.
+    const ssize_t r = fault == kShortRead && n > 1 ? pread(fd, data, n / 2, offset)
+                      : fault == kShortRead        ? 0
+                                                   : pread(fd, data, n, offset);
     if (r < 0) {
       if (errno == EINTR) continue;
       *err = errno;
       return Internal("read");
     }
     if (r == 0) {  // past the end: the file was truncated under us
-      *err = EIO;
+      *err = kShortRead;
       return Internal("read");
     }
     data += r;
     n -= static_cast<size_t>(r);
     offset += r;
+    if (fault == kShortRead) {
+      *err = kShortRead;
+      return Internal("read");
+    }
   }
   return OkStatus();
 }
 
 }  // namespace
+
+void InjectDiskFaults(const DiskFaults& faults) {
+  std::lock_guard<std::mutex> lock(fault_mu);
+  pending_faults = faults;
+  faults_armed.store(faults.failing_reads + faults.short_reads + faults.failing_writes > 0,
+                     std::memory_order_relaxed);
+}
 
 TierFile::TierFile(std::string path, size_t record_bytes)
     : path_(std::move(path)),
@@ -74,6 +128,20 @@ TierFile::~TierFile() {
     close(fd_);
     unlink(path_.c_str());
   }
+}
+
+Status TierFile::ReadError(int err) const {
+  read_errors_.fetch_add(1, std::memory_order_relaxed);
+  if (err == kShortRead) {
+    return Internal("disk tier read failed for " + path_ +
+                    ": the file ends before the row (truncated?)");
+  }
+  return IoError("read", err);
+}
+
+Status TierFile::WriteError(const char* what, int err) const {
+  write_errors_.fetch_add(1, std::memory_order_relaxed);
+  return IoError(what, err);
 }
 
 Status TierFile::IoError(const char* what, int err) const {
@@ -143,7 +211,7 @@ Status TierFile::ReadSlot(uint32_t slot, char* buffer) const {
   const off_t offset =
       static_cast<off_t>(size_t{page} * page_bytes_ + size_t{slot % slots_per_page_} * slot_bytes_);
   int err = 0;
-  if (!FullRead(fd_, buffer, slot_bytes_, offset, &err).ok()) return IoError("read", err);
+  if (!FullRead(fd_, buffer, slot_bytes_, offset, &err).ok()) return ReadError(err);
   return OkStatus();
 }
 
@@ -152,7 +220,7 @@ Status TierFile::ReadPages(uint32_t first, uint32_t n, char* buffer) const {
   if (!FullRead(fd_, buffer, size_t{n} * page_bytes_,
                 static_cast<off_t>(size_t{first} * page_bytes_), &err)
            .ok()) {
-    return IoError("read", err);
+    return ReadError(err);
   }
   return OkStatus();
 }
@@ -201,7 +269,9 @@ Status TierFile::WriteSlot(uint32_t slot, int64_t key, const char* record) {
   const off_t offset = static_cast<off_t>(size_t{slot / slots_per_page_} * page_bytes_ +
                                           size_t{slot % slots_per_page_} * slot_bytes_);
   int err = 0;
-  if (!FullWrite(fd_, buffer.data(), slot_bytes_, offset, &err).ok()) return IoError("write", err);
+  if (!FullWrite(fd_, buffer.data(), slot_bytes_, offset, &err).ok()) {
+    return WriteError("write", err);
+  }
   return OkStatus();
 }
 
@@ -252,7 +322,7 @@ Status TierFile::Resize(uint32_t pages) {
   const off_t bytes = static_cast<off_t>(size_t{pages} * page_bytes_);
   if (num_pages_ == 0) {
     const int err = posix_fallocate(fd_, 0, bytes);
-    if (err != 0) return IoError("allocation", err);
+    if (err != 0) return WriteError("allocation", err);
     num_pages_ = pages;
     fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
     generations_.assign(size_t{pages} * slots_per_page_, 0);
@@ -266,7 +336,7 @@ Status TierFile::Resize(uint32_t pages) {
   if (alloc_err != 0) {
     close(next_fd);
     unlink(next_path.c_str());
-    return IoError("allocation", alloc_err);
+    return WriteError("allocation", alloc_err);
   }
   TierFile next(next_path, record_bytes_);
   next.fd_ = next_fd;
@@ -289,7 +359,11 @@ Status TierFile::Resize(uint32_t pages) {
         if (to == TierFile::kNoSlot) {
           return Internal("disk tier " + path_ + ": a page overflowed while growing");
         }
-        DLT_RETURN_IF_ERROR(next.WriteSlot(to, key, RecordOf(SlotIn(page, s))));
+        const Status wrote = next.WriteSlot(to, key, RecordOf(SlotIn(page, s)));
+        if (!wrote.ok()) {  // counted here: `next` goes
+          write_errors_.fetch_add(1, std::memory_order_relaxed);
+          return wrote;
+        }
         next.fingerprints_[to] = print;
         next.generations_[to] = generations_[slot];
         ++next.rows_;

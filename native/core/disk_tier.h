@@ -10,6 +10,7 @@
 #ifndef TF_DLT_NATIVE_CORE_DISK_TIER_H_
 #define TF_DLT_NATIVE_CORE_DISK_TIER_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -18,6 +19,20 @@
 #include "native/core/status.h"
 
 namespace dlt {
+
+// Faults injected into every tier file's reads and writes, for tests: the
+// next `failing_reads` reads fail with `read_errno`, then the next
+// `short_reads` find the file ending before the row (as if truncated), and
+// the next `failing_writes` writes fail with `write_errno`.
+struct DiskFaults {
+  int failing_reads = 0;
+  int read_errno = 5;  // EIO
+  int short_reads = 0;
+  int failing_writes = 0;
+  int write_errno = 28;  // ENOSPC
+};
+// Arms `faults` in place of any still pending (all zero: none).
+void InjectDiskFaults(const DiskFaults& faults);
 
 class TierFile {
  public:
@@ -81,6 +96,9 @@ class TierFile {
   size_t disk_bytes() const { return size_t{num_pages_} * page_bytes_; }
   // Slot reads (lookups and iteration) since creation.
   uint64_t reads() const { return reads_; }
+  // Reads and writes (allocations included) that failed since creation.
+  uint64_t read_errors() const { return read_errors_.load(std::memory_order_relaxed); }
+  uint64_t write_errors() const { return write_errors_.load(std::memory_order_relaxed); }
   const std::string& path() const { return path_; }
 
  private:
@@ -94,6 +112,9 @@ class TierFile {
   Status WriteSlot(uint32_t slot, int64_t key, const char* record);
   // Moves every row into a file of `pages` pages (a power of two).
   Status Resize(uint32_t pages);
+  // The error of a failed read, write or allocation (counted).
+  Status ReadError(int err) const;
+  Status WriteError(const char* what, int err) const;
   Status IoError(const char* what, int err) const;
 
   const std::string path_;
@@ -105,6 +126,8 @@ class TierFile {
   uint32_t num_pages_ = 0;  // a power of two once open
   uint64_t rows_ = 0;
   uint64_t reads_ = 0;
+  mutable std::atomic<uint64_t> read_errors_{0};  // ReadPages runs under a shared lock
+  mutable std::atomic<uint64_t> write_errors_{0};
   uint64_t layout_ = 0;
   uint64_t size_hint_ = 4096;           // rows the file opens with
   std::vector<uint16_t> fingerprints_;  // per slot; 0: free

@@ -71,6 +71,8 @@ struct TierStats {
   uint64_t promotions = 0;  // cold rows a pull or push moved into RAM
   uint64_t demotions = 0;   // rows moved to the disk tier
   uint64_t disk_reads = 0;  // slots read from the tier files
+  // Tier file reads and writes that failed (I/O errors, short reads, a full disk).
+  uint64_t disk_read_errors = 0, disk_write_errors = 0;
   // The three counters' rates over the keeper's last second.
   double promotions_per_s = 0, demotions_per_s = 0, disk_reads_per_s = 0;
   std::string error;  // the last disk error ("" when none since)

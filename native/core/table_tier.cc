@@ -46,7 +46,11 @@ Status Table::Promote(Stripe* stripe, uint64_t hash, int64_t id, uint32_t* rec) 
   char* scratch = ScratchRecord();
   uint32_t slot;
   uint16_t generation = 0;
-  DLT_RETURN_IF_ERROR(stripe->tier->Find(hash, id, scratch, &slot, &generation));
+  const Status found = stripe->tier->Find(hash, id, scratch, &slot, &generation);
+  if (!found.ok()) {  // the row stays where it is; the request fails
+    SetTierError(found.message());
+    return found;
+  }
   if (slot == TierFile::kNoSlot) return OkStatus();
   const uint32_t r = stripe->Insert(hash, id, record_bytes_);
   if (r == kEmpty) {
@@ -211,6 +215,8 @@ TierStats Table::tier_stats() const {
     std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
     t.disk_bytes += stripes_[s].tier->disk_bytes();
     t.disk_reads += stripes_[s].tier->reads();
+    t.disk_read_errors += stripes_[s].tier->read_errors();
+    t.disk_write_errors += stripes_[s].tier->write_errors();
   }
   t.promotions = promotions_.load(std::memory_order_relaxed);
   t.demotions = demotions_.load(std::memory_order_relaxed);

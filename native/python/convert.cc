@@ -152,6 +152,8 @@ py::dict TierStatsToDict(const TierStats& t) {
   d["promotions"] = t.promotions;
   d["demotions"] = t.demotions;
   d["disk_reads"] = t.disk_reads;
+  d["disk_read_errors"] = t.disk_read_errors;
+  d["disk_write_errors"] = t.disk_write_errors;
   d["promotions_per_s"] = t.promotions_per_s;
   d["demotions_per_s"] = t.demotions_per_s;
   d["disk_reads_per_s"] = t.disk_reads_per_s;

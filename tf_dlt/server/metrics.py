@@ -195,6 +195,8 @@ def _tier_metrics(s: dict[str, Any]) -> Iterator[Metric]:
             ("promotions", "Cold rows a pull or push moved into RAM"),
             ("demotions", "Rows moved to the disk tier"),
             ("disk_reads", "Row slots read from the disk tier"),
+            ("disk_read_errors", "Disk tier reads that failed (I/O errors, short reads)"),
+            ("disk_write_errors", "Disk tier writes that failed (I/O errors, a full disk)"),
         )
     }
     failing = GaugeMetricFamily(

@@ -69,6 +69,8 @@ def table_info(table: _native.Table, tier: dict[str, Any] | None = None) -> dlt_
             promotions_per_s=tier["promotions_per_s"],
             demotions_per_s=tier["demotions_per_s"],
             disk_reads_per_s=tier["disk_reads_per_s"],
+            disk_read_errors=tier["disk_read_errors"],
+            disk_write_errors=tier["disk_write_errors"],
         ),
     )
 

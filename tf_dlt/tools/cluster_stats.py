@@ -68,9 +68,17 @@ def _tier_rows(stats: list[dict[str, Any]]) -> list[tuple[str, ...]]:
                 f"{float(tier.get('promotions_per_s', 0)):.0f}",
                 f"{float(tier.get('demotions_per_s', 0)):.0f}",
                 f"{float(tier.get('disk_reads_per_s', 0)):.0f}",
-                tier.get("error", "") or "-",
+                _tier_errors(tier),
             ))  # fmt: skip
     return rows
+
+
+def _tier_errors(tier: dict[str, Any]) -> str:
+    """The tier's last error with how many reads and writes failed, or "-"."""
+    reads, writes = int(tier.get("disk_read_errors", 0)), int(tier.get("disk_write_errors", 0))
+    counts = f"{reads} read / {writes} write errors" if reads or writes else ""
+    error = str(tier.get("error", ""))
+    return " ".join(x for x in (error, f"({counts})" if error and counts else counts) if x) or "-"
 
 
 def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
