@@ -16,16 +16,23 @@ all-RAM shard; a budget fraction f gives the shard's rows f x those bytes:
 the budget is that, what the idle process holds and the reserve a shard
 keeps for a save's or load's buffers, over the keeper's 90%.
 
+With --page-cache-limit B each tiered shard runs in a memory cgroup of its
+budget plus B bytes, which the page cache of its tier files counts against:
+the cold reads and the load then pay the disk, not the page cache.
+
 Usage: python bench/bench_tiers.py [--rows N] [--dim D] [--fractions 0.1,0.25]
-       [--seconds S] [--skew 1.05] [--storage-dir DIR]
+       [--seconds S] [--skew 1.05] [--storage-dir DIR] [--page-cache-limit B]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +95,43 @@ def measure(
     return {"pull_rows_per_s": pulled / pull_s, "push_rows_per_s": pushed / push_s}
 
 
+@contextlib.contextmanager
+def page_cache_capped(limit: int | None) -> Iterator[None]:
+    """With `limit`, the processes this one starts in the block run in a
+    memory cgroup of `limit` bytes (this process joins it, so its children
+    do; memory it held before stays charged elsewhere). The page cache of
+    their files counts against it, so tier files larger than `limit` less
+    the shard's own memory cannot stay cached: what a shard on a host whose
+    page cache cannot hold its tier pays. Needs root and cgroup v1's
+    memory controller or cgroup v2; RuntimeError otherwise."""
+    if limit is None:
+        yield
+        return
+    v1 = Path("/sys/fs/cgroup/memory")
+    v2 = Path("/sys/fs/cgroup")
+    if v1.is_dir():
+        group, limit_file, root = v1 / f"tf_dlt_bench_{os.getpid()}", "memory.limit_in_bytes", v1
+    elif (v2 / "cgroup.controllers").exists():
+        group, limit_file, root = v2 / f"tf_dlt_bench_{os.getpid()}", "memory.max", v2
+    else:
+        raise RuntimeError("--page-cache-limit needs a memory cgroup (v1 or v2)")
+    group.mkdir()
+    try:
+        (group / limit_file).write_text(str(limit))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield
+        finally:
+            (root / "cgroup.procs").write_text(str(os.getpid()))
+    finally:
+        for _ in range(50):  # its processes may take a moment to be gone
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def run_shard(
     checkpoint: Path, budget: int, storage: Path | None, traffic_sets: dict[str, list[np.ndarray]],
     dim: int, seconds: float,
@@ -123,6 +167,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--skew", type=float, default=1.05)
     p.add_argument("--storage-dir", help="disk tier directory (default: under the temp dir)")
+    p.add_argument(
+        "--page-cache-limit", type=float, default=None,
+        help="run each tiered shard in a memory cgroup of its budget plus this many bytes, "
+        "so its tier files cannot stay in the page cache (root; default: no limit)",
+    )  # fmt: skip
     args = p.parse_args()
     work = Path(
         tempfile.mkdtemp(prefix="bench_tiers-", dir="/work" if Path("/work").is_dir() else None)
@@ -154,7 +203,9 @@ def main() -> None:
             budget = int((idle_rss + _native.PERSIST_RESERVE_BYTES + rows_room) / 0.9) + (1 << 20)
             share = f"{fraction:g} of the table's {table_ram / 2**20:.0f} MiB"
             log(f"budget {budget / 2**20:.0f} MiB: {share}")
-            got = run_shard(checkpoint, budget, storage, sets, args.dim, args.seconds)
+            cap = None if args.page_cache_limit is None else budget + int(args.page_cache_limit)
+            with page_cache_capped(cap):
+                got = run_shard(checkpoint, budget, storage, sets, args.dim, args.seconds)
             results.append((fraction, budget, got))
         for fraction, budget, got in results:
             for kind in sets:
@@ -171,6 +222,7 @@ def main() -> None:
                         "tier": got["tier"], "tier_after_load": got["tier_after_load"],
                         "load_s": got["load_s"], "baseline_load_s": base["load_s"],
                         "baseline_peak_rss": base["peak_rss"], "skew": args.skew,
+                        "page_cache_limit": args.page_cache_limit,
                     })  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -115,9 +115,12 @@ void InjectDiskFaults(const DiskFaults& faults) {
                      std::memory_order_relaxed);
 }
 
-TierFile::TierFile(std::string path, size_t record_bytes)
+TierFile::TierFile(std::string path, size_t record_bytes, uint32_t first_bucket,
+                   uint32_t num_buckets)
     : path_(std::move(path)),
       record_bytes_(record_bytes),
+      first_bucket_(first_bucket),
+      num_buckets_(std::max<uint32_t>(num_buckets, 1)),
       slot_bytes_(sizeof(int64_t) + record_bytes),
       page_bytes_(std::max(kDiskPage, RoundUpTo(kMinSlotsPerPage * slot_bytes_, kDiskPage))) {
   slots_per_page_ = static_cast<uint32_t>(page_bytes_ / slot_bytes_);
@@ -186,9 +189,18 @@ void TierFile::Reserve(uint64_t rows) {
 
 void TierFile::Place(uint64_t hash, uint32_t* first, uint32_t* second,
                      uint16_t* fingerprint) const {
-  const uint32_t mask = num_pages_ - 1;
-  *first = static_cast<uint32_t>(hash >> 24) & mask;
-  *second = static_cast<uint32_t>(Mix64(hash ^ kSecondSalt)) & mask;
+  // The pages of the row's bucket: [begin, begin + width). A bucket outside
+  // the stripe's range (a table serving every bucket from one stripe's
+  // view) gets the whole file.
+  const uint64_t bucket = BucketOfHash(hash) - uint64_t{first_bucket_};
+  uint64_t begin = 0, width = num_pages_;
+  if (BucketOfHash(hash) >= first_bucket_ && bucket < num_buckets_) {
+    begin = bucket * num_pages_ / num_buckets_;
+    width = std::max<uint64_t>(1, (bucket + 1) * num_pages_ / num_buckets_ - begin);
+  }
+  // Two hash draws in [0, width), from bits the bucket does not use.
+  *first = static_cast<uint32_t>(begin + (((hash >> 32) * width) >> 32));
+  *second = static_cast<uint32_t>(begin + ((Mix64(hash ^ kSecondSalt) >> 32) * width >> 32));
   const auto print = static_cast<uint16_t>(Mix64(hash + kPrintSalt) >> 48);
   *fingerprint = print == 0 ? 1 : print;
 }
@@ -294,6 +306,79 @@ Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t ge
   return OkStatus();
 }
 
+Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
+                          const char* records, const uint16_t* generations) {
+  if (n == 0) return OkStatus();
+  if (fd_ < 0) DLT_RETURN_IF_ERROR(Open(std::max<uint64_t>(size_hint_, rows_ + n)));
+  while ((rows_ + n) * kFillDen > uint64_t{num_pages_} * slots_per_page_ * kFillNum) {
+    DLT_RETURN_IF_ERROR(Resize(num_pages_ * 2));
+  }
+  // Slots first (RAM only), then the writes in slot order.
+  std::vector<std::pair<uint32_t, uint32_t>> placed;  // (slot, row)
+  placed.reserve(n);
+  auto unplace = [&]() {
+    for (const auto& [slot, row] : placed) fingerprints_[slot] = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t print;
+    uint32_t slot = FreeSlot(hashes[i], &print);
+    if (slot == kNoSlot) {  // both pages full: grow, and place the batch anew
+      unplace();
+      placed.clear();
+      DLT_RETURN_IF_ERROR(Resize(num_pages_ * 2));
+      i = static_cast<size_t>(-1);
+      continue;
+    }
+    fingerprints_[slot] = print;
+    placed.emplace_back(slot, static_cast<uint32_t>(i));
+  }
+  std::sort(placed.begin(), placed.end());
+  // A page held rows before this batch when it has a used slot the batch
+  // did not place: `mine` counts the batch's slots per page of a run.
+  constexpr size_t kRunBytes = size_t{1} << 20;
+  const uint32_t run_pages = static_cast<uint32_t>(std::max<size_t>(1, kRunBytes / page_bytes_));
+  std::vector<char> buffer;
+  Status status;
+  for (size_t k = 0; k < placed.size() && status.ok();) {
+    const uint32_t first = placed[k].first / slots_per_page_;
+    uint32_t last = first;  // the run: consecutive touched pages, at most run_pages
+    size_t end = k;
+    bool read_first = false;
+    while (end < placed.size()) {
+      const uint32_t page = placed[end].first / slots_per_page_;
+      if (page > last + 1 || page - first >= run_pages) break;
+      last = page;
+      size_t mine = 0;
+      while (end < placed.size() && placed[end].first / slots_per_page_ == page) ++mine, ++end;
+      read_first |= UsedIn(page) > mine;
+    }
+    const size_t bytes = size_t{last - first + 1} * page_bytes_;
+    buffer.assign(bytes, 0);
+    const off_t offset = static_cast<off_t>(size_t{first} * page_bytes_);
+    int err = 0;
+    if (read_first && !FullRead(fd_, buffer.data(), bytes, offset, &err).ok()) {
+      status = ReadError(err);
+      break;
+    }
+    for (size_t j = k; j < end; ++j) {
+      const auto [slot, row] = placed[j];
+      char* to = buffer.data() + size_t{slot / slots_per_page_ - first} * page_bytes_ +
+                 size_t{slot % slots_per_page_} * slot_bytes_;
+      std::memcpy(to, &keys[row], sizeof(int64_t));
+      std::memcpy(to + sizeof(int64_t), records + size_t{row} * record_bytes_, record_bytes_);
+    }
+    if (!FullWrite(fd_, buffer.data(), bytes, offset, &err).ok()) status = WriteError("write", err);
+    k = end;
+  }
+  if (!status.ok()) {
+    unplace();
+    return status;
+  }
+  for (const auto& [slot, row] : placed) generations_[slot] = generations[row];
+  rows_ += n;
+  return OkStatus();
+}
+
 Status TierFile::Rewrite(uint32_t slot, int64_t key, const char* record, uint16_t generation) {
   DLT_RETURN_IF_ERROR(WriteSlot(slot, key, record));
   generations_[slot] = generation;
@@ -338,7 +423,7 @@ Status TierFile::Resize(uint32_t pages) {
     unlink(next_path.c_str());
     return WriteError("allocation", alloc_err);
   }
-  TierFile next(next_path, record_bytes_);
+  TierFile next(next_path, record_bytes_, first_bucket_, num_buckets_);
   next.fd_ = next_fd;
   next.num_pages_ = pages;
   next.fingerprints_.assign(size_t{pages} * slots_per_page_, 0);

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "native/core/routing.h"
 #include "native/core/status.h"
 
 namespace dlt {
@@ -39,8 +40,14 @@ class TierFile {
   static constexpr uint32_t kNoSlot = 0xffffffffu;
 
   // A tier at `path` (created, or truncated if it exists) for records of
-  // `record_bytes`; nothing is allocated until Open.
-  TierFile(std::string path, size_t record_bytes);
+  // `record_bytes` of ids in routing buckets [first_bucket, first_bucket +
+  // num_buckets) (its stripe's); nothing is allocated until Open. A row's
+  // two candidate pages lie in its bucket's window of the file (the
+  // buckets split the pages in order), so rows arriving in bucket order,
+  // as a checkpoint's do, fill the file from front to back: a load writes
+  // it about sequentially, each page while it is in the page cache.
+  TierFile(std::string path, size_t record_bytes, uint32_t first_bucket = 0,
+           uint32_t num_buckets = kNumBuckets);
   ~TierFile();  // closes and unlinks the file
   TierFile(const TierFile&) = delete;
   TierFile& operator=(const TierFile&) = delete;
@@ -63,6 +70,14 @@ class TierFile {
   // Stores a row that is absent from the tier; grows the file when both
   // candidate pages are full or the tier passes its target fill.
   Status Put(uint64_t hash, int64_t key, const char* record, uint16_t generation);
+  // Stores `n` rows absent from the tier (and distinct): hashes[i], keys[i],
+  // the record at records + i * record_bytes, generations[i]. Places them
+  // as Put does, then writes each run of consecutive pages it touched with
+  // one pwrite (reading a run first only where it holds other rows), so
+  // rows in bucket order cost a sequential write, not a write per row. On
+  // an error none of the `n` rows is stored.
+  Status PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys, const char* records,
+                  const uint16_t* generations);
   // Overwrites the record in `slot` (found by Find) with `record`.
   Status Rewrite(uint32_t slot, int64_t key, const char* record, uint16_t generation);
   // Frees `slot` (RAM only).
@@ -119,6 +134,7 @@ class TierFile {
 
   const std::string path_;
   const size_t record_bytes_;
+  const uint32_t first_bucket_, num_buckets_;
   const size_t slot_bytes_;
   uint32_t slots_per_page_;
   size_t page_bytes_;

@@ -15,6 +15,7 @@
 #include <new>
 #include <string>
 #include <thread>
+#include <unordered_map>
 
 #include "native/core/finite.h"
 #include "native/core/half.h"
@@ -506,12 +507,25 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
   const uint32_t now = Now();
   fresh_slots.resize(slot_floats_);
   InitializeSlots(config_.optimizer, dim, fresh_slots.data());
+  // Rows bound for a stripe's disk tier, written at the end of the stripe in
+  // one batch (PutBatch): rows of a checkpoint come in bucket order, which
+  // the tier's pages follow, so the batch is about one sequential write.
+  thread_local std::vector<uint64_t> cold_hashes;
+  thread_local std::vector<int64_t> cold_keys;
+  thread_local std::vector<char> cold_records;
+  thread_local std::vector<uint16_t> cold_generations;
+  thread_local std::unordered_map<int64_t, size_t> cold_index;
   for (uint32_t s = 0; s < kStripes; ++s) {
     if (starts[s] == starts[s + 1]) continue;
     Stripe& stripe = stripes_[s];
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     bool inserted = false;
     const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
+    cold_hashes.clear();
+    cold_keys.clear();
+    cold_records.clear();
+    cold_generations.clear();
+    cold_index.clear();
     for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
@@ -529,9 +543,15 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
           DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold, generation));
           continue;
         }
-        DLT_RETURN_IF_ERROR(stripe.tier->Put(hashes[pos], ids[pos], cold, generation));
-        rows_.fetch_add(1, std::memory_order_relaxed);
-        cold_rows_.fetch_add(1, std::memory_order_relaxed);
+        // Into the batch; an id twice in one call: its last row wins.
+        const auto [at, added] = cold_index.emplace(ids[pos], cold_keys.size());
+        if (added) {
+          cold_hashes.push_back(hashes[pos]);
+          cold_keys.push_back(ids[pos]);
+          cold_generations.push_back(generation);
+          cold_records.resize(cold_records.size() + record_bytes_);
+        }
+        std::memcpy(cold_records.data() + at->second * record_bytes_, cold, record_bytes_);
         continue;
       }
       if (rec == kEmpty && stripe.tier) {
@@ -554,6 +574,13 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
       WriteRow(r, ids[pos], header->step, values + size_t{pos} * dim, row_slots,
                /*stochastic=*/false);
+    }
+    if (!cold_keys.empty()) {
+      DLT_RETURN_IF_ERROR(stripe.tier->PutBatch(cold_keys.size(), cold_hashes.data(),
+                                                cold_keys.data(), cold_records.data(),
+                                                cold_generations.data()));
+      rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
+      cold_rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
     }
     if (inserted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }

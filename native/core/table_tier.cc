@@ -18,9 +18,17 @@ namespace dlt {
 void Table::AttachTier(const std::string& dir) {
   tier_dir_ = dir;
   for (uint32_t s = 0; s < kStripes; ++s) {
+    // The stripe's buckets (contiguous): its tier file's pages follow them.
+    uint32_t first = kNumBuckets, count = 0;
+    for (uint32_t b = first_bucket_; b < end_bucket_; ++b) {
+      if (stripe_of_bucket_[b] != s) continue;
+      first = std::min(first, b);
+      ++count;
+    }
     char name[32];
     std::snprintf(name, sizeof(name), "/stripe-%02u.tier", s);
-    stripes_[s].tier = std::make_unique<TierFile>(dir + name, record_bytes_);
+    stripes_[s].tier = std::make_unique<TierFile>(dir + name, record_bytes_, count ? first : 0,
+                                                  count ? count : kNumBuckets);
   }
 }
 

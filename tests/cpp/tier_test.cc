@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -125,6 +127,113 @@ DLT_TEST(TestTierFileStoresFindsGrowsAndFrees) {
   }
   const std::string path = tier.path();
   EXPECT(std::filesystem::exists(path));
+}
+
+DLT_TEST(TestTierFilePagesFollowTheBucketsInOrder) {
+  // A stripe of buckets [1000, 1256): each row lies in its bucket's window
+  // of pages, windows in bucket order, so rows put in bucket order (a load)
+  // fill the file from front to back. The file grows (twice) on the way.
+  TempDir dir;
+  constexpr uint32_t kFirst = 1000, kCount = 256;
+  TierFile tier(dir.path + "/s.tier", 24, kFirst, kCount);
+  EXPECT_OK(tier.Open(40000));
+  std::vector<std::pair<uint32_t, int64_t>> ids;  // (bucket, id)
+  for (int64_t id = 0; ids.size() < 120000; ++id) {
+    const uint32_t bucket = BucketOf(id);
+    if (bucket >= kFirst && bucket < kFirst + kCount) ids.emplace_back(bucket, id);
+  }
+  std::sort(ids.begin(), ids.end());
+  std::vector<char> record(24, 'r'), got(24);
+  for (const auto& [bucket, id] : ids) {
+    EXPECT_OK(tier.Put(Mix64(static_cast<uint64_t>(id)), id, record.data(), 0));
+  }
+  EXPECT(tier.rows() == ids.size() && tier.pages() > 2 * kCount);
+  const uint64_t pages = tier.pages();
+  for (const auto& [bucket, id] : ids) {
+    uint32_t slot;
+    uint16_t generation;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(id)), id, got.data(), &slot, &generation));
+    const uint64_t page = slot / tier.slots_per_page(), b = bucket - kFirst;
+    EXPECT(slot != TierFile::kNoSlot && page >= b * pages / kCount &&
+           page < (b + 1) * pages / kCount);
+  }
+}
+
+DLT_TEST(TestTierFilePutBatchStoresRowsBesideOthersAndAllOrNothing) {
+  // Batches in bucket order beside rows Put one at a time (their pages are
+  // read before they are written again), growing the file on the way; a
+  // batch whose write fails stores none of its rows.
+  TempDir dir;
+  constexpr size_t kRecord = 40;  // 48-byte slots: a page ends in 16 spare bytes
+  TierFile tier(dir.path + "/s.tier", kRecord, 0, 512);
+  std::vector<std::pair<uint32_t, int64_t>> ids;
+  for (int64_t id = 0; ids.size() < 30000; ++id) {
+    if (BucketOf(id) < 512) ids.emplace_back(BucketOf(id), id);
+  }
+  std::sort(ids.begin(), ids.end());
+  std::map<int64_t, std::string> oracle;
+  std::set<int64_t> alone;  // Put one at a time (generation 7; batches: 9)
+  auto record_of = [](int64_t id) {
+    std::string r(kRecord, '\0');
+    for (size_t j = 0; j < kRecord; ++j) r[j] = static_cast<char>(id * 31 + j);
+    return r;
+  };
+  for (size_t i = 0; i < ids.size(); i += 3) {  // every third row alone
+    const int64_t id = ids[i].second;
+    EXPECT_OK(tier.Put(Mix64(static_cast<uint64_t>(id)), id, record_of(id).data(), 7));
+    oracle[id] = record_of(id);
+    alone.insert(id);
+  }
+  std::vector<uint64_t> hashes;
+  std::vector<int64_t> keys;
+  std::string records;
+  std::vector<uint16_t> generations;
+  auto flush = [&]() {
+    EXPECT_OK(
+        tier.PutBatch(keys.size(), hashes.data(), keys.data(), records.data(), generations.data()));
+    hashes.clear(), keys.clear(), records.clear(), generations.clear();
+  };
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i % 3 == 0) continue;
+    const int64_t id = ids[i].second;
+    hashes.push_back(Mix64(static_cast<uint64_t>(id)));
+    keys.push_back(id);
+    records += record_of(id);
+    generations.push_back(9);
+    oracle[id] = record_of(id);
+    if (keys.size() == 4000) flush();
+  }
+  flush();
+  EXPECT(tier.rows() == oracle.size());
+  std::vector<char> got(kRecord);
+  for (const auto& [id, bytes] : oracle) {
+    uint32_t slot;
+    uint16_t generation;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(id)), id, got.data(), &slot, &generation));
+    EXPECT(slot != TierFile::kNoSlot && std::string(got.begin(), got.end()) == bytes);
+    EXPECT(generation == (alone.count(id) ? 7 : 9));
+  }
+  // A failing write: nothing of the batch is stored, the rest unchanged.
+  const std::vector<int64_t> more = {-1, -2, -3, -4};
+  std::vector<uint64_t> more_hashes;
+  for (int64_t id : more) more_hashes.push_back(Mix64(static_cast<uint64_t>(id)));
+  const std::string more_records(4 * kRecord, 'x');
+  const std::vector<uint16_t> more_generations(4, 1);
+  DiskFaults fail;
+  fail.failing_writes = 1;
+  fail.write_errno = EIO;
+  InjectDiskFaults(fail);
+  EXPECT(!tier.PutBatch(4, more_hashes.data(), more.data(), more_records.data(),
+                        more_generations.data())
+              .ok());
+  InjectDiskFaults(DiskFaults{});
+  EXPECT(tier.rows() == oracle.size());
+  for (int64_t id : more) {
+    uint32_t slot;
+    uint16_t generation;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(id)), id, got.data(), &slot, &generation));
+    EXPECT(slot == TierFile::kNoSlot);
+  }
 }
 
 DLT_TEST(TestTierFileIsUnlinkedWithItsTier) {
