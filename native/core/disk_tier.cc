@@ -6,8 +6,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "native/core/routing.h"
@@ -105,6 +110,72 @@ Status FullRead(int fd, char* data, size_t n, off_t offset, int* err) {
   }
   return OkStatus();
 }
+
+// Threads that run the cold reads of a batch at once (a device serves many
+// reads in flight far faster than one after another). Jobs from several
+// callers share them; each caller works on its own job too.
+class ReadPool {
+ public:
+  static constexpr int kThreads = 16;
+  static ReadPool& Get() {
+    static ReadPool* pool = new ReadPool;  // never destroyed: workers outlive main
+    return *pool;
+  }
+  // Runs fn(i) for every i in [0, n); returns once all have run.
+  void ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->n = n;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(job);
+    }
+    wake_.notify_all();
+    Work(job.get());
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return job->finished == n; });
+  }
+
+ private:
+  struct Job {
+    const std::function<void(size_t)>* fn = nullptr;
+    size_t n = 0;
+    std::atomic<size_t> next{0};
+    size_t finished = 0;  // guarded by mu_
+  };
+  ReadPool() {
+    for (int t = 0; t < kThreads; ++t) {
+      std::thread([this] { Loop(); }).detach();
+    }
+  }
+  void Work(Job* job) {
+    size_t ran = 0;
+    for (size_t i; (i = job->next.fetch_add(1, std::memory_order_relaxed)) < job->n; ++ran) {
+      (*job->fn)(i);
+    }
+    if (ran == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    job->finished += ran;
+    if (job->finished == job->n) done_.notify_all();
+  }
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] { return !jobs_.empty(); });
+      std::shared_ptr<Job> job = jobs_.front();
+      if (job->next.load(std::memory_order_relaxed) >= job->n) {  // all taken
+        jobs_.pop_front();
+        continue;
+      }
+      lock.unlock();
+      Work(job.get());
+      lock.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  std::deque<std::shared_ptr<Job>> jobs_;
+};
 
 }  // namespace
 
@@ -237,6 +308,57 @@ Status TierFile::ReadPages(uint32_t first, uint32_t n, char* buffer) const {
   return OkStatus();
 }
 
+void TierFile::Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n) {
+  DropPrefetched();
+  // Injected faults are met by the Finds' own reads.
+  if (rows_ == 0 || fd_ < 0 || faults_armed.load(std::memory_order_relaxed)) return;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t pages[2];
+    uint16_t print;
+    Place(hashes[rows[i]], &pages[0], &pages[1], &print);
+    for (int c = 0; c < (pages[0] == pages[1] ? 1 : 2); ++c) {
+      const uint32_t first = pages[c] * slots_per_page_;
+      for (uint32_t s = first; s < first + slots_per_page_; ++s) {
+        if (fingerprints_[s] == print) prefetched_.push_back(s);
+      }
+    }
+  }
+  std::sort(prefetched_.begin(), prefetched_.end());
+  prefetched_.erase(std::unique(prefetched_.begin(), prefetched_.end()), prefetched_.end());
+  if (prefetched_.size() < 2) {  // nothing to overlap
+    prefetched_.clear();
+    return;
+  }
+  prefetch_data_.resize(prefetched_.size() * slot_bytes_);
+  // The reads spread over the read pool's threads (and this one); a slot
+  // whose read fails or comes back short is dropped: its Find reads it
+  // again, and reports.
+  std::vector<char> ok(prefetched_.size(), 0);
+  ReadPool::Get().ParallelFor(prefetched_.size(), [&](size_t j) {
+    const uint32_t s = prefetched_[j];
+    const off_t offset = static_cast<off_t>(size_t{s / slots_per_page_} * page_bytes_ +
+                                            size_t{s % slots_per_page_} * slot_bytes_);
+    const ssize_t r = pread(fd_, prefetch_data_.data() + j * slot_bytes_, slot_bytes_, offset);
+    ok[j] = r == static_cast<ssize_t>(slot_bytes_);
+  });
+  size_t kept = 0;
+  for (size_t j = 0; j < prefetched_.size(); ++j) {
+    if (!ok[j]) continue;
+    if (kept != j) {
+      prefetched_[kept] = prefetched_[j];
+      std::memmove(prefetch_data_.data() + kept * slot_bytes_,
+                   prefetch_data_.data() + j * slot_bytes_, slot_bytes_);
+    }
+    ++kept;
+  }
+  prefetched_.resize(kept);
+}
+
+void TierFile::DropPrefetched() {
+  prefetched_.clear();
+  prefetch_data_.clear();
+}
+
 Status TierFile::Find(uint64_t hash, int64_t key, char* record, uint32_t* slot,
                       uint16_t* generation) {
   *slot = kNoSlot;
@@ -251,7 +373,14 @@ Status TierFile::Find(uint64_t hash, int64_t key, char* record, uint32_t* slot,
     for (uint32_t s = first; s < first + slots_per_page_; ++s) {
       if (fingerprints_[s] != print) continue;
       ++reads_;
-      DLT_RETURN_IF_ERROR(ReadSlot(s, buffer.data()));
+      const auto hit = std::lower_bound(prefetched_.begin(), prefetched_.end(), s);
+      if (hit != prefetched_.end() && *hit == s) {
+        std::memcpy(buffer.data(),
+                    prefetch_data_.data() + size_t(hit - prefetched_.begin()) * slot_bytes_,
+                    slot_bytes_);
+      } else {
+        DLT_RETURN_IF_ERROR(ReadSlot(s, buffer.data()));
+      }
       if (KeyOf(buffer.data()) != key) continue;  // a fingerprint collision
       std::memcpy(record, RecordOf(buffer.data()), record_bytes_);
       *slot = s;
@@ -288,6 +417,7 @@ Status TierFile::WriteSlot(uint32_t slot, int64_t key, const char* record) {
 }
 
 Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t generation) {
+  DropPrefetched();  // slots written here may be among them
   if (fd_ < 0) DLT_RETURN_IF_ERROR(Open(size_hint_));
   if ((rows_ + 1) * kFillDen > uint64_t{num_pages_} * slots_per_page_ * kFillNum) {
     DLT_RETURN_IF_ERROR(Resize(num_pages_ * 2));
@@ -309,6 +439,7 @@ Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t ge
 Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
                           const char* records, const uint16_t* generations) {
   if (n == 0) return OkStatus();
+  DropPrefetched();
   if (fd_ < 0) DLT_RETURN_IF_ERROR(Open(std::max<uint64_t>(size_hint_, rows_ + n)));
   while ((rows_ + n) * kFillDen > uint64_t{num_pages_} * slots_per_page_ * kFillNum) {
     DLT_RETURN_IF_ERROR(Resize(num_pages_ * 2));
@@ -380,6 +511,7 @@ Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
 }
 
 Status TierFile::Rewrite(uint32_t slot, int64_t key, const char* record, uint16_t generation) {
+  DropPrefetched();
   DLT_RETURN_IF_ERROR(WriteSlot(slot, key, record));
   generations_[slot] = generation;
   return OkStatus();
@@ -400,6 +532,7 @@ size_t TierFile::ram_bytes() const {
 }
 
 Status TierFile::Resize(uint32_t pages) {
+  DropPrefetched();  // slots move
   if (pages == 0 || pages > MaxPages()) {
     return ResourceExhausted("disk tier " + path_ + " cannot grow past " +
                              std::to_string(num_pages_) + " pages");

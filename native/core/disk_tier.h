@@ -67,6 +67,13 @@ class TierFile {
   // into `record` (record_bytes), its slot into *slot and its generation
   // into *generation; *slot is kNoSlot when absent.
   Status Find(uint64_t hash, int64_t key, char* record, uint32_t* slot, uint16_t* generation);
+  // Reads, all at once (in parallel on a pool of read threads), every slot a
+  // Find of these rows would read (those whose fingerprint matches), and
+  // keeps them until DropPrefetched: the Finds that follow read memory, so
+  // a pull of many cold rows waits about one device round trip, not one
+  // per row. Faults and errors surface on those Finds.
+  void Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n);
+  void DropPrefetched();
   // Stores a row that is absent from the tier; grows the file when both
   // candidate pages are full or the tier passes its target fill.
   Status Put(uint64_t hash, int64_t key, const char* record, uint16_t generation);
@@ -146,6 +153,8 @@ class TierFile {
   mutable std::atomic<uint64_t> write_errors_{0};
   uint64_t layout_ = 0;
   uint64_t size_hint_ = 4096;           // rows the file opens with
+  std::vector<uint32_t> prefetched_;    // slots read by Prefetch, sorted
+  std::vector<char> prefetch_data_;     // their bytes, in that order
   std::vector<uint16_t> fingerprints_;  // per slot; 0: free
   std::vector<uint16_t> generations_;   // per slot: the row's change generation
 };

@@ -251,6 +251,9 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     // Cold rows move into RAM while it has room; else they are read where
     // they are, and a new row is left for its push to make.
     const bool promote = !RamFull(stripe);
+    if (tiered && missing.size() > 1) {  // the cold rows' reads at once
+      stripe.tier->Prefetch(hashes.data(), missing.data(), missing.size());
+    }
     for (uint32_t pos : missing) {
       float* dst = out + size_t{pos} * dim;
       if (tiered && stripe.tier->rows() != 0) {
@@ -299,6 +302,7 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
       }
       ReadValues(stripe.Record(rec, record_bytes_), dst);
     }
+    if (tiered) stripe.tier->DropPrefetched();
     if (admitted) {
       admitted_.fetch_add(admitted, std::memory_order_relaxed);
       if (config_.policy.max_rows && !tiered) EvictFrom(&stripe, Now());
