@@ -30,6 +30,11 @@ CASES = (
          quick=("--rows", "20000")),
     Case("bench_ops", "TF ops: remote and embedded lookups vs tf.nn.embedding_lookup",
          quick=("--rows", "20000", "--batch", "1024")),
+    Case("bench_wire", "the data path without TensorFlow: shards x threads x clients vs a "
+         "local gather and one TCP stream",
+         full=("--threads", "1,2"),
+         quick=("--ids", "4096", "--dim", "16", "--calls", "3", "--threads", "1",
+                "--rows", "20000")),
     Case("bench_connections", "one shard serving many connections",
          quick=("--connections", "8", "--seconds", "0.5")),
     Case("bench_keras", "model.fit examples/s: tf_dlt vs keras.layers.Embedding",

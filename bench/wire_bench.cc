@@ -1,0 +1,252 @@
+// The data path without TensorFlow (bench/bench_wire.py builds and runs it):
+// S shard processes with T worker threads each and C client processes
+// pulling and pushing through the native client, beside two baselines
+// measured in the same run: a local gather of the same rows (the rows copied
+// out of an in-memory array by id, as a trainer holding the table would)
+// and one loopback TCP stream carrying the same bytes. Wall time and each
+// process's CPU time per call are reported (CPU is robust on a shared
+// machine; wall time shows what cores to spare give).
+//
+//   wire_bench shard INDEX SHARDS THREADS DIM ROWS
+//       serves one shard of a table "t" (Adagrad, ROWS rows of ids
+//       0..ROWS-1 made up front), prints "port N", serves until stdin closes.
+//   wire_bench client ADDRS(comma) DIM IDS CALLS pull|push ROWS SEED
+//       CALLS calls of IDS random ids in [0, ROWS); prints one JSON line.
+//   wire_bench gather DIM IDS CALLS ROWS      the local gather baseline
+//   wire_bench stream BYTES CALLS             the one-TCP-stream baseline
+//
+// Needs only a C++17 compiler: no TensorFlow, no Python (a static binary
+// runs on any x86-64 Linux machine).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "native/core/shard.h"
+#include "native/core/table.h"
+#include "native/net/client.h"
+#include "native/net/data_server.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+// CPU seconds (user + system) of this process so far.
+double ProcessCpu() {
+  struct rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+std::vector<int64_t> RandomIds(size_t n, uint64_t rows, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> ids(n);
+  for (auto& id : ids) id = static_cast<int64_t>(rng() % rows);
+  return ids;
+}
+
+void Emit(const char* what, size_t ids, uint32_t dim, int calls, double wall, double cpu) {
+  std::printf(
+      "{\"case\": \"%s\", \"ids\": %zu, \"dim\": %u, \"calls\": %d, \"wall_ms_per_call\": %.4f, "
+      "\"cpu_ms_per_call\": %.4f}\n",
+      what, ids, dim, calls, wall * 1e3 / calls, cpu * 1e3 / calls);
+  std::fflush(stdout);
+}
+
+int Shard(int argc, char** argv) {
+  if (argc < 7) return 2;
+  const auto index = static_cast<uint32_t>(std::atoi(argv[2]));
+  const auto shards = static_cast<uint32_t>(std::atoi(argv[3]));
+  const int threads = std::atoi(argv[4]);
+  const auto dim = static_cast<uint32_t>(std::atoi(argv[5]));
+  const uint64_t rows = std::strtoull(argv[6], nullptr, 10);
+  auto shard = std::make_shared<dlt::Shard>(index, shards);
+  dlt::TableConfig config;
+  config.name = "t";
+  config.dim = dim;
+  config.optimizer.kind = dlt::OptimizerKind::kAdagrad;
+  bool created = false;
+  dlt::Status s = shard->CreateTable(config, &created);
+  std::shared_ptr<dlt::Table> table;
+  if (s.ok()) s = shard->GetTable("t", &table);
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.message().c_str());
+    return 1;
+  }
+  // This shard's rows of ids [0, rows), made up front.
+  std::vector<int64_t> mine;
+  for (uint64_t id = 0; id < rows; ++id) {
+    if (dlt::ShardOf(static_cast<int64_t>(id), shards) == index) {
+      mine.push_back(static_cast<int64_t>(id));
+    }
+  }
+  std::vector<float> out(mine.size() * dim);
+  s = table->Pull(mine.data(), mine.size(), dlt::PullMode::kInsert, out.data());
+  if (!s.ok()) return 1;
+  dlt::DataServerOptions options;
+  options.worker_threads = threads;
+  dlt::DataServer server(shard, options);
+  s = server.Start();
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", s.message().c_str());
+    return 1;
+  }
+  std::printf("port %d\n", server.port());
+  std::fflush(stdout);
+  char c;
+  while (read(0, &c, 1) > 0) {
+  }
+  server.Stop();
+  return 0;
+}
+
+int Client(int argc, char** argv) {
+  if (argc < 9) return 2;
+  std::vector<std::string> addresses;
+  for (const char *p = argv[2], *q; *p; p = *q ? q + 1 : q) {
+    q = std::strchr(p, ',');
+    if (q == nullptr) q = p + std::strlen(p);
+    addresses.emplace_back(p, q);
+  }
+  const auto dim = static_cast<uint32_t>(std::atoi(argv[3]));
+  const size_t n = std::strtoull(argv[4], nullptr, 10);
+  const int calls = std::atoi(argv[5]);
+  const bool pull = std::string(argv[6]) == "pull";
+  const uint64_t rows = std::strtoull(argv[7], nullptr, 10);
+  const uint64_t seed = std::strtoull(argv[8], nullptr, 10);
+  dlt::Client client(addresses, dlt::ClientOptions{});
+  std::vector<std::vector<int64_t>> batches;
+  for (int k = 0; k < 8; ++k) batches.push_back(RandomIds(n, rows, seed * 100 + k));
+  std::vector<float> out(n * dim), grads(n * dim, 1e-3f);
+  auto call = [&](int k) {
+    const auto& ids = batches[k % batches.size()];
+    return pull ? client.Pull("t", dim, ids.data(), n, dlt::PullMode::kInsert, out.data(), true)
+                : client.Push("t", dim, ids.data(), grads.data(), n, 0.01f);
+  };
+  for (int k = 0; k < 3; ++k) {  // connect and warm up
+    const dlt::Status s = call(k);
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", s.message().c_str());
+      return 1;
+    }
+  }
+  const double cpu = ProcessCpu();
+  const auto start = Clock::now();
+  for (int k = 0; k < calls; ++k) {
+    if (!call(k).ok()) return 1;
+  }
+  Emit(pull ? "pull" : "push", n, dim, calls, Seconds(start), ProcessCpu() - cpu);
+  return 0;
+}
+
+int Gather(int argc, char** argv) {
+  if (argc < 6) return 2;
+  const auto dim = static_cast<uint32_t>(std::atoi(argv[2]));
+  const size_t n = std::strtoull(argv[3], nullptr, 10);
+  const int calls = std::atoi(argv[4]);
+  const uint64_t rows = std::strtoull(argv[5], nullptr, 10);
+  std::vector<float> table(rows * dim, 0.5f), out(n * dim);
+  std::vector<std::vector<int64_t>> batches;
+  for (int k = 0; k < 8; ++k) batches.push_back(RandomIds(n, rows, 7 + k));
+  const double cpu = ProcessCpu();
+  const auto start = Clock::now();
+  for (int k = 0; k < calls; ++k) {
+    const auto& ids = batches[k % batches.size()];
+    for (size_t i = 0; i < n; ++i) {
+      std::memcpy(&out[i * dim], &table[static_cast<size_t>(ids[i]) * dim], sizeof(float) * dim);
+    }
+  }
+  Emit("local_gather", n, dim, calls, Seconds(start), ProcessCpu() - cpu);
+  return out[0] == 0.5f ? 0 : 1;
+}
+
+int Stream(int argc, char** argv) {
+  if (argc < 4) return 2;
+  const size_t bytes = std::strtoull(argv[2], nullptr, 10);
+  const int calls = std::atoi(argv[3]);
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(listener, 1) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return 1;
+  }
+  std::thread sender([&] {
+    const int fd = accept(listener, nullptr, nullptr);
+    std::vector<char> data(bytes, 'x');
+    char go;
+    for (int k = 0; k < calls + 1; ++k) {  // a request byte, then the reply's bytes
+      if (read(fd, &go, 1) != 1) break;
+      for (size_t sent = 0; sent < bytes;) {
+        const ssize_t w = write(fd, data.data() + sent, bytes - sent);
+        if (w <= 0) return;
+        sent += static_cast<size_t>(w);
+      }
+    }
+    close(fd);
+  });
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return 1;
+  std::vector<char> in(bytes);
+  auto exchange = [&] {
+    const char go = 'g';
+    if (write(fd, &go, 1) != 1) return false;
+    for (size_t got = 0; got < bytes;) {
+      const ssize_t r = read(fd, in.data() + got, bytes - got);
+      if (r <= 0) return false;
+      got += static_cast<size_t>(r);
+    }
+    return true;
+  };
+  if (!exchange()) return 1;  // warm up
+  const double cpu = ProcessCpu();
+  const auto start = Clock::now();
+  for (int k = 0; k < calls; ++k) {
+    if (!exchange()) return 1;
+  }
+  // Both ends' CPU: they run in this process.
+  Emit("tcp_stream", bytes, 0, calls, Seconds(start), ProcessCpu() - cpu);
+  close(fd);
+  sender.join();
+  close(listener);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  int rc = 2;
+  if (mode == "shard") rc = Shard(argc, argv);
+  if (mode == "client") rc = Client(argc, argv);
+  if (mode == "gather") rc = Gather(argc, argv);
+  if (mode == "stream") rc = Stream(argc, argv);
+  if (rc == 2) {
+    std::fprintf(stderr,
+                 "usage: wire_bench shard INDEX SHARDS THREADS DIM ROWS | client ADDRS DIM IDS "
+                 "CALLS pull|push ROWS SEED | gather DIM IDS CALLS ROWS | stream BYTES CALLS\n");
+  }
+  return rc;
+}
