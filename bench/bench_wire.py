@@ -61,7 +61,7 @@ def build(out: Path, static: bool = True) -> Path:
     ]  # fmt: skip
     if static:
         cmd.append("-static")
-    partial = out.with_name(out.name + ".partial")
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")  # builds may run at once
     cmd[cmd.index(str(out))] = str(partial)
     subprocess.run(cmd, check=True, timeout=1800)
     partial.rename(out)
