@@ -16,7 +16,7 @@ import secrets
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import fsspec
@@ -48,6 +48,25 @@ def exclusive_temp(target: str) -> tuple[int, str]:
     (its descriptor, its path)."""
     directory, name = os.path.split(target)
     return tempfile.mkstemp(prefix=f"{name}.tmp-", dir=directory or ".")
+
+
+@contextlib.contextmanager
+def replaced_durably(target: str) -> Iterator[tuple[int, str]]:
+    """A new empty file beside local file `target` (`exclusive_temp`): its
+    descriptor and path, for the block to write through either. After the
+    block it is fsynced, renamed over `target` and the directory synced, so
+    a reader sees the old `target` or all of the new one, and a crash after
+    it keeps the new one. The temp file goes if the block fails."""
+    fd, tmp = exclusive_temp(target)
+    try:
+        yield fd, tmp
+        os.fsync(fd)
+        os.replace(tmp, target)
+        sync_directory(os.path.dirname(target) or ".")
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 def sync_directory(directory: str) -> None:
@@ -120,18 +139,10 @@ def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None
     NameNode's rename is atomic); on an object store one PUT (objects
     appear whole)."""
     if is_local(fs):
-        root = os.path.dirname(target)
-        fd, tmp = exclusive_temp(target)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            sync_directory(root)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
+        with replaced_durably(target) as (fd, _):
+            view = memoryview(data)
+            while view:  # through our descriptor: never a file planted by name
+                view = view[os.write(fd, view) :]
         return
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     if _ATOMIC_RENAME & set(protocols):

@@ -5,7 +5,6 @@ save-specific name. Never a second copy of the shard in memory."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -22,11 +21,10 @@ from tf_dlt.checkpoint import verified
 from tf_dlt.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
-    exclusive_temp,
     filesystem,
     is_local,
+    replaced_durably,
     shard_file_name,
-    sync_directory,
 )
 from tf_dlt.checkpoint.shard_format import (
     Chunk,
@@ -259,19 +257,10 @@ def save_tables(
     fs.makedirs(root, exist_ok=True)
     target = f"{root}/{name}"
     if is_local(fs):
-        fd, tmp = exclusive_temp(target)
-        os.close(fd)  # HDF5 opens it by name: ours, made just now
-        try:
+        with replaced_durably(target) as (_, tmp):  # HDF5 opens it by name
             infos = _write_shard_file(tmp, layout, tables, save_id)
             with open(tmp, "rb") as f:
                 sha, blocks = verified.file_digests(f)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            sync_directory(root)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
         size = os.path.getsize(target)
     else:
         with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as spool:
