@@ -39,6 +39,10 @@ std::mutex fault_mu;
 DiskFaults pending_faults;              // guarded by fault_mu
 std::atomic<bool> faults_armed{false};  // any pending: checked on every I/O
 
+bool AnyPending(const DiskFaults& f) {
+  return f.failing_reads + f.short_reads + f.failing_writes > 0;
+}
+
 // One injected fault for a read (or a write) about to run: 0 (none), an
 // errno, or kShortRead.
 int TakeFault(bool read) {
@@ -56,8 +60,7 @@ int TakeFault(bool read) {
     --f.failing_writes;
     fault = f.write_errno;
   }
-  faults_armed.store(f.failing_reads + f.short_reads + f.failing_writes > 0,
-                     std::memory_order_relaxed);
+  faults_armed.store(AnyPending(f), std::memory_order_relaxed);
   return fault;
 }
 
@@ -182,8 +185,7 @@ class ReadPool {
 void InjectDiskFaults(const DiskFaults& faults) {
   std::lock_guard<std::mutex> lock(fault_mu);
   pending_faults = faults;
-  faults_armed.store(faults.failing_reads + faults.short_reads + faults.failing_writes > 0,
-                     std::memory_order_relaxed);
+  faults_armed.store(AnyPending(faults), std::memory_order_relaxed);
 }
 
 TierFile::TierFile(std::string path, size_t record_bytes, uint32_t first_bucket,
@@ -263,11 +265,11 @@ void TierFile::Place(uint64_t hash, uint32_t* first, uint32_t* second,
   // The pages of the row's bucket: [begin, begin + width). A bucket outside
   // the stripe's range (a table serving every bucket from one stripe's
   // view) gets the whole file.
-  const uint64_t bucket = BucketOfHash(hash) - uint64_t{first_bucket_};
+  const uint32_t bucket = BucketOfHash(hash) - first_bucket_;  // wraps when below the range
   uint64_t begin = 0, width = num_pages_;
-  if (BucketOfHash(hash) >= first_bucket_ && bucket < num_buckets_) {
-    begin = bucket * num_pages_ / num_buckets_;
-    width = std::max<uint64_t>(1, (bucket + 1) * num_pages_ / num_buckets_ - begin);
+  if (bucket < num_buckets_) {
+    begin = uint64_t{bucket} * num_pages_ / num_buckets_;
+    width = std::max<uint64_t>(1, (uint64_t{bucket} + 1) * num_pages_ / num_buckets_ - begin);
   }
   // Two hash draws in [0, width), from bits the bucket does not use.
   *first = static_cast<uint32_t>(begin + (((hash >> 32) * width) >> 32));
@@ -289,12 +291,16 @@ int64_t TierFile::KeyOf(const char* slot_data) {
   return key;
 }
 
+size_t TierFile::SlotOffset(uint32_t slot) const {
+  return size_t{slot / slots_per_page_} * page_bytes_ +
+         size_t{slot % slots_per_page_} * slot_bytes_;
+}
+
 Status TierFile::ReadSlot(uint32_t slot, char* buffer) const {
-  const uint32_t page = slot / slots_per_page_;
-  const off_t offset =
-      static_cast<off_t>(size_t{page} * page_bytes_ + size_t{slot % slots_per_page_} * slot_bytes_);
   int err = 0;
-  if (!FullRead(fd_, buffer, slot_bytes_, offset, &err).ok()) return ReadError(err);
+  if (!FullRead(fd_, buffer, slot_bytes_, static_cast<off_t>(SlotOffset(slot)), &err).ok()) {
+    return ReadError(err);
+  }
   return OkStatus();
 }
 
@@ -335,10 +341,8 @@ void TierFile::Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n) 
   // again, and reports.
   std::vector<char> ok(prefetched_.size(), 0);
   ReadPool::Get().ParallelFor(prefetched_.size(), [&](size_t j) {
-    const uint32_t s = prefetched_[j];
-    const off_t offset = static_cast<off_t>(size_t{s / slots_per_page_} * page_bytes_ +
-                                            size_t{s % slots_per_page_} * slot_bytes_);
-    const ssize_t r = pread(fd_, prefetch_data_.data() + j * slot_bytes_, slot_bytes_, offset);
+    const ssize_t r = pread(fd_, prefetch_data_.data() + j * slot_bytes_, slot_bytes_,
+                            static_cast<off_t>(SlotOffset(prefetched_[j])));
     ok[j] = r == static_cast<ssize_t>(slot_bytes_);
   });
   size_t kept = 0;
@@ -407,8 +411,7 @@ Status TierFile::WriteSlot(uint32_t slot, int64_t key, const char* record) {
   buffer.resize(slot_bytes_);
   std::memcpy(buffer.data(), &key, sizeof(key));
   std::memcpy(buffer.data() + sizeof(key), record, record_bytes_);
-  const off_t offset = static_cast<off_t>(size_t{slot / slots_per_page_} * page_bytes_ +
-                                          size_t{slot % slots_per_page_} * slot_bytes_);
+  const auto offset = static_cast<off_t>(SlotOffset(slot));
   int err = 0;
   if (!FullWrite(fd_, buffer.data(), slot_bytes_, offset, &err).ok()) {
     return WriteError("write", err);
@@ -493,8 +496,7 @@ Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
     }
     for (size_t j = k; j < end; ++j) {
       const auto [slot, row] = placed[j];
-      char* to = buffer.data() + size_t{slot / slots_per_page_ - first} * page_bytes_ +
-                 size_t{slot % slots_per_page_} * slot_bytes_;
+      char* to = buffer.data() + (SlotOffset(slot) - size_t{first} * page_bytes_);
       std::memcpy(to, &keys[row], sizeof(int64_t));
       std::memcpy(to + sizeof(int64_t), records + size_t{row} * record_bytes_, record_bytes_);
     }

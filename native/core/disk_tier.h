@@ -132,6 +132,8 @@ class TierFile {
   // A free slot of the emptier candidate page, or kNoSlot.
   uint32_t FreeSlot(uint64_t hash, uint16_t* fingerprint) const;
   Status WriteSlot(uint32_t slot, int64_t key, const char* record);
+  // Where slot `slot` starts in the file.
+  size_t SlotOffset(uint32_t slot) const;
   // Moves every row into a file of `pages` pages (a power of two).
   Status Resize(uint32_t pages);
   // The error of a failed read, write or allocation (counted).
