@@ -100,6 +100,10 @@ _BY_ERRNO: dict[int, type[DltError]] = {
     errno.EPERM: PermissionDeniedError,
     errno.ENOSPC: ResourceExhaustedError,
     errno.EDQUOT: ResourceExhaustedError,
+    errno.ECONNREFUSED: UnavailableError,
+    errno.ECONNRESET: UnavailableError,
+    errno.ETIMEDOUT: UnavailableError,
+    errno.EHOSTUNREACH: UnavailableError,
 }
 
 
@@ -125,7 +129,7 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
     expected, I/O errors)."""
     if isinstance(error, DltError):
         return error
-    names = {cls.__name__ for cls in type(error).__mro__}
+    names = _class_names(error)
     code = getattr(error, "errno", None) if isinstance(error, OSError) else None
     if code is None:  # Rust libraries (hdfs-native) say "... (os error 111)"
         found = re.search(r"\(os error (\d+)\)", str(error))
@@ -140,8 +144,6 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
     elif isinstance(code, int) and code in _BY_ERRNO:
         cls = _BY_ERRNO[code]
     elif isinstance(error, (ConnectionError, TimeoutError)) or names & _UNREACHABLE:
-        cls = UnavailableError
-    elif code in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH):
         cls = UnavailableError
     elif names & _NO_CREDENTIALS:
         cls = UnauthenticatedError
@@ -162,11 +164,15 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
     return cls(f"{what}: {reason}")
 
 
+def _class_names(error: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(error).__mro__}
+
+
 def is_storage_error(error: BaseException) -> bool:
     """Whether `error` is a filesystem library's failure (an OSError, or a
     connection / credentials error of an object-store client)."""
-    names = {cls.__name__ for cls in type(error).__mro__}
-    return isinstance(error, OSError) or bool(names & (_UNREACHABLE | _NO_CREDENTIALS))
+    library = _class_names(error) & (_UNREACHABLE | _NO_CREDENTIALS)
+    return isinstance(error, OSError) or bool(library)
 
 
 @contextlib.contextmanager
