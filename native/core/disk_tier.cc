@@ -6,16 +6,14 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <utility>
 
 #include "native/core/routing.h"
+#include "native/core/task_pool.h"
 
 namespace dlt {
 namespace {
@@ -115,70 +113,11 @@ Status FullRead(int fd, char* data, size_t n, off_t offset, int* err) {
 }
 
 // Threads that run the cold reads of a batch at once (a device serves many
-// reads in flight far faster than one after another). Jobs from several
-// callers share them; each caller works on its own job too.
-class ReadPool {
- public:
-  static constexpr int kThreads = 16;
-  static ReadPool& Get() {
-    static ReadPool* pool = new ReadPool;  // never destroyed: workers outlive main
-    return *pool;
-  }
-  // Runs fn(i) for every i in [0, n); returns once all have run.
-  void ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
-    auto job = std::make_shared<Job>();
-    job->fn = &fn;
-    job->n = n;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back(job);
-    }
-    wake_.notify_all();
-    Work(job.get());
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return job->finished == n; });
-  }
-
- private:
-  struct Job {
-    const std::function<void(size_t)>* fn = nullptr;
-    size_t n = 0;
-    std::atomic<size_t> next{0};
-    size_t finished = 0;  // guarded by mu_
-  };
-  ReadPool() {
-    for (int t = 0; t < kThreads; ++t) {
-      std::thread([this] { Loop(); }).detach();
-    }
-  }
-  void Work(Job* job) {
-    size_t ran = 0;
-    for (size_t i; (i = job->next.fetch_add(1, std::memory_order_relaxed)) < job->n; ++ran) {
-      (*job->fn)(i);
-    }
-    if (ran == 0) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    job->finished += ran;
-    if (job->finished == job->n) done_.notify_all();
-  }
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      wake_.wait(lock, [&] { return !jobs_.empty(); });
-      std::shared_ptr<Job> job = jobs_.front();
-      if (job->next.load(std::memory_order_relaxed) >= job->n) {  // all taken
-        jobs_.pop_front();
-        continue;
-      }
-      lock.unlock();
-      Work(job.get());
-      lock.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable wake_, done_;
-  std::deque<std::shared_ptr<Job>> jobs_;
-};
+// reads in flight far faster than one after another).
+TaskPool& ReadPool() {
+  static TaskPool* pool = TaskPool::Create(16);
+  return *pool;
+}
 
 }  // namespace
 
@@ -340,7 +279,7 @@ void TierFile::Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n) 
   // whose read fails or comes back short is dropped: its Find reads it
   // again, and reports.
   std::vector<char> ok(prefetched_.size(), 0);
-  ReadPool::Get().ParallelFor(prefetched_.size(), [&](size_t j) {
+  ReadPool().ParallelFor(prefetched_.size(), [&](size_t j) {
     const ssize_t r = pread(fd_, prefetch_data_.data() + j * slot_bytes_, slot_bytes_,
                             static_cast<off_t>(SlotOffset(prefetched_[j])));
     ok[j] = r == static_cast<ssize_t>(slot_bytes_);
