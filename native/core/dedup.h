@@ -21,37 +21,52 @@ class Deduper {
   // `n` < 2^32 (the ops and the client bound their batches below that).
   void Run(const int64_t* ids, int64_t n, std::vector<int64_t>* unique,
            std::vector<int64_t>* slot) {
-    size_t capacity = 16;
-    while (capacity < 2 * static_cast<size_t>(n)) capacity <<= 1;
-    if (entries_.size() < capacity) {
-      entries_.assign(capacity, Entry{});
-      stamp_ = 0;
-    }
-    // A new stamp empties the table without touching it, except once every
-    // 2^32 runs.
-    if (++stamp_ == 0) {
-      for (Entry& e : entries_) e.stamp = 0;
-      stamp_ = 1;
-    }
-    mask_ = capacity - 1;
-    const size_t mask = mask_;
-    const uint32_t stamp = stamp_;
-    Entry* entries = entries_.data();
     unique->clear();
     slot->resize(n);
     int64_t* slots = slot->data();
-    for (int64_t i = 0; i < n; ++i) {
-      // Each probe is likely a cache miss: start the one a few ids ahead.
+    Visit(
+        ids, static_cast<size_t>(n),
+        [&](size_t i, uint64_t, uint32_t u) {
+          unique->push_back(ids[i]);
+          slots[i] = u;
+        },
+        [&](size_t i, uint32_t u) { slots[i] = u; });
+  }
+
+  // The same pass with the caller's actions: first(i, hash, u) for an id seen
+  // for the first time at i (hash: Mix64 of the id, as routing uses it; u: its
+  // index among the distinct ids, counting from 0), repeat(i, u) for a later
+  // occurrence of distinct id u.
+  template <typename First, typename Repeat>
+  void Visit(const int64_t* ids, size_t n, First&& first, Repeat&& repeat) {
+    Prepare(n);
+    const size_t mask = mask_;
+    const uint32_t stamp = stamp_;
+    Entry* entries = entries_.data();
+    // Each probe is likely a cache miss: it starts kProbeAhead ids early,
+    // with the hash kept for when its id comes.
+    uint64_t ahead[kProbeAhead];
+    for (size_t i = 0; i < std::min(n, kProbeAhead); ++i) {
+      ahead[i] = Mix64(static_cast<uint64_t>(ids[i]));
+      __builtin_prefetch(&entries[ahead[i] & mask]);
+    }
+    uint32_t distinct = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t hash = ahead[i % kProbeAhead];
       if (i + kProbeAhead < n) {
-        __builtin_prefetch(&entries[Mix64(static_cast<uint64_t>(ids[i + kProbeAhead])) & mask]);
+        const uint64_t next = Mix64(static_cast<uint64_t>(ids[i + kProbeAhead]));
+        ahead[i % kProbeAhead] = next;
+        __builtin_prefetch(&entries[next & mask]);
       }
-      size_t h = Mix64(static_cast<uint64_t>(ids[i])) & mask;
-      while (entries[h].stamp == stamp && entries[h].key != ids[i]) h = (h + 1) & mask;
+      const int64_t id = ids[i];
+      size_t h = hash & mask;
+      while (entries[h].stamp == stamp && entries[h].key != id) h = (h + 1) & mask;
       if (entries[h].stamp != stamp) {
-        entries[h] = {ids[i], static_cast<uint32_t>(unique->size()), stamp};
-        unique->push_back(ids[i]);
+        entries[h] = {id, distinct, stamp};
+        first(i, hash, distinct++);
+      } else {
+        repeat(i, entries[h].value);
       }
-      slots[i] = entries[h].value;
     }
   }
 
@@ -67,7 +82,25 @@ class Deduper {
   }
 
  private:
-  static constexpr int64_t kProbeAhead = 8;
+  static constexpr size_t kProbeAhead = 16;
+
+  // Room for `n` ids at most half full, emptied.
+  void Prepare(size_t n) {
+    size_t capacity = 16;
+    while (capacity < 2 * n) capacity <<= 1;
+    if (entries_.size() < capacity) {
+      entries_.assign(capacity, Entry{});
+      stamp_ = 0;
+    }
+    // A new stamp empties the table without touching it, except once every
+    // 2^32 runs.
+    if (++stamp_ == 0) {
+      for (Entry& e : entries_) e.stamp = 0;
+      stamp_ = 1;
+    }
+    mask_ = capacity - 1;
+  }
+
   // Key and value share a cache line; `stamp` marks the run that filled it.
   struct Entry {
     int64_t key = 0;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "native/core/dedup.h"
@@ -47,43 +48,48 @@ namespace {
 
 // Positions of the ids each shard owns, in input order. With `repeats`, each
 // distinct id once: the position of its first occurrence, and every later
-// occurrence in `repeats` as (its position, the first's).
+// occurrence in `repeats` as (its position, the first's). One pass hashes each
+// id once, for the dedup table and its shard both.
 void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num_shards,
                   std::vector<std::vector<uint32_t>>* groups,
                   std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   groups->assign(num_shards, {});
-  struct Scratch : DedupScratch {
-    std::vector<uint32_t> firsts;
-  };
-  Scratch own;
-  Scratch& scratch = ThreadScratch(n, own);
-  const std::vector<int64_t>& unique = scratch.unique;
-  if (repeats != nullptr) {
-    repeats->clear();
-    scratch.Run(ids, n);
+  if (num_shards == 1 && repeats == nullptr) {
+    (*groups)[0].resize(n);
+    for (size_t i = 0; i < n; ++i) (*groups)[0][i] = static_cast<uint32_t>(i);
+    return;
   }
-  if (repeats == nullptr || unique.size() == n) {
-    if (num_shards == 1) {
-      (*groups)[0].resize(n);
-      for (size_t i = 0; i < n; ++i) (*groups)[0][i] = static_cast<uint32_t>(i);
-      return;
-    }
+  for (auto& g : *groups) g.reserve(n / num_shards + n / 16 + 16);
+  if (repeats == nullptr) {
     for (size_t i = 0; i < n; ++i) {
       (*groups)[client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));
     }
     return;
   }
+  struct Scratch {
+    Deduper dedup;
+    std::vector<uint32_t> firsts;
+  };
+  Scratch own;
+  Scratch& scratch = ThreadScratch(n, own);
   std::vector<uint32_t>& firsts = scratch.firsts;
   firsts.clear();
-  for (size_t i = 0; i < n; ++i) {
-    const auto u = static_cast<size_t>(scratch.slot[i]);
-    if (u == firsts.size()) {
-      firsts.push_back(static_cast<uint32_t>(i));
-      (*groups)[num_shards == 1 ? 0 : client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));
-    } else {
-      repeats->emplace_back(static_cast<uint32_t>(i), firsts[u]);
-    }
-  }
+  repeats->clear();
+  const auto shards = static_cast<uint32_t>(num_shards);
+  scratch.dedup.Visit(
+      ids, n,
+      [&](size_t i, uint64_t hash, uint32_t) {
+        firsts.push_back(static_cast<uint32_t>(i));
+        (*groups)[ShardOfBucket(BucketOfHash(hash), shards)].push_back(static_cast<uint32_t>(i));
+      },
+      [&](size_t i, uint32_t u) { repeats->emplace_back(static_cast<uint32_t>(i), firsts[u]); });
+}
+
+// How many shards get a part of the call.
+size_t Touched(const std::vector<std::vector<uint32_t>>& groups) {
+  size_t touched = 0;
+  for (const auto& g : groups) touched += g.empty() ? 0 : 1;
+  return touched;
 }
 
 Status CheckBatch(size_t n, uint32_t dim) {
@@ -173,25 +179,33 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
   std::vector<std::vector<uint32_t>> groups;
   std::vector<std::pair<uint32_t, uint32_t>> repeats;
   DLT_RETURN_IF_ERROR(Route(ids, n, &groups, dedup ? &repeats : nullptr));
-  std::vector<std::vector<int64_t>> shard_ids(shards_.size());
+  // Each shard's ids in request order, gathered by the thread that sends them.
+  std::vector<std::unique_ptr<int64_t[]>> shard_ids(shards_.size());
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
+  const size_t touched = Touched(groups);
   for (size_t s = 0; s < shards_.size(); ++s) {
     const std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
         RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * row_floats, &rows_per_frame));
+    const size_t lanes = LanesFor(pos.size() * (8 + size_t{4} * row_floats), touched);
+    rows_per_frame = std::min(rows_per_frame, (pos.size() + lanes - 1) / lanes);
     const bool in_order = pos.size() == n;  // every id, each once, to this shard
     const int64_t* shard_ids_ptr = ids;
-    if (!in_order) {
-      shard_ids[s].resize(pos.size());
-      for (size_t k = 0; k < pos.size(); ++k) shard_ids[s][k] = ids[pos[k]];
-      shard_ids_ptr = shard_ids[s].data();
-    }
     Call call;
+    if (!in_order) {
+      shard_ids[s].reset(new int64_t[pos.size()]);
+      shard_ids_ptr = shard_ids[s].get();
+      call.fill = [&pos, ids, to = shard_ids[s].get()](size_t begin, size_t end) {
+        for (size_t k = begin; k < end; ++k) to[k] = ids[pos[k]];
+      };
+    }
     call.shard = s;
     call.opcode = wire::Opcode::kPull;
+    call.rows_per_frame = rows_per_frame;
+    call.num_rows = pos.size();
     for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
       const size_t count = std::min(rows_per_frame, pos.size() - begin);
       Call::Frame fr;
@@ -203,7 +217,6 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     }
     call.rows.out = out;
     call.rows.pos = in_order ? nullptr : pos.data();
-    call.rows.rows_per_frame = rows_per_frame;
     call.rows.row_floats = row_floats;
     call.rows.fixed = wire::kPullReplyFixed;
     call.on_reply = [&pos, rows_per_frame, dim](size_t frame, const uint8_t* p,
@@ -220,7 +233,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
       }
       return OkStatus();
     };
-    calls.push_back(std::move(call));
+    AddLanes(std::move(call), lanes, &calls);
   }
   DLT_RETURN_IF_ERROR(Exchange(&calls, "Pull", any_reused));
   if (sent != nullptr) *sent = n - repeats.size();
@@ -265,31 +278,41 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   }
   std::vector<std::vector<uint32_t>> groups;
   DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
-  std::vector<std::vector<int64_t>> shard_ids(shards_.size());
-  std::vector<std::vector<float>> shard_rows(shards_.size());
+  // Each shard's ids and rows in request order, gathered by the thread that
+  // sends them.
+  std::vector<std::unique_ptr<int64_t[]>> shard_ids(shards_.size());
+  std::vector<std::unique_ptr<float[]>> shard_rows(shards_.size());
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
+  const size_t touched = Touched(groups);
+  const size_t row_bytes = sizeof(float) * dim;
   for (size_t s = 0; s < shards_.size(); ++s) {
     const std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
     size_t rows_per_frame;
-    DLT_RETURN_IF_ERROR(
-        RowsPerFrame(s, op, dim, prefix_bytes, 8 + size_t{4} * dim, 0, &rows_per_frame));
+    DLT_RETURN_IF_ERROR(RowsPerFrame(s, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
+    const size_t lanes = LanesFor(pos.size() * (8 + row_bytes), touched);
+    rows_per_frame = std::min(rows_per_frame, (pos.size() + lanes - 1) / lanes);
     const int64_t* ids_ptr = ids;
     const float* rows_ptr = rows;
-    if (shards_.size() > 1) {
-      shard_ids[s].resize(pos.size());
-      shard_rows[s].resize(pos.size() * dim);
-      for (size_t k = 0; k < pos.size(); ++k) {
-        shard_ids[s][k] = ids[pos[k]];
-        std::memcpy(&shard_rows[s][k * dim], rows + size_t{pos[k]} * dim, sizeof(float) * dim);
-      }
-      ids_ptr = shard_ids[s].data();
-      rows_ptr = shard_rows[s].data();
-    }
     Call call;
+    if (shards_.size() > 1) {
+      shard_ids[s].reset(new int64_t[pos.size()]);
+      shard_rows[s].reset(new float[pos.size() * dim]);
+      ids_ptr = shard_ids[s].get();
+      rows_ptr = shard_rows[s].get();
+      call.fill = [&pos, ids, rows, dim, to_ids = shard_ids[s].get(),
+                   to_rows = shard_rows[s].get()](size_t begin, size_t end) {
+        for (size_t k = begin; k < end; ++k) {
+          to_ids[k] = ids[pos[k]];
+          std::memcpy(to_rows + k * dim, rows + size_t{pos[k]} * dim, sizeof(float) * dim);
+        }
+      };
+    }
     call.shard = s;
     call.opcode = opcode;
+    call.rows_per_frame = rows_per_frame;
+    call.num_rows = pos.size();
     for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
       const size_t count = std::min(rows_per_frame, pos.size() - begin);
       Call::Frame fr;
@@ -300,7 +323,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
       fr.body[0] = ids_ptr + begin;
       fr.body_bytes[0] = count * 8;
       fr.body[1] = rows_ptr + begin * dim;
-      fr.body_bytes[1] = count * dim * sizeof(float);
+      fr.body_bytes[1] = count * row_bytes;
       fr.reply_bytes = wire::kPushReplyBytes;
       call.frames.push_back(std::move(fr));
     }
@@ -310,7 +333,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
       }
       return OkStatus();
     };
-    calls.push_back(std::move(call));
+    AddLanes(std::move(call), lanes, &calls);
   }
   bool any_reused = false;
   return Exchange(&calls, op, &any_reused);

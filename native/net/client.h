@@ -1,7 +1,9 @@
 // C++ client of the data plane (no TF headers): a connection pool per shard,
 // connect and request deadlines, reconnects, and pipelined requests. One call
 // sends every frame it needs to every touched shard at once and gathers the
-// replies, matched by request id, on one thread.
+// replies, matched by request id: a small call on the calling thread, a large
+// one on several connections per shard at once, each sent, received and
+// placed by a thread of its own (the calling thread is one of them).
 #ifndef TF_DLT_NATIVE_NET_CLIENT_H_
 #define TF_DLT_NATIVE_NET_CLIENT_H_
 
@@ -41,6 +43,12 @@ struct ClientOptions {
   // was lost).
   int pull_retries = 3;
   int retry_backoff_ms = 50;
+  // Threads (the calling one included) that exchange a large call's parts
+  // with the shards at once, each on a connection of its own: a shard's part
+  // of at least 2 MiB is split over several. 0: one per core, at most 16,
+  // on machines of 4 cores or more, else 1; 1: everything on the calling
+  // thread.
+  int exchange_threads = 0;
 };
 
 struct ShardInfo {
@@ -120,7 +128,16 @@ class Client {
   // fit its frame limit.
   Status RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t prefix_bytes,
                       size_t request_row_bytes, size_t reply_row_bytes, size_t* rows);
+  // Sends every call's frames and receives their replies: the calls at once
+  // on threads of their own when they are large enough to pay for it
+  // (ExchangeOn each), else all on the calling thread (one ExchangeOn).
   Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
+  Status ExchangeOn(Call* calls, size_t count, const char* op, bool* any_reused);
+  // How many connections a shard's part of `bytes` (request and reply) gets
+  // when `touched` shards share the call.
+  size_t LanesFor(size_t bytes, size_t touched) const;
+  // Appends `call` to `calls` split into `lanes` calls of consecutive frames.
+  static void AddLanes(Call call, size_t lanes, std::vector<Call>* calls);
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
                   const float* rows, size_t n, float learning_rate);
   // Pull and PullState: rows of `row_floats` floats, retried.

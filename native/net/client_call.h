@@ -39,6 +39,15 @@ struct Client::Call {
   wire::Opcode opcode = wire::Opcode::kPull;
   std::vector<Frame> frames;
   uint64_t first_request_id = 0;
+  // Frame f carries rows [f * rows_per_frame, ...) of the call, which are
+  // rows first_row... of the shard's part (a call split into lanes carries a
+  // range of them).
+  size_t rows_per_frame = 0;
+  size_t first_row = 0;
+  size_t num_rows = 0;
+  // Run by the thread that exchanges this call, before it sends: fills the
+  // frames' bodies for rows [begin, end) of the shard's part.
+  std::function<void(size_t begin, size_t end)> fill;
   // Called with each whole reply frame's payload; for a call with `rows`
   // set, with the reply's fixed part (`bytes` = rows.fixed) once it is in,
   // before the rows are read.
@@ -53,11 +62,16 @@ struct Client::Call {
   struct RowTarget {
     float* out = nullptr;  // nullptr: replies are buffered whole
     const uint32_t* pos = nullptr;
-    size_t rows_per_frame = 0;
     size_t row_floats = 0;
     size_t fixed = 0;
   } rows;
 
+  // Bytes of its requests and their replies.
+  size_t Bytes() const {
+    size_t bytes = 0;
+    for (const Frame& f : frames) bytes += f.Bytes() + f.reply_bytes;
+    return bytes;
+  }
   // Fills up to `max_iov` iovecs with the unsent bytes from `offset` of frame
   // `frame_index` on; returns how many.
   int FillIov(size_t frame_index, size_t offset, struct iovec* iov, int max_iov) const;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -575,6 +576,79 @@ DLT_TEST(TestPooledConnectionClosedByTheServerIsNotUsed) {
   EXPECT(WaitFor([&] { return server.counters().idle_timeouts.load() == 1; }, 5000));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), 8, 0.1f));
+}
+
+// A large call goes to each shard over several connections, each exchanged
+// by a thread of its own: rows land where a one-thread exchange puts them,
+// and pushes split over connections apply every row once.
+DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
+  const uint32_t dim = 64;
+  std::vector<std::shared_ptr<Shard>> shards;
+  std::vector<std::unique_ptr<DataServer>> servers;
+  std::vector<std::string> addresses;
+  for (uint32_t i = 0; i < 2; ++i) {
+    auto shard = std::make_shared<Shard>(i, 2);
+    TableConfig c;
+    c.name = "emb";
+    c.dim = dim;
+    c.initializer.kind = InitializerKind::kUniform;
+    c.optimizer.kind = OptimizerKind::kSgd;
+    bool created;
+    EXPECT_OK(shard->CreateTable(c, &created));
+    servers.push_back(std::make_unique<DataServer>(shard, DataServerOptions()));
+    EXPECT_OK(servers.back()->Start());
+    addresses.push_back(Address(*servers.back()));
+    shards.push_back(shard);
+  }
+  // 2^17 ids of 2^16 distinct (every second one a repeat): 8 MiB of reply
+  // per shard.
+  std::vector<int64_t> ids(size_t{1} << 17);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>((i * 2654435761u) % 65536);
+  ClientOptions one, many;
+  one.exchange_threads = 1;
+  many.exchange_threads = 8;
+  Client serial(addresses, one), parallel(addresses, many);
+  std::vector<float> want(ids.size() * dim), got(ids.size() * dim, -1.0f);
+  EXPECT_OK(serial.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, want.data(), true));
+  const uint64_t before = servers[0]->counters().connections_accepted.load() +
+                          servers[1]->counters().connections_accepted.load();
+  const uint64_t pulls[2] = {servers[0]->counters().pulls.load(),
+                             servers[1]->counters().pulls.load()};
+  size_t sent = 0;
+  EXPECT_OK(parallel.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, got.data(), true,
+                          &sent));
+  EXPECT(sent == 65536);
+  EXPECT(got == want);
+  // 8 threads over 2 shards: each shard's part in 4 frames, each on a
+  // connection exchanged by a thread of its own (as many at once as the
+  // machine has cores).
+  for (int i = 0; i < 2; ++i) EXPECT(servers[i]->counters().pulls.load() - pulls[i] == 4);
+  const uint64_t opened = servers[0]->counters().connections_accepted.load() +
+                          servers[1]->counters().connections_accepted.load() - before;
+  EXPECT(opened >= 2 && opened <= 8);
+  // Every row moves by -(its count) * 0.5 (to rounding: a row's repeats may
+  // be applied in different frames); a row lost or applied twice is 0.5 off.
+  std::vector<float> grads(ids.size() * dim, 0.5f);
+  EXPECT_OK(parallel.Push("emb", dim, ids.data(), grads.data(), ids.size(), 1.0f));
+  std::vector<float> after(ids.size() * dim);
+  EXPECT_OK(serial.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, after.data(), true));
+  std::vector<int> count(65536, 0);
+  for (int64_t id : ids) ++count[static_cast<size_t>(id)];
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (uint32_t k = 0; k < dim; ++k) {
+      const float expected = want[i * dim + k] - 0.5f * count[static_cast<size_t>(ids[i])];
+      EXPECT(std::abs(after[i * dim + k] - expected) < 1e-5f);
+    }
+  }
+  // One shard gone: the call fails with UNAVAILABLE and the other shard's
+  // connections are kept for the next call.
+  servers[1]->Stop();
+  ClientOptions no_retry = many;
+  no_retry.pull_retries = 0;
+  no_retry.connect_timeout_ms = 500;
+  Client failing(addresses, no_retry);
+  const Status s = failing.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, got.data());
+  EXPECT(s.code() == Code::kUnavailable);
 }
 
 }  // namespace
