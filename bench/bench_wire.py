@@ -1,17 +1,21 @@
 """The trainer's data path without TensorFlow: S shard processes with T
 worker threads each and C client processes pulling (or pushing) through the
-native client, against a local gather of the same rows and one loopback TCP
-stream of the same bytes, measured in the same run (bench/wire_bench.cc).
+native client, against a local baseline (pulls: a gather of the same rows
+from an array; pushes: a scatter-add of the same gradients into one) and one
+loopback TCP stream of the same bytes, measured in the same run
+(bench/wire_bench.cc).
 
 Reports, per configuration, the wall time per call and the CPU per call of
 the clients and of the shards (from /proc), and the ratios the trainer-speed
-targets use: client CPU / local gather CPU, shard CPU per pulled row / local
-gather CPU per row, and the gather's and the stream's wall time / the
-pull's. Needs only a C++17 compiler and Python's standard library: no
+targets use: client CPU / the local baseline's CPU, shard CPU per row / the
+baseline's CPU per row, and the baseline's and the stream's wall time / the
+call's. Needs only a C++17 compiler and Python's standard library: no
 TensorFlow, no tf_dlt install (`--build-only` writes a static binary to
 copy to a machine with cores to spare; `--binary` runs one built before).
 
 Usage: python bench/bench_wire.py [--shards 2] [--threads 1,2,4] [--clients 1]
+       [--exchange-threads 0,1,2]
+       python3 bench/bench_wire.py --write-capacity --threads 8   (on 16+ cores)
        [--ids 65536] [--dim 64] [--calls 30] [--op pull|push] [--rows 1000000]
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -26,11 +31,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from common import OUT, emit
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "setup.py"
+CAPACITY = ROOT / "tf_dlt" / "tools" / "data" / "capacity.json"
 
 
 def core_sources() -> list[str]:
@@ -74,14 +81,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_json(cmd: list[str]) -> dict[str, float]:
+def run_json(cmd: list[str]) -> dict[str, Any]:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{cmd[1]} failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(binary: Path, args: argparse.Namespace, threads: int) -> dict[str, object]:
+def measure(
+    binary: Path, args: argparse.Namespace, threads: int, exchange_threads: int
+) -> dict[str, object]:
     shards = []
     try:
         for i in range(args.shards):
@@ -113,6 +122,7 @@ def measure(binary: Path, args: argparse.Namespace, threads: int) -> dict[str, o
                     args.op,
                     str(args.rows),
                     str(c + 1),
+                    str(exchange_threads),
                 ],
                 stdout=subprocess.PIPE,
                 text=True,
@@ -142,12 +152,53 @@ def measure(binary: Path, args: argparse.Namespace, threads: int) -> dict[str, o
     }
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def write_capacity(binary: Path, args: argparse.Namespace) -> None:
+    """Pull and push rows/s per shard core into tf_dlt/tools/data/capacity.json
+    (what `tf-dlt plan` sizes shards by): one shard with the last of
+    --threads worker threads serving 8 client processes of 4,096 ids, dim 16.
+    Meant for a machine with a core for each of them (16 or more)."""
+    threads = int(args.threads.split(",")[-1])
+    per_core: dict[str, object] = {}
+    for op in ("pull", "push"):
+        run = argparse.Namespace(**{**vars(args), "shards": 1, "clients": 8, "ids": 4096,
+                                    "dim": 16, "op": op})  # fmt: skip
+        got = measure(binary, run, threads, 0)
+        per_core[f"{op}_rows_per_s"] = float(got["rows_per_s"]) / threads  # type: ignore[arg-type]
+        emit({"bench": "wire_capacity", "op": op, "threads": threads, **got})
+    cores = os.cpu_count() or 0
+    if cores < 2 * threads:
+        print(f"warning: {cores} cores for {threads} shard threads and 8 clients: the "
+              "per-core figures undercount", file=sys.stderr)  # fmt: skip
+    per_core.update({
+        "dim": 16, "ids_per_call": 4096, "clients": 8, "shard_threads": threads,
+        "machine": f"{cores} cores ({cpu_model()}), loopback",
+        "measured": time.strftime("%Y-%m-%d"),
+        "command": f"python3 bench/bench_wire.py --write-capacity --threads {threads}",
+    })  # fmt: skip
+    data = json.loads(CAPACITY.read_text())
+    data["per_core"] = per_core
+    CAPACITY.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {CAPACITY}", file=sys.stderr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--threads", default="1,2", help="shard worker threads, a list")
+    p.add_argument(
+        "--exchange-threads",
+        default="0",
+        help="the client's exchange threads, a list (0: automatic, one per core up to 16)",
+    )
     p.add_argument("--clients", type=int, default=1)
     p.add_argument("--ids", type=int, default=65536)
     p.add_argument("--dim", type=int, default=64)
@@ -156,29 +207,44 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--binary", help="a wire_bench built before (default: build one)")
     p.add_argument("--build-only", metavar="PATH", help="build a static binary to PATH and stop")
+    p.add_argument(
+        "--write-capacity",
+        action="store_true",
+        help="measure rows/s per shard core (1 shard, 8 clients) into tf_dlt/tools/data/"
+        "capacity.json, the figures `tf-dlt plan` sizes shards by",
+    )
     args = p.parse_args()
     if args.build_only:
         print(build(Path(args.build_only)))
         return
     binary = Path(args.binary) if args.binary else built()
-    gather = run_json([str(binary), "gather", str(args.dim), str(args.ids),
-                       str(args.calls), str(args.rows)])  # fmt: skip
+    if args.write_capacity:
+        write_capacity(binary, args)
+        return
+    local_mode = "gather" if args.op == "pull" else "scatter"
+    local = run_json([str(binary), local_mode, str(args.dim), str(args.ids),
+                      str(args.calls), str(args.rows)])  # fmt: skip
     stream = run_json([str(binary), "stream", str(args.ids * args.dim * 4), str(args.calls)])
-    for threads in [int(t) for t in args.threads.split(",")]:
-        got = measure(binary, args, threads)
-        per_row_gather = gather["cpu_ms_per_call"] / args.ids
+    for threads, exchange in itertools.product(
+        [int(t) for t in args.threads.split(",")],
+        [int(t) for t in args.exchange_threads.split(",")],
+    ):
+        got = measure(binary, args, threads, exchange)
+        per_row_local = local["cpu_ms_per_call"] / args.ids
         record = {
             "bench": "wire", "op": args.op, "shards": args.shards, "threads": threads,
+            "exchange_threads": exchange,
             "clients": args.clients, "ids": args.ids, "dim": args.dim, "cores": os.cpu_count(),
             **got,
-            "gather_wall_ms": gather["wall_ms_per_call"],
-            "gather_cpu_ms": gather["cpu_ms_per_call"],
+            "local": local["case"],
+            "local_wall_ms": local["wall_ms_per_call"],
+            "local_cpu_ms": local["cpu_ms_per_call"],
             "stream_wall_ms": stream["wall_ms_per_call"],
             "stream_cpu_ms": stream["cpu_ms_per_call"],
-            "client_cpu_vs_gather": got["client_cpu_ms_per_call"] / gather["cpu_ms_per_call"],
-            "shard_cpu_per_row_vs_gather": got["shard_cpu_ms_per_call"] / args.ids
-            / per_row_gather,
-            "gather_wall_vs_call": gather["wall_ms_per_call"] / got["wall_ms_per_call"],
+            "client_cpu_vs_local": got["client_cpu_ms_per_call"] / local["cpu_ms_per_call"],
+            "shard_cpu_per_row_vs_local": got["shard_cpu_ms_per_call"] / args.ids
+            / per_row_local,
+            "local_wall_vs_call": local["wall_ms_per_call"] / got["wall_ms_per_call"],
             "stream_wall_vs_call": stream["wall_ms_per_call"] / got["wall_ms_per_call"],
         }  # fmt: skip
         emit(record)

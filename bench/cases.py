@@ -32,7 +32,7 @@ CASES = (
          quick=("--rows", "20000", "--batch", "1024")),
     Case("bench_wire", "the data path without TensorFlow: shards x threads x clients vs a "
          "local gather and one TCP stream",
-         full=("--threads", "1,2"),
+         full=("--threads", "1,2", "--exchange-threads", "1,2"),
          quick=("--ids", "4096", "--dim", "16", "--calls", "3", "--threads", "1",
                 "--rows", "20000")),
     Case("bench_connections", "one shard serving many connections",

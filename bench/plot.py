@@ -12,7 +12,10 @@ bench script appends its JSON lines there) and writes PNGs to docs/img/:
   budget as a fraction of the table (bench_tiers.py);
 - cache.png: model.fit examples/s and bytes pulled per step (against no
   cache) vs hot-row cache size, one line per staleness bound, per Zipf
-  exponent (bench_cache.py).
+  exponent (bench_cache.py);
+- wire.png: aggregate pull rows/s of 1, 2, 4, 8 client processes against 2
+  and 4 shards, per batch shape (bench_wire.py, the machine with the most
+  cores among the records).
 
 The latest record of each kind is plotted. Usage: python bench/plot.py
 """
@@ -118,6 +121,38 @@ def _plot_cache(runs: list[list[dict[str, Any]]]) -> None:
     _save(fig, "cache.png")
 
 
+def _latest_wire(
+    records: list[dict[str, Any]],
+) -> dict[tuple[int, int, int, int], list[dict[str, Any]]]:
+    """bench_wire pulls by (shards, threads, ids, dim) from the machine with
+    the most cores, the last record for each client count, sorted by it."""
+    wire = [r for r in records if r.get("bench") == "wire" and r.get("op") == "pull"]
+    if not wire:
+        return {}
+    cores = max(r["cores"] for r in wire)
+    lines: dict[tuple[int, int, int, int], dict[int, dict[str, Any]]] = {}
+    for r in wire:
+        if r["cores"] == cores and r.get("exchange_threads", 0) == 0:
+            key = (r["shards"], r["threads"], r["ids"], r["dim"])
+            lines.setdefault(key, {})[r["clients"]] = r
+    return {k: [v[c] for c in sorted(v)] for k, v in lines.items() if len(v) > 1}
+
+
+def _plot_wire(lines: dict[tuple[int, int, int, int], list[dict[str, Any]]]) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for (shards, threads, ids, dim), points in sorted(lines.items()):
+        ax.plot([r["clients"] for r in points], [r["rows_per_s"] / 1e6 for r in points], "o-",
+                label=f"{shards} shards x {threads} threads, {ids:,} ids x dim {dim}")  # fmt: skip
+    cores = next(iter(lines.values()))[0]["cores"]
+    ax.set(xscale="log", xlabel="client processes", ylabel="M rows/s (all clients)",
+           title=f"Aggregate pull rows/s ({cores} cores, loopback)")  # fmt: skip
+    ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, "wire.png")
+
+
 def _save(fig: Any, name: str) -> None:
     IMG.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -184,6 +219,9 @@ def main() -> None:
     cache = _latest_cache_runs(records)
     if cache:
         _plot_cache(cache)
+    wire = _latest_wire(records)
+    if wire:
+        _plot_wire(wire)
 
 
 if __name__ == "__main__":

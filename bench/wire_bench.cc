@@ -2,17 +2,20 @@
 // S shard processes with T worker threads each and C client processes
 // pulling and pushing through the native client, beside two baselines
 // measured in the same run: a local gather of the same rows (the rows copied
-// out of an in-memory array by id, as a trainer holding the table would)
-// and one loopback TCP stream carrying the same bytes. Wall time and each
+// out of an in-memory array by id, as a trainer holding the table would; for
+// pushes a local scatter-add of the gradients into it) and one loopback TCP
+// stream carrying the same bytes. Wall time and each
 // process's CPU time per call are reported (CPU is robust on a shared
 // machine; wall time shows what cores to spare give).
 //
 //   wire_bench shard INDEX SHARDS THREADS DIM ROWS
 //       serves one shard of a table "t" (Adagrad, ROWS rows of ids
 //       0..ROWS-1 made up front), prints "port N", serves until stdin closes.
-//   wire_bench client ADDRS(comma) DIM IDS CALLS pull|push ROWS SEED
+//   wire_bench client ADDRS(comma) DIM IDS CALLS pull|push ROWS SEED [THREADS]
 //       CALLS calls of IDS random ids in [0, ROWS); prints one JSON line.
-//   wire_bench gather DIM IDS CALLS ROWS      the local gather baseline
+//       THREADS: the client's exchange threads (0, the default: automatic).
+//   wire_bench gather DIM IDS CALLS ROWS      the local gather baseline (pulls)
+//   wire_bench scatter DIM IDS CALLS ROWS     the local scatter-add baseline (pushes)
 //   wire_bench stream BYTES CALLS             the one-TCP-stream baseline
 //
 // Needs only a C++17 compiler: no TensorFlow, no Python (a static binary
@@ -131,7 +134,9 @@ int Client(int argc, char** argv) {
   const bool pull = std::string(argv[6]) == "pull";
   const uint64_t rows = std::strtoull(argv[7], nullptr, 10);
   const uint64_t seed = std::strtoull(argv[8], nullptr, 10);
-  dlt::Client client(addresses, dlt::ClientOptions{});
+  dlt::ClientOptions options;
+  if (argc > 9) options.exchange_threads = std::atoi(argv[9]);
+  dlt::Client client(addresses, options);
   std::vector<std::vector<int64_t>> batches;
   for (int k = 0; k < 8; ++k) batches.push_back(RandomIds(n, rows, seed * 100 + k));
   std::vector<float> out(n * dim), grads(n * dim, 1e-3f);
@@ -156,13 +161,15 @@ int Client(int argc, char** argv) {
   return 0;
 }
 
-int Gather(int argc, char** argv) {
+// The local baselines: a gather of the rows of random ids out of an array
+// (pulls), or a scatter-add of gradients into it (pushes).
+int Local(int argc, char** argv, bool scatter) {
   if (argc < 6) return 2;
   const auto dim = static_cast<uint32_t>(std::atoi(argv[2]));
   const size_t n = std::strtoull(argv[3], nullptr, 10);
   const int calls = std::atoi(argv[4]);
   const uint64_t rows = std::strtoull(argv[5], nullptr, 10);
-  std::vector<float> table(rows * dim, 0.5f), out(n * dim);
+  std::vector<float> table(rows * dim, 0.5f), rows_of_call(n * dim, 1e-3f);
   std::vector<std::vector<int64_t>> batches;
   for (int k = 0; k < 8; ++k) batches.push_back(RandomIds(n, rows, 7 + k));
   const double cpu = ProcessCpu();
@@ -170,11 +177,18 @@ int Gather(int argc, char** argv) {
   for (int k = 0; k < calls; ++k) {
     const auto& ids = batches[k % batches.size()];
     for (size_t i = 0; i < n; ++i) {
-      std::memcpy(&out[i * dim], &table[static_cast<size_t>(ids[i]) * dim], sizeof(float) * dim);
+      float* row = &table[static_cast<size_t>(ids[i]) * dim];
+      float* mine = &rows_of_call[i * dim];
+      if (scatter) {
+        for (uint32_t j = 0; j < dim; ++j) row[j] -= 0.01f * mine[j];
+      } else {
+        std::memcpy(mine, row, sizeof(float) * dim);
+      }
     }
   }
-  Emit("local_gather", n, dim, calls, Seconds(start), ProcessCpu() - cpu);
-  return out[0] == 0.5f ? 0 : 1;
+  Emit(scatter ? "local_scatter_add" : "local_gather", n, dim, calls, Seconds(start),
+       ProcessCpu() - cpu);
+  return rows_of_call[0] > 0 && table[0] < 1.0f ? 0 : 1;
 }
 
 int Stream(int argc, char** argv) {
@@ -241,12 +255,14 @@ int main(int argc, char** argv) {
   int rc = 2;
   if (mode == "shard") rc = Shard(argc, argv);
   if (mode == "client") rc = Client(argc, argv);
-  if (mode == "gather") rc = Gather(argc, argv);
+  if (mode == "gather" || mode == "scatter") rc = Local(argc, argv, mode == "scatter");
   if (mode == "stream") rc = Stream(argc, argv);
   if (rc == 2) {
-    std::fprintf(stderr,
-                 "usage: wire_bench shard INDEX SHARDS THREADS DIM ROWS | client ADDRS DIM IDS "
-                 "CALLS pull|push ROWS SEED | gather DIM IDS CALLS ROWS | stream BYTES CALLS\n");
+    std::fprintf(
+        stderr,
+        "usage: wire_bench shard INDEX SHARDS THREADS DIM ROWS | client ADDRS DIM IDS "
+        "CALLS pull|push ROWS SEED [THREADS] | gather|scatter DIM IDS CALLS ROWS | stream BYTES "
+        "CALLS\n");
   }
   return rc;
 }

@@ -22,6 +22,25 @@ def test_figures_are_measured_and_complete() -> None:
     for key in ("pull_rows_per_s_per_shard", "push_rows_per_s_per_shard",
                 "save_bytes_per_s_per_shard", "load_bytes_per_s_per_shard"):  # fmt: skip
         assert f[key] > 0
+    # Throughput per shard core, from a machine with a core for every shard
+    # thread and client process.
+    core = f["per_core"]
+    assert core["command"].startswith("python3 bench/bench_wire.py --write-capacity")
+    assert core["pull_rows_per_s"] > 0 and core["push_rows_per_s"] > 0
+    assert core["shard_threads"] >= 8 and core["clients"] == 8
+    assert int(core["machine"].split()[0]) >= 2 * core["shard_threads"]
+
+
+def test_throughput_shards_follow_the_cores_per_shard() -> None:
+    core = capacity.figures()["per_core"]
+    p4 = capacity.plan(1e9, 16, "adagrad", 1000, 4096, steps_per_second=10, shard_cores=4)
+    p16 = capacity.plan(1e9, 16, "adagrad", 1000, 4096, steps_per_second=10, shard_cores=16)
+    ids = 1000 * 4096
+    seconds = ids / (core["pull_rows_per_s"] * 4) + ids / (core["push_rows_per_s"] * 4)
+    assert p4.throughput_shards == math.ceil(seconds * 10)
+    assert p16.throughput_shards == math.ceil(seconds / 4 * 10)
+    with pytest.raises(ValueError, match="shard_cores"):
+        capacity.plan(1e9, 16, "adagrad", 1, 4096, shard_cores=0)
 
 
 def test_plan_for_the_design_target() -> None:

@@ -6,8 +6,11 @@ way).
 The figures come from tf_dlt/tools/data/capacity.json, written by
 `python bench/bench_scale.py --write-capacity` (100 million rows of dim 10 in
 2 shard processes on the machine docs/benchmarks.md describes): bytes per
-row over the raw record, rows/s per shard for pulls and pushes, save and
-load bytes/s per shard.
+row over the raw record, save and load bytes/s per shard; and by
+`python3 bench/bench_wire.py --write-capacity` (one shard with 8 worker
+threads serving 8 trainer processes on a machine with cores for all of
+them): pull and push rows/s per shard core, which sizes shards for
+throughput.
 
     tf-dlt plan --rows 1e11 --dim 10 --optimizer adagrad --trainers 100 --batch 4096
 """
@@ -88,13 +91,15 @@ def bytes_per_row(
     )
 
 
-def checkpoint_bytes_per_row(dim: int, optimizer: str) -> float:
-    """Bytes one row takes in a checkpoint (float32 values and slots, id,
-    count and stamp), scaled from the measured figure."""
+def checkpoint_bytes_per_row(
+    dim: int, optimizer: str, value_dtype: str = "float32", slot_dtype: str = "float32"
+) -> float:
+    """Bytes one row takes in a checkpoint (values and slots in their dtypes,
+    id, count and stamp), scaled from the measured float32 figure."""
     f = figures()
     f_dim = int(f["dim"])
     measured = shard_files.file_row_bytes(f_dim, f_dim * SLOTS[str(f["optimizer"])])
-    mine = shard_files.file_row_bytes(dim, dim * SLOTS[optimizer])
+    mine = 16 + dim * (DTYPE_BYTES[value_dtype] + DTYPE_BYTES[slot_dtype] * SLOTS[optimizer])
     return float(f["checkpoint_bytes_per_row"]) * mine / measured
 
 
@@ -203,12 +208,14 @@ def plan(
     memory_budget: float = 0.0,
     ssd_bytes: float = 0.0,
     skew: float = 1.05,
+    shard_cores: float = 4.0,
 ) -> Plan:
     """Shards needed for memory (rows x `admission_rate` resident rows x
     bytes/row, plus the admission sketch, x headroom per shard of
     `shard_memory_gib`) and for throughput (every trainer pulling and
     pushing `batch` x `unique_fraction` rows `steps_per_second` times a
-    second, at the measured rows/s per shard), whichever is larger. `rows`
+    second, at the measured rows/s per core times `shard_cores`), whichever
+    is larger. `rows`
     counts the distinct ids the tables see; `admission_rate` the fraction
     that get a row (1 without admission; measure it with bench_admission).
 
@@ -216,8 +223,8 @@ def plan(
     shard), a shard's RAM holds only its hottest rows and a 7 B entry per
     cold row: the shards needed are those whose budgets hold the cold
     entries (plus some hot rows) and whose SSDs hold the cold rows."""
-    if rows <= 0 or dim < 1 or trainers < 1 or batch < 1:
-        raise ValueError("rows, dim, trainers and batch must be positive")
+    if rows <= 0 or dim < 1 or trainers < 1 or batch < 1 or shard_cores <= 0:
+        raise ValueError("rows, dim, trainers, batch and shard_cores must be positive")
     if memory_budget < 0 or ssd_bytes < 0 or skew <= 0:
         raise ValueError("memory_budget and ssd_bytes must be >= 0 and skew > 0")
     if ssd_bytes and not memory_budget:
@@ -239,15 +246,17 @@ def plan(
         by_disk = resident * (8 + record) / TIER_MEAN_FILL / ssd_bytes
         memory_shards = max(1, math.ceil(max(by_index, by_disk)))
     ids = math.ceil(trainers * batch * unique_fraction)
-    # Per-shard rows/s were measured at dim f["dim"]: scale by payload size.
+    # Rows/s per shard core were measured at dim per_core["dim"]: scaled by
+    # payload size, and by the shard's cores.
+    core = f["per_core"]
     payload = 8 + 4 * dim
-    measured_payload = 8 + 4 * int(f["dim"])
-    pull_rate = float(f["pull_rows_per_s_per_shard"]) * measured_payload / payload
-    push_rate = float(f["push_rows_per_s_per_shard"]) * measured_payload / payload
+    measured_payload = 8 + 4 * int(core["dim"])
+    pull_rate = float(core["pull_rows_per_s"]) * shard_cores * measured_payload / payload
+    push_rate = float(core["push_rows_per_s"]) * shard_cores * measured_payload / payload
     seconds_per_step = ids / pull_rate + ids / push_rate
     throughput_shards = math.ceil(seconds_per_step * steps_per_second)
     shards = max(1, memory_shards, throughput_shards)
-    checkpoint = resident * checkpoint_bytes_per_row(dim, optimizer)
+    checkpoint = resident * checkpoint_bytes_per_row(dim, optimizer, value_dtype, slot_dtype)
     tiers = (
         tier_plan(resident / shards, per_row, record, memory_budget, skew) if ssd_bytes else None
     )
@@ -279,6 +288,7 @@ def _size(n: float) -> str:
 
 def report(p: Plan, args: argparse.Namespace) -> str:
     f = figures()
+    core = f["per_core"]
     per_second = (p.pull_bytes_per_step + p.push_bytes_per_step) * args.steps_per_second
     admitted = (
         f" of which {p.resident_rows:.3g} admitted ({args.admission_rate:g})"
@@ -324,13 +334,17 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         f"+ {index_bytes_per_row():.1f} B of index per row, measured at "
         f"{int(f['rows']):,} rows of dim {f['dim']} ({f['optimizer']});",
         "- with admission, only admitted ids hold a row; the sketch is per table "
-        "(spread over the shards); checkpoints store float32 rows whatever the dtype;",
-        f"- per shard: pull {float(f['pull_rows_per_s_per_shard']):,.0f} rows/s, push "
-        f"{float(f['push_rows_per_s_per_shard']):,.0f} rows/s at dim {f['dim']} (scaled by payload "
-        f"bytes for other dims), save {_size(float(f['save_bytes_per_s_per_shard']))}/s, load "
+        "(spread over the shards); checkpoints store rows in their own dtype;",
+        f"- per shard core ({args.shard_cores:g} per shard): pull "
+        f"{float(core['pull_rows_per_s']):,.0f} rows/s, push {float(core['push_rows_per_s']):,.0f} "
+        f"rows/s at dim {core['dim']} (scaled by payload bytes for other dims), measured "
+        f"{core['measured']} with {core['shard_threads']} worker threads serving "
+        f"{core['clients']} trainer processes of {core['ids_per_call']:,} ids on {core['machine']} "
+        f"(`{core['command']}`); the measured rows/s grew with threads up to "
+        f"{core['shard_threads']}, beyond that it is assumed, not measured;",
+        f"- per shard: save {_size(float(f['save_bytes_per_s_per_shard']))}/s, load "
         f"{_size(float(f['load_bytes_per_s_per_shard']))}/s, measured {f['measured']} on "
-        f"{f['machine']} (`{f['command']}`), 2 shards sharing 2 vCPUs (about a core each): "
-        "a shard with more cores serves more;",
+        f"{f['machine']} (`{f['command']}`);",
         f"- every trainer step pulls and pushes batch x {args.unique_fraction:g} distinct ids "
         "(8 B id + 4 x dim B row each way); frames and headers are not counted;",
         "- shards save and load in parallel, each to its own file; storage bandwidth beyond "
@@ -374,6 +388,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     a("--ssd", type=parse_size, default=0, help="per shard, e.g. 1.6TB: SSD for the disk tier")
     a("--skew", type=float, default=1.05, help="Zipf exponent of the ids' traffic (hit rate)")
+    a("--shard-cores", type=float, default=4.0, help="cores of one shard (its --threads)")
     a("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -388,6 +403,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             value_dtype=args.value_dtype, slot_dtype=args.slot_dtype,
             admission_rate=args.admission_rate, sketch_bytes=args.sketch_bytes,
             memory_budget=args.memory_budget, ssd_bytes=args.ssd, skew=args.skew,
+            shard_cores=args.shard_cores,
         )  # fmt: skip
     except ValueError as e:
         print(f"tf-dlt plan: {e}", file=sys.stderr)
