@@ -190,7 +190,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
         RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * row_floats, &rows_per_frame));
-    const size_t lanes = LanesFor(pos.size() * (8 + size_t{4} * row_floats), touched);
+    const size_t lanes = LanesFor(pos.size(), pos.size() * (8 + size_t{4} * row_floats), touched);
     rows_per_frame = std::min(rows_per_frame, (pos.size() + lanes - 1) / lanes);
     const bool in_order = pos.size() == n;  // every id, each once, to this shard
     const int64_t* shard_ids_ptr = ids;
@@ -291,7 +291,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     if (pos.empty()) continue;
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(RowsPerFrame(s, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
-    const size_t lanes = LanesFor(pos.size() * (8 + row_bytes), touched);
+    const size_t lanes = LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
     rows_per_frame = std::min(rows_per_frame, (pos.size() + lanes - 1) / lanes);
     const int64_t* ids_ptr = ids;
     const float* rows_ptr = rows;

@@ -45,9 +45,10 @@ struct ClientOptions {
   int retry_backoff_ms = 50;
   // Threads (the calling one included) that exchange a large call's parts
   // with the shards at once, each on a connection of its own: a shard's part
-  // of at least 2 MiB is split over several. 0: one per core, at most 16,
-  // on machines of 4 cores or more, else 1; 1: everything on the calling
-  // thread.
+  // of at least 2 MiB is split over several; a smaller part of 4,096 rows or
+  // more over up to 4 connections in one loop, for the shard's worker
+  // threads. 0: one per core, at most 16, on machines of 4 cores or more,
+  // else 1; 1: everything on the calling thread, one connection per shard.
   int exchange_threads = 0;
 };
 
@@ -135,7 +136,7 @@ class Client {
   Status ExchangeOn(Call* calls, size_t count, const char* op, bool* any_reused);
   // How many connections a shard's part of `bytes` (request and reply) gets
   // when `touched` shards share the call.
-  size_t LanesFor(size_t bytes, size_t touched) const;
+  size_t LanesFor(size_t rows, size_t bytes, size_t touched) const;
   // Appends `call` to `calls` split into `lanes` calls of consecutive frames.
   static void AddLanes(Call call, size_t lanes, std::vector<Call>* calls);
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,

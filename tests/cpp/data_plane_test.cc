@@ -595,6 +595,9 @@ DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
     c.optimizer.kind = OptimizerKind::kSgd;
     bool created;
     EXPECT_OK(shard->CreateTable(c, &created));
+    c.name = "emb16";
+    c.dim = 16;
+    EXPECT_OK(shard->CreateTable(c, &created));
     servers.push_back(std::make_unique<DataServer>(shard, DataServerOptions()));
     EXPECT_OK(servers.back()->Start());
     addresses.push_back(Address(*servers.back()));
@@ -640,6 +643,25 @@ DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
       EXPECT(std::abs(after[i * dim + k] - expected) < 1e-5f);
     }
   }
+  // Parts of over 4,096 rows but under 2 MiB (16 floats a row), with fewer
+  // threads than shards: split over connections in one loop, rows alike.
+  ClientOptions two;
+  two.exchange_threads = 2;
+  Client medium(addresses, two);
+  const std::vector<int64_t> some(ids.begin(), ids.begin() + 10240);
+  const uint64_t before_medium[2] = {servers[0]->counters().pulls.load(),
+                                     servers[1]->counters().pulls.load()};
+  std::vector<float> narrow_want(some.size() * 16), narrow_got(some.size() * 16, -1.0f);
+  EXPECT_OK(serial.Pull("emb16", 16, some.data(), some.size(), PullMode::kInsert,
+                        narrow_want.data(), true));
+  EXPECT_OK(medium.Pull("emb16", 16, some.data(), some.size(), PullMode::kInsert, narrow_got.data(),
+                        true));
+  EXPECT(narrow_got == narrow_want);
+  // Each shard's ~5,120 rows: 1 frame from the one-connection client, 2
+  // (on 2 connections) from this one.
+  const uint64_t frames = servers[0]->counters().pulls.load() - before_medium[0] +
+                          servers[1]->counters().pulls.load() - before_medium[1];
+  EXPECT(frames == 6);
   // One shard gone: the call fails with UNAVAILABLE and the other shard's
   // connections are kept for the next call.
   servers[1]->Stop();
