@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 
@@ -83,6 +84,76 @@ void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num
         (*groups)[ShardOfBucket(BucketOfHash(hash), shards)].push_back(static_cast<uint32_t>(i));
       },
       [&](size_t i, uint32_t u) { repeats->emplace_back(static_cast<uint32_t>(i), firsts[u]); });
+}
+
+// `lanes` runs of `pos` (positions of `ids`) with every occurrence of an id
+// in one run, input order kept within each: consecutive ranges, except that
+// a repeated id's later occurrences join the run of its first (so each lane
+// reads about one part of the rows). Reorders `pos` when an id repeats;
+// returns the runs' starts, then the end.
+std::vector<size_t> SplitById(const int64_t* ids, size_t lanes, std::vector<uint32_t>* pos) {
+  struct Scratch {
+    Deduper dedup;
+    std::vector<int64_t> ids;
+    std::vector<uint32_t> lane_of, firsts, sorted;
+  };
+  Scratch own;
+  const size_t n = pos->size();
+  Scratch& scratch = ThreadScratch(n, own);
+  scratch.ids.resize(n);
+  for (size_t k = 0; k < n; ++k) scratch.ids[k] = ids[(*pos)[k]];
+  std::vector<uint32_t>& lane_of = scratch.lane_of;
+  std::vector<uint32_t>& firsts = scratch.firsts;
+  lane_of.resize(n);
+  firsts.clear();
+  bool repeated = false;
+  scratch.dedup.Visit(
+      scratch.ids.data(), n,
+      [&](size_t k, uint64_t, uint32_t) {
+        firsts.push_back(static_cast<uint32_t>(k));
+        lane_of[k] = static_cast<uint32_t>(k * lanes / n);
+      },
+      [&](size_t k, uint32_t u) {
+        lane_of[k] = lane_of[firsts[u]];
+        repeated = true;
+      });
+  std::vector<size_t> starts(lanes + 1, 0);
+  for (size_t k = 0; k < n; ++k) ++starts[lane_of[k] + 1];
+  for (size_t l = 0; l < lanes; ++l) starts[l + 1] += starts[l];
+  if (!repeated) return starts;
+  std::vector<size_t> at(starts.begin(), starts.end() - 1);
+  std::vector<uint32_t>& sorted = scratch.sorted;
+  sorted.resize(n);
+  for (size_t k = 0; k < n; ++k) sorted[at[lane_of[k]]++] = (*pos)[k];
+  pos->swap(sorted);
+  return starts;
+}
+
+// Per-shard copies of a call's ids (and rows), which the thread that sends
+// a part fills. Kept by the calling thread for its next call up to
+// kKeepCopyBytes: fresh memory for a push's 17 MB of copies cost more CPU in
+// page faults than the copying itself (bench_wire.py).
+struct CallCopies {
+  std::vector<std::pair<std::unique_ptr<char[]>, size_t>> buffers;
+
+  // Buffer `i`, room for at least `count` T (its contents are not kept).
+  template <typename T>
+  T* Get(size_t i, size_t count) {
+    if (buffers.size() <= i) buffers.resize(i + 1);
+    auto& [data, size] = buffers[i];
+    if (size < count * sizeof(T)) {
+      data.reset(new char[count * sizeof(T)]);
+      size = count * sizeof(T);
+    }
+    return reinterpret_cast<T*>(data.get());
+  }
+};
+
+constexpr size_t kKeepCopyBytes = 32u << 20;
+
+CallCopies& CopiesFor(size_t bytes, CallCopies& own) {
+  thread_local CallCopies kept;
+  return bytes <= kKeepCopyBytes ? kept : own;
 }
 
 // How many shards get a part of the call.
@@ -180,7 +251,8 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
   std::vector<std::pair<uint32_t, uint32_t>> repeats;
   DLT_RETURN_IF_ERROR(Route(ids, n, &groups, dedup ? &repeats : nullptr));
   // Each shard's ids in request order, gathered by the thread that sends them.
-  std::vector<std::unique_ptr<int64_t[]>> shard_ids(shards_.size());
+  CallCopies own;
+  CallCopies& copies = CopiesFor(n * sizeof(int64_t), own);
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
   const size_t touched = Touched(groups);
@@ -196,9 +268,9 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     const int64_t* shard_ids_ptr = ids;
     Call call;
     if (!in_order) {
-      shard_ids[s].reset(new int64_t[pos.size()]);
-      shard_ids_ptr = shard_ids[s].get();
-      call.fill = [&pos, ids, to = shard_ids[s].get()](size_t begin, size_t end) {
+      int64_t* to = copies.Get<int64_t>(s, pos.size());
+      shard_ids_ptr = to;
+      call.fill = [&pos, ids, to](size_t begin, size_t end) {
         for (size_t k = begin; k < end; ++k) to[k] = ids[pos[k]];
       };
     }
@@ -280,60 +352,70 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
   // Each shard's ids and rows in request order, gathered by the thread that
   // sends them.
-  std::vector<std::unique_ptr<int64_t[]>> shard_ids(shards_.size());
-  std::vector<std::unique_ptr<float[]>> shard_rows(shards_.size());
+  CallCopies own;
+  CallCopies& copies = CopiesFor(n * (sizeof(int64_t) + sizeof(float) * dim), own);
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
   const size_t touched = Touched(groups);
   const size_t row_bytes = sizeof(float) * dim;
   for (size_t s = 0; s < shards_.size(); ++s) {
-    const std::vector<uint32_t>& pos = groups[s];
+    std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(RowsPerFrame(s, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
+    // A shard sums an id's rows within a frame (Keras Adagrad squares each
+    // one): every occurrence of an id goes to the same connection, so what
+    // a push does never depends on how it was split.
     const size_t lanes = LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
-    rows_per_frame = std::min(rows_per_frame, (pos.size() + lanes - 1) / lanes);
+    const std::vector<size_t> starts =
+        lanes > 1 ? SplitById(ids, lanes, &pos) : std::vector<size_t>{0, pos.size()};
     const int64_t* ids_ptr = ids;
     const float* rows_ptr = rows;
-    Call call;
-    if (shards_.size() > 1) {
-      shard_ids[s].reset(new int64_t[pos.size()]);
-      shard_rows[s].reset(new float[pos.size() * dim]);
-      ids_ptr = shard_ids[s].get();
-      rows_ptr = shard_rows[s].get();
-      call.fill = [&pos, ids, rows, dim, to_ids = shard_ids[s].get(),
-                   to_rows = shard_rows[s].get()](size_t begin, size_t end) {
+    std::function<void(size_t, size_t)> fill;
+    if (shards_.size() > 1 || lanes > 1) {
+      int64_t* to_ids = copies.Get<int64_t>(2 * s, pos.size());
+      float* to_rows = copies.Get<float>(2 * s + 1, pos.size() * dim);
+      ids_ptr = to_ids;
+      rows_ptr = to_rows;
+      fill = [&pos, ids, rows, dim, to_ids, to_rows](size_t begin, size_t end) {
         for (size_t k = begin; k < end; ++k) {
           to_ids[k] = ids[pos[k]];
           std::memcpy(to_rows + k * dim, rows + size_t{pos[k]} * dim, sizeof(float) * dim);
         }
       };
     }
-    call.shard = s;
-    call.opcode = opcode;
-    call.rows_per_frame = rows_per_frame;
-    call.num_rows = pos.size();
-    for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
-      const size_t count = std::min(rows_per_frame, pos.size() - begin);
-      Call::Frame fr;
-      fr.prefix =
-          opcode == wire::Opcode::kPush
-              ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count), learning_rate)
-              : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
-      fr.body[0] = ids_ptr + begin;
-      fr.body_bytes[0] = count * 8;
-      fr.body[1] = rows_ptr + begin * dim;
-      fr.body_bytes[1] = count * row_bytes;
-      fr.reply_bytes = wire::kPushReplyBytes;
-      call.frames.push_back(std::move(fr));
-    }
-    call.on_reply = [op](size_t, const uint8_t*, size_t bytes) -> Status {
-      if (bytes != wire::kPushReplyBytes) {
-        return Internal(std::string(op) + " reply has the wrong size");
+    for (size_t lane = 0; lane + 1 < starts.size(); ++lane) {
+      const size_t first = starts[lane], end = starts[lane + 1];
+      if (first == end) continue;
+      Call call;
+      call.shard = s;
+      call.opcode = opcode;
+      call.rows_per_frame = rows_per_frame;
+      call.first_row = first;
+      call.num_rows = end - first;
+      call.fill = fill;
+      for (size_t begin = first; begin < end; begin += rows_per_frame) {
+        const size_t count = std::min(rows_per_frame, end - begin);
+        Call::Frame fr;
+        fr.prefix =
+            opcode == wire::Opcode::kPush
+                ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count), learning_rate)
+                : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
+        fr.body[0] = ids_ptr + begin;
+        fr.body_bytes[0] = count * 8;
+        fr.body[1] = rows_ptr + begin * dim;
+        fr.body_bytes[1] = count * row_bytes;
+        fr.reply_bytes = wire::kPushReplyBytes;
+        call.frames.push_back(std::move(fr));
       }
-      return OkStatus();
-    };
-    AddLanes(std::move(call), lanes, &calls);
+      call.on_reply = [op](size_t, const uint8_t*, size_t bytes) -> Status {
+        if (bytes != wire::kPushReplyBytes) {
+          return Internal(std::string(op) + " reply has the wrong size");
+        }
+        return OkStatus();
+      };
+      calls.push_back(std::move(call));
+    }
   }
   bool any_reused = false;
   return Exchange(&calls, op, &any_reused);

@@ -8,6 +8,7 @@
 #define TF_DLT_NATIVE_NET_CLIENT_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -133,7 +134,8 @@ class Client {
   // on threads of their own when they are large enough to pay for it
   // (ExchangeOn each), else all on the calling thread (one ExchangeOn).
   Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
-  Status ExchangeOn(Call* calls, size_t count, const char* op, bool* any_reused);
+  Status ExchangeOn(Call* calls, size_t count, const char* op,
+                    std::chrono::steady_clock::time_point deadline, bool* any_reused);
   // How many connections a shard's part of `bytes` (request and reply) gets
   // when `touched` shards share the call.
   size_t LanesFor(size_t rows, size_t bytes, size_t touched) const;

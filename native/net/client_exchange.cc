@@ -183,11 +183,14 @@ void Client::AddLanes(Call call, size_t lanes, std::vector<Call>* calls) {
 }
 
 Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reused) {
+  // One deadline for the whole call, whichever thread exchanges a part when.
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
   size_t bytes = 0;
   for (const Call& call : *calls) bytes += call.Bytes();
   const size_t threads = ExchangeThreads(options_);
   if (calls->size() <= 1 || threads <= 1 || bytes < 2 * kLaneBytes) {
-    return ExchangeOn(calls->data(), calls->size(), op, any_reused);
+    return ExchangeOn(calls->data(), calls->size(), op, deadline, any_reused);
   }
   // Calls beyond the threads share a loop: call c runs on thread c % threads.
   const size_t loops = std::min(threads, calls->size());
@@ -197,7 +200,7 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
   std::vector<char> reused(loops, 0);
   ExchangePool().ParallelFor(loops, [&](size_t g) {
     bool r = false;
-    status[g] = ExchangeOn(groups[g].data(), groups[g].size(), op, &r);
+    status[g] = ExchangeOn(groups[g].data(), groups[g].size(), op, deadline, &r);
     reused[g] = r;
   });
   *any_reused = std::find(reused.begin(), reused.end(), 1) != reused.end();
@@ -207,13 +210,12 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
   return OkStatus();
 }
 
-Status Client::ExchangeOn(Call* calls, size_t count, const char* op, bool* any_reused) {
+Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time_point deadline,
+                          bool* any_reused) {
   *any_reused = false;
   for (size_t c = 0; c < count; ++c) {
     if (calls[c].fill) calls[c].fill(calls[c].first_row, calls[c].first_row + calls[c].num_rows);
   }
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
   std::vector<Io> io(count);
   auto close_all = [&]() {
     for (Io& x : io) {

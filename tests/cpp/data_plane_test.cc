@@ -598,6 +598,14 @@ DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
     c.name = "emb16";
     c.dim = 16;
     EXPECT_OK(shard->CreateTable(c, &created));
+    // Keras Adagrad squares each occurrence of an id in a frame: a push
+    // split over connections must keep an id's occurrences together.
+    c.initializer.kind = InitializerKind::kZeros;
+    c.optimizer.kind = OptimizerKind::kKerasAdagrad;
+    for (const char* name : {"kag_serial", "kag_parallel"}) {
+      c.name = name;
+      EXPECT_OK(shard->CreateTable(c, &created));
+    }
     servers.push_back(std::make_unique<DataServer>(shard, DataServerOptions()));
     EXPECT_OK(servers.back()->Start());
     addresses.push_back(Address(*servers.back()));
@@ -643,6 +651,29 @@ DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
       EXPECT(std::abs(after[i * dim + k] - expected) < 1e-5f);
     }
   }
+  // Distinct ids split in ranges: each row moves once more, by 0.25.
+  const std::vector<int64_t> distinct(ids.begin(), ids.begin() + 65536);
+  std::vector<float> quarter(distinct.size() * dim, 0.25f), moved(distinct.size() * dim);
+  EXPECT_OK(parallel.Push("emb", dim, distinct.data(), quarter.data(), distinct.size(), 1.0f));
+  EXPECT_OK(serial.Pull("emb", dim, distinct.data(), distinct.size(), PullMode::kInsert,
+                        moved.data(), true));
+  for (size_t i = 0; i < distinct.size(); ++i) {
+    const float expected = after[i * dim] - 0.25f;
+    EXPECT(std::abs(moved[i * dim] - expected) < 1e-5f);
+  }
+  // Pushes with repeats, split over connections: each id's occurrences stay
+  // together, so the rows equal a one-connection push bit for bit.
+  std::vector<float> varied(ids.size() * 16);
+  for (size_t i = 0; i < varied.size(); ++i) varied[i] = static_cast<float>(i % 97) / 64 - 0.7f;
+  EXPECT_OK(serial.Push("kag_serial", 16, ids.data(), varied.data(), ids.size(), 0.1f));
+  EXPECT_OK(parallel.Push("kag_parallel", 16, ids.data(), varied.data(), ids.size(), 0.1f));
+  std::vector<float> by_serial(ids.size() * 16), by_parallel(ids.size() * 16);
+  EXPECT_OK(serial.Pull("kag_serial", 16, ids.data(), ids.size(), PullMode::kInsert,
+                        by_serial.data(), true));
+  EXPECT_OK(serial.Pull("kag_parallel", 16, ids.data(), ids.size(), PullMode::kInsert,
+                        by_parallel.data(), true));
+  EXPECT(by_serial == by_parallel);
+  EXPECT(std::any_of(by_serial.begin(), by_serial.end(), [](float v) { return v != 0; }));
   // Parts of over 4,096 rows but under 2 MiB (16 floats a row), with fewer
   // threads than shards: split over connections in one loop, rows alike.
   ClientOptions two;
