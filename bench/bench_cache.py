@@ -18,7 +18,7 @@ cache size and staleness (docs/img/cache.png).
 
 Usage: python bench/bench_cache.py [--train 200000] [--validation 20000]
        [--epochs 2] [--zipf 1.05] [--rows 10000,100000,400000]
-       [--steps 4,16,64]
+       [--steps 4,16,64] [--min-count 2]
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ def run(
     epochs: int,
     rows: int,
     steps: int,
+    min_count: int = 2,
 ) -> dict[str, Any]:
     """Trains a copy of `template` on 2 fresh shards (with a cache of `rows`
-    rows refreshed every `steps` lookups, or none for rows 0)."""
+    rows refreshed every `steps` lookups, admitting ids looked up
+    `min_count` times, or none for rows 0)."""
     with LocalCluster(2, "--log-level", "WARNING") as cluster:
         model = tf_dlt.transpile(template, cluster.addresses)
         if rows:
-            tf_dlt.hot_row_cache(model, rows=rows, max_staleness_steps=steps)
+            tf_dlt.hot_row_cache(model, rows=rows, max_staleness_steps=steps, min_count=min_count)
         metrics = tf_dlt.ClientMetrics(logs="all")
         start = time.perf_counter()
         history = model.fit(data, epochs=epochs, verbose=0, callbacks=[metrics])
@@ -106,6 +108,7 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--rows", default="10000,100000,400000")
     p.add_argument("--steps", default="4,16,64")
+    p.add_argument("--min-count", type=int, default=2, help="the caches' min_count")
     p.add_argument("--case", help=argparse.SUPPRESS)  # "rows,steps": one run, in this process
     args = p.parse_args()
     if args.case:
@@ -117,7 +120,13 @@ def main() -> None:
         template = make_model(name="cache_emb")
         template.build({"dense_features": (None, 13), "categorical_ids": (None, 26)})
         result = run(
-            template, data.prefetch(tf.data.AUTOTUNE), validation, args.epochs, rows, steps
+            template,
+            data.prefetch(tf.data.AUTOTUNE),
+            validation,
+            args.epochs,
+            rows,
+            steps,
+            args.min_count,
         )
         print_result(result)
         return
@@ -132,7 +141,8 @@ def main() -> None:
         out = subprocess.run(
             [sys.executable, __file__, "--case", f"{rows},{steps}", "--train", str(args.train),
              "--validation", str(args.validation), "--epochs", str(args.epochs),
-             "--batch", str(args.batch), "--zipf", str(args.zipf)],
+             "--batch", str(args.batch), "--zipf", str(args.zipf),
+             "--min-count", str(args.min_count)],
             capture_output=True, text=True, check=True, timeout=1800,
         ).stdout  # fmt: skip
         results.append((rows, steps, result_of(out)))
@@ -159,6 +169,7 @@ def main() -> None:
             continue
         emit({
             **common, "case": "cache", "rows": rows, "staleness_steps": steps,
+            "min_count": args.min_count,
             "unit": "pull bytes per step", "value": round(r["pull_bytes_per_step"]),
             "baseline_name": "no cache, same run", "baseline_value": round(base_bytes),
             "target_ratio": "<= 0.5",
