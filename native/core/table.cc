@@ -321,10 +321,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   const uint32_t dim = config_.dim;
   DLT_RETURN_IF_ERROR(CheckGradients(ids, grads, n, dim, lr, "", "nothing applied"));
   WaitForRoom();
-  // Pushes at once start at stripes far apart, so they do not queue behind
-  // each other stripe after stripe.
-  const uint64_t turn = pushes_.fetch_add(1, std::memory_order_relaxed);
-  const auto first_stripe = static_cast<uint32_t>((turn * 41) % kStripes);
+  pushes_.fetch_add(1, std::memory_order_relaxed);
   const uint32_t now = Now();
   struct Scratch {  // as in Pull: one thread_local, bound once
     std::vector<uint64_t> hashes, counted;
@@ -354,8 +351,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   const bool stochastic =
       config_.policy.rounding == static_cast<uint64_t>(RoundingKind::kStochastic);
   GroupByStripe(ids, n, &hashes, &order, &starts);
-  for (uint32_t turned = 0; turned < kStripes; ++turned) {
-    const uint32_t s = (first_stripe + turned) % kStripes;
+  for (uint32_t s = 0; s < kStripes; ++s) {
     const uint32_t begin = starts[s], end = starts[s + 1];
     if (begin == end) continue;
     Stripe& stripe = stripes_[s];
