@@ -110,10 +110,14 @@ def table_dtypes(config: dict[str, Any]) -> tuple[str, str]:
     return str(policy.get("value_dtype", "float32")), str(policy.get("slot_dtype", "float32"))
 
 
-def file_row_bytes(dim: int, slot_floats: int) -> int:
-    """Bytes of one row in a shard file: values and slots (float32), id,
-    update count and stamp."""
-    return 4 * (dim + slot_floats) + 16
+def file_row_bytes(
+    dim: int, slot_floats: int, value_dtype: str = "float32", slot_dtype: str = "float32"
+) -> int:
+    """Bytes of one row in a shard file: values and slots (as stored for
+    their table dtypes), id, update count and stamp."""
+    value = int(np.dtype(stored_dtype(value_dtype)).itemsize)
+    slot = int(np.dtype(stored_dtype(slot_dtype)).itemsize)
+    return value * dim + slot * slot_floats + 16
 
 
 def chunk_rows(dim: int, slot_floats: int) -> int:

@@ -99,7 +99,7 @@ def checkpoint_bytes_per_row(
     f = figures()
     f_dim = int(f["dim"])
     measured = shard_files.file_row_bytes(f_dim, f_dim * SLOTS[str(f["optimizer"])])
-    mine = 16 + dim * (DTYPE_BYTES[value_dtype] + DTYPE_BYTES[slot_dtype] * SLOTS[optimizer])
+    mine = shard_files.file_row_bytes(dim, dim * SLOTS[optimizer], value_dtype, slot_dtype)
     return float(f["checkpoint_bytes_per_row"]) * mine / measured
 
 
@@ -215,9 +215,9 @@ def plan(
     `shard_memory_gib`) and for throughput (every trainer pulling and
     pushing `batch` x `unique_fraction` rows `steps_per_second` times a
     second, at the measured rows/s per core times `shard_cores`), whichever
-    is larger. `rows`
-    counts the distinct ids the tables see; `admission_rate` the fraction
-    that get a row (1 without admission; measure it with bench_admission).
+    is larger. `rows` counts the distinct ids the tables see;
+    `admission_rate` the fraction that get a row (1 without admission;
+    measure it with bench_admission).
 
     With a disk tier (`ssd_bytes` per shard, and `memory_budget` bytes per
     shard), a shard's RAM holds only its hottest rows and a 7 B entry per
