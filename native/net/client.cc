@@ -174,6 +174,22 @@ Status CheckBatch(size_t n, uint32_t dim) {
 
 }  // namespace
 
+Client::Call Client::RunCall(size_t shard, wire::Opcode opcode, size_t first, size_t end,
+                             size_t rows_per_frame, std::function<void(size_t, size_t)> fill,
+                             const std::function<void(size_t, size_t, Call*)>& add_frame) {
+  Call call;
+  call.shard = shard;
+  call.opcode = opcode;
+  call.rows_per_frame = rows_per_frame;
+  call.first_row = first;
+  call.num_rows = end - first;
+  call.fill = std::move(fill);
+  for (size_t begin = first; begin < end; begin += rows_per_frame) {
+    add_frame(begin, std::min(rows_per_frame, end - begin), &call);
+  }
+  return call;
+}
+
 Status Client::Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups,
                      std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   std::vector<ShardInfo> infos;  // greets every shard once
@@ -262,50 +278,51 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
         RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * row_floats, &rows_per_frame));
+    // Consecutive runs of the shard's rows, a connection each.
     const size_t lanes = LanesFor(pos.size(), pos.size() * (8 + size_t{4} * row_floats), touched);
-    rows_per_frame = std::min(rows_per_frame, (pos.size() + lanes - 1) / lanes);
     const bool in_order = pos.size() == n;  // every id, each once, to this shard
     const int64_t* shard_ids_ptr = ids;
-    Call call;
+    std::function<void(size_t, size_t)> fill;
     if (!in_order) {
       int64_t* to = copies.Get<int64_t>(s, pos.size());
       shard_ids_ptr = to;
-      call.fill = [&pos, ids, to](size_t begin, size_t end) {
+      fill = [&pos, ids, to](size_t begin, size_t end) {
         for (size_t k = begin; k < end; ++k) to[k] = ids[pos[k]];
       };
     }
-    call.shard = s;
-    call.opcode = wire::Opcode::kPull;
-    call.rows_per_frame = rows_per_frame;
-    call.num_rows = pos.size();
-    for (size_t begin = 0; begin < pos.size(); begin += rows_per_frame) {
-      const size_t count = std::min(rows_per_frame, pos.size() - begin);
-      Call::Frame fr;
-      fr.prefix = wire::EncodePullPrefix(table, dim, static_cast<uint32_t>(count), mode);
-      fr.body[0] = shard_ids_ptr + begin;
-      fr.body_bytes[0] = count * 8;
-      fr.reply_bytes = wire::kPullReplyFixed + size_t{4} * row_floats * count;
-      call.frames.push_back(std::move(fr));
+    for (size_t lane = 0; lane < lanes; ++lane) {
+      const size_t first = pos.size() * lane / lanes, end = pos.size() * (lane + 1) / lanes;
+      if (first == end) continue;
+      Call call = RunCall(s, wire::Opcode::kPull, first, end, rows_per_frame, fill,
+                          [&](size_t begin, size_t count, Call* to) {
+                            Call::Frame fr;
+                            fr.prefix = wire::EncodePullPrefix(table, dim,
+                                                               static_cast<uint32_t>(count), mode);
+                            fr.body[0] = shard_ids_ptr + begin;
+                            fr.body_bytes[0] = count * 8;
+                            fr.reply_bytes = wire::kPullReplyFixed + size_t{4} * row_floats * count;
+                            to->frames.push_back(std::move(fr));
+                          });
+      call.rows.out = out;
+      call.rows.pos = in_order ? nullptr : pos.data();
+      call.rows.row_floats = row_floats;
+      call.rows.fixed = wire::kPullReplyFixed;
+      call.on_reply = [rows = end - first, rows_per_frame, dim](size_t frame, const uint8_t* p,
+                                                                size_t bytes) -> Status {
+        if (bytes != wire::kPullReplyFixed) return Internal("Pull reply lacks its fixed part");
+        const size_t count = std::min(rows_per_frame, rows - frame * rows_per_frame);
+        uint32_t got_dim, got_rows;
+        std::memcpy(&got_dim, p, 4);
+        std::memcpy(&got_rows, p + 4, 4);
+        if (got_dim != dim || got_rows != count) {
+          return Internal("Pull reply names dim " + std::to_string(got_dim) + " and " +
+                          std::to_string(got_rows) + " rows; the request has dim " +
+                          std::to_string(dim) + " and " + std::to_string(count) + " ids");
+        }
+        return OkStatus();
+      };
+      calls.push_back(std::move(call));
     }
-    call.rows.out = out;
-    call.rows.pos = in_order ? nullptr : pos.data();
-    call.rows.row_floats = row_floats;
-    call.rows.fixed = wire::kPullReplyFixed;
-    call.on_reply = [&pos, rows_per_frame, dim](size_t frame, const uint8_t* p,
-                                                size_t bytes) -> Status {
-      if (bytes != wire::kPullReplyFixed) return Internal("Pull reply lacks its fixed part");
-      const size_t count = std::min(rows_per_frame, pos.size() - frame * rows_per_frame);
-      uint32_t got_dim, got_rows;
-      std::memcpy(&got_dim, p, 4);
-      std::memcpy(&got_rows, p + 4, 4);
-      if (got_dim != dim || got_rows != count) {
-        return Internal("Pull reply names dim " + std::to_string(got_dim) + " and " +
-                        std::to_string(got_rows) + " rows; the request has dim " +
-                        std::to_string(dim) + " and " + std::to_string(count) + " ids");
-      }
-      return OkStatus();
-    };
-    AddLanes(std::move(call), lanes, &calls);
   }
   DLT_RETURN_IF_ERROR(Exchange(&calls, "Pull", any_reused));
   if (sent != nullptr) *sent = n - repeats.size();
@@ -387,27 +404,20 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     for (size_t lane = 0; lane + 1 < starts.size(); ++lane) {
       const size_t first = starts[lane], end = starts[lane + 1];
       if (first == end) continue;
-      Call call;
-      call.shard = s;
-      call.opcode = opcode;
-      call.rows_per_frame = rows_per_frame;
-      call.first_row = first;
-      call.num_rows = end - first;
-      call.fill = fill;
-      for (size_t begin = first; begin < end; begin += rows_per_frame) {
-        const size_t count = std::min(rows_per_frame, end - begin);
-        Call::Frame fr;
-        fr.prefix =
-            opcode == wire::Opcode::kPush
-                ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count), learning_rate)
-                : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
-        fr.body[0] = ids_ptr + begin;
-        fr.body_bytes[0] = count * 8;
-        fr.body[1] = rows_ptr + begin * dim;
-        fr.body_bytes[1] = count * row_bytes;
-        fr.reply_bytes = wire::kPushReplyBytes;
-        call.frames.push_back(std::move(fr));
-      }
+      Call call = RunCall(
+          s, opcode, first, end, rows_per_frame, fill, [&](size_t begin, size_t count, Call* to) {
+            Call::Frame fr;
+            fr.prefix = opcode == wire::Opcode::kPush
+                            ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count),
+                                                     learning_rate)
+                            : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
+            fr.body[0] = ids_ptr + begin;
+            fr.body_bytes[0] = count * 8;
+            fr.body[1] = rows_ptr + begin * dim;
+            fr.body_bytes[1] = count * row_bytes;
+            fr.reply_bytes = wire::kPushReplyBytes;
+            to->frames.push_back(std::move(fr));
+          });
       call.on_reply = [op](size_t, const uint8_t*, size_t bytes) -> Status {
         if (bytes != wire::kPushReplyBytes) {
           return Internal(std::string(op) + " reply has the wrong size");

@@ -139,8 +139,12 @@ class Client {
   // How many connections a shard's part of `bytes` (request and reply) gets
   // when `touched` shards share the call.
   size_t LanesFor(size_t rows, size_t bytes, size_t touched) const;
-  // Appends `call` to `calls` split into `lanes` calls of consecutive frames.
-  static void AddLanes(Call call, size_t lanes, std::vector<Call>* calls);
+  // A call for rows [first, end) of `shard`'s part, on a connection of its
+  // own: frames of at most `rows_per_frame` rows, each appended by
+  // add_frame(its first row, its rows, the call).
+  static Call RunCall(size_t shard, wire::Opcode opcode, size_t first, size_t end,
+                      size_t rows_per_frame, std::function<void(size_t, size_t)> fill,
+                      const std::function<void(size_t, size_t, Call*)>& add_frame);
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
                   const float* rows, size_t n, float learning_rate);
   // Pull and PullState: rows of `row_floats` floats, retried.

@@ -39,9 +39,9 @@ struct Client::Call {
   wire::Opcode opcode = wire::Opcode::kPull;
   std::vector<Frame> frames;
   uint64_t first_request_id = 0;
-  // Frame f carries rows [f * rows_per_frame, ...) of the call, which are
-  // rows first_row... of the shard's part (a call split into lanes carries a
-  // range of them).
+  // The call carries rows [first_row, first_row + num_rows) of the shard's
+  // part (its connection's run of them), frame f the rows from first_row +
+  // f * rows_per_frame on.
   size_t rows_per_frame = 0;
   size_t first_row = 0;
   size_t num_rows = 0;
@@ -56,8 +56,8 @@ struct Client::Call {
   // Pulls: the rows of a reply are received through a small staging buffer
   // that stays in cache (StageBytes) and copied to their places in the
   // caller's memory as they arrive, so no reply is buffered whole. Row r of
-  // frame f goes to out + at * row_floats, at = pos[f * rows_per_frame + r]
-  // (or f * rows_per_frame + r without `pos`); the reply's first `fixed`
+  // frame f goes to out + at * row_floats, at = pos[k] (or k without `pos`),
+  // k = first_row + f * rows_per_frame + r; the reply's first `fixed`
   // payload bytes are buffered for on_reply.
   struct RowTarget {
     float* out = nullptr;  // nullptr: replies are buffered whole

@@ -105,7 +105,7 @@ size_t Client::Call::StageBytes() const {
 
 void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, size_t count) const {
   const size_t w = rows.row_floats;
-  const size_t begin = frame * rows_per_frame + first;
+  const size_t begin = first_row + frame * rows_per_frame + first;
   if (rows.pos == nullptr) {
     std::memcpy(rows.out + begin * w, src, sizeof(float) * w * count);
     return;
@@ -148,38 +148,6 @@ size_t Client::LanesFor(size_t rows, size_t bytes, size_t touched) const {
   // A part of many rows but too few bytes for threads of its own: a few
   // connections, which the shard's worker threads serve at once.
   return std::clamp<size_t>(rows / kLaneRows, 1, kMaxLoopLanes);
-}
-
-void Client::AddLanes(Call call, size_t lanes, std::vector<Call>* calls) {
-  lanes = std::min(lanes, call.frames.size());
-  if (lanes <= 1) {
-    calls->push_back(std::move(call));
-    return;
-  }
-  const size_t per_lane = (call.frames.size() + lanes - 1) / lanes;
-  for (size_t first = 0; first < call.frames.size(); first += per_lane) {
-    const size_t frames = std::min(per_lane, call.frames.size() - first);
-    const size_t row0 = first * call.rows_per_frame;
-    Call part;
-    part.shard = call.shard;
-    part.opcode = call.opcode;
-    part.frames.assign(std::make_move_iterator(call.frames.begin() + first),
-                       std::make_move_iterator(call.frames.begin() + first + frames));
-    part.rows_per_frame = call.rows_per_frame;
-    part.first_row = call.first_row + row0;
-    part.num_rows = std::min(frames * call.rows_per_frame, call.num_rows - row0);
-    part.fill = call.fill;
-    part.rows = call.rows;
-    if (part.rows.pos != nullptr) {
-      part.rows.pos += row0;
-    } else if (part.rows.out != nullptr) {
-      part.rows.out += row0 * part.rows.row_floats;
-    }
-    part.on_reply = [inner = call.on_reply, first](size_t f, const uint8_t* p, size_t bytes) {
-      return inner(f + first, p, bytes);
-    };
-    calls->push_back(std::move(part));
-  }
 }
 
 Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reused) {
