@@ -9,12 +9,14 @@ Reports, per configuration, the wall time per call and the CPU per call of
 the clients and of the shards (from /proc), and the ratios the trainer-speed
 targets use: client CPU / the local baseline's CPU, shard CPU per row / the
 baseline's CPU per row, and the baseline's and the stream's wall time / the
-call's. Needs only a C++17 compiler and Python's standard library: no
+call's. With --standby, each shard process also holds a standby kept by a
+Replicator (docs/replication.md) and rows/s are compared with no standby in
+the same run. Needs only a C++17 compiler and Python's standard library: no
 TensorFlow, no tf_dlt install (`--build-only` writes a static binary to
 copy to a machine with cores to spare; `--binary` runs one built before).
 
 Usage: python bench/bench_wire.py [--shards 2] [--threads 1,2,4] [--clients 1]
-       [--exchange-threads 0,1,2]
+       [--exchange-threads 0,1,2] [--standby none,sync,async]
        python3 bench/bench_wire.py --write-capacity --threads 8   (on 16+ cores)
        [--ids 65536] [--dim 64] [--calls 30] [--op pull|push] [--rows 1000000]
 """
@@ -89,14 +91,18 @@ def run_json(cmd: list[str]) -> dict[str, Any]:
 
 
 def measure(
-    binary: Path, args: argparse.Namespace, threads: int, exchange_threads: int
+    binary: Path,
+    args: argparse.Namespace,
+    threads: int,
+    exchange_threads: int,
+    standby: str = "none",
 ) -> dict[str, object]:
     shards = []
     try:
         for i in range(args.shards):
             proc = subprocess.Popen(
                 [str(binary), "shard", str(i), str(args.shards), str(threads), str(args.dim),
-                 str(args.rows)],
+                 str(args.rows), standby],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             shards.append(proc)
@@ -205,6 +211,12 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--op", choices=["pull", "push"], default="pull")
     p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument(
+        "--standby",
+        default="none",
+        help="each shard's standby in its process (docs/replication.md), a list of "
+        "none, sync, async",
+    )
     p.add_argument("--binary", help="a wire_bench built before (default: build one)")
     p.add_argument("--build-only", metavar="PATH", help="build a static binary to PATH and stop")
     p.add_argument(
@@ -225,15 +237,19 @@ def main() -> None:
     local = run_json([str(binary), local_mode, str(args.dim), str(args.ids),
                       str(args.calls), str(args.rows)])  # fmt: skip
     stream = run_json([str(binary), "stream", str(args.ids * args.dim * 4), str(args.calls)])
-    for threads, exchange in itertools.product(
+    baseline: dict[tuple[int, int], float] = {}  # rows/s without a standby, same run
+    for threads, exchange, standby in itertools.product(
         [int(t) for t in args.threads.split(",")],
         [int(t) for t in args.exchange_threads.split(",")],
+        args.standby.split(","),
     ):
-        got = measure(binary, args, threads, exchange)
+        got = measure(binary, args, threads, exchange, standby)
+        if standby == "none":
+            baseline[threads, exchange] = float(got["rows_per_s"])  # type: ignore[arg-type]
         per_row_local = local["cpu_ms_per_call"] / args.ids
         record = {
             "bench": "wire", "op": args.op, "shards": args.shards, "threads": threads,
-            "exchange_threads": exchange,
+            "exchange_threads": exchange, "standby": standby,
             "clients": args.clients, "ids": args.ids, "dim": args.dim, "cores": os.cpu_count(),
             **got,
             "local": local["case"],
@@ -247,6 +263,8 @@ def main() -> None:
             "local_wall_vs_call": local["wall_ms_per_call"] / got["wall_ms_per_call"],
             "stream_wall_vs_call": stream["wall_ms_per_call"] / got["wall_ms_per_call"],
         }  # fmt: skip
+        if standby != "none" and (threads, exchange) in baseline:
+            record["rows_per_s_vs_no_standby"] = got["rows_per_s"] / baseline[threads, exchange]
         emit(record)
 
 

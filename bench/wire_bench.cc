@@ -41,6 +41,7 @@
 #include "native/core/table.h"
 #include "native/net/client.h"
 #include "native/net/data_server.h"
+#include "native/net/replicator.h"
 
 namespace {
 
@@ -107,6 +108,27 @@ int Shard(int argc, char** argv) {
   options.worker_threads = threads;
   dlt::DataServer server(shard, options);
   s = server.Start();
+  // With "sync" or "async": a standby shard in this process, kept equal by
+  // a Replicator (docs/replication.md), holding every row before clients
+  // start.
+  const std::string standby_mode = argc > 7 ? argv[7] : "none";
+  auto standby_shard = std::make_shared<dlt::Shard>(index, shards);
+  dlt::DataServer standby(standby_shard, options);
+  std::shared_ptr<dlt::Replicator> replicator;
+  if (s.ok() && standby_mode != "none") {
+    standby.set_standby(true);
+    s = standby.Start();
+    dlt::ReplicatorOptions r;
+    r.sync = standby_mode == "sync";
+    replicator =
+        std::make_shared<dlt::Replicator>(shard, "127.0.0.1:" + std::to_string(standby.port()), r);
+    replicator->Start();
+    for (int i = 0; s.ok() && !replicator->status().caught_up; ++i) {
+      if (i == 6000) s = dlt::Unavailable("the standby did not catch up in 60 s");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    server.set_write_listener(replicator);
+  }
   if (!s.ok()) {
     std::fprintf(stderr, "%s\n", s.message().c_str());
     return 1;
@@ -116,7 +138,10 @@ int Shard(int argc, char** argv) {
   char c;
   while (read(0, &c, 1) > 0) {
   }
+  server.set_write_listener(nullptr);
+  if (replicator) replicator->Stop();
   server.Stop();
+  standby.Stop();
   return 0;
 }
 

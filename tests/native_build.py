@@ -31,6 +31,7 @@ SUITE_SOURCES = [
     "tests/cpp/row_cache_test.cc",
     "tests/cpp/memory_policy_test.cc",
     "tests/cpp/tier_test.cc",
+    "tests/cpp/replication_test.cc",
 ]
 FLAVORS = {"plain": ["-O1"], "optimized": ["-O2"], "sanitized": ["-O1", *SANITIZE]}
 

@@ -43,7 +43,19 @@ def test_golden_frames_follow_the_spec() -> None:
         frames.ERROR, 4, struct.pack("<II", 5, len(msg)) + msg, frames.RESPONSE
     )
     assert g["assign_request"] == frames.assign(6, "emb", 2, [5], np.array([[1.5, -2.0]]))
-    assert len(g) == 9
+    # A primary's rows for its standby (docs/replication.md): table prefix,
+    # removed count, slot floats, push clock, ids, removed ids, steps, stamps,
+    # values, slots.
+    replicate = (
+        struct.pack("<IIHBBf", 2, 1, 3, 0, 0, 0.0)
+        + b"emb\0\0\0\0\0"
+        + struct.pack("<IIQ", 1, 2, 42)
+        + struct.pack("<qq", 5, 7)
+        + struct.pack("<II", 3, 9)
+        + struct.pack("<4f", 1.5, -2.0, 0.25, 0.5)
+    )
+    assert g["replicate_request"] == frames.frame(6, 7, replicate)
+    assert len(g) == 10
 
 
 def test_pipelined_requests_are_matched_by_request_id(

@@ -135,6 +135,7 @@ uint32_t Table::FindOrCreate(Stripe* stripe, uint64_t hash, int64_t id) {
   header->step = 0;
   header->touched = Now();
   stripe->Generation(rec) = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
+  NoteChange(stripe, id);
   if (wide_) {
     float* values = reinterpret_cast<float*>(r + sizeof(RowHeader));
     InitializeRow(config_.initializer, config_.seed, id, config_.dim, values);
@@ -462,6 +463,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       header->touched = now;
       header->step = step;
       stripe.Generation(recs[k]) = generation;
+      NoteChange(&stripe, ids[kept[k]]);
       if (!wide_) WriteRow(r, ids[kept[k]], step, v, v + dim, stochastic);
     }
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
@@ -543,6 +545,7 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
         const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
         FillRecord(cold, ids[pos], steps ? steps[pos] : 0, touched ? touched[pos] : now,
                    values + size_t{pos} * dim, row_slots);
+        NoteChange(&stripe, ids[pos]);
         if (slot != TierFile::kNoSlot) {
           DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold, generation));
           continue;
@@ -575,6 +578,7 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       header->step = steps ? steps[pos] : 0;
       header->touched = touched ? touched[pos] : now;
       stripe.Generation(rec) = generation;
+      NoteChange(&stripe, ids[pos]);
       const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
       WriteRow(r, ids[pos], header->step, values + size_t{pos} * dim, row_slots,
                /*stochastic=*/false);

@@ -171,6 +171,26 @@ class Table {
   void Reserve(size_t rows, uint32_t threads);
   static constexpr size_t kTrackedSaves = 4;
 
+  // The row stream (docs/replication.md). While the change log runs, every
+  // id whose row a write creates, changes or removes is logged in its
+  // stripe (a move between tiers is not a change); one consumer takes the
+  // log. Starting it empties it: rows written before are the consumer's to
+  // copy whole (an Exporter started after StartChangeLog returns).
+  void StartChangeLog();
+  void StopChangeLog();
+  bool change_log_running() const { return change_log_.load(std::memory_order_relaxed); }
+  // Moves the ids logged since the last call into *ids, sorted and unique.
+  // FAILED_PRECONDITION when a stripe's log outgrew its cap meanwhile (more
+  // changes than rows): the ids are incomplete, and the consumer must copy
+  // the table whole again; the log runs on, emptied.
+  Status TakeChanges(std::vector<int64_t>* ids);
+  // The rows of `ids` as they are now, wherever they are: the present ones
+  // into rows 0..*rows-1 of `out` (grouped by stripe; `out.buckets` may be
+  // null), the ids of absent ones into *absent. Creates nothing. Fails only
+  // on a disk error.
+  Status ReadRows(const int64_t* ids, size_t n, const RowBuffers& out, size_t* rows,
+                  std::vector<int64_t>* absent);
+
   // Tiered storage (docs/tiered_storage.md). Keeps the table's cold rows
   // in one file per stripe under `dir` (an empty directory this table
   // owns; removed with the table). Call before the table is used.
@@ -306,6 +326,10 @@ class Table {
   // `stripe`, logging them while a save is tracked; returns how many.
   // Caller holds the lock exclusively.
   size_t EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys);
+  // Logs `id` when the change log runs (table_stripe.h).
+  void NoteChange(Stripe* stripe, int64_t id);
+  // Copies stored record `r` of `id` into row `i` of `out`.
+  void CopyOut(const char* r, int64_t id, uint32_t bucket, const RowBuffers& out, size_t i) const;
   // Removes disk tier slot `slot` (holding `key`) like EraseFrom.
   void EraseCold(Stripe* stripe, uint32_t slot, int64_t key);
   // Moves `id` from the stripe's disk tier into RAM: *rec gets its
@@ -373,6 +397,7 @@ class Table {
   };
   mutable std::mutex saves_mu_;
   std::vector<SaveMark> saves_;            // guarded by saves_mu_
+  std::atomic<bool> change_log_{false};    // the row stream's log runs
   std::atomic<bool> logging_{false};       // removals are logged
   std::atomic<bool> log_overflow_{false};  // a stripe's log outgrew its cap
   std::atomic<int64_t> rows_{0};           // both tiers

@@ -14,6 +14,9 @@ namespace dlt {
 size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
   const bool log = logging_.load(std::memory_order_relaxed);
   size_t erased = stripe->EraseKeys(keys, log, generation_.load(std::memory_order_relaxed));
+  if (change_log_.load(std::memory_order_relaxed)) {
+    for (int64_t key : keys) NoteChange(stripe, key);
+  }
   rows_.fetch_sub(static_cast<int64_t>(erased), std::memory_order_relaxed);
   if (stripe->tier && stripe->tier->rows() != 0 && erased < keys.size()) {
     // The keys that were not in RAM (none is now) may be cold.
@@ -250,14 +253,19 @@ bool Table::Exporter::Copy(Stripe* stripe, const Entry& e, const RowBuffers& out
     }
     if (r == nullptr) return false;
   }
+  t.CopyOut(r, e.id, e.bucket, out, i);
+  return true;
+}
+
+void Table::CopyOut(const char* r, int64_t id, uint32_t bucket, const RowBuffers& out,
+                    size_t i) const {
   const auto* header = reinterpret_cast<const RowHeader*>(r);
-  out.ids[i] = e.id;
-  out.buckets[i] = e.bucket;
+  out.ids[i] = id;
+  if (out.buckets) out.buckets[i] = bucket;
   out.steps[i] = header->step;
   if (out.touched) out.touched[i] = header->touched;
-  t.ReadValues(r, out.values + i * t.config_.dim);
-  if (t.slot_floats_) t.ReadSlots(r, out.slots + i * t.slot_floats_);
-  return true;
+  ReadValues(r, out.values + i * config_.dim);
+  if (slot_floats_) ReadSlots(r, out.slots + i * slot_floats_);
 }
 
 size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {

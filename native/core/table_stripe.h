@@ -79,6 +79,9 @@ inline uint32_t AgeAt(uint32_t now, uint32_t touched) {
 // rows; past that the table stops tracking (its next delta is written in
 // full) rather than grow without bound.
 constexpr size_t kLogSlack = 4096;
+// A stripe's change log (Table::TakeChanges) may hold this many ids plus
+// one per row; past that the consumer takes the table whole again.
+constexpr size_t kChangeLogSlack = size_t{1} << 16;
 
 // Allocator of the index: blocks of 2 MiB and more come from mmap with
 // MADV_HUGEPAGE, so a probe of a large index misses the TLB far less (with
@@ -136,7 +139,11 @@ struct Table::Stripe {
   std::unique_ptr<uint16_t[]> generations[kMaxChunks];
   static_assert(sizeof(uint16_t) == Table::kGenerationBytes, "generation layout");
   uint32_t num_chunks = 0;
-  std::vector<Removal> removed;    // ids removed while a save is tracked
+  std::vector<Removal> removed;  // ids removed while a save is tracked
+  // Ids written or removed while the table's change log runs, and whether
+  // the log outgrew its cap since it was last taken.
+  std::vector<int64_t> changes;
+  bool changes_overflowed = false;
   std::unique_ptr<TierFile> tier;  // cold rows (with a disk tier)
 
   ~Stripe() {
@@ -289,6 +296,19 @@ struct Table::Stripe {
     return erased;
   }
 };
+
+// A row of `stripe` was written or removed. Caller holds its lock
+// exclusively.
+inline void Table::NoteChange(Stripe* stripe, int64_t id) {
+  if (!change_log_.load(std::memory_order_relaxed) || stripe->changes_overflowed) return;
+  const size_t rows = stripe->live + (stripe->tier ? stripe->tier->rows() : 0);
+  if (stripe->changes.size() >= kChangeLogSlack + rows) {
+    stripe->changes_overflowed = true;
+    std::vector<int64_t>().swap(stripe->changes);
+    return;
+  }
+  stripe->changes.push_back(id);
+}
 
 // Calls fn(slot, key, record) for every row of the stripe's disk tier, a
 // few pages per hold() (which returns the lock to hold while they are read).

@@ -171,8 +171,9 @@ size_t Table::RamBytes(bool fixed_only) const {
   for (uint32_t s = 0; s < kStripes; ++s) {
     const Stripe& stripe = stripes_[s];
     std::shared_lock<std::shared_mutex> lock(stripe.mu);
-    total +=
-        stripe.removed.capacity() * sizeof(Removal) + (stripe.tier ? stripe.tier->ram_bytes() : 0);
+    total += stripe.removed.capacity() * sizeof(Removal) +
+             stripe.changes.capacity() * sizeof(int64_t) +
+             (stripe.tier ? stripe.tier->ram_bytes() : 0);
     if (fixed_only) continue;
     total += size_t{stripe.num_records} * (record_bytes_ + sizeof(uint16_t)) +
              stripe.index.size() * sizeof(IndexEntry) +
@@ -241,6 +242,7 @@ void Table::EraseCold(Stripe* stripe, uint32_t slot, int64_t key) {
   ++stripe->removals;
   cold_rows_.fetch_sub(1, std::memory_order_relaxed);
   rows_.fetch_sub(1, std::memory_order_relaxed);
+  NoteChange(stripe, key);
   if (logging_.load(std::memory_order_relaxed)) {
     stripe->removed.push_back(Removal{key, generation_.load(std::memory_order_relaxed)});
   }

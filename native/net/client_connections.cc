@@ -14,6 +14,7 @@
 #include "native/net/buffer.h"
 #include "native/net/client.h"
 #include "native/net/client_call.h"
+#include "native/net/frame_call.h"
 #include "native/net/socket.h"
 
 namespace dlt {
@@ -26,32 +27,10 @@ Status Client::Hello(size_t shard, int fd) {
   wire::HelloRequest request;
   request.token = options_.auth_token;
   const std::string payload = wire::EncodeHelloRequest(request);
-  uint8_t header[wire::kHeaderBytes];
-  wire::EncodeHeader({wire::Opcode::kHello, 0, 0, static_cast<uint32_t>(payload.size())}, header);
-  struct iovec iov[2] = {{header, sizeof(header)},
-                         {const_cast<char*>(payload.data()), payload.size()}};
-  Status s = net::SendAll(fd, iov, 2, deadline);
-  uint8_t reply_header[wire::kHeaderBytes];
-  // Even when sending failed the server may have explained why before closing.
-  Status r = net::RecvAll(fd, reply_header, sizeof(reply_header), deadline);
-  if (!r.ok()) return s.ok() ? r : s;
-  wire::FrameHeader h;
-  DLT_RETURN_IF_ERROR(wire::DecodeHeader(reply_header, UINT32_MAX, &h));
-  // Read no more than a Hello reply or an error can hold.
-  const size_t allowed = h.opcode == wire::Opcode::kError
-                             ? wire::kErrorFixed + wire::kMaxErrorMessageBytes
-                             : wire::kHelloReplyBytes;
-  if (h.payload_bytes > allowed) {
-    return Internal("Hello reply of " + std::to_string(h.payload_bytes) + " bytes exceeds " +
-                    std::to_string(allowed));
-  }
-  std::string body(h.payload_bytes, '\0');
-  DLT_RETURN_IF_ERROR(net::RecvAll(fd, &body[0], body.size(), deadline));
+  std::string body;
+  DLT_RETURN_IF_ERROR(net::CallFrame(fd, wire::Opcode::kHello, 0, payload.data(), payload.size(),
+                                     wire::kHelloReplyBytes, deadline, &body));
   const auto* p = reinterpret_cast<const uint8_t*>(body.data());
-  if (h.opcode == wire::Opcode::kError) return wire::DecodeError(p, body.size());
-  if (h.opcode != wire::Opcode::kHello || !(h.flags & wire::kFlagResponse)) {
-    return Internal("expected a Hello reply");
-  }
   wire::HelloReply reply;
   DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(p, body.size(), &reply));
   if (reply.num_buckets != kNumBuckets) {

@@ -80,6 +80,11 @@ class DataServer {
   int port() const { return port_; }
   void set_admin_port(uint32_t port) { handler_.set_admin_port(port); }
   void set_read_only(bool read_only) { handler_.set_read_only(read_only); }
+  // Replication (docs/replication.md): see RequestHandler.
+  void set_standby(bool standby) { handler_.set_standby(standby); }
+  void set_write_listener(std::shared_ptr<WriteListener> listener) {
+    handler_.set_write_listener(std::move(listener));
+  }
   // Authenticated connections allowed (max_connections resolved at Start).
   int max_connections() const { return max_connections_; }
   int worker_threads() const { return static_cast<int>(workers_.size()); }

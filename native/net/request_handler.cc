@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "native/core/routing.h"
+#include "native/core/table_config.h"
 
 namespace dlt {
 namespace {
@@ -122,11 +123,23 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
   if (!*authenticated) {
     return fail(Unauthenticated("the first frame on a connection must be Hello"), true);
   }
+  if (header.opcode == wire::Opcode::kStandbyTable || header.opcode == wire::Opcode::kReplicate) {
+    uint32_t rows = 0;
+    const Status applied = ApplyFromPrimary(header, payload, &rows);
+    if (!applied.ok()) return fail(applied, false);
+    return Respond(header.opcode, id, wire::EncodePushReply(rows), reply);
+  }
   if (header.opcode != wire::Opcode::kPull && header.opcode != wire::Opcode::kPush &&
       header.opcode != wire::Opcode::kAssign) {
     return fail(
         InvalidArgument("unknown opcode " + std::to_string(static_cast<int>(header.opcode))),
         false);
+  }
+  if (standby_.load(std::memory_order_relaxed)) {
+    return fail(Unavailable("shard " + std::to_string(shard_->shard_index()) +
+                            " here is a standby (it follows its primary): requests go to the "
+                            "primary"),
+                false);
   }
   const bool push = header.opcode == wire::Opcode::kPush;
   const bool assign = header.opcode == wire::Opcode::kAssign;
@@ -159,6 +172,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
     s = table->Assign(request.ids, request.grads, request.num_ids);
     if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
     counters_->assigned_rows.fetch_add(request.num_ids);
+    s = AwaitStandby();
+    if (!s.ok()) return fail(s, false);
     return Respond(wire::Opcode::kAssign, id, wire::EncodePushReply(request.num_ids), reply);
   }
   if (push) {
@@ -166,6 +181,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
     if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
     counters_->pushes.fetch_add(1);
     counters_->pushed_rows.fetch_add(request.num_ids);
+    s = AwaitStandby();
+    if (!s.ok()) return fail(s, false);
     counters_->push_latency.Record(MicrosSince(start));
     return Respond(wire::Opcode::kPush, id, wire::EncodePushReply(request.num_ids), reply);
   }
@@ -194,6 +211,60 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
   counters_->pulled_rows.fetch_add(request.num_ids);
   counters_->pull_latency.Record(MicrosSince(start));
   return wire::kHeaderBytes + body;
+}
+
+Status RequestHandler::AwaitStandby() {
+  const std::shared_ptr<WriteListener> listener = std::atomic_load(&listener_);
+  if (listener == nullptr) return OkStatus();
+  const Status s = listener->Written();
+  if (s.ok()) return s;
+  return Status(s.code(), "the write was applied on shard " +
+                              std::to_string(shard_->shard_index()) +
+                              " but its standby did not acknowledge it (in doubt): " + s.message());
+}
+
+Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const uint8_t* payload,
+                                        uint32_t* rows) {
+  if (!standby_.load()) {
+    return FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
+                              " here is not a standby: it takes no replication frames");
+  }
+  if (header.opcode == wire::Opcode::kStandbyTable) {
+    wire::StandbyTableRequest request;
+    DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(payload, header.payload_bytes, &request));
+    TableConfig config;
+    DLT_RETURN_IF_ERROR(DecodeTableConfig(request.config, &config));
+    if (request.action == wire::kDropTable) {
+      const Status dropped = shard_->DropTable(config.name);
+      return dropped.code() == Code::kNotFound ? OkStatus() : dropped;
+    }
+    DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
+    shard_->InstallTables({shard_->NewTable(config)});
+    return OkStatus();
+  }
+  wire::ReplicateRequest request;
+  DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &request));
+  std::shared_ptr<Table> table;
+  DLT_RETURN_IF_ERROR(shard_->GetTable(request.table, &table));
+  if (request.dim != table->dim() || request.slot_floats != table->slot_floats()) {
+    return InvalidArgument(
+        "table '" + request.table + "' has dim " + std::to_string(table->dim()) + " and " +
+        std::to_string(table->slot_floats()) + " slot floats per row; the primary sent dim " +
+        std::to_string(request.dim) + " and " + std::to_string(request.slot_floats));
+  }
+  DLT_RETURN_IF_ERROR(shard_->CheckOwnership(request.ids, request.rows));
+  if (request.rows) {
+    DLT_RETURN_IF_ERROR(table
+                            ->Import(request.ids, request.values,
+                                     request.slot_floats ? request.slots : nullptr, request.steps,
+                                     request.rows, request.touched,
+                                     /*to_disk=*/true)
+                            .WithContext("table '" + request.table + "'"));
+  }
+  if (request.removed) table->Erase(request.removed_ids, request.removed);
+  table->SetPushClock(static_cast<uint32_t>(request.push_clock));
+  *rows = request.rows;
+  return OkStatus();
 }
 
 }  // namespace dlt

@@ -18,6 +18,15 @@
 
 namespace dlt {
 
+// Told of every write a primary applied (docs/replication.md): Written
+// returns once the write's standby holds it (sync replication), or at once
+// (async). An error means the write is applied here but not acknowledged.
+class WriteListener {
+ public:
+  virtual ~WriteListener() = default;
+  virtual Status Written() = 0;
+};
+
 class RequestHandler {
  public:
   RequestHandler(std::shared_ptr<Shard> shard, std::string auth_token, uint32_t max_frame_bytes,
@@ -28,6 +37,15 @@ class RequestHandler {
   // assignments, and a pull never creates a row (absent ids read zeros).
   void set_read_only(bool read_only) { read_only_.store(read_only); }
   uint32_t max_frame_bytes() const { return max_frame_bytes_; }
+  // A standby (docs/replication.md) takes StandbyTable and Replicate frames
+  // from its primary and answers trainers' requests UNAVAILABLE (they go to
+  // the primary); any other shard refuses those frames.
+  void set_standby(bool standby) { standby_.store(standby); }
+  bool standby() const { return standby_.load(); }
+  // Called after each push or assignment is applied; null: none.
+  void set_write_listener(std::shared_ptr<WriteListener> listener) {
+    std::atomic_store(&listener_, std::move(listener));
+  }
 
   // Checks a frame header before its payload is read. Before the Hello only
   // a Hello of at most a Hello's size passes, so nothing larger is ever
@@ -50,11 +68,17 @@ class RequestHandler {
   size_t ErrorReply(uint64_t request_id, const Status& status, net::Buffer* reply);
 
  private:
+  // With a write listener: waits for it after a write was applied.
+  Status AwaitStandby();
+  // A standby's StandbyTable or Replicate frame.
+  Status ApplyFromPrimary(const wire::FrameHeader& header, const uint8_t* payload, uint32_t* rows);
   std::shared_ptr<Shard> shard_;
   const std::string auth_token_;
   const uint32_t max_frame_bytes_;
   std::atomic<uint32_t> admin_port_{0};
   std::atomic<bool> read_only_{false};
+  std::atomic<bool> standby_{false};
+  std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;
 };
 

@@ -25,6 +25,16 @@ void Append(std::string* out, T value) {
   out->append(reinterpret_cast<const char*>(&value), sizeof(T));
 }
 
+// u32 `word`, u32 the text's length, the text: a Hello request's and a
+// StandbyTable's layout.
+std::string WordAndText(uint32_t word, const std::string& text) {
+  std::string out;
+  Append<uint32_t>(&out, word);
+  Append<uint32_t>(&out, static_cast<uint32_t>(text.size()));
+  out.append(text);
+  return out;
+}
+
 std::string TablePrefix(const std::string& table, uint32_t dim, uint32_t num_ids, uint8_t mode,
                         float lr) {
   std::string out;
@@ -131,11 +141,7 @@ Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes, FrameHeader* 
 }
 
 std::string EncodeHelloRequest(const HelloRequest& r) {
-  std::string out;
-  Append<uint32_t>(&out, r.protocol_version);
-  Append<uint32_t>(&out, static_cast<uint32_t>(r.token.size()));
-  out.append(r.token);
-  return out;
+  return WordAndText(r.protocol_version, r.token);
 }
 
 Status DecodeHelloRequest(const uint8_t* p, size_t bytes, HelloRequest* r) {
@@ -205,6 +211,99 @@ Status DecodeAssignRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
   uint32_t reserved;
   std::memcpy(&reserved, p + 12, sizeof(reserved));
   if (reserved != 0) return InvalidArgument("Assign reserved word must be 0");
+  return OkStatus();
+}
+
+std::string EncodeStandbyTable(const StandbyTableRequest& r) {
+  return WordAndText(r.action, r.config);
+}
+
+Status DecodeStandbyTable(const uint8_t* p, size_t bytes, StandbyTableRequest* r) {
+  if (bytes < 8) return InvalidArgument("StandbyTable payload is shorter than 8 bytes");
+  r->action = Get<uint32_t>(p, 0);
+  if (r->action != kMakeTable && r->action != kDropTable) {
+    return InvalidArgument("StandbyTable action must be 0 or 1, got " + std::to_string(r->action));
+  }
+  if (uint64_t{8} + Get<uint32_t>(p, 4) != bytes) {
+    return InvalidArgument("StandbyTable config length does not match its payload");
+  }
+  r->config.assign(reinterpret_cast<const char*>(p) + 8, bytes - 8);
+  return OkStatus();
+}
+
+uint64_t ReplicateBytes(size_t name_bytes, uint64_t dim, uint64_t rows, uint64_t removed,
+                        uint64_t slot_floats) {
+  return kTableRequestFixed + PaddedNameBytes(name_bytes) + 16 + 8 * (rows + removed) +
+         rows * (8 + 4 * (dim + slot_floats));
+}
+
+void EncodeReplicate(const ReplicateRequest& r, uint8_t* out) {
+  const std::string prefix = TablePrefix(r.table, r.dim, r.rows, 0, 0.0f);
+  std::memcpy(out, prefix.data(), prefix.size());
+  size_t at = prefix.size();
+  Put<uint32_t>(out, at, r.removed);
+  Put<uint32_t>(out, at + 4, r.slot_floats);
+  Put<uint64_t>(out, at + 8, r.push_clock);
+  at += 16;
+  const auto put = [&](const void* data, size_t bytes) {
+    if (bytes) std::memcpy(out + at, data, bytes);
+    at += bytes;
+  };
+  put(r.ids, size_t{8} * r.rows);
+  put(r.removed_ids, size_t{8} * r.removed);
+  put(r.steps, size_t{4} * r.rows);
+  put(r.touched, size_t{4} * r.rows);
+  put(r.values, size_t{4} * r.rows * r.dim);
+  put(r.slots, size_t{4} * r.rows * r.slot_floats);
+}
+
+Status DecodeReplicate(const uint8_t* p, size_t bytes, ReplicateRequest* r) {
+  if (bytes < kTableRequestFixed + 16) {
+    return InvalidArgument("Replicate payload of " + std::to_string(bytes) + " bytes is too short");
+  }
+  r->dim = Get<uint32_t>(p, 0);
+  r->rows = Get<uint32_t>(p, 4);
+  const uint16_t name_bytes = Get<uint16_t>(p, 8);
+  if (Get<uint16_t>(p, 10) != 0 || Get<uint32_t>(p, 12) != 0) {
+    return InvalidArgument("Replicate reserved fields must be 0");
+  }
+  if (r->dim > kMaxDim) {
+    return InvalidArgument("Replicate dim " + std::to_string(r->dim) + " exceeds the maximum of " +
+                           std::to_string(kMaxDim));
+  }
+  const size_t name_end = kTableRequestFixed + PaddedNameBytes(name_bytes);
+  if (name_end + 16 > bytes) return InvalidArgument("Replicate payload ends inside its header");
+  r->removed = Get<uint32_t>(p, name_end);
+  r->slot_floats = Get<uint32_t>(p, name_end + 4);
+  r->push_clock = Get<uint64_t>(p, name_end + 8);
+  if (r->slot_floats > 2 * kMaxDim) {
+    return InvalidArgument("Replicate slot floats " + std::to_string(r->slot_floats) +
+                           " exceed two per value");
+  }
+  // All counts are 32-bit and dim is bounded: the sum cannot wrap in 64 bits.
+  if (ReplicateBytes(name_bytes, r->dim, r->rows, r->removed, r->slot_floats) != bytes) {
+    return InvalidArgument(
+        "Replicate payload is " + std::to_string(bytes) + " bytes, but its header (" +
+        std::to_string(r->rows) + " rows, " + std::to_string(r->removed) + " removed, dim " +
+        std::to_string(r->dim) + ", " + std::to_string(r->slot_floats) + " slot floats) implies " +
+        std::to_string(ReplicateBytes(name_bytes, r->dim, r->rows, r->removed, r->slot_floats)));
+  }
+  r->table.assign(reinterpret_cast<const char*>(p) + kTableRequestFixed, name_bytes);
+  for (size_t i = kTableRequestFixed + name_bytes; i < name_end; ++i) {
+    if (p[i] != 0) return InvalidArgument("Replicate table name padding must be 0");
+  }
+  size_t at = name_end + 16;
+  r->ids = reinterpret_cast<const int64_t*>(p + at);
+  at += size_t{8} * r->rows;
+  r->removed_ids = reinterpret_cast<const int64_t*>(p + at);
+  at += size_t{8} * r->removed;
+  r->steps = reinterpret_cast<const uint32_t*>(p + at);
+  at += size_t{4} * r->rows;
+  r->touched = reinterpret_cast<const uint32_t*>(p + at);
+  at += size_t{4} * r->rows;
+  r->values = reinterpret_cast<const float*>(p + at);
+  at += size_t{4} * r->rows * r->dim;
+  r->slots = reinterpret_cast<const float*>(p + at);
   return OkStatus();
 }
 

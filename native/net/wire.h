@@ -41,6 +41,10 @@ enum class Opcode : uint8_t {
   kPull = 2,
   kPush = 3,
   kAssign = 4,
+  // Primary to standby (docs/replication.md): a table's configuration, and
+  // rows and removals of one table.
+  kStandbyTable = 5,
+  kReplicate = 6,
   kError = 15,
 };
 
@@ -99,6 +103,43 @@ Status DecodePushRequest(const uint8_t* payload, size_t bytes, TableRequest* req
 // then points at the row values.
 std::string EncodeAssignPrefix(const std::string& table, uint32_t dim, uint32_t num_ids);
 Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
+
+// StandbyTable: u32 action (kMakeTable: make the table afresh, empty,
+// replacing one of its name; kDropTable), u32 config bytes, then the config
+// as EncodeTableConfig's text. Answered with a Push reply (0 rows).
+inline constexpr uint32_t kMakeTable = 0;
+inline constexpr uint32_t kDropTable = 1;
+struct StandbyTableRequest {
+  uint32_t action = kMakeTable;
+  std::string config;  // EncodeTableConfig; for kDropTable only the name matters
+};
+std::string EncodeStandbyTable(const StandbyTableRequest& request);
+Status DecodeStandbyTable(const uint8_t* payload, size_t bytes, StandbyTableRequest* request);
+
+// Replicate: the table prefix (as Push's; the word after the name's length
+// reserved, 0) with `rows`, then u32 removed, u32 slot_floats, u64 the
+// table's push clock, then ids [rows] i64, removed ids [removed] i64, steps
+// [rows] u32, touched stamps [rows] u32, values [rows, dim] f32, slots
+// [rows, slot_floats] f32. The standby writes the rows as they are (values,
+// slots, step, stamp), removes the removed ids and takes the clock.
+// Answered with a Push reply (rows written).
+struct ReplicateRequest {
+  std::string table;
+  uint32_t dim = 0, rows = 0, removed = 0, slot_floats = 0;
+  uint64_t push_clock = 0;
+  const int64_t* ids = nullptr;
+  const int64_t* removed_ids = nullptr;
+  const uint32_t* steps = nullptr;
+  const uint32_t* touched = nullptr;
+  const float* values = nullptr;
+  const float* slots = nullptr;
+};
+// Payload bytes of a Replicate request.
+uint64_t ReplicateBytes(size_t name_bytes, uint64_t dim, uint64_t rows, uint64_t removed,
+                        uint64_t slot_floats);
+// Writes the payload into `out` (ReplicateBytes long).
+void EncodeReplicate(const ReplicateRequest& request, uint8_t* out);
+Status DecodeReplicate(const uint8_t* payload, size_t bytes, ReplicateRequest* request);
 
 // Pull reply: u32 dim, u32 rows, then rows * dim float32.
 void EncodePullReplyPrefix(uint32_t dim, uint32_t rows, uint8_t* out);

@@ -113,7 +113,7 @@ DLT_TEST(TestBucketRanges) {
 DLT_TEST(TestFramesGolden) {
   std::map<std::string, std::string> golden;
   for (const auto& r : ReadRows("frames_golden.txt")) golden[r[0]] = r[1];
-  EXPECT(golden.size() == 9);
+  EXPECT(golden.size() == 10);
   wire::HelloRequest hello;
   hello.token = "secret";
   EXPECT(Hex(Frame(wire::Opcode::kHello, 0, 1, wire::EncodeHelloRequest(hello))) ==
@@ -148,6 +148,37 @@ DLT_TEST(TestFramesGolden) {
                    wire::EncodeAssignPrefix("emb", 2, 1) + Bytes(std::vector<int64_t>{5}) +
                        Bytes(std::vector<float>{1.5f, -2.0f}))) == golden["assign_request"]);
   EXPECT(Hex(Frame(wire::Opcode::kPush, 1, 3, wire::EncodePushReply(2))) == golden["push_reply"]);
+  {  // a primary's rows for its standby (docs/replication.md)
+    const int64_t row_ids[] = {5}, removed[] = {7};
+    const uint32_t steps[] = {3}, touched[] = {9};
+    const float values[] = {1.5f, -2.0f}, slots[] = {0.25f, 0.5f};
+    wire::ReplicateRequest r;
+    r.table = "emb";
+    r.dim = 2;
+    r.rows = 1;
+    r.removed = 1;
+    r.slot_floats = 2;
+    r.push_clock = 42;
+    r.ids = row_ids;
+    r.removed_ids = removed;
+    r.steps = steps;
+    r.touched = touched;
+    r.values = values;
+    r.slots = slots;
+    std::string payload(wire::ReplicateBytes(3, 2, 1, 1, 2), '\0');
+    wire::EncodeReplicate(r, reinterpret_cast<uint8_t*>(&payload[0]));
+    EXPECT(Hex(Frame(wire::Opcode::kReplicate, 0, 7, payload)) == golden["replicate_request"]);
+    wire::ReplicateRequest back;
+    EXPECT_OK(wire::DecodeReplicate(reinterpret_cast<const uint8_t*>(payload.data()),
+                                    payload.size(), &back));
+    EXPECT(back.table == "emb" && back.rows == 1 && back.removed == 1 && back.push_clock == 42);
+    EXPECT(back.ids[0] == 5 && back.removed_ids[0] == 7 && back.steps[0] == 3);
+    EXPECT(back.touched[0] == 9 && back.values[1] == -2.0f && back.slots[1] == 0.5f);
+    // Counts that do not match the payload are refused, never read past it.
+    EXPECT(wire::DecodeReplicate(reinterpret_cast<const uint8_t*>(payload.data()),
+                                 payload.size() - 4, &back)
+               .code() == Code::kInvalidArgument);
+  }
   EXPECT(Hex(Frame(wire::Opcode::kError, 1, 4,
                    wire::EncodeError(Code::kNotFound, "no table 'x'"))) == golden["error"]);
 

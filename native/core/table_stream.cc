@@ -1,0 +1,102 @@
+// A table's side of the row stream (docs/replication.md): the change log
+// that names every row written or removed, and reading rows as they are now.
+
+#include <algorithm>
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
+
+#include "native/core/table.h"
+#include "native/core/table_stripe.h"
+
+namespace dlt {
+
+void Table::StartChangeLog() {
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    stripes_[s].changes.clear();
+    stripes_[s].changes_overflowed = false;
+  }
+  // A write that takes a stripe's lock after this sees the flag: the lock
+  // orders it after the store.
+  change_log_.store(true);
+}
+
+void Table::StopChangeLog() {
+  change_log_.store(false);
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    std::vector<int64_t>().swap(stripes_[s].changes);
+    stripes_[s].changes_overflowed = false;
+  }
+}
+
+Status Table::TakeChanges(std::vector<int64_t>* ids) {
+  ids->clear();
+  bool overflowed = false;
+  thread_local std::vector<int64_t> taken;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    Stripe& stripe = stripes_[s];
+    taken.clear();
+    {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      taken.swap(stripe.changes);  // the stripe keeps the emptied buffer
+      overflowed |= stripe.changes_overflowed;
+      stripe.changes_overflowed = false;
+    }
+    ids->insert(ids->end(), taken.begin(), taken.end());
+  }
+  if (overflowed) {
+    ids->clear();
+    return FailedPrecondition("table '" + config_.name +
+                              "' changed more rows than its change log holds since it was last "
+                              "read: copy the table whole");
+  }
+  std::sort(ids->begin(), ids->end());
+  ids->erase(std::unique(ids->begin(), ids->end()), ids->end());
+  return OkStatus();
+}
+
+Status Table::ReadRows(const int64_t* ids, size_t n, const RowBuffers& out, size_t* rows,
+                       std::vector<int64_t>* absent) {
+  thread_local std::vector<uint64_t> hashes;
+  thread_local std::vector<uint32_t> order, starts;
+  GroupByStripe(ids, n, &hashes, &order, &starts);
+  absent->clear();
+  *rows = 0;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    if (starts[s] == starts[s + 1]) continue;
+    Stripe& stripe = stripes_[s];
+    // A cold read counts itself in the tier: readers of a tiered stripe
+    // hold it alone.
+    std::shared_lock<std::shared_mutex> shared;
+    std::unique_lock<std::shared_mutex> alone;
+    if (stripe.tier) {
+      alone = std::unique_lock<std::shared_mutex>(stripe.mu);
+    } else {
+      shared = std::shared_lock<std::shared_mutex>(stripe.mu);
+    }
+    for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
+      const uint32_t pos = order[k];
+      const uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
+      const char* r = nullptr;
+      if (rec != kEmpty) {
+        r = stripe.Record(rec, record_bytes_);
+      } else if (stripe.tier && stripe.tier->rows() != 0) {
+        char* cold = ScratchRecord();
+        uint32_t slot;
+        uint16_t generation;
+        DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &generation));
+        if (slot != TierFile::kNoSlot) r = cold;
+      }
+      if (r == nullptr) {
+        absent->push_back(ids[pos]);
+      } else {
+        CopyOut(r, ids[pos], BucketOfHash(hashes[pos]), out, (*rows)++);
+      }
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace dlt

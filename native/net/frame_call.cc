@@ -1,0 +1,40 @@
+#include "native/net/frame_call.h"
+
+#include <sys/uio.h>
+
+namespace dlt {
+namespace net {
+
+Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
+                 size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
+                 std::string* reply) {
+  uint8_t header[wire::kHeaderBytes];
+  wire::EncodeHeader({opcode, 0, request_id, static_cast<uint32_t>(payload_bytes)}, header);
+  struct iovec iov[2] = {{header, sizeof(header)}, {const_cast<void*>(payload), payload_bytes}};
+  const Status sent = SendAll(fd, iov, 2, deadline);
+  uint8_t reply_header[wire::kHeaderBytes];
+  const Status received = RecvAll(fd, reply_header, sizeof(reply_header), deadline);
+  if (!received.ok()) return sent.ok() ? received : sent;
+  wire::FrameHeader h;
+  DLT_RETURN_IF_ERROR(wire::DecodeHeader(reply_header, UINT32_MAX, &h));
+  // Read no more than the reply or an error can hold.
+  const size_t allowed = h.opcode == wire::Opcode::kError
+                             ? wire::kErrorFixed + wire::kMaxErrorMessageBytes
+                             : max_reply_bytes;
+  if (h.payload_bytes > allowed) {
+    return Internal("reply of " + std::to_string(h.payload_bytes) + " bytes exceeds " +
+                    std::to_string(allowed));
+  }
+  reply->assign(h.payload_bytes, '\0');
+  DLT_RETURN_IF_ERROR(RecvAll(fd, &(*reply)[0], reply->size(), deadline));
+  const auto* p = reinterpret_cast<const uint8_t*>(reply->data());
+  if (h.opcode == wire::Opcode::kError) return wire::DecodeError(p, reply->size());
+  if (h.opcode != opcode || !(h.flags & wire::kFlagResponse) || h.request_id != request_id) {
+    return Internal("expected the reply to request " + std::to_string(request_id) + " (opcode " +
+                    std::to_string(static_cast<int>(opcode)) + ")");
+  }
+  return sent;
+}
+
+}  // namespace net
+}  // namespace dlt

@@ -1,0 +1,29 @@
+// One request frame and its reply on a connection of its own, within a
+// deadline: the Hello that opens every client connection, and the frames a
+// primary sends its standby (docs/replication.md).
+#ifndef TF_DLT_NATIVE_NET_FRAME_CALL_H_
+#define TF_DLT_NATIVE_NET_FRAME_CALL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "native/core/status.h"
+#include "native/net/socket.h"
+#include "native/net/wire.h"
+
+namespace dlt {
+namespace net {
+
+// Sends one `opcode` frame of `payload` and receives its reply's payload
+// into *reply: an error reply becomes its Status; a reply of another opcode,
+// or one longer than `max_reply_bytes`, is INTERNAL. When sending fails the
+// peer may still have said why before closing: that error wins.
+Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
+                 size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
+                 std::string* reply);
+
+}  // namespace net
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_FRAME_CALL_H_

@@ -1,0 +1,314 @@
+#include "native/net/replicator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "native/core/routing.h"
+#include "native/core/table_config.h"
+#include "native/net/frame_call.h"
+#include "native/net/socket.h"
+#include "native/net/wire.h"
+
+namespace dlt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Rows a whole copy reads from the table per Exporter call.
+constexpr size_t kCopyRows = 16384;
+// Pause before connecting again after a failure.
+constexpr int kRetryMs = 100;
+
+}  // namespace
+
+Replicator::Replicator(std::shared_ptr<Shard> shard, std::string standby, ReplicatorOptions options)
+    : shard_(std::move(shard)), standby_(std::move(standby)), options_(std::move(options)) {
+  status_.standby = standby_;
+}
+
+Replicator::~Replicator() { Stop(); }
+
+void Replicator::Start() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (thread_.joinable() || stop_) return;
+  thread_ = std::thread([this] { Run(); });
+}
+
+void Replicator::Stop() {
+  std::thread thread;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    thread.swap(thread_);
+  }
+  cv_.notify_all();
+  if (thread.joinable()) thread.join();
+  Disconnect();
+}
+
+Status Replicator::Written() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!options_.sync) {
+    if (unsent_since_ == Clock::time_point{}) unsent_since_ = Clock::now();
+    return OkStatus();
+  }
+  if (stop_) return Unavailable("replication to standby " + standby_ + " stopped");
+  if (!status_.connected && status_.connects > 0) {  // known to be down
+    return Unavailable("standby " + standby_ + " is not connected: " + status_.error);
+  }
+  // The first round to begin after now reads this write.
+  const uint64_t need = begun_ + 1;
+  const uint64_t failures = connect_failures_;
+  wanted_ = true;
+  cv_.notify_all();
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
+  const bool done = cv_.wait_until(lock, deadline, [&] {
+    return applied_ >= need || failed_ >= need || stop_ || connect_failures_ != failures;
+  });
+  if (applied_ >= need) return OkStatus();
+  if (!done) {
+    return DeadlineExceeded("standby " + standby_ + " did not apply the write within " +
+                            std::to_string(options_.io_timeout_ms) + " ms");
+  }
+  return Unavailable("standby " + standby_ + " did not apply the write: " +
+                     (stop_ ? std::string("replication stopped") : status_.error));
+}
+
+ReplicationStatus Replicator::status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ReplicationStatus s = status_;
+  if (!options_.sync && unsent_since_ != Clock::time_point{}) {
+    s.lag_seconds = std::chrono::duration<double>(Clock::now() - unsent_since_).count();
+  }
+  return s;
+}
+
+void Replicator::Run() {
+  Clock::time_point next_round = Clock::now();
+  for (;;) {
+    uint64_t round = 0;
+    Clock::time_point oldest_unsent;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (fd_ < 0 && status_.connects > 0) {
+        // Reconnecting after a failure: not too often.
+        cv_.wait_for(lock, std::chrono::milliseconds(kRetryMs), [&] { return stop_; });
+      } else if (fd_ >= 0) {
+        cv_.wait_until(lock, next_round, [&] { return stop_ || (options_.sync && wanted_); });
+      }
+      if (stop_) return;
+      if (fd_ >= 0) {
+        round = ++begun_;
+        wanted_ = false;
+        oldest_unsent = unsent_since_;
+        unsent_since_ = Clock::time_point{};
+      }
+    }
+    if (fd_ < 0) {
+      const Status connected = Connect();
+      std::lock_guard<std::mutex> lock(mu_);
+      ++status_.connects;
+      status_.connected = connected.ok();
+      status_.caught_up = false;
+      if (!connected.ok()) {
+        status_.error = connected.message();
+        ++connect_failures_;
+        cv_.notify_all();  // waiting writes fail now
+      }
+      continue;
+    }
+    next_round = Clock::now() + std::chrono::milliseconds(options_.interval_ms);
+    const Status s = Round();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (s.ok()) {
+      applied_ = round;
+      ++status_.rounds;
+      status_.caught_up = true;
+      status_.error.clear();
+    } else {
+      failed_ = round;
+      status_.connected = false;
+      status_.caught_up = false;
+      status_.error = s.message();
+      // The writes of the failed round are still not on the standby.
+      if (oldest_unsent != Clock::time_point{} &&
+          (unsent_since_ == Clock::time_point{} || oldest_unsent < unsent_since_)) {
+        unsent_since_ = oldest_unsent;
+      }
+      Disconnect();
+    }
+    cv_.notify_all();
+  }
+}
+
+Status Replicator::Connect() {
+  Disconnect();
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  int fd = -1;
+  DLT_RETURN_IF_ERROR(net::Connect(standby_, deadline, &fd));
+  fd_ = fd;
+  wire::HelloRequest hello;
+  hello.token = options_.auth_token;
+  const std::string payload = wire::EncodeHelloRequest(hello);
+  std::string body;
+  Status s = net::CallFrame(fd_, wire::Opcode::kHello, next_request_id_++, payload.data(),
+                            payload.size(), wire::kHelloReplyBytes, deadline, &body);
+  wire::HelloReply reply;
+  if (s.ok())
+    s = wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &reply);
+  if (s.ok() && (reply.shard_index != shard_->shard_index() ||
+                 reply.num_shards != shard_->num_shards() || reply.num_buckets != kNumBuckets)) {
+    s = FailedPrecondition(
+        "standby " + standby_ + " is shard " + std::to_string(reply.shard_index) + " of " +
+        std::to_string(reply.num_shards) + "; this primary is shard " +
+        std::to_string(shard_->shard_index()) + " of " + std::to_string(shard_->num_shards()));
+  }
+  if (!s.ok()) {
+    Disconnect();
+    return s.WithContext("connecting to standby " + standby_);
+  }
+  standby_frame_bytes_ = reply.max_frame_bytes;
+  // The standby's tables are not known: every table is copied whole.
+  mirrored_.clear();
+  return OkStatus();
+}
+
+void Replicator::Disconnect() {
+  if (fd_ >= 0) net::CloseFd(fd_);
+  fd_ = -1;
+}
+
+Status Replicator::Round() {
+  const std::vector<std::shared_ptr<Table>> tables = shard_->Tables();
+  // Tables dropped here are dropped there.
+  for (auto it = mirrored_.begin(); it != mirrored_.end();) {
+    const bool kept = std::any_of(tables.begin(), tables.end(),
+                                  [&](const auto& t) { return t->config().name == it->first; });
+    if (kept) {
+      ++it;
+      continue;
+    }
+    DLT_RETURN_IF_ERROR(SendTable(wire::kDropTable, it->second->config()));
+    it->second->StopChangeLog();
+    it = mirrored_.erase(it);
+  }
+  std::vector<int64_t> ids;
+  for (const std::shared_ptr<Table>& table : tables) {
+    const auto it = mirrored_.find(table->config().name);
+    if (it == mirrored_.end() || it->second != table) {
+      if (it != mirrored_.end()) it->second->StopChangeLog();  // replaced here (a load)
+      DLT_RETURN_IF_ERROR(CopyWhole(table));
+      continue;
+    }
+    const Status taken = table->TakeChanges(&ids);
+    if (!taken.ok()) {  // the log overflowed: copy it whole
+      DLT_RETURN_IF_ERROR(CopyWhole(table));
+      continue;
+    }
+    DLT_RETURN_IF_ERROR(SendChanges(table.get(), ids));
+  }
+  return OkStatus();
+}
+
+Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
+  mirrored_.erase(table->config().name);
+  // Logging starts before the copy reads anything: a write the copy misses
+  // is in the next round.
+  table->StartChangeLog();
+  DLT_RETURN_IF_ERROR(SendTable(wire::kMakeTable, table->config()));
+  const size_t batch = std::min(kCopyRows, RowsPerFrame(*table));
+  const RowBuffers out = RowsFor(*table, batch);
+  Table::Exporter exporter(table.get());
+  for (;;) {
+    const size_t n = exporter.Next(batch, out);
+    if (n == 0) break;
+    DLT_RETURN_IF_ERROR(SendRows(table.get(), out, n, nullptr, 0));
+  }
+  DLT_RETURN_IF_ERROR(exporter.error());
+  // The clock too, when there were no rows to carry it.
+  DLT_RETURN_IF_ERROR(SendRows(table.get(), out, 0, nullptr, 0));
+  mirrored_[table->config().name] = table;
+  std::lock_guard<std::mutex> lock(mu_);
+  ++status_.tables_copied;
+  return OkStatus();
+}
+
+Status Replicator::SendChanges(Table* table, const std::vector<int64_t>& ids) {
+  const size_t per_frame = RowsPerFrame(*table);
+  const RowBuffers out = RowsFor(*table, std::min(per_frame, ids.size()));
+  for (size_t first = 0; first < ids.size(); first += per_frame) {
+    const size_t n = std::min(per_frame, ids.size() - first);
+    size_t rows = 0;
+    DLT_RETURN_IF_ERROR(table->ReadRows(ids.data() + first, n, out, &rows, &scratch_.absent));
+    DLT_RETURN_IF_ERROR(SendRows(table, out, rows, scratch_.absent.data(), scratch_.absent.size()));
+  }
+  return OkStatus();
+}
+
+RowBuffers Replicator::RowsFor(const Table& table, size_t rows) {
+  scratch_.ids.resize(rows);
+  scratch_.values.resize(rows * table.dim());
+  scratch_.slots.resize(rows * table.slot_floats());
+  scratch_.steps.resize(rows);
+  scratch_.touched.resize(rows);
+  scratch_.buckets.resize(rows);
+  return RowBuffers{scratch_.ids.data(),   scratch_.values.data(),  scratch_.slots.data(),
+                    scratch_.steps.data(), scratch_.buckets.data(), scratch_.touched.data()};
+}
+
+size_t Replicator::RowsPerFrame(const Table& table) const {
+  uint64_t limit = options_.frame_bytes;
+  if (standby_frame_bytes_) limit = std::min<uint64_t>(limit, standby_frame_bytes_);
+  const uint64_t fixed =
+      wire::ReplicateBytes(table.config().name.size(), table.dim(), 0, 0, table.slot_floats());
+  // A changed row costs at most a row or a removal, whichever is larger.
+  const uint64_t row = wire::ReplicateBytes(0, table.dim(), 1, 0, table.slot_floats()) -
+                       wire::ReplicateBytes(0, table.dim(), 0, 0, table.slot_floats());
+  return limit > fixed + row ? static_cast<size_t>((limit - fixed) / row) : 1;
+}
+
+Status Replicator::SendTable(uint32_t action, const TableConfig& config) {
+  wire::StandbyTableRequest request;
+  request.action = action;
+  request.config = EncodeTableConfig(config);
+  const std::string payload = wire::EncodeStandbyTable(request);
+  return Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size());
+}
+
+Status Replicator::SendRows(Table* table, const RowBuffers& rows, size_t n, const int64_t* removed,
+                            size_t num_removed) {
+  wire::ReplicateRequest r;
+  r.table = table->config().name;
+  r.dim = table->dim();
+  r.slot_floats = table->slot_floats();
+  r.rows = static_cast<uint32_t>(n);
+  r.removed = static_cast<uint32_t>(num_removed);
+  r.push_clock = table->pushes();
+  r.ids = rows.ids;
+  r.removed_ids = removed;
+  r.steps = rows.steps;
+  r.touched = rows.touched;
+  r.values = rows.values;
+  r.slots = rows.slots;
+  frame_.resize(wire::ReplicateBytes(r.table.size(), r.dim, r.rows, r.removed, r.slot_floats));
+  wire::EncodeReplicate(r, reinterpret_cast<uint8_t*>(frame_.data()));
+  DLT_RETURN_IF_ERROR(
+      Call(static_cast<uint8_t>(wire::Opcode::kReplicate), frame_.data(), frame_.size()));
+  std::lock_guard<std::mutex> lock(mu_);
+  status_.rows_sent += n;
+  status_.removals_sent += num_removed;
+  return OkStatus();
+}
+
+Status Replicator::Call(uint8_t opcode, const void* payload, size_t bytes) {
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
+  std::string reply;
+  return net::CallFrame(fd_, static_cast<wire::Opcode>(opcode), next_request_id_++, payload, bytes,
+                        wire::kPushReplyBytes, deadline, &reply)
+      .WithContext("standby " + standby_);
+}
+
+}  // namespace dlt

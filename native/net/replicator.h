@@ -1,0 +1,133 @@
+// A primary's side of the row stream (docs/replication.md): keeps one
+// standby shard holding every table of this shard. On connecting it makes
+// each table afresh on the standby and copies it whole; afterwards, in
+// rounds, it sends the rows each table's change log names as they are then
+// (a removed row as a removal). A round's rows are read after every write
+// acknowledged before the round began, so a write waiting in Written()
+// (sync replication) returns once the standby applied a round that holds it.
+// A table replaced here (a load) or whose log overflowed is copied whole
+// again; a lost connection is re-made and everything copied again.
+#ifndef TF_DLT_NATIVE_NET_REPLICATOR_H_
+#define TF_DLT_NATIVE_NET_REPLICATOR_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "native/core/shard.h"
+#include "native/core/status.h"
+#include "native/net/request_handler.h"
+
+namespace dlt {
+
+struct ReplicatorOptions {
+  std::string auth_token;  // the standby's
+  // Sync: a write is acknowledged once its standby applied it; async: at
+  // once, and the standby lags by up to a round.
+  bool sync = true;
+  int connect_timeout_ms = 5000;
+  // Bound of one frame's exchange with the standby, and of a write's wait.
+  int io_timeout_ms = 30000;
+  // Rounds run at least this often (rows a pull made, expiry) and, in async
+  // mode, this often at most.
+  int interval_ms = 10;
+  // Largest Replicate payload (capped by the standby's maximum frame).
+  uint32_t frame_bytes = 8u << 20;
+};
+
+struct ReplicationStatus {
+  std::string standby;
+  bool connected = false;
+  // Every table was copied whole since the connection was made.
+  bool caught_up = false;
+  uint64_t rounds = 0;         // rounds the standby acknowledged
+  uint64_t rows_sent = 0;      // rows of rounds and whole copies
+  uint64_t removals_sent = 0;  // removed ids
+  uint64_t tables_copied = 0;  // whole copies made
+  uint64_t connects = 0;       // connections made
+  // Seconds since the oldest write not yet on the standby was
+  // acknowledged here (0 when the standby holds every acknowledged write).
+  double lag_seconds = 0;
+  std::string error;  // the last failure ("" once a round succeeded since)
+};
+
+class Replicator : public WriteListener {
+ public:
+  Replicator(std::shared_ptr<Shard> shard, std::string standby, ReplicatorOptions options);
+  ~Replicator() override;
+  Replicator(const Replicator&) = delete;
+  Replicator& operator=(const Replicator&) = delete;
+
+  void Start();
+  // Stops the rounds; writes waiting in Written() fail. Idempotent.
+  void Stop();
+  // Sync: returns once a round that began after this call is applied on
+  // the standby (the first round after connecting copies every table
+  // whole); UNAVAILABLE when the standby is known to be down, or the round
+  // or the connection fails; DEADLINE_EXCEEDED past io_timeout. Async: OK
+  // at once.
+  Status Written() override;
+  ReplicationStatus status() const;
+
+ private:
+  void Run();
+  // Connects and says Hello (the standby must be this shard's index of
+  // the same count).
+  Status Connect();
+  void Disconnect();
+  // One round over every table.
+  Status Round();
+  // Makes `table` afresh on the standby and sends all its rows.
+  Status CopyWhole(const std::shared_ptr<Table>& table);
+  // Sends the rows of `ids` as they are now, and the absent ones as removals.
+  Status SendChanges(Table* table, const std::vector<int64_t>& ids);
+  Status SendTable(uint32_t action, const TableConfig& config);
+  Status SendRows(Table* table, const RowBuffers& rows, size_t n, const int64_t* removed,
+                  size_t num_removed);
+  // The replicating thread's buffers for `rows` rows of `table`.
+  RowBuffers RowsFor(const Table& table, size_t rows);
+  // Rows per Replicate frame of `table`.
+  size_t RowsPerFrame(const Table& table) const;
+  Status Call(uint8_t opcode, const void* payload, size_t bytes);
+
+  const std::shared_ptr<Shard> shard_;
+  const std::string standby_;
+  const ReplicatorOptions options_;
+
+  // The replicating thread's own state.
+  int fd_ = -1;
+  uint32_t standby_frame_bytes_ = 0;
+  uint64_t next_request_id_ = 1;
+  // The tables the standby holds as this thread made them there.
+  std::map<std::string, std::shared_ptr<Table>> mirrored_;
+  std::vector<char> frame_;
+  struct Scratch {
+    std::vector<int64_t> ids, absent;
+    std::vector<float> values, slots;
+    std::vector<uint32_t> steps, touched, buckets;
+  };
+  Scratch scratch_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;        // rounds began or ended; a write waits
+  std::thread thread_;                // guarded by mu_
+  bool stop_ = false;                 // guarded by mu_
+  bool wanted_ = false;               // a write waits for a round; guarded by mu_
+  uint64_t begun_ = 0, applied_ = 0;  // rounds; guarded by mu_
+  uint64_t failed_ = 0;               // the last round that failed; guarded by mu_
+  uint64_t connect_failures_ = 0;     // guarded by mu_
+  // When the oldest write acknowledged but not on the standby was
+  // acknowledged (async); guarded by mu_.
+  std::chrono::steady_clock::time_point unsent_since_{};
+  ReplicationStatus status_;  // guarded by mu_
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_NET_REPLICATOR_H_

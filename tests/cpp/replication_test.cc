@@ -1,0 +1,315 @@
+// The row stream (docs/replication.md): a table's change log, and a primary
+// shard keeping a standby shard equal to it over real sockets on loopback,
+// while trainers push from several threads.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "native/core/shard.h"
+#include "native/core/table.h"
+#include "native/net/client.h"
+#include "native/net/data_server.h"
+#include "native/net/replicator.h"
+#include "tests/cpp/harness.h"
+
+namespace dlt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+TableConfig AdagradConfig(const std::string& name, uint32_t dim) {
+  TableConfig c;
+  c.name = name;
+  c.dim = dim;
+  c.seed = 7;
+  c.initializer.kind = InitializerKind::kUniform;
+  c.optimizer.kind = OptimizerKind::kAdagrad;
+  return c;
+}
+
+std::string Address(const DataServer& server) {
+  return "127.0.0.1:" + std::to_string(server.port());
+}
+
+// Every row of a table (both tiers), sorted by id, as bytes: values,
+// slots, step and stamp.
+struct Rows {
+  std::vector<int64_t> ids;
+  std::vector<float> values, slots;
+  std::vector<uint32_t> steps, touched;
+};
+
+Rows AllRows(Table* table) {
+  Rows all;
+  const size_t dim = table->dim(), slot_floats = table->slot_floats();
+  constexpr size_t kBatch = 4096;
+  std::vector<int64_t> ids(kBatch);
+  std::vector<float> values(kBatch * dim), slots(kBatch * slot_floats + 1);
+  std::vector<uint32_t> steps(kBatch), touched(kBatch), buckets(kBatch);
+  RowBuffers out{ids.data(),   values.data(),  slots.data(),
+                 steps.data(), buckets.data(), touched.data()};
+  Table::Exporter exporter(table);
+  for (;;) {
+    const size_t n = exporter.Next(kBatch, out);
+    if (n == 0) break;
+    all.ids.insert(all.ids.end(), ids.begin(), ids.begin() + n);
+    all.values.insert(all.values.end(), values.begin(), values.begin() + n * dim);
+    all.slots.insert(all.slots.end(), slots.begin(), slots.begin() + n * slot_floats);
+    all.steps.insert(all.steps.end(), steps.begin(), steps.begin() + n);
+    all.touched.insert(all.touched.end(), touched.begin(), touched.begin() + n);
+  }
+  EXPECT_OK(exporter.error());
+  return all;
+}
+
+bool SameRows(Table* a, Table* b) {
+  const Rows x = AllRows(a), y = AllRows(b);
+  return x.ids == y.ids && x.steps == y.steps && x.touched == y.touched &&
+         x.values.size() == y.values.size() && x.slots.size() == y.slots.size() &&
+         std::memcmp(x.values.data(), y.values.data(), x.values.size() * sizeof(float)) == 0 &&
+         std::memcmp(x.slots.data(), y.slots.data(), x.slots.size() * sizeof(float)) == 0;
+}
+
+std::shared_ptr<Table> TableOf(const Shard& shard, const std::string& name) {
+  std::shared_ptr<Table> table;
+  return shard.GetTable(name, &table).ok() ? table : nullptr;
+}
+
+// Polls `done` every few milliseconds for at most 20 s.
+template <typename Fn>
+bool Eventually(Fn done) {
+  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(20);
+  while (!done()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+DLT_TEST(TestChangeLogNamesEveryRowWrittenOrRemoved) {
+  TableConfig config = AdagradConfig("emb", 4);
+  Table table(config);
+  const std::vector<float> grads(4 * 4, 0.5f);
+  const int64_t before[] = {100};
+  EXPECT_OK(table.Push(before, grads.data(), 1, 0.1f));  // not logged: no log yet
+  std::vector<int64_t> ids;
+  EXPECT_OK(table.TakeChanges(&ids));
+  EXPECT(ids.empty());
+
+  table.StartChangeLog();
+  const int64_t pushed[] = {3, 1, 3, 2};
+  EXPECT_OK(table.Push(pushed, grads.data(), 4, 0.1f));
+  const int64_t assigned[] = {4};
+  EXPECT_OK(table.Assign(assigned, grads.data(), 1));
+  const int64_t imported[] = {5};
+  EXPECT_OK(table.Import(imported, grads.data(), nullptr, nullptr, 1));
+  std::vector<float> out(4);
+  const int64_t pulled[] = {6, 100};  // 6 is made (admitted on sight); 100 only read
+  out.resize(8);
+  EXPECT_OK(table.Pull(pulled, 2, PullMode::kInsert, out.data()));
+  const int64_t erased[] = {2, 77};
+  EXPECT(table.Erase(erased, 2) == 1);
+  EXPECT_OK(table.TakeChanges(&ids));
+  EXPECT((ids == std::vector<int64_t>{1, 2, 3, 4, 5, 6, 77}));
+  EXPECT_OK(table.TakeChanges(&ids));
+  EXPECT(ids.empty());
+
+  // Rows as they are now: present ones copied, absent ones named.
+  const int64_t wanted[] = {3, 2, 100, 9};
+  std::vector<int64_t> row_ids(4);
+  std::vector<float> values(16), slots(16);
+  std::vector<uint32_t> steps(4), touched(4);
+  RowBuffers rows{row_ids.data(), values.data(), slots.data(),
+                  steps.data(),   nullptr,       touched.data()};
+  size_t n = 0;
+  std::vector<int64_t> absent;
+  EXPECT_OK(table.ReadRows(wanted, 4, rows, &n, &absent));
+  EXPECT(n == 2);
+  std::sort(absent.begin(), absent.end());
+  EXPECT((absent == std::vector<int64_t>{2, 9}));
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<float> expected(4);
+    EXPECT_OK(table.Pull(&row_ids[i], 1, PullMode::kZerosNoInsert, expected.data()));
+    EXPECT(std::memcmp(expected.data(), &values[i * 4], 16) == 0);
+    EXPECT(steps[i] == 1u);  // one push each (3's repeats summed in it)
+  }
+
+  // More changes than the log holds: the consumer is told to copy whole.
+  const int64_t one[] = {1};
+  for (int i = 0; i < 70000; ++i) EXPECT_OK(table.Push(one, grads.data(), 1, 0.0f));
+  const Status overflowed = table.TakeChanges(&ids);
+  EXPECT(overflowed.code() == Code::kFailedPrecondition);
+  EXPECT(ids.empty());
+  EXPECT_OK(table.Push(one, grads.data(), 1, 0.0f));  // the log runs on, emptied
+  EXPECT_OK(table.TakeChanges(&ids));
+  EXPECT((ids == std::vector<int64_t>{1}));
+  table.StopChangeLog();
+  EXPECT_OK(table.Push(one, grads.data(), 1, 0.0f));
+  EXPECT_OK(table.TakeChanges(&ids));
+  EXPECT(ids.empty());
+}
+
+// A primary and its standby, each a shard behind a data server on loopback.
+struct Pair {
+  std::shared_ptr<Shard> primary = std::make_shared<Shard>(0, 1);
+  std::shared_ptr<Shard> standby = std::make_shared<Shard>(0, 1);
+  std::unique_ptr<DataServer> primary_server, standby_server;
+  std::shared_ptr<Replicator> replicator;
+
+  explicit Pair(bool sync = true) {
+    DataServerOptions options;
+    options.worker_threads = 4;
+    primary_server = std::make_unique<DataServer>(primary, options);
+    standby_server = std::make_unique<DataServer>(standby, options);
+    standby_server->set_standby(true);
+    EXPECT_OK(primary_server->Start());
+    EXPECT_OK(standby_server->Start());
+    ReplicatorOptions r;
+    r.sync = sync;
+    r.io_timeout_ms = 10000;
+    r.frame_bytes = 64 << 10;  // several frames per round and per copy
+    replicator = std::make_shared<Replicator>(primary, Address(*standby_server), r);
+  }
+  // Starts replicating; writes wait for the standby from then on.
+  void Replicate() {
+    primary_server->set_write_listener(replicator);
+    replicator->Start();
+  }
+  ~Pair() {
+    primary_server->set_write_listener(nullptr);
+    replicator->Stop();
+    primary_server->Stop();
+    standby_server->Stop();
+  }
+};
+
+// Pushes from `threads` clients to `address` until `stop`, counting the
+// pushes acknowledged and the ones that failed.
+void PushUntil(const std::string& address, const std::string& table, uint32_t dim, int thread_index,
+               const std::atomic<bool>* stop, std::atomic<int>* acked, std::atomic<int>* failed) {
+  Client client({address}, ClientOptions{});
+  std::mt19937_64 rng(thread_index);
+  std::vector<int64_t> ids(256);
+  std::vector<float> grads(ids.size() * dim);
+  while (!stop->load()) {
+    for (auto& id : ids) id = static_cast<int64_t>(rng() % 5000);  // repeats within and across
+    for (auto& g : grads) g = static_cast<float>(static_cast<int>(rng() % 200) - 100) / 100.0f;
+    if (client.Push(table, dim, ids.data(), grads.data(), ids.size(), 0.05f).ok()) {
+      acked->fetch_add(1);
+    } else {
+      failed->fetch_add(1);
+    }
+  }
+}
+
+DLT_TEST(TestSyncStandbyHoldsEveryAcknowledgedPush) {
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  // Rows from before the standby joined come with the whole copy.
+  std::vector<int64_t> early(3000);
+  for (size_t i = 0; i < early.size(); ++i) early[i] = static_cast<int64_t>(i) * 3;
+  std::vector<float> early_grads(early.size() * 8, 0.25f);
+  EXPECT_OK(
+      TableOf(*pair.primary, "emb")->Push(early.data(), early_grads.data(), early.size(), 0.1f));
+  std::atomic<bool> stop{false};
+  std::atomic<int> acked{0}, failed{0};
+  std::vector<std::thread> trainers;
+  // Training runs while the standby joins and catches up.
+  for (int t = 0; t < 3; ++t) {
+    trainers.emplace_back(PushUntil, Address(*pair.primary_server), "emb", 8, t, &stop, &acked,
+                          &failed);
+  }
+  EXPECT(Eventually([&] { return acked.load() >= 20; }));
+  pair.Replicate();
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  const int at_catch_up = acked.load();
+  EXPECT(Eventually([&] { return acked.load() >= at_catch_up + 100; }));
+  stop = true;
+  for (auto& t : trainers) t.join();
+  EXPECT(failed.load() == 0);
+  // Every acknowledged push is on the standby already: no wait here.
+  EXPECT(SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get()));
+  EXPECT(TableOf(*pair.standby, "emb")->pushes() == TableOf(*pair.primary, "emb")->pushes());
+
+  // A table made later, and one dropped, follow.
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("late", 4), &created));
+  Client client({Address(*pair.primary_server)}, ClientOptions{});
+  const int64_t ids[] = {1, 2, 3};
+  const float grads[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  EXPECT_OK(client.Push("late", 4, ids, grads, 3, 0.1f));
+  EXPECT(TableOf(*pair.standby, "late") != nullptr);
+  EXPECT(SameRows(TableOf(*pair.primary, "late").get(), TableOf(*pair.standby, "late").get()));
+  EXPECT_OK(pair.primary->DropTable("late"));
+  EXPECT(Eventually([&] { return TableOf(*pair.standby, "late") == nullptr; }));
+
+  // Removals reach the standby as removals.
+  const int64_t gone[] = {0, 3, 6};
+  EXPECT(TableOf(*pair.primary, "emb")->Erase(gone, 3) == 3);
+  EXPECT(Eventually([&] {
+    return SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get());
+  }));
+
+  // A table replaced on the primary (a load) is copied whole again.
+  auto replaced = pair.primary->NewTable(AdagradConfig("emb", 8));
+  EXPECT_OK(replaced->Push(ids, early_grads.data(), 3, 0.3f));
+  pair.primary->InstallTables({replaced});
+  EXPECT_OK(client.Push("emb", 8, ids, early_grads.data(), 3, 0.1f));
+  EXPECT(TableOf(*pair.standby, "emb")->size() == 3);
+  EXPECT(SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get()));
+
+  // Trainers cannot use the standby; the primary takes no replication frames.
+  Client at_standby({Address(*pair.standby_server)}, ClientOptions{});
+  std::vector<float> out(3 * 8);
+  const Status refused = at_standby.Pull("emb", 8, ids, 3, PullMode::kInsert, out.data());
+  EXPECT(refused.code() == Code::kUnavailable);
+  EXPECT(refused.message().find("standby") != std::string::npos);
+}
+
+DLT_TEST(TestSyncPrimaryRefusesToAcknowledgeWithoutItsStandby) {
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  pair.Replicate();
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  Client client({Address(*pair.primary_server)}, ClientOptions{});
+  const int64_t ids[] = {1, 2};
+  const float grads[8] = {1, 1, 1, 1, 2, 2, 2, 2};
+  EXPECT_OK(client.Push("emb", 4, ids, grads, 2, 0.1f));
+  pair.standby_server->Stop();  // the standby is gone
+  EXPECT(Eventually([&] {
+    const Status s = client.Push("emb", 4, ids, grads, 2, 0.1f);
+    return s.code() == Code::kUnavailable && s.message().find("in doubt") != std::string::npos;
+  }));
+  EXPECT(!pair.replicator->status().connected);
+  EXPECT(!pair.replicator->status().error.empty());
+}
+
+DLT_TEST(TestAsyncStandbyConvergesAndReportsItsLag) {
+  Pair pair(/*sync=*/false);
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  pair.Replicate();
+  std::atomic<bool> stop{false};
+  std::atomic<int> acked{0}, failed{0};
+  std::thread trainer(PushUntil, Address(*pair.primary_server), "emb", 8, 1, &stop, &acked,
+                      &failed);
+  EXPECT(Eventually([&] { return acked.load() >= 200; }));
+  stop = true;
+  trainer.join();
+  EXPECT(failed.load() == 0);
+  EXPECT(Eventually([&] {
+    return pair.replicator->status().lag_seconds == 0 &&
+           SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get());
+  }));
+  EXPECT(pair.replicator->status().rows_sent > 0);
+}
+
+}  // namespace
+}  // namespace dlt
