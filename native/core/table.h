@@ -180,9 +180,10 @@ class Table {
   void StopChangeLog();
   bool change_log_running() const { return change_log_.load(std::memory_order_relaxed); }
   // Moves the ids logged since the last call into *ids, sorted and unique.
-  // FAILED_PRECONDITION when a stripe's log outgrew its cap meanwhile (more
-  // changes than rows): the ids are incomplete, and the consumer must copy
-  // the table whole again; the log runs on, emptied.
+  // FAILED_PRECONDITION when a stripe's log outgrew its cap meanwhile (65,536
+  // ids plus a quarter of its rows; it then logs nothing more): the ids are
+  // incomplete, and the consumer must copy the table whole again; the log
+  // runs on, emptied.
   Status TakeChanges(std::vector<int64_t>* ids);
   // The rows of `ids` as they are now, wherever they are: the present ones
   // into rows 0..*rows-1 of `out` (grouped by stripe; `out.buckets` may be

@@ -80,7 +80,8 @@ inline uint32_t AgeAt(uint32_t now, uint32_t touched) {
 // full) rather than grow without bound.
 constexpr size_t kLogSlack = 4096;
 // A stripe's change log (Table::TakeChanges) may hold this many ids plus
-// one per row; past that the consumer takes the table whole again.
+// one per four rows (2 bytes a row at most); past that the consumer takes
+// the table whole again.
 constexpr size_t kChangeLogSlack = size_t{1} << 16;
 
 // Allocator of the index: blocks of 2 MiB and more come from mmap with
@@ -302,7 +303,7 @@ struct Table::Stripe {
 inline void Table::NoteChange(Stripe* stripe, int64_t id) {
   if (!change_log_.load(std::memory_order_relaxed) || stripe->changes_overflowed) return;
   const size_t rows = stripe->live + (stripe->tier ? stripe->tier->rows() : 0);
-  if (stripe->changes.size() >= kChangeLogSlack + rows) {
+  if (stripe->changes.size() >= kChangeLogSlack + rows / 4) {
     stripe->changes_overflowed = true;
     std::vector<int64_t>().swap(stripe->changes);
     return;

@@ -25,9 +25,17 @@ using net::Clock;
 
 Client::Client(std::vector<std::string> addresses, ClientOptions options)
     : options_(std::move(options)) {
-  for (std::string& a : addresses) {
+  for (const std::string& a : addresses) {
     shards_.push_back(std::make_unique<ShardState>());
-    shards_.back()->address = std::move(a);
+    ShardState& st = *shards_.back();
+    for (size_t from = 0;;) {
+      const size_t bar = a.find('|', from);
+      st.addresses.push_back(a.substr(from, bar == std::string::npos ? bar : bar - from));
+      if (bar == std::string::npos) break;
+      from = bar + 1;
+    }
+    st.address = st.addresses.front();
+    has_standbys_ |= st.addresses.size() > 1;
   }
 }
 
@@ -38,6 +46,7 @@ Client::~Client() {
 }
 
 std::string Client::Context(size_t shard, const char* op) const {
+  std::lock_guard<std::mutex> lock(shards_[shard]->mu);
   return "shard " + std::to_string(shard) + " (" + shards_[shard]->address + ") " + op;
 }
 
@@ -242,12 +251,13 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
       // A pooled connection that died while idle: once more at once.
       stale_retried = true;
     } else {
-      // A shard restarting or a dropped connection: pause, doubling.
-      if (retries >= options_.pull_retries) break;
+      // A shard restarting or a dropped connection: pause, doubling. With
+      // standbys listed, until the deadline: a standby is taking over.
+      if (retries >= options_.pull_retries && !has_standbys_) break;
       const auto wake = std::chrono::steady_clock::now() + std::chrono::milliseconds(backoff_ms);
       if (wake >= deadline) break;
       std::this_thread::sleep_until(wake);
-      backoff_ms *= 2;
+      backoff_ms = has_standbys_ ? std::min(2 * backoff_ms, kFailoverBackoffMs) : 2 * backoff_ms;
       ++retries;
     }
     s = PullOnce(table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);

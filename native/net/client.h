@@ -44,6 +44,11 @@ struct ClientOptions {
   // was lost).
   int pull_retries = 3;
   int retry_backoff_ms = 50;
+  // A shard's address may list its standbys after its primary, "a|b"
+  // (docs/replication.md): a connection goes to the first of them that
+  // greets a trainer (a standby does once it took over), and pulls to such
+  // shards are retried until the request deadline, pausing at most
+  // kFailoverBackoffMs.
   // Threads (the calling one included) that exchange a large call's parts
   // with the shards at once, each on a connection of its own: a shard's part
   // of at least 2 MiB is split over several; a smaller part of 4,096 rows or
@@ -52,6 +57,8 @@ struct ClientOptions {
   // else 1; 1: everything on the calling thread, one connection per shard.
   int exchange_threads = 0;
 };
+
+inline constexpr int kFailoverBackoffMs = 200;
 
 struct ShardInfo {
   std::string address;
@@ -117,7 +124,10 @@ class Client {
   // greeted; a Hello refused with RESOURCE_EXHAUSTED is retried with backoff
   // within the connect timeout).
   Status Acquire(size_t shard, Conn* conn);
+  // Connects to the shard's current address, else to its others in order
+  // (those that are down or standbys answer UNAVAILABLE).
   Status Connect(size_t shard, int* fd);
+  Status ConnectTo(size_t shard, const std::string& address, int* fd);
   void Release(size_t shard, Conn conn);
   Status Hello(size_t shard, int fd);
   uint32_t FrameLimit(size_t shard);
@@ -157,6 +167,7 @@ class Client {
 
   const ClientOptions options_;
   std::vector<std::unique_ptr<ShardState>> shards_;
+  bool has_standbys_ = false;  // some shard lists standbys
   std::atomic<uint64_t> next_request_id_{1};
 };
 

@@ -16,8 +16,10 @@
 namespace dlt {
 
 struct Client::ShardState {
-  std::string address;
+  // The shard's primary, then its standbys (an address "a|b|c").
+  std::vector<std::string> addresses;
   std::mutex mu;
+  std::string address;     // the one last connected to (first: the primary); guarded by mu
   std::vector<Conn> idle;  // guarded by mu
   bool greeted = false;    // guarded by mu
   ShardInfo info;          // guarded by mu

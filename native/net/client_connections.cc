@@ -102,12 +102,33 @@ Status Client::Acquire(size_t shard, Conn* conn) {
 }
 
 Status Client::Connect(size_t shard, int* out_fd) {
+  ShardState& st = *shards_[shard];
+  std::string current;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    current = st.address;
+  }
+  Status s = ConnectTo(shard, current, out_fd);
+  for (const std::string& other : st.addresses) {
+    if (s.ok() || s.code() != Code::kUnavailable) break;
+    if (other == current) continue;
+    s = ConnectTo(shard, other, out_fd);
+    if (s.ok()) {
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.address = other;
+      st.info.address = other;
+    }
+  }
+  return s;
+}
+
+Status Client::ConnectTo(size_t shard, const std::string& address, int* out_fd) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   int backoff_ms = options_.retry_backoff_ms;
   for (;;) {
     int fd = -1;
-    Status s = net::Connect(shards_[shard]->address, deadline, &fd);
+    Status s = net::Connect(address, deadline, &fd);
     if (!s.ok()) {
       if (s.code() == Code::kDeadlineExceeded || s.code() == Code::kInvalidArgument) {
         // A shard that cannot be reached in time is unavailable, not slow.

@@ -82,6 +82,8 @@ class DataServer {
   void set_read_only(bool read_only) { handler_.set_read_only(read_only); }
   // Replication (docs/replication.md): see RequestHandler.
   void set_standby(bool standby) { handler_.set_standby(standby); }
+  bool standby() const { return handler_.standby(); }
+  bool standby_caught_up() const { return handler_.standby_caught_up(); }
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     handler_.set_write_listener(std::move(listener));
   }

@@ -7,9 +7,9 @@ namespace net {
 
 Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
                  size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
-                 std::string* reply) {
+                 std::string* reply, uint16_t flags) {
   uint8_t header[wire::kHeaderBytes];
-  wire::EncodeHeader({opcode, 0, request_id, static_cast<uint32_t>(payload_bytes)}, header);
+  wire::EncodeHeader({opcode, flags, request_id, static_cast<uint32_t>(payload_bytes)}, header);
   struct iovec iov[2] = {{header, sizeof(header)}, {const_cast<void*>(payload), payload_bytes}};
   const Status sent = SendAll(fd, iov, 2, deadline);
   uint8_t reply_header[wire::kHeaderBytes];

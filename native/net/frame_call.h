@@ -19,9 +19,10 @@ namespace net {
 // into *reply: an error reply becomes its Status; a reply of another opcode,
 // or one longer than `max_reply_bytes`, is INTERNAL. When sending fails the
 // peer may still have said why before closing: that error wins.
+// `flags` go in the request's header.
 Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
                  size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
-                 std::string* reply);
+                 std::string* reply, uint16_t flags = 0);
 
 }  // namespace net
 }  // namespace dlt

@@ -44,6 +44,8 @@ void Replicator::Stop() {
   cv_.notify_all();
   if (thread.joinable()) thread.join();
   Disconnect();
+  for (auto& [name, table] : mirrored_) table->StopChangeLog();  // nobody reads them now
+  mirrored_.clear();
 }
 
 Status Replicator::Written() {
@@ -153,8 +155,9 @@ Status Replicator::Connect() {
   hello.token = options_.auth_token;
   const std::string payload = wire::EncodeHelloRequest(hello);
   std::string body;
-  Status s = net::CallFrame(fd_, wire::Opcode::kHello, next_request_id_++, payload.data(),
-                            payload.size(), wire::kHelloReplyBytes, deadline, &body);
+  Status s =
+      net::CallFrame(fd_, wire::Opcode::kHello, next_request_id_++, payload.data(), payload.size(),
+                     wire::kHelloReplyBytes, deadline, &body, wire::kFlagReplica);
   wire::HelloReply reply;
   if (s.ok())
     s = wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &reply);
@@ -172,6 +175,7 @@ Status Replicator::Connect() {
   standby_frame_bytes_ = reply.max_frame_bytes;
   // The standby's tables are not known: every table is copied whole.
   mirrored_.clear();
+  marked_ = false;
   return OkStatus();
 }
 
@@ -195,19 +199,30 @@ Status Replicator::Round() {
     it = mirrored_.erase(it);
   }
   std::vector<int64_t> ids;
+  bool copied = !marked_;
   for (const std::shared_ptr<Table>& table : tables) {
     const auto it = mirrored_.find(table->config().name);
     if (it == mirrored_.end() || it->second != table) {
       if (it != mirrored_.end()) it->second->StopChangeLog();  // replaced here (a load)
       DLT_RETURN_IF_ERROR(CopyWhole(table));
+      copied = true;
       continue;
     }
     const Status taken = table->TakeChanges(&ids);
     if (!taken.ok()) {  // the log overflowed: copy it whole
       DLT_RETURN_IF_ERROR(CopyWhole(table));
+      copied = true;
       continue;
     }
     DLT_RETURN_IF_ERROR(SendChanges(table.get(), ids));
+  }
+  if (copied) {  // the standby holds every table again: it may take over
+    wire::StandbyTableRequest request;
+    request.action = wire::kCaughtUp;
+    const std::string payload = wire::EncodeStandbyTable(request);
+    DLT_RETURN_IF_ERROR(
+        Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size()));
+    marked_ = true;
   }
   return OkStatus();
 }

@@ -106,6 +106,7 @@ class Replicator : public WriteListener {
   uint64_t next_request_id_ = 1;
   // The tables the standby holds as this thread made them there.
   std::map<std::string, std::shared_ptr<Table>> mirrored_;
+  bool marked_ = false;  // the standby was told it caught up since connecting
   std::vector<char> frame_;
   struct Scratch {
     std::vector<int64_t> ids, absent;

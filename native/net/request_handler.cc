@@ -110,6 +110,16 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
     if (!auth_token_.empty() && !ConstantTimeEquals(hello.token, auth_token_)) {
       return fail(Unauthenticated("wrong or missing auth token"), true);
     }
+    const bool replica = header.flags & wire::kFlagReplica;
+    if (replica != standby_.load()) {
+      // A standby serves its primary only; only a standby takes a primary.
+      return fail(replica ? FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
+                                               " here is not a standby (it serves trainers)")
+                          : Unavailable("shard " + std::to_string(shard_->shard_index()) +
+                                        " here is a standby (it follows its primary): connect "
+                                        "to the primary"),
+                  true);
+    }
     *authenticated = true;
     counters_->hellos.fetch_add(1);
     wire::HelloReply out;
@@ -232,6 +242,10 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
   if (header.opcode == wire::Opcode::kStandbyTable) {
     wire::StandbyTableRequest request;
     DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(payload, header.payload_bytes, &request));
+    if (request.action == wire::kCaughtUp) {
+      caught_up_.store(true);
+      return OkStatus();
+    }
     TableConfig config;
     DLT_RETURN_IF_ERROR(DecodeTableConfig(request.config, &config));
     if (request.action == wire::kDropTable) {
@@ -239,6 +253,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
       return dropped.code() == Code::kNotFound ? OkStatus() : dropped;
     }
     DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
+    caught_up_.store(false);  // until this table is copied whole
     shard_->InstallTables({shard_->NewTable(config)});
     return OkStatus();
   }

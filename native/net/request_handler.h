@@ -42,6 +42,10 @@ class RequestHandler {
   // the primary); any other shard refuses those frames.
   void set_standby(bool standby) { standby_.store(standby); }
   bool standby() const { return standby_.load(); }
+  // A standby holds every table its primary had at some moment: the
+  // primary said so after its copies; false again while a table is copied
+  // afresh. Only such a standby may take over.
+  bool standby_caught_up() const { return caught_up_.load(); }
   // Called after each push or assignment is applied; null: none.
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     std::atomic_store(&listener_, std::move(listener));
@@ -78,6 +82,7 @@ class RequestHandler {
   std::atomic<uint32_t> admin_port_{0};
   std::atomic<bool> read_only_{false};
   std::atomic<bool> standby_{false};
+  std::atomic<bool> caught_up_{false};
   std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;
 };

@@ -130,7 +130,9 @@ Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes, FrameHeader* 
     return InvalidArgument("unsupported protocol version " + std::to_string(Get<uint8_t>(in, 4)) +
                            "; this peer speaks version " + std::to_string(kVersion));
   }
-  if (Get<uint32_t>(in, 20) != 0 || (h->flags & ~kFlagResponse) != 0) {
+  const uint16_t allowed =
+      h->opcode == Opcode::kHello ? (kFlagResponse | kFlagReplica) : kFlagResponse;
+  if (Get<uint32_t>(in, 20) != 0 || (h->flags & ~allowed) != 0) {
     return InvalidArgument("frame header reserved bits must be 0");
   }
   if (h->payload_bytes > max_payload_bytes) {
@@ -221,8 +223,9 @@ std::string EncodeStandbyTable(const StandbyTableRequest& r) {
 Status DecodeStandbyTable(const uint8_t* p, size_t bytes, StandbyTableRequest* r) {
   if (bytes < 8) return InvalidArgument("StandbyTable payload is shorter than 8 bytes");
   r->action = Get<uint32_t>(p, 0);
-  if (r->action != kMakeTable && r->action != kDropTable) {
-    return InvalidArgument("StandbyTable action must be 0 or 1, got " + std::to_string(r->action));
+  if (r->action > kCaughtUp) {
+    return InvalidArgument("StandbyTable action must be 0, 1 or 2, got " +
+                           std::to_string(r->action));
   }
   if (uint64_t{8} + Get<uint32_t>(p, 4) != bytes) {
     return InvalidArgument("StandbyTable config length does not match its payload");

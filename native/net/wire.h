@@ -21,6 +21,9 @@ inline constexpr uint32_t kMagic = 0x50544c44;  // bytes "DLTP"
 inline constexpr uint8_t kVersion = 1;
 inline constexpr size_t kHeaderBytes = 24;
 inline constexpr uint16_t kFlagResponse = 0x1;
+// On a Hello request: the connection is a primary's, replicating to its
+// standby (docs/replication.md). A standby greets only such connections.
+inline constexpr uint16_t kFlagReplica = 0x2;
 inline constexpr uint32_t kDefaultMaxFrameBytes = 64u << 20;
 inline constexpr uint32_t kMinMaxFrameBytes = 4096;
 inline constexpr uint32_t kMaxTokenBytes = 4096;
@@ -105,10 +108,13 @@ std::string EncodeAssignPrefix(const std::string& table, uint32_t dim, uint32_t 
 Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
 
 // StandbyTable: u32 action (kMakeTable: make the table afresh, empty,
-// replacing one of its name; kDropTable), u32 config bytes, then the config
-// as EncodeTableConfig's text. Answered with a Push reply (0 rows).
+// replacing one of its name; kDropTable; kCaughtUp: every table made since
+// the last kMakeTable is copied whole, no config), u32 config bytes, then
+// the config as EncodeTableConfig's text. Answered with a Push reply (0
+// rows).
 inline constexpr uint32_t kMakeTable = 0;
 inline constexpr uint32_t kDropTable = 1;
+inline constexpr uint32_t kCaughtUp = 2;
 struct StandbyTableRequest {
   uint32_t action = kMakeTable;
   std::string config;  // EncodeTableConfig; for kDropTable only the name matters

@@ -1,5 +1,6 @@
 // Bindings of the data plane: the DataServer a shard serves on and the
 // Client that pulls, pushes and assigns rows over TCP.
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -7,6 +8,9 @@
 #include "native/core/shard.h"
 #include "native/net/client.h"
 #include "native/net/data_server.h"
+#include "native/net/frame_call.h"
+#include "native/net/replicator.h"
+#include "native/net/socket.h"
 #include "native/python/bindings.h"
 
 namespace dlt {
@@ -41,12 +45,90 @@ void BindNet(py::module_& m) {
            py::arg("idle_timeout_ms") = 600000, py::arg("max_buffered_bytes") = uint64_t{1} << 30)
       .def("start", [](DataServer& s) { Check(s.Start()); })
       .def("set_read_only", &DataServer::set_read_only)
+      .def("set_standby", &DataServer::set_standby)
+      .def_property_readonly("standby", &DataServer::standby)
+      .def_property_readonly("standby_caught_up", &DataServer::standby_caught_up)
+      .def(
+          "set_replicator",
+          [](DataServer& s, std::shared_ptr<Replicator> replicator) {
+            s.set_write_listener(std::move(replicator));
+          },
+          py::arg("replicator").none(true))
       .def_property_readonly("port", &DataServer::port)
       .def_property_readonly("max_connections", &DataServer::max_connections)
       .def_property_readonly("worker_threads", &DataServer::worker_threads)
       .def("set_admin_port", &DataServer::set_admin_port)
       .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
       .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });
+
+  m.def(
+      "hello",
+      [](const std::string& address, const std::string& auth_token, int timeout_ms) {
+        wire::HelloReply reply;
+        Status s;
+        {
+          py::gil_scoped_release release;
+          const auto deadline = net::Clock::now() + std::chrono::milliseconds(timeout_ms);
+          int fd = -1;
+          s = net::Connect(address, deadline, &fd);
+          if (s.ok()) {
+            wire::HelloRequest hello;
+            hello.token = auth_token;
+            const std::string payload = wire::EncodeHelloRequest(hello);
+            std::string body;
+            s = net::CallFrame(fd, wire::Opcode::kHello, 0, payload.data(), payload.size(),
+                               wire::kHelloReplyBytes, deadline, &body);
+            if (s.ok()) {
+              s = wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(body.data()), body.size(),
+                                         &reply);
+            }
+            net::CloseFd(fd);
+          }
+        }
+        Check(s.WithContext(address + " Hello"));
+        py::dict d;
+        d["shard_index"] = reply.shard_index;
+        d["num_shards"] = reply.num_shards;
+        d["admin_port"] = reply.admin_port;
+        d["max_frame_bytes"] = reply.max_frame_bytes;
+        return d;
+      },
+      py::arg("address"), py::arg("auth_token") = "", py::arg("timeout_ms") = 5000,
+      "One Hello to one shard server, whichever shard it is: what it said.");
+
+  py::class_<Replicator, std::shared_ptr<Replicator>>(m, "Replicator")
+      .def(py::init([](std::shared_ptr<Shard> shard, const std::string& standby,
+                       const std::string& auth_token, bool sync, int io_timeout_ms,
+                       int interval_ms) {
+             if (io_timeout_ms <= 0 || interval_ms <= 0) {
+               Raise(InvalidArgument("io_timeout_ms and interval_ms must be positive"));
+             }
+             ReplicatorOptions o;
+             o.auth_token = auth_token;
+             o.sync = sync;
+             o.io_timeout_ms = io_timeout_ms;
+             o.interval_ms = interval_ms;
+             return std::make_shared<Replicator>(std::move(shard), standby, o);
+           }),
+           py::arg("shard"), py::arg("standby"), py::arg("auth_token") = "", py::arg("sync") = true,
+           py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10)
+      .def("start", &Replicator::Start)
+      .def("stop", &Replicator::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("status", [](const Replicator& r) {
+        const ReplicationStatus s = r.status();
+        py::dict d;
+        d["standby"] = s.standby;
+        d["connected"] = s.connected;
+        d["caught_up"] = s.caught_up;
+        d["rounds"] = s.rounds;
+        d["rows_sent"] = s.rows_sent;
+        d["removals_sent"] = s.removals_sent;
+        d["tables_copied"] = s.tables_copied;
+        d["connects"] = s.connects;
+        d["lag_seconds"] = s.lag_seconds;
+        d["error"] = s.error;
+        return d;
+      });
 
   py::class_<Client>(m, "Client")
       .def(py::init([](std::vector<std::string> addresses, const std::string& auth_token,

@@ -227,8 +227,10 @@ DLT_TEST(TestSyncStandbyHoldsEveryAcknowledgedPush) {
                           &failed);
   }
   EXPECT(Eventually([&] { return acked.load() >= 20; }));
+  EXPECT(!pair.standby_server->standby_caught_up());
   pair.Replicate();
   EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  EXPECT(pair.standby_server->standby_caught_up());  // told so on the stream
   const int at_catch_up = acked.load();
   EXPECT(Eventually([&] { return acked.load() >= at_catch_up + 100; }));
   stop = true;
@@ -309,6 +311,53 @@ DLT_TEST(TestAsyncStandbyConvergesAndReportsItsLag) {
            SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get());
   }));
   EXPECT(pair.replicator->status().rows_sent > 0);
+}
+
+DLT_TEST(TestClientsFollowAStandbyThatTookOver) {
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  pair.Replicate();
+  Client client({Address(*pair.primary_server) + "|" + Address(*pair.standby_server)},
+                ClientOptions{});
+  const int64_t ids[] = {1, 2, 3};
+  const float grads[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  EXPECT_OK(client.Push("emb", 4, ids, grads, 3, 0.1f));
+  std::vector<float> before(12), after(12);
+  EXPECT_OK(client.Pull("emb", 4, ids, 3, PullMode::kInsert, before.data()));
+
+  // The primary dies; the standby takes over a little later (as its
+  // server does once the primary stays unreachable).
+  pair.primary_server->set_write_listener(nullptr);
+  pair.replicator->Stop();
+  pair.primary_server->Stop();
+  std::thread take_over([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    pair.standby_server->set_standby(false);
+  });
+  // A pull meanwhile waits for it, and reads what the primary acknowledged.
+  const Status pulled = client.Pull("emb", 4, ids, 3, PullMode::kInsert, after.data());
+  take_over.join();
+  EXPECT_OK(pulled);
+  EXPECT(std::memcmp(before.data(), after.data(), sizeof(float) * 12) == 0);
+  EXPECT_OK(client.Push("emb", 4, ids, grads, 3, 0.1f));
+  EXPECT(TableOf(*pair.standby, "emb")->pushes() == 2);
+
+  // A standby greets no trainer; a shard that is not a standby greets no
+  // primary.
+  Pair other;
+  Client at_standby({Address(*other.standby_server)}, ClientOptions{});
+  std::vector<ShardInfo> infos;
+  const Status refused = at_standby.GetShardInfos(&infos);
+  EXPECT(refused.code() == Code::kUnavailable);
+  EXPECT(refused.message().find("standby") != std::string::npos);
+  ReplicatorOptions r;
+  Replicator wrong(other.primary, Address(*other.primary_server), r);  // not a standby
+  wrong.Start();
+  EXPECT(Eventually([&] { return wrong.status().connects > 0; }));
+  EXPECT(!wrong.status().connected);
+  EXPECT(wrong.status().error.find("not a standby") != std::string::npos);
+  wrong.Stop();
 }
 
 }  // namespace
