@@ -35,6 +35,8 @@ CASES = (
          full=("--threads", "1,2", "--exchange-threads", "1,2"),
          quick=("--ids", "4096", "--dim", "16", "--calls", "3", "--threads", "1",
                 "--rows", "20000")),
+    Case("bench_failover", "hot standbys: a trainer's longest pull across kill -9 of a primary",
+         quick=("--kills", "1", "--ids", "256")),
     Case("bench_connections", "one shard serving many connections",
          quick=("--connections", "8", "--seconds", "0.5")),
     Case("bench_keras", "model.fit examples/s: tf_dlt vs keras.layers.Embedding",

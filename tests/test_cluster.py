@@ -22,6 +22,12 @@ def test_reads_shards_workers_and_task() -> None:
     assert parse(spec.to_env()) == spec
 
 
+def test_a_shard_may_list_its_standbys() -> None:
+    config = {"cluster": {"ps": ["ps-0:7000|ps-0b:7000", "ps-1:7000"], "worker": ["t:1"]}}
+    spec = tf_dlt.cluster_from_env({"TF_CONFIG": json.dumps(config)})
+    assert spec.pservers == ["ps-0:7000|ps-0b:7000", "ps-1:7000"]
+
+
 def test_without_tf_config_a_single_embedded_chief() -> None:
     for env in ({}, {"TF_CONFIG": "  "}):
         spec = tf_dlt.cluster_from_env(env)
@@ -43,6 +49,7 @@ def test_ps_task_is_not_a_chief() -> None:
         ('{"cluster": {"evaluatorz": []}}', "unknown jobs \\['evaluatorz'\\]"),
         ('{"cluster": {"ps": "a:1"}}', 'job "ps" must be a list of "host:port"'),
         ('{"cluster": {"ps": ["no-port"]}}', 'job "ps" must be a list of "host:port"'),
+        ('{"cluster": {"ps": ["a:1|b"]}}', 'job "ps" must be a list of "host:port"'),
         ('{"cluster": {"chief": ["c:1"]}}', "worker 0 is the chief"),
         ('{"task": {"type": "boss"}}', "task type must be one of"),
         ('{"task": {"index": "1"}}', "task index must be an int"),

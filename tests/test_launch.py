@@ -5,6 +5,7 @@ of 1 trainer on all of it (examples/ctr_multi_trainer.py)."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import signal
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tf_dlt.tools.launch import Launch
 
 pytestmark = pytest.mark.cluster
 
@@ -120,3 +123,52 @@ def test_bad_arguments_are_refused() -> None:
 @pytest.mark.parametrize("bad", ["--pservers=x"])
 def test_usage_errors(bad: str) -> None:
     assert _launch(bad, "--", "true").returncode == 2
+
+
+FAILOVER = """
+import json, os, socket, time
+import numpy as np
+import tf_dlt
+ps = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"]
+client = tf_dlt.Client(ps)
+client.create_table("emb", 4, optimizer="adagrad")
+ids = np.arange(1000)
+for _ in range(5):
+    client.push("emb", ids, np.ones((1000, 4), np.float32), 0.1)
+before = client.pull("emb", ids)
+print("READY", flush=True)
+host, port = ps[1].split("|")[0].rsplit(":", 1)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:  # until the launcher killed shard 1's primary
+    with socket.socket() as s:
+        if s.connect_ex((host, int(port))) != 0:
+            break
+    time.sleep(0.05)
+same = bool(np.array_equal(client.pull("emb", ids), before))
+client.push("emb", ids, np.ones((1000, 4), np.float32), 0.1)
+print("RESULT " + json.dumps({"same": same}), flush=True)
+"""
+
+
+class _KillOnReady(io.StringIO):
+    """Launch output that kills shard 1's primary when the trainer is ready."""
+
+    launch: Launch | None = None
+
+    def write(self, text: str) -> int:
+        if "[worker-0] READY" in text and self.launch and self.launch.cluster:
+            self.launch.cluster.kill(1)
+        return super().write(text)
+
+
+def test_replicas_survive_a_killed_primary() -> None:
+    out = _KillOnReady()
+    launch = Launch(2, 1, [sys.executable, "-c", FAILOVER], replicas=2, out=out)
+    out.launch = launch
+    code = launch.run()
+    text = out.getvalue()
+    assert code == 0, text[-4000:]
+    assert "each with 1 hot standby" in text
+    assert re.search(r"\[launch\] ps-1 exited with -9; ps-1-standby1 of shard 1 still runs", text)
+    assert re.search(r"\[ps-1-standby1\] .*taking over", text)
+    assert _results(text) == [{"same": True}]

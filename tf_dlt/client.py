@@ -51,7 +51,9 @@ class Client:
     """Client of the shard servers of one cluster.
 
     Args:
-        pservers: data-plane addresses ``host:port``, in shard-index order.
+        pservers: data-plane addresses ``host:port``, in shard-index order;
+            a shard's may list its hot standbys after its primary,
+            ``host:port|host:port`` (docs/replication.md).
         auth_token: token the shards require (empty: none).
         connect_timeout: seconds to connect and say Hello to a shard.
         request_timeout: deadline in seconds of one pull, push or admin call
@@ -109,16 +111,10 @@ class Client:
         if not self._stubs:
             from tf_dlt.proto import dlt_pb2_grpc
 
-            for address, info in zip(self.pservers, self.shard_infos(), strict=True):
-                host = address.rsplit(":", 1)[0]
-                channel = tls.channel(
-                    f"{host}:{info['admin_port']}",
-                    self._tls,
-                    options=[
-                        ("grpc.max_receive_message_length", 64 << 20),
-                        ("grpc.max_send_message_length", 64 << 20),
-                    ],
-                )
+            for info in self.shard_infos():
+                # The address answering (a shard may list standbys: "a|b").
+                host = info["address"].rsplit(":", 1)[0]
+                channel = self._channel(f"{host}:{info['admin_port']}")
                 self._channels.append(channel)
                 self._stubs.append(dlt_pb2_grpc.ShardAdminStub(channel))
         return self._stubs
@@ -151,11 +147,51 @@ class Client:
             try:
                 results.append(call.result())
             except grpc.RpcError as e:
+                if "|" in self.pservers[i] and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    # Its standby may have taken over: ask whoever greets now.
+                    try:
+                        results.append(
+                            getattr(self._reresolve(i), method)(
+                                request, timeout=deadline, metadata=metadata
+                            )
+                        )
+                        continue
+                    except (grpc.RpcError, errors.DltError):
+                        pass
                 error = grpc_util.error_from_rpc(e, f"shard {i} ({self.pservers[i]}) {method}")
                 if isinstance(error, errors.UnavailableError):
                     error = errors.UnavailableError(f"{error}{self._tls_hint()}")
                 results.append(error)
         return results
+
+    def _reresolve(self, shard: int) -> Any:
+        """A new admin stub of `shard`, at the first of its addresses (primary,
+        then standbys) that greets now (docs/replication.md)."""
+        from tf_dlt.proto import dlt_pb2_grpc
+
+        last: errors.DltError | None = None
+        for address in self.pservers[shard].split("|"):
+            try:
+                info = _native.hello(address, self._token, timeout_ms=1000)
+            except errors.DltError as e:
+                last = e
+                continue
+            channel = self._channel(f"{address.rsplit(':', 1)[0]}:{info['admin_port']}")
+            self._channels[shard].close()
+            self._channels[shard] = channel
+            self._stubs[shard] = dlt_pb2_grpc.ShardAdminStub(channel)
+            return self._stubs[shard]
+        raise last or errors.UnavailableError(f"shard {shard}: no address greets")
+
+    def _channel(self, address: str) -> grpc.Channel:
+        return tls.channel(
+            address,
+            self._tls,
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ],
+        )
 
     def _tls_hint(self) -> str:
         """Why a control plane may be unreachable when the data plane

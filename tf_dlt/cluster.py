@@ -5,7 +5,8 @@ so the same train.py runs alone, under `tf-dlt launch` and on Kubernetes.
                             "worker": ["trainer-0:0", "trainer-1:0"]},
                 "task": {"type": "worker", "index": 1}}'
 
-Job "ps" lists the shard servers' data-plane addresses in shard order; job
+Job "ps" lists the shard servers' data-plane addresses in shard order (a
+shard's hot standbys after its primary, "ps-0:7000|ps-0-standby:7000"); job
 "worker" lists the trainers (only their number and order matter: trainers
 listen on nothing). Worker 0 is the chief. Without TF_CONFIG a process is the
 only trainer of the embedded tables. A task without "index" takes it from
@@ -68,6 +69,11 @@ def _fail(problem: str) -> ValueError:
     return ValueError(f"{ENV}: {problem}")
 
 
+def _is_address(a: str) -> bool:
+    host, _, port = a.rpartition(":")
+    return bool(host) and port.isdigit()
+
+
 def parse(text: str, default_index: int = 0) -> ClusterSpec:
     """Parses a TF_CONFIG value; errors name the field that is wrong. A task
     without "index" gets `default_index`."""
@@ -87,10 +93,12 @@ def parse(text: str, default_index: int = 0) -> ClusterSpec:
     for job in _JOBS:
         entries = cluster.get(job, [])
         if not isinstance(entries, list) or not all(
-            isinstance(a, str) and a.rpartition(":")[0] and a.rpartition(":")[2].isdigit()
-            for a in entries
+            isinstance(a, str) and all(_is_address(part) for part in a.split("|")) for a in entries
         ):
-            raise _fail(f'job "{job}" must be a list of "host:port" strings, got {entries!r}')
+            raise _fail(
+                f'job "{job}" must be a list of "host:port" strings (a shard\'s standbys after '
+                f'its primary: "host:port|host:port"), got {entries!r}'
+            )
         jobs[job] = entries
     if "chief" in cluster:
         raise _fail('job "chief" is not used: worker 0 is the chief; list it under "worker"')

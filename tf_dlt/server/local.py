@@ -19,11 +19,15 @@ class LocalCluster:
     """`num_shards` shard servers (`python -m tf_dlt.server`) on 127.0.0.1.
 
     Args:
-        num_shards: processes to start, one per shard.
+        num_shards: shards to start.
         server_args: extra `tf-dlt server` flags for every shard.
         workdir: where port files and logs go (default: a temporary folder).
         env: extra environment variables of the processes.
         start_timeout: seconds each shard gets to start serving.
+        replicas: processes per shard: its primary, and replicas - 1 hot
+            standbys (`--standby-of`, docs/replication.md). Process p serves
+            shard p % num_shards (p < num_shards: the primaries); a shard's
+            address lists its primary, then its standbys ("a|b").
     """
 
     def __init__(
@@ -33,79 +37,97 @@ class LocalCluster:
         workdir: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
         start_timeout: float = 60.0,
+        replicas: int = 1,
     ) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.num_shards = num_shards
+        self.replicas = replicas
         self._args = list(server_args)
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tf_dlt-cluster-")
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self._env = {**os.environ, **(env or {})}
         self._timeout = start_timeout
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.addresses: list[str] = []
-        self.admin_ports: list[int] = []
+        self.addresses: list[str] = []  # per shard: "primary|standby|..."
+        self.process_addresses: list[str] = []  # per process
+        self.admin_ports: list[int] = []  # per process
         # Prometheus ports (0 where a shard serves no metrics: --metrics-port).
         self.metrics_ports: list[int] = []
         self._stopped = False
 
-    def log_path(self, shard: int) -> Path:
-        return self.workdir / f"shard{shard}.log"
+    def _name(self, process: int) -> str:
+        shard, replica = process % self.num_shards, process // self.num_shards
+        return f"shard{shard}" + (f".standby{replica}" if replica else "")
 
-    def log(self, shard: int) -> str:
-        return self.log_path(shard).read_text(errors="replace")
+    def log_path(self, process: int) -> Path:
+        return self.workdir / f"{self._name(process)}.log"
+
+    def log(self, process: int) -> str:
+        return self.log_path(process).read_text(errors="replace")
 
     def start(self) -> LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for i in range(self.num_shards):
-            self.processes.append(self._spawn(i))
         try:
-            for i in range(self.num_shards):
-                data, admin, metrics_port = self._wait_for_ports(i, self.processes[i])
-                self.addresses.append(f"127.0.0.1:{data}")
-                self.admin_ports.append(admin)
-                self.metrics_ports.append(metrics_port)
+            # Primaries first: each standby names its primary's address.
+            for replica in range(self.replicas):
+                first = len(self.processes)
+                for shard in range(self.num_shards):
+                    extra = ["--standby-of", self.process_addresses[shard]] if replica else []
+                    self.processes.append(self._spawn(first + shard, extra))
+                for p in range(first, first + self.num_shards):
+                    data, admin, metrics_port = self._wait_for_ports(p, self.processes[p])
+                    self.process_addresses.append(f"127.0.0.1:{data}")
+                    self.admin_ports.append(admin)
+                    self.metrics_ports.append(metrics_port)
         except BaseException:
             self.stop()
             raise
+        self.addresses = [
+            "|".join(self.process_addresses[shard :: self.num_shards])
+            for shard in range(self.num_shards)
+        ]
         return self
 
-    def _port_file(self, shard: int) -> Path:
-        return self.workdir / f"shard{shard}.port"
+    def _port_file(self, process: int) -> Path:
+        return self.workdir / f"{self._name(process)}.port"
 
     def _spawn(
-        self, shard: int, extra: Sequence[str] = (), data_port: int = 0, admin_port: int = 0
+        self, process: int, extra: Sequence[str] = (), data_port: int = 0, admin_port: int = 0
     ) -> subprocess.Popen[bytes]:
-        """Starts shard `shard` (ports 0: any free ones)."""
-        self._port_file(shard).unlink(missing_ok=True)
+        """Starts process `process` (ports 0: any free ones)."""
+        self._port_file(process).unlink(missing_ok=True)
         ports = ["--port", str(data_port), "--admin-port", str(admin_port)]
         cmd = [
             sys.executable, "-m", "tf_dlt.server", *ports, "--bind", "127.0.0.1",
-            "--shard-index", str(shard), "--num-shards", str(self.num_shards),
-            "--port-file", str(self._port_file(shard)), *self._args, *extra,
+            "--shard-index", str(process % self.num_shards), "--num-shards",
+            str(self.num_shards), "--port-file", str(self._port_file(process)), *self._args,
+            *extra,
         ]  # fmt: skip
-        with self.log_path(shard).open("ab") as log:
+        with self.log_path(process).open("ab") as log:
             return subprocess.Popen(
                 cmd, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=log, env=self._env
             )
 
-    def kill(self, shard: int) -> None:
-        """SIGKILL to shard `shard` (a crash: nothing is flushed or saved)."""
-        self.processes[shard].kill()
-        self.processes[shard].wait(30)
+    def kill(self, process: int) -> None:
+        """SIGKILL to process `process` (a crash: nothing is flushed or saved)."""
+        self.processes[process].kill()
+        self.processes[process].wait(30)
 
-    def restart(self, shard: int, *server_args: str) -> None:
-        """Starts shard `shard` again on the same ports (as a Kubernetes pod
-        keeps its name), with extra flags (e.g. "--load-from", path); waits
-        until it serves."""
+    def restart(self, process: int, *server_args: str) -> None:
+        """Starts process `process` again on the same ports (as a Kubernetes
+        pod keeps its name), with extra flags (e.g. "--load-from", path);
+        waits until it serves."""
         if self._stopped:
             raise RuntimeError("the cluster was stopped")
-        if self.processes[shard].poll() is None:
-            raise RuntimeError(f"shard {shard} is still running")
-        data = int(self.addresses[shard].rsplit(":", 1)[1])
-        self.processes[shard] = self._spawn(shard, server_args, data, self.admin_ports[shard])
-        self._wait_for_ports(shard, self.processes[shard])
+        if self.processes[process].poll() is None:
+            raise RuntimeError(f"process {process} is still running")
+        data = int(self.process_addresses[process].rsplit(":", 1)[1])
+        self.processes[process] = self._spawn(process, server_args, data, self.admin_ports[process])
+        self._wait_for_ports(process, self.processes[process])
 
-    def _wait_for_ports(self, shard: int, proc: subprocess.Popen[bytes]) -> tuple[int, int, int]:
-        port_file = self._port_file(shard)
+    def _wait_for_ports(self, process: int, proc: subprocess.Popen[bytes]) -> tuple[int, int, int]:
+        port_file = self._port_file(process)
         deadline = time.monotonic() + self._timeout
         while time.monotonic() < deadline:
             if port_file.exists():
@@ -113,10 +135,12 @@ class LocalCluster:
                 return int(data), int(admin), int(metrics_port)
             if proc.poll() is not None:
                 raise RuntimeError(
-                    f"shard {shard} exited with {proc.returncode}:\n{self.log(shard)}"
+                    f"{self._name(process)} exited with {proc.returncode}:\n{self.log(process)}"
                 )
             time.sleep(0.05)
-        raise TimeoutError(f"shard {shard} did not start in {self._timeout} s:\n{self.log(shard)}")
+        raise TimeoutError(
+            f"{self._name(process)} did not start in {self._timeout} s:\n{self.log(process)}"
+        )
 
     def stop(self, timeout: float = 20.0) -> list[int | None]:
         """SIGTERM to every shard, SIGKILL to any still running after

@@ -129,6 +129,34 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--follow-interval", type=float, default=5.0, help="seconds between reads of --follow"
     )
     p.add_argument(
+        "--standby-of",
+        metavar="HOST:PORT",
+        help="serve as the hot standby of the primary shard at this data-plane address "
+        "(same --shard-index and --num-shards): take its tables and every change, and take "
+        "over when it stays unreachable (docs/replication.md)",
+    )
+    p.add_argument(
+        "--replication",
+        choices=("sync", "async"),
+        default="sync",
+        help="for standbys of this shard: sync acknowledges a push once the standby has it; "
+        "async at once (the standby lags; tf-dlt stats says by how much)",
+    )
+    p.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="this shard's data-plane address as its primary reaches it (with --standby-of; "
+        "default: --bind and the bound port)",
+    )
+    p.add_argument(
+        "--takeover-after",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="with --standby-of: how long the primary must stay unreachable before this "
+        "standby takes over",
+    )
+    p.add_argument(
         "--stop-grace", type=float, default=60.0, help="seconds SIGTERM waits for a running Save"
     )
     p.add_argument("--tls-cert", help="PEM certificate: serve the control plane over TLS")
@@ -234,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
             tls=server_tls,
             memory_budget=args.memory_budget,
             storage_dir=args.storage_dir,
+            standby_of=args.standby_of,
+            replication_mode=args.replication,
+            advertise=args.advertise,
+            takeover_after_s=args.takeover_after,
         ).start()
     except (errors.DltError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)

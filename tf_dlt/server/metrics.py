@@ -32,7 +32,11 @@ scrape from the shard's own counters, so nothing is counted twice:
 - a read-only shard: tf_dlt_read_only (1), tf_dlt_serving_checkpoint_info
   {path, save_id}: 1; following a directory also tf_dlt_follow_current
   (1 when serving its newest committed checkpoint), tf_dlt_follow_lag_seconds
-  (how long a newer one has waited) and tf_dlt_deltas_applied_total.
+  (how long a newer one has waited) and tf_dlt_deltas_applied_total;
+- replication (docs/replication.md): tf_dlt_standby (1 while this shard is
+  a standby), tf_dlt_takeovers_total; a primary, per standby {standby}:
+  tf_dlt_standby_connected, tf_dlt_standby_caught_up,
+  tf_dlt_replication_lag_seconds (async), tf_dlt_replicated_rows_total.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class ShardCollector:
             yield CounterMetricFamily(
                 "tf_dlt_deltas_applied", "Deltas applied in place", value=s["deltas_applied"]
             )
+        yield from _replication_metrics(s)
         rows = GaugeMetricFamily("tf_dlt_table_rows", "Rows of each table", labels=["table"])
         size = GaugeMetricFamily("tf_dlt_table_bytes", "Bytes of each table", labels=["table"])
         policy = {
@@ -236,3 +241,31 @@ def serve(servicer: ShardAdminServicer, bind: str, port: int) -> tuple[Any, int]
     registry.register(ShardCollector(servicer))
     server, thread = start_http_server(port, addr=bind, registry=registry)
     return (server, thread), int(server.server_port)
+
+
+def _replication_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "tf_dlt_standby", "1 while this shard is a standby", value=int(s["role"] == "standby")
+    )
+    yield CounterMetricFamily(
+        "tf_dlt_takeovers", "Times this shard took over from its primary",
+        value=s.get("takeovers", 0),
+    )  # fmt: skip
+    families = {
+        key: (kind(name, doc, labels=["standby"]), key)
+        for kind, name, key, doc in (
+            (GaugeMetricFamily, "tf_dlt_standby_connected", "connected",
+             "1 while the standby is connected"),
+            (GaugeMetricFamily, "tf_dlt_standby_caught_up", "caught_up",
+             "1 once every table was copied to the standby since it connected"),
+            (GaugeMetricFamily, "tf_dlt_replication_lag_seconds", "lag_seconds",
+             "Async: how long the oldest acknowledged write not on the standby waited"),
+            (CounterMetricFamily, "tf_dlt_replicated_rows", "rows_sent",
+             "Rows sent to the standby"),
+        )
+    }  # fmt: skip
+    for standby in s["standbys"]:
+        for family, key in families.values():
+            family.add_metric([standby["standby"]], float(standby[key]))
+    for family, _ in families.values():
+        yield family

@@ -18,7 +18,7 @@ import grpc
 from tf_dlt import _native, errors, grpc_util, latency
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import paths
+from tf_dlt.server import paths, replication
 from tf_dlt.table_config import TableConfig
 
 log = logging.getLogger("tf_dlt.server")
@@ -119,6 +119,10 @@ class PendingLoad:
         return f"load {self.load_id!r} of {self.path!r}, {self.phase} {age:.0f} s ago"
 
 
+_STANDBY_FIELDS = ("connected", "caught_up", "rounds", "rows_sent", "removals_sent",
+                   "tables_copied", "lag_seconds", "error")  # fmt: skip
+
+
 class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
     """CreateTable, DropTable, ListTables, Save, Load and Stats of one shard.
 
@@ -154,6 +158,10 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         # Read-only (None: writable): why, for the errors; what it serves.
         self.read_only: str | None = None
         self.serving: dict[str, Any] = {}
+        # Replication (tf_dlt.server.replication): this primary's standby,
+        # or this standby's link to its primary; set by the ShardServer.
+        self.standbys: replication.Standbys | None = None
+        self.standby_link: replication.StandbyLink | None = None
 
     def allow_load(self, path: str) -> None:
         """Raises unless Load may read `path` (every checkpoint of a chain)."""
@@ -200,6 +208,16 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             request.table, request.min_count, request.unseen_for, removed,
         )  # fmt: skip
         return dlt_pb2.ShrinkResponse(removed=removed, rows=table.size())
+
+    @_handler
+    def AttachStandby(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._writable("a standby")
+        if self.standbys is None:
+            raise errors.FailedPreconditionError(
+                f"shard {self._shard.shard_index} here is a standby: attach to its primary"
+            )
+        self.standbys.attach(request.address, request.shard_index, request.num_shards)
+        return dlt_pb2.AttachStandbyResponse(replication=self.standbys.replication)
 
     @_handler
     def ListTables(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -397,6 +415,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "last_load_seconds": self.last_load_seconds,
             "read_only": self.read_only is not None,
             **self.serving,
+            **replication.describe(self.standbys, self.standby_link),
         }
 
     @_handler
@@ -447,6 +466,17 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             resident_bytes=s["memory"]["resident"],
             storage_dir=s["memory"]["storage_dir"],
             staged_bytes=s["memory"]["staged_bytes"],
+            role=s["role"],
+            standby_of=s["standby_of"],
+            replication=s.get("replication", ""),
+            standbys=[
+                dlt_pb2.StandbyStatus(
+                    address=r["standby"],
+                    **{k: r[k] for k in _STANDBY_FIELDS},
+                )
+                for r in s["standbys"]
+            ],
+            takeovers=s.get("takeovers", 0),
         )
 
 

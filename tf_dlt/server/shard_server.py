@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from tf_dlt import _native, tls
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import follower, metrics, paths, service
+from tf_dlt.server import follower, metrics, paths, replication, service
 from tf_dlt.server.follower import Follower, FollowStatus
 
 log = logging.getLogger("tf_dlt.server")
@@ -96,6 +96,15 @@ class ShardServer:
         storage_dir: a local SSD directory for the disk tier: a cache of
             this shard's state, emptied at start (a restart loads from a
             checkpoint).
+        standby_of: the data-plane address of this shard's primary: serve
+            as its hot standby (docs/replication.md), taking over when it
+            stays unreachable for `takeover_after_s`.
+        replication_mode: "sync" (a push is acknowledged once the standby
+            has it) or "async", for standbys that attach to this shard.
+        advertise: this shard's data-plane address as its primary reaches
+            it (default: `address`).
+        takeover_after_s: how long a standby's primary must stay
+            unreachable before the standby takes over.
     """
 
     def __init__(
@@ -127,6 +136,10 @@ class ShardServer:
         follow_interval_s: float = 5.0,
         memory_budget: int = 0,
         storage_dir: str | None = None,
+        standby_of: str | None = None,
+        replication_mode: str = "sync",
+        advertise: str | None = None,
+        takeover_after_s: float = 1.0,
     ) -> None:
         if not sweep_interval_s > 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
@@ -136,6 +149,8 @@ class ShardServer:
             raise ValueError("give load_from or follow, not both")
         if memory_budget < 0:
             raise ValueError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
+        if standby_of and (read_only or load_from):
+            raise ValueError("a standby takes its primary's tables: no read_only or load_from")
         if storage_dir and not memory_budget:
             raise ValueError("storage_dir needs a memory_budget: rows move to disk past it")
         self.shard = _native.Shard(shard_index, num_shards)
@@ -173,6 +188,13 @@ class ShardServer:
             load_timeout_s=load_timeout_s,
         )
         self._read_only = read_only
+        self.servicer.standbys = replication.Standbys(
+            self.shard, self.data_server, auth_token, replication=replication_mode,
+            io_timeout_s=io_timeout_s,
+        )  # fmt: skip
+        self._standby_of = standby_of
+        self._advertise = advertise
+        self._takeover_after_s = takeover_after_s
         self.follower: Follower | None = None
         if follow:
             paths.CheckpointRoots(checkpoint_roots).check(follow, "Follow")
@@ -202,7 +224,16 @@ class ShardServer:
             serving if status.current else health_pb2.HealthCheckResponse.NOT_SERVING,
         )
 
+    def _take_over(self) -> None:
+        """This standby's primary is gone: serve trainers from now on."""
+        self.data_server.set_standby(False)
+        self.servicer.read_only = None
+        self.shard.start_sweeper(self._sweep_interval_ms)
+
     def start(self) -> ShardServer:
+        if self._standby_of:
+            self.data_server.set_standby(True)
+            self.servicer.read_only = f"it is a standby of {self._standby_of}"
         if self._read_only:
             self.data_server.set_read_only(True)
             self.servicer.read_only = (
@@ -257,7 +288,14 @@ class ShardServer:
             )
         self.data_server.set_admin_port(self.admin_port)
         self.data_server.start()
-        if not self._read_only:  # a read-only shard serves its checkpoint as it is
+        if self._standby_of:  # rows expire on the primary; removals arrive as changes
+            self.servicer.standby_link = replication.StandbyLink(
+                self._standby_of, self._advertise or self.address, self.shard.shard_index,
+                self.shard.num_shards, self._auth_token, self._take_over,
+                caught_up=lambda: bool(self.data_server.standby_caught_up),
+                takeover_after_s=self._takeover_after_s,
+            ).start()  # fmt: skip
+        elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)
         server.start()
         self._grpc = server
@@ -292,8 +330,12 @@ class ShardServer:
             self._health.enter_graceful_shutdown()
             if self.follower is not None:
                 self.follower.stop()
+            if self.servicer.standby_link is not None:
+                self.servicer.standby_link.stop()
             if self._grpc is not None:
                 self._grpc.stop(grace).wait()
+            assert self.servicer.standbys is not None
+            self.servicer.standbys.close()
             self.data_server.stop()
             self.shard.stop_sweeper()
             self.servicer.close()

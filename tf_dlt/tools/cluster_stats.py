@@ -81,6 +81,26 @@ def _tier_errors(tier: dict[str, Any]) -> str:
     return " ".join(x for x in (error, f"({counts})" if error and counts else counts) if x) or "-"
 
 
+def _replication_lines(s: dict[str, Any]) -> list[str]:
+    """A shard's standby, or its primary, in words (docs/replication.md)."""
+    shard = s.get("shard_index", 0)
+    lines = []
+    if s.get("takeovers"):
+        lines.append(f"shard {shard}: took over from its primary")
+    for r in s.get("standbys", []):
+        state = (
+            ("caught up" if r.get("caught_up") else "copying tables")
+            if r.get("connected")
+            else f"DOWN ({r.get('error', '')})"
+        )
+        lag = float(r.get("lag_seconds", 0))
+        lines.append(
+            f"shard {shard}: {s.get('replication', '')} standby {r['address']}: {state}, "
+            f"{r.get('rows_sent', 0)} rows sent" + (f", lag {lag:.1f} s" if lag else "")
+        )
+    return lines
+
+
 def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
     """The per-shard and per-table tables `tf-dlt stats` prints."""
     shard_rows = []
@@ -124,6 +144,7 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
                 if s.get("follow_error"):
                     line += f"; error: {s['follow_error']}"
             serving.append(line)
+        serving.extend(_replication_lines(s))
     table_rows = [
         (name, str(dim), str(rows), f"{size / 1e6:.1f}", *map(str, counts))
         for name, (rows, size, dim, *counts) in sorted(by_table.items())

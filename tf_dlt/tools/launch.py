@@ -80,6 +80,7 @@ class Launch:
         start_timeout: float = 60.0,
         grace: float = 10.0,
         out: IO[str] | None = None,
+        replicas: int = 1,
     ) -> None:
         if num_pservers < 0 or num_workers < 1:
             raise ValueError(
@@ -87,6 +88,9 @@ class Launch:
             )
         if not command:
             raise ValueError("no trainer command: give it after '--'")
+        if replicas < 1:
+            raise ValueError(f"need --replicas >= 1, got {replicas}")
+        self.replicas = replicas
         self.num_pservers = num_pservers
         self.num_workers = num_workers
         self.command = list(command)
@@ -99,6 +103,7 @@ class Launch:
         self._threads: list[threading.Thread] = []
         self._tails_done = threading.Event()
         self._stop_signal: int | None = None
+        self._reported: set[int] = set()  # processes that exited with their shard alive
 
     def say(self, text: str) -> None:
         self.printer.line("launch", text)
@@ -109,15 +114,17 @@ class Launch:
         if self.num_pservers == 0:
             self.say("no shard servers: trainers use the embedded tables")
             return []
-        self.say(f"starting {self.num_pservers} shard servers")
+        standbys = f", each with {self.replicas - 1} hot standby" if self.replicas > 1 else ""
+        self.say(f"starting {self.num_pservers} shard servers{standbys}")
         self.cluster = LocalCluster(
-            self.num_pservers, *self.server_args, start_timeout=self.start_timeout
-        )
+            self.num_pservers, *self.server_args, start_timeout=self.start_timeout,
+            replicas=self.replicas,
+        )  # fmt: skip
         self.cluster.start()
-        for i in range(self.num_pservers):
+        for p in range(len(self.cluster.processes)):
             t = threading.Thread(
                 target=_tail,
-                args=(self.cluster.log_path(i), f"ps-{i}", self.printer, self._tails_done),
+                args=(self.cluster.log_path(p), self._role(p), self.printer, self._tails_done),
                 daemon=True,
             )
             t.start()
@@ -125,28 +132,48 @@ class Launch:
         self._wait_healthy(self.cluster)
         return list(self.cluster.addresses)
 
+    def _role(self, process: int) -> str:
+        shard, replica = process % self.num_pservers, process // self.num_pservers
+        return f"ps-{shard}" + (f"-standby{replica}" if replica else "")
+
     def _wait_healthy(self, cluster: LocalCluster) -> None:
         deadline = time.monotonic() + self.start_timeout
         healthy: set[int] = set()
-        while len(healthy) < self.num_pservers:
+        total = len(cluster.admin_ports)
+        while len(healthy) < total:
             for i, port in enumerate(cluster.admin_ports):
                 if i not in healthy and grpc_util.serving(f"127.0.0.1:{port}", timeout=1.0):
                     healthy.add(i)
                     self.say(
-                        f"shards healthy {len(healthy)}/{self.num_pservers} "
-                        f"(ps-{i} at {cluster.addresses[i]})"
+                        f"shards healthy {len(healthy)}/{total} "
+                        f"({self._role(i)} at {cluster.process_addresses[i]})"
                     )
             self._check_shards(cluster)
-            if len(healthy) < self.num_pservers:
+            if len(healthy) < total:
                 if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.num_pservers)) - healthy)
+                    missing = [self._role(i) for i in sorted(set(range(total)) - healthy)]
                     raise TimeoutError(f"shards {missing} not SERVING after {self.start_timeout} s")
                 time.sleep(_POLL_S)
 
     def _check_shards(self, cluster: LocalCluster) -> None:
+        """Raises when a shard has no process left; a process that exited
+        while another of its shard runs is reported once (its standby takes
+        over)."""
         for i, proc in enumerate(cluster.processes):
-            if proc.poll() is not None:
-                raise RuntimeError(f"ps-{i} exited with {proc.returncode}")
+            if proc.poll() is None or i in self._reported:
+                continue
+            shard = i % self.num_pservers
+            alive = [
+                p for p in range(shard, len(cluster.processes), self.num_pservers)
+                if cluster.processes[p].poll() is None
+            ]  # fmt: skip
+            if not alive:
+                raise RuntimeError(f"{self._role(i)} exited with {proc.returncode}")
+            self._reported.add(i)
+            self.say(
+                f"{self._role(i)} exited with {proc.returncode}; "
+                f"{', '.join(self._role(p) for p in alive)} of shard {shard} still runs"
+            )
 
     def _start_workers(self, pservers: list[str]) -> None:
         workers = [f"localhost:{i}" for i in range(self.num_workers)]
@@ -205,7 +232,11 @@ class Launch:
         status = 0
         if self.cluster is not None:
             codes = self.cluster.stop(timeout=self.grace)
-            bad = [f"ps-{i}: {c}" for i, c in enumerate(codes) if c != 0]
+            bad = [
+                f"{self._role(i)}: {c}"
+                for i, c in enumerate(codes)
+                if c != 0 and i not in self._reported
+            ]
             if bad:
                 self.say(f"shards did not stop cleanly ({', '.join(bad)})")
                 status = 1
@@ -241,6 +272,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pservers", type=int, default=1, help="shard servers (0: embedded)")
     parser.add_argument("--workers", type=int, default=1, help="trainer processes")
     parser.add_argument(
+        "--replicas", type=int, default=1,
+        help="processes per shard: its primary and replicas - 1 hot standbys that take over "
+        "when it dies (docs/replication.md)",
+    )  # fmt: skip
+    parser.add_argument(
         "--server-arg", action="append", default=[], metavar="ARG",
         help="extra `tf-dlt server` flag for every shard (repeat; e.g. --server-arg=--threads=4)",
     )  # fmt: skip
@@ -258,6 +294,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
         launch = Launch(
             args.pservers, args.workers, command, server_args=args.server_arg,
             start_timeout=args.start_timeout, grace=args.grace, out=out,
+            replicas=args.replicas,
         )  # fmt: skip
     except ValueError as e:
         print(f"tf-dlt launch: {e}", file=sys.stderr)

@@ -1,0 +1,252 @@
+"""Hot standbys of a shard server (docs/replication.md).
+
+A primary keeps its standby equal to it with a native `Replicator` (the row
+stream): `Standbys` holds it, made when a standby asks (AttachStandby).
+
+A standby (`tf-dlt server --standby-of HOST:PORT`) greets only its primary
+and answers trainers UNAVAILABLE. `StandbyLink` asks the primary to replicate
+to it, watches the primary, and when the primary stays unreachable for
+`takeover_after_s` after this standby caught up, takes over: it greets
+trainers from then on (clients that list it after the primary, `a|b`, move
+to it) and refuses its old primary's frames, which fences that primary."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from tf_dlt import _native, errors, grpc_util, tls
+from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+log = logging.getLogger("tf_dlt.server")
+
+REPLICATION_MODES = ("sync", "async")
+# How often a standby checks that its primary still replicates to it.
+_CHECK_INTERVAL_S = 2.0
+
+
+class Standbys:
+    """A primary's standby and the replicator that keeps it (one standby at
+    a time: a new one replaces the last)."""
+
+    def __init__(
+        self,
+        shard: _native.Shard,
+        data_server: _native.DataServer,
+        auth_token: str = "",
+        replication: str = "sync",
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        if replication not in REPLICATION_MODES:
+            raise ValueError(f"replication must be sync or async, got {replication!r}")
+        self._shard = shard
+        self._data_server = data_server
+        self._auth_token = auth_token
+        self.replication = replication
+        self._io_timeout_ms = max(1, int(io_timeout_s * 1000))
+        self._lock = threading.Lock()
+        self._replicator: _native.Replicator | None = None  # guarded by _lock
+
+    def attach(self, address: str, shard_index: int, num_shards: int) -> None:
+        """Replicates to the standby at `address` from now on."""
+        if (shard_index, num_shards) != (self._shard.shard_index, self._shard.num_shards):
+            raise errors.FailedPreconditionError(
+                f"a standby of shard {shard_index} of {num_shards} cannot follow shard "
+                f"{self._shard.shard_index} of {self._shard.num_shards}"
+            )
+        if self._data_server.standby:
+            raise errors.FailedPreconditionError(
+                f"shard {self._shard.shard_index} here is itself a standby: attach to its primary"
+            )
+        replicator = _native.Replicator(
+            self._shard, address, auth_token=self._auth_token,
+            sync=self.replication == "sync", io_timeout_ms=self._io_timeout_ms,
+        )  # fmt: skip
+        with self._lock:
+            old, self._replicator = self._replicator, replicator
+            # Writes wait for the new one's first round from now on; the old
+            # one stops (and with it the tables' change logs) before the new
+            # one starts them again: a table's log has one reader.
+            self._data_server.set_replicator(replicator)
+            if old is not None:
+                old.stop()
+            replicator.start()
+        log.info("replicating (%s) to standby %s", self.replication, address)
+
+    def statuses(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self._replicator.status()] if self._replicator is not None else []
+
+    def close(self) -> None:
+        with self._lock:
+            replicator, self._replicator = self._replicator, None
+            self._data_server.set_replicator(None)
+        if replicator is not None:
+            replicator.stop()
+
+
+class StandbyLink:
+    """A standby's link to its primary: attaches, watches, takes over.
+
+    Args:
+        primary: the primary's data-plane address.
+        advertise: this standby's data-plane address as the primary reaches it.
+        shard_index, num_shards: this shard's.
+        auth_token: the cluster's token (both planes).
+        take_over: called once, when this standby takes over.
+        caught_up: whether this standby holds every table its primary had
+            (the primary says so on the stream after its copies).
+        takeover_after_s: how long the primary must stay unreachable.
+        probe_interval_s: how often the primary is checked.
+    """
+
+    def __init__(
+        self,
+        primary: str,
+        advertise: str,
+        shard_index: int,
+        num_shards: int,
+        auth_token: str,
+        take_over: Callable[[], None],
+        caught_up: Callable[[], bool],
+        takeover_after_s: float = 1.0,
+        probe_interval_s: float = 0.2,
+    ) -> None:
+        self.primary = primary
+        self._advertise = advertise
+        self._shard = (shard_index, num_shards)
+        self._token = auth_token
+        self._take_over = take_over
+        self._caught_up = caught_up
+        self._takeover_after_s = takeover_after_s
+        self._probe_interval_s = probe_interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlt-standby", daemon=True)
+        self._admin: str | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        self.took_over = False
+        self.error = ""
+
+    def start(self) -> StandbyLink:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        self._close_channel()
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = self._stub = None
+
+    def _admin_address(self) -> str:
+        """The primary's admin address, from its Hello."""
+        info = _native.hello(self.primary, self._token, timeout_ms=1000)
+        if (info["shard_index"], info["num_shards"]) != self._shard:
+            raise errors.FailedPreconditionError(
+                f"{self.primary} is shard {info['shard_index']} of {info['num_shards']}; this "
+                f"standby is shard {self._shard[0]} of {self._shard[1]}"
+            )
+        host = self.primary.rsplit(":", 1)[0]
+        return f"{host}:{info['admin_port']}"
+
+    def _call(self, method: str, request: Any, timeout: float) -> Any:
+        if self._stub is None:
+            assert self._admin is not None
+            self._channel = tls.channel(self._admin, tls.TlsConfig.from_env())
+            self._stub = dlt_pb2_grpc.ShardAdminStub(self._channel)
+        return getattr(self._stub, method)(
+            request, timeout=timeout, metadata=grpc_util.bearer(self._token)
+        )
+
+    def _attach(self) -> None:
+        admin = self._admin_address()
+        if admin != self._admin:  # the primary restarted elsewhere: a new channel
+            self._close_channel()
+            self._admin = admin
+        reply = self._call(
+            "AttachStandby",
+            dlt_pb2.AttachStandbyRequest(
+                address=self._advertise, shard_index=self._shard[0], num_shards=self._shard[1]
+            ),
+            timeout=10,
+        )
+        log.info("standby of %s (%s replication)", self.primary, reply.replication)
+
+    def _alive(self) -> bool:
+        """True when the primary greets (a dead process refuses at once)."""
+        try:
+            _native.hello(self.primary, self._token, timeout_ms=1000)
+        except errors.DltError as e:
+            self.error = str(e)
+            return False
+        return True
+
+    def _check(self) -> None:
+        """Attaches again when the primary no longer replicates here (it
+        restarted)."""
+        stats = self._call("Stats", dlt_pb2.StatsRequest(), timeout=5)
+        if not any(s.address == self._advertise for s in stats.standbys):
+            self._attach()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self._admin is None:
+            try:
+                self._attach()
+            except (errors.DltError, grpc.RpcError, OSError) as e:
+                self.error = f"attaching to {self.primary}: {e}"
+                log.warning("standby: %s; trying again", self.error)
+                self._admin = None
+                self._stop.wait(0.5)
+        unreachable_since: float | None = None
+        checked = 0.0
+        while not self._stop.wait(self._probe_interval_s):
+            now = time.monotonic()
+            if self._alive():
+                unreachable_since = None
+                if now - checked >= _CHECK_INTERVAL_S:
+                    checked = now
+                    try:
+                        self._check()
+                    except (errors.DltError, grpc.RpcError, OSError) as e:
+                        self.error = f"asking {self.primary}: {e}"
+                continue
+            unreachable_since = unreachable_since or now
+            if now - unreachable_since < self._takeover_after_s:
+                continue
+            if not self._caught_up():
+                log.error(
+                    "primary %s is unreachable, but this standby had not caught up with it: not "
+                    "taking over (%s)", self.primary, self.error,
+                )  # fmt: skip
+                continue
+            log.warning(
+                "primary %s unreachable for %.1f s: taking over", self.primary,
+                now - unreachable_since,
+            )  # fmt: skip
+            self.took_over = True
+            self._take_over()
+            self._close_channel()
+            return
+
+
+def describe(standbys: Standbys | None, link: StandbyLink | None) -> dict[str, Any]:
+    """What Stats and the metrics report of replication."""
+    if link is not None and not link.took_over:
+        return {"role": "standby", "standby_of": link.primary, "standbys": []}
+    return {
+        "role": "primary",
+        "standby_of": "",
+        "replication": standbys.replication if standbys is not None else "",
+        "standbys": standbys.statuses() if standbys is not None else [],
+        "takeovers": 1 if link is not None and link.took_over else 0,
+    }
