@@ -29,6 +29,7 @@ NATIVE_CORE_SOURCES = [
     "native/core/half.cc",
     "native/core/initializer.cc",
     "native/core/optimizer.cc",
+    "native/core/push_ledger.cc",
     "native/core/shard.cc",
     "native/core/sketch.cc",
     "native/core/status.cc",

@@ -55,7 +55,16 @@ def test_golden_frames_follow_the_spec() -> None:
         + struct.pack("<4f", 1.5, -2.0, 0.25, 0.5)
     )
     assert g["replicate_request"] == frames.frame(6, 7, replicate)
-    assert len(g) == 10
+    # A push with an id (flags bit 0): client id and sequence after the name.
+    identified = (
+        struct.pack("<IIHBBf", 2, 1, 3, 1, 0, 0.5)
+        + b"emb\0\0\0\0\0"
+        + struct.pack("<QQ", 42, 7)
+        + struct.pack("<q", 5)
+        + struct.pack("<2f", 1.0, -1.0)
+    )
+    assert g["push_request_identified"] == frames.frame(3, 8, identified)
+    assert len(g) == 11
 
 
 def test_pipelined_requests_are_matched_by_request_id(

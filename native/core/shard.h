@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "native/core/push_ledger.h"
 #include "native/core/status.h"
 #include "native/core/table.h"
 
@@ -52,6 +53,9 @@ class Shard {
   std::vector<std::shared_ptr<Table>> Tables() const;
   // Installs `tables`, replacing same-named ones, in one step.
   void InstallTables(const std::vector<std::shared_ptr<Table>>& tables);
+
+  // The pushes this shard applied, by id (docs/replication.md).
+  PushLedger& push_ledger() { return push_ledger_; }
 
   // Checks that every id routes to this shard; INVALID_ARGUMENT otherwise.
   Status CheckOwnership(const int64_t* ids, size_t n) const;
@@ -119,6 +123,7 @@ class Shard {
   const uint32_t end_bucket_;
   mutable std::shared_mutex mu_;
   std::map<std::string, std::shared_ptr<Table>> tables_;  // guarded by mu_
+  PushLedger push_ledger_;
 
   std::mutex sweeper_mu_;
   std::condition_variable sweeper_cv_;

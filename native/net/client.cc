@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 #include <thread>
 
 #include "native/core/dedup.h"
@@ -37,6 +38,9 @@ Client::Client(std::vector<std::string> addresses, ClientOptions options)
     st.address = st.addresses.front();
     has_standbys_ |= st.addresses.size() > 1;
   }
+  std::random_device random;
+  client_id_ = (uint64_t{random()} << 32) ^ random() ^
+               static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
 }
 
 Client::~Client() {
@@ -417,9 +421,12 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
       Call call = RunCall(
           s, opcode, first, end, rows_per_frame, fill, [&](size_t begin, size_t count, Call* to) {
             Call::Frame fr;
+            // To shards with standbys each push frame carries an id, so it
+            // can be sent again (below) and is applied once.
+            const PushId id{client_id_, next_push_seq_.fetch_add(1)};
             fr.prefix = opcode == wire::Opcode::kPush
                             ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count),
-                                                     learning_rate)
+                                                     learning_rate, has_standbys_ ? &id : nullptr)
                             : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
             fr.body[0] = ids_ptr + begin;
             fr.body_bytes[0] = count * 8;
@@ -438,7 +445,22 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     }
   }
   bool any_reused = false;
-  return Exchange(&calls, op, &any_reused);
+  Status sent = Exchange(&calls, op, &any_reused);
+  if (opcode != wire::Opcode::kPush || !has_standbys_) return sent;
+  // A shard's primary died or lost its standby: the same frames again, to
+  // whichever address greets, until the deadline. Frames a shard applied
+  // before are answered without being applied twice (their ids).
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
+  int backoff_ms = options_.retry_backoff_ms;
+  while (sent.code() == Code::kUnavailable) {
+    const auto wake = std::chrono::steady_clock::now() + std::chrono::milliseconds(backoff_ms);
+    if (wake >= deadline) break;
+    std::this_thread::sleep_until(wake);
+    backoff_ms = std::min(2 * backoff_ms, kFailoverBackoffMs);
+    sent = Exchange(&calls, op, &any_reused);
+  }
+  return sent;
 }
 
 }  // namespace dlt

@@ -95,8 +95,10 @@ class Client {
   Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
                    size_t n, float* out);
 
-  // Sends gradients ([n, dim]) to the owning shards. Never retried: the
-  // shard may have applied it.
+  // Sends gradients ([n, dim]) to the owning shards. Not retried: the shard
+  // may have applied it; except when shards list standbys: then each frame
+  // carries an id, and a push that met UNAVAILABLE is sent again (until the
+  // request deadline), the shards applying each frame once.
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate);
 
@@ -168,6 +170,9 @@ class Client {
   const ClientOptions options_;
   std::vector<std::unique_ptr<ShardState>> shards_;
   bool has_standbys_ = false;  // some shard lists standbys
+  // Ids of pushes to shards with standbys: this client's, and the next frame's.
+  uint64_t client_id_ = 0;
+  std::atomic<uint64_t> next_push_seq_{1};
   std::atomic<uint64_t> next_request_id_{1};
 };
 

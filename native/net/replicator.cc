@@ -31,6 +31,7 @@ Replicator::~Replicator() { Stop(); }
 void Replicator::Start() {
   std::lock_guard<std::mutex> lock(mu_);
   if (thread_.joinable() || stop_) return;
+  shard_->push_ledger().set_tracked(true);
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -46,6 +47,7 @@ void Replicator::Stop() {
   Disconnect();
   for (auto& [name, table] : mirrored_) table->StopChangeLog();  // nobody reads them now
   mirrored_.clear();
+  shard_->push_ledger().set_tracked(false);
 }
 
 Status Replicator::Written() {
@@ -198,32 +200,55 @@ Status Replicator::Round() {
     it->second->StopChangeLog();
     it = mirrored_.erase(it);
   }
-  std::vector<int64_t> ids;
+  // Tables new or replaced here (a load) are copied whole first.
   bool copied = !marked_;
   for (const std::shared_ptr<Table>& table : tables) {
     const auto it = mirrored_.find(table->config().name);
-    if (it == mirrored_.end() || it->second != table) {
-      if (it != mirrored_.end()) it->second->StopChangeLog();  // replaced here (a load)
+    if (it != mirrored_.end() && it->second == table) continue;
+    if (it != mirrored_.end()) it->second->StopChangeLog();
+    DLT_RETURN_IF_ERROR(CopyWhole(table));
+    copied = true;
+  }
+  // The round's take: every table's changes and the pushes applied, at one
+  // moment (identified pushes hold the gate shared while they apply), so a
+  // push's rows and its id reach the standby in the same round.
+  PushLedger& ledger = shard_->push_ledger();
+  std::vector<std::pair<Table*, std::vector<int64_t>>> changes;
+  std::vector<PushId> pushed, more;
+  for (;;) {
+    std::vector<std::shared_ptr<Table>> overflowed;
+    {
+      std::lock_guard<WriterFirstLock> gate(ledger.gate());
+      for (const std::shared_ptr<Table>& table : tables) {
+        std::vector<int64_t> ids;
+        if (table->TakeChanges(&ids).ok()) {
+          if (!ids.empty()) changes.emplace_back(table.get(), std::move(ids));
+        } else {
+          overflowed.push_back(table);
+        }
+      }
+      ledger.TakeApplied(&more);
+      pushed.insert(pushed.end(), more.begin(), more.end());
+    }
+    if (overflowed.empty()) break;
+    // More changes than the log holds: copy those whole and take again, so
+    // the copies' rows and the ids are in this round too.
+    for (const std::shared_ptr<Table>& table : overflowed) {
       DLT_RETURN_IF_ERROR(CopyWhole(table));
       copied = true;
-      continue;
     }
-    const Status taken = table->TakeChanges(&ids);
-    if (!taken.ok()) {  // the log overflowed: copy it whole
-      DLT_RETURN_IF_ERROR(CopyWhole(table));
-      copied = true;
-      continue;
-    }
-    DLT_RETURN_IF_ERROR(SendChanges(table.get(), ids));
   }
-  if (copied) {  // the standby holds every table again: it may take over
-    wire::StandbyTableRequest request;
-    request.action = wire::kCaughtUp;
-    const std::string payload = wire::EncodeStandbyTable(request);
-    DLT_RETURN_IF_ERROR(
-        Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size()));
-    marked_ = true;
-  }
+  for (const auto& [table, ids] : changes) DLT_RETURN_IF_ERROR(SendChanges(table, ids));
+  if (changes.empty() && pushed.empty() && !copied) return OkStatus();
+  // The round's end: a caught-up standby applies its rows and ids now; after
+  // copies, the standby holds every table again and may take over.
+  wire::StandbyTableRequest end;
+  end.action = copied ? wire::kCaughtUp : wire::kRoundEnd;
+  end.config.assign(reinterpret_cast<const char*>(pushed.data()), pushed.size() * sizeof(PushId));
+  const std::string payload = wire::EncodeStandbyTable(end);
+  DLT_RETURN_IF_ERROR(
+      Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size()));
+  marked_ = true;
   return OkStatus();
 }
 

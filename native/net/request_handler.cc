@@ -2,6 +2,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
 
 #include "native/core/routing.h"
 #include "native/core/table_config.h"
@@ -187,8 +190,24 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
     return Respond(wire::Opcode::kAssign, id, wire::EncodePushReply(request.num_ids), reply);
   }
   if (push) {
-    s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
-    if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
+    if (request.identified) {
+      PushLedger& ledger = shard_->push_ledger();
+      Status first;
+      if (ledger.Begin(request.push_id, &first)) {
+        // Its rows and its id reach a standby in the same round.
+        std::shared_lock<WriterFirstLock> gate(ledger.gate());
+        s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
+        if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
+        ledger.End(request.push_id, s);
+      } else {  // sent again: applied before, here or on the primary this shard followed
+        counters_->repeated_pushes.fetch_add(1);
+        s = first;
+      }
+    } else {
+      s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
+      if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
+    }
+    if (!s.ok()) return fail(s, false);
     counters_->pushes.fetch_add(1);
     counters_->pushed_rows.fetch_add(request.num_ids);
     s = AwaitStandby();
@@ -242,8 +261,22 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
   if (header.opcode == wire::Opcode::kStandbyTable) {
     wire::StandbyTableRequest request;
     DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(payload, header.payload_bytes, &request));
-    if (request.action == wire::kCaughtUp) {
-      caught_up_.store(true);
+    if (request.action == wire::kRoundEnd || request.action == wire::kCaughtUp) {
+      if (request.config.size() % 16 != 0) {
+        return InvalidArgument("a round's push ids take 16 bytes each");
+      }
+      std::lock_guard<std::mutex> lock(staged_mu_);
+      for (const std::string& frame : staged_) {
+        wire::ReplicateRequest rows;
+        DLT_RETURN_IF_ERROR(wire::DecodeReplicate(reinterpret_cast<const uint8_t*>(frame.data()),
+                                                  frame.size(), &rows));
+        DLT_RETURN_IF_ERROR(ApplyRows(rows));
+      }
+      staged_.clear();
+      std::vector<PushId> ids(request.config.size() / 16);
+      if (!ids.empty()) std::memcpy(ids.data(), request.config.data(), request.config.size());
+      shard_->push_ledger().Insert(ids.data(), ids.size());
+      if (request.action == wire::kCaughtUp) caught_up_.store(true);
       return OkStatus();
     }
     TableConfig config;
@@ -259,6 +292,24 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
   }
   wire::ReplicateRequest request;
   DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &request));
+  *rows = request.rows;
+  if (caught_up_.load()) {
+    // A standby that may take over applies a round whole or not at all:
+    // its rows wait for the round's end, with the pushes' ids.
+    std::lock_guard<std::mutex> lock(staged_mu_);
+    staged_.emplace_back(reinterpret_cast<const char*>(payload), header.payload_bytes);
+    return OkStatus();
+  }
+  return ApplyRows(request);
+}
+
+void RequestHandler::set_standby(bool standby) {
+  std::lock_guard<std::mutex> lock(staged_mu_);
+  standby_.store(standby);
+  if (!standby) staged_.clear();  // a round its primary did not finish
+}
+
+Status RequestHandler::ApplyRows(const wire::ReplicateRequest& request) {
   std::shared_ptr<Table> table;
   DLT_RETURN_IF_ERROR(shard_->GetTable(request.table, &table));
   if (request.dim != table->dim() || request.slot_floats != table->slot_floats()) {
@@ -278,7 +329,6 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
   }
   if (request.removed) table->Erase(request.removed_ids, request.removed);
   table->SetPushClock(static_cast<uint32_t>(request.push_clock));
-  *rows = request.rows;
   return OkStatus();
 }
 

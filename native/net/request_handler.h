@@ -8,7 +8,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "native/core/shard.h"
 #include "native/core/status.h"
@@ -40,7 +42,8 @@ class RequestHandler {
   // A standby (docs/replication.md) takes StandbyTable and Replicate frames
   // from its primary and answers trainers' requests UNAVAILABLE (they go to
   // the primary); any other shard refuses those frames.
-  void set_standby(bool standby) { standby_.store(standby); }
+  // Taking over drops the rows of a round its primary did not finish.
+  void set_standby(bool standby);
   bool standby() const { return standby_.load(); }
   // A standby holds every table its primary had at some moment: the
   // primary said so after its copies; false again while a table is copied
@@ -74,6 +77,8 @@ class RequestHandler {
  private:
   // With a write listener: waits for it after a write was applied.
   Status AwaitStandby();
+  // Writes a Replicate frame's rows and removals.
+  Status ApplyRows(const wire::ReplicateRequest& request);
   // A standby's StandbyTable or Replicate frame.
   Status ApplyFromPrimary(const wire::FrameHeader& header, const uint8_t* payload, uint32_t* rows);
   std::shared_ptr<Shard> shard_;
@@ -83,6 +88,8 @@ class RequestHandler {
   std::atomic<bool> read_only_{false};
   std::atomic<bool> standby_{false};
   std::atomic<bool> caught_up_{false};
+  std::mutex staged_mu_;
+  std::vector<std::string> staged_;  // Replicate payloads of the round; guarded by staged_mu_
   std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;
 };

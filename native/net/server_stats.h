@@ -43,6 +43,8 @@ struct ServerCounters {
   std::atomic<uint64_t> pulled_rows{0};
   std::atomic<uint64_t> pushed_rows{0};
   std::atomic<uint64_t> assigned_rows{0};
+  // Identified pushes sent again and answered without applying them twice.
+  std::atomic<uint64_t> repeated_pushes{0};
   std::atomic<uint64_t> bytes_in{0};
   std::atomic<uint64_t> bytes_out{0};
   std::atomic<uint64_t> errors[17] = {};  // by Code

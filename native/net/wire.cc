@@ -36,9 +36,9 @@ std::string WordAndText(uint32_t word, const std::string& text) {
 }
 
 std::string TablePrefix(const std::string& table, uint32_t dim, uint32_t num_ids, uint8_t mode,
-                        float lr) {
+                        float lr, const PushId* id = nullptr) {
   std::string out;
-  out.reserve(kTableRequestFixed + PaddedNameBytes(table.size()));
+  out.reserve(kTableRequestFixed + PaddedNameBytes(table.size()) + (id ? 16 : 0));
   Append<uint32_t>(&out, dim);
   Append<uint32_t>(&out, num_ids);
   Append<uint16_t>(&out, static_cast<uint16_t>(table.size()));
@@ -47,6 +47,10 @@ std::string TablePrefix(const std::string& table, uint32_t dim, uint32_t num_ids
   Append<float>(&out, lr);
   out.append(table);
   out.resize(kTableRequestFixed + PaddedNameBytes(table.size()), '\0');
+  if (id != nullptr) {
+    Append<uint64_t>(&out, id->client);
+    Append<uint64_t>(&out, id->seq);
+  }
   return out;
 }
 
@@ -66,9 +70,10 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
     return InvalidArgument(std::string(op) + " reserved byte must be 0");
   }
   if (push) {
-    if (mode != 0) {
-      return InvalidArgument("Push flags byte must be 0, got " + std::to_string(mode));
+    if ((mode & ~kPushIdentified) != 0) {
+      return InvalidArgument("Push flags byte must be 0 or 1, got " + std::to_string(mode));
     }
+    r->identified = mode & kPushIdentified;
     r->learning_rate = Get<float>(p, 12);
   } else {
     if (mode > static_cast<uint8_t>(PullMode::kState)) {
@@ -83,7 +88,8 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
     return InvalidArgument(std::string(op) + " dim " + std::to_string(r->dim) +
                            " exceeds the maximum of " + std::to_string(kMaxDim));
   }
-  const size_t name_end = kTableRequestFixed + PaddedNameBytes(name_bytes);
+  const size_t name_end =
+      kTableRequestFixed + PaddedNameBytes(name_bytes) + (r->identified ? 16 : 0);
   const uint64_t row_bytes = uint64_t{8} + (push ? uint64_t{4} * r->dim : uint64_t{0});
   // Compared by division: the product of untrusted counts must never wrap.
   const bool fits = name_end <= bytes && (bytes - name_end) % row_bytes == 0 &&
@@ -96,10 +102,15 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
                            std::to_string(r->dim) + ") implies " + std::to_string(expected));
   }
   r->table.assign(reinterpret_cast<const char*>(p) + kTableRequestFixed, name_bytes);
-  for (size_t i = kTableRequestFixed + name_bytes; i < name_end; ++i) {
+  const size_t padded_end = kTableRequestFixed + PaddedNameBytes(name_bytes);
+  for (size_t i = kTableRequestFixed + name_bytes; i < padded_end; ++i) {
     if (p[i] != 0) {
       return InvalidArgument(std::string(op) + " table name padding must be 0");
     }
+  }
+  if (r->identified) {
+    r->push_id.client = Get<uint64_t>(p, padded_end);
+    r->push_id.seq = Get<uint64_t>(p, padded_end + 8);
   }
   r->ids = reinterpret_cast<const int64_t*>(p + name_end);
   r->grads = push ? reinterpret_cast<const float*>(p + name_end + size_t{8} * r->num_ids) : nullptr;
@@ -192,8 +203,8 @@ std::string EncodePullPrefix(const std::string& table, uint32_t dim, uint32_t nu
 }
 
 std::string EncodePushPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
-                             float learning_rate) {
-  return TablePrefix(table, dim, num_ids, 0, learning_rate);
+                             float learning_rate, const PushId* id) {
+  return TablePrefix(table, dim, num_ids, id ? kPushIdentified : 0, learning_rate, id);
 }
 
 Status DecodePullRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
@@ -213,6 +224,7 @@ Status DecodeAssignRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
   uint32_t reserved;
   std::memcpy(&reserved, p + 12, sizeof(reserved));
   if (reserved != 0) return InvalidArgument("Assign reserved word must be 0");
+  if (r->identified) return InvalidArgument("Assign flags byte must be 0");
   return OkStatus();
 }
 
@@ -223,9 +235,8 @@ std::string EncodeStandbyTable(const StandbyTableRequest& r) {
 Status DecodeStandbyTable(const uint8_t* p, size_t bytes, StandbyTableRequest* r) {
   if (bytes < 8) return InvalidArgument("StandbyTable payload is shorter than 8 bytes");
   r->action = Get<uint32_t>(p, 0);
-  if (r->action > kCaughtUp) {
-    return InvalidArgument("StandbyTable action must be 0, 1 or 2, got " +
-                           std::to_string(r->action));
+  if (r->action > kRoundEnd) {
+    return InvalidArgument("StandbyTable action must be 0 to 3, got " + std::to_string(r->action));
   }
   if (uint64_t{8} + Get<uint32_t>(p, 4) != bytes) {
     return InvalidArgument("StandbyTable config length does not match its payload");

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "native/core/pull_mode.h"
+#include "native/core/push_ledger.h"
 #include "native/core/status.h"
 
 namespace dlt {
@@ -87,8 +88,12 @@ Status DecodeHelloReply(const uint8_t* payload, size_t bytes, HelloReply* reply)
 // zero-padded table name.
 std::string EncodePullPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
                              PullMode mode);
+// With `id`, the push is identified (flags bit 0): the 16 bytes after the
+// name hold the client's id and the push's sequence number, and a shard
+// applies a push of an id only once (docs/replication.md).
+inline constexpr uint8_t kPushIdentified = 0x1;
 std::string EncodePushPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
-                             float learning_rate);
+                             float learning_rate, const PushId* id = nullptr);
 
 // A parsed Pull or Push request; pointers point into the payload.
 struct TableRequest {
@@ -97,6 +102,8 @@ struct TableRequest {
   uint32_t num_ids = 0;
   PullMode mode = PullMode::kInsert;  // Pull only
   float learning_rate = 0.0f;         // Push only
+  bool identified = false;            // Push only: push_id is set
+  PushId push_id;
   const int64_t* ids = nullptr;
   const float* grads = nullptr;  // Push only
 };
@@ -107,14 +114,20 @@ Status DecodePushRequest(const uint8_t* payload, size_t bytes, TableRequest* req
 std::string EncodeAssignPrefix(const std::string& table, uint32_t dim, uint32_t num_ids);
 Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* request);
 
-// StandbyTable: u32 action (kMakeTable: make the table afresh, empty,
-// replacing one of its name; kDropTable; kCaughtUp: every table made since
-// the last kMakeTable is copied whole, no config), u32 config bytes, then
-// the config as EncodeTableConfig's text. Answered with a Push reply (0
-// rows).
+// StandbyTable: u32 action, u32 bytes, then those bytes:
+//  - kMakeTable: make the table afresh, empty, replacing one of its name;
+//    the bytes are its config as EncodeTableConfig's text;
+//  - kDropTable: drop it (the same bytes);
+//  - kRoundEnd: the round's rows are all sent; the bytes are the ids of the
+//    pushes applied in it (16 bytes each). A caught-up standby applies a
+//    round's rows and ids together only here;
+//  - kCaughtUp: as kRoundEnd, and every table made since the last
+//    kMakeTable is copied whole: the standby may take over.
+// Answered with a Push reply (0 rows).
 inline constexpr uint32_t kMakeTable = 0;
 inline constexpr uint32_t kDropTable = 1;
 inline constexpr uint32_t kCaughtUp = 2;
+inline constexpr uint32_t kRoundEnd = 3;
 struct StandbyTableRequest {
   uint32_t action = kMakeTable;
   std::string config;  // EncodeTableConfig; for kDropTable only the name matters

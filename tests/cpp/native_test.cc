@@ -113,7 +113,7 @@ DLT_TEST(TestBucketRanges) {
 DLT_TEST(TestFramesGolden) {
   std::map<std::string, std::string> golden;
   for (const auto& r : ReadRows("frames_golden.txt")) golden[r[0]] = r[1];
-  EXPECT(golden.size() == 10);
+  EXPECT(golden.size() == 11);
   wire::HelloRequest hello;
   hello.token = "secret";
   EXPECT(Hex(Frame(wire::Opcode::kHello, 0, 1, wire::EncodeHelloRequest(hello))) ==
@@ -148,6 +148,20 @@ DLT_TEST(TestFramesGolden) {
                    wire::EncodeAssignPrefix("emb", 2, 1) + Bytes(std::vector<int64_t>{5}) +
                        Bytes(std::vector<float>{1.5f, -2.0f}))) == golden["assign_request"]);
   EXPECT(Hex(Frame(wire::Opcode::kPush, 1, 3, wire::EncodePushReply(2))) == golden["push_reply"]);
+  {  // a push with an id, applied once however often it is sent
+    const PushId id{42, 7};
+    const std::string frame =
+        Frame(wire::Opcode::kPush, 0, 8,
+              wire::EncodePushPrefix("emb", 2, 1, 0.5f, &id) + Bytes(std::vector<int64_t>{5}) +
+                  Bytes(std::vector<float>{1.0f, -1.0f}));
+    EXPECT(Hex(frame) == golden["push_request_identified"]);
+    wire::TableRequest back;
+    EXPECT_OK(
+        wire::DecodePushRequest(reinterpret_cast<const uint8_t*>(frame.data()) + wire::kHeaderBytes,
+                                frame.size() - wire::kHeaderBytes, &back));
+    EXPECT(back.identified && back.push_id == id && back.num_ids == 1 && back.ids[0] == 5);
+    EXPECT(back.grads[1] == -1.0f);
+  }
   {  // a primary's rows for its standby (docs/replication.md)
     const int64_t row_ids[] = {5}, removed[] = {7};
     const uint32_t steps[] = {3}, touched[] = {9};

@@ -15,6 +15,7 @@ scrape from the shard's own counters, so nothing is counted twice:
   (rows made by training; pushed ids not admitted; rows removed by ttl
   sweeps, by max_rows eviction, by shrink);
 - tf_dlt_pulls_total, tf_dlt_pushes_total, tf_dlt_{pulled,pushed,assigned}_rows_total,
+  tf_dlt_repeated_pushes_total (pushes sent again and not applied twice),
   tf_dlt_bytes_{received,sent}_total: counters (per-second rates in PromQL:
   rate(tf_dlt_pulls_total[1m]));
 - tf_dlt_errors_total {code}: errors answered, by canonical code;
@@ -135,6 +136,8 @@ class ShardCollector:
             ("tf_dlt_pulled_rows", "pulled_rows", "Rows pulled"),
             ("tf_dlt_pushed_rows", "pushed_rows", "Rows pushed"),
             ("tf_dlt_assigned_rows", "assigned_rows", "Rows assigned"),
+            ("tf_dlt_repeated_pushes", "repeated_pushes",
+             "Pushes sent again, answered without applying them twice"),
             ("tf_dlt_bytes_received", "bytes_in", "Data-plane bytes received"),
             ("tf_dlt_bytes_sent", "bytes_out", "Data-plane bytes sent"),
             ("tf_dlt_connections_accepted", "connections_accepted", "Connections accepted"),

@@ -1,0 +1,93 @@
+#include "native/core/push_ledger.h"
+
+namespace dlt {
+
+void WriterFirstLock::lock_shared() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !writer_ && writers_waiting_ == 0; });
+  ++readers_;
+}
+
+void WriterFirstLock::unlock_shared() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--readers_ == 0) cv_.notify_all();
+}
+
+void WriterFirstLock::lock() {
+  std::unique_lock<std::mutex> lock(mu_);
+  ++writers_waiting_;
+  cv_.wait(lock, [&] { return !writer_ && readers_ == 0; });
+  --writers_waiting_;
+  writer_ = true;
+}
+
+void WriterFirstLock::unlock() {
+  std::lock_guard<std::mutex> lock(mu_);
+  writer_ = false;
+  cv_.notify_all();
+}
+
+bool PushLedger::Begin(const PushId& id, Status* status) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) {
+      entries_.emplace(id, Entry{});
+      return true;
+    }
+    if (it->second.done) {
+      *status = it->second.status;
+      return false;
+    }
+    cv_.wait(lock);  // the same push, in progress on another connection
+  }
+}
+
+void PushLedger::End(const PushId& id, const Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RecordLocked(id, status);
+  if (tracked_) applied_.push_back(id);
+  cv_.notify_all();
+}
+
+void PushLedger::Abandon(const PushId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.erase(id);
+  cv_.notify_all();
+}
+
+void PushLedger::RecordLocked(const PushId& id, const Status& status) {
+  Entry& e = entries_[id];
+  if (!e.done) order_.push_back(id);
+  e.done = true;
+  e.status = status;
+  while (order_.size() > kCapacity) {
+    entries_.erase(order_.front());
+    order_.pop_front();
+  }
+}
+
+void PushLedger::set_tracked(bool tracked) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tracked_ = tracked;
+  if (!tracked) std::vector<PushId>().swap(applied_);
+}
+
+void PushLedger::TakeApplied(std::vector<PushId>* ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ids->swap(applied_);
+  applied_.clear();
+}
+
+void PushLedger::Insert(const PushId* ids, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) RecordLocked(ids[i], OkStatus());
+  cv_.notify_all();
+}
+
+size_t PushLedger::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return order_.size();
+}
+
+}  // namespace dlt

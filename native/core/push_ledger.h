@@ -1,0 +1,95 @@
+// The pushes a shard applied, by id (a client's id and its push's sequence
+// number): a push sent again, because its reply was lost or its primary was
+// replaced by a standby, is answered with what it returned the first time
+// instead of being applied twice (docs/replication.md). The row stream
+// carries the ids with the rows, so a standby that takes over knows them.
+#ifndef TF_DLT_NATIVE_CORE_PUSH_LEDGER_H_
+#define TF_DLT_NATIVE_CORE_PUSH_LEDGER_H_
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "native/core/status.h"
+
+namespace dlt {
+
+struct PushId {
+  uint64_t client = 0;
+  uint64_t seq = 0;
+  bool operator==(const PushId& o) const { return client == o.client && seq == o.seq; }
+};
+static_assert(sizeof(PushId) == 16, "push ids travel as 16 bytes");
+
+// A shared lock that a waiting exclusive holder gets before new shared
+// ones (std::shared_mutex may keep a writer waiting while readers come and go).
+class WriterFirstLock {
+ public:
+  void lock_shared();
+  void unlock_shared();
+  void lock();
+  void unlock();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int readers_ = 0;          // guarded by mu_
+  int writers_waiting_ = 0;  // guarded by mu_
+  bool writer_ = false;      // guarded by mu_
+};
+
+class PushLedger {
+ public:
+  // Ids remembered (about 80 bytes each): a retry comes within a request
+  // deadline (30 s), within this many pushes at up to ~8,000 frames/s.
+  static constexpr size_t kCapacity = size_t{1} << 18;
+
+  // Before applying push `id`: true when the caller applies it now (then
+  // it must call End); false when it was applied before (*status: what it
+  // returned). Waits while the same id is being applied by another request.
+  bool Begin(const PushId& id, Status* status);
+  // Push `id` was applied (or failed with `status` after applying part).
+  void End(const PushId& id, const Status& status);
+  // A push that changed nothing (refused before applying): forgets it.
+  void Abandon(const PushId& id);
+
+  // Identified pushes hold this shared from before they apply until End;
+  // the row stream holds it alone while it takes the tables' change logs
+  // and TakeApplied, so it sees each push's rows and id together.
+  WriterFirstLock& gate() { return gate_; }
+  // While tracked (a standby is replicated to), the ids End recorded since
+  // the last call; caller holds gate() alone.
+  void set_tracked(bool tracked);
+  void TakeApplied(std::vector<PushId>* ids);
+  // A standby records the ids its primary applied (as applied, OK).
+  void Insert(const PushId* ids, size_t n);
+  size_t size() const;
+
+ private:
+  struct Hash {
+    size_t operator()(const PushId& id) const {
+      return static_cast<size_t>(id.client * 0x9e3779b97f4a7c15ULL ^ id.seq);
+    }
+  };
+  struct Entry {
+    bool done = false;
+    Status status;
+  };
+  void RecordLocked(const PushId& id, const Status& status);
+
+  WriterFirstLock gate_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<PushId, Entry, Hash> entries_;  // guarded by mu_
+  std::deque<PushId> order_;                         // done ids, oldest first; guarded by mu_
+  bool tracked_ = false;                             // guarded by mu_
+  std::vector<PushId> applied_;                      // guarded by mu_
+};
+
+}  // namespace dlt
+
+#endif  // TF_DLT_NATIVE_CORE_PUSH_LEDGER_H_
