@@ -265,14 +265,17 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
       if (request.config.size() % 16 != 0) {
         return InvalidArgument("a round's push ids take 16 bytes each");
       }
-      std::lock_guard<std::mutex> lock(staged_mu_);
-      for (const std::string& frame : staged_) {
+      std::vector<std::string> staged;
+      {
+        std::lock_guard<std::mutex> lock(staged_mu_);
+        staged.swap(staged_);  // applied now, or (on an error) never
+      }
+      for (const std::string& frame : staged) {
         wire::ReplicateRequest rows;
         DLT_RETURN_IF_ERROR(wire::DecodeReplicate(reinterpret_cast<const uint8_t*>(frame.data()),
                                                   frame.size(), &rows));
         DLT_RETURN_IF_ERROR(ApplyRows(rows));
       }
-      staged_.clear();
       std::vector<PushId> ids(request.config.size() / 16);
       if (!ids.empty()) std::memcpy(ids.data(), request.config.data(), request.config.size());
       shard_->push_ledger().Insert(ids.data(), ids.size());
@@ -286,7 +289,13 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
       return dropped.code() == Code::kNotFound ? OkStatus() : dropped;
     }
     DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
-    caught_up_.store(false);  // until this table is copied whole
+    {
+      // Until this table is copied whole; rows of an unfinished round (a
+      // connection lost) are older than the copy.
+      std::lock_guard<std::mutex> lock(staged_mu_);
+      caught_up_.store(false);
+      staged_.clear();
+    }
     shard_->InstallTables({shard_->NewTable(config)});
     return OkStatus();
   }

@@ -13,6 +13,7 @@
 
 #include "native/core/shard.h"
 #include "native/core/table.h"
+#include "native/core/table_config.h"
 #include "native/net/client.h"
 #include "native/net/data_server.h"
 #include "native/net/frame_call.h"
@@ -383,6 +384,83 @@ Status PushOnce(const std::string& address, const PushId& id, const int64_t* ids
   }
   net::CloseFd(fd);
   return s;
+}
+
+// Frames a primary sends, by hand, on one replica connection to `address`.
+struct ReplicaLink {
+  int fd = -1;
+  uint64_t next_id = 1;
+  explicit ReplicaLink(const std::string& address) {
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    EXPECT_OK(net::Connect(address, deadline, &fd));
+    const std::string hello = wire::EncodeHelloRequest(wire::HelloRequest{});
+    EXPECT_OK(Call(wire::Opcode::kHello, hello, wire::kFlagReplica));
+  }
+  ~ReplicaLink() { net::CloseFd(fd); }
+  Status Call(wire::Opcode op, const std::string& payload, uint16_t flags = 0) {
+    std::string reply;
+    return net::CallFrame(fd, op, next_id++, payload.data(), payload.size(), 4096,
+                          Clock::now() + std::chrono::seconds(10), &reply, flags);
+  }
+  Status Table(uint32_t action, const std::string& bytes) {
+    wire::StandbyTableRequest r;
+    r.action = action;
+    r.config = bytes;
+    return Call(wire::Opcode::kStandbyTable, wire::EncodeStandbyTable(r));
+  }
+  Status Rows(const std::vector<int64_t>& ids, float value) {
+    const std::vector<float> values(ids.size() * 4, value), slots(ids.size() * 4, 0.1f);
+    const std::vector<uint32_t> steps(ids.size(), 1), touched(ids.size(), 1);
+    wire::ReplicateRequest r;
+    r.table = "emb";
+    r.dim = 4;
+    r.slot_floats = 4;
+    r.rows = static_cast<uint32_t>(ids.size());
+    r.ids = ids.data();
+    r.steps = steps.data();
+    r.touched = touched.data();
+    r.values = values.data();
+    r.slots = slots.data();
+    std::string payload(wire::ReplicateBytes(3, 4, ids.size(), 0, 4), '\0');
+    wire::EncodeReplicate(r, reinterpret_cast<uint8_t*>(&payload[0]));
+    return Call(wire::Opcode::kReplicate, payload);
+  }
+};
+
+DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
+  Pair pair;
+  const std::string config = EncodeTableConfig(AdagradConfig("emb", 4));
+  auto rows_of = [&] { return TableOf(*pair.standby, "emb")->size(); };
+  {
+    ReplicaLink link(Address(*pair.standby_server));
+    EXPECT_OK(link.Table(wire::kMakeTable, config));
+    EXPECT_OK(link.Rows({1, 2}, 0.5f));  // copying: applied as they come
+    EXPECT(rows_of() == 2);
+    EXPECT_OK(link.Table(wire::kCaughtUp, ""));
+    EXPECT(pair.standby_server->standby_caught_up());
+    EXPECT_OK(link.Rows({3}, 0.5f));  // a round: applied at its end
+    EXPECT(rows_of() == 2);
+    const PushId pushed{9, 1};
+    EXPECT_OK(link.Table(wire::kRoundEnd,
+                         std::string(reinterpret_cast<const char*>(&pushed), sizeof(pushed))));
+    EXPECT(rows_of() == 3);
+    Status first;
+    EXPECT(!pair.standby->push_ledger().Begin(pushed, &first));  // known with its rows
+    EXPECT_OK(link.Rows({4}, 0.5f));  // a round the connection does not finish
+  }
+  {
+    // The next connection copies afresh: the unfinished round is dropped,
+    // never applied on top of the copy.
+    ReplicaLink link(Address(*pair.standby_server));
+    EXPECT_OK(link.Table(wire::kMakeTable, config));
+    EXPECT(!pair.standby_server->standby_caught_up());
+    EXPECT_OK(link.Rows({1}, 0.5f));
+    EXPECT_OK(link.Table(wire::kCaughtUp, ""));
+    EXPECT(rows_of() == 1);
+    EXPECT_OK(link.Rows({5}, 0.5f));
+  }
+  pair.standby_server->set_standby(false);  // taking over drops an unfinished round too
+  EXPECT(rows_of() == 1);
 }
 
 DLT_TEST(TestAPushSentAgainIsAppliedOnceEvenAfterATakeover) {

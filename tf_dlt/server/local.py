@@ -51,6 +51,7 @@ class LocalCluster:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []  # per shard: "primary|standby|..."
         self.process_addresses: list[str] = []  # per process
+        self._extra: list[list[str]] = []  # per process: its own flags (--standby-of)
         self.admin_ports: list[int] = []  # per process
         # Prometheus ports (0 where a shard serves no metrics: --metrics-port).
         self.metrics_ports: list[int] = []
@@ -74,6 +75,7 @@ class LocalCluster:
                 first = len(self.processes)
                 for shard in range(self.num_shards):
                     extra = ["--standby-of", self.process_addresses[shard]] if replica else []
+                    self._extra.append(extra)
                     self.processes.append(self._spawn(first + shard, extra))
                 for p in range(first, first + self.num_shards):
                     data, admin, metrics_port = self._wait_for_ports(p, self.processes[p])
@@ -116,14 +118,15 @@ class LocalCluster:
 
     def restart(self, process: int, *server_args: str) -> None:
         """Starts process `process` again on the same ports (as a Kubernetes
-        pod keeps its name), with extra flags (e.g. "--load-from", path);
-        waits until it serves."""
+        pod keeps its name), with its own flags (a standby's --standby-of)
+        and extra ones (e.g. "--load-from", path); waits until it serves."""
         if self._stopped:
             raise RuntimeError("the cluster was stopped")
         if self.processes[process].poll() is None:
             raise RuntimeError(f"process {process} is still running")
         data = int(self.process_addresses[process].rsplit(":", 1)[1])
-        self.processes[process] = self._spawn(process, server_args, data, self.admin_ports[process])
+        extra = [*self._extra[process], *server_args]
+        self.processes[process] = self._spawn(process, extra, data, self.admin_ports[process])
         self._wait_for_ports(process, self.processes[process])
 
     def _wait_for_ports(self, process: int, proc: subprocess.Popen[bytes]) -> tuple[int, int, int]:
