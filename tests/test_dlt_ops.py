@@ -285,7 +285,8 @@ def stalled_shard() -> Iterator[str]:
                 continue
             conns.append(conn)
             frames.read_frame(conn)
-            reply = struct.pack("<6I", 1, 0, 1, 4096, 0, 1 << 20)
+            # The fixed part, then the topology part clients ask for: epoch 1, no standbys.
+            reply = struct.pack("<6IQI", 1, 0, 1, 4096, 0, 1 << 20, 1, 0)
             conn.sendall(frames.frame(frames.HELLO, 0, reply, frames.RESPONSE))
 
     thread = threading.Thread(target=serve, daemon=True)

@@ -62,15 +62,28 @@ def test_a_standby_takes_over_with_every_acknowledged_row(replicated: LocalClust
     after = client.pull("emb", ids)  # waits for the standby to take over
     np.testing.assert_array_equal(before, after)
     stats = _stats(cluster, 1)
-    assert stats["role"] == "primary" and stats["takeovers"] == 1
+    assert stats["role"] == "primary" and stats["takeovers"] == 1 and stats["epoch"] == 2
     # Training goes on against the new primary; the other shard's standby
     # still follows its primary.
     client.push("emb", ids[:64], np.ones((64, DIM), np.float32), 0.1)
     assert not np.array_equal(client.pull("emb", ids[:64]), after[:64])
     assert _stats(cluster, 0)["standbys"][0]["connected"]
     text = cluster_stats.format_stats(client.stats(), cluster.addresses)
-    assert "shard 1: took over from its primary" in text
+    assert "shard 1: took over from its primary (epoch 2)" in text
     assert re.search(r"shard 0: sync standby 127\.0\.0\.1:\d+: caught up, \d+ rows sent", text)
+
+
+def test_clients_given_only_the_primaries_learn_the_standbys(replicated: LocalCluster) -> None:
+    cluster = replicated
+    client = tf_dlt.Client(cluster.process_addresses[:2])  # no standby listed
+    client.create_table("emb", DIM, optimizer="adagrad")
+    ids = np.arange(500, dtype=np.int64)
+    client.push("emb", ids, np.ones((500, DIM), np.float32), 0.1)
+    before = client.pull("emb", ids)
+    cluster.kill(1)
+    np.testing.assert_array_equal(client.pull("emb", ids), before)
+    client.push("emb", ids, np.ones((500, DIM), np.float32), 0.1)  # goes on, applied once
+    assert _stats(cluster, 1)["pushes"] == 1  # the standby's own: the one after the kill
 
 
 def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCluster) -> None:

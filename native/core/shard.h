@@ -56,6 +56,11 @@ class Shard {
 
   // The pushes this shard applied, by id (docs/replication.md).
   PushLedger& push_ledger() { return push_ledger_; }
+  // Which copy of the shard this is (docs/replication.md): 1 for one that
+  // began as a primary; a standby holds its primary's and takes one more
+  // when it takes over. Clients refuse a shard older than one they met.
+  uint64_t epoch() const { return epoch_.load(); }
+  void set_epoch(uint64_t epoch) { epoch_.store(epoch); }
 
   // Checks that every id routes to this shard; INVALID_ARGUMENT otherwise.
   Status CheckOwnership(const int64_t* ids, size_t n) const;
@@ -124,6 +129,7 @@ class Shard {
   mutable std::shared_mutex mu_;
   std::map<std::string, std::shared_ptr<Table>> tables_;  // guarded by mu_
   PushLedger push_ledger_;
+  std::atomic<uint64_t> epoch_{1};
 
   std::mutex sweeper_mu_;
   std::condition_variable sweeper_cv_;

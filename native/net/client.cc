@@ -36,7 +36,7 @@ Client::Client(std::vector<std::string> addresses, ClientOptions options)
       from = bar + 1;
     }
     st.address = st.addresses.front();
-    has_standbys_ |= st.addresses.size() > 1;
+    if (st.addresses.size() > 1) has_standbys_.store(true);
   }
   std::random_device random;
   client_id_ = (uint64_t{random()} << 32) ^ random() ^
@@ -381,12 +381,15 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   }
   std::vector<std::vector<uint32_t>> groups;
   DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
+  // After the Hellos: whether pushes carry ids (and may be sent again).
+  const bool identified = opcode == wire::Opcode::kPush && has_standbys_.load();
   // Each shard's ids and rows in request order, gathered by the thread that
   // sends them.
   CallCopies own;
   CallCopies& copies = CopiesFor(n * (sizeof(int64_t) + sizeof(float) * dim), own);
   std::vector<Call> calls;
-  const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
+  const size_t prefix_bytes =
+      wire::kTableRequestFixed + wire::PaddedNameBytes(table.size()) + (identified ? 16 : 0);
   const size_t touched = Touched(groups);
   const size_t row_bytes = sizeof(float) * dim;
   for (size_t s = 0; s < shards_.size(); ++s) {
@@ -426,7 +429,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
             const PushId id{client_id_, next_push_seq_.fetch_add(1)};
             fr.prefix = opcode == wire::Opcode::kPush
                             ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count),
-                                                     learning_rate, has_standbys_ ? &id : nullptr)
+                                                     learning_rate, identified ? &id : nullptr)
                             : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
             fr.body[0] = ids_ptr + begin;
             fr.body_bytes[0] = count * 8;
@@ -446,7 +449,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   }
   bool any_reused = false;
   Status sent = Exchange(&calls, op, &any_reused);
-  if (opcode != wire::Opcode::kPush || !has_standbys_) return sent;
+  if (!identified) return sent;
   // A shard's primary died or lost its standby: the same frames again, to
   // whichever address greets, until the deadline. Frames a shard applied
   // before are answered without being applied twice (their ids).

@@ -45,10 +45,12 @@ struct ClientOptions {
   int pull_retries = 3;
   int retry_backoff_ms = 50;
   // A shard's address may list its standbys after its primary, "a|b"
-  // (docs/replication.md): a connection goes to the first of them that
-  // greets a trainer (a standby does once it took over), and pulls to such
-  // shards are retried until the request deadline, pausing at most
-  // kFailoverBackoffMs.
+  // (docs/replication.md), and a primary names its standbys in its Hello:
+  // a connection goes to the first of them that greets a trainer (a
+  // standby does once it took over) and is not older (by epoch) than a copy
+  // met before; the first greeting of such a shard takes the newest copy.
+  // Pulls and pushes to such shards are retried until the request
+  // deadline, pausing at most kFailoverBackoffMs.
   // Threads (the calling one included) that exchange a large call's parts
   // with the shards at once, each on a connection of its own: a shard's part
   // of at least 2 MiB is split over several; a smaller part of 4,096 rows or
@@ -129,9 +131,14 @@ class Client {
   // Connects to the shard's current address, else to its others in order
   // (those that are down or standbys answer UNAVAILABLE).
   Status Connect(size_t shard, int* fd);
-  Status ConnectTo(size_t shard, const std::string& address, int* fd);
+  Status ConnectTo(size_t shard, const std::string& address, int* fd, wire::HelloReply* reply);
   void Release(size_t shard, Conn conn);
-  Status Hello(size_t shard, int fd);
+  // Says Hello on `fd` (to `address`): checks the shard's place, refuses
+  // (UNAVAILABLE) a copy older than one met before, learns the standbys it
+  // names.
+  Status Hello(size_t shard, const std::string& address, int fd, wire::HelloReply* reply);
+  // Uses `address` for `shard` from now on, with what its Hello said.
+  void Adopt(size_t shard, const std::string& address, const wire::HelloReply& reply);
   uint32_t FrameLimit(size_t shard);
   // Greets every shard (once) and groups the positions of `ids` by shard;
   // with `repeats`, each distinct id once (GroupByShard in client.cc).
@@ -169,7 +176,7 @@ class Client {
 
   const ClientOptions options_;
   std::vector<std::unique_ptr<ShardState>> shards_;
-  bool has_standbys_ = false;  // some shard lists standbys
+  std::atomic<bool> has_standbys_{false};  // some shard lists standbys (given or learned)
   // Ids of pushes to shards with standbys: this client's, and the next frame's.
   uint64_t client_id_ = 0;
   std::atomic<uint64_t> next_push_seq_{1};

@@ -22,6 +22,7 @@ struct Client::ShardState {
   std::string address;     // the one last connected to (first: the primary); guarded by mu
   std::vector<Conn> idle;  // guarded by mu
   bool greeted = false;    // guarded by mu
+  uint64_t epoch = 0;      // the newest copy's met; guarded by mu
   ShardInfo info;          // guarded by mu
 };
 

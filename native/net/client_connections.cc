@@ -21,38 +21,65 @@ namespace dlt {
 
 using net::Clock;
 
-Status Client::Hello(size_t shard, int fd) {
+Status Client::Hello(size_t shard, const std::string& address, int fd, wire::HelloReply* reply) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   wire::HelloRequest request;
   request.token = options_.auth_token;
   const std::string payload = wire::EncodeHelloRequest(request);
   std::string body;
-  DLT_RETURN_IF_ERROR(net::CallFrame(fd, wire::Opcode::kHello, 0, payload.data(), payload.size(),
-                                     wire::kHelloReplyBytes, deadline, &body));
+  DLT_RETURN_IF_ERROR(
+      net::CallFrame(fd, wire::Opcode::kHello, 0, payload.data(), payload.size(),
+                     wire::kHelloReplyBytes + wire::kHelloTopologyFixed + wire::kMaxStandbysBytes,
+                     deadline, &body, wire::kFlagTopology));
   const auto* p = reinterpret_cast<const uint8_t*>(body.data());
-  wire::HelloReply reply;
-  DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(p, body.size(), &reply));
-  if (reply.num_buckets != kNumBuckets) {
-    return FailedPrecondition("server routes over " + std::to_string(reply.num_buckets) +
+  DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(p, body.size(), reply, /*topology=*/true));
+  if (reply->num_buckets != kNumBuckets) {
+    return FailedPrecondition("server routes over " + std::to_string(reply->num_buckets) +
                               " buckets, this client over " + std::to_string(kNumBuckets));
   }
-  if (reply.num_shards != shards_.size() || reply.shard_index != shard) {
-    return FailedPrecondition("server says it is shard " + std::to_string(reply.shard_index) +
-                              " of " + std::to_string(reply.num_shards) +
+  if (reply->num_shards != shards_.size() || reply->shard_index != shard) {
+    return FailedPrecondition("server says it is shard " + std::to_string(reply->shard_index) +
+                              " of " + std::to_string(reply->num_shards) +
                               ", but the client lists it as shard " + std::to_string(shard) +
                               " of " + std::to_string(shards_.size()) +
                               "; list the shard addresses in shard-index order");
   }
   ShardState& st = *shards_[shard];
   std::lock_guard<std::mutex> lock(st.mu);
-  st.info.address = st.address;
+  if (reply->epoch < st.epoch) {
+    // A primary that came back after its standby took over, or one cut off
+    // from clients that moved on: never the copy to use.
+    return Unavailable("shard " + std::to_string(shard) + " at " + address + " is at epoch " +
+                       std::to_string(reply->epoch) + ", older than epoch " +
+                       std::to_string(st.epoch) + " this client met: its standby took over");
+  }
+  st.epoch = reply->epoch;
+  // Standbys the primary names, after those the client was given.
+  for (size_t from = 0; from < reply->standbys.size();) {
+    size_t bar = reply->standbys.find('|', from);
+    if (bar == std::string::npos) bar = reply->standbys.size();
+    const std::string standby = reply->standbys.substr(from, bar - from);
+    if (!standby.empty() &&
+        std::find(st.addresses.begin(), st.addresses.end(), standby) == st.addresses.end()) {
+      st.addresses.push_back(standby);
+      has_standbys_.store(true);
+    }
+    from = bar + 1;
+  }
+  return OkStatus();
+}
+
+void Client::Adopt(size_t shard, const std::string& address, const wire::HelloReply& reply) {
+  ShardState& st = *shards_[shard];
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.address = address;
+  st.info.address = address;
   st.info.shard_index = reply.shard_index;
   st.info.num_shards = reply.num_shards;
   st.info.admin_port = reply.admin_port;
   st.info.max_frame_bytes = reply.max_frame_bytes;
   st.greeted = true;
-  return OkStatus();
 }
 
 namespace {
@@ -103,26 +130,63 @@ Status Client::Acquire(size_t shard, Conn* conn) {
 
 Status Client::Connect(size_t shard, int* out_fd) {
   ShardState& st = *shards_[shard];
+  std::vector<std::string> addresses;
   std::string current;
+  bool first;
   {
     std::lock_guard<std::mutex> lock(st.mu);
+    addresses = st.addresses;
     current = st.address;
+    first = !st.greeted;
   }
-  Status s = ConnectTo(shard, current, out_fd);
-  for (const std::string& other : st.addresses) {
+  wire::HelloReply reply;
+  if (first && addresses.size() > 1) {
+    // The first greeting of a shard with standbys: the newest copy that
+    // greets wins (a primary that came back empty after its standby took
+    // over is older than that standby).
+    int best = -1;
+    uint64_t best_epoch = 0;
+    Status last = Unavailable("no address greets");
+    for (const std::string& address : addresses) {
+      int fd = -1;
+      wire::HelloReply r;
+      const Status s = ConnectTo(shard, address, &fd, &r);
+      if (!s.ok()) {
+        if (s.code() != Code::kUnavailable) {
+          if (best >= 0) net::CloseFd(best);
+          return s;
+        }
+        last = s;
+        continue;
+      }
+      if (best >= 0 && r.epoch <= best_epoch) {
+        net::CloseFd(fd);
+        continue;
+      }
+      if (best >= 0) net::CloseFd(best);
+      best = fd;
+      best_epoch = r.epoch;
+      reply = r;
+      current = address;
+    }
+    if (best < 0) return last;
+    Adopt(shard, current, reply);
+    *out_fd = best;
+    return OkStatus();
+  }
+  Status s = ConnectTo(shard, current, out_fd, &reply);
+  if (s.ok()) Adopt(shard, current, reply);
+  for (const std::string& other : addresses) {
     if (s.ok() || s.code() != Code::kUnavailable) break;
     if (other == current) continue;
-    s = ConnectTo(shard, other, out_fd);
-    if (s.ok()) {
-      std::lock_guard<std::mutex> lock(st.mu);
-      st.address = other;
-      st.info.address = other;
-    }
+    s = ConnectTo(shard, other, out_fd, &reply);
+    if (s.ok()) Adopt(shard, other, reply);
   }
   return s;
 }
 
-Status Client::ConnectTo(size_t shard, const std::string& address, int* out_fd) {
+Status Client::ConnectTo(size_t shard, const std::string& address, int* out_fd,
+                         wire::HelloReply* reply) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   int backoff_ms = options_.retry_backoff_ms;
@@ -136,7 +200,7 @@ Status Client::ConnectTo(size_t shard, const std::string& address, int* out_fd) 
       }
       return s.WithContext("connect");
     }
-    s = Hello(shard, fd);
+    s = Hello(shard, address, fd, reply);
     if (s.ok()) {
       *out_fd = fd;
       return OkStatus();

@@ -84,6 +84,7 @@ class DataServer {
   void set_standby(bool standby) { handler_.set_standby(standby); }
   bool standby() const { return handler_.standby(); }
   bool standby_caught_up() const { return handler_.standby_caught_up(); }
+  void set_standbys(const std::string& standbys) { handler_.set_standbys(standbys); }
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     handler_.set_write_listener(std::move(listener));
   }

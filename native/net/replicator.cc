@@ -244,7 +244,9 @@ Status Replicator::Round() {
   // copies, the standby holds every table again and may take over.
   wire::StandbyTableRequest end;
   end.action = copied ? wire::kCaughtUp : wire::kRoundEnd;
-  end.config.assign(reinterpret_cast<const char*>(pushed.data()), pushed.size() * sizeof(PushId));
+  const uint64_t epoch = shard_->epoch();
+  end.config.assign(reinterpret_cast<const char*>(&epoch), sizeof(epoch));
+  end.config.append(reinterpret_cast<const char*>(pushed.data()), pushed.size() * sizeof(PushId));
   const std::string payload = wire::EncodeStandbyTable(end);
   DLT_RETURN_IF_ERROR(
       Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size()));

@@ -131,7 +131,13 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
     out.num_buckets = kNumBuckets;
     out.admin_port = admin_port_.load();
     out.max_frame_bytes = max_frame_bytes_;
-    return Respond(wire::Opcode::kHello, id, wire::EncodeHelloReply(out), reply);
+    out.epoch = shard_->epoch();
+    {
+      std::lock_guard<std::mutex> lock(staged_mu_);
+      out.standbys = standbys_;
+    }
+    return Respond(wire::Opcode::kHello, id,
+                   wire::EncodeHelloReply(out, header.flags & wire::kFlagTopology), reply);
   }
   if (!*authenticated) {
     return fail(Unauthenticated("the first frame on a connection must be Hello"), true);
@@ -262,8 +268,8 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
     wire::StandbyTableRequest request;
     DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(payload, header.payload_bytes, &request));
     if (request.action == wire::kRoundEnd || request.action == wire::kCaughtUp) {
-      if (request.config.size() % 16 != 0) {
-        return InvalidArgument("a round's push ids take 16 bytes each");
+      if (request.config.size() < 8 || (request.config.size() - 8) % 16 != 0) {
+        return InvalidArgument("a round's end holds the primary's epoch and 16 bytes a push id");
       }
       std::vector<std::string> staged;
       {
@@ -276,9 +282,12 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
                                                   frame.size(), &rows));
         DLT_RETURN_IF_ERROR(ApplyRows(rows));
       }
-      std::vector<PushId> ids(request.config.size() / 16);
-      if (!ids.empty()) std::memcpy(ids.data(), request.config.data(), request.config.size());
+      uint64_t epoch;
+      std::memcpy(&epoch, request.config.data(), sizeof(epoch));
+      std::vector<PushId> ids((request.config.size() - 8) / 16);
+      if (!ids.empty()) std::memcpy(ids.data(), request.config.data() + 8, ids.size() * 16);
       shard_->push_ledger().Insert(ids.data(), ids.size());
+      shard_->set_epoch(epoch);  // its primary's, until it takes over
       if (request.action == wire::kCaughtUp) caught_up_.store(true);
       return OkStatus();
     }
@@ -314,8 +323,11 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
 
 void RequestHandler::set_standby(bool standby) {
   std::lock_guard<std::mutex> lock(staged_mu_);
-  standby_.store(standby);
-  if (!standby) staged_.clear();  // a round its primary did not finish
+  const bool took_over = standby_.exchange(standby) && !standby;
+  if (took_over) {
+    staged_.clear();                         // a round its primary did not finish
+    shard_->set_epoch(shard_->epoch() + 1);  // newer than the primary it replaces
+  }
 }
 
 Status RequestHandler::ApplyRows(const wire::ReplicateRequest& request) {

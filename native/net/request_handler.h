@@ -49,6 +49,12 @@ class RequestHandler {
   // primary said so after its copies; false again while a table is copied
   // afresh. Only such a standby may take over.
   bool standby_caught_up() const { return caught_up_.load(); }
+  // The addresses of this primary's standbys ('|' between them), told to
+  // clients in the Hello's topology part.
+  void set_standbys(const std::string& standbys) {
+    std::lock_guard<std::mutex> lock(staged_mu_);
+    standbys_ = standbys;
+  }
   // Called after each push or assignment is applied; null: none.
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     std::atomic_store(&listener_, std::move(listener));
@@ -90,6 +96,7 @@ class RequestHandler {
   std::atomic<bool> caught_up_{false};
   std::mutex staged_mu_;
   std::vector<std::string> staged_;  // Replicate payloads of the round; guarded by staged_mu_
+  std::string standbys_;             // guarded by staged_mu_
   std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;
 };

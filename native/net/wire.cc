@@ -142,7 +142,7 @@ Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes, FrameHeader* 
                            "; this peer speaks version " + std::to_string(kVersion));
   }
   const uint16_t allowed =
-      h->opcode == Opcode::kHello ? (kFlagResponse | kFlagReplica) : kFlagResponse;
+      h->opcode == Opcode::kHello ? (kFlagResponse | kFlagReplica | kFlagTopology) : kFlagResponse;
   if (Get<uint32_t>(in, 20) != 0 || (h->flags & ~allowed) != 0) {
     return InvalidArgument("frame header reserved bits must be 0");
   }
@@ -173,7 +173,7 @@ Status DecodeHelloRequest(const uint8_t* p, size_t bytes, HelloRequest* r) {
   return OkStatus();
 }
 
-std::string EncodeHelloReply(const HelloReply& r) {
+std::string EncodeHelloReply(const HelloReply& r, bool topology) {
   std::string out;
   Append<uint32_t>(&out, r.protocol_version);
   Append<uint32_t>(&out, r.shard_index);
@@ -181,12 +181,24 @@ std::string EncodeHelloReply(const HelloReply& r) {
   Append<uint32_t>(&out, r.num_buckets);
   Append<uint32_t>(&out, r.admin_port);
   Append<uint32_t>(&out, r.max_frame_bytes);
+  if (topology) {
+    Append<uint64_t>(&out, r.epoch);
+    const bool fits = r.standbys.size() <= kMaxStandbysBytes;
+    Append<uint32_t>(&out, fits ? static_cast<uint32_t>(r.standbys.size()) : 0);
+    if (fits) out.append(r.standbys);
+  }
   return out;
 }
 
-Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r) {
-  if (bytes != kHelloReplyBytes) {
-    return Internal("Hello reply is " + std::to_string(bytes) + " bytes, expected 24");
+Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r, bool topology) {
+  const size_t fixed = kHelloReplyBytes + (topology ? kHelloTopologyFixed : 0);
+  if (bytes < fixed || (!topology && bytes != fixed) ||
+      (topology && bytes - fixed != Get<uint32_t>(p, kHelloReplyBytes + 8))) {
+    return Internal("Hello reply of " + std::to_string(bytes) + " bytes is malformed");
+  }
+  if (topology) {
+    r->epoch = Get<uint64_t>(p, kHelloReplyBytes);
+    r->standbys.assign(reinterpret_cast<const char*>(p) + fixed, bytes - fixed);
   }
   r->protocol_version = Get<uint32_t>(p, 0);
   r->shard_index = Get<uint32_t>(p, 4);

@@ -25,6 +25,9 @@ inline constexpr uint16_t kFlagResponse = 0x1;
 // On a Hello request: the connection is a primary's, replicating to its
 // standby (docs/replication.md). A standby greets only such connections.
 inline constexpr uint16_t kFlagReplica = 0x2;
+// On a Hello request: the client reads the reply's topology part (the
+// shard's epoch and its standbys) after the 24 fixed bytes.
+inline constexpr uint16_t kFlagTopology = 0x4;
 inline constexpr uint32_t kDefaultMaxFrameBytes = 64u << 20;
 inline constexpr uint32_t kMinMaxFrameBytes = 4096;
 inline constexpr uint32_t kMaxTokenBytes = 4096;
@@ -77,12 +80,21 @@ struct HelloReply {
   uint32_t num_buckets = 0;
   uint32_t admin_port = 0;
   uint32_t max_frame_bytes = 0;
+  // The topology part (kFlagTopology): u64 epoch (1 for a shard that began
+  // as a primary, its primary's plus one for a standby that took over),
+  // u32 bytes, then the addresses of its standbys, '|' between them.
+  uint64_t epoch = 0;
+  std::string standbys;
 };
+inline constexpr size_t kHelloTopologyFixed = 12;
+inline constexpr size_t kMaxStandbysBytes = 4096;
 
 std::string EncodeHelloRequest(const HelloRequest& request);
 Status DecodeHelloRequest(const uint8_t* payload, size_t bytes, HelloRequest* request);
-std::string EncodeHelloReply(const HelloReply& reply);
-Status DecodeHelloReply(const uint8_t* payload, size_t bytes, HelloReply* reply);
+// With `topology`, the topology part follows the fixed 24 bytes.
+std::string EncodeHelloReply(const HelloReply& reply, bool topology = false);
+Status DecodeHelloReply(const uint8_t* payload, size_t bytes, HelloReply* reply,
+                        bool topology = false);
 
 // The part of a Pull or Push request before the ids: fixed fields and the
 // zero-padded table name.

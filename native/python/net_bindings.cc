@@ -46,6 +46,7 @@ void BindNet(py::module_& m) {
       .def("start", [](DataServer& s) { Check(s.Start()); })
       .def("set_read_only", &DataServer::set_read_only)
       .def("set_standby", &DataServer::set_standby)
+      .def("set_standbys", &DataServer::set_standbys)
       .def_property_readonly("standby", &DataServer::standby)
       .def_property_readonly("standby_caught_up", &DataServer::standby_caught_up)
       .def(

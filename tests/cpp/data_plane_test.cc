@@ -384,7 +384,7 @@ class FakeShard {
         hello.num_shards = 1;
         hello.num_buckets = kNumBuckets;
         hello.max_frame_bytes = 1 << 20;
-        const std::string body = wire::EncodeHelloReply(hello);
+        const std::string body = wire::EncodeHelloReply(hello, /*topology=*/true);
         uint8_t header[wire::kHeaderBytes];
         wire::EncodeHeader({wire::Opcode::kHello, wire::kFlagResponse, h.request_id,
                             static_cast<uint32_t>(body.size())},

@@ -436,13 +436,16 @@ DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
     EXPECT_OK(link.Table(wire::kMakeTable, config));
     EXPECT_OK(link.Rows({1, 2}, 0.5f));  // copying: applied as they come
     EXPECT(rows_of() == 2);
-    EXPECT_OK(link.Table(wire::kCaughtUp, ""));
+    EXPECT_OK(link.Table(wire::kCaughtUp, std::string(8, '\0')));
     EXPECT(pair.standby_server->standby_caught_up());
     EXPECT_OK(link.Rows({3}, 0.5f));  // a round: applied at its end
     EXPECT(rows_of() == 2);
     const PushId pushed{9, 1};
+    const uint64_t epoch = 5;  // the primary's
     EXPECT_OK(link.Table(wire::kRoundEnd,
-                         std::string(reinterpret_cast<const char*>(&pushed), sizeof(pushed))));
+                         std::string(reinterpret_cast<const char*>(&epoch), sizeof(epoch)) +
+                             std::string(reinterpret_cast<const char*>(&pushed), sizeof(pushed))));
+    EXPECT(pair.standby->epoch() == 5);
     EXPECT(rows_of() == 3);
     Status first;
     EXPECT(!pair.standby->push_ledger().Begin(pushed, &first));  // known with its rows
@@ -455,12 +458,56 @@ DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
     EXPECT_OK(link.Table(wire::kMakeTable, config));
     EXPECT(!pair.standby_server->standby_caught_up());
     EXPECT_OK(link.Rows({1}, 0.5f));
-    EXPECT_OK(link.Table(wire::kCaughtUp, ""));
+    EXPECT_OK(link.Table(wire::kCaughtUp, std::string(8, '\0')));
     EXPECT(rows_of() == 1);
     EXPECT_OK(link.Rows({5}, 0.5f));
   }
+  pair.standby->set_epoch(5);
   pair.standby_server->set_standby(false);  // taking over drops an unfinished round too
   EXPECT(rows_of() == 1);
+  EXPECT(pair.standby->epoch() == 6);  // newer than the primary it replaces
+}
+
+DLT_TEST(TestClientsLearnStandbysAndNeverUseAnOlderCopy) {
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  pair.primary_server->set_standbys(Address(*pair.standby_server));  // told in its Hello
+  pair.Replicate();
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  Client client({Address(*pair.primary_server)}, ClientOptions{});  // the primary only
+  const int64_t ids[] = {1, 2, 3};
+  const float grads[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  EXPECT_OK(client.Push("emb", 4, ids, grads, 3, 0.1f));
+  std::vector<float> before(12), after(12), fresh(12);
+  EXPECT_OK(client.Pull("emb", 4, ids, 3, PullMode::kInsert, before.data()));
+
+  pair.replicator->Stop();
+  pair.primary_server->Stop();
+  std::thread take_over([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    pair.standby_server->set_standby(false);
+  });
+  EXPECT_OK(client.Pull("emb", 4, ids, 3, PullMode::kInsert, after.data()));  // found it
+  take_over.join();
+  EXPECT(std::memcmp(before.data(), after.data(), sizeof(float) * 12) == 0);
+  EXPECT(pair.standby->epoch() == 2);
+
+  // The dead primary's address comes back as an empty primary (epoch 1).
+  auto empty = std::make_shared<Shard>(0, 1);
+  EXPECT_OK(empty->CreateTable(AdagradConfig("emb", 4), &created));
+  DataServer comeback(empty, DataServerOptions{});
+  EXPECT_OK(comeback.Start());
+  // A client that met the new primary refuses it; a new client listing it
+  // first takes the newest copy.
+  Client at_comeback({Address(comeback) + "|" + Address(*pair.standby_server)}, ClientOptions{});
+  EXPECT_OK(at_comeback.Pull("emb", 4, ids, 3, PullMode::kInsert, fresh.data()));
+  EXPECT(std::memcmp(before.data(), fresh.data(), sizeof(float) * 12) == 0);
+  std::vector<ShardInfo> infos;
+  EXPECT_OK(at_comeback.GetShardInfos(&infos));
+  EXPECT(infos[0].address == Address(*pair.standby_server));
+  EXPECT(empty->epoch() == 1);
+  comeback.Stop();
 }
 
 DLT_TEST(TestAPushSentAgainIsAppliedOnceEvenAfterATakeover) {

@@ -76,6 +76,7 @@ class Standbys:
             if old is not None:
                 old.stop()
             replicator.start()
+            self._data_server.set_standbys(address)  # clients learn it from the Hello
         log.info("replicating (%s) to standby %s", self.replication, address)
 
     def statuses(self) -> list[dict[str, Any]]:
@@ -86,6 +87,7 @@ class Standbys:
         with self._lock:
             replicator, self._replicator = self._replicator, None
             self._data_server.set_replicator(None)
+            self._data_server.set_standbys("")
         if replicator is not None:
             replicator.stop()
 
@@ -239,11 +241,14 @@ class StandbyLink:
             return
 
 
-def describe(standbys: Standbys | None, link: StandbyLink | None) -> dict[str, Any]:
+def describe(
+    shard: _native.Shard, standbys: Standbys | None, link: StandbyLink | None
+) -> dict[str, Any]:
     """What Stats and the metrics report of replication."""
     if link is not None and not link.took_over:
-        return {"role": "standby", "standby_of": link.primary, "standbys": []}
+        return {"role": "standby", "standby_of": link.primary, "standbys": [], "epoch": shard.epoch}
     return {
+        "epoch": shard.epoch,
         "role": "primary",
         "standby_of": "",
         "replication": standbys.replication if standbys is not None else "",

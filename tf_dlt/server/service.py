@@ -415,7 +415,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "last_load_seconds": self.last_load_seconds,
             "read_only": self.read_only is not None,
             **self.serving,
-            **replication.describe(self.standbys, self.standby_link),
+            **replication.describe(self._shard, self.standbys, self.standby_link),
         }
 
     @_handler
@@ -477,6 +477,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 for r in s["standbys"]
             ],
             takeovers=s.get("takeovers", 0),
+            epoch=s["epoch"],
         )
 
 

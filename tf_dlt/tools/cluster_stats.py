@@ -86,7 +86,7 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
     shard = s.get("shard_index", 0)
     lines = []
     if s.get("takeovers"):
-        lines.append(f"shard {shard}: took over from its primary")
+        lines.append(f"shard {shard}: took over from its primary (epoch {s.get('epoch', 0)})")
     for r in s.get("standbys", []):
         state = (
             ("caught up" if r.get("caught_up") else "copying tables")
