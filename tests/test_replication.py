@@ -86,6 +86,27 @@ def test_clients_given_only_the_primaries_learn_the_standbys(replicated: LocalCl
     assert _stats(cluster, 1)["pushes"] == 1  # the standby's own: the one after the kill
 
 
+def test_a_primary_restarted_empty_never_wipes_its_standby(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A primary killed and started again at its address before its standby
+    took over (a supervisor restarting it at once) holds none of the rows:
+    the standby takes over instead of copying the empty restart, and
+    clients take the standby (its epoch is newer)."""
+    with LocalCluster(
+        1, "--takeover-after", "30", workdir=tmp_path / "cluster", replicas=2
+    ) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        ids = np.arange(300, dtype=np.int64)
+        client.push("emb", ids, np.ones((300, DIM), np.float32), 0.1)
+        before = client.pull("emb", ids)
+        cluster.kill(0)
+        cluster.restart(0)  # an empty primary at the same address, at once
+        _wait(lambda: _stats(cluster, 0)["takeovers"] == 1, "the standby to take over")
+        fresh = tf_dlt.Client(cluster.addresses)  # greets both: takes the newest copy
+        np.testing.assert_array_equal(fresh.pull("emb", ids), before)
+        assert "restarted with none of its rows: taking over" in cluster.log(1)
+
+
 def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCluster) -> None:
     cluster = replicated
     with pytest.raises(errors.UnavailableError, match="standby"):

@@ -130,6 +130,7 @@ class StandbyLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dlt-standby", daemon=True)
         self._admin: str | None = None
+        self._incarnation = 0  # the primary process's, when this standby attached
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
         self.took_over = False
@@ -182,6 +183,7 @@ class StandbyLink:
             ),
             timeout=10,
         )
+        self._incarnation = reply.incarnation
         log.info("standby of %s (%s replication)", self.primary, reply.replication)
 
     def _alive(self) -> bool:
@@ -193,12 +195,18 @@ class StandbyLink:
             return False
         return True
 
-    def _check(self) -> None:
-        """Attaches again when the primary no longer replicates here (it
-        restarted)."""
+    def _check(self) -> bool:
+        """True when this standby must take over: its primary restarted (a
+        new process at its address holds none of its rows) after this
+        standby caught up. Attaches again when the primary no longer
+        replicates here for another reason."""
         stats = self._call("Stats", dlt_pb2.StatsRequest(), timeout=5)
-        if not any(s.address == self._advertise for s in stats.standbys):
-            self._attach()
+        if any(s.address == self._advertise for s in stats.standbys):
+            return False
+        if stats.incarnation != self._incarnation and self._caught_up():
+            return True  # never copy an empty restart over the rows held here
+        self._attach()
+        return False
 
     def _run(self) -> None:
         while not self._stop.is_set() and self._admin is None:
@@ -218,9 +226,15 @@ class StandbyLink:
                 if now - checked >= _CHECK_INTERVAL_S:
                     checked = now
                     try:
-                        self._check()
+                        restarted = self._check()
                     except (errors.DltError, grpc.RpcError, OSError) as e:
                         self.error = f"asking {self.primary}: {e}"
+                        restarted = False
+                    if restarted:
+                        self._take_over_now(
+                            f"primary {self.primary} restarted with none of its rows"
+                        )
+                        return
                 continue
             unreachable_since = unreachable_since or now
             if now - unreachable_since < self._takeover_after_s:
@@ -231,14 +245,16 @@ class StandbyLink:
                     "taking over (%s)", self.primary, self.error,
                 )  # fmt: skip
                 continue
-            log.warning(
-                "primary %s unreachable for %.1f s: taking over", self.primary,
-                now - unreachable_since,
-            )  # fmt: skip
-            self.took_over = True
-            self._take_over()
-            self._close_channel()
+            self._take_over_now(
+                f"primary {self.primary} unreachable for {now - unreachable_since:.1f} s"
+            )
             return
+
+    def _take_over_now(self, why: str) -> None:
+        log.warning("%s: taking over", why)
+        self.took_over = True
+        self._take_over()
+        self._close_channel()
 
 
 def describe(

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import hmac
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -162,6 +163,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         # or this standby's link to its primary; set by the ShardServer.
         self.standbys: replication.Standbys | None = None
         self.standby_link: replication.StandbyLink | None = None
+        # New at each start of the process (Stats): a standby tells a
+        # restarted primary from the one it followed.
+        self.incarnation = secrets.randbits(63) or 1
 
     def allow_load(self, path: str) -> None:
         """Raises unless Load may read `path` (every checkpoint of a chain)."""
@@ -217,7 +221,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 f"shard {self._shard.shard_index} here is a standby: attach to its primary"
             )
         self.standbys.attach(request.address, request.shard_index, request.num_shards)
-        return dlt_pb2.AttachStandbyResponse(replication=self.standbys.replication)
+        return dlt_pb2.AttachStandbyResponse(
+            replication=self.standbys.replication, incarnation=self.incarnation
+        )
 
     @_handler
     def ListTables(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -478,6 +484,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             ],
             takeovers=s.get("takeovers", 0),
             epoch=s["epoch"],
+            incarnation=self.incarnation,
         )
 
 
