@@ -1,5 +1,7 @@
 #include "native/net/replicator.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -43,6 +45,11 @@ void Replicator::Stop() {
     thread.swap(thread_);
   }
   cv_.notify_all();
+  {
+    // A frame in flight to a standby that hangs ends now, not at its timeout.
+    std::lock_guard<std::mutex> lock(fd_mu_);
+    if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
+  }
   if (thread.joinable()) thread.join();
   Disconnect();
   for (auto& [name, table] : mirrored_) table->StopChangeLog();  // nobody reads them now
@@ -152,7 +159,10 @@ Status Replicator::Connect() {
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   int fd = -1;
   DLT_RETURN_IF_ERROR(net::Connect(standby_, deadline, &fd));
-  fd_ = fd;
+  {
+    std::lock_guard<std::mutex> lock(fd_mu_);
+    fd_ = fd;
+  }
   wire::HelloRequest hello;
   hello.token = options_.auth_token;
   const std::string payload = wire::EncodeHelloRequest(hello);
@@ -182,6 +192,7 @@ Status Replicator::Connect() {
 }
 
 void Replicator::Disconnect() {
+  std::lock_guard<std::mutex> lock(fd_mu_);  // Stop never shuts a reused number
   if (fd_ >= 0) net::CloseFd(fd_);
   fd_ = -1;
 }

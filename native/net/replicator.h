@@ -65,7 +65,8 @@ class Replicator : public WriteListener {
   Replicator& operator=(const Replicator&) = delete;
 
   void Start();
-  // Stops the rounds; writes waiting in Written() fail. Idempotent.
+  // Stops the rounds (a frame in flight fails at once); writes waiting in
+  // Written() fail. Idempotent.
   void Stop();
   // Sync: returns once a round that began after this call is applied on
   // the standby (the first round after connecting copies every table
@@ -101,6 +102,8 @@ class Replicator : public WriteListener {
   const ReplicatorOptions options_;
 
   // The replicating thread's own state.
+  // Written by the replicating thread under fd_mu_; Stop shuts it down.
+  std::mutex fd_mu_;
   int fd_ = -1;
   uint32_t standby_frame_bytes_ = 0;
   uint64_t next_request_id_ = 1;

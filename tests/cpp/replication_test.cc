@@ -510,6 +510,23 @@ DLT_TEST(TestClientsLearnStandbysAndNeverUseAnOlderCopy) {
   comeback.Stop();
 }
 
+DLT_TEST(TestStoppingAReplicatorDoesNotWaitForAStandbyThatHangs) {
+  // A "standby" that accepts and never answers.
+  int listener = -1, port = 0;
+  EXPECT_OK(net::Listen("127.0.0.1", 0, 4, &listener, &port));
+  auto shard = std::make_shared<Shard>(0, 1);
+  ReplicatorOptions options;
+  options.connect_timeout_ms = 600000;
+  options.io_timeout_ms = 600000;
+  Replicator replicator(shard, "127.0.0.1:" + std::to_string(port), options);
+  replicator.Start();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // in its Hello
+  const auto start = Clock::now();
+  replicator.Stop();
+  EXPECT(Clock::now() - start < std::chrono::seconds(60));  // not the 600 s timeout
+  net::CloseFd(listener);
+}
+
 DLT_TEST(TestAPushSentAgainIsAppliedOnceEvenAfterATakeover) {
   Pair pair;
   bool created;
