@@ -29,12 +29,7 @@ Client::Client(std::vector<std::string> addresses, ClientOptions options)
   for (const std::string& a : addresses) {
     shards_.push_back(std::make_unique<ShardState>());
     ShardState& st = *shards_.back();
-    for (size_t from = 0;;) {
-      const size_t bar = a.find('|', from);
-      st.addresses.push_back(a.substr(from, bar == std::string::npos ? bar : bar - from));
-      if (bar == std::string::npos) break;
-      from = bar + 1;
-    }
+    st.addresses = net::SplitAddresses(a);
     st.address = st.addresses.front();
     if (st.addresses.size() > 1) has_standbys_.store(true);
   }

@@ -24,20 +24,8 @@ using net::Clock;
 Status Client::Hello(size_t shard, const std::string& address, int fd, wire::HelloReply* reply) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
-  wire::HelloRequest request;
-  request.token = options_.auth_token;
-  const std::string payload = wire::EncodeHelloRequest(request);
-  std::string body;
   DLT_RETURN_IF_ERROR(
-      net::CallFrame(fd, wire::Opcode::kHello, 0, payload.data(), payload.size(),
-                     wire::kHelloReplyBytes + wire::kHelloTopologyFixed + wire::kMaxStandbysBytes,
-                     deadline, &body, wire::kFlagTopology));
-  const auto* p = reinterpret_cast<const uint8_t*>(body.data());
-  DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(p, body.size(), reply, /*topology=*/true));
-  if (reply->num_buckets != kNumBuckets) {
-    return FailedPrecondition("server routes over " + std::to_string(reply->num_buckets) +
-                              " buckets, this client over " + std::to_string(kNumBuckets));
-  }
+      net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply));
   if (reply->num_shards != shards_.size() || reply->shard_index != shard) {
     return FailedPrecondition("server says it is shard " + std::to_string(reply->shard_index) +
                               " of " + std::to_string(reply->num_shards) +

@@ -2,6 +2,8 @@
 
 #include <sys/uio.h>
 
+#include "native/core/routing.h"
+
 namespace dlt {
 namespace net {
 
@@ -34,6 +36,26 @@ Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* p
                     std::to_string(static_cast<int>(opcode)) + ")");
   }
   return sent;
+}
+
+Status SayHello(int fd, const std::string& token, uint16_t flags, uint64_t request_id,
+                Clock::time_point deadline, wire::HelloReply* reply) {
+  wire::HelloRequest request;
+  request.token = token;
+  const std::string payload = wire::EncodeHelloRequest(request);
+  const bool topology = flags & wire::kFlagTopology;
+  const size_t max_reply =
+      wire::kHelloReplyBytes + (topology ? wire::kHelloTopologyFixed + wire::kMaxStandbysBytes : 0);
+  std::string body;
+  DLT_RETURN_IF_ERROR(CallFrame(fd, wire::Opcode::kHello, request_id, payload.data(),
+                                payload.size(), max_reply, deadline, &body, flags));
+  DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(body.data()),
+                                             body.size(), reply, topology));
+  if (reply->num_buckets != kNumBuckets) {
+    return FailedPrecondition("server routes over " + std::to_string(reply->num_buckets) +
+                              " buckets, this build over " + std::to_string(kNumBuckets));
+  }
+  return OkStatus();
 }
 
 }  // namespace net

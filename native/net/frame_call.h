@@ -24,6 +24,13 @@ Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* p
                  size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
                  std::string* reply, uint16_t flags = 0);
 
+// Says Hello on `fd` with `token` and the Hello `flags` (wire::kFlagReplica,
+// wire::kFlagTopology: the reply then carries its topology part) and
+// decodes the reply into *reply. FAILED_PRECONDITION when the server routes
+// over another number of buckets than this build.
+Status SayHello(int fd, const std::string& token, uint16_t flags, uint64_t request_id,
+                Clock::time_point deadline, wire::HelloReply* reply);
+
 }  // namespace net
 }  // namespace dlt
 

@@ -163,18 +163,11 @@ Status Replicator::Connect() {
     std::lock_guard<std::mutex> lock(fd_mu_);
     fd_ = fd;
   }
-  wire::HelloRequest hello;
-  hello.token = options_.auth_token;
-  const std::string payload = wire::EncodeHelloRequest(hello);
-  std::string body;
-  Status s =
-      net::CallFrame(fd_, wire::Opcode::kHello, next_request_id_++, payload.data(), payload.size(),
-                     wire::kHelloReplyBytes, deadline, &body, wire::kFlagReplica);
   wire::HelloReply reply;
-  if (s.ok())
-    s = wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(body.data()), body.size(), &reply);
-  if (s.ok() && (reply.shard_index != shard_->shard_index() ||
-                 reply.num_shards != shard_->num_shards() || reply.num_buckets != kNumBuckets)) {
+  Status s = net::SayHello(fd, options_.auth_token, wire::kFlagReplica, next_request_id_++,
+                           deadline, &reply);
+  if (s.ok() &&
+      (reply.shard_index != shard_->shard_index() || reply.num_shards != shard_->num_shards())) {
     s = FailedPrecondition(
         "standby " + standby_ + " is shard " + std::to_string(reply.shard_index) + " of " +
         std::to_string(reply.num_shards) + "; this primary is shard " +

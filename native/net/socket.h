@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "native/core/status.h"
 
@@ -21,6 +22,9 @@ int RemainingMs(Clock::time_point deadline);
 
 // Splits "host:port" (or "[v6]:port"); INVALID_ARGUMENT when malformed.
 Status ParseAddress(const std::string& address, std::string* host, int* port);
+
+// A shard's addresses as listed ("primary|standby|..."), in order.
+std::vector<std::string> SplitAddresses(const std::string& list);
 
 // Opens a non-blocking, TCP_NODELAY connection or fails within the deadline.
 Status Connect(const std::string& address, Clock::time_point deadline, int* fd);
