@@ -168,7 +168,7 @@ def test_replicas_survive_a_killed_primary() -> None:
     code = launch.run()
     text = out.getvalue()
     assert code == 0, text[-4000:]
-    assert "each with 1 hot standby" in text
+    assert "each with a hot standby" in text
     assert re.search(r"\[launch\] ps-1 exited with -9; ps-1-standby1 of shard 1 still runs", text)
     assert re.search(r"\[ps-1-standby1\] .*taking over", text)
     assert _results(text) == [{"same": True}]

@@ -6,6 +6,7 @@ and optimizer slot the primary acknowledged."""
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ import pytest
 import tf_dlt
 from tf_dlt import errors
 from tf_dlt.server.local import LocalCluster
+from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cluster_stats
 
 DIM = 8
@@ -100,11 +102,95 @@ def test_a_primary_restarted_empty_never_wipes_its_standby(tmp_path) -> None:  #
         client.push("emb", ids, np.ones((300, DIM), np.float32), 0.1)
         before = client.pull("emb", ids)
         cluster.kill(0)
-        cluster.restart(0)  # an empty primary at the same address, at once
+        cluster.restart(0, rejoin=False)  # an empty primary at the same address, at once
         _wait(lambda: _stats(cluster, 0)["takeovers"] == 1, "the standby to take over")
         fresh = tf_dlt.Client(cluster.addresses)  # greets both: takes the newest copy
         np.testing.assert_array_equal(fresh.pull("emb", ids), before)
         assert "restarted with none of its rows: taking over" in cluster.log(1)
+
+
+def test_killed_processes_rejoin_as_standbys_and_take_over_in_turn(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """As Kubernetes restarts a pod under its old name: the killed primary
+    comes back (--replica-set), follows the standby that took over, catches
+    up, and takes over in turn when that one is killed; every acknowledged
+    row survives both kills."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        ids = np.arange(400, dtype=np.int64)
+        rng = np.random.default_rng(1)
+
+        def train() -> None:
+            for _ in range(5):
+                client.push("emb", ids, rng.normal(size=(400, DIM)).astype(np.float32), 0.1)
+
+        _wait(lambda: _caught_up(cluster, 0), "the standby")
+        train()
+        for dead, live in ((0, 1), (1, 0)):
+            before = client.pull("emb", ids)
+            cluster.kill(dead)
+            np.testing.assert_array_equal(client.pull("emb", ids), before)
+            live_port = int(cluster.process_addresses[live].rsplit(":", 1)[1])
+            assert _stats(cluster, 0)["data_port"] == live_port  # it took over
+            cluster.restart(dead)
+            _wait(
+                lambda d=dead: (
+                    _stats(cluster, 0)["standbys"]
+                    and _stats(cluster, 0)["standbys"][0]["address"] == cluster.process_addresses[d]
+                    and _stats(cluster, 0)["standbys"][0]["caught_up"]
+                ),
+                f"process {dead} to rejoin as a standby",
+            )
+            train()  # sync: on both
+        stats = _stats(cluster, 0)
+        assert stats["epoch"] == 3 and stats["takeovers"] == 1
+        assert "follows" in cluster.log(1) or "following it" in cluster.log(1)
+        fresh = tf_dlt.Client(cluster.addresses)
+        np.testing.assert_array_equal(fresh.pull("emb", ids), client.pull("emb", ids))
+        cluster.kill(1)  # the last primary: process 0 took over from it
+        np.testing.assert_array_equal(client.pull("emb", ids), fresh.pull("emb", ids))
+
+
+def test_a_replica_set_started_together_elects_one_primary() -> None:
+    """Both processes of a shard started at once with --replica-set (a
+    Kubernetes job's first start): the first begins as the primary, the
+    other follows it; a member of another shard is refused by name."""
+    ports = [_free_port(), _free_port()]
+    members = [f"127.0.0.1:{p}" for p in ports]
+    servers = [
+        ShardServer(0, 1, port=p, replica_set=members, advertise=m, takeover_after_s=1.0)
+        for p, m in zip(ports, members, strict=True)
+    ]
+    try:
+        for server in reversed(servers):
+            server.start()
+        _wait(
+            lambda: (
+                servers[0].servicer.snapshot()["role"] == "primary"
+                and bool(servers[1].servicer.snapshot().get("caught_up"))
+            ),
+            "one primary and its standby",
+        )
+        assert servers[1].servicer.snapshot()["role"] == "standby"
+        assert servers[0].shard.epoch == 1  # it began; it took over from nobody
+        client = tf_dlt.Client(["|".join(members)])
+        client.create_table("emb", DIM)
+        client.push("emb", np.arange(10), np.ones((10, DIM), np.float32), 0.1)
+        rows = client.pull("emb", np.arange(10))
+        servers[0].stop(0)
+        np.testing.assert_array_equal(client.pull("emb", np.arange(10)), rows)
+        assert servers[1].shard.epoch == 2
+    finally:
+        for server in servers:
+            server.stop(0)
+    with pytest.raises(ValueError, match="replica set has 2 members"):
+        ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCluster) -> None:

@@ -81,7 +81,9 @@ class DataServer {
   void set_admin_port(uint32_t port) { handler_.set_admin_port(port); }
   void set_read_only(bool read_only) { handler_.set_read_only(read_only); }
   // Replication (docs/replication.md): see RequestHandler.
-  void set_standby(bool standby) { handler_.set_standby(standby); }
+  void set_standby(bool standby, bool new_epoch = true) {
+    handler_.set_standby(standby, new_epoch);
+  }
   bool standby() const { return handler_.standby(); }
   bool standby_caught_up() const { return handler_.standby_caught_up(); }
   void set_standbys(const std::string& standbys) { handler_.set_standbys(standbys); }

@@ -321,12 +321,12 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
   return ApplyRows(request);
 }
 
-void RequestHandler::set_standby(bool standby) {
+void RequestHandler::set_standby(bool standby, bool new_epoch) {
   std::lock_guard<std::mutex> lock(staged_mu_);
   const bool took_over = standby_.exchange(standby) && !standby;
   if (took_over) {
-    staged_.clear();                         // a round its primary did not finish
-    shard_->set_epoch(shard_->epoch() + 1);  // newer than the primary it replaces
+    staged_.clear();                                        // a round its primary did not finish
+    if (new_epoch) shard_->set_epoch(shard_->epoch() + 1);  // newer than the primary it replaces
   }
 }
 

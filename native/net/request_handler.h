@@ -42,8 +42,11 @@ class RequestHandler {
   // A standby (docs/replication.md) takes StandbyTable and Replicate frames
   // from its primary and answers trainers' requests UNAVAILABLE (they go to
   // the primary); any other shard refuses those frames.
-  // Taking over drops the rows of a round its primary did not finish.
-  void set_standby(bool standby);
+  // Taking over drops the rows of a round its primary did not finish and,
+  // with `new_epoch`, makes this copy one epoch newer than its primary's
+  // (without: a shard that only waited to learn its role begins as a
+  // primary at the epoch it has).
+  void set_standby(bool standby, bool new_epoch = true);
   bool standby() const { return standby_.load(); }
   // A standby holds every table its primary had at some moment: the
   // primary said so after its copies; false again while a table is copied

@@ -45,7 +45,7 @@ void BindNet(py::module_& m) {
            py::arg("idle_timeout_ms") = 600000, py::arg("max_buffered_bytes") = uint64_t{1} << 30)
       .def("start", [](DataServer& s) { Check(s.Start()); })
       .def("set_read_only", &DataServer::set_read_only)
-      .def("set_standby", &DataServer::set_standby)
+      .def("set_standby", &DataServer::set_standby, py::arg("standby"), py::arg("new_epoch") = true)
       .def("set_standbys", &DataServer::set_standbys)
       .def_property_readonly("standby", &DataServer::standby)
       .def_property_readonly("standby_caught_up", &DataServer::standby_caught_up)
@@ -64,7 +64,7 @@ void BindNet(py::module_& m) {
 
   m.def(
       "hello",
-      [](const std::string& address, const std::string& auth_token, int timeout_ms) {
+      [](const std::string& address, const std::string& auth_token, int timeout_ms, bool replica) {
         wire::HelloReply reply;
         Status s;
         {
@@ -73,16 +73,9 @@ void BindNet(py::module_& m) {
           int fd = -1;
           s = net::Connect(address, deadline, &fd);
           if (s.ok()) {
-            wire::HelloRequest hello;
-            hello.token = auth_token;
-            const std::string payload = wire::EncodeHelloRequest(hello);
-            std::string body;
-            s = net::CallFrame(fd, wire::Opcode::kHello, 0, payload.data(), payload.size(),
-                               wire::kHelloReplyBytes, deadline, &body);
-            if (s.ok()) {
-              s = wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(body.data()), body.size(),
-                                         &reply);
-            }
+            s = net::SayHello(fd, auth_token,
+                              wire::kFlagTopology | (replica ? wire::kFlagReplica : 0), 0, deadline,
+                              &reply);
             net::CloseFd(fd);
           }
         }
@@ -92,10 +85,14 @@ void BindNet(py::module_& m) {
         d["num_shards"] = reply.num_shards;
         d["admin_port"] = reply.admin_port;
         d["max_frame_bytes"] = reply.max_frame_bytes;
+        d["epoch"] = reply.epoch;
+        d["standbys"] = reply.standbys;
         return d;
       },
       py::arg("address"), py::arg("auth_token") = "", py::arg("timeout_ms") = 5000,
-      "One Hello to one shard server, whichever shard it is: what it said.");
+      py::arg("replica") = false,
+      "One Hello to one shard server, whichever shard it is: what it said. With `replica`, "
+      "the Hello a primary's replicator says: only a standby answers it.");
 
   py::class_<Replicator, std::shared_ptr<Replicator>>(m, "Replicator")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& standby,

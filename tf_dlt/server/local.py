@@ -24,10 +24,12 @@ class LocalCluster:
         workdir: where port files and logs go (default: a temporary folder).
         env: extra environment variables of the processes.
         start_timeout: seconds each shard gets to start serving.
-        replicas: processes per shard: its primary, and replicas - 1 hot
-            standbys (`--standby-of`, docs/replication.md). Process p serves
+        replicas: processes per shard, 1 or 2: its primary and its hot
+            standby (`--standby-of`, docs/replication.md). Process p serves
             shard p % num_shards (p < num_shards: the primaries); a shard's
-            address lists its primary, then its standbys ("a|b").
+            address lists its primary, then its standby ("a|b"). A
+            restarted process rejoins its shard (`--replica-set`): it follows
+            the one that serves, or begins as the primary.
     """
 
     def __init__(
@@ -39,8 +41,8 @@ class LocalCluster:
         start_timeout: float = 60.0,
         replicas: int = 1,
     ) -> None:
-        if replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if replicas not in (1, 2):
+            raise ValueError(f"replicas must be 1 or 2 (a primary and its standby), got {replicas}")
         self.num_shards = num_shards
         self.replicas = replicas
         self._args = list(server_args)
@@ -116,16 +118,23 @@ class LocalCluster:
         self.processes[process].kill()
         self.processes[process].wait(30)
 
-    def restart(self, process: int, *server_args: str) -> None:
+    def restart(self, process: int, *server_args: str, rejoin: bool = True) -> None:
         """Starts process `process` again on the same ports (as a Kubernetes
-        pod keeps its name), with its own flags (a standby's --standby-of)
-        and extra ones (e.g. "--load-from", path); waits until it serves."""
+        pod keeps its name), with extra flags (e.g. "--load-from", path);
+        waits until it listens. A process of a shard with a standby rejoins
+        it (`--replica-set`: a standby of the one that serves, or the
+        primary); any other, or any with `rejoin=False`, keeps the flags it
+        was first started with."""
         if self._stopped:
             raise RuntimeError("the cluster was stopped")
         if self.processes[process].poll() is None:
             raise RuntimeError(f"process {process} is still running")
         data = int(self.process_addresses[process].rsplit(":", 1)[1])
-        extra = [*self._extra[process], *server_args]
+        own = self._extra[process]
+        if self.replicas > 1 and rejoin:  # whichever role it had, it learns it again
+            own = ["--replica-set", self.addresses[process % self.num_shards],
+                   "--advertise", self.process_addresses[process]]  # fmt: skip
+        extra = [*own, *server_args]
         self.processes[process] = self._spawn(process, extra, data, self.admin_ports[process])
         self._wait_for_ports(process, self.processes[process])
 

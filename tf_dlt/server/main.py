@@ -136,6 +136,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "over when it stays unreachable (docs/replication.md)",
     )
     p.add_argument(
+        "--replica-set",
+        metavar="HOST:PORT|HOST:PORT",
+        help="this shard's two processes (with --advertise naming this one): at start, follow "
+        "the one that serves as its standby, or begin as the primary (loading --load-from) "
+        "when the other holds no whole copy; how a restarted process rejoins "
+        "(docs/replication.md)",
+    )
+    p.add_argument(
         "--replication",
         choices=("sync", "async"),
         default="sync",
@@ -145,16 +153,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--advertise",
         metavar="HOST:PORT",
-        help="this shard's data-plane address as its primary reaches it (with --standby-of; "
-        "default: --bind and the bound port)",
+        help="this shard's data-plane address as the other process of its shard reaches it "
+        "(with --standby-of, default: --bind and the bound port; needed with --replica-set)",
     )
     p.add_argument(
         "--takeover-after",
         type=float,
         default=1.0,
         metavar="SECONDS",
-        help="with --standby-of: how long the primary must stay unreachable before this "
-        "standby takes over",
+        help="with --standby-of or --replica-set: how long the primary must stay unreachable "
+        "before this standby takes over",
     )
     p.add_argument(
         "--stop-grace", type=float, default=60.0, help="seconds SIGTERM waits for a running Save"
@@ -266,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
             replication_mode=args.replication,
             advertise=args.advertise,
             takeover_after_s=args.takeover_after,
+            replica_set=args.replica_set.split("|") if args.replica_set else (),
         ).start()
     except (errors.DltError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)

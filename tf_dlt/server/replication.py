@@ -8,14 +8,20 @@ and answers trainers UNAVAILABLE. `StandbyLink` asks the primary to replicate
 to it, watches the primary, and when the primary stays unreachable for
 `takeover_after_s` after this standby caught up, takes over: it greets
 trainers from then on (clients that list it after the primary, `a|b`, move
-to it) and refuses its old primary's frames, which fences that primary."""
+to it) and refuses its old primary's frames, which fences that primary.
+
+A member of a replica set (`tf-dlt server --replica-set A|B`, as Kubernetes
+restarts a pod under its old name) learns its role first (`choose_role`):
+it follows the member that serves, waits while the other member holds a
+whole copy that is about to take over, and otherwise begins as the
+primary."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -28,6 +34,13 @@ log = logging.getLogger("tf_dlt.server")
 REPLICATION_MODES = ("sync", "async")
 # How often a standby checks that its primary still replicates to it.
 _CHECK_INTERVAL_S = 2.0
+# How often a member of a replica set looks at the others while it learns
+# its role, and how long a member other than the first waits for the others
+# to answer before it begins as the primary on its own.
+_SURVEY_INTERVAL_S = 0.5
+BEGIN_ALONE_AFTER_S = 10.0
+# What a survey of the replica set found (besides a member to follow).
+_WAIT, _BEGIN, _ALONE = "wait", "begin", "alone"
 
 
 class Standbys:
@@ -96,7 +109,8 @@ class StandbyLink:
     """A standby's link to its primary: attaches, watches, takes over.
 
     Args:
-        primary: the primary's data-plane address.
+        primary: the primary's data-plane address; None for a member of
+            `replica_set`, which learns it first.
         advertise: this standby's data-plane address as the primary reaches it.
         shard_index, num_shards: this shard's.
         auth_token: the cluster's token (both planes).
@@ -105,11 +119,15 @@ class StandbyLink:
             (the primary says so on the stream after its copies).
         takeover_after_s: how long the primary must stay unreachable.
         probe_interval_s: how often the primary is checked.
+        replica_set: every member's data-plane address, `advertise` among
+            them, in the order they are to begin as primary.
+        begin: called once when this member begins as the primary (no other
+            member serves or holds a whole copy).
     """
 
     def __init__(
         self,
-        primary: str,
+        primary: str | None,
         advertise: str,
         shard_index: int,
         num_shards: int,
@@ -118,7 +136,14 @@ class StandbyLink:
         caught_up: Callable[[], bool],
         takeover_after_s: float = 1.0,
         probe_interval_s: float = 0.2,
+        replica_set: Sequence[str] = (),
+        begin: Callable[[], None] | None = None,
     ) -> None:
+        if primary is None and (advertise not in replica_set or begin is None):
+            raise ValueError(
+                f"a member of a replica set needs its own address among {list(replica_set)} "
+                f"(got {advertise!r}) and what to do to begin as primary"
+            )
         self.primary = primary
         self._advertise = advertise
         self._shard = (shard_index, num_shards)
@@ -127,6 +152,8 @@ class StandbyLink:
         self._caught_up = caught_up
         self._takeover_after_s = takeover_after_s
         self._probe_interval_s = probe_interval_s
+        self._replica_set = list(replica_set)
+        self._begin = begin
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dlt-standby", daemon=True)
         self._admin: str | None = None
@@ -134,7 +161,16 @@ class StandbyLink:
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
         self.took_over = False
+        self.began = False
         self.error = ""
+
+    @property
+    def role(self) -> str:
+        """The role: "joining" (a replica set member learning it), "standby",
+        or "primary" (it took over, or began as the primary)."""
+        if self.took_over or self.began:
+            return "primary"
+        return "standby" if self.primary is not None else "joining"
 
     def start(self) -> StandbyLink:
         self._thread.start()
@@ -151,16 +187,22 @@ class StandbyLink:
             self._channel.close()
         self._channel = self._stub = None
 
-    def _admin_address(self) -> str:
-        """The primary's admin address, from its Hello."""
-        info = _native.hello(self.primary, self._token, timeout_ms=1000)
+    def _greet(self, address: str, replica: bool = False) -> dict[str, Any]:
+        """One Hello to `address`; INVALID_ARGUMENT when it serves another
+        shard."""
+        info = _native.hello(address, self._token, timeout_ms=1000, replica=replica)
         if (info["shard_index"], info["num_shards"]) != self._shard:
-            raise errors.FailedPreconditionError(
-                f"{self.primary} is shard {info['shard_index']} of {info['num_shards']}; this "
+            raise errors.InvalidArgumentError(
+                f"{address} is shard {info['shard_index']} of {info['num_shards']}; this "
                 f"standby is shard {self._shard[0]} of {self._shard[1]}"
             )
-        host = self.primary.rsplit(":", 1)[0]
-        return f"{host}:{info['admin_port']}"
+        return info
+
+    def _admin_address(self) -> str:
+        """The primary's admin address, from its Hello."""
+        assert self.primary is not None
+        info = self._greet(self.primary)
+        return f"{self.primary.rsplit(':', 1)[0]}:{info['admin_port']}"
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
         if self._stub is None:
@@ -188,6 +230,7 @@ class StandbyLink:
 
     def _alive(self) -> bool:
         """True when the primary greets (a dead process refuses at once)."""
+        assert self.primary is not None
         try:
             _native.hello(self.primary, self._token, timeout_ms=1000)
         except errors.DltError as e:
@@ -208,7 +251,82 @@ class StandbyLink:
         self._attach()
         return False
 
+    def _survey(self) -> str:
+        """Looks at every other member once: the address of the one serving
+        trainers (the newest epoch's), or _WAIT (another member holds a whole
+        copy and takes over soon, or one that comes first is learning its
+        role too), _BEGIN (the others answer but hold no whole copy), _ALONE
+        (none answers)."""
+        rank = self._replica_set.index(self._advertise)
+        serving: list[tuple[int, str]] = []
+        verdict = _ALONE
+        for order, member in enumerate(self._replica_set):
+            if member == self._advertise:
+                continue
+            try:
+                serving.append((self._greet(member)["epoch"], member))
+                continue
+            except (errors.InvalidArgumentError, errors.UnauthenticatedError):
+                raise
+            except errors.DltError:
+                pass  # a standby, a member learning its role, or no process
+            try:
+                info = self._greet(member, replica=True)
+                stats = member_stats(member, info["admin_port"], self._token)
+            except (errors.InvalidArgumentError, errors.UnauthenticatedError):
+                raise
+            except (errors.DltError, grpc.RpcError, OSError) as e:
+                # No process, or one that began serving since the first Hello.
+                self.error = f"{member}: {e}"
+                continue
+            if (stats.role == "standby" and stats.caught_up) or (
+                stats.role == "joining" and order < rank
+            ):
+                verdict = _WAIT
+            elif verdict == _ALONE:
+                verdict = _BEGIN  # a standby of a dead primary without a whole copy
+        return max(serving)[1] if serving else verdict
+
+    def choose_role(self) -> bool:
+        """Learns this replica set member's role: follows the member that
+        serves (True), or begins as the primary (False, `begin` called).
+        The first member begins when no other holds a whole copy; any other
+        also when none has answered for BEGIN_ALONE_AFTER_S. Returns False
+        when stopped first."""
+        first = self._replica_set.index(self._advertise) == 0
+        alone_since = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                found = self._survey()
+            except errors.DltError as e:  # a member of another shard, a wrong token
+                self.error = str(e)
+                log.error("replica set %s: %s", "|".join(self._replica_set), e)
+                self._stop.wait(_SURVEY_INTERVAL_S * 10)
+                continue
+            now = time.monotonic()
+            if found not in (_WAIT, _BEGIN, _ALONE):
+                self.primary = found
+                log.info("replica set: %s serves; following it", found)
+                return True
+            if found != _ALONE:
+                alone_since = now
+            if found == _BEGIN or (
+                found == _ALONE and (first or now - alone_since >= BEGIN_ALONE_AFTER_S)
+            ):
+                log.warning(
+                    "replica set: no other member serves or holds a whole copy; beginning as "
+                    "the primary"
+                )
+                assert self._begin is not None
+                self._begin()
+                self.began = True
+                return False
+            self._stop.wait(_SURVEY_INTERVAL_S)
+        return False
+
     def _run(self) -> None:
+        if self.primary is None and not self.choose_role():
+            return
         while not self._stop.is_set() and self._admin is None:
             try:
                 self._attach()
@@ -257,12 +375,31 @@ class StandbyLink:
         self._close_channel()
 
 
+def member_stats(address: str, admin_port: int, token: str) -> Any:
+    """Stats of the shard server whose data plane is at `address`."""
+    admin = f"{address.rsplit(':', 1)[0]}:{admin_port}"
+    with tls.channel(admin, tls.TlsConfig.from_env()) as channel:
+        return dlt_pb2_grpc.ShardAdminStub(channel).Stats(
+            dlt_pb2.StatsRequest(), timeout=5, metadata=grpc_util.bearer(token)
+        )
+
+
 def describe(
-    shard: _native.Shard, standbys: Standbys | None, link: StandbyLink | None
+    shard: _native.Shard,
+    standbys: Standbys | None,
+    link: StandbyLink | None,
+    caught_up: bool = False,
 ) -> dict[str, Any]:
-    """What Stats and the metrics report of replication."""
-    if link is not None and not link.took_over:
-        return {"role": "standby", "standby_of": link.primary, "standbys": [], "epoch": shard.epoch}
+    """What Stats and the metrics report of replication (`caught_up`: a
+    standby's)."""
+    if link is not None and link.role != "primary":
+        return {
+            "role": link.role,
+            "standby_of": link.primary or "",
+            "standbys": [],
+            "epoch": shard.epoch,
+            "caught_up": caught_up,
+        }
     return {
         "epoch": shard.epoch,
         "role": "primary",

@@ -421,7 +421,12 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "last_load_seconds": self.last_load_seconds,
             "read_only": self.read_only is not None,
             **self.serving,
-            **replication.describe(self._shard, self.standbys, self.standby_link),
+            **replication.describe(
+                self._shard,
+                self.standbys,
+                self.standby_link,
+                caught_up=bool(self._data_server.standby_caught_up),
+            ),  # fmt: skip
         }
 
     @_handler
@@ -485,6 +490,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             takeovers=s.get("takeovers", 0),
             epoch=s["epoch"],
             incarnation=self.incarnation,
+            caught_up=s.get("caught_up", False),
         )
 
 

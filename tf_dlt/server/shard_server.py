@@ -105,6 +105,11 @@ class ShardServer:
             it (default: `address`).
         takeover_after_s: how long a standby's primary must stay
             unreachable before the standby takes over.
+        replica_set: the data-plane addresses of this shard's two
+            processes, this one's (`advertise`) among them:
+            at start it follows the one that serves, or begins as the
+            primary (then loading `load_from`) when the other holds no
+            whole copy (`replication.StandbyLink.choose_role`).
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class ShardServer:
         replication_mode: str = "sync",
         advertise: str | None = None,
         takeover_after_s: float = 1.0,
+        replica_set: Sequence[str] = (),
     ) -> None:
         if not sweep_interval_s > 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
@@ -151,6 +157,13 @@ class ShardServer:
             raise ValueError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
         if standby_of and (read_only or load_from):
             raise ValueError("a standby takes its primary's tables: no read_only or load_from")
+        if replica_set and (standby_of or read_only):
+            raise ValueError("a replica set's member learns its primary: no standby_of, read_only")
+        if replica_set and (len(replica_set) != 2 or advertise not in replica_set):
+            raise ValueError(
+                f"a replica set has 2 members (a primary and its standby), this one's address "
+                f"(advertise, {advertise!r}) among them, got {list(replica_set)}"
+            )
         if storage_dir and not memory_budget:
             raise ValueError("storage_dir needs a memory_budget: rows move to disk past it")
         self.shard = _native.Shard(shard_index, num_shards)
@@ -195,6 +208,7 @@ class ShardServer:
         self._standby_of = standby_of
         self._advertise = advertise
         self._takeover_after_s = takeover_after_s
+        self._replica_set = list(replica_set)
         self.follower: Follower | None = None
         if follow:
             paths.CheckpointRoots(checkpoint_roots).check(follow, "Follow")
@@ -230,10 +244,30 @@ class ShardServer:
         self.servicer.read_only = None
         self.shard.start_sweeper(self._sweep_interval_ms)
 
+    def _load(self) -> dict[str, Any]:
+        assert self._load_from is not None
+        result = shard_files.load_shard(self._load_from, self.shard)
+        rows = sum(t["rows"] for t in result["tables"])
+        log.info("loaded %d rows from %s in %.2f s", rows, self._load_from, result["seconds"])
+        return result
+
+    def _begin_primary(self) -> None:
+        """This replica set member begins as the primary: its load, then
+        trainers, at the epoch it has (it took over from nobody)."""
+        if self._load_from:
+            self._load()
+        self.data_server.set_standby(False, new_epoch=False)
+        self.servicer.read_only = None
+        self.shard.start_sweeper(self._sweep_interval_ms)
+
     def start(self) -> ShardServer:
-        if self._standby_of:
+        if self._standby_of or self._replica_set:
             self.data_server.set_standby(True)
-            self.servicer.read_only = f"it is a standby of {self._standby_of}"
+            self.servicer.read_only = (
+                f"it is a standby of {self._standby_of}"
+                if self._standby_of
+                else "it is learning its role in its replica set"
+            )
         if self._read_only:
             self.data_server.set_read_only(True)
             self.servicer.read_only = (
@@ -241,10 +275,8 @@ class ShardServer:
                 if self.follower is not None
                 else "it serves a checkpoint"
             )
-        if self._load_from:
-            result = shard_files.load_shard(self._load_from, self.shard)
-            rows = sum(t["rows"] for t in result["tables"])
-            log.info("loaded %d rows from %s in %.2f s", rows, self._load_from, result["seconds"])
+        if self._load_from and not self._replica_set:
+            result = self._load()
             if self._read_only:
                 self.servicer.serving = {
                     "serving_path": self._load_from, "serving_save_id": result["save_id"]
@@ -288,12 +320,14 @@ class ShardServer:
             )
         self.data_server.set_admin_port(self.admin_port)
         self.data_server.start()
-        if self._standby_of:  # rows expire on the primary; removals arrive as changes
+        if self._standby_of or self._replica_set:
+            # Rows expire on the primary; removals arrive as changes.
             self.servicer.standby_link = replication.StandbyLink(
-                self._standby_of, self._advertise or self.address, self.shard.shard_index,
-                self.shard.num_shards, self._auth_token, self._take_over,
+                self._standby_of or None, self._advertise or self.address,
+                self.shard.shard_index, self.shard.num_shards, self._auth_token, self._take_over,
                 caught_up=lambda: bool(self.data_server.standby_caught_up),
-                takeover_after_s=self._takeover_after_s,
+                takeover_after_s=self._takeover_after_s, replica_set=self._replica_set,
+                begin=self._begin_primary,
             ).start()  # fmt: skip
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)

@@ -88,8 +88,8 @@ class Launch:
             )
         if not command:
             raise ValueError("no trainer command: give it after '--'")
-        if replicas < 1:
-            raise ValueError(f"need --replicas >= 1, got {replicas}")
+        if replicas not in (1, 2):
+            raise ValueError(f"need --replicas 1 or 2 (a primary and its standby), got {replicas}")
         self.replicas = replicas
         self.num_pservers = num_pservers
         self.num_workers = num_workers
@@ -114,7 +114,7 @@ class Launch:
         if self.num_pservers == 0:
             self.say("no shard servers: trainers use the embedded tables")
             return []
-        standbys = f", each with {self.replicas - 1} hot standby" if self.replicas > 1 else ""
+        standbys = ", each with a hot standby" if self.replicas > 1 else ""
         self.say(f"starting {self.num_pservers} shard servers{standbys}")
         self.cluster = LocalCluster(
             self.num_pservers, *self.server_args, start_timeout=self.start_timeout,
@@ -272,9 +272,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pservers", type=int, default=1, help="shard servers (0: embedded)")
     parser.add_argument("--workers", type=int, default=1, help="trainer processes")
     parser.add_argument(
-        "--replicas", type=int, default=1,
-        help="processes per shard: its primary and replicas - 1 hot standbys that take over "
-        "when it dies (docs/replication.md)",
+        "--replicas", type=int, default=1, choices=(1, 2),
+        help="processes per shard: 2 gives each shard a hot standby that takes over when its "
+        "primary dies (docs/replication.md)",
     )  # fmt: skip
     parser.add_argument(
         "--server-arg", action="append", default=[], metavar="ARG",
