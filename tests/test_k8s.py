@@ -28,6 +28,10 @@ EXAMPLES = {
     "ctr-s3.yaml": "--name ctr --image registry.example/ctr-train:1 --pservers 4 --workers 8 "
     "--rows 2e9 --dim 16 --optimizer adagrad --checkpoint s3://example-bucket/ctr "
     "--credentials-secret ctr-s3 --auth-token-secret ctr-token",
+    "ctr-standbys.yaml": "--name ctr --image registry.example/ctr-train:1 --pservers 2 "
+    "--workers 2 --replicas 2 --rows 1e8 --dim 16 --optimizer adagrad "
+    "--checkpoint s3://example-bucket/ctr --credentials-secret ctr-s3 "
+    "--auth-token-secret ctr-token",
 }
 # The pod-index label the shard index comes from exists since 1.28.
 VERSIONS = ("1.30.0", "1.37.0")
@@ -219,3 +223,43 @@ def test_trainers_get_the_token_file_every_client_reads() -> None:
     assert env["TF_DLT_AUTH_TOKEN_FILE"] == "/etc/tf-dlt/token"
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert "/etc/tf-dlt" in mounts
+
+
+def test_standbys_get_their_own_stateful_set_apart_from_their_primary() -> None:
+    """--replicas 2: a second StatefulSet of the same shard indices, whose
+    pods never share a node with their shard's other process, both learning
+    their role at start (--replica-set); trainers list both processes."""
+    objects = list(yaml.safe_load_all(_generate(EXAMPLES["ctr-standbys.yaml"]).stdout))
+    sets = [d for d in objects if d["kind"] == "StatefulSet"]
+    assert [s["metadata"]["name"] for s in sets] == ["ctr-ps", "ctr-ps-r1"]
+    selectors = [s["spec"]["selector"]["matchLabels"] for s in sets]
+    assert selectors[0] != selectors[1]  # each set owns its pods
+    for sts, selector in zip(sets, selectors, strict=True):
+        pod = sts["spec"]["template"]
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        (term,) = pod["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["matchLabelKeys"] == ["apps.kubernetes.io/pod-index"]  # same shard only
+        assert "tf-dlt/replica" not in term["labelSelector"]["matchLabels"]  # both sets
+        (shard,) = pod["spec"]["containers"]
+        host = "ctr-ps.default.svc.cluster.local:7000"
+        assert (
+            f"--replica-set=ctr-ps-$(SHARD_INDEX).{host}|ctr-ps-r1-$(SHARD_INDEX).{host}"
+            in shard["args"]
+        )
+        assert f"--advertise=$(POD_NAME).{host}" in shard["args"]
+        env = {e["name"]: e for e in shard["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    (budget,) = [d for d in objects if d["kind"] == "PodDisruptionBudget"]
+    assert budget["spec"]["maxUnavailable"] == 1
+    (job,) = [d for d in objects if d["kind"] == "Job"]
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    tf_config = {e["name"]: e.get("value") for e in trainer["env"]}["TF_CONFIG"]
+    cluster = tf_dlt.cluster_from_env({"TF_CONFIG": tf_config, "JOB_COMPLETION_INDEX": "0"})
+    assert cluster.pservers[1] == f"ctr-ps-1.{host}|ctr-ps-r1-1.{host}"
+    wait = shlex.split(job["spec"]["template"]["spec"]["initContainers"][0]["command"][2])
+    assert wait[wait.index("--pservers") + 1] == ",".join(cluster.pservers)
+    out = _generate(EXAMPLES["ctr-standbys.yaml"].replace("--replicas 2", "--replicas 3"))
+    assert out.returncode == 2 and "invalid choice: 3" in out.stderr

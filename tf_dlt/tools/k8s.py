@@ -24,6 +24,7 @@ the replica counts and the table size (docs/kubernetes.md):
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from typing import IO, Any
 
@@ -40,6 +41,9 @@ from tf_dlt.tools.k8s_spec import (
     JobSpec,
     shard_memory,
 )
+
+# Which of a shard's processes a pod is (its StatefulSet): a selector label.
+_REPLICA_LABEL = "tf-dlt/replica"
 
 __all__ = ["ADMIN_PORT", "DATA_PORT", "METRICS_PORT", "JobSpec", "build_parser", "manifests",
            "render", "run", "shard_memory"]  # fmt: skip
@@ -109,7 +113,35 @@ def service(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def stateful_set(spec: JobSpec) -> dict[str, Any]:
+def _replica_labels(spec: JobSpec, replica: int) -> dict[str, str]:
+    """A shard pod's labels: with standbys, which StatefulSet's it is (their
+    selectors must not overlap)."""
+    labels = _labels(spec, "ps")
+    return {**labels, _REPLICA_LABEL: str(replica)} if spec.replicas > 1 else labels
+
+
+def _replication(spec: JobSpec) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
+    """(args, env, pod affinity) of a shard process with a standby: both
+    processes of a shard learn their role at start (--replica-set), and
+    never share a node."""
+    if spec.replicas == 1:
+        return [], [], {}
+    args = [
+        f"--replica-set={spec.shard_address('$(SHARD_INDEX)')}",
+        f"--advertise=$(POD_NAME).{spec.ps_host}:{DATA_PORT}",
+    ]
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    # Pods of one shard (the same pod index in each StatefulSet) repel.
+    apart = {
+        "labelSelector": {"matchLabels": _labels(spec, "ps")},
+        "matchLabelKeys": ["apps.kubernetes.io/pod-index"],
+        "topologyKey": "kubernetes.io/hostname",
+    }
+    affinity = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [apart]}}
+    return args, env, {"affinity": affinity}
+
+
+def stateful_set(spec: JobSpec, replica: int = 0) -> dict[str, Any]:
     memory = shard_memory(spec)
     env, mounts, volumes = _storage_env(spec)
     token_mounts, token_volumes = _token_volume(spec)
@@ -136,6 +168,9 @@ def stateful_set(spec: JobSpec) -> dict[str, Any]:
         if not spec.load_from.startswith(spec.checkpoint.rstrip("/") + "/"):
             args.append(f"--checkpoint-root={spec.load_from}")
         args.append(f"--load-from={spec.load_from}")
+    replication_args, replication_env, affinity = _replication(spec)
+    args += replication_args
+    env += replication_env
     probe = {"grpc": {"port": ADMIN_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
         "name": "shard",
@@ -176,16 +211,16 @@ def stateful_set(spec: JobSpec) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(spec, spec.ps_service, "ps"),
+        "metadata": _metadata(spec, spec.ps_set(replica), "ps"),
         "spec": {
             **({"volumeClaimTemplates": claims} if claims else {}),
             "serviceName": spec.ps_service,
             "replicas": spec.pservers,
             "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": _labels(spec, "ps")},
+            "selector": {"matchLabels": _replica_labels(spec, replica)},
             "template": {
                 "metadata": {
-                    "labels": _labels(spec, "ps"),
+                    "labels": _replica_labels(spec, replica),
                     "annotations": {
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(METRICS_PORT),
@@ -195,11 +230,23 @@ def stateful_set(spec: JobSpec) -> dict[str, Any]:
                 "spec": {
                     # SIGTERM lets a running Save finish (--stop-grace 60).
                     "terminationGracePeriodSeconds": 90,
+                    **affinity,
                     "containers": [container],
                     "volumes": volumes + token_volumes,
                 },
             },
         },
+    }
+
+
+def disruption_budget(spec: JobSpec) -> dict[str, Any]:
+    """With standbys: a drain takes at most one shard process at a time, so
+    never both of one shard."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(spec, spec.ps_service, "ps"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(spec, "ps")}},
     }
 
 
@@ -212,7 +259,7 @@ def trainer_job(spec: JobSpec) -> dict[str, Any]:
         # Clients given no token read it (tf_dlt.Client and the ops alike).
         env.append({"name": "TF_DLT_AUTH_TOKEN_FILE", "value": "/etc/tf-dlt/token"})
     wait = (
-        f"until tf-dlt stats --pservers {','.join(spec.ps_addresses())}"
+        f"until tf-dlt stats --pservers {shlex.quote(','.join(spec.ps_addresses()))}"
         + (" --auth-token-file /etc/tf-dlt/token" if spec.token_secret else "")
         + " > /dev/null; do echo waiting for the shards; sleep 2; done"
     )
@@ -278,7 +325,10 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
     out = [checkpoint_claim(spec)] if spec.on_volume else []
     if spec.generated_token:
         out.append(token_secret(spec))
-    return out + [service(spec), stateful_set(spec), trainer_job(spec)]
+    shards = [stateful_set(spec, replica) for replica in range(spec.replicas)]
+    if spec.replicas > 1:
+        shards.append(disruption_budget(spec))
+    return out + [service(spec), *shards, trainer_job(spec)]
 
 
 def render(spec: JobSpec) -> str:
@@ -286,8 +336,15 @@ def render(spec: JobSpec) -> str:
     per_row = capacity.bytes_per_row(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
     raw = capacity.raw_record_bytes(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
     memory = shard_memory(spec)
+    standbys = (
+        f" each with a hot standby ({spec.ps_set(1)}-<i>, never on its node; --replica-set: a "
+        "restarted process follows the one that serves),"
+        if spec.replicas > 1
+        else ""
+    )
     head = [
-        f"# tf_dlt job {spec.name!r}: {spec.pservers} shard servers, {spec.workers} trainers.",
+        f"# tf_dlt job {spec.name!r}: {spec.pservers} shard servers,{standbys} "
+        f"{spec.workers} trainers.",
         f"# Shard memory: {spec.rows:.3g} ids x {spec.admission_rate:g} admitted / "
         f"{spec.pservers} shards x {per_row:.0f} B/row (dim {spec.dim}, {spec.optimizer}, "
         f"{spec.value_dtype} values, {spec.slot_dtype} slots: {raw} B header, values and slots "
@@ -321,6 +378,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--namespace", default="default")
     a("--pservers", type=int, default=2, help="shard servers")
     a("--workers", type=int, default=2, help="trainers")
+    a(
+        "--replicas",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="processes per shard: 2 gives each shard a hot standby on another node "
+        "(docs/replication.md)",
+    )
     a("--rows", type=float, default=1e8, help="expected rows over all tables (sizes the shards)")
     a("--dim", type=int, default=16, help="row dimension (the largest table's)")
     a(
@@ -373,7 +438,8 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     try:
         spec = JobSpec(
             name=args.name, image=args.image, command=list(getattr(args, "trainer_command", [])),
-            pservers=args.pservers, workers=args.workers, rows=args.rows, dim=args.dim,
+            pservers=args.pservers, workers=args.workers, replicas=args.replicas,
+            rows=args.rows, dim=args.dim,
             optimizer=args.optimizer, checkpoint=args.checkpoint, namespace=args.namespace,
             value_dtype=args.value_dtype, slot_dtype=args.slot_dtype,
             admission_rate=args.admission_rate, sketch_bytes=args.sketch_bytes,

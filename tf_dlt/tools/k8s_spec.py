@@ -42,6 +42,8 @@ class JobSpec:
     command: list[str]
     pservers: int = 2
     workers: int = 2
+    # Processes per shard: 2 gives each a hot standby (docs/replication.md).
+    replicas: int = 1
     rows: float = 1e8
     dim: int = 16
     optimizer: str = "adagrad"
@@ -78,6 +80,10 @@ class JobSpec:
         if self.pservers < 1 or self.workers < 1:
             raise ValueError(
                 f"need pservers >= 1 and workers >= 1, got {self.pservers}, {self.workers}"
+            )
+        if self.replicas not in (1, 2):
+            raise ValueError(
+                f"replicas must be 1 or 2 (a primary and its standby), got {self.replicas}"
             )
         if self.optimizer not in capacity.SLOTS:
             raise ValueError(
@@ -141,9 +147,25 @@ class JobSpec:
     def ps_service(self) -> str:
         return f"{self.name}-ps"
 
+    @property
+    def ps_host(self) -> str:
+        """The headless Service's domain: a shard pod is <pod name>.<this>."""
+        return f"{self.ps_service}.{self.namespace}.svc.cluster.local"
+
+    def ps_set(self, replica: int) -> str:
+        """The StatefulSet of each shard's process `replica` (its pods are
+        <set>-<shard index>): the shard's first, then its second."""
+        return self.ps_service if replica == 0 else f"{self.ps_service}-r{replica}"
+
+    def shard_address(self, shard: int | str) -> str:
+        """A shard's data-plane address as clients list it: each process's
+        ("a|b" with a standby); `shard` may be "$(SHARD_INDEX)"."""
+        return "|".join(
+            f"{self.ps_set(r)}-{shard}.{self.ps_host}:{DATA_PORT}" for r in range(self.replicas)
+        )
+
     def ps_addresses(self) -> list[str]:
-        host = f"{self.ps_service}.{self.namespace}.svc.cluster.local"
-        return [f"{self.ps_service}-{i}.{host}:{DATA_PORT}" for i in range(self.pservers)]
+        return [self.shard_address(i) for i in range(self.pservers)]
 
     def tf_config(self) -> str:
         """TF_CONFIG of every trainer pod (the index comes from the Job)."""
