@@ -6,15 +6,19 @@ and optimizer slot the primary acknowledged."""
 from __future__ import annotations
 
 import re
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tf_dlt
 from tf_dlt import errors
+from tf_dlt.checkpoint import manifest
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cluster_stats
@@ -141,6 +145,10 @@ def test_killed_processes_rejoin_as_standbys_and_take_over_in_turn(tmp_path) -> 
                 ),
                 f"process {dead} to rejoin as a standby",
             )
+            # The client's control plane may still point at `dead`, now a
+            # standby: it moves on to the process that serves.
+            assert client.stats()[0]["data_port"] == live_port
+            client.save(str(tmp_path / f"after-kill-{dead}"))
             train()  # sync: on both
         stats = _stats(cluster, 0)
         assert stats["epoch"] == 3 and stats["takeovers"] == 1
@@ -185,6 +193,59 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
             server.stop(0)
     with pytest.raises(ValueError, match="replica set has 2 members"):
         ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
+
+
+def test_a_save_caught_by_a_failover_completes_on_the_new_primary_and_followers_follow(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A Save in flight on a primary that dies (frozen, then killed -9 once
+    its standby took over) is sent again to the copy that serves now: the
+    checkpoint commits with every acknowledged row, a follower serving the
+    run's directory moves to it, and the next save (a delta) succeeds too."""
+    run = tmp_path / "run"
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        ids = np.arange(3000, dtype=np.int64)
+        client.push("emb", ids, np.ones((3000, DIM), np.float32), 0.1)
+        client.save(str(run / "c1"))
+        follower = ShardServer(0, 1, read_only=True, follow=str(run), follow_interval_s=0.1)
+        with follower:
+            _wait(lambda: _serving(follower) == manifest_id(run / "c1"), "the follower")
+            client.push("emb", ids[:100], np.ones((100, DIM), np.float32), 0.1)
+            rows = client.pull("emb", ids)
+            _wait(lambda: _caught_up(cluster, 0), "the standby")
+            cluster.processes[0].send_signal(signal.SIGSTOP)  # the Save to it hangs
+            saved: list[object] = []
+            saver = threading.Thread(target=lambda: saved.append(client.save(str(run / "c2"))))
+            saver.start()
+            _wait(lambda: _stats(cluster, 0)["takeovers"] == 1, "the standby to take over")
+            assert saver.is_alive()  # still waiting on the frozen primary
+            cluster.kill(0)  # its connections reset: the Save goes to the new primary
+            saver.join(60)
+            assert saved and saved[0]["save_id"] == manifest_id(run / "c2")  # type: ignore[index]
+            _wait(lambda: _serving(follower) == manifest_id(run / "c2"), "the follower")
+            np.testing.assert_array_equal(follower_rows(follower, ids), rows)
+            client.push("emb", ids[:10], np.ones((10, DIM), np.float32), 0.1)
+            client.save(str(run / "c3"), base=str(run / "c2"))
+            _wait(lambda: _serving(follower) == manifest_id(run / "c3"), "the follower")
+            np.testing.assert_array_equal(follower_rows(follower, ids), client.pull("emb", ids))
+
+
+def manifest_id(path: Path) -> str:
+    """The save id of the checkpoint committed at `path` ("" while none is)."""
+    try:
+        return str(manifest.read_manifest(str(path))["save_id"])
+    except (errors.DltError, OSError):
+        return ""
+
+
+def _serving(server: ShardServer) -> str:
+    return str(server.servicer.serving.get("serving_save_id", ""))
+
+
+def follower_rows(server: ShardServer, ids: np.ndarray) -> np.ndarray:
+    return tf_dlt.Client([server.address]).pull("emb", ids, training=False)
 
 
 def _free_port() -> int:

@@ -8,6 +8,7 @@ shard advertises in its Hello reply, so users only ever list data addresses.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import secrets
@@ -145,7 +146,15 @@ class Client:
         results: list[Any] = []
         for i, call in enumerate(calls):
             try:
-                results.append(call.result())
+                reply = call.result()
+                if method == "Stats" and reply.role in ("standby", "joining"):
+                    # A primary that came back as its shard's standby: ask
+                    # the copy that serves now (if none does, this one).
+                    with contextlib.suppress(errors.DltError):
+                        reply = getattr(self._reresolve(i), method)(
+                            request, timeout=deadline, metadata=metadata
+                        )
+                results.append(reply)
             except grpc.RpcError as e:
                 if "|" in self.pservers[i] and e.code() == grpc.StatusCode.UNAVAILABLE:
                     # Its standby may have taken over: ask whoever greets now.

@@ -172,6 +172,12 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._roots.check(path, "Load")
 
     def _writable(self, what: str) -> None:
+        if self.standby_link is not None and self.standby_link.role != "primary":
+            # UNAVAILABLE: a client moves on to the shard's other address.
+            raise errors.UnavailableError(
+                f"shard {self._shard.shard_index} here is a standby ({self.read_only}): {what} "
+                "goes to its primary"
+            )
         if self.read_only is not None:
             raise errors.FailedPreconditionError(
                 f"shard {self._shard.shard_index} is read-only ({self.read_only}): {what} goes "
