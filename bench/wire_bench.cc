@@ -128,6 +128,9 @@ int Shard(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     server.set_write_listener(replicator);
+    // Named in the Hello as a serving primary names it: clients then give
+    // their pushes ids, as trainers of a shard with a standby do.
+    server.set_standbys("127.0.0.1:" + std::to_string(standby.port()));
   }
   if (!s.ok()) {
     std::fprintf(stderr, "%s\n", s.message().c_str());

@@ -215,26 +215,29 @@ Status Replicator::Round() {
   }
   // The round's take: every table's changes and the pushes applied, at one
   // moment (identified pushes hold the gate shared while they apply), so a
-  // push's rows and its id reach the standby in the same round.
+  // push's rows and its id reach the standby in the same round. The gate
+  // stays held until the changed rows are read and sent: a row read later
+  // could hold a push whose id is not in this round, which the standby,
+  // taking over, would apply a second time when its client sends it again.
   PushLedger& ledger = shard_->push_ledger();
   std::vector<std::pair<Table*, std::vector<int64_t>>> changes;
   std::vector<PushId> pushed, more;
+  std::unique_lock<WriterFirstLock> gate(ledger.gate(), std::defer_lock);
   for (;;) {
     std::vector<std::shared_ptr<Table>> overflowed;
-    {
-      std::lock_guard<WriterFirstLock> gate(ledger.gate());
-      for (const std::shared_ptr<Table>& table : tables) {
-        std::vector<int64_t> ids;
-        if (table->TakeChanges(&ids).ok()) {
-          if (!ids.empty()) changes.emplace_back(table.get(), std::move(ids));
-        } else {
-          overflowed.push_back(table);
-        }
+    gate.lock();
+    for (const std::shared_ptr<Table>& table : tables) {
+      std::vector<int64_t> ids;
+      if (table->TakeChanges(&ids).ok()) {
+        if (!ids.empty()) changes.emplace_back(table.get(), std::move(ids));
+      } else {
+        overflowed.push_back(table);
       }
-      ledger.TakeApplied(&more);
-      pushed.insert(pushed.end(), more.begin(), more.end());
     }
+    ledger.TakeApplied(&more);
+    pushed.insert(pushed.end(), more.begin(), more.end());
     if (overflowed.empty()) break;
+    gate.unlock();
     // More changes than the log holds: copy those whole and take again, so
     // the copies' rows and the ids are in this round too.
     for (const std::shared_ptr<Table>& table : overflowed) {
@@ -242,7 +245,9 @@ Status Replicator::Round() {
       copied = true;
     }
   }
+  if (options_.after_take) options_.after_take();
   for (const auto& [table, ids] : changes) DLT_RETURN_IF_ERROR(SendChanges(table, ids));
+  gate.unlock();
   if (changes.empty() && pushed.empty() && !copied) return OkStatus();
   // The round's end: a caught-up standby applies its rows and ids now; after
   // copies, the standby holds every table again and may take over.

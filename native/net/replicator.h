@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,9 @@ struct ReplicatorOptions {
   int interval_ms = 10;
   // Largest Replicate payload (capped by the standby's maximum frame).
   uint32_t frame_bytes = 8u << 20;
+  // Tests only: called in each round right after its take, while the
+  // round holds the push gate.
+  std::function<void()> after_take;
 };
 
 struct ReplicationStatus {

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -591,6 +592,63 @@ DLT_TEST(TestPushesToShardsWithStandbysGoOnAcrossATakeover) {
   const Rows want = AllRows(&oracle), got = AllRows(TableOf(*pair.standby, "emb").get());
   EXPECT(want.ids == got.ids && want.values == got.values && want.slots == got.slots &&
          want.steps == got.steps);
+}
+
+DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
+  // Push Q to id 1 is taken by a round; push P to id 1 comes right after
+  // the take. The round must not carry P's row without P's id: a standby
+  // taking over would apply P a second time when its client sends it again
+  // (fails when the round reads its rows after releasing the push gate).
+  std::atomic<int> armed{0};  // 1: start P at the next take; 2: P started
+  std::atomic<bool> p_applied{false}, checked{false};
+  std::function<void()> start_p;
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  ReplicatorOptions r;
+  r.io_timeout_ms = 10000;
+  std::vector<float> standby_after_round;  // id 1 on the standby once P's round began
+  r.after_take = [&] {
+    if (armed.load() == 2 && !checked.load()) {
+      // The round after P's take: the one before it was applied already.
+      std::vector<float> row(4);
+      const int64_t one[] = {1};
+      EXPECT_OK(TableOf(*pair.standby, "emb")->Pull(one, 1, PullMode::kZerosNoInsert, row.data()));
+      standby_after_round = row;
+      checked = true;
+    }
+    int expected = 1;
+    if (armed.compare_exchange_strong(expected, 2)) {
+      start_p();
+      // P waits for this round to send what it took (give it the time to
+      // overtake the round if it could).
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+  };
+  pair.replicator = std::make_shared<Replicator>(pair.primary, Address(*pair.standby_server), r);
+  pair.Replicate();
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  const std::string both = Address(*pair.primary_server) + "|" + Address(*pair.standby_server);
+  Client q_client({both}, ClientOptions{}), p_client({both}, ClientOptions{});
+  Table oracle(AdagradConfig("emb", 4));
+  const int64_t one[] = {1};
+  const float q_grads[4] = {1, 1, 1, 1}, p_grads[4] = {-3, 2, -1, 4};
+  std::thread p_thread;
+  start_p = [&] {
+    p_thread = std::thread([&] {
+      EXPECT_OK(p_client.Push("emb", 4, one, p_grads, 1, 0.1f));
+      p_applied = true;
+    });
+  };
+  armed = 1;
+  EXPECT_OK(q_client.Push("emb", 4, one, q_grads, 1, 0.1f));
+  EXPECT(Eventually([&] { return checked.load() && p_applied.load(); }));
+  p_thread.join();
+  EXPECT_OK(oracle.Push(one, q_grads, 1, 0.1f));  // what the round that took Q may carry
+  std::vector<float> after_q(4);
+  EXPECT_OK(oracle.Pull(one, 1, PullMode::kZerosNoInsert, after_q.data()));
+  EXPECT(standby_after_round == after_q);
+  EXPECT(SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get()));
 }
 
 }  // namespace
