@@ -64,7 +64,21 @@ def test_golden_frames_follow_the_spec() -> None:
         + struct.pack("<2f", 1.0, -1.0)
     )
     assert g["push_request_identified"] == frames.frame(3, 8, identified)
-    assert len(g) == 11
+    # A table's admission sketch (StandbyTable actions 4 and 5): its
+    # slices (name, counters per slice, slices, (bucket, pushes since
+    # halving) each, counters), then hashes counted.
+    slices = (
+        struct.pack("<I", 3) + b"emb" + struct.pack("<II", 2, 2)
+        + struct.pack("<4I", 10, 5, 11, 0) + bytes([1, 2, 3, 4])
+    )  # fmt: skip
+    assert g["standby_sketch_slices"] == frames.frame(
+        5, 9, struct.pack("<II", 4, len(slices)) + slices
+    )
+    counts = struct.pack("<I", 3) + b"emb" + struct.pack("<QQ", 0x0123456789ABCDEF, 42)
+    assert g["standby_sketch_counts"] == frames.frame(
+        5, 10, struct.pack("<II", 5, len(counts)) + counts
+    )
+    assert len(g) == 13
 
 
 def test_pipelined_requests_are_matched_by_request_id(

@@ -375,7 +375,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         DLT_RETURN_IF_ERROR(Promote(&stripe, hashes[pos], ids[pos], &rec));
       }
       if (rec == kEmpty) {
-        if (!AdmitOnPush(hashes[pos], ids[pos], &counted)) {
+        if (!AdmitOnPush(&stripe, hashes[pos], ids[pos], &counted)) {
           ++refused;
           continue;
         }

@@ -179,12 +179,27 @@ class Table {
   void StartChangeLog();
   void StopChangeLog();
   bool change_log_running() const { return change_log_.load(std::memory_order_relaxed); }
-  // Moves the ids logged since the last call into *ids, sorted and unique.
+  // The log also holds, in order, the hash of every id a push counts in the
+  // admission sketch (Frequency admission).
+  // Moves the ids logged since the last call into *ids, sorted and unique,
+  // and (when not null) the sketch's counted hashes into *sketch_adds, each
+  // stripe's in the order counted, stripe after stripe.
   // FAILED_PRECONDITION when a stripe's log outgrew its cap meanwhile (65,536
-  // ids plus a quarter of its rows; it then logs nothing more): the ids are
-  // incomplete, and the consumer must copy the table whole again; the log
-  // runs on, emptied.
-  Status TakeChanges(std::vector<int64_t>* ids);
+  // entries plus a quarter of its rows; it then logs nothing more): both are
+  // incomplete, and the consumer must copy the table whole again (rows and
+  // sketch); the log runs on, emptied.
+  Status TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sketch_adds = nullptr);
+  // The admission sketch's slices of the buckets in stripe `stripe`, as
+  // they are now: their buckets into *buckets, sketch_slice_bytes() counters
+  // each into *counters, pushes since halving into *added (all appended).
+  // Drops the stripe's logged sketch counts, which the slices hold: a
+  // consumer copying a table whole reads every stripe so after its rows.
+  void TakeSketchSlices(uint32_t stripe, std::vector<uint32_t>* buckets,
+                        std::vector<uint8_t>* counters, std::vector<uint32_t>* added);
+  // Counts in the sketch, in order, the hashes another copy of this table
+  // counted (TakeChanges' sketch_adds): the sketch becomes that copy's.
+  // INVALID_ARGUMENT for a hash of a bucket this table's sketch does not hold.
+  Status CountInSketch(const uint64_t* hashes, size_t n);
   // The rows of `ids` as they are now, wherever they are: the present ones
   // into rows 0..*rows-1 of `out` (grouped by stripe; `out.buckets` may be
   // null), the ids of absent ones into *absent. Creates nothing. Fails only
@@ -306,7 +321,7 @@ class Table {
  private:
   // Whether the policy admits an absent id on a push; counts it in the
   // sketch (once per push: `counted` holds the hashes counted by this push).
-  bool AdmitOnPush(uint64_t hash, int64_t id, std::vector<uint64_t>* counted);
+  bool AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<uint64_t>* counted);
   bool ProbabilityAdmits(int64_t id) const;
   // Fills `out` with the unadmitted default of `id`.
   void Unadmitted(int64_t id, float* out) const;
@@ -329,6 +344,9 @@ class Table {
   size_t EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys);
   // Logs `id` when the change log runs (table_stripe.h).
   void NoteChange(Stripe* stripe, int64_t id);
+  // Logs a count of `hash` in the sketch when the change log runs.
+  void NoteSketchAdd(Stripe* stripe, uint64_t hash);
+  bool ChangeLogHasRoom(Stripe* stripe);
   // Copies stored record `r` of `id` into row `i` of `out`.
   void CopyOut(const char* r, int64_t id, uint32_t bucket, const RowBuffers& out, size_t i) const;
   // Removes disk tier slot `slot` (holding `key`) like EraseFrom.

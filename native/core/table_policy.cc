@@ -38,7 +38,7 @@ bool Table::ProbabilityAdmits(int64_t id) const {
          static_cast<double>(config_.policy.probability);
 }
 
-bool Table::AdmitOnPush(uint64_t hash, int64_t id, std::vector<uint64_t>* counted) {
+bool Table::AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<uint64_t>* counted) {
   switch (static_cast<AdmissionKind>(config_.policy.admission)) {
     case AdmissionKind::kAll:
       return true;
@@ -58,6 +58,7 @@ bool Table::AdmitOnPush(uint64_t hash, int64_t id, std::vector<uint64_t>* counte
     i = (i + 1) & mask;
   }
   (*counted)[i] = h;
+  NoteSketchAdd(stripe, hash);
   return sketch_->Add(hash) >= config_.policy.min_count;
 }
 

@@ -15,6 +15,7 @@ void Table::StartChangeLog() {
   for (uint32_t s = 0; s < kStripes; ++s) {
     std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
     stripes_[s].changes.clear();
+    stripes_[s].sketch_adds.clear();
     stripes_[s].changes_overflowed = false;
   }
   // A write that takes a stripe's lock after this sees the flag: the lock
@@ -27,33 +28,79 @@ void Table::StopChangeLog() {
   for (uint32_t s = 0; s < kStripes; ++s) {
     std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
     std::vector<int64_t>().swap(stripes_[s].changes);
+    std::vector<uint64_t>().swap(stripes_[s].sketch_adds);
     stripes_[s].changes_overflowed = false;
   }
 }
 
-Status Table::TakeChanges(std::vector<int64_t>* ids) {
+Status Table::TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sketch_adds) {
   ids->clear();
+  if (sketch_adds != nullptr) sketch_adds->clear();
   bool overflowed = false;
   thread_local std::vector<int64_t> taken;
+  thread_local std::vector<uint64_t> counted;
   for (uint32_t s = 0; s < kStripes; ++s) {
     Stripe& stripe = stripes_[s];
     taken.clear();
+    counted.clear();
     {
       std::unique_lock<std::shared_mutex> lock(stripe.mu);
-      taken.swap(stripe.changes);  // the stripe keeps the emptied buffer
+      taken.swap(stripe.changes);  // the stripe keeps the emptied buffers
+      counted.swap(stripe.sketch_adds);
       overflowed |= stripe.changes_overflowed;
       stripe.changes_overflowed = false;
     }
     ids->insert(ids->end(), taken.begin(), taken.end());
+    if (sketch_adds != nullptr)
+      sketch_adds->insert(sketch_adds->end(), counted.begin(), counted.end());
   }
   if (overflowed) {
     ids->clear();
+    if (sketch_adds != nullptr) sketch_adds->clear();
     return FailedPrecondition("table '" + config_.name +
                               "' changed more rows than its change log holds since it was last "
                               "read: copy the table whole");
   }
   std::sort(ids->begin(), ids->end());
   ids->erase(std::unique(ids->begin(), ids->end()), ids->end());
+  return OkStatus();
+}
+
+void Table::TakeSketchSlices(uint32_t stripe_index, std::vector<uint32_t>* buckets,
+                             std::vector<uint8_t>* counters, std::vector<uint32_t>* added) {
+  if (!sketch_) return;
+  const uint32_t slice = sketch_->slice_counters();
+  Stripe& stripe = stripes_[stripe_index];
+  std::unique_lock<std::shared_mutex> lock(stripe.mu);
+  for (uint32_t b = first_bucket_; b < end_bucket_; ++b) {
+    if (stripe_of_bucket_[b] != stripe_index) continue;
+    buckets->push_back(b);
+    counters->resize(counters->size() + slice);
+    added->push_back(0);
+    sketch_->ReadSlice(b, counters->data() + counters->size() - slice, &added->back());
+  }
+  stripe.sketch_adds.clear();  // in the slices now
+}
+
+Status Table::CountInSketch(const uint64_t* hashes, size_t n) {
+  if (n == 0) return OkStatus();
+  if (!sketch_) {
+    return InvalidArgument("table '" + config_.name + "' has no admission sketch to count in");
+  }
+  size_t i = 0;
+  while (i < n) {
+    // Consecutive hashes of one stripe under one hold of its lock.
+    const uint32_t s = StripeOf(hashes[i]);
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    for (; i < n && StripeOf(hashes[i]) == s; ++i) {
+      if (!sketch_->Owns(BucketOfHash(hashes[i]))) {
+        return InvalidArgument("table '" + config_.name + "': a sketch count for bucket " +
+                               std::to_string(BucketOfHash(hashes[i])) +
+                               ", which this shard does not hold");
+      }
+      sketch_->Add(hashes[i]);
+    }
+  }
   return OkStatus();
 }
 

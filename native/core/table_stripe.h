@@ -144,6 +144,7 @@ struct Table::Stripe {
   // Ids written or removed while the table's change log runs, and whether
   // the log outgrew its cap since it was last taken.
   std::vector<int64_t> changes;
+  std::vector<uint64_t> sketch_adds;  // hashes counted in the sketch, in order
   bool changes_overflowed = false;
   std::unique_ptr<TierFile> tier;  // cold rows (with a disk tier)
 
@@ -301,14 +302,26 @@ struct Table::Stripe {
 // A row of `stripe` was written or removed. Caller holds its lock
 // exclusively.
 inline void Table::NoteChange(Stripe* stripe, int64_t id) {
-  if (!change_log_.load(std::memory_order_relaxed) || stripe->changes_overflowed) return;
+  if (ChangeLogHasRoom(stripe)) stripe->changes.push_back(id);
+}
+
+// A push counted `hash` in the sketch. Caller holds the stripe's lock
+// exclusively.
+inline void Table::NoteSketchAdd(Stripe* stripe, uint64_t hash) {
+  if (ChangeLogHasRoom(stripe)) stripe->sketch_adds.push_back(hash);
+}
+
+// True when the change log runs and `stripe`'s takes one more entry; at its
+// cap it marks the log overflowed and empties it. Caller holds the lock
+// exclusively.
+inline bool Table::ChangeLogHasRoom(Stripe* stripe) {
+  if (!change_log_.load(std::memory_order_relaxed) || stripe->changes_overflowed) return false;
   const size_t rows = stripe->live + (stripe->tier ? stripe->tier->rows() : 0);
-  if (stripe->changes.size() >= kChangeLogSlack + rows / 4) {
-    stripe->changes_overflowed = true;
-    std::vector<int64_t>().swap(stripe->changes);
-    return;
-  }
-  stripe->changes.push_back(id);
+  if (stripe->changes.size() + stripe->sketch_adds.size() < kChangeLogSlack + rows / 4) return true;
+  stripe->changes_overflowed = true;
+  std::vector<int64_t>().swap(stripe->changes);
+  std::vector<uint64_t>().swap(stripe->sketch_adds);
+  return false;
 }
 
 // Calls fn(slot, key, record) for every row of the stripe's disk tier, a

@@ -220,16 +220,21 @@ Status Replicator::Round() {
   // could hold a push whose id is not in this round, which the standby,
   // taking over, would apply a second time when its client sends it again.
   PushLedger& ledger = shard_->push_ledger();
-  std::vector<std::pair<Table*, std::vector<int64_t>>> changes;
+  struct Changes {
+    Table* table;
+    std::vector<int64_t> ids;
+    std::vector<uint64_t> sketch_adds;
+  };
+  std::vector<Changes> changes;
   std::vector<PushId> pushed, more;
   std::unique_lock<WriterFirstLock> gate(ledger.gate(), std::defer_lock);
   for (;;) {
     std::vector<std::shared_ptr<Table>> overflowed;
     gate.lock();
     for (const std::shared_ptr<Table>& table : tables) {
-      std::vector<int64_t> ids;
-      if (table->TakeChanges(&ids).ok()) {
-        if (!ids.empty()) changes.emplace_back(table.get(), std::move(ids));
+      Changes c{table.get(), {}, {}};
+      if (table->TakeChanges(&c.ids, &c.sketch_adds).ok()) {
+        if (!c.ids.empty() || !c.sketch_adds.empty()) changes.push_back(std::move(c));
       } else {
         overflowed.push_back(table);
       }
@@ -246,7 +251,10 @@ Status Replicator::Round() {
     }
   }
   if (options_.after_take) options_.after_take();
-  for (const auto& [table, ids] : changes) DLT_RETURN_IF_ERROR(SendChanges(table, ids));
+  for (const Changes& c : changes) {
+    DLT_RETURN_IF_ERROR(SendChanges(c.table, c.ids));
+    DLT_RETURN_IF_ERROR(SendSketchCounts(c.table, c.sketch_adds));
+  }
   gate.unlock();
   if (changes.empty() && pushed.empty() && !copied) return OkStatus();
   // The round's end: a caught-up standby applies its rows and ids now; after
@@ -280,6 +288,7 @@ Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
   DLT_RETURN_IF_ERROR(exporter.error());
   // The clock too, when there were no rows to carry it.
   DLT_RETURN_IF_ERROR(SendRows(table.get(), out, 0, nullptr, 0));
+  DLT_RETURN_IF_ERROR(SendSketchSlices(table.get()));
   mirrored_[table->config().name] = table;
   std::lock_guard<std::mutex> lock(mu_);
   ++status_.tables_copied;
@@ -320,10 +329,56 @@ size_t Replicator::RowsPerFrame(const Table& table) const {
   return limit > fixed + row ? static_cast<size_t>((limit - fixed) / row) : 1;
 }
 
+Status Replicator::SendSketchSlices(Table* table) {
+  if (!table->has_sketch()) return OkStatus();
+  const uint32_t slice = table->sketch_slice_bytes();
+  const std::string& name = table->config().name;
+  uint64_t limit = options_.frame_bytes;
+  if (standby_frame_bytes_) limit = std::min<uint64_t>(limit, standby_frame_bytes_);
+  // At least one slice a frame (a standby whose frames are smaller refuses it).
+  const size_t per_frame = std::max<size_t>(
+      1, (limit - std::min<uint64_t>(limit, wire::SketchSlicesBytes(name.size(), slice, 0) + 16)) /
+             (8 + size_t{slice}));
+  Scratch& s = scratch_;
+  const auto flush = [&]() -> Status {
+    if (s.slice_buckets.empty()) return OkStatus();
+    std::string bytes =
+        wire::EncodeSketchSlices(name, slice, s.slice_buckets.data(), s.slice_added.data(),
+                                 s.slice_counters.data(), s.slice_buckets.size());
+    s.slice_buckets.clear();
+    s.slice_added.clear();
+    s.slice_counters.clear();
+    return SendStandbyTable(wire::kSketchSlices, std::move(bytes));
+  };
+  for (uint32_t stripe = 0; stripe < kStripes; ++stripe) {
+    // A stripe's slices at one moment, its logged counts since dropped: the
+    // counts pushes make from then on come in the rounds.
+    table->TakeSketchSlices(stripe, &s.slice_buckets, &s.slice_counters, &s.slice_added);
+    if (s.slice_buckets.size() >= per_frame) DLT_RETURN_IF_ERROR(flush());
+  }
+  return flush();
+}
+
+Status Replicator::SendSketchCounts(Table* table, const std::vector<uint64_t>& hashes) {
+  uint64_t limit = options_.frame_bytes;
+  if (standby_frame_bytes_) limit = std::min<uint64_t>(limit, standby_frame_bytes_);
+  const size_t per_frame = std::max<uint64_t>(1, (limit - std::min<uint64_t>(limit, 4096)) / 8);
+  for (size_t first = 0; first < hashes.size(); first += per_frame) {
+    const size_t n = std::min(per_frame, hashes.size() - first);
+    DLT_RETURN_IF_ERROR(SendStandbyTable(
+        wire::kSketchCounts, wire::EncodeSketchCounts(table->config().name, &hashes[first], n)));
+  }
+  return OkStatus();
+}
+
 Status Replicator::SendTable(uint32_t action, const TableConfig& config) {
+  return SendStandbyTable(action, EncodeTableConfig(config));
+}
+
+Status Replicator::SendStandbyTable(uint32_t action, std::string bytes) {
   wire::StandbyTableRequest request;
   request.action = action;
-  request.config = EncodeTableConfig(config);
+  request.config = std::move(bytes);
   const std::string payload = wire::EncodeStandbyTable(request);
   return Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size());
 }

@@ -92,7 +92,12 @@ class Replicator : public WriteListener {
   Status CopyWhole(const std::shared_ptr<Table>& table);
   // Sends the rows of `ids` as they are now, and the absent ones as removals.
   Status SendChanges(Table* table, const std::vector<int64_t>& ids);
+  // Sends `table`'s admission sketch whole, slice by slice (after its rows).
+  Status SendSketchSlices(Table* table);
+  // Sends the hashes pushes counted in `table`'s sketch, in order.
+  Status SendSketchCounts(Table* table, const std::vector<uint64_t>& hashes);
   Status SendTable(uint32_t action, const TableConfig& config);
+  Status SendStandbyTable(uint32_t action, std::string bytes);
   Status SendRows(Table* table, const RowBuffers& rows, size_t n, const int64_t* removed,
                   size_t num_removed);
   // The replicating thread's buffers for `rows` rows of `table`.
@@ -119,6 +124,8 @@ class Replicator : public WriteListener {
     std::vector<int64_t> ids, absent;
     std::vector<float> values, slots;
     std::vector<uint32_t> steps, touched, buckets;
+    std::vector<uint32_t> slice_buckets, slice_added;  // a sketch's slices
+    std::vector<uint8_t> slice_counters;
   };
   Scratch scratch_;
 

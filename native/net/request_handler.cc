@@ -271,17 +271,12 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
       if (request.config.size() < 8 || (request.config.size() - 8) % 16 != 0) {
         return InvalidArgument("a round's end holds the primary's epoch and 16 bytes a push id");
       }
-      std::vector<std::string> staged;
+      std::vector<Staged> staged;
       {
         std::lock_guard<std::mutex> lock(staged_mu_);
         staged.swap(staged_);  // applied now, or (on an error) never
       }
-      for (const std::string& frame : staged) {
-        wire::ReplicateRequest rows;
-        DLT_RETURN_IF_ERROR(wire::DecodeReplicate(reinterpret_cast<const uint8_t*>(frame.data()),
-                                                  frame.size(), &rows));
-        DLT_RETURN_IF_ERROR(ApplyRows(rows));
-      }
+      for (const Staged& frame : staged) DLT_RETURN_IF_ERROR(ApplyStaged(frame));
       uint64_t epoch;
       std::memcpy(&epoch, request.config.data(), sizeof(epoch));
       std::vector<PushId> ids((request.config.size() - 8) / 16);
@@ -290,6 +285,18 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
       shard_->set_epoch(epoch);  // its primary's, until it takes over
       if (request.action == wire::kCaughtUp) caught_up_.store(true);
       return OkStatus();
+    }
+    if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
+      wire::SketchRequest sketch;  // checked now, applied now or at the round's end
+      DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
+      if (caught_up_.load()) {
+        std::lock_guard<std::mutex> lock(staged_mu_);
+        staged_.push_back(
+            {wire::Opcode::kStandbyTable,
+             std::string(reinterpret_cast<const char*>(payload), header.payload_bytes)});
+        return OkStatus();
+      }
+      return ApplySketch(request.action, request.config);
     }
     TableConfig config;
     DLT_RETURN_IF_ERROR(DecodeTableConfig(request.config, &config));
@@ -315,7 +322,8 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
     // A standby that may take over applies a round whole or not at all:
     // its rows wait for the round's end, with the pushes' ids.
     std::lock_guard<std::mutex> lock(staged_mu_);
-    staged_.emplace_back(reinterpret_cast<const char*>(payload), header.payload_bytes);
+    staged_.push_back({wire::Opcode::kReplicate,
+                       std::string(reinterpret_cast<const char*>(payload), header.payload_bytes)});
     return OkStatus();
   }
   return ApplyRows(request);
@@ -328,6 +336,46 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
     staged_.clear();                                        // a round its primary did not finish
     if (new_epoch) shard_->set_epoch(shard_->epoch() + 1);  // newer than the primary it replaces
   }
+}
+
+Status RequestHandler::ApplyStaged(const Staged& frame) {
+  const auto* p = reinterpret_cast<const uint8_t*>(frame.payload.data());
+  if (frame.opcode == wire::Opcode::kReplicate) {
+    wire::ReplicateRequest rows;
+    DLT_RETURN_IF_ERROR(wire::DecodeReplicate(p, frame.payload.size(), &rows));
+    return ApplyRows(rows);
+  }
+  wire::StandbyTableRequest request;
+  DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(p, frame.payload.size(), &request));
+  return ApplySketch(request.action, request.config);
+}
+
+Status RequestHandler::ApplySketch(uint32_t action, const std::string& bytes) {
+  wire::SketchRequest r;
+  DLT_RETURN_IF_ERROR(wire::DecodeSketch(action, bytes, &r));
+  std::shared_ptr<Table> table;
+  DLT_RETURN_IF_ERROR(shard_->GetTable(r.table, &table));
+  if (action == wire::kSketchCounts) {
+    std::vector<uint64_t> hashes(r.num_hashes);
+    if (!hashes.empty()) std::memcpy(hashes.data(), r.hashes, hashes.size() * sizeof(uint64_t));
+    return table->CountInSketch(hashes.data(), hashes.size()).WithContext("from the primary");
+  }
+  if (!table->has_sketch() || r.slice_counters != table->sketch_slice_bytes()) {
+    return InvalidArgument("table '" + r.table + "' here has sketch slices of " +
+                           std::to_string(table->sketch_slice_bytes()) +
+                           " counters; the primary sent " + std::to_string(r.slice_counters));
+  }
+  for (uint32_t i = 0; i < r.slices; ++i) {
+    uint32_t bucket, added;
+    std::memcpy(&bucket, r.entries + size_t{i} * 8, 4);
+    std::memcpy(&added, r.entries + size_t{i} * 8 + 4, 4);
+    if (!table->SketchHolds(bucket, bucket + 1)) {
+      return InvalidArgument("table '" + r.table + "': a sketch slice of bucket " +
+                             std::to_string(bucket) + ", which this shard does not hold");
+    }
+    table->WriteSketch(bucket, r.counters + size_t{i} * r.slice_counters, added);
+  }
+  return OkStatus();
 }
 
 Status RequestHandler::ApplyRows(const wire::ReplicateRequest& request) {

@@ -86,8 +86,18 @@ class RequestHandler {
  private:
   // With a write listener: waits for it after a write was applied.
   Status AwaitStandby();
+  // A standby's frame from its primary held until its round's end.
+  struct Staged {
+    wire::Opcode opcode;
+    std::string payload;
+  };
   // Writes a Replicate frame's rows and removals.
   Status ApplyRows(const wire::ReplicateRequest& request);
+  // Writes a sketch frame's slices or counts (wire::kSketchSlices,
+  // wire::kSketchCounts).
+  Status ApplySketch(uint32_t action, const std::string& bytes);
+  // A staged frame, applied at its round's end.
+  Status ApplyStaged(const Staged& frame);
   // A standby's StandbyTable or Replicate frame.
   Status ApplyFromPrimary(const wire::FrameHeader& header, const uint8_t* payload, uint32_t* rows);
   std::shared_ptr<Shard> shard_;
@@ -98,8 +108,10 @@ class RequestHandler {
   std::atomic<bool> standby_{false};
   std::atomic<bool> caught_up_{false};
   std::mutex staged_mu_;
-  std::vector<std::string> staged_;  // Replicate payloads of the round; guarded by staged_mu_
-  std::string standbys_;             // guarded by staged_mu_
+  // The round's Replicate payloads and sketch StandbyTable requests, in
+  // order; guarded by staged_mu_.
+  std::vector<Staged> staged_;
+  std::string standbys_;                     // guarded by staged_mu_
   std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;
 };

@@ -247,13 +247,67 @@ std::string EncodeStandbyTable(const StandbyTableRequest& r) {
 Status DecodeStandbyTable(const uint8_t* p, size_t bytes, StandbyTableRequest* r) {
   if (bytes < 8) return InvalidArgument("StandbyTable payload is shorter than 8 bytes");
   r->action = Get<uint32_t>(p, 0);
-  if (r->action > kRoundEnd) {
-    return InvalidArgument("StandbyTable action must be 0 to 3, got " + std::to_string(r->action));
+  if (r->action > kSketchCounts) {
+    return InvalidArgument("StandbyTable action must be 0 to 5, got " + std::to_string(r->action));
   }
   if (uint64_t{8} + Get<uint32_t>(p, 4) != bytes) {
     return InvalidArgument("StandbyTable config length does not match its payload");
   }
   r->config.assign(reinterpret_cast<const char*>(p) + 8, bytes - 8);
+  return OkStatus();
+}
+
+size_t SketchSlicesBytes(size_t name_bytes, uint32_t slice_counters, size_t slices) {
+  return 12 + name_bytes + slices * (8 + size_t{slice_counters});
+}
+
+std::string EncodeSketchSlices(const std::string& table, uint32_t slice_counters,
+                               const uint32_t* buckets, const uint32_t* added,
+                               const uint8_t* counters, size_t slices) {
+  std::string out;
+  out.reserve(SketchSlicesBytes(table.size(), slice_counters, slices));
+  Append<uint32_t>(&out, static_cast<uint32_t>(table.size()));
+  out.append(table);
+  Append<uint32_t>(&out, slice_counters);
+  Append<uint32_t>(&out, static_cast<uint32_t>(slices));
+  for (size_t i = 0; i < slices; ++i) {
+    Append<uint32_t>(&out, buckets[i]);
+    Append<uint32_t>(&out, added[i]);
+  }
+  out.append(reinterpret_cast<const char*>(counters), slices * size_t{slice_counters});
+  return out;
+}
+
+std::string EncodeSketchCounts(const std::string& table, const uint64_t* hashes, size_t n) {
+  std::string out;
+  Append<uint32_t>(&out, static_cast<uint32_t>(table.size()));
+  out.append(table);
+  out.append(reinterpret_cast<const char*>(hashes), n * sizeof(uint64_t));
+  return out;
+}
+
+Status DecodeSketch(uint32_t action, const std::string& bytes, SketchRequest* r) {
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (bytes.size() < 4 || bytes.size() - 4 < Get<uint32_t>(p, 0)) {
+    return InvalidArgument("a sketch frame's table name runs past its bytes");
+  }
+  const size_t name = Get<uint32_t>(p, 0);
+  r->table.assign(bytes.data() + 4, name);
+  const size_t at = 4 + name, rest = bytes.size() - at;
+  if (action == kSketchCounts) {
+    if (rest % 8 != 0) return InvalidArgument("a sketch counts frame holds whole u64 hashes");
+    r->hashes = p + at;
+    r->num_hashes = rest / 8;
+    return OkStatus();
+  }
+  if (rest < 8) return InvalidArgument("a sketch slices frame is shorter than its counts");
+  r->slice_counters = Get<uint32_t>(p, at);
+  r->slices = Get<uint32_t>(p, at + 4);
+  if (uint64_t{r->slices} * (8 + uint64_t{r->slice_counters}) != rest - 8) {
+    return InvalidArgument("a sketch slices frame's counts do not match its bytes");
+  }
+  r->entries = p + at + 8;
+  r->counters = r->entries + size_t{r->slices} * 8;
   return OkStatus();
 }
 

@@ -134,18 +134,48 @@ Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* r
 //    pushes applied in it (16 bytes each). A caught-up standby applies a
 //    round's rows and ids together only here;
 //  - kCaughtUp: as kRoundEnd, and every table made since the last
-//    kMakeTable is copied whole: the standby may take over.
+//    kMakeTable is copied whole: the standby may take over;
+//  - kSketchSlices: slices of a table's admission sketch as they are (its
+//    whole copy): EncodeSketchSlices' bytes;
+//  - kSketchCounts: the hashes pushes counted in a table's sketch, in order
+//    (a round's): EncodeSketchCounts' bytes.
 // Answered with a Push reply (0 rows).
 inline constexpr uint32_t kMakeTable = 0;
 inline constexpr uint32_t kDropTable = 1;
 inline constexpr uint32_t kCaughtUp = 2;
 inline constexpr uint32_t kRoundEnd = 3;
+inline constexpr uint32_t kSketchSlices = 4;
+inline constexpr uint32_t kSketchCounts = 5;
 struct StandbyTableRequest {
   uint32_t action = kMakeTable;
   std::string config;  // EncodeTableConfig; for kDropTable only the name matters
 };
 std::string EncodeStandbyTable(const StandbyTableRequest& request);
 Status DecodeStandbyTable(const uint8_t* payload, size_t bytes, StandbyTableRequest* request);
+
+// A table's admission sketch on the stream (docs/replication.md), the bytes
+// of a kSketchSlices or kSketchCounts StandbyTable: u32 the table name's
+// length, the name, then
+//  - slices: u32 counters per slice, u32 slices, then [slices] (u32 bucket,
+//    u32 pushes counted since its halving), then [slices, counters] u8;
+//  - counts: [n] u64 hashes.
+struct SketchRequest {
+  std::string table;
+  uint32_t slice_counters = 0, slices = 0;
+  const uint8_t* entries = nullptr;   // slices: [slices] (bucket, added) u32 pairs
+  const uint8_t* counters = nullptr;  // slices: [slices, slice_counters] u8
+  const uint8_t* hashes = nullptr;    // counts: [num_hashes] u64
+  size_t num_hashes = 0;
+};
+// Bytes of a slices frame of `slices` slices.
+size_t SketchSlicesBytes(size_t name_bytes, uint32_t slice_counters, size_t slices);
+std::string EncodeSketchSlices(const std::string& table, uint32_t slice_counters,
+                               const uint32_t* buckets, const uint32_t* added,
+                               const uint8_t* counters, size_t slices);
+std::string EncodeSketchCounts(const std::string& table, const uint64_t* hashes, size_t n);
+// `bytes` of a StandbyTable of `action` kSketchSlices or kSketchCounts
+// (pointers into `bytes`, read with memcpy).
+Status DecodeSketch(uint32_t action, const std::string& bytes, SketchRequest* request);
 
 // Replicate: the table prefix (as Push's; the word after the name's length
 // reserved, 0) with `rows`, then u32 removed, u32 slot_floats, u64 the

@@ -113,7 +113,7 @@ DLT_TEST(TestBucketRanges) {
 DLT_TEST(TestFramesGolden) {
   std::map<std::string, std::string> golden;
   for (const auto& r : ReadRows("frames_golden.txt")) golden[r[0]] = r[1];
-  EXPECT(golden.size() == 11);
+  EXPECT(golden.size() == 13);
   wire::HelloRequest hello;
   hello.token = "secret";
   EXPECT(Hex(Frame(wire::Opcode::kHello, 0, 1, wire::EncodeHelloRequest(hello))) ==
@@ -192,6 +192,35 @@ DLT_TEST(TestFramesGolden) {
     EXPECT(wire::DecodeReplicate(reinterpret_cast<const uint8_t*>(payload.data()),
                                  payload.size() - 4, &back)
                .code() == Code::kInvalidArgument);
+  }
+  {
+    // A table's admission sketch on the stream: two slices of 2 counters,
+    // then two counted hashes.
+    const uint32_t buckets[] = {10, 11}, added[] = {5, 0};
+    const uint8_t counters[] = {1, 2, 3, 4};
+    wire::StandbyTableRequest slices{
+        wire::kSketchSlices, wire::EncodeSketchSlices("emb", 2, buckets, added, counters, 2)};
+    EXPECT(Hex(Frame(wire::Opcode::kStandbyTable, 0, 9, wire::EncodeStandbyTable(slices))) ==
+           golden["standby_sketch_slices"]);
+    const uint64_t hashes[] = {0x0123456789abcdefu, 42};
+    wire::StandbyTableRequest counts{wire::kSketchCounts,
+                                     wire::EncodeSketchCounts("emb", hashes, 2)};
+    EXPECT(Hex(Frame(wire::Opcode::kStandbyTable, 0, 10, wire::EncodeStandbyTable(counts))) ==
+           golden["standby_sketch_counts"]);
+    wire::SketchRequest back;
+    EXPECT_OK(wire::DecodeSketch(wire::kSketchSlices, slices.config, &back));
+    EXPECT(back.table == "emb" && back.slice_counters == 2 && back.slices == 2);
+    EXPECT(back.counters[3] == 4 && back.entries[8] == 11);
+    EXPECT_OK(wire::DecodeSketch(wire::kSketchCounts, counts.config, &back));
+    EXPECT(back.num_hashes == 2 && back.hashes[8] == 42);
+    // Counts that do not match the bytes are refused, never read past them.
+    EXPECT(wire::DecodeSketch(wire::kSketchSlices, slices.config.substr(0, 20), &back).code() ==
+           Code::kInvalidArgument);
+    EXPECT(wire::DecodeSketch(wire::kSketchCounts, counts.config.substr(0, 12), &back).code() ==
+           Code::kInvalidArgument);
+    EXPECT(
+        wire::DecodeSketch(wire::kSketchCounts, std::string("\xff\xff\0\0emb", 7), &back).code() ==
+        Code::kInvalidArgument);
   }
   EXPECT(Hex(Frame(wire::Opcode::kError, 1, 4,
                    wire::EncodeError(Code::kNotFound, "no table 'x'"))) == golden["error"]);

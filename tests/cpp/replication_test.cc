@@ -594,6 +594,72 @@ DLT_TEST(TestPushesToShardsWithStandbysGoOnAcrossATakeover) {
          want.steps == got.steps);
 }
 
+// Every slice of `table`'s admission sketch: counters, then pushes since
+// halving per bucket.
+std::vector<uint8_t> SketchOf(const Table& table, const Shard& shard) {
+  std::vector<uint8_t> all;
+  std::vector<uint8_t> slice(table.sketch_slice_bytes());
+  for (uint32_t b = shard.first_bucket(); b < shard.end_bucket(); ++b) {
+    uint32_t added = 0;
+    table.ReadSketch(b, slice.data(), &added);
+    all.insert(all.end(), slice.begin(), slice.end());
+    all.insert(all.end(), reinterpret_cast<uint8_t*>(&added),
+               reinterpret_cast<uint8_t*>(&added) + 4);
+  }
+  return all;
+}
+
+DLT_TEST(TestAStandbyCarriesTheAdmissionSketch) {
+  // Frequency admission: a row is made at an id's third push. Counts made
+  // before the standby joined come with the whole copy, later ones with the
+  // rounds (in order: the sketch's halving depends on it); after a takeover
+  // the standby admits exactly what the primary would have.
+  TableConfig config = AdagradConfig("emb", 4);
+  config.policy.admission = static_cast<uint64_t>(AdmissionKind::kFrequency);
+  config.policy.min_count = 3;
+  config.policy.sketch_bytes = 1 << 18;  // small: slices halve during the test
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(config, &created));
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> ids(300);
+  std::vector<float> grads(ids.size() * 4, 0.5f);
+  const auto push = [&](Table* table) {
+    for (auto& id : ids) id = static_cast<int64_t>(rng() % 20000);
+    EXPECT_OK(table->Push(ids.data(), grads.data(), ids.size(), 0.1f));
+  };
+  const auto primary_table = TableOf(*pair.primary, "emb");
+  for (int i = 0; i < 40; ++i) push(primary_table.get());
+  pair.Replicate();
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  std::atomic<bool> stop{false};
+  std::atomic<int> acked{0}, failed{0};
+  std::thread trainer(PushUntil, Address(*pair.primary_server), "emb", 4, 9, &stop, &acked,
+                      &failed);
+  EXPECT(Eventually([&] { return acked.load() >= 50; }));
+  stop = true;
+  trainer.join();
+  EXPECT(failed.load() == 0);
+  const auto standby_table = TableOf(*pair.standby, "emb");
+  // Sync: every acknowledged push (rows and counts) is on the standby.
+  EXPECT(SketchOf(*standby_table, *pair.standby) == SketchOf(*primary_table, *pair.primary));
+  EXPECT(SameRows(primary_table.get(), standby_table.get()));
+  EXPECT(standby_table->size() > 0 && standby_table->size() < 20000);
+
+  // The standby takes over; the same pushes on it and on the old primary
+  // admit the same rows.
+  pair.primary_server->set_write_listener(nullptr);
+  pair.replicator->Stop();
+  pair.standby_server->set_standby(false);
+  for (int i = 0; i < 20; ++i) {
+    for (auto& id : ids) id = static_cast<int64_t>(rng() % 20000);
+    EXPECT_OK(standby_table->Push(ids.data(), grads.data(), ids.size(), 0.1f));
+    EXPECT_OK(primary_table->Push(ids.data(), grads.data(), ids.size(), 0.1f));
+  }
+  EXPECT(SameRows(primary_table.get(), standby_table.get()));
+  EXPECT(SketchOf(*standby_table, *pair.standby) == SketchOf(*primary_table, *pair.primary));
+}
+
 DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
   // Push Q to id 1 is taken by a round; push P to id 1 comes right after
   // the take. The round must not carry P's row without P's id: a standby
