@@ -180,6 +180,7 @@ Status Replicator::Connect() {
   standby_frame_bytes_ = reply.max_frame_bytes;
   // The standby's tables are not known: every table is copied whole.
   mirrored_.clear();
+  provisional_.clear();
   marked_ = false;
   return OkStatus();
 }
@@ -202,6 +203,7 @@ Status Replicator::Round() {
     }
     DLT_RETURN_IF_ERROR(SendTable(wire::kDropTable, it->second->config()));
     it->second->StopChangeLog();
+    provisional_.erase(it->first);
     it = mirrored_.erase(it);
   }
   // Tables new or replaced here (a load) are copied whole first.
@@ -213,6 +215,7 @@ Status Replicator::Round() {
     DLT_RETURN_IF_ERROR(CopyWhole(table));
     copied = true;
   }
+  for (const std::shared_ptr<Table>& table : tables) DLT_RETURN_IF_ERROR(SendProvisional(*table));
   // The round's take: every table's changes and the pushes applied, at one
   // moment (identified pushes hold the gate shared while they apply), so a
   // push's rows and its id reach the standby in the same round. The gate
@@ -273,6 +276,7 @@ Status Replicator::Round() {
 
 Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
   mirrored_.erase(table->config().name);
+  provisional_[table->config().name] = false;  // as the standby makes it
   // Logging starts before the copy reads anything: a write the copy misses
   // is in the next round.
   table->StartChangeLog();
@@ -368,6 +372,17 @@ Status Replicator::SendSketchCounts(Table* table, const std::vector<uint64_t>& h
     DLT_RETURN_IF_ERROR(SendStandbyTable(
         wire::kSketchCounts, wire::EncodeSketchCounts(table->config().name, &hashes[first], n)));
   }
+  return OkStatus();
+}
+
+Status Replicator::SendProvisional(const Table& table) {
+  const bool provisional = table.provisional();
+  bool& told = provisional_[table.config().name];
+  if (told == provisional) return OkStatus();
+  std::string bytes(4, '\0');
+  bytes[0] = provisional ? 1 : 0;
+  DLT_RETURN_IF_ERROR(SendStandbyTable(wire::kProvisional, bytes + table.config().name));
+  told = provisional;
   return OkStatus();
 }
 

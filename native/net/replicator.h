@@ -98,6 +98,8 @@ class Replicator : public WriteListener {
   Status SendSketchCounts(Table* table, const std::vector<uint64_t>& hashes);
   Status SendTable(uint32_t action, const TableConfig& config);
   Status SendStandbyTable(uint32_t action, std::string bytes);
+  // Tells the standby when `table`'s provisional flag is not what it holds.
+  Status SendProvisional(const Table& table);
   Status SendRows(Table* table, const RowBuffers& rows, size_t n, const int64_t* removed,
                   size_t num_removed);
   // The replicating thread's buffers for `rows` rows of `table`.
@@ -118,6 +120,8 @@ class Replicator : public WriteListener {
   uint64_t next_request_id_ = 1;
   // The tables the standby holds as this thread made them there.
   std::map<std::string, std::shared_ptr<Table>> mirrored_;
+  // The tables the standby was last told are provisional.
+  std::map<std::string, bool> provisional_;
   bool marked_ = false;  // the standby was told it caught up since connecting
   std::vector<char> frame_;
   struct Scratch {

@@ -286,6 +286,16 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
       if (request.action == wire::kCaughtUp) caught_up_.store(true);
       return OkStatus();
     }
+    if (request.action == wire::kProvisional) {
+      if (request.config.size() < 4 || request.config[1] || request.config[2] ||
+          request.config[3] || static_cast<uint8_t>(request.config[0]) > 1) {
+        return InvalidArgument("a provisional flag is a u32 0 or 1, then the table's name");
+      }
+      std::shared_ptr<Table> table;
+      DLT_RETURN_IF_ERROR(shard_->GetTable(request.config.substr(4), &table));
+      table->set_provisional(request.config[0] == 1);
+      return OkStatus();
+    }
     if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));

@@ -247,8 +247,8 @@ std::string EncodeStandbyTable(const StandbyTableRequest& r) {
 Status DecodeStandbyTable(const uint8_t* p, size_t bytes, StandbyTableRequest* r) {
   if (bytes < 8) return InvalidArgument("StandbyTable payload is shorter than 8 bytes");
   r->action = Get<uint32_t>(p, 0);
-  if (r->action > kSketchCounts) {
-    return InvalidArgument("StandbyTable action must be 0 to 5, got " + std::to_string(r->action));
+  if (r->action > kProvisional) {
+    return InvalidArgument("StandbyTable action must be 0 to 6, got " + std::to_string(r->action));
   }
   if (uint64_t{8} + Get<uint32_t>(p, 4) != bytes) {
     return InvalidArgument("StandbyTable config length does not match its payload");

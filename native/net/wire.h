@@ -138,7 +138,9 @@ Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* r
 //  - kSketchSlices: slices of a table's admission sketch as they are (its
 //    whole copy): EncodeSketchSlices' bytes;
 //  - kSketchCounts: the hashes pushes counted in a table's sketch, in order
-//    (a round's): EncodeSketchCounts' bytes.
+//    (a round's): EncodeSketchCounts' bytes;
+//  - kProvisional: whether a table is provisional (made before its optimizer
+//    was known; Shard::CreateTable): u32 0 or 1, then the table's name.
 // Answered with a Push reply (0 rows).
 inline constexpr uint32_t kMakeTable = 0;
 inline constexpr uint32_t kDropTable = 1;
@@ -146,6 +148,7 @@ inline constexpr uint32_t kCaughtUp = 2;
 inline constexpr uint32_t kRoundEnd = 3;
 inline constexpr uint32_t kSketchSlices = 4;
 inline constexpr uint32_t kSketchCounts = 5;
+inline constexpr uint32_t kProvisional = 6;
 struct StandbyTableRequest {
   uint32_t action = kMakeTable;
   std::string config;  // EncodeTableConfig; for kDropTable only the name matters

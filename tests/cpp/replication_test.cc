@@ -660,6 +660,42 @@ DLT_TEST(TestAStandbyCarriesTheAdmissionSketch) {
   EXPECT(SketchOf(*standby_table, *pair.standby) == SketchOf(*primary_table, *pair.primary));
 }
 
+DLT_TEST(TestAStandbyKnowsWhichTablesAreProvisional) {
+  // A Keras layer whose model was not compiled yet makes its table
+  // provisional; a standby that takes over must settle it as its primary
+  // would, so it holds the flag, and learns when it clears.
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created, /*provisional=*/true));
+  pair.Replicate();
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  EXPECT(Eventually([&] { return TableOf(*pair.standby, "emb")->provisional(); }));
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));  // settles it
+  EXPECT(!TableOf(*pair.primary, "emb")->provisional());
+  EXPECT(Eventually([&] { return !TableOf(*pair.standby, "emb")->provisional(); }));
+  // A table made provisional later, while replicating.
+  TableConfig other = AdagradConfig("other", 4);
+  EXPECT_OK(pair.primary->CreateTable(other, &created, /*provisional=*/true));
+  EXPECT(Eventually([&] {
+    const auto t = TableOf(*pair.standby, "other");
+    return t != nullptr && t->provisional();
+  }));
+  // A malformed flag is refused by name.
+  wire::StandbyTableRequest bad{wire::kProvisional, std::string("\x02\0\0\0emb", 7)};
+  int fd = -1;
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  EXPECT_OK(net::Connect(Address(*pair.standby_server), deadline, &fd));
+  wire::HelloReply hello;
+  EXPECT_OK(net::SayHello(fd, "", wire::kFlagReplica, 1, deadline, &hello));
+  const std::string payload = wire::EncodeStandbyTable(bad);
+  std::string reply;
+  const Status refused = net::CallFrame(fd, wire::Opcode::kStandbyTable, 2, payload.data(),
+                                        payload.size(), 64, deadline, &reply);
+  EXPECT(refused.code() == Code::kInvalidArgument);
+  EXPECT(refused.message().find("provisional flag") != std::string::npos);
+  net::CloseFd(fd);
+}
+
 DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
   // Push Q to id 1 is taken by a round; push P to id 1 comes right after
   // the take. The round must not carry P's row without P's id: a standby
