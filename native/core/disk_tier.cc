@@ -315,7 +315,7 @@ Status TierFile::Find(uint64_t hash, int64_t key, char* record, uint32_t* slot,
     const uint32_t first = pages[c] * slots_per_page_;
     for (uint32_t s = first; s < first + slots_per_page_; ++s) {
       if (fingerprints_[s] != print) continue;
-      ++reads_;
+      reads_.fetch_add(1, std::memory_order_relaxed);
       const auto hit = std::lower_bound(prefetched_.begin(), prefetched_.end(), s);
       if (hit != prefetched_.end() && *hit == s) {
         std::memcpy(buffer.data(),

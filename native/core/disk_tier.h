@@ -117,7 +117,7 @@ class TierFile {
   // Bytes of the file.
   size_t disk_bytes() const { return size_t{num_pages_} * page_bytes_; }
   // Slot reads (lookups and iteration) since creation.
-  uint64_t reads() const { return reads_; }
+  uint64_t reads() const { return reads_.load(std::memory_order_relaxed); }
   // Reads and writes (allocations included) that failed since creation.
   uint64_t read_errors() const { return read_errors_.load(std::memory_order_relaxed); }
   uint64_t write_errors() const { return write_errors_.load(std::memory_order_relaxed); }
@@ -150,7 +150,8 @@ class TierFile {
   int fd_ = -1;
   uint32_t num_pages_ = 0;  // a power of two once open
   uint64_t rows_ = 0;
-  uint64_t reads_ = 0;
+  // Counted by lookups that may run at once (exporters under a shared lock).
+  std::atomic<uint64_t> reads_{0};
   mutable std::atomic<uint64_t> read_errors_{0};  // ReadPages runs under a shared lock
   mutable std::atomic<uint64_t> write_errors_{0};
   uint64_t layout_ = 0;
