@@ -5,6 +5,7 @@ and optimizer slot the primary acknowledged."""
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import socket
@@ -19,6 +20,7 @@ import pytest
 import tf_dlt
 from tf_dlt import errors
 from tf_dlt.checkpoint import manifest
+from tf_dlt.server import replication
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cluster_stats
@@ -246,6 +248,62 @@ def _serving(server: ShardServer) -> str:
 
 def follower_rows(server: ShardServer, ids: np.ndarray) -> np.ndarray:
     return tf_dlt.Client([server.address]).pull("emb", ids, training=False)
+
+
+def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A killed primary that comes back and, unable to read its peer's
+    Stats, begins as the primary beside the standby (which then takes over,
+    a newer epoch) stops serving once it sees that newer copy, drops its
+    tables and follows it: the replica set ends with one primary again and
+    every row kept."""
+    caplog.set_level(logging.INFO, logger="tf_dlt.server")
+    ports = [_free_port(), _free_port()]
+    members = [f"127.0.0.1:{p}" for p in ports]
+
+    def member(i: int, takeover_after_s: float = 1.0) -> ShardServer:
+        return ShardServer(
+            0, 1, port=ports[i], replica_set=members, advertise=members[i],
+            takeover_after_s=takeover_after_s,
+        )  # fmt: skip
+
+    # The standby takes over only on seeing a new process at its primary's
+    # address, so the restart below always comes first.
+    first, second = member(0).start(), member(1, takeover_after_s=60).start()
+    restarted: ShardServer | None = None
+    try:
+        _wait(lambda: bool(second.servicer.snapshot().get("caught_up")), "the standby")
+        client = tf_dlt.Client(["|".join(members)])
+        client.create_table("emb", DIM)
+        ids = np.arange(200, dtype=np.int64)
+        client.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)
+        rows = client.pull("emb", ids)
+        first.stop(0)
+
+        def unreadable(*args: object) -> None:
+            raise errors.UnavailableError("its control plane does not answer")
+
+        monkeypatch.setattr(replication, "member_stats", unreadable)
+        restarted = member(0).start()  # begins: it cannot tell the standby is caught up
+        _wait(lambda: second.servicer.snapshot()["role"] == "primary", "the standby to take over")
+        _wait(
+            lambda: (
+                restarted is not None
+                and restarted.servicer.snapshot()["role"] == "standby"
+                and bool(restarted.servicer.snapshot().get("caught_up"))
+            ),
+            "the restarted member to step down and follow",
+        )
+        assert second.shard.epoch == 2
+        assert "serves epoch 2, newer than this copy's 1: following it" in caplog.text
+        np.testing.assert_array_equal(tf_dlt.Client(["|".join(members)]).pull("emb", ids), rows)
+        second.stop(0)  # and it takes over in turn, with every row
+        np.testing.assert_array_equal(client.pull("emb", ids), rows)
+    finally:
+        for server in (first, second, restarted):
+            if server is not None:
+                server.stop(0)
 
 
 def _free_port() -> int:

@@ -341,7 +341,14 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
 
 void RequestHandler::set_standby(bool standby, bool new_epoch) {
   std::lock_guard<std::mutex> lock(staged_mu_);
-  const bool took_over = standby_.exchange(standby) && !standby;
+  const bool was_standby = standby_.exchange(standby);
+  if (standby && !was_standby) {
+    // A primary that steps down follows another afresh: it holds nothing
+    // of that one's until it says so.
+    caught_up_.store(false);
+    staged_.clear();
+  }
+  const bool took_over = was_standby && !standby;
   if (took_over) {
     staged_.clear();                                        // a round its primary did not finish
     if (new_epoch) shard_->set_epoch(shard_->epoch() + 1);  // newer than the primary it replaces

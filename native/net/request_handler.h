@@ -42,7 +42,8 @@ class RequestHandler {
   // A standby (docs/replication.md) takes StandbyTable and Replicate frames
   // from its primary and answers trainers' requests UNAVAILABLE (they go to
   // the primary); any other shard refuses those frames.
-  // Taking over drops the rows of a round its primary did not finish and,
+  // Becoming a standby again (a primary stepping down) forgets that it was
+  // caught up. Taking over drops the rows of a round its primary did not finish and,
   // with `new_epoch`, makes this copy one epoch newer than its primary's
   // (without: a shard that only waited to learn its role begins as a
   // primary at the epoch it has).

@@ -123,6 +123,10 @@ class StandbyLink:
             them, in the order they are to begin as primary.
         begin: called once when this member begins as the primary (no other
             member serves or holds a whole copy).
+        step_down: called with another member's address when this member,
+            serving, finds that one serving a newer copy: stop serving
+            trainers; this link then makes it that member's standby.
+        epoch: this copy's epoch (`_native.Shard.epoch`).
     """
 
     def __init__(
@@ -138,8 +142,13 @@ class StandbyLink:
         probe_interval_s: float = 0.2,
         replica_set: Sequence[str] = (),
         begin: Callable[[], None] | None = None,
+        step_down: Callable[[str], None] | None = None,
+        epoch: Callable[[], int] | None = None,
     ) -> None:
-        if primary is None and (advertise not in replica_set or begin is None):
+        if (primary is None and not replica_set) or (
+            replica_set
+            and (advertise not in replica_set or begin is None or step_down is None or not epoch)
+        ):
             raise ValueError(
                 f"a member of a replica set needs its own address among {list(replica_set)} "
                 f"(got {advertise!r}) and what to do to begin as primary"
@@ -154,6 +163,8 @@ class StandbyLink:
         self._probe_interval_s = probe_interval_s
         self._replica_set = list(replica_set)
         self._begin = begin
+        self._step_down = step_down
+        self._epoch = epoch or (lambda: 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dlt-standby", daemon=True)
         self._admin: str | None = None
@@ -162,6 +173,7 @@ class StandbyLink:
         self._stub: Any = None
         self.took_over = False
         self.began = False
+        self.takeovers = 0
         self.error = ""
 
     @property
@@ -213,11 +225,16 @@ class StandbyLink:
             request, timeout=timeout, metadata=grpc_util.bearer(self._token)
         )
 
-    def _attach(self) -> None:
+    def _find_admin(self) -> None:
+        """Points the control-plane channel at the primary's admin port as
+        its Hello says now (a restarted primary may have another)."""
         admin = self._admin_address()
-        if admin != self._admin:  # the primary restarted elsewhere: a new channel
+        if admin != self._admin:
             self._close_channel()
             self._admin = admin
+
+    def _attach(self) -> None:
+        self._find_admin()
         reply = self._call(
             "AttachStandby",
             dlt_pb2.AttachStandbyRequest(
@@ -243,6 +260,7 @@ class StandbyLink:
         new process at its address holds none of its rows) after this
         standby caught up. Attaches again when the primary no longer
         replicates here for another reason."""
+        self._find_admin()
         stats = self._call("Stats", dlt_pb2.StatsRequest(), timeout=5)
         if any(s.address == self._advertise for s in stats.standbys):
             return False
@@ -325,8 +343,22 @@ class StandbyLink:
         return False
 
     def _run(self) -> None:
-        if self.primary is None and not self.choose_role():
-            return
+        follow = self.primary is not None or self.choose_role()
+        while not self._stop.is_set():
+            if follow and not self._follow():
+                return  # stopped
+            if not self._replica_set:
+                return  # a --standby-of standby that took over
+            newer = self._watch_members()
+            if newer is None:
+                return  # stopped
+            self._follow_instead(newer)
+            follow = True
+
+    def _follow(self) -> bool:
+        """Keeps this standby attached to its primary until it takes over
+        (True) or is stopped (False)."""
+        self._admin = None
         while not self._stop.is_set() and self._admin is None:
             try:
                 self._attach()
@@ -352,7 +384,7 @@ class StandbyLink:
                         self._take_over_now(
                             f"primary {self.primary} restarted with none of its rows"
                         )
-                        return
+                        return True
                 continue
             unreachable_since = unreachable_since or now
             if now - unreachable_since < self._takeover_after_s:
@@ -366,11 +398,44 @@ class StandbyLink:
             self._take_over_now(
                 f"primary {self.primary} unreachable for {now - unreachable_since:.1f} s"
             )
-            return
+            return True
+        return False
+
+    def _watch_members(self) -> str | None:
+        """While this replica set member serves: the address of another
+        member found serving a newer copy (a higher epoch, or the same epoch
+        and earlier in the list: two members that both began), which this
+        one must follow instead; None when stopped."""
+        me = self._replica_set.index(self._advertise)
+        while not self._stop.wait(_CHECK_INTERVAL_S):
+            epoch = self._epoch()
+            for order, member in enumerate(self._replica_set):
+                if member == self._advertise:
+                    continue
+                try:
+                    theirs = int(self._greet(member)["epoch"])
+                except errors.DltError:
+                    continue  # a standby, one learning its role, or no process
+                if theirs > epoch or (theirs == epoch and order < me):
+                    log.error(
+                        "replica set: %s serves epoch %d, newer than this copy's %d: following it",
+                        member, theirs, epoch,
+                    )  # fmt: skip
+                    return member
+        return None
+
+    def _follow_instead(self, primary: str) -> None:
+        """Stops serving trainers and becomes the standby of `primary` (its
+        tables replace this copy's)."""
+        assert self._step_down is not None
+        self._step_down(primary)
+        self.primary = primary
+        self.took_over = self.began = False
 
     def _take_over_now(self, why: str) -> None:
         log.warning("%s: taking over", why)
         self.took_over = True
+        self.takeovers += 1
         self._take_over()
         self._close_channel()
 
@@ -406,5 +471,5 @@ def describe(
         "standby_of": "",
         "replication": standbys.replication if standbys is not None else "",
         "standbys": standbys.statuses() if standbys is not None else [],
-        "takeovers": 1 if link is not None and link.took_over else 0,
+        "takeovers": link.takeovers if link is not None else 0,
     }

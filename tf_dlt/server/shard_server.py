@@ -260,6 +260,18 @@ class ShardServer:
         self.servicer.read_only = None
         self.shard.start_sweeper(self._sweep_interval_ms)
 
+    def _step_down(self, primary: str) -> None:
+        """This replica set member served, and `primary` serves a newer copy:
+        it stops serving trainers and drops its tables (the standby of
+        `primary` takes that one's whole)."""
+        self.data_server.set_standby(True)
+        self.servicer.read_only = f"it is a standby of {primary}"
+        self.shard.stop_sweeper()
+        assert self.servicer.standbys is not None
+        self.servicer.standbys.close()
+        for table in self.shard.tables():
+            self.shard.drop_table(table.name)
+
     def start(self) -> ShardServer:
         if self._standby_of or self._replica_set:
             self.data_server.set_standby(True)
@@ -327,7 +339,8 @@ class ShardServer:
                 self.shard.shard_index, self.shard.num_shards, self._auth_token, self._take_over,
                 caught_up=lambda: bool(self.data_server.standby_caught_up),
                 takeover_after_s=self._takeover_after_s, replica_set=self._replica_set,
-                begin=self._begin_primary,
+                begin=self._begin_primary, step_down=self._step_down,
+                epoch=lambda: int(self.shard.epoch),
             ).start()  # fmt: skip
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)
