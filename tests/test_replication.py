@@ -221,7 +221,9 @@ def test_a_save_caught_by_a_failover_completes_on_the_new_primary_and_followers_
             saved: list[object] = []
             saver = threading.Thread(target=lambda: saved.append(client.save(str(run / "c2"))))
             saver.start()
-            _wait(lambda: _stats(cluster, 0)["takeovers"] == 1, "the standby to take over")
+            # (Its log, not Stats: a fresh client would wait on the frozen
+            # primary's Hello first.)
+            _wait(lambda: "taking over" in cluster.log(1), "the standby to take over", 60)
             assert saver.is_alive()  # still waiting on the frozen primary
             cluster.kill(0)  # its connections reset: the Save goes to the new primary
             saver.join(60)

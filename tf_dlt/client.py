@@ -150,7 +150,7 @@ class Client:
                 if method == "Stats" and reply.role in ("standby", "joining"):
                     # A primary that came back as its shard's standby: ask
                     # the copy that serves now (if none does, this one).
-                    with contextlib.suppress(errors.DltError):
+                    with contextlib.suppress(errors.DltError, grpc.RpcError):
                         reply = getattr(self._reresolve(i), method)(
                             request, timeout=deadline, metadata=metadata
                         )

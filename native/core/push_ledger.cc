@@ -85,6 +85,13 @@ void PushLedger::Insert(const PushId* ids, size_t n) {
   cv_.notify_all();
 }
 
+void PushLedger::ForgetDone() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const PushId& id : order_) entries_.erase(id);
+  order_.clear();
+  applied_.clear();
+}
+
 size_t PushLedger::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return order_.size();

@@ -67,6 +67,9 @@ class PushLedger {
   void TakeApplied(std::vector<PushId>* ids);
   // A standby records the ids its primary applied (as applied, OK).
   void Insert(const PushId* ids, size_t n);
+  // Forgets every finished push (a copy that stepped down dropped their
+  // rows); pushes being applied stay.
+  void ForgetDone();
   size_t size() const;
 
  private:

@@ -245,6 +245,15 @@ Status Replicator::Round() {
     ledger.TakeApplied(&more);
     pushed.insert(pushed.end(), more.begin(), more.end());
     if (overflowed.empty()) break;
+    // What an earlier take of these tables found is in their copies now
+    // (rows and sketch counts alike: counting those again would count twice).
+    changes.erase(std::remove_if(changes.begin(), changes.end(),
+                                 [&](const Changes& c) {
+                                   return std::any_of(
+                                       overflowed.begin(), overflowed.end(),
+                                       [&](const auto& t) { return t.get() == c.table; });
+                                 }),
+                  changes.end());
     gate.unlock();
     // More changes than the log holds: copy those whole and take again, so
     // the copies' rows and the ids are in this round too.
@@ -293,6 +302,7 @@ Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
   // The clock too, when there were no rows to carry it.
   DLT_RETURN_IF_ERROR(SendRows(table.get(), out, 0, nullptr, 0));
   DLT_RETURN_IF_ERROR(SendSketchSlices(table.get()));
+  DLT_RETURN_IF_ERROR(SendProvisional(*table));
   mirrored_[table->config().name] = table;
   std::lock_guard<std::mutex> lock(mu_);
   ++status_.tables_copied;

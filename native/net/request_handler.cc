@@ -344,9 +344,11 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
   const bool was_standby = standby_.exchange(standby);
   if (standby && !was_standby) {
     // A primary that steps down follows another afresh: it holds nothing
-    // of that one's until it says so.
+    // of that one's until it says so, and the pushes it applied are gone
+    // with its tables.
     caught_up_.store(false);
     staged_.clear();
+    shard_->push_ledger().ForgetDone();
   }
   const bool took_over = was_standby && !standby;
   if (took_over) {

@@ -293,9 +293,13 @@ class StandbyLink:
                 stats = member_stats(member, info["admin_port"], self._token)
             except (errors.InvalidArgumentError, errors.UnauthenticatedError):
                 raise
+            except errors.FailedPreconditionError:
+                # "not a standby": it serves trainers (its first Hello failed
+                # for another reason, or it began since).
+                serving.append((0, member))
+                continue
             except (errors.DltError, grpc.RpcError, OSError) as e:
-                # No process, or one that began serving since the first Hello.
-                self.error = f"{member}: {e}"
+                self.error = f"{member}: {e}"  # no process, or no answer
                 continue
             if (stats.role == "standby" and stats.caught_up) or (
                 stats.role == "joining" and order < rank
@@ -308,11 +312,13 @@ class StandbyLink:
     def choose_role(self) -> bool:
         """Learns this replica set member's role: follows the member that
         serves (True), or begins as the primary (False, `begin` called).
-        The first member begins when no other holds a whole copy; any other
-        also when none has answered for BEGIN_ALONE_AFTER_S. Returns False
-        when stopped first."""
+        The first member begins when no other holds a whole copy, or none
+        answered in 3 surveys; any other also when none has answered for
+        BEGIN_ALONE_AFTER_S. A begin that fails (its load) is logged and
+        tried again. Returns False when stopped first."""
         first = self._replica_set.index(self._advertise) == 0
         alone_since = time.monotonic()
+        alone_surveys = 0
         while not self._stop.is_set():
             try:
                 found = self._survey()
@@ -327,16 +333,25 @@ class StandbyLink:
                 log.info("replica set: %s serves; following it", found)
                 return True
             if found != _ALONE:
-                alone_since = now
+                alone_since, alone_surveys = now, 0
+            else:
+                alone_surveys += 1
             if found == _BEGIN or (
-                found == _ALONE and (first or now - alone_since >= BEGIN_ALONE_AFTER_S)
+                found == _ALONE
+                and ((first and alone_surveys >= 3) or now - alone_since >= BEGIN_ALONE_AFTER_S)
             ):
                 log.warning(
                     "replica set: no other member serves or holds a whole copy; beginning as "
                     "the primary"
                 )
                 assert self._begin is not None
-                self._begin()
+                try:
+                    self._begin()
+                except Exception as e:  # noqa: BLE001 - a failed load: logged, tried again
+                    self.error = f"beginning as the primary: {e}"
+                    log.error("replica set: %s; trying again", self.error)
+                    self._stop.wait(_SURVEY_INTERVAL_S * 10)
+                    continue
                 self.began = True
                 return False
             self._stop.wait(_SURVEY_INTERVAL_S)
@@ -428,15 +443,15 @@ class StandbyLink:
         """Stops serving trainers and becomes the standby of `primary` (its
         tables replace this copy's)."""
         assert self._step_down is not None
-        self._step_down(primary)
         self.primary = primary
-        self.took_over = self.began = False
+        self.took_over = self.began = False  # a standby's answers from now on
+        self._step_down(primary)
 
     def _take_over_now(self, why: str) -> None:
         log.warning("%s: taking over", why)
-        self.took_over = True
-        self.takeovers += 1
         self._take_over()
+        self.takeovers += 1
+        self.took_over = True  # serving now
         self._close_channel()
 
 

@@ -264,13 +264,18 @@ class ShardServer:
         """This replica set member served, and `primary` serves a newer copy:
         it stops serving trainers and drops its tables (the standby of
         `primary` takes that one's whole)."""
-        self.data_server.set_standby(True)
+        self.data_server.set_standby(True)  # also forgets the pushes applied here
         self.servicer.read_only = f"it is a standby of {primary}"
         self.shard.stop_sweeper()
         assert self.servicer.standbys is not None
         self.servicer.standbys.close()
-        for table in self.shard.tables():
+        tables = self.shard.tables()
+        for table in tables:
             self.shard.drop_table(table.name)
+        log.error(
+            "stepped down to follow %s: dropped %d tables of %d rows (writes only this copy "
+            "took are lost)", primary, len(tables), sum(t.size() for t in tables),
+        )  # fmt: skip
 
     def start(self) -> ShardServer:
         if self._standby_of or self._replica_set:
