@@ -114,8 +114,9 @@ class Client:
 
             for info in self.shard_infos():
                 # The address answering (a shard may list standbys: "a|b").
-                host = info["address"].rsplit(":", 1)[0]
-                channel = self._channel(f"{host}:{info['admin_port']}")
+                channel = self._channel(
+                    grpc_util.admin_address(info["address"], info["admin_port"])
+                )
                 self._channels.append(channel)
                 self._stubs.append(dlt_pb2_grpc.ShardAdminStub(channel))
         return self._stubs
@@ -185,7 +186,7 @@ class Client:
             except errors.DltError as e:
                 last = e
                 continue
-            channel = self._channel(f"{address.rsplit(':', 1)[0]}:{info['admin_port']}")
+            channel = self._channel(grpc_util.admin_address(address, info["admin_port"]))
             self._channels[shard].close()
             self._channels[shard] = channel
             self._stubs[shard] = dlt_pb2_grpc.ShardAdminStub(channel)

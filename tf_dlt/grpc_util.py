@@ -38,6 +38,12 @@ def error_from_rpc(error: grpc.RpcError, context: str) -> errors.DltError:
     return errors.error_for_code(code.value[0], f"{context}: {details}")
 
 
+def admin_address(data_address: str, admin_port: int) -> str:
+    """A shard's control-plane address: its data-plane address's host and
+    the admin port its Hello names."""
+    return f"{data_address.rsplit(':', 1)[0]}:{admin_port}"
+
+
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying `token`, or none when it is empty."""
     return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()

@@ -332,27 +332,28 @@ RowBuffers Replicator::RowsFor(const Table& table, size_t rows) {
                     scratch_.steps.data(), scratch_.buckets.data(), scratch_.touched.data()};
 }
 
-size_t Replicator::RowsPerFrame(const Table& table) const {
+size_t Replicator::PerFrame(uint64_t fixed, uint64_t each) const {
   uint64_t limit = options_.frame_bytes;
   if (standby_frame_bytes_) limit = std::min<uint64_t>(limit, standby_frame_bytes_);
+  return limit > fixed + each ? static_cast<size_t>((limit - fixed) / each) : 1;
+}
+
+size_t Replicator::RowsPerFrame(const Table& table) const {
   const uint64_t fixed =
       wire::ReplicateBytes(table.config().name.size(), table.dim(), 0, 0, table.slot_floats());
   // A changed row costs at most a row or a removal, whichever is larger.
   const uint64_t row = wire::ReplicateBytes(0, table.dim(), 1, 0, table.slot_floats()) -
                        wire::ReplicateBytes(0, table.dim(), 0, 0, table.slot_floats());
-  return limit > fixed + row ? static_cast<size_t>((limit - fixed) / row) : 1;
+  return PerFrame(fixed, row);
 }
 
 Status Replicator::SendSketchSlices(Table* table) {
   if (!table->has_sketch()) return OkStatus();
   const uint32_t slice = table->sketch_slice_bytes();
   const std::string& name = table->config().name;
-  uint64_t limit = options_.frame_bytes;
-  if (standby_frame_bytes_) limit = std::min<uint64_t>(limit, standby_frame_bytes_);
   // At least one slice a frame (a standby whose frames are smaller refuses it).
-  const size_t per_frame = std::max<size_t>(
-      1, (limit - std::min<uint64_t>(limit, wire::SketchSlicesBytes(name.size(), slice, 0) + 16)) /
-             (8 + size_t{slice}));
+  const size_t per_frame =
+      PerFrame(wire::SketchSlicesBytes(name.size(), slice, 0) + 16, 8 + uint64_t{slice});
   Scratch& s = scratch_;
   const auto flush = [&]() -> Status {
     if (s.slice_buckets.empty()) return OkStatus();
@@ -374,9 +375,7 @@ Status Replicator::SendSketchSlices(Table* table) {
 }
 
 Status Replicator::SendSketchCounts(Table* table, const std::vector<uint64_t>& hashes) {
-  uint64_t limit = options_.frame_bytes;
-  if (standby_frame_bytes_) limit = std::min<uint64_t>(limit, standby_frame_bytes_);
-  const size_t per_frame = std::max<uint64_t>(1, (limit - std::min<uint64_t>(limit, 4096)) / 8);
+  const size_t per_frame = PerFrame(4096, sizeof(uint64_t));
   for (size_t first = 0; first < hashes.size(); first += per_frame) {
     const size_t n = std::min(per_frame, hashes.size() - first);
     DLT_RETURN_IF_ERROR(SendStandbyTable(
@@ -389,9 +388,8 @@ Status Replicator::SendProvisional(const Table& table) {
   const bool provisional = table.provisional();
   bool& told = provisional_[table.config().name];
   if (told == provisional) return OkStatus();
-  std::string bytes(4, '\0');
-  bytes[0] = provisional ? 1 : 0;
-  DLT_RETURN_IF_ERROR(SendStandbyTable(wire::kProvisional, bytes + table.config().name));
+  DLT_RETURN_IF_ERROR(SendStandbyTable(wire::kProvisional,
+                                       wire::EncodeProvisional(table.config().name, provisional)));
   told = provisional;
   return OkStatus();
 }

@@ -106,6 +106,9 @@ class Replicator : public WriteListener {
   RowBuffers RowsFor(const Table& table, size_t rows);
   // Rows per Replicate frame of `table`.
   size_t RowsPerFrame(const Table& table) const;
+  // Items of `each` bytes that fit a frame after `fixed` bytes (at least 1):
+  // frames are at most options_.frame_bytes, and the standby's maximum.
+  size_t PerFrame(uint64_t fixed, uint64_t each) const;
   Status Call(uint8_t opcode, const void* payload, size_t bytes);
 
   const std::shared_ptr<Shard> shard_;

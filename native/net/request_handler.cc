@@ -287,25 +287,18 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
       return OkStatus();
     }
     if (request.action == wire::kProvisional) {
-      if (request.config.size() < 4 || request.config[1] || request.config[2] ||
-          request.config[3] || static_cast<uint8_t>(request.config[0]) > 1) {
-        return InvalidArgument("a provisional flag is a u32 0 or 1, then the table's name");
-      }
+      std::string name;
+      bool provisional;
+      DLT_RETURN_IF_ERROR(wire::DecodeProvisional(request.config, &name, &provisional));
       std::shared_ptr<Table> table;
-      DLT_RETURN_IF_ERROR(shard_->GetTable(request.config.substr(4), &table));
-      table->set_provisional(request.config[0] == 1);
+      DLT_RETURN_IF_ERROR(shard_->GetTable(name, &table));
+      table->set_provisional(provisional);
       return OkStatus();
     }
     if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
-      if (caught_up_.load()) {
-        std::lock_guard<std::mutex> lock(staged_mu_);
-        staged_.push_back(
-            {wire::Opcode::kStandbyTable,
-             std::string(reinterpret_cast<const char*>(payload), header.payload_bytes)});
-        return OkStatus();
-      }
+      if (StageIfCaughtUp(header, payload)) return OkStatus();
       return ApplySketch(request.action, request.config);
     }
     TableConfig config;
@@ -328,14 +321,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
   wire::ReplicateRequest request;
   DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &request));
   *rows = request.rows;
-  if (caught_up_.load()) {
-    // A standby that may take over applies a round whole or not at all:
-    // its rows wait for the round's end, with the pushes' ids.
-    std::lock_guard<std::mutex> lock(staged_mu_);
-    staged_.push_back({wire::Opcode::kReplicate,
-                       std::string(reinterpret_cast<const char*>(payload), header.payload_bytes)});
-    return OkStatus();
-  }
+  if (StageIfCaughtUp(header, payload)) return OkStatus();
   return ApplyRows(request);
 }
 
@@ -355,6 +341,16 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
     staged_.clear();                                        // a round its primary did not finish
     if (new_epoch) shard_->set_epoch(shard_->epoch() + 1);  // newer than the primary it replaces
   }
+}
+
+bool RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, const uint8_t* payload) {
+  // A standby that may take over applies a round whole or not at all: its
+  // rows and sketch counts wait for the round's end, with the pushes' ids.
+  if (!caught_up_.load()) return false;
+  std::lock_guard<std::mutex> lock(staged_mu_);
+  staged_.push_back(
+      {header.opcode, std::string(reinterpret_cast<const char*>(payload), header.payload_bytes)});
+  return true;
 }
 
 Status RequestHandler::ApplyStaged(const Staged& frame) {

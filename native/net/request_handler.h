@@ -99,6 +99,9 @@ class RequestHandler {
   Status ApplySketch(uint32_t action, const std::string& bytes);
   // A staged frame, applied at its round's end.
   Status ApplyStaged(const Staged& frame);
+  // On a caught-up standby: holds this frame from its primary until its
+  // round's end (true); otherwise false (apply it now).
+  bool StageIfCaughtUp(const wire::FrameHeader& header, const uint8_t* payload);
   // A standby's StandbyTable or Replicate frame.
   Status ApplyFromPrimary(const wire::FrameHeader& header, const uint8_t* payload, uint32_t* rows);
   std::shared_ptr<Shard> shard_;

@@ -311,6 +311,23 @@ Status DecodeSketch(uint32_t action, const std::string& bytes, SketchRequest* r)
   return OkStatus();
 }
 
+std::string EncodeProvisional(const std::string& table, bool provisional) {
+  std::string out;
+  Append<uint32_t>(&out, provisional ? 1 : 0);
+  return out + table;
+}
+
+Status DecodeProvisional(const std::string& bytes, std::string* table, bool* provisional) {
+  const uint32_t flag =
+      bytes.size() < 4 ? 2 : Get<uint32_t>(reinterpret_cast<const uint8_t*>(bytes.data()), 0);
+  if (flag > 1) {
+    return InvalidArgument("a provisional flag is a u32 0 or 1, then the table's name");
+  }
+  *provisional = flag == 1;
+  table->assign(bytes, 4, std::string::npos);
+  return OkStatus();
+}
+
 uint64_t ReplicateBytes(size_t name_bytes, uint64_t dim, uint64_t rows, uint64_t removed,
                         uint64_t slot_floats) {
   return kTableRequestFixed + PaddedNameBytes(name_bytes) + 16 + 8 * (rows + removed) +

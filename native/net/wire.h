@@ -180,6 +180,10 @@ std::string EncodeSketchCounts(const std::string& table, const uint64_t* hashes,
 // (pointers into `bytes`, read with memcpy).
 Status DecodeSketch(uint32_t action, const std::string& bytes, SketchRequest* request);
 
+// The bytes of a kProvisional StandbyTable.
+std::string EncodeProvisional(const std::string& table, bool provisional);
+Status DecodeProvisional(const std::string& bytes, std::string* table, bool* provisional);
+
 // Replicate: the table prefix (as Push's; the word after the name's length
 // reserved, 0) with `rows`, then u32 removed, u32 slot_floats, u64 the
 // table's push clock, then ids [rows] i64, removed ids [removed] i64, steps

@@ -176,6 +176,10 @@ class StandbyLink:
         self.takeovers = 0
         self.error = ""
 
+    def caught_up(self) -> bool:
+        """A standby holds every table its primary had (it may take over)."""
+        return self._caught_up()
+
     @property
     def role(self) -> str:
         """The role: "joining" (a replica set member learning it), "standby",
@@ -214,7 +218,7 @@ class StandbyLink:
         """The primary's admin address, from its Hello."""
         assert self.primary is not None
         info = self._greet(self.primary)
-        return f"{self.primary.rsplit(':', 1)[0]}:{info['admin_port']}"
+        return grpc_util.admin_address(self.primary, info["admin_port"])
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
         if self._stub is None:
@@ -457,7 +461,7 @@ class StandbyLink:
 
 def member_stats(address: str, admin_port: int, token: str) -> Any:
     """Stats of the shard server whose data plane is at `address`."""
-    admin = f"{address.rsplit(':', 1)[0]}:{admin_port}"
+    admin = grpc_util.admin_address(address, admin_port)
     with tls.channel(admin, tls.TlsConfig.from_env()) as channel:
         return dlt_pb2_grpc.ShardAdminStub(channel).Stats(
             dlt_pb2.StatsRequest(), timeout=5, metadata=grpc_util.bearer(token)
@@ -465,20 +469,16 @@ def member_stats(address: str, admin_port: int, token: str) -> Any:
 
 
 def describe(
-    shard: _native.Shard,
-    standbys: Standbys | None,
-    link: StandbyLink | None,
-    caught_up: bool = False,
+    shard: _native.Shard, standbys: Standbys | None, link: StandbyLink | None
 ) -> dict[str, Any]:
-    """What Stats and the metrics report of replication (`caught_up`: a
-    standby's)."""
+    """What Stats and the metrics report of replication."""
     if link is not None and link.role != "primary":
         return {
             "role": link.role,
             "standby_of": link.primary or "",
             "standbys": [],
             "epoch": shard.epoch,
-            "caught_up": caught_up,
+            "caught_up": link.caught_up(),
         }
     return {
         "epoch": shard.epoch,

@@ -427,12 +427,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "last_load_seconds": self.last_load_seconds,
             "read_only": self.read_only is not None,
             **self.serving,
-            **replication.describe(
-                self._shard,
-                self.standbys,
-                self.standby_link,
-                caught_up=bool(self._data_server.standby_caught_up),
-            ),  # fmt: skip
+            **replication.describe(self._shard, self.standbys, self.standby_link),
         }
 
     @_handler

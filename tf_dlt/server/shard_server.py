@@ -238,9 +238,10 @@ class ShardServer:
             serving if status.current else health_pb2.HealthCheckResponse.NOT_SERVING,
         )
 
-    def _take_over(self) -> None:
-        """This standby's primary is gone: serve trainers from now on."""
-        self.data_server.set_standby(False)
+    def _take_over(self, new_epoch: bool = True) -> None:
+        """This standby's primary is gone: serve trainers from now on (one
+        epoch newer than it, unless it began as the primary)."""
+        self.data_server.set_standby(False, new_epoch=new_epoch)
         self.servicer.read_only = None
         self.shard.start_sweeper(self._sweep_interval_ms)
 
@@ -256,9 +257,7 @@ class ShardServer:
         trainers, at the epoch it has (it took over from nobody)."""
         if self._load_from:
             self._load()
-        self.data_server.set_standby(False, new_epoch=False)
-        self.servicer.read_only = None
-        self.shard.start_sweeper(self._sweep_interval_ms)
+        self._take_over(new_epoch=False)
 
     def _step_down(self, primary: str) -> None:
         """This replica set member served, and `primary` serves a newer copy:
