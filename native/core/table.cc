@@ -532,7 +532,19 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
     cold_records.clear();
     cold_generations.clear();
     cold_index.clear();
-    for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
+    const uint32_t end = starts[s + 1];
+    for (uint32_t k = starts[s]; k < end; ++k) {
+      // The index probe some ids ahead, and the record of a row a few ahead
+      // (a probe only: an insert before it is found again below).
+      if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
+      if (k + kCopyAhead < end) {
+        const uint32_t ahead = order[k + kCopyAhead];
+        const uint32_t next = stripe.Find(hashes[ahead], ids[ahead]);
+        if (next != kEmpty) {
+          const char* r = stripe.Record(next, record_bytes_);
+          for (size_t b = 0; b < record_bytes_; b += 64) __builtin_prefetch(r + b, 1);
+        }
+      }
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
       if (rec == kEmpty && stripe.tier && to_disk && RamFull(stripe)) {

@@ -181,7 +181,8 @@ class Table {
   bool change_log_running() const { return change_log_.load(std::memory_order_relaxed); }
   // The log also holds, in order, the hash of every id a push counts in the
   // admission sketch (Frequency admission).
-  // Moves the ids logged since the last call into *ids, sorted and unique,
+  // Moves the ids logged since the last call into *ids, each once (stripe
+  // after stripe, each stripe's sorted),
   // and (when not null) the sketch's counted hashes into *sketch_adds, each
   // stripe's in the order counted, stripe after stripe.
   // FAILED_PRECONDITION when a stripe's log outgrew its cap meanwhile (65,536

@@ -8,6 +8,7 @@
 
 #include "native/core/table.h"
 #include "native/core/table_stripe.h"
+#include "native/core/task_pool.h"
 
 namespace dlt {
 
@@ -37,32 +38,37 @@ Status Table::TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sket
   ids->clear();
   if (sketch_adds != nullptr) sketch_adds->clear();
   bool overflowed = false;
-  thread_local std::vector<int64_t> taken;
+  thread_local std::vector<std::vector<int64_t>> taken(kStripes);
   thread_local std::vector<uint64_t> counted;
   for (uint32_t s = 0; s < kStripes; ++s) {
     Stripe& stripe = stripes_[s];
-    taken.clear();
+    taken[s].clear();
     counted.clear();
     {
       std::unique_lock<std::shared_mutex> lock(stripe.mu);
-      taken.swap(stripe.changes);  // the stripe keeps the emptied buffers
+      taken[s].swap(stripe.changes);  // the stripe keeps the emptied buffers
       counted.swap(stripe.sketch_adds);
       overflowed |= stripe.changes_overflowed;
       stripe.changes_overflowed = false;
     }
-    ids->insert(ids->end(), taken.begin(), taken.end());
     if (sketch_adds != nullptr)
       sketch_adds->insert(sketch_adds->end(), counted.begin(), counted.end());
   }
   if (overflowed) {
-    ids->clear();
     if (sketch_adds != nullptr) sketch_adds->clear();
     return FailedPrecondition("table '" + config_.name +
                               "' changed more rows than its change log holds since it was last "
                               "read: copy the table whole");
   }
-  std::sort(ids->begin(), ids->end());
-  ids->erase(std::unique(ids->begin(), ids->end()), ids->end());
+  // Each stripe's ids once (stripes' ids differ, so small sorts do what one
+  // of the whole would), a few stripes at once where there are cores.
+  std::vector<std::vector<int64_t>>& logs = taken;  // this thread's, not a helper's
+  RowStreamPool().ParallelFor(kStripes, [&logs](size_t s) {
+    std::vector<int64_t>& v = logs[s];
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+  });
+  for (const std::vector<int64_t>& v : logs) ids->insert(ids->end(), v.begin(), v.end());
   return OkStatus();
 }
 
@@ -107,7 +113,7 @@ Status Table::CountInSketch(const uint64_t* hashes, size_t n) {
 Status Table::ReadRows(const int64_t* ids, size_t n, const RowBuffers& out, size_t* rows,
                        std::vector<int64_t>* absent) {
   thread_local std::vector<uint64_t> hashes;
-  thread_local std::vector<uint32_t> order, starts;
+  thread_local std::vector<uint32_t> order, starts, recs;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   absent->clear();
   *rows = 0;
@@ -123,9 +129,21 @@ Status Table::ReadRows(const int64_t* ids, size_t n, const RowBuffers& out, size
     } else {
       shared = std::shared_lock<std::shared_mutex>(stripe.mu);
     }
-    for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) {
+    // Two stages a few ids apart, as Pull's: the index probes' misses
+    // overlap, then the records' (rows of a round lie anywhere in RAM).
+    const uint32_t begin = starts[s], end = starts[s + 1];
+    recs.resize(end - begin);
+    for (uint32_t k = begin; k < end; ++k) {
+      if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
+      recs[k - begin] = stripe.Find(hashes[order[k]], ids[order[k]]);
+    }
+    for (uint32_t k = begin; k < end; ++k) {
+      if (k + kCopyAhead < end && recs[k + kCopyAhead - begin] != kEmpty) {
+        const char* next = stripe.Record(recs[k + kCopyAhead - begin], record_bytes_);
+        for (size_t b = 0; b < record_bytes_; b += 64) __builtin_prefetch(next + b);
+      }
       const uint32_t pos = order[k];
-      const uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
+      const uint32_t rec = recs[k - begin];
       const char* r = nullptr;
       if (rec != kEmpty) {
         r = stripe.Record(rec, record_bytes_);

@@ -3,7 +3,8 @@
 // when all have run. Calls from several threads share the pool; each caller
 // works on its own call too, so a call never waits for a thread that is busy
 // with another. Used for a batch's cold reads (disk_tier.cc) and for the
-// client's exchange with several shards (client_exchange.cc).
+// client's exchange with several shards (client_exchange.cc), and for a
+// replication round's rows (RowStreamPool).
 #ifndef TF_DLT_NATIVE_CORE_TASK_POOL_H_
 #define TF_DLT_NATIVE_CORE_TASK_POOL_H_
 
@@ -11,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -93,6 +95,24 @@ class TaskPool {
   std::condition_variable wake_, done_;
   std::deque<std::shared_ptr<Job>> jobs_;
 };
+
+// The threads that read, send and apply a replication round's rows beside
+// the thread that owns the round (replicator.cc, request_handler.cc,
+// table_stream.cc): one per core but that one, up to 7, on machines of 4
+// cores or more; none below (there they would only take turns with the
+// pushes that wait for them). TF_DLT_ROW_STREAM_THREADS sets the number
+// (0 to 64).
+inline TaskPool& RowStreamPool() {
+  static TaskPool* pool = [] {
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    int threads = cores >= 4 ? std::min(cores - 1, 7) : 0;
+    if (const char* set = std::getenv("TF_DLT_ROW_STREAM_THREADS")) {
+      threads = std::clamp(std::atoi(set), 0, 64);
+    }
+    return TaskPool::Create(threads);
+  }();
+  return *pool;
+}
 
 }  // namespace dlt
 

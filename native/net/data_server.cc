@@ -88,6 +88,7 @@ DataServer::DataServer(std::shared_ptr<Shard> shard, DataServerOptions options)
       handler_(shard_, options_.auth_token, options_.max_frame_bytes, &counters_),
       pool_(8, kPoolBufferBytes) {
   handler_.set_admin_port(options_.admin_port);
+  handler_.set_payload_pool(&pool_);
 }
 
 DataServer::~DataServer() { Stop(); }
@@ -466,7 +467,7 @@ bool DataServer::ServeFrame(Conn* conn) {
   bool keep_open = true;
   conn->out = pool_.Get(conn->reply_reserved);
   size_t reply_bytes =
-      handler_.Handle(conn->header, conn->payload.data(), &authenticated, &conn->out, &keep_open);
+      handler_.Handle(conn->header, &conn->payload, &authenticated, &conn->out, &keep_open);
   pool_.Put(std::move(conn->payload));
   Unreserve(conn, conn->header.payload_bytes);
   conn->stage = Conn::Stage::kHead;

@@ -7,16 +7,19 @@
 namespace dlt {
 namespace net {
 
-Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
-                 size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
-                 std::string* reply, uint16_t flags) {
+Status SendFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
+                 size_t payload_bytes, Clock::time_point deadline, uint16_t flags) {
   uint8_t header[wire::kHeaderBytes];
   wire::EncodeHeader({opcode, flags, request_id, static_cast<uint32_t>(payload_bytes)}, header);
   struct iovec iov[2] = {{header, sizeof(header)}, {const_cast<void*>(payload), payload_bytes}};
-  const Status sent = SendAll(fd, iov, 2, deadline);
+  return SendAll(fd, iov, 2, deadline);
+}
+
+Status ReceiveReply(int fd, wire::Opcode opcode, uint64_t request_id, size_t max_reply_bytes,
+                    Clock::time_point deadline, std::string* reply, bool* answered) {
   uint8_t reply_header[wire::kHeaderBytes];
-  const Status received = RecvAll(fd, reply_header, sizeof(reply_header), deadline);
-  if (!received.ok()) return sent.ok() ? received : sent;
+  DLT_RETURN_IF_ERROR(RecvAll(fd, reply_header, sizeof(reply_header), deadline));
+  if (answered != nullptr) *answered = true;
   wire::FrameHeader h;
   DLT_RETURN_IF_ERROR(wire::DecodeHeader(reply_header, UINT32_MAX, &h));
   // Read no more than the reply or an error can hold.
@@ -35,7 +38,18 @@ Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* p
     return Internal("expected the reply to request " + std::to_string(request_id) + " (opcode " +
                     std::to_string(static_cast<int>(opcode)) + ")");
   }
-  return sent;
+  return OkStatus();
+}
+
+Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
+                 size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
+                 std::string* reply, uint16_t flags) {
+  const Status sent = SendFrame(fd, opcode, request_id, payload, payload_bytes, deadline, flags);
+  bool answered = false;
+  const Status received =
+      ReceiveReply(fd, opcode, request_id, max_reply_bytes, deadline, reply, &answered);
+  if (!answered) return sent.ok() ? received : sent;
+  return received.ok() ? sent : received;
 }
 
 Status SayHello(int fd, const std::string& token, uint16_t flags, uint64_t request_id,

@@ -24,6 +24,15 @@ Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* p
                  size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
                  std::string* reply, uint16_t flags = 0);
 
+// The two halves of CallFrame, for a sender that keeps several frames in
+// flight on one connection (the peer answers them in order): SendFrame sends
+// one frame; ReceiveReply receives the reply to `request_id`, setting
+// *answered once a reply's header arrived.
+Status SendFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
+                 size_t payload_bytes, Clock::time_point deadline, uint16_t flags = 0);
+Status ReceiveReply(int fd, wire::Opcode opcode, uint64_t request_id, size_t max_reply_bytes,
+                    Clock::time_point deadline, std::string* reply, bool* answered = nullptr);
+
 // Says Hello on `fd` with `token` and the Hello `flags` (wire::kFlagReplica,
 // wire::kFlagTopology: the reply then carries its topology part) and
 // decodes the reply into *reply. FAILED_PRECONDITION when the server routes

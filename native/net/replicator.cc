@@ -3,10 +3,12 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <deque>
 #include <utility>
 
 #include "native/core/routing.h"
 #include "native/core/table_config.h"
+#include "native/core/task_pool.h"
 #include "native/net/frame_call.h"
 #include "native/net/socket.h"
 #include "native/net/wire.h"
@@ -20,6 +22,13 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kCopyRows = 16384;
 // Pause before connecting again after a failure.
 constexpr int kRetryMs = 100;
+// Fewest rows of a round's frame (more frames let more threads read them),
+// frames kept for the next round, and frames sent ahead of their replies.
+constexpr size_t kMinFrameRows = 4096;
+constexpr size_t kKeptFrames = 32;
+constexpr size_t kFramesInFlight = 64;
+// Connections a round's rows travel over at most (with cores to spare).
+constexpr size_t kMaxLanes = 4;
 
 }  // namespace
 
@@ -49,6 +58,7 @@ void Replicator::Stop() {
     // A frame in flight to a standby that hangs ends now, not at its timeout.
     std::lock_guard<std::mutex> lock(fd_mu_);
     if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
+    for (int lane : lanes_) shutdown(lane, SHUT_RDWR);
   }
   if (thread.joinable()) thread.join();
   Disconnect();
@@ -67,8 +77,10 @@ Status Replicator::Written() {
   if (!status_.connected && status_.connects > 0) {  // known to be down
     return Unavailable("standby " + standby_ + " is not connected: " + status_.error);
   }
-  // The first round to begin after now reads this write.
-  const uint64_t need = begun_ + 1;
+  // The first round to take changes after now reads this write, which was
+  // applied before this call: a round already begun may still be waiting
+  // for the push gate.
+  const uint64_t need = taken_ + 1;
   const uint64_t failures = connect_failures_;
   wanted_ = true;
   cv_.notify_all();
@@ -130,8 +142,9 @@ void Replicator::Run() {
       continue;
     }
     next_round = Clock::now() + std::chrono::milliseconds(options_.interval_ms);
-    const Status s = Round();
+    const Status s = Round(round);
     std::lock_guard<std::mutex> lock(mu_);
+    taken_ = round;  // also when it failed before its take
     if (s.ok()) {
       applied_ = round;
       ++status_.rounds;
@@ -177,6 +190,25 @@ Status Replicator::Connect() {
     Disconnect();
     return s.WithContext("connecting to standby " + standby_);
   }
+  // The lanes: a round's rows go over several connections at once, received
+  // by several of the standby's threads.
+  const size_t lanes = std::min<size_t>(kMaxLanes, RowStreamPool().threads() + 1) - 1;
+  for (size_t k = 0; s.ok() && k < lanes; ++k) {
+    int lane = -1;
+    s = net::Connect(standby_, deadline, &lane);
+    if (!s.ok()) break;
+    {
+      std::lock_guard<std::mutex> lock(fd_mu_);
+      lanes_.push_back(lane);
+    }
+    wire::HelloReply lane_reply;
+    s = net::SayHello(lane, options_.auth_token, wire::kFlagReplica, next_request_id_++, deadline,
+                      &lane_reply);
+  }
+  if (!s.ok()) {
+    Disconnect();
+    return s.WithContext("connecting to standby " + standby_);
+  }
   standby_frame_bytes_ = reply.max_frame_bytes;
   // The standby's tables are not known: every table is copied whole.
   mirrored_.clear();
@@ -189,9 +221,11 @@ void Replicator::Disconnect() {
   std::lock_guard<std::mutex> lock(fd_mu_);  // Stop never shuts a reused number
   if (fd_ >= 0) net::CloseFd(fd_);
   fd_ = -1;
+  for (int lane : lanes_) net::CloseFd(lane);
+  lanes_.clear();
 }
 
-Status Replicator::Round() {
+Status Replicator::Round(uint64_t round) {
   const std::vector<std::shared_ptr<Table>> tables = shard_->Tables();
   // Tables dropped here are dropped there.
   for (auto it = mirrored_.begin(); it != mirrored_.end();) {
@@ -234,6 +268,10 @@ Status Replicator::Round() {
   for (;;) {
     std::vector<std::shared_ptr<Table>> overflowed;
     gate.lock();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      taken_ = round;
+    }
     for (const std::shared_ptr<Table>& table : tables) {
       Changes c{table.get(), {}, {}};
       if (table->TakeChanges(&c.ids, &c.sketch_adds).ok()) {
@@ -263,11 +301,40 @@ Status Replicator::Round() {
     }
   }
   if (options_.after_take) options_.after_take();
+  // The changed rows are read into frames while the gate is held (by a few
+  // threads at once where there are cores to spare) and sent once it is
+  // released, so pushes apply while the standby receives the round. Past
+  // options_.round_buffer_bytes the gate stays held until the rest are sent.
+  std::vector<FrameJob> jobs;
   for (const Changes& c : changes) {
-    DLT_RETURN_IF_ERROR(SendChanges(c.table, c.ids));
-    DLT_RETURN_IF_ERROR(SendSketchCounts(c.table, c.sketch_adds));
+    const size_t threads = static_cast<size_t>(RowStreamPool().threads()) + 1;
+    const size_t per_frame = std::min(
+        RowsPerFrame(*c.table), std::max(kMinFrameRows, (c.ids.size() + threads - 1) / threads));
+    for (size_t first = 0; first < c.ids.size(); first += per_frame) {
+      jobs.push_back({c.table, c.ids.data() + first, std::min(per_frame, c.ids.size() - first)});
+    }
+  }
+  const auto bytes_of = [](const FrameJob& job) {
+    return wire::ReplicateBytes(job.table->config().name.size(), job.table->dim(), job.n, 0,
+                                job.table->slot_floats());
+  };
+  size_t next = 0, count = 0;
+  for (;;) {
+    size_t end = next;
+    uint64_t bytes = 0;
+    while (end < jobs.size() &&
+           (end == next || bytes + bytes_of(jobs[end]) <= options_.round_buffer_bytes)) {
+      bytes += bytes_of(jobs[end++]);
+    }
+    DLT_RETURN_IF_ERROR(ReadFrames(jobs, next, end));
+    count = end - next;
+    if (end == jobs.size()) break;
+    DLT_RETURN_IF_ERROR(SendFrames(count));
+    next = end;
   }
   gate.unlock();
+  DLT_RETURN_IF_ERROR(SendFrames(count));
+  for (const Changes& c : changes) DLT_RETURN_IF_ERROR(SendSketchCounts(c.table, c.sketch_adds));
   if (changes.empty() && pushed.empty() && !copied) return OkStatus();
   // The round's end: a caught-up standby applies its rows and ids now; after
   // copies, the standby holds every table again and may take over.
@@ -309,15 +376,108 @@ Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
   return OkStatus();
 }
 
-Status Replicator::SendChanges(Table* table, const std::vector<int64_t>& ids) {
-  const size_t per_frame = RowsPerFrame(*table);
-  const RowBuffers out = RowsFor(*table, std::min(per_frame, ids.size()));
-  for (size_t first = 0; first < ids.size(); first += per_frame) {
-    const size_t n = std::min(per_frame, ids.size() - first);
-    size_t rows = 0;
-    DLT_RETURN_IF_ERROR(table->ReadRows(ids.data() + first, n, out, &rows, &scratch_.absent));
-    DLT_RETURN_IF_ERROR(SendRows(table, out, rows, scratch_.absent.data(), scratch_.absent.size()));
+Status Replicator::ReadFrame(const FrameJob& job, Frame* frame) {
+  const Table& table = *job.table;
+  wire::ReplicateRequest r;
+  r.table = table.config().name;
+  r.dim = table.dim();
+  r.slot_floats = table.slot_floats();
+  r.rows = static_cast<uint32_t>(job.n);
+  r.push_clock = table.pushes();
+  // Laid out for every id present, the common case: the rows land in place.
+  uint8_t* p =
+      frame->payload.Reserve(wire::ReplicateBytes(r.table.size(), r.dim, job.n, 0, r.slot_floats));
+  const wire::ReplicateOffsets at = wire::ReplicateLayout(r.table.size(), r.dim, job.n, 0);
+  const RowBuffers out{reinterpret_cast<int64_t*>(p + at.ids),
+                       reinterpret_cast<float*>(p + at.values),
+                       reinterpret_cast<float*>(p + at.slots),
+                       reinterpret_cast<uint32_t*>(p + at.steps),
+                       nullptr,
+                       reinterpret_cast<uint32_t*>(p + at.touched)};
+  thread_local std::vector<int64_t> absent;
+  size_t rows = 0;
+  DLT_RETURN_IF_ERROR(job.table->ReadRows(job.ids, job.n, out, &rows, &absent));
+  frame->rows = rows;
+  frame->removals = absent.size();
+  if (rows == job.n) {
+    wire::EncodeReplicateHeader(r, p);
+    frame->bytes = wire::ReplicateBytes(r.table.size(), r.dim, rows, 0, r.slot_floats);
+    return OkStatus();
   }
+  // Some were removed: the arrays move to where rows and removals put them.
+  r.rows = static_cast<uint32_t>(rows);
+  r.removed = static_cast<uint32_t>(absent.size());
+  r.ids = out.ids;
+  r.removed_ids = absent.data();
+  r.steps = out.steps;
+  r.touched = out.touched;
+  r.values = out.values;
+  r.slots = out.slots;
+  net::Buffer packed;
+  frame->bytes = wire::ReplicateBytes(r.table.size(), r.dim, r.rows, r.removed, r.slot_floats);
+  wire::EncodeReplicate(r, packed.Reserve(frame->bytes));
+  frame->payload = std::move(packed);
+  return OkStatus();
+}
+
+Status Replicator::ReadFrames(const std::vector<FrameJob>& jobs, size_t begin, size_t end) {
+  if (frames_.size() < end - begin) frames_.resize(end - begin);
+  std::vector<Status> read(end - begin);
+  RowStreamPool().ParallelFor(end - begin,
+                              [&](size_t i) { read[i] = ReadFrame(jobs[begin + i], &frames_[i]); });
+  for (const Status& s : read) DLT_RETURN_IF_ERROR(s);
+  return OkStatus();
+}
+
+Status Replicator::SendFrames(size_t count) {
+  const uint64_t first_id = next_request_id_;
+  next_request_id_ += count;
+  std::vector<int> fds{fd_};
+  fds.insert(fds.end(), lanes_.begin(), lanes_.end());
+  const size_t used = std::min(fds.size(), count);
+  std::vector<Status> sent(used);
+  RowStreamPool().ParallelFor(
+      used, [&](size_t k) { sent[k] = SendOn(fds[k], k, used, count, first_id); });
+  for (const Status& s : sent) DLT_RETURN_IF_ERROR(s);
+  uint64_t rows = 0, removals = 0;
+  for (size_t i = 0; i < count; ++i) {
+    rows += frames_[i].rows;
+    removals += frames_[i].removals;
+  }
+  // One huge round does not pin its frames' memory.
+  for (size_t i = 0; i < frames_.size(); ++i) {
+    if (i >= kKeptFrames) frames_[i].payload.Release();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  status_.rows_sent += rows;
+  status_.removals_sent += removals;
+  return OkStatus();
+}
+
+Status Replicator::SendOn(int fd, size_t first, size_t stride, size_t count, uint64_t first_id) {
+  std::deque<uint64_t> waiting;
+  std::string reply;
+  const auto receive = [&]() {
+    const uint64_t id = waiting.front();
+    waiting.pop_front();
+    return net::ReceiveReply(fd, wire::Opcode::kReplicate, id, wire::kPushReplyBytes,
+                             Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms),
+                             &reply)
+        .WithContext("standby " + standby_);
+  };
+  for (size_t i = first; i < count; i += stride) {
+    if (waiting.size() == kFramesInFlight) DLT_RETURN_IF_ERROR(receive());
+    const Status sent = net::SendFrame(
+        fd, wire::Opcode::kReplicate, first_id + i, frames_[i].payload.data(), frames_[i].bytes,
+        Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms));
+    if (!sent.ok()) {
+      // The standby may have said why before it closed.
+      while (!waiting.empty()) DLT_RETURN_IF_ERROR(receive());
+      return sent.WithContext("standby " + standby_);
+    }
+    waiting.push_back(first_id + i);
+  }
+  while (!waiting.empty()) DLT_RETURN_IF_ERROR(receive());
   return OkStatus();
 }
 

@@ -23,6 +23,7 @@
 
 #include "native/core/shard.h"
 #include "native/core/status.h"
+#include "native/net/buffer.h"
 #include "native/net/request_handler.h"
 
 namespace dlt {
@@ -40,6 +41,10 @@ struct ReplicatorOptions {
   int interval_ms = 10;
   // Largest Replicate payload (capped by the standby's maximum frame).
   uint32_t frame_bytes = 8u << 20;
+  // A round's rows are read while the push gate is held and sent after it
+  // is released, up to this many bytes of frames; past them the gate stays
+  // held until the rest are sent.
+  uint64_t round_buffer_bytes = uint64_t{64} << 20;
   // Tests only: called in each round right after its take, while the
   // round holds the push gate.
   std::function<void()> after_take;
@@ -86,12 +91,32 @@ class Replicator : public WriteListener {
   // the same count).
   Status Connect();
   void Disconnect();
-  // One round over every table.
-  Status Round();
+  // One round over every table; `round` counts rounds begun.
+  Status Round(uint64_t round);
   // Makes `table` afresh on the standby and sends all its rows.
   Status CopyWhole(const std::shared_ptr<Table>& table);
-  // Sends the rows of `ids` as they are now, and the absent ones as removals.
-  Status SendChanges(Table* table, const std::vector<int64_t>& ids);
+  // A Replicate frame of a round: the rows of some changed ids as they were
+  // read (absent ones as removals).
+  struct Frame {
+    net::Buffer payload;
+    size_t bytes = 0;
+    uint64_t rows = 0, removals = 0;
+  };
+  struct FrameJob {
+    Table* table;
+    const int64_t* ids;
+    size_t n;
+  };
+  // Reads the rows of `job` into `frame`, in place in its payload.
+  static Status ReadFrame(const FrameJob& job, Frame* frame);
+  // Reads jobs [begin, end) into frames_[0, end - begin), a few at once.
+  Status ReadFrames(const std::vector<FrameJob>& jobs, size_t begin, size_t end);
+  // Sends frames_[0, count) over the connection and its lanes, several in
+  // flight on each, and awaits their replies.
+  Status SendFrames(size_t count);
+  // Sends frames_[first], frames_[first + stride], ... on `fd`, the frame at
+  // index i with request id `first_id` + i.
+  Status SendOn(int fd, size_t first, size_t stride, size_t count, uint64_t first_id);
   // Sends `table`'s admission sketch whole, slice by slice (after its rows).
   Status SendSketchSlices(Table* table);
   // Sends the hashes pushes counted in `table`'s sketch, in order.
@@ -119,6 +144,9 @@ class Replicator : public WriteListener {
   // Written by the replicating thread under fd_mu_; Stop shuts it down.
   std::mutex fd_mu_;
   int fd_ = -1;
+  // More connections to the standby that carry a round's rows beside fd_
+  // (none under 4 cores).
+  std::vector<int> lanes_;
   uint32_t standby_frame_bytes_ = 0;
   uint64_t next_request_id_ = 1;
   // The tables the standby holds as this thread made them there.
@@ -127,8 +155,9 @@ class Replicator : public WriteListener {
   std::map<std::string, bool> provisional_;
   bool marked_ = false;  // the standby was told it caught up since connecting
   std::vector<char> frame_;
+  std::vector<Frame> frames_;  // a round's, kept for the next
   struct Scratch {
-    std::vector<int64_t> ids, absent;
+    std::vector<int64_t> ids;
     std::vector<float> values, slots;
     std::vector<uint32_t> steps, touched, buckets;
     std::vector<uint32_t> slice_buckets, slice_added;  // a sketch's slices
@@ -142,8 +171,11 @@ class Replicator : public WriteListener {
   bool stop_ = false;                 // guarded by mu_
   bool wanted_ = false;               // a write waits for a round; guarded by mu_
   uint64_t begun_ = 0, applied_ = 0;  // rounds; guarded by mu_
-  uint64_t failed_ = 0;               // the last round that failed; guarded by mu_
-  uint64_t connect_failures_ = 0;     // guarded by mu_
+  // The last round whose take began (its changes taken after every write
+  // applied before then); guarded by mu_.
+  uint64_t taken_ = 0;
+  uint64_t failed_ = 0;            // the last round that failed; guarded by mu_
+  uint64_t connect_failures_ = 0;  // guarded by mu_
   // When the oldest write acknowledged but not on the standby was
   // acknowledged (async); guarded by mu_.
   std::chrono::steady_clock::time_point unsent_since_{};

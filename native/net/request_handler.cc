@@ -8,6 +8,7 @@
 
 #include "native/core/routing.h"
 #include "native/core/table_config.h"
+#include "native/core/task_pool.h"
 
 namespace dlt {
 namespace {
@@ -90,8 +91,9 @@ size_t RequestHandler::ErrorReply(uint64_t request_id, const Status& status, net
                  wire::EncodeError(status.code(), status.message()), reply);
 }
 
-size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* payload,
+size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* frame,
                               bool* authenticated, net::Buffer* reply, bool* keep_open) {
+  const uint8_t* payload = frame->data();
   const Clock::time_point start = Clock::now();
   *keep_open = true;
   const uint64_t id = header.request_id;
@@ -144,7 +146,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, const uint8_t* pa
   }
   if (header.opcode == wire::Opcode::kStandbyTable || header.opcode == wire::Opcode::kReplicate) {
     uint32_t rows = 0;
-    const Status applied = ApplyFromPrimary(header, payload, &rows);
+    const Status applied = ApplyFromPrimary(header, frame, &rows);
     if (!applied.ok()) return fail(applied, false);
     return Respond(header.opcode, id, wire::EncodePushReply(rows), reply);
   }
@@ -258,8 +260,9 @@ Status RequestHandler::AwaitStandby() {
                               " but its standby did not acknowledge it (in doubt): " + s.message());
 }
 
-Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const uint8_t* payload,
+Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Buffer* frame,
                                         uint32_t* rows) {
+  const uint8_t* payload = frame->data();
   if (!standby_.load()) {
     return FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
                               " here is not a standby: it takes no replication frames");
@@ -276,7 +279,11 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
         std::lock_guard<std::mutex> lock(staged_mu_);
         staged.swap(staged_);  // applied now, or (on an error) never
       }
-      for (const Staged& frame : staged) DLT_RETURN_IF_ERROR(ApplyStaged(frame));
+      const Status applied = ApplyRound(staged);
+      if (payload_pool_ != nullptr) {
+        for (Staged& frame : staged) payload_pool_->Put(std::move(frame.payload));
+      }
+      DLT_RETURN_IF_ERROR(applied);
       uint64_t epoch;
       std::memcpy(&epoch, request.config.data(), sizeof(epoch));
       std::vector<PushId> ids((request.config.size() - 8) / 16);
@@ -298,7 +305,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
     if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
-      if (StageIfCaughtUp(header, payload)) return OkStatus();
+      if (StageIfCaughtUp(header, frame)) return OkStatus();
       return ApplySketch(request.action, request.config);
     }
     TableConfig config;
@@ -321,7 +328,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, const u
   wire::ReplicateRequest request;
   DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &request));
   *rows = request.rows;
-  if (StageIfCaughtUp(header, payload)) return OkStatus();
+  if (StageIfCaughtUp(header, frame)) return OkStatus();
   return ApplyRows(request);
 }
 
@@ -343,26 +350,38 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
   }
 }
 
-bool RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, const uint8_t* payload) {
+bool RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload) {
   // A standby that may take over applies a round whole or not at all: its
   // rows and sketch counts wait for the round's end, with the pushes' ids.
   if (!caught_up_.load()) return false;
   std::lock_guard<std::mutex> lock(staged_mu_);
-  staged_.push_back(
-      {header.opcode, std::string(reinterpret_cast<const char*>(payload), header.payload_bytes)});
+  staged_.push_back({header.opcode, std::move(*payload), header.payload_bytes});
   return true;
 }
 
-Status RequestHandler::ApplyStaged(const Staged& frame) {
-  const auto* p = reinterpret_cast<const uint8_t*>(frame.payload.data());
-  if (frame.opcode == wire::Opcode::kReplicate) {
-    wire::ReplicateRequest rows;
-    DLT_RETURN_IF_ERROR(wire::DecodeReplicate(p, frame.payload.size(), &rows));
-    return ApplyRows(rows);
+Status RequestHandler::ApplyRound(const std::vector<Staged>& staged) {
+  std::vector<wire::ReplicateRequest> rows;
+  for (const Staged& frame : staged) {
+    if (frame.opcode != wire::Opcode::kReplicate) continue;
+    rows.emplace_back();
+    DLT_RETURN_IF_ERROR(wire::DecodeReplicate(frame.payload.data(), frame.bytes, &rows.back()));
   }
-  wire::StandbyTableRequest request;
-  DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(p, frame.payload.size(), &request));
-  return ApplySketch(request.action, request.config);
+  std::vector<Status> applied(rows.size());
+  RowStreamPool().ParallelFor(rows.size(),
+                              [&](size_t i) { applied[i] = ApplyRows(rows[i], /*clock=*/false); });
+  for (const Status& s : applied) DLT_RETURN_IF_ERROR(s);
+  for (const Staged& frame : staged) {
+    if (frame.opcode == wire::Opcode::kReplicate) continue;
+    wire::StandbyTableRequest request;
+    DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(frame.payload.data(), frame.bytes, &request));
+    DLT_RETURN_IF_ERROR(ApplySketch(request.action, request.config));
+  }
+  for (const wire::ReplicateRequest& r : rows) {
+    std::shared_ptr<Table> table;
+    DLT_RETURN_IF_ERROR(shard_->GetTable(r.table, &table));
+    table->SetPushClock(static_cast<uint32_t>(r.push_clock));
+  }
+  return OkStatus();
 }
 
 Status RequestHandler::ApplySketch(uint32_t action, const std::string& bytes) {
@@ -393,7 +412,7 @@ Status RequestHandler::ApplySketch(uint32_t action, const std::string& bytes) {
   return OkStatus();
 }
 
-Status RequestHandler::ApplyRows(const wire::ReplicateRequest& request) {
+Status RequestHandler::ApplyRows(const wire::ReplicateRequest& request, bool clock) {
   std::shared_ptr<Table> table;
   DLT_RETURN_IF_ERROR(shard_->GetTable(request.table, &table));
   if (request.dim != table->dim() || request.slot_floats != table->slot_floats()) {
@@ -412,7 +431,7 @@ Status RequestHandler::ApplyRows(const wire::ReplicateRequest& request) {
                             .WithContext("table '" + request.table + "'"));
   }
   if (request.removed) table->Erase(request.removed_ids, request.removed);
-  table->SetPushClock(static_cast<uint32_t>(request.push_clock));
+  if (clock) table->SetPushClock(static_cast<uint32_t>(request.push_clock));
   return OkStatus();
 }
 

@@ -78,8 +78,12 @@ class RequestHandler {
   // Serves one whole request frame; writes the reply frame into `reply` and
   // returns its size. `*authenticated` turns true on a valid Hello.
   // `*keep_open` turns false when the connection must close after the reply.
-  size_t Handle(const wire::FrameHeader& header, const uint8_t* payload, bool* authenticated,
+  // A standby may keep `payload`'s buffer (a frame of its round, until the
+  // round's end; then it goes to the pool set_payload_pool names).
+  size_t Handle(const wire::FrameHeader& header, net::Buffer* payload, bool* authenticated,
                 net::Buffer* reply, bool* keep_open);
+  // Where a standby's staged frames' buffers go once applied.
+  void set_payload_pool(net::BufferPool* pool) { payload_pool_ = pool; }
 
   // The reply frame of an error (counted by its code); returns its size.
   size_t ErrorReply(uint64_t request_id, const Status& status, net::Buffer* reply);
@@ -90,20 +94,25 @@ class RequestHandler {
   // A standby's frame from its primary held until its round's end.
   struct Staged {
     wire::Opcode opcode;
-    std::string payload;
+    net::Buffer payload;  // the frame's, as received
+    size_t bytes;
   };
-  // Writes a Replicate frame's rows and removals.
-  Status ApplyRows(const wire::ReplicateRequest& request);
+  // Writes a Replicate frame's rows and removals, and (with `clock`) takes
+  // its push clock.
+  Status ApplyRows(const wire::ReplicateRequest& request, bool clock = true);
   // Writes a sketch frame's slices or counts (wire::kSketchSlices,
   // wire::kSketchCounts).
   Status ApplySketch(uint32_t action, const std::string& bytes);
-  // A staged frame, applied at its round's end.
-  Status ApplyStaged(const Staged& frame);
+  // A round's staged frames, applied at its end: the rows by a few threads
+  // at once (a round names a row in one frame, or the same row twice), the
+  // sketch counts in their order, then each table's push clock as the last
+  // frame left it.
+  Status ApplyRound(const std::vector<Staged>& staged);
   // On a caught-up standby: holds this frame from its primary until its
   // round's end (true); otherwise false (apply it now).
-  bool StageIfCaughtUp(const wire::FrameHeader& header, const uint8_t* payload);
+  bool StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload);
   // A standby's StandbyTable or Replicate frame.
-  Status ApplyFromPrimary(const wire::FrameHeader& header, const uint8_t* payload, uint32_t* rows);
+  Status ApplyFromPrimary(const wire::FrameHeader& header, net::Buffer* payload, uint32_t* rows);
   std::shared_ptr<Shard> shard_;
   const std::string auth_token_;
   const uint32_t max_frame_bytes_;
@@ -115,6 +124,7 @@ class RequestHandler {
   // The round's Replicate payloads and sketch StandbyTable requests, in
   // order; guarded by staged_mu_.
   std::vector<Staged> staged_;
+  net::BufferPool* payload_pool_ = nullptr;
   std::string standbys_;                     // guarded by staged_mu_
   std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;

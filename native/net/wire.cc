@@ -334,24 +334,38 @@ uint64_t ReplicateBytes(size_t name_bytes, uint64_t dim, uint64_t rows, uint64_t
          rows * (8 + 4 * (dim + slot_floats));
 }
 
-void EncodeReplicate(const ReplicateRequest& r, uint8_t* out) {
+ReplicateOffsets ReplicateLayout(size_t name_bytes, uint64_t dim, uint64_t rows, uint64_t removed) {
+  ReplicateOffsets at;
+  at.ids = kTableRequestFixed + PaddedNameBytes(name_bytes) + 16;
+  at.removed_ids = at.ids + 8 * rows;
+  at.steps = at.removed_ids + 8 * removed;
+  at.touched = at.steps + 4 * rows;
+  at.values = at.touched + 4 * rows;
+  at.slots = at.values + 4 * rows * dim;
+  return at;
+}
+
+void EncodeReplicateHeader(const ReplicateRequest& r, uint8_t* out) {
   const std::string prefix = TablePrefix(r.table, r.dim, r.rows, 0, 0.0f);
   std::memcpy(out, prefix.data(), prefix.size());
-  size_t at = prefix.size();
+  const size_t at = prefix.size();
   Put<uint32_t>(out, at, r.removed);
   Put<uint32_t>(out, at + 4, r.slot_floats);
   Put<uint64_t>(out, at + 8, r.push_clock);
-  at += 16;
-  const auto put = [&](const void* data, size_t bytes) {
-    if (bytes) std::memcpy(out + at, data, bytes);
-    at += bytes;
+}
+
+void EncodeReplicate(const ReplicateRequest& r, uint8_t* out) {
+  EncodeReplicateHeader(r, out);
+  const ReplicateOffsets at = ReplicateLayout(r.table.size(), r.dim, r.rows, r.removed);
+  const auto put = [&](size_t offset, const void* data, size_t bytes) {
+    if (bytes) std::memcpy(out + offset, data, bytes);
   };
-  put(r.ids, size_t{8} * r.rows);
-  put(r.removed_ids, size_t{8} * r.removed);
-  put(r.steps, size_t{4} * r.rows);
-  put(r.touched, size_t{4} * r.rows);
-  put(r.values, size_t{4} * r.rows * r.dim);
-  put(r.slots, size_t{4} * r.rows * r.slot_floats);
+  put(at.ids, r.ids, size_t{8} * r.rows);
+  put(at.removed_ids, r.removed_ids, size_t{8} * r.removed);
+  put(at.steps, r.steps, size_t{4} * r.rows);
+  put(at.touched, r.touched, size_t{4} * r.rows);
+  put(at.values, r.values, size_t{4} * r.rows * r.dim);
+  put(at.slots, r.slots, size_t{4} * r.rows * r.slot_floats);
 }
 
 Status DecodeReplicate(const uint8_t* p, size_t bytes, ReplicateRequest* r) {
@@ -389,18 +403,13 @@ Status DecodeReplicate(const uint8_t* p, size_t bytes, ReplicateRequest* r) {
   for (size_t i = kTableRequestFixed + name_bytes; i < name_end; ++i) {
     if (p[i] != 0) return InvalidArgument("Replicate table name padding must be 0");
   }
-  size_t at = name_end + 16;
-  r->ids = reinterpret_cast<const int64_t*>(p + at);
-  at += size_t{8} * r->rows;
-  r->removed_ids = reinterpret_cast<const int64_t*>(p + at);
-  at += size_t{8} * r->removed;
-  r->steps = reinterpret_cast<const uint32_t*>(p + at);
-  at += size_t{4} * r->rows;
-  r->touched = reinterpret_cast<const uint32_t*>(p + at);
-  at += size_t{4} * r->rows;
-  r->values = reinterpret_cast<const float*>(p + at);
-  at += size_t{4} * r->rows * r->dim;
-  r->slots = reinterpret_cast<const float*>(p + at);
+  const ReplicateOffsets at = ReplicateLayout(name_bytes, r->dim, r->rows, r->removed);
+  r->ids = reinterpret_cast<const int64_t*>(p + at.ids);
+  r->removed_ids = reinterpret_cast<const int64_t*>(p + at.removed_ids);
+  r->steps = reinterpret_cast<const uint32_t*>(p + at.steps);
+  r->touched = reinterpret_cast<const uint32_t*>(p + at.touched);
+  r->values = reinterpret_cast<const float*>(p + at.values);
+  r->slots = reinterpret_cast<const float*>(p + at.slots);
   return OkStatus();
 }
 

@@ -205,6 +205,14 @@ struct ReplicateRequest {
 // Payload bytes of a Replicate request.
 uint64_t ReplicateBytes(size_t name_bytes, uint64_t dim, uint64_t rows, uint64_t removed,
                         uint64_t slot_floats);
+// Byte offsets of a Replicate payload's arrays, for writers that fill them
+// in place.
+struct ReplicateOffsets {
+  size_t ids, removed_ids, steps, touched, values, slots;
+};
+ReplicateOffsets ReplicateLayout(size_t name_bytes, uint64_t dim, uint64_t rows, uint64_t removed);
+// Writes the payload's header (everything before the ids) into `out`.
+void EncodeReplicateHeader(const ReplicateRequest& request, uint8_t* out);
 // Writes the payload into `out` (ReplicateBytes long).
 void EncodeReplicate(const ReplicateRequest& request, uint8_t* out);
 Status DecodeReplicate(const uint8_t* payload, size_t bytes, ReplicateRequest* request);
