@@ -92,7 +92,8 @@ size_t RequestHandler::ErrorReply(uint64_t request_id, const Status& status, net
 }
 
 size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* frame,
-                              bool* authenticated, net::Buffer* reply, bool* keep_open) {
+                              bool* authenticated, uint64_t* replica_hello, net::Buffer* reply,
+                              bool* keep_open) {
   const uint8_t* payload = frame->data();
   const Clock::time_point start = Clock::now();
   *keep_open = true;
@@ -126,6 +127,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                   true);
     }
     *authenticated = true;
+    if (replica) *replica_hello = replica_hellos_.fetch_add(1) + 1;
     counters_->hellos.fetch_add(1);
     wire::HelloReply out;
     out.shard_index = shard_->shard_index();
@@ -146,8 +148,9 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
   }
   if (header.opcode == wire::Opcode::kStandbyTable || header.opcode == wire::Opcode::kReplicate) {
     uint32_t rows = 0;
-    const Status applied = ApplyFromPrimary(header, frame, &rows);
-    if (!applied.ok()) return fail(applied, false);
+    bool stale = false;
+    const Status applied = ApplyFromPrimary(header, frame, *replica_hello, &rows, &stale);
+    if (!applied.ok()) return fail(applied, stale);
     return Respond(header.opcode, id, wire::EncodePushReply(rows), reply);
   }
   if (header.opcode != wire::Opcode::kPull && header.opcode != wire::Opcode::kPush &&
@@ -261,15 +264,33 @@ Status RequestHandler::AwaitStandby() {
 }
 
 Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Buffer* frame,
-                                        uint32_t* rows) {
+                                        uint64_t replica_hello, uint32_t* rows, bool* stale) {
   const uint8_t* payload = frame->data();
   if (!standby_.load()) {
     return FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
                               " here is not a standby: it takes no replication frames");
   }
+  wire::StandbyTableRequest request;
   if (header.opcode == wire::Opcode::kStandbyTable) {
-    wire::StandbyTableRequest request;
     DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(payload, header.payload_bytes, &request));
+  }
+  const bool copy_begins =
+      header.opcode == wire::Opcode::kStandbyTable && request.action == wire::kMakeTable;
+  std::shared_lock<std::shared_mutex> in_session(session_mu_, std::defer_lock);
+  std::unique_lock<std::shared_mutex> new_session(session_mu_, std::defer_lock);
+  if (copy_begins) {
+    new_session.lock();  // after every frame being applied now
+    session_ = std::max(session_, replica_hello);
+  } else {
+    in_session.lock();
+  }
+  if (replica_hello < session_) {
+    *stale = true;
+    return FailedPrecondition(
+        "a replication frame on a connection its primary made before the one that began its "
+        "latest copy: refused, and the connection closed");
+  }
+  if (header.opcode == wire::Opcode::kStandbyTable) {
     if (request.action == wire::kRoundEnd || request.action == wire::kCaughtUp) {
       if (request.config.size() < 8 || (request.config.size() - 8) % 16 != 0) {
         return InvalidArgument("a round's end holds the primary's epoch and 16 bytes a push id");
@@ -325,11 +346,11 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
     shard_->InstallTables({shard_->NewTable(config)});
     return OkStatus();
   }
-  wire::ReplicateRequest request;
-  DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &request));
-  *rows = request.rows;
+  wire::ReplicateRequest replicate;
+  DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &replicate));
+  *rows = replicate.rows;
   if (StageIfCaughtUp(header, frame)) return OkStatus();
-  return ApplyRows(request);
+  return ApplyRows(replicate);
 }
 
 void RequestHandler::set_standby(bool standby, bool new_epoch) {

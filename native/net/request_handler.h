@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -76,12 +77,14 @@ class RequestHandler {
   size_t ReplyBound(const wire::FrameHeader& header, const uint8_t* pull_sizes) const;
 
   // Serves one whole request frame; writes the reply frame into `reply` and
-  // returns its size. `*authenticated` turns true on a valid Hello.
+  // returns its size. `*authenticated` turns true on a valid Hello;
+  // `*replica_hello` (the connection's, 0 before) numbers a primary's
+  // connections to this standby in the order they said Hello.
   // `*keep_open` turns false when the connection must close after the reply.
   // A standby may keep `payload`'s buffer (a frame of its round, until the
   // round's end; then it goes to the pool set_payload_pool names).
   size_t Handle(const wire::FrameHeader& header, net::Buffer* payload, bool* authenticated,
-                net::Buffer* reply, bool* keep_open);
+                uint64_t* replica_hello, net::Buffer* reply, bool* keep_open);
   // Where a standby's staged frames' buffers go once applied.
   void set_payload_pool(net::BufferPool* pool) { payload_pool_ = pool; }
 
@@ -111,8 +114,11 @@ class RequestHandler {
   // On a caught-up standby: holds this frame from its primary until its
   // round's end (true); otherwise false (apply it now).
   bool StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload);
-  // A standby's StandbyTable or Replicate frame.
-  Status ApplyFromPrimary(const wire::FrameHeader& header, net::Buffer* payload, uint32_t* rows);
+  // A standby's StandbyTable or Replicate frame, on the connection that
+  // said Hello `replica_hello`-th; *stale when that connection is older than
+  // the one that began the latest copy (the frame is refused).
+  Status ApplyFromPrimary(const wire::FrameHeader& header, net::Buffer* payload,
+                          uint64_t replica_hello, uint32_t* rows, bool* stale);
   std::shared_ptr<Shard> shard_;
   const std::string auth_token_;
   const uint32_t max_frame_bytes_;
@@ -120,6 +126,14 @@ class RequestHandler {
   std::atomic<bool> read_only_{false};
   std::atomic<bool> standby_{false};
   std::atomic<bool> caught_up_{false};
+  // Replica Hellos so far, and the connection (by that count) that began the
+  // latest whole copy: frames of connections older than it are refused, so
+  // a frame a primary sent before it reconnected (still being read here, or
+  // read late) never lands after the copy. Replication frames hold
+  // session_mu_ shared while they apply; a copy's start holds it alone.
+  std::atomic<uint64_t> replica_hellos_{0};
+  std::shared_mutex session_mu_;
+  uint64_t session_ = 0;  // guarded by session_mu_
   std::mutex staged_mu_;
   // The round's Replicate payloads and sketch StandbyTable requests, in
   // order; guarded by staged_mu_.

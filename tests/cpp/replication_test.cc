@@ -501,6 +501,28 @@ DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
   EXPECT(pair.standby->epoch() == 6);  // newer than the primary it replaces
 }
 
+DLT_TEST(TestAFrameOnAConnectionOlderThanTheLatestCopyIsRefused) {
+  // A primary reconnected (its first connection still open here, a frame
+  // on it read late): the new connection's copy fences the old one, and the
+  // copy's lanes (connections greeted after it) are served.
+  Pair pair;
+  const std::string config = EncodeTableConfig(AdagradConfig("emb", 4));
+  ReplicaLink old_link(Address(*pair.standby_server));
+  EXPECT_OK(old_link.Table(wire::kMakeTable, config));
+  EXPECT_OK(old_link.Rows({1}, 0.5f));
+  ReplicaLink link(Address(*pair.standby_server));
+  ReplicaLink lane(Address(*pair.standby_server));
+  EXPECT_OK(link.Table(wire::kMakeTable, config));  // the copy begins again
+  const Status stale = old_link.Rows({2}, 9.0f);
+  EXPECT(stale.code() == Code::kFailedPrecondition);
+  EXPECT(stale.message().find("before the one that began its latest copy") != std::string::npos);
+  EXPECT(TableOf(*pair.standby, "emb")->size() == 0);  // nothing of the old connection's
+  EXPECT_OK(lane.Rows({3}, 0.5f));
+  EXPECT_OK(link.Rows({4}, 0.5f));
+  EXPECT(TableOf(*pair.standby, "emb")->size() == 2);
+  EXPECT(!old_link.Rows({5}, 0.5f).ok());  // closed
+}
+
 DLT_TEST(TestClientsLearnStandbysAndNeverUseAnOlderCopy) {
   Pair pair;
   bool created;
