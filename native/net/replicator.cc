@@ -67,20 +67,22 @@ void Replicator::Stop() {
   shard_->push_ledger().set_tracked(false);
 }
 
-Status Replicator::Written() {
+uint64_t Replicator::Applied() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return taken_ + 1;
+}
+
+Status Replicator::Written(uint64_t need) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!options_.sync) {
     if (unsent_since_ == Clock::time_point{}) unsent_since_ = Clock::now();
     return OkStatus();
   }
+  if (applied_ >= need) return OkStatus();  // a round holding it is done already
   if (stop_) return Unavailable("replication to standby " + standby_ + " stopped");
   if (!status_.connected && status_.connects > 0) {  // known to be down
     return Unavailable("standby " + standby_ + " is not connected: " + status_.error);
   }
-  // The first round to take changes after now reads this write, which was
-  // applied before this call: a round already begun may still be waiting
-  // for the push gate.
-  const uint64_t need = taken_ + 1;
   const uint64_t failures = connect_failures_;
   wanted_ = true;
   cv_.notify_all();

@@ -2,9 +2,9 @@
 // standby shard holding every table of this shard. On connecting it makes
 // each table afresh on the standby and copies it whole; afterwards, in
 // rounds, it sends the rows each table's change log names as they are then
-// (a removed row as a removal). A round's rows are read after every write
-// acknowledged before the round began, so a write waiting in Written()
-// (sync replication) returns once the standby applied a round that holds it.
+// (a removed row as a removal). A round's changes are taken after every
+// write Applied() marked for it, so a write waiting in Written() (sync
+// replication) returns once the standby applied a round that holds it.
 // A table replaced here (a load) or whose log overflowed is copied whole
 // again; a lost connection is re-made and everything copied again.
 #ifndef TF_DLT_NATIVE_NET_REPLICATOR_H_
@@ -77,12 +77,16 @@ class Replicator : public WriteListener {
   // Stops the rounds (a frame in flight fails at once); writes waiting in
   // Written() fail. Idempotent.
   void Stop();
-  // Sync: returns once a round that began after this call is applied on
+  // The first round to take changes after now (after a write applied; an
+  // identified push calls it while it holds the push gate, which a round's
+  // take waits for).
+  uint64_t Applied() override;
+  // Sync: returns once round `mark` (Applied's) or a later one is applied on
   // the standby (the first round after connecting copies every table
   // whole); UNAVAILABLE when the standby is known to be down, or the round
   // or the connection fails; DEADLINE_EXCEEDED past io_timeout. Async: OK
   // at once.
-  Status Written() override;
+  Status Written(uint64_t mark) override;
   ReplicationStatus status() const;
 
  private:

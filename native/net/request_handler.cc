@@ -196,32 +196,37 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     s = table->Assign(request.ids, request.grads, request.num_ids);
     if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
     counters_->assigned_rows.fetch_add(request.num_ids);
-    s = AwaitStandby();
+    s = AwaitStandby(MarkApplied());
     if (!s.ok()) return fail(s, false);
     return Respond(wire::Opcode::kAssign, id, wire::EncodePushReply(request.num_ids), reply);
   }
   if (push) {
+    WriteMark applied;
     if (request.identified) {
       PushLedger& ledger = shard_->push_ledger();
       Status first;
       if (ledger.Begin(request.push_id, &first)) {
-        // Its rows and its id reach a standby in the same round.
+        // Its rows and its id reach a standby in the same round: the first
+        // round to take changes after it released the gate.
         std::shared_lock<WriterFirstLock> gate(ledger.gate());
         s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
         if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
         ledger.End(request.push_id, s);
+        applied = MarkApplied();
       } else {  // sent again: applied before, here or on the primary this shard followed
         counters_->repeated_pushes.fetch_add(1);
         s = first;
+        applied = MarkApplied();
       }
     } else {
       s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
       if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
+      applied = MarkApplied();
     }
     if (!s.ok()) return fail(s, false);
     counters_->pushes.fetch_add(1);
     counters_->pushed_rows.fetch_add(request.num_ids);
-    s = AwaitStandby();
+    s = AwaitStandby(applied);
     if (!s.ok()) return fail(s, false);
     counters_->push_latency.Record(MicrosSince(start));
     return Respond(wire::Opcode::kPush, id, wire::EncodePushReply(request.num_ids), reply);
@@ -253,10 +258,15 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
   return wire::kHeaderBytes + body;
 }
 
-Status RequestHandler::AwaitStandby() {
-  const std::shared_ptr<WriteListener> listener = std::atomic_load(&listener_);
-  if (listener == nullptr) return OkStatus();
-  const Status s = listener->Written();
+RequestHandler::WriteMark RequestHandler::MarkApplied() const {
+  WriteMark applied{std::atomic_load(&listener_), 0};
+  if (applied.listener != nullptr) applied.mark = applied.listener->Applied();
+  return applied;
+}
+
+Status RequestHandler::AwaitStandby(const WriteMark& applied) {
+  if (applied.listener == nullptr) return OkStatus();
+  const Status s = applied.listener->Written(applied.mark);
   if (s.ok()) return s;
   return Status(s.code(), "the write was applied on shard " +
                               std::to_string(shard_->shard_index()) +

@@ -27,7 +27,11 @@ namespace dlt {
 class WriteListener {
  public:
   virtual ~WriteListener() = default;
-  virtual Status Written() = 0;
+  // Called once a write was applied (an identified push: while it still
+  // holds the push gate); the mark it returns goes to Written.
+  virtual uint64_t Applied() = 0;
+  // Returns once the write marked `mark` may be acknowledged.
+  virtual Status Written(uint64_t mark) = 0;
 };
 
 class RequestHandler {
@@ -92,8 +96,14 @@ class RequestHandler {
   size_t ErrorReply(uint64_t request_id, const Status& status, net::Buffer* reply);
 
  private:
-  // With a write listener: waits for it after a write was applied.
-  Status AwaitStandby();
+  // A write applied now, as the write listener then (if any) marks it.
+  struct WriteMark {
+    std::shared_ptr<WriteListener> listener;
+    uint64_t mark = 0;
+  };
+  WriteMark MarkApplied() const;
+  // Waits for the listener that marked the write (none: at once).
+  Status AwaitStandby(const WriteMark& applied);
   // A standby's frame from its primary held until its round's end.
   struct Staged {
     wire::Opcode opcode;
