@@ -301,6 +301,7 @@ Status Replicator::Round(uint64_t round) {
       DLT_RETURN_IF_ERROR(CopyWhole(table));
       copied = true;
     }
+    if (options_.after_copy) options_.after_copy();
   }
   if (options_.after_take) options_.after_take();
   // The changed rows are read into frames while the gate is held (by a few

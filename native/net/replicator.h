@@ -48,6 +48,9 @@ struct ReplicatorOptions {
   // Tests only: called in each round right after its take, while the
   // round holds the push gate.
   std::function<void()> after_take;
+  // Tests only: called in a round after it copied the tables its take found
+  // overflowed, before it takes again (the push gate released).
+  std::function<void()> after_copy;
 };
 
 struct ReplicationStatus {
