@@ -42,17 +42,21 @@ SETUP = ROOT / "setup.py"
 CAPACITY = ROOT / "tf_dlt" / "tools" / "data" / "capacity.json"
 
 
-# The optimization flags setup.py builds the native core with (what users
-# run): at -O2 this compiler leaves the table core's checks unvectorized.
-FLAGS = ["-O3", "-fno-math-errno"]
+def setup_list(name: str) -> list[str]:
+    """The strings of the list literal `name` in setup.py."""
+    text = SETUP.read_text()
+    block = text[text.index(f"{name} = [") :]
+    return re.findall(r'"([^"]+)"', block[: block.index("]")])
 
 
 def core_sources() -> list[str]:
     """The native core's sources (setup.py's list, without the Python bindings)."""
-    text = SETUP.read_text()
-    block = text[text.index("NATIVE_CORE_SOURCES = [") :]
-    block = block[: block.index("]")]
-    return [s for s in re.findall(r'"(native/[^"]+\.cc)"', block) if "/python/" not in s]
+    return [s for s in setup_list("NATIVE_CORE_SOURCES") if "/python/" not in s]
+
+
+# The flags setup.py builds the native core with (what users run): at -O2
+# this compiler leaves the table core's checks unvectorized.
+FLAGS = setup_list("NATIVE_FLAGS")
 
 
 def built() -> Path:
