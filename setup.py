@@ -49,10 +49,12 @@ NATIVE_CORE_SOURCES = [
     "native/net/pull_ahead.cc",
     "native/net/push_queue.cc",
     "native/net/replicator.cc",
+    "native/net/reshard_target.cc",
     "native/net/row_cache.cc",
     "native/net/request_handler.cc",
     "native/net/server_stats.cc",
     "native/net/socket.cc",
+    "native/net/stream_apply.cc",
     "native/net/transport.cc",
     "native/net/wire.cc",
 ]

@@ -46,7 +46,9 @@ bool PushLedger::Begin(const PushId& id, Status* status) {
 void PushLedger::End(const PushId& id, const Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   RecordLocked(id, status);
-  if (tracked_) applied_.push_back(id);
+  for (uint32_t mask = tracked_; mask != 0; mask &= mask - 1) {
+    applied_[__builtin_ctz(mask)].push_back(id);
+  }
   cv_.notify_all();
 }
 
@@ -67,16 +69,20 @@ void PushLedger::RecordLocked(const PushId& id, const Status& status) {
   }
 }
 
-void PushLedger::set_tracked(bool tracked) {
+void PushLedger::set_tracked(uint32_t stream, bool tracked) {
   std::lock_guard<std::mutex> lock(mu_);
-  tracked_ = tracked;
-  if (!tracked) std::vector<PushId>().swap(applied_);
+  if (tracked) {
+    tracked_ |= 1u << stream;
+  } else {
+    tracked_ &= ~(1u << stream);
+    std::vector<PushId>().swap(applied_[stream]);
+  }
 }
 
-void PushLedger::TakeApplied(std::vector<PushId>* ids) {
+void PushLedger::TakeApplied(uint32_t stream, std::vector<PushId>* ids) {
   std::lock_guard<std::mutex> lock(mu_);
-  ids->swap(applied_);
-  applied_.clear();
+  ids->swap(applied_[stream]);
+  applied_[stream].clear();
 }
 
 void PushLedger::Insert(const PushId* ids, size_t n) {
@@ -89,7 +95,7 @@ void PushLedger::ForgetDone() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const PushId& id : order_) entries_.erase(id);
   order_.clear();
-  applied_.clear();
+  for (std::vector<PushId>& applied : applied_) applied.clear();
 }
 
 size_t PushLedger::size() const {

@@ -18,6 +18,10 @@
 
 namespace dlt {
 
+// Row streams (docs/replication.md) that may consume a shard's change logs
+// and applied push ids at once: a standby's and a re-shard's range streams.
+inline constexpr uint32_t kMaxStreams = 8;
+
 struct PushId {
   uint64_t client = 0;
   uint64_t seq = 0;
@@ -61,10 +65,11 @@ class PushLedger {
   // the row stream holds it alone while it takes the tables' change logs
   // and TakeApplied, so it sees each push's rows and id together.
   WriterFirstLock& gate() { return gate_; }
-  // While tracked (a standby is replicated to), the ids End recorded since
-  // the last call; caller holds gate() alone.
-  void set_tracked(bool tracked);
-  void TakeApplied(std::vector<PushId>* ids);
+  // While row stream `stream` (< kMaxStreams; a standby's, a re-shard's
+  // range streams) tracks them, the ids End recorded since its last call;
+  // caller holds gate() alone.
+  void set_tracked(uint32_t stream, bool tracked);
+  void TakeApplied(uint32_t stream, std::vector<PushId>* ids);
   // A standby records the ids its primary applied (as applied, OK).
   void Insert(const PushId* ids, size_t n);
   // Forgets every finished push (a copy that stepped down dropped their
@@ -89,8 +94,8 @@ class PushLedger {
   std::condition_variable cv_;
   std::unordered_map<PushId, Entry, Hash> entries_;  // guarded by mu_
   std::deque<PushId> order_;                         // done ids, oldest first; guarded by mu_
-  bool tracked_ = false;                             // guarded by mu_
-  std::vector<PushId> applied_;                      // guarded by mu_
+  uint32_t tracked_ = 0;                             // streams, a bit each; guarded by mu_
+  std::vector<PushId> applied_[kMaxStreams];         // guarded by mu_
 };
 
 }  // namespace dlt

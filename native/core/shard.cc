@@ -454,6 +454,24 @@ void Shard::InstallTables(const std::vector<std::shared_ptr<Table>>& tables) {
   for (const auto& t : tables) tables_[t->config().name] = t;
 }
 
+Status Shard::AcquireStream(uint32_t* stream) {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  for (uint32_t k = 0; k < kMaxStreams; ++k) {
+    if (streams_ & (1u << k)) continue;
+    streams_ |= 1u << k;
+    *stream = k;
+    return OkStatus();
+  }
+  return ResourceExhausted("shard " + std::to_string(shard_index_) + " already runs " +
+                           std::to_string(kMaxStreams) +
+                           " row streams (a standby's and a re-shard's range streams)");
+}
+
+void Shard::ReleaseStream(uint32_t stream) {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_ &= ~(1u << stream);
+}
+
 Status Shard::CheckOwnership(const int64_t* ids, size_t n) const {
   if (num_shards_ == 1) return OkStatus();
   for (size_t i = 0; i < n; ++i) {

@@ -56,6 +56,10 @@ class Shard {
 
   // The pushes this shard applied, by id (docs/replication.md).
   PushLedger& push_ledger() { return push_ledger_; }
+  // A row stream's number (< kMaxStreams) for its change logs and applied
+  // push ids; RESOURCE_EXHAUSTED when every one is taken.
+  Status AcquireStream(uint32_t* stream);
+  void ReleaseStream(uint32_t stream);
   // Which copy of the shard this is (docs/replication.md): 1 for one that
   // began as a primary; a standby holds its primary's and takes one more
   // when it takes over. Clients refuse a shard older than one they met.
@@ -129,6 +133,8 @@ class Shard {
   mutable std::shared_mutex mu_;
   std::map<std::string, std::shared_ptr<Table>> tables_;  // guarded by mu_
   PushLedger push_ledger_;
+  std::mutex streams_mu_;
+  uint32_t streams_ = 0;  // taken, a bit each; guarded by streams_mu_
   std::atomic<uint64_t> epoch_{1};
 
   std::mutex sweeper_mu_;

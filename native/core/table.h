@@ -17,6 +17,7 @@
 
 #include "native/core/disk_tier.h"
 #include "native/core/pull_mode.h"
+#include "native/core/push_ledger.h"
 #include "native/core/routing.h"
 #include "native/core/sketch.h"
 #include "native/core/status.h"
@@ -176,9 +177,11 @@ class Table {
   // stripe (a move between tiers is not a change); one consumer takes the
   // log. Starting it empties it: rows written before are the consumer's to
   // copy whole (an Exporter started after StartChangeLog returns).
-  void StartChangeLog();
-  void StopChangeLog();
-  bool change_log_running() const { return change_log_.load(std::memory_order_relaxed); }
+  // Each row stream (`stream` < kMaxStreams: a standby's, a re-shard's
+  // range streams) has a log of its own.
+  void StartChangeLog(uint32_t stream = 0);
+  void StopChangeLog(uint32_t stream = 0);
+  bool change_log_running() const { return change_log_.load(std::memory_order_relaxed) != 0; }
   // The log also holds, in order, the hash of every id a push counts in the
   // admission sketch (Frequency admission).
   // Moves the ids logged since the last call into *ids, each once (stripe
@@ -189,14 +192,16 @@ class Table {
   // entries plus a quarter of its rows; it then logs nothing more): both are
   // incomplete, and the consumer must copy the table whole again (rows and
   // sketch); the log runs on, emptied.
-  Status TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sketch_adds = nullptr);
+  Status TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sketch_adds = nullptr,
+                     uint32_t stream = 0);
   // The admission sketch's slices of the buckets in stripe `stripe`, as
   // they are now: their buckets into *buckets, sketch_slice_bytes() counters
   // each into *counters, pushes since halving into *added (all appended).
   // Drops the stripe's logged sketch counts, which the slices hold: a
   // consumer copying a table whole reads every stripe so after its rows.
   void TakeSketchSlices(uint32_t stripe, std::vector<uint32_t>* buckets,
-                        std::vector<uint8_t>* counters, std::vector<uint32_t>* added);
+                        std::vector<uint8_t>* counters, std::vector<uint32_t>* added,
+                        uint32_t stream = 0);
   // Counts in the sketch, in order, the hashes another copy of this table
   // counted (TakeChanges' sketch_adds): the sketch becomes that copy's.
   // INVALID_ARGUMENT for a hash of a bucket this table's sketch does not hold.
@@ -245,6 +250,13 @@ class Table {
   uint32_t Now() const;
   // Sets the push clock (a loaded table continues from its checkpoint).
   void SetPushClock(uint32_t pushes) { pushes_.store(pushes); }
+  // Raises the push clock to `pushes` if it is behind (a table filled from
+  // several senders' bucket ranges takes the latest of their clocks).
+  void RaisePushClock(uint32_t pushes) {
+    uint64_t have = pushes_.load();
+    while (have < pushes && !pushes_.compare_exchange_weak(have, pushes)) {
+    }
+  }
   // Pushes applied since the table was made (a loaded table starts from
   // its checkpoint's clock): 0 while nothing trained it.
   uint64_t pushes() const { return pushes_.load(std::memory_order_relaxed); }
@@ -291,6 +303,11 @@ class Table {
    public:
     explicit Exporter(Table* table) : table_(table) {}
     Exporter(Table* table, uint32_t since) : table_(table), changed_only_(true), since_(since) {}
+    // Only the rows of buckets [first, end) (a range stream's copy).
+    void set_buckets(uint32_t first, uint32_t end) {
+      first_bucket_ = first;
+      end_bucket_ = end;
+    }
     // Copies up to `max_rows` rows; returns how many (0 at the end, or
     // after a disk error: check error()).
     size_t Next(size_t max_rows, const RowBuffers& out);
@@ -300,6 +317,7 @@ class Table {
     Table* table_;
     bool changed_only_ = false;
     uint32_t since_ = 0;
+    uint32_t first_bucket_ = 0, end_bucket_ = kNumBuckets;
     uint32_t stripe_ = 0;
     bool loaded_ = false;
     size_t pos_ = 0;
@@ -347,7 +365,6 @@ class Table {
   void NoteChange(Stripe* stripe, int64_t id);
   // Logs a count of `hash` in the sketch when the change log runs.
   void NoteSketchAdd(Stripe* stripe, uint64_t hash);
-  bool ChangeLogHasRoom(Stripe* stripe);
   // Copies stored record `r` of `id` into row `i` of `out`.
   void CopyOut(const char* r, int64_t id, uint32_t bucket, const RowBuffers& out, size_t i) const;
   // Removes disk tier slot `slot` (holding `key`) like EraseFrom.
@@ -381,6 +398,13 @@ class Table {
   bool ChangedSince(uint16_t row_generation, uint32_t since) const;
 
   uint32_t StripeOf(uint64_t hash) const { return stripe_of_bucket_[BucketOfHash(hash)]; }
+  // Whether stripe `stripe` holds any of buckets [first, end).
+  bool StripeMeets(uint32_t stripe, uint32_t first, uint32_t end) const {
+    for (uint32_t b = first; b < end; ++b) {
+      if (stripe_of_bucket_[b] == stripe) return true;
+    }
+    return false;
+  }
   // Returns the record of `id`, creating it with its initial value and fresh
   // slots when absent; 0xffffffff when the stripe cannot grow. Caller holds
   // the stripe's lock exclusively.
@@ -417,7 +441,7 @@ class Table {
   };
   mutable std::mutex saves_mu_;
   std::vector<SaveMark> saves_;            // guarded by saves_mu_
-  std::atomic<bool> change_log_{false};    // the row stream's log runs
+  std::atomic<uint32_t> change_log_{0};    // the row streams whose logs run, a bit each
   std::atomic<bool> logging_{false};       // removals are logged
   std::atomic<bool> log_overflow_{false};  // a stripe's log outgrew its cap
   std::atomic<int64_t> rows_{0};           // both tiers

@@ -195,7 +195,9 @@ bool Table::Exporter::List(Stripe* stripe) {
       for (const IndexEntry& e : stripe->index) {
         if (e.record == kEmpty) continue;
         if (changed_only_ && !table_->ChangedSince(stripe->Generation(e.record), since_)) continue;
-        order_.push_back(Entry{BucketOf(e.key), e.record, e.key, false});
+        const uint32_t bucket = BucketOf(e.key);
+        if (bucket < first_bucket_ || bucket >= end_bucket_) continue;
+        order_.push_back(Entry{bucket, e.record, e.key, false});
       }
     }
     if (!stripe->tier) break;
@@ -209,7 +211,9 @@ bool Table::Exporter::List(Stripe* stripe) {
           if (changed_only_ && !table_->ChangedSince(stripe->tier->Generation(slot), since_)) {
             return;
           }
-          order_.push_back(Entry{BucketOf(key), slot, key, true});
+          const uint32_t bucket = BucketOf(key);
+          if (bucket < first_bucket_ || bucket >= end_bucket_) return;
+          order_.push_back(Entry{bucket, slot, key, true});
         });
     if (!error_.ok()) return false;
     std::shared_lock<std::shared_mutex> lock;
@@ -272,6 +276,10 @@ size_t Table::Exporter::Next(size_t max_rows, const RowBuffers& out) {
   size_t written = 0;
   while (written < max_rows && stripe_ < kStripes && error_.ok()) {
     Stripe& stripe = table_->stripes_[stripe_];
+    if (!loaded_ && !table_->StripeMeets(stripe_, first_bucket_, end_bucket_)) {
+      ++stripe_;
+      continue;
+    }
     if (!loaded_) {
       if (!List(&stripe)) break;
       loaded_ = true;

@@ -12,29 +12,32 @@
 
 namespace dlt {
 
-void Table::StartChangeLog() {
+void Table::StartChangeLog(uint32_t stream) {
   for (uint32_t s = 0; s < kStripes; ++s) {
     std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
-    stripes_[s].changes.clear();
-    stripes_[s].sketch_adds.clear();
-    stripes_[s].changes_overflowed = false;
+    Stripe::ChangeLog& log = stripes_[s].logs[stream];
+    log.changes.clear();
+    log.sketch_adds.clear();
+    log.overflowed = false;
   }
   // A write that takes a stripe's lock after this sees the flag: the lock
   // orders it after the store.
-  change_log_.store(true);
+  change_log_.fetch_or(1u << stream);
 }
 
-void Table::StopChangeLog() {
-  change_log_.store(false);
+void Table::StopChangeLog(uint32_t stream) {
+  change_log_.fetch_and(~(1u << stream));
   for (uint32_t s = 0; s < kStripes; ++s) {
     std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
-    std::vector<int64_t>().swap(stripes_[s].changes);
-    std::vector<uint64_t>().swap(stripes_[s].sketch_adds);
-    stripes_[s].changes_overflowed = false;
+    Stripe::ChangeLog& log = stripes_[s].logs[stream];
+    std::vector<int64_t>().swap(log.changes);
+    std::vector<uint64_t>().swap(log.sketch_adds);
+    log.overflowed = false;
   }
 }
 
-Status Table::TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sketch_adds) {
+Status Table::TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sketch_adds,
+                          uint32_t stream) {
   ids->clear();
   if (sketch_adds != nullptr) sketch_adds->clear();
   bool overflowed = false;
@@ -46,10 +49,11 @@ Status Table::TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sket
     counted.clear();
     {
       std::unique_lock<std::shared_mutex> lock(stripe.mu);
-      taken[s].swap(stripe.changes);  // the stripe keeps the emptied buffers
-      counted.swap(stripe.sketch_adds);
-      overflowed |= stripe.changes_overflowed;
-      stripe.changes_overflowed = false;
+      Stripe::ChangeLog& log = stripe.logs[stream];
+      taken[s].swap(log.changes);  // the stripe keeps the emptied buffers
+      counted.swap(log.sketch_adds);
+      overflowed |= log.overflowed;
+      log.overflowed = false;
     }
     if (sketch_adds != nullptr)
       sketch_adds->insert(sketch_adds->end(), counted.begin(), counted.end());
@@ -73,7 +77,8 @@ Status Table::TakeChanges(std::vector<int64_t>* ids, std::vector<uint64_t>* sket
 }
 
 void Table::TakeSketchSlices(uint32_t stripe_index, std::vector<uint32_t>* buckets,
-                             std::vector<uint8_t>* counters, std::vector<uint32_t>* added) {
+                             std::vector<uint8_t>* counters, std::vector<uint32_t>* added,
+                             uint32_t stream) {
   if (!sketch_) return;
   const uint32_t slice = sketch_->slice_counters();
   Stripe& stripe = stripes_[stripe_index];
@@ -85,7 +90,7 @@ void Table::TakeSketchSlices(uint32_t stripe_index, std::vector<uint32_t>* bucke
     added->push_back(0);
     sketch_->ReadSlice(b, counters->data() + counters->size() - slice, &added->back());
   }
-  stripe.sketch_adds.clear();  // in the slices now
+  stripe.logs[stream].sketch_adds.clear();  // in the slices now
 }
 
 Status Table::CountInSketch(const uint64_t* hashes, size_t n) {

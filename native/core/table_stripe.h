@@ -141,11 +141,34 @@ struct Table::Stripe {
   static_assert(sizeof(uint16_t) == Table::kGenerationBytes, "generation layout");
   uint32_t num_chunks = 0;
   std::vector<Removal> removed;  // ids removed while a save is tracked
-  // Ids written or removed while the table's change log runs, and whether
-  // the log outgrew its cap since it was last taken.
-  std::vector<int64_t> changes;
-  std::vector<uint64_t> sketch_adds;  // hashes counted in the sketch, in order
-  bool changes_overflowed = false;
+  // Per row stream while its change log runs: the ids written or removed,
+  // the hashes counted in the sketch (in order), and whether the log
+  // outgrew its cap since it was last taken.
+  struct ChangeLog {
+    std::vector<int64_t> changes;
+    std::vector<uint64_t> sketch_adds;
+    bool overflowed = false;
+  };
+  ChangeLog logs[kMaxStreams];
+  size_t ChangeLogBytes() const {
+    size_t bytes = 0;
+    for (const ChangeLog& log : logs) {
+      bytes +=
+          log.changes.capacity() * sizeof(int64_t) + log.sketch_adds.capacity() * sizeof(uint64_t);
+    }
+    return bytes;
+  }
+  // True when `log` (running) takes one more entry; at its cap it marks the
+  // log overflowed and empties it. Caller holds mu exclusively.
+  bool HasRoom(ChangeLog* log) const {
+    if (log->overflowed) return false;
+    const size_t rows = live + (tier ? tier->rows() : 0);
+    if (log->changes.size() + log->sketch_adds.size() < kChangeLogSlack + rows / 4) return true;
+    log->overflowed = true;
+    std::vector<int64_t>().swap(log->changes);
+    std::vector<uint64_t>().swap(log->sketch_adds);
+    return false;
+  }
   std::unique_ptr<TierFile> tier;  // cold rows (with a disk tier)
 
   ~Stripe() {
@@ -302,26 +325,19 @@ struct Table::Stripe {
 // A row of `stripe` was written or removed. Caller holds its lock
 // exclusively.
 inline void Table::NoteChange(Stripe* stripe, int64_t id) {
-  if (ChangeLogHasRoom(stripe)) stripe->changes.push_back(id);
+  for (uint32_t mask = change_log_.load(std::memory_order_relaxed); mask != 0; mask &= mask - 1) {
+    Stripe::ChangeLog& log = stripe->logs[__builtin_ctz(mask)];
+    if (stripe->HasRoom(&log)) log.changes.push_back(id);
+  }
 }
 
 // A push counted `hash` in the sketch. Caller holds the stripe's lock
 // exclusively.
 inline void Table::NoteSketchAdd(Stripe* stripe, uint64_t hash) {
-  if (ChangeLogHasRoom(stripe)) stripe->sketch_adds.push_back(hash);
-}
-
-// True when the change log runs and `stripe`'s takes one more entry; at its
-// cap it marks the log overflowed and empties it. Caller holds the lock
-// exclusively.
-inline bool Table::ChangeLogHasRoom(Stripe* stripe) {
-  if (!change_log_.load(std::memory_order_relaxed) || stripe->changes_overflowed) return false;
-  const size_t rows = stripe->live + (stripe->tier ? stripe->tier->rows() : 0);
-  if (stripe->changes.size() + stripe->sketch_adds.size() < kChangeLogSlack + rows / 4) return true;
-  stripe->changes_overflowed = true;
-  std::vector<int64_t>().swap(stripe->changes);
-  std::vector<uint64_t>().swap(stripe->sketch_adds);
-  return false;
+  for (uint32_t mask = change_log_.load(std::memory_order_relaxed); mask != 0; mask &= mask - 1) {
+    Stripe::ChangeLog& log = stripe->logs[__builtin_ctz(mask)];
+    if (stripe->HasRoom(&log)) log.sketch_adds.push_back(hash);
+  }
 }
 
 // Calls fn(slot, key, record) for every row of the stripe's disk tier, a

@@ -171,8 +171,7 @@ size_t Table::RamBytes(bool fixed_only) const {
   for (uint32_t s = 0; s < kStripes; ++s) {
     const Stripe& stripe = stripes_[s];
     std::shared_lock<std::shared_mutex> lock(stripe.mu);
-    total += stripe.removed.capacity() * sizeof(Removal) +
-             stripe.changes.capacity() * sizeof(int64_t) +
+    total += stripe.removed.capacity() * sizeof(Removal) + stripe.ChangeLogBytes() +
              (stripe.tier ? stripe.tier->ram_bytes() : 0);
     if (fixed_only) continue;
     total += size_t{stripe.num_records} * (record_bytes_ + sizeof(uint16_t)) +

@@ -49,7 +49,7 @@ struct DataServer::Conn {
   };
   int fd = -1;
   bool authenticated = false;
-  uint64_t replica_hello = 0;  // RequestHandler::Handle's
+  RequestHandler::Peer peer;  // RequestHandler::Handle's
   Stage stage = Stage::kHead;
   // The header, then for a Pull the first 8 payload bytes (dim, id count),
   // which size its reply: memory for a frame and its reply is reserved in
@@ -467,8 +467,8 @@ bool DataServer::ServeFrame(Conn* conn) {
   bool authenticated = was_authenticated;
   bool keep_open = true;
   conn->out = pool_.Get(conn->reply_reserved);
-  size_t reply_bytes = handler_.Handle(conn->header, &conn->payload, &authenticated,
-                                       &conn->replica_hello, &conn->out, &keep_open);
+  size_t reply_bytes = handler_.Handle(conn->header, &conn->payload, &authenticated, &conn->peer,
+                                       &conn->out, &keep_open);
   pool_.Put(std::move(conn->payload));
   Unreserve(conn, conn->header.payload_bytes);
   conn->stage = Conn::Stage::kHead;

@@ -90,6 +90,8 @@ class DataServer {
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     handler_.set_write_listener(std::move(listener));
   }
+  // Live re-sharding: the shard of the next layout this process prepares.
+  ReshardTarget& reshard_target() { return handler_.reshard_target(); }
   // Authenticated connections allowed (max_connections resolved at Start).
   int max_connections() const { return max_connections_; }
   int worker_threads() const { return static_cast<int>(workers_.size()); }

@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <utility>
 
@@ -41,8 +42,15 @@ Replicator::~Replicator() { Stop(); }
 
 void Replicator::Start() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (thread_.joinable() || stop_) return;
-  shard_->push_ledger().set_tracked(true);
+  if (thread_.joinable() || stop_ || status_.ended) return;
+  const Status acquired = shard_->AcquireStream(&stream_);
+  if (!acquired.ok()) {
+    status_.error = acquired.message();
+    status_.ended = true;
+    connect_failures_++;
+    return;
+  }
+  shard_->push_ledger().set_tracked(stream_, true);
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -62,9 +70,12 @@ void Replicator::Stop() {
   }
   if (thread.joinable()) thread.join();
   Disconnect();
-  for (auto& [name, table] : mirrored_) table->StopChangeLog();  // nobody reads them now
+  if (stream_ == kNoStream) return;
+  for (auto& [name, table] : mirrored_) table->StopChangeLog(stream_);  // nobody reads them now
   mirrored_.clear();
-  shard_->push_ledger().set_tracked(false);
+  shard_->push_ledger().set_tracked(stream_, false);
+  shard_->ReleaseStream(stream_);
+  stream_ = kNoStream;
 }
 
 uint64_t Replicator::Applied() {
@@ -79,7 +90,9 @@ Status Replicator::Written(uint64_t need) {
     return OkStatus();
   }
   if (applied_ >= need) return OkStatus();  // a round holding it is done already
-  if (stop_) return Unavailable("replication to standby " + standby_ + " stopped");
+  if (stop_ || status_.ended) {
+    return Unavailable("replication to standby " + standby_ + " stopped: " + status_.error);
+  }
   if (!status_.connected && status_.connects > 0) {  // known to be down
     return Unavailable("standby " + standby_ + " is not connected: " + status_.error);
   }
@@ -122,7 +135,7 @@ void Replicator::Run() {
       } else if (fd_ >= 0) {
         cv_.wait_until(lock, next_round, [&] { return stop_ || (options_.sync && wanted_); });
       }
-      if (stop_) return;
+      if (stop_ || status_.ended) return;
       if (fd_ >= 0) {
         round = ++begun_;
         wanted_ = false;
@@ -138,6 +151,7 @@ void Replicator::Run() {
       status_.caught_up = false;
       if (!connected.ok()) {
         status_.error = connected.message();
+        status_.ended = options_.range_stream;
         ++connect_failures_;
         cv_.notify_all();  // waiting writes fail now
       }
@@ -157,6 +171,7 @@ void Replicator::Run() {
       status_.connected = false;
       status_.caught_up = false;
       status_.error = s.message();
+      status_.ended = options_.range_stream;
       // The writes of the failed round are still not on the standby.
       if (oldest_unsent != Clock::time_point{} &&
           (unsent_since_ == Clock::time_point{} || oldest_unsent < unsent_since_)) {
@@ -178,11 +193,28 @@ Status Replicator::Connect() {
     std::lock_guard<std::mutex> lock(fd_mu_);
     fd_ = fd;
   }
+  const uint16_t flags = options_.range_stream ? wire::kFlagMove : wire::kFlagReplica;
   wire::HelloReply reply;
-  Status s = net::SayHello(fd, options_.auth_token, wire::kFlagReplica, next_request_id_++,
-                           deadline, &reply);
-  if (s.ok() &&
-      (reply.shard_index != shard_->shard_index() || reply.num_shards != shard_->num_shards())) {
+  Status s = net::SayHello(fd, options_.auth_token, flags, next_request_id_++, deadline, &reply);
+  if (s.ok() && options_.range_stream) {
+    // The buckets this shard owns of the next shard's.
+    if (reply.num_shards == 0 || reply.shard_index >= reply.num_shards) {
+      s = InvalidArgument("the next layout's shard " + std::to_string(reply.shard_index) + " of " +
+                          std::to_string(reply.num_shards) + " is not a shard");
+    } else {
+      first_ = std::max(shard_->first_bucket(), FirstBucket(reply.shard_index, reply.num_shards));
+      end_ = std::min(shard_->end_bucket(), FirstBucket(reply.shard_index + 1, reply.num_shards));
+      if (first_ >= end_) {
+        s = FailedPrecondition("shard " + std::to_string(reply.shard_index) + " of " +
+                               std::to_string(reply.num_shards) + " at " + standby_ +
+                               " takes none of this shard's buckets");
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    status_.first_bucket = first_;
+    status_.end_bucket = end_;
+  } else if (s.ok() && (reply.shard_index != shard_->shard_index() ||
+                        reply.num_shards != shard_->num_shards())) {
     s = FailedPrecondition(
         "standby " + standby_ + " is shard " + std::to_string(reply.shard_index) + " of " +
         std::to_string(reply.num_shards) + "; this primary is shard " +
@@ -204,8 +236,7 @@ Status Replicator::Connect() {
       lanes_.push_back(lane);
     }
     wire::HelloReply lane_reply;
-    s = net::SayHello(lane, options_.auth_token, wire::kFlagReplica, next_request_id_++, deadline,
-                      &lane_reply);
+    s = net::SayHello(lane, options_.auth_token, flags, next_request_id_++, deadline, &lane_reply);
   }
   if (!s.ok()) {
     Disconnect();
@@ -214,6 +245,7 @@ Status Replicator::Connect() {
   standby_frame_bytes_ = reply.max_frame_bytes;
   // The standby's tables are not known: every table is copied whole.
   mirrored_.clear();
+  clocks_sent_.clear();
   provisional_.clear();
   marked_ = false;
   return OkStatus();
@@ -238,7 +270,7 @@ Status Replicator::Round(uint64_t round) {
       continue;
     }
     DLT_RETURN_IF_ERROR(SendTable(wire::kDropTable, it->second->config()));
-    it->second->StopChangeLog();
+    it->second->StopChangeLog(stream_);
     provisional_.erase(it->first);
     it = mirrored_.erase(it);
   }
@@ -247,7 +279,7 @@ Status Replicator::Round(uint64_t round) {
   for (const std::shared_ptr<Table>& table : tables) {
     const auto it = mirrored_.find(table->config().name);
     if (it != mirrored_.end() && it->second == table) continue;
-    if (it != mirrored_.end()) it->second->StopChangeLog();
+    if (it != mirrored_.end()) it->second->StopChangeLog(stream_);
     DLT_RETURN_IF_ERROR(CopyWhole(table));
     copied = true;
   }
@@ -276,13 +308,14 @@ Status Replicator::Round(uint64_t round) {
     }
     for (const std::shared_ptr<Table>& table : tables) {
       Changes c{table.get(), {}, {}};
-      if (table->TakeChanges(&c.ids, &c.sketch_adds).ok()) {
+      if (table->TakeChanges(&c.ids, &c.sketch_adds, stream_).ok()) {
+        KeepInRange(&c.ids, &c.sketch_adds);
         if (!c.ids.empty() || !c.sketch_adds.empty()) changes.push_back(std::move(c));
       } else {
         overflowed.push_back(table);
       }
     }
-    ledger.TakeApplied(&more);
+    ledger.TakeApplied(stream_, &more);
     pushed.insert(pushed.end(), more.begin(), more.end());
     if (overflowed.empty()) break;
     // What an earlier take of these tables found is in their copies now
@@ -338,6 +371,17 @@ Status Replicator::Round(uint64_t round) {
   gate.unlock();
   DLT_RETURN_IF_ERROR(SendFrames(count));
   for (const Changes& c : changes) DLT_RETURN_IF_ERROR(SendSketchCounts(c.table, c.sketch_adds));
+  if (options_.range_stream) {
+    // Pushes that wrote none of this stream's buckets still move the push
+    // clock the target takes the latest of.
+    for (const std::shared_ptr<Table>& table : tables) {
+      uint64_t& sent = clocks_sent_[table->config().name];
+      const uint64_t now = table->pushes();
+      if (now == sent) continue;
+      DLT_RETURN_IF_ERROR(SendRows(table.get(), RowsFor(*table, 0), 0, nullptr, 0));
+      sent = now;
+    }
+  }
   if (changes.empty() && pushed.empty() && !copied) return OkStatus();
   // The round's end: a caught-up standby applies its rows and ids now; after
   // copies, the standby holds every table again and may take over.
@@ -358,11 +402,12 @@ Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
   provisional_[table->config().name] = false;  // as the standby makes it
   // Logging starts before the copy reads anything: a write the copy misses
   // is in the next round.
-  table->StartChangeLog();
+  table->StartChangeLog(stream_);
   DLT_RETURN_IF_ERROR(SendTable(wire::kMakeTable, table->config()));
   const size_t batch = std::min(kCopyRows, RowsPerFrame(*table));
   const RowBuffers out = RowsFor(*table, batch);
   Table::Exporter exporter(table.get());
+  exporter.set_buckets(first_, end_);
   for (;;) {
     const size_t n = exporter.Next(batch, out);
     if (n == 0) break;
@@ -531,7 +576,20 @@ Status Replicator::SendSketchSlices(Table* table) {
   for (uint32_t stripe = 0; stripe < kStripes; ++stripe) {
     // A stripe's slices at one moment, its logged counts since dropped: the
     // counts pushes make from then on come in the rounds.
-    table->TakeSketchSlices(stripe, &s.slice_buckets, &s.slice_counters, &s.slice_added);
+    const size_t before = s.slice_buckets.size();
+    table->TakeSketchSlices(stripe, &s.slice_buckets, &s.slice_counters, &s.slice_added, stream_);
+    // Only this stream's buckets' slices (a stripe's buckets are contiguous).
+    size_t kept = before;
+    for (size_t i = before; i < s.slice_buckets.size(); ++i) {
+      if (!InRange(s.slice_buckets[i])) continue;
+      std::memmove(s.slice_counters.data() + kept * slice, s.slice_counters.data() + i * slice,
+                   slice);
+      s.slice_buckets[kept] = s.slice_buckets[i];
+      s.slice_added[kept++] = s.slice_added[i];
+    }
+    s.slice_buckets.resize(kept);
+    s.slice_added.resize(kept);
+    s.slice_counters.resize(kept * slice);
     if (s.slice_buckets.size() >= per_frame) DLT_RETURN_IF_ERROR(flush());
   }
   return flush();
@@ -558,7 +616,20 @@ Status Replicator::SendProvisional(const Table& table) {
 }
 
 Status Replicator::SendTable(uint32_t action, const TableConfig& config) {
-  return SendStandbyTable(action, EncodeTableConfig(config));
+  if (!options_.range_stream) return SendStandbyTable(action, EncodeTableConfig(config));
+  // A range stream makes and drops its buckets' part of the table.
+  return SendStandbyTable(action == wire::kMakeTable ? wire::kMakeRange : wire::kDropRange,
+                          wire::EncodeRange(first_, end_, EncodeTableConfig(config)));
+}
+
+void Replicator::KeepInRange(std::vector<int64_t>* ids, std::vector<uint64_t>* hashes) const {
+  if (first_ == 0 && end_ == kNumBuckets) return;
+  ids->erase(std::remove_if(ids->begin(), ids->end(),
+                            [this](int64_t id) { return !InRange(BucketOf(id)); }),
+             ids->end());
+  hashes->erase(std::remove_if(hashes->begin(), hashes->end(),
+                               [this](uint64_t h) { return !InRange(BucketOfHash(h)); }),
+                hashes->end());
 }
 
 Status Replicator::SendStandbyTable(uint32_t action, std::string bytes) {

@@ -45,6 +45,12 @@ struct ReplicatorOptions {
   // is released, up to this many bytes of frames; past them the gate stays
   // held until the rest are sent.
   uint64_t round_buffer_bytes = uint64_t{64} << 20;
+  // A range stream (live re-sharding, docs/replication.md) instead of a
+  // standby: `standby` names a process preparing a shard of the next layout
+  // (ReshardTarget), and only the buckets this shard owns of that one's
+  // are sent (tables made and dropped by range). It never reconnects: a
+  // failure ends it (the re-shard aborts or begins it again).
+  bool range_stream = false;
   // Tests only: called in each round right after its take, while the
   // round holds the push gate.
   std::function<void()> after_take;
@@ -67,6 +73,9 @@ struct ReplicationStatus {
   // acknowledged here (0 when the standby holds every acknowledged write).
   double lag_seconds = 0;
   std::string error;  // the last failure ("" once a round succeeded since)
+  // A range stream: the buckets it carries, and whether it ended (failed).
+  uint32_t first_bucket = 0, end_bucket = 0;
+  bool ended = false;
 };
 
 class Replicator : public WriteListener {
@@ -95,8 +104,12 @@ class Replicator : public WriteListener {
  private:
   void Run();
   // Connects and says Hello (the standby must be this shard's index of
-  // the same count).
+  // the same count; a range stream's target a shard sharing buckets with
+  // this one).
   Status Connect();
+  bool InRange(uint32_t bucket) const { return bucket >= first_ && bucket < end_; }
+  // Keeps the ids and sketch hashes of the buckets this stream carries.
+  void KeepInRange(std::vector<int64_t>* ids, std::vector<uint64_t>* hashes) const;
   void Disconnect();
   // One round over every table; `round` counts rounds begun.
   Status Round(uint64_t round);
@@ -147,6 +160,13 @@ class Replicator : public WriteListener {
   const std::string standby_;
   const ReplicatorOptions options_;
 
+  // This stream's change logs and push ids (Shard::AcquireStream);
+  // kNoStream when none was free.
+  static constexpr uint32_t kNoStream = ~0u;
+  uint32_t stream_ = kNoStream;
+  // The buckets sent: all for a standby, a range stream's from its Hello.
+  uint32_t first_ = 0, end_ = kNumBuckets;
+
   // The replicating thread's own state.
   // Written by the replicating thread under fd_mu_; Stop shuts it down.
   std::mutex fd_mu_;
@@ -158,6 +178,8 @@ class Replicator : public WriteListener {
   uint64_t next_request_id_ = 1;
   // The tables the standby holds as this thread made them there.
   std::map<std::string, std::shared_ptr<Table>> mirrored_;
+  // A range stream: each table's push clock as last sent.
+  std::map<std::string, uint64_t> clocks_sent_;
   // The tables the standby was last told are provisional.
   std::map<std::string, bool> provisional_;
   bool marked_ = false;  // the standby was told it caught up since connecting

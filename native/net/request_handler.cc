@@ -9,6 +9,7 @@
 #include "native/core/routing.h"
 #include "native/core/table_config.h"
 #include "native/core/task_pool.h"
+#include "native/net/stream_apply.h"
 
 namespace dlt {
 namespace {
@@ -92,7 +93,7 @@ size_t RequestHandler::ErrorReply(uint64_t request_id, const Status& status, net
 }
 
 size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* frame,
-                              bool* authenticated, uint64_t* replica_hello, net::Buffer* reply,
+                              bool* authenticated, Peer* peer, net::Buffer* reply,
                               bool* keep_open) {
   const uint8_t* payload = frame->data();
   const Clock::time_point start = Clock::now();
@@ -117,7 +118,17 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
       return fail(Unauthenticated("wrong or missing auth token"), true);
     }
     const bool replica = header.flags & wire::kFlagReplica;
-    if (replica != standby_.load()) {
+    wire::HelloReply out;
+    out.shard_index = shard_->shard_index();
+    out.num_shards = shard_->num_shards();
+    if (header.flags & wire::kFlagMove) {
+      // A range stream to the shard this process prepares.
+      uint64_t generation = 0;
+      s = replica ? InvalidArgument("a Hello is a standby's or a range stream's, not both")
+                  : reshard_target_.Greet(&generation, &out.shard_index, &out.num_shards);
+      if (!s.ok()) return fail(s, true);
+      peer->move_generation = generation;
+    } else if (replica != standby_.load()) {
       // A standby serves its primary only; only a standby takes a primary.
       return fail(replica ? FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
                                                " here is not a standby (it serves trainers)")
@@ -127,11 +138,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                   true);
     }
     *authenticated = true;
-    if (replica) *replica_hello = replica_hellos_.fetch_add(1) + 1;
+    if (replica) peer->replica_hello = replica_hellos_.fetch_add(1) + 1;
     counters_->hellos.fetch_add(1);
-    wire::HelloReply out;
-    out.shard_index = shard_->shard_index();
-    out.num_shards = shard_->num_shards();
     out.num_buckets = kNumBuckets;
     out.admin_port = admin_port_.load();
     out.max_frame_bytes = max_frame_bytes_;
@@ -149,7 +157,10 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
   if (header.opcode == wire::Opcode::kStandbyTable || header.opcode == wire::Opcode::kReplicate) {
     uint32_t rows = 0;
     bool stale = false;
-    const Status applied = ApplyFromPrimary(header, frame, *replica_hello, &rows, &stale);
+    const Status applied =
+        peer->move_generation != 0
+            ? reshard_target_.Apply(header, frame->data(), peer->move_generation, &rows, &stale)
+            : ApplyFromPrimary(header, frame, peer->replica_hello, &rows, &stale);
     if (!applied.ok()) return fail(applied, stale);
     return Respond(header.opcode, id, wire::EncodePushReply(rows), reply);
   }
@@ -302,9 +313,9 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
   }
   if (header.opcode == wire::Opcode::kStandbyTable) {
     if (request.action == wire::kRoundEnd || request.action == wire::kCaughtUp) {
-      if (request.config.size() < 8 || (request.config.size() - 8) % 16 != 0) {
-        return InvalidArgument("a round's end holds the primary's epoch and 16 bytes a push id");
-      }
+      uint64_t epoch;
+      std::vector<PushId> ids;
+      DLT_RETURN_IF_ERROR(DecodeRoundEnd(request.config, &epoch, &ids));
       std::vector<Staged> staged;
       {
         std::lock_guard<std::mutex> lock(staged_mu_);
@@ -315,29 +326,17 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
         for (Staged& frame : staged) payload_pool_->Put(std::move(frame.payload));
       }
       DLT_RETURN_IF_ERROR(applied);
-      uint64_t epoch;
-      std::memcpy(&epoch, request.config.data(), sizeof(epoch));
-      std::vector<PushId> ids((request.config.size() - 8) / 16);
-      if (!ids.empty()) std::memcpy(ids.data(), request.config.data() + 8, ids.size() * 16);
       shard_->push_ledger().Insert(ids.data(), ids.size());
       shard_->set_epoch(epoch);  // its primary's, until it takes over
       if (request.action == wire::kCaughtUp) caught_up_.store(true);
       return OkStatus();
     }
-    if (request.action == wire::kProvisional) {
-      std::string name;
-      bool provisional;
-      DLT_RETURN_IF_ERROR(wire::DecodeProvisional(request.config, &name, &provisional));
-      std::shared_ptr<Table> table;
-      DLT_RETURN_IF_ERROR(shard_->GetTable(name, &table));
-      table->set_provisional(provisional);
-      return OkStatus();
-    }
+    if (request.action == wire::kProvisional) return ApplyProvisional(shard_.get(), request.config);
     if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
       if (StageIfCaughtUp(header, frame)) return OkStatus();
-      return ApplySketch(request.action, request.config);
+      return ApplySketch(shard_.get(), request.action, request.config);
     }
     TableConfig config;
     DLT_RETURN_IF_ERROR(DecodeTableConfig(request.config, &config));
@@ -360,7 +359,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
   DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &replicate));
   *rows = replicate.rows;
   if (StageIfCaughtUp(header, frame)) return OkStatus();
-  return ApplyRows(replicate);
+  return ApplyRows(shard_.get(), replicate, PushClock::kTake);
 }
 
 void RequestHandler::set_standby(bool standby, bool new_epoch) {
@@ -398,71 +397,21 @@ Status RequestHandler::ApplyRound(const std::vector<Staged>& staged) {
     DLT_RETURN_IF_ERROR(wire::DecodeReplicate(frame.payload.data(), frame.bytes, &rows.back()));
   }
   std::vector<Status> applied(rows.size());
-  RowStreamPool().ParallelFor(rows.size(),
-                              [&](size_t i) { applied[i] = ApplyRows(rows[i], /*clock=*/false); });
+  RowStreamPool().ParallelFor(rows.size(), [&](size_t i) {
+    applied[i] = ApplyRows(shard_.get(), rows[i], PushClock::kKeep);
+  });
   for (const Status& s : applied) DLT_RETURN_IF_ERROR(s);
   for (const Staged& frame : staged) {
     if (frame.opcode == wire::Opcode::kReplicate) continue;
     wire::StandbyTableRequest request;
     DLT_RETURN_IF_ERROR(wire::DecodeStandbyTable(frame.payload.data(), frame.bytes, &request));
-    DLT_RETURN_IF_ERROR(ApplySketch(request.action, request.config));
+    DLT_RETURN_IF_ERROR(ApplySketch(shard_.get(), request.action, request.config));
   }
   for (const wire::ReplicateRequest& r : rows) {
     std::shared_ptr<Table> table;
     DLT_RETURN_IF_ERROR(shard_->GetTable(r.table, &table));
     table->SetPushClock(static_cast<uint32_t>(r.push_clock));
   }
-  return OkStatus();
-}
-
-Status RequestHandler::ApplySketch(uint32_t action, const std::string& bytes) {
-  wire::SketchRequest r;
-  DLT_RETURN_IF_ERROR(wire::DecodeSketch(action, bytes, &r));
-  std::shared_ptr<Table> table;
-  DLT_RETURN_IF_ERROR(shard_->GetTable(r.table, &table));
-  if (action == wire::kSketchCounts) {
-    std::vector<uint64_t> hashes(r.num_hashes);
-    if (!hashes.empty()) std::memcpy(hashes.data(), r.hashes, hashes.size() * sizeof(uint64_t));
-    return table->CountInSketch(hashes.data(), hashes.size()).WithContext("from the primary");
-  }
-  if (!table->has_sketch() || r.slice_counters != table->sketch_slice_bytes()) {
-    return InvalidArgument("table '" + r.table + "' here has sketch slices of " +
-                           std::to_string(table->sketch_slice_bytes()) +
-                           " counters; the primary sent " + std::to_string(r.slice_counters));
-  }
-  for (uint32_t i = 0; i < r.slices; ++i) {
-    uint32_t bucket, added;
-    std::memcpy(&bucket, r.entries + size_t{i} * 8, 4);
-    std::memcpy(&added, r.entries + size_t{i} * 8 + 4, 4);
-    if (!table->SketchHolds(bucket, bucket + 1)) {
-      return InvalidArgument("table '" + r.table + "': a sketch slice of bucket " +
-                             std::to_string(bucket) + ", which this shard does not hold");
-    }
-    table->WriteSketch(bucket, r.counters + size_t{i} * r.slice_counters, added);
-  }
-  return OkStatus();
-}
-
-Status RequestHandler::ApplyRows(const wire::ReplicateRequest& request, bool clock) {
-  std::shared_ptr<Table> table;
-  DLT_RETURN_IF_ERROR(shard_->GetTable(request.table, &table));
-  if (request.dim != table->dim() || request.slot_floats != table->slot_floats()) {
-    return InvalidArgument(
-        "table '" + request.table + "' has dim " + std::to_string(table->dim()) + " and " +
-        std::to_string(table->slot_floats()) + " slot floats per row; the primary sent dim " +
-        std::to_string(request.dim) + " and " + std::to_string(request.slot_floats));
-  }
-  DLT_RETURN_IF_ERROR(shard_->CheckOwnership(request.ids, request.rows));
-  if (request.rows) {
-    DLT_RETURN_IF_ERROR(table
-                            ->Import(request.ids, request.values,
-                                     request.slot_floats ? request.slots : nullptr, request.steps,
-                                     request.rows, request.touched,
-                                     /*to_disk=*/true)
-                            .WithContext("table '" + request.table + "'"));
-  }
-  if (request.removed) table->Erase(request.removed_ids, request.removed);
-  if (clock) table->SetPushClock(static_cast<uint32_t>(request.push_clock));
   return OkStatus();
 }
 

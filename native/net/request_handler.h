@@ -16,6 +16,7 @@
 #include "native/core/shard.h"
 #include "native/core/status.h"
 #include "native/net/buffer.h"
+#include "native/net/reshard_target.h"
 #include "native/net/server_stats.h"
 #include "native/net/wire.h"
 
@@ -80,15 +81,24 @@ class RequestHandler {
   // before the payload is read.
   size_t ReplyBound(const wire::FrameHeader& header, const uint8_t* pull_sizes) const;
 
+  // What a connection's Hello said about its peer (0 before it, or when not
+  // such a peer): a primary's connection to this standby, numbered in the
+  // order they said Hello; a range stream's, by the generation of the next
+  // shard it greeted (ReshardTarget).
+  struct Peer {
+    uint64_t replica_hello = 0;
+    uint64_t move_generation = 0;
+  };
   // Serves one whole request frame; writes the reply frame into `reply` and
-  // returns its size. `*authenticated` turns true on a valid Hello;
-  // `*replica_hello` (the connection's, 0 before) numbers a primary's
-  // connections to this standby in the order they said Hello.
+  // returns its size. `*authenticated` turns true on a valid Hello, which
+  // also sets `*peer` (the connection's).
   // `*keep_open` turns false when the connection must close after the reply.
   // A standby may keep `payload`'s buffer (a frame of its round, until the
   // round's end; then it goes to the pool set_payload_pool names).
   size_t Handle(const wire::FrameHeader& header, net::Buffer* payload, bool* authenticated,
-                uint64_t* replica_hello, net::Buffer* reply, bool* keep_open);
+                Peer* peer, net::Buffer* reply, bool* keep_open);
+  // The shard of the next layout this process prepares (live re-sharding).
+  ReshardTarget& reshard_target() { return reshard_target_; }
   // Where a standby's staged frames' buffers go once applied.
   void set_payload_pool(net::BufferPool* pool) { payload_pool_ = pool; }
 
@@ -110,12 +120,6 @@ class RequestHandler {
     net::Buffer payload;  // the frame's, as received
     size_t bytes;
   };
-  // Writes a Replicate frame's rows and removals, and (with `clock`) takes
-  // its push clock.
-  Status ApplyRows(const wire::ReplicateRequest& request, bool clock = true);
-  // Writes a sketch frame's slices or counts (wire::kSketchSlices,
-  // wire::kSketchCounts).
-  Status ApplySketch(uint32_t action, const std::string& bytes);
   // A round's staged frames, applied at its end: the rows by a few threads
   // at once (a round names a row in one frame, or the same row twice), the
   // sketch counts in their order, then each table's push clock as the last
@@ -152,6 +156,7 @@ class RequestHandler {
   std::string standbys_;                     // guarded by staged_mu_
   std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;
+  ReshardTarget reshard_target_;
 };
 
 }  // namespace dlt

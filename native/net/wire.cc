@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "native/core/routing.h"
 #include "native/core/table_config.h"
 
 namespace dlt {
@@ -141,8 +142,9 @@ Status DecodeHeader(const uint8_t* in, uint32_t max_payload_bytes, FrameHeader* 
     return InvalidArgument("unsupported protocol version " + std::to_string(Get<uint8_t>(in, 4)) +
                            "; this peer speaks version " + std::to_string(kVersion));
   }
-  const uint16_t allowed =
-      h->opcode == Opcode::kHello ? (kFlagResponse | kFlagReplica | kFlagTopology) : kFlagResponse;
+  const uint16_t allowed = h->opcode == Opcode::kHello
+                               ? (kFlagResponse | kFlagReplica | kFlagTopology | kFlagMove)
+                               : kFlagResponse;
   if (Get<uint32_t>(in, 20) != 0 || (h->flags & ~allowed) != 0) {
     return InvalidArgument("frame header reserved bits must be 0");
   }
@@ -247,8 +249,8 @@ std::string EncodeStandbyTable(const StandbyTableRequest& r) {
 Status DecodeStandbyTable(const uint8_t* p, size_t bytes, StandbyTableRequest* r) {
   if (bytes < 8) return InvalidArgument("StandbyTable payload is shorter than 8 bytes");
   r->action = Get<uint32_t>(p, 0);
-  if (r->action > kProvisional) {
-    return InvalidArgument("StandbyTable action must be 0 to 6, got " + std::to_string(r->action));
+  if (r->action > kDropRange) {
+    return InvalidArgument("StandbyTable action must be 0 to 8, got " + std::to_string(r->action));
   }
   if (uint64_t{8} + Get<uint32_t>(p, 4) != bytes) {
     return InvalidArgument("StandbyTable config length does not match its payload");
@@ -308,6 +310,26 @@ Status DecodeSketch(uint32_t action, const std::string& bytes, SketchRequest* r)
   }
   r->entries = p + at + 8;
   r->counters = r->entries + size_t{r->slices} * 8;
+  return OkStatus();
+}
+
+std::string EncodeRange(uint32_t first, uint32_t end, const std::string& config) {
+  std::string out;
+  Append<uint32_t>(&out, first);
+  Append<uint32_t>(&out, end);
+  return out + config;
+}
+
+Status DecodeRange(const std::string& bytes, uint32_t* first, uint32_t* end, std::string* config) {
+  if (bytes.size() < 8) return InvalidArgument("a bucket range is u32 first, u32 end, a config");
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  *first = Get<uint32_t>(p, 0);
+  *end = Get<uint32_t>(p, 4);
+  if (*first >= *end || *end > kNumBuckets) {
+    return InvalidArgument("bucket range [" + std::to_string(*first) + ", " + std::to_string(*end) +
+                           ") is not within [0, " + std::to_string(kNumBuckets) + ")");
+  }
+  config->assign(bytes, 8, std::string::npos);
   return OkStatus();
 }
 

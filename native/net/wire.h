@@ -28,6 +28,10 @@ inline constexpr uint16_t kFlagReplica = 0x2;
 // On a Hello request: the client reads the reply's topology part (the
 // shard's epoch and its standbys) after the 24 fixed bytes.
 inline constexpr uint16_t kFlagTopology = 0x4;
+// On a Hello request: the connection carries a range stream (a re-shard,
+// docs/replication.md) to the shard of the next layout this process
+// prepares; the reply names that shard's index and count.
+inline constexpr uint16_t kFlagMove = 0x8;
 inline constexpr uint32_t kDefaultMaxFrameBytes = 64u << 20;
 inline constexpr uint32_t kMinMaxFrameBytes = 4096;
 inline constexpr uint32_t kMaxTokenBytes = 4096;
@@ -140,7 +144,10 @@ Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* r
 //  - kSketchCounts: the hashes pushes counted in a table's sketch, in order
 //    (a round's): EncodeSketchCounts' bytes;
 //  - kProvisional: whether a table is provisional (made before its optimizer
-//    was known; Shard::CreateTable): u32 0 or 1, then the table's name.
+//    was known; Shard::CreateTable): u32 0 or 1, then the table's name;
+//  - kMakeRange, kDropRange (range streams only): as kMakeTable and
+//    kDropTable for the buckets [first, end) the stream carries: the table is
+//    made if absent and those buckets' rows removed (EncodeRange's bytes).
 // Answered with a Push reply (0 rows).
 inline constexpr uint32_t kMakeTable = 0;
 inline constexpr uint32_t kDropTable = 1;
@@ -149,6 +156,8 @@ inline constexpr uint32_t kRoundEnd = 3;
 inline constexpr uint32_t kSketchSlices = 4;
 inline constexpr uint32_t kSketchCounts = 5;
 inline constexpr uint32_t kProvisional = 6;
+inline constexpr uint32_t kMakeRange = 7;
+inline constexpr uint32_t kDropRange = 8;
 struct StandbyTableRequest {
   uint32_t action = kMakeTable;
   std::string config;  // EncodeTableConfig; for kDropTable only the name matters
@@ -179,6 +188,11 @@ std::string EncodeSketchCounts(const std::string& table, const uint64_t* hashes,
 // `bytes` of a StandbyTable of `action` kSketchSlices or kSketchCounts
 // (pointers into `bytes`, read with memcpy).
 Status DecodeSketch(uint32_t action, const std::string& bytes, SketchRequest* request);
+
+// The bytes of a kMakeRange or kDropRange StandbyTable: u32 first, u32 end,
+// then the table's config (EncodeTableConfig's text).
+std::string EncodeRange(uint32_t first, uint32_t end, const std::string& config);
+Status DecodeRange(const std::string& bytes, uint32_t* first, uint32_t* end, std::string* config);
 
 // The bytes of a kProvisional StandbyTable.
 std::string EncodeProvisional(const std::string& table, bool provisional);

@@ -201,11 +201,12 @@ struct Pair {
   }
 };
 
-// Pushes from one client to `address` until `stop`, counting the pushes
-// acknowledged and the ones that failed.
-void PushUntil(const std::string& address, const std::string& table, uint32_t dim, int thread_index,
-               const std::atomic<bool>* stop, std::atomic<int>* acked, std::atomic<int>* failed) {
-  Client client({address}, ClientOptions{});
+// Pushes from one client to the shards at `addresses` until `stop`,
+// counting the pushes acknowledged and the ones that failed.
+void PushUntil(const std::vector<std::string>& addresses, const std::string& table, uint32_t dim,
+               int thread_index, const std::atomic<bool>* stop, std::atomic<int>* acked,
+               std::atomic<int>* failed) {
+  Client client(addresses, ClientOptions{});
   std::mt19937_64 rng(thread_index);
   std::vector<int64_t> ids(256);
   std::vector<float> grads(ids.size() * dim);
@@ -226,12 +227,16 @@ struct Trainers {
   std::atomic<int> acked{0}, failed{0};
   std::vector<std::thread> threads;
 
-  Trainers(const std::string& address, const std::string& table, uint32_t dim, int n,
+  Trainers(const std::vector<std::string>& addresses, const std::string& table, uint32_t dim, int n,
            int first_seed = 0) {
     for (int t = 0; t < n; ++t) {
-      threads.emplace_back(PushUntil, address, table, dim, first_seed + t, &stop, &acked, &failed);
+      threads.emplace_back(PushUntil, addresses, table, dim, first_seed + t, &stop, &acked,
+                           &failed);
     }
   }
+  Trainers(const std::string& address, const std::string& table, uint32_t dim, int n,
+           int first_seed = 0)
+      : Trainers(std::vector<std::string>{address}, table, dim, n, first_seed) {}
   // Stops them and returns once all have; OK when no push failed.
   bool Stop() {
     stop = true;
@@ -859,6 +864,238 @@ DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
   EXPECT_OK(oracle.Pull(one, 1, PullMode::kZerosNoInsert, after_q.data()));
   EXPECT(standby_after_round == after_q);
   EXPECT(SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get()));
+}
+
+}  // namespace
+}  // namespace dlt
+
+namespace dlt {
+namespace {
+
+// The rows of buckets [first, end) of `table` (both tiers), sorted by id.
+Rows RowsIn(Table* table, uint32_t first, uint32_t end) {
+  const size_t dim = table->dim(), slot_floats = table->slot_floats();
+  std::vector<int64_t> ids(1);
+  std::vector<float> values(dim), slots(slot_floats + 1);
+  std::vector<uint32_t> steps(1), touched(1), buckets(1);
+  const RowBuffers out{ids.data(),   values.data(),  slots.data(),
+                       steps.data(), buckets.data(), touched.data()};
+  struct Row {
+    int64_t id;
+    std::vector<float> values, slots;
+    uint32_t step, touched;
+  };
+  std::vector<Row> rows;
+  Table::Exporter exporter(table);
+  exporter.set_buckets(first, end);
+  while (exporter.Next(1, out) == 1) {
+    rows.push_back({ids[0], values, std::vector<float>(slots.begin(), slots.begin() + slot_floats),
+                    steps[0], touched[0]});
+  }
+  EXPECT_OK(exporter.error());
+  std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.id < b.id; });
+  Rows all;
+  for (const Row& r : rows) {
+    all.ids.push_back(r.id);
+    all.values.insert(all.values.end(), r.values.begin(), r.values.end());
+    all.slots.insert(all.slots.end(), r.slots.begin(), r.slots.end());
+    all.steps.push_back(r.step);
+    all.touched.push_back(r.touched);
+  }
+  return all;
+}
+
+bool SameRows(const Rows& x, const Rows& y) {
+  return x.ids == y.ids && x.steps == y.steps && x.touched == y.touched && x.values == y.values &&
+         x.slots == y.slots;
+}
+
+// Rows of `a`'s buckets [first, mid) and `b`'s [mid, end), sorted by id.
+Rows RowsOfTwo(Table* a, Table* b, uint32_t first, uint32_t mid, uint32_t end) {
+  Rows x = RowsIn(a, first, mid);
+  const Rows y = RowsIn(b, mid, end);
+  x.ids.insert(x.ids.end(), y.ids.begin(), y.ids.end());
+  x.values.insert(x.values.end(), y.values.begin(), y.values.end());
+  x.slots.insert(x.slots.end(), y.slots.begin(), y.slots.end());
+  x.steps.insert(x.steps.end(), y.steps.begin(), y.steps.end());
+  x.touched.insert(x.touched.end(), y.touched.begin(), y.touched.end());
+  // Sorted by id as one table's would be.
+  std::vector<size_t> order(x.ids.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t i, size_t j) { return x.ids[i] < x.ids[j]; });
+  const size_t dim = x.ids.empty() ? 0 : x.values.size() / x.ids.size();
+  const size_t slot_floats = x.ids.empty() ? 0 : x.slots.size() / x.ids.size();
+  Rows sorted;
+  for (size_t i : order) {
+    sorted.ids.push_back(x.ids[i]);
+    sorted.values.insert(sorted.values.end(), x.values.begin() + i * dim,
+                         x.values.begin() + (i + 1) * dim);
+    sorted.slots.insert(sorted.slots.end(), x.slots.begin() + i * slot_floats,
+                        x.slots.begin() + (i + 1) * slot_floats);
+    sorted.steps.push_back(x.steps[i]);
+    sorted.touched.push_back(x.touched[i]);
+  }
+  return sorted;
+}
+
+// Two shard processes of a 2-shard layout; process B prepares shard 1 of a
+// 3-shard layout, fed by range streams from A and from B itself.
+struct Regrow {
+  std::shared_ptr<Shard> a = std::make_shared<Shard>(0, 2);
+  std::shared_ptr<Shard> b = std::make_shared<Shard>(1, 2);
+  std::shared_ptr<Shard> next = std::make_shared<Shard>(1, 3);
+  std::unique_ptr<DataServer> a_server, b_server;
+  std::shared_ptr<Replicator> from_a, from_b;
+
+  Regrow() {
+    DataServerOptions options;
+    options.worker_threads = 4;
+    a_server = std::make_unique<DataServer>(a, options);
+    b_server = std::make_unique<DataServer>(b, options);
+    EXPECT_OK(a_server->Start());
+    EXPECT_OK(b_server->Start());
+    b_server->reshard_target().Prepare(next);
+    from_a = Stream(a);
+    from_b = Stream(b);
+  }
+  std::shared_ptr<Replicator> Stream(std::shared_ptr<Shard> from) const {
+    ReplicatorOptions r;
+    r.range_stream = true;
+    r.sync = false;
+    r.io_timeout_ms = 10000;
+    r.frame_bytes = 64 << 10;  // several frames per round and per copy
+    return std::make_shared<Replicator>(std::move(from), Address(*b_server), r);
+  }
+  std::vector<std::string> Addresses() const { return {Address(*a_server), Address(*b_server)}; }
+  // Returns once each stream applied a round that began after now.
+  bool Drained() const {
+    const uint64_t a_rounds = from_a->status().rounds, b_rounds = from_b->status().rounds;
+    return Eventually([&] {
+      return from_a->status().rounds >= a_rounds + 2 && from_b->status().rounds >= b_rounds + 2;
+    });
+  }
+  ~Regrow() {
+    from_a->Stop();
+    from_b->Stop();
+    a_server->Stop();
+    b_server->Stop();
+  }
+};
+
+DLT_TEST(TestRangeStreamsFillTheNextLayoutsShardWhileTrainingRuns) {
+  // Growing 2 -> 3 shards: the new shard 1 owns buckets [1366, 2731), of
+  // which [1366, 2048) are old shard 0's and [2048, 2731) old shard 1's.
+  Regrow grow;
+  const uint32_t first = FirstBucket(1, 3), mid = FirstBucket(1, 2), end = FirstBucket(2, 3);
+  TableConfig config = AdagradConfig("emb", 8);
+  config.policy.admission = static_cast<uint64_t>(AdmissionKind::kFrequency);
+  config.policy.min_count = 2;
+  config.policy.sketch_bytes = 1 << 18;  // small: slices halve during the test
+  bool created;
+  EXPECT_OK(grow.a->CreateTable(config, &created));
+  EXPECT_OK(grow.b->CreateTable(config, &created));
+  // Rows from before the streams began come with their copies.
+  Trainers trainers(grow.Addresses(), "emb", 8, 2);
+  EXPECT(Eventually([&] { return trainers.acked.load() >= 20; }));
+  grow.from_a->Start();
+  grow.from_b->Start();
+  EXPECT(Eventually(
+      [&] { return grow.from_a->status().caught_up && grow.from_b->status().caught_up; }));
+  EXPECT(grow.from_a->status().first_bucket == first && grow.from_a->status().end_bucket == mid);
+  EXPECT(grow.from_b->status().first_bucket == mid && grow.from_b->status().end_bucket == end);
+  // A table made and one dropped while the streams run follow.
+  EXPECT_OK(grow.a->CreateTable(AdagradConfig("late", 4), &created));
+  EXPECT_OK(grow.b->CreateTable(AdagradConfig("late", 4), &created));
+  EXPECT(Eventually([&] { return TableOf(*grow.next, "late") != nullptr; }));
+  const int at_catch_up = trainers.acked.load();
+  EXPECT(Eventually([&] { return trainers.acked.load() >= at_catch_up + 50; }));
+  // An identified push to shard 0 of a moving bucket: its id moves too.
+  int64_t moving = 0;
+  while (BucketOf(moving) < first || BucketOf(moving) >= mid) ++moving;
+  const PushId push{77, 1};
+  const std::vector<float> grads(8, 0.5f);
+  EXPECT_OK(PushOnce(Address(*grow.a_server), push, &moving, grads.data(), 1, 8));
+  EXPECT_OK(grow.a->DropTable("late"));
+  EXPECT_OK(grow.b->DropTable("late"));
+  // Writes stop (a re-shard's switch); each stream runs a last round.
+  EXPECT(trainers.Stop());
+  EXPECT(grow.Drained());
+  EXPECT(TableOf(*grow.next, "late") == nullptr);
+  const auto a_table = TableOf(*grow.a, "emb"), b_table = TableOf(*grow.b, "emb");
+  const auto next_table = TableOf(*grow.next, "emb");
+  const Rows want = RowsOfTwo(a_table.get(), b_table.get(), first, mid, end);
+  EXPECT(want.ids.size() > 100);
+  EXPECT(SameRows(RowsIn(next_table.get(), 0, kNumBuckets), want));
+  // The admission sketch of each bucket, as its old owner's.
+  std::vector<uint8_t> have(next_table->sketch_slice_bytes()), had(have.size());
+  for (uint32_t bucket = first; bucket < end; ++bucket) {
+    uint32_t have_added = 0, had_added = 0;
+    next_table->ReadSketch(bucket, have.data(), &have_added);
+    (bucket < mid ? a_table : b_table)->ReadSketch(bucket, had.data(), &had_added);
+    EXPECT(have == had && have_added == had_added);
+  }
+  EXPECT(next_table->pushes() == std::max(a_table->pushes(), b_table->pushes()));
+  Status again;
+  EXPECT(!grow.next->push_ledger().Begin(push, &again));  // applied once, on A
+  EXPECT_OK(again);
+  // The streams took only their shards' own change logs: a standby of A
+  // could have run beside them.
+  EXPECT(!grow.from_a->status().ended && !grow.from_b->status().ended);
+}
+
+DLT_TEST(TestARangeStreamEndsWhenItsTargetPreparesAnotherShard) {
+  Regrow grow;
+  bool created;
+  EXPECT_OK(grow.a->CreateTable(AdagradConfig("emb", 4), &created));
+  grow.from_a->Start();
+  EXPECT(Eventually([&] { return grow.from_a->status().caught_up; }));
+  // The re-shard is begun again: the earlier stream's frames are refused and
+  // it ends (it never copies into the new attempt's shard).
+  const auto again = std::make_shared<Shard>(1, 3);
+  grow.b_server->reshard_target().Prepare(again);
+  const int64_t id = 3;
+  const float grad[4] = {1, 1, 1, 1};
+  EXPECT_OK(TableOf(*grow.a, "emb")->Push(&id, grad, 1, 0.1f));
+  EXPECT(Eventually([&] { return grow.from_a->status().ended; }));
+  EXPECT(grow.from_a->status().error.find("no longer prepares") != std::string::npos);
+  EXPECT(TableOf(*again, "emb") == nullptr);
+  // A process that prepares nothing takes no range stream.
+  grow.b_server->reshard_target().Clear();
+  const auto late = grow.Stream(grow.a);
+  late->Start();
+  EXPECT(Eventually([&] { return late->status().ended; }));
+  EXPECT(late->status().error.find("prepares no shard") != std::string::npos);
+  late->Stop();
+}
+
+DLT_TEST(TestAStandbyAndRangeStreamsEachHaveTheirOwnChangeLog) {
+  // A shard with a standby streams a range too: both see every change.
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  pair.Replicate();
+  auto target = std::make_shared<Shard>(0, 1);
+  DataServerOptions options;
+  options.worker_threads = 2;
+  DataServer target_server(std::make_shared<Shard>(0, 1), options);
+  EXPECT_OK(target_server.Start());
+  target_server.reshard_target().Prepare(target);
+  ReplicatorOptions r;
+  r.range_stream = true;
+  r.sync = false;
+  Replicator stream(pair.primary, Address(target_server), r);
+  stream.Start();
+  EXPECT(Eventually([&] { return stream.status().caught_up; }));
+  Trainers trainer(Address(*pair.primary_server), "emb", 4, 2);
+  EXPECT(Eventually([&] { return trainer.acked.load() >= 100; }));
+  EXPECT(trainer.Stop());
+  const uint64_t rounds = stream.status().rounds;
+  EXPECT(Eventually([&] { return stream.status().rounds >= rounds + 2; }));
+  const auto primary_table = TableOf(*pair.primary, "emb");
+  EXPECT(SameRows(primary_table.get(), TableOf(*pair.standby, "emb").get()));
+  EXPECT(SameRows(primary_table.get(), TableOf(*target, "emb").get()));
+  stream.Stop();
+  target_server.Stop();
 }
 
 }  // namespace
