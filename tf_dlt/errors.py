@@ -52,6 +52,12 @@ class FailedPreconditionError(DltError):
     code, code_name = 9, "FAILED_PRECONDITION"
 
 
+class AbortedError(DltError):
+    """Refused before anything was applied (a re-shard's switch): send again."""
+
+    code, code_name = 10, "ABORTED"
+
+
 class InternalError(DltError):
     code, code_name = 13, "INTERNAL"
 
@@ -74,6 +80,7 @@ _BY_CODE: dict[int, type[DltError]] = {
         PermissionDeniedError,
         ResourceExhaustedError,
         FailedPreconditionError,
+        AbortedError,
         InternalError,
         UnavailableError,
         UnauthenticatedError,

@@ -91,6 +91,15 @@ void PushLedger::Insert(const PushId* ids, size_t n) {
   cv_.notify_all();
 }
 
+void PushLedger::Absorb(PushLedger* other) {
+  std::vector<PushId> done;
+  {
+    std::lock_guard<std::mutex> lock(other->mu_);
+    done.assign(other->order_.begin(), other->order_.end());
+  }
+  Insert(done.data(), done.size());
+}
+
 void PushLedger::ForgetDone() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const PushId& id : order_) entries_.erase(id);

@@ -72,6 +72,9 @@ class PushLedger {
   void TakeApplied(uint32_t stream, std::vector<PushId>* ids);
   // A standby records the ids its primary applied (as applied, OK).
   void Insert(const PushId* ids, size_t n);
+  // Records as applied every push `other` finished (a re-shard's shard
+  // learned them from its senders).
+  void Absorb(PushLedger* other);
   // Forgets every finished push (a copy that stepped down dropped their
   // rows); pushes being applied stay.
   void ForgetDone();

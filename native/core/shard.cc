@@ -18,10 +18,32 @@
 namespace dlt {
 
 Shard::Shard(uint32_t shard_index, uint32_t num_shards)
-    : shard_index_(shard_index),
-      num_shards_(num_shards),
-      first_bucket_(FirstBucket(shard_index, num_shards)),
-      end_bucket_(FirstBucket(shard_index + 1, num_shards)) {}
+    : place_(uint64_t{shard_index} << 32 | num_shards) {}
+
+std::string Shard::layout_addresses() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return layout_addresses_;
+}
+
+void Shard::Adopt(Shard* next, uint64_t layout_epoch, std::string addresses) {
+  std::map<std::string, std::shared_ptr<Table>> old;
+  {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    std::unique_lock<std::shared_mutex> next_lock(next->mu_);
+    old.swap(tables_);
+    tables_.swap(next->tables_);
+    place_.store(next->place_.load());
+    layout_epoch_.store(layout_epoch);
+    layout_addresses_ = std::move(addresses);
+  }
+  push_ledger_.Absorb(&next->push_ledger_);
+  {
+    // Its tables count as this shard's (staged until installed).
+    std::lock_guard<std::mutex> lock(made_mu_);
+    std::lock_guard<std::mutex> next_lock(next->made_mu_);
+    made_.insert(made_.end(), next->made_.begin(), next->made_.end());
+  }
+}
 
 namespace {
 
@@ -67,7 +89,8 @@ Shard::~Shard() {
 }
 
 std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
-  auto table = std::make_shared<Table>(config, first_bucket_, end_bucket_);
+  const uint64_t place = place_.load();
+  auto table = std::make_shared<Table>(config, First(place), End(place));
   {
     std::lock_guard<std::mutex> lock(made_mu_);
     made_.erase(std::remove_if(made_.begin(), made_.end(),
@@ -160,7 +183,7 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
       fs::remove_all(entry.path(), error);
       close(fd);
     }
-    const std::string root = storage_dir + "/shard-" + std::to_string(shard_index_);
+    const std::string root = storage_dir + "/shard-" + std::to_string(shard_index());
     fs::create_directories(root, error);
     if (error) return InvalidArgument("cannot create " + root + ": " + error.message());
     tier_lock_fd_ = LockDirectory(root);
@@ -419,7 +442,7 @@ Status Shard::DropTable(const std::string& name) {
   DLT_RETURN_IF_ERROR(ValidateTableName(name));
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (tables_.erase(name) == 0) {
-    return NotFound("no table '" + name + "' on shard " + std::to_string(shard_index_));
+    return NotFound("no table '" + name + "' on shard " + std::to_string(shard_index()));
   }
   return OkStatus();
 }
@@ -437,7 +460,7 @@ Status Shard::GetTable(const std::string& name, std::shared_ptr<Table>* table) c
   for (const auto& entry : tables_) {
     known += (known.empty() ? "'" : ", '") + entry.first + "'";
   }
-  return NotFound("no table '" + name + "' on shard " + std::to_string(shard_index_) +
+  return NotFound("no table '" + name + "' on shard " + std::to_string(shard_index()) +
                   " (tables: " + (known.empty() ? "none" : known) + ")");
 }
 
@@ -462,7 +485,7 @@ Status Shard::AcquireStream(uint32_t* stream) {
     *stream = k;
     return OkStatus();
   }
-  return ResourceExhausted("shard " + std::to_string(shard_index_) + " already runs " +
+  return ResourceExhausted("shard " + std::to_string(shard_index()) + " already runs " +
                            std::to_string(kMaxStreams) +
                            " row streams (a standby's and a re-shard's range streams)");
 }
@@ -473,15 +496,41 @@ void Shard::ReleaseStream(uint32_t stream) {
 }
 
 Status Shard::CheckOwnership(const int64_t* ids, size_t n) const {
-  if (num_shards_ == 1) return OkStatus();
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return CheckOwnershipLocked(ids, n);
+}
+
+Status Shard::TableFor(const std::string& name, const int64_t* ids, size_t n,
+                       std::shared_ptr<Table>* table) const {
+  DLT_RETURN_IF_ERROR(GetTable(name, table));
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  // The table found is still this layout's.
+  const auto it = tables_.find(name);
+  if (it == tables_.end() || it->second != *table) {
+    return Aborted("table '" + name + "' on shard " + std::to_string(shard_index()) +
+                   " changed while the request looked it up: send it again");
+  }
+  return CheckOwnershipLocked(ids, n);
+}
+
+Status Shard::CheckOwnershipLocked(const int64_t* ids, size_t n) const {
+  const uint64_t place = place_.load();
+  const uint32_t index = Index(place), count = Count(place);
+  const uint32_t first = First(place), end = End(place);
+  if (count == 1 && index == 0) return OkStatus();
   for (size_t i = 0; i < n; ++i) {
     const uint32_t bucket = BucketOf(ids[i]);
-    if (!OwnsBucket(bucket)) {
-      return InvalidArgument("id " + std::to_string(ids[i]) + " routes to shard " +
-                             std::to_string(ShardOfBucket(bucket, num_shards_)) + " of " +
-                             std::to_string(num_shards_) + ", not to this shard " +
-                             std::to_string(shard_index_) + "; the client's shard list is wrong");
+    if (bucket >= first && bucket < end) continue;
+    const std::string where = "id " + std::to_string(ids[i]) + " routes to shard " +
+                              std::to_string(ShardOfBucket(bucket, count)) + " of " +
+                              std::to_string(count) + ", not to this shard " +
+                              std::to_string(index);
+    if (layout_epoch_.load() > 1) {
+      return Aborted(where + " (layout epoch " + std::to_string(layout_epoch_.load()) +
+                     ", shards " + layout_addresses_ +
+                     "): the client's layout is older; it was not applied, send it again");
     }
+    return InvalidArgument(where + "; the client's shard list is wrong");
   }
   return OkStatus();
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "native/core/push_ledger.h"
+#include "native/core/routing.h"
 #include "native/core/status.h"
 #include "native/core/table.h"
 
@@ -24,16 +25,33 @@ namespace dlt {
 
 class Shard {
  public:
+  // Shard `shard_index` of `num_shards`; an index of `num_shards` makes a
+  // shard that owns no bucket (a process that joins a layout by a re-shard,
+  // or left one).
   Shard(uint32_t shard_index, uint32_t num_shards);
   ~Shard();
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
 
-  uint32_t shard_index() const { return shard_index_; }
-  uint32_t num_shards() const { return num_shards_; }
-  uint32_t first_bucket() const { return first_bucket_; }
-  uint32_t end_bucket() const { return end_bucket_; }
-  bool OwnsBucket(uint32_t bucket) const { return bucket >= first_bucket_ && bucket < end_bucket_; }
+  // Its place in the layout; a re-shard changes it (Adopt).
+  uint32_t shard_index() const { return Index(place_.load()); }
+  uint32_t num_shards() const { return Count(place_.load()); }
+  uint32_t first_bucket() const { return First(place_.load()); }
+  uint32_t end_bucket() const { return End(place_.load()); }
+  bool OwnsBucket(uint32_t bucket) const {
+    const uint64_t place = place_.load();
+    return bucket >= First(place) && bucket < End(place);
+  }
+  // The layout this shard serves (live re-sharding, docs/replication.md):
+  // 1 until a re-shard, then the re-shard's; and its shards' addresses
+  // ("" until a re-shard), ',' between shards.
+  uint64_t layout_epoch() const { return layout_epoch_.load(); }
+  std::string layout_addresses() const;
+  // Serves `next` (a shard of the next layout, filled by range streams)
+  // from now on: its place, tables and applied push ids replace this
+  // shard's, at layout `layout_epoch` of `addresses`. The tables this shard
+  // held are dropped once no request holds them.
+  void Adopt(Shard* next, uint64_t layout_epoch, std::string addresses);
 
   // Creates a table. Creating one that exists with the same configuration
   // succeeds with *created = false; a different configuration is
@@ -66,8 +84,14 @@ class Shard {
   uint64_t epoch() const { return epoch_.load(); }
   void set_epoch(uint64_t epoch) { epoch_.store(epoch); }
 
-  // Checks that every id routes to this shard; INVALID_ARGUMENT otherwise.
+  // Checks that every id routes to this shard; INVALID_ARGUMENT otherwise
+  // (the client's shard list is wrong), or ABORTED after a re-shard (the
+  // client's layout is older: it should learn the new one and send again).
   Status CheckOwnership(const int64_t* ids, size_t n) const;
+  // GetTable and CheckOwnership at one moment: a request never meets the
+  // table of one layout and the buckets of another.
+  Status TableFor(const std::string& name, const int64_t* ids, size_t n,
+                  std::shared_ptr<Table>* table) const;
 
   // A table for this shard's buckets (not installed).
   std::shared_ptr<Table> NewTable(const TableConfig& config) const;
@@ -126,11 +150,20 @@ class Shard {
   // fresh optimizer slots).
   static Status CopyRows(Table* from, Table* to);
   void SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint64_t target);
-  const uint32_t shard_index_;
-  const uint32_t num_shards_;
-  const uint32_t first_bucket_;
-  const uint32_t end_bucket_;
+  // The place: index << 32 | count.
+  static uint32_t Index(uint64_t place) { return static_cast<uint32_t>(place >> 32); }
+  static uint32_t Count(uint64_t place) { return static_cast<uint32_t>(place); }
+  static uint32_t First(uint64_t place) {
+    return Index(place) < Count(place) ? FirstBucket(Index(place), Count(place)) : 0;
+  }
+  static uint32_t End(uint64_t place) {
+    return Index(place) < Count(place) ? FirstBucket(Index(place) + 1, Count(place)) : 0;
+  }
+  Status CheckOwnershipLocked(const int64_t* ids, size_t n) const;
+  std::atomic<uint64_t> place_;
+  std::atomic<uint64_t> layout_epoch_{1};
   mutable std::shared_mutex mu_;
+  std::string layout_addresses_;                          // guarded by mu_
   std::map<std::string, std::shared_ptr<Table>> tables_;  // guarded by mu_
   PushLedger push_ledger_;
   std::mutex streams_mu_;

@@ -18,6 +18,8 @@ const char* CodeName(Code code) {
       return "RESOURCE_EXHAUSTED";
     case Code::kFailedPrecondition:
       return "FAILED_PRECONDITION";
+    case Code::kAborted:
+      return "ABORTED";
     case Code::kInternal:
       return "INTERNAL";
     case Code::kUnavailable:
@@ -35,6 +37,7 @@ bool IsWireCode(uint32_t code) {
     case Code::kUnauthenticated:
     case Code::kResourceExhausted:
     case Code::kFailedPrecondition:
+    case Code::kAborted:
     case Code::kUnavailable:
     case Code::kInternal:
       return true;

@@ -18,6 +18,7 @@ enum class Code : uint32_t {
   kAlreadyExists = 6,
   kResourceExhausted = 8,
   kFailedPrecondition = 9,
+  kAborted = 10,
   kInternal = 13,
   kUnavailable = 14,
   kUnauthenticated = 16,
@@ -59,6 +60,9 @@ inline Status ResourceExhausted(std::string m) {
 inline Status FailedPrecondition(std::string m) {
   return Status(Code::kFailedPrecondition, std::move(m));
 }
+// Refused before anything was applied, for a reason that passes (a
+// re-shard's switch): send it again, after learning the layout.
+inline Status Aborted(std::string m) { return Status(Code::kAborted, std::move(m)); }
 inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
 inline Status Unavailable(std::string m) { return Status(Code::kUnavailable, std::move(m)); }
 inline Status Unauthenticated(std::string m) {

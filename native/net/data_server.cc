@@ -94,6 +94,22 @@ DataServer::DataServer(std::shared_ptr<Shard> shard, DataServerOptions options)
 
 DataServer::~DataServer() { Stop(); }
 
+Status DataServer::SwitchLayout(uint64_t layout_epoch, const std::string& addresses) {
+  const std::shared_ptr<Shard> next = reshard_target().next();
+  if (next == nullptr) {
+    return FailedPrecondition(
+        "this process prepares no shard of a next layout: nothing to switch to");
+  }
+  if (layout_epoch <= shard_->layout_epoch()) {
+    return FailedPrecondition("layout epoch " + std::to_string(layout_epoch) +
+                              " is not newer than this shard's, " +
+                              std::to_string(shard_->layout_epoch()));
+  }
+  shard_->Adopt(next.get(), layout_epoch, addresses);
+  reshard_target().Clear();
+  return OkStatus();
+}
+
 Status DataServer::Start() {
   const DataServerOptions& o = options_;
   if (o.max_frame_bytes < wire::kMinMaxFrameBytes) {

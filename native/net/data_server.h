@@ -90,8 +90,16 @@ class DataServer {
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     handler_.set_write_listener(std::move(listener));
   }
-  // Live re-sharding: the shard of the next layout this process prepares.
+  // Live re-sharding (docs/replication.md): the shard of the next layout
+  // this process prepares, and the switch's hold of writes.
   ReshardTarget& reshard_target() { return handler_.reshard_target(); }
+  Status HoldWrites(bool hold, int timeout_ms = 10000) {
+    return handler_.HoldWrites(hold, timeout_ms);
+  }
+  // Serves the shard it prepared (ReshardTarget) from now on, at layout
+  // `layout_epoch` of `addresses`; FAILED_PRECONDITION when none is
+  // prepared. Writes held stay held.
+  Status SwitchLayout(uint64_t layout_epoch, const std::string& addresses);
   // Authenticated connections allowed (max_connections resolved at Start).
   int max_connections() const { return max_connections_; }
   int worker_threads() const { return static_cast<int>(workers_.size()); }

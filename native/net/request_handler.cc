@@ -4,6 +4,7 @@
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
+#include <thread>
 #include <vector>
 
 #include "native/core/routing.h"
@@ -191,8 +192,17 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
              : assign ? wire::DecodeAssignRequest(payload, header.payload_bytes, &request)
                       : wire::DecodePullRequest(payload, header.payload_bytes, &request);
   if (!s.ok()) return fail(s, false);
+  // A write counts itself in flight before it checks the hold, so
+  // HoldWrites (which holds, then waits until none is in flight) never
+  // misses one.
+  WriteTicket ticket(push || assign ? &writes_in_flight_ : nullptr);
+  if ((push || assign) && writes_held_.load()) {
+    return fail(Aborted("shard " + std::to_string(shard_->shard_index()) +
+                        " is switching to a new layout: the write was not applied; send it again"),
+                false);
+  }
   std::shared_ptr<Table> table;
-  s = shard_->GetTable(request.table, &table);
+  s = shard_->TableFor(request.table, request.ids, request.num_ids, &table);
   if (!s.ok()) return fail(s, false);
   if (request.dim != table->dim()) {
     return fail(
@@ -200,11 +210,10 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                         ", the request says " + std::to_string(request.dim)),
         false);
   }
-  s = shard_->CheckOwnership(request.ids, request.num_ids);
-  if (!s.ok()) return fail(s, false);
 
   if (assign) {
     s = table->Assign(request.ids, request.grads, request.num_ids);
+    ticket.Done();
     if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
     counters_->assigned_rows.fetch_add(request.num_ids);
     s = AwaitStandby(MarkApplied());
@@ -234,6 +243,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
       if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
       applied = MarkApplied();
     }
+    ticket.Done();
     if (!s.ok()) return fail(s, false);
     counters_->pushes.fetch_add(1);
     counters_->pushed_rows.fetch_add(request.num_ids);
@@ -273,6 +283,21 @@ RequestHandler::WriteMark RequestHandler::MarkApplied() const {
   WriteMark applied{std::atomic_load(&listener_), 0};
   if (applied.listener != nullptr) applied.mark = applied.listener->Applied();
   return applied;
+}
+
+Status RequestHandler::HoldWrites(bool hold, int timeout_ms) {
+  writes_held_.store(hold);
+  if (!hold) return OkStatus();
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (writes_in_flight_.load() != 0) {
+    if (Clock::now() > deadline) {
+      return DeadlineExceeded("shard " + std::to_string(shard_->shard_index()) + " still had " +
+                              std::to_string(writes_in_flight_.load()) +
+                              " writes being applied after " + std::to_string(timeout_ms) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return OkStatus();
 }
 
 Status RequestHandler::AwaitStandby(const WriteMark& applied) {

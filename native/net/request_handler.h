@@ -99,6 +99,10 @@ class RequestHandler {
                 Peer* peer, net::Buffer* reply, bool* keep_open);
   // The shard of the next layout this process prepares (live re-sharding).
   ReshardTarget& reshard_target() { return reshard_target_; }
+  // A re-shard's switch: while held, pushes and assignments are refused
+  // (ABORTED: not applied, send again). Holding returns once no write is
+  // being applied (DEADLINE_EXCEEDED past `timeout_ms`; the hold stays).
+  Status HoldWrites(bool hold, int timeout_ms = 10000);
   // Where a standby's staged frames' buffers go once applied.
   void set_payload_pool(net::BufferPool* pool) { payload_pool_ = pool; }
 
@@ -106,6 +110,23 @@ class RequestHandler {
   size_t ErrorReply(uint64_t request_id, const Status& status, net::Buffer* reply);
 
  private:
+  // Counts a write in flight from its construction until Done (or its end).
+  class WriteTicket {
+   public:
+    explicit WriteTicket(std::atomic<int>* in_flight) : in_flight_(in_flight) {
+      if (in_flight_ != nullptr) in_flight_->fetch_add(1);
+    }
+    ~WriteTicket() { Done(); }
+    WriteTicket(const WriteTicket&) = delete;
+    WriteTicket& operator=(const WriteTicket&) = delete;
+    void Done() {
+      if (in_flight_ != nullptr) in_flight_->fetch_sub(1);
+      in_flight_ = nullptr;
+    }
+
+   private:
+    std::atomic<int>* in_flight_;
+  };
   // A write applied now, as the write listener then (if any) marks it.
   struct WriteMark {
     std::shared_ptr<WriteListener> listener;
@@ -140,6 +161,8 @@ class RequestHandler {
   std::atomic<bool> read_only_{false};
   std::atomic<bool> standby_{false};
   std::atomic<bool> caught_up_{false};
+  std::atomic<bool> writes_held_{false};
+  std::atomic<int> writes_in_flight_{0};
   // Replica Hellos so far, and the connection (by that count) that began the
   // latest whole copy: frames of connections older than it are refused, so
   // a frame a primary sent before it reconnected (still being read here, or

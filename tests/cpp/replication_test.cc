@@ -1098,5 +1098,179 @@ DLT_TEST(TestAStandbyAndRangeStreamsEachHaveTheirOwnChangeLog) {
   target_server.Stop();
 }
 
+// Shard processes on loopback that re-shard from one layout to another as
+// a re-shard's coordinator would: prepare, stream, hold writes, drain,
+// switch.
+struct Processes {
+  struct Process {
+    std::shared_ptr<Shard> shard;
+    std::unique_ptr<DataServer> server;
+  };
+  std::vector<Process> all;
+  uint64_t layout_epoch = 1;
+
+  // A process serving shard `index` of `count` (index == count: none yet).
+  size_t Add(uint32_t index, uint32_t count) {
+    DataServerOptions options;
+    options.worker_threads = 3;
+    Process p{std::make_shared<Shard>(index, count), nullptr};
+    p.server = std::make_unique<DataServer>(p.shard, options);
+    EXPECT_OK(p.server->Start());
+    all.push_back(std::move(p));
+    return all.size() - 1;
+  }
+  std::string AddressOf(size_t process) const { return Address(*all[process].server); }
+  std::vector<std::string> Addresses(const std::vector<size_t>& processes) const {
+    std::vector<std::string> out;
+    for (size_t p : processes) out.push_back(AddressOf(p));
+    return out;
+  }
+  // Moves from the layout of processes `from` to that of `to` (by index).
+  void Reshard(const std::vector<size_t>& from, const std::vector<size_t>& to,
+               const std::function<void()>& while_streaming = nullptr) {
+    const auto n = static_cast<uint32_t>(from.size()), count = static_cast<uint32_t>(to.size());
+    std::string joined;
+    for (size_t j = 0; j < to.size(); ++j) joined += (j ? "," : "") + AddressOf(to[j]);
+    for (size_t p = 0; p < all.size(); ++p) {
+      const auto at = std::find(to.begin(), to.end(), p);
+      const auto index = static_cast<uint32_t>(at - to.begin());  // count: leaves
+      all[p].server->reshard_target().Prepare(std::make_shared<Shard>(index, count));
+    }
+    std::vector<std::shared_ptr<Replicator>> streams;
+    for (uint32_t i = 0; i < n; ++i) {
+      for (uint32_t j = 0; j < count; ++j) {
+        if (std::max(FirstBucket(i, n), FirstBucket(j, count)) >=
+            std::min(FirstBucket(i + 1, n), FirstBucket(j + 1, count))) {
+          continue;  // no bucket of old shard i is new shard j's
+        }
+        ReplicatorOptions r;
+        r.range_stream = true;
+        r.sync = false;
+        r.io_timeout_ms = 10000;
+        streams.push_back(std::make_shared<Replicator>(all[from[i]].shard, AddressOf(to[j]), r));
+        streams.back()->Start();
+      }
+    }
+    EXPECT(Eventually([&] {
+      return std::all_of(streams.begin(), streams.end(),
+                         [](const auto& s) { return s->status().caught_up; });
+    }));
+    if (while_streaming) while_streaming();
+    for (size_t p : from) EXPECT_OK(all[p].server->HoldWrites(true));
+    std::vector<uint64_t> rounds;
+    for (const auto& stream : streams) rounds.push_back(stream->status().rounds);
+    EXPECT(Eventually([&] {
+      for (size_t k = 0; k < streams.size(); ++k) {
+        if (streams[k]->status().rounds < rounds[k] + 2) return false;
+      }
+      return true;
+    }));
+    for (const auto& stream : streams) {
+      EXPECT(!stream->status().ended);
+      stream->Stop();
+    }
+    ++layout_epoch;
+    for (Process& p : all) EXPECT_OK(p.server->SwitchLayout(layout_epoch, joined));
+    for (Process& p : all) EXPECT_OK(p.server->HoldWrites(false));
+  }
+  ~Processes() {
+    for (Process& p : all) p.server->Stop();
+  }
+};
+
+bool SameBytes(const std::vector<float>& x, const std::vector<float>& y) {
+  return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+}
+
+// Every row's values, slots and step for ids [0, 5000) of table "emb" (dim
+// 8, Adagrad), pulled through a client of `addresses`.
+std::vector<float> StateOf(const std::vector<std::string>& addresses) {
+  std::vector<int64_t> ids(5000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  std::vector<float> out(ids.size() * StateFloats(8, 8));
+  Client client(addresses, ClientOptions{});
+  EXPECT_OK(client.PullState("emb", 8, 8, ids.data(), ids.size(), out.data()));
+  return out;
+}
+
+DLT_TEST(TestAReshardGrowsTwoShardsToThreeAndBackWithEveryRow) {
+  Processes cluster;
+  const size_t a = cluster.Add(0, 2), b = cluster.Add(1, 2);
+  bool created;
+  for (size_t p : {a, b}) {
+    EXPECT_OK(cluster.all[p].shard->CreateTable(AdagradConfig("emb", 8), &created));
+  }
+  const std::vector<std::string> two = cluster.Addresses({a, b});
+  {
+    Trainers trainers(two, "emb", 8, 2);
+    EXPECT(Eventually([&] { return trainers.acked.load() >= 40; }));
+  }
+  const size_t c = cluster.Add(2, 2);  // joins: owns no bucket yet
+  std::vector<float> before;
+  // A client of the old layout, connected before the switch.
+  Client old_client(two, ClientOptions{});
+  std::vector<int64_t> ids(64);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  std::vector<float> grads(ids.size() * 8, 0.1f);
+  EXPECT_OK(old_client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f));
+  cluster.Reshard({a, b}, {a, b, c}, [&] {
+    // Training goes on while the ranges stream; then it stops for the switch
+    // (clients that follow a switch come later).
+    Trainers trainers(two, "emb", 8, 2, /*first_seed=*/5);
+    EXPECT(Eventually([&] { return trainers.acked.load() >= 40; }));
+    EXPECT(trainers.Stop());
+    before = StateOf(two);
+  });
+  const std::vector<std::string> three = cluster.Addresses({a, b, c});
+  EXPECT(cluster.all[c].shard->shard_index() == 2 && cluster.all[c].shard->num_shards() == 3);
+  EXPECT(cluster.all[b].shard->first_bucket() == FirstBucket(1, 3));
+  EXPECT(cluster.all[a].shard->layout_epoch() == 2);
+  EXPECT(SameBytes(StateOf(three), before));
+
+  // The client of the old layout is told to send again, and what moved.
+  const Status moved = old_client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f);
+  EXPECT(moved.code() == Code::kAborted);
+  EXPECT(moved.message().find("layout epoch 2") != std::string::npos);
+  EXPECT(moved.message().find(three[2]) != std::string::npos);
+
+  // Training on the new layout, then back to two shards; process c leaves.
+  {
+    Trainers trainers(three, "emb", 8, 2, /*first_seed=*/9);
+    EXPECT(Eventually([&] { return trainers.acked.load() >= 40; }));
+  }
+  cluster.Reshard({a, b, c}, {a, b}, [&] { before = StateOf(three); });
+  EXPECT(SameBytes(StateOf(two), before));
+  EXPECT(cluster.all[c].shard->first_bucket() == cluster.all[c].shard->end_bucket());
+  EXPECT(cluster.all[c].shard->Tables().empty());
+  EXPECT(cluster.all[a].shard->layout_epoch() == 3);
+}
+
+DLT_TEST(TestWritesHeldForASwitchAreRefusedUnappliedAndWaitedFor) {
+  Processes cluster;
+  const size_t a = cluster.Add(0, 1);
+  bool created;
+  EXPECT_OK(cluster.all[a].shard->CreateTable(AdagradConfig("emb", 8), &created));
+  Trainers trainers(cluster.AddressOf(a), "emb", 8, 2);
+  EXPECT(Eventually([&] { return trainers.acked.load() >= 10; }));
+  // Held: no write is being applied once HoldWrites returns, and none after.
+  EXPECT_OK(cluster.all[a].server->HoldWrites(true));
+  const uint64_t pushes = TableOf(*cluster.all[a].shard, "emb")->pushes();
+  EXPECT(Eventually([&] { return trainers.failed.load() >= 4; }));
+  EXPECT(TableOf(*cluster.all[a].shard, "emb")->pushes() == pushes);
+  EXPECT_OK(cluster.all[a].server->HoldWrites(false));
+  Client client({cluster.AddressOf(a)}, ClientOptions{});
+  const int64_t id = 1;
+  const std::vector<float> grad(8, 0.5f);
+  EXPECT_OK(client.Push("emb", 8, &id, grad.data(), 1, 0.1f));
+  trainers.Stop();
+  // A refused write says why, and that it was not applied.
+  EXPECT_OK(cluster.all[a].server->HoldWrites(true));
+  const Status refused = client.Push("emb", 8, &id, grad.data(), 1, 0.1f);
+  EXPECT(refused.code() == Code::kAborted);
+  EXPECT(refused.message().find("not applied") != std::string::npos);
+  // No shard prepared: nothing to switch to.
+  EXPECT(cluster.all[a].server->SwitchLayout(2, "x").code() == Code::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace dlt
