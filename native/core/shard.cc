@@ -451,6 +451,10 @@ Status Shard::GetTable(const std::string& name, std::shared_ptr<Table>* table) c
   // Only valid names reach messages (a request may hold any bytes).
   DLT_RETURN_IF_ERROR(ValidateTableName(name));
   std::shared_lock<std::shared_mutex> lock(mu_);
+  return FindLocked(name, table);
+}
+
+Status Shard::FindLocked(const std::string& name, std::shared_ptr<Table>* table) const {
   auto it = tables_.find(name);
   if (it != tables_.end()) {
     *table = it->second;
@@ -502,15 +506,12 @@ Status Shard::CheckOwnership(const int64_t* ids, size_t n) const {
 
 Status Shard::TableFor(const std::string& name, const int64_t* ids, size_t n,
                        std::shared_ptr<Table>* table) const {
-  DLT_RETURN_IF_ERROR(GetTable(name, table));
+  DLT_RETURN_IF_ERROR(ValidateTableName(name));
   std::shared_lock<std::shared_mutex> lock(mu_);
-  // The table found is still this layout's.
-  const auto it = tables_.find(name);
-  if (it == tables_.end() || it->second != *table) {
-    return Aborted("table '" + name + "' on shard " + std::to_string(shard_index()) +
-                   " changed while the request looked it up: send it again");
-  }
-  return CheckOwnershipLocked(ids, n);
+  // Ids of buckets given away first: a shard that left a layout holds no
+  // table, and its clients must learn where the rows went.
+  DLT_RETURN_IF_ERROR(CheckOwnershipLocked(ids, n));
+  return FindLocked(name, table);
 }
 
 Status Shard::CheckOwnershipLocked(const int64_t* ids, size_t n) const {

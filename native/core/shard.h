@@ -160,6 +160,7 @@ class Shard {
     return Index(place) < Count(place) ? FirstBucket(Index(place) + 1, Count(place)) : 0;
   }
   Status CheckOwnershipLocked(const int64_t* ids, size_t n) const;
+  Status FindLocked(const std::string& name, std::shared_ptr<Table>* table) const;
   std::atomic<uint64_t> place_;
   std::atomic<uint64_t> layout_epoch_{1};
   mutable std::shared_mutex mu_;

@@ -26,31 +26,36 @@ using net::Clock;
 
 Client::Client(std::vector<std::string> addresses, ClientOptions options)
     : options_(std::move(options)) {
+  auto layout = std::make_shared<Layout>();
   for (const std::string& a : addresses) {
-    shards_.push_back(std::make_unique<ShardState>());
-    ShardState& st = *shards_.back();
+    states_.push_back(std::make_unique<ShardState>());
+    ShardState& st = *states_.back();
+    st.index = static_cast<uint32_t>(layout->shards.size());
+    st.count = static_cast<uint32_t>(addresses.size());
     st.addresses = net::SplitAddresses(a);
     st.address = st.addresses.front();
     if (st.addresses.size() > 1) has_standbys_.store(true);
+    layout->shards.push_back(&st);
   }
+  layout_ = std::move(layout);
   std::random_device random;
   client_id_ = (uint64_t{random()} << 32) ^ random() ^
                static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
 }
 
 Client::~Client() {
-  for (auto& s : shards_) {
+  for (auto& s : states_) {
     for (Conn& c : s->idle) net::CloseFd(c.fd);
   }
 }
 
-std::string Client::Context(size_t shard, const char* op) const {
-  std::lock_guard<std::mutex> lock(shards_[shard]->mu);
-  return "shard " + std::to_string(shard) + " (" + shards_[shard]->address + ") " + op;
+std::string Client::Context(const ShardState& shard, const char* op) const {
+  std::lock_guard<std::mutex> lock(shard.mu);
+  return "shard " + std::to_string(shard.index) + " (" + shard.address + ") " + op;
 }
 
 uint32_t Client::ShardOf(int64_t id) const {
-  return ShardOfBucket(BucketOf(id), static_cast<uint32_t>(shards_.size()));
+  return ShardOfBucket(BucketOf(id), static_cast<uint32_t>(num_shards()));
 }
 
 namespace {
@@ -59,7 +64,7 @@ namespace {
 // distinct id once: the position of its first occurrence, and every later
 // occurrence in `repeats` as (its position, the first's). One pass hashes each
 // id once, for the dedup table and its shard both.
-void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num_shards,
+void GroupByShard(const int64_t* ids, size_t n, size_t num_shards,
                   std::vector<std::vector<uint32_t>>* groups,
                   std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   groups->assign(num_shards, {});
@@ -69,9 +74,10 @@ void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num
     return;
   }
   for (auto& g : *groups) g.reserve(n / num_shards + n / 16 + 16);
+  const auto shards = static_cast<uint32_t>(num_shards);
   if (repeats == nullptr) {
     for (size_t i = 0; i < n; ++i) {
-      (*groups)[client.ShardOf(ids[i])].push_back(static_cast<uint32_t>(i));
+      (*groups)[ShardOfBucket(BucketOf(ids[i]), shards)].push_back(static_cast<uint32_t>(i));
     }
     return;
   }
@@ -84,7 +90,6 @@ void GroupByShard(const Client& client, const int64_t* ids, size_t n, size_t num
   std::vector<uint32_t>& firsts = scratch.firsts;
   firsts.clear();
   repeats->clear();
-  const auto shards = static_cast<uint32_t>(num_shards);
   scratch.dedup.Visit(
       ids, n,
       [&](size_t i, uint64_t hash, uint32_t) {
@@ -182,11 +187,13 @@ Status CheckBatch(size_t n, uint32_t dim) {
 
 }  // namespace
 
-Client::Call Client::RunCall(size_t shard, wire::Opcode opcode, size_t first, size_t end,
-                             size_t rows_per_frame, std::function<void(size_t, size_t)> fill,
+Client::Call Client::RunCall(size_t shard, ShardState* state, wire::Opcode opcode, size_t first,
+                             size_t end, size_t rows_per_frame,
+                             std::function<void(size_t, size_t)> fill,
                              const std::function<void(size_t, size_t, Call*)>& add_frame) {
   Call call;
   call.shard = shard;
+  call.state = state;
   call.opcode = opcode;
   call.rows_per_frame = rows_per_frame;
   call.first_row = first;
@@ -198,15 +205,16 @@ Client::Call Client::RunCall(size_t shard, wire::Opcode opcode, size_t first, si
   return call;
 }
 
-Status Client::Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups,
+Status Client::Route(const Layout& layout, const int64_t* ids, size_t n,
+                     std::vector<std::vector<uint32_t>>* groups,
                      std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   std::vector<ShardInfo> infos;  // greets every shard once
-  DLT_RETURN_IF_ERROR(GetShardInfos(&infos));
-  GroupByShard(*this, ids, n, shards_.size(), groups, repeats);
+  DLT_RETURN_IF_ERROR(GreetAll(layout, &infos));
+  GroupByShard(ids, n, layout.shards.size(), groups, repeats);
   return OkStatus();
 }
 
-Status Client::RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t prefix_bytes,
+Status Client::RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, size_t prefix_bytes,
                             size_t request_row_bytes, size_t reply_row_bytes, size_t* rows) {
   const uint32_t limit = FrameLimit(shard);
   size_t n = (limit - prefix_bytes) / request_row_bytes;
@@ -241,12 +249,18 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
   int backoff_ms = options_.retry_backoff_ms;
+  int layout_backoff_ms = options_.retry_backoff_ms;
   int retries = 0;
   bool stale_retried = false;
   bool any_reused = false;
-  Status s = PullOnce(table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
-  while (!s.ok() && s.code() == Code::kUnavailable) {
-    if (any_reused && !stale_retried) {
+  std::shared_ptr<const Layout> layout = CurrentLayout();
+  Status s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
+  while (!s.ok() && (s.code() == Code::kUnavailable || s.code() == Code::kAborted)) {
+    if (s.code() == Code::kAborted) {
+      // Re-sharded: again, routed by the newer layout once there is one.
+      if (!AwaitLayout(*layout, &layout_backoff_ms, deadline)) break;
+      layout = CurrentLayout();
+    } else if (any_reused && !stale_retried) {
       // A pooled connection that died while idle: once more at once.
       stale_retried = true;
     } else {
@@ -259,14 +273,14 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
       backoff_ms = has_standbys_ ? std::min(2 * backoff_ms, kFailoverBackoffMs) : 2 * backoff_ms;
       ++retries;
     }
-    s = PullOnce(table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
+    s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
   }
   return s;
 }
 
-Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                        PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent,
-                        bool* any_reused) {
+Status Client::PullOnce(const Layout& layout, const std::string& table, uint32_t dim,
+                        const int64_t* ids, size_t n, PullMode mode, uint32_t row_floats,
+                        float* out, bool dedup, size_t* sent, bool* any_reused) {
   *any_reused = false;
   if (sent != nullptr) *sent = 0;
   if (n == 0) return OkStatus();
@@ -274,19 +288,20 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
   // position and is copied to the later ones.
   std::vector<std::vector<uint32_t>> groups;
   std::vector<std::pair<uint32_t, uint32_t>> repeats;
-  DLT_RETURN_IF_ERROR(Route(ids, n, &groups, dedup ? &repeats : nullptr));
+  DLT_RETURN_IF_ERROR(Route(layout, ids, n, &groups, dedup ? &repeats : nullptr));
   // Each shard's ids in request order, gathered by the thread that sends them.
   CallCopies own;
   CallCopies& copies = CopiesFor(n * sizeof(int64_t), own);
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size());
   const size_t touched = Touched(groups);
-  for (size_t s = 0; s < shards_.size(); ++s) {
+  for (size_t s = 0; s < layout.shards.size(); ++s) {
     const std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
+    ShardState* state = layout.shards[s];
     size_t rows_per_frame;
-    DLT_RETURN_IF_ERROR(
-        RowsPerFrame(s, "Pull", dim, prefix_bytes, 8, size_t{4} * row_floats, &rows_per_frame));
+    DLT_RETURN_IF_ERROR(RowsPerFrame(*state, "Pull", dim, prefix_bytes, 8, size_t{4} * row_floats,
+                                     &rows_per_frame));
     // Consecutive runs of the shard's rows, a connection each.
     const size_t lanes = LanesFor(pos.size(), pos.size() * (8 + size_t{4} * row_floats), touched);
     const bool in_order = pos.size() == n;  // every id, each once, to this shard
@@ -302,7 +317,7 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     for (size_t lane = 0; lane < lanes; ++lane) {
       const size_t first = pos.size() * lane / lanes, end = pos.size() * (lane + 1) / lanes;
       if (first == end) continue;
-      Call call = RunCall(s, wire::Opcode::kPull, first, end, rows_per_frame, fill,
+      Call call = RunCall(s, state, wire::Opcode::kPull, first, end, rows_per_frame, fill,
                           [&](size_t begin, size_t count, Call* to) {
                             Call::Frame fr;
                             fr.prefix = wire::EncodePullPrefix(table, dim,
@@ -334,6 +349,9 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
     }
   }
   DLT_RETURN_IF_ERROR(Exchange(&calls, "Pull", any_reused));
+  for (const Call& call : calls) {
+    if (!call.refused.empty()) return call.refusal;  // pulled again whole
+  }
   if (sent != nullptr) *sent = n - repeats.size();
   const size_t w = row_floats;
   for (const auto& [at, first] : repeats) {
@@ -344,16 +362,19 @@ Status Client::PullOnce(const std::string& table, uint32_t dim, const int64_t* i
 
 Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
                     size_t n, float learning_rate) {
-  return SendRows(wire::Opcode::kPush, table, dim, ids, grads, n, learning_rate);
+  return SendRows(wire::Opcode::kPush, table, dim, ids, grads, n, learning_rate,
+                  Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms), nullptr);
 }
 
 Status Client::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* values, size_t n) {
-  return SendRows(wire::Opcode::kAssign, table, dim, ids, values, n, 0.0f);
+  return SendRows(wire::Opcode::kAssign, table, dim, ids, values, n, 0.0f,
+                  Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms), nullptr);
 }
 
 Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim,
-                        const int64_t* ids, const float* rows, size_t n, float learning_rate) {
+                        const int64_t* ids, const float* rows, size_t n, float learning_rate,
+                        Clock::time_point deadline, const PushId* frame_id) {
   const char* op = opcode == wire::Opcode::kPush ? "Push" : "Assign";
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
@@ -374,8 +395,19 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
                              ") holds a non-finite value; nothing sent");
     }
   }
+  std::shared_ptr<const Layout> layout = CurrentLayout();
   std::vector<std::vector<uint32_t>> groups;
-  DLT_RETURN_IF_ERROR(Route(ids, n, &groups));
+  int layout_backoff_ms = options_.retry_backoff_ms;
+  for (;;) {
+    const Status routed = Route(*layout, ids, n, &groups);
+    if (routed.code() != Code::kAborted) {
+      DLT_RETURN_IF_ERROR(routed);
+      break;
+    }
+    // A shard serves a newer layout: routed by it once it is known.
+    if (!AwaitLayout(*layout, &layout_backoff_ms, deadline)) return routed;
+    layout = CurrentLayout();
+  }
   // After the Hellos: whether pushes carry ids (and may be sent again).
   const bool identified = opcode == wire::Opcode::kPush && has_standbys_.load();
   // Each shard's ids and rows in request order, gathered by the thread that
@@ -383,25 +415,34 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   CallCopies own;
   CallCopies& copies = CopiesFor(n * (sizeof(int64_t) + sizeof(float) * dim), own);
   std::vector<Call> calls;
-  const size_t prefix_bytes =
-      wire::kTableRequestFixed + wire::PaddedNameBytes(table.size()) + (identified ? 16 : 0);
+  const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size()) +
+                              (identified || frame_id != nullptr ? 16 : 0);
   const size_t touched = Touched(groups);
   const size_t row_bytes = sizeof(float) * dim;
-  for (size_t s = 0; s < shards_.size(); ++s) {
+  for (size_t s = 0; s < layout->shards.size(); ++s) {
     std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
+    ShardState* state = layout->shards[s];
     size_t rows_per_frame;
-    DLT_RETURN_IF_ERROR(RowsPerFrame(s, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
+    DLT_RETURN_IF_ERROR(
+        RowsPerFrame(*state, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
+    if (frame_id != nullptr && rows_per_frame < pos.size()) {
+      return ResourceExhausted(Context(*state, op) + ": a refused frame's " +
+                               std::to_string(pos.size()) +
+                               " rows exceed the frame limit of the shard they now route to");
+    }
     // A shard sums an id's rows within a frame (Keras Adagrad squares each
     // one): every occurrence of an id goes to the same connection, so what
-    // a push does never depends on how it was split.
-    const size_t lanes = LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
+    // a push does never depends on how it was split. A refused frame sent
+    // again goes whole, under its id.
+    const size_t lanes =
+        frame_id != nullptr ? 1 : LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
     const std::vector<size_t> starts =
         lanes > 1 ? SplitById(ids, lanes, &pos) : std::vector<size_t>{0, pos.size()};
     const int64_t* ids_ptr = ids;
     const float* rows_ptr = rows;
     std::function<void(size_t, size_t)> fill;
-    if (shards_.size() > 1 || lanes > 1) {
+    if (layout->shards.size() > 1 || lanes > 1) {
       int64_t* to_ids = copies.Get<int64_t>(2 * s, pos.size());
       float* to_rows = copies.Get<float>(2 * s + 1, pos.size() * dim);
       ids_ptr = to_ids;
@@ -417,14 +458,17 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
       const size_t first = starts[lane], end = starts[lane + 1];
       if (first == end) continue;
       Call call = RunCall(
-          s, opcode, first, end, rows_per_frame, fill, [&](size_t begin, size_t count, Call* to) {
+          s, state, opcode, first, end, rows_per_frame, fill,
+          [&](size_t begin, size_t count, Call* to) {
             Call::Frame fr;
             // To shards with standbys each push frame carries an id, so it
             // can be sent again (below) and is applied once.
-            const PushId id{client_id_, next_push_seq_.fetch_add(1)};
+            fr.id =
+                frame_id != nullptr ? *frame_id : PushId{client_id_, next_push_seq_.fetch_add(1)};
+            const bool with_id = identified || frame_id != nullptr;
             fr.prefix = opcode == wire::Opcode::kPush
                             ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count),
-                                                     learning_rate, identified ? &id : nullptr)
+                                                     learning_rate, with_id ? &fr.id : nullptr)
                             : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
             fr.body[0] = ids_ptr + begin;
             fr.body_bytes[0] = count * 8;
@@ -444,21 +488,47 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   }
   bool any_reused = false;
   Status sent = Exchange(&calls, op, &any_reused);
-  if (!identified) return sent;
-  // A shard's primary died or lost its standby: the same frames again, to
-  // whichever address greets, until the deadline. Frames a shard applied
-  // before are answered without being applied twice (their ids).
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
-  int backoff_ms = options_.retry_backoff_ms;
-  while (sent.code() == Code::kUnavailable) {
-    const auto wake = std::chrono::steady_clock::now() + std::chrono::milliseconds(backoff_ms);
-    if (wake >= deadline) break;
-    std::this_thread::sleep_until(wake);
-    backoff_ms = std::min(2 * backoff_ms, kFailoverBackoffMs);
-    sent = Exchange(&calls, op, &any_reused);
+  if (identified) {
+    // A shard's primary died or lost its standby: the same frames again, to
+    // whichever address greets, until the deadline. Frames a shard applied
+    // before are answered without being applied twice (their ids).
+    int backoff_ms = options_.retry_backoff_ms;
+    while (sent.code() == Code::kUnavailable) {
+      const auto wake = Clock::now() + std::chrono::milliseconds(backoff_ms);
+      if (wake >= deadline) break;
+      std::this_thread::sleep_until(wake);
+      backoff_ms = std::min(2 * backoff_ms, kFailoverBackoffMs);
+      sent = Exchange(&calls, op, &any_reused);
+    }
   }
-  return sent;
+  DLT_RETURN_IF_ERROR(sent);
+  // Frames a shard refused unapplied (a re-shard's switch) go again, each
+  // routed by the newer layout once there is one, under its own id: a frame
+  // in doubt before (sent again above) that its shard applied is known by
+  // that id to whichever shard holds its rows now.
+  bool waited = false;
+  for (const Call& call : calls) {
+    for (size_t f : call.refused) {
+      if (!waited) {
+        if (!AwaitLayout(*layout, &layout_backoff_ms, deadline)) return call.refusal;
+        waited = true;
+      }
+      const size_t begin = call.first_row + f * call.rows_per_frame;
+      const size_t count = std::min(call.rows_per_frame, call.first_row + call.num_rows - begin);
+      const std::vector<uint32_t>& pos = groups[call.shard];
+      std::vector<int64_t> again_ids(count);
+      std::vector<float> again_rows(count * dim);
+      for (size_t k = 0; k < count; ++k) {
+        again_ids[k] = ids[pos[begin + k]];
+        std::memcpy(&again_rows[k * dim], rows + size_t{pos[begin + k]} * dim, row_bytes);
+      }
+      const bool with_id = identified || frame_id != nullptr;
+      DLT_RETURN_IF_ERROR(SendRows(opcode, table, dim, again_ids.data(), again_rows.data(), count,
+                                   learning_rate, deadline,
+                                   with_id ? &call.frames[f].id : nullptr));
+    }
+  }
+  return OkStatus();
 }
 
 }  // namespace dlt

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "native/core/pull_mode.h"
+#include "native/core/push_ledger.h"
 #include "native/core/status.h"
 #include "native/net/buffer.h"
 #include "native/net/wire.h"
@@ -77,7 +78,11 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  size_t num_shards() const { return shards_.size(); }
+  // The shards of the layout this client routes by, and its epoch (1 until
+  // it met a re-shard: then it follows the shards' layout,
+  // docs/replication.md).
+  size_t num_shards() const;
+  uint64_t layout_epoch() const;
   const ClientOptions& options() const { return options_; }
 
   // Says Hello to every shard (if not done yet) and returns what they said.
@@ -100,7 +105,10 @@ class Client {
   // Sends gradients ([n, dim]) to the owning shards. Not retried: the shard
   // may have applied it; except when shards list standbys: then each frame
   // carries an id, and a push that met UNAVAILABLE is sent again (until the
-  // request deadline), the shards applying each frame once.
+  // request deadline), the shards applying each frame once. Frames a shard
+  // refused unapplied (ABORTED: a re-shard's switch) are sent again, routed
+  // by the newer layout once the shards have one, until the deadline; so
+  // are pulls.
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate);
 
@@ -114,6 +122,7 @@ class Client {
 
  private:
   struct ShardState;
+  struct Layout;
   struct Call;
   // A connection with its receive buffer, kept together in the pool so big
   // replies do not cost fresh memory on every call.
@@ -127,27 +136,42 @@ class Client {
   // A pooled connection that is still open, or a new one (connected and
   // greeted; a Hello refused with RESOURCE_EXHAUSTED is retried with backoff
   // within the connect timeout).
-  Status Acquire(size_t shard, Conn* conn);
+  Status Acquire(ShardState& shard, Conn* conn);
   // Connects to the shard's current address, else to its others in order
   // (those that are down or standbys answer UNAVAILABLE).
-  Status Connect(size_t shard, int* fd);
-  Status ConnectTo(size_t shard, const std::string& address, int* fd, wire::HelloReply* reply);
-  void Release(size_t shard, Conn conn);
-  // Says Hello on `fd` (to `address`): checks the shard's place, refuses
-  // (UNAVAILABLE) a copy older than one met before, learns the standbys it
-  // names.
-  Status Hello(size_t shard, const std::string& address, int fd, wire::HelloReply* reply);
+  Status Connect(ShardState& shard, int* fd);
+  Status ConnectTo(ShardState& shard, const std::string& address, int* fd, wire::HelloReply* reply);
+  void Release(ShardState& shard, Conn conn);
+  // Says Hello on `fd` (to `address`): checks the shard's place (ABORTED
+  // when it serves a newer layout), refuses (UNAVAILABLE) a copy older than
+  // one met before, learns the standbys it names.
+  Status Hello(ShardState& shard, const std::string& address, int fd, wire::HelloReply* reply);
   // Uses `address` for `shard` from now on, with what its Hello said.
-  void Adopt(size_t shard, const std::string& address, const wire::HelloReply& reply);
-  uint32_t FrameLimit(size_t shard);
-  // Greets every shard (once) and groups the positions of `ids` by shard;
-  // with `repeats`, each distinct id once (GroupByShard in client.cc).
-  Status Route(const int64_t* ids, size_t n, std::vector<std::vector<uint32_t>>* groups,
+  void Adopt(ShardState& shard, const std::string& address, const wire::HelloReply& reply);
+  uint32_t FrameLimit(ShardState& shard);
+  // The layout calls route by now.
+  std::shared_ptr<const Layout> CurrentLayout() const;
+  // After a shard refused a request of layout `seen` (ABORTED): asks the
+  // shards for their layout and routes by a newer one from now on. OK when
+  // a layout newer than `seen` is in use (learned here or by another call);
+  // ABORTED when none is known yet (the switch is under way).
+  Status LearnLayout(const Layout& seen);
+  // Waits before sending refused requests again: none when a newer layout
+  // was learned; else `*backoff_ms`, doubling to kFailoverBackoffMs. False
+  // when the deadline would pass.
+  bool AwaitLayout(const Layout& seen, int* backoff_ms,
+                   std::chrono::steady_clock::time_point deadline);
+  // Greets every shard of `layout` (once) and groups the positions of `ids`
+  // by shard; with `repeats`, each distinct id once (GroupByShard in
+  // client.cc).
+  Status Route(const Layout& layout, const int64_t* ids, size_t n,
+               std::vector<std::vector<uint32_t>>* groups,
                std::vector<std::pair<uint32_t, uint32_t>>* repeats = nullptr);
+  Status GreetAll(const Layout& layout, std::vector<ShardInfo>* infos);
   // The most rows per frame to `shard` whose request (prefix_bytes plus
   // request_row_bytes per row) and reply (reply_row_bytes per row, 0: none)
   // fit its frame limit.
-  Status RowsPerFrame(size_t shard, const char* op, uint32_t dim, size_t prefix_bytes,
+  Status RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, size_t prefix_bytes,
                       size_t request_row_bytes, size_t reply_row_bytes, size_t* rows);
   // Sends every call's frames and receives their replies: the calls at once
   // on threads of their own when they are large enough to pay for it
@@ -161,21 +185,28 @@ class Client {
   // A call for rows [first, end) of `shard`'s part, on a connection of its
   // own: frames of at most `rows_per_frame` rows, each appended by
   // add_frame(its first row, its rows, the call).
-  static Call RunCall(size_t shard, wire::Opcode opcode, size_t first, size_t end,
-                      size_t rows_per_frame, std::function<void(size_t, size_t)> fill,
+  static Call RunCall(size_t shard, ShardState* state, wire::Opcode opcode, size_t first,
+                      size_t end, size_t rows_per_frame, std::function<void(size_t, size_t)> fill,
                       const std::function<void(size_t, size_t, Call*)>& add_frame);
+  // Push and Assign until `deadline`. With `frame_id`, the rows were one
+  // frame a shard refused: each shard's part goes in one frame with that id.
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
-                  const float* rows, size_t n, float learning_rate);
+                  const float* rows, size_t n, float learning_rate,
+                  std::chrono::steady_clock::time_point deadline, const PushId* frame_id);
   // Pull and PullState: rows of `row_floats` floats, retried.
   Status PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                   PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent);
-  Status PullOnce(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
-                  PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent,
-                  bool* any_reused);
-  std::string Context(size_t shard, const char* op) const;
+  Status PullOnce(const Layout& layout, const std::string& table, uint32_t dim, const int64_t* ids,
+                  size_t n, PullMode mode, uint32_t row_floats, float* out, bool dedup,
+                  size_t* sent, bool* any_reused);
+  std::string Context(const ShardState& shard, const char* op) const;
 
   const ClientOptions options_;
-  std::vector<std::unique_ptr<ShardState>> shards_;
+  // Every shard this client met, by layout (a re-shard's makes new ones);
+  // guarded by layout_mu_, which also orders writes of layout_.
+  std::mutex layout_mu_;
+  std::vector<std::unique_ptr<ShardState>> states_;
+  std::shared_ptr<const Layout> layout_;   // std::atomic_load / atomic_store only
   std::atomic<bool> has_standbys_{false};  // some shard lists standbys (given or learned)
   // Ids of pushes to shards with standbys: this client's, and the next frame's.
   uint64_t client_id_ = 0;

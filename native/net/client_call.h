@@ -16,14 +16,23 @@
 namespace dlt {
 
 struct Client::ShardState {
+  // Its place in its layout.
+  uint32_t index = 0, count = 0;
+  uint64_t layout_epoch = 1;
   // The shard's primary, then its standbys (an address "a|b|c").
   std::vector<std::string> addresses;
-  std::mutex mu;
+  mutable std::mutex mu;
   std::string address;     // the one last connected to (first: the primary); guarded by mu
   std::vector<Conn> idle;  // guarded by mu
   bool greeted = false;    // guarded by mu
   uint64_t epoch = 0;      // the newest copy's met; guarded by mu
   ShardInfo info;          // guarded by mu
+};
+
+// The shards calls route by (a re-shard's switch brings a new one).
+struct Client::Layout {
+  uint64_t epoch = 1;
+  std::vector<ShardState*> shards;  // owned by Client::states_
 };
 
 // One shard's part of an exchange: frames to send, a handler for replies.
@@ -34,13 +43,19 @@ struct Client::Call {
     const void* body[2] = {nullptr, nullptr};
     size_t body_bytes[2] = {0, 0};
     size_t reply_bytes = 0;  // the payload its reply must have
+    PushId id;               // an identified push frame's
     size_t Bytes() const {
       return wire::kHeaderBytes + prefix.size() + body_bytes[0] + body_bytes[1];
     }
   };
-  size_t shard = 0;
+  size_t shard = 0;  // its index in the call's layout
+  ShardState* state = nullptr;
   wire::Opcode opcode = wire::Opcode::kPull;
   std::vector<Frame> frames;
+  // Frames the shard refused unapplied (ABORTED), and why: sent again once
+  // routed by a newer layout.
+  std::vector<size_t> refused;
+  Status refusal;
   uint64_t first_request_id = 0;
   // The call carries rows [first_row, first_row + num_rows) of the shard's
   // part (its connection's run of them), frame f the rows from first_row +

@@ -21,24 +21,28 @@ namespace dlt {
 
 using net::Clock;
 
-Status Client::Hello(size_t shard, const std::string& address, int fd, wire::HelloReply* reply) {
+Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::HelloReply* reply) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   DLT_RETURN_IF_ERROR(
       net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply));
-  if (reply->num_shards != shards_.size() || reply->shard_index != shard) {
-    return FailedPrecondition("server says it is shard " + std::to_string(reply->shard_index) +
+  if (reply->num_shards != st.count || reply->shard_index != st.index) {
+    const std::string place = "server says it is shard " + std::to_string(reply->shard_index) +
                               " of " + std::to_string(reply->num_shards) +
-                              ", but the client lists it as shard " + std::to_string(shard) +
-                              " of " + std::to_string(shards_.size()) +
-                              "; list the shard addresses in shard-index order");
+                              ", but the client lists it as shard " + std::to_string(st.index) +
+                              " of " + std::to_string(st.count);
+    if (reply->layout_epoch > st.layout_epoch) {
+      // Re-sharded since this client learned its layout: it learns the new one.
+      return Aborted(place + " of layout epoch " + std::to_string(st.layout_epoch) +
+                     "; the server is at layout epoch " + std::to_string(reply->layout_epoch));
+    }
+    return FailedPrecondition(place + "; list the shard addresses in shard-index order");
   }
-  ShardState& st = *shards_[shard];
   std::lock_guard<std::mutex> lock(st.mu);
   if (reply->epoch < st.epoch) {
     // A primary that came back after its standby took over, or one cut off
     // from clients that moved on: never the copy to use.
-    return Unavailable("shard " + std::to_string(shard) + " at " + address + " is at epoch " +
+    return Unavailable("shard " + std::to_string(st.index) + " at " + address + " is at epoch " +
                        std::to_string(reply->epoch) + ", older than epoch " +
                        std::to_string(st.epoch) + " this client met: its standby took over");
   }
@@ -58,8 +62,7 @@ Status Client::Hello(size_t shard, const std::string& address, int fd, wire::Hel
   return OkStatus();
 }
 
-void Client::Adopt(size_t shard, const std::string& address, const wire::HelloReply& reply) {
-  ShardState& st = *shards_[shard];
+void Client::Adopt(ShardState& st, const std::string& address, const wire::HelloReply& reply) {
   std::lock_guard<std::mutex> lock(st.mu);
   st.address = address;
   st.info.address = address;
@@ -90,8 +93,7 @@ bool ClosedWhileIdle(int fd) {
 
 }  // namespace
 
-Status Client::Acquire(size_t shard, Conn* conn) {
-  ShardState& st = *shards_[shard];
+Status Client::Acquire(ShardState& st, Conn* conn) {
   const int64_t now = NowMs();
   for (;;) {
     Conn pooled;
@@ -110,14 +112,13 @@ Status Client::Acquire(size_t shard, Conn* conn) {
     return OkStatus();
   }
   int fd = -1;
-  DLT_RETURN_IF_ERROR(Connect(shard, &fd));
+  DLT_RETURN_IF_ERROR(Connect(st, &fd));
   conn->fd = fd;
   conn->reused = false;
   return OkStatus();
 }
 
-Status Client::Connect(size_t shard, int* out_fd) {
-  ShardState& st = *shards_[shard];
+Status Client::Connect(ShardState& st, int* out_fd) {
   std::vector<std::string> addresses;
   std::string current;
   bool first;
@@ -138,7 +139,7 @@ Status Client::Connect(size_t shard, int* out_fd) {
     for (const std::string& address : addresses) {
       int fd = -1;
       wire::HelloReply r;
-      const Status s = ConnectTo(shard, address, &fd, &r);
+      const Status s = ConnectTo(st, address, &fd, &r);
       if (!s.ok()) {
         if (s.code() != Code::kUnavailable) {
           if (best >= 0) net::CloseFd(best);
@@ -158,22 +159,22 @@ Status Client::Connect(size_t shard, int* out_fd) {
       current = address;
     }
     if (best < 0) return last;
-    Adopt(shard, current, reply);
+    Adopt(st, current, reply);
     *out_fd = best;
     return OkStatus();
   }
-  Status s = ConnectTo(shard, current, out_fd, &reply);
-  if (s.ok()) Adopt(shard, current, reply);
+  Status s = ConnectTo(st, current, out_fd, &reply);
+  if (s.ok()) Adopt(st, current, reply);
   for (const std::string& other : addresses) {
     if (s.ok() || s.code() != Code::kUnavailable) break;
     if (other == current) continue;
-    s = ConnectTo(shard, other, out_fd, &reply);
-    if (s.ok()) Adopt(shard, other, reply);
+    s = ConnectTo(st, other, out_fd, &reply);
+    if (s.ok()) Adopt(st, other, reply);
   }
   return s;
 }
 
-Status Client::ConnectTo(size_t shard, const std::string& address, int* out_fd,
+Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,
                          wire::HelloReply* reply) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
@@ -188,7 +189,7 @@ Status Client::ConnectTo(size_t shard, const std::string& address, int* out_fd,
       }
       return s.WithContext("connect");
     }
-    s = Hello(shard, address, fd, reply);
+    s = Hello(st, address, fd, reply);
     if (s.ok()) {
       *out_fd = fd;
       return OkStatus();
@@ -208,8 +209,7 @@ Status Client::ConnectTo(size_t shard, const std::string& address, int* out_fd,
   }
 }
 
-void Client::Release(size_t shard, Conn conn) {
-  ShardState& st = *shards_[shard];
+void Client::Release(ShardState& st, Conn conn) {
   conn.idle_since_ms = NowMs();
   std::lock_guard<std::mutex> lock(st.mu);
   // Connections idle too long go first (the pool is used from its back).
@@ -226,30 +226,113 @@ void Client::Release(size_t shard, Conn conn) {
   }
 }
 
-uint32_t Client::FrameLimit(size_t shard) {
-  ShardState& st = *shards_[shard];
+uint32_t Client::FrameLimit(ShardState& st) {
   std::lock_guard<std::mutex> lock(st.mu);
   return std::min(options_.frame_bytes, st.info.max_frame_bytes);
 }
 
 Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
+  const std::shared_ptr<const Layout> layout = CurrentLayout();
+  return GreetAll(*layout, infos);
+}
+
+Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
   infos->clear();
-  for (size_t i = 0; i < shards_.size(); ++i) {
+  for (ShardState* st : layout.shards) {
     bool greeted;
     {
-      std::lock_guard<std::mutex> lock(shards_[i]->mu);
-      greeted = shards_[i]->greeted;
+      std::lock_guard<std::mutex> lock(st->mu);
+      greeted = st->greeted;
     }
     if (!greeted) {
       Conn conn;
-      Status s = Acquire(i, &conn);
-      if (!s.ok()) return s.WithContext(Context(i, "Hello"));
-      Release(i, std::move(conn));
+      Status s = Acquire(*st, &conn);
+      if (!s.ok()) return s.WithContext(Context(*st, "Hello"));
+      Release(*st, std::move(conn));
     }
-    std::lock_guard<std::mutex> lock(shards_[i]->mu);
-    infos->push_back(shards_[i]->info);
+    std::lock_guard<std::mutex> lock(st->mu);
+    infos->push_back(st->info);
   }
   return OkStatus();
+}
+
+std::shared_ptr<const Client::Layout> Client::CurrentLayout() const {
+  return std::atomic_load(&layout_);
+}
+
+size_t Client::num_shards() const { return CurrentLayout()->shards.size(); }
+
+uint64_t Client::layout_epoch() const { return CurrentLayout()->epoch; }
+
+Status Client::LearnLayout(const Layout& seen) {
+  std::lock_guard<std::mutex> lock(layout_mu_);
+  if (CurrentLayout()->epoch > seen.epoch) return OkStatus();  // another call learned it
+  // The newest layout any shard of the one in use serves.
+  uint64_t epoch = seen.epoch;
+  std::string addresses;
+  for (const ShardState* st : seen.shards) {
+    std::vector<std::string> candidates;
+    {
+      std::lock_guard<std::mutex> st_lock(st->mu);
+      candidates = st->addresses;
+    }
+    for (const std::string& address : candidates) {
+      const Clock::time_point deadline =
+          Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+      int fd = -1;
+      if (!net::Connect(address, deadline, &fd).ok()) continue;
+      wire::HelloReply reply;
+      const Status s =
+          net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, &reply);
+      net::CloseFd(fd);
+      if (s.ok() && reply.layout_epoch > epoch && !reply.layout.empty()) {
+        epoch = reply.layout_epoch;
+        addresses = reply.layout;
+      }
+    }
+  }
+  if (epoch == seen.epoch) {
+    return Aborted("no shard serves a layout newer than epoch " + std::to_string(seen.epoch) +
+                   " yet");
+  }
+  auto next = std::make_shared<Layout>();
+  next->epoch = epoch;
+  std::vector<std::string> entries;
+  for (size_t from = 0; from <= addresses.size();) {
+    size_t comma = addresses.find(',', from);
+    if (comma == std::string::npos) comma = addresses.size();
+    entries.push_back(addresses.substr(from, comma - from));
+    from = comma + 1;
+  }
+  for (size_t j = 0; j < entries.size(); ++j) {
+    auto st = std::make_unique<ShardState>();
+    st->index = static_cast<uint32_t>(j);
+    st->count = static_cast<uint32_t>(entries.size());
+    st->layout_epoch = epoch;
+    st->addresses = net::SplitAddresses(entries[j]);
+    st->address = st->addresses.front();
+    if (st->addresses.size() > 1) has_standbys_.store(true);
+    next->shards.push_back(st.get());
+    states_.push_back(std::move(st));
+  }
+  std::atomic_store(&layout_, std::shared_ptr<const Layout>(std::move(next)));
+  // The old layout's idle connections are of no more use.
+  for (ShardState* st : seen.shards) {
+    std::lock_guard<std::mutex> st_lock(st->mu);
+    for (Conn& c : st->idle) net::CloseFd(c.fd);
+    st->idle.clear();
+  }
+  return OkStatus();
+}
+
+bool Client::AwaitLayout(const Layout& seen, int* backoff_ms, Clock::time_point deadline) {
+  if (LearnLayout(seen).ok()) return Clock::now() < deadline;
+  // The switch is under way: writes are held, and the new layout comes soon.
+  const Clock::time_point wake = Clock::now() + std::chrono::milliseconds(*backoff_ms);
+  if (wake >= deadline) return false;
+  std::this_thread::sleep_until(wake);
+  *backoff_ms = std::min(2 * *backoff_ms, kFailoverBackoffMs);
+  return true;
 }
 
 }  // namespace dlt

@@ -171,6 +171,9 @@ Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reus
     status[g] = ExchangeOn(groups[g].data(), groups[g].size(), op, deadline, &r);
     reused[g] = r;
   });
+  // The calls come back in their order: a push whose shard failed over is
+  // sent again, and refused frames are found in them.
+  for (size_t c = 0; c < calls->size(); ++c) (*calls)[c] = std::move(groups[c % loops][c / loops]);
   *any_reused = std::find(reused.begin(), reused.end(), 1) != reused.end();
   for (const Status& s : status) {
     if (!s.ok()) return s;
@@ -183,6 +186,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
   *any_reused = false;
   for (size_t c = 0; c < count; ++c) {
     if (calls[c].fill) calls[c].fill(calls[c].first_row, calls[c].first_row + calls[c].num_rows);
+    calls[c].refused.clear();
   }
   std::vector<Io> io(count);
   auto close_all = [&]() {
@@ -194,10 +198,19 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
   for (size_t c = 0; c < count; ++c) {
     Call& call = calls[c];
     Conn conn;
-    Status s = Acquire(call.shard, &conn);
+    Status s = Acquire(*call.state, &conn);
     if (!s.ok()) {
       close_all();
-      return s.WithContext(Context(call.shard, op));
+      s = s.WithContext(Context(*call.state, op));
+      if (s.code() != Code::kAborted) return s;
+      // The shard serves a newer layout: no frame of these calls was sent,
+      // so all are refused, to be sent again routed by it.
+      for (size_t k = 0; k < count; ++k) {
+        calls[k].refused.resize(calls[k].frames.size());
+        for (size_t f = 0; f < calls[k].frames.size(); ++f) calls[k].refused[f] = f;
+        calls[k].refusal = s;
+      }
+      return OkStatus();
     }
     io[c].fd = conn.fd;
     io[c].payload = std::move(conn.buffer);
@@ -229,7 +242,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
       for (size_t c = 0; c < count; ++c) {
         if (io[c].replies < calls[c].frames.size()) {
           close_all();
-          return DeadlineExceeded(Context(calls[c].shard, op) + ": no reply within " +
+          return DeadlineExceeded(Context(*calls[c].state, op) + ": no reply within " +
                                   std::to_string(options_.request_timeout_ms) + " ms");
         }
       }
@@ -240,7 +253,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
       if (fds[c].fd < 0 || fds[c].revents == 0) continue;
       auto fail = [&](const Status& s) {
         close_all();
-        return s.WithContext(Context(call.shard, op));
+        return s.WithContext(Context(*call.state, op));
       };
       if ((fds[c].revents & (POLLOUT | POLLERR)) && x.send_frame < call.frames.size() &&
           x.send_error.ok()) {
@@ -344,12 +357,16 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
         x.header_got = 0;
         const uint8_t* p = x.payload.data();
         const size_t bytes = x.frame.payload_bytes;
-        if (x.frame.opcode == wire::Opcode::kError) {
-          return fail(wire::DecodeError(p, bytes));
-        }
         const size_t f = x.frame.request_id - call.first_request_id;
+        if (x.frame.opcode == wire::Opcode::kError) {
+          const Status error = wire::DecodeError(p, bytes);
+          if (error.code() != Code::kAborted) return fail(error);
+          // Refused unapplied (a re-shard's switch): the caller sends it again.
+          call.refused.push_back(f);
+          call.refusal = error.WithContext(Context(*call.state, op));
+        }
         x.answered[f] = true;
-        if (!x.direct) {
+        if (!x.direct && x.frame.opcode != wire::Opcode::kError) {
           Status s = call.on_reply(f, p, bytes);
           if (!s.ok()) return fail(s);
         }
@@ -364,7 +381,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
     Conn conn;
     conn.fd = io[c].fd;
     conn.buffer = std::move(io[c].payload);
-    Release(calls[c].shard, std::move(conn));
+    Release(*calls[c].state, std::move(conn));
   }
   return OkStatus();
 }

@@ -59,7 +59,9 @@ Status SayHello(int fd, const std::string& token, uint16_t flags, uint64_t reque
   const std::string payload = wire::EncodeHelloRequest(request);
   const bool topology = flags & wire::kFlagTopology;
   const size_t max_reply =
-      wire::kHelloReplyBytes + (topology ? wire::kHelloTopologyFixed + wire::kMaxStandbysBytes : 0);
+      wire::kHelloReplyBytes + (topology ? wire::kHelloTopologyFixed + wire::kMaxStandbysBytes +
+                                               wire::kHelloLayoutFixed + wire::kMaxLayoutBytes
+                                         : 0);
   std::string body;
   DLT_RETURN_IF_ERROR(CallFrame(fd, wire::Opcode::kHello, request_id, payload.data(),
                                 payload.size(), max_reply, deadline, &body, flags));

@@ -145,6 +145,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     out.admin_port = admin_port_.load();
     out.max_frame_bytes = max_frame_bytes_;
     out.epoch = shard_->epoch();
+    out.layout_epoch = shard_->layout_epoch();
+    out.layout = shard_->layout_addresses();
     {
       std::lock_guard<std::mutex> lock(staged_mu_);
       out.standbys = standbys_;

@@ -188,19 +188,38 @@ std::string EncodeHelloReply(const HelloReply& r, bool topology) {
     const bool fits = r.standbys.size() <= kMaxStandbysBytes;
     Append<uint32_t>(&out, fits ? static_cast<uint32_t>(r.standbys.size()) : 0);
     if (fits) out.append(r.standbys);
+    Append<uint64_t>(&out, r.layout_epoch);
+    const bool layout_fits = r.layout.size() <= kMaxLayoutBytes;
+    Append<uint32_t>(&out, layout_fits ? static_cast<uint32_t>(r.layout.size()) : 0);
+    if (layout_fits) out.append(r.layout);
   }
   return out;
 }
 
 Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r, bool topology) {
   const size_t fixed = kHelloReplyBytes + (topology ? kHelloTopologyFixed : 0);
-  if (bytes < fixed || (!topology && bytes != fixed) ||
-      (topology && bytes - fixed != Get<uint32_t>(p, kHelloReplyBytes + 8))) {
+  const auto malformed = [&] {
     return Internal("Hello reply of " + std::to_string(bytes) + " bytes is malformed");
-  }
+  };
+  if (bytes < fixed || (!topology && bytes != fixed)) return malformed();
+  r->layout_epoch = 1;
+  r->layout.clear();
   if (topology) {
     r->epoch = Get<uint64_t>(p, kHelloReplyBytes);
-    r->standbys.assign(reinterpret_cast<const char*>(p) + fixed, bytes - fixed);
+    const size_t standbys = Get<uint32_t>(p, kHelloReplyBytes + 8);
+    if (bytes - fixed < standbys) return malformed();
+    r->standbys.assign(reinterpret_cast<const char*>(p) + fixed, standbys);
+    // The layout part, when the server has one.
+    const size_t at = fixed + standbys;
+    if (bytes != at) {
+      if (bytes - at < kHelloLayoutFixed ||
+          bytes - at - kHelloLayoutFixed != Get<uint32_t>(p, at + 8)) {
+        return malformed();
+      }
+      r->layout_epoch = Get<uint64_t>(p, at);
+      r->layout.assign(reinterpret_cast<const char*>(p) + at + kHelloLayoutFixed,
+                       bytes - at - kHelloLayoutFixed);
+    }
   }
   r->protocol_version = Get<uint32_t>(p, 0);
   r->shard_index = Get<uint32_t>(p, 4);

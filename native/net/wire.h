@@ -89,9 +89,16 @@ struct HelloReply {
   // u32 bytes, then the addresses of its standbys, '|' between them.
   uint64_t epoch = 0;
   std::string standbys;
+  // Then the layout (live re-sharding): u64 layout epoch (1 until a
+  // re-shard), u32 bytes, then its shards' addresses, ',' between them (""
+  // until a re-shard). Absent from replies of servers that predate it.
+  uint64_t layout_epoch = 1;
+  std::string layout;
 };
 inline constexpr size_t kHelloTopologyFixed = 12;
 inline constexpr size_t kMaxStandbysBytes = 4096;
+inline constexpr size_t kHelloLayoutFixed = 12;
+inline constexpr size_t kMaxLayoutBytes = 65536;
 
 std::string EncodeHelloRequest(const HelloRequest& request);
 Status DecodeHelloRequest(const uint8_t* payload, size_t bytes, HelloRequest* request);

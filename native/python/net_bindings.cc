@@ -59,6 +59,44 @@ void BindNet(py::module_& m) {
       .def_property_readonly("max_connections", &DataServer::max_connections)
       .def_property_readonly("worker_threads", &DataServer::worker_threads)
       .def("set_admin_port", &DataServer::set_admin_port)
+      // Live re-sharding (docs/replication.md).
+      .def(
+          "reshard_prepare",
+          [](DataServer& s, uint32_t shard_index, uint32_t num_shards) {
+            if (num_shards == 0 || num_shards > kNumBuckets || shard_index > num_shards) {
+              Raise(InvalidArgument("shard " + std::to_string(shard_index) + " of " +
+                                    std::to_string(num_shards) +
+                                    " is not a shard (its index may equal the count: none)"));
+            }
+            return s.reshard_target().Prepare(std::make_shared<Shard>(shard_index, num_shards));
+          },
+          py::arg("shard_index"), py::arg("num_shards"))
+      .def("reshard_clear", [](DataServer& s) { s.reshard_target().Clear(); })
+      .def_property_readonly(
+          "reshard_prepared",
+          [](DataServer& s) {
+            const std::shared_ptr<Shard> next = s.reshard_target().next();
+            return next == nullptr
+                       ? py::object(py::none())
+                       : py::object(py::make_tuple(next->shard_index(), next->num_shards()));
+          })
+      .def(
+          "hold_writes",
+          [](DataServer& s, bool hold, int timeout_ms) {
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.HoldWrites(hold, timeout_ms);
+            }
+            Check(st);
+          },
+          py::arg("hold"), py::arg("timeout_ms") = 10000)
+      .def(
+          "switch_layout",
+          [](DataServer& s, uint64_t layout_epoch, const std::string& addresses) {
+            Check(s.SwitchLayout(layout_epoch, addresses));
+          },
+          py::arg("layout_epoch"), py::arg("addresses"))
       .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
       .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });
 
@@ -87,6 +125,8 @@ void BindNet(py::module_& m) {
         d["max_frame_bytes"] = reply.max_frame_bytes;
         d["epoch"] = reply.epoch;
         d["standbys"] = reply.standbys;
+        d["layout_epoch"] = reply.layout_epoch;
+        d["layout"] = reply.layout;
         return d;
       },
       py::arg("address"), py::arg("auth_token") = "", py::arg("timeout_ms") = 5000,
@@ -96,20 +136,22 @@ void BindNet(py::module_& m) {
 
   py::class_<Replicator, std::shared_ptr<Replicator>>(m, "Replicator")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& standby,
-                       const std::string& auth_token, bool sync, int io_timeout_ms,
-                       int interval_ms) {
+                       const std::string& auth_token, bool sync, int io_timeout_ms, int interval_ms,
+                       bool range_stream) {
              if (io_timeout_ms <= 0 || interval_ms <= 0) {
                Raise(InvalidArgument("io_timeout_ms and interval_ms must be positive"));
              }
              ReplicatorOptions o;
              o.auth_token = auth_token;
-             o.sync = sync;
+             o.sync = sync && !range_stream;
              o.io_timeout_ms = io_timeout_ms;
              o.interval_ms = interval_ms;
+             o.range_stream = range_stream;
              return std::make_shared<Replicator>(std::move(shard), standby, o);
            }),
            py::arg("shard"), py::arg("standby"), py::arg("auth_token") = "", py::arg("sync") = true,
-           py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10)
+           py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
+           py::arg("range_stream") = false)
       .def("start", &Replicator::Start)
       .def("stop", &Replicator::Stop, py::call_guard<py::gil_scoped_release>())
       .def("status", [](const Replicator& r) {
@@ -125,6 +167,9 @@ void BindNet(py::module_& m) {
         d["connects"] = s.connects;
         d["lag_seconds"] = s.lag_seconds;
         d["error"] = s.error;
+        d["first_bucket"] = s.first_bucket;
+        d["end_bucket"] = s.end_bucket;
+        d["ended"] = s.ended;
         return d;
       });
 
@@ -151,6 +196,7 @@ void BindNet(py::module_& m) {
            py::arg("request_timeout_ms") = 30000, py::arg("frame_bytes") = 8u << 20,
            py::arg("max_idle_connections") = 8)
       .def_property_readonly("num_shards", &Client::num_shards)
+      .def_property_readonly("layout_epoch", &Client::layout_epoch)
       .def("shard_infos",
            [](Client& c) {
              std::vector<ShardInfo> infos;

@@ -22,6 +22,8 @@ void BindShard(py::module_& m) {
       .def_property_readonly("shard_index", &Shard::shard_index)
       .def_property_readonly("num_shards", &Shard::num_shards)
       .def_property_readonly("epoch", &Shard::epoch)
+      .def_property_readonly("layout_epoch", &Shard::layout_epoch)
+      .def_property_readonly("layout_addresses", &Shard::layout_addresses)
       .def_property_readonly("first_bucket", &Shard::first_bucket)
       .def_property_readonly("end_bucket", &Shard::end_bucket)
       .def(

@@ -2,6 +2,7 @@
 // shard keeping a standby shard equal to it over real sockets on loopback,
 // while trainers push from several threads.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -1119,6 +1120,15 @@ struct Processes {
     all.push_back(std::move(p));
     return all.size() - 1;
   }
+  // Two shards with table "emb" (Adagrad, dim 8), and a process to join them.
+  std::array<size_t, 3> TwoAndOneToJoin() {
+    const size_t a = Add(0, 2), b = Add(1, 2), c = Add(2, 2);
+    bool created;
+    for (size_t p : {a, b}) {
+      EXPECT_OK(all[p].shard->CreateTable(AdagradConfig("emb", 8), &created));
+    }
+    return {a, b, c};
+  }
   std::string AddressOf(size_t process) const { return Address(*all[process].server); }
   std::vector<std::string> Addresses(const std::vector<size_t>& processes) const {
     std::vector<std::string> out;
@@ -1227,11 +1237,17 @@ DLT_TEST(TestAReshardGrowsTwoShardsToThreeAndBackWithEveryRow) {
   EXPECT(cluster.all[a].shard->layout_epoch() == 2);
   EXPECT(SameBytes(StateOf(three), before));
 
-  // The client of the old layout is told to send again, and what moved.
-  const Status moved = old_client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f);
+  // A shard refuses an id it gave away unapplied, naming the new layout...
+  int64_t gone = 0;
+  while (BucketOf(gone) < FirstBucket(1, 3) || BucketOf(gone) >= FirstBucket(1, 2)) ++gone;
+  const std::vector<float> grad(8, 0.5f);
+  const Status moved = PushOnce(three[0], PushId{5, 5}, &gone, grad.data(), 1, 8);
   EXPECT(moved.code() == Code::kAborted);
   EXPECT(moved.message().find("layout epoch 2") != std::string::npos);
   EXPECT(moved.message().find(three[2]) != std::string::npos);
+  // ... and the client of the old layout learns it and routes by it.
+  EXPECT_OK(old_client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f));
+  EXPECT(old_client.layout_epoch() == 2 && old_client.num_shards() == 3);
 
   // Training on the new layout, then back to two shards; process c leaves.
   {
@@ -1252,24 +1268,119 @@ DLT_TEST(TestWritesHeldForASwitchAreRefusedUnappliedAndWaitedFor) {
   EXPECT_OK(cluster.all[a].shard->CreateTable(AdagradConfig("emb", 8), &created));
   Trainers trainers(cluster.AddressOf(a), "emb", 8, 2);
   EXPECT(Eventually([&] { return trainers.acked.load() >= 10; }));
-  // Held: no write is being applied once HoldWrites returns, and none after.
+  // Held: no write is being applied once HoldWrites returns, and none
+  // after; clients wait and send again.
   EXPECT_OK(cluster.all[a].server->HoldWrites(true));
-  const uint64_t pushes = TableOf(*cluster.all[a].shard, "emb")->pushes();
-  EXPECT(Eventually([&] { return trainers.failed.load() >= 4; }));
-  EXPECT(TableOf(*cluster.all[a].shard, "emb")->pushes() == pushes);
-  EXPECT_OK(cluster.all[a].server->HoldWrites(false));
-  Client client({cluster.AddressOf(a)}, ClientOptions{});
+  const auto table = TableOf(*cluster.all[a].shard, "emb");
+  const uint64_t pushes = table->pushes();
+  const int acked = trainers.acked.load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT(table->pushes() == pushes);
+  EXPECT(trainers.acked.load() <= acked + 2);  // at most the one each had in flight
+  // A refused write says why, and that it was not applied.
   const int64_t id = 1;
   const std::vector<float> grad(8, 0.5f);
-  EXPECT_OK(client.Push("emb", 8, &id, grad.data(), 1, 0.1f));
-  trainers.Stop();
-  // A refused write says why, and that it was not applied.
-  EXPECT_OK(cluster.all[a].server->HoldWrites(true));
-  const Status refused = client.Push("emb", 8, &id, grad.data(), 1, 0.1f);
+  const Status refused = PushOnce(cluster.AddressOf(a), PushId{3, 3}, &id, grad.data(), 1, 8);
   EXPECT(refused.code() == Code::kAborted);
   EXPECT(refused.message().find("not applied") != std::string::npos);
+  EXPECT_OK(cluster.all[a].server->HoldWrites(false));
+  EXPECT(Eventually([&] { return trainers.acked.load() >= acked + 20; }));
+  EXPECT(trainers.Stop());  // none failed: the held pushes went in after
   // No shard prepared: nothing to switch to.
   EXPECT(cluster.all[a].server->SwitchLayout(2, "x").code() == Code::kFailedPrecondition);
+}
+
+// One trainer pushing a deterministic sequence through a client of
+// `addresses` until stopped, keeping every push it sent.
+struct RecordingTrainer {
+  std::atomic<bool> stop{false};
+  std::atomic<int> acked{0}, failed{0};
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<std::vector<float>> grads;
+  std::string last_error;
+  std::thread thread;
+
+  // `batch` ids a push; `exchange_threads` as ClientOptions' (large pushes
+  // on several threads take the client's parallel exchange).
+  explicit RecordingTrainer(const std::vector<std::string>& addresses, size_t batch_ids = 256,
+                            int exchange_threads = 1) {
+    thread = std::thread([this, addresses, batch_ids, exchange_threads] {
+      ClientOptions options;
+      options.request_timeout_ms = 20000;
+      options.exchange_threads = exchange_threads;
+      Client client(addresses, options);
+      std::mt19937_64 rng(11);
+      while (!stop.load()) {
+        std::vector<int64_t> batch(batch_ids);
+        for (auto& id : batch) id = static_cast<int64_t>(rng() % 5000);
+        std::vector<float> g(batch.size() * 8);
+        for (auto& x : g) x = static_cast<float>(static_cast<int>(rng() % 200) - 100) / 100.0f;
+        const Status s = client.Push("emb", 8, batch.data(), g.data(), batch.size(), 0.05f);
+        ids.push_back(std::move(batch));
+        grads.push_back(std::move(g));
+        if (s.ok()) {
+          acked.fetch_add(1);
+        } else {
+          last_error = s.ToString();
+          failed.fetch_add(1);
+        }
+      }
+    });
+  }
+  void Stop() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+  }
+  ~RecordingTrainer() { Stop(); }
+  // The state of ids [0, 5000) after every push applied once, in order, to
+  // one table.
+  std::vector<float> Oracle() const {
+    Table table(AdagradConfig("emb", 8));
+    for (size_t k = 0; k < ids.size(); ++k) {
+      EXPECT_OK(table.Push(ids[k].data(), grads[k].data(), ids[k].size(), 0.05f));
+    }
+    std::vector<int64_t> all(5000);
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+    std::vector<float> out(all.size() * StateFloats(8, 8));
+    EXPECT_OK(table.Pull(all.data(), all.size(), PullMode::kState, out.data()));
+    return out;
+  }
+};
+
+DLT_TEST(TestATrainerPushesThroughAReshardWithoutAnErrorAndEveryPushOnce) {
+  // Its client learns each new layout from the shards (a push refused
+  // while writes are held, or by a shard that no longer owns its ids, is
+  // sent again, routed anew), so training runs through 2 -> 3 -> 2.
+  Processes cluster;
+  const auto [a, b, c] = cluster.TwoAndOneToJoin();
+  RecordingTrainer trainer(cluster.Addresses({a, b}));
+  EXPECT(Eventually([&] { return trainer.acked.load() >= 20; }));
+  cluster.Reshard({a, b}, {a, b, c});
+  int at = trainer.acked.load();
+  EXPECT(Eventually([&] { return trainer.acked.load() >= at + 20; }));
+  cluster.Reshard({a, b, c}, {a, b});
+  at = trainer.acked.load();
+  EXPECT(Eventually([&] { return trainer.acked.load() >= at + 20; }));
+  trainer.Stop();
+  EXPECT(trainer.failed.load() == 0);
+  if (trainer.failed.load() != 0) std::fprintf(stderr, "%s\n", trainer.last_error.c_str());
+  EXPECT(SameBytes(StateOf(cluster.Addresses({a, b})), trainer.Oracle()));
+}
+
+DLT_TEST(TestLargePushesExchangedOnSeveralThreadsGoThroughAReshard) {
+  // Pushes of 2.5 MB to two shards take the client's parallel exchange; the
+  // frames refused while writes are held must be found and sent again.
+  Processes cluster;
+  const auto [a, b, c] = cluster.TwoAndOneToJoin();
+  RecordingTrainer trainer(cluster.Addresses({a, b}), /*batch_ids=*/65536, /*exchange_threads=*/4);
+  EXPECT(Eventually([&] { return trainer.acked.load() >= 3; }));
+  cluster.Reshard({a, b}, {a, b, c});
+  const int at = trainer.acked.load();
+  EXPECT(Eventually([&] { return trainer.acked.load() >= at + 3; }));
+  trainer.Stop();
+  EXPECT(trainer.failed.load() == 0);
+  if (trainer.failed.load() != 0) std::fprintf(stderr, "%s\n", trainer.last_error.c_str());
+  EXPECT(SameBytes(StateOf(cluster.Addresses({a, b, c})), trainer.Oracle()));
 }
 
 }  // namespace
