@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tf_dlt
@@ -108,3 +109,57 @@ def start_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
 def cluster(request: pytest.FixtureRequest, start_cluster: Callable[..., Cluster]) -> Cluster:
     """A running cluster of 1 or 3 shard processes."""
     return start_cluster(request.param)
+
+
+def two_table_model(dim: int):  # type: ignore[no-untyped-def]
+    """A compiled Keras model with two distributed tables, "u" (one user id
+    per example) and "i" (three item ids, averaged), Adagrad."""
+    import keras
+
+    from tf_dlt.layers import Embedding
+
+    user = keras.Input((1,), dtype="int64", name="user")
+    items = keras.Input((3,), dtype="int64", name="items")
+    u = keras.layers.Flatten()(
+        Embedding(output_dim=dim, is_distributed=True, name="u", seed=1)(user)
+    )
+    i = Embedding(output_dim=dim, is_distributed=True, name="i", seed=2)(items)
+    x = keras.layers.Concatenate()([u, keras.layers.GlobalAveragePooling1D()(i)])
+    out = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(x))
+    model = keras.Model({"user": user, "items": items}, out)
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+def fit_data(batches: int = 40, batch: int = 16, vocab: int = 200):  # type: ignore[no-untyped-def]
+    """A tf.data set for two_table_model: `batches` batches of ids below
+    `vocab`, seeded."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(5)
+    n = batches * batch
+    x = {
+        "user": rng.integers(0, vocab, size=(n, 1)),
+        "items": rng.integers(0, vocab, size=(n, 3)),
+    }
+    y = rng.normal(size=(n, 1)).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+FitOutcome = tuple[list[float], list[np.ndarray], dict[str, Rows]]
+
+
+def fit_outcome(history, model, addresses: list[str], path: str) -> FitOutcome:  # type: ignore[no-untyped-def]
+    """What a distributed fit left: its losses, the model's weights, and
+    every row of its tables (saved to `path` and read back)."""
+    tf_dlt.Client(addresses).save(path)
+    weights = [w.copy() for w in model.get_weights()]
+    return history.history["loss"], weights, staged_rows(path, len(addresses))
+
+
+def assert_same_training(a: FitOutcome, b: FitOutcome) -> None:
+    """The same losses and weights, and rows in both tables."""
+    assert len(a[2]["u"]) > 100 and len(a[2]["i"]) > 100
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1], strict=True):
+        np.testing.assert_array_equal(x, y)

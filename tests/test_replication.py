@@ -324,27 +324,6 @@ def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCl
     assert stats[0]["replication"] == "sync"
 
 
-VOCAB, BATCH = 200, 16
-
-
-def _keras_model():  # type: ignore[no-untyped-def]
-    import keras
-
-    from tf_dlt.layers import Embedding
-
-    user = keras.Input((1,), dtype="int64", name="user")
-    items = keras.Input((3,), dtype="int64", name="items")
-    u = keras.layers.Flatten()(
-        Embedding(output_dim=DIM, is_distributed=True, name="u", seed=1)(user)
-    )
-    i = Embedding(output_dim=DIM, is_distributed=True, name="i", seed=2)(items)
-    x = keras.layers.Concatenate()([u, keras.layers.GlobalAveragePooling1D()(i)])
-    out = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(x))
-    model = keras.Model({"user": user, "items": items}, out)
-    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
-    return model
-
-
 def test_fit_goes_on_across_a_killed_primary_with_every_row_as_without(
     tmp_path,  # type: ignore[no-untyped-def]
 ) -> None:
@@ -353,19 +332,11 @@ def test_fit_goes_on_across_a_killed_primary_with_every_row_as_without(
     optimizer slot and step equals a run without the kill; a save after the
     takeover works."""
     import keras
-    import tensorflow as tf
 
-    from conftest import staged_rows
+    from conftest import assert_same_training, fit_data, fit_outcome, two_table_model
 
-    rng = np.random.default_rng(5)
-    n = 40 * BATCH
-    x = {
-        "user": rng.integers(0, VOCAB, size=(n, 1)),
-        "items": rng.integers(0, VOCAB, size=(n, 3)),
-    }
-    y = rng.normal(size=(n, 1)).astype("float32")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    model = _keras_model()
+    data = fit_data()
+    model = two_table_model(DIM)
 
     class KillAt(keras.callbacks.Callback):  # type: ignore[misc]
         def __init__(self, cluster: LocalCluster, batch: int) -> None:
@@ -387,17 +358,7 @@ def test_fit_goes_on_across_a_killed_primary_with_every_row_as_without(
             if kill:  # shard 1's primary died; its standby served the rest
                 assert cluster.processes[1].poll() is not None
                 assert _stats(cluster, 1)["takeovers"] == 1
-            tf_dlt.Client(cluster.addresses).save(str(tmp_path / f"ckpt{kill}"))
-            results.append(
-                (
-                    history.history["loss"],
-                    [w.copy() for w in remote.get_weights()],
-                    staged_rows(str(tmp_path / f"ckpt{kill}"), 2),
-                )
-            )
-    (loss, weights, rows), (loss_k, weights_k, rows_k) = results
-    assert len(rows["u"]) > 100 and len(rows["i"]) > 100
-    assert loss == loss_k
-    for a, b in zip(weights, weights_k, strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert rows == rows_k
+            path = str(tmp_path / f"ckpt{kill}")
+            results.append(fit_outcome(history, remote, cluster.addresses, path))
+    assert_same_training(*results)
+    assert results[0][2] == results[1][2]

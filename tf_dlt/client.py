@@ -94,13 +94,65 @@ class Client:
             request_timeout_ms=max(1, int(request_timeout * 1000)),
             frame_bytes=frame_bytes,
         )
+        self._connect_timeout = connect_timeout
+        self._frame_bytes = frame_bytes
         self._dims: dict[str, int] = {}
         self._channels: list[grpc.Channel] = []
         self._stubs: list[Any] = []
+        self._stubs_layout = 1  # the layout epoch the stubs were made for
 
     @property
     def num_shards(self) -> int:
         return len(self.pservers)
+
+    def reshard(self, pservers: Sequence[str] | str, *, timeout: float = 600.0) -> dict[str, Any]:
+        """Moves every table to the shards at `pservers` (in shard order)
+        while training goes on (docs/replication.md): bucket ranges stream
+        from their owners, then writes pause for one short switch. A process
+        new to the cluster runs `tf-dlt server --join`; one not listed leaves
+        (it keeps running, owning nothing). Trainers' clients follow the new
+        layout by themselves. A failure before the switch leaves the old
+        layout serving. Returns the new layout epoch, the seconds the ranges
+        streamed and the seconds writes were held."""
+        from tf_dlt import reshard as resharding
+        from tf_dlt.proto import dlt_pb2_grpc
+
+        to = [p for p in pservers.split(",") if p] if isinstance(pservers, str) else list(pservers)
+        channels: list[grpc.Channel] = []
+
+        def stub_for(address: str, admin_port: int) -> Any:
+            channels.append(self._channel(grpc_util.admin_address(address, admin_port)))
+            return dlt_pb2_grpc.ShardAdminStub(channels[-1])
+
+        try:
+            done = resharding.reshard(
+                self._layout_addresses(), to, stub_for=stub_for, auth_token=self._token,
+                timeout_s=timeout, hold_timeout_s=self._request_timeout,
+            )  # fmt: skip
+        finally:
+            for channel in channels:
+                channel.close()
+        self._follow_layout(learn=True)
+        return done
+
+    def _layout_addresses(self) -> list[str]:
+        """The data-plane addresses of the layout the shards serve now."""
+        self._follow_layout(learn=True)
+        return list(self.pservers)
+
+    def _follow_layout(self, learn: bool = False) -> None:
+        """After a re-shard: the control plane talks to the new layout's
+        shards, once the data plane learned it from them (with `learn`: asks
+        them now)."""
+        if learn:
+            self._data.learn_layout()
+        if int(self._data.layout_epoch) == self._stubs_layout:
+            return
+        infos = self._data.shard_infos()
+        epoch = int(self._data.layout_epoch)
+        self.close()
+        self.pservers = [i["address"] for i in infos]
+        self._stubs_layout = epoch
 
     def shard_infos(self) -> list[dict[str, Any]]:
         """What each shard said in its Hello: index, count, admin port."""
@@ -109,6 +161,7 @@ class Client:
     # Control plane ------------------------------------------------------------
 
     def _admin(self) -> list[Any]:
+        self._follow_layout(learn=True)
         if not self._stubs:
             from tf_dlt.proto import dlt_pb2_grpc
 

@@ -26,11 +26,16 @@ std::string Shard::layout_addresses() const {
 }
 
 void Shard::Adopt(Shard* next, uint64_t layout_epoch, std::string addresses) {
-  std::map<std::string, std::shared_ptr<Table>> old;
+  Previous dropped;
   {
     std::unique_lock<std::shared_mutex> lock(mu_);
     std::unique_lock<std::shared_mutex> next_lock(next->mu_);
-    old.swap(tables_);
+    dropped = std::move(previous_);  // a switch before this one's, never finished
+    previous_.held = true;
+    previous_.tables.swap(tables_);
+    previous_.place = place_.load();
+    previous_.layout_epoch = layout_epoch_.load();
+    previous_.addresses = std::move(layout_addresses_);
     tables_.swap(next->tables_);
     place_.store(next->place_.load());
     layout_epoch_.store(layout_epoch);
@@ -43,6 +48,27 @@ void Shard::Adopt(Shard* next, uint64_t layout_epoch, std::string addresses) {
     std::lock_guard<std::mutex> next_lock(next->made_mu_);
     made_.insert(made_.end(), next->made_.begin(), next->made_.end());
   }
+}
+
+bool Shard::RevertLayout() {
+  std::map<std::string, std::shared_ptr<Table>> next;  // dropped outside the lock
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (!previous_.held) return false;
+  next.swap(tables_);
+  tables_.swap(previous_.tables);
+  place_.store(previous_.place);
+  layout_epoch_.store(previous_.layout_epoch);
+  layout_addresses_ = std::move(previous_.addresses);
+  previous_ = Previous();
+  lock.unlock();
+  return true;
+}
+
+void Shard::DropPreviousLayout() {
+  Previous dropped;  // its tables go outside the lock
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  dropped = std::move(previous_);
+  previous_ = Previous();
 }
 
 namespace {

@@ -49,9 +49,13 @@ class Shard {
   std::string layout_addresses() const;
   // Serves `next` (a shard of the next layout, filled by range streams)
   // from now on: its place, tables and applied push ids replace this
-  // shard's, at layout `layout_epoch` of `addresses`. The tables this shard
-  // held are dropped once no request holds them.
+  // shard's, at layout `layout_epoch` of `addresses`. The layout switched
+  // from is kept until DropPreviousLayout (the re-shard committed) or
+  // RevertLayout (another process failed to switch: serves it again).
   void Adopt(Shard* next, uint64_t layout_epoch, std::string addresses);
+  // False when there is no layout to go back to.
+  bool RevertLayout();
+  void DropPreviousLayout();
 
   // Creates a table. Creating one that exists with the same configuration
   // succeeds with *created = false; a different configuration is
@@ -164,7 +168,15 @@ class Shard {
   std::atomic<uint64_t> place_;
   std::atomic<uint64_t> layout_epoch_{1};
   mutable std::shared_mutex mu_;
-  std::string layout_addresses_;                          // guarded by mu_
+  std::string layout_addresses_;  // guarded by mu_
+  // The layout Adopt switched from, until dropped or reverted to.
+  struct Previous {
+    bool held = false;
+    std::map<std::string, std::shared_ptr<Table>> tables;
+    uint64_t place = 0, layout_epoch = 0;
+    std::string addresses;
+  };
+  Previous previous_;                                     // guarded by mu_
   std::map<std::string, std::shared_ptr<Table>> tables_;  // guarded by mu_
   PushLedger push_ledger_;
   std::mutex streams_mu_;

@@ -119,6 +119,9 @@ class Client {
 
   // Which shard each id routes to.
   uint32_t ShardOf(int64_t id) const;
+  // Asks the shards for their layout and routes by a newer one from now on
+  // (a control plane that lists the shards); true when it changed.
+  bool LearnNewerLayout();
 
  private:
   struct ShardState;

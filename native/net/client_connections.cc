@@ -233,7 +233,12 @@ uint32_t Client::FrameLimit(ShardState& st) {
 
 Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
   const std::shared_ptr<const Layout> layout = CurrentLayout();
-  return GreetAll(*layout, infos);
+  const Status s = GreetAll(*layout, infos);
+  // A shard serves a newer layout: that one's shards.
+  if (s.code() == Code::kAborted && LearnLayout(*layout).ok()) {
+    return GreetAll(*CurrentLayout(), infos);
+  }
+  return s;
 }
 
 Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
@@ -263,6 +268,8 @@ std::shared_ptr<const Client::Layout> Client::CurrentLayout() const {
 size_t Client::num_shards() const { return CurrentLayout()->shards.size(); }
 
 uint64_t Client::layout_epoch() const { return CurrentLayout()->epoch; }
+
+bool Client::LearnNewerLayout() { return LearnLayout(*CurrentLayout()).ok(); }
 
 Status Client::LearnLayout(const Layout& seen) {
   std::lock_guard<std::mutex> lock(layout_mu_);

@@ -197,6 +197,14 @@ void BindNet(py::module_& m) {
            py::arg("max_idle_connections") = 8)
       .def_property_readonly("num_shards", &Client::num_shards)
       .def_property_readonly("layout_epoch", &Client::layout_epoch)
+      .def(
+          "learn_layout",
+          [](Client& c) {
+            py::gil_scoped_release release;
+            return c.LearnNewerLayout();
+          },
+          "Asks the shards for their layout and routes by a newer one from now on; True when "
+          "the layout changed.")
       .def("shard_infos",
            [](Client& c) {
              std::vector<ShardInfo> infos;
@@ -235,6 +243,23 @@ void BindNet(py::module_& m) {
             return out;
           },
           py::arg("table"), py::arg("dim"), py::arg("ids"), py::arg("mode") = 0)
+      .def(
+          "pull_state",
+          [](Client& c, const std::string& table, uint32_t dim, uint32_t slot_floats,
+             const IdArray& ids) {
+            CheckIds(ids);
+            const size_t n = static_cast<size_t>(ids.shape(0));
+            FloatArray out({n, static_cast<size_t>(StateFloats(dim, slot_floats))});
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = c.PullState(table, dim, slot_floats, ids.data(), n, out.mutable_data());
+            }
+            Check(s);
+            return out;
+          },
+          py::arg("table"), py::arg("dim"), py::arg("slot_floats"), py::arg("ids"),
+          "Rows with their optimizer state (values, slots, step as a float), inserting none.")
       .def("push",
            [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
               const FloatArray& grads, float lr) {

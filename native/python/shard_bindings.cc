@@ -12,10 +12,13 @@ namespace dlt {
 void BindShard(py::module_& m) {
   py::class_<Shard, std::shared_ptr<Shard>>(m, "Shard")
       .def(py::init([](uint32_t index, uint32_t num_shards) {
-        if (num_shards == 0 || num_shards > kNumBuckets || index >= num_shards) {
+        // An index equal to the count: a shard that owns no bucket (a
+        // process that joins a layout by a re-shard).
+        if (num_shards == 0 || num_shards > kNumBuckets || index > num_shards) {
           Raise(InvalidArgument(
               "shard index " + std::to_string(index) + " of " + std::to_string(num_shards) +
-              " is invalid: need 0 <= index < num_shards <= " + std::to_string(kNumBuckets)));
+              " is invalid: need 0 <= index < num_shards <= " + std::to_string(kNumBuckets) +
+              " (index == num_shards: a shard that owns no bucket yet)"));
         }
         return std::make_shared<Shard>(index, num_shards);
       }))
@@ -24,6 +27,8 @@ void BindShard(py::module_& m) {
       .def_property_readonly("epoch", &Shard::epoch)
       .def_property_readonly("layout_epoch", &Shard::layout_epoch)
       .def_property_readonly("layout_addresses", &Shard::layout_addresses)
+      .def("revert_layout", &Shard::RevertLayout)
+      .def("drop_previous_layout", &Shard::DropPreviousLayout)
       .def_property_readonly("first_bucket", &Shard::first_bucket)
       .def_property_readonly("end_bucket", &Shard::end_bucket)
       .def(

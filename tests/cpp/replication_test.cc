@@ -1181,7 +1181,10 @@ struct Processes {
     }
     ++layout_epoch;
     for (Process& p : all) EXPECT_OK(p.server->SwitchLayout(layout_epoch, joined));
-    for (Process& p : all) EXPECT_OK(p.server->HoldWrites(false));
+    for (Process& p : all) {
+      EXPECT_OK(p.server->HoldWrites(false));
+      p.shard->DropPreviousLayout();
+    }
   }
   ~Processes() {
     for (Process& p : all) p.server->Stop();
@@ -1381,6 +1384,28 @@ DLT_TEST(TestLargePushesExchangedOnSeveralThreadsGoThroughAReshard) {
   EXPECT(trainer.failed.load() == 0);
   if (trainer.failed.load() != 0) std::fprintf(stderr, "%s\n", trainer.last_error.c_str());
   EXPECT(SameBytes(StateOf(cluster.Addresses({a, b, c})), trainer.Oracle()));
+}
+
+DLT_TEST(TestAShardThatSwitchedGoesBackWhenAnotherCouldNot) {
+  // A re-shard whose switch failed on some process: those that switched
+  // serve the layout they came from again, with its rows.
+  Processes cluster;
+  const auto [a, b, c] = cluster.TwoAndOneToJoin();
+  (void)c;
+  const std::vector<std::string> two = cluster.Addresses({a, b});
+  {
+    Trainers trainers(two, "emb", 8, 1);
+    EXPECT(Eventually([&] { return trainers.acked.load() >= 20; }));
+  }
+  const std::vector<float> before = StateOf(two);
+  Shard& shard = *cluster.all[a].shard;
+  EXPECT(!shard.RevertLayout());  // nothing to go back to
+  cluster.all[a].server->reshard_target().Prepare(std::make_shared<Shard>(0, 3));
+  EXPECT_OK(cluster.all[a].server->SwitchLayout(2, "x,y,z"));
+  EXPECT(shard.num_shards() == 3 && shard.layout_epoch() == 2 && shard.Tables().empty());
+  EXPECT(shard.RevertLayout());
+  EXPECT(shard.num_shards() == 2 && shard.layout_epoch() == 1 && shard.layout_addresses().empty());
+  EXPECT(SameBytes(StateOf(two), before));
 }
 
 }  // namespace

@@ -60,6 +60,8 @@ class LocalCluster:
         self._stopped = False
 
     def _name(self, process: int) -> str:
+        if process >= self.num_shards * self.replicas:
+            return f"joined{process - self.num_shards * self.replicas}"
         shard, replica = process % self.num_shards, process // self.num_shards
         return f"shard{shard}" + (f".standby{replica}" if replica else "")
 
@@ -93,6 +95,21 @@ class LocalCluster:
         ]
         return self
 
+    def join(self) -> str:
+        """Starts one more server, owning no bucket (`tf-dlt server --join`),
+        to join the cluster by a re-shard (`tf_dlt.Client.reshard`); returns
+        its address."""
+        if self._stopped:
+            raise RuntimeError("the cluster was stopped")
+        process = len(self.processes)
+        self._extra.append(["--join"])
+        self.processes.append(self._spawn(process, ["--join"]))
+        data, admin, metrics_port = self._wait_for_ports(process, self.processes[process])
+        self.process_addresses.append(f"127.0.0.1:{data}")
+        self.admin_ports.append(admin)
+        self.metrics_ports.append(metrics_port)
+        return self.process_addresses[-1]
+
     def _port_file(self, process: int) -> Path:
         return self.workdir / f"{self._name(process)}.port"
 
@@ -102,11 +119,12 @@ class LocalCluster:
         """Starts process `process` (ports 0: any free ones)."""
         self._port_file(process).unlink(missing_ok=True)
         ports = ["--port", str(data_port), "--admin-port", str(admin_port)]
+        place = [] if "--join" in extra else [
+            "--shard-index", str(process % self.num_shards), "--num-shards", str(self.num_shards),
+        ]  # fmt: skip
         cmd = [
-            sys.executable, "-m", "tf_dlt.server", *ports, "--bind", "127.0.0.1",
-            "--shard-index", str(process % self.num_shards), "--num-shards",
-            str(self.num_shards), "--port-file", str(self._port_file(process)), *self._args,
-            *extra,
+            sys.executable, "-m", "tf_dlt.server", *ports, "--bind", "127.0.0.1", *place,
+            "--port-file", str(self._port_file(process)), *self._args, *extra,
         ]  # fmt: skip
         with self.log_path(process).open("ab") as log:
             return subprocess.Popen(

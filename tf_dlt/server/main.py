@@ -25,6 +25,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--shard-index", type=int, default=0, help="this shard's index")
     p.add_argument("--num-shards", type=int, default=1, help="number of shards in the cluster")
     p.add_argument(
+        "--join",
+        action="store_true",
+        help="start owning no bucket, to join the cluster by a re-shard (tf-dlt reshard --to "
+        "... with this server's address; docs/replication.md); no --shard-index/--num-shards",
+    )
+    p.add_argument(
         "--bind",
         default="127.0.0.1",
         help="listen address of both planes (default loopback; another address needs "
@@ -242,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
             "a client names"
         )
     server_tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    if args.join:
+        if (args.shard_index, args.num_shards) != (0, 1):
+            log.error("--join takes no --shard-index or --num-shards: it owns no bucket yet")
+            return 2
+        # Shard 1 of 1: a shard whose index is its count owns no bucket.
+        args.shard_index, args.num_shards = 1, 1
     try:
         server = ShardServer(
             args.shard_index,

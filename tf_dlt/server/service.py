@@ -19,7 +19,7 @@ import grpc
 from tf_dlt import _native, errors, grpc_util, latency
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import paths, replication
+from tf_dlt.server import paths, replication, reshard
 from tf_dlt.table_config import TableConfig
 
 log = logging.getLogger("tf_dlt.server")
@@ -120,6 +120,9 @@ class PendingLoad:
         return f"load {self.load_id!r} of {self.path!r}, {self.phase} {age:.0f} s ago"
 
 
+_RANGE_STREAM_FIELDS = (
+    "first_bucket", "end_bucket", "caught_up", "rounds", "rows_sent", "ended", "error",
+)  # fmt: skip
 _STANDBY_FIELDS = ("connected", "caught_up", "rounds", "rows_sent", "removals_sent",
                    "tables_copied", "lag_seconds", "error")  # fmt: skip
 
@@ -163,6 +166,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         # or this standby's link to its primary; set by the ShardServer.
         self.standbys: replication.Standbys | None = None
         self.standby_link: replication.StandbyLink | None = None
+        # This process's part of a live re-shard; set by the ShardServer.
+        self.reshard: reshard.ReshardSteps | None = None
         # New at each start of the process (Stats): a standby tells a
         # restarted primary from the one it followed.
         self.incarnation = secrets.randbits(63) or 1
@@ -232,6 +237,68 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         )
 
     @_handler
+    def Reshard(self, request: Any, context: grpc.ServicerContext) -> Any:
+        steps = self.reshard
+        if steps is None:
+            raise errors.FailedPreconditionError("this server takes no part in re-shards")
+        step = request.step
+        kinds = dlt_pb2.ReshardRequest
+        if step == kinds.PREPARE:
+            # Not while a save or load runs, nor between a load's phases; a
+            # save or load waits for the re-shard's end (they refuse meanwhile).
+            if not self._persist_lock.acquire(blocking=False):
+                raise errors.FailedPreconditionError(
+                    f"shard {self._shard.shard_index} is saving or loading: re-shard after it"
+                )
+            try:
+                why_not = self._why_not_reshardable()
+                if why_not is None and self._pending is not None:
+                    why_not = f"it is in the middle of {self._pending.describe()}"
+                steps.prepare(request.shard_index, request.num_shards, why_not)
+            finally:
+                self._persist_lock.release()
+        elif step == kinds.STREAM:
+            steps.stream(list(request.targets))
+        elif step in (kinds.HOLD, kinds.RELEASE):
+            steps.hold(step == kinds.HOLD)
+        elif step == kinds.SWITCH:
+            steps.switch(request.layout_epoch, request.layout)
+        elif step == kinds.UNDO:
+            steps.undo()
+        elif step == kinds.ABORT:
+            steps.abort()
+        s = steps.status()
+        return dlt_pb2.ReshardResponse(
+            prepared=s["prepared"], shard_index=s["shard_index"], num_shards=s["num_shards"],
+            streams=[
+                dlt_pb2.RangeStreamStatus(
+                    target=r["standby"],
+                    **{k: r[k] for k in _RANGE_STREAM_FIELDS},
+                )
+                for r in s["streams"]
+            ],
+            layout_epoch=s["layout_epoch"], layout=s["layout"],
+        )  # fmt: skip
+
+    def _not_resharding(self, what: str) -> None:
+        """Raises while this process takes part in a re-shard (between its
+        PREPARE and its SWITCH or ABORT): the tables are about to move."""
+        if self._data_server.reshard_prepared is not None:
+            raise errors.FailedPreconditionError(
+                f"shard {self._shard.shard_index} is being re-sharded: {what} after it ends"
+            )
+
+    def _why_not_reshardable(self) -> str | None:
+        """Why this shard cannot take part in a re-shard yet, or None."""
+        if self.read_only is not None:
+            return f"it is read-only ({self.read_only})"
+        if self.standby_link is not None or self._data_server.standby:
+            return "it is a standby or a member of a replica set (not supported yet)"
+        if self.standbys is not None and self.standbys.statuses():
+            return "it has a standby (not supported yet)"
+        return None
+
+    @_handler
     def ListTables(self, request: Any, context: grpc.ServicerContext) -> Any:
         tables = sorted(self._shard.tables(), key=lambda t: t.name)
         return dlt_pb2.ListTablesResponse(tables=[table_info(t) for t in tables])
@@ -243,6 +310,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             raise errors.InvalidArgumentError("Save needs a path")
         self._roots.check(request.path, "Save")
         with self._persist_lock, errors.storage_errors(f"Save to {request.path}"):
+            self._not_resharding("Save")
             log.info("saving to %s", request.path)
             part = shard_files.save_shard(
                 request.path,
@@ -287,6 +355,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             raise errors.InvalidArgumentError("a prepared Load needs a load_id")
         self._roots.check(request.path, "Load")
         with self._persist_lock:
+            self._not_resharding("Load")
             if self._pending is not None:
                 # One cluster load at a time: a second one never replaces a
                 # load another client is in the middle of.
@@ -492,6 +561,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             epoch=s["epoch"],
             incarnation=self.incarnation,
             caught_up=s.get("caught_up", False),
+            layout_epoch=self._shard.layout_epoch,
+            layout=self._shard.layout_addresses,
         )
 
 

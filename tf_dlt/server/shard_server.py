@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from tf_dlt import _native, tls
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import follower, metrics, paths, replication, service
+from tf_dlt.server import follower, metrics, paths, replication, reshard, service
 from tf_dlt.server.follower import Follower, FollowStatus
 
 log = logging.getLogger("tf_dlt.server")
@@ -205,6 +205,9 @@ class ShardServer:
             self.shard, self.data_server, auth_token, replication=replication_mode,
             io_timeout_s=io_timeout_s,
         )  # fmt: skip
+        self.servicer.reshard = reshard.ReshardSteps(
+            self.shard, self.data_server, auth_token, io_timeout_s=io_timeout_s
+        )
         self._standby_of = standby_of
         self._advertise = advertise
         self._takeover_after_s = takeover_after_s
@@ -387,6 +390,8 @@ class ShardServer:
                 self._grpc.stop(grace).wait()
             assert self.servicer.standbys is not None
             self.servicer.standbys.close()
+            if self.servicer.reshard is not None:
+                self.servicer.reshard.close()
             self.data_server.stop()
             self.shard.stop_sweeper()
             self.servicer.close()

@@ -1,6 +1,7 @@
 """The `tf-dlt` command: `tf-dlt server ...` runs a shard server; `tf-dlt
 launch ... -- cmd` runs shard servers and trainers on this machine; `tf-dlt
-stats --pservers ...` prints per-shard statistics; `tf-dlt k8s ... -- cmd`
+stats --pservers ...` prints per-shard statistics; `tf-dlt reshard --pservers
+... --to ...` moves the tables to other shards while training runs; `tf-dlt k8s ... -- cmd`
 prints Kubernetes manifests; `tf-dlt plan ...` a capacity plan; `tf-dlt checkpoint ls|compact|prune`
 works on checkpoint chains."""
 
@@ -15,7 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tf-dlt", description="tf_dlt command line")
     commands = parser.add_subparsers(dest="command", required=True)
     from tf_dlt.server import main as server_main
-    from tf_dlt.tools import capacity, checkpoints, cluster_stats, k8s, launch
+    from tf_dlt.tools import capacity, checkpoints, cluster_stats, k8s, launch, reshard_command
 
     server_main.build_parser(
         commands.add_parser("server", help="serve one shard of the distributed tables")
@@ -32,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = argv[argv.index("--") + 1 :] if "--" in argv else []
     cluster_stats.build_parser(
         commands.add_parser("stats", help="print per-shard and per-table statistics")
+    )
+    reshard_command.build_parser(
+        commands.add_parser("reshard", help="move the tables to other shards while training runs")
     )
     k8s.build_parser(
         commands.add_parser("k8s", help="print Kubernetes manifests for a training job")
@@ -50,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch.run(args)
     if args.command == "stats":
         return cluster_stats.run(args)
+    if args.command == "reshard":
+        return reshard_command.run(args)
     if args.command == "k8s":
         return k8s.run(args)
     if args.command == "plan":

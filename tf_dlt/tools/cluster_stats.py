@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from tf_dlt import errors
-from tf_dlt.client import Client
-from tf_dlt.tls import TlsConfig
+from tf_dlt.tools import cluster_args
 
 _SHARD_COLUMNS = (
     "shard", "address", "tables", "rows", "MB", "pulls", "pushes", "pulled rows",
@@ -161,27 +160,16 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument(
-        "--pservers", required=True, help="shard data-plane addresses, comma-separated, in order"
-    )
-    parser.add_argument("--auth-token-file", help="file holding the shards' token")
+    cluster_args.add_cluster_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the raw stats as JSON")
-    parser.add_argument("--tls-ca", help="PEM CA of the shards' control plane (TLS)")
-    parser.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
-    parser.add_argument("--tls-key", help="PEM key of --tls-cert")
     return parser
 
 
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
-    addresses = [a for a in args.pservers.split(",") if a]
-    token = ""
-    if args.auth_token_file:
-        with open(args.auth_token_file, encoding="utf-8") as f:
-            token = f.read().strip()
-    secure = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    addresses = cluster_args.addresses(args)
     try:
-        with Client(addresses, auth_token=token, tls=secure) as client:
+        with cluster_args.client(args) as client:
             stats = client.stats()
     except errors.DltError as e:
         print(f"tf-dlt stats: {e}", file=sys.stderr)

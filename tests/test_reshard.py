@@ -1,0 +1,271 @@
+"""Live re-sharding with real shard processes (docs/replication.md): the
+tables move from 2 shards to 3 and back while a trainer pushes, through
+`tf-dlt reshard` and `tf_dlt.Client.reshard`; no push fails, and every row
+and optimizer slot at the end equals every push applied once, in order, to
+one table. A re-shard whose new process dies before the switch aborts: the
+old layout serves on with every row."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+import tf_dlt
+from tf_dlt import _native, errors, grpc_util
+from tf_dlt import reshard as resharding
+from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+from tf_dlt.server.local import LocalCluster
+from tf_dlt.table_config import TableConfig
+from tf_dlt.tools import cli
+
+DIM = 8
+IDS = np.arange(5000, dtype=np.int64)
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    with LocalCluster(2, workdir=tmp_path / "cluster") as c:
+        yield c
+
+
+class Trainer:
+    """Pushes seeded batches through its own client until stopped, keeping
+    each push and any error."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.client = tf_dlt.Client(addresses, request_timeout=20.0)
+        self.pushes: list[tuple[np.ndarray, np.ndarray]] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(3)
+        while not self._stop.is_set():
+            ids = rng.choice(IDS, 256)
+            grads = rng.normal(size=(256, DIM)).astype(np.float32)
+            try:
+                self.client.push("emb", ids, grads, 0.05)
+            except errors.DltError as e:
+                self.errors.append(e)
+            self.pushes.append((ids, grads))
+
+    def wait_for(self, more: int) -> None:
+        want = len(self.pushes) + more
+        deadline = time.monotonic() + 60
+        while len(self.pushes) < want:
+            assert time.monotonic() < deadline, "the trainer made no progress"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def oracle(self, config: TableConfig) -> np.ndarray:
+        """State rows of IDS after every push, once, in order, on one table."""
+        shard = _native.Shard(0, 1)
+        shard.create_table(config.to_dict())
+        table = shard.get_table("emb")
+        for ids, grads in self.pushes:
+            table.push(ids, grads, 0.05)
+        server = _native.DataServer(shard)
+        server.start()
+        try:
+            return _native.Client([f"127.0.0.1:{server.port}"]).pull_state("emb", DIM, DIM, IDS)
+        finally:
+            server.stop()
+
+
+def _state(client: tf_dlt.Client) -> np.ndarray:
+    """Values, Adagrad slots and step of every id, through the data plane."""
+    return client._data.pull_state("emb", DIM, DIM, IDS)
+
+
+def test_training_goes_on_through_a_reshard_to_three_shards_and_back(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    admin = tf_dlt.Client(cluster.addresses)
+    config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+    joined = cluster.join()
+    trainer = Trainer(cluster.addresses)
+    try:
+        _reshard_twice(cluster, admin, trainer, joined, capsys)
+    finally:
+        trainer.stop()
+    assert trainer.errors == []
+    np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
+    assert admin.num_shards == 2
+    assert _native.hello(joined)["layout_epoch"] == 3  # it left, owning nothing
+
+
+def _reshard_twice(
+    cluster: LocalCluster,
+    admin: tf_dlt.Client,
+    trainer: Trainer,
+    joined: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trainer.wait_for(20)
+    three = [*cluster.addresses, joined]
+    assert cli.main(["reshard", "--pservers", ",".join(cluster.addresses),
+                     "--to", ",".join(three)]) == 0  # fmt: skip
+    assert '"layout_epoch": 2' in capsys.readouterr().out
+    trainer.wait_for(20)
+    # The trainer's client follows; so does an admin client's control plane.
+    assert trainer.client._data.layout_epoch == 2
+    stats = admin.stats()
+    assert [s["layout_epoch"] for s in stats] == [2, 2, 2]
+    assert admin.pservers == three and sum(s["tables"][0]["rows"] for s in stats) > 0
+    # Back to two shards: the joined process leaves, owning nothing.
+    done = admin.reshard(cluster.addresses)
+    assert done["layout_epoch"] == 3 and done["held_s"] < 10
+    trainer.wait_for(20)
+
+
+@pytest.mark.parametrize("step", ["PREPARE", "STREAM", "HOLD", "SWITCH"])
+@pytest.mark.parametrize("victim", ["joining", "old"])
+def test_a_reshard_aborts_when_a_participant_dies(
+    cluster: LocalCluster, step: str, victim: str
+) -> None:
+    """Growing 2 -> 3, one process is killed (-9) just before `step` first
+    reaches any process: the joining one, or old shard 1. The re-shard fails,
+    and every process left serves the old layout: no bucket changed owner
+    (those of a dead old shard are lost with it, as without a re-shard)."""
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        admin.push("emb", rng.choice(IDS, 512), np.ones((512, DIM), np.float32), 0.1)
+    before = _state(admin)
+    rows_before = [s["tables"][0]["rows"] for s in admin.stats()]
+    joined = cluster.join()
+    dying = len(cluster.processes) - 1 if victim == "joining" else 1
+    kill_at = getattr(dlt_pb2.ReshardRequest, step)
+    channels: list[grpc.Channel] = []
+
+    def stub_for(address: str, admin_port: int) -> object:
+        channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
+        stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
+
+        class Dying:
+            def Reshard(self, request: object, **kwargs: object) -> object:  # noqa: N802
+                if request.step == kill_at and cluster.processes[dying].poll() is None:  # type: ignore[attr-defined]
+                    cluster.kill(dying)
+                return stub.Reshard(request, **kwargs)
+
+        return Dying()
+
+    try:
+        with pytest.raises(errors.DltError):
+            resharding.reshard(
+                cluster.addresses, [*cluster.addresses, joined], stub_for=stub_for, timeout_s=30
+            )
+    finally:
+        for channel in channels:
+            channel.close()
+    alive = [a for p, a in enumerate(cluster.process_addresses) if p != dying]
+    for address in alive:  # the old layout, and the joining process owns nothing
+        hello = _native.hello(address)
+        assert hello["layout_epoch"] == 1
+        assert (hello["shard_index"], hello["num_shards"]) in ((0, 2), (1, 2), (1, 1))
+    if victim == "joining":
+        # Every row as it was, and writes go on.
+        assert [s["tables"][0]["rows"] for s in admin.stats()] == rows_before
+        np.testing.assert_array_equal(_state(admin), before)
+        admin.push("emb", IDS[:8], np.ones((8, DIM), np.float32), 0.1)
+
+
+def test_saves_and_loads_wait_for_a_reshard_to_end(cluster: LocalCluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    admin.push("emb", IDS[:64], np.ones((64, DIM), np.float32), 0.1)
+    address = cluster.addresses[0]
+    admin_port = _native.hello(address)["admin_port"]
+    with grpc.insecure_channel(grpc_util.admin_address(address, admin_port)) as channel:
+        stub = dlt_pb2_grpc.ShardAdminStub(channel)
+        step = dlt_pb2.ReshardRequest
+        stub.Reshard(step(step=step.PREPARE, shard_index=0, num_shards=3))
+        with pytest.raises(errors.FailedPreconditionError, match="being re-sharded"):
+            admin.save(str(tmp_path / "ckpt"))
+        stub.Reshard(step(step=step.ABORT))
+    admin.save(str(tmp_path / "ckpt"))
+    admin.load(str(tmp_path / "ckpt"))
+
+
+def test_fit_goes_on_through_a_reshard_with_every_row_as_without(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """model.fit on 2 shards with sync pushes; mid-epoch the tables move to
+    3 shards, and in the next epoch back to 2, each re-shard on a thread of
+    its own while fit runs: fit raises nothing, and its loss, weights and
+    every row's values, optimizer slots and step equal a run without
+    re-sharding."""
+    import keras
+
+    from conftest import assert_same_training, fit_data, fit_outcome, two_table_model
+
+    data = fit_data()
+    model = two_table_model(DIM)
+
+    class ReshardAt(keras.callbacks.Callback):  # type: ignore[misc]
+        def __init__(self, client: tf_dlt.Client, at: dict[tuple[int, int], list[str]]) -> None:
+            super().__init__()
+            self.client, self.at, self.epoch = client, at, 0
+            self.threads: list[threading.Thread] = []
+            self.failures: list[BaseException] = []
+
+        def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            to = self.at.get((self.epoch, batch))
+            if to is None:
+                return
+            for t in self.threads:
+                t.join()  # one re-shard at a time
+            self.threads.append(threading.Thread(target=self._reshard, args=(to,)))
+            self.threads[-1].start()
+
+        def _reshard(self, to: list[str]) -> None:
+            try:
+                self.client.reshard(to)
+            except BaseException as e:  # noqa: BLE001 - checked by the test
+                self.failures.append(e)
+
+    results = []
+    for moved in (False, True):
+        with LocalCluster(2, workdir=tmp_path / f"moved{moved}") as cluster:
+            remote = tf_dlt.transpile(model, cluster.addresses)
+            for name in ("u", "i"):
+                remote.get_layer(name).sync_push = True
+            callbacks = []
+            if moved:
+                three = [*cluster.addresses, cluster.join()]
+                mover = ReshardAt(
+                    tf_dlt.Client(cluster.addresses), {(0, 10): three, (1, 10): cluster.addresses}
+                )
+                callbacks.append(mover)
+            history = remote.fit(data, epochs=2, verbose=0, callbacks=callbacks)
+            if moved:
+                for t in mover.threads:
+                    t.join()
+                assert mover.failures == [] and len(mover.threads) == 2
+                assert [s["layout_epoch"] for s in tf_dlt.Client(cluster.addresses).stats()] == [
+                    3,
+                    3,
+                ]
+            path = str(tmp_path / f"ckpt{moved}")
+            results.append(fit_outcome(history, remote, cluster.addresses, path))
+    assert_same_training(*results)
+    rows, rows_m = results[0][2], results[1][2]
+    # Values, optimizer slots and steps alike; a row's age in pushes may
+    # differ by the gap between its old and new shard's push clocks (a new
+    # shard takes the latest of its senders'), here at most one push.
+    assert {t: {k: r[:3] for k, r in rows[t].items()} for t in rows} == {
+        t: {k: r[:3] for k, r in rows_m[t].items()} for t in rows_m
+    }
+    assert all(abs(rows[t][k][3] - rows_m[t][k][3]) <= 1 for t in rows for k in rows[t])

@@ -1,0 +1,170 @@
+"""Driving a live re-shard (docs/replication.md): the tables move from the
+shards of one layout to those of another while trainers keep pulling and
+pushing. `tf_dlt.Client.reshard` and `tf-dlt reshard` run `reshard`.
+
+Every process of either layout prepares the shard it serves in the next
+(none for one that leaves); every old shard streams the buckets it owns of
+each new shard's to it; once every stream caught up, writes are held on the
+old shards, each stream runs a round begun since, and every process switches
+to the shard it prepared at a layout one epoch newer; then writes go on.
+Clients learn the new layout from the shards and send again what was
+refused meanwhile. A failure before the switch aborts everywhere: the old
+layout serves on, nothing moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from tf_dlt import _native, errors, grpc_util
+
+log = logging.getLogger("tf_dlt.reshard")
+
+# How often the coordinator polls the streams.
+_POLL_S = 0.02
+
+
+def reshard(
+    current: Sequence[str],
+    to: Sequence[str],
+    *,
+    stub_for: Callable[[str, int], Any],
+    auth_token: str = "",
+    timeout_s: float = 600.0,
+    hold_timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """Moves the tables of the shards at `current` (in shard order; the
+    layout they serve) to the shards at `to`. `stub_for(address,
+    admin_port)` makes the admin stub of a process. Returns what it did:
+    the new layout epoch, seconds streaming and seconds writes were held.
+    """
+    from tf_dlt.proto import dlt_pb2
+
+    current, to = list(current), list(to)
+    if not to:
+        raise errors.InvalidArgumentError("reshard needs at least one shard address to move to")
+    if len(set(to)) != len(to):
+        raise errors.InvalidArgumentError(f"reshard: an address is listed twice in {to}")
+    if any("|" in a for a in current + to):
+        raise errors.FailedPreconditionError(
+            "reshard: shards with standbys cannot be re-sharded yet (docs/replication.md)"
+        )
+    processes = current + [a for a in to if a not in current]
+    metadata = grpc_util.bearer(auth_token)
+    stubs = {}
+    for address in processes:
+        hello = _native.hello(address, auth_token)
+        stubs[address] = stub_for(address, int(hello["admin_port"]))
+    step = dlt_pb2.ReshardRequest
+
+    def call(address: str, request: Any) -> Any:
+        try:
+            return stubs[address].Reshard(request, timeout=hold_timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            raise grpc_util.error_from_rpc(e, f"reshard step {request.step} on {address}") from e
+
+    epochs = {call(a, step(step=step.STATUS)).layout_epoch for a in current}
+    if len(epochs) != 1:
+        raise errors.FailedPreconditionError(
+            f"reshard: the shards at {current} serve different layouts (epochs {sorted(epochs)})"
+        )
+    epoch = epochs.pop() + 1
+    began = time.monotonic()
+    try:
+        for address in processes:
+            index = to.index(address) if address in to else len(to)
+            call(address, step(step=step.PREPARE, shard_index=index, num_shards=len(to)))
+        for address in current:
+            call(address, step(step=step.STREAM, targets=to))
+        _await_streams(current, call, lambda s: s.caught_up, began + timeout_s, "catch up")
+        streamed = time.monotonic()
+        for address in current:
+            call(address, step(step=step.HOLD))
+        held = time.monotonic()
+        # A round begun after the hold holds every write there was.
+        rounds = {
+            (a, s.target): s.rounds
+            for a in current
+            for s in call(a, step(step=step.STATUS)).streams
+        }
+        _await_streams(
+            current, call, lambda s: True, held + hold_timeout_s, "drain", rounds_after=rounds
+        )
+    except BaseException:
+        for address in processes:
+            _quietly(call, address, step(step=step.ABORT))
+        raise
+    layout = ",".join(to)
+    switched: list[str] = []
+    try:
+        for address in processes:
+            call(address, step(step=step.SWITCH, layout_epoch=epoch, layout=layout))
+            switched.append(address)
+    except BaseException:
+        # Writes are still held everywhere: the processes that switched go
+        # back to the old layout losing nothing, then all abort.
+        for address in switched:
+            _quietly(call, address, step(step=step.UNDO))
+        for address in processes:
+            _quietly(call, address, step(step=step.ABORT))
+        raise
+    for address in processes:
+        call(address, step(step=step.RELEASE))
+    done = time.monotonic()
+    log.info(
+        "re-shard to %s: layout epoch %d, streamed %.2f s, writes held %.3f s",
+        layout, epoch, streamed - began, done - held,
+    )  # fmt: skip
+    return {"layout_epoch": epoch, "stream_s": streamed - began, "held_s": done - held}
+
+
+def _quietly(call: Callable[[str, Any], Any], address: str, request: Any) -> None:
+    """A step of undoing a failed re-shard: a process that cannot be
+    reached (the one that failed) is logged and passed over."""
+    try:
+        call(address, request)
+    except errors.DltError as e:
+        log.warning("reshard: step %s on %s failed: %s", request.step, address, e)
+
+
+def _await_streams(
+    current: list[str],
+    call: Callable[[str, Any], Any],
+    ready: Callable[[Any], bool],
+    deadline: float,
+    what: str,
+    rounds_after: dict[tuple[str, str], int] | None = None,
+) -> None:
+    """Polls every old shard's streams until each is `ready` (and, with
+    `rounds_after`, ran two rounds more than it had then); raises when one
+    ended or the deadline passed."""
+    from tf_dlt.proto import dlt_pb2
+
+    while True:
+        waiting = []
+        for address in current:
+            for s in call(
+                address, dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.STATUS)
+            ).streams:
+                if s.ended:
+                    raise errors.UnavailableError(
+                        f"reshard: the stream of buckets [{s.first_bucket}, {s.end_bucket}) "
+                        f"from {address} to {s.target} failed: {s.error}"
+                    )
+                behind = (
+                    rounds_after is not None and s.rounds < rounds_after[(address, s.target)] + 2
+                )
+                if not ready(s) or behind:
+                    waiting.append(f"{address} -> {s.target}")
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise errors.DeadlineExceededError(
+                f"reshard: streams did not {what} in time: {', '.join(waiting)}"
+            )
+        time.sleep(_POLL_S)

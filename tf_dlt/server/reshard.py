@@ -1,0 +1,141 @@
+"""A shard server's part of a live re-shard (docs/replication.md): the steps
+a coordinator (`tf_dlt.Client.reshard`, `tf-dlt reshard`) runs on every
+process of the old and the new layout, one ReshardRequest each.
+
+PREPARE makes the empty shard this process serves in the next layout;
+STREAM starts a range stream from this shard to each shard of the next
+layout that takes some of its buckets (its own process included); HOLD
+refuses writes until the switch; SWITCH serves the prepared shard, keeping
+the one it served until RELEASE (writes go on, the re-shard is done) or
+UNDO (another process could not switch: back to the old one); ABORT undoes
+whatever came before the switch. The work is the native core's
+(`ReshardTarget`, `Replicator(range_stream=True)`, `DataServer.hold_writes`
+and `switch_layout`); this module keeps the streams and checks the steps'
+order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from tf_dlt import _native, errors, routing
+
+log = logging.getLogger("tf_dlt.server")
+
+
+class ReshardSteps:
+    """The re-shard steps of one shard server process."""
+
+    def __init__(
+        self,
+        shard: _native.Shard,
+        data_server: _native.DataServer,
+        auth_token: str = "",
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        self._shard = shard
+        self._data_server = data_server
+        self._auth_token = auth_token
+        self._io_timeout_ms = max(1, int(io_timeout_s * 1000))
+        self._lock = threading.Lock()
+        self._streams: list[_native.Replicator] = []  # guarded by _lock
+        self._held = False  # guarded by _lock
+
+    def prepare(self, shard_index: int, num_shards: int, why_not: str | None) -> None:
+        """Prepares shard `shard_index` of `num_shards` (index == count: this
+        process leaves the layout). `why_not`: why this process cannot take
+        part (a standby, a read-only shard, ...), or None."""
+        if why_not is not None:
+            raise errors.FailedPreconditionError(
+                f"shard {self._shard.shard_index} cannot be re-sharded: {why_not}"
+            )
+        if self._shard.memory_status()["budget"]:
+            raise errors.FailedPreconditionError(
+                f"shard {self._shard.shard_index} has a memory budget: re-sharding shards with "
+                "one is not supported yet (docs/replication.md)"
+            )
+        with self._lock:
+            self._stop_streams()
+            self._data_server.reshard_prepare(shard_index, num_shards)
+        log.info("re-shard: prepared shard %d of %d", shard_index, num_shards)
+
+    def stream(self, targets: list[str]) -> None:
+        """Streams this shard's buckets to each target that takes some."""
+        if not targets:
+            raise errors.InvalidArgumentError("STREAM needs the next layout's addresses")
+        first, end = self._shard.first_bucket, self._shard.end_bucket
+        with self._lock:
+            self._stop_streams()
+            for j, target in enumerate(targets):
+                lo, hi = routing.bucket_range(j, len(targets))
+                if max(first, lo) >= min(end, hi):
+                    continue  # none of this shard's buckets are shard j's
+                stream = _native.Replicator(
+                    self._shard, target, auth_token=self._auth_token,
+                    io_timeout_ms=self._io_timeout_ms, range_stream=True,
+                )  # fmt: skip
+                stream.start()
+                self._streams.append(stream)
+        log.info("re-shard: streaming buckets [%d, %d) to %s", first, end, ", ".join(targets))
+
+    def hold(self, hold: bool) -> None:
+        """Refuses writes (returns once none is being applied), or takes
+        them again; then the layout switched from (if any) is dropped: the
+        re-shard is done."""
+        with self._lock:
+            self._held = hold
+        self._data_server.hold_writes(hold, timeout_ms=self._io_timeout_ms)
+        if not hold:
+            self._shard.drop_previous_layout()
+
+    def switch(self, layout_epoch: int, layout: str) -> None:
+        """Serves the prepared shard from now on. Writes held stay held
+        until RELEASE: the coordinator releases them once every process
+        switched."""
+        with self._lock:
+            self._stop_streams()
+            self._data_server.switch_layout(layout_epoch, layout)
+        log.info(
+            "re-shard: serving shard %d of %d at layout epoch %d",
+            self._shard.shard_index, self._shard.num_shards, layout_epoch,
+        )  # fmt: skip
+
+    def undo(self) -> None:
+        """Serves the layout switched from again (another process could not
+        switch; writes are still held, so nothing written is lost)."""
+        with self._lock:
+            reverted = self._shard.revert_layout()
+        log.info("re-shard: %s", "switched back" if reverted else "nothing to switch back")
+
+    def abort(self) -> None:
+        """Stops the streams, drops what was prepared, takes writes again."""
+        with self._lock:
+            self._stop_streams()
+            self._data_server.reshard_clear()
+            self._held = False
+        self._data_server.hold_writes(False)
+        log.info("re-shard: aborted on shard %d", self._shard.shard_index)
+
+    def status(self) -> dict[str, Any]:
+        prepared = self._data_server.reshard_prepared
+        with self._lock:
+            streams = [s.status() for s in self._streams]
+        return {
+            "prepared": prepared is not None,
+            "shard_index": prepared[0] if prepared else 0,
+            "num_shards": prepared[1] if prepared else 0,
+            "streams": streams,
+            "layout_epoch": self._shard.layout_epoch,
+            "layout": self._shard.layout_addresses,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_streams()
+
+    def _stop_streams(self) -> None:
+        for stream in self._streams:
+            stream.stop()
+        self._streams = []

@@ -1,0 +1,33 @@
+"""The arguments commands that talk to a running cluster share (`tf-dlt
+stats`, `tf-dlt reshard`): its shards' addresses, token and TLS."""
+
+from __future__ import annotations
+
+import argparse
+
+from tf_dlt.client import Client
+from tf_dlt.tls import TlsConfig
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pservers", required=True, help="shard data-plane addresses, comma-separated, in order"
+    )
+    parser.add_argument("--auth-token-file", help="file holding the shards' token")
+    parser.add_argument("--tls-ca", help="PEM CA of the shards' control plane (TLS)")
+    parser.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", help="PEM key of --tls-cert")
+
+
+def addresses(args: argparse.Namespace) -> list[str]:
+    return [a for a in args.pservers.split(",") if a]
+
+
+def client(args: argparse.Namespace) -> Client:
+    """A client of the cluster the arguments name."""
+    token = ""
+    if args.auth_token_file:
+        with open(args.auth_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    secure = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    return Client(addresses(args), auth_token=token, tls=secure)

@@ -1,0 +1,40 @@
+"""`tf-dlt reshard --pservers a,b --to a,b,c`: moves every table of the
+shards serving at --pservers (any address of the current layout will do
+after a re-shard: the shards tell theirs) to the shards at --to while
+training goes on (docs/replication.md). Servers new to the cluster run
+`tf-dlt server --join`; a server not in --to leaves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import IO
+
+from tf_dlt import errors
+from tf_dlt.tools import cluster_args
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    cluster_args.add_cluster_arguments(parser)
+    parser.add_argument(
+        "--to", required=True, help="the new layout's shard addresses, comma-separated, in order"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds the ranges may take to stream"
+    )
+    return parser
+
+
+def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
+    out = out or sys.stdout
+    to = [a for a in args.to.split(",") if a]
+    try:
+        with cluster_args.client(args) as client:
+            done = client.reshard(to, timeout=args.timeout)
+    except errors.DltError as e:
+        print(f"tf-dlt reshard: {e}", file=sys.stderr)
+        return 1
+    out.write(json.dumps({"pservers": ",".join(to), **done}) + "\n")
+    return 0
