@@ -26,7 +26,7 @@ from tf_dlt import _native, errors, grpc_util
 log = logging.getLogger("tf_dlt.reshard")
 
 # How often the coordinator polls the streams.
-_POLL_S = 0.02
+_POLL_S = 0.005
 
 
 def reshard(
