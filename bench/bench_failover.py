@@ -19,63 +19,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from step_trainer import StepTrainer
 
 import tf_dlt
-from tf_dlt import _native
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.table_config import TableConfig
 
 from common import emit, log
 
 DIM = 16
-
-
-class Trainer:
-    """A trainer thread taking steps (a pull and a push of random `ids`)
-    until stopped, timing each and applying the same pushes once each to a
-    local table (`oracle`); an exception ends it and is kept in `failures`."""
-
-    def __init__(self, client: tf_dlt.Client, ids: np.ndarray, config: TableConfig) -> None:
-        self.oracle = _native.Table(config.to_dict())
-        self.times: list[tuple[float, float]] = []  # (start, seconds) of each step
-        self.failures: list[BaseException] = []
-        self._client, self._ids = client, ids
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        rng = np.random.default_rng(1)
-        ids = self._ids
-        try:
-            while not self._stop.is_set():
-                batch = rng.choice(ids, len(ids))
-                grads = rng.normal(size=(len(ids), DIM)).astype(np.float32)
-                start = time.monotonic()
-                self._client.pull("emb", batch)
-                self._client.push("emb", batch, grads, 0.05)
-                self.times.append((start, time.monotonic() - start))
-                self.oracle.push(batch, grads, 0.05)
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
-            self.failures.append(e)
-
-    def start(self) -> Trainer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def rows_differing(self) -> int:
-        """Rows (of every id) that differ from the oracle's."""
-        every = np.arange(len(self._ids), dtype=np.int64)
-        pulled = self._client.pull("emb", every)
-        return int((pulled != self.oracle.pull(every)).any(axis=1).sum())
 
 
 def wait_covered(client: tf_dlt.Client, timeout: float = 30.0) -> None:
@@ -95,11 +51,11 @@ def one_kill(ids: np.ndarray, workdir: Path, replication: str) -> tuple[float, f
         client = tf_dlt.Client(cluster.addresses)
         client.create_table_from_config(config)
         wait_covered(client)
-        trainer = Trainer(client, ids, config).start()
+        trainer = StepTrainer(client, config, lambda rng: rng.choice(ids, len(ids))).start()
         time.sleep(1.0)
         killed = time.monotonic()
         cluster.kill(1)
-        times = trainer.times
+        times = trainer.steps
         # Until steps have run a while after the takeover.
         while not trainer.failures and (
             not times or times[-1][0] < killed + 0.5 or time.monotonic() < killed + 3
@@ -108,7 +64,7 @@ def one_kill(ids: np.ndarray, workdir: Path, replication: str) -> tuple[float, f
         trainer.stop()
         if trainer.failures:
             raise RuntimeError(f"a step failed across the kill: {trainer.failures[0]}")
-        differ = trainer.rows_differing()
+        differ = trainer.rows_differing(np.arange(len(ids), dtype=np.int64))
     before = max(s for t, s in times if t + s < killed)
     across = max(s for t, s in times if t + s >= killed)
     return before, across, differ

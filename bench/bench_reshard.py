@@ -19,63 +19,18 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
 
 import numpy as np
+from step_trainer import StepTrainer
 
 import tf_dlt
-from tf_dlt import _native
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.table_config import TableConfig
 
 from common import emit, log
 
 DIM = 16
-
-
-class Trainer:
-    """A trainer thread taking steps until stopped, timing each and applying
-    the same pushes once each to a local table (`oracle`)."""
-
-    def __init__(self, client: tf_dlt.Client, rows: int, ids: int, config: TableConfig) -> None:
-        self.oracle = _native.Table(config.to_dict())
-        self.steps: list[tuple[float, float]] = []  # (start, seconds)
-        self.failures: list[BaseException] = []
-        self._client, self._rows, self._ids = client, rows, ids
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def _run(self) -> None:
-        rng = np.random.default_rng(1)
-        try:
-            while not self._stop.is_set():
-                batch = rng.integers(0, self._rows, self._ids)
-                grads = rng.normal(size=(self._ids, DIM)).astype(np.float32)
-                start = time.monotonic()
-                self._client.pull("emb", batch)
-                self._client.push("emb", batch, grads, 0.05)
-                self.steps.append((start, time.monotonic() - start))
-                self.oracle.push(batch, grads, 0.05)
-        except BaseException as e:  # noqa: BLE001 - reported by the caller
-            self.failures.append(e)
-
-    def start(self) -> Trainer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def rows_per_s(self, begin: float, end: float) -> float:
-        """Rows pulled and pushed per second by steps that began in [begin, end)."""
-        inside = [s for t, s in self.steps if begin <= t < end]
-        return 2 * self._ids * len(inside) / max(end - begin, 1e-9)
-
-    def longest(self, begin: float, end: float) -> float:
-        """The longest step that overlapped [begin, end)."""
-        return max((s for t, s in self.steps if t < end and t + s >= begin), default=0.0)
 
 
 def main() -> None:
@@ -99,7 +54,9 @@ def main() -> None:
             ids = np.arange(first, min(first + 65536, args.rows), dtype=np.int64)
             admin.assign("emb", ids, values[: len(ids)])
         log(f"{args.rows} rows assigned on 2 shards")
-        trainer = Trainer(tf_dlt.Client(two), args.rows, args.ids, config)
+        trainer = StepTrainer(
+            tf_dlt.Client(two), config, lambda rng: rng.integers(0, args.rows, args.ids)
+        )
         # The oracle holds the assigned rows too.
         for first in range(0, args.rows, 65536):
             ids = np.arange(first, min(first + 65536, args.rows), dtype=np.int64)
@@ -129,9 +86,7 @@ def main() -> None:
         trainer.stop()
         if trainer.failures:
             raise RuntimeError(f"a step failed: {trainer.failures[0]}")
-        every = np.arange(args.rows, dtype=np.int64)
-        pulled = admin.pull("emb", every, training=False)
-        differ = int((pulled != trainer.oracle.pull(every)).any(axis=1).sum())
+        differ = trainer.rows_differing(np.arange(args.rows, dtype=np.int64))
     stall = max(m["stall_s"] for m in moves)
     streaming = min(m["rows_per_s_streaming"] for m in moves)
     emit({
