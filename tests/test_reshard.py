@@ -117,8 +117,10 @@ def _reshard_twice(
                      "--to", ",".join(three)]) == 0  # fmt: skip
     assert '"layout_epoch": 2' in capsys.readouterr().out
     trainer.wait_for(20)
-    # The trainer's client follows; so does an admin client's control plane.
+    # The trainer's client follows; so does another client's control plane,
+    # once its data plane met the new layout (or within 5 s).
     assert trainer.client._data.layout_epoch == 2
+    admin.pull("emb", IDS[:200], training=False)
     stats = admin.stats()
     assert [s["layout_epoch"] for s in stats] == [2, 2, 2]
     assert admin.pservers == three and sum(s["tables"][0]["rows"] for s in stats) > 0

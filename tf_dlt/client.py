@@ -12,6 +12,7 @@ import contextlib
 import os
 import queue
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,11 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
     raise errors.InvalidArgumentError(
         f"ids must be int64 (or an integer type that converts safely), got {a.dtype}"
     )
+
+
+# Seconds between a control plane's questions to the shards about their
+# layout (live re-sharding, docs/replication.md).
+_LAYOUT_ASK_S = 5.0
 
 
 class Client:
@@ -100,6 +106,7 @@ class Client:
         self._channels: list[grpc.Channel] = []
         self._stubs: list[Any] = []
         self._stubs_layout = 1  # the layout epoch the stubs were made for
+        self._layout_asked = -_LAYOUT_ASK_S  # when the shards were last asked theirs
 
     @property
     def num_shards(self) -> int:
@@ -145,6 +152,7 @@ class Client:
         shards, once the data plane learned it from them (with `learn`: asks
         them now)."""
         if learn:
+            self._layout_asked = time.monotonic()
             self._data.learn_layout()
         if int(self._data.layout_epoch) == self._stubs_layout:
             return
@@ -161,7 +169,9 @@ class Client:
     # Control plane ------------------------------------------------------------
 
     def _admin(self) -> list[Any]:
-        self._follow_layout(learn=True)
+        # Another client's re-shard shows within _LAYOUT_ASK_S (this one's,
+        # and a data-plane call's meeting it, at once).
+        self._follow_layout(learn=time.monotonic() - self._layout_asked > _LAYOUT_ASK_S)
         if not self._stubs:
             from tf_dlt.proto import dlt_pb2_grpc
 
