@@ -1,17 +1,22 @@
-"""Soak: training goes on through a failure every --every seconds
-(docs/replication.md).
+"""Soak: training goes on through a failure or a re-shard every --every
+seconds (docs/replication.md).
 
-One 2-shard cluster with a sync standby per shard (LocalCluster replicas=2).
-A trainer thread takes steps (a pull and a push of random ids) for
---seconds. Every --every seconds the process serving one shard (the shards
-in turn) is killed (-9) and started again at once: it rejoins its shard
-(--replica-set) and follows the standby that took over; the next kill of
-that shard waits until it caught up. Reported: steps, kills, errors that
-reached the trainer (must be 0), the longest step across each kill (the
-baseline: the median step), and the rows that differ at the end from a local
-table that applied the same pushes once each (must be 0).
+--events kill (the default): one 2-shard cluster with a sync standby per
+shard (LocalCluster replicas=2). Every --every seconds the process serving
+one shard (the shards in turn) is killed (-9) and started again at once: it
+rejoins its shard (--replica-set) and follows the standby that took over;
+the next kill of that shard waits until it caught up.
 
-Usage: python bench/bench_soak.py [--seconds 600] [--every 30] [--ids 1024]
+--events reshard: one 2-shard cluster and a joining process; every --every
+seconds the tables move to 3 shards, or back to 2 (tf_dlt.Client.reshard).
+
+Either way a trainer thread takes steps (a pull and a push of random ids)
+for --seconds. Reported: steps, events, errors that reached the trainer
+(must be 0), the longest step across each event (the baseline: the median
+step), and the rows that differ at the end from a local table that applied
+the same pushes once each (must be 0).
+
+Usage: python bench/bench_soak.py [--seconds 600] [--every 30] [--ids 1024] [--events reshard]
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from step_trainer import StepTrainer
 
 import tf_dlt
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.table_config import TableConfig
 
-from bench_failover import DIM, Trainer, wait_covered
+from bench_failover import DIM, wait_covered
 from common import emit, log
 
 SHARDS = 2
@@ -46,43 +52,74 @@ def _covered(client: tf_dlt.Client, shard: int, standby: str) -> bool:
     return bool(standbys) and standbys[0]["caught_up"] and standbys[0]["address"] == standby
 
 
-def soak(ids: np.ndarray, seconds: float, every: float, workdir: Path) -> dict[str, object]:
+class Kills:
+    """Each event kills the process serving a shard (in turn) and restarts
+    it; it rejoins as its shard's standby."""
+
+    def __init__(self, cluster: LocalCluster, admin: tf_dlt.Client) -> None:
+        self.cluster, self.admin, self.count = cluster, admin, 0
+        wait_covered(admin)
+
+    def __call__(self) -> str:
+        shard = self.count % SHARDS
+        self.count += 1
+        victim = _serving(self.cluster, self.admin, shard)
+        self.cluster.kill(victim)
+        self.cluster.restart(victim)  # rejoins as the standby of the one that took over
+        deadline = time.monotonic() + 60
+        while not _covered(self.admin, shard, self.cluster.process_addresses[victim]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process {victim} did not rejoin shard {shard} in 60 s")
+            time.sleep(0.1)
+        return f"process {victim} (shard {shard}) killed, restarted and caught up again"
+
+
+class Reshards:
+    """Each event moves the tables to 3 shards, or back to 2."""
+
+    def __init__(self, cluster: LocalCluster, admin: tf_dlt.Client) -> None:
+        self.two = list(cluster.addresses)
+        self.three = [*self.two, cluster.join()]
+        self.admin, self.count = admin, 0
+
+    def __call__(self) -> str:
+        to = self.three if self.count % 2 == 0 else self.two
+        self.count += 1
+        done = self.admin.reshard(to)
+        return f"re-shard to {len(to)} shards (writes held {done['held_s'] * 1e3:.0f} ms)"
+
+
+def soak(
+    ids: np.ndarray, seconds: float, every: float, workdir: Path, events: str
+) -> dict[str, object]:
     config = TableConfig.create("emb", DIM, optimizer="adagrad")
-    with LocalCluster(SHARDS, workdir=workdir, replicas=2) as cluster:
+    replicas = 2 if events == "kill" else 1
+    with LocalCluster(SHARDS, workdir=workdir, replicas=replicas) as cluster:
         client = tf_dlt.Client(cluster.addresses)
         client.create_table_from_config(config)
-        admin = tf_dlt.Client(cluster.addresses)  # the bench's own, for stats
-        wait_covered(admin)
-        trainer = Trainer(client, ids, config).start()
+        admin = tf_dlt.Client(cluster.addresses)  # the bench's own, for stats and re-shards
+        event = Kills(cluster, admin) if events == "kill" else Reshards(cluster, admin)
+        trainer = StepTrainer(client, config, lambda rng: rng.choice(ids, len(ids))).start()
         began = time.monotonic()
-        kills: list[float] = []
+        at: list[float] = []
         try:
             while not trainer.failures and time.monotonic() - began + every <= seconds:
-                time.sleep(max(0.0, began + (len(kills) + 1) * every - time.monotonic()))
-                shard = len(kills) % SHARDS
-                victim = _serving(cluster, admin, shard)
-                kills.append(time.monotonic())
-                cluster.kill(victim)
-                cluster.restart(victim)  # rejoins as the standby of the one that took over
-                deadline = time.monotonic() + 60
-                while not _covered(admin, shard, cluster.process_addresses[victim]):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"process {victim} did not rejoin shard {shard} in 60 s")
-                    time.sleep(0.1)
-                log(f"kill {len(kills)} at {kills[-1] - began:.0f} s: process {victim} (shard "
-                    f"{shard}) killed, restarted and caught up again")  # fmt: skip
+                time.sleep(max(0.0, began + (len(at) + 1) * every - time.monotonic()))
+                at.append(time.monotonic())
+                what = event()
+                log(f"event {len(at)} at {at[-1] - began:.0f} s: {what}")
             time.sleep(max(0.0, began + seconds - time.monotonic()))
         finally:
             trainer.stop()
-        differ = trainer.rows_differing()
-    times = trainer.times
+        differ = trainer.rows_differing(ids)
+    times = trainer.steps
     stalls = []
-    for k, at in enumerate(kills):
-        until = kills[k + 1] if k + 1 < len(kills) else float("inf")
-        stalls.append(max((s for t, s in times if t + s >= at and t < until), default=0.0))
+    for k, t0 in enumerate(at):
+        until = at[k + 1] if k + 1 < len(at) else float("inf")
+        stalls.append(max((s for t, s in times if t + s >= t0 and t < until), default=0.0))
     return {
         "steps": len(times),
-        "kills": len(kills),
+        "events": len(at),
         "errors": len(trainer.failures),
         "first_error": str(trainer.failures[0]) if trainer.failures else "",
         "stalls": stalls,
@@ -96,10 +133,14 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=600.0)
     p.add_argument("--every", type=float, default=30.0)
     p.add_argument("--ids", type=int, default=1024)
+    p.add_argument(
+        "--events", choices=("kill", "reshard"), default="kill",
+        help="kill: a primary killed -9 (standbys); reshard: 2 -> 3 or 3 -> 2 shards",
+    )  # fmt: skip
     args = p.parse_args()
     ids = np.arange(args.ids, dtype=np.int64)
     with tempfile.TemporaryDirectory(prefix="bench_soak-") as tmp:
-        r = soak(ids, args.seconds, args.every, Path(tmp))
+        r = soak(ids, args.seconds, args.every, Path(tmp), args.events)
     stalls = sorted(r["stalls"])  # type: ignore[call-overload]
     emit(
         {
@@ -108,7 +149,8 @@ def main() -> None:
             "every_s": args.every,
             "ids": args.ids,
             "steps": r["steps"],
-            "kills": r["kills"],
+            "events": args.events,
+            "event_count": r["events"],
             # Must be 0: no error reaches the trainer, no row is lost or
             # applied twice.
             "errors": r["errors"],
@@ -116,7 +158,7 @@ def main() -> None:
             "rows_differing_from_oracle": r["differ"],
             "value": round(stalls[-1], 3) if stalls else None,
             "baseline_value": round(r["median_step"], 4),  # type: ignore[call-overload]
-            "what": "longest step (pull + push) across any kill, seconds; baseline: the "
+            "what": "longest step (pull + push) across any event, seconds; baseline: the "
             "median step",
             "stall_s_median": round(statistics.median(stalls), 3) if stalls else None,
         }

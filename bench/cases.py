@@ -39,7 +39,7 @@ CASES = (
          quick=("--kills", "1", "--ids", "256")),
     Case("bench_reshard", "live re-sharding: a trainer's stall across 2 -> 3 -> 2 shards",
          quick=("--rows", "20000", "--reshards", "2", "--settle", "1")),
-    Case("bench_soak", "hot standbys: training through a kill -9 and a rejoin every 30 s",
+    Case("bench_soak", "training through a kill -9 and a rejoin (or a re-shard) every 30 s",
          quick=("--seconds", "8", "--every", "3", "--ids", "256")),
     Case("bench_connections", "one shard serving many connections",
          quick=("--connections", "8", "--seconds", "0.5")),
