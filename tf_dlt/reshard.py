@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -83,8 +84,7 @@ def reshard(
             call(address, step(step=step.STREAM, targets=to))
         _await_streams(current, call, lambda s: s.caught_up, began + timeout_s, "catch up")
         streamed = time.monotonic()
-        for address in current:
-            call(address, step(step=step.HOLD))
+        _raise_first(_on_each(current, call, step(step=step.HOLD)))
         held = time.monotonic()
         # A round begun after the hold holds every write there was.
         rounds = {
@@ -100,27 +100,43 @@ def reshard(
             _quietly(call, address, step(step=step.ABORT))
         raise
     layout = ",".join(to)
-    switched: list[str] = []
-    try:
-        for address in processes:
-            call(address, step(step=step.SWITCH, layout_epoch=epoch, layout=layout))
-            switched.append(address)
-    except BaseException:
+    switches = _on_each(processes, call, step(step=step.SWITCH, layout_epoch=epoch, layout=layout))
+    if any(isinstance(r, BaseException) for r in switches):
         # Writes are still held everywhere: the processes that switched go
         # back to the old layout losing nothing, then all abort.
-        for address in switched:
-            _quietly(call, address, step(step=step.UNDO))
+        for address, result in zip(processes, switches, strict=True):
+            if not isinstance(result, BaseException):
+                _quietly(call, address, step(step=step.UNDO))
         for address in processes:
             _quietly(call, address, step(step=step.ABORT))
-        raise
-    for address in processes:
-        call(address, step(step=step.RELEASE))
+        _raise_first(switches)
+    _raise_first(_on_each(processes, call, step(step=step.RELEASE)))
     done = time.monotonic()
     log.info(
         "re-shard to %s: layout epoch %d, streamed %.2f s, writes held %.3f s",
         layout, epoch, streamed - began, done - held,
     )  # fmt: skip
     return {"layout_epoch": epoch, "stream_s": streamed - began, "held_s": done - held}
+
+
+def _on_each(addresses: list[str], call: Callable[[str, Any], Any], request: Any) -> list[Any]:
+    """`request` to every process at once (the steps writes wait through);
+    each one's reply or exception, in order."""
+
+    def one(address: str) -> Any:
+        try:
+            return call(address, request)
+        except BaseException as e:  # noqa: BLE001 - returned to the caller
+            return e
+
+    with ThreadPoolExecutor(max_workers=len(addresses)) as pool:
+        return list(pool.map(one, addresses))
+
+
+def _raise_first(results: list[Any]) -> None:
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 def _quietly(call: Callable[[str, Any], Any], address: str, request: Any) -> None:
@@ -145,12 +161,13 @@ def _await_streams(
     ended or the deadline passed."""
     from tf_dlt.proto import dlt_pb2
 
+    status = dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.STATUS)
     while True:
         waiting = []
-        for address in current:
-            for s in call(
-                address, dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.STATUS)
-            ).streams:
+        replies = _on_each(current, call, status)
+        _raise_first(replies)
+        for address, reply in zip(current, replies, strict=True):
+            for s in reply.streams:
                 if s.ended:
                     raise errors.UnavailableError(
                         f"reshard: the stream of buckets [{s.first_bucket}, {s.end_bucket}) "
