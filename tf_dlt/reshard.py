@@ -26,8 +26,10 @@ from tf_dlt import _native, errors, grpc_util
 
 log = logging.getLogger("tf_dlt.reshard")
 
-# How often the coordinator polls the streams.
+# How often the coordinator polls the streams while writes are held, and
+# while they catch up.
 _POLL_S = 0.005
+_CATCH_UP_POLL_S = 0.05
 
 
 def reshard(
@@ -164,10 +166,8 @@ def _await_streams(
     status = dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.STATUS)
     while True:
         waiting = []
-        replies = _on_each(current, call, status)
-        _raise_first(replies)
-        for address, reply in zip(current, replies, strict=True):
-            for s in reply.streams:
+        for address in current:
+            for s in call(address, status).streams:
                 if s.ended:
                     raise errors.UnavailableError(
                         f"reshard: the stream of buckets [{s.first_bucket}, {s.end_bucket}) "
@@ -184,4 +184,6 @@ def _await_streams(
             raise errors.DeadlineExceededError(
                 f"reshard: streams did not {what} in time: {', '.join(waiting)}"
             )
-        time.sleep(_POLL_S)
+        # Writes wait while draining: polled often then; seldom while the
+        # streams catch up (the trainers' cores).
+        time.sleep(_POLL_S if rounds_after is not None else _CATCH_UP_POLL_S)
