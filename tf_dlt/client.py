@@ -54,6 +54,13 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
 _LAYOUT_ASK_S = 5.0
 
 
+def address_list(pservers: Sequence[str] | str) -> list[str]:
+    """Shard addresses as a list, from a list or a comma-separated string."""
+    if isinstance(pservers, str):
+        return [p for p in pservers.split(",") if p]
+    return list(pservers)
+
+
 class Client:
     """Client of the shard servers of one cluster.
 
@@ -83,9 +90,7 @@ class Client:
         frame_bytes: int = 8 << 20,
         tls: TlsConfig | None = None,
     ) -> None:
-        if isinstance(pservers, str):
-            pservers = [p for p in pservers.split(",") if p]
-        self.pservers = list(pservers)
+        self.pservers = address_list(pservers)
         if not self.pservers:
             raise errors.InvalidArgumentError("Client needs at least one shard address")
         auth_token = auth_token or token_from_env()
@@ -124,7 +129,7 @@ class Client:
         from tf_dlt import reshard as resharding
         from tf_dlt.proto import dlt_pb2_grpc
 
-        to = [p for p in pservers.split(",") if p] if isinstance(pservers, str) else list(pservers)
+        to = address_list(pservers)
         channels: list[grpc.Channel] = []
 
         def stub_for(address: str, admin_port: int) -> Any:

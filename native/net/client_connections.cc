@@ -304,13 +304,7 @@ Status Client::LearnLayout(const Layout& seen) {
   }
   auto next = std::make_shared<Layout>();
   next->epoch = epoch;
-  std::vector<std::string> entries;
-  for (size_t from = 0; from <= addresses.size();) {
-    size_t comma = addresses.find(',', from);
-    if (comma == std::string::npos) comma = addresses.size();
-    entries.push_back(addresses.substr(from, comma - from));
-    from = comma + 1;
-  }
+  const std::vector<std::string> entries = net::SplitAddresses(addresses, ',');
   for (size_t j = 0; j < entries.size(); ++j) {
     auto st = std::make_unique<ShardState>();
     st->index = static_cast<uint32_t>(j);

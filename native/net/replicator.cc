@@ -46,8 +46,7 @@ void Replicator::Start() {
   const Status acquired = shard_->AcquireStream(&stream_);
   if (!acquired.ok()) {
     status_.error = acquired.message();
-    status_.ended = true;
-    connect_failures_++;
+    status_.ended = true;  // Written fails at once
     return;
   }
   shard_->push_ledger().set_tracked(stream_, true);

@@ -59,10 +59,10 @@ Status ParseAddress(const std::string& address, std::string* host, int* port) {
   return OkStatus();
 }
 
-std::vector<std::string> SplitAddresses(const std::string& list) {
+std::vector<std::string> SplitAddresses(const std::string& list, char separator) {
   std::vector<std::string> out;
   for (size_t from = 0;;) {
-    const size_t bar = list.find('|', from);
+    const size_t bar = list.find(separator, from);
     out.push_back(list.substr(from, bar == std::string::npos ? bar : bar - from));
     if (bar == std::string::npos) return out;
     from = bar + 1;

@@ -23,8 +23,9 @@ int RemainingMs(Clock::time_point deadline);
 // Splits "host:port" (or "[v6]:port"); INVALID_ARGUMENT when malformed.
 Status ParseAddress(const std::string& address, std::string* host, int* port);
 
-// A shard's addresses as listed ("primary|standby|..."), in order.
-std::vector<std::string> SplitAddresses(const std::string& list);
+// A shard's addresses as listed ("primary|standby|..."), in order; with
+// `separator` ',' a layout's shards ("a,b,c").
+std::vector<std::string> SplitAddresses(const std::string& list, char separator = '|');
 
 // Opens a non-blocking, TCP_NODELAY connection or fails within the deadline.
 Status Connect(const std::string& address, Clock::time_point deadline, int* fd);

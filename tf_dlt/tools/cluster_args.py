@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tf_dlt.client import Client
+from tf_dlt.client import Client, address_list
 from tf_dlt.tls import TlsConfig
 
 
@@ -20,7 +20,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def addresses(args: argparse.Namespace) -> list[str]:
-    return [a for a in args.pservers.split(",") if a]
+    return address_list(args.pservers)
 
 
 def client(args: argparse.Namespace) -> Client:

@@ -13,6 +13,7 @@ import sys
 from typing import IO
 
 from tf_dlt import errors
+from tf_dlt.client import address_list
 from tf_dlt.tools import cluster_args
 
 
@@ -29,7 +30,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
-    to = [a for a in args.to.split(",") if a]
+    to = address_list(args.to)
     try:
         with cluster_args.client(args) as client:
             done = client.reshard(to, timeout=args.timeout)
