@@ -148,6 +148,85 @@ def test_a_reshard_aborts_when_a_participant_dies(
     rows_before = [s["tables"][0]["rows"] for s in admin.stats()]
     joined = cluster.join()
     dying = len(cluster.processes) - 1 if victim == "joining" else 1
+    _reshard_killing(cluster, [*cluster.addresses, joined], dying, step)
+    alive = [a for p, a in enumerate(cluster.process_addresses) if p != dying]
+    for address in alive:  # the old layout, and the joining process owns nothing
+        hello = _native.hello(address)
+        assert hello["layout_epoch"] == 1
+        assert (hello["shard_index"], hello["num_shards"]) in ((0, 2), (1, 2), (1, 1))
+    if victim == "joining":
+        # Every row as it was, and writes go on.
+        assert [s["tables"][0]["rows"] for s in admin.stats()] == rows_before
+        np.testing.assert_array_equal(_state(admin), before)
+        admin.push("emb", IDS[:8], np.ones((8, DIM), np.float32), 0.1)
+
+
+def test_standbys_move_with_their_shards_and_take_over_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """2 shards with sync standbys grow to 3 (the new one with a standby of
+    its own) while a trainer pushes; then two primaries are killed (-9)
+    and their standbys take over; the 3 shards left shrink to 2; last the
+    primary that stayed throughout is killed too. No push fails, and every
+    row and optimizer slot equals every push applied once, in order: each
+    standby held what its primary held, across both re-shards."""
+    with LocalCluster(2, replicas=2, workdir=tmp_path / "cluster") as cluster:
+        admin = tf_dlt.Client(cluster.addresses)
+        config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+        joined = cluster.join(replicas=2)
+        assert joined.count("|") == 1
+        trainer = Trainer(cluster.addresses)
+        try:
+            trainer.wait_for(20)
+            done = admin.reshard([*cluster.addresses, joined])
+            assert done["layout_epoch"] == 2
+            trainer.wait_for(20)
+            for standby in cluster.process_addresses[2:4] + joined.split("|")[1:]:
+                # A standby switched with its primary (it greets only that).
+                assert _native.hello(standby, replica=True)["layout_epoch"] == 2
+            cluster.kill(0)  # shard 0's primary
+            cluster.kill(4)  # the new shard's primary
+            trainer.wait_for(40)
+            # Back to 2 shards: the dead processes are left out, the new
+            # shard's standby (serving now) leaves owning nothing.
+            admin.reshard(cluster.addresses)
+            trainer.wait_for(20)
+            assert [s["layout_epoch"] for s in admin.stats()] == [3, 3]
+            cluster.kill(1)  # shard 1's primary: its standby followed both re-shards
+            trainer.wait_for(40)
+        finally:
+            trainer.stop()
+        assert trainer.errors == []
+        np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
+        assert admin.pservers == [cluster.process_addresses[2], cluster.addresses[1]]
+
+
+def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Shards with standbys growing 2 -> 3: shard 1's primary is killed (-9)
+    as writes are about to be held. The re-shard aborts, the primary that
+    lives resumes its stream to its standby (sync pushes go on), shard 1's
+    standby takes over, and after shard 0's primary is killed too every row
+    equals every push applied once."""
+    with LocalCluster(2, replicas=2, workdir=tmp_path / "cluster") as cluster:
+        admin = tf_dlt.Client(cluster.addresses)
+        config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+        joined = cluster.join(replicas=2)
+        trainer = Trainer(cluster.addresses)
+        try:
+            trainer.wait_for(20)
+            _reshard_killing(cluster, [*cluster.addresses, joined], 1, "HOLD")
+            trainer.wait_for(40)
+            cluster.kill(0)
+            trainer.wait_for(40)
+        finally:
+            trainer.stop()
+        assert trainer.errors == []
+        np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
+        for address in cluster.process_addresses[2:4]:  # the standbys serve the old layout
+            assert _native.hello(address)["layout_epoch"] == 1
+
+
+def _reshard_killing(cluster: LocalCluster, to: list[str], dying: int, step: str) -> None:
+    """Re-shards `cluster` to `to`, killing (-9) process `dying` just before
+    `step` first reaches any process; the re-shard must fail."""
     kill_at = getattr(dlt_pb2.ReshardRequest, step)
     channels: list[grpc.Channel] = []
 
@@ -165,22 +244,10 @@ def test_a_reshard_aborts_when_a_participant_dies(
 
     try:
         with pytest.raises(errors.DltError):
-            resharding.reshard(
-                cluster.addresses, [*cluster.addresses, joined], stub_for=stub_for, timeout_s=30
-            )
+            resharding.reshard(cluster.addresses, to, stub_for=stub_for, timeout_s=30)
     finally:
         for channel in channels:
             channel.close()
-    alive = [a for p, a in enumerate(cluster.process_addresses) if p != dying]
-    for address in alive:  # the old layout, and the joining process owns nothing
-        hello = _native.hello(address)
-        assert hello["layout_epoch"] == 1
-        assert (hello["shard_index"], hello["num_shards"]) in ((0, 2), (1, 2), (1, 1))
-    if victim == "joining":
-        # Every row as it was, and writes go on.
-        assert [s["tables"][0]["rows"] for s in admin.stats()] == rows_before
-        np.testing.assert_array_equal(_state(admin), before)
-        admin.push("emb", IDS[:8], np.ones((8, DIM), np.float32), 0.1)
 
 
 def test_saves_and_loads_wait_for_a_reshard_to_end(cluster: LocalCluster, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -164,7 +164,7 @@ class Client:
         infos = self._data.shard_infos()
         epoch = int(self._data.layout_epoch)
         self.close()
-        self.pservers = [i["address"] for i in infos]
+        self.pservers = [i["replicas"] for i in infos]
         self._stubs_layout = epoch
 
     def shard_infos(self) -> list[dict[str, Any]]:

@@ -182,6 +182,9 @@ class Table {
   void StartChangeLog(uint32_t stream = 0);
   void StopChangeLog(uint32_t stream = 0);
   bool change_log_running() const { return change_log_.load(std::memory_order_relaxed) != 0; }
+  bool change_log_running(uint32_t stream) const {
+    return (change_log_.load(std::memory_order_relaxed) >> stream) & 1u;
+  }
   // The log also holds, in order, the hash of every id a push counts in the
   // admission sketch (Frequency admission).
   // Moves the ids logged since the last call into *ids, each once (stripe

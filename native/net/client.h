@@ -65,6 +65,8 @@ inline constexpr int kFailoverBackoffMs = 200;
 
 struct ShardInfo {
   std::string address;
+  // The shard's primary, then the standbys known ('|' between them).
+  std::string replicas;
   uint32_t shard_index = 0;
   uint32_t num_shards = 0;
   uint32_t admin_port = 0;

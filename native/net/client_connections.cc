@@ -257,6 +257,9 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     }
     std::lock_guard<std::mutex> lock(st->mu);
     infos->push_back(st->info);
+    for (const std::string& address : st->addresses) {
+      infos->back().replicas += (infos->back().replicas.empty() ? "" : "|") + address;
+    }
   }
   return OkStatus();
 }

@@ -105,9 +105,20 @@ Status DataServer::SwitchLayout(uint64_t layout_epoch, const std::string& addres
                               " is not newer than this shard's, " +
                               std::to_string(shard_->layout_epoch()));
   }
+  // The standby's logs of the tables start before they serve: no write is
+  // applied to them unlogged.
+  const std::shared_ptr<WriteListener> listener = handler_.write_listener();
+  if (listener != nullptr) listener->Follow(next->Tables());
   shard_->Adopt(next.get(), layout_epoch, addresses);
   reshard_target().Clear();
   return OkStatus();
+}
+
+bool DataServer::RevertLayout() {
+  if (!shard_->RevertLayout()) return false;
+  const std::shared_ptr<WriteListener> listener = handler_.write_listener();
+  if (listener != nullptr) listener->Follow(shard_->Tables());
+  return true;
 }
 
 Status DataServer::Start() {

@@ -98,8 +98,12 @@ class DataServer {
   }
   // Serves the shard it prepared (ReshardTarget) from now on, at layout
   // `layout_epoch` of `addresses`; FAILED_PRECONDITION when none is
-  // prepared. Writes held stay held.
+  // prepared. Writes held stay held. A standby replicated to follows: it
+  // switched, or switches, to the same tables (docs/replication.md).
   Status SwitchLayout(uint64_t layout_epoch, const std::string& addresses);
+  // Serves the layout switched from again (the re-shard failed elsewhere;
+  // writes are still held); false when there is none.
+  bool RevertLayout();
   // Authenticated connections allowed (max_connections resolved at Start).
   int max_connections() const { return max_connections_; }
   int worker_threads() const { return static_cast<int>(workers_.size()); }

@@ -69,6 +69,7 @@ void Replicator::Stop() {
   }
   if (thread.joinable()) thread.join();
   Disconnect();
+  std::lock_guard<std::mutex> lock(mu_);  // Follow may run meanwhile
   if (stream_ == kNoStream) return;
   for (auto& [name, table] : mirrored_) table->StopChangeLog(stream_);  // nobody reads them now
   mirrored_.clear();
@@ -112,6 +113,58 @@ Status Replicator::Written(uint64_t need) {
                      (stop_ ? std::string("replication stopped") : status_.error));
 }
 
+Status Replicator::Pause(bool pause) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!pause) {
+    paused_ = false;
+    cv_.notify_all();
+    return OkStatus();
+  }
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
+  if (thread_.joinable() && status_.connected && !paused_) {
+    // A write acknowledged before the hold may wait for its round still.
+    const uint64_t need = taken_ + 1;
+    wanted_ = true;
+    cv_.notify_all();
+    cv_.wait_until(lock, deadline, [&] {
+      return applied_ >= need || failed_ >= need || stop_ || status_.ended || !status_.connected;
+    });
+  }
+  paused_ = true;
+  cv_.notify_all();
+  if (!cv_.wait_until(lock, deadline, [&] { return !busy_; })) {
+    return DeadlineExceeded("the round to standby " + standby_ +
+                            " in progress did not end within " +
+                            std::to_string(options_.io_timeout_ms) + " ms");
+  }
+  return OkStatus();
+}
+
+void Replicator::Follow(const std::vector<std::shared_ptr<Table>>& tables) {
+  bool was_paused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    was_paused = paused_;
+  }
+  if (!was_paused) static_cast<void>(Pause(true));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // A round still under way (its standby hangs) finds the tables
+    // replaced and copies them whole instead.
+    if (stream_ != kNoStream && !busy_) {
+      // The tables left keep their logs: an undone switch serves them again
+      // with the rows pulls made meanwhile still logged.
+      mirrored_.clear();
+      for (const std::shared_ptr<Table>& table : tables) {
+        if (!table->change_log_running(stream_)) table->StartChangeLog(stream_);
+        mirrored_[table->config().name] = table;
+      }
+    }
+  }
+  if (!was_paused) static_cast<void>(Pause(false));
+}
+
 ReplicationStatus Replicator::status() const {
   std::lock_guard<std::mutex> lock(mu_);
   ReplicationStatus s = status_;
@@ -128,6 +181,11 @@ void Replicator::Run() {
     Clock::time_point oldest_unsent;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (busy_) {
+        busy_ = false;
+        if (paused_) cv_.notify_all();  // Pause waits for it
+      }
+      cv_.wait(lock, [&] { return stop_ || !paused_; });
       if (fd_ < 0 && status_.connects > 0) {
         // Reconnecting after a failure: not too often.
         cv_.wait_for(lock, std::chrono::milliseconds(kRetryMs), [&] { return stop_; });
@@ -135,6 +193,8 @@ void Replicator::Run() {
         cv_.wait_until(lock, next_round, [&] { return stop_ || (options_.sync && wanted_); });
       }
       if (stop_ || status_.ended) return;
+      if (paused_) continue;
+      busy_ = true;
       if (fd_ >= 0) {
         round = ++begun_;
         wanted_ = false;

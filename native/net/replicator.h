@@ -99,6 +99,16 @@ class Replicator : public WriteListener {
   // or the connection fails; DEADLINE_EXCEEDED past io_timeout. Async: OK
   // at once.
   Status Written(uint64_t mark) override;
+  // A live re-shard (docs/replication.md), while writes are held. Pausing
+  // runs one more round (every write acknowledged is on the standby), then
+  // begins no round or connection until resumed; DEADLINE_EXCEEDED when
+  // the round in progress outlasts io_timeout (paused all the same).
+  Status Pause(bool pause);
+  // The standby holds `tables` as they are now (the re-shard's range
+  // streams made them there too, or they are those a switch left and its
+  // undoing serves again): their changes are sent from now on, nothing
+  // copied. Pauses meanwhile.
+  void Follow(const std::vector<std::shared_ptr<Table>>& tables) override;
   ReplicationStatus status() const;
 
  private:
@@ -199,6 +209,8 @@ class Replicator : public WriteListener {
   std::thread thread_;                // guarded by mu_
   bool stop_ = false;                 // guarded by mu_
   bool wanted_ = false;               // a write waits for a round; guarded by mu_
+  bool paused_ = false;               // Pause; guarded by mu_
+  bool busy_ = false;                 // a round or a connection is under way; guarded by mu_
   uint64_t begun_ = 0, applied_ = 0;  // rounds; guarded by mu_
   // The last round whose take began (its changes taken after every write
   // applied before then); guarded by mu_.

@@ -33,6 +33,9 @@ class WriteListener {
   virtual uint64_t Applied() = 0;
   // Returns once the write marked `mark` may be acknowledged.
   virtual Status Written(uint64_t mark) = 0;
+  // A re-shard's switch, or its undoing (writes are held): the shard is
+  // about to serve `tables`, which its standby holds as they are now.
+  virtual void Follow(const std::vector<std::shared_ptr<Table>>& tables) { (void)tables; }
 };
 
 class RequestHandler {
@@ -69,6 +72,7 @@ class RequestHandler {
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     std::atomic_store(&listener_, std::move(listener));
   }
+  std::shared_ptr<WriteListener> write_listener() const { return std::atomic_load(&listener_); }
 
   // Checks a frame header before its payload is read. Before the Hello only
   // a Hello of at most a Hello's size passes, so nothing larger is ever

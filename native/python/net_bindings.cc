@@ -94,9 +94,15 @@ void BindNet(py::module_& m) {
       .def(
           "switch_layout",
           [](DataServer& s, uint64_t layout_epoch, const std::string& addresses) {
-            Check(s.SwitchLayout(layout_epoch, addresses));
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.SwitchLayout(layout_epoch, addresses);
+            }
+            Check(st);
           },
           py::arg("layout_epoch"), py::arg("addresses"))
+      .def("revert_layout", &DataServer::RevertLayout, py::call_guard<py::gil_scoped_release>())
       .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
       .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });
 
@@ -154,6 +160,17 @@ void BindNet(py::module_& m) {
            py::arg("range_stream") = false)
       .def("start", &Replicator::Start)
       .def("stop", &Replicator::Stop, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "pause",
+          [](Replicator& r, bool pause) {
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = r.Pause(pause);
+            }
+            Check(st);
+          },
+          py::arg("pause"))
       .def("status", [](const Replicator& r) {
         const ReplicationStatus s = r.status();
         py::dict d;
@@ -218,6 +235,7 @@ void BindNet(py::module_& m) {
              for (const ShardInfo& i : infos) {
                py::dict d;
                d["address"] = i.address;
+               d["replicas"] = i.replicas;
                d["shard_index"] = i.shard_index;
                d["num_shards"] = i.num_shards;
                d["admin_port"] = i.admin_port;

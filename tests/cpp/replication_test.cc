@@ -1102,6 +1102,19 @@ DLT_TEST(TestAStandbyAndRangeStreamsEachHaveTheirOwnChangeLog) {
 // Shard processes on loopback that re-shard from one layout to another as
 // a re-shard's coordinator would: prepare, stream, hold writes, drain,
 // switch.
+// Writes were held: returns once each stream ran two rounds more (the last
+// begun after the hold), false past the Eventually bound.
+bool RanTwoRoundsMore(const std::vector<std::shared_ptr<Replicator>>& streams) {
+  std::vector<uint64_t> rounds;
+  for (const auto& stream : streams) rounds.push_back(stream->status().rounds);
+  return Eventually([&] {
+    for (size_t k = 0; k < streams.size(); ++k) {
+      if (streams[k]->status().rounds < rounds[k] + 2) return false;
+    }
+    return true;
+  });
+}
+
 struct Processes {
   struct Process {
     std::shared_ptr<Shard> shard;
@@ -1167,14 +1180,7 @@ struct Processes {
     }));
     if (while_streaming) while_streaming();
     for (size_t p : from) EXPECT_OK(all[p].server->HoldWrites(true));
-    std::vector<uint64_t> rounds;
-    for (const auto& stream : streams) rounds.push_back(stream->status().rounds);
-    EXPECT(Eventually([&] {
-      for (size_t k = 0; k < streams.size(); ++k) {
-        if (streams[k]->status().rounds < rounds[k] + 2) return false;
-      }
-      return true;
-    }));
+    EXPECT(RanTwoRoundsMore(streams));
     for (const auto& stream : streams) {
       EXPECT(!stream->status().ended);
       stream->Stop();
@@ -1406,6 +1412,96 @@ DLT_TEST(TestAShardThatSwitchedGoesBackWhenAnotherCouldNot) {
   EXPECT(shard.RevertLayout());
   EXPECT(shard.num_shards() == 2 && shard.layout_epoch() == 1 && shard.layout_addresses().empty());
   EXPECT(SameBytes(StateOf(two), before));
+}
+
+DLT_TEST(TestAStandbyFollowsItsPrimaryThroughASwitchWithoutACopy) {
+  // Shard 0 of 1 and its sync standby grow to 2 shards with a process that
+  // joins: the standby takes the same range streams as its primary and
+  // switches with it, and the primary's replication goes on from the
+  // tables it switched to, copying nothing. A switch undone first (another
+  // process could not switch) goes back the same way.
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  pair.Replicate();
+  const std::string primary = Address(*pair.primary_server);
+  {
+    Trainers trainers(primary, "emb", 8, 2);
+    EXPECT(Eventually([&] { return trainers.acked.load() >= 20; }));
+  }
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  const uint64_t copies = pair.replicator->status().tables_copied;
+  DataServerOptions options;
+  options.worker_threads = 3;
+  auto joiner = std::make_shared<Shard>(1, 1);  // owns no bucket yet
+  DataServer joiner_server(joiner, options);
+  EXPECT_OK(joiner_server.Start());
+  DataServer* servers[] = {pair.primary_server.get(), pair.standby_server.get(), &joiner_server};
+  const std::string layout =
+      primary + "|" + Address(*pair.standby_server) + "," + Address(joiner_server);
+  auto switch_to_two = [&](bool undo) {
+    for (int k = 0; k < 3; ++k) {
+      servers[k]->reshard_target().Prepare(std::make_shared<Shard>(k < 2 ? 0 : 1, 2));
+    }
+    std::vector<std::shared_ptr<Replicator>> streams;
+    for (DataServer* to : servers) {
+      ReplicatorOptions r;
+      r.range_stream = true;
+      r.io_timeout_ms = 10000;
+      streams.push_back(std::make_shared<Replicator>(pair.primary, Address(*to), r));
+      streams.back()->Start();
+    }
+    {
+      Trainers trainers(primary, "emb", 8, 2, /*first_seed=*/3);
+      EXPECT(Eventually([&] {
+        return trainers.acked.load() >= 20 &&
+               std::all_of(streams.begin(), streams.end(),
+                           [](const auto& s) { return s->status().caught_up; });
+      }));
+    }
+    EXPECT_OK(pair.primary_server->HoldWrites(true));
+    EXPECT_OK(pair.replicator->Pause(true));
+    EXPECT(RanTwoRoundsMore(streams));
+    for (const auto& stream : streams) stream->Stop();
+    for (DataServer* server : servers) EXPECT_OK(server->SwitchLayout(undo ? 2 : 3, layout));
+    if (undo) {
+      for (DataServer* server : servers) EXPECT(server->RevertLayout());
+      for (DataServer* server : servers) server->reshard_target().Clear();
+    }
+    EXPECT_OK(pair.replicator->Pause(false));
+    EXPECT_OK(pair.primary_server->HoldWrites(false));
+    for (Shard* shard : {pair.primary.get(), pair.standby.get(), joiner.get()}) {
+      shard->DropPreviousLayout();
+    }
+  };
+  auto standby_equals_primary = [&] {
+    return Eventually([&] {
+      return SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get());
+    });
+  };
+  switch_to_two(/*undo=*/true);
+  EXPECT(pair.primary->num_shards() == 1 && pair.standby->num_shards() == 1);
+  {
+    Trainers trainers(primary, "emb", 8, 2, /*first_seed=*/5);
+    EXPECT(Eventually([&] { return trainers.acked.load() >= 20; }));
+    EXPECT(trainers.Stop());
+  }
+  EXPECT(standby_equals_primary());
+  EXPECT(pair.replicator->status().tables_copied == copies);
+
+  switch_to_two(/*undo=*/false);
+  EXPECT(pair.standby->shard_index() == 0 && pair.standby->num_shards() == 2);
+  EXPECT(pair.standby->layout_epoch() == 3 && pair.primary->layout_epoch() == 3);
+  {
+    Trainers trainers(std::vector<std::string>{primary, Address(joiner_server)}, "emb", 8, 2,
+                      /*first_seed=*/7);
+    EXPECT(Eventually([&] { return trainers.acked.load() >= 20; }));
+    EXPECT(trainers.Stop());
+  }
+  EXPECT(standby_equals_primary());
+  EXPECT(pair.replicator->status().tables_copied == copies);
+  EXPECT(pair.replicator->status().error.empty());
+  joiner_server.Stop();
 }
 
 }  // namespace

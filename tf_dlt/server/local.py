@@ -95,20 +95,27 @@ class LocalCluster:
         ]
         return self
 
-    def join(self) -> str:
-        """Starts one more server, owning no bucket (`tf-dlt server --join`),
-        to join the cluster by a re-shard (`tf_dlt.Client.reshard`); returns
-        its address."""
+    def join(self, replicas: int = 1) -> str:
+        """Starts one more shard's processes, owning no bucket (`tf-dlt
+        server --join`; with `replicas` 2, a standby of it too), to join the
+        cluster by a re-shard (`tf_dlt.Client.reshard`); returns its address
+        (`primary|standby`)."""
         if self._stopped:
             raise RuntimeError("the cluster was stopped")
-        process = len(self.processes)
-        self._extra.append(["--join"])
-        self.processes.append(self._spawn(process, ["--join"]))
-        data, admin, metrics_port = self._wait_for_ports(process, self.processes[process])
-        self.process_addresses.append(f"127.0.0.1:{data}")
-        self.admin_ports.append(admin)
-        self.metrics_ports.append(metrics_port)
-        return self.process_addresses[-1]
+        if replicas not in (1, 2):
+            raise ValueError(f"replicas must be 1 or 2 (a primary and its standby), got {replicas}")
+        joined: list[str] = []
+        for replica in range(replicas):
+            extra = ["--join", *(["--standby-of", joined[0]] if replica else [])]
+            process = len(self.processes)
+            self._extra.append(extra)
+            self.processes.append(self._spawn(process, extra))
+            data, admin, metrics_port = self._wait_for_ports(process, self.processes[process])
+            self.process_addresses.append(f"127.0.0.1:{data}")
+            self.admin_ports.append(admin)
+            self.metrics_ports.append(metrics_port)
+            joined.append(self.process_addresses[-1])
+        return "|".join(joined)
 
     def _port_file(self, process: int) -> Path:
         return self.workdir / f"{self._name(process)}.port"

@@ -92,6 +92,13 @@ class Standbys:
             self._data_server.set_standbys(address)  # clients learn it from the Hello
         log.info("replicating (%s) to standby %s", self.replication, address)
 
+    def pause(self, pause: bool) -> None:
+        """A live re-shard's switch (writes held): pauses the stream once
+        the standby holds every write, or resumes it."""
+        with self._lock:
+            if self._replicator is not None:
+                self._replicator.pause(pause)
+
     def statuses(self) -> list[dict[str, Any]]:
         with self._lock:
             return [self._replicator.status()] if self._replicator is not None else []
@@ -127,6 +134,8 @@ class StandbyLink:
             serving, finds that one serving a newer copy: stop serving
             trainers; this link then makes it that member's standby.
         epoch: this copy's epoch (`_native.Shard.epoch`).
+        place: this shard's index and count now (a live re-shard moves a
+            standby with its primary); default: `shard_index`, `num_shards`.
     """
 
     def __init__(
@@ -144,6 +153,7 @@ class StandbyLink:
         begin: Callable[[], None] | None = None,
         step_down: Callable[[str], None] | None = None,
         epoch: Callable[[], int] | None = None,
+        place: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
         if (primary is None and not replica_set) or (
             replica_set
@@ -155,7 +165,8 @@ class StandbyLink:
             )
         self.primary = primary
         self._advertise = advertise
-        self._shard = (shard_index, num_shards)
+        # This shard's place now (a re-shard moves it: `place`).
+        self._place = place or (lambda: (shard_index, num_shards))
         self._token = auth_token
         self._take_over = take_over
         self._caught_up = caught_up
@@ -207,10 +218,11 @@ class StandbyLink:
         """One Hello to `address`; INVALID_ARGUMENT when it serves another
         shard."""
         info = _native.hello(address, self._token, timeout_ms=1000, replica=replica)
-        if (info["shard_index"], info["num_shards"]) != self._shard:
+        index, count = self._place()
+        if (info["shard_index"], info["num_shards"]) != (index, count):
             raise errors.InvalidArgumentError(
                 f"{address} is shard {info['shard_index']} of {info['num_shards']}; this "
-                f"standby is shard {self._shard[0]} of {self._shard[1]}"
+                f"standby is shard {index} of {count}"
             )
         return info
 
@@ -239,10 +251,11 @@ class StandbyLink:
 
     def _attach(self) -> None:
         self._find_admin()
+        index, count = self._place()
         reply = self._call(
             "AttachStandby",
             dlt_pb2.AttachStandbyRequest(
-                address=self._advertise, shard_index=self._shard[0], num_shards=self._shard[1]
+                address=self._advertise, shard_index=index, num_shards=count
             ),
             timeout=10,
         )

@@ -3,9 +3,11 @@ a coordinator (`tf_dlt.Client.reshard`, `tf-dlt reshard`) runs on every
 process of the old and the new layout, one ReshardRequest each.
 
 PREPARE makes the empty shard this process serves in the next layout;
-STREAM starts a range stream from this shard to each shard of the next
-layout that takes some of its buckets (its own process included); HOLD
-refuses writes until the switch; SWITCH serves the prepared shard, keeping
+STREAM starts a range stream from this shard to each process of each shard
+of the next layout that takes some of its buckets (its own process
+included; a shard's standbys take the same streams as its primary); HOLD
+refuses writes until the switch and pauses the stream to this primary's
+standby once it holds every write; SWITCH serves the prepared shard, keeping
 the one it served until RELEASE (writes go on, the re-shard is done) or
 UNDO (another process could not switch: back to the old one); ABORT undoes
 whatever came before the switch. The work is the native core's
@@ -21,6 +23,7 @@ import threading
 from typing import Any
 
 from tf_dlt import _native, errors, routing
+from tf_dlt.server.replication import Standbys
 
 log = logging.getLogger("tf_dlt.server")
 
@@ -34,9 +37,11 @@ class ReshardSteps:
         data_server: _native.DataServer,
         auth_token: str = "",
         io_timeout_s: float = 30.0,
+        standbys: Standbys | None = None,
     ) -> None:
         self._shard = shard
         self._data_server = data_server
+        self._standbys = standbys
         self._auth_token = auth_token
         self._io_timeout_ms = max(1, int(io_timeout_s * 1000))
         self._lock = threading.Lock()
@@ -46,7 +51,14 @@ class ReshardSteps:
     def prepare(self, shard_index: int, num_shards: int, why_not: str | None) -> None:
         """Prepares shard `shard_index` of `num_shards` (index == count: this
         process leaves the layout). `why_not`: why this process cannot take
-        part (a standby, a read-only shard, ...), or None."""
+        part (a read-only shard, ...), or None."""
+        behind = [
+            s["standby"]
+            for s in (self._standbys.statuses() if self._standbys is not None else [])
+            if not (s["connected"] and s["caught_up"])
+        ]
+        if why_not is None and behind:
+            why_not = f"its standby {', '.join(behind)} has not caught up with it"
         if why_not is not None:
             raise errors.FailedPreconditionError(
                 f"shard {self._shard.shard_index} cannot be re-sharded: {why_not}"
@@ -62,7 +74,8 @@ class ReshardSteps:
         log.info("re-shard: prepared shard %d of %d", shard_index, num_shards)
 
     def stream(self, targets: list[str]) -> None:
-        """Streams this shard's buckets to each target that takes some."""
+        """Streams this shard's buckets to each process of each target
+        shard (`primary|standby`) that takes some."""
         if not targets:
             raise errors.InvalidArgumentError("STREAM needs the next layout's addresses")
         first, end = self._shard.first_bucket, self._shard.end_bucket
@@ -72,23 +85,29 @@ class ReshardSteps:
                 lo, hi = routing.bucket_range(j, len(targets))
                 if max(first, lo) >= min(end, hi):
                     continue  # none of this shard's buckets are shard j's
-                stream = _native.Replicator(
-                    self._shard, target, auth_token=self._auth_token,
-                    io_timeout_ms=self._io_timeout_ms, range_stream=True,
-                )  # fmt: skip
-                stream.start()
-                self._streams.append(stream)
+                for process in target.split("|"):
+                    stream = _native.Replicator(
+                        self._shard, process, auth_token=self._auth_token,
+                        io_timeout_ms=self._io_timeout_ms, range_stream=True,
+                    )  # fmt: skip
+                    stream.start()
+                    self._streams.append(stream)
         log.info("re-shard: streaming buckets [%d, %d) to %s", first, end, ", ".join(targets))
 
     def hold(self, hold: bool) -> None:
-        """Refuses writes (returns once none is being applied), or takes
-        them again; then the layout switched from (if any) is dropped: the
-        re-shard is done."""
+        """Refuses writes (returns once none is being applied) and pauses
+        the stream to this shard's standby once that holds them all, or
+        takes them again; then the layout switched from (if any) is dropped:
+        the re-shard is done."""
         with self._lock:
             self._held = hold
-        self._data_server.hold_writes(hold, timeout_ms=self._io_timeout_ms)
-        if not hold:
-            self._shard.drop_previous_layout()
+        if hold:
+            self._data_server.hold_writes(True, timeout_ms=self._io_timeout_ms)
+            self._pause_standbys(True)
+            return
+        self._pause_standbys(False)
+        self._data_server.hold_writes(False)
+        self._shard.drop_previous_layout()
 
     def switch(self, layout_epoch: int, layout: str) -> None:
         """Serves the prepared shard from now on. Writes held stay held
@@ -106,7 +125,7 @@ class ReshardSteps:
         """Serves the layout switched from again (another process could not
         switch; writes are still held, so nothing written is lost)."""
         with self._lock:
-            reverted = self._shard.revert_layout()
+            reverted = self._data_server.revert_layout()
         log.info("re-shard: %s", "switched back" if reverted else "nothing to switch back")
 
     def abort(self) -> None:
@@ -115,6 +134,7 @@ class ReshardSteps:
             self._stop_streams()
             self._data_server.reshard_clear()
             self._held = False
+        self._pause_standbys(False)
         self._data_server.hold_writes(False)
         log.info("re-shard: aborted on shard %d", self._shard.shard_index)
 
@@ -134,6 +154,10 @@ class ReshardSteps:
     def close(self) -> None:
         with self._lock:
             self._stop_streams()
+
+    def _pause_standbys(self, pause: bool) -> None:
+        if self._standbys is not None:
+            self._standbys.pause(pause)
 
     def _stop_streams(self) -> None:
         for stream in self._streams:

@@ -227,6 +227,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
     @_handler
     def AttachStandby(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._writable("a standby")
+        self._not_resharding("attach a standby")
         if self.standbys is None:
             raise errors.FailedPreconditionError(
                 f"shard {self._shard.shard_index} here is a standby: attach to its primary"
@@ -290,12 +291,14 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     def _why_not_reshardable(self) -> str | None:
         """Why this shard cannot take part in a re-shard yet, or None."""
+        link = self.standby_link
+        if link is not None and link.role != "primary":
+            # A standby moves with its primary (it takes the same streams).
+            if link.role != "standby" or not link.caught_up():
+                return f"it is a standby ({link.role}) that holds no whole copy of its primary"
+            return None
         if self.read_only is not None:
             return f"it is read-only ({self.read_only})"
-        if self.standby_link is not None or self._data_server.standby:
-            return "it is a standby or a member of a replica set (not supported yet)"
-        if self.standbys is not None and self.standbys.statuses():
-            return "it has a standby (not supported yet)"
         return None
 
     @_handler

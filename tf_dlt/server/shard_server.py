@@ -206,8 +206,9 @@ class ShardServer:
             io_timeout_s=io_timeout_s,
         )  # fmt: skip
         self.servicer.reshard = reshard.ReshardSteps(
-            self.shard, self.data_server, auth_token, io_timeout_s=io_timeout_s
-        )
+            self.shard, self.data_server, auth_token, io_timeout_s=io_timeout_s,
+            standbys=self.servicer.standbys,
+        )  # fmt: skip
         self._standby_of = standby_of
         self._advertise = advertise
         self._takeover_after_s = takeover_after_s
@@ -348,6 +349,7 @@ class ShardServer:
                 takeover_after_s=self._takeover_after_s, replica_set=self._replica_set,
                 begin=self._begin_primary, step_down=self._step_down,
                 epoch=lambda: int(self.shard.epoch),
+                place=lambda: (int(self.shard.shard_index), int(self.shard.num_shards)),
             ).start()  # fmt: skip
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)
