@@ -10,13 +10,19 @@ the next kill of that shard waits until it caught up.
 --events reshard: one 2-shard cluster and a joining process; every --every
 seconds the tables move to 3 shards, or back to 2 (tf_dlt.Client.reshard).
 
+--events both: the kill cluster (sync standbys, the joining shard with one
+too) with kills and re-shards in turn: a process killed after a re-shard
+restarts with the flags of the layout before and takes its shard's new
+place as it rejoins.
+
 Either way a trainer thread takes steps (a pull and a push of random ids)
 for --seconds. Reported: steps, events, errors that reached the trainer
 (must be 0), the longest step across each event (the baseline: the median
 step), and the rows that differ at the end from a local table that applied
 the same pushes once each (must be 0).
 
-Usage: python bench/bench_soak.py [--seconds 600] [--every 30] [--ids 1024] [--events reshard]
+Usage: python bench/bench_soak.py [--seconds 600] [--every 30] [--ids 1024]
+       [--events kill|reshard|both]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +68,7 @@ class Kills:
         wait_covered(admin)
 
     def __call__(self) -> str:
-        shard = self.count % SHARDS
+        shard = self.count % len(self.admin.stats())  # 2 or 3 shards with re-shards
         self.count += 1
         victim = _serving(self.cluster, self.admin, shard)
         self.cluster.kill(victim)
@@ -79,7 +86,7 @@ class Reshards:
 
     def __init__(self, cluster: LocalCluster, admin: tf_dlt.Client) -> None:
         self.two = list(cluster.addresses)
-        self.three = [*self.two, cluster.join()]
+        self.three = [*self.two, cluster.join(replicas=cluster.replicas)]
         self.admin, self.count = admin, 0
 
     def __call__(self) -> str:
@@ -93,12 +100,16 @@ def soak(
     ids: np.ndarray, seconds: float, every: float, workdir: Path, events: str
 ) -> dict[str, object]:
     config = TableConfig.create("emb", DIM, optimizer="adagrad")
-    replicas = 2 if events == "kill" else 1
+    replicas = 1 if events == "reshard" else 2
     with LocalCluster(SHARDS, workdir=workdir, replicas=replicas) as cluster:
         client = tf_dlt.Client(cluster.addresses)
         client.create_table_from_config(config)
         admin = tf_dlt.Client(cluster.addresses)  # the bench's own, for stats and re-shards
-        event = Kills(cluster, admin) if events == "kill" else Reshards(cluster, admin)
+        kinds: list[Callable[[], str]] = []
+        if events != "reshard":
+            kinds.append(Kills(cluster, admin))
+        if events != "kill":
+            kinds.append(Reshards(cluster, admin))
         trainer = StepTrainer(client, config, lambda rng: rng.choice(ids, len(ids))).start()
         began = time.monotonic()
         at: list[float] = []
@@ -106,7 +117,7 @@ def soak(
             while not trainer.failures and time.monotonic() - began + every <= seconds:
                 time.sleep(max(0.0, began + (len(at) + 1) * every - time.monotonic()))
                 at.append(time.monotonic())
-                what = event()
+                what = kinds[(len(at) - 1) % len(kinds)]()
                 log(f"event {len(at)} at {at[-1] - began:.0f} s: {what}")
             time.sleep(max(0.0, began + seconds - time.monotonic()))
         finally:
@@ -134,8 +145,9 @@ def main() -> None:
     p.add_argument("--every", type=float, default=30.0)
     p.add_argument("--ids", type=int, default=1024)
     p.add_argument(
-        "--events", choices=("kill", "reshard"), default="kill",
-        help="kill: a primary killed -9 (standbys); reshard: 2 -> 3 or 3 -> 2 shards",
+        "--events", choices=("kill", "reshard", "both"), default="kill",
+        help="kill: a primary killed -9 (standbys); reshard: 2 -> 3 or 3 -> 2 shards; "
+        "both: the two in turn (standbys)",
     )  # fmt: skip
     args = p.parse_args()
     ids = np.arange(args.ids, dtype=np.int64)

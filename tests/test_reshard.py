@@ -163,11 +163,13 @@ def test_a_reshard_aborts_when_a_participant_dies(
 
 def test_standbys_move_with_their_shards_and_take_over_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """2 shards with sync standbys grow to 3 (the new one with a standby of
-    its own) while a trainer pushes; then two primaries are killed (-9)
-    and their standbys take over; the 3 shards left shrink to 2; last the
-    primary that stayed throughout is killed too. No push fails, and every
-    row and optimizer slot equals every push applied once, in order: each
-    standby held what its primary held, across both re-shards."""
+    its own) while a trainer pushes; two primaries are killed (-9) and their
+    standbys take over; one of the dead is restarted with the flags it began
+    with (the layout before) and rejoins its shard in its new place, as a
+    standby; the 3 shards shrink to 2; then the processes serving both
+    shards are killed, so the restarted one takes over. No push fails, and
+    every row and optimizer slot equals every push applied once, in order:
+    each standby held what its primary held, across both re-shards."""
     with LocalCluster(2, replicas=2, workdir=tmp_path / "cluster") as cluster:
         admin = tf_dlt.Client(cluster.addresses)
         config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
@@ -185,18 +187,34 @@ def test_standbys_move_with_their_shards_and_take_over_after(tmp_path) -> None: 
             cluster.kill(0)  # shard 0's primary
             cluster.kill(4)  # the new shard's primary
             trainer.wait_for(40)
-            # Back to 2 shards: the dead processes are left out, the new
-            # shard's standby (serving now) leaves owning nothing.
+            cluster.restart(0)  # started as shard 0 of 2: now shard 0 of 3's standby
+            _await_standby(admin, 0, cluster.process_addresses[0])
+            # Back to 2 shards: the dead process is left out, the new shard's
+            # standby (serving now) leaves owning nothing.
             admin.reshard(cluster.addresses)
             trainer.wait_for(20)
             assert [s["layout_epoch"] for s in admin.stats()] == [3, 3]
+            _await_standby(admin, 0, cluster.process_addresses[0])
+            cluster.kill(2)  # serving shard 0 since the first kill
             cluster.kill(1)  # shard 1's primary: its standby followed both re-shards
             trainer.wait_for(40)
         finally:
             trainer.stop()
         assert trainer.errors == []
         np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
-        assert admin.pservers == [cluster.process_addresses[2], cluster.addresses[1]]
+        hello = _native.hello(cluster.process_addresses[0])  # the restarted one serves
+        assert (hello["shard_index"], hello["num_shards"], hello["layout_epoch"]) == (0, 2, 3)
+
+
+def _await_standby(admin: tf_dlt.Client, shard: int, standby: str) -> None:
+    """Returns once `standby` is `shard`'s caught-up standby."""
+    deadline = time.monotonic() + 60
+    while True:
+        standbys = admin.stats()[shard]["standbys"]
+        if standbys and standbys[0]["address"] == standby and standbys[0]["caught_up"]:
+            return
+        assert time.monotonic() < deadline, f"{standby} did not catch up: {standbys}"
+        time.sleep(0.1)
 
 
 def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(tmp_path) -> None:  # type: ignore[no-untyped-def]

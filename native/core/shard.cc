@@ -71,6 +71,26 @@ void Shard::DropPreviousLayout() {
   previous_ = Previous();
 }
 
+Status Shard::TakePlace(uint32_t shard_index, uint32_t num_shards, uint64_t layout_epoch,
+                        std::string addresses) {
+  if (num_shards == 0 || num_shards > kNumBuckets || shard_index > num_shards) {
+    return InvalidArgument("shard " + std::to_string(shard_index) + " of " +
+                           std::to_string(num_shards) + " is not a shard");
+  }
+  Shard next(shard_index, num_shards);
+  {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (!tables_.empty()) {
+      return FailedPrecondition("shard " + std::to_string(this->shard_index()) + " holds " +
+                                std::to_string(tables_.size()) +
+                                " tables: it keeps its place in the layout");
+    }
+  }
+  Adopt(&next, layout_epoch, std::move(addresses));
+  DropPreviousLayout();
+  return OkStatus();
+}
+
 namespace {
 
 // The keeper keeps the rows' RAM under this fraction of the budget (the

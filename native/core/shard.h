@@ -56,6 +56,11 @@ class Shard {
   // False when there is no layout to go back to.
   bool RevertLayout();
   void DropPreviousLayout();
+  // A process restarted after a re-shard, holding no table yet, takes the
+  // place its replica set serves now (it follows a member of that layout);
+  // FAILED_PRECONDITION when it holds a table.
+  Status TakePlace(uint32_t shard_index, uint32_t num_shards, uint64_t layout_epoch,
+                   std::string addresses);
 
   // Creates a table. Creating one that exists with the same configuration
   // succeeds with *created = false; a different configuration is

@@ -29,6 +29,14 @@ void BindShard(py::module_& m) {
       .def_property_readonly("layout_addresses", &Shard::layout_addresses)
       .def("revert_layout", &Shard::RevertLayout)
       .def("drop_previous_layout", &Shard::DropPreviousLayout)
+      .def(
+          "take_place",
+          [](Shard& s, uint32_t shard_index, uint32_t num_shards, uint64_t layout_epoch,
+             const std::string& addresses) {
+            Check(s.TakePlace(shard_index, num_shards, layout_epoch, addresses));
+          },
+          py::arg("shard_index"), py::arg("num_shards"), py::arg("layout_epoch"),
+          py::arg("addresses"))
       .def_property_readonly("first_bucket", &Shard::first_bucket)
       .def_property_readonly("end_bucket", &Shard::end_bucket)
       .def(

@@ -1414,6 +1414,21 @@ DLT_TEST(TestAShardThatSwitchedGoesBackWhenAnotherCouldNot) {
   EXPECT(SameBytes(StateOf(two), before));
 }
 
+DLT_TEST(TestAProcessHoldingNoTableTakesTheLayoutsPlace) {
+  // A standby restarted with the flags of the layout before a re-shard.
+  Shard restarted(0, 2);
+  EXPECT_OK(restarted.TakePlace(1, 3, 2, "a,b,c"));
+  EXPECT(restarted.shard_index() == 1 && restarted.num_shards() == 3);
+  EXPECT(restarted.first_bucket() == FirstBucket(1, 3) && restarted.layout_epoch() == 2);
+  EXPECT(restarted.layout_addresses() == "a,b,c" && !restarted.RevertLayout());
+  EXPECT(restarted.TakePlace(0, 0, 3, "").code() == Code::kInvalidArgument);
+  bool created;
+  EXPECT_OK(restarted.CreateTable(AdagradConfig("emb", 8), &created));
+  const Status held = restarted.TakePlace(0, 2, 3, "a,b");
+  EXPECT(held.code() == Code::kFailedPrecondition);
+  EXPECT(restarted.shard_index() == 1 && restarted.layout_epoch() == 2);
+}
+
 DLT_TEST(TestAStandbyFollowsItsPrimaryThroughASwitchWithoutACopy) {
   // Shard 0 of 1 and its sync standby grow to 2 shards with a process that
   // joins: the standby takes the same range streams as its primary and

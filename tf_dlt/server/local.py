@@ -54,6 +54,9 @@ class LocalCluster:
         self.addresses: list[str] = []  # per shard: "primary|standby|..."
         self.process_addresses: list[str] = []  # per process
         self._extra: list[list[str]] = []  # per process: its own flags (--standby-of)
+        # Per process: its shard's processes ("primary|standby"), as it
+        # rejoins them when restarted.
+        self._replica_sets: list[str] = []
         self.admin_ports: list[int] = []  # per process
         # Prometheus ports (0 where a shard serves no metrics: --metrics-port).
         self.metrics_ports: list[int] = []
@@ -93,6 +96,9 @@ class LocalCluster:
             "|".join(self.process_addresses[shard :: self.num_shards])
             for shard in range(self.num_shards)
         ]
+        self._replica_sets = [
+            self.addresses[p % self.num_shards] for p in range(len(self.processes))
+        ]
         return self
 
     def join(self, replicas: int = 1) -> str:
@@ -115,7 +121,8 @@ class LocalCluster:
             self.admin_ports.append(admin)
             self.metrics_ports.append(metrics_port)
             joined.append(self.process_addresses[-1])
-        return "|".join(joined)
+        self._replica_sets += ["|".join(joined)] * replicas
+        return self._replica_sets[-1]
 
     def _port_file(self, process: int) -> Path:
         return self.workdir / f"{self._name(process)}.port"
@@ -156,8 +163,11 @@ class LocalCluster:
             raise RuntimeError(f"process {process} is still running")
         data = int(self.process_addresses[process].rsplit(":", 1)[1])
         own = self._extra[process]
-        if self.replicas > 1 and rejoin:  # whichever role it had, it learns it again
-            own = ["--replica-set", self.addresses[process % self.num_shards],
+        if "|" in self._replica_sets[process] and rejoin:
+            # Whichever role it had, it learns it again (and, after a
+            # re-shard, its place: it was started with the one before).
+            joining = ["--join"] if "--join" in own else []
+            own = [*joining, "--replica-set", self._replica_sets[process],
                    "--advertise", self.process_addresses[process]]  # fmt: skip
         extra = [*own, *server_args]
         self.processes[process] = self._spawn(process, extra, data, self.admin_ports[process])

@@ -136,6 +136,10 @@ class StandbyLink:
         epoch: this copy's epoch (`_native.Shard.epoch`).
         place: this shard's index and count now (a live re-shard moves a
             standby with its primary); default: `shard_index`, `num_shards`.
+        relocate: called with the Hello of a member or primary that serves
+            another place at a newer layout (this process was restarted
+            with the flags of the layout before a re-shard): True when this
+            process, holding nothing yet, took that place.
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class StandbyLink:
         step_down: Callable[[str], None] | None = None,
         epoch: Callable[[], int] | None = None,
         place: Callable[[], tuple[int, int]] | None = None,
+        relocate: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         if (primary is None and not replica_set) or (
             replica_set
@@ -167,6 +172,7 @@ class StandbyLink:
         self._advertise = advertise
         # This shard's place now (a re-shard moves it: `place`).
         self._place = place or (lambda: (shard_index, num_shards))
+        self._relocate = relocate
         self._token = auth_token
         self._take_over = take_over
         self._caught_up = caught_up
@@ -219,7 +225,9 @@ class StandbyLink:
         shard."""
         info = _native.hello(address, self._token, timeout_ms=1000, replica=replica)
         index, count = self._place()
-        if (info["shard_index"], info["num_shards"]) != (index, count):
+        if (info["shard_index"], info["num_shards"]) != (index, count) and not (
+            self._relocate is not None and self._relocate(info)
+        ):
             raise errors.InvalidArgumentError(
                 f"{address} is shard {info['shard_index']} of {info['num_shards']}; this "
                 f"standby is shard {index} of {count}"

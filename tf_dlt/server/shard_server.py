@@ -249,6 +249,22 @@ class ShardServer:
         self.servicer.read_only = None
         self.shard.start_sweeper(self._sweep_interval_ms)
 
+    def _relocate(self, hello: dict[str, Any]) -> bool:
+        """A standby or replica set member restarted with the place it had
+        before a re-shard takes the place its primary (or another member)
+        serves at a newer layout, when it holds nothing yet."""
+        if hello["layout_epoch"] <= self.shard.layout_epoch or self.shard.tables():
+            return False
+        self.shard.take_place(
+            hello["shard_index"], hello["num_shards"], hello["layout_epoch"], hello["layout"]
+        )
+        log.warning(
+            "the replica set serves shard %d of %d at layout epoch %d (a re-shard since this "
+            "process's flags): taking that place",
+            hello["shard_index"], hello["num_shards"], hello["layout_epoch"],
+        )  # fmt: skip
+        return True
+
     def _load(self) -> dict[str, Any]:
         assert self._load_from is not None
         result = shard_files.load_shard(self._load_from, self.shard)
@@ -350,6 +366,7 @@ class ShardServer:
                 begin=self._begin_primary, step_down=self._step_down,
                 epoch=lambda: int(self.shard.epoch),
                 place=lambda: (int(self.shard.shard_index), int(self.shard.num_shards)),
+                relocate=self._relocate,
             ).start()  # fmt: skip
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)
