@@ -12,7 +12,7 @@ and its rows/s. Each re-shard reports its longest step across the switch
 while the buckets streamed, and the seconds writes were held. At the end:
 no step raised, and how many rows differ from the local table (must be 0).
 
-Usage: python bench/bench_reshard.py [--rows 1000000] [--ids 4096] [--reshards 2]
+Usage: python bench/bench_reshard.py [--rows 1000000] [--ids 4096] [--reshards 2] [--pace 1]
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def main() -> None:
     p.add_argument("--ids", type=int, default=4096)
     p.add_argument("--reshards", type=int, default=2, help="alternately 2 -> 3 and 3 -> 2")
     p.add_argument("--settle", type=float, default=3.0, help="seconds of training between")
+    p.add_argument(
+        "--pace", type=float, default=1.0,
+        help="tf-dlt reshard --pace: the fraction of the time a stream's copy keeps a core busy",
+    )  # fmt: skip
     args = p.parse_args()
     config = TableConfig.create("emb", DIM, optimizer="adagrad", seed=3)
     with (
@@ -70,7 +74,7 @@ def main() -> None:
         for k in range(args.reshards):
             to = three if k % 2 == 0 else two
             start = time.monotonic()
-            done = admin.reshard(to)
+            done = admin.reshard(to, pace=args.pace)
             end = time.monotonic()
             streamed_until = start + done["stream_s"]
             held = (end - done["held_s"], end)
@@ -93,6 +97,7 @@ def main() -> None:
         "bench": "reshard",
         "rows": args.rows,
         "ids": args.ids,
+        "pace": args.pace,
         "value": stall,
         "baseline_value": round(baseline[0], 4),
         "what": "longest trainer step (pull + push) across a re-shard's switch, seconds "

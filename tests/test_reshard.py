@@ -113,8 +113,11 @@ def _reshard_twice(
 ) -> None:
     trainer.wait_for(20)
     three = [*cluster.addresses, joined]
+    with pytest.raises(errors.InvalidArgumentError, match="pace"):
+        admin.reshard(three, pace=0)
+    # The copies paced: each stream's thread busy half the time at most.
     assert cli.main(["reshard", "--pservers", ",".join(cluster.addresses),
-                     "--to", ",".join(three)]) == 0  # fmt: skip
+                     "--to", ",".join(three), "--pace", "0.5"]) == 0  # fmt: skip
     assert '"layout_epoch": 2' in capsys.readouterr().out
     trainer.wait_for(20)
     # The trainer's client follows; so does another client's control plane,
@@ -167,9 +170,11 @@ def test_standbys_move_with_their_shards_and_take_over_after(tmp_path) -> None: 
     standbys take over; one of the dead is restarted with the flags it began
     with (the layout before) and rejoins its shard in its new place, as a
     standby; the 3 shards shrink to 2; then the processes serving both
-    shards are killed, so the restarted one takes over. No push fails, and
-    every row and optimizer slot equals every push applied once, in order:
-    each standby held what its primary held, across both re-shards."""
+    shards are killed, so the restarted one takes over (and one restarted
+    in the place it had, at the layout before, learns the layout). No push
+    fails, and every row and optimizer slot equals every push applied once,
+    in order: each standby held what its primary held, across both
+    re-shards."""
     with LocalCluster(2, replicas=2, workdir=tmp_path / "cluster") as cluster:
         admin = tf_dlt.Client(cluster.addresses)
         config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
@@ -198,6 +203,10 @@ def test_standbys_move_with_their_shards_and_take_over_after(tmp_path) -> None: 
             cluster.kill(2)  # serving shard 0 since the first kill
             cluster.kill(1)  # shard 1's primary: its standby followed both re-shards
             trainer.wait_for(40)
+            # Restarted as shard 0 of 2 again, its place: the layout is newer.
+            cluster.restart(2)
+            _await_standby(admin, 0, cluster.process_addresses[2])
+            assert _native.hello(cluster.process_addresses[2], replica=True)["layout_epoch"] == 3
         finally:
             trainer.stop()
         assert trainer.errors == []
@@ -266,6 +275,58 @@ def _reshard_killing(cluster: LocalCluster, to: list[str], dying: int, step: str
     finally:
         for channel in channels:
             channel.close()
+
+
+@pytest.mark.parametrize("switched", [0, 1, 3])
+def test_a_reshard_left_part_way_is_finished_or_undone_by_the_next(
+    cluster: LocalCluster, switched: int
+) -> None:
+    """Growing 2 -> 3, the coordinator dies once writes are held and
+    `switched` processes switched (its later calls never leave it): writes
+    stay held, and the trainer's pushes wait. Running the re-shard again
+    finishes it (a process switched: the others still prepare their shards)
+    or undoes it and moves again. No push fails; every row equals every
+    push applied once."""
+    admin = tf_dlt.Client(cluster.addresses)
+    config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+    three = [*cluster.addresses, cluster.join()]
+    trainer = Trainer(cluster.addresses)
+    channels: list[grpc.Channel] = []
+    state = {"switches": 0, "dead": False}
+    lock = threading.Lock()
+    steps = dlt_pb2.ReshardRequest
+
+    def stub_for(address: str, admin_port: int) -> object:
+        channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
+        stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
+
+        class DiesAtSwitch:
+            def Reshard(self, request: object, **kwargs: object) -> object:  # noqa: N802
+                step = request.step  # type: ignore[attr-defined]
+                with lock:
+                    if step == steps.SWITCH and state["switches"] < switched:
+                        state["switches"] += 1
+                    elif step in (steps.SWITCH, steps.RELEASE) or state["dead"]:
+                        state["dead"] = True
+                        raise SystemExit("the coordinator died")
+                return stub.Reshard(request, **kwargs)
+
+        return DiesAtSwitch()
+
+    try:
+        trainer.wait_for(20)
+        with pytest.raises(SystemExit):
+            resharding.reshard(cluster.addresses, three, stub_for=stub_for, timeout_s=30)
+        done = admin.reshard(three)
+        assert done.get("resumed", False) == (switched > 0)
+        trainer.wait_for(20)
+    finally:
+        trainer.stop()
+        for channel in channels:
+            channel.close()
+    assert trainer.errors == []
+    assert [s["layout_epoch"] for s in admin.stats()] == [2, 2, 2]
+    np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
 
 
 def test_saves_and_loads_wait_for_a_reshard_to_end(cluster: LocalCluster, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -117,15 +117,20 @@ class Client:
     def num_shards(self) -> int:
         return len(self.pservers)
 
-    def reshard(self, pservers: Sequence[str] | str, *, timeout: float = 600.0) -> dict[str, Any]:
+    def reshard(
+        self, pservers: Sequence[str] | str, *, timeout: float = 600.0, pace: float = 1.0
+    ) -> dict[str, Any]:
         """Moves every table to the shards at `pservers` (in shard order)
         while training goes on (docs/replication.md): bucket ranges stream
         from their owners, then writes pause for one short switch. A process
         new to the cluster runs `tf-dlt server --join`; one not listed leaves
         (it keeps running, owning nothing). Trainers' clients follow the new
         layout by themselves. A failure before the switch leaves the old
-        layout serving. Returns the new layout epoch, the seconds the ranges
-        streamed and the seconds writes were held."""
+        layout serving. `pace` in (0, 1]: the fraction of the time each
+        range stream's copy may keep a core busy (below 1 trainers keep more
+        of the cores while the ranges stream longer). Returns the new layout
+        epoch, the seconds the ranges streamed and the seconds writes were
+        held."""
         from tf_dlt import reshard as resharding
         from tf_dlt.proto import dlt_pb2_grpc
 
@@ -137,9 +142,15 @@ class Client:
             return dlt_pb2_grpc.ShardAdminStub(channels[-1])
 
         try:
+            try:
+                current = self._layout_addresses()
+            except errors.DltError:
+                # Shards of two layouts: a re-shard left part way, which
+                # this one finishes or undoes first.
+                current = list(self.pservers)
             done = resharding.reshard(
-                self._layout_addresses(), to, stub_for=stub_for, auth_token=self._token,
-                timeout_s=timeout, hold_timeout_s=self._request_timeout,
+                current, to, stub_for=stub_for, auth_token=self._token,
+                timeout_s=timeout, hold_timeout_s=self._request_timeout, pace=pace,
             )  # fmt: skip
         finally:
             for channel in channels:

@@ -42,59 +42,57 @@ def reshard(
     auth_token: str = "",
     timeout_s: float = 600.0,
     hold_timeout_s: float = 30.0,
+    pace: float = 1.0,
 ) -> dict[str, Any]:
     """Moves the tables of the shards at `current` (in shard order; the
     layout they serve) to the shards at `to`. A shard's address lists its
     primary and its standbys (`a|b`): the standbys take the same streams
     and switch with it. `stub_for(address, admin_port)` makes the admin
-    stub of a process. Returns what it did: the new layout epoch, seconds
-    streaming and seconds writes were held.
+    stub of a process. `pace` (0, 1]: the fraction of the time each
+    stream's copy may keep its thread busy (less leaves more of the cores
+    to training, and streams longer). Returns what it did: the new layout
+    epoch, seconds streaming and seconds writes were held.
     """
     from tf_dlt.proto import dlt_pb2
 
     current, to = list(current), list(to)
+    if not 0 < pace <= 1:
+        raise errors.InvalidArgumentError(f"reshard: pace must be in (0, 1], got {pace}")
     if not to:
         raise errors.InvalidArgumentError("reshard needs at least one shard address to move to")
     if len(set(to)) != len(to):
         raise errors.InvalidArgumentError(f"reshard: an address is listed twice in {to}")
+    call = _Calls(stub_for, auth_token, hold_timeout_s)
+    step = dlt_pb2.ReshardRequest
     old_sets, new_sets = _replica_sets(current, auth_token), _replica_sets(to, auth_token)
+    layout = _layout(new_sets)
+    earlier = _finish_earlier(call, _members(old_sets + new_sets), layout)
+    if earlier is not None:
+        if earlier["layout"] == layout:
+            return {k: v for k, v in earlier.items() if k != "layout"}
+        old_sets = _replica_sets(earlier["layout"].split(","), auth_token)  # served now
     taking = [a for replicas in new_sets for a in replicas]
     if len(set(taking)) != len(taking):
         raise errors.InvalidArgumentError(f"reshard: a process is listed in two shards of {to}")
     # The old primaries stream and hold writes; every process (standbys
     # too: they take the same streams) prepares, switches, is released.
     primaries = [replicas[0] for replicas in old_sets]
-    standbys = {a for replicas in old_sets + new_sets for a in replicas[1:]}
-    processes = list(dict.fromkeys(a for replicas in old_sets + new_sets for a in replicas))
-    metadata = grpc_util.bearer(auth_token)
-    stubs = {}
-    for address in processes:
-        hello = _native.hello(address, auth_token, replica=address in standbys)
-        stubs[address] = stub_for(address, int(hello["admin_port"]))
-    step = dlt_pb2.ReshardRequest
-
-    def call(address: str, request: Any) -> Any:
-        try:
-            return stubs[address].Reshard(request, timeout=hold_timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            raise grpc_util.error_from_rpc(e, f"reshard step {request.step} on {address}") from e
-
-    epochs = {
-        call(a, step(step=step.STATUS)).layout_epoch for replicas in old_sets for a in replicas
-    }
+    processes = _members(old_sets + new_sets)
+    epochs = {call(a, step(step=step.STATUS)).layout_epoch for a in _members(old_sets)}
     if len(epochs) != 1:
         raise errors.FailedPreconditionError(
             f"reshard: the shards at {current} serve different layouts (epochs {sorted(epochs)})"
         )
     epoch = epochs.pop() + 1
-    layout = ",".join("|".join(replicas) for replicas in new_sets)
     began = time.monotonic()
     try:
         for address in processes:
-            index = next((j for j, r in enumerate(new_sets) if address in r), len(new_sets))
-            call(address, step(step=step.PREPARE, shard_index=index, num_shards=len(to)))
+            call(address, step(
+                step=step.PREPARE, shard_index=_index_in(address, new_sets), num_shards=len(to),
+                layout=layout, from_layout=_layout(old_sets),
+            ))  # fmt: skip
         for address in primaries:
-            call(address, step(step=step.STREAM, targets=layout.split(",")))
+            call(address, step(step=step.STREAM, targets=layout.split(","), pace=pace))
         _await_streams(primaries, call, lambda s: s.caught_up, began + timeout_s, "catch up")
         streamed = time.monotonic()
         _raise_first(_on_each(primaries, call, step(step=step.HOLD)))
@@ -122,13 +120,138 @@ def reshard(
         for address in processes:
             _quietly(call, address, step(step=step.ABORT))
         _raise_first(switches)
-    _raise_first(_on_each(processes, call, step(step=step.RELEASE)))
+    _release(call, processes)
     done = time.monotonic()
     log.info(
         "re-shard to %s: layout epoch %d, streamed %.2f s, writes held %.3f s",
         layout, epoch, streamed - began, done - held,
     )  # fmt: skip
     return {"layout_epoch": epoch, "stream_s": streamed - began, "held_s": done - held}
+
+
+class _Calls:
+    """Reshard steps to shard processes by data-plane address, each one's
+    admin stub made when first needed (from its Hello: a standby greets a
+    replica's Hello only)."""
+
+    def __init__(self, stub_for: Callable[[str, int], Any], token: str, timeout_s: float) -> None:
+        self._stub_for, self._token, self._timeout_s = stub_for, token, timeout_s
+        self._metadata = grpc_util.bearer(token)
+        self._stubs: dict[str, Any] = {}
+
+    def __call__(self, address: str, request: Any) -> Any:
+        if address not in self._stubs:
+            try:
+                hello = _native.hello(address, self._token)
+            except errors.UnavailableError:
+                hello = _native.hello(address, self._token, replica=True)
+            self._stubs[address] = self._stub_for(address, int(hello["admin_port"]))
+        try:
+            return self._stubs[address].Reshard(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise grpc_util.error_from_rpc(e, f"reshard step {request.step} on {address}") from e
+
+
+def _layout(sets: list[list[str]]) -> str:
+    return ",".join("|".join(replicas) for replicas in sets)
+
+
+def _members(sets: list[list[str]]) -> list[str]:
+    return list(dict.fromkeys(a for replicas in sets for a in replicas))
+
+
+def _index_in(address: str, sets: list[list[str]]) -> int:
+    """The shard `address` serves in the layout of `sets` (their count: none)."""
+    return next((j for j, replicas in enumerate(sets) if address in replicas), len(sets))
+
+
+def _release(call: Callable[[str, Any], Any], processes: list[str]) -> None:
+    """RELEASE to every process once the switch holds everywhere: one that
+    cannot be reached is logged (it died after it switched; a standby of it
+    took part too and takes over) and the re-shard stands."""
+    from tf_dlt.proto import dlt_pb2
+
+    results = _on_each(processes, call, dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.RELEASE))
+    for address, result in zip(processes, results, strict=True):
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result  # this process is stopping (KeyboardInterrupt, SystemExit)
+        if isinstance(result, BaseException):
+            log.warning(
+                "reshard: %s switched but could not be released (%s); the new layout holds",
+                address, result,
+            )  # fmt: skip
+
+
+def _finish_earlier(
+    call: Callable[[str, Any], Any], known: list[str], layout: str
+) -> dict[str, Any] | None:
+    """Finishes or undoes a re-shard whose coordinator died (or was cut off)
+    part way, which may have left writes held. Every process that took part
+    keeps the plan (the layouts from and to) until RELEASE or ABORT, so all
+    are found from any of `known`. Once some process switched, the re-shard
+    is finished when every other one it reaches still prepares its shard of
+    the new layout (their streams drained before any switch); otherwise each
+    process goes back (UNDO, ABORT). Returns what finishing did (with the
+    layout served now), or None when there was nothing to finish."""
+    from tf_dlt.proto import dlt_pb2
+
+    step = dlt_pb2.ReshardRequest
+    statuses: dict[str, Any] = {}
+
+    def status(address: str) -> Any:
+        if address not in statuses:
+            try:
+                statuses[address] = call(address, step(step=step.STATUS))
+            except errors.DltError as e:
+                log.warning("reshard: %s does not answer: %s", address, e)
+                statuses[address] = None
+        return statuses[address]
+
+    plans = {(s.plan_from, s.plan_to) for a in known if (s := status(a)) and s.plan_to}
+    if not plans:
+        return None
+    if len(plans) > 1:
+        raise errors.FailedPreconditionError(
+            f"reshard: processes take part in different re-shards at once: {sorted(plans)}"
+        )
+    plan_from, plan_to = plans.pop()
+    new_sets = [shard.split("|") for shard in plan_to.split(",")]
+    participants = _members([shard.split("|") for shard in plan_from.split(",")] + new_sets)
+    alive = [a for a in participants if status(a) is not None]
+    epoch = max(statuses[a].layout_epoch for a in alive)
+    if any(statuses[a].layout_epoch < epoch for a in alive):
+        switched = [a for a in alive if statuses[a].layout_epoch == epoch]
+    elif any(statuses[a].switched for a in alive):
+        switched = alive  # every one switched; some were released
+    else:
+        switched = []  # none switched
+    behind = [a for a in alive if a not in switched]
+    place = {a: (_index_in(a, new_sets), len(new_sets)) for a in behind}
+    ready = all(statuses[a].layout == plan_to for a in switched) and all(
+        statuses[a].prepared and (statuses[a].shard_index, statuses[a].num_shards) == place[a]
+        for a in behind
+    )
+    if switched and ready:
+        log.warning(
+            "reshard: finishing the re-shard to %s (layout epoch %d) that %s switched to",
+            plan_to, epoch, ", ".join(switched),
+        )  # fmt: skip
+        began = time.monotonic()
+        request = step(step=step.SWITCH, layout_epoch=epoch, layout=plan_to)
+        _raise_first(_on_each(behind, call, request) if behind else [])
+        _release(call, alive)
+        return {
+            "layout_epoch": epoch, "stream_s": 0.0, "held_s": time.monotonic() - began,
+            "resumed": True, "layout": plan_to,
+        }  # fmt: skip
+    log.warning("reshard: undoing the unfinished re-shard from %s to %s", plan_from, plan_to)
+    for address in switched:
+        _quietly(call, address, step(step=step.UNDO))
+    for address in alive:
+        _quietly(call, address, step(step=step.ABORT))
+    return None
 
 
 def _replica_sets(shards: list[str], auth_token: str) -> list[list[str]]:

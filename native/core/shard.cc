@@ -64,6 +64,11 @@ bool Shard::RevertLayout() {
   return true;
 }
 
+bool Shard::has_previous_layout() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return previous_.held;
+}
+
 void Shard::DropPreviousLayout() {
   Previous dropped;  // its tables go outside the lock
   std::unique_lock<std::shared_mutex> lock(mu_);

@@ -56,6 +56,9 @@ class Shard {
   // False when there is no layout to go back to.
   bool RevertLayout();
   void DropPreviousLayout();
+  // A switch kept the layout it left (until DropPreviousLayout or
+  // RevertLayout).
+  bool has_previous_layout() const;
   // A process restarted after a re-shard, holding no table yet, takes the
   // place its replica set serves now (it follows a member of that layout);
   // FAILED_PRECONDITION when it holds a table.

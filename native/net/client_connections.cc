@@ -36,6 +36,13 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
       return Aborted(place + " of layout epoch " + std::to_string(st.layout_epoch) +
                      "; the server is at layout epoch " + std::to_string(reply->layout_epoch));
     }
+    if (reply->layout_epoch < st.layout_epoch) {
+      // A re-shard's switch has not reached it yet: writes are held
+      // meanwhile, and the client waits for it as for held writes.
+      return Aborted(place + " of layout epoch " + std::to_string(st.layout_epoch) +
+                     "; the server has not switched from layout epoch " +
+                     std::to_string(reply->layout_epoch) + " yet");
+    }
     return FailedPrecondition(place + "; list the shard addresses in shard-index order");
   }
   std::lock_guard<std::mutex> lock(st.mu);

@@ -468,9 +468,11 @@ Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
   Table::Exporter exporter(table.get());
   exporter.set_buckets(first_, end_);
   for (;;) {
+    const Clock::time_point began = Clock::now();
     const size_t n = exporter.Next(batch, out);
     if (n == 0) break;
     DLT_RETURN_IF_ERROR(SendRows(table.get(), out, n, nullptr, 0));
+    DLT_RETURN_IF_ERROR(Pace(Clock::now() - began));
   }
   DLT_RETURN_IF_ERROR(exporter.error());
   // The clock too, when there were no rows to carry it.
@@ -480,6 +482,15 @@ Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {
   mirrored_[table->config().name] = table;
   std::lock_guard<std::mutex> lock(mu_);
   ++status_.tables_copied;
+  return OkStatus();
+}
+
+Status Replicator::Pace(Clock::duration busy) {
+  if (options_.copy_pace >= 1.0) return OkStatus();
+  const auto wait = std::chrono::duration_cast<Clock::duration>(
+      busy * (1.0 / std::max(options_.copy_pace, 0.01) - 1.0));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (cv_.wait_for(lock, wait, [&] { return stop_; })) return Unavailable("replication stopped");
   return OkStatus();
 }
 

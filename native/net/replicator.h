@@ -51,6 +51,11 @@ struct ReplicatorOptions {
   // are sent (tables made and dropped by range). It never reconnects: a
   // failure ends it (the re-shard aborts or begins it again).
   bool range_stream = false;
+  // The fraction of the time a whole copy may keep this thread busy
+  // (0 < copy_pace <= 1): after each batch of rows it waits what the
+  // batch took times (1 / copy_pace - 1), leaving the cores to training.
+  // A re-shard's streams take it from `tf-dlt reshard --pace`.
+  double copy_pace = 1.0;
   // Tests only: called in each round right after its take, while the
   // round holds the push gate.
   std::function<void()> after_take;
@@ -125,6 +130,9 @@ class Replicator : public WriteListener {
   Status Round(uint64_t round);
   // Makes `table` afresh on the standby and sends all its rows.
   Status CopyWhole(const std::shared_ptr<Table>& table);
+  // Waits after a copy's batch that kept the thread busy `busy` (copy_pace);
+  // UNAVAILABLE when stopped meanwhile.
+  Status Pace(std::chrono::steady_clock::duration busy);
   // A Replicate frame of a round: the rows of some changed ids as they were
   // read (absent ones as removals).
   struct Frame {

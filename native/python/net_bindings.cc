@@ -143,9 +143,13 @@ void BindNet(py::module_& m) {
   py::class_<Replicator, std::shared_ptr<Replicator>>(m, "Replicator")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& standby,
                        const std::string& auth_token, bool sync, int io_timeout_ms, int interval_ms,
-                       bool range_stream) {
+                       bool range_stream, double copy_pace) {
              if (io_timeout_ms <= 0 || interval_ms <= 0) {
                Raise(InvalidArgument("io_timeout_ms and interval_ms must be positive"));
+             }
+             if (!(copy_pace > 0 && copy_pace <= 1)) {
+               Raise(InvalidArgument("copy_pace must be in (0, 1], got " +
+                                     std::to_string(copy_pace)));
              }
              ReplicatorOptions o;
              o.auth_token = auth_token;
@@ -153,11 +157,12 @@ void BindNet(py::module_& m) {
              o.io_timeout_ms = io_timeout_ms;
              o.interval_ms = interval_ms;
              o.range_stream = range_stream;
+             o.copy_pace = copy_pace;
              return std::make_shared<Replicator>(std::move(shard), standby, o);
            }),
            py::arg("shard"), py::arg("standby"), py::arg("auth_token") = "", py::arg("sync") = true,
            py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
-           py::arg("range_stream") = false)
+           py::arg("range_stream") = false, py::arg("copy_pace") = 1.0)
       .def("start", &Replicator::Start)
       .def("stop", &Replicator::Stop, py::call_guard<py::gil_scoped_release>())
       .def(

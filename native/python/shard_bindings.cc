@@ -29,6 +29,7 @@ void BindShard(py::module_& m) {
       .def_property_readonly("layout_addresses", &Shard::layout_addresses)
       .def("revert_layout", &Shard::RevertLayout)
       .def("drop_previous_layout", &Shard::DropPreviousLayout)
+      .def_property_readonly("has_previous_layout", &Shard::has_previous_layout)
       .def(
           "take_place",
           [](Shard& s, uint32_t shard_index, uint32_t num_shards, uint64_t layout_epoch,

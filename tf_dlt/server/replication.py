@@ -136,10 +136,10 @@ class StandbyLink:
         epoch: this copy's epoch (`_native.Shard.epoch`).
         place: this shard's index and count now (a live re-shard moves a
             standby with its primary); default: `shard_index`, `num_shards`.
-        relocate: called with the Hello of a member or primary that serves
-            another place at a newer layout (this process was restarted
-            with the flags of the layout before a re-shard): True when this
-            process, holding nothing yet, took that place.
+        relocate: called with the Hello of a member or the primary: one
+            at a newer layout (this process was restarted with the flags of
+            the layout before a re-shard) gives this process, while it holds
+            nothing yet, its place and layout; True when it did.
     """
 
     def __init__(
@@ -224,10 +224,10 @@ class StandbyLink:
         """One Hello to `address`; INVALID_ARGUMENT when it serves another
         shard."""
         info = _native.hello(address, self._token, timeout_ms=1000, replica=replica)
+        if self._relocate is not None and self.role != "primary":
+            self._relocate(info)  # restarted with the layout before a re-shard
         index, count = self._place()
-        if (info["shard_index"], info["num_shards"]) != (index, count) and not (
-            self._relocate is not None and self._relocate(info)
-        ):
+        if (info["shard_index"], info["num_shards"]) != (index, count):
             raise errors.InvalidArgumentError(
                 f"{address} is shard {info['shard_index']} of {info['num_shards']}; this "
                 f"standby is shard {index} of {count}"

@@ -47,11 +47,16 @@ class ReshardSteps:
         self._lock = threading.Lock()
         self._streams: list[_native.Replicator] = []  # guarded by _lock
         self._held = False  # guarded by _lock
+        # The re-shard taken part in: the layouts from and to; guarded by _lock.
+        self._plan = ("", "")
 
-    def prepare(self, shard_index: int, num_shards: int, why_not: str | None) -> None:
+    def prepare(
+        self, shard_index: int, num_shards: int, why_not: str | None, plan: tuple[str, str]
+    ) -> None:
         """Prepares shard `shard_index` of `num_shards` (index == count: this
-        process leaves the layout). `why_not`: why this process cannot take
-        part (a read-only shard, ...), or None."""
+        process leaves the layout) of the re-shard `plan` (the layouts from
+        and to). `why_not`: why this process cannot take part (a read-only
+        shard, ...), or None."""
         behind = [
             s["standby"]
             for s in (self._standbys.statuses() if self._standbys is not None else [])
@@ -71,13 +76,17 @@ class ReshardSteps:
         with self._lock:
             self._stop_streams()
             self._data_server.reshard_prepare(shard_index, num_shards)
+            self._plan = plan
         log.info("re-shard: prepared shard %d of %d", shard_index, num_shards)
 
-    def stream(self, targets: list[str]) -> None:
+    def stream(self, targets: list[str], pace: float = 1.0) -> None:
         """Streams this shard's buckets to each process of each target
-        shard (`primary|standby`) that takes some."""
+        shard (`primary|standby`) that takes some; each stream's copy keeps
+        its thread busy `pace` of the time at most."""
         if not targets:
             raise errors.InvalidArgumentError("STREAM needs the next layout's addresses")
+        if not 0 < pace <= 1:
+            raise errors.InvalidArgumentError(f"a re-shard's pace must be in (0, 1], got {pace}")
         first, end = self._shard.first_bucket, self._shard.end_bucket
         with self._lock:
             self._stop_streams()
@@ -88,7 +97,7 @@ class ReshardSteps:
                 for process in target.split("|"):
                     stream = _native.Replicator(
                         self._shard, process, auth_token=self._auth_token,
-                        io_timeout_ms=self._io_timeout_ms, range_stream=True,
+                        io_timeout_ms=self._io_timeout_ms, range_stream=True, copy_pace=pace,
                     )  # fmt: skip
                     stream.start()
                     self._streams.append(stream)
@@ -101,6 +110,8 @@ class ReshardSteps:
         the re-shard is done."""
         with self._lock:
             self._held = hold
+            if not hold:
+                self._plan = ("", "")
         if hold:
             self._data_server.hold_writes(True, timeout_ms=self._io_timeout_ms)
             self._pause_standbys(True)
@@ -134,6 +145,7 @@ class ReshardSteps:
             self._stop_streams()
             self._data_server.reshard_clear()
             self._held = False
+            self._plan = ("", "")
         self._pause_standbys(False)
         self._data_server.hold_writes(False)
         log.info("re-shard: aborted on shard %d", self._shard.shard_index)
@@ -142,6 +154,8 @@ class ReshardSteps:
         prepared = self._data_server.reshard_prepared
         with self._lock:
             streams = [s.status() for s in self._streams]
+            held = self._held
+            plan = self._plan
         return {
             "prepared": prepared is not None,
             "shard_index": prepared[0] if prepared else 0,
@@ -149,6 +163,10 @@ class ReshardSteps:
             "streams": streams,
             "layout_epoch": self._shard.layout_epoch,
             "layout": self._shard.layout_addresses,
+            "writes_held": held,
+            "switched": self._shard.has_previous_layout,
+            "plan_from": plan[0],
+            "plan_to": plan[1],
         }
 
     def close(self) -> None:

@@ -255,11 +255,14 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 why_not = self._why_not_reshardable()
                 if why_not is None and self._pending is not None:
                     why_not = f"it is in the middle of {self._pending.describe()}"
-                steps.prepare(request.shard_index, request.num_shards, why_not)
+                steps.prepare(
+                    request.shard_index, request.num_shards, why_not,
+                    (request.from_layout, request.layout),
+                )  # fmt: skip
             finally:
                 self._persist_lock.release()
         elif step == kinds.STREAM:
-            steps.stream(list(request.targets))
+            steps.stream(list(request.targets), request.pace or 1.0)
         elif step in (kinds.HOLD, kinds.RELEASE):
             steps.hold(step == kinds.HOLD)
         elif step == kinds.SWITCH:
@@ -278,7 +281,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 )
                 for r in s["streams"]
             ],
-            layout_epoch=s["layout_epoch"], layout=s["layout"],
+            layout_epoch=s["layout_epoch"], layout=s["layout"], writes_held=s["writes_held"],
+            switched=s["switched"], plan_from=s["plan_from"], plan_to=s["plan_to"],
         )  # fmt: skip
 
     def _not_resharding(self, what: str) -> None:

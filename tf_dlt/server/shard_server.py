@@ -250,9 +250,10 @@ class ShardServer:
         self.shard.start_sweeper(self._sweep_interval_ms)
 
     def _relocate(self, hello: dict[str, Any]) -> bool:
-        """A standby or replica set member restarted with the place it had
-        before a re-shard takes the place its primary (or another member)
-        serves at a newer layout, when it holds nothing yet."""
+        """A standby or replica set member restarted with the flags of the
+        layout before a re-shard takes the place and layout its primary (or
+        another member) serves at a newer layout, when it holds nothing yet
+        (the place may be the same: the layout epoch is not)."""
         if hello["layout_epoch"] <= self.shard.layout_epoch or self.shard.tables():
             return False
         self.shard.take_place(

@@ -25,6 +25,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds the ranges may take to stream"
     )
+    parser.add_argument(
+        "--pace", type=float, default=1.0,
+        help="the fraction of the time each range stream's copy may keep a core busy, (0, 1]: "
+        "below 1 leaves trainers more of the cores while the ranges stream longer",
+    )  # fmt: skip
     return parser
 
 
@@ -33,7 +38,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     to = address_list(args.to)
     try:
         with cluster_args.client(args) as client:
-            done = client.reshard(to, timeout=args.timeout)
+            done = client.reshard(to, timeout=args.timeout, pace=args.pace)
     except errors.DltError as e:
         print(f"tf-dlt reshard: {e}", file=sys.stderr)
         return 1
