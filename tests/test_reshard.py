@@ -20,6 +20,7 @@ from tf_dlt import _native, errors, grpc_util
 from tf_dlt import reshard as resharding
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server.local import LocalCluster
+from tf_dlt.server.replication import member_stats
 from tf_dlt.table_config import TableConfig
 from tf_dlt.tools import cli
 
@@ -317,6 +318,9 @@ def test_a_reshard_left_part_way_is_finished_or_undone_by_the_next(
         trainer.wait_for(20)
         with pytest.raises(SystemExit):
             resharding.reshard(cluster.addresses, three, stub_for=stub_for, timeout_s=30)
+        # Stats say what was left so (an old shard holds writes).
+        left = member_stats(cluster.process_addresses[1], cluster.admin_ports[1], "").reshard
+        assert "writes held" in left and f"to {','.join(three)}" in left
         done = admin.reshard(three)
         assert done.get("resumed", False) == (switched > 0)
         trainer.wait_for(20)

@@ -1149,8 +1149,11 @@ struct Processes {
     return out;
   }
   // Moves from the layout of processes `from` to that of `to` (by index).
+  // `after_first_switch`: called once the first process switched, before
+  // the others do (writes held throughout).
   void Reshard(const std::vector<size_t>& from, const std::vector<size_t>& to,
-               const std::function<void()>& while_streaming = nullptr) {
+               const std::function<void()>& while_streaming = nullptr,
+               const std::function<void()>& after_first_switch = nullptr) {
     const auto n = static_cast<uint32_t>(from.size()), count = static_cast<uint32_t>(to.size());
     std::string joined;
     for (size_t j = 0; j < to.size(); ++j) joined += (j ? "," : "") + AddressOf(to[j]);
@@ -1186,7 +1189,10 @@ struct Processes {
       stream->Stop();
     }
     ++layout_epoch;
-    for (Process& p : all) EXPECT_OK(p.server->SwitchLayout(layout_epoch, joined));
+    for (Process& p : all) {
+      EXPECT_OK(p.server->SwitchLayout(layout_epoch, joined));
+      if (after_first_switch && &p == &all.front()) after_first_switch();
+    }
     for (Process& p : all) {
       EXPECT_OK(p.server->HoldWrites(false));
       p.shard->DropPreviousLayout();
@@ -1297,6 +1303,31 @@ DLT_TEST(TestWritesHeldForASwitchAreRefusedUnappliedAndWaitedFor) {
   EXPECT(trainers.Stop());  // none failed: the held pushes went in after
   // No shard prepared: nothing to switch to.
   EXPECT(cluster.all[a].server->SwitchLayout(2, "x").code() == Code::kFailedPrecondition);
+}
+
+DLT_TEST(TestAClientWaitsForAShardThatHasNotSwitchedYet) {
+  // A switch that reached one process and not yet the others (a slow
+  // coordinator, or one that died until the next finishes the re-shard): a
+  // client that learned the new layout from the first greets the others
+  // at the layout before, and waits for them as for held writes.
+  Processes cluster;
+  const auto [a, b, c] = cluster.TwoAndOneToJoin();
+  const std::vector<std::string> two = cluster.Addresses({a, b});
+  Client client(two, ClientOptions{});
+  std::vector<int64_t> ids(256);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i * 7919);
+  const std::vector<float> grads(ids.size() * 8, 0.1f);
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f));
+  Status pushed = Internal("not pushed");
+  std::thread pusher;
+  cluster.Reshard({a, b}, {a, b, c}, nullptr, [&] {
+    pusher = std::thread(
+        [&] { pushed = client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  });
+  pusher.join();
+  EXPECT_OK(pushed);
+  EXPECT(client.layout_epoch() == 2 && client.num_shards() == 3);
 }
 
 // One trainer pushing a deterministic sequence through a client of

@@ -169,6 +169,21 @@ class ReshardSteps:
             "plan_to": plan[1],
         }
 
+    def describe(self) -> str:
+        """This process's part in a re-shard under way, in words ("": none)."""
+        s = self.status()
+        if not s["plan_to"]:
+            return ""
+        parts = [
+            f"prepares shard {s['shard_index']} of {s['num_shards']}" if s["prepared"] else "",
+            "writes held" if s["writes_held"] else "",
+            f"switched to layout epoch {s['layout_epoch']}" if s["switched"] else "",
+            f"{len(s['streams'])} range streams" if s["streams"] else "",
+        ]
+        return "; ".join(
+            [p for p in parts if p] + [f"re-shard from {s['plan_from']} to {s['plan_to']}"]
+        )
+
     def close(self) -> None:
         with self._lock:
             self._stop_streams()

@@ -570,6 +570,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             caught_up=s.get("caught_up", False),
             layout_epoch=self._shard.layout_epoch,
             layout=self._shard.layout_addresses,
+            reshard=self.reshard.describe() if self.reshard is not None else "",
         )
 
 

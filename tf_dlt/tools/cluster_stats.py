@@ -84,6 +84,8 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
     """A shard's standby, or its primary, in words (docs/replication.md)."""
     shard = s.get("shard_index", 0)
     lines = []
+    if s.get("reshard"):
+        lines.append(f"shard {shard}: {s['reshard']}")
     if s.get("takeovers"):
         lines.append(f"shard {shard}: took over from its primary (epoch {s.get('epoch', 0)})")
     for r in s.get("standbys", []):
