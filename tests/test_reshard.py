@@ -154,9 +154,15 @@ def test_a_reshard_aborts_when_a_participant_dies(
     dying = len(cluster.processes) - 1 if victim == "joining" else 1
     _reshard_killing(cluster, [*cluster.addresses, joined], dying, step)
     alive = [a for p, a in enumerate(cluster.process_addresses) if p != dying]
-    for address in alive:  # the old layout, and the joining process owns nothing
-        hello = _native.hello(address)
-        assert hello["layout_epoch"] == 1
+    hellos = [_native.hello(address) for address in alive]
+    # The old layout, and the joining process owns nothing. A failed switch
+    # is undone as a layout newer than the one switched to (clients that
+    # learned that one learn this), on every process; before the switch
+    # nothing changed. A death at HOLD is met at the drain, or (when the
+    # last rounds had nothing to send) at the switch.
+    epochs = {h["layout_epoch"] for h in hellos}
+    assert len(epochs) == 1 and epochs <= {"SWITCH": {3}, "HOLD": {1, 3}}.get(step, {1})
+    for hello in hellos:
         assert (hello["shard_index"], hello["num_shards"]) in ((0, 2), (1, 2), (1, 1))
     if victim == "joining":
         # Every row as it was, and writes go on.
@@ -252,6 +258,31 @@ def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(tmp_path)
             assert _native.hello(address)["layout_epoch"] == 1
 
 
+def test_a_trainer_goes_on_through_a_switch_that_is_undone(cluster: LocalCluster) -> None:
+    """The joining process dies as the switch begins, while a trainer
+    pushes: the processes that switched go back, as a layout newer than the
+    one switched to, so the trainer's client, which may have learned that
+    one, learns the old layout again. No push fails; every row equals every
+    push applied once."""
+    admin = tf_dlt.Client(cluster.addresses)
+    config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+    joined = cluster.join()
+    trainer = Trainer(cluster.addresses)
+    try:
+        trainer.wait_for(20)
+        _reshard_killing(
+            cluster, [*cluster.addresses, joined], len(cluster.processes) - 1, "SWITCH"
+        )
+        trainer.wait_for(40)
+    finally:
+        trainer.stop()
+    assert trainer.errors == []
+    assert [s["layout_epoch"] for s in admin.stats()] == [3, 3]
+    # Never left on the layout that was undone (it learns 3 when it met 2).
+    assert trainer.client._data.layout_epoch in (1, 3)
+    np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
+
+
 def _reshard_killing(cluster: LocalCluster, to: list[str], dying: int, step: str) -> None:
     """Re-shards `cluster` to `to`, killing (-9) process `dying` just before
     `step` first reaches any process; the re-shard must fail."""
@@ -329,7 +360,9 @@ def test_a_reshard_left_part_way_is_finished_or_undone_by_the_next(
         for channel in channels:
             channel.close()
     assert trainer.errors == []
-    assert [s["layout_epoch"] for s in admin.stats()] == [2, 2, 2]
+    # Undone (as layout 2, the old one again) and moved afresh (3); or finished.
+    epoch = 3 if switched == 0 else 2
+    assert [s["layout_epoch"] for s in admin.stats()] == [epoch] * 3
     np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
 
 

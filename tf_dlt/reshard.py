@@ -66,11 +66,13 @@ def reshard(
     step = dlt_pb2.ReshardRequest
     old_sets, new_sets = _replica_sets(current, auth_token), _replica_sets(to, auth_token)
     layout = _layout(new_sets)
-    earlier = _finish_earlier(call, _members(old_sets + new_sets), layout)
+    earlier = _finish_earlier(call, _members(old_sets + new_sets))
     if earlier is not None:
         if earlier["layout"] == layout:
             return {k: v for k, v in earlier.items() if k != "layout"}
         old_sets = _replica_sets(earlier["layout"].split(","), auth_token)  # served now
+    if layout == _layout(old_sets):
+        raise errors.InvalidArgumentError(f"reshard: the shards already serve {layout}")
     taking = [a for replicas in new_sets for a in replicas]
     if len(set(taking)) != len(taking):
         raise errors.InvalidArgumentError(f"reshard: a process is listed in two shards of {to}")
@@ -112,21 +114,37 @@ def reshard(
         raise
     switches = _on_each(processes, call, step(step=step.SWITCH, layout_epoch=epoch, layout=layout))
     if any(isinstance(r, BaseException) for r in switches):
-        # Writes are still held everywhere: the processes that switched go
-        # back to the old layout losing nothing, then all abort.
-        for address, result in zip(processes, switches, strict=True):
-            if not isinstance(result, BaseException):
-                _quietly(call, address, step(step=step.UNDO))
-        for address in processes:
-            _quietly(call, address, step(step=step.ABORT))
+        # Writes are still held everywhere: every process goes back to the
+        # old layout losing nothing (a SWITCH whose reply was lost may have
+        # switched too), then all abort.
+        _undo(call, processes, epoch + 1, _layout(old_sets))
         _raise_first(switches)
-    _release(call, processes)
+    unreleased = _release(call, processes)
     done = time.monotonic()
     log.info(
         "re-shard to %s: layout epoch %d, streamed %.2f s, writes held %.3f s",
         layout, epoch, streamed - began, done - held,
     )  # fmt: skip
-    return {"layout_epoch": epoch, "stream_s": streamed - began, "held_s": done - held}
+    result: dict[str, Any] = {
+        "layout_epoch": epoch, "stream_s": streamed - began, "held_s": done - held
+    }  # fmt: skip
+    if unreleased:
+        result["unreleased"] = unreleased
+    return result
+
+
+def _undo(call: Callable[[str, Any], Any], processes: list[str], epoch: int, old: str) -> None:
+    """Every process serves the old layout again, as layout `epoch` (newer
+    than the one switched to: clients that learned that one learn this, and
+    no epoch is used twice), then aborts (writes taken again). A process
+    that did not switch takes the epoch too."""
+    from tf_dlt.proto import dlt_pb2
+
+    step = dlt_pb2.ReshardRequest
+    for address in processes:
+        _quietly(call, address, step(step=step.UNDO, layout_epoch=epoch, layout=old))
+    for address in processes:
+        _quietly(call, address, step(step=step.ABORT))
 
 
 class _Calls:
@@ -167,34 +185,46 @@ def _index_in(address: str, sets: list[list[str]]) -> int:
     return next((j for j, replicas in enumerate(sets) if address in replicas), len(sets))
 
 
-def _release(call: Callable[[str, Any], Any], processes: list[str]) -> None:
-    """RELEASE to every process once the switch holds everywhere: one that
-    cannot be reached is logged (it died after it switched; a standby of it
-    took part too and takes over) and the re-shard stands."""
+def _release(call: Callable[[str, Any], Any], processes: list[str]) -> list[str]:
+    """RELEASE to every process once the switch holds everywhere, tried 3
+    times: one that still cannot be reached is logged and returned (it died
+    after it switched, and a standby of it took part too and takes over; or
+    it holds writes until the re-shard is run again) and the re-shard
+    stands."""
     from tf_dlt.proto import dlt_pb2
 
-    results = _on_each(processes, call, dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.RELEASE))
-    for address, result in zip(processes, results, strict=True):
-        if isinstance(result, BaseException) and not isinstance(result, Exception):
-            raise result  # this process is stopping (KeyboardInterrupt, SystemExit)
-        if isinstance(result, BaseException):
-            log.warning(
-                "reshard: %s switched but could not be released (%s); the new layout holds",
-                address, result,
-            )  # fmt: skip
+    release = dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.RELEASE)
+    left, errors_met = list(processes), {}
+    for attempt in range(3):
+        if attempt:
+            time.sleep(0.2)
+        results = _on_each(left, call, release)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # this process is stopping (KeyboardInterrupt, SystemExit)
+        errors_met = {a: r for a, r in zip(left, results, strict=True) if isinstance(r, Exception)}
+        left = list(errors_met)
+        if not left:
+            return []
+    for address, error in errors_met.items():
+        log.warning(
+            "reshard: %s switched but could not be released (%s); the new layout holds (run the "
+            "re-shard again to release it if it lives)", address, error,
+        )  # fmt: skip
+    return left
 
 
-def _finish_earlier(
-    call: Callable[[str, Any], Any], known: list[str], layout: str
-) -> dict[str, Any] | None:
+def _finish_earlier(call: Callable[[str, Any], Any], known: list[str]) -> dict[str, Any] | None:
     """Finishes or undoes a re-shard whose coordinator died (or was cut off)
     part way, which may have left writes held. Every process that took part
     keeps the plan (the layouts from and to) until RELEASE or ABORT, so all
-    are found from any of `known`. Once some process switched, the re-shard
-    is finished when every other one it reaches still prepares its shard of
-    the new layout (their streams drained before any switch); otherwise each
-    process goes back (UNDO, ABORT). Returns what finishing did (with the
-    layout served now), or None when there was nothing to finish."""
+    are found from any of `known`. It is finished (the others switched,
+    all released) once a process was released, or when some switched, every
+    process answers, and each one not switched still prepares its shard of
+    the new layout with its writes held (its streams drained before any
+    switch); otherwise every process goes back (UNDO at a newer epoch, then
+    ABORT). Returns what finishing did (with the layout served now), or
+    None when there was nothing to finish."""
     from tf_dlt.proto import dlt_pb2
 
     step = dlt_pb2.ReshardRequest
@@ -218,40 +248,55 @@ def _finish_earlier(
         )
     plan_from, plan_to = plans.pop()
     new_sets = [shard.split("|") for shard in plan_to.split(",")]
-    participants = _members([shard.split("|") for shard in plan_from.split(",")] + new_sets)
+    old = _members([shard.split("|") for shard in plan_from.split(",")])
+    participants = _members([old] + new_sets)
     alive = [a for a in participants if status(a) is not None]
-    epoch = max(statuses[a].layout_epoch for a in alive)
-    if any(statuses[a].layout_epoch < epoch for a in alive):
-        switched = [a for a in alive if statuses[a].layout_epoch == epoch]
-    elif any(statuses[a].switched for a in alive):
-        switched = alive  # every one switched; some were released
-    else:
-        switched = []  # none switched
+    unreachable = [a for a in participants if status(a) is None]
+    switched = [a for a in alive if statuses[a].layout == plan_to]
+    released = [a for a in switched if not statuses[a].plan_to]
     behind = [a for a in alive if a not in switched]
     place = {a: (_index_in(a, new_sets), len(new_sets)) for a in behind}
-    ready = all(statuses[a].layout == plan_to for a in switched) and all(
-        statuses[a].prepared and (statuses[a].shard_index, statuses[a].num_shards) == place[a]
+    # A process not switched still prepares its shard, and (an old primary)
+    # holds its writes: it took none since its streams drained.
+    ready = all(
+        statuses[a].prepared
+        and (statuses[a].shard_index, statuses[a].num_shards) == place[a]
+        and (statuses[a].writes_held or statuses[a].standby or a not in old)
         for a in behind
     )
-    if switched and ready:
+    undo_epoch = max(statuses[a].layout_epoch for a in alive) + 1
+    if released and not ready:
+        raise errors.FailedPreconditionError(
+            f"reshard: the re-shard to {plan_to} was released on {', '.join(released)}, but "
+            f"{', '.join(behind)} no longer prepare their shards of it (or took writes since): "
+            "it can be neither finished nor undone (restart "
+            "those with the new layout's --shard-index and --num-shards)"
+        )
+    if not released and (not switched or not ready or unreachable):
         log.warning(
-            "reshard: finishing the re-shard to %s (layout epoch %d) that %s switched to",
-            plan_to, epoch, ", ".join(switched),
+            "reshard: undoing the unfinished re-shard from %s to %s%s", plan_from, plan_to,
+            f" ({', '.join(unreachable)} do not answer)" if unreachable else "",
         )  # fmt: skip
-        began = time.monotonic()
-        request = step(step=step.SWITCH, layout_epoch=epoch, layout=plan_to)
-        _raise_first(_on_each(behind, call, request) if behind else [])
-        _release(call, alive)
-        return {
-            "layout_epoch": epoch, "stream_s": 0.0, "held_s": time.monotonic() - began,
-            "resumed": True, "layout": plan_to,
-        }  # fmt: skip
-    log.warning("reshard: undoing the unfinished re-shard from %s to %s", plan_from, plan_to)
-    for address in switched:
-        _quietly(call, address, step(step=step.UNDO))
-    for address in alive:
-        _quietly(call, address, step(step=step.ABORT))
-    return None
+        _undo(call, alive, undo_epoch, plan_from)
+        return None
+    epoch = statuses[switched[0]].layout_epoch
+    log.warning(
+        "reshard: finishing the re-shard to %s (layout epoch %d) that %s switched to",
+        plan_to, epoch, ", ".join(switched),
+    )  # fmt: skip
+    began = time.monotonic()
+    results = _on_each(behind, call, step(step=step.SWITCH, layout_epoch=epoch, layout=plan_to))
+    if not released and any(isinstance(r, BaseException) for r in results):
+        _undo(call, alive, undo_epoch, plan_from)
+    _raise_first(results)
+    unreleased = _release(call, alive)
+    done: dict[str, Any] = {
+        "layout_epoch": epoch, "stream_s": 0.0, "held_s": time.monotonic() - began,
+        "resumed": True, "layout": plan_to,
+    }  # fmt: skip
+    if unreleased or unreachable:
+        done["unreleased"] = unreleased + unreachable
+    return done
 
 
 def _replica_sets(shards: list[str], auth_token: str) -> list[list[str]]:
@@ -302,6 +347,8 @@ def _on_each(addresses: list[str], call: Callable[[str, Any], Any], request: Any
         except BaseException as e:  # noqa: BLE001 - returned to the caller
             return e
 
+    if not addresses:
+        return []
     with ThreadPoolExecutor(max_workers=len(addresses)) as pool:
         return list(pool.map(one, addresses))
 

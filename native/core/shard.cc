@@ -50,18 +50,24 @@ void Shard::Adopt(Shard* next, uint64_t layout_epoch, std::string addresses) {
   }
 }
 
-bool Shard::RevertLayout() {
+bool Shard::RevertLayout(uint64_t layout_epoch, std::string addresses) {
   std::map<std::string, std::shared_ptr<Table>> next;  // dropped outside the lock
   std::unique_lock<std::shared_mutex> lock(mu_);
-  if (!previous_.held) return false;
-  next.swap(tables_);
-  tables_.swap(previous_.tables);
-  place_.store(previous_.place);
-  layout_epoch_.store(previous_.layout_epoch);
-  layout_addresses_ = std::move(previous_.addresses);
-  previous_ = Previous();
+  const bool reverted = previous_.held;
+  if (reverted) {
+    next.swap(tables_);
+    tables_.swap(previous_.tables);
+    place_.store(previous_.place);
+    layout_epoch_.store(previous_.layout_epoch);
+    layout_addresses_ = std::move(previous_.addresses);
+    previous_ = Previous();
+  }
+  if (layout_epoch > layout_epoch_.load()) {
+    layout_epoch_.store(layout_epoch);
+    layout_addresses_ = std::move(addresses);
+  }
   lock.unlock();
-  return true;
+  return reverted;
 }
 
 bool Shard::has_previous_layout() const {
@@ -82,17 +88,18 @@ Status Shard::TakePlace(uint32_t shard_index, uint32_t num_shards, uint64_t layo
     return InvalidArgument("shard " + std::to_string(shard_index) + " of " +
                            std::to_string(num_shards) + " is not a shard");
   }
-  Shard next(shard_index, num_shards);
-  {
-    std::shared_lock<std::shared_mutex> lock(mu_);
-    if (!tables_.empty()) {
-      return FailedPrecondition("shard " + std::to_string(this->shard_index()) + " holds " +
-                                std::to_string(tables_.size()) +
-                                " tables: it keeps its place in the layout");
-    }
+  // Checked and taken at one moment: a table made meanwhile keeps the place.
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  const uint64_t place = uint64_t{shard_index} << 32 | num_shards;
+  if (!tables_.empty() && place != place_.load()) {
+    return FailedPrecondition("shard " + std::to_string(this->shard_index()) + " holds " +
+                              std::to_string(tables_.size()) +
+                              " tables: it keeps its place in the layout");
   }
-  Adopt(&next, layout_epoch, std::move(addresses));
-  DropPreviousLayout();
+  place_.store(place);
+  layout_epoch_.store(layout_epoch);
+  layout_addresses_ = std::move(addresses);
+  previous_ = Previous();
   return OkStatus();
 }
 

@@ -53,15 +53,20 @@ class Shard {
   // from is kept until DropPreviousLayout (the re-shard committed) or
   // RevertLayout (another process failed to switch: serves it again).
   void Adopt(Shard* next, uint64_t layout_epoch, std::string addresses);
-  // False when there is no layout to go back to.
-  bool RevertLayout();
+  // Serves the layout switched from again, at the newer `layout_epoch`
+  // with its `addresses` (clients that learned the layout switched to
+  // learn this one as newer, and no epoch is used twice); false when there
+  // is none to go back to (the epoch and addresses are taken all the same:
+  // every process of an undone re-shard takes them).
+  bool RevertLayout(uint64_t layout_epoch, std::string addresses);
   void DropPreviousLayout();
   // A switch kept the layout it left (until DropPreviousLayout or
   // RevertLayout).
   bool has_previous_layout() const;
-  // A process restarted after a re-shard, holding no table yet, takes the
-  // place its replica set serves now (it follows a member of that layout);
-  // FAILED_PRECONDITION when it holds a table.
+  // A standby (or a process restarted after a re-shard) takes the place
+  // and layout its primary or replica set serves now: a place of other
+  // buckets only while it holds no table (FAILED_PRECONDITION otherwise),
+  // the same place's newer layout epoch at any time.
   Status TakePlace(uint32_t shard_index, uint32_t num_shards, uint64_t layout_epoch,
                    std::string addresses);
 

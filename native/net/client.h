@@ -65,7 +65,8 @@ inline constexpr int kFailoverBackoffMs = 200;
 
 struct ShardInfo {
   std::string address;
-  // The shard's primary, then the standbys known ('|' between them).
+  // The shard's addresses as this client knows them ('|' between them):
+  // those it was given, then standbys its Hellos named.
   std::string replicas;
   uint32_t shard_index = 0;
   uint32_t num_shards = 0;

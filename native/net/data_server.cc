@@ -107,18 +107,33 @@ Status DataServer::SwitchLayout(uint64_t layout_epoch, const std::string& addres
   }
   // The standby's logs of the tables start before they serve: no write is
   // applied to them unlogged.
+  auto adopt = [&] {
+    shard_->Adopt(next.get(), layout_epoch, addresses);
+    return shard_->Tables();
+  };
   const std::shared_ptr<WriteListener> listener = handler_.write_listener();
-  if (listener != nullptr) listener->Follow(next->Tables());
-  shard_->Adopt(next.get(), layout_epoch, addresses);
+  if (listener != nullptr) {
+    listener->Follow(next->Tables(), adopt);
+  } else {
+    adopt();
+  }
   reshard_target().Clear();
   return OkStatus();
 }
 
-bool DataServer::RevertLayout() {
-  if (!shard_->RevertLayout()) return false;
+bool DataServer::RevertLayout(uint64_t layout_epoch, const std::string& addresses) {
+  bool reverted = false;
+  auto revert = [&] {
+    reverted = shard_->RevertLayout(layout_epoch, addresses);
+    return shard_->Tables();
+  };
   const std::shared_ptr<WriteListener> listener = handler_.write_listener();
-  if (listener != nullptr) listener->Follow(shard_->Tables());
-  return true;
+  if (listener != nullptr && shard_->has_previous_layout()) {
+    listener->Follow({}, revert);
+  } else {
+    revert();
+  }
+  return reverted;
 }
 
 Status DataServer::Start() {

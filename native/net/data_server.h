@@ -102,8 +102,9 @@ class DataServer {
   // switched, or switches, to the same tables (docs/replication.md).
   Status SwitchLayout(uint64_t layout_epoch, const std::string& addresses);
   // Serves the layout switched from again (the re-shard failed elsewhere;
-  // writes are still held); false when there is none.
-  bool RevertLayout();
+  // writes are still held) at `layout_epoch` of `addresses` (Shard::
+  // RevertLayout); false when there was none to go back to.
+  bool RevertLayout(uint64_t layout_epoch, const std::string& addresses);
   // Authenticated connections allowed (max_connections resolved at Start).
   int max_connections() const { return max_connections_; }
   int worker_threads() const { return static_cast<int>(workers_.size()); }

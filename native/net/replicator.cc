@@ -141,7 +141,8 @@ Status Replicator::Pause(bool pause) {
   return OkStatus();
 }
 
-void Replicator::Follow(const std::vector<std::shared_ptr<Table>>& tables) {
+void Replicator::Follow(const std::vector<std::shared_ptr<Table>>& first,
+                        const std::function<std::vector<std::shared_ptr<Table>>()>& swap) {
   bool was_paused;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -150,9 +151,18 @@ void Replicator::Follow(const std::vector<std::shared_ptr<Table>>& tables) {
   if (!was_paused) static_cast<void>(Pause(true));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // A round still under way (its standby hangs) finds the tables
-    // replaced and copies them whole instead.
-    if (stream_ != kNoStream && !busy_) {
+    if (stream_ != kNoStream) {
+      for (const std::shared_ptr<Table>& table : first) {
+        if (!table->change_log_running(stream_)) table->StartChangeLog(stream_);
+      }
+    }
+  }
+  const std::vector<std::shared_ptr<Table>> tables = swap();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Only a standby caught up holds them (a round still under way, or a
+    // connection just made, finds the tables replaced and copies them).
+    if (stream_ != kNoStream && !busy_ && status_.connected && marked_) {
       // The tables left keep their logs: an undone switch serves them again
       // with the rows pulls made meanwhile still logged.
       mirrored_.clear();
@@ -252,7 +262,8 @@ Status Replicator::Connect() {
     std::lock_guard<std::mutex> lock(fd_mu_);
     fd_ = fd;
   }
-  const uint16_t flags = options_.range_stream ? wire::kFlagMove : wire::kFlagReplica;
+  const uint16_t flags =
+      options_.range_stream ? wire::kFlagMove : wire::kFlagReplica | wire::kFlagTopology;
   wire::HelloReply reply;
   Status s = net::SayHello(fd, options_.auth_token, flags, next_request_id_++, deadline, &reply);
   if (s.ok() && options_.range_stream) {
@@ -273,11 +284,16 @@ Status Replicator::Connect() {
     status_.first_bucket = first_;
     status_.end_bucket = end_;
   } else if (s.ok() && (reply.shard_index != shard_->shard_index() ||
-                        reply.num_shards != shard_->num_shards())) {
+                        reply.num_shards != shard_->num_shards() ||
+                        reply.layout_epoch != shard_->layout_epoch())) {
+    // A standby restarted with the layout before a re-shard takes this
+    // one's when it greets its primary; until then it is not this shard's.
     s = FailedPrecondition(
         "standby " + standby_ + " is shard " + std::to_string(reply.shard_index) + " of " +
-        std::to_string(reply.num_shards) + "; this primary is shard " +
-        std::to_string(shard_->shard_index()) + " of " + std::to_string(shard_->num_shards()));
+        std::to_string(reply.num_shards) + " at layout epoch " +
+        std::to_string(reply.layout_epoch) + "; this primary is shard " +
+        std::to_string(shard_->shard_index()) + " of " + std::to_string(shard_->num_shards()) +
+        " at layout epoch " + std::to_string(shard_->layout_epoch()));
   }
   if (!s.ok()) {
     Disconnect();

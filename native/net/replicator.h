@@ -109,11 +109,14 @@ class Replicator : public WriteListener {
   // begins no round or connection until resumed; DEADLINE_EXCEEDED when
   // the round in progress outlasts io_timeout (paused all the same).
   Status Pause(bool pause);
-  // The standby holds `tables` as they are now (the re-shard's range
-  // streams made them there too, or they are those a switch left and its
-  // undoing serves again): their changes are sent from now on, nothing
-  // copied. Pauses meanwhile.
-  void Follow(const std::vector<std::shared_ptr<Table>>& tables) override;
+  // Pauses, logs `first`, swaps; the standby holds the tables swap returns
+  // as they are then (the re-shard's range streams made them there too, or
+  // they are those a switch left and its undoing serves again): their
+  // changes are sent from then on, nothing copied. When the standby was
+  // not caught up (a connection being made, a copy under way) the next
+  // round copies them whole instead.
+  void Follow(const std::vector<std::shared_ptr<Table>>& first,
+              const std::function<std::vector<std::shared_ptr<Table>>()>& swap) override;
   ReplicationStatus status() const;
 
  private:

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -33,9 +34,15 @@ class WriteListener {
   virtual uint64_t Applied() = 0;
   // Returns once the write marked `mark` may be acknowledged.
   virtual Status Written(uint64_t mark) = 0;
-  // A re-shard's switch, or its undoing (writes are held): the shard is
-  // about to serve `tables`, which its standby holds as they are now.
-  virtual void Follow(const std::vector<std::shared_ptr<Table>>& tables) { (void)tables; }
+  // A re-shard's switch, or its undoing (writes are held): `swap` makes the
+  // shard serve other tables and returns them, which its standby holds as
+  // they are then (it switched, or switches, too); the changes of `first`
+  // (the tables switched to) count from before the swap.
+  virtual void Follow(const std::vector<std::shared_ptr<Table>>& first,
+                      const std::function<std::vector<std::shared_ptr<Table>>()>& swap) {
+    (void)first;
+    swap();
+  }
 };
 
 class RequestHandler {

@@ -102,7 +102,8 @@ void BindNet(py::module_& m) {
             Check(st);
           },
           py::arg("layout_epoch"), py::arg("addresses"))
-      .def("revert_layout", &DataServer::RevertLayout, py::call_guard<py::gil_scoped_release>())
+      .def("revert_layout", &DataServer::RevertLayout, py::arg("layout_epoch"),
+           py::arg("addresses"), py::call_guard<py::gil_scoped_release>())
       .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
       .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });
 

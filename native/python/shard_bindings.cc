@@ -27,7 +27,6 @@ void BindShard(py::module_& m) {
       .def_property_readonly("epoch", &Shard::epoch)
       .def_property_readonly("layout_epoch", &Shard::layout_epoch)
       .def_property_readonly("layout_addresses", &Shard::layout_addresses)
-      .def("revert_layout", &Shard::RevertLayout)
       .def("drop_previous_layout", &Shard::DropPreviousLayout)
       .def_property_readonly("has_previous_layout", &Shard::has_previous_layout)
       .def(

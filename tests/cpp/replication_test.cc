@@ -1320,10 +1320,15 @@ DLT_TEST(TestAClientWaitsForAShardThatHasNotSwitchedYet) {
   EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f));
   Status pushed = Internal("not pushed");
   std::thread pusher;
+  const ServerCounters& counted = cluster.all[c].server->counters();
   cluster.Reshard({a, b}, {a, b, c}, nullptr, [&] {
+    const uint64_t hellos = counted.hellos.load();
     pusher = std::thread(
         [&] { pushed = client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f); });
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    // The client learned the new layout and greeted c, which has not
+    // switched yet; it waits meanwhile.
+    EXPECT(Eventually([&] { return counted.hellos.load() > hellos; }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
   });
   pusher.join();
   EXPECT_OK(pushed);
@@ -1436,12 +1441,19 @@ DLT_TEST(TestAShardThatSwitchedGoesBackWhenAnotherCouldNot) {
   }
   const std::vector<float> before = StateOf(two);
   Shard& shard = *cluster.all[a].shard;
-  EXPECT(!shard.RevertLayout());  // nothing to go back to
   cluster.all[a].server->reshard_target().Prepare(std::make_shared<Shard>(0, 3));
   EXPECT_OK(cluster.all[a].server->SwitchLayout(2, "x,y,z"));
   EXPECT(shard.num_shards() == 3 && shard.layout_epoch() == 2 && shard.Tables().empty());
-  EXPECT(shard.RevertLayout());
-  EXPECT(shard.num_shards() == 2 && shard.layout_epoch() == 1 && shard.layout_addresses().empty());
+  // Back, at an epoch newer than the one switched to (clients that learned
+  // that one learn this), with the old layout's addresses; the process that
+  // did not switch takes the same epoch.
+  const std::string old_layout = two[0] + "," + two[1];
+  EXPECT(shard.RevertLayout(3, old_layout));
+  EXPECT(!cluster.all[b].shard->RevertLayout(3, old_layout));  // nothing to go back to
+  for (size_t p : {a, b}) {
+    const Shard& s = *cluster.all[p].shard;
+    EXPECT(s.num_shards() == 2 && s.layout_epoch() == 3 && s.layout_addresses() == old_layout);
+  }
   EXPECT(SameBytes(StateOf(two), before));
 }
 
@@ -1451,13 +1463,17 @@ DLT_TEST(TestAProcessHoldingNoTableTakesTheLayoutsPlace) {
   EXPECT_OK(restarted.TakePlace(1, 3, 2, "a,b,c"));
   EXPECT(restarted.shard_index() == 1 && restarted.num_shards() == 3);
   EXPECT(restarted.first_bucket() == FirstBucket(1, 3) && restarted.layout_epoch() == 2);
-  EXPECT(restarted.layout_addresses() == "a,b,c" && !restarted.RevertLayout());
+  EXPECT(restarted.layout_addresses() == "a,b,c" && !restarted.has_previous_layout());
   EXPECT(restarted.TakePlace(0, 0, 3, "").code() == Code::kInvalidArgument);
   bool created;
   EXPECT_OK(restarted.CreateTable(AdagradConfig("emb", 8), &created));
   const Status held = restarted.TakePlace(0, 2, 3, "a,b");
   EXPECT(held.code() == Code::kFailedPrecondition);
   EXPECT(restarted.shard_index() == 1 && restarted.layout_epoch() == 2);
+  // The same place at a newer layout epoch (an undone re-shard's), tables
+  // and all.
+  EXPECT_OK(restarted.TakePlace(1, 3, 4, "a,b,c"));
+  EXPECT(restarted.layout_epoch() == 4 && restarted.Tables().size() == 1);
 }
 
 DLT_TEST(TestAStandbyFollowsItsPrimaryThroughASwitchWithoutACopy) {
@@ -1509,9 +1525,9 @@ DLT_TEST(TestAStandbyFollowsItsPrimaryThroughASwitchWithoutACopy) {
     EXPECT_OK(pair.replicator->Pause(true));
     EXPECT(RanTwoRoundsMore(streams));
     for (const auto& stream : streams) stream->Stop();
-    for (DataServer* server : servers) EXPECT_OK(server->SwitchLayout(undo ? 2 : 3, layout));
+    for (DataServer* server : servers) EXPECT_OK(server->SwitchLayout(undo ? 2 : 4, layout));
     if (undo) {
-      for (DataServer* server : servers) EXPECT(server->RevertLayout());
+      for (DataServer* server : servers) EXPECT(server->RevertLayout(3, primary));
       for (DataServer* server : servers) server->reshard_target().Clear();
     }
     EXPECT_OK(pair.replicator->Pause(false));
@@ -1537,7 +1553,7 @@ DLT_TEST(TestAStandbyFollowsItsPrimaryThroughASwitchWithoutACopy) {
 
   switch_to_two(/*undo=*/false);
   EXPECT(pair.standby->shard_index() == 0 && pair.standby->num_shards() == 2);
-  EXPECT(pair.standby->layout_epoch() == 3 && pair.primary->layout_epoch() == 3);
+  EXPECT(pair.standby->layout_epoch() == 4 && pair.primary->layout_epoch() == 4);
   {
     Trainers trainers(std::vector<std::string>{primary, Address(joiner_server)}, "emb", 8, 2,
                       /*first_seed=*/7);

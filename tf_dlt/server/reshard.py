@@ -132,12 +132,18 @@ class ReshardSteps:
             self._shard.shard_index, self._shard.num_shards, layout_epoch,
         )  # fmt: skip
 
-    def undo(self) -> None:
+    def undo(self, layout_epoch: int, layout: str) -> None:
         """Serves the layout switched from again (another process could not
-        switch; writes are still held, so nothing written is lost)."""
+        switch; writes are still held, so nothing written is lost), as
+        layout `layout_epoch` of `layout`: newer than the one switched to,
+        so clients that learned that one learn this (a process that did not
+        switch takes the epoch too)."""
         with self._lock:
-            reverted = self._data_server.revert_layout()
-        log.info("re-shard: %s", "switched back" if reverted else "nothing to switch back")
+            reverted = self._data_server.revert_layout(layout_epoch, layout)
+        log.info(
+            "re-shard: %s at layout epoch %d",
+            "switched back" if reverted else "nothing to switch back", layout_epoch,
+        )  # fmt: skip
 
     def abort(self) -> None:
         """Stops the streams, drops what was prepared, takes writes again."""
@@ -167,6 +173,7 @@ class ReshardSteps:
             "switched": self._shard.has_previous_layout,
             "plan_from": plan[0],
             "plan_to": plan[1],
+            "standby": bool(self._data_server.standby),
         }
 
     def describe(self) -> str:

@@ -268,7 +268,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         elif step == kinds.SWITCH:
             steps.switch(request.layout_epoch, request.layout)
         elif step == kinds.UNDO:
-            steps.undo()
+            steps.undo(request.layout_epoch, request.layout)
         elif step == kinds.ABORT:
             steps.abort()
         s = steps.status()
@@ -283,6 +283,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             ],
             layout_epoch=s["layout_epoch"], layout=s["layout"], writes_held=s["writes_held"],
             switched=s["switched"], plan_from=s["plan_from"], plan_to=s["plan_to"],
+            standby=s["standby"],
         )  # fmt: skip
 
     def _not_resharding(self, what: str) -> None:

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tf_dlt import _native, tls
+from tf_dlt import _native, errors, tls
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server import follower, metrics, paths, replication, reshard, service
@@ -246,19 +246,27 @@ class ShardServer:
         """This standby's primary is gone: serve trainers from now on (one
         epoch newer than it, unless it began as the primary)."""
         self.data_server.set_standby(False, new_epoch=new_epoch)
+        # Its part in a re-shard under way ends: it serves trainers at the
+        # layout it has, and its primary's streams are gone.
+        if self.servicer.reshard is not None:
+            self.servicer.reshard.abort()
         self.servicer.read_only = None
         self.shard.start_sweeper(self._sweep_interval_ms)
 
     def _relocate(self, hello: dict[str, Any]) -> bool:
         """A standby or replica set member restarted with the flags of the
-        layout before a re-shard takes the place and layout its primary (or
-        another member) serves at a newer layout, when it holds nothing yet
-        (the place may be the same: the layout epoch is not)."""
-        if hello["layout_epoch"] <= self.shard.layout_epoch or self.shard.tables():
+        layout before a re-shard (or one an undone re-shard's newer epoch
+        did not reach) takes the place and layout its primary (or another
+        member) serves at a newer layout: another place only while it holds
+        nothing yet, the same place's newer epoch at any time."""
+        if hello["layout_epoch"] <= self.shard.layout_epoch:
             return False
-        self.shard.take_place(
-            hello["shard_index"], hello["num_shards"], hello["layout_epoch"], hello["layout"]
-        )
+        try:
+            self.shard.take_place(
+                hello["shard_index"], hello["num_shards"], hello["layout_epoch"], hello["layout"]
+            )
+        except errors.FailedPreconditionError:
+            return False  # it holds tables of another place
         log.warning(
             "the replica set serves shard %d of %d at layout epoch %d (a re-shard since this "
             "process's flags): taking that place",
