@@ -83,6 +83,9 @@ def test_a_standby_takes_over_with_every_acknowledged_row(replicated: LocalClust
 
 def test_clients_given_only_the_primaries_learn_the_standbys(replicated: LocalCluster) -> None:
     cluster = replicated
+    # A primary names its standby in its Hello once the standby attached.
+    for shard in range(2):
+        _wait(lambda s=shard: bool(_stats(cluster, s)["standbys"]), f"shard {shard}'s standby")
     client = tf_dlt.Client(cluster.process_addresses[:2])  # no standby listed
     client.create_table("emb", DIM, optimizer="adagrad")
     ids = np.arange(500, dtype=np.int64)
