@@ -82,12 +82,19 @@ void Shard::DropPreviousLayout() {
   previous_ = Previous();
 }
 
+Status Shard::CheckPlace(uint32_t shard_index, uint32_t num_shards) {
+  if (num_shards == 0 || num_shards > kNumBuckets || shard_index > num_shards) {
+    return InvalidArgument("shard index " + std::to_string(shard_index) + " of " +
+                           std::to_string(num_shards) + " is invalid: need 0 <= index < " +
+                           "num_shards <= " + std::to_string(kNumBuckets) +
+                           " (index == num_shards: a shard that owns no bucket yet)");
+  }
+  return OkStatus();
+}
+
 Status Shard::TakePlace(uint32_t shard_index, uint32_t num_shards, uint64_t layout_epoch,
                         std::string addresses) {
-  if (num_shards == 0 || num_shards > kNumBuckets || shard_index > num_shards) {
-    return InvalidArgument("shard " + std::to_string(shard_index) + " of " +
-                           std::to_string(num_shards) + " is not a shard");
-  }
+  DLT_RETURN_IF_ERROR(CheckPlace(shard_index, num_shards));
   // Checked and taken at one moment: a table made meanwhile keeps the place.
   std::unique_lock<std::shared_mutex> lock(mu_);
   const uint64_t place = uint64_t{shard_index} << 32 | num_shards;

@@ -33,6 +33,9 @@ class Shard {
   Shard(const Shard&) = delete;
   Shard& operator=(const Shard&) = delete;
 
+  // INVALID_ARGUMENT unless shard `shard_index` of `num_shards` is a place
+  // in a layout (an index equal to the count: a shard that owns no bucket).
+  static Status CheckPlace(uint32_t shard_index, uint32_t num_shards);
   // Its place in the layout; a re-shard changes it (Adopt).
   uint32_t shard_index() const { return Index(place_.load()); }
   uint32_t num_shards() const { return Count(place_.load()); }

@@ -63,11 +63,7 @@ void BindNet(py::module_& m) {
       .def(
           "reshard_prepare",
           [](DataServer& s, uint32_t shard_index, uint32_t num_shards) {
-            if (num_shards == 0 || num_shards > kNumBuckets || shard_index > num_shards) {
-              Raise(InvalidArgument("shard " + std::to_string(shard_index) + " of " +
-                                    std::to_string(num_shards) +
-                                    " is not a shard (its index may equal the count: none)"));
-            }
+            Check(Shard::CheckPlace(shard_index, num_shards));
             return s.reshard_target().Prepare(std::make_shared<Shard>(shard_index, num_shards));
           },
           py::arg("shard_index"), py::arg("num_shards"))

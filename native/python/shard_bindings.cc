@@ -14,12 +14,7 @@ void BindShard(py::module_& m) {
       .def(py::init([](uint32_t index, uint32_t num_shards) {
         // An index equal to the count: a shard that owns no bucket (a
         // process that joins a layout by a re-shard).
-        if (num_shards == 0 || num_shards > kNumBuckets || index > num_shards) {
-          Raise(InvalidArgument(
-              "shard index " + std::to_string(index) + " of " + std::to_string(num_shards) +
-              " is invalid: need 0 <= index < num_shards <= " + std::to_string(kNumBuckets) +
-              " (index == num_shards: a shard that owns no bucket yet)"));
-        }
+        Check(Shard::CheckPlace(index, num_shards));
         return std::make_shared<Shard>(index, num_shards);
       }))
       .def_property_readonly("shard_index", &Shard::shard_index)
