@@ -48,6 +48,7 @@ NATIVE_CORE_SOURCES = [
     "native/net/frame_call.cc",
     "native/net/pull_ahead.cc",
     "native/net/push_queue.cc",
+    "native/net/replica_group.cc",
     "native/net/replicator.cc",
     "native/net/reshard_target.cc",
     "native/net/row_cache.cc",

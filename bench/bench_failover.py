@@ -2,7 +2,8 @@
 stall across `kill -9` of its shard's primary, over several kills.
 
 Each kill: a fresh 2-shard cluster with one sync standby per shard
-(LocalCluster replicas=2), then a trainer thread taking steps (a pull and a
+(LocalCluster replicas=2; --replicas 3 for two, which elect the one that
+takes over), then a trainer thread taking steps (a pull and a
 push of the same ids) in a loop while shard 1's primary is killed. The stall
 is the longest step across the kill; the baseline, measured in the same run,
 is the longest step of the same loop before the kill. Also checked each
@@ -12,6 +13,7 @@ in flight at the kill is sent again and applied once); with async, the rows
 of pushes acknowledged but not yet on the standby.
 
 Usage: python bench/bench_failover.py [--kills 20] [--ids 1024] [--replication async]
+       [--replicas 3]
 """
 
 from __future__ import annotations
@@ -34,23 +36,29 @@ from common import emit, log
 DIM = 16
 
 
-def wait_covered(client: tf_dlt.Client, timeout: float = 30.0) -> None:
-    """Until every shard's standby holds its primary's tables."""
+def wait_covered(client: tf_dlt.Client, standbys: int, timeout: float = 30.0) -> None:
+    """Until every shard's `standbys` standbys hold its primary's tables."""
     deadline = time.monotonic() + timeout
-    while not all(s["standbys"] and s["standbys"][0]["caught_up"] for s in client.stats()):
+    while not all(
+        len(s["standbys"]) == standbys and all(r["caught_up"] for r in s["standbys"])
+        for s in client.stats()
+    ):
         if time.monotonic() > deadline:
             raise TimeoutError(f"the standbys did not catch up in {timeout} s")
         time.sleep(0.05)
 
 
-def one_kill(ids: np.ndarray, workdir: Path, replication: str) -> tuple[float, float, int]:
+def one_kill(
+    ids: np.ndarray, workdir: Path, replication: str, replicas: int
+) -> tuple[float, float, int]:
     """(longest step before the kill, longest step across it, rows that
     differ from the oracle's)."""
     config = TableConfig.create("emb", DIM, optimizer="adagrad")
-    with LocalCluster(2, "--replication", replication, workdir=workdir, replicas=2) as cluster:
+    flags = ("--replication", replication)
+    with LocalCluster(2, *flags, workdir=workdir, replicas=replicas) as cluster:
         client = tf_dlt.Client(cluster.addresses)
         client.create_table_from_config(config)
-        wait_covered(client)
+        wait_covered(client, replicas - 1)
         trainer = StepTrainer(client, config, lambda rng: rng.choice(ids, len(ids))).start()
         time.sleep(1.0)
         killed = time.monotonic()
@@ -79,12 +87,13 @@ def main() -> None:
         help="async: pushes acknowledged before the standby has them; the rows that then "
         "differ from the oracle are reported",
     )  # fmt: skip
+    p.add_argument("--replicas", type=int, default=2, help="processes per shard (2 to 5)")
     args = p.parse_args()
     ids = np.arange(args.ids, dtype=np.int64)
     before, across, differ = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_failover-") as tmp:
         for k in range(args.kills):
-            b, a, d = one_kill(ids, Path(tmp) / f"kill{k}", args.replication)
+            b, a, d = one_kill(ids, Path(tmp) / f"kill{k}", args.replication, args.replicas)
             before.append(b)
             across.append(a)
             differ.append(d)
@@ -106,6 +115,7 @@ def main() -> None:
             "stall_s_median": round(statistics.median(across), 3),
             "stall_s_max": round(across[-1], 3),
             "replication": args.replication,
+            "replicas": args.replicas,
             # Sync: must be 0 (a push in flight is sent again and applied
             # once). Async: the rows of pushes acknowledged but not yet on
             # the standby at the kill, out of `ids`.

@@ -65,7 +65,7 @@ class Kills:
 
     def __init__(self, cluster: LocalCluster, admin: tf_dlt.Client) -> None:
         self.cluster, self.admin, self.count = cluster, admin, 0
-        wait_covered(admin)
+        wait_covered(admin, cluster.replicas - 1)
 
     def __call__(self) -> str:
         shard = self.count % len(self.admin.stats())  # 2 or 3 shards with re-shards

@@ -3,6 +3,7 @@ waits, every process stopped in teardown)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -61,6 +62,16 @@ def staged_rows(path: str, num_shards: int) -> dict[str, Rows]:
                         values[i].tobytes(), slots[i].tobytes(), int(steps[i]), age
                     )  # fmt: skip
     return out
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
+    """Returns once `predicate()` is true; AssertionError naming `what`
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def flip_byte(file: Path, fraction: float = 0.75) -> None:

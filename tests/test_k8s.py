@@ -261,5 +261,14 @@ def test_standbys_get_their_own_stateful_set_apart_from_their_primary() -> None:
     assert cluster.pservers[1] == f"ctr-ps-1.{host}|ctr-ps-r1-1.{host}"
     wait = shlex.split(job["spec"]["template"]["spec"]["initContainers"][0]["command"][2])
     assert wait[wait.index("--pservers") + 1] == ",".join(cluster.pservers)
-    out = _generate(EXAMPLES["ctr-standbys.yaml"].replace("--replicas 2", "--replicas 3"))
-    assert out.returncode == 2 and "invalid choice: 3" in out.stderr
+    # Two standbys: a set each, every process listing all three.
+    three = _generate(EXAMPLES["ctr-standbys.yaml"].replace("--replicas 2", "--replicas 3"))
+    sets = [d for d in yaml.safe_load_all(three.stdout) if d["kind"] == "StatefulSet"]
+    assert [s["metadata"]["name"] for s in sets] == ["ctr-ps", "ctr-ps-r1", "ctr-ps-r2"]
+    members = f"ctr-ps-$(SHARD_INDEX).{host}|ctr-ps-r1-$(SHARD_INDEX).{host}"
+    for sts in sets:
+        (shard,) = sts["spec"]["template"]["spec"]["containers"]
+        assert f"--replica-set={members}|ctr-ps-r2-$(SHARD_INDEX).{host}" in shard["args"]
+    assert "each with 2 hot standbys" in three.stdout
+    out = _generate(EXAMPLES["ctr-standbys.yaml"].replace("--replicas 2", "--replicas 6"))
+    assert out.returncode == 2 and "invalid choice: 6" in out.stderr

@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,8 @@ from tf_dlt.server import replication
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cluster_stats
+
+from conftest import wait_until
 
 DIM = 8
 
@@ -39,14 +40,6 @@ def _stats(cluster: LocalCluster, shard: int) -> dict:  # type: ignore[type-arg]
     return tf_dlt.Client(cluster.addresses).stats()[shard]
 
 
-def _wait(predicate, what: str, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _caught_up(cluster: LocalCluster, shard: int) -> bool:
     standbys = _stats(cluster, shard)["standbys"]
     return bool(standbys) and standbys[0]["caught_up"]
@@ -57,7 +50,7 @@ def test_a_standby_takes_over_with_every_acknowledged_row(replicated: LocalClust
     client = tf_dlt.Client(cluster.addresses)
     client.create_table("emb", DIM, optimizer="adagrad")
     for shard in range(2):
-        _wait(lambda s=shard: _caught_up(cluster, s), f"shard {shard}'s standby")
+        wait_until(lambda s=shard: _caught_up(cluster, s), f"shard {shard}'s standby")
     rng = np.random.default_rng(0)
     ids = np.arange(2000, dtype=np.int64)
     for _ in range(20):
@@ -85,7 +78,7 @@ def test_clients_given_only_the_primaries_learn_the_standbys(replicated: LocalCl
     cluster = replicated
     # A primary names its standby in its Hello once the standby attached.
     for shard in range(2):
-        _wait(lambda s=shard: bool(_stats(cluster, s)["standbys"]), f"shard {shard}'s standby")
+        wait_until(lambda s=shard: bool(_stats(cluster, s)["standbys"]), f"shard {shard}'s standby")
     client = tf_dlt.Client(cluster.process_addresses[:2])  # no standby listed
     client.create_table("emb", DIM, optimizer="adagrad")
     ids = np.arange(500, dtype=np.int64)
@@ -112,7 +105,7 @@ def test_a_primary_restarted_empty_never_wipes_its_standby(tmp_path) -> None:  #
         before = client.pull("emb", ids)
         cluster.kill(0)
         cluster.restart(0, rejoin=False)  # an empty primary at the same address, at once
-        _wait(lambda: _stats(cluster, 0)["takeovers"] == 1, "the standby to take over")
+        wait_until(lambda: _stats(cluster, 0)["takeovers"] == 1, "the standby to take over")
         fresh = tf_dlt.Client(cluster.addresses)  # greets both: takes the newest copy
         np.testing.assert_array_equal(fresh.pull("emb", ids), before)
         assert "restarted with none of its rows: taking over" in cluster.log(1)
@@ -133,7 +126,7 @@ def test_killed_processes_rejoin_as_standbys_and_take_over_in_turn(tmp_path) -> 
             for _ in range(5):
                 client.push("emb", ids, rng.normal(size=(400, DIM)).astype(np.float32), 0.1)
 
-        _wait(lambda: _caught_up(cluster, 0), "the standby")
+        wait_until(lambda: _caught_up(cluster, 0), "the standby")
         train()
         for dead, live in ((0, 1), (1, 0)):
             before = client.pull("emb", ids)
@@ -142,7 +135,7 @@ def test_killed_processes_rejoin_as_standbys_and_take_over_in_turn(tmp_path) -> 
             live_port = int(cluster.process_addresses[live].rsplit(":", 1)[1])
             assert _stats(cluster, 0)["data_port"] == live_port  # it took over
             cluster.restart(dead)
-            _wait(
+            wait_until(
                 lambda d=dead: (
                     _stats(cluster, 0)["standbys"]
                     and _stats(cluster, 0)["standbys"][0]["address"] == cluster.process_addresses[d]
@@ -177,7 +170,7 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
     try:
         for server in reversed(servers):
             server.start()
-        _wait(
+        wait_until(
             lambda: (
                 servers[0].servicer.snapshot()["role"] == "primary"
                 and bool(servers[1].servicer.snapshot().get("caught_up"))
@@ -196,7 +189,7 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
     finally:
         for server in servers:
             server.stop(0)
-    with pytest.raises(ValueError, match="replica set has 2 members"):
+    with pytest.raises(ValueError, match="replica set has 2 to 5 distinct members"):
         ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
 
 
@@ -216,26 +209,26 @@ def test_a_save_caught_by_a_failover_completes_on_the_new_primary_and_followers_
         client.save(str(run / "c1"))
         follower = ShardServer(0, 1, read_only=True, follow=str(run), follow_interval_s=0.1)
         with follower:
-            _wait(lambda: _serving(follower) == manifest_id(run / "c1"), "the follower")
+            wait_until(lambda: _serving(follower) == manifest_id(run / "c1"), "the follower")
             client.push("emb", ids[:100], np.ones((100, DIM), np.float32), 0.1)
             rows = client.pull("emb", ids)
-            _wait(lambda: _caught_up(cluster, 0), "the standby")
+            wait_until(lambda: _caught_up(cluster, 0), "the standby")
             cluster.processes[0].send_signal(signal.SIGSTOP)  # the Save to it hangs
             saved: list[object] = []
             saver = threading.Thread(target=lambda: saved.append(client.save(str(run / "c2"))))
             saver.start()
             # (Its log, not Stats: a fresh client would wait on the frozen
             # primary's Hello first.)
-            _wait(lambda: "taking over" in cluster.log(1), "the standby to take over", 60)
+            wait_until(lambda: "taking over" in cluster.log(1), "the standby to take over", 60)
             assert saver.is_alive()  # still waiting on the frozen primary
             cluster.kill(0)  # its connections reset: the Save goes to the new primary
             saver.join(60)
             assert saved and saved[0]["save_id"] == manifest_id(run / "c2")  # type: ignore[index]
-            _wait(lambda: _serving(follower) == manifest_id(run / "c2"), "the follower")
+            wait_until(lambda: _serving(follower) == manifest_id(run / "c2"), "the follower")
             np.testing.assert_array_equal(follower_rows(follower, ids), rows)
             client.push("emb", ids[:10], np.ones((10, DIM), np.float32), 0.1)
             client.save(str(run / "c3"), base=str(run / "c2"))
-            _wait(lambda: _serving(follower) == manifest_id(run / "c3"), "the follower")
+            wait_until(lambda: _serving(follower) == manifest_id(run / "c3"), "the follower")
             np.testing.assert_array_equal(follower_rows(follower, ids), client.pull("emb", ids))
 
 
@@ -278,7 +271,7 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
     first, second = member(0).start(), member(1, takeover_after_s=60).start()
     restarted: ShardServer | None = None
     try:
-        _wait(lambda: bool(second.servicer.snapshot().get("caught_up")), "the standby")
+        wait_until(lambda: bool(second.servicer.snapshot().get("caught_up")), "the standby")
         client = tf_dlt.Client(["|".join(members)])
         client.create_table("emb", DIM)
         ids = np.arange(200, dtype=np.int64)
@@ -291,8 +284,10 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
 
         monkeypatch.setattr(replication, "member_stats", unreadable)
         restarted = member(0).start()  # begins: it cannot tell the standby is caught up
-        _wait(lambda: second.servicer.snapshot()["role"] == "primary", "the standby to take over")
-        _wait(
+        wait_until(
+            lambda: second.servicer.snapshot()["role"] == "primary", "the standby to take over"
+        )
+        wait_until(
             lambda: (
                 restarted is not None
                 and restarted.servicer.snapshot()["role"] == "standby"

@@ -233,6 +233,42 @@ def _await_standby(admin: tf_dlt.Client, shard: int, standby: str) -> None:
         time.sleep(0.1)
 
 
+def test_a_shard_with_two_standbys_moves_with_both(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A shard with two sync standbys grows to 2 (the new one with two of
+    its own) while a trainer pushes: every standby switches with its
+    primary. Then both primaries are killed (-9): in each shard one standby
+    takes over and the other follows it. No push fails, and every row and
+    slot equals every push applied once."""
+    with LocalCluster(1, replicas=3, workdir=tmp_path / "cluster") as cluster:
+        admin = tf_dlt.Client(cluster.addresses)
+        config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+        joined = cluster.join(replicas=3)  # processes 3 (primary), 4 and 5
+        assert joined.count("|") == 2
+        trainer = Trainer(cluster.addresses)
+        try:
+            trainer.wait_for(20)
+            assert admin.reshard([*cluster.addresses, joined])["layout_epoch"] == 2
+            trainer.wait_for(20)
+            for standby in [*cluster.process_addresses[1:3], *joined.split("|")[1:]]:
+                assert _native.hello(standby, replica=True)["layout_epoch"] == 2
+            cluster.kill(0)
+            cluster.kill(3)
+            trainer.wait_for(40)
+        finally:
+            trainer.stop()
+        assert trainer.errors == []
+        np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
+        stats = admin.stats()
+        assert [s["epoch"] for s in stats] == [2, 2]
+        for shard, s in enumerate(stats):
+            # The standby that did not take over follows the one that did.
+            deadline = time.monotonic() + 60
+            while len(s["insync"]) != 1:
+                assert time.monotonic() < deadline, f"shard {shard}: {s['standbys']}"
+                time.sleep(0.1)
+                s = admin.stats()[shard]
+
+
 def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Shards with standbys growing 2 -> 3: shard 1's primary is killed (-9)
     as writes are about to be held. The re-shard aborts, the primary that

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV = "TF_CONFIG"
+# Processes a shard may have ("a|b|c"): its primary and up to four hot
+# standbys (docs/replication.md; each standby takes one of the primary's
+# 16 row streams, which a live re-shard's range streams share).
+MAX_REPLICAS = 5
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 _JOBS = ("ps", "worker")
 

@@ -19,8 +19,11 @@
 namespace dlt {
 
 // Row streams (docs/replication.md) that may consume a shard's change logs
-// and applied push ids at once: a standby's and a re-shard's range streams.
-inline constexpr uint32_t kMaxStreams = 8;
+// and applied push ids at once: each standby's and a re-shard's range
+// streams (a primary with four standbys moving its buckets to two shards of
+// five processes each runs 14). Tables keep a bit per stream in a u32.
+inline constexpr uint32_t kMaxStreams = 16;
+static_assert(kMaxStreams <= 32, "a table's running logs are a u32 mask");
 
 struct PushId {
   uint64_t client = 0;

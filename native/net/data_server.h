@@ -87,6 +87,7 @@ class DataServer {
   bool standby() const { return handler_.standby(); }
   bool standby_caught_up() const { return handler_.standby_caught_up(); }
   void set_standbys(const std::string& standbys) { handler_.set_standbys(standbys); }
+  wire::InSyncView insync_view() const { return handler_.insync_view(); }
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     handler_.set_write_listener(std::move(listener));
   }

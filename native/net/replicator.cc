@@ -83,34 +83,45 @@ uint64_t Replicator::Applied() {
   return taken_ + 1;
 }
 
-Status Replicator::Written(uint64_t need) {
+Status Replicator::Written(uint64_t need, uint64_t view_version) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!options_.sync) {
     if (unsent_since_ == Clock::time_point{}) unsent_since_ = Clock::now();
     return OkStatus();
   }
-  if (applied_ >= need) return OkStatus();  // a round holding it is done already
-  if (stop_ || status_.ended) {
-    return Unavailable("replication to standby " + standby_ + " stopped: " + status_.error);
-  }
-  if (!status_.connected && status_.connects > 0) {  // known to be down
-    return Unavailable("standby " + standby_ + " is not connected: " + status_.error);
-  }
-  const uint64_t failures = connect_failures_;
-  wanted_ = true;
-  cv_.notify_all();
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
-  const bool done = cv_.wait_until(lock, deadline, [&] {
-    return applied_ >= need || failed_ >= need || stop_ || connect_failures_ != failures;
-  });
-  if (applied_ >= need) return OkStatus();
-  if (!done) {
-    return DeadlineExceeded("standby " + standby_ + " did not apply the write within " +
-                            std::to_string(options_.io_timeout_ms) + " ms");
+  for (;;) {
+    if (applied_ >= need) {
+      if (view_applied_ >= view_version) return OkStatus();  // a round holding it is done
+      need = taken_ + 1;                                     // a later round tells the view
+    }
+    if (stop_ || status_.ended) {
+      return Unavailable("replication to standby " + standby_ + " stopped: " + status_.error);
+    }
+    if (!status_.connected && status_.connects > 0) {  // known to be down
+      return Unavailable("standby " + standby_ + " is not connected: " + status_.error);
+    }
+    const uint64_t failures = connect_failures_;
+    wanted_ = true;
+    cv_.notify_all();
+    const bool done = cv_.wait_until(lock, deadline, [&] {
+      return applied_ >= need || failed_ >= need || stop_ || connect_failures_ != failures;
+    });
+    if (applied_ >= need) continue;
+    if (!done) {
+      return DeadlineExceeded("standby " + standby_ + " did not apply the write within " +
+                              std::to_string(options_.io_timeout_ms) + " ms");
+    }
+    return Unavailable("standby " + standby_ + " did not apply the write: " +
+                       (stop_ ? std::string("replication stopped") : status_.error));
   }
-  return Unavailable("standby " + standby_ + " did not apply the write: " +
-                     (stop_ ? std::string("replication stopped") : status_.error));
+}
+
+void Replicator::Reconnect() {
+  std::lock_guard<std::mutex> lock(fd_mu_);
+  if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);  // the round under way fails; the next connects
+  for (int lane : lanes_) shutdown(lane, SHUT_RDWR);
 }
 
 Status Replicator::Pause(bool pause) {
@@ -214,6 +225,7 @@ void Replicator::Run() {
     }
     if (fd_ < 0) {
       const Status connected = Connect();
+      if (!connected.ok() && options_.on_failure) options_.on_failure();
       std::lock_guard<std::mutex> lock(mu_);
       ++status_.connects;
       status_.connected = connected.ok();
@@ -228,10 +240,14 @@ void Replicator::Run() {
     }
     next_round = Clock::now() + std::chrono::milliseconds(options_.interval_ms);
     const Status s = Round(round);
+    // The group stops counting on this standby before a write waiting on
+    // the round learns that it failed.
+    if (!s.ok() && options_.on_failure) options_.on_failure();
     std::lock_guard<std::mutex> lock(mu_);
     taken_ = round;  // also when it failed before its take
     if (s.ok()) {
       applied_ = round;
+      view_applied_ = round_view_;
       ++status_.rounds;
       status_.caught_up = true;
       status_.error.clear();
@@ -323,6 +339,7 @@ Status Replicator::Connect() {
   clocks_sent_.clear();
   provisional_.clear();
   marked_ = false;
+  view_told_ = round_view_ = 0;
   return OkStatus();
 }
 
@@ -381,6 +398,10 @@ Status Replicator::Round(uint64_t round) {
       std::lock_guard<std::mutex> lock(mu_);
       taken_ = round;
     }
+    // A round that copies tables makes its standby one of the group's
+    // in-sync set at its take (under the gate): every write applied after
+    // it waits for this standby too, and every one before is in this round.
+    if (copied && options_.view) options_.view(/*joining=*/true);
     for (const std::shared_ptr<Table>& table : tables) {
       Changes c{table.get(), {}, {}};
       if (table->TakeChanges(&c.ids, &c.sketch_adds, stream_).ok()) {
@@ -457,6 +478,15 @@ Status Replicator::Round(uint64_t round) {
       sent = now;
     }
   }
+  // The group's in-sync set, when it changed since the standby was told.
+  if (options_.view) {
+    const wire::InSyncView view = options_.view(/*joining=*/false);
+    if (view.version != view_told_) {
+      DLT_RETURN_IF_ERROR(SendView(view));
+      view_told_ = view.version;
+    }
+  }
+  round_view_ = view_told_;
   if (changes.empty() && pushed.empty() && !copied) return OkStatus();
   // The round's end: a caught-up standby applies its rows and ids now; after
   // copies, the standby holds every table again and may take over.
@@ -470,6 +500,10 @@ Status Replicator::Round(uint64_t round) {
       Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size()));
   marked_ = true;
   return OkStatus();
+}
+
+Status Replicator::SendView(const wire::InSyncView& view) {
+  return SendStandbyTable(wire::kInSync, wire::EncodeInSyncView(view));
 }
 
 Status Replicator::CopyWhole(const std::shared_ptr<Table>& table) {

@@ -25,6 +25,7 @@
 #include "native/core/status.h"
 #include "native/net/buffer.h"
 #include "native/net/request_handler.h"
+#include "native/net/wire.h"
 
 namespace dlt {
 
@@ -56,6 +57,14 @@ struct ReplicatorOptions {
   // batch took times (1 / copy_pace - 1), leaving the cores to training.
   // A re-shard's streams take it from `tf-dlt reshard --pace`.
   double copy_pace = 1.0;
+  // A ReplicaGroup's standby: the group's in-sync set, which each round
+  // tells the standby when it changed since last told; called `joining` at
+  // the take of a round that copied tables whole (under the push gate: the
+  // group counts the standby from then on).
+  std::function<wire::InSyncView(bool joining)> view;
+  // A ReplicaGroup's standby: called after a round or a connection failed
+  // (the group stops counting on this standby).
+  std::function<void()> on_failure;
   // Tests only: called in each round right after its take, while the
   // round holds the push gate.
   std::function<void()> after_take;
@@ -103,7 +112,13 @@ class Replicator : public WriteListener {
   // whole); UNAVAILABLE when the standby is known to be down, or the round
   // or the connection fails; DEADLINE_EXCEEDED past io_timeout. Async: OK
   // at once.
-  Status Written(uint64_t mark) override;
+  Status Written(uint64_t mark) override { return Written(mark, 0); }
+  // As Written, and the round that acknowledges it (or a later one) told
+  // the standby the group's view `view_version` or a later one.
+  Status Written(uint64_t mark, uint64_t view_version);
+  // Closes the connection (the next round connects again and copies every
+  // table whole): a group gave up waiting for this standby.
+  void Reconnect();
   // A live re-shard (docs/replication.md), while writes are held. Pausing
   // runs one more round (every write acknowledged is on the standby), then
   // begins no round or connection until resumed; DEADLINE_EXCEEDED when
@@ -118,6 +133,7 @@ class Replicator : public WriteListener {
   void Follow(const std::vector<std::shared_ptr<Table>>& first,
               const std::function<std::vector<std::shared_ptr<Table>>()>& swap) override;
   ReplicationStatus status() const;
+  const std::string& standby() const { return standby_; }
 
  private:
   void Run();
@@ -158,6 +174,8 @@ class Replicator : public WriteListener {
   // Sends frames_[first], frames_[first + stride], ... on `fd`, the frame at
   // index i with request id `first_id` + i.
   Status SendOn(int fd, size_t first, size_t stride, size_t count, uint64_t first_id);
+  // Tells the standby `view` (the group's in-sync set).
+  Status SendView(const wire::InSyncView& view);
   // Sends `table`'s admission sketch whole, slice by slice (after its rows).
   Status SendSketchSlices(Table* table);
   // Sends the hashes pushes counted in `table`'s sketch, in order.
@@ -203,7 +221,9 @@ class Replicator : public WriteListener {
   std::map<std::string, uint64_t> clocks_sent_;
   // The tables the standby was last told are provisional.
   std::map<std::string, bool> provisional_;
-  bool marked_ = false;  // the standby was told it caught up since connecting
+  bool marked_ = false;      // the standby was told it caught up since connecting
+  uint64_t view_told_ = 0;   // the group's view version told on this connection
+  uint64_t round_view_ = 0;  // the view version the last round told (or had told)
   std::vector<char> frame_;
   std::vector<Frame> frames_;  // a round's, kept for the next
   struct Scratch {
@@ -226,7 +246,9 @@ class Replicator : public WriteListener {
   // The last round whose take began (its changes taken after every write
   // applied before then); guarded by mu_.
   uint64_t taken_ = 0;
-  uint64_t failed_ = 0;            // the last round that failed; guarded by mu_
+  uint64_t failed_ = 0;  // the last round that failed; guarded by mu_
+  // The view version the last applied round had told; guarded by mu_.
+  uint64_t view_applied_ = 0;
   uint64_t connect_failures_ = 0;  // guarded by mu_
   // When the oldest write acknowledged but not on the standby was
   // acknowledged (async); guarded by mu_.

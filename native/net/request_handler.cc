@@ -359,6 +359,13 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       return OkStatus();
     }
     if (request.action == wire::kProvisional) return ApplyProvisional(shard_.get(), request.config);
+    if (request.action == wire::kInSync) {
+      wire::InSyncView view;
+      DLT_RETURN_IF_ERROR(wire::DecodeInSyncView(request.config, &view));
+      std::lock_guard<std::mutex> lock(staged_mu_);
+      insync_ = std::move(view);
+      return OkStatus();
+    }
     if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
@@ -398,6 +405,7 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
     // with its tables.
     caught_up_.store(false);
     staged_.clear();
+    insync_ = wire::InSyncView{};
     shard_->push_ledger().ForgetDone();
   }
   const bool took_over = was_standby && !standby;

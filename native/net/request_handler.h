@@ -75,6 +75,12 @@ class RequestHandler {
     std::lock_guard<std::mutex> lock(staged_mu_);
     standbys_ = standbys;
   }
+  // On a standby: the in-sync set its primary told it last (version 0:
+  // none told since it became a standby).
+  wire::InSyncView insync_view() const {
+    std::lock_guard<std::mutex> lock(staged_mu_);
+    return insync_;
+  }
   // Called after each push or assignment is applied; null: none.
   void set_write_listener(std::shared_ptr<WriteListener> listener) {
     std::atomic_store(&listener_, std::move(listener));
@@ -182,12 +188,13 @@ class RequestHandler {
   std::atomic<uint64_t> replica_hellos_{0};
   std::shared_mutex session_mu_;
   uint64_t session_ = 0;  // guarded by session_mu_
-  std::mutex staged_mu_;
+  mutable std::mutex staged_mu_;
   // The round's Replicate payloads and sketch StandbyTable requests, in
   // order; guarded by staged_mu_.
   std::vector<Staged> staged_;
   net::BufferPool* payload_pool_ = nullptr;
   std::string standbys_;                     // guarded by staged_mu_
+  wire::InSyncView insync_;                  // guarded by staged_mu_
   std::shared_ptr<WriteListener> listener_;  // atomic_load / atomic_store only
   ServerCounters* counters_;
   ReshardTarget reshard_target_;

@@ -268,13 +268,30 @@ std::string EncodeStandbyTable(const StandbyTableRequest& r) {
 Status DecodeStandbyTable(const uint8_t* p, size_t bytes, StandbyTableRequest* r) {
   if (bytes < 8) return InvalidArgument("StandbyTable payload is shorter than 8 bytes");
   r->action = Get<uint32_t>(p, 0);
-  if (r->action > kDropRange) {
-    return InvalidArgument("StandbyTable action must be 0 to 8, got " + std::to_string(r->action));
+  if (r->action > kInSync) {
+    return InvalidArgument("StandbyTable action must be 0 to 9, got " + std::to_string(r->action));
   }
   if (uint64_t{8} + Get<uint32_t>(p, 4) != bytes) {
     return InvalidArgument("StandbyTable config length does not match its payload");
   }
   r->config.assign(reinterpret_cast<const char*>(p) + 8, bytes - 8);
+  return OkStatus();
+}
+
+std::string EncodeInSyncView(const InSyncView& view) {
+  std::string out;
+  Append<uint64_t>(&out, view.epoch);
+  Append<uint64_t>(&out, view.version);
+  out.append(view.members);
+  return out;
+}
+
+Status DecodeInSyncView(const std::string& bytes, InSyncView* view) {
+  if (bytes.size() < 16) return InvalidArgument("an in-sync view is shorter than 16 bytes");
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  view->epoch = Get<uint64_t>(p, 0);
+  view->version = Get<uint64_t>(p, 8);
+  view->members.assign(bytes, 16, std::string::npos);
   return OkStatus();
 }
 

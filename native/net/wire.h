@@ -152,6 +152,9 @@ Status DecodeAssignRequest(const uint8_t* payload, size_t bytes, TableRequest* r
 //    (a round's): EncodeSketchCounts' bytes;
 //  - kProvisional: whether a table is provisional (made before its optimizer
 //    was known; Shard::CreateTable): u32 0 or 1, then the table's name;
+//  - kInSync: which standbys of the primary hold every write it
+//    acknowledged (docs/replication.md, "Several standbys"):
+//    EncodeInSyncView's bytes;
 //  - kMakeRange, kDropRange (range streams only): as kMakeTable and
 //    kDropTable for the buckets [first, end) the stream carries: the table is
 //    made if absent and those buckets' rows removed (EncodeRange's bytes).
@@ -165,12 +168,24 @@ inline constexpr uint32_t kSketchCounts = 5;
 inline constexpr uint32_t kProvisional = 6;
 inline constexpr uint32_t kMakeRange = 7;
 inline constexpr uint32_t kDropRange = 8;
+inline constexpr uint32_t kInSync = 9;
 struct StandbyTableRequest {
   uint32_t action = kMakeTable;
   std::string config;  // EncodeTableConfig; for kDropTable only the name matters
 };
 std::string EncodeStandbyTable(const StandbyTableRequest& request);
 Status DecodeStandbyTable(const uint8_t* payload, size_t bytes, StandbyTableRequest* request);
+
+// A primary's in-sync set as its ReplicaGroup tells its standbys: u64
+// epoch (the primary's), u64 version (changes each time the set does; 0:
+// never told), then the standbys' addresses, '|' between them.
+struct InSyncView {
+  uint64_t epoch = 0;
+  uint64_t version = 0;
+  std::string members;
+};
+std::string EncodeInSyncView(const InSyncView& view);
+Status DecodeInSyncView(const std::string& bytes, InSyncView* view);
 
 // A table's admission sketch on the stream (docs/replication.md), the bytes
 // of a kSketchSlices or kSketchCounts StandbyTable: u32 the table name's

@@ -9,11 +9,54 @@
 #include "native/net/client.h"
 #include "native/net/data_server.h"
 #include "native/net/frame_call.h"
+#include "native/net/replica_group.h"
 #include "native/net/replicator.h"
 #include "native/net/socket.h"
 #include "native/python/bindings.h"
 
 namespace dlt {
+namespace {
+
+py::dict StatusToDict(const ReplicationStatus& s) {
+  py::dict d;
+  d["standby"] = s.standby;
+  d["connected"] = s.connected;
+  d["caught_up"] = s.caught_up;
+  d["rounds"] = s.rounds;
+  d["rows_sent"] = s.rows_sent;
+  d["removals_sent"] = s.removals_sent;
+  d["tables_copied"] = s.tables_copied;
+  d["connects"] = s.connects;
+  d["lag_seconds"] = s.lag_seconds;
+  d["error"] = s.error;
+  d["first_bucket"] = s.first_bucket;
+  d["end_bucket"] = s.end_bucket;
+  d["ended"] = s.ended;
+  return d;
+}
+
+py::dict ViewToDict(const wire::InSyncView& v) {
+  py::dict d;
+  d["epoch"] = v.epoch;
+  d["version"] = v.version;
+  d["members"] = v.members;
+  return d;
+}
+
+ReplicatorOptions Options(const std::string& auth_token, bool sync, int io_timeout_ms,
+                          int interval_ms) {
+  if (io_timeout_ms <= 0 || interval_ms <= 0) {
+    Raise(InvalidArgument("io_timeout_ms and interval_ms must be positive"));
+  }
+  ReplicatorOptions o;
+  o.auth_token = auth_token;
+  o.sync = sync;
+  o.io_timeout_ms = io_timeout_ms;
+  o.interval_ms = interval_ms;
+  return o;
+}
+
+}  // namespace
 
 void BindNet(py::module_& m) {
   py::class_<DataServer>(m, "DataServer")
@@ -50,11 +93,13 @@ void BindNet(py::module_& m) {
       .def_property_readonly("standby", &DataServer::standby)
       .def_property_readonly("standby_caught_up", &DataServer::standby_caught_up)
       .def(
-          "set_replicator",
-          [](DataServer& s, std::shared_ptr<Replicator> replicator) {
-            s.set_write_listener(std::move(replicator));
+          "set_replica_group",
+          [](DataServer& s, std::shared_ptr<ReplicaGroup> group) {
+            s.set_write_listener(std::move(group));
           },
-          py::arg("replicator").none(true))
+          py::arg("group").none(true))
+      .def_property_readonly("insync_view",
+                             [](const DataServer& s) { return ViewToDict(s.insync_view()); })
       .def_property_readonly("port", &DataServer::port)
       .def_property_readonly("max_connections", &DataServer::max_connections)
       .def_property_readonly("worker_threads", &DataServer::worker_threads)
@@ -141,18 +186,12 @@ void BindNet(py::module_& m) {
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& standby,
                        const std::string& auth_token, bool sync, int io_timeout_ms, int interval_ms,
                        bool range_stream, double copy_pace) {
-             if (io_timeout_ms <= 0 || interval_ms <= 0) {
-               Raise(InvalidArgument("io_timeout_ms and interval_ms must be positive"));
-             }
              if (!(copy_pace > 0 && copy_pace <= 1)) {
                Raise(InvalidArgument("copy_pace must be in (0, 1], got " +
                                      std::to_string(copy_pace)));
              }
-             ReplicatorOptions o;
-             o.auth_token = auth_token;
-             o.sync = sync && !range_stream;
-             o.io_timeout_ms = io_timeout_ms;
-             o.interval_ms = interval_ms;
+             ReplicatorOptions o =
+                 Options(auth_token, sync && !range_stream, io_timeout_ms, interval_ms);
              o.range_stream = range_stream;
              o.copy_pace = copy_pace;
              return std::make_shared<Replicator>(std::move(shard), standby, o);
@@ -173,23 +212,44 @@ void BindNet(py::module_& m) {
             Check(st);
           },
           py::arg("pause"))
-      .def("status", [](const Replicator& r) {
-        const ReplicationStatus s = r.status();
-        py::dict d;
-        d["standby"] = s.standby;
-        d["connected"] = s.connected;
-        d["caught_up"] = s.caught_up;
-        d["rounds"] = s.rounds;
-        d["rows_sent"] = s.rows_sent;
-        d["removals_sent"] = s.removals_sent;
-        d["tables_copied"] = s.tables_copied;
-        d["connects"] = s.connects;
-        d["lag_seconds"] = s.lag_seconds;
-        d["error"] = s.error;
-        d["first_bucket"] = s.first_bucket;
-        d["end_bucket"] = s.end_bucket;
-        d["ended"] = s.ended;
-        return d;
+      .def("status", [](const Replicator& r) { return StatusToDict(r.status()); });
+
+  py::class_<ReplicaGroup, std::shared_ptr<ReplicaGroup>>(m, "ReplicaGroup")
+      .def(py::init([](std::shared_ptr<Shard> shard, const std::string& auth_token, bool sync,
+                       int io_timeout_ms, int interval_ms) {
+             return std::make_shared<ReplicaGroup>(
+                 std::move(shard), Options(auth_token, sync, io_timeout_ms, interval_ms));
+           }),
+           py::arg("shard"), py::arg("auth_token") = "", py::arg("sync") = true,
+           py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10)
+      .def("attach",
+           [](ReplicaGroup& g, const std::string& address) {
+             Status st;
+             {
+               py::gil_scoped_release release;  // a replaced replicator stops first
+               st = g.Attach(address);
+             }
+             Check(st);
+           })
+      .def("detach", &ReplicaGroup::Detach, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &ReplicaGroup::Stop, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "pause",
+          [](ReplicaGroup& g, bool pause) {
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = g.Pause(pause);
+            }
+            Check(st);
+          },
+          py::arg("pause"))
+      .def("addresses", &ReplicaGroup::addresses)
+      .def("view", [](const ReplicaGroup& g) { return ViewToDict(g.view()); })
+      .def("statuses", [](const ReplicaGroup& g) {
+        py::list out;
+        for (const ReplicationStatus& s : g.statuses()) out.append(StatusToDict(s));
+        return out;
       });
 
   py::class_<Client>(m, "Client")

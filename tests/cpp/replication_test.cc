@@ -21,6 +21,7 @@
 #include "native/net/client.h"
 #include "native/net/data_server.h"
 #include "native/net/frame_call.h"
+#include "native/net/replica_group.h"
 #include "native/net/replicator.h"
 #include "native/net/socket.h"
 #include "native/net/wire.h"
@@ -1564,6 +1565,120 @@ DLT_TEST(TestAStandbyFollowsItsPrimaryThroughASwitchWithoutACopy) {
   EXPECT(pair.replicator->status().tables_copied == copies);
   EXPECT(pair.replicator->status().error.empty());
   joiner_server.Stop();
+}
+
+// A primary and several standbys, kept by a ReplicaGroup.
+struct Group {
+  std::shared_ptr<Shard> primary = std::make_shared<Shard>(0, 1);
+  std::vector<std::shared_ptr<Shard>> standbys;
+  std::unique_ptr<DataServer> primary_server;
+  std::vector<std::unique_ptr<DataServer>> standby_servers;
+  std::shared_ptr<ReplicaGroup> group;
+
+  explicit Group(int n) {
+    DataServerOptions options;
+    options.worker_threads = 4;
+    primary_server = std::make_unique<DataServer>(primary, options);
+    EXPECT_OK(primary_server->Start());
+    ReplicatorOptions r;
+    r.io_timeout_ms = 10000;
+    group = std::make_shared<ReplicaGroup>(primary, r);
+    primary_server->set_write_listener(group);
+    for (int i = 0; i < n; ++i) {
+      standbys.push_back(std::make_shared<Shard>(0, 1));
+      standby_servers.push_back(std::make_unique<DataServer>(standbys.back(), options));
+      standby_servers.back()->set_standby(true);
+      EXPECT_OK(standby_servers.back()->Start());
+      EXPECT_OK(group->Attach(Address(*standby_servers.back())));
+    }
+  }
+  std::string Member(int i) const { return Address(*standby_servers[i]); }
+  bool AllCaughtUp() const {
+    const std::vector<ReplicationStatus> all = group->statuses();
+    return std::all_of(all.begin(), all.end(), [](const auto& s) { return s.caught_up; });
+  }
+  ~Group() {
+    primary_server->set_write_listener(nullptr);
+    group->Stop();
+    primary_server->Stop();
+    for (auto& server : standby_servers) server->Stop();
+  }
+};
+
+DLT_TEST(TestAGroupKeepsEveryStandbyEqualAndTellsEachTheInSyncSet) {
+  Group g(2);
+  bool created;
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  Trainers trainers(Address(*g.primary_server), "emb", 8, 3);
+  EXPECT(Eventually([&] { return g.AllCaughtUp() && trainers.acked.load() >= 50; }));
+  EXPECT(trainers.Stop());
+  for (const auto& standby : g.standbys) {
+    EXPECT(SameRows(TableOf(*g.primary, "emb").get(), TableOf(*standby, "emb").get()));
+  }
+  // Both copied whole: both in the set, which each was told (in attach
+  // order), the primary's epoch with it.
+  const wire::InSyncView view = g.group->view();
+  EXPECT(view.members == g.Member(0) + "|" + g.Member(1));
+  EXPECT(view.epoch == g.primary->epoch() && view.version >= 2);
+  for (const auto& server : g.standby_servers) {
+    EXPECT(Eventually([&] {
+      const wire::InSyncView told = server->insync_view();
+      return told.version == view.version && told.members == view.members &&
+             told.epoch == view.epoch;
+    }));
+  }
+  EXPECT(g.group->addresses() == view.members);
+  EXPECT(!g.group->Detach("127.0.0.1:1"));
+}
+
+DLT_TEST(TestAStandbyThatFailsLeavesTheSetBeforeAWriteIsAcknowledgedWithoutIt) {
+  Group g(2);
+  bool created;
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  Client client({Address(*g.primary_server)}, ClientOptions{});
+  const int64_t ids[] = {1, 2, 3};
+  const std::vector<float> grads(3 * 8, 0.5f);
+  EXPECT_OK(client.Push("emb", 8, ids, grads.data(), 3, 0.1f));
+  EXPECT(Eventually([&] { return g.AllCaughtUp(); }));
+  const uint64_t both = g.group->view().version;
+
+  // One standby dies: the next write is acknowledged by the other alone,
+  // and only once that one was told the set without the dead one.
+  g.standby_servers[1]->Stop();
+  EXPECT_OK(client.Push("emb", 8, ids, grads.data(), 3, 0.1f));
+  const wire::InSyncView view = g.group->view();
+  EXPECT(view.members == g.Member(0) && view.version > both);
+  const wire::InSyncView told = g.standby_servers[0]->insync_view();
+  EXPECT(told.members == g.Member(0) && told.version == view.version);
+  EXPECT(SameRows(TableOf(*g.primary, "emb").get(), TableOf(*g.standbys[0], "emb").get()));
+  // The dead one's copy stays as it was: it knows no newer set than the
+  // one that named both.
+  EXPECT(g.standby_servers[1]->insync_view().version <= both);
+
+  // The last one dies too: no write is acknowledged that no standby holds.
+  g.standby_servers[0]->Stop();
+  ClientOptions brief;
+  brief.request_timeout_ms = 2000;  // it sends the push again until then
+  Client impatient({Address(*g.primary_server)}, brief);
+  const Status lost = impatient.Push("emb", 8, ids, grads.data(), 3, 0.1f);
+  EXPECT(!lost.ok());
+  EXPECT(lost.message().find("did not acknowledge it (in doubt)") != std::string::npos);
+  EXPECT(g.group->view().members.empty());
+}
+
+DLT_TEST(TestAGroupRefusesAStandbyPastItsLimit) {
+  std::shared_ptr<Shard> shard = std::make_shared<Shard>(0, 1);
+  ReplicaGroup group(shard, ReplicatorOptions{});
+  for (size_t i = 0; i < ReplicaGroup::kMaxStandbys; ++i) {
+    EXPECT_OK(group.Attach("127.0.0.1:" + std::to_string(1 + i)));  // nobody: they retry
+  }
+  EXPECT_OK(group.Attach("127.0.0.1:1"));  // attached again: replaces its replicator
+  const Status refused = group.Attach("127.0.0.1:99");
+  EXPECT(refused.code() == Code::kFailedPrecondition);
+  EXPECT(refused.message().find("at most") != std::string::npos);
+  EXPECT(group.Detach("127.0.0.1:2"));
+  EXPECT_OK(group.Attach("127.0.0.1:99"));
+  group.Stop();
 }
 
 }  // namespace

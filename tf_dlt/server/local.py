@@ -14,6 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tf_dlt.cluster import MAX_REPLICAS
+
+
+def _check_replicas(replicas: int) -> None:
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ValueError(
+            f"replicas must be 1 to {MAX_REPLICAS} (a primary and its standbys), got {replicas}"
+        )
+
 
 class LocalCluster:
     """`num_shards` shard servers (`python -m tf_dlt.server`) on 127.0.0.1.
@@ -24,10 +33,11 @@ class LocalCluster:
         workdir: where port files and logs go (default: a temporary folder).
         env: extra environment variables of the processes.
         start_timeout: seconds each shard gets to start serving.
-        replicas: processes per shard, 1 or 2: its primary and its hot
-            standby (`--standby-of`, docs/replication.md). Process p serves
-            shard p % num_shards (p < num_shards: the primaries); a shard's
-            address lists its primary, then its standby ("a|b"). A
+        replicas: processes per shard, 1 to `tf_dlt.cluster.MAX_REPLICAS`:
+            its primary and its hot standbys (`--standby-of`,
+            docs/replication.md). Process p serves shard p % num_shards
+            (p < num_shards: the primaries); a shard's address lists its
+            primary, then its standbys ("a|b|c"). A
             restarted process rejoins its shard (`--replica-set`): it follows
             the one that serves, or begins as the primary.
     """
@@ -41,8 +51,7 @@ class LocalCluster:
         start_timeout: float = 60.0,
         replicas: int = 1,
     ) -> None:
-        if replicas not in (1, 2):
-            raise ValueError(f"replicas must be 1 or 2 (a primary and its standby), got {replicas}")
+        _check_replicas(replicas)
         self.num_shards = num_shards
         self.replicas = replicas
         self._args = list(server_args)
@@ -103,13 +112,12 @@ class LocalCluster:
 
     def join(self, replicas: int = 1) -> str:
         """Starts one more shard's processes, owning no bucket (`tf-dlt
-        server --join`; with `replicas` 2, a standby of it too), to join the
-        cluster by a re-shard (`tf_dlt.Client.reshard`); returns its address
-        (`primary|standby`)."""
+        server --join`; with `replicas` R > 1, R - 1 standbys of it too), to
+        join the cluster by a re-shard (`tf_dlt.Client.reshard`); returns its
+        address (`primary|standby|...`)."""
         if self._stopped:
             raise RuntimeError("the cluster was stopped")
-        if replicas not in (1, 2):
-            raise ValueError(f"replicas must be 1 or 2 (a primary and its standby), got {replicas}")
+        _check_replicas(replicas)
         joined: list[str] = []
         for replica in range(replicas):
             extra = ["--join", *(["--standby-of", joined[0]] if replica else [])]

@@ -143,23 +143,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--replica-set",
-        metavar="HOST:PORT|HOST:PORT",
-        help="this shard's two processes (with --advertise naming this one): at start, follow "
-        "the one that serves as its standby, or begin as the primary (loading --load-from) "
-        "when the other holds no whole copy; how a restarted process rejoins "
+        metavar="HOST:PORT|HOST:PORT[|...]",
+        help="this shard's processes, 2 to 5 (with --advertise naming this one): at start, "
+        "follow the one that serves as its standby, or begin as the primary (loading "
+        "--load-from) when no other holds a whole copy; how a restarted process rejoins "
         "(docs/replication.md)",
     )
     p.add_argument(
         "--replication",
         choices=("sync", "async"),
         default="sync",
-        help="for standbys of this shard: sync acknowledges a push once the standby has it; "
-        "async at once (the standby lags; tf-dlt stats says by how much)",
+        help="for standbys of this shard: sync acknowledges a push once every standby of the "
+        "in-sync set has it; async at once (the standbys lag; tf-dlt stats says by how much)",
     )
     p.add_argument(
         "--advertise",
         metavar="HOST:PORT",
-        help="this shard's data-plane address as the other process of its shard reaches it "
+        help="this shard's data-plane address as the other processes of its shard reach it "
         "(with --standby-of, default: --bind and the bound port; needed with --replica-set)",
     )
     p.add_argument(

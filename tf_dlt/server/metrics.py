@@ -254,6 +254,12 @@ def _replication_metrics(s: dict[str, Any]) -> Iterator[Metric]:
         "tf_dlt_takeovers", "Times this shard took over from its primary",
         value=s.get("takeovers", 0),
     )  # fmt: skip
+    insync = s.get("insync", {}).get("members", "") if s["role"] == "primary" else ""
+    yield GaugeMetricFamily(
+        "tf_dlt_insync_standbys",
+        "A primary's standbys holding every acknowledged write (its in-sync set)",
+        value=len([m for m in insync.split("|") if m]),
+    )
     families = {
         key: (kind(name, doc, labels=["standby"]), key)
         for kind, name, key, doc in (

@@ -41,11 +41,17 @@ _SURVEY_INTERVAL_S = 0.5
 BEGIN_ALONE_AFTER_S = 10.0
 # What a survey of the replica set found (besides a member to follow).
 _WAIT, _BEGIN, _ALONE = "wait", "begin", "alone"
+# What an election found (besides a member to follow).
+_TAKE = "take"
+# How long a standby that granted another's claim to take over does not
+# take over itself.
+PROMISE_S = 5.0
 
 
 class Standbys:
-    """A primary's standby and the replicator that keeps it (one standby at
-    a time: a new one replaces the last)."""
+    """A primary's standbys (at most MAX_REPLICAS - 1) and the native
+    `ReplicaGroup` that keeps them: a standby that attaches again replaces
+    its own replicator, and its copy begins afresh."""
 
     def __init__(
         self,
@@ -63,7 +69,7 @@ class Standbys:
         self.replication = replication
         self._io_timeout_ms = max(1, int(io_timeout_s * 1000))
         self._lock = threading.Lock()
-        self._replicator: _native.Replicator | None = None  # guarded by _lock
+        self._group: _native.ReplicaGroup | None = None  # guarded by _lock
 
     def attach(self, address: str, shard_index: int, num_shards: int) -> None:
         """Replicates to the standby at `address` from now on."""
@@ -76,40 +82,42 @@ class Standbys:
             raise errors.FailedPreconditionError(
                 f"shard {self._shard.shard_index} here is itself a standby: attach to its primary"
             )
-        replicator = _native.Replicator(
-            self._shard, address, auth_token=self._auth_token,
-            sync=self.replication == "sync", io_timeout_ms=self._io_timeout_ms,
-        )  # fmt: skip
         with self._lock:
-            old, self._replicator = self._replicator, replicator
-            # Writes wait for the new one's first round from now on; the old
-            # one stops (and with it the tables' change logs) before the new
-            # one starts them again: a table's log has one reader.
-            self._data_server.set_replicator(replicator)
-            if old is not None:
-                old.stop()
-            replicator.start()
-            self._data_server.set_standbys(address)  # clients learn it from the Hello
+            if self._group is None:
+                self._group = _native.ReplicaGroup(
+                    self._shard, auth_token=self._auth_token,
+                    sync=self.replication == "sync", io_timeout_ms=self._io_timeout_ms,
+                )  # fmt: skip
+                self._data_server.set_replica_group(self._group)
+            self._group.attach(address)
+            self._data_server.set_standbys(self._group.addresses())  # clients learn them
         log.info("replicating (%s) to standby %s", self.replication, address)
 
     def pause(self, pause: bool) -> None:
-        """A live re-shard's switch (writes held): pauses the stream once
-        the standby holds every write, or resumes it."""
+        """A live re-shard's switch (writes held): pauses the streams once
+        the standbys hold every write, or resumes them."""
         with self._lock:
-            if self._replicator is not None:
-                self._replicator.pause(pause)
+            if self._group is not None:
+                self._group.pause(pause)
 
     def statuses(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [self._replicator.status()] if self._replicator is not None else []
+            return self._group.statuses() if self._group is not None else []
+
+    def view(self) -> dict[str, Any]:
+        """The in-sync set the standbys were told (`_native.ReplicaGroup`)."""
+        with self._lock:
+            if self._group is None:
+                return {"epoch": self._shard.epoch, "version": 0, "members": ""}
+            return self._group.view()
 
     def close(self) -> None:
         with self._lock:
-            replicator, self._replicator = self._replicator, None
-            self._data_server.set_replicator(None)
+            group, self._group = self._group, None
+            self._data_server.set_replica_group(None)
             self._data_server.set_standbys("")
-        if replicator is not None:
-            replicator.stop()
+        if group is not None:
+            group.stop()
 
 
 class StandbyLink:
@@ -140,6 +148,9 @@ class StandbyLink:
             at a newer layout (this process was restarted with the flags of
             the layout before a re-shard) gives this process, while it holds
             nothing yet, its place and layout; True when it did.
+        view: the in-sync set this standby's primary told it last
+            (`_native.DataServer.insync_view`): with several standbys only
+            one in the newest set any of them knows takes over.
     """
 
     def __init__(
@@ -159,6 +170,7 @@ class StandbyLink:
         epoch: Callable[[], int] | None = None,
         place: Callable[[], tuple[int, int]] | None = None,
         relocate: Callable[[dict[str, Any]], bool] | None = None,
+        view: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         if (primary is None and not replica_set) or (
             replica_set
@@ -182,6 +194,15 @@ class StandbyLink:
         self._begin = begin
         self._step_down = step_down
         self._epoch = epoch or (lambda: 0)
+        self._view = view or (lambda: {"epoch": 0, "version": 0, "members": ""})
+        # The shard's other standbys and members as far as this one knows
+        # (its primary's Hello names them); guarded by _lock.
+        self._peers: set[str] = set(self._replica_set)
+        # (candidate, until): this standby granted that one's claim (or, a
+        # candidate itself, claims): it does not take over meanwhile.
+        self._promise: tuple[str, float] | None = None
+        self._waiting_for = ""  # why it last did not take over (logged once)
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dlt-standby", daemon=True)
         self._admin: str | None = None
@@ -274,23 +295,30 @@ class StandbyLink:
         """True when the primary greets (a dead process refuses at once)."""
         assert self.primary is not None
         try:
-            _native.hello(self.primary, self._token, timeout_ms=1000)
+            info = _native.hello(self.primary, self._token, timeout_ms=1000)
         except errors.DltError as e:
             self.error = str(e)
             return False
+        with self._lock:
+            self._peers.update(a for a in info["standbys"].split("|") if a)
         return True
 
     def _check(self) -> bool:
-        """True when this standby must take over: its primary restarted (a
-        new process at its address holds none of its rows) after this
-        standby caught up. Attaches again when the primary no longer
-        replicates here for another reason."""
+        """True when the primary is gone: it restarted (a new process at
+        its address holds none of its rows) after this standby caught up,
+        or another standby of the shard took over. Attaches again when the
+        primary no longer replicates here for another reason."""
         self._find_admin()
         stats = self._call("Stats", dlt_pb2.StatsRequest(), timeout=5)
         if any(s.address == self._advertise for s in stats.standbys):
             return False
-        if stats.incarnation != self._incarnation and self._caught_up():
+        restarted = stats.incarnation != self._incarnation
+        if restarted and self._caught_up():
             return True  # never copy an empty restart over the rows held here
+        if self._serving_peer() is not None:
+            return True  # another standby took over: follow it
+        if restarted and self._peer_holds_copy():
+            return False  # that one takes over; this one follows it then
         self._attach()
         return False
 
@@ -397,49 +425,268 @@ class StandbyLink:
 
     def _follow(self) -> bool:
         """Keeps this standby attached to its primary until it takes over
-        (True) or is stopped (False)."""
-        self._admin = None
-        while not self._stop.is_set() and self._admin is None:
-            try:
-                self._attach()
-            except (errors.DltError, grpc.RpcError, OSError) as e:
-                self.error = f"attaching to {self.primary}: {e}"
-                log.warning("standby: %s; trying again", self.error)
-                self._admin = None
-                self._stop.wait(0.5)
+        (True) or is stopped (False); follows another standby of the shard
+        instead once that one took over."""
+        while not self._stop.is_set():
+            self._admin = None
+            while not self._stop.is_set() and self._admin is None:
+                try:
+                    self._attach()
+                except (errors.DltError, grpc.RpcError, OSError) as e:
+                    self.error = f"attaching to {self.primary}: {e}"
+                    log.warning("standby: %s; trying again", self.error)
+                    self._admin = None
+                    self._stop.wait(0.5)
+            outcome = self._watch_primary()
+            if outcome is None:
+                return False  # stopped
+            if outcome == _TAKE:
+                return True
+            log.warning("standby: %s took over from %s: following it", outcome, self.primary)
+            self.primary = outcome
+        return False
+
+    def _watch_primary(self) -> str | None:
+        """Watches the primary until it is gone: _TAKE once this standby
+        took over, the address of another standby that took over (to
+        follow), None when stopped."""
         unreachable_since: float | None = None
         checked = 0.0
         while not self._stop.wait(self._probe_interval_s):
             now = time.monotonic()
             if self._alive():
                 unreachable_since = None
-                if now - checked >= _CHECK_INTERVAL_S:
-                    checked = now
-                    try:
-                        restarted = self._check()
-                    except (errors.DltError, grpc.RpcError, OSError) as e:
-                        self.error = f"asking {self.primary}: {e}"
-                        restarted = False
-                    if restarted:
-                        self._take_over_now(
-                            f"primary {self.primary} restarted with none of its rows"
-                        )
-                        return True
-                continue
-            unreachable_since = unreachable_since or now
-            if now - unreachable_since < self._takeover_after_s:
-                continue
+                if now - checked < _CHECK_INTERVAL_S:
+                    continue
+                checked = now
+                try:
+                    restarted = self._check()
+                except (errors.DltError, grpc.RpcError, OSError) as e:
+                    self.error = f"asking {self.primary}: {e}"
+                    restarted = False
+                if not restarted:
+                    continue
+                why = f"primary {self.primary} restarted with none of its rows"
+            else:
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since < self._takeover_after_s:
+                    continue
+                why = f"primary {self.primary} unreachable for {now - unreachable_since:.1f} s"
             if not self._caught_up():
+                # It cannot take over; another standby may have.
+                serving = self._serving_peer()
+                if serving is not None:
+                    return serving
                 log.error(
-                    "primary %s is unreachable, but this standby had not caught up with it: not "
-                    "taking over (%s)", self.primary, self.error,
+                    "%s, but this standby had not caught up with it: not taking over (%s)",
+                    why, self.error,
                 )  # fmt: skip
                 continue
-            self._take_over_now(
-                f"primary {self.primary} unreachable for {now - unreachable_since:.1f} s"
-            )
-            return True
+            outcome = self._elect()
+            if outcome == _TAKE:
+                self._take_over_now(why)
+            if outcome is not None:
+                return outcome
+        return None
+
+    def _peer_view(self, peer: str) -> tuple[str, Any, int] | None:
+        """What another standby or member of this shard is: ("serves", its
+        Hello, admin port) when it serves trainers, ("standby", its Stats,
+        admin port) otherwise, None when it does not answer (or is another
+        shard's)."""
+        try:
+            info = _native.hello(peer, self._token, timeout_ms=1000)
+            return ("serves", info, info["admin_port"]) if self._same_place(info) else None
+        except errors.DltError:
+            pass  # a standby (or one learning its role), or no process
+        try:
+            info = _native.hello(peer, self._token, timeout_ms=1000, replica=True)
+            if not self._same_place(info):
+                return None
+            stats = member_stats(peer, info["admin_port"], self._token)
+            return "standby", stats, info["admin_port"]
+        except (errors.DltError, grpc.RpcError, OSError):
+            return None
+
+    def _same_place(self, info: dict[str, Any]) -> bool:
+        return (info["shard_index"], info["num_shards"]) == self._place()
+
+    def _known_peers(self) -> list[str]:
+        """The shard's other processes: its primary's Hello named them, or
+        the in-sync set it told this standby (which may be the only news of
+        a standby that attached just before the primary died)."""
+        told = {m for m in self._view()["members"].split("|") if m}
+        with self._lock:
+            self._peers |= told
+            return sorted(self._peers - {self._advertise, self.primary or ""})
+
+    def _serving_peer(self) -> str | None:
+        """Another process of this shard that serves trainers at a newer
+        epoch than this standby's primary (it took over), if any."""
+        for peer in self._known_peers():
+            found = self._peer_view(peer)
+            if found is not None and found[0] == "serves" and found[1]["epoch"] > self._epoch():
+                return peer
+        return None
+
+    def _peer_holds_copy(self) -> bool:
+        """Another standby of this shard holds a whole copy (it may take
+        over)."""
+        for peer in self._known_peers():
+            found = self._peer_view(peer)
+            if found is not None and found[0] == "standby" and found[1].caught_up:
+                return True
         return False
+
+    def _elect(self) -> str | None:
+        """This standby's primary is gone and it is caught up: who takes
+        over (docs/replication.md, "Several standbys"). _TAKE when this one
+        is to, now (every other standby that answers granted its claim);
+        the address of another that took over already (a newer epoch), to
+        follow; None to wait and ask again (another is to take over, an
+        in-sync standby does not answer, or a claim was refused).
+
+        The newest in-sync set any answering standby was told names the
+        standbys holding every acknowledged write; the first of them that
+        is caught up takes over, once every other member of that set
+        answered (one that does not might know a newer set leaving this one
+        out). The peers each answer names are asked too."""
+        epoch = self._epoch()
+        mine = self._view()
+        views = {self._advertise: (mine["epoch"], mine["version"], mine["members"])}
+        answered: dict[str, tuple[Any, int]] = {}
+        asked: set[str] = set()
+        pending = self._known_peers()
+        while pending:
+            peer = pending.pop()
+            asked.add(peer)
+            found = self._peer_view(peer)
+            if found is None:
+                continue
+            kind, what, admin_port = found
+            if kind == "serves":
+                if what["epoch"] > epoch:
+                    return peer  # it took over already
+                continue  # an older copy (a primary come back empty)
+            answered[peer] = (what, admin_port)
+            views[peer] = (what.insync_epoch, what.insync_version, "|".join(what.insync))
+            named = set(what.peers) | set(what.insync)
+            with self._lock:
+                self._peers |= named
+            skip = asked | set(pending) | {self._advertise, self.primary or ""}
+            pending += sorted(named - skip)
+        newest = max(views.values(), key=lambda v: (v[0], v[1]))
+        members = [m for m in newest[2].split("|") if m] or [self._advertise]
+        if self._advertise not in members:
+            return self._waiting(
+                f"the newest in-sync set (epoch {newest[0]}, version {newest[1]}: "
+                f"{'|'.join(members)}) leaves this standby out: another holds writes it lacks"
+            )
+        # A member that answers holding no set (restarted since) tells
+        # nothing of a newer one: silent, unless every peer answered.
+        everyone = asked <= set(answered)
+        silent = [
+            m for m in members
+            if m != self._advertise
+            and (m not in answered or (answered[m][0].insync_version == 0 and not everyone))
+        ]  # fmt: skip
+        if silent:
+            return self._waiting(f"in-sync standby {', '.join(silent)} does not answer")
+        able = [
+            m for m in members
+            if m == self._advertise
+            or (answered[m][0].role == "standby" and answered[m][0].caught_up)
+        ]  # fmt: skip
+        if able[0] != self._advertise:
+            return self._waiting(f"{able[0]} comes first in the in-sync set: it takes over")
+        now = time.monotonic()
+        with self._lock:
+            if self._promise is not None and self._promise[1] > now:
+                if self._promise[0] != self._advertise:
+                    return self._waiting(f"it promised {self._promise[0]} to let it take over")
+            self._promise = (self._advertise, now + PROMISE_S)
+        index, count = self._place()
+        for peer, (_, admin_port) in answered.items():
+            request = dlt_pb2.ClaimTakeoverRequest(
+                candidate=self._advertise, shard_index=index, num_shards=count,
+                insync_epoch=newest[0], insync_version=newest[1],
+            )  # fmt: skip
+            try:
+                admin = grpc_util.admin_address(peer, admin_port)
+                with tls.channel(admin, tls.TlsConfig.from_env()) as channel:
+                    reply = dlt_pb2_grpc.ShardAdminStub(channel).ClaimTakeover(
+                        request, timeout=5, metadata=grpc_util.bearer(self._token)
+                    )
+            except (grpc.RpcError, OSError) as e:
+                reply = dlt_pb2.ClaimTakeoverResponse(granted=False, reason=str(e))
+            if not reply.granted:
+                with self._lock:
+                    self._promise = None
+                return self._waiting(f"{peer} refused: {reply.reason}")
+        return _TAKE
+
+    def view(self) -> dict[str, Any]:
+        """The in-sync set this standby's primary told it last."""
+        return self._view()
+
+    def promised_to(self) -> str:
+        """The standby this one granted a claim to take over, while the
+        promise holds ("" : none; its own address while it claims)."""
+        with self._lock:
+            promise = self._promise
+        return promise[0] if promise is not None and promise[1] > time.monotonic() else ""
+
+    def known_peers(self) -> list[str]:
+        """The shard's other processes this one knows of (Stats `peers`)."""
+        return self._known_peers()
+
+    def _waiting(self, why: str) -> str | None:
+        """Logs why this standby does not take over (once per reason); None."""
+        if why != self._waiting_for:
+            log.warning("primary %s is gone; not taking over: %s", self.primary, why)
+        self._waiting_for = self.error = why
+        return None
+
+    def grant(self, candidate: str, place: tuple[int, int], insync: tuple[int, int]) -> str:
+        """Another standby of this shard claims to take over: "" when this
+        one grants it (and does not take over itself for PROMISE_S), else
+        why not. `insync`: the newest in-sync set's (epoch, version) that
+        the candidate knows."""
+        if place != self._place():
+            return f"this process is shard {self._place()[0]} of {self._place()[1]}"
+        if self.role == "primary":
+            return f"this member serves the shard (epoch {self._epoch()})"
+        now = time.monotonic()
+        with self._lock:
+            promise = self._promise
+        if promise is not None and promise[1] > now and promise[0] != candidate:
+            return f"it promised {promise[0]}"
+        if self.primary is not None and not self._primary_gone():
+            return f"its primary {self.primary} still answers here"
+        mine = self._view()
+        members = [m for m in mine["members"].split("|") if m]
+        if (mine["epoch"], mine["version"]) > insync and candidate not in members:
+            return (
+                f"its in-sync set (epoch {mine['epoch']}, version {mine['version']}: "
+                f"{mine['members']}) is newer and leaves {candidate} out"
+            )
+        with self._lock:
+            if self._promise is not None and self._promise[1] > now:
+                if self._promise[0] != candidate:
+                    return f"it promised {self._promise[0]}"
+            self._promise = (candidate, now + PROMISE_S)
+        return ""
+
+    def _primary_gone(self) -> bool:
+        """The primary does not answer here, or is a new process (restarted
+        with none of its rows)."""
+        assert self.primary is not None
+        try:
+            info = _native.hello(self.primary, self._token, timeout_ms=1000)
+            stats = member_stats(self.primary, info["admin_port"], self._token)
+        except (errors.DltError, grpc.RpcError, OSError):
+            return True
+        return bool(stats.incarnation != self._incarnation)
 
     def _watch_members(self) -> str | None:
         """While this replica set member serves: the address of another
@@ -500,6 +747,9 @@ def describe(
             "standbys": [],
             "epoch": shard.epoch,
             "caught_up": link.caught_up(),
+            "insync": link.view(),
+            "promised_to": link.promised_to(),
+            "peers": link.known_peers(),
         }
     return {
         "epoch": shard.epoch,
@@ -508,4 +758,5 @@ def describe(
         "replication": standbys.replication if standbys is not None else "",
         "standbys": standbys.statuses() if standbys is not None else [],
         "takeovers": link.takeovers if link is not None else 0,
+        "insync": standbys.view() if standbys is not None else {},
     }

@@ -225,6 +225,19 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return dlt_pb2.ShrinkResponse(removed=removed, rows=table.size())
 
     @_handler
+    def ClaimTakeover(self, request: Any, context: grpc.ServicerContext) -> Any:
+        link = self.standby_link
+        if link is None:
+            return dlt_pb2.ClaimTakeoverResponse(
+                granted=False, reason="this process is no standby of a shard"
+            )
+        why_not = link.grant(
+            request.candidate, (request.shard_index, request.num_shards),
+            (request.insync_epoch, request.insync_version),
+        )  # fmt: skip
+        return dlt_pb2.ClaimTakeoverResponse(granted=not why_not, reason=why_not)
+
+    @_handler
     def AttachStandby(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._writable("a standby")
         self._not_resharding("attach a standby")
@@ -572,6 +585,11 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             layout_epoch=self._shard.layout_epoch,
             layout=self._shard.layout_addresses,
             reshard=self.reshard.describe() if self.reshard is not None else "",
+            insync_epoch=s["insync"].get("epoch", 0),
+            insync_version=s["insync"].get("version", 0),
+            insync=[a for a in s["insync"].get("members", "").split("|") if a],
+            promised_to=s.get("promised_to", ""),
+            peers=s.get("peers", []),
         )
 
 

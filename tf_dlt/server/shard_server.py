@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tf_dlt import _native, errors, tls
 from tf_dlt.checkpoint import shard_files
+from tf_dlt.cluster import MAX_REPLICAS
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server import follower, metrics, paths, replication, reshard, service
 from tf_dlt.server.follower import Follower, FollowStatus
@@ -105,10 +106,10 @@ class ShardServer:
             it (default: `address`).
         takeover_after_s: how long a standby's primary must stay
             unreachable before the standby takes over.
-        replica_set: the data-plane addresses of this shard's two
-            processes, this one's (`advertise`) among them:
-            at start it follows the one that serves, or begins as the
-            primary (then loading `load_from`) when the other holds no
+        replica_set: the data-plane addresses of this shard's processes
+            (2 to `tf_dlt.cluster.MAX_REPLICAS`), this one's (`advertise`)
+            among them: at start it follows the one that serves, or begins
+            as the primary (then loading `load_from`) when no other holds a
             whole copy (`replication.StandbyLink.choose_role`).
     """
 
@@ -159,10 +160,15 @@ class ShardServer:
             raise ValueError("a standby takes its primary's tables: no read_only or load_from")
         if replica_set and (standby_of or read_only):
             raise ValueError("a replica set's member learns its primary: no standby_of, read_only")
-        if replica_set and (len(replica_set) != 2 or advertise not in replica_set):
+        if replica_set and (
+            not 2 <= len(replica_set) <= MAX_REPLICAS
+            or len(set(replica_set)) != len(replica_set)
+            or advertise not in replica_set
+        ):
             raise ValueError(
-                f"a replica set has 2 members (a primary and its standby), this one's address "
-                f"(advertise, {advertise!r}) among them, got {list(replica_set)}"
+                f"a replica set has 2 to {MAX_REPLICAS} distinct members (a primary "
+                f"and its standbys), this one's address (advertise, {advertise!r}) among them, "
+                f"got {list(replica_set)}"
             )
         if storage_dir and not memory_budget:
             raise ValueError("storage_dir needs a memory_budget: rows move to disk past it")
@@ -375,7 +381,7 @@ class ShardServer:
                 begin=self._begin_primary, step_down=self._step_down,
                 epoch=lambda: int(self.shard.epoch),
                 place=lambda: (int(self.shard.shard_index), int(self.shard.num_shards)),
-                relocate=self._relocate,
+                relocate=self._relocate, view=lambda: self.data_server.insync_view,
             ).start()  # fmt: skip
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)

@@ -99,6 +99,9 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
             f"shard {shard}: {s.get('replication', '')} standby {r['address']}: {state}, "
             f"{r.get('rows_sent', 0)} rows sent" + (f", lag {lag:.1f} s" if lag else "")
         )
+    if len(s.get("standbys", [])) > 1:  # which of them a write waits for
+        members = ", ".join(s.get("insync", [])) or "none (writes wait for every standby)"
+        lines.append(f"shard {shard}: in sync: {members}")
     return lines
 
 

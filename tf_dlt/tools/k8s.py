@@ -30,6 +30,7 @@ from typing import IO, Any
 
 import yaml  # type: ignore[import-untyped]
 
+from tf_dlt.cluster import MAX_REPLICAS
 from tf_dlt.tools import capacity
 from tf_dlt.tools.k8s_spec import (
     ADMIN_PORT,
@@ -121,9 +122,9 @@ def _replica_labels(spec: JobSpec, replica: int) -> dict[str, str]:
 
 
 def _replication(spec: JobSpec) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
-    """(args, env, pod affinity) of a shard process with a standby: both
-    processes of a shard learn their role at start (--replica-set), and
-    never share a node."""
+    """(args, env, pod affinity) of a shard process with standbys: every
+    process of a shard learns its role at start (--replica-set), and no two
+    share a node."""
     if spec.replicas == 1:
         return [], [], {}
     args = [
@@ -241,7 +242,7 @@ def stateful_set(spec: JobSpec, replica: int = 0) -> dict[str, Any]:
 
 def disruption_budget(spec: JobSpec) -> dict[str, Any]:
     """With standbys: a drain takes at most one shard process at a time, so
-    never both of one shard."""
+    never two of one shard."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -336,10 +337,14 @@ def render(spec: JobSpec) -> str:
     per_row = capacity.bytes_per_row(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
     raw = capacity.raw_record_bytes(spec.dim, spec.optimizer, spec.value_dtype, spec.slot_dtype)
     memory = shard_memory(spec)
+    sets = ", ".join(f"{spec.ps_set(r)}-<i>" for r in range(1, spec.replicas))
     standbys = (
-        f" each with a hot standby ({spec.ps_set(1)}-<i>, never on its node; --replica-set: a "
-        "restarted process follows the one that serves),"
-        if spec.replicas > 1
+        f" each with a hot standby ({sets}, never on its node; --replica-set: a restarted "
+        "process follows the one that serves),"
+        if spec.replicas == 2
+        else f" each with {spec.replicas - 1} hot standbys ({sets}, no two of a shard on one "
+        "node; --replica-set: a restarted process follows the one that serves),"
+        if spec.replicas > 2
         else ""
     )
     head = [
@@ -382,9 +387,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--replicas",
         type=int,
         default=1,
-        choices=(1, 2),
-        help="processes per shard: 2 gives each shard a hot standby on another node "
-        "(docs/replication.md)",
+        choices=range(1, MAX_REPLICAS + 1),
+        metavar="R",
+        help=f"processes per shard (1 to {MAX_REPLICAS}): R > 1 gives each shard R - 1 hot "
+        "standbys, each on a node of its own (docs/replication.md)",
     )
     a("--rows", type=float, default=1e8, help="expected rows over all tables (sizes the shards)")
     a("--dim", type=int, default=16, help="row dimension (the largest table's)")

@@ -10,6 +10,7 @@ import math
 import secrets
 from dataclasses import dataclass, field
 
+from tf_dlt.cluster import MAX_REPLICAS
 from tf_dlt.tools import capacity
 
 DATA_PORT, ADMIN_PORT, METRICS_PORT = 7000, 7001, 9100
@@ -81,9 +82,10 @@ class JobSpec:
             raise ValueError(
                 f"need pservers >= 1 and workers >= 1, got {self.pservers}, {self.workers}"
             )
-        if self.replicas not in (1, 2):
+        if not 1 <= self.replicas <= MAX_REPLICAS:
             raise ValueError(
-                f"replicas must be 1 or 2 (a primary and its standby), got {self.replicas}"
+                f"replicas must be 1 to {MAX_REPLICAS} (a primary and its standbys), "
+                f"got {self.replicas}"
             )
         if self.optimizer not in capacity.SLOTS:
             raise ValueError(
@@ -154,12 +156,12 @@ class JobSpec:
 
     def ps_set(self, replica: int) -> str:
         """The StatefulSet of each shard's process `replica` (its pods are
-        <set>-<shard index>): the shard's first, then its second."""
+        <set>-<shard index>): the shard's first, then its standbys'."""
         return self.ps_service if replica == 0 else f"{self.ps_service}-r{replica}"
 
     def shard_address(self, shard: int | str) -> str:
         """A shard's data-plane address as clients list it: each process's
-        ("a|b" with a standby); `shard` may be "$(SHARD_INDEX)"."""
+        ("a|b|c" with standbys); `shard` may be "$(SHARD_INDEX)"."""
         return "|".join(
             f"{self.ps_set(r)}-{shard}.{self.ps_host}:{DATA_PORT}" for r in range(self.replicas)
         )

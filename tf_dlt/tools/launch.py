@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tf_dlt import grpc_util
-from tf_dlt.cluster import ClusterSpec
+from tf_dlt.cluster import MAX_REPLICAS, ClusterSpec
 from tf_dlt.server.local import LocalCluster
 
 _POLL_S = 0.1
@@ -88,8 +88,10 @@ class Launch:
             )
         if not command:
             raise ValueError("no trainer command: give it after '--'")
-        if replicas not in (1, 2):
-            raise ValueError(f"need --replicas 1 or 2 (a primary and its standby), got {replicas}")
+        if not 1 <= replicas <= MAX_REPLICAS:
+            raise ValueError(
+                f"need --replicas 1 to {MAX_REPLICAS} (a primary and its standbys), got {replicas}"
+            )
         self.replicas = replicas
         self.num_pservers = num_pservers
         self.num_workers = num_workers
@@ -114,7 +116,9 @@ class Launch:
         if self.num_pservers == 0:
             self.say("no shard servers: trainers use the embedded tables")
             return []
-        standbys = ", each with a hot standby" if self.replicas > 1 else ""
+        standbys = {1: "", 2: ", each with a hot standby"}.get(
+            self.replicas, f", each with {self.replicas - 1} hot standbys"
+        )
         self.say(f"starting {self.num_pservers} shard servers{standbys}")
         self.cluster = LocalCluster(
             self.num_pservers, *self.server_args, start_timeout=self.start_timeout,
@@ -272,9 +276,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pservers", type=int, default=1, help="shard servers (0: embedded)")
     parser.add_argument("--workers", type=int, default=1, help="trainer processes")
     parser.add_argument(
-        "--replicas", type=int, default=1, choices=(1, 2),
-        help="processes per shard: 2 gives each shard a hot standby that takes over when its "
-        "primary dies (docs/replication.md)",
+        "--replicas", type=int, default=1, choices=range(1, MAX_REPLICAS + 1), metavar="R",
+        help=f"processes per shard (1 to {MAX_REPLICAS}): R > 1 gives each shard R - 1 hot "
+        "standbys, one of which takes over when its primary dies (docs/replication.md)",
     )  # fmt: skip
     parser.add_argument(
         "--server-arg", action="append", default=[], metavar="ARG",

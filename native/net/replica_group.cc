@@ -1,0 +1,261 @@
+#include "native/net/replica_group.h"
+
+#include <algorithm>
+
+namespace dlt {
+
+ReplicaGroup::ReplicaGroup(std::shared_ptr<Shard> shard, ReplicatorOptions options)
+    : shard_(std::move(shard)), options_(std::move(options)) {}
+
+ReplicaGroup::~ReplicaGroup() { Stop(); }
+
+Status ReplicaGroup::Attach(const std::string& address) {
+  Member replicator, old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return FailedPrecondition("this shard's replication stopped");
+    auto it = std::find_if(members_.begin(), members_.end(),
+                           [&](const Attached& m) { return m.address == address; });
+    if (it == members_.end() && members_.size() >= kMaxStandbys) {
+      return FailedPrecondition("a shard keeps at most " + std::to_string(kMaxStandbys) +
+                                " standbys; " + AddressesLocked() + " are attached");
+    }
+    const uint64_t id = ++next_id_;
+    ReplicatorOptions o = options_;
+    o.view = [this, id](bool joining) { return ViewFor(id, joining); };
+    o.on_failure = [this, id] { Leave(id); };
+    replicator = std::make_shared<Replicator>(shard_, address, std::move(o));
+    // A standby attached again holds nothing of this primary's until its
+    // copy: it is out of the set until then.
+    LeaveLocked(address);
+    if (it != members_.end()) {
+      old = std::move(it->replicator);
+      *it = Attached{address, id, replicator};
+    } else {
+      members_.push_back(Attached{address, id, replicator});
+    }
+  }
+  if (old != nullptr) old->Stop();  // its thread may call in: not under mu_
+  replicator->Start();
+  return OkStatus();
+}
+
+bool ReplicaGroup::Detach(const std::string& address) {
+  Member gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(members_.begin(), members_.end(),
+                           [&](const Attached& m) { return m.address == address; });
+    if (it == members_.end()) return false;
+    gone = std::move(it->replicator);
+    members_.erase(it);
+    LeaveLocked(address);
+  }
+  gone->Stop();
+  return true;
+}
+
+void ReplicaGroup::Stop() {
+  std::vector<Member> members;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    members = MembersLocked();
+    members_.clear();
+    in_sync_.clear();
+    ++version_;
+  }
+  for (const Member& member : members) member->Stop();
+}
+
+uint64_t ReplicaGroup::Applied() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t seq = ++seq_;
+  Marks& m = marks_[seq % kMarks];
+  m.seq = seq;
+  m.count = members_.size();
+  for (size_t i = 0; i < members_.size(); ++i) {
+    m.marks[i] = {members_[i].id, members_[i].replicator->Applied()};
+  }
+  return seq;
+}
+
+Status ReplicaGroup::Written(uint64_t seq) {
+  Marks marks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (marks_[seq % kMarks].seq == seq) marks = marks_[seq % kMarks];
+  }
+  // The round each member must apply: the one marked, or (a member
+  // attached since, or a mark the ring lost) the next to take changes.
+  auto mark_of = [&](const Attached& member) {
+    for (size_t i = 0; i < marks.count; ++i) {
+      if (marks.marks[i].first == member.id) return marks.marks[i].second;
+    }
+    return member.replicator->Applied();
+  };
+  if (!options_.sync) {
+    std::vector<Attached> members;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      members = members_;
+    }
+    for (const Attached& m : members) {
+      static_cast<void>(m.replicator->Written(mark_of(m)));  // OK at once; keeps its lag
+    }
+    return OkStatus();
+  }
+  bool waited_on_one = false;
+  for (;;) {
+    std::vector<Attached> waited;
+    uint64_t version;
+    bool all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopped_) return Unavailable("this shard's replication stopped");
+      version = version_;
+      all = in_sync_.empty();
+      for (const Attached& m : members_) {
+        if (all || std::find(in_sync_.begin(), in_sync_.end(), m.address) != in_sync_.end()) {
+          waited.push_back(m);
+        }
+      }
+    }
+    if (waited.empty()) {
+      // No standby attached: nothing to wait for; all detached while this
+      // write waited: none is known to hold it.
+      if (!waited_on_one) return OkStatus();
+      return Unavailable("every standby was detached before it applied the write");
+    }
+    waited_on_one = true;
+    bool left = false;
+    for (const Attached& member : waited) {
+      // Each acknowledging round of the set's standbys also told the set:
+      // a standby left out learns it before a write is acknowledged
+      // without it.
+      const Status s = member.replicator->Written(mark_of(member), all ? 0 : version);
+      if (s.ok()) continue;
+      if (all) return s;  // no standby is known to hold the write
+      if (s.code() == Code::kDeadlineExceeded) member.replicator->Reconnect();  // copies afresh
+      Leave(member.id);  // not one that replaced it since
+      left = true;
+      break;
+    }
+    if (!left) return OkStatus();
+  }
+}
+
+Status ReplicaGroup::Pause(bool pause) {
+  std::vector<Member> members;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    members = MembersLocked();
+  }
+  Status first;
+  for (const Member& member : members) {
+    const Status s = member->Pause(pause);
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+void ReplicaGroup::Follow(const std::vector<std::shared_ptr<Table>>& first,
+                          const std::function<std::vector<std::shared_ptr<Table>>()>& swap) {
+  std::vector<Member> members;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    members = MembersLocked();
+  }
+  std::vector<std::shared_ptr<Table>> tables;
+  FollowFrom(0, members, first, swap, &tables);
+}
+
+void ReplicaGroup::FollowFrom(size_t index, const std::vector<Member>& members,
+                              const std::vector<std::shared_ptr<Table>>& first,
+                              const std::function<std::vector<std::shared_ptr<Table>>()>& swap,
+                              std::vector<std::shared_ptr<Table>>* tables) {
+  if (index == members.size()) {
+    *tables = swap();
+    return;
+  }
+  // Each member pauses and logs `first` before the one swap, and follows
+  // the tables it made after it.
+  members[index]->Follow(first, [&] {
+    FollowFrom(index + 1, members, first, swap, tables);
+    return *tables;
+  });
+}
+
+std::vector<ReplicationStatus> ReplicaGroup::statuses() const {
+  std::vector<Member> members;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    members = MembersLocked();
+  }
+  std::vector<ReplicationStatus> out;
+  for (const Member& member : members) out.push_back(member->status());
+  return out;
+}
+
+std::string ReplicaGroup::addresses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return AddressesLocked();
+}
+
+wire::InSyncView ReplicaGroup::view() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ViewLocked();
+}
+
+std::vector<ReplicaGroup::Member> ReplicaGroup::MembersLocked() const {
+  std::vector<Member> out;
+  for (const Attached& m : members_) out.push_back(m.replicator);
+  return out;
+}
+
+std::string ReplicaGroup::AddressesLocked() const {
+  std::string out;
+  for (const Attached& m : members_) out += (out.empty() ? "" : "|") + m.address;
+  return out;
+}
+
+wire::InSyncView ReplicaGroup::ViewLocked() const {
+  wire::InSyncView view;
+  view.epoch = shard_->epoch();
+  view.version = version_;
+  // In attach order, which every standby told this version reads alike.
+  for (const Attached& m : members_) {
+    if (std::find(in_sync_.begin(), in_sync_.end(), m.address) != in_sync_.end()) {
+      view.members += (view.members.empty() ? "" : "|") + m.address;
+    }
+  }
+  return view;
+}
+
+wire::InSyncView ReplicaGroup::ViewFor(uint64_t id, bool joining) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it =
+      std::find_if(members_.begin(), members_.end(), [&](const Attached& m) { return m.id == id; });
+  if (joining && it != members_.end() &&
+      std::find(in_sync_.begin(), in_sync_.end(), it->address) == in_sync_.end()) {
+    in_sync_.push_back(it->address);
+    ++version_;
+  }
+  return ViewLocked();
+}
+
+void ReplicaGroup::Leave(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it =
+      std::find_if(members_.begin(), members_.end(), [&](const Attached& m) { return m.id == id; });
+  if (it != members_.end()) LeaveLocked(it->address);
+}
+
+void ReplicaGroup::LeaveLocked(const std::string& address) {
+  auto in = std::find(in_sync_.begin(), in_sync_.end(), address);
+  if (in == in_sync_.end()) return;
+  in_sync_.erase(in);
+  ++version_;
+}
+
+}  // namespace dlt
