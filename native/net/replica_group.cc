@@ -4,16 +4,19 @@
 
 namespace dlt {
 
-ReplicaGroup::ReplicaGroup(std::shared_ptr<Shard> shard, ReplicatorOptions options)
-    : shard_(std::move(shard)), options_(std::move(options)) {}
+ReplicaGroup::ReplicaGroup(std::shared_ptr<Shard> shard, ReplicatorOptions options,
+                           int detach_after_ms)
+    : shard_(std::move(shard)), options_(std::move(options)), detach_after_ms_(detach_after_ms) {}
 
 ReplicaGroup::~ReplicaGroup() { Stop(); }
 
 Status ReplicaGroup::Attach(const std::string& address) {
   Member replicator, old;
+  std::vector<Member> retired;  // stopped outside mu_
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) return FailedPrecondition("this shard's replication stopped");
+    retired = PruneLocked();  // room, maybe
     auto it = std::find_if(members_.begin(), members_.end(),
                            [&](const Attached& m) { return m.address == address; });
     if (it == members_.end() && members_.size() >= kMaxStandbys) {
@@ -23,7 +26,7 @@ Status ReplicaGroup::Attach(const std::string& address) {
     const uint64_t id = ++next_id_;
     ReplicatorOptions o = options_;
     o.view = [this, id](bool joining) { return ViewFor(id, joining); };
-    o.on_failure = [this, id] { Leave(id); };
+    o.on_failure = [this, id] { Leave(id); };  // whichever joins it made
     replicator = std::make_shared<Replicator>(shard_, address, std::move(o));
     // A standby attached again holds nothing of this primary's until its
     // copy: it is out of the set until then.
@@ -36,6 +39,7 @@ Status ReplicaGroup::Attach(const std::string& address) {
     }
   }
   if (old != nullptr) old->Stop();  // its thread may call in: not under mu_
+  for (const Member& m : retired) m->Stop();
   replicator->Start();
   return OkStatus();
 }
@@ -108,11 +112,13 @@ Status ReplicaGroup::Written(uint64_t seq) {
   bool waited_on_one = false;
   for (;;) {
     std::vector<Attached> waited;
+    std::vector<Member> pruned;
     uint64_t version;
     bool all;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopped_) return Unavailable("this shard's replication stopped");
+      pruned = PruneLocked();
       version = version_;
       all = in_sync_.empty();
       for (const Attached& m : members_) {
@@ -121,6 +127,7 @@ Status ReplicaGroup::Written(uint64_t seq) {
         }
       }
     }
+    for (const Member& member : pruned) member->Stop();
     if (waited.empty()) {
       // No standby attached: nothing to wait for; all detached while this
       // write waited: none is known to hold it.
@@ -128,16 +135,28 @@ Status ReplicaGroup::Written(uint64_t seq) {
       return Unavailable("every standby was detached before it applied the write");
     }
     waited_on_one = true;
+    if (all) {
+      // None holds every write yet (copying, or the last one failed): the
+      // write is acknowledged once one standby applied it (the others, down
+      // or failing, are not waited for); none: the first error.
+      Status first;
+      bool held = false;
+      for (const Attached& member : waited) {
+        const Status s = member.replicator->Written(mark_of(member), 0);
+        held |= s.ok();
+        if (!s.ok() && first.ok()) first = s;
+      }
+      return held ? OkStatus() : first;
+    }
     bool left = false;
     for (const Attached& member : waited) {
       // Each acknowledging round of the set's standbys also told the set:
       // a standby left out learns it before a write is acknowledged
       // without it.
-      const Status s = member.replicator->Written(mark_of(member), all ? 0 : version);
+      const Status s = member.replicator->Written(mark_of(member), version);
       if (s.ok()) continue;
-      if (all) return s;  // no standby is known to hold the write
       if (s.code() == Code::kDeadlineExceeded) member.replicator->Reconnect();  // copies afresh
-      Leave(member.id);  // not one that replaced it since
+      Leave(member.id, member.joins);  // unless it joined again meanwhile
       left = true;
       break;
     }
@@ -239,16 +258,39 @@ wire::InSyncView ReplicaGroup::ViewFor(uint64_t id, bool joining) {
   if (joining && it != members_.end() &&
       std::find(in_sync_.begin(), in_sync_.end(), it->address) == in_sync_.end()) {
     in_sync_.push_back(it->address);
+    ++it->joins;
     ++version_;
   }
   return ViewLocked();
 }
 
-void ReplicaGroup::Leave(uint64_t id) {
+void ReplicaGroup::Leave(uint64_t id, uint64_t joins) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it =
       std::find_if(members_.begin(), members_.end(), [&](const Attached& m) { return m.id == id; });
-  if (it != members_.end()) LeaveLocked(it->address);
+  if (it == members_.end()) return;
+  if (joins != ~uint64_t{0} && it->joins != joins) return;  // it joined again since
+  LeaveLocked(it->address);
+}
+
+std::vector<ReplicaGroup::Member> ReplicaGroup::PruneLocked() {
+  std::vector<Member> pruned;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - pruned_ < std::chrono::seconds(1)) return pruned;
+  pruned_ = now;
+  for (auto it = members_.begin(); it != members_.end();) {
+    const ReplicationStatus s = it->replicator->status();
+    // The last one stays: a primary that detached every standby would
+    // acknowledge writes no standby holds.
+    if (s.connected || s.down_seconds * 1000 < detach_after_ms_ || members_.size() == 1) {
+      ++it;
+      continue;
+    }
+    LeaveLocked(it->address);
+    pruned.push_back(std::move(it->replicator));
+    it = members_.erase(it);
+  }
+  return pruned;
 }
 
 void ReplicaGroup::LeaveLocked(const std::string& address) {

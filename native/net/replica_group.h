@@ -1,20 +1,22 @@
 // A primary's standbys (docs/replication.md, "Several standbys"): one
 // Replicator per standby, and the write listener a primary's writes wait
 // on. In sync mode a write is acknowledged once every standby of the
-// in-sync set applied it: the standbys that applied a round copying every
-// table and no round has failed on since. A standby a round fails on (or
-// that outlasts the I/O timeout) leaves the set, and the set's new version
-// reaches every standby left before a write is acknowledged without it:
-// each acknowledging round tells the standby the set as it is then. So the
-// newest set any standby was told names only standbys holding every write
-// acknowledged, and a standby left out of it knows that it is not to take
-// over (tf_dlt/server/replication.py chooses who does). A write waits for
-// every standby while the set is empty (none caught up yet, or the last
-// one failed): no write is acknowledged that no standby holds.
+// in-sync set applied it: the standbys whose round copying every table took
+// its changes (they join at that take, under the push gate), with no round
+// failed on since. A standby a round fails on (or that outlasts the I/O
+// timeout) leaves the set, and the set's new version reaches every standby
+// left before a write is acknowledged without it: each acknowledging round
+// tells the standby the set as it is then. So the newest set any standby
+// was told names only standbys holding every write acknowledged, and a
+// standby left out of it knows that it is not to take over
+// (tf_dlt/server/replication.py chooses who does). While the set is empty
+// (none caught up yet, or the last one failed) a write is acknowledged once
+// one standby applied it: none is acknowledged that no standby holds.
 #ifndef TF_DLT_NATIVE_NET_REPLICA_GROUP_H_
 #define TF_DLT_NATIVE_NET_REPLICA_GROUP_H_
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -38,8 +40,12 @@ class ReplicaGroup : public WriteListener {
   static constexpr size_t kMaxStandbys = 4;
 
   // `options`: every standby's replicator's (its view and on_failure are
-  // the group's).
-  ReplicaGroup(std::shared_ptr<Shard> shard, ReplicatorOptions options);
+  // the group's). A standby down (not connected) for `detach_after_ms` is
+  // detached, but never the last one: it leaves the primary's Hello, so the
+  // other standbys stop waiting for its answer when they choose who takes
+  // over; it attaches again when it is back (tf_dlt/server/replication.py).
+  ReplicaGroup(std::shared_ptr<Shard> shard, ReplicatorOptions options,
+               int detach_after_ms = 60000);
   ~ReplicaGroup() override;
   ReplicaGroup(const ReplicaGroup&) = delete;
   ReplicaGroup& operator=(const ReplicaGroup&) = delete;
@@ -63,8 +69,10 @@ class ReplicaGroup : public WriteListener {
               const std::function<std::vector<std::shared_ptr<Table>>()>& swap) override;
 
   std::vector<ReplicationStatus> statuses() const;
-  // The standbys' addresses in the order they attached, '|' between them.
+  // The standbys' addresses in the order they attached, '|' between them
+  // (the primary's Hello names them).
   std::string addresses() const;
+  std::string standbys() const override { return addresses(); }
   wire::InSyncView view() const;
 
  private:
@@ -73,13 +81,18 @@ class ReplicaGroup : public WriteListener {
     std::string address;
     uint64_t id;  // this replicator's (a standby attached again gets a new one)
     Member replicator;
+    uint64_t joins = 0;  // times it joined the in-sync set
   };
   // The view each round of replicator `id` tells; `joining`: at the take
   // of its round that copies every table, its standby counts from now on.
   wire::InSyncView ViewFor(uint64_t id, bool joining);
   // Replicator `id`'s standby is out of the in-sync set (a new version
-  // when it was in). A replicator replaced or detached since changes nothing.
-  void Leave(uint64_t id);
+  // when it was in). A replicator replaced or detached since changes
+  // nothing; with `joins`, neither does one that joined again since.
+  void Leave(uint64_t id, uint64_t joins = ~uint64_t{0});
+  // Detaches the standbys down for detach_after_ms (at most once a second);
+  // returns their replicators, to be stopped outside mu_. mu_ held.
+  std::vector<Member> PruneLocked();
   void LeaveLocked(const std::string& address);  // mu_ held
   std::vector<Member> MembersLocked() const;     // mu_ held
   std::string AddressesLocked() const;           // mu_ held
@@ -91,6 +104,7 @@ class ReplicaGroup : public WriteListener {
 
   const std::shared_ptr<Shard> shard_;
   const ReplicatorOptions options_;
+  const int detach_after_ms_;
 
   // A write's marks, one per member then, kept in a ring (a write that
   // waits longer than kMarks later writes takes each member's next round).
@@ -109,6 +123,7 @@ class ReplicaGroup : public WriteListener {
   uint64_t seq_ = 0;                                       // guarded by mu_
   std::vector<Marks> marks_ = std::vector<Marks>(kMarks);  // guarded by mu_
   bool stopped_ = false;                                   // guarded by mu_
+  std::chrono::steady_clock::time_point pruned_{};         // guarded by mu_
 };
 
 }  // namespace dlt

@@ -192,6 +192,9 @@ ReplicationStatus Replicator::status() const {
   if (!options_.sync && unsent_since_ != Clock::time_point{}) {
     s.lag_seconds = std::chrono::duration<double>(Clock::now() - unsent_since_).count();
   }
+  if (down_since_ != Clock::time_point{}) {
+    s.down_seconds = std::chrono::duration<double>(Clock::now() - down_since_).count();
+  }
   return s;
 }
 
@@ -230,6 +233,11 @@ void Replicator::Run() {
       ++status_.connects;
       status_.connected = connected.ok();
       status_.caught_up = false;
+      if (connected.ok()) {
+        down_since_ = Clock::time_point{};
+      } else if (down_since_ == Clock::time_point{}) {
+        down_since_ = Clock::now();
+      }
       if (!connected.ok()) {
         status_.error = connected.message();
         status_.ended = options_.range_stream;
@@ -254,6 +262,7 @@ void Replicator::Run() {
     } else {
       failed_ = round;
       status_.connected = false;
+      down_since_ = Clock::now();
       status_.caught_up = false;
       status_.error = s.message();
       status_.ended = options_.range_stream;

@@ -86,6 +86,9 @@ struct ReplicationStatus {
   // Seconds since the oldest write not yet on the standby was
   // acknowledged here (0 when the standby holds every acknowledged write).
   double lag_seconds = 0;
+  // Seconds since the connection was lost or its last attempt began to
+  // fail (0 while connected).
+  double down_seconds = 0;
   std::string error;  // the last failure ("" once a round succeeded since)
   // A range stream: the buckets it carries, and whether it ended (failed).
   uint32_t first_bucket = 0, end_bucket = 0;
@@ -254,6 +257,9 @@ class Replicator : public WriteListener {
   // acknowledged (async); guarded by mu_.
   std::chrono::steady_clock::time_point unsent_since_{};
   ReplicationStatus status_;  // guarded by mu_
+  // When the standby was last known down (connection lost or refused);
+  // zero while connected or before the first attempt; guarded by mu_.
+  std::chrono::steady_clock::time_point down_since_{};
 };
 
 }  // namespace dlt

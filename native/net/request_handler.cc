@@ -151,6 +151,10 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
       std::lock_guard<std::mutex> lock(staged_mu_);
       out.standbys = standbys_;
     }
+    if (out.standbys.empty()) {
+      const std::shared_ptr<WriteListener> listener = std::atomic_load(&listener_);
+      if (listener != nullptr) out.standbys = listener->standbys();
+    }
     return Respond(wire::Opcode::kHello, id,
                    wire::EncodeHelloReply(out, header.flags & wire::kFlagTopology), reply);
   }

@@ -38,6 +38,9 @@ class WriteListener {
   // shard serve other tables and returns them, which its standby holds as
   // they are then (it switched, or switches, too); the changes of `first`
   // (the tables switched to) count from before the swap.
+  // The standbys' addresses ('|' between them) clients learn from the
+  // shard's Hello.
+  virtual std::string standbys() const { return ""; }
   virtual void Follow(const std::vector<std::shared_ptr<Table>>& first,
                       const std::function<std::vector<std::shared_ptr<Table>>()>& swap) {
     (void)first;
@@ -70,7 +73,8 @@ class RequestHandler {
   // afresh. Only such a standby may take over.
   bool standby_caught_up() const { return caught_up_.load(); }
   // The addresses of this primary's standbys ('|' between them), told to
-  // clients in the Hello's topology part.
+  // clients in the Hello's topology part; "" (the default): the write
+  // listener's (WriteListener::standbys).
   void set_standbys(const std::string& standbys) {
     std::lock_guard<std::mutex> lock(staged_mu_);
     standbys_ = standbys;

@@ -28,6 +28,7 @@ py::dict StatusToDict(const ReplicationStatus& s) {
   d["tables_copied"] = s.tables_copied;
   d["connects"] = s.connects;
   d["lag_seconds"] = s.lag_seconds;
+  d["down_seconds"] = s.down_seconds;
   d["error"] = s.error;
   d["first_bucket"] = s.first_bucket;
   d["end_bucket"] = s.end_bucket;
@@ -216,12 +217,15 @@ void BindNet(py::module_& m) {
 
   py::class_<ReplicaGroup, std::shared_ptr<ReplicaGroup>>(m, "ReplicaGroup")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& auth_token, bool sync,
-                       int io_timeout_ms, int interval_ms) {
+                       int io_timeout_ms, int interval_ms, int detach_after_ms) {
+             if (detach_after_ms <= 0) Raise(InvalidArgument("detach_after_ms must be positive"));
              return std::make_shared<ReplicaGroup>(
-                 std::move(shard), Options(auth_token, sync, io_timeout_ms, interval_ms));
+                 std::move(shard), Options(auth_token, sync, io_timeout_ms, interval_ms),
+                 detach_after_ms);
            }),
            py::arg("shard"), py::arg("auth_token") = "", py::arg("sync") = true,
-           py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10)
+           py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
+           py::arg("detach_after_ms") = 60000)
       .def("attach",
            [](ReplicaGroup& g, const std::string& address) {
              Status st;

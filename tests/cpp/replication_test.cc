@@ -1575,14 +1575,14 @@ struct Group {
   std::vector<std::unique_ptr<DataServer>> standby_servers;
   std::shared_ptr<ReplicaGroup> group;
 
-  explicit Group(int n) {
+  explicit Group(int n, int detach_after_ms = 60000) {
     DataServerOptions options;
     options.worker_threads = 4;
     primary_server = std::make_unique<DataServer>(primary, options);
     EXPECT_OK(primary_server->Start());
     ReplicatorOptions r;
     r.io_timeout_ms = 10000;
-    group = std::make_shared<ReplicaGroup>(primary, r);
+    group = std::make_shared<ReplicaGroup>(primary, r, detach_after_ms);
     primary_server->set_write_listener(group);
     for (int i = 0; i < n; ++i) {
       standbys.push_back(std::make_shared<Shard>(0, 1));
@@ -1664,6 +1664,41 @@ DLT_TEST(TestAStandbyThatFailsLeavesTheSetBeforeAWriteIsAcknowledgedWithoutIt) {
   EXPECT(!lost.ok());
   EXPECT(lost.message().find("did not acknowledge it (in doubt)") != std::string::npos);
   EXPECT(g.group->view().members.empty());
+}
+
+DLT_TEST(TestAGroupDetachesAStandbyDownTooLongAndTheHelloForgetsIt) {
+  Group g(2, /*detach_after_ms=*/200);
+  bool created;
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  Client client({Address(*g.primary_server)}, ClientOptions{});
+  const int64_t ids[] = {1, 2, 3};
+  const std::vector<float> grads(3 * 8, 0.5f);
+  EXPECT(Eventually([&] { return g.AllCaughtUp(); }));
+  auto hello_standbys = [&] {
+    wire::HelloReply reply;
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    int fd = -1;
+    EXPECT_OK(net::Connect(Address(*g.primary_server), deadline, &fd));
+    EXPECT_OK(net::SayHello(fd, "", wire::kFlagTopology, 1, deadline, &reply));
+    net::CloseFd(fd);
+    return reply.standbys;
+  };
+  EXPECT(hello_standbys() == g.Member(0) + "|" + g.Member(1));
+  g.standby_servers[1]->Stop();
+  // Writes go on (the other holds them); once the dead one was down past
+  // the limit, the next write's wait detaches it.
+  EXPECT(Eventually([&] {
+    EXPECT_OK(client.Push("emb", 8, ids, grads.data(), 3, 0.1f));
+    return g.group->addresses() == g.Member(0);
+  }));
+  EXPECT(hello_standbys() == g.Member(0));
+  EXPECT(g.group->view().members == g.Member(0));
+  // The last one dies too: no write is acknowledged that no standby holds.
+  g.standby_servers[0]->Stop();
+  ClientOptions brief;
+  brief.request_timeout_ms = 2000;
+  Client impatient({Address(*g.primary_server)}, brief);
+  EXPECT(!impatient.Push("emb", 8, ids, grads.data(), 3, 0.1f).ok());
 }
 
 DLT_TEST(TestAGroupRefusesAStandbyPastItsLimit) {

@@ -163,6 +163,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "(with --standby-of, default: --bind and the bound port; needed with --replica-set)",
     )
     p.add_argument(
+        "--detach-standby-after",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a primary detaches a standby that stays down this long (the other standbys then "
+        "no longer wait for it to choose who takes over); it attaches again when back",
+    )
+    p.add_argument(
         "--takeover-after",
         type=float,
         default=1.0,
@@ -286,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
             replication_mode=args.replication,
             advertise=args.advertise,
             takeover_after_s=args.takeover_after,
+            detach_standby_after_s=args.detach_standby_after,
             replica_set=args.replica_set.split("|") if args.replica_set else (),
         ).start()
     except (errors.DltError, OSError, ValueError) as e:

@@ -60,6 +60,7 @@ class Standbys:
         auth_token: str = "",
         replication: str = "sync",
         io_timeout_s: float = 30.0,
+        detach_after_s: float = 60.0,
     ) -> None:
         if replication not in REPLICATION_MODES:
             raise ValueError(f"replication must be sync or async, got {replication!r}")
@@ -68,6 +69,7 @@ class Standbys:
         self._auth_token = auth_token
         self.replication = replication
         self._io_timeout_ms = max(1, int(io_timeout_s * 1000))
+        self._detach_after_ms = max(1, int(detach_after_s * 1000))
         self._lock = threading.Lock()
         self._group: _native.ReplicaGroup | None = None  # guarded by _lock
 
@@ -87,10 +89,10 @@ class Standbys:
                 self._group = _native.ReplicaGroup(
                     self._shard, auth_token=self._auth_token,
                     sync=self.replication == "sync", io_timeout_ms=self._io_timeout_ms,
+                    detach_after_ms=self._detach_after_ms,
                 )  # fmt: skip
                 self._data_server.set_replica_group(self._group)
-            self._group.attach(address)
-            self._data_server.set_standbys(self._group.addresses())  # clients learn them
+            self._group.attach(address)  # clients learn it from the Hello
         log.info("replicating (%s) to standby %s", self.replication, address)
 
     def pause(self, pause: bool) -> None:
@@ -115,7 +117,6 @@ class Standbys:
         with self._lock:
             group, self._group = self._group, None
             self._data_server.set_replica_group(None)
-            self._data_server.set_standbys("")
         if group is not None:
             group.stop()
 
@@ -195,9 +196,8 @@ class StandbyLink:
         self._step_down = step_down
         self._epoch = epoch or (lambda: 0)
         self._view = view or (lambda: {"epoch": 0, "version": 0, "members": ""})
-        # The shard's other standbys and members as far as this one knows
-        # (its primary's Hello names them); guarded by _lock.
-        self._peers: set[str] = set(self._replica_set)
+        # The standbys its primary's last Hello named; guarded by _lock.
+        self._hello_peers: set[str] = set()
         # (candidate, until): this standby granted that one's claim (or, a
         # candidate itself, claims): it does not take over meanwhile.
         self._promise: tuple[str, float] | None = None
@@ -299,8 +299,8 @@ class StandbyLink:
         except errors.DltError as e:
             self.error = str(e)
             return False
-        with self._lock:
-            self._peers.update(a for a in info["standbys"].split("|") if a)
+        with self._lock:  # a standby the primary detached is no peer any more
+            self._hello_peers = {a for a in info["standbys"].split("|") if a}
         return True
 
     def _check(self) -> bool:
@@ -492,17 +492,19 @@ class StandbyLink:
     def _peer_view(self, peer: str) -> tuple[str, Any, int] | None:
         """What another standby or member of this shard is: ("serves", its
         Hello, admin port) when it serves trainers, ("standby", its Stats,
-        admin port) otherwise, None when it does not answer (or is another
-        shard's)."""
+        admin port) when it follows, ("other", its Hello, admin port) when it
+        is another shard's now (a re-shard moved it), None when it does not
+        answer."""
         try:
             info = _native.hello(peer, self._token, timeout_ms=1000)
-            return ("serves", info, info["admin_port"]) if self._same_place(info) else None
+            kind = "serves" if self._same_place(info) else "other"
+            return kind, info, info["admin_port"]
         except errors.DltError:
             pass  # a standby (or one learning its role), or no process
         try:
             info = _native.hello(peer, self._token, timeout_ms=1000, replica=True)
             if not self._same_place(info):
-                return None
+                return "other", info, info["admin_port"]
             stats = member_stats(peer, info["admin_port"], self._token)
             return "standby", stats, info["admin_port"]
         except (errors.DltError, grpc.RpcError, OSError):
@@ -512,13 +514,14 @@ class StandbyLink:
         return (info["shard_index"], info["num_shards"]) == self._place()
 
     def _known_peers(self) -> list[str]:
-        """The shard's other processes: its primary's Hello named them, or
-        the in-sync set it told this standby (which may be the only news of
-        a standby that attached just before the primary died)."""
+        """The shard's other processes: the standbys its primary's last
+        Hello named, the in-sync set the primary told this standby (which
+        may be the only news of one that attached just before the primary
+        died), and a replica set's members."""
         told = {m for m in self._view()["members"].split("|") if m}
         with self._lock:
-            self._peers |= told
-            return sorted(self._peers - {self._advertise, self.primary or ""})
+            peers = self._hello_peers | told | set(self._replica_set)
+        return sorted(peers - {self._advertise, self.primary or ""})
 
     def _serving_peer(self) -> str | None:
         """Another process of this shard that serves trainers at a newer
@@ -546,35 +549,42 @@ class StandbyLink:
         follow; None to wait and ask again (another is to take over, an
         in-sync standby does not answer, or a claim was refused).
 
-        The newest in-sync set any answering standby was told names the
-        standbys holding every acknowledged write; the first of them that
-        is caught up takes over, once every other member of that set
-        answered (one that does not might know a newer set leaving this one
-        out). The peers each answer names are asked too."""
+        Every standby this one knows (and those their answers name) must
+        answer: one that does not might know a newer in-sync set leaving
+        this one out (a primary detaches a standby down for
+        --detach-standby-after, so a standby long dead stops counting). The
+        newest in-sync set among the answers names the standbys holding
+        every acknowledged write; the first of them that is caught up takes
+        over."""
         epoch = self._epoch()
         mine = self._view()
         views = {self._advertise: (mine["epoch"], mine["version"], mine["members"])}
         answered: dict[str, tuple[Any, int]] = {}
         asked: set[str] = set()
+        silent: list[str] = []
         pending = self._known_peers()
         while pending:
             peer = pending.pop()
             asked.add(peer)
             found = self._peer_view(peer)
             if found is None:
+                silent.append(peer)
                 continue
             kind, what, admin_port = found
-            if kind == "serves":
-                if what["epoch"] > epoch:
-                    return peer  # it took over already
-                continue  # an older copy (a primary come back empty)
+            if kind == "serves" and what["epoch"] > epoch:
+                return peer  # it took over already
+            if kind != "standby":
+                continue  # an older copy (a primary come back empty), or another shard's
             answered[peer] = (what, admin_port)
             views[peer] = (what.insync_epoch, what.insync_version, "|".join(what.insync))
             named = set(what.peers) | set(what.insync)
-            with self._lock:
-                self._peers |= named
             skip = asked | set(pending) | {self._advertise, self.primary or ""}
             pending += sorted(named - skip)
+        if silent:
+            return self._waiting(
+                f"standby {', '.join(sorted(silent))} of this shard does not answer (it may "
+                "hold writes this one lacks)"
+            )
         newest = max(views.values(), key=lambda v: (v[0], v[1]))
         members = [m for m in newest[2].split("|") if m] or [self._advertise]
         if self._advertise not in members:
@@ -582,20 +592,10 @@ class StandbyLink:
                 f"the newest in-sync set (epoch {newest[0]}, version {newest[1]}: "
                 f"{'|'.join(members)}) leaves this standby out: another holds writes it lacks"
             )
-        # A member that answers holding no set (restarted since) tells
-        # nothing of a newer one: silent, unless every peer answered.
-        everyone = asked <= set(answered)
-        silent = [
-            m for m in members
-            if m != self._advertise
-            and (m not in answered or (answered[m][0].insync_version == 0 and not everyone))
-        ]  # fmt: skip
-        if silent:
-            return self._waiting(f"in-sync standby {', '.join(silent)} does not answer")
         able = [
             m for m in members
             if m == self._advertise
-            or (answered[m][0].role == "standby" and answered[m][0].caught_up)
+            or (m in answered and answered[m][0].role == "standby" and answered[m][0].caught_up)
         ]  # fmt: skip
         if able[0] != self._advertise:
             return self._waiting(f"{able[0]} comes first in the in-sync set: it takes over")
@@ -683,6 +683,8 @@ class StandbyLink:
         assert self.primary is not None
         try:
             info = _native.hello(self.primary, self._token, timeout_ms=1000)
+            if not self._incarnation:
+                return False  # never attached: it answers, that is all this one knows
             stats = member_stats(self.primary, info["admin_port"], self._token)
         except (errors.DltError, grpc.RpcError, OSError):
             return True

@@ -106,6 +106,9 @@ class ShardServer:
             it (default: `address`).
         takeover_after_s: how long a standby's primary must stay
             unreachable before the standby takes over.
+        detach_standby_after_s: a primary detaches a standby down this long
+            (it leaves the Hello; the others stop waiting for its answer to
+            choose who takes over), which attaches again when back.
         replica_set: the data-plane addresses of this shard's processes
             (2 to `tf_dlt.cluster.MAX_REPLICAS`), this one's (`advertise`)
             among them: at start it follows the one that serves, or begins
@@ -146,6 +149,7 @@ class ShardServer:
         replication_mode: str = "sync",
         advertise: str | None = None,
         takeover_after_s: float = 1.0,
+        detach_standby_after_s: float = 60.0,
         replica_set: Sequence[str] = (),
     ) -> None:
         if not sweep_interval_s > 0:
@@ -209,7 +213,7 @@ class ShardServer:
         self._read_only = read_only
         self.servicer.standbys = replication.Standbys(
             self.shard, self.data_server, auth_token, replication=replication_mode,
-            io_timeout_s=io_timeout_s,
+            io_timeout_s=io_timeout_s, detach_after_s=detach_standby_after_s,
         )  # fmt: skip
         self.servicer.reshard = reshard.ReshardSteps(
             self.shard, self.data_server, auth_token, io_timeout_s=io_timeout_s,

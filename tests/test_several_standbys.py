@@ -1,0 +1,155 @@
+"""Shards with several hot standbys (docs/replication.md, "Several
+standbys"), with real shard processes: writes are acknowledged once every
+standby of the in-sync set holds them and go on while one standby is down;
+when the primary dies exactly one standby takes over and the others follow
+it; a standby the primary left out of the in-sync set never takes over."""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+
+import tf_dlt
+from tf_dlt.server import replication
+from tf_dlt.server.local import LocalCluster
+from tf_dlt.tools import cluster_stats
+
+from conftest import wait_until
+
+DIM = 8
+IDS = np.arange(600, dtype=np.int64)
+
+
+def _stats_of(cluster: LocalCluster, process: int) -> Any:
+    """Stats of one process (primary or standby), by its admin port."""
+    return replication.member_stats(
+        cluster.process_addresses[process], cluster.admin_ports[process], ""
+    )
+
+
+def _all_caught_up(cluster: LocalCluster, primary: int, standbys: list[int]) -> bool:
+    stats = _stats_of(cluster, primary)
+    caught_up = {s.address for s in stats.standbys if s.caught_up}
+    return {cluster.process_addresses[p] for p in standbys} <= caught_up and len(
+        stats.insync
+    ) == len(standbys)
+
+
+def _train(client: tf_dlt.Client, seed: int, steps: int = 4) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        batch = rng.choice(IDS, 256)
+        client.push("emb", batch, rng.normal(size=(256, DIM)).astype(np.float32), 0.1)
+
+
+def test_one_of_two_standbys_takes_over_and_the_other_follows_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with LocalCluster(
+        1, "--metrics-port", "0", workdir=tmp_path / "cluster", replicas=3
+    ) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        # Each standby was told the in-sync set naming both.
+        primary = _stats_of(cluster, 0)
+        for p in (1, 2):
+            told = _stats_of(cluster, p)
+            assert list(told.insync) == list(primary.insync)
+            assert told.role == "standby" and told.caught_up
+        text = cluster_stats.format_stats(client.stats(), cluster.addresses)
+        assert f"shard 0: in sync: {', '.join(primary.insync)}" in text
+        assert len(primary.insync) == 2
+        metrics = (
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{cluster.metrics_ports[0]}/metrics", timeout=10
+            )
+            .read()
+            .decode()
+        )
+        assert "tf_dlt_insync_standbys 2.0" in metrics
+        _train(client, 1)
+        before = client.pull("emb", IDS)
+
+        cluster.kill(0)
+        np.testing.assert_array_equal(client.pull("emb", IDS), before)
+
+        def serving() -> list[int]:
+            return [p for p in (1, 2) if _stats_of(cluster, p).role == "primary"]
+
+        wait_until(lambda: bool(serving()), "a standby to take over")
+        (new,) = serving()  # exactly one
+        (other,) = {1, 2} - {new}
+        assert _stats_of(cluster, new).epoch == 2
+        # The other follows the new primary, copies it and is in its set.
+        wait_until(lambda: _all_caught_up(cluster, new, [other]), "the other standby to follow")
+        assert serving() == [new]
+        assert _stats_of(cluster, other).standby_of == cluster.process_addresses[new]
+        assert "took over from" in cluster.log(other)
+        _train(client, 2)  # sync: on both
+        before = client.pull("emb", IDS)
+
+        cluster.kill(new)  # the second failure: the last standby takes over
+        np.testing.assert_array_equal(client.pull("emb", IDS), before)
+        last = _stats_of(cluster, other)
+        assert last.role == "primary" and last.epoch == 3
+
+
+def test_a_standby_the_primary_left_out_never_takes_over(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A standby that stops answering (frozen) leaves the in-sync set: the
+    writes after it are acknowledged by the other alone, which was told
+    the set without it first. The primary then dies and the frozen one
+    wakes: it holds a whole copy but lacks those writes, so it must not take
+    over; the other does, with every write acknowledged."""
+    with LocalCluster(1, "--io-timeout", "2", workdir=tmp_path / "cluster", replicas=3) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        _train(client, 3)
+        # Freeze the one that comes first in the set: it would be chosen.
+        first = cluster.process_addresses.index(_stats_of(cluster, 0).insync[0])
+        (second,) = {1, 2} - {first}
+        cluster.processes[first].send_signal(signal.SIGSTOP)
+        try:
+            _train(client, 4)  # acknowledged once the frozen one is out of the set
+            primary = _stats_of(cluster, 0)
+            assert list(primary.insync) == [cluster.process_addresses[second]]
+            told = _stats_of(cluster, second)
+            assert list(told.insync) == [cluster.process_addresses[second]]
+            assert told.insync_version == primary.insync_version
+            before = client.pull("emb", IDS)
+            cluster.kill(0)
+        finally:
+            cluster.processes[first].send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(client.pull("emb", IDS), before)
+        wait_until(lambda: _stats_of(cluster, second).role == "primary", "the other to take over")
+        # The frozen one follows the one that took over instead of serving.
+        wait_until(lambda: _all_caught_up(cluster, second, [first]), "the frozen one to follow")
+        assert _stats_of(cluster, first).role == "standby"
+        assert ": taking over" not in cluster.log(first)
+        fresh = tf_dlt.Client(cluster.addresses)
+        np.testing.assert_array_equal(fresh.pull("emb", IDS), before)
+
+
+def test_a_standby_down_when_the_primary_dies_is_waited_for(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The primary dies while another standby is down (not yet detached):
+    that one might hold a newer in-sync set, so the survivor does not take
+    over until it answers; restarted (it answers holding nothing), the
+    survivor takes over with every acknowledged row and it follows."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=3) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        _train(client, 5)
+        before = client.pull("emb", IDS)
+        cluster.kill(2)
+        cluster.kill(0)
+        wait_until(lambda: "does not answer" in cluster.log(1), "the survivor to wait")
+        time.sleep(2.0)  # several more probes: still waiting
+        assert _stats_of(cluster, 1).role == "standby"
+        cluster.restart(2)  # rejoins (--replica-set), holding nothing
+        wait_until(lambda: _stats_of(cluster, 1).role == "primary", "the survivor to take over")
+        np.testing.assert_array_equal(client.pull("emb", IDS), before)
+        wait_until(lambda: _all_caught_up(cluster, 1, [2]), "the restarted one to follow")
