@@ -60,6 +60,9 @@ CASES = (
          quick=("--cases", "admission,sweep", "--sweep-rows", "20000")),
     Case("bench_tiers", "a table 10x the memory budget on the disk tier",
          quick=("--rows", "400000", "--fractions", "0.25", "--seconds", "1")),
+    Case("bench_tier_scale", "5e8 rows grown under a 6 GiB budget: growth, Zipf and uniform pulls",
+         quick=("--rows", "1500000", "--budget", str(300 << 20), "--baseline-rows", "100000",
+                "--seconds", "1")),
     Case("bench_peers", "side by side with TFRA (a TF 2.16 environment of its own)",
          quick=("--without-tfra", "--keys", "20000", "--reps", "1")),
 )  # fmt: skip

@@ -455,8 +455,9 @@ class Table {
   std::atomic<uint64_t> ram_limit_{0};
   std::atomic<uint64_t> promotions_{0}, demotions_{0};
   mutable std::mutex tier_error_mu_;
-  std::string tier_error_;  // guarded by tier_error_mu_
-  TierStats rates_;         // last counters and rates; guarded by tier_error_mu_
+  std::string tier_error_;                 // guarded by tier_error_mu_
+  std::atomic<bool> tier_failing_{false};  // tier_error_ is not empty
+  TierStats rates_;                        // last counters and rates; guarded by tier_error_mu_
 };
 
 }  // namespace dlt

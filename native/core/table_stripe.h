@@ -35,8 +35,11 @@ constexpr size_t kRemovalSlots = 8192;
 constexpr uint32_t kColdPagesPerHold = 32;
 constexpr size_t kDemoteBatch = 256;
 // Milliseconds a push waits at most for the memory keeper while the RAM
-// rows are far past their limit (back-pressure instead of memory growth).
-constexpr int kRoomWaits = 100;
+// rows are far past their limit (back-pressure instead of memory growth:
+// under sustained inserts a shard grows as fast as the keeper moves rows
+// to disk, and its memory stays within the budget). A keeper that fails
+// to move rows (a disk error) is not waited for.
+constexpr int kRoomWaits = 10000;
 // Salts of the per-id random streams (initial rows use their own).
 constexpr uint64_t kAdmitSalt = 0x243f6a8885a308d3ULL;
 constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;

@@ -35,7 +35,9 @@ void Table::AttachTier(const std::string& dir) {
 void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
-  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 8; ++i) {
+  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 8 &&
+                  !tier_failing_.load(std::memory_order_relaxed);
+       ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
@@ -198,6 +200,7 @@ size_t Table::ram_rows() const {
 void Table::SetTierError(const std::string& error) {
   std::lock_guard<std::mutex> lock(tier_error_mu_);
   tier_error_ = error;
+  tier_failing_.store(!error.empty(), std::memory_order_relaxed);
 }
 
 void Table::UpdateTierRates(double seconds) {

@@ -1,0 +1,238 @@
+"""Tiered storage at the scale it exists for (docs/tiered_storage.md): one
+shard process under a fixed --memory-budget (default 6 GiB) grown by
+training inserts to far more rows than its budget holds (default 5e8 rows of
+dim 10, bfloat16 values and Adagrad slots), against a 1M-row table of the
+same config all in RAM in another shard process, measured in the same run:
+
+- growth: rows/s of training steps that each insert a batch of new ids
+  (a pull that makes the rows, then a push of their gradients);
+- Zipf(--skew) pull rows/s over every id in training steps (a pull, then a
+  push), as a ratio of the same traffic's on the all-RAM table (target >=
+  0.5 with skew 1.05); and in pulls alone (a read-only stream);
+- uniform pull rows/s in training steps, with the tier's slot reads per
+  pulled row beside them (the device reads the worst case pays);
+- the tiered shard's peak resident set (VmHWM) against its budget (target
+  <= budget + 10%), and the tier files' disk bytes per row (blocks
+  allocated, not file sizes).
+
+Ids are spread over int64 (a bijective mix of 0..rows-1), so nothing about
+them is sequential for the table's hashing. With --page-cache-limit B the
+tiered shard runs in a memory cgroup of its budget plus B bytes, so its tier
+files cannot stay in the page cache (root; see bench_tiers.py).
+
+Usage: python bench/bench_tier_scale.py [--rows N] [--dim D] [--budget BYTES]
+       [--seconds S] [--skew 1.05] [--storage-dir DIR] [--page-cache-limit B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_tiers import page_cache_capped
+
+from tf_dlt import Client
+from tf_dlt.server.local import LocalCluster
+
+from common import emit, log
+
+BATCH = 65_536
+TABLE = "bench"
+_MIX = np.int64(0x9E3779B97F4A7C15 >> 1)  # odd: a bijection of int64
+_SPREAD = 2_654_435_761  # coprime with every row count tried here
+
+
+def ids_of(counters: np.ndarray) -> np.ndarray:
+    """The ids of row numbers `counters` (int64, wrapping)."""
+    with np.errstate(over="ignore"):
+        return (counters.astype(np.int64) * _MIX) ^ np.int64(12345)
+
+
+def zipf_batch(rng: np.random.Generator, rows: int, skew: float) -> np.ndarray:
+    """A batch of ids under Zipf(skew) over `rows` ranks (the continuous
+    approximation, inverted in closed form: numpy's sampler is too slow to
+    keep up with the pulls), rank r being row r x _SPREAD mod rows: the hot
+    rows are not neighbours."""
+    u = rng.random(BATCH)
+    top = float(rows) ** (1.0 - skew)
+    ranks = np.floor((1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - skew))) - 1
+    ranks = np.clip(ranks, 0, rows - 1).astype(np.uint64)
+    return ids_of((ranks * np.uint64(_SPREAD)) % np.uint64(rows))
+
+
+def uniform_batch(rng: np.random.Generator, rows: int) -> np.ndarray:
+    return ids_of(rng.integers(0, rows, BATCH))
+
+
+def tier_of(client: Client) -> dict[str, int]:
+    (stats,) = client.stats()
+    (table,) = [t for t in stats["tables"] if t["config"]["name"] == TABLE]
+    return {**table.get("tier", {}), "rows": int(table["rows"])}
+
+
+def peak_rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    line = next(x for x in status.splitlines() if x.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024
+
+
+def disk_bytes(directory: Path) -> int:
+    """Bytes the files under `directory` occupy on disk."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def create(client: Client, dim: int) -> None:
+    client.create_table(
+        TABLE, dim, "uniform", "adagrad", value_dtype="bfloat16", slot_dtype="bfloat16"
+    )
+
+
+def grow(client: Client, rows: int, dim: int, pid: int, budget: int) -> float:
+    """Inserts rows 0..rows-1 by training steps; rows/s."""
+    grads = np.full((BATCH, dim), 1e-3, dtype=np.float32)
+    start = last = time.perf_counter()
+    reported = 0
+    for first in range(0, rows, BATCH):
+        n = min(BATCH, rows - first)
+        ids = ids_of(np.arange(first, first + n, dtype=np.int64))
+        client.pull(TABLE, ids)
+        client.push(TABLE, ids, grads[:n], 0.01)
+        if first + n - reported >= max(rows // 20, BATCH) or first + n == rows:
+            now = time.perf_counter()
+            tier = tier_of(client)
+            log(
+                f"{first + n:,} rows in {now - start:.0f} s ("
+                f"{(first + n - reported) / (now - last) / 1e6:.2f} M rows/s lately); "
+                f"{tier.get('ram_rows', 0):,} in RAM, {tier.get('disk_rows', 0):,} on disk; "
+                f"peak RSS {peak_rss(pid) / budget:.2f} of the budget"
+            )
+            reported, last = first + n, now
+    return rows / (time.perf_counter() - start)
+
+
+def steps(client: Client, batches, dim: int, seconds: float, push: bool = True):  # type: ignore[no-untyped-def]
+    """Training steps (a pull, then a push of its gradients; pulls only
+    without `push`) on batches from `batches` (a callable) for `seconds` of
+    pulling; pull rows/s, push rows/s (0 without pushes), rows pulled."""
+    grads = np.full((BATCH, dim), 1e-3, dtype=np.float32)
+    rows, pull_s, push_s = 0, 0.0, 0.0
+    while pull_s < seconds:
+        ids = batches()
+        t = time.perf_counter()
+        client.pull(TABLE, ids)
+        pull_s += time.perf_counter() - t
+        if push:
+            t = time.perf_counter()
+            client.push(TABLE, ids, grads, 0.01)
+            push_s += time.perf_counter() - t
+        rows += len(ids)
+    return rows / pull_s, (rows / push_s if push else 0.0), rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=500_000_000)
+    p.add_argument("--dim", type=int, default=10)
+    p.add_argument("--budget", type=int, default=6 << 30)
+    p.add_argument("--baseline-rows", type=int, default=1_000_000)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--skew", type=float, default=1.05)
+    p.add_argument(
+        "--storage-dir", help="disk tier directory (default: under /work or the temp dir)"
+    )
+    p.add_argument(
+        "--page-cache-limit", type=float, default=None,
+        help="run the tiered shard in a memory cgroup of its budget plus this many bytes (root)",
+    )  # fmt: skip
+    args = p.parse_args()
+    work = Path(
+        tempfile.mkdtemp(
+            prefix="bench_tier_scale-", dir="/work" if Path("/work").is_dir() else None
+        )
+    )
+    storage = Path(args.storage_dir) if args.storage_dir else work / "ssd"
+    shutil.rmtree(storage, ignore_errors=True)
+    out: dict[str, object] = {
+        "bench": "tier_scale", "rows": args.rows, "dim": args.dim, "budget_bytes": args.budget,
+        "skew": args.skew, "page_cache_limit": args.page_cache_limit,
+    }  # fmt: skip
+    rng = np.random.default_rng(7)
+    try:
+        with LocalCluster(1, "--threads", "2") as ram_cluster, Client(ram_cluster.addresses) as ram:
+            log(f"all in RAM: {args.baseline_rows:,} rows")
+            create(ram, args.dim)
+            out["baseline_grow_rows_per_s"] = round(
+                grow(ram, args.baseline_rows, args.dim, ram_cluster.processes[0].pid, 1 << 62)
+            )
+            zipf = lambda: zipf_batch(rng, args.baseline_rows, args.skew)  # noqa: E731
+            steps(ram, zipf, args.dim, 2.0)
+            pull, push, _ = steps(ram, zipf, args.dim, args.seconds)
+            out["baseline_zipf_pull_rows_per_s"] = round(pull)
+            out["baseline_zipf_push_rows_per_s"] = round(push)
+            out["baseline_zipf_pull_only_rows_per_s"] = round(
+                steps(ram, zipf, args.dim, args.seconds, push=False)[0]
+            )
+            uniform = lambda: uniform_batch(rng, args.baseline_rows)  # noqa: E731
+            out["baseline_uniform_pull_rows_per_s"] = round(
+                steps(ram, uniform, args.dim, args.seconds)[0]
+            )
+        cap = None if args.page_cache_limit is None else args.budget + int(args.page_cache_limit)
+        flags = [
+            "--threads",
+            "2",
+            "--memory-budget",
+            str(args.budget),
+            "--storage-dir",
+            str(storage),
+        ]
+        with page_cache_capped(cap), LocalCluster(1, *flags) as cluster:
+            pid = cluster.processes[0].pid
+            with Client(cluster.addresses) as tiered:
+                log(f"tiered under {args.budget / 2**30:.1f} GiB: {args.rows:,} rows")
+                create(tiered, args.dim)
+                out["grow_rows_per_s"] = round(grow(tiered, args.rows, args.dim, pid, args.budget))
+                grown = tier_of(tiered)
+                out["tier_after_growth"] = grown
+                out["disk_bytes_per_row"] = round(disk_bytes(storage) / args.rows, 1)
+                zipf = lambda: zipf_batch(rng, args.rows, args.skew)  # noqa: E731
+                uniform = lambda: uniform_batch(rng, args.rows)  # noqa: E731
+                log("Zipf pulls alone (a read-only stream: RAM is full, so nothing moves in)")
+                out["zipf_pull_only_rows_per_s"] = round(
+                    steps(tiered, zipf, args.dim, args.seconds, push=False)[0]
+                )
+                log("Zipf training steps (first a warm-up of the same length)")
+                steps(tiered, zipf, args.dim, args.seconds)
+                pull, push, _ = steps(tiered, zipf, args.dim, args.seconds)
+                out["zipf_pull_rows_per_s"] = round(pull)
+                out["zipf_push_rows_per_s"] = round(push)
+                log("uniform training steps")
+                before = tier_of(tiered)
+                pull, _, pulled = steps(tiered, uniform, args.dim, args.seconds)
+                after = tier_of(tiered)
+                out["uniform_pull_rows_per_s"] = round(pull)
+                out["uniform_slot_reads_per_row"] = round(
+                    (after.get("disk_reads", 0) - before.get("disk_reads", 0)) / pulled, 3
+                )
+                out["tier"] = after
+            out["peak_rss"] = peak_rss(pid)
+        out["rss_over_budget"] = round(int(out["peak_rss"]) / args.budget, 3)  # type: ignore[call-overload]
+        out["zipf_vs_all_ram"] = round(
+            int(out["zipf_pull_rows_per_s"]) / int(out["baseline_zipf_pull_rows_per_s"]),
+            3,  # type: ignore[call-overload]
+        )
+        emit(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
