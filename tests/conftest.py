@@ -3,6 +3,7 @@ waits, every process stopped in teardown)."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -62,6 +63,13 @@ def staged_rows(path: str, num_shards: int) -> dict[str, Rows]:
                         values[i].tobytes(), slots[i].tobytes(), int(steps[i]), age
                     )  # fmt: skip
     return out
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (for servers that need theirs up front)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cluster_stats
 
-from conftest import wait_until
+from conftest import free_port, wait_until
 
 DIM = 8
 
@@ -161,7 +160,7 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
     """Both processes of a shard started at once with --replica-set (a
     Kubernetes job's first start): the first begins as the primary, the
     other follows it; a member of another shard is refused by name."""
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     members = [f"127.0.0.1:{p}" for p in ports]
     servers = [
         ShardServer(0, 1, port=p, replica_set=members, advertise=m, takeover_after_s=1.0)
@@ -257,7 +256,7 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
     tables and follows it: the replica set ends with one primary again and
     every row kept."""
     caplog.set_level(logging.INFO, logger="tf_dlt.server")
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     members = [f"127.0.0.1:{p}" for p in ports]
 
     def member(i: int, takeover_after_s: float = 1.0) -> ShardServer:
@@ -304,12 +303,6 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
         for server in (first, second, restarted):
             if server is not None:
                 server.stop(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCluster) -> None:

@@ -16,9 +16,10 @@ import numpy as np
 import tf_dlt
 from tf_dlt.server import replication
 from tf_dlt.server.local import LocalCluster
+from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cluster_stats
 
-from conftest import wait_until
+from conftest import free_port, wait_until
 
 DIM = 8
 IDS = np.arange(600, dtype=np.int64)
@@ -153,3 +154,39 @@ def test_a_standby_down_when_the_primary_dies_is_waited_for(tmp_path) -> None:  
         wait_until(lambda: _stats_of(cluster, 1).role == "primary", "the survivor to take over")
         np.testing.assert_array_equal(client.pull("emb", IDS), before)
         wait_until(lambda: _all_caught_up(cluster, 1, [2]), "the restarted one to follow")
+
+
+def test_a_replica_set_of_three_started_out_of_order_elects_the_first() -> None:
+    """Three members of a shard start with --replica-set, the first of the
+    list seconds after the others (pods scheduled apart): the others do not
+    begin while the first may still come, and once it does it begins and
+    both follow it: one primary, never two."""
+    ports = [free_port() for _ in range(3)]
+    members = [f"127.0.0.1:{p}" for p in ports]
+    servers = [
+        ShardServer(0, 1, port=p, replica_set=members, advertise=m, takeover_after_s=1.0)
+        for p, m in zip(ports, members, strict=True)
+    ]
+    try:
+        servers[2].start()
+        servers[1].start()
+        time.sleep(3.0)  # several surveys: the first does not answer yet
+        assert [s.servicer.snapshot()["role"] for s in servers[1:]] == ["joining", "joining"]
+        servers[0].start()
+        wait_until(
+            lambda: (
+                servers[0].servicer.snapshot()["role"] == "primary"
+                and all(s.servicer.snapshot().get("caught_up") for s in servers[1:])
+            ),
+            "the first to begin and the others to follow it",
+        )
+        assert [s.servicer.snapshot()["role"] for s in servers] == [
+            "primary", "standby", "standby",
+        ]  # fmt: skip
+        client = tf_dlt.Client(["|".join(members)])
+        client.create_table("emb", DIM)
+        client.push("emb", IDS[:10], np.ones((10, DIM), np.float32), 0.1)
+        assert client.stats()[0]["data_port"] == ports[0]
+    finally:
+        for server in servers:
+            server.stop(0)

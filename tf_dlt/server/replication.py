@@ -211,6 +211,7 @@ class StandbyLink:
         self._stub: Any = None
         self.took_over = False
         self.began = False
+        self._beginning = False  # begin() runs (a load): others wait
         self.takeovers = 0
         self.error = ""
 
@@ -220,10 +221,13 @@ class StandbyLink:
 
     @property
     def role(self) -> str:
-        """The role: "joining" (a replica set member learning it), "standby",
-        or "primary" (it took over, or began as the primary)."""
+        """The role: "joining" (a replica set member learning it),
+        "beginning" (one loading to begin as the primary), "standby", or
+        "primary" (it took over, or began as the primary)."""
         if self.took_over or self.began:
             return "primary"
+        if self._beginning:
+            return "beginning"
         return "standby" if self.primary is not None else "joining"
 
     def start(self) -> StandbyLink:
@@ -317,7 +321,8 @@ class StandbyLink:
             return True  # never copy an empty restart over the rows held here
         if self._serving_peer() is not None:
             return True  # another standby took over: follow it
-        if restarted and self._peer_holds_copy():
+        attached = {s.address for s in stats.standbys}  # the restart's own
+        if restarted and self._peer_holds_copy(attached):
             return False  # that one takes over; this one follows it then
         self._attach()
         return False
@@ -329,13 +334,16 @@ class StandbyLink:
         role too), _BEGIN (the others answer but hold no whole copy), _ALONE
         (none answers)."""
         rank = self._replica_set.index(self._advertise)
-        serving: list[tuple[int, str]] = []
+        # (epoch, -order, address): the newest copy, the earliest member of
+        # those at the same epoch (as _watch_members breaks the tie).
+        serving: list[tuple[int, int, str]] = []
         verdict = _ALONE
+        earlier_silent = False  # a member before this one in the list did not answer
         for order, member in enumerate(self._replica_set):
             if member == self._advertise:
                 continue
             try:
-                serving.append((self._greet(member)["epoch"], member))
+                serving.append((self._greet(member)["epoch"], -order, member))
                 continue
             except (errors.InvalidArgumentError, errors.UnauthenticatedError):
                 raise
@@ -349,18 +357,25 @@ class StandbyLink:
             except errors.FailedPreconditionError:
                 # "not a standby": it serves trainers (its first Hello failed
                 # for another reason, or it began since).
-                serving.append((0, member))
+                serving.append((0, -order, member))
                 continue
             except (errors.DltError, grpc.RpcError, OSError) as e:
                 self.error = f"{member}: {e}"  # no process, or no answer
+                earlier_silent |= order < rank
                 continue
-            if (stats.role == "standby" and stats.caught_up) or (
-                stats.role == "joining" and order < rank
+            if (
+                (stats.role == "standby" and stats.caught_up)
+                or stats.role == "beginning"
+                or (stats.role == "joining" and order < rank)
             ):
                 verdict = _WAIT
             elif verdict == _ALONE:
                 verdict = _BEGIN  # a standby of a dead primary without a whole copy
-        return max(serving)[1] if serving else verdict
+        if serving:
+            return max(serving)[2]
+        # One that comes first and does not answer may be starting: begin
+        # only after waiting for it (BEGIN_ALONE_AFTER_S), as when alone.
+        return _ALONE if verdict == _BEGIN and earlier_silent else verdict
 
     def choose_role(self) -> bool:
         """Learns this replica set member's role: follows the member that
@@ -398,6 +413,7 @@ class StandbyLink:
                     "the primary"
                 )
                 assert self._begin is not None
+                self._beginning = True
                 try:
                     self._begin()
                 except Exception as e:  # noqa: BLE001 - a failed load: logged, tried again
@@ -405,6 +421,8 @@ class StandbyLink:
                     log.error("replica set: %s; trying again", self.error)
                     self._stop.wait(_SURVEY_INTERVAL_S * 10)
                     continue
+                finally:
+                    self._beginning = False
                 self.began = True
                 return False
             self._stop.wait(_SURVEY_INTERVAL_S)
@@ -429,6 +447,7 @@ class StandbyLink:
         instead once that one took over."""
         while not self._stop.is_set():
             self._admin = None
+            failures = 0
             while not self._stop.is_set() and self._admin is None:
                 try:
                     self._attach()
@@ -436,6 +455,12 @@ class StandbyLink:
                     self.error = f"attaching to {self.primary}: {e}"
                     log.warning("standby: %s; trying again", self.error)
                     self._admin = None
+                    failures += 1
+                    if failures % 6 == 0:  # it died or stepped down: another may serve
+                        serving = self._serving_peer()
+                        if serving is not None and serving != self.primary:
+                            log.warning("standby: %s serves now: following it", serving)
+                            self.primary = serving
                     self._stop.wait(0.5)
             outcome = self._watch_primary()
             if outcome is None:
@@ -532,10 +557,12 @@ class StandbyLink:
                 return peer
         return None
 
-    def _peer_holds_copy(self) -> bool:
-        """Another standby of this shard holds a whole copy (it may take
-        over)."""
+    def _peer_holds_copy(self, besides: set[str]) -> bool:
+        """Another standby of this shard, not among `besides`, holds a whole
+        copy (it may take over)."""
         for peer in self._known_peers():
+            if peer in besides:
+                continue  # it follows the restart: its copy is the restart's
             found = self._peer_view(peer)
             if found is not None and found[0] == "standby" and found[1].caught_up:
                 return True
