@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_tiers import page_cache_capped
+from bench_tiers import page_cache_capped, peak_rss
 
 from tf_dlt import Client
 from tf_dlt.server.local import LocalCluster
@@ -73,12 +73,6 @@ def tier_of(client: Client) -> dict[str, int]:
     (stats,) = client.stats()
     (table,) = [t for t in stats["tables"] if t["config"]["name"] == TABLE]
     return {**table.get("tier", {}), "rows": int(table["rows"])}
-
-
-def peak_rss(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    line = next(x for x in status.splitlines() if x.startswith("VmHWM"))
-    return int(line.split()[1]) * 1024
 
 
 def disk_bytes(directory: Path) -> int:

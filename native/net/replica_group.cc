@@ -122,7 +122,7 @@ Status ReplicaGroup::Written(uint64_t seq) {
       version = version_;
       all = in_sync_.empty();
       for (const Attached& m : members_) {
-        if (all || std::find(in_sync_.begin(), in_sync_.end(), m.address) != in_sync_.end()) {
+        if (all || InSyncLocked(m.address)) {
           waited.push_back(m);
         }
       }
@@ -244,7 +244,7 @@ wire::InSyncView ReplicaGroup::ViewLocked() const {
   view.version = version_;
   // In attach order, which every standby told this version reads alike.
   for (const Attached& m : members_) {
-    if (std::find(in_sync_.begin(), in_sync_.end(), m.address) != in_sync_.end()) {
+    if (InSyncLocked(m.address)) {
       view.members += (view.members.empty() ? "" : "|") + m.address;
     }
   }
@@ -253,10 +253,8 @@ wire::InSyncView ReplicaGroup::ViewLocked() const {
 
 wire::InSyncView ReplicaGroup::ViewFor(uint64_t id, bool joining) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it =
-      std::find_if(members_.begin(), members_.end(), [&](const Attached& m) { return m.id == id; });
-  if (joining && it != members_.end() &&
-      std::find(in_sync_.begin(), in_sync_.end(), it->address) == in_sync_.end()) {
+  auto it = ByIdLocked(id);
+  if (joining && it != members_.end() && !InSyncLocked(it->address)) {
     in_sync_.push_back(it->address);
     ++it->joins;
     ++version_;
@@ -266,8 +264,7 @@ wire::InSyncView ReplicaGroup::ViewFor(uint64_t id, bool joining) {
 
 void ReplicaGroup::Leave(uint64_t id, uint64_t joins) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it =
-      std::find_if(members_.begin(), members_.end(), [&](const Attached& m) { return m.id == id; });
+  auto it = ByIdLocked(id);
   if (it == members_.end()) return;
   if (joins != ~uint64_t{0} && it->joins != joins) return;  // it joined again since
   LeaveLocked(it->address);
@@ -291,6 +288,15 @@ std::vector<ReplicaGroup::Member> ReplicaGroup::PruneLocked() {
     it = members_.erase(it);
   }
   return pruned;
+}
+
+std::vector<ReplicaGroup::Attached>::iterator ReplicaGroup::ByIdLocked(uint64_t id) {
+  return std::find_if(members_.begin(), members_.end(),
+                      [&](const Attached& m) { return m.id == id; });
+}
+
+bool ReplicaGroup::InSyncLocked(const std::string& address) const {
+  return std::find(in_sync_.begin(), in_sync_.end(), address) != in_sync_.end();
 }
 
 void ReplicaGroup::LeaveLocked(const std::string& address) {

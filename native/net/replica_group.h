@@ -95,8 +95,11 @@ class ReplicaGroup : public WriteListener {
   std::vector<Member> PruneLocked();
   void LeaveLocked(const std::string& address);  // mu_ held
   std::vector<Member> MembersLocked() const;     // mu_ held
-  std::string AddressesLocked() const;           // mu_ held
-  wire::InSyncView ViewLocked() const;           // mu_ held
+  // The member replicator `id` is, or members_.end(). mu_ held.
+  std::vector<Attached>::iterator ByIdLocked(uint64_t id);
+  bool InSyncLocked(const std::string& address) const;  // mu_ held
+  std::string AddressesLocked() const;                  // mu_ held
+  wire::InSyncView ViewLocked() const;                  // mu_ held
   void FollowFrom(size_t index, const std::vector<Member>& members,
                   const std::vector<std::shared_ptr<Table>>& first,
                   const std::function<std::vector<std::shared_ptr<Table>>()>& swap,

@@ -61,12 +61,7 @@ void Replicator::Stop() {
     thread.swap(thread_);
   }
   cv_.notify_all();
-  {
-    // A frame in flight to a standby that hangs ends now, not at its timeout.
-    std::lock_guard<std::mutex> lock(fd_mu_);
-    if (fd_ >= 0) shutdown(fd_, SHUT_RDWR);
-    for (int lane : lanes_) shutdown(lane, SHUT_RDWR);
-  }
+  Reconnect();  // a frame in flight to a standby that hangs ends now, not at its timeout
   if (thread.joinable()) thread.join();
   Disconnect();
   std::lock_guard<std::mutex> lock(mu_);  // Follow may run meanwhile

@@ -119,8 +119,9 @@ class Replicator : public WriteListener {
   // As Written, and the round that acknowledges it (or a later one) told
   // the standby the group's view `view_version` or a later one.
   Status Written(uint64_t mark, uint64_t view_version);
-  // Closes the connection (the next round connects again and copies every
-  // table whole): a group gave up waiting for this standby.
+  // Shuts the connection down: a frame in flight fails at once, and the
+  // next round connects again and copies every table whole (a group gave
+  // up waiting for this standby; Stop uses it too).
   void Reconnect();
   // A live re-shard (docs/replication.md), while writes are held. Pausing
   // runs one more round (every write acknowledged is on the standby), then

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import grpc
@@ -251,8 +251,8 @@ class StandbyLink:
         info = _native.hello(address, self._token, timeout_ms=1000, replica=replica)
         if self._relocate is not None and self.role != "primary":
             self._relocate(info)  # restarted with the layout before a re-shard
-        index, count = self._place()
-        if (info["shard_index"], info["num_shards"]) != (index, count):
+        if not self._same_place(info):
+            index, count = self._place()
             raise errors.InvalidArgumentError(
                 f"{address} is shard {info['shard_index']} of {info['num_shards']}; this "
                 f"standby is shard {index} of {count}"
@@ -538,8 +538,8 @@ class StandbyLink:
     def _same_place(self, info: dict[str, Any]) -> bool:
         return (info["shard_index"], info["num_shards"]) == self._place()
 
-    def _known_peers(self) -> list[str]:
-        """The shard's other processes: the standbys its primary's last
+    def known_peers(self) -> list[str]:
+        """The shard's other processes (Stats `peers`): the standbys its primary's last
         Hello named, the in-sync set the primary told this standby (which
         may be the only news of one that attached just before the primary
         died), and a replica set's members."""
@@ -548,25 +548,31 @@ class StandbyLink:
             peers = self._hello_peers | told | set(self._replica_set)
         return sorted(peers - {self._advertise, self.primary or ""})
 
-    def _serving_peer(self) -> str | None:
-        """Another process of this shard that serves trainers at a newer
-        epoch than this standby's primary (it took over), if any."""
-        for peer in self._known_peers():
+    def _first_peer(
+        self, test: Callable[[str, Any], bool], besides: Collection[str] = ()
+    ) -> str | None:
+        """The first known peer (not among `besides`) whose `_peer_view`
+        (kind, Hello or Stats) passes `test`."""
+        for peer in self.known_peers():
+            if peer in besides:
+                continue
             found = self._peer_view(peer)
-            if found is not None and found[0] == "serves" and found[1]["epoch"] > self._epoch():
+            if found is not None and test(found[0], found[1]):
                 return peer
         return None
 
+    def _serving_peer(self) -> str | None:
+        """Another process of this shard that serves trainers at a newer
+        epoch than this standby's primary (it took over), if any."""
+        epoch = self._epoch()
+        return self._first_peer(lambda kind, what: kind == "serves" and what["epoch"] > epoch)
+
     def _peer_holds_copy(self, besides: set[str]) -> bool:
-        """Another standby of this shard, not among `besides`, holds a whole
-        copy (it may take over)."""
-        for peer in self._known_peers():
-            if peer in besides:
-                continue  # it follows the restart: its copy is the restart's
-            found = self._peer_view(peer)
-            if found is not None and found[0] == "standby" and found[1].caught_up:
-                return True
-        return False
+        """Another standby of this shard, not among `besides` (those follow
+        a restart: their copy is the restart's), holds a whole copy (it may
+        take over)."""
+        found = self._first_peer(lambda kind, what: kind == "standby" and what.caught_up, besides)
+        return found is not None
 
     def _elect(self) -> str | None:
         """This standby's primary is gone and it is caught up: who takes
@@ -589,7 +595,7 @@ class StandbyLink:
         answered: dict[str, tuple[Any, int]] = {}
         asked: set[str] = set()
         silent: list[str] = []
-        pending = self._known_peers()
+        pending = self.known_peers()
         while pending:
             peer = pending.pop()
             asked.add(peer)
@@ -662,10 +668,6 @@ class StandbyLink:
         with self._lock:
             promise = self._promise
         return promise[0] if promise is not None and promise[1] > time.monotonic() else ""
-
-    def known_peers(self) -> list[str]:
-        """The shard's other processes this one knows of (Stats `peers`)."""
-        return self._known_peers()
 
     def _waiting(self, why: str) -> str | None:
         """Logs why this standby does not take over (once per reason); None."""
