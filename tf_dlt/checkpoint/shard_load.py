@@ -233,11 +233,11 @@ def apply_link(
     """
     m = link.manifest
     listed = {normalized(i["config"])["name"]: i for i in m["tables"]}
-    fs, root = filesystem(link.path)
     entries = [
         e for e in m["files"] if e["end_bucket"] > buckets[0] and e["first_bucket"] < buckets[1]
     ]
     state = _LinkState(set(), {}, link.skipped)
+    sizes: list[tuple[_native.Table, int]] = []
     if link.kind == "full":
         tables.clear()
         owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
@@ -249,14 +249,42 @@ def apply_link(
                 continue
             # Sized for its share of the rows, never more than the files hold.
             most = file_bytes // file_row_bytes(table.dim, table.slot_floats)
-            table.reserve(min(int(int(info["rows"]) * owned * 1.02) + 1024, most), threads)
+            sizes.append((table, min(int(int(info["rows"]) * owned * 1.02) + 1024, most)))
     for name in [n for n in tables if n not in listed]:
         del tables[name]  # dropped since the previous checkpoint
     state.clocks.update({name: t.now() for name, t in tables.items()})
 
+    def size_tables() -> None:
+        for table, rows in sizes:
+            table.reserve(rows, threads)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="dlt-reserve") as sizer:
+        # The tables are sized (memory touched, without the GIL) while the
+        # first file opens and its first blocks are read and verified.
+        sized = sizer.submit(size_tables)
+        _apply_files(link, entries, tables, new_table, buckets, state, sized, in_use, lean)
+
+
+def _apply_files(
+    link: manifest_lib.Link,
+    entries: list[dict[str, Any]],
+    tables: dict[str, _native.Table],
+    new_table: NewTable,
+    buckets: tuple[int, int],
+    state: _LinkState,
+    sized: Future[None],
+    in_use: bool,
+    lean: bool,
+) -> None:
+    """Applies the files `entries` of `link` (apply_link's second half),
+    each once `sized` (the tables' sizing) is done."""
+    listed = {normalized(i["config"])["name"]: i for i in link.manifest["tables"]}
+    fs, root = filesystem(link.path)
+
     def apply_file(
         entry: dict[str, Any], f: h5py.File, reader: verified.VerifiedBlocks | None
     ) -> None:
+        sized.result()
         # The groups are listed first: h5py's iterators hold its global
         # lock while suspended, and one left suspended by an error would
         # keep it held (every later save and load of the process waits).

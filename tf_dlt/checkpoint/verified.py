@@ -30,15 +30,16 @@ _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
 # SHA-256, so a load verifies every block as it parses it, in parallel.
 BLOCK_BYTES = 16 << 20
-# Verified blocks a load keeps, and reads ahead. A file whose HDF5 metadata
-# lies in blocks of its own (the manifest's meta_block_bytes; every file
-# saved since) is read in file order, so a few blocks suffice; in an older
+# Verified blocks a load keeps, and reads ahead (on two threads, so two
+# blocks hash at once while the rows of a third are inserted). A file whose
+# HDF5 metadata lies in blocks of its own (the manifest's meta_block_bytes;
+# every file saved since) is read in file order, so a few blocks suffice; in an older
 # file each dataset's chunk index is spread through the file, and the walk
 # of each index re-reads blocks the cache let go. native/core/shard.cc's
 # Shard::kPersistReserve holds a lean load's bytes: on a shard with a
 # memory budget, 2 blocks (one read ahead) whatever the layout.
 _CACHED_BLOCKS = 6
-_READ_AHEAD = 1
+_READ_AHEAD = 3
 _SPREAD_CACHED_BLOCKS = 16
 _SPREAD_READ_AHEAD = 2
 _LEAN_CACHED_BLOCKS = 2
@@ -186,6 +187,8 @@ class VerifiedBlocks(io.RawIOBase):
         if lean:  # within a memory budget: fewer blocks, more reads
             self._cached, self._ahead = _LEAN_CACHED_BLOCKS, 1
         self.reads = 0  # blocks read and verified
+        # Blocks a read waited for from the start, not read ahead of it.
+        self.on_demand = 0
         self._io = threading.Lock()
         self._cache: collections.OrderedDict[int, Future[memoryview]] = collections.OrderedDict()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="dlt-verify")
@@ -217,12 +220,16 @@ class VerifiedBlocks(io.RawIOBase):
         return memoryview(data)
 
     def _get(self, k: int) -> memoryview:
-        for ahead in range(k, min(k + self._ahead + 1, len(self._digests))):
-            if ahead not in self._cache:
-                self._cache[ahead] = self._pool.submit(self._read_block, ahead)
+        if k not in self._cache:
+            self.on_demand += 1
+        ahead = range(k, min(k + self._ahead + 1, len(self._digests)))
+        for a in ahead:
+            if a not in self._cache:
+                self._cache[a] = self._pool.submit(self._read_block, a)
         self._cache.move_to_end(k)
+        # The least recently used block goes, never one read ahead of k.
         while len(self._cache) > self._cached:
-            self._cache.popitem(last=False)
+            del self._cache[next(b for b in self._cache if b not in ahead)]
         try:
             return self._cache[k].result()
         except errors.DltError as e:
@@ -319,12 +326,14 @@ class RawRows:
         block = self._reader.block_bytes
         most = 1
         for start in self._layout["ids"][0]:
-            blocks = {
+            blocks = sorted({
                 offsets[start] // block
                 for offsets, _, _, _ in self._layout.values()
                 if start in offsets
-            }
-            most = max(most, len(blocks))
+            })  # fmt: skip
+            # Chunks in two neighbouring blocks (straddling a boundary) are
+            # one place: a read in file order reads the blocks in turn.
+            most = max(most, 1 if blocks[-1] - blocks[0] <= 1 else len(blocks))
         return most
 
     @staticmethod
