@@ -21,7 +21,8 @@ budget plus B bytes, which the page cache of its tier files counts against:
 the cold reads and the load then pay the disk, not the page cache.
 
 Usage: python bench/bench_tiers.py [--rows N] [--dim D] [--fractions 0.1,0.25]
-       [--seconds S] [--skew 1.05] [--storage-dir DIR] [--page-cache-limit B]
+       [--seconds S] [--skew 1.05] [--dtype bfloat16] [--storage-dir DIR]
+       [--page-cache-limit B]
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ def main() -> None:
     p.add_argument("--fractions", default="0.1,0.25,0.5")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--skew", type=float, default=1.05)
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="the table's value and slot dtype",
+    )  # fmt: skip
     p.add_argument("--storage-dir", help="disk tier directory (default: under the temp dir)")
     p.add_argument(
         "--page-cache-limit", type=float, default=None,
@@ -177,8 +182,8 @@ def main() -> None:
         tempfile.mkdtemp(prefix="bench_tiers-", dir="/work" if Path("/work").is_dir() else None)
     )
     try:
-        log(f"building {args.rows:,} rows of dim {args.dim} (Adagrad)")
-        table, ids = make_table(args.rows, args.dim)
+        log(f"building {args.rows:,} rows of dim {args.dim} (Adagrad, {args.dtype})")
+        table, ids = make_table(args.rows, args.dim, value_dtype=args.dtype, slot_dtype=args.dtype)
         shard = _native.Shard(0, 1)
         shard.install_tables([table])
         checkpoint = work / "ckpt"
@@ -213,7 +218,8 @@ def main() -> None:
                     key = f"{op}_rows_per_s"
                     emit({
                         "bench": "tiers", "case": f"{kind} {op}", "rows": args.rows,
-                        "dim": args.dim, "budget_fraction": fraction, "budget_bytes": budget,
+                        "dim": args.dim, "dtype": args.dtype, "budget_fraction": fraction,
+                        "budget_bytes": budget,
                         "table_ram_bytes": table_ram, "idle_rss": idle_rss,
                         "value": round(got[kind][key]),  # type: ignore[index]
                         "baseline_value": round(base[kind][key]),  # type: ignore[index]

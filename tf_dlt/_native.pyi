@@ -17,6 +17,8 @@ RECORD_HEADER_BYTES: int
 PERSIST_RESERVE_BYTES: int
 MIN_ROW_ROOM_BYTES: int
 GENERATION_BYTES: int
+TIER_RAM_BYTES_PER_SLOT: int
+TIER_SLOT_EXTRA_BYTES: int
 
 def bucket_of(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.uint32]: ...
 def validate_table_config(config: dict[str, Any]) -> dict[str, Any]: ...

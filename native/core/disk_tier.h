@@ -1,8 +1,9 @@
 // The disk tier of one table stripe: the stripe's cold rows in a file of
 // fixed-size pages on local SSD (docs/tiered_storage.md). An id's place is
 // computed from its hash (two candidate pages, the emptier one takes a new
-// row), so the only RAM a cold row costs is its slot's 16-bit fingerprint and
-// 16-bit generation. Occupancy lives in RAM only: freeing a slot (a promotion
+// row), so the only RAM a cold row costs is its slot's 16-bit fingerprint;
+// the row's id, record and 16-bit change generation are in the slot on disk.
+// Occupancy lives in RAM only: freeing a slot (a promotion
 // or a removal) never writes to disk, and a lookup reads just the slots whose
 // fingerprint matches. Not thread-safe: the stripe's lock guards it. The file
 // is a cache of the shard's own state, unlinked when the tier goes; no TF or
@@ -38,6 +39,13 @@ void InjectDiskFaults(const DiskFaults& faults);
 class TierFile {
  public:
   static constexpr uint32_t kNoSlot = 0xffffffffu;
+  // RAM per slot (the fingerprint), and the bytes a slot holds on disk
+  // besides the record: the id before it, the generation after it, and 2
+  // bytes of padding (records are multiples of 8 bytes), so every record
+  // in a page read into memory is 4-byte aligned, as its header's fields
+  // are read.
+  static constexpr size_t kRamBytesPerSlot = sizeof(uint16_t);
+  static constexpr size_t kSlotExtraBytes = sizeof(int64_t) + 2 * sizeof(uint16_t);
 
   // A tier at `path` (created, or truncated if it exists) for records of
   // `record_bytes` of ids in routing buckets [first_bucket, first_bucket +
@@ -93,15 +101,17 @@ class TierFile {
   // Slots, for iteration: a slot is in use when Used(slot).
   uint32_t slots() const { return static_cast<uint32_t>(fingerprints_.size()); }
   bool Used(uint32_t slot) const { return fingerprints_[slot] != 0; }
-  uint16_t Generation(uint32_t slot) const { return generations_[slot]; }
   uint32_t slots_per_page() const { return slots_per_page_; }
   // Reads pages [first, first + n) into `buffer` (n * page_bytes()).
   Status ReadPages(uint32_t first, uint32_t n, char* buffer) const;
-  // The key and record of slot `s` of a page read by ReadPages.
+  // The slot data (key, record, generation) of slot `s` of a page read by
+  // ReadPages.
   const char* SlotIn(const char* page, uint32_t s) const { return page + size_t{s} * slot_bytes_; }
   static int64_t KeyOf(const char* slot_data);
   static const char* RecordOf(const char* slot_data) { return slot_data + sizeof(int64_t); }
-  // Reads slot `slot` (key then record) into `buffer` (slot_bytes()).
+  // The generation stored after `record` (RecordOf a slot's data).
+  uint16_t GenerationAfter(const char* record) const;
+  // Reads slot `slot` (key, record, generation) into `buffer` (slot_bytes()).
   Status ReadSlot(uint32_t slot, char* buffer) const;
 
   uint32_t pages() const { return num_pages_; }
@@ -110,8 +120,11 @@ class TierFile {
   size_t page_bytes() const { return page_bytes_; }
   size_t slot_bytes() const { return slot_bytes_; }
   uint64_t rows() const { return rows_; }
-  // RAM the tier holds per slot (fingerprints and generations).
+  // RAM the tier holds (a fingerprint per slot).
   size_t ram_bytes() const;
+  // The same once the file doubles, from 2/3 of the fill that doubles it
+  // on: what the memory keeper makes room for before the doubling.
+  size_t ram_bytes_ahead() const;
   // The RAM it would hold once sized for `rows` rows (Open or Reserve).
   size_t RamBytesFor(uint64_t rows) const;
   // Bytes of the file.
@@ -131,11 +144,20 @@ class TierFile {
   uint32_t UsedIn(uint32_t page) const;
   // A free slot of the emptier candidate page, or kNoSlot.
   uint32_t FreeSlot(uint64_t hash, uint16_t* fingerprint) const;
-  Status WriteSlot(uint32_t slot, int64_t key, const char* record);
+  Status WriteSlot(uint32_t slot, int64_t key, const char* record, uint16_t generation);
+  // Lays a slot's data (key, record, generation) out at `to`.
+  void FillSlot(char* to, int64_t key, const char* record, uint16_t generation) const;
   // Where slot `slot` starts in the file.
   size_t SlotOffset(uint32_t slot) const;
   // Moves every row into a file of `pages` pages (a power of two).
   Status Resize(uint32_t pages);
+  // Resize's copy into `next` (open, empty, larger): the old file is read
+  // once in order and the new one written about once in order, a group of
+  // bucket windows (at most kResizeGroupBytes of new pages) at a time.
+  Status CopyInto(TierFile* next);
+  // The pages [*begin, *begin + *width) of `bucket` in a file of `pages`
+  // pages (the whole file for a bucket outside the stripe's range).
+  void Window(uint32_t bucket, uint64_t pages, uint64_t* begin, uint64_t* width) const;
   // The error of a failed read, write or allocation (counted).
   Status ReadError(int err) const;
   Status WriteError(const char* what, int err) const;
@@ -159,7 +181,6 @@ class TierFile {
   std::vector<uint32_t> prefetched_;    // slots read by Prefetch, sorted
   std::vector<char> prefetch_data_;     // their bytes, in that order
   std::vector<uint16_t> fingerprints_;  // per slot; 0: free
-  std::vector<uint16_t> generations_;   // per slot: the row's change generation
 };
 
 }  // namespace dlt

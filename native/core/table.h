@@ -234,12 +234,15 @@ class Table {
   // With a disk tier and max_rows: removes the lowest-scoring rows of both
   // tiers of each stripe over its quota; returns how many.
   size_t EvictAcrossTiers();
-  // Rows in RAM, and RAM bytes one more RAM row costs (record, generation,
-  // index entry at the average fill).
+  // Rows in RAM, and RAM bytes a RAM row costs: its record, generation and
+  // its share of the index as loaded now (12-byte slots at a load of 3/8 to
+  // 3/4: 16 to 32 bytes; 24 while the table is small).
   size_t ram_rows() const;
-  size_t ram_row_bytes() const { return record_bytes_ + sizeof(uint16_t) + 24; }
+  size_t ram_row_bytes() const;
   // RAM bytes that do not grow with the RAM rows: the sketch, the disk
-  // tier's per-slot fingerprints and generations, removal logs.
+  // tier's per-slot fingerprints (counted at the size a tier file's next
+  // doubling gives them once it is near it, so the memory keeper makes room
+  // before), removal logs.
   size_t ram_fixed_bytes() const;
   TierStats tier_stats() const;
   // Records a disk error of this table's tier (the keeper's, for stats).
@@ -276,7 +279,7 @@ class Table {
   // Rows in both tiers.
   size_t size() const;
   // RAM bytes in use: rows with their slots, the index, the sketch and the
-  // disk tier's per-slot fingerprints and generations.
+  // disk tier's per-slot fingerprints.
   size_t bytes() const;
   TableCounters counters() const;
 

@@ -163,6 +163,7 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
         if (e.record != kEmpty && goes(e.key)) keys.push_back(e.key);
       }
       erased += EraseFrom(&stripe, keys);
+      stripe.Compact(record_bytes_);
     }
     const Status read = ForEachCold(
         &stripe, [&] { return std::unique_lock<std::shared_mutex>(stripe.mu); },
@@ -207,8 +208,9 @@ bool Table::Exporter::List(Stripe* stripe) {
           return attempt < 2 ? std::shared_lock<std::shared_mutex>(stripe->mu)
                              : std::shared_lock<std::shared_mutex>();
         },
-        [&](uint32_t slot, int64_t key, const char*) {
-          if (changed_only_ && !table_->ChangedSince(stripe->tier->Generation(slot), since_)) {
+        [&](uint32_t slot, int64_t key, const char* record) {
+          if (changed_only_ &&
+              !table_->ChangedSince(stripe->tier->GenerationAfter(record), since_)) {
             return;
           }
           const uint32_t bucket = BucketOf(key);

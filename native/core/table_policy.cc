@@ -110,6 +110,10 @@ size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
       }
       removed += EraseFrom(&stripe, victims);
     }
+    {
+      std::unique_lock<std::shared_mutex> lock(stripe.mu);
+      stripe.Compact(record_bytes_);
+    }
     // Cold rows: each batch of pages is read and judged under the lock.
     const Status read = ForEachCold(
         &stripe, [&] { return std::unique_lock<std::shared_mutex>(stripe.mu); },

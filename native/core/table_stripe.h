@@ -30,12 +30,16 @@ constexpr uint32_t kCopyAhead = 8;
 constexpr uint32_t kApplyAhead = 2;
 // Index slots a removal pass examines per hold of a stripe's lock.
 constexpr size_t kRemovalSlots = 8192;
+// A stripe gives freed records' memory back once this many, and a tenth of
+// its records, are free (Stripe::Compact): the memory keeper making room
+// for a tier file's doubling moves about a tenth of the RAM rows out.
+constexpr uint32_t kCompactMinFree = 1024;
 // Disk tier pages a pass over cold rows reads per hold of a stripe's lock,
 // and rows a demotion writes per hold.
 constexpr uint32_t kColdPagesPerHold = 32;
 constexpr size_t kDemoteBatch = 256;
 // Milliseconds a push waits at most for the memory keeper while the RAM
-// rows are far past their limit (back-pressure instead of memory growth:
+// rows are past their limit by 1/32 (back-pressure instead of memory growth:
 // under sustained inserts a shard grows as fast as the keeper moves rows
 // to disk, and its memory stays within the budget). A keeper that fails
 // to move rows (a disk error) is not waited for.
@@ -286,6 +290,68 @@ struct Table::Stripe {
     chunk_bytes[k] = bytes;
     num_chunks = k + 1;
     return true;
+  }
+
+  // Gives back the memory of records a wave of removals freed (rows moved
+  // to disk, expired, evicted, given away): free records otherwise stay in
+  // the arena, and the process's memory with them. Moves the rows of the
+  // highest records into free records below, unmaps or releases
+  // (MADV_DONTNEED) the arena and generations above, and halves an index
+  // far emptier than its load. Records move, so `removals` is bumped:
+  // exports find their rows again. Caller holds mu exclusively. True when
+  // it compacted.
+  bool Compact(size_t record_bytes) {
+    const uint32_t free = num_records - live;
+    if (free < kCompactMinFree || free < num_records / 10) return false;
+    // Records [0, top) stay: the live rows and a few more for reuse.
+    const uint32_t top = live + live / 32 + kCompactMinFree / 4;
+    if (top >= num_records) return false;
+    std::vector<uint32_t> below;
+    below.reserve(top - live);
+    for (uint32_t r : free_records) {
+      if (r < top) below.push_back(r);
+    }
+    for (IndexEntry& e : index) {
+      if (e.record == kEmpty || e.record < top) continue;
+      const uint32_t to = below.back();  // as many free below top as live above it
+      below.pop_back();
+      std::memcpy(Record(to, record_bytes), Record(e.record, record_bytes), record_bytes);
+      Generation(to) = Generation(e.record);
+      e.record = to;
+    }
+    free_records.swap(below);
+    free_records.shrink_to_fit();
+    for (uint32_t k = num_chunks; k-- > 0;) {
+      const size_t first = FirstRecordOf(k), records = size_t{1} << (k + kBaseRecordsLog2);
+      if (first + records <= top) break;
+      if (first >= top) {  // the whole chunk goes
+        munmap(chunks[k], chunk_bytes[k]);
+        chunks[k] = nullptr;
+        chunk_bytes[k] = 0;
+        generations[k].reset();
+        num_chunks = k;
+        continue;
+      }
+      ReleasePages(chunks[k] + (top - first) * record_bytes, chunks[k] + chunk_bytes[k]);
+      ReleasePages(reinterpret_cast<char*>(&generations[k][top - first]),
+                   reinterpret_cast<char*>(&generations[k][records]));
+    }
+    num_records = top;
+    ++removals;
+    // An index at under 3/16 load halves until at most 3/8.
+    size_t capacity = index.size();
+    while (capacity > 16 && !IndexMustGrow(2 * uint64_t{live}, capacity / 2)) capacity /= 2;
+    if (capacity * 2 <= index.size()) GrowTo(capacity);
+    return true;
+  }
+
+  // Gives the whole pages within [begin, end) back to the system (they read
+  // as zeros when touched again).
+  static void ReleasePages(char* begin, char* end) {
+    const auto page = static_cast<uintptr_t>(4096);
+    const uintptr_t from = (reinterpret_cast<uintptr_t>(begin) + page - 1) & ~(page - 1);
+    const uintptr_t to = reinterpret_cast<uintptr_t>(end) & ~(page - 1);
+    if (to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_DONTNEED);
   }
 
   // Removes the entry at index slot `i` (backward-shift deletion, so the

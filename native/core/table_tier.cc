@@ -35,7 +35,7 @@ void Table::AttachTier(const std::string& dir) {
 void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
-  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 8 &&
+  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 32 &&
                   !tier_failing_.load(std::memory_order_relaxed);
        ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -105,6 +105,7 @@ size_t Table::Demote(size_t want, Status* status) {
       const size_t erased = EraseFrom(&stripe, victims);
       evicted_.fetch_add(erased, std::memory_order_relaxed);
       moved += erased;
+      stripe.Compact(record_bytes_);
       continue;
     }
     // A batch of rows per hold of the lock: pulls of this stripe wait for
@@ -126,6 +127,8 @@ size_t Table::Demote(size_t want, Status* status) {
         ++moved;
       }
     }
+    std::unique_lock<std::shared_mutex> lock(stripe.mu);
+    stripe.Compact(record_bytes_);
   }
   demotions_.fetch_add(to_disk ? moved : 0, std::memory_order_relaxed);
   return moved;
@@ -163,6 +166,7 @@ size_t Table::EvictAcrossTiers() {
     const std::vector<int64_t> victims = Lowest(&scored, rows - quota + quota / 32);
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     evicted += EraseFrom(&stripe, victims);
+    stripe.Compact(record_bytes_);
   }
   evicted_.fetch_add(evicted, std::memory_order_relaxed);
   return evicted;
@@ -173,8 +177,9 @@ size_t Table::RamBytes(bool fixed_only) const {
   for (uint32_t s = 0; s < kStripes; ++s) {
     const Stripe& stripe = stripes_[s];
     std::shared_lock<std::shared_mutex> lock(stripe.mu);
-    total += stripe.removed.capacity() * sizeof(Removal) + stripe.ChangeLogBytes() +
-             (stripe.tier ? stripe.tier->ram_bytes() : 0);
+    total += stripe.removed.capacity() * sizeof(Removal) + stripe.ChangeLogBytes();
+    if (stripe.tier)
+      total += fixed_only ? stripe.tier->ram_bytes_ahead() : stripe.tier->ram_bytes();
     if (fixed_only) continue;
     total += size_t{stripe.num_records} * (record_bytes_ + sizeof(uint16_t)) +
              stripe.index.size() * sizeof(IndexEntry) +
@@ -184,6 +189,17 @@ size_t Table::RamBytes(bool fixed_only) const {
 }
 
 size_t Table::ram_fixed_bytes() const { return RamBytes(/*fixed_only=*/true); }
+
+size_t Table::ram_row_bytes() const {
+  uint64_t slots = 0, live = 0;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    slots += stripes_[s].index.size();
+    live += stripes_[s].live;
+  }
+  const uint64_t index = live < kStripes * 16 ? 24 : slots * sizeof(IndexEntry) / live;
+  return record_bytes_ + sizeof(uint16_t) + std::clamp<uint64_t>(index, 16, 32);
+}
 
 char* Table::ScratchRecord() const {
   thread_local std::vector<char> scratch;

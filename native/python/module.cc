@@ -44,6 +44,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("PERSIST_RESERVE_BYTES") = dlt::Shard::kPersistReserve;
   m.attr("MIN_ROW_ROOM_BYTES") = dlt::Shard::kMinRowRoom;
   m.attr("GENERATION_BYTES") = Table::kGenerationBytes;
+  m.attr("TIER_RAM_BYTES_PER_SLOT") = TierFile::kRamBytesPerSlot;
+  m.attr("TIER_SLOT_EXTRA_BYTES") = TierFile::kSlotExtraBytes;
   m.def("record_bytes", [](const py::dict& d) {
     const TableConfig c = ConfigFromDict(d);
     Check(ValidateTableConfig(c));

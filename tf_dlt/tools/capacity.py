@@ -39,10 +39,11 @@ SLOTS = _native.OPTIMIZER_SLOTS
 DTYPE_BYTES = _native.DTYPE_BYTES
 GENERATION_BYTES = _native.GENERATION_BYTES
 # The disk tier (docs/tiered_storage.md): a cold row keeps a 16-bit
-# fingerprint and a 16-bit generation per slot in RAM, and takes an 8-byte id
-# plus its record on disk; tier files double when 3/4 full, so slots are
-# 3/8 to 3/4 used: the plan takes the mean, 9/16.
-TIER_RAM_BYTES_PER_SLOT = 4
+# fingerprint per slot in RAM, and takes its record plus an 8-byte id, a
+# 16-bit generation and 2 bytes of padding on disk; tier files double when
+# 3/4 full, so slots are 3/8 to 3/4 used: the plan takes the mean, 9/16.
+TIER_RAM_BYTES_PER_SLOT = _native.TIER_RAM_BYTES_PER_SLOT
+TIER_SLOT_EXTRA_BYTES = _native.TIER_SLOT_EXTRA_BYTES
 TIER_MEAN_FILL = 9 / 16
 # The keeper holds RAM rows under this fraction of --memory-budget.
 BUDGET_FRACTION = 0.9
@@ -158,7 +159,7 @@ def tier_plan(
     rows under a `budget` of bytes, and the RAM hit rate under Zipf(skew)
     (ids hash evenly over shards, so each shard sees the same skew)."""
     cold_ram = TIER_RAM_BYTES_PER_SLOT / TIER_MEAN_FILL
-    disk_row = (8 + record) / TIER_MEAN_FILL
+    disk_row = (TIER_SLOT_EXTRA_BYTES + record) / TIER_MEAN_FILL
     room = budget * BUDGET_FRACTION - rows_per_shard * cold_ram
     ram_rows = min(rows_per_shard, max(0.0, room / (per_row - cold_ram)))
     disk_rows = rows_per_shard - ram_rows
@@ -243,7 +244,7 @@ def plan(
         # the cold entries, and whose SSDs hold the rest.
         cold_ram = TIER_RAM_BYTES_PER_SLOT / TIER_MEAN_FILL
         by_index = resident * cold_ram / (memory_budget * BUDGET_FRACTION * 0.9)
-        by_disk = resident * (8 + record) / TIER_MEAN_FILL / ssd_bytes
+        by_disk = resident * (TIER_SLOT_EXTRA_BYTES + record) / TIER_MEAN_FILL / ssd_bytes
         memory_shards = max(1, math.ceil(max(by_index, by_disk)))
     ids = math.ceil(trainers * batch * unique_fraction)
     # Rows/s per shard core were measured at dim per_core["dim"]: scaled by
