@@ -344,6 +344,12 @@ size_t Shard::KeepMemory() {
       }
     }
   }
+  // Records the moved rows freed go back to the system while the process
+  // holds more than its rows may take (else the next rows made take them
+  // again, and giving them back would only churn pages).
+  if (resident + kPersistReserve > budget_ * kTargetFraction) {
+    for (const auto& t : tables) t->Compact();
+  }
   SetRamLimits(tables, target);
   const double since = std::chrono::duration<double>(now - keeper_rated_).count();
   if (since >= 1.0) {

@@ -234,6 +234,12 @@ class Table {
   // With a disk tier and max_rows: removes the lowest-scoring rows of both
   // tiers of each stripe over its quota; returns how many.
   size_t EvictAcrossTiers();
+  // Gives back to the system the memory of records that moved rows, or
+  // removed ones, freed (Stripe::Compact, in each stripe with a tenth of
+  // its records free). Demote leaves that to the memory keeper, which calls
+  // this while the process needs the memory: free records are otherwise
+  // taken again by the next rows made.
+  void Compact();
   // Rows in RAM, and RAM bytes a RAM row costs: its record, generation and
   // its share of the index as loaded now (12-byte slots at a load of 3/8 to
   // 3/4: 16 to 32 bytes; 24 while the table is small).
@@ -395,6 +401,15 @@ class Table {
   // The lowest-scoring `want` of `scored` (score, key) pairs' keys.
   static std::vector<int64_t> Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored,
                                      size_t want);
+  // The keys of `want` cold rows of `stripe`, for the memory keeper: rows
+  // at or below the score of the coldest fraction q (twice the wave's share
+  // of the stripe's rows, at least 1/16) of a sample, found by sweeping the
+  // index on from where the last sweep stopped, so about 1/q rows are
+  // scored a victim instead of every row each pass. A wave of a quarter of
+  // the rows or more (or a small stripe) takes the coldest exactly, every
+  // row scored (`scored` is scratch). Caller holds the lock (any mode).
+  std::vector<int64_t> Coldest(Stripe* stripe, size_t want, uint32_t now,
+                               std::vector<std::pair<uint64_t, int64_t>>* scored);
   uint64_t Score(const char* record, uint32_t now) const;
   // RAM bytes of the table (the rows' part too unless `fixed_only`).
   size_t RamBytes(bool fixed_only) const;

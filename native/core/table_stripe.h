@@ -26,6 +26,10 @@ constexpr size_t kHugePage = size_t{2} << 20;
 // Prefetch distances (in ids) of the batched lookup's index probes and row copies.
 constexpr uint32_t kProbeAhead = 32;
 constexpr uint32_t kCopyAhead = 8;
+// The keeper's cold-row choice (Table::Coldest): index slots sampled, and
+// the smallest quantile of their scores a victim is at or below (1/16).
+constexpr uint32_t kColdSampleSlots = 1024;
+constexpr size_t kColdSampleQuantile = 16;
 // Rows ahead whose record and gradient a push prefetches.
 constexpr uint32_t kApplyAhead = 2;
 // Index slots a removal pass examines per hold of a stripe's lock.
@@ -38,12 +42,14 @@ constexpr uint32_t kCompactMinFree = 1024;
 // and rows a demotion writes per hold.
 constexpr uint32_t kColdPagesPerHold = 32;
 constexpr size_t kDemoteBatch = 256;
-// Milliseconds a push waits at most for the memory keeper while the RAM
-// rows are past their limit by 1/32 (back-pressure instead of memory growth:
-// under sustained inserts a shard grows as fast as the keeper moves rows
-// to disk, and its memory stays within the budget). A keeper that fails
-// to move rows (a disk error) is not waited for.
-constexpr int kRoomWaits = 10000;
+// A push waits for the memory keeper while the RAM rows are past their
+// limit by 1/16, in naps of kRoomWaitMicros, kRoomWaits of them at most (10
+// s): back-pressure instead of memory growth, so under sustained inserts a
+// shard grows as fast as the keeper moves rows to disk and its memory stays
+// within the budget. A keeper that fails to move rows (a disk error) is not
+// waited for.
+constexpr int kRoomWaitMicros = 200;
+constexpr int kRoomWaits = 50000;
 // Salts of the per-id random streams (initial rows use their own).
 constexpr uint64_t kAdmitSalt = 0x243f6a8885a308d3ULL;
 constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;
@@ -137,6 +143,9 @@ struct Table::Stripe {
   Index index;               // capacity is a power of two (or empty)
   uint32_t num_records = 0;  // records ever allocated (live + free)
   uint32_t live = 0;
+  // Where the memory keeper's next sweep for cold rows starts (an index
+  // slot; taken modulo the index size).
+  std::atomic<size_t> sweep{0};
   // Rows ever removed or moved between tiers (exports re-check rows after
   // one).
   uint64_t removals = 0;

@@ -35,10 +35,10 @@ void Table::AttachTier(const std::string& dir) {
 void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
-  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 32 &&
+  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 16 &&
                   !tier_failing_.load(std::memory_order_relaxed);
        ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::microseconds(kRoomWaitMicros));
   }
 }
 
@@ -92,20 +92,13 @@ size_t Table::Demote(size_t want, Status* status) {
       // This stripe's share of the rows to move, rounded up.
       const size_t share = (want * size_t{stripe.live} + total - 1) / total;
       if (share == 0) continue;
-      scored.clear();
-      scored.reserve(stripe.live);
-      for (const IndexEntry& e : stripe.index) {
-        if (e.record == kEmpty) continue;
-        scored.emplace_back(Score(stripe.Record(e.record, record_bytes_), now), e.key);
-      }
-      victims = Lowest(&scored, share);
+      victims = Coldest(&stripe, share, now, &scored);
     }
     if (!to_disk) {
       std::unique_lock<std::shared_mutex> lock(stripe.mu);
       const size_t erased = EraseFrom(&stripe, victims);
       evicted_.fetch_add(erased, std::memory_order_relaxed);
       moved += erased;
-      stripe.Compact(record_bytes_);
       continue;
     }
     // A batch of rows per hold of the lock: pulls of this stripe wait for
@@ -127,11 +120,62 @@ size_t Table::Demote(size_t want, Status* status) {
         ++moved;
       }
     }
-    std::unique_lock<std::shared_mutex> lock(stripe.mu);
-    stripe.Compact(record_bytes_);
   }
   demotions_.fetch_add(to_disk ? moved : 0, std::memory_order_relaxed);
   return moved;
+}
+
+void Table::Compact() {
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    stripes_[s].Compact(record_bytes_);
+  }
+}
+
+std::vector<int64_t> Table::Coldest(Stripe* stripe, size_t want, uint32_t now,
+                                    std::vector<std::pair<uint64_t, int64_t>>* scored) {
+  const Index& index = stripe->index;
+  const size_t mask = index.size() - 1;
+  // Victims come from the coldest fraction `q` of the rows: twice the
+  // wave's share, at least a sixteenth; a wave of a quarter or more (q of
+  // half or more) takes the coldest exactly.
+  const double q = std::max(2.0 * static_cast<double>(want) / std::max<uint32_t>(stripe->live, 1),
+                            1.0 / kColdSampleQuantile);
+  std::vector<uint64_t> sample;
+  if (q < 0.5) {
+    uint64_t x = stripe->sweep.load(std::memory_order_relaxed) + kGolden;
+    for (uint32_t i = 0; i < kColdSampleSlots; ++i) {
+      x = Mix64(x + kGolden);
+      const IndexEntry& e = index[x & mask];
+      if (e.record != kEmpty) sample.push_back(Score(stripe->Record(e.record, record_bytes_), now));
+    }
+  }
+  if (sample.size() < kColdSampleSlots / 8) {  // a wave, or a small stripe: every row scored
+    scored->clear();
+    scored->reserve(stripe->live);
+    for (const IndexEntry& e : index) {
+      if (e.record == kEmpty) continue;
+      scored->emplace_back(Score(stripe->Record(e.record, record_bytes_), now), e.key);
+    }
+    return Lowest(scored, want);
+  }
+  const auto at =
+      sample.begin() + static_cast<std::ptrdiff_t>(static_cast<double>(sample.size()) * q);
+  std::nth_element(sample.begin(), at, sample.end());
+  const uint64_t threshold = *at;
+  // The rows at or below the threshold from where the last sweep stopped.
+  std::vector<int64_t> keys;
+  keys.reserve(want);
+  size_t i = stripe->sweep.load(std::memory_order_relaxed) & mask;
+  for (size_t n = 0; n < index.size() && keys.size() < want; ++n, i = (i + 1) & mask) {
+    const IndexEntry& ahead = index[(i + kProbeAhead) & mask];
+    if (ahead.record != kEmpty) __builtin_prefetch(stripe->Record(ahead.record, record_bytes_));
+    const IndexEntry& e = index[i];
+    if (e.record == kEmpty) continue;
+    if (Score(stripe->Record(e.record, record_bytes_), now) <= threshold) keys.push_back(e.key);
+  }
+  stripe->sweep.store(i, std::memory_order_relaxed);
+  return keys;
 }
 
 size_t Table::EvictAcrossTiers() {

@@ -222,6 +222,46 @@ DLT_TEST(TestTierFileGrowsWindowByWindowKeepingEveryRow) {
   }
 }
 
+DLT_TEST(TestTierFileResizeThatFailsKeepsTheOldFile) {
+  // A write or read failing while the file doubles (into a new file) fails
+  // the Put that grew it, counted; the old file serves every row, and the
+  // next Put grows the file.
+  TempDir dir;
+  constexpr size_t kRecord = 40;
+  TierFile tier(dir.path + "/s.tier", kRecord, 0, 64);
+  EXPECT_OK(tier.Open(1000));
+  std::vector<char> record(kRecord, 'z'), got(kRecord);
+  int64_t id = 0;
+  const uint32_t pages = tier.pages();
+  auto put = [&]() { return tier.Put(Mix64(static_cast<uint64_t>(id)), id, record.data(), 5); };
+  // Up to the fill the next Put doubles at.
+  while (uint64_t{tier.rows() + 1} * 4 <= uint64_t{pages} * tier.slots_per_page() * 3) {
+    EXPECT_OK(put());
+    ++id;
+  }
+  EXPECT(tier.pages() == pages);
+  for (const bool write : {true, false}) {
+    DiskFaults fault;
+    (write ? fault.failing_writes : fault.failing_reads) = 1;
+    fault.write_errno = ENOSPC;
+    InjectDiskFaults(fault);
+    const Status failed = put();
+    InjectDiskFaults(DiskFaults{});
+    EXPECT(!failed.ok() && tier.pages() == pages);
+    EXPECT(write ? failed.code() == Code::kResourceExhausted : failed.code() == Code::kInternal);
+  }
+  EXPECT(tier.write_errors() == 1 && tier.read_errors() == 1);
+  EXPECT(!std::filesystem::exists(tier.path() + ".resize"));
+  for (int64_t i = 0; i < id; ++i) {
+    uint32_t slot;
+    uint16_t generation;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(i)), i, got.data(), &slot, &generation));
+    EXPECT(slot != TierFile::kNoSlot && got == record && generation == 5);
+  }
+  EXPECT_OK(put());
+  EXPECT(tier.pages() == 2 * pages && tier.rows() == static_cast<uint64_t>(id) + 1);
+}
+
 DLT_TEST(TestTierFilePutBatchStoresRowsBesideOthersAndAllOrNothing) {
   // Batches in bucket order beside rows Put one at a time (their pages are
   // read before they are written again), growing the file on the way; a
@@ -398,6 +438,7 @@ DLT_TEST(TestDemotionsGiveTheRecordsMemoryBack) {
   Status s;
   EXPECT(t.Demote(kRows * 3 / 4, &s) >= kRows * 3 / 4 - kStripes);
   EXPECT_OK(s);
+  t.Compact();
   malloc_trim(0);
   const uint64_t after = Shard::ResidentBytes();
   // Records of 104 bytes (and 12-byte index slots): 300,000 rows held
@@ -414,6 +455,33 @@ DLT_TEST(TestDemotionsGiveTheRecordsMemoryBack) {
     EXPECT_OK(oracle.Push(&ids[first], grads.data(), kBatch, 0.02f));
   }
   EXPECT(Rows(&t) == Rows(&oracle));
+}
+
+DLT_TEST(TestSmallDemotionsTakeColdRowsByASampledThreshold) {
+  // Demotions of fewer than a sixteenth of the rows take rows at or below a
+  // sampled sixteenth-coldest score, sweeping on from pass to pass: rows
+  // updated five times (a tenth) are never moved while rows updated once
+  // remain, and every pass moves what it was asked.
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kAdagrad));
+  t.AttachTier(dir.path);
+  constexpr size_t kRows = 200000;
+  std::vector<int64_t> ids(kRows), hot;
+  for (size_t i = 0; i < kRows; ++i) ids[i] = static_cast<int64_t>(Mix64(i + 7));
+  std::vector<float> grads(kRows * 4, 0.25f);
+  EXPECT_OK(t.Push(ids.data(), grads.data(), kRows, 0.1f));
+  for (size_t i = 0; i < kRows; i += 10) hot.push_back(ids[i]);
+  for (int k = 0; k < 4; ++k) EXPECT_OK(t.Push(hot.data(), grads.data(), hot.size(), 0.1f));
+  for (int pass = 0; pass < 20; ++pass) {
+    Status s;
+    EXPECT(t.Demote(2000, &s) >= 2000);
+    EXPECT_OK(s);
+  }
+  EXPECT(t.tier_stats().disk_rows >= 40000);
+  const uint64_t promotions = t.tier_stats().promotions;
+  std::vector<float> out(hot.size() * 4);
+  EXPECT_OK(t.Pull(hot.data(), hot.size(), PullMode::kInsert, out.data()));
+  EXPECT(t.tier_stats().promotions == promotions);  // every hot row was in RAM
 }
 
 DLT_TEST(TestConcurrentPullsPushesAndDemotionsLoseNothing) {
