@@ -48,7 +48,7 @@ class Deduper {
     uint64_t ahead[kProbeAhead];
     for (size_t i = 0; i < std::min(n, kProbeAhead); ++i) {
       ahead[i] = Mix64(static_cast<uint64_t>(ids[i]));
-      __builtin_prefetch(&entries[ahead[i] & mask]);
+      __builtin_prefetch(&entries[Home(ahead[i], mask)]);
     }
     uint32_t distinct = 0;
     for (size_t i = 0; i < n; ++i) {
@@ -56,10 +56,10 @@ class Deduper {
       if (i + kProbeAhead < n) {
         const uint64_t next = Mix64(static_cast<uint64_t>(ids[i + kProbeAhead]));
         ahead[i % kProbeAhead] = next;
-        __builtin_prefetch(&entries[next & mask]);
+        __builtin_prefetch(&entries[Home(next, mask)]);
       }
       const int64_t id = ids[i];
-      size_t h = hash & mask;
+      size_t h = Home(hash, mask);
       while (entries[h].stamp == stamp && entries[h].key != id) h = (h + 1) & mask;
       if (entries[h].stamp != stamp) {
         entries[h] = {id, distinct, stamp};
@@ -73,7 +73,7 @@ class Deduper {
   // The index in the last Run's `unique` of `id`, or -1 if it was not there.
   int64_t Find(int64_t id) const {
     if (entries_.empty()) return -1;
-    size_t h = Mix64(static_cast<uint64_t>(id)) & mask_;
+    size_t h = Home(Mix64(static_cast<uint64_t>(id)), mask_);
     while (entries_[h].stamp == stamp_) {
       if (entries_[h].key == id) return entries_[h].value;
       h = (h + 1) & mask_;
@@ -83,6 +83,13 @@ class Deduper {
 
  private:
   static constexpr size_t kProbeAhead = 16;
+
+  // An id's first slot: hash bits above the routing bucket's (BucketOfHash
+  // takes the low 12), so ids of few buckets (a shard's, a table stripe's)
+  // spread over the table instead of piling onto a few runs. With the low
+  // bits, a load's batch of one stripe's rows (64 buckets) probed hundreds
+  // of slots an id.
+  static size_t Home(uint64_t hash, size_t mask) { return (hash >> 12) & mask; }
 
   // Room for `n` ids at most half full, emptied.
   void Prepare(size_t n) {

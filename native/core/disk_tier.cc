@@ -234,13 +234,25 @@ void TierFile::Window(uint32_t bucket, uint64_t pages, uint64_t* begin, uint64_t
   }
 }
 
+void TierFile::SetPages(uint32_t pages) {
+  num_pages_ = pages;
+  windows_.resize(size_t{num_buckets_} + 1);
+  for (uint32_t b = 0; b <= num_buckets_; ++b) {
+    windows_[b] = static_cast<uint32_t>(uint64_t{b} * pages / num_buckets_);
+  }
+}
+
 void TierFile::Place(uint64_t hash, uint32_t* first, uint32_t* second,
                      uint16_t* fingerprint) const {
   // The pages of the row's bucket: [begin, begin + width). A bucket outside
   // the stripe's range (a table serving every bucket from one stripe's
   // view) gets the whole file.
-  uint64_t begin, width;
-  Window(BucketOfHash(hash) - first_bucket_, num_pages_, &begin, &width);  // wraps below the range
+  const uint32_t bucket = BucketOfHash(hash) - first_bucket_;  // wraps below the range
+  uint64_t begin = 0, width = num_pages_;
+  if (bucket < num_buckets_) {  // the windows Window computes, kept per file size
+    begin = windows_[bucket];
+    width = std::max<uint64_t>(1, windows_[bucket + 1] - begin);
+  }
   // Two hash draws in [0, width), from bits the bucket does not use.
   *first = static_cast<uint32_t>(begin + (((hash >> 32) * width) >> 32));
   *second = static_cast<uint32_t>(begin + ((Mix64(hash ^ kSecondSalt) >> 32) * width >> 32));
@@ -421,6 +433,27 @@ Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t ge
   return OkStatus();
 }
 
+void TierFile::SortByPage(std::vector<std::pair<uint32_t, uint32_t>>* placed) const {
+  if (placed->empty()) return;
+  uint32_t first = UINT32_MAX, last = 0;
+  for (const auto& p : *placed) {
+    first = std::min(first, p.first / slots_per_page_);
+    last = std::max(last, p.first / slots_per_page_);
+  }
+  const size_t pages = size_t{last - first} + 1;
+  if (pages > 4 * placed->size() + 1024) {  // spread thin: a comparison sort
+    std::sort(placed->begin(), placed->end());
+    return;
+  }
+  // A batch of a load fills a few bucket windows: a counting sort by page.
+  std::vector<uint32_t> starts(pages + 1, 0);
+  for (const auto& p : *placed) ++starts[p.first / slots_per_page_ - first + 1];
+  for (size_t i = 1; i <= pages; ++i) starts[i] += starts[i - 1];
+  std::vector<std::pair<uint32_t, uint32_t>> sorted(placed->size());
+  for (const auto& p : *placed) sorted[starts[p.first / slots_per_page_ - first]++] = p;
+  placed->swap(sorted);
+}
+
 Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
                           const char* records, const uint16_t* generations) {
   if (n == 0) return OkStatus();
@@ -448,7 +481,7 @@ Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
     fingerprints_[slot] = print;
     placed.emplace_back(slot, static_cast<uint32_t>(i));
   }
-  std::sort(placed.begin(), placed.end());
+  SortByPage(&placed);
   // A page held rows before this batch when it has a used slot the batch
   // did not place: `mine` counts the batch's slots per page of a run.
   constexpr size_t kRunBytes = size_t{1} << 20;
@@ -526,7 +559,7 @@ Status TierFile::Resize(uint32_t pages) {
   if (num_pages_ == 0) {
     const int err = posix_fallocate(fd_, 0, bytes);
     if (err != 0) return WriteError("allocation", err);
-    num_pages_ = pages;
+    SetPages(pages);
     fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
     return OkStatus();
   }
@@ -543,7 +576,7 @@ Status TierFile::Resize(uint32_t pages) {
   }
   TierFile next(next_path, record_bytes_, first_bucket_, num_buckets_);
   next.fd_ = next_fd;
-  next.num_pages_ = pages;
+  next.SetPages(pages);
   next.fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
   const Status copied = CopyInto(&next);
   if (!copied.ok()) {  // counted here: `next` goes
@@ -555,7 +588,7 @@ Status TierFile::Resize(uint32_t pages) {
   close(fd_);
   fd_ = next.fd_;
   next.fd_ = -1;  // `next` no longer owns (or unlinks) the file
-  num_pages_ = pages;
+  SetPages(pages);
   ++layout_;
   fingerprints_.swap(next.fingerprints_);
   return OkStatus();

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "native/core/routing.h"
@@ -142,6 +143,8 @@ class TierFile {
   // The two candidate pages and the fingerprint of a hash.
   void Place(uint64_t hash, uint32_t* first, uint32_t* second, uint16_t* fingerprint) const;
   uint32_t UsedIn(uint32_t page) const;
+  // Orders (slot, row) pairs by page (slots of a page in any order).
+  void SortByPage(std::vector<std::pair<uint32_t, uint32_t>>* placed) const;
   // A free slot of the emptier candidate page, or kNoSlot.
   uint32_t FreeSlot(uint64_t hash, uint16_t* fingerprint) const;
   Status WriteSlot(uint32_t slot, int64_t key, const char* record, uint16_t generation);
@@ -158,6 +161,9 @@ class TierFile {
   // The pages [*begin, *begin + *width) of `bucket` in a file of `pages`
   // pages (the whole file for a bucket outside the stripe's range).
   void Window(uint32_t bucket, uint64_t pages, uint64_t* begin, uint64_t* width) const;
+  // Sets the file's size in pages and the first page of each bucket's
+  // window (windows_), which Place reads instead of dividing.
+  void SetPages(uint32_t pages);
   // The error of a failed read, write or allocation (counted).
   Status ReadError(int err) const;
   Status WriteError(const char* what, int err) const;
@@ -181,6 +187,7 @@ class TierFile {
   std::vector<uint32_t> prefetched_;    // slots read by Prefetch, sorted
   std::vector<char> prefetch_data_;     // their bytes, in that order
   std::vector<uint16_t> fingerprints_;  // per slot; 0: free
+  std::vector<uint32_t> windows_;       // per bucket (and one past): its first page
 };
 
 }  // namespace dlt

@@ -15,8 +15,8 @@
 #include <new>
 #include <string>
 #include <thread>
-#include <unordered_map>
 
+#include "native/core/dedup.h"
 #include "native/core/finite.h"
 #include "native/core/half.h"
 #include "native/core/initializer.h"
@@ -520,7 +520,8 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
   thread_local std::vector<int64_t> cold_keys;
   thread_local std::vector<char> cold_records;
   thread_local std::vector<uint16_t> cold_generations;
-  thread_local std::unordered_map<int64_t, size_t> cold_index;
+  thread_local Deduper cold_dedup;
+  thread_local std::vector<uint32_t> cold_last;
   for (uint32_t s = 0; s < kStripes; ++s) {
     if (starts[s] == starts[s + 1]) continue;
     Stripe& stripe = stripes_[s];
@@ -531,7 +532,6 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
     cold_keys.clear();
     cold_records.clear();
     cold_generations.clear();
-    cold_index.clear();
     const uint32_t end = starts[s + 1];
     for (uint32_t k = starts[s]; k < end; ++k) {
       // The index probe some ids ahead, and the record of a row a few ahead
@@ -562,15 +562,11 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
           DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold, generation));
           continue;
         }
-        // Into the batch; an id twice in one call: its last row wins.
-        const auto [at, added] = cold_index.emplace(ids[pos], cold_keys.size());
-        if (added) {
-          cold_hashes.push_back(hashes[pos]);
-          cold_keys.push_back(ids[pos]);
-          cold_generations.push_back(generation);
-          cold_records.resize(cold_records.size() + record_bytes_);
-        }
-        std::memcpy(cold_records.data() + at->second * record_bytes_, cold, record_bytes_);
+        // Into the batch (an id twice in one call: its last row wins, below).
+        cold_hashes.push_back(hashes[pos]);
+        cold_keys.push_back(ids[pos]);
+        cold_generations.push_back(generation);
+        cold_records.insert(cold_records.end(), cold, cold + record_bytes_);
         continue;
       }
       if (rec == kEmpty && stripe.tier) {
@@ -596,6 +592,31 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
                /*stochastic=*/false);
     }
     if (!cold_keys.empty()) {
+      // Each id once, with the row of its last occurrence, in the order of
+      // their first.
+      bool repeated = false;
+      cold_last.clear();
+      cold_dedup.Visit(
+          cold_keys.data(), cold_keys.size(),
+          [&](size_t i, uint64_t, uint32_t) { cold_last.push_back(static_cast<uint32_t>(i)); },
+          [&](size_t i, uint32_t u) {
+            cold_last[u] = static_cast<uint32_t>(i);
+            repeated = true;
+          });
+      if (repeated) {
+        for (size_t u = 0; u < cold_last.size(); ++u) {
+          const size_t i = cold_last[u];
+          cold_hashes[u] = cold_hashes[i];
+          cold_keys[u] = cold_keys[i];
+          cold_generations[u] = cold_generations[i];
+          std::memmove(cold_records.data() + u * record_bytes_,
+                       cold_records.data() + i * record_bytes_, record_bytes_);
+        }
+        cold_hashes.resize(cold_last.size());
+        cold_keys.resize(cold_last.size());
+        cold_generations.resize(cold_last.size());
+        cold_records.resize(cold_last.size() * record_bytes_);
+      }
       DLT_RETURN_IF_ERROR(stripe.tier->PutBatch(cold_keys.size(), cold_hashes.data(),
                                                 cold_keys.data(), cold_records.data(),
                                                 cold_generations.data()));

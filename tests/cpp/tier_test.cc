@@ -532,6 +532,29 @@ DLT_TEST(TestConcurrentPullsPushesAndDemotionsLoseNothing) {
   EXPECT(got == want);
 }
 
+DLT_TEST(TestAnIdTwiceInALoadToDiskKeepsItsLastRow) {
+  // Rows bound for the disk tier are batched per stripe; an id twice in one
+  // import is stored once, with the row of its last occurrence.
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kAdagrad));
+  t.AttachTier(dir.path);
+  t.SetRamLimit(kStripes * 16);
+  constexpr size_t kRows = 9000;
+  std::vector<int64_t> ids(kRows);
+  std::vector<float> values(kRows * 4);
+  for (size_t i = 0; i < kRows; ++i) {
+    ids[i] = static_cast<int64_t>(i % 3000) * 7919;  // each id three times
+    for (int j = 0; j < 4; ++j) values[i * 4 + j] = static_cast<float>(i) + j;
+  }
+  EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, nullptr, kRows));
+  EXPECT(t.size() == 3000 && t.tier_stats().disk_rows > 500);
+  const auto rows = Rows(&t);
+  EXPECT(rows.size() == 3000);
+  for (size_t i = 6000; i < kRows; i += 7) {
+    EXPECT(rows.at(ids[i]).values[0] == static_cast<float>(i));
+  }
+}
+
 DLT_TEST(TestLoadPastTheRamLimitGoesToDiskAndPolicyCoversBothTiers) {
   TempDir dir;
   TableConfig config = TierTable(OptimizerKind::kAdagrad);

@@ -35,19 +35,25 @@ BLOCK_BYTES = 16 << 20
 # HDF5 metadata lies in blocks of its own (the manifest's meta_block_bytes;
 # every file saved since) is read in file order, so a few blocks suffice; in an older
 # file each dataset's chunk index is spread through the file, and the walk
-# of each index re-reads blocks the cache let go. native/core/shard.cc's
-# Shard::kPersistReserve holds a lean load's bytes: on a shard with a
-# memory budget, 2 blocks (one read ahead) whatever the layout.
+# of each index re-reads blocks the cache let go. A save writes a chunk of
+# rows dataset after dataset, so the rows a load reads at once may lie in
+# two neighbouring blocks: the cache keeps the block before the one in use
+# and those read ahead of it. native/core/shard.cc's Shard::kPersistReserve
+# holds a lean load's bytes: on a shard with a memory budget, 3 blocks (two
+# in use, one read ahead) whatever the layout.
 _CACHED_BLOCKS = 6
 _READ_AHEAD = 3
 _SPREAD_CACHED_BLOCKS = 16
 _SPREAD_READ_AHEAD = 2
-_LEAN_CACHED_BLOCKS = 2
+_LEAN_CACHED_BLOCKS = 3
 # The most blocks a load keeps for a file whose datasets' chunks of the same
 # rows lie far apart (files saved with HDF5's chunk cache on, before
 # 2026-11-26): three per place read in turn (measured: fewer re-read blocks
 # as the streams pass each other), at most this many.
 _MAX_STREAM_BLOCKS = 12
+# And on a shard with a memory budget (96 MiB: Shard::kPersistReserve holds
+# them and two staged chunks of 8 MiB).
+_MAX_LEAN_STREAM_BLOCKS = 6
 # Shard files up to this size are verified and parsed in memory.
 _SPOOL_IN_MEMORY = 256 << 20
 
@@ -197,13 +203,13 @@ class VerifiedBlocks(io.RawIOBase):
     def hold_streams(self, streams: int) -> None:
         """Keeps enough blocks for `streams` places of the file read in
         turn (datasets whose chunks of the same rows lie apart) so none is
-        read twice (within a cap; a lean load keeps its few). Such a file
+        read twice (within a cap, a lower one for a lean load). Such a file
         reads no block ahead: a stream stays in its block for many reads,
         and a block read ahead for it would be let go before its turn."""
         if streams > 1:
             self._ahead = 0
-        if not self._lean:
-            self._cached = max(self._cached, min(3 * streams, _MAX_STREAM_BLOCKS))
+        most = _MAX_LEAN_STREAM_BLOCKS if self._lean else _MAX_STREAM_BLOCKS
+        self._cached = max(self._cached, min(3 * streams, most))
 
     def _read_block(self, k: int) -> memoryview:
         offset = k * self._block
@@ -227,9 +233,15 @@ class VerifiedBlocks(io.RawIOBase):
             if a not in self._cache:
                 self._cache[a] = self._pool.submit(self._read_block, a)
         self._cache.move_to_end(k)
-        # The least recently used block goes, never one read ahead of k.
+        # The least recently used block goes, never one read ahead of k nor
+        # the one before it (rows straddling two blocks read both in turn:
+        # with 2 kept and 1 read ahead, a lean load re-read each block
+        # about 14 times).
+        keep = range(k - 1, ahead.stop)
         while len(self._cache) > self._cached:
-            del self._cache[next(b for b in self._cache if b not in ahead)]
+            del self._cache[
+                next((b for b in self._cache if b not in keep), next(iter(self._cache)))
+            ]
         try:
             return self._cache[k].result()
         except errors.DltError as e:
