@@ -25,10 +25,9 @@ constexpr size_t kMinSlotsPerPage = 32;
 constexpr size_t kDiskPage = 4096;
 constexpr uint64_t kSecondSalt = 0x452821e638d01377ULL;
 constexpr uint64_t kPrintSalt = 0xbe5466cf34e90c6cULL;
-// Bytes a resize reads per call where it cannot copy window by window, and
-// the most bytes of new pages it builds in memory before writing them.
+// Bytes a resize reads per call, and stores per PutBatch where it does not
+// build the new pages in memory.
 constexpr size_t kResizeReadBytes = size_t{1} << 20;
-constexpr size_t kResizeGroupBytes = size_t{32} << 20;
 
 size_t RoundUpTo(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
@@ -153,11 +152,12 @@ void InjectDiskFaults(const DiskFaults& faults) {
 }
 
 TierFile::TierFile(std::string path, size_t record_bytes, uint32_t first_bucket,
-                   uint32_t num_buckets)
+                   uint32_t num_buckets, size_t group_bytes)
     : path_(std::move(path)),
       record_bytes_(record_bytes),
       first_bucket_(first_bucket),
       num_buckets_(std::max<uint32_t>(num_buckets, 1)),
+      group_bytes_(group_bytes),
       slot_bytes_(kSlotExtraBytes + record_bytes),
       page_bytes_(std::max(kDiskPage, RoundUpTo(kMinSlotsPerPage * slot_bytes_, kDiskPage))) {
   slots_per_page_ = static_cast<uint32_t>(page_bytes_ / slot_bytes_);
@@ -574,7 +574,7 @@ Status TierFile::Resize(uint32_t pages) {
     unlink(next_path.c_str());
     return WriteError("allocation", alloc_err);
   }
-  TierFile next(next_path, record_bytes_, first_bucket_, num_buckets_);
+  TierFile next(next_path, record_bytes_, first_bucket_, num_buckets_, group_bytes_);
   next.fd_ = next_fd;
   next.SetPages(pages);
   next.fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
@@ -588,7 +588,7 @@ Status TierFile::Resize(uint32_t pages) {
   close(fd_);
   fd_ = next.fd_;
   next.fd_ = -1;  // `next` no longer owns (or unlinks) the file
-  SetPages(pages);
+  SetPages(next.num_pages_);
   ++layout_;
   fingerprints_.swap(next.fingerprints_);
   return OkStatus();
@@ -596,22 +596,27 @@ Status TierFile::Resize(uint32_t pages) {
 
 Status TierFile::CopyInto(TierFile* next) {
   const uint64_t new_pages = next->num_pages_;
-  const uint64_t group_pages = std::max<size_t>(1, kResizeGroupBytes / page_bytes_);
+  const uint64_t group_pages = std::max<size_t>(1, group_bytes_ / page_bytes_);
   std::vector<char> old_buffer, new_buffer;
-  // Rows whose slot in `next` lies outside the group being built (rows of
-  // buckets outside the stripe's range, or of a window larger than a
-  // group): stored by PutBatch once every group is written.
-  std::vector<uint64_t> hashes;
-  std::vector<int64_t> keys;
-  std::vector<char> records;
-  std::vector<uint16_t> generations;
-  auto store_others = [&]() -> Status {
-    const Status stored =
-        next->PutBatch(keys.size(), hashes.data(), keys.data(), records.data(), generations.data());
-    hashes.clear();
-    keys.clear();
-    records.clear();
-    generations.clear();
+  // Rows stored by PutBatch instead of through a group's buffer: `group`
+  // holds those of the group being copied (all of them when its windows are
+  // larger than a buffer), stored once its pages are written; `strays`
+  // those of buckets outside the stripe's range (placed anywhere in the
+  // file), stored once every group is written, so no group's buffer is
+  // written over one of them.
+  struct Rows {
+    std::vector<uint64_t> hashes;
+    std::vector<int64_t> keys;
+    std::vector<char> records;
+    std::vector<uint16_t> generations;
+  } group, strays;
+  auto store = [&](Rows* rows) -> Status {
+    const Status stored = next->PutBatch(rows->keys.size(), rows->hashes.data(), rows->keys.data(),
+                                         rows->records.data(), rows->generations.data());
+    *rows = Rows{};
+    if (stored.ok() && next->num_pages_ != new_pages) {  // it grew itself: the groups are off
+      return Internal("disk tier " + path_ + ": a page overflowed while growing");
+    }
     return stored;
   };
   uint64_t old_done = 0;  // old pages [0, old_done) are copied
@@ -625,7 +630,9 @@ Status TierFile::CopyInto(TierFile* next) {
     for (; end_bucket < num_buckets_; ++end_bucket) {
       uint64_t begin, pages;
       Window(end_bucket, new_pages, &begin, &pages);
-      if (begin + pages - first > group_pages) break;
+      // A window sharing a page with the group (a file of fewer pages than
+      // buckets) stays in it: groups never share a page.
+      if (begin + pages - first > group_pages && begin >= last) break;
       last = std::max(last, begin + pages);
     }
     uint64_t old_first, old_width;
@@ -647,9 +654,14 @@ Status TierFile::CopyInto(TierFile* next) {
           const char* data = SlotIn(old_buffer.data() + q * page_bytes_, s);
           const int64_t key = KeyOf(data);
           const uint64_t hash = Mix64(static_cast<uint64_t>(key));
-          uint16_t print;
-          const uint32_t to = built ? next->FreeSlot(hash, &print) : kNoSlot;
-          if (to != kNoSlot && to / slots_per_page_ >= first && to / slots_per_page_ < last) {
+          const uint32_t rel = BucketOfHash(hash) - first_bucket_;  // wraps below the range
+          const bool mine = rel >= bucket && rel < end_bucket;
+          if (built && mine) {  // its two pages lie in the buffer
+            uint16_t print;
+            const uint32_t to = next->FreeSlot(hash, &print);
+            if (to == kNoSlot) {  // both full at under half the fill: never seen
+              return Internal("disk tier " + path_ + ": a page overflowed while growing");
+            }
             std::memcpy(new_buffer.data() + (next->SlotOffset(to) - first * page_bytes_), data,
                         slot_bytes_);
             next->fingerprints_[to] = print;
@@ -657,12 +669,13 @@ Status TierFile::CopyInto(TierFile* next) {
             placed_any = true;
             continue;
           }
-          hashes.push_back(hash);
-          keys.push_back(key);
-          records.insert(records.end(), RecordOf(data), RecordOf(data) + record_bytes_);
-          generations.push_back(GenerationAfter(RecordOf(data)));
-          if (!built && keys.size() * slot_bytes_ >= kResizeReadBytes) {
-            DLT_RETURN_IF_ERROR(store_others());
+          Rows& rows = mine ? group : strays;
+          rows.hashes.push_back(hash);
+          rows.keys.push_back(key);
+          rows.records.insert(rows.records.end(), RecordOf(data), RecordOf(data) + record_bytes_);
+          rows.generations.push_back(GenerationAfter(RecordOf(data)));
+          if (mine && group.keys.size() * slot_bytes_ >= kResizeReadBytes) {
+            DLT_RETURN_IF_ERROR(store(&group));
           }
         }
       }
@@ -676,10 +689,10 @@ Status TierFile::CopyInto(TierFile* next) {
         return next->WriteError("write", err);
       }
     }
-    if (!built) DLT_RETURN_IF_ERROR(store_others());
+    DLT_RETURN_IF_ERROR(store(&group));
     bucket = end_bucket;
   }
-  return store_others();
+  return store(&strays);
 }
 
 }  // namespace dlt

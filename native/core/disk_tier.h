@@ -55,8 +55,11 @@ class TierFile {
   // buckets split the pages in order), so rows arriving in bucket order,
   // as a checkpoint's do, fill the file from front to back: a load writes
   // it about sequentially, each page while it is in the page cache.
+  // `group_bytes`: the most bytes of new pages a resize builds in memory
+  // before writing them (tests set less).
   TierFile(std::string path, size_t record_bytes, uint32_t first_bucket = 0,
-           uint32_t num_buckets = kNumBuckets);
+           uint32_t num_buckets = kNumBuckets, size_t group_bytes = kResizeGroupBytes);
+  static constexpr size_t kResizeGroupBytes = size_t{32} << 20;
   ~TierFile();  // closes and unlinks the file
   TierFile(const TierFile&) = delete;
   TierFile& operator=(const TierFile&) = delete;
@@ -156,7 +159,7 @@ class TierFile {
   Status Resize(uint32_t pages);
   // Resize's copy into `next` (open, empty, larger): the old file is read
   // once in order and the new one written about once in order, a group of
-  // bucket windows (at most kResizeGroupBytes of new pages) at a time.
+  // bucket windows (at most group_bytes_ of new pages) at a time.
   Status CopyInto(TierFile* next);
   // The pages [*begin, *begin + *width) of `bucket` in a file of `pages`
   // pages (the whole file for a bucket outside the stripe's range).
@@ -172,6 +175,7 @@ class TierFile {
   const std::string path_;
   const size_t record_bytes_;
   const uint32_t first_bucket_, num_buckets_;
+  const size_t group_bytes_;
   const size_t slot_bytes_;
   uint32_t slots_per_page_;
   size_t page_bytes_;

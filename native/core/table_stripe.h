@@ -43,13 +43,13 @@ constexpr uint32_t kCompactMinFree = 1024;
 constexpr uint32_t kColdPagesPerHold = 32;
 constexpr size_t kDemoteBatch = 256;
 // A push waits for the memory keeper while the RAM rows are past their
-// limit by 1/16, in naps of kRoomWaitMicros, kRoomWaits of them at most (10
-// s): back-pressure instead of memory growth, so under sustained inserts a
+// limit by 1/16, in naps of kRoomWaitMicros, for kRoomWaitSeconds at most:
+// back-pressure instead of memory growth, so under sustained inserts a
 // shard grows as fast as the keeper moves rows to disk and its memory stays
 // within the budget. A keeper that fails to move rows (a disk error) is not
 // waited for.
 constexpr int kRoomWaitMicros = 200;
-constexpr int kRoomWaits = 50000;
+constexpr int kRoomWaitSeconds = 10;
 // Salts of the per-id random streams (initial rows use their own).
 constexpr uint64_t kAdmitSalt = 0x243f6a8885a308d3ULL;
 constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;
@@ -136,8 +136,9 @@ struct HugePageAllocator {
 
 using Index = std::vector<IndexEntry, HugePageAllocator<IndexEntry>>;
 
-// One stripe: lock, index and arena. Records never move while the table
-// lives; a removed row's record goes to a free list and is reused.
+// One stripe: lock, index and arena. A removed row's record goes to a free
+// list and is reused; records move only when the stripe compacts (Compact,
+// under its lock, bumping `removals`).
 struct Table::Stripe {
   mutable std::shared_mutex mu;
   Index index;               // capacity is a power of two (or empty)
@@ -342,15 +343,21 @@ struct Table::Stripe {
         continue;
       }
       ReleasePages(chunks[k] + (top - first) * record_bytes, chunks[k] + chunk_bytes[k]);
-      ReleasePages(reinterpret_cast<char*>(&generations[k][top - first]),
-                   reinterpret_cast<char*>(&generations[k][records]));
+      ReleasePages(reinterpret_cast<char*>(generations[k].get() + (top - first)),
+                   reinterpret_cast<char*>(generations[k].get() + records));
     }
     num_records = top;
     ++removals;
-    // An index at under 3/16 load halves until at most 3/8.
+    // An index at under 3/16 load halves until at most 3/8 (best effort:
+    // without the memory for the smaller one, it stays as it is).
     size_t capacity = index.size();
     while (capacity > 16 && !IndexMustGrow(2 * uint64_t{live}, capacity / 2)) capacity /= 2;
-    if (capacity * 2 <= index.size()) GrowTo(capacity);
+    if (capacity * 2 <= index.size()) {
+      try {
+        GrowTo(capacity);
+      } catch (const std::bad_alloc&) {
+      }
+    }
     return true;
   }
 

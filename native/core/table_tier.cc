@@ -35,9 +35,9 @@ void Table::AttachTier(const std::string& dir) {
 void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
-  for (int i = 0; i < kRoomWaits && ram_rows() > limit + limit / 16 &&
-                  !tier_failing_.load(std::memory_order_relaxed);
-       ++i) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kRoomWaitSeconds);
+  while (ram_rows() > limit + limit / 16 && !tier_failing_.load(std::memory_order_relaxed) &&
+         std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::microseconds(kRoomWaitMicros));
   }
 }

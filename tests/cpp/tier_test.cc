@@ -222,6 +222,44 @@ DLT_TEST(TestTierFileGrowsWindowByWindowKeepingEveryRow) {
   }
 }
 
+DLT_TEST(TestTierFileGrowsThroughMixedGroupsWithStrays) {
+  // Windows of 21 and 22 pages (48 buckets) with a resize building 21
+  // pages at most: groups built in memory and groups stored row by row
+  // alternate, early sizes have fewer pages than buckets (windows share
+  // pages), and rows of other buckets (strays, placed anywhere) are stored
+  // after every group. Every row keeps its record and generation through
+  // each doubling, Put one at a time.
+  TempDir dir;
+  constexpr size_t kRecord = 40;
+  constexpr uint32_t kFirst = 2000, kBuckets = 48;
+  TierFile tier(dir.path + "/s.tier", kRecord, kFirst, kBuckets, 21 * 4096);
+  std::map<int64_t, std::pair<std::string, uint16_t>> oracle;
+  std::mt19937_64 rng(5);
+  for (int64_t id = 0; oracle.size() < 45000; ++id) {
+    const uint32_t bucket = BucketOf(id);
+    if ((bucket < kFirst || bucket >= kFirst + kBuckets) && id % 64 != 0) continue;
+    std::string record(kRecord, '\0');
+    for (auto& c : record) c = static_cast<char>(rng());
+    const auto generation = static_cast<uint16_t>(rng());
+    EXPECT_OK(tier.Put(Mix64(static_cast<uint64_t>(id)), id, record.data(), generation));
+    oracle[id] = {record, generation};
+  }
+  EXPECT(tier.pages() == 1024);
+  std::vector<char> got(kRecord);
+  size_t found = 0;
+  for (const auto& [id, want] : oracle) {
+    uint32_t slot;
+    uint16_t generation;
+    EXPECT_OK(tier.Find(Mix64(static_cast<uint64_t>(id)), id, got.data(), &slot, &generation));
+    found += slot != TierFile::kNoSlot && std::string(got.begin(), got.end()) == want.first &&
+             generation == want.second;
+  }
+  EXPECT(found == oracle.size() && tier.rows() == oracle.size());
+  size_t used = 0;
+  for (uint32_t slot = 0; slot < tier.slots(); ++slot) used += tier.Used(slot);
+  EXPECT(used == oracle.size());
+}
+
 DLT_TEST(TestTierFileResizeThatFailsKeepsTheOldFile) {
   // A write or read failing while the file doubles (into a new file) fails
   // the Put that grew it, counted; the old file serves every row, and the

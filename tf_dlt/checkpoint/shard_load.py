@@ -264,6 +264,7 @@ def apply_link(
         # first file opens and its first blocks are read and verified.
         sized = sizer.submit(size_tables)
         _apply_files(link, entries, tables, new_table, buckets, state, sized, in_use, lean)
+        sized.result()  # a link with no file for these buckets: its failure too
 
 
 def _apply_files(
