@@ -27,6 +27,9 @@ namespace {
 
 // Reply rows are staged in about this many bytes (a part of a core's L2).
 constexpr size_t kStageBytes = 256u << 10;
+// Reply rows are copied to their places with the lines of the row this
+// many rows ahead already asked for.
+constexpr size_t kPlaceAhead = 8;
 // A connection of its own (and a thread's wake) pays for itself from about
 // this many bytes of request and reply.
 constexpr size_t kLaneBytes = 1u << 20;
@@ -110,9 +113,17 @@ void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, siz
     std::memcpy(rows.out + begin * w, src, sizeof(float) * w * count);
     return;
   }
+  // The places are scattered: each row's cache lines are asked for (to
+  // write) some rows ahead, so their misses overlap instead of stalling
+  // each copy in turn.
+  const size_t row_bytes = sizeof(float) * w;
   for (size_t r = 0; r < count; ++r) {
-    std::memcpy(rows.out + size_t{rows.pos[begin + r]} * w, src + sizeof(float) * w * r,
-                sizeof(float) * w);
+    if (r + kPlaceAhead < count) {
+      const char* ahead =
+          reinterpret_cast<const char*>(rows.out + size_t{rows.pos[begin + r + kPlaceAhead]} * w);
+      for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 1);
+    }
+    std::memcpy(rows.out + size_t{rows.pos[begin + r]} * w, src + row_bytes * r, row_bytes);
   }
 }
 
