@@ -64,9 +64,35 @@ def median_seconds(fn: Callable[[], object], reps: int = 7, warmup: int = 2) -> 
     return statistics.median(times), times[-1]
 
 
+def stale_build() -> str | None:
+    """Why the tf_dlt this process imported is not the working tree's build,
+    or None. `python bench/x.py` imports the copy installed in .venv, not
+    the repository's: after a change to native/ rebuilt in place
+    (`setup.py build_ext --inplace`), a benchmark would measure the build
+    before it unless the package is installed again or PYTHONPATH names the
+    repository root."""
+    module = sys.modules.get("tf_dlt")
+    if module is None or module.__file__ is None:
+        return None
+    package = Path(module.__file__).resolve().parent
+    if package == ROOT / "tf_dlt":
+        return None
+    built = [p.stat().st_mtime for p in package.glob("*.so")]
+    sources = [p.stat().st_mtime for p in (ROOT / "native").rglob("*.[ch]*")]
+    if built and sources and max(sources) > min(built):
+        return (f"tf_dlt imported from {package}, built before the latest change under "
+                f"{ROOT / 'native'}: install it again, or run with PYTHONPATH={ROOT}")  # fmt: skip
+    return None
+
+
 def emit(record: dict[str, Any]) -> dict[str, Any]:
-    """Prints one JSON line (and appends it to bench/out/results.jsonl)."""
+    """Prints one JSON line (and appends it to bench/out/results.jsonl); a
+    record measured with a stale installed build says so (stale_build)."""
     record = {"loadavg": round(loadavg(), 2), "noisy": loadavg() > os.cpu_count(), **record}
+    stale = stale_build()
+    if stale:
+        log(f"warning: {stale}")
+        record["stale_build"] = stale
     if record.get("baseline_value") and record.get("value") is not None:
         record["ratio"] = round(record["value"] / record["baseline_value"], 3)
     line = json.dumps(record, sort_keys=True)
