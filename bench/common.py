@@ -70,7 +70,7 @@ def stale_build() -> str | None:
     the repository's: after a change to native/ rebuilt in place
     (`setup.py build_ext --inplace`), a benchmark would measure the build
     before it unless the package is installed again or PYTHONPATH names the
-    repository root."""
+    repository root (the same for its Python sources)."""
     module = sys.modules.get("tf_dlt")
     if module is None or module.__file__ is None:
         return None
@@ -79,9 +79,10 @@ def stale_build() -> str | None:
         return None
     built = [p.stat().st_mtime for p in package.glob("*.so")]
     sources = [p.stat().st_mtime for p in (ROOT / "native").rglob("*.[ch]*")]
+    sources += [p.stat().st_mtime for p in (ROOT / "tf_dlt").rglob("*.py")]
     if built and sources and max(sources) > min(built):
-        return (f"tf_dlt imported from {package}, built before the latest change under "
-                f"{ROOT / 'native'}: install it again, or run with PYTHONPATH={ROOT}")  # fmt: skip
+        return (f"tf_dlt imported from {package}, installed before the latest change to "
+                f"native/ or tf_dlt/: install it again, or run with PYTHONPATH={ROOT}")  # fmt: skip
     return None
 
 
