@@ -10,10 +10,11 @@ the clients and of the shards (from /proc), and the ratios the trainer-speed
 targets use: client CPU / the local baseline's CPU, shard CPU per row / the
 baseline's CPU per row, and the baseline's and the stream's wall time / the
 call's. With --standby, each shard process also holds a standby kept by a
-Replicator (docs/replication.md) and rows/s are compared with no standby in
-the same run. Needs only a C++17 compiler and Python's standard library: no
-TensorFlow, no tf_dlt install (`--build-only` writes a static binary to
-copy to a machine with cores to spare; `--binary` runs one built before).
+ReplicaGroup, as a serving primary keeps its standbys (docs/replication.md),
+and rows/s are compared with no standby in the same run. Needs only a C++17
+compiler and Python's standard library: no TensorFlow, no tf_dlt install
+(`--build-only` writes a static binary to copy to a machine with cores to
+spare; `--binary` runs one built before).
 
 Usage: python bench/bench_wire.py [--shards 2] [--threads 1,2,4] [--clients 1]
        [--exchange-threads 0,1,2] [--standby none,sync,async]

@@ -41,7 +41,7 @@
 #include "native/core/table.h"
 #include "native/net/client.h"
 #include "native/net/data_server.h"
-#include "native/net/replicator.h"
+#include "native/net/replica_group.h"
 
 namespace {
 
@@ -109,28 +109,29 @@ int Shard(int argc, char** argv) {
   dlt::DataServer server(shard, options);
   s = server.Start();
   // With "sync" or "async": a standby shard in this process, kept equal by
-  // a Replicator (docs/replication.md), holding every row before clients
-  // start.
+  // the ReplicaGroup a serving primary keeps its standbys with
+  // (docs/replication.md), holding every row before clients start. The
+  // primary's Hello names the group's standbys, so clients give their
+  // pushes ids, as trainers of a shard with a standby do.
   const std::string standby_mode = argc > 7 ? argv[7] : "none";
   auto standby_shard = std::make_shared<dlt::Shard>(index, shards);
   dlt::DataServer standby(standby_shard, options);
-  std::shared_ptr<dlt::Replicator> replicator;
+  std::shared_ptr<dlt::ReplicaGroup> group;
   if (s.ok() && standby_mode != "none") {
     standby.set_standby(true);
     s = standby.Start();
     dlt::ReplicatorOptions r;
     r.sync = standby_mode == "sync";
-    replicator =
-        std::make_shared<dlt::Replicator>(shard, "127.0.0.1:" + std::to_string(standby.port()), r);
-    replicator->Start();
-    for (int i = 0; s.ok() && !replicator->status().caught_up; ++i) {
-      if (i == 6000) s = dlt::Unavailable("the standby did not catch up in 60 s");
+    group = std::make_shared<dlt::ReplicaGroup>(shard, r);
+    server.set_write_listener(group);
+    if (s.ok()) s = group->Attach("127.0.0.1:" + std::to_string(standby.port()));
+    for (int i = 0; s.ok(); ++i) {
+      // Caught up, and in the in-sync set sync pushes wait for.
+      const std::vector<dlt::ReplicationStatus> statuses = group->statuses();
+      if (!statuses.empty() && statuses[0].caught_up && !group->view().members.empty()) break;
+      if (i == 6000) s = dlt::Unavailable("the standby did not join the in-sync set in 60 s");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    server.set_write_listener(replicator);
-    // Named in the Hello as a serving primary names it: clients then give
-    // their pushes ids, as trainers of a shard with a standby do.
-    server.set_standbys("127.0.0.1:" + std::to_string(standby.port()));
   }
   if (!s.ok()) {
     std::fprintf(stderr, "%s\n", s.message().c_str());
@@ -142,7 +143,7 @@ int Shard(int argc, char** argv) {
   while (read(0, &c, 1) > 0) {
   }
   server.set_write_listener(nullptr);
-  if (replicator) replicator->Stop();
+  if (group) group->Stop();
   server.Stop();
   standby.Stop();
   return 0;
