@@ -9,15 +9,15 @@ Reports, per configuration, the wall time per call and the CPU per call of
 the clients and of the shards (from /proc), and the ratios the trainer-speed
 targets use: client CPU / the local baseline's CPU, shard CPU per row / the
 baseline's CPU per row, and the baseline's and the stream's wall time / the
-call's. With --standby, each shard process also holds a standby kept by a
-ReplicaGroup, as a serving primary keeps its standbys (docs/replication.md),
-and rows/s are compared with no standby in the same run. Needs only a C++17
-compiler and Python's standard library: no TensorFlow, no tf_dlt install
-(`--build-only` writes a static binary to copy to a machine with cores to
-spare; `--binary` runs one built before).
+call's. With --standby, each shard process also holds --standbys standbys
+(default 1) kept by a ReplicaGroup, as a serving primary keeps its standbys
+(docs/replication.md), and rows/s are compared with no standby in the same
+run. Needs only a C++17 compiler and Python's standard library: no
+TensorFlow, no tf_dlt install (`--build-only` writes a static binary to copy
+to a machine with cores to spare; `--binary` runs one built before).
 
 Usage: python bench/bench_wire.py [--shards 2] [--threads 1,2,4] [--clients 1]
-       [--exchange-threads 0,1,2] [--standby none,sync,async]
+       [--exchange-threads 0,1,2] [--standby none,sync,async] [--standbys N]
        python3 bench/bench_wire.py --write-capacity --threads 8   (on 16+ cores)
        [--ids 65536] [--dim 64] [--calls 30] [--op pull|push] [--rows 1000000]
 """
@@ -112,7 +112,7 @@ def measure(
         for i in range(args.shards):
             proc = subprocess.Popen(
                 [str(binary), "shard", str(i), str(args.shards), str(threads), str(args.dim),
-                 str(args.rows), standby],
+                 str(args.rows), standby, str(args.standbys)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             shards.append(proc)
@@ -227,6 +227,10 @@ def main() -> None:
         help="each shard's standby in its process (docs/replication.md), a list of "
         "none, sync, async",
     )
+    p.add_argument(
+        "--standbys", type=int, default=1,
+        help="standbys per shard with --standby sync or async (1-4), all in its process",
+    )  # fmt: skip
     p.add_argument("--binary", help="a wire_bench built before (default: build one)")
     p.add_argument("--build-only", metavar="PATH", help="build a static binary to PATH and stop")
     p.add_argument(
@@ -260,6 +264,7 @@ def main() -> None:
         record = {
             "bench": "wire", "op": args.op, "shards": args.shards, "threads": threads,
             "exchange_threads": exchange, "standby": standby,
+            "standbys": 0 if standby == "none" else args.standbys,
             "clients": args.clients, "ids": args.ids, "dim": args.dim, "cores": os.cpu_count(),
             **got,
             "local": local["case"],

@@ -8,9 +8,10 @@
 // process's CPU time per call are reported (CPU is robust on a shared
 // machine; wall time shows what cores to spare give).
 //
-//   wire_bench shard INDEX SHARDS THREADS DIM ROWS
+//   wire_bench shard INDEX SHARDS THREADS DIM ROWS [none|sync|async [N]]
 //       serves one shard of a table "t" (Adagrad, ROWS rows of ids
-//       0..ROWS-1 made up front), prints "port N", serves until stdin closes.
+//       0..ROWS-1 made up front), prints "port N", serves until stdin closes;
+//       with sync or async, N standbys (default 1) in its process.
 //   wire_bench client ADDRS(comma) DIM IDS CALLS pull|push ROWS SEED [THREADS]
 //       CALLS calls of IDS random ids in [0, ROWS); prints one JSON line.
 //       THREADS: the client's exchange threads (0, the default: automatic).
@@ -27,6 +28,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -108,30 +110,44 @@ int Shard(int argc, char** argv) {
   options.worker_threads = threads;
   dlt::DataServer server(shard, options);
   s = server.Start();
-  // With "sync" or "async": a standby shard in this process, kept equal by
-  // the ReplicaGroup a serving primary keeps its standbys with
-  // (docs/replication.md), holding every row before clients start. The
-  // primary's Hello names the group's standbys, so clients give their
-  // pushes ids, as trainers of a shard with a standby do.
+  // With "sync" or "async": `count` standby shards (argv[8], default 1) in
+  // this process, kept equal by the ReplicaGroup a serving primary keeps its
+  // standbys with (docs/replication.md), each holding every row before
+  // clients start. The primary's Hello names the group's standbys, so
+  // clients give their pushes ids, as trainers of a shard with a standby do.
   const std::string standby_mode = argc > 7 ? argv[7] : "none";
-  auto standby_shard = std::make_shared<dlt::Shard>(index, shards);
-  dlt::DataServer standby(standby_shard, options);
+  const size_t count = standby_mode == "none" ? 0
+                       : argc > 8             ? std::strtoul(argv[8], nullptr, 10)
+                                              : 1;
+  if (count > dlt::ReplicaGroup::kMaxStandbys) {
+    std::fprintf(stderr, "at most %zu standbys\n", dlt::ReplicaGroup::kMaxStandbys);
+    return 2;
+  }
+  std::vector<std::unique_ptr<dlt::DataServer>> standbys;
   std::shared_ptr<dlt::ReplicaGroup> group;
-  if (s.ok() && standby_mode != "none") {
-    standby.set_standby(true);
-    s = standby.Start();
+  if (s.ok() && count > 0) {
     dlt::ReplicatorOptions r;
     r.sync = standby_mode == "sync";
     group = std::make_shared<dlt::ReplicaGroup>(shard, r);
     server.set_write_listener(group);
-    if (s.ok()) s = group->Attach("127.0.0.1:" + std::to_string(standby.port()));
-    for (int i = 0; s.ok(); ++i) {
-      // Caught up, and in the in-sync set sync pushes wait for.
-      const std::vector<dlt::ReplicationStatus> statuses = group->statuses();
-      if (!statuses.empty() && statuses[0].caught_up && !group->view().members.empty()) break;
-      if (i == 6000) s = dlt::Unavailable("the standby did not join the in-sync set in 60 s");
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+  }
+  for (size_t k = 0; s.ok() && k < count; ++k) {
+    standbys.push_back(
+        std::make_unique<dlt::DataServer>(std::make_shared<dlt::Shard>(index, shards), options));
+    standbys.back()->set_standby(true);
+    s = standbys.back()->Start();
+    if (s.ok()) s = group->Attach("127.0.0.1:" + std::to_string(standbys.back()->port()));
+  }
+  for (int i = 0; s.ok() && count > 0; ++i) {
+    // Every standby caught up, and in the in-sync set sync pushes wait for.
+    size_t ready = 0;
+    for (const dlt::ReplicationStatus& status : group->statuses()) ready += status.caught_up;
+    const std::string members = group->view().members;
+    const size_t in_sync =
+        members.empty() ? 0 : 1 + std::count(members.begin(), members.end(), '|');
+    if (ready == count && in_sync == count) break;
+    if (i == 6000) s = dlt::Unavailable("the standbys did not join the in-sync set in 60 s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (!s.ok()) {
     std::fprintf(stderr, "%s\n", s.message().c_str());
@@ -145,7 +161,7 @@ int Shard(int argc, char** argv) {
   server.set_write_listener(nullptr);
   if (group) group->Stop();
   server.Stop();
-  standby.Stop();
+  for (auto& standby : standbys) standby->Stop();
   return 0;
 }
 
@@ -289,7 +305,8 @@ int main(int argc, char** argv) {
   if (rc == 2) {
     std::fprintf(
         stderr,
-        "usage: wire_bench shard INDEX SHARDS THREADS DIM ROWS | client ADDRS DIM IDS "
+        "usage: wire_bench shard INDEX SHARDS THREADS DIM ROWS [none|sync|async [N]] | client "
+        "ADDRS DIM IDS "
         "CALLS pull|push ROWS SEED [THREADS] | gather|scatter DIM IDS CALLS ROWS | stream BYTES "
         "CALLS\n");
   }
