@@ -2,7 +2,8 @@
 seconds (docs/replication.md).
 
 --events kill (the default): one 2-shard cluster with a sync standby per
-shard (LocalCluster replicas=2). Every --every seconds the process serving
+shard (LocalCluster replicas=2; --replicas 3: two standbys, which elect the
+one that takes over). Every --every seconds the process serving
 one shard (the shards in turn) is killed (-9) and started again at once: it
 rejoins its shard (--replica-set) and follows the standby that took over;
 the next kill of that shard waits until it caught up.
@@ -22,7 +23,7 @@ step), and the rows that differ at the end from a local table that applied
 the same pushes once each (must be 0).
 
 Usage: python bench/bench_soak.py [--seconds 600] [--every 30] [--ids 1024]
-       [--events kill|reshard|both]
+       [--events kill|reshard|both] [--replicas 2]
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ def _serving(cluster: LocalCluster, client: tf_dlt.Client, shard: int) -> int:
     return cluster.process_addresses.index(f"127.0.0.1:{port}")
 
 
-def _covered(client: tf_dlt.Client, shard: int, standby: str) -> bool:
-    """True when `shard`'s standby is `standby` and caught up."""
-    standbys = client.stats()[shard]["standbys"]
-    return bool(standbys) and standbys[0]["caught_up"] and standbys[0]["address"] == standby
+def _covered(client: tf_dlt.Client, shard: int, standby: str, count: int) -> bool:
+    """True when `shard` has `count` caught-up standbys, `standby` one of them."""
+    caught = [s["address"] for s in client.stats()[shard]["standbys"] if s["caught_up"]]
+    return len(caught) >= count and standby in caught
 
 
 class Kills:
@@ -74,7 +75,8 @@ class Kills:
         self.cluster.kill(victim)
         self.cluster.restart(victim)  # rejoins as the standby of the one that took over
         deadline = time.monotonic() + 60
-        while not _covered(self.admin, shard, self.cluster.process_addresses[victim]):
+        address = self.cluster.process_addresses[victim]
+        while not _covered(self.admin, shard, address, self.cluster.replicas - 1):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"process {victim} did not rejoin shard {shard} in 60 s")
             time.sleep(0.1)
@@ -97,10 +99,10 @@ class Reshards:
 
 
 def soak(
-    ids: np.ndarray, seconds: float, every: float, workdir: Path, events: str
+    ids: np.ndarray, seconds: float, every: float, workdir: Path, events: str, replicas: int
 ) -> dict[str, object]:
     config = TableConfig.create("emb", DIM, optimizer="adagrad")
-    replicas = 1 if events == "reshard" else 2
+    replicas = 1 if events == "reshard" else replicas
     with LocalCluster(SHARDS, workdir=workdir, replicas=replicas) as cluster:
         client = tf_dlt.Client(cluster.addresses)
         client.create_table_from_config(config)
@@ -149,10 +151,14 @@ def main() -> None:
         help="kill: a primary killed -9 (standbys); reshard: 2 -> 3 or 3 -> 2 shards; "
         "both: the two in turn (standbys)",
     )  # fmt: skip
+    p.add_argument(
+        "--replicas", type=int, default=2, choices=(2, 3, 4, 5),
+        help="processes per shard with kills: the primary and replicas - 1 sync standbys",
+    )  # fmt: skip
     args = p.parse_args()
     ids = np.arange(args.ids, dtype=np.int64)
     with tempfile.TemporaryDirectory(prefix="bench_soak-") as tmp:
-        r = soak(ids, args.seconds, args.every, Path(tmp), args.events)
+        r = soak(ids, args.seconds, args.every, Path(tmp), args.events, args.replicas)
     stalls = sorted(r["stalls"])  # type: ignore[call-overload]
     emit(
         {
@@ -162,6 +168,7 @@ def main() -> None:
             "ids": args.ids,
             "steps": r["steps"],
             "events": args.events,
+            "replicas": 1 if args.events == "reshard" else args.replicas,
             "event_count": r["events"],
             # Must be 0: no error reaches the trainer, no row is lost or
             # applied twice.
