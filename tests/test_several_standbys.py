@@ -54,6 +54,13 @@ def test_one_of_two_standbys_takes_over_and_the_other_follows_it(tmp_path) -> No
         client = tf_dlt.Client(cluster.addresses)
         client.create_table("emb", DIM, optimizer="adagrad")
         wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        # A standby's own flag goes false while it takes a table made after
+        # its first copy (and true at that round's end); the primary's
+        # status of it does not wait for that.
+        wait_until(
+            lambda: all(_stats_of(cluster, p).caught_up for p in (1, 2)),
+            "both standbys to hold the new table",
+        )
         # Each standby was told the in-sync set naming both.
         primary = _stats_of(cluster, 0)
         for p in (1, 2):
