@@ -18,6 +18,22 @@ extern int g_failures_in_test;
 
 bool Register(const char* name, void (*fn)());
 
+// True in the sanitized build: AddressSanitizer replaces malloc (freed
+// memory waits in its quarantine and goes back to the system on its own
+// schedule), so what a test measures of the process's resident memory says
+// nothing there about glibc's malloc, which the shard runs on.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kUnderAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kUnderAddressSanitizer = true;
+#else
+inline constexpr bool kUnderAddressSanitizer = false;
+#endif
+#else
+inline constexpr bool kUnderAddressSanitizer = false;
+#endif
+
 }  // namespace testing
 }  // namespace dlt
 

@@ -482,7 +482,9 @@ DLT_TEST(TestDemotionsGiveTheRecordsMemoryBack) {
   // Records of 104 bytes (and 12-byte index slots): 300,000 rows held
   // about 40 MB; a quarter of them stays.
   EXPECT(t.bytes() < bytes / 2);
-  EXPECT(after + (uint64_t{15} << 20) < resident);
+  // (Measured in the plain build only: under AddressSanitizer the freed
+  // records sit in its quarantine.)
+  if (!testing::kUnderAddressSanitizer) EXPECT(after + (uint64_t{15} << 20) < resident);
   while (take(500) > 0) {
   }
   EXPECT_OK(ex.error());
