@@ -7,6 +7,7 @@ reports while it keeps serving from RAM."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -15,12 +16,17 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import tf_dlt
 from tf_dlt import _native
+from tf_dlt.checkpoint import manifest, shard_files, shard_load, shard_save
+from tf_dlt.checkpoint.shard_format import file_row_bytes
+from tf_dlt.routing import NUM_BUCKETS
+from tf_dlt.table_config import TableConfig
 
 from conftest import Cluster, flip_byte, staged_rows
 
@@ -361,3 +367,53 @@ def test_a_budgeted_shard_stays_within_its_budget_through_saves_and_loads(
     assert _peak_resident(shard) <= budget * 1.1, (_peak_resident(shard) >> 20, budget >> 20)
     with pytest.raises(RuntimeError, match=r"below the smallest this shard can honour, \d+ MiB"):
         start_cluster(1, "--memory-budget", str(100 << 20))
+
+
+def test_a_tiered_load_imports_whole_buckets_and_every_row_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A tier places a bucket's rows over its own window of pages: a load
+    # that imports a bucket in pieces writes those pages once per piece (a
+    # 1e8-row load wrote each about three times). Stored chunks far smaller
+    # than a bucket here, so a load chunk by chunk would cut every bucket.
+    monkeypatch.setattr(shard_save, "_STORAGE_CHUNK_BYTES", 16 * file_row_bytes(DIM, DIM))
+    rows = 300_000  # about 73 a bucket; 28 MB in RAM, past the budget's room for rows
+    ids = (np.arange(rows, dtype=np.int64) * np.int64(0x9E3779B97F4A7C15 >> 1)) ^ np.int64(7)
+    source = _native.Shard(0, 1)
+    source.create_table(TableConfig.create("t", DIM, "normal", "adagrad", seed=3).to_dict())
+    table = source.get_table("t")
+    table.pull(ids)
+    table.push(ids, _grads(0, rows), 0.1)
+    save_id = manifest.new_save_id()
+    part = shard_files.save_shard(str(tmp_path / "ck"), source, save_id)
+    manifest.write_manifest(str(tmp_path / "ck"), [part], save_id)
+    expected = table.pull(ids)
+    del table, source  # (its memory goes back: the budget below is measured)
+
+    spans: list[tuple[int, int]] = []
+    bounds: list[np.ndarray] = []
+    whole_buckets = shard_load._whole_buckets
+
+    def recorded(read: Any, step: int, starts: np.ndarray, t: Any) -> Any:
+        assert step == 16  # the stored chunks: raw reads from the verified blocks
+        read_batch, batches = whole_buckets(read, step, starts, t)
+        bounds.append(starts)
+        return read_batch, (spans.append(s) or s for s in batches)
+
+    monkeypatch.setattr(shard_load, "_whole_buckets", recorded)
+    target = _native.Shard(0, 1)
+    reserve = _native.PERSIST_RESERVE_BYTES + _native.MIN_ROW_ROOM_BYTES
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # as the shard measures itself
+    budget = int((_native.Shard.resident_bytes() + reserve) / 0.9) + (2 << 20)
+    target.configure_memory(budget, str(tmp_path / "ssd"), 1000)
+    (staged,) = shard_files.prepare_load(str(tmp_path / "ck"), target)["staged"]
+    assert staged.has_tier and staged.tier_stats()["disk_rows"] > 0  # both tiers filled
+    # Batches follow each other, every cut at a bucket's start: a bucket
+    # each at most (not a chunk each: rows / 16 of them).
+    (starts,) = bounds
+    assert spans[0][0] == 0 and spans[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert {b for _, b in spans} <= set(starts.tolist())
+    assert len(spans) <= NUM_BUCKETS
+    np.testing.assert_array_equal(staged.pull(ids), expected)
+    assert staged.size() == rows

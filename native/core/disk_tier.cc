@@ -260,11 +260,23 @@ void TierFile::Place(uint64_t hash, uint32_t* first, uint32_t* second,
   *fingerprint = print == 0 ? 1 : print;
 }
 
-uint32_t TierFile::UsedIn(uint32_t page) const {
-  const uint16_t* f = fingerprints_.data() + size_t{page} * slots_per_page_;
-  uint32_t used = 0;
-  for (uint32_t s = 0; s < slots_per_page_; ++s) used += f[s] != 0;
-  return used;
+void TierFile::ClearPrints(uint32_t pages) {
+  fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
+  used_.assign(pages, 0);
+}
+
+void TierFile::PrefetchFingerprints(uint64_t hash) const {
+  if (num_pages_ == 0) return;
+  uint32_t pages[2];
+  uint16_t print;
+  Place(hash, &pages[0], &pages[1], &print);
+  constexpr size_t kLine = 64;
+  for (const uint32_t page : pages) {
+    const char* f = reinterpret_cast<const char*>(&fingerprints_[size_t{page} * slots_per_page_]);
+    const char* end = f + slots_per_page_ * sizeof(uint16_t);
+    for (const char* line = f; line < end; line += kLine) __builtin_prefetch(line);
+    __builtin_prefetch(end - 1);
+  }
 }
 
 int64_t TierFile::KeyOf(const char* slot_data) {
@@ -395,7 +407,11 @@ uint32_t TierFile::FreeSlot(uint64_t hash, uint16_t* fingerprint) const {
   uint32_t first, second;
   Place(hash, &first, &second, fingerprint);
   const uint32_t page = UsedIn(second) < UsedIn(first) ? second : first;
+  const uint32_t used = UsedIn(page);
+  if (used == slots_per_page_) return kNoSlot;
+  // A page without removals fills its slots in order: the next is free.
   const uint32_t base = page * slots_per_page_;
+  if (fingerprints_[base + used] == 0) return base + used;
   for (uint32_t s = base; s < base + slots_per_page_; ++s) {
     if (fingerprints_[s] == 0) return s;
   }
@@ -428,7 +444,7 @@ Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t ge
     if (slot == kNoSlot) return Internal("disk tier " + path_ + ": no free slot after growing");
   }
   DLT_RETURN_IF_ERROR(WriteSlot(slot, key, record, generation));
-  fingerprints_[slot] = print;
+  SetPrint(slot, print);
   ++rows_;
   return OkStatus();
 }
@@ -466,9 +482,11 @@ Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
   std::vector<std::pair<uint32_t, uint32_t>> placed;  // (slot, row)
   placed.reserve(n);
   auto unplace = [&]() {
-    for (const auto& [slot, row] : placed) fingerprints_[slot] = 0;
+    for (const auto& [slot, row] : placed) SetPrint(slot, 0);
   };
+  constexpr size_t kPlaceAhead = 8;
   for (size_t i = 0; i < n; ++i) {
+    if (i + kPlaceAhead < n) PrefetchFingerprints(hashes[i + kPlaceAhead]);
     uint16_t print;
     uint32_t slot = FreeSlot(hashes[i], &print);
     if (slot == kNoSlot) {  // both pages full: grow, and place the batch anew
@@ -478,7 +496,7 @@ Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
       i = static_cast<size_t>(-1);
       continue;
     }
-    fingerprints_[slot] = print;
+    SetPrint(slot, print);
     placed.emplace_back(slot, static_cast<uint32_t>(i));
   }
   SortByPage(&placed);
@@ -532,21 +550,27 @@ Status TierFile::Rewrite(uint32_t slot, int64_t key, const char* record, uint16_
 
 void TierFile::Remove(uint32_t slot) {
   if (fingerprints_[slot] == 0) return;
-  fingerprints_[slot] = 0;
+  SetPrint(slot, 0);
   --rows_;
 }
 
-size_t TierFile::RamBytesFor(uint64_t rows) const {
-  return PagesFor(std::max(rows, rows_), num_pages_) * slots_per_page_ * kRamBytesPerSlot;
+size_t TierFile::PageRamBytes() const {
+  return slots_per_page_ * kRamBytesPerSlot + sizeof(uint16_t);
 }
 
-size_t TierFile::ram_bytes() const { return fingerprints_.capacity() * kRamBytesPerSlot; }
+size_t TierFile::RamBytesFor(uint64_t rows) const {
+  return PagesFor(std::max(rows, rows_), num_pages_) * PageRamBytes();
+}
+
+size_t TierFile::ram_bytes() const {
+  return fingerprints_.capacity() * kRamBytesPerSlot + used_.capacity() * sizeof(uint16_t);
+}
 
 size_t TierFile::ram_bytes_ahead() const {
   const uint64_t slots = uint64_t{num_pages_} * slots_per_page_;
   // 2/3 of the 3/4 fill past which Put doubles the file.
   const bool near = rows_ * kFillDen * 3 >= slots * kFillNum * 2;
-  return near ? 2 * slots * kRamBytesPerSlot : ram_bytes();
+  return near ? 2 * size_t{num_pages_} * PageRamBytes() : ram_bytes();
 }
 
 Status TierFile::Resize(uint32_t pages) {
@@ -560,7 +584,7 @@ Status TierFile::Resize(uint32_t pages) {
     const int err = posix_fallocate(fd_, 0, bytes);
     if (err != 0) return WriteError("allocation", err);
     SetPages(pages);
-    fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
+    ClearPrints(pages);
     return OkStatus();
   }
   // Into a new file: the old one stays whole (and in use) if this fails.
@@ -577,7 +601,7 @@ Status TierFile::Resize(uint32_t pages) {
   TierFile next(next_path, record_bytes_, first_bucket_, num_buckets_, group_bytes_);
   next.fd_ = next_fd;
   next.SetPages(pages);
-  next.fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
+  next.ClearPrints(pages);
   const Status copied = CopyInto(&next);
   if (!copied.ok()) {  // counted here: `next` goes
     if (next.write_errors() > 0) write_errors_.fetch_add(next.write_errors());
@@ -591,6 +615,7 @@ Status TierFile::Resize(uint32_t pages) {
   SetPages(next.num_pages_);
   ++layout_;
   fingerprints_.swap(next.fingerprints_);
+  used_.swap(next.used_);
   return OkStatus();
 }
 
@@ -664,7 +689,7 @@ Status TierFile::CopyInto(TierFile* next) {
             }
             std::memcpy(new_buffer.data() + (next->SlotOffset(to) - first * page_bytes_), data,
                         slot_bytes_);
-            next->fingerprints_[to] = print;
+            next->SetPrint(to, print);
             ++next->rows_;
             placed_any = true;
             continue;

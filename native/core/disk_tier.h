@@ -86,6 +86,10 @@ class TierFile {
   // per row. Faults and errors surface on those Finds.
   void Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n);
   void DropPrefetched();
+  // Brings the fingerprints of `hash`'s two candidate pages into the CPU
+  // cache (a hint, no I/O): a loop over many rows calls it some rows ahead
+  // of their Find or placement.
+  void PrefetchFingerprints(uint64_t hash) const;
   // Stores a row that is absent from the tier; grows the file when both
   // candidate pages are full or the tier passes its target fill.
   Status Put(uint64_t hash, int64_t key, const char* record, uint16_t generation);
@@ -124,7 +128,8 @@ class TierFile {
   size_t page_bytes() const { return page_bytes_; }
   size_t slot_bytes() const { return slot_bytes_; }
   uint64_t rows() const { return rows_; }
-  // RAM the tier holds (a fingerprint per slot).
+  // RAM the tier holds (a fingerprint per slot, a count of used slots per
+  // page).
   size_t ram_bytes() const;
   // The same once the file doubles, from 2/3 of the fill that doubles it
   // on: what the memory keeper makes room for before the doubling.
@@ -145,7 +150,17 @@ class TierFile {
   uint64_t MaxPages() const { return (uint64_t{1} << 31) / slots_per_page_; }
   // The two candidate pages and the fingerprint of a hash.
   void Place(uint64_t hash, uint32_t* first, uint32_t* second, uint16_t* fingerprint) const;
-  uint32_t UsedIn(uint32_t page) const;
+  uint32_t UsedIn(uint32_t page) const { return used_[page]; }
+  // RAM a page costs: its slots' fingerprints and its count.
+  size_t PageRamBytes() const;
+  // Sets slot `slot`'s fingerprint (0: frees it), counting its page's slots.
+  void SetPrint(uint32_t slot, uint16_t print) {
+    uint16_t& f = fingerprints_[slot];
+    used_[slot / slots_per_page_] += (print != 0) - (f != 0);
+    f = print;
+  }
+  // Sizes the fingerprints and page counts for `pages` pages, all free.
+  void ClearPrints(uint32_t pages);
   // Orders (slot, row) pairs by page (slots of a page in any order).
   void SortByPage(std::vector<std::pair<uint32_t, uint32_t>>* placed) const;
   // A free slot of the emptier candidate page, or kNoSlot.
@@ -191,6 +206,7 @@ class TierFile {
   std::vector<uint32_t> prefetched_;    // slots read by Prefetch, sorted
   std::vector<char> prefetch_data_;     // their bytes, in that order
   std::vector<uint16_t> fingerprints_;  // per slot; 0: free
+  std::vector<uint16_t> used_;          // per page: its slots in use
   std::vector<uint32_t> windows_;       // per bucket (and one past): its first page
 };
 

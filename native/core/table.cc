@@ -505,9 +505,15 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
                              ") hold a non-finite value; nothing imported");
     }
   }
-  thread_local std::vector<uint64_t> hashes;
-  thread_local std::vector<uint32_t> order, starts;
-  thread_local std::vector<float> fresh_slots;
+  // Scratch of this thread, named once (each use of a thread_local in a
+  // shared library is a call).
+  thread_local std::vector<uint64_t> tls_hashes;
+  thread_local std::vector<uint32_t> tls_order, tls_starts;
+  thread_local std::vector<float> tls_fresh_slots;
+  std::vector<uint64_t>& hashes = tls_hashes;
+  std::vector<uint32_t>& order = tls_order;
+  std::vector<uint32_t>& starts = tls_starts;
+  std::vector<float>& fresh_slots = tls_fresh_slots;
   GroupByStripe(ids, n, &hashes, &order, &starts);
   const uint32_t dim = config_.dim;
   const uint32_t now = Now();
@@ -516,12 +522,19 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
   // Rows bound for a stripe's disk tier, written at the end of the stripe in
   // one batch (PutBatch): rows of a checkpoint come in bucket order, which
   // the tier's pages follow, so the batch is about one sequential write.
-  thread_local std::vector<uint64_t> cold_hashes;
-  thread_local std::vector<int64_t> cold_keys;
-  thread_local std::vector<char> cold_records;
-  thread_local std::vector<uint16_t> cold_generations;
-  thread_local Deduper cold_dedup;
-  thread_local std::vector<uint32_t> cold_last;
+  thread_local std::vector<uint64_t> tls_cold_hashes;
+  thread_local std::vector<int64_t> tls_cold_keys;
+  thread_local std::vector<char> tls_cold_records;
+  thread_local std::vector<uint16_t> tls_cold_generations;
+  thread_local Deduper tls_cold_dedup;
+  thread_local std::vector<uint32_t> tls_cold_last;
+  std::vector<uint64_t>& cold_hashes = tls_cold_hashes;
+  std::vector<int64_t>& cold_keys = tls_cold_keys;
+  std::vector<char>& cold_records = tls_cold_records;
+  std::vector<uint16_t>& cold_generations = tls_cold_generations;
+  Deduper& cold_dedup = tls_cold_dedup;
+  std::vector<uint32_t>& cold_last = tls_cold_last;
+  char* const cold = ScratchRecord();
   for (uint32_t s = 0; s < kStripes; ++s) {
     if (starts[s] == starts[s + 1]) continue;
     Stripe& stripe = stripes_[s];
@@ -535,9 +548,16 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
     const uint32_t end = starts[s + 1];
     for (uint32_t k = starts[s]; k < end; ++k) {
       // The index probe some ids ahead, and the record of a row a few ahead
-      // (a probe only: an insert before it is found again below).
-      if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
-      if (k + kCopyAhead < end) {
+      // (a probe only: an insert before it is found again below). Past
+      // RAM's share (rows bound for disk, mostly new) the fingerprints of
+      // their cold copies instead of a record.
+      const bool past_ram = stripe.tier && to_disk && RamFull(stripe);
+      if (k + kProbeAhead < end) {
+        const uint64_t ahead = hashes[order[k + kProbeAhead]];
+        stripe.PrefetchSlot(ahead);
+        if (past_ram) stripe.tier->PrefetchFingerprints(ahead);
+      }
+      if (k + kCopyAhead < end && !past_ram) {
         const uint32_t ahead = order[k + kCopyAhead];
         const uint32_t next = stripe.Find(hashes[ahead], ids[ahead]);
         if (next != kEmpty) {
@@ -547,10 +567,9 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       }
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
-      if (rec == kEmpty && stripe.tier && to_disk && RamFull(stripe)) {
+      if (rec == kEmpty && past_ram) {
         // RAM is full (a load past the budget): the row goes to disk, over
         // its cold copy if it has one.
-        char* cold = ScratchRecord();
         uint32_t slot = TierFile::kNoSlot;
         uint16_t old_generation;
         DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &old_generation));

@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -73,14 +73,15 @@ def restore_rows(
                 g["steps"][a:b], None if touched is None else touched[a:b],
             )  # fmt: skip
 
-    # One chunk is inserted (without the GIL) while the next is parsed.
+    if table.has_tier:  # batches of whole buckets: each tier page written once
+        read_batch, spans = _whole_buckets(read, step, offsets[first : end + 1], table)
+    else:  # a chunk at a time (a view of the verified block, no copy)
+        read_batch, spans = read, _chunk_spans(lo, hi, step)
+    # One batch is inserted (without the GIL) while the next is parsed.
     with ThreadPoolExecutor(1, thread_name_prefix="dlt-import") as importer:
         pending: Future[None] | None = None
-        a = lo
-        while a < hi:
-            b = min(hi, a - a % step + step)
-            ids, values, slot_rows, steps, stamps = read(a, b)
-            a = b
+        for a, b in spans:
+            ids, values, slot_rows, steps, stamps = read_batch(a, b)
             values = widen(values, value_dtype)
             if slot_rows is not None:
                 slot_rows = widen(slot_rows, slot_dtype)
@@ -104,6 +105,52 @@ def restore_rows(
             table.write_sketch(
                 lo_b, np.asarray(g["sketch"][rows], np.uint8), np.asarray(added[rows], np.uint32)
             )
+
+
+# The most bytes (as float32 rows) a batch of whole buckets for a tiered
+# table holds: a load keeps two such batches, within the budget's reserve
+# for a load's buffers (PERSIST_RESERVE_BYTES) beside the verified blocks.
+_TIER_BATCH_BYTES = 24 << 20
+
+Read = Callable[[int, int], tuple[Any, ...]]
+
+
+def _chunk_spans(a: int, b: int, step: int) -> Iterator[tuple[int, int]]:
+    """Rows [a, b) as spans that each lie within one chunk of `step` rows."""
+    while a < b:
+        end = min(b, a - a % step + step)
+        yield a, end
+        a = end
+
+
+def _whole_buckets(
+    read: Read, step: int, bounds: np.ndarray, table: _native.Table
+) -> tuple[Read, Iterator[tuple[int, int]]]:
+    """Batches for a table with a disk tier: rows [bounds[0], bounds[-1])
+    (`bounds`: the rows where each bucket starts) cut at bucket starts, at
+    least a chunk each and at most _TIER_BATCH_BYTES, and a `read` of such
+    a batch (chunk by chunk, joined). A tier places a bucket's rows over its
+    own window of pages: a batch that holds the whole bucket writes each of
+    those pages once; chunks cutting a bucket write them once per chunk."""
+    most = max(step, _TIER_BATCH_BYTES // (4 * (table.dim + table.slot_floats) + 16))
+    lo, hi = int(bounds[0]), int(bounds[-1])
+
+    def spans() -> Iterator[tuple[int, int]]:
+        a = lo
+        while a < hi:
+            k = int(np.searchsorted(bounds, min(a + step, hi)))
+            b = int(bounds[k]) if k < len(bounds) else hi
+            yield a, min(b, a + most)
+            a = min(b, a + most)
+
+    def read_batch(a: int, b: int) -> tuple[Any, ...]:
+        parts = [read(x, y) for x, y in _chunk_spans(a, b, step)]
+        if len(parts) == 1:
+            return parts[0]
+        columns = zip(*parts, strict=True)
+        return tuple(None if c[0] is None else np.concatenate(c) for c in columns)
+
+    return read_batch, spans()
 
 
 def _stored_as(ds: h5py.Dataset, config: dict[str, Any], which: int) -> str:

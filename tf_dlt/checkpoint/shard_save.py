@@ -99,6 +99,10 @@ def native_rows(
     return rows
 
 
+# Bytes of one HDF5 chunk of a table's datasets (float32 rows).
+_STORAGE_CHUNK_BYTES = 1 << 20
+
+
 def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
     """Streams one table's chunks into `group`; returns its row count and state."""
     group.attrs["config"] = json.dumps(rows.config, sort_keys=True)
@@ -106,7 +110,9 @@ def _write_table(group: h5py.Group, rows: TableRows) -> tuple[int, TableState]:
     first = next(rows.chunks, None)
     # HDF5 chunks of about 1 MiB, never larger than a small table.
     per_row = file_row_bytes(dim, slots)
-    storage = max(1, min((1 << 20) // per_row, len(first[0]) if first is not None else 1))
+    storage = max(
+        1, min(_STORAGE_CHUNK_BYTES // per_row, len(first[0]) if first is not None else 1)
+    )
 
     def dataset(name: str, dtype: Any, width: int | None) -> h5py.Dataset:
         shape, chunks = ((0,), (storage,)) if width is None else ((0, width), (storage, width))
