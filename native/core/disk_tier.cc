@@ -272,6 +272,7 @@ void TierFile::PrefetchFingerprints(uint64_t hash) const {
   Place(hash, &pages[0], &pages[1], &print);
   constexpr size_t kLine = 64;
   for (const uint32_t page : pages) {
+    if (UsedIn(page) == 0) continue;  // (the counts are small: in cache)
     const char* f = reinterpret_cast<const char*>(&fingerprints_[size_t{page} * slots_per_page_]);
     const char* end = f + slots_per_page_ * sizeof(uint16_t);
     for (const char* line = f; line < end; line += kLine) __builtin_prefetch(line);
@@ -380,6 +381,8 @@ Status TierFile::Find(uint64_t hash, int64_t key, char* record, uint32_t* slot,
   thread_local std::vector<char> buffer;
   buffer.resize(slot_bytes_);
   for (int c = 0; c < (pages[0] == pages[1] ? 1 : 2); ++c) {
+    // (An empty page, as a load's pages are before its batch lands in them.)
+    if (UsedIn(pages[c]) == 0) continue;
     const uint32_t first = pages[c] * slots_per_page_;
     if (!AnyEqual(&fingerprints_[first], slots_per_page_, print)) continue;
     for (uint32_t s = first; s < first + slots_per_page_; ++s) {

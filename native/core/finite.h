@@ -35,6 +35,23 @@ inline size_t FirstNonFinite(const float* v, size_t n) {
   return n;
 }
 
+// FirstNonFinite of `n` values stored as `dtype` (a StorageDtype: 0
+// float32, 1 bfloat16, 2 float16): 16-bit values are tested in place.
+inline size_t FirstNonFiniteStored(const void* v, uint64_t dtype, size_t n) {
+  if (dtype == 0) return FirstNonFinite(static_cast<const float*>(v), n);
+  // bfloat16's exponent is float32's top half; float16's is 5 bits.
+  const uint32_t exponent = dtype == 1 ? 0x7f80u : 0x7c00u;
+  const uint32_t low = exponent & (~exponent + 1);  // its lowest bit
+  const auto* h = static_cast<const uint16_t*>(v);
+  uint32_t any = 0;
+  for (size_t i = 0; i < n; ++i) any |= (h[i] & exponent) + low;
+  if (!(any & 0x8000u)) return n;
+  for (size_t i = 0; i < n; ++i) {
+    if ((h[i] & exponent) == exponent) return i;
+  }
+  return n;
+}
+
 // A push's gradients may not exceed kMaxGradient in magnitude, nor the
 // learning rate times their magnitude kMaxStep: past them the squares and
 // steps every optimizer keeps overflow float32 at once (1e18 squared is

@@ -488,17 +488,34 @@ Status Table::Assign(const int64_t* ids, const float* values, size_t n) {
   return Import(ids, values, nullptr, nullptr, n, nullptr, /*to_disk=*/false);
 }
 
+size_t Table::slot_bytes() const {
+  return size_t{DtypeBytes(config_.policy.slot_dtype)} * slot_floats_;
+}
+
 Status Table::Import(const int64_t* ids, const float* values, const float* slots,
                      const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk) {
+  return ImportRows(ids, values, slots, steps, n, touched, to_disk, /*stored=*/false);
+}
+
+Status Table::ImportStored(const int64_t* ids, const void* values, const void* slots,
+                           const uint32_t* steps, size_t n, const uint32_t* touched) {
+  return ImportRows(ids, values, slots, steps, n, touched, /*to_disk=*/true, /*stored=*/true);
+}
+
+Status Table::ImportRows(const int64_t* ids, const void* values, const void* slots,
+                         const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk,
+                         bool stored) {
   imports_.fetch_add(1, std::memory_order_relaxed);
-  const size_t bad = FirstNonFinite(values, n * config_.dim);
+  const uint64_t value_dtype = stored ? config_.policy.value_dtype : 0;
+  const uint64_t slot_dtype = stored ? config_.policy.slot_dtype : 0;
+  const size_t bad = FirstNonFiniteStored(values, value_dtype, n * config_.dim);
   if (bad < n * config_.dim) {
     return InvalidArgument("row " + std::to_string(bad / config_.dim) + " (id " +
                            std::to_string(ids[bad / config_.dim]) +
                            ") holds a non-finite value; nothing imported");
   }
   if (slots != nullptr && slot_floats_ > 0) {
-    const size_t bad_slot = FirstNonFinite(slots, n * slot_floats_);
+    const size_t bad_slot = FirstNonFiniteStored(slots, slot_dtype, n * slot_floats_);
     if (bad_slot < n * slot_floats_) {
       return InvalidArgument("optimizer slots of row " + std::to_string(bad_slot / slot_floats_) +
                              " (id " + std::to_string(ids[bad_slot / slot_floats_]) +
@@ -519,6 +536,32 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
   const uint32_t now = Now();
   fresh_slots.resize(slot_floats_);
   InitializeSlots(config_.optimizer, dim, fresh_slots.data());
+  // A row's values and slots as given: floats, or bytes as stored.
+  const size_t value_stride = stored ? value_bytes_ : sizeof(float) * dim;
+  const size_t slot_stride = stored ? slot_bytes() : sizeof(float) * slot_floats_;
+  thread_local std::vector<char> tls_fresh_stored;
+  std::vector<char>& fresh_stored = tls_fresh_stored;
+  if (stored) {
+    fresh_stored.resize(slot_stride + 1);
+    StoreValues(fresh_slots.data(), config_.policy.slot_dtype, /*stochastic=*/false, 0,
+                slot_floats_, fresh_stored.data());
+  }
+  const char* fresh_row_slots =
+      stored ? fresh_stored.data() : reinterpret_cast<const char*>(fresh_slots.data());
+  // Writes row `pos`'s values and slots into record `r` (its header set).
+  auto write_row = [&](char* r, uint32_t pos) {
+    const char* v = static_cast<const char*>(values) + size_t{pos} * value_stride;
+    const char* sl =
+        slots ? static_cast<const char*>(slots) + size_t{pos} * slot_stride : fresh_row_slots;
+    if (stored) {
+      std::memcpy(r + sizeof(RowHeader), v, value_bytes_);
+      std::memcpy(r + sizeof(RowHeader) + value_bytes_, sl, slot_stride);
+      return;
+    }
+    WriteRow(r, ids[pos], reinterpret_cast<const RowHeader*>(r)->step,
+             reinterpret_cast<const float*>(v), reinterpret_cast<const float*>(sl),
+             /*stochastic=*/false);
+  };
   // Rows bound for a stripe's disk tier, written at the end of the stripe in
   // one batch (PutBatch): rows of a checkpoint come in bucket order, which
   // the tier's pages follow, so the batch is about one sequential write.
@@ -573,9 +616,10 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
         uint32_t slot = TierFile::kNoSlot;
         uint16_t old_generation;
         DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &old_generation));
-        const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
-        FillRecord(cold, ids[pos], steps ? steps[pos] : 0, touched ? touched[pos] : now,
-                   values + size_t{pos} * dim, row_slots);
+        auto* cold_header = reinterpret_cast<RowHeader*>(cold);
+        cold_header->step = steps ? steps[pos] : 0;
+        cold_header->touched = touched ? touched[pos] : now;
+        write_row(cold, pos);
         NoteChange(&stripe, ids[pos]);
         if (slot != TierFile::kNoSlot) {
           DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold, generation));
@@ -606,9 +650,7 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
       header->touched = touched ? touched[pos] : now;
       stripe.Generation(rec) = generation;
       NoteChange(&stripe, ids[pos]);
-      const float* row_slots = slots ? slots + size_t{pos} * slot_floats_ : fresh_slots.data();
-      WriteRow(r, ids[pos], header->step, values + size_t{pos} * dim, row_slots,
-               /*stochastic=*/false);
+      write_row(r, pos);
     }
     if (!cold_keys.empty()) {
       // Each id once, with the row of its last occurrence, in the order of

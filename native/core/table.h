@@ -130,6 +130,15 @@ class Table {
   // load; never on the request path), else cold rows move into RAM.
   Status Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
                 size_t n, const uint32_t* touched = nullptr, bool to_disk = true);
+  // Import of rows whose values and slots are already in the table's
+  // storage dtypes (value_bytes and slot_bytes a row: a checkpoint's 16-bit
+  // rows, copied as they are instead of widened and rounded again). Rejects
+  // NaN and infinity as Import does.
+  Status ImportStored(const int64_t* ids, const void* values, const void* slots,
+                      const uint32_t* steps, size_t n, const uint32_t* touched = nullptr);
+  // Bytes of a row's stored values, and of its stored slots.
+  size_t value_bytes() const { return value_bytes_; }
+  size_t slot_bytes() const;
 
   // Removes rows updated fewer than `min_count` times (0: any count) or not
   // touched for more than `unseen_for` clock units at `now` (0: any age).
@@ -395,6 +404,10 @@ class Table {
   // lock for each batch. Stops at a disk error.
   template <typename Hold, typename Fn>
   Status ForEachCold(Stripe* stripe, Hold hold, Fn fn);
+  // Import's body: rows as floats, or as stored (ImportStored).
+  Status ImportRows(const int64_t* ids, const void* values, const void* slots,
+                    const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk,
+                    bool stored);
   // Fills record `r` with a header and the row's values and slots.
   void FillRecord(char* r, int64_t id, uint32_t step, uint32_t touched, const float* values,
                   const float* slots);

@@ -136,6 +136,51 @@ void BindTable(py::module_& m) {
           py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
           py::arg("steps") = py::none(), py::arg("touched") = py::none())
       .def(
+          "import_stored_rows",
+          [](Table& t, const IdArray& ids, const py::array& values, const py::object& slots,
+             const py::object& steps, const py::object& touched) {
+            // Values and slots as the table stores them (uint16 rows for a
+            // 16-bit dtype, float32 rows otherwise), C-contiguous.
+            CheckIds(ids);
+            const size_t n = static_cast<size_t>(ids.shape(0));
+            auto check = [&](const py::array& a, size_t row_bytes, const char* what) {
+              const bool contiguous = (a.flags() & py::array::c_style) != 0;
+              if (!contiguous || a.ndim() != 2 || static_cast<size_t>(a.shape(0)) != n ||
+                  static_cast<size_t>(a.shape(1) * a.itemsize()) != row_bytes) {
+                throw py::value_error(std::string(what) + " must be C-contiguous rows of " +
+                                      std::to_string(row_bytes) + " bytes each, one per id");
+              }
+            };
+            check(values, t.value_bytes(), "values");
+            py::array slot_array;
+            const void* slot_ptr = nullptr;
+            if (!slots.is_none() && t.slot_floats() > 0) {
+              slot_array = slots.cast<py::array>();
+              check(slot_array, t.slot_bytes(), "slots");
+              slot_ptr = slot_array.data();
+            }
+            StepArray step_array;
+            const uint32_t* step_ptr = nullptr;
+            if (!steps.is_none()) {
+              step_array = StepsFrom(steps, n);
+              step_ptr = step_array.data();
+            }
+            StepArray touched_array;
+            const uint32_t* touched_ptr = nullptr;
+            if (!touched.is_none()) {
+              touched_array = StepsFrom(touched, n);
+              touched_ptr = touched_array.data();
+            }
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = t.ImportStored(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr);
+            }
+            Check(s);
+          },
+          py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
+          py::arg("steps") = py::none(), py::arg("touched") = py::none())
+      .def(
           "shrink",
           [](Table& t, uint64_t min_count, uint64_t unseen_for, const py::object& now) {
             const uint32_t at = now.is_none() ? t.Now() : py::cast<uint32_t>(now);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "native/core/disk_tier.h"
+#include "native/core/half.h"
 #include "native/core/routing.h"
 #include "native/core/shard.h"
 #include "native/core/table.h"
@@ -795,6 +796,62 @@ DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
   EXPECT(stats.disk_rows > 0 && stats.demotions > 0);
   EXPECT(stats.ram_rows + stats.disk_rows == ids.size());
   EXPECT(stats.ram_rows * t->ram_row_bytes() <= shard->memory_status().table_target + (1 << 20));
+}
+
+DLT_TEST(TestStoredImportEqualsFloatImportOnBothTiers) {
+  // 16-bit rows imported as stored (a checkpoint's, not widened first) make
+  // the same table as the same rows imported as floats, in RAM and on disk
+  // alike; a stored NaN or infinity is refused, naming its row.
+  for (const uint64_t dtype : {uint64_t{1}, uint64_t{2}}) {  // bfloat16, float16
+    TempDir dir;
+    TableConfig config = TierTable(OptimizerKind::kAdagrad);
+    config.policy.value_dtype = dtype;
+    config.policy.slot_dtype = dtype;
+    Table stored(config), floats(config);
+    for (Table* t : {&stored, &floats}) {
+      const std::string path = dir.path + (t == &stored ? "/a" : "/b");
+      std::filesystem::create_directories(path);
+      t->AttachTier(path);
+      t->SetRamLimit(kStripes * 8);  // most rows go to disk
+    }
+    constexpr size_t kRows = 5000;
+    const uint32_t dim = config.dim, k = stored.slot_floats();
+    std::vector<int64_t> ids(kRows);
+    std::vector<uint32_t> steps(kRows);
+    std::vector<float> values(kRows * dim), slots(kRows * k);
+    std::mt19937_64 rng(5);
+    for (size_t i = 0; i < kRows; ++i) {
+      ids[i] = static_cast<int64_t>(rng());
+      steps[i] = static_cast<uint32_t>(i % 7);
+    }
+    for (auto& v : values) v = static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 64;
+    for (auto& v : slots) v = static_cast<float>(rng() % 1000) / 32;
+    // The 16-bit rows, and the floats they widen to.
+    std::vector<uint16_t> values16(values.size()), slots16(slots.size());
+    StoreValues(values.data(), dtype, false, 0, static_cast<uint32_t>(values.size()),
+                values16.data());
+    StoreValues(slots.data(), dtype, false, 0, static_cast<uint32_t>(slots.size()), slots16.data());
+    LoadValues(values16.data(), dtype, static_cast<uint32_t>(values.size()), values.data());
+    LoadValues(slots16.data(), dtype, static_cast<uint32_t>(slots.size()), slots.data());
+    EXPECT_OK(
+        stored.ImportStored(ids.data(), values16.data(), slots16.data(), steps.data(), kRows));
+    EXPECT_OK(floats.Import(ids.data(), values.data(), slots.data(), steps.data(), kRows));
+    EXPECT(stored.tier_stats().disk_rows > kRows / 2);
+    EXPECT(Rows(&stored) == Rows(&floats));
+    // Without slots: fresh ones, as a float import makes them.
+    const std::vector<int64_t> more = {-1, -2, -3};
+    EXPECT_OK(stored.ImportStored(more.data(), values16.data(), nullptr, nullptr, 3, nullptr));
+    EXPECT_OK(floats.Import(more.data(), values.data(), nullptr, nullptr, 3));
+    EXPECT(Rows(&stored) == Rows(&floats));
+    // A non-finite stored value (all-ones exponent) in row 1.
+    std::vector<uint16_t> bad(values16.begin(), values16.begin() + 2 * dim);
+    bad[dim + 2] = dtype == 1 ? 0x7fc0 : 0x7e00;  // NaN
+    const std::vector<int64_t> two = {7, 8};
+    const Status s = stored.ImportStored(two.data(), bad.data(), nullptr, nullptr, 2, nullptr);
+    EXPECT(s.code() == Code::kInvalidArgument);
+    EXPECT(s.message().find("row 1 (id 8)") != std::string::npos);
+    EXPECT(stored.size() == kRows + 3);
+  }
 }
 
 }  // namespace

@@ -57,6 +57,12 @@ def restore_rows(
     touched = g["touched"] if "touched" in g else None
     value_dtype = _stored_as(g["values"], table.config, 0)
     slot_dtype = _stored_as(slots, table.config, 1) if slots is not None else "float32"
+    # Rows stored in the table's own dtypes are imported as they are (16-bit
+    # rows are not widened here to be rounded back in the table); rows a
+    # file stores as float32 for a 16-bit table are widened and rounded.
+    as_stored = (value_dtype, slot_dtype) == table_dtypes(table.config) or (
+        slots is None and value_dtype == table_dtypes(table.config)[0]
+    )
     raw = verified.RawRows(g, reader) if reader is not None else None
     if raw is not None and raw.ok:  # HDF5 chunk by HDF5 chunk, from the verified blocks
 
@@ -82,9 +88,10 @@ def restore_rows(
         pending: Future[None] | None = None
         for a, b in spans:
             ids, values, slot_rows, steps, stamps = read_batch(a, b)
-            values = widen(values, value_dtype)
-            if slot_rows is not None:
-                slot_rows = widen(slot_rows, slot_dtype)
+            if not as_stored:
+                values = widen(values, value_dtype)
+                if slot_rows is not None:
+                    slot_rows = widen(slot_rows, slot_dtype)
             if stamps is not None:
                 if not seconds:  # the same age against the table's clock (modulo 2^32:
                     # the low 32 bits, a mask, which numpy applies far faster than %)
@@ -93,7 +100,8 @@ def restore_rows(
                     stamps = (now - age) & 0xFFFFFFFF
             if pending is not None:
                 pending.result()
-            pending = importer.submit(table.import_rows, ids, values, slot_rows, steps, stamps)
+            imports = table.import_stored_rows if as_stored else table.import_rows
+            pending = importer.submit(imports, ids, values, slot_rows, steps, stamps)
         if pending is not None:
             pending.result()
     if "sketch" in g and table.sketch_slice_bytes:
