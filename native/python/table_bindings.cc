@@ -65,6 +65,14 @@ void CheckSketch(const Table& t, uint32_t first_bucket, uint32_t end_bucket) {
   }
 }
 
+// The update counts (or stamps) of an import: null for None, else one per
+// row, held in `keep`.
+const uint32_t* OptionalSteps(const py::object& steps, size_t n, StepArray* keep) {
+  if (steps.is_none()) return nullptr;
+  *keep = StepsFrom(steps, n);
+  return keep->data();
+}
+
 }  // namespace
 
 void BindTable(py::module_& m) {
@@ -108,24 +116,15 @@ void BindTable(py::module_& m) {
             const size_t n = static_cast<size_t>(ids.shape(0));
             CheckRows(values, n, t.dim(), "values");
             FloatArray slot_array;
-            StepArray step_array;
             const float* slot_ptr = nullptr;
-            const uint32_t* step_ptr = nullptr;
             if (!slots.is_none() && t.slot_floats() > 0) {
               slot_array = slots.cast<FloatArray>();
               CheckRows(slot_array, n, t.slot_floats(), "slots");
               slot_ptr = slot_array.data();
             }
-            if (!steps.is_none()) {
-              step_array = StepsFrom(steps, n);
-              step_ptr = step_array.data();
-            }
-            StepArray touched_array;
-            const uint32_t* touched_ptr = nullptr;
-            if (!touched.is_none()) {
-              touched_array = StepsFrom(touched, n);
-              touched_ptr = touched_array.data();
-            }
+            StepArray step_array, touched_array;
+            const uint32_t* step_ptr = OptionalSteps(steps, n, &step_array);
+            const uint32_t* touched_ptr = OptionalSteps(touched, n, &touched_array);
             Status s;
             {
               py::gil_scoped_release release;
@@ -159,18 +158,9 @@ void BindTable(py::module_& m) {
               check(slot_array, t.slot_bytes(), "slots");
               slot_ptr = slot_array.data();
             }
-            StepArray step_array;
-            const uint32_t* step_ptr = nullptr;
-            if (!steps.is_none()) {
-              step_array = StepsFrom(steps, n);
-              step_ptr = step_array.data();
-            }
-            StepArray touched_array;
-            const uint32_t* touched_ptr = nullptr;
-            if (!touched.is_none()) {
-              touched_array = StepsFrom(touched, n);
-              touched_ptr = touched_array.data();
-            }
+            StepArray step_array, touched_array;
+            const uint32_t* step_ptr = OptionalSteps(steps, n, &step_array);
+            const uint32_t* touched_ptr = OptionalSteps(touched, n, &touched_array);
             Status s;
             {
               py::gil_scoped_release release;
