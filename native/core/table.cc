@@ -71,14 +71,6 @@ Table::~Table() {
   if (!tier_dir_.empty()) rmdir(tier_dir_.c_str());
 }
 
-void Table::FillRecord(char* r, int64_t id, uint32_t step, uint32_t touched, const float* values,
-                       const float* slots) {
-  auto* header = reinterpret_cast<RowHeader*>(r);
-  header->step = step;
-  header->touched = touched;
-  WriteRow(r, id, step, values, slots, /*stochastic=*/false);
-}
-
 uint32_t Table::Now() const {
   if (config_.policy.clock == static_cast<uint64_t>(ClockKind::kSeconds)) {
     return static_cast<uint32_t>(std::time(nullptr));
@@ -542,7 +534,7 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
   thread_local std::vector<char> tls_fresh_stored;
   std::vector<char>& fresh_stored = tls_fresh_stored;
   if (stored) {
-    fresh_stored.resize(slot_stride + 1);
+    fresh_stored.resize(slot_stride + 1);  // (+1: never empty, data() never null)
     StoreValues(fresh_slots.data(), config_.policy.slot_dtype, /*stochastic=*/false, 0,
                 slot_floats_, fresh_stored.data());
   }

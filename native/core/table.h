@@ -408,9 +408,6 @@ class Table {
   Status ImportRows(const int64_t* ids, const void* values, const void* slots,
                     const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk,
                     bool stored);
-  // Fills record `r` with a header and the row's values and slots.
-  void FillRecord(char* r, int64_t id, uint32_t step, uint32_t touched, const float* values,
-                  const float* slots);
   // The lowest-scoring `want` of `scored` (score, key) pairs' keys.
   static std::vector<int64_t> Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored,
                                      size_t want);

@@ -60,9 +60,9 @@ def restore_rows(
     # Rows stored in the table's own dtypes are imported as they are (16-bit
     # rows are not widened here to be rounded back in the table); rows a
     # file stores as float32 for a 16-bit table are widened and rounded.
-    as_stored = (value_dtype, slot_dtype) == table_dtypes(table.config) or (
-        slots is None and value_dtype == table_dtypes(table.config)[0]
-    )
+    wanted = table_dtypes(table.config)
+    as_stored = value_dtype == wanted[0] and (slots is None or slot_dtype == wanted[1])
+    imports = table.import_stored_rows if as_stored else table.import_rows
     raw = verified.RawRows(g, reader) if reader is not None else None
     if raw is not None and raw.ok:  # HDF5 chunk by HDF5 chunk, from the verified blocks
 
@@ -100,7 +100,6 @@ def restore_rows(
                     stamps = (now - age) & 0xFFFFFFFF
             if pending is not None:
                 pending.result()
-            imports = table.import_stored_rows if as_stored else table.import_rows
             pending = importer.submit(imports, ids, values, slot_rows, steps, stamps)
         if pending is not None:
             pending.result()
@@ -140,7 +139,7 @@ def _whole_buckets(
     a batch (chunk by chunk, joined). A tier places a bucket's rows over its
     own window of pages: a batch that holds the whole bucket writes each of
     those pages once; chunks cutting a bucket write them once per chunk."""
-    most = max(step, _TIER_BATCH_BYTES // (4 * (table.dim + table.slot_floats) + 16))
+    most = max(step, _TIER_BATCH_BYTES // file_row_bytes(table.dim, table.slot_floats))
     lo, hi = int(bounds[0]), int(bounds[-1])
 
     def spans() -> Iterator[tuple[int, int]]:
