@@ -20,8 +20,14 @@ them is sequential for the table's hashing. With --page-cache-limit B the
 tiered shard runs in a memory cgroup of its budget plus B bytes, so its tier
 files cannot stay in the page cache (root; see bench_tiers.py).
 
+With --grow-seconds T the growth stops after T seconds (at a batch's end)
+and the rest runs on the rows made so far (`rows_grown`): past the page
+cache, a row's demotion may wait for a device read (a write into a page not
+in the cache reads it first), and the growth rate at each size is logged.
+
 Usage: python bench/bench_tier_scale.py [--rows N] [--dim D] [--budget BYTES]
        [--seconds S] [--skew 1.05] [--storage-dir DIR] [--page-cache-limit B]
+       [--grow-seconds T]
 """
 
 from __future__ import annotations
@@ -90,17 +96,24 @@ def create(client: Client, dim: int) -> None:
     )
 
 
-def grow(client: Client, rows: int, dim: int, pid: int, budget: int) -> float:
-    """Inserts rows 0..rows-1 by training steps; rows/s."""
+def grow(
+    client: Client, rows: int, dim: int, pid: int, budget: int, seconds: float = float("inf")
+) -> tuple[int, float]:
+    """Inserts rows 0..rows-1 by training steps, stopping after `seconds`;
+    the rows made and their rows/s."""
     grads = np.full((BATCH, dim), 1e-3, dtype=np.float32)
     start = last = time.perf_counter()
-    reported = 0
+    reported = made = 0
     for first in range(0, rows, BATCH):
+        if time.perf_counter() - start >= seconds:
+            log(f"growth stopped after {seconds:.0f} s at {made:,} rows")
+            break
         n = min(BATCH, rows - first)
         ids = ids_of(np.arange(first, first + n, dtype=np.int64))
         client.pull(TABLE, ids)
         client.push(TABLE, ids, grads[:n], 0.01)
-        if first + n - reported >= max(rows // 20, BATCH) or first + n == rows:
+        made = first + n
+        if first + n - reported >= max(min(rows // 20, 10_000_000), BATCH) or first + n == rows:
             now = time.perf_counter()
             tier = tier_of(client)
             log(
@@ -110,7 +123,7 @@ def grow(client: Client, rows: int, dim: int, pid: int, budget: int) -> float:
                 f"peak RSS {peak_rss(pid) / budget:.2f} of the budget"
             )
             reported, last = first + n, now
-    return rows / (time.perf_counter() - start)
+    return made, made / (time.perf_counter() - start)
 
 
 def steps(client: Client, batches, dim: int, seconds: float, push: bool = True):  # type: ignore[no-untyped-def]
@@ -141,6 +154,10 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--skew", type=float, default=1.05)
     p.add_argument(
+        "--grow-seconds", type=float, default=float("inf"),
+        help="stop growing after this many seconds; measure on the rows made so far",
+    )  # fmt: skip
+    p.add_argument(
         "--storage-dir", help="disk tier directory (default: under /work or the temp dir)"
     )
     p.add_argument(
@@ -165,7 +182,7 @@ def main() -> None:
             log(f"all in RAM: {args.baseline_rows:,} rows")
             create(ram, args.dim)
             out["baseline_grow_rows_per_s"] = round(
-                grow(ram, args.baseline_rows, args.dim, ram_cluster.processes[0].pid, 1 << 62)
+                grow(ram, args.baseline_rows, args.dim, ram_cluster.processes[0].pid, 1 << 62)[1]
             )
             zipf = lambda: zipf_batch(rng, args.baseline_rows, args.skew)  # noqa: E731
             steps(ram, zipf, args.dim, 2.0)
@@ -193,12 +210,13 @@ def main() -> None:
             with Client(cluster.addresses) as tiered:
                 log(f"tiered under {args.budget / 2**30:.1f} GiB: {args.rows:,} rows")
                 create(tiered, args.dim)
-                out["grow_rows_per_s"] = round(grow(tiered, args.rows, args.dim, pid, args.budget))
-                grown = tier_of(tiered)
-                out["tier_after_growth"] = grown
-                out["disk_bytes_per_row"] = round(disk_bytes(storage) / args.rows, 1)
-                zipf = lambda: zipf_batch(rng, args.rows, args.skew)  # noqa: E731
-                uniform = lambda: uniform_batch(rng, args.rows)  # noqa: E731
+                rows, rate = grow(tiered, args.rows, args.dim, pid, args.budget, args.grow_seconds)
+                out["rows_grown"] = rows
+                out["grow_rows_per_s"] = round(rate)
+                out["tier_after_growth"] = tier_of(tiered)
+                out["disk_bytes_per_row"] = round(disk_bytes(storage) / rows, 1)
+                zipf = lambda: zipf_batch(rng, rows, args.skew)  # noqa: E731
+                uniform = lambda: uniform_batch(rng, rows)  # noqa: E731
                 log("Zipf pulls alone (a read-only stream: RAM is full, so nothing moves in)")
                 out["zipf_pull_only_rows_per_s"] = round(
                     steps(tiered, zipf, args.dim, args.seconds, push=False)[0]

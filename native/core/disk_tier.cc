@@ -421,6 +421,18 @@ uint32_t TierFile::FreeSlot(uint64_t hash, uint16_t* fingerprint) const {
   return kNoSlot;
 }
 
+void TierFile::AdviseWrites(const uint64_t* hashes, size_t n) const {
+  if (fd_ < 0) return;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t first, second;
+    uint16_t print;
+    Place(hashes[i], &first, &second, &print);
+    const uint32_t page = UsedIn(second) < UsedIn(first) ? second : first;
+    (void)posix_fadvise(fd_, static_cast<off_t>(size_t{page} * page_bytes_),
+                        static_cast<off_t>(page_bytes_), POSIX_FADV_WILLNEED);
+  }
+}
+
 Status TierFile::WriteSlot(uint32_t slot, int64_t key, const char* record, uint16_t generation) {
   thread_local std::vector<char> buffer;
   buffer.resize(slot_bytes_);

@@ -90,6 +90,12 @@ class TierFile {
   // cache (a hint, no I/O): a loop over many rows calls it some rows ahead
   // of their Find or placement.
   void PrefetchFingerprints(uint64_t hash) const;
+  // Asks the kernel to read in, without waiting, the page each of these
+  // rows would be stored in by a Put now (a hint, no error): a write of a
+  // slot into a page not in the page cache first reads the page, so a
+  // batch of Puts that follows waits about one device round trip, not one
+  // per row. Costs a page-cache lookup a row when the pages are cached.
+  void AdviseWrites(const uint64_t* hashes, size_t n) const;
   // Stores a row that is absent from the tier; grows the file when both
   // candidate pages are full or the tier passes its target fill.
   Status Put(uint64_t hash, int64_t key, const char* record, uint16_t generation);

@@ -102,13 +102,19 @@ size_t Table::Demote(size_t want, Status* status) {
       continue;
     }
     // A batch of rows per hold of the lock: pulls of this stripe wait for
-    // at most a batch of disk writes.
+    // at most a batch of disk writes. The pages the batch writes are asked
+    // for first, so those not in the page cache are read in parallel.
+    std::vector<uint64_t> hashes;
     for (size_t begin = 0; begin < victims.size() && status->ok(); begin += kDemoteBatch) {
       std::unique_lock<std::shared_mutex> lock(stripe.mu);
       const size_t end = std::min(victims.size(), begin + kDemoteBatch);
+      hashes.clear();
+      for (size_t v = begin; v < end; ++v)
+        hashes.push_back(Mix64(static_cast<uint64_t>(victims[v])));
+      stripe.tier->AdviseWrites(hashes.data(), hashes.size());
       for (size_t v = begin; v < end; ++v) {
         const int64_t key = victims[v];
-        const uint64_t hash = Mix64(static_cast<uint64_t>(key));
+        const uint64_t hash = hashes[v - begin];
         const size_t slot = stripe.FindSlot(hash, key);
         if (slot == kEmpty) continue;  // removed (or moved) since it was chosen
         const uint32_t rec = stripe.index[slot].record;
