@@ -61,6 +61,18 @@ double ProcessCpu() {
          static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
 
+// Rows for a call's output, aligned as TensorFlow aligns its tensors (64
+// bytes), so the client places them as it does for a lookup op.
+struct AlignedFree {
+  void operator()(float* p) const { std::free(p); }
+};
+std::unique_ptr<float[], AlignedFree> AlignedRows(size_t floats, float fill) {
+  const size_t bytes = (sizeof(float) * floats + 63) / 64 * 64;
+  std::unique_ptr<float[], AlignedFree> rows(static_cast<float*>(std::aligned_alloc(64, bytes)));
+  std::fill(rows.get(), rows.get() + floats, fill);
+  return rows;
+}
+
 std::vector<int64_t> RandomIds(size_t n, uint64_t rows, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<int64_t> ids(n);
@@ -184,11 +196,11 @@ int Client(int argc, char** argv) {
   dlt::Client client(addresses, options);
   std::vector<std::vector<int64_t>> batches;
   for (int k = 0; k < 8; ++k) batches.push_back(RandomIds(n, rows, seed * 100 + k));
-  std::vector<float> out(n * dim), grads(n * dim, 1e-3f);
+  const auto out = AlignedRows(n * dim, 0.0f), grads = AlignedRows(n * dim, 1e-3f);
   auto call = [&](int k) {
     const auto& ids = batches[k % batches.size()];
-    return pull ? client.Pull("t", dim, ids.data(), n, dlt::PullMode::kInsert, out.data(), true)
-                : client.Push("t", dim, ids.data(), grads.data(), n, 0.01f);
+    return pull ? client.Pull("t", dim, ids.data(), n, dlt::PullMode::kInsert, out.get(), true)
+                : client.Push("t", dim, ids.data(), grads.get(), n, 0.01f);
   };
   for (int k = 0; k < 3; ++k) {  // connect and warm up
     const dlt::Status s = call(k);
@@ -214,7 +226,8 @@ int Local(int argc, char** argv, bool scatter) {
   const size_t n = std::strtoull(argv[3], nullptr, 10);
   const int calls = std::atoi(argv[4]);
   const uint64_t rows = std::strtoull(argv[5], nullptr, 10);
-  std::vector<float> table(rows * dim, 0.5f), rows_of_call(n * dim, 1e-3f);
+  std::vector<float> table(rows * dim, 0.5f);
+  const auto rows_of_call = AlignedRows(n * dim, 1e-3f);
   std::vector<std::vector<int64_t>> batches;
   for (int k = 0; k < 8; ++k) batches.push_back(RandomIds(n, rows, 7 + k));
   const double cpu = ProcessCpu();

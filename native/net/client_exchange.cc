@@ -7,6 +7,10 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -106,6 +110,16 @@ size_t Client::Call::StageBytes() const {
   return std::max<size_t>(1, kStageBytes / row_bytes) * row_bytes;
 }
 
+bool StreamsPulledRows(const float* out, size_t row_floats, size_t rows) {
+#if defined(__SSE2__)
+  const size_t row_bytes = sizeof(float) * row_floats;
+  return reinterpret_cast<uintptr_t>(out) % 64 == 0 && row_bytes % 64 == 0 &&
+         row_bytes * rows >= kStreamPlaceBytes;
+#else
+  return false;
+#endif
+}
+
 void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, size_t count) const {
   const size_t w = rows.row_floats;
   const size_t begin = first_row + frame * rows_per_frame + first;
@@ -113,10 +127,24 @@ void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, siz
     std::memcpy(rows.out + begin * w, src, sizeof(float) * w * count);
     return;
   }
+  const size_t row_bytes = sizeof(float) * w;
+#if defined(__SSE2__)
+  if (rows.stream) {
+    // Whole cache lines written around the cache: no line is read first.
+    for (size_t r = 0; r < count; ++r) {
+      auto* to = reinterpret_cast<__m128i*>(rows.out + size_t{rows.pos[begin + r]} * w);
+      const auto* from = reinterpret_cast<const __m128i*>(src + row_bytes * r);
+      for (size_t k = 0; k < row_bytes / sizeof(__m128i); ++k) {
+        _mm_stream_si128(to + k, _mm_loadu_si128(from + k));
+      }
+    }
+    _mm_sfence();  // visible before the call is seen done (or repeats copied)
+    return;
+  }
+#endif
   // The places are scattered: each row's cache lines are asked for (to
   // write) some rows ahead, so their misses overlap instead of stalling
   // each copy in turn.
-  const size_t row_bytes = sizeof(float) * w;
   for (size_t r = 0; r < count; ++r) {
     if (r + kPlaceAhead < count) {
       const char* ahead =

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "native/core/routing.h"
 #include "native/core/shard.h"
 #include "native/net/client.h"
+#include "native/net/client_call.h"
 #include "native/net/data_server.h"
 #include "native/net/socket.h"
 #include "native/net/wire.h"
@@ -561,6 +563,73 @@ DLT_TEST(TestPullRepliesLargerThanTheStage) {
   for (size_t g = ids.size() * dim; g < out.size(); ++g) EXPECT(out[g] == -1.0f);
 }
 
+// Two shards (of two) serving on loopback, each given its tables by `tables`.
+struct TwoShards {
+  std::vector<std::shared_ptr<Shard>> shards;
+  std::vector<std::unique_ptr<DataServer>> servers;
+  std::vector<std::string> addresses;
+  explicit TwoShards(const std::function<void(Shard*)>& tables) {
+    for (uint32_t i = 0; i < 2; ++i) {
+      shards.push_back(std::make_shared<Shard>(i, 2));
+      tables(shards.back().get());
+      servers.push_back(std::make_unique<DataServer>(shards.back(), DataServerOptions()));
+      EXPECT_OK(servers.back()->Start());
+      addresses.push_back(Address(*servers.back()));
+    }
+  }
+};
+
+// A pull into a large 64-byte-aligned output (as TensorFlow allocates it)
+// places its rows with non-temporal stores: every row, repeats included,
+// lands as an ordinary placement puts it, from one exchange thread or
+// several, and nothing past the output is written.
+DLT_TEST(TestLargePullsStreamedToTheirPlacesExactly) {
+  const uint32_t dim = 64;
+  const TwoShards cluster([&](Shard* shard) {
+    TableConfig c;
+    c.name = "emb";
+    c.dim = dim;
+    c.initializer.kind = InitializerKind::kUniform;
+    bool created;
+    EXPECT_OK(shard->CreateTable(c, &created));
+  });
+  const std::vector<std::string>& addresses = cluster.addresses;
+  // 40,000 ids of 25,000 distinct: 10 MB of rows, scattered over 2 shards.
+  std::vector<int64_t> ids(40000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>((i * 7919) % 25000) - 9000;
+  const size_t floats = ids.size() * dim, guard = 64;
+  float* aligned = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * (floats + guard)));
+  std::vector<float> plain(floats + guard + 4, -1.0f);
+  float* unaligned = plain.data() + (reinterpret_cast<uintptr_t>(plain.data()) % 64 == 0 ? 4 : 0);
+  EXPECT(StreamsPulledRows(aligned, dim, ids.size()));
+  EXPECT(!StreamsPulledRows(unaligned, dim, ids.size()));
+  EXPECT(!StreamsPulledRows(aligned, 24, ids.size()));  // rows of partial lines
+  EXPECT(!StreamsPulledRows(aligned, dim, 1000));       // small enough to stay in cache
+  for (const int threads : {1, 4}) {
+    ClientOptions o;
+    o.exchange_threads = threads;
+    Client client(addresses, o);
+    std::fill(aligned, aligned + floats + guard, -1.0f);
+    std::fill(plain.begin(), plain.end(), -1.0f);
+    size_t sent = 0;
+    EXPECT_OK(client.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, unaligned, true));
+    EXPECT_OK(
+        client.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, aligned, true, &sent));
+    EXPECT(sent == 25000);
+    EXPECT(std::memcmp(aligned, unaligned, sizeof(float) * floats) == 0);
+    EXPECT(std::count(aligned + floats, aligned + floats + guard, -1.0f) ==
+           static_cast<std::ptrdiff_t>(guard));
+    // Uniform rows are not zero: each row arrived.
+    size_t zero_rows = 0;
+    for (size_t r = 0; r < ids.size(); ++r) {
+      zero_rows += std::all_of(aligned + r * dim, aligned + (r + 1) * dim,
+                               [](float v) { return v == 0.0f; });
+    }
+    EXPECT(zero_rows == 0);
+  }
+  std::free(aligned);
+}
+
 // A pooled connection the server closed while idle is noticed before use,
 // so a push (never retried) does not fail on it.
 DLT_TEST(TestPooledConnectionClosedByTheServerIsNotUsed) {
@@ -583,11 +652,7 @@ DLT_TEST(TestPooledConnectionClosedByTheServerIsNotUsed) {
 // and pushes split over connections apply every row once.
 DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
   const uint32_t dim = 64;
-  std::vector<std::shared_ptr<Shard>> shards;
-  std::vector<std::unique_ptr<DataServer>> servers;
-  std::vector<std::string> addresses;
-  for (uint32_t i = 0; i < 2; ++i) {
-    auto shard = std::make_shared<Shard>(i, 2);
+  const TwoShards cluster([&](Shard* shard) {
     TableConfig c;
     c.name = "emb";
     c.dim = dim;
@@ -606,11 +671,8 @@ DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
       c.name = name;
       EXPECT_OK(shard->CreateTable(c, &created));
     }
-    servers.push_back(std::make_unique<DataServer>(shard, DataServerOptions()));
-    EXPECT_OK(servers.back()->Start());
-    addresses.push_back(Address(*servers.back()));
-    shards.push_back(shard);
-  }
+  });
+  const auto& [shards, servers, addresses] = cluster;
   // 2^17 ids of 2^16 distinct (every second one a repeat): 8 MiB of reply
   // per shard.
   std::vector<int64_t> ids(size_t{1} << 17);
