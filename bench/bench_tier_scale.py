@@ -10,7 +10,10 @@ same config all in RAM in another shard process, measured in the same run:
   push), as a ratio of the same traffic's on the all-RAM table (target >=
   0.5 with skew 1.05); and in pulls alone (a read-only stream);
 - uniform pull rows/s in training steps, with the tier's slot reads per
-  pulled row beside them (the device reads the worst case pays);
+  pulled row beside them (the worst case's reads, from the page cache or
+  the device) and the 4 KiB pages the shard process read from the device
+  per pulled row (`/proc/PID/io` read_bytes: cold reads, and the pages the
+  keeper's demotions read in);
 - the tiered shard's peak resident set (VmHWM) against its budget (target
   <= budget + 10%), and the tier files' disk bytes per row (blocks
   allocated, not file sizes).
@@ -79,6 +82,14 @@ def tier_of(client: Client) -> dict[str, int]:
     (stats,) = client.stats()
     (table,) = [t for t in stats["tables"] if t["config"]["name"] == TABLE]
     return {**table.get("tier", {}), "rows": int(table["rows"])}
+
+
+def storage_read_bytes(pid: int) -> int:
+    """Bytes process `pid` has had read from storage (not the page cache)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
 
 
 def disk_bytes(directory: Path) -> int:
@@ -227,12 +238,17 @@ def main() -> None:
                 out["zipf_pull_rows_per_s"] = round(pull)
                 out["zipf_push_rows_per_s"] = round(push)
                 log("uniform training steps")
-                before = tier_of(tiered)
+                before, read_before = tier_of(tiered), storage_read_bytes(pid)
                 pull, _, pulled = steps(tiered, uniform, args.dim, args.seconds)
                 after = tier_of(tiered)
                 out["uniform_pull_rows_per_s"] = round(pull)
                 out["uniform_slot_reads_per_row"] = round(
                     (after.get("disk_reads", 0) - before.get("disk_reads", 0)) / pulled, 3
+                )
+                # What reached the device: the pulls' cold reads and the
+                # pages the keeper's demotions read in, per 4 KiB.
+                out["uniform_device_page_reads_per_row"] = round(
+                    (storage_read_bytes(pid) - read_before) / 4096 / pulled, 3
                 )
                 out["tier"] = after
             out["peak_rss"] = peak_rss(pid)
