@@ -35,7 +35,6 @@ struct Client::Layout {
   std::vector<ShardState*> shards;  // owned by Client::states_
 };
 
-// One shard's part of an exchange: frames to send, a handler for replies.
 // Whether a pull of `rows` rows into `out` places them with non-temporal
 // stores: whole 64-byte lines (rows of a multiple of 16 floats, `out`
 // aligned, as TensorFlow aligns tensors) into an output too large to stay
@@ -44,6 +43,7 @@ struct Client::Layout {
 bool StreamsPulledRows(const float* out, size_t row_floats, size_t rows);
 inline constexpr size_t kStreamPlaceBytes = size_t{4} << 20;
 
+// One shard's part of an exchange: frames to send, a handler for replies.
 struct Client::Call {
   struct Frame {
     uint8_t header[wire::kHeaderBytes];
