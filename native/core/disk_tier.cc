@@ -407,9 +407,7 @@ Status TierFile::Find(uint64_t hash, int64_t key, char* record, uint32_t* slot,
 }
 
 uint32_t TierFile::FreeSlot(uint64_t hash, uint16_t* fingerprint) const {
-  uint32_t first, second;
-  Place(hash, &first, &second, fingerprint);
-  const uint32_t page = UsedIn(second) < UsedIn(first) ? second : first;
+  const uint32_t page = EmptierPage(hash, fingerprint);
   const uint32_t used = UsedIn(page);
   if (used == slots_per_page_) return kNoSlot;
   // A page without removals fills its slots in order: the next is free.
@@ -424,10 +422,8 @@ uint32_t TierFile::FreeSlot(uint64_t hash, uint16_t* fingerprint) const {
 void TierFile::AdviseWrites(const uint64_t* hashes, size_t n) const {
   if (fd_ < 0) return;
   for (size_t i = 0; i < n; ++i) {
-    uint32_t first, second;
     uint16_t print;
-    Place(hashes[i], &first, &second, &print);
-    const uint32_t page = UsedIn(second) < UsedIn(first) ? second : first;
+    const uint32_t page = EmptierPage(hashes[i], &print);
     (void)posix_fadvise(fd_, static_cast<off_t>(size_t{page} * page_bytes_),
                         static_cast<off_t>(page_bytes_), POSIX_FADV_WILLNEED);
   }

@@ -156,6 +156,12 @@ class TierFile {
   uint64_t MaxPages() const { return (uint64_t{1} << 31) / slots_per_page_; }
   // The two candidate pages and the fingerprint of a hash.
   void Place(uint64_t hash, uint32_t* first, uint32_t* second, uint16_t* fingerprint) const;
+  // The candidate page a new row of `hash` takes now: the emptier one.
+  uint32_t EmptierPage(uint64_t hash, uint16_t* fingerprint) const {
+    uint32_t first, second;
+    Place(hash, &first, &second, fingerprint);
+    return UsedIn(second) < UsedIn(first) ? second : first;
+  }
   uint32_t UsedIn(uint32_t page) const { return used_[page]; }
   // RAM a page costs: its slots' fingerprints and its count.
   size_t PageRamBytes() const;

@@ -84,6 +84,7 @@ size_t Table::Demote(size_t want, Status* status) {
   if (want == 0 || total == 0) return 0;
   size_t moved = 0;
   std::vector<std::pair<uint64_t, int64_t>> scored;
+  std::vector<uint64_t> hashes;
   for (uint32_t s = 0; s < kStripes && status->ok(); ++s) {
     Stripe& stripe = stripes_[s];
     std::vector<int64_t> victims;
@@ -104,7 +105,6 @@ size_t Table::Demote(size_t want, Status* status) {
     // A batch of rows per hold of the lock: pulls of this stripe wait for
     // at most a batch of disk writes. The pages the batch writes are asked
     // for first, so those not in the page cache are read in parallel.
-    std::vector<uint64_t> hashes;
     for (size_t begin = 0; begin < victims.size() && status->ok(); begin += kDemoteBatch) {
       std::unique_lock<std::shared_mutex> lock(stripe.mu);
       const size_t end = std::min(victims.size(), begin + kDemoteBatch);

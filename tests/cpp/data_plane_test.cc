@@ -31,14 +31,19 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<Shard> ShardWithTable(uint32_t dim) {
-  auto shard = std::make_shared<Shard>(0, 1);
+// Table "emb" of `dim` (uniform initializer, the default optimizer).
+void CreateEmb(Shard* shard, uint32_t dim) {
   TableConfig c;
   c.name = "emb";
   c.dim = dim;
   c.initializer.kind = InitializerKind::kUniform;
   bool created;
   EXPECT_OK(shard->CreateTable(c, &created));
+}
+
+std::shared_ptr<Shard> ShardWithTable(uint32_t dim) {
+  auto shard = std::make_shared<Shard>(0, 1);
+  CreateEmb(shard.get(), dim);
   return shard;
 }
 
@@ -585,14 +590,7 @@ struct TwoShards {
 // several, and nothing past the output is written.
 DLT_TEST(TestLargePullsStreamedToTheirPlacesExactly) {
   const uint32_t dim = 64;
-  const TwoShards cluster([&](Shard* shard) {
-    TableConfig c;
-    c.name = "emb";
-    c.dim = dim;
-    c.initializer.kind = InitializerKind::kUniform;
-    bool created;
-    EXPECT_OK(shard->CreateTable(c, &created));
-  });
+  const TwoShards cluster([&](Shard* shard) { CreateEmb(shard, dim); });
   const std::vector<std::string>& addresses = cluster.addresses;
   // 40,000 ids of 25,000 distinct: 10 MB of rows, scattered over 2 shards.
   std::vector<int64_t> ids(40000);
