@@ -369,6 +369,51 @@ def test_a_budgeted_shard_stays_within_its_budget_through_saves_and_loads(
         start_cluster(1, "--memory-budget", str(100 << 20))
 
 
+def _load_into_room_for_few_rows(tmp_path: Path) -> Any:
+    """The table of the checkpoint at tmp_path/ck as a shard whose budget
+    leaves rows their least room (16 MiB) stages it, with a disk tier."""
+    target = _native.Shard(0, 1)
+    reserve = _native.PERSIST_RESERVE_BYTES + _native.MIN_ROW_ROOM_BYTES
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # as the shard measures itself
+    budget = int((_native.Shard.resident_bytes() + reserve) / 0.9) + (2 << 20)
+    target.configure_memory(budget, str(tmp_path / "ssd"), 1000)
+    (staged,) = shard_files.prepare_load(str(tmp_path / "ck"), target)["staged"]
+    return staged
+
+
+def test_a_tiered_load_keeps_the_hottest_rows_in_ram(tmp_path: Path) -> None:
+    # After a restart the rows training touched last are those it touches
+    # next: a load past the budget keeps them in RAM, wherever they come in
+    # the checkpoint, instead of the first rows to arrive.
+    rows = 300_000  # about 30 MB in RAM: twice the budget's room for rows
+    ids = (np.arange(rows, dtype=np.int64) * np.int64(0x9E3779B97F4A7C15 >> 1)) ^ np.int64(11)
+    source = _native.Shard(0, 1)
+    source.create_table(TableConfig.create("t", DIM, "normal", "adagrad", seed=5).to_dict())
+    table = source.get_table("t")
+    table.pull(ids)
+    table.push(ids, _grads(0, rows), 0.1)  # every row stamped at the same push
+    hot = ids[::10]  # in every bucket, so all through the load
+    for k in range(3):
+        table.push(hot, _grads(k + 1, len(hot)), 0.1)
+    save_id = manifest.new_save_id()
+    part = shard_files.save_shard(str(tmp_path / "ck"), source, save_id)
+    manifest.write_manifest(str(tmp_path / "ck"), [part], save_id)
+    expected = table.pull(ids)
+    del table, source  # (its memory goes back: the budget below is measured)
+
+    staged = _load_into_room_for_few_rows(tmp_path)
+    tier = staged.tier_stats()
+    assert tier["disk_rows"] > rows // 4, tier
+    # RAM is full, not just of the hot rows: of the 270,000 rows stamped
+    # alike, the share that fills it.
+    assert tier["ram_rows"] > 3 * len(hot), tier
+    reads = tier["disk_reads"]
+    np.testing.assert_array_equal(staged.pull(hot), expected[::10])
+    assert staged.tier_stats()["disk_reads"] == reads  # every hot row was in RAM
+    np.testing.assert_array_equal(staged.pull(ids), expected)
+    assert staged.tier_stats()["disk_reads"] > reads
+
+
 def test_a_tiered_load_imports_whole_buckets_and_every_row_arrives(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -401,12 +446,7 @@ def test_a_tiered_load_imports_whole_buckets_and_every_row_arrives(
         return read_batch, (spans.append(s) or s for s in batches)
 
     monkeypatch.setattr(shard_load, "_whole_buckets", recorded)
-    target = _native.Shard(0, 1)
-    reserve = _native.PERSIST_RESERVE_BYTES + _native.MIN_ROW_ROOM_BYTES
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # as the shard measures itself
-    budget = int((_native.Shard.resident_bytes() + reserve) / 0.9) + (2 << 20)
-    target.configure_memory(budget, str(tmp_path / "ssd"), 1000)
-    (staged,) = shard_files.prepare_load(str(tmp_path / "ck"), target)["staged"]
+    staged = _load_into_room_for_few_rows(tmp_path)
     assert staged.has_tier and staged.tier_stats()["disk_rows"] > 0  # both tiers filled
     # Batches follow each other, every cut at a bucket's start: a bucket
     # each at most (not a chunk each: rows / 16 of them).

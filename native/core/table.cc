@@ -570,6 +570,14 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
   Deduper& cold_dedup = tls_cold_dedup;
   std::vector<uint32_t>& cold_last = tls_cold_last;
   char* const cold = ScratchRecord();
+  // During a hot load, the rows that go to RAM (the others to disk).
+  const HotFloor hot = to_disk && has_tier() ? HotLoadFloor(steps, touched, n, now) : HotFloor();
+  const bool hot_load = hot.active;
+  auto colder_than_floor = [&](uint32_t pos) {
+    return hot_load &&
+           !hot.Admits(ScoreOf(steps ? steps[pos] : 0, touched ? touched[pos] : now, now),
+                       hashes[pos]);
+  };
   for (uint32_t s = 0; s < kStripes; ++s) {
     if (starts[s] == starts[s + 1]) continue;
     Stripe& stripe = stripes_[s];
@@ -585,14 +593,14 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
       // The index probe some ids ahead, and the record of a row a few ahead
       // (a probe only: an insert before it is found again below). Past
       // RAM's share (rows bound for disk, mostly new) the fingerprints of
-      // their cold copies instead of a record.
-      const bool past_ram = stripe.tier && to_disk && RamFull(stripe);
+      // their cold copies instead of a record; during a hot load, both.
+      const bool ram_full = stripe.tier && to_disk && RamFull(stripe);
       if (k + kProbeAhead < end) {
         const uint64_t ahead = hashes[order[k + kProbeAhead]];
         stripe.PrefetchSlot(ahead);
-        if (past_ram) stripe.tier->PrefetchFingerprints(ahead);
+        if (ram_full || hot_load) stripe.tier->PrefetchFingerprints(ahead);
       }
-      if (k + kCopyAhead < end && !past_ram) {
+      if (k + kCopyAhead < end && !ram_full) {
         const uint32_t ahead = order[k + kCopyAhead];
         const uint32_t next = stripe.Find(hashes[ahead], ids[ahead]);
         if (next != kEmpty) {
@@ -602,9 +610,10 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
       }
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
-      if (rec == kEmpty && past_ram) {
-        // RAM is full (a load past the budget): the row goes to disk, over
-        // its cold copy if it has one.
+      if (rec == kEmpty && (ram_full || (stripe.tier && colder_than_floor(pos)))) {
+        // RAM is full (a load past the budget), or a hot load keeps it for
+        // hotter rows: the row goes to disk, over its cold copy if it has
+        // one.
         uint32_t slot = TierFile::kNoSlot;
         uint16_t old_generation;
         DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &old_generation));

@@ -235,6 +235,19 @@ class Table {
   // places new rows on disk. Set by the shard's memory keeper.
   void SetRamLimit(uint64_t rows) { ram_limit_.store(rows, std::memory_order_relaxed); }
   uint64_t ram_limit() const { return ram_limit_.load(std::memory_order_relaxed); }
+  // Before a load of `rows` rows (a checkpoint's, in bucket order) into a
+  // table with a disk tier and a RAM limit: the imports that follow keep in
+  // RAM only rows at least as hot (by the eviction order: stamps, and
+  // update counts under LFU) as the hottest share that fits the RAM room
+  // free now; colder rows go to disk wherever they come in the load. The
+  // share's score is the quantile of the rows imported so far (up to
+  // kHotLoadSample of them; bucket order is hash order, so the first rows
+  // are a uniform sample). Without it a load fills RAM first come, and
+  // after a restart the hot rows are as likely on disk as any other.
+  // EndHotLoad (or rows 0): first come again.
+  void BeginHotLoad(uint64_t rows);
+  void EndHotLoad() { BeginHotLoad(0); }
+  static constexpr size_t kHotLoadSample = 65536;
   // Moves up to `rows` of the coldest RAM rows (the table's eviction
   // order) to the disk tier, or without one removes them (counted as
   // evicted). Returns how many; a disk error stops it and lands in
@@ -421,6 +434,23 @@ class Table {
   std::vector<int64_t> Coldest(Stripe* stripe, size_t want, uint32_t now,
                                std::vector<std::pair<uint64_t, int64_t>>* scored);
   uint64_t Score(const char* record, uint32_t now) const;
+  // The score of a row of update count `step` last touched at `touched`.
+  uint64_t ScoreOf(uint32_t step, uint32_t touched, uint32_t now) const;
+  // During a hot load (BeginHotLoad), which rows go to RAM: those scoring
+  // above `floor`, and of those scoring `floor`, the share `tie_share` (by
+  // their ids' hashes: many rows may share a stamp).
+  struct HotFloor {
+    bool active = false;  // false: any row
+    uint64_t floor = 0;
+    double tie_share = 1.0;
+    bool Admits(uint64_t score, uint64_t hash) const {
+      if (score != floor) return score > floor;
+      return static_cast<double>(hash >> 11) * 0x1.0p-53 < tie_share;
+    }
+  };
+  // Adds these rows' scores to a hot load's sample; the rows it sends to
+  // RAM now (everything without a hot load).
+  HotFloor HotLoadFloor(const uint32_t* steps, const uint32_t* touched, size_t n, uint32_t now);
   // RAM bytes of the table (the rows' part too unless `fixed_only`).
   size_t RamBytes(bool fixed_only) const;
   // This thread's buffer of one record (a cold row read or written).
@@ -482,6 +512,12 @@ class Table {
   std::atomic<int64_t> cold_rows_{0};
   std::atomic<uint64_t> ram_limit_{0};
   std::atomic<uint64_t> promotions_{0}, demotions_{0};
+  // A hot load (BeginHotLoad), guarded by hot_load_mu_.
+  std::mutex hot_load_mu_;
+  uint64_t hot_load_rows_ = 0;        // rows the load brings (0: no hot load)
+  double hot_load_share_ = -1;        // of them, the share RAM takes (< 0: not yet known)
+  std::vector<uint64_t> hot_scores_;  // the sample's scores
+  HotFloor hot_floor_;
   mutable std::mutex tier_error_mu_;
   std::string tier_error_;                 // guarded by tier_error_mu_
   std::atomic<bool> tier_failing_{false};  // tier_error_ is not empty

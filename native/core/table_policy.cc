@@ -15,11 +15,15 @@ namespace dlt {
 
 uint64_t Table::Score(const char* record, uint32_t now) const {
   const auto* h = reinterpret_cast<const RowHeader*>(record);
-  const uint32_t age = AgeAt(now, h->touched);
+  return ScoreOf(h->step, h->touched, now);
+}
+
+uint64_t Table::ScoreOf(uint32_t step, uint32_t touched, uint32_t now) const {
+  const uint32_t age = AgeAt(now, touched);
   // Lowest first: fewest updates (LFU), then longest untouched.
   const uint64_t recency = 0xffffffffu - age;
   const bool lfu = config_.policy.eviction == static_cast<uint64_t>(EvictionKind::kLfu);
-  return lfu ? (uint64_t{h->step} << 32) | recency : recency;
+  return lfu ? (uint64_t{step} << 32) | recency : recency;
 }
 
 std::vector<int64_t> Table::Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored, size_t want) {

@@ -42,6 +42,49 @@ void Table::WaitForRoom() const {
   }
 }
 
+void Table::BeginHotLoad(uint64_t rows) {
+  std::lock_guard<std::mutex> lock(hot_load_mu_);
+  hot_load_rows_ = has_tier() ? rows : 0;
+  hot_load_share_ = -1;
+  hot_scores_.clear();
+  hot_scores_.shrink_to_fit();
+  hot_floor_ = HotFloor();
+}
+
+Table::HotFloor Table::HotLoadFloor(const uint32_t* steps, const uint32_t* touched, size_t n,
+                                    uint32_t now) {
+  std::lock_guard<std::mutex> lock(hot_load_mu_);
+  if (hot_load_rows_ == 0) return HotFloor();
+  if (hot_load_share_ < 0) {  // the load's first rows: how many RAM has room for
+    const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
+    const uint64_t held = ram_rows();
+    const uint64_t room = limit > held ? limit - held : 0;
+    hot_load_share_ = limit == 0 || room >= hot_load_rows_
+                          ? 1.0
+                          : static_cast<double>(room) / static_cast<double>(hot_load_rows_);
+  }
+  if (hot_load_share_ >= 1.0 || hot_scores_.size() >= kHotLoadSample) return hot_floor_;
+  for (size_t i = 0; i < n && hot_scores_.size() < kHotLoadSample; ++i) {
+    hot_scores_.push_back(ScoreOf(steps ? steps[i] : 0, touched ? touched[i] : now, now));
+  }
+  if (hot_scores_.empty()) return hot_floor_;
+  // The lowest score of the hottest share of the sample, and the share of
+  // the rows at that score which make up the share.
+  std::vector<uint64_t> sample = hot_scores_;
+  const double keep = hot_load_share_ * static_cast<double>(sample.size());
+  const auto at =
+      sample.begin() + std::min<std::ptrdiff_t>(static_cast<std::ptrdiff_t>(sample.size() - keep),
+                                                static_cast<std::ptrdiff_t>(sample.size() - 1));
+  std::nth_element(sample.begin(), at, sample.end());
+  hot_floor_.active = true;
+  hot_floor_.floor = *at;
+  const auto above = static_cast<double>(
+      std::count_if(sample.begin(), sample.end(), [&](uint64_t x) { return x > *at; }));
+  const auto ties = static_cast<double>(std::count(sample.begin(), sample.end(), *at));
+  hot_floor_.tie_share = std::clamp((keep - above) / ties, 0.0, 1.0);
+  return hot_floor_;
+}
+
 bool Table::RamFull(const Stripe& stripe) const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (limit == 0 || !stripe.tier) return false;

@@ -200,6 +200,8 @@ void BindTable(py::module_& m) {
            })
       .def_property_readonly("has_tier", &Table::has_tier)
       .def("set_ram_limit", &Table::SetRamLimit, py::arg("rows"))
+      .def("begin_hot_load", &Table::BeginHotLoad, py::arg("rows"))
+      .def("end_hot_load", &Table::EndHotLoad)
       .def("demote",
            [](Table& t, size_t rows) {
              Status s;

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -728,6 +729,68 @@ DLT_TEST(TestLoadPastTheRamLimitGoesToDiskAndPolicyCoversBothTiers) {
   const size_t kept = c.size();
   EXPECT(c.EraseBuckets(0, kNumBuckets) == kept);
   EXPECT(c.size() == 0 && c.tier_stats().disk_rows == 0);
+}
+
+DLT_TEST(TestAHotLoadKeepsTheHottestRowsInRam) {
+  // A load past the RAM limit keeps the rows touched last in RAM wherever
+  // they come: with distinct stamps, and with most rows sharing one stamp
+  // (the share of them at the floor's score fills RAM, no more).
+  constexpr size_t kRows = 40000, kBatch = 10000, kLimit = kStripes * 64;
+  std::vector<int64_t> ids(kRows);
+  std::vector<float> values(kRows * 4, 0.25f);
+  std::vector<uint32_t> steps(kRows, 1), distinct(kRows), shared(kRows);
+  for (size_t i = 0; i < kRows; ++i) {
+    ids[i] = static_cast<int64_t>(Mix64(i + 7));
+    distinct[i] = static_cast<uint32_t>((i * 7919) % kRows);  // a permutation of 0..kRows-1
+    shared[i] = i % 10 == 0 ? 20 : 10;
+  }
+  // A tiered table whose clock is past every stamp, RAM limited to kLimit.
+  auto tiered = [&](const std::string& dir) {
+    TableConfig config = TierTable(OptimizerKind::kSgd);
+    config.policy.clock = static_cast<uint64_t>(ClockKind::kPushes);
+    auto t = std::make_unique<Table>(config);
+    t->AttachTier(dir);
+    t->SetPushClock(kRows);
+    t->SetRamLimit(kLimit);
+    return t;
+  };
+  for (const bool ties : {false, true}) {
+    const std::vector<uint32_t>& touched = ties ? shared : distinct;
+    TempDir dir;
+    const std::unique_ptr<Table> table = tiered(dir.path);
+    Table& t = *table;
+    t.BeginHotLoad(kRows);
+    for (size_t first = 0; first < kRows; first += kBatch) {
+      EXPECT_OK(t.Import(&ids[first], &values[first * 4], nullptr, &steps[first], kBatch,
+                         &touched[first]));
+    }
+    t.EndHotLoad();
+    const TierStats stats = t.tier_stats();
+    EXPECT(stats.ram_rows + stats.disk_rows == kRows);
+    EXPECT(stats.ram_rows <= kLimit + kLimit / 16 + kStripes * 16);
+    EXPECT(stats.ram_rows >= kLimit * 8 / 10);
+    // The hot rows: the kLimit stamped last, or the tenth stamped 20.
+    std::vector<int64_t> hot;
+    for (size_t i = 0; i < kRows; ++i) {
+      if (ties ? touched[i] == 20 : touched[i] >= kRows - kLimit * 9 / 10) hot.push_back(ids[i]);
+    }
+    std::vector<float> out(hot.size() * 4);
+    const uint64_t reads = t.tier_stats().disk_reads;
+    EXPECT_OK(t.Pull(hot.data(), hot.size(), PullMode::kZerosNoInsert, out.data()));
+    EXPECT(t.tier_stats().disk_reads - reads <= hot.size() / 50);  // (sampled, not exact)
+    EXPECT(std::all_of(out.begin(), out.end(), [](float v) { return v == 0.25f; }));
+  }
+  // Without one, rows fill RAM as they come: the hot rows are where they
+  // land.
+  TempDir dir;
+  const std::unique_ptr<Table> table = tiered(dir.path);
+  Table& t = *table;
+  EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, steps.data(), kRows, shared.data()));
+  std::vector<int64_t> hot;
+  for (size_t i = 0; i < kRows; i += 10) hot.push_back(ids[i]);
+  std::vector<float> out(hot.size() * 4);
+  EXPECT_OK(t.Pull(hot.data(), hot.size(), PullMode::kZerosNoInsert, out.data()));
+  EXPECT(t.tier_stats().disk_reads > hot.size() / 2);
 }
 
 DLT_TEST(TestAFullDiskLeavesRowsInRamAndSaysSo) {

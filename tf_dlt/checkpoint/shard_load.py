@@ -312,13 +312,19 @@ def apply_link(
     def size_tables() -> None:
         for table, rows in sizes:
             table.reserve(rows, threads)
+            if table.has_tier:  # the hottest rows to RAM, wherever they come in the load
+                table.begin_hot_load(rows)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="dlt-reserve") as sizer:
-        # The tables are sized (memory touched, without the GIL) while the
-        # first file opens and its first blocks are read and verified.
-        sized = sizer.submit(size_tables)
-        _apply_files(link, entries, tables, new_table, buckets, state, sized, in_use, lean)
-        sized.result()  # a link with no file for these buckets: its failure too
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="dlt-reserve") as sizer:
+            # The tables are sized (memory touched, without the GIL) while the
+            # first file opens and its first blocks are read and verified.
+            sized = sizer.submit(size_tables)
+            _apply_files(link, entries, tables, new_table, buckets, state, sized, in_use, lean)
+            sized.result()  # a link with no file for these buckets: its failure too
+    finally:
+        for table, _ in sizes:
+            table.end_hot_load()
 
 
 def _apply_files(
