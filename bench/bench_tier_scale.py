@@ -28,9 +28,22 @@ and the rest runs on the rows made so far (`rows_grown`): past the page
 cache, a row's demotion may wait for a device read (a write into a page not
 in the cache reads it first), and the growth rate at each size is logged.
 
+With --load-fractions F1,F2,... the table is not grown: it is written once
+as a checkpoint of --parts shard files (each built in RAM on its own, so the
+writer never holds more than a part; --checkpoint DIR keeps it for the
+next run) holding each row as 100,000 training
+steps of the Zipf(--skew) stream below would have left it (its last-touched
+stamp and update count; the hot rows touched last), the page cache is
+dropped (root), and
+for each fraction a tiered shard restores it (`--load-from`: every part into
+one shard) under the budget that gives its rows that fraction of the table's
+all-RAM bytes (the 1M-row table's bytes per row times the rows; the budget
+as bench_tiers.py computes it), then runs the same measurements: one line
+per budget with the restore's rows/s and GB/s (docs/img/tier_scale.png).
+
 Usage: python bench/bench_tier_scale.py [--rows N] [--dim D] [--budget BYTES]
        [--seconds S] [--skew 1.05] [--storage-dir DIR] [--page-cache-limit B]
-       [--grow-seconds T]
+       [--grow-seconds T] [--load-fractions F1,F2 [--parts K]]
 """
 
 from __future__ import annotations
@@ -43,10 +56,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_tiers import page_cache_capped, peak_rss
+from bench_tiers import budget_for, idle_shard_rss, page_cache_capped, peak_rss
 
-from tf_dlt import Client
+from tf_dlt import Client, _native, routing
+from tf_dlt.checkpoint import manifest, shard_files
 from tf_dlt.server.local import LocalCluster
+from tf_dlt.table_config import TableConfig
 
 from common import emit, log
 
@@ -156,6 +171,205 @@ def steps(client: Client, batches, dim: int, seconds: float, push: bool = True):
     return rows / pull_s, (rows / push_s if push else 0.0), rows
 
 
+def baseline(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, int]:
+    """The 1M-row table all in RAM (another shard process): growth, Zipf
+    training steps and pulls alone, uniform steps; and its RAM bytes per row."""
+    out: dict[str, int] = {}
+    with LocalCluster(1, "--threads", "2") as ram_cluster, Client(ram_cluster.addresses) as ram:
+        log(f"all in RAM: {args.baseline_rows:,} rows")
+        create(ram, args.dim)
+        out["baseline_grow_rows_per_s"] = round(
+            grow(ram, args.baseline_rows, args.dim, ram_cluster.processes[0].pid, 1 << 62)[1]
+        )
+        (stats,) = ram.stats()
+        (table,) = [t for t in stats["tables"] if t["config"]["name"] == TABLE]
+        out["baseline_ram_bytes_per_row"] = round(int(table["bytes"]) / args.baseline_rows)
+        zipf = lambda: zipf_batch(rng, args.baseline_rows, args.skew)  # noqa: E731
+        steps(ram, zipf, args.dim, 2.0)
+        pull, push, _ = steps(ram, zipf, args.dim, args.seconds)
+        out["baseline_zipf_pull_rows_per_s"] = round(pull)
+        out["baseline_zipf_push_rows_per_s"] = round(push)
+        out["baseline_zipf_pull_only_rows_per_s"] = round(
+            steps(ram, zipf, args.dim, args.seconds, push=False)[0]
+        )
+        uniform = lambda: uniform_batch(rng, args.baseline_rows)  # noqa: E731
+        out["baseline_uniform_pull_rows_per_s"] = round(
+            steps(ram, uniform, args.dim, args.seconds)[0]
+        )
+    return out
+
+
+def measure_tiered(
+    tiered: Client, pid: int, rows: int, args: argparse.Namespace, rng: np.random.Generator
+) -> dict[str, object]:
+    """Zipf pulls alone, Zipf training steps and uniform training steps over
+    rows 0..rows-1 of the tiered shard (process `pid`)."""
+    out: dict[str, object] = {}
+    zipf = lambda: zipf_batch(rng, rows, args.skew)  # noqa: E731
+    uniform = lambda: uniform_batch(rng, rows)  # noqa: E731
+    log("Zipf pulls alone (a read-only stream: RAM is full, so nothing moves in)")
+    out["zipf_pull_only_rows_per_s"] = round(
+        steps(tiered, zipf, args.dim, args.seconds, push=False)[0]
+    )
+    log("Zipf training steps (first a warm-up of the same length)")
+    steps(tiered, zipf, args.dim, args.seconds)
+    pull, push, _ = steps(tiered, zipf, args.dim, args.seconds)
+    out["zipf_pull_rows_per_s"] = round(pull)
+    out["zipf_push_rows_per_s"] = round(push)
+    log("uniform training steps")
+    before, read_before = tier_of(tiered), storage_read_bytes(pid)
+    pull, _, pulled = steps(tiered, uniform, args.dim, args.seconds)
+    after = tier_of(tiered)
+    out["uniform_pull_rows_per_s"] = round(pull)
+    out["uniform_slot_reads_per_row"] = round(
+        (after.get("disk_reads", 0) - before.get("disk_reads", 0)) / pulled, 3
+    )
+    # What reached the device: the pulls' cold reads and the pages the
+    # keeper's demotions read in, per 4 KiB.
+    out["uniform_device_page_reads_per_row"] = round(
+        (storage_read_bytes(pid) - read_before) / 4096 / pulled, 3
+    )
+    out["tier"] = after
+    return out
+
+
+def ratios(out: dict[str, object]) -> None:
+    """Adds the peak RSS over the budget and Zipf pulls against all in RAM."""
+    out["rss_over_budget"] = round(int(out["peak_rss"]) / int(out["budget_bytes"]), 3)  # type: ignore[call-overload]
+    out["zipf_vs_all_ram"] = round(
+        int(out["zipf_pull_rows_per_s"]) / int(out["baseline_zipf_pull_rows_per_s"]),  # type: ignore[call-overload]
+        3,
+    )
+
+
+# The pushes a training stream ran before the checkpoint a restore reads.
+TRAINED_PUSHES = 100_000
+
+
+def zipf_probability(ranks: np.ndarray, rows: int, skew: float) -> np.ndarray:
+    """Each rank's probability under zipf_batch's sampler (its CDF,
+    ((r + 1) ** (1 - skew) - 1) / (rows ** (1 - skew) - 1), differenced)."""
+    r = ranks.astype(np.float64)
+    top = float(rows) ** (1.0 - skew)
+    return ((r + 2.0) ** (1.0 - skew) - (r + 1.0) ** (1.0 - skew)) / (top - 1.0)
+
+
+def trained_state(
+    counters: np.ndarray, rows: int, skew: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Update counts and last-touched stamps (push clock) of rows `counters`
+    after TRAINED_PUSHES training steps of BATCH ids drawn by zipf_batch:
+    a row of probability p per id is touched by a step with probability
+    q = 1 - (1 - p) ** BATCH, so the steps since its last touch are
+    geometric and its touches about Poisson; a row never touched keeps the
+    stamp and count of its insert (0, 1)."""
+    inverse = pow(_SPREAD, -1, rows)  # row -> its Zipf rank
+    ranks = (counters.astype(np.uint64) * np.uint64(inverse)) % np.uint64(rows)
+    p = zipf_probability(ranks, rows, skew)
+    q = -np.expm1(BATCH * np.log1p(-p))
+    since = rng.geometric(np.clip(q, 1e-300, 1.0)) - 1
+    touched = np.where(since < TRAINED_PUSHES, TRAINED_PUSHES - since, 0).astype(np.uint32)
+    steps = 1 + np.minimum(rng.poisson(q * TRAINED_PUSHES), 1 << 31).astype(np.uint32)
+    return steps, touched
+
+
+def write_checkpoint(path: Path, rows: int, dim: int, parts: int, skew: float) -> int:
+    """Rows 0..rows-1 as a Zipf(skew) training stream leaves them
+    (trained_state: the hot rows touched last), saved as a checkpoint of
+    `parts` shard files, each built in RAM on its own from the rows its
+    shard owns; the checkpoint's bytes."""
+    owned: list[list[np.ndarray]] = [[] for _ in range(parts)]
+    for first in range(0, rows, 1 << 24):
+        counters = np.arange(first, min(rows, first + (1 << 24)), dtype=np.int64)
+        owner = routing.shard_of(ids_of(counters), parts)
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(parts + 1))
+        for k in range(parts):
+            owned[k].append(counters[order[bounds[k] : bounds[k + 1]]])
+    config = TableConfig.create(
+        TABLE, dim, "uniform", "adagrad", value_dtype="bfloat16", slot_dtype="bfloat16"
+    )
+    rng = np.random.default_rng(11)
+    save_id = manifest.new_save_id()
+    written = []
+    for k in range(parts):
+        counters = np.concatenate(owned[k])
+        owned[k] = []
+        table = _native.Table(config.to_dict())
+        table.set_push_clock(TRAINED_PUSHES)
+        for first in range(0, len(counters), 1 << 20):
+            batch = counters[first : first + (1 << 20)]
+            values = rng.uniform(-0.05, 0.05, (len(batch), dim)).astype(np.float32)
+            steps, touched = trained_state(batch, rows, skew, rng)
+            table.import_rows(ids_of(batch), values, None, steps, touched)
+        shard = _native.Shard(k, parts)
+        shard.install_tables([table])
+        written.append(shard_files.save_shard(str(path), shard, save_id))
+        del shard, table
+        log(f"checkpoint part {k + 1} of {parts}: {len(counters):,} rows")
+    manifest.write_manifest(str(path), written, save_id)
+    return disk_bytes(path)
+
+
+def drop_page_cache() -> bool:
+    """Writes back and drops the page cache (root), so a restore reads its
+    checkpoint from the device; False when not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False
+
+
+def restores(
+    args: argparse.Namespace, work: Path, storage: Path, out: dict[str, object],
+    rng: np.random.Generator,
+) -> None:  # fmt: skip
+    """The --load-fractions mode: one checkpoint, restored under each budget."""
+    checkpoint = Path(args.checkpoint) if args.checkpoint else work / "ckpt"
+    if (checkpoint / "MANIFEST.json").exists():  # written by an earlier run
+        size = disk_bytes(checkpoint)
+        log(f"restoring the checkpoint of {size / 1e9:.1f} GB at {checkpoint}")
+    else:
+        start = time.perf_counter()
+        size = write_checkpoint(checkpoint, args.rows, args.dim, args.parts, args.skew)
+        log(f"checkpoint of {size / 1e9:.1f} GB written in {time.perf_counter() - start:.0f} s")
+    table_ram = args.rows * int(out["baseline_ram_bytes_per_row"])  # type: ignore[call-overload]
+    idle_rss = idle_shard_rss()
+    for fraction in [float(f) for f in args.load_fractions.split(",")]:
+        shutil.rmtree(storage, ignore_errors=True)
+        budget = budget_for(fraction, table_ram, idle_rss)
+        got: dict[str, object] = {
+            **out, "case": "restore", "budget_bytes": budget, "budget_fraction": fraction,
+            "table_ram_bytes": table_ram, "checkpoint_bytes": size, "cold": drop_page_cache(),
+        }  # fmt: skip
+        cap = None if args.page_cache_limit is None else budget + int(args.page_cache_limit)
+        flags = ["--threads", "2", "--memory-budget", str(budget), "--storage-dir", str(storage)]
+        log(f"restoring under {budget / 2**30:.1f} GiB ({fraction:g} of the table)")
+        start = time.perf_counter()
+        with (
+            page_cache_capped(cap),
+            LocalCluster(
+                1, *flags, "--load-from", str(checkpoint), start_timeout=4 * 3600
+            ) as cluster,
+        ):
+            loaded = time.perf_counter() - start
+            pid = cluster.processes[0].pid
+            got["load_s"] = round(loaded, 1)
+            got["load_rows_per_s"] = round(args.rows / loaded)
+            got["load_gb_per_s"] = round(size / loaded / 1e9, 3)
+            got["peak_rss_after_load"] = peak_rss(pid)
+            with Client(cluster.addresses) as tiered:
+                got["tier_after_load"] = tier_of(tiered)
+                got["disk_bytes_per_row"] = round(disk_bytes(storage) / args.rows, 1)
+                log(f"restored in {loaded:.0f} s: {got['tier_after_load']}")
+                got.update(measure_tiered(tiered, pid, args.rows, args, rng))
+            got["peak_rss"] = peak_rss(pid)
+        ratios(got)
+        emit(got)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=500_000_000)
@@ -167,6 +381,17 @@ def main() -> None:
     p.add_argument(
         "--grow-seconds", type=float, default=float("inf"),
         help="stop growing after this many seconds; measure on the rows made so far",
+    )  # fmt: skip
+    p.add_argument(
+        "--load-fractions",
+        help="restore a checkpoint of the table under budgets giving its rows these fractions "
+        "of the table (comma-separated) instead of growing it",
+    )  # fmt: skip
+    p.add_argument("--parts", type=int, default=10, help="the checkpoint's shard files")
+    p.add_argument(
+        "--checkpoint",
+        help="with --load-fractions: the checkpoint's directory, kept (and reused when it holds "
+        "one: same --rows, --dim and --skew); default: under the run's temp directory",
     )  # fmt: skip
     p.add_argument(
         "--storage-dir", help="disk tier directory (default: under /work or the temp dir)"
@@ -189,24 +414,10 @@ def main() -> None:
     }  # fmt: skip
     rng = np.random.default_rng(7)
     try:
-        with LocalCluster(1, "--threads", "2") as ram_cluster, Client(ram_cluster.addresses) as ram:
-            log(f"all in RAM: {args.baseline_rows:,} rows")
-            create(ram, args.dim)
-            out["baseline_grow_rows_per_s"] = round(
-                grow(ram, args.baseline_rows, args.dim, ram_cluster.processes[0].pid, 1 << 62)[1]
-            )
-            zipf = lambda: zipf_batch(rng, args.baseline_rows, args.skew)  # noqa: E731
-            steps(ram, zipf, args.dim, 2.0)
-            pull, push, _ = steps(ram, zipf, args.dim, args.seconds)
-            out["baseline_zipf_pull_rows_per_s"] = round(pull)
-            out["baseline_zipf_push_rows_per_s"] = round(push)
-            out["baseline_zipf_pull_only_rows_per_s"] = round(
-                steps(ram, zipf, args.dim, args.seconds, push=False)[0]
-            )
-            uniform = lambda: uniform_batch(rng, args.baseline_rows)  # noqa: E731
-            out["baseline_uniform_pull_rows_per_s"] = round(
-                steps(ram, uniform, args.dim, args.seconds)[0]
-            )
+        out.update(baseline(args, rng))
+        if args.load_fractions:
+            restores(args, work, storage, out, rng)
+            return
         cap = None if args.page_cache_limit is None else args.budget + int(args.page_cache_limit)
         flags = [
             "--threads",
@@ -226,37 +437,9 @@ def main() -> None:
                 out["grow_rows_per_s"] = round(rate)
                 out["tier_after_growth"] = tier_of(tiered)
                 out["disk_bytes_per_row"] = round(disk_bytes(storage) / rows, 1)
-                zipf = lambda: zipf_batch(rng, rows, args.skew)  # noqa: E731
-                uniform = lambda: uniform_batch(rng, rows)  # noqa: E731
-                log("Zipf pulls alone (a read-only stream: RAM is full, so nothing moves in)")
-                out["zipf_pull_only_rows_per_s"] = round(
-                    steps(tiered, zipf, args.dim, args.seconds, push=False)[0]
-                )
-                log("Zipf training steps (first a warm-up of the same length)")
-                steps(tiered, zipf, args.dim, args.seconds)
-                pull, push, _ = steps(tiered, zipf, args.dim, args.seconds)
-                out["zipf_pull_rows_per_s"] = round(pull)
-                out["zipf_push_rows_per_s"] = round(push)
-                log("uniform training steps")
-                before, read_before = tier_of(tiered), storage_read_bytes(pid)
-                pull, _, pulled = steps(tiered, uniform, args.dim, args.seconds)
-                after = tier_of(tiered)
-                out["uniform_pull_rows_per_s"] = round(pull)
-                out["uniform_slot_reads_per_row"] = round(
-                    (after.get("disk_reads", 0) - before.get("disk_reads", 0)) / pulled, 3
-                )
-                # What reached the device: the pulls' cold reads and the
-                # pages the keeper's demotions read in, per 4 KiB.
-                out["uniform_device_page_reads_per_row"] = round(
-                    (storage_read_bytes(pid) - read_before) / 4096 / pulled, 3
-                )
-                out["tier"] = after
+                out.update(measure_tiered(tiered, pid, rows, args, rng))
             out["peak_rss"] = peak_rss(pid)
-        out["rss_over_budget"] = round(int(out["peak_rss"]) / args.budget, 3)  # type: ignore[call-overload]
-        out["zipf_vs_all_ram"] = round(
-            int(out["zipf_pull_rows_per_s"]) / int(out["baseline_zipf_pull_rows_per_s"]),
-            3,  # type: ignore[call-overload]
-        )
+        ratios(out)
         emit(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -133,6 +133,21 @@ def page_cache_capped(limit: int | None) -> Iterator[None]:
                 time.sleep(0.1)
 
 
+def idle_shard_rss() -> int:
+    """The peak resident set of a shard process with no table."""
+    with LocalCluster(1) as idle:
+        return peak_rss(idle.processes[0].pid)
+
+
+def budget_for(fraction: float, table_ram: int, idle_rss: int) -> int:
+    """The --memory-budget that gives the rows `fraction` of a table of
+    `table_ram` bytes all in RAM: what the idle process holds, the reserve
+    a shard keeps for a save's or load's buffers and the rows' room, over
+    the memory keeper's 90%."""
+    rows_room = max(fraction * table_ram, _native.MIN_ROW_ROOM_BYTES)
+    return int((idle_rss + _native.PERSIST_RESERVE_BYTES + rows_room) / 0.9) + (1 << 20)
+
+
 def run_shard(
     checkpoint: Path, budget: int, storage: Path | None, traffic_sets: dict[str, list[np.ndarray]],
     dim: int, seconds: float,
@@ -196,16 +211,14 @@ def main() -> None:
             "uniform": traffic(ids, "uniform", args.skew, 400, 2),
         }
         del ids
-        with LocalCluster(1) as idle:
-            idle_rss = peak_rss(idle.processes[0].pid)
+        idle_rss = idle_shard_rss()
         log("all in RAM")
         base = run_shard(checkpoint, 0, None, sets, args.dim, args.seconds)
         table_ram = int(base["ram_bytes"])  # type: ignore[arg-type]
         storage = Path(args.storage_dir) if args.storage_dir else work / "ssd"
         results = []
         for fraction in [float(f) for f in args.fractions.split(",")]:
-            rows_room = max(fraction * table_ram, _native.MIN_ROW_ROOM_BYTES)
-            budget = int((idle_rss + _native.PERSIST_RESERVE_BYTES + rows_room) / 0.9) + (1 << 20)
+            budget = budget_for(fraction, table_ram, idle_rss)
             share = f"{fraction:g} of the table's {table_ram / 2**20:.0f} MiB"
             log(f"budget {budget / 2**20:.0f} MiB: {share}")
             cap = None if args.page_cache_limit is None else budget + int(args.page_cache_limit)

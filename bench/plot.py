@@ -10,6 +10,10 @@ bench script appends its JSON lines there) and writes PNGs to docs/img/:
 - tiers.png: a tiered shard's pull and push rows/s (as a share of the same
   table all in RAM) and its peak RSS against the memory budget, vs the
   budget as a fraction of the table (bench_tiers.py);
+- tier_scale.png: pull rows/s of a tiered shard restored from one checkpoint
+  under several budgets (as a share of a 1M-row table all in RAM), and the
+  restore's rows/s and peak RSS, vs the budget as a fraction of the table
+  (bench_tier_scale.py --load-fractions, 5e8 rows);
 - cache.png: model.fit examples/s and bytes pulled per step (against no
   cache) vs hot-row cache size, one line per staleness bound, per Zipf
   exponent (bench_cache.py);
@@ -76,6 +80,44 @@ def _plot_tiers(cases: dict[str, list[dict[str, Any]]]) -> None:
     a2.legend(fontsize=8)
     a2.grid(alpha=0.3)
     _save(fig, "tiers.png")
+
+
+def _latest_tier_scale(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last restore run of bench_tier_scale (the records sharing its
+    last record's all-RAM baseline, measured once a run), sorted by budget
+    fraction."""
+    runs = [r for r in records if r.get("bench") == "tier_scale" and r.get("case") == "restore"]
+    if not runs:
+        return []
+    key = "baseline_zipf_pull_rows_per_s"
+    got = {r["budget_fraction"]: r for r in runs if r[key] == runs[-1][key]}
+    return [got[f] for f in sorted(got)]
+
+
+def _plot_tier_scale(points: list[dict[str, Any]]) -> None:
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    fractions = [r["budget_fraction"] for r in points]
+    for key, label in [
+        ("zipf_pull", "Zipf training pulls"),
+        ("zipf_pull_only", "Zipf pulls alone"),
+        ("uniform_pull", "uniform training pulls"),
+    ]:
+        ratio = [r[f"{key}_rows_per_s"] / r[f"baseline_{key}_rows_per_s"] for r in points]
+        a1.plot(fractions, ratio, "o-", label=label)
+    a1.axhline(0.5, color="grey", linestyle=":", label="target (Zipf)")
+    first = points[0]
+    title = f"Restored tiered shard, {first['rows'] / 1e6:g}M rows of dim {first['dim']}"
+    a1.set(yscale="log", xlabel="memory budget / table's RAM", ylabel="rows/s vs 1M rows in RAM",
+           title=title)  # fmt: skip
+    a1.legend(fontsize=8)
+    a1.grid(alpha=0.3)
+    a2.plot(fractions, [r["load_rows_per_s"] / 1e6 for r in points], "o-", label="restore M rows/s")
+    a2.plot(fractions, [r["rss_over_budget"] for r in points], "s-", label="peak RSS / budget")
+    a2.axhline(1.1, color="grey", linestyle=":", label="budget + 10%")
+    a2.set(xlabel="memory budget / table's RAM", title="Restore rate and peak RSS", ylim=(0, None))
+    a2.legend(fontsize=8)
+    a2.grid(alpha=0.3)
+    _save(fig, "tier_scale.png")
 
 
 def _latest_cache_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -216,6 +258,9 @@ def main() -> None:
     tiers = _latest_tiers(records)
     if tiers:
         _plot_tiers(tiers)
+    tier_scale = _latest_tier_scale(records)
+    if tier_scale:
+        _plot_tier_scale(tier_scale)
     cache = _latest_cache_runs(records)
     if cache:
         _plot_cache(cache)
