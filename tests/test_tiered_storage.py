@@ -414,6 +414,26 @@ def test_a_tiered_load_keeps_the_hottest_rows_in_ram(tmp_path: Path) -> None:
     assert staged.tier_stats()["disk_reads"] > reads
 
 
+def test_a_load_sizes_a_16_bit_table_for_all_its_rows() -> None:
+    # A load caps the rows it sizes a table for by what the files could
+    # hold. It counted float32 rows (96 B at dim 10 with Adagrad) where a
+    # bfloat16 checkpoint spends 56 B: a 4e8-row tiered restore sized its
+    # tier for 2.3e8 cold rows, gave RAM rows the difference, and passed
+    # its budget by 12% when the tier files doubled during the load.
+    rows = 4_000_000
+    tables = {}
+    for dtype in ("bfloat16", "float32"):
+        config = TableConfig.create("t", 10, "uniform", "adagrad", value_dtype=dtype,
+                                    slot_dtype=dtype)  # fmt: skip
+        table = tables[dtype] = _native.Table(config.to_dict())
+        files = rows * file_row_bytes(10, 10, dtype, dtype)  # what its files hold
+        assert shard_load.rows_to_size(rows, 1.0, files, table) == rows
+        assert shard_load.rows_to_size(rows, 0.5, files, table) == int(rows * 0.5 * 1.02) + 1024
+    # Files of an older build that widened the bfloat16 rows: the margin.
+    widened = shard_load.rows_to_size(rows, 1.0, rows * 96, tables["bfloat16"])
+    assert widened == int(rows * 1.02) + 1024
+
+
 def test_a_tiered_load_imports_whole_buckets_and_every_row_arrives(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -255,6 +255,17 @@ def _apply_group(
     return name
 
 
+def rows_to_size(rows: int, owned: float, file_bytes: int, table: _native.Table) -> int:
+    """The rows a table loaded from a checkpoint of `rows` rows is sized
+    for: its `owned` share, with a margin, never more than `file_bytes` of
+    files could hold at the fewest bytes a file spends on a row (as the
+    table stores it; a file that widened 16-bit rows holds fewer). A tiered
+    table sized for too few rows takes too much RAM for rows and outgrows
+    its budget when its tier files double for the rest."""
+    least = file_row_bytes(table.dim, table.slot_floats, *table_dtypes(table.config))
+    return min(int(rows * owned * 1.02) + 1024, file_bytes // least)
+
+
 @dataclasses.dataclass
 class _LinkState:
     """What applying one checkpoint of a chain keeps across its files: the
@@ -302,9 +313,7 @@ def apply_link(
             state.fresh.add(name)
             if lean and not table.has_tier:  # within a budget: grown as rows arrive
                 continue
-            # Sized for its share of the rows, never more than the files hold.
-            most = file_bytes // file_row_bytes(table.dim, table.slot_floats)
-            sizes.append((table, min(int(int(info["rows"]) * owned * 1.02) + 1024, most)))
+            sizes.append((table, rows_to_size(int(info["rows"]), owned, file_bytes, table)))
     for name in [n for n in tables if n not in listed]:
         del tables[name]  # dropped since the previous checkpoint
     state.clocks.update({name: t.now() for name, t in tables.items()})
