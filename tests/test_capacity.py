@@ -96,3 +96,52 @@ def test_plan_takes_admission_and_16_bit_rows() -> None:
         capacity.plan(1e11, 16, "adagrad", 100, 4096, admission_rate=0)
     with pytest.raises(ValueError, match="dtypes must be one of"):
         capacity.raw_record_bytes(16, "adagrad", "int8")
+
+
+def test_tiered_plan_adds_shards_until_each_ssd_serves_its_cold_reads() -> None:
+    tier = capacity.figures()["tier"]
+    assert (
+        tier["command"].startswith("python bench/bench_tier_scale.py")
+        and "--load-fractions" in (tier["command"])
+    )
+    assert tier["device_reads_per_s"] > 0 and tier["restore_bytes_per_s"] > 0
+    args = (1e11, 16, "adagrad", 100, 4096)
+    budget = dict(memory_budget=48 * 2**30, ssd_bytes=1.6e12, steps_per_second=10)
+    fast = capacity.plan(*args, **budget, ssd_reads_per_second=1e9)
+    assert fast.tiers is not None and fast.disk_read_shards == 1
+    assert fast.shards == max(fast.memory_shards, fast.throughput_shards)
+    # Each shard pulls its share of the rows; those not in RAM read the SSD.
+    t = fast.tiers
+    rows_per_second = 100 * 4096 * 10 / fast.shards
+    assert t.disk_reads_per_second == pytest.approx(rows_per_second * (1 - t.hit_rate))
+    assert 0 < t.hit_rate < 1
+    slow = capacity.plan(*args, **budget, ssd_reads_per_second=20_000)
+    assert slow.tiers is not None and slow.shards == slow.disk_read_shards > fast.shards
+    assert slow.tiers.disk_reads_per_second <= 20_000
+    # The fewest: one shard less and the SSDs could not keep up.
+    fewer = capacity.tier_plan(
+        1e11 / (slow.shards - 1), slow.bytes_per_row, capacity.raw_record_bytes(16, "adagrad"),
+        48 * 2**30, 1.05, 100 * 4096 * 10 / (slow.shards - 1), 20_000,
+    )  # fmt: skip
+    assert fewer.disk_reads_per_second > 20_000
+    # More shards hold more hot rows, so the hit rate rises with them.
+    assert slow.tiers.hit_rate > t.hit_rate
+    # The measured figure is the default; a tiered restore is no faster
+    # than the measured tiered rate.
+    default = capacity.plan(*args, **budget)
+    assert default.tiers is not None
+    assert default.tiers.ssd_reads_per_second == tier["device_reads_per_s"]
+    rate = min(capacity.figures()["load_bytes_per_s_per_shard"], tier["restore_bytes_per_s"])
+    assert default.load_seconds == pytest.approx(default.checkpoint_bytes / (rate * default.shards))
+    with pytest.raises(ValueError, match="ssd_reads_per_second"):
+        capacity.plan(*args, **budget, ssd_reads_per_second=-1)
+
+
+def test_plan_command_reports_the_ssd_reads() -> None:
+    cmd = [sys.executable, "-m", "tf_dlt.tools.cli", "plan", "--rows", "1e11", "--dim", "16",
+           "--trainers", "100", "--memory-budget", "48GiB", "--ssd", "1.6TB",
+           "--ssd-reads-per-second", "20000"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert "of the SSD's 20,000/s" in out.stdout and "the SSDs' reads need" in out.stdout
+    assert "bench/bench_tier_scale.py --rows" in out.stdout and "--load-fractions" in out.stdout

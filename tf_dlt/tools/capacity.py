@@ -10,7 +10,10 @@ row over the raw record, save and load bytes/s per shard; and by
 `python3 bench/bench_wire.py --write-capacity` (one shard with 8 worker
 threads serving 8 trainer processes on a machine with cores for all of
 them): pull and push rows/s per shard core, which sizes shards for
-throughput.
+throughput. With a disk tier, the SSD's random reads/s (`--ssd-reads-per-second`,
+by default the figure `python bench/bench_tier_scale.py --load-fractions`
+measured, in the file's "tier" entry) bound the steps/s a shard serves: each
+pull of a row not in RAM reads the device once.
 
     tf-dlt plan --rows 1e11 --dim 10 --optimizer adagrad --trainers 100 --batch 4096
 """
@@ -150,27 +153,42 @@ class Tiers:
     disk_bytes_per_row: float
     disk_bytes_per_shard: float
     hit_rate: float  # pulls served from RAM under the traffic's skew
+    # Device reads a second per shard at the planned steps/s (one per pulled
+    # row not in RAM, once the hot rows are in RAM), and the SSD's reads/s.
+    disk_reads_per_second: float = 0.0
+    ssd_reads_per_second: float = 0.0
 
 
 def tier_plan(
-    rows_per_shard: float, per_row: float, record: int, budget: float, skew: float
-) -> Tiers:
+    rows_per_shard: float, per_row: float, record: int, budget: float, skew: float,
+    rows_per_second: float = 0.0, ssd_reads_per_second: float = 0.0,
+) -> Tiers:  # fmt: skip
     """RAM rows (the hottest) and disk rows of a shard of `rows_per_shard`
-    rows under a `budget` of bytes, and the RAM hit rate under Zipf(skew)
-    (ids hash evenly over shards, so each shard sees the same skew)."""
+    rows under a `budget` of bytes, the RAM hit rate under Zipf(skew) (ids
+    hash evenly over shards, so each shard sees the same skew), and the
+    device reads a second of a shard pulling `rows_per_second` rows."""
     cold_ram = TIER_RAM_BYTES_PER_SLOT / TIER_MEAN_FILL
     disk_row = (TIER_SLOT_EXTRA_BYTES + record) / TIER_MEAN_FILL
     room = budget * BUDGET_FRACTION - rows_per_shard * cold_ram
     ram_rows = min(rows_per_shard, max(0.0, room / (per_row - cold_ram)))
     disk_rows = rows_per_shard - ram_rows
+    hit_rate = zipf_hit_rate(rows_per_shard, ram_rows, skew)
     return Tiers(
         ram_rows_per_shard=ram_rows,
         disk_rows_per_shard=disk_rows,
         cold_ram_bytes_per_row=cold_ram,
         disk_bytes_per_row=disk_row,
         disk_bytes_per_shard=disk_rows * disk_row,
-        hit_rate=zipf_hit_rate(rows_per_shard, ram_rows, skew),
+        hit_rate=hit_rate,
+        disk_reads_per_second=rows_per_second * (1.0 - hit_rate),
+        ssd_reads_per_second=ssd_reads_per_second,
     )
+
+
+def tier_figures() -> dict[str, Any]:
+    """The tier's measured figures (the "tier" entry of capacity.json)."""
+    tier: dict[str, Any] = figures()["tier"]
+    return tier
 
 
 @dataclass(frozen=True)
@@ -189,6 +207,8 @@ class Plan:
     load_seconds: float
     checkpoint_bytes: float
     tiers: Tiers | None = None
+    # With a disk tier: the shards whose SSDs serve the cold reads.
+    disk_read_shards: int = 0
 
 
 def plan(
@@ -210,6 +230,7 @@ def plan(
     ssd_bytes: float = 0.0,
     skew: float = 1.05,
     shard_cores: float = 4.0,
+    ssd_reads_per_second: float = 0.0,
 ) -> Plan:
     """Shards needed for memory (rows x `admission_rate` resident rows x
     bytes/row, plus the admission sketch, x headroom per shard of
@@ -223,11 +244,16 @@ def plan(
     With a disk tier (`ssd_bytes` per shard, and `memory_budget` bytes per
     shard), a shard's RAM holds only its hottest rows and a 7 B entry per
     cold row: the shards needed are those whose budgets hold the cold
-    entries (plus some hot rows) and whose SSDs hold the cold rows."""
+    entries (plus some hot rows) and whose SSDs hold the cold rows, and
+    enough that each SSD serves its shard's reads of rows not in RAM
+    (`ssd_reads_per_second` random reads a second per shard; 0: the
+    measured figure): more shards hold more of the hot rows in RAM."""
     if rows <= 0 or dim < 1 or trainers < 1 or batch < 1 or shard_cores <= 0:
         raise ValueError("rows, dim, trainers, batch and shard_cores must be positive")
-    if memory_budget < 0 or ssd_bytes < 0 or skew <= 0:
-        raise ValueError("memory_budget and ssd_bytes must be >= 0 and skew > 0")
+    if memory_budget < 0 or ssd_bytes < 0 or skew <= 0 or ssd_reads_per_second < 0:
+        raise ValueError(
+            "memory_budget, ssd_bytes and ssd_reads_per_second must be >= 0 and skew > 0"
+        )
     if ssd_bytes and not memory_budget:
         raise ValueError("an SSD size needs a memory budget: rows move to disk past it")
     if not 0 < admission_rate <= 1 or sketch_bytes < 0:
@@ -258,9 +284,32 @@ def plan(
     throughput_shards = math.ceil(seconds_per_step * steps_per_second)
     shards = max(1, memory_shards, throughput_shards)
     checkpoint = resident * checkpoint_bytes_per_row(dim, optimizer, value_dtype, slot_dtype)
-    tiers = (
-        tier_plan(resident / shards, per_row, record, memory_budget, skew) if ssd_bytes else None
-    )
+    load_rate = float(f["load_bytes_per_s_per_shard"])
+    tiers, disk_read_shards = None, 0
+    if ssd_bytes:
+        reads = ssd_reads_per_second or float(tier_figures()["device_reads_per_s"])
+        rows_per_second = ids * steps_per_second
+
+        def tier_at(n: int) -> Tiers:
+            return tier_plan(resident / n, per_row, record, memory_budget, skew,
+                             rows_per_second / n, reads)  # fmt: skip
+
+        def keeps_up(n: int) -> bool:
+            return tier_at(n).disk_reads_per_second <= reads
+
+        # The fewest shards whose SSDs keep up: more shards each pull fewer
+        # rows and, in the same budget, hold more of the hot ones, so the
+        # reads per SSD fall as shards rise (doubled, then bisected).
+        low, high = 0, 1
+        while not keeps_up(high):
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if keeps_up(middle) else (middle, high)
+        disk_read_shards = high
+        shards = max(shards, disk_read_shards)
+        tiers = tier_at(shards)
+        load_rate = min(load_rate, float(tier_figures()["restore_bytes_per_s"]))
     return Plan(
         resident_rows=resident,
         shards=shards,
@@ -273,9 +322,10 @@ def plan(
         pull_bytes_per_step=ids * payload,
         push_bytes_per_step=ids * payload,
         save_seconds=checkpoint / (float(f["save_bytes_per_s_per_shard"]) * shards),
-        load_seconds=checkpoint / (float(f["load_bytes_per_s_per_shard"]) * shards),
+        load_seconds=checkpoint / (load_rate * shards),
         checkpoint_bytes=checkpoint,
         tiers=tiers,
+        disk_read_shards=disk_read_shards,
     )
 
 
@@ -307,6 +357,16 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         f"{_size(args.ssd)} SSD",
         f"expected RAM hit rate under Zipf({args.skew:g}) traffic: {100 * t.hit_rate:.1f}% "
         f"(the rest reads the disk tier once, then serves from RAM)",
+        f"device reads per shard at {args.steps_per_second:g} steps/s: "
+        f"{t.disk_reads_per_second:,.0f}/s of the SSD's {t.ssd_reads_per_second:,.0f}/s "
+        f"(one random read per pulled row not in RAM; {p.disk_read_shards} shards keep up)",
+    ]  # fmt: skip
+    tier_assumption = [] if t is None else [
+        f"- a tiered shard restores at {_size(float(tier_figures()['restore_bytes_per_s']))}/s "
+        f"of checkpoint and its SSD serves {float(tier_figures()['device_reads_per_s']):,.0f} "
+        f"random reads/s unless --ssd-reads-per-second says otherwise, measured "
+        f"{tier_figures()['measured']} on {tier_figures()['machine']} "
+        f"(`{tier_figures()['command']}`);",
     ]  # fmt: skip
     return "\n".join([
         f"table: {args.rows:.3g} ids{admitted} x dim {args.dim}, {args.optimizer}, "
@@ -318,7 +378,9 @@ def report(p: Plan, args: argparse.Namespace) -> str:
             if t
             else f"at {args.shard_memory_gib:g} GiB each with x{args.headroom:g} headroom"
         )
-        + f"; throughput needs {p.throughput_shards} for {args.steps_per_second:g} steps/s)",
+        + f"; throughput needs {p.throughput_shards} for {args.steps_per_second:g} steps/s"
+        + (f"; the SSDs' reads need {p.disk_read_shards}" if t else "")
+        + ")",
         f"memory per shard: {p.memory_per_shard_bytes / 2**30:.1f} GiB "
         + ("(its memory budget)" if t else f"(its share of the table x{args.headroom:g} headroom)"),
         *tiers,
@@ -346,6 +408,7 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         f"- per shard: save {_size(float(f['save_bytes_per_s_per_shard']))}/s, load "
         f"{_size(float(f['load_bytes_per_s_per_shard']))}/s, measured {f['measured']} on "
         f"{f['machine']} (`{f['command']}`);",
+        *tier_assumption,
         f"- every trainer step pulls and pushes batch x {args.unique_fraction:g} distinct ids "
         "(8 B id + 4 x dim B row each way); frames and headers are not counted;",
         "- shards save and load in parallel, each to its own file; storage bandwidth beyond "
@@ -390,6 +453,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--ssd", type=parse_size, default=0, help="per shard, e.g. 1.6TB: SSD for the disk tier")
     a("--skew", type=float, default=1.05, help="Zipf exponent of the ids' traffic (hit rate)")
     a("--shard-cores", type=float, default=4.0, help="cores of one shard (its --threads)")
+    a(
+        "--ssd-reads-per-second",
+        type=float,
+        default=0.0,
+        help="random 4 KiB reads/s of one shard's SSD (default: the measured figure)",
+    )
     a("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -404,7 +473,7 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             value_dtype=args.value_dtype, slot_dtype=args.slot_dtype,
             admission_rate=args.admission_rate, sketch_bytes=args.sketch_bytes,
             memory_budget=args.memory_budget, ssd_bytes=args.ssd, skew=args.skew,
-            shard_cores=args.shard_cores,
+            shard_cores=args.shard_cores, ssd_reads_per_second=args.ssd_reads_per_second,
         )  # fmt: skip
     except ValueError as e:
         print(f"tf-dlt plan: {e}", file=sys.stderr)
