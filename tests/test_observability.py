@@ -26,7 +26,7 @@ from tf_dlt.layers import Embedding
 from tf_dlt.progress import Progress
 
 import frames
-from conftest import Cluster
+from conftest import Cluster, wait_until
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -86,7 +86,13 @@ def test_shard_metrics_move_with_traffic(
     assert a["tf_dlt_save_seconds_count"] == 1 and a["tf_dlt_last_save_seconds"] > 0
     # Connection gauges and the caps in force; a stranger who never says Hello.
     assert a["tf_dlt_connections_authenticated"] >= 1 and a["tf_dlt_connection_limit"] > 0
-    assert a["tf_dlt_worker_threads"] >= 1 and a["tf_dlt_buffered_bytes"] == 0
+    assert a["tf_dlt_worker_threads"] >= 1
+    # The raw connection's buffers go when the server has seen it close (a
+    # worker's next turn: a scrape just after may still count them).
+    wait_until(
+        lambda: _scrape(cluster.metrics_ports[0])["tf_dlt_buffered_bytes"] == 0,
+        "no bytes buffered once every connection is idle or gone",
+    )
     assert a["tf_dlt_connection_timeouts_total{kind=hello}"] == 0
     stranger = socket.create_connection((host, int(port)), timeout=10)
     assert frames.closed_by_peer(stranger, timeout=20)  # --hello-timeout: 5 s
