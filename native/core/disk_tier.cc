@@ -569,19 +569,22 @@ size_t TierFile::PageRamBytes() const {
   return slots_per_page_ * kRamBytesPerSlot + sizeof(uint16_t);
 }
 
-size_t TierFile::RamBytesFor(uint64_t rows) const {
-  return PagesFor(std::max(rows, rows_), num_pages_) * PageRamBytes();
+size_t TierFile::RamBytesFor(uint64_t rows, bool ahead) const {
+  rows = std::max(rows, rows_);
+  const uint64_t pages = PagesFor(rows, num_pages_);
+  return (ahead && NearDoubling(rows, pages) ? 2 : 1) * pages * PageRamBytes();
 }
 
 size_t TierFile::ram_bytes() const {
   return fingerprints_.capacity() * kRamBytesPerSlot + used_.capacity() * sizeof(uint16_t);
 }
 
+bool TierFile::NearDoubling(uint64_t rows, uint64_t pages) const {
+  return rows * kFillDen * 3 >= pages * slots_per_page_ * kFillNum * 2;
+}
+
 size_t TierFile::ram_bytes_ahead() const {
-  const uint64_t slots = uint64_t{num_pages_} * slots_per_page_;
-  // 2/3 of the 3/4 fill past which Put doubles the file.
-  const bool near = rows_ * kFillDen * 3 >= slots * kFillNum * 2;
-  return near ? 2 * size_t{num_pages_} * PageRamBytes() : ram_bytes();
+  return NearDoubling(rows_, num_pages_) ? 2 * size_t{num_pages_} * PageRamBytes() : ram_bytes();
 }
 
 Status TierFile::Resize(uint32_t pages) {

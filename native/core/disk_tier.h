@@ -140,8 +140,9 @@ class TierFile {
   // The same once the file doubles, from 2/3 of the fill that doubles it
   // on: what the memory keeper makes room for before the doubling.
   size_t ram_bytes_ahead() const;
-  // The RAM it would hold once sized for `rows` rows (Open or Reserve).
-  size_t RamBytesFor(uint64_t rows) const;
+  // The RAM it would hold once sized for `rows` rows (Open or Reserve);
+  // with `ahead`, as ram_bytes_ahead counts it once it holds them.
+  size_t RamBytesFor(uint64_t rows, bool ahead = false) const;
   // Bytes of the file.
   size_t disk_bytes() const { return size_t{num_pages_} * page_bytes_; }
   // Slot reads (lookups and iteration) since creation.
@@ -163,6 +164,9 @@ class TierFile {
     return UsedIn(second) < UsedIn(first) ? second : first;
   }
   uint32_t UsedIn(uint32_t page) const { return used_[page]; }
+  // Whether `rows` rows in `pages` pages are 2/3 of the 3/4 fill past
+  // which Put doubles the file.
+  bool NearDoubling(uint64_t rows, uint64_t pages) const;
   // RAM a page costs: its slots' fingerprints and its count.
   size_t PageRamBytes() const;
   // Sets slot `slot`'s fingerprint (0: frees it), counting its page's slots.

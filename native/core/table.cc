@@ -714,14 +714,16 @@ void Table::Reserve(size_t rows, uint32_t threads) {
   if (has_tier() && limit != 0 && rows > limit) {
     // The rows past the RAM limit go to disk: size the tier files for them.
     // The tier's RAM per cold slot comes out of the RAM rows' limit (twice:
-    // fewer RAM rows make more cold ones).
+    // fewer RAM rows make more cold ones), counted as the memory keeper will
+    // count it once the rows are in (at its doubled size near a doubling),
+    // so the rows a load leaves in RAM are not moved to disk after it.
     auto cold_per_stripe = [&](uint64_t ram_rows) { return per_stripe_of(rows - ram_rows); };
     uint64_t ram_rows = limit;
     for (int pass = 0; pass < 2; ++pass) {
       uint64_t tier_bytes = 0;
       for (uint32_t s = 0; s < kStripes; ++s) {
         std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-        tier_bytes += stripes_[s].tier->RamBytesFor(cold_per_stripe(ram_rows));
+        tier_bytes += stripes_[s].tier->RamBytesFor(cold_per_stripe(ram_rows), /*ahead=*/true);
       }
       const uint64_t held = tier_bytes / ram_row_bytes();
       // Never above the limit given; a floor of a few rows per stripe.
