@@ -49,10 +49,12 @@ Usage: python bench/bench_tier_scale.py [--rows N] [--dim D] [--budget BYTES]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +116,24 @@ def disk_bytes(directory: Path) -> int:
         for name in files:
             total += os.stat(os.path.join(root, name)).st_blocks * 512
     return total
+
+
+@contextlib.contextmanager
+def tiered_shard(
+    args: argparse.Namespace, budget: int, storage: Path, *flags: str,
+    start_timeout: float = 60.0,
+) -> Iterator[LocalCluster]:  # fmt: skip
+    """One shard process under `budget` with its disk tier in `storage` (in a
+    memory cgroup of the budget plus --page-cache-limit when given)."""
+    cap = None if args.page_cache_limit is None else budget + int(args.page_cache_limit)
+    with (
+        page_cache_capped(cap),
+        LocalCluster(
+            1, "--threads", "2", "--memory-budget", str(budget), "--storage-dir", str(storage),
+            *flags, start_timeout=start_timeout,
+        ) as cluster,
+    ):  # fmt: skip
+        yield cluster
 
 
 def create(client: Client, dim: int) -> None:
@@ -344,16 +364,10 @@ def restores(
             **out, "case": "restore", "budget_bytes": budget, "budget_fraction": fraction,
             "table_ram_bytes": table_ram, "checkpoint_bytes": size, "cold": drop_page_cache(),
         }  # fmt: skip
-        cap = None if args.page_cache_limit is None else budget + int(args.page_cache_limit)
-        flags = ["--threads", "2", "--memory-budget", str(budget), "--storage-dir", str(storage)]
         log(f"restoring under {budget / 2**30:.1f} GiB ({fraction:g} of the table)")
         start = time.perf_counter()
-        with (
-            page_cache_capped(cap),
-            LocalCluster(
-                1, *flags, "--load-from", str(checkpoint), start_timeout=4 * 3600
-            ) as cluster,
-        ):
+        load = ("--load-from", str(checkpoint))
+        with tiered_shard(args, budget, storage, *load, start_timeout=4 * 3600) as cluster:
             loaded = time.perf_counter() - start
             pid = cluster.processes[0].pid
             got["load_s"] = round(loaded, 1)
@@ -418,16 +432,7 @@ def main() -> None:
         if args.load_fractions:
             restores(args, work, storage, out, rng)
             return
-        cap = None if args.page_cache_limit is None else args.budget + int(args.page_cache_limit)
-        flags = [
-            "--threads",
-            "2",
-            "--memory-budget",
-            str(args.budget),
-            "--storage-dir",
-            str(storage),
-        ]
-        with page_cache_capped(cap), LocalCluster(1, *flags) as cluster:
+        with tiered_shard(args, args.budget, storage) as cluster:
             pid = cluster.processes[0].pid
             with Client(cluster.addresses) as tiered:
                 log(f"tiered under {args.budget / 2**30:.1f} GiB: {args.rows:,} rows")

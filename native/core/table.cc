@@ -570,7 +570,8 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
   Deduper& cold_dedup = tls_cold_dedup;
   std::vector<uint32_t>& cold_last = tls_cold_last;
   char* const cold = ScratchRecord();
-  // During a hot load, the rows that go to RAM (the others to disk).
+  // During a hot load (only with a tier: every stripe has a file), the rows
+  // that go to RAM (the others to disk).
   const HotFloor hot = to_disk && has_tier() ? HotLoadFloor(steps, touched, n, now) : HotFloor();
   const bool hot_load = hot.active;
   auto colder_than_floor = [&](uint32_t pos) {
@@ -610,7 +611,7 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
       }
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
-      if (rec == kEmpty && (ram_full || (stripe.tier && colder_than_floor(pos)))) {
+      if (rec == kEmpty && (ram_full || colder_than_floor(pos))) {
         // RAM is full (a load past the budget), or a hot load keeps it for
         // hotter rows: the row goes to disk, over its cold copy if it has
         // one.

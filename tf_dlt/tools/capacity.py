@@ -361,12 +361,12 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         f"{t.disk_reads_per_second:,.0f}/s of the SSD's {t.ssd_reads_per_second:,.0f}/s "
         f"(one random read per pulled row not in RAM; {p.disk_read_shards} shards keep up)",
     ]  # fmt: skip
+    m = tier_figures()
     tier_assumption = [] if t is None else [
-        f"- a tiered shard restores at {_size(float(tier_figures()['restore_bytes_per_s']))}/s "
-        f"of checkpoint and its SSD serves {float(tier_figures()['device_reads_per_s']):,.0f} "
-        f"random reads/s unless --ssd-reads-per-second says otherwise, measured "
-        f"{tier_figures()['measured']} on {tier_figures()['machine']} "
-        f"(`{tier_figures()['command']}`);",
+        f"- a tiered shard restores at {_size(float(m['restore_bytes_per_s']))}/s of checkpoint "
+        f"and its SSD serves {float(m['device_reads_per_s']):,.0f} random reads/s unless "
+        f"--ssd-reads-per-second says otherwise, measured {m['measured']} on {m['machine']} "
+        f"(`{m['command']}`);",
     ]  # fmt: skip
     return "\n".join([
         f"table: {args.rows:.3g} ids{admitted} x dim {args.dim}, {args.optimizer}, "
