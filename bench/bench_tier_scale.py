@@ -58,7 +58,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from bench_tiers import budget_for, idle_shard_rss, page_cache_capped, peak_rss
+from bench_tiers import budget_for, idle_shard_rss, page_cache_capped, peak_rss, storage_read_bytes
 
 from tf_dlt import Client, _native, routing
 from tf_dlt.checkpoint import manifest, shard_files
@@ -99,14 +99,6 @@ def tier_of(client: Client) -> dict[str, int]:
     (stats,) = client.stats()
     (table,) = [t for t in stats["tables"] if t["config"]["name"] == TABLE]
     return {**table.get("tier", {}), "rows": int(table["rows"])}
-
-
-def storage_read_bytes(pid: int) -> int:
-    """Bytes process `pid` has had read from storage (not the page cache)."""
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
 
 
 def disk_bytes(directory: Path) -> int:

@@ -21,8 +21,8 @@ budget plus B bytes, which the page cache of its tier files counts against:
 the cold reads and the load then pay the disk, not the page cache.
 
 Usage: python bench/bench_tiers.py [--rows N] [--dim D] [--fractions 0.1,0.25]
-       [--seconds S] [--skew 1.05] [--dtype bfloat16] [--storage-dir DIR]
-       [--page-cache-limit B]
+       [--seconds S] [--skew 1.05] [--batches 400] [--dtype bfloat16]
+       [--storage-dir DIR] [--page-cache-limit B]
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ def peak_rss(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
+def storage_read_bytes(pid: int) -> int:
+    """Bytes process `pid` has had read from storage (not the page cache)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
 def traffic(ids: np.ndarray, kind: str, skew: float, batches: int, seed: int) -> list[np.ndarray]:
     """Batches of ids: Zipf(skew) ranks over a fixed random order of the ids,
     or uniform."""
@@ -69,15 +77,27 @@ def traffic(ids: np.ndarray, kind: str, skew: float, batches: int, seed: int) ->
     return out
 
 
+TIER_MOVES = ("promotions", "demotions", "disk_updates", "disk_reads")
+
+
+def tier_counters(client: Client) -> dict[str, int]:
+    (stats,) = client.stats()
+    tier = stats["tables"][0].get("tier", {})
+    return {key: int(tier.get(key, 0)) for key in TIER_MOVES}
+
+
 def measure(
-    client: Client, batches: list[np.ndarray], dim: int, seconds: float
+    client: Client, batches: list[np.ndarray], dim: int, seconds: float, pid: int
 ) -> dict[str, float]:
     """Pull then push each batch until `seconds` pass (after a warm-up pass
-    over a tenth of them); rows/s of each."""
+    over a tenth of them); rows/s of each, and per pulled row the 4 KiB
+    pages the shard read from the device and its tier's moves (rows moved
+    in and out, updated and read on disk)."""
     grads = np.full((BATCH, dim), 1e-3, dtype=np.float32)
     for b in batches[: len(batches) // 10]:
         client.pull("bench", b)
         client.push("bench", b, grads, 0.01)
+    counters, device = tier_counters(client), storage_read_bytes(pid)
     pulled = pushed = 0
     pull_s = push_s = 0.0
     start = time.perf_counter()
@@ -93,7 +113,12 @@ def measure(
         push_s += time.perf_counter() - t
         pulled += len(b)
         pushed += len(b)
-    return {"pull_rows_per_s": pulled / pull_s, "push_rows_per_s": pushed / push_s}
+    out = {"pull_rows_per_s": pulled / pull_s, "push_rows_per_s": pushed / push_s}
+    out["device_pages_per_row"] = round((storage_read_bytes(pid) - device) / 4096 / pulled, 3)
+    after = tier_counters(client)
+    for key in TIER_MOVES:
+        out[f"{key}_per_row"] = round((after[key] - counters[key]) / pulled, 3)
+    return out
 
 
 @contextlib.contextmanager
@@ -168,7 +193,7 @@ def run_shard(
             out["ram_bytes"] = int(table["bytes"])
             out["tier_after_load"] = table.get("tier", {})
             for kind, batches in traffic_sets.items():
-                out[kind] = measure(c, batches, dim, seconds)
+                out[kind] = measure(c, batches, dim, seconds, pid)
             (stats,) = c.stats()
             out["tier"] = stats["tables"][0].get("tier", {})
         out["peak_rss"] = peak_rss(pid)
@@ -182,6 +207,11 @@ def main() -> None:
     p.add_argument("--fractions", default="0.1,0.25,0.5")
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--skew", type=float, default=1.05)
+    p.add_argument(
+        "--batches", type=int, default=400,
+        help=f"distinct batches of {BATCH} ids per traffic kind, cycled through (a set run "
+        "through once in --seconds is a stream that never repeats)",
+    )  # fmt: skip
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="the table's value and slot dtype",
@@ -207,8 +237,8 @@ def main() -> None:
         manifest.write_manifest(str(checkpoint), [part], save_id)
         del shard, table
         sets = {
-            "zipf": traffic(ids, "zipf", args.skew, 400, 1),
-            "uniform": traffic(ids, "uniform", args.skew, 400, 2),
+            "zipf": traffic(ids, "zipf", args.skew, args.batches, 1),
+            "uniform": traffic(ids, "uniform", args.skew, args.batches, 2),
         }
         del ids
         idle_rss = idle_shard_rss()
@@ -242,6 +272,8 @@ def main() -> None:
                         "load_s": got["load_s"], "baseline_load_s": base["load_s"],
                         "baseline_peak_rss": base["peak_rss"], "skew": args.skew,
                         "page_cache_limit": args.page_cache_limit,
+                        "per_row": {k: v for k, v in got[kind].items()  # type: ignore[attr-defined]
+                                    if k.endswith("_per_row")},
                     })  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)

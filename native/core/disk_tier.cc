@@ -263,6 +263,23 @@ void TierFile::Place(uint64_t hash, uint32_t* first, uint32_t* second,
 void TierFile::ClearPrints(uint32_t pages) {
   fingerprints_.assign(size_t{pages} * slots_per_page_, 0);
   used_.assign(pages, 0);
+  ghosts_.assign((size_t{pages} * slots_per_page_ + 63) / 64, 0);
+}
+
+void TierFile::GhostAll() {
+  std::fill(ghosts_.begin(), ghosts_.end(), 0);
+  for (size_t slot = 0; slot < fingerprints_.size(); ++slot) {
+    if (fingerprints_[slot] != 0) ghosts_[slot >> 6] |= uint64_t{1} << (slot & 63);
+  }
+  window_rows_ = 0;
+}
+
+void TierFile::NoteMovedOut(uint32_t slot, uint64_t window) {
+  if (++window_rows_ > window) {  // a new window
+    std::fill(ghosts_.begin(), ghosts_.end(), 0);
+    window_rows_ = 1;
+  }
+  ghosts_[slot >> 6] |= uint64_t{1} << (slot & 63);
 }
 
 void TierFile::PrefetchFingerprints(uint64_t hash) const {
@@ -441,7 +458,8 @@ Status TierFile::WriteSlot(uint32_t slot, int64_t key, const char* record, uint1
   return OkStatus();
 }
 
-Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t generation) {
+Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t generation,
+                     uint32_t* placed) {
   DropPrefetched();  // slots written here may be among them
   if (fd_ < 0) DLT_RETURN_IF_ERROR(Open(size_hint_));
   if ((rows_ + 1) * kFillDen > uint64_t{num_pages_} * slots_per_page_ * kFillNum) {
@@ -457,6 +475,7 @@ Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t ge
   DLT_RETURN_IF_ERROR(WriteSlot(slot, key, record, generation));
   SetPrint(slot, print);
   ++rows_;
+  if (placed != nullptr) *placed = slot;
   return OkStatus();
 }
 
@@ -566,7 +585,8 @@ void TierFile::Remove(uint32_t slot) {
 }
 
 size_t TierFile::PageRamBytes() const {
-  return slots_per_page_ * kRamBytesPerSlot + sizeof(uint16_t);
+  // Fingerprints, ghost bits and the count of used slots.
+  return slots_per_page_ * kRamBytesPerSlot + (slots_per_page_ + 7) / 8 + sizeof(uint16_t);
 }
 
 size_t TierFile::RamBytesFor(uint64_t rows, bool ahead) const {
@@ -576,7 +596,8 @@ size_t TierFile::RamBytesFor(uint64_t rows, bool ahead) const {
 }
 
 size_t TierFile::ram_bytes() const {
-  return fingerprints_.capacity() * kRamBytesPerSlot + used_.capacity() * sizeof(uint16_t);
+  return fingerprints_.capacity() * kRamBytesPerSlot + used_.capacity() * sizeof(uint16_t) +
+         ghosts_.capacity() * sizeof(uint64_t);
 }
 
 bool TierFile::NearDoubling(uint64_t rows, uint64_t pages) const {
@@ -630,6 +651,8 @@ Status TierFile::Resize(uint32_t pages) {
   ++layout_;
   fingerprints_.swap(next.fingerprints_);
   used_.swap(next.used_);
+  ghosts_.swap(next.ghosts_);
+  window_rows_ = 0;
   return OkStatus();
 }
 

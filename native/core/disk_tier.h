@@ -98,7 +98,9 @@ class TierFile {
   void AdviseWrites(const uint64_t* hashes, size_t n) const;
   // Stores a row that is absent from the tier; grows the file when both
   // candidate pages are full or the tier passes its target fill.
-  Status Put(uint64_t hash, int64_t key, const char* record, uint16_t generation);
+  // *slot (when given) gets the slot it took.
+  Status Put(uint64_t hash, int64_t key, const char* record, uint16_t generation,
+             uint32_t* slot = nullptr);
   // Stores `n` rows absent from the tier (and distinct): hashes[i], keys[i],
   // the record at records + i * record_bytes, generations[i]. Places them
   // as Put does, then writes each run of consecutive pages it touched with
@@ -107,6 +109,15 @@ class TierFile {
   // an error none of the `n` rows is stored.
   Status PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys, const char* records,
                   const uint16_t* generations);
+  // Notes that `slot` was just given a row moved out of RAM (Put by the
+  // memory keeper); a window closes after `window` such rows.
+  void NoteMovedOut(uint32_t slot, uint64_t window);
+  // Makes every row a ghost (as if moved out now), in a new window.
+  void GhostAll();
+  // Whether `slot`'s row was moved out of RAM in the current window: RAM
+  // held it lately (a ghost, as ARC keeps), so LRU would have kept it. A
+  // resize forgets.
+  bool MovedOutLately(uint32_t slot) const { return (ghosts_[slot >> 6] >> (slot & 63)) & 1; }
   // Overwrites the record in `slot` (found by Find) with `record`.
   Status Rewrite(uint32_t slot, int64_t key, const char* record, uint16_t generation);
   // Frees `slot` (RAM only).
@@ -134,8 +145,8 @@ class TierFile {
   size_t page_bytes() const { return page_bytes_; }
   size_t slot_bytes() const { return slot_bytes_; }
   uint64_t rows() const { return rows_; }
-  // RAM the tier holds (a fingerprint per slot, a count of used slots per
-  // page).
+  // RAM the tier holds (per slot a fingerprint and a ghost bit, per page a
+  // count of used slots).
   size_t ram_bytes() const;
   // The same once the file doubles, from 2/3 of the fill that doubles it
   // on: what the memory keeper makes room for before the doubling.
@@ -174,6 +185,7 @@ class TierFile {
     uint16_t& f = fingerprints_[slot];
     used_[slot / slots_per_page_] += (print != 0) - (f != 0);
     f = print;
+    ghosts_[slot >> 6] &= ~(uint64_t{1} << (slot & 63));  // a new row, or none
   }
   // Sizes the fingerprints and page counts for `pages` pages, all free.
   void ClearPrints(uint32_t pages);
@@ -223,7 +235,12 @@ class TierFile {
   std::vector<char> prefetch_data_;     // their bytes, in that order
   std::vector<uint16_t> fingerprints_;  // per slot; 0: free
   std::vector<uint16_t> used_;          // per page: its slots in use
-  std::vector<uint32_t> windows_;       // per bucket (and one past): its first page
+  // Per slot, a bit: its row was moved out of RAM in the current window
+  // (MovedOutLately); all clear when a window closes, or a resize moves
+  // the rows.
+  std::vector<uint64_t> ghosts_;
+  uint64_t window_rows_ = 0;       // rows moved out in the current window
+  std::vector<uint32_t> windows_;  // per bucket (and one past): its first page
 };
 
 }  // namespace dlt

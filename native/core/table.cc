@@ -241,9 +241,11 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     // others read the unadmitted default until a push admits them.
     size_t admitted = 0;
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
-    // Cold rows move into RAM while it has room; else they are read where
-    // they are, and a new row is left for its push to make.
+    // Cold rows move into RAM while it has room (and, near the limit, if
+    // they score above the keeper's cut: NearRamLimit); else they are read
+    // where they are, and a new row is left for its push to make.
     const bool promote = !RamFull(stripe);
+    const bool near_limit = NearRamLimit();
     if (tiered && missing.size() > 1) {  // the cold rows' reads at once
       stripe.tier->Prefetch(hashes.data(), missing.data(), missing.size());
     }
@@ -251,22 +253,21 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
       float* dst = out + size_t{pos} * dim;
       if (tiered && stripe.tier->rows() != 0) {
         uint32_t rec = stripe.Find(hashes[pos], ids[pos]);  // moved in meanwhile?
-        if (rec == kEmpty && promote) {
-          DLT_RETURN_IF_ERROR(Promote(&stripe, hashes[pos], ids[pos], &rec));
-        }
         if (rec != kEmpty) {
           ReadValues(stripe.Record(rec, record_bytes_), dst);
           continue;
         }
-        if (!promote) {
-          char* cold = ScratchRecord();
-          uint32_t slot;
-          uint16_t generation;
-          DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &generation));
-          if (slot != TierFile::kNoSlot) {
-            ReadValues(cold, dst);
-            continue;
+        char* const cold = ScratchRecord();
+        uint32_t slot;
+        uint16_t generation;
+        DLT_RETURN_IF_ERROR(FindCold(&stripe, hashes[pos], ids[pos], cold, &slot, &generation));
+        if (slot != TierFile::kNoSlot) {
+          if (promote && WorthRam(stripe, cold, slot, near_limit)) {
+            DLT_RETURN_IF_ERROR(
+                MoveIn(&stripe, hashes[pos], ids[pos], cold, slot, generation, &rec));
           }
+          ReadValues(cold, dst);
+          continue;
         }
       }
       if (mode == PullMode::kZerosNoInsert) {
@@ -319,7 +320,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   struct Scratch {  // as in Pull: one thread_local, bound once
     std::vector<uint64_t> hashes, counted;
     std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
+    std::vector<uint32_t> cold_at, cold_slots;
     std::vector<float> summed, squares, row;
+    std::vector<char> cold_records;
   };
   thread_local Scratch tls;
   Scratch& scratch = tls;
@@ -328,6 +331,11 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   auto& order = scratch.order;
   auto& starts = scratch.starts;
   auto& recs = scratch.recs;
+  // Cold rows updated where they lie: per kept row, its index in
+  // cold_slots (its tier slot) and cold_records (its record), or kEmpty.
+  auto& cold_at = scratch.cold_at;
+  auto& cold_slots = scratch.cold_slots;
+  auto& cold_records = scratch.cold_records;
   auto& slot_of = scratch.slot_of;
   auto& firsts = scratch.firsts;
   auto& unique_of = scratch.unique_of;
@@ -350,21 +358,47 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     Stripe& stripe = stripes_[s];
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     // Find (or admit and create) each id's record; `kept` holds the
-    // positions that have one, `recs` their records.
+    // positions that have one, `recs` their records (cold_at: or their
+    // cold copies').
     recs.clear();
     kept.clear();
+    cold_at.clear();
+    cold_slots.clear();
+    cold_records.clear();
     if (frequency) {
       size_t cap = 16;
       while (cap < 2 * size_t{end - begin}) cap <<= 1;
       counted.assign(cap, 0);
     }
+    // Cold rows are read one at a time: the pull before a push just read
+    // them (in parallel), so these are page-cache reads. Whether RAM is
+    // near its limit is read once: an id twice in the push must get the
+    // same answer both times, or it would be updated in both tiers.
+    const bool cold_rows = stripe.tier && stripe.tier->rows() != 0;
+    const bool near_limit = cold_rows && NearRamLimit();
     uint64_t admitted = 0, refused = 0;
     for (uint32_t k = begin; k < end; ++k) {
       if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
       const uint32_t pos = order[k];
       uint32_t rec = stripe.Find(hashes[pos], ids[pos]);
-      if (rec == kEmpty && stripe.tier) {
-        DLT_RETURN_IF_ERROR(Promote(&stripe, hashes[pos], ids[pos], &rec));
+      if (rec == kEmpty && cold_rows) {
+        // A cold row moves into RAM, or is updated where it lies.
+        char* const cold = ScratchRecord();
+        uint32_t slot;
+        uint16_t generation;
+        Status found = FindCold(&stripe, hashes[pos], ids[pos], cold, &slot, &generation);
+        if (found.ok() && slot != TierFile::kNoSlot) {
+          if (!WorthRam(stripe, cold, slot, near_limit)) {
+            kept.push_back(pos);
+            recs.push_back(kEmpty);
+            cold_at.push_back(static_cast<uint32_t>(cold_slots.size()));
+            cold_slots.push_back(slot);
+            cold_records.insert(cold_records.end(), cold, cold + record_bytes_);
+            continue;
+          }
+          found = MoveIn(&stripe, hashes[pos], ids[pos], cold, slot, generation, &rec);
+        }
+        if (!found.ok()) return found;
       }
       if (rec == kEmpty) {
         if (!AdmitOnPush(&stripe, hashes[pos], ids[pos], &counted)) {
@@ -380,11 +414,17 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
       kept.push_back(pos);
       recs.push_back(rec);
+      cold_at.push_back(kEmpty);
     }
     if (admitted) admitted_.fetch_add(admitted, std::memory_order_relaxed);
     if (refused) refused_.fetch_add(refused, std::memory_order_relaxed);
     const uint32_t count = static_cast<uint32_t>(kept.size());
-    // Deduplicate by record: slot_of maps a hash slot to an index in firsts.
+    // Deduplicate by record (a cold row: by its tier slot): slot_of maps a
+    // hash slot to an index in firsts.
+    auto row_key = [&](uint32_t k) {
+      return cold_at[k] == kEmpty ? uint64_t{recs[k]}
+                                  : (uint64_t{1} << 32) | cold_slots[cold_at[k]];
+    };
     size_t cap = 16;
     while (cap < 2 * size_t{count}) cap <<= 1;
     slot_of.assign(cap, kEmpty);
@@ -392,8 +432,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     bool duplicates = false;
     unique_of.resize(count);
     for (uint32_t k = 0; k < count; ++k) {
-      size_t i = (size_t{recs[k]} * 0x9e3779b1u) & (cap - 1);
-      while (slot_of[i] != kEmpty && recs[firsts[slot_of[i]]] != recs[k]) {
+      const uint64_t key = row_key(k);
+      size_t i = static_cast<size_t>(key * 0x9e3779b1u) & (cap - 1);
+      while (slot_of[i] != kEmpty && row_key(firsts[slot_of[i]]) != key) {
         i = (i + 1) & (cap - 1);
       }
       if (slot_of[i] == kEmpty) {
@@ -422,10 +463,14 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     const auto generation = static_cast<uint16_t>(generation_.load(std::memory_order_relaxed));
     const size_t touched_bytes = record_bytes_;
     row.resize(row_floats);
+    auto record_of = [&](uint32_t k) {
+      return cold_at[k] == kEmpty ? stripe.Record(recs[k], record_bytes_)
+                                  : cold_records.data() + size_t{cold_at[k]} * record_bytes_;
+    };
     for (size_t u = 0; u < firsts.size(); ++u) {
       if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
         const uint32_t ahead = firsts[u + kApplyAhead];
-        const char* next = stripe.Record(recs[ahead], record_bytes_);
+        const char* next = record_of(ahead);
         for (size_t b = 0; b < touched_bytes; b += 64) __builtin_prefetch(next + b, 1);
         if (!duplicates) {
           const char* g = reinterpret_cast<const char*>(grads + size_t{kept[ahead]} * dim);
@@ -434,7 +479,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
       const uint32_t k = firsts[u];
       const float* g = duplicates ? summed.data() + u * dim : grads + size_t{kept[k]} * dim;
-      char* r = stripe.Record(recs[k], record_bytes_);
+      char* r = record_of(k);
       auto* header = reinterpret_cast<RowHeader*>(r);
       // float32 rows are updated in place, their old values kept aside;
       // 16-bit rows are widened into scratch and stored back.
@@ -454,9 +499,19 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
       header->touched = now;
       header->step = step;
-      stripe.Generation(recs[k]) = generation;
       NoteChange(&stripe, ids[kept[k]]);
       if (!wide_) WriteRow(r, ids[kept[k]], step, v, v + dim, stochastic);
+      if (cold_at[k] == kEmpty) {
+        stripe.Generation(recs[k]) = generation;
+        continue;
+      }
+      const Status written =
+          stripe.tier->Rewrite(cold_slots[cold_at[k]], ids[kept[k]], r, generation);
+      if (!written.ok()) {  // this stripe's rows from this one on are not applied
+        SetTierError(written.message());
+        return written;
+      }
+      disk_updates_.fetch_add(1, std::memory_order_relaxed);
     }
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }

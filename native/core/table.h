@@ -70,6 +70,9 @@ struct TierStats {
   uint64_t ram_bytes = 0;   // Table::bytes()
   uint64_t disk_bytes = 0;  // the tier files' sizes
   uint64_t promotions = 0;  // cold rows a pull or push moved into RAM
+  // Pushes applied to cold rows where they lie: RAM was full and the row
+  // no hotter than what the memory keeper moves out.
+  uint64_t disk_updates = 0;
   uint64_t demotions = 0;   // rows moved to the disk tier
   uint64_t disk_reads = 0;  // slots read from the tier files
   // Tier file reads and writes that failed (I/O errors, short reads, a full disk).
@@ -244,9 +247,12 @@ class Table {
   // kHotLoadSample of them; bucket order is hash order, so the first rows
   // are a uniform sample). Without it a load fills RAM first come, and
   // after a restart the hot rows are as likely on disk as any other.
-  // EndHotLoad (or rows 0): first come again.
+  // EndHotLoad (or rows 0): first come again. EndHotLoad also makes every
+  // cold row a ghost (TierFile::GhostAll): the rows a load put on disk have
+  // no history on this shard, so until the keeper has moved a window of
+  // rows out, their first touch moves them into a full RAM, as LRU would.
   void BeginHotLoad(uint64_t rows);
-  void EndHotLoad() { BeginHotLoad(0); }
+  void EndHotLoad();
   static constexpr size_t kHotLoadSample = 65536;
   // Moves up to `rows` of the coldest RAM rows (the table's eviction
   // order) to the disk tier, or without one removes them (counted as
@@ -407,8 +413,29 @@ class Table {
   // record, or kEmpty when the tier does not hold it. Caller holds the
   // lock exclusively.
   Status Promote(Stripe* stripe, uint64_t hash, int64_t id, uint32_t* rec);
+  // The stripe's tier Find; an error is the tier's error too.
+  Status FindCold(Stripe* stripe, uint64_t hash, int64_t id, char* record, uint32_t* slot,
+                  uint16_t* generation);
+  // Promote's move of a cold row found in tier slot `slot` (its `record`
+  // and `generation` read).
+  Status MoveIn(Stripe* stripe, uint64_t hash, int64_t id, const char* record, uint32_t slot,
+                uint16_t generation, uint32_t* rec);
   // Whether the stripe's RAM rows reached their share of the RAM limit.
   bool RamFull(const Stripe& stripe) const;
+  // Records the memory keeper's cut in `stripe`: the lowest score at
+  // clock `now` of the rows it weighed moving to disk.
+  void NoteCut(Stripe* stripe, uint64_t score, uint32_t now);
+  // Whether the RAM rows reached 15/16 of their limit (the keeper leaves
+  // them at 0.95 of it). From there a cold row moves into RAM only if it
+  // scores above the stripe's last cut (AboveCut: any before the keeper
+  // made one) or was moved out lately (its tier page says so); the others
+  // stay on disk, read and updated there, so traffic that touches rows
+  // once does not churn RAM. A push reads NearRamLimit once per stripe, so
+  // the same id is never updated in both tiers.
+  bool NearRamLimit() const;
+  bool AboveCut(const Stripe& stripe, const char* record) const;
+  // Whether cold `record` (in tier slot `slot`) moves into RAM.
+  bool WorthRam(const Stripe& stripe, const char* record, uint32_t slot, bool near_limit) const;
   // Waits (a while at most) for the memory keeper when the RAM rows are
   // far past the RAM limit.
   void WaitForRoom() const;
@@ -511,7 +538,7 @@ class Table {
   std::string tier_dir_;  // "" without a disk tier
   std::atomic<int64_t> cold_rows_{0};
   std::atomic<uint64_t> ram_limit_{0};
-  std::atomic<uint64_t> promotions_{0}, demotions_{0};
+  std::atomic<uint64_t> promotions_{0}, demotions_{0}, disk_updates_{0};
   // A hot load (BeginHotLoad), guarded by hot_load_mu_.
   std::mutex hot_load_mu_;
   uint64_t hot_load_rows_ = 0;        // rows the load brings (0: no hot load)

@@ -147,6 +147,16 @@ struct Table::Stripe {
   // Where the memory keeper's next sweep for cold rows starts (an index
   // slot; taken modulo the index size).
   std::atomic<size_t> sweep{0};
+  // The memory keeper's last cut: the lowest score (at clock `cut_now`)
+  // among the rows it weighed moving out (Coldest), about the coldest RAM
+  // row's. Near the RAM limit a cold row moves back into RAM only when it
+  // scores above the cut (Table::AboveCut): one no hotter than the
+  // coldest RAM row would only push out a row as hot. Written under the
+  // lock in any mode, read under it exclusively: a push sees one cut.
+  // Relaxed: the two may come from different passes.
+  std::atomic<bool> has_cut{false};
+  std::atomic<uint64_t> cut{0};
+  std::atomic<uint32_t> cut_now{0};
   // Rows ever removed or moved between tiers (exports re-check rows after
   // one).
   uint64_t removals = 0;

@@ -51,6 +51,14 @@ void Table::BeginHotLoad(uint64_t rows) {
   hot_floor_ = HotFloor();
 }
 
+void Table::EndHotLoad() {
+  BeginHotLoad(0);
+  for (uint32_t s = 0; s < kStripes && has_tier(); ++s) {
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    stripes_[s].tier->GhostAll();
+  }
+}
+
 Table::HotFloor Table::HotLoadFloor(const uint32_t* steps, const uint32_t* touched, size_t n,
                                     uint32_t now) {
   std::lock_guard<std::mutex> lock(hot_load_mu_);
@@ -93,23 +101,31 @@ bool Table::RamFull(const Stripe& stripe) const {
   return stripe.live >= limit / kStripes + limit / (16 * kStripes) + 16;
 }
 
+Status Table::FindCold(Stripe* stripe, uint64_t hash, int64_t id, char* record, uint32_t* slot,
+                       uint16_t* generation) {
+  const Status found = stripe->tier->Find(hash, id, record, slot, generation);
+  if (!found.ok()) SetTierError(found.message());  // the row stays where it is
+  return found;
+}
+
 Status Table::Promote(Stripe* stripe, uint64_t hash, int64_t id, uint32_t* rec) {
   *rec = kEmpty;
   if (!stripe->tier || stripe->tier->rows() == 0) return OkStatus();
   char* scratch = ScratchRecord();
   uint32_t slot;
   uint16_t generation = 0;
-  const Status found = stripe->tier->Find(hash, id, scratch, &slot, &generation);
-  if (!found.ok()) {  // the row stays where it is; the request fails
-    SetTierError(found.message());
-    return found;
-  }
+  DLT_RETURN_IF_ERROR(FindCold(stripe, hash, id, scratch, &slot, &generation));
   if (slot == TierFile::kNoSlot) return OkStatus();
+  return MoveIn(stripe, hash, id, scratch, slot, generation, rec);
+}
+
+Status Table::MoveIn(Stripe* stripe, uint64_t hash, int64_t id, const char* record, uint32_t slot,
+                     uint16_t generation, uint32_t* rec) {
   const uint32_t r = stripe->Insert(hash, id, record_bytes_);
   if (r == kEmpty) {
     return ResourceExhausted("table '" + config_.name + "' cannot grow: out of address space");
   }
-  std::memcpy(stripe->Record(r, record_bytes_), scratch, record_bytes_);
+  std::memcpy(stripe->Record(r, record_bytes_), record, record_bytes_);
   stripe->Generation(r) = generation;  // a move is not a change
   stripe->tier->Remove(slot);
   ++stripe->removals;
@@ -145,6 +161,10 @@ size_t Table::Demote(size_t want, Status* status) {
       moved += erased;
       continue;
     }
+    // Rows moved out lately are ghosts for a window of the stripe's RAM
+    // share (WorthRam).
+    const uint64_t window =
+        std::max<uint64_t>(1024, ram_limit_.load(std::memory_order_relaxed) / kStripes);
     // A batch of rows per hold of the lock: pulls of this stripe wait for
     // at most a batch of disk writes. The pages the batch writes are asked
     // for first, so those not in the page cache are read in parallel.
@@ -161,9 +181,11 @@ size_t Table::Demote(size_t want, Status* status) {
         const size_t slot = stripe.FindSlot(hash, key);
         if (slot == kEmpty) continue;  // removed (or moved) since it was chosen
         const uint32_t rec = stripe.index[slot].record;
-        *status =
-            stripe.tier->Put(hash, key, stripe.Record(rec, record_bytes_), stripe.Generation(rec));
+        uint32_t cold_slot;
+        *status = stripe.tier->Put(hash, key, stripe.Record(rec, record_bytes_),
+                                   stripe.Generation(rec), &cold_slot);
         if (!status->ok()) break;
+        stripe.tier->NoteMovedOut(cold_slot, window);
         stripe.EraseSlot(slot);
         cold_rows_.fetch_add(1, std::memory_order_relaxed);
         ++moved;
@@ -206,12 +228,18 @@ std::vector<int64_t> Table::Coldest(Stripe* stripe, size_t want, uint32_t now,
       if (e.record == kEmpty) continue;
       scored->emplace_back(Score(stripe->Record(e.record, record_bytes_), now), e.key);
     }
-    return Lowest(scored, want);
+    std::vector<int64_t> keys = Lowest(scored, want);
+    if (!keys.empty()) {
+      const auto low = std::min_element(scored->begin(), scored->begin() + keys.size());
+      NoteCut(stripe, low->first, now);
+    }
+    return keys;
   }
   const auto at =
       sample.begin() + static_cast<std::ptrdiff_t>(static_cast<double>(sample.size()) * q);
   std::nth_element(sample.begin(), at, sample.end());
   const uint64_t threshold = *at;
+  NoteCut(stripe, *std::min_element(sample.begin(), at + 1), now);
   // The rows at or below the threshold from where the last sweep stopped.
   std::vector<int64_t> keys;
   keys.reserve(want);
@@ -225,6 +253,33 @@ std::vector<int64_t> Table::Coldest(Stripe* stripe, size_t want, uint32_t now,
   }
   stripe->sweep.store(i, std::memory_order_relaxed);
   return keys;
+}
+
+void Table::NoteCut(Stripe* stripe, uint64_t score, uint32_t now) {
+  stripe->cut.store(score, std::memory_order_relaxed);
+  stripe->cut_now.store(now, std::memory_order_relaxed);
+  stripe->has_cut.store(true, std::memory_order_relaxed);
+}
+
+bool Table::NearRamLimit() const {
+  const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
+  return limit != 0 && ram_rows() >= limit - limit / 16;
+}
+
+bool Table::WorthRam(const Stripe& stripe, const char* record, uint32_t slot,
+                     bool near_limit) const {
+  return !near_limit || AboveCut(stripe, record) || stripe.tier->MovedOutLately(slot);
+}
+
+bool Table::AboveCut(const Stripe& stripe, const char* record) const {
+  if (!stripe.has_cut.load(std::memory_order_relaxed)) return true;
+  const uint32_t then = stripe.cut_now.load(std::memory_order_relaxed);
+  const auto* header = reinterpret_cast<const RowHeader*>(record);
+  const uint64_t score = ScoreOf(header->step, header->touched, then);
+  const uint64_t cut = stripe.cut.load(std::memory_order_relaxed);
+  // A row touched since the cut is younger than every row it weighed.
+  const bool since = static_cast<int32_t>(header->touched - then) > 0;
+  return score > cut || (since && score == cut);
 }
 
 size_t Table::EvictAcrossTiers() {
@@ -339,6 +394,7 @@ TierStats Table::tier_stats() const {
     t.disk_write_errors += stripes_[s].tier->write_errors();
   }
   t.promotions = promotions_.load(std::memory_order_relaxed);
+  t.disk_updates = disk_updates_.load(std::memory_order_relaxed);
   t.demotions = demotions_.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(tier_error_mu_);
   t.error = tier_error_;

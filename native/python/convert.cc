@@ -150,6 +150,7 @@ py::dict TierStatsToDict(const TierStats& t) {
   d["ram_bytes"] = t.ram_bytes;
   d["disk_bytes"] = t.disk_bytes;
   d["promotions"] = t.promotions;
+  d["disk_updates"] = t.disk_updates;
   d["demotions"] = t.demotions;
   d["disk_reads"] = t.disk_reads;
   d["disk_read_errors"] = t.disk_read_errors;

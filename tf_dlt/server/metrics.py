@@ -5,9 +5,10 @@ scrape from the shard's own counters, so nothing is counted twice:
   RAM bytes);
 - tf_dlt_table_tier_rows / tf_dlt_table_tier_bytes {table, tier="ram"|"disk"}:
   where the rows live; tf_dlt_table_promotions_total,
-  tf_dlt_table_demotions_total, tf_dlt_table_disk_reads_total {table} (rates
-  in PromQL); tf_dlt_table_tier_error {table, error}: 1 while the disk tier
-  fails; tf_dlt_memory_budget_bytes and tf_dlt_resident_bytes (gauges, with
+  tf_dlt_table_demotions_total, tf_dlt_table_disk_reads_total,
+  tf_dlt_table_disk_updates_total {table} (rates in PromQL);
+  tf_dlt_table_tier_error {table, error}: 1 while the disk tier fails;
+  tf_dlt_memory_budget_bytes and tf_dlt_resident_bytes (gauges, with
   --memory-budget); tf_dlt_staged_bytes (gauge: tables a load staged, or
   replaced and keeps for a rollback);
 - tf_dlt_table_rows_admitted_total, _refused_total, _expired_total,
@@ -202,6 +203,7 @@ def _tier_metrics(s: dict[str, Any]) -> Iterator[Metric]:
         for key, doc in (
             ("promotions", "Cold rows a pull or push moved into RAM"),
             ("demotions", "Rows moved to the disk tier"),
+            ("disk_updates", "Pushes applied to cold rows on disk (RAM full, the row not hot)"),
             ("disk_reads", "Row slots read from the disk tier"),
             ("disk_read_errors", "Disk tier reads that failed (I/O errors, short reads)"),
             ("disk_write_errors", "Disk tier writes that failed (I/O errors, a full disk)"),

@@ -72,6 +72,7 @@ def table_info(table: _native.Table, tier: dict[str, Any] | None = None) -> dlt_
             disk_reads_per_s=tier["disk_reads_per_s"],
             disk_read_errors=tier["disk_read_errors"],
             disk_write_errors=tier["disk_write_errors"],
+            disk_updates=tier["disk_updates"],
         ),
     )
 
