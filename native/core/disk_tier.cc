@@ -268,8 +268,8 @@ void TierFile::ClearPrints(uint32_t pages) {
 
 void TierFile::GhostAll() {
   std::fill(ghosts_.begin(), ghosts_.end(), 0);
-  for (size_t slot = 0; slot < fingerprints_.size(); ++slot) {
-    if (fingerprints_[slot] != 0) ghosts_[slot >> 6] |= uint64_t{1} << (slot & 63);
+  for (uint32_t slot = 0; slot < fingerprints_.size(); ++slot) {
+    if (fingerprints_[slot] != 0) MarkGhost(slot);
   }
   window_rows_ = 0;
 }
@@ -279,7 +279,7 @@ void TierFile::NoteMovedOut(uint32_t slot, uint64_t window) {
     std::fill(ghosts_.begin(), ghosts_.end(), 0);
     window_rows_ = 1;
   }
-  ghosts_[slot >> 6] |= uint64_t{1} << (slot & 63);
+  MarkGhost(slot);
 }
 
 void TierFile::PrefetchFingerprints(uint64_t hash) const {

@@ -117,7 +117,7 @@ class TierFile {
   // Whether `slot`'s row was moved out of RAM in the current window: RAM
   // held it lately (a ghost, as ARC keeps), so LRU would have kept it. A
   // resize forgets.
-  bool MovedOutLately(uint32_t slot) const { return (ghosts_[slot >> 6] >> (slot & 63)) & 1; }
+  bool MovedOutLately(uint32_t slot) const { return (ghosts_[slot >> 6] & GhostBit(slot)) != 0; }
   // Overwrites the record in `slot` (found by Find) with `record`.
   Status Rewrite(uint32_t slot, int64_t key, const char* record, uint16_t generation);
   // Frees `slot` (RAM only).
@@ -178,15 +178,17 @@ class TierFile {
   // Whether `rows` rows in `pages` pages are 2/3 of the 3/4 fill past
   // which Put doubles the file.
   bool NearDoubling(uint64_t rows, uint64_t pages) const;
-  // RAM a page costs: its slots' fingerprints and its count.
+  // RAM a page costs: its slots' fingerprints and ghost bits, and its count.
   size_t PageRamBytes() const;
   // Sets slot `slot`'s fingerprint (0: frees it), counting its page's slots.
   void SetPrint(uint32_t slot, uint16_t print) {
     uint16_t& f = fingerprints_[slot];
     used_[slot / slots_per_page_] += (print != 0) - (f != 0);
     f = print;
-    ghosts_[slot >> 6] &= ~(uint64_t{1} << (slot & 63));  // a new row, or none
+    ghosts_[slot >> 6] &= ~GhostBit(slot);  // a new row, or none
   }
+  static uint64_t GhostBit(uint32_t slot) { return uint64_t{1} << (slot & 63); }
+  void MarkGhost(uint32_t slot) { ghosts_[slot >> 6] |= GhostBit(slot); }
   // Sizes the fingerprints and page counts for `pages` pages, all free.
   void ClearPrints(uint32_t pages);
   // Orders (slot, row) pairs by page (slots of a page in any order).

@@ -242,10 +242,10 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     size_t admitted = 0;
     std::unique_lock<std::shared_mutex> lock(stripe.mu);
     // Cold rows move into RAM while it has room (and, near the limit, if
-    // they score above the keeper's cut: NearRamLimit); else they are read
-    // where they are, and a new row is left for its push to make.
+    // they are worth it: WorthRam); else they are read where they are, and
+    // a new row is left for its push to make.
     const bool promote = !RamFull(stripe);
-    const bool near_limit = NearRamLimit();
+    const bool near_limit = tiered && NearRamLimit();
     if (tiered && missing.size() > 1) {  // the cold rows' reads at once
       stripe.tier->Prefetch(hashes.data(), missing.data(), missing.size());
     }

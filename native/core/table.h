@@ -70,8 +70,8 @@ struct TierStats {
   uint64_t ram_bytes = 0;   // Table::bytes()
   uint64_t disk_bytes = 0;  // the tier files' sizes
   uint64_t promotions = 0;  // cold rows a pull or push moved into RAM
-  // Pushes applied to cold rows where they lie: RAM was full and the row
-  // no hotter than what the memory keeper moves out.
+  // Pushes applied to cold rows where they lie: RAM was near its limit and
+  // the row neither above the memory keeper's cut nor a ghost (WorthRam).
   uint64_t disk_updates = 0;
   uint64_t demotions = 0;   // rows moved to the disk tier
   uint64_t disk_reads = 0;  // slots read from the tier files
@@ -428,7 +428,7 @@ class Table {
   // Whether the RAM rows reached 15/16 of their limit (the keeper leaves
   // them at 0.95 of it). From there a cold row moves into RAM only if it
   // scores above the stripe's last cut (AboveCut: any before the keeper
-  // made one) or was moved out lately (its tier page says so); the others
+  // made one) or is a ghost (TierFile::MovedOutLately); the others
   // stay on disk, read and updated there, so traffic that touches rows
   // once does not churn RAM. A push reads NearRamLimit once per stripe, so
   // the same id is never updated in both tiers.
