@@ -1132,4 +1132,51 @@ DLT_TEST(TestNearTheRamLimitOnlyRowsAboveTheKeepersCutMoveIn) {
   EXPECT(u.tier_stats().promotions == promoted + 1000);
 }
 
+DLT_TEST(TestAFullDiskFailsAnUpdateOnDiskAndLeavesTheRow) {
+  // A push that updates a cold row where it lies and meets a full disk
+  // fails with RESOURCE_EXHAUSTED, counts the write error and leaves that
+  // row as it was; once the disk takes writes, the same push applies once.
+  TempDir dir;
+  const TableConfig config = TierTable(OptimizerKind::kAdagrad);
+  Table t(config);
+  t.AttachTier(dir.path);
+  Table oracle(config);
+  constexpr uint64_t kLimit = kStripes * 256;
+  constexpr size_t kOld = kLimit * 2, kNew = kLimit * 4;
+  std::vector<int64_t> ids(kOld + kNew);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(Mix64(i + 23));
+  std::vector<float> grads(ids.size() * 4, 0.5f);
+  auto push = [&](const int64_t* batch, size_t n) {
+    EXPECT_OK(t.Push(batch, grads.data(), n, 0.1f));
+    EXPECT_OK(oracle.Push(batch, grads.data(), n, 0.1f));
+  };
+  // As in the test before: old rows on disk, no longer ghosts, below the
+  // cut; RAM at 15/16 of its limit.
+  push(ids.data(), kOld);
+  Status s;
+  t.Demote(t.ram_rows(), &s);
+  push(ids.data() + kOld, kNew);
+  t.Demote(t.ram_rows(), &s);
+  EXPECT_OK(s);
+  t.SetRamLimit(kLimit);
+  push(ids.data(), kLimit - kLimit / 16);
+  const int64_t cold = ids[kOld / 2];
+  std::vector<float> before(4), after(4);
+  EXPECT_OK(t.Pull(&cold, 1, PullMode::kZerosNoInsert, before.data()));
+  DiskFaults full;
+  full.failing_writes = 1;
+  InjectDiskFaults(full);
+  s = t.Push(&cold, grads.data(), 1, 0.1f);
+  InjectDiskFaults(DiskFaults{});
+  EXPECT(s.code() == Code::kResourceExhausted);
+  EXPECT(s.message().find("No space left on device") != std::string::npos);
+  const TierStats stats = t.tier_stats();
+  EXPECT(stats.disk_write_errors == 1 && stats.disk_updates == 0 && stats.error == s.message());
+  EXPECT_OK(t.Pull(&cold, 1, PullMode::kZerosNoInsert, after.data()));
+  EXPECT(after == before);
+  push(&cold, 1);
+  EXPECT(t.tier_stats().disk_updates == 1);
+  EXPECT(Rows(&t) == Rows(&oracle));
+}
+
 }  // namespace dlt
