@@ -156,8 +156,22 @@ def test_a_standby_down_when_the_primary_dies_is_waited_for(tmp_path) -> None:  
         client.create_table("emb", DIM, optimizer="adagrad")
         wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
         _train(client, 5)
-        before = client.pull("emb", IDS)
         cluster.kill(2)
+        # A write after it died is acknowledged by the survivor alone: its
+        # round tells the survivor the in-sync set without the dead one, so
+        # the survivor knows that one only from its primary's Hellos (it is
+        # attached until --detach-standby-after). Killed sooner, the primary
+        # may die before any Hello named it: then the survivor knows a set
+        # leaving it out and rightly takes over at once.
+        _train(client, 6, steps=1)
+        down = cluster.process_addresses[2]
+        wait_until(
+            lambda: (
+                down not in _stats_of(cluster, 1).insync and down in _stats_of(cluster, 1).peers
+            ),
+            "the survivor to hear of the down standby only from its primary's Hello",
+        )
+        before = client.pull("emb", IDS)
         cluster.kill(0)
         wait_until(lambda: "does not answer" in cluster.log(1), "the survivor to wait")
         time.sleep(2.0)  # several more probes: still waiting
