@@ -3,6 +3,7 @@ waits, every process stopped in teardown)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,16 @@ import tf_dlt
 from tf_dlt import _native
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.server.local import LocalCluster
+
+# Shard processes the tests start import the tf_dlt this process imports:
+# run from a checkout (`python -m pytest`), the checkout's, not an older
+# install in site-packages (plain `pytest`, as CI runs it, imports the
+# install, and so do they).
+_SOURCE = Path(tf_dlt.__file__).resolve().parent.parent
+if (_SOURCE / "setup.py").exists():
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(_SOURCE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
