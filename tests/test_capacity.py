@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tf_dlt import _native
 from tf_dlt.tools import capacity
 
 
@@ -115,6 +116,14 @@ def test_tiered_plan_adds_shards_until_each_ssd_serves_its_cold_reads() -> None:
     rows_per_second = 100 * 4096 * 10 / fast.shards
     assert t.disk_reads_per_second == pytest.approx(rows_per_second * (1 - t.hit_rate))
     assert 0 < t.hit_rate < 1
+    # A cold row's RAM, as the memory keeper counts it: its slot's 16-bit
+    # fingerprint and ghost bit and its share of its page's 2-byte count of
+    # used slots, at the mean fill; its disk: its page's share (4 KiB pages).
+    page_bytes, slots, _ = _native.tier_page(capacity.raw_record_bytes(16, "adagrad"))
+    assert page_bytes % 4096 == 0 and slots >= 32
+    fill = capacity.TIER_MEAN_FILL
+    assert t.cold_ram_bytes_per_row == pytest.approx((2 + 1 / 8 + 2 / slots) / fill, rel=0.01)
+    assert t.disk_bytes_per_row == pytest.approx(page_bytes / slots / fill)
     slow = capacity.plan(*args, **budget, ssd_reads_per_second=20_000)
     assert slow.tiers is not None and slow.shards == slow.disk_read_shards > fast.shards
     assert slow.tiers.disk_reads_per_second <= 20_000

@@ -158,9 +158,20 @@ TierFile::TierFile(std::string path, size_t record_bytes, uint32_t first_bucket,
       first_bucket_(first_bucket),
       num_buckets_(std::max<uint32_t>(num_buckets, 1)),
       group_bytes_(group_bytes),
-      slot_bytes_(kSlotExtraBytes + record_bytes),
-      page_bytes_(std::max(kDiskPage, RoundUpTo(kMinSlotsPerPage * slot_bytes_, kDiskPage))) {
-  slots_per_page_ = static_cast<uint32_t>(page_bytes_ / slot_bytes_);
+      slot_bytes_(kSlotExtraBytes + record_bytes) {
+  const Page page = PageFor(record_bytes);
+  page_bytes_ = page.bytes;
+  slots_per_page_ = page.slots;
+  page_ram_bytes_ = page.ram_bytes;
+}
+
+TierFile::Page TierFile::PageFor(size_t record_bytes) {
+  Page page;
+  const size_t slot_bytes = kSlotExtraBytes + record_bytes;
+  page.bytes = std::max(kDiskPage, RoundUpTo(kMinSlotsPerPage * slot_bytes, kDiskPage));
+  page.slots = static_cast<uint32_t>(page.bytes / slot_bytes);
+  page.ram_bytes = page.slots * kRamBytesPerSlot + (page.slots + 7) / 8 + sizeof(uint16_t);
+  return page;
 }
 
 TierFile::~TierFile() {
@@ -582,11 +593,6 @@ void TierFile::Remove(uint32_t slot) {
   if (fingerprints_[slot] == 0) return;
   SetPrint(slot, 0);
   --rows_;
-}
-
-size_t TierFile::PageRamBytes() const {
-  // Fingerprints, ghost bits and the count of used slots.
-  return slots_per_page_ * kRamBytesPerSlot + (slots_per_page_ + 7) / 8 + sizeof(uint16_t);
 }
 
 size_t TierFile::RamBytesFor(uint64_t rows, bool ahead) const {

@@ -47,6 +47,14 @@ class TierFile {
   // are read.
   static constexpr size_t kRamBytesPerSlot = sizeof(uint16_t);
   static constexpr size_t kSlotExtraBytes = sizeof(int64_t) + 2 * sizeof(uint16_t);
+  // A page of records of `record_bytes`: its bytes on disk, its slots, and
+  // the RAM it costs (its slots' fingerprints and ghost bits, its count).
+  struct Page {
+    size_t bytes;
+    uint32_t slots;
+    size_t ram_bytes;
+  };
+  static Page PageFor(size_t record_bytes);
 
   // A tier at `path` (created, or truncated if it exists) for records of
   // `record_bytes` of ids in routing buckets [first_bucket, first_bucket +
@@ -179,7 +187,7 @@ class TierFile {
   // which Put doubles the file.
   bool NearDoubling(uint64_t rows, uint64_t pages) const;
   // RAM a page costs: its slots' fingerprints and ghost bits, and its count.
-  size_t PageRamBytes() const;
+  size_t PageRamBytes() const { return page_ram_bytes_; }
   // Sets slot `slot`'s fingerprint (0: frees it), counting its page's slots.
   void SetPrint(uint32_t slot, uint16_t print) {
     uint16_t& f = fingerprints_[slot];
@@ -224,6 +232,7 @@ class TierFile {
   const size_t slot_bytes_;
   uint32_t slots_per_page_;
   size_t page_bytes_;
+  size_t page_ram_bytes_;
   int fd_ = -1;
   uint32_t num_pages_ = 0;  // a power of two once open
   uint64_t rows_ = 0;

@@ -44,8 +44,10 @@ PYBIND11_MODULE(_native, m) {
   m.attr("PERSIST_RESERVE_BYTES") = dlt::Shard::kPersistReserve;
   m.attr("MIN_ROW_ROOM_BYTES") = dlt::Shard::kMinRowRoom;
   m.attr("GENERATION_BYTES") = Table::kGenerationBytes;
-  m.attr("TIER_RAM_BYTES_PER_SLOT") = TierFile::kRamBytesPerSlot;
-  m.attr("TIER_SLOT_EXTRA_BYTES") = TierFile::kSlotExtraBytes;
+  m.def("tier_page", [](size_t record_bytes) {
+    const TierFile::Page page = TierFile::PageFor(record_bytes);
+    return py::make_tuple(page.bytes, page.slots, page.ram_bytes);
+  });
   m.def("record_bytes", [](const py::dict& d) {
     const TableConfig c = ConfigFromDict(d);
     Check(ValidateTableConfig(c));

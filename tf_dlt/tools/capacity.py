@@ -41,15 +41,21 @@ DATA = Path(__file__).parent / "data" / "capacity.json"
 SLOTS = _native.OPTIMIZER_SLOTS
 DTYPE_BYTES = _native.DTYPE_BYTES
 GENERATION_BYTES = _native.GENERATION_BYTES
-# The disk tier (docs/tiered_storage.md): a cold row keeps a 16-bit
-# fingerprint per slot in RAM, and takes its record plus an 8-byte id, a
-# 16-bit generation and 2 bytes of padding on disk; tier files double when
-# 3/4 full, so slots are 3/8 to 3/4 used: the plan takes the mean, 9/16.
-TIER_RAM_BYTES_PER_SLOT = _native.TIER_RAM_BYTES_PER_SLOT
-TIER_SLOT_EXTRA_BYTES = _native.TIER_SLOT_EXTRA_BYTES
+# The disk tier (docs/tiered_storage.md): tier files double when 3/4 full,
+# so slots are 3/8 to 3/4 used: the plan takes the mean, 9/16.
 TIER_MEAN_FILL = 9 / 16
 # The keeper holds RAM rows under this fraction of --memory-budget.
 BUDGET_FRACTION = 0.9
+
+
+def tier_slot_bytes(record: int) -> tuple[float, float]:
+    """RAM and disk bytes per disk tier slot for records of `record` bytes:
+    its page's fingerprints (16 bits a slot), ghost bits (1 a slot) and
+    count of used slots, and its page's bytes (each slot its record, the
+    8-byte id, a 16-bit generation and 2 bytes of padding; the page rounded
+    to 4 KiB), over the page's slots (`native/core/disk_tier.h`)."""
+    page_bytes, slots, page_ram = _native.tier_page(record)
+    return page_ram / slots, page_bytes / slots
 
 
 @cache
@@ -167,8 +173,9 @@ def tier_plan(
     rows under a `budget` of bytes, the RAM hit rate under Zipf(skew) (ids
     hash evenly over shards, so each shard sees the same skew), and the
     device reads a second of a shard pulling `rows_per_second` rows."""
-    cold_ram = TIER_RAM_BYTES_PER_SLOT / TIER_MEAN_FILL
-    disk_row = (TIER_SLOT_EXTRA_BYTES + record) / TIER_MEAN_FILL
+    ram_slot, disk_slot = tier_slot_bytes(record)
+    cold_ram = ram_slot / TIER_MEAN_FILL
+    disk_row = disk_slot / TIER_MEAN_FILL
     room = budget * BUDGET_FRACTION - rows_per_shard * cold_ram
     ram_rows = min(rows_per_shard, max(0.0, room / (per_row - cold_ram)))
     disk_rows = rows_per_shard - ram_rows
@@ -268,9 +275,9 @@ def plan(
     if ssd_bytes:
         # The fewest shards whose budgets keep a tenth for hot rows after
         # the cold entries, and whose SSDs hold the rest.
-        cold_ram = TIER_RAM_BYTES_PER_SLOT / TIER_MEAN_FILL
-        by_index = resident * cold_ram / (memory_budget * BUDGET_FRACTION * 0.9)
-        by_disk = resident * (TIER_SLOT_EXTRA_BYTES + record) / TIER_MEAN_FILL / ssd_bytes
+        ram_slot, disk_slot = tier_slot_bytes(record)
+        by_index = resident * ram_slot / TIER_MEAN_FILL / (memory_budget * BUDGET_FRACTION * 0.9)
+        by_disk = resident * disk_slot / TIER_MEAN_FILL / ssd_bytes
         memory_shards = max(1, math.ceil(max(by_index, by_disk)))
     ids = math.ceil(trainers * batch * unique_fraction)
     # Rows/s per shard core were measured at dim per_core["dim"]: scaled by
