@@ -308,8 +308,6 @@ def test_model_fit_on_a_tiered_shard_trains_every_row_as_on_an_all_ram_one(
     from conftest import assert_same_training, fit_outcome, two_table_model
 
     # ~550 B a RAM row at dim 64: the ~30 MB the budget leaves hold ~55k.
-    # Rows moved out within the last 64 x 1,024 (at least) are ghosts that
-    # move back in when touched: far more cold rows than that are on disk.
     users, items = 400_000, 2_000
     rng = np.random.default_rng(5)
     x = {"user": rng.integers(0, users, (2560, 1)), "items": rng.integers(0, items, (2560, 3))}
