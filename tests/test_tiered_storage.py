@@ -44,8 +44,9 @@ def _budget() -> str:
     return str(265 << 20)
 
 
-def _tiers(client: tf_dlt.Client) -> list[dict[str, int]]:
-    return [t["tier"] for s in client.stats() for t in s["tables"] if t["config"]["name"] == "t"]
+def _tiers(client: tf_dlt.Client, table: str = "t") -> list[dict[str, int]]:
+    """Table `table`'s tier stats, one per shard."""
+    return [t["tier"] for s in client.stats() for t in s["tables"] if t["config"]["name"] == table]
 
 
 def _wait_for_demotions(client: tf_dlt.Client) -> None:
@@ -57,8 +58,8 @@ def _wait_for_demotions(client: tf_dlt.Client) -> None:
     raise AssertionError(f"no rows moved to disk: {_tiers(client)}")
 
 
-def _grads(k: int, n: int) -> np.ndarray:
-    return np.random.default_rng(k).normal(size=(n, DIM)).astype(np.float32)
+def _grads(k: int, n: int, dim: int = DIM) -> np.ndarray:
+    return np.random.default_rng(k).normal(size=(n, dim)).astype(np.float32)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])
@@ -328,19 +329,15 @@ def test_model_fit_on_a_tiered_shard_trains_every_row_as_on_an_all_ram_one(
                 # then random ones fill RAM to its limit.
                 for at in range(0, vocab, BATCH):
                     ids = np.arange(at, min(at + BATCH, vocab), dtype=np.int64)
-                    c.push(name, ids, _grads(at, len(ids))[:, :1].repeat(64, axis=1), 0.1)
+                    c.push(name, ids, _grads(at, len(ids), 64), 0.1)
                 fill = np.random.default_rng(6)
                 for k in range(4):
                     ids = fill.integers(0, vocab, BATCH)
-                    c.push(name, ids, _grads(k, BATCH)[:, :1].repeat(64, axis=1), 0.1)
-            before = [
-                t["tier"] for s in c.stats() for t in s["tables"] if t["config"]["name"] == "u"
-            ]
+                    c.push(name, ids, _grads(k, BATCH, 64), 0.1)
+            before = _tiers(c, "u")
             history = remote.fit(data, epochs=2, verbose=0)
             if tiered:
-                after = [
-                    t["tier"] for s in c.stats() for t in s["tables"] if t["config"]["name"] == "u"
-                ]
+                after = _tiers(c, "u")
                 assert [t["ram_rows"] + t["disk_rows"] for t in after] == [users], after
                 assert after[0]["disk_rows"] > users // 2, after
                 # The fit's own cold rows were updated on disk and moved in.
