@@ -4,6 +4,7 @@ test: its figures are not checked; timing belongs to the benchmarks)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -43,3 +44,27 @@ def test_every_case_runs_quick() -> None:
     assert out.returncode == 0, out.stderr[-6000:]
     ran = re.findall(r"^(bench_\w+): ok in", out.stderr, re.M)
     assert sorted(ran) == sorted(_case_names()), out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_cache_replay_pulls_what_a_trained_run_pulls() -> None:
+    """bench_cache --replay (the stream through the cache's C++ core, no
+    model) stands for model.fit on shards when policies are compared: the
+    same bytes, against no cache, as a trained run on 2 shard processes."""
+
+    def bench(*args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, str(BENCH / "bench_cache.py"), "--train", "20000", "--epochs", "2",
+             *args], capture_output=True, text=True, cwd=ROOT, timeout=600,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    def trained(case: str) -> float:
+        line = bench("--validation", "1024", "--case", case)
+        return float(json.loads(line.removeprefix("RESULT "))["pull_bytes_per_step"])
+
+    cached, uncached = trained("2000,4"), trained("0,0")
+    replayed = json.loads(bench("--replay", "--rows", "2000", "--steps", "4"))
+    assert replayed["fills"] > 1000 and replayed["hits"] > 10000  # the cache did work
+    assert abs(replayed["value"] - cached / uncached) < 0.001, (replayed, cached / uncached)

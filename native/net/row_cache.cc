@@ -106,12 +106,13 @@ RowCache::RowCache(uint32_t dim, const OptimizerConfig& optimizer, RowCacheOptio
       // Bytes of a state pull's row against a plain pull's (id included).
       fill_cost_((sizeof(int64_t) + sizeof(float) * StateFloats(dim, slot_floats_)) /
                  static_cast<double>(sizeof(int64_t) + sizeof(float) * dim)),
-      // Enough counters to tell the cached rows' frequencies apart, and at
-      // least 2^20 so that a batch's one-off tail ids rarely look frequent
-      // (a count-min sketch only overestimates) and counts span hundreds of
-      // lookups before they halve.
+      // Counters for the ids competing for the rows, not only the rows: a
+      // count-min sketch only overestimates, and a tail id that looks
+      // frequent is cached in the place of a hot one. 10 per row (2^20 at
+      // least, so that counts span hundreds of lookups before they halve;
+      // 2^22 at most: 16 MiB).
       sketch_width_(static_cast<uint32_t>(
-          std::clamp<size_t>(options.max_rows * 4, size_t{1} << 20, size_t{1} << 22))),
+          std::clamp<size_t>(options.max_rows * 10, size_t{1} << 20, size_t{1} << 22))),
 
       sketch_(size_t{kSketchRows} * sketch_width_, 0) {}
 
@@ -122,24 +123,27 @@ size_t RowCache::row_bytes() const {
          sizeof(int64_t) + sizeof(int64_t) + 4 * 16;
 }
 
-uint32_t RowCache::Estimate(int64_t id) const {
+size_t RowCache::Cell(int64_t id, uint32_t row) const {
+  // Double hashing of one 64-bit hash (a 32-bit hash per row), mapped onto
+  // the row's width by a multiply: every column is reachable in every row.
+  // (Shifting the hash by 16 bits a row left the last row 2^16 columns.)
   const uint64_t h = Mix64(static_cast<uint64_t>(id));
+  const uint32_t g = static_cast<uint32_t>(h) + row * static_cast<uint32_t>(h >> 32);
+  return size_t{row} * sketch_width_ + static_cast<size_t>((uint64_t{g} * sketch_width_) >> 32);
+}
+
+uint32_t RowCache::Estimate(int64_t id) const {
   uint32_t best = 255;
-  for (uint32_t r = 0; r < kSketchRows; ++r) {
-    const uint32_t col = static_cast<uint32_t>((h >> (16 * r)) % sketch_width_);
-    best = std::min<uint32_t>(best, sketch_[size_t{r} * sketch_width_ + col]);
-  }
+  for (uint32_t r = 0; r < kSketchRows; ++r) best = std::min<uint32_t>(best, sketch_[Cell(id, r)]);
   return best;
 }
 
 uint32_t RowCache::Count(int64_t id) {
   // Conservative update: only the counters at the minimum grow.
-  const uint64_t h = Mix64(static_cast<uint64_t>(id));
   uint8_t* cells[kSketchRows];
   uint32_t current = 255;
   for (uint32_t r = 0; r < kSketchRows; ++r) {
-    cells[r] = &sketch_[size_t{r} * sketch_width_ +
-                        static_cast<uint32_t>((h >> (16 * r)) % sketch_width_)];
+    cells[r] = &sketch_[Cell(id, r)];
     current = std::min<uint32_t>(current, *cells[r]);
   }
   if (current < 255) {
@@ -147,8 +151,10 @@ uint32_t RowCache::Count(int64_t id) {
       if (*c == current) ++*c;
     }
   }
+  ++reached_[std::min<uint32_t>(current + 1, 255)];
   if (++counted_ >= uint64_t{sketch_width_} * 8) {  // age: recent frequency wins
     for (uint8_t& c : sketch_) c >>= 1;
+    for (uint64_t& r : reached_) r /= 2;
     counted_ = 0;
     // The halved counts stand for half the lookups they counted.
     window_lookups_ = (window_lookups_ + lookups_since_halving_) / 2;
@@ -185,6 +191,19 @@ int64_t RowCache::SlotFor(uint32_t count) {
   index_.Erase(ids_[victim]);
   ++counts_.evictions;
   return victim;
+}
+
+void RowCache::UpdateRepays() {
+  // Filling a new id at its c-th lookup rather than at its next one costs
+  // the extra bytes of a state pull now and saves a state pull at that next
+  // lookup, if there is one: it pays when the share of the ids looked up c
+  // times that were looked up again, reached_[c + 1] / reached_[c], exceeds
+  // 1 - 1 / fill_cost_. Counts not reached yet: no evidence against.
+  for (uint32_t c = 1; c < 255; ++c) {
+    repays_[c] = reached_[c] == 0 || static_cast<double>(reached_[c + 1]) >
+                                         (1 - 1 / fill_cost_) * static_cast<double>(reached_[c]);
+  }
+  repays_[255] = true;
 }
 
 bool RowCache::WorthCaching(uint32_t count) const {
@@ -227,6 +246,7 @@ void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows,
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t now_step = ++clock_;
   ++lookups_since_halving_;
+  UpdateRepays();
   size_t admitted = 0;  // new rows this lookup plans to fill
   int64_t bar = -1;     // the rarest sampled row's count, once needed
   for (size_t i = 0; i < n; ++i) {
@@ -255,10 +275,10 @@ void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows,
       plan->plain.push_back(static_cast<uint32_t>(i));
       continue;
     }
-    // Pulled with its state only if it is worth it and will get a slot: a
-    // free one, or one of a rarer row (judged against a sample taken once
-    // per lookup).
-    bool admit = WorthCaching(count);
+    // Pulled with its state only if ids of its count tend to be looked up
+    // again, it is worth it, and it will get a slot: a free one, or one of
+    // a rarer row (judged against a sample taken once per lookup).
+    bool admit = repays_[count] && WorthCaching(count);
     if (admit && ids_.size() + admitted >= options_.max_rows) {
       if (bar < 0) bar = RarestSampled();
       admit = static_cast<int64_t>(count) > bar;

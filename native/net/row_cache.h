@@ -8,7 +8,9 @@
 // once it was looked up min_count times (a count-min sketch, halved as it
 // fills) and, with a staleness bound in lookups, once it is looked up often
 // enough to repay its fills and refreshes (each pulls the state: 1.9x the
-// bytes of a plain pull for Adagrad at dim 8, ids counted); when full, a
+// bytes of a plain pull for Adagrad at dim 8, ids counted), and only at a
+// count that enough ids pass to repay filling then rather than at the next
+// lookup (UpdateRepays); when full, a
 // newcomer replaces the least frequent of a few sampled rows if it is more
 // frequent. A cached row that became too rare is dropped instead of
 // refreshed. No TF headers: the C++ suite tests it.
@@ -107,6 +109,8 @@ class RowCache {
  private:
   uint32_t Count(int64_t id);  // counts one lookup of `id`; the estimate
   uint32_t Estimate(int64_t id) const;
+  // Where `id` counts in the sketch's `row` (an index into sketch_).
+  size_t Cell(int64_t id, uint32_t row) const;
   // A slot for a new row: a free one, or the least frequent of a sample if
   // it is rarer than `count` (evicted); -1: none.
   int64_t SlotFor(uint32_t count);
@@ -117,6 +121,8 @@ class RowCache {
   // a fill: min_count, and with a staleness bound in lookups, more lookups
   // expected within it than a fill costs in plain pulls.
   bool WorthCaching(uint32_t count) const;
+  // Sets repays_ from reached_ (once per lookup).
+  void UpdateRepays();
   // Removes the row in `slot` (the last row moves into it).
   void EraseSlot(uint32_t slot);
 
@@ -141,6 +147,10 @@ class RowCache {
   // for when it was (the counts cover about the sum).
   uint64_t lookups_since_halving_ = 0;
   uint64_t window_lookups_ = 0;
+  // How many times an id's count reached c (halved with the sketch), and
+  // whether filling a new id at count c pays (UpdateRepays).
+  uint64_t reached_[256] = {};
+  bool repays_[256] = {};
   uint64_t sample_ = 0x9e3779b97f4a7c15ull;
   Counts counts_;
 };

@@ -38,7 +38,7 @@ def hot_row_cache(
             nothing: the rows are in the process already.
         rows: rows cached per table at most, the memory bound: each takes
             its values and optimizer slots in float32 plus at most 92 bytes,
-            and a frequency sketch of 16 bytes per row (4 to 16 MiB) per
+            and a frequency sketch of 40 bytes per row (4 to 16 MiB) per
             table (`dlt_cache_capacity_bytes` in `tf_dlt.ClientMetrics`). 0
             removes the caches.
         max_staleness_steps: a cached row is pulled again once the table was
@@ -50,9 +50,11 @@ def hot_row_cache(
             (1 to 255; counted in a small frequency sketch) and, with
             `max_staleness_steps`, often enough that its expected lookups
             within the bound repay its fill and refreshes (each pulls the
-            optimizer state too); when the cache is full, a newcomer
-            replaces the rarest of a few sampled rows if it is more
-            frequent.
+            optimizer state too); a new id is filled at a count only while
+            enough of the ids that reached it were looked up again to repay
+            the fill's extra bytes (docs/keras.md); when the cache is full,
+            a newcomer replaces the rarest of a few sampled rows if it is
+            more frequent.
         layers: the distributed `Embedding` layers (objects or names) whose
             tables to cache; None: every one.
 

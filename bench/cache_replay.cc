@@ -1,0 +1,95 @@
+// Replays a stream of lookups through the hot-row cache (dlt::RowCache)
+// with no TensorFlow and no shards, for bench/bench_cache.py --replay: the
+// bytes the cache pulls, counted as dlt_pull_bytes counts them, against
+// pulling every row plainly. Its pulls are served as the shards serve them:
+// a state pull of an id no lookup has pulled before finds no row (the
+// shards create a row on a plain pull), and that id is pulled again
+// plainly. The trainer's pushes change no bytes pulled and are left out.
+//
+//   cache_replay STREAM ROWS STALENESS_STEPS MIN_COUNT
+//
+// STREAM: int32 lookups, then per lookup int32 n and n distinct int64 ids
+// (little-endian). The table is dim 8 with Adagrad, the CTR model's. Prints
+// one JSON line.
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <unordered_set>
+#include <vector>
+
+#include "native/core/table.h"
+#include "native/net/row_cache.h"
+
+namespace {
+
+bool Read(FILE* f, void* out, size_t bytes) { return std::fread(out, 1, bytes, f) == bytes; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: %s STREAM ROWS STALENESS_STEPS MIN_COUNT\n", argv[0]);
+    return 2;
+  }
+  FILE* f = std::fopen(argv[1], "rb");
+  if (f == nullptr) {
+    std::perror(argv[1]);
+    return 1;
+  }
+  dlt::RowCacheOptions options;
+  options.max_rows = std::strtoull(argv[2], nullptr, 10);
+  options.max_staleness_steps = static_cast<uint32_t>(std::strtoul(argv[3], nullptr, 10));
+  options.min_count = static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10));
+  const std::string error = dlt::RowCacheOptionsError(options);
+  if (!error.empty()) {
+    std::fprintf(stderr, "%s\n", error.c_str());
+    return 2;
+  }
+  constexpr uint32_t kDim = 8;
+  dlt::OptimizerConfig optimizer;
+  optimizer.kind = dlt::OptimizerKind::kKerasAdagrad;
+  dlt::RowCache cache(kDim, optimizer, options);
+  const uint32_t width = dlt::StateFloats(kDim, cache.slot_floats());
+  const double plain_bytes = sizeof(int64_t) + sizeof(float) * kDim;
+  const double state_bytes = sizeof(int64_t) + sizeof(float) * width;
+
+  int32_t lookups = 0;
+  if (!Read(f, &lookups, sizeof(lookups))) return 1;
+  std::unordered_set<int64_t> created;  // ids the shards hold a row for
+  std::vector<int64_t> ids, fill_ids;
+  std::vector<float> rows, states, filled;
+  std::vector<uint32_t> absent;
+  dlt::RowCache::Plan plan;
+  double pulled = 0, uncached = 0;
+  uint64_t refilled = 0;
+  for (int32_t l = 0; l < lookups; ++l) {
+    int32_t n = 0;
+    if (!Read(f, &n, sizeof(n))) return 1;
+    ids.resize(n);
+    if (!Read(f, ids.data(), sizeof(int64_t) * n)) return 1;
+    rows.resize(size_t(n) * kDim);
+    cache.Lookup(ids.data(), ids.size(), 0, rows.data(), &plan);
+    uncached += n * plain_bytes;
+    pulled += plan.plain.size() * plain_bytes + plan.fill.size() * state_bytes;
+    fill_ids.clear();
+    for (uint32_t p : plan.fill) fill_ids.push_back(ids[p]);
+    states.assign(fill_ids.size() * width, 0.0f);
+    for (size_t k = 0; k < fill_ids.size(); ++k) {
+      if (created.count(fill_ids[k]) != 0) continue;
+      std::memcpy(&states[k * width + width - 1], &dlt::kNoState, sizeof(dlt::kNoState));
+      pulled += plain_bytes;  // pulled again plainly
+      ++refilled;
+    }
+    filled.resize(fill_ids.size() * kDim);
+    cache.Fill(fill_ids.data(), fill_ids.size(), states.data(), 0, filled.data(), &absent);
+    created.insert(ids.begin(), ids.end());
+  }
+  std::fclose(f);
+  const dlt::RowCache::Counts c = cache.counts();
+  std::printf("{\"bytes_vs_no_cache\": %.4f, \"hits\": %" PRIu64 ", \"fills\": %" PRIu64
+              ", \"refreshes\": %" PRIu64 ", \"evictions\": %" PRIu64 ", \"rows\": %" PRIu64
+              ", \"pulled_again\": %" PRIu64 "}\n",
+              pulled / uncached, c.hits, c.fills, c.refreshes, c.evictions, c.rows, refilled);
+  return 0;
+}
