@@ -138,6 +138,7 @@ def soak(
         "stalls": stalls,
         "median_step": statistics.median(s for _, s in times),
         "differ": differ,
+        "replicas": replicas,
     }
 
 
@@ -168,7 +169,7 @@ def main() -> None:
             "ids": args.ids,
             "steps": r["steps"],
             "events": args.events,
-            "replicas": 1 if args.events == "reshard" else args.replicas,
+            "replicas": r["replicas"],
             "event_count": r["events"],
             # Must be 0: no error reaches the trainer, no row is lost or
             # applied twice.

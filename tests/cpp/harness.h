@@ -37,10 +37,9 @@ inline constexpr bool kUnderAddressSanitizer = false;
 }  // namespace testing
 }  // namespace dlt
 
-#define DLT_TEST(name)                                                                  \
-  static void name();                                                                   \
-  [[maybe_unused]] static const bool name##_registered = ::dlt::testing::Register(#name, \
-                                                                                  name); \
+#define DLT_TEST(name)                                                                          \
+  static void name();                                                                           \
+  [[maybe_unused]] static const bool name##_registered = ::dlt::testing::Register(#name, name); \
   static void name()
 
 #define EXPECT(cond)                                                    \
