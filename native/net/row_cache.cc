@@ -123,27 +123,33 @@ size_t RowCache::row_bytes() const {
          sizeof(int64_t) + sizeof(int64_t) + 4 * 16;
 }
 
-size_t RowCache::Cell(int64_t id, uint32_t row) const {
+size_t RowCache::Cell(uint64_t hash, uint32_t row) const {
   // Double hashing of one 64-bit hash (a 32-bit hash per row), mapped onto
   // the row's width by a multiply: every column is reachable in every row.
   // (Shifting the hash by 16 bits a row left the last row 2^16 columns.)
-  const uint64_t h = Mix64(static_cast<uint64_t>(id));
-  const uint32_t g = static_cast<uint32_t>(h) + row * static_cast<uint32_t>(h >> 32);
+  const uint32_t g = static_cast<uint32_t>(hash) + row * static_cast<uint32_t>(hash >> 32);
   return size_t{row} * sketch_width_ + static_cast<size_t>((uint64_t{g} * sketch_width_) >> 32);
 }
 
 uint32_t RowCache::Estimate(int64_t id) const {
+  const uint64_t h = Mix64(static_cast<uint64_t>(id));
   uint32_t best = 255;
-  for (uint32_t r = 0; r < kSketchRows; ++r) best = std::min<uint32_t>(best, sketch_[Cell(id, r)]);
+  for (uint32_t r = 0; r < kSketchRows; ++r) best = std::min<uint32_t>(best, sketch_[Cell(h, r)]);
   return best;
+}
+
+uint32_t RowCache::SketchCount(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Estimate(id);
 }
 
 uint32_t RowCache::Count(int64_t id) {
   // Conservative update: only the counters at the minimum grow.
+  const uint64_t h = Mix64(static_cast<uint64_t>(id));
   uint8_t* cells[kSketchRows];
   uint32_t current = 255;
   for (uint32_t r = 0; r < kSketchRows; ++r) {
-    cells[r] = &sketch_[Cell(id, r)];
+    cells[r] = &sketch_[Cell(h, r)];
     current = std::min<uint32_t>(current, *cells[r]);
   }
   if (current < 255) {
@@ -151,16 +157,19 @@ uint32_t RowCache::Count(int64_t id) {
       if (*c == current) ++*c;
     }
   }
-  ++reached_[std::min<uint32_t>(current + 1, 255)];
-  if (++counted_ >= uint64_t{sketch_width_} * 8) {  // age: recent frequency wins
-    for (uint8_t& c : sketch_) c >>= 1;
-    for (uint64_t& r : reached_) r /= 2;
-    counted_ = 0;
-    // The halved counts stand for half the lookups they counted.
-    window_lookups_ = (window_lookups_ + lookups_since_halving_) / 2;
-    lookups_since_halving_ = 0;
-  }
-  return std::min<uint32_t>(current + 1, 255);
+  const uint32_t count = std::min<uint32_t>(current + 1, 255);
+  ++reached_[count];
+  if (++counted_ >= uint64_t{sketch_width_} * 8) Halve();  // age: recent frequency wins
+  return count;
+}
+
+void RowCache::Halve() {
+  for (uint8_t& c : sketch_) c >>= 1;
+  for (uint64_t& r : reached_) r /= 2;
+  counted_ = 0;
+  // The halved counts stand for half the lookups they counted.
+  window_lookups_ = (window_lookups_ + lookups_since_halving_) / 2;
+  lookups_since_halving_ = 0;
 }
 
 uint32_t RowCache::RarestSampled(uint32_t* rarest_slot) {
@@ -246,6 +255,16 @@ void RowCache::Lookup(const int64_t* ids, size_t n, int64_t now_ms, float* rows,
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t now_step = ++clock_;
   ++lookups_since_halving_;
+  // Counts stop at 255, so an id looked up at every lookup must still look
+  // frequent enough over the lookups the counts cover (WorthCaching: 255 x
+  // max_staleness_steps > fill_cost_ x covered): the counts halve before
+  // they cover 128 x max_staleness_steps / fill_cost_ lookups, however few
+  // ids the lookups count.
+  if (options_.max_staleness_steps != 0 &&
+      fill_cost_ * static_cast<double>(window_lookups_ + lookups_since_halving_) >
+          128.0 * options_.max_staleness_steps) {
+    Halve();
+  }
   UpdateRepays();
   size_t admitted = 0;  // new rows this lookup plans to fill
   int64_t bar = -1;     // the rarest sampled row's count, once needed

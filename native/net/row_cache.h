@@ -70,6 +70,9 @@ class RowCache {
   // the memory that does not grow with the rows (the frequency sketch).
   size_t row_bytes() const;
   size_t fixed_bytes() const { return sketch_.size(); }
+  // The frequency sketch's count of `id` (at most 255; a count-min sketch
+  // overestimates, never under).
+  uint32_t SketchCount(int64_t id) const;
 
   // How a lookup splits its distinct ids.
   struct Plan {
@@ -109,8 +112,11 @@ class RowCache {
  private:
   uint32_t Count(int64_t id);  // counts one lookup of `id`; the estimate
   uint32_t Estimate(int64_t id) const;
-  // Where `id` counts in the sketch's `row` (an index into sketch_).
-  size_t Cell(int64_t id, uint32_t row) const;
+  // Where an id of Mix64 `hash` counts in the sketch's `row` (an index
+  // into sketch_).
+  size_t Cell(uint64_t hash, uint32_t row) const;
+  // Halves the counts (and reached_): recent lookups weigh more.
+  void Halve();
   // A slot for a new row: a free one, or the least frequent of a sample if
   // it is rarer than `count` (evicted); -1: none.
   int64_t SlotFor(uint32_t count);
@@ -147,8 +153,9 @@ class RowCache {
   // for when it was (the counts cover about the sum).
   uint64_t lookups_since_halving_ = 0;
   uint64_t window_lookups_ = 0;
-  // How many times an id's count reached c (halved with the sketch), and
-  // whether filling a new id at count c pays (UpdateRepays).
+  // How many times an id's count reached c (halved with the sketch; at
+  // 255, every count of an id already there), and whether filling a new id
+  // at count c pays (UpdateRepays).
   uint64_t reached_[256] = {};
   bool repays_[256] = {};
   uint64_t sample_ = 0x9e3779b97f4a7c15ull;
