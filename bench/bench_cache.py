@@ -94,8 +94,9 @@ def run(
 PLAIN_BYTES, STATE_BYTES = 8 + 4 * 8, 8 + 4 * 17  # a row's pull: plain, with its state
 
 
-def _lookups_per_id(ids: np.ndarray, batch: int, epochs: int) -> np.ndarray:
-    """How many lookups (steps) each distinct id is in over the run."""
+def lookups_per_id(ids: np.ndarray, batch: int, epochs: int) -> np.ndarray:
+    """How many lookups (steps) each distinct id is in over the run: what
+    the bounds below take."""
     _, dense = np.unique(ids, return_inverse=True)
     dense = dense.reshape(ids.shape)
     steps = np.zeros(int(dense.max()) + 1, np.int64)  # steps each id is in, per epoch
@@ -104,25 +105,23 @@ def _lookups_per_id(ids: np.ndarray, batch: int, epochs: int) -> np.ndarray:
     return steps * epochs  # the same batches every epoch
 
 
-def foresight_bound(ids: np.ndarray, batch: int, epochs: int) -> float:
+def foresight_bound(steps: np.ndarray) -> float:
     """Bytes pulled per step against no cache by the best cache there can
     be on this stream: unbounded, never refreshed, and knowing each id's
-    future. Counted as `dlt_pull_bytes` counts them: an id looked up in L
-    steps costs L plain pulls of 40 bytes uncached (its id and 8 floats), or
-    one state pull of 76 (its id and its Adagrad dim-8 row with its state,
-    17 floats: a cache needs the state to apply the trainer's pushes) and
-    nothing after; the bound takes the cheaper per id. Any cache of this
-    design pulls at least that."""
-    steps = _lookups_per_id(ids, batch, epochs)
+    future, from `lookups_per_id`. Counted as `dlt_pull_bytes` counts them:
+    an id looked up in L steps costs L plain pulls of 40 bytes uncached (its
+    id and 8 floats), or one state pull of 76 (its id and its Adagrad dim-8
+    row with its state, 17 floats: a cache needs the state to apply the
+    trainer's pushes) and nothing after; the bound takes the cheaper per id.
+    Any cache of this design pulls at least that."""
     return float(np.minimum(PLAIN_BYTES * steps, STATE_BYTES).sum() / (PLAIN_BYTES * steps).sum())
 
 
-def count_rule_bound(ids: np.ndarray, batch: int, epochs: int) -> tuple[int, float]:
+def count_rule_bound(steps: np.ndarray) -> tuple[int, float]:
     """The best a cache that decides from counts alone does on this stream,
     as (m, bytes against no cache): unbounded, never refreshed, counting
     exactly, and filling every id at its m-th lookup (m >= 2: the shards
     hold no row for an id before its first pull), for the best m."""
-    steps = _lookups_per_id(ids, batch, epochs)
     uncached = (PLAIN_BYTES * steps).sum()
     costs = {
         m: float(np.where(steps < m, PLAIN_BYTES * steps,
@@ -147,8 +146,9 @@ def replay(args: argparse.Namespace) -> None:
     binary = build("cache_replay", "optimized", [Path(__file__).parent / "cache_replay.cc"])
     ids = make_data(args.train, seed=0, zipf=args.zipf)[0]["categorical_ids"]
     batches = [_distinct(ids[s : s + args.batch]) for s in range(0, len(ids), args.batch)]
-    bound = foresight_bound(ids, args.batch, args.epochs)
-    count_m, count_bound = count_rule_bound(ids, args.batch, args.epochs)
+    steps_per_id = lookups_per_id(ids, args.batch, args.epochs)
+    bound = foresight_bound(steps_per_id)
+    count_m, count_bound = count_rule_bound(steps_per_id)
     common = {"bench": "cache replay", "examples": args.train, "epochs": args.epochs,
               "batch": args.batch, "zipf": args.zipf, "dim": 8,
               "min_count": args.min_count}  # fmt: skip
@@ -244,12 +244,13 @@ def main() -> None:
         "pull_bytes_per_step": round(base_bytes), "auc": round(base_auc, 4),
     })  # fmt: skip
     ids = make_data(args.train, seed=0, zipf=args.zipf)[0]["categorical_ids"]
+    steps_per_id = lookups_per_id(ids, args.batch, args.epochs)
     emit({
         **common, "case": "best possible cache (unbounded, never refreshed, knows the future)",
         "unit": "pull bytes vs no cache",
-        "value": round(foresight_bound(ids, args.batch, args.epochs), 3),
+        "value": round(foresight_bound(steps_per_id), 3),
     })  # fmt: skip
-    count_m, count_bound = count_rule_bound(ids, args.batch, args.epochs)
+    count_m, count_bound = count_rule_bound(steps_per_id)
     emit({
         **common, "case": "best cache deciding from counts (unbounded, never refreshed, "
         "exact counts, fills at the m-th lookup)", "unit": "pull bytes vs no cache",
