@@ -234,7 +234,7 @@ def test_sizes_that_would_wrap_are_refused(one: Cluster) -> None:
     _still_serves(one)
 
 
-def test_state_pulls_on_the_wire_and_modes_past_3(one: Cluster) -> None:
+def test_state_pulls_on_the_wire_and_modes_past_4(one: Cluster) -> None:
     with one.client() as client:
         client.push("emb", [5], np.ones((1, 4), np.float32), 0.1)  # id 5 exists; 6 does not
     with _connect(one) as sock:
@@ -251,12 +251,24 @@ def test_state_pulls_on_the_wire_and_modes_past_3(one: Cluster) -> None:
         assert row5[8:].view(np.uint32)[0] == 1 and row6[8:].view(np.uint32)[0] == 0xFFFFFFFF
         np.testing.assert_allclose(row5[4:8], 0.1 + 1.0)  # initial accumulator + g^2
         assert not row6[:8].any()
-        sock.sendall(frames.pull(3, "emb", 4, [1], mode=4))
+        with one.client() as client:  # a state pull inserted nothing
+            assert client.list_tables()["emb"]["rows"] == 1
+        # Mode 4 (a trainer's): id 6 is made as a training pull makes it.
+        sock.sendall(frames.pull(3, "emb", 4, [5, 6], mode=4))
         opcode, _, rid, payload = frames.read_frame(sock)
-        assert (opcode, rid) == (frames.ERROR, 3)
-        assert frames.error_of(payload)[1] == "Pull mode must be 0, 1, 2 or 3, got 4"
-    with one.client() as client:  # a state pull inserted nothing
-        assert client.list_tables()["emb"]["rows"] == 1
+        assert (opcode, rid) == (frames.PULL, 3) and len(payload) == 8 + 2 * 9 * 4
+        again5 = np.frombuffer(payload, np.float32, 9, 8)
+        made6 = np.frombuffer(payload, np.float32, 9, 8 + 36)
+        np.testing.assert_array_equal(again5, row5)
+        assert made6[8:].view(np.uint32)[0] == 0  # a new row: no update yet
+        np.testing.assert_allclose(made6[4:8], 0.1)  # the initial accumulator
+        sock.sendall(frames.pull(4, "emb", 4, [1], mode=5))
+        opcode, _, rid, payload = frames.read_frame(sock)
+        assert (opcode, rid) == (frames.ERROR, 4)
+        assert frames.error_of(payload)[1] == "Pull mode must be 0 to 4, got 5"
+    with one.client() as client:
+        assert client.list_tables()["emb"]["rows"] == 2
+        np.testing.assert_array_equal(client.pull("emb", [6])[0], made6[:4])
     _still_serves(one)
 
 

@@ -82,8 +82,14 @@ def test_followers_track_training_through_deltas_and_refuse_writes(
             f.create_table("u", 2)
         with pytest.raises(errors.FailedPreconditionError, match="read-only"):
             f.load(str(run / "c1"))
-        # A pull of an unknown id reads zeros and creates nothing.
+        # A pull of an unknown id reads zeros and creates nothing; so does a
+        # trainer's state pull (a hot-row cache's), known ids with their state.
         np.testing.assert_array_equal(f.pull("t", np.array([10**12])), np.zeros((1, 4)))
+        states = f._data.pull_state("t", 4, 4, np.array([7, 10**12]), insert=True)
+        np.testing.assert_array_equal(states[0, :4], c1[7])
+        assert states[0, 8].view(np.uint32) == 1  # one push
+        np.testing.assert_array_equal(states[1, :8], np.zeros(8))
+        assert states[1, 8].view(np.uint32) == 0xFFFFFFFF
         assert f.list_tables()["t"]["rows"] == len(ids)
     with trainer.client() as c:
         _push(c, ids[:100], 2)

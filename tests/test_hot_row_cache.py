@@ -116,6 +116,28 @@ def test_other_trainers_pushes_reach_cached_rows_within_the_staleness_bound(
     assert ops.client_stats(mine)["cache_hits"] == 9
 
 
+def test_new_ids_are_made_and_cached_in_one_exchange(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A fill of ids the shards hold no row for yet makes their rows as a
+    training lookup would and caches them: one state pull, no plain pull of
+    the same ids after it."""
+    cluster = start_cluster(2)
+    config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
+    mine = ops.ClientResource(cluster.addresses)
+    ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
+    ids = np.array([3, 11, -7, 42], dtype=np.int64)
+    first = ops.lookup(mine, ids, "t", DIM).numpy()
+    stats = ops.client_stats(mine)
+    assert stats["cache_fills"] == 4 and stats["cache_rows"] == 4
+    assert stats["pulls"] == 1 and stats["pulled_rows"] == 4, stats
+    np.testing.assert_array_equal(first, _shard_rows(cluster, "t", ids))  # made there
+    assert np.count_nonzero(first) > 0  # initial values, not zeros
+    np.testing.assert_array_equal(ops.lookup(mine, ids, "t", DIM).numpy(), first)
+    stats = ops.client_stats(mine)
+    assert stats["cache_hits"] == 4 and stats["pulls"] == 1
+
+
 def test_a_failed_push_is_forgotten_and_its_rows_pulled_again(
     start_cluster: Callable[..., Cluster],
 ) -> None:

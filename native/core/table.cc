@@ -165,10 +165,41 @@ void Table::ReadState(const int64_t* ids, size_t n, float* out) const {
   }
 }
 
+Status Table::PullState(const int64_t* ids, size_t n, const PullMode* fallback, float* out) {
+  ReadState(ids, n, out);
+  if (fallback == nullptr) return OkStatus();
+  const uint32_t dim = config_.dim;
+  const size_t width = StateFloats(dim, slot_floats_);
+  std::vector<int64_t> absent;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < n; ++i) {
+    if (StepOfState(out + i * width, width) != kNoState) continue;
+    absent.push_back(ids[i]);
+    at.push_back(i);
+  }
+  if (absent.empty()) return OkStatus();
+  std::vector<float> values(absent.size() * dim);
+  DLT_RETURN_IF_ERROR(Pull(absent.data(), absent.size(), *fallback, values.data()));
+  std::vector<float> states;
+  if (*fallback == PullMode::kInsert) {  // rows the pull made or moved in
+    states.resize(absent.size() * width);
+    ReadState(absent.data(), absent.size(), states.data());
+  }
+  for (size_t k = 0; k < absent.size(); ++k) {
+    float* row = out + at[k] * width;
+    if (!states.empty() && StepOfState(&states[k * width], width) != kNoState) {
+      std::memcpy(row, &states[k * width], sizeof(float) * width);
+    } else {
+      std::memcpy(row, &values[k * dim], sizeof(float) * dim);
+    }
+  }
+  return OkStatus();
+}
+
 Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
-  if (mode == PullMode::kState) {
-    ReadState(ids, n, out);
-    return OkStatus();
+  if (IsStatePull(mode)) {
+    const PullMode insert = PullMode::kInsert;
+    return PullState(ids, n, mode == PullMode::kStateInsert ? &insert : nullptr, out);
   }
   // One thread_local, bound once: in a shared library every use of a
   // thread_local calls __tls_get_addr, which the loops below would pay.

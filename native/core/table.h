@@ -111,8 +111,16 @@ class Table {
   // reads the unadmitted default and nothing is stored. A cold row (disk
   // tier) moves into RAM unless RAM is at its limit: then it is read where
   // it is, and an absent id reads its initial value without a row (its
-  // push makes it). Fails only on a disk error.
+  // push makes it). Fails only on a disk error. The state modes write
+  // StateFloats(dim, slot_floats()) floats per id (PullState).
   Status Pull(const int64_t* ids, size_t n, PullMode mode, float* out);
+  // Each id's row with its optimizer state: values, slots, and the update
+  // count's bits (kNoState where RAM holds no row for it). With a
+  // `fallback` plain mode, an id RAM does not hold is pulled as that mode
+  // pulls it: when that leaves its row in RAM (a kInsert made it, or moved
+  // it in from disk) its state is read; else it keeps kNoState and gets the
+  // values that pull returned. Without one, such an id reads zeros.
+  Status PullState(const int64_t* ids, size_t n, const PullMode* fallback, float* out);
 
   // Applies `grads` ([n, dim]) with learning rate `lr`; repeated ids are
   // summed first; absent ids that admission admits are created with their

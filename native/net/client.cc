@@ -229,7 +229,7 @@ Status Client::RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, siz
 
 Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                     PullMode mode, float* out, bool dedup, size_t* sent) {
-  if (mode == PullMode::kState) {
+  if (IsStatePull(mode)) {
     return InvalidArgument("Pull mode kState returns wider rows: use PullState");
   }
   if (sent != nullptr) *sent = 0;
@@ -237,9 +237,9 @@ Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, 
 }
 
 Status Client::PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
-                         const int64_t* ids, size_t n, float* out) {
-  return PullRows(table, dim, ids, n, PullMode::kState, StateFloats(dim, slot_floats), out,
-                  /*dedup=*/false, nullptr);
+                         const int64_t* ids, size_t n, float* out, bool insert) {
+  return PullRows(table, dim, ids, n, insert ? PullMode::kStateInsert : PullMode::kState,
+                  StateFloats(dim, slot_floats), out, /*dedup=*/false, nullptr);
 }
 
 Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,

@@ -100,10 +100,12 @@ class Client {
   Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
               float* out, bool dedup = false, size_t* sent = nullptr);
   // Pull's kState: the rows of `ids` with their optimizer state, into `out`
-  // ([n, StateFloats(dim, slot_floats)]); nothing is inserted. Retried as
+  // ([n, StateFloats(dim, slot_floats)]); nothing is inserted. With
+  // `insert` (kStateInsert, a trainer's), an id the shard holds no row for
+  // in RAM is pulled as kInsert pulls it (Table::PullState). Retried as
   // Pull. The shards' tables must have `slot_floats` slot floats per row.
   Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
-                   size_t n, float* out);
+                   size_t n, float* out, bool insert = false);
 
   // Sends gradients ([n, dim]) to the owning shards. Not retried: the shard
   // may have applied it; except when shards list standbys: then each frame

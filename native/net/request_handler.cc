@@ -77,9 +77,9 @@ size_t RequestHandler::ReplyBound(const wire::FrameHeader& header,
   uint32_t dim, num_ids;
   std::memcpy(&dim, pull_sizes, 4);
   std::memcpy(&num_ids, pull_sizes + 4, 4);
-  // A kState pull's rows hold the slots and step too (at most 2 slots per
+  // A state pull's rows hold the slots and step too (at most 2 slots per
   // value): the table is not known yet, so bound by the widest.
-  const uint64_t width = pull_sizes[10] == static_cast<uint8_t>(PullMode::kState)
+  const uint64_t width = IsStatePull(static_cast<PullMode>(pull_sizes[10]))
                              ? StateFloats(dim, 2 * dim)
                              : uint64_t{dim};
   const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * width * num_ids;
@@ -258,9 +258,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     counters_->push_latency.Record(MicrosSince(start));
     return Respond(wire::Opcode::kPush, id, wire::EncodePushReply(request.num_ids), reply);
   }
-  const uint64_t width = request.mode == PullMode::kState
-                             ? StateFloats(request.dim, table->slot_floats())
-                             : uint64_t{request.dim};
+  const uint64_t width = IsStatePull(request.mode) ? StateFloats(request.dim, table->slot_floats())
+                                                   : uint64_t{request.dim};
   const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * width * request.num_ids;
   if (body > max_frame_bytes_) {
     return fail(
@@ -273,10 +272,16 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
   wire::EncodeHeader({wire::Opcode::kPull, wire::kFlagResponse, id, static_cast<uint32_t>(body)},
                      out);
   wire::EncodePullReplyPrefix(request.dim, request.num_ids, out + wire::kHeaderBytes);
-  const PullMode mode =
-      read_only && request.mode == PullMode::kInsert ? PullMode::kZerosNoInsert : request.mode;
-  s = table->Pull(request.ids, request.num_ids, mode,
-                  reinterpret_cast<float*>(out + wire::kHeaderBytes + wire::kPullReplyFixed));
+  // A read-only server inserts nothing: a training pull reads what an
+  // inference pull returning zeros reads.
+  float* const rows = reinterpret_cast<float*>(out + wire::kHeaderBytes + wire::kPullReplyFixed);
+  const PullMode plain = PullMode::kZerosNoInsert;
+  if (read_only && request.mode == PullMode::kStateInsert) {
+    s = table->PullState(request.ids, request.num_ids, &plain, rows);
+  } else {
+    const bool insert = request.mode == PullMode::kInsert;
+    s = table->Pull(request.ids, request.num_ids, read_only && insert ? plain : request.mode, rows);
+  }
   // A disk tier error: the reply written so far is replaced by the error.
   if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
   counters_->pulls.fetch_add(1);

@@ -318,8 +318,7 @@ void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t n
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < n; ++i) {
     const float* state = states + i * width;
-    uint32_t step;
-    std::memcpy(&step, state + width - 1, sizeof(step));
+    const uint32_t step = StepOfState(state, width);
     const uint32_t cached = index_.Find(ids[i]);
     if (step == kNoState) {
       if (cached != SlotIndex::kNone) EraseSlot(cached);  // gone from the shards

@@ -19,8 +19,8 @@ class Tcp : public Transport {
     return client_.Pull(table, dim, ids, n, mode, out, dedup, sent);
   }
   Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
-                   size_t n, float* out) override {
-    return client_.PullState(table, dim, slot_floats, ids, n, out);
+                   size_t n, float* out, bool insert) override {
+    return client_.PullState(table, dim, slot_floats, ids, n, out, insert);
   }
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate) override {
@@ -44,13 +44,13 @@ class Embedded : public Transport {
     if (sent != nullptr) *sent = n;
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
-    if (mode == PullMode::kState) {
+    if (IsStatePull(mode)) {
       return InvalidArgument("Pull mode kState returns wider rows: use PullState");
     }
     return t->Pull(ids, n, mode, out);
   }
   Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats, const int64_t* ids,
-                   size_t n, float* out) override {
+                   size_t n, float* out, bool insert) override {
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
     if (t->slot_floats() != slot_floats) {
@@ -58,7 +58,7 @@ class Embedded : public Transport {
                                 " optimizer slot floats per row, the caller expects " +
                                 std::to_string(slot_floats));
     }
-    return t->Pull(ids, n, PullMode::kState, out);
+    return t->Pull(ids, n, insert ? PullMode::kStateInsert : PullMode::kState, out);
   }
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
               size_t n, float learning_rate) override {

@@ -29,7 +29,7 @@ class Transport {
                       PullMode mode, float* out, bool dedup, size_t* sent) = 0;
   // Rows with their optimizer state (Client::PullState).
   virtual Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
-                           const int64_t* ids, size_t n, float* out) = 0;
+                           const int64_t* ids, size_t n, float* out, bool insert) = 0;
   virtual Status Push(const std::string& table, uint32_t dim, const int64_t* ids,
                       const float* grads, size_t n, float learning_rate) = 0;
   // Sets rows (fresh optimizer slots).

@@ -77,8 +77,8 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
     r->identified = mode & kPushIdentified;
     r->learning_rate = Get<float>(p, 12);
   } else {
-    if (mode > static_cast<uint8_t>(PullMode::kState)) {
-      return InvalidArgument("Pull mode must be 0, 1, 2 or 3, got " + std::to_string(mode));
+    if (mode > static_cast<uint8_t>(PullMode::kStateInsert)) {
+      return InvalidArgument("Pull mode must be 0 to 4, got " + std::to_string(mode));
     }
     r->mode = static_cast<PullMode>(mode);
     if (Get<uint32_t>(p, 12) != 0) {

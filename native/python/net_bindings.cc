@@ -330,20 +330,22 @@ void BindNet(py::module_& m) {
       .def(
           "pull_state",
           [](Client& c, const std::string& table, uint32_t dim, uint32_t slot_floats,
-             const IdArray& ids) {
+             const IdArray& ids, bool insert) {
             CheckIds(ids);
             const size_t n = static_cast<size_t>(ids.shape(0));
             FloatArray out({n, static_cast<size_t>(StateFloats(dim, slot_floats))});
             Status s;
             {
               py::gil_scoped_release release;
-              s = c.PullState(table, dim, slot_floats, ids.data(), n, out.mutable_data());
+              s = c.PullState(table, dim, slot_floats, ids.data(), n, out.mutable_data(), insert);
             }
             Check(s);
             return out;
           },
           py::arg("table"), py::arg("dim"), py::arg("slot_floats"), py::arg("ids"),
-          "Rows with their optimizer state (values, slots, step as a float), inserting none.")
+          py::arg("insert") = false,
+          "Rows with their optimizer state (values, slots, step as a float), inserting none; "
+          "with insert, an id with no row in RAM is pulled as a training pull pulls it.")
       .def("push",
            [](Client& c, const std::string& table, uint32_t dim, const IdArray& ids,
               const FloatArray& grads, float lr) {

@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "native/core/initializer.h"
 #include "native/core/table.h"
 #include "tests/cpp/harness.h"
 
@@ -29,32 +30,30 @@ TableConfig CacheTableConfig(OptimizerKind kind) {
 }
 
 // One lookup of distinct `ids` through `cache`, pulling from `table` as the
-// lookup kernel does; returns the rows ([n, dim]).
+// lookup kernel of a trainer does (kStateInsert); returns the rows ([n, dim]).
 std::vector<float> CachedLookup(RowCache* cache, Table* table, const std::vector<int64_t>& ids,
                                 int64_t now_ms, RowCache::Plan* plan) {
   const uint32_t dim = cache->dim();
   std::vector<float> rows(ids.size() * dim, -1.0f);
   cache->Lookup(ids.data(), ids.size(), now_ms, rows.data(), plan);
-  std::vector<uint32_t> plain = plan->plain;
   if (!plan->fill.empty()) {
     std::vector<int64_t> fill_ids;
     for (uint32_t p : plan->fill) fill_ids.push_back(ids[p]);
-    std::vector<float> states(fill_ids.size() * StateFloats(dim, cache->slot_floats()));
-    EXPECT_OK(table->Pull(fill_ids.data(), fill_ids.size(), PullMode::kState, states.data()));
+    const uint32_t width = StateFloats(dim, cache->slot_floats());
+    std::vector<float> states(fill_ids.size() * width);
+    EXPECT_OK(table->Pull(fill_ids.data(), fill_ids.size(), PullMode::kStateInsert, states.data()));
     std::vector<float> filled(fill_ids.size() * dim);
     std::vector<uint32_t> absent;
     cache->Fill(fill_ids.data(), fill_ids.size(), states.data(), now_ms, filled.data(), &absent);
     size_t a = 0;
     for (size_t k = 0; k < plan->fill.size(); ++k) {
-      if (a < absent.size() && absent[a] == k) {
-        ++a;
-        plain.push_back(plan->fill[k]);
-        continue;
-      }
-      std::memcpy(&rows[plan->fill[k] * dim], &filled[k * dim], sizeof(float) * dim);
+      const bool held = !(a < absent.size() && absent[a] == k);
+      if (!held) ++a;
+      const float* row = held ? &filled[k * dim] : &states[k * width];  // absent: its values
+      std::memcpy(&rows[plan->fill[k] * dim], row, sizeof(float) * dim);
     }
   }
-  for (uint32_t p : plain) {
+  for (uint32_t p : plan->plain) {
     EXPECT_OK(table->Pull(&ids[p], 1, PullMode::kInsert, &rows[p * dim]));
   }
   return rows;
@@ -275,13 +274,26 @@ DLT_TEST(RowCacheInvalidateAndRowsGoneFromTheTable) {
   cache.Invalidate(&one, 1);
   CachedLookup(&cache, &table, {1, 2}, 0, &plan);
   EXPECT(plan.hits == 1 && plan.fill.size() == 1);
-  // Gone from the table (evicted, expired): no state, pulled plainly and
-  // dropped from the cache.
+  // Gone from the table (evicted, expired): a trainer's state pull makes it
+  // again, as its plain pull would, and the cache holds the new row.
+  const std::vector<float> grad(config.dim, 1.0f);
+  EXPECT_OK(table.Push(&one, grad.data(), 1, 0.5f));
   EXPECT(table.Erase(&one, 1) == 1);
   cache.Invalidate(&one, 1);
   const std::vector<float> rows = CachedLookup(&cache, &table, {1, 2}, 0, &plan);
+  EXPECT(plan.fill.size() == 1 && cache.counts().rows == 2);
   EXPECT(rows == TableRows(&table, {1, 2}));
-  EXPECT(cache.counts().rows == 1);
+  std::vector<float> initial(config.dim);
+  InitializeRow(config.initializer, config.seed, 1, config.dim, initial.data());
+  EXPECT(std::vector<float>(rows.begin(), rows.begin() + config.dim) == initial);
+  // A state pull that finds no row in RAM (kNoState: read on disk, or not
+  // admitted) drops a cached row from the cache.
+  const uint32_t width = StateFloats(config.dim, cache.slot_floats());
+  std::vector<float> state(width, 0.0f), filled(config.dim);
+  std::memcpy(&state[width - 1], &kNoState, sizeof(kNoState));
+  std::vector<uint32_t> absent;
+  cache.Fill(&one, 1, state.data(), 0, filled.data(), &absent);
+  EXPECT(absent == std::vector<uint32_t>{0} && cache.counts().rows == 1);
 }
 
 DLT_TEST(SlotIndexAgreesWithAMapUnderRandomSetsAndErases) {
@@ -334,6 +346,49 @@ DLT_TEST(TableStatePullReadsValuesSlotsAndStepInsertingNothing) {
   EXPECT(std::vector<float>(states.begin(), states.begin() + config.dim) == TableRows(&table, {4}));
   EXPECT(states[config.dim] == 0.1f + 1.0f);  // the accumulator: initial + g^2
   EXPECT(table.ram_rows() == 1);
+}
+
+DLT_TEST(TableStateInsertPullMakesRowsAsATrainingPullDoes) {
+  // A trainer's state pull makes an absent id's row as its plain pull would
+  // have, and returns that row's state: the cache fills it in one exchange.
+  const TableConfig config = CacheTableConfig(OptimizerKind::kAdagrad);
+  Table table(config), plain(config);
+  const std::vector<int64_t> ids = {4, 9};
+  const std::vector<float> grads(config.dim, 1.0f);
+  EXPECT_OK(table.Push(ids.data(), grads.data(), 1, 0.1f));
+  EXPECT_OK(plain.Push(ids.data(), grads.data(), 1, 0.1f));
+  const uint32_t width = StateFloats(config.dim, table.slot_floats());
+  std::vector<float> states(2 * width);
+  EXPECT_OK(table.Pull(ids.data(), 2, PullMode::kStateInsert, states.data()));
+  EXPECT(StepOfState(states.data(), width) == 1 && StepOfState(&states[width], width) == 0);
+  EXPECT(table.ram_rows() == 2);
+  const std::vector<float> want = TableRows(&plain, ids);  // makes 9 there too
+  EXPECT(std::vector<float>(states.begin(), states.begin() + config.dim) ==
+         std::vector<float>(want.begin(), want.begin() + config.dim));
+  EXPECT(std::vector<float>(states.begin() + width, states.begin() + width + config.dim) ==
+         std::vector<float>(want.begin() + config.dim, want.end()));
+  EXPECT(states[width + config.dim] == 0.1f);  // the new row's initial accumulator
+  std::vector<float> again(2 * width);
+  EXPECT_OK(plain.Pull(ids.data(), 2, PullMode::kState, again.data()));
+  EXPECT(again == states);
+
+  // An id admission does not admit on a pull: no row, kNoState, and the
+  // unadmitted default a plain training pull reads.
+  TableConfig admitted = config;
+  admitted.policy.admission = static_cast<uint64_t>(AdmissionKind::kFrequency);
+  admitted.policy.min_count = 3;
+  admitted.policy.sketch_bytes = 1 << 22;
+  admitted.policy.unadmitted = static_cast<uint64_t>(UnadmittedValue::kInitial);
+  Table gated(admitted);
+  std::vector<float> gated_states(width, -1.0f);
+  EXPECT_OK(gated.Pull(&ids[1], 1, PullMode::kStateInsert, gated_states.data()));
+  EXPECT(StepOfState(gated_states.data(), width) == kNoState && gated.size() == 0);
+  std::vector<float> initial(config.dim);
+  EXPECT_OK(gated.Pull(&ids[1], 1, PullMode::kInsert, initial.data()));
+  EXPECT(std::vector<float>(gated_states.begin(), gated_states.begin() + config.dim) == initial);
+  EXPECT(initial != std::vector<float>(config.dim, 0.0f));
+  EXPECT(std::all_of(gated_states.begin() + config.dim, gated_states.end() - 1,
+                     [](float f) { return f == 0.0f; }));
 }
 
 }  // namespace

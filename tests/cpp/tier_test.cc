@@ -1132,6 +1132,52 @@ DLT_TEST(TestNearTheRamLimitOnlyRowsAboveTheKeepersCutMoveIn) {
   EXPECT(u.tier_stats().promotions == promoted + 1000);
 }
 
+DLT_TEST(TestAStateInsertPullMovesColdRowsInOrReadsThemOnDisk) {
+  // A trainer's state pull of cold rows: with RAM to spare they move in and
+  // their state is read; with RAM full they are read on disk and come back
+  // with their values and kNoState (as a plain training pull reads them).
+  TempDir dir;
+  const TableConfig config = TierTable(OptimizerKind::kAdagrad);
+  Table t(config), oracle(config);
+  t.AttachTier(dir.path);
+  std::vector<int64_t> ids(2000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(Mix64(i + 5));
+  std::vector<float> grads(ids.size() * 4);
+  std::mt19937_64 rng(9);
+  for (auto& g : grads) g = static_cast<float>(static_cast<int>(rng() % 64) - 32) / 16.0f;
+  EXPECT_OK(t.Push(ids.data(), grads.data(), ids.size(), 0.1f));
+  EXPECT_OK(oracle.Push(ids.data(), grads.data(), ids.size(), 0.1f));
+  Status s;
+  EXPECT(t.Demote(t.ram_rows(), &s) == ids.size());
+  EXPECT_OK(s);
+  const uint32_t width = StateFloats(config.dim, t.slot_floats());
+  std::vector<float> want(ids.size() * width);
+  EXPECT_OK(oracle.Pull(ids.data(), ids.size(), PullMode::kState, want.data()));
+
+  std::vector<float> got(1000 * width);
+  EXPECT_OK(t.Pull(ids.data(), 1000, PullMode::kState, got.data()));  // RAM only
+  for (size_t k = 0; k < 1000; ++k) EXPECT(StepOfState(&got[k * width], width) == kNoState);
+  EXPECT_OK(t.Pull(ids.data(), 1000, PullMode::kStateInsert, got.data()));
+  EXPECT(got == std::vector<float>(want.begin(), want.begin() + 1000 * width));
+  EXPECT(t.tier_stats().promotions == 1000);
+
+  // RAM full (the stripes hold more than 16 rows each, over a limit of 1):
+  // the other 1,000 stay on disk and read their values.
+  std::vector<int64_t> hot(kStripes * 32);
+  for (size_t i = 0; i < hot.size(); ++i) hot[i] = static_cast<int64_t>(Mix64(i + 100000));
+  const std::vector<float> hot_grads(hot.size() * 4, 0.5f);
+  EXPECT_OK(t.Push(hot.data(), hot_grads.data(), hot.size(), 0.1f));
+  t.SetRamLimit(1);
+  EXPECT_OK(t.Pull(ids.data() + 1000, 1000, PullMode::kStateInsert, got.data()));
+  EXPECT(t.tier_stats().promotions == 1000);
+  std::vector<float> values(1000 * 4);
+  EXPECT_OK(oracle.Pull(ids.data() + 1000, 1000, PullMode::kInsert, values.data()));
+  for (size_t k = 0; k < 1000; ++k) {
+    EXPECT(StepOfState(&got[k * width], width) == kNoState);
+    EXPECT(std::equal(&got[k * width], &got[k * width] + 4, &values[k * 4]));
+  }
+}
+
 DLT_TEST(TestAFullDiskFailsAnUpdateOnDiskAndLeavesTheRow) {
   // A push that updates a cold row where it lies and meets a full disk
   // fails with RESOURCE_EXHAUSTED, counts the write error and leaves that

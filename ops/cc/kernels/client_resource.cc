@@ -63,9 +63,10 @@ absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const 
 }
 
 absl::Status ClientResource::PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
-                                       const int64_t* ids, size_t n, float* out) {
+                                       const int64_t* ids, size_t n, float* out, bool insert) {
   const uint64_t start = Env::Default()->NowMicros();
-  const absl::Status status = ToAbsl(transport_->PullState(table, dim, slot_floats, ids, n, out));
+  const absl::Status status =
+      ToAbsl(transport_->PullState(table, dim, slot_floats, ids, n, out, insert));
   Count(status, n, dlt::StateFloats(dim, slot_floats), Env::Default()->NowMicros() - start,
         counters_.pulls, counters_.pulled_rows, counters_.pull_bytes, counters_.pull_errors,
         counters_.pull_latency);

@@ -57,9 +57,10 @@ class ClientResource : public ResourceBase {
   absl::Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                     dlt::PullMode mode, float* out, bool dedup = false);
   // Blocking pull of `n` distinct ids with their optimizer state into `out`
-  // ([n, StateFloats(dim, slot_floats)]; Client::PullState).
+  // ([n, StateFloats(dim, slot_floats)]; Client::PullState, `insert` as
+  // there).
   absl::Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
-                         const int64_t* ids, size_t n, float* out);
+                         const int64_t* ids, size_t n, float* out, bool insert);
   // Keeps a hot-row cache of `config`'s table (dlt::RowCache; replacing
   // one it has), or with options.max_rows 0 none. No-op when embedded.
   absl::Status ConfigureCache(const dlt::TableConfig& config, const dlt::RowCacheOptions& options);

@@ -56,9 +56,9 @@ class CachedLookup {
     if (!fill && !plain) return job->Complete();
     if (fill) {
       c->Schedule([job]() {
-        job->fill_status_ =
-            job->c_->PullState(job->table_, job->dim_, job->cache_->slot_floats(),
-                               job->fill_ids_.data(), job->fill_ids_.size(), job->states_.data());
+        job->fill_status_ = job->c_->PullState(
+            job->table_, job->dim_, job->cache_->slot_floats(), job->fill_ids_.data(),
+            job->fill_ids_.size(), job->states_.data(), job->mode_ == dlt::PullMode::kInsert);
         job->Done();
       });
     }
@@ -140,8 +140,18 @@ class CachedLookup {
                   sizeof(float) * dim_);
     }
     if (absent.empty()) return absl::OkStatus();
-    // Rows the shards do not hold in RAM (new, or on the disk tier): pulled
-    // plainly, on this worker.
+    if (mode_ == dlt::PullMode::kInsert) {
+      // Rows the shards do not hold in RAM after pulling them as a training
+      // pull does (kStateInsert): the state rows carry their values.
+      const size_t width = dlt::StateFloats(dim_, cache_->slot_floats());
+      for (uint32_t k : absent) {
+        std::memcpy(&distinct_[size_t{plan_.fill[k]} * dim_], &states_[k * width],
+                    sizeof(float) * dim_);
+      }
+      return absl::OkStatus();
+    }
+    // Inference: rows the shards do not hold in RAM (new, or on the disk
+    // tier) are pulled plainly, in the lookup's mode, on this worker.
     std::vector<int64_t> ids(absent.size());
     std::vector<uint32_t> at(absent.size());
     for (size_t k = 0; k < absent.size(); ++k) {
