@@ -138,6 +138,28 @@ def test_new_ids_are_made_and_cached_in_one_exchange(
     assert stats["cache_hits"] == 4 and stats["pulls"] == 1
 
 
+@pytest.mark.parametrize("missing", ["zeros", "init"])
+def test_inference_lookups_through_a_cache_insert_nothing(
+    start_cluster: Callable[..., Cluster], missing: str
+) -> None:
+    """An inference lookup's fills use the state pull that inserts nothing:
+    ids without a row read what the lookup's mode reads, and stay absent."""
+    cluster = start_cluster(1)
+    config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
+    mine = ops.ClientResource(cluster.addresses)
+    ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
+    reader = ops.ClientResource(cluster.addresses, request_timeout=29.0)
+    ops.lookup(reader, np.array([1, 2], dtype=np.int64), "t", DIM)  # rows 1 and 2 exist
+    ids = np.array([1, 2, 99], dtype=np.int64)
+    got = ops.lookup(mine, ids, "t", DIM, training=False, missing=missing).numpy()
+    want = ops.lookup(reader, ids, "t", DIM, training=False, missing=missing).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert (np.count_nonzero(got[2]) > 0) == (missing == "init")
+    stats = ops.client_stats(mine)
+    assert stats["cache_fills"] == 2 and stats["cache_rows"] == 2 and stats["pulls"] == 2
+    assert cluster.client().list_tables()["t"]["rows"] == 2
+
+
 def test_a_failed_push_is_forgotten_and_its_rows_pulled_again(
     start_cluster: Callable[..., Cluster],
 ) -> None:

@@ -254,7 +254,12 @@ class Client:
     def layout_epoch(self) -> int: ...
     def learn_layout(self) -> bool: ...
     def pull_state(
-        self, table: str, dim: int, slot_floats: int, ids: npt.NDArray[np.int64]
+        self,
+        table: str,
+        dim: int,
+        slot_floats: int,
+        ids: npt.NDArray[np.int64],
+        insert: bool = False,
     ) -> npt.NDArray[np.float32]: ...
     def shard_infos(self) -> list[dict[str, Any]]: ...
     def pull(

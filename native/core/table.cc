@@ -178,18 +178,13 @@ Status Table::PullState(const int64_t* ids, size_t n, const PullMode* fallback, 
     at.push_back(i);
   }
   if (absent.empty()) return OkStatus();
-  std::vector<float> values(absent.size() * dim);
+  std::vector<float> values(absent.size() * dim);  // as a plain reply's rows
   DLT_RETURN_IF_ERROR(Pull(absent.data(), absent.size(), *fallback, values.data()));
-  std::vector<float> states;
-  if (*fallback == PullMode::kInsert) {  // rows the pull made or moved in
-    states.resize(absent.size() * width);
-    ReadState(absent.data(), absent.size(), states.data());
-  }
+  const bool made = *fallback == PullMode::kInsert;  // rows it may have made or moved in
   for (size_t k = 0; k < absent.size(); ++k) {
     float* row = out + at[k] * width;
-    if (!states.empty() && StepOfState(&states[k * width], width) != kNoState) {
-      std::memcpy(row, &states[k * width], sizeof(float) * width);
-    } else {
+    if (made) ReadState(&absent[k], 1, row);  // in place: kNoState again if not in RAM
+    if (!made || StepOfState(row, width) == kNoState) {
       std::memcpy(row, &values[k * dim], sizeof(float) * dim);
     }
   }

@@ -230,7 +230,7 @@ Status Client::RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, siz
 Status Client::Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                     PullMode mode, float* out, bool dedup, size_t* sent) {
   if (IsStatePull(mode)) {
-    return InvalidArgument("Pull mode kState returns wider rows: use PullState");
+    return InvalidArgument("Pull modes kState and kStateInsert return wider rows: use PullState");
   }
   if (sent != nullptr) *sent = 0;
   return PullRows(table, dim, ids, n, mode, dim, out, dedup, sent);

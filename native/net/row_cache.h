@@ -1,6 +1,7 @@
 // RowCache: a trainer's copy of the rows of one table's most frequent ids,
 // with their optimizer state, so lookups of hot ids skip the shards. Rows
-// come from kState pulls (values, slots and step). The trainer's own pushes
+// come from state pulls (values, slots and step; kStateInsert for a
+// trainer). The trainer's own pushes
 // are applied to the cached rows with the table's optimizer (ApplyRow, the
 // shards' arithmetic), so a single trainer reads what the shards hold; other
 // trainers' pushes are seen when a row is refreshed, which happens once it

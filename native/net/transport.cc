@@ -45,7 +45,7 @@ class Embedded : public Transport {
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Lookup", &t));
     if (IsStatePull(mode)) {
-      return InvalidArgument("Pull mode kState returns wider rows: use PullState");
+      return InvalidArgument("Pull modes kState and kStateInsert return wider rows: use PullState");
     }
     return t->Pull(ids, n, mode, out);
   }
