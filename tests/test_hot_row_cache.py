@@ -5,7 +5,10 @@ bound, failed pushes forgotten, and the counters ClientMetrics logs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterator
 
 import keras
 import numpy as np
@@ -16,6 +19,7 @@ import tf_dlt
 from tf_dlt import dlt_ops as ops
 from tf_dlt.layers import Embedding
 
+import frames
 from conftest import Cluster
 
 VOCAB, DIM, BATCH = 40, 4, 16
@@ -158,6 +162,86 @@ def test_inference_lookups_through_a_cache_insert_nothing(
     stats = ops.client_stats(mine)
     assert stats["cache_fills"] == 2 and stats["cache_rows"] == 2 and stats["pulls"] == 2
     assert cluster.client().list_tables()["t"]["rows"] == 2
+
+
+@contextlib.contextmanager
+def _shard_before_state_insert(address: str) -> Iterator[str]:
+    """A loopback proxy to the shard at `address` that makes it answer as a
+    shard older than pull mode 4 does: a mode-4 pull reaches it as mode 5,
+    which it refuses (INVALID_ARGUMENT). Yields the proxy's address."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sockets: list[socket.socket] = [listener]
+
+    def pump(src: socket.socket, dst: socket.socket, rewrite: bool) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            while True:
+                if not rewrite:
+                    data = src.recv(1 << 16)
+                    if not data:
+                        break
+                    dst.sendall(data)
+                    continue
+                header = bytearray(frames.recv_exact(src, frames.HEADER.size))
+                payload = bytearray(frames.recv_exact(src, frames.HEADER.unpack(header)[5]))
+                if header[5] == frames.PULL and len(payload) > 10 and payload[10] == 4:
+                    payload[10] = 5
+                dst.sendall(bytes(header + payload))
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                host, port = address.rsplit(":", 1)
+                upstream = socket.create_connection((host, int(port)), timeout=30)
+                upstream.settimeout(None)
+                sockets.extend((client, upstream))
+                for a, b, rewrite in ((client, upstream, True), (upstream, client, False)):
+                    threading.Thread(target=pump, args=(a, b, rewrite), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def test_a_cache_on_shards_older_than_its_state_pull_falls_back(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Shards that refuse pull mode 4 (older than the trainer) are filled
+    with mode 3, ids without a row pulled again plainly: lookups give the
+    same rows, and the refusal is met once."""
+    cluster = start_cluster(1)
+    config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
+    ids = np.array([3, 11, -7, 42], dtype=np.int64)
+    with _shard_before_state_insert(cluster.addresses[0]) as proxy:
+        plain = ops.ClientResource([proxy])  # other modes pass as they are
+        zeros = ops.lookup(plain, ids, "t", DIM, training=False, missing="zeros").numpy()
+        np.testing.assert_array_equal(zeros, np.zeros((4, DIM)))
+        raw = tf_dlt._native.Client([proxy])
+        with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="got 5"):
+            raw.pull_state("t", DIM, DIM, ids, insert=True)  # as an old shard refuses it
+        mine = plain.private("cached")  # its own counters
+        ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
+        first = ops.lookup(mine, ids, "t", DIM).numpy()  # new ids: made by the plain pull
+        np.testing.assert_array_equal(first, _shard_rows(cluster, "t", ids))
+        more = np.array([3, 11, -7, 42, 5], dtype=np.int64)
+        second = ops.lookup(mine, more, "t", DIM).numpy()
+        np.testing.assert_array_equal(second, _shard_rows(cluster, "t", more))
+        stats = ops.client_stats(mine)
+    # Lookup 1: the refused pull and its mode-3 retry (one call), then the
+    # 4 ids it found no row for pulled plainly (not cached); lookup 2: a
+    # mode-3 fill of the 4, made now, and id 5 pulled plainly (no id looked
+    # up once had been looked up again yet: no fill at count 1).
+    assert stats["pulls"] == 4 and stats["pull_errors"] == 0, stats
+    assert stats["pulled_rows"] == 4 + 4 + 4 + 1
+    assert stats["cache_fills"] == 4 and stats["cache_rows"] == 4
+    assert cluster.client().list_tables()["t"]["rows"] == 5
 
 
 def test_a_failed_push_is_forgotten_and_its_rows_pulled_again(

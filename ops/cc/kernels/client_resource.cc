@@ -5,6 +5,7 @@
 
 #include "ops/cc/kernels/status_util.h"
 #include "tensorflow/core/platform/env.h"
+#include "tensorflow/core/platform/logging.h"
 
 namespace tensorflow {
 namespace dlt_ops {
@@ -63,10 +64,27 @@ absl::Status ClientResource::Pull(const std::string& table, uint32_t dim, const 
 }
 
 absl::Status ClientResource::PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
-                                       const int64_t* ids, size_t n, float* out, bool insert) {
+                                       const int64_t* ids, size_t n, float* out, bool insert,
+                                       bool* inserted) {
   const uint64_t start = Env::Default()->NowMicros();
-  const absl::Status status =
-      ToAbsl(transport_->PullState(table, dim, slot_floats, ids, n, out, insert));
+  insert = insert && !state_insert_refused_.load(std::memory_order_relaxed);
+  absl::Status status = ToAbsl(transport_->PullState(table, dim, slot_floats, ids, n, out, insert));
+  if (insert && absl::IsInvalidArgument(status)) {
+    // Perhaps shards older than kStateInsert: what they can serve instead.
+    const absl::Status plain =
+        ToAbsl(transport_->PullState(table, dim, slot_floats, ids, n, out, false));
+    if (plain.ok()) {
+      if (!state_insert_refused_.exchange(true)) {
+        LOG(WARNING) << "tf_dlt: the shards of table '" << table << "' refuse the trainer's "
+                     << "state pull (" << status.message() << "): they predate it. The "
+                     << "hot-row cache fills with the older state pull and pulls ids without "
+                     << "a row again; upgrade the shards.";
+      }
+      insert = false;
+    }
+    status = plain;
+  }
+  if (inserted != nullptr) *inserted = insert;
   Count(status, n, dlt::StateFloats(dim, slot_floats), Env::Default()->NowMicros() - start,
         counters_.pulls, counters_.pulled_rows, counters_.pull_bytes, counters_.pull_errors,
         counters_.pull_latency);

@@ -58,9 +58,14 @@ class ClientResource : public ResourceBase {
                     dlt::PullMode mode, float* out, bool dedup = false);
   // Blocking pull of `n` distinct ids with their optimizer state into `out`
   // ([n, StateFloats(dim, slot_floats)]; Client::PullState, `insert` as
-  // there).
+  // there). Shards that predate kStateInsert refuse it (INVALID_ARGUMENT):
+  // then the pull is made again without `insert`, and once that succeeds
+  // this client asks for kState only (logged once). *inserted (when given):
+  // whether the rows came from a kStateInsert pull, so that ids without
+  // state carry their values.
   absl::Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
-                         const int64_t* ids, size_t n, float* out, bool insert);
+                         const int64_t* ids, size_t n, float* out, bool insert,
+                         bool* inserted = nullptr);
   // Keeps a hot-row cache of `config`'s table (dlt::RowCache; replacing
   // one it has), or with options.max_rows 0 none. No-op when embedded.
   absl::Status ConfigureCache(const dlt::TableConfig& config, const dlt::RowCacheOptions& options);
@@ -151,7 +156,8 @@ class ClientResource : public ResourceBase {
   dlt::PullAhead pull_ahead_;
   mutable mutex cache_mu_;
   std::map<std::string, std::shared_ptr<dlt::RowCache>> caches_ TF_GUARDED_BY(cache_mu_);
-  dlt::WorkQueue work_;  // last: destroyed (drained) first
+  std::atomic<bool> state_insert_refused_{false};  // by shards older than it
+  dlt::WorkQueue work_;                            // last: destroyed (drained) first
 };
 
 }  // namespace dlt_ops

@@ -56,9 +56,10 @@ class CachedLookup {
     if (!fill && !plain) return job->Complete();
     if (fill) {
       c->Schedule([job]() {
-        job->fill_status_ = job->c_->PullState(
-            job->table_, job->dim_, job->cache_->slot_floats(), job->fill_ids_.data(),
-            job->fill_ids_.size(), job->states_.data(), job->mode_ == dlt::PullMode::kInsert);
+        job->fill_status_ =
+            job->c_->PullState(job->table_, job->dim_, job->cache_->slot_floats(),
+                               job->fill_ids_.data(), job->fill_ids_.size(), job->states_.data(),
+                               job->mode_ == dlt::PullMode::kInsert, &job->inserted_);
         job->Done();
       });
     }
@@ -140,7 +141,7 @@ class CachedLookup {
                   sizeof(float) * dim_);
     }
     if (absent.empty()) return absl::OkStatus();
-    if (mode_ == dlt::PullMode::kInsert) {
+    if (inserted_) {
       // Rows the shards do not hold in RAM after pulling them as a training
       // pull does (kStateInsert): the state rows carry their values.
       const size_t width = dlt::StateFloats(dim_, cache_->slot_floats());
@@ -150,8 +151,9 @@ class CachedLookup {
       }
       return absl::OkStatus();
     }
-    // Inference: rows the shards do not hold in RAM (new, or on the disk
-    // tier) are pulled plainly, in the lookup's mode, on this worker.
+    // Inference (or shards older than kStateInsert): rows the shards do not
+    // hold in RAM (new, or on the disk tier) are pulled plainly, in the
+    // lookup's mode, on this worker.
     std::vector<int64_t> ids(absent.size());
     std::vector<uint32_t> at(absent.size());
     for (size_t k = 0; k < absent.size(); ++k) {
@@ -178,6 +180,7 @@ class CachedLookup {
   dlt::RowCache::Plan plan_;
   std::atomic<int> pending_{0};
   absl::Status fill_status_, plain_status_;
+  bool inserted_ = false;  // the fill was a kStateInsert pull
 };
 
 // The rows of a pull ahead that finished: the ids pushed since it began are
