@@ -120,13 +120,14 @@ def foresight_bound(steps: np.ndarray) -> float:
 def count_rule_bound(steps: np.ndarray) -> tuple[int, float]:
     """The best a cache that decides from counts alone does on this stream,
     as (m, bytes against no cache): unbounded, never refreshed, counting
-    exactly, and filling every id at its m-th lookup (m >= 2: the shards
-    hold no row for an id before its first pull), for the best m."""
+    exactly, and filling every id at its m-th lookup, for the best m (m = 1
+    too: a trainer's state pull makes the row of an id the shards have not
+    seen, wire mode 4)."""
     uncached = (PLAIN_BYTES * steps).sum()
     costs = {
         m: float(np.where(steps < m, PLAIN_BYTES * steps,
                           PLAIN_BYTES * (m - 1) + STATE_BYTES).sum() / uncached)
-        for m in range(2, 9)
+        for m in range(1, 9)
     }  # fmt: skip
     best = min(costs, key=costs.__getitem__)
     return best, costs[best]
