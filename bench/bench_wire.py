@@ -9,7 +9,10 @@ Reports, per configuration, the wall time per call and the CPU per call of
 the clients and of the shards (from /proc), and the ratios the trainer-speed
 targets use: client CPU / the local baseline's CPU, shard CPU per row / the
 baseline's CPU per row, and the baseline's and the stream's wall time / the
-call's. With --standby, each shard process also holds --standbys standbys
+call's. Beside them, the shards' CPU against the least a server on TCP can
+spend on the same rows: the local baseline plus the stream's sending end
+(pulls: the reply's bytes) or receiving end (pushes: the gradients'),
+`shard_cpu_vs_local_and_stream`. With --standby, each shard process also holds --standbys standbys
 (default 1) kept by a ReplicaGroup, as a serving primary keeps its standbys
 (docs/replication.md), and rows/s are compared with no standby in the same
 run. Needs only a C++17 compiler and Python's standard library: no
@@ -261,6 +264,7 @@ def main() -> None:
         if standby == "none":
             baseline[threads, exchange] = float(got["rows_per_s"])  # type: ignore[arg-type]
         per_row_local = local["cpu_ms_per_call"] / args.ids
+        end = "send_cpu_ms_per_call" if args.op == "pull" else "receive_cpu_ms_per_call"
         record = {
             "bench": "wire", "op": args.op, "shards": args.shards, "threads": threads,
             "exchange_threads": exchange, "standby": standby,
@@ -275,6 +279,11 @@ def main() -> None:
             "client_cpu_vs_local": got["client_cpu_ms_per_call"] / local["cpu_ms_per_call"],
             "shard_cpu_per_row_vs_local": got["shard_cpu_ms_per_call"] / args.ids
             / per_row_local,
+            # What any TCP server spends on these rows at least: the local
+            # baseline and one stream's sending (pulls) or receiving (pushes).
+            "stream_end_cpu_ms": stream[end],
+            "shard_cpu_vs_local_and_stream": got["shard_cpu_ms_per_call"]
+            / (local["cpu_ms_per_call"] + stream[end]),
             "local_wall_vs_call": local["wall_ms_per_call"] / got["wall_ms_per_call"],
             "stream_wall_vs_call": stream["wall_ms_per_call"] / got["wall_ms_per_call"],
         }  # fmt: skip

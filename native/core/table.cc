@@ -347,8 +347,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     std::vector<uint64_t> hashes, counted;
     std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
     std::vector<uint32_t> cold_at, cold_slots;
-    std::vector<float> summed, squares, row;
+    std::vector<float> row;
     std::vector<char> cold_records;
+    RepeatedSums sums;
   };
   thread_local Scratch tls;
   Scratch& scratch = tls;
@@ -366,8 +367,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   auto& firsts = scratch.firsts;
   auto& unique_of = scratch.unique_of;
   auto& kept = scratch.kept;
-  auto& summed = scratch.summed;
-  auto& squares = scratch.squares;
+  auto& sums = scratch.sums;
   auto& row = scratch.row;
   const size_t row_floats = size_t{dim} + slot_floats_;
   // The first id whose update would overflow (its row is left as it was).
@@ -472,16 +472,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       unique_of[k] = slot_of[i];
     }
     if (duplicates) {
-      summed.assign(firsts.size() * dim, 0.0f);
-      if (keep_squares) squares.assign(firsts.size() * dim, 0.0f);
-      for (uint32_t k = 0; k < count; ++k) {
-        const float* g = grads + size_t{kept[k]} * dim;
-        float* acc = summed.data() + size_t{unique_of[k]} * dim;
-        for (uint32_t j = 0; j < dim; ++j) acc[j] += g[j];
-        if (!keep_squares) continue;
-        float* sq = squares.data() + size_t{unique_of[k]} * dim;
-        for (uint32_t j = 0; j < dim; ++j) sq[j] += g[j] * g[j];
-      }
+      sums.Sum(
+          count, firsts.size(), dim, keep_squares, [&](size_t k) { return unique_of[k]; },
+          [&](size_t k) { return grads + size_t{kept[k]} * dim; });
     }
     // Each row's update is computed into scratch and checked before it is
     // written: one that would leave a non-finite value (optimizer state
@@ -498,13 +491,14 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         const uint32_t ahead = firsts[u + kApplyAhead];
         const char* next = record_of(ahead);
         for (size_t b = 0; b < touched_bytes; b += 64) __builtin_prefetch(next + b, 1);
-        if (!duplicates) {
+        if (!duplicates || sums.Summed(u + kApplyAhead) == nullptr) {
           const char* g = reinterpret_cast<const char*>(grads + size_t{kept[ahead]} * dim);
           for (size_t b = 0; b < sizeof(float) * dim; b += 64) __builtin_prefetch(g + b);
         }
       }
       const uint32_t k = firsts[u];
-      const float* g = duplicates ? summed.data() + u * dim : grads + size_t{kept[k]} * dim;
+      const float* summed = duplicates ? sums.Summed(u) : nullptr;
+      const float* g = summed != nullptr ? summed : grads + size_t{kept[k]} * dim;
       char* r = record_of(k);
       auto* header = reinterpret_cast<RowHeader*>(r);
       // float32 rows are updated in place, their old values kept aside;
@@ -517,7 +511,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         ReadSlots(r, v + dim);
       }
       uint32_t step = header->step;
-      const float* sq = duplicates && keep_squares ? squares.data() + u * dim : nullptr;
+      const float* sq = summed != nullptr ? sums.Squares(u) : nullptr;
       if (!ApplyRow(config_.optimizer, dim, lr, g, sq, v, v + dim, &step)) {
         if (wide_) std::memcpy(v, row.data(), sizeof(float) * row_floats);
         if (overflowed == kNoOverflow) overflowed = ids[kept[k]];

@@ -348,32 +348,20 @@ void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr
   // As Table::Push: an id's rows are summed in order (and, for Keras
   // Adagrad, their squares), then applied once.
   struct Scratch : DedupScratch {
-    std::vector<float> summed, squares;
-    std::vector<uint32_t> occurrences;
+    RepeatedSums sums;
   };
   Scratch own;
   Scratch& scratch = ThreadScratch(n, own);
   scratch.Run(ids, n);
   const std::vector<int64_t>& unique = scratch.unique;
   const std::vector<int64_t>& slot = scratch.slot;
-  std::vector<float>& summed = scratch.summed;
-  std::vector<float>& squares = scratch.squares;
-  std::vector<uint32_t>& occurrences = scratch.occurrences;
+  RepeatedSums& sums = scratch.sums;
   const bool repeated = unique.size() < n;
-  const bool keep_squares = optimizer_.kind == OptimizerKind::kKerasAdagrad;
   if (repeated) {
-    summed.assign(unique.size() * dim_, 0.0f);
-    occurrences.assign(unique.size(), 0);
-    if (keep_squares) squares.assign(unique.size() * dim_, 0.0f);
-    for (size_t i = 0; i < n; ++i) {
-      const float* g = grads + i * dim_;
-      float* acc = &summed[size_t(slot[i]) * dim_];
-      for (uint32_t j = 0; j < dim_; ++j) acc[j] += g[j];
-      ++occurrences[slot[i]];
-      if (!keep_squares) continue;
-      float* sq = &squares[size_t(slot[i]) * dim_];
-      for (uint32_t j = 0; j < dim_; ++j) sq[j] += g[j] * g[j];
-    }
+    sums.Sum(
+        n, unique.size(), dim_, optimizer_.kind == OptimizerKind::kKerasAdagrad,
+        [&](size_t i) { return static_cast<size_t>(slot[i]); },
+        [&](size_t i) { return grads + i * dim_; });
   }
   const size_t stride = dim_ + slot_floats_;
   std::lock_guard<std::mutex> lock(mu_);
@@ -381,8 +369,10 @@ void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr
     const uint32_t cached = index_.Find(unique[u]);
     if (cached == SlotIndex::kNone) continue;
     float* row = &data_[size_t{cached} * stride];
-    const float* g = repeated ? &summed[u * dim_] : grads + u * dim_;
-    const float* sq = repeated && keep_squares && occurrences[u] > 1 ? &squares[u * dim_] : nullptr;
+    const float* summed = repeated ? sums.Summed(u) : nullptr;
+    // An id pushed once: its gradient as sent (the u-th, with no repeats).
+    const float* g = summed != nullptr ? summed : grads + (repeated ? sums.First(u) : u) * dim_;
+    const float* sq = summed != nullptr ? sums.Squares(u) : nullptr;
     ApplyRow(optimizer_, dim_, lr, g, sq, row, row + dim_, &steps_[cached]);
     ++counts_.applied;
   }

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -337,6 +338,57 @@ DLT_TEST(TestTablePullModesAndPush) {
   std::vector<float> after(12);
   EXPECT_OK(t.Pull(ids.data(), 3, PullMode::kInsert, after.data()));
   EXPECT(after == out);  // nothing applied
+}
+
+DLT_TEST(TestAPushSumsRepeatedIdsAndAppliesTheOthersAsSent) {
+  // Keras Adagrad, whose update takes each occurrence's square: a repeated
+  // id's gradients and their squares are summed in the push's order, an id
+  // pushed once applies its gradient as sent; bitwise what ApplyRow makes.
+  const uint32_t dim = 16;
+  const TableConfig config = Config("t", dim, OptimizerKind::kKerasAdagrad);
+  Table t(config);
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  const size_t n = 20000;
+  std::vector<int64_t> ids(n);
+  for (int64_t& id : ids) id = static_cast<int64_t>(rng() % 15000);  // about half repeated
+  std::vector<float> grads(n * dim);
+  for (float& g : grads) g = uniform(rng);
+  std::vector<int64_t> distinct(ids);
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  const size_t width = StateFloats(dim, t.slot_floats());
+  std::vector<float> made(distinct.size() * dim), state(distinct.size() * width);
+  EXPECT_OK(t.Pull(distinct.data(), distinct.size(), PullMode::kInsert, made.data()));
+  EXPECT_OK(t.Pull(distinct.data(), distinct.size(), PullMode::kState, state.data()));
+  std::map<int64_t, size_t> at;
+  for (size_t a = 0; a < distinct.size(); ++a) at[distinct[a]] = a;
+  std::vector<float> sums(distinct.size() * dim, 0.0f), squares(sums.size(), 0.0f);
+  std::vector<size_t> occurrences(distinct.size(), 0), first(distinct.size(), 0);
+  for (size_t k = 0; k < n; ++k) {
+    const size_t a = at[ids[k]];
+    if (occurrences[a]++ == 0) first[a] = k;
+    for (uint32_t j = 0; j < dim; ++j) {
+      sums[a * dim + j] += grads[k * dim + j];
+      squares[a * dim + j] += grads[k * dim + j] * grads[k * dim + j];
+    }
+  }
+  size_t repeated = 0;
+  std::vector<float> expected(state);
+  for (size_t a = 0; a < distinct.size(); ++a) {
+    float* row = &expected[a * width];
+    uint32_t step = StepOfState(row, width);
+    const bool once = occurrences[a] == 1;
+    repeated += once ? 0 : 1;
+    EXPECT(ApplyRow(config.optimizer, dim, 0.1f, once ? &grads[first[a] * dim] : &sums[a * dim],
+                    once ? nullptr : &squares[a * dim], row, row + dim, &step));
+    std::memcpy(row + width - 1, &step, sizeof(step));
+  }
+  EXPECT(repeated > distinct.size() / 4 && repeated < distinct.size() * 3 / 4);
+  EXPECT_OK(t.Push(ids.data(), grads.data(), n, 0.1f));
+  std::vector<float> after(state.size());
+  EXPECT_OK(t.Pull(distinct.data(), distinct.size(), PullMode::kState, after.data()));
+  EXPECT(std::memcmp(after.data(), expected.data(), sizeof(float) * after.size()) == 0);
 }
 
 DLT_TEST(TestTableGrowthAndExport) {
