@@ -1,5 +1,8 @@
 #include "native/core/push_ledger.h"
 
+#include <algorithm>
+#include <cstddef>
+
 namespace dlt {
 
 void WriterFirstLock::lock_shared() {
@@ -98,6 +101,12 @@ void PushLedger::Absorb(PushLedger* other) {
     done.assign(other->order_.begin(), other->order_.end());
   }
   Insert(done.data(), done.size());
+}
+
+void PushLedger::Done(size_t max, std::vector<PushId>* ids) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t n = std::min(max, order_.size());
+  ids->assign(order_.end() - static_cast<std::ptrdiff_t>(n), order_.end());
 }
 
 void PushLedger::ForgetDone() {

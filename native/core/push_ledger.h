@@ -78,6 +78,10 @@ class PushLedger {
   // Records as applied every push `other` finished (a re-shard's shard
   // learned them from its senders).
   void Absorb(PushLedger* other);
+  // The newest `max` finished pushes (a copy of every table carries them:
+  // a push applied before a stream tracked it, or whose id a failed round
+  // took, is in the copied rows); caller holds gate() alone.
+  void Done(size_t max, std::vector<PushId>* ids) const;
   // Forgets every finished push (a copy that stepped down dropped their
   // rows); pushes being applied stay.
   void ForgetDone();

@@ -336,10 +336,10 @@ size_t Shard::KeepMemory() {
       Status status;
       moved += t->Demote(want, &status);
       if (!status.ok()) {
-        t->SetTierError(status.message());
+        t->SetKeeperError(status.message());
         failed[t.get()] = now;
       } else if (f != failed.end()) {
-        t->SetTierError("");
+        t->SetKeeperError("");
         failed.erase(f);
       }
     }

@@ -528,7 +528,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       const Status written =
           stripe.tier->Rewrite(cold_slots[cold_at[k]], ids[kept[k]], r, generation);
       if (!written.ok()) {  // this stripe's rows from this one on are not applied
-        SetTierError(written.message());
+        NoteTierError(written.message());
         return written;
       }
       disk_updates_.fetch_add(1, std::memory_order_relaxed);

@@ -287,8 +287,15 @@ class Table {
   // before), removal logs.
   size_t ram_fixed_bytes() const;
   TierStats tier_stats() const;
-  // Records a disk error of this table's tier (the keeper's, for stats).
-  void SetTierError(const std::string& error);
+  // The memory keeper's demotions of this table fail with `error`, or work
+  // again (""): while they fail, pushes do not wait for a keeper that
+  // cannot move rows (WaitForRoom), and stats show the error.
+  void SetKeeperError(const std::string& error);
+  // A disk error a request or a maintenance pass met: shown in stats until
+  // the tier next reads a row for a request (TierWorked). It does not stop
+  // pushes waiting for the keeper, which may still move rows.
+  void NoteTierError(const std::string& error);
+  void TierWorked();
   // Sets the rates in tier_stats() from the counters' change since the
   // last call, `seconds` ago (the keeper calls it about once a second).
   void UpdateTierRates(double seconds);
@@ -554,9 +561,11 @@ class Table {
   std::vector<uint64_t> hot_scores_;  // the sample's scores
   HotFloor hot_floor_;
   mutable std::mutex tier_error_mu_;
-  std::string tier_error_;                 // guarded by tier_error_mu_
-  std::atomic<bool> tier_failing_{false};  // tier_error_ is not empty
-  TierStats rates_;                        // last counters and rates; guarded by tier_error_mu_
+  std::string keeper_error_;                  // guarded by tier_error_mu_
+  std::string request_error_;                 // guarded by tier_error_mu_
+  std::atomic<bool> keeper_failing_{false};   // keeper_error_ is not empty
+  std::atomic<bool> request_failing_{false};  // request_error_ is not empty
+  TierStats rates_;                           // last counters and rates; guarded by tier_error_mu_
 };
 
 }  // namespace dlt

@@ -27,7 +27,7 @@ size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
       uint16_t generation;
       const Status found = stripe->tier->Find(hash, key, scratch, &slot, &generation);
       if (!found.ok()) {
-        SetTierError(found.message());
+        NoteTierError(found.message());
         continue;
       }
       if (slot == TierFile::kNoSlot) continue;
@@ -172,7 +172,7 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
           EraseCold(&stripe, slot, key);
           ++erased;
         });
-    if (!read.ok()) SetTierError(read.message());
+    if (!read.ok()) NoteTierError(read.message());
   }
   return erased;
 }

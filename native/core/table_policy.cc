@@ -129,7 +129,7 @@ size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
           EraseCold(&stripe, slot, key);
           ++removed;
         });
-    if (!read.ok()) SetTierError(read.message());
+    if (!read.ok()) NoteTierError(read.message());
   }
   counter->fetch_add(removed, std::memory_order_relaxed);
   return removed;

@@ -36,7 +36,7 @@ void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kRoomWaitSeconds);
-  while (ram_rows() > limit + limit / 16 && !tier_failing_.load(std::memory_order_relaxed) &&
+  while (ram_rows() > limit + limit / 16 && !keeper_failing_.load(std::memory_order_relaxed) &&
          std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::microseconds(kRoomWaitMicros));
   }
@@ -104,7 +104,11 @@ bool Table::RamFull(const Stripe& stripe) const {
 Status Table::FindCold(Stripe* stripe, uint64_t hash, int64_t id, char* record, uint32_t* slot,
                        uint16_t* generation) {
   const Status found = stripe->tier->Find(hash, id, record, slot, generation);
-  if (!found.ok()) SetTierError(found.message());  // the row stays where it is
+  if (!found.ok()) {
+    NoteTierError(found.message());  // the row stays where it is
+  } else if (request_failing_.load(std::memory_order_relaxed)) {
+    TierWorked();
+  }
   return found;
 }
 
@@ -307,7 +311,7 @@ size_t Table::EvictAcrossTiers() {
           scored.emplace_back(Score(record, now), key);
         });
     if (!read.ok()) {
-      SetTierError(read.message());
+      NoteTierError(read.message());
       continue;
     }
     // Down to the quota less the same slack EvictFrom leaves.
@@ -361,10 +365,22 @@ size_t Table::ram_rows() const {
   return ram < 0 ? 0 : static_cast<size_t>(ram);
 }
 
-void Table::SetTierError(const std::string& error) {
+void Table::SetKeeperError(const std::string& error) {
   std::lock_guard<std::mutex> lock(tier_error_mu_);
-  tier_error_ = error;
-  tier_failing_.store(!error.empty(), std::memory_order_relaxed);
+  keeper_error_ = error;
+  keeper_failing_.store(!error.empty(), std::memory_order_relaxed);
+}
+
+void Table::NoteTierError(const std::string& error) {
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  request_error_ = error;
+  request_failing_.store(true, std::memory_order_relaxed);
+}
+
+void Table::TierWorked() {
+  std::lock_guard<std::mutex> lock(tier_error_mu_);
+  request_error_.clear();
+  request_failing_.store(false, std::memory_order_relaxed);
 }
 
 void Table::UpdateTierRates(double seconds) {
@@ -397,7 +413,7 @@ TierStats Table::tier_stats() const {
   t.disk_updates = disk_updates_.load(std::memory_order_relaxed);
   t.demotions = demotions_.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(tier_error_mu_);
-  t.error = tier_error_;
+  t.error = keeper_error_.empty() ? request_error_ : keeper_error_;
   t.promotions_per_s = rates_.promotions_per_s;
   t.demotions_per_s = rates_.demotions_per_s;
   t.disk_reads_per_s = rates_.disk_reads_per_s;

@@ -30,6 +30,9 @@ constexpr size_t kKeptFrames = 32;
 constexpr size_t kFramesInFlight = 64;
 // Connections a round's rows travel over at most (with cores to spare).
 constexpr size_t kMaxLanes = 4;
+// A round's end frame beside its push ids: the frame's header and fields,
+// the epoch.
+constexpr size_t kRoundEndRoom = 4096;
 
 }  // namespace
 
@@ -435,6 +438,17 @@ Status Replicator::Round(uint64_t round) {
       copied = true;
     }
     if (options_.after_copy) options_.after_copy();
+  }
+  if (copied) {
+    // A copy's round carries every push the copied rows hold, as far as
+    // the ledger remembers and a frame of the peer takes: those applied
+    // before this stream tracked them (a standby attached, a range stream
+    // began) and those a failed round took. Without them, a push sent again
+    // after a takeover or a switch would be applied a second time.
+    const size_t room = standby_frame_bytes_ > kRoundEndRoom
+                            ? (standby_frame_bytes_ - kRoundEndRoom) / sizeof(PushId)
+                            : 0;
+    ledger.Done(std::min(room, PushLedger::kCapacity), &pushed);
   }
   if (options_.after_take) options_.after_take();
   // The changed rows are read into frames while the gate is held (by a few

@@ -620,6 +620,30 @@ DLT_TEST(TestAPushSentAgainIsAppliedOnceEvenAfterATakeover) {
   EXPECT(TableOf(*pair.standby, "emb")->pushes() == 2);
 }
 
+DLT_TEST(TestAStandbyAttachedAfterAPushKnowsItFromTheCopy) {
+  // A push applied before its standby attached (or whose id a failed round
+  // took) is in the rows the standby's copy holds: the copy's round carries
+  // its id, so sent again after a takeover it is not applied twice.
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  const int64_t ids[] = {1, 2, 1};
+  const float grads[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const PushId id{43, 1};
+  EXPECT_OK(PushOnce(Address(*pair.primary_server), id, ids, grads, 3, 4));
+  const Rows once = AllRows(TableOf(*pair.primary, "emb").get());
+  pair.Replicate();
+  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  pair.primary_server->set_write_listener(nullptr);
+  pair.replicator->Stop();
+  pair.primary_server->Stop();
+  pair.standby_server->set_standby(false);
+  EXPECT_OK(PushOnce(Address(*pair.standby_server), id, ids, grads, 3, 4));  // its reply was lost
+  EXPECT(pair.standby_server->counters().repeated_pushes.load() == 1);
+  const Rows after = AllRows(TableOf(*pair.standby, "emb").get());
+  EXPECT(after.values == once.values && after.slots == once.slots && after.steps == once.steps);
+}
+
 DLT_TEST(TestPushesToShardsWithStandbysGoOnAcrossATakeover) {
   // A client pushing while the primary dies: every push returns OK, and the
   // standby ends with exactly the rows of every push applied once.
@@ -996,9 +1020,15 @@ DLT_TEST(TestRangeStreamsFillTheNextLayoutsShardWhileTrainingRuns) {
   bool created;
   EXPECT_OK(grow.a->CreateTable(config, &created));
   EXPECT_OK(grow.b->CreateTable(config, &created));
-  // Rows from before the streams began come with their copies.
+  // Rows from before the streams began come with their copies, and so do
+  // the ids of the pushes that wrote them.
   Trainers trainers(grow.Addresses(), "emb", 8, 2);
   EXPECT(Eventually([&] { return trainers.acked.load() >= 20; }));
+  int64_t moving = 0;
+  while (BucketOf(moving) < first || BucketOf(moving) >= mid) ++moving;
+  const PushId before{77, 0};
+  const std::vector<float> grads(8, 0.5f);
+  EXPECT_OK(PushOnce(Address(*grow.a_server), before, &moving, grads.data(), 1, 8));
   grow.from_a->Start();
   grow.from_b->Start();
   EXPECT(Eventually(
@@ -1012,10 +1042,7 @@ DLT_TEST(TestRangeStreamsFillTheNextLayoutsShardWhileTrainingRuns) {
   const int at_catch_up = trainers.acked.load();
   EXPECT(Eventually([&] { return trainers.acked.load() >= at_catch_up + 50; }));
   // An identified push to shard 0 of a moving bucket: its id moves too.
-  int64_t moving = 0;
-  while (BucketOf(moving) < first || BucketOf(moving) >= mid) ++moving;
   const PushId push{77, 1};
-  const std::vector<float> grads(8, 0.5f);
   EXPECT_OK(PushOnce(Address(*grow.a_server), push, &moving, grads.data(), 1, 8));
   EXPECT_OK(grow.a->DropTable("late"));
   EXPECT_OK(grow.b->DropTable("late"));
@@ -1039,6 +1066,8 @@ DLT_TEST(TestRangeStreamsFillTheNextLayoutsShardWhileTrainingRuns) {
   EXPECT(next_table->pushes() == std::max(a_table->pushes(), b_table->pushes()));
   Status again;
   EXPECT(!grow.next->push_ledger().Begin(push, &again));  // applied once, on A
+  EXPECT_OK(again);
+  EXPECT(!grow.next->push_ledger().Begin(before, &again));  // with the copy
   EXPECT_OK(again);
   // The streams took only their shards' own change logs: a standby of A
   // could have run beside them.

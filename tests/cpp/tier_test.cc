@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -931,6 +932,48 @@ DLT_TEST(TestInjectedDiskFaultsFailTheirRequestAndLoseNoRow) {
   EXPECT(s.code() == Code::kInternal);
   EXPECT(t.size() == ids.size() && t.tier_stats().disk_read_errors == 3);
   EXPECT_OK(t.Push(ids.data(), grads.data(), ids.size(), 0.1f));
+}
+
+DLT_TEST(TestAReadErrorLeavesPushesWaitingForTheKeeperAndClearsOnTheNextRead) {
+  // A request's read error is shown until the tier next reads a row for a
+  // request; it does not stop pushes waiting for the keeper (only the
+  // keeper's own failure does: it could not make room).
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kAdagrad));
+  t.AttachTier(dir.path);
+  std::vector<int64_t> ids(20000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i * 7919);
+  std::vector<float> out(ids.size() * 4);
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, out.data()));
+  Status s;
+  t.Demote(t.ram_rows() * 3 / 4, &s);
+  EXPECT_OK(s);
+  DiskFaults eio;
+  eio.failing_reads = 1;
+  InjectDiskFaults(eio);
+  EXPECT(t.Pull(ids.data(), ids.size(), PullMode::kZerosNoInsert, out.data()).code() ==
+         Code::kInternal);
+  InjectDiskFaults(DiskFaults{});
+  EXPECT(!t.tier_stats().error.empty());
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kZerosNoInsert, out.data()));
+  EXPECT(t.tier_stats().error.empty());
+  // RAM far past its limit: a push waits until the rows are moved out.
+  t.SetRamLimit(16 * 16);
+  EXPECT(t.ram_rows() > 1000);
+  std::vector<int64_t> fresh(64);
+  for (size_t i = 0; i < fresh.size(); ++i) fresh[i] = static_cast<int64_t>(1000000007 + i);
+  const std::vector<float> grads(fresh.size() * 4, 0.1f);
+  std::atomic<bool> pushed{false};
+  std::thread push([&] {
+    EXPECT_OK(t.Push(fresh.data(), grads.data(), fresh.size(), 0.1f));
+    pushed.store(true);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const bool waited = !pushed.load();
+  t.Demote(t.ram_rows(), &s);  // the keeper's part
+  EXPECT_OK(s);
+  push.join();
+  EXPECT(waited && pushed.load());
 }
 
 DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
