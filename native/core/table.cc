@@ -638,12 +638,16 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
   thread_local std::vector<uint16_t> tls_cold_generations;
   thread_local Deduper tls_cold_dedup;
   thread_local std::vector<uint32_t> tls_cold_last;
+  thread_local std::vector<int64_t> tls_ram_after_cold;
   std::vector<uint64_t>& cold_hashes = tls_cold_hashes;
   std::vector<int64_t>& cold_keys = tls_cold_keys;
   std::vector<char>& cold_records = tls_cold_records;
   std::vector<uint16_t>& cold_generations = tls_cold_generations;
   Deduper& cold_dedup = tls_cold_dedup;
   std::vector<uint32_t>& cold_last = tls_cold_last;
+  // Ids given a new RAM row while the stripe's batch for disk was not
+  // empty: an id twice in the call may have gone to the batch first.
+  std::vector<int64_t>& ram_after_cold = tls_ram_after_cold;
   char* const cold = ScratchRecord();
   // During a hot load (only with a tier: every stripe has a file), the rows
   // that go to RAM (the others to disk).
@@ -664,6 +668,7 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
     cold_keys.clear();
     cold_records.clear();
     cold_generations.clear();
+    ram_after_cold.clear();
     const uint32_t end = starts[s + 1];
     for (uint32_t k = starts[s]; k < end; ++k) {
       // The index probe some ids ahead, and the record of a row a few ahead
@@ -720,6 +725,7 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
         }
         rows_.fetch_add(1, std::memory_order_relaxed);
         inserted = true;
+        if (!cold_keys.empty()) ram_after_cold.push_back(ids[pos]);
       }
       char* r = stripe.Record(rec, record_bytes_);
       auto* header = reinterpret_cast<RowHeader*>(r);
@@ -731,29 +737,42 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
     }
     if (!cold_keys.empty()) {
       // Each id once, with the row of its last occurrence, in the order of
-      // their first.
-      bool repeated = false;
+      // their first; none that a later occurrence put in RAM (a hot load's
+      // row above the floor, or RAM with room again), so a row lies in one
+      // tier only. (A row in RAM first takes every later occurrence.)
+      constexpr uint32_t kInRam = 0xffffffffu;
+      const size_t batched = cold_keys.size();
+      bool compact = false;
       cold_last.clear();
+      cold_keys.insert(cold_keys.end(), ram_after_cold.begin(), ram_after_cold.end());
       cold_dedup.Visit(
           cold_keys.data(), cold_keys.size(),
-          [&](size_t i, uint64_t, uint32_t) { cold_last.push_back(static_cast<uint32_t>(i)); },
+          [&](size_t i, uint64_t, uint32_t) {
+            // An id only in RAM comes after every batched one: left out below.
+            cold_last.push_back(i < batched ? static_cast<uint32_t>(i) : kInRam);
+          },
           [&](size_t i, uint32_t u) {
-            cold_last[u] = static_cast<uint32_t>(i);
-            repeated = true;
+            cold_last[u] = i < batched ? static_cast<uint32_t>(i) : kInRam;
+            compact = true;
           });
-      if (repeated) {
-        for (size_t u = 0; u < cold_last.size(); ++u) {
-          const size_t i = cold_last[u];
-          cold_hashes[u] = cold_hashes[i];
-          cold_keys[u] = cold_keys[i];
-          cold_generations[u] = cold_generations[i];
-          std::memmove(cold_records.data() + u * record_bytes_,
-                       cold_records.data() + i * record_bytes_, record_bytes_);
+      cold_keys.resize(batched);
+      if (compact) {
+        size_t kept = 0;
+        for (const uint32_t i : cold_last) {
+          if (i == kInRam) continue;
+          if (i != kept) {
+            cold_hashes[kept] = cold_hashes[i];
+            cold_keys[kept] = cold_keys[i];
+            cold_generations[kept] = cold_generations[i];
+            std::memmove(cold_records.data() + kept * record_bytes_,
+                         cold_records.data() + size_t{i} * record_bytes_, record_bytes_);
+          }
+          ++kept;
         }
-        cold_hashes.resize(cold_last.size());
-        cold_keys.resize(cold_last.size());
-        cold_generations.resize(cold_last.size());
-        cold_records.resize(cold_last.size() * record_bytes_);
+        cold_hashes.resize(kept);
+        cold_keys.resize(kept);
+        cold_generations.resize(kept);
+        cold_records.resize(kept * record_bytes_);
       }
       DLT_RETURN_IF_ERROR(stripe.tier->PutBatch(cold_keys.size(), cold_hashes.data(),
                                                 cold_keys.data(), cold_records.data(),

@@ -708,6 +708,46 @@ DLT_TEST(TestAnIdTwiceInALoadToDiskKeepsItsLastRow) {
   }
 }
 
+DLT_TEST(TestAnIdTwiceInAHotLoadLiesInOneTierWithItsLastRow) {
+  // A hot load sends an id's first occurrence to disk (colder than the
+  // floor) and its second to RAM (hotter): the RAM row wins, and the id is
+  // one row, exported once, read and erased as one.
+  TempDir dir;
+  TableConfig config = TierTable(OptimizerKind::kAdagrad);
+  config.policy.clock = static_cast<uint64_t>(ClockKind::kPushes);
+  Table t(config);
+  t.AttachTier(dir.path);
+  t.SetPushClock(2000000);
+  t.SetRamLimit(kStripes * 64);
+  constexpr size_t kRows = 10000;
+  std::vector<int64_t> ids(kRows + 1);
+  std::vector<float> values((kRows + 1) * 4, 1.0f);
+  std::vector<uint32_t> steps(kRows + 1, 0), touched(kRows + 1);
+  for (size_t i = 0; i < kRows; ++i) {
+    ids[i] = static_cast<int64_t>(i) * 7919 + 1;
+    touched[i] = static_cast<uint32_t>(i);  // ids[0] the coldest
+  }
+  ids[kRows] = ids[0];  // again, as the hottest row
+  touched[kRows] = 2000000;
+  for (int j = 0; j < 4; ++j) values[kRows * 4 + j] = 2.0f;
+  t.BeginHotLoad(100000);
+  EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, steps.data(), kRows + 1, touched.data()));
+  t.EndHotLoad();
+  EXPECT(t.size() == kRows);
+  const auto rows = Rows(&t);
+  EXPECT(rows.size() == kRows && rows.at(ids[0]).values[0] == 2.0f);
+  EXPECT(t.tier_stats().ram_rows + t.tier_stats().disk_rows == kRows);
+  Status s;
+  t.Demote(t.ram_rows(), &s);  // every row on disk: one slot of the id
+  EXPECT_OK(s);
+  float got[4];
+  EXPECT_OK(t.Pull(&ids[0], 1, PullMode::kZerosNoInsert, got));
+  EXPECT(got[0] == 2.0f);
+  EXPECT(t.Erase(&ids[0], 1) == 1);
+  EXPECT_OK(t.Pull(&ids[0], 1, PullMode::kZerosNoInsert, got));
+  EXPECT(got[0] == 0.0f && t.size() == kRows - 1);
+}
+
 DLT_TEST(TestLoadPastTheRamLimitGoesToDiskAndPolicyCoversBothTiers) {
   TempDir dir;
   TableConfig config = TierTable(OptimizerKind::kAdagrad);
