@@ -424,6 +424,9 @@ class Table {
   void CopyOut(const char* r, int64_t id, uint32_t bucket, const RowBuffers& out, size_t i) const;
   // Removes disk tier slot `slot` (holding `key`) like EraseFrom.
   void EraseCold(Stripe* stripe, uint32_t slot, int64_t key);
+  // Stops tracking removals when the stripe's log outgrew its cap (its
+  // memory given back; the next save is written in full).
+  void CapRemovalLog(Stripe* stripe);
   // Moves `id` from the stripe's disk tier into RAM: *rec gets its
   // record, or kEmpty when the tier does not hold it. Caller holds the
   // lock exclusively.

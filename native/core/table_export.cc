@@ -35,13 +35,23 @@ size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
       ++erased;
     }
   }
-  if (log && stripe->removed.size() > kLogSlack + stripe->live / 4) {
-    // Tracking this many removals would cost more than a full write of the
-    // table: stop, and let the next save write the table in full.
-    log_overflow_.store(true, std::memory_order_relaxed);
-    logging_.store(false, std::memory_order_relaxed);
-  }
+  CapRemovalLog(stripe);
   return erased;
+}
+
+void Table::CapRemovalLog(Stripe* stripe) {
+  // A cap on the stripe's RAM rows, cold rows' removals included: a table
+  // mostly on disk keeps no log of millions of removals in RAM (12 bytes
+  // each, which the memory keeper would make room for by moving rows out).
+  if (!logging_.load(std::memory_order_relaxed) ||
+      stripe->removed.size() <= kLogSlack + stripe->live / 4) {
+    return;
+  }
+  // Tracking this many removals would cost more than a full write of the
+  // table: stop, and let the next save write the table in full.
+  log_overflow_.store(true, std::memory_order_relaxed);
+  logging_.store(false, std::memory_order_relaxed);
+  std::vector<Removal>().swap(stripe->removed);
 }
 
 bool Table::ChangedSince(uint16_t row_generation, uint32_t since) const {

@@ -428,6 +428,7 @@ void Table::EraseCold(Stripe* stripe, uint32_t slot, int64_t key) {
   NoteChange(stripe, key);
   if (logging_.load(std::memory_order_relaxed)) {
     stripe->removed.push_back(Removal{key, generation_.load(std::memory_order_relaxed)});
+    CapRemovalLog(stripe);
   }
 }
 

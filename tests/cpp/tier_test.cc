@@ -1016,6 +1016,35 @@ DLT_TEST(TestAReadErrorLeavesPushesWaitingForTheKeeperAndClearsOnTheNextRead) {
   EXPECT(waited && pushed.load());
 }
 
+DLT_TEST(TestRemovingColdRowsKeepsTheRemovalLogWithinItsCap) {
+  // A shrink of a table mostly on disk: its removals' log stops at the cap
+  // (the next save is written whole) instead of holding 12 bytes of RAM per
+  // removed cold row, as the same shrink all in RAM does.
+  constexpr size_t kRows = 400000;
+  std::vector<int64_t> ids(kRows);
+  const std::vector<float> values(kRows * 4, 0.25f);
+  const std::vector<uint32_t> steps(kRows, 1);
+  for (size_t i = 0; i < kRows; ++i) ids[i] = static_cast<int64_t>(i) * 7919;
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kAdagrad));
+  t.AttachTier(dir.path);
+  t.SetRamLimit(kStripes * 16);
+  EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, steps.data(), kRows));
+  EXPECT(t.tier_stats().disk_rows > kRows * 9 / 10);
+  t.MarkLoaded("base");
+  const size_t fixed_before = t.ram_fixed_bytes();
+  EXPECT(t.Shrink(2, 0, t.Now()) == kRows);
+  EXPECT(t.size() == 0);
+  std::vector<int64_t> removed;
+  EXPECT(t.RemovedSince(0, &removed).code() == Code::kFailedPrecondition);
+  EXPECT(t.ram_fixed_bytes() <= fixed_before);
+  // The next save starts afresh and tracks removals again.
+  const SaveStart start = t.BeginSave("next", "base");
+  EXPECT(!start.tracked);
+  EXPECT_OK(t.RemovedSince(0, &removed));
+  EXPECT(removed.empty());
+}
+
 DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
   TempDir dir;
   // Stale files of a shard process that is gone.
