@@ -12,8 +12,10 @@ import urllib.request
 from typing import Any
 
 import numpy as np
+import pytest
 
 import tf_dlt
+from tf_dlt import _native, errors
 from tf_dlt.server import replication
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.shard_server import ShardServer
@@ -144,6 +146,42 @@ def test_a_standby_the_primary_left_out_never_takes_over(tmp_path) -> None:  # t
         assert ": taking over" not in cluster.log(first)
         fresh = tf_dlt.Client(cluster.addresses)
         np.testing.assert_array_equal(fresh.pull("emb", IDS), before)
+
+
+def test_a_primary_frozen_past_a_takeover_is_fenced_when_it_wakes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The primary freezes (a long pause) past the takeover: one standby
+    takes over at epoch 2 and the other follows it. The old primary wakes
+    holding connections to both: the follower, which promised the takeover,
+    takes none of its rounds and tells it the newer epoch, so it takes no
+    standby back, acknowledges no write and answers trainers UNAVAILABLE
+    (role "replaced"); the new primary keeps its standby and every write."""
+    with LocalCluster(1, "--io-timeout", "2", workdir=tmp_path / "cluster", replicas=3) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        _train(client, 5)
+
+        def serving() -> list[int]:
+            return [p for p in (1, 2) if _stats_of(cluster, p).role == "primary"]
+
+        cluster.processes[0].send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: bool(serving()), "a standby to take over")
+            (new,) = serving()
+            (other,) = {1, 2} - {new}
+            wait_until(lambda: _all_caught_up(cluster, new, [other]), "the other standby to follow")
+        finally:
+            cluster.processes[0].send_signal(signal.SIGCONT)
+        wait_until(lambda: _stats_of(cluster, 0).role == "replaced", "the old primary to be fenced")
+        with pytest.raises(errors.UnavailableError, match="was replaced"):
+            _native.hello(cluster.process_addresses[0], "", timeout_ms=5000)
+        _train(client, 6)  # sync: on the new primary and its standby
+        before = client.pull("emb", IDS)
+        assert _all_caught_up(cluster, new, [other])
+        assert _stats_of(cluster, other).standby_of == cluster.process_addresses[new]
+        cluster.kill(new)  # the follower takes over with every write
+        np.testing.assert_array_equal(client.pull("emb", IDS), before)
+        assert _stats_of(cluster, other).role == "primary"
 
 
 def test_a_standby_down_when_the_primary_dies_is_waited_for(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -552,6 +552,12 @@ void Shard::InstallTables(const std::vector<std::shared_ptr<Table>>& tables) {
   for (const auto& t : tables) tables_[t->config().name] = t;
 }
 
+void Shard::Fence(uint64_t epoch) {
+  uint64_t now = fence_epoch_.load();
+  while (now < epoch && !fence_epoch_.compare_exchange_weak(now, epoch)) {
+  }
+}
+
 Status Shard::AcquireStream(uint32_t* stream) {
   std::lock_guard<std::mutex> lock(streams_mu_);
   for (uint32_t k = 0; k < kMaxStreams; ++k) {

@@ -103,6 +103,23 @@ class Shard {
   // when it takes over. Clients refuse a shard older than one they met.
   uint64_t epoch() const { return epoch_.load(); }
   void set_epoch(uint64_t epoch) { epoch_.store(epoch); }
+  // Epoch fencing (docs/replication.md, "Who takes over"). A standby that
+  // grants another's takeover fences the primary it followed: it takes no
+  // round of a primary older than fence_epoch() and tells its epoch as at
+  // least that. A primary that meets a standby telling a newer epoch was
+  // replaced (superseded_by(): that epoch, 0 while it was not): it answers
+  // trainers UNAVAILABLE, so they go to the new one, and acknowledges no
+  // write.
+  void Fence(uint64_t epoch);
+  uint64_t fence_epoch() const { return fence_epoch_.load(); }
+  // A standby about to follow the primary at `epoch` (it chose that one):
+  // holds that epoch, and takes rounds of no older primary.
+  void FollowEpoch(uint64_t epoch) {
+    epoch_.store(epoch);
+    fence_epoch_.store(epoch);
+  }
+  void Supersede(uint64_t epoch) { superseded_by_.store(epoch); }
+  uint64_t superseded_by() const { return superseded_by_.load(); }
 
   // Checks that every id routes to this shard; INVALID_ARGUMENT otherwise
   // (the client's shard list is wrong), or ABORTED after a re-shard (the
@@ -198,6 +215,8 @@ class Shard {
   std::mutex streams_mu_;
   uint32_t streams_ = 0;  // taken, a bit each; guarded by streams_mu_
   std::atomic<uint64_t> epoch_{1};
+  std::atomic<uint64_t> fence_epoch_{0};
+  std::atomic<uint64_t> superseded_by_{0};
 
   std::mutex sweeper_mu_;
   std::condition_variable sweeper_cv_;

@@ -33,6 +33,9 @@ constexpr size_t kMaxLanes = 4;
 // A round's end frame beside its push ids: the frame's header and fields,
 // the epoch.
 constexpr size_t kRoundEndRoom = 4096;
+// An idle standby's empty round, this often (Round): a primary paused past
+// a takeover meets the standby's fence within it, not at its next write.
+constexpr int kHeartbeatMs = 1000;
 
 }  // namespace
 
@@ -306,6 +309,14 @@ Status Replicator::Connect() {
     std::lock_guard<std::mutex> lock(mu_);
     status_.first_bucket = first_;
     status_.end_bucket = end_;
+  } else if (s.ok() && reply.epoch > shard_->epoch()) {
+    // The standby follows, or promised to follow, a newer primary: this
+    // one was replaced (paused or cut off past the takeover). It serves no
+    // trainer from now on and acknowledges no write (docs/replication.md).
+    shard_->Supersede(reply.epoch);
+    s = FailedPrecondition("standby " + standby_ + " follows epoch " + std::to_string(reply.epoch) +
+                           ", newer than this primary's " + std::to_string(shard_->epoch()) +
+                           ": this primary was replaced");
   } else if (s.ok() && (reply.shard_index != shard_->shard_index() ||
                         reply.num_shards != shard_->num_shards() ||
                         reply.layout_epoch != shard_->layout_epoch())) {
@@ -505,7 +516,9 @@ Status Replicator::Round(uint64_t round) {
     }
   }
   round_view_ = view_told_;
-  if (changes.empty() && pushed.empty() && !copied) return OkStatus();
+  const bool heartbeat =
+      !options_.range_stream && Clock::now() - last_end_ >= std::chrono::milliseconds(kHeartbeatMs);
+  if (changes.empty() && pushed.empty() && !copied && !heartbeat) return OkStatus();
   // The round's end: a caught-up standby applies its rows and ids now; after
   // copies, the standby holds every table again and may take over.
   wire::StandbyTableRequest end;
@@ -517,6 +530,7 @@ Status Replicator::Round(uint64_t round) {
   DLT_RETURN_IF_ERROR(
       Call(static_cast<uint8_t>(wire::Opcode::kStandbyTable), payload.data(), payload.size()));
   marked_ = true;
+  last_end_ = Clock::now();
   return OkStatus();
 }
 

@@ -225,7 +225,10 @@ class Replicator : public WriteListener {
   std::map<std::string, uint64_t> clocks_sent_;
   // The tables the standby was last told are provisional.
   std::map<std::string, bool> provisional_;
-  bool marked_ = false;      // the standby was told it caught up since connecting
+  bool marked_ = false;  // the standby was told it caught up since connecting
+  // When the last round ended: an idle standby gets an empty round each
+  // kHeartbeatMs, so a primary that was replaced learns it without a write.
+  std::chrono::steady_clock::time_point last_end_{};
   uint64_t view_told_ = 0;   // the group's view version told on this connection
   uint64_t round_view_ = 0;  // the view version the last round told (or had told)
   std::vector<char> frame_;

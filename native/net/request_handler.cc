@@ -1,5 +1,6 @@
 #include "native/net/request_handler.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -138,13 +139,20 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                                         "to the primary"),
                   true);
     }
+    if (!replica && !(header.flags & wire::kFlagMove) && !standby_.load()) {
+      const Status replaced = Replaced();
+      if (!replaced.ok()) return fail(replaced, true);
+    }
     *authenticated = true;
     if (replica) peer->replica_hello = replica_hellos_.fetch_add(1) + 1;
     counters_->hellos.fetch_add(1);
     out.num_buckets = kNumBuckets;
     out.admin_port = admin_port_.load();
     out.max_frame_bytes = max_frame_bytes_;
-    out.epoch = shard_->epoch();
+    // A standby that promised another's takeover tells at least its fence,
+    // so the primary it stopped following learns it was replaced.
+    out.epoch =
+        standby_.load() ? std::max(shard_->epoch(), shard_->fence_epoch()) : shard_->epoch();
     out.layout_epoch = shard_->layout_epoch();
     out.layout = shard_->layout_addresses();
     {
@@ -182,6 +190,10 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                             " here is a standby (it follows its primary): requests go to the "
                             "primary"),
                 false);
+  }
+  if (shard_->superseded_by() != 0) {
+    const Status replaced = Replaced();
+    if (!replaced.ok()) return fail(replaced, false);
   }
   const bool push = header.opcode == wire::Opcode::kPush;
   const bool assign = header.opcode == wire::Opcode::kAssign;
@@ -290,6 +302,15 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
   return wire::kHeaderBytes + body;
 }
 
+Status RequestHandler::Replaced() const {
+  const uint64_t by = shard_->superseded_by();
+  if (by == 0 || standby_.load()) return OkStatus();
+  return Unavailable("shard " + std::to_string(shard_->shard_index()) +
+                     " here was replaced: a standby follows epoch " + std::to_string(by) +
+                     ", newer than this primary's " + std::to_string(shard_->epoch()) +
+                     "; it serves no trainer (connect to the newer primary)");
+}
+
 RequestHandler::WriteMark RequestHandler::MarkApplied() const {
   WriteMark applied{std::atomic_load(&listener_), 0};
   if (applied.listener != nullptr) applied.mark = applied.listener->Applied();
@@ -357,6 +378,16 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
         std::lock_guard<std::mutex> lock(staged_mu_);
         staged.swap(staged_);  // applied now, or (on an error) never
       }
+      const uint64_t follows = std::max(shard_->epoch(), shard_->fence_epoch());
+      if (epoch < follows) {
+        // A primary that was replaced (this standby follows, or promised to
+        // follow, a newer one): its round is dropped and its connection
+        // closed, and its next Hello tells it the newer epoch.
+        *stale = true;
+        return FailedPrecondition("a round of a primary at epoch " + std::to_string(epoch) +
+                                  ", older than epoch " + std::to_string(follows) +
+                                  " this standby follows: refused (that primary was replaced)");
+      }
       const Status applied = ApplyRound(staged);
       if (payload_pool_ != nullptr) {
         for (Staged& frame : staged) payload_pool_->Put(std::move(frame.payload));
@@ -419,9 +450,13 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
   }
   const bool took_over = was_standby && !standby;
   if (took_over) {
-    staged_.clear();                                        // a round its primary did not finish
-    if (new_epoch) shard_->set_epoch(shard_->epoch() + 1);  // newer than the primary it replaces
+    staged_.clear();  // a round its primary did not finish
+    // Newer than the primary it replaces, and than any it promised to let
+    // take over (that one may have served before it died).
+    const uint64_t newest = std::max(shard_->epoch(), shard_->fence_epoch());
+    shard_->set_epoch(new_epoch ? newest + 1 : newest);
   }
+  if (standby != was_standby) shard_->Supersede(0);  // it follows, or serves afresh
 }
 
 bool RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload) {

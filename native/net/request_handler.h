@@ -64,8 +64,9 @@ class RequestHandler {
   // Becoming a standby again (a primary stepping down) forgets that it was
   // caught up. Taking over drops the rows of a round its primary did not finish and,
   // with `new_epoch`, makes this copy one epoch newer than its primary's
-  // (without: a shard that only waited to learn its role begins as a
-  // primary at the epoch it has).
+  // and than the epoch it fenced (Shard::Fence; without: a shard that only
+  // waited to learn its role begins as a primary at the epoch it has, or
+  // the one it fenced). Either clears Shard::superseded_by.
   void set_standby(bool standby, bool new_epoch = true);
   bool standby() const { return standby_.load(); }
   // A standby holds every table its primary had at some moment: the
@@ -154,6 +155,9 @@ class RequestHandler {
     uint64_t mark = 0;
   };
   WriteMark MarkApplied() const;
+  // UNAVAILABLE when this primary was replaced (Shard::superseded_by), for
+  // trainers; else OK.
+  Status Replaced() const;
   // Waits for the listener that marked the write (none: at once).
   Status AwaitStandby(const WriteMark& applied);
   // A standby's frame from its primary held until its round's end.

@@ -195,6 +195,13 @@ struct Pair {
     primary_server->set_write_listener(replicator);
     replicator->Start();
   }
+  // Table "emb" (Adagrad, dim 4) on the primary, replicated and caught up.
+  void ReplicateATable() {
+    bool created;
+    EXPECT_OK(primary->CreateTable(AdagradConfig("emb", 4), &created));
+    Replicate();
+    EXPECT(Eventually([&] { return replicator->status().caught_up; }));
+  }
   ~Pair() {
     primary_server->set_write_listener(nullptr);
     replicator->Stop();
@@ -472,21 +479,22 @@ struct ReplicaLink {
 DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
   Pair pair;
   const std::string config = EncodeTableConfig(AdagradConfig("emb", 4));
+  const uint64_t epoch = 5;  // the primary's
+  const std::string at_epoch(reinterpret_cast<const char*>(&epoch), sizeof(epoch));
   auto rows_of = [&] { return TableOf(*pair.standby, "emb")->size(); };
   {
     ReplicaLink link(Address(*pair.standby_server));
     EXPECT_OK(link.Table(wire::kMakeTable, config));
     EXPECT_OK(link.Rows({1, 2}, 0.5f));  // copying: applied as they come
     EXPECT(rows_of() == 2);
-    EXPECT_OK(link.Table(wire::kCaughtUp, std::string(8, '\0')));
+    EXPECT_OK(link.Table(wire::kCaughtUp, at_epoch));
     EXPECT(pair.standby_server->standby_caught_up());
     EXPECT_OK(link.Rows({3}, 0.5f));  // a round: applied at its end
     EXPECT(rows_of() == 2);
     const PushId pushed{9, 1};
-    const uint64_t epoch = 5;  // the primary's
-    EXPECT_OK(link.Table(wire::kRoundEnd,
-                         std::string(reinterpret_cast<const char*>(&epoch), sizeof(epoch)) +
-                             std::string(reinterpret_cast<const char*>(&pushed), sizeof(pushed))));
+    EXPECT_OK(
+        link.Table(wire::kRoundEnd,
+                   at_epoch + std::string(reinterpret_cast<const char*>(&pushed), sizeof(pushed))));
     EXPECT(pair.standby->epoch() == 5);
     EXPECT(rows_of() == 3);
     Status first;
@@ -500,7 +508,7 @@ DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
     EXPECT_OK(link.Table(wire::kMakeTable, config));
     EXPECT(!pair.standby_server->standby_caught_up());
     EXPECT_OK(link.Rows({1}, 0.5f));
-    EXPECT_OK(link.Table(wire::kCaughtUp, std::string(8, '\0')));
+    EXPECT_OK(link.Table(wire::kCaughtUp, at_epoch));
     EXPECT(rows_of() == 1);
     EXPECT_OK(link.Rows({5}, 0.5f));
   }
@@ -593,10 +601,7 @@ DLT_TEST(TestStoppingAReplicatorDoesNotWaitForAStandbyThatHangs) {
 
 DLT_TEST(TestAPushSentAgainIsAppliedOnceEvenAfterATakeover) {
   Pair pair;
-  bool created;
-  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
-  pair.Replicate();
-  EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
+  pair.ReplicateATable();
   const int64_t ids[] = {1, 2, 1};
   const float grads[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
   const PushId id{42, 7};
@@ -642,6 +647,36 @@ DLT_TEST(TestAStandbyAttachedAfterAPushKnowsItFromTheCopy) {
   EXPECT(pair.standby_server->counters().repeated_pushes.load() == 1);
   const Rows after = AllRows(TableOf(*pair.standby, "emb").get());
   EXPECT(after.values == once.values && after.slots == once.slots && after.steps == once.steps);
+}
+
+DLT_TEST(TestAStandbyThatPromisedATakeoverFencesItsOldPrimary) {
+  // The standby granted another standby's takeover (its primary looked
+  // gone: paused, cut off). The old primary comes back: its rounds are
+  // refused, so it acknowledges no write, and once it connects again the
+  // standby's Hello tells it the newer epoch: it serves no trainer.
+  Pair pair;
+  pair.ReplicateATable();
+  const int64_t ids[] = {1, 2, 3};
+  const float grads[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  EXPECT_OK(PushOnce(Address(*pair.primary_server), PushId{44, 1}, ids, grads, 3, 4));
+  EXPECT(pair.primary->epoch() == 1 && pair.standby->epoch() == 1);
+  pair.standby->Fence(pair.standby->epoch() + 1);  // a grant (tf_dlt/server/replication.py)
+  const Rows held = AllRows(TableOf(*pair.standby, "emb").get());
+  const Status late = PushOnce(Address(*pair.primary_server), PushId{44, 2}, ids, grads, 3, 4);
+  EXPECT(late.code() == Code::kUnavailable);  // applied there, in doubt: never acknowledged
+  const Rows after = AllRows(TableOf(*pair.standby, "emb").get());  // the round was dropped
+  EXPECT(after.ids == held.ids && after.values == held.values && after.slots == held.slots);
+  EXPECT(Eventually([&] { return pair.primary->superseded_by() == 2; }));
+  const Status hello = PushOnce(Address(*pair.primary_server), PushId{44, 3}, ids, grads, 3, 4);
+  EXPECT(hello.code() == Code::kUnavailable);
+  EXPECT(hello.message().find("was replaced") != std::string::npos);
+  // The standby that takes over itself serves newer than the epoch it
+  // fenced (the one it promised may have served meanwhile).
+  pair.primary_server->set_write_listener(nullptr);
+  pair.replicator->Stop();
+  pair.standby_server->set_standby(false);
+  EXPECT(pair.standby->epoch() == 3);
+  EXPECT_OK(PushOnce(Address(*pair.standby_server), PushId{44, 2}, ids, grads, 3, 4));
 }
 
 DLT_TEST(TestPushesToShardsWithStandbysGoOnAcrossATakeover) {

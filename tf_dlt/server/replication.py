@@ -152,6 +152,10 @@ class StandbyLink:
         view: the in-sync set this standby's primary told it last
             (`_native.DataServer.insync_view`): with several standbys only
             one in the newest set any of them knows takes over.
+        fence: fences the primary this standby followed when it grants
+            another's takeover (`_native.Shard.fence`, with its epoch + 1).
+        follow_epoch: holds the epoch of the primary it attaches to
+            (`_native.Shard.follow_epoch`).
     """
 
     def __init__(
@@ -172,6 +176,8 @@ class StandbyLink:
         place: Callable[[], tuple[int, int]] | None = None,
         relocate: Callable[[dict[str, Any]], bool] | None = None,
         view: Callable[[], dict[str, Any]] | None = None,
+        fence: Callable[[int], None] | None = None,
+        follow_epoch: Callable[[int], None] | None = None,
     ) -> None:
         if (primary is None and not replica_set) or (
             replica_set
@@ -196,6 +202,9 @@ class StandbyLink:
         self._step_down = step_down
         self._epoch = epoch or (lambda: 0)
         self._view = view or (lambda: {"epoch": 0, "version": 0, "members": ""})
+        # Epoch fencing (`_native.Shard.fence`, `follow_epoch`).
+        self._fence = fence or (lambda epoch: None)
+        self._follow_epoch = follow_epoch or (lambda epoch: None)
         # The standbys its primary's last Hello named; guarded by _lock.
         self._hello_peers: set[str] = set()
         # (candidate, until): this standby granted that one's claim (or, a
@@ -285,6 +294,11 @@ class StandbyLink:
     def _attach(self) -> None:
         self._find_admin()
         index, count = self._place()
+        # This standby chose the primary: it takes its rounds, and no older
+        # primary's (a replaced one that comes back, docs/replication.md).
+        assert self.primary is not None
+        info = _native.hello(self.primary, self._token, timeout_ms=5000)
+        self._follow_epoch(int(info["epoch"]))
         reply = self._call(
             "AttachStandby",
             dlt_pb2.AttachStandbyRequest(
@@ -704,6 +718,9 @@ class StandbyLink:
                 if self._promise[0] != candidate:
                     return f"it promised {self._promise[0]}"
             self._promise = (candidate, now + PROMISE_S)
+        # The primary it followed is fenced: this standby takes no round of
+        # it again and tells it, when it connects, that a newer one may serve.
+        self._fence(self._epoch() + 1)
         return ""
 
     def _primary_gone(self) -> bool:
@@ -784,7 +801,8 @@ def describe(
         }
     return {
         "epoch": shard.epoch,
-        "role": "primary",
+        # A primary that met a standby of a newer one serves no trainer.
+        "role": "replaced" if shard.superseded_by else "primary",
         "standby_of": "",
         "replication": standbys.replication if standbys is not None else "",
         "standbys": standbys.statuses() if standbys is not None else [],

@@ -386,6 +386,7 @@ class ShardServer:
                 epoch=lambda: int(self.shard.epoch),
                 place=lambda: (int(self.shard.shard_index), int(self.shard.num_shards)),
                 relocate=self._relocate, view=lambda: self.data_server.insync_view,
+                fence=self.shard.fence, follow_epoch=self.shard.follow_epoch,
             ).start()  # fmt: skip
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)
