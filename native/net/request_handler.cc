@@ -362,6 +362,11 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
   } else {
     in_session.lock();
   }
+  if (!standby_.load()) {  // it took over while this frame waited
+    *stale = true;
+    return FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
+                              " here took over: it takes no replication frames");
+  }
   if (replica_hello < session_) {
     *stale = true;
     return FailedPrecondition(
@@ -392,7 +397,14 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       if (payload_pool_ != nullptr) {
         for (Staged& frame : staged) payload_pool_->Put(std::move(frame.payload));
       }
-      DLT_RETURN_IF_ERROR(applied);
+      if (!applied.ok()) {
+        // Part of the round may be applied, without its pushes' ids: this
+        // copy may not take over until its primary copies it afresh (the
+        // connection closes; the primary connects again and copies).
+        caught_up_.store(false);
+        *stale = true;
+        return applied;
+      }
       shard_->push_ledger().Insert(ids.data(), ids.size());
       shard_->set_epoch(epoch);  // its primary's, until it takes over
       if (request.action == wire::kCaughtUp) caught_up_.store(true);
@@ -437,6 +449,10 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
 }
 
 void RequestHandler::set_standby(bool standby, bool new_epoch) {
+  // After every replication frame being applied now: a round's end that
+  // began before a takeover is not applied after it (its rows over the new
+  // primary's writes, its epoch over the new one).
+  std::unique_lock<std::shared_mutex> session(session_mu_);
   std::lock_guard<std::mutex> lock(staged_mu_);
   const bool was_standby = standby_.exchange(standby);
   if (standby && !was_standby) {

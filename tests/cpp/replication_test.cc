@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -516,6 +517,24 @@ DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
   pair.standby_server->set_standby(false);  // taking over drops an unfinished round too
   EXPECT(rows_of() == 1);
   EXPECT(pair.standby->epoch() == 6);  // newer than the primary it replaces
+}
+
+DLT_TEST(TestARoundThatFailsToApplyLeavesTheStandbyNotCaughtUp) {
+  // A round's end whose rows cannot be applied (here a NaN; on a standby,
+  // say, a disk error of its tier) may leave part of it applied without its
+  // pushes' ids: the standby is not caught up (it may not take over) until
+  // its primary copies it afresh, and the connection closes.
+  Pair pair;
+  const uint64_t epoch = 1;
+  const std::string at_epoch(reinterpret_cast<const char*>(&epoch), sizeof(epoch));
+  ReplicaLink link(Address(*pair.standby_server));
+  EXPECT_OK(link.Table(wire::kMakeTable, EncodeTableConfig(AdagradConfig("emb", 4))));
+  EXPECT_OK(link.Table(wire::kCaughtUp, at_epoch));
+  EXPECT(pair.standby_server->standby_caught_up());
+  EXPECT_OK(link.Rows({1, 2}, NAN));
+  EXPECT(link.Table(wire::kRoundEnd, at_epoch).code() == Code::kInvalidArgument);
+  EXPECT(!pair.standby_server->standby_caught_up());
+  EXPECT(!link.Table(wire::kRoundEnd, at_epoch).ok());  // closed
 }
 
 DLT_TEST(TestAFrameOnAConnectionOlderThanTheLatestCopyIsRefused) {
