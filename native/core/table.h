@@ -177,12 +177,15 @@ class Table {
   // began (a ttl sweep, shrink or eviction wave): the ids would be
   // incomplete, and the table must be written whole.
   Status RemovedSince(uint32_t since, std::vector<int64_t>* ids) const;
-  // Removes the rows of `ids` that are present; returns how many.
-  size_t Erase(const int64_t* ids, size_t n);
+  // Removes the rows of `ids` that are present; returns how many. A disk
+  // tier read error leaves the rows it could not look for (and is kept in
+  // *error, when given: a delta load or a standby's round must not take a
+  // removal it did not make for done).
+  size_t Erase(const int64_t* ids, size_t n, Status* error = nullptr);
   // Removes every row of buckets [first, end) except the ids of `keep`;
-  // returns how many.
+  // returns how many (a disk tier read error: as Erase).
   size_t EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep = nullptr,
-                      size_t num_keep = 0);
+                      size_t num_keep = 0, Status* error = nullptr);
   // Sizes the index and arena of every stripe for `rows` rows spread evenly
   // over this table's buckets, and touches the new memory now, with
   // `threads` threads (a load fills the table at memory speed after it).
@@ -415,7 +418,7 @@ class Table {
   // Removes the rows of `keys` (present ones, in either tier) from
   // `stripe`, logging them while a save is tracked; returns how many.
   // Caller holds the lock exclusively.
-  size_t EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys);
+  size_t EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys, Status* error = nullptr);
   // Logs `id` when the change log runs (table_stripe.h).
   void NoteChange(Stripe* stripe, int64_t id);
   // Logs a count of `hash` in the sketch when the change log runs.

@@ -11,7 +11,7 @@
 
 namespace dlt {
 
-size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
+size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys, Status* error) {
   const bool log = logging_.load(std::memory_order_relaxed);
   size_t erased = stripe->EraseKeys(keys, log, generation_.load(std::memory_order_relaxed));
   if (change_log_.load(std::memory_order_relaxed)) {
@@ -28,6 +28,7 @@ size_t Table::EraseFrom(Stripe* stripe, const std::vector<int64_t>& keys) {
       const Status found = stripe->tier->Find(hash, key, scratch, &slot, &generation);
       if (!found.ok()) {
         NoteTierError(found.message());
+        if (error != nullptr && error->ok()) *error = found;
         continue;
       }
       if (slot == TierFile::kNoSlot) continue;
@@ -137,7 +138,7 @@ Status Table::RemovedSince(uint32_t since, std::vector<int64_t>* ids) const {
   return OkStatus();
 }
 
-size_t Table::Erase(const int64_t* ids, size_t n) {
+size_t Table::Erase(const int64_t* ids, size_t n, Status* error) {
   thread_local std::vector<uint64_t> hashes;
   thread_local std::vector<uint32_t> order, starts;
   GroupByStripe(ids, n, &hashes, &order, &starts);
@@ -148,12 +149,13 @@ size_t Table::Erase(const int64_t* ids, size_t n) {
     keys.clear();
     for (uint32_t k = starts[s]; k < starts[s + 1]; ++k) keys.push_back(ids[order[k]]);
     std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
-    erased += EraseFrom(&stripes_[s], keys);
+    erased += EraseFrom(&stripes_[s], keys, error);
   }
   return erased;
 }
 
-size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, size_t num_keep) {
+size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, size_t num_keep,
+                           Status* error) {
   if (first >= end || end > kNumBuckets) return 0;
   std::vector<int64_t> kept(keep, keep + num_keep);
   std::sort(kept.begin(), kept.end());
@@ -172,7 +174,7 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
       for (const IndexEntry& e : stripe.index) {
         if (e.record != kEmpty && goes(e.key)) keys.push_back(e.key);
       }
-      erased += EraseFrom(&stripe, keys);
+      erased += EraseFrom(&stripe, keys, error);
       stripe.Compact(record_bytes_);
     }
     const Status read = ForEachCold(
@@ -182,7 +184,10 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
           EraseCold(&stripe, slot, key);
           ++erased;
         });
-    if (!read.ok()) NoteTierError(read.message());
+    if (!read.ok()) {
+      NoteTierError(read.message());
+      if (error != nullptr && error->ok()) *error = read;
+    }
   }
   return erased;
 }

@@ -117,7 +117,10 @@ Status ReshardTarget::ApplyTable(const wire::StandbyTableRequest& request, Shard
       last = it->second.empty();
       if (last) ranges_.erase(it);
     }
-    if (next->GetTable(config.name, &table).ok()) table->EraseBuckets(first, end);
+    Status erased;
+    if (next->GetTable(config.name, &table).ok())
+      table->EraseBuckets(first, end, nullptr, 0, &erased);
+    DLT_RETURN_IF_ERROR(erased);
     if (!last) return OkStatus();
     const Status dropped = next->DropTable(config.name);
     return dropped.code() == Code::kNotFound ? OkStatus() : dropped;
@@ -127,7 +130,9 @@ Status ReshardTarget::ApplyTable(const wire::StandbyTableRequest& request, Shard
   DLT_RETURN_IF_ERROR(next->CreateTable(config, &created));
   DLT_RETURN_IF_ERROR(next->GetTable(config.name, &table));
   // Rows of an earlier copy of this range (the sender copies it afresh).
-  table->EraseBuckets(first, end);
+  Status erased;
+  table->EraseBuckets(first, end, nullptr, 0, &erased);
+  DLT_RETURN_IF_ERROR(erased);
   std::lock_guard<std::mutex> lock(mu_);
   ranges_[config.name].insert(range);
   return OkStatus();

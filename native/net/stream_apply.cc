@@ -26,7 +26,11 @@ Status ApplyRows(Shard* shard, const wire::ReplicateRequest& request, PushClock 
                                      /*to_disk=*/true)
                             .WithContext("table '" + request.table + "'"));
   }
-  if (request.removed) table->Erase(request.removed_ids, request.removed);
+  if (request.removed) {
+    Status erased;
+    table->Erase(request.removed_ids, request.removed, &erased);
+    DLT_RETURN_IF_ERROR(erased.WithContext("table '" + request.table + "'"));
+  }
   const auto sent = static_cast<uint32_t>(request.push_clock);
   if (clock == PushClock::kTake) table->SetPushClock(sent);
   if (clock == PushClock::kRaise) table->RaisePushClock(sent);

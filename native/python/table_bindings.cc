@@ -275,8 +275,14 @@ void BindTable(py::module_& m) {
       .def("erase",
            [](Table& t, const IdArray& ids) {
              CheckIds(ids);
-             py::gil_scoped_release release;
-             return t.Erase(ids.data(), static_cast<size_t>(ids.shape(0)));
+             size_t erased;
+             Status status;
+             {
+               py::gil_scoped_release release;
+               erased = t.Erase(ids.data(), static_cast<size_t>(ids.shape(0)), &status);
+             }
+             Check(status);
+             return erased;
            })
       .def(
           "erase_buckets",
@@ -287,8 +293,14 @@ void BindTable(py::module_& m) {
               CheckIds(kept);
             }
             const size_t n = keep.is_none() ? 0 : static_cast<size_t>(kept.shape(0));
-            py::gil_scoped_release release;
-            return t.EraseBuckets(first, end, n ? kept.data() : nullptr, n);
+            size_t erased;
+            Status status;
+            {
+              py::gil_scoped_release release;
+              erased = t.EraseBuckets(first, end, n ? kept.data() : nullptr, n, &status);
+            }
+            Check(status);
+            return erased;
           },
           py::arg("first"), py::arg("end"), py::arg("keep") = py::none())
       .def("reserve", &Table::Reserve, py::arg("rows"), py::arg("threads") = 1,

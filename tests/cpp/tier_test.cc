@@ -1016,6 +1016,34 @@ DLT_TEST(TestAReadErrorLeavesPushesWaitingForTheKeeperAndClearsOnTheNextRead) {
   EXPECT(waited && pushed.load());
 }
 
+DLT_TEST(TestAnEraseThatMeetsAReadErrorSaysSoAndLeavesTheRow) {
+  // A delta load's removals and a standby's round erase by id: a cold row
+  // the tier could not read for is not erased, and the caller is told (it
+  // used to count as done, the row left behind).
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kAdagrad));
+  t.AttachTier(dir.path);
+  std::vector<int64_t> ids(4000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i * 7919);
+  std::vector<float> out(ids.size() * 4);
+  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, out.data()));
+  Status s;
+  t.Demote(t.ram_rows(), &s);
+  EXPECT_OK(s);
+  EXPECT(t.ram_rows() == 0);
+  DiskFaults eio;
+  eio.failing_reads = 1;
+  InjectDiskFaults(eio);
+  Status erased;
+  EXPECT(t.Erase(ids.data(), ids.size(), &erased) == ids.size() - 1);
+  InjectDiskFaults(DiskFaults{});
+  EXPECT(erased.code() == Code::kInternal && t.size() == 1);
+  erased = Status();
+  EXPECT(t.Erase(ids.data(), ids.size(), &erased) == 1);
+  EXPECT_OK(erased);
+  EXPECT(t.size() == 0);
+}
+
 DLT_TEST(TestRemovingColdRowsKeepsTheRemovalLogWithinItsCap) {
   // A shrink of a table mostly on disk: its removals' log stops at the cap
   // (the next save is written whole) instead of holding 12 bytes of RAM per
