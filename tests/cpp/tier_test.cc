@@ -90,6 +90,19 @@ std::map<int64_t, Row> Rows(Table* t) {
   return out;
 }
 
+// Rows of ids i * 7919 (i < n) made by training pulls, then `out_of` /
+// `in` of them (of the rows in RAM) moved to the disk tier; the ids.
+std::vector<int64_t> MadeAndMovedOut(Table* t, size_t n, size_t out_of = 1, size_t in = 1) {
+  std::vector<int64_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i * 7919);
+  std::vector<float> out(n * t->dim());
+  EXPECT_OK(t->Pull(ids.data(), n, PullMode::kInsert, out.data()));
+  Status s;
+  t->Demote(t->ram_rows() * out_of / in, &s);
+  EXPECT_OK(s);
+  return ids;
+}
+
 DLT_TEST(TestTierFileStoresFindsGrowsAndFrees) {
   TempDir dir;
   constexpr size_t kRecord = 40;
@@ -906,13 +919,9 @@ DLT_TEST(TestInjectedDiskFaultsFailTheirRequestAndLoseNoRow) {
   TempDir dir;
   Table t(TierTable(OptimizerKind::kAdagrad));
   t.AttachTier(dir.path);
-  std::vector<int64_t> ids(20000);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i * 7919);
+  const std::vector<int64_t> ids = MadeAndMovedOut(&t, 20000, 3, 4);
   std::vector<float> out(ids.size() * 4);
-  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, out.data()));
   Status s;
-  t.Demote(t.ram_rows() * 3 / 4, &s);
-  EXPECT_OK(s);
   const std::map<int64_t, Row> expected = Rows(&t);
   const uint64_t cold = t.tier_stats().disk_rows;
   EXPECT(cold > ids.size() / 2);
@@ -981,13 +990,9 @@ DLT_TEST(TestAReadErrorLeavesPushesWaitingForTheKeeperAndClearsOnTheNextRead) {
   TempDir dir;
   Table t(TierTable(OptimizerKind::kAdagrad));
   t.AttachTier(dir.path);
-  std::vector<int64_t> ids(20000);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i * 7919);
+  const std::vector<int64_t> ids = MadeAndMovedOut(&t, 20000, 3, 4);
   std::vector<float> out(ids.size() * 4);
-  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, out.data()));
   Status s;
-  t.Demote(t.ram_rows() * 3 / 4, &s);
-  EXPECT_OK(s);
   DiskFaults eio;
   eio.failing_reads = 1;
   InjectDiskFaults(eio);
@@ -1023,13 +1028,7 @@ DLT_TEST(TestAnEraseThatMeetsAReadErrorSaysSoAndLeavesTheRow) {
   TempDir dir;
   Table t(TierTable(OptimizerKind::kAdagrad));
   t.AttachTier(dir.path);
-  std::vector<int64_t> ids(4000);
-  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i * 7919);
-  std::vector<float> out(ids.size() * 4);
-  EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInsert, out.data()));
-  Status s;
-  t.Demote(t.ram_rows(), &s);
-  EXPECT_OK(s);
+  const std::vector<int64_t> ids = MadeAndMovedOut(&t, 4000);
   EXPECT(t.ram_rows() == 0);
   DiskFaults eio;
   eio.failing_reads = 1;
