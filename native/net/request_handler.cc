@@ -231,10 +231,13 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
 
   if (assign) {
     s = table->Assign(request.ids, request.grads, request.num_ids);
+    // Marked while still counted in flight, as a push: a hold that waits for
+    // the writes in flight then finds the mark in its last round.
+    const WriteMark applied = MarkApplied();
     ticket.Done();
     if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
     counters_->assigned_rows.fetch_add(request.num_ids);
-    s = AwaitStandby(MarkApplied());
+    s = AwaitStandby(applied);
     if (!s.ok()) return fail(s, false);
     return Respond(wire::Opcode::kAssign, id, wire::EncodePushReply(request.num_ids), reply);
   }
