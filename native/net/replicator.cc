@@ -465,7 +465,8 @@ Status Replicator::Round(uint64_t round) {
   // The changed rows are read into frames while the gate is held (by a few
   // threads at once where there are cores to spare) and sent once it is
   // released, so pushes apply while the standby receives the round. Past
-  // options_.round_buffer_bytes the gate stays held until the rest are sent.
+  // options_.round_buffer_bytes the gate stays held until the rest are sent
+  // (a standby's; a range stream's rounds release it, below).
   std::vector<FrameJob> jobs;
   for (const Changes& c : changes) {
     const size_t threads = static_cast<size_t>(RowStreamPool().threads()) + 1;
@@ -490,10 +491,16 @@ Status Replicator::Round(uint64_t round) {
     DLT_RETURN_IF_ERROR(ReadFrames(jobs, next, end));
     count = end - next;
     if (end == jobs.size()) break;
+    // A range stream's shard serves no trainer before the switch, whose
+    // last rounds (writes held) carry every push id: its rows may be read
+    // after the gate is released. Sending under the gate could wait on the
+    // receiving process's workers, blocked on that gate by identified
+    // pushes (a stream to its own process, or two crossing streams).
+    if (options_.range_stream && gate.owns_lock()) gate.unlock();
     DLT_RETURN_IF_ERROR(SendFrames(count));
     next = end;
   }
-  gate.unlock();
+  if (gate.owns_lock()) gate.unlock();
   DLT_RETURN_IF_ERROR(SendFrames(count));
   for (const Changes& c : changes) DLT_RETURN_IF_ERROR(SendSketchCounts(c.table, c.sketch_adds));
   if (options_.range_stream) {

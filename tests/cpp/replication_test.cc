@@ -1024,12 +1024,16 @@ struct Regrow {
   std::shared_ptr<Shard> a = std::make_shared<Shard>(0, 2);
   std::shared_ptr<Shard> b = std::make_shared<Shard>(1, 2);
   std::shared_ptr<Shard> next = std::make_shared<Shard>(1, 3);
+  const uint64_t round_buffer_bytes;
   std::unique_ptr<DataServer> a_server, b_server;
   std::shared_ptr<Replicator> from_a, from_b;
 
-  Regrow() {
+  // `workers` per shard process; rounds of the streams buffer
+  // `round_buffer_bytes` (0: the default) in frames of 8 KiB when given.
+  explicit Regrow(int workers = 4, uint64_t round_buffer_bytes = 0)
+      : round_buffer_bytes(round_buffer_bytes) {
     DataServerOptions options;
-    options.worker_threads = 4;
+    options.worker_threads = workers;
     a_server = std::make_unique<DataServer>(a, options);
     b_server = std::make_unique<DataServer>(b, options);
     EXPECT_OK(a_server->Start());
@@ -1044,6 +1048,10 @@ struct Regrow {
     r.sync = false;
     r.io_timeout_ms = 10000;
     r.frame_bytes = 64 << 10;  // several frames per round and per copy
+    if (round_buffer_bytes != 0) {
+      r.round_buffer_bytes = round_buffer_bytes;
+      r.frame_bytes = 8 << 10;
+    }
     return std::make_shared<Replicator>(std::move(from), Address(*b_server), r);
   }
   std::vector<std::string> Addresses() const { return {Address(*a_server), Address(*b_server)}; }
@@ -1126,6 +1134,39 @@ DLT_TEST(TestRangeStreamsFillTheNextLayoutsShardWhileTrainingRuns) {
   // The streams took only their shards' own change logs: a standby of A
   // could have run beside them.
   EXPECT(!grow.from_a->status().ended && !grow.from_b->status().ended);
+}
+
+DLT_TEST(TestARangeStreamToItsOwnProcessDoesNotWaitOnItsGate) {
+  // B streams buckets to the shard its own process prepares, in rounds
+  // larger than their buffer, while identified pushes (clients of shards
+  // with standbys) take B's only worker. The stream's frames need that
+  // worker: a round that held B's push gate while it sent them waited on a
+  // push blocked on that gate, until the stream's io timeout failed it.
+  Regrow grow(/*workers=*/1, /*round_buffer_bytes=*/8 << 10);
+  bool created;
+  EXPECT_OK(grow.a->CreateTable(AdagradConfig("emb", 8), &created));
+  EXPECT_OK(grow.b->CreateTable(AdagradConfig("emb", 8), &created));
+  grow.from_b->Start();
+  EXPECT(Eventually([&] { return grow.from_b->status().caught_up; }));
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> ids;
+  while (ids.size() < 4096) {
+    const auto id = static_cast<int64_t>(rng() >> 1);
+    if (BucketOf(id) >= FirstBucket(1, 2)) ids.push_back(id);  // B's
+  }
+  const std::vector<float> grads(ids.size() * 8, 0.1f);
+  const uint64_t connects = grow.from_b->status().connects;
+  for (uint64_t k = 0; k < 30; ++k) {
+    EXPECT_OK(PushOnce(Address(*grow.b_server), PushId{51, k}, ids.data(), grads.data(),
+                       static_cast<uint32_t>(ids.size()), 8));
+  }
+  // No round failed (a timed-out one connects again).
+  EXPECT(grow.from_b->status().connects == connects && !grow.from_b->status().ended);
+  const uint64_t rounds = grow.from_b->status().rounds;
+  EXPECT(Eventually([&] { return grow.from_b->status().rounds >= rounds + 2; }));
+  const uint32_t mid = FirstBucket(1, 2), end = FirstBucket(2, 3);
+  EXPECT(SameRows(RowsIn(TableOf(*grow.next, "emb").get(), mid, end),
+                  RowsIn(TableOf(*grow.b, "emb").get(), mid, end)));
 }
 
 DLT_TEST(TestARangeStreamEndsWhenItsTargetPreparesAnotherShard) {

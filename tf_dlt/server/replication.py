@@ -296,7 +296,15 @@ class StandbyLink:
         index, count = self._place()
         # This standby chose the primary: it takes its rounds, and no older
         # primary's (a replaced one that comes back, docs/replication.md).
+        # While it promised another standby the takeover it follows only that
+        # one: the primary it fenced may wake before that one serves.
         assert self.primary is not None
+        promised = self.promised_to()
+        if promised and promised not in (self._advertise, self.primary):
+            raise errors.UnavailableError(
+                f"it promised {promised} to let it take over: it follows no other primary "
+                "until that one serves or the promise ends"
+            )
         info = _native.hello(self.primary, self._token, timeout_ms=5000)
         self._follow_epoch(int(info["epoch"]))
         reply = self._call(
