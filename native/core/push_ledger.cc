@@ -96,10 +96,7 @@ void PushLedger::Insert(const PushId* ids, size_t n) {
 
 void PushLedger::Absorb(PushLedger* other) {
   std::vector<PushId> done;
-  {
-    std::lock_guard<std::mutex> lock(other->mu_);
-    done.assign(other->order_.begin(), other->order_.end());
-  }
+  other->Done(kCapacity, &done);
   Insert(done.data(), done.size());
 }
 

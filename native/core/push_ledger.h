@@ -78,9 +78,9 @@ class PushLedger {
   // Records as applied every push `other` finished (a re-shard's shard
   // learned them from its senders).
   void Absorb(PushLedger* other);
-  // The newest `max` finished pushes (a copy of every table carries them:
-  // a push applied before a stream tracked it, or whose id a failed round
-  // took, is in the copied rows); caller holds gate() alone.
+  // The newest `max` finished pushes, oldest first (a copy of every table
+  // carries them, taken under gate(): a push applied before a stream
+  // tracked it, or whose id a failed round took, is in the copied rows).
   void Done(size_t max, std::vector<PushId>* ids) const;
   // Forgets every finished push (a copy that stepped down dropped their
   // rows); pushes being applied stay.

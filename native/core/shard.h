@@ -4,6 +4,7 @@
 #ifndef TF_DLT_NATIVE_CORE_SHARD_H_
 #define TF_DLT_NATIVE_CORE_SHARD_H_
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -112,6 +113,9 @@ class Shard {
   // write.
   void Fence(uint64_t epoch);
   uint64_t fence_epoch() const { return fence_epoch_.load(); }
+  // The newer of epoch() and fence_epoch(): the oldest primary a standby
+  // takes rounds of, and what it tells a primary's Hello.
+  uint64_t newest_epoch() const { return std::max(epoch(), fence_epoch()); }
   // A standby about to follow the primary at `epoch` (it chose that one):
   // holds that epoch, and takes rounds of no older primary.
   void FollowEpoch(uint64_t epoch) {

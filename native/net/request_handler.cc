@@ -139,7 +139,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                                         "to the primary"),
                   true);
     }
-    if (!replica && !(header.flags & wire::kFlagMove) && !standby_.load()) {
+    if (!replica && !(header.flags & wire::kFlagMove)) {
       const Status replaced = Replaced();
       if (!replaced.ok()) return fail(replaced, true);
     }
@@ -151,8 +151,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     out.max_frame_bytes = max_frame_bytes_;
     // A standby that promised another's takeover tells at least its fence,
     // so the primary it stopped following learns it was replaced.
-    out.epoch =
-        standby_.load() ? std::max(shard_->epoch(), shard_->fence_epoch()) : shard_->epoch();
+    out.epoch = standby_.load() ? shard_->newest_epoch() : shard_->epoch();
     out.layout_epoch = shard_->layout_epoch();
     out.layout = shard_->layout_addresses();
     {
@@ -191,10 +190,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                             "primary"),
                 false);
   }
-  if (shard_->superseded_by() != 0) {
-    const Status replaced = Replaced();
-    if (!replaced.ok()) return fail(replaced, false);
-  }
+  const Status replaced = Replaced();
+  if (!replaced.ok()) return fail(replaced, false);
   const bool push = header.opcode == wire::Opcode::kPush;
   const bool assign = header.opcode == wire::Opcode::kAssign;
   const bool read_only = read_only_.load(std::memory_order_relaxed);
@@ -386,7 +383,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
         std::lock_guard<std::mutex> lock(staged_mu_);
         staged.swap(staged_);  // applied now, or (on an error) never
       }
-      const uint64_t follows = std::max(shard_->epoch(), shard_->fence_epoch());
+      const uint64_t follows = shard_->newest_epoch();
       if (epoch < follows) {
         // A primary that was replaced (this standby follows, or promised to
         // follow, a newer one): its round is dropped and its connection
@@ -472,8 +469,7 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
     staged_.clear();  // a round its primary did not finish
     // Newer than the primary it replaces, and than any it promised to let
     // take over (that one may have served before it died).
-    const uint64_t newest = std::max(shard_->epoch(), shard_->fence_epoch());
-    shard_->set_epoch(new_epoch ? newest + 1 : newest);
+    shard_->set_epoch(shard_->newest_epoch() + (new_epoch ? 1 : 0));
   }
   if (standby != was_standby) shard_->Supersede(0);  // it follows, or serves afresh
 }
