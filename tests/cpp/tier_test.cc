@@ -90,18 +90,23 @@ std::map<int64_t, Row> Rows(Table* t) {
   return out;
 }
 
-// Rows of ids i * 7919 (i < n) made by training pulls, then `out_of` /
-// `in` of them (of the rows in RAM) moved to the disk tier; the ids.
-std::vector<int64_t> MadeAndMovedOut(Table* t, size_t n, size_t out_of = 1, size_t in = 1) {
-  std::vector<int64_t> ids(n);
-  for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i * 7919);
-  std::vector<float> out(n * t->dim());
-  EXPECT_OK(t->Pull(ids.data(), n, PullMode::kInsert, out.data()));
-  Status s;
-  t->Demote(t->ram_rows() * out_of / in, &s);
-  EXPECT_OK(s);
-  return ids;
-}
+// An Adagrad table of dim 4 with a disk tier in a fresh directory, its rows
+// of ids i * 7919 (i < n) made by training pulls, then `out_of` / `in` of
+// them (of the rows in RAM) moved to the disk tier.
+struct ColdTable {
+  TempDir dir;
+  Table t{TierTable(OptimizerKind::kAdagrad)};
+  std::vector<int64_t> ids;
+  std::vector<float> out;  // a pull's rows of `ids`
+  explicit ColdTable(size_t n, size_t out_of = 1, size_t in = 1) : ids(n), out(n * 4) {
+    t.AttachTier(dir.path);
+    for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int64_t>(i * 7919);
+    EXPECT_OK(t.Pull(ids.data(), n, PullMode::kInsert, out.data()));
+    Status s;
+    t.Demote(t.ram_rows() * out_of / in, &s);
+    EXPECT_OK(s);
+  }
+};
 
 DLT_TEST(TestTierFileStoresFindsGrowsAndFrees) {
   TempDir dir;
@@ -916,11 +921,10 @@ DLT_TEST(TestInjectedDiskFaultsFailTheirRequestAndLoseNoRow) {
   // A read error, a short read and a failing write each fail the request
   // that met them with a typed error naming the tier file, are counted in
   // the tier's stats, and leave every row (in RAM and on disk) as it was.
-  TempDir dir;
-  Table t(TierTable(OptimizerKind::kAdagrad));
-  t.AttachTier(dir.path);
-  const std::vector<int64_t> ids = MadeAndMovedOut(&t, 20000, 3, 4);
-  std::vector<float> out(ids.size() * 4);
+  ColdTable made(20000, 3, 4);
+  Table& t = made.t;
+  const std::vector<int64_t>& ids = made.ids;
+  std::vector<float>& out = made.out;
   Status s;
   const std::map<int64_t, Row> expected = Rows(&t);
   const uint64_t cold = t.tier_stats().disk_rows;
@@ -987,11 +991,10 @@ DLT_TEST(TestAReadErrorLeavesPushesWaitingForTheKeeperAndClearsOnTheNextRead) {
   // A request's read error is shown until the tier next reads a row for a
   // request; it does not stop pushes waiting for the keeper (only the
   // keeper's own failure does: it could not make room).
-  TempDir dir;
-  Table t(TierTable(OptimizerKind::kAdagrad));
-  t.AttachTier(dir.path);
-  const std::vector<int64_t> ids = MadeAndMovedOut(&t, 20000, 3, 4);
-  std::vector<float> out(ids.size() * 4);
+  ColdTable made(20000, 3, 4);
+  Table& t = made.t;
+  const std::vector<int64_t>& ids = made.ids;
+  std::vector<float>& out = made.out;
   Status s;
   DiskFaults eio;
   eio.failing_reads = 1;
@@ -1025,10 +1028,9 @@ DLT_TEST(TestAnEraseThatMeetsAReadErrorSaysSoAndLeavesTheRow) {
   // A delta load's removals and a standby's round erase by id: a cold row
   // the tier could not read for is not erased, and the caller is told (it
   // used to count as done, the row left behind).
-  TempDir dir;
-  Table t(TierTable(OptimizerKind::kAdagrad));
-  t.AttachTier(dir.path);
-  const std::vector<int64_t> ids = MadeAndMovedOut(&t, 4000);
+  ColdTable made(4000);
+  Table& t = made.t;
+  const std::vector<int64_t>& ids = made.ids;
   EXPECT(t.ram_rows() == 0);
   DiskFaults eio;
   eio.failing_reads = 1;
