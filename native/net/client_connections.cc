@@ -259,7 +259,15 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     if (!greeted) {
       Conn conn;
       Status s = Acquire(*st, &conn);
-      if (!s.ok()) return s.WithContext(Context(*st, "Hello"));
+      if (!s.ok()) {
+        s = s.WithContext(Context(*st, "Hello"));
+        // A shard of a layout whose switch was undone may never come: a
+        // shard that answers serves the layout after it, to be routed by.
+        if (s.code() == Code::kUnavailable && LearnLayout(layout).ok()) {
+          return Aborted(s.message() + "; another shard serves a newer layout");
+        }
+        return s;
+      }
       Release(*st, std::move(conn));
     }
     std::lock_guard<std::mutex> lock(st->mu);

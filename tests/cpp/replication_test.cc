@@ -1582,6 +1582,34 @@ DLT_TEST(TestAShardThatSwitchedGoesBackWhenAnotherCouldNot) {
   EXPECT(SameBytes(StateOf(two), before));
 }
 
+DLT_TEST(TestAClientOfAnUndoneLayoutLearnsTheOneAfterIt) {
+  // A client learned the layout a re-shard switched to, and greeted the
+  // processes that switched, before the joining one died and the switch
+  // was undone: that one never answers, and the client routes by the
+  // layout after it, which the others serve.
+  Processes cluster;
+  const auto [a, b, c] = cluster.TwoAndOneToJoin();
+  const std::vector<std::string> two = cluster.Addresses({a, b});
+  const std::vector<std::string> three = cluster.Addresses({a, b, c});
+  cluster.all[c].server->Stop();
+  for (size_t p : {a, b}) {
+    cluster.all[p].server->reshard_target().Prepare(
+        std::make_shared<Shard>(static_cast<uint32_t>(p), 3));
+    EXPECT_OK(cluster.all[p].server->SwitchLayout(2, three[0] + "," + three[1] + "," + three[2]));
+  }
+  Client client(two, ClientOptions{});
+  std::vector<int64_t> ids(64);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  const std::vector<float> grads(ids.size() * 8, 0.5f);
+  const Status met = client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f);
+  EXPECT(met.code() == Code::kUnavailable);
+  EXPECT(client.layout_epoch() == 2 && client.num_shards() == 3);
+  const std::string old_layout = two[0] + "," + two[1];
+  for (size_t p : {a, b}) EXPECT(cluster.all[p].shard->RevertLayout(3, old_layout));
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f));
+  EXPECT(client.layout_epoch() == 3 && client.num_shards() == 2);
+}
+
 DLT_TEST(TestAProcessHoldingNoTableTakesTheLayoutsPlace) {
   // A standby restarted with the flags of the layout before a re-shard.
   Shard restarted(0, 2);
