@@ -117,9 +117,13 @@ def test_a_standby_the_primary_left_out_never_takes_over(tmp_path) -> None:  # t
     writes after it are acknowledged by the other alone, which was told
     the set without it first. The primary then dies and the frozen one
     wakes: it holds a whole copy but lacks those writes, so it must not take
-    over; the other does, with every write acknowledged."""
-    with LocalCluster(1, "--io-timeout", "2", workdir=tmp_path / "cluster", replicas=3) as cluster:
-        client = tf_dlt.Client(cluster.addresses)
+    over; the other does, with every write acknowledged. The pushes stall
+    for --standby-timeout (2 s), not the I/O timeout (30 s), and so stay
+    within the client's request deadline (10 s)."""
+    with LocalCluster(
+        1, "--standby-timeout", "2", workdir=tmp_path / "cluster", replicas=3
+    ) as cluster:
+        client = tf_dlt.Client(cluster.addresses, request_timeout=10.0)
         client.create_table("emb", DIM, optimizer="adagrad")
         wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
         _train(client, 3)

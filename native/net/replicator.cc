@@ -91,7 +91,7 @@ Status Replicator::Written(uint64_t need, uint64_t view_version) {
     return OkStatus();
   }
   const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
+      Clock::now() + std::chrono::milliseconds(options_.write_timeout_ms);
   for (;;) {
     if (applied_ >= need) {
       if (view_applied_ >= view_version) return OkStatus();  // a round holding it is done
@@ -112,7 +112,7 @@ Status Replicator::Written(uint64_t need, uint64_t view_version) {
     if (applied_ >= need) continue;
     if (!done) {
       return DeadlineExceeded("standby " + standby_ + " did not apply the write within " +
-                              std::to_string(options_.io_timeout_ms) + " ms");
+                              std::to_string(options_.write_timeout_ms) + " ms");
     }
     return Unavailable("standby " + standby_ + " did not apply the write: " +
                        (stop_ ? std::string("replication stopped") : status_.error));

@@ -35,8 +35,13 @@ struct ReplicatorOptions {
   // once, and the standby lags by up to a round.
   bool sync = true;
   int connect_timeout_ms = 5000;
-  // Bound of one frame's exchange with the standby, and of a write's wait.
+  // Bound of one frame's exchange with the standby.
   int io_timeout_ms = 30000;
+  // Sync: bound of a write's wait for this standby. Past it a group stops
+  // counting on the standby (it leaves the in-sync set and is copied
+  // afresh), so it stays below clients' request deadline (30 s by
+  // default): a standby that stops answering stalls pushes, not fails them.
+  int write_timeout_ms = 10000;
   // Rounds run at least this often (rows a pull made, expiry) and, in async
   // mode, this often at most.
   int interval_ms = 10;
@@ -113,7 +118,7 @@ class Replicator : public WriteListener {
   // Sync: returns once round `mark` (Applied's) or a later one is applied on
   // the standby (the first round after connecting copies every table
   // whole); UNAVAILABLE when the standby is known to be down, or the round
-  // or the connection fails; DEADLINE_EXCEEDED past io_timeout. Async: OK
+  // or the connection fails; DEADLINE_EXCEEDED past write_timeout. Async: OK
   // at once.
   Status Written(uint64_t mark) override { return Written(mark, 0); }
   // As Written, and the round that acknowledges it (or a later one) told

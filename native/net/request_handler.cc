@@ -336,9 +336,12 @@ Status RequestHandler::AwaitStandby(const WriteMark& applied) {
   if (applied.listener == nullptr) return OkStatus();
   const Status s = applied.listener->Written(applied.mark);
   if (s.ok()) return s;
-  return Status(s.code(), "the write was applied on shard " +
-                              std::to_string(shard_->shard_index()) +
-                              " but its standby did not acknowledge it (in doubt): " + s.message());
+  // Past the standby timeout the client may send it again (UNAVAILABLE,
+  // as for a standby known to be down): under its id it is not applied
+  // twice and waits for the standby anew, within the client's deadline.
+  const Code code = s.code() == Code::kDeadlineExceeded ? Code::kUnavailable : s.code();
+  return Status(code, "the write was applied on shard " + std::to_string(shard_->shard_index()) +
+                          " but its standby did not acknowledge it (in doubt): " + s.message());
 }
 
 Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Buffer* frame,

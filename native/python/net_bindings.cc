@@ -45,14 +45,15 @@ py::dict ViewToDict(const wire::InSyncView& v) {
 }
 
 ReplicatorOptions Options(const std::string& auth_token, bool sync, int io_timeout_ms,
-                          int interval_ms) {
-  if (io_timeout_ms <= 0 || interval_ms <= 0) {
-    Raise(InvalidArgument("io_timeout_ms and interval_ms must be positive"));
+                          int interval_ms, int write_timeout_ms) {
+  if (io_timeout_ms <= 0 || interval_ms <= 0 || write_timeout_ms <= 0) {
+    Raise(InvalidArgument("io_timeout_ms, interval_ms and write_timeout_ms must be positive"));
   }
   ReplicatorOptions o;
   o.auth_token = auth_token;
   o.sync = sync;
   o.io_timeout_ms = io_timeout_ms;
+  o.write_timeout_ms = write_timeout_ms;
   o.interval_ms = interval_ms;
   return o;
 }
@@ -186,20 +187,21 @@ void BindNet(py::module_& m) {
   py::class_<Replicator, std::shared_ptr<Replicator>>(m, "Replicator")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& standby,
                        const std::string& auth_token, bool sync, int io_timeout_ms, int interval_ms,
-                       bool range_stream, double copy_pace) {
+                       bool range_stream, double copy_pace, int write_timeout_ms) {
              if (!(copy_pace > 0 && copy_pace <= 1)) {
                Raise(InvalidArgument("copy_pace must be in (0, 1], got " +
                                      std::to_string(copy_pace)));
              }
-             ReplicatorOptions o =
-                 Options(auth_token, sync && !range_stream, io_timeout_ms, interval_ms);
+             ReplicatorOptions o = Options(auth_token, sync && !range_stream, io_timeout_ms,
+                                           interval_ms, write_timeout_ms);
              o.range_stream = range_stream;
              o.copy_pace = copy_pace;
              return std::make_shared<Replicator>(std::move(shard), standby, o);
            }),
            py::arg("shard"), py::arg("standby"), py::arg("auth_token") = "", py::arg("sync") = true,
            py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
-           py::arg("range_stream") = false, py::arg("copy_pace") = 1.0)
+           py::arg("range_stream") = false, py::arg("copy_pace") = 1.0,
+           py::arg("write_timeout_ms") = 10000)
       .def("start", &Replicator::Start)
       .def("stop", &Replicator::Stop, py::call_guard<py::gil_scoped_release>())
       .def(
@@ -217,15 +219,17 @@ void BindNet(py::module_& m) {
 
   py::class_<ReplicaGroup, std::shared_ptr<ReplicaGroup>>(m, "ReplicaGroup")
       .def(py::init([](std::shared_ptr<Shard> shard, const std::string& auth_token, bool sync,
-                       int io_timeout_ms, int interval_ms, int detach_after_ms) {
+                       int io_timeout_ms, int interval_ms, int detach_after_ms,
+                       int write_timeout_ms) {
              if (detach_after_ms <= 0) Raise(InvalidArgument("detach_after_ms must be positive"));
              return std::make_shared<ReplicaGroup>(
-                 std::move(shard), Options(auth_token, sync, io_timeout_ms, interval_ms),
+                 std::move(shard),
+                 Options(auth_token, sync, io_timeout_ms, interval_ms, write_timeout_ms),
                  detach_after_ms);
            }),
            py::arg("shard"), py::arg("auth_token") = "", py::arg("sync") = true,
            py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
-           py::arg("detach_after_ms") = 60000)
+           py::arg("detach_after_ms") = 60000, py::arg("write_timeout_ms") = 10000)
       .def("attach",
            [](ReplicaGroup& g, const std::string& address) {
              Status st;

@@ -1727,13 +1727,15 @@ struct Group {
   std::vector<std::unique_ptr<DataServer>> standby_servers;
   std::shared_ptr<ReplicaGroup> group;
 
-  explicit Group(int n, int detach_after_ms = 60000) {
+  explicit Group(int n, int detach_after_ms = 60000, int write_timeout_ms = 10000) {
     DataServerOptions options;
     options.worker_threads = 4;
     primary_server = std::make_unique<DataServer>(primary, options);
     EXPECT_OK(primary_server->Start());
     ReplicatorOptions r;
     r.io_timeout_ms = 10000;
+    r.connect_timeout_ms = 600000;  // a standby that never answers is not down
+    r.write_timeout_ms = write_timeout_ms;
     group = std::make_shared<ReplicaGroup>(primary, r, detach_after_ms);
     primary_server->set_write_listener(group);
     for (int i = 0; i < n; ++i) {
@@ -1851,6 +1853,32 @@ DLT_TEST(TestAGroupDetachesAStandbyDownTooLongAndTheHelloForgetsIt) {
   brief.request_timeout_ms = 2000;
   Client impatient({Address(*g.primary_server)}, brief);
   EXPECT(!impatient.Push("emb", 8, ids, grads.data(), 3, 0.1f).ok());
+}
+
+DLT_TEST(TestAPushPastTheStandbyTimeoutIsSentAgainAndAppliedOnce) {
+  // A standby that accepts and never answers (a paused process): a push
+  // waits for it past the standby timeout, is answered UNAVAILABLE (in
+  // doubt), and its client sends it again under its id until the request
+  // deadline; the primary applies it once.
+  int listener = -1, port = 0;
+  EXPECT_OK(net::Listen("127.0.0.1", 0, 4, &listener, &port));
+  Group g(0, /*detach_after_ms=*/60000, /*write_timeout_ms=*/300);
+  EXPECT_OK(g.group->Attach("127.0.0.1:" + std::to_string(port)));
+  bool created;
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  ClientOptions brief;
+  brief.request_timeout_ms = 2000;
+  brief.connect_timeout_ms = 300;
+  Client client({Address(*g.primary_server)}, brief);  // learns the standby: identified pushes
+  const int64_t ids[] = {1, 2, 3};
+  const std::vector<float> grads(3 * 8, 0.5f);
+  const Status doubt = client.Push("emb", 8, ids, grads.data(), 3, 0.1f);
+  EXPECT(doubt.code() == Code::kUnavailable);
+  EXPECT(doubt.message().find("did not acknowledge it (in doubt)") != std::string::npos);
+  EXPECT(g.primary_server->counters().repeated_pushes.load() >= 2);
+  EXPECT(TableOf(*g.primary, "emb")->pushes() == 1);
+  g.group->Stop();
+  net::CloseFd(listener);
 }
 
 DLT_TEST(TestAGroupRefusesAStandbyPastItsLimit) {

@@ -171,6 +171,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "no longer wait for it to choose who takes over); it attaches again when back",
     )
     p.add_argument(
+        "--standby-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a sync push waits this long for a standby to apply it; past it the primary "
+        "stops counting on that standby (copied afresh when it answers). Keep it below the "
+        "trainers' request deadline (30 s), so a standby that hangs stalls pushes, not fails them",
+    )
+    p.add_argument(
         "--takeover-after",
         type=float,
         default=1.0,
@@ -295,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             advertise=args.advertise,
             takeover_after_s=args.takeover_after,
             detach_standby_after_s=args.detach_standby_after,
+            standby_timeout_s=args.standby_timeout,
             replica_set=args.replica_set.split("|") if args.replica_set else (),
         ).start()
     except (errors.DltError, OSError, ValueError) as e:

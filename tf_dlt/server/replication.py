@@ -61,15 +61,19 @@ class Standbys:
         replication: str = "sync",
         io_timeout_s: float = 30.0,
         detach_after_s: float = 60.0,
+        standby_timeout_s: float = 10.0,
     ) -> None:
         if replication not in REPLICATION_MODES:
             raise ValueError(f"replication must be sync or async, got {replication!r}")
+        if not standby_timeout_s > 0:
+            raise ValueError(f"the standby timeout must be positive, got {standby_timeout_s}")
         self._shard = shard
         self._data_server = data_server
         self._auth_token = auth_token
         self.replication = replication
         self._io_timeout_ms = max(1, int(io_timeout_s * 1000))
         self._detach_after_ms = max(1, int(detach_after_s * 1000))
+        self._write_timeout_ms = max(1, int(standby_timeout_s * 1000))
         self._lock = threading.Lock()
         self._group: _native.ReplicaGroup | None = None  # guarded by _lock
 
@@ -89,7 +93,7 @@ class Standbys:
                 self._group = _native.ReplicaGroup(
                     self._shard, auth_token=self._auth_token,
                     sync=self.replication == "sync", io_timeout_ms=self._io_timeout_ms,
-                    detach_after_ms=self._detach_after_ms,
+                    detach_after_ms=self._detach_after_ms, write_timeout_ms=self._write_timeout_ms,
                 )  # fmt: skip
                 self._data_server.set_replica_group(self._group)
             self._group.attach(address)  # clients learn it from the Hello

@@ -109,6 +109,10 @@ class ShardServer:
         detach_standby_after_s: a primary detaches a standby down this long
             (it leaves the Hello; the others stop waiting for its answer to
             choose who takes over), which attaches again when back.
+        standby_timeout_s: how long a sync push waits for one standby to
+            apply it before the primary stops counting on that standby (it
+            leaves the in-sync set and is copied afresh); keep it below the
+            clients' `request_timeout`.
         replica_set: the data-plane addresses of this shard's processes
             (2 to `tf_dlt.cluster.MAX_REPLICAS`), this one's (`advertise`)
             among them: at start it follows the one that serves, or begins
@@ -150,6 +154,7 @@ class ShardServer:
         advertise: str | None = None,
         takeover_after_s: float = 1.0,
         detach_standby_after_s: float = 60.0,
+        standby_timeout_s: float = 10.0,
         replica_set: Sequence[str] = (),
     ) -> None:
         if not sweep_interval_s > 0:
@@ -214,6 +219,7 @@ class ShardServer:
         self.servicer.standbys = replication.Standbys(
             self.shard, self.data_server, auth_token, replication=replication_mode,
             io_timeout_s=io_timeout_s, detach_after_s=detach_standby_after_s,
+            standby_timeout_s=standby_timeout_s,
         )  # fmt: skip
         self.servicer.reshard = reshard.ReshardSteps(
             self.shard, self.data_server, auth_token, io_timeout_s=io_timeout_s,
