@@ -90,6 +90,7 @@ DataServer::DataServer(std::shared_ptr<Shard> shard, DataServerOptions options)
       pool_(8, kPoolBufferBytes) {
   handler_.set_admin_port(options_.admin_port);
   handler_.set_payload_pool(&pool_);
+  handler_.set_max_staged_bytes(options_.max_buffered_bytes);
 }
 
 DataServer::~DataServer() { Stop(); }

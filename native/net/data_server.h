@@ -14,7 +14,9 @@
 // at Hello and closed after idle_timeout; a started frame must arrive, and a
 // reply must be taken, within io_timeout; each connection buffers at most
 // one frame and one reply, and all connections together at most
-// max_buffered_bytes (a connection over it waits its turn).
+// max_buffered_bytes (a connection over it waits its turn). A standby holds
+// at most max_buffered_bytes more of its primary's round until the round's
+// end (past them the round is dropped and copied afresh).
 #ifndef TF_DLT_NATIVE_NET_DATA_SERVER_H_
 #define TF_DLT_NATIVE_NET_DATA_SERVER_H_
 

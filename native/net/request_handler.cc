@@ -385,6 +385,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       {
         std::lock_guard<std::mutex> lock(staged_mu_);
         staged.swap(staged_);  // applied now, or (on an error) never
+        staged_bytes_ = 0;
       }
       const uint64_t follows = shard_->newest_epoch();
       if (epoch < follows) {
@@ -424,7 +425,10 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
     if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
-      if (StageIfCaughtUp(header, frame)) return OkStatus();
+      bool staged;
+      const Status held = StageIfCaughtUp(header, frame, &staged);
+      if (!held.ok()) *stale = true;
+      if (!held.ok() || staged) return held;
       return ApplySketch(shard_.get(), request.action, request.config);
     }
     TableConfig config;
@@ -439,7 +443,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       // connection lost) are older than the copy.
       std::lock_guard<std::mutex> lock(staged_mu_);
       caught_up_.store(false);
-      staged_.clear();
+      DropStagedLocked();
     }
     shard_->InstallTables({shard_->NewTable(config)});
     return OkStatus();
@@ -447,7 +451,10 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
   wire::ReplicateRequest replicate;
   DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &replicate));
   *rows = replicate.rows;
-  if (StageIfCaughtUp(header, frame)) return OkStatus();
+  bool staged;
+  const Status held = StageIfCaughtUp(header, frame, &staged);
+  if (!held.ok()) *stale = true;
+  if (!held.ok() || staged) return held;
   return ApplyRows(shard_.get(), replicate, PushClock::kTake);
 }
 
@@ -463,13 +470,13 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
     // of that one's until it says so, and the pushes it applied are gone
     // with its tables.
     caught_up_.store(false);
-    staged_.clear();
+    DropStagedLocked();
     insync_ = wire::InSyncView{};
     shard_->push_ledger().ForgetDone();
   }
   const bool took_over = was_standby && !standby;
   if (took_over) {
-    staged_.clear();  // a round its primary did not finish
+    DropStagedLocked();  // a round its primary did not finish
     // Newer than the primary it replaces, and than any it promised to let
     // take over (that one may have served before it died).
     shard_->set_epoch(shard_->newest_epoch() + (new_epoch ? 1 : 0));
@@ -477,13 +484,36 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
   if (standby != was_standby) shard_->Supersede(0);  // it follows, or serves afresh
 }
 
-bool RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload) {
+Status RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload,
+                                       bool* staged) {
   // A standby that may take over applies a round whole or not at all: its
   // rows and sketch counts wait for the round's end, with the pushes' ids.
-  if (!caught_up_.load()) return false;
+  *staged = false;
+  if (!caught_up_.load()) return OkStatus();
   std::lock_guard<std::mutex> lock(staged_mu_);
+  if (staged_bytes_ + header.payload_bytes > max_staged_bytes_) {
+    // Not held past the limit, nor applied in part (this copy could take
+    // over holding half a round): dropped. The connection closes, and its
+    // primary connects again and copies every table whole, applied as it
+    // comes; until then this copy may not take over.
+    const uint64_t bytes = staged_bytes_ + header.payload_bytes;
+    caught_up_.store(false);
+    DropStagedLocked();
+    counters_->standby_rounds_dropped.fetch_add(1);
+    return ResourceExhausted("a replication round past " + std::to_string(max_staged_bytes_) +
+                             " bytes (" + std::to_string(bytes) +
+                             " so far) would not fit this standby's buffer: dropped; its "
+                             "primary copies every table afresh");
+  }
+  staged_bytes_ += header.payload_bytes;
   staged_.push_back({header.opcode, std::move(*payload), header.payload_bytes});
-  return true;
+  *staged = true;
+  return OkStatus();
+}
+
+void RequestHandler::DropStagedLocked() {
+  staged_.clear();
+  staged_bytes_ = 0;
 }
 
 Status RequestHandler::ApplyRound(const std::vector<Staged>& staged) {

@@ -127,6 +127,9 @@ class RequestHandler {
   Status HoldWrites(bool hold, int timeout_ms = 10000);
   // Where a standby's staged frames' buffers go once applied.
   void set_payload_pool(net::BufferPool* pool) { payload_pool_ = pool; }
+  // The most bytes of frames a standby holds for its round's end; a round
+  // past them is dropped and copied afresh (StageIfCaughtUp).
+  void set_max_staged_bytes(uint64_t bytes) { max_staged_bytes_ = bytes; }
 
   // The reply frame of an error (counted by its code); returns its size.
   size_t ErrorReply(uint64_t request_id, const Status& status, net::Buffer* reply);
@@ -172,8 +175,12 @@ class RequestHandler {
   // frame left it.
   Status ApplyRound(const std::vector<Staged>& staged);
   // On a caught-up standby: holds this frame from its primary until its
-  // round's end (true); otherwise false (apply it now).
-  bool StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload);
+  // round's end (*staged); otherwise *staged is false (apply it now).
+  // RESOURCE_EXHAUSTED when the round would pass max_staged_bytes: it is
+  // dropped, the standby no longer caught up.
+  Status StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload, bool* staged);
+  // Empties the round's staged frames; caller holds staged_mu_.
+  void DropStagedLocked();
   // A standby's StandbyTable or Replicate frame, on the connection that
   // said Hello `replica_hello`-th; *stale when that connection is older than
   // the one that began the latest copy (the frame is refused).
@@ -200,6 +207,8 @@ class RequestHandler {
   // The round's Replicate payloads and sketch StandbyTable requests, in
   // order; guarded by staged_mu_.
   std::vector<Staged> staged_;
+  uint64_t staged_bytes_ = 0;  // guarded by staged_mu_
+  uint64_t max_staged_bytes_ = uint64_t{1} << 30;
   net::BufferPool* payload_pool_ = nullptr;
   std::string standbys_;                     // guarded by staged_mu_
   wire::InSyncView insync_;                  // guarded by staged_mu_

@@ -45,6 +45,8 @@ struct ServerCounters {
   std::atomic<uint64_t> assigned_rows{0};
   // Identified pushes sent again and answered without applying them twice.
   std::atomic<uint64_t> repeated_pushes{0};
+  // A standby's replication rounds past its buffer, dropped (copied afresh).
+  std::atomic<uint64_t> standby_rounds_dropped{0};
   std::atomic<uint64_t> bytes_in{0};
   std::atomic<uint64_t> bytes_out{0};
   std::atomic<uint64_t> errors[17] = {};  // by Code

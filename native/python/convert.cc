@@ -183,6 +183,7 @@ py::dict CountersToDict(const ServerCounters& c) {
   d["pushed_rows"] = c.pushed_rows.load();
   d["assigned_rows"] = c.assigned_rows.load();
   d["repeated_pushes"] = c.repeated_pushes.load();
+  d["standby_rounds_dropped"] = c.standby_rounds_dropped.load();
   d["bytes_in"] = c.bytes_in.load();
   d["bytes_out"] = c.bytes_out.load();
   py::dict errors;

@@ -1727,10 +1727,12 @@ struct Group {
   std::vector<std::unique_ptr<DataServer>> standby_servers;
   std::shared_ptr<ReplicaGroup> group;
 
-  explicit Group(int n, int detach_after_ms = 60000, int write_timeout_ms = 10000) {
+  explicit Group(int n, int detach_after_ms = 60000, int write_timeout_ms = 10000,
+                 uint64_t standby_buffer_bytes = 0) {
     DataServerOptions options;
     options.worker_threads = 4;
     primary_server = std::make_unique<DataServer>(primary, options);
+    if (standby_buffer_bytes != 0) options.max_buffered_bytes = standby_buffer_bytes;
     EXPECT_OK(primary_server->Start());
     ReplicatorOptions r;
     r.io_timeout_ms = 10000;
@@ -1879,6 +1881,33 @@ DLT_TEST(TestAPushPastTheStandbyTimeoutIsSentAgainAndAppliedOnce) {
   EXPECT(TableOf(*g.primary, "emb")->pushes() == 1);
   g.group->Stop();
   net::CloseFd(listener);
+}
+
+DLT_TEST(TestAStandbyDropsARoundPastItsBufferAndIsCopiedAfresh) {
+  // A round larger than the standby may hold until its end is neither held
+  // nor applied in part: dropped, and its primary copies every table
+  // afresh. The push in it, sent again under its id, is applied once.
+  Group g(1, /*detach_after_ms=*/60000, /*write_timeout_ms=*/10000,
+          /*standby_buffer_bytes=*/256 << 10);
+  bool created;
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  EXPECT(Eventually([&] { return g.AllCaughtUp(); }));
+  const uint64_t copies = g.group->statuses().front().tables_copied;
+  Client client({Address(*g.primary_server)}, ClientOptions{});
+  std::vector<int64_t> ids(20000);  // rows and slots of 20,000 ids: ~1.4 MB
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  const std::vector<float> grads(ids.size() * 8, 0.5f);
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.1f));
+  EXPECT(g.standby_servers[0]->counters().standby_rounds_dropped.load() >= 1);
+  EXPECT(g.group->statuses().front().tables_copied > copies);
+  EXPECT(TableOf(*g.primary, "emb")->pushes() == 1);
+  EXPECT(SameRows(TableOf(*g.primary, "emb").get(), TableOf(*g.standbys[0], "emb").get()));
+  // Rounds within the buffer are held to their end as before.
+  const uint64_t dropped = g.standby_servers[0]->counters().standby_rounds_dropped.load();
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), 100, 0.1f));
+  EXPECT(SameRows(TableOf(*g.primary, "emb").get(), TableOf(*g.standbys[0], "emb").get()));
+  EXPECT(g.standby_servers[0]->counters().standby_rounds_dropped.load() == dropped);
+  EXPECT(g.standby_servers[0]->standby_caught_up());
 }
 
 DLT_TEST(TestAGroupRefusesAStandbyPastItsLimit) {

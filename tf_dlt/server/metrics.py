@@ -17,6 +17,8 @@ scrape from the shard's own counters, so nothing is counted twice:
   sweeps, by max_rows eviction, by shrink);
 - tf_dlt_pulls_total, tf_dlt_pushes_total, tf_dlt_{pulled,pushed,assigned}_rows_total,
   tf_dlt_repeated_pushes_total (pushes sent again and not applied twice),
+  tf_dlt_standby_rounds_dropped_total (a standby's replication rounds past
+  its --max-buffered-bytes, dropped and copied afresh),
   tf_dlt_bytes_{received,sent}_total: counters (per-second rates in PromQL:
   rate(tf_dlt_pulls_total[1m]));
 - tf_dlt_errors_total {code}: errors answered, by canonical code;
@@ -139,6 +141,8 @@ class ShardCollector:
             ("tf_dlt_assigned_rows", "assigned_rows", "Rows assigned"),
             ("tf_dlt_repeated_pushes", "repeated_pushes",
              "Pushes sent again, answered without applying them twice"),
+            ("tf_dlt_standby_rounds_dropped", "standby_rounds_dropped",
+             "Replication rounds past this standby's buffer, dropped and copied afresh"),
             ("tf_dlt_bytes_received", "bytes_in", "Data-plane bytes received"),
             ("tf_dlt_bytes_sent", "bytes_out", "Data-plane bytes sent"),
             ("tf_dlt_connections_accepted", "connections_accepted", "Connections accepted"),
