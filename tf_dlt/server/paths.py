@@ -25,14 +25,28 @@ DEFAULT_PROTOCOLS = frozenset(
 
 
 def _split(url: str) -> tuple[str, str]:
-    """(protocol, normalized path) of `url`; a plain path is "file"."""
+    """(protocol, normalized path) of `url`; a plain path is "file". Refuses
+    what the check would read otherwise than the filesystem does: chained
+    URLs (fsspec opens the part before '::', which the check takes for a
+    file name), empty segments of an object store's key ('//': the check
+    would collapse them, the store keeps them) and a scheme not in
+    lowercase (the check would take it, fsspec would not)."""
+    if "::" in url:
+        raise errors.PermissionDeniedError(f"checkpoint URL {url!r} chains filesystems ('::')")
     protocol, path = fsspec.core.split_protocol(url)
-    protocol = (protocol or "file").lower()
+    if protocol is not None and protocol != protocol.lower():
+        raise errors.InvalidArgumentError(
+            f"checkpoint URL {url!r}: write its scheme in lowercase ({protocol.lower()}://)"
+        )
+    protocol = protocol or "file"
     if protocol in ("file", "local"):
         return "file", os.path.realpath(os.path.abspath(path))
     parts = path.split("/")
     if ".." in parts or "." in parts:
         raise errors.PermissionDeniedError(f"checkpoint URL {url!r} holds '.' or '..' segments")
+    key = path.strip("/")
+    if key and "" in key.split("/"):
+        raise errors.PermissionDeniedError(f"checkpoint URL {url!r} holds an empty segment ('//')")
     return protocol, posixpath.normpath("/" + path).lstrip("/") if path else ""
 
 
