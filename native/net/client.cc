@@ -399,14 +399,26 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   std::shared_ptr<const Layout> layout = CurrentLayout();
   std::vector<std::vector<uint32_t>> groups;
   int layout_backoff_ms = options_.retry_backoff_ms;
-  for (;;) {
+  int backoff_ms = options_.retry_backoff_ms;
+  for (int retries = 0;; ++retries) {
     const Status routed = Route(*layout, ids, n, &groups);
-    if (routed.code() != Code::kAborted) {
-      DLT_RETURN_IF_ERROR(routed);
-      break;
+    if (routed.ok()) break;
+    if (routed.code() == Code::kAborted) {
+      // A shard serves a newer layout: routed by it once it is known.
+      if (!AwaitLayout(*layout, &layout_backoff_ms, deadline)) return routed;
+      layout = CurrentLayout();
+      continue;
     }
-    // A shard serves a newer layout: routed by it once it is known.
-    if (!AwaitLayout(*layout, &layout_backoff_ms, deadline)) return routed;
+    // A shard not reached at its first greeting (nothing sent yet): routed
+    // again, as a pull is retried, a standby taking over or a switch being
+    // undone meanwhile.
+    if (routed.code() != Code::kUnavailable) return routed;
+    if (retries >= options_.pull_retries && !has_standbys_.load()) return routed;
+    const auto wake = Clock::now() + std::chrono::milliseconds(backoff_ms);
+    if (wake >= deadline) return routed;
+    std::this_thread::sleep_until(wake);
+    backoff_ms =
+        has_standbys_.load() ? std::min(2 * backoff_ms, kFailoverBackoffMs) : 2 * backoff_ms;
     layout = CurrentLayout();
   }
   // After the Hellos: whether pushes carry ids (and may be sent again).

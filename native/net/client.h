@@ -41,8 +41,9 @@ struct ClientOptions {
   // A pull that fails with UNAVAILABLE (a shard restarting, a dropped
   // connection) is repeated up to this many times, after retry_backoff_ms,
   // doubling, while the request deadline allows. Pulls are idempotent;
-  // pushes are never repeated (one may have been applied before its reply
-  // was lost).
+  // pushes are repeated only when nothing was sent (a shard not reached at
+  // its first greeting), never once a frame went out (one may have been
+  // applied before its reply was lost).
   int pull_retries = 3;
   int retry_backoff_ms = 50;
   // A shard's address may list its standbys after its primary, "a|b"
@@ -62,6 +63,8 @@ struct ClientOptions {
 };
 
 inline constexpr int kFailoverBackoffMs = 200;
+// Client::NewerLayoutThan asks the shards at most this often.
+inline constexpr int kLayoutProbeMs = 200;
 
 struct ShardInfo {
   std::string address;
@@ -164,6 +167,19 @@ class Client {
   // a layout newer than `seen` is in use (learned here or by another call);
   // ABORTED when none is known yet (the switch is under way).
   Status LearnLayout(const Layout& seen);
+  // After a shard of layout `seen` could not be reached (nothing sent to
+  // it): true when a newer layout is in use or the first other shard that
+  // answers serves one (now in use). A switch whose joining process died is
+  // undone as a newer layout, which that shard never serves. At most one
+  // probe per kLayoutProbeMs that found nothing, so a failover does not
+  // make every client greet every shard on each retry.
+  bool NewerLayoutThan(const Layout& seen, const ShardState* unreachable);
+  // One Hello to `address` on a connection of its own: what it said
+  // (false: no answer).
+  bool AskLayout(const std::string& address, wire::HelloReply* reply);
+  // Routes by layout `epoch` of `addresses` ("a|a2,b,...") from now on;
+  // caller holds layout_mu_.
+  void UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::string& addresses);
   // Waits before sending refused requests again: none when a newer layout
   // was learned; else `*backoff_ms`, doubling to kFailoverBackoffMs. False
   // when the deadline would pass.
@@ -214,7 +230,11 @@ class Client {
   // guarded by layout_mu_, which also orders writes of layout_.
   std::mutex layout_mu_;
   std::vector<std::unique_ptr<ShardState>> states_;
-  std::shared_ptr<const Layout> layout_;   // std::atomic_load / atomic_store only
+  std::shared_ptr<const Layout> layout_;  // std::atomic_load / atomic_store only
+  // When NewerLayoutThan last asked and found nothing, and where it starts
+  // next; guarded by layout_mu_.
+  std::chrono::steady_clock::time_point last_probe_{};
+  size_t next_probe_ = 0;
   std::atomic<bool> has_standbys_{false};  // some shard lists standbys (given or learned)
   // Ids of pushes to shards with standbys: this client's, and the next frame's.
   uint64_t client_id_ = 0;

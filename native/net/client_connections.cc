@@ -45,6 +45,13 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
     }
     return FailedPrecondition(place + "; list the shard addresses in shard-index order");
   }
+  if (reply->layout_epoch > st.layout_epoch && !reply->layout.empty()) {
+    // In its place still, but re-sharded since (a shard of the same count
+    // replaced, or a switch undone): the new layout may route elsewhere.
+    return Aborted("shard " + std::to_string(st.index) + " at " + address +
+                   " serves layout epoch " + std::to_string(reply->layout_epoch) +
+                   ", newer than this client's " + std::to_string(st.layout_epoch));
+  }
   std::lock_guard<std::mutex> lock(st.mu);
   if (reply->epoch < st.epoch) {
     // A primary that came back after its standby took over, or one cut off
@@ -263,7 +270,7 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
         s = s.WithContext(Context(*st, "Hello"));
         // A shard of a layout whose switch was undone may never come: a
         // shard that answers serves the layout after it, to be routed by.
-        if (s.code() == Code::kUnavailable && LearnLayout(layout).ok()) {
+        if (s.code() == Code::kUnavailable && NewerLayoutThan(layout, st)) {
           return Aborted(s.message() + "; another shard serves a newer layout");
         }
         return s;
@@ -289,6 +296,16 @@ uint64_t Client::layout_epoch() const { return CurrentLayout()->epoch; }
 
 bool Client::LearnNewerLayout() { return LearnLayout(*CurrentLayout()).ok(); }
 
+bool Client::AskLayout(const std::string& address, wire::HelloReply* reply) {
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  int fd = -1;
+  if (!net::Connect(address, deadline, &fd).ok()) return false;
+  const Status s = net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply);
+  net::CloseFd(fd);
+  return s.ok();
+}
+
 Status Client::LearnLayout(const Layout& seen) {
   std::lock_guard<std::mutex> lock(layout_mu_);
   if (CurrentLayout()->epoch > seen.epoch) return OkStatus();  // another call learned it
@@ -302,15 +319,8 @@ Status Client::LearnLayout(const Layout& seen) {
       candidates = st->addresses;
     }
     for (const std::string& address : candidates) {
-      const Clock::time_point deadline =
-          Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
-      int fd = -1;
-      if (!net::Connect(address, deadline, &fd).ok()) continue;
       wire::HelloReply reply;
-      const Status s =
-          net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, &reply);
-      net::CloseFd(fd);
-      if (s.ok() && reply.layout_epoch > epoch && !reply.layout.empty()) {
+      if (AskLayout(address, &reply) && reply.layout_epoch > epoch && !reply.layout.empty()) {
         epoch = reply.layout_epoch;
         addresses = reply.layout;
       }
@@ -320,6 +330,43 @@ Status Client::LearnLayout(const Layout& seen) {
     return Aborted("no shard serves a layout newer than epoch " + std::to_string(seen.epoch) +
                    " yet");
   }
+  UseLayoutLocked(seen, epoch, addresses);
+  return OkStatus();
+}
+
+bool Client::NewerLayoutThan(const Layout& seen, const ShardState* unreachable) {
+  std::lock_guard<std::mutex> lock(layout_mu_);
+  if (CurrentLayout()->epoch > seen.epoch) return true;  // another call learned it
+  const Clock::time_point now = Clock::now();
+  if (now - last_probe_ < std::chrono::milliseconds(kLayoutProbeMs)) return false;
+  const size_t n = seen.shards.size();
+  for (size_t k = 0; k < n; ++k) {
+    const ShardState* st = seen.shards[(next_probe_ + k) % n];
+    if (st == unreachable) continue;
+    std::vector<std::string> candidates;
+    {
+      std::lock_guard<std::mutex> st_lock(st->mu);
+      candidates = st->addresses;
+    }
+    for (const std::string& address : candidates) {
+      wire::HelloReply reply;
+      if (!AskLayout(address, &reply)) continue;
+      // One answer: a process that switched serves the newer layout, and
+      // after an undo every one does.
+      next_probe_ = (next_probe_ + k + 1) % n;
+      if (reply.layout_epoch > seen.epoch && !reply.layout.empty()) {
+        UseLayoutLocked(seen, reply.layout_epoch, reply.layout);
+        return true;
+      }
+      last_probe_ = now;
+      return false;
+    }
+  }
+  last_probe_ = now;
+  return false;
+}
+
+void Client::UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::string& addresses) {
   auto next = std::make_shared<Layout>();
   next->epoch = epoch;
   const std::vector<std::string> entries = net::SplitAddresses(addresses, ',');
@@ -341,7 +388,6 @@ Status Client::LearnLayout(const Layout& seen) {
     for (Conn& c : st->idle) net::CloseFd(c.fd);
     st->idle.clear();
   }
-  return OkStatus();
 }
 
 bool Client::AwaitLayout(const Layout& seen, int* backoff_ms, Clock::time_point deadline) {

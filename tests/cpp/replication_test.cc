@@ -1610,6 +1610,35 @@ DLT_TEST(TestAClientOfAnUndoneLayoutLearnsTheOneAfterIt) {
   EXPECT(client.layout_epoch() == 3 && client.num_shards() == 2);
 }
 
+DLT_TEST(TestAClientOfAReplacedShardRoutesByTheLayoutThatReplacedIt) {
+  // A re-shard of the same count moves shard 2 to another process, and the
+  // one it left stops. A client that greeted all three before (idle since)
+  // meets the stopped one: the others kept their places, so nothing but
+  // their layout epoch tells it the layout changed. It routes by the new
+  // one, every push applied once.
+  Processes cluster;
+  const size_t a = cluster.Add(0, 3), b = cluster.Add(1, 3), c = cluster.Add(2, 3);
+  bool created;
+  for (size_t p : {a, b, c}) {
+    EXPECT_OK(cluster.all[p].shard->CreateTable(AdagradConfig("emb", 8), &created));
+  }
+  std::vector<int64_t> ids(5000);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i);
+  const std::vector<float> grads(ids.size() * 8, 0.25f);
+  Client client(cluster.Addresses({a, b, c}), ClientOptions{});
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.05f));
+  const size_t d = cluster.Add(3, 3);  // owns no bucket yet
+  cluster.Reshard({a, b, c}, {a, b, d});
+  cluster.all[c].server->Stop();
+  EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), ids.size(), 0.05f));
+  EXPECT(client.layout_epoch() == 2 && client.num_shards() == 3);
+  Table oracle(AdagradConfig("emb", 8));
+  for (int k = 0; k < 2; ++k) EXPECT_OK(oracle.Push(ids.data(), grads.data(), ids.size(), 0.05f));
+  std::vector<float> want(ids.size() * StateFloats(8, 8));
+  EXPECT_OK(oracle.Pull(ids.data(), ids.size(), PullMode::kState, want.data()));
+  EXPECT(SameBytes(StateOf(cluster.Addresses({a, b, d})), want));
+}
+
 DLT_TEST(TestAProcessHoldingNoTableTakesTheLayoutsPlace) {
   // A standby restarted with the flags of the layout before a re-shard.
   Shard restarted(0, 2);
