@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from tf_dlt import Client, _native, errors
+from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.server import ShardServer
+from tf_dlt.table_config import TableConfig
 
 from conftest import Cluster, flip_byte
 
@@ -112,6 +114,40 @@ def test_saving_again_replaces_the_previous_files(
         client.push("t", np.arange(100), np.ones((100, 4), np.float32), 1.0)
         client.load(str(path))
         np.testing.assert_array_equal(client.pull("t", np.arange(100)), after)
+
+
+def test_two_saves_to_one_path_never_both_report_success(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves to one path at once (misuse: one at a time): the newest that
+    committed holds the path, loadable; an older one is refused, also when
+    the newer commits between its checks and its own commit (it removed the
+    older one's files: that save must not report success)."""
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 2).to_dict())
+    shard.get_table("t").push(np.arange(10, dtype=np.int64), np.ones((10, 2), np.float32), 0.1)
+    path = str(tmp_path / "ck")
+    older, newer = manifest_lib.new_save_id(), manifest_lib.new_save_id()
+    part_older = shard_files.save_shard(path, shard, older)
+    part_newer = shard_files.save_shard(path, shard, newer)
+    manifest_lib.write_manifest(path, [part_newer], newer)
+    with pytest.raises(errors.FailedPreconditionError, match="a newer save"):
+        manifest_lib.write_manifest(path, [part_older], older)
+    assert manifest_lib.read_manifest(path)["save_id"] == newer
+
+    older, newer = manifest_lib.new_save_id(), manifest_lib.new_save_id()
+    part_older = shard_files.save_shard(path, shard, older)
+    part_newer = shard_files.save_shard(path, shard, newer)
+    commit = manifest_lib.commit_file
+
+    def newer_commits_first(fs: Any, target: str, data: bytes) -> None:
+        monkeypatch.setattr(manifest_lib, "commit_file", commit)
+        manifest_lib.write_manifest(path, [part_newer], newer)  # removes the older save's files
+        commit(fs, target, data)
+
+    monkeypatch.setattr(manifest_lib, "commit_file", newer_commits_first)
+    with pytest.raises(errors.FailedPreconditionError, match="removed .* as this save committed"):
+        manifest_lib.write_manifest(path, [part_older], older)
 
 
 def _broken_checkpoint(cluster: Cluster, path: Path) -> tuple[Client, np.ndarray, dict[str, Any]]:
@@ -283,7 +319,6 @@ def test_a_load_reads_each_block_about_once(
     two blocks once made it read each block about 14 times), but for files
     of the spread layout."""
     from tf_dlt.checkpoint import manifest, shard_save, verified
-    from tf_dlt.table_config import TableConfig
 
     monkeypatch.setattr(shard_save, "_CHUNK_CACHE_BYTES", cache)
     shard = _native.Shard(0, 1)

@@ -269,6 +269,14 @@ def write_manifest(
     else:
         manifest["chain_length"] = 1
     fs, root = filesystem(path)
+    # Saves to one path at once (docs/checkpoints.md: one at a time): the
+    # newest that committed holds it, and removed the others' files.
+    newer = _committed_save_id(fs, root)
+    if newer > save_id:
+        raise errors.FailedPreconditionError(
+            f"a newer save ({newer}) committed to {path} while this one ({save_id}) ran: it "
+            "holds the path, and this save is dropped"
+        )
     for part in parts:  # a concurrent save to the same path may have removed them
         if not fs.exists(f"{root}/{part['file']}"):
             raise errors.FailedPreconditionError(
@@ -276,8 +284,27 @@ def write_manifest(
                 "save to the same path removed it?); the checkpoint there is unchanged"
             )
     commit_file(fs, f"{root}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True).encode())
+    gone = [p["file"] for p in parts if not fs.exists(f"{root}/{p['file']}")]
+    if gone:
+        # Another save committed between the checks above and this commit,
+        # and removed these: never reported as saved.
+        raise errors.FailedPreconditionError(
+            f"another save to {path} removed {gone[0]} as this save committed: the checkpoint "
+            f"there names files that are gone; save to {path} again (one save to a path at a "
+            "time)"
+        )
     _remove_superseded(fs, root, {p["file"] for p in parts}, save_id)
     return manifest
+
+
+def _committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """The save id of the manifest committed at `root`; "" when none (or
+    one this build cannot read: the save replaces it)."""
+    try:
+        save_id = json.loads(_read_manifest_bytes(fs, f"{root}/{MANIFEST}")).get("save_id", "")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError, errors.DltError):
+        return ""
+    return save_id if isinstance(save_id, str) else ""
 
 
 def _remove_superseded(
