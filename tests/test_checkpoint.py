@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -148,6 +150,39 @@ def test_two_saves_to_one_path_never_both_report_success(
     monkeypatch.setattr(manifest_lib, "commit_file", newer_commits_first)
     with pytest.raises(errors.FailedPreconditionError, match="removed .* as this save committed"):
         manifest_lib.write_manifest(path, [part_older], older)
+
+
+_FULL_DISK_SAVE = """
+import resource, signal, sys
+import numpy as np
+from tf_dlt import _native, errors
+from tf_dlt.checkpoint import shard_files
+from tf_dlt.table_config import TableConfig
+shard = _native.Shard(0, 1)
+shard.create_table(TableConfig("t", 64).to_dict())
+shard.get_table("t").pull(np.arange(20000, dtype=np.int64))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    with errors.storage_errors("Save to " + sys.argv[1]):
+        shard_files.save_shard(sys.argv[1], shard, "s1")
+except errors.DltError as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_save_that_fills_the_disk_is_resource_exhausted(tmp_path: Path) -> None:
+    """A shard file that cannot grow (a full disk or quota; here a file size
+    limit of 1 MiB for a 5 MB table) fails the save as RESOURCE_EXHAUSTED
+    naming the OS's reason, not as INTERNAL with what HDF5's close says of
+    the file it could not finish; no file is left behind."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_SAVE, str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.startswith("ResourceExhaustedError"), out.stdout + out.stderr
+    assert "File too large" in out.stdout
+    assert os.listdir(tmp_path / "ck") == []
 
 
 def _broken_checkpoint(cluster: Cluster, path: Path) -> tuple[Client, np.ndarray, dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import re
 from collections.abc import Iterator
 
@@ -107,6 +108,7 @@ _BY_ERRNO: dict[int, type[DltError]] = {
     errno.EPERM: PermissionDeniedError,
     errno.ENOSPC: ResourceExhaustedError,
     errno.EDQUOT: ResourceExhaustedError,
+    errno.EFBIG: ResourceExhaustedError,
     errno.ECONNREFUSED: UnavailableError,
     errno.ECONNRESET: UnavailableError,
     errno.ETIMEDOUT: UnavailableError,
@@ -166,6 +168,9 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
         reason = lines[0] if lines else type(error).__name__
         if len(reason) > MAX_REASON_CHARS:
             reason = reason[: MAX_REASON_CHARS - 3] + "..."
+        if isinstance(code, int) and os.strerror(code) not in reason:
+            # A library's first line may not say it (HDF5: "Can't write data").
+            reason = f"{reason} [{os.strerror(code)}]"
         if type(error).__module__ != "builtins":
             reason = f"{type(error).__name__}: {reason}"
     return cls(f"{what}: {reason}")

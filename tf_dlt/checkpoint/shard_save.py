@@ -5,9 +5,11 @@ save-specific name. Never a second copy of the shard in memory."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -196,34 +198,56 @@ def _write_shard_file(
     local_path: str, layout: ShardLayout, tables: list[TableRows], save_id: str
 ) -> list[dict[str, Any]]:
     """Streams `tables` (sorted by name) into an HDF5 file; returns table
-    infos."""
-    infos = []
-    with h5py.File(
+    infos. A write that fails (a full disk) raises its OSError, not what
+    HDF5's close then says of the file it could not finish."""
+    f = h5py.File(
         local_path, "w", meta_block_size=_META_BLOCK_BYTES, rdcc_nbytes=_CHUNK_CACHE_BYTES
-    ) as f:
-        f.attrs["format"] = FORMAT
-        f.attrs["format_version"] = FORMAT_VERSION
-        f.attrs["save_id"] = save_id
-        f.attrs["shard_index"] = layout.shard_index
-        f.attrs["num_shards"] = layout.num_shards
-        f.attrs["first_bucket"] = layout.first_bucket
-        f.attrs["end_bucket"] = layout.end_bucket
-        f.attrs["num_buckets"] = NUM_BUCKETS
-        group = f.create_group("tables")
-        for k, rows in enumerate(sorted(tables, key=lambda t: str(t.config["name"]))):
-            name = f"t{k:05d}"
-            try:
-                n, state = _write_table(group.create_group(name), rows)
-            except IncompleteDelta:
-                if rows.whole is None:
-                    raise
-                # Removals the delta would miss: the table is written whole
-                # instead, as a table whose changes are not tracked.
-                del group[name]
-                rows = rows.whole()
-                n, state = _write_table(group.create_group(name), rows)
-            removed = 0 if state.removed is None else len(state.removed)
-            infos.append({"config": rows.config, "rows": n, "mode": state.mode, "removed": removed})
+    )
+    try:
+        infos = _write_tables(f, layout, tables, save_id)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            f.close()
+        raise
+    try:
+        f.close()  # flushes what HDF5 still holds: may meet the full disk
+    except RuntimeError as e:  # "... errno = 28, error message = ..."
+        found = re.search(r"errno = (\d+)", str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, f"{os.strerror(code)} (closing {local_path})") from e
+    return infos
+
+
+def _write_tables(
+    f: h5py.File, layout: ShardLayout, tables: list[TableRows], save_id: str
+) -> list[dict[str, Any]]:
+    """The shard file's attributes and tables; returns table infos."""
+    infos = []
+    f.attrs["format"] = FORMAT
+    f.attrs["format_version"] = FORMAT_VERSION
+    f.attrs["save_id"] = save_id
+    f.attrs["shard_index"] = layout.shard_index
+    f.attrs["num_shards"] = layout.num_shards
+    f.attrs["first_bucket"] = layout.first_bucket
+    f.attrs["end_bucket"] = layout.end_bucket
+    f.attrs["num_buckets"] = NUM_BUCKETS
+    group = f.create_group("tables")
+    for k, rows in enumerate(sorted(tables, key=lambda t: str(t.config["name"]))):
+        name = f"t{k:05d}"
+        try:
+            n, state = _write_table(group.create_group(name), rows)
+        except IncompleteDelta:
+            if rows.whole is None:
+                raise
+            # Removals the delta would miss: the table is written whole
+            # instead, as a table whose changes are not tracked.
+            del group[name]
+            rows = rows.whole()
+            n, state = _write_table(group.create_group(name), rows)
+        removed = 0 if state.removed is None else len(state.removed)
+        infos.append({"config": rows.config, "rows": n, "mode": state.mode, "removed": removed})
     return infos
 
 
