@@ -38,6 +38,10 @@ struct ClientOptions {
   // never one the server already closed).
   int max_idle_connections = 8;
   int idle_close_ms = 60000;
+  // A shard is greeted again (a new connection, its Hello) once its last
+  // Hello is this old, so the client learns standbys that attached since
+  // and layouts that changed in its place (0: never).
+  int regreet_ms = 10000;
   // A pull that fails with UNAVAILABLE (a shard restarting, a dropped
   // connection) is repeated up to this many times, after retry_backoff_ms,
   // doubling, while the request deadline allows. Pulls are idempotent;

@@ -25,6 +25,7 @@ struct Client::ShardState {
   std::string address;     // the one last connected to (first: the primary); guarded by mu
   std::vector<Conn> idle;  // guarded by mu
   bool greeted = false;    // guarded by mu
+  int64_t greeted_ms = 0;  // when its last Hello was; guarded by mu
   uint64_t epoch = 0;      // the newest copy's met; guarded by mu
   ShardInfo info;          // guarded by mu
 };

@@ -21,6 +21,26 @@ namespace dlt {
 
 using net::Clock;
 
+namespace {
+
+// Receive buffers above this size are freed when their connection goes idle.
+constexpr size_t kKeepBufferBytes = 64u << 20;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// True when a pooled connection was closed (or spoke out of turn) while
+// idle: a non-blocking peek finds end-of-stream, an error or stray bytes.
+bool ClosedWhileIdle(int fd) {
+  uint8_t byte;
+  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
+}
+
+}  // namespace
+
 Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::HelloReply* reply) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
@@ -85,27 +105,8 @@ void Client::Adopt(ShardState& st, const std::string& address, const wire::Hello
   st.info.admin_port = reply.admin_port;
   st.info.max_frame_bytes = reply.max_frame_bytes;
   st.greeted = true;
+  st.greeted_ms = NowMs();
 }
-
-namespace {
-
-// Receive buffers above this size are freed when their connection goes idle.
-constexpr size_t kKeepBufferBytes = 64u << 20;
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
-      .count();
-}
-
-// True when a pooled connection was closed (or spoke out of turn) while
-// idle: a non-blocking peek finds end-of-stream, an error or stray bytes.
-bool ClosedWhileIdle(int fd) {
-  uint8_t byte;
-  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-  return !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
-}
-
-}  // namespace
 
 Status Client::Acquire(ShardState& st, Conn* conn) {
   const int64_t now = NowMs();
@@ -114,6 +115,8 @@ Status Client::Acquire(ShardState& st, Conn* conn) {
     {
       std::lock_guard<std::mutex> lock(st.mu);
       if (st.idle.empty()) break;
+      // Time for a Hello: a new connection (the pooled ones stay).
+      if (options_.regreet_ms > 0 && now - st.greeted_ms > options_.regreet_ms) break;
       pooled = std::move(st.idle.back());
       st.idle.pop_back();
     }

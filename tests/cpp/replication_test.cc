@@ -1939,6 +1939,38 @@ DLT_TEST(TestAStandbyDropsARoundPastItsBufferAndIsCopiedAfresh) {
   EXPECT(g.standby_servers[0]->standby_caught_up());
 }
 
+DLT_TEST(TestAClientLearnsAStandbyThatAttachedAfterItsHello) {
+  // A trainer that lists the primary alone and greeted it before its
+  // standby attached learns the standby at its next greeting (a shard is
+  // greeted again every regreet_ms), so a takeover would find it.
+  Group g(0);
+  bool created;
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  ClientOptions options;
+  options.regreet_ms = 100;
+  Client client({Address(*g.primary_server)}, options);
+  const int64_t ids[] = {1, 2, 3};
+  const std::vector<float> grads(3 * 8, 0.5f);
+  EXPECT_OK(client.Push("emb", 8, ids, grads.data(), 3, 0.1f));
+  auto replicas = [&] {
+    std::vector<ShardInfo> infos;
+    EXPECT_OK(client.GetShardInfos(&infos));
+    return infos.empty() ? std::string() : infos[0].replicas;
+  };
+  EXPECT(replicas() == Address(*g.primary_server));
+  auto standby = std::make_shared<Shard>(0, 1);
+  DataServer standby_server(standby, DataServerOptions{});
+  standby_server.set_standby(true);
+  EXPECT_OK(standby_server.Start());
+  EXPECT_OK(g.group->Attach(Address(standby_server)));
+  EXPECT(Eventually([&] {
+    EXPECT_OK(client.Push("emb", 8, ids, grads.data(), 3, 0.1f));  // on pooled connections
+    return replicas() == Address(*g.primary_server) + "|" + Address(standby_server);
+  }));
+  g.group->Stop();
+  standby_server.Stop();
+}
+
 DLT_TEST(TestAGroupRefusesAStandbyPastItsLimit) {
   std::shared_ptr<Shard> shard = std::make_shared<Shard>(0, 1);
   ReplicaGroup group(shard, ReplicatorOptions{});
