@@ -71,6 +71,9 @@ def test_save_two_shards_load_three_identical_rows_and_slots(
         expected = {name: client.pull(name, ids) for name in ("adam", "sgd", "user/ftrl")}
         manifest = client.save(str(tmp_path / "ck2"))
     assert manifest["num_shards"] == 2 and len(manifest["files"]) == 2
+    # Each file says how HDF5 laid out its metadata, so a load reads it in
+    # file order with few blocks kept (it read all as spread, 16 blocks).
+    assert all(f["meta_block_bytes"] == 1 << 20 for f in manifest["files"])
     three = start_cluster(3)
     with three.client() as client:
         loaded = client.load(str(tmp_path / "ck2"))

@@ -357,6 +357,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             seconds=part["seconds"],
             block_bytes=part["block_bytes"],
             block_sha256=part["block_sha256"],
+            meta_block_bytes=part["meta_block_bytes"],
         )
 
     @_handler
