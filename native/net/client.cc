@@ -254,7 +254,8 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
   bool stale_retried = false;
   bool any_reused = false;
   std::shared_ptr<const Layout> layout = CurrentLayout();
-  Status s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
+  Status s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, deadline,
+                      &any_reused);
   while (!s.ok() && (s.code() == Code::kUnavailable || s.code() == Code::kAborted)) {
     if (s.code() == Code::kAborted) {
       // Re-sharded: again, routed by the newer layout once there is one.
@@ -273,14 +274,16 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
       backoff_ms = has_standbys_ ? std::min(2 * backoff_ms, kFailoverBackoffMs) : 2 * backoff_ms;
       ++retries;
     }
-    s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, &any_reused);
+    s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, deadline,
+                 &any_reused);
   }
   return s;
 }
 
 Status Client::PullOnce(const Layout& layout, const std::string& table, uint32_t dim,
                         const int64_t* ids, size_t n, PullMode mode, uint32_t row_floats,
-                        float* out, bool dedup, size_t* sent, bool* any_reused) {
+                        float* out, bool dedup, size_t* sent, Clock::time_point deadline,
+                        bool* any_reused) {
   *any_reused = false;
   if (sent != nullptr) *sent = 0;
   if (n == 0) return OkStatus();
@@ -349,7 +352,7 @@ Status Client::PullOnce(const Layout& layout, const std::string& table, uint32_t
       calls.push_back(std::move(call));
     }
   }
-  DLT_RETURN_IF_ERROR(Exchange(&calls, "Pull", any_reused));
+  DLT_RETURN_IF_ERROR(Exchange(&calls, "Pull", deadline, any_reused));
   for (const Call& call : calls) {
     if (!call.refused.empty()) return call.refusal;  // pulled again whole
   }
@@ -500,7 +503,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     }
   }
   bool any_reused = false;
-  Status sent = Exchange(&calls, op, &any_reused);
+  Status sent = Exchange(&calls, op, deadline, &any_reused);
   if (identified) {
     // A shard's primary died or lost its standby: the same frames again, to
     // whichever address greets, until the deadline. Frames a shard applied
@@ -511,7 +514,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
       if (wake >= deadline) break;
       std::this_thread::sleep_until(wake);
       backoff_ms = std::min(2 * backoff_ms, kFailoverBackoffMs);
-      sent = Exchange(&calls, op, &any_reused);
+      sent = Exchange(&calls, op, deadline, &any_reused);
     }
   }
   DLT_RETURN_IF_ERROR(sent);

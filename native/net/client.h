@@ -204,7 +204,9 @@ class Client {
   // Sends every call's frames and receives their replies: the calls at once
   // on threads of their own when they are large enough to pay for it
   // (ExchangeOn each), else all on the calling thread (one ExchangeOn).
-  Status Exchange(std::vector<Call>* calls, const char* op, bool* any_reused);
+  // `deadline`: the whole request's (a retry gets what is left of it).
+  Status Exchange(std::vector<Call>* calls, const char* op,
+                  std::chrono::steady_clock::time_point deadline, bool* any_reused);
   Status ExchangeOn(Call* calls, size_t count, const char* op,
                     std::chrono::steady_clock::time_point deadline, bool* any_reused);
   // How many connections a shard's part of `bytes` (request and reply) gets
@@ -226,7 +228,7 @@ class Client {
                   PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent);
   Status PullOnce(const Layout& layout, const std::string& table, uint32_t dim, const int64_t* ids,
                   size_t n, PullMode mode, uint32_t row_floats, float* out, bool dedup,
-                  size_t* sent, bool* any_reused);
+                  size_t* sent, std::chrono::steady_clock::time_point deadline, bool* any_reused);
   std::string Context(const ShardState& shard, const char* op) const;
 
   const ClientOptions options_;

@@ -189,10 +189,9 @@ size_t Client::LanesFor(size_t rows, size_t bytes, size_t touched) const {
   return std::clamp<size_t>(rows / kLaneRows, 1, kMaxLoopLanes);
 }
 
-Status Client::Exchange(std::vector<Call>* calls, const char* op, bool* any_reused) {
+Status Client::Exchange(std::vector<Call>* calls, const char* op, Clock::time_point deadline,
+                        bool* any_reused) {
   // One deadline for the whole call, whichever thread exchanges a part when.
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
   size_t bytes = 0;
   for (const Call& call : *calls) bytes += call.Bytes();
   const size_t threads = ExchangeThreads(options_);
@@ -289,7 +288,8 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
       for (size_t c = 0; c < count; ++c) {
         if (io[c].replies < calls[c].frames.size()) {
           close_all();
-          return DeadlineExceeded(Context(*calls[c].state, op) + ": no reply within " +
+          return DeadlineExceeded(Context(*calls[c].state, op) +
+                                  ": no reply within the request deadline of " +
                                   std::to_string(options_.request_timeout_ms) + " ms");
         }
       }

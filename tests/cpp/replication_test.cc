@@ -1904,8 +1904,11 @@ DLT_TEST(TestAPushPastTheStandbyTimeoutIsSentAgainAndAppliedOnce) {
   const int64_t ids[] = {1, 2, 3};
   const std::vector<float> grads(3 * 8, 0.5f);
   const Status doubt = client.Push("emb", 8, ids, grads.data(), 3, 0.1f);
-  EXPECT(doubt.code() == Code::kUnavailable);
-  EXPECT(doubt.message().find("did not acknowledge it (in doubt)") != std::string::npos);
+  // The last attempt's answer (in doubt) or the request deadline, which
+  // may end that attempt first.
+  EXPECT((doubt.code() == Code::kUnavailable &&
+          doubt.message().find("did not acknowledge it (in doubt)") != std::string::npos) ||
+         doubt.code() == Code::kDeadlineExceeded);
   EXPECT(g.primary_server->counters().repeated_pushes.load() >= 2);
   EXPECT(TableOf(*g.primary, "emb")->pushes() == 1);
   g.group->Stop();
