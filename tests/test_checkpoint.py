@@ -21,6 +21,7 @@ import pytest
 from tf_dlt import Client, _native, errors
 from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import shard_files
+from tf_dlt.proto import dlt_pb2
 from tf_dlt.server import ShardServer
 from tf_dlt.table_config import TableConfig
 
@@ -238,6 +239,38 @@ def test_mismatched_table_config_fails_and_changes_nothing(
         ):
             client.load(str(tmp_path / "ck"))
         np.testing.assert_array_equal(client.pull("t", np.arange(10)), before)
+
+
+def test_a_load_whose_commit_got_no_answer_names_the_shard_that_may_hold_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard whose COMMIT got no answer (a deadline, a lost reply) may have
+    committed: when its rollback fails too, the error names it among the
+    shards that may hold the checkpoint's tables, never "every other shard
+    was rolled back"; one whose rollback says it never committed is not
+    named. The later phases get the persistence deadline (a save on the
+    shard may hold its lock), not a data call's."""
+    client = Client(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], persist_timeout=123.0)
+    never = errors.FailedPreconditionError("nothing to roll back for load 'x' on shard 2")
+    answers = {
+        "COMMIT": [
+            errors.FailedPreconditionError("no load prepared"),
+            errors.DeadlineExceededError("shard 1: deadline"),
+            errors.UnavailableError("shard 2: lost"),
+        ],
+        "ROLLBACK": [never, errors.UnavailableError("shard 1: down"), never],
+    }
+    timeouts: list[float | None] = []
+
+    def call_all(method: str, request: Any, timeout: float | None = None) -> list[Any]:
+        timeouts.append(timeout)
+        return answers[dlt_pb2.LoadRequest.Phase.Name(request.phase)]
+
+    monkeypatch.setattr(client, "_call_all", call_all)
+    with pytest.raises(errors.FailedPreconditionError) as e:
+        client._commit_load("/ck", "x")
+    assert "shards [1] could not be rolled back" in str(e.value)
+    assert timeouts == [123.0, 123.0]
 
 
 def test_no_manifest_means_no_checkpoint(

@@ -493,19 +493,36 @@ class Client:
         failures = [r for r in results if isinstance(r, errors.DltError)]
         if failures:
             # Shards that did prepare drop what they staged (or it expires).
-            self._call_all("Load", request(phase=request.ABORT, load_id=load_id))
+            self._call_all(
+                "Load", request(phase=request.ABORT, load_id=load_id), self._persist_timeout
+            )
             raise failures[0]
 
     def _commit_load(self, path: str, load_id: str) -> dict[str, dict[str, Any]]:
         from tf_dlt.proto import dlt_pb2
 
         request = dlt_pb2.LoadRequest
-        results = self._call_all("Load", request(phase=request.COMMIT, load_id=load_id))
+        # The later phases wait for the shard's persistence lock (a save may
+        # hold it): they get the save's deadline, not a data call's.
+        results = self._call_all(
+            "Load", request(phase=request.COMMIT, load_id=load_id), self._persist_timeout
+        )
         failed = [i for i, r in enumerate(results) if isinstance(r, errors.DltError)]
         if failed:
-            committed = [i for i in range(self.num_shards) if i not in failed]
-            undone = self._call_all("Load", request(phase=request.ROLLBACK, load_id=load_id))
-            stuck = [i for i in committed if isinstance(undone[i], errors.DltError)]
+            undone = self._call_all(
+                "Load", request(phase=request.ROLLBACK, load_id=load_id), self._persist_timeout
+            )
+            stuck = []  # hold the checkpoint's tables, or may
+            for i, (result, rollback) in enumerate(zip(results, undone, strict=True)):
+                if not isinstance(rollback, errors.DltError):
+                    continue  # rolled back, or had nothing to roll back
+                if not isinstance(result, errors.DltError):
+                    stuck.append(i)  # committed
+                elif isinstance(result, (errors.DeadlineExceededError, errors.UnavailableError)):
+                    # No answer to its COMMIT, which may have run: unless its
+                    # rollback says it never committed.
+                    if not isinstance(rollback, errors.FailedPreconditionError):
+                        stuck.append(i)
             first: errors.DltError = results[failed[0]]
             if stuck:
                 state = (
@@ -519,7 +536,9 @@ class Client:
                 f"load of {path!r} did not commit on shards {failed} ({first.message}); {state}"
             )
         # Every shard committed: each frees what the load replaced.
-        self._call_all("Load", request(phase=request.FINISH, load_id=load_id))
+        self._call_all(
+            "Load", request(phase=request.FINISH, load_id=load_id), self._persist_timeout
+        )
         out: dict[str, dict[str, Any]] = {}
         for reply in results:
             for info in reply.tables:
