@@ -505,3 +505,51 @@ def test_a_save_syncs_the_directory_after_its_renames(
     save_id = manifest.new_save_id()
     manifest.write_manifest(str(path), [shard_files.save_shard(str(path), shard, save_id)], save_id)
     assert synced.count(str(path)) == 2  # after the shard file's rename, after the manifest's
+
+
+def test_a_delta_refused_in_a_later_table_changes_no_table_in_use(tmp_path: Path) -> None:
+    """A follower applies a delta in place to the tables it serves: a file
+    whose second table fails a check (a delta without its base clock, its
+    checksums valid) is refused before the first table changes. It was
+    refused after: the first table served part of the delta, and every
+    later poll applied that part again."""
+    import h5py
+
+    from tf_dlt.checkpoint import verified
+    from tf_dlt.routing import NUM_BUCKETS
+
+    shard = _native.Shard(0, 1)
+    ids = np.arange(100, dtype=np.int64)
+    for name in ("a", "b"):
+        shard.create_table(tf_dlt.TableConfig.create(name, 4, "normal", "adagrad").to_dict())
+        shard.get_table(name).pull(ids)
+    base, path = str(tmp_path / "c1"), str(tmp_path / "c2")
+    base_id = manifest.new_save_id()
+    manifest.write_manifest(base, [shard_files.save_shard(base, shard, base_id)], base_id)
+    for name in ("a", "b"):
+        shard.get_table(name).push(ids, np.ones((len(ids), 4), np.float32), 0.1)
+    save_id = manifest.new_save_id()
+    part = shard_files.save_shard(path, shard, save_id, base_id)
+    parent = {"path": base, "save_id": base_id, "chain_length": 1}
+    manifest.write_manifest(path, [part], save_id, parent)
+    victim = os.path.join(path, part["file"])
+    with h5py.File(victim, "r+") as f:
+        groups = sorted(f["tables"])
+        assert [json.loads(f["tables"][g].attrs["config"])["name"] for g in groups] == ["a", "b"]
+        assert f["tables"][groups[1]].attrs["mode"] == "delta"
+        del f["tables"][groups[1]].attrs["base_clock"]
+    doc = json.loads((tmp_path / "c2" / "MANIFEST.json").read_text())
+    with open(victim, "rb") as f:
+        doc["files"][0]["sha256"], doc["files"][0]["block_sha256"] = verified.file_digests(f)
+    doc["files"][0]["bytes"] = os.path.getsize(victim)
+    (tmp_path / "c2" / "MANIFEST.json").write_text(json.dumps(doc))
+
+    follower = _native.Shard(0, 1)
+    follower.install_tables(shard_files.prepare_load(base, follower)["staged"])
+    tables = {t.name: t for t in follower.tables()}
+    served = {name: table.pull(ids) for name, table in tables.items()}
+    link = manifest.resolve_chain(path)[-1]
+    with pytest.raises(errors.FailedPreconditionError, match="without its base_clock"):
+        shard_files.apply_link(link, tables, follower.new_table, (0, NUM_BUCKETS), in_use=True)
+    for name, table in tables.items():
+        np.testing.assert_array_equal(table.pull(ids), served[name])

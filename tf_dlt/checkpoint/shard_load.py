@@ -208,26 +208,15 @@ def _apply_group(
     `buckets`: a full table's rows replace those of the file's buckets; a
     delta's removals go first, then its rows (changed or new) overwrite.
     Returns the table's name (None: a table the load leaves out)."""
-    config = json.loads(g.attrs["config"])
-    name = str(config["name"])
-    if name in link.skipped:
+    configs = {n: normalized(t.config) for n, t in tables.items()}
+    checked = _check_group(g, entry, listed, configs, link.skipped)
+    if checked is None:
         return None
+    config, mode, offsets = checked
+    name = str(config["name"])
     where = f"{entry['file']} (table {name!r})"
-    if name not in listed or normalized(listed[name]["config"]) != normalized(config):
-        raise errors.FailedPreconditionError(
-            f"{entry['file']} holds table {name!r} with a config the manifest does not list"
-        )
-    mode = str(g.attrs.get("mode", "full"))
-    if mode not in ("full", "delta") or "ids" not in g or "values" not in g or "steps" not in g:
-        raise errors.FailedPreconditionError(f"{where} is malformed")
-    offsets = _offsets(g, "bucket_offsets", len(g["ids"]), where)
     table = tables.get(name)
-    if table is None or normalized(table.config) != normalized(config):
-        if mode != "full":
-            raise errors.FailedPreconditionError(
-                f"{entry['file']} holds changes to table {name!r} that the checkpoints before "
-                "it do not have in this configuration: the chain is inconsistent"
-            )
+    if table is None or configs[name] != normalized(config):
         table = tables[name] = new_table(config)
         link.fresh.add(name)
         link.clocks[name] = table.now()
@@ -240,8 +229,6 @@ def _apply_group(
             keep = np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64)
             table.erase_buckets(lo, hi, keep)
         return name
-    if "base_clock" not in g.attrs:
-        raise errors.FailedPreconditionError(f"{where} is a delta without its base_clock")
     removed = _offsets(g, "removed_offsets", len(g["removed"]) if "removed" in g else 0, where)
     table.erase(np.asarray(g["removed"][int(removed[lo]) : int(removed[hi])], np.int64))
     if config.get("policy", {}).get("clock") != "seconds":
@@ -253,6 +240,45 @@ def _apply_group(
             table.set_push_clock(target)
     restore_rows(g, table, buckets, offsets, reader)
     return name
+
+
+def _check_group(
+    g: h5py.Group,
+    entry: dict[str, Any],
+    listed: dict[str, dict[str, Any]],
+    configs: dict[str, dict[str, Any]],
+    skipped: frozenset[str],
+) -> tuple[dict[str, Any], str, np.ndarray] | None:
+    """What `_apply_group` checks of one table of one shard file before it
+    changes anything, against the (normalized) configs of the tables it
+    would change: (config, mode, bucket offsets), or None for a table the
+    load leaves out. Raises FailedPreconditionError naming the problem."""
+    config = json.loads(g.attrs["config"])
+    name = str(config["name"])
+    if name in skipped:
+        return None
+    where = f"{entry['file']} (table {name!r})"
+    if name not in listed or normalized(listed[name]["config"]) != normalized(config):
+        raise errors.FailedPreconditionError(
+            f"{entry['file']} holds table {name!r} with a config the manifest does not list"
+        )
+    mode = str(g.attrs.get("mode", "full"))
+    if mode not in ("full", "delta") or "ids" not in g or "values" not in g or "steps" not in g:
+        raise errors.FailedPreconditionError(f"{where} is malformed")
+    offsets = _offsets(g, "bucket_offsets", len(g["ids"]), where)
+    _stored_as(g["values"], config, 0)
+    if "slots" in g:
+        _stored_as(g["slots"], config, 1)
+    if mode == "delta":
+        if configs.get(name) != normalized(config):
+            raise errors.FailedPreconditionError(
+                f"{entry['file']} holds changes to table {name!r} that the checkpoints before "
+                "it do not have in this configuration: the chain is inconsistent"
+            )
+        if "base_clock" not in g.attrs:
+            raise errors.FailedPreconditionError(f"{where} is a delta without its base_clock")
+        _offsets(g, "removed_offsets", len(g["removed"]) if "removed" in g else 0, where)
+    return config, mode, offsets
 
 
 def rows_to_size(rows: int, owned: float, file_bytes: int, table: _native.Table) -> int:
@@ -380,6 +406,15 @@ def _apply_files(
         for entry in entries:  # every byte verified before any table changes
             verified.fetch_verified(fs, root, entry, spool)
         local, local_root = filesystem(spool)
+        # And every table of every file checked: a file refused half way
+        # would leave the tables serving with part of the link applied.
+        configs = {n: normalized(t.config) for n, t in tables.items()}
+        for entry in entries:
+            with verified.open_verified(local, local_root, entry, lean=lean) as (f, _):
+                for g in list(f["tables"].values()):
+                    checked = _check_group(g, entry, listed, configs, state.skipped)
+                    if checked is not None and checked[1] == "full":
+                        configs[str(checked[0]["name"])] = normalized(checked[0])
         for entry in entries:
             with verified.open_verified(local, local_root, entry, lean=lean) as (f, reader):
                 apply_file(entry, f, reader)
