@@ -69,6 +69,8 @@ struct ClientOptions {
 inline constexpr int kFailoverBackoffMs = 200;
 // Client::NewerLayoutThan asks the shards at most this often.
 inline constexpr int kLayoutProbeMs = 200;
+// The longest one Hello asking a shard for its layout may take.
+inline constexpr int kAskLayoutMs = 1000;
 
 struct ShardInfo {
   std::string address;

@@ -26,6 +26,7 @@ struct Client::ShardState {
   std::vector<Conn> idle;  // guarded by mu
   bool greeted = false;    // guarded by mu
   int64_t greeted_ms = 0;  // when its last Hello was; guarded by mu
+  bool retired = false;    // its layout was left: pools nothing; guarded by mu
   uint64_t epoch = 0;      // the newest copy's met; guarded by mu
   ShardInfo info;          // guarded by mu
 };

@@ -235,7 +235,7 @@ void Client::Release(ShardState& st, Conn conn) {
     net::CloseFd(st.idle.front().fd);
     st.idle.erase(st.idle.begin());
   }
-  if (static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
+  if (!st.retired && static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
     conn.buffer.Trim(kKeepBufferBytes);
     st.idle.push_back(std::move(conn));
   } else {
@@ -300,8 +300,10 @@ uint64_t Client::layout_epoch() const { return CurrentLayout()->epoch; }
 bool Client::LearnNewerLayout() { return LearnLayout(*CurrentLayout()).ok(); }
 
 bool Client::AskLayout(const std::string& address, wire::HelloReply* reply) {
+  // Other calls wait for layout_mu_ meanwhile: a host that does not answer
+  // (no reset) costs at most kAskLayoutMs, not a connect timeout.
   const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+      Clock::now() + std::chrono::milliseconds(std::min(options_.connect_timeout_ms, kAskLayoutMs));
   int fd = -1;
   if (!net::Connect(address, deadline, &fd).ok()) return false;
   const Status s = net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply);
@@ -385,9 +387,11 @@ void Client::UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::stri
     states_.push_back(std::move(st));
   }
   std::atomic_store(&layout_, std::shared_ptr<const Layout>(std::move(next)));
-  // The old layout's idle connections are of no more use.
+  // The old layout's connections are of no more use: those idle close
+  // now, those in use when they come back.
   for (ShardState* st : seen.shards) {
     std::lock_guard<std::mutex> st_lock(st->mu);
+    st->retired = true;
     for (Conn& c : st->idle) net::CloseFd(c.fd);
     st->idle.clear();
   }

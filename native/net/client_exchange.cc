@@ -408,6 +408,10 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
         if (x.frame.opcode == wire::Opcode::kError) {
           const Status error = wire::DecodeError(p, bytes);
           if (error.code() != Code::kAborted) return fail(error);
+          if (f >= call.frames.size() || x.answered[f]) {
+            return fail(
+                Internal("refusal of unknown request id " + std::to_string(x.frame.request_id)));
+          }
           // Refused unapplied (a re-shard's switch): the caller sends it again.
           call.refused.push_back(f);
           call.refusal = error.WithContext(Context(*call.state, op));

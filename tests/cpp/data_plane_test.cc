@@ -461,6 +461,20 @@ DLT_TEST(TestClientBoundsReplySizes) {
     const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
     EXPECT(s.code() == Code::kInternal && s.message().find("largest error") != std::string::npos);
   }
+  {
+    // A refusal (ABORTED: sent again) naming a request id the client never
+    // used: refused, not taken as the refusal of a frame past its calls'.
+    FakeShard fake([](const wire::FrameHeader& h, const std::string&) {
+      const std::string body = wire::EncodeError(Code::kAborted, "switched");
+      return ReplyHeader(wire::Opcode::kError, h.request_id + 1000,
+                         static_cast<uint32_t>(body.size())) +
+             body;
+    });
+    Client client({fake.address()}, o);
+    const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
+    EXPECT(s.code() == Code::kInternal &&
+           s.message().find("unknown request id") != std::string::npos);
+  }
 }
 
 // A Pull reply of rows whose values name their id (id + k / 8 for float k).
