@@ -189,6 +189,23 @@ def test_a_save_that_fills_the_disk_is_resource_exhausted(tmp_path: Path) -> Non
     assert os.listdir(tmp_path / "ck") == []
 
 
+def test_a_checkpoint_of_parts_from_two_layouts_is_refused(tmp_path: Path) -> None:
+    """Parts whose buckets do not tile the whole range once (shard 1 of 3
+    beside shard 0 of 2: rows of buckets 2048-2730 twice, 2731-4095 none)
+    are never committed."""
+    path = str(tmp_path / "ck")
+    save_id = manifest_lib.new_save_id()
+    parts = []
+    for index, count in ((0, 2), (1, 3)):
+        shard = _native.Shard(index, count)
+        shard.create_table(TableConfig("t", 2).to_dict())
+        parts.append(shard_files.save_shard(path, shard, save_id))
+    parts[1]["num_shards"] = 2  # as a shard of the 2-shard layout would say
+    with pytest.raises(errors.FailedPreconditionError, match="do not cover"):
+        manifest_lib.write_manifest(path, parts, save_id)
+    assert not os.path.exists(os.path.join(path, "MANIFEST.json"))
+
+
 def _broken_checkpoint(cluster: Cluster, path: Path) -> tuple[Client, np.ndarray, dict[str, Any]]:
     client = cluster.client()
     client.create_table("t", 4, "uniform", "adagrad")

@@ -208,6 +208,20 @@ def write_manifest(
     num_shards = parts[0]["num_shards"] if parts else 0
     if [p["shard_index"] for p in parts] != list(range(num_shards)):
         raise errors.InvalidArgumentError("a checkpoint needs one part from every shard")
+    # The parts' buckets tile the whole range, in shard order: a part from
+    # a shard of another layout (a save across a re-shard) would leave rows
+    # out, or hold some twice.
+    ranges = [(int(p["first_bucket"]), int(p["end_bucket"])) for p in parts]
+    if ranges and (
+        ranges[0][0] != 0
+        or ranges[-1][1] != NUM_BUCKETS
+        or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        or any(first > end for first, end in ranges)
+    ):
+        raise errors.FailedPreconditionError(
+            f"the shards' bucket ranges {ranges} do not cover the {NUM_BUCKETS} buckets once "
+            "each (shards of different layouts: a re-shard during the save?)"
+        )
     tables: dict[str, dict[str, Any]] = {}
     every_table_full = True
     for part in parts:
