@@ -153,11 +153,18 @@ Status Client::Connect(ShardState& st, int* out_fd) {
     int best = -1;
     uint64_t best_epoch = 0;
     Status last = Unavailable("no address greets");
+    Status misplaced;
     for (const std::string& address : addresses) {
       int fd = -1;
       wire::HelloReply r;
       const Status s = ConnectTo(st, address, &fd, &r);
       if (!s.ok()) {
+        if (s.code() == Code::kFailedPrecondition) {
+          // Another place (a member restarted with stale flags): the next
+          // address may greet; said only when none does.
+          if (misplaced.ok()) misplaced = s;
+          continue;
+        }
         if (s.code() != Code::kUnavailable) {
           if (best >= 0) net::CloseFd(best);
           return s;
@@ -175,20 +182,25 @@ Status Client::Connect(ShardState& st, int* out_fd) {
       reply = r;
       current = address;
     }
-    if (best < 0) return last;
+    if (best < 0) return misplaced.ok() ? last : misplaced;
     Adopt(st, current, reply);
     *out_fd = best;
     return OkStatus();
   }
   Status s = ConnectTo(st, current, out_fd, &reply);
   if (s.ok()) Adopt(st, current, reply);
+  Status misplaced;  // as above
   for (const std::string& other : addresses) {
-    if (s.ok() || s.code() != Code::kUnavailable) break;
+    if (s.code() == Code::kFailedPrecondition && misplaced.ok()) misplaced = s;
+    if (s.ok() || (s.code() != Code::kUnavailable && s.code() != Code::kFailedPrecondition)) {
+      break;
+    }
     if (other == current) continue;
     s = ConnectTo(st, other, out_fd, &reply);
     if (s.ok()) Adopt(st, other, reply);
   }
-  return s;
+  if (s.code() == Code::kFailedPrecondition && misplaced.ok()) misplaced = s;
+  return !s.ok() && !misplaced.ok() && s.code() == Code::kUnavailable ? misplaced : s;
 }
 
 Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,

@@ -1974,6 +1974,31 @@ DLT_TEST(TestAClientLearnsAStandbyThatAttachedAfterItsHello) {
   standby_server.Stop();
 }
 
+DLT_TEST(TestAMemberInAnotherPlaceDoesNotHideOneThatGreets) {
+  // The first address of a shard answers as another shard (a member
+  // restarted with stale flags): the next one, which greets in its place,
+  // is used; a client with no other address is told what is wrong.
+  auto elsewhere = std::make_shared<Shard>(1, 2);
+  auto good = std::make_shared<Shard>(0, 1);
+  bool created;
+  EXPECT_OK(good->CreateTable(AdagradConfig("emb", 8), &created));
+  DataServer elsewhere_server(elsewhere, DataServerOptions{});
+  DataServer good_server(good, DataServerOptions{});
+  EXPECT_OK(elsewhere_server.Start());
+  EXPECT_OK(good_server.Start());
+  const int64_t ids[] = {1, 2, 3};
+  const std::vector<float> grads(3 * 8, 0.5f);
+  Client both({Address(elsewhere_server) + "|" + Address(good_server)}, ClientOptions{});
+  EXPECT_OK(both.Push("emb", 8, ids, grads.data(), 3, 0.1f));
+  EXPECT(TableOf(*good, "emb")->pushes() == 1);
+  Client alone({Address(elsewhere_server)}, ClientOptions{});
+  const Status refused = alone.Push("emb", 8, ids, grads.data(), 3, 0.1f);
+  EXPECT(refused.code() == Code::kFailedPrecondition);
+  EXPECT(refused.message().find("shard-index order") != std::string::npos);
+  elsewhere_server.Stop();
+  good_server.Stop();
+}
+
 DLT_TEST(TestAGroupRefusesAStandbyPastItsLimit) {
   std::shared_ptr<Shard> shard = std::make_shared<Shard>(0, 1);
   ReplicaGroup group(shard, ReplicatorOptions{});
