@@ -264,15 +264,8 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
     } else if (any_reused && !stale_retried) {
       // A pooled connection that died while idle: once more at once.
       stale_retried = true;
-    } else {
-      // A shard restarting or a dropped connection: pause, doubling. With
-      // standbys listed, until the deadline: a standby is taking over.
-      if (retries >= options_.pull_retries && !has_standbys_) break;
-      const auto wake = std::chrono::steady_clock::now() + std::chrono::milliseconds(backoff_ms);
-      if (wake >= deadline) break;
-      std::this_thread::sleep_until(wake);
-      backoff_ms = has_standbys_ ? std::min(2 * backoff_ms, kFailoverBackoffMs) : 2 * backoff_ms;
-      ++retries;
+    } else if (!PauseToRetry(&retries, &backoff_ms, deadline)) {
+      break;
     }
     s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, deadline,
                  &any_reused);
@@ -403,7 +396,8 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   std::vector<std::vector<uint32_t>> groups;
   int layout_backoff_ms = options_.retry_backoff_ms;
   int backoff_ms = options_.retry_backoff_ms;
-  for (int retries = 0;; ++retries) {
+  int retries = 0;
+  for (;;) {
     const Status routed = Route(*layout, ids, n, &groups);
     if (routed.ok()) break;
     if (routed.code() == Code::kAborted) {
@@ -416,12 +410,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     // again, as a pull is retried, a standby taking over or a switch being
     // undone meanwhile.
     if (routed.code() != Code::kUnavailable) return routed;
-    if (retries >= options_.pull_retries && !has_standbys_.load()) return routed;
-    const auto wake = Clock::now() + std::chrono::milliseconds(backoff_ms);
-    if (wake >= deadline) return routed;
-    std::this_thread::sleep_until(wake);
-    backoff_ms =
-        has_standbys_.load() ? std::min(2 * backoff_ms, kFailoverBackoffMs) : 2 * backoff_ms;
+    if (!PauseToRetry(&retries, &backoff_ms, deadline)) return routed;
     layout = CurrentLayout();
   }
   // After the Hellos: whether pushes carry ids (and may be sent again).

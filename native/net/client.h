@@ -180,6 +180,16 @@ class Client {
   // probe per kLayoutProbeMs that found nothing, so a failover does not
   // make every client greet every shard on each retry.
   bool NewerLayoutThan(const Layout& seen, const ShardState* unreachable);
+  // `s` from a shard that could not be reached (nothing sent to it), as
+  // ABORTED when its layout was left or another shard serves a newer one
+  // (a re-shard replaced it, or undid the switch that brought it: routed
+  // by the newer layout); else `s`.
+  Status UnlessLayoutLeft(const ShardState& shard, const Status& s);
+  // Before a call is made again after UNAVAILABLE: pauses `*backoff_ms`,
+  // doubling (to kFailoverBackoffMs with standbys), and counts the retry;
+  // false when none is left (pull_retries without standbys, or the
+  // deadline would pass).
+  bool PauseToRetry(int* retries, int* backoff_ms, std::chrono::steady_clock::time_point deadline);
   // One Hello to `address` on a connection of its own: what it said
   // (false: no answer).
   bool AskLayout(const std::string& address, wire::HelloReply* reply);

@@ -187,20 +187,25 @@ Status Client::Connect(ShardState& st, int* out_fd) {
     *out_fd = best;
     return OkStatus();
   }
-  Status s = ConnectTo(st, current, out_fd, &reply);
-  if (s.ok()) Adopt(st, current, reply);
-  Status misplaced;  // as above
+  // The address last connected to first, then the others.
+  std::vector<std::string> order = {current};
   for (const std::string& other : addresses) {
-    if (s.code() == Code::kFailedPrecondition && misplaced.ok()) misplaced = s;
-    if (s.ok() || (s.code() != Code::kUnavailable && s.code() != Code::kFailedPrecondition)) {
-      break;
-    }
-    if (other == current) continue;
-    s = ConnectTo(st, other, out_fd, &reply);
-    if (s.ok()) Adopt(st, other, reply);
+    if (other != current) order.push_back(other);
   }
-  if (s.code() == Code::kFailedPrecondition && misplaced.ok()) misplaced = s;
-  return !s.ok() && !misplaced.ok() && s.code() == Code::kUnavailable ? misplaced : s;
+  Status s, misplaced;  // misplaced: as above
+  for (const std::string& address : order) {
+    s = ConnectTo(st, address, out_fd, &reply);
+    if (s.ok()) {
+      Adopt(st, address, reply);
+      return s;
+    }
+    if (s.code() == Code::kFailedPrecondition) {
+      if (misplaced.ok()) misplaced = s;
+    } else if (s.code() != Code::kUnavailable) {
+      return s;
+    }
+  }
+  return misplaced.ok() ? s : misplaced;
 }
 
 Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,
@@ -281,15 +286,7 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     if (!greeted) {
       Conn conn;
       Status s = Acquire(*st, &conn);
-      if (!s.ok()) {
-        s = s.WithContext(Context(*st, "Hello"));
-        // A shard of a layout whose switch was undone may never come: a
-        // shard that answers serves the layout after it, to be routed by.
-        if (s.code() == Code::kUnavailable && NewerLayoutThan(layout, st)) {
-          return Aborted(s.message() + "; another shard serves a newer layout");
-        }
-        return s;
-      }
+      if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(Context(*st, "Hello")));
       Release(*st, std::move(conn));
     }
     std::lock_guard<std::mutex> lock(st->mu);
@@ -351,6 +348,15 @@ Status Client::LearnLayout(const Layout& seen) {
   return OkStatus();
 }
 
+Status Client::UnlessLayoutLeft(const ShardState& st, const Status& s) {
+  if (s.code() != Code::kUnavailable) return s;
+  const std::shared_ptr<const Layout> now = CurrentLayout();
+  if (now->epoch > st.layout_epoch || NewerLayoutThan(*now, &st)) {
+    return Aborted(s.message() + "; another shard serves a newer layout");
+  }
+  return s;
+}
+
 bool Client::NewerLayoutThan(const Layout& seen, const ShardState* unreachable) {
   std::lock_guard<std::mutex> lock(layout_mu_);
   if (CurrentLayout()->epoch > seen.epoch) return true;  // another call learned it
@@ -407,6 +413,17 @@ void Client::UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::stri
     for (Conn& c : st->idle) net::CloseFd(c.fd);
     st->idle.clear();
   }
+}
+
+bool Client::PauseToRetry(int* retries, int* backoff_ms, Clock::time_point deadline) {
+  if (*retries >= options_.pull_retries && !has_standbys_.load()) return false;
+  const Clock::time_point wake = Clock::now() + std::chrono::milliseconds(*backoff_ms);
+  if (wake >= deadline) return false;
+  std::this_thread::sleep_until(wake);
+  *backoff_ms =
+      has_standbys_.load() ? std::min(2 * *backoff_ms, kFailoverBackoffMs) : 2 * *backoff_ms;
+  ++*retries;
+  return true;
 }
 
 bool Client::AwaitLayout(const Layout& seen, int* backoff_ms, Clock::time_point deadline) {

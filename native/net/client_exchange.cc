@@ -239,15 +239,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
     Status s = Acquire(*call.state, &conn);
     if (!s.ok()) {
       close_all();
-      s = s.WithContext(Context(*call.state, op));
-      if (s.code() == Code::kUnavailable) {
-        // Gone for good when its layout was left (a re-shard replaced it,
-        // or undid the switch that brought it): routed by the newer one.
-        const std::shared_ptr<const Layout> now = CurrentLayout();
-        if (now->epoch > call.state->layout_epoch || NewerLayoutThan(*now, call.state)) {
-          s = Aborted(s.message() + "; another shard serves a newer layout");
-        }
-      }
+      s = UnlessLayoutLeft(*call.state, s.WithContext(Context(*call.state, op)));
       if (s.code() != Code::kAborted) return s;
       // The shard serves a newer layout: no frame of these calls was sent,
       // so all are refused, to be sent again routed by it.

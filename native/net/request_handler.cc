@@ -426,8 +426,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
       bool staged;
-      const Status held = StageIfCaughtUp(header, frame, &staged);
-      if (!held.ok()) *stale = true;
+      const Status held = StageIfCaughtUp(header, frame, &staged, stale);
       if (!held.ok() || staged) return held;
       return ApplySketch(shard_.get(), request.action, request.config);
     }
@@ -452,8 +451,7 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
   DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &replicate));
   *rows = replicate.rows;
   bool staged;
-  const Status held = StageIfCaughtUp(header, frame, &staged);
-  if (!held.ok()) *stale = true;
+  const Status held = StageIfCaughtUp(header, frame, &staged, stale);
   if (!held.ok() || staged) return held;
   return ApplyRows(shard_.get(), replicate, PushClock::kTake);
 }
@@ -485,7 +483,7 @@ void RequestHandler::set_standby(bool standby, bool new_epoch) {
 }
 
 Status RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload,
-                                       bool* staged) {
+                                       bool* staged, bool* stale) {
   // A standby that may take over applies a round whole or not at all: its
   // rows and sketch counts wait for the round's end, with the pushes' ids.
   *staged = false;
@@ -500,6 +498,7 @@ Status RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, net::Buf
     caught_up_.store(false);
     DropStagedLocked();
     counters_->standby_rounds_dropped.fetch_add(1);
+    *stale = true;
     return ResourceExhausted("a replication round past " + std::to_string(max_staged_bytes_) +
                              " bytes (" + std::to_string(bytes) +
                              " so far) would not fit this standby's buffer: dropped; its "

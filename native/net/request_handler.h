@@ -177,8 +177,10 @@ class RequestHandler {
   // On a caught-up standby: holds this frame from its primary until its
   // round's end (*staged); otherwise *staged is false (apply it now).
   // RESOURCE_EXHAUSTED when the round would pass max_staged_bytes: it is
-  // dropped, the standby no longer caught up.
-  Status StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload, bool* staged);
+  // dropped, the standby no longer caught up, and *stale set (the
+  // connection closes).
+  Status StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload, bool* staged,
+                         bool* stale);
   // Empties the round's staged frames; caller holds staged_mu_.
   void DropStagedLocked();
   // A standby's StandbyTable or Replicate frame, on the connection that

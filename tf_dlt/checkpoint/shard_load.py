@@ -208,15 +208,14 @@ def _apply_group(
     `buckets`: a full table's rows replace those of the file's buckets; a
     delta's removals go first, then its rows (changed or new) overwrite.
     Returns the table's name (None: a table the load leaves out)."""
-    configs = {n: normalized(t.config) for n, t in tables.items()}
-    checked = _check_group(g, entry, listed, configs, link.skipped)
+    checked = _check_group(g, entry, listed, lambda n: _config_of(tables, n), link.skipped)
     if checked is None:
         return None
     config, mode, offsets = checked
     name = str(config["name"])
     where = f"{entry['file']} (table {name!r})"
     table = tables.get(name)
-    if table is None or configs[name] != normalized(config):
+    if table is None or normalized(table.config) != normalized(config):
         table = tables[name] = new_table(config)
         link.fresh.add(name)
         link.clocks[name] = table.now()
@@ -242,17 +241,24 @@ def _apply_group(
     return name
 
 
+def _config_of(tables: dict[str, _native.Table], name: str) -> dict[str, Any] | None:
+    """The normalized config of table `name` of `tables` (None: none)."""
+    table = tables.get(name)
+    return None if table is None else normalized(table.config)
+
+
 def _check_group(
     g: h5py.Group,
     entry: dict[str, Any],
     listed: dict[str, dict[str, Any]],
-    configs: dict[str, dict[str, Any]],
+    config_of: Callable[[str], dict[str, Any] | None],
     skipped: frozenset[str],
 ) -> tuple[dict[str, Any], str, np.ndarray] | None:
     """What `_apply_group` checks of one table of one shard file before it
-    changes anything, against the (normalized) configs of the tables it
-    would change: (config, mode, bucket offsets), or None for a table the
-    load leaves out. Raises FailedPreconditionError naming the problem."""
+    changes anything, against `config_of` (the normalized config of the
+    table of that name it would change, None: none): (config, mode, bucket
+    offsets), or None for a table the load leaves out. Raises
+    FailedPreconditionError naming the problem."""
     config = json.loads(g.attrs["config"])
     name = str(config["name"])
     if name in skipped:
@@ -270,7 +276,7 @@ def _check_group(
     if "slots" in g:
         _stored_as(g["slots"], config, 1)
     if mode == "delta":
-        if configs.get(name) != normalized(config):
+        if config_of(name) != normalized(config):
             raise errors.FailedPreconditionError(
                 f"{entry['file']} holds changes to table {name!r} that the checkpoints before "
                 "it do not have in this configuration: the chain is inconsistent"
@@ -412,7 +418,7 @@ def _apply_files(
         for entry in entries:
             with verified.open_verified(local, local_root, entry, lean=lean) as (f, _):
                 for g in list(f["tables"].values()):
-                    checked = _check_group(g, entry, listed, configs, state.skipped)
+                    checked = _check_group(g, entry, listed, configs.get, state.skipped)
                     if checked is not None and checked[1] == "full":
                         configs[str(checked[0]["name"])] = normalized(checked[0])
         for entry in entries:

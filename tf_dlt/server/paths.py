@@ -41,11 +41,11 @@ def _split(url: str) -> tuple[str, str]:
     protocol = protocol or "file"
     if protocol in ("file", "local"):
         return "file", os.path.realpath(os.path.abspath(path))
-    parts = path.split("/")
-    if ".." in parts or "." in parts:
-        raise errors.PermissionDeniedError(f"checkpoint URL {url!r} holds '.' or '..' segments")
     key = path.strip("/")
-    if key and "" in key.split("/"):
+    segments = key.split("/") if key else []
+    if ".." in segments or "." in segments:
+        raise errors.PermissionDeniedError(f"checkpoint URL {url!r} holds '.' or '..' segments")
+    if "" in segments:
         raise errors.PermissionDeniedError(f"checkpoint URL {url!r} holds an empty segment ('//')")
     return protocol, posixpath.normpath("/" + path).lstrip("/") if path else ""
 
