@@ -1,5 +1,6 @@
 """Failover of a hot standby (docs/replication.md): how long a trainer's steps
-stall across `kill -9` of its shard's primary, over several kills.
+stall across `kill -9` of its shard's primary (or its going silent, with
+--failure silence), over several kills.
 
 Each kill: a fresh 2-shard cluster with one sync standby per shard
 (LocalCluster replicas=2; --replicas 3 for two, which elect the one that
@@ -12,13 +13,19 @@ that applied the same pushes once each: none with sync replication (a push
 in flight at the kill is sent again and applied once); with async, the rows
 of pushes acknowledged but not yet on the standby.
 
+--failure silence stops the primary (SIGSTOP) instead of killing it: its
+connections stay open and nothing answers, as when a host loses power or
+its network, so the standby takes over only once the primary's Hellos time
+out, and the trainer finds it by asking while it waits (kSilentMs).
+
 Usage: python bench/bench_failover.py [--kills 20] [--ids 1024] [--replication async]
-       [--replicas 3]
+       [--replicas 3] [--failure silence]
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import tempfile
 import time
@@ -49,7 +56,7 @@ def wait_covered(client: tf_dlt.Client, standbys: int, timeout: float = 30.0) ->
 
 
 def one_kill(
-    ids: np.ndarray, workdir: Path, replication: str, replicas: int
+    ids: np.ndarray, workdir: Path, replication: str, replicas: int, failure: str
 ) -> tuple[float, float, int]:
     """(longest step before the kill, longest step across it, rows that
     differ from the oracle's)."""
@@ -62,7 +69,10 @@ def one_kill(
         trainer = StepTrainer(client, config, lambda rng: rng.choice(ids, len(ids))).start()
         time.sleep(1.0)
         killed = time.monotonic()
-        cluster.kill(1)
+        if failure == "kill":
+            cluster.kill(1)
+        else:
+            cluster.processes[1].send_signal(signal.SIGSTOP)
         times = trainer.steps
         # Until steps have run a while after the takeover.
         while not trainer.failures and (
@@ -70,6 +80,7 @@ def one_kill(
         ):
             time.sleep(0.05)
         trainer.stop()
+        cluster.kill(1)  # a stopped process answers no SIGTERM
         if trainer.failures:
             raise RuntimeError(f"a step failed across the kill: {trainer.failures[0]}")
         differ = trainer.rows_differing(np.arange(len(ids), dtype=np.int64))
@@ -88,12 +99,18 @@ def main() -> None:
         "differ from the oracle are reported",
     )  # fmt: skip
     p.add_argument("--replicas", type=int, default=2, help="processes per shard (2 to 5)")
+    p.add_argument(
+        "--failure", choices=("kill", "silence"), default="kill",
+        help="silence: SIGSTOP the primary (a host gone without a reset) instead of kill -9",
+    )  # fmt: skip
     args = p.parse_args()
     ids = np.arange(args.ids, dtype=np.int64)
     before, across, differ = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_failover-") as tmp:
         for k in range(args.kills):
-            b, a, d = one_kill(ids, Path(tmp) / f"kill{k}", args.replication, args.replicas)
+            b, a, d = one_kill(
+                ids, Path(tmp) / f"kill{k}", args.replication, args.replicas, args.failure
+            )
             before.append(b)
             across.append(a)
             differ.append(d)
@@ -102,6 +119,7 @@ def main() -> None:
                 f"{d} rows differ from the oracle"
             )
     across.sort()
+    failure_words = "kill -9" if args.failure == "kill" else "going silent (SIGSTOP)"
     p99 = across[min(len(across) - 1, int(round(0.99 * (len(across) - 1))))]
     emit(
         {
@@ -110,8 +128,9 @@ def main() -> None:
             "ids": args.ids,
             "value": round(p99, 3),
             "baseline_value": round(max(before), 4),
-            "what": "longest step (pull + push) across a primary's kill -9 (p99 over kills), "
-            "seconds; baseline: longest step before it",
+            "what": f"longest step (pull + push) across a primary's {failure_words} (p99 over "
+            "kills), seconds; baseline: longest step before it",
+            "failure": args.failure,
             "stall_s_median": round(statistics.median(across), 3),
             "stall_s_max": round(across[-1], 3),
             "replication": args.replication,

@@ -315,13 +315,17 @@ def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCl
     assert stats[0]["replication"] == "sync"
 
 
-def test_fit_goes_on_across_a_killed_primary_with_every_row_as_without(
+@pytest.mark.parametrize("failure", ["kill", "silence"])
+def test_fit_goes_on_across_a_failed_primary_with_every_row_as_without(
     tmp_path,  # type: ignore[no-untyped-def]
+    failure: str,
 ) -> None:
-    """model.fit on 2 shards with sync standbys, sync pushes; kill -9 of one
-    primary mid-epoch: fit raises nothing, reloads nothing, and every row,
-    optimizer slot and step equals a run without the kill; a save after the
-    takeover works."""
+    """model.fit on 2 shards with sync standbys, sync pushes; one primary
+    fails mid-epoch, by kill -9 (its connections reset) or by going silent
+    (SIGSTOP: connections stay open and nothing answers, as when a host
+    loses power or its network): fit raises nothing, reloads nothing, and
+    every row, optimizer slot and step equals a run without the failure; a
+    save after the takeover works."""
     import keras
 
     from conftest import assert_same_training, fit_data, fit_outcome, two_table_model
@@ -329,27 +333,33 @@ def test_fit_goes_on_across_a_killed_primary_with_every_row_as_without(
     data = fit_data()
     model = two_table_model(DIM)
 
-    class KillAt(keras.callbacks.Callback):  # type: ignore[misc]
+    class FailAt(keras.callbacks.Callback):  # type: ignore[misc]
         def __init__(self, cluster: LocalCluster, batch: int) -> None:
             super().__init__()
-            self.cluster, self.batch = cluster, batch
+            self.cluster, self.batch, self.failed = cluster, batch, False
 
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
-            if batch == self.batch and self.cluster.processes[1].poll() is None:
-                self.cluster.kill(1)
+            if batch == self.batch and not self.failed:
+                self.failed = True
+                if failure == "kill":
+                    self.cluster.kill(1)
+                else:
+                    self.cluster.processes[1].send_signal(signal.SIGSTOP)
 
     results = []
-    for kill in (False, True):
-        with LocalCluster(2, workdir=tmp_path / f"kill{kill}", replicas=2) as cluster:
-            remote = tf_dlt.transpile(model, cluster.addresses)
-            for name in ("u", "i"):
-                remote.get_layer(name).sync_push = True
-            callbacks = [KillAt(cluster, 13)] if kill else []
-            history = remote.fit(data, epochs=2, verbose=0, callbacks=callbacks)
-            if kill:  # shard 1's primary died; its standby served the rest
-                assert cluster.processes[1].poll() is not None
-                assert _stats(cluster, 1)["takeovers"] == 1
-            path = str(tmp_path / f"ckpt{kill}")
-            results.append(fit_outcome(history, remote, cluster.addresses, path))
+    for fail in (False, True):
+        with LocalCluster(2, workdir=tmp_path / f"fail{fail}", replicas=2) as cluster:
+            try:
+                remote = tf_dlt.transpile(model, cluster.addresses)
+                for name in ("u", "i"):
+                    remote.get_layer(name).sync_push = True
+                callbacks = [FailAt(cluster, 13)] if fail else []
+                history = remote.fit(data, epochs=2, verbose=0, callbacks=callbacks)
+                if fail:  # shard 1's primary failed; its standby served the rest
+                    assert _stats(cluster, 1)["takeovers"] == 1
+                path = str(tmp_path / f"ckpt{fail}")
+                results.append(fit_outcome(history, remote, cluster.addresses, path))
+            finally:
+                cluster.kill(1)  # a stopped process answers no SIGTERM
     assert_same_training(*results)
     assert results[0][2] == results[1][2]

@@ -71,6 +71,15 @@ inline constexpr int kFailoverBackoffMs = 200;
 inline constexpr int kLayoutProbeMs = 200;
 // The longest one Hello asking a shard for its layout may take.
 inline constexpr int kAskLayoutMs = 1000;
+// A call that has heard nothing for kSilentMs from a shard with standbys
+// asks the shard's other addresses whether one took over (a primary host
+// that died without a reset, or a process that hangs, never closes its
+// connections), at most once per kSilenceProbeMs per shard; and a
+// connection to such a shard (its connect and Hello) waits at most
+// kReplicaConnectMs before the next address is tried.
+inline constexpr int kSilentMs = 1000;
+inline constexpr int kSilenceProbeMs = 200;
+inline constexpr int kReplicaConnectMs = 2000;
 
 struct ShardInfo {
   std::string address;
@@ -146,6 +155,7 @@ class Client {
   struct Conn {
     int fd = -1;
     bool reused = false;
+    uint64_t switches = 0;  // the shard's ShardState::switches when it was made
     net::Buffer buffer;
     int64_t idle_since_ms = 0;  // when it went back to the pool
   };
@@ -190,6 +200,13 @@ class Client {
   // false when none is left (pull_retries without standbys, or the
   // deadline would pass).
   bool PauseToRetry(int* retries, int* backoff_ms, std::chrono::steady_clock::time_point deadline);
+  // While a call has heard nothing for `silent_ms` on a connection to
+  // `shard` (which lists standbys) made at its `switches`: UNAVAILABLE when
+  // the shard's copy was replaced since (another call found it), or another
+  // of its addresses serves it now at a newer epoch (a standby took over
+  // from a primary that went silent: connections go there from now on);
+  // else OK, to go on waiting.
+  Status CheckSilent(ShardState& shard, uint64_t switches, int64_t silent_ms);
   // One Hello to `address` on a connection of its own: what it said
   // (false: no answer).
   bool AskLayout(const std::string& address, wire::HelloReply* reply);

@@ -6,6 +6,7 @@
 
 #include <sys/uio.h>
 
+#include <chrono>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -29,6 +30,12 @@ struct Client::ShardState {
   bool retired = false;    // its layout was left: pools nothing; guarded by mu
   uint64_t epoch = 0;      // the newest copy's met; guarded by mu
   ShardInfo info;          // guarded by mu
+  // Bumped when a call found another copy serving in place of the one it
+  // heard nothing from (Client::CheckSilent): connections made before are
+  // to the copy left, and are not used again. Guarded by mu.
+  uint64_t switches = 0;
+  // When CheckSilent may ask the other addresses next; guarded by mu.
+  std::chrono::steady_clock::time_point next_silence_probe{};
 };
 
 // The shards calls route by (a re-shard's switch brings a new one).

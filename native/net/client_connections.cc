@@ -110,10 +110,12 @@ void Client::Adopt(ShardState& st, const std::string& address, const wire::Hello
 
 Status Client::Acquire(ShardState& st, Conn* conn) {
   const int64_t now = NowMs();
+  uint64_t switches;
   for (;;) {
     Conn pooled;
     {
       std::lock_guard<std::mutex> lock(st.mu);
+      switches = st.switches;
       if (st.idle.empty()) break;
       // Time for a Hello: a new connection (the pooled ones stay).
       if (options_.regreet_ms > 0 && now - st.greeted_ms > options_.regreet_ms) break;
@@ -132,6 +134,7 @@ Status Client::Acquire(ShardState& st, Conn* conn) {
   DLT_RETURN_IF_ERROR(Connect(st, &fd));
   conn->fd = fd;
   conn->reused = false;
+  conn->switches = switches;
   return OkStatus();
 }
 
@@ -210,8 +213,16 @@ Status Client::Connect(ShardState& st, int* out_fd) {
 
 Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,
                          wire::HelloReply* reply) {
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  size_t addresses;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    addresses = st.addresses.size();
+  }
+  // With standbys, an address that does not answer soon (a host gone
+  // without a reset, a hung process) gives way to the next.
+  const int wait_ms = addresses > 1 ? std::min(options_.connect_timeout_ms, kReplicaConnectMs)
+                                    : options_.connect_timeout_ms;
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
   int backoff_ms = options_.retry_backoff_ms;
   for (;;) {
     int fd = -1;
@@ -252,7 +263,9 @@ void Client::Release(ShardState& st, Conn conn) {
     net::CloseFd(st.idle.front().fd);
     st.idle.erase(st.idle.begin());
   }
-  if (!st.retired && static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
+  // A connection to a copy another took over from is not used again.
+  if (!st.retired && conn.switches == st.switches &&
+      static_cast<int>(st.idle.size()) < options_.max_idle_connections) {
     conn.buffer.Trim(kKeepBufferBytes);
     st.idle.push_back(std::move(conn));
   } else {
@@ -307,6 +320,47 @@ size_t Client::num_shards() const { return CurrentLayout()->shards.size(); }
 uint64_t Client::layout_epoch() const { return CurrentLayout()->epoch; }
 
 bool Client::LearnNewerLayout() { return LearnLayout(*CurrentLayout()).ok(); }
+
+Status Client::CheckSilent(ShardState& st, uint64_t switches, int64_t silent_ms) {
+  std::vector<std::string> others;
+  std::string current;
+  uint64_t epoch;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (st.switches != switches) {
+      return Unavailable("another call found " + st.address + " serving in its place");
+    }
+    const Clock::time_point now = Clock::now();
+    if (now < st.next_silence_probe) return OkStatus();
+    st.next_silence_probe = now + std::chrono::milliseconds(kSilenceProbeMs);
+    current = st.address;
+    epoch = st.epoch;
+    for (const std::string& address : st.addresses) {
+      if (address != current) others.push_back(address);
+    }
+  }
+  for (const std::string& address : others) {
+    wire::HelloReply reply;
+    // A standby that has not taken over refuses a trainer's Hello.
+    if (!AskLayout(address, &reply) || reply.shard_index != st.index ||
+        reply.num_shards != st.count || reply.epoch <= epoch) {
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      if (st.switches == switches) {
+        st.address = address;
+        ++st.switches;
+        for (Conn& idle : st.idle) net::CloseFd(idle.fd);
+        st.idle.clear();
+      }
+    }
+    return Unavailable("nothing from " + current + " for " + std::to_string(silent_ms) +
+                       " ms, and " + address + " took over at epoch " +
+                       std::to_string(reply.epoch));
+  }
+  return OkStatus();
+}
 
 bool Client::AskLayout(const std::string& address, wire::HelloReply* reply) {
   // Other calls wait for layout_mu_ meanwhile: a host that does not answer

@@ -80,6 +80,10 @@ struct Io {
   bool direct = false;  // this frame's rows are staged to Call::rows
   size_t staged = 0;    // bytes of a part row at the staging buffer's start
   std::vector<bool> answered;
+  // The shard lists standbys: a silence is looked into (CheckSilent).
+  bool replicated = false;
+  uint64_t switches = 0;    // the connection's Conn::switches
+  Clock::time_point heard;  // when a byte last moved either way
 };
 
 }  // namespace
@@ -251,6 +255,12 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
       return OkStatus();
     }
     io[c].fd = conn.fd;
+    io[c].switches = conn.switches;
+    io[c].heard = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(call.state->mu);
+      io[c].replicated = call.state->addresses.size() > 1;
+    }
     io[c].payload = std::move(conn.buffer);
     *any_reused = *any_reused || conn.reused;
     io[c].answered.assign(call.frames.size(), false);
@@ -268,14 +278,37 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
     if (calls[c].frames.empty()) --remaining;
   }
   while (remaining > 0) {
+    bool watch = false;  // a shard with standbys owes replies
     for (size_t c = 0; c < count; ++c) {
       const Call& call = calls[c];
       const bool done = io[c].replies == call.frames.size();
       const bool sending = io[c].send_frame < call.frames.size() && io[c].send_error.ok();
       fds[c] = {done ? -1 : io[c].fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0};
+      watch = watch || (!done && io[c].replicated);
     }
-    const int rc = poll(fds.data(), fds.size(), net::RemainingMs(deadline));
+    const int left_ms = net::RemainingMs(deadline);
+    const int rc =
+        poll(fds.data(), fds.size(), watch ? std::min(left_ms, kSilenceProbeMs) : left_ms);
     if (rc < 0 && errno == EINTR) continue;
+    if (watch) {
+      // A primary that went silent (gone without a reset, or hung) never
+      // closes the connection: a standby that took over is found instead.
+      const Clock::time_point now = Clock::now();
+      for (size_t c = 0; c < count; ++c) {
+        Io& x = io[c];
+        if (!x.replicated || x.replies == calls[c].frames.size()) continue;
+        if (rc > 0 && fds[c].revents != 0) continue;  // news from it now
+        const int64_t silent_ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(now - x.heard).count();
+        if (silent_ms < kSilentMs) continue;
+        const Status s = CheckSilent(*calls[c].state, x.switches, silent_ms);
+        if (!s.ok()) {
+          close_all();
+          return s.WithContext(Context(*calls[c].state, op));
+        }
+      }
+      if (rc == 0 && left_ms > 0) continue;
+    }
     if (rc <= 0) {
       for (size_t c = 0; c < count; ++c) {
         if (io[c].replies < calls[c].frames.size()) {
@@ -307,6 +340,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
           // Keep reading: the server may have sent an error frame first.
           x.send_error = Unavailable(std::string("send: ") + std::strerror(errno));
         } else if (sent > 0) {
+          x.heard = Clock::now();
           size_t left = static_cast<size_t>(sent);
           while (left > 0) {
             const size_t in_frame = call.frames[x.send_frame].Bytes() - x.send_offset;
@@ -322,6 +356,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
         }
       }
       if (!(fds[c].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (x.replicated) x.heard = Clock::now();
       for (;;) {
         ssize_t got = 0;
         size_t want;
