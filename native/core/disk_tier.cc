@@ -25,6 +25,8 @@ constexpr size_t kMinSlotsPerPage = 32;
 constexpr size_t kDiskPage = 4096;
 constexpr uint64_t kSecondSalt = 0x452821e638d01377ULL;
 constexpr uint64_t kPrintSalt = 0xbe5466cf34e90c6cULL;
+// Prefetch buffers above this size are freed when dropped.
+constexpr size_t kKeepPrefetchBytes = size_t{1} << 20;
 // Bytes a resize reads per call, and stores per PutBatch where it does not
 // build the new pages in memory.
 constexpr size_t kResizeReadBytes = size_t{1} << 20;
@@ -55,6 +57,8 @@ int TakeFault(bool read) {
   } else if (read && f.short_reads > 0) {
     --f.short_reads;
     fault = kShortRead;
+  } else if (!read && f.passing_writes > 0 && f.failing_writes > 0) {
+    --f.passing_writes;
   } else if (!read && f.failing_writes > 0) {
     --f.failing_writes;
     fault = f.write_errno;
@@ -71,12 +75,12 @@ int TakeFault(bool read) {
 // time and 16 us after 32 MiB writes. Bulk writes (loads, resizes) pay a
 // syscall per page instead (1.8 GB/s).
 Status FullWrite(int fd, const char* data, size_t n, off_t offset, int* err) {
-  if (const int fault = TakeFault(false); fault != 0) {
-    *err = fault;
-    return Internal("write");
-  }
   while (n > 0) {
     const size_t piece = std::min(n, kDiskPage - static_cast<size_t>(offset) % kDiskPage);
+    if (const int fault = TakeFault(false); fault != 0) {
+      *err = fault;
+      return Internal("write");
+    }
     const ssize_t w = pwrite(fd, data, piece, offset);
     if (w < 0) {
       if (errno == EINTR) continue;
@@ -227,7 +231,9 @@ Status TierFile::Open(uint64_t rows) {
 
 void TierFile::Reserve(uint64_t rows) {
   if (fd_ < 0) {
-    size_hint_ = std::max(size_hint_, rows);
+    // Not past what a file can hold (Open would refuse every Put): ignored,
+    // as an open file ignores it.
+    if (PagesFor(rows, 1) <= MaxPages()) size_hint_ = std::max(size_hint_, rows);
     return;
   }
   const uint64_t pages = PagesFor(rows, num_pages_);
@@ -353,6 +359,15 @@ void TierFile::Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n) 
   DropPrefetched();
   // Injected faults are met by the Finds' own reads.
   if (rows_ == 0 || fd_ < 0 || faults_armed.load(std::memory_order_relaxed)) return;
+  try {
+    PrefetchSlots(hashes, rows, n);
+  } catch (...) {  // (bad_alloc) no slot listed without its bytes
+    DropPrefetched();
+    throw;
+  }
+}
+
+void TierFile::PrefetchSlots(const uint64_t* hashes, const uint32_t* rows, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     uint32_t pages[2];
     uint16_t print;
@@ -395,6 +410,13 @@ void TierFile::Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n) 
 }
 
 void TierFile::DropPrefetched() {
+  if (prefetch_data_.capacity() > kKeepPrefetchBytes) {
+    // One big pull's buffers are not kept for the table's life (the keeper
+    // counts only ram_bytes).
+    std::vector<uint32_t>().swap(prefetched_);
+    std::vector<char>().swap(prefetch_data_);
+    return;
+  }
   prefetched_.clear();
   prefetch_data_.clear();
 }

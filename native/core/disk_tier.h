@@ -26,11 +26,14 @@ namespace dlt {
 // Faults injected into every tier file's reads and writes, for tests: the
 // next `failing_reads` reads fail with `read_errno`, then the next
 // `short_reads` find the file ending before the row (as if truncated), and
-// the next `failing_writes` writes fail with `write_errno`.
+// after `passing_writes` writes the next `failing_writes` fail with
+// `write_errno`. A write is one pwrite: a slot across a 4 KiB boundary is
+// written in two, so its second can fail after its first went in.
 struct DiskFaults {
   int failing_reads = 0;
   int read_errno = 5;  // EIO
   int short_reads = 0;
+  int passing_writes = 0;
   int failing_writes = 0;
   int write_errno = 28;  // ENOSPC
 };
@@ -93,6 +96,7 @@ class TierFile {
   // a pull of many cold rows waits about one device round trip, not one
   // per row. Faults and errors surface on those Finds.
   void Prefetch(const uint64_t* hashes, const uint32_t* rows, size_t n);
+  // Forgets them (their buffers freed past 1 MiB).
   void DropPrefetched();
   // Brings the fingerprints of `hash`'s two candidate pages into the CPU
   // cache (a hint, no I/O): a loop over many rows calls it some rows ahead
@@ -201,6 +205,8 @@ class TierFile {
   void ClearPrints(uint32_t pages);
   // Orders (slot, row) pairs by page (slots of a page in any order).
   void SortByPage(std::vector<std::pair<uint32_t, uint32_t>>* placed) const;
+  // Prefetch's listing and reads (Prefetch drops them when it throws).
+  void PrefetchSlots(const uint64_t* hashes, const uint32_t* rows, size_t n);
   // A free slot of the emptier candidate page, or kNoSlot.
   uint32_t FreeSlot(uint64_t hash, uint16_t* fingerprint) const;
   Status WriteSlot(uint32_t slot, int64_t key, const char* record, uint16_t generation);

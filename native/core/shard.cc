@@ -156,14 +156,18 @@ Shard::~Shard() {
 std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
   const uint64_t place = place_.load();
   auto table = std::make_shared<Table>(config, First(place), End(place));
-  {
+  // Listed for the keeper (StagedBytes) once its tier is attached: the
+  // keeper reads a stripe's tier under the stripe's lock, which
+  // AttachTier does not take.
+  auto publish = [&] {
     std::lock_guard<std::mutex> lock(made_mu_);
     made_.erase(std::remove_if(made_.begin(), made_.end(),
                                [](const std::weak_ptr<Table>& t) { return t.expired(); }),
                 made_.end());
     made_.push_back(table);
-  }
-  if (tier_root_.empty()) return table;
+    return table;
+  };
+  if (tier_root_.empty()) return publish();
   // Each table object has a directory of its own: a load builds a table
   // while the one it replaces still serves.
   // Named by a counter alone: no path is ever built from a table's name.
@@ -178,7 +182,7 @@ std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
                                   ? static_cast<uint64_t>(budget_ * kTargetFraction) - used
                                   : 0;
   table->SetRamLimit(std::max<uint64_t>(kStripes * 64, free_bytes / table->ram_row_bytes()));
-  return table;
+  return publish();
 }
 
 uint64_t Shard::StagedBytes() const {

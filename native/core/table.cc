@@ -275,6 +275,13 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     if (tiered && missing.size() > 1) {  // the cold rows' reads at once
       stripe.tier->Prefetch(hashes.data(), missing.data(), missing.size());
     }
+    // Dropped before the lock goes, on every path out (errors included).
+    struct DropPrefetchedOnExit {
+      TierFile* tier;
+      ~DropPrefetchedOnExit() {
+        if (tier != nullptr) tier->DropPrefetched();
+      }
+    } drop_prefetched{tiered ? stripe.tier.get() : nullptr};
     for (uint32_t pos : missing) {
       float* dst = out + size_t{pos} * dim;
       if (tiered && stripe.tier->rows() != 0) {
@@ -322,7 +329,6 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
       }
       ReadValues(stripe.Record(rec, record_bytes_), dst);
     }
-    if (tiered) stripe.tier->DropPrefetched();
     if (admitted) {
       admitted_.fetch_add(admitted, std::memory_order_relaxed);
       if (config_.policy.max_rows && !tiered) EvictFrom(&stripe, Now());
@@ -346,9 +352,10 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   struct Scratch {  // as in Pull: one thread_local, bound once
     std::vector<uint64_t> hashes, counted;
     std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
-    std::vector<uint32_t> cold_at, cold_slots;
+    std::vector<uint32_t> cold_at, cold_slots, rewritten;
+    std::vector<uint16_t> cold_generations;
     std::vector<float> row;
-    std::vector<char> cold_records;
+    std::vector<char> cold_records, cold_before;
     RepeatedSums sums;
   };
   thread_local Scratch tls;
@@ -363,6 +370,11 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   auto& cold_at = scratch.cold_at;
   auto& cold_slots = scratch.cold_slots;
   auto& cold_records = scratch.cold_records;
+  auto& cold_generations = scratch.cold_generations;
+  // Cold rows' records as read, and the kept rows rewritten on disk so
+  // far: a failed write puts them back.
+  auto& cold_before = scratch.cold_before;
+  auto& rewritten = scratch.rewritten;
   auto& slot_of = scratch.slot_of;
   auto& firsts = scratch.firsts;
   auto& unique_of = scratch.unique_of;
@@ -391,6 +403,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     cold_at.clear();
     cold_slots.clear();
     cold_records.clear();
+    cold_generations.clear();
     if (frequency) {
       size_t cap = 16;
       while (cap < 2 * size_t{end - begin}) cap <<= 1;
@@ -419,6 +432,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
             recs.push_back(kEmpty);
             cold_at.push_back(static_cast<uint32_t>(cold_slots.size()));
             cold_slots.push_back(slot);
+            cold_generations.push_back(generation);
             cold_records.insert(cold_records.end(), cold, cold + record_bytes_);
             continue;
           }
@@ -486,53 +500,82 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       return cold_at[k] == kEmpty ? stripe.Record(recs[k], record_bytes_)
                                   : cold_records.data() + size_t{cold_at[k]} * record_bytes_;
     };
-    for (size_t u = 0; u < firsts.size(); ++u) {
-      if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
-        const uint32_t ahead = firsts[u + kApplyAhead];
-        const char* next = record_of(ahead);
-        for (size_t b = 0; b < touched_bytes; b += 64) __builtin_prefetch(next + b, 1);
-        if (!duplicates || sums.Summed(u + kApplyAhead) == nullptr) {
-          const char* g = reinterpret_cast<const char*>(grads + size_t{kept[ahead]} * dim);
-          for (size_t b = 0; b < sizeof(float) * dim; b += 64) __builtin_prefetch(g + b);
+    // Cold rows first, each rewritten where it lies: a write that fails
+    // puts back those written before it and its own (a slot across a 4 KiB
+    // boundary may be half written), so the push has changed none of this
+    // stripe's rows, in RAM or on disk; then the RAM rows.
+    cold_before.assign(cold_records.begin(), cold_records.end());
+    rewritten.clear();
+    auto put_back = [&](const Status& failed) {
+      size_t left = 0;  // rows that could not be put back either
+      for (const uint32_t k : rewritten) {
+        const uint32_t c = cold_at[k];
+        const Status s = stripe.tier->Rewrite(cold_slots[c], ids[kept[k]],
+                                              cold_before.data() + size_t{c} * record_bytes_,
+                                              cold_generations[c]);
+        left += !s.ok();
+      }
+      const std::string what =
+          left == 0 ? "; none of the push's rows in this stripe (of " + std::to_string(kStripes) +
+                          ") or after it was applied"
+                    : "; " + std::to_string(left) +
+                          " rows on disk may be left part written (putting them back failed too)";
+      return Status(failed.code(), "push to table '" + config_.name + "': " + failed.message() +
+                                       what + ", those of the stripes before it were");
+    };
+    for (int pass = cold_slots.empty() ? 1 : 0; pass < 2; ++pass) {
+      const bool cold_pass = pass == 0;
+      for (size_t u = 0; u < firsts.size(); ++u) {
+        const uint32_t k = firsts[u];
+        if ((cold_at[k] != kEmpty) != cold_pass) continue;
+        if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
+          const uint32_t ahead = firsts[u + kApplyAhead];
+          const char* next = record_of(ahead);
+          for (size_t b = 0; b < touched_bytes; b += 64) __builtin_prefetch(next + b, 1);
+          if (!duplicates || sums.Summed(u + kApplyAhead) == nullptr) {
+            const char* g = reinterpret_cast<const char*>(grads + size_t{kept[ahead]} * dim);
+            for (size_t b = 0; b < sizeof(float) * dim; b += 64) __builtin_prefetch(g + b);
+          }
+        }
+        const float* summed = duplicates ? sums.Summed(u) : nullptr;
+        const float* g = summed != nullptr ? summed : grads + size_t{kept[k]} * dim;
+        char* r = record_of(k);
+        auto* header = reinterpret_cast<RowHeader*>(r);
+        // float32 rows are updated in place, their old values kept aside;
+        // 16-bit rows are widened into scratch and stored back.
+        float* v = wide_ ? reinterpret_cast<float*>(r + sizeof(RowHeader)) : row.data();
+        if (wide_) {
+          std::memcpy(row.data(), v, sizeof(float) * row_floats);
+        } else {
+          ReadValues(r, v);
+          ReadSlots(r, v + dim);
+        }
+        uint32_t step = header->step;
+        const float* sq = summed != nullptr ? sums.Squares(u) : nullptr;
+        if (!ApplyRow(config_.optimizer, dim, lr, g, sq, v, v + dim, &step)) {
+          if (wide_) std::memcpy(v, row.data(), sizeof(float) * row_floats);
+          if (overflowed == kNoOverflow) overflowed = ids[kept[k]];
+          continue;
+        }
+        header->touched = now;
+        header->step = step;
+        NoteChange(&stripe, ids[kept[k]]);
+        if (!wide_) WriteRow(r, ids[kept[k]], step, v, v + dim, stochastic);
+        if (!cold_pass) {
+          stripe.Generation(recs[k]) = generation;
+          continue;
+        }
+        rewritten.push_back(k);
+        const Status written =
+            stripe.tier->Rewrite(cold_slots[cold_at[k]], ids[kept[k]], r, generation);
+        if (!written.ok()) {
+          const Status failed = put_back(written);
+          NoteTierError(failed.message());
+          return failed;
         }
       }
-      const uint32_t k = firsts[u];
-      const float* summed = duplicates ? sums.Summed(u) : nullptr;
-      const float* g = summed != nullptr ? summed : grads + size_t{kept[k]} * dim;
-      char* r = record_of(k);
-      auto* header = reinterpret_cast<RowHeader*>(r);
-      // float32 rows are updated in place, their old values kept aside;
-      // 16-bit rows are widened into scratch and stored back.
-      float* v = wide_ ? reinterpret_cast<float*>(r + sizeof(RowHeader)) : row.data();
-      if (wide_) {
-        std::memcpy(row.data(), v, sizeof(float) * row_floats);
-      } else {
-        ReadValues(r, v);
-        ReadSlots(r, v + dim);
-      }
-      uint32_t step = header->step;
-      const float* sq = summed != nullptr ? sums.Squares(u) : nullptr;
-      if (!ApplyRow(config_.optimizer, dim, lr, g, sq, v, v + dim, &step)) {
-        if (wide_) std::memcpy(v, row.data(), sizeof(float) * row_floats);
-        if (overflowed == kNoOverflow) overflowed = ids[kept[k]];
-        continue;
-      }
-      header->touched = now;
-      header->step = step;
-      NoteChange(&stripe, ids[kept[k]]);
-      if (!wide_) WriteRow(r, ids[kept[k]], step, v, v + dim, stochastic);
-      if (cold_at[k] == kEmpty) {
-        stripe.Generation(recs[k]) = generation;
-        continue;
-      }
-      const Status written =
-          stripe.tier->Rewrite(cold_slots[cold_at[k]], ids[kept[k]], r, generation);
-      if (!written.ok()) {  // this stripe's rows from this one on are not applied
-        NoteTierError(written.message());
-        return written;
-      }
-      disk_updates_.fetch_add(1, std::memory_order_relaxed);
     }
+    disk_updates_.fetch_add(rewritten.size(), std::memory_order_relaxed);
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }
   if (overflowed != kNoOverflow) {

@@ -160,6 +160,19 @@ DLT_TEST(TestTierFileStoresFindsGrowsAndFrees) {
   EXPECT(std::filesystem::exists(path));
 }
 
+DLT_TEST(TestTierFileIgnoresAReservationPastWhatAFileHolds) {
+  // Asked, before its first row, for more rows than one file can hold: the
+  // file opens at its usual size and takes rows (it used to refuse every
+  // Put, "cannot hold"), as an open file ignores the same request.
+  TempDir dir;
+  constexpr size_t kRecord = 40;
+  TierFile tier(dir.path + "/s.tier", kRecord);
+  tier.Reserve(uint64_t{1} << 40);
+  std::vector<char> record(kRecord, 7);
+  EXPECT_OK(tier.Put(Mix64(5), 5, record.data(), 1));
+  EXPECT(tier.rows() == 1 && tier.disk_bytes() < (size_t{1} << 30));
+}
+
 DLT_TEST(TestTierFileGhostsLastAWindow) {
   // A row moved out of RAM is a ghost until `window` more rows were moved
   // out; GhostAll (a load's end) makes every row one; a slot freed and
@@ -1322,7 +1335,8 @@ DLT_TEST(TestAStateInsertPullMovesColdRowsInOrReadsThemOnDisk) {
 DLT_TEST(TestAFullDiskFailsAnUpdateOnDiskAndLeavesTheRow) {
   // A push that updates a cold row where it lies and meets a full disk
   // fails with RESOURCE_EXHAUSTED, counts the write error and leaves that
-  // row as it was; once the disk takes writes, the same push applies once.
+  // row, and every other row of its stripe, as it was; once the disk takes
+  // writes, the same push applies once.
   TempDir dir;
   const TableConfig config = TierTable(OptimizerKind::kAdagrad);
   Table t(config);
@@ -1363,6 +1377,32 @@ DLT_TEST(TestAFullDiskFailsAnUpdateOnDiskAndLeavesTheRow) {
   EXPECT(after == before);
   push(&cold, 1);
   EXPECT(t.tier_stats().disk_updates == 1);
+  EXPECT(Rows(&t) == Rows(&oracle));
+
+  // A push of a RAM row and two cold rows of one stripe whose second disk
+  // write fails: the first cold row is put back and the RAM row was never
+  // touched, so a retry applies the push once.
+  const uint32_t stripe = t.StripeOfBucket(BucketOf(cold));
+  std::vector<int64_t> mixed;
+  for (size_t i = 0; i < kLimit - kLimit / 16 && mixed.empty(); ++i) {
+    if (t.StripeOfBucket(BucketOf(ids[i])) == stripe) mixed.push_back(ids[i]);  // in RAM
+  }
+  for (size_t i = kLimit; i < kOld && mixed.size() < 3; ++i) {
+    if (ids[i] != cold && t.StripeOfBucket(BucketOf(ids[i])) == stripe) mixed.push_back(ids[i]);
+  }
+  EXPECT(mixed.size() == 3);
+  DiskFaults second;
+  second.passing_writes = 1;
+  second.failing_writes = 1;
+  InjectDiskFaults(second);
+  s = t.Push(mixed.data(), grads.data(), mixed.size(), 0.1f);
+  InjectDiskFaults(DiskFaults{});
+  EXPECT(s.code() == Code::kResourceExhausted);
+  EXPECT(s.message().find("none of the push's rows in this stripe") != std::string::npos);
+  EXPECT(t.tier_stats().disk_updates == 1 && t.tier_stats().error == s.message());
+  EXPECT(Rows(&t) == Rows(&oracle));
+  push(mixed.data(), mixed.size());
+  EXPECT(t.tier_stats().disk_updates == 3);
   EXPECT(Rows(&t) == Rows(&oracle));
 }
 
