@@ -608,8 +608,9 @@ void DataServer::WakeHeadLocked() {
   head->in_waiting = false;
   counters_.connections_waiting.fetch_sub(1);
   head->resumed = true;
+  // Writable at once: a frame read whole with its head gets no EPOLLIN.
   struct epoll_event ev = {};
-  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+  ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLONESHOT;
   ev.data.ptr = head;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, head->fd, &ev);
 }

@@ -84,7 +84,13 @@ size_t RequestHandler::ReplyBound(const wire::FrameHeader& header,
                              ? StateFloats(dim, 2 * dim)
                              : uint64_t{dim};
   const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * width * num_ids;
-  if (body > max_frame_bytes_) return kSmallReply;  // refused with an error
+  if (body > max_frame_bytes_) {
+    // A plain pull this large is refused with an error; a state pull's
+    // table may keep fewer slots, so its reply may be a whole frame.
+    return IsStatePull(static_cast<PullMode>(pull_sizes[10]))
+               ? wire::kHeaderBytes + size_t{max_frame_bytes_}
+               : kSmallReply;
+  }
   return std::max<size_t>(kSmallReply, wire::kHeaderBytes + body);
 }
 
@@ -350,6 +356,12 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
   if (!standby_.load()) {
     return FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
                               " here is not a standby: it takes no replication frames");
+  }
+  if (replica_hello == 0) {  // a trainer's connection (made before a step-down, say)
+    *stale = true;
+    return FailedPrecondition(
+        "a replication frame on a connection that did not greet as a replica: refused, and the "
+        "connection closed");
   }
   wire::StandbyTableRequest request;
   if (header.opcode == wire::Opcode::kStandbyTable) {

@@ -328,6 +328,34 @@ DLT_TEST(TestMemoryBoundMakesConnectionsWaitNotFail) {
   EXPECT(server.counters().connections_waiting.load() == 0);
 }
 
+DLT_TEST(TestAFrameReadWholeBeforeItsMemoryWaitIsServedWhenWoken) {
+  // A frame whose every byte came with its head (an empty Push) waits for
+  // memory behind a large one; woken, it must be served at once: no more
+  // bytes will arrive to wake it, and the connections behind it wait on it
+  // (it was left until the I/O timeout closed it, unanswered).
+  auto shard = ShardWithTable(16);
+  DataServerOptions o;
+  o.max_buffered_bytes = 256 << 10;
+  o.io_timeout_ms = 60000;
+  DataServer server(shard, o);
+  EXPECT_OK(server.Start());
+  Raw big(Address(server)), empty(Address(server));
+  EXPECT_OK(big.Greet());
+  EXPECT_OK(empty.Greet());
+  // Holds 250 KiB of the 256 (its payload never comes).
+  const std::string held = FrameOf(wire::Opcode::kPush, 7, std::string(250 << 10, '\0'));
+  EXPECT_OK(big.Send(held.substr(0, wire::kHeaderBytes + 16)));
+  EXPECT(WaitFor([&] { return server.counters().buffered_bytes.load() >= (250u << 10); }, 5000));
+  EXPECT_OK(empty.Send(FrameOf(wire::Opcode::kPush, 8, "")));
+  EXPECT(WaitFor([&] { return server.counters().connections_waiting.load() == 1; }, 5000));
+  shutdown(big.fd(), SHUT_RDWR);  // gone: its memory is given back
+  wire::FrameHeader h;
+  std::string payload;
+  EXPECT_OK(empty.Read(&h, &payload, 10000));
+  EXPECT(h.opcode == wire::Opcode::kError && h.request_id == 8);
+  EXPECT(server.counters().connections_waiting.load() == 0);
+}
+
 DLT_TEST(TestTwoThousandConnectionsServedAtOnce) {
   auto shard = ShardWithTable(4);
   DataServerOptions o;
@@ -430,6 +458,25 @@ std::string ReplyHeader(wire::Opcode op, uint64_t id, uint32_t payload_bytes) {
 // A reply's size is checked against what its request expects before a
 // byte of it is read: an empty Pull reply (once a null dereference) and a
 // header claiming 4 GiB both fail cleanly.
+DLT_TEST(TestServerReservesAStatePullsWholeReply) {
+  // A state pull's reply is reserved before the table is known, at 2 slots
+  // per value; past the frame limit at that width it may still fit (SGD
+  // keeps none), and was reserved as an error's few KB: replies of up to a
+  // frame each, held past --max-buffered-bytes.
+  ServerCounters counters;
+  constexpr uint32_t kDim = 1024, kIds = 10000, kMaxFrame = 64u << 20;
+  RequestHandler handler(ShardWithTable(kDim), "", kMaxFrame, &counters);
+  wire::FrameHeader header{wire::Opcode::kPull, 0, 1, 0};
+  uint8_t sizes[12] = {};
+  std::memcpy(sizes, &kDim, 4);
+  std::memcpy(sizes + 4, &kIds, 4);
+  sizes[10] = static_cast<uint8_t>(PullMode::kState);
+  const size_t real = wire::kHeaderBytes + wire::kPullReplyFixed +
+                      size_t{4} * StateFloats(kDim, 0) * kIds;  // SGD: no slots
+  EXPECT(real <= wire::kHeaderBytes + size_t{kMaxFrame});
+  EXPECT(handler.ReplyBound(header, sizes) >= real);
+}
+
 DLT_TEST(TestClientBoundsReplySizes) {
   const std::vector<int64_t> ids = Iota(4);
   std::vector<float> out(4 * 8);

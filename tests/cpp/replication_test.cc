@@ -440,11 +440,12 @@ Status PushOnce(const std::string& address, const PushId& id, const int64_t* ids
 struct ReplicaLink {
   int fd = -1;
   uint64_t next_id = 1;
-  explicit ReplicaLink(const std::string& address) {
+  // `replica`: greets as a primary's replicator does (else as a trainer).
+  explicit ReplicaLink(const std::string& address, bool replica = true) {
     const auto deadline = Clock::now() + std::chrono::seconds(10);
     EXPECT_OK(net::Connect(address, deadline, &fd));
     const std::string hello = wire::EncodeHelloRequest(wire::HelloRequest{});
-    EXPECT_OK(Call(wire::Opcode::kHello, hello, wire::kFlagReplica));
+    EXPECT_OK(Call(wire::Opcode::kHello, hello, replica ? wire::kFlagReplica : 0));
   }
   ~ReplicaLink() { net::CloseFd(fd); }
   Status Call(wire::Opcode op, const std::string& payload, uint16_t flags = 0) {
@@ -476,6 +477,24 @@ struct ReplicaLink {
     return Call(wire::Opcode::kReplicate, payload);
   }
 };
+
+DLT_TEST(TestAStandbyTakesNoReplicationFrameOnATrainersConnection) {
+  // Before any primary's replicator greeted it (a process that just
+  // stepped down, whose trainers' connections are still open), a standby
+  // took replication frames on any connection: a kMakeTable emptied the
+  // table. Only a connection that greeted as a replica may send them.
+  Pair pair;
+  const std::string config = EncodeTableConfig(AdagradConfig("emb", 4));
+  pair.standby_server->set_standby(false);  // serving: a trainer greets it
+  ReplicaLink trainer(Address(*pair.standby_server), /*replica=*/false);
+  pair.standby_server->set_standby(true);  // it steps down
+  const Status s = trainer.Table(wire::kMakeTable, config);
+  EXPECT(s.code() == Code::kFailedPrecondition);
+  EXPECT(s.message().find("did not greet as a replica") != std::string::npos);
+  EXPECT(TableOf(*pair.standby, "emb") == nullptr);
+  ReplicaLink replica(Address(*pair.standby_server));
+  EXPECT_OK(replica.Table(wire::kMakeTable, config));
+}
 
 DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
   Pair pair;
