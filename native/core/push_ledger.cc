@@ -66,7 +66,7 @@ void PushLedger::RecordLocked(const PushId& id, const Status& status) {
   if (!e.done) order_.push_back(id);
   e.done = true;
   e.status = status;
-  while (order_.size() > kCapacity) {
+  while (order_.size() > capacity_) {
     entries_.erase(order_.front());
     order_.pop_front();
   }
@@ -94,9 +94,23 @@ void PushLedger::Insert(const PushId* ids, size_t n) {
   cv_.notify_all();
 }
 
+void PushLedger::set_capacity(size_t capacity) {
+  std::lock_guard<std::mutex> lock(mu_);
+  capacity_ = std::max(capacity, kCapacity);
+}
+
+size_t PushLedger::capacity() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return capacity_;
+}
+
 void PushLedger::Absorb(PushLedger* other) {
   std::vector<PushId> done;
-  other->Done(kCapacity, &done);
+  other->Done(other->capacity(), &done);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    capacity_ = std::max(capacity_, done.size() + kCapacity);
+  }
   Insert(done.data(), done.size());
 }
 

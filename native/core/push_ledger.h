@@ -55,6 +55,12 @@ class PushLedger {
   // deadline (30 s), within this many pushes at up to ~8,000 frames/s.
   static constexpr size_t kCapacity = size_t{1} << 18;
 
+  // Remembers up to `capacity` ids from now on (at least kCapacity). A
+  // shard a re-shard prepares takes the ids of several senders, each up to
+  // kCapacity: one sender's must not push another's out.
+  void set_capacity(size_t capacity);
+  size_t capacity() const;
+
   // Before applying push `id`: true when the caller applies it now (then
   // it must call End); false when it was applied before (*status: what it
   // returned). Waits while the same id is being applied by another request.
@@ -76,7 +82,8 @@ class PushLedger {
   // A standby records the ids its primary applied (as applied, OK).
   void Insert(const PushId* ids, size_t n);
   // Records as applied every push `other` finished (a re-shard's shard
-  // learned them from its senders).
+  // learned them from its senders), with room for them beside kCapacity of
+  // its own.
   void Absorb(PushLedger* other);
   // The newest `max` finished pushes, oldest first (a copy of every table
   // carries them, taken under gate(): a push applied before a stream
@@ -104,6 +111,7 @@ class PushLedger {
   std::condition_variable cv_;
   std::unordered_map<PushId, Entry, Hash> entries_;  // guarded by mu_
   std::deque<PushId> order_;                         // done ids, oldest first; guarded by mu_
+  size_t capacity_ = kCapacity;                      // guarded by mu_
   uint32_t tracked_ = 0;                             // streams, a bit each; guarded by mu_
   std::vector<PushId> applied_[kMaxStreams];         // guarded by mu_
 };

@@ -12,6 +12,8 @@
 namespace dlt {
 
 uint64_t ReshardTarget::Prepare(std::shared_ptr<Shard> next) {
+  // Each sender's copy carries up to kCapacity ids of pushes it applied.
+  next->push_ledger().set_capacity(PushLedger::kCapacity * kMaxStreams);
   std::lock_guard<std::mutex> lock(mu_);
   next_ = std::move(next);
   ranges_.clear();

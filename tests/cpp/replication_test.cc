@@ -1155,6 +1155,39 @@ DLT_TEST(TestRangeStreamsFillTheNextLayoutsShardWhileTrainingRuns) {
   EXPECT(!grow.from_a->status().ended && !grow.from_b->status().ended);
 }
 
+DLT_TEST(TestAPreparedShardKeepsThePushIdsOfEverySender) {
+  // Growing 2 -> 3: the new shard takes the ids of the pushes A and B
+  // applied, up to kCapacity from each sender's copy. They went into one
+  // ledger of kCapacity, B's pushing A's out, and the switch kept only the
+  // newest kCapacity: a push A applied, sent again to the new shard after
+  // the switch, was applied twice.
+  DataServer server(std::make_shared<Shard>(2, 3), DataServerOptions());
+  const auto next = std::make_shared<Shard>(2, 3);
+  server.reshard_target().Prepare(next);
+  constexpr size_t kEach = PushLedger::kCapacity;
+  std::vector<PushId> from_a(kEach), from_b(kEach);
+  for (size_t i = 0; i < kEach; ++i) {
+    from_a[i] = PushId{1, i};
+    from_b[i] = PushId{2, i};
+  }
+  next->push_ledger().Insert(from_a.data(), kEach);  // A's copy, then B's
+  next->push_ledger().Insert(from_b.data(), kEach);
+  PushLedger serving;  // the joining process's own, at the switch
+  serving.Absorb(&next->push_ledger());
+  auto known = [&](const PushId& id) {  // applied before (else forgotten again)
+    Status first;
+    if (!serving.Begin(id, &first)) return true;
+    serving.Abandon(id);
+    return false;
+  };
+  EXPECT(known(from_a.front()));  // A's oldest
+  EXPECT(known(from_b.back()));
+  Status first;
+  EXPECT(serving.Begin(PushId{3, 0}, &first));  // a new push is applied
+  serving.End(PushId{3, 0}, OkStatus());
+  EXPECT(known(from_a.front()));  // room for its own too
+}
+
 DLT_TEST(TestARangeStreamToItsOwnProcessDoesNotWaitOnItsGate) {
   // B streams buckets to the shard its own process prepares, in rounds
   // larger than their buffer, while identified pushes (clients of shards
