@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 
 import keras
@@ -59,6 +60,13 @@ def _shard_rows(cluster: Cluster, table: str, ids: np.ndarray, dim: int = DIM) -
     return ops.lookup(reader, ids, table, dim, training=False, missing="zeros").numpy()
 
 
+def _fresh_client(addresses: list[str]) -> ops.ClientResource:
+    """A client resource no earlier test holds: resources are shared by
+    addresses and options, and a cluster may get an earlier one's port
+    (its cache and counters would carry over)."""
+    return ops.ClientResource(addresses, instance=uuid.uuid4().hex)
+
+
 def test_cache_trains_exactly_as_without_under_sync_push(
     start_cluster: Callable[..., Cluster],
 ) -> None:
@@ -96,7 +104,7 @@ def test_other_trainers_pushes_reach_cached_rows_within_the_staleness_bound(
 ) -> None:
     cluster = start_cluster(2)
     config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
-    mine = ops.ClientResource(cluster.addresses)
+    mine = _fresh_client(cluster.addresses)
     other = ops.ClientResource(cluster.addresses, request_timeout=28.0)
     ops.configure_cache(mine, config, rows=8, max_staleness_steps=3, min_count=1)
     ids = np.array([3, 11, -7], dtype=np.int64)
@@ -128,7 +136,7 @@ def test_new_ids_are_made_and_cached_in_one_exchange(
     the same ids after it."""
     cluster = start_cluster(2)
     config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
-    mine = ops.ClientResource(cluster.addresses)
+    mine = _fresh_client(cluster.addresses)
     ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
     ids = np.array([3, 11, -7, 42], dtype=np.int64)
     first = ops.lookup(mine, ids, "t", DIM).numpy()
@@ -150,7 +158,7 @@ def test_inference_lookups_through_a_cache_insert_nothing(
     ids without a row read what the lookup's mode reads, and stay absent."""
     cluster = start_cluster(1)
     config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
-    mine = ops.ClientResource(cluster.addresses)
+    mine = _fresh_client(cluster.addresses)
     ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
     reader = ops.ClientResource(cluster.addresses, request_timeout=29.0)
     ops.lookup(reader, np.array([1, 2], dtype=np.int64), "t", DIM)  # rows 1 and 2 exist
@@ -249,7 +257,7 @@ def test_a_failed_push_is_forgotten_and_its_rows_pulled_again(
 ) -> None:
     cluster = start_cluster(1)
     config = cluster.client().create_table("t", DIM, optimizer="sgd")
-    mine = ops.ClientResource(cluster.addresses)
+    mine = _fresh_client(cluster.addresses)
     ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
     ids = np.array([1, 2], dtype=np.int64)
     ops.lookup(mine, ids, "t", DIM)
