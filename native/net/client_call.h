@@ -36,6 +36,12 @@ struct Client::ShardState {
   uint64_t switches = 0;
   // When CheckSilent may ask the other addresses next; guarded by mu.
   std::chrono::steady_clock::time_point next_silence_probe{};
+
+  // It lists standbys (given, or named by a Hello).
+  bool HasStandbys() const {
+    std::lock_guard<std::mutex> lock(mu);
+    return addresses.size() > 1;
+  }
 };
 
 // The shards calls route by (a re-shard's switch brings a new one).

@@ -213,15 +213,10 @@ Status Client::Connect(ShardState& st, int* out_fd) {
 
 Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,
                          wire::HelloReply* reply) {
-  size_t addresses;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    addresses = st.addresses.size();
-  }
   // With standbys, an address that does not answer soon (a host gone
   // without a reset, a hung process) gives way to the next.
-  const int wait_ms = addresses > 1 ? std::min(options_.connect_timeout_ms, kReplicaConnectMs)
-                                    : options_.connect_timeout_ms;
+  const int wait_ms = st.HasStandbys() ? std::min(options_.connect_timeout_ms, kReplicaConnectMs)
+                                       : options_.connect_timeout_ms;
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
   int backoff_ms = options_.retry_backoff_ms;
   for (;;) {

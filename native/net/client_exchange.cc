@@ -257,10 +257,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
     io[c].fd = conn.fd;
     io[c].switches = conn.switches;
     io[c].heard = Clock::now();
-    {
-      std::lock_guard<std::mutex> lock(call.state->mu);
-      io[c].replicated = call.state->addresses.size() > 1;
-    }
+    io[c].replicated = call.state->HasStandbys();
     io[c].payload = std::move(conn.buffer);
     *any_reused = *any_reused || conn.reused;
     io[c].answered.assign(call.frames.size(), false);
@@ -340,7 +337,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
           // Keep reading: the server may have sent an error frame first.
           x.send_error = Unavailable(std::string("send: ") + std::strerror(errno));
         } else if (sent > 0) {
-          x.heard = Clock::now();
+          if (x.replicated) x.heard = Clock::now();
           size_t left = static_cast<size_t>(sent);
           while (left > 0) {
             const size_t in_frame = call.frames[x.send_frame].Bytes() - x.send_offset;

@@ -80,16 +80,13 @@ size_t RequestHandler::ReplyBound(const wire::FrameHeader& header,
   std::memcpy(&num_ids, pull_sizes + 4, 4);
   // A state pull's rows hold the slots and step too (at most 2 slots per
   // value): the table is not known yet, so bound by the widest.
-  const uint64_t width = IsStatePull(static_cast<PullMode>(pull_sizes[10]))
-                             ? StateFloats(dim, 2 * dim)
-                             : uint64_t{dim};
+  const bool state = IsStatePull(static_cast<PullMode>(pull_sizes[10]));
+  const uint64_t width = state ? StateFloats(dim, 2 * dim) : uint64_t{dim};
   const uint64_t body = wire::kPullReplyFixed + uint64_t{4} * width * num_ids;
   if (body > max_frame_bytes_) {
     // A plain pull this large is refused with an error; a state pull's
     // table may keep fewer slots, so its reply may be a whole frame.
-    return IsStatePull(static_cast<PullMode>(pull_sizes[10]))
-               ? wire::kHeaderBytes + size_t{max_frame_bytes_}
-               : kSmallReply;
+    return state ? wire::kHeaderBytes + size_t{max_frame_bytes_} : kSmallReply;
   }
   return std::max<size_t>(kSmallReply, wire::kHeaderBytes + body);
 }
