@@ -95,10 +95,11 @@ class PushLedger {
   size_t size() const;
 
  private:
+  // Keyed by a random secret of this process: the ids are the clients' to
+  // choose, and an unkeyed hash (it was client * K ^ seq) lets one pick ids
+  // that all land in one bucket of the map.
   struct Hash {
-    size_t operator()(const PushId& id) const {
-      return static_cast<size_t>(id.client * 0x9e3779b97f4a7c15ULL ^ id.seq);
-    }
+    size_t operator()(const PushId& id) const;
   };
   struct Entry {
     bool done = false;

@@ -161,17 +161,19 @@ void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, siz
 
 Status Client::Call::CheckReply(const wire::FrameHeader& frame,
                                 const std::vector<bool>& answered) const {
+  // An error too must answer a request of this call still unanswered: one
+  // for another request says the stream is out of step.
+  const uint64_t id = frame.request_id;
+  if (id < first_request_id || id >= first_request_id + frames.size() ||
+      answered[id - first_request_id]) {
+    return Internal("reply to unknown request id " + std::to_string(id));
+  }
   if (frame.opcode == wire::Opcode::kError) {
     if (frame.payload_bytes > wire::kErrorFixed + wire::kMaxErrorMessageBytes) {
       return Internal("error reply of " + std::to_string(frame.payload_bytes) +
                       " bytes exceeds the largest error frame");
     }
     return OkStatus();
-  }
-  const uint64_t id = frame.request_id;
-  if (id < first_request_id || id >= first_request_id + frames.size() ||
-      answered[id - first_request_id]) {
-    return Internal("reply to unknown request id " + std::to_string(id));
   }
   if (frame.opcode != opcode) return Internal("reply opcode does not match the request");
   const size_t expected = frames[id - first_request_id].reply_bytes;
@@ -432,10 +434,6 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
         if (x.frame.opcode == wire::Opcode::kError) {
           const Status error = wire::DecodeError(p, bytes);
           if (error.code() != Code::kAborted) return fail(error);
-          if (f >= call.frames.size() || x.answered[f]) {
-            return fail(
-                Internal("refusal of unknown request id " + std::to_string(x.frame.request_id)));
-          }
           // Refused unapplied (a re-shard's switch): the caller sends it again.
           call.refused.push_back(f);
           call.refusal = error.WithContext(Context(*call.state, op));

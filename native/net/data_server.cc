@@ -579,6 +579,11 @@ bool DataServer::Reserve(Conn* conn, uint64_t bytes) {
   conn->wait_it =
       resumed ? waiting_.insert(waiting_.begin(), conn) : waiting_.insert(waiting_.end(), conn);
   conn->in_waiting = true;
+  // An authenticated connection's I/O deadline stops while it waits: each
+  // one ahead of it holds memory for a bounded time (its own deadline, a
+  // handler's), and one queued behind a few of them was closed unanswered.
+  // A Hello keeps its deadline.
+  if (conn->authenticated) conn->deadline_ms.store(LLONG_MAX, std::memory_order_relaxed);
   counters_.connections_waiting.fetch_add(1);
   counters_.memory_waits.fetch_add(1);
   WakeHeadLocked();  // memory may have been freed since the check above
@@ -608,6 +613,7 @@ void DataServer::WakeHeadLocked() {
   head->in_waiting = false;
   counters_.connections_waiting.fetch_sub(1);
   head->resumed = true;
+  if (head->authenticated) SetDeadline(head, Deadline::kIo, options_.io_timeout_ms);  // afresh
   // Writable at once: a frame read whole with its head gets no EPOLLIN.
   struct epoll_event ev = {};
   ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLONESHOT;

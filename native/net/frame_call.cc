@@ -33,7 +33,9 @@ Status ReceiveReply(int fd, wire::Opcode opcode, uint64_t request_id, size_t max
   reply->assign(h.payload_bytes, '\0');
   DLT_RETURN_IF_ERROR(RecvAll(fd, &(*reply)[0], reply->size(), deadline));
   const auto* p = reinterpret_cast<const uint8_t*>(reply->data());
-  if (h.opcode == wire::Opcode::kError) return wire::DecodeError(p, reply->size());
+  if (h.opcode == wire::Opcode::kError && h.request_id == request_id) {
+    return wire::DecodeError(p, reply->size());
+  }
   if (h.opcode != opcode || !(h.flags & wire::kFlagResponse) || h.request_id != request_id) {
     return Internal("expected the reply to request " + std::to_string(request_id) + " (opcode " +
                     std::to_string(static_cast<int>(opcode)) + ")");

@@ -1,5 +1,6 @@
 #include "native/net/push_queue.h"
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <utility>
@@ -22,17 +23,20 @@ PushQueue::PushQueue(int max_inflight, std::function<void(std::function<void()>)
       wait_(wait) {}
 
 void PushQueue::Enqueue(Work work, Done admitted, Done finished) {
-  Pending push{NowMicros(), std::move(work), std::move(admitted), std::move(finished)};
+  Pending push{0, NowMicros(), std::move(work), std::move(admitted), std::move(finished)};
   Status earlier;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!async_error_.ok()) {
       earlier = std::move(async_error_);
       async_error_ = OkStatus();
-    } else if (inflight_ >= max_inflight_) {
-      waiting_.push_back(std::move(push));  // backpressure: admitted later
-      return;
     } else {
+      push.seq = next_seq_++;
+      unfinished_.insert(unfinished_.end(), push.seq);
+      if (inflight_ >= max_inflight_) {
+        waiting_.push_back(std::move(push));  // backpressure: admitted later
+        return;
+      }
       ++inflight_;
     }
   }
@@ -47,29 +51,37 @@ void PushQueue::Enqueue(Work work, Done admitted, Done finished) {
 void PushQueue::Start(Pending push) {
   if (wait_ != nullptr) wait_->Record(NowMicros() - push.enqueued_us);
   Done admitted = std::move(push.admitted);
-  schedule_([this, work = std::move(push.work), finished = std::move(push.finished)]() {
-    const Status status = work();
-    if (finished) finished(status);
-    OnDone(status, /*record_error=*/!finished);
-  });
+  schedule_(
+      [this, seq = push.seq, work = std::move(push.work), finished = std::move(push.finished)]() {
+        const Status status = work();
+        if (finished) finished(status);
+        OnDone(seq, status, /*record_error=*/!finished);
+      });
   admitted(OkStatus());
 }
 
-void PushQueue::OnDone(const Status& status, bool record_error) {
+void PushQueue::OnDone(uint64_t seq, const Status& status, bool record_error) {
   std::vector<Pending> to_start;
   std::vector<Done> flushed;
   Status flush_status;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --inflight_;
+    unfinished_.erase(seq);
     if (record_error && !status.ok() && async_error_.ok()) async_error_ = status;
     while (!waiting_.empty() && inflight_ < max_inflight_) {
       to_start.push_back(std::move(waiting_.front()));
       waiting_.pop_front();
       ++inflight_;
     }
-    if (inflight_ == 0 && waiting_.empty() && !flush_waiters_.empty()) {
-      flushed.swap(flush_waiters_);
+    const uint64_t finished_below = FinishedBelowLocked();
+    auto due = [&](const std::pair<uint64_t, Done>& w) { return w.first <= finished_below; };
+    for (auto& waiter : flush_waiters_) {
+      if (due(waiter)) flushed.push_back(std::move(waiter.second));
+    }
+    flush_waiters_.erase(std::remove_if(flush_waiters_.begin(), flush_waiters_.end(), due),
+                         flush_waiters_.end());
+    if (!flushed.empty()) {
       flush_status = std::move(async_error_);
       async_error_ = OkStatus();
     }
@@ -78,12 +90,16 @@ void PushQueue::OnDone(const Status& status, bool record_error) {
   for (Done& done : flushed) done(flush_status);
 }
 
+uint64_t PushQueue::FinishedBelowLocked() const {
+  return unfinished_.empty() ? next_seq_ : *unfinished_.begin();
+}
+
 void PushQueue::Flush(Done done) {
   Status status;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (inflight_ > 0 || !waiting_.empty()) {
-      flush_waiters_.push_back(std::move(done));
+    if (FinishedBelowLocked() < next_seq_) {
+      flush_waiters_.emplace_back(next_seq_, std::move(done));
       return;
     }
     status = std::move(async_error_);

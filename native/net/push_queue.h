@@ -10,6 +10,8 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "native/core/status.h"
@@ -34,8 +36,10 @@ class PushQueue {
   // its error is kept for the next Enqueue or Flush. Callbacks never run
   // under the queue's lock.
   void Enqueue(Work work, Done admitted, Done finished = nullptr);
-  // Calls `done` once every push queued before it finished, with the first
-  // error of those pushes not yet reported (then cleared).
+  // Calls `done` once every push queued before it finished (pushes queued
+  // after it are not waited for: it waited for an empty queue, which a
+  // steady stream of pushes never left), with the first asynchronous error
+  // not yet reported (then cleared).
   void Flush(Done done);
 
   // Pushes running, and waiting to start.
@@ -44,22 +48,28 @@ class PushQueue {
 
  private:
   struct Pending {
+    uint64_t seq;
     uint64_t enqueued_us;
     Work work;
     Done admitted;
     Done finished;
   };
   void Start(Pending push);
-  void OnDone(const Status& status, bool record_error);
+  void OnDone(uint64_t seq, const Status& status, bool record_error);
+  // Every push numbered below this one has finished.
+  uint64_t FinishedBelowLocked() const;
 
   const int max_inflight_;
   const std::function<void(std::function<void()>)> schedule_;
   LatencyHistogram* const wait_;
   mutable std::mutex mu_;
-  int inflight_ = 0;                 // guarded by mu_
-  std::deque<Pending> waiting_;      // guarded by mu_
-  std::vector<Done> flush_waiters_;  // guarded by mu_
-  Status async_error_;               // guarded by mu_
+  int inflight_ = 0;               // guarded by mu_
+  std::deque<Pending> waiting_;    // guarded by mu_
+  uint64_t next_seq_ = 0;          // guarded by mu_
+  std::set<uint64_t> unfinished_;  // queued or running pushes; guarded by mu_
+  // Flushes, each with the number of the first push queued after it.
+  std::vector<std::pair<uint64_t, Done>> flush_waiters_;  // guarded by mu_
+  Status async_error_;                                    // guarded by mu_
 };
 
 }  // namespace dlt

@@ -18,13 +18,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  size_t diff = a.size() ^ b.size();
-  const size_t n = a.size() > b.size() ? a.size() : b.size();
-  for (size_t i = 0; i < n; ++i) {
-    const uint8_t x = i < a.size() ? static_cast<uint8_t>(a[i]) : 0;
-    const uint8_t y = i < b.size() ? static_cast<uint8_t>(b[i]) : 0;
-    diff |= static_cast<size_t>(x ^ y);
+// Whether `given` equals `secret`, in a time that depends on the secret's
+// length alone (it took the longer of the two, so a long guess showed the
+// secret's length).
+bool ConstantTimeEquals(const std::string& given, const std::string& secret) {
+  size_t diff = given.size() ^ secret.size();
+  for (size_t i = 0; i < secret.size(); ++i) {
+    const uint8_t x = i < given.size() ? static_cast<uint8_t>(given[i]) : 0;
+    diff |= static_cast<size_t>(x ^ static_cast<uint8_t>(secret[i]));
   }
   return diff == 0;
 }

@@ -341,7 +341,9 @@ Status DecodeSketch(uint32_t action, const std::string& bytes, SketchRequest* r)
   if (rest < 8) return InvalidArgument("a sketch slices frame is shorter than its counts");
   r->slice_counters = Get<uint32_t>(p, at);
   r->slices = Get<uint32_t>(p, at + 4);
-  if (uint64_t{r->slices} * (8 + uint64_t{r->slice_counters}) != rest - 8) {
+  // Slices bounded first, so the product cannot wrap (a frame near 4 GiB).
+  if (r->slices > (rest - 8) / 8 ||
+      uint64_t{r->slices} * (8 + uint64_t{r->slice_counters}) != rest - 8) {
     return InvalidArgument("a sketch slices frame's counts do not match its bytes");
   }
   r->entries = p + at + 8;

@@ -22,6 +22,7 @@
 #include "native/net/client.h"
 #include "native/net/client_call.h"
 #include "native/net/data_server.h"
+#include "native/net/frame_call.h"
 #include "native/net/socket.h"
 #include "native/net/wire.h"
 #include "tests/cpp/harness.h"
@@ -328,32 +329,69 @@ DLT_TEST(TestMemoryBoundMakesConnectionsWaitNotFail) {
   EXPECT(server.counters().connections_waiting.load() == 0);
 }
 
+// A server whose buffer (256 KiB) a connection can fill with one frame, and
+// two greeted connections to it.
+struct SmallBufferServer {
+  explicit SmallBufferServer(int io_timeout_ms)
+      : server(ShardWithTable(16), Options(io_timeout_ms)),
+        holder(Started(server)),
+        other(Address(server)) {
+    EXPECT_OK(holder.Greet());
+    EXPECT_OK(other.Greet());
+  }
+  static std::string Started(DataServer& server) {
+    EXPECT_OK(server.Start());
+    return Address(server);
+  }
+  static DataServerOptions Options(int io_timeout_ms) {
+    DataServerOptions o;
+    o.max_buffered_bytes = 256 << 10;
+    o.io_timeout_ms = io_timeout_ms;
+    return o;
+  }
+  // `holder` takes 250 KiB of the 256 (its frame's payload never comes).
+  void Hold() {
+    const std::string held = FrameOf(wire::Opcode::kPush, 7, std::string(250 << 10, '\0'));
+    EXPECT_OK(holder.Send(held.substr(0, wire::kHeaderBytes + 16)));
+    EXPECT(WaitFor([&] { return server.counters().buffered_bytes.load() >= (250u << 10); }, 5000));
+  }
+  DataServer server;
+  Raw holder, other;
+};
+
 DLT_TEST(TestAFrameReadWholeBeforeItsMemoryWaitIsServedWhenWoken) {
   // A frame whose every byte came with its head (an empty Push) waits for
   // memory behind a large one; woken, it must be served at once: no more
   // bytes will arrive to wake it, and the connections behind it wait on it
   // (it was left until the I/O timeout closed it, unanswered).
-  auto shard = ShardWithTable(16);
-  DataServerOptions o;
-  o.max_buffered_bytes = 256 << 10;
-  o.io_timeout_ms = 60000;
-  DataServer server(shard, o);
-  EXPECT_OK(server.Start());
-  Raw big(Address(server)), empty(Address(server));
-  EXPECT_OK(big.Greet());
-  EXPECT_OK(empty.Greet());
-  // Holds 250 KiB of the 256 (its payload never comes).
-  const std::string held = FrameOf(wire::Opcode::kPush, 7, std::string(250 << 10, '\0'));
-  EXPECT_OK(big.Send(held.substr(0, wire::kHeaderBytes + 16)));
-  EXPECT(WaitFor([&] { return server.counters().buffered_bytes.load() >= (250u << 10); }, 5000));
-  EXPECT_OK(empty.Send(FrameOf(wire::Opcode::kPush, 8, "")));
-  EXPECT(WaitFor([&] { return server.counters().connections_waiting.load() == 1; }, 5000));
-  shutdown(big.fd(), SHUT_RDWR);  // gone: its memory is given back
+  SmallBufferServer s(60000);
+  s.Hold();
+  EXPECT_OK(s.other.Send(FrameOf(wire::Opcode::kPush, 8, "")));
+  EXPECT(WaitFor([&] { return s.server.counters().connections_waiting.load() == 1; }, 5000));
+  shutdown(s.holder.fd(), SHUT_RDWR);  // gone: its memory is given back
   wire::FrameHeader h;
   std::string payload;
-  EXPECT_OK(empty.Read(&h, &payload, 10000));
+  EXPECT_OK(s.other.Read(&h, &payload, 10000));
   EXPECT(h.opcode == wire::Opcode::kError && h.request_id == 8);
-  EXPECT(server.counters().connections_waiting.load() == 0);
+  EXPECT(s.server.counters().connections_waiting.load() == 0);
+}
+
+DLT_TEST(TestAFrameWaitingForMemoryKeepsItsIoTimeUntilWoken) {
+  // A frame's I/O deadline stops while it waits for memory: it was kept,
+  // so a frame queued behind one that held the memory for most of an I/O
+  // timeout was closed unanswered before its turn came.
+  SmallBufferServer s(3000);
+  const std::string frame = FrameOf(wire::Opcode::kPush, 8, "");
+  EXPECT_OK(s.other.Send(frame.substr(0, 1)));  // its frame's I/O time starts: t = 0
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  s.Hold();                                  // until its own I/O deadline (t = 4 s)
+  EXPECT_OK(s.other.Send(frame.substr(1)));  // waits from t = 1 s, past its old deadline (3 s)
+  EXPECT(WaitFor([&] { return s.server.counters().connections_waiting.load() == 1; }, 1500));
+  wire::FrameHeader h;
+  std::string payload;
+  EXPECT_OK(s.other.Read(&h, &payload, 10000));
+  EXPECT(h.opcode == wire::Opcode::kError && h.request_id == 8);
+  EXPECT(s.server.counters().io_timeouts.load() == 1);  // the holder's alone
 }
 
 DLT_TEST(TestTwoThousandConnectionsServedAtOnce) {
@@ -508,11 +546,12 @@ DLT_TEST(TestClientBoundsReplySizes) {
     const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
     EXPECT(s.code() == Code::kInternal && s.message().find("largest error") != std::string::npos);
   }
-  {
-    // A refusal (ABORTED: sent again) naming a request id the client never
-    // used: refused, not taken as the refusal of a frame past its calls'.
-    FakeShard fake([](const wire::FrameHeader& h, const std::string&) {
-      const std::string body = wire::EncodeError(Code::kAborted, "switched");
+  for (const Code code : {Code::kAborted, Code::kNotFound}) {
+    // An error naming a request id the client never used says the stream
+    // is out of step: a refusal (ABORTED: sent again) is not taken as the
+    // refusal of a frame past its calls', nor another error as the call's.
+    FakeShard fake([code](const wire::FrameHeader& h, const std::string&) {
+      const std::string body = wire::EncodeError(code, "switched, or no table 'emb'");
       return ReplyHeader(wire::Opcode::kError, h.request_id + 1000,
                          static_cast<uint32_t>(body.size())) +
              body;
@@ -521,6 +560,22 @@ DLT_TEST(TestClientBoundsReplySizes) {
     const Status s = client.Pull("emb", 8, ids.data(), 4, PullMode::kInsert, out.data());
     EXPECT(s.code() == Code::kInternal &&
            s.message().find("unknown request id") != std::string::npos);
+  }
+  {
+    // The same for one frame's call (a Hello, a replica's round).
+    int fds[2];
+    EXPECT(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
+    const std::string body = wire::EncodeError(Code::kNotFound, "no table 'emb'");
+    const std::string reply =
+        ReplyHeader(wire::Opcode::kError, 8, static_cast<uint32_t>(body.size())) + body;
+    EXPECT(write(fds[1], reply.data(), reply.size()) == static_cast<ssize_t>(reply.size()));
+    std::string got;
+    const Status s = net::ReceiveReply(fds[0], wire::Opcode::kPull, 7, 1 << 20,
+                                       Clock::now() + std::chrono::seconds(5), &got, nullptr);
+    EXPECT(s.code() == Code::kInternal &&
+           s.message().find("expected the reply to request 7") != std::string::npos);
+    close(fds[0]);
+    close(fds[1]);
   }
 }
 

@@ -111,6 +111,31 @@ DLT_TEST(TestPushQueueFlushWaitsForEveryPushAndTakesTheFirstError) {
   EXPECT(flushed.ok());  // reported once
 }
 
+DLT_TEST(TestPushQueueFlushWaitsForThePushesBeforeItOnly) {
+  // Pushes queued after a flush are not waited for: it waited for an empty
+  // queue, which a steady stream of pushes (another thread's steps) never
+  // left. Out of order too: a later push finishing first frees nobody.
+  ManualPool pool;
+  PushQueue queue(2, pool.Scheduler());
+  queue.Enqueue([]() { return OkStatus(); }, [](const Status&) {});  // 0
+  queue.Enqueue([]() { return OkStatus(); }, [](const Status&) {});  // 1
+  int flushes = 0;
+  queue.Flush([&flushes](const Status& s) { flushes += s.ok(); });
+  queue.Enqueue([]() { return OkStatus(); }, [](const Status&) {});  // 2, waits for a turn
+  std::function<void()> first = std::move(pool.scheduled.front());
+  pool.scheduled.erase(pool.scheduled.begin());
+  pool.RunNext();  // push 1 done: push 2 starts
+  EXPECT(flushes == 0 && pool.scheduled.size() == 1);
+  first();  // push 0 done: every push before the flush finished, push 2 runs
+  EXPECT(flushes == 1 && queue.inflight() == 1);
+  queue.Enqueue([]() { return OkStatus(); }, [](const Status&) {});  // 3
+  queue.Flush([&flushes](const Status& s) { flushes += s.ok(); });
+  pool.RunNext();
+  EXPECT(flushes == 1);
+  pool.RunNext();
+  EXPECT(flushes == 2 && queue.inflight() == 0);
+}
+
 DLT_TEST(TestPushQueueOnThreads) {
   // Real threads: every push runs once, never more than the bound at once.
   std::vector<std::thread> threads;
