@@ -22,6 +22,7 @@ from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.checkpoint import manifest
 from tf_dlt.layers import Embedding
+from tf_dlt.server.local import LocalCluster
 
 from conftest import Cluster
 
@@ -114,6 +115,60 @@ def test_training_recovers_from_a_killed_shard(
     np.testing.assert_array_equal(seen["resumed_rows"], table.pull(ids, 1))
     for epoch in (3, 4):
         assert (tmp_path / "ck" / f"epoch-{epoch}" / "tf_dlt_model.json").exists()
+
+
+def test_training_recovers_when_every_process_of_a_replicated_shard_is_lost(
+    tmp_path: Path,
+) -> None:
+    """Shard 1 has a standby. Its primary dies in epoch 1 (the standby takes
+    over: the trainer meets epoch 2), then in epoch 2 the standby that took
+    over dies too, and both come back a second later as their supervisor
+    restarts them: the shard's replica set begins again, empty, at epoch 1.
+    resilient_fit reloads the last checkpoint and goes on through the same
+    clients (they refused the restarted set as older than epoch 2)."""
+    with LocalCluster(2, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        inp = keras.Input((3,), dtype="int64")
+        emb = Embedding(output_dim=4, is_distributed=True, optimizer="adagrad", name="faulty")
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer="adam", loss="mse")
+        model = tf_dlt.transpile(model, cluster.addresses, request_timeout=20)
+        rng = np.random.default_rng(2)
+        x, y = rng.integers(0, 2000, size=(256, 3)), rng.normal(size=(256, 1)).astype("float32")
+        restarts: list[threading.Timer] = []
+
+        def restart_shard_1() -> None:
+            for process in (1, 3):  # shard 1's primary and standby (shard-major)
+                cluster.restart(process)
+
+        class Crash(keras.callbacks.Callback):  # type: ignore[misc]
+            epoch = 0
+            killed: list[int] = []
+
+            def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
+                self.epoch = epoch
+
+            def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+                if self.epoch == 1 and batch == 3 and not self.killed:
+                    self.killed.append(1)
+                    cluster.kill(1)  # its standby takes over
+                elif self.epoch == 2 and batch == 3 and len(self.killed) == 1:
+                    self.killed.append(3)
+                    cluster.kill(3)  # the shard's last process
+                    restarts.append(threading.Timer(1.0, restart_shard_1))
+                    restarts[-1].start()
+
+        try:
+            history = tf_dlt.resilient_fit(
+                model, x, y, checkpoint=str(tmp_path / "ck"), epochs=4, batch_size=16,
+                verbose=0, callbacks=[Crash()],
+            )  # fmt: skip
+        finally:
+            for timer in restarts:
+                timer.join(60)
+        assert Crash.killed == [1, 3]
+        assert history.restarts == 1
+        assert history.epoch == [0, 1, 2, 3]
+        assert all(np.isfinite(history.history["loss"]))
 
 
 def test_training_recovers_from_a_shard_lost_before_the_first_checkpoint(

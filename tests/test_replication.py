@@ -156,18 +156,18 @@ def test_killed_processes_rejoin_as_standbys_and_take_over_in_turn(tmp_path) -> 
         np.testing.assert_array_equal(client.pull("emb", ids), fresh.pull("emb", ids))
 
 
-def test_a_replica_set_started_together_elects_one_primary() -> None:
-    """Both processes of a shard started at once with --replica-set (a
-    Kubernetes job's first start): the first begins as the primary, the
-    other follows it; a member of another shard is refused by name."""
-    ports = [free_port(), free_port()]
-    members = [f"127.0.0.1:{p}" for p in ports]
+def _replica_set(
+    ports: list[int], members: list[str], start_last_first: bool = False
+) -> list[ShardServer]:
+    """A replica set of shard 0 of 1 in this process, one server per member
+    (started in order, or the last first); returns once the first serves
+    and the second is its caught-up standby."""
     servers = [
         ShardServer(0, 1, port=p, replica_set=members, advertise=m, takeover_after_s=1.0)
         for p, m in zip(ports, members, strict=True)
     ]
     try:
-        for server in reversed(servers):
+        for server in reversed(servers) if start_last_first else servers:
             server.start()
         wait_until(
             lambda: (
@@ -176,6 +176,21 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
             ),
             "one primary and its standby",
         )
+    except BaseException:
+        for server in servers:
+            server.stop(0)
+        raise
+    return servers
+
+
+def test_a_replica_set_started_together_elects_one_primary() -> None:
+    """Both processes of a shard started at once with --replica-set (a
+    Kubernetes job's first start): the first begins as the primary, the
+    other follows it; a member of another shard is refused by name."""
+    ports = [free_port(), free_port()]
+    members = [f"127.0.0.1:{p}" for p in ports]
+    servers = _replica_set(ports, members, start_last_first=True)
+    try:
         assert servers[1].servicer.snapshot()["role"] == "standby"
         assert servers[0].shard.epoch == 1  # it began; it took over from nobody
         client = tf_dlt.Client(["|".join(members)])
@@ -190,6 +205,43 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
             server.stop(0)
     with pytest.raises(ValueError, match="replica set has 2 to 5 distinct members"):
         ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
+
+
+def test_a_trainer_follows_a_replica_set_restarted_whole() -> None:
+    """Every process of a shard restarted (its nodes replaced, say): the set
+    begins afresh at epoch 1, older than the epoch 2 a long-lived trainer
+    met after a takeover. Its client refused that set until the trainer
+    itself restarted (resilient_fit's reload through it failed too); it now
+    follows the set's new lineage, since no copy of the old one serves,
+    after one DataLossError."""
+    ports = [free_port(), free_port()]
+    members = [f"127.0.0.1:{p}" for p in ports]
+    ids = np.arange(10)
+    servers = _replica_set(ports, members)
+    try:
+        client = tf_dlt.Client(["|".join(members)])
+        client.create_table("emb", DIM)
+        client.push("emb", ids, np.ones((10, DIM), np.float32), 0.1)
+        rows = client.pull("emb", ids)
+        servers[0].stop(0)
+        np.testing.assert_array_equal(client.pull("emb", ids), rows)
+        assert servers[1].shard.epoch == 2
+        old_lineage = servers[1].shard.lineage
+        servers[1].stop(0)
+
+        servers = _replica_set(ports, members)
+        assert servers[0].shard.epoch == 1 and servers[0].shard.lineage != old_lineage
+        assert servers[1].shard.lineage == servers[0].shard.lineage  # its standby's
+        fresh = tf_dlt.Client(["|".join(members)])
+        fresh.create_table("emb", DIM)  # it began empty (no --load-from)
+        with pytest.raises(errors.DataLossError, match="every copy of the shard at epoch 2"):
+            client.pull("emb", ids)  # once: the trainer learns its rows are gone
+        np.testing.assert_array_equal(client.pull("emb", ids), fresh.pull("emb", ids))
+        client.push("emb", ids, np.ones((10, DIM), np.float32), 0.1)
+        np.testing.assert_array_equal(fresh.pull("emb", ids), client.pull("emb", ids))
+    finally:
+        for server in servers:
+            server.stop(0)
 
 
 def test_a_save_caught_by_a_failover_completes_on_the_new_primary_and_followers_follow(

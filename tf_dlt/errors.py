@@ -67,6 +67,14 @@ class UnavailableError(DltError, ConnectionError):
     code, code_name = 14, "UNAVAILABLE"
 
 
+class DataLossError(DltError):
+    """Rows a shard held are gone: every process of its replica set
+    restarted. The client goes on with the restarted shard; reload a
+    checkpoint (resilient_fit does) for tables that agree again."""
+
+    code, code_name = 15, "DATA_LOSS"
+
+
 class UnauthenticatedError(DltError, PermissionError):
     code, code_name = 16, "UNAUTHENTICATED"
 
@@ -84,6 +92,7 @@ _BY_CODE: dict[int, type[DltError]] = {
         AbortedError,
         InternalError,
         UnavailableError,
+        DataLossError,
         UnauthenticatedError,
     )
 }

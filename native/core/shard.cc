@@ -11,14 +11,25 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <random>
 #include <system_error>
 
 #include "native/core/routing.h"
 
 namespace dlt {
 
+namespace {
+
+uint64_t NewLineage() {
+  std::random_device device;
+  const uint64_t lineage = (uint64_t{device()} << 32) | device();
+  return lineage != 0 ? lineage : 1;
+}
+
+}  // namespace
+
 Shard::Shard(uint32_t shard_index, uint32_t num_shards)
-    : place_(uint64_t{shard_index} << 32 | num_shards) {}
+    : place_(uint64_t{shard_index} << 32 | num_shards), lineage_(NewLineage()) {}
 
 std::string Shard::layout_addresses() const {
   std::shared_lock<std::shared_mutex> lock(mu_);

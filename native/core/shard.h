@@ -116,12 +116,20 @@ class Shard {
   // The newer of epoch() and fence_epoch(): the oldest primary a standby
   // takes rounds of, and what it tells a primary's Hello.
   uint64_t newest_epoch() const { return std::max(epoch(), fence_epoch()); }
-  // A standby about to follow the primary at `epoch` (it chose that one):
-  // holds that epoch, and takes rounds of no older primary.
-  void FollowEpoch(uint64_t epoch) {
+  // A standby about to follow the primary at `epoch` of `lineage` (it chose
+  // that one): holds that epoch and lineage, and takes rounds of no older
+  // primary.
+  void FollowEpoch(uint64_t epoch, uint64_t lineage = 0) {
     epoch_.store(epoch);
     fence_epoch_.store(epoch);
+    if (lineage != 0) lineage_.store(lineage);
   }
+  // Which line of copies this is (docs/replication.md, "A replica set
+  // restarted whole"): random, never 0, for a process that starts; a standby
+  // holds its primary's and keeps it when it takes over. Epochs order the
+  // copies of one lineage; a client that met a newer epoch takes an older
+  // one only of another lineage, once no address of the shard serves its.
+  uint64_t lineage() const { return lineage_.load(); }
   void Supersede(uint64_t epoch) { superseded_by_.store(epoch); }
   uint64_t superseded_by() const { return superseded_by_.load(); }
 
@@ -219,6 +227,7 @@ class Shard {
   std::mutex streams_mu_;
   uint32_t streams_ = 0;  // taken, a bit each; guarded by streams_mu_
   std::atomic<uint64_t> epoch_{1};
+  std::atomic<uint64_t> lineage_;
   std::atomic<uint64_t> fence_epoch_{0};
   std::atomic<uint64_t> superseded_by_{0};
 

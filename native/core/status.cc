@@ -24,6 +24,8 @@ const char* CodeName(Code code) {
       return "INTERNAL";
     case Code::kUnavailable:
       return "UNAVAILABLE";
+    case Code::kDataLoss:
+      return "DATA_LOSS";
     case Code::kUnauthenticated:
       return "UNAUTHENTICATED";
   }

@@ -21,6 +21,7 @@ enum class Code : uint32_t {
   kAborted = 10,
   kInternal = 13,
   kUnavailable = 14,
+  kDataLoss = 15,  // rows a shard held are gone (its every process restarted)
   kUnauthenticated = 16,
 };
 
@@ -65,6 +66,7 @@ inline Status FailedPrecondition(std::string m) {
 inline Status Aborted(std::string m) { return Status(Code::kAborted, std::move(m)); }
 inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
 inline Status Unavailable(std::string m) { return Status(Code::kUnavailable, std::move(m)); }
+inline Status DataLoss(std::string m) { return Status(Code::kDataLoss, std::move(m)); }
 inline Status Unauthenticated(std::string m) {
   return Status(Code::kUnauthenticated, std::move(m));
 }

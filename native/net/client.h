@@ -173,6 +173,15 @@ class Client {
   // when it serves a newer layout), refuses (UNAVAILABLE) a copy older than
   // one met before, learns the standbys it names.
   Status Hello(ShardState& shard, const std::string& address, int fd, wire::HelloReply* reply);
+  // After every address of `shard` refused a call, one of them as an older
+  // copy of another lineage (restarted_lineage): DATA_LOSS, and that
+  // lineage and its newest epoch are the shard's from now on, when each
+  // address serves that lineage, is a standby or replaced copy (its Hello
+  // UNAVAILABLE), or refuses connections, and one serves. A whole replica
+  // set restarted is followed so; a copy of the lineage met, or an address
+  // that does not answer, keeps the refusal (OK: the call's own error
+  // stands; docs/replication.md).
+  Status FollowRestart(ShardState& shard);
   // Uses `address` for `shard` from now on, with what its Hello said.
   void Adopt(ShardState& shard, const std::string& address, const wire::HelloReply& reply);
   uint32_t FrameLimit(ShardState& shard);

@@ -29,7 +29,12 @@ struct Client::ShardState {
   int64_t greeted_ms = 0;  // when its last Hello was; guarded by mu
   bool retired = false;    // its layout was left: pools nothing; guarded by mu
   uint64_t epoch = 0;      // the newest copy's met; guarded by mu
-  ShardInfo info;          // guarded by mu
+  uint64_t lineage = 0;    // that copy's lineage (0: unknown); guarded by mu
+  // The lineage of an older copy a Hello refused, when not `lineage`: the
+  // shard's whole replica set may have restarted (Client::FollowRestart).
+  // Guarded by mu.
+  uint64_t restarted_lineage = 0;
+  ShardInfo info;  // guarded by mu
   // Bumped when a call found another copy serving in place of the one it
   // heard nothing from (Client::CheckSilent): connections made before are
   // to the copy left, and are not used again. Guarded by mu.

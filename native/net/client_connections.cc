@@ -75,12 +75,17 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
   std::lock_guard<std::mutex> lock(st.mu);
   if (reply->epoch < st.epoch) {
     // A primary that came back after its standby took over, or one cut off
-    // from clients that moved on: never the copy to use.
+    // from clients that moved on: never the copy to use. One of another
+    // lineage may be a replica set restarted whole (FollowRestart).
+    if (reply->lineage != 0 && st.lineage != 0 && reply->lineage != st.lineage) {
+      st.restarted_lineage = reply->lineage;
+    }
     return Unavailable("shard " + std::to_string(st.index) + " at " + address + " is at epoch " +
                        std::to_string(reply->epoch) + ", older than epoch " +
                        std::to_string(st.epoch) + " this client met: its standby took over");
   }
   st.epoch = reply->epoch;
+  if (reply->lineage != 0) st.lineage = reply->lineage;
   // Standbys the primary names, after those the client was given.
   for (size_t from = 0; from < reply->standbys.size();) {
     size_t bar = reply->standbys.find('|', from);
@@ -208,7 +213,64 @@ Status Client::Connect(ShardState& st, int* out_fd) {
       return s;
     }
   }
+  if (misplaced.ok()) {
+    // Followed from now on; this call fails, never retried: what the shard
+    // held is gone, and the trainer must know (resilient_fit reloads).
+    const Status restarted = FollowRestart(st);
+    if (!restarted.ok()) return restarted;
+  }
   return misplaced.ok() ? s : misplaced;
+}
+
+Status Client::FollowRestart(ShardState& st) {
+  std::vector<std::string> addresses;
+  uint64_t known, candidate;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    addresses = st.addresses;
+    known = st.lineage;
+    candidate = st.restarted_lineage;
+    st.restarted_lineage = 0;
+  }
+  if (candidate == 0) return OkStatus();
+  uint64_t newest = 0;
+  bool serves = false;
+  for (const std::string& address : addresses) {
+    const Clock::time_point deadline =
+        Clock::now() +
+        std::chrono::milliseconds(std::min(options_.connect_timeout_ms, kAskLayoutMs));
+    int fd = -1;
+    bool refused = false;
+    if (!net::Connect(address, deadline, &fd, &refused).ok()) {
+      if (refused) continue;  // nothing listens there
+      return OkStatus();      // no answer: it may serve the lineage met
+    }
+    wire::HelloReply r;
+    const Status s = net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, &r);
+    net::CloseFd(fd);
+    if (s.code() == Code::kUnavailable) continue;  // a standby, or a copy replaced: serves none
+    if (!s.ok() || r.lineage != candidate || r.shard_index != st.index ||
+        r.num_shards != st.count) {
+      return OkStatus();
+    }
+    newest = std::max(newest, r.epoch);
+    serves = true;
+  }
+  if (!serves) return OkStatus();
+  uint64_t epoch;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (st.lineage != known) return OkStatus();  // another call followed it meanwhile
+    epoch = st.epoch;
+    st.lineage = candidate;
+    st.epoch = newest;
+  }
+  return DataLoss("shard " + std::to_string(st.index) + ": every copy of the shard at epoch " +
+                  std::to_string(epoch) +
+                  " is gone, and its restarted processes serve from epoch " +
+                  std::to_string(newest) +
+                  " afresh (what they loaded, or nothing); the client uses them from now on. "
+                  "Reload a checkpoint so that every shard agrees again");
 }
 
 Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,

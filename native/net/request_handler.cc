@@ -158,6 +158,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     out.epoch = standby_.load() ? shard_->newest_epoch() : shard_->epoch();
     out.layout_epoch = shard_->layout_epoch();
     out.layout = shard_->layout_addresses();
+    out.lineage = shard_->lineage();
     {
       std::lock_guard<std::mutex> lock(staged_mu_);
       out.standbys = standbys_;

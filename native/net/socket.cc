@@ -78,7 +78,9 @@ void CloseFd(int fd) {
   if (fd >= 0) close(fd);
 }
 
-Status Connect(const std::string& address, Clock::time_point deadline, int* out_fd) {
+Status Connect(const std::string& address, Clock::time_point deadline, int* out_fd, bool* refused) {
+  if (refused != nullptr) *refused = false;
+  bool all_refused = true;
   std::string host;
   int port = 0;
   DLT_RETURN_IF_ERROR(ParseAddress(address, &host, &port));
@@ -92,10 +94,13 @@ Status Connect(const std::string& address, Clock::time_point deadline, int* out_
     return Unavailable("cannot resolve '" + host + "': " + gai_strerror(gai));
   }
   Status last = Unavailable("no address for '" + host + "'");
+  bool tried = false;
   for (struct addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
+    tried = true;
     const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
       last = Unavailable("socket: " + ErrnoText(errno));
+      all_refused = false;
       continue;
     }
     SetNonBlocking(fd);
@@ -107,6 +112,7 @@ Status Connect(const std::string& address, Clock::time_point deadline, int* out_
       if (!waited.ok()) {
         close(fd);
         last = waited;
+        all_refused = false;
         continue;
       }
       int err = 0;
@@ -116,6 +122,7 @@ Status Connect(const std::string& address, Clock::time_point deadline, int* out_
       errno = err;
     }
     if (rc != 0) {
+      all_refused = all_refused && errno == ECONNREFUSED;
       last = Unavailable("connect: " + ErrnoText(errno));
       close(fd);
       continue;
@@ -125,6 +132,7 @@ Status Connect(const std::string& address, Clock::time_point deadline, int* out_
     return OkStatus();
   }
   freeaddrinfo(result);
+  if (refused != nullptr) *refused = all_refused && tried;
   return last;
 }
 

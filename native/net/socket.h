@@ -28,7 +28,10 @@ Status ParseAddress(const std::string& address, std::string* host, int* port);
 std::vector<std::string> SplitAddresses(const std::string& list, char separator = '|');
 
 // Opens a non-blocking, TCP_NODELAY connection or fails within the deadline.
-Status Connect(const std::string& address, Clock::time_point deadline, int* fd);
+// `refused`, when given, says whether every attempt was refused (a host
+// that answered: nothing listens there).
+Status Connect(const std::string& address, Clock::time_point deadline, int* fd,
+               bool* refused = nullptr);
 
 // Binds and listens; *port receives the bound port (useful with port 0).
 Status Listen(const std::string& bind_host, int port, int backlog, int* fd, int* bound_port);

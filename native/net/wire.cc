@@ -192,6 +192,7 @@ std::string EncodeHelloReply(const HelloReply& r, bool topology) {
     const bool layout_fits = r.layout.size() <= kMaxLayoutBytes;
     Append<uint32_t>(&out, layout_fits ? static_cast<uint32_t>(r.layout.size()) : 0);
     if (layout_fits) out.append(r.layout);
+    Append<uint64_t>(&out, r.lineage);
   }
   return out;
 }
@@ -204,6 +205,7 @@ Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r, bool topo
   if (bytes < fixed || (!topology && bytes != fixed)) return malformed();
   r->layout_epoch = 1;
   r->layout.clear();
+  r->lineage = 0;
   if (topology) {
     r->epoch = Get<uint64_t>(p, kHelloReplyBytes);
     const size_t standbys = Get<uint32_t>(p, kHelloReplyBytes + 8);
@@ -213,12 +215,18 @@ Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r, bool topo
     const size_t at = fixed + standbys;
     if (bytes != at) {
       if (bytes - at < kHelloLayoutFixed ||
-          bytes - at - kHelloLayoutFixed != Get<uint32_t>(p, at + 8)) {
+          bytes - at - kHelloLayoutFixed < Get<uint32_t>(p, at + 8)) {
         return malformed();
       }
+      const size_t layout = Get<uint32_t>(p, at + 8);
       r->layout_epoch = Get<uint64_t>(p, at);
-      r->layout.assign(reinterpret_cast<const char*>(p) + at + kHelloLayoutFixed,
-                       bytes - at - kHelloLayoutFixed);
+      r->layout.assign(reinterpret_cast<const char*>(p) + at + kHelloLayoutFixed, layout);
+      // The lineage, when the server has one; what follows it is skipped.
+      const size_t lineage_at = at + kHelloLayoutFixed + layout;
+      if (bytes != lineage_at) {
+        if (bytes - lineage_at < 8) return malformed();
+        r->lineage = Get<uint64_t>(p, lineage_at);
+      }
     }
   }
   r->protocol_version = Get<uint32_t>(p, 0);

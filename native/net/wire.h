@@ -94,6 +94,9 @@ struct HelloReply {
   // until a re-shard). Absent from replies of servers that predate it.
   uint64_t layout_epoch = 1;
   std::string layout;
+  // Then u64 lineage (Shard::lineage; 0: a server that predates it). Bytes
+  // after it are parts of later servers, skipped.
+  uint64_t lineage = 0;
 };
 inline constexpr size_t kHelloTopologyFixed = 12;
 inline constexpr size_t kMaxStandbysBytes = 4096;

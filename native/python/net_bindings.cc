@@ -177,6 +177,7 @@ void BindNet(py::module_& m) {
         d["standbys"] = reply.standbys;
         d["layout_epoch"] = reply.layout_epoch;
         d["layout"] = reply.layout;
+        d["lineage"] = reply.lineage;
         return d;
       },
       py::arg("address"), py::arg("auth_token") = "", py::arg("timeout_ms") = 5000,

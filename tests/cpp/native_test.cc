@@ -249,6 +249,31 @@ DLT_TEST(TestFramesGolden) {
 
 // One Deduper across runs of different sizes, as a thread's lookups use it:
 // each run sees only its own ids (a new stamp empties the table untouched).
+DLT_TEST(TestAHelloReplyCarriesItsLineageAndSkipsLaterParts) {
+  wire::HelloReply reply;
+  reply.num_shards = 2;
+  reply.epoch = 3;
+  reply.standbys = "b:1|c:2";
+  reply.layout_epoch = 4;
+  reply.layout = "a:1,d:3";
+  reply.lineage = 0x1234567890abcdefULL;
+  const std::string bytes = wire::EncodeHelloReply(reply, /*topology=*/true);
+  const auto decode = [](const std::string& b, wire::HelloReply* r) {
+    return wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(b.data()), b.size(), r, true);
+  };
+  wire::HelloReply got;
+  EXPECT_OK(decode(bytes, &got));
+  EXPECT(got.epoch == 3 && got.standbys == "b:1|c:2" && got.layout_epoch == 4 &&
+         got.layout == "a:1,d:3" && got.lineage == reply.lineage);
+  // A server that predates the lineage: 0.
+  EXPECT_OK(decode(bytes.substr(0, bytes.size() - 8), &got));
+  EXPECT(got.layout == "a:1,d:3" && got.lineage == 0);
+  // Parts of later servers after it are skipped; a part of a lineage is not.
+  EXPECT_OK(decode(bytes + std::string(16, 'x'), &got));
+  EXPECT(got.layout == "a:1,d:3" && got.lineage == reply.lineage);
+  EXPECT(decode(bytes.substr(0, bytes.size() - 3), &got).code() == Code::kInternal);
+}
+
 DLT_TEST(TestDeduperRunsAreIndependent) {
   dlt::Deduper dedup;
   std::vector<int64_t> unique, slot;

@@ -620,6 +620,56 @@ DLT_TEST(TestClientsLearnStandbysAndNeverUseAnOlderCopy) {
   comeback.Stop();
 }
 
+DLT_TEST(TestAClientFollowsAReplicaSetRestartedWholeOnlyOnceNoOldCopyServes) {
+  // A client that met epoch 2 refused every older copy, so a shard whose
+  // processes all restarted (a new lineage at epoch 1) was refused until
+  // the trainer restarted. It now takes the new lineage once no address
+  // serves the one it met (that call fails DATA_LOSS), and not while a copy
+  // of that one still does.
+  bool created;
+  auto met = std::make_shared<Shard>(0, 1);
+  EXPECT_OK(met->CreateTable(AdagradConfig("emb", 4), &created));
+  met->set_epoch(2);                           // took over once
+  auto stale = std::make_shared<Shard>(0, 1);  // its lineage, older: the copy it replaced
+  EXPECT_OK(stale->CreateTable(AdagradConfig("emb", 4), &created));
+  stale->FollowEpoch(1, met->lineage());
+  auto served = std::make_unique<DataServer>(met, DataServerOptions{});
+  DataServer old_copy(stale, DataServerOptions{});
+  EXPECT_OK(served->Start());
+  EXPECT_OK(old_copy.Start());
+  const int port = served->port();
+  ClientOptions o;
+  o.pull_retries = 1;
+  Client client({Address(*served) + "|" + Address(old_copy)}, o);
+  const int64_t ids[] = {1, 2, 3};
+  std::vector<float> rows(12), fresh(12);
+  EXPECT_OK(client.Pull("emb", 4, ids, 3, PullMode::kInsert, rows.data()));
+
+  // The process at epoch 2 restarts: a new lineage at epoch 1.
+  served->Stop();
+  served.reset();
+  auto restarted = std::make_shared<Shard>(0, 1);
+  EXPECT(restarted->lineage() != met->lineage() && restarted->epoch() == 1);
+  EXPECT_OK(restarted->CreateTable(AdagradConfig("emb", 4), &created));
+  DataServerOptions same_port;
+  same_port.port = port;
+  DataServer comeback(restarted, same_port);
+  EXPECT_OK(comeback.Start());
+  Status s = client.Pull("emb", 4, ids, 3, PullMode::kInsert, rows.data());
+  EXPECT(s.code() == Code::kUnavailable);  // a copy of the lineage met serves still
+  EXPECT(s.message().find("older than epoch 2") != std::string::npos);
+
+  old_copy.Stop();  // nothing of that lineage is left
+  s = client.Pull("emb", 4, ids, 3, PullMode::kInsert, rows.data());
+  EXPECT(s.code() == Code::kDataLoss);  // once, never retried: the rows met are gone
+  EXPECT(s.message().find("every copy of the shard at epoch 2 is gone") != std::string::npos);
+  EXPECT_OK(client.Pull("emb", 4, ids, 3, PullMode::kInsert, rows.data()));
+  Client new_client({"127.0.0.1:" + std::to_string(port)}, o);
+  EXPECT_OK(new_client.Pull("emb", 4, ids, 3, PullMode::kInsert, fresh.data()));
+  EXPECT(rows == fresh);
+  comeback.Stop();
+}
+
 DLT_TEST(TestStoppingAReplicatorDoesNotWaitForAStandbyThatHangs) {
   // A "standby" that accepts and never answers.
   int listener = -1, port = 0;

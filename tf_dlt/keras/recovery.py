@@ -2,7 +2,8 @@
 
 A shard that dies (kill -9, a lost node) makes the running step fail with
 UnavailableError (or DeadlineExceededError) within the client's request
-deadline. Its supervisor (Kubernetes, `tf-dlt launch`, systemd) restarts it
+deadline; a shard with standbys whose every process died fails it with
+DataLossError once its restarted replica set serves. Its supervisor (Kubernetes, `tf-dlt launch`, systemd) restarts it
 at the same address. resilient_fit then:
 
 1. waits until every shard of the model answers again (bounded);
@@ -40,12 +41,16 @@ from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
 
 log = logging.getLogger("tf_dlt.keras.recovery")
 
-# What a crashed or unreachable shard raises, in TF ops and in the client.
+# What a crashed or unreachable shard raises, in TF ops and in the client;
+# DATA_LOSS: a shard whose every process restarted (its replica set began
+# again), which the clients then use.
 SHARD_LOST = (
     tf.errors.UnavailableError,
     tf.errors.DeadlineExceededError,
+    tf.errors.DataLossError,
     errors.UnavailableError,
     errors.DeadlineExceededError,
+    errors.DataLossError,
 )
 
 

@@ -158,8 +158,8 @@ class StandbyLink:
             one in the newest set any of them knows takes over.
         fence: fences the primary this standby followed when it grants
             another's takeover (`_native.Shard.fence`, with its epoch + 1).
-        follow_epoch: holds the epoch of the primary it attaches to
-            (`_native.Shard.follow_epoch`).
+        follow_epoch: holds the epoch and lineage of the primary it
+            attaches to (`_native.Shard.follow_epoch`).
     """
 
     def __init__(
@@ -181,7 +181,7 @@ class StandbyLink:
         relocate: Callable[[dict[str, Any]], bool] | None = None,
         view: Callable[[], dict[str, Any]] | None = None,
         fence: Callable[[int], None] | None = None,
-        follow_epoch: Callable[[int], None] | None = None,
+        follow_epoch: Callable[[int, int], None] | None = None,
     ) -> None:
         if (primary is None and not replica_set) or (
             replica_set
@@ -208,7 +208,7 @@ class StandbyLink:
         self._view = view or (lambda: {"epoch": 0, "version": 0, "members": ""})
         # Epoch fencing (`_native.Shard.fence`, `follow_epoch`).
         self._fence = fence or (lambda epoch: None)
-        self._follow_epoch = follow_epoch or (lambda epoch: None)
+        self._follow_epoch = follow_epoch or (lambda epoch, lineage: None)
         # The standbys its primary's last Hello named; guarded by _lock.
         self._hello_peers: set[str] = set()
         # (candidate, until): this standby granted that one's claim (or, a
@@ -310,7 +310,7 @@ class StandbyLink:
                 "until that one serves or the promise ends"
             )
         info = _native.hello(self.primary, self._token, timeout_ms=5000)
-        self._follow_epoch(int(info["epoch"]))
+        self._follow_epoch(int(info["epoch"]), int(info["lineage"]))
         reply = self._call(
             "AttachStandby",
             dlt_pb2.AttachStandbyRequest(
