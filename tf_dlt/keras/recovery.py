@@ -3,8 +3,9 @@
 A shard that dies (kill -9, a lost node) makes the running step fail with
 UnavailableError (or DeadlineExceededError) within the client's request
 deadline; a shard with standbys whose every process died fails it with
-DataLossError once its restarted replica set serves. Its supervisor (Kubernetes, `tf-dlt launch`, systemd) restarts it
-at the same address. resilient_fit then:
+DataLossError once its restarted replica set serves. Its supervisor
+(Kubernetes, `tf-dlt launch`, systemd) restarts it at the same address.
+resilient_fit then:
 
 1. waits until every shard of the model answers again (bounded);
 2. drops what the failed step left in the clients (a pending push error);
