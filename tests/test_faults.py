@@ -24,7 +24,7 @@ from tf_dlt.checkpoint import manifest
 from tf_dlt.layers import Embedding
 from tf_dlt.server.local import LocalCluster
 
-from conftest import Cluster
+from conftest import Cluster, wait_until
 
 DEADLINE_S = 5.0
 
@@ -136,6 +136,11 @@ def test_training_recovers_when_every_process_of_a_replicated_shard_is_lost(
         x, y = rng.integers(0, 2000, size=(256, 3)), rng.normal(size=(256, 1)).astype("float32")
         restarts: list[threading.Timer] = []
 
+        def standby_caught_up() -> bool:
+            with tf_dlt.Client(cluster.addresses) as client:
+                standbys = client.stats()[1]["standbys"]
+            return bool(standbys) and bool(standbys[0]["caught_up"])
+
         def restart_shard_1() -> None:
             for process in (1, 3):  # shard 1's primary and standby (shard-major)
                 cluster.restart(process)
@@ -149,6 +154,7 @@ def test_training_recovers_when_every_process_of_a_replicated_shard_is_lost(
 
             def on_train_batch_end(self, batch: int, logs: object = None) -> None:
                 if self.epoch == 1 and batch == 3 and not self.killed:
+                    wait_until(standby_caught_up, "shard 1's standby")
                     self.killed.append(1)
                     cluster.kill(1)  # its standby takes over
                 elif self.epoch == 2 and batch == 3 and len(self.killed) == 1:
