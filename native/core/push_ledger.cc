@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <random>
 
+#include "native/core/random.h"
 #include "native/core/routing.h"
 
 namespace dlt {
@@ -13,16 +13,10 @@ struct HashKeys {
   uint64_t client, seq;
 };
 
-HashKeys RandomKeys() {
-  std::random_device device;
-  auto word = [&] { return (uint64_t{device()} << 32) | device(); };
-  return {word(), word()};
-}
-
 }  // namespace
 
 size_t PushLedger::Hash::operator()(const PushId& id) const {
-  static const HashKeys keys = RandomKeys();
+  static const HashKeys keys = {RandomWord(), RandomWord()};
   return static_cast<size_t>(Mix64(id.seq ^ keys.seq ^ Mix64(id.client ^ keys.client)));
 }
 

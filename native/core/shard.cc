@@ -11,9 +11,9 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
-#include <random>
 #include <system_error>
 
+#include "native/core/random.h"
 #include "native/core/routing.h"
 
 namespace dlt {
@@ -21,8 +21,7 @@ namespace dlt {
 namespace {
 
 uint64_t NewLineage() {
-  std::random_device device;
-  const uint64_t lineage = (uint64_t{device()} << 32) | device();
+  const uint64_t lineage = RandomWord();
   return lineage != 0 ? lineage : 1;
 }
 

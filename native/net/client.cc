@@ -10,11 +10,11 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <random>
 #include <thread>
 
 #include "native/core/dedup.h"
 #include "native/core/finite.h"
+#include "native/core/random.h"
 #include "native/core/routing.h"
 #include "native/core/table_config.h"
 #include "native/net/client_call.h"
@@ -38,8 +38,7 @@ Client::Client(std::vector<std::string> addresses, ClientOptions options)
     layout->shards.push_back(&st);
   }
   layout_ = std::move(layout);
-  std::random_device random;
-  client_id_ = (uint64_t{random()} << 32) ^ random() ^
+  client_id_ = RandomWord() ^
                static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
 }
 

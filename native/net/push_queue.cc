@@ -1,6 +1,5 @@
 #include "native/net/push_queue.h"
 
-#include <algorithm>
 #include <chrono>
 #include <string>
 #include <utility>
@@ -74,13 +73,12 @@ void PushQueue::OnDone(uint64_t seq, const Status& status, bool record_error) {
       waiting_.pop_front();
       ++inflight_;
     }
+    // Flushes wait in the order they came, each for the pushes before it.
     const uint64_t finished_below = FinishedBelowLocked();
-    auto due = [&](const std::pair<uint64_t, Done>& w) { return w.first <= finished_below; };
-    for (auto& waiter : flush_waiters_) {
-      if (due(waiter)) flushed.push_back(std::move(waiter.second));
+    while (!flush_waiters_.empty() && flush_waiters_.front().first <= finished_below) {
+      flushed.push_back(std::move(flush_waiters_.front().second));
+      flush_waiters_.pop_front();
     }
-    flush_waiters_.erase(std::remove_if(flush_waiters_.begin(), flush_waiters_.end(), due),
-                         flush_waiters_.end());
     if (!flushed.empty()) {
       flush_status = std::move(async_error_);
       async_error_ = OkStatus();

@@ -67,9 +67,10 @@ class PushQueue {
   std::deque<Pending> waiting_;    // guarded by mu_
   uint64_t next_seq_ = 0;          // guarded by mu_
   std::set<uint64_t> unfinished_;  // queued or running pushes; guarded by mu_
-  // Flushes, each with the number of the first push queued after it.
-  std::vector<std::pair<uint64_t, Done>> flush_waiters_;  // guarded by mu_
-  Status async_error_;                                    // guarded by mu_
+  // Flushes, each with the number of the first push queued after it (so
+  // in order of that number).
+  std::deque<std::pair<uint64_t, Done>> flush_waiters_;  // guarded by mu_
+  Status async_error_;                                   // guarded by mu_
 };
 
 }  // namespace dlt
