@@ -420,6 +420,26 @@ def test_a_delta_never_overwrites_a_checkpoint_its_base_needs(
         c.load(str(tmp_path / "a"))
 
 
+def test_a_delta_names_a_base_on_another_filesystem_by_its_whole_url(tmp_path: Path) -> None:
+    """A relative parent only within one filesystem: on HDFS the NameNode is
+    not part of the path, so "../base" from a delta on another NameNode
+    would name a directory of the delta's own cluster (the URLs are never
+    opened here)."""
+    ref = manifest.parent_reference
+    assert ref("hdfs://nn1.example:8020/run/d1", "hdfs://nn1.example:8020/run/base") == "../base"
+    for delta, base in [
+        ("hdfs://nn1.example:8020/run/d1", "hdfs://nn2.example:8020/run/base"),
+        ("hdfs://nn1.example:8020/run/d1", "hdfs://nn1.example:9000/run/base"),
+        ("hdfs://nn1.example:8020/run/d1", "s3://bucket/run/base"),
+        (str(tmp_path / "d1"), "hdfs://nn1.example:8020/run/base"),
+    ]:
+        assert ref(delta, base) == base
+        assert manifest.resolve_parent(delta, ref(delta, base)) == base
+    assert ref("s3://b1/run/d1", "s3://b2/run/base") == "../../../b2/run/base"
+    assert manifest.resolve_parent("s3://b1/run/d1", "../../../b2/run/base") == "s3://b2/run/base"
+    assert ref(str(tmp_path / "d1"), f"file://{tmp_path}/base") == "../base"
+
+
 def test_a_chain_that_loops_is_refused_at_once(tmp_path: Path) -> None:
     shard = _native.Shard(0, 1)
     shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())

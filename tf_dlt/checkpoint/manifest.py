@@ -172,10 +172,13 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 def parent_reference(path: str, parent: str) -> str:
     """How a delta at `path` names its parent checkpoint `parent`: a path
     relative to `path` when both are on one filesystem (a run directory can
-    be moved or copied whole), else `parent` as given."""
+    be moved or copied whole), else `parent` as given. One filesystem is one
+    instance with the same options: the same protocol and, for HDFS, the
+    same NameNode (its host is not part of the path, so a relative reference
+    across NameNodes would name a directory of the delta's own)."""
     fs, root = filesystem(path)
     parent_fs, parent_root = filesystem(parent)
-    if type(fs) is type(parent_fs) and fs.protocol == parent_fs.protocol:
+    if fs == parent_fs:
         if is_local(fs):
             return os.path.relpath(os.path.abspath(parent_root), os.path.abspath(root))
         # posixpath: object-store keys are "/"-separated on every platform.
