@@ -58,18 +58,21 @@ def test_a_standby_takes_over_with_every_acknowledged_row(replicated: LocalClust
     # Every push was acknowledged: both standbys hold it. The primary of
     # shard 1 dies; a state pull before and after must agree.
     before = client.pull("emb", ids)
+    lineage = _stats(cluster, 1)["lineage"]
     cluster.kill(1)
     after = client.pull("emb", ids)  # waits for the standby to take over
     np.testing.assert_array_equal(before, after)
     stats = _stats(cluster, 1)
     assert stats["role"] == "primary" and stats["takeovers"] == 1 and stats["epoch"] == 2
+    assert stats["lineage"] == lineage != 0  # the standby kept its primary's lineage
     # Training goes on against the new primary; the other shard's standby
     # still follows its primary.
     client.push("emb", ids[:64], np.ones((64, DIM), np.float32), 0.1)
     assert not np.array_equal(client.pull("emb", ids[:64]), after[:64])
     assert _stats(cluster, 0)["standbys"][0]["connected"]
     text = cluster_stats.format_stats(client.stats(), cluster.addresses)
-    assert "shard 1: took over from its primary (epoch 2)" in text
+    assert f"shard 1: took over from its primary (epoch 2, lineage {lineage:016x})" in text
+    assert re.search(r"shard 0: primary \(epoch 1, lineage [0-9a-f]{16}\)", text)
     assert re.search(r"shard 0: sync standby 127\.0\.0\.1:\d+: caught up, \d+ rows sent", text)
 
 
@@ -234,6 +237,9 @@ def test_a_trainer_follows_a_replica_set_restarted_whole() -> None:
         assert servers[1].shard.lineage == servers[0].shard.lineage  # its standby's
         fresh = tf_dlt.Client(["|".join(members)])
         fresh.create_table("emb", DIM)  # it began empty (no --load-from)
+        # An operator sees it in the stats: a new lineage, epoch 1.
+        stats = fresh.stats()[0]
+        assert (stats["lineage"], stats["epoch"]) == (servers[0].shard.lineage, 1)
         with pytest.raises(errors.DataLossError, match="every copy of the shard at epoch 2"):
             client.pull("emb", ids)  # once: the trainer learns its rows are gone
         np.testing.assert_array_equal(client.pull("emb", ids), fresh.pull("emb", ids))

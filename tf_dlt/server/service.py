@@ -583,6 +583,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             ],
             takeovers=s.get("takeovers", 0),
             epoch=s["epoch"],
+            lineage=self._shard.lineage,
             incarnation=self.incarnation,
             caught_up=s.get("caught_up", False),
             layout_epoch=self._shard.layout_epoch,

@@ -86,8 +86,11 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
     lines = []
     if s.get("reshard"):
         lines.append(f"shard {shard}: {s['reshard']}")
+    copy = f"epoch {s.get('epoch', 0)}, lineage {int(s.get('lineage', 0)):016x}"
     if s.get("takeovers"):
-        lines.append(f"shard {shard}: took over from its primary (epoch {s.get('epoch', 0)})")
+        lines.append(f"shard {shard}: took over from its primary ({copy})")
+    elif s.get("standbys"):  # a replicated primary: a new lineage means it began again
+        lines.append(f"shard {shard}: primary ({copy})")
     for r in s.get("standbys", []):
         state = (
             ("caught up" if r.get("caught_up") else "copying tables")
