@@ -309,12 +309,102 @@ def test_a_load_reads_no_file_outside_the_checkpoint_and_leaks_no_digest(
             with pytest.raises(errors.FailedPreconditionError, match=why) as raised:
                 client.load(path)
             assert not any(d in str(raised.value) for d in digests)
+            # Named as the client named it, not as the shard held it open.
+            assert f"{path}/{entry['file']}" in str(raised.value), raised.value
         (root / "manifest_link").mkdir()
         os.symlink("/dev/zero", root / "manifest_link" / "MANIFEST.json")
-        with pytest.raises(errors.FailedPreconditionError, match="a link, not followed"):
+        with pytest.raises(errors.FailedPreconditionError, match="a link, not followed") as raised:
             client.load(str(root / "manifest_link"))
+        assert "/proc/self/fd" not in str(raised.value)
         with pytest.raises(errors.InvalidArgumentError, match="File name too long"):
             client.load(str(root / ("x" * 5000)))
         client.save(str(root / "again"))
         client.load(str(root / "again"))
     assert cluster.stop(timeout=20) == [0]
+
+
+def test_a_link_swapped_in_after_the_roots_check_redirects_no_save_or_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone who may write under a shard's checkpoint root replaces the
+    checkpoint's directory by a link out of the root once the shard has
+    checked the path: a save must not write out there, and a load must not
+    read another checkpoint out there (another team's, say). The shard holds
+    the directory it checked, so the swap redirects neither; a link already
+    in place when the shard opens the path is refused."""
+    import os
+    import threading
+
+    from tf_dlt.checkpoint import manifest, shard_files
+    from tf_dlt.server import ShardServer, paths
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    run = root / "run"
+    run.mkdir(parents=True)
+    server = ShardServer(0, 1, checkpoint_roots=[str(root)]).start()
+
+    def swap() -> None:  # the directory the shard checked moves aside; a link takes its name
+        os.rename(run, root / "checked")
+        os.symlink(outside, run)
+
+    def unswap() -> None:
+        os.remove(run)
+        os.rename(root / "checked", run)
+
+    try:
+        with tf_dlt.Client([server.address], persist_timeout=30.0) as client:
+            client.create_table("t", 4)
+            ids = np.arange(100)
+            ours = client.pull("t", ids)
+            # Another checkpoint of the same table outside the root.
+            outside.mkdir()
+            (outside / "ck").mkdir()
+            client.push("t", ids, np.ones((100, 4), np.float32), 1.0)
+            theirs = client.pull("t", ids)
+            client.save(str(root / "theirs"))
+            for name in os.listdir(root / "theirs"):
+                os.rename(root / "theirs" / name, outside / "ck" / name)
+            real_save = shard_files.save_shard
+
+            def save_after_a_swap(path: str, *args: object, **kwargs: object) -> dict:  # type: ignore[type-arg]
+                swap()
+                return real_save(path, *args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(shard_files, "save_shard", save_after_a_swap)
+            with pytest.raises(errors.DltError):  # the manifest's writer finds no file there
+                client.save(str(run / "new"))
+            assert sorted(os.listdir(outside)) == ["ck"]  # nothing written out there
+            assert [p.name.split(".")[0] for p in (root / "checked" / "new").iterdir()] == [
+                "shard-00000-of-00001"
+            ]
+            unswap()
+            monkeypatch.undo()
+
+            # A checkpoint of ours under the root; the swap comes as its
+            # manifest is read.
+            client.assign("t", ids, ours)
+            client.save(str(run / "ck"))
+            client.assign("t", ids, np.zeros((100, 4), np.float32))
+            real_read = manifest.read_manifest
+
+            def read_after_a_swap(path: str, *args: object) -> dict:  # type: ignore[type-arg]
+                # The shard's read (a thread of its server), not the client's
+                # own look at the manifest before it asks the shards.
+                if threading.current_thread() is not threading.main_thread():
+                    if not os.path.islink(run):
+                        swap()
+                return real_read(path, *args)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(manifest, "read_manifest", read_after_a_swap)
+            client.load(str(run / "ck"))
+            np.testing.assert_array_equal(client.pull("t", ids), ours)
+            assert not np.array_equal(ours, theirs)
+            monkeypatch.undo()
+            # The link in place when the shard checks the path: refused;
+            # swapped in between the check and the opening: refused too.
+            with pytest.raises(errors.PermissionDeniedError, match="outside this shard's"):
+                client.load(str(run / "ck"))
+            with pytest.raises(errors.PermissionDeniedError, match="is a link or not a dir"):
+                paths.hold_directory(str(run / "ck"), str(run / "ck"), "Load", False)
+    finally:
+        server.stop()

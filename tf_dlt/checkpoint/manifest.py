@@ -376,9 +376,11 @@ def _read_manifest_bytes(fs: fsspec.AbstractFileSystem, target: str) -> bytes:
     return bytes(data)
 
 
-def read_manifest(path: str) -> dict[str, Any]:
-    """Reads and checks MANIFEST.json; NOT_FOUND when `path` holds none."""
-    fs, root = filesystem(path)
+def read_manifest(path: str, source: str = "") -> dict[str, Any]:
+    """Reads and checks MANIFEST.json; NOT_FOUND when `path` holds none.
+    `source`: where to read `path` through (a directory held open:
+    `paths.CheckpointRoots.confined`); errors name `path`."""
+    fs, root = filesystem(source or path)
     try:
         manifest: dict[str, Any] = json.loads(_read_manifest_bytes(fs, f"{root}/{MANIFEST}"))
     except FileNotFoundError:
@@ -485,6 +487,13 @@ class Link:
     manifest: dict[str, Any]
     # Tables of the checkpoint a load leaves out (`only`).
     skipped: frozenset[str] = frozenset()
+    # Where its files are read through, if not `path` (a directory held
+    # open: `paths.CheckpointRoots.confined`).
+    source: str = ""
+
+    @property
+    def files_at(self) -> str:
+        return self.source or self.path
 
     def only(self, names: set[str]) -> Link:
         """This link with only the tables named in `names` (a model's)."""
@@ -503,25 +512,25 @@ class Link:
         return str(self.manifest.get("kind", "full"))
 
 
-def resolve_chain(path: str, allow: Callable[[str], None] | None = None) -> list[Link]:
+def resolve_chain(path: str, allow: Callable[[str], str | None] | None = None) -> list[Link]:
     """The checkpoints a load of `path` reads, oldest first: the full base,
     then every delta up to `path`. Each link's manifest is read and checked,
     and each delta's parent must be the very save it was taken on top of;
     a broken link is refused (FailedPreconditionError) naming it. `allow`
-    raises for a parent path the caller may not read (checkpoint roots)."""
+    raises for a path of the chain the caller may not read (checkpoint
+    roots), and may return where to read it through (`Link.source`)."""
     links: list[Link] = []
     seen: set[tuple[str, str]] = set()
     current, expected = path, ""
     while True:
-        if allow is not None:
-            allow(current)
         if (location_key(current), expected) in seen:
             raise errors.FailedPreconditionError(
                 f"checkpoint chain of {path!r} is a cycle through {current!r}"
             )
         seen.add((location_key(current), expected))
         try:
-            manifest = read_manifest(current)
+            source = (allow(current) if allow is not None else None) or ""
+            manifest = read_manifest(current, source)
         except errors.NotFoundError:
             if not links:
                 raise
@@ -535,7 +544,7 @@ def resolve_chain(path: str, allow: Callable[[str], None] | None = None) -> list
                 f"broken checkpoint chain: {links[-1].path!r} is a delta on top of save "
                 f"{expected} at {current!r}, which now holds save {manifest['save_id']}"
             )
-        links.append(Link(current, manifest))
+        links.append(Link(current, manifest, source=source))
         if links[-1].kind == "full":
             return links[::-1]
         parent = manifest.get("parent")

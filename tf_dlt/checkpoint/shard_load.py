@@ -382,7 +382,7 @@ def _apply_files(
     """Applies the files `entries` of `link` (apply_link's second half),
     each once `sized` (the tables' sizing) is done."""
     listed = {normalized(i["config"])["name"]: i for i in link.manifest["tables"]}
-    fs, root = filesystem(link.path)
+    fs, root = filesystem(link.files_at)
 
     def apply_file(
         entry: dict[str, Any], f: h5py.File, reader: verified.VerifiedBlocks | None
@@ -496,7 +496,7 @@ def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
 def prepare_load(
     path: str,
     shard: _native.Shard,
-    allow: Callable[[str], None] | None = None,
+    allow: Callable[[str], str | None] | None = None,
     *,
     replace: bool = False,
     tables: list[str] | None = None,
@@ -511,7 +511,8 @@ def prepare_load(
     one step, so a cluster can verify on every shard before any shard
     changes. The staged tables track changes from `path` on, so a delta
     saved on top of it later holds only what changed after the load.
-    `allow` raises for a checkpoint of the chain the caller may not read.
+    `allow` raises for a checkpoint of the chain the caller may not read,
+    and may return where to read it through (`manifest.resolve_chain`).
     `replace`: a same-named table of another configuration on the shard is
     to be replaced (a follower), not a reason to refuse. `tables`: stage
     only these of the checkpoint's tables (a model's); None: all of them.
@@ -523,7 +524,7 @@ def prepare_load(
 def _prepare_load(
     path: str,
     shard: _native.Shard,
-    allow: Callable[[str], None] | None,
+    allow: Callable[[str], str | None] | None,
     replace: bool,
     only: list[str] | None,
 ) -> dict[str, Any]:

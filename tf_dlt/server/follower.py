@@ -12,11 +12,13 @@ step. Whatever fails, the shard keeps serving what it has and says why
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from tf_dlt import _native, errors
@@ -48,7 +50,9 @@ class Follower:
             subdirectory, or model checkpoints with their tables/).
         interval_s: how often the directory is read.
         on_change: called after every change of status.
-        allow: raises for a checkpoint path it may not read.
+        reading: checks of the checkpoints a poll reads, for its length
+            (`ShardService.reading`): each raises for a path it may not
+            read and returns what to read it through.
     """
 
     def __init__(
@@ -57,14 +61,14 @@ class Follower:
         directory: str,
         interval_s: float = 5.0,
         on_change: Callable[[FollowStatus], None] | None = None,
-        allow: Callable[[str], None] | None = None,
+        reading: Callable[[], AbstractContextManager[Callable[[str], str]]] | None = None,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self._shard = shard
         self._interval_s = interval_s
         self._on_change = on_change
-        self._allow = allow
+        self._reading = reading or (lambda: contextlib.nullcontext(lambda path: path))
         self._status = FollowStatus(directory)
         self._lock = threading.Lock()  # one poll at a time; guards _status
         self._stop = threading.Event()
@@ -116,15 +120,16 @@ class Follower:
             return
         failures = []
         for candidate in reversed(newer):  # the newest that can be reached
+            resolved = False
             try:
-                links = manifest_lib.resolve_chain(candidate.tables, self._allow)
+                with self._reading() as allow:
+                    links = manifest_lib.resolve_chain(candidate.tables, allow)
+                    resolved = True
+                    self._catch_up(candidate, links, allow)
             except errors.DltError as e:
                 failures.append(f"{candidate.path}: {e.message}")
-                continue
-            try:
-                self._catch_up(candidate, links)
-            except errors.DltError as e:
-                failures.append(f"{candidate.path}: {e.message}")
+                if not resolved:
+                    continue
             break
         status.current = status.serving_save_id == str(newer[-1].manifest["save_id"])
         status.error = "; ".join(failures)
@@ -138,13 +143,18 @@ class Follower:
             log.warning("following %s: %s", status.directory, status.error)
         self._changed()
 
-    def _catch_up(self, head: chain.Checkpoint, links: list[manifest_lib.Link]) -> None:
+    def _catch_up(
+        self,
+        head: chain.Checkpoint,
+        links: list[manifest_lib.Link],
+        allow: Callable[[str], str],
+    ) -> None:
         """Moves the shard along `links` to `head`: in place from the
         checkpoint served when the chain extends it, else a staged load."""
         status = self._status
         served = [link.save_id for link in links]
         if status.serving_save_id not in served:
-            result = shard_files.prepare_load(head.tables, self._shard, self._allow, replace=True)
+            result = shard_files.prepare_load(head.tables, self._shard, allow, replace=True)
             self._install(result["staged"])
             status.serving_path, status.serving_save_id = head.path, str(result["save_id"])
             log.info("serving %s (%d checkpoint(s) loaded)", head.path, result["links"])

@@ -6,13 +6,22 @@ plane can make it write elsewhere, fetch arbitrary URLs or fill its memory.
 With no roots, local paths and object stores are allowed (the shard logs a
 warning); ``memory://`` and every other filesystem (http, ftp, ...) only when
 a root names them.
+
+A local path is checked as its real path (links resolved). So that a link
+swapped in after the check (a directory of the path replaced by a link out
+of the roots, by someone who may write under them) cannot redirect the
+request, a shard with roots reads and writes a local checkpoint through its
+directory held open (`confined`): opened from ``/`` one component at a time,
+never through a link, and named ``/proc/self/fd/N`` from then on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import fsspec
 
@@ -82,3 +91,80 @@ class CheckpointRoots:
         raise errors.PermissionDeniedError(
             f"{action} to {url!r} is outside this shard's checkpoint roots {self.roots}"
         )
+
+    def confined(
+        self, url: str, action: str, held: contextlib.ExitStack, *, create: bool = False
+    ) -> str:
+        """`url` checked (`check`), and what to read or write it through:
+        for a local path when this shard has roots, its directory held open
+        in `held` (`hold_directory`; `create`: made where missing), as
+        ``/proc/self/fd/N``; else `url` itself."""
+        self.check(url, action)
+        protocol, path = _split(url)
+        if not self._prefixes or protocol != "file":
+            return url
+        fd = hold_directory(path, url, action, create)
+        held.callback(os.close, fd)
+        return f"/proc/self/fd/{fd}"
+
+    @contextlib.contextmanager
+    def holding(self, action: str, *, create: bool = False) -> Iterator[Callable[[str], str]]:
+        """A function that takes each path `action` uses (a save's
+        directory, each checkpoint of a chain a load reads) to what to use
+        it through (`confined`). The directories it holds are closed when
+        the block ends, and a tf_dlt error raised in the block names the
+        paths as given, not as held (``/proc/self/fd/N``)."""
+        given: dict[str, str] = {}
+
+        def confine(url: str) -> str:
+            where = self.confined(url, action, held, create=create)
+            if where != url:
+                given[where] = url
+            return where
+
+        with contextlib.ExitStack() as held:
+            try:
+                yield confine
+            except errors.DltError as e:
+                message = e.message
+                for where, url in sorted(given.items(), key=lambda p: -len(p[0])):
+                    message = message.replace(where, url)
+                if message == e.message:
+                    raise
+                raise type(e)(message) from e
+
+
+def hold_directory(path: str, url: str, action: str, create: bool) -> int:
+    """A descriptor (O_PATH) of local directory `path` (absolute, as the
+    roots check resolved it), opened from ``/`` one component at a time
+    without following links: a component that is a link now (swapped in
+    since the check) or not a directory is refused. `create`: a missing
+    component is made (mode 0777 less the umask)."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in [part for part in path.split("/") if part]:
+            flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                child = os.open(name, flags, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise errors.NotFoundError(
+                        f"no committed checkpoint at {url!r}: its directory is missing"
+                    ) from None
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o777, dir_fd=fd)
+                child = os.open(name, flags, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        return fd
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise errors.PermissionDeniedError(
+                f"{action} of {url!r}: a part of {path} is a link or not a directory (swapped in "
+                "after the check of the checkpoint roots?); links are not followed there"
+            ) from None
+        raise
+    except BaseException:
+        os.close(fd)
+        raise

@@ -174,9 +174,11 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         # restarted primary from the one it followed.
         self.incarnation = secrets.randbits(63) or 1
 
-    def allow_load(self, path: str) -> None:
-        """Raises unless Load may read `path` (every checkpoint of a chain)."""
-        self._roots.check(path, "Load")
+    def reading(self) -> contextlib.AbstractContextManager[Callable[[str], str]]:
+        """Checks of each checkpoint of a chain a Load reads, for the
+        block's length: each raises unless Load may read the path, and
+        returns what to read it through (`paths.CheckpointRoots.holding`)."""
+        return self._roots.holding("Load")
 
     def _writable(self, what: str) -> None:
         if self.standby_link is not None and self.standby_link.role != "primary":
@@ -332,11 +334,15 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         if not request.path:
             raise errors.InvalidArgumentError("Save needs a path")
         self._roots.check(request.path, "Save")
-        with self._persist_lock, errors.storage_errors(f"Save to {request.path}"):
+        with (
+            self._persist_lock,
+            self._roots.holding("Save", create=True) as confine,
+            errors.storage_errors(f"Save to {request.path}"),
+        ):
             self._not_resharding("Save")
             log.info("saving to %s", request.path)
             part = shard_files.save_shard(
-                request.path,
+                confine(request.path),
                 self._shard,
                 request.save_id,
                 request.base_save_id,
@@ -389,9 +395,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                     "its last phase unless committed or aborted first"
                 )
             log.info("loading from %s", request.path)
-            with errors.storage_errors(f"Load of {request.path}"):
+            with self.reading() as allow, errors.storage_errors(f"Load of {request.path}"):
                 result = shard_files.prepare_load(
-                    request.path, self._shard, self.allow_load, tables=list(request.tables) or None
+                    request.path, self._shard, allow, tables=list(request.tables) or None
                 )
             if phase == phases.PREPARE:
                 self._set_pending(

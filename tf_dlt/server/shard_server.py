@@ -234,7 +234,7 @@ class ShardServer:
             paths.CheckpointRoots(checkpoint_roots).check(follow, "Follow")
             self.follower = Follower(
                 self.shard, follow, follow_interval_s, on_change=self._follow_changed,
-                allow=self.servicer.allow_load,
+                reading=self.servicer.reading,
             )  # fmt: skip
         self.admin_port = 0
         self._stopped = threading.Event()
