@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,6 +210,22 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
             server.stop(0)
     with pytest.raises(ValueError, match="replica set has 2 to 5 distinct members"):
         ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
+
+
+def test_a_standby_of_its_own_address_is_refused_at_start() -> None:
+    """`--standby-of` naming the server itself (a copy-paste of its own
+    flags) retried its Hello to itself for ever, saying only that the
+    address is a standby; it now refuses to start, saying why."""
+    port = free_port()
+    for own in ({"port": port}, {"advertise": f"127.0.0.1:{port}"}):
+        with pytest.raises(ValueError, match="is this server's own address"):
+            ShardServer(0, 1, standby_of=f"127.0.0.1:{port}", **own)  # type: ignore[arg-type]
+    run = subprocess.run(
+        [sys.executable, "-m", "tf_dlt.server", "--port", str(port), "--bind", "127.0.0.1",
+         "--standby-of", f"localhost:{port}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "is this server's own address" in run.stderr, run.stderr
 
 
 def test_a_trainer_follows_a_replica_set_restarted_whole() -> None:

@@ -7,6 +7,7 @@ old layout serves on with every row."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -120,6 +121,9 @@ def _reshard_twice(
     assert cli.main(["reshard", "--pservers", ",".join(cluster.addresses),
                      "--to", ",".join(three), "--pace", "0.5"]) == 0  # fmt: skip
     assert '"layout_epoch": 2' in capsys.readouterr().out
+    # `tf-dlt stats` given the addresses before: it shows the 3 it asked.
+    assert cli.main(["stats", "--pservers", ",".join(cluster.addresses)]) == 0
+    assert joined in capsys.readouterr().out
     trainer.wait_for(20)
     # The trainer's client follows; so does another client's control plane,
     # once its data plane met the new layout (or within 5 s).
@@ -269,7 +273,10 @@ def test_a_shard_with_two_standbys_moves_with_both(tmp_path) -> None:  # type: i
                 s = admin.stats()[shard]
 
 
-def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(
+    tmp_path,
+    capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
+) -> None:
     """Shards with standbys growing 2 -> 3: shard 1's primary is killed (-9)
     as writes are about to be held. The re-shard aborts, the primary that
     lives resumes its stream to its standby (sync pushes go on), shard 1's
@@ -292,6 +299,47 @@ def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(tmp_path)
         np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
         for address in cluster.process_addresses[2:4]:  # the standbys serve the old layout
             assert _native.hello(address)["layout_epoch"] == 1
+        # Again, listing the dead primaries: they are left out, and the
+        # command reports the layout the shards serve (it echoed --to).
+        capsys.readouterr()
+        to = [*cluster.addresses, joined]
+        pservers = ",".join(cluster.addresses)
+        assert cli.main(["reshard", "--pservers", pservers, "--to", ",".join(to)]) == 0
+        served = json.loads(capsys.readouterr().out.splitlines()[-1])["pservers"]
+        assert served == ",".join([*cluster.process_addresses[2:4], joined])
+
+
+def test_a_reshard_onto_a_shard_of_another_cluster_is_refused_and_changes_nothing(
+    cluster: LocalCluster,
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A mistyped address in --to names a serving shard of another cluster:
+    the re-shard is refused before any step (PREPARE would have replaced
+    that shard's tables with the moving ones), and both clusters keep their
+    tables and layouts; so is a re-shard of part of the layout. A server
+    started with --join is taken."""
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM)
+    rows = admin.pull("emb", IDS[:100])
+    with LocalCluster(1, workdir=tmp_path / "other") as other:
+        theirs = tf_dlt.Client(other.addresses)
+        theirs.create_table("other", 4)
+        their_rows = theirs.pull("other", IDS[:100])
+        with pytest.raises(errors.FailedPreconditionError, match="no process of the shards being"):
+            admin.reshard([*cluster.addresses, other.addresses[0]])
+        assert list(theirs.list_tables()) == ["other"]
+        np.testing.assert_array_equal(theirs.pull("other", IDS[:100]), their_rows)
+        assert _native.hello(other.addresses[0])["layout_epoch"] == 1
+    joined = cluster.join()
+    # Given one shard of two before the first re-shard (the shards do not
+    # know each other's addresses yet): refused, else shard 1 would serve
+    # its buckets beside their new owners.
+    with pytest.raises(errors.FailedPreconditionError, match="list every shard of the layout"):
+        tf_dlt.Client(cluster.addresses[:1]).reshard([cluster.addresses[0], joined])
+    assert [s["layout_epoch"] for s in admin.stats()] == [1, 1]
+    np.testing.assert_array_equal(admin.pull("emb", IDS[:100]), rows)
+    assert admin.reshard([*cluster.addresses, joined])["layout_epoch"] == 2
+    np.testing.assert_array_equal(admin.pull("emb", IDS[:100]), rows)
 
 
 def test_a_trainer_goes_on_through_a_switch_that_is_undone(cluster: LocalCluster) -> None:

@@ -64,15 +64,22 @@ def reshard(
         raise errors.InvalidArgumentError(f"reshard: an address is listed twice in {to}")
     call = _Calls(stub_for, auth_token, hold_timeout_s)
     step = dlt_pb2.ReshardRequest
-    old_sets, new_sets = _replica_sets(current, auth_token), _replica_sets(to, auth_token)
+    hellos: dict[tuple[str, bool], Any] = {}  # each process greeted once
+    old_sets = _replica_sets(current, auth_token, hellos)
+    new_sets = _replica_sets(to, auth_token, hellos)
     layout = _layout(new_sets)
     earlier = _finish_earlier(call, _members(old_sets + new_sets))
     if earlier is not None:
         if earlier["layout"] == layout:
             return {k: v for k, v in earlier.items() if k != "layout"}
-        old_sets = _replica_sets(earlier["layout"].split(","), auth_token)  # served now
+        hellos.clear()  # the processes it finished or undid serve other shards now
+        old_sets = _replica_sets(earlier["layout"].split(","), auth_token, hellos)  # served now
+        new_sets = _replica_sets(to, auth_token, hellos)
+        layout = _layout(new_sets)
     if layout == _layout(old_sets):
         raise errors.InvalidArgumentError(f"reshard: the shards already serve {layout}")
+    _refuse_a_partial_layout(old_sets, hellos)
+    _refuse_owners_from_elsewhere(new_sets, old_sets, hellos)
     taking = [a for replicas in new_sets for a in replicas]
     if len(set(taking)) != len(taking):
         raise errors.InvalidArgumentError(f"reshard: a process is listed in two shards of {to}")
@@ -299,10 +306,27 @@ def _finish_earlier(call: Callable[[str, Any], Any], known: list[str]) -> dict[s
     return done
 
 
-def _replica_sets(shards: list[str], auth_token: str) -> list[list[str]]:
+def _replica_sets(
+    shards: list[str], auth_token: str, hellos: dict[tuple[str, bool], Any]
+) -> list[list[str]]:
     """Each shard's processes, the primary (the one serving trainers)
     first, checked against the standbys it replicates to: a re-shard moves
-    the primary and every standby it has, or none."""
+    the primary and every standby it has, or none. `hellos` keeps what each
+    process said (or the error it met), so each is greeted once."""
+
+    def hello(address: str, replica: bool) -> dict[str, Any]:
+        key = (address, replica)
+        if key not in hellos:
+            try:
+                hellos[key] = _native.hello(address, auth_token, replica=replica)
+            except errors.DltError as e:
+                hellos[key] = e
+                if replica:  # once per process, however many layouts list it
+                    log.warning("reshard: leaving out %s, which does not answer: %s", address, e)
+        if isinstance(hellos[key], errors.DltError):
+            raise hellos[key]
+        return dict(hellos[key])
+
     sets = []
     for shard in shards:
         replicas = list(dict.fromkeys(a for a in shard.split("|") if a))
@@ -310,18 +334,22 @@ def _replica_sets(shards: list[str], auth_token: str) -> list[list[str]]:
         said: set[str] = set()
         for address in list(replicas):
             try:
-                info = _native.hello(address, auth_token)
+                info = hello(address, False)
             except errors.UnavailableError:
                 try:  # a standby greets its primary only
-                    _native.hello(address, auth_token, replica=True)
-                except errors.DltError as e:
+                    hello(address, True)
+                except errors.DltError:
                     # A process that died (its standby took over): not in
                     # the next layout.
-                    log.warning("reshard: leaving out %s, which does not answer: %s", address, e)
                     replicas.remove(address)
                 continue
             serving.append(address)
             said = {a for a in info["standbys"].split("|") if a}
+        if not serving and not replicas:
+            raise errors.UnavailableError(
+                f"reshard: no process of shard {shard} answers (is the cluster up, and are these "
+                "its addresses?)"
+            )
         if len(serving) != 1:
             raise errors.FailedPreconditionError(
                 f"reshard: shard {shard} needs exactly one process serving trainers (its "
@@ -335,6 +363,50 @@ def _replica_sets(shards: list[str], auth_token: str) -> list[list[str]]:
             )
         sets.append([serving[0], *others])
     return sets
+
+
+def _refuse_a_partial_layout(
+    old_sets: list[list[str]], hellos: dict[tuple[str, bool], Any]
+) -> None:
+    """The shards being re-sharded must be the whole layout, in order: each
+    primary serves shard i of len(old_sets). A list missing a shard would
+    leave that shard serving its buckets beside the new owners of them."""
+    for i, replicas in enumerate(old_sets):
+        info = hellos.get((replicas[0], False))
+        if isinstance(info, dict) and (info["shard_index"], info["num_shards"]) != (
+            i,
+            len(old_sets),
+        ):
+            raise errors.FailedPreconditionError(
+                f"reshard: {replicas[0]} serves shard {info['shard_index']} of "
+                f"{info['num_shards']}, not shard {i} of the {len(old_sets)} listed "
+                f"({_layout(old_sets)}): list every shard of the layout served now, in order "
+                "(before the first re-shard the shards do not know each other's addresses)"
+            )
+
+
+def _refuse_owners_from_elsewhere(
+    new_sets: list[list[str]], old_sets: list[list[str]], hellos: dict[tuple[str, bool], Any]
+) -> None:
+    """A shard of the new layout whose primary is no process of the old one
+    must own no bucket (a server started with `tf-dlt server --join`, or
+    one a re-shard left out): one that serves buckets is another cluster's
+    shard (a mistyped address), or one of these listed under another
+    address, and PREPARE would replace its tables."""
+    old = set(_members(old_sets))
+    for replicas in new_sets:
+        primary = replicas[0]
+        info = hellos.get((primary, False))
+        if primary in old or not isinstance(info, dict):
+            continue
+        if info["shard_index"] < info["num_shards"]:
+            raise errors.FailedPreconditionError(
+                f"reshard: {primary} serves shard {info['shard_index']} of {info['num_shards']} "
+                f"but is no process of the shards being re-sharded "
+                f"({_layout(old_sets)}): a shard of another cluster, or one of these under "
+                "another address? A server new to the cluster starts with `tf-dlt server --join` "
+                "(it owns no bucket); nothing was changed"
+            )
 
 
 def _on_each(addresses: list[str], call: Callable[[str, Any], Any], request: Any) -> list[Any]:

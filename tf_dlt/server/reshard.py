@@ -148,13 +148,16 @@ class ReshardSteps:
     def abort(self) -> None:
         """Stops the streams, drops what was prepared, takes writes again."""
         with self._lock:
+            under_way = bool(self._streams or self._held or self._plan[1])
+            under_way |= self._data_server.reshard_prepared is not None
             self._stop_streams()
             self._data_server.reshard_clear()
             self._held = False
             self._plan = ("", "")
         self._pause_standbys(False)
         self._data_server.hold_writes(False)
-        log.info("re-shard: aborted on shard %d", self._shard.shard_index)
+        if under_way:  # also called at every takeover, where mostly none was
+            log.info("re-shard: aborted on shard %d", self._shard.shard_index)
 
     def status(self) -> dict[str, Any]:
         prepared = self._data_server.reshard_prepared

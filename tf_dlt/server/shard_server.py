@@ -167,6 +167,11 @@ class ShardServer:
             raise ValueError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
         if standby_of and (read_only or load_from):
             raise ValueError("a standby takes its primary's tables: no read_only or load_from")
+        if standby_of and standby_of in _own_addresses(bind, port, advertise):
+            raise ValueError(
+                f"standby_of {standby_of!r} is this server's own address: a standby follows "
+                "another process, its shard's primary"
+            )
         if replica_set and (standby_of or read_only):
             raise ValueError("a replica set's member learns its primary: no standby_of, read_only")
         if replica_set and (
@@ -457,3 +462,16 @@ class ShardServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _own_addresses(bind: str, port: int, advertise: str | None) -> set[str]:
+    """Addresses that name this server for certain: the one it advertises,
+    and with a fixed port, that port on the address it binds (loopback's
+    names too when it binds every address or loopback)."""
+    own = {advertise} if advertise else set()
+    if port:
+        hosts = {bind}
+        if bind in ("", "0.0.0.0", "::", "127.0.0.1", "localhost"):
+            hosts |= {"127.0.0.1", "localhost"}
+        own |= {f"{host}:{port}" for host in hosts}
+    return own

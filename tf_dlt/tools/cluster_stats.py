@@ -103,7 +103,9 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
             f"{r.get('rows_sent', 0)} rows sent" + (f", lag {lag:.1f} s" if lag else "")
         )
     if len(s.get("standbys", [])) > 1:  # which of them a write waits for
-        members = ", ".join(s.get("insync", [])) or "none (writes wait for every standby)"
+        members = ", ".join(s.get("insync", [])) or (
+            "none (a write waits for one standby to apply it; those down are not waited for)"
+        )
         lines.append(f"shard {shard}: in sync: {members}")
     return lines
 
@@ -175,10 +177,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
-    addresses = cluster_args.addresses(args)
     try:
         with cluster_args.client(args) as client:
             stats = client.stats()
+            # The shards it asked: after a re-shard, the layout the shards
+            # serve, not the addresses given.
+            addresses = list(client.pservers)
     except errors.DltError as e:
         print(f"tf-dlt stats: {e}", file=sys.stderr)
         return 1

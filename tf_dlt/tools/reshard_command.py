@@ -39,8 +39,9 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     try:
         with cluster_args.client(args) as client:
             done = client.reshard(to, timeout=args.timeout, pace=args.pace)
+            served = client.pservers  # the layout the shards serve: --to, less any left out
     except errors.DltError as e:
         print(f"tf-dlt reshard: {e}", file=sys.stderr)
         return 1
-    out.write(json.dumps({"pservers": ",".join(to), **done}) + "\n")
+    out.write(json.dumps({"pservers": ",".join(served), **done}) + "\n")
     return 0
