@@ -291,6 +291,16 @@ def test_compact_ls_and_prune_from_the_command_line(
         out = cli("compact", str(run / "c5"), str(run / inside))
         assert out.returncode != 0 and "would break the chain" in out.stderr, out.stderr
     assert staged_rows(str(run / "c5"), 2) == before
+    # Inside a checkpoint of the chain, or holding them: refused too (a
+    # listing or prune of the directory would mix them up); and no shard
+    # count below 1.
+    for target in (run / "c5" / "inner", run):
+        out = cli("compact", str(run / "c5"), str(target))
+        assert out.returncode != 0 and "lies inside, or holds" in out.stderr, out.stderr
+    for bad in ("0", "-2"):
+        out = cli("compact", str(run / "c5"), str(tmp_path / "x"), "--num-shards", bad)
+        assert out.returncode != 0 and "num_shards must be >= 1" in out.stderr, out.stderr
+    assert not (run / "c5" / "inner").exists() and not (tmp_path / "x").exists()
     # Keep the newest 2 (c6, c7): c1..c5 go. Keep 4 (c4..c7): c4 and c5
     # need c1..c3, so nothing goes.
     out = cli("prune", str(run), "--keep", "4")
@@ -298,6 +308,38 @@ def test_compact_ls_and_prune_from_the_command_line(
     out = cli("prune", str(run), "--keep", "2")
     assert sorted(os.listdir(run)) == ["c6", "c7"], out.stdout
     assert cli("ls", str(tmp_path / "nothing")).returncode == 1
+    # Nothing to prune, or a kept chain broken: said, and a failure.
+    out = cli("prune", str(tmp_path / "nothing"), "--keep", "1")
+    assert out.returncode == 1 and "no committed checkpoint" in out.stderr, out.stderr
+    shutil.rmtree(run / "c6")
+    out = cli("prune", str(run), "--keep", "1")
+    assert out.returncode == 1 and "nothing deleted" in out.stderr, out.stdout + out.stderr
+    assert os.listdir(run) == ["c7"]
+
+
+def test_a_save_over_the_base_of_a_delta_beside_it_is_refused(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A full save into a directory holding the base of a delta beside it
+    replaced that base, and the delta's chain was broken for good (its
+    parent held another save). It is refused, naming the delta; saving
+    into the delta's own directory, or anywhere else, goes on."""
+    run = tmp_path / "run"
+    ids = np.arange(500, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        _base(c, ids, run / "step-2000")
+        _train(c, ids[:50], 2, {"t": 4})
+        c.save(str(run / "step-3000"), base=str(run / "step-2000"))
+        state = c.pull("t", ids)
+        for base in (None, str(tmp_path / "elsewhere")):
+            if base is not None:
+                c.save(base)
+            with pytest.raises(errors.FailedPreconditionError, match="is a delta on top of"):
+                c.save(str(run / "step-2000"), base=base)
+        c.save(str(run / "step-3000"))  # over the delta itself: nothing stands on it
+        _train(c, ids[:50], 3, {"t": 4})
+        c.load(str(run / "step-3000"))
+        np.testing.assert_array_equal(c.pull("t", ids), state)
 
 
 def test_retain_never_deletes_what_a_kept_checkpoint_needs(tmp_path: Path) -> None:
@@ -573,3 +615,28 @@ def test_a_delta_refused_in_a_later_table_changes_no_table_in_use(tmp_path: Path
         shard_files.apply_link(link, tables, follower.new_table, (0, NUM_BUCKETS), in_use=True)
     for name, table in tables.items():
         np.testing.assert_array_equal(table.pull(ids), served[name])
+
+
+def test_a_compacted_copy_sorts_as_the_save_it_holds_so_prune_keeps_the_newest(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """`compact` of an older checkpoint gave its copy a new save id, so it
+    sorted as the newest: `prune --keep 1` then deleted the newest training
+    checkpoint and kept the older state. The copy keeps the id of the save
+    whose state it holds."""
+    run = tmp_path / "run"
+    ids = np.arange(500, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        _base(c, ids, run / "step-1000")
+        _train(c, ids[:50], 2, {"t": 4})
+        delta = c.save(str(run / "step-2000"), base=str(run / "step-1000"))
+        _train(c, ids[:50], 3, {"t": 4})
+        c.save(str(run / "step-3000"))
+        newest = c.pull("t", ids)
+        copy = chain.compact(str(run / "step-2000"), str(run / "step-2000-full"))
+        assert copy["save_id"] == delta["save_id"] and copy["kind"] == "full"
+        deleted = chain.retain([cp.path for cp in chain.find(str(run))], 1)
+        assert sorted(Path(p).name for p in deleted) == ["step-1000", "step-2000", "step-2000-full"]
+        assert (run / "step-3000").exists()
+        c.load(str(run / "step-3000"))
+        np.testing.assert_array_equal(c.pull("t", ids), newest)

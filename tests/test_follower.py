@@ -227,3 +227,40 @@ def test_a_delta_corrupt_past_its_first_block_changes_nothing(
     with followers.client() as f:
         assert f.list_tables()["a"]["config"].dim == 8
         np.testing.assert_array_equal(f.pull("a", ids[:10]), np.zeros((10, 8)))
+
+
+def test_a_delta_past_a_followers_max_rows_is_refused_not_half_applied(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A follower of fewer shards than training holds more rows a shard; a
+    delta that takes a table past its max_rows there was applied in place,
+    evicting rows while the follower reported itself current. It is now
+    refused as a load of the chain is: the follower keeps serving every row
+    it had and says why; within the cap a delta still applies in place."""
+    run = tmp_path / "run"
+    trainer = start_cluster(2)
+    with trainer.client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1, max_rows=4096)
+        first = np.arange(3000, dtype=np.int64)
+        _push(c, first, 1)
+        full = c.save(str(run / "c1"))
+    followers = start_cluster(1, "--read-only", "--follow", str(run), "--follow-interval", "0.1")
+    _wait_for(followers, _serving(full["save_id"]))
+    with followers.client() as f:
+        served = f.pull("t", first, training=False)
+    with trainer.client() as c:
+        _push(c, first[:100], 2)  # within the cap: applied in place
+        d2 = c.save(str(run / "c2"), base=str(run / "c1"))
+        served = c.pull("t", first, training=False)
+    stats = _wait_for(followers, _serving(d2["save_id"]))
+    assert stats[0]["deltas_applied"] == 1
+    with trainer.client() as c:
+        _push(c, np.arange(3000, 6000, dtype=np.int64), 3)  # 6,000 rows for 1 shard of 4,096
+        c.save(str(run / "c3"), base=str(run / "c2"))
+    stats = _wait_for(followers, lambda s: all(x.get("follow_error") for x in s))
+    assert "past its max_rows" in stats[0]["follow_error"], stats[0]["follow_error"]
+    assert stats[0]["serving_save_id"] == d2["save_id"] and not stats[0]["follow_current"]
+    with followers.client() as f:
+        table = f.list_tables()["t"]
+        assert table["rows"] == 3000 and table["evicted"] == 0, table
+        np.testing.assert_array_equal(f.pull("t", first, training=False), served)

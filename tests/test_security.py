@@ -408,3 +408,36 @@ def test_a_link_swapped_in_after_the_roots_check_redirects_no_save_or_load(
                 paths.hold_directory(str(run / "ck"), str(run / "ck"), "Load", False)
     finally:
         server.stop()
+
+
+def test_load_from_is_held_to_the_checkpoint_roots(tmp_path: Path) -> None:
+    """`--load-from` outside `--checkpoint-root` is refused at start, as
+    `--follow` is (it loaded from anywhere); inside, it loads."""
+    import subprocess as sp
+
+    from tf_dlt import _native
+    from tf_dlt.checkpoint import manifest, shard_files
+    from tf_dlt.server import ShardServer
+    from tf_dlt.table_config import TableConfig
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 4).to_dict())
+    shard.get_table("t").pull(np.arange(10, dtype=np.int64))
+    for where in (root / "ck", outside / "ck"):
+        save_id = manifest.new_save_id()
+        manifest.write_manifest(str(where), [shard_files.save_shard(str(where), shard, save_id)],
+                                save_id)  # fmt: skip
+    run = sp.run(
+        [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--bind", "127.0.0.1",
+         "--checkpoint-root", str(root), "--load-from", str(outside / "ck")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "is outside this shard's checkpoint roots" in run.stderr, (
+        run.stderr
+    )
+    server = ShardServer(0, 1, checkpoint_roots=[str(root)], load_from=str(root / "ck")).start()
+    try:
+        assert tf_dlt.Client([server.address]).list_tables()["t"]["rows"] == 10
+    finally:
+        server.stop()

@@ -412,6 +412,7 @@ class Client:
         `tables`: save only these tables (a model's: `tf_dlt.save` passes
         them); None: every table on the shards.
         """
+        from tf_dlt.checkpoint import chain
         from tf_dlt.proto import dlt_pb2
 
         path = manifest.absolute(path)  # the shards' working directory is not ours
@@ -419,6 +420,8 @@ class Client:
         if base is not None:
             with errors.storage_errors(f"reading the base {base}"):
                 parent = manifest.delta_parent(path, manifest.absolute(base))
+        with errors.storage_errors(f"reading what {path} holds"):
+            chain.refuse_breaking_dependents(path)
         save_id = manifest.new_save_id()
         request = dlt_pb2.SaveRequest(
             path=path,

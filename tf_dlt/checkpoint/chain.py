@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import posixpath
 import time
 from typing import Any
 
@@ -85,19 +86,22 @@ def retain(
     keep: int,
     tables_dir: str | None = None,
     tables: dict[str, str] | None = None,
+    problems: list[str] | None = None,
 ) -> list[str]:
     """Deletes the checkpoints of `paths` (oldest first) except the newest
     `keep` and every checkpoint their chains need; returns those deleted. A
-    checkpoint whose chain cannot be read is kept, and so is all before it.
-    Each path's table checkpoint is `tables[path]` where given (a directory
-    mixing model and table checkpoints), else `tables_path(path,
-    tables_dir)`."""
+    checkpoint whose chain cannot be read is kept, and so is all before it
+    (why is appended to `problems`, if given). Each path's table checkpoint
+    is `tables[path]` where given (a directory mixing model and table
+    checkpoints), else `tables_path(path, tables_dir)`."""
     if keep < 1:
         raise errors.InvalidArgumentError(f"keep must be >= 1, got {keep}")
     kept = paths[-keep:]
     try:
         need = needed(kept, tables_dir, tables)
-    except errors.DltError:
+    except errors.DltError as e:
+        if problems is not None:
+            problems.append(f"nothing deleted: a kept checkpoint's chain cannot be read ({e})")
         return []  # a broken chain: never guess what it needs
     deleted = []
     for path in paths[:-keep]:
@@ -107,6 +111,38 @@ def retain(
         fs.rm(root, recursive=True)
         deleted.append(path)
     return deleted
+
+
+def refuse_breaking_dependents(path: str) -> None:
+    """Refuses a save into table checkpoint `path` that would replace a
+    checkpoint a delta beside it was saved on top of (in the same directory
+    of checkpoints: `path`'s siblings, or for a model checkpoint's tables,
+    the model checkpoint's siblings): that delta's chain would break (its
+    parent would hold another save). Deltas elsewhere are not looked for."""
+    try:
+        current = manifest_lib.read_manifest(path)
+    except Exception:  # noqa: BLE001 - nothing committed there, or a URL the shards refuse
+        return
+    fs, root = manifest_lib.filesystem(path)
+    parent = manifest_lib.url_of(fs, posixpath.dirname(root))
+    directories = [parent]
+    if posixpath.basename(root) == TABLES_DIR:  # a model checkpoint's tables
+        directories.append(manifest_lib.url_of(fs, posixpath.dirname(posixpath.dirname(root))))
+    here = _key(path)
+    for directory in directories:
+        for found in find(directory):
+            link = found.manifest.get("parent")
+            if found.manifest.get("kind") != "delta" or not isinstance(link, dict):
+                continue
+            if _key(found.tables) == here or link.get("save_id") != current["save_id"]:
+                continue
+            base = manifest_lib.resolve_parent(found.tables, str(link.get("path", "")))
+            if _key(base) == here:
+                raise errors.FailedPreconditionError(
+                    f"{found.path!r} is a delta on top of the checkpoint at {path!r}: a save there "
+                    f"would replace it and break {found.path!r}'s chain; save into another "
+                    f"directory (or delete {found.path!r} first)"
+                )
 
 
 def describe(path: str) -> list[dict[str, Any]]:
@@ -135,15 +171,31 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
     """Writes the state the chain of `source` loads as one full checkpoint
     at `target`, with `num_shards` files (default: the head's shard count).
     One file's share of the table is in memory at a time."""
-    if manifest_lib.chain_holds(source, target):
-        raise errors.InvalidArgumentError(
-            f"compact's target {target!r} is a checkpoint that loading {source!r} reads (the "
-            "source, its base or one of its deltas): writing there would break the chain; "
-            "give another target"
-        )
-    head = manifest_lib.resolve_chain(source)[-1].manifest
-    n = num_shards or int(head["num_shards"])
-    save_id = manifest_lib.new_save_id()
+    if num_shards is not None and num_shards < 1:
+        raise errors.InvalidArgumentError(f"compact: num_shards must be >= 1, got {num_shards}")
+    links = manifest_lib.resolve_chain(source)
+    here = _key(target)
+    for link in links:
+        there = _key(link.path)
+        if here == there:
+            raise errors.InvalidArgumentError(
+                f"compact's target {target!r} is a checkpoint that loading {source!r} reads (the "
+                "source, its base or one of its deltas): writing there would break the chain; "
+                "give another target"
+            )
+        if here.startswith(there.rstrip("/") + "/") or there.startswith(here.rstrip("/") + "/"):
+            raise errors.InvalidArgumentError(
+                f"compact's target {target!r} lies inside, or holds, {link.path!r}, which loading "
+                f"{source!r} reads: listings and prunes of the directory would mix them up; give "
+                "a directory beside it"
+            )
+    refuse_breaking_dependents(target)
+    head = links[-1].manifest
+    n = num_shards if num_shards is not None else int(head["num_shards"])
+    # The state of the save it compacts, so that save's id: it sorts where
+    # that save does (prune's newest, a follower's next), not as the newest
+    # checkpoint of all (a prune after a compact deleted newer ones).
+    save_id = str(head["save_id"])
     parts = []
     for index in range(n):
         shard = _native.Shard(index, n)

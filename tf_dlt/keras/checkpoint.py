@@ -77,6 +77,7 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
                 tables, base=base_tables, tables=[layer.table_name for layer in layers]
             )
     elif layers:
+        chain.refuse_breaking_dependents(tables)  # as Client.save does
         written = _save_embedded(layers, tables, base_tables)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)

@@ -154,14 +154,18 @@ class Follower:
         status = self._status
         served = [link.save_id for link in links]
         if status.serving_save_id not in served:
-            result = shard_files.prepare_load(head.tables, self._shard, allow, replace=True)
-            self._install(result["staged"])
-            status.serving_path, status.serving_save_id = head.path, str(result["save_id"])
-            log.info("serving %s (%d checkpoint(s) loaded)", head.path, result["links"])
+            self._load_staged(head, allow)
             return
         buckets = (self._shard.first_bucket, self._shard.end_bucket)
         for link in links[served.index(status.serving_save_id) + 1 :]:
             tables = {t.name: t for t in self._shard.tables()}
+            if not _fits_in_place(link, tables):
+                # Applied in place it could take a table past its max_rows,
+                # which would evict rows while the follower reports itself
+                # current: a staged load of the head instead, which refuses
+                # to drop any (and keeps serving what it served).
+                self._load_staged(head, allow)
+                return
             start = time.monotonic()
             shard_files.apply_link(link, tables, self._shard.new_table, buckets, in_use=True)
             self._install(list(tables.values()))
@@ -169,6 +173,14 @@ class Follower:
             status.deltas_applied += 1
             log.info("applied %s %s in %.2f s", link.kind, link.path, time.monotonic() - start)
         status.serving_path = head.path
+
+    def _load_staged(self, head: chain.Checkpoint, allow: Callable[[str], str]) -> None:
+        """Loads the chain of `head` into staged tables and serves them."""
+        result = shard_files.prepare_load(head.tables, self._shard, allow, replace=True)
+        self._install(result["staged"])
+        status = self._status
+        status.serving_path, status.serving_save_id = head.path, str(result["save_id"])
+        log.info("serving %s (%d checkpoint(s) loaded)", head.path, result["links"])
 
     def _install(self, tables: list[_native.Table]) -> None:
         """Makes `tables` the shard's tables: new ones installed, others
@@ -183,6 +195,22 @@ class Follower:
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(dataclasses.replace(self._status))
+
+
+def _fits_in_place(link: manifest_lib.Link, tables: dict[str, _native.Table]) -> bool:
+    """Whether applying `link` in place keeps every table within its
+    max_rows: the rows the table holds and every row the link wrote (over
+    all its shards: an upper bound of what it adds here) within the cap."""
+    for info in link.manifest["tables"]:
+        config = info["config"]
+        cap = int(config.get("policy", {}).get("max_rows", 0) or 0)
+        table = tables.get(config["name"])
+        # A table every shard wrote whole replaces what is held.
+        whole = int(info.get("full_files", 0)) >= int(link.manifest["num_shards"])
+        held = table.size() if table is not None and not whole else 0
+        if cap and held + int(info["rows"]) > cap:
+            return False
+    return True
 
 
 def describe(status: FollowStatus) -> dict[str, Any]:

@@ -88,8 +88,9 @@ class CheckpointRoots:
                 continue
             if not root or path == root or path.startswith(root.rstrip("/") + "/"):
                 return
+        preposition = "to" if action == "Save" else "of"
         raise errors.PermissionDeniedError(
-            f"{action} to {url!r} is outside this shard's checkpoint roots {self.roots}"
+            f"{action} {preposition} {url!r} is outside this shard's checkpoint roots {self.roots}"
         )
 
     def confined(

@@ -235,6 +235,8 @@ class ShardServer:
         self._takeover_after_s = takeover_after_s
         self._replica_set = list(replica_set)
         self.follower: Follower | None = None
+        if load_from:  # refused at once, before the process starts serving
+            paths.CheckpointRoots(checkpoint_roots).check(load_from, "Load")
         if follow:
             paths.CheckpointRoots(checkpoint_roots).check(follow, "Follow")
             self.follower = Follower(
@@ -297,7 +299,9 @@ class ShardServer:
 
     def _load(self) -> dict[str, Any]:
         assert self._load_from is not None
-        result = shard_files.load_shard(self._load_from, self.shard)
+        with self.servicer.reading() as allow:  # the checkpoint roots hold here too
+            result = shard_files.prepare_load(self._load_from, self.shard, allow)
+        self.shard.install_tables(result["staged"])
         rows = sum(t["rows"] for t in result["tables"])
         log.info("loaded %d rows from %s in %.2f s", rows, self._load_from, result["seconds"])
         return result

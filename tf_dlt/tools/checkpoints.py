@@ -108,9 +108,15 @@ def _run(args: argparse.Namespace) -> int:
         # Each checkpoint's own layout (a directory may mix model and
         # table checkpoints).
         tables = {c.path: c.tables for c in found}
-        deleted = chain.retain([c.path for c in found], args.keep, tables=tables)
+        if not found:
+            print(f"no committed checkpoint in {args.directory}", file=sys.stderr)
+            return 1
+        problems: list[str] = []
+        deleted = chain.retain([c.path for c in found], args.keep, tables=tables, problems=problems)
         for path in deleted:
             print(f"deleted {path}")
         print(f"kept {len(found) - len(deleted)} checkpoint(s)")
-        return 0
+        for problem in problems:
+            print(f"tf-dlt checkpoint prune: {problem}", file=sys.stderr)
+        return 1 if problems else 0
     return 2
