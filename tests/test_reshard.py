@@ -539,3 +539,12 @@ def test_fit_goes_on_through_a_reshard_with_every_row_as_without(tmp_path) -> No
         t: {k: r[:3] for k, r in rows_m[t].items()} for t in rows_m
     }
     assert all(abs(rows[t][k][3] - rows_m[t][k][3]) <= 80 for t in rows for k in rows[t])
+
+
+def test_a_reshard_of_a_cluster_that_does_not_answer_says_so() -> None:
+    """No process of a listed shard answers: a clear UNAVAILABLE naming the
+    shard (it said "needs exactly one process serving trainers; none did")."""
+    with pytest.raises(errors.UnavailableError, match="no process of shard 127.0.0.1:1 answers"):
+        resharding.reshard(
+            ["127.0.0.1:1"], ["127.0.0.1:1", "127.0.0.1:2"], stub_for=lambda a, p: None
+        )
