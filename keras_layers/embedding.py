@@ -24,6 +24,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record  # whether a tape records (no public API)
 
 from tf_dlt import admission as admission_lib
 from tf_dlt import dlt_ops as ops
@@ -178,6 +179,15 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             raise ValueError("mask_zero applies to dense ids; it cannot go with a combiner")
         self.input_dim = None if input_dim is None else int(input_dim)
         self.output_dim = int(output_dim)
+        if not isinstance(is_distributed, (bool, np.bool_)):
+            # Embedding(100, 4, "zeros") reads as keras.layers.Embedding's
+            # (input_dim, output_dim, embeddings_initializer): here the third
+            # argument is is_distributed, and "zeros" was taken as True.
+            raise TypeError(
+                f"is_distributed must be True or False, got {is_distributed!r}: after input_dim "
+                "and output_dim, give this layer's arguments by keyword "
+                "(embeddings_initializer=..., is_distributed=...)"
+            )
         self.is_distributed = bool(is_distributed)
         self.is_sparse = bool(is_sparse)
         if isinstance(embeddings_initializer, dict) and "class_name" in embeddings_initializer:
@@ -364,6 +374,12 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             return tf.cast(rows, self.compute_dtype)
         assert self.client is not None
         client, table_name, dim = self.client, self.table_name, self.output_dim
+        if training is None:
+            # No flag reached the layer (a subclassed model whose call()
+            # takes no `training` passes none from fit): a lookup under a
+            # recording gradient tape trains, as the gradient it will get
+            # says; else it is inference.
+            training = record.could_possibly_record()
         lookup_training = bool(training)
         optimizer = model_optimizer(self) if lookup_training else None
         if lookup_training:
@@ -387,6 +403,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 )
 
             def grad(dy: tf.Tensor) -> tf.Tensor:
+                if not lookup_training:
+                    raise ValueError(
+                        f"layer {layer.name!r}: a gradient reached rows looked up with "
+                        "training=False, which neither makes rows nor knows the optimizer to "
+                        "push with: call the layer with training=True (or pass the model's "
+                        "`training` argument through) where it trains"
+                    )
                 dy = tf.cast(tf.convert_to_tensor(dy), tf.float32)
                 if scaled and optimizer is not None:
                     # Unscaled before rows of repeated ids are summed: the

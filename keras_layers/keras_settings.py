@@ -180,9 +180,11 @@ def table_optimizer(optimizer: Any, layer: Any = None) -> optimizers.Optimizer:
             initial_accumulator=float(opt.initial_accumulator_value),
             **decay,
         )
+    followed = (k.SGD, k.Adagrad, k.Adam, k.AdamW, k.Ftrl)
+    why = _options(opt) if type(opt) in followed else "a class tables do not follow"
     raise ValueError(
         f"a distributed table cannot follow the model's {name} "
-        f"({_options(opt)}); tables follow {OPTIMIZERS_SUPPORTED}. Give the tf_dlt Embedding "
+        f"({why}); tables follow {OPTIMIZERS_SUPPORTED}. Give the tf_dlt Embedding "
         "layer its own optimizer= and learning_rate= (a tf_dlt.optimizers name or object)"
     )
 
@@ -206,8 +208,7 @@ def _weight_decay(opt: Any, layer: Any) -> float:
 
 def _options(opt: Any) -> str:
     keys = ("momentum", "nesterov", "amsgrad", "beta", "l2_shrinkage_regularization_strength")
-    found = [f"{k}={getattr(opt, k)!r}" for k in keys if hasattr(opt, k)]
-    return ", ".join(found) or "unsupported class"
+    return ", ".join(f"{k}={getattr(opt, k)!r}" for k in keys if hasattr(opt, k))
 
 
 def current_learning_rate(optimizer: Any) -> tf.Tensor:

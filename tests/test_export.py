@@ -172,6 +172,11 @@ def test_standalone_export_of_the_most_frequent_rows(
         tf_dlt.export_saved_model(model, str(tmp_path / "x"), mode="standalone", most_frequent=0)
     with pytest.raises(ValueError, match="choose the rows of a standalone export"):
         tf_dlt.export_saved_model(model, str(tmp_path / "x"), most_frequent=3)
+    # A misspelt table name exported every row of the table meant.
+    for chosen in ({"ids": {"nope": [1, 2]}}, {"most_frequent": {"nope": 5}}):
+        with pytest.raises(ValueError, match=r"names \['nope'\], which no distributed layer"):
+            tf_dlt.export_saved_model(model, str(tmp_path / "x"), mode="standalone", **chosen)
+    assert not (tmp_path / "x").exists()
 
 
 def test_remote_export_served_by_followers_tracks_training_deltas(

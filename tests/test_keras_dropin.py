@@ -278,12 +278,16 @@ def test_table_optimizers_from_keras_and_what_they_refuse() -> None:
     layer.follow_optimizer(excluding)
     assert layer.table_config.optimizer == optimizers.Adam()
     for refused, match in (
-        (k.RMSprop(), "cannot follow the model's RMSprop.*SGD \\(with or without momentum"),
+        (k.RMSprop(), "RMSprop \\(a class tables do not follow\\).*SGD \\(with or without"),
         (k.Adam(amsgrad=True), "cannot follow the model's Adam.*amsgrad=True"),
         (k.Adam(clipnorm=1.0), "clipnorm=1.0"),
     ):
         with pytest.raises(ValueError, match=match):
             layer.follow_optimizer(refused)
+    # Keras's third positional argument (the initializer) is is_distributed
+    # here: refused, not taken as True.
+    with pytest.raises(TypeError, match="is_distributed must be True or False, got 'zeros'"):
+        Embedding(100, DIM, "zeros")
     explicit = Embedding(output_dim=DIM, is_distributed=True, optimizer="ftrl", name="explicit")
     explicit.follow_optimizer(k.Adagrad())
     assert explicit.table_config.optimizer.kind == "ftrl"  # the layer's own wins

@@ -388,3 +388,50 @@ def test_a_conflicting_layer_in_another_thread_of_the_session_is_refused() -> No
     thread.start()
     thread.join()
     assert len(failures) == 1 and isinstance(failures[0], errors.AlreadyExistsError)
+
+
+class SubclassedModel(keras.Model):  # type: ignore[misc]
+    """A subclassed model whose call() takes no `training` (Keras then
+    passes none to its layers)."""
+
+    def __init__(self, name: str, passes_training: bool) -> None:
+        super().__init__()
+        self.emb = Embedding(output_dim=DIM, is_distributed=True, name=name, seed=3, sync_push=True)
+        self.head = keras.layers.Dense(1, activation="sigmoid", kernel_initializer="ones")
+        self.passes_training = passes_training
+
+    def call(self, ids: tf.Tensor, **kwargs: object) -> tf.Tensor:
+        rows = self.emb(ids, **kwargs) if self.passes_training else self.emb(ids)
+        return self.head(keras.ops.sum(rows, axis=1))
+
+
+def test_a_subclassed_model_without_a_training_argument_trains_as_one_that_has_it() -> None:
+    """Keras passes no `training` to the layers of a subclassed model whose
+    call() takes none: the layer looked rows up for inference (absent ids
+    read zeros) and its push failed (`'NoneType' object has no attribute
+    'learning_rate'`). A lookup under fit's gradient tape now trains, so
+    the model trains exactly as one that passes `training` through, and
+    predict still reads for inference."""
+    x, y = _data()
+    states = []
+    for passes in (True, False):
+        model = SubclassedModel(f"habit_sub_{int(passes)}", passes)
+        model.compile(optimizer="adagrad", loss="binary_crossentropy")
+        losses = model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False).history["loss"]
+        ids, values, slots, _ = embedded.rows(model.emb.table_name)
+        order = np.argsort(ids)
+        states.append((losses, ids[order], values[order], slots[order]))
+        rows = len(ids)
+        model.predict(np.full((4, 3), 10_000), verbose=0)  # unseen ids: no rows made
+        assert len(embedded.rows(model.emb.table_name)[0]) == rows
+    for got, want in zip(states[1], states[0], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_rows_looked_up_for_inference_refuse_a_gradient_clearly() -> None:
+    layer = Embedding(input_dim=100, output_dim=DIM, is_distributed=True, name="habit_inference",
+                      optimizer="sgd", learning_rate=0.1)  # fmt: skip
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.constant([[1, 2]], tf.int64), training=False))
+    with pytest.raises(ValueError, match="looked up with training=False"):
+        tape.gradient(loss, layer.trainable_variables)

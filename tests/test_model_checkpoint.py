@@ -232,3 +232,39 @@ def test_compact_of_a_model_checkpoint_stays_loadable(tmp_path: Path) -> None:
     info = tf_dlt.load(model, str(tmp_path / "m3"))
     assert info["kind"] == "full" and "parent" not in info
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+
+
+def test_a_model_made_afresh_resumes_with_the_optimizer_and_schedule_it_saved(
+    tmp_path: Path,
+) -> None:
+    """Resuming in a new process builds the model and compiles it, then
+    `tf_dlt.load`: Keras skipped the saved optimizer's variables (the new
+    one was not built), so training began again at step 0 of the learning
+    rate schedule, with no dense slots. Now the resumed run equals one that
+    never stopped: every row, slot and step, and the predictions."""
+
+    def made(name: str) -> keras.Model:
+        inp = keras.Input((3,), dtype="int64")
+        emb = Embedding(output_dim=4, is_distributed=True, name=name, sync_push=True, seed=5)
+        out = keras.layers.Dense(1, name="head", kernel_initializer="ones")(
+            keras.layers.Flatten()(emb(inp))
+        )
+        model = keras.Model(inp, out)
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.01, 10, 0.5)
+        model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse")
+        return model
+
+    x, y = _data()
+    first = made("ck_resume")
+    first.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    tf_dlt.save(first, str(tmp_path / "ck"))
+    first.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
+    expected, state = first.predict(x, verbose=0), _state(first, "ck_resume")
+    steps = int(first.optimizer.iterations.numpy())
+    resumed = made("ck_resume")  # the same table: its rows are replaced by the load
+    tf_dlt.load(resumed, str(tmp_path / "ck"))
+    assert int(resumed.optimizer.iterations.numpy()) == steps - 6  # 96 examples / 16
+    resumed.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
+    np.testing.assert_array_equal(resumed.predict(x, verbose=0), expected)
+    for got, want in zip(_state(resumed, "ck_resume"), state, strict=True):
+        np.testing.assert_array_equal(got, want)

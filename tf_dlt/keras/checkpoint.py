@@ -178,10 +178,22 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tf_dlt-load-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
         fs.get_file(f"{root}/{DENSE_FILE}", local)
+        _build_optimizer(model)
         with variables_only():
             model.load_weights(local)
     setattr(model, _LAST_CHECKPOINT, path)
     return info
+
+
+def _build_optimizer(model: keras.Model) -> None:
+    """Builds a compiled model's optimizer that has not trained yet (a model
+    made afresh to resume training): Keras loads an optimizer's variables
+    (its step count, hence the learning-rate schedule the tables' pushes
+    follow, and the dense weights' slots) only into a built one, and skipped
+    them with a warning, so training resumed from step 0."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built and model.trainable_variables:
+        optimizer.build(model.trainable_variables)
 
 
 def _load_embedded(tables: str, layers: list[Any]) -> None:

@@ -80,6 +80,14 @@ def export_saved_model(
     if mode == "remote" and (ids or most_frequent is not None):
         raise ValueError("ids and most_frequent choose the rows of a standalone export")
     layers = distributed_layers(model)
+    names = {layer.table_name for layer in layers}
+    for what, given in (("ids", ids or {}), ("most_frequent", most_frequent)):
+        unknown = sorted(set(given) - names) if isinstance(given, dict) else []
+        if unknown:  # a misspelt name exported every row of the table meant
+            raise ValueError(
+                f"{what} names {unknown}, which no distributed layer of the model uses; its "
+                f"tables are {sorted(names)}"
+            )
     for layer in layers:  # every pending push lands before rows are read
         ops.flush(layer.client)
     if mode == "remote":
