@@ -403,13 +403,6 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 )
 
             def grad(dy: tf.Tensor) -> tf.Tensor:
-                if not lookup_training:
-                    raise ValueError(
-                        f"layer {layer.name!r}: a gradient reached rows looked up with "
-                        "training=False, which neither makes rows nor knows the optimizer to "
-                        "push with: call the layer with training=True (or pass the model's "
-                        "`training` argument through) where it trains"
-                    )
                 dy = tf.cast(tf.convert_to_tensor(dy), tf.float32)
                 if scaled and optimizer is not None:
                     # Unscaled before rows of repeated ids are summed: the
@@ -430,7 +423,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                     # nothing (see _push_pending).
                     finite = tf.reduce_all(tf.math.is_finite(summed))
                     anchor_grad = tf.where(finite, anchor_grad, tf.constant(np.nan, anchor.dtype))
-                layer._keep_for_apply(unique, summed, optimizer)
+                layer._keep_for_apply(unique, summed, optimizer, lookup_training)
                 return anchor_grad
 
             return rows, grad
@@ -442,7 +435,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
 
     # Pushing in the optimizer's apply step ------------------------------------
 
-    def _keep_for_apply(self, unique: tf.Tensor, summed: tf.Tensor, optimizer: Any) -> None:
+    def _keep_for_apply(
+        self, unique: tf.Tensor, summed: tf.Tensor, optimizer: Any, training: bool
+    ) -> None:
         """Keeps one step's rows until the optimizer applies the step. Replicas
         of a MirroredStrategy meet first (`merge_call`, after every replica's
         lookups) and keep their rows together, as the all-reduced gradient
@@ -450,13 +445,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         graph = tf.compat.v1.get_default_graph()
         replica = tf.distribute.get_replica_context()
         if not tf.distribute.has_strategy() or replica is None or replica.num_replicas_in_sync == 1:
-            self._pending = Pending(graph, unique, summed, optimizer)
+            self._pending = Pending(graph, unique, summed, optimizer, training)
             return
 
         def merged(strategy: tf.distribute.Strategy, unique: Any, summed: Any) -> None:
             ids = tf.concat(strategy.experimental_local_results(unique), 0)
             grads = tf.concat(strategy.experimental_local_results(summed), 0)
-            self._pending = Pending(graph, ids, grads, optimizer)
+            self._pending = Pending(graph, ids, grads, optimizer, training)
 
         replica.merge_call(merged, args=(unique, summed))
 
@@ -487,6 +482,12 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         (or applied, with sync_push)."""
         client = self.client
         assert client is not None
+        if not pending.training:
+            raise ValueError(
+                f"layer {self.name!r}: a gradient reached rows looked up with training=False, "
+                "which made no rows and know no optimizer to push with: call the layer with "
+                "training=True (or pass the model's `training` argument through) where it trains"
+            )
         lr = self._current_learning_rate(pending.optimizer)
         pushed = ops.push(
             client, pending.ids, pending.grads, lr, self.table_name, self.output_dim,

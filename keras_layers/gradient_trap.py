@@ -68,6 +68,9 @@ class Pending:
     ids: tf.Tensor
     grads: tf.Tensor
     optimizer: Any
+    # Whether the rows were looked up for training (an inference lookup's
+    # gradient is traced, by tf.saved_model.save too, but never pushed).
+    training: bool = True
 
 
 def within(graph: Any) -> bool:

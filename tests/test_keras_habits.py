@@ -433,5 +433,7 @@ def test_rows_looked_up_for_inference_refuse_a_gradient_clearly() -> None:
                       optimizer="sgd", learning_rate=0.1)  # fmt: skip
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(layer(tf.constant([[1, 2]], tf.int64), training=False))
+    grads = tape.gradient(loss, layer.trainable_variables)  # traced (a SavedModel's save does)
+    pairs = list(zip(grads, layer.trainable_variables, strict=True))
     with pytest.raises(ValueError, match="looked up with training=False"):
-        tape.gradient(loss, layer.trainable_variables)
+        keras.optimizers.SGD(0.1).apply_gradients(pairs)
