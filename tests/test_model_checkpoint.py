@@ -268,3 +268,34 @@ def test_a_model_made_afresh_resumes_with_the_optimizer_and_schedule_it_saved(
     np.testing.assert_array_equal(resumed.predict(x, verbose=0), expected)
     for got, want in zip(_state(resumed, "ck_resume"), state, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_layer_local_when_saved_and_distributed_now_is_refused_before_any_change(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint whose layer was local (its rows in the dense weights)
+    loaded into a model where that layer is distributed: the other tables
+    were replaced, then the dense weights failed to load. It is refused
+    first, naming the table, and no table changes."""
+
+    def two(distributed_b: bool) -> keras.Model:
+        inp = keras.Input((3,), dtype="int64")
+        a = Embedding(300, 4, is_distributed=True, name="ck_two_a", sync_push=True)(inp)
+        b = Embedding(300, 4, is_distributed=distributed_b, name="ck_two_b")(inp)
+        out = keras.layers.Dense(1)(keras.layers.Flatten()(keras.layers.Concatenate()([a, b])))
+        model = keras.Model(inp, out)
+        model.compile(optimizer="adagrad", loss="mse")
+        return model
+
+    x, y = _data()
+    saved = two(distributed_b=False)
+    saved.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.save(saved, str(tmp_path / "ck"))
+    saved.fit(x, y, epochs=1, batch_size=16, verbose=0)  # the table moves on
+    before = _state(saved, "ck_two_a")
+    now = two(distributed_b=True)
+    now(x[:1])
+    with pytest.raises(errors.FailedPreconditionError, match=r"\['ck_two_b'\] are not in the"):
+        tf_dlt.load(now, str(tmp_path / "ck"))
+    for got, want in zip(_state(saved, "ck_two_a"), before, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -166,6 +166,13 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
         raise errors.FailedPreconditionError(
             f"the checkpoint holds tables {sorted(missing)} that the model has no layer for"
         )
+    absent = {layer.table_name for layer in layers} - set(info["tables"])
+    if absent:  # refused before any table changes (the dense weights could not load either)
+        raise errors.FailedPreconditionError(
+            f"the model's distributed tables {sorted(absent)} are not in the checkpoint (their "
+            "layers were local, is_distributed=False, when it was saved, or it is another "
+            "model's); nothing was changed"
+        )
     addresses, token = cluster_of(layers)
     tables = _tables_of(path)
     if layers and addresses:
