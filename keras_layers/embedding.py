@@ -642,7 +642,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         elif not on_shards:
             raise errors.FailedPreconditionError(
                 f"layer {self.name!r} keeps its rows in the embedded tables, but the file holds "
-                "none (written before .keras files carried them, or for another layer): restore "
+                "none (written by a model whose table is on shard servers, whose rows stay "
+                "there; or before .keras files carried them; or for another layer): restore "
                 "them with tf_dlt.load from a tf_dlt.save checkpoint"
             )
 
