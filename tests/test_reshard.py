@@ -432,7 +432,9 @@ def test_a_reshard_left_part_way_is_finished_or_undone_by_the_next(
     try:
         trainer.wait_for(20)
         with pytest.raises(SystemExit):
-            resharding.reshard(cluster.addresses, three, stub_for=stub_for, timeout_s=30)
+            resharding.reshard(
+                cluster.addresses, three, stub_for=stub_for, timeout_s=30, lease_s=2.0
+            )
         # Stats say what was left so (an old shard holds writes).
         left = member_stats(cluster.process_addresses[1], cluster.admin_ports[1], "").reshard
         assert "writes held" in left and f"to {','.join(three)}" in left
@@ -548,3 +550,63 @@ def test_a_reshard_of_a_cluster_that_does_not_answer_says_so() -> None:
         resharding.reshard(
             ["127.0.0.1:1"], ["127.0.0.1:1", "127.0.0.1:2"], stub_for=lambda a, p: None
         )
+
+
+def test_a_second_coordinator_waits_for_a_live_one_and_never_undoes_it(
+    cluster: LocalCluster,
+) -> None:
+    """`tf-dlt reshard` run again while the first still runs (it looked
+    hung): the second took the first's re-shard for one left by a dead
+    coordinator and undid it under the first. Each step now carries its
+    coordinator's id and lease, and the first steps every process while it
+    runs: the second waits, and raises once the first has ended (the layout
+    it planned from is gone); the first completes, and no push fails."""
+    admin = tf_dlt.Client(cluster.addresses)
+    config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+    three = [*cluster.addresses, cluster.join()]
+    trainer = Trainer(cluster.addresses)
+    channels: list[grpc.Channel] = []
+    steps = dlt_pb2.ReshardRequest
+    holding = threading.Event()
+
+    def stub_for(address: str, admin_port: int) -> object:
+        channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
+        stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
+
+        class SlowBeforeHold:
+            def Reshard(self, request: object, **kwargs: object) -> object:  # noqa: N802
+                if request.step == steps.HOLD and not holding.is_set():  # type: ignore[attr-defined]
+                    holding.set()
+                    time.sleep(4.0)  # longer than the lease: only the heartbeat keeps it
+                return stub.Reshard(request, **kwargs)
+
+        return SlowBeforeHold()
+
+    first: dict[str, object] = {}
+
+    def run_first() -> None:
+        try:
+            first["done"] = resharding.reshard(
+                cluster.addresses, three, stub_for=stub_for, timeout_s=60, lease_s=2.0
+            )
+        except BaseException as e:  # noqa: BLE001 - reported below
+            first["error"] = e
+
+    thread = threading.Thread(target=run_first)
+    try:
+        trainer.wait_for(20)
+        thread.start()
+        assert holding.wait(60)
+        with pytest.raises(errors.FailedPreconditionError, match="ended while this one waited"):
+            tf_dlt.Client(cluster.addresses).reshard(three)
+        thread.join(60)
+        assert "error" not in first, first
+        assert first["done"]["layout_epoch"] == 2  # type: ignore[index]
+        trainer.wait_for(20)
+    finally:
+        trainer.stop()
+        thread.join(60)
+        for channel in channels:
+            channel.close()
+    assert trainer.errors == []
+    np.testing.assert_array_equal(_state(admin), trainer.oracle(config))

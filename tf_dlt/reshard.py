@@ -16,9 +16,12 @@ layout serves on, nothing moved.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +35,10 @@ log = logging.getLogger("tf_dlt.reshard")
 # while they catch up.
 _POLL_S = 0.005
 _CATCH_UP_POLL_S = 0.05
+# How long after a coordinator's last step a process may take it for dead
+# (another coordinator may then finish or undo its re-shard); it steps
+# every process that takes part (STATUS) four times a lease.
+LEASE_S = 10.0
 
 
 def reshard(
@@ -43,6 +50,7 @@ def reshard(
     timeout_s: float = 600.0,
     hold_timeout_s: float = 30.0,
     pace: float = 1.0,
+    lease_s: float = LEASE_S,
 ) -> dict[str, Any]:
     """Moves the tables of the shards at `current` (in shard order; the
     layout they serve) to the shards at `to`. A shard's address lists its
@@ -51,7 +59,10 @@ def reshard(
     stub of a process. `pace` (0, 1]: the fraction of the time each
     stream's copy may keep its thread busy (less leaves more of the cores
     to training, and streams longer). Returns what it did: the new layout
-    epoch, seconds streaming and seconds writes were held.
+    epoch, seconds streaming and seconds writes were held. `lease_s`: how
+    long after this coordinator's last step the processes may take it for
+    dead (it steps them all four times a lease while it runs); another
+    coordinator waits that long, or for this one's re-shard to end.
     """
     from tf_dlt.proto import dlt_pb2
 
@@ -62,7 +73,7 @@ def reshard(
         raise errors.InvalidArgumentError("reshard needs at least one shard address to move to")
     if len(set(to)) != len(to):
         raise errors.InvalidArgumentError(f"reshard: an address is listed twice in {to}")
-    call = _Calls(stub_for, auth_token, hold_timeout_s)
+    call = _Calls(stub_for, auth_token, hold_timeout_s, lease_s)
     step = dlt_pb2.ReshardRequest
     hellos: dict[tuple[str, bool], Any] = {}  # each process greeted once
     old_sets = _replica_sets(current, auth_token, hellos)
@@ -85,7 +96,6 @@ def reshard(
         raise errors.InvalidArgumentError(f"reshard: a process is listed in two shards of {to}")
     # The old primaries stream and hold writes; every process (standbys
     # too: they take the same streams) prepares, switches, is released.
-    primaries = [replicas[0] for replicas in old_sets]
     processes = _members(old_sets + new_sets)
     epochs = {call(a, step(step=step.STATUS)).layout_epoch for a in _members(old_sets)}
     if len(epochs) != 1:
@@ -93,12 +103,33 @@ def reshard(
             f"reshard: the shards at {current} serve different layouts (epochs {sorted(epochs)})"
         )
     epoch = epochs.pop() + 1
+    with _heartbeat(call, processes):
+        return _move(call, old_sets, new_sets, layout, epoch, timeout_s, hold_timeout_s, pace)
+
+
+def _move(
+    call: _Calls,
+    old_sets: list[list[str]],
+    new_sets: list[list[str]],
+    layout: str,
+    epoch: int,
+    timeout_s: float,
+    hold_timeout_s: float,
+    pace: float,
+) -> dict[str, Any]:
+    """The steps of a re-shard from `old_sets` to `new_sets` (`layout`),
+    switching at layout epoch `epoch`."""
+    from tf_dlt.proto import dlt_pb2
+
+    step = dlt_pb2.ReshardRequest
+    primaries = [replicas[0] for replicas in old_sets]
+    processes = _members(old_sets + new_sets)
     began = time.monotonic()
     try:
         for address in processes:
             call(address, step(
-                step=step.PREPARE, shard_index=_index_in(address, new_sets), num_shards=len(to),
-                layout=layout, from_layout=_layout(old_sets),
+                step=step.PREPARE, shard_index=_index_in(address, new_sets),
+                num_shards=len(new_sets), layout=layout, from_layout=_layout(old_sets),
             ))  # fmt: skip
         for address in primaries:
             call(address, step(step=step.STREAM, targets=layout.split(","), pace=pace))
@@ -157,26 +188,125 @@ def _undo(call: Callable[[str, Any], Any], processes: list[str], epoch: int, old
 class _Calls:
     """Reshard steps to shard processes by data-plane address, each one's
     admin stub made when first needed (from its Hello: a standby greets a
-    replica's Hello only)."""
+    replica's Hello only). Every step carries this coordinator's id and
+    lease."""
 
-    def __init__(self, stub_for: Callable[[str, int], Any], token: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        stub_for: Callable[[str, int], Any],
+        token: str,
+        timeout_s: float,
+        lease_s: float = LEASE_S,
+    ) -> None:
         self._stub_for, self._token, self._timeout_s = stub_for, token, timeout_s
         self._metadata = grpc_util.bearer(token)
         self._stubs: dict[str, Any] = {}
+        self._stubs_lock = threading.Lock()
+        self.coordinator, self.lease_s = secrets.token_hex(8), lease_s
 
     def __call__(self, address: str, request: Any) -> Any:
-        if address not in self._stubs:
+        from tf_dlt.proto import dlt_pb2
+
+        stamped = dlt_pb2.ReshardRequest()
+        stamped.CopyFrom(request)
+        stamped.coordinator, stamped.lease_s = self.coordinator, self.lease_s
+        return self._send(address, stamped)
+
+    def _send(self, address: str, request: Any) -> Any:
+        with self._stubs_lock:
+            stub = self._stubs.get(address)
+        if stub is None:
             try:
                 hello = _native.hello(address, self._token)
             except errors.UnavailableError:
                 hello = _native.hello(address, self._token, replica=True)
-            self._stubs[address] = self._stub_for(address, int(hello["admin_port"]))
+            stub = self._stub_for(address, int(hello["admin_port"]))
+            with self._stubs_lock:
+                stub = self._stubs.setdefault(address, stub)
         try:
-            return self._stubs[address].Reshard(
-                request, timeout=self._timeout_s, metadata=self._metadata
-            )
+            return stub.Reshard(request, timeout=self._timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise grpc_util.error_from_rpc(e, f"reshard step {request.step} on {address}") from e
+
+
+@contextlib.contextmanager
+def _heartbeat(call: _Calls, processes: list[str]) -> Iterator[None]:
+    """Steps every process (STATUS) four times a lease while the block
+    runs, so none takes this coordinator for dead while a long step (a
+    HOLD waiting for writes in flight, a stream catching up) keeps it from
+    stepping them."""
+    from tf_dlt.proto import dlt_pb2
+
+    stop = threading.Event()
+    status = dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.STATUS)
+
+    def beat() -> None:
+        while not stop.wait(call.lease_s / 4):
+            for address in processes:
+                with contextlib.suppress(errors.DltError):
+                    call(address, status)
+
+    thread = threading.Thread(target=beat, name="reshard-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _wait_out_others(call: _Calls, known: list[str]) -> None:
+    """Waits while another coordinator's re-shard holds processes of
+    `known` (one that stepped them within its lease): until its lease
+    passes with no step (it died: the caller may then finish or undo its
+    re-shard), or raises if it keeps going past that wait, or ended
+    meanwhile (the layout this caller planned from may be gone)."""
+    from tf_dlt.proto import dlt_pb2
+
+    status = dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.STATUS)
+    deadline, seen = None, ""
+    while True:
+        others = []
+        for address in known:
+            try:
+                s = call(address, status)
+            except errors.DltError:
+                continue
+            if s.plan_to and s.coordinator and s.coordinator != call.coordinator:
+                seen = seen or f"from {s.plan_from} to {s.plan_to}"
+                if s.coordinator_idle_s < s.lease_s:
+                    others.append((address, s))
+        if not others:
+            if seen and not any(
+                (s := _status_or_none(call, a, status)) is not None and s.plan_to for a in known
+            ):
+                raise errors.FailedPreconditionError(
+                    f"reshard: another re-shard ({seen}) ended while this one waited: run this "
+                    "again against the layout served now"
+                )
+            return
+        address, s = others[0]
+        if deadline is None:
+            deadline = time.monotonic() + max(o.lease_s for _, o in others) + 2.0
+            log.warning(
+                "reshard: another re-shard (from %s to %s) is under way; waiting for it to end "
+                "or for its coordinator's lease (%.0f s) to pass", s.plan_from, s.plan_to,
+                s.lease_s,
+            )  # fmt: skip
+        if time.monotonic() > deadline:
+            raise errors.FailedPreconditionError(
+                f"reshard: another re-shard (from {s.plan_from} to {s.plan_to}) is under way: "
+                f"its coordinator stepped {address} {s.coordinator_idle_s:.1f} s ago; run this "
+                "again once it has ended"
+            )
+        time.sleep(0.25)
+
+
+def _status_or_none(call: _Calls, address: str, status: Any) -> Any:
+    try:
+        return call(address, status)
+    except errors.DltError:
+        return None
 
 
 def _layout(sets: list[list[str]]) -> str:
@@ -221,7 +351,7 @@ def _release(call: Callable[[str, Any], Any], processes: list[str]) -> list[str]
     return left
 
 
-def _finish_earlier(call: Callable[[str, Any], Any], known: list[str]) -> dict[str, Any] | None:
+def _finish_earlier(call: _Calls, known: list[str]) -> dict[str, Any] | None:
     """Finishes or undoes a re-shard whose coordinator died (or was cut off)
     part way, which may have left writes held. Every process that took part
     keeps the plan (the layouts from and to) until RELEASE or ABORT, so all
@@ -235,6 +365,7 @@ def _finish_earlier(call: Callable[[str, Any], Any], known: list[str]) -> dict[s
     from tf_dlt.proto import dlt_pb2
 
     step = dlt_pb2.ReshardRequest
+    _wait_out_others(call, known)
     statuses: dict[str, Any] = {}
 
     def status(address: str) -> Any:

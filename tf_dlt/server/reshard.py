@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from tf_dlt import _native, errors, routing
@@ -49,6 +50,33 @@ class ReshardSteps:
         self._held = False  # guarded by _lock
         # The re-shard taken part in: the layouts from and to; guarded by _lock.
         self._plan = ("", "")
+        # Its coordinator: id, when it last stepped this process
+        # (monotonic), its lease; guarded by _lock.
+        self._holder = ("", 0.0, 0.0)
+
+    def admit(self, coordinator: str, lease_s: float, status_only: bool) -> None:
+        """Before a step from `coordinator` (a random id; "" for none): while
+        this process takes part in a re-shard whose coordinator stepped it
+        within its lease, another coordinator may read its STATUS only (two
+        coordinators at once would undo or switch each other's steps). A
+        step from the holder, or any step once no live one holds it, makes
+        (or keeps) its sender the holder."""
+        now = time.monotonic()
+        with self._lock:
+            holder, last, lease = self._holder
+            busy = bool(self._plan[1] or self._held or self._streams)
+            live = busy and bool(holder) and now - last < lease
+            if coordinator and live and coordinator != holder:
+                if status_only:
+                    return
+                raise errors.FailedPreconditionError(
+                    f"shard {self._shard.shard_index} takes part in another re-shard (from "
+                    f"{self._plan[0]} to {self._plan[1]}), whose coordinator stepped it "
+                    f"{now - last:.1f} s ago: run this one once that has ended (or once its "
+                    f"coordinator has been gone {lease:.0f} s)"
+                )
+            if coordinator and (not status_only or coordinator == holder):
+                self._holder = (coordinator, now, float(lease_s) or 10.0)
 
     def prepare(
         self, shard_index: int, num_shards: int, why_not: str | None, plan: tuple[str, str]
@@ -165,7 +193,11 @@ class ReshardSteps:
             streams = [s.status() for s in self._streams]
             held = self._held
             plan = self._plan
+            holder, last, lease = self._holder if plan[1] else ("", 0.0, 0.0)
         return {
+            "coordinator": holder,
+            "coordinator_idle_s": time.monotonic() - last if holder else 0.0,
+            "lease_s": lease,
             "prepared": prepared is not None,
             "shard_index": prepared[0] if prepared else 0,
             "num_shards": prepared[1] if prepared else 0,

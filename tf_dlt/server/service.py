@@ -261,6 +261,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             raise errors.FailedPreconditionError("this server takes no part in re-shards")
         step = request.step
         kinds = dlt_pb2.ReshardRequest
+        steps.admit(request.coordinator, request.lease_s, step == kinds.STATUS)
         if step == kinds.PREPARE:
             # Not while a save or load runs, nor between a load's phases; a
             # save or load waits for the re-shard's end (they refuse meanwhile).
@@ -300,7 +301,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             ],
             layout_epoch=s["layout_epoch"], layout=s["layout"], writes_held=s["writes_held"],
             switched=s["switched"], plan_from=s["plan_from"], plan_to=s["plan_to"],
-            standby=s["standby"],
+            standby=s["standby"], coordinator=s["coordinator"],
+            coordinator_idle_s=s["coordinator_idle_s"], lease_s=s["lease_s"],
         )  # fmt: skip
 
     def _not_resharding(self, what: str) -> None:
