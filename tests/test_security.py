@@ -441,3 +441,67 @@ def test_load_from_is_held_to_the_checkpoint_roots(tmp_path: Path) -> None:
         assert tf_dlt.Client([server.address]).list_tables()["t"]["rows"] == 10
     finally:
         server.stop()
+
+
+def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> None:
+    """Found by following docs/server.md and docs/security.md as an operator:
+    each of these started a shard that misbehaved later, or failed with a
+    traceback or a misleading reason."""
+    import socket
+
+    def server(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tf_dlt.server", "--bind", "127.0.0.1", *flags],
+            capture_output=True, text=True, timeout=120, cwd="/",
+        )  # fmt: skip
+
+    def refused(out: subprocess.CompletedProcess[str], says: str) -> None:
+        assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+
+    # 70000 was taken modulo 65536 (port 4464); 0 s timeouts meant 1 ms.
+    refused(server("--port", "70000"), "a port is 0-65535")
+    refused(server("--port", "0", "--metrics-port", "70000"), "a port is 0-65535")
+    refused(server("--port", "0", "--io-timeout", "0"), "must be > 0 seconds")
+    refused(server("--port", "0", "--shard-index", "-1"), "must be >= 0")
+    # A token no Hello can carry (the wrong file): refused, not served.
+    big = tmp_path / "big-token"
+    big.write_text("x" * 5000)
+    refused(server("--port", "0", "--auth-token-file", str(big)), "a token has at most 4096")
+    # The token pasted where its file goes is never echoed.
+    refused(server("--port", "0", "--auth-token-file", "s3cr3t-TOKEN"), "No such file")
+    assert "s3cr3t" not in server("--port", "0", "--auth-token-file", "s3cr3t-TOKEN").stderr
+    # A key of another certificate: gRPC failed to bind, "in use by another process".
+    pki = Pki(tmp_path / "pki")
+    cert, _ = pki.issue("shard", server=True)
+    _, other_key = pki.issue("other", server=True)
+    refused(
+        server("--port", "0", "--tls-cert", cert, "--tls-key", other_key),
+        "are not a certificate and its private key",
+    )
+    # A busy metrics port is named.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        refused(server("--port", "0", "--metrics-port", port), "(--metrics-port)")
+    # The command line tools: a message, not a traceback.
+    for flags, says in (
+        (["--auth-token-file", "s3cr3t-TOKEN"], "cannot read --auth-token-file"),
+        (["--tls-cert", cert], "--tls-cert and --tls-key need --tls-ca"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "tf_dlt.tools.cli", "stats", "--pservers", "127.0.0.1:1",
+             *flags],
+            capture_output=True, text=True, timeout=120, cwd="/",
+        )  # fmt: skip
+        assert out.returncode == 1 and says in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and "s3cr3t" not in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", "1", "--workers",
+         "1", "--", "/nonexistent/trainer"],
+        capture_output=True, text=True, timeout=180, cwd="/",
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "cannot start the trainer command '/nonexistent/trainer'" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr

@@ -61,6 +61,20 @@ def address_list(pservers: Sequence[str] | str) -> list[str]:
     return list(pservers)
 
 
+def _looks_like_tls(error: grpc.RpcError) -> bool:
+    """Whether an UNAVAILABLE control-plane call may have met TLS on one side
+    only: gRPC then says the socket closed or the handshake failed. A shard
+    that died or is stopping says so otherwise (the stream removed, calls
+    cancelled, the connection refused): no TLS hint for those."""
+    details = str(error.details() or "")
+    lowered = details.lower()
+    if any(gone in details for gone in ("Stream removed", "Cancelling", "Connection refused")):
+        return False
+    return "Socket closed" in details or any(
+        sign in lowered for sign in ("handshake", "ssl", "certificate", "tls")
+    )
+
+
 class Client:
     """Client of the shard servers of one cluster.
 
@@ -248,7 +262,7 @@ class Client:
                     except (grpc.RpcError, errors.DltError):
                         pass
                 error = grpc_util.error_from_rpc(e, f"shard {i} ({self.pservers[i]}) {method}")
-                if isinstance(error, errors.UnavailableError):
+                if isinstance(error, errors.UnavailableError) and _looks_like_tls(e):
                     error = errors.UnavailableError(f"{error}{self._tls_hint()}")
                 results.append(error)
         return results

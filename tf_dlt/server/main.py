@@ -7,23 +7,29 @@ import ipaddress
 import logging
 import os
 import signal
+import ssl
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from tf_dlt import _native, errors, sizes
 from tf_dlt.server.shard_server import ShardServer
+
+# The longest token a Hello carries (the wire protocol's limit).
+MAX_TOKEN_BYTES = 4096
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(
         prog="tf-dlt server", description="Serve one shard of tf_dlt's distributed tables."
     )
-    p.add_argument("--port", type=int, default=7000, help="data-plane port (0: any free port)")
-    p.add_argument("--admin-port", type=int, default=0, help="gRPC control-plane port (0: any)")
-    p.add_argument("--shard-index", type=int, default=0, help="this shard's index")
-    p.add_argument("--num-shards", type=int, default=1, help="number of shards in the cluster")
+    p.add_argument("--port", type=_port, default=7000, help="data-plane port (0: any free port)")
+    p.add_argument("--admin-port", type=_port, default=0, help="gRPC control-plane port (0: any)")
+    p.add_argument("--shard-index", type=_at_least(0), default=0, help="this shard's index")
+    p.add_argument(
+        "--num-shards", type=_at_least(1), default=1, help="number of shards in the cluster"
+    )
     p.add_argument(
         "--join",
         action="store_true",
@@ -67,7 +73,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="connections yet to say Hello; past it the oldest is closed",
     )
     p.add_argument(
-        "--hello-timeout", type=float, default=5.0, help="seconds a connection has to say Hello"
+        "--hello-timeout",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds a connection has to say Hello",
     )
     p.add_argument(
         "--idle-timeout",
@@ -77,7 +86,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--io-timeout",
-        type=float,
+        type=_positive_seconds,
         default=30.0,
         help="seconds for the rest of a started frame to arrive and for a reply to be taken",
     )
@@ -197,7 +206,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         help="serve Prometheus metrics over HTTP on this port (0: any free port; default: off)",
     )
@@ -208,6 +217,42 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (a larger number was taken modulo 65536: a typo
+    served on another port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free one), got {port}")
+    return port
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    """Seconds > 0 (0 was taken as 1 ms: every frame timed out)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
 
 
 def _size(text: str) -> int:
@@ -240,15 +285,37 @@ def run(args: argparse.Namespace) -> int:
         try:
             with open(args.auth_token_file, encoding="utf-8") as f:
                 token = f.read().strip()
-        except OSError as e:
-            log.error("cannot read --auth-token-file: %s", e)
+        except (OSError, UnicodeDecodeError) as e:
+            # Not the path itself: a token pasted in its place would be logged.
+            reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            log.error("cannot read --auth-token-file: %s", reason)
             return 2
         if not token:
             log.error("--auth-token-file %s is empty", args.auth_token_file)
             return 2
+        if len(token.encode()) > MAX_TOKEN_BYTES:
+            log.error(
+                "the token in --auth-token-file is %d bytes; a token has at most %d (no client "
+                "could say Hello: the wrong file?)", len(token.encode()), MAX_TOKEN_BYTES,
+            )  # fmt: skip
+            return 2
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         log.error("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
         return 2
+    if args.tls_cert:
+        try:  # a key of another certificate made gRPC fail to bind, "in use by another process"
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                args.tls_cert, args.tls_key
+            )
+        except ssl.SSLError as e:
+            log.error(
+                "--tls-cert %s and --tls-key %s are not a certificate and its private key: %s",
+                args.tls_cert, args.tls_key, e,
+            )  # fmt: skip
+            return 2
+        except OSError as e:
+            log.error("cannot read the TLS certificate or key: %s", e)
+            return 2
     if not token and not args.insecure and not is_loopback(args.bind):
         log.error(
             "refusing to serve %s without a token: anyone who reaches it could read, change and "

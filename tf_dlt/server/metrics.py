@@ -248,7 +248,12 @@ def serve(servicer: ShardAdminServicer, bind: str, port: int) -> tuple[Any, int]
     """Starts the /metrics HTTP endpoint; returns (server, bound port)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ShardCollector(servicer))
-    server, thread = start_http_server(port, addr=bind, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=bind, registry=registry)
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot serve metrics on {bind}:{port} (--metrics-port): {e.strerror}"
+        ) from None
     return (server, thread), int(server.server_port)
 
 

@@ -184,10 +184,15 @@ class Launch:
         for i in range(self.num_workers):
             spec = ClusterSpec(pservers, workers, "worker", i)
             env = {**os.environ, "TF_CONFIG": spec.to_env(), "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(
-                self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+            try:
+                proc = subprocess.Popen(
+                    self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+            except OSError as e:  # no such program, not executable: the run fails cleanly
+                raise RuntimeError(
+                    f"cannot start the trainer command {self.command[0]!r}: {e.strerror}"
+                ) from None
             self.workers.append(proc)
             assert proc.stdout is not None
             t = threading.Thread(
