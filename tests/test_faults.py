@@ -177,6 +177,44 @@ def test_training_recovers_when_every_process_of_a_replicated_shard_is_lost(
         assert all(np.isfinite(history.history["loss"]))
 
 
+def test_training_recovers_from_a_shard_restarted_empty_before_its_clients_noticed(
+    tmp_path: Path,
+) -> None:
+    """A shard without standbys killed and restarted at once (its supervisor
+    was quick): the trainer's next call reaches it, serving, with none of the
+    model's tables, and failed NotFoundError, which resilient_fit did not take
+    for a lost shard. It now reloads the last checkpoint and goes on."""
+    with LocalCluster(2, workdir=tmp_path / "cluster") as cluster:
+        inp = keras.Input((3,), dtype="int64")
+        emb = Embedding(output_dim=4, is_distributed=True, optimizer="adagrad", name="emptied")
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer="adam", loss="mse")
+        model = tf_dlt.transpile(model, cluster.addresses, request_timeout=20)
+        rng = np.random.default_rng(3)
+        x, y = rng.integers(0, 2000, size=(256, 3)), rng.normal(size=(256, 1)).astype("float32")
+
+        class Restart(keras.callbacks.Callback):  # type: ignore[misc]
+            epoch = 0
+            done = False
+
+            def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
+                self.epoch = epoch
+
+            def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+                if self.epoch == 1 and batch == 3 and not Restart.done:
+                    Restart.done = True
+                    cluster.kill(1)
+                    cluster.restart(1)  # serving again, empty, before the next step
+
+        history = tf_dlt.resilient_fit(
+            model, x, y, checkpoint=str(tmp_path / "ck"), epochs=3, batch_size=16, verbose=0,
+            callbacks=[Restart()],
+        )  # fmt: skip
+        assert Restart.done and history.restarts == 1
+        assert history.epoch == [0, 1, 2]
+        assert all(np.isfinite(history.history["loss"]))
+
+
 def test_training_recovers_from_a_shard_lost_before_the_first_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -166,12 +166,19 @@ def test_a_fit_keeps_its_epochs_under_steps_per_execution_and_drops_what_it_left
     steps = len(y) // BATCH
     assert used == [2 * steps, 4 * steps, 6 * steps]
 
+    before = _stats(remote)
+
     class Stop(keras.callbacks.Callback):  # type: ignore[misc]
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
             if batch >= 4:
+                # Once the input pipeline has begun pulls for batches past
+                # this call (on a loaded machine it may not have yet).
+                deadline = time.monotonic() + 30
+                while _stats(remote)["pulls_ahead"] - before["pulls_ahead"] <= 2 * 5:
+                    assert time.monotonic() < deadline, "the pipeline never got ahead"
+                    time.sleep(0.01)
                 self.model.stop_training = True
 
-    before = _stats(remote)
     remote.fit(ds, epochs=3, verbose=0, callbacks=[Stop()])
     stats = {k: v - before[k] for k, v in _stats(remote).items() if k.startswith("pulls_ahead")}
     assert stats["pulls_ahead_used"] == 2 * 5  # one call of 5 steps

@@ -55,6 +55,18 @@ SHARD_LOST = (
 )
 
 
+def _lacks_tables(model: keras.Model, pservers: Sequence[str], token: str) -> bool:
+    """Whether some shard now holds none of one of the model's tables (it
+    restarted empty), or cannot say (it is down)."""
+    names = {holder.table_name for holder in table_holders(model)}
+    try:
+        with Client(list(pservers), auth_token=token) as client:
+            stats = client.stats()
+    except errors.DltError:
+        return True
+    return any(not names <= {t["config"]["name"] for t in s.get("tables", [])} for s in stats)
+
+
 def wait_for_shards(
     pservers: Sequence[str], auth_token: str = "", timeout: float = 600.0, poll: float = 1.0
 ) -> float:
@@ -157,6 +169,17 @@ def resilient_fit(
                 raise
             restarts += 1
             log.warning("lost a shard (%s); recovery %d of %d", e, restarts, max_restarts)
+        except (tf.errors.NotFoundError, errors.NotFoundError) as e:
+            # A shard restarted before its clients noticed (no standby, or a
+            # replica set whose reload went to a member that then followed
+            # the other): it answers, without the model's tables.
+            if restarts >= max_restarts or not _lacks_tables(model, pservers, token):
+                raise
+            restarts += 1
+            log.warning(
+                "a shard lacks the model's tables (%s): it restarted empty; recovery %d of %d",
+                e, restarts, max_restarts,
+            )  # fmt: skip
         waited = wait_for_shards(pservers, token, wait_timeout)
         _drain(model)
         if saver.saved:
