@@ -117,6 +117,20 @@ def test_training_recovers_from_a_killed_shard(
         assert (tmp_path / "ck" / f"epoch-{epoch}" / "tf_dlt_model.json").exists()
 
 
+def _model_on(
+    cluster: LocalCluster, name: str, seed: int
+) -> tuple[keras.Model, np.ndarray, np.ndarray]:
+    """A Functional model whose table `name` (Adagrad) is on `cluster`, and
+    256 examples of 3 ids for it."""
+    inp = keras.Input((3,), dtype="int64")
+    emb = Embedding(output_dim=4, is_distributed=True, optimizer="adagrad", name=name)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(seed)
+    x, y = rng.integers(0, 2000, size=(256, 3)), rng.normal(size=(256, 1)).astype("float32")
+    return tf_dlt.transpile(model, cluster.addresses, request_timeout=20), x, y
+
+
 def test_training_recovers_when_every_process_of_a_replicated_shard_is_lost(
     tmp_path: Path,
 ) -> None:
@@ -127,13 +141,7 @@ def test_training_recovers_when_every_process_of_a_replicated_shard_is_lost(
     resilient_fit reloads the last checkpoint and goes on through the same
     clients (they refused the restarted set as older than epoch 2)."""
     with LocalCluster(2, workdir=tmp_path / "cluster", replicas=2) as cluster:
-        inp = keras.Input((3,), dtype="int64")
-        emb = Embedding(output_dim=4, is_distributed=True, optimizer="adagrad", name="faulty")
-        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
-        model.compile(optimizer="adam", loss="mse")
-        model = tf_dlt.transpile(model, cluster.addresses, request_timeout=20)
-        rng = np.random.default_rng(2)
-        x, y = rng.integers(0, 2000, size=(256, 3)), rng.normal(size=(256, 1)).astype("float32")
+        model, x, y = _model_on(cluster, "faulty", seed=2)
         restarts: list[threading.Timer] = []
 
         def standby_caught_up() -> bool:
@@ -185,13 +193,7 @@ def test_training_recovers_from_a_shard_restarted_empty_before_its_clients_notic
     model's tables, and failed NotFoundError, which resilient_fit did not take
     for a lost shard. It now reloads the last checkpoint and goes on."""
     with LocalCluster(2, workdir=tmp_path / "cluster") as cluster:
-        inp = keras.Input((3,), dtype="int64")
-        emb = Embedding(output_dim=4, is_distributed=True, optimizer="adagrad", name="emptied")
-        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
-        model.compile(optimizer="adam", loss="mse")
-        model = tf_dlt.transpile(model, cluster.addresses, request_timeout=20)
-        rng = np.random.default_rng(3)
-        x, y = rng.integers(0, 2000, size=(256, 3)), rng.normal(size=(256, 1)).astype("float32")
+        model, x, y = _model_on(cluster, "emptied", seed=3)
 
         class Restart(keras.callbacks.Callback):  # type: ignore[misc]
             epoch = 0
