@@ -665,6 +665,19 @@ class Client:
 TOKEN_FILE_ENV = "TF_DLT_AUTH_TOKEN_FILE"
 
 
+def read_token_file(path: str, named_by: str = "--auth-token-file") -> str:
+    """The token in file `path` (surrounding whitespace dropped). A file
+    that cannot be read is InvalidArgumentError naming `named_by` and the
+    system's reason, never the path: a token pasted where its file goes
+    would be printed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise errors.InvalidArgumentError(f"cannot read {named_by}: {reason}") from None
+
+
 def token_from_env() -> str:
     """The token in the file TF_DLT_AUTH_TOKEN_FILE names (trailing
     whitespace dropped), "" when it is unset: what clients given no token

@@ -266,20 +266,19 @@ def _wait_out_others(call: _Calls, known: list[str]) -> None:
     status = dlt_pb2.ReshardRequest(step=dlt_pb2.ReshardRequest.STATUS)
     deadline, seen = None, ""
     while True:
-        others = []
+        others, planned = [], False
         for address in known:
             try:
                 s = call(address, status)
             except errors.DltError:
                 continue
+            planned |= bool(s.plan_to)
             if s.plan_to and s.coordinator and s.coordinator != call.coordinator:
                 seen = seen or f"from {s.plan_from} to {s.plan_to}"
                 if s.coordinator_idle_s < s.lease_s:
                     others.append((address, s))
         if not others:
-            if seen and not any(
-                (s := _status_or_none(call, a, status)) is not None and s.plan_to for a in known
-            ):
+            if seen and not planned:
                 raise errors.FailedPreconditionError(
                     f"reshard: another re-shard ({seen}) ended while this one waited: run this "
                     "again against the layout served now"
@@ -300,13 +299,6 @@ def _wait_out_others(call: _Calls, known: list[str]) -> None:
                 "again once it has ended"
             )
         time.sleep(0.25)
-
-
-def _status_or_none(call: _Calls, address: str, status: Any) -> Any:
-    try:
-        return call(address, status)
-    except errors.DltError:
-        return None
 
 
 def _layout(sets: list[list[str]]) -> str:

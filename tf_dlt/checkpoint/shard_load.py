@@ -485,10 +485,13 @@ def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None
             )
 
 
-def load_shard(path: str, shard: _native.Shard) -> dict[str, Any]:
+def load_shard(
+    path: str, shard: _native.Shard, allow: Callable[[str], str | None] | None = None
+) -> dict[str, Any]:
     """Reads the rows this shard owns from checkpoint `path` and installs
-    them (see `prepare_load`); a failed load leaves the shard as it was."""
-    staged = prepare_load(path, shard)
+    them (see `prepare_load`, and its `allow`); a failed load leaves the
+    shard as it was."""
+    staged = prepare_load(path, shard, allow)
     shard.install_tables(staged["staged"])
     return staged
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 
 from tf_dlt import _native, errors, sizes
+from tf_dlt.client import read_token_file
 from tf_dlt.server.shard_server import ShardServer
 
 # The longest token a Hello carries (the wire protocol's limit).
@@ -283,12 +284,9 @@ def run(args: argparse.Namespace) -> int:
     token = ""
     if args.auth_token_file:
         try:
-            with open(args.auth_token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            # Not the path itself: a token pasted in its place would be logged.
-            reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-            log.error("cannot read --auth-token-file: %s", reason)
+            token = read_token_file(args.auth_token_file)
+        except errors.DltError as e:
+            log.error("%s", e)
             return 2
         if not token:
             log.error("--auth-token-file %s is empty", args.auth_token_file)

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from tf_dlt import _native, errors, routing
+from tf_dlt.reshard import LEASE_S
 from tf_dlt.server.replication import Standbys
 
 log = logging.getLogger("tf_dlt.server")
@@ -76,7 +77,7 @@ class ReshardSteps:
                     f"coordinator has been gone {lease:.0f} s)"
                 )
             if coordinator and (not status_only or coordinator == holder):
-                self._holder = (coordinator, now, float(lease_s) or 10.0)
+                self._holder = (coordinator, now, float(lease_s) or LEASE_S)
 
     def prepare(
         self, shard_index: int, num_shards: int, why_not: str | None, plan: tuple[str, str]

@@ -186,6 +186,9 @@ class ShardServer:
             )
         if storage_dir and not memory_budget:
             raise ValueError("storage_dir needs a memory_budget: rows move to disk past it")
+        roots = paths.CheckpointRoots(checkpoint_roots)
+        if load_from:  # refused at once, before the process starts serving
+            roots.check(load_from, "Load")
         self.shard = _native.Shard(shard_index, num_shards)
         self.shard.configure_memory(memory_budget, storage_dir or "")
         self._sweep_interval_ms = max(1, int(sweep_interval_s * 1000))
@@ -217,7 +220,7 @@ class ShardServer:
         self.servicer = service.ShardAdminServicer(
             self.shard,
             self.data_server,
-            paths.CheckpointRoots(checkpoint_roots),
+            roots,
             load_timeout_s=load_timeout_s,
         )
         self._read_only = read_only
@@ -235,10 +238,8 @@ class ShardServer:
         self._takeover_after_s = takeover_after_s
         self._replica_set = list(replica_set)
         self.follower: Follower | None = None
-        if load_from:  # refused at once, before the process starts serving
-            paths.CheckpointRoots(checkpoint_roots).check(load_from, "Load")
         if follow:
-            paths.CheckpointRoots(checkpoint_roots).check(follow, "Follow")
+            roots.check(follow, "Follow")
             self.follower = Follower(
                 self.shard, follow, follow_interval_s, on_change=self._follow_changed,
                 reading=self.servicer.reading,
@@ -300,8 +301,7 @@ class ShardServer:
     def _load(self) -> dict[str, Any]:
         assert self._load_from is not None
         with self.servicer.reading() as allow:  # the checkpoint roots hold here too
-            result = shard_files.prepare_load(self._load_from, self.shard, allow)
-        self.shard.install_tables(result["staged"])
+            result = shard_files.load_shard(self._load_from, self.shard, allow)
         rows = sum(t["rows"] for t in result["tables"])
         log.info("loaded %d rows from %s in %.2f s", rows, self._load_from, result["seconds"])
         return result

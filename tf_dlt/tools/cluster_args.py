@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tf_dlt import errors
-from tf_dlt.client import Client, address_list
+from tf_dlt.client import Client, address_list, read_token_file
 from tf_dlt.tls import TlsConfig
 
 
@@ -28,13 +28,7 @@ def client(args: argparse.Namespace) -> Client:
     """A client of the cluster the arguments name."""
     token = ""
     if args.auth_token_file:
-        try:
-            with open(args.auth_token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            # Not the path itself: a token pasted in its place would be printed.
-            reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-            raise errors.InvalidArgumentError(f"cannot read --auth-token-file: {reason}") from None
+        token = read_token_file(args.auth_token_file)
     if (args.tls_cert or args.tls_key) and not args.tls_ca:
         raise errors.InvalidArgumentError(
             "--tls-cert and --tls-key need --tls-ca (without it the client speaks plaintext)"
