@@ -217,6 +217,37 @@ def test_training_recovers_from_a_shard_restarted_empty_before_its_clients_notic
         assert all(np.isfinite(history.history["loss"]))
 
 
+def test_a_shard_restarted_from_a_checkpoint_is_never_used_silently(tmp_path: Path) -> None:
+    """A shard without standbys restarted at once from a checkpoint
+    (`--load-from`, as a supervisor may): the long-lived clients' next call,
+    a pull or a push, fails DataLossError naming the shard, and the calls
+    after it use the restarted process. Before, they read the checkpoint's
+    rows and pushed on top of them as if nothing had happened: the rows
+    pushed since the save were gone on that shard only, unnoticed."""
+    with LocalCluster(2, workdir=tmp_path / "cluster") as cluster:
+        ids = np.arange(200, dtype=np.int64)
+        ones = np.ones((200, 4), np.float32)
+        puller, pusher = tf_dlt.Client(cluster.addresses), tf_dlt.Client(cluster.addresses)
+        puller.create_table("emb", 4, optimizer="sgd")
+        pusher.push("emb", ids, ones, 1.0)
+        puller.save(str(tmp_path / "ck"))
+        saved = puller.pull("emb", ids)
+        pusher.push("emb", ids, ones, 1.0)
+        trained = puller.pull("emb", ids)
+        cluster.kill(1)
+        cluster.restart(1, "--load-from", str(tmp_path / "ck"))
+        with pytest.raises(errors.DataLossError, match="shard 1"):
+            puller.pull("emb", ids)
+        with pytest.raises(errors.DataLossError, match="shard 1"):
+            pusher.push("emb", ids, ones, 1.0)
+        now = puller.pull("emb", ids)
+        on_1 = (now == saved).all(axis=1)
+        assert 0 < on_1.sum() < len(ids)  # shard 1's rows: the checkpoint's
+        np.testing.assert_array_equal(now[~on_1], trained[~on_1])
+        pusher.push("emb", ids, ones, 1.0)  # goes on
+        np.testing.assert_array_equal(puller.pull("emb", ids), now - 1.0)
+
+
 def test_training_recovers_from_a_shard_lost_before_the_first_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

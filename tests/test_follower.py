@@ -155,6 +155,28 @@ def test_a_broken_delta_keeps_followers_serving_what_they_have(
         np.testing.assert_array_equal(f.pull("t", ids), latest)
 
 
+def test_a_follower_restarted_serves_its_clients_on(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A read-only shard serves checkpoints, not rows written to one process:
+    a client that met a follower goes on, with no error, against the
+    follower restarted in its place (a training shard restarted fails the
+    next call DataLossError: tests/test_faults.py)."""
+    run = tmp_path / "run"
+    ids = np.arange(500, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        c1 = _start_run(c, ids, run)
+    followers = start_cluster(1, "--read-only", "--follow", str(run), "--follow-interval", "0.1")
+    first = manifest.read_manifest(str(run / "c1"))["save_id"]
+    _wait_for(followers, _serving(first))
+    with followers.client() as f:
+        np.testing.assert_array_equal(f.pull("t", ids), c1)
+        followers.kill(0)
+        followers.restart(0)
+        _wait_for(followers, _serving(first))
+        np.testing.assert_array_equal(f.pull("t", ids), c1)
+
+
 @pytest.mark.cluster
 def test_follower_reports_in_stats_and_metrics(tmp_path: Path) -> None:
     from urllib.request import urlopen

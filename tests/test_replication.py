@@ -98,7 +98,10 @@ def test_a_primary_restarted_empty_never_wipes_its_standby(tmp_path) -> None:  #
     """A primary killed and started again at its address before its standby
     took over (a supervisor restarting it at once) holds none of the rows:
     the standby takes over instead of copying the empty restart, and
-    clients take the standby (its epoch is newer)."""
+    clients take the standby (its epoch is newer). A client that met the
+    primary never uses the restart (another lineage) while the standby of
+    the copy it met may take over: its calls wait, then go on against the
+    standby. Before, it used the empty restart for good (NotFoundError)."""
     with LocalCluster(
         1, "--takeover-after", "30", workdir=tmp_path / "cluster", replicas=2
     ) as cluster:
@@ -107,11 +110,16 @@ def test_a_primary_restarted_empty_never_wipes_its_standby(tmp_path) -> None:  #
         ids = np.arange(300, dtype=np.int64)
         client.push("emb", ids, np.ones((300, DIM), np.float32), 0.1)
         before = client.pull("emb", ids)
+        wait_until(lambda: _caught_up(cluster, 0), "the standby")
         cluster.kill(0)
         cluster.restart(0, rejoin=False)  # an empty primary at the same address, at once
+        np.testing.assert_array_equal(client.pull("emb", ids), before)
+        client.push("emb", ids, np.ones((300, DIM), np.float32), 0.1)
+        pushed = client.pull("emb", ids)
+        assert not np.array_equal(pushed, before)
         wait_until(lambda: _stats(cluster, 0)["takeovers"] == 1, "the standby to take over")
         fresh = tf_dlt.Client(cluster.addresses)  # greets both: takes the newest copy
-        np.testing.assert_array_equal(fresh.pull("emb", ids), before)
+        np.testing.assert_array_equal(fresh.pull("emb", ids), pushed)
         assert "restarted with none of its rows: taking over" in cluster.log(1)
 
 

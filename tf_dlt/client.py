@@ -484,10 +484,16 @@ class Client:
         `tables`: load only these of the checkpoint's tables (a model's:
         `tf_dlt.load` passes them), leaving every other table on the shards
         as it is; None: every table the checkpoint holds.
+
+        The load replaces what the shards held: this client's pulls and
+        pushes take the shards' processes serving now from then on, even a
+        shard restarted since it met it (which would otherwise fail its next
+        call with DataLossError, docs/replication.md).
         """
         path = manifest.absolute(path)  # the shards' working directory is not ours
         with errors.storage_errors(f"reading {path}"):
             manifest.resolve_chain(path)  # fail fast, before any shard starts
+        self._data.regreet()
         load_id = secrets.token_hex(8)
         self._prepare_load(path, load_id, progress, tables)
         return self._commit_load(path, load_id)

@@ -248,6 +248,14 @@ def drop_pulled_ahead(client: ClientResource) -> None:
     load_library().dlt_drop_pulled_ahead(client=client.resource_handle)
 
 
+def regreet(client: ClientResource) -> None:
+    """Greets every shard again as a new client would, forgetting the copies
+    it met: a shard restarted since (another lineage, docs/replication.md)
+    fails none of its later calls with DataLossError. `tf_dlt.load` and
+    `resilient_fit` call it before loading a checkpoint onto every shard."""
+    load_library().dlt_regreet(client=client.resource_handle)
+
+
 def lookup_grad(ids: tf.Tensor, grads: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """(unique_ids, summed_grads): the gradient of looked-up rows
     (``ids.shape + [dim]``) summed per distinct id, in first-seen order."""

@@ -108,6 +108,12 @@ class Client {
 
   // Says Hello to every shard (if not done yet) and returns what they said.
   Status GetShardInfos(std::vector<ShardInfo>* infos);
+  // Greets every shard again as a new client would (the newest copy its
+  // addresses serve, of whatever lineage), forgetting the copies met
+  // before; pooled connections are closed. Before a checkpoint is loaded
+  // onto every shard (they agree again): a shard restarted meanwhile then
+  // fails no call of this client DATA_LOSS for rows the load replaces.
+  Status Regreet();
 
   // Rows of `ids` into `out` ([n, dim]); routed by bucket, one pipelined
   // exchange per touched shard, all shards at once. Retried once on a fresh
@@ -171,17 +177,23 @@ class Client {
   void Release(ShardState& shard, Conn conn);
   // Says Hello on `fd` (to `address`): checks the shard's place (ABORTED
   // when it serves a newer layout), refuses (UNAVAILABLE) a copy older than
-  // one met before, learns the standbys it names.
+  // one met before, or one of another lineage than the one met (a process
+  // started since: it holds none of the rows written before), learns the
+  // standbys it names.
   Status Hello(ShardState& shard, const std::string& address, int fd, wire::HelloReply* reply);
-  // After every address of `shard` refused a call, one of them as an older
-  // copy of another lineage (restarted_lineage): DATA_LOSS, and that
-  // lineage and its newest epoch are the shard's from now on, when each
-  // address serves that lineage, is a standby or replaced copy (its Hello
-  // UNAVAILABLE), or refuses connections, and one serves. A whole replica
-  // set restarted is followed so; a copy of the lineage met, or an address
-  // that does not answer, keeps the refusal (OK: the call's own error
-  // stands; docs/replication.md).
+  // After every address of `shard` refused a call, one of them as a copy of
+  // another lineage (restarted_lineage): DATA_LOSS, and that lineage and its
+  // newest epoch are the shard's from now on, when each address serves that
+  // lineage, is a standby (of another lineage than the one met) or a
+  // replaced copy (its Hello UNAVAILABLE), or refuses connections, and one
+  // serves. A shard restarted, or a whole replica set, is followed so; a
+  // copy of the lineage met (serving, or a standby that may take over), or
+  // an address that does not answer, keeps the refusal (OK: the call's own
+  // error stands; docs/replication.md).
   Status FollowRestart(ShardState& shard);
+  // Whether `address` is a standby of `shard` following a copy of `lineage`
+  // (it answers a replica's Hello naming it).
+  bool FollowsLineage(const ShardState& shard, const std::string& address, uint64_t lineage);
   // Uses `address` for `shard` from now on, with what its Hello said.
   void Adopt(ShardState& shard, const std::string& address, const wire::HelloReply& reply);
   uint32_t FrameLimit(ShardState& shard);

@@ -73,16 +73,25 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
                    ", newer than this client's " + std::to_string(st.layout_epoch));
   }
   std::lock_guard<std::mutex> lock(st.mu);
+  const bool other_lineage = reply->lineage != 0 && st.lineage != 0 && reply->lineage != st.lineage;
+  if (other_lineage) st.restarted_lineage = reply->lineage;
   if (reply->epoch < st.epoch) {
     // A primary that came back after its standby took over, or one cut off
     // from clients that moved on: never the copy to use. One of another
     // lineage may be a replica set restarted whole (FollowRestart).
-    if (reply->lineage != 0 && st.lineage != 0 && reply->lineage != st.lineage) {
-      st.restarted_lineage = reply->lineage;
-    }
     return Unavailable("shard " + std::to_string(st.index) + " at " + address + " is at epoch " +
                        std::to_string(reply->epoch) + ", older than epoch " +
                        std::to_string(st.epoch) + " this client met: its standby took over");
+  }
+  if (other_lineage && st.greeted) {
+    // A process that started since this client met the shard: it holds
+    // none of the rows written to the copy met (or a checkpoint's), while
+    // a standby of that copy may still take over. Used only once no
+    // address of the shard serves or follows that copy (FollowRestart),
+    // and then the call fails DATA_LOSS: never silently.
+    return Unavailable("shard " + std::to_string(st.index) + " at " + address +
+                       " is a process that started since this client met the shard (another "
+                       "lineage): the rows written to the shard before are not there");
   }
   st.epoch = reply->epoch;
   if (reply->lineage != 0) st.lineage = reply->lineage;
@@ -248,7 +257,12 @@ Status Client::FollowRestart(ShardState& st) {
     wire::HelloReply r;
     const Status s = net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, &r);
     net::CloseFd(fd);
-    if (s.code() == Code::kUnavailable) continue;  // a standby, or a copy replaced: serves none
+    if (s.code() == Code::kUnavailable) {
+      // A standby, or a copy replaced: serves none. A standby of the copy
+      // this client met may take over with every row: wait for it.
+      if (FollowsLineage(st, address, known)) return OkStatus();
+      continue;
+    }
     if (!s.ok() || r.lineage != candidate || r.shard_index != st.index ||
         r.num_shards != st.count) {
       return OkStatus();
@@ -271,6 +285,20 @@ Status Client::FollowRestart(ShardState& st) {
                   std::to_string(newest) +
                   " afresh (what they loaded, or nothing); the client uses them from now on. "
                   "Reload a checkpoint so that every shard agrees again");
+}
+
+bool Client::FollowsLineage(const ShardState& st, const std::string& address, uint64_t lineage) {
+  // Only a standby answers a replica's Hello; it names the lineage of the
+  // primary it follows (a replica set's member learning its role, its own).
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(std::min(options_.connect_timeout_ms, kAskLayoutMs));
+  int fd = -1;
+  if (!net::Connect(address, deadline, &fd).ok()) return false;
+  wire::HelloReply r;
+  const Status s = net::SayHello(fd, options_.auth_token, wire::kFlagTopology | wire::kFlagReplica,
+                                 0, deadline, &r);
+  net::CloseFd(fd);
+  return s.ok() && r.lineage == lineage && r.shard_index == st.index && r.num_shards == st.count;
 }
 
 Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,
@@ -343,6 +371,20 @@ Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
     return GreetAll(*CurrentLayout(), infos);
   }
   return s;
+}
+
+Status Client::Regreet() {
+  const std::shared_ptr<const Layout> layout = CurrentLayout();
+  for (ShardState* st : layout->shards) {
+    std::lock_guard<std::mutex> lock(st->mu);
+    for (Conn& idle : st->idle) net::CloseFd(idle.fd);
+    st->idle.clear();
+    ++st->switches;  // connections in use are not pooled again
+    st->greeted = false;
+    st->epoch = st->lineage = st->restarted_lineage = 0;
+  }
+  std::vector<ShardInfo> infos;
+  return GetShardInfos(&infos);
 }
 
 Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {

@@ -158,7 +158,9 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     out.epoch = standby_.load() ? shard_->newest_epoch() : shard_->epoch();
     out.layout_epoch = shard_->layout_epoch();
     out.layout = shard_->layout_addresses();
-    out.lineage = shard_->lineage();
+    // A read-only shard serves checkpoints, not the rows written to one
+    // process: its clients may take any copy of it (no lineage).
+    out.lineage = read_only_.load(std::memory_order_relaxed) ? 0 : shard_->lineage();
     {
       std::lock_guard<std::mutex> lock(staged_mu_);
       out.standbys = standbys_;

@@ -30,6 +30,7 @@ class Tcp : public Transport {
                 size_t n) override {
     return client_.Assign(table, dim, ids, values, n);
   }
+  Status Regreet() override { return client_.Regreet(); }
 
  private:
   Client client_;
@@ -38,6 +39,7 @@ class Tcp : public Transport {
 class Embedded : public Transport {
  public:
   bool embedded() const override { return true; }
+  Status Regreet() override { return OkStatus(); }
 
   Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
               float* out, bool /*dedup*/, size_t* sent) override {

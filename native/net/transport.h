@@ -35,6 +35,8 @@ class Transport {
   // Sets rows (fresh optimizer slots).
   virtual Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                         const float* values, size_t n) = 0;
+  // Client::Regreet (embedded: nothing to greet).
+  virtual Status Regreet() = 0;
 };
 
 // Shard servers at `addresses` (shard-index order).

@@ -293,6 +293,18 @@ void BindNet(py::module_& m) {
           },
           "Asks the shards for their layout and routes by a newer one from now on; True when "
           "the layout changed.")
+      .def(
+          "regreet",
+          [](Client& c) {
+            Status s;
+            {
+              py::gil_scoped_release release;
+              s = c.Regreet();
+            }
+            Check(s);
+          },
+          "Greets every shard again as a new client would (the newest copy its addresses serve, "
+          "of whatever lineage), forgetting the copies met before.")
       .def("shard_infos",
            [](Client& c) {
              std::vector<ShardInfo> infos;

@@ -25,7 +25,7 @@ from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files
 from tf_dlt.client import Client
-from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
+from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, table_holders
 from tf_dlt.layers.embedding import variables_only
 from tf_dlt.table_config import difference, normalized
 
@@ -176,6 +176,10 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
     addresses, token = cluster_of(layers)
     tables = _tables_of(path)
     if layers and addresses:
+        for model_client in model_clients(model):
+            # The load replaces the rows of a shard restarted since these
+            # clients met it: their calls take it without DataLossError.
+            ops.regreet(model_client)
         with Client(addresses, auth_token=token) as client:
             # This model's tables only: other models' on the same shards
             # are left as they are.

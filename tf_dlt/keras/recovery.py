@@ -38,7 +38,7 @@ from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.client import Client
 from tf_dlt.keras.checkpoint import ModelCheckpoint, load, save
-from tf_dlt.keras.walk import cluster_of, distributed_layers, table_holders
+from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, table_holders
 
 log = logging.getLogger("tf_dlt.keras.recovery")
 
@@ -97,7 +97,12 @@ def _drain(model: keras.Model) -> None:
 
 def _create_tables(model: keras.Model, pservers: Sequence[str], token: str) -> None:
     """Creates the model's tables on every shard where they are missing (a
-    shard restarted empty); existing ones are left as they are."""
+    shard restarted empty); existing ones are left as they are. The model's
+    clients take the shards' processes serving now (a shard restarted since
+    they met it fails none of their calls with DataLossError: its rows
+    start again from the tables' initializers, as resilient_fit says)."""
+    for model_client in model_clients(model):
+        ops.regreet(model_client)
     with Client(pservers, auth_token=token) as client:
         for holder in table_holders(model):
             client.create_table_from_config(holder.table_config)

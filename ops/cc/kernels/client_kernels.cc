@@ -144,18 +144,28 @@ class FlushOp : public AsyncOpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("Dlt>Flush").Device(DEVICE_CPU), FlushOp);
 
-class DropPulledAheadOp : public OpKernel {
+// An op whose only input is the client and that calls `Call` on it.
+template <absl::Status (*Call)(ClientResource*)>
+class ClientCallOp : public OpKernel {
  public:
-  explicit DropPulledAheadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit ClientCallOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<ClientResource> client;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &client));
-    client->DropPulledAhead();
+    OP_REQUIRES_OK(ctx, Call(client.get()));
   }
 };
 
-REGISTER_KERNEL_BUILDER(Name("Dlt>DropPulledAhead").Device(DEVICE_CPU), DropPulledAheadOp);
+absl::Status DropPulledAhead(ClientResource* client) {
+  client->DropPulledAhead();
+  return absl::OkStatus();
+}
+absl::Status Regreet(ClientResource* client) { return client->Regreet(); }
+
+REGISTER_KERNEL_BUILDER(Name("Dlt>DropPulledAhead").Device(DEVICE_CPU),
+                        ClientCallOp<DropPulledAhead>);
+REGISTER_KERNEL_BUILDER(Name("Dlt>Regreet").Device(DEVICE_CPU), ClientCallOp<Regreet>);
 
 class ClientStatsOp : public OpKernel {
  public:

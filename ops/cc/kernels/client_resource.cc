@@ -268,6 +268,8 @@ std::string ClientResource::StatsJson() const {
   return out;
 }
 
+absl::Status ClientResource::Regreet() { return ToAbsl(transport_->Regreet(), "Regreet"); }
+
 absl::Status ClientResource::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                                     const float* values, size_t n) {
   const absl::Status status = ToAbsl(transport_->Assign(table, dim, ids, values, n));

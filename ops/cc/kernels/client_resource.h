@@ -99,6 +99,9 @@ class ClientResource : public ResourceBase {
 
   // Drops every pull ahead that waits for its lookup (Dlt>DropPulledAhead).
   void DropPulledAhead() { pull_ahead_.DropAll(); }
+  // Greets every shard again, forgetting the copies met (Dlt>Regreet,
+  // dlt::Client::Regreet).
+  absl::Status Regreet();
 
   // Pulls again, on the worker threads, the ids pushes marked stale in
   // `marked` (PullAhead::Pushed), before their lookups take them.

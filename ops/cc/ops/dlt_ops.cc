@@ -180,6 +180,18 @@ Drops every pull ahead (Dlt>PullAhead) of this client that no lookup took yet:
 the input pipeline that began them stopped. Later lookups pull their rows.
 )doc");
 
+REGISTER_OP("Dlt>Regreet")
+    .Input("client: resource")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Greets every shard again as a new client would: the newest copy its addresses
+serve, of whatever lineage. Before a checkpoint is loaded onto every shard, so
+that a shard restarted since (its rows replaced by the load) fails none of this
+client's later calls with DataLossError.
+)doc");
+
 REGISTER_OP("Dlt>ClientStats")
     .Input("client: resource")
     .Output("stats: string")
