@@ -1,18 +1,20 @@
 """Runs benchmarks from bench/cases.py, each a process of its own, from the
 repository root: ``python bench [--quick] [--list] [NAME ...]`` (all when no
 name is given). Each case prints its JSON lines (and appends them to
-bench/out/results.jsonl); this prints a line per case and exits non-zero if
-any failed."""
+bench/out/results.jsonl, or with --quick to bench/out/results-quick.jsonl,
+which bench/plot.py never reads); this prints a line per case and exits
+non-zero if any failed."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 
 from cases import named
-from common import ROOT, log
+from common import QUICK_ENV, ROOT, log
 
 
 def main() -> int:
@@ -34,7 +36,8 @@ def main() -> int:
         cmd = [sys.executable, str(ROOT / "bench" / f"{case.name}.py"),
                *(case.quick if args.quick else case.full)]  # fmt: skip
         start = time.monotonic()
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        env = {**os.environ, QUICK_ENV: "1"} if args.quick else None
+        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
         outcome = "ok" if rc == 0 else f"FAILED ({rc})"
         log(f"{case.name}: {outcome} in {time.monotonic() - start:.0f} s")
         if rc != 0:

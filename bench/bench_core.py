@@ -172,9 +172,14 @@ def main() -> None:
     p.add_argument("--memory-rows", type=int, default=10_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=65536)
-    p.add_argument("--cases", nargs="+", default=["lookup", "apply", "memory"])
+    p.add_argument(
+        "--cases", nargs="+", default=["lookup", "apply", "memory"],
+        choices=["lookup", "apply", "memory"],
+    )  # fmt: skip
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if min(args.rows, args.memory_rows, args.dim, args.batch) < 1:
+        p.error("--rows, --memory-rows, --dim and --batch must be at least 1")
     if args.memory_child:
         memory_child(args.memory_rows, args.dim)
         return

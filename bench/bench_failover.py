@@ -104,6 +104,8 @@ def main() -> None:
         help="silence: SIGSTOP the primary (a host gone without a reset) instead of kill -9",
     )  # fmt: skip
     args = p.parse_args()
+    if args.kills < 1 or args.ids < 1 or not 2 <= args.replicas <= 5:
+        p.error("--kills and --ids must be at least 1, --replicas 2 to 5")
     ids = np.arange(args.ids, dtype=np.int64)
     before, across, differ = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_failover-") as tmp:

@@ -41,6 +41,8 @@ CAPACITY = Path(__file__).resolve().parent.parent / "tf_dlt" / "tools" / "data" 
 TABLE = "scale"
 SMALL = "scale_1m"
 INSERT_BATCH = 1 << 20
+# The smallest table whose figures may replace the capacity planner's.
+MIN_CAPACITY_ROWS = 30_000_000
 
 
 def _rss(pid: int) -> int:
@@ -82,6 +84,15 @@ def main() -> None:
         "--write-capacity", action="store_true", help="update tf_dlt/tools/data/capacity.json"
     )
     args = ap.parse_args()
+    if args.rows < 1 or args.dim < 1:
+        ap.error("--rows and --dim must be at least 1")
+    if args.write_capacity and args.rows < MIN_CAPACITY_ROWS:
+        # tf-dlt plan and tf-dlt k8s size every cluster by these figures.
+        ap.error(
+            f"--write-capacity needs a table of at least {MIN_CAPACITY_ROWS:,} rows (the "
+            f"figures tf-dlt plan sizes shards by); --rows {args.rows:,} would replace them "
+            "with a small table's"
+        )
     dim, rng = args.dim, np.random.default_rng(0)
     stops = [s for s in (1_000_000, 10_000_000, 30_000_000, args.rows) if s <= args.rows]
     stops = sorted(set(stops))
@@ -174,11 +185,10 @@ def main() -> None:
             "checkpoint_bytes_per_row": size / stops[-1],
         }
         CAPACITY.parent.mkdir(exist_ok=True)
-        # Per-core throughput comes from bench_wire.py --write-capacity: kept.
+        # What other benchmarks measured (per-core throughput from
+        # bench_wire.py, the tier's figures) is kept.
         kept = json.loads(CAPACITY.read_text()) if CAPACITY.exists() else {}
-        if "per_core" in kept:
-            figures["per_core"] = kept["per_core"]
-        CAPACITY.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+        CAPACITY.write_text(json.dumps({**kept, **figures}, indent=2, sort_keys=True) + "\n")
         log(f"wrote {CAPACITY}")
 
 

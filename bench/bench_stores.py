@@ -89,6 +89,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--stores", default="local,hdfs,s3")
     args = p.parse_args()
+    stores = args.stores.split(",")
+    unknown = sorted(set(stores) - {"local", "hdfs", "s3"})
+    if unknown or len(set(stores)) != len(stores):
+        p.error(f"--stores: each of local, hdfs, s3 at most once, got {args.stores!r}")
     base = Path(tempfile.mkdtemp(prefix="tf_dlt-bench-stores-"))
     try:
         log(f"stores: {args.rows} rows of dim {args.dim}, adagrad, {args.reps} reps each")
@@ -96,7 +100,7 @@ def main() -> None:
         shard = _native.Shard(0, 1)
         shard.install_tables([table])
         figures: dict[str, tuple[float, float, int]] = {}
-        for store in args.stores.split(","):
+        for store in stores:
             with started(store, base) as url:
                 if url is None:
                     continue

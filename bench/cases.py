@@ -61,6 +61,7 @@ CASES = (
     Case("bench_tiers", "a table 10x the memory budget on the disk tier",
          quick=("--rows", "400000", "--fractions", "0.25", "--seconds", "1")),
     Case("bench_tier_scale", "5e8 rows grown under a 6 GiB budget: growth, Zipf and uniform pulls",
+         full=("--grow-seconds", "3600"),
          quick=("--rows", "1500000", "--budget", str(300 << 20), "--baseline-rows", "100000",
                 "--seconds", "1")),
     Case("bench_peers", "side by side with TFRA (a TF 2.16 environment of its own)",

@@ -19,6 +19,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).parent / "out"
+# Set by `python bench --quick` for its cases: their records go apart.
+QUICK_ENV = "TF_DLT_BENCH_QUICK"
 
 
 def load_module(path: str) -> ModuleType:
@@ -87,8 +89,10 @@ def stale_build() -> str | None:
 
 
 def emit(record: dict[str, Any]) -> dict[str, Any]:
-    """Prints one JSON line (and appends it to bench/out/results.jsonl); a
-    record measured with a stale installed build says so (stale_build)."""
+    """Prints one JSON line (and appends it to bench/out/results.jsonl, or
+    for a `python bench --quick` run to results-quick.jsonl: tiny sizes
+    never reach the plots); a record measured with a stale installed build
+    says so (stale_build)."""
     record = {"loadavg": round(loadavg(), 2), "noisy": loadavg() > os.cpu_count(), **record}
     stale = stale_build()
     if stale:
@@ -99,7 +103,8 @@ def emit(record: dict[str, Any]) -> dict[str, Any]:
     line = json.dumps(record, sort_keys=True)
     print(line, flush=True)
     OUT.mkdir(exist_ok=True)
-    with (OUT / "results.jsonl").open("a") as f:
+    results = "results-quick.jsonl" if os.environ.get(QUICK_ENV) else "results.jsonl"
+    with (OUT / results).open("a") as f:
         f.write(line + "\n")
     return record
 

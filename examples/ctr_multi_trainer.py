@@ -7,13 +7,17 @@ Each trainer reads its cluster from TF_CONFIG (`tf_dlt.cluster_from_env()`)
 and trains on its slice of the data (worker i of n takes every n-th
 example). The embeddings and the dense weights (`tf_dlt.DenseOnShards`) live
 on the shards, so all trainers train one model, asynchronously. Each prints
-its held-out loss and AUC on a "RESULT {json}" line.
+its held-out loss and AUC on a "RESULT {json}" line. With TF_DLT_CHECKPOINT
+set (the `tf-dlt k8s` manifests set it), the chief saves a checkpoint there
+after every epoch (`<checkpoint>/epoch-<n>`), which `tf-dlt k8s --load-from`
+or `tf_dlt.load` resume from.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import keras
 from ctr_model import make_data, make_model
@@ -45,7 +49,12 @@ def main() -> None:
         optimizer=dense, loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")]
     )
     print(f"worker {spec.task_index}/{spec.num_workers}: {len(y)} examples, {spec.pservers}")
-    model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=2)
+    callbacks = []
+    checkpoint = os.environ.get("TF_DLT_CHECKPOINT")
+    if checkpoint and spec.is_chief:
+        # The rows and the dense weights are the shards': one trainer saves.
+        callbacks.append(tf_dlt.ModelCheckpoint(checkpoint.rstrip("/") + "/epoch-{epoch}"))
+    model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=2, callbacks=callbacks)
     result = model.evaluate(vx, vy, batch_size=1024, verbose=0, return_dict=True)
     result.update(worker=spec.task_index, workers=spec.num_workers, examples=len(y))
     print("RESULT", json.dumps(result), flush=True)

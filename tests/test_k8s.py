@@ -154,6 +154,13 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
         ("--name CTR --image i", "name must be lower-case"),
         ("--name ctr --image i --checkpoint /data/x", "a path under /checkpoints/"),
         ("--name ctr --image i --workers 0", "workers >= 1"),
+        # Printed with exit 0 before, for kubectl to reject (or to size a
+        # 10-byte volume): strict schema validation checks no quantity.
+        ("--name ctr --image i --namespace Prod_NS", "namespace must be lower-case"),
+        ("--name ctr --image i --worker-memory lots", "--worker-memory must be a positive"),
+        ("--name ctr --image i --worker-cpu -1", "--worker-cpu must be a positive"),
+        ("--name ctr --image i --checkpoint-volume-size 10", "is under 1 GiB"),
+        ("--name ctr --image ''", "image must name a container image"),
     ],
 )
 def test_bad_flags_are_refused(flags: str, message: str) -> None:

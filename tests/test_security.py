@@ -464,6 +464,11 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     refused(server("--port", "0", "--metrics-port", "70000"), "a port is 0-65535")
     refused(server("--port", "0", "--io-timeout", "0"), "must be > 0 seconds")
     refused(server("--port", "0", "--shard-index", "-1"), "must be >= 0")
+    # Index N of N owned no bucket and said "shard 2/2 serving" (counted from 1).
+    refused(
+        server("--port", "0", "--shard-index", "2", "--num-shards", "2"),
+        "--shard-index 2 is not below --num-shards 2",
+    )
     # A token no Hello can carry (the wrong file): refused, not served.
     big = tmp_path / "big-token"
     big.write_text("x" * 5000)

@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
       std::printf("FAILED %s\n", name);
     }
   }
+  if (passed + failed == 0) {  // a misspelled name must not pass as "0 failed"
+    std::fprintf(stderr, "no test named %s\n", argc > 2 ? argv[2] : "(none registered)");
+    return 2;
+  }
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -336,6 +336,15 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # Shard 1 of 1: a shard whose index is its count owns no bucket.
         args.shard_index, args.num_shards = 1, 1
+    elif args.shard_index >= args.num_shards:
+        # A shard index counts from 0: index N of N would own no bucket.
+        log.error(
+            "--shard-index %d is not below --num-shards %d: shards are numbered 0 to %d (a "
+            "server that owns no bucket yet, for a re-shard to give it some, is started with "
+            "--join)",
+            args.shard_index, args.num_shards, args.num_shards - 1,
+        )  # fmt: skip
+        return 2
     try:
         server = ShardServer(
             args.shard_index,

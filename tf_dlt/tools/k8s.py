@@ -347,15 +347,23 @@ def render(spec: JobSpec) -> str:
         if spec.replicas > 2
         else ""
     )
-    head = [
-        f"# tf_dlt job {spec.name!r}: {spec.pservers} shard servers,{standbys} "
-        f"{spec.workers} trainers.",
+    rows_memory = (
         f"# Shard memory: {spec.rows:.3g} ids x {spec.admission_rate:g} admitted / "
         f"{spec.pservers} shards x {per_row:.0f} B/row (dim {spec.dim}, {spec.optimizer}, "
         f"{spec.value_dtype} values, {spec.slot_dtype} slots: {raw} B header, values and slots "
-        f"+ {capacity.index_bytes_per_row():.1f} B measured index)"
+        f"+ {capacity.GENERATION_BYTES} B change generation + "
+        f"{capacity.index_bytes_per_row():.1f} B measured index)"
         + (f" + {spec.sketch_bytes:.3g} B sketch / {spec.pservers}" if spec.sketch_bytes else "")
-        + f" x{spec.headroom} headroom + {BASE_MEMORY_MIB} MiB = {memory} MiB per shard.",
+    )
+    head = [
+        f"# tf_dlt job {spec.name!r}: {spec.pservers} shard servers,{standbys} "
+        f"{spec.workers} trainers.",
+        rows_memory
+        + f" x{spec.headroom} headroom + {BASE_MEMORY_MIB} MiB = {memory} MiB per shard."
+        if not spec.memory_budget
+        else f"# Shard memory: the --memory-budget of {spec.memory_budget / 2**30:.3g} GiB and "
+        f"the 10% a shard may pass it by = {memory} MiB per shard; rows past the budget live "
+        "on the tier volume.",
         f"# Checkpoints: {spec.checkpoint}"
         + (" (shared ReadWriteMany volume)" if spec.on_volume else "")
         + "; shards save and load nowhere else.",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -32,6 +33,32 @@ def shard_memory(spec: JobSpec) -> int:
         spec.admission_rate, spec.sketch_bytes,
     )  # fmt: skip
     return int(math.ceil(table / spec.pservers * spec.headroom / (1 << 20))) + BASE_MEMORY_MIB
+
+
+# Kubernetes quantities (resource.Quantity): a positive number with an
+# optional binary or decimal suffix; CPU in cores or millicores.
+_MEMORY_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_CPU_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)m?")
+# A namespace is a DNS label (RFC 1123).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+# Storage sizes below this are a unit left out ("10" is 10 bytes).
+_MIN_VOLUME_BYTES = 1 << 30
+_SUFFIX_BYTES = {
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+}  # fmt: skip
+
+
+def _quantity(flag: str, value: str, pattern: re.Pattern[str], example: str) -> float:
+    """The number a Kubernetes quantity `value` holds (bytes, or cores);
+    ValueError naming `flag` when it is not one, or not above 0."""
+    match = pattern.fullmatch(value)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"{flag} must be a positive Kubernetes quantity like {example}, got "
+                         f"{value!r}")  # fmt: skip
+    if pattern is _CPU_QUANTITY:
+        return float(match.group(1)) / (1000 if value.endswith("m") else 1)
+    return float(match.group(1)) * _SUFFIX_BYTES[match.group(3) or ""]
 
 
 @dataclass
@@ -78,6 +105,24 @@ class JobSpec:
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").isalnum() or not self.name.islower():
             raise ValueError(f"name must be lower-case letters, digits and '-', got {self.name!r}")
+        if not _DNS_LABEL.fullmatch(self.namespace):
+            raise ValueError(
+                "namespace must be lower-case letters, digits and '-' (a DNS label of at most "
+                f"63 characters), got {self.namespace!r}"
+            )
+        if not self.image.strip() or any(c.isspace() for c in self.image):
+            raise ValueError(f"image must name a container image, got {self.image!r}")
+        for flag, cpu in (("--shard-cpu", self.shard_cpu), ("--worker-cpu", self.worker_cpu)):
+            _quantity(flag, cpu, _CPU_QUANTITY, "2 or 500m")
+        _quantity("--worker-memory", self.worker_memory, _MEMORY_QUANTITY, "8Gi")
+        for flag, size in (
+            ("--checkpoint-volume-size", self.checkpoint_volume_size),
+            ("--ssd", self.tier_volume_size),
+        ):
+            if flag == "--ssd" and not size:
+                continue
+            if _quantity(flag, size, _MEMORY_QUANTITY, "100Gi") < _MIN_VOLUME_BYTES:
+                raise ValueError(f"{flag} {size!r} is under 1 GiB (a unit left out? e.g. 100Gi)")
         if self.pservers < 1 or self.workers < 1:
             raise ValueError(
                 f"need pservers >= 1 and workers >= 1, got {self.pservers}, {self.workers}"
