@@ -174,6 +174,9 @@ struct Pair {
   std::shared_ptr<Replicator> replicator;
 
   explicit Pair(bool sync = true, uint64_t round_buffer_bytes = 0) {
+    // As a standby's server does before it attaches: its copy's lineage is
+    // the primary's, so clients take it when it takes over.
+    standby->FollowEpoch(primary->epoch(), primary->lineage());
     DataServerOptions options;
     options.worker_threads = 4;
     primary_server = std::make_unique<DataServer>(primary, options);
