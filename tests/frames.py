@@ -35,11 +35,28 @@ def pull(request_id: int, table: str, dim: int, ids: list[int], mode: int = 0) -
 
 
 def push(
-    request_id: int, table: str, dim: int, ids: list[int], grads: np.ndarray, lr: float
+    request_id: int,
+    table: str,
+    dim: int,
+    ids: list[int],
+    grads: np.ndarray,
+    lr: float,
+    push_id: tuple[int, int] | None = None,
+    ancestors: list[tuple[int, int]] | None = None,
+    flags: int | None = None,
 ) -> bytes:
-    fixed = struct.pack("<IIHBBf", dim, len(ids), len(table.encode()), 0, 0, lr)
+    """A Push; with `push_id` identified (flags bit 0), with `ancestors` a
+    part of the pushes they name (bit 1; their count, a zero word, then
+    the ids). `flags` overrides the flags byte (for malformed frames)."""
+    if flags is None:
+        flags = (1 if push_id is not None else 0) | (2 if ancestors else 0)
+    fixed = struct.pack("<IIHBBf", dim, len(ids), len(table.encode()), flags, 0, lr)
+    ident = struct.pack("<QQ", *push_id) if push_id is not None else b""
+    if ancestors is not None:
+        ident += struct.pack("<II", len(ancestors), 0)
+        ident += b"".join(struct.pack("<QQ", *a) for a in ancestors)
     body = struct.pack(f"<{len(ids)}q", *ids) + np.asarray(grads, "<f4").tobytes()
-    return frame(PUSH, request_id, fixed + _name(table) + body)
+    return frame(PUSH, request_id, fixed + _name(table) + ident + body)
 
 
 def assign(request_id: int, table: str, dim: int, ids: list[int], values: np.ndarray) -> bytes:

@@ -81,6 +81,50 @@ def test_golden_frames_follow_the_spec() -> None:
     assert len(g) == 13
 
 
+def test_a_part_of_a_push_is_applied_once_unless_the_push_it_came_from_was(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A frame a shard refused unapplied (a re-shard's switch) is sent again
+    in parts, one per owner, each under an id of its own naming the frame's
+    (its ancestors). Before, every part carried the frame's id: after a
+    second switch, a part sent to a shard that had applied another part
+    was answered "applied" and its rows dropped."""
+    cluster = start_cluster(1)
+    client = cluster.client()
+    client.create_table("t", 2, "zeros", "sgd")
+    host, port = cluster.addresses[0].split(":")
+    one = np.ones((1, 2), np.float32)
+
+    def push(request_id: int, row: int, **ident: object) -> tuple[int, bytes]:
+        sock.sendall(frames.push(request_id, "t", 2, [row], one, 1.0, **ident))  # type: ignore[arg-type]
+        opcode, _, got_id, payload = frames.read_frame(sock)
+        assert got_id == request_id
+        return opcode, payload
+
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(frames.hello(1))
+        frames.read_frame(sock)
+        assert push(2, 1, push_id=(7, 1))[0] == frames.PUSH  # a whole frame
+        # Two parts of frame (7, 100), the second split again from (7, 101):
+        # neither was applied whole, so both parts are applied.
+        assert push(3, 2, push_id=(7, 2), ancestors=[(7, 100)])[0] == frames.PUSH
+        assert push(4, 3, push_id=(7, 3), ancestors=[(7, 100), (7, 101)])[0] == frames.PUSH
+        # A part sent again (its reply lost) is applied once.
+        assert push(5, 2, push_id=(7, 2), ancestors=[(7, 100)])[0] == frames.PUSH
+        # A part of a frame applied whole here (in doubt, then refused) is not.
+        assert push(6, 1, push_id=(7, 4), ancestors=[(7, 1)])[0] == frames.PUSH
+        # Malformed: the part bit without an id, no ancestors, too many.
+        for request_id, ident in (
+            (7, {"flags": 2, "push_id": None}),
+            (8, {"push_id": (7, 5), "ancestors": [], "flags": 3}),
+            (9, {"push_id": (7, 6), "ancestors": [(7, k) for k in range(17)]}),
+        ):
+            opcode, payload = push(request_id, 4, **ident)
+            assert opcode == frames.ERROR and frames.error_of(payload)[0] == 3  # INVALID_ARGUMENT
+    np.testing.assert_array_equal(client.pull("t", [1, 2, 3, 4]), [[-1, -1]] * 3 + [[0, 0]])
+    client.close()
+
+
 def test_pipelined_requests_are_matched_by_request_id(
     start_cluster: Callable[..., Cluster],
 ) -> None:

@@ -45,17 +45,30 @@ void WriterFirstLock::unlock() {
   cv_.notify_all();
 }
 
-bool PushLedger::Begin(const PushId& id, Status* status) {
+bool PushLedger::Begin(const PushId& id, Status* status, const PushId* ancestors,
+                       size_t num_ancestors) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    auto it = entries_.find(id);
-    if (it == entries_.end()) {
-      entries_.emplace(id, Entry{});
-      return true;
+    bool in_progress = false;
+    for (size_t i = 0; i < num_ancestors && !in_progress; ++i) {
+      auto it = entries_.find(ancestors[i]);
+      if (it == entries_.end()) continue;
+      if (it->second.done) {
+        *status = it->second.status;
+        return false;
+      }
+      in_progress = true;
     }
-    if (it->second.done) {
-      *status = it->second.status;
-      return false;
+    if (!in_progress) {
+      auto it = entries_.find(id);
+      if (it == entries_.end()) {
+        entries_.emplace(id, Entry{});
+        return true;
+      }
+      if (it->second.done) {
+        *status = it->second.status;
+        return false;
+      }
     }
     cv_.wait(lock);  // the same push, in progress on another connection
   }

@@ -64,7 +64,14 @@ class PushLedger {
   // Before applying push `id`: true when the caller applies it now (then
   // it must call End); false when it was applied before (*status: what it
   // returned). Waits while the same id is being applied by another request.
-  bool Begin(const PushId& id, Status* status);
+  // A part of a push a shard refused unapplied (a re-shard's switch), sent
+  // again under an id of its own, names the pushes it was split from
+  // (`ancestors`, `num_ancestors`): false too when one of them was applied
+  // here (whole, so with this part's rows), *status what that returned. An
+  // ancestor is never recorded under a part's rows: parts of one push
+  // applied on one shard each stay apart.
+  bool Begin(const PushId& id, Status* status, const PushId* ancestors = nullptr,
+             size_t num_ancestors = 0);
   // Push `id` was applied (or failed with `status` after applying part).
   void End(const PushId& id, const Status& status);
   // A push that changed nothing (refused before applying): forgets it.

@@ -370,8 +370,9 @@ Status Client::Assign(const std::string& table, uint32_t dim, const int64_t* ids
 
 Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim,
                         const int64_t* ids, const float* rows, size_t n, float learning_rate,
-                        Clock::time_point deadline, const PushId* frame_id) {
+                        Clock::time_point deadline, const std::vector<PushId>* ancestors) {
   const char* op = opcode == wire::Opcode::kPush ? "Push" : "Assign";
+  const bool part = ancestors != nullptr && !ancestors->empty();
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
   DLT_RETURN_IF_ERROR(ValidateTableName(table));
   if (n == 0) return OkStatus();
@@ -420,7 +421,8 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   CallCopies& copies = CopiesFor(n * (sizeof(int64_t) + sizeof(float) * dim), own);
   std::vector<Call> calls;
   const size_t prefix_bytes = wire::kTableRequestFixed + wire::PaddedNameBytes(table.size()) +
-                              (identified || frame_id != nullptr ? 16 : 0);
+                              (identified || part ? 16 : 0) +
+                              (part ? 8 + 16 * ancestors->size() : 0);
   const size_t touched = Touched(groups);
   const size_t row_bytes = sizeof(float) * dim;
   for (size_t s = 0; s < layout->shards.size(); ++s) {
@@ -430,17 +432,16 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
         RowsPerFrame(*state, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
-    if (frame_id != nullptr && rows_per_frame < pos.size()) {
+    if (part && rows_per_frame < pos.size()) {
       return ResourceExhausted(Context(*state, op) + ": a refused frame's " +
                                std::to_string(pos.size()) +
                                " rows exceed the frame limit of the shard they now route to");
     }
     // A shard sums an id's rows within a frame (Keras Adagrad squares each
     // one): every occurrence of an id goes to the same connection, so what
-    // a push does never depends on how it was split. A refused frame sent
-    // again goes whole, under its id.
-    const size_t lanes =
-        frame_id != nullptr ? 1 : LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
+    // a push does never depends on how it was split. A refused frame's part
+    // for a shard goes whole, in one frame.
+    const size_t lanes = part ? 1 : LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
     const std::vector<size_t> starts =
         lanes > 1 ? SplitById(ids, lanes, &pos) : std::vector<size_t>{0, pos.size()};
     const int64_t* ids_ptr = ids;
@@ -467,12 +468,12 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
             Call::Frame fr;
             // To shards with standbys each push frame carries an id, so it
             // can be sent again (below) and is applied once.
-            fr.id =
-                frame_id != nullptr ? *frame_id : PushId{client_id_, next_push_seq_.fetch_add(1)};
-            const bool with_id = identified || frame_id != nullptr;
+            fr.id = PushId{client_id_, next_push_seq_.fetch_add(1)};
+            const bool with_id = identified || part;
             fr.prefix = opcode == wire::Opcode::kPush
                             ? wire::EncodePushPrefix(table, dim, static_cast<uint32_t>(count),
-                                                     learning_rate, with_id ? &fr.id : nullptr)
+                                                     learning_rate, with_id ? &fr.id : nullptr,
+                                                     part ? ancestors : nullptr)
                             : wire::EncodeAssignPrefix(table, dim, static_cast<uint32_t>(count));
             fr.body[0] = ids_ptr + begin;
             fr.body_bytes[0] = count * 8;
@@ -507,9 +508,11 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   }
   DLT_RETURN_IF_ERROR(sent);
   // Frames a shard refused unapplied (a re-shard's switch) go again, each
-  // routed by the newer layout once there is one, under its own id: a frame
-  // in doubt before (sent again above) that its shard applied is known by
-  // that id to whichever shard holds its rows now.
+  // routed by the newer layout once there is one, its parts naming its id: a
+  // frame in doubt before (sent again above) that its shard applied is
+  // known by that id to whichever shard holds its rows now. Each part has
+  // an id of its own: a part refused in turn (a second switch) and sent to
+  // a shard that applied another part is applied there too.
   bool waited = false;
   for (const Call& call : calls) {
     for (size_t f : call.refused) {
@@ -526,10 +529,14 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
         again_ids[k] = ids[pos[begin + k]];
         std::memcpy(&again_rows[k * dim], rows + size_t{pos[begin + k]} * dim, row_bytes);
       }
-      const bool with_id = identified || frame_id != nullptr;
+      std::vector<PushId> lineage;
+      if (identified || part) {
+        if (part) lineage = *ancestors;
+        lineage.push_back(call.frames[f].id);
+        if (lineage.size() > wire::kMaxPushAncestors) return call.refusal;  // switch after switch
+      }
       DLT_RETURN_IF_ERROR(SendRows(opcode, table, dim, again_ids.data(), again_rows.data(), count,
-                                   learning_rate, deadline,
-                                   with_id ? &call.frames[f].id : nullptr));
+                                   learning_rate, deadline, lineage.empty() ? nullptr : &lineage));
     }
   }
   return OkStatus();

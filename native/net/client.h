@@ -268,11 +268,16 @@ class Client {
   static Call RunCall(size_t shard, ShardState* state, wire::Opcode opcode, size_t first,
                       size_t end, size_t rows_per_frame, std::function<void(size_t, size_t)> fill,
                       const std::function<void(size_t, size_t, Call*)>& add_frame);
-  // Push and Assign until `deadline`. With `frame_id`, the rows were one
-  // frame a shard refused: each shard's part goes in one frame with that id.
+  // Push and Assign until `deadline`. With `ancestors`, the rows were one
+  // frame a shard refused unapplied, the last of them its id (the others:
+  // frames it was a part of in turn): each shard's part goes in one frame
+  // of an id of its own naming them (wire::kPushPart), so a shard that
+  // applied one of them whole does not apply the part, and parts applied
+  // on one shard never pass for each other.
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
                   const float* rows, size_t n, float learning_rate,
-                  std::chrono::steady_clock::time_point deadline, const PushId* frame_id);
+                  std::chrono::steady_clock::time_point deadline,
+                  const std::vector<PushId>* ancestors);
   // Pull and PullState: rows of `row_floats` floats, retried.
   Status PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                   PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent);

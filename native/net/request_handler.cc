@@ -250,7 +250,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     if (request.identified) {
       PushLedger& ledger = shard_->push_ledger();
       Status first;
-      if (ledger.Begin(request.push_id, &first)) {
+      if (ledger.Begin(request.push_id, &first, request.ancestors.data(),
+                       request.ancestors.size())) {
         // Its rows and its id reach a standby in the same round: the first
         // round to take changes after it released the gate.
         std::shared_lock<WriterFirstLock> gate(ledger.gate());
@@ -258,7 +259,8 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
         if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
         ledger.End(request.push_id, s);
         applied = MarkApplied();
-      } else {  // sent again: applied before, here or on the primary this shard followed
+      } else {  // sent again: applied before (or the push it is a part of), here or on the
+                // primary this shard followed, or on the shard whose rows this one took
         counters_->repeated_pushes.fetch_add(1);
         s = first;
         applied = MarkApplied();

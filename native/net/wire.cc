@@ -37,9 +37,11 @@ std::string WordAndText(uint32_t word, const std::string& text) {
 }
 
 std::string TablePrefix(const std::string& table, uint32_t dim, uint32_t num_ids, uint8_t mode,
-                        float lr, const PushId* id = nullptr) {
+                        float lr, const PushId* id = nullptr,
+                        const std::vector<PushId>* ancestors = nullptr) {
   std::string out;
-  out.reserve(kTableRequestFixed + PaddedNameBytes(table.size()) + (id ? 16 : 0));
+  out.reserve(kTableRequestFixed + PaddedNameBytes(table.size()) + (id ? 16 : 0) +
+              (ancestors ? 8 + 16 * ancestors->size() : 0));
   Append<uint32_t>(&out, dim);
   Append<uint32_t>(&out, num_ids);
   Append<uint16_t>(&out, static_cast<uint16_t>(table.size()));
@@ -51,6 +53,14 @@ std::string TablePrefix(const std::string& table, uint32_t dim, uint32_t num_ids
   if (id != nullptr) {
     Append<uint64_t>(&out, id->client);
     Append<uint64_t>(&out, id->seq);
+  }
+  if (ancestors != nullptr) {
+    Append<uint32_t>(&out, static_cast<uint32_t>(ancestors->size()));
+    Append<uint32_t>(&out, 0);
+    for (const PushId& a : *ancestors) {
+      Append<uint64_t>(&out, a.client);
+      Append<uint64_t>(&out, a.seq);
+    }
   }
   return out;
 }
@@ -70,11 +80,13 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
   if (reserved != 0) {
     return InvalidArgument(std::string(op) + " reserved byte must be 0");
   }
+  bool part = false;
   if (push) {
-    if ((mode & ~kPushIdentified) != 0) {
-      return InvalidArgument("Push flags byte must be 0 or 1, got " + std::to_string(mode));
+    if ((mode & ~(kPushIdentified | kPushPart)) != 0 || mode == kPushPart) {
+      return InvalidArgument("Push flags byte must be 0, 1 or 3, got " + std::to_string(mode));
     }
     r->identified = mode & kPushIdentified;
+    part = mode & kPushPart;
     r->learning_rate = Get<float>(p, 12);
   } else {
     if (mode > static_cast<uint8_t>(PullMode::kStateInsert)) {
@@ -89,8 +101,29 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
     return InvalidArgument(std::string(op) + " dim " + std::to_string(r->dim) +
                            " exceeds the maximum of " + std::to_string(kMaxDim));
   }
-  const size_t name_end =
-      kTableRequestFixed + PaddedNameBytes(name_bytes) + (r->identified ? 16 : 0);
+  const size_t id_at = kTableRequestFixed + PaddedNameBytes(name_bytes);
+  size_t name_end = id_at + (r->identified ? 16 : 0);
+  r->ancestors.clear();
+  if (part) {
+    if (bytes < name_end + 8) {
+      return InvalidArgument("Push payload of " + std::to_string(bytes) +
+                             " bytes ends before its ancestors' count");
+    }
+    const uint32_t count = Get<uint32_t>(p, name_end);
+    if (count == 0 || count > kMaxPushAncestors || Get<uint32_t>(p, name_end + 4) != 0) {
+      return InvalidArgument("Push ancestors: 1 to " + std::to_string(kMaxPushAncestors) +
+                             " ids and a zero word, got " + std::to_string(count));
+    }
+    if (bytes < name_end + 8 + size_t{16} * count) {
+      return InvalidArgument("Push payload of " + std::to_string(bytes) +
+                             " bytes ends inside its " + std::to_string(count) + " ancestors");
+    }
+    for (uint32_t i = 0; i < count; ++i) {
+      const size_t at = name_end + 8 + size_t{16} * i;
+      r->ancestors.push_back(PushId{Get<uint64_t>(p, at), Get<uint64_t>(p, at + 8)});
+    }
+    name_end += 8 + size_t{16} * count;
+  }
   const uint64_t row_bytes = uint64_t{8} + (push ? uint64_t{4} * r->dim : uint64_t{0});
   // Compared by division: the product of untrusted counts must never wrap.
   const bool fits = name_end <= bytes && (bytes - name_end) % row_bytes == 0 &&
@@ -103,7 +136,7 @@ Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableReques
                            std::to_string(r->dim) + ") implies " + std::to_string(expected));
   }
   r->table.assign(reinterpret_cast<const char*>(p) + kTableRequestFixed, name_bytes);
-  const size_t padded_end = kTableRequestFixed + PaddedNameBytes(name_bytes);
+  const size_t padded_end = id_at;
   for (size_t i = kTableRequestFixed + name_bytes; i < padded_end; ++i) {
     if (p[i] != 0) {
       return InvalidArgument(std::string(op) + " table name padding must be 0");
@@ -244,8 +277,11 @@ std::string EncodePullPrefix(const std::string& table, uint32_t dim, uint32_t nu
 }
 
 std::string EncodePushPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
-                             float learning_rate, const PushId* id) {
-  return TablePrefix(table, dim, num_ids, id ? kPushIdentified : 0, learning_rate, id);
+                             float learning_rate, const PushId* id,
+                             const std::vector<PushId>* ancestors) {
+  if (ancestors != nullptr && (id == nullptr || ancestors->empty())) ancestors = nullptr;
+  const uint8_t flags = (id ? kPushIdentified : 0) | (ancestors ? kPushPart : 0);
+  return TablePrefix(table, dim, num_ids, flags, learning_rate, id, ancestors);
 }
 
 Status DecodePullRequest(const uint8_t* p, size_t bytes, TableRequest* r) {

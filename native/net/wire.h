@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "native/core/pull_mode.h"
 #include "native/core/push_ledger.h"
@@ -118,8 +119,17 @@ std::string EncodePullPrefix(const std::string& table, uint32_t dim, uint32_t nu
 // name hold the client's id and the push's sequence number, and a shard
 // applies a push of an id only once (docs/replication.md).
 inline constexpr uint8_t kPushIdentified = 0x1;
+// With kPushPart too (flags bit 1), a part of a push a shard refused
+// unapplied (a re-shard's switch), sent again under an id of its own: after
+// the id, u32 count (1 to kMaxPushAncestors) and u32 0, then `count` ids
+// (16 bytes each) of the pushes it was split from, oldest first. A shard
+// that applied one of them answers as it did then, applying nothing
+// (PushLedger::Begin).
+inline constexpr uint8_t kPushPart = 0x2;
+inline constexpr uint32_t kMaxPushAncestors = 16;
 std::string EncodePushPrefix(const std::string& table, uint32_t dim, uint32_t num_ids,
-                             float learning_rate, const PushId* id = nullptr);
+                             float learning_rate, const PushId* id = nullptr,
+                             const std::vector<PushId>* ancestors = nullptr);
 
 // A parsed Pull or Push request; pointers point into the payload.
 struct TableRequest {
@@ -130,6 +140,7 @@ struct TableRequest {
   float learning_rate = 0.0f;         // Push only
   bool identified = false;            // Push only: push_id is set
   PushId push_id;
+  std::vector<PushId> ancestors;  // Push only: a part's (kPushPart)
   const int64_t* ids = nullptr;
   const float* grads = nullptr;  // Push only
 };
