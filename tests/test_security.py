@@ -181,10 +181,15 @@ def test_a_client_given_no_token_reads_the_token_file(
     TF_DLT_AUTH_TOKEN_FILE and its code passes no token anywhere."""
     cluster = start_cluster(2, token="file-token")
     token_file = tmp_path / "token"
-    token_file.write_text("file-token\n")
+    token_file.write_text("  file-token\n")  # the shards drop surrounding whitespace
     monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(token_file))
     with tf_dlt.Client(cluster.addresses) as client:
         client.create_table("from_file", 4)
+    monkeypatch.delenv("TF_DLT_AUTH_TOKEN_FILE")
+    # A token read by hand with its newline, as the shards' file holds it.
+    with tf_dlt.Client(cluster.addresses, auth_token=token_file.read_text()) as client:
+        assert "from_file" in client.list_tables()
+    monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(token_file))
     monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(tmp_path / "missing"))
     with pytest.raises(errors.FailedPreconditionError, match="TF_DLT_AUTH_TOKEN_FILE names"):
         tf_dlt.Client(cluster.addresses)

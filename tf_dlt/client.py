@@ -107,7 +107,9 @@ class Client:
         self.pservers = address_list(pservers)
         if not self.pservers:
             raise errors.InvalidArgumentError("Client needs at least one shard address")
-        auth_token = auth_token or token_from_env()
+        # Surrounding whitespace is never part of a token (the shards drop
+        # it from their token file): `open(path).read()` works as given.
+        auth_token = auth_token.strip() or token_from_env()
         self._token = auth_token
         self._tls = tls if tls is not None else TlsConfig.from_env()
         self._request_timeout = request_timeout
@@ -685,15 +687,16 @@ def read_token_file(path: str, named_by: str = "--auth-token-file") -> str:
 
 
 def token_from_env() -> str:
-    """The token in the file TF_DLT_AUTH_TOKEN_FILE names (trailing
-    whitespace dropped), "" when it is unset: what clients given no token
-    use, as the ops' clients do (a Kubernetes Secret mounted in the pod)."""
+    """The token in the file TF_DLT_AUTH_TOKEN_FILE names (surrounding
+    whitespace dropped, as the shards drop it from theirs), "" when it is
+    unset: what clients given no token use, as the ops' clients do (a
+    Kubernetes Secret mounted in the pod)."""
     path = os.environ.get(TOKEN_FILE_ENV, "")
     if not path:
         return ""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read().rstrip()
+            return f.read().strip()
     except OSError as e:
         raise errors.FailedPreconditionError(
             f"{TOKEN_FILE_ENV} names {path}, which cannot be read as the auth token file: "

@@ -115,6 +115,7 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         }  # fmt: skip
         # The token is no attribute (attributes are written into graphs and
         # SavedModels): the kernel reads it from the core by client name.
+        auth_token = auth_token.strip()  # as tf_dlt.Client takes it
         self._auth_token = auth_token
         self._attrs: dict[str, Any] = {
             "addresses": self.pservers,
