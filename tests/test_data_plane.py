@@ -108,6 +108,22 @@ def test_a_full_shard_refuses_hellos_and_clients_retry_within_their_deadline(
         assert client.shard_infos()[0]["shard_index"] == 0
 
 
+def test_a_closed_client_gives_its_connection_back_at_once(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """close() closed the control plane only: the data plane's pooled
+    connection held the shard's one slot until the object was collected."""
+    cluster = start_cluster(1, "--max-connections", "1")
+    first = cluster.client()
+    first.create_table("t", 4)
+    first.pull("t", np.arange(8))  # its data-plane connection, pooled
+    first.close()  # still referenced
+    with cluster.client(connect_timeout=0.5) as second:
+        assert second.pull("t", np.arange(8)).shape == (8, 4)
+    assert first.pull("t", np.arange(8)).shape == (8, 4)  # connects again
+    first.close()
+
+
 _CONNECTOR = textwrap.dedent(
     """
     import json, sys, threading

@@ -658,10 +658,15 @@ class Client:
     # Lifecycle ----------------------------------------------------------------
 
     def close(self) -> None:
+        """Closes the control-plane channels and the data plane's pooled
+        connections (each holds one of a shard's `--max-connections` until
+        closed, or until the object is collected). A later call opens what
+        it needs again."""
         for channel in self._channels:
             channel.close()
         self._channels.clear()
         self._stubs.clear()
+        self._data.close_idle()
 
     def __enter__(self) -> Client:
         return self

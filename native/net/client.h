@@ -114,6 +114,10 @@ class Client {
   // onto every shard (they agree again): a shard restarted meanwhile then
   // fails no call of this client DATA_LOSS for rows the load replaces.
   Status Regreet();
+  // Closes every pooled connection now (a client its owner is done with:
+  // each holds a slot of the shard's --max-connections until closed). A
+  // later call connects again.
+  void CloseIdle();
 
   // Rows of `ids` into `out` ([n, dim]); routed by bucket, one pipelined
   // exchange per touched shard, all shards at once. Retried once on a fresh

@@ -387,6 +387,15 @@ Status Client::Regreet() {
   return GetShardInfos(&infos);
 }
 
+void Client::CloseIdle() {
+  std::lock_guard<std::mutex> lock(layout_mu_);  // states_ grows under it
+  for (auto& st : states_) {
+    std::lock_guard<std::mutex> st_lock(st->mu);
+    for (Conn& idle : st->idle) net::CloseFd(idle.fd);
+    st->idle.clear();
+  }
+}
+
 Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
   infos->clear();
   for (ShardState* st : layout.shards) {

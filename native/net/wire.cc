@@ -66,8 +66,10 @@ std::string TablePrefix(const std::string& table, uint32_t dim, uint32_t num_ids
 }
 
 // Parses the common part; `row_floats_per_id` is 0 for Pull, dim for Push.
-Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableRequest* r) {
-  const char* op = push ? "Push" : "Pull";
+// `name`: the op errors name (Assign shares Push's layout).
+Status DecodeTableRequest(const uint8_t* p, size_t bytes, bool push, TableRequest* r,
+                          const char* name = nullptr) {
+  const char* op = name != nullptr ? name : push ? "Push" : "Pull";
   if (bytes < kTableRequestFixed) {
     return InvalidArgument(std::string(op) + " payload of " + std::to_string(bytes) +
                            " bytes is shorter than " + "its 16-byte fixed part");
@@ -297,7 +299,8 @@ std::string EncodeAssignPrefix(const std::string& table, uint32_t dim, uint32_t 
 }
 
 Status DecodeAssignRequest(const uint8_t* p, size_t bytes, TableRequest* r) {
-  DLT_RETURN_IF_ERROR(DecodeTableRequest(p, bytes, /*push=*/true, r));
+  if (bytes > 10 && p[10] != 0) return InvalidArgument("Assign flags byte must be 0");
+  DLT_RETURN_IF_ERROR(DecodeTableRequest(p, bytes, /*push=*/true, r, "Assign"));
   uint32_t reserved;
   std::memcpy(&reserved, p + 12, sizeof(reserved));
   if (reserved != 0) return InvalidArgument("Assign reserved word must be 0");

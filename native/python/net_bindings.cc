@@ -293,6 +293,8 @@ void BindNet(py::module_& m) {
           },
           "Asks the shards for their layout and routes by a newer one from now on; True when "
           "the layout changed.")
+      .def("close_idle", &Client::CloseIdle, py::call_guard<py::gil_scoped_release>(),
+           "Closes every pooled connection now; a later call connects again.")
       .def(
           "regreet",
           [](Client& c) {
