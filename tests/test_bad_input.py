@@ -55,6 +55,20 @@ def test_wrong_dtypes_are_rejected(one: Cluster) -> None:
         client.pull("emb", np.array([1, 2], np.int32))  # safe integer casts are fine
 
 
+@pytest.mark.unit
+def test_an_address_no_call_could_reach_is_refused_when_given() -> None:
+    """Accepted before, then failing each call UNAVAILABLE after retries."""
+    import tf_dlt
+
+    for bad in (["127.0.0.1"], ["h:70000"], ["h:7000|standby"], ["h:"], "h:1,nohost"):
+        with pytest.raises(errors.InvalidArgumentError, match="is not host:port"):
+            tf_dlt.Client(bad)
+        with pytest.raises(errors.InvalidArgumentError, match="is not host:port"):
+            ops.ClientResource(bad)
+    # Spaces around an address (a list pasted from a config) are dropped.
+    assert ops.ClientResource([" 127.0.0.1:7000 "]).pservers == ["127.0.0.1:7000"]
+
+
 def test_unknown_table_and_dim_mismatch(one: Cluster) -> None:
     raw = _native.Client(one.addresses)
     with pytest.raises(

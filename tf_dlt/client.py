@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf import json_format
 
-from tf_dlt import _native, errors, grpc_util, initializers, optimizers, tls
+from tf_dlt import _native, cluster, errors, grpc_util, initializers, optimizers, tls
 from tf_dlt.checkpoint import manifest
 from tf_dlt.memory_policy import MemoryPolicy
 from tf_dlt.progress import Progress
@@ -55,10 +55,21 @@ _LAYOUT_ASK_S = 5.0
 
 
 def address_list(pservers: Sequence[str] | str) -> list[str]:
-    """Shard addresses as a list, from a list or a comma-separated string."""
+    """Shard addresses as a list, from a list or a comma-separated string,
+    each stripped of surrounding spaces; InvalidArgumentError names one that
+    is not host:port (or host:port|host:port, a shard's standbys after its
+    primary), which no call could reach."""
     if isinstance(pservers, str):
-        return [p for p in pservers.split(",") if p]
-    return list(pservers)
+        entries = [p.strip() for p in pservers.split(",") if p.strip()]
+    else:
+        entries = [str(p).strip() for p in pservers]
+    for entry in entries:
+        if not all(cluster.is_address(part) for part in entry.split("|")):
+            raise errors.InvalidArgumentError(
+                f"shard address {entry!r} is not host:port with a port 1 to 65535 (a shard's "
+                "standbys after its primary: host:port|host:port)"
+            )
+    return entries
 
 
 def _looks_like_tls(error: grpc.RpcError) -> bool:

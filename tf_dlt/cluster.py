@@ -73,9 +73,11 @@ def _fail(problem: str) -> ValueError:
     return ValueError(f"{ENV}: {problem}")
 
 
-def _is_address(a: str) -> bool:
+def is_address(a: str, port_zero: bool = False) -> bool:
+    """Whether `a` is host:port (a port 1 to 65535, or 0 with `port_zero`: a
+    trainer's, which listens on nothing; an IPv6 host in [])."""
     host, _, port = a.rpartition(":")
-    return bool(host) and port.isdigit()
+    return bool(host) and port.isdigit() and (1 - port_zero) <= int(port) <= 65535
 
 
 def parse(text: str, default_index: int = 0) -> ClusterSpec:
@@ -96,8 +98,10 @@ def parse(text: str, default_index: int = 0) -> ClusterSpec:
     jobs: dict[str, list[str]] = {}
     for job in _JOBS:
         entries = cluster.get(job, [])
+        trainers = job == "worker"  # listen on nothing: port 0 is theirs to give
         if not isinstance(entries, list) or not all(
-            isinstance(a, str) and all(_is_address(part) for part in a.split("|")) for a in entries
+            isinstance(a, str) and all(is_address(p, port_zero=trainers) for p in a.split("|"))
+            for a in entries
         ):
             raise _fail(
                 f'job "{job}" must be a list of "host:port" strings (a shard\'s standbys after '

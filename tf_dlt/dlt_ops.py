@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_dlt import _native
+from tf_dlt.client import address_list
 from tf_dlt.table_config import TableConfig
 
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dlt_ops.so")
@@ -107,7 +108,7 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         max_inflight_pushes: int = 4,
         instance: str = "",
     ) -> None:
-        self.pservers = list(pservers or [])
+        self.pservers = address_list(pservers) if pservers else []
         self.instance = instance
         self._options: dict[str, Any] = {
             "connect_timeout": connect_timeout, "request_timeout": request_timeout,
