@@ -98,6 +98,17 @@ def test_non_finite_gradients_change_nothing(one: Cluster) -> None:
         with pytest.raises(errors.InvalidArgumentError, match="learning rate"):
             client.push("emb", ids, np.ones((10, 4), np.float32), float("nan"))
         np.testing.assert_array_equal(client.pull("emb", ids), before)
+        # Each row within the limit, an id's repeats summed past it: that
+        # row stays as it was (before, it was applied, leaving Adagrad's
+        # accumulator at 1.6e37), the others are applied.
+        repeated = np.array([3, 3, 3, 3, 5], np.int64)
+        grads = np.full((5, 4), 1e18, np.float32)
+        grads[4] = 1.0
+        with pytest.raises(errors.InvalidArgumentError, match=r"id 3, repeated in the push"):
+            client.push("emb", repeated, grads, 0.1)
+        after = client.pull("emb", ids)
+        np.testing.assert_array_equal(after[3], before[3])
+        assert not np.array_equal(after[5], before[5])
 
 
 def test_invalid_table_configs(one: Cluster) -> None:

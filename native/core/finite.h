@@ -71,9 +71,22 @@ inline std::string ShortFloat(double v) {
   return text;
 }
 
+// The largest |gradient| a push at learning rate `lr` may carry.
+inline float GradientLimit(float lr) {
+  return lr * kMaxGradient > kMaxStep ? kMaxStep / lr : kMaxGradient;
+}
+
+// Whether every value of `g[0..n)` is within `limit` (NaN is not).
+inline bool WithinLimit(const float* g, size_t n, float limit) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!(std::fabs(g[i]) <= limit)) return false;
+  }
+  return true;
+}
+
 inline Status CheckGradients(const int64_t* ids, const float* grads, size_t n, uint32_t dim,
                              float lr, const std::string& op, const std::string& outcome) {
-  const float limit = lr * kMaxGradient > kMaxStep ? kMaxStep / lr : kMaxGradient;
+  const float limit = GradientLimit(lr);
   const size_t total = n * dim;
   // |v| <= limit on the bits: magnitudes of floats order as their bits do,
   // and NaN and infinity lie above every finite limit (one integer compare,

@@ -382,9 +382,12 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   auto& sums = scratch.sums;
   auto& row = scratch.row;
   const size_t row_floats = size_t{dim} + slot_floats_;
-  // The first id whose update would overflow (its row is left as it was).
+  // The first id whose update would overflow (its row is left as it was),
+  // and the first whose repeats sum past the gradient limit (likewise: the
+  // limit holds for what a row is updated with, not only each row sent).
   constexpr int64_t kNoOverflow = INT64_MIN;
-  int64_t overflowed = kNoOverflow;
+  int64_t overflowed = kNoOverflow, summed_past = kNoOverflow;
+  const float limit = GradientLimit(lr);
   const bool keep_squares = config_.optimizer.kind == OptimizerKind::kKerasAdagrad;
   const bool frequency = sketch_ != nullptr;
   const bool stochastic =
@@ -538,6 +541,10 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
           }
         }
         const float* summed = duplicates ? sums.Summed(u) : nullptr;
+        if (summed != nullptr && !WithinLimit(summed, dim, limit)) {
+          if (summed_past == kNoOverflow) summed_past = ids[kept[k]];
+          continue;
+        }
         const float* g = summed != nullptr ? summed : grads + size_t{kept[k]} * dim;
         char* r = record_of(k);
         auto* header = reinterpret_cast<RowHeader*>(r);
@@ -577,6 +584,15 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     }
     disk_updates_.fetch_add(rewritten.size(), std::memory_order_relaxed);
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
+  }
+  if (summed_past != kNoOverflow) {
+    return InvalidArgument("push to table '" + config_.name + "': the gradients of id " +
+                           std::to_string(summed_past) +
+                           ", repeated in the push, sum past the limit a gradient may reach (|g| "
+                           "<= " +
+                           ShortFloat(limit) +
+                           "); that row was left as it was, the push's "
+                           "other rows were applied");
   }
   if (overflowed != kNoOverflow) {
     return InvalidArgument("push to table '" + config_.name + "': the update of id " +

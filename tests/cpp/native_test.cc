@@ -692,13 +692,26 @@ DLT_TEST(TestAPushThatWouldOverflowARowLeavesItAsItWas) {
   Status s = t.Push(ids.data(), grads.data(), ids.size(), 0.1f);
   EXPECT(s.code() == Code::kInvalidArgument && s.message().find("id 3") != std::string::npos);
   // Each gradient in range, their sum over one id repeated not.
-  const std::vector<int64_t> same(400, 5);
-  const std::vector<float> big(400 * 2, 1e18f);
+  const std::vector<int64_t> same(4, 5);
+  const std::vector<float> big(4 * 2, 1e18f);
   s = t.Push(same.data(), big.data(), same.size(), 0.1f);
   EXPECT(s.code() == Code::kInvalidArgument &&
-         s.message().find("id 5 would make its row non-finite") != std::string::npos);
+         s.message().find("id 5, repeated in the push, sum past") != std::string::npos);
   EXPECT_OK(t.Pull(ids.data(), ids.size(), PullMode::kInitNoInsert, after.data()));
   EXPECT(before == after);
+  // Each push in range, the state they grow past float32: the push that
+  // would overflow leaves the row as the one before left it.
+  const int64_t six = 6;
+  std::vector<float> last(2), now(2);
+  s = OkStatus();
+  for (int i = 0; i < 1000 && s.ok(); ++i) {
+    EXPECT_OK(t.Pull(&six, 1, PullMode::kInitNoInsert, last.data()));
+    s = t.Push(&six, big.data(), 1, 0.1f);
+  }
+  EXPECT(s.code() == Code::kInvalidArgument &&
+         s.message().find("id 6 would make its row non-finite") != std::string::npos);
+  EXPECT_OK(t.Pull(&six, 1, PullMode::kInitNoInsert, now.data()));
+  EXPECT(last == now);
   EXPECT(CheckGradients(ids.data(), grads.data(), 1, 2, 1e37f, "", "").code() ==
          Code::kInvalidArgument);  // 1 x 1e37 past kMaxStep
   EXPECT_OK(CheckGradients(ids.data(), grads.data(), 1, 2, 0.1f, "", ""));
