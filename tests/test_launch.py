@@ -91,6 +91,14 @@ def test_a_failing_trainer_stops_everything() -> None:
     assert all(_refused(port) for port in _shard_ports(run.stdout))
 
 
+def test_trainers_without_shard_servers_are_warned_they_train_apart() -> None:
+    run = _launch("--pservers", "0", "--workers", "2", "--", sys.executable, "-c", "pass")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "each of the 2 trainers has tables of its own" in run.stdout
+    alone = _launch("--pservers", "0", "--workers", "1", "--", sys.executable, "-c", "pass")
+    assert alone.returncode == 0 and "tables of its own" not in alone.stdout
+
+
 def test_sigint_stops_everything() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", "1", "--workers", "2",

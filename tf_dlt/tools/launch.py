@@ -114,7 +114,15 @@ class Launch:
 
     def _start_shards(self) -> list[str]:
         if self.num_pservers == 0:
-            self.say("no shard servers: trainers use the embedded tables")
+            self.say(
+                "no shard servers: trainers use the embedded tables"
+                + (
+                    f"; warning: each of the {self.num_workers} trainers has tables of its own "
+                    "(they train separate models: give --pservers to share one)"
+                    if self.num_workers > 1
+                    else ""
+                )
+            )
             return []
         standbys = {1: "", 2: ", each with a hot standby"}.get(
             self.replicas, f", each with {self.replicas - 1} hot standbys"
