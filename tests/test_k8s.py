@@ -159,7 +159,7 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
         ("--name ctr --image i --namespace Prod_NS", "namespace must be lower-case"),
         ("--name ctr --image i --worker-memory lots", "--worker-memory must be a positive"),
         ("--name ctr --image i --worker-cpu -1", "--worker-cpu must be a positive"),
-        ("--name ctr --image i --checkpoint-volume-size 10", "is under 1 GiB"),
+        ("--name ctr --image i --checkpoint-volume-size 10", "is under 1 MiB"),
         ("--name ctr --image ''", "image must name a container image"),
     ],
 )

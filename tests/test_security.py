@@ -185,6 +185,10 @@ def test_a_client_given_no_token_reads_the_token_file(
     monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(token_file))
     with tf_dlt.Client(cluster.addresses) as client:
         client.create_table("from_file", 4)
+    from tf_dlt import ops  # the op's kernel reads the file itself
+
+    rows = ops.lookup(ops.ClientResource(cluster.addresses), np.arange(3), "from_file", 4)
+    assert rows.shape == (3, 4)
     monkeypatch.delenv("TF_DLT_AUTH_TOKEN_FILE")
     # A token read by hand with its newline, as the shards' file holds it.
     with tf_dlt.Client(cluster.addresses, auth_token=token_file.read_text()) as client:

@@ -432,15 +432,11 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     size_t rows_per_frame;
     DLT_RETURN_IF_ERROR(
         RowsPerFrame(*state, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
-    if (part && rows_per_frame < pos.size()) {
-      return ResourceExhausted(Context(*state, op) + ": a refused frame's " +
-                               std::to_string(pos.size()) +
-                               " rows exceed the frame limit of the shard they now route to");
-    }
     // A shard sums an id's rows within a frame (Keras Adagrad squares each
     // one): every occurrence of an id goes to the same connection, so what
     // a push does never depends on how it was split. A refused frame's part
-    // for a shard goes whole, in one frame.
+    // for a shard goes on one connection (in frames of ids of their own: its
+    // prefix is longer by its ancestors).
     const size_t lanes = part ? 1 : LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
     const std::vector<size_t> starts =
         lanes > 1 ? SplitById(ids, lanes, &pos) : std::vector<size_t>{0, pos.size()};

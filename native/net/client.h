@@ -274,8 +274,8 @@ class Client {
                       const std::function<void(size_t, size_t, Call*)>& add_frame);
   // Push and Assign until `deadline`. With `ancestors`, the rows were one
   // frame a shard refused unapplied, the last of them its id (the others:
-  // frames it was a part of in turn): each shard's part goes in one frame
-  // of an id of its own naming them (wire::kPushPart), so a shard that
+  // frames it was a part of in turn): each shard's part goes in frames of
+  // ids of their own naming them (wire::kPushPart), so a shard that
   // applied one of them whole does not apply the part, and parts applied
   // on one shard never pass for each other.
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,

@@ -74,7 +74,9 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
   }
   std::lock_guard<std::mutex> lock(st.mu);
   const bool other_lineage = reply->lineage != 0 && st.lineage != 0 && reply->lineage != st.lineage;
-  if (other_lineage) st.restarted_lineage = reply->lineage;
+  // Noted for FollowRestart only once the shard was met: a first greeting
+  // takes the newest copy of any lineage.
+  if (other_lineage && st.greeted) st.restarted_lineage = reply->lineage;
   if (reply->epoch < st.epoch) {
     // A primary that came back after its standby took over, or one cut off
     // from clients that moved on: never the copy to use. One of another
@@ -112,6 +114,12 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
 
 void Client::Adopt(ShardState& st, const std::string& address, const wire::HelloReply& reply) {
   std::lock_guard<std::mutex> lock(st.mu);
+  // The copy used from now on is this one (a first greeting's other
+  // addresses may have answered at the same epoch, of another lineage),
+  // and a restart noted before it is no longer in question.
+  st.epoch = std::max(st.epoch, reply.epoch);
+  if (reply.lineage != 0) st.lineage = reply.lineage;
+  st.restarted_lineage = 0;
   st.address = address;
   st.info.address = address;
   st.info.shard_index = reply.shard_index;
@@ -241,7 +249,8 @@ Status Client::FollowRestart(ShardState& st) {
     candidate = st.restarted_lineage;
     st.restarted_lineage = 0;
   }
-  if (candidate == 0) return OkStatus();
+  // None, or the lineage already followed (another call took it meanwhile).
+  if (candidate == 0 || candidate == known) return OkStatus();
   uint64_t newest = 0;
   bool serves = false;
   for (const std::string& address : addresses) {

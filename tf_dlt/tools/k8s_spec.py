@@ -37,14 +37,16 @@ def shard_memory(spec: JobSpec) -> int:
 
 # Kubernetes quantities (resource.Quantity): a positive number with an
 # optional binary or decimal suffix; CPU in cores or millicores.
-_MEMORY_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
-_CPU_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)m?")
+_MEMORY_QUANTITY = re.compile(
+    r"\+?(\d+\.?\d*|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?\d+)?"
+)
+_CPU_QUANTITY = re.compile(r"\+?(\d+\.?\d*|\.\d+)(m|[eE][+-]?\d+)?")
 # A namespace is a DNS label (RFC 1123).
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 # Storage sizes below this are a unit left out ("10" is 10 bytes).
-_MIN_VOLUME_BYTES = 1 << 30
+_MIN_VOLUME_BYTES = 1 << 20
 _SUFFIX_BYTES = {
-    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "": 1, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
 }  # fmt: skip
 
@@ -56,9 +58,10 @@ def _quantity(flag: str, value: str, pattern: re.Pattern[str], example: str) -> 
     if match is None or float(match.group(1)) <= 0:
         raise ValueError(f"{flag} must be a positive Kubernetes quantity like {example}, got "
                          f"{value!r}")  # fmt: skip
-    if pattern is _CPU_QUANTITY:
-        return float(match.group(1)) / (1000 if value.endswith("m") else 1)
-    return float(match.group(1)) * _SUFFIX_BYTES[match.group(3) or ""]
+    number, suffix = float(match.group(1)), match.group(2) or ""
+    if suffix[:1] in ("e", "E"):
+        return number * 10.0 ** int(suffix[1:])
+    return number * (1e-3 if suffix == "m" else _SUFFIX_BYTES.get(suffix, 1))
 
 
 @dataclass
@@ -122,7 +125,7 @@ class JobSpec:
             if flag == "--ssd" and not size:
                 continue
             if _quantity(flag, size, _MEMORY_QUANTITY, "100Gi") < _MIN_VOLUME_BYTES:
-                raise ValueError(f"{flag} {size!r} is under 1 GiB (a unit left out? e.g. 100Gi)")
+                raise ValueError(f"{flag} {size!r} is under 1 MiB (a unit left out? e.g. 100Gi)")
         if self.pservers < 1 or self.workers < 1:
             raise ValueError(
                 f"need pservers >= 1 and workers >= 1, got {self.pservers}, {self.workers}"

@@ -42,10 +42,12 @@ absl::Status TokenOf(const std::string& name, std::string* token) {
     return errors::FailedPrecondition(kTokenFileEnv, " names ", path,
                                       ", which cannot be read as the auth token file");
   }
-  *token = text.str();
-  while (!token->empty() && std::isspace(static_cast<unsigned char>(token->back()))) {
-    token->pop_back();
-  }
+  // Surrounding whitespace dropped, as the shards drop it from theirs.
+  const std::string read = text.str();
+  size_t begin = 0, end = read.size();
+  while (begin < end && std::isspace(static_cast<unsigned char>(read[begin]))) ++begin;
+  while (end > begin && std::isspace(static_cast<unsigned char>(read[end - 1]))) --end;
+  *token = read.substr(begin, end - begin);
   return absl::OkStatus();
 }
 
