@@ -362,7 +362,7 @@ def test_a_push_whose_result_overflows_changes_nothing(one: Cluster, tmp_path: P
         # Each gradient in range, their sum (one id pushed 400 times) not.
         many = np.full(400, 5, np.int64)
         with pytest.raises(
-            errors.InvalidArgumentError, match="table 'emb'.*id 5 would make its row non-finite"
+            errors.InvalidArgumentError, match="table 'emb'.*id 5, repeated in the push, sum past"
         ):
             client.push("emb", many, np.full((400, 4), 1e18, np.float32), 0.1)
         for t in ("emb", "plain"):
@@ -378,10 +378,12 @@ def test_a_push_whose_result_overflows_changes_nothing(one: Cluster, tmp_path: P
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl"])
 def test_each_optimizer_leaves_a_row_it_would_overflow_as_it_was(optimizer: str) -> None:
-    """The shard's own check, fused into each optimizer's update: one id
-    pushed 4,000 times at 1e18 (each gradient in range, their sum not) is
-    refused naming it and keeps its values and slots; the push's other row
-    is applied."""
+    """The shard's own check of a row's summed gradient: one id pushed 4,000
+    times at 1e18 (each gradient in range, their sum not) is refused naming
+    it and keeps its values and slots; the push's other row is applied. (The
+    check fused into each update, for state grown past float32 push by
+    push, is tests/cpp/native_test.cc's
+    TestAPushThatWouldOverflowARowLeavesItAsItWas.)"""
     table = _native.Table(TableConfig.create("t", 4, "uniform", optimizer).to_dict())
     ids = np.array([1] + [5] * 4000, np.int64)
     grads = np.full((len(ids), 4), 1e18, np.float32)
@@ -398,7 +400,7 @@ def test_each_optimizer_leaves_a_row_it_would_overflow_as_it_was(optimizer: str)
         }
 
     before = state()
-    with pytest.raises(errors.InvalidArgumentError, match="id 5 would make its row non-finite"):
+    with pytest.raises(errors.InvalidArgumentError, match="id 5, repeated in the push, sum past"):
         table.push(ids, grads, lr)
     after = state()
     assert after[5] == before[5]
@@ -415,7 +417,7 @@ def test_the_table_refuses_an_update_that_overflows_its_row() -> None:
         grads = np.ones((1000, 4), np.float32)
         grads[3, 0] = 1e20
         table.push(ids, grads, 0.1)
-    with pytest.raises(errors.InvalidArgumentError, match="id 5 would make its row non-finite"):
+    with pytest.raises(errors.InvalidArgumentError, match="id 5, repeated in the push, sum past"):
         table.push(np.full(400, 5, np.int64), np.full((400, 4), 1e18, np.float32), 0.1)
     np.testing.assert_array_equal(table.pull(ids), before)
     assert np.isfinite(table.pull(ids)).all()

@@ -132,3 +132,27 @@ def test_sync_training_matches_a_local_model(
         training=False,
     ).numpy()  # fmt: skip
     np.testing.assert_allclose(rows, local_emb.get_weights()[0], atol=1e-5)
+
+
+def test_a_model_transpiled_onto_shards_started_again_trains(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A local cluster started again at the same addresses (a notebook): the
+    ops' client of those addresses, shared by name in the process, met the
+    processes before; a model transpiled afresh takes the new ones (it
+    failed its first step DataLossError)."""
+    cluster = start_cluster(1)
+    x, y = _data()
+
+    def fit_one() -> None:
+        inp = keras.Input((3,), dtype="int64")
+        emb = Embedding(input_dim=1000, output_dim=4, is_distributed=True, name="again")
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer="adam", loss="mse")
+        model = tf_dlt.transpile(model, cluster.addresses)
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+
+    fit_one()
+    cluster.kill(0)
+    cluster.restart(0)
+    fit_one()

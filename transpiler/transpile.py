@@ -87,6 +87,11 @@ def transpile(
         getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
     )
     target = ops.ClientResource(addresses, auth_token=auth_token, **client_options)
+    if not target.embedded:
+        # A model made afresh starts from the shards' processes serving now:
+        # a client of these shards this process kept (the op's resource is
+        # shared by name) may have met processes that restarted since.
+        ops.regreet(target)
     uploads: list[tuple[Embedding, Any]] = []
 
     def create(layer: Embedding) -> None:
