@@ -76,9 +76,11 @@ inline float GradientLimit(float lr) {
   return lr * kMaxGradient > kMaxStep ? kMaxStep / lr : kMaxGradient;
 }
 
-// Whether every value of `g[0..n)` is within `limit` (NaN is not): on the
-// bits, as CheckGradients, one integer compare a value that vectorizes (it
-// runs for every summed row of a push).
+// Whether every value of `g[0..n)` is within `limit` (NaN is not): |v| <=
+// limit on the bits (magnitudes of floats order as their bits do, and NaN
+// and infinity lie above every finite limit), one integer compare a value
+// with no early exit, which vectorizes: it runs on every push's gradients
+// and every summed row.
 inline bool WithinLimit(const float* g, size_t n, float limit) {
   uint32_t limit_bits;
   std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
@@ -95,18 +97,7 @@ inline Status CheckGradients(const int64_t* ids, const float* grads, size_t n, u
                              float lr, const std::string& op, const std::string& outcome) {
   const float limit = GradientLimit(lr);
   const size_t total = n * dim;
-  // |v| <= limit on the bits: magnitudes of floats order as their bits do,
-  // and NaN and infinity lie above every finite limit (one integer compare,
-  // which vectorizes).
-  uint32_t limit_bits;
-  std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
-  uint32_t any = 0;
-  for (size_t i = 0; i < total; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &grads[i], sizeof(bits));
-    any |= static_cast<uint32_t>((bits & 0x7fffffffu) > limit_bits);
-  }
-  if (!any) return OkStatus();
+  if (WithinLimit(grads, total, limit)) return OkStatus();
   for (size_t i = 0; i < total; ++i) {
     if (std::fabs(grads[i]) <= limit) continue;
     const std::string row = op + "gradient row " + std::to_string(i / dim) + " (id " +
