@@ -45,6 +45,11 @@ def _state(model: keras.Model, name: str) -> tuple[np.ndarray, ...]:
     return ids[order], values[order], slots[order], steps[order]
 
 
+def _assert_state(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...]) -> None:
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_embedded_save_and_load_restore_rows_slots_and_dense_weights(tmp_path: Path) -> None:
     model = _model("ck_embedded")
     x, y = _data()
@@ -55,8 +60,7 @@ def test_embedded_save_and_load_restore_rows_slots_and_dense_weights(tmp_path: P
     model.fit(x, y, epochs=2, batch_size=16, verbose=0)  # moves everything on
     tf_dlt.load(model, str(tmp_path / "ck"))
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
-    for got, want in zip(_state(model, "ck_embedded"), state, strict=True):
-        np.testing.assert_array_equal(got, want)  # values, Adam slots and steps
+    _assert_state(_state(model, "ck_embedded"), state)  # values, Adam slots and steps
 
 
 def test_shard_save_loads_into_embedded_tables(
@@ -153,8 +157,7 @@ def test_incremental_checkpoints_with_full_every_and_keep(
     tf_dlt.load(fresh, str(run / "epoch-5"))
     np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)
     if state is not None:
-        for got, want in zip(_state(fresh, name), state, strict=True):
-            np.testing.assert_array_equal(got, want)  # values, Adam slots and steps
+        _assert_state(_state(fresh, name), state)  # values, Adam slots and steps
     # A delta on top of the load holds only what training changes after it.
     fresh.fit(x[:16], y[:16], epochs=1, batch_size=16, verbose=0)
     info = tf_dlt.save(fresh, str(tmp_path / "after"), incremental=True)
@@ -266,8 +269,7 @@ def test_a_model_made_afresh_resumes_with_the_optimizer_and_schedule_it_saved(
     assert int(resumed.optimizer.iterations.numpy()) == steps - 6  # 96 examples / 16
     resumed.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)
     np.testing.assert_array_equal(resumed.predict(x, verbose=0), expected)
-    for got, want in zip(_state(resumed, "ck_resume"), state, strict=True):
-        np.testing.assert_array_equal(got, want)
+    _assert_state(_state(resumed, "ck_resume"), state)
 
 
 def test_a_layer_local_when_saved_and_distributed_now_is_refused_before_any_change(
@@ -297,5 +299,101 @@ def test_a_layer_local_when_saved_and_distributed_now_is_refused_before_any_chan
     now(x[:1])
     with pytest.raises(errors.FailedPreconditionError, match=r"\['ck_two_b'\] are not in the"):
         tf_dlt.load(now, str(tmp_path / "ck"))
-    for got, want in zip(_state(saved, "ck_two_a"), before, strict=True):
-        np.testing.assert_array_equal(got, want)
+    _assert_state(_state(saved, "ck_two_a"), before)
+
+
+@pytest.mark.parametrize("stop", ["dense", "model_file"])
+def test_a_save_stopped_part_way_loads_one_save_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
+    """Saving again to the path of a committed model checkpoint, stopped
+    part way (the trainer killed, the store failing): stopped after the
+    tables committed and before the dense weights were written, the path
+    held the new save's tables and the old one's dense weights, and
+    tf_dlt.load took that mix without a word. Now a save writes its dense
+    weights under its own name before its tables commit, and the model
+    file names them: the path loads one save whole, the old one (stopped
+    before its tables committed) or the new one (stopped after)."""
+    model = _model(f"ck_torn_{stop}")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    path = str(tmp_path / "latest")
+    tf_dlt.save(model, path)
+    old = model.predict(x, verbose=0), _state(model, f"ck_torn_{stop}")
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    new = model.predict(x, verbose=0), _state(model, f"ck_torn_{stop}")
+    if stop == "dense":
+
+        def failing(*args: object, **kw: object) -> None:
+            raise OSError("no space left on device")
+
+        monkeypatch.setattr(model, "save_weights", failing)
+    else:
+        commit = manifest.commit_file
+
+        def stopped(fs: object, target: str, data: bytes) -> None:
+            if target.endswith("tf_dlt_model.json"):
+                raise OSError("the trainer was stopped here")
+            commit(fs, target, data)
+
+        monkeypatch.setattr(manifest, "commit_file", stopped)
+    with pytest.raises(errors.DltError):
+        tf_dlt.save(model, path)
+    monkeypatch.undo()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+    info = tf_dlt.load(model, path)
+    assert info["tables"] == [model.get_layer(f"ck_torn_{stop}").table_name]
+    expected, state = old if stop == "dense" else new
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+    _assert_state(_state(model, f"ck_torn_{stop}"), state)
+    # The next save to the path leaves one dense file: its own.
+    tf_dlt.save(model, path)
+    assert len(list((tmp_path / "latest").glob("dense*.h5"))) == 1
+
+
+def test_dense_weights_that_cannot_load_change_no_table(tmp_path: Path) -> None:
+    """A model checkpoint whose dense weights do not fit the model (another
+    head): the tables were replaced, then load_weights refused. Now nothing
+    of the model changes: neither its tables nor its dense weights."""
+    model = _model("ck_dense_misfit")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.save(model, str(tmp_path / "ck"))
+    inp = keras.Input((3,), dtype="int64")
+    emb = Embedding(output_dim=4, is_distributed=True, optimizer="adam", learning_rate=0.05,
+                    name="ck_dense_misfit")  # fmt: skip
+    hidden = keras.layers.Dense(3, name="hidden")(keras.layers.Flatten()(emb(inp)))
+    other = keras.Model(inp, keras.layers.Dense(1, name="head")(hidden))
+    other.compile(optimizer="adam", loss="mse")
+    other.fit(x, y, epochs=1, batch_size=16, verbose=0)  # its own rows, same table
+    before, state = other.predict(x, verbose=0), _state(other, "ck_dense_misfit")
+    with pytest.raises((ValueError, errors.DltError)):
+        tf_dlt.load(other, str(tmp_path / "ck"))
+    np.testing.assert_array_equal(other.predict(x, verbose=0), before)
+    _assert_state(_state(other, "ck_dense_misfit"), state)
+
+
+def test_a_checkpoint_saved_before_dense_files_were_named_per_save_loads(
+    tmp_path: Path,
+) -> None:
+    """Model checkpoints written before each save named its dense weights
+    (one `dense.weights.h5`, no save id in the model file) load as before,
+    and the next save to that path removes the old dense file."""
+    import json
+
+    model = _model("ck_legacy")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    path = tmp_path / "ck"
+    info = tf_dlt.save(model, str(path))
+    (path / info["dense_file"]).rename(path / "dense.weights.h5")
+    legacy = {k: v for k, v in info.items() if k not in ("save_id", "dense_file")}
+    (path / "tf_dlt_model.json").write_text(json.dumps(legacy))
+    expected = model.predict(x, verbose=0)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.load(model, str(path))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+    tf_dlt.save(model, str(path))
+    assert [p.name for p in path.glob("dense*.h5")] == [
+        json.loads((path / "tf_dlt_model.json").read_text())["dense_file"]
+    ]

@@ -420,6 +420,7 @@ class Client:
         base: str | None = None,
         tables: list[str] | None = None,
         progress: bool | None = None,
+        save_id: str | None = None,
     ) -> dict[str, Any]:
         """Saves every shard into checkpoint directory `path` (a local path
         or an fsspec URL: file://, s3://, hdfs://, memory://) and commits it
@@ -437,7 +438,9 @@ class Client:
         reads the chain: the full base and every delta up to `path`.
 
         `tables`: save only these tables (a model's: `tf_dlt.save` passes
-        them); None: every table on the shards.
+        them); None: every table on the shards. `save_id`: the save's id, from
+        `manifest.new_save_id()` (`tf_dlt.save` names its dense weights by it
+        before the tables commit); None: a new one.
         """
         from tf_dlt.checkpoint import chain
         from tf_dlt.proto import dlt_pb2
@@ -449,7 +452,10 @@ class Client:
                 parent = manifest.delta_parent(path, manifest.absolute(base))
         with errors.storage_errors(f"reading what {path} holds"):
             chain.refuse_breaking_dependents(path)
-        save_id = manifest.new_save_id()
+        if save_id is None:
+            save_id = manifest.new_save_id()
+        elif not manifest.is_save_id(save_id):
+            raise errors.InvalidArgumentError(f"not a save id: {save_id!r}")
         request = dlt_pb2.SaveRequest(
             path=path,
             save_id=save_id,

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import posixpath
+import re
 import time
 from typing import Any
 
@@ -24,8 +25,71 @@ _key = manifest_lib.location_key  # a path in one normal form
 # A model checkpoint (`tf_dlt.save`): its tables' checkpoint, its dense
 # weights (`model.save_weights`), and, written last, what it holds.
 TABLES_DIR = "tables"
-DENSE_FILE = "dense.weights.h5"
+DENSE_FILE = "dense.weights.h5"  # before each save named its own (still read)
 MODEL_FILE = "tf_dlt_model.json"
+_OWN_DENSE = re.compile(rf"^dense\.(?P<save_id>{manifest_lib.SAVE_ID})\.weights\.h5$")
+
+
+def dense_file(save_id: str) -> str:
+    """The name of model save `save_id`'s dense weights: a save writes its
+    own before its tables commit, never over a committed save's."""
+    return f"dense.{save_id}.weights.h5"
+
+
+def read_model(path: str) -> dict[str, Any]:
+    """What model checkpoint `path` holds: its model file, with "save_id"
+    and "dense_file" (the dense weights' name) always set.
+
+    A save's tables commit first and its model file last. A save to `path`
+    stopped between the two (the trainer killed, the store failing) left
+    that save whole but for its model file: its tables and its dense
+    weights, written before them. That save is what `path` holds then (its
+    "tables" and "kind" from its tables' manifest). Raises NotFoundError
+    without a model file, FailedPreconditionError when the tables are of
+    no save whose dense weights are there."""
+    fs, root = manifest_lib.filesystem(path)
+    try:
+        info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
+    except FileNotFoundError:
+        raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
+    committed = str(info.get("save_id", ""))
+    if not info.get("tables"):  # no distributed tables: the dense weights alone
+        return {**info, "save_id": committed, "dense_file": _dense_of(committed)}
+    tables = manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
+    saved = str(tables["save_id"])
+    if saved == committed:
+        return {**info, "dense_file": dense_file(saved)}
+    if saved > committed and fs.exists(f"{root}/{dense_file(saved)}"):
+        return {
+            **{k: v for k, v in info.items() if k != "parent"},
+            "save_id": saved,
+            "dense_file": dense_file(saved),
+            "tables": sorted(t["config"]["name"] for t in tables["tables"]),
+            "kind": tables["kind"],
+        }
+    if not committed:  # saved before saves named their dense weights
+        return {**info, "save_id": "", "dense_file": DENSE_FILE}
+    raise errors.FailedPreconditionError(
+        f"model checkpoint {path!r}: its tables are save {saved}'s, its model file names save "
+        f"{committed}, and the dense weights of save {saved} are not there (another program "
+        "wrote into it?); nothing was loaded"
+    )
+
+
+def _dense_of(save_id: str) -> str:
+    return dense_file(save_id) if save_id else DENSE_FILE
+
+
+def remove_superseded_dense(path: str, save_id: str) -> None:
+    """Removes the dense weights of model saves to `path` older than
+    `save_id` (committed since, or stopped), once `save_id` committed."""
+    fs, root = manifest_lib.filesystem(path)
+    for entry in fs.ls(root, detail=False):
+        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        match = _OWN_DENSE.match(name)
+        if name == DENSE_FILE or (match is not None and match.group("save_id") < save_id):
+            with contextlib.suppress(FileNotFoundError, OSError):
+                fs.rm(f"{root}/{name}")
 
 
 def tables_path(path: str, tables_dir: str | None = None) -> str:
@@ -211,18 +275,14 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     `target`/tables, its dense weights copied, and its model file written
     last (a full checkpoint, no parent), so `tf_dlt.load` takes `target`
     as it takes `source`. Returns the tables' manifest."""
+    info = read_model(source)
     fs, root = manifest_lib.filesystem(source)
-    try:
-        info = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
-    except FileNotFoundError:
-        raise errors.NotFoundError(
-            f"{source!r} is not a model checkpoint: no {MODEL_FILE}"
-        ) from None
     written = compact(tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR), num_shards)
     target_fs, target_root = manifest_lib.filesystem(target)
-    target_fs.pipe_file(f"{target_root}/{DENSE_FILE}", fs.cat_file(f"{root}/{DENSE_FILE}"))
+    dense = dense_file(written["save_id"])
+    target_fs.pipe_file(f"{target_root}/{dense}", fs.cat_file(f"{root}/{info['dense_file']}"))
     info.pop("parent", None)
-    info.update(kind="full", created_unix=time.time())
+    info.update(kind="full", created_unix=time.time(), save_id=written["save_id"], dense_file=dense)
     manifest_lib.commit_file(
         target_fs, f"{target_root}/{MODEL_FILE}", json.dumps(info, indent=2).encode()
     )

@@ -36,9 +36,8 @@ READABLE_VERSIONS = (1, 2)
 # while it is written (exclusive_temp); save ids are "<UTC date>T<time>
 # <microseconds>-<8 hex digits>" (new_save_id; ids of earlier versions lack
 # the microseconds).
-_OWN_FILE = re.compile(
-    r"^shard-\d{5}-of-\d{5}\.(?P<save_id>\d{8}T\d{6}(\d{6})?-[0-9a-f]{8})\.h5(\.tmp-\w+)?$"
-)
+SAVE_ID = r"\d{8}T\d{6}(\d{6})?-[0-9a-f]{8}"  # new_save_id's form
+_OWN_FILE = re.compile(rf"^shard-\d{{5}}-of-\d{{5}}\.(?P<save_id>{SAVE_ID})\.h5(\.tmp-\w+)?$")
 
 
 def exclusive_temp(target: str) -> tuple[int, str]:
@@ -79,6 +78,11 @@ def sync_directory(directory: str) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def is_save_id(text: str) -> bool:
+    """Whether `text` has the form `new_save_id` gives."""
+    return re.fullmatch(SAVE_ID, text) is not None
 
 
 def new_save_id() -> str:
@@ -156,6 +160,21 @@ def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None
                     fs.rm(tmp)
         return
     fs.pipe_file(target, data)
+
+
+def put_durably(fs: fsspec.AbstractFileSystem, local: str, target: str) -> None:
+    """Copies local file `local` to `target` (a file no reader opens before
+    a manifest naming it commits): on a local disk synced before the
+    commit can be, so a crash after the commit never finds it short; an
+    upload elsewhere (an object appears whole, HDFS keeps its replicas)."""
+    if not is_local(fs):
+        fs.put_file(local, target)
+        return
+    with replaced_durably(target) as (fd, _), open(local, "rb") as source:
+        while chunk := source.read(8 << 20):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
 
 
 def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:

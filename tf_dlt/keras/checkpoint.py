@@ -13,6 +13,7 @@ write theirs (one shard), so either kind loads the other's checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -68,25 +69,39 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     fs.makedirs(root, exist_ok=True)
     tables = _tables_of(path)
     base_tables = _tables_of(base) if base is not None else None
-    written: dict[str, Any] = {"kind": "full"}
-    if addresses:
-        with Client(addresses, auth_token=token) as client:
-            # This model's tables only: other models' on the same shards
-            # are theirs to save.
-            written = client.save(
-                tables, base=base_tables, tables=[layer.table_name for layer in layers]
-            )
-    elif layers:
-        chain.refuse_breaking_dependents(tables)  # as Client.save does
-        written = _save_embedded(layers, tables, base_tables)
+    # The dense weights first, under the save's own name: when the tables
+    # commit, the save is whole but for its model file (`chain.read_model`).
+    save_id = manifest.new_save_id()
+    dense = chain.dense_file(save_id)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
         with variables_only():  # the rows are in tables/
             model.save_weights(local)
-        fs.put_file(local, f"{root}/{DENSE_FILE}")
+        manifest.put_durably(fs, local, f"{root}/{dense}")
+    written: dict[str, Any] = {"kind": "full"}
+    try:
+        if addresses:
+            with Client(addresses, auth_token=token) as client:
+                # This model's tables only: other models' on the same shards
+                # are theirs to save.
+                written = client.save(
+                    tables,
+                    base=base_tables,
+                    tables=[layer.table_name for layer in layers],
+                    save_id=save_id,
+                )
+        elif layers:
+            chain.refuse_breaking_dependents(tables)  # as Client.save does
+            written = _save_embedded(layers, tables, base_tables, save_id)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            fs.rm(f"{root}/{dense}")  # no tables of this save committed
+        raise
     info = {
         "format": "tf_dlt-model",
         "format_version": 1,
+        "save_id": save_id,
+        "dense_file": dense,
         "tables": [layer.table_name for layer in layers],
         "transport": "tcp" if addresses else "embedded",
         "created_unix": time.time(),
@@ -95,6 +110,7 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     if info["kind"] == "delta" and base is not None:
         info["parent"] = manifest.parent_reference(path, base)
     manifest.commit_file(fs, f"{root}/{MODEL_FILE}", json.dumps(info, indent=2).encode())
+    chain.remove_superseded_dense(path, save_id)
     setattr(model, _LAST_CHECKPOINT, path)
     return info
 
@@ -128,12 +144,13 @@ def _implied_base(model: keras.Model, path: str) -> str | None:
     return last
 
 
-def _save_embedded(layers: list[Any], tables: str, base: str | None) -> dict[str, Any]:
+def _save_embedded(
+    layers: list[Any], tables: str, base: str | None, save_id: str
+) -> dict[str, Any]:
     """Writes the layers' embedded tables into a one-shard checkpoint at
-    `tables`, as a shard server writes its own; a delta on top of `base`
-    when given."""
+    `tables`, as a shard server writes its own, as save `save_id`; a delta
+    on top of `base` when given."""
     parent = manifest.delta_parent(tables, base) if base is not None else None
-    save_id = manifest.new_save_id()
     layout = shard_files.ShardLayout()
     rows = [
         shard_files.native_rows(
@@ -154,11 +171,8 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
 
 
 def _load(model: keras.Model, path: str) -> dict[str, Any]:
+    info = chain.read_model(path)
     fs, root = manifest.filesystem(path)
-    try:
-        info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
-    except FileNotFoundError:
-        raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
     layers = table_holders(model)
     _follow_compiled_optimizer(model)
     missing = set(info["tables"]) - {layer.table_name for layer in layers}
@@ -173,8 +187,52 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
             "layers were local, is_distributed=False, when it was saved, or it is another "
             "model's); nothing was changed"
         )
+    with tempfile.TemporaryDirectory(prefix="tf_dlt-load-") as tmp:
+        local = os.path.join(tmp, DENSE_FILE)
+        fs.get_file(f"{root}/{info['dense_file']}", local)
+        _build_optimizer(model)
+        # The dense weights first, then the tables (all or nothing): when
+        # either fails, the dense weights go back as they were, so a model
+        # is never left half loaded.
+        before = [(v, v.numpy()) for v in _dense_variables(model)]
+        try:
+            with variables_only():
+                model.load_weights(local)
+            _load_tables(model, layers, _tables_of(path))
+            _refuse_saved_meanwhile(path, info)
+        except BaseException:
+            for variable, value in before:
+                variable.assign(value)
+            raise
+    setattr(model, _LAST_CHECKPOINT, path)
+    return info
+
+
+def _refuse_saved_meanwhile(path: str, info: dict[str, Any]) -> None:
+    """Raises AbortedError when `path` was saved again while it loaded: the
+    shards may have read the newer save's tables."""
+    if not info["save_id"] or not info["tables"]:
+        return
+    now = manifest.read_manifest(_tables_of(path))["save_id"]
+    if now != info["save_id"]:
+        raise errors.AbortedError(
+            f"{path} was saved again while it loaded (save {now} after {info['save_id']}): the "
+            "tables loaded may be the newer save's; load it again"
+        )
+
+
+def _dense_variables(model: keras.Model) -> list[Any]:
+    """What `load_weights` may assign: the model's variables and its
+    optimizer's."""
+    optimizer = getattr(model, "optimizer", None)
+    extra = list(optimizer.variables) if optimizer is not None else []
+    return list({id(v): v for v in [*model.weights, *extra]}.values())
+
+
+def _load_tables(model: keras.Model, layers: list[Any], tables: str) -> None:
+    """Replaces the rows of `layers`' tables with checkpoint `tables`' (all
+    or nothing), on shard servers or embedded."""
     addresses, token = cluster_of(layers)
-    tables = _tables_of(path)
     if layers and addresses:
         for model_client in model_clients(model):
             # The load replaces the rows of a shard restarted since these
@@ -186,14 +244,6 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
             client.load(tables, tables=[layer.table_name for layer in layers])
     elif layers:
         _load_embedded(tables, layers)
-    with tempfile.TemporaryDirectory(prefix="tf_dlt-load-") as tmp:
-        local = os.path.join(tmp, DENSE_FILE)
-        fs.get_file(f"{root}/{DENSE_FILE}", local)
-        _build_optimizer(model)
-        with variables_only():
-            model.load_weights(local)
-    setattr(model, _LAST_CHECKPOINT, path)
-    return info
 
 
 def _build_optimizer(model: keras.Model) -> None:
