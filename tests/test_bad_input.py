@@ -154,6 +154,28 @@ def test_big_batches_are_split_not_rejected(start_cluster: Callable[..., Cluster
         assert client.pull("emb", np.arange(10_000)).shape == (10_000, 64)
 
 
+def test_the_smallest_frame_maximum_takes_the_longest_token(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """--max-frame-bytes 4096 (the documented minimum) refused a Hello
+    carrying a 4,096-byte token (4,104 bytes) as too large, so no client
+    could connect; frames before Hello larger than the maximum got
+    RESOURCE_EXHAUSTED instead of the documented codes."""
+    token = "t" * 4096
+    cluster = start_cluster(1, "--max-frame-bytes", "4096", token=token)
+    with cluster.client() as client:
+        client.create_table("emb", 4)
+        assert client.pull("emb", [1, 2]).shape == (2, 4)
+    for opcode, code in ((frames.HELLO, errors.InvalidArgumentError.code),
+                         (frames.PULL, errors.UnauthenticatedError.code)):  # fmt: skip
+        with _connect(cluster) as sock:
+            sock.sendall(frames.HEADER.pack(frames.MAGIC, 1, opcode, 0, 9, 1 << 20, 0))
+            reply, _, _, payload = frames.read_frame(sock)
+            assert reply == frames.ERROR and frames.error_of(payload)[0] == code
+            assert frames.closed_by_peer(sock)
+    _still_serves(cluster)
+
+
 @pytest.mark.parametrize(
     "garbage",
     [

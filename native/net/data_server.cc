@@ -435,7 +435,12 @@ bool DataServer::ReadFrames(Conn* conn) {
         counters_.bytes_in.fetch_add(static_cast<uint64_t>(n));
         if (conn->head_got < conn->head_want) continue;
         if (conn->head_want == wire::kHeaderBytes) {
-          Status s = wire::DecodeHeader(conn->head, options_.max_frame_bytes, &conn->header);
+          // Before its Hello a frame is bounded by what a Hello may hold
+          // (CheckHeader, with the documented codes), not by the maximum
+          // frame, which may be smaller than a Hello with the longest token.
+          Status s = wire::DecodeHeader(conn->head,
+                                        conn->authenticated ? options_.max_frame_bytes : UINT32_MAX,
+                                        &conn->header);
           if (s.ok()) s = handler_.CheckHeader(conn->header, conn->authenticated);
           if (!s.ok()) {
             // The stream cannot be resynchronised: answer and close.

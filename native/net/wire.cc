@@ -534,9 +534,9 @@ std::string EncodePushReply(uint32_t rows_applied) {
 
 std::string EncodeError(Code code, const std::string& message) {
   std::string text = message;
-  if (text.size() > kMaxErrorMessageBytes) {
+  if (text.size() > kSentErrorMessageBytes) {
     const std::string cut = " [...]";
-    text.resize(kMaxErrorMessageBytes - cut.size());
+    text.resize(kSentErrorMessageBytes - cut.size());
     // Never end inside a UTF-8 sequence.
     while (!text.empty() && (static_cast<uint8_t>(text.back()) & 0xc0) == 0x80) text.pop_back();
     if (!text.empty() && (static_cast<uint8_t>(text.back()) & 0x80)) text.pop_back();

@@ -44,9 +44,11 @@ inline constexpr size_t kTableRequestFixed = 16;
 inline constexpr size_t kPullReplyFixed = 8;
 inline constexpr size_t kPushReplyBytes = 8;
 inline constexpr size_t kErrorFixed = 8;
-// Error messages are cut to this many bytes when encoded; a peer's error
-// payload above kErrorFixed + kMaxErrorMessageBytes is malformed.
+// A peer's error payload above kErrorFixed + kMaxErrorMessageBytes is
+// malformed. Messages are cut to kSentErrorMessageBytes when encoded, so an
+// Error frame fits the smallest maximum frame a server may announce.
 inline constexpr size_t kMaxErrorMessageBytes = 4096;
+inline constexpr size_t kSentErrorMessageBytes = kMinMaxFrameBytes - kErrorFixed;
 
 enum class Opcode : uint8_t {
   kHello = 1,

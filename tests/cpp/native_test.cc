@@ -225,6 +225,10 @@ DLT_TEST(TestFramesGolden) {
   }
   EXPECT(Hex(Frame(wire::Opcode::kError, 1, 4,
                    wire::EncodeError(Code::kNotFound, "no table 'x'"))) == golden["error"]);
+  // A long message is cut so the Error frame fits the smallest maximum
+  // frame a server may announce.
+  EXPECT(wire::EncodeError(Code::kInternal, std::string(10000, 'x')).size() ==
+         wire::kMinMaxFrameBytes);
 
   // Decoding the golden push request gives back its fields.
   std::string raw;
