@@ -84,7 +84,11 @@ def remove_superseded_dense(path: str, save_id: str) -> None:
     """Removes the dense weights of model saves to `path` older than
     `save_id` (committed since, or stopped), once `save_id` committed."""
     fs, root = manifest_lib.filesystem(path)
-    for entry in fs.ls(root, detail=False):
+    try:
+        entries = fs.ls(root, detail=False)
+    except OSError:
+        return  # the save committed: the next one removes them
+    for entry in entries:
         name = str(entry).rstrip("/").rsplit("/", 1)[-1]
         match = _OWN_DENSE.match(name)
         if name == DENSE_FILE or (match is not None and match.group("save_id") < save_id):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -30,6 +31,7 @@ from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, tab
 from tf_dlt.layers.embedding import variables_only
 from tf_dlt.table_config import difference, normalized
 
+log = logging.getLogger("tf_dlt.keras.checkpoint")
 MODEL_FILE = chain.MODEL_FILE
 # The model attribute naming the checkpoint it last saved or loaded.
 _LAST_CHECKPOINT = "_tf_dlt_last_checkpoint"
@@ -201,11 +203,20 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
             _load_tables(model, layers, _tables_of(path))
             _refuse_saved_meanwhile(path, info)
         except BaseException:
-            for variable, value in before:
-                variable.assign(value)
+            _put_back(before)
             raise
     setattr(model, _LAST_CHECKPOINT, path)
     return info
+
+
+def _put_back(values: list[tuple[Any, Any]]) -> None:
+    """Assigns each variable its value from before a failed load; one that
+    cannot take it (logged) never hides the load's own error."""
+    for variable, value in values:
+        try:
+            variable.assign(value)
+        except Exception as e:  # noqa: BLE001 - the load's error is the one to raise
+            log.warning("could not put %s back after a failed load: %s", variable.path, e)
 
 
 def _refuse_saved_meanwhile(path: str, info: dict[str, Any]) -> None:
