@@ -55,6 +55,12 @@ def test_ps_task_is_not_a_chief() -> None:
         ('{"task": {"index": "1"}}', "task index must be an int"),
         ('{"cluster": {"worker": ["a:1"]}, "task": {"index": 1}}', "task index 1 is outside"),
         ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "ps"}}', "task index 0 is outside"),
+        (
+            '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker"}}',
+            'no task index, and job "worker" has 2 entries',
+        ),
+        ('{"cluster": {"worker": ["a:1", "b:1"]}}', 'no task index, and job "worker" has 2'),
+        ('{"cluster": {"ps": ["a:1", "b:1"]}, "task": {"type": "ps"}}', 'job "ps" has 2 entries'),
     ],
 )
 def test_errors_name_the_problem(text: str, message: str) -> None:

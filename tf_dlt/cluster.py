@@ -80,9 +80,11 @@ def is_address(a: str, port_zero: bool = False) -> bool:
     return bool(host) and port.isdigit() and (1 - port_zero) <= int(port) <= 65535
 
 
-def parse(text: str, default_index: int = 0) -> ClusterSpec:
+def parse(text: str, default_index: int | None = None) -> ClusterSpec:
     """Parses a TF_CONFIG value; errors name the field that is wrong. A task
-    without "index" gets `default_index`."""
+    without "index" gets `default_index` (an Indexed Job's), else index 0
+    when its job has one member; with several it is refused (each trainer
+    would take itself for worker 0, the chief)."""
     try:
         config: Any = json.loads(text)
     except json.JSONDecodeError as e:
@@ -110,16 +112,24 @@ def parse(text: str, default_index: int = 0) -> ClusterSpec:
         jobs[job] = entries
     if "chief" in cluster:
         raise _fail('job "chief" is not used: worker 0 is the chief; list it under "worker"')
-    task = config.get("task", {"type": "worker", "index": 0})
+    task = config.get("task", {"type": "worker"})
     if not isinstance(task, dict):
         raise _fail('"task" must be an object {"type": ..., "index": ...}')
     task_type = task.get("type", "worker")
-    index = task.get("index", default_index)
     if task_type not in _JOBS:
         raise _fail(f"task type must be one of {list(_JOBS)}, got {task_type!r}")
+    members = jobs[task_type] or (["localhost:0"] if task_type == "worker" else [])
+    index = task.get("index", default_index)
+    if index is None:
+        if len(members) > 1:
+            raise _fail(
+                f'no task index, and job "{task_type}" has {len(members)} entries: give the '
+                f'task\'s "index" (or {INDEX_ENV}, which an Indexed Job sets); without one every '
+                "process would be task 0"
+            )
+        index = 0
     if isinstance(index, bool) or not isinstance(index, int):
         raise _fail(f"task index must be an int, got {index!r}")
-    members = jobs[task_type] or (["localhost:0"] if task_type == "worker" else [])
     if not 0 <= index < len(members):
         raise _fail(f'task index {index} is outside job "{task_type}" ({len(members)} entries)')
     return ClusterSpec(
@@ -137,7 +147,7 @@ def cluster_from_env(environ: dict[str, str] | None = None) -> ClusterSpec:
     text = env.get(ENV, "").strip()
     if not text:
         return ClusterSpec()
-    index = env.get(INDEX_ENV, "0")
-    if not index.isdigit():
+    index = env.get(INDEX_ENV)
+    if index is not None and not index.isdigit():
         raise _fail(f"{INDEX_ENV} must be a non-negative int, got {index!r}")
-    return parse(text, int(index))
+    return parse(text, int(index) if index is not None else None)
