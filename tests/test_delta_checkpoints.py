@@ -42,6 +42,14 @@ def _base(client: tf_dlt.Client, ids: np.ndarray, path: Path) -> None:
     client.save(str(path))
 
 
+def _base_and_delta(client: tf_dlt.Client, ids: np.ndarray, base: Path, delta: Path) -> None:
+    """`_base` at `base`, then `ids[:50]` trained and saved as a delta on it
+    at `delta`."""
+    _base(client, ids, base)
+    _train(client, ids[:50], 2, {"t": 4})
+    client.save(str(delta), base=str(base))
+
+
 def _create(client: tf_dlt.Client) -> None:
     client.create_table("adam", 8, "normal", "adam", seed=1)
     client.create_table("ftrl", 5, "zeros", "ftrl", seed=3)
@@ -327,9 +335,7 @@ def test_a_save_over_the_base_of_a_delta_beside_it_is_refused(
     run = tmp_path / "run"
     ids = np.arange(500, dtype=np.int64)
     with start_cluster(1).client() as c:
-        _base(c, ids, run / "step-2000")
-        _train(c, ids[:50], 2, {"t": 4})
-        c.save(str(run / "step-3000"), base=str(run / "step-2000"))
+        _base_and_delta(c, ids, run / "step-2000", run / "step-3000")
         state = c.pull("t", ids)
         for base in (None, str(tmp_path / "elsewhere")):
             if base is not None:
@@ -639,4 +645,25 @@ def test_a_compacted_copy_sorts_as_the_save_it_holds_so_prune_keeps_the_newest(
         assert sorted(Path(p).name for p in deleted) == ["step-1000", "step-2000", "step-2000-full"]
         assert (run / "step-3000").exists()
         c.load(str(run / "step-3000"))
+        np.testing.assert_array_equal(c.pull("t", ids), newest)
+
+
+@pytest.mark.parametrize("name", ["aaa", "step-2000-full", "zzz"])
+def test_prune_after_compact_keeps_the_compacted_copy(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, name: str
+) -> None:
+    """The compacted copy of the newest checkpoint has its save id: the tie
+    fell to the directory's listing order, and `prune --keep 1` could
+    delete the copy just made and keep the chain it replaces. Of two
+    checkpoints of one save, the one written later (the copy) counts as
+    newer."""
+    run = tmp_path / "run"
+    ids = np.arange(500, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        _base_and_delta(c, ids, run / "step-1000", run / "step-2000")
+        newest = c.pull("t", ids)
+        chain.compact(str(run / "step-2000"), str(run / name))
+        deleted = chain.retain([cp.path for cp in chain.find(str(run))], 1)
+        assert sorted(Path(p).name for p in deleted) == ["step-1000", "step-2000"]
+        c.load(str(run / name))
         np.testing.assert_array_equal(c.pull("t", ids), newest)

@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -315,6 +316,28 @@ def test_async_push_error_surfaces_at_flush(start_cluster: Callable[..., Cluster
     with pytest.raises(tf.errors.NotFoundError, match="no table 'missing'"):
         ops.flush(client)
     ops.flush(client)  # reported once
+
+
+def test_a_push_that_reports_an_earlier_error_says_it_was_not_sent(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """The push that raises an earlier asynchronous push's error is not
+    sent (sent and then raised, a caller retrying it would apply it twice):
+    its error says so, where it named only the earlier push."""
+    cluster = start_cluster(1)
+    client = _remote(cluster, optimizer="sgd")
+    ids = np.arange(3, dtype=np.int64)
+    before = ops.lookup(client, ids, "emb", DIM, training=False).numpy()
+    ops.push(client, ids, tf.ones((3, DIM)), 0.1, "missing", DIM)
+    with cluster.client() as c:
+        for _ in range(200):  # until the shard refused it
+            if c.stats()[0]["errors"].get("NOT_FOUND", 0):
+                break
+            time.sleep(0.05)
+    with pytest.raises(tf.errors.NotFoundError, match=r"this push was not sent: .*'missing'"):
+        ops.push(client, ids, tf.ones((3, DIM)), 0.1, "emb", DIM)
+    ops.flush(client)
+    np.testing.assert_array_equal(ops.lookup(client, ids, "emb", DIM, training=False), before)
 
 
 def test_pservers_override(

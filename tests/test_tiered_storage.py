@@ -174,9 +174,18 @@ def test_stale_tier_files_are_deleted_at_start_and_a_shared_dir_is_refused(
     stale.mkdir(parents=True)
     (stale / "stripe-00.tier").write_bytes(b"\x01" * 4096)
     (ssd / "shard-3").mkdir()  # a shard of an older fleet shape, gone too
+    # Not a tier's: a directory named like one but for its index (it was
+    # deleted with what it held), and a loose file.
+    for name in ("shard-notes", "shard-", "shard-1x"):
+        (ssd / name).mkdir()
+        (ssd / name / "keep.txt").write_text("a user's")
+    (ssd / "shard-9.txt").write_text("a user's")
     budget = ("--memory-budget", _budget(), "--storage-dir", str(ssd))
     cluster = start_cluster(1, *budget)
     assert not stale.exists() and not (ssd / "shard-3").exists()
+    for name in ("shard-notes", "shard-", "shard-1x"):
+        assert (ssd / name / "keep.txt").read_text() == "a user's"
+    assert (ssd / "shard-9.txt").exists()
     with cluster.client() as c:
         c.create_table("t", DIM, "normal", "adagrad")
         c.pull("t", np.arange(ROWS, dtype=np.int64))

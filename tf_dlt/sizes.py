@@ -24,5 +24,8 @@ def parse_bytes(text: str) -> int:
     except ValueError:
         value = -1.0
     if unit not in _UNITS or not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, TiB")
+        raise ValueError(
+            f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, TiB "
+            "(powers of 1024) or K, M, G, T (powers of 1000)"
+        )
     return int(value * _UNITS[unit])

@@ -256,7 +256,11 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
     // a live shard process and is left alone.
     for (const auto& entry : fs::directory_iterator(storage_dir, error)) {
       const std::string name = entry.path().filename().string();
-      if (name.rfind("shard-", 0) != 0 || !entry.is_directory()) continue;
+      // A tier's own directory only (shard-<index>): never one a user
+      // named alike.
+      const bool tier = name.size() > 6 && name.rfind("shard-", 0) == 0 &&
+                        name.find_first_not_of("0123456789", 6) == std::string::npos;
+      if (!tier || !entry.is_directory()) continue;
       const int fd = LockDirectory(entry.path().string());
       if (fd < 0) continue;
       fs::remove_all(entry.path(), error);

@@ -40,8 +40,9 @@ void PushQueue::Enqueue(Work work, Done admitted, Done finished) {
     }
   }
   if (!earlier.ok()) {
-    push.admitted(
-        Status(earlier.code(), "an earlier asynchronous push failed: " + earlier.message()));
+    push.admitted(Status(
+        earlier.code(),
+        "an earlier asynchronous push failed, and this push was not sent: " + earlier.message()));
     return;
   }
   Start(std::move(push));

@@ -118,7 +118,7 @@ class Checkpoint:
 def find(directory: str) -> list[Checkpoint]:
     """The committed checkpoints in `directory` (itself, its
     subdirectories, and model checkpoints' ``tables/``), oldest first by
-    save id (the time of the save)."""
+    save id (the time of the save), then by when each was written."""
     fs, root = manifest_lib.filesystem(directory)
     candidates = [directory]
     with contextlib.suppress(FileNotFoundError):
@@ -134,7 +134,12 @@ def find(directory: str) -> list[Checkpoint]:
                 continue
             found.append(Checkpoint(path, tables_path(path, tables_dir), m))
             break
-    return sorted(found, key=lambda c: str(c.manifest["save_id"]))
+    # Of two checkpoints of one save (a compacted copy keeps its save id),
+    # the one written later counts as newer: prune keeps the copy.
+    return sorted(
+        found,
+        key=lambda c: (str(c.manifest["save_id"]), float(c.manifest.get("created_unix", 0))),
+    )
 
 
 def needed(
