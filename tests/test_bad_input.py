@@ -166,6 +166,10 @@ def test_the_smallest_frame_maximum_takes_the_longest_token(
     with cluster.client() as client:
         client.create_table("emb", 4)
         assert client.pull("emb", [1, 2]).shape == (2, 4)
+    with _connect(cluster) as sock:  # a second Hello on a connection is answered as the first
+        for request_id in (1, 2):
+            sock.sendall(frames.hello(request_id, token))
+            assert frames.read_frame(sock)[:3] == (frames.HELLO, frames.RESPONSE, request_id)
     for opcode, code in ((frames.HELLO, errors.InvalidArgumentError.code),
                          (frames.PULL, errors.UnauthenticatedError.code)):  # fmt: skip
         with _connect(cluster) as sock:

@@ -76,3 +76,5 @@ def test_task_index_from_an_indexed_job() -> None:
         tf_dlt.cluster_from_env({**env, "JOB_COMPLETION_INDEX": "x"})
     with pytest.raises(ValueError, match="task index 2 is outside"):
         tf_dlt.cluster_from_env({**env, "JOB_COMPLETION_INDEX": "2"})
+    null = config.replace('{"type": "worker"}', '{"type": "worker", "index": null}')
+    assert tf_dlt.cluster_from_env({**env, "TF_CONFIG": null}).task_index == 1

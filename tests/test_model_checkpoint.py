@@ -302,7 +302,7 @@ def test_a_layer_local_when_saved_and_distributed_now_is_refused_before_any_chan
     _assert_state(_state(saved, "ck_two_a"), before)
 
 
-@pytest.mark.parametrize("stop", ["dense", "model_file"])
+@pytest.mark.parametrize("stop", ["dense", "after_tables", "model_file"])
 def test_a_save_stopped_part_way_loads_one_save_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
@@ -313,7 +313,8 @@ def test_a_save_stopped_part_way_loads_one_save_whole(
     tf_dlt.load took that mix without a word. Now a save writes its dense
     weights under its own name before its tables commit, and the model
     file names them: the path loads one save whole, the old one (stopped
-    before its tables committed) or the new one (stopped after)."""
+    before its tables committed) or the new one (stopped after: its dense
+    weights are kept even when the tables' own cleanup failed)."""
     model = _model(f"ck_torn_{stop}")
     x, y = _data()
     model.fit(x, y, epochs=1, batch_size=16, verbose=0)
@@ -328,6 +329,12 @@ def test_a_save_stopped_part_way_loads_one_save_whole(
             raise OSError("no space left on device")
 
         monkeypatch.setattr(model, "save_weights", failing)
+    elif stop == "after_tables":  # interrupted in the tables' cleanup, after their commit
+
+        def interrupted(*args: object, **kw: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(manifest, "_remove_superseded", interrupted)
     else:
         commit = manifest.commit_file
 
@@ -337,7 +344,7 @@ def test_a_save_stopped_part_way_loads_one_save_whole(
             commit(fs, target, data)
 
         monkeypatch.setattr(manifest, "commit_file", stopped)
-    with pytest.raises(errors.DltError):
+    with pytest.raises((errors.DltError, KeyboardInterrupt)):
         tf_dlt.save(model, path)
     monkeypatch.undo()
     model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on

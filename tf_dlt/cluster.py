@@ -119,7 +119,9 @@ def parse(text: str, default_index: int | None = None) -> ClusterSpec:
     if task_type not in _JOBS:
         raise _fail(f"task type must be one of {list(_JOBS)}, got {task_type!r}")
     members = jobs[task_type] or (["localhost:0"] if task_type == "worker" else [])
-    index = task.get("index", default_index)
+    index = task.get("index")
+    if index is None:  # absent, or null
+        index = default_index
     if index is None:
         if len(members) > 1:
             raise _fail(

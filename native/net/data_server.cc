@@ -353,6 +353,17 @@ void DataServer::AcceptAll() {
   epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd_, &ev);
 }
 
+uint32_t DataServer::FrameLimit(const Conn& conn) const {
+  // Before its Hello a frame is bounded by what a Hello may hold
+  // (CheckHeader, with the documented codes); a Hello, first or again, may
+  // carry the longest token whatever the maximum frame.
+  if (!conn.authenticated) return UINT32_MAX;
+  const auto opcode = static_cast<wire::Opcode>(conn.head[5]);
+  return opcode == wire::Opcode::kHello
+             ? std::max<uint32_t>(options_.max_frame_bytes, wire::kMaxHelloRequestBytes)
+             : options_.max_frame_bytes;
+}
+
 void DataServer::SetDeadline(Conn* conn, Deadline kind, int timeout_ms) {
   conn->deadline_kind.store(timeout_ms > 0 ? kind : Deadline::kNone, std::memory_order_relaxed);
   conn->deadline_ms.store(timeout_ms > 0 ? NowMs() + timeout_ms : LLONG_MAX,
@@ -435,12 +446,7 @@ bool DataServer::ReadFrames(Conn* conn) {
         counters_.bytes_in.fetch_add(static_cast<uint64_t>(n));
         if (conn->head_got < conn->head_want) continue;
         if (conn->head_want == wire::kHeaderBytes) {
-          // Before its Hello a frame is bounded by what a Hello may hold
-          // (CheckHeader, with the documented codes), not by the maximum
-          // frame, which may be smaller than a Hello with the longest token.
-          Status s = wire::DecodeHeader(conn->head,
-                                        conn->authenticated ? options_.max_frame_bytes : UINT32_MAX,
-                                        &conn->header);
+          Status s = wire::DecodeHeader(conn->head, FrameLimit(*conn), &conn->header);
           if (s.ok()) s = handler_.CheckHeader(conn->header, conn->authenticated);
           if (!s.ok()) {
             // The stream cannot be resynchronised: answer and close.

@@ -136,6 +136,9 @@ class DataServer {
   bool ServeFrame(Conn* conn);
   // Sends as much of the waiting reply as the socket takes; false on error.
   bool Flush(Conn* conn);
+  // The largest payload the frame whose header `conn` holds may announce
+  // before DecodeHeader refuses it.
+  uint32_t FrameLimit(const Conn& conn) const;
   // Re-registers `conn` with epoll for `events` (one-shot).
   void Arm(Conn* conn, uint32_t events);
   void Close(Conn* conn);

@@ -295,4 +295,5 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     manifest_lib.commit_file(
         target_fs, f"{target_root}/{MODEL_FILE}", json.dumps(info, indent=2).encode()
     )
+    remove_superseded_dense(target, written["save_id"])
     return written

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import posixpath
 import re
@@ -31,6 +32,8 @@ FORMAT = "tf_dlt-checkpoint"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
+
+log = logging.getLogger("tf_dlt.checkpoint")
 
 # Files a save writes: shard-<i>-of-<n>.<save id>.h5, and .tmp-<random>
 # while it is written (exclusive_temp); save ids are "<UTC date>T<time>
@@ -329,7 +332,10 @@ def write_manifest(
             f"there names files that are gone; save to {path} again (one save to a path at a "
             "time)"
         )
-    _remove_superseded(fs, root, {p["file"] for p in parts}, save_id)
+    try:
+        _remove_superseded(fs, root, {p["file"] for p in parts}, save_id)
+    except OSError as e:  # committed: the next save removes them
+        log.warning("saved %s; removing the files of earlier saves failed: %s", path, e)
     return manifest
 
 

@@ -3,9 +3,14 @@ with optimizer state) and its dense weights, together, to any fsspec path.
 
 Layout of `path`:
 
-    tables/            a tf_dlt checkpoint (docs/checkpoints.md): MANIFEST.json + shard files
-    dense.weights.h5   the Keras weights of the model (model.save_weights)
-    tf_dlt_model.json  written last: what the checkpoint holds; commits it
+    tables/                      a tf_dlt checkpoint (docs/checkpoints.md): MANIFEST.json
+                                 + shard files
+    dense.<save id>.weights.h5   the Keras weights of the model (model.save_weights),
+                                 written first, under the save's own name
+    tf_dlt_model.json            written last: what the checkpoint holds, naming them
+
+A save stopped after its tables committed leaves that save whole but for
+its model file, which `chain.read_model` then reads from the tables.
 
 Embedded tables are written in the same checkpoint format as shard servers
 write theirs (one shard), so either kind loads the other's checkpoint.
@@ -96,8 +101,9 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
             chain.refuse_breaking_dependents(tables)  # as Client.save does
             written = _save_embedded(layers, tables, base_tables, save_id)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError, OSError):
-            fs.rm(f"{root}/{dense}")  # no tables of this save committed
+        if not _committed(tables, save_id):  # else the path holds this save now
+            with contextlib.suppress(FileNotFoundError, OSError):
+                fs.rm(f"{root}/{dense}")
         raise
     info = {
         "format": "tf_dlt-model",
@@ -115,6 +121,15 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     chain.remove_superseded_dense(path, save_id)
     setattr(model, _LAST_CHECKPOINT, path)
     return info
+
+
+def _committed(tables: str, save_id: str) -> bool:
+    """Whether save `save_id`'s manifest is the one committed at `tables`
+    (a save can fail after its commit, e.g. in its cleanup)."""
+    try:
+        return bool(manifest.read_manifest(tables)["save_id"] == save_id)
+    except Exception:  # noqa: BLE001 - unreadable: not this save's commit
+        return False
 
 
 def _tables_of(path: str) -> str:
@@ -191,11 +206,18 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
         )
     with tempfile.TemporaryDirectory(prefix="tf_dlt-load-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
-        fs.get_file(f"{root}/{info['dense_file']}", local)
+        try:
+            fs.get_file(f"{root}/{info['dense_file']}", local)
+        except FileNotFoundError:
+            _refuse_saved_meanwhile(path, info)
+            raise errors.NotFoundError(
+                f"model checkpoint {path!r} lacks its dense weights {info['dense_file']}"
+            ) from None
         _build_optimizer(model)
         # The dense weights first, then the tables (all or nothing): when
-        # either fails, the dense weights go back as they were, so a model
-        # is never left half loaded.
+        # either fails, the dense weights go back as they were, so a failed
+        # load changes nothing (but for a save to the path meanwhile: the
+        # tables may then be the newer save's, AbortedError).
         before = [(v, v.numpy()) for v in _dense_variables(model)]
         try:
             with variables_only():
@@ -221,10 +243,11 @@ def _put_back(values: list[tuple[Any, Any]]) -> None:
 
 def _refuse_saved_meanwhile(path: str, info: dict[str, Any]) -> None:
     """Raises AbortedError when `path` was saved again while it loaded: the
-    shards may have read the newer save's tables."""
-    if not info["save_id"] or not info["tables"]:
+    shards may have read the newer save's tables, or its cleanup removed
+    the dense weights the load was to read."""
+    if not info["save_id"]:
         return
-    now = manifest.read_manifest(_tables_of(path))["save_id"]
+    now = chain.read_model(path)["save_id"]
     if now != info["save_id"]:
         raise errors.AbortedError(
             f"{path} was saved again while it loaded (save {now} after {info['save_id']}): the "
