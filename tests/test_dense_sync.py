@@ -82,6 +82,35 @@ def test_another_models_table_is_refused_and_a_missing_chief_times_out() -> None
         waiting.build(_model(0).trainable_variables)
 
 
+def test_a_model_built_afresh_resumes_from_a_dense_table_checkpoint(tmp_path: Path) -> None:
+    """Resuming in a new process: the model built afresh, compiled with
+    DenseOnShards and loaded. The load refused it ("the checkpoint holds
+    tables ['dense_resume'] that the model has no layer for": the optimizer
+    names its table only once built), and the dense weights it would have
+    loaded were the saving trainer's own copy, not the table's newer ones.
+    Now it loads, and the model holds the table's weights."""
+    model = _model(5)
+    model.compile(optimizer=tf_dlt.DenseOnShards([], "adam", 0.01, table="dense_resume"),
+                  loss="mse")  # fmt: skip
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    saved = model.predict(x, verbose=0)
+    tf_dlt.save(model, str(tmp_path / "ck"))
+    # Another trainer's push after this one's last step: the table moved on.
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+    newest = model.predict(x, verbose=0)
+    tf_dlt.save(model, str(tmp_path / "ck2"))
+    model.set_weights([w * 0 for w in model.get_weights()])  # this trainer's own copy, stale
+    tf_dlt.save(model, str(tmp_path / "ck2-own-copy-stale"))
+    fresh = _model(6)  # built afresh, never trained
+    fresh.compile(optimizer=tf_dlt.DenseOnShards([], "adam", 0.01, table="dense_resume"),
+                  loss="mse")  # fmt: skip
+    tf_dlt.load(fresh, str(tmp_path / "ck"))
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), saved, atol=1e-6)
+    tf_dlt.load(fresh, str(tmp_path / "ck2-own-copy-stale"))
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), newest, atol=1e-6)
+
+
 def test_save_and_load_include_the_dense_table(tmp_path: Path) -> None:
     model = _model(5)
     model.compile(optimizer=tf_dlt.DenseOnShards([], "adam", 0.01, table="dense_ck"), loss="mse")

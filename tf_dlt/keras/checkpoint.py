@@ -190,12 +190,16 @@ def load(model: keras.Model, path: str) -> dict[str, Any]:
 def _load(model: keras.Model, path: str) -> dict[str, Any]:
     info = chain.read_model(path)
     fs, root = manifest.filesystem(path)
+    # A compiled optimizer built first: tf_dlt.DenseOnShards names its
+    # table only once built (a model built afresh to resume).
+    _build_optimizer(model)
     layers = table_holders(model)
     _follow_compiled_optimizer(model)
     missing = set(info["tables"]) - {layer.table_name for layer in layers}
     if missing:
         raise errors.FailedPreconditionError(
-            f"the checkpoint holds tables {sorted(missing)} that the model has no layer for"
+            f"the checkpoint holds tables {sorted(missing)} that the model has no layer for, "
+            "nor a tf_dlt.DenseOnShards optimizer (compile the model as it was when saved)"
         )
     absent = {layer.table_name for layer in layers} - set(info["tables"])
     if absent:  # refused before any table changes (the dense weights could not load either)
@@ -213,7 +217,6 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
             raise errors.NotFoundError(
                 f"model checkpoint {path!r} lacks its dense weights {info['dense_file']}"
             ) from None
-        _build_optimizer(model)
         # The dense weights first, then the tables (all or nothing): when
         # either fails, the dense weights go back as they were, so a failed
         # load changes nothing (but for a save to the path meanwhile: the
@@ -224,6 +227,9 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
                 model.load_weights(local)
             _load_tables(model, layers, _tables_of(path))
             _refuse_saved_meanwhile(path, info)
+            for holder in layers:
+                if hasattr(holder, "refresh"):  # DenseOnShards: its table is the newest
+                    holder.refresh()
         except BaseException:
             _put_back(before)
             raise

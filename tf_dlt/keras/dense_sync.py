@@ -127,6 +127,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
     def _connect(self, dense: list[Any]) -> None:
         self.client = ops.ClientResource(self.pservers, auth_token=self.auth_token)
         self._create_table()
+        self._dense = dense
         self._sizes, self._offsets, self._rows = _layout(dense)
         self._ids = tf.constant(np.arange(self._rows, dtype=np.int64))
         marker = _marker(self._sizes)
@@ -144,7 +145,14 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
                 f"(layout {found[:3].tolist()}, this model {marker[:3].tolist()}: "
                 "format, variables, total size); use another table name"
             )
-        self._unpack_into(dense, tf.constant(self._pull(np.arange(self._rows))))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Pulls the dense table's weights into the model's variables: the
+        table, which every trainer pushes to, holds the newest (after a
+        load, the checkpoint's, where the weights file holds the saving
+        trainer's own copy as of its last step)."""
+        self._unpack_into(self._dense, tf.constant(self._pull(np.arange(self._rows))))
 
     def _create_table(self) -> None:
         assert self.client is not None
