@@ -334,7 +334,7 @@ def test_a_save_stopped_part_way_loads_one_save_whole(
         def interrupted(*args: object, **kw: object) -> None:
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(manifest, "_remove_superseded", interrupted)
+        monkeypatch.setattr(manifest, "remove_superseded", interrupted)
     else:
         commit = manifest.commit_file
 

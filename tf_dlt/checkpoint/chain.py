@@ -27,7 +27,8 @@ _key = manifest_lib.location_key  # a path in one normal form
 TABLES_DIR = "tables"
 DENSE_FILE = "dense.weights.h5"  # before each save named its own (still read)
 MODEL_FILE = "tf_dlt_model.json"
-_OWN_DENSE = re.compile(rf"^dense\.(?P<save_id>{manifest_lib.SAVE_ID})\.weights\.h5$")
+# A save's dense weights, and DENSE_FILE (no save id: older than any).
+_OWN_DENSE = re.compile(rf"^dense\.(?:(?P<save_id>{manifest_lib.SAVE_ID})\.)?weights\.h5$")
 
 
 def dense_file(save_id: str) -> str:
@@ -84,16 +85,8 @@ def remove_superseded_dense(path: str, save_id: str) -> None:
     """Removes the dense weights of model saves to `path` older than
     `save_id` (committed since, or stopped), once `save_id` committed."""
     fs, root = manifest_lib.filesystem(path)
-    try:
-        entries = fs.ls(root, detail=False)
-    except OSError:
-        return  # the save committed: the next one removes them
-    for entry in entries:
-        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        match = _OWN_DENSE.match(name)
-        if name == DENSE_FILE or (match is not None and match.group("save_id") < save_id):
-            with contextlib.suppress(FileNotFoundError, OSError):
-                fs.rm(f"{root}/{name}")
+    with contextlib.suppress(OSError):  # the save committed: the next one removes them
+        manifest_lib.remove_superseded(fs, root, _OWN_DENSE, save_id)
 
 
 def tables_path(path: str, tables_dir: str | None = None) -> str:

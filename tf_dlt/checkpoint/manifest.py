@@ -147,9 +147,7 @@ def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None
     appear whole)."""
     if is_local(fs):
         with replaced_durably(target) as (fd, _):
-            view = memoryview(data)
-            while view:  # through our descriptor: never a file planted by name
-                view = view[os.write(fd, view) :]
+            _write_all(fd, data)  # through our descriptor: never a file planted by name
         return
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     if _ATOMIC_RENAME & set(protocols):
@@ -175,9 +173,13 @@ def put_durably(fs: fsspec.AbstractFileSystem, local: str, target: str) -> None:
         return
     with replaced_durably(target) as (fd, _), open(local, "rb") as source:
         while chunk := source.read(8 << 20):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, chunk)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -310,7 +312,7 @@ def write_manifest(
     fs, root = filesystem(path)
     # Saves to one path at once (docs/checkpoints.md: one at a time): the
     # newest that committed holds it, and removed the others' files.
-    newer = _committed_save_id(fs, root)
+    newer = committed_save_id(fs, root)
     if newer > save_id:
         raise errors.FailedPreconditionError(
             f"a newer save ({newer}) committed to {path} while this one ({save_id}) ran: it "
@@ -333,13 +335,13 @@ def write_manifest(
             "time)"
         )
     try:
-        _remove_superseded(fs, root, {p["file"] for p in parts}, save_id)
+        remove_superseded(fs, root, _OWN_FILE, save_id, keep={p["file"] for p in parts})
     except OSError as e:  # committed: the next save removes them
         log.warning("saved %s; removing the files of earlier saves failed: %s", path, e)
     return manifest
 
 
-def _committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
+def committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
     """The save id of the manifest committed at `root`; "" when none (or
     one this build cannot read: the save replaces it)."""
     try:
@@ -349,17 +351,22 @@ def _committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
     return save_id if isinstance(save_id, str) else ""
 
 
-def _remove_superseded(
-    fs: fsspec.AbstractFileSystem, root: str, keep: set[str], save_id: str
+def remove_superseded(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    own: re.Pattern[str],
+    save_id: str,
+    keep: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """Removes files that earlier saves to `root` wrote (the previous
-    checkpoint's, and those of saves that never committed): tf_dlt's own
-    file names only, with a save id older than `save_id`. Anything else in
-    the directory, and files of a newer save still in progress, stay."""
+    checkpoint's, and those of saves that never committed): names that
+    `own` matches, with a save id (its "save_id" group; none: older than
+    any) older than `save_id`, except `keep`. Anything else in the
+    directory, and files of a newer save still in progress, stay."""
     for entry in fs.ls(root, detail=False):
         name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        match = _OWN_FILE.match(name)
-        if match is None or name in keep or match.group("save_id") >= save_id:
+        match = own.match(name)
+        if match is None or name in keep or (match.group("save_id") or "") >= save_id:
             continue
         with contextlib.suppress(FileNotFoundError, OSError):
             fs.rm(f"{root}/{name}")

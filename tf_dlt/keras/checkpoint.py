@@ -101,7 +101,9 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
             chain.refuse_breaking_dependents(tables)  # as Client.save does
             written = _save_embedded(layers, tables, base_tables, save_id)
     except BaseException:
-        if not _committed(tables, save_id):  # else the path holds this save now
+        # Failed after its tables committed (in their cleanup, say): the
+        # path holds this save now, dense weights included.
+        if manifest.committed_save_id(*manifest.filesystem(tables)) != save_id:
             with contextlib.suppress(FileNotFoundError, OSError):
                 fs.rm(f"{root}/{dense}")
         raise
@@ -121,15 +123,6 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     chain.remove_superseded_dense(path, save_id)
     setattr(model, _LAST_CHECKPOINT, path)
     return info
-
-
-def _committed(tables: str, save_id: str) -> bool:
-    """Whether save `save_id`'s manifest is the one committed at `tables`
-    (a save can fail after its commit, e.g. in its cleanup)."""
-    try:
-        return bool(manifest.read_manifest(tables)["save_id"] == save_id)
-    except Exception:  # noqa: BLE001 - unreadable: not this save's commit
-        return False
 
 
 def _tables_of(path: str) -> str:
