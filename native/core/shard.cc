@@ -331,8 +331,17 @@ size_t Shard::KeepMemory() {
     overhead = trimmed > table_bytes ? trimmed - table_bytes : 0;
   }
   // While a save or load runs, the overhead measured before it: its
-  // buffers are what kPersistReserve holds back.
-  if (persisting_.load(std::memory_order_acquire) == 0 || steady_overhead_ == 0) {
+  // buffers are what kPersistReserve holds back. After it, the same until
+  // what it freed has left the process (the overhead is back within a trim
+  // share of before) or kSettle passed.
+  if (persisting_.load(std::memory_order_acquire) > 0) {
+    settled_ = false;
+  } else if (!settled_) {
+    const auto ended = std::chrono::steady_clock::time_point(
+        std::chrono::steady_clock::duration(persist_ended_.load(std::memory_order_acquire)));
+    settled_ = overhead <= steady_overhead_ + budget_ * kTrimShare || now - ended >= kSettle;
+  }
+  if (settled_ || steady_overhead_ == 0) {
     steady_overhead_ = overhead;
   } else {
     overhead = std::min(overhead, steady_overhead_);
@@ -402,6 +411,10 @@ void Shard::SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint
 }
 
 void Shard::SetPersisting(bool persisting) {
+  if (!persisting) {
+    persist_ended_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                         std::memory_order_release);
+  }
   persisting_.fetch_add(persisting ? 1 : -1, std::memory_order_acq_rel);
 }
 
