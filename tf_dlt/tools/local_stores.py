@@ -230,8 +230,13 @@ class LocalHdfs(_Server):
             "log4j.appender.console.layout=org.apache.log4j.PatternLayout\n"
             "log4j.appender.console.layout.ConversionPattern=%d{ISO8601} %p %c{2}: %m%n\n"
         )
+        # The JVMs' own temporary files (the web servers' Jetty_* folders,
+        # left behind at exit) go under the work folder, not into /tmp.
+        scratch = self.workdir / "java-tmp"
+        scratch.mkdir(parents=True, exist_ok=True)
         java = [
             "java", f"-Xmx{self.heap}", "-Djava.net.preferIPv4Stack=true",
+            f"-Djava.io.tmpdir={scratch}", "-XX:-UsePerfData",
             "-cp", f"{conf}:{web}:{hadoop_jars_dir()}/*",
         ]  # fmt: skip
         try:
