@@ -18,7 +18,8 @@ import contextlib
 import dataclasses
 import json
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -62,6 +63,25 @@ def variables_only() -> Iterator[None]:
         yield
     finally:
         _variables_only.active = before
+
+
+class _PushCount(keras.Variable):  # type: ignore[misc]
+    """A distributed layer's `pushes` weight. An eager assign of fewer pushes
+    than it holds sets the layer's Keras weights back without its table's
+    rows (`Model.set_weights`, which `EarlyStopping(restore_best_weights=
+    True)` calls; `load_weights` of an older file when the rows are on
+    shard servers): `on_rollback(held, given)` is called first."""
+
+    def __init__(self, on_rollback: Callable[[int, int], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._on_rollback = on_rollback
+
+    def assign(self, value: Any) -> Any:
+        if tf.executing_eagerly():
+            held, given = int(self.numpy()), int(np.asarray(value))
+            if given < held:
+                self._on_rollback(held, given)
+        return super().assign(value)
 
 
 # What save_own_variables adds to the layer's weights for an embedded table.
@@ -234,6 +254,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # pushes (a serving process has none), so the graph holds only lookups.
         self.serving = False
         self._pending: Pending | None = None
+        # Whether the variables being assigned come with the table's rows
+        # (an embedded table's rows in a .keras file): no rollback warning.
+        self._rows_follow = False
         if self.initial_weights is not None and not self.is_distributed:
             self.build()
 
@@ -251,14 +274,11 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             self.anchor.overwrite_with_gradient = True
             # Pushes made (the step of a learning-rate schedule); under a
             # MirroredStrategy the replicas push together, once per step.
-            self.pushes = self.add_weight(
-                shape=(),
-                initializer="zeros",
-                dtype="int64",
-                trainable=False,
-                aggregation="only_first_replica",
-                name="pushes",
-            )
+            # (In the layer's own scope, as add_weight would make it.)
+            self.pushes = _PushCount(
+                self._rolled_back, initializer="zeros", shape=(), dtype="int64",
+                trainable=False, aggregation="only_first_replica", name="pushes",
+            )  # fmt: skip
             self.flush_at_epoch_end = FlushAtEpochEnd(self)
             if self.client is None:
                 self.client = ops.ClientResource()
@@ -625,12 +645,16 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             raise ValueError(
                 f"layer {self.name!r} has {len(variables)} variables; the file holds {sorted(keys)}"
             )
-        for i, variable in enumerate(variables):
-            variable.assign(store[str(i)])
-        if not self.is_distributed or _variables_only.active:
-            return
         has_rows = set(_ROWS_KEYS) <= keys
         on_shards = self.client is not None and not self.client.embedded
+        self._rows_follow = has_rows and not on_shards  # imported below: no rollback
+        try:
+            for i, variable in enumerate(variables):
+                variable.assign(store[str(i)])
+        finally:
+            self._rows_follow = False
+        if not self.is_distributed or _variables_only.active:
+            return
         if has_rows and on_shards:
             raise errors.FailedPreconditionError(
                 f"layer {self.name!r} is on shard servers, but the file holds the rows of an "
@@ -646,6 +670,24 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 "there; or before .keras files carried them; or for another layer): restore "
                 "them with tf_dlt.load from a tf_dlt.save checkpoint"
             )
+
+    def _rolled_back(self, held: int, given: int) -> None:
+        """Warns that the layer's Keras weights were set back (from `held`
+        pushes to `given`) while its table's rows stay as trained last,
+        unless the rows are restored with them (tf_dlt.load, a .keras file
+        holding an embedded table's rows)."""
+        if _variables_only.active or self._rows_follow:
+            return
+        warnings.warn(
+            f"layer {self.name!r}: its Keras weights were set back from {held} pushes to "
+            f"{given} (Model.set_weights, which EarlyStopping(restore_best_weights=True) "
+            "calls, or load_weights of an older file), but the rows of its table "
+            f"{self.table_name!r} stay as trained last: the model now pairs older dense "
+            "weights with newer rows. To restore an epoch whole, save with "
+            "tf_dlt.ModelCheckpoint and tf_dlt.load that epoch's checkpoint (docs/keras.md)",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _import_rows(self, store: Any) -> None:
         assert self.client is not None

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -147,6 +148,11 @@ def test_a_keras_file_of_a_model_on_shards_predicts_where_the_shards_are(
               "TF_DLT_PSERVERS": ",".join(cluster.addresses)})  # fmt: skip
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), expected)
     assert not np.allclose(model.predict(x[:16], verbose=0), expected)  # its pushes landed
+    # An older weights file sets the dense weights back, not the shards' rows.
+    model.save_weights(tmp_path / "w.weights.h5")
+    model.fit(x, y, epochs=1, verbose=0)
+    with pytest.warns(UserWarning, match="rows of its table 'habit_remote' stay as trained last"):
+        model.load_weights(tmp_path / "w.weights.h5")
 
 
 def test_an_embedded_keras_file_refuses_a_layer_on_shards_rather_than_differ(
@@ -437,3 +443,31 @@ def test_rows_looked_up_for_inference_refuse_a_gradient_clearly() -> None:
     pairs = list(zip(grads, layer.trainable_variables, strict=True))
     with pytest.raises(ValueError, match="looked up with training=False"):
         keras.optimizers.SGD(0.1).apply_gradients(pairs)
+
+
+def test_restoring_best_weights_warns_that_the_rows_stay_as_trained_last(tmp_path: Path) -> None:
+    # EarlyStopping(restore_best_weights=True) sets the model's Keras weights
+    # back to its best epoch's; a distributed layer's rows are not among them.
+    model = _model("habit_best")
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    x, y = _data()
+    # The first epoch is "best" (mode max on a falling loss): the restore
+    # sets the weights back one epoch.
+    stop = keras.callbacks.EarlyStopping(
+        monitor="loss", mode="max", patience=1, restore_best_weights=True
+    )
+    with pytest.warns(UserWarning, match="rows of its table 'habit_best' stay as trained last"):
+        model.fit(x, y, epochs=4, verbose=0, callbacks=[stop])
+    assert stop.best_epoch == 0 and stop.stopped_epoch > 0
+    # Nothing to warn of where the rows are set back with the weights: a
+    # tf_dlt.load of an earlier checkpoint, an older weights file holding an
+    # embedded table's rows, a restore to the same step.
+    tf_dlt.save(model, str(tmp_path / "ck"))
+    model.save_weights(tmp_path / "w.weights.h5")
+    model.fit(x, y, epochs=1, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tf_dlt.load(model, str(tmp_path / "ck"))
+        model.fit(x, y, epochs=1, verbose=0)
+        model.load_weights(tmp_path / "w.weights.h5")
+        model.set_weights(model.get_weights())

@@ -233,11 +233,12 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
 def _put_back(values: list[tuple[Any, Any]]) -> None:
     """Assigns each variable its value from before a failed load; one that
     cannot take it (logged) never hides the load's own error."""
-    for variable, value in values:
-        try:
-            variable.assign(value)
-        except Exception as e:  # noqa: BLE001 - the load's error is the one to raise
-            log.warning("could not put %s back after a failed load: %s", variable.path, e)
+    with variables_only():  # the tables are as they were too
+        for variable, value in values:
+            try:
+                variable.assign(value)
+            except Exception as e:  # noqa: BLE001 - the load's error is the one to raise
+                log.warning("could not put %s back after a failed load: %s", variable.path, e)
 
 
 def _refuse_saved_meanwhile(path: str, info: dict[str, Any]) -> None:
