@@ -354,6 +354,8 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
     std::vector<uint32_t> cold_at, cold_slots, rewritten;
     std::vector<uint16_t> cold_generations;
+    std::vector<uint8_t> made;
+    std::vector<int64_t> unmade;
     std::vector<float> row;
     std::vector<char> cold_records, cold_before;
     RepeatedSums sums;
@@ -375,6 +377,11 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   // far: a failed write puts them back.
   auto& cold_before = scratch.cold_before;
   auto& rewritten = scratch.rewritten;
+  // Per kept row, whether this push made it (a new id, admitted); a row
+  // it made whose update is refused is removed again (`unmade`), so a
+  // refused push of a new id leaves no row behind.
+  auto& made = scratch.made;
+  auto& unmade = scratch.unmade;
   auto& slot_of = scratch.slot_of;
   auto& firsts = scratch.firsts;
   auto& unique_of = scratch.unique_of;
@@ -403,6 +410,8 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     // cold copies').
     recs.clear();
     kept.clear();
+    made.clear();
+    unmade.clear();
     cold_at.clear();
     cold_slots.clear();
     cold_records.clear();
@@ -432,6 +441,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         if (found.ok() && slot != TierFile::kNoSlot) {
           if (!WorthRam(stripe, cold, slot, near_limit)) {
             kept.push_back(pos);
+            made.push_back(0);
             recs.push_back(kEmpty);
             cold_at.push_back(static_cast<uint32_t>(cold_slots.size()));
             cold_slots.push_back(slot);
@@ -443,7 +453,8 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         }
         if (!found.ok()) return found;
       }
-      if (rec == kEmpty) {
+      const bool make = rec == kEmpty;
+      if (make) {
         if (!AdmitOnPush(&stripe, hashes[pos], ids[pos], &counted)) {
           ++refused;
           continue;
@@ -456,6 +467,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         ++admitted;
       }
       kept.push_back(pos);
+      made.push_back(make);
       recs.push_back(rec);
       cold_at.push_back(kEmpty);
     }
@@ -526,6 +538,14 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       return Status(failed.code(), "push to table '" + config_.name + "': " + failed.message() +
                                        what + ", those of the stripes before it were");
     };
+    // Removes the rows in `unmade`, made by this push (never seen outside
+    // this hold of the lock: no removal to log).
+    auto unmake = [&] {
+      if (unmade.empty()) return;
+      stripe.EraseKeys(unmade, /*log=*/false, 0);
+      rows_.fetch_sub(static_cast<int64_t>(unmade.size()), std::memory_order_relaxed);
+      admitted_.fetch_sub(unmade.size(), std::memory_order_relaxed);
+    };
     for (int pass = cold_slots.empty() ? 1 : 0; pass < 2; ++pass) {
       const bool cold_pass = pass == 0;
       for (size_t u = 0; u < firsts.size(); ++u) {
@@ -543,6 +563,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         const float* summed = duplicates ? sums.Summed(u) : nullptr;
         if (summed != nullptr && !WithinLimit(summed, dim, limit)) {
           if (summed_past == kNoOverflow) summed_past = ids[kept[k]];
+          if (made[k]) unmade.push_back(ids[kept[k]]);
           continue;
         }
         const float* g = summed != nullptr ? summed : grads + size_t{kept[k]} * dim;
@@ -562,6 +583,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         if (!ApplyRow(config_.optimizer, dim, lr, g, sq, v, v + dim, &step)) {
           if (wide_) std::memcpy(v, row.data(), sizeof(float) * row_floats);
           if (overflowed == kNoOverflow) overflowed = ids[kept[k]];
+          if (made[k]) unmade.push_back(ids[kept[k]]);
           continue;
         }
         header->touched = now;
@@ -578,11 +600,19 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         if (!written.ok()) {
           const Status failed = put_back(written);
           NoteTierError(failed.message());
+          // The rows it made are in RAM, not yet updated (the RAM pass
+          // comes after this one): gone again, as the push changed nothing.
+          unmade.clear();
+          for (size_t i = 0; i < kept.size(); ++i) {
+            if (made[i]) unmade.push_back(ids[kept[i]]);
+          }
+          unmake();
           return failed;
         }
       }
     }
     disk_updates_.fetch_add(rewritten.size(), std::memory_order_relaxed);
+    unmake();
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }
   if (summed_past != kNoOverflow) {

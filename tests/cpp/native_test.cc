@@ -716,6 +716,18 @@ DLT_TEST(TestAPushThatWouldOverflowARowLeavesItAsItWas) {
          s.message().find("id 6 would make its row non-finite") != std::string::npos);
   EXPECT_OK(t.Pull(&six, 1, PullMode::kInitNoInsert, now.data()));
   EXPECT(last == now);
+  // A refused id the table had no row for gets none (an id beside it in
+  // the push does): the push left it as it was, absent.
+  const std::vector<int64_t> fresh = {5000, 5000, 5000, 5000, 5001};
+  std::vector<float> fresh_grads(big);
+  fresh_grads.insert(fresh_grads.end(), {0.5f, 0.5f});
+  const size_t rows = t.size();
+  const uint64_t admitted = t.counters().admitted;
+  s = t.Push(fresh.data(), fresh_grads.data(), fresh.size(), 0.1f);
+  EXPECT(s.code() == Code::kInvalidArgument &&
+         s.message().find("id 5000, repeated in the push, sum past") != std::string::npos);
+  EXPECT(t.size() == rows + 1);
+  EXPECT(t.counters().admitted == admitted + 1);
   EXPECT(CheckGradients(ids.data(), grads.data(), 1, 2, 1e37f, "", "").code() ==
          Code::kInvalidArgument);  // 1 x 1e37 past kMaxStep
   EXPECT_OK(CheckGradients(ids.data(), grads.data(), 1, 2, 0.1f, "", ""));
