@@ -333,13 +333,24 @@ size_t Shard::KeepMemory() {
   // While a save or load runs, the overhead measured before it: its
   // buffers are what kPersistReserve holds back. After it, the same until
   // what it freed has left the process (the overhead is back within a trim
-  // share of before) or kSettle passed.
-  if (persisting_.load(std::memory_order_acquire) > 0) {
+  // share of before) or kSettle passed since the first of them ended:
+  // saves or loads that follow within it (a follower's deltas) do not
+  // extend it, so the overhead is measured afresh at least that often.
+  // (One that began and ended since the last pass counts as seen.)
+  const bool persisting = persisting_.load(std::memory_order_acquire) > 0;
+  const uint64_t begun = persists_begun_.load(std::memory_order_acquire);
+  if (persisting || begun != persists_seen_) {
+    if (settled_) settle_by_ = {};
     settled_ = false;
-  } else if (!settled_) {
-    const auto ended = std::chrono::steady_clock::time_point(
-        std::chrono::steady_clock::duration(persist_ended_.load(std::memory_order_acquire)));
-    settled_ = overhead <= steady_overhead_ + budget_ * kTrimShare || now - ended >= kSettle;
+  }
+  persists_seen_ = begun;
+  if (!persisting && !settled_) {
+    if (settle_by_ == std::chrono::steady_clock::time_point{}) {
+      settle_by_ = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(
+                       persist_ended_.load(std::memory_order_acquire))) +
+                   kSettle;
+    }
+    settled_ = overhead <= steady_overhead_ + budget_ * kTrimShare || now >= settle_by_;
   }
   if (settled_ || steady_overhead_ == 0) {
     steady_overhead_ = overhead;
@@ -411,6 +422,7 @@ void Shard::SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint
 }
 
 void Shard::SetPersisting(bool persisting) {
+  if (persisting) persists_begun_.fetch_add(1, std::memory_order_acq_rel);
   if (!persisting) {
     persist_ended_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
                          std::memory_order_release);

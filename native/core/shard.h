@@ -172,9 +172,10 @@ class Shard {
   // A save or load runs (calls nest): meanwhile the keeper sizes the rows
   // by the memory outside the tables measured before it, so the buffers it
   // takes (within kPersistReserve) never make the keeper move rows. So
-  // does it after the last one ends, until that memory has gone back to
-  // the system (measured after a trim) or kSettle passed: freed buffers,
-  // and a table a load replaced, leave the process over a few passes.
+  // does it after one ends, until that memory has gone back to the system
+  // (measured after a trim) or kSettle passed (not extended by the saves
+  // or loads that follow within it): freed buffers, and a table a load
+  // replaced, leave the process over a few passes.
   void SetPersisting(bool persisting);
   static constexpr auto kSettle = std::chrono::seconds(10);
   // One pass of the keeper: moves rows out of RAM until the tables fit
@@ -262,10 +263,17 @@ class Shard {
   std::chrono::steady_clock::time_point keeper_rated_;    // guarded by keeper_pass_mu_
   std::chrono::steady_clock::time_point keeper_trimmed_;  // guarded by keeper_pass_mu_
   std::atomic<int> persisting_{0};
-  // When the last save or load ended (steady_clock ticks; 0: none yet).
+  // When the last save or load ended (steady_clock ticks; 0: none yet),
+  // and how many began (a pass tells from it one that began and ended
+  // since the last pass; persists_seen_: the count that pass read).
   std::atomic<int64_t> persist_ended_{0};
+  std::atomic<uint64_t> persists_begun_{0};
+  uint64_t persists_seen_ = 0;    // guarded by keeper_pass_mu_
   uint64_t steady_overhead_ = 0;  // guarded by keeper_pass_mu_
   bool settled_ = true;           // guarded by keeper_pass_mu_
+  // When the overhead is measured afresh at the latest, once no save or
+  // load runs (unset: not yet known). Guarded by keeper_pass_mu_.
+  std::chrono::steady_clock::time_point settle_by_;
   // Tables whose tier failed, and when (guarded by keeper_pass_mu_).
   std::map<const Table*, std::chrono::steady_clock::time_point> keeper_failed_;
 };

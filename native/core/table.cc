@@ -428,6 +428,25 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     const bool cold_rows = stripe.tier && stripe.tier->rows() != 0;
     const bool near_limit = cold_rows && NearRamLimit();
     uint64_t admitted = 0, refused = 0;
+    // Removes the rows in `unmade`, made by this push and never updated:
+    // no reader saw them (the lock is held throughout), so no removal is
+    // logged; a change log that noted them as made finds them absent (a
+    // standby is sent a removal of a row it never had). `admitted` counts
+    // the rows that stay.
+    auto unmake = [&] {
+      if (unmade.empty()) return;
+      stripe.EraseKeys(unmade, /*log=*/false, 0);
+      rows_.fetch_sub(static_cast<int64_t>(unmade.size()), std::memory_order_relaxed);
+      admitted -= unmade.size();
+    };
+    // Every row made so far (the push fails: it changes nothing).
+    auto unmake_all = [&] {
+      unmade.clear();
+      for (size_t i = 0; i < kept.size(); ++i) {
+        if (made[i]) unmade.push_back(ids[kept[i]]);
+      }
+      unmake();
+    };
     for (uint32_t k = begin; k < end; ++k) {
       if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
       const uint32_t pos = order[k];
@@ -451,7 +470,10 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
           }
           found = MoveIn(&stripe, hashes[pos], ids[pos], cold, slot, generation, &rec);
         }
-        if (!found.ok()) return found;
+        if (!found.ok()) {
+          unmake_all();
+          return found;
+        }
       }
       const bool make = rec == kEmpty;
       if (make) {
@@ -461,6 +483,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         }
         rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);
         if (rec == kEmpty) {
+          unmake_all();
           return ResourceExhausted("table '" + config_.name +
                                    "' cannot grow: out of address space");
         }
@@ -471,7 +494,6 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       recs.push_back(rec);
       cold_at.push_back(kEmpty);
     }
-    if (admitted) admitted_.fetch_add(admitted, std::memory_order_relaxed);
     if (refused) refused_.fetch_add(refused, std::memory_order_relaxed);
     const uint32_t count = static_cast<uint32_t>(kept.size());
     // Deduplicate by record (a cold row: by its tier slot): slot_of maps a
@@ -538,14 +560,6 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       return Status(failed.code(), "push to table '" + config_.name + "': " + failed.message() +
                                        what + ", those of the stripes before it were");
     };
-    // Removes the rows in `unmade`, made by this push (never seen outside
-    // this hold of the lock: no removal to log).
-    auto unmake = [&] {
-      if (unmade.empty()) return;
-      stripe.EraseKeys(unmade, /*log=*/false, 0);
-      rows_.fetch_sub(static_cast<int64_t>(unmade.size()), std::memory_order_relaxed);
-      admitted_.fetch_sub(unmade.size(), std::memory_order_relaxed);
-    };
     for (int pass = cold_slots.empty() ? 1 : 0; pass < 2; ++pass) {
       const bool cold_pass = pass == 0;
       for (size_t u = 0; u < firsts.size(); ++u) {
@@ -602,17 +616,14 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
           NoteTierError(failed.message());
           // The rows it made are in RAM, not yet updated (the RAM pass
           // comes after this one): gone again, as the push changed nothing.
-          unmade.clear();
-          for (size_t i = 0; i < kept.size(); ++i) {
-            if (made[i]) unmade.push_back(ids[kept[i]]);
-          }
-          unmake();
+          unmake_all();
           return failed;
         }
       }
     }
     disk_updates_.fetch_add(rewritten.size(), std::memory_order_relaxed);
     unmake();
+    if (admitted) admitted_.fetch_add(admitted, std::memory_order_relaxed);
     if (admitted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
   }
   if (summed_past != kNoOverflow) {
