@@ -77,7 +77,7 @@ class _PushCount(keras.Variable):  # type: ignore[misc]
         self._on_rollback = on_rollback
 
     def assign(self, value: Any) -> Any:
-        if tf.executing_eagerly():
+        if tf.executing_eagerly() and np.ndim(value) == 0:  # (a wrong shape: Keras says so)
             held, given = int(self.numpy()), int(np.asarray(value))
             if given < held:
                 self._on_rollback(held, given)

@@ -233,7 +233,7 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
 def _put_back(values: list[tuple[Any, Any]]) -> None:
     """Assigns each variable its value from before a failed load; one that
     cannot take it (logged) never hides the load's own error."""
-    with variables_only():  # the tables are as they were too
+    with variables_only():  # a load, not a rollback: never warns
         for variable, value in values:
             try:
                 variable.assign(value)
