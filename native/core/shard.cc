@@ -422,8 +422,9 @@ void Shard::SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint
 }
 
 void Shard::SetPersisting(bool persisting) {
-  if (persisting) persists_begun_.fetch_add(1, std::memory_order_acq_rel);
-  if (!persisting) {
+  if (persisting) {
+    persists_begun_.fetch_add(1, std::memory_order_acq_rel);
+  } else {
     persist_ended_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
                          std::memory_order_release);
   }

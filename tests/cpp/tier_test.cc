@@ -1129,6 +1129,13 @@ std::shared_ptr<Table> FillPastTheBudget(Shard* shard) {
   return t;
 }
 
+// The smallest memory budget a shard of this process honours now, as
+// ConfigureMemory measures it (after a trim).
+uint64_t SmallestBudget() {
+  malloc_trim(0);
+  return (Shard::ResidentBytes() + Shard::kPersistReserve + Shard::kMinRowRoom) * 10 / 9;
+}
+
 DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
   TempDir dir;
   // Stale files of a shard process that is gone.
@@ -1137,9 +1144,7 @@ DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
   std::fclose(stale);
   auto shard = std::make_shared<Shard>(0, 1);
   // The smallest budget the shard honours, and 16 MiB more for rows.
-  malloc_trim(0);  // as ConfigureMemory measures
-  const uint64_t least =
-      (Shard::ResidentBytes() + Shard::kPersistReserve + Shard::kMinRowRoom) * 10 / 9;
+  const uint64_t least = SmallestBudget();
   EXPECT(shard->ConfigureMemory(least / 2, dir.path, 5).code() == Code::kInvalidArgument);
   EXPECT_OK(shard->ConfigureMemory(least + (16 << 20), dir.path, 5));
   EXPECT(!std::filesystem::exists(dir.path + "/shard-0/t0-old"));
@@ -1156,16 +1161,18 @@ DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
 }
 
 // A shard with the smallest budget it honours and 16 MiB more for rows,
-// whose keeper thread passes once, at start: only a test's own passes run
-// after.
-std::shared_ptr<Shard> BudgetedShard(const TempDir& dir) {
-  auto shard = std::make_shared<Shard>(0, 1);
-  malloc_trim(0);  // as ConfigureMemory measures
-  const uint64_t least =
-      (Shard::ResidentBytes() + Shard::kPersistReserve + Shard::kMinRowRoom) * 10 / 9;
-  EXPECT_OK(shard->ConfigureMemory(least + (16 << 20), dir.path, 3600 * 1000));
-  return shard;
-}
+// whose keeper thread passes once, at start (only a test's own passes run
+// after), and its table filled past the budget (FillPastTheBudget).
+struct FilledShard {
+  TempDir dir;
+  std::shared_ptr<Shard> shard = Configured(dir);
+  std::shared_ptr<Table> t = FillPastTheBudget(shard.get());
+  static std::shared_ptr<Shard> Configured(const TempDir& dir) {
+    auto shard = std::make_shared<Shard>(0, 1);
+    EXPECT_OK(shard->ConfigureMemory(SmallestBudget() + (16 << 20), dir.path, 3600 * 1000));
+    return shard;
+  }
+};
 
 // 96 MiB (within kPersistReserve) made resident, mapped so that freeing
 // them (munmap) gives them back at once, as the shard's large allocations
@@ -1193,14 +1200,14 @@ DLT_TEST(TestMemoryASaveOrLoadLeavesBehindMovesNoRowWhileItGoes) {
   // moves none. Once they are gone, memory the process takes again counts.
   // (An in-place load of one table under a tight budget once moved every
   // RAM row of the others to disk this way.)
-  TempDir dir;
-  const std::shared_ptr<Shard> shard = BudgetedShard(dir);
-  const std::shared_ptr<Table> t = FillPastTheBudget(shard.get());
+  FilledShard made;
+  Shard* shard = made.shard.get();
+  const std::shared_ptr<Table>& t = made.t;
   // What follows measures the process's resident memory, which says
-  // nothing under AddressSanitizer (harness.h): there the fill above alone
-  // may move every row out.
+  // nothing under AddressSanitizer (harness.h): there the fill alone may
+  // move every row out.
   if (testing::kUnderAddressSanitizer) return;
-  SettleMemory(shard.get());
+  SettleMemory(shard);
   const uint64_t ram_rows = t->tier_stats().ram_rows;
   EXPECT(ram_rows > 0);
   // A save that begins and ends between two passes counts as seen.
@@ -1224,11 +1231,11 @@ DLT_TEST(TestMemoryTheWaitAfterASaveIsNotExtendedByTheNext) {
   // or load, however many end within it (a follower's deltas, a few
   // hundred ms apart): memory still held after that counts. (Sleeps
   // kSettle.)
-  TempDir dir;
-  const std::shared_ptr<Shard> shard = BudgetedShard(dir);
-  const std::shared_ptr<Table> t = FillPastTheBudget(shard.get());
+  FilledShard made;
+  Shard* shard = made.shard.get();
+  const std::shared_ptr<Table>& t = made.t;
   if (testing::kUnderAddressSanitizer) return;  // as above
-  SettleMemory(shard.get());
+  SettleMemory(shard);
   const uint64_t ram_rows = t->tier_stats().ram_rows;
   EXPECT(ram_rows > 0);
   shard->SetPersisting(true);
