@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -82,6 +83,26 @@ class Trainer:
             return _native.Client([f"127.0.0.1:{server.port}"]).pull_state("emb", DIM, DIM, IDS)
         finally:
             server.stop()
+
+
+def _intercepted(
+    channels: list[grpc.Channel], around: Callable[[str, Any, Callable[[], Any]], Any]
+) -> Callable[[str, int], Any]:
+    """A `stub_for` for `tf_dlt.reshard.reshard` whose Reshard calls go
+    through `around(address, request, send)` (`send()` makes the call); the
+    channels it opens are added to `channels`."""
+
+    def stub_for(address: str, admin_port: int) -> Any:
+        channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
+        stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
+
+        class Intercepted:
+            def Reshard(self, request: Any, **kwargs: Any) -> Any:  # noqa: N802
+                return around(address, request, lambda: stub.Reshard(request, **kwargs))
+
+        return Intercepted()
+
+    return stub_for
 
 
 def _state(client: tf_dlt.Client) -> np.ndarray:
@@ -273,6 +294,53 @@ def test_a_shard_with_two_standbys_moves_with_both(tmp_path) -> None:  # type: i
                 s = admin.stats()[shard]
 
 
+def test_a_new_shards_standby_that_sees_its_primary_switch_first_switches_with_it(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator's SWITCH reaches a new shard's standby well after its
+    primary switched (its link greets the primary at the new layout
+    meanwhile). The standby does not take the primary's place on its own
+    (empty, dropping what was streamed to it): it switches to the shard it
+    prepared when the coordinator says, and holds every row when it takes
+    over."""
+    with LocalCluster(1, replicas=2, workdir=tmp_path / "cluster") as cluster:
+        admin = tf_dlt.Client(cluster.addresses)
+        config = admin.create_table("emb", DIM, optimizer="adagrad", seed=7)
+        joined = cluster.join(replicas=2)  # processes 2 (primary) and 3
+        new_primary, new_standby = joined.split("|")
+        trainer = Trainer(cluster.addresses)
+        channels: list[grpc.Channel] = []
+        primary_switched = threading.Event()
+        steps = dlt_pb2.ReshardRequest
+
+        def late_to_the_standby(address: str, request: Any, send: Callable[[], Any]) -> Any:
+            if request.step == steps.SWITCH and address == new_standby:
+                assert primary_switched.wait(30)
+                time.sleep(1.5)  # several of the link's probes
+            reply = send()
+            if request.step == steps.SWITCH and address == new_primary:
+                primary_switched.set()
+            return reply
+
+        try:
+            trainer.wait_for(20)
+            done = resharding.reshard(
+                cluster.addresses, [*cluster.addresses, joined],
+                stub_for=_intercepted(channels, late_to_the_standby), timeout_s=30,
+            )  # fmt: skip
+            assert done["layout_epoch"] == 2
+            trainer.wait_for(20)
+            assert _native.hello(new_standby, replica=True)["layout_epoch"] == 2
+            cluster.kill(2)
+            trainer.wait_for(40)
+        finally:
+            trainer.stop()
+            for channel in channels:
+                channel.close()
+        assert trainer.errors == []
+        np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
+
+
 def test_a_primary_dying_mid_reshard_aborts_and_its_standby_takes_over(
     tmp_path,
     capsys: pytest.CaptureFixture[str],  # type: ignore[no-untyped-def]
@@ -412,29 +480,22 @@ def test_a_reshard_left_part_way_is_finished_or_undone_by_the_next(
     lock = threading.Lock()
     steps = dlt_pb2.ReshardRequest
 
-    def stub_for(address: str, admin_port: int) -> object:
-        channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
-        stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
-
-        class DiesAtSwitch:
-            def Reshard(self, request: object, **kwargs: object) -> object:  # noqa: N802
-                step = request.step  # type: ignore[attr-defined]
-                with lock:
-                    if step == steps.SWITCH and state["switches"] < switched:
-                        state["switches"] += 1
-                    elif step in (steps.SWITCH, steps.RELEASE) or state["dead"]:
-                        state["dead"] = True
-                        raise SystemExit("the coordinator died")
-                return stub.Reshard(request, **kwargs)
-
-        return DiesAtSwitch()
+    def dies_at_switch(address: str, request: Any, send: Callable[[], Any]) -> Any:
+        with lock:
+            if request.step == steps.SWITCH and state["switches"] < switched:
+                state["switches"] += 1
+            elif request.step in (steps.SWITCH, steps.RELEASE) or state["dead"]:
+                state["dead"] = True
+                raise SystemExit("the coordinator died")
+        return send()
 
     try:
         trainer.wait_for(20)
         with pytest.raises(SystemExit):
             resharding.reshard(
-                cluster.addresses, three, stub_for=stub_for, timeout_s=30, lease_s=2.0
-            )
+                cluster.addresses, three, stub_for=_intercepted(channels, dies_at_switch),
+                timeout_s=30, lease_s=2.0,
+            )  # fmt: skip
         # Stats say what was left so (an old shard holds writes).
         left = member_stats(cluster.process_addresses[1], cluster.admin_ports[1], "").reshard
         assert "writes held" in left and f"to {','.join(three)}" in left

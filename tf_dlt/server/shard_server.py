@@ -282,8 +282,13 @@ class ShardServer:
         layout before a re-shard (or one an undone re-shard's newer epoch
         did not reach) takes the place and layout its primary (or another
         member) serves at a newer layout: another place only while it holds
-        nothing yet, the same place's newer epoch at any time."""
+        nothing yet, the same place's newer epoch at any time. Not while it
+        takes part in a re-shard: its primary may switch before it, and the
+        coordinator's SWITCH moves it to the shard it prepared (taking the
+        place here would serve an empty one and drop what was streamed)."""
         if hello["layout_epoch"] <= self.shard.layout_epoch:
+            return False
+        if self.data_server.reshard_prepared is not None:
             return False
         try:
             self.shard.take_place(
