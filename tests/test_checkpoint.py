@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -115,7 +116,8 @@ def test_saving_again_replaces_the_previous_files(
         second = client.save(str(path))
         assert {f["file"] for f in first["files"]}.isdisjoint(f["file"] for f in second["files"])
         assert sorted(os.listdir(path)) == sorted(
-            ["MANIFEST.json"] + [f["file"] for f in second["files"]]
+            ["MANIFEST.json", manifest_lib.manifest_copy(second["save_id"])]
+            + [f["file"] for f in second["files"]]
         )
         client.push("t", np.arange(100), np.ones((100, 4), np.float32), 1.0)
         client.load(str(path))
@@ -128,10 +130,10 @@ def test_two_saves_to_one_path_never_both_report_success(
     """Saves to one path at once (misuse: one at a time): the newest that
     committed holds the path, loadable; an older one is refused, also when
     the newer commits between its checks and its own commit (it removed the
-    older one's files: that save must not report success)."""
-    shard = _native.Shard(0, 1)
-    shard.create_table(TableConfig("t", 2).to_dict())
-    shard.get_table("t").push(np.arange(10, dtype=np.int64), np.ones((10, 2), np.float32), 0.1)
+    older one's files: that save must not report success, and the path
+    holds the newer save again, not a manifest naming files that are
+    gone)."""
+    shard = _small_shard()
     path = str(tmp_path / "ck")
     older, newer = manifest_lib.new_save_id(), manifest_lib.new_save_id()
     part_older = shard_files.save_shard(path, shard, older)
@@ -139,7 +141,7 @@ def test_two_saves_to_one_path_never_both_report_success(
     manifest_lib.write_manifest(path, [part_newer], newer)
     with pytest.raises(errors.FailedPreconditionError, match="a newer save"):
         manifest_lib.write_manifest(path, [part_older], older)
-    assert manifest_lib.read_manifest(path)["save_id"] == newer
+    _assert_holds_whole(path, newer)
 
     older, newer = manifest_lib.new_save_id(), manifest_lib.new_save_id()
     part_older = shard_files.save_shard(path, shard, older)
@@ -147,13 +149,103 @@ def test_two_saves_to_one_path_never_both_report_success(
     commit = manifest_lib.commit_file
 
     def newer_commits_first(fs: Any, target: str, data: bytes) -> None:
-        monkeypatch.setattr(manifest_lib, "commit_file", commit)
-        manifest_lib.write_manifest(path, [part_newer], newer)  # removes the older save's files
+        if target.endswith("/" + manifest_lib.MANIFEST):
+            monkeypatch.setattr(manifest_lib, "commit_file", commit)
+            manifest_lib.write_manifest(path, [part_newer], newer)  # removes the older's files
         commit(fs, target, data)
 
     monkeypatch.setattr(manifest_lib, "commit_file", newer_commits_first)
-    with pytest.raises(errors.FailedPreconditionError, match="removed .* as this save committed"):
+    with pytest.raises(errors.FailedPreconditionError, match=f"dropped; save {newer} holds it"):
         manifest_lib.write_manifest(path, [part_older], older)
+    _assert_holds_whole(path, newer)
+
+
+@pytest.mark.parametrize("listing", ["current", "lagging"])
+def test_an_older_save_that_commits_after_a_newer_one_leaves_the_newer_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, listing: str
+) -> None:
+    """Of two saves to one path, the older commits just after the newer
+    (both checked the path before either committed) and, its files still
+    there, reports success; the newer then removes them as superseded. The
+    path holds the newer save whole again: no manifest there names files
+    that are gone. Also where the store's listing lags (it shows no
+    manifest copy)."""
+    if listing == "lagging":
+        names = manifest_lib._names
+        monkeypatch.setattr(
+            manifest_lib, "_names",
+            lambda fs, root: {n for n in names(fs, root) if not n.startswith("MANIFEST.2")},
+        )  # fmt: skip
+    shard = _small_shard()
+    path = str(tmp_path / "ck")
+    older, newer = manifest_lib.new_save_id(), manifest_lib.new_save_id()
+    part_older = shard_files.save_shard(path, shard, older)
+    part_newer = shard_files.save_shard(path, shard, newer)
+    commit, committed_id = manifest_lib.commit_file, manifest_lib.committed_save_id
+
+    def older_commits_next(fs: Any, target: str, data: bytes) -> None:
+        commit(fs, target, data)
+        if target.endswith("/" + manifest_lib.MANIFEST):  # the newer's commit
+            monkeypatch.setattr(manifest_lib, "commit_file", commit)
+            # The older checked the path before the newer committed.
+            monkeypatch.setattr(manifest_lib, "committed_save_id", lambda fs, root: "")
+            manifest_lib.write_manifest(path, [part_older], older)  # succeeds
+            monkeypatch.setattr(manifest_lib, "committed_save_id", committed_id)
+
+    monkeypatch.setattr(manifest_lib, "commit_file", older_commits_next)
+    manifest_lib.write_manifest(path, [part_newer], newer)
+    _assert_holds_whole(path, newer)
+
+
+def test_saves_racing_to_one_path_leave_it_whole(tmp_path: Path) -> None:
+    """Three threads save to one path, six times each, with no pause: each
+    save either reports success or fails naming the race, and the path
+    holds, at the end, the newest save that reported success, whole."""
+    shard = _small_shard()
+    path = str(tmp_path / "ck")
+    saved: list[str] = []
+    refused: list[BaseException] = []
+    lock = threading.Lock()
+
+    def saver() -> None:
+        for _ in range(6):
+            save_id = manifest_lib.new_save_id()
+            try:
+                part = shard_files.save_shard(path, shard, save_id)
+                manifest_lib.write_manifest(path, [part], save_id)
+            except errors.FailedPreconditionError as e:
+                with lock:
+                    refused.append(e)
+                continue
+            with lock:
+                saved.append(save_id)
+
+    threads = [threading.Thread(target=saver) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert saved and len(saved) + len(refused) == 18
+    for e in refused:
+        assert re.search("another save|a newer save|superseded", str(e)), e
+    _assert_holds_whole(path, max(saved))
+
+
+def _small_shard() -> _native.Shard:
+    """One shard holding table "t" with 10 trained rows."""
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 2).to_dict())
+    shard.get_table("t").push(np.arange(10, dtype=np.int64), np.ones((10, 2), np.float32), 0.1)
+    return shard
+
+
+def _assert_holds_whole(path: str, save_id: str) -> None:
+    """`path` commits save `save_id`, every file it names is there, and it
+    loads."""
+    m = manifest_lib.read_manifest(path)
+    assert m["save_id"] == save_id
+    assert {f["file"] for f in m["files"]} <= set(os.listdir(path))
+    shard_files.load_shard(path, _native.Shard(0, 1))
 
 
 _FULL_DISK_SAVE = """

@@ -557,8 +557,8 @@ def test_prune_reads_each_checkpoints_own_layout(tmp_path: Path) -> None:
 def test_a_save_syncs_the_directory_after_its_renames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The shard file's and the manifest's renames are made durable: the
-    checkpoint directory itself is synced after each."""
+    """The shard file's, the manifest copy's and the manifest's renames are
+    made durable: the checkpoint directory itself is synced after each."""
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -572,7 +572,7 @@ def test_a_save_syncs_the_directory_after_its_renames(
     path = tmp_path / "ck"
     save_id = manifest.new_save_id()
     manifest.write_manifest(str(path), [shard_files.save_shard(str(path), shard, save_id)], save_id)
-    assert synced.count(str(path)) == 2  # after the shard file's rename, after the manifest's
+    assert synced.count(str(path)) == 3  # after each rename
 
 
 def test_a_delta_refused_in_a_later_table_changes_no_table_in_use(tmp_path: Path) -> None:

@@ -145,8 +145,7 @@ def test_full_save_delta_chain_and_resharding_2_to_3(
     assert kinds == ["full", "delta", "delta"]
     # A committed checkpoint holds its manifest and one file per shard, and
     # nothing a save wrote on the way (temporary names).
-    files = [f["file"] for f in manifest.read_manifest(store.url("run", "c3"))["files"]]
-    assert store.names(store.url("run", "c3")) == sorted(["MANIFEST.json", *files])
+    assert store.names(store.url("run", "c3")) == _committed(store.url("run", "c3"))
     with start_cluster(3, env=store.env).client() as c:
         c.load(store.url("run", "c3"))
         for name, rows in expected.items():
@@ -285,8 +284,15 @@ def test_a_save_cut_short_by_a_killed_shard_leaves_the_last_checkpoint_loadable(
         assert c.list_tables()["t"]["rows"] == len(ids)
         # The next save to the same path commits and leaves only its own files.
         c.save(store.url("c2"), base=store.url("c1"))
-    files = [f["file"] for f in manifest.read_manifest(store.url("c2"))["files"]]
-    assert store.names(store.url("c2")) == sorted(["MANIFEST.json", *files])
+    assert store.names(store.url("c2")) == _committed(store.url("c2"))
+
+
+def _committed(url: str) -> list[str]:
+    """The names a committed checkpoint at `url` holds: its manifest, the
+    manifest's copy, and the files it names."""
+    m = manifest.read_manifest(url)
+    files = [f["file"] for f in m["files"]]
+    return sorted([manifest.MANIFEST, manifest.manifest_copy(m["save_id"]), *files])
 
 
 def test_a_corrupt_block_is_refused_naming_its_file(

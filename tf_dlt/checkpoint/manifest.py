@@ -17,7 +17,7 @@ import secrets
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 import fsspec
@@ -41,6 +41,14 @@ log = logging.getLogger("tf_dlt.checkpoint")
 # the microseconds).
 SAVE_ID = r"\d{8}T\d{6}(\d{6})?-[0-9a-f]{8}"  # new_save_id's form
 _OWN_FILE = re.compile(rf"^shard-\d{{5}}-of-\d{{5}}\.(?P<save_id>{SAVE_ID})\.h5(\.tmp-\w+)?$")
+# Every save keeps a copy of its manifest, MANIFEST.<save id>.json, written
+# just before it commits: when saves to one path race, the one that finds
+# the path naming files that are gone commits the newest whole save's copy
+# again (hold_newest).
+_OWN_COPY = re.compile(rf"^MANIFEST\.(?P<save_id>{SAVE_ID})\.json(?P<tmp>\.tmp-\w+)?$")
+# How often a save looks again for the newest whole save while other saves
+# to the path keep committing (each look lists the directory once).
+_HOLD_TRIES = 5
 
 
 def exclusive_temp(target: str) -> tuple[int, str]:
@@ -324,21 +332,120 @@ def write_manifest(
                 f"{part['file']} is gone from {path} before its manifest was written (another "
                 "save to the same path removed it?); the checkpoint there is unchanged"
             )
-    commit_file(fs, f"{root}/{MANIFEST}", json.dumps(manifest, indent=2, sort_keys=True).encode())
-    gone = [p["file"] for p in parts if not fs.exists(f"{root}/{p['file']}")]
-    if gone:
-        # Another save committed between the checks above and this commit,
-        # and removed these: never reported as saved.
-        raise errors.FailedPreconditionError(
-            f"another save to {path} removed {gone[0]} as this save committed: the checkpoint "
-            f"there names files that are gone; save to {path} again (one save to a path at a "
-            "time)"
-        )
+    data = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    files = {p["file"] for p in parts}
+    commit_file(fs, f"{root}/{MANIFEST}", data)
+    # The copy, once committed: a copy names a save that committed (never
+    # one whose commit failed), for hold_newest to put back.
+    copy = f"{root}/{manifest_copy(save_id)}"
     try:
-        remove_superseded(fs, root, _OWN_FILE, save_id, keep={p["file"] for p in parts})
+        commit_file(fs, copy, data)
+    except FileNotFoundError:
+        pass  # a newer save removed its temp name as superseded: hold_newest finds that one
+    except OSError as e:
+        log.warning("saved %s; writing the manifest's copy failed: %s", path, e)
+    try:
+        remove_superseded(fs, root, (_OWN_FILE, _OWN_COPY), save_id, keep=files)
     except OSError as e:  # committed: the next save removes them
         log.warning("saved %s; removing the files of earlier saves failed: %s", path, e)
+    # Another save may have committed between the checks above and this
+    # commit and removed this one's files, or an older one committed after
+    # it and lost its files to the removal above: the path holds the newest
+    # whole save again.
+    try:
+        held = hold_newest(fs, root, data)
+        dropped = held != save_id and not all_there(fs, root, files)
+    except OSError as e:  # committed (a store that refuses listings, say)
+        log.warning(
+            "saved %s; checking that no other save to it raced this one failed: %s", path, e
+        )
+        return manifest
+    if dropped:
+        _remove_quietly(fs, copy)
+        there = f"save {held} holds it" if held else f"save to {path} again"
+        raise errors.FailedPreconditionError(
+            f"another save to {path} removed this save's files as it committed: this save "
+            f"({save_id}) is dropped; {there} (one save to a path at a time)"
+        )
     return manifest
+
+
+def manifest_copy(save_id: str) -> str:
+    """The name of save `save_id`'s copy of its manifest (_OWN_COPY)."""
+    return f"MANIFEST.{save_id}.json"
+
+
+def hold_newest(fs: fsspec.AbstractFileSystem, root: str, own: bytes | None = None) -> str:
+    """Makes MANIFEST.json at `root` name the newest committed save whose
+    files are all there: when it names a save with a file missing, or a
+    newer save's copy (MANIFEST.<save id>.json, written once that save
+    committed) or `own` (the manifest of the caller's save, which need not
+    be listed yet) names only files that are there, it commits the newest
+    such. Returns the save it holds ("" when no save there is whole, or
+    saves kept committing past _HOLD_TRIES looks). Whether a file is there
+    is asked of the store file by file, never of a listing (another
+    S3-compatible store may lag its listings, not its objects): a listing
+    only finds the copies."""
+    for _ in range(_HOLD_TRIES):
+        held = _whole(fs, root, MANIFEST)
+        newest = _newest_whole(fs, root, held[0] if held else "", own)
+        if newest is None:
+            return held[0] if held else ""
+        commit_file(fs, f"{root}/{MANIFEST}", newest[1])
+    held = _whole(fs, root, MANIFEST)
+    return held[0] if held else ""
+
+
+def _whole(
+    fs: fsspec.AbstractFileSystem, root: str, name: str, data: bytes | None = None
+) -> tuple[str, bytes] | None:
+    """(save id, bytes) of manifest `name` at `root` (or of `data`) when a
+    load takes it and every file it names is there; None otherwise."""
+    try:
+        if data is None:
+            data = _read_manifest_bytes(fs, f"{root}/{name}")
+        manifest = _parse_manifest(data, root)
+    except (OSError, errors.DltError):
+        return None  # gone, or not a manifest this build loads
+    files = [str(f["file"]) for f in manifest["files"]]
+    return (manifest["save_id"], data) if all_there(fs, root, files) else None
+
+
+def _newest_whole(
+    fs: fsspec.AbstractFileSystem, root: str, newer_than: str, own: bytes | None
+) -> tuple[str, bytes] | None:
+    """(save id, bytes) of the newest of the manifest copies at `root` and
+    `own` whose save is newer than `newer_than` and whole; None when none
+    is."""
+    candidates: list[tuple[str, str, bytes | None]] = [
+        (m.group("save_id"), name, None)
+        for name in _names(fs, root)
+        if (m := _OWN_COPY.match(name)) is not None and m.group("tmp") is None
+    ]
+    if own is not None:
+        candidates.append((str(json.loads(own)["save_id"]), MANIFEST, own))
+    for save_id, name, data in sorted(candidates, key=lambda c: c[0], reverse=True):
+        if save_id <= newer_than:
+            break
+        whole = _whole(fs, root, name, data)
+        if whole is not None and whole[0] == save_id:
+            return whole
+    return None
+
+
+def all_there(fs: fsspec.AbstractFileSystem, root: str, files: Iterable[str]) -> bool:
+    """Whether every one of `files` is at `root` (asked one by one)."""
+    return all(fs.exists(f"{root}/{name}") for name in files)
+
+
+def _names(fs: fsspec.AbstractFileSystem, root: str) -> set[str]:
+    """The names in directory `root`."""
+    return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False)}
+
+
+def _remove_quietly(fs: fsspec.AbstractFileSystem, target: str) -> None:
+    with contextlib.suppress(FileNotFoundError, OSError):
+        fs.rm(target)
 
 
 def committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
@@ -354,22 +461,22 @@ def committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
 def remove_superseded(
     fs: fsspec.AbstractFileSystem,
     root: str,
-    own: re.Pattern[str],
+    own: re.Pattern[str] | tuple[re.Pattern[str], ...],
     save_id: str,
     keep: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """Removes files that earlier saves to `root` wrote (the previous
     checkpoint's, and those of saves that never committed): names that
-    `own` matches, with a save id (its "save_id" group; none: older than
-    any) older than `save_id`, except `keep`. Anything else in the
-    directory, and files of a newer save still in progress, stay."""
-    for entry in fs.ls(root, detail=False):
-        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        match = own.match(name)
+    `own` (a pattern, or any of several) matches, with a save id (its
+    "save_id" group; none: older than any) older than `save_id`, except
+    `keep`. Anything else in the directory, and files of a newer save
+    still in progress, stay."""
+    patterns = own if isinstance(own, tuple) else (own,)
+    for name in _names(fs, root):
+        match = next((m for p in patterns if (m := p.match(name)) is not None), None)
         if match is None or name in keep or (match.group("save_id") or "") >= save_id:
             continue
-        with contextlib.suppress(FileNotFoundError, OSError):
-            fs.rm(f"{root}/{name}")
+        _remove_quietly(fs, f"{root}/{name}")
 
 
 # The largest MANIFEST.json a load reads (a million-file checkpoint's is
@@ -414,13 +521,21 @@ def read_manifest(path: str, source: str = "") -> dict[str, Any]:
     `paths.CheckpointRoots.confined`); errors name `path`."""
     fs, root = filesystem(source or path)
     try:
-        manifest: dict[str, Any] = json.loads(_read_manifest_bytes(fs, f"{root}/{MANIFEST}"))
+        data = _read_manifest_bytes(fs, f"{root}/{MANIFEST}")
     except FileNotFoundError:
         raise errors.NotFoundError(
             f"no committed checkpoint at {path!r}: {MANIFEST} is missing"
         ) from None
     except OSError as e:  # a link (ELOOP), a name too long, no permission
         raise errors.error_for_storage(e, f"cannot read {path}/{MANIFEST}") from None
+    return _parse_manifest(data, path)
+
+
+def _parse_manifest(data: bytes, path: str) -> dict[str, Any]:
+    """Checks manifest `data` as a load would use it: FailedPreconditionError
+    naming `path`'s MANIFEST.json when it is not one this build reads."""
+    try:
+        manifest: dict[str, Any] = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise errors.FailedPreconditionError(f"{path}/{MANIFEST} is not valid JSON: {e}") from e
     if not isinstance(manifest, dict):

@@ -3,6 +3,7 @@
 Layout of a checkpoint directory (see docs/checkpoints.md):
 
     MANIFEST.json                          written last; commits the checkpoint
+    MANIFEST.<save_id>.json                its copy, written just before
     shard-00000-of-00002.<save_id>.h5      one file per shard that saved
 
 Each shard file holds, per table, the rows sorted by routing bucket with a

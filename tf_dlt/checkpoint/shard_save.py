@@ -287,11 +287,25 @@ def save_tables(
     fs.makedirs(root, exist_ok=True)
     target = f"{root}/{name}"
     if is_local(fs):
-        with replaced_durably(target) as (_, tmp):  # HDF5 opens it by name
-            infos = _write_shard_file(tmp, layout, tables, save_id)
-            with open(tmp, "rb") as f:
-                sha, blocks = verified.file_digests(f)
-        size = os.path.getsize(target)
+        try:
+            with replaced_durably(target) as (_, tmp):  # HDF5 opens it by name
+                infos = _write_shard_file(tmp, layout, tables, save_id)
+                with open(tmp, "rb") as f:
+                    sha, blocks = verified.file_digests(f)
+                # Before the rename: a newer save to the path may remove
+                # the file as soon as it has its name (the manifest then
+                # says so).
+                size = os.path.getsize(tmp)
+        except FileNotFoundError as e:
+            if not os.path.isdir(root):
+                raise  # the directory went (a prune?): NotFoundError naming it
+            # A newer save to the path committed and removed this older
+            # one's file as superseded while it was written.
+            raise errors.FailedPreconditionError(
+                f"{name} was removed from {path} while this save ({save_id}) wrote it (a newer "
+                "save to the same path superseded it?); this save is dropped (one save to a "
+                "path at a time)"
+            ) from e
     else:
         with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as spool:
             local = os.path.join(spool, name)
