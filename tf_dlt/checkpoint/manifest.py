@@ -6,6 +6,7 @@ after every shard saved its part). No h5py here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -157,8 +158,7 @@ def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None
         with replaced_durably(target) as (fd, _):
             _write_all(fd, data)  # through our descriptor: never a file planted by name
         return
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if _ATOMIC_RENAME & set(protocols):
+    if _renames_atomically(fs):
         tmp = f"{target}.tmp-{secrets.token_hex(8)}"
         fs.pipe_file(tmp, data)
         try:
@@ -334,16 +334,7 @@ def write_manifest(
             )
     data = json.dumps(manifest, indent=2, sort_keys=True).encode()
     files = {p["file"] for p in parts}
-    commit_file(fs, f"{root}/{MANIFEST}", data)
-    # The copy, once committed: a copy names a save that committed (never
-    # one whose commit failed), for hold_newest to put back.
-    copy = f"{root}/{manifest_copy(save_id)}"
-    try:
-        commit_file(fs, copy, data)
-    except FileNotFoundError:
-        pass  # a newer save removed its temp name as superseded: hold_newest finds that one
-    except OSError as e:
-        log.warning("saved %s; writing the manifest's copy failed: %s", path, e)
+    copy = _commit_with_copy(fs, root, save_id, data, path)
     try:
         remove_superseded(fs, root, (_OWN_FILE, _OWN_COPY), save_id, keep=files)
     except OSError as e:  # committed: the next save removes them
@@ -368,6 +359,48 @@ def write_manifest(
             f"({save_id}) is dropped; {there} (one save to a path at a time)"
         )
     return manifest
+
+
+def _commit_with_copy(
+    fs: fsspec.AbstractFileSystem, root: str, save_id: str, data: bytes, path: str
+) -> str:
+    """Commits `data` as MANIFEST.json at `root`, then places its copy
+    (manifest_copy; returns its path): a copy names a save that committed,
+    never one whose commit failed, for hold_newest to put back. On HDFS,
+    where closing any file written waits about 0.5 s, the copy is written
+    under a temp name while the manifest commits and renamed after."""
+    copy = f"{root}/{manifest_copy(save_id)}"
+    staged = f"{copy}.tmp-{secrets.token_hex(8)}" if _renames_atomically(fs) else ""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        staging = pool.submit(fs.pipe_file, staged, data) if staged else None
+        try:
+            commit_file(fs, f"{root}/{MANIFEST}", data)
+        except BaseException:
+            if staging is not None:
+                concurrent.futures.wait([staging])
+                _remove_quietly(fs, staged)
+            raise
+    try:
+        if staging is not None:
+            staging.result()
+            fs.mv(staged, copy, overwrite=True)
+        elif is_local(fs):
+            commit_file(fs, copy, data)  # never written through a link planted at its name
+        else:
+            fs.pipe_file(copy, data)  # one PUT: an object appears whole
+    except FileNotFoundError:
+        pass  # a newer save removed its temp name as superseded: hold_newest finds that one
+    except OSError as e:
+        if staged:
+            _remove_quietly(fs, staged)
+        log.warning("saved %s; writing the manifest's copy failed: %s", path, e)
+    return copy
+
+
+def _renames_atomically(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` (not a local disk) replaces a file by rename atomically."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return bool(_ATOMIC_RENAME & set(protocols))
 
 
 def manifest_copy(save_id: str) -> str:
