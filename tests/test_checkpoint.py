@@ -231,6 +231,47 @@ def test_saves_racing_to_one_path_leave_it_whole(tmp_path: Path) -> None:
     _assert_holds_whole(path, max(saved))
 
 
+def test_a_store_that_fails_to_answer_is_not_taken_for_a_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit that asks whether a shard file is there of a store that
+    times out fails UNAVAILABLE, not as a file another save removed; when
+    the store times out only once the manifest committed, the save
+    succeeds (the check after it is logged as failed) and the path holds
+    it."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    path = str(tmp_path / "ck")
+    save_id = manifest_lib.new_save_id()
+    part = shard_files.save_shard(path, _small_shard(), save_id)
+    info = LocalFileSystem.info
+
+    def timing_out(self: Any, target: str, **kwargs: Any) -> Any:
+        if str(target).endswith(".h5"):
+            raise TimeoutError("the store timed out")
+        return info(self, target, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "info", timing_out)
+    with pytest.raises(errors.UnavailableError, match="timed out"):
+        with errors.storage_errors(f"committing {path}"):
+            manifest_lib.write_manifest(path, [part], save_id)
+    with pytest.raises(errors.NotFoundError):
+        manifest_lib.read_manifest(path)
+
+    monkeypatch.setattr(LocalFileSystem, "info", info)
+    commit = manifest_lib.commit_file
+
+    def then_timing_out(fs: Any, target: str, data: bytes) -> None:
+        commit(fs, target, data)
+        if target.endswith("/" + manifest_lib.MANIFEST):
+            monkeypatch.setattr(LocalFileSystem, "info", timing_out)
+
+    monkeypatch.setattr(manifest_lib, "commit_file", then_timing_out)
+    manifest_lib.write_manifest(path, [part], save_id)
+    monkeypatch.setattr(LocalFileSystem, "info", info)
+    _assert_holds_whole(path, save_id)
+
+
 def _small_shard() -> _native.Shard:
     """One shard holding table "t" with 10 trained rows."""
     shard = _native.Shard(0, 1)

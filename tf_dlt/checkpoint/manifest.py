@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -327,7 +328,7 @@ def write_manifest(
             "holds the path, and this save is dropped"
         )
     for part in parts:  # a concurrent save to the same path may have removed them
-        if not fs.exists(f"{root}/{part['file']}"):
+        if not _there(fs, f"{root}/{part['file']}"):
             raise errors.FailedPreconditionError(
                 f"{part['file']} is gone from {path} before its manifest was written (another "
                 "save to the same path removed it?); the checkpoint there is unchanged"
@@ -345,8 +346,10 @@ def write_manifest(
     # whole save again.
     try:
         held = hold_newest(fs, root, data)
-        dropped = held != save_id and not all_there(fs, root, files)
-    except OSError as e:  # committed (a store that refuses listings, say)
+        dropped = held != save_id and not _all_there(fs, root, files)
+    except Exception as e:  # committed (a store that refuses listings, say)
+        if not errors.is_storage_error(e):
+            raise
         log.warning(
             "saved %s; checking that no other save to it raced this one failed: %s", path, e
         )
@@ -438,10 +441,16 @@ def _whole(
         if data is None:
             data = _read_manifest_bytes(fs, f"{root}/{name}")
         manifest = _parse_manifest(data, root)
-    except (OSError, errors.DltError):
-        return None  # gone, or not a manifest this build loads
+    except FileNotFoundError:
+        return None  # removed meanwhile
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise  # the store failed: hold_newest stops (write_manifest warns)
+        return None  # a link at its name: never followed
+    except errors.DltError:
+        return None  # not a manifest this build loads
     files = [str(f["file"]) for f in manifest["files"]]
-    return (manifest["save_id"], data) if all_there(fs, root, files) else None
+    return (manifest["save_id"], data) if _all_there(fs, root, files) else None
 
 
 def _newest_whole(
@@ -466,9 +475,19 @@ def _newest_whole(
     return None
 
 
-def all_there(fs: fsspec.AbstractFileSystem, root: str, files: Iterable[str]) -> bool:
+def _all_there(fs: fsspec.AbstractFileSystem, root: str, files: Iterable[str]) -> bool:
     """Whether every one of `files` is at `root` (asked one by one)."""
-    return all(fs.exists(f"{root}/{name}") for name in files)
+    return all(_there(fs, f"{root}/{name}") for name in files)
+
+
+def _there(fs: fsspec.AbstractFileSystem, target: str) -> bool:
+    """Whether file `target` exists. Unlike fsspec's `exists`, a store that
+    fails to answer raises (OSError) rather than reading as "not there"."""
+    try:
+        fs.info(target)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _names(fs: fsspec.AbstractFileSystem, root: str) -> set[str]:
