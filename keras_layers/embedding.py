@@ -647,29 +647,33 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             )
         has_rows = set(_ROWS_KEYS) <= keys
         on_shards = self.client is not None and not self.client.embedded
+        # Refused, or the rows staged, before any weight changes: a file
+        # this layer cannot take leaves it as it was.
+        staged = None
+        if self.is_distributed and not _variables_only.active:
+            if has_rows and on_shards:
+                raise errors.FailedPreconditionError(
+                    f"layer {self.name!r} is on shard servers, but the file holds the rows of an "
+                    "embedded table: load the file into a model on the embedded tables, then "
+                    "tf_dlt.transpile it onto the shards (which uploads its rows)"
+                )
+            if not has_rows and not on_shards:
+                raise errors.FailedPreconditionError(
+                    f"layer {self.name!r} keeps its rows in the embedded tables, but the file "
+                    "holds none (written by a model whose table is on shard servers, whose rows "
+                    "stay there; or before .keras files carried them; or for another layer): "
+                    "restore them with tf_dlt.load from a tf_dlt.save checkpoint"
+                )
+            if has_rows:
+                staged = self._stage_rows(store)
         self._rows_follow = has_rows and not on_shards  # imported below: no rollback
         try:
             for i, variable in enumerate(variables):
                 variable.assign(store[str(i)])
         finally:
             self._rows_follow = False
-        if not self.is_distributed or _variables_only.active:
-            return
-        if has_rows and on_shards:
-            raise errors.FailedPreconditionError(
-                f"layer {self.name!r} is on shard servers, but the file holds the rows of an "
-                "embedded table: load the file into a model on the embedded tables, then "
-                "tf_dlt.transpile it onto the shards (which uploads its rows)"
-            )
-        if has_rows:
-            self._import_rows(store)
-        elif not on_shards:
-            raise errors.FailedPreconditionError(
-                f"layer {self.name!r} keeps its rows in the embedded tables, but the file holds "
-                "none (written by a model whose table is on shard servers, whose rows stay "
-                "there; or before .keras files carried them; or for another layer): restore "
-                "them with tf_dlt.load from a tf_dlt.save checkpoint"
-            )
+        if staged is not None:
+            self._install_rows(*staged)
 
     def _rolled_back(self, held: int, given: int) -> None:
         """Warns that the layer's Keras weights were set back (from `held`
@@ -689,7 +693,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             stacklevel=4,
         )
 
-    def _import_rows(self, store: Any) -> None:
+    def _stage_rows(self, store: Any) -> tuple[Any, TableConfig]:
+        """A new embedded table holding the file's rows, and its config
+        (not installed yet); FailedPreconditionError when the file's table
+        was saved with another config."""
         assert self.client is not None
         saved = TableConfig.from_dict(json.loads(bytes(np.asarray(store[_ROWS_KEYS[4]])).decode()))
         mine = self.table_config
@@ -703,7 +710,6 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             )
         config = dataclasses.replace(saved, name=self.table_name)
         with tf.init_scope():
-            ops.flush(self.client)
             table = embedded.shard().new_table(config.to_dict())
             steps = np.asarray(store[_ROWS_KEYS[3]], np.uint32)
             table.import_rows(
@@ -715,6 +721,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             # Saved before any push: the first training step still settles
             # its optimizer (the model's compiled one).
             table.provisional = self.optimizer is None and not steps.any()
+        return table, config
+
+    def _install_rows(self, table: Any, config: TableConfig) -> None:
+        """Serves `table` (from _stage_rows) as this layer's embedded table."""
+        assert self.client is not None
+        with tf.init_scope():
+            ops.flush(self.client)
             embedded.shard().install_tables([table])
         self.table_config = config
         self._settled = False

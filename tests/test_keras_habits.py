@@ -5,6 +5,7 @@ alone, compile before or after transpiling, rebuild models in one process
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -169,6 +171,34 @@ def test_an_embedded_keras_file_refuses_a_layer_on_shards_rather_than_differ(
     del store["table_config"]
     with pytest.raises(errors.FailedPreconditionError, match="holds none"):
         layer.load_own_variables(store)
+
+
+def test_an_embedded_keras_file_of_another_table_config_changes_nothing(tmp_path: Path) -> None:
+    """A weights file whose embedded table was saved with another config
+    (here its initializer) is refused before the layer's weights or rows
+    change, and without the warning that weights were set back."""
+    model = _model("habit_other_config")
+    model.compile(optimizer="adagrad", loss="binary_crossentropy")
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    layer = model.get_layer("habit_other_config")
+    saved: dict[str, Any] = {}
+    layer.save_own_variables(saved)  # Keras stores its variables themselves
+    store = {key: np.array(value) for key, value in saved.items()}
+    config = json.loads(bytes(store["table_config"]).decode())
+    config["initializer"] = {"kind": "zeros"}
+    store["table_config"] = np.frombuffer(json.dumps(config).encode(), np.uint8)
+    model.fit(x, y, epochs=1, verbose=0)
+    weights = [w.numpy() for w in layer.weights]
+    rows = embedded.rows("habit_other_config")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(errors.FailedPreconditionError, match="saved with another config"):
+            layer.load_own_variables(store)
+    for before, now in zip(weights, layer.weights, strict=True):
+        np.testing.assert_array_equal(before, now.numpy())
+    for before, now in zip(rows, embedded.rows("habit_other_config"), strict=True):
+        np.testing.assert_array_equal(before, now)
 
 
 @pytest.mark.parametrize("order", ["compile_then_transpile", "transpile_then_compile"])
