@@ -272,6 +272,36 @@ def test_a_store_that_fails_to_answer_is_not_taken_for_a_missing_file(
     _assert_holds_whole(path, save_id)
 
 
+def test_a_commit_that_fails_on_hdfs_leaves_no_copy_of_its_manifest() -> None:
+    """On a store that renames atomically (HDFS), the manifest's copy is
+    written under a temp name while the manifest commits: when the commit
+    fails the temp copy goes, and no copy names the save (a copy names a
+    committed save only); when it succeeds the copy takes its name."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class RenamingStore(MemoryFileSystem):  # type: ignore[misc]
+        protocol = ("hdfs",)
+        fail = False
+
+        def mv(self, source: str, target: str, **kwargs: Any) -> None:
+            if self.fail and target.endswith("/" + manifest_lib.MANIFEST):
+                raise ConnectionError("the NameNode went away")
+            super().mv(source, target, **kwargs)
+
+    fs = RenamingStore(skip_instance_cache=True)
+    root = "/renaming/ck"
+    fs.makedirs(root, exist_ok=True)
+    save_id = manifest_lib.new_save_id()
+    fs.fail = True
+    with pytest.raises(ConnectionError):
+        manifest_lib._commit_with_copy(fs, root, save_id, b"{}", root)
+    assert fs.ls(root, detail=False) == []
+    fs.fail = False
+    manifest_lib._commit_with_copy(fs, root, save_id, b"{}", root)
+    names = sorted(str(n).rsplit("/", 1)[-1] for n in fs.ls(root, detail=False))
+    assert names == sorted([manifest_lib.MANIFEST, manifest_lib.manifest_copy(save_id)])
+
+
 def _small_shard() -> _native.Shard:
     """One shard holding table "t" with 10 trained rows."""
     shard = _native.Shard(0, 1)
