@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tf_dlt import _native, errors
+from tf_dlt import Client, _native, errors
 from tf_dlt import dlt_ops as ops
 from tf_dlt.checkpoint import shard_format, shard_save
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
@@ -241,6 +241,13 @@ def test_auth_token_on_both_planes(start_cluster: Callable[..., Cluster]) -> Non
         _native.Client(cluster.addresses, auth_token="wrong").pull(
             "emb", 4, np.array([1], np.int64)
         )
+    # A client greeting every shard names each step once.
+    with pytest.raises(errors.UnauthenticatedError, match="greeting: Hello: wrong") as e:
+        Client(cluster.addresses, auth_token="wrong").list_tables()
+    assert "Hello: Hello" not in str(e.value)
+    with pytest.raises(errors.UnavailableError, match="greeting: connect: ") as e:
+        Client(["127.0.0.1:1"], connect_timeout=2).list_tables()
+    assert "connect: connect" not in str(e.value)
     with pytest.raises(errors.UnauthenticatedError):
         _native.Client(cluster.addresses).pull("emb", 4, np.array([1], np.int64))
     with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}") as channel:

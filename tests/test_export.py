@@ -246,3 +246,10 @@ def test_no_auth_token_is_written_into_an_exported_model(
     np.testing.assert_allclose(served, live, atol=1e-6)
     with pytest.raises(AssertionError, match="Unauthenticated|UNAUTHENTICATED|token"):
         _serve_elsewhere(tmp_path, tmp_path / "remote", x, with_tf_dlt=True)
+    # The token pasted where its file's path goes is never echoed.
+    with pytest.raises(AssertionError, match="cannot read the auth token file") as refused:
+        _serve_elsewhere(
+            tmp_path, tmp_path / "remote", x, with_tf_dlt=True,
+            env={"TF_DLT_AUTH_TOKEN_FILE": token},
+        )  # fmt: skip
+    assert token not in str(refused.value)

@@ -137,8 +137,10 @@ def test_mapped_packages_install_under_tf_dlt_only() -> None:
     code = (
         "import importlib.util as u; print(u.find_spec('keras_layers'), u.find_spec('transpiler'))"
     )
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the install's view (conftest points it at a checkout)
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/", env=env
     )
     assert out.stdout.split() == ["None", "None"]
 
@@ -172,6 +174,22 @@ def test_server_and_client_import_no_tensorflow() -> None:
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/", timeout=120)
+
+
+def test_every_public_name_resolves_after_import_tf_dlt_alone() -> None:
+    """What the docs write after `import tf_dlt` alone resolves in a fresh
+    process: every name of `tf_dlt.__all__` and of its lazy modules, as
+    `tf_dlt.tls.TlsConfig` (docs/security.md)."""
+    code = (
+        "import sys, tf_dlt\n"
+        "assert 'tf_dlt.tls' not in sys.modules  # first, before a name imports it\n"
+        "tf_dlt.tls.TlsConfig\n"
+        "for name in {*tf_dlt.__all__, *tf_dlt._LAZY}:\n"
+        "    getattr(tf_dlt, name)\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("PYTHONPATH", None)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300, env=env)
 
 
 def test_version_has_one_source() -> None:

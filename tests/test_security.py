@@ -193,9 +193,19 @@ def test_a_client_given_no_token_reads_the_token_file(
     # A token read by hand with its newline, as the shards' file holds it.
     with tf_dlt.Client(cluster.addresses, auth_token=token_file.read_text()) as client:
         assert "from_file" in client.list_tables()
+    # auth_token=None is no token, as "" is: the file's.
     monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(token_file))
-    monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(tmp_path / "missing"))
-    with pytest.raises(errors.FailedPreconditionError, match="TF_DLT_AUTH_TOKEN_FILE names"):
+    with tf_dlt.Client(cluster.addresses, auth_token=None) as client:
+        assert "from_file" in client.list_tables()
+    # The token pasted where its file's path goes is never echoed; an empty
+    # file is no token.
+    monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", "file-token")
+    with pytest.raises(errors.FailedPreconditionError, match="TF_DLT_AUTH_TOKEN_FILE") as e:
+        tf_dlt.Client(cluster.addresses)
+    assert "file-token" not in str(e.value)
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.setenv("TF_DLT_AUTH_TOKEN_FILE", str(tmp_path / "empty"))
+    with pytest.raises(errors.FailedPreconditionError, match="names is empty"):
         tf_dlt.Client(cluster.addresses)
     monkeypatch.delenv("TF_DLT_AUTH_TOKEN_FILE")
     with pytest.raises(errors.UnauthenticatedError):
@@ -485,6 +495,11 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     # The token pasted where its file goes is never echoed.
     refused(server("--port", "0", "--auth-token-file", "s3cr3t-TOKEN"), "No such file")
     assert "s3cr3t" not in server("--port", "0", "--auth-token-file", "s3cr3t-TOKEN").stderr
+    # An empty token file (the wrong one?) is refused without its path.
+    empty = tmp_path / "s3cr3t-empty"
+    empty.write_text("\n")
+    refused(server("--port", "0", "--auth-token-file", str(empty)), "names is empty")
+    assert "s3cr3t" not in server("--port", "0", "--auth-token-file", str(empty)).stderr
     # A key of another certificate: gRPC failed to bind, "in use by another process".
     pki = Pki(tmp_path / "pki")
     cert, _ = pki.issue("shard", server=True)
@@ -501,7 +516,8 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
         refused(server("--port", "0", "--metrics-port", port), "(--metrics-port)")
     # The command line tools: a message, not a traceback.
     for flags, says in (
-        (["--auth-token-file", "s3cr3t-TOKEN"], "cannot read --auth-token-file"),
+        (["--auth-token-file", "s3cr3t-TOKEN"], "cannot read the auth token file"),
+        (["--auth-token-file", str(empty)], "--auth-token-file names is empty"),
         (["--tls-cert", cert], "--tls-cert and --tls-key need --tls-ca"),
     ):
         out = subprocess.run(

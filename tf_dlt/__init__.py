@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tf_dlt.version import __version__
 
 if TYPE_CHECKING:
-    from tf_dlt import admission, embedded, errors, expiry, initializers, optimizers, routing
+    from tf_dlt import admission, embedded, errors, expiry, initializers, optimizers, routing, tls
     from tf_dlt import dlt_ops as ops  # noqa: F401 (exported lazily below)
     from tf_dlt.client import Client
     from tf_dlt.cluster import ClusterSpec, cluster_from_env
@@ -55,6 +55,7 @@ _LAZY = {
     "layers": ("tf_dlt.layers", None),
     "optimizers": ("tf_dlt.optimizers", None),
     "routing": ("tf_dlt.routing", None),
+    "tls": ("tf_dlt.tls", None),
     "transpile": ("tf_dlt.transpiler", "transpile"),
 }
 
@@ -80,6 +81,7 @@ __all__ = [
     "resilient_fit",
     "routing",
     "save",
+    "tls",
     "transpile",
     "wait_for_shards",
 ]

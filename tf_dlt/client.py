@@ -108,7 +108,7 @@ class Client:
         self,
         pservers: Sequence[str] | str,
         *,
-        auth_token: str = "",
+        auth_token: str | None = "",
         connect_timeout: float = 5.0,
         request_timeout: float = 30.0,
         persist_timeout: float = 3600.0,
@@ -120,7 +120,7 @@ class Client:
             raise errors.InvalidArgumentError("Client needs at least one shard address")
         # Surrounding whitespace is never part of a token (the shards drop
         # it from their token file): `open(path).read()` works as given.
-        auth_token = auth_token.strip() or token_from_env()
+        auth_token = (auth_token or "").strip() or token_from_env()
         self._token = auth_token
         self._tls = tls if tls is not None else TlsConfig.from_env()
         self._request_timeout = request_timeout
@@ -695,17 +695,24 @@ class Client:
 TOKEN_FILE_ENV = "TF_DLT_AUTH_TOKEN_FILE"
 
 
-def read_token_file(path: str, named_by: str = "--auth-token-file") -> str:
+def read_token_file(
+    path: str,
+    named_by: str = "--auth-token-file",
+    error: type[errors.DltError] = errors.InvalidArgumentError,
+) -> str:
     """The token in file `path` (surrounding whitespace dropped). A file
-    that cannot be read is InvalidArgumentError naming `named_by` and the
-    system's reason, never the path: a token pasted where its file goes
-    would be printed."""
+    that cannot be read, or holds no token, is `error` naming `named_by`
+    and the system's reason, never the path: a token pasted where its file
+    goes would be printed."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read().strip()
+            token = f.read().strip()
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise errors.InvalidArgumentError(f"cannot read {named_by}: {reason}") from None
+        raise error(f"cannot read the auth token file {named_by} names: {reason}") from None
+    if not token:
+        raise error(f"the auth token file {named_by} names is empty")
+    return token
 
 
 def token_from_env() -> str:
@@ -716,14 +723,7 @@ def token_from_env() -> str:
     path = os.environ.get(TOKEN_FILE_ENV, "")
     if not path:
         return ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip()
-    except OSError as e:
-        raise errors.FailedPreconditionError(
-            f"{TOKEN_FILE_ENV} names {path}, which cannot be read as the auth token file: "
-            f"{e.strerror}"
-        ) from None
+    return read_token_file(path, TOKEN_FILE_ENV, errors.FailedPreconditionError)
 
 
 def _message_dict(message: Any, buckets: bool) -> dict[str, Any]:

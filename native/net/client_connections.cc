@@ -326,7 +326,7 @@ Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd
         // A shard that cannot be reached in time is unavailable, not slow.
         return Unavailable("connect: " + s.message());
       }
-      return s.WithContext("connect");
+      return s;  // it says "connect: ..." (or what failed before: resolving, a socket)
     }
     s = Hello(st, address, fd, reply);
     if (s.ok()) {
@@ -416,7 +416,8 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     if (!greeted) {
       Conn conn;
       Status s = Acquire(*st, &conn);
-      if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(Context(*st, "Hello")));
+      // (s says which step failed: "connect: ...", "Hello: ...")
+      if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(Context(*st, "greeting")));
       Release(*st, std::move(conn));
     }
     std::lock_guard<std::mutex> lock(st->mu);

@@ -288,9 +288,6 @@ def run(args: argparse.Namespace) -> int:
         except errors.DltError as e:
             log.error("%s", e)
             return 2
-        if not token:
-            log.error("--auth-token-file %s is empty", args.auth_token_file)
-            return 2
         if len(token.encode()) > MAX_TOKEN_BYTES:
             log.error(
                 "the token in --auth-token-file is %d bytes; a token has at most %d (no client "

@@ -38,9 +38,9 @@ absl::Status TokenOf(const std::string& name, std::string* token) {
   std::ifstream file(path, std::ios::binary);
   std::stringstream text;
   text << file.rdbuf();
+  // Never the path: a token pasted where its file goes would be printed.
   if (!file) {
-    return errors::FailedPrecondition(kTokenFileEnv, " names ", path,
-                                      ", which cannot be read as the auth token file");
+    return errors::FailedPrecondition("cannot read the auth token file ", kTokenFileEnv, " names");
   }
   // Surrounding whitespace dropped, as the shards drop it from theirs.
   const std::string read = text.str();
@@ -48,6 +48,9 @@ absl::Status TokenOf(const std::string& name, std::string* token) {
   while (begin < end && std::isspace(static_cast<unsigned char>(read[begin]))) ++begin;
   while (end > begin && std::isspace(static_cast<unsigned char>(read[end - 1]))) --end;
   *token = read.substr(begin, end - begin);
+  if (token->empty()) {
+    return errors::FailedPrecondition("the auth token file ", kTokenFileEnv, " names is empty");
+  }
   return absl::OkStatus();
 }
 
