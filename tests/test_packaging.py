@@ -162,6 +162,12 @@ def test_python_started_in_the_checkout_runs_the_source_tree(tmp_path: Path) -> 
         "m = transpiler.transpile(m)\n"
         "assert tf_dlt.embedded.table('from_checkout').size() == 16\n"
     )
+    _run_in_checkout(code)
+
+
+def _run_in_checkout(code: str) -> None:
+    """Runs `code` in `python` started in the repository root (no
+    PYTHONPATH: the source tree as a user running from it gets it)."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.pop("PYTHONPATH", None)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300, env=env)
@@ -187,9 +193,7 @@ def test_every_public_name_resolves_after_import_tf_dlt_alone() -> None:
         "for name in {*tf_dlt.__all__, *tf_dlt._LAZY}:\n"
         "    getattr(tf_dlt, name)\n"
     )
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env.pop("PYTHONPATH", None)
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300, env=env)
+    _run_in_checkout(code)
 
 
 def test_version_has_one_source() -> None:
