@@ -111,6 +111,15 @@ class Cluster(LocalCluster):
         return tf_dlt.Client(self.addresses, **kwargs)  # type: ignore[arg-type]
 
 
+# The data-plane addresses of every cluster start_cluster started in this
+# session. The ops' clients are shared by address in a process (as in a
+# trainer): one that met an earlier cluster's shard at an address would
+# take a new cluster's shard there for that shard restarted, its rows lost
+# (DataLossError). A cluster on such a port is started again elsewhere.
+_USED_ADDRESSES: set[str] = set()
+_FRESH_PORT_TRIES = 5
+
+
 @pytest.fixture
 def start_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     """Factory: start_cluster(num_shards, *server_args, token="", env=None)."""
@@ -124,11 +133,18 @@ def start_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
             token_file = tmp_path / "token"
             token_file.write_text(token)
             extra += ["--auth-token-file", str(token_file)]
-        workdir = tmp_path / f"cluster{len(clusters)}"
-        cluster = Cluster(num_shards, *extra, workdir=workdir, env=env)
-        cluster.token = token
-        clusters.append(cluster)
-        return cluster.start()
+        for attempt in range(_FRESH_PORT_TRIES):
+            workdir = tmp_path / f"cluster{len(clusters)}-{attempt}"
+            cluster = Cluster(num_shards, *extra, workdir=workdir, env=env)
+            cluster.token = token
+            clusters.append(cluster)
+            cluster.start()
+            fresh = not _USED_ADDRESSES & set(cluster.process_addresses)
+            if fresh or attempt == _FRESH_PORT_TRIES - 1:
+                break
+            cluster.stop()  # a port an earlier cluster of the session had
+        _USED_ADDRESSES.update(cluster.process_addresses)
+        return cluster
 
     yield start
     for cluster in clusters:

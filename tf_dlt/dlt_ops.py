@@ -101,7 +101,7 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         self,
         pservers: Sequence[str] | None = None,
         *,
-        auth_token: str = "",
+        auth_token: str | None = "",
         connect_timeout: float = 5.0,
         request_timeout: float = 30.0,
         frame_bytes: int = 8 << 20,
@@ -116,7 +116,7 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         }  # fmt: skip
         # The token is no attribute (attributes are written into graphs and
         # SavedModels): the kernel reads it from the core by client name.
-        auth_token = auth_token.strip()  # as tf_dlt.Client takes it
+        auth_token = (auth_token or "").strip()  # as tf_dlt.Client takes it (None: none)
         self._auth_token = auth_token
         self._attrs: dict[str, Any] = {
             "addresses": self.pservers,
