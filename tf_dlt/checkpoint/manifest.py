@@ -44,9 +44,8 @@ log = logging.getLogger("tf_dlt.checkpoint")
 SAVE_ID = r"\d{8}T\d{6}(\d{6})?-[0-9a-f]{8}"  # new_save_id's form
 _OWN_FILE = re.compile(rf"^shard-\d{{5}}-of-\d{{5}}\.(?P<save_id>{SAVE_ID})\.h5(\.tmp-\w+)?$")
 # Every save keeps a copy of its manifest, MANIFEST.<save id>.json, written
-# just before it commits: when saves to one path race, the one that finds
-# the path naming files that are gone commits the newest whole save's copy
-# again (hold_newest).
+# once it committed (_commit_with_copy): when saves to one path race, each
+# makes the path name the newest whole save again (hold_newest).
 _OWN_COPY = re.compile(rf"^MANIFEST\.(?P<save_id>{SAVE_ID})\.json(?P<tmp>\.tmp-\w+)?$")
 # How often a save looks again for the newest whole save while other saves
 # to the path keep committing (each look lists the directory once).
@@ -496,7 +495,7 @@ def _names(fs: fsspec.AbstractFileSystem, root: str) -> set[str]:
 
 
 def _remove_quietly(fs: fsspec.AbstractFileSystem, target: str) -> None:
-    with contextlib.suppress(FileNotFoundError, OSError):
+    with contextlib.suppress(OSError):  # gone already, or the store refused
         fs.rm(target)
 
 
