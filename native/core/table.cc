@@ -220,9 +220,12 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     {
       std::shared_lock<std::shared_mutex> lock(stripe.mu);
       // Three stages a few ids apart, so the cache misses of the index
-      // probe, the record read and the output write overlap.
+      // probe, the record read and the output write overlap; each stage's
+      // first ids are asked for before it starts (a stripe's share of a
+      // small batch is a few dozen ids).
       const uint32_t begin = starts[s], end = starts[s + 1];
       recs.resize(end - begin);
+      stripe.PrefetchFirstSlots(hashes.data(), order.data(), begin, end);
       for (uint32_t k = begin; k < end; ++k) {
         if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
         const uint32_t pos = order[k];
@@ -231,11 +234,18 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
         if (rec != kEmpty)
           __builtin_prefetch(stripe.Record(rec, record_bytes_) + sizeof(RowHeader));
       }
+      for (uint32_t k = begin; k < std::min(end, begin + kCopyAhead); ++k) {
+        if (recs[k - begin] != kEmpty) {
+          PrefetchBytes(stripe.Record(recs[k - begin], record_bytes_),
+                        sizeof(RowHeader) + value_bytes_);
+        }
+      }
       for (uint32_t k = begin; k < end; ++k) {
+        // The record's values and the row's place, a few ids ahead.
         if (k + kCopyAhead < end && recs[k + kCopyAhead - begin] != kEmpty) {
           const char* next = stripe.Record(recs[k + kCopyAhead - begin], record_bytes_);
-          for (size_t b = 0; b < sizeof(RowHeader) + value_bytes_; b += 64)
-            __builtin_prefetch(next + b);
+          PrefetchBytes(next, sizeof(RowHeader) + value_bytes_);
+          PrefetchBytes<1>(out + size_t{order[k + kCopyAhead]} * dim, row_bytes);
         }
         const uint32_t pos = order[k];
         const uint32_t rec = recs[k - begin];
@@ -447,6 +457,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
       unmake();
     };
+    stripe.PrefetchFirstSlots(hashes.data(), order.data(), begin, end);
     for (uint32_t k = begin; k < end; ++k) {
       if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
       const uint32_t pos = order[k];
@@ -568,10 +579,10 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
         if (u + kApplyAhead < firsts.size()) {  // the record and gradient a few rows ahead
           const uint32_t ahead = firsts[u + kApplyAhead];
           const char* next = record_of(ahead);
-          for (size_t b = 0; b < touched_bytes; b += 64) __builtin_prefetch(next + b, 1);
+          PrefetchBytes<1>(next, touched_bytes);
           if (!duplicates || sums.Summed(u + kApplyAhead) == nullptr) {
             const char* g = reinterpret_cast<const char*>(grads + size_t{kept[ahead]} * dim);
-            for (size_t b = 0; b < sizeof(float) * dim; b += 64) __builtin_prefetch(g + b);
+            PrefetchBytes(g, sizeof(float) * dim);
           }
         }
         const float* summed = duplicates ? sums.Summed(u) : nullptr;
@@ -786,7 +797,7 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
         const uint32_t next = stripe.Find(hashes[ahead], ids[ahead]);
         if (next != kEmpty) {
           const char* r = stripe.Record(next, record_bytes_);
-          for (size_t b = 0; b < record_bytes_; b += 64) __builtin_prefetch(r + b, 1);
+          PrefetchBytes<1>(r, record_bytes_);
         }
       }
       const uint32_t pos = order[k];

@@ -138,6 +138,7 @@ Status Table::ReadRows(const int64_t* ids, size_t n, const RowBuffers& out, size
     // overlap, then the records' (rows of a round lie anywhere in RAM).
     const uint32_t begin = starts[s], end = starts[s + 1];
     recs.resize(end - begin);
+    stripe.PrefetchFirstSlots(hashes.data(), order.data(), begin, end);
     for (uint32_t k = begin; k < end; ++k) {
       if (k + kProbeAhead < end) stripe.PrefetchSlot(hashes[order[k + kProbeAhead]]);
       recs[k - begin] = stripe.Find(hashes[order[k]], ids[order[k]]);
@@ -145,7 +146,7 @@ Status Table::ReadRows(const int64_t* ids, size_t n, const RowBuffers& out, size
     for (uint32_t k = begin; k < end; ++k) {
       if (k + kCopyAhead < end && recs[k + kCopyAhead - begin] != kEmpty) {
         const char* next = stripe.Record(recs[k + kCopyAhead - begin], record_bytes_);
-        for (size_t b = 0; b < record_bytes_; b += 64) __builtin_prefetch(next + b);
+        PrefetchBytes(next, record_bytes_);
       }
       const uint32_t pos = order[k];
       const uint32_t rec = recs[k - begin];

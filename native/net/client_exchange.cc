@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "native/core/finite.h"
+#include "native/core/prefetch.h"
 #include "native/core/task_pool.h"
 #include "native/net/buffer.h"
 #include "native/net/client.h"
@@ -153,7 +154,7 @@ void Client::Call::PlaceRows(size_t frame, size_t first, const uint8_t* src, siz
     if (r + kPlaceAhead < count) {
       const char* ahead =
           reinterpret_cast<const char*>(rows.out + size_t{rows.pos[begin + r + kPlaceAhead]} * w);
-      for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b, 1);
+      PrefetchBytes<1>(ahead, row_bytes);
     }
     std::memcpy(rows.out + size_t{rows.pos[begin + r]} * w, src + row_bytes * r, row_bytes);
   }
