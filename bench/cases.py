@@ -35,6 +35,9 @@ CASES = (
          full=("--threads", "1,2", "--exchange-threads", "1,2"),
          quick=("--ids", "4096", "--dim", "16", "--calls", "3", "--threads", "1",
                 "--rows", "20000", "--standby", "none,sync", "--standbys", "2")),
+    Case("bench_wire_targets", "where the data path's and a standby's targets stand on this "
+         "machine: every case its cores allow, against each target",
+         quick=("--quick", "--reps", "1")),
     Case("bench_failover", "hot standbys: a trainer's longest pull across kill -9 of a primary",
          quick=("--kills", "1", "--ids", "256")),
     Case("bench_reshard", "live re-sharding: a trainer's stall across 2 -> 3 -> 2 shards",
