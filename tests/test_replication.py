@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tf_dlt
-from tf_dlt import errors
+from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest
 from tf_dlt.server import replication
 from tf_dlt.server.local import LocalCluster
@@ -387,6 +387,53 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
         for server in (first, second, restarted):
             if server is not None:
                 server.stop(0)
+
+
+def _serves(address: str) -> bool:
+    try:
+        _native.hello(address, "", timeout_ms=1000)
+        return True
+    except errors.DltError:
+        return False
+
+
+def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wakes(
+    tmp_path: Path,
+) -> None:
+    """A primary paused past the takeover of its only standby (no other
+    standby is left to tell it the newer epoch) wakes: its standby, now
+    serving, refuses to follow it, and a Hello tells it that one serves its
+    shard at a newer epoch, so it is replaced. A trainer that lists only its
+    address gets UNAVAILABLE, never the rows it held before the pause."""
+    with LocalCluster(1, "--io-timeout", "2", workdir=tmp_path / "cluster", replicas=2) as cluster:
+        old, standby = cluster.process_addresses
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        wait_until(lambda: _caught_up(cluster, 0), "the standby to catch up")
+        ids = np.arange(200, dtype=np.int64)
+        client.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)
+        stale = client.pull("emb", ids)
+        cluster.processes[0].send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: _serves(standby), "the standby to take over")
+            client.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)  # on the new primary
+        finally:
+            cluster.processes[0].send_signal(signal.SIGCONT)
+        newest = client.pull("emb", ids)
+        assert not np.array_equal(newest, stale)
+
+        def replaced() -> bool:
+            try:
+                _native.hello(old, "", timeout_ms=2000)
+                return False
+            except errors.UnavailableError as e:
+                assert "was replaced" in str(e)
+                return True
+
+        wait_until(replaced, "the old primary to be fenced")
+        with pytest.raises(errors.UnavailableError, match="was replaced"):
+            tf_dlt.Client([old]).pull("emb", ids)
+        np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", ids), newest)
 
 
 def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCluster) -> None:

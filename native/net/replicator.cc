@@ -292,6 +292,8 @@ Status Replicator::Connect() {
       options_.range_stream ? wire::kFlagMove : wire::kFlagReplica | wire::kFlagTopology;
   wire::HelloReply reply;
   Status s = net::SayHello(fd, options_.auth_token, flags, next_request_id_++, deadline, &reply);
+  // Refused for serving trainers: it may have taken over from this primary.
+  const bool serves = !s.ok() && !options_.range_stream && s.code() == Code::kFailedPrecondition;
   if (s.ok() && options_.range_stream) {
     // The buckets this shard owns of the next shard's.
     if (reply.num_shards == 0 || reply.shard_index >= reply.num_shards) {
@@ -329,6 +331,10 @@ Status Replicator::Connect() {
         std::to_string(shard_->shard_index()) + " of " + std::to_string(shard_->num_shards()) +
         " at layout epoch " + std::to_string(shard_->layout_epoch()));
   }
+  if (serves) {
+    Disconnect();
+    s = CheckTakenOver(s, deadline);
+  }
   if (!s.ok()) {
     Disconnect();
     return s.WithContext("connecting to standby " + standby_);
@@ -359,6 +365,24 @@ Status Replicator::Connect() {
   marked_ = false;
   view_told_ = round_view_ = 0;
   return OkStatus();
+}
+
+Status Replicator::CheckTakenOver(Status refused, Clock::time_point deadline) {
+  int fd = -1;
+  if (!net::Connect(standby_, deadline, &fd).ok()) return refused;
+  wire::HelloReply serving;
+  const Status greeted = net::SayHello(fd, options_.auth_token, wire::kFlagTopology,
+                                       next_request_id_++, deadline, &serving);
+  net::CloseFd(fd);
+  if (!greeted.ok() || serving.epoch <= shard_->epoch() ||
+      serving.shard_index != shard_->shard_index() || serving.num_shards != shard_->num_shards() ||
+      serving.layout_epoch != shard_->layout_epoch() || serving.lineage != shard_->lineage()) {
+    return refused;
+  }
+  shard_->Supersede(serving.epoch);
+  return FailedPrecondition("standby " + standby_ + " took over this shard at epoch " +
+                            std::to_string(serving.epoch) + ", newer than this primary's " +
+                            std::to_string(shard_->epoch()) + ": this primary was replaced");
 }
 
 void Replicator::Disconnect() {

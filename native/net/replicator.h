@@ -150,6 +150,12 @@ class Replicator : public WriteListener {
   // the same count; a range stream's target a shard sharing buckets with
   // this one).
   Status Connect();
+  // After the standby refused to follow this primary because it serves
+  // trainers: whether it serves this shard (its place, layout and lineage)
+  // at a newer epoch, that is took over from this primary (paused or cut
+  // off past the takeover, with no other standby left to tell it so). If
+  // so this primary is superseded and the refusal says so.
+  Status CheckTakenOver(Status refused, std::chrono::steady_clock::time_point deadline);
   bool InRange(uint32_t bucket) const { return bucket >= first_ && bucket < end_; }
   // Keeps the ids and sketch hashes of the buckets this stream carries.
   void KeepInRange(std::vector<int64_t>* ids, std::vector<uint64_t>* hashes) const;
