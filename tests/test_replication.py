@@ -315,6 +315,28 @@ def test_a_save_caught_by_a_failover_completes_on_the_new_primary_and_followers_
             np.testing.assert_array_equal(follower_rows(follower, ids), client.pull("emb", ids))
 
 
+@pytest.mark.parametrize("rows", [5000, 200_000])
+def test_a_load_is_acknowledged_once_the_standby_holds_it(tmp_path: Path, rows: int) -> None:
+    """The primary killed the moment `Client.load` returns: its standby takes
+    over with the checkpoint's rows, not the ones it held before the load
+    (a load was acknowledged before the standby's next round copied it)."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, initializer="zeros")
+        ids = np.arange(rows, dtype=np.int64)
+        ones = np.ones((rows, DIM), np.float32)
+        client.push("emb", ids, ones, 1.0)
+        saved = client.pull("emb", ids)
+        client.save(str(tmp_path / "ckpt"))
+        for _ in range(3):
+            client.push("emb", ids, ones, 1.0)
+        wait_until(lambda: _caught_up(cluster, 0), "the standby to catch up")
+        client.load(str(tmp_path / "ckpt"))
+        cluster.kill(0)
+        np.testing.assert_array_equal(client.pull("emb", ids, training=False), saved)
+        assert _stats(cluster, 0)["takeovers"] == 1
+
+
 def manifest_id(path: Path) -> str:
     """The save id of the checkpoint committed at `path` ("" while none is)."""
     try:

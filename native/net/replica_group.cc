@@ -84,7 +84,22 @@ uint64_t ReplicaGroup::Applied() {
   return seq;
 }
 
-Status ReplicaGroup::Written(uint64_t seq) {
+Status ReplicaGroup::Hold(int timeout_ms) {
+  uint64_t seq;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seq = ++seq_;
+    Marks& m = marks_[seq % kMarks];
+    m.seq = seq;
+    m.count = members_.size();
+    for (size_t i = 0; i < members_.size(); ++i) {
+      m.marks[i] = {members_[i].id, members_[i].replicator->Applied() + 1};
+    }
+  }
+  return WrittenWithin(seq, timeout_ms);
+}
+
+Status ReplicaGroup::WrittenWithin(uint64_t seq, int timeout_ms) {
   Marks marks;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -142,7 +157,7 @@ Status ReplicaGroup::Written(uint64_t seq) {
       Status first;
       bool held = false;
       for (const Attached& member : waited) {
-        const Status s = member.replicator->Written(mark_of(member), 0);
+        const Status s = member.replicator->Written(mark_of(member), 0, timeout_ms);
         held |= s.ok();
         if (!s.ok() && first.ok()) first = s;
       }
@@ -153,7 +168,7 @@ Status ReplicaGroup::Written(uint64_t seq) {
       // Each acknowledging round of the set's standbys also told the set:
       // a standby left out learns it before a write is acknowledged
       // without it.
-      const Status s = member.replicator->Written(mark_of(member), version);
+      const Status s = member.replicator->Written(mark_of(member), version, timeout_ms);
       if (s.ok()) continue;
       if (s.code() == Code::kDeadlineExceeded) member.replicator->Reconnect();  // copies afresh
       Leave(member.id, member.joins);  // unless it joined again meanwhile

@@ -60,7 +60,14 @@ class ReplicaGroup : public WriteListener {
   void Stop();
 
   uint64_t Applied() override;
-  Status Written(uint64_t mark) override;
+  Status Written(uint64_t mark) override { return WrittenWithin(mark, 0); }
+  // Returns once the standbys a write waits on (as Written) applied a round
+  // that began after this call, so they hold every table as it is now: a
+  // load's tables, a table made or dropped (the admin plane's writes,
+  // outside the push gate, hence the round after the next to take
+  // changes). At most `timeout_ms` for each standby; OK at once in async
+  // mode or with no standby.
+  Status Hold(int timeout_ms);
   // Pauses (or resumes) every standby's stream; the first error.
   Status Pause(bool pause);
   // Every standby's replicator follows the swap (Replicator::Follow), the
@@ -77,6 +84,8 @@ class ReplicaGroup : public WriteListener {
 
  private:
   using Member = std::shared_ptr<Replicator>;
+  // Written, each standby waited for at most timeout_ms (0: the write timeout).
+  Status WrittenWithin(uint64_t mark, int timeout_ms);
   struct Attached {
     std::string address;
     uint64_t id;  // this replicator's (a standby attached again gets a new one)

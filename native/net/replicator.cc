@@ -84,14 +84,14 @@ uint64_t Replicator::Applied() {
   return taken_ + 1;
 }
 
-Status Replicator::Written(uint64_t need, uint64_t view_version) {
+Status Replicator::Written(uint64_t need, uint64_t view_version, int timeout_ms) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!options_.sync) {
     if (unsent_since_ == Clock::time_point{}) unsent_since_ = Clock::now();
     return OkStatus();
   }
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.write_timeout_ms);
+  const int wait_ms = timeout_ms > 0 ? timeout_ms : options_.write_timeout_ms;
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
   for (;;) {
     if (applied_ >= need) {
       if (view_applied_ >= view_version) return OkStatus();  // a round holding it is done
@@ -112,7 +112,7 @@ Status Replicator::Written(uint64_t need, uint64_t view_version) {
     if (applied_ >= need) continue;
     if (!done) {
       return DeadlineExceeded("standby " + standby_ + " did not apply the write within " +
-                              std::to_string(options_.write_timeout_ms) + " ms");
+                              std::to_string(wait_ms) + " ms");
     }
     return Unavailable("standby " + standby_ + " did not apply the write: " +
                        (stop_ ? std::string("replication stopped") : status_.error));

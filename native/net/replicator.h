@@ -122,8 +122,9 @@ class Replicator : public WriteListener {
   // at once.
   Status Written(uint64_t mark) override { return Written(mark, 0); }
   // As Written, and the round that acknowledges it (or a later one) told
-  // the standby the group's view `view_version` or a later one.
-  Status Written(uint64_t mark, uint64_t view_version);
+  // the standby the group's view `view_version` or a later one; waits at
+  // most timeout_ms (0: write_timeout).
+  Status Written(uint64_t mark, uint64_t view_version, int timeout_ms = 0);
   // Shuts the connection down: a frame in flight fails at once, and the
   // next round connects again and copies every table whole (a group gave
   // up waiting for this standby; Stop uses it too).

@@ -253,6 +253,17 @@ void BindNet(py::module_& m) {
             Check(st);
           },
           py::arg("pause"))
+      .def(
+          "hold",
+          [](ReplicaGroup& g, int timeout_ms) {
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = g.Hold(timeout_ms);
+            }
+            Check(st);
+          },
+          py::arg("timeout_ms"))
       .def("addresses", &ReplicaGroup::addresses)
       .def("view", [](const ReplicaGroup& g) { return ViewToDict(g.view()); })
       .def("statuses", [](const ReplicaGroup& g) {

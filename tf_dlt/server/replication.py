@@ -106,6 +106,18 @@ class Standbys:
             if self._group is not None:
                 self._group.pause(pause)
 
+    def hold(self, timeout_s: float | None = None) -> None:
+        """Returns once the standbys a write waits on hold every table as it
+        is now (a load's, a table made or dropped: the admin plane's writes),
+        waiting at most `timeout_s` for each (None: the standby timeout); at
+        once in async mode or with no standby. UnavailableError or
+        DeadlineExceededError when they do not."""
+        with self._lock:
+            group = self._group
+        if group is not None and self.replication == "sync":
+            timeout_ms = self._write_timeout_ms if timeout_s is None else int(timeout_s * 1000)
+            group.hold(timeout_ms=max(1, timeout_ms))
+
     def statuses(self) -> list[dict[str, Any]]:
         with self._lock:
             return self._group.statuses() if self._group is not None else []

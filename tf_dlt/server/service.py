@@ -193,6 +193,22 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 "to the training shards"
             )
 
+    def _held_by_standbys(self, what: str, timeout_s: float | None = None) -> None:
+        """Acknowledges an admin-plane write (a load installed or undone, a
+        table made, dropped or shrunk) once the sync standbys hold it, as a
+        push is: a primary that dies right after it never leaves a standby
+        to take over without it. The write stays done here when they do
+        not (a load's COMMIT then fails and the client rolls it back)."""
+        if self.standbys is None:
+            return
+        try:
+            self.standbys.hold(timeout_s)
+        except errors.DltError as e:
+            raise type(e)(
+                f"{what} on shard {self._shard.shard_index} is done here, but its standbys do "
+                f"not hold it: {e.message}"
+            ) from e
+
     def count_error(self, code_name: str) -> None:
         with self._errors_lock:
             self._errors[code_name] = self._errors.get(code_name, 0) + 1
@@ -202,6 +218,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._writable("CreateTable")
         config = TableConfig.from_proto(request.config)
         created = self._shard.create_table(config.to_dict(), request.provisional)
+        self._held_by_standbys(f"table {config.name!r} made")
         if created:
             log.info(
                 "created table %s (dim %d, %s%s)", config.name, config.dim,
@@ -215,6 +232,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._writable("DropTable")
         self._shard.drop_table(request.name)
         log.info("dropped table %s", request.name)
+        self._held_by_standbys(f"table {request.name!r} dropped")
         return dlt_pb2.DropTableResponse()
 
     @_handler
@@ -226,6 +244,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             "shrink of %s (min_count %d, unseen_for %d) removed %d rows",
             request.table, request.min_count, request.unseen_for, removed,
         )  # fmt: skip
+        self._held_by_standbys(f"shrink of {request.table!r}")
         return dlt_pb2.ShrinkResponse(removed=removed, rows=table.size())
 
     @_handler
@@ -407,6 +426,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 )
             else:
                 self._shard.install_tables(result["staged"])
+                self._held_by_standbys(f"load of {request.path!r}", self._load_timeout_s)
         self.last_load_seconds = result["seconds"]
         self.loads += 1
         self.load_seconds_total += result["seconds"]
@@ -432,6 +452,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             pending.phase, pending.since = "committed", time.monotonic()
             self._set_pending(pending)
             log.info("committed load %s", load_id)
+            # Until they hold it the load stays committed here, to be rolled
+            # back when the client sees this COMMIT fail.
+            self._held_by_standbys(f"load {load_id!r}", self._load_timeout_s)
             return pending.result
         if phase == phases.ABORT:
             if pending is not None and pending.phase == "committed":
@@ -462,6 +485,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                         self._shard.drop_table(name)
             log.warning("rolled back load %s", load_id)
         self._set_pending(None)
+        if pending.phase == "committed":
+            self._held_by_standbys(f"rollback of load {load_id!r}", self._load_timeout_s)
         return empty
 
     def _set_pending(self, pending: PendingLoad | None) -> None:
