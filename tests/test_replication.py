@@ -411,6 +411,45 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
                 server.stop(0)
 
 
+def _trained_with_standby(
+    cluster: LocalCluster, shard: int, n: int
+) -> tuple[tf_dlt.Client, np.ndarray, np.ndarray]:
+    """A client of `cluster` that made table "emb" (Adagrad) and pushed to
+    `n` ids once `shard`'s standby caught up: the client, the ids, their rows."""
+    client = tf_dlt.Client(cluster.addresses)
+    client.create_table("emb", DIM, optimizer="adagrad")
+    wait_until(lambda: _caught_up(cluster, shard), f"shard {shard}'s standby")
+    ids = np.arange(n, dtype=np.int64)
+    client.push("emb", ids, np.ones((n, DIM), np.float32), 0.1)
+    return client, ids, client.pull("emb", ids)
+
+
+def test_a_client_made_during_a_takeover_waits_for_it(replicated: LocalCluster) -> None:
+    """A trainer that first greets a shard while its standby takes over
+    (its primary refuses, the standby still answers "a standby") waits for
+    the takeover, on the data plane and the admin plane alike."""
+    cluster = replicated
+    _, ids, rows = _trained_with_standby(cluster, 1, 500)
+    cluster.kill(1)
+    fresh = tf_dlt.Client(cluster.addresses)  # met no shard before the kill
+    np.testing.assert_array_equal(fresh.pull("emb", ids), rows)
+    assert tf_dlt.Client(cluster.addresses).stats()[1]["role"] == "primary"
+
+
+def test_a_shard_none_of_whose_addresses_greets_says_what_each_said(
+    replicated: LocalCluster,
+) -> None:
+    standby = replicated.process_addresses[2]  # shard 0's
+    gone = f"127.0.0.1:{free_port()}"
+    client = tf_dlt.Client([f"{gone}|{standby}", replicated.addresses[1]], request_timeout=1.0)
+    with pytest.raises(errors.UnavailableError) as raised:
+        client.stats()
+    message = str(raised.value)
+    assert f"shard 0 ({gone}|{standby}) greeting: " in message
+    assert f"{gone}: connect: " in message
+    assert f"{standby}: Hello: shard 0 here is a standby" in message
+
+
 def _serves(address: str) -> bool:
     try:
         _native.hello(address, "", timeout_ms=1000)
@@ -429,12 +468,7 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
     address gets UNAVAILABLE, never the rows it held before the pause."""
     with LocalCluster(1, "--io-timeout", "2", workdir=tmp_path / "cluster", replicas=2) as cluster:
         old, standby = cluster.process_addresses
-        client = tf_dlt.Client(cluster.addresses)
-        client.create_table("emb", DIM, optimizer="adagrad")
-        wait_until(lambda: _caught_up(cluster, 0), "the standby to catch up")
-        ids = np.arange(200, dtype=np.int64)
-        client.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)
-        stale = client.pull("emb", ids)
+        client, ids, stale = _trained_with_standby(cluster, 0, 200)
         cluster.processes[0].send_signal(signal.SIGSTOP)
         try:
             wait_until(lambda: _serves(standby), "the standby to take over")

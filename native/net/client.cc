@@ -50,7 +50,11 @@ Client::~Client() {
 
 std::string Client::Context(const ShardState& shard, const char* op) const {
   std::lock_guard<std::mutex> lock(shard.mu);
-  return "shard " + std::to_string(shard.index) + " (" + shard.address + ") " + op;
+  return Context(shard.index, shard.address, op);
+}
+
+std::string Client::Context(uint32_t index, const std::string& address, const char* op) {
+  return "shard " + std::to_string(index) + " (" + address + ") " + op;
 }
 
 uint32_t Client::ShardOf(int64_t id) const {

@@ -288,7 +288,12 @@ class Client {
   Status PullOnce(const Layout& layout, const std::string& table, uint32_t dim, const int64_t* ids,
                   size_t n, PullMode mode, uint32_t row_floats, float* out, bool dedup,
                   size_t* sent, std::chrono::steady_clock::time_point deadline, bool* any_reused);
+  // "shard N (address) op", the prefix of a shard's errors.
   std::string Context(const ShardState& shard, const char* op) const;
+  static std::string Context(uint32_t index, const std::string& address, const char* op);
+  // The greeting's: a shard with standbys names them all (its error says
+  // what each address said).
+  std::string GreetingContext(const ShardState& st) const;
 
   const ClientOptions options_;
   // Every shard this client met, by layout (a re-shard's makes new ones);

@@ -179,11 +179,13 @@ Status Client::Connect(ShardState& st, int* out_fd) {
     uint64_t best_epoch = 0;
     Status last = Unavailable("no address greets");
     Status misplaced;
+    std::string tried;  // what each address that did not greet said
     for (const std::string& address : addresses) {
       int fd = -1;
       wire::HelloReply r;
       const Status s = ConnectTo(st, address, &fd, &r);
       if (!s.ok()) {
+        tried += (tried.empty() ? "" : "; ") + address + ": " + s.message();
         if (s.code() == Code::kFailedPrecondition) {
           // Another place (a member restarted with stale flags): the next
           // address may greet; said only when none does.
@@ -192,7 +194,7 @@ Status Client::Connect(ShardState& st, int* out_fd) {
         }
         if (s.code() != Code::kUnavailable) {
           if (best >= 0) net::CloseFd(best);
-          return s;
+          return s.WithContext(address);
         }
         last = s;
         continue;
@@ -207,7 +209,7 @@ Status Client::Connect(ShardState& st, int* out_fd) {
       reply = r;
       current = address;
     }
-    if (best < 0) return misplaced.ok() ? last : misplaced;
+    if (best < 0) return Status((misplaced.ok() ? last : misplaced).code(), tried);
     Adopt(st, current, reply);
     *out_fd = best;
     return OkStatus();
@@ -218,11 +220,16 @@ Status Client::Connect(ShardState& st, int* out_fd) {
     if (other != current) order.push_back(other);
   }
   Status s, misplaced;  // misplaced: as above
+  std::string tried;
   for (const std::string& address : order) {
     s = ConnectTo(st, address, out_fd, &reply);
     if (s.ok()) {
       Adopt(st, address, reply);
       return s;
+    }
+    if (order.size() > 1) {  // which address said what
+      tried += (tried.empty() ? "" : "; ") + address + ": " + s.message();
+      s = Status(s.code(), tried);
     }
     if (s.code() == Code::kFailedPrecondition) {
       if (misplaced.ok()) misplaced = s;
@@ -373,13 +380,23 @@ uint32_t Client::FrameLimit(ShardState& st) {
 }
 
 Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
-  const std::shared_ptr<const Layout> layout = CurrentLayout();
-  const Status s = GreetAll(*layout, infos);
-  // A shard serves a newer layout: that one's shards.
-  if (s.code() == Code::kAborted && LearnLayout(*layout).ok()) {
-    return GreetAll(*CurrentLayout(), infos);
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
+  int backoff_ms = options_.retry_backoff_ms;
+  int retries = 0;
+  for (;;) {
+    const std::shared_ptr<const Layout> layout = CurrentLayout();
+    Status s = GreetAll(*layout, infos);
+    // A shard serves a newer layout: that one's shards.
+    if (s.code() == Code::kAborted && LearnLayout(*layout).ok()) {
+      s = GreetAll(*CurrentLayout(), infos);
+    }
+    // No copy of a shard greets (its standby is taking over, say): again
+    // until the deadline, as a pull is.
+    if (s.code() != Code::kUnavailable || !PauseToRetry(&retries, &backoff_ms, deadline)) {
+      return s;
+    }
   }
-  return s;
 }
 
 Status Client::Regreet() {
@@ -405,6 +422,14 @@ void Client::CloseIdle() {
   }
 }
 
+std::string Client::GreetingContext(const ShardState& st) const {
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (st.addresses.size() < 2) return Context(st.index, st.address, "greeting");
+  std::string all;  // the message names what each said
+  for (const std::string& a : st.addresses) all += (all.empty() ? "" : "|") + a;
+  return Context(st.index, all, "greeting");
+}
+
 Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
   infos->clear();
   for (ShardState* st : layout.shards) {
@@ -417,7 +442,7 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
       Conn conn;
       Status s = Acquire(*st, &conn);
       // (s says which step failed: "connect: ...", "Hello: ...")
-      if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(Context(*st, "greeting")));
+      if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(GreetingContext(*st)));
       Release(*st, std::move(conn));
     }
     std::lock_guard<std::mutex> lock(st->mu);
