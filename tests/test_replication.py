@@ -436,6 +436,22 @@ def test_a_client_made_during_a_takeover_waits_for_it(replicated: LocalCluster) 
     assert tf_dlt.Client(cluster.addresses).stats()[1]["role"] == "primary"
 
 
+def test_a_save_begun_during_a_takeover_waits_for_it(
+    replicated: LocalCluster, tmp_path: Path
+) -> None:
+    """A client that met the shard saves while its standby takes over: the
+    Save goes to the new primary once it serves (it failed with gRPC's own
+    "failed to connect to all addresses")."""
+    cluster = replicated
+    client, ids, rows = _trained_with_standby(cluster, 1, 500)
+    client.stats()  # the admin plane met every shard
+    cluster.kill(1)
+    client.save(str(tmp_path / "ckpt"))
+    restored = tf_dlt.Client(cluster.addresses)
+    restored.load(str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(restored.pull("emb", ids), rows)
+
+
 def test_a_shard_none_of_whose_addresses_greets_says_what_each_said(
     replicated: LocalCluster,
 ) -> None:

@@ -52,6 +52,8 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
 # Seconds between a control plane's questions to the shards about their
 # layout (live re-sharding, docs/replication.md).
 _LAYOUT_ASK_S = 5.0
+# How often an admin call whose shard's copies do not greet asks them again.
+_REGREET_PAUSE_S = 0.2
 
 
 def address_list(pservers: Sequence[str] | str) -> list[str]:
@@ -263,41 +265,52 @@ class Client:
                         )
                 results.append(reply)
             except grpc.RpcError as e:
+                what = f"shard {i} ({self.pservers[i]}) {method}"
+                error = grpc_util.error_from_rpc(e, what)
                 if "|" in self.pservers[i] and e.code() == grpc.StatusCode.UNAVAILABLE:
-                    # Its standby may have taken over: ask whoever greets now.
+                    # Its standby may have taken over, or be taking over:
+                    # ask whoever greets, until the request deadline.
                     try:
+                        stub = self._reresolve(i, wait_s=min(deadline, self._request_timeout))
                         results.append(
-                            getattr(self._reresolve(i), method)(
-                                request, timeout=deadline, metadata=metadata
-                            )
+                            getattr(stub, method)(request, timeout=deadline, metadata=metadata)
                         )
                         continue
-                    except (grpc.RpcError, errors.DltError):
-                        pass
-                error = grpc_util.error_from_rpc(e, f"shard {i} ({self.pservers[i]}) {method}")
+                    except grpc.RpcError as again:
+                        error = grpc_util.error_from_rpc(again, what)
+                    except errors.DltError as unresolved:
+                        error = type(unresolved)(f"{what}: no copy serves: {unresolved.message}")
                 if isinstance(error, errors.UnavailableError) and _looks_like_tls(e):
                     error = errors.UnavailableError(f"{error}{self._tls_hint()}")
                 results.append(error)
         return results
 
-    def _reresolve(self, shard: int) -> Any:
+    def _reresolve(self, shard: int, wait_s: float = 0.0) -> Any:
         """A new admin stub of `shard`, at the first of its addresses (primary,
-        then standbys) that greets now (docs/replication.md)."""
+        then standbys) that greets now (docs/replication.md), asking again
+        every 0.2 s for up to `wait_s` (a standby taking over). The error of
+        the last round names what each address said."""
         from tf_dlt.proto import dlt_pb2_grpc
 
-        last: errors.DltError | None = None
-        for address in self.pservers[shard].split("|"):
-            try:
-                info = _native.hello(address, self._token, timeout_ms=1000)
-            except errors.DltError as e:
-                last = e
-                continue
-            channel = self._channel(grpc_util.admin_address(address, info["admin_port"]))
-            self._channels[shard].close()
-            self._channels[shard] = channel
-            self._stubs[shard] = dlt_pb2_grpc.ShardAdminStub(channel)
-            return self._stubs[shard]
-        raise last or errors.UnavailableError(f"shard {shard}: no address greets")
+        give_up = time.monotonic() + wait_s
+        while True:
+            said: list[str] = []
+            last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
+            for address in self.pservers[shard].split("|"):
+                try:
+                    info = _native.hello(address, self._token, timeout_ms=1000)
+                except errors.DltError as e:
+                    said.append(f"{address}: {e.message}")
+                    last = e
+                    continue
+                channel = self._channel(grpc_util.admin_address(address, info["admin_port"]))
+                self._channels[shard].close()
+                self._channels[shard] = channel
+                self._stubs[shard] = dlt_pb2_grpc.ShardAdminStub(channel)
+                return self._stubs[shard]
+            if time.monotonic() + _REGREET_PAUSE_S >= give_up:
+                raise type(last)("; ".join(said) or last.message)
+            time.sleep(_REGREET_PAUSE_S)
 
     def _channel(self, address: str) -> grpc.Channel:
         return tls.channel(
