@@ -23,6 +23,7 @@ from tf_dlt import reshard as resharding
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.replication import member_stats
+from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.table_config import TableConfig
 from tf_dlt.tools import cli
 
@@ -408,6 +409,33 @@ def test_a_reshard_onto_a_shard_of_another_cluster_is_refused_and_changes_nothin
     np.testing.assert_array_equal(admin.pull("emb", IDS[:100]), rows)
     assert admin.reshard([*cluster.addresses, joined])["layout_epoch"] == 2
     np.testing.assert_array_equal(admin.pull("emb", IDS[:100]), rows)
+
+
+def test_a_shard_restarted_in_its_new_place_can_be_resharded_again(
+    cluster: LocalCluster,
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """After 2 -> 3, the process serving shard 2 dies and is started again
+    as shard 2 of 3 (docs/operations.md): it begins at layout epoch 1 while
+    the others serve epoch 2. The newest layout names it at its index, so
+    the cluster can be re-sharded again (it was refused: "serve different
+    layouts")."""
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+    joined = cluster.join()
+    three = [*cluster.addresses, joined]
+    assert admin.reshard(three)["layout_epoch"] == 2
+    admin.save(str(tmp_path / "ckpt"))
+    rows = admin.pull("emb", IDS)
+    cluster.kill(2)
+    port = int(joined.rsplit(":", 1)[1])
+    with ShardServer(2, 3, port=port):
+        restarted = tf_dlt.Client(three)
+        restarted.load(str(tmp_path / "ckpt"))  # every shard agrees again
+        assert [s["layout_epoch"] for s in restarted.stats()] == [2, 2, 1]
+        assert restarted.reshard(cluster.addresses)["layout_epoch"] == 3
+        np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", IDS), rows)
 
 
 def test_a_trainer_goes_on_through_a_switch_that_is_undone(cluster: LocalCluster) -> None:

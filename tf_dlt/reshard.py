@@ -97,14 +97,38 @@ def reshard(
     # The old primaries stream and hold writes; every process (standbys
     # too: they take the same streams) prepares, switches, is released.
     processes = _members(old_sets + new_sets)
-    epochs = {call(a, step(step=step.STATUS)).layout_epoch for a in _members(old_sets)}
-    if len(epochs) != 1:
-        raise errors.FailedPreconditionError(
-            f"reshard: the shards at {current} serve different layouts (epochs {sorted(epochs)})"
-        )
-    epoch = epochs.pop() + 1
+    statuses = {a: call(a, step(step=step.STATUS)) for a in _members(old_sets)}
+    epoch = _layout_epoch_served(old_sets, statuses, current) + 1
     with _heartbeat(call, processes):
         return _move(call, old_sets, new_sets, layout, epoch, timeout_s, hold_timeout_s, pace)
+
+
+def _layout_epoch_served(
+    old_sets: list[list[str]], statuses: dict[str, Any], current: list[str]
+) -> int:
+    """The layout epoch the shards of `old_sets` serve. A process restarted
+    after a re-shard in the place that re-shard gave it (`--shard-index`,
+    `--num-shards`: docs/operations.md) begins at layout epoch 1 again; it
+    is of the newest layout when that layout names it at its index. Any
+    other difference (a process of an older layout, whose buckets moved
+    away) is refused."""
+    newest = max(s.layout_epoch for s in statuses.values())
+    layout = next(s.layout for s in statuses.values() if s.layout_epoch == newest)
+    places = [set(shard.split("|")) for shard in layout.split(",")] if layout else []
+    behind = []
+    for i, replicas in enumerate(old_sets):
+        for address in replicas:
+            if statuses[address].layout_epoch == newest:
+                continue
+            if len(places) != len(old_sets) or address not in places[i]:
+                behind.append(f"{address} at layout epoch {statuses[address].layout_epoch}")
+    if behind:
+        raise errors.FailedPreconditionError(
+            f"reshard: the shards at {current} serve different layouts: "
+            f"{', '.join(behind)}, which the newest one (epoch {newest}: {layout or 'none'}) "
+            "does not name at its index; nothing was changed"
+        )
+    return int(newest)
 
 
 def _move(

@@ -61,7 +61,10 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
       // meanwhile, and the client waits for it as for held writes.
       return Aborted(place + " of layout epoch " + std::to_string(st.layout_epoch) +
                      "; the server has not switched from layout epoch " +
-                     std::to_string(reply->layout_epoch) + " yet");
+                     std::to_string(reply->layout_epoch) +
+                     " yet (a re-shard under way), or was started again with the flags of that "
+                     "layout: this place is --shard-index " +
+                     std::to_string(st.index) + " --num-shards " + std::to_string(st.count));
     }
     return FailedPrecondition(place + "; list the shard addresses in shard-index order");
   }
