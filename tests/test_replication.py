@@ -566,3 +566,25 @@ def test_fit_goes_on_across_a_failed_primary_with_every_row_as_without(
                 cluster.kill(1)  # a stopped process answers no SIGTERM
     assert_same_training(*results)
     assert results[0][2] == results[1][2]
+
+
+def test_a_complaint_that_repeats_is_logged_once_in_a_while(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A standby that cannot attach (or take over) says so the first time,
+    then once every 30 s with how often it came meanwhile (it logged every
+    0.5 s, or 0.2 s, for as long as it lasted)."""
+    now = [100.0]
+    repeated = replication._Repeated(every_s=30.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger=replication.log.name):
+        for _ in range(10):
+            repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")
+            now[0] += 0.5
+        now[0] += 30.0
+        repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")
+        repeated.log("not caught up", logging.ERROR, "not taking over")
+    assert [r.getMessage() for r in caplog.records] == [
+        "standby: refused; trying again",
+        "standby: refused; trying again (and 9 times in the last 35 s)",
+        "not taking over",
+    ]

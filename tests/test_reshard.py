@@ -438,6 +438,15 @@ def test_a_shard_restarted_in_its_new_place_can_be_resharded_again(
         np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", IDS), rows)
 
 
+def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalCluster) -> None:
+    joined = cluster.join()
+    a, b = cluster.addresses
+    for to in ([a, b, joined, joined], [a, f"{b}|{joined}", joined]):
+        with pytest.raises(errors.InvalidArgumentError, match=f"{joined} is listed twice"):
+            tf_dlt.Client(cluster.addresses).reshard(to)
+    assert [s["layout_epoch"] for s in tf_dlt.Client(cluster.addresses).stats()] == [1, 1]
+
+
 def test_a_trainer_goes_on_through_a_switch_that_is_undone(cluster: LocalCluster) -> None:
     """The joining process dies as the switch begins, while a trainer
     pushes: the processes that switched go back, as a layout newer than the

@@ -71,8 +71,12 @@ def reshard(
         raise errors.InvalidArgumentError(f"reshard: pace must be in (0, 1], got {pace}")
     if not to:
         raise errors.InvalidArgumentError("reshard needs at least one shard address to move to")
-    if len(set(to)) != len(to):
-        raise errors.InvalidArgumentError(f"reshard: an address is listed twice in {to}")
+    listed = [a for shard in to for a in shard.split("|") if a]
+    twice = sorted({a for a in listed if listed.count(a) > 1})
+    if twice:  # a shard's, or two shards' (a|b,b)
+        raise errors.InvalidArgumentError(
+            f"reshard: {', '.join(twice)} is listed twice in {to}; nothing was changed"
+        )
     call = _Calls(stub_for, auth_token, hold_timeout_s, lease_s)
     step = dlt_pb2.ReshardRequest
     hellos: dict[tuple[str, bool], Any] = {}  # each process greeted once

@@ -137,6 +137,30 @@ class Standbys:
             group.stop()
 
 
+class _Repeated:
+    """One log line for a condition that repeats (a standby trying to attach
+    every 0.5 s, finding every 0.2 s that it cannot take over): the first
+    time, then at most once every `every_s` with how many times it came
+    meanwhile. Another `key` is logged at once. Used by one thread."""
+
+    def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every_s = every_s
+        self._clock = clock
+        self._key: str | None = None
+        self._logged = 0.0
+        self._since = 0
+
+    def log(self, key: str, level: int, msg: str, *args: Any) -> None:
+        now = self._clock()
+        if key == self._key and now - self._logged < self._every_s:
+            self._since += 1
+            return
+        if key == self._key and self._since:
+            msg += f" (and {self._since} times in the last {now - self._logged:.0f} s)"
+        self._key, self._logged, self._since = key, now, 0
+        log.log(level, msg, *args)
+
+
 class StandbyLink:
     """A standby's link to its primary: attaches, watches, takes over.
 
@@ -239,6 +263,7 @@ class StandbyLink:
         self._beginning = False  # begin() runs (a load): others wait
         self.takeovers = 0
         self.error = ""
+        self._repeated = _Repeated()  # the link's thread's repeating complaints
 
     def caught_up(self) -> bool:
         """A standby holds every table its primary had (it may take over)."""
@@ -430,7 +455,9 @@ class StandbyLink:
                 found = self._survey()
             except errors.DltError as e:  # a member of another shard, a wrong token
                 self.error = str(e)
-                log.error("replica set %s: %s", "|".join(self._replica_set), e)
+                self._repeated.log(
+                    "survey", logging.ERROR, "replica set %s: %s", "|".join(self._replica_set), e
+                )
                 self._stop.wait(_SURVEY_INTERVAL_S * 10)
                 continue
             now = time.monotonic()
@@ -491,7 +518,9 @@ class StandbyLink:
                     self._attach()
                 except (errors.DltError, grpc.RpcError, OSError) as e:
                     self.error = f"attaching to {self.primary}: {e}"
-                    log.warning("standby: %s; trying again", self.error)
+                    self._repeated.log(
+                        "attach", logging.WARNING, "standby: %s; trying again", self.error
+                    )
                     self._admin = None
                     failures += 1
                     if failures % 6 == 0:  # it died or stepped down: another may serve
@@ -540,7 +569,8 @@ class StandbyLink:
                 serving = self._serving_peer()
                 if serving is not None:
                     return serving
-                log.error(
+                self._repeated.log(
+                    "not caught up", logging.ERROR,
                     "%s, but this standby had not caught up with it: not taking over (%s)",
                     why, self.error,
                 )  # fmt: skip
