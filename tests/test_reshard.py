@@ -447,6 +447,21 @@ def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalC
     assert [s["layout_epoch"] for s in tf_dlt.Client(cluster.addresses).stats()] == [1, 1]
 
 
+def test_a_reshard_onto_a_process_with_a_memory_budget_is_refused_naming_it(
+    cluster: LocalCluster,
+) -> None:
+    """Shards under a memory budget do not re-shard yet; the refusal names
+    the joining process as such (it read "shard 1", like the real shard 1)."""
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM)
+    with ShardServer(1, 1, memory_budget=1 << 30) as joining:  # --join: no bucket yet
+        address = f"127.0.0.1:{joining.port}"
+        with pytest.raises(errors.FailedPreconditionError) as refused:
+            admin.reshard([*cluster.addresses, address])
+    assert "this joining process (it owns no bucket yet) has a memory budget" in str(refused.value)
+    assert [s["layout_epoch"] for s in admin.stats()] == [1, 1]
+
+
 def test_a_trainer_goes_on_through_a_switch_that_is_undone(cluster: LocalCluster) -> None:
     """The joining process dies as the switch begins, while a trainer
     pushes: the processes that switched go back, as a layout newer than the

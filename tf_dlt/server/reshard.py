@@ -55,6 +55,13 @@ class ReshardSteps:
         # (monotonic), its lease; guarded by _lock.
         self._holder = ("", 0.0, 0.0)
 
+    def _who(self) -> str:
+        """How errors name this process: its shard, or (a server started
+        with --join) a process of no shard yet."""
+        if self._shard.shard_index < self._shard.num_shards:
+            return f"shard {self._shard.shard_index}"
+        return "this joining process (it owns no bucket yet)"
+
     def admit(self, coordinator: str, lease_s: float, status_only: bool) -> None:
         """Before a step from `coordinator` (a random id; "" for none): while
         this process takes part in a re-shard whose coordinator stepped it
@@ -71,7 +78,7 @@ class ReshardSteps:
                 if status_only:
                     return
                 raise errors.FailedPreconditionError(
-                    f"shard {self._shard.shard_index} takes part in another re-shard (from "
+                    f"{self._who()} takes part in another re-shard (from "
                     f"{self._plan[0]} to {self._plan[1]}), whose coordinator stepped it "
                     f"{now - last:.1f} s ago: run this one once that has ended (or once its "
                     f"coordinator has been gone {lease:.0f} s)"
@@ -94,12 +101,10 @@ class ReshardSteps:
         if why_not is None and behind:
             why_not = f"its standby {', '.join(behind)} has not caught up with it"
         if why_not is not None:
-            raise errors.FailedPreconditionError(
-                f"shard {self._shard.shard_index} cannot be re-sharded: {why_not}"
-            )
+            raise errors.FailedPreconditionError(f"{self._who()} cannot be re-sharded: {why_not}")
         if self._shard.memory_status()["budget"]:
             raise errors.FailedPreconditionError(
-                f"shard {self._shard.shard_index} has a memory budget: re-sharding shards with "
+                f"{self._who()} has a memory budget: re-sharding shards with "
                 "one is not supported yet (docs/replication.md)"
             )
         with self._lock:

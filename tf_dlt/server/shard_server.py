@@ -419,10 +419,11 @@ class ShardServer:
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "shard %d/%d serving on %s: data port %d, admin port %d%s; %d worker threads, up to "
+            "%s serving on %s: data port %d, admin port %d%s; %d worker threads, up to "
             "%d connections",
-            self.shard.shard_index,
-            self.shard.num_shards,
+            f"shard {self.shard.shard_index}/{self.shard.num_shards}"
+            if self.shard.shard_index < self.shard.num_shards
+            else "joining (no bucket yet)",
             self._bind,
             self.port,
             self.admin_port,
