@@ -473,7 +473,11 @@ def _replica_sets(
             except errors.DltError as e:
                 hellos[key] = e
                 if replica:  # once per process, however many layouts list it
-                    log.warning("reshard: leaving out %s, which does not answer: %s", address, e)
+                    log.warning(
+                        "reshard: %s does not answer (%s): a shard's process that does not is "
+                        "left out, and a shard none of whose processes does is refused",
+                        address, e,
+                    )  # fmt: skip
         if isinstance(hellos[key], errors.DltError):
             raise hellos[key]
         return dict(hellos[key])
