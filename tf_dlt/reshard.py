@@ -254,7 +254,8 @@ class _Calls:
         try:
             return stub.Reshard(request, timeout=self._timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise grpc_util.error_from_rpc(e, f"reshard step {request.step} on {address}") from e
+            step = type(request).Step.Name(request.step)  # PREPARE, not "step 1"
+            raise grpc_util.error_from_rpc(e, f"reshard {step} on {address}") from e
 
 
 @contextlib.contextmanager
@@ -592,7 +593,7 @@ def _quietly(call: Callable[[str, Any], Any], address: str, request: Any) -> Non
     try:
         call(address, request)
     except errors.DltError as e:
-        log.warning("reshard: step %s on %s failed: %s", request.step, address, e)
+        log.warning("reshard: undoing, passed over: %s", e)  # e names the step and process
 
 
 def _await_streams(

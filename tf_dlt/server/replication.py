@@ -519,8 +519,12 @@ class StandbyLink:
                 except (errors.DltError, grpc.RpcError, OSError) as e:
                     self.error = f"attaching to {self.primary}: {e}"
                     self._repeated.log(
-                        "attach", logging.WARNING, "standby: %s; trying again", self.error
-                    )
+                        "attach", logging.WARNING,
+                        "standby: %s; trying again (if another process of this shard serves "
+                        "now, a standby follows it when started with --standby-of its address, "
+                        "or when every process has --replica-set: docs/replication.md)",
+                        self.error,
+                    )  # fmt: skip
                     self._admin = None
                     failures += 1
                     if failures % 6 == 0:  # it died or stepped down: another may serve

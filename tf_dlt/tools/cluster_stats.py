@@ -89,6 +89,11 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
     copy = f"epoch {s.get('epoch', 0)}, lineage {int(s.get('lineage', 0)):016x}"
     if s.get("takeovers"):
         lines.append(f"shard {shard}: took over from its primary ({copy})")
+        if not s.get("standbys"):  # its old primary and other standbys are gone
+            lines.append(
+                f"shard {shard}: WARNING no standby attached: it runs on one copy (start one "
+                "with --standby-of this address, or restart the others with --replica-set)"
+            )
     elif s.get("standbys"):  # a replicated primary: a new lineage means it began again
         lines.append(f"shard {shard}: primary ({copy})")
     for r in s.get("standbys", []):
