@@ -106,6 +106,11 @@ def _intercepted(
     return stub_for
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def _state(client: tf_dlt.Client) -> np.ndarray:
     """Values, Adagrad slots and step of every id, through the data plane."""
     return client._data.pull_state("emb", DIM, DIM, IDS)
@@ -454,7 +459,8 @@ def test_a_reshard_onto_a_process_with_a_memory_budget_is_refused_naming_it(
     the joining process as such (it read "shard 1", like the real shard 1)."""
     admin = tf_dlt.Client(cluster.addresses)
     admin.create_table("emb", DIM)
-    with ShardServer(1, 1, memory_budget=1 << 30) as joining:  # --join: no bucket yet
+    budget = _rss_bytes() + (4 << 30)  # one this process can honour, TensorFlow loaded or not
+    with ShardServer(1, 1, memory_budget=budget) as joining:  # --join: no bucket yet
         address = f"127.0.0.1:{joining.port}"
         with pytest.raises(errors.FailedPreconditionError) as refused:
             admin.reshard([*cluster.addresses, address])

@@ -398,8 +398,11 @@ void Table::UpdateTierRates(double seconds) {
 
 TierStats Table::tier_stats() const {
   TierStats t;
-  t.ram_rows = ram_rows();
+  // One read of the cold count for both: a row the keeper moves to disk
+  // between two reads was counted in RAM and on disk.
+  const int64_t rows = rows_.load(std::memory_order_relaxed);
   const int64_t cold = cold_rows_.load(std::memory_order_relaxed);
+  t.ram_rows = rows - cold < 0 ? 0 : static_cast<uint64_t>(rows - cold);
   t.disk_rows = cold < 0 ? 0 : static_cast<uint64_t>(cold);
   t.ram_bytes = bytes();
   for (uint32_t s = 0; s < kStripes && has_tier(); ++s) {
