@@ -26,6 +26,13 @@ namespace {
 // Receive buffers above this size are freed when their connection goes idle.
 constexpr size_t kKeepBufferBytes = 64u << 20;
 
+// A shard's addresses as given: primary|standby|...
+std::string Joined(const std::vector<std::string>& addresses) {
+  std::string all;
+  for (const std::string& a : addresses) all += (all.empty() ? "" : "|") + a;
+  return all;
+}
+
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
       .count();
@@ -427,10 +434,8 @@ void Client::CloseIdle() {
 
 std::string Client::GreetingContext(const ShardState& st) const {
   std::lock_guard<std::mutex> lock(st.mu);
-  if (st.addresses.size() < 2) return Context(st.index, st.address, "greeting");
-  std::string all;  // the message names what each said
-  for (const std::string& a : st.addresses) all += (all.empty() ? "" : "|") + a;
-  return Context(st.index, all, "greeting");
+  // With several, the message names what each said.
+  return Context(st.index, st.addresses.size() < 2 ? st.address : Joined(st.addresses), "greeting");
 }
 
 Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
@@ -450,9 +455,7 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     }
     std::lock_guard<std::mutex> lock(st->mu);
     infos->push_back(st->info);
-    for (const std::string& address : st->addresses) {
-      infos->back().replicas += (infos->back().replicas.empty() ? "" : "|") + address;
-    }
+    infos->back().replicas = Joined(st->addresses);
   }
   return OkStatus();
 }

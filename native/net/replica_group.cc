@@ -72,31 +72,20 @@ void ReplicaGroup::Stop() {
   for (const Member& member : members) member->Stop();
 }
 
-uint64_t ReplicaGroup::Applied() {
+uint64_t ReplicaGroup::Applied() { return Mark(0); }
+
+Status ReplicaGroup::Hold(int timeout_ms) { return WrittenWithin(Mark(1), timeout_ms); }
+
+uint64_t ReplicaGroup::Mark(uint64_t later) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t seq = ++seq_;
   Marks& m = marks_[seq % kMarks];
   m.seq = seq;
   m.count = members_.size();
   for (size_t i = 0; i < members_.size(); ++i) {
-    m.marks[i] = {members_[i].id, members_[i].replicator->Applied()};
+    m.marks[i] = {members_[i].id, members_[i].replicator->Applied() + later};
   }
   return seq;
-}
-
-Status ReplicaGroup::Hold(int timeout_ms) {
-  uint64_t seq;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    seq = ++seq_;
-    Marks& m = marks_[seq % kMarks];
-    m.seq = seq;
-    m.count = members_.size();
-    for (size_t i = 0; i < members_.size(); ++i) {
-      m.marks[i] = {members_[i].id, members_[i].replicator->Applied() + 1};
-    }
-  }
-  return WrittenWithin(seq, timeout_ms);
 }
 
 Status ReplicaGroup::WrittenWithin(uint64_t seq, int timeout_ms) {

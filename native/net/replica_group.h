@@ -86,6 +86,9 @@ class ReplicaGroup : public WriteListener {
   using Member = std::shared_ptr<Replicator>;
   // Written, each standby waited for at most timeout_ms (0: the write timeout).
   Status WrittenWithin(uint64_t mark, int timeout_ms);
+  // A write's marks: the round each member takes changes in next, or
+  // `later` rounds after it (Applied: 0; Hold: 1).
+  uint64_t Mark(uint64_t later);
   struct Attached {
     std::string address;
     uint64_t id;  // this replicator's (a standby attached again gets a new one)

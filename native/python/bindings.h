@@ -30,6 +30,18 @@ using ByteArray = py::array_t<uint8_t, py::array::c_style>;
 
 void Check(const Status& s);
 
+// Runs `call` (returning a Status) with the GIL released, then raises its
+// error as Check does.
+template <typename F>
+void CheckWithoutGil(F&& call) {
+  Status st;
+  {
+    py::gil_scoped_release release;
+    st = call();
+  }
+  Check(st);
+}
+
 // A config from its dict form (tf_dlt.TableConfig.to_dict()); parameters
 // not given keep their defaults. The field names come from the one list in
 // table_config.h.

@@ -126,23 +126,13 @@ void BindNet(py::module_& m) {
       .def(
           "hold_writes",
           [](DataServer& s, bool hold, int timeout_ms) {
-            Status st;
-            {
-              py::gil_scoped_release release;
-              st = s.HoldWrites(hold, timeout_ms);
-            }
-            Check(st);
+            CheckWithoutGil([&] { return s.HoldWrites(hold, timeout_ms); });
           },
           py::arg("hold"), py::arg("timeout_ms") = 10000)
       .def(
           "switch_layout",
           [](DataServer& s, uint64_t layout_epoch, const std::string& addresses) {
-            Status st;
-            {
-              py::gil_scoped_release release;
-              st = s.SwitchLayout(layout_epoch, addresses);
-            }
-            Check(st);
+            CheckWithoutGil([&] { return s.SwitchLayout(layout_epoch, addresses); });
           },
           py::arg("layout_epoch"), py::arg("addresses"))
       .def("revert_layout", &DataServer::RevertLayout, py::arg("layout_epoch"),
@@ -207,14 +197,7 @@ void BindNet(py::module_& m) {
       .def("stop", &Replicator::Stop, py::call_guard<py::gil_scoped_release>())
       .def(
           "pause",
-          [](Replicator& r, bool pause) {
-            Status st;
-            {
-              py::gil_scoped_release release;
-              st = r.Pause(pause);
-            }
-            Check(st);
-          },
+          [](Replicator& r, bool pause) { CheckWithoutGil([&] { return r.Pause(pause); }); },
           py::arg("pause"))
       .def("status", [](const Replicator& r) { return StatusToDict(r.status()); });
 
@@ -233,35 +216,19 @@ void BindNet(py::module_& m) {
            py::arg("detach_after_ms") = 60000, py::arg("write_timeout_ms") = 10000)
       .def("attach",
            [](ReplicaGroup& g, const std::string& address) {
-             Status st;
-             {
-               py::gil_scoped_release release;  // a replaced replicator stops first
-               st = g.Attach(address);
-             }
-             Check(st);
+             // Without the GIL: a replaced replicator stops first.
+             CheckWithoutGil([&] { return g.Attach(address); });
            })
       .def("detach", &ReplicaGroup::Detach, py::call_guard<py::gil_scoped_release>())
       .def("stop", &ReplicaGroup::Stop, py::call_guard<py::gil_scoped_release>())
       .def(
           "pause",
-          [](ReplicaGroup& g, bool pause) {
-            Status st;
-            {
-              py::gil_scoped_release release;
-              st = g.Pause(pause);
-            }
-            Check(st);
-          },
+          [](ReplicaGroup& g, bool pause) { CheckWithoutGil([&] { return g.Pause(pause); }); },
           py::arg("pause"))
       .def(
           "hold",
           [](ReplicaGroup& g, int timeout_ms) {
-            Status st;
-            {
-              py::gil_scoped_release release;
-              st = g.Hold(timeout_ms);
-            }
-            Check(st);
+            CheckWithoutGil([&] { return g.Hold(timeout_ms); });
           },
           py::arg("timeout_ms"))
       .def("addresses", &ReplicaGroup::addresses)
