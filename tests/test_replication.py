@@ -585,6 +585,7 @@ def test_a_complaint_that_repeats_is_logged_once_in_a_while(
         now[0] += 30.0
         repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")
         repeated.log("not caught up", logging.ERROR, "not taking over")
+        repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")  # in turn
     assert [r.getMessage() for r in caplog.records] == [
         "standby: refused; trying again",
         "standby: refused; trying again (and 9 times in the last 35 s)",

@@ -141,23 +141,23 @@ class _Repeated:
     """One log line for a condition that repeats (a standby trying to attach
     every 0.5 s, finding every 0.2 s that it cannot take over): the first
     time, then at most once every `every_s` with how many times it came
-    meanwhile. Another `key` is logged at once. Used by one thread."""
+    meanwhile, each `key` on its own (two conditions in turn do not log each
+    other). Used by one thread."""
 
     def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._every_s = every_s
         self._clock = clock
-        self._key: str | None = None
-        self._logged = 0.0
-        self._since = 0
+        self._seen: dict[str, tuple[float, int]] = {}  # key: when logged, times since
 
     def log(self, key: str, level: int, msg: str, *args: Any) -> None:
         now = self._clock()
-        if key == self._key and now - self._logged < self._every_s:
-            self._since += 1
+        logged, since = self._seen.get(key, (None, 0))
+        if logged is not None and now - logged < self._every_s:
+            self._seen[key] = (logged, since + 1)
             return
-        if key == self._key and self._since:
-            msg += f" (and {self._since} times in the last {now - self._logged:.0f} s)"
-        self._key, self._logged, self._since = key, now, 0
+        if logged is not None and since:
+            msg += f" (and {since} times in the last {now - logged:.0f} s)"
+        self._seen[key] = (now, 0)
         log.log(level, msg, *args)
 
 
