@@ -23,7 +23,7 @@ from tf_dlt.checkpoint import manifest
 from tf_dlt.server import replication
 from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.shard_server import ShardServer
-from tf_dlt.tools import cluster_stats
+from tf_dlt.tools import cli, cluster_stats
 
 from conftest import free_port, wait_until
 
@@ -477,7 +477,7 @@ def _serves(address: str) -> bool:
 
 
 def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wakes(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A primary paused past the takeover of its only standby (no other
     standby is left to tell it the newer epoch) wakes: its standby, now
@@ -505,9 +505,32 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
                 return True
 
         wait_until(replaced, "the old primary to be fenced")
-        with pytest.raises(errors.UnavailableError, match="was replaced"):
+        # The refusal and the old primary's log name the copy that replaced it.
+        with pytest.raises(
+            errors.UnavailableError, match=f"was replaced.*{re.escape(standby)} took over"
+        ):
             tf_dlt.Client([old]).pull("emb", ids)
+        wait_until(lambda: "this primary was replaced" in cluster.log(0), "the replacement logged")
+        assert f"its standby {standby} took over, at epoch 2" in cluster.log(0)
+        assert cli.main(["stats", "--pservers", old]) == 1  # and says who replaced it
+        assert f"{standby} took over, at epoch 2" in capsys.readouterr().err
         np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", ids), newest)
+
+
+def test_tf_dlt_stats_of_a_standby_listed_alone_shows_its_own(
+    replicated: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A standby serves no trainer, so no client can be made of it; `tf-dlt
+    stats` listing it alone shows its own Stats (from its admin plane)."""
+    cluster = replicated
+    tf_dlt.Client(cluster.addresses).create_table("emb", DIM)
+    wait_until(lambda: _caught_up(cluster, 0), "the standby to catch up")
+    primary, standby = cluster.process_addresses[0], cluster.process_addresses[2]
+    assert cli.main(["stats", "--pservers", standby]) == 0
+    out, err = capsys.readouterr()
+    assert "here is a standby" in err and "each one's own stats follow" in err
+    assert f"shard 0: standby of {primary}: caught up (epoch 1, lineage" in out
+    assert cli.main(["stats", "--pservers", "127.0.0.1:1"]) == 1  # nothing answers: an error
 
 
 def test_a_standby_serves_no_trainer_and_reports_its_primary(replicated: LocalCluster) -> None:

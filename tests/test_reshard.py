@@ -8,6 +8,7 @@ old layout serves on with every row."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -517,6 +518,62 @@ def _reshard_killing(cluster: LocalCluster, to: list[str], dying: int, step: str
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_a_process_frozen_part_way_fails_the_reshard_by_its_timeout_aborting_everywhere_at_once(
+    cluster: LocalCluster,
+) -> None:
+    """An old primary frozen (SIGSTOP) as its PREPARE arrives: no step
+    before the switch waits past the re-shard's timeout (1.5 s; a step may
+    take 5), and ABORT goes to every process at once, so the others' return
+    while the frozen one's still waits. Thawed, it serves the old layout
+    with every row, and the next re-shard (which undoes what it was left
+    prepared for) moves the tables."""
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+    before = _state(admin)
+    three = [*cluster.addresses, cluster.join()]
+    frozen, steps = cluster.process_addresses[0], dlt_pb2.ReshardRequest
+    calls: list[tuple[int, str, float, float, float]] = []  # step, address, timeout, began, ended
+    lock, channels = threading.Lock(), []
+
+    def stub_for(address: str, admin_port: int) -> object:
+        channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
+        stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
+
+        class Recorded:
+            def Reshard(self, request: Any, **kwargs: Any) -> Any:  # noqa: N802
+                if request.step == steps.PREPARE and address == frozen:
+                    cluster.processes[0].send_signal(signal.SIGSTOP)
+                began = time.monotonic()
+                try:
+                    return stub.Reshard(request, **kwargs)
+                finally:
+                    with lock:
+                        calls.append(
+                            (request.step, address, kwargs["timeout"], began, time.monotonic())
+                        )
+
+        return Recorded()
+
+    try:
+        with pytest.raises(errors.DeadlineExceededError, match="PREPARE on " + frozen):
+            resharding.reshard(
+                cluster.addresses, three, stub_for=stub_for, timeout_s=1.5, hold_timeout_s=5.0
+            )
+    finally:
+        cluster.processes[0].send_signal(signal.SIGCONT)
+        for channel in channels:
+            channel.close()
+    assert all(c[2] <= 1.5 for c in calls if c[0] in (steps.PREPARE, steps.STREAM, steps.HOLD))
+    aborts = {c[1]: c for c in calls if c[0] == steps.ABORT}
+    assert set(aborts) == set(cluster.process_addresses)
+    assert all(a[3] < aborts[frozen][4] for a in aborts.values())  # none waited for it
+    np.testing.assert_array_equal(_state(admin), before)
+    admin.reshard(three)
+    assert len({s["layout_epoch"] for s in admin.stats()}) == 1  # all on the new layout
+    np.testing.assert_array_equal(_state(admin), before)
 
 
 @pytest.mark.parametrize("switched", [0, 1, 3])

@@ -157,9 +157,11 @@ class Client:
         layout by themselves. A failure before the switch leaves the old
         layout serving. `pace` in (0, 1]: the fraction of the time each
         range stream's copy may keep a core busy (below 1 trainers keep more
-        of the cores while the ranges stream longer). Returns the new layout
-        epoch, the seconds the ranges streamed and the seconds writes were
-        held."""
+        of the cores while the ranges stream longer). `timeout`: seconds the
+        re-shard may take up to its switch (streaming included); past them
+        it aborts (DeadlineExceededError), the old layout serving. Returns
+        the new layout epoch, the seconds the ranges streamed and the
+        seconds writes were held."""
         from tf_dlt import reshard as resharding
         from tf_dlt.proto import dlt_pb2_grpc
 
@@ -611,7 +613,7 @@ class Client:
         `bucket_bounds_us` their upper bounds)."""
         from tf_dlt.proto import dlt_pb2
 
-        return [_message_dict(r, buckets) for r in self._on_all("Stats", dlt_pb2.StatsRequest())]
+        return [message_dict(r, buckets) for r in self._on_all("Stats", dlt_pb2.StatsRequest())]
 
     # Data plane ---------------------------------------------------------------
 
@@ -739,7 +741,7 @@ def token_from_env() -> str:
     return read_token_file(path, TOKEN_FILE_ENV, errors.FailedPreconditionError)
 
 
-def _message_dict(message: Any, buckets: bool) -> dict[str, Any]:
+def message_dict(message: Any, buckets: bool) -> dict[str, Any]:
     """A reply as a dict of numbers (JSON's rules would make 64-bit ints
     strings), enums by name, every field present; histogram buckets only
     with `buckets`."""
@@ -754,11 +756,11 @@ def _message_dict(message: Any, buckets: bool) -> dict[str, Any]:
         if kind is not None and kind.GetOptions().map_entry:
             nested = kind.fields_by_name["value"].message_type is not None
             out[field.name] = {
-                k: _message_dict(v, buckets) if nested else v for k, v in value.items()
+                k: message_dict(v, buckets) if nested else v for k, v in value.items()
             }
         elif kind is not None:
             is_list = repeated
-            items = [_message_dict(v, buckets) for v in (value if is_list else [value])]
+            items = [message_dict(v, buckets) for v in (value if is_list else [value])]
             out[field.name] = items if is_list else items[0]
         elif field.enum_type is not None:
             names = {n: v.name for n, v in field.enum_type.values_by_number.items()}

@@ -153,6 +153,9 @@ def _move(
     primaries = [replicas[0] for replicas in old_sets]
     processes = _members(old_sets + new_sets)
     began = time.monotonic()
+    # Every step before the switch ends by `timeout_s` from now: one that
+    # does not (a process frozen, a stream slow) aborts the re-shard.
+    call.deadline = began + timeout_s
     try:
         for address in processes:
             call(address, step(
@@ -175,9 +178,10 @@ def _move(
             primaries, call, lambda s: True, held + hold_timeout_s, "drain", rounds_after=rounds
         )
     except BaseException:
-        for address in processes:
-            _quietly(call, address, step(step=step.ABORT))
+        call.deadline = None
+        _quietly(call, processes, step(step=step.ABORT))
         raise
+    call.deadline = None  # the switch and release, once begun, are not cut short
     switches = _on_each(processes, call, step(step=step.SWITCH, layout_epoch=epoch, layout=layout))
     if any(isinstance(r, BaseException) for r in switches):
         # Writes are still held everywhere: every process goes back to the
@@ -207,17 +211,15 @@ def _undo(call: Callable[[str, Any], Any], processes: list[str], epoch: int, old
     from tf_dlt.proto import dlt_pb2
 
     step = dlt_pb2.ReshardRequest
-    for address in processes:
-        _quietly(call, address, step(step=step.UNDO, layout_epoch=epoch, layout=old))
-    for address in processes:
-        _quietly(call, address, step(step=step.ABORT))
+    _quietly(call, processes, step(step=step.UNDO, layout_epoch=epoch, layout=old))
+    _quietly(call, processes, step(step=step.ABORT))
 
 
 class _Calls:
     """Reshard steps to shard processes by data-plane address, each one's
     admin stub made when first needed (from its Hello: a standby greets a
     replica's Hello only). Every step carries this coordinator's id and
-    lease."""
+    lease; while `deadline` (monotonic) is set, none waits past it."""
 
     def __init__(
         self,
@@ -231,6 +233,7 @@ class _Calls:
         self._stubs: dict[str, Any] = {}
         self._stubs_lock = threading.Lock()
         self.coordinator, self.lease_s = secrets.token_hex(8), lease_s
+        self.deadline: float | None = None
 
     def __call__(self, address: str, request: Any) -> Any:
         from tf_dlt.proto import dlt_pb2
@@ -251,10 +254,17 @@ class _Calls:
             stub = self._stub_for(address, int(hello["admin_port"]))
             with self._stubs_lock:
                 stub = self._stubs.setdefault(address, stub)
+        step = type(request).Step.Name(request.step)  # PREPARE, not "step 1"
+        timeout, deadline = self._timeout_s, self.deadline
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+            if timeout <= 0:
+                raise errors.DeadlineExceededError(
+                    f"reshard {step} on {address}: the re-shard's timeout passed before it"
+                )
         try:
-            return stub.Reshard(request, timeout=self._timeout_s, metadata=self._metadata)
+            return stub.Reshard(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            step = type(request).Step.Name(request.step)  # PREPARE, not "step 1"
             raise grpc_util.error_from_rpc(e, f"reshard {step} on {address}") from e
 
 
@@ -587,13 +597,15 @@ def _raise_first(results: list[Any]) -> None:
             raise result
 
 
-def _quietly(call: Callable[[str, Any], Any], address: str, request: Any) -> None:
-    """A step of undoing a failed re-shard: a process that cannot be
+def _quietly(call: Callable[[str, Any], Any], processes: list[str], request: Any) -> None:
+    """A step of undoing a failed re-shard, to every process at once (one
+    frozen costs one step's timeout, not one each): a process that cannot be
     reached (the one that failed) is logged and passed over."""
-    try:
-        call(address, request)
-    except errors.DltError as e:
-        log.warning("reshard: undoing, passed over: %s", e)  # e names the step and process
+    for result in _on_each(processes, call, request):
+        if isinstance(result, errors.DltError):
+            log.warning("reshard: undoing, passed over: %s", result)  # names the step, process
+        elif isinstance(result, BaseException):
+            raise result  # this process is stopping (KeyboardInterrupt, SystemExit)
 
 
 def _await_streams(

@@ -602,6 +602,17 @@ void Shard::Fence(uint64_t epoch) {
   }
 }
 
+void Shard::Supersede(uint64_t epoch, std::string by) {
+  std::lock_guard<std::mutex> lock(replaced_by_mu_);
+  replaced_by_ = epoch == 0 ? "" : std::move(by);
+  superseded_by_.store(epoch);
+}
+
+std::string Shard::replaced_by() const {
+  std::lock_guard<std::mutex> lock(replaced_by_mu_);
+  return replaced_by_;
+}
+
 Status Shard::AcquireStream(uint32_t* stream) {
   std::lock_guard<std::mutex> lock(streams_mu_);
   for (uint32_t k = 0; k < kMaxStreams; ++k) {

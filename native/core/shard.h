@@ -130,8 +130,11 @@ class Shard {
   // copies of one lineage; a client that met a newer epoch takes an older
   // one only of another lineage, once no address of the shard serves its.
   uint64_t lineage() const { return lineage_.load(); }
-  void Supersede(uint64_t epoch) { superseded_by_.store(epoch); }
+  // `by` says in words who replaced it ("standby H:P serves it at epoch
+  // 3"), for the refusals and the log; Supersede(0) clears both.
+  void Supersede(uint64_t epoch, std::string by = "");
   uint64_t superseded_by() const { return superseded_by_.load(); }
+  std::string replaced_by() const;
 
   // Checks that every id routes to this shard; INVALID_ARGUMENT otherwise
   // (the client's shard list is wrong), or ABORTED after a re-shard (the
@@ -235,6 +238,8 @@ class Shard {
   std::atomic<uint64_t> lineage_;
   std::atomic<uint64_t> fence_epoch_{0};
   std::atomic<uint64_t> superseded_by_{0};
+  mutable std::mutex replaced_by_mu_;
+  std::string replaced_by_;  // guarded by replaced_by_mu_
 
   std::mutex sweeper_mu_;
   std::condition_variable sweeper_cv_;

@@ -315,9 +315,10 @@ Status Replicator::Connect() {
     // The standby follows, or promised to follow, a newer primary: this
     // one was replaced (paused or cut off past the takeover). It serves no
     // trainer from now on and acknowledges no write (docs/replication.md).
-    shard_->Supersede(reply.epoch);
-    s = FailedPrecondition("standby " + standby_ + " follows epoch " + std::to_string(reply.epoch) +
-                           ", newer than this primary's " + std::to_string(shard_->epoch()) +
+    const std::string by = "its standby " + standby_ + " follows a newer primary, at epoch " +
+                           std::to_string(reply.epoch);
+    shard_->Supersede(reply.epoch, by);
+    s = FailedPrecondition(by + ", newer than this primary's " + std::to_string(shard_->epoch()) +
                            ": this primary was replaced");
   } else if (s.ok() && (reply.shard_index != shard_->shard_index() ||
                         reply.num_shards != shard_->num_shards() ||
@@ -379,10 +380,11 @@ Status Replicator::CheckTakenOver(Status refused, Clock::time_point deadline) {
       serving.layout_epoch != shard_->layout_epoch() || serving.lineage != shard_->lineage()) {
     return refused;
   }
-  shard_->Supersede(serving.epoch);
-  return FailedPrecondition("standby " + standby_ + " took over this shard at epoch " +
-                            std::to_string(serving.epoch) + ", newer than this primary's " +
-                            std::to_string(shard_->epoch()) + ": this primary was replaced");
+  const std::string by =
+      "its standby " + standby_ + " took over, at epoch " + std::to_string(serving.epoch);
+  shard_->Supersede(serving.epoch, by);
+  return FailedPrecondition(by + ", newer than this primary's " + std::to_string(shard_->epoch()) +
+                            ": this primary was replaced");
 }
 
 void Replicator::Disconnect() {

@@ -314,10 +314,11 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
 Status RequestHandler::Replaced() const {
   const uint64_t by = shard_->superseded_by();
   if (by == 0 || standby_.load()) return OkStatus();
-  return Unavailable("shard " + std::to_string(shard_->shard_index()) +
-                     " here was replaced: a standby follows epoch " + std::to_string(by) +
-                     ", newer than this primary's " + std::to_string(shard_->epoch()) +
-                     "; it serves no trainer (connect to the newer primary)");
+  return Unavailable("shard " + std::to_string(shard_->shard_index()) + " here was replaced (" +
+                     shard_->replaced_by() + ", newer than this primary's " +
+                     std::to_string(shard_->epoch()) +
+                     "); it serves no trainer: list the shard's addresses as primary|standby "
+                     "so clients find the newer primary");
 }
 
 RequestHandler::WriteMark RequestHandler::MarkApplied() const {

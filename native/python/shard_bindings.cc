@@ -22,6 +22,7 @@ void BindShard(py::module_& m) {
       .def_property_readonly("epoch", &Shard::epoch)
       .def_property_readonly("fence_epoch", &Shard::fence_epoch)
       .def_property_readonly("superseded_by", &Shard::superseded_by)
+      .def_property_readonly("replaced_by", &Shard::replaced_by)
       .def("fence", &Shard::Fence, py::arg("epoch"))
       .def("follow_epoch", &Shard::FollowEpoch, py::arg("epoch"), py::arg("lineage") = 0)
       .def_property_readonly("lineage", &Shard::lineage)

@@ -761,6 +761,10 @@ DLT_TEST(TestAStandbyThatPromisedATakeoverFencesItsOldPrimary) {
   const Status hello = PushOnce(Address(*pair.primary_server), PushId{44, 3}, ids, grads, 3, 4);
   EXPECT(hello.code() == Code::kUnavailable);
   EXPECT(hello.message().find("was replaced") != std::string::npos);
+  // Who replaced it is named, in the refusal and in Shard::replaced_by.
+  const std::string by = "its standby " + Address(*pair.standby_server) + " follows a newer";
+  EXPECT(hello.message().find(by) != std::string::npos);
+  EXPECT(pair.primary->replaced_by().find(by) == 0);
   // The standby that takes over itself serves newer than the epoch it
   // fenced (the one it promised may have served meanwhile).
   pair.primary_server->set_write_listener(nullptr);

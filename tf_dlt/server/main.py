@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
             f.write(f"{server.port} {server.admin_port} {server.metrics_port}\n")
         os.replace(tmp, args.port_file)
     while not server.wait(timeout=0.5):
-        pass
+        server.watch()
     return 0
 
 

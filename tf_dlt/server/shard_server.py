@@ -247,6 +247,7 @@ class ShardServer:
         self.admin_port = 0
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
+        self._replaced_logged = 0  # the epoch watch() last logged a replacement by
 
     @property
     def port(self) -> int:
@@ -257,6 +258,22 @@ class ShardServer:
     def address(self) -> str:
         host = "127.0.0.1" if self._bind in ("0.0.0.0", "::", "") else self._bind
         return f"{host}:{self.port}"
+
+    def watch(self) -> None:
+        """Logs, once each, what the data plane learned on its own: that
+        this primary was replaced by a standby that took over while it was
+        paused or cut off (docs/replication.md, "Who takes over"). The
+        server's main loop calls it."""
+        epoch = int(self.shard.superseded_by)
+        if epoch == 0 or epoch == self._replaced_logged or self._replica_set:
+            return  # a replica set's member steps down and says so itself
+        self._replaced_logged = epoch
+        log.error(
+            "this primary was replaced (%s, newer than its epoch %d): it serves no trainer and "
+            "acknowledges no write from now on; stop it, or restart it as a standby of the new "
+            "primary (--standby-of) to keep a second copy",
+            self.shard.replaced_by, self.shard.epoch,
+        )  # fmt: skip
 
     def _follow_changed(self, status: FollowStatus) -> None:
         self.servicer.serving = follower.describe(status)

@@ -24,8 +24,8 @@ def addresses(args: argparse.Namespace) -> list[str]:
     return address_list(args.pservers)
 
 
-def client(args: argparse.Namespace) -> Client:
-    """A client of the cluster the arguments name."""
+def credentials(args: argparse.Namespace) -> tuple[str, TlsConfig | None]:
+    """The token and the control plane's TLS the arguments name."""
     token = ""
     if args.auth_token_file:
         token = read_token_file(args.auth_token_file)
@@ -37,4 +37,10 @@ def client(args: argparse.Namespace) -> Client:
         secure = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     except ValueError as e:
         raise errors.InvalidArgumentError(str(e)) from None
+    return token, secure
+
+
+def client(args: argparse.Namespace) -> Client:
+    """A client of the cluster the arguments name."""
+    token, secure = credentials(args)
     return Client(addresses(args), auth_token=token, tls=secure)

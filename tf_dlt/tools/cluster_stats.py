@@ -3,6 +3,9 @@ traffic, latency, errors, connections), then one per table, then (with a
 memory budget) where each shard's rows live, from each shard's Stats call.
 
     tf-dlt stats --pservers ps-0:7000,ps-1:7000 [--auth-token-file F] [--json]
+
+Standbys serve no trainer, so a client cannot ask them: listed alone, each
+one's own Stats are shown.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from tf_dlt import errors
+import grpc
+
+from tf_dlt import _native, errors, grpc_util, tls
+from tf_dlt.client import message_dict
 from tf_dlt.tools import cluster_args
 
 _SHARD_COLUMNS = (
@@ -87,7 +93,11 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
     if s.get("reshard"):
         lines.append(f"shard {shard}: {s['reshard']}")
     copy = f"epoch {s.get('epoch', 0)}, lineage {int(s.get('lineage', 0)):016x}"
-    if s.get("takeovers"):
+    if s.get("role") == "standby":  # asked alone (a client greets primaries only)
+        state = "caught up" if s.get("caught_up") else "not caught up: it may not take over yet"
+        primary = s.get("standby_of") or "its replica set"
+        lines.append(f"shard {shard}: standby of {primary}: {state} ({copy})")
+    elif s.get("takeovers"):
         lines.append(f"shard {shard}: took over from its primary ({copy})")
         if not s.get("standbys"):  # its old primary and other standbys are gone
             lines.append(
@@ -180,6 +190,29 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _own_stats(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]] | None:
+    """Each listed process's own Stats, from its admin plane found by a
+    replica's Hello (which a standby answers); None when one does not
+    answer so."""
+    from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+    token, secure = cluster_args.credentials(args)
+    stats, listed = [], []
+    for address in (a for shard in cluster_args.addresses(args) for a in shard.split("|") if a):
+        try:
+            hello = _native.hello(address, token, replica=True)
+            admin = grpc_util.admin_address(address, int(hello["admin_port"]))
+            with tls.channel(admin, secure) as channel:
+                reply = dlt_pb2_grpc.ShardAdminStub(channel).Stats(
+                    dlt_pb2.StatsRequest(), timeout=5, metadata=grpc_util.bearer(token)
+                )
+        except (errors.DltError, grpc.RpcError):
+            return None
+        stats.append(message_dict(reply, False))
+        listed.append(address)
+    return stats, listed
+
+
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
     try:
@@ -189,8 +222,15 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             # serve, not the addresses given.
             addresses = list(client.pservers)
     except errors.DltError as e:
-        print(f"tf-dlt stats: {e}", file=sys.stderr)
-        return 1
+        own = _own_stats(args) if isinstance(e, errors.UnavailableError) else None
+        if own is None:
+            print(f"tf-dlt stats: {e}", file=sys.stderr)
+            return 1
+        print(
+            f"tf-dlt stats: {e}\n(these processes serve no trainer: each one's own stats follow)",
+            file=sys.stderr,
+        )
+        stats, addresses = own
     if args.json:
         out.write(json.dumps(stats, indent=2) + "\n")
     else:

@@ -23,7 +23,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--to", required=True, help="the new layout's shard addresses, comma-separated, in order"
     )
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds the ranges may take to stream"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the re-shard may take up to its switch (streaming included); past them it "
+        "aborts, the old layout serving",
     )
     parser.add_argument(
         "--pace", type=float, default=1.0,
