@@ -41,14 +41,14 @@ class Deduper {
   void Visit(const int64_t* ids, size_t n, First&& first, Repeat&& repeat) {
     Prepare(n);
     const size_t mask = mask_;
-    const uint32_t stamp = stamp_;
-    Entry* entries = entries_.data();
+    Slot* slots = slots_.data();
+    int64_t* keys = keys_.data();
     // Each probe is likely a cache miss: it starts kProbeAhead ids early,
     // with the hash kept for when its id comes.
     uint64_t ahead[kProbeAhead];
     for (size_t i = 0; i < std::min(n, kProbeAhead); ++i) {
       ahead[i] = Mix64(static_cast<uint64_t>(ids[i]));
-      __builtin_prefetch(&entries[Home(ahead[i], mask)]);
+      __builtin_prefetch(&slots[Home(ahead[i], mask)]);
     }
     uint32_t distinct = 0;
     for (size_t i = 0; i < n; ++i) {
@@ -56,27 +56,32 @@ class Deduper {
       if (i + kProbeAhead < n) {
         const uint64_t next = Mix64(static_cast<uint64_t>(ids[i + kProbeAhead]));
         ahead[i % kProbeAhead] = next;
-        __builtin_prefetch(&entries[Home(next, mask)]);
+        __builtin_prefetch(&slots[Home(next, mask)]);
       }
       const int64_t id = ids[i];
+      const uint32_t tag = Tag(hash);
       size_t h = Home(hash, mask);
-      while (entries[h].stamp == stamp && entries[h].key != id) h = (h + 1) & mask;
-      if (entries[h].stamp != stamp) {
-        entries[h] = {id, distinct, stamp};
+      // A slot of another id whose tag matches is told apart by its key.
+      while (slots[h].tag != 0 && (slots[h].tag != tag || keys[slots[h].index] != id)) {
+        h = (h + 1) & mask;
+      }
+      if (slots[h].tag == 0) {
+        slots[h] = {tag, distinct};
+        keys[distinct] = id;
         first(i, hash, distinct++);
       } else {
-        repeat(i, entries[h].value);
+        repeat(i, slots[h].index);
       }
     }
   }
 
   // The index in the last Run's `unique` of `id`, or -1 if it was not there.
   int64_t Find(int64_t id) const {
-    if (entries_.empty()) return -1;
-    size_t h = Home(Mix64(static_cast<uint64_t>(id)), mask_);
-    while (entries_[h].stamp == stamp_) {
-      if (entries_[h].key == id) return entries_[h].value;
-      h = (h + 1) & mask_;
+    if (slots_.empty()) return -1;
+    const uint64_t hash = Mix64(static_cast<uint64_t>(id));
+    const uint32_t tag = Tag(hash);
+    for (size_t h = Home(hash, mask_); slots_[h].tag != 0; h = (h + 1) & mask_) {
+      if (slots_[h].tag == tag && keys_[slots_[h].index] == id) return slots_[h].index;
     }
     return -1;
   }
@@ -90,33 +95,31 @@ class Deduper {
   // bits, a load's batch of one stripe's rows (64 buckets) probed hundreds
   // of slots an id.
   static size_t Home(uint64_t hash, size_t mask) { return (hash >> 12) & mask; }
+  // The hash's top bits, never 0 (an empty slot's).
+  static uint32_t Tag(uint64_t hash) { return static_cast<uint32_t>(hash >> 32) | 1u; }
 
-  // Room for `n` ids at most half full, emptied.
+  // Room for `n` ids at most half full, emptied: only the part a batch of
+  // `n` uses is cleared (a thread's small lookups after a large one do not
+  // pay for its table).
   void Prepare(size_t n) {
     size_t capacity = 16;
     while (capacity < 2 * n) capacity <<= 1;
-    if (entries_.size() < capacity) {
-      entries_.assign(capacity, Entry{});
-      stamp_ = 0;
-    }
-    // A new stamp empties the table without touching it, except once every
-    // 2^32 runs.
-    if (++stamp_ == 0) {
-      for (Entry& e : entries_) e.stamp = 0;
-      stamp_ = 1;
-    }
+    if (slots_.size() < capacity) slots_.resize(capacity);
+    if (keys_.size() < n) keys_.resize(n);
+    std::memset(slots_.data(), 0, capacity * sizeof(Slot));
     mask_ = capacity - 1;
   }
 
-  // Key and value share a cache line; `stamp` marks the run that filled it.
-  struct Entry {
-    int64_t key = 0;
-    uint32_t value = 0;
-    uint32_t stamp = 0;
+  // 8 bytes a slot (a 64-bit key beside them made 16 and missed the cache
+  // twice as often): the id's tag, and its index among the distinct ids,
+  // whose ids `keys_` holds in order.
+  struct Slot {  // trivial: cleared by memset
+    uint32_t tag;
+    uint32_t index;
   };
-  std::vector<Entry> entries_;
+  std::vector<Slot> slots_;
+  std::vector<int64_t> keys_;
   size_t mask_ = 0;
-  uint32_t stamp_ = 0;
 };
 
 // A Deduper with its outputs: the base of a call site's scratch.
@@ -130,7 +133,7 @@ struct DedupScratch {
 };
 
 // The largest batch (in ids) whose scratch a thread keeps for its next call:
-// about 12 MiB of dedup storage at most per thread.
+// about 6 MiB of dedup storage at most per thread.
 inline constexpr size_t kKeepScratchIds = size_t{1} << 18;
 
 // The calling thread's kept `Scratch` for a batch of `n` ids, or `own` (the
