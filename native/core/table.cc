@@ -196,14 +196,15 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     const PullMode insert = PullMode::kInsert;
     return PullState(ids, n, mode == PullMode::kStateInsert ? &insert : nullptr, out);
   }
-  // One thread_local, bound once: in a shared library every use of a
-  // thread_local calls __tls_get_addr, which the loops below would pay.
+  // The thread's scratch, bound once (in a shared library every use of a
+  // thread_local calls __tls_get_addr, which the loops below would pay);
+  // a batch past kKeepScratchIds gets its own, freed after it.
   struct Scratch {
     std::vector<uint64_t> hashes;
     std::vector<uint32_t> order, starts, missing, recs;
   };
-  thread_local Scratch tls;
-  Scratch& scratch = tls;
+  Scratch own;
+  Scratch& scratch = ThreadScratch(n, own);
   auto& hashes = scratch.hashes;
   auto& order = scratch.order;
   auto& starts = scratch.starts;
@@ -359,7 +360,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   WaitForRoom();
   pushes_.fetch_add(1, std::memory_order_relaxed);
   const uint32_t now = Now();
-  struct Scratch {  // as in Pull: one thread_local, bound once
+  struct Scratch {  // as in Pull: the thread's, bound once, up to kKeepScratchIds
     std::vector<uint64_t> hashes, counted;
     std::vector<uint32_t> order, starts, recs, slot_of, firsts, unique_of, kept;
     std::vector<uint32_t> cold_at, cold_slots, rewritten;
@@ -370,8 +371,8 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     std::vector<char> cold_records, cold_before;
     RepeatedSums sums;
   };
-  thread_local Scratch tls;
-  Scratch& scratch = tls;
+  Scratch own;
+  Scratch& scratch = ThreadScratch(n, own);
   auto& hashes = scratch.hashes;
   auto& counted = scratch.counted;
   auto& order = scratch.order;

@@ -35,6 +35,8 @@ constexpr size_t kColdSampleQuantile = 16;
 constexpr uint32_t kApplyAhead = 2;
 // Index slots a removal pass examines per hold of a stripe's lock.
 constexpr size_t kRemovalSlots = 8192;
+// The most passes an explicit shrink makes (Table::Shrink).
+constexpr int kShrinkPasses = 4;
 // A stripe gives freed records' memory back once this many, and a tenth of
 // its records, are free (Stripe::Compact): the memory keeper making room
 // for a tier file's doubling moves about a tenth of the RAM rows out.

@@ -5,6 +5,7 @@
 #define TF_DLT_NATIVE_NET_BUFFER_H_
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -65,8 +66,8 @@ class Buffer {
   size_t capacity_ = 0;
 };
 
-// Keeps up to `max_buffers` buffers of at most `max_bytes` each for reuse.
-// Thread-safe.
+// Keeps up to `max_buffers` buffers of at most `max_bytes` each for reuse,
+// until one goes unused for a while (ReleaseIdle). Thread-safe.
 class BufferPool {
  public:
   BufferPool(size_t max_buffers, size_t max_bytes)
@@ -87,8 +88,7 @@ class BufferPool {
       }
       if (best < free_.size()) {
         out = std::move(free_[best]);
-        free_[best] = std::move(free_.back());
-        free_.pop_back();
+        Remove(best);
       }
     }
     out.Reserve(bytes);
@@ -99,22 +99,58 @@ class BufferPool {
   // room (else replaces a smaller pooled one, or frees it).
   void Put(Buffer buffer) {
     if (buffer.capacity() == 0 || buffer.capacity() > max_bytes_) return;
+    const Clock::time_point now = Clock::now();
     std::lock_guard<std::mutex> lock(mu_);
     if (free_.size() < max_buffers_) {
       free_.push_back(std::move(buffer));
+      since_.push_back(now);
       return;
     }
     auto smallest = std::min_element(
         free_.begin(), free_.end(),
         [](const Buffer& a, const Buffer& b) { return a.capacity() < b.capacity(); });
-    if (smallest->capacity() < buffer.capacity()) *smallest = std::move(buffer);
+    if (smallest->capacity() < buffer.capacity()) {
+      *smallest = std::move(buffer);
+      since_[smallest - free_.begin()] = now;
+    }
+  }
+
+  // Frees the buffers pooled for `idle` or longer, none having taken them:
+  // those of one large request (a whole table pulled) would otherwise stay
+  // with the process, and a memory budget's keeper counts them against its
+  // rows. Returns the bytes freed.
+  size_t ReleaseIdle(std::chrono::milliseconds idle,
+                     std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) {
+    std::vector<Buffer> idle_buffers;  // freed outside the lock
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = free_.size(); i-- > 0;) {
+        if (now - since_[i] < idle) continue;
+        idle_buffers.push_back(std::move(free_[i]));
+        Remove(i);
+      }
+    }
+    size_t bytes = 0;
+    for (const Buffer& b : idle_buffers) bytes += b.capacity();
+    return bytes;
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
+
+  void Remove(size_t i) {  // under mu_
+    free_[i] = std::move(free_.back());
+    since_[i] = since_.back();
+    free_.pop_back();
+    since_.pop_back();
+  }
+
   const size_t max_buffers_;
   const size_t max_bytes_;
   std::mutex mu_;
   std::vector<Buffer> free_;  // guarded by mu_
+  // When each of free_ was put back; guarded by mu_.
+  std::vector<Clock::time_point> since_;
 };
 
 }  // namespace net

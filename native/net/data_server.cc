@@ -28,6 +28,8 @@ constexpr int kFramesPerTurn = 16;
 constexpr int kAcceptsPerTurn = 64;
 // Buffers kept for reuse: at most this large each.
 constexpr size_t kPoolBufferBytes = 16u << 20;
+// How long a pooled buffer may go unused before it is freed.
+constexpr auto kPoolIdle = std::chrono::seconds(2);
 // File descriptors kept free for everything but connections (control
 // plane, checkpoints, logs).
 constexpr rlim_t kReservedFds = 256;
@@ -288,6 +290,7 @@ void DataServer::ReaperLoop() {
       }
     }
     for (Conn* c : owned) Close(c);
+    pool_.ReleaseIdle(kPoolIdle);
     if (accept_paused_.exchange(false)) {
       struct epoll_event ev = {};
       ev.events = EPOLLIN | EPOLLONESHOT;

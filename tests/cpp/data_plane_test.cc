@@ -19,6 +19,7 @@
 
 #include "native/core/routing.h"
 #include "native/core/shard.h"
+#include "native/net/buffer.h"
 #include "native/net/client.h"
 #include "native/net/client_call.h"
 #include "native/net/data_server.h"
@@ -878,6 +879,30 @@ DLT_TEST(TestLargeCallsSplitOverConnectionsPerShard) {
   Client failing(addresses, no_retry);
   const Status s = failing.Pull("emb", dim, ids.data(), ids.size(), PullMode::kInsert, got.data());
   EXPECT(s.code() == Code::kUnavailable);
+}
+
+DLT_TEST(TestABufferPoolFreesWhatGoesUnused) {
+  // A pooled buffer none took for the idle time is freed (one large
+  // request's buffers do not stay with the process); one put back since is
+  // kept, and handed out again.
+  net::BufferPool pool(8, 16u << 20);
+  net::Buffer large;
+  large.Reserve(8u << 20);
+  pool.Put(std::move(large));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const auto between = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  net::Buffer small;
+  small.Reserve(1u << 20);
+  pool.Put(std::move(small));
+  // An hour past `between`, less a millisecond: the large one was put back
+  // before it (idle past the hour), the small one after (not yet).
+  const auto idle = std::chrono::milliseconds(std::chrono::hours(1));
+  const auto later = between + idle - std::chrono::milliseconds(1);
+  EXPECT(pool.ReleaseIdle(idle, later) == (8u << 20));
+  EXPECT(pool.ReleaseIdle(idle, later) == 0);
+  EXPECT(pool.Get(4096).capacity() == (1u << 20));
+  EXPECT(pool.ReleaseIdle(std::chrono::milliseconds(0)) == 0);  // it was taken
 }
 
 }  // namespace

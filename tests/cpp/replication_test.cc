@@ -970,12 +970,25 @@ DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
   // the take. The round must not carry P's row without P's id: a standby
   // taking over would apply P a second time when its client sends it again
   // (fails when the round reads its rows after releasing the push gate).
-  std::atomic<int> armed{0};  // 1: start P at the next take; 2: P started
+  std::atomic<int> armed{0};  // 1: start P at the take of Q; 2: P started
   std::atomic<bool> p_applied{false}, checked{false};
   std::function<void()> start_p;
   Pair pair;
   bool created;
   EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  const int64_t one[] = {1};
+  const float q_grads[4] = {1, 1, 1, 1}, p_grads[4] = {-3, 2, -1, 4};
+  Table oracle(AdagradConfig("emb", 4));
+  EXPECT_OK(oracle.Push(one, q_grads, 1, 0.1f));  // what the round that took Q may carry
+  std::vector<float> after_q(4);
+  EXPECT_OK(oracle.Pull(one, 1, PullMode::kZerosNoInsert, after_q.data()));
+  // Whether the primary applied Q: a take now has it (a round may take
+  // before Q is applied, with nothing of it).
+  auto q_applied = [&] {
+    std::vector<float> row(4);
+    return TableOf(*pair.primary, "emb")->Pull(one, 1, PullMode::kZerosNoInsert, row.data()).ok() &&
+           row == after_q;
+  };
   ReplicatorOptions r;
   r.io_timeout_ms = 10000;
   std::vector<float> standby_after_round;  // id 1 on the standby once P's round began
@@ -983,13 +996,12 @@ DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
     if (armed.load() == 2 && !checked.load()) {
       // The round after P's take: the one before it was applied already.
       std::vector<float> row(4);
-      const int64_t one[] = {1};
       EXPECT_OK(TableOf(*pair.standby, "emb")->Pull(one, 1, PullMode::kZerosNoInsert, row.data()));
       standby_after_round = row;
       checked = true;
     }
     int expected = 1;
-    if (armed.compare_exchange_strong(expected, 2)) {
+    if (armed.load() == 1 && q_applied() && armed.compare_exchange_strong(expected, 2)) {
       start_p();
       // P waits for this round to send what it took (give it the time to
       // overtake the round if it could).
@@ -1001,9 +1013,6 @@ DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
   EXPECT(Eventually([&] { return pair.replicator->status().caught_up; }));
   const std::string both = Address(*pair.primary_server) + "|" + Address(*pair.standby_server);
   Client q_client({both}, ClientOptions{}), p_client({both}, ClientOptions{});
-  Table oracle(AdagradConfig("emb", 4));
-  const int64_t one[] = {1};
-  const float q_grads[4] = {1, 1, 1, 1}, p_grads[4] = {-3, 2, -1, 4};
   std::thread p_thread;
   start_p = [&] {
     p_thread = std::thread([&] {
@@ -1015,9 +1024,6 @@ DLT_TEST(TestARoundSendsNoRowOfAPushWhoseIdItLacks) {
   EXPECT_OK(q_client.Push("emb", 4, one, q_grads, 1, 0.1f));
   EXPECT(Eventually([&] { return checked.load() && p_applied.load(); }));
   p_thread.join();
-  EXPECT_OK(oracle.Push(one, q_grads, 1, 0.1f));  // what the round that took Q may carry
-  std::vector<float> after_q(4);
-  EXPECT_OK(oracle.Pull(one, 1, PullMode::kZerosNoInsert, after_q.data()));
   EXPECT(standby_after_round == after_q);
   EXPECT(SameRows(TableOf(*pair.primary, "emb").get(), TableOf(*pair.standby, "emb").get()));
 }

@@ -470,17 +470,21 @@ def _check_room(
 
 
 def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None:
-    """Rows a staged table evicted to stay within its max_rows (a checkpoint
-    of more shards loaded onto fewer) would be lost: the load is refused,
-    naming the table and how many rows, and nothing changes."""
+    """Rows past a staged table's max_rows (a checkpoint of more shards
+    loaded onto fewer) would be lost: evicted as they were staged (a table
+    in RAM), or later by the memory keeper (a tiered table keeps max_rows
+    across its tiers there, not as rows arrive). The load is refused, naming
+    the table and how many rows, and nothing changes."""
     for t in staged:
         evicted = int(t.counters()["evicted"])
-        if evicted:
-            held = t.size() + evicted
+        max_rows = int(t.config["policy"]["max_rows"])
+        held = t.size() + evicted
+        if evicted or (max_rows and held > max_rows):
+            dropped = str(evicted) if evicted else f"at least {held - max_rows}"
             raise errors.FailedPreconditionError(
                 f"table {t.name!r}: the checkpoint holds {held} rows for shard "
                 f"{shard.shard_index} of {shard.num_shards}, past its max_rows of "
-                f"{t.config['policy']['max_rows']} per shard; loading would drop {evicted} of "
+                f"{max_rows} per shard; loading would drop {dropped} of "
                 "them, so nothing was changed. Load onto more shards, or raise max_rows"
             )
 

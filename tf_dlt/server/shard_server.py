@@ -185,7 +185,10 @@ class ShardServer:
                 f"got {list(replica_set)}"
             )
         if storage_dir and not memory_budget:
-            raise ValueError("storage_dir needs a memory_budget: rows move to disk past it")
+            raise ValueError(
+                "a storage dir (--storage-dir) needs a memory budget (--memory-budget): rows "
+                "move to disk past it"
+            )
         roots = paths.CheckpointRoots(checkpoint_roots)
         if load_from:  # refused at once, before the process starts serving
             roots.check(load_from, "Load")
