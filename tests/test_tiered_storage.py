@@ -260,40 +260,6 @@ def test_a_full_disk_is_reported_and_ram_keeps_serving(
         assert np.array_equal(c.pull("t", ids[1000:]), before[1000:])
 
 
-def test_one_pull_of_the_whole_table_leaves_the_ram_tier_to_the_hot_rows(
-    start_cluster: Callable[..., Cluster], tmp_path: Path
-) -> None:
-    """A pull of every row takes tens of MB of frame buffers and scratch,
-    for which the keeper moves rows out. They are freed after it (a pooled
-    buffer once unused for 2 s, a request past 262,144 ids its own scratch),
-    so a hot set that fits the RAM tier is taken back in. Before, they
-    stayed, the keeper counted them against the rows, and about 4,000 of
-    50,000 hot rows stayed in RAM while the rest moved in and out."""
-    cluster = start_cluster(
-        1, "--memory-budget", _budget(), "--storage-dir", str(tmp_path / "ssd")
-    )  # fmt: skip
-    ids = np.arange(ROWS, dtype=np.int64)
-    hot = ids[:50_000]
-    rng = np.random.default_rng(0)
-    with cluster.client() as c:
-        c.create_table("t", DIM, "normal", "adagrad", seed=1)
-        for at in range(0, ROWS, BATCH):
-            c.push("t", ids[at : at + BATCH], np.ones((BATCH, DIM), np.float32), 0.1)
-        _wait_for_demotions(c)
-        assert c.pull("t", ids).shape == (ROWS, DIM)
-        deadline = time.monotonic() + 30  # the keeper made room for the pull's buffers
-        while _tiers(c)[0]["ram_rows"] >= len(hot):
-            assert time.monotonic() < deadline, f"no rows moved out for the pull: {_tiers(c)}"
-            time.sleep(0.1)
-        deadline = time.monotonic() + 90
-        while _tiers(c)[0]["ram_rows"] < 0.9 * len(hot):
-            assert time.monotonic() < deadline, f"the hot rows stayed on disk: {_tiers(c)}"
-            for _ in range(10):
-                batch = hot[rng.integers(0, len(hot), 5000)]
-                c.pull("t", batch)
-                c.push("t", batch, np.ones((len(batch), DIM), np.float32), 0.1)
-
-
 def test_resident_memory_stays_within_the_budget_and_metrics_show_the_tiers(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
