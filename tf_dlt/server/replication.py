@@ -833,10 +833,13 @@ class StandbyLink:
         self._close_channel()
 
 
-def member_stats(address: str, admin_port: int, token: str) -> Any:
-    """Stats of the shard server whose data plane is at `address`."""
+def member_stats(
+    address: str, admin_port: int, token: str, secure: tls.TlsConfig | None = None
+) -> Any:
+    """Stats of the shard server whose data plane is at `address`, over
+    `secure` (None: the TLS the environment names, as a Client's)."""
     admin = grpc_util.admin_address(address, admin_port)
-    with tls.channel(admin, tls.TlsConfig.from_env()) as channel:
+    with tls.channel(admin, secure or tls.TlsConfig.from_env()) as channel:
         return dlt_pb2_grpc.ShardAdminStub(channel).Stats(
             dlt_pb2.StatsRequest(), timeout=5, metadata=grpc_util.bearer(token)
         )

@@ -18,8 +18,9 @@ from typing import IO, Any
 
 import grpc
 
-from tf_dlt import _native, errors, grpc_util, tls
+from tf_dlt import _native, errors
 from tf_dlt.client import message_dict
+from tf_dlt.server.replication import member_stats
 from tf_dlt.tools import cluster_args
 
 _SHARD_COLUMNS = (
@@ -194,18 +195,12 @@ def _own_stats(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str
     """Each listed process's own Stats, from its admin plane found by a
     replica's Hello (which a standby answers); None when one does not
     answer so."""
-    from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-
     token, secure = cluster_args.credentials(args)
     stats, listed = [], []
     for address in (a for shard in cluster_args.addresses(args) for a in shard.split("|") if a):
         try:
             hello = _native.hello(address, token, replica=True)
-            admin = grpc_util.admin_address(address, int(hello["admin_port"]))
-            with tls.channel(admin, secure) as channel:
-                reply = dlt_pb2_grpc.ShardAdminStub(channel).Stats(
-                    dlt_pb2.StatsRequest(), timeout=5, metadata=grpc_util.bearer(token)
-                )
+            reply = member_stats(address, int(hello["admin_port"]), token, secure)
         except (errors.DltError, grpc.RpcError):
             return None
         stats.append(message_dict(reply, False))
