@@ -253,11 +253,17 @@ def test_a_full_disk_is_reported_and_ram_keeps_serving(
         ).read().decode()  # fmt: skip
         assert 'tf_dlt_table_tier_error{error="' in metrics
         assert "tf_dlt_table_disk_write_errors_total{" in metrics
-        # Space again: the keeper retries and rows move to disk (until the
-        # 3 MiB fill up again), and every row still reads the same.
+        # Space again: as training makes rows past RAM's share (a pull on
+        # a full RAM stores no new row; its push makes it), the keeper moves
+        # rows to disk (until the 3 MiB fill up again), and every row still
+        # reads as it should.
         (where / "filler").unlink()
+        half = ROWS // 2
+        for at in range(half, ROWS, BATCH):
+            c.push("t", ids[at : at + BATCH], _grads(at, min(BATCH, ROWS - at)), 0.1)
         _wait_for_demotions(c)
-        assert np.array_equal(c.pull("t", ids[1000:]), before[1000:])
+        assert np.array_equal(c.pull("t", ids[1000:half]), before[1000:half])
+        assert not np.array_equal(c.pull("t", ids[half:]), before[half:])
 
 
 def test_resident_memory_stays_within_the_budget_and_metrics_show_the_tiers(

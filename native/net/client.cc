@@ -188,6 +188,17 @@ Status CheckBatch(size_t n, uint32_t dim) {
   return OkStatus();
 }
 
+// The error of a retried request whose last attempt ran out of its
+// deadline: that, and why the attempt before it failed (a standby that did
+// not acknowledge, a primary not reached), which is what the caller can act
+// on.
+Status AfterRetries(const Status& last, const Status& before) {
+  if (last.code() != Code::kDeadlineExceeded || before.ok() || before.message() == last.message()) {
+    return last;
+  }
+  return Status(last.code(), last.message() + "; the attempt before it: " + before.message());
+}
+
 }  // namespace
 
 Client::Call Client::RunCall(size_t shard, ShardState* state, wire::Opcode opcode, size_t first,
@@ -270,8 +281,10 @@ Status Client::PullRows(const std::string& table, uint32_t dim, const int64_t* i
     } else if (!PauseToRetry(&retries, &backoff_ms, deadline)) {
       break;
     }
-    s = PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent, deadline,
-                 &any_reused);
+    const Status before = s;
+    s = AfterRetries(PullOnce(*layout, table, dim, ids, n, mode, row_floats, out, dedup, sent,
+                              deadline, &any_reused),
+                     before);
   }
   return s;
 }
@@ -503,7 +516,8 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
       if (wake >= deadline) break;
       std::this_thread::sleep_until(wake);
       backoff_ms = std::min(2 * backoff_ms, kFailoverBackoffMs);
-      sent = Exchange(&calls, op, deadline, &any_reused);
+      const Status before = sent;
+      sent = AfterRetries(Exchange(&calls, op, deadline, &any_reused), before);
     }
   }
   DLT_RETURN_IF_ERROR(sent);

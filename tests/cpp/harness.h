@@ -59,4 +59,16 @@ inline constexpr bool kUnderAddressSanitizer = false;
     }                                                                                       \
   } while (0)
 
+// A status that failed with a message holding `text`; prints the status when
+// it did not.
+#define EXPECT_ERROR_HAS(expr, text)                                                            \
+  do {                                                                                          \
+    const ::dlt::Status _s = (expr);                                                            \
+    if (_s.ok() || _s.message().find(text) == std::string::npos) {                              \
+      std::printf("  %s:%d: %s -> %s (expected an error holding \"%s\")\n", __FILE__, __LINE__, \
+                  #expr, _s.ToString().c_str(), text);                                          \
+      ++::dlt::testing::g_failures_in_test;                                                     \
+    }                                                                                           \
+  } while (0)
+
 #endif  // TF_DLT_TESTS_CPP_HARNESS_H_
