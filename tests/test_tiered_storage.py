@@ -28,7 +28,7 @@ from tf_dlt.checkpoint.shard_format import file_row_bytes
 from tf_dlt.routing import NUM_BUCKETS
 from tf_dlt.table_config import TableConfig
 
-from conftest import Cluster, flip_byte, staged_rows
+from conftest import Cluster, flip_byte, staged_rows, wait_until
 
 DIM = 8
 # Far more than the RAM a budget of the process's own size plus ~30 MB
@@ -264,6 +264,50 @@ def test_a_full_disk_is_reported_and_ram_keeps_serving(
         _wait_for_demotions(c)
         assert np.array_equal(c.pull("t", ids[1000:half]), before[1000:half])
         assert not np.array_equal(c.pull("t", ids[half:]), before[half:])
+
+
+def test_one_pull_of_the_whole_table_leaves_the_ram_tier_to_the_hot_rows(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A pull of every row reads most of them from disk. What it takes for
+    that (frame buffers, scratch, each stripe's buffer of cold reads) must
+    not stay with the process: the keeper counts it against the rows. Before,
+    each stripe kept its cold reads' buffer (22 MiB in all in a walk of this
+    case), and in some runs the hot rows never settled in RAM: a few
+    thousand were, the rest moved in and out with every batch (millions of
+    promotions and demotions). The C++ test
+    TestAPullOfManyColdRowsKeepsLittleMemoryAfterIt measures the buffers."""
+    cluster = start_cluster(
+        1, "--memory-budget", _budget(), "--storage-dir", str(tmp_path / "ssd")
+    )  # fmt: skip
+    ids = np.arange(ROWS, dtype=np.int64)
+    hot = ids[:50_000]
+    rng = np.random.default_rng(0)
+
+    def cold_reads_of_hot_rounds() -> int:
+        """Rows read from disk by 10 rounds of training on the hot rows."""
+        before = int(_tiers(c)[0]["disk_reads"])
+        for _ in range(10):
+            batch = hot[rng.integers(0, len(hot), 5000)]
+            c.pull("t", batch)
+            c.push("t", batch, np.ones((len(batch), DIM), np.float32), 0.1)
+        return int(_tiers(c)[0]["disk_reads"]) - before
+
+    with cluster.client() as c:
+        c.create_table("t", DIM, "normal", "adagrad", seed=1)
+        for at in range(0, ROWS, BATCH):
+            c.push("t", ids[at : at + BATCH], np.ones((BATCH, DIM), np.float32), 0.1)
+        # Most of the pull's rows are read from disk.
+        wait_until(lambda: int(_tiers(c)[0]["disk_rows"]) >= ROWS // 3, "rows moved to disk")
+        assert c.pull("t", ids).shape == (ROWS, DIM)
+        # The hot rows settle in RAM: 10 rounds (50,000 ids) read almost
+        # none of them from disk.
+        deadline = time.monotonic() + 90
+        while (reads := cold_reads_of_hot_rounds()) > 500:
+            assert time.monotonic() < deadline, (
+                f"the hot rows stay on disk: {reads} reads, {_tiers(c)}"
+            )
+        assert _tiers(c)[0]["ram_rows"] >= len(hot) * 0.9
 
 
 def test_resident_memory_stays_within_the_budget_and_metrics_show_the_tiers(

@@ -25,8 +25,11 @@ constexpr size_t kMinSlotsPerPage = 32;
 constexpr size_t kDiskPage = 4096;
 constexpr uint64_t kSecondSalt = 0x452821e638d01377ULL;
 constexpr uint64_t kPrintSalt = 0xbe5466cf34e90c6cULL;
-// Prefetch buffers above this size are freed when dropped.
-constexpr size_t kKeepPrefetchBytes = size_t{1} << 20;
+// Prefetch buffers above this size are freed when dropped: each stripe of
+// each table has its own, so what they keep adds up (64 KiB: 4 MiB a table
+// at most; at 1 MiB one pull of a whole table left 22 MiB kept, which a
+// budget's keeper counts against the rows). A small batch's cold rows fit.
+constexpr size_t kKeepPrefetchBytes = size_t{64} << 10;
 // Bytes a resize reads per call, and stores per PutBatch where it does not
 // build the new pages in memory.
 constexpr size_t kResizeReadBytes = size_t{1} << 20;

@@ -636,6 +636,44 @@ DLT_TEST(TestDemotionsGiveTheRecordsMemoryBack) {
   EXPECT(Rows(&t) == Rows(&oracle));
 }
 
+DLT_TEST(TestAPullOfManyColdRowsKeepsLittleMemoryAfterIt) {
+  // Each stripe reads a pull's cold rows into a buffer of its own; one that
+  // a large pull grew is freed after it, or the 64 stripes' buffers stay
+  // with the process (22 MiB after one pull of a 600,000-row table), and a
+  // memory budget's keeper counts them against the rows.
+  if (testing::kUnderAddressSanitizer) return;  // its allocator, not glibc's
+  TempDir dir;
+  TableConfig config = TierTable(OptimizerKind::kAdagrad);
+  config.dim = 8;
+  Table t(config);
+  t.AttachTier(dir.path);
+  constexpr size_t kRows = 300000, kBatch = 20000;
+  std::vector<int64_t> ids(kRows);
+  for (size_t i = 0; i < kRows; ++i) ids[i] = static_cast<int64_t>(Mix64(i + 1));
+  std::vector<float> out(kRows * 8);
+  for (size_t first = 0; first < kRows; first += kBatch) {
+    EXPECT_OK(t.Pull(&ids[first], kBatch, PullMode::kInsert, out.data()));
+  }
+  // RAM keeps about 100 rows a stripe, at its limit: the pull reads the
+  // others where they are (none moves in).
+  Status s;
+  t.Demote(kRows - 100 * kStripes, &s);
+  EXPECT_OK(s);
+  t.SetRamLimit(kStripes * 64);
+  const size_t cold = t.tier_stats().disk_rows;
+  EXPECT(cold > kRows * 9 / 10);
+  malloc_trim(0);
+  const size_t before = mallinfo2().uordblks;
+  EXPECT_OK(t.Pull(ids.data(), kRows, PullMode::kInsert, out.data()));
+  EXPECT(t.tier_stats().disk_rows == cold);
+  const size_t after = mallinfo2().uordblks;
+  // Slots of 90 bytes: this pull read 26 MB of them, 64 buffers of about
+  // 420 KiB; those kept are 64 KiB at most.
+  const size_t kept = after > before ? after - before : 0;
+  if (kept >= (size_t{6} << 20)) std::printf("  kept %zu bytes after the pull\n", kept);
+  EXPECT(kept < (size_t{6} << 20));
+}
+
 DLT_TEST(TestSmallDemotionsTakeColdRowsByASampledThreshold) {
   // Demotions of fewer than a sixteenth of the rows take rows at or below a
   // sampled sixteenth-coldest score, sweeping on from pass to pass: rows
