@@ -23,8 +23,11 @@ from tf_dlt.client import message_dict
 from tf_dlt.server.replication import member_stats
 from tf_dlt.tools import cluster_args
 
+# Sizes are shown in MiB, the unit --memory-budget is most often given in.
+_MIB = 1 << 20
+
 _SHARD_COLUMNS = (
-    "shard", "address", "tables", "rows", "MB", "pulls", "pushes", "pulled rows",
+    "shard", "address", "tables", "rows", "MiB", "pulls", "pushes", "pulled rows",
     "pushed rows", "pull p50/p99 us", "push p50/p99 us", "errors", "conns/max",
 )  # fmt: skip
 
@@ -52,7 +55,7 @@ _POLICY = ("admitted", "refused", "expired", "evicted", "shrunk")
 
 
 _TIER_COLUMNS = (
-    "shard", "budget MB", "resident MB", "table", "RAM rows", "RAM MB", "disk rows", "disk MB",
+    "shard", "budget MiB", "resident MiB", "table", "RAM rows", "RAM MiB", "disk rows", "disk MiB",
     "promoted/s", "demoted/s", "disk reads/s", "tier error",
 )  # fmt: skip
 
@@ -67,10 +70,10 @@ def _tier_rows(stats: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         for t in s.get("tables", []):
             tier = t.get("tier", {})
             rows.append((
-                str(s.get("shard_index", 0)), f"{budget / 1e6:.0f}",
-                f"{int(s.get('resident_bytes', 0)) / 1e6:.0f}", t["config"]["name"],
-                str(tier.get("ram_rows", 0)), f"{int(t.get('bytes', 0)) / 1e6:.1f}",
-                str(tier.get("disk_rows", 0)), f"{int(tier.get('disk_bytes', 0)) / 1e6:.1f}",
+                str(s.get("shard_index", 0)), f"{budget / _MIB:.0f}",
+                f"{int(s.get('resident_bytes', 0)) / _MIB:.0f}", t["config"]["name"],
+                str(tier.get("ram_rows", 0)), f"{int(t.get('bytes', 0)) / _MIB:.1f}",
+                str(tier.get("disk_rows", 0)), f"{int(tier.get('disk_bytes', 0)) / _MIB:.1f}",
                 f"{float(tier.get('promotions_per_s', 0)):.0f}",
                 f"{float(tier.get('demotions_per_s', 0)):.0f}",
                 f"{float(tier.get('disk_reads_per_s', 0)):.0f}",
@@ -149,7 +152,7 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
         errors_total = sum(int(v) for v in s.get("errors", {}).values())
         shard_rows.append((
             str(s.get("shard_index", 0)), address, str(len(tables)), str(rows),
-            f"{size / 1e6:.1f}", str(s.get("pulls", 0)), str(s.get("pushes", 0)),
+            f"{size / _MIB:.1f}", str(s.get("pulls", 0)), str(s.get("pushes", 0)),
             str(s.get("pulled_rows", 0)), str(s.get("pushed_rows", 0)),
             _p50_p99(pull), _p50_p99(push),
             str(errors_total),
@@ -171,14 +174,14 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
             serving.append(line)
         serving.extend(_replication_lines(s))
     table_rows = [
-        (name, str(dim), str(rows), f"{size / 1e6:.1f}", *map(str, counts))
+        (name, str(dim), str(rows), f"{size / _MIB:.1f}", *map(str, counts))
         for name, (rows, size, dim, *counts) in sorted(by_table.items())
     ]
     tiers = _tier_rows(stats)
     return (
         _table(_SHARD_COLUMNS, shard_rows)
         + "\n\n"
-        + _table(("table", "dim", "rows", "MB", *_POLICY), table_rows)
+        + _table(("table", "dim", "rows", "MiB", *_POLICY), table_rows)
         + ("\n\n" + _table(_TIER_COLUMNS, tiers) if tiers else "")
         + "".join(f"\n\nin progress: {line}" for line in pending)
         + "".join(f"\n\n{line}" for line in serving)
