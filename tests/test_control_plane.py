@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from tf_dlt import Client, errors, routing
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
-from tf_dlt.server import ShardServer
+from tf_dlt.server import ShardServer, paths
 
 from conftest import Cluster
 
@@ -105,6 +106,29 @@ def test_without_roots_only_local_paths_and_object_stores(
         for url in ("memory://ck", "http://127.0.0.1:1/ck", "ftp://127.0.0.1/ck"):
             with pytest.raises(errors.PermissionDeniedError, match="needs a --checkpoint-root"):
                 client.save(url)
+        # An HDFS URL naming a host would make the shard connect where the
+        # caller says (a port scan through its errors): only under a root
+        # naming that host; without one, the configured namenode's.
+        listener = socket.create_server(("127.0.0.1", 0))
+        with listener:
+            port = listener.getsockname()[1]
+            (stub,) = _stubs(cluster)
+            for url in (f"hdfs://127.0.0.1:{port}/ck", f"viewfs://127.0.0.1:{port}/ck"):
+                for method, request in (
+                    (stub.Save, dlt_pb2.SaveRequest(path=url, save_id="x")),
+                    (stub.Load, dlt_pb2.LoadRequest(path=url, phase=dlt_pb2.LoadRequest.LOAD)),
+                ):
+                    with pytest.raises(grpc.RpcError) as e:
+                        method(request, timeout=30)
+                    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert "that names its host" in e.value.details()
+            listener.settimeout(0)
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # no connection came
+        paths.CheckpointRoots().check("hdfs:///run/ck", "Save")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Save(dlt_pb2.SaveRequest(path="/tmp/ck\x00x", save_id="x"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NUL" in e.value.details()
         with pytest.raises(errors.PermissionDeniedError, match=r"'\.' or '\.\.'"):
             client.save("s3://bucket/run/../../other")
         # The check would collapse '//'; the store keeps it: key "/run/x".

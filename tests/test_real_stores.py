@@ -45,6 +45,9 @@ class Store:
     name: str
     root: str
     env: dict[str, str]
+    # Flags a shard needs to use it: a URL naming an HDFS host needs a
+    # checkpoint root naming that host (docs/security.md).
+    flags: tuple[str, ...] = ()
 
     def url(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -69,7 +72,7 @@ def hdfs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     if reason:
         _unavailable(reason)
     with local_stores.LocalHdfs(tmp_path_factory.mktemp("hdfs")) as hdfs:
-        yield Store("hdfs", hdfs.url, {})
+        yield Store("hdfs", hdfs.url, {}, ("--checkpoint-root", hdfs.url))
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +132,7 @@ IDS = np.random.default_rng(0).integers(-(2**62), 2**62, 2000, dtype=np.int64)
 def test_full_save_delta_chain_and_resharding_2_to_3(
     store: Store, start_cluster: Callable[..., Cluster]
 ) -> None:
-    trainer = start_cluster(2, env=store.env)
+    trainer = start_cluster(2, *store.flags, env=store.env)
     with trainer.client() as c:
         _chain(c, store, IDS)
         tables = c.list_tables()
@@ -146,7 +149,7 @@ def test_full_save_delta_chain_and_resharding_2_to_3(
     # A committed checkpoint holds its manifest and one file per shard, and
     # nothing a save wrote on the way (temporary names).
     assert store.names(store.url("run", "c3")) == _committed(store.url("run", "c3"))
-    with start_cluster(3, env=store.env).client() as c:
+    with start_cluster(3, *store.flags, env=store.env).client() as c:
         c.load(store.url("run", "c3"))
         for name, rows in expected.items():
             np.testing.assert_array_equal(c.pull(name, IDS), rows)
@@ -162,7 +165,7 @@ def _cli(store: Store, *args: str) -> subprocess.CompletedProcess[str]:
 def test_checkpoint_ls_compact_and_prune(
     store: Store, start_cluster: Callable[..., Cluster]
 ) -> None:
-    with start_cluster(2, env=store.env).client() as c:
+    with start_cluster(2, *store.flags, env=store.env).client() as c:
         _chain(c, store, IDS)
         c.save(store.url("run", "c4"))  # a new base
     out = _cli(store, "ls", store.url("run", "c3"))
@@ -188,7 +191,7 @@ def test_checkpoint_ls_compact_and_prune(
 def test_a_follower_applies_the_deltas_saved_to_the_store(
     store: Store, start_cluster: Callable[..., Cluster]
 ) -> None:
-    trainer = start_cluster(2, env=store.env)
+    trainer = start_cluster(2, *store.flags, env=store.env)
     with trainer.client() as c:
         c.create_table("ada", 8, "normal", "adagrad", seed=1)
         c.create_table("adam", 4, "uniform", "adam", seed=2)
@@ -196,7 +199,8 @@ def test_a_follower_applies_the_deltas_saved_to_the_store(
         c.save(store.url("run", "c1"))
         first = _snapshot(c, IDS)
     followers = start_cluster(
-        3, "--read-only", "--follow", store.url("run"), "--follow-interval", "0.2", env=store.env
+        3, *store.flags, "--read-only", "--follow", store.url("run"), "--follow-interval", "0.2",
+        env=store.env,
     )  # fmt: skip
 
     def serving(save_id: str) -> None:
@@ -252,7 +256,7 @@ def test_a_save_cut_short_by_a_killed_shard_leaves_the_last_checkpoint_loadable(
 ) -> None:
     spool = tmp_path / "spool"  # where the shards stage a file before it goes to the store
     spool.mkdir()
-    cluster = start_cluster(2, env={**store.env, "TMPDIR": str(spool)})
+    cluster = start_cluster(2, *store.flags, env={**store.env, "TMPDIR": str(spool)})
     ids = np.arange(100_000, dtype=np.int64)
     with cluster.client(request_timeout=120) as c:
         c.create_table("t", 32, "normal", "adagrad", seed=1)
@@ -298,7 +302,7 @@ def _committed(url: str) -> list[str]:
 def test_a_corrupt_block_is_refused_naming_its_file(
     store: Store, start_cluster: Callable[..., Cluster]
 ) -> None:
-    with start_cluster(2, env=store.env).client() as c:
+    with start_cluster(2, *store.flags, env=store.env).client() as c:
         c.create_table("ada", 8, "normal", "adagrad", seed=1)
         c.create_table("adam", 4, "uniform", "adam", seed=2)
         _train(c, IDS, 1)
@@ -328,7 +332,7 @@ def _bounded(error: errors.DltError) -> None:
 def test_store_failures_reach_the_caller_as_typed_bounded_errors(
     store: Store, start_cluster: Callable[..., Cluster]
 ) -> None:
-    with start_cluster(2, env=store.env).client() as c:
+    with start_cluster(2, *store.flags, env=store.env).client() as c:
         c.create_table("ada", 8, "normal", "adagrad", seed=1)
         _train_one = np.arange(100, dtype=np.int64)
         c.push("ada", _train_one, np.ones((100, 8), np.float32), 0.1)
@@ -345,17 +349,22 @@ def test_store_failures_reach_the_caller_as_typed_bounded_errors(
             _bounded(under_a_file.value)
     # The store cannot be reached: UNAVAILABLE, after bounded retries.
     if store.name == "hdfs":
-        dead, env = "hdfs://127.0.0.1:1/ck", store.env
+        dead, env, flags = (
+            "hdfs://127.0.0.1:1/ck",
+            store.env,
+            ("--checkpoint-root", "hdfs://127.0.0.1:1"),
+        )
     else:
         dead, env = store.url("ck"), {**store.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"}
-    with start_cluster(1, env=env).client(request_timeout=120) as c:
+        flags = store.flags
+    with start_cluster(1, *flags, env=env).client(request_timeout=120) as c:
         c.create_table("ada", 8, "normal", "adagrad", seed=1)
         with pytest.raises(errors.UnavailableError) as unreachable:  # not the deadline
             c.save(dead)
         _bounded(unreachable.value)
     if store.name == "s3":  # credentials the server refuses
         wrong = {**store.env, "AWS_SECRET_ACCESS_KEY": "wrong"}
-        with start_cluster(1, env=wrong).client() as c:
+        with start_cluster(1, *store.flags, env=wrong).client() as c:
             c.create_table("ada", 8, "normal", "adagrad", seed=1)
             with pytest.raises(errors.PermissionDeniedError) as refused:
                 c.save(store.url("ck"))

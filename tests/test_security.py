@@ -3,9 +3,12 @@ certificates the test creates, and auth tokens that never reach a log."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,7 +25,7 @@ import tf_dlt
 from tf_dlt import errors, grpc_util
 from tf_dlt.tls import TlsConfig
 
-from conftest import Cluster
+from conftest import Cluster, wait_until
 
 
 def _key_and_name(common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Name]:
@@ -423,8 +426,12 @@ def test_a_link_swapped_in_after_the_roots_check_redirects_no_save_or_load(
             # swapped in between the check and the opening: refused too.
             with pytest.raises(errors.PermissionDeniedError, match="outside this shard's"):
                 client.load(str(run / "ck"))
-            with pytest.raises(errors.PermissionDeniedError, match="is a link or not a dir"):
+            with pytest.raises(errors.PermissionDeniedError, match=f"{run} is a link"):
                 paths.hold_directory(str(run / "ck"), str(run / "ck"), "Load", False)
+            # A file named as the checkpoint: the caller's mistake, said so.
+            named = str(root / "checked" / "ck" / "MANIFEST.json")
+            with pytest.raises(errors.InvalidArgumentError, match="is a file, not a directory"):
+                paths.hold_directory(named, named, "Load", False)
     finally:
         server.stop()
 
@@ -500,13 +507,29 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     empty.write_text("\n")
     refused(server("--port", "0", "--auth-token-file", str(empty)), "names is empty")
     assert "s3cr3t" not in server("--port", "0", "--auth-token-file", str(empty)).stderr
+    # A token no request header can carry: every control-plane call failed
+    # ("Invalid metadata") after the shard started. Never echoed.
+    for odd in ("t\u00f6k-s3cr3t", "line1\ns3cr3t", "two s3cr3t"):
+        (tmp_path / "odd").write_text(odd)
+        out = server("--port", "0", "--auth-token-file", str(tmp_path / "odd"))
+        refused(out, "printable ASCII without spaces")
+        assert "s3cr3t" not in out.stderr
+    # A FIFO blocked the start for good; a device never ends.
+    os.mkfifo(tmp_path / "fifo")
+    for special in (str(tmp_path / "fifo"), "/dev/zero"):
+        refused(server("--port", "0", "--auth-token-file", special), "not a regular file")
     # A key of another certificate: gRPC failed to bind, "in use by another process".
     pki = Pki(tmp_path / "pki")
-    cert, _ = pki.issue("shard", server=True)
+    cert, key = pki.issue("shard", server=True)
     _, other_key = pki.issue("other", server=True)
     refused(
         server("--port", "0", "--tls-cert", cert, "--tls-key", other_key),
         "are not a certificate and its private key",
+    )
+    # A client CA that is not PEM: "cannot bind the admin port ... in use".
+    refused(
+        server("--port", "0", "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", str(big)),
+        "--tls-client-ca",
     )
     # A busy metrics port is named.
     with socket.socket() as busy:
@@ -535,3 +558,71 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "cannot start the trainer command '/nonexistent/trainer'" in out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_saves_stuck_on_a_store_leave_health_checks_and_stats_answering(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A NameNode that accepts and never answers holds a Save for good
+    (the HDFS client sets no deadline on it). The saves that come after it
+    wait as long as their callers do, at most 2 of them, and more are
+    refused naming the one that runs: none of them takes the admin plane's
+    last threads, so health checks (a liveness probe restarts a shard that
+    fails them, its rows lost) and Stats still answer. Before, 8 waiting
+    saves took every thread and the health check timed out."""
+    import threading
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+    hung = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(hung.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    store = f"hdfs://127.0.0.1:{hung.getsockname()[1]}"
+    cluster = start_cluster(1, "--checkpoint-root", store)
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}")
+    admin = dlt_pb2_grpc.ShardAdminStub(channel)
+    try:
+        codes: list[grpc.StatusCode] = []
+        details: list[str] = []
+
+        def save(k: int) -> None:
+            try:
+                admin.Save(dlt_pb2.SaveRequest(path=f"{store}/ck{k}", save_id=f"s{k}"), timeout=8)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+                details.append(e.details() or "")
+
+        savers = [threading.Thread(target=save, args=(k,)) for k in range(10)]
+        for t in savers:
+            t.start()
+        wait_until(lambda: len(codes) >= 7, "saves past the 2 that may wait refused")
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with cluster.client() as c:
+            assert c.stats()[0]["shard_index"] == 0
+        for t in savers:
+            t.join(60)
+        assert len(codes) == 10  # the running one, its 2 waiters (deadline), 7 refused
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 7, codes
+        refused = details[codes.index(grpc.StatusCode.RESOURCE_EXHAUSTED)]
+        assert f"Save to {store}/ck" in refused and "has been running for" in refused
+        # After its callers gave up, a waiter leaves (none waits for good).
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+    finally:
+        channel.close()
+        cluster.stop()
+        hung.close()
+        for conn in accepted:
+            conn.close()

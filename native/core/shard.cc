@@ -146,7 +146,8 @@ constexpr int kMmapThreshold = 1 << 20;
 
 // Holds an exclusive flock on `dir`/LOCK; -1 when another process holds it.
 int LockDirectory(const std::string& dir) {
-  const int fd = open((dir + "/LOCK").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  // Never through a link planted as LOCK.
+  const int fd = open((dir + "/LOCK").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return -1;
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     close(fd);
@@ -260,13 +261,19 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
       // named alike.
       const bool tier = name.size() > 6 && name.rfind("shard-", 0) == 0 &&
                         name.find_first_not_of("0123456789", 6) == std::string::npos;
-      if (!tier || !entry.is_directory()) continue;
+      // A link is not a tier's directory (its target is no shard's to
+      // clear), whatever its name.
+      if (!tier || entry.is_symlink() || !entry.is_directory()) continue;
       const int fd = LockDirectory(entry.path().string());
       if (fd < 0) continue;
       fs::remove_all(entry.path(), error);
       close(fd);
     }
     const std::string root = storage_dir + "/shard-" + std::to_string(shard_index());
+    if (fs::is_symlink(fs::symlink_status(root, error))) {
+      return InvalidArgument(root + " is a link: a shard's tier directory is made by the shard " +
+                             "itself, in the storage dir");
+    }
     fs::create_directories(root, error);
     if (error) return InvalidArgument("cannot create " + root + ": " + error.message());
     tier_lock_fd_ = LockDirectory(root);

@@ -1184,8 +1184,26 @@ DLT_TEST(TestShardBudgetDemotesAndStaleTierFilesGo) {
   // The smallest budget the shard honours, and 16 MiB more for rows.
   const uint64_t least = SmallestBudget();
   EXPECT(shard->ConfigureMemory(least / 2, dir.path, 5).code() == Code::kInvalidArgument);
+  // Links named as a tier's directory, or as a stale one's LOCK, lead
+  // out of the storage dir: nothing is written or removed through them.
+  TempDir outside;
+  std::filesystem::create_directories(outside.path + "/kept");
+  std::filesystem::create_directory_symlink(outside.path, dir.path + "/shard-9");
+  std::filesystem::create_directories(dir.path + "/shard-8");
+  std::filesystem::create_symlink(outside.path + "/LOCK", dir.path + "/shard-8/LOCK");
   EXPECT_OK(shard->ConfigureMemory(least + (16 << 20), dir.path, 5));
   EXPECT(!std::filesystem::exists(dir.path + "/shard-0/t0-old"));
+  EXPECT(std::filesystem::exists(outside.path + "/kept"));
+  EXPECT(!std::filesystem::exists(outside.path + "/LOCK"));
+  EXPECT(std::filesystem::is_symlink(dir.path + "/shard-9"));
+  // A link as this shard's own tier directory is refused.
+  TempDir linked;
+  std::filesystem::create_directory_symlink(outside.path, linked.path + "/shard-0");
+  Shard pointed(0, 1);
+  const Status refused = pointed.ConfigureMemory(uint64_t{1} << 40, linked.path, 5);
+  EXPECT(refused.code() == Code::kInvalidArgument &&
+         refused.message().find("is a link") != std::string::npos);
+  EXPECT(!std::filesystem::exists(outside.path + "/LOCK"));
   // A second process (here: shard object) cannot take the same directory.
   Shard other(0, 1);
   // (A budget past any process's resident set: tests before this one may

@@ -17,9 +17,6 @@ from tf_dlt import _native, errors, sizes
 from tf_dlt.client import read_token_file
 from tf_dlt.server.shard_server import ShardServer
 
-# The longest token a Hello carries (the wire protocol's limit).
-MAX_TOKEN_BYTES = 4096
-
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(
@@ -288,12 +285,6 @@ def run(args: argparse.Namespace) -> int:
         except errors.DltError as e:
             log.error("%s", e)
             return 2
-        if len(token.encode()) > MAX_TOKEN_BYTES:
-            log.error(
-                "the token in --auth-token-file is %d bytes; a token has at most %d (no client "
-                "could say Hello: the wrong file?)", len(token.encode()), MAX_TOKEN_BYTES,
-            )  # fmt: skip
-            return 2
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         log.error("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
         return 2
@@ -310,6 +301,16 @@ def run(args: argparse.Namespace) -> int:
             return 2
         except OSError as e:
             log.error("cannot read the TLS certificate or key: %s", e)
+            return 2
+    if args.tls_client_ca:
+        try:  # a file that is not PEM made gRPC fail to bind, "in use by another process"
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_verify_locations(
+                cafile=args.tls_client_ca
+            )
+        except (ssl.SSLError, OSError) as e:
+            log.error(
+                "--tls-client-ca %s holds no CA certificate in PEM: %s", args.tls_client_ca, e
+            )
             return 2
     if not token and not args.insecure and not is_loopback(args.bind):
         log.error(

@@ -4,8 +4,9 @@ writes and reads only under its roots, so nobody who reaches the control
 plane can make it write elsewhere, fetch arbitrary URLs or fill its memory.
 
 With no roots, local paths and object stores are allowed (the shard logs a
-warning); ``memory://`` and every other filesystem (http, ftp, ...) only when
-a root names them.
+warning), and HDFS without a host in the URL (``hdfs:///path``: the
+configured namenode); ``memory://``, a URL naming an HDFS host and every other
+filesystem (http, ftp, ...) only when a root names them.
 
 A local path is checked as its real path (links resolved). So that a link
 swapped in after the check (a directory of the path replaced by a link out
@@ -21,6 +22,8 @@ import contextlib
 import errno
 import os
 import posixpath
+import stat
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 
 import fsspec
@@ -31,6 +34,11 @@ from tf_dlt import errors
 DEFAULT_PROTOCOLS = frozenset(
     {"file", "local", "s3", "s3a", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "az", "adl"}
 )
+# Of those, the ones whose URL may name the host and port to connect to
+# (hdfs://namenode:8020/...): allowed without a root only without one (the
+# cluster's configured namenode), else a caller could make the shard connect
+# anywhere, as http:// would.
+_HOST_NAMING_PROTOCOLS = frozenset({"hdfs", "viewfs"})
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -40,6 +48,8 @@ def _split(url: str) -> tuple[str, str]:
     file name), empty segments of an object store's key ('//': the check
     would collapse them, the store keeps them) and a scheme not in
     lowercase (the check would take it, fsspec would not)."""
+    if "\x00" in url:
+        raise errors.InvalidArgumentError(f"checkpoint URL {url!r} holds a NUL byte")
     if "::" in url:
         raise errors.PermissionDeniedError(f"checkpoint URL {url!r} chains filesystems ('::')")
     protocol, path = fsspec.core.split_protocol(url)
@@ -81,6 +91,12 @@ class CheckpointRoots:
                 raise errors.PermissionDeniedError(
                     f"{action} to {url!r}: {protocol}:// needs a --checkpoint-root naming it "
                     f"(without roots: local paths and {stores})"
+                )
+            if protocol in _HOST_NAMING_PROTOCOLS and urllib.parse.urlsplit(url).netloc:
+                raise errors.PermissionDeniedError(
+                    f"{action} to {url!r}: a {protocol}:// URL that names its host needs a "
+                    f"--checkpoint-root naming that host (without roots: {protocol}:///path, "
+                    "on the configured namenode)"
                 )
             return
         for root_protocol, root in self._prefixes:
@@ -142,8 +158,10 @@ def hold_directory(path: str, url: str, action: str, create: bool) -> int:
     since the check) or not a directory is refused. `create`: a missing
     component is made (mode 0777 less the umask)."""
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    walked = ""
     try:
         for name in [part for part in path.split("/") if part]:
+            walked += "/" + name
             flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
                 child = os.open(name, flags, dir_fd=fd)
@@ -155,17 +173,21 @@ def hold_directory(path: str, url: str, action: str, create: bool) -> int:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o777, dir_fd=fd)
                 child = os.open(name, flags, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise errors.PermissionDeniedError(
+                        f"{action} of {url!r}: {walked} is a link (swapped in after the check of "
+                        "the checkpoint roots?); links are not followed there"
+                    ) from None
+                raise errors.InvalidArgumentError(
+                    f"{action} of {url!r}: {walked} is a file, not a directory (a checkpoint "
+                    "is a directory)"
+                ) from None
             os.close(fd)
             fd = child
         return fd
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise errors.PermissionDeniedError(
-                f"{action} of {url!r}: a part of {path} is a link or not a directory (swapped in "
-                "after the check of the checkpoint roots?); links are not followed there"
-            ) from None
-        raise
     except BaseException:
         os.close(fd)
         raise

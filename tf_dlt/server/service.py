@@ -12,7 +12,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -122,6 +122,12 @@ class PendingLoad:
         return f"load {self.load_id!r} of {self.path!r}, {self.phase} {age:.0f} s ago"
 
 
+# Saves and loads run one at a time; at most this many more wait for their
+# turn (the admin plane's pool has 8 threads), polling their caller's
+# deadline this often.
+_PERSIST_WAITERS = 2
+_PERSIST_POLL_S = 0.2
+
 _RANGE_STREAM_FIELDS = (
     "first_bucket", "end_bucket", "caught_up", "rounds", "rows_sent", "ended", "error",
 )  # fmt: skip
@@ -152,6 +158,10 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._roots = roots or paths.CheckpointRoots()
         self._load_timeout_s = load_timeout_s
         self._persist_lock = threading.Lock()  # one Save or Load at a time
+        # The Save or Load holding it (for those that wait), and how many wait.
+        self._persist_state = threading.Lock()
+        self._persisting_now: tuple[str, float] | None = None
+        self._persist_waiters = 0
         # At most one cluster load between phases; guarded by _persist_lock.
         self._pending: PendingLoad | None = None
         self._expiry: threading.Timer | None = None
@@ -324,6 +334,50 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             coordinator_idle_s=s["coordinator_idle_s"], lease_s=s["lease_s"],
         )  # fmt: skip
 
+    @contextlib.contextmanager
+    def _persisting(self, what: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """Holds the persist lock for `what` (a Save or Load, as the log says
+        it). One runs at a time; at most _PERSIST_WAITERS more wait, each as
+        long as its caller does, and more are refused: each holds a thread
+        of the admin plane's pool, whose others health checks and Stats must
+        always find (a save to a store that never answers holds the lock for
+        as long as that)."""
+        if not self._persist_lock.acquire(blocking=False):
+            with self._persist_state:
+                running = self._describe_persisting()
+                if self._persist_waiters >= _PERSIST_WAITERS:
+                    raise errors.ResourceExhaustedError(
+                        f"shard {self._shard.shard_index}: {what} refused: {running}, and "
+                        f"{self._persist_waiters} more wait for it; try again after them"
+                    )
+                self._persist_waiters += 1
+            try:
+                while not self._persist_lock.acquire(timeout=_PERSIST_POLL_S):
+                    if not context.is_active():
+                        raise errors.DeadlineExceededError(
+                            f"shard {self._shard.shard_index}: {what} given up by its caller "
+                            f"while it waited: {running}"
+                        )
+            finally:
+                with self._persist_state:
+                    self._persist_waiters -= 1
+        with self._persist_state:
+            self._persisting_now = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._persist_state:
+                self._persisting_now = None
+            self._persist_lock.release()
+
+    def _describe_persisting(self) -> str:
+        """What holds the persist lock, for those that wait (under
+        _persist_state)."""
+        if self._persisting_now is None:
+            return "a save or load is running"
+        what, since = self._persisting_now
+        return f"{what} has been running for {time.monotonic() - since:.0f} s"
+
     def _not_resharding(self, what: str) -> None:
         """Raises while this process takes part in a re-shard (between its
         PREPARE and its SWITCH or ABORT): the tables are about to move."""
@@ -356,7 +410,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             raise errors.InvalidArgumentError("Save needs a path")
         self._roots.check(request.path, "Save")
         with (
-            self._persist_lock,
+            self._persisting(f"Save to {request.path}", context),
             self._roots.holding("Save", create=True) as confine,
             errors.storage_errors(f"Save to {request.path}"),
         ):
@@ -396,7 +450,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         if phase in (phases.COMMIT, phases.ABORT, phases.FINISH, phases.ROLLBACK):
             if not request.load_id:
                 raise errors.InvalidArgumentError("this Load phase needs a load_id")
-            with self._persist_lock:
+            with self._persisting(f"Load {request.load_id}", context):
                 return self._load_response(self._next_phase(phase, request.load_id))
         if phase not in (phases.LOAD, phases.PREPARE):
             raise errors.InvalidArgumentError(f"unknown Load phase {phase}")
@@ -405,7 +459,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         if phase == phases.PREPARE and not request.load_id:
             raise errors.InvalidArgumentError("a prepared Load needs a load_id")
         self._roots.check(request.path, "Load")
-        with self._persist_lock:
+        with self._persisting(f"Load of {request.path}", context):
             self._not_resharding("Load")
             if self._pending is not None:
                 # One cluster load at a time: a second one never replaces a
