@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import socket
@@ -91,6 +92,72 @@ def test_a_failing_trainer_stops_everything() -> None:
     assert all(_refused(port) for port in _shard_ports(run.stdout))
 
 
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie nobody reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_teardown_stops_what_the_trainers_started(tmp_path: Path) -> None:
+    """A trainer run by a wrapper script: the teardown's SIGTERM killed the
+    script and left the python it ran running, an orphan holding the output
+    pipe. Each trainer is a process group now, signalled whole."""
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(FAILING.replace('print("up"', 'print("pid", os.getpid(), "up"'))
+    wrapper = tmp_path / "wrapper.sh"
+    wrapper.write_text(f"#!/bin/bash\n{sys.executable} {trainer}\nexit $?\n")
+    wrapper.chmod(0o755)
+    run = _launch("--pservers", "1", "--workers", "2", "--grace", "3", "--", str(wrapper))
+    assert run.returncode == 1, run.stdout[-3000:]
+    pids = [int(p) for p in re.findall(r"^\[worker-\d\] pid (\d+) up", run.stdout, re.M)]
+    assert len(pids) == 2, run.stdout[-3000:]
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"left running: {[p for p in pids if _running(p)]}"
+        time.sleep(0.1)
+
+
+def test_a_shard_that_fails_to_start_is_named_with_its_log() -> None:
+    run = _launch(
+        "--pservers", "2", "--server-arg=--load-from=/nonexistent/ck", "--", "true"
+    )  # fmt: skip
+    assert run.returncode == 1
+    # Named by its role, its own log lines prefixed; the other shard, which
+    # the failed start stopped, is not blamed.
+    assert re.search(r"^\[launch\] failed: ps-\d exited with 2 while starting", run.stdout, re.M)
+    assert re.search(r"^\[ps-\d\] .*cannot start: no committed checkpoint", run.stdout, re.M)
+    assert "did not stop cleanly" not in run.stdout, run.stdout
+
+
+def test_a_signal_while_the_shards_start_stops_the_launch(tmp_path: Path) -> None:
+    """SIGTERM waited for the shards to start (a long --load-from)."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import sys, time\nif 'tf_dlt.server' in sys.orig_argv:\n    time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{slow}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", "1",
+         "--start-timeout", "500", "--", "true"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/", env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    text = ""
+    while "starting 1 shard servers" not in text:
+        line = proc.stdout.readline()
+        assert line, text
+        text += line
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)  # the shard would take 600 s
+    text += out
+    assert proc.returncode == 128 + signal.SIGTERM, text
+    assert "got signal 15" in text
+
+
 def test_trainers_without_shard_servers_are_warned_they_train_apart() -> None:
     run = _launch("--pservers", "0", "--workers", "2", "--", sys.executable, "-c", "pass")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -128,7 +195,7 @@ def test_bad_arguments_are_refused() -> None:
     assert run.returncode == 2 and "no trainer command" in run.stderr
 
 
-@pytest.mark.parametrize("bad", ["--pservers=x"])
+@pytest.mark.parametrize("bad", ["--pservers=x", "--grace=0", "--grace=-1", "--start-timeout=0"])
 def test_usage_errors(bad: str) -> None:
     assert _launch(bad, "--", "true").returncode == 2
 

@@ -192,6 +192,13 @@ def test_stats_command_prints_shards_and_tables(start_cluster: Callable[..., Clu
         capture_output=True, text=True, timeout=60, cwd="/",
     )  # fmt: skip
     assert down.returncode == 1 and "tf-dlt stats:" in down.stderr
+    # An admin port given for the data port: said so, not only "bad magic".
+    admin = subprocess.run(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "stats",
+         "--pservers", f"127.0.0.1:{cluster.admin_ports[0]}"],
+        capture_output=True, text=True, timeout=60, cwd="/",
+    )  # fmt: skip
+    assert admin.returncode == 1 and "is this a shard's data port" in admin.stderr, admin.stderr
 
 
 def test_save_and_load_show_progress(
@@ -256,3 +263,10 @@ def test_client_metrics_keep_the_progress_line_short_by_default(
     assert {k for k in history if k.startswith("dlt_")} == {"dlt_pushes"}
     with pytest.raises(ValueError, match="summary"):
         tf_dlt.ClientMetrics(logs="everything")
+    # Every value an epoch gives has a name `logs` may list, and a name that
+    # is none of them (a typo) is refused, not ignored.
+    assert set(summary.last) == client_metrics.NAMES
+    with pytest.raises(ValueError, match=r"names no metric \['dlt_nope'\]"):
+        tf_dlt.ClientMetrics(logs=["dlt_pulls", "dlt_nope"])
+    with pytest.raises(ValueError, match="give log_dir"):
+        tf_dlt.ClientMetrics(every_n_batches=10)

@@ -4,10 +4,12 @@ reflection, clean SIGTERM."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tf_dlt import _native
 from tf_dlt import errors as tf_dlt_errors
+from tf_dlt.server.local import LocalCluster
 from tf_dlt.table_config import TableConfig
 
 from conftest import Cluster
@@ -214,3 +217,14 @@ def test_an_admin_port_in_use_is_refused_with_a_reason_not_a_traceback() -> None
     assert result.returncode == 2, result.stderr
     assert f"cannot bind the admin port 127.0.0.1:{port}: in use" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_second_signal_as_a_shard_stops_leaves_its_exit_clean() -> None:
+    """Ctrl-C reaches a launcher's shards, then its SIGTERM: one that came
+    while the process exited killed it (-15), and `tf-dlt launch` said the
+    shards did not stop cleanly."""
+    for delay in (0.0, 0.02, 0.05, 0.1):
+        cluster = LocalCluster(1).start()
+        cluster.processes[0].send_signal(signal.SIGINT)
+        time.sleep(delay)
+        assert cluster.stop() == [0], f"second signal {delay} s after the first"

@@ -65,8 +65,16 @@ Status SayHello(int fd, const std::string& token, uint16_t flags, uint64_t reque
                                                wire::kHelloLayoutFixed + wire::kMaxLayoutBytes
                                          : 0);
   std::string body;
-  DLT_RETURN_IF_ERROR(CallFrame(fd, wire::Opcode::kHello, request_id, payload.data(),
-                                payload.size(), max_reply, deadline, &body, flags));
+  const Status called = CallFrame(fd, wire::Opcode::kHello, request_id, payload.data(),
+                                  payload.size(), max_reply, deadline, &body, flags);
+  if (called.code() == Code::kInvalidArgument &&
+      called.message().rfind("bad frame magic", 0) == 0) {
+    // What answers is no shard's data port (its admin port's gRPC, say).
+    return Status(called.code(), called.message() +
+                                     " (is this a shard's data port, its --port? Its admin "
+                                     "and metrics ports answer no Hello)");
+  }
+  DLT_RETURN_IF_ERROR(called);
   DLT_RETURN_IF_ERROR(wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(body.data()),
                                              body.size(), reply, topology));
   if (reply->num_buckets != kNumBuckets) {

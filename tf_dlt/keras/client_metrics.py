@@ -42,6 +42,17 @@ _SUMMARY_IF_USED = {
     "dlt_cache_hit_rate": "dlt_cache_rows",
 }
 
+# Every name `summarize` gives: a list of names given as `logs` must be of
+# these.
+NAMES = frozenset(
+    [f"dlt_{k}" for k in (*_COUNTS, *_GAUGES)]
+    + [f"dlt_{kind}_p{q}_ms" for kind in _LATENCIES for q in (50, 99)]
+    + [f"dlt_{kind}_p99_ms" for kind in _HISTOGRAMS]
+    + [f"dlt_{name}_s" for name in ("lookup", *_WAITS)]
+    + ["dlt_pull_mb_per_s", "dlt_push_mb_per_s", "dlt_pushes_in_flight", "dlt_cache_hit_rate",
+       "dlt_cache_max_staleness_steps"]
+)  # fmt: skip
+
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
@@ -157,6 +168,10 @@ class ClientMetrics(keras.callbacks.Callback):  # type: ignore[misc]
             raise ValueError(f"every_n_batches must be >= 1, got {every_n_batches}")
         if isinstance(logs, str) and logs not in ("summary", "all"):
             raise ValueError(f'logs must be "summary", "all" or a list of names, got {logs!r}')
+        if not isinstance(logs, str) and (unknown := sorted(set(logs) - NAMES)):
+            raise ValueError(f"logs names no metric {unknown}: the names are {sorted(NAMES)}")
+        if every_n_batches is not None and not log_dir:
+            raise ValueError("every_n_batches writes TensorBoard scalars: give log_dir too")
         self.logs = logs
         # Every value of the last epoch (whatever `logs` shows).
         self.last: dict[str, float] = {}

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,10 @@ def _check_replicas(replicas: int) -> None:
         raise ValueError(
             f"replicas must be 1 to {MAX_REPLICAS} (a primary and its standbys), got {replicas}"
         )
+
+
+class StartInterrupted(RuntimeError):
+    """LocalCluster.start gave up: its `interrupted` said so."""
 
 
 class LocalCluster:
@@ -70,6 +74,11 @@ class LocalCluster:
         # Prometheus ports (0 where a shard serves no metrics: --metrics-port).
         self.metrics_ports: list[int] = []
         self._stopped = False
+        # The process whose start failed (LocalCluster.start raised), if any.
+        self.failed_process: int | None = None
+        # Asked while waiting for a process to start: True gives up the
+        # start (raises StartInterrupted), as a launcher's signal does.
+        self.interrupted: Callable[[], bool] = lambda: False
 
     def _name(self, process: int) -> str:
         if process >= self.num_shards * self.replicas:
@@ -189,10 +198,14 @@ class LocalCluster:
                 data, admin, metrics_port = port_file.read_text().split()
                 return int(data), int(admin), int(metrics_port)
             if proc.poll() is not None:
+                self.failed_process = process
                 raise RuntimeError(
                     f"{self._name(process)} exited with {proc.returncode}:\n{self.log(process)}"
                 )
+            if self.interrupted():
+                raise StartInterrupted(f"the start of {self._name(process)} was interrupted")
             time.sleep(0.05)
+        self.failed_process = process
         raise TimeoutError(
             f"{self._name(process)} did not start in {self._timeout} s:\n{self.log(process)}"
         )

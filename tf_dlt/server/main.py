@@ -400,6 +400,11 @@ def run(args: argparse.Namespace) -> int:
         os.replace(tmp, args.port_file)
     while not server.wait(timeout=0.5):
         server.watch()
+    # Stopped: a second signal (Ctrl-C, then a launcher's SIGTERM) changes
+    # nothing, and must not kill the process as it exits (the interpreter
+    # puts back the default action of signals it handled).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
 

@@ -14,6 +14,7 @@ only if every trainer exited 0 and every shard stopped cleanly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,9 +27,18 @@ from typing import IO, Any
 
 from tf_dlt import grpc_util
 from tf_dlt.cluster import MAX_REPLICAS, ClusterSpec
-from tf_dlt.server.local import LocalCluster
+from tf_dlt.server.local import LocalCluster, StartInterrupted
 
 _POLL_S = 0.1
+# Seconds shards get to shut down cleanly (at least; --grace when longer).
+_SHARD_STOP_S = 30.0
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    """Sends `signum` to the process group `proc` leads (start_new_session),
+    if any of it is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
 
 
 class _Printer:
@@ -50,7 +60,12 @@ def _pump(stream: IO[bytes], role: str, printer: _Printer) -> None:
 
 
 def _tail(path: Path, role: str, printer: _Printer, done: threading.Event) -> None:
-    """Follows a log file until `done`, then prints what is left."""
+    """Follows a log file (once it exists) until `done`, then prints what is
+    left."""
+    while not path.exists():
+        if done.is_set():
+            return
+        time.sleep(_POLL_S)
     with path.open("rb") as f:
         pending = b""
         while True:
@@ -106,6 +121,7 @@ class Launch:
         self._tails_done = threading.Event()
         self._stop_signal: int | None = None
         self._reported: set[int] = set()  # processes that exited with their shard alive
+        self._start_failed = False  # a shard failed to start (reported already)
 
     def say(self, text: str) -> None:
         self.printer.line("launch", text)
@@ -122,27 +138,47 @@ class Launch:
                     if self.num_workers > 1
                     else ""
                 )
+                + (f"; --replicas {self.replicas} is ignored" if self.replicas > 1 else "")
             )
             return []
         standbys = {1: "", 2: ", each with a hot standby"}.get(
             self.replicas, f", each with {self.replicas - 1} hot standbys"
         )
         self.say(f"starting {self.num_pservers} shard servers{standbys}")
-        self.cluster = LocalCluster(
+        cluster = self.cluster = LocalCluster(
             self.num_pservers, *self.server_args, start_timeout=self.start_timeout,
             replicas=self.replicas,
         )  # fmt: skip
-        self.cluster.start()
-        for p in range(len(self.cluster.processes)):
+        cluster.interrupted = lambda: self._stop_signal is not None
+        # Each shard's log from its first line, prefixed with its role (a
+        # shard that fails to start says why there).
+        for p in range(self.num_pservers * self.replicas):
             t = threading.Thread(
                 target=_tail,
-                args=(self.cluster.log_path(p), self._role(p), self.printer, self._tails_done),
+                args=(cluster.log_path(p), self._role(p), self.printer, self._tails_done),
                 daemon=True,
             )
             t.start()
             self._threads.append(t)
-        self._wait_healthy(self.cluster)
-        return list(self.cluster.addresses)
+        try:
+            cluster.start()
+        except StartInterrupted:
+            raise
+        except (RuntimeError, TimeoutError) as e:
+            # start() stopped every process it had started: only the one
+            # that failed is to blame, and its log says why.
+            self._start_failed = True
+            failed = cluster.failed_process
+            if failed is None:
+                raise
+            code = cluster.processes[failed].returncode
+            raise RuntimeError(
+                f"{self._role(failed)} exited with {code} while starting (its log above)"
+                if isinstance(e, RuntimeError)
+                else f"{self._role(failed)} did not start in {self.start_timeout} s"
+            ) from None
+        self._wait_healthy(cluster)
+        return list(cluster.addresses)
 
     def _role(self, process: int) -> str:
         shard, replica = process % self.num_pservers, process // self.num_pservers
@@ -153,6 +189,8 @@ class Launch:
         healthy: set[int] = set()
         total = len(cluster.admin_ports)
         while len(healthy) < total:
+            if self._stop_signal is not None:
+                raise StartInterrupted("the wait for the shards was interrupted")
             for i, port in enumerate(cluster.admin_ports):
                 if i not in healthy and grpc_util.serving(f"127.0.0.1:{port}", timeout=1.0):
                     healthy.add(i)
@@ -193,9 +231,12 @@ class Launch:
             spec = ClusterSpec(pservers, workers, "worker", i)
             env = {**os.environ, "TF_CONFIG": spec.to_env(), "PYTHONUNBUFFERED": "1"}
             try:
+                # A process group of its own: the teardown reaches every
+                # process the trainer started (a wrapper script's child too),
+                # and Ctrl-C reaches it through the launcher only.
                 proc = subprocess.Popen(
                     self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
                 )  # fmt: skip
             except OSError as e:  # no such program, not executable: the run fails cleanly
                 raise RuntimeError(
@@ -236,9 +277,10 @@ class Launch:
     def _teardown(self) -> int:
         """Stops trainers (SIGTERM, SIGKILL after the grace) and shards;
         returns 1 if a shard did not stop cleanly, else 0."""
+        # Every trainer's process group, whether its first process is still
+        # there or not (what it started may be).
         for w in self.workers:
-            if w.poll() is None:
-                w.send_signal(signal.SIGTERM)
+            _signal_group(w, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
         for w in self.workers:
             try:
@@ -246,15 +288,16 @@ class Launch:
             except subprocess.TimeoutExpired:
                 w.kill()
                 w.wait(10)
+            _signal_group(w, signal.SIGKILL)
         status = 0
         if self.cluster is not None:
-            codes = self.cluster.stop(timeout=self.grace)
+            codes = self.cluster.stop(timeout=max(self.grace, _SHARD_STOP_S))
             bad = [
                 f"{self._role(i)}: {c}"
                 for i, c in enumerate(codes)
                 if c != 0 and i not in self._reported
             ]
-            if bad:
+            if bad and not self._start_failed:
                 self.say(f"shards did not stop cleanly ({', '.join(bad)})")
                 status = 1
         self._tails_done.set()
@@ -270,6 +313,8 @@ class Launch:
             if self._stop_signal is None:
                 self._start_workers(pservers)
             code = self._supervise()
+        except StartInterrupted:
+            code = self._supervise()  # says which signal, and gives its code
         except (RuntimeError, TimeoutError) as e:
             self.say(f"failed: {e}")
             code = 1
@@ -285,6 +330,13 @@ class Launch:
         self._stop_signal = signum
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pservers", type=int, default=1, help="shard servers (0: embedded)")
     parser.add_argument("--workers", type=int, default=1, help="trainer processes")
@@ -297,10 +349,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--server-arg", action="append", default=[], metavar="ARG",
         help="extra `tf-dlt server` flag for every shard (repeat; e.g. --server-arg=--threads=4)",
     )  # fmt: skip
-    parser.add_argument("--start-timeout", type=float, default=60.0, help="seconds for shards")
     parser.add_argument(
-        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
+        "--start-timeout", type=_positive_seconds, default=60.0, help="seconds for shards"
     )
+    parser.add_argument(
+        "--grace", type=_positive_seconds, default=10.0,
+        help="seconds trainers get between SIGTERM and SIGKILL (shards: at least 30)",
+    )  # fmt: skip
     parser.epilog = "The trainer command follows '--'."
     return parser
 
