@@ -136,6 +136,30 @@ def test_without_roots_only_local_paths_and_object_stores(
             client.save("s3://bucket//run/x")
 
 
+def test_an_hdfs_root_holds_its_host_whole() -> None:
+    """A root's host is matched whole: before, "hdfs:///ctr" was a root of
+    hdfs://ctr/... (host "ctr") and "hdfs:///" of every host."""
+    allowed = {
+        "hdfs:///ctr": ["hdfs:///ctr/x"],
+        "hdfs:///": ["hdfs:///x"],
+        "hdfs://nn:8020/ctr": ["hdfs://nn:8020/ctr/x", "hdfs://NN:8020/ctr/x"],
+        "hdfs://nn:8020": ["hdfs://nn:8020/any"],
+    }
+    refused = {
+        "hdfs:///ctr": ["hdfs://ctr/x", "hdfs:///other"],
+        "hdfs:///": ["hdfs://evil:1/x", "viewfs:///x"],
+        "hdfs://nn:8020/ctr": ["hdfs://nn:8021/ctr/x", "hdfs://nn:8020/ctrX", "hdfs://nn/ctr/x"],
+        "hdfs://nn:8020": ["hdfs://nn:80200/x"],
+    }
+    for root, urls in allowed.items():
+        for url in urls:
+            paths.CheckpointRoots([root]).check(url, "Save")
+    for root, urls in refused.items():
+        for url in urls:
+            with pytest.raises(errors.PermissionDeniedError, match="outside this shard's"):
+                paths.CheckpointRoots([root]).check(url, "Save")
+
+
 def _admin(cluster: Cluster, shard: int = 0) -> str:
     return f"127.0.0.1:{cluster.admin_ports[shard]}"
 

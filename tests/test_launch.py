@@ -106,12 +106,26 @@ def test_the_teardown_stops_what_the_trainers_started(tmp_path: Path) -> None:
     script and left the python it ran running, an orphan holding the output
     pipe. Each trainer is a process group now, signalled whole."""
     trainer = tmp_path / "trainer.py"
-    trainer.write_text(FAILING.replace('print("up"', 'print("pid", os.getpid(), "up"'))
+    # Worker 1 fails; worker 0, stopped, takes a second to finish (a save)
+    # and must be given it: the grace is its own, not its wrapper's.
+    trainer.write_text(
+        FAILING.replace('print("up"', 'print("pid", os.getpid(), "up"').replace(
+            "time.sleep(120)",
+            "import signal, pathlib\n"
+            "def finish(*_):\n"
+            "    time.sleep(1)\n"
+            f"    pathlib.Path({str(tmp_path / 'saved')!r}).touch()\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, finish)\n"
+            "time.sleep(120)",
+        )
+    )
     wrapper = tmp_path / "wrapper.sh"
     wrapper.write_text(f"#!/bin/bash\n{sys.executable} {trainer}\nexit $?\n")
     wrapper.chmod(0o755)
-    run = _launch("--pservers", "1", "--workers", "2", "--grace", "3", "--", str(wrapper))
+    run = _launch("--pservers", "1", "--workers", "2", "--grace", "10", "--", str(wrapper))
     assert run.returncode == 1, run.stdout[-3000:]
+    assert (tmp_path / "saved").exists()
     pids = [int(p) for p in re.findall(r"^\[worker-\d\] pid (\d+) up", run.stdout, re.M)]
     assert len(pids) == 2, run.stdout[-3000:]
     deadline = time.monotonic() + 30
@@ -155,7 +169,7 @@ def test_a_signal_while_the_shards_start_stops_the_launch(tmp_path: Path) -> Non
     out, _ = proc.communicate(timeout=90)  # the shard would take 600 s
     text += out
     assert proc.returncode == 128 + signal.SIGTERM, text
-    assert "got signal 15" in text
+    assert "got signal 15" in text and "did not stop cleanly" not in text
 
 
 def test_trainers_without_shard_servers_are_warned_they_train_apart() -> None:

@@ -749,17 +749,17 @@ def check_token(
     token: str, what: str, error: type[errors.DltError] = errors.InvalidArgumentError
 ) -> None:
     """Raises `error` (naming `what`, never the token) unless every request
-    can carry `token`: at most MAX_TOKEN_BYTES of printable ASCII without
-    spaces (a gRPC header carries it to the control plane)."""
+    can carry `token`: at most MAX_TOKEN_BYTES of printable ASCII (a gRPC
+    header carries it to the control plane)."""
     if len(token.encode()) > MAX_TOKEN_BYTES:
         raise error(
             f"{what} holds more than {MAX_TOKEN_BYTES} bytes; a token has at most "
             f"{MAX_TOKEN_BYTES} (the wrong file?)"
         )
-    if not all(0x21 <= ord(c) <= 0x7E for c in token):
+    if not all(0x20 <= ord(c) <= 0x7E for c in token):
         raise error(
             f"{what} holds a character a request header cannot carry: a token is printable "
-            "ASCII without spaces or line breaks"
+            "ASCII, without line breaks"
         )
 
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -145,12 +146,16 @@ constexpr auto kTrimInterval = std::chrono::seconds(1);
 constexpr int kMmapThreshold = 1 << 20;
 
 // Holds an exclusive flock on `dir`/LOCK; -1 when another process holds it.
+// The descriptor of `dir`/LOCK, locked; -1 with errno set (ELOOP: LOCK is a
+// link; EWOULDBLOCK: another process holds it).
 int LockDirectory(const std::string& dir) {
   // Never through a link planted as LOCK.
   const int fd = open((dir + "/LOCK").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return -1;
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
     close(fd);
+    errno = err;
     return -1;
   }
   return fd;
@@ -278,6 +283,9 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
     if (error) return InvalidArgument("cannot create " + root + ": " + error.message());
     tier_lock_fd_ = LockDirectory(root);
     if (tier_lock_fd_ < 0) {
+      if (errno == ELOOP) {
+        return InvalidArgument(root + "/LOCK is a link: the shard makes its own LOCK there");
+      }
       return FailedPrecondition("storage dir " + root + " is in use by another shard process");
     }
     tier_root_ = root;

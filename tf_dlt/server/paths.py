@@ -69,6 +69,17 @@ def _split(url: str) -> tuple[str, str]:
     return protocol, posixpath.normpath("/" + path).lstrip("/") if path else ""
 
 
+def _place(url: str) -> tuple[str, str, str]:
+    """(protocol, host, path) of `url` as `_split` reads it; the host (the
+    URL's authority, lowercase) of a protocol whose URL names where to
+    connect (hdfs://namenode:8020/...), else ""."""
+    protocol, path = _split(url)
+    if protocol not in _HOST_NAMING_PROTOCOLS:
+        return protocol, "", path
+    parts = urllib.parse.urlsplit(url)
+    return protocol, parts.netloc.lower(), parts.path.strip("/")
+
+
 class CheckpointRoots:
     """The checkpoint locations a shard accepts.
 
@@ -79,32 +90,34 @@ class CheckpointRoots:
 
     def __init__(self, roots: Sequence[str] = ()) -> None:
         self.roots = list(roots)
-        self._prefixes = [_split(root) for root in roots]
+        self._prefixes = [_place(root) for root in roots]
 
     def check(self, url: str, action: str) -> None:
         """Raises PermissionDeniedError unless `action` ("Save", "Load") may
         use `url`."""
-        protocol, path = _split(url)
+        protocol, host, path = _place(url)
+        preposition = "to" if action == "Save" else "of"
         if not self._prefixes:
             if protocol not in DEFAULT_PROTOCOLS:
                 stores = ", ".join(sorted(DEFAULT_PROTOCOLS - {"file", "local"}))
                 raise errors.PermissionDeniedError(
-                    f"{action} to {url!r}: {protocol}:// needs a --checkpoint-root naming it "
-                    f"(without roots: local paths and {stores})"
+                    f"{action} {preposition} {url!r}: {protocol}:// needs a --checkpoint-root "
+                    f"naming it (without roots: local paths and {stores})"
                 )
-            if protocol in _HOST_NAMING_PROTOCOLS and urllib.parse.urlsplit(url).netloc:
+            if host:
                 raise errors.PermissionDeniedError(
-                    f"{action} to {url!r}: a {protocol}:// URL that names its host needs a "
+                    f"{action} {preposition} {url!r}: an HDFS URL that names its host needs a "
                     f"--checkpoint-root naming that host (without roots: {protocol}:///path, "
-                    "on the configured namenode)"
+                    "on the configured NameNode)"
                 )
             return
-        for root_protocol, root in self._prefixes:
-            if protocol != root_protocol:
+        for root_protocol, root_host, root in self._prefixes:
+            # An HDFS root's host is matched whole: "hdfs:///ctr" is no
+            # root of hdfs://ctr/..., nor "hdfs:///" of any named host.
+            if protocol != root_protocol or host != root_host:
                 continue
             if not root or path == root or path.startswith(root.rstrip("/") + "/"):
                 return
-        preposition = "to" if action == "Save" else "of"
         raise errors.PermissionDeniedError(
             f"{action} {preposition} {url!r} is outside this shard's checkpoint roots {self.roots}"
         )
@@ -159,12 +172,31 @@ def hold_directory(path: str, url: str, action: str, create: bool) -> int:
     component is made (mode 0777 less the umask)."""
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     walked = ""
+
+    def opened(name: str) -> int:
+        """`name` in `fd` opened as a directory, never through a link."""
+        try:
+            return os.open(
+                name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                raise errors.PermissionDeniedError(
+                    f"{action} of {url!r}: {walked} is a link (swapped in after the check of "
+                    "the checkpoint roots?); links are not followed there"
+                ) from None
+            raise errors.InvalidArgumentError(
+                f"{action} of {url!r}: {walked} is a file, not a directory (a checkpoint "
+                "is a directory)"
+            ) from None
+
     try:
         for name in [part for part in path.split("/") if part]:
             walked += "/" + name
-            flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
-                child = os.open(name, flags, dir_fd=fd)
+                child = opened(name)
             except FileNotFoundError:
                 if not create:
                     raise errors.NotFoundError(
@@ -172,19 +204,7 @@ def hold_directory(path: str, url: str, action: str, create: bool) -> int:
                     ) from None
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o777, dir_fd=fd)
-                child = os.open(name, flags, dir_fd=fd)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    raise errors.PermissionDeniedError(
-                        f"{action} of {url!r}: {walked} is a link (swapped in after the check of "
-                        "the checkpoint roots?); links are not followed there"
-                    ) from None
-                raise errors.InvalidArgumentError(
-                    f"{action} of {url!r}: {walked} is a file, not a directory (a checkpoint "
-                    "is a directory)"
-                ) from None
+                child = opened(name)  # (a link or file made meanwhile: refused as above)
             os.close(fd)
             fd = child
         return fd

@@ -127,6 +127,8 @@ class PendingLoad:
 # deadline this often.
 _PERSIST_WAITERS = 2
 _PERSIST_POLL_S = 0.2
+# How long a shutdown waits for the save or load under way before it goes on.
+_CLOSE_WAIT_S = 5.0
 
 _RANGE_STREAM_FIELDS = (
     "first_bucket", "end_bucket", "caught_up", "rounds", "rows_sent", "ended", "error",
@@ -335,22 +337,26 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         )  # fmt: skip
 
     @contextlib.contextmanager
-    def _persisting(self, what: str, context: grpc.ServicerContext) -> Iterator[None]:
+    def _persisting(
+        self, what: str, context: grpc.ServicerContext, *, capped: bool = True
+    ) -> Iterator[None]:
         """Holds the persist lock for `what` (a Save or Load, as the log says
         it). One runs at a time; at most _PERSIST_WAITERS more wait, each as
         long as its caller does, and more are refused: each holds a thread
         of the admin plane's pool, whose others health checks and Stats must
         always find (a save to a store that never answers holds the lock for
-        as long as that)."""
+        as long as that). Not `capped`: a later phase of a load under way
+        (its COMMIT, ROLLBACK, ...), which finishes what the shards began
+        together and is never refused for others that wait."""
         if not self._persist_lock.acquire(blocking=False):
             with self._persist_state:
                 running = self._describe_persisting()
-                if self._persist_waiters >= _PERSIST_WAITERS:
+                if capped and self._persist_waiters >= _PERSIST_WAITERS:
                     raise errors.ResourceExhaustedError(
                         f"shard {self._shard.shard_index}: {what} refused: {running}, and "
                         f"{self._persist_waiters} more wait for it; try again after them"
                     )
-                self._persist_waiters += 1
+                self._persist_waiters += int(capped)
             try:
                 while not self._persist_lock.acquire(timeout=_PERSIST_POLL_S):
                     if not context.is_active():
@@ -360,7 +366,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                         )
             finally:
                 with self._persist_state:
-                    self._persist_waiters -= 1
+                    self._persist_waiters -= int(capped)
         with self._persist_state:
             self._persisting_now = (what, time.monotonic())
         try:
@@ -450,7 +456,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         if phase in (phases.COMMIT, phases.ABORT, phases.FINISH, phases.ROLLBACK):
             if not request.load_id:
                 raise errors.InvalidArgumentError("this Load phase needs a load_id")
-            with self._persisting(f"Load {request.load_id}", context):
+            with self._persisting(f"Load {request.load_id}", context, capped=False):
                 return self._load_response(self._next_phase(phase, request.load_id))
         if phase not in (phases.LOAD, phases.PREPARE):
             raise errors.InvalidArgumentError(f"unknown Load phase {phase}")
@@ -567,9 +573,15 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             self._expiry = None
 
     def close(self) -> None:
-        """Cancels the expiry timer (at shutdown)."""
-        with self._persist_lock:
+        """Cancels the expiry timer (at shutdown), without waiting long for a
+        save or load that holds the lock (one a store never answers holds it
+        for good)."""
+        held = self._persist_lock.acquire(timeout=_CLOSE_WAIT_S)
+        try:
             self._set_pending(None)
+        finally:
+            if held:
+                self._persist_lock.release()
 
     @staticmethod
     def _load_response(result: dict[str, Any]) -> Any:

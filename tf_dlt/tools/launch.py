@@ -41,6 +41,18 @@ def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(proc.pid, signum)
 
 
+def _group_left(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether a process of the group `proc` leads still runs (its first
+    process counts until reaped)."""
+    if proc.poll() is None:
+        return True
+    try:
+        os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 class _Printer:
     """Writes whole prefixed lines from several threads."""
 
@@ -281,14 +293,18 @@ class Launch:
         # there or not (what it started may be).
         for w in self.workers:
             _signal_group(w, signal.SIGTERM)
+        # The grace is every process's, not only the first's (a wrapper
+        # script dies at once; the trainer it ran may still be saving).
         deadline = time.monotonic() + self.grace
+        while any(_group_left(w) for w in self.workers) and time.monotonic() < deadline:
+            for w in self.workers:
+                w.poll()  # reaps the first process once it exits
+            time.sleep(_POLL_S)
         for w in self.workers:
-            try:
-                w.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.kill()
-                w.wait(10)
             _signal_group(w, signal.SIGKILL)
+            if w.poll() is None:
+                w.kill()
+            w.wait(10)
         status = 0
         if self.cluster is not None:
             codes = self.cluster.stop(timeout=max(self.grace, _SHARD_STOP_S))
@@ -306,7 +322,12 @@ class Launch:
         return status
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP too: trainers, in sessions of their own, do not get a
+        # closed terminal's; the launcher stops them.
+        previous = {
+            s: signal.signal(s, self._on_signal)
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        }
         code = 1
         try:
             pservers = self._start_shards()
@@ -314,6 +335,7 @@ class Launch:
                 self._start_workers(pservers)
             code = self._supervise()
         except StartInterrupted:
+            self._start_failed = True  # shards stopped before their handlers: no blame
             code = self._supervise()  # says which signal, and gives its code
         except (RuntimeError, TimeoutError) as e:
             self.say(f"failed: {e}")
