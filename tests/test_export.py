@@ -253,3 +253,11 @@ def test_no_auth_token_is_written_into_an_exported_model(
             env={"TF_DLT_AUTH_TOKEN_FILE": token},
         )  # fmt: skip
     assert token not in str(refused.value)
+    # A FIFO named as the file: the serving process's first lookup blocked
+    # on it for good (the op kernel read it to its end).
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(AssertionError, match="not a regular file"):
+        _serve_elsewhere(
+            tmp_path, tmp_path / "remote", x, with_tf_dlt=True,
+            env={"TF_DLT_AUTH_TOKEN_FILE": str(tmp_path / "fifo")},
+        )  # fmt: skip

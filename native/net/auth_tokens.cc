@@ -1,7 +1,15 @@
 #include "native/net/auth_tokens.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <map>
 #include <mutex>
+
+#include "native/net/wire.h"
 
 namespace dlt {
 namespace {
@@ -31,6 +39,53 @@ std::string ClientToken(const std::string& name) {
   std::lock_guard<std::mutex> lock(TokensMutex());
   const auto it = Tokens().find(name);
   return it == Tokens().end() ? std::string() : it->second;
+}
+
+Status ReadTokenFile(const std::string& path, const std::string& named_by, std::string* token) {
+  const std::string what = "the auth token file " + named_by + " names";
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return FailedPrecondition("cannot read " + what + ": " + std::strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return FailedPrecondition("cannot read " + what + ": not a regular file");
+  }
+  // Past the limit by more than whitespace explains: refused below unread.
+  std::string read(2 * wire::kMaxTokenBytes + 4096, '\0');
+  size_t got = 0;
+  while (got < read.size()) {
+    const ssize_t n = ::read(fd, &read[got], read.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      close(fd);
+      return FailedPrecondition("cannot read " + what + ": " + std::strerror(err));
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  close(fd);
+  read.resize(got);
+  size_t begin = 0, end = read.size();
+  auto space = [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); };
+  while (begin < end && space(read[begin])) ++begin;
+  while (end > begin && space(read[end - 1])) --end;
+  if (begin == end) return FailedPrecondition(what + " is empty");
+  if (end - begin > wire::kMaxTokenBytes) {
+    return FailedPrecondition(what + " holds more than " + std::to_string(wire::kMaxTokenBytes) +
+                              " bytes; a token has at most " +
+                              std::to_string(wire::kMaxTokenBytes) + " (the wrong file?)");
+  }
+  for (size_t i = begin; i < end; ++i) {
+    const auto c = static_cast<unsigned char>(read[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return FailedPrecondition(what +
+                                " holds a character a request header cannot carry: a token is "
+                                "printable ASCII, without line breaks");
+    }
+  }
+  *token = read.substr(begin, end - begin);
+  return OkStatus();
 }
 
 }  // namespace dlt

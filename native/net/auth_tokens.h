@@ -9,12 +9,22 @@
 
 #include <string>
 
+#include "native/core/status.h"
+
 namespace dlt {
 
 // Sets (or with an empty token, forgets) the token of client `name`.
 void SetClientToken(const std::string& name, const std::string& token);
 // The token of client `name`; "" when none was set.
 std::string ClientToken(const std::string& name);
+
+// The token in file `path` (surrounding whitespace dropped), as tf_dlt's
+// Python reads one (client.read_token_file): a regular file only (a FIFO
+// would block, a device never end), a few KiB of it at most, holding at
+// most wire::kMaxTokenBytes of printable ASCII (a gRPC header carries it).
+// Errors name `named_by` (the variable or flag), never the path or token:
+// a token pasted where its file goes would be printed.
+Status ReadTokenFile(const std::string& path, const std::string& named_by, std::string* token);
 
 }  // namespace dlt
 

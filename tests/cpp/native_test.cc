@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -32,6 +34,7 @@
 #include "native/core/shard.h"
 #include "native/core/table.h"
 #include "native/core/work_queue.h"
+#include "native/net/auth_tokens.h"
 #include "native/net/client.h"
 #include "native/net/data_server.h"
 #include "native/net/socket.h"
@@ -818,3 +821,38 @@ DLT_TEST(TestEmbeddedTransportServesTheProcessShard) {
 
 }  // namespace
 }  // namespace dlt
+
+DLT_TEST(TestATokenFileIsARegularFileOfPrintableAscii) {
+  // As the Python client reads one: what a served SavedModel's lookups read
+  // from TF_DLT_AUTH_TOKEN_FILE. A FIFO blocked there, /dev/zero never ended.
+  using dlt::ReadTokenFile;
+  using dlt::Status;
+  char dir_template[] = "/tmp/dlt-token-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  auto file = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir + "/" + name, std::ios::binary) << text;
+    return dir + "/" + name;
+  };
+  std::string token;
+  EXPECT_OK(ReadTokenFile(file("good", "  s3cr3t token\n"), "VAR", &token));
+  EXPECT(token == "s3cr3t token");
+  const std::string fifo = dir + "/fifo";
+  EXPECT(mkfifo(fifo.c_str(), 0600) == 0);
+  const std::pair<std::string, const char*> refused[] = {
+      {file("empty", "\n"), "is empty"},
+      {file("utf8", "t\xc3\xb6k"), "printable ASCII"},
+      {file("lines", "a\nb"), "printable ASCII"},
+      {file("long", std::string(5000, 'x')), "at most 4096"},
+      {fifo, "not a regular file"},
+      {"/dev/zero", "not a regular file"},
+      {dir + "/missing", "No such file"},
+  };
+  for (const auto& [path, says] : refused) {
+    std::string got = "unchanged";
+    const Status s = ReadTokenFile(path, "VAR", &got);
+    EXPECT_ERROR_HAS(s, says);
+    EXPECT(s.message().find("VAR") != std::string::npos && got == "unchanged");
+    EXPECT(s.message().find(dir) == std::string::npos);  // never the path
+  }
+  std::filesystem::remove_all(dir);
+}

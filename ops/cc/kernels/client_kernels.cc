@@ -1,9 +1,6 @@
 // Kernels of Dlt>Client (creates or finds the ClientResource),
 // Dlt>ConfigureCache, Dlt>Flush, Dlt>DropPulledAhead and Dlt>ClientStats.
-#include <cctype>
 #include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -35,22 +32,10 @@ absl::Status TokenOf(const std::string& name, std::string* token) {
   *token = dlt::ClientToken(name);
   const char* path = std::getenv(kTokenFileEnv);
   if (!token->empty() || path == nullptr || *path == '\0') return absl::OkStatus();
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  // Never the path: a token pasted where its file goes would be printed.
-  if (!file) {
-    return errors::FailedPrecondition("cannot read the auth token file ", kTokenFileEnv, " names");
-  }
-  // Surrounding whitespace dropped, as the shards drop it from theirs.
-  const std::string read = text.str();
-  size_t begin = 0, end = read.size();
-  while (begin < end && std::isspace(static_cast<unsigned char>(read[begin]))) ++begin;
-  while (end > begin && std::isspace(static_cast<unsigned char>(read[end - 1]))) --end;
-  *token = read.substr(begin, end - begin);
-  if (token->empty()) {
-    return errors::FailedPrecondition("the auth token file ", kTokenFileEnv, " names is empty");
-  }
+  // Read as tf_dlt's Python reads it (surrounding whitespace dropped, as the
+  // shards drop it from theirs); errors never name the path.
+  const dlt::Status read = dlt::ReadTokenFile(path, kTokenFileEnv, token);
+  if (!read.ok()) return errors::FailedPrecondition(read.message());
   return absl::OkStatus();
 }
 
