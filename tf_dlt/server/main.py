@@ -72,7 +72,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--hello-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=5.0,
         help="seconds a connection has to say Hello",
     )
@@ -84,7 +84,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--io-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=30.0,
         help="seconds for the rest of a started frame to arrive and for a reply to be taken",
     )
@@ -242,7 +242,7 @@ def _at_least(least: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_seconds(text: str) -> float:
+def positive_seconds(text: str) -> float:
     """Seconds > 0 (0 was taken as 1 ms: every frame timed out)."""
     try:
         value = float(text)

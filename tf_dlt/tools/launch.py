@@ -28,6 +28,7 @@ from typing import IO, Any
 from tf_dlt import grpc_util
 from tf_dlt.cluster import MAX_REPLICAS, ClusterSpec
 from tf_dlt.server.local import LocalCluster, StartInterrupted
+from tf_dlt.server.main import positive_seconds
 
 _POLL_S = 0.1
 # Seconds shards get to shut down cleanly (at least; --grace when longer).
@@ -352,13 +353,6 @@ class Launch:
         self._stop_signal = signum
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pservers", type=int, default=1, help="shard servers (0: embedded)")
     parser.add_argument("--workers", type=int, default=1, help="trainer processes")
@@ -372,10 +366,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="extra `tf-dlt server` flag for every shard (repeat; e.g. --server-arg=--threads=4)",
     )  # fmt: skip
     parser.add_argument(
-        "--start-timeout", type=_positive_seconds, default=60.0, help="seconds for shards"
+        "--start-timeout", type=positive_seconds, default=60.0, help="seconds for shards"
     )
     parser.add_argument(
-        "--grace", type=_positive_seconds, default=10.0,
+        "--grace", type=positive_seconds, default=10.0,
         help="seconds trainers get between SIGTERM and SIGKILL (shards: at least 30)",
     )  # fmt: skip
     parser.epilog = "The trainer command follows '--'."
