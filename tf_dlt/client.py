@@ -9,11 +9,9 @@ shard advertises in its Hello reply, so users only ever list data addresses.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import queue
 import secrets
-import stat
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -714,8 +712,6 @@ class Client:
 
 
 TOKEN_FILE_ENV = "TF_DLT_AUTH_TOKEN_FILE"
-# The longest token a Hello carries (the wire protocol's limit).
-MAX_TOKEN_BYTES = 4096
 
 
 def read_token_file(
@@ -723,58 +719,29 @@ def read_token_file(
     named_by: str = "--auth-token-file",
     error: type[errors.DltError] = errors.InvalidArgumentError,
 ) -> str:
-    """The token in file `path` (surrounding whitespace dropped). A file
+    """The token in file `path` (surrounding whitespace dropped), read by
+    the native core as the op kernel reads TF_DLT_AUTH_TOKEN_FILE: a file
     that cannot be read, is not a regular file (a FIFO would block, a device
-    never end), or holds no token or one no request can carry (longer than
-    MAX_TOKEN_BYTES, or not printable ASCII: a gRPC header carries it) is
-    `error` naming `named_by` and the reason, never the path or the token: a
-    token pasted where its file goes would be printed."""
-    what = f"the auth token file {named_by} names"
+    never end), or holds no token or one no request can carry (see
+    check_token) is `error` naming `named_by` and the reason, never the path
+    or the token: a token pasted where its file goes would be printed."""
     try:
-        with open(path, "rb", buffering=0, opener=_open_regular) as f:
-            # Past the limit by more than whitespace can explain: refused
-            # below without reading the rest.
-            raw = f.read(2 * MAX_TOKEN_BYTES + 4096)
-        token = raw.decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise error(f"cannot read {what}: {reason}") from None
-    if not token:
-        raise error(f"{what} is empty")
-    check_token(token, what, error)
-    return token
+        return str(_native.read_token_file(os.fsencode(path), named_by))
+    except errors.DltError as e:
+        raise error(e.message) from None
 
 
 def check_token(
     token: str, what: str, error: type[errors.DltError] = errors.InvalidArgumentError
 ) -> None:
     """Raises `error` (naming `what`, never the token) unless every request
-    can carry `token`: at most MAX_TOKEN_BYTES of printable ASCII (a gRPC
-    header carries it to the control plane)."""
-    if len(token.encode()) > MAX_TOKEN_BYTES:
-        raise error(
-            f"{what} holds more than {MAX_TOKEN_BYTES} bytes; a token has at most "
-            f"{MAX_TOKEN_BYTES} (the wrong file?)"
-        )
-    if not all(0x20 <= ord(c) <= 0x7E for c in token):
-        raise error(
-            f"{what} holds a character a request header cannot carry: a token is printable "
-            "ASCII, without line breaks"
-        )
-
-
-def _open_regular(path: str, flags: int) -> int:
-    """os.open for read_token_file: never blocks on a FIFO, and refuses
-    anything but a regular file."""
-    fd = os.open(path, flags | os.O_NONBLOCK)
+    can carry `token`: at most 4,096 bytes of printable ASCII (a gRPC header
+    carries it to the control plane). The native core's rule, which token
+    files meet too."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        _native.check_token(token.encode("utf-8", "surrogatepass"), what)
+    except errors.DltError as e:
+        raise error(e.message) from None
 
 
 def token_from_env() -> str:

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include "native/net/wire.h"
 
@@ -41,8 +42,29 @@ std::string ClientToken(const std::string& name) {
   return it == Tokens().end() ? std::string() : it->second;
 }
 
+Status CheckToken(const std::string& token, const std::string& what) {
+  if (token.size() > wire::kMaxTokenBytes) {
+    return InvalidArgument(what + " holds more than " + std::to_string(wire::kMaxTokenBytes) +
+                           " bytes; a token has at most " + std::to_string(wire::kMaxTokenBytes) +
+                           " (the wrong file?)");
+  }
+  for (const char ch : token) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c < 0x20 || c > 0x7e) {
+      return InvalidArgument(what +
+                             " holds a character a request header cannot carry: a token is "
+                             "printable ASCII, without line breaks");
+    }
+  }
+  return OkStatus();
+}
+
 Status ReadTokenFile(const std::string& path, const std::string& named_by, std::string* token) {
   const std::string what = "the auth token file " + named_by + " names";
+  // open() would read a path with a NUL as the part before it.
+  if (path.find('\0') != std::string::npos) {
+    return FailedPrecondition("cannot read " + what + ": the path holds a NUL byte");
+  }
   const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return FailedPrecondition("cannot read " + what + ": " + std::strerror(errno));
   struct stat st;
@@ -71,20 +93,10 @@ Status ReadTokenFile(const std::string& path, const std::string& named_by, std::
   while (begin < end && space(read[begin])) ++begin;
   while (end > begin && space(read[end - 1])) --end;
   if (begin == end) return FailedPrecondition(what + " is empty");
-  if (end - begin > wire::kMaxTokenBytes) {
-    return FailedPrecondition(what + " holds more than " + std::to_string(wire::kMaxTokenBytes) +
-                              " bytes; a token has at most " +
-                              std::to_string(wire::kMaxTokenBytes) + " (the wrong file?)");
-  }
-  for (size_t i = begin; i < end; ++i) {
-    const auto c = static_cast<unsigned char>(read[i]);
-    if (c < 0x20 || c > 0x7e) {
-      return FailedPrecondition(what +
-                                " holds a character a request header cannot carry: a token is "
-                                "printable ASCII, without line breaks");
-    }
-  }
-  *token = read.substr(begin, end - begin);
+  std::string found = read.substr(begin, end - begin);
+  const Status checked = CheckToken(found, what);
+  if (!checked.ok()) return FailedPrecondition(checked.message());
+  *token = std::move(found);
   return OkStatus();
 }
 

@@ -18,12 +18,17 @@ void SetClientToken(const std::string& name, const std::string& token);
 // The token of client `name`; "" when none was set.
 std::string ClientToken(const std::string& name);
 
-// The token in file `path` (surrounding whitespace dropped), as tf_dlt's
-// Python reads one (client.read_token_file): a regular file only (a FIFO
-// would block, a device never end), a few KiB of it at most, holding at
-// most wire::kMaxTokenBytes of printable ASCII (a gRPC header carries it).
-// Errors name `named_by` (the variable or flag), never the path or token:
-// a token pasted where its file goes would be printed.
+// OK when every request can carry `token`: at most wire::kMaxTokenBytes
+// of printable ASCII (a gRPC header carries it to the control plane).
+// Otherwise InvalidArgument naming `what`, never the token.
+Status CheckToken(const std::string& token, const std::string& what);
+
+// The token in file `path` (surrounding whitespace dropped), for the op
+// kernel and tf_dlt's Python alike (client.read_token_file calls it): a
+// regular file only (a FIFO would block, a device never end), a few KiB of
+// it at most, holding a token CheckToken accepts. Errors are
+// FailedPrecondition naming `named_by` (the variable or flag), never the
+// path or token: a token pasted where its file goes would be printed.
 Status ReadTokenFile(const std::string& path, const std::string& named_by, std::string* token);
 
 }  // namespace dlt

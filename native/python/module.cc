@@ -55,6 +55,19 @@ PYBIND11_MODULE(_native, m) {
   });
 
   m.def("set_client_token", &SetClientToken, py::arg("name"), py::arg("token"));
+  m.def(
+      "read_token_file",
+      [](const py::bytes& path, const std::string& named_by) {
+        const std::string file = path;
+        std::string token;
+        CheckWithoutGil([&] { return ReadTokenFile(file, named_by, &token); });
+        return token;
+      },
+      py::arg("path"), py::arg("named_by"));
+  m.def(
+      "check_token",
+      [](const std::string& token, const std::string& what) { Check(CheckToken(token, what)); },
+      py::arg("token"), py::arg("what"));
 
   m.def("bucket_of", [](const IdArray& ids) {
     CheckIds(ids);

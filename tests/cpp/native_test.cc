@@ -846,6 +846,8 @@ DLT_TEST(TestATokenFileIsARegularFileOfPrintableAscii) {
       {fifo, "not a regular file"},
       {"/dev/zero", "not a regular file"},
       {dir + "/missing", "No such file"},
+      // open() would have read the good file named before the NUL
+      {file("good", "t") + std::string(1, '\0') + "x", "holds a NUL byte"},
   };
   for (const auto& [path, says] : refused) {
     std::string got = "unchanged";
@@ -854,5 +856,9 @@ DLT_TEST(TestATokenFileIsARegularFileOfPrintableAscii) {
     EXPECT(s.message().find("VAR") != std::string::npos && got == "unchanged");
     EXPECT(s.message().find(dir) == std::string::npos);  // never the path
   }
+  // The rule a token given as text meets too (tf_dlt.Client's auth_token).
+  EXPECT_OK(dlt::CheckToken("s3cr3t token", "the token"));
+  EXPECT_ERROR_HAS(dlt::CheckToken("a\tb", "the token"), "the token holds a character");
+  EXPECT_ERROR_HAS(dlt::CheckToken(std::string(4097, 'x'), "the token"), "at most 4096");
   std::filesystem::remove_all(dir);
 }
