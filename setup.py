@@ -339,7 +339,7 @@ if __name__ == "__main__":
         description="Distributed embedding lookup table for TensorFlow 2 / Keras 3",
         long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
         long_description_content_type="text/markdown",
-        python_requires=">=3.10",
+        python_requires=">=3.11",
         packages=[
             *find_packages(include=["tf_dlt", "tf_dlt.*"]),
             "tf_dlt.layers",

@@ -9,8 +9,9 @@ example). The embeddings and the dense weights (`tf_dlt.DenseOnShards`) live
 on the shards, so all trainers train one model, asynchronously. Each prints
 its held-out loss and AUC on a "RESULT {json}" line. With TF_DLT_CHECKPOINT
 set (the `tf-dlt k8s` manifests set it), the chief saves a checkpoint there
-after every epoch (`<checkpoint>/epoch-<n>`), which `tf-dlt k8s --load-from`
-or `tf_dlt.load` resume from.
+after every epoch (`<checkpoint>/epoch-<n>`), which `tf_dlt.load` resumes
+from (shards started with `tf-dlt k8s --load-from` take its tables:
+`<checkpoint>/epoch-<n>/tables`).
 """
 
 from __future__ import annotations

@@ -470,6 +470,17 @@ def test_no_manifest_means_no_checkpoint(
         pytest.raises(errors.FailedPreconditionError, match="not valid JSON"),
     ):
         client.load(str(tmp_path / "bad"))
+    # A model's save (tf_dlt.save, ModelCheckpoint) holds its tables in
+    # tables/: the error says so (tf-dlt k8s --load-from epoch-<n> crashed
+    # every shard with only "MANIFEST.json is missing").
+    with cluster.client() as client:
+        client.create_table("t", 4)
+        client.save(str(tmp_path / "model" / "tables"))
+        with pytest.raises(
+            errors.NotFoundError, match="its tables are the checkpoint at .*model/tables"
+        ):
+            client.load(str(tmp_path / "model"))
+        client.load(str(tmp_path / "model" / "tables"))
 
 
 @pytest.mark.cluster

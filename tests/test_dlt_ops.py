@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dlt
-from tf_dlt import _native
+from tf_dlt import _native, errors
 from tf_dlt import dlt_ops as ops
 from tf_dlt.table_config import TableConfig
 
@@ -339,6 +339,23 @@ def test_a_push_that_reports_an_earlier_error_says_it_was_not_sent(
     np.testing.assert_array_equal(ops.lookup(client, ids, "emb", DIM, training=False), before)
 
 
+def test_an_empty_push_raises_an_earlier_pushs_error(start_cluster: Callable[..., Cluster]) -> None:
+    """docs/ops.md: an asynchronous push's error surfaces on the next push
+    or flush, an empty one too (it returned at once, and the error went to
+    whichever push came after it)."""
+    client = _remote(start_cluster(1))
+    ops.push(client, np.arange(3, dtype=np.int64), tf.ones((3, DIM)), 0.1, "missing", DIM)
+    for _ in range(400):  # until the client took the failed push's reply
+        if ops.client_stats(client)["pushes_in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    empty = np.zeros([0], dtype=np.int64)
+    with pytest.raises(tf.errors.NotFoundError, match="no table 'missing'"):
+        ops.push(client, empty, tf.zeros((0, DIM)), 0.1, "emb", DIM)
+    ops.push(client, empty, tf.zeros((0, DIM)), 0.1, "emb", DIM)  # reported once
+    ops.flush(client)
+
+
 def test_pservers_override(
     start_cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -348,6 +365,40 @@ def test_pservers_override(
     monkeypatch.setenv(ops.PSERVERS_ENV, cluster.addresses[0])
     client = ops.ClientResource(["127.0.0.1:1"])  # overridden
     assert ops.lookup(client, np.arange(3, dtype=np.int64), "emb", DIM).shape == (3, DIM)
+
+
+def test_the_pservers_override_reaches_a_client_equal_to_an_earlier_one(
+    start_cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client made under TF_DLT_PSERVERS goes where it says, though one
+    made earlier with the same arguments went elsewhere (they were one
+    shared client), and the variable is read as Python reads it: spaces
+    around each address dropped; a malformed address is named."""
+    first, second = start_cluster(1), start_cluster(1)
+    for cluster, table in ((first, "in_first"), (second, "in_second")):
+        with cluster.client() as py:
+            py.create_table(table, DIM)
+    ids = np.arange(3, dtype=np.int64)
+    before = ops.ClientResource(first.addresses)
+    assert ops.lookup(before, ids, "in_first", DIM).shape == (3, DIM)
+    monkeypatch.setenv(ops.PSERVERS_ENV, f" {second.addresses[0]} , ")
+    after = ops.ClientResource(first.addresses)
+    assert ops.lookup(after, ids, "in_second", DIM).shape == (3, DIM)
+    monkeypatch.setenv(ops.PSERVERS_ENV, "127.0.0.1")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="TF_DLT_PSERVERS.*must be host:port"):
+        ops.ClientResource(first.addresses)
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan"), float("inf"), 30 * 86400.0])
+def test_a_timeout_the_kernel_cannot_keep_is_refused(seconds: float) -> None:
+    """Timeouts are milliseconds in an int: 30 days wrapped to a negative
+    deadline (some calls failed at random), inf overflowed, 0 became 1 ms."""
+    with pytest.raises(errors.InvalidArgumentError, match="request_timeout must be more than 0"):
+        ops.ClientResource(["127.0.0.1:1"], request_timeout=seconds)
+    with pytest.raises(errors.InvalidArgumentError, match="connect_timeout must be more than 0"):
+        ops.ClientResource(["127.0.0.1:1"], connect_timeout=seconds)
+    # 24 days is kept as given.
+    assert ops.ClientResource(["127.0.0.1:1"], request_timeout=24 * 86400.0).embedded is False
 
 
 def _needed(library: str) -> set[str]:

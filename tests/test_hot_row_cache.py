@@ -99,6 +99,29 @@ def test_cache_trains_exactly_as_without_under_sync_push(
     assert histories[0]["dlt_cache_hits"] == [0.0, 0.0]
 
 
+def test_an_op_of_another_dim_than_its_cache_is_refused(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A cache keeps rows of its config's dim; a lookup or push of another
+    dim sized its buffers by its own: it was served half of the next row
+    (or a cut row), then the process aborted on a corrupt heap."""
+    cluster = start_cluster(1)
+    config = cluster.client().create_table("t", DIM, optimizer="adagrad", seed=4)
+    mine = _fresh_client(cluster.addresses)
+    ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
+    ids = np.array([3, 11, -7], dtype=np.int64)
+    first = ops.lookup(mine, ids, "t", DIM).numpy()
+    for dim in (2 * DIM, DIM // 2):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="its hot-row cache's .* 4"):
+            ops.lookup(mine, ids, "t", dim)
+        grads = np.full((3, dim), 0.25, dtype=np.float32)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="its hot-row cache's .* 4"):
+            ops.push(mine, ids, grads, 0.1, "t", dim, sync=True)
+    # Nothing reached the cache or the shards.
+    np.testing.assert_array_equal(ops.lookup(mine, ids, "t", DIM).numpy(), first)
+    np.testing.assert_array_equal(_shard_rows(cluster, "t", ids), first)
+
+
 def test_other_trainers_pushes_reach_cached_rows_within_the_staleness_bound(
     start_cluster: Callable[..., Cluster],
 ) -> None:

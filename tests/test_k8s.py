@@ -151,7 +151,7 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ("--name CTR --image i", "name must be lower-case"),
+        ("--name CTR --image i", "name must be at most 40 lower-case"),
         ("--name ctr --image i --checkpoint /data/x", "a path under /checkpoints/"),
         ("--name ctr --image i --workers 0", "workers >= 1"),
         # Printed with exit 0 before, for kubectl to reject (or to size a
@@ -161,11 +161,55 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
         ("--name ctr --image i --worker-cpu -1", "--worker-cpu must be a positive"),
         ("--name ctr --image i --checkpoint-volume-size 10", "is under 1 MiB"),
         ("--name ctr --image ''", "image must name a container image"),
+        # A Service's name begins with a letter, labels end with one or a
+        # digit, and "<name>-ps-r4-<hash>" must fit a label's 63 characters.
+        ("--name ctr- --image i", "name must be at most 40"),
+        ("--name 1ctr --image i", "name must be at most 40"),
+        ("--name ctré --image i", "name must be at most 40"),
+        (f"--name {'c' * 41} --image i", "name must be at most 40"),
+        ("--name ctr --image i --credentials-secret Bad_Name", "--credentials-secret must name"),
+        ("--name ctr --image i --auth-token-secret 'my token'", "--auth-token-secret must name"),
+        ("--name ctr --image i --worker-memory 8", "--worker-memory '8' is under 1 MiB"),
+        # NaN and inf were tracebacks; a dim no table can have one too.
+        ("--name ctr --image i --rows nan", "rows must be a number >= 0"),
+        ("--name ctr --image i --headroom inf", "headroom one >= 1"),
+        ("--name ctr --image i --sketch-bytes nan", "sketch_bytes must be a number"),
+        ("--name ctr --image i --dim 100000000", "dim must be 1 to 65536"),
+        # The shards resolved this root to the container's /etc.
+        ("--name ctr --image i --checkpoint /checkpoints/../etc", "a path under /checkpoints/"),
+        ("--name ctr --image i --load-from relative/ctr", "--load-from must be a URL"),
+        (
+            "--name ctr --image i --checkpoint s3://b/ctr --load-from /checkpoints/ctr/epoch-1",
+            "only a --checkpoint on it mounts",
+        ),
     ],
 )
 def test_bad_flags_are_refused(flags: str, message: str) -> None:
     out = _generate(flags)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_a_disk_tier_gets_a_volume_per_shard_that_goes_with_its_pod() -> None:
+    flags = "--name ctr --image i --memory-budget 48GiB"
+    plain = _generate(flags)
+    assert plain.returncode == 0, plain.stderr
+    # Without --ssd there is no tier: the header said rows lived on one.
+    assert "rows past the budget are evicted (no --ssd" in plain.stdout
+    assert "volumeClaimTemplates" not in plain.stdout
+    tiered = _generate(flags + " --ssd 1600Gi --tier-storage-class local-ssd")
+    assert tiered.returncode == 0, tiered.stderr
+    assert "rows past the budget live on the tier volume" in tiered.stdout
+    shards = _objects(tiered.stdout)["StatefulSet"]["spec"]
+    (claim,) = shards["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1600Gi"
+    assert claim["spec"]["storageClassName"] == "local-ssd"
+    # A kept claim would hold 1600Gi after `kubectl delete -f`.
+    assert shards["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Delete", "whenScaled": "Delete",
+    }  # fmt: skip
+    for doc in yaml.safe_load_all(tiered.stdout):
+        for version in VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_a_token_secret_is_generated_unless_one_is_named_or_insecure() -> None:

@@ -222,6 +222,32 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
         ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
 
 
+def test_a_member_that_began_between_two_greetings_is_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member surveyed as it began as the primary: its trainer Hello was
+    refused (it was joining), its replica Hello taken, and by the Stats
+    after them it was the primary. That counted as "no whole copy" and the
+    second member began too (both primaries, writes lost on one)."""
+    members = ["127.0.0.1:7100", "127.0.0.1:7101"]
+    link = replication.StandbyLink(
+        None, members[1], 0, 1, "", take_over=lambda: None, caught_up=lambda: False,
+        replica_set=members, begin=lambda: None, step_down=lambda primary: None,
+        epoch=lambda: 0,
+    )  # fmt: skip
+
+    def greet(address: str, replica: bool = False) -> dict[str, object]:
+        if not replica:
+            raise errors.UnavailableError("a standby (joining) answers trainers UNAVAILABLE")
+        return {"admin_port": 7200}
+
+    monkeypatch.setattr(link, "_greet", greet)
+    for role, verdict in (("primary", members[0]), ("beginning", replication._WAIT)):
+        stats = type("Stats", (), {"role": role, "caught_up": False})()
+        monkeypatch.setattr(replication, "member_stats", lambda *a, s=stats: s)
+        assert link._survey() == verdict
+
+
 def test_a_standby_of_its_own_address_is_refused_at_start() -> None:
     """`--standby-of` naming the server itself (a copy-paste of its own
     flags) retried its Hello to itself for ever, saying only that the

@@ -490,6 +490,16 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     refused(server("--port", "0", "--metrics-port", "70000"), "a port is 0-65535")
     refused(server("--port", "0", "--io-timeout", "0"), "must be > 0 seconds")
     refused(server("--port", "0", "--shard-index", "-1"), "must be >= 0")
+    # Taken: a load timeout of 0, -5 or NaN expired every cluster load; a
+    # grace of inf broke SIGTERM; -1 bytes printed pybind's signature dump.
+    refused(server("--port", "0", "--load-timeout", "nan"), "must be > 0 seconds")
+    refused(server("--port", "0", "--takeover-after", "-1"), "must be > 0 seconds")
+    refused(server("--port", "0", "--idle-timeout", "nan"), "must be >= 0 seconds")
+    refused(server("--port", "0", "--stop-grace", "inf"), "must be at most 2147484 seconds")
+    refused(server("--port", "0", "--max-frame-bytes", "-1"), "must be >= 0")
+    refused(server("--port", "0", "--max-buffered-bytes", "-1"), "must be >= 1")
+    # It was taken, and the standby logged "must be host:port" forever.
+    refused(server("--port", "0", "--standby-of", "nohost"), "must be host:port")
     # Index N of N owned no bucket and said "shard 2/2 serving" (counted from 1).
     refused(
         server("--port", "0", "--shard-index", "2", "--num-shards", "2"),

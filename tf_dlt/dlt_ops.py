@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_dlt import _native
+from tf_dlt import _native, errors
 from tf_dlt.client import address_list
 from tf_dlt.table_config import TableConfig
 
@@ -70,6 +70,9 @@ def overridden_pservers(addresses: Sequence[str]) -> list[str]:
     return [a.strip() for a in override.split(",") if a.strip()] or list(addresses)
 
 
+# The longest connect or request timeout (the kernel's int of milliseconds).
+_MAX_TIMEOUT_MS = 2**31 - 1
+
 _token_numbers: dict[str, int] = {}
 
 
@@ -110,6 +113,14 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
     ) -> None:
         self.pservers = address_list(pservers) if pservers else []
         self.instance = instance
+        for what, seconds in (("connect_timeout", connect_timeout),
+                              ("request_timeout", request_timeout)):  # fmt: skip
+            # The kernel keeps milliseconds in an int (NaN fails the test).
+            if not 0 < seconds * 1000 <= _MAX_TIMEOUT_MS:
+                raise errors.InvalidArgumentError(
+                    f"{what} must be more than 0 and at most {_MAX_TIMEOUT_MS // 1000} seconds "
+                    f"(24.8 days), got {seconds}"
+                )
         self._options: dict[str, Any] = {
             "connect_timeout": connect_timeout, "request_timeout": request_timeout,
             "frame_bytes": frame_bytes, "max_inflight_pushes": max_inflight_pushes,
@@ -126,7 +137,12 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
             "max_inflight_pushes": int(max_inflight_pushes),
         }
         if self.pservers:
-            key = repr(sorted(self._attrs.items())) + (f"/{instance}" if instance else "")
+            # The kernel reads TF_DLT_PSERVERS when it makes the client: a
+            # client made under another override is another client.
+            override = overridden_pservers(self.pservers) if os.environ.get(PSERVERS_ENV) else []
+            key = repr((sorted(self._attrs.items()), override)) + (
+                f"/{instance}" if instance else ""
+            )
             digest = hashlib.sha256(key.encode()).hexdigest()
             # Clients differing only in their token are different clients;
             # the name holds a number per token, nothing derived from it.

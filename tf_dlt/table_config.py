@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from tf_dlt.proto import dlt_pb2
 
 
+# The widest row (the wire protocol carries at most this many values a row).
+MAX_DIM = 65536
+
+
 @dataclasses.dataclass(frozen=True)
 class TableConfig:
     """Configuration of one distributed table.
@@ -66,8 +70,8 @@ class TableConfig:
             or not (0 <= seed < 2**64)
         ):
             raise errors.InvalidArgumentError(f"seed must be an int in [0, 2**64), got {seed!r}")
-        if not 1 <= int(dim) <= 65536:
-            raise errors.InvalidArgumentError(f"dim must be in [1, 65536], got {dim}")
+        if not 1 <= int(dim) <= MAX_DIM:
+            raise errors.InvalidArgumentError(f"dim must be in [1, {MAX_DIM}], got {dim}")
         config = cls(
             name=name,
             dim=int(dim),

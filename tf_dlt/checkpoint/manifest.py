@@ -576,10 +576,22 @@ def read_manifest(path: str, source: str = "") -> dict[str, Any]:
     except FileNotFoundError:
         raise errors.NotFoundError(
             f"no committed checkpoint at {path!r}: {MANIFEST} is missing"
+            + _model_save_hint(fs, root, path)
         ) from None
     except OSError as e:  # a link (ELOOP), a name too long, no permission
         raise errors.error_for_storage(e, f"cannot read {path}/{MANIFEST}") from None
     return _parse_manifest(data, path)
+
+
+def _model_save_hint(fs: fsspec.AbstractFileSystem, root: str, path: str) -> str:
+    """Where the tables are when `path` is a model's save (tf_dlt.save,
+    tf_dlt.ModelCheckpoint), whose tables are a checkpoint in its `tables/`."""
+    try:
+        if fs.isfile(f"{root}/tables/{MANIFEST}"):
+            return f" (it holds a model's save: its tables are the checkpoint at {path}/tables)"
+    except OSError:
+        pass
+    return ""
 
 
 def _parse_manifest(data: bytes, path: str) -> dict[str, Any]:

@@ -48,25 +48,25 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--max-frame-bytes",
-        type=int,
+        type=_at_least(0, 2**32 - 1),
         default=_native.DEFAULT_MAX_FRAME_BYTES,
         help="largest data-plane frame payload accepted",
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=_at_least(0, 1024),
         default=0,
         help="data-plane worker threads (default 0: one per CPU the process may use)",
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=_at_least(0, 2**31 - 1),
         default=0,
         help="authenticated data-plane connections at once (default 0: what ulimit -n allows)",
     )
     p.add_argument(
         "--max-unauthenticated",
-        type=int,
+        type=_at_least(0, 2**31 - 1),
         default=256,
         help="connections yet to say Hello; past it the oldest is closed",
     )
@@ -78,7 +78,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--idle-timeout",
-        type=float,
+        type=_seconds_or_zero,
         default=600.0,
         help="seconds an idle authenticated connection stays open (0: forever)",
     )
@@ -90,7 +90,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--max-buffered-bytes",
-        type=int,
+        type=_at_least(1),
         default=1 << 30,
         help="bytes of frames and replies held over all connections (past it, connections wait)",
     )
@@ -103,13 +103,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--load-timeout",
-        type=float,
+        type=positive_seconds,
         default=600.0,
         help="seconds a prepared or uncommitted cluster load is kept before it expires",
     )
     p.add_argument(
         "--sweep-interval",
-        type=float,
+        type=positive_seconds,
         default=10.0,
         help="seconds between sweeps removing rows past their table's ttl",
     )
@@ -139,7 +139,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "every new delta as it is committed",
     )
     p.add_argument(
-        "--follow-interval", type=float, default=5.0, help="seconds between reads of --follow"
+        "--follow-interval",
+        type=positive_seconds,
+        default=5.0,
+        help="seconds between reads of --follow",
     )
     p.add_argument(
         "--standby-of",
@@ -171,7 +174,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--detach-standby-after",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="a primary detaches a standby that stays down this long (the other standbys then "
@@ -179,7 +182,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--standby-timeout",
-        type=float,
+        type=positive_seconds,
         default=10.0,
         metavar="SECONDS",
         help="a sync push waits this long for a standby to apply it; past it the primary "
@@ -188,14 +191,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--takeover-after",
-        type=float,
+        type=positive_seconds,
         default=1.0,
         metavar="SECONDS",
         help="with --standby-of or --replica-set: how long the primary must stay unreachable "
         "before this standby takes over",
     )
     p.add_argument(
-        "--stop-grace", type=float, default=60.0, help="seconds SIGTERM waits for a running Save"
+        "--stop-grace",
+        type=_seconds_or_zero,
+        default=60.0,
+        help="seconds SIGTERM waits for a running Save",
     )
     p.add_argument("--tls-cert", help="PEM certificate: serve the control plane over TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -229,7 +235,7 @@ def _port(text: str) -> int:
     return port
 
 
-def _at_least(least: int) -> Callable[[str], int]:
+def _at_least(least: int, most: int = 2**64 - 1) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -237,20 +243,41 @@ def _at_least(least: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
         return value
 
     return parse
 
 
-def positive_seconds(text: str) -> float:
-    """Seconds > 0 (0 was taken as 1 ms: every frame timed out)."""
+# The longest time a flag may give: the native core keeps milliseconds in
+# an int.
+MAX_SECONDS = (2**31 - 1) / 1000
+
+
+def _seconds(text: str, zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    if not (value >= 0 if zero else value > 0):  # NaN fails both
+        raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'} seconds, got {text}")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_SECONDS:.0f} seconds (24.8 days), got {text}"
+        )
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """Seconds > 0 (0 was taken as 1 ms: every frame timed out) and at most
+    MAX_SECONDS; not NaN."""
+    return _seconds(text, zero=False)
+
+
+def _seconds_or_zero(text: str) -> float:
+    """Seconds >= 0 and at most MAX_SECONDS; not NaN."""
+    return _seconds(text, zero=True)
 
 
 def _size(text: str) -> int:

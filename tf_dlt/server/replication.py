@@ -426,6 +426,10 @@ class StandbyLink:
                 self.error = f"{member}: {e}"  # no process, or no answer
                 earlier_silent |= order < rank
                 continue
+            if stats.role == "primary":
+                # It began (or took over) between the two greetings: it serves.
+                serving.append((0, -order, member))
+                continue
             if (
                 (stats.role == "standby" and stats.caught_up)
                 or stats.role == "beginning"
@@ -810,10 +814,12 @@ class StandbyLink:
                 except errors.DltError:
                     continue  # a standby, one learning its role, or no process
                 if theirs > epoch or (theirs == epoch and order < me):
-                    log.error(
-                        "replica set: %s serves epoch %d, newer than this copy's %d: following it",
-                        member, theirs, epoch,
-                    )  # fmt: skip
+                    why = (
+                        f"epoch {theirs}, newer than this copy's {epoch}"
+                        if theirs > epoch
+                        else f"epoch {theirs} as this copy does, and comes first in the set"
+                    )
+                    log.error("replica set: %s serves %s: following it", member, why)
                     return member
         return None
 

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tf_dlt import _native, errors, tls
 from tf_dlt.checkpoint import shard_files
-from tf_dlt.cluster import MAX_REPLICAS
+from tf_dlt.cluster import MAX_REPLICAS, is_address
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server import follower, metrics, paths, replication, reshard, service
 from tf_dlt.server.follower import Follower, FollowStatus
@@ -165,6 +165,9 @@ class ShardServer:
             raise ValueError("give load_from or follow, not both")
         if memory_budget < 0:
             raise ValueError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
+        if standby_of and not is_address(standby_of):
+            # It was taken, and the standby logged "must be host:port" forever.
+            raise ValueError(f"standby_of {standby_of!r} must be host:port")
         if standby_of and (read_only or load_from):
             raise ValueError("a standby takes its primary's tables: no read_only or load_from")
         if standby_of and standby_of in _own_addresses(bind, port, advertise):

@@ -209,12 +209,19 @@ def stateful_set(spec: JobSpec, replica: int = 0) -> dict[str, Any]:
         if spec.tier_storage_class:
             claim["spec"]["storageClassName"] = spec.tier_storage_class
         claims.append(claim)
+    # The claims go with their pods' set (deleted or scaled down): a tier
+    # is emptied at start anyway, and a kept one holds its whole size.
+    retention = {"whenDeleted": "Delete", "whenScaled": "Delete"}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _metadata(spec, spec.ps_set(replica), "ps"),
         "spec": {
-            **({"volumeClaimTemplates": claims} if claims else {}),
+            **(
+                {"volumeClaimTemplates": claims, "persistentVolumeClaimRetentionPolicy": retention}
+                if claims
+                else {}
+            ),
             "serviceName": spec.ps_service,
             "replicas": spec.pservers,
             "podManagementPolicy": "Parallel",
@@ -362,8 +369,12 @@ def render(spec: JobSpec) -> str:
         + f" x{spec.headroom} headroom + {BASE_MEMORY_MIB} MiB = {memory} MiB per shard."
         if not spec.memory_budget
         else f"# Shard memory: the --memory-budget of {spec.memory_budget / 2**30:.3g} GiB and "
-        f"the 10% a shard may pass it by = {memory} MiB per shard; rows past the budget live "
-        "on the tier volume.",
+        f"the 10% a shard may pass it by = {memory} MiB per shard; rows past the budget "
+        + (
+            "live on the tier volume."
+            if spec.tier_volume_size
+            else "are evicted (no --ssd: no disk tier; docs/memory.md)."
+        ),
         f"# Checkpoints: {spec.checkpoint}"
         + (" (shared ReadWriteMany volume)" if spec.on_volume else "")
         + "; shards save and load nowhere else.",

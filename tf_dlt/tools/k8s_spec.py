@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import re
 import secrets
 from dataclasses import dataclass, field
 
 from tf_dlt.cluster import MAX_REPLICAS
+from tf_dlt.table_config import MAX_DIM
 from tf_dlt.tools import capacity
 
 DATA_PORT, ADMIN_PORT, METRICS_PORT = 7000, 7001, 9100
@@ -43,6 +45,13 @@ _MEMORY_QUANTITY = re.compile(
 _CPU_QUANTITY = re.compile(r"\+?(\d+\.?\d*|\.\d+)(m|[eE][+-]?\d+)?")
 # A namespace is a DNS label (RFC 1123).
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+# The job's name begins every object's: a Service's is a DNS-1035 label (a
+# letter first), and the longest made from it, a standby set's
+# "<name>-ps-r4" with the 11 characters of its controller-revision-hash
+# label, must fit a label's 63.
+_JOB_NAME = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?")
+# Secrets are named by DNS subdomains (RFC 1123).
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # Storage sizes below this are a unit left out ("10" is 10 bytes).
 _MIN_VOLUME_BYTES = 1 << 20
 _SUFFIX_BYTES = {
@@ -106,8 +115,21 @@ class JobSpec:
     labels: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("-", "").isalnum() or not self.name.islower():
-            raise ValueError(f"name must be lower-case letters, digits and '-', got {self.name!r}")
+        if not _JOB_NAME.fullmatch(self.name):
+            raise ValueError(
+                "name must be at most 40 lower-case letters, digits and '-', beginning with a "
+                f"letter and ending with a letter or digit (it begins every object's), got "
+                f"{self.name!r}"
+            )
+        for flag, secret in (
+            ("--credentials-secret", self.credentials_secret),
+            ("--auth-token-secret", self.auth_token_secret),
+        ):
+            if secret is not None and not (len(secret) <= 253 and _DNS_SUBDOMAIN.fullmatch(secret)):
+                raise ValueError(
+                    f"{flag} must name a Secret (lower-case letters, digits, '-' and '.'), got "
+                    f"{secret!r}"
+                )
         if not _DNS_LABEL.fullmatch(self.namespace):
             raise ValueError(
                 "namespace must be lower-case letters, digits and '-' (a DNS label of at most "
@@ -117,8 +139,8 @@ class JobSpec:
             raise ValueError(f"image must name a container image, got {self.image!r}")
         for flag, cpu in (("--shard-cpu", self.shard_cpu), ("--worker-cpu", self.worker_cpu)):
             _quantity(flag, cpu, _CPU_QUANTITY, "2 or 500m")
-        _quantity("--worker-memory", self.worker_memory, _MEMORY_QUANTITY, "8Gi")
         for flag, size in (
+            ("--worker-memory", self.worker_memory),
             ("--checkpoint-volume-size", self.checkpoint_volume_size),
             ("--ssd", self.tier_volume_size),
         ):
@@ -139,12 +161,18 @@ class JobSpec:
             raise ValueError(
                 f"optimizer must be one of {sorted(capacity.SLOTS)}, got {self.optimizer!r}"
             )
-        if self.dim < 1 or self.rows < 0 or self.headroom < 1:
-            raise ValueError("dim must be >= 1, rows >= 0 and headroom >= 1")
+        if not 1 <= self.dim <= MAX_DIM:
+            raise ValueError(f"dim must be 1 to {MAX_DIM}, got {self.dim}")
+        # (NaN fails each comparison; inf is no size)
+        if not 0 <= self.rows < math.inf or not 1 <= self.headroom < math.inf:
+            raise ValueError(
+                f"rows must be a number >= 0 and headroom one >= 1, got {self.rows} and "
+                f"{self.headroom}"
+            )
         if not 0 < self.admission_rate <= 1:
             raise ValueError(f"admission_rate must be in (0, 1], got {self.admission_rate}")
-        if self.sketch_bytes < 0:
-            raise ValueError(f"sketch_bytes must be >= 0, got {self.sketch_bytes}")
+        if not 0 <= self.sketch_bytes < math.inf:
+            raise ValueError(f"sketch_bytes must be a number >= 0, got {self.sketch_bytes}")
         for dtype in (self.value_dtype, self.slot_dtype):
             if dtype not in capacity.DTYPE_BYTES:
                 raise ValueError(
@@ -152,11 +180,21 @@ class JobSpec:
                 )
         if not self.command:
             raise ValueError("no trainer command: give it after '--'")
-        if self.on_volume and not self.checkpoint.startswith(CHECKPOINT_MOUNT + "/"):
-            raise ValueError(
-                f"checkpoint must be a URL (s3://...) or a path under {CHECKPOINT_MOUNT}/ "
-                f"(the shared volume), got {self.checkpoint!r}"
-            )
+        for flag, location in (("--checkpoint", self.checkpoint), ("--load-from", self.load_from)):
+            # Shards read and write nothing else: a URL, or the shared volume
+            # ("/checkpoints/../etc" is the container's /etc).
+            if location is None or "://" in location:
+                continue
+            if not posixpath.normpath(location).startswith(CHECKPOINT_MOUNT + "/"):
+                raise ValueError(
+                    f"{flag} must be a URL (s3://...) or a path under {CHECKPOINT_MOUNT}/ "
+                    f"(the shared volume), got {location!r}"
+                )
+            if flag == "--load-from" and not self.on_volume:
+                raise ValueError(
+                    f"--load-from {location!r} is on the shared volume, which only a "
+                    "--checkpoint on it mounts"
+                )
         if self.memory_budget < 0:
             raise ValueError(f"memory_budget must be >= 0, got {self.memory_budget}")
         if self.tier_volume_size and not self.memory_budget:

@@ -1,11 +1,15 @@
 // Kernels of Dlt>Client (creates or finds the ClientResource),
 // Dlt>ConfigureCache, Dlt>Flush, Dlt>DropPulledAhead and Dlt>ClientStats.
 #include <cstdlib>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
 #include "native/net/auth_tokens.h"
+#include "native/net/socket.h"
 #include "ops/cc/kernels/client_resource.h"
 #include "ops/cc/kernels/status_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -51,8 +55,12 @@ class ClientOp : public ResourceOpKernel<ClientResource> {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("request_timeout_ms", &request_ms));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("frame_bytes", &frame_bytes));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("max_inflight_pushes", &inflight));
-    OP_REQUIRES(ctx, connect_ms > 0 && request_ms > 0,
-                errors::InvalidArgument("Dlt>Client timeouts must be positive"));
+    // Milliseconds in an int: a longer deadline wrapped to a negative one.
+    constexpr int64_t kMaxMs = std::numeric_limits<int>::max();
+    OP_REQUIRES(ctx,
+                connect_ms > 0 && request_ms > 0 && connect_ms <= kMaxMs && request_ms <= kMaxMs,
+                errors::InvalidArgument("Dlt>Client timeouts must be in [1, ", kMaxMs,
+                                        "] ms (24.8 days), got ", connect_ms, " and ", request_ms));
     OP_REQUIRES(ctx, frame_bytes >= 4096 && frame_bytes <= (int64_t{1} << 31),
                 errors::InvalidArgument("frame_bytes must be in [4096, 2^31], got ", frame_bytes));
     OP_REQUIRES(ctx, inflight >= 1,
@@ -62,8 +70,31 @@ class ClientOp : public ResourceOpKernel<ClientResource> {
     options_.tcp.frame_bytes = static_cast<uint32_t>(frame_bytes);
     options_.max_inflight_pushes = static_cast<int>(inflight);
     const char* override_list = std::getenv(kPserversEnv);
+    bool overridden = false;
     if (!options_.addresses.empty() && override_list != nullptr && *override_list != '\0') {
-      options_.addresses = absl::StrSplit(override_list, ',', absl::SkipWhitespace());
+      // "a:1, b:2" as Python's overridden_pservers reads it: each address
+      // without the spaces around it.
+      std::vector<std::string> addresses;
+      for (absl::string_view address : absl::StrSplit(override_list, ',')) {
+        address = absl::StripAsciiWhitespace(address);
+        if (!address.empty()) addresses.emplace_back(address);
+      }
+      if (!addresses.empty()) {
+        options_.addresses = std::move(addresses);
+        overridden = true;
+      }
+    }
+    // A malformed address is the caller's mistake, not a shard that is
+    // down: named now, not retried as UNAVAILABLE at the first lookup.
+    for (const std::string& address : options_.addresses) {
+      for (const std::string& member : dlt::net::SplitAddresses(address)) {
+        std::string host;
+        int port = 0;
+        const dlt::Status s = dlt::net::ParseAddress(member, &host, &port);
+        OP_REQUIRES(ctx, s.ok(),
+                    errors::InvalidArgument(overridden ? kPserversEnv : "Dlt>Client addresses",
+                                            ": ", s.message()));
+      }
     }
   }
 

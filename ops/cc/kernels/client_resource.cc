@@ -112,11 +112,23 @@ std::shared_ptr<dlt::RowCache> ClientResource::CacheOf(const std::string& table)
   return it == caches_.end() ? nullptr : it->second;
 }
 
-void ClientResource::PushToCache(const std::string& table, const int64_t* ids, const float* grads,
-                                 size_t n, float learning_rate) {
-  if (std::shared_ptr<dlt::RowCache> cache = CacheOf(table)) {
-    cache->Pushed(ids, grads, n, learning_rate);
-  }
+absl::Status ClientResource::CacheFor(const std::string& table, uint32_t dim,
+                                      std::shared_ptr<dlt::RowCache>* cache) const {
+  *cache = CacheOf(table);
+  if (*cache == nullptr || (*cache)->dim() == dim) return absl::OkStatus();
+  const uint32_t cached = (*cache)->dim();
+  *cache = nullptr;
+  return absl::InvalidArgumentError(
+      "table '" + table + "': this op's dim is " + std::to_string(dim) +
+      ", its hot-row cache's (the table config it was configured with) " + std::to_string(cached));
+}
+
+absl::Status ClientResource::PushToCache(const std::string& table, uint32_t dim, const int64_t* ids,
+                                         const float* grads, size_t n, float learning_rate) {
+  std::shared_ptr<dlt::RowCache> cache;
+  TF_RETURN_IF_ERROR(CacheFor(table, dim, &cache));
+  if (cache != nullptr) cache->Pushed(ids, grads, n, learning_rate);
+  return absl::OkStatus();
 }
 
 absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const int64_t* ids,

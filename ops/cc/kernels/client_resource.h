@@ -71,14 +71,20 @@ class ClientResource : public ResourceBase {
   absl::Status ConfigureCache(const dlt::TableConfig& config, const dlt::RowCacheOptions& options);
   // The cache of `table`, or null.
   std::shared_ptr<dlt::RowCache> CacheOf(const std::string& table) const;
+  // The cache of `table` (null: none) for an op of width `dim`:
+  // INVALID_ARGUMENT when the cache keeps rows of another width (the op's
+  // buffers are sized by its dim, the cache's rows by the config's).
+  absl::Status CacheFor(const std::string& table, uint32_t dim,
+                        std::shared_ptr<dlt::RowCache>* cache) const;
   // Records the staleness of a cached lookup's oldest row (`plan`).
   void CountCached(const dlt::RowCache::Plan& plan) {
     if (plan.hits > 0) counters_.cache_staleness.Record(plan.oldest_ms * 1000);
   }
-  // Applies this client's push to the cached rows of `table` (at once, so
-  // the next lookup reads it even while the push is on its way).
-  void PushToCache(const std::string& table, const int64_t* ids, const float* grads, size_t n,
-                   float learning_rate);
+  // Applies this client's push of width `dim` to the cached rows of
+  // `table` (at once, so the next lookup reads it even while the push is on
+  // its way); an error (CacheFor's) applies nothing.
+  absl::Status PushToCache(const std::string& table, uint32_t dim, const int64_t* ids,
+                           const float* grads, size_t n, float learning_rate);
 
   // Blocking assignment of `n` rows (fresh slots).
   absl::Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,

@@ -246,7 +246,12 @@ class LookupOp : public AsyncOpKernel {
       c->Unref();
       done();
     };
-    if (std::shared_ptr<dlt::RowCache> cache = c->CacheOf(table_)) {
+    std::shared_ptr<dlt::RowCache> cache;
+    if (const absl::Status status = c->CacheFor(table_, dim_, &cache); !status.ok()) {
+      finish(status);
+      return;
+    }
+    if (cache != nullptr) {
       // `ids` (a ref to the input) lives as long as the finish callback.
       CachedLookup::Start(c, std::move(cache), table_, dim_, mode_, id, n, rows,
                           [ids, finish](const absl::Status& status) { finish(status); });

@@ -39,14 +39,16 @@ class PushOp : public AsyncOpKernel {
                       errors::InvalidArgument("learning_rate must be a scalar"), done);
     const float learning_rate = lr.scalar<float>()();
     const int64_t n = ids.NumElements();
-    if (n == 0) {
-      done();
-      return;
-    }
     ClientResource* c = client.get();
-    c->PushToCache(table_, ids.flat<int64_t>().data(), grads.flat<float>().data(),
-                   static_cast<size_t>(n), learning_rate);
+    OP_REQUIRES_OK_ASYNC(
+        ctx,
+        c->PushToCache(table_, dim_, ids.flat<int64_t>().data(), grads.flat<float>().data(),
+                       static_cast<size_t>(n), learning_rate),
+        done);
+    // An empty push sends nothing, but goes through the queue like any
+    // other: an earlier push's error surfaces on it (docs/ops.md).
     auto work = [c, ids, grads, n, learning_rate, table = table_, dim = dim_]() {
+      if (n == 0) return absl::OkStatus();
       return c->Push(table, dim, ids.flat<int64_t>().data(), grads.flat<float>().data(),
                      static_cast<size_t>(n), learning_rate);
     };
