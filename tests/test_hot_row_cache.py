@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import tf_dlt
 from tf_dlt import dlt_ops as ops
+from tf_dlt import errors
 from tf_dlt.layers import Embedding
 
 import frames
@@ -120,6 +121,30 @@ def test_an_op_of_another_dim_than_its_cache_is_refused(
     # Nothing reached the cache or the shards.
     np.testing.assert_array_equal(ops.lookup(mine, ids, "t", DIM).numpy(), first)
     np.testing.assert_array_equal(_shard_rows(cluster, "t", ids), first)
+
+
+def test_a_cache_config_that_is_not_the_tables_is_refused(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """The cache applies pushes with the config it is given: an FTRL cache
+    of an Adam table (the same state width) served rows the shards never
+    held, and an SGD one of an Adagrad table failed every lookup INTERNAL."""
+    cluster = start_cluster(1)
+    cluster.client().create_table("t", DIM, optimizer="adam", seed=4)
+    mine = _fresh_client(cluster.addresses)
+    for optimizer, dim, says in (
+        ("ftrl", DIM, "optimizer.kind: adam vs ftrl"),
+        ("adam", 2 * DIM, "dim: 4 vs 8"),
+    ):
+        other = tf_dlt.TableConfig.create("t", dim, optimizer=optimizer, seed=4)
+        with pytest.raises(errors.FailedPreconditionError, match=says):
+            ops.configure_cache(mine, other, rows=8, max_staleness_steps=100, min_count=1)
+    assert ops.client_stats(mine)["cache_rows"] == 0
+    # The table's own config is taken; a table not made yet is not checked.
+    table = tf_dlt.TableConfig.create("t", DIM, optimizer="adam", seed=4)
+    ops.configure_cache(mine, table, rows=8, max_staleness_steps=100, min_count=1)
+    later = tf_dlt.TableConfig.create("later", DIM, optimizer="sgd")
+    ops.configure_cache(mine, later, rows=8, max_staleness_steps=100, min_count=1)
 
 
 def test_other_trainers_pushes_reach_cached_rows_within_the_staleness_bound(

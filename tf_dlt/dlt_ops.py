@@ -26,8 +26,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_dlt import _native, errors
-from tf_dlt.client import address_list
+from tf_dlt import _native, errors, table_config
+from tf_dlt.client import Client, address_list
 from tf_dlt.table_config import TableConfig
 
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dlt_ops.so")
@@ -197,12 +197,36 @@ def configure_cache(
     optimizer (so `config` must be the table's); a row is pulled again once
     it is `max_staleness_steps` lookups of the table or `max_staleness_ms`
     old (0: no bound of that kind; one is needed). `rows` 0 removes the
-    cache. `tf_dlt.hot_row_cache` does this for a model's layers."""
+    cache. `tf_dlt.hot_row_cache` does this for a model's layers.
+    FailedPreconditionError when the shards hold the table with another dim
+    or optimizer than `config`'s (asked of them once, here)."""
+    if rows and not client.embedded:
+        _check_cached_table(client, config)
     load_library().dlt_configure_cache(
         client=client.resource_handle, config=_native.encode_table_config(config.to_dict()),
         rows=int(rows), max_staleness_steps=int(max_staleness_steps),
         max_staleness_ms=int(max_staleness_ms), min_count=int(min_count),
     )  # fmt: skip
+
+
+def _check_cached_table(client: ClientResource, config: TableConfig) -> None:
+    """Refuses a cache `config` whose dim or optimizer is not that of the
+    table the shards hold under its name (a table not made yet is not
+    checked): the cache applies this trainer's pushes with `config`'s
+    optimizer, so it would serve rows the shards never hold, or pull state
+    of another width."""
+    addresses = overridden_pservers(client.pservers)
+    with Client(addresses, auth_token=client.auth_token) as shards:
+        held = shards.list_tables().get(config.name)
+    if held is None:
+        return
+    given, theirs = config.to_dict(), held["config"].to_dict()
+    if given["dim"] != theirs["dim"] or given["optimizer"] != theirs["optimizer"]:
+        raise errors.FailedPreconditionError(
+            f"configure_cache: the shards' table {config.name!r} is not the config given "
+            f"({table_config.difference(theirs, given)}, the shards' first); the cache applies "
+            "pushes as the table does, so give it the table's config"
+        )
 
 
 def lookup(
