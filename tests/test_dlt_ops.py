@@ -397,8 +397,19 @@ def test_a_timeout_the_kernel_cannot_keep_is_refused(seconds: float) -> None:
         ops.ClientResource(["127.0.0.1:1"], request_timeout=seconds)
     with pytest.raises(errors.InvalidArgumentError, match="connect_timeout must be more than 0"):
         ops.ClientResource(["127.0.0.1:1"], connect_timeout=seconds)
-    # 24 days is kept as given.
-    assert ops.ClientResource(["127.0.0.1:1"], request_timeout=24 * 86400.0).embedded is False
+    with pytest.raises(errors.InvalidArgumentError, match="request_timeout must be more than 0"):
+        tf_dlt.Client(["127.0.0.1:1"], request_timeout=seconds)
+
+
+def test_the_longest_timeouts_are_kept_and_the_kernel_checks_its_own() -> None:
+    kept = ops.ClientResource(["127.0.0.1:1"], request_timeout=24 * 86400.0)
+    assert kept._attrs["request_timeout_ms"] == 24 * 86400 * 1000
+    # A graph's attributes that no ClientResource checked.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="timeouts must be in"):
+        ops.load_library().dlt_client(
+            addresses=["127.0.0.1:1"], connect_timeout_ms=1000, request_timeout_ms=2**31,
+            frame_bytes=8 << 20, max_inflight_pushes=4, shared_name="dlt_timeouts_unchecked",
+        )  # fmt: skip
 
 
 def _needed(library: str) -> set[str]:

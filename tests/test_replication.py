@@ -243,9 +243,23 @@ def test_a_member_that_began_between_two_greetings_is_followed(
 
     monkeypatch.setattr(link, "_greet", greet)
     for role, verdict in (("primary", members[0]), ("beginning", replication._WAIT)):
-        stats = type("Stats", (), {"role": role, "caught_up": False})()
+        stats = type("Stats", (), {"role": role, "caught_up": False, "epoch": 1})()
         monkeypatch.setattr(replication, "member_stats", lambda *a, s=stats: s)
         assert link._survey() == verdict
+    # Beside an older primary that still answers trainers, the newer epoch's
+    # is followed.
+    members.append("127.0.0.1:7102")
+    link._replica_set = members
+    stats = type("Stats", (), {"role": "primary", "caught_up": False, "epoch": 3})()
+    monkeypatch.setattr(replication, "member_stats", lambda *a: stats)
+
+    def greet_old_primary(address: str, replica: bool = False) -> dict[str, object]:
+        if address == members[2]:
+            return {"epoch": 2}
+        return greet(address, replica)
+
+    monkeypatch.setattr(link, "_greet", greet_old_primary)
+    assert link._survey() == members[0]
 
 
 def test_a_standby_of_its_own_address_is_refused_at_start() -> None:

@@ -495,8 +495,8 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     refused(server("--port", "0", "--load-timeout", "nan"), "must be > 0 seconds")
     refused(server("--port", "0", "--takeover-after", "-1"), "must be > 0 seconds")
     refused(server("--port", "0", "--idle-timeout", "nan"), "must be >= 0 seconds")
-    refused(server("--port", "0", "--stop-grace", "inf"), "must be at most 2147484 seconds")
-    refused(server("--port", "0", "--max-frame-bytes", "-1"), "must be >= 0")
+    refused(server("--port", "0", "--stop-grace", "inf"), "must be at most 2147483.647 seconds")
+    refused(server("--port", "0", "--max-frame-bytes", "-1"), "must be >= 4096")
     refused(server("--port", "0", "--max-buffered-bytes", "-1"), "must be >= 1")
     # It was taken, and the standby logged "must be host:port" forever.
     refused(server("--port", "0", "--standby-of", "nohost"), "must be host:port")

@@ -9,6 +9,7 @@ NUM_BUCKETS: int
 STRIPES: int
 PROTOCOL_VERSION: int
 DEFAULT_MAX_FRAME_BYTES: int
+MIN_MAX_FRAME_BYTES: int
 PULL_MODES: dict[str, int]
 POLICY_CHOICES: dict[str, list[str]]
 OPTIMIZER_SLOTS: dict[str, int]

@@ -131,11 +131,12 @@ class Client:
         self._tls = tls if tls is not None else TlsConfig.from_env()
         self._request_timeout = request_timeout
         self._persist_timeout = persist_timeout
+        timeout_ms("persist_timeout", persist_timeout)  # checked alike
         self._data = _native.Client(
             self.pservers,
             auth_token=auth_token,
-            connect_timeout_ms=max(1, int(connect_timeout * 1000)),
-            request_timeout_ms=max(1, int(request_timeout * 1000)),
+            connect_timeout_ms=timeout_ms("connect_timeout", connect_timeout),
+            request_timeout_ms=timeout_ms("request_timeout", request_timeout),
             frame_bytes=frame_bytes,
         )
         self._connect_timeout = connect_timeout
@@ -712,6 +713,20 @@ class Client:
 
 
 TOKEN_FILE_ENV = "TF_DLT_AUTH_TOKEN_FILE"
+# The longest timeout: the native core keeps milliseconds in an int.
+MAX_TIMEOUT_MS = 2**31 - 1
+
+
+def timeout_ms(what: str, seconds: float) -> int:
+    """`seconds` in whole milliseconds (at least 1); InvalidArgumentError
+    naming `what` unless it is above 0 and at most MAX_TIMEOUT_MS (24.8
+    days): 30 days wrapped to a negative deadline, 0 was taken as 1 ms."""
+    if not 0 < seconds * 1000 <= MAX_TIMEOUT_MS:  # NaN fails too
+        raise errors.InvalidArgumentError(
+            f"{what} must be more than 0 and at most {MAX_TIMEOUT_MS / 1000:.3f} seconds "
+            f"(24.8 days), got {seconds}"
+        )
+    return max(1, int(seconds * 1000))
 
 
 def read_token_file(

@@ -27,7 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_dlt import _native, errors, table_config
-from tf_dlt.client import Client, address_list
+from tf_dlt.client import Client, address_list, timeout_ms
 from tf_dlt.table_config import TableConfig
 
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dlt_ops.so")
@@ -70,9 +70,6 @@ def overridden_pservers(addresses: Sequence[str]) -> list[str]:
     return [a.strip() for a in override.split(",") if a.strip()] or list(addresses)
 
 
-# The longest connect or request timeout (the kernel's int of milliseconds).
-_MAX_TIMEOUT_MS = 2**31 - 1
-
 _token_numbers: dict[str, int] = {}
 
 
@@ -113,14 +110,6 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
     ) -> None:
         self.pservers = address_list(pservers) if pservers else []
         self.instance = instance
-        for what, seconds in (("connect_timeout", connect_timeout),
-                              ("request_timeout", request_timeout)):  # fmt: skip
-            # The kernel keeps milliseconds in an int (NaN fails the test).
-            if not 0 < seconds * 1000 <= _MAX_TIMEOUT_MS:
-                raise errors.InvalidArgumentError(
-                    f"{what} must be more than 0 and at most {_MAX_TIMEOUT_MS // 1000} seconds "
-                    f"(24.8 days), got {seconds}"
-                )
         self._options: dict[str, Any] = {
             "connect_timeout": connect_timeout, "request_timeout": request_timeout,
             "frame_bytes": frame_bytes, "max_inflight_pushes": max_inflight_pushes,
@@ -131,15 +120,16 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
         self._auth_token = auth_token
         self._attrs: dict[str, Any] = {
             "addresses": self.pservers,
-            "connect_timeout_ms": max(1, int(connect_timeout * 1000)),
-            "request_timeout_ms": max(1, int(request_timeout * 1000)),
+            "connect_timeout_ms": timeout_ms("connect_timeout", connect_timeout),
+            "request_timeout_ms": timeout_ms("request_timeout", request_timeout),
             "frame_bytes": int(frame_bytes),
             "max_inflight_pushes": int(max_inflight_pushes),
         }
         if self.pservers:
             # The kernel reads TF_DLT_PSERVERS when it makes the client: a
             # client made under another override is another client.
-            override = overridden_pservers(self.pservers) if os.environ.get(PSERVERS_ENV) else []
+            override = overridden_pservers(self.pservers)
+            override = [] if override == self.pservers else override
             key = repr((sorted(self._attrs.items()), override)) + (
                 f"/{instance}" if instance else ""
             )

@@ -270,6 +270,13 @@ Status DecodeHelloReply(const uint8_t* p, size_t bytes, HelloReply* r, bool topo
   r->num_buckets = Get<uint32_t>(p, 12);
   r->admin_port = Get<uint32_t>(p, 16);
   r->max_frame_bytes = Get<uint32_t>(p, 20);
+  if (r->max_frame_bytes < kMinMaxFrameBytes) {
+    // No shard takes frames this small: a client would split every call
+    // into frames of nothing (0 bytes: none would ever be sent).
+    return Internal("Hello reply announces a largest frame of " +
+                    std::to_string(r->max_frame_bytes) + " bytes, below the protocol's least, " +
+                    std::to_string(kMinMaxFrameBytes));
+  }
   return OkStatus();
 }
 

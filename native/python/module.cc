@@ -19,6 +19,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("STRIPES") = kStripes;
   m.attr("PROTOCOL_VERSION") = static_cast<int>(wire::kVersion);
   m.attr("DEFAULT_MAX_FRAME_BYTES") = wire::kDefaultMaxFrameBytes;
+  m.attr("MIN_MAX_FRAME_BYTES") = wire::kMinMaxFrameBytes;
   // The core's names and layout, so Python never copies them.
   py::dict pull_modes;
   for (size_t i = 0; i < std::size(kPullModeNames); ++i) pull_modes[kPullModeNames[i]] = i;

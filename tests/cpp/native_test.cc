@@ -264,6 +264,7 @@ DLT_TEST(TestAHelloReplyCarriesItsLineageAndSkipsLaterParts) {
   reply.layout_epoch = 4;
   reply.layout = "a:1,d:3";
   reply.lineage = 0x1234567890abcdefULL;
+  reply.max_frame_bytes = 1 << 20;
   const std::string bytes = wire::EncodeHelloReply(reply, /*topology=*/true);
   const auto decode = [](const std::string& b, wire::HelloReply* r) {
     return wire::DecodeHelloReply(reinterpret_cast<const uint8_t*>(b.data()), b.size(), r, true);
@@ -279,6 +280,10 @@ DLT_TEST(TestAHelloReplyCarriesItsLineageAndSkipsLaterParts) {
   EXPECT_OK(decode(bytes + std::string(16, 'x'), &got));
   EXPECT(got.layout == "a:1,d:3" && got.lineage == reply.lineage);
   EXPECT(decode(bytes.substr(0, bytes.size() - 3), &got).code() == Code::kInternal);
+  // A largest frame no shard has (a rogue server's 0 split calls into
+  // empty frames).
+  reply.max_frame_bytes = 0;
+  EXPECT_ERROR_HAS(decode(wire::EncodeHelloReply(reply, true), &got), "largest frame of 0 bytes");
 }
 
 DLT_TEST(TestDeduperRunsAreIndependent) {

@@ -589,7 +589,7 @@ def _model_save_hint(fs: fsspec.AbstractFileSystem, root: str, path: str) -> str
     try:
         if fs.isfile(f"{root}/tables/{MANIFEST}"):
             return f" (it holds a model's save: its tables are the checkpoint at {path}/tables)"
-    except OSError:
+    except Exception:  # noqa: BLE001 - only a hint: the NotFoundError is what counts
         pass
     return ""
 

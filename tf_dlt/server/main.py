@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 
 from tf_dlt import _native, errors, sizes
-from tf_dlt.client import read_token_file
+from tf_dlt.client import MAX_TIMEOUT_MS, read_token_file
 from tf_dlt.server.shard_server import ShardServer
 
 
@@ -48,13 +48,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--max-frame-bytes",
-        type=_at_least(0, 2**32 - 1),
+        type=_at_least(_native.MIN_MAX_FRAME_BYTES, 2**32 - 1),
         default=_native.DEFAULT_MAX_FRAME_BYTES,
         help="largest data-plane frame payload accepted",
     )
     p.add_argument(
         "--threads",
-        type=_at_least(0, 1024),
+        type=_at_least(0, 2**31 - 1),
         default=0,
         help="data-plane worker threads (default 0: one per CPU the process may use)",
     )
@@ -66,7 +66,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--max-unauthenticated",
-        type=_at_least(0, 2**31 - 1),
+        type=_at_least(1, 2**31 - 1),
         default=256,
         help="connections yet to say Hello; past it the oldest is closed",
     )
@@ -252,7 +252,7 @@ def _at_least(least: int, most: int = 2**64 - 1) -> Callable[[str], int]:
 
 # The longest time a flag may give: the native core keeps milliseconds in
 # an int.
-MAX_SECONDS = (2**31 - 1) / 1000
+MAX_SECONDS = MAX_TIMEOUT_MS / 1000
 
 
 def _seconds(text: str, zero: bool) -> float:
@@ -264,7 +264,7 @@ def _seconds(text: str, zero: bool) -> float:
         raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'} seconds, got {text}")
     if value > MAX_SECONDS:
         raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_SECONDS:.0f} seconds (24.8 days), got {text}"
+            f"must be at most {MAX_SECONDS:.3f} seconds (24.8 days), got {text}"
         )
     return value
 

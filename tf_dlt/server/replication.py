@@ -428,7 +428,7 @@ class StandbyLink:
                 continue
             if stats.role == "primary":
                 # It began (or took over) between the two greetings: it serves.
-                serving.append((0, -order, member))
+                serving.append((int(stats.epoch), -order, member))
                 continue
             if (
                 (stats.role == "standby" and stats.caught_up)

@@ -60,6 +60,12 @@ _SUFFIX_BYTES = {
 }  # fmt: skip
 
 
+def _is_url(location: str) -> bool:
+    """`location` begins with a scheme (s3://, hdfs://): a path holding
+    "://" further on ("/etc/x://y") is a path."""
+    return re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", location) is not None
+
+
 def _quantity(flag: str, value: str, pattern: re.Pattern[str], example: str) -> float:
     """The number a Kubernetes quantity `value` holds (bytes, or cores);
     ValueError naming `flag` when it is not one, or not above 0."""
@@ -125,7 +131,7 @@ class JobSpec:
             ("--credentials-secret", self.credentials_secret),
             ("--auth-token-secret", self.auth_token_secret),
         ):
-            if secret is not None and not (len(secret) <= 253 and _DNS_SUBDOMAIN.fullmatch(secret)):
+            if secret and not (len(secret) <= 253 and _DNS_SUBDOMAIN.fullmatch(secret)):
                 raise ValueError(
                     f"{flag} must name a Secret (lower-case letters, digits, '-' and '.'), got "
                     f"{secret!r}"
@@ -183,7 +189,7 @@ class JobSpec:
         for flag, location in (("--checkpoint", self.checkpoint), ("--load-from", self.load_from)):
             # Shards read and write nothing else: a URL, or the shared volume
             # ("/checkpoints/../etc" is the container's /etc).
-            if location is None or "://" in location:
+            if location is None or _is_url(location):
                 continue
             if not posixpath.normpath(location).startswith(CHECKPOINT_MOUNT + "/"):
                 raise ValueError(
@@ -229,7 +235,7 @@ class JobSpec:
     @property
     def on_volume(self) -> bool:
         """The checkpoint is a path on the shared volume, not a URL."""
-        return "://" not in self.checkpoint
+        return not _is_url(self.checkpoint)
 
     @property
     def ps_service(self) -> str:
