@@ -18,6 +18,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// `s` with its table named, unless its message names it already (a table's
+// own push errors do: "push to table 'x': ...").
+Status InTable(const Status& s, const std::string& table) {
+  if (s.message().find("table '" + table + "'") != std::string::npos) return s;
+  return s.WithContext("table '" + table + "'");
+}
+
 // Whether `given` equals `secret`, in a time that depends on the secret's
 // length alone (it took the longer of the two, so a long guess showed the
 // secret's length).
@@ -239,7 +246,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     // the writes in flight then finds the mark in its last round.
     const WriteMark applied = MarkApplied();
     ticket.Done();
-    if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
+    if (!s.ok()) return fail(InTable(s, request.table), false);
     counters_->assigned_rows.fetch_add(request.num_ids);
     s = AwaitStandby(applied);
     if (!s.ok()) return fail(s, false);
@@ -256,7 +263,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
         // round to take changes after it released the gate.
         std::shared_lock<WriterFirstLock> gate(ledger.gate());
         s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
-        if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
+        if (!s.ok()) s = InTable(s, request.table);
         ledger.End(request.push_id, s);
         applied = MarkApplied();
       } else {  // sent again: applied before (or the push it is a part of), here or on the
@@ -267,7 +274,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
       }
     } else {
       s = table->Push(request.ids, request.grads, request.num_ids, request.learning_rate);
-      if (!s.ok()) s = s.WithContext("table '" + request.table + "'");
+      if (!s.ok()) s = InTable(s, request.table);
       applied = MarkApplied();
     }
     ticket.Done();
@@ -304,7 +311,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
     s = table->Pull(request.ids, request.num_ids, read_only && insert ? plain : request.mode, rows);
   }
   // A disk tier error: the reply written so far is replaced by the error.
-  if (!s.ok()) return fail(s.WithContext("table '" + request.table + "'"), false);
+  if (!s.ok()) return fail(InTable(s, request.table), false);
   counters_->pulls.fetch_add(1);
   counters_->pulled_rows.fetch_add(request.num_ids);
   counters_->pull_latency.Record(MicrosSince(start));
