@@ -640,3 +640,41 @@ def test_storage_library_failures_become_typed_errors_with_one_bounded_line() ->
         assert len(caught.value.message) <= 500 and "\tat " not in caught.value.message
     with pytest.raises(ZeroDivisionError), errors.storage_errors("x"):  # not a storage failure
         raise ZeroDivisionError
+
+
+def test_a_save_the_disk_cannot_hold_is_refused_before_it_writes(tmp_path: Path) -> None:
+    """A file system (here: the process's file size limit) without room for
+    the shard file at its largest: refused before anything is written. HDF5
+    meeting the end of the room while it flushed its metadata crashed the
+    shard (SIGSEGV), losing every row since its last checkpoint."""
+    import resource
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    ports = tmp_path / "ports"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--port-file", str(ports),
+         "--checkpoint-root", str(tmp_path)],
+        cwd="/", preexec_fn=limit_files, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for _ in range(600):
+            if ports.exists() and ports.read_text().strip() or proc.poll() is not None:
+                break
+            threading.Event().wait(0.1)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        data_port = ports.read_text().split()[0]
+        with Client([f"127.0.0.1:{data_port}"]) as client:
+            client.create_table("t", 8)
+            ids = np.arange(20_000, dtype=np.int64)
+            rows = client.pull("t", ids)
+            with pytest.raises(errors.ResourceExhaustedError, match="file size limit of 1.0 MiB"):
+                client.save(str(tmp_path / "ck"))
+            assert proc.poll() is None
+            written = list((tmp_path / "ck").iterdir()) if (tmp_path / "ck").exists() else []
+            assert written == []
+            np.testing.assert_array_equal(client.pull("t", ids), rows)
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -667,3 +667,17 @@ def test_prune_after_compact_keeps_the_compacted_copy(
         assert sorted(Path(p).name for p in deleted) == ["step-1000", "step-2000"]
         c.load(str(run / name))
         np.testing.assert_array_equal(c.pull("t", ids), newest)
+
+
+def test_ls_shows_a_creation_time_no_calendar_holds_as_unknown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A manifest's created_unix of 1e300 or NaN (the shards do not check
+    it) made `tf-dlt checkpoint ls` end in a traceback."""
+    from tf_dlt.tools import checkpoints
+
+    link = {"kind": "full", "created_unix": 1e300, "num_shards": 1, "rows": 1, "removed": 0,
+            "bytes": 10, "path": "/ck"}  # fmt: skip
+    checkpoints._print_links([link, {**link, "created_unix": float("nan")}])
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[1] for line in lines] == ["?", "?"]

@@ -10,6 +10,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -145,6 +146,26 @@ def test_a_cache_config_that_is_not_the_tables_is_refused(
     ops.configure_cache(mine, table, rows=8, max_staleness_steps=100, min_count=1)
     later = tf_dlt.TableConfig.create("later", DIM, optimizer="sgd")
     ops.configure_cache(mine, later, rows=8, max_staleness_steps=100, min_count=1)
+
+
+def test_a_load_empties_the_cache(start_cluster: Callable[..., Cluster], tmp_path: Path) -> None:
+    """tf_dlt.load (and resilient_fit, which calls it) replaces the shards'
+    rows: the cache kept serving the rows and slots of before it, and the
+    pushes applied to them mixed both into the shards' rows."""
+    cluster = start_cluster(2)
+    model = tf_dlt.hot_row_cache(_remote(_model(), cluster), rows=64, max_staleness_steps=1000)
+    x, y = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    ids = np.arange(VOCAB, dtype=np.int64)
+    model.fit(ds, epochs=1, verbose=0)
+    tf_dlt.save(model, str(tmp_path / "e1"))
+    saved = _shard_rows(cluster, "hc_emb", ids)
+    model.fit(ds, epochs=1, verbose=0)
+    client = model.get_layer("hc_emb").client
+    assert ops.client_stats(client)["cache_rows"] > 0
+    tf_dlt.load(model, str(tmp_path / "e1"))
+    served = ops.lookup(client, ids, "hc_emb", DIM, training=False, missing="zeros")
+    np.testing.assert_array_equal(served.numpy(), saved)
 
 
 def test_other_trainers_pushes_reach_cached_rows_within_the_staleness_bound(

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +115,43 @@ def test_shard_metrics_move_with_traffic(
     )
     assert later["tf_dlt_connection_timeouts_total{kind=hello}"] == 1
     assert later["tf_dlt_connections_accepted_total"] > a["tf_dlt_connections_accepted_total"]
+
+
+def test_half_sent_scrapes_hold_a_bounded_number_of_threads(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Each connection to the metrics port had a thread of its own for as
+    long as its peer kept it open (300 half-sent requests: 314 threads);
+    at most MAX_SCRAPES are served at once now, the rest closed at once,
+    and a real scrape gets in once they are gone."""
+    from tf_dlt.server import metrics
+
+    cluster = start_cluster(1, "--metrics-port", "0")
+    pid, port = cluster.processes[0].pid, cluster.metrics_ports[0]
+
+    def threads() -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("Threads:")).split()[1])
+
+    before = threads()
+    held = []
+    for _ in range(metrics.MAX_SCRAPES + 40):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never ends its headers
+        held.append(sock)
+    wait_until(lambda: threads() >= before + metrics.MAX_SCRAPES // 2, "the scrapes' threads")
+    time.sleep(0.5)
+    assert threads() <= before + metrics.MAX_SCRAPES + 2
+    for sock in held:
+        sock.close()
+    wait_until(lambda: _try_scrape(port), "a scrape after the half-sent ones left")
+
+
+def _try_scrape(port: int) -> bool:
+    try:
+        return "tf_dlt_pulls_total" in str(_scrape(port))
+    except OSError:
+        return False
 
 
 def test_client_metrics_callback_reports_each_epoch(

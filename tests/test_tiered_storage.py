@@ -454,6 +454,36 @@ def test_a_load_under_a_budget_without_a_tier_never_evicts_installed_rows(
         assert int(c.stats()[0]["staged_bytes"]) == 0
 
 
+def test_a_load_the_keeper_would_evict_from_is_refused(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Without a tier, a load is sized against the room the memory keeper
+    leaves rows (a fraction of the budget, less what the process holds
+    besides them, measured once the rows are staged): 400,000 rows onto a
+    265 MiB shard were taken whole, and the keeper then evicted 62,082 of
+    them. Each load here is refused or keeps every row."""
+    ids = np.arange(400_000, dtype=np.int64) * 3 + 1
+    source = start_cluster(1)
+    with source.client() as c:
+        c.create_table("t", 8, "normal", "adagrad", seed=1)
+        for n in (300_000, 400_000):
+            for i in range(0, n, 50_000):
+                c.pull("t", ids[i : min(i + 50_000, n)])
+            c.save(str(tmp_path / str(n)))
+    for n in (300_000, 400_000):
+        shard = start_cluster(1, "--memory-budget", _budget())
+        with shard.client(persist_timeout=120.0) as c:
+            try:
+                c.load(str(tmp_path / str(n)))
+            except tf_dlt.errors.ResourceExhaustedError as e:
+                assert "no --storage-dir to spill to; nothing was changed" in str(e), e
+                assert "t" not in c.list_tables()
+                continue
+            time.sleep(1.0)  # the keeper's passes after it
+            assert c.list_tables()["t"]["rows"] == n
+            assert c.list_tables()["t"]["evicted"] == 0
+
+
 def _peak_resident(cluster: Cluster) -> int:
     """The shard process's peak resident bytes so far (VmHWM)."""
     status = Path(f"/proc/{cluster.processes[0].pid}/status").read_text()

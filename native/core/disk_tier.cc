@@ -143,6 +143,15 @@ bool AnyEqual(const uint16_t* f, uint32_t n, uint16_t print) {
 // 17 us after 128 KiB reads with read-ahead, 0.9 us without.
 void NoReadAhead(int fd) { (void)posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM); }
 
+// A new file at `path`, read-write: whatever was there is unlinked first (a
+// link, or a hard link planted to another file, is never opened through:
+// O_TRUNC truncated what it named), and one made again meanwhile is an
+// error (EEXIST), not followed.
+int OpenNew(const std::string& path) {
+  unlink(path.c_str());
+  return open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+}
+
 // Threads that run the cold reads of a batch at once (a device serves many
 // reads in flight far faster than one after another).
 TaskPool& ReadPool() {
@@ -220,7 +229,7 @@ Status TierFile::Open(uint64_t rows) {
   if (pages > MaxPages()) {
     return InvalidArgument("disk tier " + path_ + " cannot hold " + std::to_string(rows) + " rows");
   }
-  fd_ = open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  fd_ = OpenNew(path_);
   if (fd_ < 0) return IoError("open", errno);
   NoReadAhead(fd_);
   const Status sized = Resize(static_cast<uint32_t>(pages));
@@ -655,7 +664,7 @@ Status TierFile::Resize(uint32_t pages) {
   }
   // Into a new file: the old one stays whole (and in use) if this fails.
   const std::string next_path = path_ + ".resize";
-  const int next_fd = open(next_path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const int next_fd = OpenNew(next_path);
   if (next_fd < 0) return IoError("open", errno);
   NoReadAhead(next_fd);
   const int alloc_err = posix_fallocate(next_fd, 0, bytes);

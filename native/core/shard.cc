@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <malloc.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -123,11 +124,6 @@ Status Shard::TakePlace(uint32_t shard_index, uint32_t num_shards, uint64_t layo
 
 namespace {
 
-// The keeper keeps the rows' RAM under this fraction of the budget (the
-// rest is headroom for rows that arrive between passes), and moves rows
-// out down to kLowWater of that.
-constexpr double kTargetFraction = 0.9;
-constexpr double kLowWater = 0.95;
 // Rows a pass moves per table at most (a pass stays short), unless a
 // sixteenth of the table is more.
 constexpr size_t kMovesPerPass = 262144;
@@ -188,8 +184,12 @@ std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
   // while the one it replaces still serves.
   // Named by a counter alone: no path is ever built from a table's name.
   const std::string dir = tier_root_ + "/t" + std::to_string(next_table_dir_++);
-  std::error_code error;
-  std::filesystem::create_directories(dir, error);
+  // Made afresh, never followed: a link planted under the name (the
+  // storage dir's cleanup leaves links alone) sent the tier files out of
+  // the storage dir, truncating what they named.
+  struct stat st;
+  if (lstat(dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) unlink(dir.c_str());
+  mkdir(dir.c_str(), 0700);  // a failure shows as the tier's error at its first write
   table->AttachTier(dir);
   // Until the keeper's next pass: the rows that fit what is free now,
   // beside the buffers of the load that most likely fills the table.
@@ -225,6 +225,11 @@ uint64_t Shard::ResidentBytes() {
   const int got = std::fscanf(f, "%llu %llu", &size, &resident);
   std::fclose(f);
   return got == 2 ? resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
+uint64_t Shard::TrimmedResidentBytes() {
+  malloc_trim(0);
+  return ResidentBytes();
 }
 
 Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_dir,

@@ -172,6 +172,12 @@ class Shard {
   Status ConfigureMemory(uint64_t budget_bytes, const std::string& storage_dir, int interval_ms);
   static constexpr uint64_t kPersistReserve = uint64_t{128} << 20;
   static constexpr uint64_t kMinRowRoom = uint64_t{16} << 20;
+  // The keeper keeps the process under this fraction of the budget (the
+  // rest is headroom for rows that arrive between passes): what a load
+  // may stage is sized against it too, or the keeper evicts what it loaded.
+  static constexpr double kTargetFraction = 0.9;
+  // Past its target the keeper moves rows out down to this fraction of it.
+  static constexpr double kLowWater = 0.95;
   // A save or load runs (calls nest): meanwhile the keeper sizes the rows
   // by the memory outside the tables measured before it, so the buffers it
   // takes (within kPersistReserve) never make the keeper move rows. So
@@ -198,6 +204,8 @@ class Shard {
   MemoryStatus memory_status() const;
   // The process's resident set in bytes (/proc/self/statm).
   static uint64_t ResidentBytes();
+  // The same after freed memory went back to the system (malloc_trim).
+  static uint64_t TrimmedResidentBytes();
   // Bytes of the live tables NewTable made that are not installed.
   uint64_t StagedBytes() const;
 

@@ -44,6 +44,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("RECORD_HEADER_BYTES") = Table::kRecordHeaderBytes;
   m.attr("PERSIST_RESERVE_BYTES") = dlt::Shard::kPersistReserve;
   m.attr("MIN_ROW_ROOM_BYTES") = dlt::Shard::kMinRowRoom;
+  m.attr("MEMORY_TARGET_FRACTION") = dlt::Shard::kTargetFraction;
+  m.attr("MEMORY_LOW_WATER") = dlt::Shard::kLowWater;
   m.attr("GENERATION_BYTES") = Table::kGenerationBytes;
   m.def("tier_page", [](size_t record_bytes) {
     const TierFile::Page page = TierFile::PageFor(record_bytes);

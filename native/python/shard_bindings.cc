@@ -75,6 +75,8 @@ void BindShard(py::module_& m) {
       .def("keep_memory", &Shard::KeepMemory, py::call_guard<py::gil_scoped_release>())
       .def("set_persisting", &Shard::SetPersisting, py::arg("persisting"))
       .def_static("resident_bytes", &Shard::ResidentBytes)
+      .def_static("trimmed_resident_bytes", &Shard::TrimmedResidentBytes,
+                  py::call_guard<py::gil_scoped_release>())
       .def("memory_status",
            [](const Shard& s) {
              const Shard::MemoryStatus m = s.memory_status();

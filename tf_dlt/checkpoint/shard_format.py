@@ -58,6 +58,9 @@ class TableRows:
     # For a delta: the table's rows in full, written instead when `state`
     # raises IncompleteDelta.
     whole: Callable[[], TableRows] | None = None
+    # At most this many bytes of rows to write (0: not known): the room a
+    # save makes sure of before it writes.
+    max_bytes: int = 0
 
 
 class IncompleteDelta(Exception):

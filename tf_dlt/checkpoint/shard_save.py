@@ -6,10 +6,12 @@ save-specific name. Never a second copy of the shard in memory."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import os
 import re
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -91,12 +93,20 @@ def native_rows(
             raise IncompleteDelta(str(e)) from None
         return out
 
+    # A row in the file: its id, values, slots and step, and its stamps (at
+    # most its record in memory and its 8-byte id).
+    max_bytes = table.size() * (table.record_bytes + 8)
+
     def whole() -> TableRows:
-        return TableRows(table.config, table.dim, table.slot_floats, chunks(False), state)
+        return TableRows(
+            table.config, table.dim, table.slot_floats, chunks(False), state, max_bytes=max_bytes
+        )
 
     if not tracked:
         return whole()
-    rows = TableRows(table.config, table.dim, table.slot_floats, chunks(True), delta_state)
+    rows = TableRows(
+        table.config, table.dim, table.slot_floats, chunks(True), delta_state, max_bytes=max_bytes
+    )
     rows.whole = whole
     return rows
 
@@ -200,6 +210,7 @@ def _write_shard_file(
     """Streams `tables` (sorted by name) into an HDF5 file; returns table
     infos. A write that fails (a full disk) raises its OSError, not what
     HDF5's close then says of the file it could not finish."""
+    _check_space(local_path, tables)
     f = h5py.File(
         local_path, "w", meta_block_size=_META_BLOCK_BYTES, rdcc_nbytes=_CHUNK_CACHE_BYTES
     )
@@ -218,6 +229,34 @@ def _write_shard_file(
         code = int(found.group(1))
         raise OSError(code, f"{os.strerror(code)} (closing {local_path})") from e
     return infos
+
+
+def _check_space(local_path: str, tables: list[TableRows]) -> None:
+    """OSError (ENOSPC, or EFBIG past the process's file size limit) unless
+    the file system holds room for the file at its largest: rows of a table
+    at most its whole table's (a delta's too), its metadata blocks with a
+    margin. HDF5 meeting a full disk while it flushes metadata (at a
+    dataset's or the file's close) left the library broken and the shard
+    crashed (SIGSEGV), losing every row since the last checkpoint."""
+    rows = sum(t.max_bytes for t in tables)
+    need = rows + rows // 20 + (2 + len(tables)) * _META_BLOCK_BYTES
+    directory = os.path.dirname(local_path) or "."
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    mib = 1 << 20
+    if free < need:
+        raise OSError(
+            errno.ENOSPC,
+            f"{os.strerror(errno.ENOSPC)}: this shard file takes up to {need / mib:.1f} MiB, "
+            f"{free / mib:.1f} MiB are free (checked before writing anything)",
+        )
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < need:
+        raise OSError(
+            errno.EFBIG,
+            f"{os.strerror(errno.EFBIG)}: this shard file takes up to {need / mib:.1f} MiB, "
+            f"past this process's file size limit of {limit / mib:.1f} MiB (ulimit -f)",
+        )
 
 
 def _write_tables(

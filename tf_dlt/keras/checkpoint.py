@@ -32,6 +32,7 @@ from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files
 from tf_dlt.client import Client
+from tf_dlt.keras.row_cache import forget_cached_rows
 from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, table_holders
 from tf_dlt.layers.embedding import variables_only
 from tf_dlt.table_config import difference, normalized
@@ -276,6 +277,7 @@ def _load_tables(model: keras.Model, layers: list[Any], tables: str) -> None:
             # This model's tables only: other models' on the same shards
             # are left as they are.
             client.load(tables, tables=[layer.table_name for layer in layers])
+        forget_cached_rows(layers)
     elif layers:
         _load_embedded(tables, layers)
 

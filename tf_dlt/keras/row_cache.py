@@ -106,12 +106,30 @@ def hot_row_cache(
                     "pushes with the table's optimizer)"
                 )
             layer.follow_optimizer(model.optimizer)
-        ops.configure_cache(
-            layer.client, layer.table_config, rows,
-            max_staleness_steps=max_staleness_steps or 0,
-            max_staleness_ms=max_staleness_ms or 0, min_count=min_count,
-        )  # fmt: skip
+        # (a tuple: Keras tracks a layer's lists and dicts)
+        settings = (rows, max_staleness_steps or 0, max_staleness_ms or 0, min_count)
+        _configure(layer, settings)
+        layer._dlt_row_cache = settings if rows else None
     return model
+
+
+def _configure(layer: Any, settings: tuple[int, int, int, int]) -> None:
+    rows, steps, ms, min_count = settings
+    ops.configure_cache(
+        layer.client, layer.table_config, rows,
+        max_staleness_steps=steps, max_staleness_ms=ms, min_count=min_count,
+    )  # fmt: skip
+
+
+def forget_cached_rows(layers: list[Any]) -> None:
+    """Empties the hot-row caches of `layers` (each configured again as it
+    was): after a load (tf_dlt.load, resilient_fit) the rows and slots they
+    hold are not the shards' any more, and lookups served them, and pushes
+    were applied to them, until each was pulled again."""
+    for layer in layers:
+        settings = getattr(layer, "_dlt_row_cache", None)
+        if settings and layer.client is not None:
+            _configure(layer, settings)
 
 
 def _own_clients(model: keras.Model, chosen: list[Any]) -> None:

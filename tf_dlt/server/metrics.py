@@ -45,10 +45,13 @@ scrape from the shard's own counters, so nothing is counted twice:
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -56,6 +59,7 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from tf_dlt import latency
 
@@ -244,16 +248,62 @@ def _tier_metrics(s: dict[str, Any]) -> Iterator[Metric]:
     )
 
 
+# A scrape is one short request: a connection that sends or takes nothing
+# for this long is closed, and at most this many are served at once (more
+# are closed at once). 300 half-sent requests held 300 threads until their
+# peers left, and a peer that vanished without a FIN held its thread for good.
+SCRAPE_TIMEOUT_S = 10.0
+MAX_SCRAPES = 64
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # quiet, as prometheus_client's own server is
+
+
+class _Server(ThreadingWSGIServer):
+    """prometheus_client's threaded server, with at most MAX_SCRAPES at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def serve(servicer: ShardAdminServicer, bind: str, port: int) -> tuple[Any, int]:
-    """Starts the /metrics HTTP endpoint; returns (server, bound port)."""
+    """Starts the /metrics HTTP endpoint; returns ((server, its thread),
+    bound port)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ShardCollector(servicer))
     try:
-        server, thread = start_http_server(port, addr=bind, registry=registry)
+        family = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("_MetricsServer", (_Server,), {"address_family": family})
+        server: Any = make_server(
+            bind, port, make_wsgi_app(registry), server_class, handler_class=_Handler
+        )
     except OSError as e:
         raise OSError(
             e.errno, f"cannot serve metrics on {bind}:{port} (--metrics-port): {e.strerror}"
         ) from None
+    thread = threading.Thread(target=server.serve_forever, name="dlt-metrics", daemon=True)
+    thread.start()
     return (server, thread), int(server.server_port)
 
 

@@ -456,7 +456,12 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         if phase in (phases.COMMIT, phases.ABORT, phases.FINISH, phases.ROLLBACK):
             if not request.load_id:
                 raise errors.InvalidArgumentError("this Load phase needs a load_id")
-            with self._persisting(f"Load {request.load_id}", context, capped=False):
+            # A phase of the load under way waits past the cap (refused, it
+            # could leave a cluster load mixed); one naming no load here (an
+            # expired one, or forged: they took every admin thread) is capped.
+            pending = self._pending
+            ours = pending is not None and pending.load_id == request.load_id
+            with self._persisting(f"Load {request.load_id}", context, capped=not ours):
                 return self._load_response(self._next_phase(phase, request.load_id))
         if phase not in (phases.LOAD, phases.PREPARE):
             raise errors.InvalidArgumentError(f"unknown Load phase {phase}")

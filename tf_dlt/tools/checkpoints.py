@@ -40,13 +40,22 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _when(created_unix: object) -> str:
+    """A manifest's creation time as UTC, or "?" for one no calendar holds
+    (a manifest's number is not checked for it: 1e300 was a traceback)."""
+    try:
+        when = datetime.datetime.fromtimestamp(float(str(created_unix)), datetime.UTC)
+    except (ValueError, OverflowError, OSError):
+        return "?"
+    return f"{when:%Y-%m-%d %H:%M:%S}"
+
+
 def _print_links(links: list[dict[str, object]]) -> None:
     print(f"{'kind':6} {'created (UTC)':20} {'shards':>6} {'rows':>12} {'removed':>9} "
           f"{'bytes':>10}  path")  # fmt: skip
     for link in links:
-        when = datetime.datetime.fromtimestamp(float(str(link["created_unix"])), datetime.UTC)
         print(
-            f"{link['kind']!s:6} {when:%Y-%m-%d %H:%M:%S}  {link['num_shards']!s:>6} "
+            f"{link['kind']!s:6} {_when(link['created_unix']):20} {link['num_shards']!s:>6} "
             f"{link['rows']!s:>12} {link['removed']!s:>9} {_size(float(str(link['bytes']))):>10}"
             f"  {link['path']}"
         )
