@@ -461,24 +461,28 @@ def test_a_load_the_keeper_would_evict_from_is_refused(
     leaves rows (a fraction of the budget, less what the process holds
     besides them, measured once the rows are staged): 400,000 rows onto a
     265 MiB shard were taken whole, and the keeper then evicted 62,082 of
-    them. Each load here is refused or keeps every row."""
-    ids = np.arange(400_000, dtype=np.int64) * 3 + 1
+    them. A load that fits keeps every row; one that does not is refused."""
+    # With a 320 MiB budget the rows have about 60-80 MiB beside an idle
+    # process (70-90 MiB) and the reserve: 300,000 rows (~30 MiB) fit, and
+    # 900,000 (~90 MiB) do not, though they fit the budget itself.
+    ids = np.arange(900_000, dtype=np.int64) * 3 + 1
     source = start_cluster(1)
     with source.client() as c:
         c.create_table("t", 8, "normal", "adagrad", seed=1)
-        for n in (300_000, 400_000):
-            for i in range(0, n, 50_000):
-                c.pull("t", ids[i : min(i + 50_000, n)])
+        for n in (300_000, 900_000):
+            for i in range(0, n, 100_000):
+                c.pull("t", ids[i : min(i + 100_000, n)])
             c.save(str(tmp_path / str(n)))
-    for n in (300_000, 400_000):
-        shard = start_cluster(1, "--memory-budget", _budget())
+    for n, fits in ((300_000, True), (900_000, False)):
+        shard = start_cluster(1, "--memory-budget", str(320 << 20))
         with shard.client(persist_timeout=120.0) as c:
-            try:
-                c.load(str(tmp_path / str(n)))
-            except tf_dlt.errors.ResourceExhaustedError as e:
-                assert "no --storage-dir to spill to; nothing was changed" in str(e), e
-                assert "t" not in c.list_tables()
+            if not fits:
+                with pytest.raises(tf_dlt.errors.ResourceExhaustedError) as e:
+                    c.load(str(tmp_path / str(n)))
+                assert "no --storage-dir to spill to" in str(e.value), e.value
+                assert "nothing was" in str(e.value) and "t" not in c.list_tables()
                 continue
+            c.load(str(tmp_path / str(n)))
             time.sleep(1.0)  # the keeper's passes after it
             assert c.list_tables()["t"]["rows"] == n
             assert c.list_tables()["t"]["evicted"] == 0

@@ -179,6 +179,7 @@ def configure_cache(
     max_staleness_steps: int = 0,
     max_staleness_ms: int = 0,
     min_count: int = 2,
+    check: bool = True,
 ) -> None:
     """Keeps a hot-row cache of `config`'s table in a client of shard
     servers (a no-op for the embedded client): at most `rows` rows of the ids
@@ -189,8 +190,9 @@ def configure_cache(
     old (0: no bound of that kind; one is needed). `rows` 0 removes the
     cache. `tf_dlt.hot_row_cache` does this for a model's layers.
     FailedPreconditionError when the shards hold the table with another dim
-    or optimizer than `config`'s (asked of them once, here)."""
-    if rows and not client.embedded:
+    or optimizer than `config`'s (asked of them once, here, unless `check`
+    is False: the config was checked before)."""
+    if rows and check and not client.embedded:
         _check_cached_table(client, config)
     load_library().dlt_configure_cache(
         client=client.resource_handle, config=_native.encode_table_config(config.to_dict()),

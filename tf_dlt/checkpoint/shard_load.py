@@ -457,10 +457,15 @@ def _check_room(
         for config, n in rows.values()
     )
     resident = max(int(memory["resident"]), _native.Shard.resident_bytes())
-    # The keeper holds the process to a fraction of the budget: staged past
-    # it, the loaded rows were evicted once installed (40% of 500,000).
+    # Staged beside the installed tables within the budget (the keeper
+    # counts staged tables as tables: it moves no installed row for them),
+    # and once installed, without the tables they replace, within the
+    # fraction of it the keeper holds the process to: past it the loaded
+    # rows were evicted (40% of 500,000).
+    replaced = sum(t.bytes() for t in shard.tables() if t.name in rows)
+    reserve = _native.PERSIST_RESERVE_BYTES
     room = budget * _native.MEMORY_TARGET_FRACTION
-    if resident + need + _native.PERSIST_RESERVE_BYTES > room:
+    if resident + need + reserve > budget or resident - replaced + need + reserve > room:
         mib = 1 << 20
         raise errors.ResourceExhaustedError(
             f"shard {shard.shard_index}: this load stages about {need / mib:.0f} MiB of rows "

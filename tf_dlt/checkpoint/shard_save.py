@@ -284,6 +284,10 @@ def _write_tables(
             # instead, as a table whose changes are not tracked.
             del group[name]
             rows = rows.whole()
+            # (the delta's rows keep their room in the file: room for the
+            # whole table is made sure of again)
+            group.file.flush()
+            _check_space(group.file.filename, [rows])
             n, state = _write_table(group.create_group(name), rows)
         removed = 0 if state.removed is None else len(state.removed)
         infos.append({"config": rows.config, "rows": n, "mode": state.mode, "removed": removed})

@@ -113,11 +113,11 @@ def hot_row_cache(
     return model
 
 
-def _configure(layer: Any, settings: tuple[int, int, int, int]) -> None:
+def _configure(layer: Any, settings: tuple[int, int, int, int], check: bool = True) -> None:
     rows, steps, ms, min_count = settings
     ops.configure_cache(
         layer.client, layer.table_config, rows,
-        max_staleness_steps=steps, max_staleness_ms=ms, min_count=min_count,
+        max_staleness_steps=steps, max_staleness_ms=ms, min_count=min_count, check=check,
     )  # fmt: skip
 
 
@@ -129,7 +129,8 @@ def forget_cached_rows(layers: list[Any]) -> None:
     for layer in layers:
         settings = getattr(layer, "_dlt_row_cache", None)
         if settings and layer.client is not None:
-            _configure(layer, settings)
+            # Checked when made; no round trip that could fail a load done.
+            _configure(layer, settings, check=False)
 
 
 def _own_clients(model: keras.Model, chosen: list[Any]) -> None:

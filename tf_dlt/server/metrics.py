@@ -45,8 +45,11 @@ scrape from the shard's own counters, so nothing is counted twice:
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -249,9 +252,10 @@ def _tier_metrics(s: dict[str, Any]) -> Iterator[Metric]:
 
 
 # A scrape is one short request: a connection that sends or takes nothing
-# for this long is closed, and at most this many are served at once (more
-# are closed at once). 300 half-sent requests held 300 threads until their
-# peers left, and a peer that vanished without a FIN held its thread for good.
+# for this long (or is not done within 3 times it) is closed, and at most
+# this many are served at once (more are closed at once). 300 half-sent
+# requests held 300 threads until their peers left, and a peer that
+# vanished without a FIN held its thread for good.
 SCRAPE_TIMEOUT_S = 10.0
 MAX_SCRAPES = 64
 
@@ -264,11 +268,17 @@ class _Handler(WSGIRequestHandler):
 
 
 class _Server(ThreadingWSGIServer):
-    """prometheus_client's threaded server, with at most MAX_SCRAPES at once."""
+    """prometheus_client's threaded server, with at most MAX_SCRAPES at once,
+    each cut off 3 x SCRAPE_TIMEOUT_S after it began (the handler's timeout
+    is per receive: one byte every 9 s held a slot for good)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self._lock = threading.Lock()
+        self._began: dict[Any, float] = {}  # guarded by _lock
+        self._closed = threading.Event()
+        threading.Thread(target=self._cut_late, name="dlt-metrics-deadline", daemon=True).start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -281,10 +291,33 @@ class _Server(ThreadingWSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            self._began[request] = time.monotonic()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._lock:
+                self._began.pop(request, None)
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A peer that timed out or went is no server error (each printed a
+        # traceback); anything else is, as the base class says.
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
+
+    def _cut_late(self) -> None:
+        while not self._closed.wait(1.0):
+            cutoff = time.monotonic() - 3 * SCRAPE_TIMEOUT_S
+            with self._lock:
+                late = [r for r, began in self._began.items() if began < cutoff]
+            for request in late:
+                with contextlib.suppress(OSError):
+                    request.shutdown(socket.SHUT_RDWR)
 
 
 def serve(servicer: ShardAdminServicer, bind: str, port: int) -> tuple[Any, int]:

@@ -166,6 +166,8 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         self._persist_waiters = 0
         # At most one cluster load between phases; guarded by _persist_lock.
         self._pending: PendingLoad | None = None
+        # The load_id of the PREPARE running now ("": none).
+        self._preparing = ""
         self._expiry: threading.Timer | None = None
         self._errors_lock = threading.Lock()
         self._errors: dict[str, int] = {}
@@ -460,7 +462,9 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             # could leave a cluster load mixed); one naming no load here (an
             # expired one, or forged: they took every admin thread) is capped.
             pending = self._pending
-            ours = pending is not None and pending.load_id == request.load_id
+            ours = request.load_id == self._preparing or (
+                pending is not None and pending.load_id == request.load_id
+            )
             with self._persisting(f"Load {request.load_id}", context, capped=not ours):
                 return self._load_response(self._next_phase(phase, request.load_id))
         if phase not in (phases.LOAD, phases.PREPARE):
@@ -481,10 +485,16 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                     "its last phase unless committed or aborted first"
                 )
             log.info("loading from %s", request.path)
-            with self.reading() as allow, errors.storage_errors(f"Load of {request.path}"):
-                result = shard_files.prepare_load(
-                    request.path, self._shard, allow, tables=list(request.tables) or None
-                )
+            # Its ABORT (its client gave up waiting) is a phase of the load
+            # under way: never refused for the waiting saves.
+            self._preparing = request.load_id if phase == phases.PREPARE else ""
+            try:
+                with self.reading() as allow, errors.storage_errors(f"Load of {request.path}"):
+                    result = shard_files.prepare_load(
+                        request.path, self._shard, allow, tables=list(request.tables) or None
+                    )
+            finally:
+                self._preparing = ""
             if phase == phases.PREPARE:
                 self._set_pending(
                     PendingLoad(request.load_id, request.path, "prepared", time.monotonic(), result)
