@@ -273,11 +273,12 @@ class _Server(ThreadingWSGIServer):
     is per receive: one byte every 9 s held a slot for good)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # Before the base binds: a failed bind calls server_close.
         self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
         self._lock = threading.Lock()
         self._began: dict[Any, float] = {}  # guarded by _lock
         self._closed = threading.Event()
+        super().__init__(*args, **kwargs)
         threading.Thread(target=self._cut_late, name="dlt-metrics-deadline", daemon=True).start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
