@@ -492,12 +492,10 @@ def _refuse_overflow(staged: list[_native.Table], shard: _native.Shard) -> None:
     if not budget or memory["storage_dir"]:
         return
     names = {t.name for t in staged}
-    kept = [t for t in shard.tables() if t.name not in names]
-    replaced = [t for t in shard.tables() if t.name in names]
-    rows = sum(t.bytes() for t in [*staged, *kept])
-    outside = max(
-        0, _native.Shard.trimmed_resident_bytes() - rows - sum(t.bytes() for t in replaced)
-    )
+    installed = shard.tables()  # one listing: a table dropped meanwhile counts once
+    rows = sum(t.bytes() for t in staged) + sum(t.bytes() for t in installed if t.name not in names)
+    replaced = sum(t.bytes() for t in installed if t.name in names)
+    outside = max(0, _native.Shard.trimmed_resident_bytes() - rows - replaced)
     room = budget * _native.MEMORY_TARGET_FRACTION - outside - _native.PERSIST_RESERVE_BYTES
     # Within the keeper's low water: a load at the edge (390,000 rows) went
     # past it by what the process grew after, and a pass evicts 5% at once.
