@@ -683,3 +683,68 @@ def test_saves_stuck_on_a_store_leave_health_checks_and_stats_answering(
         hung.close()
         for conn in accepted:
             conn.close()
+
+
+def _silent_streams(port: int, method: str, streams: int) -> socket.socket:
+    """A peer that opens `streams` HTTP/2 streams calling `method` on the
+    admin port, sends their headers (no token) and never a message."""
+
+    def literal(name: bytes, value: bytes) -> bytes:  # HPACK, not indexed
+        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        head = len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big")
+        return head + payload
+
+    headers = b"".join(
+        literal(name, value)
+        for name, value in (
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
+            (b":authority", b"localhost"), (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        )
+    )  # fmt: skip
+    peer = socket.create_connection(("127.0.0.1", port))
+    peer.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b""))  # preface, SETTINGS
+    for k in range(streams):
+        peer.sendall(frame(1, 0x4, 2 * k + 1, headers))  # HEADERS, END_HEADERS only
+    return peer
+
+
+@pytest.mark.parametrize("token", ["", "s3cret-token-0123"], ids=["open", "token"])
+def test_streams_that_never_send_a_request_hold_no_admin_thread(
+    start_cluster: Callable[..., Cluster], token: str
+) -> None:
+    """A peer (no token needed) opens 3 connections of 20 streams each, to a
+    health check, reflection and a ShardAdmin method, and sends no message.
+    Health checks, Stats and Saves still answer, and SIGTERM stops the shard
+    at once, not after its stop grace. Before, the admin plane's 8 threads
+    each waited for one such stream's message: health checks timed out (a
+    liveness probe restarts the shard, its rows lost) and SIGTERM waited out
+    --stop-grace."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cluster = start_cluster(1, "--stop-grace", "600", token=token)
+    methods = (
+        "/grpc.health.v1.Health/Check",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/tf_dlt.v1.ShardAdmin/Stats",
+    )
+    peers = [_silent_streams(cluster.admin_ports[0], method, 20) for method in methods]
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(3):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with cluster.client() as c:
+            c.create_table("t", dim=4)
+            c.push("t", np.arange(5, dtype=np.int64), np.ones((5, 4), np.float32), 0.1)
+            assert c.stats()[0]["shard_index"] == 0
+            c.save(str(cluster.workdir / "ck"))
+    finally:
+        channel.close()
+        assert cluster.stop(timeout=60) == [0]  # exited on its own, not killed
+        for peer in peers:
+            peer.close()

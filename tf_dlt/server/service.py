@@ -6,14 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import hmac
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -22,6 +20,9 @@ from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server import paths, replication, reshard
 from tf_dlt.table_config import TableConfig
+
+if TYPE_CHECKING:
+    from tf_dlt.server.admin_server import CallContext
 
 log = logging.getLogger("tf_dlt.server")
 
@@ -34,7 +35,7 @@ def _handler(method: Callable[..., R]) -> Callable[..., R]:
     INTERNAL (naming the method) on anything unexpected."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+    def wrapper(self: Any, request: Any, context: CallContext) -> R:
         try:
             return method(self, request, context)
         except errors.DltError as e:
@@ -228,7 +229,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             self._errors[code_name] = self._errors.get(code_name, 0) + 1
 
     @_handler
-    def CreateTable(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def CreateTable(self, request: Any, context: CallContext) -> Any:
         self._writable("CreateTable")
         config = TableConfig.from_proto(request.config)
         created = self._shard.create_table(config.to_dict(), request.provisional)
@@ -242,7 +243,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return dlt_pb2.CreateTableResponse(created=created)
 
     @_handler
-    def DropTable(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def DropTable(self, request: Any, context: CallContext) -> Any:
         self._writable("DropTable")
         self._shard.drop_table(request.name)
         log.info("dropped table %s", request.name)
@@ -250,7 +251,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return dlt_pb2.DropTableResponse()
 
     @_handler
-    def Shrink(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def Shrink(self, request: Any, context: CallContext) -> Any:
         self._writable("Shrink")
         table = self._shard.get_table(request.table)
         removed = table.shrink(request.min_count, request.unseen_for)
@@ -262,7 +263,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return dlt_pb2.ShrinkResponse(removed=removed, rows=table.size())
 
     @_handler
-    def ClaimTakeover(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def ClaimTakeover(self, request: Any, context: CallContext) -> Any:
         link = self.standby_link
         if link is None:
             return dlt_pb2.ClaimTakeoverResponse(
@@ -275,7 +276,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return dlt_pb2.ClaimTakeoverResponse(granted=not why_not, reason=why_not)
 
     @_handler
-    def AttachStandby(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def AttachStandby(self, request: Any, context: CallContext) -> Any:
         self._writable("a standby")
         self._not_resharding("attach a standby")
         if self.standbys is None:
@@ -288,7 +289,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         )
 
     @_handler
-    def Reshard(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def Reshard(self, request: Any, context: CallContext) -> Any:
         steps = self.reshard
         if steps is None:
             raise errors.FailedPreconditionError("this server takes no part in re-shards")
@@ -340,7 +341,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @contextlib.contextmanager
     def _persisting(
-        self, what: str, context: grpc.ServicerContext, *, capped: bool = True
+        self, what: str, context: CallContext, *, capped: bool = True
     ) -> Iterator[None]:
         """Holds the persist lock for `what` (a Save or Load, as the log says
         it). One runs at a time; at most _PERSIST_WAITERS more wait, each as
@@ -407,12 +408,12 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return None
 
     @_handler
-    def ListTables(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def ListTables(self, request: Any, context: CallContext) -> Any:
         tables = sorted(self._shard.tables(), key=lambda t: t.name)
         return dlt_pb2.ListTablesResponse(tables=[table_info(t) for t in tables])
 
     @_handler
-    def Save(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def Save(self, request: Any, context: CallContext) -> Any:
         self._writable("Save")
         if not request.path:
             raise errors.InvalidArgumentError("Save needs a path")
@@ -451,7 +452,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         )
 
     @_handler
-    def Load(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def Load(self, request: Any, context: CallContext) -> Any:
         self._writable("Load")
         phases = dlt_pb2.LoadRequest
         phase = request.phase
@@ -638,7 +639,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         }
 
     @_handler
-    def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def Stats(self, request: Any, context: CallContext) -> Any:
         s = self.snapshot()
         c = s["counters"]
         return dlt_pb2.StatsResponse(
@@ -709,33 +710,3 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             promised_to=s.get("promised_to", ""),
             peers=s.get("peers", []),
         )
-
-
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` on every control-plane call
-    except the health service (Kubernetes probes send no metadata). Compared
-    in constant time; the token is never logged."""
-
-    def __init__(self, token: str, count_error: Callable[[str], None]) -> None:
-        # Compared as digests: equal lengths, so the time says nothing of
-        # the token's length either.
-        self._expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            count_error("UNAUTHENTICATED")
-            # Who and what, never the token presented.
-            log.warning("refused a control-plane call from %s: wrong or missing auth token",
-                        context.peer())  # fmt: skip
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing auth token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(details)
-        for key, value in details.invocation_metadata or ():
-            if key == grpc_util.AUTH_METADATA_KEY and hmac.compare_digest(
-                hashlib.sha256(value.encode()).digest(), self._expected
-            ):
-                return continuation(details)
-        return self._deny

@@ -1,6 +1,6 @@
 """ShardServer: one shard's process-level lifecycle. It owns the native shard
-(tables), the C++ data-plane server and the gRPC control plane (ShardAdmin,
-grpc.health.v1, reflection), and stops them in order."""
+(tables), the C++ data-plane server and the control plane (AdminServer:
+ShardAdmin, grpc.health.v1, reflection), and stops them in order."""
 
 from __future__ import annotations
 
@@ -9,27 +9,22 @@ import math
 import os
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
-from tf_dlt import _native, errors, tls
+from tf_dlt import _native, errors
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.cluster import MAX_REPLICAS, is_address
-from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server import follower, metrics, paths, replication, reshard, service
+from tf_dlt.server.admin_server import SERVICE_NAME, AdminServer
 from tf_dlt.server.follower import Follower, FollowStatus
 
 log = logging.getLogger("tf_dlt.server")
 
-SERVICE_NAME = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].full_name
 # Health service of a follower: SERVING while it serves the newest committed
 # checkpoint of its directory, NOT_SERVING while behind (it still serves).
 FOLLOW_SERVICE = "tf_dlt.follow"
-_GRPC_MESSAGE_BYTES = 64 << 20
 
 
 def available_cpus() -> int:
@@ -199,11 +194,9 @@ class ShardServer:
         self.shard.configure_memory(memory_budget, storage_dir or "")
         self._sweep_interval_ms = max(1, int(sweep_interval_s * 1000))
         self._metrics_port_requested = metrics_port
-        self._tls = tls
         self._metrics: Any = None
         self.metrics_port = 0
         self._bind = bind
-        self._admin_port_requested = admin_port
         self._auth_token = auth_token
         self._load_from = load_from
         self._stop_grace_s = stop_grace_s
@@ -221,13 +214,18 @@ class ShardServer:
             idle_timeout_ms=int(idle_timeout_s * 1000),
             max_buffered_bytes=max_buffered_bytes,
         )
-        self._grpc: grpc.Server | None = None
-        self._health = health.HealthServicer()
         self.servicer = service.ShardAdminServicer(
             self.shard,
             self.data_server,
             roots,
             load_timeout_s=load_timeout_s,
+        )
+        self._admin = AdminServer(
+            self.servicer,
+            f"[{bind}]:{admin_port}" if ":" in bind else f"{bind}:{admin_port}",
+            auth_token=auth_token,
+            count_error=self.servicer.count_error,
+            tls_files=tls,
         )
         self._read_only = read_only
         self.servicer.standbys = replication.Standbys(
@@ -284,7 +282,7 @@ class ShardServer:
     def _follow_changed(self, status: FollowStatus) -> None:
         self.servicer.serving = follower.describe(status)
         serving = health_pb2.HealthCheckResponse.SERVING
-        self._health.set(
+        self._admin.set_health(
             FOLLOW_SERVICE,
             serving if status.current else health_pb2.HealthCheckResponse.NOT_SERVING,
         )
@@ -381,41 +379,11 @@ class ShardServer:
                 }  # fmt: skip
         if self.follower is not None:
             self.follower.start()
-        interceptors = (
-            [service.AuthInterceptor(self._auth_token, self.servicer.count_error)]
-            if self._auth_token
-            else []
-        )
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dlt-admin"),
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", _GRPC_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _GRPC_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ],
-        )
-        dlt_pb2_grpc.add_ShardAdminServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        bind = f"[{self._bind}]" if ":" in self._bind else self._bind
-        address = f"{bind}:{self._admin_port_requested}"
         try:
-            if self._tls is not None:
-                credentials = tls.server_credentials(*self._tls)
-                self.admin_port = server.add_secure_port(address, credentials)
-            else:
-                self.admin_port = server.add_insecure_port(address)
-        except RuntimeError:  # grpc's "Failed to bind": in use, or not an address here
-            self.admin_port = 0
-        if self.admin_port == 0:
+            self.admin_port = self._admin.bind()
+        except OSError:
             self.data_server.stop()
-            raise OSError(
-                f"cannot bind the admin port {address}: in use by another process, or not an "
-                "address of this host (--admin-port, --bind)"
-            )
+            raise
         self.data_server.set_admin_port(self.admin_port)
         self.data_server.start()
         if self._standby_of or self._replica_set:
@@ -433,14 +401,13 @@ class ShardServer:
             ).start()  # fmt: skip
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)
-        server.start()
-        self._grpc = server
+        self._admin.start()
         if self._metrics_port_requested is not None:
             self._metrics, self.metrics_port = metrics.serve(
                 self.servicer, self._bind, self._metrics_port_requested
             )
         for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._admin.set_health(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "%s serving on %s: data port %d, admin port %d%s; %d worker threads, up to "
             "%d connections",
@@ -464,13 +431,11 @@ class ShardServer:
             if self._stopped.is_set():
                 return
             grace = self._stop_grace_s if grace_s is None else grace_s
-            self._health.enter_graceful_shutdown()
             if self.follower is not None:
                 self.follower.stop()
             if self.servicer.standby_link is not None:
                 self.servicer.standby_link.stop()
-            if self._grpc is not None:
-                self._grpc.stop(grace).wait()
+            self._admin.stop(grace)
             assert self.servicer.standbys is not None
             self.servicer.standbys.close()
             if self.servicer.reshard is not None:

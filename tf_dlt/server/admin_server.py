@@ -1,0 +1,285 @@
+"""AdminServer: a shard's control plane on the admin port (ShardAdmin,
+grpc.health.v1, reflection), served by an asyncio gRPC server on a thread
+of its own.
+
+The event loop reads every call's metadata and request message, checks the
+auth token, and answers health checks and reflection itself. ShardAdmin's
+methods (synchronous code: saves, loads, Stats ...) run on a pool of worker
+threads, and only once their request message has arrived. A peer that opens
+streams and sends nothing holds no thread: with a synchronous gRPC server,
+each such stream held one of its threads waiting for a message, and 8 of
+them left health checks and Stats unanswered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent import futures
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tf_dlt import grpc_util, tls
+from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+log = logging.getLogger("tf_dlt.server")
+
+SERVICE_NAME = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].full_name
+_METHODS = [m.name for m in dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].methods]
+_GRPC_MESSAGE_BYTES = 64 << 20
+# Control-plane calls served at once; more wait for a thread (health checks
+# and reflection take none).
+WORKER_THREADS = 8
+# Streams one connection may hold open; a peer that wants more opens more
+# connections, each counted by the kernel's own limits.
+_STREAMS_PER_CONNECTION = 100
+# After a stop's grace (or once no call is left in hand), calls that never
+# sent their request are cut within this long.
+_CUT_AFTER_S = 1.0
+_LOOP_TIMEOUT_S = 30.0
+
+
+class _Abort(Exception):  # noqa: N818 - a control-flow signal, not an error type
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class CallContext:
+    """What a ShardAdmin method sees of its call: the parts of
+    grpc.ServicerContext the servicer uses, safe to use from its worker
+    thread."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self._left = threading.Event()
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        """Ends the call with `code` and `details` (raises, as grpc's does)."""
+        raise _Abort(code, details)
+
+    def is_active(self) -> bool:
+        """False once the caller gave up (cancelled, or its deadline passed)."""
+        remaining = self._context.time_remaining()
+        return not self._left.is_set() and (remaining is None or remaining > 0)
+
+    def peer(self) -> str:
+        return str(self._context.peer())
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Requires ``authorization: Bearer <token>`` on every control-plane call
+    except the health service (Kubernetes probes send no metadata). Compared
+    in constant time; the token is never logged. A call refused is answered
+    from its metadata alone: its request message is never waited for."""
+
+    def __init__(self, token: str, count_error: Callable[[str], None]) -> None:
+        # Compared as digests: equal lengths, so the time says nothing of
+        # the token's length either.
+        self._expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+        async def deny(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            count_error("UNAUTHENTICATED")
+            # Who and what, never the token presented.
+            log.warning("refused a control-plane call from %s: wrong or missing auth token",
+                        context.peer())  # fmt: skip
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing auth token")
+
+        # Taken as a stream of requests, so that none has to arrive first.
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any
+    ) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        for key, value in details.invocation_metadata or ():
+            if key == grpc_util.AUTH_METADATA_KEY and hmac.compare_digest(
+                hashlib.sha256(str(value).encode()).digest(), self._expected
+            ):
+                return await continuation(details)
+        return self._deny
+
+
+class AdminServer:
+    """Serves `servicer` (a ShardAdmin servicer whose methods take a request
+    and a CallContext) on `address`: `bind()` takes the port, `start()`
+    serves, `stop()` ends both."""
+
+    def __init__(
+        self,
+        servicer: Any,
+        address: str,
+        *,
+        auth_token: str,
+        count_error: Callable[[str], None],
+        tls_files: tuple[str, str, str | None] | None,
+    ) -> None:
+        self._servicer = servicer
+        self._address = address
+        self._auth_token = auth_token
+        self._count_error = count_error
+        self._tls_files = tls_files
+        self._pool = futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="dlt-admin")
+        self._health = health.aio.HealthServicer()
+        self._statuses: dict[str, Any] = {}  # set before the loop runs
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._serving = False
+        self._in_hand = 0  # ShardAdmin calls on a worker thread or waiting for one
+        self._stopping = False
+
+    # -- the loop's thread ---------------------------------------------------
+
+    def _on_loop(self, coroutine: Awaitable[Any], timeout: float = _LOOP_TIMEOUT_S) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)  # type: ignore[arg-type]
+
+    def bind(self) -> int:
+        """Binds; returns the port. Raises OSError naming the address when
+        it cannot bind."""
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+            loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name="dlt-admin-loop", daemon=True)
+        self._thread.start()
+        ready.wait()
+        try:
+            port = int(self._on_loop(self._bind()))
+        except BaseException:
+            self._end_loop()
+            raise
+        return port
+
+    async def _bind(self) -> int:
+        server = grpc.aio.server(
+            interceptors=(
+                [_AuthInterceptor(self._auth_token, self._count_error)] if self._auth_token else []
+            ),
+            options=[
+                ("grpc.max_receive_message_length", _GRPC_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _GRPC_MESSAGE_BYTES),
+                ("grpc.max_concurrent_streams", _STREAMS_PER_CONNECTION),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        dlt_pb2_grpc.add_ShardAdminServicer_to_server(self._on_threads(), server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        try:
+            if self._tls_files is not None:
+                port = server.add_secure_port(
+                    self._address, tls.server_credentials(*self._tls_files)
+                )
+            else:
+                port = server.add_insecure_port(self._address)
+        except RuntimeError:  # grpc's "Failed to bind": in use, or not an address here
+            port = 0
+        if port == 0:
+            raise OSError(
+                f"cannot bind the admin port {self._address}: in use by another process, or "
+                "not an address of this host (--admin-port, --bind)"
+            )
+        self._server = server
+        return int(port)
+
+    def start(self) -> None:
+        """Serves on the port bound."""
+        self._on_loop(self._start())
+
+    async def _start(self) -> None:
+        assert self._server is not None
+        with self._lock:
+            statuses = dict(self._statuses)
+            self._serving = True
+        for name, status in statuses.items():
+            await self._health.set(name, status)
+        await self._server.start()
+
+    def _on_threads(self) -> Any:
+        """ShardAdmin's methods as coroutines that hand each call, its
+        request in hand, to a worker thread."""
+        methods = {name: self._method(getattr(self._servicer, name)) for name in _METHODS}
+        return type("ShardAdminOnThreads", (), methods)()
+
+    def _method(self, method: Callable[[Any, CallContext], Any]) -> Any:
+        async def call(_self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if self._stopping:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
+            mine = CallContext(context)
+            self._in_hand += 1
+            try:
+                assert self._loop is not None
+                return await self._loop.run_in_executor(self._pool, method, request, mine)
+            except _Abort as e:
+                await context.abort(e.code, e.details)
+            except asyncio.CancelledError:
+                mine._left.set()  # the caller gave up: a method that waits leaves
+                raise
+            finally:
+                self._in_hand -= 1
+
+        return call
+
+    # -- health --------------------------------------------------------------
+
+    def set_health(self, service: str, status: Any) -> None:
+        """Sets `service`'s health status (before or after start)."""
+        with self._lock:
+            self._statuses[service] = status
+            running = self._serving and not self._stopping
+        if running and threading.current_thread() is not self._thread:
+            self._on_loop(self._health.set(service, status))
+
+    # -- stop ----------------------------------------------------------------
+
+    def stop(self, grace_s: float) -> None:
+        """Health says NOT_SERVING and new calls are refused (UNAVAILABLE);
+        the calls in hand get `grace_s` to finish, then every call left is
+        cancelled. Streams that never sent a request do not hold the stop
+        up. Idempotent."""
+        if self._loop is None:
+            return
+        try:
+            if self._serving and not self._stopping:
+                self._on_loop(self._health.enter_graceful_shutdown())
+                self._stopping = True
+                self._on_loop(self._stop(grace_s), timeout=grace_s + _LOOP_TIMEOUT_S)
+        finally:
+            self._end_loop()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _stop(self, grace_s: float) -> None:
+        assert self._loop is not None and self._server is not None
+        deadline = self._loop.time() + grace_s
+        while self._in_hand and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await self._server.stop(_CUT_AFTER_S if not self._in_hand else 0)
+
+    def _end_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        with contextlib.suppress(RuntimeError):  # already closed
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(_LOOP_TIMEOUT_S)
+        self._loop = None
