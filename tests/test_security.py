@@ -601,7 +601,7 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
 
 
 def test_saves_stuck_on_a_store_leave_health_checks_and_stats_answering(
-    start_cluster: Callable[..., Cluster],
+    start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
     """A NameNode that accepts and never answers holds a Save for good
     (the HDFS client sets no deadline on it). The saves that come after it
@@ -609,7 +609,8 @@ def test_saves_stuck_on_a_store_leave_health_checks_and_stats_answering(
     refused naming the one that runs: none of them takes the admin plane's
     last threads, so health checks (a liveness probe restarts a shard that
     fails them, its rows lost) and Stats still answer. Before, 8 waiting
-    saves took every thread and the health check timed out."""
+    saves took every thread and the health check timed out. The COMMIT of a
+    load prepared here is never refused for them: it waits its turn."""
     import threading
 
     import grpc
@@ -627,10 +628,20 @@ def test_saves_stuck_on_a_store_leave_health_checks_and_stats_answering(
 
     threading.Thread(target=accept, daemon=True).start()
     store = f"hdfs://127.0.0.1:{hung.getsockname()[1]}"
-    cluster = start_cluster(1, "--checkpoint-root", store)
+    local = tmp_path / "local"
+    cluster = start_cluster(1, "--checkpoint-root", store, "--checkpoint-root", str(local))
     channel = grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}")
     admin = dlt_pb2_grpc.ShardAdminStub(channel)
     try:
+        with cluster.client() as c:
+            c.create_table("t", dim=2)
+            c.save(str(local / "ck"))
+        admin.Load(
+            dlt_pb2.LoadRequest(
+                phase=dlt_pb2.LoadRequest.PREPARE, path=str(local / "ck"), load_id="mine"
+            ),
+            timeout=60,
+        )
         codes: list[grpc.StatusCode] = []
         details: list[str] = []
 
@@ -655,6 +666,11 @@ def test_saves_stuck_on_a_store_leave_health_checks_and_stats_answering(
                     timeout=30,
                 )
             assert phase.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as commit:  # waits behind the stuck save
+            admin.Load(
+                dlt_pb2.LoadRequest(phase=dlt_pb2.LoadRequest.COMMIT, load_id="mine"), timeout=2
+            )
+        assert commit.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
