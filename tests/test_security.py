@@ -764,3 +764,40 @@ def test_streams_that_never_send_a_request_hold_no_admin_thread(
         assert cluster.stop(timeout=60) == [0]  # exited on its own, not killed
         for peer in peers:
             peer.close()
+
+
+def test_a_request_past_4_mib_is_refused_from_its_length(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Health checks take a request without a token: one that says it is
+    larger than 4 MiB is refused from its length prefix, so a peer with many
+    streams cannot make the shard hold 64 MiB per stream (what a request
+    could be before). A Save listing 16,000 tables of the longest names
+    still fits."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+    cluster = start_cluster(1)
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{cluster.admin_ports[0]}", options=[("grpc.max_send_message_length", -1)]
+    )
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.RpcError) as big:
+            health.Check(health_pb2.HealthCheckRequest(service="x" * (5 << 20)), timeout=30)
+        assert big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        names = [f"{k:05d}".ljust(255, "t") for k in range(16_000)]
+        admin = dlt_pb2_grpc.ShardAdminStub(channel)
+        with pytest.raises(grpc.RpcError) as save:
+            admin.Save(
+                dlt_pb2.SaveRequest(path=str(cluster.workdir / "ck"), save_id="s", tables=names),
+                timeout=30,
+            )
+        assert save.value.code() == grpc.StatusCode.NOT_FOUND, save.value.details()
+        assert "00000" in (save.value.details() or "")
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        channel.close()

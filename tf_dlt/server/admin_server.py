@@ -33,13 +33,18 @@ log = logging.getLogger("tf_dlt.server")
 
 SERVICE_NAME = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].full_name
 _METHODS = [m.name for m in dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].methods]
-_GRPC_MESSAGE_BYTES = 64 << 20
+# A request's bytes at most: the longest a Save or Load may list is 16,000
+# tables of the longest names. Health checks take a request without a
+# token, and a connection may send each stream's in full: this bounds what
+# such a peer makes the shard hold. Replies (Stats, ListTables) may be larger.
+_REQUEST_BYTES = 4 << 20
+_REPLY_BYTES = 64 << 20
 # Control-plane calls served at once; more wait for a thread (health checks
 # and reflection take none).
 WORKER_THREADS = 8
-# Streams one connection may hold open; a peer that wants more opens more
-# connections, each counted by the kernel's own limits.
-_STREAMS_PER_CONNECTION = 100
+# Streams one connection may hold open (a client's further calls wait for
+# one to end).
+_STREAMS_PER_CONNECTION = 32
 # After a stop's grace (or once no call is left in hand), calls that never
 # sent their request are cut within this long.
 _CUT_AFTER_S = 1.0
@@ -174,8 +179,8 @@ class AdminServer:
                 [_AuthInterceptor(self._auth_token, self._count_error)] if self._auth_token else []
             ),
             options=[
-                ("grpc.max_receive_message_length", _GRPC_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _GRPC_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", _REQUEST_BYTES),
+                ("grpc.max_send_message_length", _REPLY_BYTES),
                 ("grpc.max_concurrent_streams", _STREAMS_PER_CONNECTION),
                 ("grpc.so_reuseport", 0),
             ],
