@@ -236,3 +236,79 @@ def test_a_second_signal_as_a_shard_stops_leaves_its_exit_clean() -> None:
         assert proc.wait(10) == 0, cluster.log(0)[-2000:]
     finally:
         cluster.stop()
+
+
+class _SlowStats:
+    """A ShardAdmin servicer whose Stats takes `seconds`; its Shrink raises
+    SystemExit (no method of the real one lets it escape)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def Stats(self, request: object, context: object) -> object:  # noqa: N802 - gRPC's name
+        from tf_dlt.proto import dlt_pb2
+
+        time.sleep(self.seconds)
+        return dlt_pb2.StatsResponse(shard_index=3)
+
+    def Shrink(self, request: object, context: object) -> object:  # noqa: N802 - gRPC's name
+        raise SystemExit(1)
+
+    def __getattr__(self, name: str) -> object:
+        return self.Stats
+
+
+def test_the_admin_server_serves_many_calls_a_channel_and_stops_in_order() -> None:
+    """The admin port's server, alone: 150 calls at once on one channel all
+    answered (a cap on streams per connection refused some, UNAVAILABLE);
+    a method raising SystemExit ends its call (INTERNAL), not the server;
+    health says NOT_SERVING from the first step of a stop, while calls in
+    hand finish; a port bound and never served is released by stop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+    from tf_dlt.server.admin_server import AdminServer
+
+    def server(seconds: float, port: int = 0) -> AdminServer:
+        return AdminServer(
+            _SlowStats(seconds), f"127.0.0.1:{port}", auth_token="", count_error=lambda _: None,
+            tls_files=None,
+        )  # fmt: skip
+
+    admin = server(0.05)
+    port = admin.bind()
+    admin.start()
+    admin.set_health("", health_pb2.HealthCheckResponse.SERVING)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = dlt_pb2_grpc.ShardAdminStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    try:
+        with ThreadPoolExecutor(150) as pool:
+            replies = list(
+                pool.map(lambda _: stub.Stats(dlt_pb2.StatsRequest(), timeout=60), range(150))
+            )
+        assert [r.shard_index for r in replies] == [3] * 150
+        with pytest.raises(grpc.RpcError) as exited:
+            stub.Shrink(dlt_pb2.ShrinkRequest(), timeout=10)
+        assert exited.value.code() == grpc.StatusCode.INTERNAL
+        assert "SystemExit" in (exited.value.details() or "")
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1
+        admin._servicer.seconds = 2.0  # type: ignore[attr-defined]
+        with ThreadPoolExecutor(1) as pool:
+            in_hand = pool.submit(stub.Stats, dlt_pb2.StatsRequest(), timeout=60)
+            time.sleep(0.5)
+            admin.begin_stop()
+            admin.set_health("", health_pb2.HealthCheckResponse.SERVING)  # too late
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            admin.stop(30)
+            assert in_hand.result().shard_index == 3  # finished within the grace
+    finally:
+        channel.close()
+        admin.stop(0)
+    unserved = server(0.0)
+    port = unserved.bind()
+    unserved.stop(5)
+    again = server(0.0, port)
+    assert again.bind() == port  # released
+    again.stop(0)

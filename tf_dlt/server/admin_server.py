@@ -42,9 +42,6 @@ _REPLY_BYTES = 64 << 20
 # Control-plane calls served at once; more wait for a thread (health checks
 # and reflection take none).
 WORKER_THREADS = 8
-# Streams one connection may hold open (a client's further calls wait for
-# one to end).
-_STREAMS_PER_CONNECTION = 32
 # After a stop's grace (or once no call is left in hand), calls that never
 # sent their request are cut within this long.
 _CUT_AFTER_S = 1.0
@@ -141,6 +138,8 @@ class AdminServer:
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
         self._serving = False
+        self._stopping_health = False  # health says NOT_SERVING for good
+        self._stop_lock = threading.Lock()
         self._in_hand = 0  # ShardAdmin calls on a worker thread or waiting for one
         self._stopping = False
 
@@ -181,7 +180,6 @@ class AdminServer:
             options=[
                 ("grpc.max_receive_message_length", _REQUEST_BYTES),
                 ("grpc.max_send_message_length", _REPLY_BYTES),
-                ("grpc.max_concurrent_streams", _STREAMS_PER_CONNECTION),
                 ("grpc.so_reuseport", 0),
             ],
         )
@@ -240,6 +238,9 @@ class AdminServer:
             except asyncio.CancelledError:
                 mine._left.set()  # the caller gave up: a method that waits leaves
                 raise
+            except BaseException as e:  # noqa: BLE001 - SystemExit from a method ends its call, not the loop
+                log.exception("%s failed", method.__name__)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"[:500])
             finally:
                 self._in_hand -= 1
 
@@ -251,34 +252,47 @@ class AdminServer:
         """Sets `service`'s health status (before or after start)."""
         with self._lock:
             self._statuses[service] = status
-            running = self._serving and not self._stopping
+            running = self._serving and not self._stopping_health
         if running and threading.current_thread() is not self._thread:
             self._on_loop(self._health.set(service, status))
 
     # -- stop ----------------------------------------------------------------
 
+    def begin_stop(self) -> None:
+        """Health says NOT_SERVING from now on, whatever is set later (a
+        stop's first step: probes and load balancers turn away first)."""
+        with self._lock:
+            self._stopping_health = True
+            serving = self._serving and self._loop is not None
+        if serving and threading.current_thread() is not self._thread:
+            self._on_loop(self._health.enter_graceful_shutdown())
+
     def stop(self, grace_s: float) -> None:
         """Health says NOT_SERVING and new calls are refused (UNAVAILABLE);
         the calls in hand get `grace_s` to finish, then every call left is
         cancelled. Streams that never sent a request do not hold the stop
-        up. Idempotent."""
-        if self._loop is None:
-            return
-        try:
-            if self._serving and not self._stopping:
-                self._on_loop(self._health.enter_graceful_shutdown())
+        up. Idempotent; a second caller waits for the first."""
+        with self._stop_lock:
+            if self._loop is None:
+                return
+            try:
+                self.begin_stop()
                 self._stopping = True
-                self._on_loop(self._stop(grace_s), timeout=grace_s + _LOOP_TIMEOUT_S)
-        finally:
-            self._end_loop()
-            self._pool.shutdown(wait=False, cancel_futures=True)
+                if self._server is not None:  # bound, and maybe serving
+                    grace = grace_s if self._serving else 0.0
+                    self._on_loop(self._stop(grace), timeout=grace + _LOOP_TIMEOUT_S)
+            finally:
+                self._end_loop()
+                self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _stop(self, grace_s: float) -> None:
         assert self._loop is not None and self._server is not None
+        if not self._serving:  # bound only: grpc releases a port only by a stop once started
+            await self._server.start()
         deadline = self._loop.time() + grace_s
         while self._in_hand and self._loop.time() < deadline:
             await asyncio.sleep(0.05)
-        await self._server.stop(_CUT_AFTER_S if not self._in_hand else 0)
+        await self._server.stop(_CUT_AFTER_S if not self._in_hand and grace_s else 0)
 
     def _end_loop(self) -> None:
         loop, thread = self._loop, self._thread

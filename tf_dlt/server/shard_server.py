@@ -381,7 +381,12 @@ class ShardServer:
             self.follower.start()
         try:
             self.admin_port = self._admin.bind()
+            if self._metrics_port_requested is not None:
+                self._metrics, self.metrics_port = metrics.serve(
+                    self.servicer, self._bind, self._metrics_port_requested
+                )
         except OSError:
+            self._admin.stop(0)
             self.data_server.stop()
             raise
         self.data_server.set_admin_port(self.admin_port)
@@ -402,10 +407,6 @@ class ShardServer:
         elif not self._read_only:  # a read-only shard serves its checkpoint as it is
             self.shard.start_sweeper(self._sweep_interval_ms)
         self._admin.start()
-        if self._metrics_port_requested is not None:
-            self._metrics, self.metrics_port = metrics.serve(
-                self.servicer, self._bind, self._metrics_port_requested
-            )
         for name in ("", SERVICE_NAME):
             self._admin.set_health(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -431,11 +432,15 @@ class ShardServer:
             if self._stopped.is_set():
                 return
             grace = self._stop_grace_s if grace_s is None else grace_s
+            self._admin.begin_stop()
             if self.follower is not None:
                 self.follower.stop()
             if self.servicer.standby_link is not None:
                 self.servicer.standby_link.stop()
-            self._admin.stop(grace)
+            try:
+                self._admin.stop(grace)
+            except Exception:  # noqa: BLE001 - the rest still stops
+                log.exception("stopping the admin port failed")
             assert self.servicer.standbys is not None
             self.servicer.standbys.close()
             if self.servicer.reshard is not None:
