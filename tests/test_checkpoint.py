@@ -647,16 +647,20 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_it_writes(tmp_path: Path)
     the shard file at its largest: refused before anything is written. HDF5
     meeting the end of the room while it flushed its metadata crashed the
     shard (SIGSEGV), losing every row since its last checkpoint."""
-    import resource
-
-    def limit_files() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-
+    # The limit set by the server's own interpreter: a preexec_fn runs this
+    # process's fork handlers in the child (fsspec's drop its cached file
+    # systems: an HDFS client's runtime then waits for threads the child
+    # does not have, and the fork never returned).
+    limited = (
+        "import resource, runpy, sys; "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+        "sys.argv[0] = 'tf_dlt.server'; runpy.run_module('tf_dlt.server', run_name='__main__')"
+    )
     ports = tmp_path / "ports"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--port-file", str(ports),
+        [sys.executable, "-c", limited, "--port", "0", "--port-file", str(ports),
          "--checkpoint-root", str(tmp_path)],
-        cwd="/", preexec_fn=limit_files, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         for _ in range(600):

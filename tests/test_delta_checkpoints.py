@@ -292,6 +292,12 @@ def test_compact_ls_and_prune_from_the_command_line(
     compacted = manifest.read_manifest(str(tmp_path / "compacted"))
     assert compacted["kind"] == "full" and compacted["num_shards"] == 3
     assert staged_rows(str(tmp_path / "compacted"), 2) == staged_rows(str(run / "c5"), 2)
+    # An older save compacted over it: refused before anything is written
+    # (it was refused at the commit, as "a newer save committed while this
+    # one ran").
+    out = cli("compact", str(run / "c1"), str(tmp_path / "compacted"))
+    assert out.returncode != 0 and "the copy would replace newer state" in out.stderr, out.stderr
+    assert staged_rows(str(tmp_path / "compacted"), 2) == staged_rows(str(run / "c5"), 2)
     # A target inside the source's chain (a delta it reads, its base, itself)
     # is refused before anything is written: the chain still loads the same.
     before = staged_rows(str(run / "c5"), 2)
@@ -346,6 +352,128 @@ def test_a_save_over_the_base_of_a_delta_beside_it_is_refused(
         _train(c, ids[:50], 3, {"t": 4})
         c.load(str(run / "step-3000"))
         np.testing.assert_array_equal(c.pull("t", ids), state)
+
+
+def test_a_base_replaced_or_pruned_while_a_delta_is_written_fails_one_save_not_the_chain(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What guards a delta's base looked only at the start of a save. A
+    prune (or another save over the base) while a delta was written let the
+    delta commit on a base that was gone: reported saved, never loadable.
+    And a save over a base that began before a delta on it committed
+    replaced it. Each is now refused at its commit: the delta (the path
+    unchanged), or the save over the base (the delta loads). The moment is
+    made exact by acting from the check a save makes before its commit."""
+    run = tmp_path / "run"
+    ids = np.arange(500, dtype=np.int64)
+    check = chain.refuse_breaking_dependents
+    with start_cluster(1).client() as c:
+        _base_and_delta(c, ids, run / "step-1", run / "step-2")
+        _train(c, ids[:50], 3, {"t": 4})
+        calls: list[str] = []
+
+        def prune_as_the_delta_commits(path: str) -> None:
+            calls.append(path)
+            if len(calls) == 2:  # the shards wrote the delta
+                assert chain.retain([str(run / "step-1"), str(run / "step-2")], keep=1) == []
+                shutil.rmtree(run / "step-2")  # as a prune of the compacted copy's run does
+            check(path)
+
+        monkeypatch.setattr(chain, "refuse_breaking_dependents", prune_as_the_delta_commits)
+        with pytest.raises(errors.FailedPreconditionError, match="no longer loads") as e:
+            c.save(str(run / "step-3"), base=str(run / "step-2"))
+        assert "is unchanged" in e.value.message
+        assert not (run / "step-3" / manifest.MANIFEST).exists()
+
+        # A save over a base, begun before a delta on that base committed.
+        state = c.pull("t", ids)
+        c.save(str(run / "step-4"))
+        done: list[str] = []
+
+        def delta_commits_meanwhile(path: str) -> None:
+            check(path)
+            if not done:
+                done.append(path)
+                c.save(str(run / "step-5"), base=str(run / "step-4"))
+
+        monkeypatch.setattr(chain, "refuse_breaking_dependents", delta_commits_meanwhile)
+        with pytest.raises(errors.FailedPreconditionError, match="is a delta on top of"):
+            c.save(str(run / "step-4"))
+        monkeypatch.setattr(chain, "refuse_breaking_dependents", check)
+        _train(c, ids[:50], 4, {"t": 4})
+        c.load(str(run / "step-5"))
+        np.testing.assert_array_equal(c.pull("t", ids), state)
+
+
+def test_a_delta_of_some_tables_never_drops_the_others_from_its_chain(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A delta saved with `tables=` on a base holding more tables read, in
+    its chain, as if the others were dropped: a load, a compaction and a
+    follower lost them, and no error said so. It is refused, naming them;
+    one listing them all, or leaving out only a table the shards dropped,
+    is saved."""
+    ids = np.arange(300, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        for name in ("a", "b", "gone"):
+            c.create_table(name, 4, "normal", "sgd", seed=1)
+            c.pull(name, ids)
+        c.save(str(tmp_path / "full"))
+        c.drop_table("gone")
+        c.push("a", ids[:10], np.ones((10, 4), np.float32), 0.1)
+        with pytest.raises(errors.InvalidArgumentError, match=r"leaves out tables \['b'\]"):
+            c.save(str(tmp_path / "d1"), base=str(tmp_path / "full"), tables=["a"])
+        assert not (tmp_path / "d1").exists()
+        c.save(str(tmp_path / "d1"), base=str(tmp_path / "full"), tables=["a", "b"])
+        state = {name: c.pull(name, ids) for name in ("a", "b")}
+        loaded = c.load(str(tmp_path / "d1"))
+        assert sorted(loaded) == ["a", "b"]
+        for name in ("a", "b"):
+            np.testing.assert_array_equal(c.pull(name, ids), state[name])
+
+
+def test_a_checkpoint_saved_again_as_it_is_read_is_never_mixed_into_a_load_or_compaction(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard of a load, and each file of a compaction, resolved the
+    path anew: a save to it meanwhile gave a cluster (or a compacted copy)
+    rows of two saves. Every reader now takes the save the load (or the
+    compaction) began at, and one that finds another refuses: nothing is
+    loaded or committed."""
+    latest = str(tmp_path / "latest")
+    ids = np.arange(400, dtype=np.int64)
+    with start_cluster(2).client() as c:
+        c.create_table("t", 4, "zeros", "sgd")
+        c.assign("t", ids, np.ones((400, 4), np.float32))
+        c.save(latest)
+        resolve = manifest.resolve_chain
+
+        def saved_again_after_the_client_read_it(path: str, allow=None):  # type: ignore[no-untyped-def]
+            links = resolve(path, allow)
+            c.assign("t", ids, np.full((400, 4), 2.0, np.float32))
+            c.save(latest)
+            c.assign("t", ids, np.full((400, 4), 3.0, np.float32))
+            return links
+
+        monkeypatch.setattr(manifest, "resolve_chain", saved_again_after_the_client_read_it)
+        with pytest.raises(errors.FailedPreconditionError, match="was saved again as it was read"):
+            c.load(latest)
+        monkeypatch.setattr(manifest, "resolve_chain", resolve)
+        np.testing.assert_array_equal(c.pull("t", ids), np.full((400, 4), 3.0, np.float32))
+
+        prepare = shard_files.prepare_load
+        files: list[int] = []
+
+        def saved_again_after_the_first_file(path: str, shard, *args, **kwargs):  # type: ignore[no-untyped-def]
+            files.append(int(shard.shard_index))
+            if len(files) == 2:
+                c.save(latest)
+            return prepare(path, shard, *args, **kwargs)
+
+        monkeypatch.setattr(shard_files, "prepare_load", saved_again_after_the_first_file)
+        with pytest.raises(errors.FailedPreconditionError, match="was saved again as it was read"):
+            chain.compact(latest, str(tmp_path / "compacted"), num_shards=3)
+        assert not (tmp_path / "compacted" / manifest.MANIFEST).exists()
 
 
 def test_retain_never_deletes_what_a_kept_checkpoint_needs(tmp_path: Path) -> None:
@@ -550,6 +678,8 @@ def test_prune_reads_each_checkpoints_own_layout(tmp_path: Path) -> None:
         manifest.write_manifest(
             str(path), [shard_files.save_shard(str(path), shard, save_id)], save_id
         )
+        if path.name == "tables":  # a model checkpoint holds its dense weights too
+            (path.parent / chain.dense_file(save_id)).write_bytes(b"")
     assert checkpoints.run(argparse.Namespace(verb="prune", directory=str(run), keep=2)) == 0
     assert sorted(os.listdir(run)) == ["m2", "m3"]
 

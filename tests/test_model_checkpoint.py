@@ -168,6 +168,34 @@ def test_incremental_checkpoints_with_full_every_and_keep(
     np.testing.assert_allclose(model.predict(x, verbose=0), fresh.predict(x, verbose=0), atol=1e-6)
 
 
+def test_checkpoints_pruned_by_another_program_stop_no_fit(tmp_path: Path) -> None:
+    """A prune beside `ModelCheckpoint(full_every=..., keep=...)` (compact the
+    newest, `prune --keep 1`) deleted the base of its next delta and the
+    checkpoints its own clean-up meant to delete: `fit` stopped with
+    NotFoundError after a save that succeeded. The delta is saved in full
+    instead, and what is gone already counts as deleted."""
+    import shutil
+
+    model = _model("ck_pruned")
+    x, y = _data()
+    run = tmp_path / "run"
+
+    class Prune(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_epoch_end(self, epoch: int, logs: object = None) -> None:
+            if epoch == 2:  # before the third save: epochs 1 and 2 pruned
+                for done in ("epoch-1", "epoch-2"):
+                    shutil.rmtree(run / done)
+
+    callback = tf_dlt.ModelCheckpoint(str(run / "epoch-{epoch}"), full_every=5, keep=2)
+    model.fit(x, y, epochs=4, batch_size=16, verbose=0, callbacks=[Prune(), callback])
+    assert callback.kinds == ["full", "delta", "full", "delta"]
+    assert sorted(p.name for p in run.iterdir()) == ["epoch-3", "epoch-4"]
+    expected = model.predict(x, verbose=0)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+    tf_dlt.load(model, str(run / "epoch-4"))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+
+
 def test_incremental_saves_to_one_path_stay_loadable(tmp_path: Path) -> None:
     """`incremental=True` on the path it saved last would overwrite its own
     base: it saves in full instead."""
@@ -235,6 +263,55 @@ def test_compact_of_a_model_checkpoint_stays_loadable(tmp_path: Path) -> None:
     info = tf_dlt.load(model, str(tmp_path / "m3"))
     assert info["kind"] == "full" and "parent" not in info
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+
+
+def test_a_first_save_or_compaction_stopped_before_its_model_file_is_listed_only_if_it_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model checkpoint whose tables committed and whose model file was
+    never written (the first save to its directory, or `tf-dlt checkpoint
+    compact`, stopped between the two) was listed and kept by prune, which
+    deleted the checkpoints before it, and tf_dlt.load refused it: nothing
+    loadable was left. A save (or a compaction, which now copies the dense
+    weights before its tables) stopped there loads whole; one missing its
+    dense weights is listed by nothing and never counts for prune. A
+    checkpoint another prune deleted first is taken as deleted."""
+    from tf_dlt.checkpoint import chain
+
+    model = _model("ck_first")
+    x, y = _data()
+    run = tmp_path / "run"
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.save(model, str(run / "step-1"))
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    expected = model.predict(x, verbose=0)
+    commit = manifest.commit_file
+
+    def stopped(fs: object, target: str, data: bytes) -> None:
+        if target.endswith(chain.MODEL_FILE):
+            raise OSError("the trainer was stopped here")
+        commit(fs, target, data)
+
+    monkeypatch.setattr(manifest, "commit_file", stopped)
+    with pytest.raises(errors.DltError):
+        tf_dlt.save(model, str(run / "step-2"))
+    with pytest.raises(OSError):
+        chain.compact_model(str(run / "step-2"), str(run / "step-2-full"))
+    monkeypatch.undo()
+    listed = [c.path for c in chain.find(str(run))]
+    assert listed == [str(run / p) for p in ("step-1", "step-2", "step-2-full")]
+    for path in ("step-2", "step-2-full"):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+        info = tf_dlt.load(model, str(run / path))
+        assert info["tables"] == [model.get_layer("ck_first").table_name]
+        np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+    for dense in (run / "step-2-full").glob("dense*.h5"):
+        dense.unlink()  # as a compaction of before this change left it
+    listed = [c.path for c in chain.find(str(run))]
+    assert listed == [str(run / p) for p in ("step-1", "step-2")]
+    paths = [str(run / "step-1"), str(run / "step-2")]
+    gone = str(run / "step-0")  # deleted by another prune as this one ran
+    assert chain.retain([gone, *paths], keep=2, tables_dir=chain.TABLES_DIR) == [gone]
 
 
 def test_a_model_made_afresh_resumes_with_the_optimizer_and_schedule_it_saved(

@@ -458,7 +458,9 @@ class Client:
         reads the chain: the full base and every delta up to `path`.
 
         `tables`: save only these tables (a model's: `tf_dlt.save` passes
-        them); None: every table on the shards. `save_id`: the save's id, from
+        them); None: every table on the shards. A delta holds every table of
+        its base that the shards hold (one left out would be dropped from
+        the chain: refused). `save_id`: the save's id, from
         `manifest.new_save_id()` (`tf_dlt.save` names its dense weights by it
         before the tables commit); None: a new one.
         """
@@ -470,6 +472,17 @@ class Client:
         if base is not None:
             with errors.storage_errors(f"reading the base {base}"):
                 parent = manifest.delta_parent(path, manifest.absolute(base))
+            if tables:
+                # A table of the base that a delta leaves out is dropped
+                # from its chain: only a table the shards dropped may be.
+                held = set(self.list_tables())
+                dropped = [t for t in parent["tables"] if t not in tables and t in held]
+                if dropped:
+                    raise errors.InvalidArgumentError(
+                        f"a delta on {base} leaves out tables {dropped} of it that the shards "
+                        "hold: its chain would drop them; list them in tables= too, or save "
+                        "in full (no base)"
+                    )
         with errors.storage_errors(f"reading what {path} holds"):
             chain.refuse_breaking_dependents(path)
         if save_id is None:
@@ -503,6 +516,10 @@ class Client:
                 for t in r.tables
             ]
             parts.append(part)
+        with errors.storage_errors(f"reading what {path} holds"):
+            # Again: a delta on what `path` holds may have committed while
+            # the shards wrote.
+            chain.refuse_breaking_dependents(path)
         with errors.storage_errors(f"committing {path}"):
             return manifest.write_manifest(path, parts, save_id, parent)
 
@@ -531,14 +548,21 @@ class Client:
         """
         path = manifest.absolute(path)  # the shards' working directory is not ours
         with errors.storage_errors(f"reading {path}"):
-            manifest.resolve_chain(path)  # fail fast, before any shard starts
+            # Fails fast, before any shard starts; and every shard reads
+            # this save (one saved meanwhile is refused, never mixed in).
+            save_id = manifest.resolve_chain(path)[-1].save_id
         self._data.regreet()
         load_id = secrets.token_hex(8)
-        self._prepare_load(path, load_id, progress, tables)
+        self._prepare_load(path, load_id, progress, tables, save_id)
         return self._commit_load(path, load_id)
 
     def _prepare_load(
-        self, path: str, load_id: str, progress: bool | None, tables: list[str] | None = None
+        self,
+        path: str,
+        load_id: str,
+        progress: bool | None,
+        tables: list[str] | None = None,
+        save_id: str = "",
     ) -> None:
         from tf_dlt.proto import dlt_pb2
 
@@ -547,7 +571,11 @@ class Client:
             results = self._call_all(
                 "Load",
                 request(
-                    path=path, phase=request.PREPARE, load_id=load_id, tables=sorted(tables or ())
+                    path=path,
+                    phase=request.PREPARE,
+                    load_id=load_id,
+                    tables=sorted(tables or ()),
+                    save_id=save_id,
                 ),
                 self._persist_timeout,
                 bar,

@@ -45,14 +45,22 @@ def read_model(path: str) -> dict[str, Any]:
     stopped between the two (the trainer killed, the store failing) left
     that save whole but for its model file: its tables and its dense
     weights, written before them. That save is what `path` holds then (its
-    "tables" and "kind" from its tables' manifest). Raises NotFoundError
-    without a model file, FailedPreconditionError when the tables are of
-    no save whose dense weights are there."""
+    "tables" and "kind" from its tables' manifest), the first save to
+    `path` too. Raises NotFoundError without a model file or such a save,
+    FailedPreconditionError when the tables are of no save whose dense
+    weights are there."""
     fs, root = manifest_lib.filesystem(path)
     try:
         info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
     except FileNotFoundError:
-        raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
+        info = {"format": "tf_dlt-model", "format_version": 1}  # a first save, stopped?
+        try:
+            tables = manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
+        except (errors.NotFoundError, errors.FailedPreconditionError):
+            tables = None
+        if tables is None or not fs.exists(f"{root}/{dense_file(str(tables['save_id']))}"):
+            raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
+        return _held_by_tables(info, tables)
     committed = str(info.get("save_id", ""))
     if not info.get("tables"):  # no distributed tables: the dense weights alone
         return {**info, "save_id": committed, "dense_file": _dense_of(committed)}
@@ -61,13 +69,7 @@ def read_model(path: str) -> dict[str, Any]:
     if saved == committed:
         return {**info, "dense_file": dense_file(saved)}
     if saved > committed and fs.exists(f"{root}/{dense_file(saved)}"):
-        return {
-            **{k: v for k, v in info.items() if k != "parent"},
-            "save_id": saved,
-            "dense_file": dense_file(saved),
-            "tables": sorted(t["config"]["name"] for t in tables["tables"]),
-            "kind": tables["kind"],
-        }
+        return _held_by_tables(info, tables)
     if not committed:  # saved before saves named their dense weights
         return {**info, "save_id": "", "dense_file": DENSE_FILE}
     raise errors.FailedPreconditionError(
@@ -75,6 +77,20 @@ def read_model(path: str) -> dict[str, Any]:
         f"{committed}, and the dense weights of save {saved} are not there (another program "
         "wrote into it?); nothing was loaded"
     )
+
+
+def _held_by_tables(info: dict[str, Any], tables: dict[str, Any]) -> dict[str, Any]:
+    """Model file `info` made to say what the save of the tables'
+    manifest `tables` holds (a save stopped before its model file)."""
+    saved = str(tables["save_id"])
+    return {
+        **{k: v for k, v in info.items() if k != "parent"},
+        "save_id": saved,
+        "dense_file": dense_file(saved),
+        "tables": sorted(t["config"]["name"] for t in tables["tables"]),
+        "kind": tables.get("kind", "full"),
+        "created_unix": tables.get("created_unix", 0.0),
+    }
 
 
 def _dense_of(save_id: str) -> str:
@@ -123,6 +139,8 @@ def find(directory: str) -> list[Checkpoint]:
         for tables, tables_dir in ((path, None), (tables_path(path, TABLES_DIR), TABLES_DIR)):
             try:
                 m = manifest_lib.read_manifest(tables)
+                if tables_dir:  # a model checkpoint: its dense weights too
+                    read_model(path)
             except (errors.NotFoundError, errors.FailedPreconditionError):
                 continue
             found.append(Checkpoint(path, tables_path(path, tables_dir), m))
@@ -174,7 +192,8 @@ def retain(
         if _key(_tables_of(path, tables_dir, tables)) in need:
             continue
         fs, root = manifest_lib.filesystem(path)
-        fs.rm(root, recursive=True)
+        with contextlib.suppress(FileNotFoundError):  # deleted already (another prune)
+            fs.rm(root, recursive=True)
         deleted.append(path)
     return deleted
 
@@ -262,10 +281,16 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
     # that save does (prune's newest, a follower's next), not as the newest
     # checkpoint of all (a prune after a compact deleted newer ones).
     save_id = str(head["save_id"])
+    held = manifest_lib.committed_save_id(*manifest_lib.filesystem(target))
+    if held > save_id:
+        raise errors.FailedPreconditionError(
+            f"compact's target {target!r} holds save {held}, newer than the save {save_id} "
+            f"that {source!r} holds: the copy would replace newer state; give another target"
+        )
     parts = []
     for index in range(n):
         shard = _native.Shard(index, n)
-        staged = shard_files.prepare_load(source, shard)
+        staged = shard_files.prepare_load(source, shard, save_id=save_id)  # one save, all files
         shard.install_tables(staged["staged"])
         parts.append(shard_files.save_shard(target, shard, save_id))
         del shard, staged
@@ -279,10 +304,21 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     as it takes `source`. Returns the tables' manifest."""
     info = read_model(source)
     fs, root = manifest_lib.filesystem(source)
-    written = compact(tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR), num_shards)
     target_fs, target_root = manifest_lib.filesystem(target)
-    dense = dense_file(written["save_id"])
-    target_fs.pipe_file(f"{target_root}/{dense}", fs.cat_file(f"{root}/{info['dense_file']}"))
+    # The dense weights first, durably, under the save's name (the tables
+    # keep its id): once the tables commit, `target` is whole but for its
+    # model file, which `read_model` does without.
+    dense = dense_file(str(info["save_id"]))
+    target_fs.makedirs(target_root, exist_ok=True)
+    manifest_lib.commit_file(
+        target_fs, f"{target_root}/{dense}", fs.cat_file(f"{root}/{info['dense_file']}")
+    )
+    written = compact(tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR), num_shards)
+    if written["save_id"] != info["save_id"]:
+        raise errors.FailedPreconditionError(
+            f"{source} was saved again as it was compacted (save {written['save_id']} after "
+            f"{info['save_id']}); {target} holds no model file: compact it again"
+        )
     info.pop("parent", None)
     info.update(kind="full", created_unix=time.time(), save_id=written["save_id"], dense_file=dense)
     manifest_lib.commit_file(

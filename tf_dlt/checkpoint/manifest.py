@@ -326,6 +326,8 @@ def write_manifest(
             f"a newer save ({newer}) committed to {path} while this one ({save_id}) ran: it "
             "holds the path, and this save is dropped"
         )
+    if delta and parent is not None:
+        _check_base(path, parent, save_id, committed=False)
     for part in parts:  # a concurrent save to the same path may have removed them
         if not _there(fs, f"{root}/{part['file']}"):
             raise errors.FailedPreconditionError(
@@ -360,7 +362,33 @@ def write_manifest(
             f"another save to {path} removed this save's files as it committed: this save "
             f"({save_id}) is dropped; {there} (one save to a path at a time)"
         )
+    if delta and parent is not None:
+        _check_base(path, parent, save_id, committed=True)
     return manifest
+
+
+def _check_base(path: str, parent: dict[str, Any], save_id: str, *, committed: bool) -> None:
+    """Refuses a delta whose base no longer holds the save it was taken on
+    top of: saved again, pruned or compacted over while the delta was
+    written (its chain would be broken)."""
+    base = str(parent["path"])
+    try:
+        held = resolve_chain(base)[-1].save_id
+        reason = "" if held == parent["save_id"] else f"now holds save {held}"
+    except (errors.NotFoundError, errors.FailedPreconditionError) as e:
+        reason = f"no longer loads ({e.message})"
+    if not reason:
+        return
+    what = (
+        f"{path} holds this delta, which cannot load: save it again in full (no base)"
+        if committed
+        else f"this delta ({save_id}) is dropped and {path} is unchanged: save again, in full "
+        "or on a base that stays"
+    )
+    raise errors.FailedPreconditionError(
+        f"the base {base} of the delta at {path} was taken at save {parent['save_id']} and "
+        f"{reason} (saved again, pruned or compacted over while the delta was written): {what}"
+    )
 
 
 def _commit_with_copy(
@@ -785,7 +813,8 @@ def chain_holds(base: str, path: str) -> bool:
 
 def delta_parent(path: str, base: str) -> dict[str, Any]:
     """The parent record of a delta to be saved at `path` on top of `base`
-    (write_manifest's `parent`); refuses a `path` that `base`'s chain reads,
+    (write_manifest's `parent`, with the names of the tables `base` holds);
+    refuses a `path` that `base`'s chain reads,
     which the save would overwrite."""
     links = resolve_chain(base)
     here = location_key(path)
@@ -796,4 +825,9 @@ def delta_parent(path: str, base: str) -> dict[str, Any]:
                 "needs: save a delta into a directory of its own"
             )
     head = links[-1].manifest
-    return {"path": base, "save_id": head["save_id"], "chain_length": head.get("chain_length", 1)}
+    return {
+        "path": base,
+        "save_id": head["save_id"],
+        "chain_length": head.get("chain_length", 1),
+        "tables": sorted(t["config"]["name"] for t in head["tables"]),
+    }

@@ -551,6 +551,7 @@ def prepare_load(
     *,
     replace: bool = False,
     tables: list[str] | None = None,
+    save_id: str = "",
 ) -> dict[str, Any]:
     """Reads and verifies the rows this shard owns from checkpoint `path`
     (the chain of its full base and every delta up to it) into new tables,
@@ -567,9 +568,12 @@ def prepare_load(
     `replace`: a same-named table of another configuration on the shard is
     to be replaced (a follower), not a reason to refuse. `tables`: stage
     only these of the checkpoint's tables (a model's); None: all of them.
+    `save_id`: the save the caller read at `path` (other shards read it
+    too); another one there is refused (FailedPreconditionError). Empty:
+    whichever is there.
     """
     with persisting(shard):
-        return _prepare_load(path, shard, allow, replace, tables)
+        return _prepare_load(path, shard, allow, replace, tables, save_id)
 
 
 def _prepare_load(
@@ -578,9 +582,16 @@ def _prepare_load(
     allow: Callable[[str], str | None] | None,
     replace: bool,
     only: list[str] | None,
+    save_id: str,
 ) -> dict[str, Any]:
     start = time.monotonic()
     chain = manifest_lib.resolve_chain(path, allow)
+    if save_id and chain[-1].save_id != save_id:
+        raise errors.FailedPreconditionError(
+            f"{path} was saved again as it was read: it holds save {chain[-1].save_id}, and "
+            f"the read began at save {save_id} (other shards read that one); nothing was "
+            "taken from it: read it again once no save to it runs"
+        )
     if only is not None:
         chain = [link.only(set(only)) for link in chain]
     head = chain[-1].manifest

@@ -155,6 +155,17 @@ def _implied_base(model: keras.Model, path: str) -> str | None:
     return last
 
 
+def _loads(path: str) -> bool:
+    """Whether model checkpoint `path` loads (its model file and its
+    tables' chain are there)."""
+    try:
+        chain.read_model(path)
+        manifest.resolve_chain(_tables_of(path))
+    except errors.DltError:
+        return False
+    return True
+
+
 def _save_embedded(
     layers: list[Any], tables: str, base: str | None, save_id: str
 ) -> dict[str, Any]:
@@ -323,6 +334,9 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         keep: after each save, delete the checkpoints this callback saved
             except the newest `keep` and those they need (the base and
             deltas a kept delta loads through); None: delete nothing.
+
+    A delta whose base no longer loads (another program pruned it) is
+    saved in full instead, with a warning.
     """
 
     def __init__(
@@ -356,6 +370,12 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         base = None
         if self.full_every is not None and self.saved and len(self.saved) % self.full_every:
             base = self.saved[-1]
+            if not _loads(base):
+                log.warning(
+                    "ModelCheckpoint: %s, the base of the delta due now, no longer loads "
+                    "(deleted by a prune?): saving %s in full", base, target,
+                )  # fmt: skip
+                base = None
         info = save(self.model, target, base=base)
         self.saved.append(target)
         self.epochs.append(epoch + 1)

@@ -492,7 +492,11 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             try:
                 with self.reading() as allow, errors.storage_errors(f"Load of {request.path}"):
                     result = shard_files.prepare_load(
-                        request.path, self._shard, allow, tables=list(request.tables) or None
+                        request.path,
+                        self._shard,
+                        allow,
+                        tables=list(request.tables) or None,
+                        save_id=request.save_id,
                     )
             finally:
                 self._preparing = ""
