@@ -405,6 +405,29 @@ def test_a_base_replaced_or_pruned_while_a_delta_is_written_fails_one_save_not_t
         np.testing.assert_array_equal(c.pull("t", ids), state)
 
 
+def test_a_prune_keeps_a_base_that_a_delta_committed_on_after_it_listed(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A prune lists the directory, a delta on an old checkpoint commits,
+    the prune deletes that checkpoint: the delta reported saved and never
+    loaded. Before deleting, a prune now looks again at what the other
+    checkpoints beside them need."""
+    run = tmp_path / "run"
+    ids = np.arange(300, dtype=np.int64)
+    with start_cluster(1).client() as c:
+        _base(c, ids, run / "c1")
+        _train(c, ids[:50], 2, {"t": 4})
+        c.save(str(run / "c2"))
+        listed = [found.path for found in chain.find(str(run))]
+        assert listed == [str(run / "c1"), str(run / "c2")]
+        c.save(str(run / "c3"), base=str(run / "c1"))
+        state = c.pull("t", ids)
+        assert chain.retain(listed, keep=1) == []
+        _train(c, ids[:50], 3, {"t": 4})
+        c.load(str(run / "c3"))
+        np.testing.assert_array_equal(c.pull("t", ids), state)
+
+
 def test_a_delta_of_some_tables_never_drops_the_others_from_its_chain(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -4,6 +4,7 @@ processes, and a checkpoint moves between the two."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -461,9 +462,13 @@ def test_a_checkpoint_saved_before_dense_files_were_named_per_save_loads(
     tmp_path: Path,
 ) -> None:
     """Model checkpoints written before each save named its dense weights
-    (one `dense.weights.h5`, no save id in the model file) load as before,
-    and the next save to that path removes the old dense file."""
+    (one `dense.weights.h5`, no save id in the model file) load and compact
+    as before, and the next save to that path removes the old dense file.
+    A model file that does not parse leaves the rest of its directory
+    listed."""
     import json
+
+    from tf_dlt.checkpoint import chain
 
     model = _model("ck_legacy")
     x, y = _data()
@@ -477,6 +482,14 @@ def test_a_checkpoint_saved_before_dense_files_were_named_per_save_loads(
     model.fit(x, y, epochs=1, batch_size=16, verbose=0)
     tf_dlt.load(model, str(path))
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+    chain.compact_model(str(path), str(tmp_path / "compacted"))
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.load(model, str(tmp_path / "compacted"))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "tf_dlt_model.json").write_text("{not json")
+    shutil.copytree(path / "tables", tmp_path / "torn" / "tables")
+    assert [c.path for c in chain.find(str(tmp_path))] == [str(path), str(tmp_path / "compacted")]
     tf_dlt.save(model, str(path))
     assert [p.name for p in path.glob("dense*.h5")] == [
         json.loads((path / "tf_dlt_model.json").read_text())["dense_file"]

@@ -481,7 +481,7 @@ class Client:
                     raise errors.InvalidArgumentError(
                         f"a delta on {base} leaves out tables {dropped} of it that the shards "
                         "hold: its chain would drop them; list them in tables= too, or save "
-                        "in full (no base)"
+                        "in full (no base; tf_dlt.save: incremental=False)"
                     )
         with errors.storage_errors(f"reading what {path} holds"):
             chain.refuse_breaking_dependents(path)

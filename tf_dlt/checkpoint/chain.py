@@ -37,7 +37,7 @@ def dense_file(save_id: str) -> str:
     return f"dense.{save_id}.weights.h5"
 
 
-def read_model(path: str) -> dict[str, Any]:
+def read_model(path: str, tables: dict[str, Any] | None = None) -> dict[str, Any]:
     """What model checkpoint `path` holds: its model file, with "save_id"
     and "dense_file" (the dense weights' name) always set.
 
@@ -48,14 +48,15 @@ def read_model(path: str) -> dict[str, Any]:
     "tables" and "kind" from its tables' manifest), the first save to
     `path` too. Raises NotFoundError without a model file or such a save,
     FailedPreconditionError when the tables are of no save whose dense
-    weights are there."""
+    weights are there. `tables`: the tables' manifest, when the caller read
+    it already."""
     fs, root = manifest_lib.filesystem(path)
     try:
         info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
     except FileNotFoundError:
         info = {"format": "tf_dlt-model", "format_version": 1}  # a first save, stopped?
         try:
-            tables = manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
+            tables = tables or manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
         except (errors.NotFoundError, errors.FailedPreconditionError):
             tables = None
         if tables is None or not fs.exists(f"{root}/{dense_file(str(tables['save_id']))}"):
@@ -64,7 +65,7 @@ def read_model(path: str) -> dict[str, Any]:
     committed = str(info.get("save_id", ""))
     if not info.get("tables"):  # no distributed tables: the dense weights alone
         return {**info, "save_id": committed, "dense_file": _dense_of(committed)}
-    tables = manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
+    tables = tables or manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
     saved = str(tables["save_id"])
     if saved == committed:
         return {**info, "dense_file": dense_file(saved)}
@@ -124,10 +125,13 @@ class Checkpoint:
     manifest: dict[str, Any]
 
 
-def find(directory: str) -> list[Checkpoint]:
+def find(directory: str, *, whole_models: bool = True) -> list[Checkpoint]:
     """The committed checkpoints in `directory` (itself, its
     subdirectories, and model checkpoints' ``tables/``), oldest first by
-    save id (the time of the save), then by when each was written."""
+    save id (the time of the save), then by when each was written.
+    `whole_models`: a model checkpoint only when it loads (its model file,
+    or its dense weights, there: `read_model`); False: every committed
+    table checkpoint (what a delta may stand on)."""
     fs, root = manifest_lib.filesystem(directory)
     candidates = [directory]
     with contextlib.suppress(FileNotFoundError):
@@ -139,10 +143,13 @@ def find(directory: str) -> list[Checkpoint]:
         for tables, tables_dir in ((path, None), (tables_path(path, TABLES_DIR), TABLES_DIR)):
             try:
                 m = manifest_lib.read_manifest(tables)
-                if tables_dir:  # a model checkpoint: its dense weights too
-                    read_model(path)
             except (errors.NotFoundError, errors.FailedPreconditionError):
                 continue
+            if tables_dir and whole_models:  # a model checkpoint: its dense weights too
+                try:
+                    read_model(path, m)
+                except Exception:  # noqa: BLE001 - a model checkpoint a load refuses: not listed
+                    break
             found.append(Checkpoint(path, tables_path(path, tables_dir), m))
             break
     # Of two checkpoints of one save (a compacted copy keeps its save id),
@@ -187,6 +194,9 @@ def retain(
         if problems is not None:
             problems.append(f"nothing deleted: a kept checkpoint's chain cannot be read ({e})")
         return []  # a broken chain: never guess what it needs
+    # A delta may have committed on one of them since the caller listed
+    # them: what every other checkpoint beside them needs now stays too.
+    need |= _needed_beside([_tables_of(p, tables_dir, tables) for p in paths[:-keep]])
     deleted = []
     for path in paths[:-keep]:
         if _key(_tables_of(path, tables_dir, tables)) in need:
@@ -196,6 +206,27 @@ def retain(
             fs.rm(root, recursive=True)
         deleted.append(path)
     return deleted
+
+
+def _needed_beside(deleting: list[str]) -> set[str]:
+    """What the checkpoints beside the table checkpoints `deleting` (in
+    their directories; a model checkpoint's: two levels up), other than
+    those, need (`needed`, in `_key` form)."""
+    directories = set()
+    for path in deleting:
+        fs, root = manifest_lib.filesystem(path)
+        up = posixpath.dirname(root)
+        if posixpath.basename(root) == TABLES_DIR:
+            up = posixpath.dirname(up)
+        directories.add(manifest_lib.url_of(fs, up))
+    going = {_key(p) for p in deleting}
+    out: set[str] = set()
+    for directory in sorted(directories):
+        for c in find(directory, whole_models=False):
+            if _key(c.tables) not in going:
+                with contextlib.suppress(errors.NotFoundError, errors.FailedPreconditionError):
+                    out |= needed([c.tables])  # a broken chain loads nothing to keep
+    return out
 
 
 def refuse_breaking_dependents(path: str) -> None:
@@ -215,7 +246,7 @@ def refuse_breaking_dependents(path: str) -> None:
         directories.append(manifest_lib.url_of(fs, posixpath.dirname(posixpath.dirname(root))))
     here = _key(path)
     for directory in directories:
-        for found in find(directory):
+        for found in find(directory, whole_models=False):
             link = found.manifest.get("parent")
             if found.manifest.get("kind") != "delta" or not isinstance(link, dict):
                 continue
@@ -256,6 +287,12 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
     """Writes the state the chain of `source` loads as one full checkpoint
     at `target`, with `num_shards` files (default: the head's shard count).
     One file's share of the table is in memory at a time."""
+    return _write_compacted(source, target, *_compaction(source, target, num_shards))
+
+
+def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, str]:
+    """Checks a compaction of `source` into `target` before anything is
+    written; returns its file count and save id."""
     if num_shards is not None and num_shards < 1:
         raise errors.InvalidArgumentError(f"compact: num_shards must be >= 1, got {num_shards}")
     links = manifest_lib.resolve_chain(source)
@@ -287,6 +324,10 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
             f"compact's target {target!r} holds save {held}, newer than the save {save_id} "
             f"that {source!r} holds: the copy would replace newer state; give another target"
         )
+    return n, save_id
+
+
+def _write_compacted(source: str, target: str, n: int, save_id: str) -> dict[str, Any]:
     parts = []
     for index in range(n):
         shard = _native.Shard(index, n)
@@ -305,20 +346,23 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     info = read_model(source)
     fs, root = manifest_lib.filesystem(source)
     target_fs, target_root = manifest_lib.filesystem(target)
+    tables, target_tables = tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR)
+    n, save_id = _compaction(tables, target_tables, num_shards)
+    if info["save_id"] and info["save_id"] != save_id:
+        raise errors.FailedPreconditionError(
+            f"{source} was saved again as it was read (its tables hold save {save_id}, its "
+            f"model file {info['save_id']}): compact it again once no save to it runs"
+        )
     # The dense weights first, durably, under the save's name (the tables
-    # keep its id): once the tables commit, `target` is whole but for its
-    # model file, which `read_model` does without.
-    dense = dense_file(str(info["save_id"]))
+    # keep its id; a checkpoint of before saves named their dense weights
+    # has none in its model file): once the tables commit, `target` is
+    # whole but for its model file, which `read_model` does without.
+    dense = dense_file(save_id)
     target_fs.makedirs(target_root, exist_ok=True)
     manifest_lib.commit_file(
         target_fs, f"{target_root}/{dense}", fs.cat_file(f"{root}/{info['dense_file']}")
     )
-    written = compact(tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR), num_shards)
-    if written["save_id"] != info["save_id"]:
-        raise errors.FailedPreconditionError(
-            f"{source} was saved again as it was compacted (save {written['save_id']} after "
-            f"{info['save_id']}); {target} holds no model file: compact it again"
-        )
+    written = _write_compacted(tables, target_tables, n, save_id)
     info.pop("parent", None)
     info.update(kind="full", created_unix=time.time(), save_id=written["save_id"], dense_file=dense)
     manifest_lib.commit_file(

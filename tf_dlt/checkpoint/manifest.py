@@ -377,6 +377,11 @@ def _check_base(path: str, parent: dict[str, Any], save_id: str, *, committed: b
         reason = "" if held == parent["save_id"] else f"now holds save {held}"
     except (errors.NotFoundError, errors.FailedPreconditionError) as e:
         reason = f"no longer loads ({e.message})"
+    except Exception as e:
+        if not committed or not errors.is_storage_error(e):
+            raise
+        log.warning("saved %s; checking that its base %s still holds it failed: %s", path, base, e)
+        return
     if not reason:
         return
     what = (

@@ -159,8 +159,8 @@ def _loads(path: str) -> bool:
     """Whether model checkpoint `path` loads (its model file and its
     tables' chain are there)."""
     try:
-        chain.read_model(path)
-        manifest.resolve_chain(_tables_of(path))
+        if chain.read_model(path)["tables"]:  # none: the dense weights alone
+            manifest.resolve_chain(_tables_of(path))
     except errors.DltError:
         return False
     return True
@@ -181,6 +181,7 @@ def _save_embedded(
         for layer in layers
     ]
     part = shard_files.save_tables(tables, layout, rows, save_id)
+    chain.refuse_breaking_dependents(tables)  # again, as Client.save does
     return manifest.write_manifest(tables, [part], save_id, parent)
 
 

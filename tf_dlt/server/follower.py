@@ -111,7 +111,7 @@ class Follower:
 
     def _poll(self) -> None:
         status = self._status
-        found = chain.find(status.directory)
+        found = chain.find(status.directory, whole_models=False)  # the tables are what it serves
         newer = [c for c in found if str(c.manifest["save_id"]) > status.serving_save_id]
         if not newer:
             status.error = "" if found else f"no committed checkpoint in {status.directory}"
