@@ -555,6 +555,27 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
         assert cli.main(["stats", "--pservers", old]) == 1  # and says who replaced it
         assert f"{standby} took over, at epoch 2" in capsys.readouterr().err
         np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", ids), newest)
+        # Its admin plane refuses writes too: a save there missed the push
+        # the new primary took (it saved the rows of before the pause).
+        import grpc
+
+        from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}") as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                dlt_pb2_grpc.ShardAdminStub(channel).Save(
+                    dlt_pb2.SaveRequest(
+                        path=str(tmp_path / "stale"), save_id=manifest.new_save_id()
+                    ),
+                    timeout=30,
+                )
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "was replaced" in (refused.value.details() or "")
+        # The client that met the old primary saves on the new one.
+        client.save(str(tmp_path / "ck"))
+        client.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)
+        client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("emb", ids), newest)
 
 
 def test_tf_dlt_stats_of_a_standby_listed_alone_shows_its_own(

@@ -23,16 +23,17 @@ from concurrent import futures
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tf_dlt import grpc_util, tls
-from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+from tf_dlt.proto import dlt_pb2
 
 log = logging.getLogger("tf_dlt.server")
 
-SERVICE_NAME = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].full_name
-_METHODS = [m.name for m in dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"].methods]
+_SERVICE = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"]
+SERVICE_NAME = _SERVICE.full_name
 # A request's bytes at most: the longest a Save or Load may list is 16,000
 # tables of the longest names. Health checks take a request without a
 # token, and a connection may send each stream's in full: this bounds what
@@ -183,7 +184,11 @@ class AdminServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        dlt_pb2_grpc.add_ShardAdminServicer_to_server(self._on_threads(), server)  # type: ignore[no-untyped-call]
+        handlers = self._on_threads()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -218,16 +223,28 @@ class AdminServer:
             await self._health.set(name, status)
         await self._server.start()
 
-    def _on_threads(self) -> Any:
+    def _on_threads(self) -> dict[str, grpc.RpcMethodHandler]:
         """ShardAdmin's methods as coroutines that hand each call, its
-        request in hand, to a worker thread."""
-        methods = {name: self._method(getattr(self._servicer, name)) for name in _METHODS}
-        return type("ShardAdminOnThreads", (), methods)()
+        request in hand and decoded, to a worker thread."""
+        return {
+            m.name: grpc.unary_unary_rpc_method_handler(
+                self._method(getattr(self._servicer, m.name), getattr(dlt_pb2, m.input_type.name)),
+                response_serializer=getattr(dlt_pb2, m.output_type.name).SerializeToString,
+            )
+            for m in _SERVICE.methods
+        }
 
-    def _method(self, method: Callable[[Any, CallContext], Any]) -> Any:
-        async def call(_self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    def _method(self, method: Callable[[Any, CallContext], Any], request_type: Any) -> Any:
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             if self._stopping:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
+            try:  # decoded here: gRPC reports a request it cannot decode as UNKNOWN
+                request = request_type.FromString(raw)
+            except DecodeError as e:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"not a {request_type.DESCRIPTOR.full_name}: {e}"[:500],
+                )
             mine = CallContext(context)
             self._in_hand += 1
             try:

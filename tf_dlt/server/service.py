@@ -196,6 +196,14 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         return self._roots.holding("Load")
 
     def _writable(self, what: str) -> None:
+        superseded = int(self._shard.superseded_by)
+        if superseded:
+            # Replaced while paused or cut off: its rows miss what the new
+            # primary took since (a save here would lose acknowledged pushes).
+            raise errors.UnavailableError(
+                f"shard {self._shard.shard_index} here was replaced by a standby that took over "
+                f"({self._shard.replaced_by}, epoch {superseded}): {what} goes to that primary"
+            )
         if self.standby_link is not None and self.standby_link.role != "primary":
             # UNAVAILABLE: a client moves on to the shard's other address.
             raise errors.UnavailableError(
