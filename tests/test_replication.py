@@ -466,6 +466,26 @@ def _trained_with_standby(
     return client, ids, client.pull("emb", ids)
 
 
+def test_a_client_given_the_primaries_alone_follows_a_takeover_on_both_planes(
+    replicated: LocalCluster, tmp_path: Path
+) -> None:
+    """A client given only each shard's primary learns the standbys from
+    their Hellos: its pulls followed a takeover, but its admin calls (save,
+    stats, create_table) failed UNAVAILABLE for good. They follow too."""
+    cluster = replicated
+    _, ids, rows = _trained_with_standby(cluster, 1, 500)
+    primaries = tf_dlt.Client(cluster.process_addresses[:2])
+    primaries.stats()  # met both primaries, on both planes
+    cluster.kill(1)
+    np.testing.assert_array_equal(primaries.pull("emb", ids), rows)
+    assert primaries.stats()[1]["role"] == "primary"
+    primaries.save(str(tmp_path / "ck"))
+    primaries.create_table("after", DIM)
+    primaries.push("emb", ids, np.ones((500, DIM), np.float32), 0.1)
+    primaries.load(str(tmp_path / "ck"))
+    np.testing.assert_array_equal(primaries.pull("emb", ids), rows)
+
+
 def test_a_client_made_during_a_takeover_waits_for_it(replicated: LocalCluster) -> None:
     """A trainer that first greets a shard while its standby takes over
     (its primary refuses, the standby still answers "a standby") waits for

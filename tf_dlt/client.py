@@ -274,7 +274,7 @@ class Client:
             except grpc.RpcError as e:
                 what = f"shard {i} ({self.pservers[i]}) {method}"
                 error = grpc_util.error_from_rpc(e, what)
-                if "|" in self.pservers[i] and e.code() == grpc.StatusCode.UNAVAILABLE:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and "|" in self._addresses_of(i):
                     # Its standby may have taken over, or be taking over:
                     # ask whoever greets, until the request deadline.
                     try:
@@ -303,7 +303,7 @@ class Client:
         while True:
             said: list[str] = []
             last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
-            for address in self.pservers[shard].split("|"):
+            for address in self._addresses_of(shard).split("|"):
                 try:
                     info = _native.hello(address, self._token, timeout_ms=1000)
                 except errors.DltError as e:
@@ -318,6 +318,16 @@ class Client:
             if time.monotonic() + _REGREET_PAUSE_S >= give_up:
                 raise type(last)("; ".join(said) or last.message)
             time.sleep(_REGREET_PAUSE_S)
+
+    def _addresses_of(self, shard: int) -> str:
+        """`shard`'s addresses: those this client was given, then the
+        standbys the data plane learned from the shard's Hellos (a client
+        given its primaries alone follows a takeover too)."""
+        with contextlib.suppress(errors.DltError):
+            infos = self._data.shard_infos()
+            if shard < len(infos) and infos[shard]["replicas"]:
+                return str(infos[shard]["replicas"])
+        return self.pservers[shard]
 
     def _channel(self, address: str) -> grpc.Channel:
         return tls.channel(
