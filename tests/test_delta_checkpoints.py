@@ -50,6 +50,16 @@ def _base_and_delta(client: tf_dlt.Client, ids: np.ndarray, base: Path, delta: P
     client.save(str(delta), base=str(base))
 
 
+def _loads_back(
+    client: tf_dlt.Client, path: Path, ids: np.ndarray, state: np.ndarray, seed: int
+) -> None:
+    """Trains table "t" on (training moves on), loads `path`, and checks
+    that `ids` hold `state` again."""
+    _train(client, ids[:50], seed, {"t": 4})
+    client.load(str(path))
+    np.testing.assert_array_equal(client.pull("t", ids), state)
+
+
 def _create(client: tf_dlt.Client) -> None:
     client.create_table("adam", 8, "normal", "adam", seed=1)
     client.create_table("ftrl", 5, "zeros", "ftrl", seed=3)
@@ -349,9 +359,7 @@ def test_a_save_over_the_base_of_a_delta_beside_it_is_refused(
             with pytest.raises(errors.FailedPreconditionError, match="is a delta on top of"):
                 c.save(str(run / "step-2000"), base=base)
         c.save(str(run / "step-3000"))  # over the delta itself: nothing stands on it
-        _train(c, ids[:50], 3, {"t": 4})
-        c.load(str(run / "step-3000"))
-        np.testing.assert_array_equal(c.pull("t", ids), state)
+        _loads_back(c, run / "step-3000", ids, state, seed=3)
 
 
 def test_a_base_replaced_or_pruned_while_a_delta_is_written_fails_one_save_not_the_chain(
@@ -400,9 +408,7 @@ def test_a_base_replaced_or_pruned_while_a_delta_is_written_fails_one_save_not_t
         with pytest.raises(errors.FailedPreconditionError, match="is a delta on top of"):
             c.save(str(run / "step-4"))
         monkeypatch.setattr(chain, "refuse_breaking_dependents", check)
-        _train(c, ids[:50], 4, {"t": 4})
-        c.load(str(run / "step-5"))
-        np.testing.assert_array_equal(c.pull("t", ids), state)
+        _loads_back(c, run / "step-5", ids, state, seed=4)
 
 
 def test_a_prune_keeps_a_base_that_a_delta_committed_on_after_it_listed(
@@ -423,9 +429,7 @@ def test_a_prune_keeps_a_base_that_a_delta_committed_on_after_it_listed(
         c.save(str(run / "c3"), base=str(run / "c1"))
         state = c.pull("t", ids)
         assert chain.retain(listed, keep=1) == []
-        _train(c, ids[:50], 3, {"t": 4})
-        c.load(str(run / "c3"))
-        np.testing.assert_array_equal(c.pull("t", ids), state)
+        _loads_back(c, run / "c3", ids, state, seed=3)
 
 
 def test_a_delta_of_some_tables_never_drops_the_others_from_its_chain(

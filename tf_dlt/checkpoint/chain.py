@@ -208,20 +208,24 @@ def retain(
     return deleted
 
 
+def _directories_beside(path: str) -> list[str]:
+    """The directories of checkpoints beside table checkpoint `path`: its
+    own parent, and for a model checkpoint's tables, the model
+    checkpoint's parent too."""
+    fs, root = manifest_lib.filesystem(path)
+    directories = [manifest_lib.url_of(fs, posixpath.dirname(root))]
+    if posixpath.basename(root) == TABLES_DIR:  # a model checkpoint's tables
+        directories.append(manifest_lib.url_of(fs, posixpath.dirname(posixpath.dirname(root))))
+    return directories
+
+
 def _needed_beside(deleting: list[str]) -> set[str]:
-    """What the checkpoints beside the table checkpoints `deleting` (in
-    their directories; a model checkpoint's: two levels up), other than
-    those, need (`needed`, in `_key` form)."""
-    directories = set()
-    for path in deleting:
-        fs, root = manifest_lib.filesystem(path)
-        up = posixpath.dirname(root)
-        if posixpath.basename(root) == TABLES_DIR:
-            up = posixpath.dirname(up)
-        directories.add(manifest_lib.url_of(fs, up))
+    """What the checkpoints beside the table checkpoints `deleting`
+    (`_directories_beside`), other than those, need (`needed`, in `_key`
+    form)."""
     going = {_key(p) for p in deleting}
     out: set[str] = set()
-    for directory in sorted(directories):
+    for directory in sorted({d for path in deleting for d in _directories_beside(path)}):
         for c in find(directory, whole_models=False):
             if _key(c.tables) not in going:
                 with contextlib.suppress(errors.NotFoundError, errors.FailedPreconditionError):
@@ -239,13 +243,8 @@ def refuse_breaking_dependents(path: str) -> None:
         current = manifest_lib.read_manifest(path)
     except Exception:  # noqa: BLE001 - nothing committed there, or a URL the shards refuse
         return
-    fs, root = manifest_lib.filesystem(path)
-    parent = manifest_lib.url_of(fs, posixpath.dirname(root))
-    directories = [parent]
-    if posixpath.basename(root) == TABLES_DIR:  # a model checkpoint's tables
-        directories.append(manifest_lib.url_of(fs, posixpath.dirname(posixpath.dirname(root))))
     here = _key(path)
-    for directory in directories:
+    for directory in _directories_beside(path):
         for found in find(directory, whole_models=False):
             link = found.manifest.get("parent")
             if found.manifest.get("kind") != "delta" or not isinstance(link, dict):

@@ -74,9 +74,6 @@ class CallContext:
         remaining = self._context.time_remaining()
         return not self._left.is_set() and (remaining is None or remaining > 0)
 
-    def peer(self) -> str:
-        return str(self._context.peer())
-
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Requires ``authorization: Bearer <token>`` on every control-plane call
