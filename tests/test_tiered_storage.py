@@ -166,7 +166,7 @@ def test_checkpoints_read_both_tiers_and_a_load_fills_ram_then_disk(
     assert staged_rows(str(tmp_path / "delta"), 1)["t"] == after
 
 
-def test_stale_tier_files_are_deleted_at_start_and_a_shared_dir_is_refused(
+def test_stale_tier_files_are_deleted_at_start_and_a_shared_dir_is_taken_apart(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
     ssd = tmp_path / "ssd"
@@ -174,16 +174,18 @@ def test_stale_tier_files_are_deleted_at_start_and_a_shared_dir_is_refused(
     stale.mkdir(parents=True)
     (stale / "stripe-00.tier").write_bytes(b"\x01" * 4096)
     (ssd / "shard-3").mkdir()  # a shard of an older fleet shape, gone too
+    (ssd / "shard-0-2").mkdir()  # a standby's, gone too
     # Not a tier's: a directory named like one but for its index (it was
     # deleted with what it held), and a loose file.
-    for name in ("shard-notes", "shard-", "shard-1x"):
+    for name in ("shard-notes", "shard-", "shard-1x", "shard-1-", "shard-1-x", "shard--2"):
         (ssd / name).mkdir()
         (ssd / name / "keep.txt").write_text("a user's")
     (ssd / "shard-9.txt").write_text("a user's")
     budget = ("--memory-budget", _budget(), "--storage-dir", str(ssd))
     cluster = start_cluster(1, *budget)
     assert not stale.exists() and not (ssd / "shard-3").exists()
-    for name in ("shard-notes", "shard-", "shard-1x"):
+    assert not (ssd / "shard-0-2").exists()
+    for name in ("shard-notes", "shard-", "shard-1x", "shard-1-", "shard-1-x", "shard--2"):
         assert (ssd / name / "keep.txt").read_text() == "a user's"
     assert (ssd / "shard-9.txt").exists()
     with cluster.client() as c:
@@ -191,13 +193,22 @@ def test_stale_tier_files_are_deleted_at_start_and_a_shared_dir_is_refused(
         c.pull("t", np.arange(ROWS, dtype=np.int64))
         _wait_for_demotions(c)
         assert list((ssd / "shard-0").glob("*/stripe-*.tier"))
-        # A second process on the same directory is refused at start.
-        second = subprocess.run(
-            [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--admin-port", "0", *budget],
-            capture_output=True, text=True, timeout=60, cwd="/",
-        )  # fmt: skip
-        assert second.returncode != 0
-        assert "in use by another shard process" in second.stderr
+        # A second process of the shard given the same directory (a
+        # standby: `tf-dlt launch --replicas` passes every process the same
+        # flags) takes one of its own beside the first's, and leaves the
+        # first's files alone. It was refused at start.
+        before = c.pull("t", np.arange(ROWS, dtype=np.int64), training=False)
+        second = start_cluster(1, *budget)
+        assert (ssd / "shard-0-2" / "LOCK").exists()
+        assert list((ssd / "shard-0").glob("*/stripe-*.tier"))
+        with second.client() as c2:
+            c2.create_table("t", DIM, "normal", "adagrad")
+            c2.pull("t", np.arange(ROWS, dtype=np.int64))
+            _wait_for_demotions(c2)
+        assert list((ssd / "shard-0-2").glob("*/stripe-*.tier"))
+        second.stop()
+        after = c.pull("t", np.arange(ROWS, dtype=np.int64), training=False)
+        np.testing.assert_array_equal(after, before)
     cluster.stop()
     # The files of a stopped shard go with it.
     assert not list((ssd / "shard-0").glob("*/stripe-*.tier"))

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -175,6 +176,9 @@ TierFile::TierFile(std::string path, size_t record_bytes, uint32_t first_bucket,
       num_buckets_(std::max<uint32_t>(num_buckets, 1)),
       group_bytes_(group_bytes),
       slot_bytes_(kSlotExtraBytes + record_bytes) {
+  key_salt_ =
+      Mix64(reinterpret_cast<uintptr_t>(this) ^
+            static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
   const Page page = PageFor(record_bytes);
   page_bytes_ = page.bytes;
   slots_per_page_ = page.slots;
@@ -326,10 +330,10 @@ void TierFile::PrefetchFingerprints(uint64_t hash) const {
   }
 }
 
-int64_t TierFile::KeyOf(const char* slot_data) {
-  int64_t key;
-  std::memcpy(&key, slot_data, sizeof(key));
-  return key;
+int64_t TierFile::KeyOf(const char* slot_data) const {
+  uint64_t stored;
+  std::memcpy(&stored, slot_data, sizeof(stored));
+  return static_cast<int64_t>(stored ^ key_salt_);
 }
 
 uint16_t TierFile::GenerationAfter(const char* record) const {
@@ -339,7 +343,8 @@ uint16_t TierFile::GenerationAfter(const char* record) const {
 }
 
 void TierFile::FillSlot(char* to, int64_t key, const char* record, uint16_t generation) const {
-  std::memcpy(to, &key, sizeof(key));
+  const uint64_t stored = static_cast<uint64_t>(key) ^ key_salt_;
+  std::memcpy(to, &stored, sizeof(stored));
   std::memcpy(to + sizeof(key), record, record_bytes_);
   std::memcpy(to + sizeof(key) + record_bytes_, &generation, sizeof(generation));
 }
@@ -347,6 +352,21 @@ void TierFile::FillSlot(char* to, int64_t key, const char* record, uint16_t gene
 size_t TierFile::SlotOffset(uint32_t slot) const {
   return size_t{slot / slots_per_page_} * page_bytes_ +
          size_t{slot % slots_per_page_} * slot_bytes_;
+}
+
+Status TierFile::CheckSlot(uint32_t slot, const char* data) const {
+  const int64_t key = KeyOf(data);
+  uint32_t first, second;
+  uint16_t print;
+  Place(Mix64(static_cast<uint64_t>(key)), &first, &second, &print);
+  const uint32_t page = slot / slots_per_page_;
+  if (print == fingerprints_[slot] && (page == first || page == second)) return OkStatus();
+  read_errors_.fetch_add(1, std::memory_order_relaxed);
+  return DataLoss("disk tier " + path_ + ": slot " + std::to_string(slot) + " holds id " +
+                  std::to_string(key) +
+                  ", which this shard never wrote there (the file was changed outside the "
+                  "process, or the device returned other bytes): its rows cannot be trusted; "
+                  "load a checkpoint");
 }
 
 Status TierFile::ReadSlot(uint32_t slot, char* buffer) const {
@@ -458,7 +478,10 @@ Status TierFile::Find(uint64_t hash, int64_t key, char* record, uint32_t* slot,
       } else {
         DLT_RETURN_IF_ERROR(ReadSlot(s, buffer.data()));
       }
-      if (KeyOf(buffer.data()) != key) continue;  // a fingerprint collision
+      if (KeyOf(buffer.data()) != key) {  // a fingerprint collision, or damage
+        DLT_RETURN_IF_ERROR(CheckSlot(s, buffer.data()));
+        continue;
+      }
       std::memcpy(record, RecordOf(buffer.data()), record_bytes_);
       *slot = s;
       *generation = GenerationAfter(RecordOf(buffer.data()));
@@ -512,10 +535,12 @@ Status TierFile::Put(uint64_t hash, int64_t key, const char* record, uint16_t ge
   }
   uint16_t print;
   uint32_t slot = FreeSlot(hash, &print);
-  if (slot == kNoSlot) {  // both pages full well below the target fill: rare
+  // Both pages full below the target fill (rows of a few buckets in a file
+  // of few pages, where a bucket's two pages may be one): grow until they
+  // are not, as PutBatch does (Resize refuses past the largest file).
+  while (slot == kNoSlot) {
     DLT_RETURN_IF_ERROR(Resize(num_pages_ * 2));
     slot = FreeSlot(hash, &print);
-    if (slot == kNoSlot) return Internal("disk tier " + path_ + ": no free slot after growing");
   }
   DLT_RETURN_IF_ERROR(WriteSlot(slot, key, record, generation));
   SetPrint(slot, print);
@@ -546,7 +571,7 @@ void TierFile::SortByPage(std::vector<std::pair<uint32_t, uint32_t>>* placed) co
 }
 
 Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
-                          const char* records, const uint16_t* generations) {
+                          const char* records, const uint16_t* generations, uint32_t* slots) {
   if (n == 0) return OkStatus();
   DropPrefetched();
   if (fd_ < 0) DLT_RETURN_IF_ERROR(Open(std::max<uint64_t>(size_hint_, rows_ + n)));
@@ -614,6 +639,9 @@ Status TierFile::PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys,
     unplace();
     return status;
   }
+  if (slots != nullptr) {
+    for (const auto& [slot, row] : placed) slots[row] = slot;
+  }
   rows_ += n;
   return OkStatus();
 }
@@ -674,6 +702,7 @@ Status TierFile::Resize(uint32_t pages) {
     return WriteError("allocation", alloc_err);
   }
   TierFile next(next_path, record_bytes_, first_bucket_, num_buckets_, group_bytes_);
+  next.key_salt_ = key_salt_;  // slots are copied as they are
   next.fd_ = next_fd;
   next.SetPages(pages);
   next.ClearPrints(pages);
@@ -691,8 +720,7 @@ Status TierFile::Resize(uint32_t pages) {
   ++layout_;
   fingerprints_.swap(next.fingerprints_);
   used_.swap(next.used_);
-  ghosts_.swap(next.ghosts_);
-  window_rows_ = 0;
+  ghosts_.swap(next.ghosts_);  // carried over: the window goes on
   return OkStatus();
 }
 
@@ -711,10 +739,16 @@ Status TierFile::CopyInto(TierFile* next) {
     std::vector<int64_t> keys;
     std::vector<char> records;
     std::vector<uint16_t> generations;
+    std::vector<uint32_t> ghosts;  // indexes of rows moved out lately
   } group, strays;
   auto store = [&](Rows* rows) -> Status {
-    const Status stored = next->PutBatch(rows->keys.size(), rows->hashes.data(), rows->keys.data(),
-                                         rows->records.data(), rows->generations.data());
+    std::vector<uint32_t> slots(rows->keys.size());
+    const Status stored =
+        next->PutBatch(rows->keys.size(), rows->hashes.data(), rows->keys.data(),
+                       rows->records.data(), rows->generations.data(), slots.data());
+    if (stored.ok()) {
+      for (const uint32_t i : rows->ghosts) next->MarkGhost(slots[i]);
+    }
     *rows = Rows{};
     if (stored.ok() && next->num_pages_ != new_pages) {  // it grew itself: the groups are off
       return Internal("disk tier " + path_ + ": a page overflowed while growing");
@@ -754,6 +788,7 @@ Status TierFile::CopyInto(TierFile* next) {
           const uint64_t slot = (p + q) * slots_per_page_ + s;
           if (fingerprints_[slot] == 0) continue;
           const char* data = SlotIn(old_buffer.data() + q * page_bytes_, s);
+          DLT_RETURN_IF_ERROR(CheckSlot(static_cast<uint32_t>(slot), data));
           const int64_t key = KeyOf(data);
           const uint64_t hash = Mix64(static_cast<uint64_t>(key));
           const uint32_t rel = BucketOfHash(hash) - first_bucket_;  // wraps below the range
@@ -767,11 +802,15 @@ Status TierFile::CopyInto(TierFile* next) {
             std::memcpy(new_buffer.data() + (next->SlotOffset(to) - first * page_bytes_), data,
                         slot_bytes_);
             next->SetPrint(to, print);
+            if (MovedOutLately(static_cast<uint32_t>(slot))) next->MarkGhost(to);
             ++next->rows_;
             placed_any = true;
             continue;
           }
           Rows& rows = mine ? group : strays;
+          if (MovedOutLately(static_cast<uint32_t>(slot))) {
+            rows.ghosts.push_back(static_cast<uint32_t>(rows.keys.size()));
+          }
           rows.hashes.push_back(hash);
           rows.keys.push_back(key);
           rows.records.insert(rows.records.end(), RecordOf(data), RecordOf(data) + record_bytes_);

@@ -119,8 +119,9 @@ class TierFile {
   // one pwrite (reading a run first only where it holds other rows), so
   // rows in bucket order cost a sequential write, not a write per row. On
   // an error none of the `n` rows is stored.
+  // `slots` (optional): where each row went.
   Status PutBatch(size_t n, const uint64_t* hashes, const int64_t* keys, const char* records,
-                  const uint16_t* generations);
+                  const uint16_t* generations, uint32_t* slots = nullptr);
   // Notes that `slot` was just given a row moved out of RAM (Put by the
   // memory keeper); a window closes after `window` such rows.
   void NoteMovedOut(uint32_t slot, uint64_t window);
@@ -144,12 +145,19 @@ class TierFile {
   // The slot data (key, record, generation) of slot `s` of a page read by
   // ReadPages.
   const char* SlotIn(const char* page, uint32_t s) const { return page + size_t{s} * slot_bytes_; }
-  static int64_t KeyOf(const char* slot_data);
+  // The id slot data holds (stored XOR this file's random salt: zeroed or
+  // overwritten bytes read as an id CheckSlot refuses, never as id 0).
+  int64_t KeyOf(const char* slot_data) const;
   static const char* RecordOf(const char* slot_data) { return slot_data + sizeof(int64_t); }
   // The generation stored after `record` (RecordOf a slot's data).
   uint16_t GenerationAfter(const char* record) const;
   // Reads slot `slot` (key, record, generation) into `buffer` (slot_bytes()).
   Status ReadSlot(uint32_t slot, char* buffer) const;
+  // DATA_LOSS unless used slot `slot`'s bytes `data` hold an id this file
+  // would have placed there (its fingerprint, one of its two pages): the
+  // file was changed outside this process (zeroed, overwritten) or the
+  // device returned other bytes. Counted as a read error.
+  Status CheckSlot(uint32_t slot, const char* data) const;
 
   uint32_t pages() const { return num_pages_; }
   // Bumped by every resize (slots move).
@@ -235,6 +243,8 @@ class TierFile {
   const size_t record_bytes_;
   const uint32_t first_bucket_, num_buckets_;
   const size_t group_bytes_;
+  // XORed into every stored id (KeyOf); a resize's file takes the same.
+  uint64_t key_salt_;
   const size_t slot_bytes_;
   uint32_t slots_per_page_;
   size_t page_bytes_;
@@ -247,14 +257,18 @@ class TierFile {
   mutable std::atomic<uint64_t> read_errors_{0};  // ReadPages runs under a shared lock
   mutable std::atomic<uint64_t> write_errors_{0};
   uint64_t layout_ = 0;
-  uint64_t size_hint_ = 4096;           // rows the file opens with
+  // Rows the file opens with (Reserve raises it): few, so a table with few
+  // cold rows takes little disk (4,096 made every table's 64 stripe files
+  // take 32 MiB at least, and 4 GiB at dim 2,048); the file doubles as
+  // rows come.
+  uint64_t size_hint_ = 64;
   std::vector<uint32_t> prefetched_;    // slots read by Prefetch, sorted
   std::vector<char> prefetch_data_;     // their bytes, in that order
   std::vector<uint16_t> fingerprints_;  // per slot; 0: free
   std::vector<uint16_t> used_;          // per page: its slots in use
   // Per slot, a bit: its row was moved out of RAM in the current window
-  // (MovedOutLately); all clear when a window closes, or a resize moves
-  // the rows.
+  // (MovedOutLately); all clear when a window closes. A resize carries
+  // them to the rows' new slots (the window goes on).
   std::vector<uint64_t> ghosts_;
   uint64_t window_rows_ = 0;       // rows moved out in the current window
   std::vector<uint32_t> windows_;  // per bucket (and one past): its first page

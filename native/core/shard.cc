@@ -144,14 +144,37 @@ constexpr int kMmapThreshold = 1 << 20;
 // Holds an exclusive flock on `dir`/LOCK; -1 when another process holds it.
 // The descriptor of `dir`/LOCK, locked; -1 with errno set (ELOOP: LOCK is a
 // link; EWOULDBLOCK: another process holds it).
+// shard-<index> or shard-<index>-<k>, digits each.
+bool IsTierDirectory(const std::string& name) {
+  if (name.size() <= 6 || name.rfind("shard-", 0) != 0) return false;
+  const size_t dash = name.find('-', 6);
+  const auto digits = [&](size_t from, size_t to) {
+    return to > from && name.find_first_not_of("0123456789", from) >= to;
+  };
+  if (dash == std::string::npos) return digits(6, name.size());
+  return digits(6, dash) && digits(dash + 1, name.size());
+}
+
 int LockDirectory(const std::string& dir) {
   // Never through a link planted as LOCK.
-  const int fd = open((dir + "/LOCK").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  const std::string lock = dir + "/LOCK";
+  const int fd = open(lock.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return -1;
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     close(fd);
     errno = err;
+    return -1;
+  }
+  // Another process's cleanup may have taken the lock, deleted the
+  // directory and let go between the open and the flock: this lock is then
+  // of a file gone, and the directory (made again) no one's. ESTALE: try
+  // again.
+  struct stat held, named;
+  if (fstat(fd, &held) != 0 || lstat(lock.c_str(), &named) != 0 || held.st_nlink == 0 ||
+      held.st_ino != named.st_ino || held.st_dev != named.st_dev) {
+    close(fd);
+    errno = ESTALE;
     return -1;
   }
   return fd;
@@ -267,10 +290,9 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
     // a live shard process and is left alone.
     for (const auto& entry : fs::directory_iterator(storage_dir, error)) {
       const std::string name = entry.path().filename().string();
-      // A tier's own directory only (shard-<index>): never one a user
-      // named alike.
-      const bool tier = name.size() > 6 && name.rfind("shard-", 0) == 0 &&
-                        name.find_first_not_of("0123456789", 6) == std::string::npos;
+      // A tier's own directory only (shard-<index>, shard-<index>-<k>):
+      // never one a user named alike.
+      const bool tier = IsTierDirectory(name);
       // A link is not a tier's directory (its target is no shard's to
       // clear), whatever its name.
       if (!tier || entry.is_symlink() || !entry.is_directory()) continue;
@@ -279,19 +301,30 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
       fs::remove_all(entry.path(), error);
       close(fd);
     }
-    const std::string root = storage_dir + "/shard-" + std::to_string(shard_index());
-    if (fs::is_symlink(fs::symlink_status(root, error))) {
-      return InvalidArgument(root + " is a link: a shard's tier directory is made by the shard " +
-                             "itself, in the storage dir");
-    }
-    fs::create_directories(root, error);
-    if (error) return InvalidArgument("cannot create " + root + ": " + error.message());
-    tier_lock_fd_ = LockDirectory(root);
-    if (tier_lock_fd_ < 0) {
-      if (errno == ELOOP) {
+    // shard-<index>, or where another process of the shard holds it (its
+    // primary, or another standby, given the same --storage-dir: `tf-dlt
+    // launch --replicas` passes every process the same flags), the first of
+    // shard-<index>-2 ... -<kMaxTierDirs> free.
+    const std::string first = storage_dir + "/shard-" + std::to_string(shard_index());
+    std::string root;
+    for (int k = 1, stale = 0; k <= kMaxTierDirs && tier_lock_fd_ < 0; ++k) {
+      root = k == 1 ? first : first + "-" + std::to_string(k);
+      if (fs::is_symlink(fs::symlink_status(root, error))) {
+        return InvalidArgument(root + " is a link: a shard's tier directory is made by the " +
+                               "shard itself, in the storage dir");
+      }
+      fs::create_directories(root, error);
+      if (error) return InvalidArgument("cannot create " + root + ": " + error.message());
+      tier_lock_fd_ = LockDirectory(root);
+      if (tier_lock_fd_ < 0 && errno == ELOOP) {
         return InvalidArgument(root + "/LOCK is a link: the shard makes its own LOCK there");
       }
-      return FailedPrecondition("storage dir " + root + " is in use by another shard process");
+      if (tier_lock_fd_ < 0 && errno == ESTALE && ++stale < 100) --k;  // deleted under it
+    }
+    if (tier_lock_fd_ < 0) {
+      return FailedPrecondition("storage dir " + first + " and " +
+                                std::to_string(kMaxTierDirs - 1) +
+                                " more beside it are in use by other shard processes");
     }
     tier_root_ = root;
   }

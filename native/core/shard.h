@@ -160,7 +160,8 @@ class Shard {
   // the process's resident memory: past it the coldest rows move to a disk
   // tier under `storage_dir`, or without one ("") are evicted. Call once,
   // before any table exists. Takes `storage_dir`/shard-<index> (locked while
-  // this process lives: FAILED_PRECONDITION when another process holds it)
+  // this process lives), or where other processes of the shard hold that,
+  // shard-<index>-2 ... -kMaxTierDirs (FAILED_PRECONDITION when all are held)
   // and deletes what earlier processes left there. Starts the keeper thread
   // that enforces the budget every `interval_ms`.
   //
@@ -171,6 +172,9 @@ class Shard {
   // M_MMAP_THRESHOLD), so what a save or load frees goes back to the system.
   Status ConfigureMemory(uint64_t budget_bytes, const std::string& storage_dir, int interval_ms);
   static constexpr uint64_t kPersistReserve = uint64_t{128} << 20;
+  // Tier directories a shard's processes may take in one storage dir (a
+  // primary and its standbys: at most 1 + ReplicaGroup::kMaxStandbys).
+  static constexpr int kMaxTierDirs = 5;
   static constexpr uint64_t kMinRowRoom = uint64_t{16} << 20;
   // The keeper keeps the process under this fraction of the budget (the
   // rest is headroom for rows that arrive between passes): what a load

@@ -42,6 +42,7 @@ bool IsWireCode(uint32_t code) {
     case Code::kAborted:
     case Code::kUnavailable:
     case Code::kInternal:
+    case Code::kDataLoss:
       return true;
     default:
       return false;

@@ -263,7 +263,7 @@ bool Table::Exporter::Copy(Stripe* stripe, const Entry& e, const RowBuffers& out
       if (e.cold && e.record < stripe->tier->slots() && stripe->tier->Used(e.record)) {
         error_ = stripe->tier->ReadSlot(e.record, slot_data.data());
         if (!error_.ok()) return false;
-        if (TierFile::KeyOf(slot_data.data()) == e.id) slot = e.record;
+        if (stripe->tier->KeyOf(slot_data.data()) == e.id) slot = e.record;
       }
       if (slot == TierFile::kNoSlot) {  // moved since the listing
         error_ =

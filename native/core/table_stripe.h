@@ -474,7 +474,8 @@ Status Table::ForEachCold(Stripe* stripe, Hold hold, Fn fn) {
         const uint32_t slot = (first + p) * per_page + s;
         if (!tier->Used(slot)) continue;
         const char* data = tier->SlotIn(page, s);
-        fn(slot, TierFile::KeyOf(data), TierFile::RecordOf(data));
+        DLT_RETURN_IF_ERROR(tier->CheckSlot(slot, data));
+        fn(slot, tier->KeyOf(data), TierFile::RecordOf(data));
       }
     }
   }
