@@ -12,7 +12,8 @@ and its rows/s. Each re-shard reports its longest step across the switch
 while the buckets streamed, and the seconds writes were held. At the end:
 no step raised, and how many rows differ from the local table (must be 0).
 
-Usage: python bench/bench_reshard.py [--rows 1000000] [--ids 4096] [--reshards 2] [--pace 1]
+Usage: python bench/bench_reshard.py [--rows 1000000] [--ids 4096] [--reshards 2] [--pace F]
+(--pace: default the shards' own, 1/16 of their host's cores)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> None:
     p.add_argument("--reshards", type=int, default=2, help="alternately 2 -> 3 and 3 -> 2")
     p.add_argument("--settle", type=float, default=3.0, help="seconds of training between")
     p.add_argument(
-        "--pace", type=float, default=1.0,
+        "--pace", type=float, default=None,
         help="tf-dlt reshard --pace: the fraction of the time a stream's copy keeps a core busy",
     )  # fmt: skip
     args = p.parse_args()

@@ -786,3 +786,18 @@ def test_a_second_coordinator_waits_for_a_live_one_and_never_undoes_it(
             channel.close()
     assert trainer.errors == []
     np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
+
+
+@pytest.mark.parametrize(
+    ("cores", "pace"), [(1, 1 / 16), (2, 0.125), (8, 0.5), (16, 1.0), (64, 1.0)]
+)
+def test_default_pace_follows_the_hosts_cores(
+    monkeypatch: pytest.MonkeyPatch, cores: int, pace: float
+) -> None:
+    # A re-shard that names no pace (STREAM's pace 0) copies at 1/16 of the
+    # shard host's cores, flat out from 16: on few cores the copies leave the
+    # trainers beside them most of the machine.
+    from tf_dlt.server import reshard as server_reshard
+
+    monkeypatch.setattr(server_reshard.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    assert server_reshard.default_pace() == pace

@@ -49,7 +49,7 @@ def reshard(
     auth_token: str = "",
     timeout_s: float = 600.0,
     hold_timeout_s: float = 30.0,
-    pace: float = 1.0,
+    pace: float | None = None,
     lease_s: float = LEASE_S,
 ) -> dict[str, Any]:
     """Moves the tables of the shards at `current` (in shard order; the
@@ -58,8 +58,10 @@ def reshard(
     and switch with it. `stub_for(address, admin_port)` makes the admin
     stub of a process. `pace` (0, 1]: the fraction of the time each
     stream's copy may keep its thread busy (less leaves more of the cores
-    to training, and streams longer). Returns what it did: the new layout
-    epoch, seconds streaming and seconds writes were held. `lease_s`: how
+    to training, and streams longer); None: each shard's host decides (1/16
+    of its cores, at most 1: `tf_dlt.server.reshard.default_pace`). Returns
+    what it did: the new layout epoch, seconds streaming and seconds writes
+    were held. `lease_s`: how
     long after this coordinator's last step the processes may take it for
     dead (it steps them all four times a lease while it runs); another
     coordinator waits that long, or for this one's re-shard to end.
@@ -67,7 +69,7 @@ def reshard(
     from tf_dlt.proto import dlt_pb2
 
     current, to = list(current), list(to)
-    if not 0 < pace <= 1:
+    if pace is not None and not 0 < pace <= 1:
         raise errors.InvalidArgumentError(f"reshard: pace must be in (0, 1], got {pace}")
     if not to:
         raise errors.InvalidArgumentError("reshard needs at least one shard address to move to")
@@ -143,7 +145,7 @@ def _move(
     epoch: int,
     timeout_s: float,
     hold_timeout_s: float,
-    pace: float,
+    pace: float | None,
 ) -> dict[str, Any]:
     """The steps of a re-shard from `old_sets` to `new_sets` (`layout`),
     switching at layout epoch `epoch`."""
@@ -163,7 +165,7 @@ def _move(
                 num_shards=len(new_sets), layout=layout, from_layout=_layout(old_sets),
             ))  # fmt: skip
         for address in primaries:
-            call(address, step(step=step.STREAM, targets=layout.split(","), pace=pace))
+            call(address, step(step=step.STREAM, targets=layout.split(","), pace=pace or 0.0))
         _await_streams(primaries, call, lambda s: s.caught_up, began + timeout_s, "catch up")
         streamed = time.monotonic()
         _raise_first(_on_each(primaries, call, step(step=step.HOLD)))

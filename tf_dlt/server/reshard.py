@@ -19,6 +19,7 @@ order.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -28,6 +29,16 @@ from tf_dlt.reshard import LEASE_S
 from tf_dlt.server.replication import Standbys
 
 log = logging.getLogger("tf_dlt.server")
+
+
+def default_pace() -> float:
+    """A re-shard's pace when its caller names none: each range stream's
+    copy may keep a core busy 1/16 of this host's cores' time, at most all
+    of one (a host of 16 cores or more streams flat out). On a host of 2
+    cores a copy flat out took one of the two from training (a trainer
+    beside it kept 0.23-0.43x of its rows/s; at 0.25, 0.43-0.45x; at 0.125,
+    0.50-0.70x: docs/benchmarks.md, "Live re-sharding")."""
+    return min(1.0, len(os.sched_getaffinity(0)) / 16)
 
 
 class ReshardSteps:
@@ -113,12 +124,13 @@ class ReshardSteps:
             self._plan = plan
         log.info("re-shard: prepared shard %d of %d", shard_index, num_shards)
 
-    def stream(self, targets: list[str], pace: float = 1.0) -> None:
+    def stream(self, targets: list[str], pace: float = 0.0) -> None:
         """Streams this shard's buckets to each process of each target
         shard (`primary|standby`) that takes some; each stream's copy keeps
-        its thread busy `pace` of the time at most."""
+        its thread busy `pace` of the time at most (0: `default_pace()`)."""
         if not targets:
             raise errors.InvalidArgumentError("STREAM needs the next layout's addresses")
+        pace = pace or default_pace()
         if not 0 < pace <= 1:
             raise errors.InvalidArgumentError(f"a re-shard's pace must be in (0, 1], got {pace}")
         first, end = self._shard.first_bucket, self._shard.end_bucket

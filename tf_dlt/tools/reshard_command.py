@@ -30,9 +30,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "aborts, the old layout serving",
     )
     parser.add_argument(
-        "--pace", type=float, default=1.0,
+        "--pace", type=float, default=None,
         help="the fraction of the time each range stream's copy may keep a core busy, (0, 1]: "
-        "below 1 leaves trainers more of the cores while the ranges stream longer",
+        "below 1 leaves trainers more of the cores while the ranges stream longer (default: "
+        "1/16 of each shard host's cores, at most 1)",
     )  # fmt: skip
     return parser
 
