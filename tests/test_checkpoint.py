@@ -447,6 +447,8 @@ def test_a_load_whose_commit_got_no_answer_names_the_shard_that_may_hold_it(
         return answers[dlt_pb2.LoadRequest.Phase.Name(request.phase)]
 
     monkeypatch.setattr(client, "_call_all", call_all)
+    stubs = [object()] * 3  # the same copies served the PREPARE: none is prepared again
+    monkeypatch.setattr(client, "_admin", lambda: stubs)
     with pytest.raises(errors.FailedPreconditionError) as e:
         client._commit_load("/ck", "x")
     assert "shards [1] could not be rolled back" in str(e.value)
@@ -682,3 +684,27 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_it_writes(tmp_path: Path)
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_a_commit_removes_the_temporary_files_its_own_save_left(tmp_path: Path) -> None:
+    """A shard process killed while it wrote its part of a save leaves a
+    .tmp- file of that save; the copy that took over wrote the part again
+    and the save committed. The commit's cleanup removes the leftover (it
+    stayed in the checkpoint for good), and an older save's, while a newer
+    save's temporary file (still being written) and the committed files stay."""
+    older, mine, newer = (manifest_lib.new_save_id() for _ in range(3))
+    assert older < mine < newer
+    part = f"shard-00000-of-00001.{mine}.h5"
+    names = {
+        part: True,
+        f"{part}.tmp-deadbeef": False,
+        f"shard-00000-of-00001.{older}.h5.tmp-0badc0de": False,
+        f"shard-00000-of-00001.{older}.h5": False,
+        f"shard-00000-of-00001.{newer}.h5.tmp-feedface": True,
+        "notes.txt.tmp-12345678": True,
+    }
+    for name in names:
+        (tmp_path / name).write_text("x")
+    fs, root = manifest_lib.filesystem(str(tmp_path))
+    manifest_lib.remove_superseded(fs, root, manifest_lib._OWN_FILE, mine, keep={part})
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, kept in names.items() if kept)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -494,3 +495,30 @@ def test_a_checkpoint_saved_before_dense_files_were_named_per_save_loads(
     assert [p.name for p in path.glob("dense*.h5")] == [
         json.loads((path / "tf_dlt_model.json").read_text())["dense_file"]
     ]
+
+
+def test_a_save_pins_only_the_copies_every_op_client_of_the_newest_layout_met(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tf_dlt.save pins each shard to the lineage the model's op clients met:
+    only clients of the newest layout epoch count (one that has not learned
+    a re-shard yet names the old layout's shards), and a shard two of them
+    met at different copies is not pinned (either could be the empty
+    restart; the save client greets as a new client there)."""
+    from tf_dlt.keras import checkpoint
+
+    stats = {
+        "a": {"layout_epoch": 2, "lineages": [11, 0, 33]},
+        "b": {"layout_epoch": 2, "lineages": [11, 22, 44]},
+        "old": {"layout_epoch": 1, "lineages": [99, 99]},
+        "unmet": {"layout_epoch": 2, "lineages": [0, 0, 0]},
+    }
+
+    class Layer:
+        def __init__(self, name: str, embedded: bool = False) -> None:
+            self.client = types.SimpleNamespace(name=name, embedded=embedded)
+
+    monkeypatch.setattr(checkpoint.ops, "client_stats", lambda client: stats[client.name])
+    layers = [Layer("a"), Layer("old"), Layer("b"), Layer("unmet"), Layer("x", embedded=True)]
+    assert checkpoint._met_lineages(layers) == ([11, 22, 0], 2)
+    assert checkpoint._met_lineages([Layer("x", embedded=True)]) == ([], 0)

@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,6 +124,30 @@ def test_a_primary_restarted_empty_never_wipes_its_standby(tmp_path) -> None:  #
         fresh = tf_dlt.Client(cluster.addresses)  # greets both: takes the newest copy
         np.testing.assert_array_equal(fresh.pull("emb", ids), pushed)
         assert "restarted with none of its rows: taking over" in cluster.log(1)
+
+
+def test_admin_writes_never_go_to_a_primary_restarted_empty(tmp_path: Path) -> None:
+    """A primary killed and started again at once at its address (same data
+    and admin ports) holds none of the rows. A client that met it (on the
+    admin plane alone) saves and makes a table: both go to the standby that
+    took over (the copy of the lineage it met), and the checkpoint holds
+    every row. Before, the save wrote the empty restart's shard and
+    committed a checkpoint without a row."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        _, ids, rows = _trained_with_standby(cluster, 0, 300)
+        client = tf_dlt.Client(cluster.addresses, request_timeout=20)
+        client.stats()
+        lineage = client.stats()[0]["lineage"]
+        cluster.kill(0)
+        cluster.restart(0, rejoin=False)  # an empty primary at the same address, at once
+        client.save(str(tmp_path / "ck"))
+        client.create_table("late", DIM)
+        assert _stats(cluster, 0)["lineage"] == lineage
+        with LocalCluster(1, workdir=tmp_path / "check") as check:
+            loader = tf_dlt.Client(check.addresses)
+            loader.load(str(tmp_path / "ck"))
+            np.testing.assert_array_equal(loader.pull("emb", ids, training=False), rows)
+        assert "late" in tf_dlt.Client(cluster.addresses).list_tables()
 
 
 def test_killed_processes_rejoin_as_standbys_and_take_over_in_turn(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -379,6 +404,71 @@ def test_a_load_is_acknowledged_once_the_standby_holds_it(tmp_path: Path, rows: 
         assert _stats(cluster, 0)["takeovers"] == 1
 
 
+def _saved_then_trained(
+    cluster: LocalCluster, path: Path, n: int
+) -> tuple[tf_dlt.Client, np.ndarray, np.ndarray]:
+    """A client of `cluster` that made "emb", pushed to `n` ids, saved to
+    `path` and pushed again once every shard's standby caught up: the
+    client, the ids, and their rows in the checkpoint."""
+    client = tf_dlt.Client(cluster.addresses)
+    client.create_table("emb", DIM, optimizer="adagrad")
+    ids = np.arange(n, dtype=np.int64)
+    client.push("emb", ids, np.ones((n, DIM), np.float32), 0.1)
+    client.save(str(path))
+    saved = client.pull("emb", ids, training=False)
+    client.push("emb", ids, np.ones((n, DIM), np.float32), 0.1)
+    for shard in range(len(cluster.addresses)):
+        wait_until(lambda s=shard: _caught_up(cluster, s), f"shard {shard}'s standby")
+    return client, ids, saved
+
+
+def _after_prepare(client: tf_dlt.Client, then: Callable[[], None]) -> None:
+    """Runs `then` as soon as the client's loads have PREPAREd."""
+    prepare = client._prepare_load
+
+    def prepare_then(*args: Any, **kwargs: Any) -> None:
+        prepare(*args, **kwargs)
+        then()
+
+    client._prepare_load = prepare_then  # type: ignore[method-assign]
+
+
+def test_a_load_prepared_on_a_primary_that_died_commits_on_its_standby(tmp_path: Path) -> None:
+    """A primary killed between a load's PREPARE and its COMMIT: the standby
+    that took over never staged the load, so the client prepares it there
+    and commits; every shard holds the checkpoint. Before, the load failed
+    ("no load prepared") and was rolled back everywhere."""
+    with LocalCluster(2, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        client, ids, saved = _saved_then_trained(cluster, tmp_path / "ckpt", 4000)
+        _after_prepare(client, lambda: cluster.kill(1))
+        loaded = client.load(str(tmp_path / "ckpt"))
+        assert loaded["emb"]["rows"] == 4000
+        np.testing.assert_array_equal(client.pull("emb", ids, training=False), saved)
+        stats = tf_dlt.Client(cluster.addresses).stats()
+        assert stats[1]["takeovers"] == 1 and [s["pending_load"] for s in stats] == ["", ""]
+
+
+def test_a_load_never_commits_on_a_primary_restarted_empty_in_its_place(tmp_path: Path) -> None:
+    """The primary dies after the load's PREPARE and is restarted at once at
+    its address (a plain supervisor): the client's COMMIT, sent again, goes
+    to the standby that takes over (the lineage the client met), prepares
+    and commits there, and the rows the trainer then pulls are the
+    checkpoint's. The empty restart is never loaded (it answered first, and
+    took the load while the trainer pulled the standby's old rows)."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        client, ids, saved = _saved_then_trained(cluster, tmp_path / "ckpt", 1000)
+
+        def restart_empty() -> None:
+            cluster.kill(0)
+            cluster.restart(0, rejoin=False)  # empty, at the same address, at once
+
+        _after_prepare(client, restart_empty)
+        client.load(str(tmp_path / "ckpt"))
+        np.testing.assert_array_equal(client.pull("emb", ids, training=False), saved)
+        restarted = tf_dlt.Client([cluster.process_addresses[0]]).stats()[0]
+        assert restarted["tables"] == [] and restarted["pending_load"] == ""
+
+
 def manifest_id(path: Path) -> str:
     """The save id of the checkpoint committed at `path` ("" while none is)."""
     try:
@@ -598,6 +688,35 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
         np.testing.assert_array_equal(client.pull("emb", ids), newest)
 
 
+def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) -> None:
+    """A primary paused (SIGSTOP) for good. A trainer's saves, loads and
+    table changes go to the standby that took over once its pulls went
+    there; a client that only reads (Stats, ListTables) finds that standby
+    while it waits. Before, both waited on the silent primary's admin port
+    until their deadline (a save: the persist timeout, an hour by default)."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        standby = cluster.process_addresses[1]
+        _, ids, _ = _trained_with_standby(cluster, 0, 200)
+        trainer = tf_dlt.Client(cluster.addresses, request_timeout=20, persist_timeout=20)
+        trainer.pull("emb", ids)  # both planes met the primary
+        reader = tf_dlt.Client(cluster.addresses, request_timeout=20)
+        reader.stats()
+        cluster.processes[0].send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: _serves(standby), "the standby to take over")
+            trainer.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)  # on the new primary
+            rows = trainer.pull("emb", ids)
+            trainer.save(str(tmp_path / "ck"))
+            trainer.create_table("late", DIM)
+            trainer.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)
+            trainer.load(str(tmp_path / "ck"))
+            np.testing.assert_array_equal(trainer.pull("emb", ids), rows)
+            assert reader.stats()[0]["takeovers"] == 1
+            assert sorted(reader.list_tables()) == ["emb", "late"]
+        finally:
+            cluster.processes[0].send_signal(signal.SIGCONT)
+
+
 def test_tf_dlt_stats_of_a_standby_listed_alone_shows_its_own(
     replicated: LocalCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -672,6 +791,28 @@ def test_fit_goes_on_across_a_failed_primary_with_every_row_as_without(
                 cluster.kill(1)  # a stopped process answers no SIGTERM
     assert_same_training(*results)
     assert results[0][2] == results[1][2]
+
+
+def test_a_model_save_never_reaches_a_primary_restarted_empty(tmp_path: Path) -> None:
+    """tf_dlt.save makes a client for each save, which would take a primary
+    restarted empty at its address (the newest copy that greets, before its
+    standby took over): the save carries the lineage the model's op clients
+    met, so it waits for the standby and holds every row trained. Before,
+    it failed (NotFoundError: the restart held none of the model's tables;
+    a Client.save naming no tables committed an empty shard there)."""
+    from conftest import fit_data, staged_rows, two_table_model
+
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        remote = tf_dlt.transpile(two_table_model(DIM), cluster.addresses)
+        remote.fit(fit_data(batches=8), epochs=1, verbose=0)
+        wait_until(lambda: _caught_up(cluster, 0), "the standby")
+        tf_dlt.Client(cluster.addresses).save(str(tmp_path / "before"))
+        cluster.kill(0)
+        cluster.restart(0, rejoin=False)  # empty, at the same address, at once
+        tf_dlt.save(remote, str(tmp_path / "model"))
+        trained = staged_rows(str(tmp_path / "before"), 1)
+        assert len(trained["u"]) > 50 and len(trained["i"]) > 50
+        assert staged_rows(str(tmp_path / "model" / "tables"), 1) == trained
 
 
 def test_a_complaint_that_repeats_is_logged_once_in_a_while(

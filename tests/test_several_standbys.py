@@ -112,6 +112,31 @@ def test_one_of_two_standbys_takes_over_and_the_other_follows_it(tmp_path) -> No
         assert last.role == "primary" and last.epoch == 3
 
 
+def test_a_standby_that_just_attached_knows_the_others_before_its_first_probe(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A standby attaching to a primary that dies before the standby's
+    first probe: it learned the primary's other standbys from the Hello it
+    attached with, so it finds the one that took over and follows it. Before,
+    it knew no peer and tried its dead primary for good."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        wait_until(lambda: _all_caught_up(cluster, 0, [1]), "the first standby")
+        primary, first = cluster.process_addresses
+        link = replication.StandbyLink(
+            primary, f"127.0.0.1:{free_port()}", 0, 1, "",
+            take_over=lambda: None, caught_up=lambda: False,
+        )  # fmt: skip
+        try:
+            link._attach()
+            assert link.known_peers() == [first]
+            cluster.kill(0)
+            wait_until(lambda: link._serving_peer() == first, "the first standby to take over")
+        finally:
+            link.stop()
+
+
 def test_a_standby_the_primary_left_out_never_takes_over(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A standby that stops answering (frozen) leaves the in-sync set: the
     writes after it are acknowledged by the other alone, which was told

@@ -9,6 +9,7 @@ shard advertises in its Hello reply, so users only ever list data addresses.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import secrets
@@ -29,6 +30,8 @@ from tf_dlt.table_config import TableConfig
 from tf_dlt.tls import TlsConfig
 
 # What an inference pull reads for an id without a row.
+log = logging.getLogger("tf_dlt.client")
+
 _PULL_MODES = {name: _native.PULL_MODES[name] for name in ("init", "zeros")}
 
 
@@ -54,6 +57,20 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
 _LAYOUT_ASK_S = 5.0
 # How often an admin call whose shard's copies do not greet asks them again.
 _REGREET_PAUSE_S = 0.2
+# Admin calls that only read, and how often one of them waiting on a shard
+# with standbys looks for another copy serving (Client._result).
+_READS = frozenset({"Stats", "ListTables"})
+_SILENT_CHECK_S = 1.0
+# Admin calls that write what a shard holds, or save it: sent with the
+# lineage of the copy met (grpc_util.LINEAGE_METADATA_KEY), refused by a
+# process of another. A load is not: it replaces what a shard holds (the way
+# back after a restart), greeting every shard afresh first.
+_WRITES = frozenset({"CreateTable", "DropTable", "Shrink", "Save"})
+
+
+def _lineage(lineage: int) -> tuple[tuple[str, str], ...]:
+    """Call metadata naming `lineage` (none for 0: unknown)."""
+    return ((grpc_util.LINEAGE_METADATA_KEY, f"{lineage:016x}"),) if lineage else ()
 
 
 def address_list(pservers: Sequence[str] | str) -> list[str]:
@@ -144,6 +161,13 @@ class Client:
         self._dims: dict[str, int] = {}
         self._channels: list[grpc.Channel] = []
         self._stubs: list[Any] = []
+        # The copy of each shard its stub asks, and the one the data plane
+        # used when the stub was made (data-plane addresses).
+        self._stubs_at: list[str] = []
+        self._expected_lineages: list[int] = []  # expect_lineages
+        self._expected_layout = 0
+        self._prepared_at: list[str] = []  # _prepare_load
+        self._stubs_data_at: list[str] = []
         self._stubs_layout = 1  # the layout epoch the stubs were made for
         self._layout_asked = -_LAYOUT_ASK_S  # when the shards were last asked theirs
 
@@ -152,7 +176,7 @@ class Client:
         return len(self.pservers)
 
     def reshard(
-        self, pservers: Sequence[str] | str, *, timeout: float = 600.0, pace: float = 1.0
+        self, pservers: Sequence[str] | str, *, timeout: float = 600.0, pace: float | None = None
     ) -> dict[str, Any]:
         """Moves every table to the shards at `pservers` (in shard order)
         while training goes on (docs/replication.md): bucket ranges stream
@@ -162,7 +186,8 @@ class Client:
         layout by themselves. A failure before the switch leaves the old
         layout serving. `pace` in (0, 1]: the fraction of the time each
         range stream's copy may keep a core busy (below 1 trainers keep more
-        of the cores while the ranges stream longer). `timeout`: seconds the
+        of the cores while the ranges stream longer); None (the default):
+        1/16 of each shard host's cores, at most 1. `timeout`: seconds the
         re-shard may take up to its switch (streaming included); past them
         it aborts (DeadlineExceededError), the old layout serving. Returns
         the new layout epoch, the seconds the ranges streamed and the
@@ -225,16 +250,39 @@ class Client:
         # and a data-plane call's meeting it, at once).
         self._follow_layout(learn=time.monotonic() - self._layout_asked > _LAYOUT_ASK_S)
         if not self._stubs:
-            from tf_dlt.proto import dlt_pb2_grpc
-
-            for info in self.shard_infos():
-                # The address answering (a shard may list standbys: "a|b").
-                channel = self._channel(
-                    grpc_util.admin_address(info["address"], info["admin_port"])
-                )
-                self._channels.append(channel)
-                self._stubs.append(dlt_pb2_grpc.ShardAdminStub(channel))
+            for i, info in enumerate(self.shard_infos()):
+                self._channels.append(self._channel(self._admin_at(info)))
+                self._stubs.append(None)
+                self._stubs_at.append("")
+                self._stubs_data_at.append("")
+                self._set_stub(i, self._channels[i], info["address"], info["address"])
+            return self._stubs
+        # A shard whose data plane moved to another copy since its stub was
+        # made (it saw a standby take over: the primary went silent, say)
+        # is asked there: the copy the stub names may never answer again.
+        with contextlib.suppress(errors.DltError):
+            for i, info in enumerate(self._data.shard_infos()):
+                if i < len(self._stubs) and info["address"] != self._stubs_data_at[i]:
+                    self._channels[i].close()
+                    self._set_stub(
+                        i, self._channel(self._admin_at(info)), info["address"], info["address"]
+                    )
         return self._stubs
+
+    def _admin_at(self, info: dict[str, Any]) -> str:
+        """The admin address of the copy a shard's Hello `info` came from."""
+        return grpc_util.admin_address(info["address"], info["admin_port"])
+
+    def _set_stub(self, shard: int, channel: grpc.Channel, at: str, data_at: str) -> Any:
+        """`shard`'s stub from now on: `channel` to the copy at data-plane
+        address `at`, the data plane using `data_at`."""
+        from tf_dlt.proto import dlt_pb2_grpc
+
+        self._channels[shard] = channel
+        self._stubs[shard] = dlt_pb2_grpc.ShardAdminStub(channel)
+        self._stubs_at[shard] = at
+        self._stubs_data_at[shard] = data_at
+        return self._stubs[shard]
 
     def _call_all(
         self,
@@ -242,27 +290,37 @@ class Client:
         request: Any,
         timeout: float | None = None,
         progress: Progress | None = None,
+        shards: Sequence[int] | None = None,
     ) -> list[Any]:
-        """Calls `method` on every shard at once; returns each shard's reply
-        or its failure as a tf_dlt error naming the shard, in shard order.
-        `progress` advances as each shard answers."""
+        """Calls `method` on every shard (or those of `shards`) at once;
+        returns each shard's reply or its failure as a tf_dlt error naming
+        the shard, in the order of the shards. `progress` advances as each
+        shard answers."""
         stubs = self._admin()
+        shards = range(len(stubs)) if shards is None else list(shards)
         deadline = timeout or self._request_timeout
         metadata = grpc_util.bearer(self._token)
+        met = self._met_all()
+        lineages = {i: met[i]["lineage"] if i < len(met) else 0 for i in shards}
+        # Only writes carry it: a load replaces what a shard holds (the way
+        # back after a restart), greeting every shard afresh first.
+        carried = {i: _lineage(lineages[i]) if method in _WRITES else () for i in shards}
         answered: queue.SimpleQueue[int] = queue.SimpleQueue()
-        calls = []
-        for i, stub in enumerate(stubs):
-            call = getattr(stub, method).future(request, timeout=deadline, metadata=metadata)
+        calls = {}
+        for i in shards:
+            call = getattr(stubs[i], method).future(
+                request, timeout=deadline, metadata=metadata + carried[i]
+            )
             call.add_done_callback(lambda _, i=i: answered.put(i))
-            calls.append(call)
+            calls[i] = call
         if progress is not None:
             for _ in calls:
                 i = answered.get()
                 progress.update(1, f"(shard {i} {'failed' if calls[i].exception() else 'done'})")
         results: list[Any] = []
-        for i, call in enumerate(calls):
+        for i, call in calls.items():
             try:
-                reply = call.result()
+                reply = self._result(i, call, method, request, deadline)
                 if method == "Stats" and reply.role in ("standby", "joining"):
                     # A primary that came back as its shard's standby: ask
                     # the copy that serves now (if none does, this one).
@@ -278,9 +336,13 @@ class Client:
                     # Its standby may have taken over, or be taking over:
                     # ask whoever greets, until the request deadline.
                     try:
-                        stub = self._reresolve(i, wait_s=min(deadline, self._request_timeout))
+                        stub = self._reresolve(
+                            i, wait_s=min(deadline, self._request_timeout), lineage=lineages[i]
+                        )
                         results.append(
-                            getattr(stub, method)(request, timeout=deadline, metadata=metadata)
+                            getattr(stub, method)(
+                                request, timeout=deadline, metadata=metadata + carried[i]
+                            )
                         )
                         continue
                     except grpc.RpcError as again:
@@ -292,32 +354,162 @@ class Client:
                 results.append(error)
         return results
 
-    def _reresolve(self, shard: int, wait_s: float = 0.0) -> Any:
+    def _result(self, shard: int, call: Any, method: str, request: Any, deadline: float) -> Any:
+        """The reply of `call` (`method` on `shard`). A call that only reads
+        (Stats, ListTables) on a shard with standbys, while it waits, looks
+        each second for another copy of the shard serving: the copy it asks
+        went silent (paused, cut off) and a standby took over. It asks that
+        one instead, within the deadline. A write waits for its own copy's
+        answer: asked again elsewhere, the silent copy could still write
+        when it wakes."""
+        give_up = time.monotonic() + deadline
+        if method not in _READS or "|" not in self._addresses_of(shard):
+            return call.result()
+        while True:
+            try:
+                return call.result(timeout=_SILENT_CHECK_S)
+            except grpc.FutureTimeoutError:
+                pass
+            left = give_up - time.monotonic()
+            serving = self._serving_elsewhere(shard) if left > 0 else None
+            if serving is None:
+                continue
+            call.cancel()
+            address, admin_port = serving
+            log.warning(
+                "shard %d: %s gave no answer to %s and %s serves: asking it",
+                shard,
+                self._stubs_at[shard],
+                method,
+                address,
+            )
+            self._channels[shard].close()
+            stub = self._set_stub(
+                shard,
+                self._channel(grpc_util.admin_address(address, admin_port)),
+                address,
+                self._stubs_data_at[shard],
+            )
+            call = getattr(stub, method).future(
+                request, timeout=left, metadata=grpc_util.bearer(self._token)
+            )
+
+    def _serving_elsewhere(self, shard: int) -> tuple[str, int] | None:
+        """Another address of `shard` than the one its stub asks that greets
+        a trainer now (a standby refuses), of the lineage this client met
+        and at an epoch no older than it met (not a process restarted empty,
+        nor an old primary woken before it learned it was replaced), with
+        its admin port; None when none does."""
+        met = self._met_all()[shard]
+        for address in self._addresses_of(shard).split("|"):
+            if address == self._stubs_at[shard]:
+                continue
+            try:
+                info = _native.hello(address, self._token, timeout_ms=1000)
+            except errors.DltError:
+                continue
+            if met["lineage"] and info["lineage"] != met["lineage"]:
+                continue
+            if info["epoch"] < met["epoch"]:
+                continue
+            return address, int(info["admin_port"])
+        return None
+
+    def _reresolve(self, shard: int, wait_s: float = 0.0, lineage: int = 0) -> Any:
         """A new admin stub of `shard`, at the first of its addresses (primary,
         then standbys) that greets now (docs/replication.md), asking again
-        every 0.2 s for up to `wait_s` (a standby taking over). The error of
-        the last round names what each address said."""
-        from tf_dlt.proto import dlt_pb2_grpc
-
+        every 0.2 s for up to `wait_s` (a standby taking over). With
+        `lineage`, only a copy of that lineage (a process restarted since
+        holds none of its rows): DataLossError when every address greets
+        with another (every process of the shard restarted, as the data
+        plane says). The error of the last round names what each address
+        said."""
         give_up = time.monotonic() + wait_s
         while True:
             said: list[str] = []
             last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
-            for address in self._addresses_of(shard).split("|"):
+            addresses = self._addresses_of(shard).split("|")
+            others = 0  # addresses greeting with another lineage
+            for address in addresses:
                 try:
                     info = _native.hello(address, self._token, timeout_ms=1000)
                 except errors.DltError as e:
                     said.append(f"{address}: {e.message}")
                     last = e
                     continue
-                channel = self._channel(grpc_util.admin_address(address, info["admin_port"]))
+                if lineage and info["lineage"] and info["lineage"] != lineage:
+                    said.append(
+                        f"{address}: a process of lineage {info['lineage']:016x}, started since "
+                        f"this client met lineage {lineage:016x}"
+                    )
+                    others += 1
+                    continue
                 self._channels[shard].close()
-                self._channels[shard] = channel
-                self._stubs[shard] = dlt_pb2_grpc.ShardAdminStub(channel)
-                return self._stubs[shard]
+                return self._set_stub(
+                    shard,
+                    self._channel(grpc_util.admin_address(address, info["admin_port"])),
+                    address,
+                    self._stubs_data_at[shard],  # the data plane may not have moved yet
+                )
             if time.monotonic() + _REGREET_PAUSE_S >= give_up:
+                if others == len(addresses):
+                    raise errors.DataLossError(
+                        f"shard {shard}: every process of it started since this client met it "
+                        f"(lineage {lineage:016x}): the rows written to it before are not there; "
+                        f"load a checkpoint ({'; '.join(said)})"
+                    )
                 raise type(last)("; ".join(said) or last.message)
             time.sleep(_REGREET_PAUSE_S)
+
+    def _ask_lineage_met(self, shard: int, met: int) -> None:
+        """Points `shard`'s stub at a copy of lineage `met` (the one this
+        client met) when the copy it asks now greets with another (a process restarted
+        empty at its address; gRPC reconnects to it unseen), waiting up to a
+        request's deadline for one (its standby taking over). Left as it is
+        when none is found, or the shard lists no standby."""
+        if not met or "|" not in self._addresses_of(shard):
+            return
+        try:
+            info = _native.hello(self._stubs_at[shard], self._token, timeout_ms=1000)
+        except errors.DltError:
+            return  # no answer: the call itself moves on (UNAVAILABLE)
+        if not info["lineage"] or info["lineage"] == met:
+            return
+        with contextlib.suppress(errors.DltError):
+            self._reresolve(shard, wait_s=self._request_timeout, lineage=met)
+
+    def expect_lineages(self, lineages: Sequence[int], *, layout_epoch: int = 0) -> None:
+        """This client's saves and table changes go only to the copy of each
+        shard of `lineages[i]` (0: the one it meets), the lineage of the
+        copy another client of the cluster wrote to: `tf_dlt.save` passes
+        the model's op clients' (`tf_dlt.ops.client_stats`), so a save made
+        by a new client in the seconds between a primary's restart at its
+        address and its standby's takeover never reaches the empty restart
+        (docs/replication.md). `layout_epoch`: the layout those shards are
+        of; while this client routes by another (a re-shard since), the
+        lineages are not used."""
+        self._expected_lineages = [int(lineage) for lineage in lineages]
+        self._expected_layout = int(layout_epoch)
+
+    def _met_all(self) -> list[dict[str, int]]:
+        """The lineage and newest epoch of the copy of each shard this
+        client's data plane met (0 where none is known; the lineages
+        `expect_lineages` named first): its admin calls go only to a copy of
+        that lineage, its writes carrying it. One greeting of the shards at
+        most."""
+        met: list[dict[str, int]] = []
+        with contextlib.suppress(errors.DltError):
+            met = [
+                {"lineage": int(info["lineage"]), "epoch": int(info["epoch"])}
+                for info in self._data.shard_infos()
+            ]
+        met += [{"lineage": 0, "epoch": 0}] * (len(self.pservers) - len(met))
+        expected = self._expected_lineages
+        if not self._expected_layout or self._expected_layout == int(self._data.layout_epoch):
+            for i, lineage in enumerate(expected[: len(met)]):
+                if lineage and lineage != met[i]["lineage"]:
+                    met[i] = {"lineage": lineage, "epoch": 0}
+        return met
 
     def _addresses_of(self, shard: int) -> str:
         """`shard`'s addresses: those this client was given, then the
@@ -564,7 +756,7 @@ class Client:
         self._data.regreet()
         load_id = secrets.token_hex(8)
         self._prepare_load(path, load_id, progress, tables, save_id)
-        return self._commit_load(path, load_id)
+        return self._commit_load(path, load_id, tables, save_id)
 
     def _prepare_load(
         self,
@@ -579,17 +771,10 @@ class Client:
         request = dlt_pb2.LoadRequest
         with Progress(f"loading {path}", len(self.pservers), "shards", enabled=progress) as bar:
             results = self._call_all(
-                "Load",
-                request(
-                    path=path,
-                    phase=request.PREPARE,
-                    load_id=load_id,
-                    tables=sorted(tables or ()),
-                    save_id=save_id,
-                ),
-                self._persist_timeout,
-                bar,
+                "Load", _prepare(path, load_id, tables, save_id), self._persist_timeout, bar
             )
+        # The copy of each shard that prepared it (_commit_load).
+        self._prepared_at = list(self._stubs_at)
         failures = [r for r in results if isinstance(r, errors.DltError)]
         if failures:
             # Shards that did prepare drop what they staged (or it expires).
@@ -598,22 +783,72 @@ class Client:
             )
             raise failures[0]
 
-    def _commit_load(self, path: str, load_id: str) -> dict[str, dict[str, Any]]:
+    def _commit_load(
+        self, path: str, load_id: str, tables: list[str] | None = None, save_id: str = ""
+    ) -> dict[str, dict[str, Any]]:
         from tf_dlt.proto import dlt_pb2
 
         request = dlt_pb2.LoadRequest
+        self._admin()
+        prepared_at = self._prepared_at or list(self._stubs_at)
+        met = self._met_all()
+        for i in range(min(len(prepared_at), len(met))):
+            self._ask_lineage_met(i, met[i]["lineage"])
         # The later phases wait for the shard's persistence lock (a save may
         # hold it): they get the save's deadline, not a data call's.
-        results = self._call_all(
-            "Load", request(phase=request.COMMIT, load_id=load_id), self._persist_timeout
-        )
+        commit = request(phase=request.COMMIT, load_id=load_id)
+        results = self._call_all("Load", commit, self._persist_timeout)
+        # A shard whose standby took over since its PREPARE has no load
+        # prepared (the new primary never staged it): it prepares there and
+        # commits, as the other shards wait in COMMIT. Only a copy of the
+        # lineage met: the client's admin plane moves to no other (a process
+        # restarted empty at the old address answered as the old one, and
+        # never had it prepared: that load fails).
+        moved = [
+            i
+            for i, r in enumerate(results)
+            if isinstance(r, errors.FailedPreconditionError)
+            and i < len(prepared_at)
+            and self._stubs_at[i] != prepared_at[i]
+        ]
+        if moved:
+            log.warning(
+                "load of %r: shards %s failed over since they prepared it: preparing and "
+                "committing it on the copies serving now",
+                path,
+                moved,
+            )
+            again = self._call_all(
+                "Load",
+                _prepare(path, load_id, tables, save_id),
+                self._persist_timeout,
+                shards=moved,
+            )
+            ready = [
+                i for i, r in zip(moved, again, strict=True) if not isinstance(r, errors.DltError)
+            ]
+            for i, r in zip(moved, again, strict=True):
+                results[i] = r  # the failed PREPAREs' errors stand
+            for i, r in zip(
+                ready,
+                self._call_all("Load", commit, self._persist_timeout, shards=ready),
+                strict=True,
+            ):
+                results[i] = r
         failed = [i for i, r in enumerate(results) if isinstance(r, errors.DltError)]
+        # A shard committed again on its new primary: the old one may have
+        # committed before it died, its standby then holding the checkpoint
+        # already, which a rollback there keeps.
+        failed_over = set(moved)
         if failed:
             undone = self._call_all(
                 "Load", request(phase=request.ROLLBACK, load_id=load_id), self._persist_timeout
             )
             stuck = []  # hold the checkpoint's tables, or may
             for i, (result, rollback) in enumerate(zip(results, undone, strict=True)):
+                if i in failed_over and not isinstance(result, errors.DltError):
+                    stuck.append(i)  # rolled back to what its new primary held: maybe the load
+                    continue
                 if not isinstance(rollback, errors.DltError):
                     continue  # rolled back, or had nothing to roll back
                 if not isinstance(result, errors.DltError):
@@ -627,8 +862,8 @@ class Client:
             if stuck:
                 state = (
                     f"shards {stuck} could not be rolled back and hold the checkpoint's tables, "
-                    f"the others what they held before: load {path!r} again once every shard "
-                    "answers"
+                    f"or may (a shard that failed over during the load), the others what they "
+                    f"held before: load {path!r} again once every shard answers"
                 )
             else:
                 state = "every other shard was rolled back to what it held before"
@@ -741,6 +976,8 @@ class Client:
             channel.close()
         self._channels.clear()
         self._stubs.clear()
+        self._stubs_at.clear()
+        self._stubs_data_at.clear()
         self._data.close_idle()
 
     def __enter__(self) -> Client:
@@ -753,6 +990,21 @@ class Client:
 TOKEN_FILE_ENV = "TF_DLT_AUTH_TOKEN_FILE"
 # The longest timeout: the native core keeps milliseconds in an int.
 MAX_TIMEOUT_MS = 2**31 - 1
+
+
+def _prepare(path: str, load_id: str, tables: list[str] | None, save_id: str) -> Any:
+    """A load's PREPARE request: `tables` of the checkpoint at `path` (None:
+    every one), read at save `save_id`."""
+    from tf_dlt.proto import dlt_pb2
+
+    request = dlt_pb2.LoadRequest
+    return request(
+        path=path,
+        phase=request.PREPARE,
+        load_id=load_id,
+        tables=sorted(tables or ()),
+        save_id=save_id,
+    )
 
 
 def timeout_ms(what: str, seconds: float) -> int:

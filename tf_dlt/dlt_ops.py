@@ -340,7 +340,10 @@ def client_stats(client: ClientResource) -> dict[str, Any]:
     """This client's counters (eager): pulls, pushes, pulled / pushed rows,
     payload bytes, failed calls, pushes in flight and waiting, and pull /
     push latency histograms ({"sum_us", "buckets"}, buckets bounded by
-    `tf_dlt._native.latency_bucket_bounds_us()`)."""
+    `tf_dlt._native.latency_bucket_bounds_us()`), and the lineage of the copy
+    of each shard it met (`lineages`, 0 where none; none when embedded), of
+    the shards of layout epoch `layout_epoch` (0 when embedded)."""
     text = load_library().dlt_client_stats(client=client.resource_handle)
     stats: dict[str, Any] = json.loads(text.numpy().decode())
+    stats["lineages"] = [int(v) for v in stats["lineages"]]
     return stats

@@ -44,6 +44,12 @@ def admin_address(data_address: str, admin_port: int) -> str:
     return f"{data_address.rsplit(':', 1)[0]}:{admin_port}"
 
 
+# Call metadata naming the lineage of the copy of a shard a client met (16
+# hex digits): a shard's admin plane refuses writes from a client that met
+# another lineage (docs/replication.md).
+LINEAGE_METADATA_KEY = "dlt-lineage"
+
+
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying `token`, or none when it is empty."""
     return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()

@@ -90,6 +90,11 @@ struct ShardInfo {
   uint32_t num_shards = 0;
   uint32_t admin_port = 0;
   uint32_t max_frame_bytes = 0;
+  // The lineage of the copy this client met (0: none said one): a process
+  // of another lineage restarted with none of its rows. And the newest
+  // epoch it met of the shard.
+  uint64_t lineage = 0;
+  uint64_t epoch = 0;
 };
 
 class Client {
@@ -114,6 +119,10 @@ class Client {
   // onto every shard (they agree again): a shard restarted meanwhile then
   // fails no call of this client DATA_LOSS for rows the load replaces.
   Status Regreet();
+  // The lineage of the copy of each shard this client met (0 for a shard it
+  // has not greeted), in shard order; no call is made. Another client that
+  // writes for this one (a save) writes only to copies of these.
+  std::vector<uint64_t> MetLineages() const;
   // Closes every pooled connection now (a client its owner is done with:
   // each holds a slot of the shard's --max-connections until closed). A
   // later call connects again.

@@ -409,6 +409,16 @@ Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
   }
 }
 
+std::vector<uint64_t> Client::MetLineages() const {
+  const std::shared_ptr<const Layout> layout = CurrentLayout();
+  std::vector<uint64_t> out;
+  for (ShardState* st : layout->shards) {
+    std::lock_guard<std::mutex> lock(st->mu);
+    out.push_back(st->greeted ? st->lineage : 0);
+  }
+  return out;
+}
+
 Status Client::Regreet() {
   const std::shared_ptr<const Layout> layout = CurrentLayout();
   for (ShardState* st : layout->shards) {
@@ -456,6 +466,8 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     std::lock_guard<std::mutex> lock(st->mu);
     infos->push_back(st->info);
     infos->back().replicas = Joined(st->addresses);
+    infos->back().lineage = st->lineage;
+    infos->back().epoch = st->epoch;
   }
   return OkStatus();
 }

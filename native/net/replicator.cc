@@ -397,7 +397,9 @@ void Replicator::Disconnect() {
 
 Status Replicator::Round(uint64_t round) {
   const std::vector<std::shared_ptr<Table>> tables = shard_->Tables();
-  // Tables dropped here are dropped there.
+  // Tables dropped here are dropped there, at the round's end (a caught-up
+  // standby keeps a table until then), so a round that drops one ends.
+  bool dropped = false;
   for (auto it = mirrored_.begin(); it != mirrored_.end();) {
     const bool kept = std::any_of(tables.begin(), tables.end(),
                                   [&](const auto& t) { return t->config().name == it->first; });
@@ -406,6 +408,7 @@ Status Replicator::Round(uint64_t round) {
       continue;
     }
     DLT_RETURN_IF_ERROR(SendTable(wire::kDropTable, it->second->config()));
+    dropped = true;
     it->second->StopChangeLog(stream_);
     provisional_.erase(it->first);
     it = mirrored_.erase(it);
@@ -551,7 +554,7 @@ Status Replicator::Round(uint64_t round) {
   round_view_ = view_told_;
   const bool heartbeat =
       !options_.range_stream && Clock::now() - last_end_ >= std::chrono::milliseconds(kHeartbeatMs);
-  if (changes.empty() && pushed.empty() && !copied && !heartbeat) return OkStatus();
+  if (changes.empty() && pushed.empty() && !copied && !dropped && !heartbeat) return OkStatus();
   // The round's end: a caught-up standby applies its rows and ids now; after
   // copies, the standby holds every table again and may take over.
   wire::StandbyTableRequest end;

@@ -382,11 +382,16 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       header.opcode == wire::Opcode::kStandbyTable && request.action == wire::kMakeTable;
   std::shared_lock<std::shared_mutex> in_session(session_mu_, std::defer_lock);
   std::unique_lock<std::shared_mutex> new_session(session_mu_, std::defer_lock);
+  // A table made or dropped on the connection whose copies made this
+  // standby caught up (not on a new one, which copies every table afresh).
+  bool same_session;
   if (copy_begins) {
     new_session.lock();  // after every frame being applied now
+    same_session = replica_hello == session_;
     session_ = std::max(session_, replica_hello);
   } else {
     in_session.lock();
+    same_session = replica_hello == session_;
   }
   if (!standby_.load()) {  // it took over while this frame waited
     *stale = true;
@@ -405,10 +410,13 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       std::vector<PushId> ids;
       DLT_RETURN_IF_ERROR(DecodeRoundEnd(request.config, &epoch, &ids));
       std::vector<Staged> staged;
+      std::map<std::string, std::shared_ptr<Table>> pending;
       {
         std::lock_guard<std::mutex> lock(staged_mu_);
         staged.swap(staged_);  // applied now, or (on an error) never
         staged_bytes_ = 0;
+        if (pending_session_ == replica_hello) pending.swap(pending_);
+        pending_.clear();
       }
       const uint64_t follows = shard_->newest_epoch();
       if (epoch < follows) {
@@ -420,7 +428,8 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
                                   ", older than epoch " + std::to_string(follows) +
                                   " this standby follows: refused (that primary was replaced)");
       }
-      const Status applied = ApplyRound(staged);
+      Status applied = InstallPending(std::move(pending));
+      if (applied.ok()) applied = ApplyRound(staged);
       if (payload_pool_ != nullptr) {
         for (Staged& frame : staged) payload_pool_->Put(std::move(frame.payload));
       }
@@ -437,7 +446,14 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       if (request.action == wire::kCaughtUp) caught_up_.store(true);
       return OkStatus();
     }
-    if (request.action == wire::kProvisional) return ApplyProvisional(shard_.get(), request.config);
+    if (request.action == wire::kProvisional) {
+      std::string name;
+      bool provisional;
+      DLT_RETURN_IF_ERROR(wire::DecodeProvisional(request.config, &name, &provisional));
+      std::shared_ptr<Table> pending;
+      DLT_RETURN_IF_ERROR(PendingTable(name, &pending));
+      return ApplyProvisional(shard_.get(), request.config, std::move(pending));
+    }
     if (request.action == wire::kInSync) {
       wire::InSyncView view;
       DLT_RETURN_IF_ERROR(wire::DecodeInSyncView(request.config, &view));
@@ -448,6 +464,11 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
     if (request.action == wire::kSketchSlices || request.action == wire::kSketchCounts) {
       wire::SketchRequest sketch;  // checked now, applied now or at the round's end
       DLT_RETURN_IF_ERROR(wire::DecodeSketch(request.action, request.config, &sketch));
+      std::shared_ptr<Table> pending;
+      DLT_RETURN_IF_ERROR(PendingTable(sketch.table, &pending));
+      if (pending != nullptr) {
+        return ApplySketch(shard_.get(), request.action, request.config, std::move(pending));
+      }
       bool staged;
       const Status held = StageIfCaughtUp(header, frame, &staged, stale);
       if (!held.ok() || staged) return held;
@@ -455,28 +476,71 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
     }
     TableConfig config;
     DLT_RETURN_IF_ERROR(DecodeTableConfig(request.config, &config));
-    if (request.action == wire::kDropTable) {
+    std::shared_ptr<Table> made;
+    if (request.action != wire::kDropTable) {
+      DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
+      made = shard_->NewTable(config);
+    }
+    {
+      std::lock_guard<std::mutex> lock(staged_mu_);
+      if (same_session && caught_up_.load()) {
+        // The copy this standby holds serves a takeover until the round
+        // that finishes the new one ends.
+        if (pending_session_ != replica_hello) pending_.clear();
+        pending_session_ = replica_hello;
+        pending_[config.name] = std::move(made);
+        return OkStatus();
+      }
+      if (made != nullptr) {
+        // Until this table is copied whole; rows of an unfinished round (a
+        // connection lost) are older than the copy.
+        caught_up_.store(false);
+        DropStagedLocked();
+      }
+    }
+    if (made == nullptr) {
       const Status dropped = shard_->DropTable(config.name);
       return dropped.code() == Code::kNotFound ? OkStatus() : dropped;
     }
-    DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
-    {
-      // Until this table is copied whole; rows of an unfinished round (a
-      // connection lost) are older than the copy.
-      std::lock_guard<std::mutex> lock(staged_mu_);
-      caught_up_.store(false);
-      DropStagedLocked();
-    }
-    shard_->InstallTables({shard_->NewTable(config)});
+    shard_->InstallTables({std::move(made)});
     return OkStatus();
   }
   wire::ReplicateRequest replicate;
   DLT_RETURN_IF_ERROR(wire::DecodeReplicate(payload, header.payload_bytes, &replicate));
   *rows = replicate.rows;
+  std::shared_ptr<Table> pending;
+  DLT_RETURN_IF_ERROR(PendingTable(replicate.table, &pending));
+  if (pending != nullptr) return ApplyRows(shard_.get(), replicate, PushClock::kTake, pending);
   bool staged;
   const Status held = StageIfCaughtUp(header, frame, &staged, stale);
   if (!held.ok() || staged) return held;
   return ApplyRows(shard_.get(), replicate, PushClock::kTake);
+}
+
+Status RequestHandler::PendingTable(const std::string& name, std::shared_ptr<Table>* table) const {
+  std::lock_guard<std::mutex> lock(staged_mu_);
+  const auto it = pending_.find(name);
+  table->reset();
+  if (it == pending_.end()) return OkStatus();
+  if (it->second == nullptr) {
+    return FailedPrecondition("table '" + name + "' was dropped in this round: it takes no rows");
+  }
+  *table = it->second;
+  return OkStatus();
+}
+
+Status RequestHandler::InstallPending(std::map<std::string, std::shared_ptr<Table>> pending) {
+  std::vector<std::shared_ptr<Table>> made;
+  for (auto& [name, table] : pending) {
+    if (table != nullptr) {
+      made.push_back(std::move(table));
+      continue;
+    }
+    const Status dropped = shard_->DropTable(name);
+    if (!dropped.ok() && dropped.code() != Code::kNotFound) return dropped;
+  }
+  shard_->InstallTables(made);
+  return OkStatus();
 }
 
 void RequestHandler::set_standby(bool standby, bool new_epoch) {
@@ -536,6 +600,7 @@ Status RequestHandler::StageIfCaughtUp(const wire::FrameHeader& header, net::Buf
 void RequestHandler::DropStagedLocked() {
   staged_.clear();
   staged_bytes_ = 0;
+  pending_.clear();
 }
 
 Status RequestHandler::ApplyRound(const std::vector<Staged>& staged) {

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -70,8 +71,12 @@ class RequestHandler {
   void set_standby(bool standby, bool new_epoch = true);
   bool standby() const { return standby_.load(); }
   // A standby holds every table its primary had at some moment: the
-  // primary said so after its copies; false again while a table is copied
-  // afresh. Only such a standby may take over.
+  // primary said so after its copies; false again while a connection's
+  // copies begin afresh. A table its primary replaces (a load) or makes
+  // while it is caught up is copied into a table of its own, installed at
+  // the end of the round that finishes the copy; the copy it replaces, or
+  // the table dropped meanwhile, stays until then, so it stays caught up
+  // through the copy. Only such a standby may take over.
   bool standby_caught_up() const { return caught_up_.load(); }
   // The addresses of this primary's standbys ('|' between them), told to
   // clients in the Hello's topology part; "" (the default): the write
@@ -181,8 +186,15 @@ class RequestHandler {
   // connection closes).
   Status StageIfCaughtUp(const wire::FrameHeader& header, net::Buffer* payload, bool* staged,
                          bool* stale);
-  // Empties the round's staged frames; caller holds staged_mu_.
+  // Empties the round's staged frames and the tables made or dropped for
+  // it; caller holds staged_mu_.
   void DropStagedLocked();
+  // The table a caught-up standby's copy of `name` fills until its round
+  // ends (null: none; the shard's serves the frame); FAILED_PRECONDITION
+  // when the round drops that table.
+  Status PendingTable(const std::string& name, std::shared_ptr<Table>* table) const;
+  // At a round's end: the tables made or dropped for it take their place.
+  Status InstallPending(std::map<std::string, std::shared_ptr<Table>> pending);
   // A standby's StandbyTable or Replicate frame, on the connection that
   // said Hello `replica_hello`-th; *stale when that connection is older than
   // the one that began the latest copy (the frame is refused).
@@ -210,6 +222,13 @@ class RequestHandler {
   // order; guarded by staged_mu_.
   std::vector<Staged> staged_;
   uint64_t staged_bytes_ = 0;  // guarded by staged_mu_
+  // A caught-up standby's tables made (copies under way) or dropped (null)
+  // in the round now, by name, installed at its end; guarded by staged_mu_.
+  std::map<std::string, std::shared_ptr<Table>> pending_;
+  // The connection (by its Hello) that made or dropped them: a round's end
+  // on another installs none of them (a copy its lost connection left half
+  // done); guarded by staged_mu_.
+  uint64_t pending_session_ = 0;
   uint64_t max_staged_bytes_ = uint64_t{1} << 30;
   net::BufferPool* payload_pool_ = nullptr;
   std::string standbys_;                     // guarded by staged_mu_

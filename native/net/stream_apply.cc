@@ -3,13 +3,28 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace dlt {
 
-Status ApplyRows(Shard* shard, const wire::ReplicateRequest& request, PushClock clock) {
+namespace {
+
+// `into`, or `shard`'s table named `name`.
+Status Target(Shard* shard, const std::string& name, std::shared_ptr<Table> into,
+              std::shared_ptr<Table>* table) {
+  if (into == nullptr) return shard->GetTable(name, table);
+  *table = std::move(into);
+  return OkStatus();
+}
+
+}  // namespace
+
+Status ApplyRows(Shard* shard, const wire::ReplicateRequest& request, PushClock clock,
+                 std::shared_ptr<Table> into) {
   std::shared_ptr<Table> table;
-  DLT_RETURN_IF_ERROR(shard->GetTable(request.table, &table));
+  DLT_RETURN_IF_ERROR(Target(shard, request.table, std::move(into), &table));
   if (request.dim != table->dim() || request.slot_floats != table->slot_floats()) {
     return InvalidArgument(
         "table '" + request.table + "' has dim " + std::to_string(table->dim()) + " and " +
@@ -37,11 +52,12 @@ Status ApplyRows(Shard* shard, const wire::ReplicateRequest& request, PushClock 
   return OkStatus();
 }
 
-Status ApplySketch(Shard* shard, uint32_t action, const std::string& bytes) {
+Status ApplySketch(Shard* shard, uint32_t action, const std::string& bytes,
+                   std::shared_ptr<Table> into) {
   wire::SketchRequest r;
   DLT_RETURN_IF_ERROR(wire::DecodeSketch(action, bytes, &r));
   std::shared_ptr<Table> table;
-  DLT_RETURN_IF_ERROR(shard->GetTable(r.table, &table));
+  DLT_RETURN_IF_ERROR(Target(shard, r.table, std::move(into), &table));
   if (action == wire::kSketchCounts) {
     std::vector<uint64_t> hashes(r.num_hashes);
     if (!hashes.empty()) std::memcpy(hashes.data(), r.hashes, hashes.size() * sizeof(uint64_t));
@@ -65,12 +81,12 @@ Status ApplySketch(Shard* shard, uint32_t action, const std::string& bytes) {
   return OkStatus();
 }
 
-Status ApplyProvisional(Shard* shard, const std::string& bytes) {
+Status ApplyProvisional(Shard* shard, const std::string& bytes, std::shared_ptr<Table> into) {
   std::string name;
   bool provisional;
   DLT_RETURN_IF_ERROR(wire::DecodeProvisional(bytes, &name, &provisional));
   std::shared_ptr<Table> table;
-  DLT_RETURN_IF_ERROR(shard->GetTable(name, &table));
+  DLT_RETURN_IF_ERROR(Target(shard, name, std::move(into), &table));
   table->set_provisional(provisional);
   return OkStatus();
 }

@@ -6,6 +6,7 @@
 #define TF_DLT_NATIVE_NET_STREAM_APPLY_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,16 +22,23 @@ namespace dlt {
 // table's to it (several senders, each with its own clock).
 enum class PushClock : uint8_t { kKeep, kTake, kRaise };
 
-// Writes the frame's rows and removals into `shard`'s table of its name;
-// every row must route to `shard` (INVALID_ARGUMENT otherwise).
-Status ApplyRows(Shard* shard, const wire::ReplicateRequest& request, PushClock clock);
+// Each function below writes into `shard`'s table of the frame's name or,
+// given `into`, into that table (one made for `shard` and not installed
+// yet: a caught-up standby's copy of a replaced table, until its round ends).
+
+// Writes the frame's rows and removals; every row must route to `shard`
+// (INVALID_ARGUMENT otherwise).
+Status ApplyRows(Shard* shard, const wire::ReplicateRequest& request, PushClock clock,
+                 std::shared_ptr<Table> into = nullptr);
 
 // Writes a sketch frame's slices or counts (wire::kSketchSlices,
-// wire::kSketchCounts) into `shard`'s table of its name.
-Status ApplySketch(Shard* shard, uint32_t action, const std::string& bytes);
+// wire::kSketchCounts).
+Status ApplySketch(Shard* shard, uint32_t action, const std::string& bytes,
+                   std::shared_ptr<Table> into = nullptr);
 
 // Sets the provisional flag a kProvisional frame's bytes name.
-Status ApplyProvisional(Shard* shard, const std::string& bytes);
+Status ApplyProvisional(Shard* shard, const std::string& bytes,
+                        std::shared_ptr<Table> into = nullptr);
 
 // The bytes of a round's end (kRoundEnd, kCaughtUp): the sender's epoch and
 // the ids of the pushes applied in the round.

@@ -31,6 +31,8 @@ class Tcp : public Transport {
     return client_.Assign(table, dim, ids, values, n);
   }
   Status Regreet() override { return client_.Regreet(); }
+  std::vector<uint64_t> MetLineages() const override { return client_.MetLineages(); }
+  uint64_t LayoutEpoch() const override { return client_.layout_epoch(); }
 
  private:
   Client client_;
@@ -40,6 +42,8 @@ class Embedded : public Transport {
  public:
   bool embedded() const override { return true; }
   Status Regreet() override { return OkStatus(); }
+  std::vector<uint64_t> MetLineages() const override { return {}; }
+  uint64_t LayoutEpoch() const override { return 0; }
 
   Status Pull(const std::string& table, uint32_t dim, const int64_t* ids, size_t n, PullMode mode,
               float* out, bool /*dedup*/, size_t* sent) override {

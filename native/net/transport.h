@@ -37,6 +37,9 @@ class Transport {
                         const float* values, size_t n) = 0;
   // Client::Regreet (embedded: nothing to greet).
   virtual Status Regreet() = 0;
+  // Client::MetLineages (embedded: none), and the layout epoch they are of.
+  virtual std::vector<uint64_t> MetLineages() const = 0;
+  virtual uint64_t LayoutEpoch() const = 0;
 };
 
 // Shard servers at `addresses` (shard-index order).

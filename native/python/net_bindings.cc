@@ -303,6 +303,8 @@ void BindNet(py::module_& m) {
                d["num_shards"] = i.num_shards;
                d["admin_port"] = i.admin_port;
                d["max_frame_bytes"] = i.max_frame_bytes;
+               d["lineage"] = i.lineage;
+               d["epoch"] = i.epoch;
                out.append(d);
              }
              return out;

@@ -541,6 +541,64 @@ DLT_TEST(TestACaughtUpStandbyAppliesARoundWholeOrNotAtAll) {
   EXPECT(pair.standby->epoch() == 6);  // newer than the primary it replaces
 }
 
+DLT_TEST(TestACaughtUpStandbyKeepsATableUntilItsNewCopyIsWhole) {
+  // A table its primary replaces (a load), makes or drops while the standby
+  // is caught up takes its place at the end of the round that finishes the
+  // copy. A primary killed during that copy left the standby holding half a
+  // table and not caught up: the shard had no copy that could take over.
+  Pair pair;
+  const std::string emb = EncodeTableConfig(AdagradConfig("emb", 4));
+  const std::string other = EncodeTableConfig(AdagradConfig("other", 4));
+  const std::string fresh = EncodeTableConfig(AdagradConfig("fresh", 4));
+  const uint64_t epoch = 3;
+  const std::string at_epoch(reinterpret_cast<const char*>(&epoch), sizeof(epoch));
+  auto rows_of = [&] { return TableOf(*pair.standby, "emb")->size(); };
+  ReplicaLink link(Address(*pair.standby_server));
+  EXPECT_OK(link.Table(wire::kMakeTable, emb));
+  EXPECT_OK(link.Table(wire::kMakeTable, other));
+  EXPECT_OK(link.Rows({1, 2}, 0.5f));
+  EXPECT_OK(link.Table(wire::kCaughtUp, at_epoch));
+  EXPECT(pair.standby_server->standby_caught_up() && rows_of() == 2);
+  const std::shared_ptr<Table> first = TableOf(*pair.standby, "emb");
+
+  // A round that replaces emb, makes fresh and drops other: nothing changes
+  // before its end, and the standby stays caught up throughout.
+  EXPECT_OK(link.Table(wire::kMakeTable, emb));
+  EXPECT_OK(link.Rows({3}, 0.25f));
+  EXPECT_OK(link.Table(wire::kMakeTable, fresh));
+  EXPECT_OK(link.Table(wire::kDropTable, other));
+  EXPECT(pair.standby_server->standby_caught_up());
+  EXPECT(TableOf(*pair.standby, "emb") == first && rows_of() == 2);
+  EXPECT(TableOf(*pair.standby, "fresh") == nullptr);
+  EXPECT(TableOf(*pair.standby, "other") != nullptr);
+  EXPECT_OK(link.Table(wire::kCaughtUp, at_epoch));
+  EXPECT(rows_of() == 1 && TableOf(*pair.standby, "emb") != first);
+  EXPECT(TableOf(*pair.standby, "fresh") != nullptr);
+  EXPECT(TableOf(*pair.standby, "other") == nullptr);
+
+  // A round's end on another connection installs none of what this one
+  // left half done.
+  EXPECT_OK(link.Table(wire::kMakeTable, emb));
+  EXPECT_OK(link.Rows({8, 9}, 0.5f));
+  {
+    ReplicaLink other(Address(*pair.standby_server));
+    EXPECT_OK(other.Table(wire::kRoundEnd, at_epoch));
+  }
+  EXPECT(rows_of() == 1);
+
+  // The primary dies while it copies emb again: the copy before serves.
+  EXPECT_OK(link.Table(wire::kMakeTable, emb));
+  EXPECT_OK(link.Rows({4, 5, 6}, 0.75f));
+  EXPECT_OK(link.Table(wire::kDropTable, fresh));
+  EXPECT(pair.standby_server->standby_caught_up());
+  pair.standby_server->set_standby(false);  // it takes over
+  EXPECT(rows_of() == 1 && TableOf(*pair.standby, "fresh") != nullptr);
+  std::vector<float> out(4);
+  const int64_t three = 3;
+  EXPECT_OK(TableOf(*pair.standby, "emb")->Pull(&three, 1, PullMode::kZerosNoInsert, out.data()));
+  EXPECT(out[0] == 0.25f);
+}
+
 DLT_TEST(TestARoundThatFailsToApplyLeavesTheStandbyNotCaughtUp) {
   // A round's end whose rows cannot be applied (here a NaN; on a standby,
   // say, a disk error of its tier) may leave part of it applied without its
@@ -1929,6 +1987,28 @@ DLT_TEST(TestAGroupKeepsEveryStandbyEqualAndTellsEachTheInSyncSet) {
   }
   EXPECT(g.group->addresses() == view.members);
   EXPECT(!g.group->Detach("127.0.0.1:1"));
+}
+
+DLT_TEST(TestATableDropIsHeldUntilEveryStandbyDroppedIt) {
+  // A caught-up standby drops a table at its round's end: a round that
+  // drops one and carries nothing else must end too, or the drop's Hold
+  // returned with the table still on the standby (a takeover then served
+  // it again, with its old rows).
+  Group g(1);
+  bool created;
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("emb", 8), &created));
+  EXPECT_OK(g.primary->CreateTable(AdagradConfig("gone", 8), &created));
+  EXPECT(Eventually([&] { return g.AllCaughtUp(); }));
+  EXPECT(Eventually([&] { return TableOf(*g.standbys[0], "gone") != nullptr; }));
+  for (int i = 0; i < 20; ++i) {
+    const std::string name = "gone" + std::to_string(i);
+    EXPECT_OK(g.primary->CreateTable(AdagradConfig(name, 8), &created));
+    EXPECT_OK(g.group->Hold(10000));
+    EXPECT(TableOf(*g.standbys[0], name) != nullptr);
+    EXPECT_OK(g.primary->DropTable(name));
+    EXPECT_OK(g.group->Hold(10000));
+    EXPECT(TableOf(*g.standbys[0], name) == nullptr);
+  }
 }
 
 DLT_TEST(TestAStandbyThatFailsLeavesTheSetBeforeAWriteIsAcknowledgedWithoutIt) {

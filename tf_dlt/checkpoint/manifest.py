@@ -42,7 +42,9 @@ log = logging.getLogger("tf_dlt.checkpoint")
 # <microseconds>-<8 hex digits>" (new_save_id; ids of earlier versions lack
 # the microseconds).
 SAVE_ID = r"\d{8}T\d{6}(\d{6})?-[0-9a-f]{8}"  # new_save_id's form
-_OWN_FILE = re.compile(rf"^shard-\d{{5}}-of-\d{{5}}\.(?P<save_id>{SAVE_ID})\.h5(\.tmp-\w+)?$")
+_OWN_FILE = re.compile(
+    rf"^shard-\d{{5}}-of-\d{{5}}\.(?P<save_id>{SAVE_ID})\.h5(?P<tmp>\.tmp-\w+)?$"
+)
 # Every save keeps a copy of its manifest, MANIFEST.<save id>.json, written
 # once it committed (_commit_with_copy): when saves to one path race, each
 # makes the path name the newest whole save again (hold_newest).
@@ -553,12 +555,17 @@ def remove_superseded(
     checkpoint's, and those of saves that never committed): names that
     `own` (a pattern, or any of several) matches, with a save id (its
     "save_id" group; none: older than any) older than `save_id`, except
-    `keep`. Anything else in the directory, and files of a newer save
-    still in progress, stay."""
+    `keep`; and the temporary files (a "tmp" group) of `save_id` itself,
+    which committed without them (a shard process killed while it wrote,
+    its part written again by the copy that took over). Anything else in
+    the directory, and files of a newer save still in progress, stay."""
     patterns = own if isinstance(own, tuple) else (own,)
     for name in _names(fs, root):
         match = next((m for p in patterns if (m := p.match(name)) is not None), None)
-        if match is None or name in keep or (match.group("save_id") or "") >= save_id:
+        if match is None or name in keep:
+            continue
+        of = match.group("save_id") or ""
+        if of > save_id or (of == save_id and not match.groupdict().get("tmp")):
             continue
         _remove_quietly(fs, f"{root}/{name}")
 

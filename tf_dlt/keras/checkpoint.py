@@ -90,6 +90,10 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     try:
         if addresses:
             with Client(addresses, auth_token=token) as client:
+                # The copies the model's ops wrote to, not a process
+                # restarted empty since at a shard's address.
+                lineages, layout_epoch = _met_lineages(layers)
+                client.expect_lineages(lineages, layout_epoch=layout_epoch)
                 # This model's tables only: other models' on the same shards
                 # are theirs to save.
                 written = client.save(
@@ -124,6 +128,26 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     chain.remove_superseded_dense(path, save_id)
     setattr(model, _LAST_CHECKPOINT, path)
     return info
+
+
+def _met_lineages(layers: list[Any]) -> tuple[list[int], int]:
+    """The lineage of the copy of each shard the layers' op clients met, and
+    the layout epoch of those shards: the newest layout any of them knows,
+    and of a shard 0 where none met it or two met different copies."""
+    stats = [ops.client_stats(layer.client) for layer in layers if not layer.client.embedded]
+    epoch = max((int(s["layout_epoch"]) for s in stats), default=0)
+    met: list[int] = []
+    for s in stats:
+        if int(s["layout_epoch"]) != epoch:
+            continue  # a client that has not learned the newest layout yet
+        lineages = s["lineages"]
+        met += [0] * (len(lineages) - len(met))
+        for i, lineage in enumerate(lineages):
+            if lineage and met[i] and met[i] != lineage:
+                met[i] = -1  # two copies met: none is pinned
+            elif lineage and not met[i]:
+                met[i] = lineage
+    return [max(m, 0) for m in met], epoch
 
 
 def _tables_of(path: str) -> str:

@@ -64,6 +64,12 @@ class CallContext:
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
         self._left = threading.Event()
+        self._metadata = dict(context.invocation_metadata() or ())
+
+    def metadata(self, key: str) -> str | None:
+        """The value the caller's metadata gives `key`, or None."""
+        value = self._metadata.get(key)
+        return None if value is None else str(value)
 
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         """Ends the call with `code` and `details` (raises, as grpc's does)."""

@@ -38,6 +38,12 @@ _CHECK_INTERVAL_S = 2.0
 # its role, and how long a member other than the first waits for the others
 # to answer before it begins as the primary on its own.
 _SURVEY_INTERVAL_S = 0.5
+# A greeting's timeout ends a hair before this process's clock says that
+# much passed since it was sent (the native wait rounds down to whole
+# milliseconds): unreachable time within this much of `--takeover-after`
+# counts as reaching it, else a silent primary now and then took one more
+# greeting to pass over.
+_TIMEOUT_SLACK_S = 0.05
 BEGIN_ALONE_AFTER_S = 10.0
 # What a survey of the replica set found (besides a member to follow).
 _WAIT, _BEGIN, _ALONE = "wait", "begin", "alone"
@@ -236,6 +242,10 @@ class StandbyLink:
         self._take_over = take_over
         self._caught_up = caught_up
         self._takeover_after_s = takeover_after_s
+        # Each greeting of the primary waits half the takeover time (at most
+        # 1 s): a takeover follows two greetings at least that went
+        # unanswered, never one slow answer.
+        self._greeting_ms = max(50, int(1000 * min(1.0, takeover_after_s / 2)))
         self._probe_interval_s = probe_interval_s
         self._replica_set = list(replica_set)
         self._begin = begin
@@ -348,6 +358,7 @@ class StandbyLink:
             )
         info = _native.hello(self.primary, self._token, timeout_ms=5000)
         self._follow_epoch(int(info["epoch"]), int(info["lineage"]))
+        self._heard_peers(info)
         reply = self._call(
             "AttachStandby",
             dlt_pb2.AttachStandbyRequest(
@@ -362,13 +373,20 @@ class StandbyLink:
         """True when the primary greets (a dead process refuses at once)."""
         assert self.primary is not None
         try:
-            info = _native.hello(self.primary, self._token, timeout_ms=1000)
+            info = _native.hello(self.primary, self._token, timeout_ms=self._greeting_ms)
         except errors.DltError as e:
             self.error = str(e)
             return False
-        with self._lock:  # a standby the primary detached is no peer any more
-            self._hello_peers = {a for a in info["standbys"].split("|") if a}
+        self._heard_peers(info)
         return True
+
+    def _heard_peers(self, info: dict[str, Any]) -> None:
+        """The standbys the primary's Hello `info` names are this one's peers
+        now (one the primary detached is no peer any more). Taken when this
+        standby attaches too: the primary may die before the first probe,
+        and a standby that knew no peer never found the one that took over."""
+        with self._lock:
+            self._hello_peers = {a for a in info["standbys"].split("|") if a}
 
     def _check(self) -> bool:
         """True when the primary is gone: it restarted (a new process at
@@ -553,7 +571,7 @@ class StandbyLink:
         unreachable_since: float | None = None
         checked = 0.0
         while not self._stop.wait(self._probe_interval_s):
-            now = time.monotonic()
+            now = time.monotonic()  # when it was asked
             if self._alive():
                 unreachable_since = None
                 if now - checked < _CHECK_INTERVAL_S:
@@ -568,8 +586,14 @@ class StandbyLink:
                     continue
                 why = f"primary {self.primary} restarted with none of its rows"
             else:
+                # Unreachable since the first greeting it did not answer was
+                # sent, counted to the end of this one: a silent primary is
+                # taken over after its second greeting times out (~1.2 s),
+                # not its third (~2.3 s before).
                 unreachable_since = unreachable_since or now
-                if now - unreachable_since < self._takeover_after_s:
+                now = time.monotonic()
+                slack = min(_TIMEOUT_SLACK_S, self._takeover_after_s / 10)
+                if now - unreachable_since < self._takeover_after_s - slack:
                     continue
                 why = f"primary {self.primary} unreachable for {now - unreachable_since:.1f} s"
             if not self._caught_up():

@@ -195,7 +195,18 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
         returns what to read it through (`paths.CheckpointRoots.holding`)."""
         return self._roots.holding("Load")
 
-    def _writable(self, what: str) -> None:
+    def _writable(self, what: str, context: CallContext | None = None) -> None:
+        met = context.metadata(grpc_util.LINEAGE_METADATA_KEY) if context is not None else None
+        if met and met != f"{self._shard.lineage:016x}":
+            # A process started since the client met the shard: it holds
+            # none of the rows the client wrote (a save here would commit an
+            # empty shard). UNAVAILABLE: the client looks for the copy it
+            # met (a standby that took over keeps the lineage).
+            raise errors.UnavailableError(
+                f"shard {self._shard.shard_index} here is a process of lineage "
+                f"{self._shard.lineage:016x}, started since the client met lineage {met}: it "
+                f"holds none of the rows written before; {what} goes to the copy the client met"
+            )
         superseded = int(self._shard.superseded_by)
         if superseded:
             # Replaced while paused or cut off: its rows miss what the new
@@ -238,7 +249,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def CreateTable(self, request: Any, context: CallContext) -> Any:
-        self._writable("CreateTable")
+        self._writable("CreateTable", context)
         config = TableConfig.from_proto(request.config)
         created = self._shard.create_table(config.to_dict(), request.provisional)
         self._held_by_standbys(f"table {config.name!r} made")
@@ -252,7 +263,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def DropTable(self, request: Any, context: CallContext) -> Any:
-        self._writable("DropTable")
+        self._writable("DropTable", context)
         self._shard.drop_table(request.name)
         log.info("dropped table %s", request.name)
         self._held_by_standbys(f"table {request.name!r} dropped")
@@ -260,7 +271,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def Shrink(self, request: Any, context: CallContext) -> Any:
-        self._writable("Shrink")
+        self._writable("Shrink", context)
         table = self._shard.get_table(request.table)
         removed = table.shrink(request.min_count, request.unseen_for)
         log.info(
@@ -322,7 +333,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             finally:
                 self._persist_lock.release()
         elif step == kinds.STREAM:
-            steps.stream(list(request.targets), request.pace or 1.0)
+            steps.stream(list(request.targets), request.pace)
         elif step in (kinds.HOLD, kinds.RELEASE):
             steps.hold(step == kinds.HOLD)
         elif step == kinds.SWITCH:
@@ -422,7 +433,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def Save(self, request: Any, context: CallContext) -> Any:
-        self._writable("Save")
+        self._writable("Save", context)
         if not request.path:
             raise errors.InvalidArgumentError("Save needs a path")
         self._roots.check(request.path, "Save")

@@ -1,7 +1,9 @@
 #include "ops/cc/kernels/client_resource.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "ops/cc/kernels/status_util.h"
 #include "tensorflow/core/platform/env.h"
@@ -276,7 +278,16 @@ std::string ClientResource::StatsJson() const {
   AppendHistogram("push_wait", c.push_wait, &out);
   out += ",";
   AppendHistogram("cache_staleness", c.cache_staleness, &out);
-  out += "}";
+  // As strings: JSON numbers past 2^53 lose digits in some readers. The
+  // layout epoch first: the lineages are of that layout's shards.
+  const uint64_t layout_epoch = transport_->LayoutEpoch();
+  const std::vector<uint64_t> lineages = transport_->MetLineages();
+  out += ",\"layout_epoch\":" + std::to_string(layout_epoch);
+  out += ",\"lineages\":[";
+  for (size_t i = 0; i < lineages.size(); ++i) {
+    out += (i ? ",\"" : "\"") + std::to_string(lineages[i]) + "\"";
+  }
+  out += "]}";
   return out;
 }
 
