@@ -343,13 +343,18 @@ def test_a_trainer_follows_a_replica_set_restarted_whole() -> None:
             server.stop(0)
 
 
-def test_a_save_caught_by_a_failover_completes_on_the_new_primary_and_followers_follow(
-    tmp_path,  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("failure", ["killed", "silent"])
+def test_a_save_caught_by_a_failover_ends_in_seconds_and_the_next_lands_on_the_new_primary(
+    tmp_path: Path, failure: str
 ) -> None:
-    """A Save in flight on a primary that dies (frozen, then killed -9 once
-    its standby took over) is sent again to the copy that serves now: the
-    checkpoint commits with every acknowledged row, a follower serving the
-    run's directory moves to it, and the next save (a delta) succeeds too."""
+    """A Save in flight on a primary that froze. Killed (-9) before its
+    standby took over, its connections reset and the Save is sent again to
+    the copy that serves now: it commits with every acknowledged row. Left
+    frozen (a host that lost power: nothing answers, nothing resets), the
+    Save is given up UNAVAILABLE once the standby serves (it waited out the
+    persist timeout, an hour by default), and the next goes to the new
+    primary; the old one, woken, never spoils it. A follower serving the
+    run's directory moves to each checkpoint, and a delta on it succeeds."""
     run = tmp_path / "run"
     with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
         client = tf_dlt.Client(cluster.addresses)
@@ -365,21 +370,44 @@ def test_a_save_caught_by_a_failover_completes_on_the_new_primary_and_followers_
             wait_until(lambda: _caught_up(cluster, 0), "the standby")
             cluster.processes[0].send_signal(signal.SIGSTOP)  # the Save to it hangs
             saved: list[object] = []
-            saver = threading.Thread(target=lambda: saved.append(client.save(str(run / "c2"))))
+
+            def save() -> None:
+                try:
+                    saved.append(client.save(str(run / "c2")))
+                except errors.DltError as e:
+                    saved.append(e)
+
+            saver = threading.Thread(target=save)
             saver.start()
+            if failure == "killed":
+                cluster.kill(0)  # its connections reset: the Save goes to the new primary
             # (Its log, not Stats: a fresh client would wait on the frozen
             # primary's Hello first.)
             wait_until(lambda: "taking over" in cluster.log(1), "the standby to take over", 60)
-            assert saver.is_alive()  # still waiting on the frozen primary
-            cluster.kill(0)  # its connections reset: the Save goes to the new primary
             saver.join(60)
-            assert saved and saved[0]["save_id"] == manifest_id(run / "c2")  # type: ignore[index]
+            assert not saver.is_alive()
+            if failure == "silent":
+                assert isinstance(saved[0], errors.UnavailableError), saved
+                assert "standby took over" in saved[0].message
+                assert manifest_id(run / "c2") == ""  # nothing committed
+                saved[:] = [client.save(str(run / "c2"))]
+            assert saved[0]["save_id"] == manifest_id(run / "c2")  # type: ignore[index]
             wait_until(lambda: _serving(follower) == manifest_id(run / "c2"), "the follower")
             np.testing.assert_array_equal(follower_rows(follower, ids), rows)
+            if failure == "silent":
+                # Woken, the old primary runs the Save it was sent (it had
+                # not read it): its part of that save id, never committed,
+                # is not the checkpoint's.
+                cluster.processes[0].send_signal(signal.SIGCONT)
+                wait_until(lambda: not _serves(cluster.process_addresses[0]), "it to step down")
+                cluster.kill(0)
+                assert saved[0]["save_id"] == manifest_id(run / "c2")  # type: ignore[index]
             client.push("emb", ids[:10], np.ones((10, DIM), np.float32), 0.1)
             client.save(str(run / "c3"), base=str(run / "c2"))
             wait_until(lambda: _serving(follower) == manifest_id(run / "c3"), "the follower")
             np.testing.assert_array_equal(follower_rows(follower, ids), client.pull("emb", ids))
+            client.load(str(run / "c2"))
+            np.testing.assert_array_equal(client.pull("emb", ids), rows)
 
 
 @pytest.mark.parametrize("rows", [5000, 200_000])
@@ -691,9 +719,10 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
 def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) -> None:
     """A primary paused (SIGSTOP) for good. A trainer's saves, loads and
     table changes go to the standby that took over once its pulls went
-    there; a client that only reads (Stats, ListTables) finds that standby
-    while it waits. Before, both waited on the silent primary's admin port
-    until their deadline (a save: the persist timeout, an hour by default)."""
+    there; a client that pulls nothing finds that standby while its call
+    waits (a table change, Stats, ListTables) and sends the call there.
+    Before, both waited on the silent primary's admin port until their
+    deadline (a save: the persist timeout, an hour by default)."""
     with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
         standby = cluster.process_addresses[1]
         _, ids, _ = _trained_with_standby(cluster, 0, 200)
@@ -703,7 +732,8 @@ def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) 
         reader.stats()
         cluster.processes[0].send_signal(signal.SIGSTOP)
         try:
-            wait_until(lambda: _serves(standby), "the standby to take over")
+            reader.create_table("early", DIM)  # sent to the standby once it took over
+            assert _serves(standby)
             trainer.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)  # on the new primary
             rows = trainer.pull("emb", ids)
             trainer.save(str(tmp_path / "ck"))
@@ -712,7 +742,7 @@ def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) 
             trainer.load(str(tmp_path / "ck"))
             np.testing.assert_array_equal(trainer.pull("emb", ids), rows)
             assert reader.stats()[0]["takeovers"] == 1
-            assert sorted(reader.list_tables()) == ["emb", "late"]
+            assert sorted(reader.list_tables()) == ["early", "emb", "late"]
         finally:
             cluster.processes[0].send_signal(signal.SIGCONT)
 

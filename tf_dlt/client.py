@@ -14,7 +14,7 @@ import os
 import queue
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -57,9 +57,8 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
 _LAYOUT_ASK_S = 5.0
 # How often an admin call whose shard's copies do not greet asks them again.
 _REGREET_PAUSE_S = 0.2
-# Admin calls that only read, and how often one of them waiting on a shard
-# with standbys looks for another copy serving (Client._result).
-_READS = frozenset({"Stats", "ListTables"})
+# How often an admin call waiting on a shard with standbys looks for another
+# copy serving (Client._leave_silent).
 _SILENT_CHECK_S = 1.0
 # Admin calls that write what a shard holds, or save it: sent with the
 # lineage of the copy met (grpc_util.LINEAGE_METADATA_KEY), refused by a
@@ -305,22 +304,50 @@ class Client:
         # Only writes carry it: a load replaces what a shard holds (the way
         # back after a restart), greeting every shard afresh first.
         carried = {i: _lineage(lineages[i]) if method in _WRITES else () for i in shards}
-        answered: queue.SimpleQueue[int] = queue.SimpleQueue()
-        calls = {}
-        for i in shards:
-            call = getattr(stubs[i], method).future(
-                request, timeout=deadline, metadata=metadata + carried[i]
+        answered: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+
+        def send(i: int, stub: Any, timeout: float) -> Any:
+            call = getattr(stub, method).future(
+                request, timeout=timeout, metadata=metadata + carried[i]
             )
-            call.add_done_callback(lambda _, i=i: answered.put(i))
-            calls[i] = call
-        if progress is not None:
-            for _ in calls:
-                i = answered.get()
-                progress.update(1, f"(shard {i} {'failed' if calls[i].exception() else 'done'})")
-        results: list[Any] = []
-        for i, call in calls.items():
+            call.add_done_callback(lambda done, i=i: answered.put((i, done)))
+            return call
+
+        calls = {i: send(i, stubs[i], deadline) for i in shards}
+        ended: dict[int, Any] = {}  # a shard's call that ended, or the error it was given up with
+        give_up = time.monotonic() + deadline
+        # Shards with standbys: while their calls wait, each second, another
+        # copy serving means the one asked went silent (paused, cut off) and
+        # a standby took over (_leave_silent).
+        watched = [i for i in shards if "|" in self._addresses_of(i)]
+        while len(ended) < len(calls):
             try:
-                reply = self._result(i, call, method, request, deadline)
+                i, call = answered.get(timeout=_SILENT_CHECK_S if watched else None)
+            except queue.Empty:
+                for i in watched:
+                    left = give_up - time.monotonic()
+                    if i in ended or left <= 0:
+                        continue
+                    outcome = self._leave_silent(i, calls[i], method, request, left, send)
+                    if isinstance(outcome, errors.DltError):
+                        ended[i] = outcome
+                        if progress is not None:
+                            progress.update(1, f"(shard {i} failed)")
+                    else:
+                        calls[i] = outcome
+                continue
+            if i in ended or call is not calls[i]:
+                continue  # a call given up
+            ended[i] = call
+            if progress is not None:
+                progress.update(1, f"(shard {i} {'failed' if call.exception() else 'done'})")
+        results: list[Any] = []
+        for i in calls:
+            if isinstance(ended[i], errors.DltError):
+                results.append(ended[i])
+                continue
+            try:
+                reply = ended[i].result()
                 if method == "Stats" and reply.role in ("standby", "joining"):
                     # A primary that came back as its shard's standby: ask
                     # the copy that serves now (if none does, this one).
@@ -354,45 +381,56 @@ class Client:
                 results.append(error)
         return results
 
-    def _result(self, shard: int, call: Any, method: str, request: Any, deadline: float) -> Any:
-        """The reply of `call` (`method` on `shard`). A call that only reads
-        (Stats, ListTables) on a shard with standbys, while it waits, looks
-        each second for another copy of the shard serving: the copy it asks
-        went silent (paused, cut off) and a standby took over. It asks that
-        one instead, within the deadline. A write waits for its own copy's
-        answer: asked again elsewhere, the silent copy could still write
-        when it wakes."""
-        give_up = time.monotonic() + deadline
-        if method not in _READS or "|" not in self._addresses_of(shard):
-            return call.result()
-        while True:
-            try:
-                return call.result(timeout=_SILENT_CHECK_S)
-            except grpc.FutureTimeoutError:
-                pass
-            left = give_up - time.monotonic()
-            serving = self._serving_elsewhere(shard) if left > 0 else None
-            if serving is None:
-                continue
-            call.cancel()
-            address, admin_port = serving
-            log.warning(
-                "shard %d: %s gave no answer to %s and %s serves: asking it",
-                shard,
-                self._stubs_at[shard],
-                method,
-                address,
+    def _leave_silent(
+        self,
+        shard: int,
+        call: Any,
+        method: str,
+        request: Any,
+        left: float,
+        send: Callable[[int, Any, float], Any],
+    ) -> Any:
+        """`call` (`method` on `shard`, unanswered) where no other copy of
+        the shard serves. Where one does (the copy asked went silent, paused
+        or cut off, and a standby took over), the shard's stub moves to it
+        and `call` is cancelled. A Save is given up, an UnavailableError
+        returned: the silent copy could still write its part when it wakes,
+        over the one the new primary wrote of the same save (a checkpoint
+        whose file no longer matches its manifest), so the save fails in a
+        second or two, not at its deadline (the persist timeout), and the
+        next goes to the copy serving. Any other call changes only what the
+        silent copy holds, which a replaced primary serves to no one: it is
+        sent to the copy serving, within the `left` seconds of its deadline,
+        and that call returned (a load's COMMIT then finds no load prepared
+        there, and `_commit_load` prepares it there)."""
+        serving = self._serving_elsewhere(shard)
+        if serving is None:
+            return call
+        call.cancel()
+        silent = self._stubs_at[shard]
+        address, admin_port = serving
+        self._channels[shard].close()
+        stub = self._set_stub(
+            shard,
+            self._channel(grpc_util.admin_address(address, admin_port)),
+            address,
+            self._stubs_data_at[shard],
+        )
+        if method == "Save":
+            return errors.UnavailableError(
+                f"shard {shard} ({self.pservers[shard]}) {method}: {silent} gave no answer and "
+                f"{address} serves the shard now (its standby took over): the {method} is given "
+                f"up, and may still run on {silent} if it wakes; run it again (it goes to "
+                f"{address})"
             )
-            self._channels[shard].close()
-            stub = self._set_stub(
-                shard,
-                self._channel(grpc_util.admin_address(address, admin_port)),
-                address,
-                self._stubs_data_at[shard],
-            )
-            call = getattr(stub, method).future(
-                request, timeout=left, metadata=grpc_util.bearer(self._token)
-            )
+        log.warning(
+            "shard %d: %s gave no answer to %s and %s serves: asking it",
+            shard,
+            silent,
+            method,
+            address,
+        )
+        return send(shard, stub, left)
 
     def _serving_elsewhere(self, shard: int) -> tuple[str, int] | None:
         """Another address of `shard` than the one its stub asks that greets
