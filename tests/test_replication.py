@@ -654,6 +654,17 @@ def _serves(address: str) -> bool:
         return False
 
 
+def _pause_past_takeover(cluster: LocalCluster, trainer: tf_dlt.Client, ids: np.ndarray) -> None:
+    """Pauses shard 0's primary (SIGSTOP) until its standby took over and
+    `trainer` pushed to `ids` there, then wakes it."""
+    cluster.processes[0].send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: _serves(cluster.process_addresses[1]), "the standby to take over")
+        trainer.push("emb", ids, np.ones((len(ids), DIM), np.float32), 0.1)  # on the new primary
+    finally:
+        cluster.processes[0].send_signal(signal.SIGCONT)
+
+
 def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wakes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -665,12 +676,7 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
     with LocalCluster(1, "--io-timeout", "2", workdir=tmp_path / "cluster", replicas=2) as cluster:
         old, standby = cluster.process_addresses
         client, ids, stale = _trained_with_standby(cluster, 0, 200)
-        cluster.processes[0].send_signal(signal.SIGSTOP)
-        try:
-            wait_until(lambda: _serves(standby), "the standby to take over")
-            client.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)  # on the new primary
-        finally:
-            cluster.processes[0].send_signal(signal.SIGCONT)
+        _pause_past_takeover(cluster, client, ids)
         newest = client.pull("emb", ids)
         assert not np.array_equal(newest, stale)
 
@@ -714,6 +720,31 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
         client.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)
         client.load(str(tmp_path / "ck"))
         np.testing.assert_array_equal(client.pull("emb", ids), newest)
+
+
+def test_writes_made_as_a_replaced_primary_wakes_go_to_the_copy_that_replaced_it(
+    tmp_path: Path,
+) -> None:
+    """A client whose admin plane is on a primary paused past its standby's
+    takeover saves, then makes a table, the moment the primary wakes, before
+    it learns it was replaced (it takes writes for a few seconds): both go
+    to the copy serving at the newer epoch. Before, both went to the woken
+    primary: the table change failed UNAVAILABLE (the copy that replaced it
+    refuses its frames), and a save it took before it learned held the rows
+    of before the pause, without the pushes the new primary took."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        trainer, ids, stale = _trained_with_standby(cluster, 0, 200)
+        admin = tf_dlt.Client(cluster.addresses)
+        admin.stats()  # its admin plane on the primary; it pulls nothing
+        _pause_past_takeover(cluster, trainer, ids)
+        admin.save(str(tmp_path / "ck"))
+        newest = trainer.pull("emb", ids)
+        assert not np.array_equal(newest, stale)
+        trainer.push("emb", ids, np.ones((200, DIM), np.float32), 0.1)
+        trainer.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(trainer.pull("emb", ids), newest)
+        admin.create_table("late", DIM)
+        assert "late" in trainer.list_tables()
 
 
 def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) -> None:

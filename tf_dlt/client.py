@@ -304,6 +304,9 @@ class Client:
         # Only writes carry it: a load replaces what a shard holds (the way
         # back after a restart), greeting every shard afresh first.
         carried = {i: _lineage(lineages[i]) if method in _WRITES else () for i in shards}
+        if method in _WRITES or method == "Load":
+            for i in shards:
+                self._to_newest_copy(i, lineages[i])
         answered: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
 
         def send(i: int, stub: Any, timeout: float) -> Any:
@@ -499,22 +502,54 @@ class Client:
                 raise type(last)("; ".join(said) or last.message)
             time.sleep(_REGREET_PAUSE_S)
 
-    def _ask_lineage_met(self, shard: int, met: int) -> None:
-        """Points `shard`'s stub at a copy of lineage `met` (the one this
-        client met) when the copy it asks now greets with another (a process restarted
-        empty at its address; gRPC reconnects to it unseen), waiting up to a
-        request's deadline for one (its standby taking over). Left as it is
-        when none is found, or the shard lists no standby."""
-        if not met or "|" not in self._addresses_of(shard):
+    def _to_newest_copy(self, shard: int, lineage: int) -> None:
+        """Points `shard`'s stub, before a write, at the copy of the shard
+        that greets at the newest epoch among those of `lineage` (the one
+        this client met; 0: any). The copy it asks may be a primary replaced
+        while it was paused and woken since, which takes writes until it
+        learns it was replaced (a few seconds: a save there holds the rows
+        of before its pause), or a process restarted empty at its address
+        (gRPC reconnects to it unseen). Where no address greets with
+        `lineage` but some greet with another, waits up to a request's
+        deadline for one that does (its standby taking over: `_reresolve`).
+        Left as it is where the shard lists no standby or no address
+        greets: the call itself then fails or moves on."""
+        addresses = self._addresses_of(shard).split("|")
+        if len(addresses) < 2:
             return
-        try:
-            info = _native.hello(self._stubs_at[shard], self._token, timeout_ms=1000)
-        except errors.DltError:
-            return  # no answer: the call itself moves on (UNAVAILABLE)
-        if not info["lineage"] or info["lineage"] == met:
+        newest: tuple[int, str, int] | None = None  # epoch, address, admin port
+        others = False
+        for address in addresses:
+            try:
+                info = _native.hello(address, self._token, timeout_ms=1000)
+            except errors.DltError:
+                continue  # a standby (it refuses trainers), or gone
+            if lineage and info["lineage"] and info["lineage"] != lineage:
+                others = True
+                continue
+            if newest is None or info["epoch"] > newest[0]:
+                newest = (int(info["epoch"]), address, int(info["admin_port"]))
+        if newest is None:
+            if others:
+                with contextlib.suppress(errors.DltError):
+                    self._reresolve(shard, wait_s=self._request_timeout, lineage=lineage)
             return
-        with contextlib.suppress(errors.DltError):
-            self._reresolve(shard, wait_s=self._request_timeout, lineage=met)
+        _, address, admin_port = newest
+        if address == self._stubs_at[shard]:
+            return
+        log.warning(
+            "shard %d: %s serves it at a newer epoch than %s: writing there",
+            shard,
+            address,
+            self._stubs_at[shard],
+        )
+        self._channels[shard].close()
+        self._set_stub(
+            shard,
+            self._channel(grpc_util.admin_address(address, admin_port)),
+            address,
+            self._stubs_data_at[shard],
+        )
 
     def expect_lineages(self, lineages: Sequence[int], *, layout_epoch: int = 0) -> None:
         """This client's saves and table changes go only to the copy of each
@@ -829,9 +864,6 @@ class Client:
         request = dlt_pb2.LoadRequest
         self._admin()
         prepared_at = self._prepared_at or list(self._stubs_at)
-        met = self._met_all()
-        for i in range(min(len(prepared_at), len(met))):
-            self._ask_lineage_met(i, met[i]["lineage"])
         # The later phases wait for the shard's persistence lock (a save may
         # hold it): they get the save's deadline, not a data call's.
         commit = request(phase=request.COMMIT, load_id=load_id)
