@@ -14,7 +14,7 @@ import os
 import queue
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -250,11 +250,7 @@ class Client:
         self._follow_layout(learn=time.monotonic() - self._layout_asked > _LAYOUT_ASK_S)
         if not self._stubs:
             for i, info in enumerate(self.shard_infos()):
-                self._channels.append(self._channel(self._admin_at(info)))
-                self._stubs.append(None)
-                self._stubs_at.append("")
-                self._stubs_data_at.append("")
-                self._set_stub(i, self._channels[i], info["address"], info["address"])
+                self._set_stub(i, info["address"], info["admin_port"], info["address"])
             return self._stubs
         # A shard whose data plane moved to another copy since its stub was
         # made (it saw a standby take over: the primary went silent, say)
@@ -262,26 +258,31 @@ class Client:
         with contextlib.suppress(errors.DltError):
             for i, info in enumerate(self._data.shard_infos()):
                 if i < len(self._stubs) and info["address"] != self._stubs_data_at[i]:
-                    self._channels[i].close()
-                    self._set_stub(
-                        i, self._channel(self._admin_at(info)), info["address"], info["address"]
-                    )
+                    self._set_stub(i, info["address"], info["admin_port"], info["address"])
         return self._stubs
 
-    def _admin_at(self, info: dict[str, Any]) -> str:
-        """The admin address of the copy a shard's Hello `info` came from."""
-        return grpc_util.admin_address(info["address"], info["admin_port"])
-
-    def _set_stub(self, shard: int, channel: grpc.Channel, at: str, data_at: str) -> Any:
-        """`shard`'s stub from now on: `channel` to the copy at data-plane
-        address `at`, the data plane using `data_at`."""
+    def _set_stub(self, shard: int, at: str, admin_port: int, data_at: str | None = None) -> Any:
+        """`shard`'s stub from now on (the first, for the next shard, or in
+        place of one whose channel it closes): to the copy at data-plane
+        address `at`, its admin port `admin_port`; the data plane using
+        `data_at` (None: what it used, as it may not have moved yet)."""
         from tf_dlt.proto import dlt_pb2_grpc
 
+        channel = self._channel(grpc_util.admin_address(at, int(admin_port)))
+        stub = dlt_pb2_grpc.ShardAdminStub(channel)
+        if shard == len(self._stubs):
+            self._channels.append(channel)
+            self._stubs.append(stub)
+            self._stubs_at.append(at)
+            self._stubs_data_at.append(data_at or at)
+            return stub
+        self._channels[shard].close()
         self._channels[shard] = channel
-        self._stubs[shard] = dlt_pb2_grpc.ShardAdminStub(channel)
+        self._stubs[shard] = stub
         self._stubs_at[shard] = at
-        self._stubs_data_at[shard] = data_at
-        return self._stubs[shard]
+        if data_at is not None:
+            self._stubs_data_at[shard] = data_at
+        return stub
 
     def _call_all(
         self,
@@ -412,13 +413,7 @@ class Client:
         call.cancel()
         silent = self._stubs_at[shard]
         address, admin_port = serving
-        self._channels[shard].close()
-        stub = self._set_stub(
-            shard,
-            self._channel(grpc_util.admin_address(address, admin_port)),
-            address,
-            self._stubs_data_at[shard],
-        )
+        stub = self._set_stub(shard, address, admin_port)
         if method == "Save":
             return errors.UnavailableError(
                 f"shard {shard} ({self.pservers[shard]}) {method}: {silent} gave no answer and "
@@ -442,12 +437,8 @@ class Client:
         nor an old primary woken before it learned it was replaced), with
         its admin port; None when none does."""
         met = self._met_all()[shard]
-        for address in self._addresses_of(shard).split("|"):
-            if address == self._stubs_at[shard]:
-                continue
-            try:
-                info = _native.hello(address, self._token, timeout_ms=1000)
-            except errors.DltError:
+        for address, info in self._greetings(shard, skip=self._stubs_at[shard]):
+            if isinstance(info, errors.DltError):
                 continue
             if met["lineage"] and info["lineage"] != met["lineage"]:
                 continue
@@ -455,6 +446,20 @@ class Client:
                 continue
             return address, int(info["admin_port"])
         return None
+
+    def _greetings(
+        self, shard: int, skip: str = ""
+    ) -> Iterator[tuple[str, dict[str, Any] | errors.DltError]]:
+        """Each address of `shard` but `skip` (its primary, then its
+        standbys), greeted as it is reached, with what it said: its Hello's
+        info, or the error (a standby refuses trainers; 1 s at most)."""
+        for address in self._addresses_of(shard).split("|"):
+            if address == skip:
+                continue
+            try:
+                yield address, _native.hello(address, self._token, timeout_ms=1000)
+            except errors.DltError as e:
+                yield address, e
 
     def _reresolve(self, shard: int, wait_s: float = 0.0, lineage: int = 0) -> Any:
         """A new admin stub of `shard`, at the first of its addresses (primary,
@@ -469,14 +474,12 @@ class Client:
         while True:
             said: list[str] = []
             last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
-            addresses = self._addresses_of(shard).split("|")
-            others = 0  # addresses greeting with another lineage
-            for address in addresses:
-                try:
-                    info = _native.hello(address, self._token, timeout_ms=1000)
-                except errors.DltError as e:
-                    said.append(f"{address}: {e.message}")
-                    last = e
+            greeted = others = 0  # addresses, and those greeting with another lineage
+            for address, info in self._greetings(shard):
+                greeted += 1
+                if isinstance(info, errors.DltError):
+                    said.append(f"{address}: {info.message}")
+                    last = info
                     continue
                 if lineage and info["lineage"] and info["lineage"] != lineage:
                     said.append(
@@ -485,15 +488,9 @@ class Client:
                     )
                     others += 1
                     continue
-                self._channels[shard].close()
-                return self._set_stub(
-                    shard,
-                    self._channel(grpc_util.admin_address(address, info["admin_port"])),
-                    address,
-                    self._stubs_data_at[shard],  # the data plane may not have moved yet
-                )
+                return self._set_stub(shard, address, info["admin_port"])
             if time.monotonic() + _REGREET_PAUSE_S >= give_up:
-                if others == len(addresses):
+                if others == greeted:
                     raise errors.DataLossError(
                         f"shard {shard}: every process of it started since this client met it "
                         f"(lineage {lineage:016x}): the rows written to it before are not there; "
@@ -514,15 +511,12 @@ class Client:
         deadline for one that does (its standby taking over: `_reresolve`).
         Left as it is where the shard lists no standby or no address
         greets: the call itself then fails or moves on."""
-        addresses = self._addresses_of(shard).split("|")
-        if len(addresses) < 2:
+        if "|" not in self._addresses_of(shard):
             return
         newest: tuple[int, str, int] | None = None  # epoch, address, admin port
         others = False
-        for address in addresses:
-            try:
-                info = _native.hello(address, self._token, timeout_ms=1000)
-            except errors.DltError:
+        for address, info in self._greetings(shard):
+            if isinstance(info, errors.DltError):
                 continue  # a standby (it refuses trainers), or gone
             if lineage and info["lineage"] and info["lineage"] != lineage:
                 others = True
@@ -543,13 +537,7 @@ class Client:
             address,
             self._stubs_at[shard],
         )
-        self._channels[shard].close()
-        self._set_stub(
-            shard,
-            self._channel(grpc_util.admin_address(address, admin_port)),
-            address,
-            self._stubs_data_at[shard],
-        )
+        self._set_stub(shard, address, admin_port)
 
     def expect_lineages(self, lineages: Sequence[int], *, layout_epoch: int = 0) -> None:
         """This client's saves and table changes go only to the copy of each
