@@ -522,3 +522,37 @@ def test_a_save_pins_only_the_copies_every_op_client_of_the_newest_layout_met(
     layers = [Layer("a"), Layer("old"), Layer("b"), Layer("unmet"), Layer("x", embedded=True)]
     assert checkpoint._met_lineages(layers) == ([11, 22, 0], 2)
     assert checkpoint._met_lineages([Layer("x", embedded=True)]) == ([], 0)
+
+
+def test_a_save_given_up_as_a_shard_fails_over_is_made_again(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model save whose tables' save a shard gave up as it failed over
+    (errors.FailedOverError: the primary writing it went silent and its
+    standby took over; test_several_standbys.py and test_replication.py
+    show it with real processes) is made once more under a new save id:
+    tf_dlt.save returns, the path loads, and the first try's dense weights
+    are gone."""
+    cluster = start_cluster(1)
+    model = tf_dlt.transpile(_model("ck_failed_over"), cluster.addresses)
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    expected = model.predict(x, verbose=0)
+    save = tf_dlt.Client.save
+    tries: list[str] = []
+
+    def failing_over_once(self: tf_dlt.Client, path: str, **kwargs: object) -> object:
+        tries.append(str(kwargs["save_id"]))
+        if len(tries) == 1:
+            raise errors.FailedOverError("shard 0 Save: ... its standby took over ...")
+        return save(self, path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tf_dlt.Client, "save", failing_over_once)
+    info = tf_dlt.save(model, str(tmp_path / "ck"))
+    monkeypatch.undo()
+    assert len(tries) == 2 and tries[0] != tries[1] and info["save_id"] == tries[1]
+    dense = [p.name for p in (tmp_path / "ck").glob("dense*.h5")]
+    assert dense == [f"dense.{tries[1]}.weights.h5"]
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+    tf_dlt.load(model, str(tmp_path / "ck"))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)

@@ -7,8 +7,10 @@ it; a standby the primary left out of the in-sync set never takes over."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -286,3 +288,66 @@ def test_a_replica_set_of_three_started_out_of_order_elects_the_first() -> None:
     finally:
         for server in servers:
             server.stop(0)
+
+
+def test_a_save_sent_on_after_a_kill_is_watched_like_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failures in a row: a Save's primary is killed, the Save goes on to
+    the standby that took over, and that one goes silent (SIGSTOP, as the
+    Save reaches it) until the other standby takes over from it. The Save
+    there is given up within seconds, as a first call would be, and
+    `Client.save` makes it once more under a new save id, on the third copy,
+    with every row. Before, the call sent on was not watched: it waited on
+    the silent copy until its connection timed out (20 s) or, connected,
+    the persist timeout, and never went on to the third copy."""
+    import tf_dlt.client as client_module
+
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=3) as cluster:
+        client = tf_dlt.Client(cluster.addresses, persist_timeout=60)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        _train(client, 0)
+        rows = client.pull("emb", IDS)
+        process_at = {a: i for i, a in enumerate(cluster.process_addresses)}
+        frozen: list[int] = []
+        reresolve = client_module.Client._reresolve
+
+        def freezing(self: tf_dlt.Client, shard: int, *args: Any, **kwargs: Any) -> Any:
+            stub = reresolve(self, shard, *args, **kwargs)
+            if not frozen:  # the copy the Save goes on to goes silent, once followed
+                serving = process_at[self._stubs_at[shard]]
+                wait_until(
+                    lambda: _all_caught_up(cluster, serving, [3 - serving]),
+                    "the other standby to follow the one that took over",
+                )
+                frozen.append(serving)
+                cluster.processes[serving].send_signal(signal.SIGSTOP)
+            return stub
+
+        monkeypatch.setattr(client_module.Client, "_reresolve", freezing)
+        cluster.processes[0].send_signal(signal.SIGSTOP)  # the Save to it hangs ...
+        try:
+            outcome: list[Any] = []
+
+            def save() -> None:
+                try:
+                    outcome.append(client.save(str(tmp_path / "ck")))
+                except errors.DltError as e:
+                    outcome.append(e)
+
+            saving = threading.Thread(target=save)
+            saving.start()
+            time.sleep(0.3)
+            cluster.kill(0)  # ... until it dies: UNAVAILABLE, and on to the next copy
+            saving.join(45)
+            assert not saving.is_alive()
+            assert frozen and frozen[0] in (1, 2)
+            assert isinstance(outcome[0], dict), outcome
+            monkeypatch.undo()
+            client.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+            client.load(str(tmp_path / "ck"))
+            np.testing.assert_array_equal(client.pull("emb", IDS), rows)
+        finally:
+            for process in frozen:
+                cluster.processes[process].send_signal(signal.SIGCONT)

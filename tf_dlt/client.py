@@ -15,7 +15,7 @@ import queue
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -60,11 +60,28 @@ _REGREET_PAUSE_S = 0.2
 # How often an admin call waiting on a shard with standbys looks for another
 # copy serving (Client._leave_silent).
 _SILENT_CHECK_S = 1.0
+# How many times an admin call that ends UNAVAILABLE is sent to the copy
+# serving after it (a standby that took over, and the one after it).
+_MAX_MOVES = 3
 # Admin calls that write what a shard holds, or save it: sent with the
 # lineage of the copy met (grpc_util.LINEAGE_METADATA_KEY), refused by a
 # process of another. A load is not: it replaces what a shard holds (the way
 # back after a restart), greeting every shard afresh first.
 _WRITES = frozenset({"CreateTable", "DropTable", "Shrink", "Save"})
+
+
+class _Greeted(NamedTuple):
+    """A round of greetings of a shard's addresses (Client._greet_shard):
+    the copy of the lineage asked for at the newest epoch (its address and
+    Hello info; None where none greeted), what each other address said, how
+    many addresses there were and how many greeted with another lineage,
+    and the last error met."""
+
+    newest: tuple[str, dict[str, Any]] | None
+    said: list[str]
+    addresses: int
+    others: int
+    last: errors.DltError
 
 
 def _lineage(lineage: int) -> tuple[tuple[str, str], ...]:
@@ -163,6 +180,7 @@ class Client:
         # The copy of each shard its stub asks, and the one the data plane
         # used when the stub was made (data-plane addresses).
         self._stubs_at: list[str] = []
+        self._stubs_epoch: list[int] = []  # the epoch that copy greeted with (0: unknown)
         self._expected_lineages: list[int] = []  # expect_lineages
         self._expected_layout = 0
         self._prepared_at: list[str] = []  # _prepare_load
@@ -250,7 +268,9 @@ class Client:
         self._follow_layout(learn=time.monotonic() - self._layout_asked > _LAYOUT_ASK_S)
         if not self._stubs:
             for i, info in enumerate(self.shard_infos()):
-                self._set_stub(i, info["address"], info["admin_port"], info["address"])
+                self._set_stub(
+                    i, info["address"], info["admin_port"], info["address"], info["epoch"]
+                )
             return self._stubs
         # A shard whose data plane moved to another copy since its stub was
         # made (it saw a standby take over: the primary went silent, say)
@@ -258,14 +278,24 @@ class Client:
         with contextlib.suppress(errors.DltError):
             for i, info in enumerate(self._data.shard_infos()):
                 if i < len(self._stubs) and info["address"] != self._stubs_data_at[i]:
-                    self._set_stub(i, info["address"], info["admin_port"], info["address"])
+                    self._set_stub(
+                        i, info["address"], info["admin_port"], info["address"], info["epoch"]
+                    )
         return self._stubs
 
-    def _set_stub(self, shard: int, at: str, admin_port: int, data_at: str | None = None) -> Any:
+    def _set_stub(
+        self,
+        shard: int,
+        at: str,
+        admin_port: int,
+        data_at: str | None = None,
+        epoch: int = 0,
+    ) -> Any:
         """`shard`'s stub from now on (the first, for the next shard, or in
         place of one whose channel it closes): to the copy at data-plane
-        address `at`, its admin port `admin_port`; the data plane using
-        `data_at` (None: what it used, as it may not have moved yet)."""
+        address `at`, its admin port `admin_port`, that greeted at `epoch`
+        (0: unknown); the data plane using `data_at` (None: what it used,
+        as it may not have moved yet)."""
         from tf_dlt.proto import dlt_pb2_grpc
 
         channel = self._channel(grpc_util.admin_address(at, int(admin_port)))
@@ -274,12 +304,14 @@ class Client:
             self._channels.append(channel)
             self._stubs.append(stub)
             self._stubs_at.append(at)
+            self._stubs_epoch.append(int(epoch))
             self._stubs_data_at.append(data_at or at)
             return stub
         self._channels[shard].close()
         self._channels[shard] = channel
         self._stubs[shard] = stub
         self._stubs_at[shard] = at
+        self._stubs_epoch[shard] = int(epoch)
         if data_at is not None:
             self._stubs_data_at[shard] = data_at
         return stub
@@ -322,8 +354,18 @@ class Client:
         give_up = time.monotonic() + deadline
         # Shards with standbys: while their calls wait, each second, another
         # copy serving means the one asked went silent (paused, cut off) and
-        # a standby took over (_leave_silent).
+        # a standby took over (_leave_silent); a call that ends UNAVAILABLE
+        # (its copy died) is sent to the copy that serves after it, within
+        # the same deadline and watched the same way (_moved_on).
         watched = [i for i in shards if "|" in self._addresses_of(i)]
+        moves: dict[int, int] = {}  # calls sent again after UNAVAILABLE, by shard
+
+        def end(i: int, outcome: Any) -> None:
+            ended[i] = outcome
+            if progress is not None:
+                failed = isinstance(outcome, errors.DltError) or outcome.exception()
+                progress.update(1, f"(shard {i} {'failed' if failed else 'done'})")
+
         while len(ended) < len(calls):
             try:
                 i, call = answered.get(timeout=_SILENT_CHECK_S if watched else None)
@@ -334,17 +376,20 @@ class Client:
                         continue
                     outcome = self._leave_silent(i, calls[i], method, request, left, send)
                     if isinstance(outcome, errors.DltError):
-                        ended[i] = outcome
-                        if progress is not None:
-                            progress.update(1, f"(shard {i} failed)")
+                        end(i, outcome)
                     else:
                         calls[i] = outcome
                 continue
             if i in ended or call is not calls[i]:
                 continue  # a call given up
-            ended[i] = call
-            if progress is not None:
-                progress.update(1, f"(shard {i} {'failed' if call.exception() else 'done'})")
+            if i in watched and moves.get(i, 0) < _MAX_MOVES:
+                outcome = self._moved_on(i, call, method, give_up, lineages[i], send)
+                if outcome is not call and not isinstance(outcome, errors.DltError):
+                    moves[i] = moves.get(i, 0) + 1
+                    calls[i] = outcome
+                    continue
+                call = outcome
+            end(i, call)
         results: list[Any] = []
         for i in calls:
             if isinstance(ended[i], errors.DltError):
@@ -361,29 +406,47 @@ class Client:
                         )
                 results.append(reply)
             except grpc.RpcError as e:
-                what = f"shard {i} ({self.pservers[i]}) {method}"
-                error = grpc_util.error_from_rpc(e, what)
-                if e.code() == grpc.StatusCode.UNAVAILABLE and "|" in self._addresses_of(i):
-                    # Its standby may have taken over, or be taking over:
-                    # ask whoever greets, until the request deadline.
-                    try:
-                        stub = self._reresolve(
-                            i, wait_s=min(deadline, self._request_timeout), lineage=lineages[i]
-                        )
-                        results.append(
-                            getattr(stub, method)(
-                                request, timeout=deadline, metadata=metadata + carried[i]
-                            )
-                        )
-                        continue
-                    except grpc.RpcError as again:
-                        error = grpc_util.error_from_rpc(again, what)
-                    except errors.DltError as unresolved:
-                        error = type(unresolved)(f"{what}: no copy serves: {unresolved.message}")
+                error = grpc_util.error_from_rpc(e, self._what(i, method))
                 if isinstance(error, errors.UnavailableError) and _looks_like_tls(e):
                     error = errors.UnavailableError(f"{error}{self._tls_hint()}")
                 results.append(error)
         return results
+
+    def _what(self, shard: int, method: str) -> str:
+        """How errors of `method` on `shard` begin."""
+        return f"shard {shard} ({self.pservers[shard]}) {method}"
+
+    def _moved_on(
+        self,
+        shard: int,
+        call: Any,
+        method: str,
+        give_up: float,
+        lineage: int,
+        send: Callable[[int, Any, float], Any],
+    ) -> Any:
+        """`call` (`method` on `shard`, ended), or where it ended
+        UNAVAILABLE (its copy died or is stopping; its standby may have
+        taken over, or be taking over), the same call sent to the copy of
+        `lineage` that greets at the newest epoch, once one other than the
+        one that failed does, before `give_up` (the call's deadline); the
+        error naming what each address said when none does."""
+        error = call.exception()
+        left = give_up - time.monotonic()
+        if error is None or error.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
+            return call
+        if _looks_like_tls(error):
+            return call  # no failover: TLS on one side only (its error says so)
+        failed = (self._stubs_at[shard], self._stubs_epoch[shard])
+        try:
+            stub = self._reresolve(
+                shard, wait_s=min(left, self._request_timeout), lineage=lineage, beside=failed
+            )
+        except errors.DltError as unresolved:
+            return type(unresolved)(
+                f"{self._what(shard, method)}: no copy serves: {unresolved.message}"
+            )
+        return send(shard, stub, give_up - time.monotonic())
 
     def _leave_silent(
         self,
@@ -412,11 +475,11 @@ class Client:
             return call
         call.cancel()
         silent = self._stubs_at[shard]
-        address, admin_port = serving
-        stub = self._set_stub(shard, address, admin_port)
+        address, info = serving
+        stub = self._set_stub(shard, address, info["admin_port"], epoch=info["epoch"])
         if method == "Save":
-            return errors.UnavailableError(
-                f"shard {shard} ({self.pservers[shard]}) {method}: {silent} gave no answer and "
+            return errors.FailedOverError(
+                f"{self._what(shard, method)}: {silent} gave no answer and "
                 f"{address} serves the shard now (its standby took over): the {method} is given "
                 f"up, and may still run on {silent} if it wakes; run it again (it goes to "
                 f"{address})"
@@ -430,21 +493,33 @@ class Client:
         )
         return send(shard, stub, left)
 
-    def _serving_elsewhere(self, shard: int) -> tuple[str, int] | None:
+    def _serving_elsewhere(self, shard: int) -> tuple[str, dict[str, Any]] | None:
         """Another address of `shard` than the one its stub asks that greets
-        a trainer now (a standby refuses), of the lineage this client met
-        and at an epoch no older than it met (not a process restarted empty,
-        nor an old primary woken before it learned it was replaced), with
-        its admin port; None when none does."""
+        a trainer now (a standby refuses), of the lineage this client met,
+        at an epoch newer than the copy the stub asks greeted with and no
+        older than the data plane met (not a process restarted empty, nor an
+        old primary woken before it learned it was replaced), with its
+        Hello's info; None when none does. The copy asked is greeted first
+        (half a second at most): one that answers, unreplaced, is not
+        silent, and the others are left alone (each would count a refused
+        Hello among its errors)."""
         met = self._met_all()[shard]
+        lineage = met["lineage"]
+        try:
+            asked = _native.hello(self._stubs_at[shard], self._token, timeout_ms=500)
+            if not lineage or asked["lineage"] == lineage:
+                return None
+        except errors.DltError:
+            pass  # silent, replaced, or gone
+        newer_than = max(self._stubs_epoch[shard], met["epoch"] - 1)
         for address, info in self._greetings(shard, skip=self._stubs_at[shard]):
             if isinstance(info, errors.DltError):
                 continue
-            if met["lineage"] and info["lineage"] != met["lineage"]:
+            if lineage and info["lineage"] != lineage:
                 continue
-            if info["epoch"] < met["epoch"]:
+            if info["epoch"] <= newer_than:
                 continue
-            return address, int(info["admin_port"])
+            return address, info
         return None
 
     def _greetings(
@@ -461,43 +536,67 @@ class Client:
             except errors.DltError as e:
                 yield address, e
 
-    def _reresolve(self, shard: int, wait_s: float = 0.0, lineage: int = 0) -> Any:
-        """A new admin stub of `shard`, at the first of its addresses (primary,
-        then standbys) that greets now (docs/replication.md), asking again
+    def _reresolve(
+        self,
+        shard: int,
+        wait_s: float = 0.0,
+        lineage: int = 0,
+        beside: tuple[str, int] | None = None,
+    ) -> Any:
+        """A new admin stub of `shard`, at the copy of its addresses that
+        greets now at the newest epoch (docs/replication.md), asking again
         every 0.2 s for up to `wait_s` (a standby taking over). With
         `lineage`, only a copy of that lineage (a process restarted since
         holds none of its rows): DataLossError when every address greets
         with another (every process of the shard restarted, as the data
-        plane says). The error of the last round names what each address
-        said."""
+        plane says). `beside`: an address and epoch not to be taken (the
+        copy a call just failed on). The error of the last round names what
+        each address said."""
         give_up = time.monotonic() + wait_s
         while True:
-            said: list[str] = []
-            last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
-            greeted = others = 0  # addresses, and those greeting with another lineage
-            for address, info in self._greetings(shard):
-                greeted += 1
-                if isinstance(info, errors.DltError):
-                    said.append(f"{address}: {info.message}")
-                    last = info
-                    continue
-                if lineage and info["lineage"] and info["lineage"] != lineage:
-                    said.append(
-                        f"{address}: a process of lineage {info['lineage']:016x}, started since "
-                        f"this client met lineage {lineage:016x}"
-                    )
-                    others += 1
-                    continue
-                return self._set_stub(shard, address, info["admin_port"])
+            greeted = self._greet_shard(shard, lineage, beside)
+            if greeted.newest is not None:
+                address, info = greeted.newest
+                return self._set_stub(shard, address, info["admin_port"], epoch=info["epoch"])
             if time.monotonic() + _REGREET_PAUSE_S >= give_up:
-                if others == greeted:
+                if greeted.others == greeted.addresses:
                     raise errors.DataLossError(
                         f"shard {shard}: every process of it started since this client met it "
                         f"(lineage {lineage:016x}): the rows written to it before are not there; "
-                        f"load a checkpoint ({'; '.join(said)})"
+                        f"load a checkpoint ({'; '.join(greeted.said)})"
                     )
-                raise type(last)("; ".join(said) or last.message)
+                last = greeted.last
+                raise type(last)("; ".join(greeted.said) or last.message)
             time.sleep(_REGREET_PAUSE_S)
+
+    def _greet_shard(
+        self, shard: int, lineage: int, beside: tuple[str, int] | None = None
+    ) -> _Greeted:
+        """One round of greetings of `shard`'s addresses: the copy of
+        `lineage` (0: any) greeting at the newest epoch, but `beside`."""
+        said: list[str] = []
+        last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
+        newest: tuple[str, dict[str, Any]] | None = None
+        addresses = others = 0
+        for address, info in self._greetings(shard):
+            addresses += 1
+            if isinstance(info, errors.DltError):
+                said.append(f"{address}: {info.message}")
+                last = info
+                continue
+            if lineage and info["lineage"] and info["lineage"] != lineage:
+                said.append(
+                    f"{address}: a process of lineage {info['lineage']:016x}, started since "
+                    f"this client met lineage {lineage:016x}"
+                )
+                others += 1
+                continue
+            if beside is not None and (address, int(info["epoch"])) == beside:
+                said.append(f"{address}: the copy the call failed on")
+                continue
+            if newest is None or info["epoch"] > newest[1]["epoch"]:
+                newest = (address, info)
+        return _Greeted(newest, said, addresses, others, last)
 
     def _to_newest_copy(self, shard: int, lineage: int) -> None:
         """Points `shard`'s stub, before a write, at the copy of the shard
@@ -513,23 +612,15 @@ class Client:
         greets: the call itself then fails or moves on."""
         if "|" not in self._addresses_of(shard):
             return
-        newest: tuple[int, str, int] | None = None  # epoch, address, admin port
-        others = False
-        for address, info in self._greetings(shard):
-            if isinstance(info, errors.DltError):
-                continue  # a standby (it refuses trainers), or gone
-            if lineage and info["lineage"] and info["lineage"] != lineage:
-                others = True
-                continue
-            if newest is None or info["epoch"] > newest[0]:
-                newest = (int(info["epoch"]), address, int(info["admin_port"]))
-        if newest is None:
-            if others:
+        greeted = self._greet_shard(shard, lineage)
+        if greeted.newest is None:
+            if greeted.others:
                 with contextlib.suppress(errors.DltError):
                     self._reresolve(shard, wait_s=self._request_timeout, lineage=lineage)
             return
-        _, address, admin_port = newest
+        address, info = greeted.newest
         if address == self._stubs_at[shard]:
+            self._stubs_epoch[shard] = int(info["epoch"])
             return
         log.warning(
             "shard %d: %s serves it at a newer epoch than %s: writing there",
@@ -537,7 +628,7 @@ class Client:
             address,
             self._stubs_at[shard],
         )
-        self._set_stub(shard, address, admin_port)
+        self._set_stub(shard, address, info["admin_port"], epoch=info["epoch"])
 
     def expect_lineages(self, lineages: Sequence[int], *, layout_epoch: int = 0) -> None:
         """This client's saves and table changes go only to the copy of each
@@ -725,10 +816,11 @@ class Client:
         its base that the shards hold (one left out would be dropped from
         the chain: refused). `save_id`: the save's id, from
         `manifest.new_save_id()` (`tf_dlt.save` names its dense weights by it
-        before the tables commit); None: a new one.
+        before the tables commit); None: a new one, and another once more
+        where the first is given up because a shard failed over as it wrote
+        (`errors.FailedOverError`, raised where `save_id` is given).
         """
         from tf_dlt.checkpoint import chain
-        from tf_dlt.proto import dlt_pb2
 
         path = manifest.absolute(path)  # the shards' working directory is not ours
         parent: dict[str, Any] | None = None
@@ -749,9 +841,28 @@ class Client:
         with errors.storage_errors(f"reading what {path} holds"):
             chain.refuse_breaking_dependents(path)
         if save_id is None:
-            save_id = manifest.new_save_id()
-        elif not manifest.is_save_id(save_id):
+            try:
+                return self._save(path, parent, tables, progress, manifest.new_save_id())
+            except errors.FailedOverError as e:
+                log.warning("%s; saving %s again, under a new save id", e.message, path)
+                return self._save(path, parent, tables, progress, manifest.new_save_id())
+        if not manifest.is_save_id(save_id):
             raise errors.InvalidArgumentError(f"not a save id: {save_id!r}")
+        return self._save(path, parent, tables, progress, save_id)
+
+    def _save(
+        self,
+        path: str,
+        parent: dict[str, Any] | None,
+        tables: list[str] | None,
+        progress: bool | None,
+        save_id: str,
+    ) -> dict[str, Any]:
+        """`save` of `path` (absolute) under `save_id`, a delta on `parent`
+        (its manifest) or full (None)."""
+        from tf_dlt.checkpoint import chain
+        from tf_dlt.proto import dlt_pb2
+
         request = dlt_pb2.SaveRequest(
             path=path,
             save_id=save_id,
@@ -1035,6 +1146,7 @@ class Client:
         self._channels.clear()
         self._stubs.clear()
         self._stubs_at.clear()
+        self._stubs_epoch.clear()
         self._stubs_data_at.clear()
         self._data.close_idle()
 

@@ -67,6 +67,15 @@ class UnavailableError(DltError, ConnectionError):
     code, code_name = 14, "UNAVAILABLE"
 
 
+class FailedOverError(UnavailableError):
+    """A save given up because its shard failed over while it ran (the
+    primary writing it went silent and a standby took over): nothing of it
+    committed, and the silent copy may still write its part of that save
+    if it wakes, so the save is not sent again under the same id. Save
+    again (a new save id): it goes to the copy serving. `Client.save`
+    without a `save_id`, and `tf_dlt.save`, do so once by themselves."""
+
+
 class DataLossError(DltError):
     """Rows a shard held are gone: every process of its replica set
     restarted. The client goes on with the restarted shard; reload a

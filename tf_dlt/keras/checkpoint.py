@@ -59,10 +59,16 @@ def save(
             `incremental`); another directory than `path`.
 
     Returns what the checkpoint holds, with "kind" ("full" or "delta") and,
-    for a delta, "parent".
+    for a delta, "parent". A save given up because a shard failed over as it
+    wrote (`errors.FailedOverError`) is made once more, under a new save id,
+    on the copies serving.
     """
     with errors.storage_errors(f"saving {path}"):
-        return _save(model, path, incremental, base)
+        try:
+            return _save(model, path, incremental, base)
+        except errors.FailedOverError as e:
+            log.warning("%s; saving %s again, under a new save id", e.message, path)
+            return _save(model, path, incremental, base)
 
 
 def _save(model: keras.Model, path: str, incremental: bool, base: str | None) -> dict[str, Any]:
