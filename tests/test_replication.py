@@ -747,6 +747,48 @@ def test_writes_made_as_a_replaced_primary_wakes_go_to_the_copy_that_replaced_it
         assert "late" in trainer.list_tables()
 
 
+def test_a_save_never_goes_to_a_primary_older_than_the_copy_met(tmp_path: Path) -> None:
+    """A primary paused past its standby's takeover; the trainer meets the
+    standby (epoch 2) and pushes there; the standby dies and the old
+    primary wakes, with nobody left to tell it it was replaced: it greets at
+    epoch 1. The trainer's save fails UNAVAILABLE naming that epoch, and no
+    checkpoint commits. Before, the save went to the woken primary and
+    committed the rows of before the pause, without the acknowledged push."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        trainer, ids, _ = _trained_with_standby(cluster, 0, 200)
+        _pause_past_takeover(cluster, trainer, ids)  # met at epoch 2, woken
+        cluster.processes[0].send_signal(signal.SIGSTOP)  # (so it hears of no one first)
+        cluster.kill(1)
+        cluster.processes[0].send_signal(signal.SIGCONT)
+        with pytest.raises(errors.UnavailableError, match="older than epoch 2"):
+            trainer.save(str(tmp_path / "ck"))
+        assert manifest_id(tmp_path / "ck") == ""
+        with pytest.raises(errors.UnavailableError, match="older than epoch 2"):
+            trainer.create_table("late", DIM)
+
+
+def test_a_live_primarys_own_unavailable_is_not_taken_for_a_failover(tmp_path: Path) -> None:
+    """The standby stalls (SIGSTOP) and the primary, alive, refuses a table
+    change it cannot copy to it (UNAVAILABLE). The caller gets that refusal,
+    not a search for another copy: before, the client took it for a dead
+    primary, looked for a copy until its deadline and raised
+    DeadlineExceededError "no copy serves"."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        _trained_with_standby(cluster, 0, 100)
+        client = tf_dlt.Client(cluster.addresses, request_timeout=10)
+        client.list_tables()
+        cluster.processes[1].send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(errors.DltError):
+                client.create_table("t1", DIM)  # waits for the stalled standby
+            with pytest.raises(errors.UnavailableError) as refused:
+                client.create_table("t2", DIM)
+            assert "standbys do not hold it" in refused.value.message
+            assert "no other copy serves" not in refused.value.message
+        finally:
+            cluster.processes[1].send_signal(signal.SIGCONT)
+
+
 def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) -> None:
     """A primary paused (SIGSTOP) for good. A trainer's saves, loads and
     table changes go to the standby that took over once its pulls went

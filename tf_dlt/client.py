@@ -332,14 +332,15 @@ class Client:
         shards = range(len(stubs)) if shards is None else list(shards)
         deadline = timeout or self._request_timeout
         metadata = grpc_util.bearer(self._token)
-        met = self._met_all()
-        lineages = {i: met[i]["lineage"] if i < len(met) else 0 for i in shards}
+        met_all = self._met_all()
+        met = {i: met_all[i] if i < len(met_all) else {"lineage": 0, "epoch": 0} for i in shards}
+        lineages = {i: met[i]["lineage"] for i in shards}
         # Only writes carry it: a load replaces what a shard holds (the way
         # back after a restart), greeting every shard afresh first.
         carried = {i: _lineage(lineages[i]) if method in _WRITES else () for i in shards}
         if method in _WRITES or method == "Load":
             for i in shards:
-                self._to_newest_copy(i, lineages[i])
+                self._to_newest_copy(i, met[i])
         answered: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
 
         def send(i: int, stub: Any, timeout: float) -> Any:
@@ -383,7 +384,7 @@ class Client:
             if i in ended or call is not calls[i]:
                 continue  # a call given up
             if i in watched and moves.get(i, 0) < _MAX_MOVES:
-                outcome = self._moved_on(i, call, method, give_up, lineages[i], send)
+                outcome = self._moved_on(i, call, method, give_up, met[i], send)
                 if outcome is not call and not isinstance(outcome, errors.DltError):
                     moves[i] = moves.get(i, 0) + 1
                     calls[i] = outcome
@@ -422,30 +423,44 @@ class Client:
         call: Any,
         method: str,
         give_up: float,
-        lineage: int,
+        met: dict[str, int],
         send: Callable[[int, Any, float], Any],
     ) -> Any:
         """`call` (`method` on `shard`, ended), or where it ended
-        UNAVAILABLE (its copy died or is stopping; its standby may have
-        taken over, or be taking over), the same call sent to the copy of
-        `lineage` that greets at the newest epoch, once one other than the
-        one that failed does, before `give_up` (the call's deadline); the
-        error naming what each address said when none does."""
+        UNAVAILABLE and the copy it asked no longer greets as the one met
+        (`met`: its lineage and epoch; the copy died, or a process restarted
+        empty at its address), the same call sent to the copy of that
+        lineage that greets at the newest epoch (a standby that took over,
+        or is taking over), before `give_up` (the call's deadline). Where
+        none does, the call's own error, with what each address said; where
+        every process of the shard restarted, DataLossError."""
         error = call.exception()
         left = give_up - time.monotonic()
         if error is None or error.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
             return call
         if _looks_like_tls(error):
             return call  # no failover: TLS on one side only (its error says so)
+        try:
+            asked = _native.hello(self._stubs_at[shard], self._token, timeout_ms=500)
+            if not met["lineage"] or asked["lineage"] == met["lineage"]:
+                return call  # alive, the copy met: its own UNAVAILABLE stands
+        except errors.DltError:
+            pass  # gone, replaced or silent
         failed = (self._stubs_at[shard], self._stubs_epoch[shard])
+        what = self._what(shard, method)
         try:
             stub = self._reresolve(
-                shard, wait_s=min(left, self._request_timeout), lineage=lineage, beside=failed
+                shard,
+                wait_s=min(left, self._request_timeout),
+                lineage=met["lineage"],
+                beside=failed,
+                min_epoch=met["epoch"],
             )
+        except errors.DataLossError as lost:
+            return errors.DataLossError(f"{what}: {lost.message}")
         except errors.DltError as unresolved:
-            return type(unresolved)(
-                f"{self._what(shard, method)}: no copy serves: {unresolved.message}"
-            )
+            own = grpc_util.error_from_rpc(error, what)
+            return type(own)(f"{own.message}; no other copy serves: {unresolved.message}")
         return send(shard, stub, give_up - time.monotonic())
 
     def _leave_silent(
@@ -542,24 +557,28 @@ class Client:
         wait_s: float = 0.0,
         lineage: int = 0,
         beside: tuple[str, int] | None = None,
+        min_epoch: int = 0,
     ) -> Any:
         """A new admin stub of `shard`, at the copy of its addresses that
         greets now at the newest epoch (docs/replication.md), asking again
         every 0.2 s for up to `wait_s` (a standby taking over). With
         `lineage`, only a copy of that lineage (a process restarted since
-        holds none of its rows): DataLossError when every address greets
-        with another (every process of the shard restarted, as the data
-        plane says). `beside`: an address and epoch not to be taken (the
-        copy a call just failed on). The error of the last round names what
-        each address said."""
+        holds none of its rows) at `min_epoch` or newer (the epoch this
+        client met: an older copy is a primary replaced since, which may not
+        know it): DataLossError, at once, when every address greets with
+        another (every process of the shard restarted, as the data plane
+        says). `beside`: an address and epoch not to be taken (the copy a
+        call just failed on). The error of the last round names what each
+        address said."""
         give_up = time.monotonic() + wait_s
         while True:
-            greeted = self._greet_shard(shard, lineage, beside)
+            greeted = self._greet_shard(shard, lineage, beside, min_epoch)
             if greeted.newest is not None:
                 address, info = greeted.newest
                 return self._set_stub(shard, address, info["admin_port"], epoch=info["epoch"])
-            if time.monotonic() + _REGREET_PAUSE_S >= give_up:
-                if greeted.others == greeted.addresses:
+            restarted = greeted.addresses > 0 and greeted.others == greeted.addresses
+            if restarted or time.monotonic() + _REGREET_PAUSE_S >= give_up:
+                if restarted:
                     raise errors.DataLossError(
                         f"shard {shard}: every process of it started since this client met it "
                         f"(lineage {lineage:016x}): the rows written to it before are not there; "
@@ -570,10 +589,15 @@ class Client:
             time.sleep(_REGREET_PAUSE_S)
 
     def _greet_shard(
-        self, shard: int, lineage: int, beside: tuple[str, int] | None = None
+        self,
+        shard: int,
+        lineage: int,
+        beside: tuple[str, int] | None = None,
+        min_epoch: int = 0,
     ) -> _Greeted:
         """One round of greetings of `shard`'s addresses: the copy of
-        `lineage` (0: any) greeting at the newest epoch, but `beside`."""
+        `lineage` (0: any) greeting at the newest epoch, `min_epoch` or
+        newer, but `beside`."""
         said: list[str] = []
         last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
         newest: tuple[str, dict[str, Any]] | None = None
@@ -594,38 +618,51 @@ class Client:
             if beside is not None and (address, int(info["epoch"])) == beside:
                 said.append(f"{address}: the copy the call failed on")
                 continue
+            if info["epoch"] < min_epoch:
+                said.append(
+                    f"{address}: at epoch {info['epoch']}, older than epoch {min_epoch} this "
+                    "client met (a primary replaced since)"
+                )
+                continue
             if newest is None or info["epoch"] > newest[1]["epoch"]:
                 newest = (address, info)
         return _Greeted(newest, said, addresses, others, last)
 
-    def _to_newest_copy(self, shard: int, lineage: int) -> None:
+    def _to_newest_copy(self, shard: int, met: dict[str, int]) -> None:
         """Points `shard`'s stub, before a write, at the copy of the shard
-        that greets at the newest epoch among those of `lineage` (the one
-        this client met; 0: any). The copy it asks may be a primary replaced
-        while it was paused and woken since, which takes writes until it
-        learns it was replaced (a few seconds: a save there holds the rows
-        of before its pause), or a process restarted empty at its address
-        (gRPC reconnects to it unseen). Where no address greets with
-        `lineage` but some greet with another, waits up to a request's
-        deadline for one that does (its standby taking over: `_reresolve`).
-        Left as it is where the shard lists no standby or no address
-        greets: the call itself then fails or moves on."""
+        that greets at the newest epoch among those of the lineage this
+        client met and no older than the epoch it met (`met`; lineage 0:
+        any). The copy it asks may be a primary replaced while it was paused
+        and woken since, which takes writes until it learns it was replaced
+        (a few seconds: a save there holds the rows of before its pause), or
+        a process restarted empty at its address (gRPC reconnects to it
+        unseen). Where no address greets so but a process restarted since
+        greets beside one that does not (its standby taking over), waits up
+        to a request's deadline for one (`_reresolve`). Left as it is where
+        the shard lists no standby, or no address greets so: the call itself
+        then fails or moves on. Each write greets the shard's standbys
+        once, and each counts the refusal among its errors."""
         if "|" not in self._addresses_of(shard):
             return
-        greeted = self._greet_shard(shard, lineage)
+        lineage = met["lineage"]
+        greeted = self._greet_shard(shard, lineage, min_epoch=met["epoch"])
         if greeted.newest is None:
-            if greeted.others:
+            if 0 < greeted.others < greeted.addresses:
                 with contextlib.suppress(errors.DltError):
-                    self._reresolve(shard, wait_s=self._request_timeout, lineage=lineage)
+                    self._reresolve(
+                        shard, wait_s=self._request_timeout, lineage=lineage,
+                        min_epoch=met["epoch"],
+                    )  # fmt: skip
             return
         address, info = greeted.newest
         if address == self._stubs_at[shard]:
             self._stubs_epoch[shard] = int(info["epoch"])
             return
         log.warning(
-            "shard %d: %s serves it at a newer epoch than %s: writing there",
+            "shard %d: %s greets at epoch %d, the newest: writing there, not to %s",
             shard,
             address,
+            int(info["epoch"]),
             self._stubs_at[shard],
         )
         self._set_stub(shard, address, info["admin_port"], epoch=info["epoch"])
