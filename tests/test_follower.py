@@ -145,6 +145,11 @@ def test_a_broken_delta_keeps_followers_serving_what_they_have(
     assert _follow_health(followers) == (
         health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     )  # fmt: skip
+    # Tried again at every poll (0.1 s), said once a minute: it was said at
+    # each (600 lines a minute).
+    time.sleep(1.0)
+    said = [line for line in followers.log(0).splitlines() if "following" in line and "c3" in line]
+    assert len(said) == 1, said
     # A new full checkpoint: the followers load it and are current again.
     with trainer.client() as c:
         full = c.save(str(run / "c4"))

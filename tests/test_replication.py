@@ -23,6 +23,7 @@ from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest
 from tf_dlt.server import replication
 from tf_dlt.server.local import LocalCluster
+from tf_dlt.server.repeated import Repeated
 from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cli, cluster_stats
 
@@ -925,7 +926,7 @@ def test_a_complaint_that_repeats_is_logged_once_in_a_while(
     then once every 30 s with how often it came meanwhile (it logged every
     0.5 s, or 0.2 s, for as long as it lasted)."""
     now = [100.0]
-    repeated = replication._Repeated(every_s=30.0, clock=lambda: now[0])
+    repeated = Repeated(replication.log, every_s=30.0, clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger=replication.log.name):
         for _ in range(10):
             repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")

@@ -24,6 +24,7 @@ from typing import Any
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import chain, shard_files
 from tf_dlt.checkpoint import manifest as manifest_lib
+from tf_dlt.server.repeated import Repeated
 
 log = logging.getLogger("tf_dlt.server")
 
@@ -71,6 +72,9 @@ class Follower:
         self._reading = reading or (lambda: contextlib.nullcontext(lambda path: path))
         self._status = FollowStatus(directory)
         self._lock = threading.Lock()  # one poll at a time; guards _status
+        # A checkpoint that does not load is tried again at every poll: said
+        # once a minute, not at each.
+        self._complaints = Repeated(log, every_s=60.0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,6 +119,7 @@ class Follower:
         newer = [c for c in found if str(c.manifest["save_id"]) > status.serving_save_id]
         if not newer:
             status.error = "" if found else f"no committed checkpoint in {status.directory}"
+            self._complaints.clear("follow")
             status.current, status.lag_seconds = bool(found), 0.0
             self._changed()
             return
@@ -140,7 +145,11 @@ class Follower:
         ]
         status.lag_seconds = max(0.0, time.time() - min(waiting)) if waiting else 0.0
         if status.error:
-            log.warning("following %s: %s", status.directory, status.error)
+            self._complaints.log(
+                "follow", logging.WARNING, "following %s: %s", status.directory, status.error
+            )
+        else:
+            self._complaints.clear("follow")
         self._changed()
 
     def _catch_up(

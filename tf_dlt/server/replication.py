@@ -28,6 +28,7 @@ import grpc
 
 from tf_dlt import _native, errors, grpc_util, tls
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+from tf_dlt.server.repeated import Repeated
 
 log = logging.getLogger("tf_dlt.server")
 
@@ -143,30 +144,6 @@ class Standbys:
             group.stop()
 
 
-class _Repeated:
-    """One log line for a condition that repeats (a standby trying to attach
-    every 0.5 s, finding every 0.2 s that it cannot take over): the first
-    time, then at most once every `every_s` with how many times it came
-    meanwhile, each `key` on its own (two conditions in turn do not log each
-    other). Used by one thread."""
-
-    def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._every_s = every_s
-        self._clock = clock
-        self._seen: dict[str, tuple[float, int]] = {}  # key: when logged, times since
-
-    def log(self, key: str, level: int, msg: str, *args: Any) -> None:
-        now = self._clock()
-        logged, since = self._seen.get(key, (None, 0))
-        if logged is not None and now - logged < self._every_s:
-            self._seen[key] = (logged, since + 1)
-            return
-        if logged is not None and since:
-            msg += f" (and {since} times in the last {now - logged:.0f} s)"
-        self._seen[key] = (now, 0)
-        log.log(level, msg, *args)
-
-
 class StandbyLink:
     """A standby's link to its primary: attaches, watches, takes over.
 
@@ -273,7 +250,7 @@ class StandbyLink:
         self._beginning = False  # begin() runs (a load): others wait
         self.takeovers = 0
         self.error = ""
-        self._repeated = _Repeated()  # the link's thread's repeating complaints
+        self._repeated = Repeated(log)  # the link's thread's repeating complaints
 
     def caught_up(self) -> bool:
         """A standby holds every table its primary had (it may take over)."""
