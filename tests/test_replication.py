@@ -790,6 +790,79 @@ def test_a_live_primarys_own_unavailable_is_not_taken_for_a_failover(tmp_path: P
             cluster.processes[1].send_signal(signal.SIGCONT)
 
 
+def test_admin_writes_after_every_process_of_a_shard_restarted_fail_data_loss(
+    tmp_path: Path,
+) -> None:
+    """Every process of a shard's replica set killed and restarted (new
+    lineages, the standbys refusing trainers): a save and a table change
+    fail DataLossError, as the data plane does, not UNAVAILABLE after a
+    request timeout spent waiting for a copy of the lineage met."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
+        client, ids, _ = _trained_with_standby(cluster, 0, 100)
+        client = tf_dlt.Client(cluster.addresses, request_timeout=5)
+        client.list_tables()
+        for process in range(2):
+            cluster.kill(process)
+        for process in range(2):
+            cluster.restart(process)
+        wait_until(lambda: _serves(cluster.process_addresses[0]), "the set to serve again")
+        with pytest.raises(errors.DataLossError, match="every process of it started since"):
+            client.save(str(tmp_path / "ck"))
+        with pytest.raises(errors.DataLossError, match="every process of it started since"):
+            client.create_table("late", DIM)
+        assert manifest_id(tmp_path / "ck") == ""
+
+
+def test_admin_writes_to_a_primary_stopping_go_on_to_its_standby(tmp_path: Path) -> None:
+    """SIGTERM to a primary whose admin port refuses new calls while it
+    stops (UNAVAILABLE "the shard is stopping": as while a save in hand
+    finishes within --stop-grace; held 3 s here by a hook the shard
+    processes load) and whose data plane still greets. A table change and
+    a save sent then go to the standby once it takes over; before, the
+    client took the stopping copy's refusal for its own and raised it."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import time\n"
+        "from tf_dlt.server import admin_server\n"
+        "stop = admin_server.AdminServer.stop\n"
+        "def slow_stop(self, grace_s):\n"
+        "    self._stopping = True\n"
+        "    time.sleep(3)\n"
+        "    return stop(self, grace_s)\n"
+        "admin_server.AdminServer.stop = slow_stop\n"
+    )
+    env = {"PYTHONPATH": f"{hook}:{Path(tf_dlt.__file__).parent.parent}"}
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2, env=env) as cluster:
+        _, ids, rows = _trained_with_standby(cluster, 0, 100)
+        client = tf_dlt.Client(cluster.addresses, request_timeout=20)
+        client.list_tables()
+        cluster.processes[0].send_signal(signal.SIGTERM)
+
+        def refusing() -> bool:
+            import grpc
+
+            from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+            admin = f"127.0.0.1:{cluster.admin_ports[0]}"
+            with grpc.insecure_channel(admin) as channel:
+                try:
+                    dlt_pb2_grpc.ShardAdminStub(channel).ListTables(
+                        dlt_pb2.ListTablesRequest(), timeout=5
+                    )
+                except grpc.RpcError as e:
+                    return "the shard is stopping" in (e.details() or "")
+            return False
+
+        wait_until(refusing, "the primary's admin port to refuse calls as it stops")
+        client.create_table("late", DIM)
+        client.save(str(tmp_path / "ck"))
+        assert sorted(client.list_tables()) == ["emb", "late"]
+        client.push("emb", ids, np.ones((len(ids), DIM), np.float32), 0.1)
+        client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("emb", ids), rows)
+
+
 def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) -> None:
     """A primary paused (SIGSTOP) for good. A trainer's saves, loads and
     table changes go to the standby that took over once its pulls went
@@ -935,8 +1008,11 @@ def test_a_complaint_that_repeats_is_logged_once_in_a_while(
         repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")
         repeated.log("not caught up", logging.ERROR, "not taking over")
         repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")  # in turn
+        repeated.clear()  # over: said again at once when it comes back
+        repeated.log("attach", logging.WARNING, "standby: %s; trying again", "refused")
     assert [r.getMessage() for r in caplog.records] == [
         "standby: refused; trying again",
         "standby: refused; trying again (and 9 times in the last 35 s)",
         "not taking over",
+        "standby: refused; trying again",
     ]

@@ -360,6 +360,12 @@ class Client:
         # the same deadline and watched the same way (_moved_on).
         watched = [i for i in shards if "|" in self._addresses_of(i)]
         moves: dict[int, int] = {}  # calls sent again after UNAVAILABLE, by shard
+        # A shard's addresses come from the data plane, which may learn a
+        # re-shard's new layout meanwhile: its shard i is not this call's.
+        layout = int(self._data.layout_epoch)
+
+        def same_layout() -> bool:
+            return int(self._data.layout_epoch) == layout
 
         def end(i: int, outcome: Any) -> None:
             ended[i] = outcome
@@ -373,7 +379,7 @@ class Client:
             except queue.Empty:
                 for i in watched:
                     left = give_up - time.monotonic()
-                    if i in ended or left <= 0:
+                    if i in ended or left <= 0 or not same_layout():
                         continue
                     outcome = self._leave_silent(i, calls[i], method, request, left, send)
                     if isinstance(outcome, errors.DltError):
@@ -383,7 +389,7 @@ class Client:
                 continue
             if i in ended or call is not calls[i]:
                 continue  # a call given up
-            if i in watched and moves.get(i, 0) < _MAX_MOVES:
+            if i in watched and moves.get(i, 0) < _MAX_MOVES and same_layout():
                 outcome = self._moved_on(i, call, method, give_up, met[i], send)
                 if outcome is not call and not isinstance(outcome, errors.DltError):
                     moves[i] = moves.get(i, 0) + 1
@@ -429,7 +435,9 @@ class Client:
         """`call` (`method` on `shard`, ended), or where it ended
         UNAVAILABLE and the copy it asked no longer greets as the one met
         (`met`: its lineage and epoch; the copy died, or a process restarted
-        empty at its address), the same call sent to the copy of that
+        empty at its address) or is stopping (SIGTERM: its admin port
+        refuses calls while its data plane still greets), the same call
+        sent to the copy of that
         lineage that greets at the newest epoch (a standby that took over,
         or is taking over), before `give_up` (the call's deadline). Where
         none does, the call's own error, with what each address said; where
@@ -440,9 +448,11 @@ class Client:
             return call
         if _looks_like_tls(error):
             return call  # no failover: TLS on one side only (its error says so)
+        stopping = grpc_util.STOPPING in (error.details() or "")
         try:
             asked = _native.hello(self._stubs_at[shard], self._token, timeout_ms=500)
-            if not met["lineage"] or asked["lineage"] == met["lineage"]:
+            alive = not met["lineage"] or asked["lineage"] == met["lineage"]
+            if alive and not stopping:
                 return call  # alive, the copy met: its own UNAVAILABLE stands
         except errors.DltError:
             pass  # gone, replaced or silent
@@ -602,11 +612,14 @@ class Client:
         last: errors.DltError = errors.UnavailableError(f"shard {shard}: no address greets")
         newest: tuple[str, dict[str, Any]] | None = None
         addresses = others = 0
+        refused: list[str] = []  # addresses that did not greet (a standby refuses)
+        theirs: set[str] = set()  # the copies of another lineage's replica sets
         for address, info in self._greetings(shard):
             addresses += 1
             if isinstance(info, errors.DltError):
                 said.append(f"{address}: {info.message}")
                 last = info
+                refused.append(address)
                 continue
             if lineage and info["lineage"] and info["lineage"] != lineage:
                 said.append(
@@ -614,6 +627,7 @@ class Client:
                     f"this client met lineage {lineage:016x}"
                 )
                 others += 1
+                theirs.update(str(info.get("standbys", "")).split("|"))
                 continue
             if beside is not None and (address, int(info["epoch"])) == beside:
                 said.append(f"{address}: the copy the call failed on")
@@ -626,6 +640,9 @@ class Client:
                 continue
             if newest is None or info["epoch"] > newest[1]["epoch"]:
                 newest = (address, info)
+        # A standby of a primary of another lineage is of that lineage too
+        # (the whole replica set restarted: its standbys refuse trainers).
+        others += sum(1 for address in refused if address in theirs)
         return _Greeted(newest, said, addresses, others, last)
 
     def _to_newest_copy(self, shard: int, met: dict[str, int]) -> None:

@@ -48,6 +48,9 @@ def admin_address(data_address: str, admin_port: int) -> str:
 # hex digits): a shard's admin plane refuses writes from a client that met
 # another lineage (docs/replication.md).
 LINEAGE_METADATA_KEY = "dlt-lineage"
+# What a shard's admin port says to a call it refuses while it stops (SIGTERM):
+# a client moves on to the copy that takes over, as from one that died.
+STOPPING = "the shard is stopping"
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

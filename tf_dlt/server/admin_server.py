@@ -240,7 +240,7 @@ class AdminServer:
     def _method(self, method: Callable[[Any, CallContext], Any], request_type: Any) -> Any:
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             if self._stopping:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, grpc_util.STOPPING)
             try:  # decoded here: gRPC reports a request it cannot decode as UNKNOWN
                 request = request_type.FromString(raw)
             except DecodeError as e:

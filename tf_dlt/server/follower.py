@@ -73,7 +73,7 @@ class Follower:
         self._status = FollowStatus(directory)
         self._lock = threading.Lock()  # one poll at a time; guards _status
         # A checkpoint that does not load is tried again at every poll: said
-        # once a minute, not at each.
+        # once a minute, not at each (each newer one that fails, at once).
         self._complaints = Repeated(log, every_s=60.0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -107,7 +107,10 @@ class Follower:
                 with errors.storage_errors(f"following {self._status.directory}"):
                     self._poll()
             except Exception as e:  # noqa: BLE001 - a follower keeps serving and says why
-                log.exception("following %s failed", self._status.directory)
+                self._complaints.log(
+                    "failed", logging.ERROR, "following %s failed", self._status.directory,
+                    exc_info=True,
+                )  # fmt: skip
                 self._status.error = f"{type(e).__name__}: {e}"
                 self._status.current = False
                 self._changed()
@@ -119,7 +122,7 @@ class Follower:
         newer = [c for c in found if str(c.manifest["save_id"]) > status.serving_save_id]
         if not newer:
             status.error = "" if found else f"no committed checkpoint in {status.directory}"
-            self._complaints.clear("follow")
+            self._complaints.clear()
             status.current, status.lag_seconds = bool(found), 0.0
             self._changed()
             return
@@ -145,11 +148,16 @@ class Follower:
         ]
         status.lag_seconds = max(0.0, time.time() - min(waiting)) if waiting else 0.0
         if status.error:
+            # Keyed by the checkpoint tried: a newer one that fails is said at once.
             self._complaints.log(
-                "follow", logging.WARNING, "following %s: %s", status.directory, status.error
+                str(newer[-1].manifest["save_id"]),
+                logging.WARNING,
+                "following %s: %s",
+                status.directory,
+                status.error,
             )
         else:
-            self._complaints.clear("follow")
+            self._complaints.clear()
         self._changed()
 
     def _catch_up(

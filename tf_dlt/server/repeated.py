@@ -27,7 +27,9 @@ class Repeated:
         self._clock = clock
         self._seen: dict[str, tuple[float, int]] = {}  # key: when logged, times since
 
-    def log(self, key: str, level: int, msg: str, *args: Any) -> None:
+    def log(self, key: str, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+        """`msg % args` at `level`, if `key` was not said within `every_s`
+        (`exc_info`: with the exception being handled, as `Logger.log`)."""
         now = self._clock()
         logged, since = self._seen.get(key, (None, 0))
         if logged is not None and now - logged < self._every_s:
@@ -36,8 +38,12 @@ class Repeated:
         if logged is not None and since:
             msg += f" (and {since} times in the last {now - logged:.0f} s)"
         self._seen[key] = (now, 0)
-        self._logger.log(level, msg, *args)
+        self._logger.log(level, msg, *args, exc_info=exc_info)
 
-    def clear(self, key: str) -> None:
-        """The condition `key` is over: its next coming is said at once."""
-        self._seen.pop(key, None)
+    def clear(self, key: str | None = None) -> None:
+        """The condition `key` (None: every one) is over: its next coming is
+        said at once."""
+        if key is None:
+            self._seen.clear()
+        else:
+            self._seen.pop(key, None)
