@@ -346,11 +346,14 @@ def test_a_trainer_follows_a_replica_set_restarted_whole() -> None:
 
 @pytest.mark.parametrize("failure", ["killed", "silent"])
 def test_a_save_caught_by_a_failover_ends_in_seconds_and_the_next_lands_on_the_new_primary(
-    tmp_path: Path, failure: str
+    tmp_path: Path, failure: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A Save in flight on a primary that froze. Killed (-9) before its
-    standby took over, its connections reset and the Save is sent again to
-    the copy that serves now: it commits with every acknowledged row. Left
+    standby took over, its connections reset and the Save is given up once
+    the standby serves and made again there under a new save id (the same
+    id could meet a part the old copy still wrote: a process past its
+    --stop-grace goes on writing as it exits): it commits with every
+    acknowledged row. Left
     frozen (a host that lost power: nothing answers, nothing resets), the
     Save is given up (FailedOverError, UNAVAILABLE) once the standby serves
     (it waited out the persist timeout, an hour by default), and the next
@@ -373,8 +376,11 @@ def test_a_save_caught_by_a_failover_ends_in_seconds_and_the_next_lands_on_the_n
             saved: list[object] = []
 
             def save() -> None:
-                try:  # its own save id: given up, not made again (Client.save)
-                    saved.append(client.save(str(run / "c2"), save_id=manifest.new_save_id()))
+                # Silent: its own save id, so given up, not made again; killed:
+                # made again under a new one (Client.save).
+                save_id = manifest.new_save_id() if failure == "silent" else None
+                try:
+                    saved.append(client.save(str(run / "c2"), save_id=save_id))
                 except errors.DltError as e:
                     saved.append(e)
 
@@ -387,6 +393,8 @@ def test_a_save_caught_by_a_failover_ends_in_seconds_and_the_next_lands_on_the_n
             wait_until(lambda: "taking over" in cluster.log(1), "the standby to take over", 60)
             saver.join(60)
             assert not saver.is_alive()
+            if failure == "killed":
+                assert "under a new save id" in caplog.text  # not sent again under its own
             if failure == "silent":
                 assert isinstance(saved[0], errors.FailedOverError), saved
                 assert "standby took over" in saved[0].message

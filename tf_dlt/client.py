@@ -63,6 +63,10 @@ _SILENT_CHECK_S = 1.0
 # How many times an admin call that ends UNAVAILABLE is sent to the copy
 # serving after it (a standby that took over, and the one after it).
 _MAX_MOVES = 3
+# How many times a save is made, under a new save id each, while its shards
+# fail over as it runs (errors.FailedOverError): a failure, and another in a
+# row (the copy that took over failing in turn).
+SAVE_TRIES = 3
 # Admin calls that write what a shard holds, or save it: sent with the
 # lineage of the copy met (grpc_util.LINEAGE_METADATA_KEY), refused by a
 # process of another. A load is not: it replaces what a shard holds (the way
@@ -329,6 +333,7 @@ class Client:
         the shard, in the order of the shards. `progress` advances as each
         shard answers."""
         stubs = self._admin()
+        layout = int(self._data.layout_epoch)  # the layout these stubs are of
         shards = range(len(stubs)) if shards is None else list(shards)
         deadline = timeout or self._request_timeout
         metadata = grpc_util.bearer(self._token)
@@ -362,7 +367,6 @@ class Client:
         moves: dict[int, int] = {}  # calls sent again after UNAVAILABLE, by shard
         # A shard's addresses come from the data plane, which may learn a
         # re-shard's new layout meanwhile: its shard i is not this call's.
-        layout = int(self._data.layout_epoch)
 
         def same_layout() -> bool:
             return int(self._data.layout_epoch) == layout
@@ -437,7 +441,9 @@ class Client:
         (`met`: its lineage and epoch; the copy died, or a process restarted
         empty at its address) or is stopping (SIGTERM: its admin port
         refuses calls while its data plane still greets), the same call
-        sent to the copy of that
+        (a Save only where it was refused as the copy stopped, so it never
+        began there; else FailedOverError, the stub moved) sent to the copy
+        of that
         lineage that greets at the newest epoch (a standby that took over,
         or is taking over), before `give_up` (the call's deadline). Where
         none does, the call's own error, with what each address said; where
@@ -471,6 +477,15 @@ class Client:
         except errors.DltError as unresolved:
             own = grpc_util.error_from_rpc(error, what)
             return type(own)(f"{own.message}; no other copy serves: {unresolved.message}")
+        if method == "Save" and not stopping:
+            # It may have begun there (a process past its --stop-grace goes
+            # on writing its part as it exits): sent again under the same
+            # save id, that part could land over the one the new copy
+            # writes. Given up; `save` makes it again under a new id.
+            return errors.FailedOverError(
+                f"{what}: {failed[0]} failed as it ran ({error.details()}); "
+                f"{self._stubs_at[shard]} serves the shard now: the Save is given up"
+            )
         return send(shard, stub, give_up - time.monotonic())
 
     def _leave_silent(
@@ -870,9 +885,10 @@ class Client:
         its base that the shards hold (one left out would be dropped from
         the chain: refused). `save_id`: the save's id, from
         `manifest.new_save_id()` (`tf_dlt.save` names its dense weights by it
-        before the tables commit); None: a new one, and another once more
-        where the first is given up because a shard failed over as it wrote
-        (`errors.FailedOverError`, raised where `save_id` is given).
+        before the tables commit); None: a new one, and another where a try
+        is given up because a shard failed over as it ran
+        (`errors.FailedOverError`, raised where `save_id` is given;
+        `SAVE_TRIES` tries in all).
         """
         from tf_dlt.checkpoint import chain
 
@@ -895,11 +911,12 @@ class Client:
         with errors.storage_errors(f"reading what {path} holds"):
             chain.refuse_breaking_dependents(path)
         if save_id is None:
-            try:
-                return self._save(path, parent, tables, progress, manifest.new_save_id())
-            except errors.FailedOverError as e:
-                log.warning("%s; saving %s again, under a new save id", e.message, path)
-                return self._save(path, parent, tables, progress, manifest.new_save_id())
+            for _ in range(SAVE_TRIES - 1):
+                try:
+                    return self._save(path, parent, tables, progress, manifest.new_save_id())
+                except errors.FailedOverError as e:
+                    log.warning("%s; saving %s again, under a new save id", e.message, path)
+            return self._save(path, parent, tables, progress, manifest.new_save_id())
         if not manifest.is_save_id(save_id):
             raise errors.InvalidArgumentError(f"not a save id: {save_id!r}")
         return self._save(path, parent, tables, progress, save_id)

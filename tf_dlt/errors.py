@@ -69,11 +69,13 @@ class UnavailableError(DltError, ConnectionError):
 
 class FailedOverError(UnavailableError):
     """A save given up because its shard failed over while it ran (the
-    primary writing it went silent and a standby took over): nothing of it
-    committed, and the silent copy may still write its part of that save
-    if it wakes, so the save is not sent again under the same id. Save
+    primary writing it went silent, or failed as it ran, and a standby took
+    over): nothing of it committed, and the old copy may still write its
+    part of that save (woken, or past its --stop-grace as it exits), so the
+    save is not sent again under the same id. Save
     again (a new save id): it goes to the copy serving. `Client.save`
-    without a `save_id`, and `tf_dlt.save`, do so once by themselves."""
+    without a `save_id`, and `tf_dlt.save`, do so by themselves (up to
+    `tf_dlt.client.SAVE_TRIES` tries in all)."""
 
 
 class DataLossError(DltError):

@@ -31,7 +31,7 @@ import keras
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files
-from tf_dlt.client import Client
+from tf_dlt.client import SAVE_TRIES, Client
 from tf_dlt.keras.row_cache import forget_cached_rows
 from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, table_holders
 from tf_dlt.layers.embedding import variables_only
@@ -60,15 +60,16 @@ def save(
 
     Returns what the checkpoint holds, with "kind" ("full" or "delta") and,
     for a delta, "parent". A save given up because a shard failed over as it
-    wrote (`errors.FailedOverError`) is made once more, under a new save id,
-    on the copies serving.
+    wrote (`errors.FailedOverError`) is made again, under a new save id, on
+    the copies serving (`tf_dlt.client.SAVE_TRIES` tries in all).
     """
     with errors.storage_errors(f"saving {path}"):
-        try:
-            return _save(model, path, incremental, base)
-        except errors.FailedOverError as e:
-            log.warning("%s; saving %s again, under a new save id", e.message, path)
-            return _save(model, path, incremental, base)
+        for _ in range(SAVE_TRIES - 1):
+            try:
+                return _save(model, path, incremental, base)
+            except errors.FailedOverError as e:
+                log.warning("%s; saving %s again, under a new save id", e.message, path)
+        return _save(model, path, incremental, base)
 
 
 def _save(model: keras.Model, path: str, incremental: bool, base: str | None) -> dict[str, Any]:

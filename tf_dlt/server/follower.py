@@ -108,8 +108,8 @@ class Follower:
                     self._poll()
             except Exception as e:  # noqa: BLE001 - a follower keeps serving and says why
                 self._complaints.log(
-                    "failed", logging.ERROR, "following %s failed", self._status.directory,
-                    exc_info=True,
+                    f"failed {type(e).__name__}", logging.ERROR, "following %s failed",
+                    self._status.directory, exc_info=True,
                 )  # fmt: skip
                 self._status.error = f"{type(e).__name__}: {e}"
                 self._status.current = False
