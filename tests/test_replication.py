@@ -346,7 +346,7 @@ def test_a_trainer_follows_a_replica_set_restarted_whole() -> None:
 
 @pytest.mark.parametrize("failure", ["killed", "silent"])
 def test_a_save_caught_by_a_failover_ends_in_seconds_and_the_next_lands_on_the_new_primary(
-    tmp_path: Path, failure: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, failure: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Save in flight on a primary that froze. Killed (-9) before its
     standby took over, its connections reset and the Save is given up once
@@ -384,9 +384,21 @@ def test_a_save_caught_by_a_failover_ends_in_seconds_and_the_next_lands_on_the_n
                 except errors.DltError as e:
                     saved.append(e)
 
+            # The Save is on its way to the frozen primary (its greeting of
+            # the shard's copies done) before the kill: else, under load, it
+            # could meet the standby serving already and go there at once.
+            aimed = threading.Event()
+            to_newest_copy = tf_dlt.Client._to_newest_copy
+
+            def aiming(self: tf_dlt.Client, *args: object) -> None:
+                to_newest_copy(self, *args)  # type: ignore[arg-type]
+                aimed.set()
+
+            monkeypatch.setattr(tf_dlt.Client, "_to_newest_copy", aiming)
             saver = threading.Thread(target=save)
             saver.start()
             if failure == "killed":
+                assert aimed.wait(30)
                 cluster.kill(0)  # its connections reset: the Save goes to the new primary
             # (Its log, not Stats: a fresh client would wait on the frozen
             # primary's Hello first.)

@@ -316,7 +316,7 @@ def test_a_save_sent_on_after_a_kill_is_watched_like_the_first(
         def freezing(self: tf_dlt.Client, shard: int, *args: Any, **kwargs: Any) -> Any:
             stub = reresolve(self, shard, *args, **kwargs)
             if not frozen:  # the copy the Save goes on to goes silent, once followed
-                serving = process_at[self._stubs_at[shard]]
+                serving = process_at[self._admins[shard].at]
                 wait_until(
                     lambda: _all_caught_up(cluster, serving, [3 - serving]),
                     "the other standby to follow the one that took over",

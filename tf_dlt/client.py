@@ -9,13 +9,14 @@ shard advertises in its Hello reply, so users only ever list data addresses.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -72,6 +73,33 @@ SAVE_TRIES = 3
 # process of another. A load is not: it replaces what a shard holds (the way
 # back after a restart), greeting every shard afresh first.
 _WRITES = frozenset({"CreateTable", "DropTable", "Shrink", "Save"})
+
+_T = TypeVar("_T")
+
+
+def saved_despite_failovers(save: Callable[[], _T], path: str) -> _T:
+    """`save()` (a save of `path` under a new save id each call), made
+    again where a shard failed over as it ran (`errors.FailedOverError`):
+    `SAVE_TRIES` tries in all."""
+    for _ in range(SAVE_TRIES - 1):
+        try:
+            return save()
+        except errors.FailedOverError as e:
+            log.warning("%s; saving %s again, under a new save id", e.message, path)
+    return save()
+
+
+@dataclasses.dataclass
+class _AdminStub:
+    """One shard's control-plane stub: its channel and stub, the copy it
+    asks (data-plane address), the epoch that copy greeted with (0:
+    unknown), and the copy the data plane used when it was made."""
+
+    channel: grpc.Channel
+    stub: Any
+    at: str
+    epoch: int
+    data_at: str
 
 
 class _Greeted(NamedTuple):
@@ -179,16 +207,10 @@ class Client:
         self._connect_timeout = connect_timeout
         self._frame_bytes = frame_bytes
         self._dims: dict[str, int] = {}
-        self._channels: list[grpc.Channel] = []
-        self._stubs: list[Any] = []
-        # The copy of each shard its stub asks, and the one the data plane
-        # used when the stub was made (data-plane addresses).
-        self._stubs_at: list[str] = []
-        self._stubs_epoch: list[int] = []  # the epoch that copy greeted with (0: unknown)
+        self._admins: list[_AdminStub] = []  # each shard's, once made (_admin)
         self._expected_lineages: list[int] = []  # expect_lineages
         self._expected_layout = 0
         self._prepared_at: list[str] = []  # _prepare_load
-        self._stubs_data_at: list[str] = []
         self._stubs_layout = 1  # the layout epoch the stubs were made for
         self._layout_asked = -_LAYOUT_ASK_S  # when the shards were last asked theirs
 
@@ -266,26 +288,26 @@ class Client:
 
     # Control plane ------------------------------------------------------------
 
-    def _admin(self) -> list[Any]:
+    def _admin(self) -> list[_AdminStub]:
         # Another client's re-shard shows within _LAYOUT_ASK_S (this one's,
         # and a data-plane call's meeting it, at once).
         self._follow_layout(learn=time.monotonic() - self._layout_asked > _LAYOUT_ASK_S)
-        if not self._stubs:
+        if not self._admins:
             for i, info in enumerate(self.shard_infos()):
                 self._set_stub(
                     i, info["address"], info["admin_port"], info["address"], info["epoch"]
                 )
-            return self._stubs
+            return self._admins
         # A shard whose data plane moved to another copy since its stub was
         # made (it saw a standby take over: the primary went silent, say)
         # is asked there: the copy the stub names may never answer again.
         with contextlib.suppress(errors.DltError):
             for i, info in enumerate(self._data.shard_infos()):
-                if i < len(self._stubs) and info["address"] != self._stubs_data_at[i]:
+                if i < len(self._admins) and info["address"] != self._admins[i].data_at:
                     self._set_stub(
                         i, info["address"], info["admin_port"], info["address"], info["epoch"]
                     )
-        return self._stubs
+        return self._admins  # moved stubs replace their shard's in place
 
     def _set_stub(
         self,
@@ -304,20 +326,13 @@ class Client:
 
         channel = self._channel(grpc_util.admin_address(at, int(admin_port)))
         stub = dlt_pb2_grpc.ShardAdminStub(channel)
-        if shard == len(self._stubs):
-            self._channels.append(channel)
-            self._stubs.append(stub)
-            self._stubs_at.append(at)
-            self._stubs_epoch.append(int(epoch))
-            self._stubs_data_at.append(data_at or at)
+        if shard == len(self._admins):
+            self._admins.append(_AdminStub(channel, stub, at, int(epoch), data_at or at))
             return stub
-        self._channels[shard].close()
-        self._channels[shard] = channel
-        self._stubs[shard] = stub
-        self._stubs_at[shard] = at
-        self._stubs_epoch[shard] = int(epoch)
-        if data_at is not None:
-            self._stubs_data_at[shard] = data_at
+        old = self._admins[shard]
+        old.channel.close()
+        data_at = old.data_at if data_at is None else data_at
+        self._admins[shard] = _AdminStub(channel, stub, at, int(epoch), data_at)
         return stub
 
     def _call_all(
@@ -332,9 +347,9 @@ class Client:
         returns each shard's reply or its failure as a tf_dlt error naming
         the shard, in the order of the shards. `progress` advances as each
         shard answers."""
-        stubs = self._admin()
+        admins = self._admin()
         layout = int(self._data.layout_epoch)  # the layout these stubs are of
-        shards = range(len(stubs)) if shards is None else list(shards)
+        shards = range(len(admins)) if shards is None else list(shards)
         deadline = timeout or self._request_timeout
         metadata = grpc_util.bearer(self._token)
         met_all = self._met_all()
@@ -355,7 +370,7 @@ class Client:
             call.add_done_callback(lambda done, i=i: answered.put((i, done)))
             return call
 
-        calls = {i: send(i, stubs[i], deadline) for i in shards}
+        calls = {i: send(i, admins[i].stub, deadline) for i in shards}  # _to_newest_copy's
         ended: dict[int, Any] = {}  # a shard's call that ended, or the error it was given up with
         give_up = time.monotonic() + deadline
         # Shards with standbys: while their calls wait, each second, another
@@ -388,7 +403,7 @@ class Client:
                     outcome = self._leave_silent(i, calls[i], method, request, left, send)
                     if isinstance(outcome, errors.DltError):
                         end(i, outcome)
-                    else:
+                    elif outcome is not calls[i]:
                         calls[i] = outcome
                 continue
             if i in ended or call is not calls[i]:
@@ -455,14 +470,9 @@ class Client:
         if _looks_like_tls(error):
             return call  # no failover: TLS on one side only (its error says so)
         stopping = grpc_util.STOPPING in (error.details() or "")
-        try:
-            asked = _native.hello(self._stubs_at[shard], self._token, timeout_ms=500)
-            alive = not met["lineage"] or asked["lineage"] == met["lineage"]
-            if alive and not stopping:
-                return call  # alive, the copy met: its own UNAVAILABLE stands
-        except errors.DltError:
-            pass  # gone, replaced or silent
-        failed = (self._stubs_at[shard], self._stubs_epoch[shard])
+        if not stopping and self._asked_greets(shard, met["lineage"]):
+            return call  # alive, the copy met: its own UNAVAILABLE stands
+        failed = (self._admins[shard].at, self._admins[shard].epoch)
         what = self._what(shard, method)
         try:
             stub = self._reresolve(
@@ -484,7 +494,7 @@ class Client:
             # writes. Given up; `save` makes it again under a new id.
             return errors.FailedOverError(
                 f"{what}: {failed[0]} failed as it ran ({error.details()}); "
-                f"{self._stubs_at[shard]} serves the shard now: the Save is given up"
+                f"{self._admins[shard].at} serves the shard now: the Save is given up"
             )
         return send(shard, stub, give_up - time.monotonic())
 
@@ -514,7 +524,7 @@ class Client:
         if serving is None:
             return call
         call.cancel()
-        silent = self._stubs_at[shard]
+        silent = self._admins[shard].at
         address, info = serving
         stub = self._set_stub(shard, address, info["admin_port"], epoch=info["epoch"])
         if method == "Save":
@@ -545,14 +555,10 @@ class Client:
         Hello among its errors)."""
         met = self._met_all()[shard]
         lineage = met["lineage"]
-        try:
-            asked = _native.hello(self._stubs_at[shard], self._token, timeout_ms=500)
-            if not lineage or asked["lineage"] == lineage:
-                return None
-        except errors.DltError:
-            pass  # silent, replaced, or gone
-        newer_than = max(self._stubs_epoch[shard], met["epoch"] - 1)
-        for address, info in self._greetings(shard, skip=self._stubs_at[shard]):
+        if self._asked_greets(shard, lineage):
+            return None
+        newer_than = max(self._admins[shard].epoch, met["epoch"] - 1)
+        for address, info in self._greetings(shard, skip=self._admins[shard].at):
             if isinstance(info, errors.DltError):
                 continue
             if lineage and info["lineage"] != lineage:
@@ -561,6 +567,16 @@ class Client:
                 continue
             return address, info
         return None
+
+    def _asked_greets(self, shard: int, lineage: int) -> bool:
+        """Whether the copy `shard`'s stub asks greets within half a second
+        as a copy of `lineage` (0: any): alive, and not a process restarted
+        at its address since."""
+        try:
+            asked = _native.hello(self._admins[shard].at, self._token, timeout_ms=500)
+        except errors.DltError:
+            return False  # silent, replaced, or gone
+        return not lineage or asked["lineage"] == lineage
 
     def _greetings(
         self, shard: int, skip: str = ""
@@ -687,15 +703,15 @@ class Client:
                     )  # fmt: skip
             return
         address, info = greeted.newest
-        if address == self._stubs_at[shard]:
-            self._stubs_epoch[shard] = int(info["epoch"])
+        if address == self._admins[shard].at:
+            self._admins[shard].epoch = int(info["epoch"])
             return
         log.warning(
             "shard %d: %s greets at epoch %d, the newest: writing there, not to %s",
             shard,
             address,
             int(info["epoch"]),
-            self._stubs_at[shard],
+            self._admins[shard].at,
         )
         self._set_stub(shard, address, info["admin_port"], epoch=info["epoch"])
 
@@ -911,12 +927,9 @@ class Client:
         with errors.storage_errors(f"reading what {path} holds"):
             chain.refuse_breaking_dependents(path)
         if save_id is None:
-            for _ in range(SAVE_TRIES - 1):
-                try:
-                    return self._save(path, parent, tables, progress, manifest.new_save_id())
-                except errors.FailedOverError as e:
-                    log.warning("%s; saving %s again, under a new save id", e.message, path)
-            return self._save(path, parent, tables, progress, manifest.new_save_id())
+            return saved_despite_failovers(
+                lambda: self._save(path, parent, tables, progress, manifest.new_save_id()), path
+            )
         if not manifest.is_save_id(save_id):
             raise errors.InvalidArgumentError(f"not a save id: {save_id!r}")
         return self._save(path, parent, tables, progress, save_id)
@@ -1017,7 +1030,7 @@ class Client:
                 "Load", _prepare(path, load_id, tables, save_id), self._persist_timeout, bar
             )
         # The copy of each shard that prepared it (_commit_load).
-        self._prepared_at = list(self._stubs_at)
+        self._prepared_at = [admin.at for admin in self._admins]
         failures = [r for r in results if isinstance(r, errors.DltError)]
         if failures:
             # Shards that did prepare drop what they staged (or it expires).
@@ -1033,7 +1046,7 @@ class Client:
 
         request = dlt_pb2.LoadRequest
         self._admin()
-        prepared_at = self._prepared_at or list(self._stubs_at)
+        prepared_at = self._prepared_at or [admin.at for admin in self._admins]
         # The later phases wait for the shard's persistence lock (a save may
         # hold it): they get the save's deadline, not a data call's.
         commit = request(phase=request.COMMIT, load_id=load_id)
@@ -1049,7 +1062,7 @@ class Client:
             for i, r in enumerate(results)
             if isinstance(r, errors.FailedPreconditionError)
             and i < len(prepared_at)
-            and self._stubs_at[i] != prepared_at[i]
+            and self._admins[i].at != prepared_at[i]
         ]
         if moved:
             log.warning(
@@ -1212,13 +1225,9 @@ class Client:
         connections (each holds one of a shard's `--max-connections` until
         closed, or until the object is collected). A later call opens what
         it needs again."""
-        for channel in self._channels:
-            channel.close()
-        self._channels.clear()
-        self._stubs.clear()
-        self._stubs_at.clear()
-        self._stubs_epoch.clear()
-        self._stubs_data_at.clear()
+        for admin in self._admins:
+            admin.channel.close()
+        self._admins.clear()
         self._data.close_idle()
 
     def __enter__(self) -> Client:

@@ -31,7 +31,7 @@ import keras
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files
-from tf_dlt.client import SAVE_TRIES, Client
+from tf_dlt.client import Client, saved_despite_failovers
 from tf_dlt.keras.row_cache import forget_cached_rows
 from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, table_holders
 from tf_dlt.layers.embedding import variables_only
@@ -64,12 +64,7 @@ def save(
     the copies serving (`tf_dlt.client.SAVE_TRIES` tries in all).
     """
     with errors.storage_errors(f"saving {path}"):
-        for _ in range(SAVE_TRIES - 1):
-            try:
-                return _save(model, path, incremental, base)
-            except errors.FailedOverError as e:
-                log.warning("%s; saving %s again, under a new save id", e.message, path)
-        return _save(model, path, incremental, base)
+        return saved_despite_failovers(lambda: _save(model, path, incremental, base), path)
 
 
 def _save(model: keras.Model, path: str, incremental: bool, base: str | None) -> dict[str, Any]:
