@@ -914,6 +914,33 @@ def test_admin_calls_follow_the_data_plane_off_a_silent_primary(tmp_path: Path) 
             cluster.processes[0].send_signal(signal.SIGCONT)
 
 
+def test_a_drop_table_sent_on_to_the_copy_that_took_over_finds_it_done(tmp_path: Path) -> None:
+    """A DropTable sent to a primary that went silent is sent on to the
+    standby that took over. The primary may have dropped the table, and its
+    standby with it, before it went silent: the copy serving then holds no
+    such table, and the drop is done. Before, it raised NotFoundError. Here
+    another client dropped it just before the pause; the copy serving cannot
+    tell the two apart, nor can the client."""
+    with LocalCluster(
+        1, "--takeover-after", "4", workdir=tmp_path / "cluster", replicas=2
+    ) as cluster:
+        _trained_with_standby(cluster, 0, 200)
+        writer = tf_dlt.Client(cluster.addresses, request_timeout=30)
+        writer.create_table("gone", DIM)
+        reader = tf_dlt.Client(cluster.addresses, request_timeout=30)
+        reader.stats()
+        writer.drop_table("gone")
+        wait_until(lambda: _caught_up(cluster, 0), "the standby to catch up")
+        cluster.processes[0].send_signal(signal.SIGSTOP)
+        try:
+            reader.drop_table("gone")  # sent on once the standby took over
+            assert _serves(cluster.process_addresses[1])
+            with pytest.raises(errors.NotFoundError, match="gone"):
+                reader.drop_table("gone")  # a drop sent once is told the truth
+        finally:
+            cluster.processes[0].send_signal(signal.SIGCONT)
+
+
 def test_tf_dlt_stats_of_a_standby_listed_alone_shows_its_own(
     replicated: LocalCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:

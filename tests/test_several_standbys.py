@@ -44,6 +44,22 @@ def _all_caught_up(cluster: LocalCluster, primary: int, standbys: list[int]) -> 
     ) == len(standbys)
 
 
+def test_greetings_of_standbys_are_not_counted_among_their_errors(tmp_path: Path) -> None:
+    """Before each admin write a client greets every copy of the shard, to
+    write to the one serving at the newest epoch. A standby refuses a
+    trainer's Hello; it counted the refusal among its errors: one per write
+    per standby, an error count that told an operator nothing."""
+    with LocalCluster(1, workdir=tmp_path / "cluster", replicas=3) as cluster:
+        client = tf_dlt.Client(cluster.addresses)
+        client.create_table("emb", DIM)
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        for i in range(3):
+            client.create_table(f"t{i}", DIM)
+            client.drop_table(f"t{i}")
+        for standby in (1, 2):
+            assert dict(_stats_of(cluster, standby).errors) == {}, standby
+
+
 def _train(client: tf_dlt.Client, seed: int, steps: int = 4) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(steps):

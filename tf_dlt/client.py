@@ -380,6 +380,7 @@ class Client:
         # the same deadline and watched the same way (_moved_on).
         watched = [i for i in shards if "|" in self._addresses_of(i)]
         moves: dict[int, int] = {}  # calls sent again after UNAVAILABLE, by shard
+        resent: set[int] = set()  # shards whose call went on to another copy
         # A shard's addresses come from the data plane, which may learn a
         # re-shard's new layout meanwhile: its shard i is not this call's.
 
@@ -405,6 +406,7 @@ class Client:
                         end(i, outcome)
                     elif outcome is not calls[i]:
                         calls[i] = outcome
+                        resent.add(i)
                 continue
             if i in ended or call is not calls[i]:
                 continue  # a call given up
@@ -413,6 +415,7 @@ class Client:
                 if outcome is not call and not isinstance(outcome, errors.DltError):
                     moves[i] = moves.get(i, 0) + 1
                     calls[i] = outcome
+                    resent.add(i)
                     continue
                 call = outcome
             end(i, call)
@@ -432,6 +435,13 @@ class Client:
                         )
                 results.append(reply)
             except grpc.RpcError as e:
+                if i in resent and method == "DropTable" and e.code() == grpc.StatusCode.NOT_FOUND:
+                    # The copy first asked may have dropped it (its standby
+                    # too) before it went silent or died: done, not failed.
+                    from tf_dlt.proto import dlt_pb2
+
+                    results.append(dlt_pb2.DropTableResponse())
+                    continue
                 error = grpc_util.error_from_rpc(e, self._what(i, method))
                 if isinstance(error, errors.UnavailableError) and _looks_like_tls(e):
                     error = errors.UnavailableError(f"{error}{self._tls_hint()}")

@@ -143,12 +143,18 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
       peer->move_generation = generation;
     } else if (replica != standby_.load()) {
       // A standby serves its primary only; only a standby takes a primary.
-      return fail(replica ? FailedPrecondition("shard " + std::to_string(shard_->shard_index()) +
-                                               " here is not a standby (it serves trainers)")
-                          : Unavailable("shard " + std::to_string(shard_->shard_index()) +
-                                        " here is a standby (it follows its primary): connect "
-                                        "to the primary"),
-                  true);
+      const std::string shard = "shard " + std::to_string(shard_->shard_index());
+      if (replica) {
+        return fail(FailedPrecondition(shard + " here is not a standby (it serves trainers)"),
+                    true);
+      }
+      // Not counted among the errors: clients greet every copy of a shard
+      // to find the one serving (before each admin write, say).
+      *keep_open = false;
+      const Status standby = Unavailable(
+          shard + " here is a standby (it follows its primary): connect to the primary");
+      return Respond(wire::Opcode::kError, id, wire::EncodeError(standby.code(), standby.message()),
+                     reply);
     }
     if (!replica && !(header.flags & wire::kFlagMove)) {
       const Status replaced = Replaced();
