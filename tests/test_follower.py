@@ -19,7 +19,7 @@ import tf_dlt
 from tf_dlt import errors
 from tf_dlt.checkpoint import manifest
 
-from conftest import Cluster
+from conftest import Cluster, wait_until
 
 
 def _wait_for(cluster: Cluster, done: Callable[[list[dict[str, Any]]], bool]) -> list[Any]:
@@ -158,6 +158,51 @@ def test_a_broken_delta_keeps_followers_serving_what_they_have(
     assert all(s["follow_current"] and not s["follow_error"] for s in stats)
     with followers.client() as f:
         np.testing.assert_array_equal(f.pull("t", ids), latest)
+
+
+def test_a_checkpoint_that_fails_is_read_again_less_and_less_often(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newest checkpoint that does not load (a corrupt file here; a full
+    tier disk or a storage outage alike) was read again, whole, at every
+    poll (--follow-interval): gigabytes a poll from shared storage, for as
+    long as it stayed. It is read again after a pause that doubles from the
+    poll interval up to a minute; a newer checkpoint is read at once."""
+    from tf_dlt.server import follower as follower_module
+    from tf_dlt.server.shard_server import ShardServer
+
+    run = tmp_path / "run"
+    ids = np.arange(500, dtype=np.int64)
+    trainer = start_cluster(1)
+    with trainer.client() as c:
+        _start_run(c, ids, run)
+        _push(c, ids[:10], 2)
+        d2 = c.save(str(tmp_path / "stage" / "c2"), base=str(run / "c1"))
+    victim = tmp_path / "stage" / "c2" / d2["files"][0]["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    tries: list[str] = []  # the checkpoints the follower read, one entry a read
+    resolve_chain = follower_module.manifest_lib.resolve_chain
+
+    def counting(tables: Any, *args: Any) -> Any:
+        tries.append(str(tables))
+        return resolve_chain(tables, *args)
+
+    monkeypatch.setattr(follower_module.manifest_lib, "resolve_chain", counting)
+    with ShardServer(0, 1, read_only=True, follow=str(run), follow_interval_s=0.1) as follower:
+        (tmp_path / "stage" / "c2").rename(run / "c2")
+        wait_until(lambda: "c2" in follower.servicer.serving.get("follow_error", ""), "the error")
+        tries.clear()
+        time.sleep(4.0)  # 40 polls: read again at 0.2, 0.6, 1.4 and 3.0 s past the first
+        assert 1 <= len(tries) <= 6, tries
+        with trainer.client() as c:
+            full = c.save(str(run / "c3"))
+        wait_until(
+            lambda: follower.servicer.serving.get("serving_save_id") == full["save_id"],
+            "the follower to load the newer checkpoint",
+            10,  # within 60 s only if it were read no sooner than c2
+        )
 
 
 def test_a_follower_restarted_serves_its_clients_on(

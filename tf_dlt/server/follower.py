@@ -27,6 +27,10 @@ from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.server.repeated import Repeated
 
 log = logging.getLogger("tf_dlt.server")
+# A newest checkpoint that failed is read again after a pause that doubles
+# from the poll interval up to this (it may be gigabytes, on shared storage);
+# a newer one is read at the next poll.
+MAX_RETRY_PAUSE_S = 60.0
 
 
 @dataclasses.dataclass
@@ -72,9 +76,14 @@ class Follower:
         self._reading = reading or (lambda: contextlib.nullcontext(lambda path: path))
         self._status = FollowStatus(directory)
         self._lock = threading.Lock()  # one poll at a time; guards _status
-        # A checkpoint that does not load is tried again at every poll: said
-        # once a minute, not at each (each newer one that fails, at once).
+        # A checkpoint that does not load is tried again and again: said
+        # once a minute, not at each try (each newer one that fails, at once).
         self._complaints = Repeated(log, every_s=60.0)
+        # The save id of the newest checkpoint that failed, when it is read
+        # again and the pause before that.
+        self._failing = ""
+        self._retry_at = 0.0
+        self._retry_pause_s = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,9 +132,15 @@ class Follower:
         if not newer:
             status.error = "" if found else f"no committed checkpoint in {status.directory}"
             self._complaints.clear()
+            self._failing = ""
             status.current, status.lag_seconds = bool(found), 0.0
             self._changed()
             return
+        head = str(newer[-1].manifest["save_id"])
+        if head == self._failing and time.monotonic() < self._retry_at:
+            status.lag_seconds = _lag(newer, status.serving_save_id)
+            self._changed()
+            return  # it failed lately: read again once its pause ends
         failures = []
         for candidate in reversed(newer):  # the newest that can be reached
             resolved = False
@@ -139,25 +154,20 @@ class Follower:
                 if not resolved:
                     continue
             break
-        status.current = status.serving_save_id == str(newer[-1].manifest["save_id"])
+        status.current = status.serving_save_id == head
         status.error = "; ".join(failures)
-        waiting = [
-            float(c.manifest.get("created_unix", 0.0))
-            for c in newer
-            if str(c.manifest["save_id"]) > status.serving_save_id
-        ]
-        status.lag_seconds = max(0.0, time.time() - min(waiting)) if waiting else 0.0
+        status.lag_seconds = _lag(newer, status.serving_save_id)
         if status.error:
             # Keyed by the checkpoint tried: a newer one that fails is said at once.
             self._complaints.log(
-                str(newer[-1].manifest["save_id"]),
-                logging.WARNING,
-                "following %s: %s",
-                status.directory,
-                status.error,
+                head, logging.WARNING, "following %s: %s", status.directory, status.error
             )
+            pause = 2 * self._retry_pause_s if head == self._failing else self._interval_s
+            self._failing, self._retry_pause_s = head, min(pause, MAX_RETRY_PAUSE_S)
+            self._retry_at = time.monotonic() + self._retry_pause_s
         else:
             self._complaints.clear()
+            self._failing = ""
         self._changed()
 
     def _catch_up(
@@ -212,6 +222,16 @@ class Follower:
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(dataclasses.replace(self._status))
+
+
+def _lag(newer: list[chain.Checkpoint], serving_save_id: str) -> float:
+    """How long the oldest of `newer` not yet served has waited (0: none)."""
+    waiting = [
+        float(c.manifest.get("created_unix", 0.0))
+        for c in newer
+        if str(c.manifest["save_id"]) > serving_save_id
+    ]
+    return max(0.0, time.time() - min(waiting)) if waiting else 0.0
 
 
 def _fits_in_place(link: manifest_lib.Link, tables: dict[str, _native.Table]) -> bool:
