@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -18,6 +19,7 @@ import tensorflow as tf
 
 import tf_dlt
 import tf_dlt.checkpoint.manifest
+from tf_dlt import errors
 from tf_dlt.layers import Embedding
 from tf_dlt.server.local import LocalCluster
 
@@ -147,6 +149,41 @@ def test_standalone_export_of_every_row_on_shard_processes(
     model.fit(x, y, epochs=2, batch_size=8, verbose=0)
     tf_dlt.export_saved_model(model, str(tmp_path / "all"), mode="standalone")
     served = _serve_elsewhere(tmp_path, tmp_path / "all", x, with_tf_dlt=False)
+    np.testing.assert_allclose(served, model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_standalone_export_stages_only_the_models_tables_where_the_shards_may_write(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards confined to a checkpoint root refuse the default staging (a
+    local temporary directory): the error says to pass `staging=`. Staged
+    there, only the model's tables are saved (another model's table on the
+    same shards was saved and held in this process too), and the staging
+    directory the export made is removed after (its empty folder stayed)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    cluster = start_cluster(1, "--checkpoint-root", str(root))
+    with tf_dlt.Client(cluster.addresses) as other_model:
+        other_model.create_table("other", 4)
+        other_model.pull("other", np.arange(1000))
+    model = tf_dlt.transpile(_model("exp_confined"), cluster.addresses)
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    with pytest.raises(errors.PermissionDeniedError, match="pass staging= a directory under"):
+        tf_dlt.export_saved_model(model, str(tmp_path / "refused"), mode="standalone")
+    saved: list[object] = []
+    save = tf_dlt.Client.save
+
+    def spy(self: tf_dlt.Client, path: str, **kwargs: Any) -> Any:
+        saved.append(kwargs.get("tables"))
+        return save(self, path, **kwargs)
+
+    monkeypatch.setattr(tf_dlt.Client, "save", spy)
+    stage = root / "stage"
+    tf_dlt.export_saved_model(model, str(tmp_path / "out"), mode="standalone", staging=str(stage))
+    assert saved == [["exp_confined"]]
+    assert not stage.exists() and os.listdir(root) == []
+    served = _serve_elsewhere(tmp_path, tmp_path / "out", x, with_tf_dlt=False)
     np.testing.assert_allclose(served, model.predict(x, verbose=0), atol=1e-6)
 
 

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dlt import _native, embedded
+from tf_dlt import _native, embedded, errors
 from tf_dlt import dlt_ops as ops
 from tf_dlt.keras.walk import cluster_of, copy_weights, distributed_layers
 
@@ -70,10 +70,13 @@ def export_saved_model(
             most often (ties: smaller id first), K for every table or per
             table name. Tables named in `ids` take those ids instead.
         staging: standalone mode, tables on shard servers: where the shards
-            write a temporary checkpoint to read every row from (any fsspec
-            path the servers and this process both reach; default: a local
-            temporary directory, right when the servers share this
-            machine's filesystem). Not needed when `ids` names every table.
+            write a temporary checkpoint of the model's tables to read every
+            row from (any fsspec path the servers and this process both
+            reach, under their --checkpoint-root where they have one;
+            default: a local temporary directory, right when the servers
+            share this machine's filesystem). Removed after, with the
+            directory itself where the export made it. Not needed when `ids`
+            names every table.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -195,21 +198,33 @@ def _scan_shards(
     from a checkpoint the shards write to `staging`."""
     import tempfile
 
-    from tf_dlt.checkpoint import shard_files
+    from tf_dlt.checkpoint import manifest, shard_files
     from tf_dlt.client import Client
 
     addresses, token = cluster_of(layers)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-export-") as tmp:
-        path = f"{(staging or tmp).rstrip('/')}/export-rows"
-        with Client(addresses, auth_token=token) as client:
-            client.save(path)
-        staged = _native.Shard(0, 1)
-        shard_files.load_shard(path, staged)
-        if staging is not None:
-            from tf_dlt.checkpoint import manifest
-
-            fs, root = manifest.filesystem(path)
-            fs.rm(root, recursive=True)
+        where = (staging or tmp).rstrip("/")
+        fs, root = manifest.filesystem(where)
+        made = staging is not None and not fs.exists(root)  # removed after, as the checkpoint
+        path = f"{where}/export-rows"
+        try:
+            with Client(addresses, auth_token=token) as client:
+                try:
+                    # The model's tables only: other models' on the same
+                    # shards are not read, written nor held here.
+                    client.save(path, tables=sorted({layer.table_name for layer in layers}))
+                except errors.PermissionDeniedError as e:
+                    raise errors.PermissionDeniedError(
+                        f"{e.message}. A standalone export has the shards write the rows to "
+                        "`staging` (default: a local temporary directory): pass staging= a "
+                        "directory under their --checkpoint-root that this process reads too"
+                    ) from e
+            staged = _native.Shard(0, 1)
+            shard_files.load_shard(path, staged)
+        finally:
+            if staging is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(f"{root}/export-rows" if not made else root, recursive=True)
     out = {}
     for layer in layers:
         exporter = staged.get_table(layer.table_name).exporter()
