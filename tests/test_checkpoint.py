@@ -390,6 +390,20 @@ def test_missing_shard_file_fails_and_changes_nothing(
     client.close()
 
 
+def test_a_load_of_a_table_the_checkpoint_does_not_hold_fails_and_changes_nothing(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """`load(tables=[...])` naming a table the checkpoint does not hold (a
+    typo) returned {} and loaded nothing, as if the rows were rolled back;
+    a save of that name fails NotFoundError, and so does the load now."""
+    client, before, _ = _broken_checkpoint(start_cluster(2), tmp_path / "ck")
+    with pytest.raises(errors.NotFoundError, match=r"holds no table 'typo' \(it holds \['t'\]\)"):
+        client.load(str(tmp_path / "ck"), tables=["t", "typo"])
+    np.testing.assert_array_equal(client.pull("t", np.arange(1000)), before)
+    assert client.load(str(tmp_path / "ck"), tables=["t"])["t"]["rows"] == 1000
+    client.close()
+
+
 def test_corrupt_shard_file_fails_and_changes_nothing(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -1020,7 +1020,9 @@ class Client:
 
         `tables`: load only these of the checkpoint's tables (a model's:
         `tf_dlt.load` passes them), leaving every other table on the shards
-        as it is; None: every table the checkpoint holds.
+        as it is; None: every table the checkpoint holds. A name the
+        checkpoint does not hold fails the load (NotFoundError), before any
+        shard changes.
 
         The load replaces what the shards held: this client's pulls and
         pushes take the shards' processes serving now from then on, even a
@@ -1031,7 +1033,15 @@ class Client:
         with errors.storage_errors(f"reading {path}"):
             # Fails fast, before any shard starts; and every shard reads
             # this save (one saved meanwhile is refused, never mixed in).
-            save_id = manifest.resolve_chain(path)[-1].save_id
+            head = manifest.resolve_chain(path)[-1]
+        held = {t["config"]["name"] for t in head.manifest["tables"]}
+        absent = sorted(set(tables or ()) - held)
+        if absent:
+            raise errors.NotFoundError(
+                f"checkpoint {path} holds no table {', '.join(map(repr, absent))} (it holds "
+                f"{sorted(held)}): nothing loaded"
+            )
+        save_id = head.save_id
         self._data.regreet()
         load_id = secrets.token_hex(8)
         self._prepare_load(path, load_id, progress, tables, save_id)
