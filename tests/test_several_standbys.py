@@ -67,6 +67,41 @@ def _train(client: tf_dlt.Client, seed: int, steps: int = 4) -> None:
         client.push("emb", batch, rng.normal(size=(256, DIM)).astype(np.float32), 0.1)
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_standby_stopped_leaves_and_writes_go_on_without_it(
+    tmp_path: Path, replicas: int
+) -> None:
+    """A standby stopped with SIGTERM (a planned restart, a rolling update)
+    tells its primary, which stops replicating to it at once. Its last
+    standby: the primary's pushes and table changes failed UNAVAILABLE, in
+    doubt, until the standby came back (for good while it stayed down, as
+    the last standby is never detached); now they go on, the primary alone
+    holding them, and the standby started again is copied afresh and holds
+    every row when it takes over. One of two: the primary listed it, down,
+    until --detach-standby-after (a minute), and each write waited the
+    standby timeout before it left the in-sync set."""
+    with LocalCluster(
+        1, "--standby-timeout", "2", workdir=tmp_path / "cluster", replicas=replicas
+    ) as cluster:
+        client = tf_dlt.Client(cluster.addresses, request_timeout=10)
+        client.create_table("emb", DIM, optimizer="adagrad")
+        others = list(range(2, replicas))
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, *others]), "the standbys to catch up")
+        _train(client, 0)
+        cluster.processes[1].send_signal(signal.SIGTERM)
+        assert cluster.processes[1].wait(30) == 0
+        listed = {s.address for s in _stats_of(cluster, 0).standbys}
+        assert listed == {cluster.process_addresses[p] for p in others}
+        _train(client, 1)  # acknowledged by the primary (and the standby left)
+        client.create_table("made_alone", DIM)
+        rows = client.pull("emb", IDS)
+        cluster.restart(1)
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, *others]), "the standby copied afresh")
+        cluster.kill(0)  # a standby takes over (with two, either: both hold every row)
+        np.testing.assert_array_equal(client.pull("emb", IDS), rows)
+        assert sorted(client.list_tables()) == ["emb", "made_alone"]
+
+
 def test_one_of_two_standbys_takes_over_and_the_other_follows_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with LocalCluster(
         1, "--metrics-port", "0", workdir=tmp_path / "cluster", replicas=3

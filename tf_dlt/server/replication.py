@@ -86,15 +86,7 @@ class Standbys:
 
     def attach(self, address: str, shard_index: int, num_shards: int) -> None:
         """Replicates to the standby at `address` from now on."""
-        if (shard_index, num_shards) != (self._shard.shard_index, self._shard.num_shards):
-            raise errors.FailedPreconditionError(
-                f"a standby of shard {shard_index} of {num_shards} cannot follow shard "
-                f"{self._shard.shard_index} of {self._shard.num_shards}"
-            )
-        if self._data_server.standby:
-            raise errors.FailedPreconditionError(
-                f"shard {self._shard.shard_index} here is itself a standby: attach to its primary"
-            )
+        self._check_place(shard_index, num_shards)
         with self._lock:
             if self._group is None:
                 self._group = _native.ReplicaGroup(
@@ -105,6 +97,42 @@ class Standbys:
                 self._data_server.set_replica_group(self._group)
             self._group.attach(address)  # clients learn it from the Hello
         log.info("replicating (%s) to standby %s", self.replication, address)
+
+    def detach(self, address: str, shard_index: int, num_shards: int) -> None:
+        """Stops replicating to the standby at `address`, which stops and
+        takes over no more (AttachStandbyRequest.leaving): at once, and even
+        the last one, whose writes then wait for no standby. A standby down
+        is detached after --detach-standby-after instead, never the last:
+        it may take over."""
+        self._check_place(shard_index, num_shards)
+        with self._lock:
+            group = self._group
+            if group is None or not group.detach(address):
+                return
+            alone = not group.addresses()
+            if alone:
+                self._group = None
+                self._data_server.set_replica_group(None)
+        if alone:
+            group.stop()
+        log.warning(
+            "standby %s stops: no longer replicating to it%s",
+            address,
+            " (no standby left: writes are acknowledged by this copy alone)" if alone else "",
+        )
+
+    def _check_place(self, shard_index: int, num_shards: int) -> None:
+        """FailedPreconditionError unless a standby of shard `shard_index`
+        of `num_shards` may follow this primary."""
+        if (shard_index, num_shards) != (self._shard.shard_index, self._shard.num_shards):
+            raise errors.FailedPreconditionError(
+                f"a standby of shard {shard_index} of {num_shards} cannot follow shard "
+                f"{self._shard.shard_index} of {self._shard.num_shards}"
+            )
+        if self._data_server.standby:
+            raise errors.FailedPreconditionError(
+                f"shard {self._shard.shard_index} here is itself a standby: attach to its primary"
+            )
 
     def pause(self, pause: bool) -> None:
         """A live re-shard's switch (writes held): pauses the streams once
@@ -275,7 +303,27 @@ class StandbyLink:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        self._leave()
         self._close_channel()
+
+    def _leave(self) -> None:
+        """As this standby stops (it takes over no more: its link's thread
+        ended), tells its primary to stop replicating here at once, so the
+        primary's writes do not wait for it until it comes back (the last
+        standby) or the standby timeout (another). Best effort: a primary
+        that does not hear it waits as for a standby down."""
+        if self.role != "standby" or not self._incarnation:
+            return  # it serves, or never attached
+        index, count = self._place()
+        request = dlt_pb2.AttachStandbyRequest(
+            address=self._advertise, shard_index=index, num_shards=count, leaving=True
+        )
+        try:
+            self._call("AttachStandby", request, timeout=2)
+        except (grpc.RpcError, errors.DltError) as e:
+            log.warning("could not tell %s that this standby stops: %s", self.primary, e)
+            return
+        log.info("told %s that this standby stops", self.primary)
 
     def _close_channel(self) -> None:
         if self._channel is not None:

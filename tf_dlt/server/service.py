@@ -302,7 +302,10 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             raise errors.FailedPreconditionError(
                 f"shard {self._shard.shard_index} here is a standby: attach to its primary"
             )
-        self.standbys.attach(request.address, request.shard_index, request.num_shards)
+        if request.leaving:
+            self.standbys.detach(request.address, request.shard_index, request.num_shards)
+        else:
+            self.standbys.attach(request.address, request.shard_index, request.num_shards)
         return dlt_pb2.AttachStandbyResponse(
             replication=self.standbys.replication, incarnation=self.incarnation
         )
