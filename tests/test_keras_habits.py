@@ -95,6 +95,24 @@ def test_a_keras_file_of_an_embedded_model_carries_its_rows(imports: str, tmp_pa
     np.testing.assert_array_equal(np.load(tmp_path / "rows.npy"), saved)
 
 
+def test_keras_savedmodel_exports_of_embedded_tables_are_refused(tmp_path: Path) -> None:
+    """`model.export()` and `tf.saved_model.save(model)` of a model on the
+    embedded tables wrote a SavedModel that failed only when served: it looks
+    its rows up in the serving process's embedded tables, which hold none.
+    Both are refused, naming the export that carries the rows, which works."""
+    model = _model("habit_export")
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    for export in (model.export, lambda path: tf.saved_model.save(model, path)):
+        with pytest.raises(ValueError, match="mode='standalone'"):
+            export(str(tmp_path / "refused"))
+    tf_dlt.export_saved_model(model, str(tmp_path / "standalone"), mode="standalone")
+    loaded = tf.saved_model.load(str(tmp_path / "standalone"))
+    served = loaded.serve(tf.constant(x[:8]))
+    np.testing.assert_allclose(served, model.predict(x[:8], verbose=0), atol=1e-6)
+
+
 def test_a_keras_file_reloaded_in_process_trains_on_with_the_same_state(tmp_path: Path) -> None:
     model = _model("habit_reloaded")
     model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")

@@ -954,6 +954,7 @@ def test_tf_dlt_stats_of_a_standby_listed_alone_shows_its_own(
     out, err = capsys.readouterr()
     assert "here is a standby" in err and "each one's own stats follow" in err
     assert f"shard 0: standby of {primary}: caught up (epoch 1, lineage" in out
+    assert "read-only, serving" not in out  # it said "serving  (save )" too
     assert cli.main(["stats", "--pservers", "127.0.0.1:1"]) == 1  # nothing answers: an error
 
 

@@ -170,6 +170,20 @@ class ClientResource(tf.saved_model.experimental.TrackableResource):  # type: ig
     def _create_resource(self) -> tf.Tensor:
         return load_library().dlt_client(shared_name=self._shared_name, **self._attrs)
 
+    def _export_to_saved_model_graph(self, *args: Any, **kwargs: Any) -> Any:
+        # A SavedModel of the embedded tables' client would look the rows up
+        # in the serving process's own embedded tables, which hold none:
+        # Keras's `model.export()` and `tf.saved_model.save(model)` wrote one
+        # that failed only when served ("no table ... on shard 0").
+        if self.embedded:
+            raise ValueError(
+                "a SavedModel cannot reach the embedded tables of this process (a serving "
+                "process holds none of their rows): export with "
+                "tf_dlt.export_saved_model(model, path, mode='standalone'), which writes the "
+                "rows into it, or transpile the model onto shard servers first"
+            )
+        return super()._export_to_saved_model_graph(*args, **kwargs)
+
 
 def configure_cache(
     client: ClientResource,

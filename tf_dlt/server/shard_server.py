@@ -311,16 +311,19 @@ class ShardServer:
             return False
         if self.data_server.reshard_prepared is not None:
             return False
+        had = (self.shard.shard_index, self.shard.num_shards, self.shard.layout_epoch)
         try:
             self.shard.take_place(
                 hello["shard_index"], hello["num_shards"], hello["layout_epoch"], hello["layout"]
             )
         except errors.FailedPreconditionError:
             return False  # it holds tables of another place
+        place = (hello["shard_index"], hello["num_shards"])
         log.warning(
-            "the replica set serves shard %d of %d at layout epoch %d (a re-shard since this "
-            "process's flags): taking that place",
-            hello["shard_index"], hello["num_shards"], hello["layout_epoch"],
+            "the replica set serves shard %d of %d at layout epoch %d (a re-shard since; this "
+            "process had shard %d of %d at layout epoch %d): taking %s",
+            *place, hello["layout_epoch"], *had,
+            "that layout" if had[:2] == place else "that place",
         )  # fmt: skip
         return True
 

@@ -160,9 +160,12 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
         ))  # fmt: skip
         if s.get("pending_load"):
             pending.append(f"shard {s.get('shard_index', 0)}: {s['pending_load']}")
-        if s.get("read_only"):
+        # A standby refuses writes too: its own line says what it follows.
+        if s.get("read_only") and s.get("role") not in ("standby", "joining", "beginning"):
             line = f"shard {s.get('shard_index', 0)}: read-only, serving " + (
-                f"{s.get('serving_path', '')} (save {s.get('serving_save_id', '')})"
+                f"{s['serving_path']} (save {s.get('serving_save_id', '')})"
+                if s.get("serving_path")
+                else "no checkpoint yet"
             )
             if s.get("follow_dir"):
                 state = "current" if s.get("follow_current") else (
