@@ -102,6 +102,49 @@ def test_a_standby_stopped_leaves_and_writes_go_on_without_it(
         assert sorted(client.list_tables()) == ["emb", "made_alone"]
 
 
+def test_a_standby_left_out_before_the_last_one_stopped_never_takes_over(tmp_path: Path) -> None:
+    """B is frozen and left out of the in-sync set (then detached); C, the
+    last standby, stops and leaves; C started again catches up and holds
+    every write. The primary dies and B wakes: C takes over, not B. Where
+    the primary made a new replica group for C (its in-sync set's version
+    counted from 0 again), B's old view outranked C's, C granted B's claim,
+    and B served its stale rows: the writes acknowledged since were lost."""
+
+    def push(client: tf_dlt.Client) -> None:
+        client.push("emb", IDS[:64], np.ones((64, DIM), np.float32), 1.0)
+
+    with LocalCluster(
+        1, "--detach-standby-after", "2", "--standby-timeout", "1",
+        workdir=tmp_path / "cluster", replicas=3,
+    ) as cluster:  # fmt: skip
+        client = tf_dlt.Client(cluster.addresses, request_timeout=20)
+        client.create_table("emb", DIM, optimizer="sgd", initializer="zeros")
+        wait_until(lambda: _all_caught_up(cluster, 0, [1, 2]), "both standbys to catch up")
+        push(client)
+        cluster.processes[1].send_signal(signal.SIGSTOP)
+        b = cluster.process_addresses[1]
+        try:
+            # B leaves the in-sync set at the next push, and is detached.
+            wait_until(
+                lambda: (
+                    push(client) or b not in {s.address for s in _stats_of(cluster, 0).standbys}
+                ),
+                "the frozen standby to be detached",
+            )
+            cluster.processes[2].send_signal(signal.SIGTERM)
+            assert cluster.processes[2].wait(30) == 0
+            push(client)  # the primary alone
+            cluster.restart(2)
+            wait_until(lambda: _all_caught_up(cluster, 0, [2]), "C copied afresh")
+            push(client)
+            rows = client.pull("emb", IDS[:64])
+            cluster.kill(0)
+        finally:
+            cluster.processes[1].send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(client.pull("emb", IDS[:64]), rows)
+        assert _stats_of(cluster, 2).role == "primary"
+
+
 def test_one_of_two_standbys_takes_over_and_the_other_follows_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with LocalCluster(
         1, "--metrics-port", "0", workdir=tmp_path / "cluster", replicas=3

@@ -107,14 +107,14 @@ class Standbys:
         self._check_place(shard_index, num_shards)
         with self._lock:
             group = self._group
+            # The group stays, with no member: its in-sync set's version
+            # only grows while this process serves (a new group's began at
+            # 0 again, so a standby left out of the old one, holding an old
+            # view of a higher version, outranked one of the new group that
+            # held every write, and took over). Writes wait for no member.
             if group is None or not group.detach(address):
                 return
             alone = not group.addresses()
-            if alone:
-                self._group = None
-                self._data_server.set_replica_group(None)
-        if alone:
-            group.stop()
         log.warning(
             "standby %s stops: no longer replicating to it%s",
             address,
@@ -312,15 +312,15 @@ class StandbyLink:
         primary's writes do not wait for it until it comes back (the last
         standby) or the standby timeout (another). Best effort: a primary
         that does not hear it waits as for a standby down."""
-        if self.role != "standby" or not self._incarnation:
-            return  # it serves, or never attached
+        if self.role != "standby" or not self._incarnation or self._admin is None:
+            return  # it serves, never attached, or is between primaries
         index, count = self._place()
         request = dlt_pb2.AttachStandbyRequest(
             address=self._advertise, shard_index=index, num_shards=count, leaving=True
         )
         try:
             self._call("AttachStandby", request, timeout=2)
-        except (grpc.RpcError, errors.DltError) as e:
+        except Exception as e:  # noqa: BLE001 - best effort: the stop goes on
             log.warning("could not tell %s that this standby stops: %s", self.primary, e)
             return
         log.info("told %s that this standby stops", self.primary)
