@@ -941,6 +941,36 @@ def test_a_drop_table_sent_on_to_the_copy_that_took_over_finds_it_done(tmp_path:
             cluster.processes[0].send_signal(signal.SIGCONT)
 
 
+def test_an_async_primarys_load_is_acknowledged_once_its_standby_holds_it(tmp_path: Path) -> None:
+    """With --replication async a push is acknowledged at once, but a load
+    (and a table change) waits for the standbys to hold it: a primary killed
+    right after a load left its standby, still copying the loaded table, to
+    take over with the rows of before the load, the load silently undone. A
+    standby that does not answer still fails no async write: it is
+    acknowledged after the standby timeout, as before."""
+    with LocalCluster(
+        1, "--replication", "async", "--standby-timeout", "2",
+        workdir=tmp_path / "cluster", replicas=2,
+    ) as cluster:  # fmt: skip
+        client = tf_dlt.Client(cluster.addresses, request_timeout=20)
+        client.create_table("emb", 16, optimizer="adagrad")
+        ids = np.arange(200_000, dtype=np.int64)
+        client.push("emb", ids, np.ones((len(ids), 16), np.float32), 0.1)
+        client.save(str(tmp_path / "ck"))
+        saved = client.pull("emb", ids)
+        client.push("emb", ids, np.ones((len(ids), 16), np.float32), 0.1)
+        wait_until(lambda: _caught_up(cluster, 0), "the standby to catch up")
+        cluster.processes[1].send_signal(signal.SIGSTOP)
+        try:
+            client.create_table("made_while_stalled", DIM)  # acknowledged all the same
+        finally:
+            cluster.processes[1].send_signal(signal.SIGCONT)
+        wait_until(lambda: _caught_up(cluster, 0), "the standby to catch up again")
+        client.load(str(tmp_path / "ck"))
+        cluster.kill(0)  # at once: the standby takes over
+        np.testing.assert_array_equal(client.pull("emb", ids), saved)
+
+
 def test_tf_dlt_stats_of_a_standby_listed_alone_shows_its_own(
     replicated: LocalCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:

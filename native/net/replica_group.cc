@@ -74,7 +74,37 @@ void ReplicaGroup::Stop() {
 
 uint64_t ReplicaGroup::Applied() { return Mark(0); }
 
-Status ReplicaGroup::Hold(int timeout_ms) { return WrittenWithin(Mark(1), timeout_ms); }
+Status ReplicaGroup::Hold(int timeout_ms) {
+  const uint64_t seq = Mark(1);
+  return options_.sync ? WrittenWithin(seq, timeout_ms) : HeldByAll(seq, timeout_ms);
+}
+
+Status ReplicaGroup::HeldByAll(uint64_t seq, int timeout_ms) {
+  const Marks marks = MarksOf(seq);
+  std::vector<Attached> members;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    members = members_;
+  }
+  Status first;
+  for (const Attached& member : members) {
+    const Status s = member.replicator->Held(MarkOf(marks, member), timeout_ms);
+    if (!s.ok() && first.ok()) first = s;
+  }
+  return first;
+}
+
+ReplicaGroup::Marks ReplicaGroup::MarksOf(uint64_t seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return marks_[seq % kMarks].seq == seq ? marks_[seq % kMarks] : Marks{};
+}
+
+uint64_t ReplicaGroup::MarkOf(const Marks& marks, const Attached& member) {
+  for (size_t i = 0; i < marks.count; ++i) {
+    if (marks.marks[i].first == member.id) return marks.marks[i].second;
+  }
+  return member.replicator->Applied();
+}
 
 uint64_t ReplicaGroup::Mark(uint64_t later) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -89,19 +119,8 @@ uint64_t ReplicaGroup::Mark(uint64_t later) {
 }
 
 Status ReplicaGroup::WrittenWithin(uint64_t seq, int timeout_ms) {
-  Marks marks;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (marks_[seq % kMarks].seq == seq) marks = marks_[seq % kMarks];
-  }
-  // The round each member must apply: the one marked, or (a member
-  // attached since, or a mark the ring lost) the next to take changes.
-  auto mark_of = [&](const Attached& member) {
-    for (size_t i = 0; i < marks.count; ++i) {
-      if (marks.marks[i].first == member.id) return marks.marks[i].second;
-    }
-    return member.replicator->Applied();
-  };
+  const Marks marks = MarksOf(seq);
+  auto mark_of = [&](const Attached& member) { return MarkOf(marks, member); };
   if (!options_.sync) {
     std::vector<Attached> members;
     {

@@ -65,8 +65,10 @@ class ReplicaGroup : public WriteListener {
   // that began after this call, so they hold every table as it is now: a
   // load's tables, a table made or dropped (the admin plane's writes,
   // outside the push gate, hence the round after the next to take
-  // changes). At most `timeout_ms` for each standby; OK at once in async
-  // mode or with no standby.
+  // changes). At most `timeout_ms` for each standby; OK at once with no
+  // standby. In async mode every standby attached is waited for (its
+  // first failure returned), in-sync set or not: an async primary's
+  // admin-plane writes wait as a sync one's, its pushes do not.
   Status Hold(int timeout_ms);
   // Pauses (or resumes) every standby's stream; the first error.
   Status Pause(bool pause);
@@ -86,6 +88,8 @@ class ReplicaGroup : public WriteListener {
   using Member = std::shared_ptr<Replicator>;
   // Written, each standby waited for at most timeout_ms (0: the write timeout).
   Status WrittenWithin(uint64_t mark, int timeout_ms);
+  // Hold in async mode: each standby attached, Replicator::Held.
+  Status HeldByAll(uint64_t mark, int timeout_ms);
   // A write's marks: the round each member takes changes in next, or
   // `later` rounds after it (Applied: 0; Hold: 1).
   uint64_t Mark(uint64_t later);
@@ -129,6 +133,12 @@ class ReplicaGroup : public WriteListener {
     std::array<std::pair<uint64_t, uint64_t>, kMaxStandbys> marks;  // (replicator id, mark)
   };
   static constexpr size_t kMarks = 1024;
+  // The marks of write `seq` (none where the ring lost them).
+  Marks MarksOf(uint64_t seq) const;
+  // The round `member` must apply for a write of `marks`: the one marked,
+  // or (a member attached since, or a mark the ring lost) the next to take
+  // changes.
+  static uint64_t MarkOf(const Marks& marks, const Attached& member);
 
   mutable std::mutex mu_;
   std::vector<Attached> members_;                          // attach order; guarded by mu_

@@ -90,6 +90,17 @@ Status Replicator::Written(uint64_t need, uint64_t view_version, int timeout_ms)
     if (unsent_since_ == Clock::time_point{}) unsent_since_ = Clock::now();
     return OkStatus();
   }
+  return WaitWritten(lock, need, view_version, timeout_ms);
+}
+
+Status Replicator::Held(uint64_t need, int timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!options_.sync && unsent_since_ == Clock::time_point{}) unsent_since_ = Clock::now();
+  return WaitWritten(lock, need, 0, timeout_ms);
+}
+
+Status Replicator::WaitWritten(std::unique_lock<std::mutex>& lock, uint64_t need,
+                               uint64_t view_version, int timeout_ms) {
   const int wait_ms = timeout_ms > 0 ? timeout_ms : options_.write_timeout_ms;
   const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
   for (;;) {

@@ -125,6 +125,9 @@ class Replicator : public WriteListener {
   // the standby the group's view `view_version` or a later one; waits at
   // most timeout_ms (0: write_timeout).
   Status Written(uint64_t mark, uint64_t view_version, int timeout_ms = 0);
+  // As Written, in either mode: an async primary's admin-plane writes (a
+  // load, a table made or dropped) wait for the standby as a sync one's do.
+  Status Held(uint64_t mark, int timeout_ms);
   // Shuts the connection down: a frame in flight fails at once, and the
   // next round connects again and copies every table whole (a group gave
   // up waiting for this standby; Stop uses it too).
@@ -146,6 +149,9 @@ class Replicator : public WriteListener {
   const std::string& standby() const { return standby_; }
 
  private:
+  // Written's wait for round `need` (and view `view_version`); mu_ held.
+  Status WaitWritten(std::unique_lock<std::mutex>& lock, uint64_t need, uint64_t view_version,
+                     int timeout_ms);
   void Run();
   // Connects and says Hello (the standby must be this shard's index of
   // the same count; a range stream's target a shard sharing buckets with

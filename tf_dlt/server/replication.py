@@ -145,11 +145,14 @@ class Standbys:
         """Returns once the standbys a write waits on hold every table as it
         is now (a load's, a table made or dropped: the admin plane's writes),
         waiting at most `timeout_s` for each (None: the standby timeout); at
-        once in async mode or with no standby. UnavailableError or
-        DeadlineExceededError when they do not."""
+        once with no standby. UnavailableError or DeadlineExceededError when
+        they do not. In async mode too (every standby attached waited for):
+        a load acknowledged before its standby held it was served no more
+        once that standby took over (`ShardService` acknowledges it all the
+        same when they fail to: a standby down fails no async write)."""
         with self._lock:
             group = self._group
-        if group is not None and self.replication == "sync":
+        if group is not None:
             timeout_ms = self._write_timeout_ms if timeout_s is None else int(timeout_s * 1000)
             group.hold(timeout_ms=max(1, timeout_ms))
 

@@ -229,15 +229,25 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     def _held_by_standbys(self, what: str, timeout_s: float | None = None) -> None:
         """Acknowledges an admin-plane write (a load installed or undone, a
-        table made, dropped or shrunk) once the sync standbys hold it, as a
-        push is: a primary that dies right after it never leaves a standby
-        to take over without it. The write stays done here when they do
-        not (a load's COMMIT then fails and the client rolls it back)."""
+        table made, dropped or shrunk) once the standbys hold it: a primary
+        that dies right after it never leaves a standby to take over without
+        it. In sync mode, as a push is: the write stays done here when they
+        do not, and fails (a load's COMMIT then fails and the client rolls
+        it back). In async mode, where a push is acknowledged at once, after
+        the standbys hold it or, where they do not within `timeout_s` (None:
+        the standby timeout), all the same, logged: a standby down fails no
+        async write, and one that takes over without it serves before it."""
         if self.standbys is None:
             return
         try:
             self.standbys.hold(timeout_s)
         except errors.DltError as e:
+            if self.standbys.replication == "async":
+                log.warning(
+                    "%s on shard %d: acknowledged before its standbys hold it (async "
+                    "replication): %s", what, self._shard.shard_index, e.message,
+                )  # fmt: skip
+                return
             raise type(e)(
                 f"{what} on shard {self._shard.shard_index} is done here, but its standbys do "
                 f"not hold it: {e.message}"
