@@ -233,12 +233,17 @@ def _needed_beside(deleting: list[str]) -> set[str]:
     return out
 
 
-def refuse_breaking_dependents(path: str) -> None:
-    """Refuses a save into table checkpoint `path` that would replace a
-    checkpoint a delta beside it was saved on top of (in the same directory
-    of checkpoints: `path`'s siblings, or for a model checkpoint's tables,
-    the model checkpoint's siblings): that delta's chain would break (its
-    parent would hold another save). Deltas elsewhere are not looked for."""
+def refuse_unsafe_target(path: str) -> None:
+    """Refuses a save into table checkpoint `path` that lies inside another
+    checkpoint (`run/step-5/inner`) or holds checkpoints in its
+    subdirectories (`run/` beside `run/step-5`): `checkpoint ls` and
+    `prune` of the directory would mix them up, as `compact` refuses. And
+    one that would replace a checkpoint a delta beside it was saved on top
+    of (in the same directory of checkpoints: `path`'s siblings, or for a
+    model checkpoint's tables, the model checkpoint's siblings): that
+    delta's chain would break (its parent would hold another save). Deltas
+    elsewhere are not looked for."""
+    _refuse_nesting(path)
     try:
         current = manifest_lib.read_manifest(path)
     except Exception:  # noqa: BLE001 - nothing committed there, or a URL the shards refuse
@@ -258,6 +263,37 @@ def refuse_breaking_dependents(path: str) -> None:
                     f"would replace it and break {found.path!r}'s chain; save into another "
                     f"directory (or delete {found.path!r} first)"
                 )
+
+
+def _refuse_nesting(path: str) -> None:
+    """`refuse_unsafe_target`'s check of the checkpoints `path` would hold
+    or lie in (itself, and a model checkpoint's tables there, aside)."""
+    here = _key(path)
+    for found in find(path, whole_models=False):
+        if here not in (_key(found.path), _key(found.tables)):
+            raise errors.FailedPreconditionError(
+                f"{path!r} holds the checkpoint {found.path!r}: a save there would mix the two "
+                "up in listings and prunes of the directory; save into a directory beside it"
+            )
+    fs, root = manifest_lib.filesystem(path)
+    ancestor = posixpath.dirname(root.rstrip("/"))
+    while ancestor not in ("", "/"):
+        directory = manifest_lib.url_of(fs, ancestor)
+        for tables in (directory, tables_path(directory, TABLES_DIR)):
+            if _key(tables) == here:
+                continue  # a model checkpoint's own tables
+            try:
+                manifest_lib.read_manifest(tables)
+            except Exception:  # noqa: BLE001 - no checkpoint there (or none this process reads)
+                continue
+            raise errors.FailedPreconditionError(
+                f"{path!r} lies inside the checkpoint {directory!r}: a save there would mix the "
+                "two up in listings and prunes of the directory; save into a directory beside it"
+            )
+        parent = posixpath.dirname(ancestor)
+        if parent == ancestor:
+            break
+        ancestor = parent
 
 
 def describe(path: str) -> list[dict[str, Any]]:
@@ -310,7 +346,7 @@ def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, 
                 f"{source!r} reads: listings and prunes of the directory would mix them up; give "
                 "a directory beside it"
             )
-    refuse_breaking_dependents(target)
+    refuse_unsafe_target(target)
     head = links[-1].manifest
     n = num_shards if num_shards is not None else int(head["num_shards"])
     # The state of the save it compacts, so that save's id: it sorts where
