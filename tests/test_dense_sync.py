@@ -77,6 +77,16 @@ def test_another_models_table_is_refused_and_a_missing_chief_times_out() -> None
     other.compile(optimizer=tf_dlt.DenseOnShards([], table="dense_layout"), loss="mse")
     with pytest.raises(errors.FailedPreconditionError, match="another model's weights"):
         other.optimizer.build(other.trainable_variables)
+    # As many variables and floats, of other shapes: the error names the
+    # sizes (it showed the equal count and total alone).
+    inp = keras.Input((8,))
+    alike = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(4)(inp)))
+    alike.compile(optimizer=tf_dlt.DenseOnShards([], table="dense_layout"), loss="mse")
+    with pytest.raises(
+        errors.FailedPreconditionError,
+        match=r"sized \[30, 5, 5, 1\]; this model: .* sized \[32, 4, 4, 1\]",
+    ):
+        alike.optimizer.build(alike.trainable_variables)
     waiting = tf_dlt.DenseOnShards([], table="dense_nobody", is_chief=False, start_timeout=0.5)
     with pytest.raises(errors.DeadlineExceededError, match="the chief wrote no initial weights"):
         waiting.build(_model(0).trainable_variables)

@@ -55,6 +55,18 @@ def _marker(sizes: list[int]) -> np.ndarray:
     return row
 
 
+def _described(marker: np.ndarray) -> str:
+    """A marker row (`_marker`) in words: its format, variable count, total
+    size and the sizes of the variables it lists."""
+    count = int(marker[1])
+    sizes = [int(size) for size in marker[3 : 3 + min(count, ROW - 3)]]
+    more = f" and {count - len(sizes)} more" if count > len(sizes) else ""
+    return (
+        f"format {int(marker[0])}, {count} variables of {int(marker[2])} floats in all, "
+        f"sized {sizes}{more}"
+    )
+
+
 def _overwritten(variable: Any) -> bool:
     """Variables Keras overwrites with their gradient (the embeddings'
     anchors) are not dense weights."""
@@ -142,8 +154,8 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         if not np.array_equal(found, marker):
             raise errors.FailedPreconditionError(
                 f"dense table {self.table!r} holds another model's weights "
-                f"(layout {found[:3].tolist()}, this model {marker[:3].tolist()}: "
-                "format, variables, total size); use another table name"
+                f"({_described(found)}; this model: {_described(marker)}); use another table "
+                "name"
             )
         self.refresh()
 
