@@ -203,10 +203,12 @@ def _scan_shards(
 
     addresses, token = cluster_of(layers)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-export-") as tmp:
-        where = (staging or tmp).rstrip("/")
-        fs, root = manifest.filesystem(where)
-        made = staging is not None and not fs.exists(root)  # removed after, as the checkpoint
-        path = f"{where}/export-rows"
+        path = f"{(staging or tmp).rstrip('/')}/export-rows"
+        fs, root = manifest.filesystem(path)
+        if staging is not None:
+            _, staged_in = manifest.filesystem(staging)
+            if staged_in and not fs.exists(staged_in):  # "": the filesystem's root
+                root = staged_in  # made here: removed after, with the checkpoint
         try:
             with Client(addresses, auth_token=token) as client:
                 try:
@@ -224,7 +226,7 @@ def _scan_shards(
         finally:
             if staging is not None:
                 with contextlib.suppress(FileNotFoundError):
-                    fs.rm(f"{root}/export-rows" if not made else root, recursive=True)
+                    fs.rm(root, recursive=True)
     out = {}
     for layer in layers:
         exporter = staged.get_table(layer.table_name).exporter()
