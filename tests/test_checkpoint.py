@@ -399,7 +399,12 @@ def test_a_save_inside_a_checkpoint_or_holding_checkpoints_is_refused(
         client.save(str(run))
     client.save(str(run / "s2"))  # beside
     client.save(str(run / "s1"))  # in place
-    assert sorted(Path(c.path).name for c in chain.find(str(run))) == ["s1", "s2"]
+    client.save(str(run / "s1" / ".." / "s3"))  # beside too, as the shards resolve it
+    assert sorted(Path(c.path).name for c in chain.find(str(run))) == ["s1", "s2", "s3"]
+    # A table checkpoint named "tables" is no model checkpoint: saves
+    # beside it, and deltas on it, are fine.
+    client.save(str(tmp_path / "exp" / "tables"))
+    client.save(str(tmp_path / "exp" / "step-2"), base=str(tmp_path / "exp" / "tables"))
     client.close()
 
 

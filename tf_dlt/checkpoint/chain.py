@@ -234,16 +234,14 @@ def _needed_beside(deleting: list[str]) -> set[str]:
 
 
 def refuse_unsafe_target(path: str) -> None:
-    """Refuses a save into table checkpoint `path` that lies inside another
-    checkpoint (`run/step-5/inner`) or holds checkpoints in its
-    subdirectories (`run/` beside `run/step-5`): `checkpoint ls` and
-    `prune` of the directory would mix them up, as `compact` refuses. And
+    """Refuses a save into table checkpoint `path` that lies in another
+    checkpoint's directory or holds checkpoints (`refuse_nesting`), and
     one that would replace a checkpoint a delta beside it was saved on top
     of (in the same directory of checkpoints: `path`'s siblings, or for a
     model checkpoint's tables, the model checkpoint's siblings): that
     delta's chain would break (its parent would hold another save). Deltas
     elsewhere are not looked for."""
-    _refuse_nesting(path)
+    refuse_nesting(path)
     try:
         current = manifest_lib.read_manifest(path)
     except Exception:  # noqa: BLE001 - nothing committed there, or a URL the shards refuse
@@ -265,35 +263,50 @@ def refuse_unsafe_target(path: str) -> None:
                 )
 
 
-def _refuse_nesting(path: str) -> None:
-    """`refuse_unsafe_target`'s check of the checkpoints `path` would hold
-    or lie in (itself, and a model checkpoint's tables there, aside)."""
-    here = _key(path)
-    for found in find(path, whole_models=False):
-        if here not in (_key(found.path), _key(found.tables)):
+def refuse_nesting(path: str) -> None:
+    """Refuses a save into checkpoint directory `path` (a table checkpoint,
+    or a model checkpoint's directory) that lies in another checkpoint's
+    directory (`run/s1/inner`) or holds checkpoints in its subdirectories
+    (`run/` beside `run/s1`; a model checkpoint's own `tables/` aside):
+    `checkpoint ls` and `prune` of the directory would mix them up, as
+    `compact` refuses. Only `path`'s own directory is looked in, and its
+    parent: a table checkpoint, or a model checkpoint whose model loads."""
+    fs, root = manifest_lib.filesystem(path)
+    root = posixpath.normpath(root) if root else root  # `..` as the shards resolve it
+    target = manifest_lib.url_of(fs, root)
+    own = {_key(target), _key(tables_path(target, TABLES_DIR))}
+    for found in find(target, whole_models=False):
+        if _key(found.path) not in own and _key(found.tables) not in own:
             raise errors.FailedPreconditionError(
                 f"{path!r} holds the checkpoint {found.path!r}: a save there would mix the two "
                 "up in listings and prunes of the directory; save into a directory beside it"
             )
-    fs, root = manifest_lib.filesystem(path)
-    ancestor = posixpath.dirname(root.rstrip("/"))
-    while ancestor not in ("", "/"):
-        directory = manifest_lib.url_of(fs, ancestor)
-        for tables in (directory, tables_path(directory, TABLES_DIR)):
-            if _key(tables) == here:
-                continue  # a model checkpoint's own tables
-            try:
-                manifest_lib.read_manifest(tables)
-            except Exception:  # noqa: BLE001 - no checkpoint there (or none this process reads)
-                continue
-            raise errors.FailedPreconditionError(
-                f"{path!r} lies inside the checkpoint {directory!r}: a save there would mix the "
-                "two up in listings and prunes of the directory; save into a directory beside it"
-            )
-        parent = posixpath.dirname(ancestor)
-        if parent == ancestor:
-            break
-        ancestor = parent
+    parent = posixpath.dirname(root)
+    if parent in ("", "/", root):
+        return
+    directory = manifest_lib.url_of(fs, parent)
+    if _is_checkpoint(directory, own):
+        raise errors.FailedPreconditionError(
+            f"{path!r} lies inside the checkpoint {directory!r}: a save there would mix the two "
+            "up in listings and prunes of the directory; save into a directory beside it"
+        )
+
+
+def _is_checkpoint(directory: str, own: set[str]) -> bool:
+    """Whether `directory` is a committed table checkpoint, or a model
+    checkpoint (its tables committed and its model loading), other than
+    one whose tables are of `own` (`_key` form)."""
+    for tables, model in ((directory, False), (tables_path(directory, TABLES_DIR), True)):
+        if _key(tables) in own:
+            continue
+        try:
+            m = manifest_lib.read_manifest(tables)
+            if model:
+                read_model(directory, m)
+        except Exception:  # noqa: BLE001 - not a checkpoint (or none this process reads)
+            continue
+        return True
+    return False
 
 
 def describe(path: str) -> list[dict[str, Any]]:

@@ -75,6 +75,10 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     for layer in layers:
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
+    # The model checkpoint's directory as the tables' is checked when they
+    # are saved: before anything is written there.
+    with errors.storage_errors(f"reading what {path} holds"):
+        chain.refuse_nesting(path)
     fs, root = manifest.filesystem(path)
     fs.makedirs(root, exist_ok=True)
     tables = _tables_of(path)
