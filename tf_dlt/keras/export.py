@@ -196,6 +196,7 @@ def _scan_shards(
 ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Every row (with its update count) of the layers' shard tables, read
     from a checkpoint the shards write to `staging`."""
+    import secrets
     import tempfile
 
     from tf_dlt.checkpoint import manifest, shard_files
@@ -203,12 +204,15 @@ def _scan_shards(
 
     addresses, token = cluster_of(layers)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-export-") as tmp:
-        path = f"{(staging or tmp).rstrip('/')}/export-rows"
+        # This export's own name: another export staging beside it keeps
+        # its own checkpoint.
+        path = f"{(staging or tmp).rstrip('/')}/export-rows-{secrets.token_hex(6)}"
         fs, root = manifest.filesystem(path)
+        made = ""  # the staging directory, where this export made it
         if staging is not None:
             _, staged_in = manifest.filesystem(staging)
             if staged_in and not fs.exists(staged_in):  # "": the filesystem's root
-                root = staged_in  # made here: removed after, with the checkpoint
+                made = staged_in
         try:
             with Client(addresses, auth_token=token) as client:
                 try:
@@ -227,6 +231,9 @@ def _scan_shards(
             if staging is not None:
                 with contextlib.suppress(FileNotFoundError):
                     fs.rm(root, recursive=True)
+                with contextlib.suppress(FileNotFoundError):
+                    if made and not fs.ls(made):  # nothing else came to it meanwhile
+                        fs.rm(made, recursive=True)
     out = {}
     for layer in layers:
         exporter = staged.get_table(layer.table_name).exporter()
