@@ -86,9 +86,20 @@ Status ReplicaGroup::HeldByAll(uint64_t seq, int timeout_ms) {
     std::lock_guard<std::mutex> lock(mu_);
     members = members_;
   }
+  // One deadline for all of them: a write waits at most timeout_ms in all.
+  using std::chrono::milliseconds;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        milliseconds(timeout_ms > 0 ? timeout_ms : options_.write_timeout_ms);
   Status first;
   for (const Attached& member : members) {
-    const Status s = member.replicator->Held(MarkOf(marks, member), timeout_ms);
+    const auto left =
+        std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    const Status s = member.replicator->Held(MarkOf(marks, member),
+                                             static_cast<int>(std::max<int64_t>(1, left.count())));
+    // A standby that outlasts it is copied afresh (as a sync group does), so
+    // the writes after this one learn at once that it is down, not each
+    // waiting out the timeout on its stalled round.
+    if (s.code() == Code::kDeadlineExceeded) member.replicator->Reconnect();
     if (!s.ok() && first.ok()) first = s;
   }
   return first;
