@@ -539,13 +539,16 @@ DLT_TEST(TestAdviseWritesReadsInThePagesThePutsWillWrite) {
   }
   const uint32_t layout = static_cast<uint32_t>(tier.layout());
   tier.AdviseWrites(hashes.data(), hashes.size());
-  // The reads are asynchronous: wait (bounded) for them to land.
+  // The reads are asynchronous: wait (bounded) for them to land, and to
+  // settle (it went on once half had landed: the check below, of 90%, then
+  // failed now and then).
   std::vector<bool> after;
-  for (int tries = 0; tries < 500; ++tries) {
+  size_t cached = 0;
+  for (int tries = 0, settled = 0; tries < 500 && settled < 5; ++tries) {
     after = CachedPages(tier.path(), tier.page_bytes());
-    if (static_cast<size_t>(std::count(after.begin(), after.end(), true)) >=
-        cached_before + ids.size() / 2)
-      break;
+    const size_t now = static_cast<size_t>(std::count(after.begin(), after.end(), true));
+    settled = now >= cached_before + ids.size() / 2 && now == cached ? settled + 1 : 0;
+    cached = now;
     usleep(10000);
   }
   for (size_t i = 0; i < ids.size(); ++i) {
