@@ -379,35 +379,6 @@ def _broken_checkpoint(cluster: Cluster, path: Path) -> tuple[Client, np.ndarray
     return client, client.pull("t", ids), manifest
 
 
-def test_a_save_inside_a_checkpoint_or_holding_checkpoints_is_refused(
-    start_cluster: Callable[..., Cluster], tmp_path: Path
-) -> None:
-    """A save into a checkpoint's directory (`run/s1/inner`) or into one
-    that holds checkpoints (`run/` beside `run/s1`) is refused, as compact's
-    target is: both were saved, and `checkpoint ls run/` then listed the one
-    and hid the others (prune kept them all). Beside, or in place, is fine."""
-    from tf_dlt.checkpoint import chain
-
-    client = Client(start_cluster(1).addresses)
-    client.create_table("t", 4)
-    client.push("t", np.arange(100), np.ones((100, 4), np.float32), 0.1)
-    run = tmp_path / "run"
-    client.save(str(run / "s1"))
-    with pytest.raises(errors.FailedPreconditionError, match="lies inside the checkpoint"):
-        client.save(str(run / "s1" / "inner"))
-    with pytest.raises(errors.FailedPreconditionError, match="holds the checkpoint"):
-        client.save(str(run))
-    client.save(str(run / "s2"))  # beside
-    client.save(str(run / "s1"))  # in place
-    client.save(str(run / "s1" / ".." / "s3"))  # beside too, as the shards resolve it
-    assert sorted(Path(c.path).name for c in chain.find(str(run))) == ["s1", "s2", "s3"]
-    # A table checkpoint named "tables" is no model checkpoint: saves
-    # beside it, and deltas on it, are fine.
-    client.save(str(tmp_path / "exp" / "tables"))
-    client.save(str(tmp_path / "exp" / "step-2"), base=str(tmp_path / "exp" / "tables"))
-    client.close()
-
-
 def test_missing_shard_file_fails_and_changes_nothing(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

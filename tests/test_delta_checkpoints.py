@@ -374,7 +374,7 @@ def test_a_base_replaced_or_pruned_while_a_delta_is_written_fails_one_save_not_t
     made exact by acting from the check a save makes before its commit."""
     run = tmp_path / "run"
     ids = np.arange(500, dtype=np.int64)
-    check = chain.refuse_unsafe_target
+    check = chain.refuse_breaking_dependents
     with start_cluster(1).client() as c:
         _base_and_delta(c, ids, run / "step-1", run / "step-2")
         _train(c, ids[:50], 3, {"t": 4})
@@ -387,7 +387,7 @@ def test_a_base_replaced_or_pruned_while_a_delta_is_written_fails_one_save_not_t
                 shutil.rmtree(run / "step-2")  # as a prune of the compacted copy's run does
             check(path)
 
-        monkeypatch.setattr(chain, "refuse_unsafe_target", prune_as_the_delta_commits)
+        monkeypatch.setattr(chain, "refuse_breaking_dependents", prune_as_the_delta_commits)
         with pytest.raises(errors.FailedPreconditionError, match="no longer loads") as e:
             c.save(str(run / "step-3"), base=str(run / "step-2"))
         assert "is unchanged" in e.value.message
@@ -404,10 +404,10 @@ def test_a_base_replaced_or_pruned_while_a_delta_is_written_fails_one_save_not_t
                 done.append(path)
                 c.save(str(run / "step-5"), base=str(run / "step-4"))
 
-        monkeypatch.setattr(chain, "refuse_unsafe_target", delta_commits_meanwhile)
+        monkeypatch.setattr(chain, "refuse_breaking_dependents", delta_commits_meanwhile)
         with pytest.raises(errors.FailedPreconditionError, match="is a delta on top of"):
             c.save(str(run / "step-4"))
-        monkeypatch.setattr(chain, "refuse_unsafe_target", check)
+        monkeypatch.setattr(chain, "refuse_breaking_dependents", check)
         _loads_back(c, run / "step-5", ids, state, seed=4)
 
 

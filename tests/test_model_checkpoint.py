@@ -65,31 +65,6 @@ def test_embedded_save_and_load_restore_rows_slots_and_dense_weights(tmp_path: P
     _assert_state(_state(model, "ck_embedded"), state)  # values, Adam slots and steps
 
 
-def test_a_model_save_inside_a_checkpoint_or_holding_checkpoints_is_refused(
-    tmp_path: Path,
-) -> None:
-    """`tf_dlt.save` into a directory holding checkpoints (`run/` beside
-    `run/s1`) is refused, as `Client.save` is: it was saved (its tables'
-    directory `run/tables` holds none), and listings of `run` mixed them.
-    Into a checkpoint's directory it is refused before anything is written
-    (it left an empty directory there). Beside them, and in place, it saves."""
-    from tf_dlt.checkpoint import chain
-
-    model = _model("ck_nesting")
-    x, y = _data()
-    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
-    run = tmp_path / "run"
-    tf_dlt.save(model, str(run / "s1"))
-    with pytest.raises(errors.FailedPreconditionError, match="holds the checkpoint"):
-        tf_dlt.save(model, str(run))
-    with pytest.raises(errors.FailedPreconditionError, match="lies inside the checkpoint"):
-        tf_dlt.save(model, str(run / "s1" / "inner"))
-    assert not (run / "s1" / "inner").exists()
-    tf_dlt.save(model, str(run / "s2"))
-    tf_dlt.save(model, str(run / "s1"))
-    assert sorted(Path(c.path).name for c in chain.find(str(run))) == ["s1", "s2"]
-
-
 def test_shard_save_loads_into_embedded_tables(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

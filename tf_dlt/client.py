@@ -948,7 +948,7 @@ class Client:
                         "in full (no base; tf_dlt.save: incremental=False)"
                     )
         with errors.storage_errors(f"reading what {path} holds"):
-            chain.refuse_unsafe_target(path)
+            chain.refuse_breaking_dependents(path)
         if save_id is None:
             return saved_despite_failovers(
                 lambda: self._save(path, parent, tables, progress, manifest.new_save_id()), path
@@ -1000,7 +1000,7 @@ class Client:
         with errors.storage_errors(f"reading what {path} holds"):
             # Again: a delta on what `path` holds may have committed while
             # the shards wrote.
-            chain.refuse_unsafe_target(path)
+            chain.refuse_breaking_dependents(path)
         with errors.storage_errors(f"committing {path}"):
             return manifest.write_manifest(path, parts, save_id, parent)
 

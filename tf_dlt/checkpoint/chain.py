@@ -233,15 +233,12 @@ def _needed_beside(deleting: list[str]) -> set[str]:
     return out
 
 
-def refuse_unsafe_target(path: str) -> None:
-    """Refuses a save into table checkpoint `path` that lies in another
-    checkpoint's directory or holds checkpoints (`refuse_nesting`), and
-    one that would replace a checkpoint a delta beside it was saved on top
-    of (in the same directory of checkpoints: `path`'s siblings, or for a
-    model checkpoint's tables, the model checkpoint's siblings): that
-    delta's chain would break (its parent would hold another save). Deltas
-    elsewhere are not looked for."""
-    refuse_nesting(path)
+def refuse_breaking_dependents(path: str) -> None:
+    """Refuses a save into table checkpoint `path` that would replace a
+    checkpoint a delta beside it was saved on top of (in the same directory
+    of checkpoints: `path`'s siblings, or for a model checkpoint's tables,
+    the model checkpoint's siblings): that delta's chain would break (its
+    parent would hold another save). Deltas elsewhere are not looked for."""
     try:
         current = manifest_lib.read_manifest(path)
     except Exception:  # noqa: BLE001 - nothing committed there, or a URL the shards refuse
@@ -261,52 +258,6 @@ def refuse_unsafe_target(path: str) -> None:
                     f"would replace it and break {found.path!r}'s chain; save into another "
                     f"directory (or delete {found.path!r} first)"
                 )
-
-
-def refuse_nesting(path: str) -> None:
-    """Refuses a save into checkpoint directory `path` (a table checkpoint,
-    or a model checkpoint's directory) that lies in another checkpoint's
-    directory (`run/s1/inner`) or holds checkpoints in its subdirectories
-    (`run/` beside `run/s1`; a model checkpoint's own `tables/` aside):
-    `checkpoint ls` and `prune` of the directory would mix them up, as
-    `compact` refuses. Only `path`'s own directory is looked in, and its
-    parent: a table checkpoint, or a model checkpoint whose model loads."""
-    fs, root = manifest_lib.filesystem(path)
-    root = posixpath.normpath(root) if root else root  # `..` as the shards resolve it
-    target = manifest_lib.url_of(fs, root)
-    own = {_key(target), _key(tables_path(target, TABLES_DIR))}
-    for found in find(target, whole_models=False):
-        if _key(found.path) not in own and _key(found.tables) not in own:
-            raise errors.FailedPreconditionError(
-                f"{path!r} holds the checkpoint {found.path!r}: a save there would mix the two "
-                "up in listings and prunes of the directory; save into a directory beside it"
-            )
-    parent = posixpath.dirname(root)
-    if parent in ("", "/", root):
-        return
-    directory = manifest_lib.url_of(fs, parent)
-    if _is_checkpoint(directory, own):
-        raise errors.FailedPreconditionError(
-            f"{path!r} lies inside the checkpoint {directory!r}: a save there would mix the two "
-            "up in listings and prunes of the directory; save into a directory beside it"
-        )
-
-
-def _is_checkpoint(directory: str, own: set[str]) -> bool:
-    """Whether `directory` is a committed table checkpoint, or a model
-    checkpoint (its tables committed and its model loading), other than
-    one whose tables are of `own` (`_key` form)."""
-    for tables, model in ((directory, False), (tables_path(directory, TABLES_DIR), True)):
-        if _key(tables) in own:
-            continue
-        try:
-            m = manifest_lib.read_manifest(tables)
-            if model:
-                read_model(directory, m)
-        except Exception:  # noqa: BLE001 - not a checkpoint (or none this process reads)
-            continue
-        return True
-    return False
 
 
 def describe(path: str) -> list[dict[str, Any]]:
@@ -359,7 +310,7 @@ def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, 
                 f"{source!r} reads: listings and prunes of the directory would mix them up; give "
                 "a directory beside it"
             )
-    refuse_unsafe_target(target)
+    refuse_breaking_dependents(target)
     head = links[-1].manifest
     n = num_shards if num_shards is not None else int(head["num_shards"])
     # The state of the save it compacts, so that save's id: it sorts where

@@ -75,10 +75,6 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     for layer in layers:
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
-    # The model checkpoint's directory as the tables' is checked when they
-    # are saved: before anything is written there.
-    with errors.storage_errors(f"reading what {path} holds"):
-        chain.refuse_nesting(path)
     fs, root = manifest.filesystem(path)
     fs.makedirs(root, exist_ok=True)
     tables = _tables_of(path)
@@ -109,7 +105,7 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
                     save_id=save_id,
                 )
         elif layers:
-            chain.refuse_unsafe_target(tables)  # as Client.save does
+            chain.refuse_breaking_dependents(tables)  # as Client.save does
             written = _save_embedded(layers, tables, base_tables, save_id)
     except BaseException:
         # Failed after its tables committed (in their cleanup, say): the
@@ -211,7 +207,7 @@ def _save_embedded(
         for layer in layers
     ]
     part = shard_files.save_tables(tables, layout, rows, save_id)
-    chain.refuse_unsafe_target(tables)  # again, as Client.save does
+    chain.refuse_breaking_dependents(tables)  # again, as Client.save does
     return manifest.write_manifest(tables, [part], save_id, parent)
 
 
