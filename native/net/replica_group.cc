@@ -96,10 +96,11 @@ Status ReplicaGroup::HeldByAll(uint64_t seq, int timeout_ms) {
         std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
     const Status s = member.replicator->Held(MarkOf(marks, member),
                                              static_cast<int>(std::max<int64_t>(1, left.count())));
-    // A standby that outlasts it is copied afresh (as a sync group does), so
-    // the writes after this one learn at once that it is down, not each
-    // waiting out the timeout on its stalled round.
-    if (s.code() == Code::kDeadlineExceeded) member.replicator->Reconnect();
+    // Not copied afresh past it, as a sync group's in-sync standby is: an
+    // async standby may be copying the tables (a standby that just came
+    // back, a table a load replaced), and every admin write would then
+    // restart a copy that takes longer than the timeout (so it never caught
+    // up while they went on). A stalled one costs each write the timeout.
     if (!s.ok() && first.ok()) first = s;
   }
   return first;
