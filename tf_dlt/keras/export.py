@@ -14,6 +14,7 @@ embeddings, in one of two modes.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -231,9 +232,9 @@ def _scan_shards(
             if staging is not None:
                 with contextlib.suppress(FileNotFoundError):
                     fs.rm(root, recursive=True)
-                with contextlib.suppress(FileNotFoundError):
-                    if made and not fs.ls(made):  # nothing else came to it meanwhile
-                        fs.rm(made, recursive=True)
+                if made and manifest.is_local(fs):  # elsewhere no directory stays
+                    with contextlib.suppress(OSError):
+                        os.rmdir(made)  # only if nothing else came to it
     out = {}
     for layer in layers:
         exporter = staged.get_table(layer.table_name).exporter()
