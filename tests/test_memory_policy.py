@@ -117,6 +117,7 @@ def test_shrink_ttl_eviction_and_their_counters(start_cluster: Callable[..., Clu
         assert np.all(np.any(_rows(client, "cap", hot) != 0, axis=1))
         text = format_stats(client.stats(), cluster.addresses)
         assert "evicted" in text and "expired" in text
+        assert "rows  RAM MiB" in text  # the rows' bytes in RAM, not on a disk tier
 
 
 def test_sixteen_bit_rows_take_less_memory_and_train(start_cluster: Callable[..., Cluster]) -> None:

@@ -27,7 +27,7 @@ from tf_dlt.tools import cluster_args
 _MIB = 1 << 20
 
 _SHARD_COLUMNS = (
-    "shard", "address", "tables", "rows", "MiB", "pulls", "pushes", "pulled rows",
+    "shard", "address", "tables", "rows", "RAM MiB", "pulls", "pushes", "pulled rows",
     "pushed rows", "pull p50/p99 us", "push p50/p99 us", "errors", "conns/max",
 )  # fmt: skip
 
@@ -184,7 +184,7 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
     return (
         _table(_SHARD_COLUMNS, shard_rows)
         + "\n\n"
-        + _table(("table", "dim", "rows", "MiB", *_POLICY), table_rows)
+        + _table(("table", "dim", "rows", "RAM MiB", *_POLICY), table_rows)
         + ("\n\n" + _table(_TIER_COLUMNS, tiers) if tiers else "")
         + "".join(f"\n\nin progress: {line}" for line in pending)
         + "".join(f"\n\n{line}" for line in serving)
