@@ -408,10 +408,7 @@ def test_corrupt_shard_file_fails_and_changes_nothing(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
     client, before, manifest = _broken_checkpoint(start_cluster(2), tmp_path / "ck")
-    victim = tmp_path / "ck" / manifest["files"][0]["file"]
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    flip_byte(tmp_path / "ck" / manifest["files"][0]["file"], 0.5)
     with pytest.raises(errors.FailedPreconditionError, match="is corrupt: SHA-256"):
         client.load(str(tmp_path / "ck"))
     np.testing.assert_array_equal(client.pull("t", np.arange(1000)), before)

@@ -22,7 +22,7 @@ import tf_dlt
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import chain, manifest, shard_files, shard_format, shard_save
 
-from conftest import Cluster, staged_rows
+from conftest import Cluster, flip_byte, staged_rows
 
 
 def _train(client: tf_dlt.Client, ids: np.ndarray, seed: int, tables: dict[str, int]) -> None:
@@ -211,10 +211,7 @@ def test_broken_missing_and_corrupt_links_are_refused_naming_them(
         before = c.pull("t", ids)
         # A corrupt delta: refused, naming its file; the chain before it loads.
         d3 = json.loads((tmp_path / "d3" / "MANIFEST.json").read_text())
-        victim = tmp_path / "d3" / d3["files"][1]["file"]
-        data = bytearray(victim.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        victim.write_bytes(bytes(data))
+        flip_byte(tmp_path / "d3" / d3["files"][1]["file"], 0.5)
         with pytest.raises(errors.FailedPreconditionError, match=d3["files"][1]["file"]):
             c.load(str(tmp_path / "d3"))
         np.testing.assert_array_equal(c.pull("t", ids), before)  # nothing changed

@@ -19,7 +19,7 @@ import tf_dlt
 from tf_dlt import errors
 from tf_dlt.checkpoint import manifest
 
-from conftest import Cluster, wait_until
+from conftest import Cluster, flip_byte, wait_until
 
 
 def _wait_for(cluster: Cluster, done: Callable[[list[dict[str, Any]]], bool]) -> list[Any]:
@@ -131,10 +131,7 @@ def test_a_broken_delta_keeps_followers_serving_what_they_have(
         # Written beside the run and moved in whole once corrupt, so the
         # followers never see it intact (its parent path is relative).
         d3 = c.save(str(tmp_path / "stage" / "c3"), base=str(run / "c2"))
-    victim = tmp_path / "stage" / "c3" / d3["files"][0]["file"]
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    flip_byte(tmp_path / "stage" / "c3" / d3["files"][0]["file"], 0.5)
     (tmp_path / "stage" / "c3").rename(run / "c3")
     stats = _wait_for(followers, lambda s: all(x.get("follow_error") for x in s))
     for s in stats:
@@ -178,10 +175,7 @@ def test_a_checkpoint_that_fails_is_read_again_less_and_less_often(
         _start_run(c, ids, run)
         _push(c, ids[:10], 2)
         d2 = c.save(str(tmp_path / "stage" / "c2"), base=str(run / "c1"))
-    victim = tmp_path / "stage" / "c2" / d2["files"][0]["file"]
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    flip_byte(tmp_path / "stage" / "c2" / d2["files"][0]["file"], 0.5)
     tries: list[str] = []  # the checkpoints the follower read, one entry a read
     resolve_chain = follower_module.manifest_lib.resolve_chain
 
@@ -281,9 +275,7 @@ def test_a_delta_corrupt_past_its_first_block_changes_nothing(
         d2 = c.save(str(tmp_path / "stage" / "c2"), base=str(run / "c1"))
     victim = tmp_path / "stage" / "c2" / d2["files"][0]["file"]
     assert victim.stat().st_size > 48 << 20
-    data = bytearray(victim.read_bytes())
-    data[len(data) * 3 // 4] ^= 0xFF  # among table b's rows, after all of a's
-    victim.write_bytes(bytes(data))
+    flip_byte(victim, 0.75)  # among table b's rows, after all of a's
     (tmp_path / "stage" / "c2").rename(run / "c2")
     _wait_for(followers, lambda s: all(x.get("follow_error") for x in s))
     with followers.client() as f:
