@@ -16,7 +16,7 @@ import os
 import queue
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
@@ -378,7 +378,7 @@ class Client:
         # a standby took over (_leave_silent); a call that ends UNAVAILABLE
         # (its copy died) is sent to the copy that serves after it, within
         # the same deadline and watched the same way (_moved_on).
-        watched = [i for i in shards if "|" in self._addresses_of(i)]
+        watched = self._replicated(shards)
         moves: dict[int, int] = {}  # calls sent again after UNAVAILABLE, by shard
         resent: set[int] = set()  # shards whose call went on to another copy
         # A shard's addresses come from the data plane, which may learn a
@@ -690,7 +690,7 @@ class Client:
         """`_to_newest_copy` of each shard of `met` (with what the client
         met of it), those with standbys at once: a silent copy costs its
         greeting's second once, not once per shard."""
-        replicated = [i for i in met if "|" in self._addresses_of(i)]
+        replicated = self._replicated(met)
         if len(replicated) < 2:
             for i in replicated:
                 self._to_newest_copy(i, met[i])
@@ -700,21 +700,19 @@ class Client:
                 done.result()
 
     def _to_newest_copy(self, shard: int, met: dict[str, int]) -> None:
-        """Points `shard`'s stub, before a write, at the copy of the shard
-        that greets at the newest epoch among those of the lineage this
-        client met and no older than the epoch it met (`met`; lineage 0:
-        any). The copy it asks may be a primary replaced while it was paused
+        """Points the stub of `shard` (one with standbys), before a write,
+        at the copy of the shard that greets at the newest epoch among
+        those of the lineage this client met and no older than the epoch it
+        met (`met`; lineage 0: any). The copy it asks may be a primary replaced while it was paused
         and woken since, which takes writes until it learns it was replaced
         (a few seconds: a save there holds the rows of before its pause), or
         a process restarted empty at its address (gRPC reconnects to it
         unseen). Where no address greets so but a process restarted since
         greets beside one that does not (its standby taking over), waits up
         to a request's deadline for one (`_reresolve`). Left as it is where
-        the shard lists no standby, or no address greets so: the call itself
-        then fails or moves on. Each write greets the shard's standbys
-        once (a refusal they do not count among their errors)."""
-        if "|" not in self._addresses_of(shard):
-            return
+        no address greets so: the call itself then fails or moves on. Each
+        write greets the shard's standbys once (a refusal they do not count
+        among their errors)."""
         lineage = met["lineage"]
         greeted = self._greet_shard(shard, lineage, min_epoch=met["epoch"])
         if greeted.newest is None:
@@ -771,15 +769,25 @@ class Client:
                     met[i] = {"lineage": lineage, "epoch": 0}
         return met
 
-    def _addresses_of(self, shard: int) -> str:
+    def _addresses_of(self, shard: int, infos: Sequence[dict[str, Any]] | None = None) -> str:
         """`shard`'s addresses: those this client was given, then the
         standbys the data plane learned from the shard's Hellos (a client
-        given its primaries alone follows a takeover too)."""
+        given its primaries alone follows a takeover too). `infos`: the
+        data plane's `shard_infos`, where the caller has them."""
+        if infos is None:
+            infos = []
+            with contextlib.suppress(errors.DltError):
+                infos = self._data.shard_infos()
+        if shard < len(infos) and infos[shard]["replicas"]:
+            return str(infos[shard]["replicas"])
+        return self.pservers[shard]
+
+    def _replicated(self, shards: Iterable[int]) -> list[int]:
+        """Those of `shards` that list standbys (`_addresses_of`)."""
+        infos: Sequence[dict[str, Any]] = []
         with contextlib.suppress(errors.DltError):
             infos = self._data.shard_infos()
-            if shard < len(infos) and infos[shard]["replicas"]:
-                return str(infos[shard]["replicas"])
-        return self.pservers[shard]
+        return [i for i in shards if "|" in self._addresses_of(i, infos)]
 
     def _channel(self, address: str) -> grpc.Channel:
         return tls.channel(

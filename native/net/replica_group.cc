@@ -81,11 +81,7 @@ Status ReplicaGroup::Hold(int timeout_ms) {
 
 Status ReplicaGroup::HeldByAll(uint64_t seq, int timeout_ms) {
   const Marks marks = MarksOf(seq);
-  std::vector<Attached> members;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    members = members_;
-  }
+  const std::vector<Attached> members = Snapshot();
   // One deadline for all of them: a write waits at most timeout_ms in all.
   using std::chrono::milliseconds;
   const auto deadline = std::chrono::steady_clock::now() +
@@ -134,12 +130,7 @@ Status ReplicaGroup::WrittenWithin(uint64_t seq, int timeout_ms) {
   const Marks marks = MarksOf(seq);
   auto mark_of = [&](const Attached& member) { return MarkOf(marks, member); };
   if (!options_.sync) {
-    std::vector<Attached> members;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      members = members_;
-    }
-    for (const Attached& m : members) {
+    for (const Attached& m : Snapshot()) {
       static_cast<void>(m.replicator->Written(mark_of(m)));  // OK at once; keeps its lag
     }
     return OkStatus();
@@ -259,6 +250,11 @@ std::string ReplicaGroup::addresses() const {
 wire::InSyncView ReplicaGroup::view() const {
   std::lock_guard<std::mutex> lock(mu_);
   return ViewLocked();
+}
+
+std::vector<ReplicaGroup::Attached> ReplicaGroup::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return members_;
 }
 
 std::vector<ReplicaGroup::Member> ReplicaGroup::MembersLocked() const {

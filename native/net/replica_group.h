@@ -111,6 +111,7 @@ class ReplicaGroup : public WriteListener {
   std::vector<Member> PruneLocked();
   void LeaveLocked(const std::string& address);  // mu_ held
   std::vector<Member> MembersLocked() const;     // mu_ held
+  std::vector<Attached> Snapshot() const;        // takes mu_: members_ now
   // The member replicator `id` is, or members_.end(). mu_ held.
   std::vector<Attached>::iterator ByIdLocked(uint64_t id);
   bool InSyncLocked(const std::string& address) const;  // mu_ held
