@@ -97,8 +97,11 @@ def test_objects_match_the_replica_counts_and_sizes() -> None:
     assert index_env["valueFrom"]["fieldRef"]["fieldPath"].endswith(
         "['apps.kubernetes.io/pod-index']"
     )
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert shard[probe]["grpc"] == {"port": k8s.ADMIN_PORT}
+    for probe in ("livenessProbe", "startupProbe"):
+        assert shard[probe]["grpc"] == {"port": k8s.ADMIN_PORT}  # it answers
+    # Ready once it holds a whole copy of its shard (ShardServer's health).
+    assert shard["readinessProbe"]["grpc"] == {"port": k8s.ADMIN_PORT, "service": "tf_dlt.copy"}
+    assert "updateStrategy" not in sts["spec"]  # no standby: a rolling update
     # 2e9 rows / 4 shards x measured bytes per row (dim 16, Adagrad) x 1.5 + 512 MiB
     per_row = capacity.bytes_per_row(16, "adagrad")
     # 8 B header + 4 x 16 x (1 + 1) B values and slots, + the measured index bytes
@@ -286,6 +289,9 @@ def test_standbys_get_their_own_stateful_set_apart_from_their_primary() -> None:
     selectors = [s["spec"]["selector"]["matchLabels"] for s in sets]
     assert selectors[0] != selectors[1]  # each set owns its pods
     for sts, selector in zip(sets, selectors, strict=True):
+        # Each set would roll an update on its own, both of a shard at once:
+        # pods are replaced one at a time by hand (docs/kubernetes.md).
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
         pod = sts["spec"]["template"]
         assert selector.items() <= pod["metadata"]["labels"].items()
         (term,) = pod["spec"]["affinity"]["podAntiAffinity"][

@@ -248,6 +248,67 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
         ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
 
 
+def _copy_health(server: ShardServer) -> int:
+    """The health status of `server`'s COPY_SERVICE (its readiness)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tf_dlt.server.shard_server import COPY_SERVICE
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.admin_port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=COPY_SERVICE)
+        return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status)
+
+
+def test_a_replica_set_member_is_ready_once_it_holds_a_whole_copy(tmp_path: Path) -> None:
+    """Readiness (health's tf_dlt.copy) waits for a whole copy: a member
+    that begins as the primary is ready once its --load-from loaded, a
+    standby once it caught up. Before, a member answered SERVING from its
+    start, while it learned its role and loaded: Kubernetes counted it
+    available (a drain or a rolling restart could then stop the shard's
+    other process, its only whole copy)."""
+    from grpc_health.v1 import health_pb2
+
+    from tf_dlt.checkpoint import shard_files
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", DIM).to_dict())
+    ids = np.arange(100_000, dtype=np.int64)
+    shard.get_table("t").push(ids, np.ones((len(ids), DIM), np.float32), 0.1)
+    save_id = manifest.new_save_id()
+    part = shard_files.save_shard(str(tmp_path / "ck"), shard, save_id)
+    manifest.write_manifest(str(tmp_path / "ck"), [part], save_id)
+    ports = [free_port(), free_port()]
+    members = [f"127.0.0.1:{p}" for p in ports]
+    first = ShardServer(
+        0, 1, port=ports[0], replica_set=members, advertise=members[0],
+        load_from=str(tmp_path / "ck"), checkpoint_roots=[str(tmp_path)], takeover_after_s=1.0,
+    ).start()  # fmt: skip
+    second = None
+    try:
+        seen = [_copy_health(first)]
+        while seen[-1] != serving:
+            seen.append(_copy_health(first))
+            assert len(seen) < 10_000, "the member never became ready"
+        assert first.shard.get_table("t").size() == len(ids)  # loaded before ready
+        assert seen[0] != serving  # not ready while it learned its role and loaded
+        second = ShardServer(
+            0, 1, port=ports[1], replica_set=members, advertise=members[1],
+            takeover_after_s=1.0,
+        ).start()  # fmt: skip
+        wait_until(lambda: _copy_health(second) == serving, "the standby to be ready")
+        assert second.servicer.snapshot()["role"] == "standby"
+        assert second.servicer.snapshot().get("caught_up")
+        first.stop(0)  # the standby takes over: it stays ready
+        wait_until(lambda: second.servicer.snapshot()["role"] == "primary", "the takeover")
+        assert _copy_health(second) == serving
+    finally:
+        first.stop(0)
+        if second is not None:
+            second.stop(0)
+
+
 def test_a_member_that_began_between_two_greetings_is_followed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

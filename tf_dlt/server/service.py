@@ -427,12 +427,25 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 f"shard {self._shard.shard_index} is being re-sharded: {what} after it ends"
             )
 
+    def holds_whole_copy(self) -> bool:
+        """This process holds a whole copy of its shard's rows: a shard
+        without standbys, a primary once it began (its load done) or took
+        over, a standby once it caught up; not one that loads, copies or
+        learns its role, nor a primary replaced by a standby that took over.
+        (A rolling restart of a replica set waits for it: docs/kubernetes.md.)"""
+        if int(self._shard.superseded_by):
+            return False
+        link = self.standby_link
+        if link is None:
+            return True
+        return link.role == "primary" or (link.role == "standby" and link.caught_up())
+
     def _why_not_reshardable(self) -> str | None:
         """Why this shard cannot take part in a re-shard yet, or None."""
         link = self.standby_link
         if link is not None and link.role != "primary":
             # A standby moves with its primary (it takes the same streams).
-            if link.role != "standby" or not link.caught_up():
+            if not self.holds_whole_copy():
                 return f"it is a standby ({link.role}) that holds no whole copy of its primary"
             return None
         if self.read_only is not None:

@@ -25,6 +25,13 @@ log = logging.getLogger("tf_dlt.server")
 # Health service of a follower: SERVING while it serves the newest committed
 # checkpoint of its directory, NOT_SERVING while behind (it still serves).
 FOLLOW_SERVICE = "tf_dlt.follow"
+# Health service of every shard process: SERVING while it holds a whole copy
+# of its shard's rows (`ShardServicer.holds_whole_copy`), NOT_SERVING while
+# a replica set's member loads, copies its primary or learns its role. The
+# readiness a rolling restart or a drain of a replica set waits for before it
+# stops another process of the shard (docs/kubernetes.md); "" stays SERVING
+# while the process answers (liveness).
+COPY_SERVICE = "tf_dlt.copy"
 
 
 def available_cpus() -> int:
@@ -250,6 +257,7 @@ class ShardServer:
             )  # fmt: skip
         self.admin_port = 0
         self._stopped = threading.Event()
+        self._whole_copy: bool | None = None  # COPY_SERVICE's last status (_watch_copy)
         self._stop_lock = threading.Lock()
         self._replaced_logged = 0  # the epoch watch() last logged a replacement by
 
@@ -278,6 +286,25 @@ class ShardServer:
             "primary (--standby-of) to keep a second copy",
             self.shard.replaced_by, self.shard.epoch,
         )  # fmt: skip
+
+    def _watch_copy(self) -> None:
+        """Health's COPY_SERVICE from what this process holds now (set where
+        it changed)."""
+        whole = self.servicer.holds_whole_copy()
+        if whole != self._whole_copy:
+            self._whole_copy = whole
+            self._admin.set_health(
+                COPY_SERVICE,
+                health_pb2.HealthCheckResponse.SERVING
+                if whole
+                else health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
+
+    def _watching_copy(self) -> None:
+        """A replica set member's role and copy change on their own: looked
+        at twice a second until the process stops."""
+        while not self._stopped.wait(0.5):
+            self._watch_copy()
 
     def _follow_changed(self, status: FollowStatus) -> None:
         self.servicer.serving = follower.describe(status)
@@ -412,6 +439,11 @@ class ShardServer:
         self._admin.start()
         for name in ("", SERVICE_NAME):
             self._admin.set_health(name, health_pb2.HealthCheckResponse.SERVING)
+        self._watch_copy()
+        if self.servicer.standby_link is not None:
+            threading.Thread(
+                target=self._watching_copy, name="dlt-copy-health", daemon=True
+            ).start()
         log.info(
             "%s serving on %s: data port %d, admin port %d%s; %d worker threads, up to "
             "%d connections",

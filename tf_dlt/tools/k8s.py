@@ -31,6 +31,7 @@ from typing import IO, Any
 import yaml  # type: ignore[import-untyped]
 
 from tf_dlt.cluster import MAX_REPLICAS
+from tf_dlt.server.shard_server import COPY_SERVICE
 from tf_dlt.tools import capacity
 from tf_dlt.tools.k8s_spec import (
     ADMIN_PORT,
@@ -185,7 +186,15 @@ def stateful_set(spec: JobSpec, replica: int = 0) -> dict[str, Any]:
             {"name": "admin", "containerPort": ADMIN_PORT},
             {"name": "metrics", "containerPort": METRICS_PORT},
         ],
-        "readinessProbe": {**probe, "initialDelaySeconds": 2},
+        # Ready: it holds a whole copy of its shard (a replica set's member
+        # loading, copying or learning its role is not), so a drain (the
+        # disruption budget) or a rolling restart never stops a shard's last
+        # whole copy; alive: it answers ("").
+        "readinessProbe": {
+            **probe,
+            "grpc": {"port": ADMIN_PORT, "service": COPY_SERVICE},
+            "initialDelaySeconds": 2,
+        },
         # A --load-from of a large checkpoint takes minutes: liveness waits.
         "startupProbe": {**probe, "failureThreshold": 180},
         "livenessProbe": {**probe, "failureThreshold": 3},
@@ -225,6 +234,10 @@ def stateful_set(spec: JobSpec, replica: int = 0) -> dict[str, Any]:
             "serviceName": spec.ps_service,
             "replicas": spec.pservers,
             "podManagementPolicy": "Parallel",
+            # With standbys, each StatefulSet would roll an update on its own,
+            # both processes of a shard at once: pods are replaced one at a
+            # time, each once the one before is ready (docs/kubernetes.md).
+            **({"updateStrategy": {"type": "OnDelete"}} if spec.replicas > 1 else {}),
             "selector": {"matchLabels": _replica_labels(spec, replica)},
             "template": {
                 "metadata": {
