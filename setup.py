@@ -359,7 +359,7 @@ if __name__ == "__main__":
             "grpcio-health-checking>=1.70",
             "grpcio-reflection>=1.70",
             "protobuf>=5.29",
-            "h5py>=3.10",
+            "h5py>=3.11",  # Group.visititems_links (verified.check_structure)
             "fsspec>=2024.2",
             "prometheus_client>=0.20",
             "PyYAML>=6",

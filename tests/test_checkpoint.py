@@ -719,3 +719,75 @@ def test_a_commit_removes_the_temporary_files_its_own_save_left(tmp_path: Path) 
     fs, root = manifest_lib.filesystem(str(tmp_path))
     manifest_lib.remove_superseded(fs, root, manifest_lib._OWN_FILE, mine, keep={part})
     assert sorted(os.listdir(tmp_path)) == sorted(n for n, kept in names.items() if kept)
+
+
+def _hostile(dataset: h5py.Dataset, outside: Path, how: str) -> None:
+    """Replaces `dataset` (of a table group) by one that reads past the shard
+    file's own bytes, as a checkpoint written by someone else may."""
+    group, name = dataset.parent, dataset.name.rsplit("/", 1)[1]
+    shape, dtype = dataset.shape, dataset.dtype
+    data = dataset[()]
+    del group[name]
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if how == "external storage":  # HDF5 opens the named file (any path, a FIFO too)
+        outside.write_bytes(b"outside the checkpoint roots " * (nbytes // 29 + 1))
+        group.create_dataset(name, shape, dtype, external=[(str(outside), 0, nbytes)])
+    elif how == "external link":
+        with h5py.File(outside, "w") as other:
+            other.create_dataset("rows", data=data)
+        group[name] = h5py.ExternalLink(str(outside), "rows")
+    elif how == "soft link":
+        group[name] = h5py.SoftLink(group["ids"].name)
+    elif how == "virtual dataset":
+        with h5py.File(outside, "w") as other:
+            other.create_dataset("rows", data=data)
+        layout = h5py.VirtualLayout(shape, dtype)
+        layout[...] = h5py.VirtualSource(str(outside), "rows", shape)
+        group.create_virtual_dataset(name, layout)
+    elif how == "compressed":  # a few bytes that may unpack to terabytes
+        group.create_dataset(name, data=data, compression="gzip", chunks=True)
+    else:  # "unwritten chunks": read as fill values, however large declared
+        group.create_dataset(name, shape, dtype, chunks=True)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["external storage", "external link", "soft link", "virtual dataset", "compressed",
+     "unwritten chunks"],
+)  # fmt: skip
+def test_a_shard_file_that_reads_past_its_own_bytes_is_refused_before_any_read(
+    tmp_path: Path, how: str
+) -> None:
+    """A manifest's digests prove only that a file is the one the writer of
+    the checkpoint meant: a checkpoint under the roots written by someone
+    else (a trainer with the shared volume, a writer into a followed
+    directory) could, through HDF5 itself, make a load read any file the
+    shard can (its rows then pulled over the data plane), wedge on a FIFO,
+    or unpack a 1.4 MB file into gigabytes. Refused before a dataset is
+    read, naming the dataset; the tables stay as they were."""
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 8).to_dict())
+    ids = np.arange(300, dtype=np.int64)
+    shard.get_table("t").push(ids, np.ones((len(ids), 8), np.float32), 0.1)
+    path, save_id = tmp_path / "ck", manifest_lib.new_save_id()
+    part = shard_files.save_shard(str(path), shard, save_id)
+    manifest_lib.write_manifest(str(path), [part], save_id)
+    victim = path / part["file"]
+    with h5py.File(victim, "r+") as f:
+        (group,) = f["tables"].values()
+        _hostile(group["values"], tmp_path / "outside", how)
+    from tf_dlt.checkpoint import verified
+
+    for name in ("MANIFEST.json", f"MANIFEST.{save_id}.json"):  # digests of the new bytes
+        doc = json.loads((path / name).read_text())
+        with victim.open("rb") as f:
+            doc["files"][0]["sha256"], doc["files"][0]["block_sha256"] = verified.file_digests(f)
+        doc["files"][0]["bytes"] = victim.stat().st_size
+        (path / name).write_text(json.dumps(doc))
+    target = _native.Shard(0, 1)
+    target.create_table(TableConfig("t", 8).to_dict())
+    target.get_table("t").push(ids[:5], np.ones((5, 8), np.float32), 0.5)
+    before = target.get_table("t").pull(ids)
+    with pytest.raises(errors.FailedPreconditionError, match="values .*refused before reading"):
+        shard_files.prepare_load(str(path), target)
+    np.testing.assert_array_equal(target.get_table("t").pull(ids), before)

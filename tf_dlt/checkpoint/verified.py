@@ -375,6 +375,50 @@ class RawRows:
         return np.frombuffer(raw, dtype).reshape((b - a, *row_shape))
 
 
+def check_structure(h5: h5py.File, where: str) -> None:
+    """Refuses (FailedPreconditionError) a shard file whose reading would
+    touch anything but its own verified bytes, or take more memory than it
+    stores. A manifest's digests prove only that the file is the one whoever
+    wrote the checkpoint meant, so a checkpoint directory written by someone
+    else is checked before any dataset is read: every link a hard one (an
+    external or soft link names another file or place), every dataset stored
+    in this file (not in external files, which HDF5 opens by any path, a FIFO
+    too, nor virtual), unfiltered (saves compress nothing: a compressed
+    dataset of a few bytes may unpack to terabytes), and with at least the
+    bytes it declares allocated (unwritten chunks read as fill values)."""
+
+    def problem(name: str, link: Any) -> str | None:
+        """Why link `name` is refused, or None. (A visit that raises leaves
+        HDF5 mid-iteration: what it returns ends the visit instead.)"""
+        if not isinstance(link, h5py.HardLink):
+            return f"is a link to another place ({type(link).__name__})"
+        dataset = h5.get(name)
+        if not isinstance(dataset, h5py.Dataset):
+            return None
+        plist = dataset.id.get_create_plist()
+        if dataset.is_virtual:
+            return "is a virtual dataset (its data lies in other files)"
+        if plist.get_external_count():
+            return "has its data in external files"
+        if plist.get_nfilters():
+            return "is stored through filters (compressed)"
+        stored = dataset.id.get_storage_size()
+        if stored < dataset.nbytes:
+            return f"declares {dataset.nbytes} bytes but stores {stored} (unwritten parts)"
+        return None
+
+    found = h5.visititems_links(
+        lambda name, link: (name, why) if (why := problem(name, link)) else None
+    )
+    if found is not None:
+        name, why = found
+        raise errors.FailedPreconditionError(
+            f"{where}: {name} {why}; a shard file this project wrote has none (refused before "
+            "reading it: a checkpoint written by someone else cannot read other files or "
+            "take more memory than it stores)"
+        )
+
+
 @contextlib.contextmanager
 def open_verified(
     fs: fsspec.AbstractFileSystem, root: str, entry: dict[str, Any], *, lean: bool = False
@@ -392,6 +436,7 @@ def open_verified(
         with f, VerifiedBlocks(f, entry, target, lean=lean) as blocks:
             try:
                 with h5py.File(blocks, "r") as h5:
+                    check_structure(h5, target)
                     yield h5, blocks
             except Exception:
                 error, blocks.error = blocks.error, None  # no cycle through the reader
@@ -403,4 +448,5 @@ def open_verified(
         _copy_whole(fs, target, entry, spool)
         spool.seek(0)
         with h5py.File(spool, "r") as h5:
+            check_structure(h5, target)
             yield h5, None
