@@ -180,10 +180,13 @@ def test_trainers_without_shard_servers_are_warned_they_train_apart() -> None:
     assert alone.returncode == 0 and "tables of its own" not in alone.stdout
 
 
-def test_sigint_stops_everything() -> None:
+def _launched(pservers: int, workers: int) -> tuple[subprocess.Popen[str], list[str]]:
+    """A launch whose trainers print 'up <pid>' and sleep; returns once the
+    last trainer is up (or after a minute), with the lines read so far."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", "1", "--workers", "2",
-         "--", sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
+        [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", str(pservers),
+         "--workers", str(workers), "--", sys.executable, "-c",
+         "import os, time; print('up', os.getpid(), flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
     )  # fmt: skip
     assert proc.stdout is not None
@@ -192,14 +195,44 @@ def test_sigint_stops_everything() -> None:
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         lines.append(line)
-        if line.startswith("[worker-1] up") or not line:
+        if line.startswith(f"[worker-{workers - 1}] up") or not line:
             break
+    return proc, lines
+
+
+def test_sigint_stops_everything() -> None:
+    proc, lines = _launched(1, 2)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     text = "".join(lines) + out
     assert proc.returncode == 128 + signal.SIGINT, text
     assert "stopping everything" in text
     assert all(_refused(port) for port in _shard_ports(text))
+
+
+def test_shards_stop_when_the_launcher_is_killed() -> None:
+    """A launcher killed with SIGKILL (or by the OOM killer) cannot stop its
+    shards: they see it gone (no longer their parent) and stop themselves,
+    and a trainer left running then fails on its own. Before, they served on
+    for good, holding their ports and memory."""
+    proc, lines = _launched(2, 1)
+    ports = _shard_ports("".join(lines))
+    assert len(ports) == 2 and lines[-1].startswith("[worker-0] up"), "".join(lines)
+    trainer = int(lines[-1].split()[-1])
+    try:
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while not all(_refused(port) for port in ports):
+            assert time.monotonic() < deadline, "the shards outlived their launcher"
+            time.sleep(0.2)
+    finally:
+        assert proc.stdout is not None
+        proc.stdout.close()
+        try:
+            os.kill(trainer, signal.SIGKILL)  # the trainer, left behind (its own session)
+        except ProcessLookupError:
+            pass
 
 
 def test_bad_arguments_are_refused() -> None:

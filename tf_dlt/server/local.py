@@ -155,7 +155,8 @@ class LocalCluster:
         ]  # fmt: skip
         cmd = [
             sys.executable, "-m", "tf_dlt.server", *ports, "--bind", "127.0.0.1", *place,
-            "--port-file", str(self._port_file(process)), *self._args, *extra,
+            "--port-file", str(self._port_file(process)), "--parent-pid", str(os.getpid()),
+            *self._args, *extra,
         ]  # fmt: skip
         with self.log_path(process).open("ab") as log:
             return subprocess.Popen(

@@ -219,6 +219,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="write 'data_port admin_port metrics_port' here once serving (for launchers; "
         "metrics_port 0 when off)",
     )
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=0,
+        help="stop, as on SIGTERM, once the process PID is no longer this one's parent (it "
+        "died: a launcher or LocalCluster killed with SIGKILL, or by the OOM killer); "
+        "launchers pass their own",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -425,8 +433,13 @@ def run(args: argparse.Namespace) -> int:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(f"{server.port} {server.admin_port} {server.metrics_port}\n")
         os.replace(tmp, args.port_file)
+    orphaned = False
     while not server.wait(timeout=0.5):
         server.watch()
+        if args.parent_pid and os.getppid() != args.parent_pid and not orphaned:
+            orphaned = True  # reparented: the launcher that started it is gone
+            log.warning("process %d that started this shard is gone: stopping", args.parent_pid)
+            threading.Thread(target=server.stop, name="dlt-stop").start()
     # Stopped: a second signal (Ctrl-C, then a launcher's SIGTERM) changes
     # nothing, and must not kill the process as it exits (the interpreter
     # puts back the default action of signals it handled).
