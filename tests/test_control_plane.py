@@ -222,6 +222,36 @@ def test_an_abandoned_prepared_load_expires(
         assert "expired" in cluster.log(0)
 
 
+def test_abort_load_undoes_a_load_its_client_left_in_the_middle(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client died after its load committed on shard 0 and before shard
+    1's commit: loads are refused until it expires (--load-timeout, 10
+    minutes), and the documented way out (abort it) needed a hand-written
+    RPC. `tf-dlt abort-load ID` rolls shard 0 back and aborts shard 1: the
+    rows of before the load, and the next load goes through."""
+    from tf_dlt.tools import cli
+
+    cluster = start_cluster(2)
+    ids, a, b = _trained(cluster, tmp_path / "ck")
+    stubs = _stubs(cluster)
+    for stub in stubs:
+        stub.Load(dlt_pb2.LoadRequest(path=str(tmp_path / "ck"), phase=1, load_id="left"))
+    stubs[0].Load(dlt_pb2.LoadRequest(phase=dlt_pb2.LoadRequest.COMMIT, load_id="left"))
+    pservers = ",".join(cluster.addresses)
+    with cluster.client() as client:
+        with pytest.raises(errors.FailedPreconditionError, match="in the middle of load 'left'"):
+            client.load(str(tmp_path / "ck"))
+        assert cli.main(["abort-load", "--pservers", pservers, "left"]) == 0
+        assert capsys.readouterr().out == "shard 0: rolled back\nshard 1: aborted\n"
+        np.testing.assert_array_equal(client.pull("t", ids, training=False), b)
+        assert [s["pending_load"] for s in client.stats()] == ["", ""]
+        assert cli.main(["abort-load", "--pservers", pservers, "left"]) == 1  # nothing left
+        assert "no shard was in the middle of load 'left'" in capsys.readouterr().err
+        client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("t", ids, training=False), a)
+
+
 def test_a_commit_that_fails_on_one_shard_is_rolled_back_on_the_others(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

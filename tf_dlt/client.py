@@ -1055,6 +1055,45 @@ class Client:
         self._prepare_load(path, load_id, progress, tables, save_id)
         return self._commit_load(path, load_id, tables, save_id)
 
+    def abort_load(self, load_id: str) -> list[str]:
+        """Undoes a cluster load a client left in the middle (it died
+        between its phases: other loads are refused, `in the middle of load
+        ...`, and `tf-dlt stats` shows it `in progress` with its id) instead
+        of waiting for it to expire: each shard that prepared it drops what
+        it staged; each that committed it puts back the tables it had before
+        (pushes they took since are lost with the loaded tables). Returns
+        what each shard did: "aborted" or "rolled back", or "-" where it had
+        no such load."""
+        from tf_dlt.proto import dlt_pb2
+
+        request = dlt_pb2.LoadRequest
+        if not load_id:
+            raise errors.InvalidArgumentError("abort_load needs the load's id (tf-dlt stats)")
+        before = [str(s.get("pending_load", "")) for s in self.stats()]
+        aborts = self._call_all(
+            "Load", request(phase=request.ABORT, load_id=load_id), self._persist_timeout
+        )
+        committed = [
+            i for i, r in enumerate(aborts)
+            if isinstance(r, errors.FailedPreconditionError) and "is committed" in str(r)
+        ]  # fmt: skip
+        failures = [r for i, r in enumerate(aborts) if isinstance(r, errors.DltError)
+                    and i not in committed]  # fmt: skip
+        if failures:
+            raise failures[0]
+        if committed:
+            rollbacks = self._call_all(
+                "Load", request(phase=request.ROLLBACK, load_id=load_id), self._persist_timeout,
+                shards=committed,
+            )  # fmt: skip
+            failures = [r for r in rollbacks if isinstance(r, errors.DltError)]
+            if failures:
+                raise failures[0]
+        return [
+            "rolled back" if i in committed else "aborted" if repr(load_id) in had else "-"
+            for i, had in enumerate(before)
+        ]
+
     def _prepare_load(
         self,
         path: str,

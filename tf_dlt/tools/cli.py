@@ -3,7 +3,8 @@ launch ... -- cmd` runs shard servers and trainers on this machine; `tf-dlt
 stats --pservers ...` prints per-shard statistics; `tf-dlt reshard --pservers
 ... --to ...` moves the tables to other shards while training runs; `tf-dlt k8s ... -- cmd`
 prints Kubernetes manifests; `tf-dlt plan ...` a capacity plan; `tf-dlt checkpoint ls|compact|prune`
-works on checkpoint chains."""
+works on checkpoint chains; `tf-dlt abort-load` undoes a load a client left
+in the middle."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tf-dlt", description="tf_dlt command line")
     commands = parser.add_subparsers(dest="command", required=True)
     from tf_dlt.server import main as server_main
-    from tf_dlt.tools import capacity, checkpoints, cluster_stats, k8s, launch, reshard_command
+    from tf_dlt.tools import (
+        abort_load,
+        capacity,
+        checkpoints,
+        cluster_stats,
+        k8s,
+        launch,
+        reshard_command,
+    )
 
     server_main.build_parser(
         commands.add_parser("server", help="serve one shard of the distributed tables")
@@ -46,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoints.build_parser(
         commands.add_parser("checkpoint", help="list, compact or prune checkpoint chains")
     )
+    abort_load.build_parser(
+        commands.add_parser("abort-load", help="undo a load a client left in the middle")
+    )
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     args.trainer_command = trainer
     if args.command == "server":
@@ -62,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return capacity.run(args)
     if args.command == "checkpoint":
         return checkpoints.run(args)
+    if args.command == "abort-load":
+        return abort_load.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,5 +1,6 @@
 """The arguments commands that talk to a running cluster share (`tf-dlt
-stats`, `tf-dlt reshard`): its shards' addresses, token and TLS."""
+stats`, `tf-dlt reshard`, `tf-dlt abort-load`): its shards' addresses, token
+and TLS."""
 
 from __future__ import annotations
 
