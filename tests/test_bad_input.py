@@ -267,6 +267,12 @@ def test_shard_listed_in_the_wrong_order(start_cluster: Callable[..., Cluster]) 
     swapped = list(reversed(cluster.addresses))
     with pytest.raises(errors.FailedPreconditionError, match="shard-index order"):
         _native.Client(swapped).pull("emb", 4, np.array([1], np.int64))
+    # A shard left out is named as such (it said "order" alone).
+    with pytest.raises(
+        errors.FailedPreconditionError,
+        match="the cluster has 2 shards and the client lists 1; list every shard's address",
+    ):
+        _native.Client(cluster.addresses[:1]).pull("emb", 4, np.array([1], np.int64))
 
 
 def test_down_shard_is_unavailable_within_the_deadline() -> None:

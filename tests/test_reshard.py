@@ -8,6 +8,7 @@ old layout serves on with every row."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -801,3 +802,21 @@ def test_default_pace_follows_the_hosts_cores(
 
     monkeypatch.setattr(server_reshard.os, "sched_getaffinity", lambda _pid: set(range(cores)))
     assert server_reshard.default_pace() == pace
+
+
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [("--timeout=-1", "must be > 0 seconds"), ("--timeout=0", "must be > 0 seconds"),
+     ("--pace=2", "2 is not in \\(0, 1\\]"), ("--pace=x", "not a number"),
+     ("--pace=nan", "nan is not in")],
+)  # fmt: skip
+def test_reshard_flags_out_of_range_are_usage_errors(
+    flag: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before any shard is asked, with argparse's exit code 2: a
+    timeout of 0 or less failed at PREPARE ("the re-shard's timeout passed
+    before it"), a bad pace exited 1 after greeting the shards."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["reshard", "--pservers", "127.0.0.1:1", "--to", "127.0.0.1:1", flag])
+    assert exited.value.code == 2
+    assert re.search(said, capsys.readouterr().err)

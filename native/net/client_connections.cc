@@ -73,6 +73,11 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
                      "layout: this place is --shard-index " +
                      std::to_string(st.index) + " --num-shards " + std::to_string(st.count));
     }
+    if (reply->num_shards != st.count) {
+      return FailedPrecondition(place + ": the cluster has " + std::to_string(reply->num_shards) +
+                                " shards and the client lists " + std::to_string(st.count) +
+                                "; list every shard's address, in shard-index order");
+    }
     return FailedPrecondition(place + "; list the shard addresses in shard-index order");
   }
   if (reply->layout_epoch > st.layout_epoch && !reply->layout.empty()) {

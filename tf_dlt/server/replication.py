@@ -323,6 +323,18 @@ class StandbyLink:
         )
         try:
             self._call("AttachStandby", request, timeout=2)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # it stops too (a launch's end), or died
+                log.info(
+                    "could not reach %s as this standby stops (it stops too, or is cut off: it "
+                    "then detaches this standby as one down)", self.primary,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "could not tell %s that this standby stops: %s: %s",
+                    self.primary, e.code().name, e.details(),
+                )  # fmt: skip
+            return
         except Exception as e:  # noqa: BLE001 - best effort: the stop goes on
             log.warning("could not tell %s that this standby stops: %s", self.primary, e)
             return

@@ -14,7 +14,19 @@ from typing import IO
 
 from tf_dlt import errors
 from tf_dlt.client import address_list
+from tf_dlt.server.main import positive_seconds
 from tf_dlt.tools import cluster_args
+
+
+def _pace(text: str) -> float:
+    """A fraction in (0, 1]."""
+    try:
+        pace = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < pace <= 1:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return pace
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,13 +36,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=600.0,
         help="seconds the re-shard may take up to its switch (streaming included); past them it "
         "aborts, the old layout serving",
     )
     parser.add_argument(
-        "--pace", type=float, default=None,
+        "--pace", type=_pace, default=None,
         help="the fraction of the time each range stream's copy may keep a core busy, (0, 1]: "
         "below 1 leaves trainers more of the cores while the ranges stream longer (default: "
         "1/16 of each shard host's cores, at most 1)",
