@@ -93,6 +93,12 @@ def test_objects_match_the_replica_counts_and_sizes() -> None:
     shard = sts["spec"]["template"]["spec"]["containers"][0]
     assert "--num-shards=4" in shard["args"] and "--shard-index=$(SHARD_INDEX)" in shard["args"]
     assert "--auth-token-file=/etc/tf-dlt/token" in shard["args"]
+    # The cores `tf-dlt plan` sized a shard's throughput with (it had 2 of its 4).
+    import argparse
+
+    plan_cores = capacity.build_parser(argparse.ArgumentParser()).get_default("shard_cores")
+    assert f"--threads={plan_cores:g}" in shard["args"]
+    assert shard["resources"]["requests"]["cpu"] == f"{plan_cores:g}"
     index_env = {e["name"]: e for e in shard["env"]}["SHARD_INDEX"]
     assert index_env["valueFrom"]["fieldRef"]["fieldPath"].endswith(
         "['apps.kubernetes.io/pod-index']"

@@ -459,7 +459,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     a("--ssd", type=parse_size, default=0, help="per shard, e.g. 1.6TB: SSD for the disk tier")
     a("--skew", type=float, default=1.05, help="Zipf exponent of the ids' traffic (hit rate)")
-    a("--shard-cores", type=float, default=4.0, help="cores of one shard (its --threads)")
+    a(
+        "--shard-cores",
+        type=float,
+        default=4.0,
+        help="cores of one shard (its --threads; `tf-dlt k8s --shard-cpu`, 4 by default too)",
+    )
     a(
         "--ssd-reads-per-second",
         type=float,

@@ -465,7 +465,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     a("--ssd", default="", help="each shard's disk tier volume, e.g. 1600Gi (needs a budget)")
     a("--tier-storage-class", help="storage class of the disk tier volumes (local SSD)")
-    a("--shard-cpu", default="2")
+    a(
+        "--shard-cpu",
+        default="4",
+        help="CPU request of a shard (its --threads): the cores `tf-dlt plan --shard-cores` "
+        "sized its throughput with (4 by default there too)",
+    )
     a("--worker-cpu", default="4")
     a("--worker-memory", default="8Gi")
     parser.epilog = "The trainer command follows '--'."

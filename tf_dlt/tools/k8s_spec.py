@@ -100,7 +100,7 @@ class JobSpec:
     checkpoint: str = f"{CHECKPOINT_MOUNT}/run"
     namespace: str = "default"
     headroom: float = 1.5
-    shard_cpu: str = "2"
+    shard_cpu: str = "4"  # as `tf-dlt plan --shard-cores`
     worker_cpu: str = "4"
     worker_memory: str = "8Gi"
     checkpoint_volume_size: str = "100Gi"
