@@ -370,6 +370,13 @@ def test_a_load_reads_no_file_outside_the_checkpoint_and_leaks_no_digest(
         assert "/proc/self/fd" not in str(raised.value)
         with pytest.raises(errors.InvalidArgumentError, match="File name too long"):
             client.load(str(root / ("x" * 5000)))
+        # A save 2,000 directories deep was made, one mkdir a level.
+        with pytest.raises(errors.InvalidArgumentError, match="65 directories deep, at most 64"):
+            client.save(str(root.joinpath(*["d"] * (65 - len(root.parts) + 1))))
+        assert not (root / "d").exists()
+        with pytest.raises(errors.InvalidArgumentError, match="bytes: at most 4096"):
+            client.save(str(root.joinpath(*["d" * 200] * 21)))
+        assert not (root / ("d" * 200)).exists()
         client.save(str(root / "again"))
         client.load(str(root / "again"))
     assert cluster.stop(timeout=20) == [0]
@@ -764,6 +771,51 @@ def test_streams_that_never_send_a_request_hold_no_admin_thread(
         assert cluster.stop(timeout=60) == [0]  # exited on its own, not killed
         for peer in peers:
             peer.close()
+
+
+def test_health_watch_streams_are_capped(start_cluster: Callable[..., Cluster]) -> None:
+    """Health takes no token, and each Watch stream held its memory for as
+    long as it stayed open: 5,000 held 74 MB, without bound. Past
+    MAX_HEALTH_WATCHES one is refused RESOURCE_EXHAUSTED; Check answers,
+    and a Watch is taken again once one closed."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tf_dlt.server.admin_server import MAX_HEALTH_WATCHES
+
+    cluster = start_cluster(1, token="s3cret-token-0123")  # health takes none
+    # Several connections: each carries at most 100 streams at once.
+    channels = [grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}",
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(MAX_HEALTH_WATCHES // 50 + 2)]  # fmt: skip
+    watches = []
+    try:
+        request = health_pb2.HealthCheckRequest(service="")
+        for k in range(MAX_HEALTH_WATCHES):
+            watch = health_pb2_grpc.HealthStub(channels[k // 50]).Watch(request, timeout=60)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watches.append(watch)
+        extra = health_pb2_grpc.HealthStub(channels[-1]).Watch(request, timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(extra)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        health = health_pb2_grpc.HealthStub(channels[-1])
+        assert health.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        watches.pop().cancel()
+
+        def watched() -> bool:
+            try:
+                next(health_pb2_grpc.HealthStub(channels[-1]).Watch(request, timeout=10))
+                return True
+            except grpc.RpcError:
+                return False
+
+        wait_until(watched, "a Watch once one closed")
+    finally:
+        for watch in watches:
+            watch.cancel()
+        for channel in channels:
+            channel.close()
 
 
 def test_a_request_past_4_mib_is_refused_from_its_length(

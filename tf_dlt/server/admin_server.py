@@ -46,6 +46,10 @@ WORKER_THREADS = 8
 # After a stop's grace (or once no call is left in hand), calls that never
 # sent their request are cut within this long.
 _CUT_AFTER_S = 1.0
+# Health Watch streams open at once. Health takes no token (Kubernetes probes
+# send none, and use Check), and a Watch holds its stream's memory for as
+# long as it stays open: 5,000 of them held 74 MB.
+MAX_HEALTH_WATCHES = 128
 _LOOP_TIMEOUT_S = 30.0
 
 
@@ -115,6 +119,28 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return self._deny
 
 
+class _HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1 with at most MAX_HEALTH_WATCHES Watch streams at once
+    (one more is refused RESOURCE_EXHAUSTED; Check always answers). Runs on
+    the server's event loop only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watches = 0
+
+    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        if self._watches >= MAX_HEALTH_WATCHES:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {MAX_HEALTH_WATCHES} health Watch streams at once; Check answers",
+            )
+        self._watches += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watches -= 1
+
+
 class AdminServer:
     """Serves `servicer` (a ShardAdmin servicer whose methods take a request
     and a CallContext) on `address`: `bind()` takes the port, `start()`
@@ -135,7 +161,7 @@ class AdminServer:
         self._count_error = count_error
         self._tls_files = tls_files
         self._pool = futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="dlt-admin")
-        self._health = health.aio.HealthServicer()
+        self._health = _HealthServicer()
         self._statuses: dict[str, Any] = {}  # set before the loop runs
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None

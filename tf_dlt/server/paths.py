@@ -39,6 +39,11 @@ DEFAULT_PROTOCOLS = frozenset(
 # cluster's configured namenode), else a caller could make the shard connect
 # anywhere, as http:// would.
 _HOST_NAMING_PROTOCOLS = frozenset({"hdfs", "viewfs"})
+# The longest path a Save or Load may name (Linux's PATH_MAX), and the most
+# directories deep: a path of 2,000 levels was made, one mkdir a level, and
+# broke ordinary tools (a recursive delete) on what it left.
+MAX_PATH_BYTES = 4096
+MAX_PATH_DEPTH = 64
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -95,8 +100,19 @@ class CheckpointRoots:
     def check(self, url: str, action: str) -> None:
         """Raises PermissionDeniedError unless `action` ("Save", "Load") may
         use `url`."""
-        protocol, host, path = _place(url)
         preposition = "to" if action == "Save" else "of"
+        if len(url.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+            raise errors.InvalidArgumentError(
+                f"{action} {preposition} a path of {len(url.encode('utf-8', 'surrogatepass'))} "
+                f"bytes: at most {MAX_PATH_BYTES}"
+            )
+        protocol, host, path = _place(url)
+        depth = sum(1 for part in path.split("/") if part)
+        if depth > MAX_PATH_DEPTH:
+            raise errors.InvalidArgumentError(
+                f"{action} {preposition} {url[:200]!r}...: {depth} directories deep, at most "
+                f"{MAX_PATH_DEPTH}"
+            )
         if not self._prefixes:
             if protocol not in DEFAULT_PROTOCOLS:
                 stores = ", ".join(sorted(DEFAULT_PROTOCOLS - {"file", "local"}))
