@@ -133,6 +133,11 @@ def test_training_goes_on_through_a_reshard_to_three_shards_and_back(
     np.testing.assert_array_equal(_state(admin), trainer.oracle(config))
     assert admin.num_shards == 2
     assert _native.hello(joined)["layout_epoch"] == 3  # it left, owning nothing
+    # Its log lines name the shard it served, then none (it said "serving
+    # shard 2 of 2" as it left, under the index it started with).
+    log = cluster.log(cluster.process_addresses.index(joined))
+    assert "shard-2 INFO re-shard: serving shard 2 of 3 at layout epoch 2" in log
+    assert "no-shard INFO re-shard: left out of layout epoch 3 (2 shards)" in log
 
 
 def _reshard_twice(

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 from tf_dlt import _native, errors, sizes
 from tf_dlt.client import MAX_TIMEOUT_MS, read_token_file
@@ -306,11 +307,33 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Place(logging.Filter):
+    """Puts the shard this process serves now in each log line's `place`:
+    `shard-<i>` (a re-shard may change it), or `no-shard` for a process
+    that joins or was left out of the layout; until the server starts, the
+    index it was started with."""
+
+    def __init__(self, started_as: int) -> None:
+        super().__init__()
+        self._started_as = started_as
+        self.shard: Any = None  # the server's native Shard, once it exists
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        index, count = self._started_as, self._started_as + 1
+        if self.shard is not None:
+            index, count = int(self.shard.shard_index), int(self.shard.num_shards)
+        record.place = f"shard-{index}" if index < count else "no-shard"
+        return True
+
+
 def run(args: argparse.Namespace) -> int:
+    place = _Place(args.shard_index)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(place)
     logging.basicConfig(
-        stream=sys.stderr,
         level=args.log_level,
-        format=f"%(asctime)s shard-{args.shard_index} %(levelname)s %(message)s",
+        format="%(asctime)s %(place)s %(levelname)s %(message)s",
+        handlers=[handler],
     )
     log = logging.getLogger("tf_dlt.server")
     token = ""
@@ -413,7 +436,9 @@ def run(args: argparse.Namespace) -> int:
             detach_standby_after_s=args.detach_standby_after,
             standby_timeout_s=args.standby_timeout,
             replica_set=args.replica_set.split("|") if args.replica_set else (),
-        ).start()
+        )
+        place.shard = server.shard  # log lines name the shard it serves from now on
+        server.start()
     except (errors.DltError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2

@@ -173,10 +173,16 @@ class ReshardSteps:
         with self._lock:
             self._stop_streams()
             self._data_server.switch_layout(layout_epoch, layout)
-        log.info(
-            "re-shard: serving shard %d of %d at layout epoch %d",
-            self._shard.shard_index, self._shard.num_shards, layout_epoch,
-        )  # fmt: skip
+        index, count = self._shard.shard_index, self._shard.num_shards
+        if index < count:
+            log.info(
+                "re-shard: serving shard %d of %d at layout epoch %d", index, count, layout_epoch
+            )
+        else:  # left out of the new layout: it serves no bucket
+            log.info(
+                "re-shard: left out of layout epoch %d (%d shards): serving no bucket; stop it "
+                "once the re-shard is done", layout_epoch, count,
+            )  # fmt: skip
 
     def undo(self, layout_epoch: int, layout: str) -> None:
         """Serves the layout switched from again (another process could not
