@@ -791,3 +791,18 @@ def test_a_shard_file_that_reads_past_its_own_bytes_is_refused_before_any_read(
     with pytest.raises(errors.FailedPreconditionError, match="values .*refused before reading"):
         shard_files.prepare_load(str(path), target)
     np.testing.assert_array_equal(target.get_table("t").pull(ids), before)
+
+
+def test_a_dataset_larger_than_its_file_is_refused(tmp_path: Path) -> None:
+    """However its layout claims its bytes are stored, a dataset is never
+    larger than the file (the manifest's byte count): saves compress
+    nothing. (A contiguous dataset's address and size are metadata a forger
+    writes; the check is against the size the manifest states.)"""
+    from tf_dlt.checkpoint import verified
+
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        f.create_dataset("values", data=np.ones((100, 8), np.float32))
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        verified.check_structure(f, "f.h5", (tmp_path / "f.h5").stat().st_size)
+        with pytest.raises(errors.FailedPreconditionError, match="more than the file's 1000"):
+            verified.check_structure(f, "f.h5", 1000)

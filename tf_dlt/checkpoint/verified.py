@@ -375,7 +375,7 @@ class RawRows:
         return np.frombuffer(raw, dtype).reshape((b - a, *row_shape))
 
 
-def check_structure(h5: h5py.File, where: str) -> None:
+def check_structure(h5: h5py.File, where: str, size: int) -> None:
     """Refuses (FailedPreconditionError) a shard file whose reading would
     touch anything but its own verified bytes, or take more memory than it
     stores. A manifest's digests prove only that the file is the one whoever
@@ -385,7 +385,8 @@ def check_structure(h5: h5py.File, where: str) -> None:
     in this file (not in external files, which HDF5 opens by any path, a FIFO
     too, nor virtual), unfiltered (saves compress nothing: a compressed
     dataset of a few bytes may unpack to terabytes), and with at least the
-    bytes it declares allocated (unwritten chunks read as fill values)."""
+    bytes it declares allocated (unwritten chunks read as fill values) and
+    no more than the file's `size` (the manifest's byte count)."""
 
     def problem(name: str, link: Any) -> str | None:
         """Why link `name` is refused, or None. (A visit that raises leaves
@@ -405,6 +406,8 @@ def check_structure(h5: h5py.File, where: str) -> None:
         stored = dataset.id.get_storage_size()
         if stored < dataset.nbytes:
             return f"declares {dataset.nbytes} bytes but stores {stored} (unwritten parts)"
+        if dataset.nbytes > size:
+            return f"declares {dataset.nbytes} bytes, more than the file's {size}"
         return None
 
     found = h5.visititems_links(
@@ -436,7 +439,7 @@ def open_verified(
         with f, VerifiedBlocks(f, entry, target, lean=lean) as blocks:
             try:
                 with h5py.File(blocks, "r") as h5:
-                    check_structure(h5, target)
+                    check_structure(h5, target, int(entry["bytes"]))
                     yield h5, blocks
             except Exception:
                 error, blocks.error = blocks.error, None  # no cycle through the reader
@@ -448,5 +451,5 @@ def open_verified(
         _copy_whole(fs, target, entry, spool)
         spool.seek(0)
         with h5py.File(spool, "r") as h5:
-            check_structure(h5, target)
+            check_structure(h5, target, int(entry["bytes"]))
             yield h5, None
