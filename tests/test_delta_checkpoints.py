@@ -835,3 +835,32 @@ def test_ls_shows_a_creation_time_no_calendar_holds_as_unknown(
     checkpoints._print_links([link, {**link, "created_unix": float("nan")}])
     lines = capsys.readouterr().out.splitlines()[1:]
     assert [line.split()[1] for line in lines] == ["?", "?"]
+
+
+def test_prune_keeps_a_checkpoint_whose_directory_holds_another(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint saved inside an older one's directory (run/c1/late): a
+    prune deleted run/c1 whole, and the newest checkpoint with it. The older
+    one is kept and the prune says why; the others go as before."""
+    from tf_dlt.tools import cli
+
+    ids = np.arange(500, dtype=np.int64)
+    run = tmp_path / "run"
+    with start_cluster(1).client() as c:
+        _base(c, ids, run / "c1")
+        c.save(str(run / "c2"))
+        c.save(str(run / "c3"))
+        _train(c, ids, 2, {"t": 4})
+        c.save(str(run / "c1" / "late"))
+        late = c.pull("t", ids)
+    assert cli.main(["checkpoint", "prune", str(run), "--keep", "1"]) == 1
+    out = capsys.readouterr()
+    assert f"deleted {run / 'c2'}" in out.out and str(run / "c1") not in out.out
+    assert f"{run / 'c1'} kept: its directory holds other checkpoints ({run / 'c1' / 'late'})" in (
+        out.err
+    )
+    assert (run / "c1" / "late" / "MANIFEST.json").exists() and (run / "c3").exists()
+    with start_cluster(1).client() as c:
+        c.load(str(run / "c1" / "late"))
+        np.testing.assert_array_equal(c.pull("t", ids), late)

@@ -199,13 +199,42 @@ def retain(
     need |= _needed_beside([_tables_of(p, tables_dir, tables) for p in paths[:-keep]])
     deleted = []
     for path in paths[:-keep]:
-        if _key(_tables_of(path, tables_dir, tables)) in need:
+        own = _tables_of(path, tables_dir, tables)
+        if _key(own) in need:
             continue
         fs, root = manifest_lib.filesystem(path)
+        inside = _checkpoints_inside(fs, root, own)
+        if inside:  # its directory is deleted whole: theirs would go with it
+            if problems is not None:
+                problems.append(
+                    f"{path} kept: its directory holds other checkpoints ({', '.join(inside[:3])}"
+                    f"{', ...' if len(inside) > 3 else ''}), which deleting it would delete"
+                )
+            continue
         with contextlib.suppress(FileNotFoundError):  # deleted already (another prune)
             fs.rm(root, recursive=True)
         deleted.append(path)
     return deleted
+
+
+def _checkpoints_inside(fs: Any, root: str, tables: str) -> list[str]:
+    """The directories under `root` (a checkpoint's directory, its table
+    checkpoint `tables` apart) that hold a manifest: other checkpoints saved
+    inside it."""
+    own = posixpath.join(manifest_lib.filesystem(tables)[1], manifest_lib.MANIFEST)
+    try:
+        files = fs.find(root)
+    except FileNotFoundError:
+        return []
+    skip = {
+        posixpath.normpath(own),
+        posixpath.join(posixpath.normpath(root), manifest_lib.MANIFEST),
+    }
+    return sorted(
+        manifest_lib.url_of(fs, posixpath.dirname(f))
+        for f in files
+        if posixpath.basename(f) == manifest_lib.MANIFEST and posixpath.normpath(f) not in skip
+    )
 
 
 def _directories_beside(path: str) -> list[str]:
