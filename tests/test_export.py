@@ -125,11 +125,20 @@ def test_standalone_export_of_chosen_ids(
     x, y = _data()
     model.fit(x, y, epochs=1, batch_size=8, verbose=0)
     known = np.unique(x[:32])
+    # Ids chosen but never trained hold no row: frozen as the model reads
+    # them (zeros), not as the initial values a training pull would make.
+    untrained = np.array([10**15, -3], np.int64)
     tf_dlt.export_saved_model(
-        model, str(tmp_path / "subset"), mode="standalone", ids={"exp_subset": known}
-    )
+        model, str(tmp_path / "subset"), mode="standalone",
+        ids={"exp_subset": np.concatenate([known, untrained])},
+    )  # fmt: skip
     served = _serve_elsewhere(tmp_path, tmp_path / "subset", x[:32], with_tf_dlt=False)
     np.testing.assert_allclose(served, model.predict(x[:32], verbose=0), atol=1e-6)
+    mixed = np.array([[untrained[0], untrained[1], x[0, 0]]], np.int64)
+    np.testing.assert_allclose(
+        _serve_elsewhere(tmp_path, tmp_path / "subset", mixed, with_tf_dlt=False),
+        model.predict(mixed, verbose=0), atol=1e-6,
+    )  # fmt: skip
     # Ids that were not exported read as zeros.
     unknown = np.full((2, 3), 10**12, np.int64)
     bias = model.get_layer("head").get_weights()[1]

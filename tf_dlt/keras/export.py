@@ -178,7 +178,9 @@ def _read_rows(
     for layer in layers:
         name, choice = layer.table_name, chosen[layer.table_name]
         if isinstance(choice, np.ndarray):
-            values = ops.lookup(layer.client, choice, name, layer.output_dim, training=False)
+            values = ops.lookup(
+                layer.client, choice, name, layer.output_dim, training=False, missing="zeros"
+            )  # as the layer reads a row it does not hold
             rows[name] = (choice, values.numpy())
             continue
         if layer.client.embedded:
