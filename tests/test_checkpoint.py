@@ -645,6 +645,13 @@ def test_storage_library_failures_become_typed_errors_with_one_bounded_line() ->
         (type("EndpointConnectionError", (Exception,), {})("no"), errors.UnavailableError),
         (type("NoCredentialsError", (Exception,), {})("none"), errors.UnauthenticatedError),
         (OSError("x" * 100_000), errors.FailedPreconditionError),
+        # They escaped as themselves: botocore's (a read whose checksum does
+        # not match) and hdfs-native's DataNode failures.
+        (
+            type("FlexibleChecksumError", (type("BotoCoreError", (Exception,), {}),), {})("bad"),
+            errors.FailedPreconditionError,
+        ),
+        (RuntimeError('DataTransferError("All DataNodes failed")'), errors.UnavailableError),
     ]
     for raised, expected in cases:
         with pytest.raises(expected) as caught, errors.storage_errors("Save to s3://b/ck"):
@@ -653,6 +660,8 @@ def test_storage_library_failures_become_typed_errors_with_one_bounded_line() ->
         assert len(caught.value.message) <= 500 and "\tat " not in caught.value.message
     with pytest.raises(ZeroDivisionError), errors.storage_errors("x"):  # not a storage failure
         raise ZeroDivisionError
+    with pytest.raises(RuntimeError), errors.storage_errors("x"):  # nor any RuntimeError
+        raise RuntimeError("something else(1)")
 
 
 def test_a_save_the_disk_cannot_hold_is_refused_before_it_writes(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -864,3 +865,37 @@ def test_prune_keeps_a_checkpoint_whose_directory_holds_another(
     with start_cluster(1).client() as c:
         c.load(str(run / "c1" / "late"))
         np.testing.assert_array_equal(c.pull("t", ids), late)
+
+
+def test_prune_keeps_a_checkpoint_saved_again_while_it_ran(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`latest` older than `step-2` when the prune listed them, then saved
+    again (the newest of all) before the prune deleted it: it was deleted,
+    the newest checkpoint lost after its save succeeded (3 s of a slow
+    store's listing were enough). Kept, and the prune says why."""
+    from tf_dlt.checkpoint import chain
+
+    ids = np.arange(300, dtype=np.int64)
+    run = tmp_path / "run"
+    with start_cluster(1).client() as c:
+        _base(c, ids, run / "latest")
+        c.save(str(run / "step-2"))
+        listed = [x.path for x in chain.find(str(run))]
+        assert listed == [str(run / "latest"), str(run / "step-2")]
+        needed = chain.needed
+
+        def saving_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            c.save(str(run / "latest"))  # commits while the prune runs
+            monkeypatch.setattr(chain, "needed", needed)
+            return needed(*args, **kwargs)
+
+        monkeypatch.setattr(chain, "needed", saving_meanwhile)
+        _train(c, ids, 3, {"t": 4})
+        newest = c.pull("t", ids)
+        problems: list[str] = []
+        assert chain.retain(listed, 1, problems=problems) == []
+        assert problems == [f"{run / 'latest'} kept: a save committed there while the prune ran"]
+        c.push("t", ids, np.ones((len(ids), 4), np.float32), 0.1)
+        c.load(str(run / "latest"))
+        np.testing.assert_array_equal(c.pull("t", ids), newest)

@@ -362,6 +362,14 @@ def test_store_failures_reach_the_caller_as_typed_bounded_errors(
         with pytest.raises(errors.UnavailableError) as unreachable:  # not the deadline
             c.save(dead)
         _bounded(unreachable.value)
+    if store.name == "s3":  # a bucket whose name has a typo: never created
+        with start_cluster(1, env=store.env).client() as c:
+            c.create_table("ada", 8, "normal", "adagrad", seed=1)
+            with pytest.raises(errors.NotFoundError, match="bucket does not exist") as typo:
+                c.save("s3://tf-dtl/run/c1")
+            _bounded(typo.value)
+            fs, _ = store.fs(store.url())
+            assert not fs.exists("tf-dtl")  # s3fs's makedirs made it, and the save went there
     if store.name == "s3":  # credentials the server refuses
         wrong = {**store.env, "AWS_SECRET_ACCESS_KEY": "wrong"}
         with start_cluster(1, *store.flags, env=wrong).client() as c:

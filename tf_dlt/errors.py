@@ -143,6 +143,12 @@ _UNREACHABLE = frozenset({
     "ConnectionClosedError", "ClientConnectorError", "ServerTimeoutError",
 })  # fmt: skip
 _NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+# Any other failure of an object store's client library (botocore: a read
+# whose checksum does not match, say): FAILED_PRECONDITION, naming it.
+_STORE_LIBRARY = frozenset({"BotoCoreError", "ClientError"})
+# hdfs-native's failures that are not OSErrors come as RuntimeError("Kind(...)"):
+# these kinds mean the DataNodes or NameNode could not be reached.
+_HDFS_UNREACHABLE = ("DataTransferError", "RPCError")
 # Most characters of a filesystem library's own message kept in an error.
 MAX_REASON_CHARS = 400
 
@@ -172,7 +178,11 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
         cls = AlreadyExistsError
     elif isinstance(code, int) and code in _BY_ERRNO:
         cls = _BY_ERRNO[code]
-    elif isinstance(error, (ConnectionError, TimeoutError)) or names & _UNREACHABLE:
+    elif (
+        isinstance(error, (ConnectionError, TimeoutError))
+        or names & _UNREACHABLE
+        or _hdfs_kind(error) in _HDFS_UNREACHABLE
+    ):
         cls = UnavailableError
     elif names & _NO_CREDENTIALS:
         cls = UnauthenticatedError
@@ -200,11 +210,21 @@ def _class_names(error: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(error).__mro__}
 
 
+def _hdfs_kind(error: BaseException) -> str:
+    """The kind of an hdfs-native failure raised as RuntimeError ("" if none)."""
+    if type(error) is not RuntimeError:
+        return ""
+    found = re.match(r"(\w+)\(", str(error))
+    return found.group(1) if found else ""
+
+
 def is_storage_error(error: BaseException) -> bool:
-    """Whether `error` is a filesystem library's failure (an OSError, or a
-    connection / credentials error of an object-store client)."""
-    library = _class_names(error) & (_UNREACHABLE | _NO_CREDENTIALS)
-    return isinstance(error, OSError) or bool(library)
+    """Whether `error` is a filesystem library's failure (an OSError, an
+    object-store client's error, or an hdfs-native failure of the DataNodes
+    or NameNode). Before, a botocore checksum error or an HDFS DataNode
+    failure reached the caller as itself (or InternalError)."""
+    library = _class_names(error) & (_UNREACHABLE | _NO_CREDENTIALS | _STORE_LIBRARY)
+    return isinstance(error, OSError) or bool(library) or _hdfs_kind(error) in _HDFS_UNREACHABLE
 
 
 @contextlib.contextmanager

@@ -188,6 +188,7 @@ def retain(
     if keep < 1:
         raise errors.InvalidArgumentError(f"keep must be >= 1, got {keep}")
     kept = paths[-keep:]
+    listed = {path: _committed(_tables_of(path, tables_dir, tables)) for path in paths[:-keep]}
     try:
         need = needed(kept, tables_dir, tables)
     except errors.DltError as e:
@@ -202,6 +203,10 @@ def retain(
         own = _tables_of(path, tables_dir, tables)
         if _key(own) in need:
             continue
+        if _committed(own) != listed[path]:  # saved again since: the newest, maybe
+            if problems is not None:
+                problems.append(f"{path} kept: a save committed there while the prune ran")
+            continue
         fs, root = manifest_lib.filesystem(path)
         inside = _checkpoints_inside(fs, root, own)
         if inside:  # its directory is deleted whole: theirs would go with it
@@ -215,6 +220,14 @@ def retain(
             fs.rm(root, recursive=True)
         deleted.append(path)
     return deleted
+
+
+def _committed(tables: str) -> str:
+    """The save id committed at table checkpoint `tables` ("" if none)."""
+    try:
+        return str(manifest_lib.read_manifest(tables)["save_id"])
+    except Exception:  # noqa: BLE001 - none committed, or unreadable: compared as such
+        return ""
 
 
 def _checkpoints_inside(fs: Any, root: str, tables: str) -> list[str]:
@@ -386,7 +399,7 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     # has none in its model file): once the tables commit, `target` is
     # whole but for its model file, which `read_model` does without.
     dense = dense_file(save_id)
-    target_fs.makedirs(target_root, exist_ok=True)
+    manifest_lib.make_directory(target_fs, target_root)
     manifest_lib.commit_file(
         target_fs, f"{target_root}/{dense}", fs.cat_file(f"{root}/{info['dense_file']}")
     )

@@ -128,6 +128,20 @@ HDFS_DEFAULTS = {
     "dfs.client.failover.sleep.base.millis": "200",
     "dfs.client.failover.sleep.max.millis": "2000",
 }
+# S3 client settings tf_dlt starts from (botocore's; fsspec's configuration
+# for "s3" comes on top), and the times s3fs tries each call (its own retries
+# around botocore's): an endpoint that accepts connections and never answers
+# fails a request after 2 x 2 reads of 30 s, where the defaults went on for
+# many minutes (a save was still waiting after 8, its shard taking no other
+# save or load meanwhile).
+S3_DEFAULTS = {
+    "config_kwargs": {
+        "connect_timeout": 10,
+        "read_timeout": 30,
+        "retries": {"max_attempts": 2, "mode": "standard"},
+    }
+}
+S3_CALL_TRIES = 2
 # Filesystems whose rename replaces a file atomically: a reader sees the
 # old MANIFEST.json or the new one, never a part of it or none.
 _ATOMIC_RENAME = frozenset({"hdfs", "viewfs"})
@@ -144,9 +158,13 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
         # since (a follower polling, a save removing superseded files),
         # never a copy cached by this one.
         options = {"use_listings_cache": False}
+        if protocol in ("s3", "s3a"):
+            options.update(S3_DEFAULTS)
     configured = fsspec.config.conf.get(protocol, {})
     options = {k: v for k, v in options.items() if k not in configured}
     fs, root = fsspec.core.url_to_fs(path, **options)
+    if protocol in ("s3", "s3a") and "config_kwargs" in options:  # (not configured otherwise)
+        fs.retries = S3_CALL_TRIES  # this instance's: s3fs's class attribute says 5
     return fs, root.rstrip("/")
 
 
@@ -201,6 +219,21 @@ def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocols
+
+
+# Filesystems with directories of their own (object stores have keys only).
+_DIRECTORIES = frozenset({"file", "local", "memory", "hdfs", "viewfs"})
+
+
+def make_directory(fs: fsspec.AbstractFileSystem, root: str) -> None:
+    """Makes directory `root` and its parents where `fs` has directories;
+    on an object store nothing (a key needs none): s3fs's makedirs creates a
+    missing bucket, so a save to a bucket whose name had a typo made that
+    bucket, without the intended one's policies (encryption, retention), and
+    wrote there; the save now fails on the missing bucket."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if _DIRECTORIES.intersection(protocols):
+        fs.makedirs(root, exist_ok=True)
 
 
 def parent_reference(path: str, parent: str) -> str:

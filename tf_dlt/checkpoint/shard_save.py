@@ -27,6 +27,7 @@ from tf_dlt.checkpoint.manifest import (
     FORMAT_VERSION,
     filesystem,
     is_local,
+    make_directory,
     replaced_durably,
     shard_file_name,
 )
@@ -327,7 +328,7 @@ def save_tables(
     start = time.monotonic()
     fs, root = filesystem(path)
     name = shard_file_name(layout.shard_index, layout.num_shards, save_id)
-    fs.makedirs(root, exist_ok=True)
+    make_directory(fs, root)
     target = f"{root}/{name}"
     if is_local(fs):
         try:

@@ -76,7 +76,7 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
     fs, root = manifest.filesystem(path)
-    fs.makedirs(root, exist_ok=True)
+    manifest.make_directory(fs, root)
     tables = _tables_of(path)
     base_tables = _tables_of(base) if base is not None else None
     # The dense weights first, under the save's own name: when the tables
