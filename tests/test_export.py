@@ -307,3 +307,8 @@ def test_no_auth_token_is_written_into_an_exported_model(
             tmp_path, tmp_path / "remote", x, with_tf_dlt=True,
             env={"TF_DLT_AUTH_TOKEN_FILE": str(tmp_path / "fifo")},
         )  # fmt: skip
+    # Loaded in this process, which gave the client its token: the loader
+    # renames the client's shared_name, and its lookups went unauthenticated.
+    assert "TF_DLT_AUTH_TOKEN_FILE" not in os.environ
+    loaded = tf.saved_model.load(str(tmp_path / "remote"))
+    np.testing.assert_allclose(loaded.serve(x).numpy(), live, atol=1e-6)

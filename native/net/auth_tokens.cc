@@ -36,9 +36,22 @@ void SetClientToken(const std::string& name, const std::string& token) {
   }
 }
 
+std::string SavedClientName(const std::string& name) {
+  // TensorFlow's SavedModel loader appends "_load_<uid>", then possibly
+  // "_<uid>" more, to every shared_name it loads.
+  const size_t at = name.rfind("_load_");
+  if (at == std::string::npos || at + 6 == name.size()) return name;
+  for (size_t i = at + 6; i < name.size(); ++i) {
+    const char c = name[i];
+    if (!(c >= '0' && c <= '9') && !(c == '_' && name[i - 1] != '_')) return name;
+  }
+  return name.back() == '_' ? name : name.substr(0, at);
+}
+
 std::string ClientToken(const std::string& name) {
   std::lock_guard<std::mutex> lock(TokensMutex());
-  const auto it = Tokens().find(name);
+  auto it = Tokens().find(name);
+  if (it == Tokens().end()) it = Tokens().find(SavedClientName(name));
   return it == Tokens().end() ? std::string() : it->second;
 }
 

@@ -15,8 +15,14 @@ namespace dlt {
 
 // Sets (or with an empty token, forgets) the token of client `name`.
 void SetClientToken(const std::string& name, const std::string& token);
-// The token of client `name`; "" when none was set.
+// The token of client `name`; "" when none was set. A client of a
+// SavedModel loaded in the process that made it (its shared_name given a
+// suffix by the loader, SavedClientName) has the token set for the name it
+// was saved under: the loaded model failed UNAUTHENTICATED there.
 std::string ClientToken(const std::string& name);
+// `name` without the suffix TensorFlow's SavedModel loader gives a loaded
+// shared_name ("_load_<uid>[_<uid>...]"); `name` itself when it has none.
+std::string SavedClientName(const std::string& name);
 
 // OK when every request can carry `token`: at most wire::kMaxTokenBytes
 // of printable ASCII (a gRPC header carries it to the control plane).

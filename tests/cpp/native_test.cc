@@ -867,3 +867,21 @@ DLT_TEST(TestATokenFileIsARegularFileOfPrintableAscii) {
   EXPECT_ERROR_HAS(dlt::CheckToken(std::string(4097, 'x'), "the token"), "at most 4096");
   std::filesystem::remove_all(dir);
 }
+
+DLT_TEST(TestALoadedSavedModelsClientHasTheTokenSetForTheNameItWasSavedUnder) {
+  // TensorFlow's loader renames a loaded shared_name "<name>_load_<uid>[_<uid>]":
+  // the client of a SavedModel loaded in the process that trained it found no
+  // token under that name and failed UNAUTHENTICATED.
+  EXPECT(dlt::SavedClientName("dlt_client_3_load_17") == "dlt_client_3");
+  EXPECT(dlt::SavedClientName("dlt_client_3_load_17_42") == "dlt_client_3");
+  for (const char* kept : {"dlt_client_3", "a_load_", "a_load_x", "a_load_1_", "a_load__1"}) {
+    EXPECT(dlt::SavedClientName(kept) == kept);
+  }
+  dlt::SetClientToken("saved_client", "s3cr3t");
+  EXPECT(dlt::ClientToken("saved_client_load_5_6") == "s3cr3t");
+  EXPECT(dlt::ClientToken("other_client_load_5").empty());
+  dlt::SetClientToken("saved_client_load_5_6", "its own");  // set for the loaded name: that one
+  EXPECT(dlt::ClientToken("saved_client_load_5_6") == "its own");
+  dlt::SetClientToken("saved_client", "");
+  dlt::SetClientToken("saved_client_load_5_6", "");
+}
