@@ -4,6 +4,8 @@ does (None: no reduction)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import tensorflow as tf
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
@@ -24,3 +26,21 @@ def combine(
     if combiner == "mean":
         return tf.math.divide_no_nan(total, counts)
     return tf.math.divide_no_nan(total, tf.sqrt(counts))
+
+
+def output_spec(layer: Any, inputs: Any) -> Any:
+    """The symbolic output of a lookup layer (`output_dim`, `combiner`,
+    `compute_dtype`) on `inputs`: ragged rows out of a ragged input without
+    a combiner, one row per example with one."""
+    import keras
+
+    shape = output_shape(layer, inputs.shape)
+    ragged = getattr(inputs, "ragged", False) and layer.combiner is None
+    return keras.KerasTensor(shape, dtype=layer.compute_dtype, ragged=ragged)
+
+
+def output_shape(layer: Any, input_shape: Any) -> tuple[Any, ...]:
+    """The shape of a lookup layer's output for `input_shape`."""
+    if layer.combiner is not None:
+        return (input_shape[0], layer.output_dim)
+    return (*tuple(input_shape), layer.output_dim)

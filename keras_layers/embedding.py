@@ -33,7 +33,7 @@ from tf_dlt import embedded, errors, expiry, initializers, optimizers
 from tf_dlt.memory_policy import MemoryPolicy
 from tf_dlt.table_config import TableConfig, difference, memory_of
 
-from . import keras_settings, table_home
+from . import combiners, keras_settings, table_home
 from .combiners import COMBINERS, combine
 from .gradient_trap import (
     Anchor,
@@ -561,14 +561,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         return keras.ops.not_equal(inputs, 0)
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
-        if self.combiner is not None:
-            return (input_shape[0], self.output_dim)
-        return tuple(input_shape) + (self.output_dim,)
+        return combiners.output_shape(self, input_shape)
 
     def compute_output_spec(self, inputs: Any, training: Any = None) -> Any:
-        shape = self.compute_output_shape(inputs.shape)
-        ragged = getattr(inputs, "ragged", False) and self.combiner is None
-        return keras.KerasTensor(shape, dtype=self.compute_dtype, ragged=ragged)
+        return combiners.output_spec(self, inputs)
 
     # Serialization -----------------------------------------------------------
 

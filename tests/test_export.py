@@ -312,3 +312,64 @@ def test_no_auth_token_is_written_into_an_exported_model(
     assert "TF_DLT_AUTH_TOKEN_FILE" not in os.environ
     loaded = tf.saved_model.load(str(tmp_path / "remote"))
     np.testing.assert_allclose(loaded.serve(x).numpy(), live, atol=1e-6)
+
+
+SERVE_COMPOSITE = """
+import sys
+sys.modules['tf_dlt'] = None  # plain TensorFlow only
+import numpy as np, tensorflow as tf
+kind, path, data, out = sys.argv[1:]
+d = np.load(data)
+hist = tf.RaggedTensor.from_row_lengths(d["values"], d["lengths"])
+if kind == "sparse":
+    hist = hist.to_sparse()
+    hist = tf.SparseTensor(hist.indices, hist.values, [len(d["lengths"]), 5])
+loaded = tf.saved_model.load(path)  # (held: the endpoint's variables are its)
+served = loaded.serve(tf.constant(d["users"]), hist)
+np.save(out, served.numpy())
+"""
+
+
+TRAINS: dict[str, Any] = {"optimizer": "adagrad", "learning_rate": 0.1}
+
+
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_standalone_export_of_ids_per_example_reduced_by_a_combiner(
+    tmp_path: Path, kind: str
+) -> None:
+    """A layer reducing a ragged or sparse input of ids per example
+    (combiner="mean") beside a dense one: the standalone export failed
+    (Concatenate met a ragged rank-3 input: the frozen copy's inputs were
+    made dense), and a model with the combiner's output alone exported an
+    endpoint taking dense ids that served the wrong shape. It serves what
+    the model predicts, from plain TensorFlow."""
+    users = keras.Input((1,), dtype="int64", name="user")
+    hist = keras.Input((None,) if kind == "ragged" else (5,), dtype="int64", name="hist",
+                       **{kind: True})  # fmt: skip
+    user_rows = keras.layers.Flatten()(
+        Embedding(output_dim=4, is_distributed=True, name=f"cu_{kind}", **TRAINS)(users)
+    )
+    pooled = Embedding(
+        output_dim=4, is_distributed=True, combiner="mean", name=f"ch_{kind}", **TRAINS
+    )(hist)
+    model = keras.Model(
+        [users, hist], keras.layers.Dense(1)(keras.layers.Concatenate()([user_rows, pooled]))
+    )
+    lengths = np.array([3, 1, 2, 4], np.int64)
+    values = np.arange(10, dtype=np.int64) * 7
+    u = np.array([[1], [2], [3], [1]], np.int64)
+    ragged = tf.RaggedTensor.from_row_lengths(values, lengths)
+    x = ragged if kind == "ragged" else tf.SparseTensor(
+        ragged.to_sparse().indices, values, [len(lengths), 5]
+    )  # fmt: skip
+    model([tf.constant(u), x], training=True)  # makes the rows
+    live = model([tf.constant(u), x], training=False).numpy()
+    tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode="standalone")
+    np.savez(tmp_path / "d.npz", users=u, values=values, lengths=lengths)
+    out = subprocess.run(
+        [sys.executable, "-c", SERVE_COMPOSITE, kind, str(tmp_path / "m"),
+         str(tmp_path / "d.npz"), str(tmp_path / "y.npy")],
+        capture_output=True, text=True, cwd="/", timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), live, atol=1e-6)

@@ -100,6 +100,28 @@ def test_nested_models(start_cluster: Callable[..., Cluster]) -> None:
     assert remote.get_layer("inner").get_layer("n_emb").client.pservers == cluster.addresses
 
 
+@pytest.mark.parametrize("kind", ["sparse", "ragged"])
+def test_sparse_and_ragged_inputs_stay_so(start_cluster: Callable[..., Cluster], kind: str) -> None:
+    """A model fed a SparseTensor (or RaggedTensor) of ids per example, its
+    layer reducing them (combiner="mean"): clone_model made its inputs
+    dense, so the transpiled model could not be called with them (sparse:
+    "feed a RaggedTensor or SparseTensor of ids")."""
+    import tensorflow as tf
+
+    cluster = start_cluster(1)
+    ids = keras.Input((None,), dtype="int64", **{kind: True})
+    pooled = Embedding(output_dim=DIM, is_distributed=True, combiner="mean", name=f"{kind}_emb")(
+        ids
+    )
+    model = keras.Model(ids, keras.layers.Dense(1, name="head")(pooled))
+    rows = tf.ragged.constant([[1, 2, 3], [4], [5, 6]], dtype=tf.int64)
+    x = rows.to_sparse() if kind == "sparse" else rows
+    before = model(x).numpy()
+    remote = tf_dlt.transpile(model, cluster.addresses)
+    assert getattr(remote.inputs[0], kind)
+    np.testing.assert_allclose(remote(x).numpy(), before, atol=1e-6)
+
+
 def test_subclassed_models_get_a_clear_error() -> None:
     class Tower(keras.Model):
         def __init__(self) -> None:

@@ -24,7 +24,13 @@ import tensorflow as tf
 
 from tf_dlt import _native, embedded, errors
 from tf_dlt import dlt_ops as ops
-from tf_dlt.keras.walk import cluster_of, copy_weights, distributed_layers
+from tf_dlt.keras.walk import (
+    cluster_of,
+    copy_weights,
+    distributed_layers,
+    inputs_like,
+    walk_layers,
+)
 
 MODES = ("remote", "standalone")
 # Custom gradients are not saved: the graph then needs no push op.
@@ -46,8 +52,44 @@ def _call(model: keras.Model, xs: tuple[tf.Tensor, ...]) -> Any:
     return model(xs[0] if len(xs) == 1 else list(xs), training=False)
 
 
-def _signature(model: keras.Model) -> list[tf.TensorSpec]:
-    return [tf.TensorSpec(i.shape, i.dtype, name=i.name) for i in model.inputs]
+def _composite(model: keras.Model) -> bool:
+    """Whether an input of `model` is sparse or ragged."""
+    return any(getattr(i, "sparse", False) or getattr(i, "ragged", False) for i in model.inputs)
+
+
+def _track(archive: Any, model: keras.Model) -> None:
+    """Tracks `model`'s variables in `archive`. A model with a sparse or
+    ragged input is tracked layer by layer: saving a tracked model traces
+    Keras's own default signature of it, with every input dense, which such
+    a model cannot take."""
+    if not _composite(model):
+        archive.track(model)
+        return
+    for layer in walk_layers(model):
+        if not isinstance(layer, keras.Model):
+            archive.track(layer)
+
+
+def _add_serve(archive: Any, model: keras.Model, called: keras.Model) -> None:
+    """Adds the "serve" endpoint: `called` on inputs as dense, sparse or
+    ragged as `model`'s. (The archive makes every input signature dense, so
+    an endpoint with a sparse or ragged input is a tf.function of its own,
+    traced here; ids per example for a layer with a combiner were taken
+    dense, and the export failed or served the wrong shape.)"""
+    specs = []
+    for i in model.inputs:
+        if getattr(i, "sparse", False):
+            specs.append(tf.SparseTensorSpec(i.shape, i.dtype))
+        elif getattr(i, "ragged", False):
+            specs.append(tf.RaggedTensorSpec(i.shape, i.dtype, ragged_rank=len(i.shape) - 1))
+        else:
+            specs.append(tf.TensorSpec(i.shape, i.dtype, name=i.name))
+    if not _composite(model):
+        archive.add_endpoint("serve", lambda *xs: _call(called, xs), specs)
+        return
+    serve = tf.function(lambda *xs: _call(called, xs), input_signature=specs)
+    serve.get_concrete_function()
+    archive.add_endpoint("serve", serve)
 
 
 def export_saved_model(
@@ -103,11 +145,11 @@ def export_saved_model(
                     "first, or export with mode='standalone'"
                 )
         archive = keras.export.ExportArchive()
-        archive.track(model)
+        _track(archive, model)
         for layer in layers:
             archive.track(layer.client)
         with _serving(layers):  # tracing may happen as late as write_out
-            archive.add_endpoint("serve", lambda *xs: _call(model, xs), _signature(model))
+            _add_serve(archive, model, model)
             archive.write_out(path, options=_SAVE_OPTIONS, verbose=False)
         return
     chosen = {layer.table_name: _chosen_rows(layer, ids or {}, most_frequent) for layer in layers}
@@ -148,6 +190,16 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
             found = tf.gather(self.rows, self.table.lookup(tf.cast(inputs.flat_values, tf.int64)))
             return combine(self.combiner, found, inputs.value_rowids(), inputs.nrows())
         return tf.gather(self.rows, self.table.lookup(tf.cast(inputs, tf.int64)))
+
+    def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
+        from tf_dlt.layers import combiners
+
+        return tuple(combiners.output_shape(self, input_shape))
+
+    def compute_output_spec(self, inputs: Any) -> Any:
+        from tf_dlt.layers import combiners
+
+        return combiners.output_spec(self, inputs)
 
 
 def _chosen_rows(
@@ -269,9 +321,11 @@ def _export_standalone(
         return layer.__class__.from_config(layer.get_config())
 
     # A copy with no tf_dlt op or resource in it: plain TensorFlow loads it.
-    frozen = keras.models.clone_model(model, clone_function=freeze, recursive=True)
+    frozen = keras.models.clone_model(
+        model, input_tensors=inputs_like(model), clone_function=freeze, recursive=True
+    )
     copy_weights(model, frozen)
     archive = keras.export.ExportArchive()
-    archive.track(frozen)
-    archive.add_endpoint("serve", lambda *xs: _call(frozen, xs), _signature(model))
+    _track(archive, frozen)
+    _add_serve(archive, model, frozen)
     archive.write_out(path, options=_SAVE_OPTIONS, verbose=False)

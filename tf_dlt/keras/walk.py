@@ -110,3 +110,26 @@ def copy_weights(source: keras.Model, target: keras.Model) -> None:
             continue
         if [w.shape for w in old.get_weights()] == [w.shape for w in layer.get_weights()]:
             layer.set_weights(old.get_weights())
+
+
+def inputs_like(model: keras.Model) -> Any:
+    """New inputs of a Functional model's input structure, each as sparse
+    or ragged as the model's, for `keras.models.clone_model(input_tensors=)`
+    (its own drop both: a model fed SparseTensor ids could no longer be
+    called with them once transpiled or frozen for export); None for other
+    models (clone_model's inputs)."""
+    if isinstance(model, keras.Sequential) or not isinstance(model, keras.Model):
+        return None
+    try:
+        inputs = model.input
+    except (AttributeError, ValueError):  # a subclassed model
+        return None
+
+    def like(tensor: Any) -> Any:
+        return keras.Input(
+            batch_shape=tensor.shape, dtype=tensor.dtype, name=tensor.name,
+            sparse=bool(getattr(tensor, "sparse", False)),
+            ragged=bool(getattr(tensor, "ragged", False)),
+        )  # fmt: skip
+
+    return keras.tree.map_structure(like, inputs)
