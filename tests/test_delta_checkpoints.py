@@ -899,3 +899,21 @@ def test_prune_keeps_a_checkpoint_saved_again_while_it_ran(
         c.push("t", ids, np.ones((len(ids), 4), np.float32), 0.1)
         c.load(str(run / "latest"))
         np.testing.assert_array_equal(c.pull("t", ids), newest)
+        # The same through `tf-dlt checkpoint prune`, the save landing after
+        # it listed the directory and before its deletions began: the
+        # manifests it listed are the snapshot (a review's repro).
+        from tf_dlt.tools import cli
+
+        c.save(str(run / "step-3"))
+        retain = chain.retain
+
+        def saved_after_listing(*args: Any, **kwargs: Any) -> Any:
+            c.save(str(run / "latest"))
+            return retain(*args, **kwargs)
+
+        monkeypatch.setattr(chain, "retain", saved_after_listing)
+        newest = c.pull("t", ids)
+        assert cli.main(["checkpoint", "prune", str(run), "--keep", "1"]) == 1
+        c.push("t", ids, np.ones((len(ids), 4), np.float32), 0.1)
+        c.load(str(run / "latest"))
+        np.testing.assert_array_equal(c.pull("t", ids), newest)

@@ -178,17 +178,24 @@ def retain(
     tables_dir: str | None = None,
     tables: dict[str, str] | None = None,
     problems: list[str] | None = None,
+    save_ids: dict[str, str] | None = None,
 ) -> list[str]:
     """Deletes the checkpoints of `paths` (oldest first) except the newest
     `keep` and every checkpoint their chains need; returns those deleted. A
     checkpoint whose chain cannot be read is kept, and so is all before it
     (why is appended to `problems`, if given). Each path's table checkpoint
     is `tables[path]` where given (a directory mixing model and table
-    checkpoints), else `tables_path(path, tables_dir)`."""
+    checkpoints), else `tables_path(path, tables_dir)`. `save_ids`: the
+    save each path held when the caller listed them (`find`'s manifests);
+    one that holds another save by its deletion (saved again since: the
+    newest, maybe) is kept. Without them, what each holds as this starts."""
     if keep < 1:
         raise errors.InvalidArgumentError(f"keep must be >= 1, got {keep}")
     kept = paths[-keep:]
-    listed = {path: _committed(_tables_of(path, tables_dir, tables)) for path in paths[:-keep]}
+    listed = {
+        path: (save_ids or {}).get(path) or _committed(_tables_of(path, tables_dir, tables))
+        for path in paths[:-keep]
+    }
     try:
         need = needed(kept, tables_dir, tables)
     except errors.DltError as e:

@@ -388,6 +388,7 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self.saved: list[str] = []
         self.epochs: list[int] = []  # epochs completed at each saved path
         self.kinds: list[str] = []  # "full" or "delta", per saved path
+        self._save_ids: dict[str, str] = {}  # the save each path got (a prune's snapshot)
         self.deleted: list[str] = []
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -407,7 +408,10 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self.saved.append(target)
         self.epochs.append(epoch + 1)
         self.kinds.append(info["kind"])
+        self._save_ids[target] = str(info["save_id"])
         if self.keep is not None:
             live = [p for p in self.saved if p not in self.deleted]
             with errors.storage_errors(f"removing checkpoints older than the last {self.keep}"):
-                self.deleted.extend(chain.retain(live, self.keep, tables_dir=TABLES_DIR))
+                self.deleted.extend(
+                    chain.retain(live, self.keep, tables_dir=TABLES_DIR, save_ids=self._save_ids)
+                )

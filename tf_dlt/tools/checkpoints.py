@@ -121,7 +121,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"no committed checkpoint in {args.directory}", file=sys.stderr)
             return 1
         problems: list[str] = []
-        deleted = chain.retain([c.path for c in found], args.keep, tables=tables, problems=problems)
+        deleted = chain.retain(
+            [c.path for c in found], args.keep, tables=tables, problems=problems,
+            save_ids={c.path: str(c.manifest["save_id"]) for c in found},
+        )  # fmt: skip
         for path in deleted:
             print(f"deleted {path}")
         print(f"kept {len(found) - len(deleted)} checkpoint(s)")
