@@ -250,6 +250,20 @@ def test_abort_load_undoes_a_load_its_client_left_in_the_middle(
         assert "no shard was in the middle of load 'left'" in capsys.readouterr().err
         client.load(str(tmp_path / "ck"))
         np.testing.assert_array_equal(client.pull("t", ids, training=False), a)
+        # Committed everywhere and finished on shard 0 before its client
+        # died: the load is whole, so shard 1 finishes it too (rolling it
+        # back left the shards of two checkpoints, a review's repro).
+        client.push("t", ids, np.ones((400, 4), np.float32), 0.5)
+        b = client.pull("t", ids, training=False)
+        for stub in stubs:
+            stub.Load(dlt_pb2.LoadRequest(path=str(tmp_path / "ck"), phase=1, load_id="done"))
+        for stub in stubs:
+            stub.Load(dlt_pb2.LoadRequest(phase=dlt_pb2.LoadRequest.COMMIT, load_id="done"))
+        stubs[0].Load(dlt_pb2.LoadRequest(phase=dlt_pb2.LoadRequest.FINISH, load_id="done"))
+        assert cli.main(["abort-load", "--pservers", pservers, "done"]) == 0
+        assert capsys.readouterr().out == "shard 0: -\nshard 1: finished\n"
+        np.testing.assert_array_equal(client.pull("t", ids, training=False), a)
+        assert not np.array_equal(a, b) and [s["pending_load"] for s in client.stats()] == ["", ""]
 
 
 def test_a_commit_that_fails_on_one_shard_is_rolled_back_on_the_others(

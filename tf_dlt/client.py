@@ -1061,15 +1061,30 @@ class Client:
         ...`, and `tf-dlt stats` shows it `in progress` with its id) instead
         of waiting for it to expire: each shard that prepared it drops what
         it staged; each that committed it puts back the tables it had before
-        (pushes they took since are lost with the loaded tables). Returns
-        what each shard did: "aborted" or "rolled back", or "-" where it had
-        no such load."""
+        (pushes they took since are lost with the loaded tables). A load
+        that committed on every shard and was finished on some (its client
+        died between FINISHes) is finished on the others instead: undoing it
+        there would leave the shards of two checkpoints. Returns what each
+        shard did: "aborted", "rolled back" or "finished", or "-" where it
+        had no such load."""
         from tf_dlt.proto import dlt_pb2
 
         request = dlt_pb2.LoadRequest
         if not load_id:
             raise errors.InvalidArgumentError("abort_load needs the load's id (tf-dlt stats)")
         before = [str(s.get("pending_load", "")) for s in self.stats()]
+        held = [h.startswith(f"load {load_id!r} ") for h in before]
+        committed_at = [i for i, h in enumerate(before) if held[i] and ", committed " in h]
+        if committed_at and not all(held):
+            # FINISH goes out only once every shard committed: the load is whole.
+            finishes = self._call_all(
+                "Load", request(phase=request.FINISH, load_id=load_id), self._persist_timeout,
+                shards=committed_at,
+            )  # fmt: skip
+            failures = [r for r in finishes if isinstance(r, errors.DltError)]
+            if failures:
+                raise failures[0]
+            return ["finished" if i in committed_at else "-" for i in range(len(before))]
         aborts = self._call_all(
             "Load", request(phase=request.ABORT, load_id=load_id), self._persist_timeout
         )
@@ -1090,8 +1105,8 @@ class Client:
             if failures:
                 raise failures[0]
         return [
-            "rolled back" if i in committed else "aborted" if repr(load_id) in had else "-"
-            for i, had in enumerate(before)
+            "rolled back" if i in committed else "aborted" if held[i] else "-"
+            for i in range(len(before))
         ]
 
     def _prepare_load(
