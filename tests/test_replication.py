@@ -248,14 +248,16 @@ def test_a_replica_set_started_together_elects_one_primary() -> None:
         ShardServer(0, 1, replica_set=members, advertise="127.0.0.1:1")
 
 
-def _copy_health(server: ShardServer) -> int:
-    """The health status of `server`'s COPY_SERVICE (its readiness)."""
+def _copy_health(server: ShardServer | int) -> int:
+    """The health status of COPY_SERVICE (readiness) of `server`, or of the
+    process whose admin port it is."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from tf_dlt.server.shard_server import COPY_SERVICE
 
-    with grpc.insecure_channel(f"127.0.0.1:{server.admin_port}") as channel:
+    port = server if isinstance(server, int) else server.admin_port
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         request = health_pb2.HealthCheckRequest(service=COPY_SERVICE)
         return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status)
 
@@ -771,6 +773,12 @@ def test_a_primary_paused_past_its_only_standbys_takeover_is_fenced_when_it_wake
                 return True
 
         wait_until(replaced, "the old primary to be fenced")
+        # Not ready once replaced (its rows are older than the shard's): it
+        # said SERVING for good, started as a primary without --replica-set.
+        from grpc_health.v1 import health_pb2
+
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(lambda: _copy_health(cluster.admin_ports[0]) == not_serving, "not ready")
         # The refusal and the old primary's log name the copy that replaced it.
         with pytest.raises(
             errors.UnavailableError, match=f"was replaced.*{re.escape(standby)} took over"

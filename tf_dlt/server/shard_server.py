@@ -301,8 +301,8 @@ class ShardServer:
             )
 
     def _watching_copy(self) -> None:
-        """A replica set member's role and copy change on their own: looked
-        at twice a second until the process stops."""
+        """A process's role and copy change on their own (a standby catches
+        up, a primary is replaced): looked at twice a second until it stops."""
         while not self._stopped.wait(0.5):
             self._watch_copy()
 
@@ -440,10 +440,9 @@ class ShardServer:
         for name in ("", SERVICE_NAME):
             self._admin.set_health(name, health_pb2.HealthCheckResponse.SERVING)
         self._watch_copy()
-        if self.servicer.standby_link is not None:
-            threading.Thread(
-                target=self._watching_copy, name="dlt-copy-health", daemon=True
-            ).start()
+        # (Every process: a primary started plain, whose standbys attached
+        # with --standby-of, is replaced when one of them takes over.)
+        threading.Thread(target=self._watching_copy, name="dlt-copy-health", daemon=True).start()
         log.info(
             "%s serving on %s: data port %d, admin port %d%s; %d worker threads, up to "
             "%d connections",
