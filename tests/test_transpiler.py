@@ -100,8 +100,11 @@ def test_nested_models(start_cluster: Callable[..., Cluster]) -> None:
     assert remote.get_layer("inner").get_layer("n_emb").client.pservers == cluster.addresses
 
 
+@pytest.mark.parametrize("shape", ["functional", "sequential", "nested"])
 @pytest.mark.parametrize("kind", ["sparse", "ragged"])
-def test_sparse_and_ragged_inputs_stay_so(start_cluster: Callable[..., Cluster], kind: str) -> None:
+def test_sparse_and_ragged_inputs_stay_so(
+    start_cluster: Callable[..., Cluster], kind: str, shape: str
+) -> None:
     """A model fed a SparseTensor (or RaggedTensor) of ids per example, its
     layer reducing them (combiner="mean"): clone_model made its inputs
     dense, so the transpiled model could not be called with them (sparse:
@@ -109,11 +112,19 @@ def test_sparse_and_ragged_inputs_stay_so(start_cluster: Callable[..., Cluster],
     import tensorflow as tf
 
     cluster = start_cluster(1)
+
+    def embedding() -> Embedding:
+        return Embedding(output_dim=DIM, is_distributed=True, combiner="mean", name=f"{kind}_emb")
+
     ids = keras.Input((None,), dtype="int64", **{kind: True})
-    pooled = Embedding(output_dim=DIM, is_distributed=True, combiner="mean", name=f"{kind}_emb")(
-        ids
-    )
-    model = keras.Model(ids, keras.layers.Dense(1, name="head")(pooled))
+    if shape == "functional":
+        model = keras.Model(ids, keras.layers.Dense(1, name="head")(embedding()(ids)))
+    elif shape == "sequential":  # (clone_model's Sequential dropped them too)
+        model = keras.Sequential([ids, embedding(), keras.layers.Dense(1, name="head")])
+    else:  # a nested model's own inputs (clone_model's recursion dropped them)
+        inner = keras.Model(ids, embedding()(ids), name="inner")
+        outer = keras.Input((None,), dtype="int64", **{kind: True})
+        model = keras.Model(outer, keras.layers.Dense(1, name="head")(inner(outer)))
     rows = tf.ragged.constant([[1, 2, 3], [4], [5, 6]], dtype=tf.int64)
     x = rows.to_sparse() if kind == "sparse" else rows
     before = model(x).numpy()

@@ -18,7 +18,7 @@ import numpy as np
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded
 from tf_dlt.cluster import ClusterSpec
-from tf_dlt.keras.walk import copy_weights, inputs_like
+from tf_dlt.keras.walk import clone_keeping_inputs, copy_weights
 from tf_dlt.layers import table_home
 from tf_dlt.layers.embedding import Embedding
 from tf_dlt.progress import Progress
@@ -135,9 +135,7 @@ def transpile(
             return new
         return layer.__class__.from_config(layer.get_config())
 
-    new_model = keras.models.clone_model(
-        model, input_tensors=inputs_like(model), clone_function=clone, recursive=True
-    )
+    new_model = clone_keeping_inputs(model, clone)
     copy_weights(model, new_model)
     for layer, (ids, values) in uploads:
         total = int(len(ids))

@@ -25,10 +25,10 @@ import tensorflow as tf
 from tf_dlt import _native, embedded, errors
 from tf_dlt import dlt_ops as ops
 from tf_dlt.keras.walk import (
+    clone_keeping_inputs,
     cluster_of,
     copy_weights,
     distributed_layers,
-    inputs_like,
     walk_layers,
 )
 
@@ -321,9 +321,7 @@ def _export_standalone(
         return layer.__class__.from_config(layer.get_config())
 
     # A copy with no tf_dlt op or resource in it: plain TensorFlow loads it.
-    frozen = keras.models.clone_model(
-        model, input_tensors=inputs_like(model), clone_function=freeze, recursive=True
-    )
+    frozen = clone_keeping_inputs(model, freeze)
     copy_weights(model, frozen)
     archive = keras.export.ExportArchive()
     _track(archive, frozen)

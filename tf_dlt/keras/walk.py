@@ -112,17 +112,47 @@ def copy_weights(source: keras.Model, target: keras.Model) -> None:
             layer.set_weights(old.get_weights())
 
 
-def inputs_like(model: keras.Model) -> Any:
-    """New inputs of a Functional model's input structure, each as sparse
-    or ragged as the model's, for `keras.models.clone_model(input_tensors=)`
-    (its own drop both: a model fed SparseTensor ids could no longer be
-    called with them once transpiled or frozen for export); None for other
-    models (clone_model's inputs)."""
-    if isinstance(model, keras.Sequential) or not isinstance(model, keras.Model):
+def clone_keeping_inputs(model: keras.Model, clone_layer: Any) -> keras.Model:
+    """`keras.models.clone_model(model, clone_function=clone_layer,
+    recursive=True)`, but every Functional or Sequential model in it (the
+    model itself, models nested in it) gets inputs as sparse or ragged as
+    its own: clone_model's drop both, so a model fed SparseTensor ids could
+    no longer take them once transpiled or frozen for export. A layer or
+    model used twice is cloned once, as clone_model's own recursion does."""
+    from keras.src.models.functional import Functional
+
+    done: dict[int, Any] = {}
+
+    def clone(layer: Any) -> Any:
+        if id(layer) not in done:
+            if isinstance(layer, (keras.Sequential, Functional)):
+                done[id(layer)] = clone_model(layer)
+            else:
+                done[id(layer)] = clone_layer(layer)
+        return done[id(layer)]
+
+    def clone_model(m: keras.Model) -> keras.Model:
+        inputs = _inputs_like(m)
+        if inputs is not None and isinstance(m, keras.Sequential):
+            # (clone_model's Input(tensor=...) of a Sequential drops them too)
+            return keras.Sequential(
+                [inputs, *(clone(layer) for layer in m.layers)], name=m.name, trainable=m.trainable
+            )
+        return keras.models.clone_model(m, input_tensors=inputs, clone_function=clone)
+
+    return clone_model(model)
+
+
+def _inputs_like(model: keras.Model) -> Any:
+    """New inputs like `model`'s, each as sparse or ragged as its own, for
+    clone_model's `input_tensors`; None where all are dense (clone_model's
+    own inputs then), or for a model that has none."""
+    try:  # (a Sequential has `inputs` before it was ever called; `input` after)
+        inputs = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    except (AttributeError, ValueError, IndexError, TypeError):  # not built on inputs
         return None
-    try:
-        inputs = model.input
-    except (AttributeError, ValueError):  # a subclassed model
+    if not any(getattr(i, "sparse", False) or getattr(i, "ragged", False)
+               for i in keras.tree.flatten(inputs)):  # fmt: skip
         return None
 
     def like(tensor: Any) -> Any:
