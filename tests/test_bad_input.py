@@ -369,11 +369,12 @@ def test_state_pulls_too_big_for_a_frame_are_refused_or_split(
 
 def test_a_long_error_keeps_its_code_across_the_control_plane(one: Cluster) -> None:
     """An error whose message is longer than gRPC's metadata limit (here a
-    Load of a 20,000-character path, which the message names) reaches the
+    Load of a 3,800-character path, which the message names) reaches the
     caller with its own code and a bounded message, not as "Stream removed"
-    (RESOURCE_EXHAUSTED); the shard keeps serving."""
+    (RESOURCE_EXHAUSTED); the shard keeps serving. (A path is at most 4,096
+    bytes: test_security.py.)"""
     cluster = one
-    path = "/nonexistent/" + "d" * 20_000
+    path = "/nonexistent/" + "/".join(["d" * 200] * 19)
     with grpc.insecure_channel(f"127.0.0.1:{cluster.admin_ports[0]}") as channel:
         stub = dlt_pb2_grpc.ShardAdminStub(channel)
         with pytest.raises(grpc.RpcError) as info:

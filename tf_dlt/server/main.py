@@ -311,18 +311,21 @@ class _Place(logging.Filter):
     """Puts the shard this process serves now in each log line's `place`:
     `shard-<i>` (a re-shard may change it), or `no-shard` for a process
     that joins or was left out of the layout; until the server starts, the
-    index it was started with."""
+    index it was started with. `shard` is let go once the server stopped:
+    held by the logging module to the interpreter's exit, the shard outlived
+    the process's own teardown (its disk tier's files stayed)."""
 
     def __init__(self, started_as: int) -> None:
         super().__init__()
-        self._started_as = started_as
-        self.shard: Any = None  # the server's native Shard, once it exists
+        self.text = f"shard-{started_as}"
+        self.shard: Any = None  # the server's native Shard while it serves
 
     def filter(self, record: logging.LogRecord) -> bool:
-        index, count = self._started_as, self._started_as + 1
-        if self.shard is not None:
-            index, count = int(self.shard.shard_index), int(self.shard.num_shards)
-        record.place = f"shard-{index}" if index < count else "no-shard"
+        shard = self.shard
+        if shard is not None:
+            index, count = int(shard.shard_index), int(shard.num_shards)
+            self.text = f"shard-{index}" if index < count else "no-shard"
+        record.place = self.text
         return True
 
 
@@ -441,6 +444,7 @@ def run(args: argparse.Namespace) -> int:
         server.start()
     except (errors.DltError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)
+        place.shard = None
         return 2
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -458,6 +462,14 @@ def run(args: argparse.Namespace) -> int:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(f"{server.port} {server.admin_port} {server.metrics_port}\n")
         os.replace(tmp, args.port_file)
+    try:
+        return _serve(server, args, log)
+    finally:
+        place.shard = None
+
+
+def _serve(server: ShardServer, args: argparse.Namespace, log: logging.Logger) -> int:
+    """Serves until stopped (a signal, or the launcher that started it gone)."""
     orphaned = False
     while not server.wait(timeout=0.5):
         server.watch()
