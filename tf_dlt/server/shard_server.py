@@ -258,6 +258,8 @@ class ShardServer:
         self.admin_port = 0
         self._stopped = threading.Event()
         self._whole_copy: bool | None = None  # COPY_SERVICE's last status (_watch_copy)
+        self._stopping = threading.Event()  # set as a stop begins: the copy watcher ends
+        self._copy_watcher: threading.Thread | None = None
         self._stop_lock = threading.Lock()
         self._replaced_logged = 0  # the epoch watch() last logged a replacement by
 
@@ -303,7 +305,7 @@ class ShardServer:
     def _watching_copy(self) -> None:
         """A process's role and copy change on their own (a standby catches
         up, a primary is replaced): looked at twice a second until it stops."""
-        while not self._stopped.wait(0.5):
+        while not self._stopping.wait(0.5):
             self._watch_copy()
 
     def _follow_changed(self, status: FollowStatus) -> None:
@@ -442,7 +444,10 @@ class ShardServer:
         self._watch_copy()
         # (Every process: a primary started plain, whose standbys attached
         # with --standby-of, is replaced when one of them takes over.)
-        threading.Thread(target=self._watching_copy, name="dlt-copy-health", daemon=True).start()
+        self._copy_watcher = threading.Thread(
+            target=self._watching_copy, name="dlt-copy-health", daemon=True
+        )
+        self._copy_watcher.start()
         log.info(
             "%s serving on %s: data port %d, admin port %d%s; %d worker threads, up to "
             "%d connections",
@@ -467,6 +472,10 @@ class ShardServer:
                 return
             grace = self._stop_grace_s if grace_s is None else grace_s
             self._admin.begin_stop()
+            # Ended before the shard goes: it reads the shard's state.
+            self._stopping.set()
+            if self._copy_watcher is not None:
+                self._copy_watcher.join(5)
             if self.follower is not None:
                 self.follower.stop()
             if self.servicer.standby_link is not None:
