@@ -917,3 +917,48 @@ def test_prune_keeps_a_checkpoint_saved_again_while_it_ran(
         c.push("t", ids, np.ones((len(ids), 4), np.float32), 0.1)
         c.load(str(run / "latest"))
         np.testing.assert_array_equal(c.pull("t", ids), newest)
+
+
+def test_a_save_made_on_a_clock_behind_the_last_saves_still_sorts_as_the_newest(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer on a host whose clock is an hour behind the one that saved
+    before it (a restart on another machine): its save ids sorted first, so
+    a prune deleted its newest checkpoint, followers never took it, and a
+    save into the same path handed the path back to the save it replaced
+    (the newer id). Its saves sort after every save beside them."""
+    from tf_dlt.tools import cli
+
+    ids = np.arange(400, dtype=np.int64)
+    run = tmp_path / "run"
+    with start_cluster(1).client() as c:
+        _base(c, ids, run / "a")
+        c.save(str(run / "b"))
+        real = time.time_ns
+        monkeypatch.setattr(time, "time_ns", lambda: real() - 3600 * 10**9)
+        _train(c, ids, 2, {"t": 4})
+        c.save(str(run / "c"))
+        assert [x.path for x in chain.find(str(run))] == [str(run / p) for p in "abc"]
+        _train(c, ids, 3, {"t": 4})
+        c.save(str(run / "b"), base=str(run / "c"))  # into a path that held a newer id
+        b = c.pull("t", ids)
+        assert [x.path for x in chain.find(str(run))] == [str(run / p) for p in "acb"]
+        assert cli.main(["checkpoint", "prune", str(run), "--keep", "2"]) == 0
+        assert sorted(p.name for p in run.iterdir()) == ["b", "c"]
+        _train(c, ids, 4, {"t": 4})
+        c.load(str(run / "b"))
+        np.testing.assert_array_equal(c.pull("t", ids), b)
+
+
+def test_a_new_save_id_follows_the_one_it_must_come_after() -> None:
+    """Ids of both forms (to the microsecond, and to the second from
+    earlier versions) are followed by a later id; a time ahead of them is
+    kept as it is."""
+    now = manifest.new_save_id()
+    assert manifest.new_save_id(after=now) > now
+    ahead = "99990101T000000999999-0123abcd"
+    assert manifest.new_save_id(after=ahead).startswith("99990101T000001000000-")
+    assert manifest.new_save_id(after="99990101T000000-0123abcd") > "99990101T000000-0123abcd"
+    assert manifest.new_save_id(after="20000101T000000-0123abcd") > now
+    with pytest.raises(errors.InvalidArgumentError, match="not a save id"):
+        manifest.new_save_id(after="yesterday")

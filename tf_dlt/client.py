@@ -931,9 +931,10 @@ class Client:
         them); None: every table on the shards. A delta holds every table of
         its base that the shards hold (one left out would be dropped from
         the chain: refused). `save_id`: the save's id, from
-        `manifest.new_save_id()` (`tf_dlt.save` names its dense weights by it
-        before the tables commit); None: a new one, and another where a try
-        is given up because a shard failed over as it ran
+        `chain.next_save_id` (`tf_dlt.save` names its dense weights by it
+        before the tables commit); None: a new one from it (later than every
+        save beside `path` and than `base`, whatever this host's clock
+        says), and another where a try is given up because a shard failed over as it ran
         (`errors.FailedOverError`, raised where `save_id` is given;
         `SAVE_TRIES` tries in all).
         """
@@ -958,9 +959,13 @@ class Client:
         with errors.storage_errors(f"reading what {path} holds"):
             chain.refuse_breaking_dependents(path)
         if save_id is None:
-            return saved_despite_failovers(
-                lambda: self._save(path, parent, tables, progress, manifest.new_save_id()), path
-            )
+
+            def save_once() -> dict[str, Any]:
+                with errors.storage_errors(f"reading the saves beside {path}"):
+                    save_id = chain.next_save_id(path, manifest.absolute(base) if base else None)
+                return self._save(path, parent, tables, progress, save_id)
+
+            return saved_despite_failovers(save_once, path)
         if not manifest.is_save_id(save_id):
             raise errors.InvalidArgumentError(f"not a save id: {save_id!r}")
         return self._save(path, parent, tables, progress, save_id)

@@ -231,10 +231,7 @@ def retain(
 
 def _committed(tables: str) -> str:
     """The save id committed at table checkpoint `tables` ("" if none)."""
-    try:
-        return str(manifest_lib.read_manifest(tables)["save_id"])
-    except Exception:  # noqa: BLE001 - none committed, or unreadable: compared as such
-        return ""
+    return manifest_lib.committed_save_id(*manifest_lib.filesystem(tables))
 
 
 def _checkpoints_inside(fs: Any, root: str, tables: str) -> list[str]:
@@ -280,6 +277,22 @@ def _needed_beside(deleting: list[str]) -> set[str]:
                 with contextlib.suppress(errors.NotFoundError, errors.FailedPreconditionError):
                     out |= needed([c.tables])  # a broken chain loads nothing to keep
     return out
+
+
+def next_save_id(path: str, base: str | None = None) -> str:
+    """A save id for a new save into table checkpoint `path`: the time now,
+    or later than every save beside it (its directory of checkpoints, as
+    `find` lists them for prune and followers, `path` itself included) and
+    than its base (table checkpoint `base`). A host whose clock is behind
+    theirs would otherwise make an older id: a prune would delete that
+    newest checkpoint, followers would never take it, and a save into the
+    same path would hand the path back to the save it replaced."""
+    newest = _committed(base) if base is not None else ""
+    for directory in _directories_beside(path):
+        found = find(directory, whole_models=False)
+        if found:
+            newest = max(newest, str(found[-1].manifest["save_id"]))
+    return manifest_lib.new_save_id(after=newest)
 
 
 def refuse_breaking_dependents(path: str) -> None:

@@ -6,6 +6,7 @@ after every shard saved its part). No h5py here.
 
 from __future__ import annotations
 
+import calendar
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -99,12 +100,27 @@ def is_save_id(text: str) -> bool:
     return re.fullmatch(SAVE_ID, text) is not None
 
 
-def new_save_id() -> str:
+def new_save_id(after: str = "") -> str:
     """A save id: sorts by time (UTC, to the microsecond), unique by its
-    random tail."""
-    now = time.time()
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1e6):06d}"
+    random tail; and after save id `after` (one microsecond past its time
+    where this host's clock has not reached it: saves beside each other
+    keep the order they were made in across hosts whose clocks differ)."""
+    micros = time.time_ns() // 1000
+    if after:
+        micros = max(micros, _micros_of(after) + 1)
+    seconds, fraction = divmod(micros, 1_000_000)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds)) + f"{fraction:06d}"
     return f"{stamp}-{secrets.token_hex(4)}"
+
+
+def _micros_of(save_id: str) -> int:
+    """The time of save id `save_id` in microseconds since the epoch (an id
+    of an earlier version, to the second: the last microsecond of it)."""
+    if not is_save_id(save_id):
+        raise errors.InvalidArgumentError(f"not a save id: {save_id!r}")
+    stamp = save_id.split("-", 1)[0]
+    seconds = calendar.timegm(time.strptime(stamp[:15], "%Y%m%dT%H%M%S"))
+    return seconds * 1_000_000 + (int(stamp[15:]) if len(stamp) > 15 else 999_999)
 
 
 def shard_file_name(shard_index: int, num_shards: int, save_id: str) -> str:

@@ -81,7 +81,7 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     base_tables = _tables_of(base) if base is not None else None
     # The dense weights first, under the save's own name: when the tables
     # commit, the save is whole but for its model file (`chain.read_model`).
-    save_id = manifest.new_save_id()
+    save_id = chain.next_save_id(tables, base_tables)
     dense = chain.dense_file(save_id)
     with tempfile.TemporaryDirectory(prefix="tf_dlt-save-") as tmp:
         local = os.path.join(tmp, DENSE_FILE)
