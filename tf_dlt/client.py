@@ -1082,13 +1082,7 @@ class Client:
         committed_at = [i for i, h in enumerate(before) if held[i] and ", committed " in h]
         if committed_at and not all(held):
             # FINISH goes out only once every shard committed: the load is whole.
-            finishes = self._call_all(
-                "Load", request(phase=request.FINISH, load_id=load_id), self._persist_timeout,
-                shards=committed_at,
-            )  # fmt: skip
-            failures = [r for r in finishes if isinstance(r, errors.DltError)]
-            if failures:
-                raise failures[0]
+            self._load_phase(request.FINISH, load_id, committed_at)
             return ["finished" if i in committed_at else "-" for i in range(len(before))]
         aborts = self._call_all(
             "Load", request(phase=request.ABORT, load_id=load_id), self._persist_timeout
@@ -1102,17 +1096,22 @@ class Client:
         if failures:
             raise failures[0]
         if committed:
-            rollbacks = self._call_all(
-                "Load", request(phase=request.ROLLBACK, load_id=load_id), self._persist_timeout,
-                shards=committed,
-            )  # fmt: skip
-            failures = [r for r in rollbacks if isinstance(r, errors.DltError)]
-            if failures:
-                raise failures[0]
+            self._load_phase(request.ROLLBACK, load_id, committed)
         return [
             "rolled back" if i in committed else "aborted" if held[i] else "-"
             for i in range(len(before))
         ]
+
+    def _load_phase(self, phase: Any, load_id: str, shards: list[int]) -> None:
+        """Sends load phase `phase` of `load_id` to `shards`; raises the
+        first failure once every shard answered."""
+        from tf_dlt.proto import dlt_pb2
+
+        request = dlt_pb2.LoadRequest(phase=phase, load_id=load_id)
+        replies = self._call_all("Load", request, self._persist_timeout, shards=shards)
+        failures = [r for r in replies if isinstance(r, errors.DltError)]
+        if failures:
+            raise failures[0]
 
     def _prepare_load(
         self,

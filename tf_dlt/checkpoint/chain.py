@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import posixpath
 import re
 import time
@@ -19,6 +20,8 @@ from typing import Any
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import shard_files
+
+log = logging.getLogger("tf_dlt.checkpoint")
 
 _key = manifest_lib.location_key  # a path in one normal form
 
@@ -286,12 +289,17 @@ def next_save_id(path: str, base: str | None = None) -> str:
     than its base (table checkpoint `base`). A host whose clock is behind
     theirs would otherwise make an older id: a prune would delete that
     newest checkpoint, followers would never take it, and a save into the
-    same path would hand the path back to the save it replaced."""
+    same path would hand the path back to the save it replaced. A
+    directory this process cannot read (the shards' own disks, a URL the
+    shards refuse) is passed over: its time is this host's."""
     newest = _committed(base) if base is not None else ""
-    for directory in _directories_beside(path):
-        found = find(directory, whole_models=False)
-        if found:
-            newest = max(newest, str(found[-1].manifest["save_id"]))
+    try:
+        for directory in _directories_beside(path):
+            found = find(directory, whole_models=False)
+            if found:
+                newest = max(newest, str(found[-1].manifest["save_id"]))
+    except Exception as e:  # noqa: BLE001 - the save itself reports what the shards meet
+        log.debug("save ids beside %s not read: %s", path, e)
     return manifest_lib.new_save_id(after=newest)
 
 
