@@ -950,6 +950,55 @@ def test_a_save_made_on_a_clock_behind_the_last_saves_still_sorts_as_the_newest(
         np.testing.assert_array_equal(c.pull("t", ids), b)
 
 
+def test_a_save_id_follows_what_can_be_read_when_some_cannot(
+    start_cluster: Callable[..., Cluster],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A manifest beside the path that this process may not read (an S3
+    policy, a 0700 directory) fails no save: its id follows what could be
+    read, and a warning names what was passed over. An id of another form (a manifest
+    written by hand) is passed over too, and so is a compacted copy made on
+    a host whose clock is behind: it still sorts after the save it copies."""
+    from tf_dlt.tools import cli
+
+    ids = np.arange(300, dtype=np.int64)
+    run = tmp_path / "run"
+    with start_cluster(1).client() as c:
+        _base(c, ids, run / "a")
+        c.save(str(run / "b"))
+        real_ns, real_s = time.time_ns, time.time
+        monkeypatch.setattr(time, "time_ns", lambda: real_ns() - 3600 * 10**9)
+        read = manifest.read_manifest
+
+        def refused(path: str, *args: Any, **kwargs: Any) -> Any:
+            if Path(path).name == "a":
+                raise PermissionError(13, "Permission denied", path)
+            return read(path, *args, **kwargs)
+
+        monkeypatch.setattr(manifest, "read_manifest", refused)
+        caplog.set_level("WARNING", logger="tf_dlt.checkpoint")
+        c.save(str(run / "c"))
+        assert "its id follows the saves beside it that could be read, not " in caplog.text
+        assert str(run / "a") in caplog.text
+        monkeypatch.setattr(manifest, "read_manifest", read)
+        assert [x.path for x in chain.find(str(run))] == [str(run / p) for p in "abc"]
+        foreign = json.loads((run / "b" / manifest.MANIFEST).read_text())
+        (run / "hand").mkdir()
+        (run / "hand" / manifest.MANIFEST).write_text(json.dumps({**foreign, "save_id": "~"}))
+        c.save(str(run / "d"))  # "~" sorts after every id: find lists it last
+        found = [x.path for x in chain.find(str(run))]
+        assert found[-3:] == [str(run / "c"), str(run / "d"), str(run / "hand")]
+    monkeypatch.setattr(time, "time", lambda: real_s() - 7200)
+    chain.compact(str(run / "d"), str(run / "d-full"))
+    shutil.rmtree(run / "hand")
+    found = [x.path for x in chain.find(str(run))]
+    assert found[-2:] == [str(run / "d"), str(run / "d-full")]
+    assert cli.main(["checkpoint", "prune", str(run), "--keep", "1"]) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["d-full"]
+
+
 def test_a_new_save_id_follows_the_one_it_must_come_after() -> None:
     """Ids of both forms (to the microsecond, and to the second from
     earlier versions) are followed by a later id; a time ahead of them is
@@ -960,5 +1009,40 @@ def test_a_new_save_id_follows_the_one_it_must_come_after() -> None:
     assert manifest.new_save_id(after=ahead).startswith("99990101T000001000000-")
     assert manifest.new_save_id(after="99990101T000000-0123abcd") > "99990101T000000-0123abcd"
     assert manifest.new_save_id(after="20000101T000000-0123abcd") > now
+    last = "99991231T235959999999-0123abcd"  # none can follow: an id of that time
+    assert manifest.is_save_id(manifest.new_save_id(after=last))
     with pytest.raises(errors.InvalidArgumentError, match="not a save id"):
         manifest.new_save_id(after="yesterday")
+
+
+def test_a_load_whose_files_a_new_save_removed_says_it_was_saved_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save to the path committed after a shard read the manifest and
+    before it opened the files, removing the files it replaced: the load
+    said a file "named in the manifest is missing", as if the checkpoint
+    were broken. It says the path was saved again as it was read (a retry
+    mends it), and nothing is staged."""
+    from tf_dlt.checkpoint import shard_load
+
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    path = str(tmp_path / "latest")
+
+    def save() -> None:
+        save_id = manifest.new_save_id()
+        manifest.write_manifest(path, [shard_files.save_shard(path, shard, save_id, "")], save_id)
+
+    save()
+    apply = shard_load.apply_link
+
+    def saved_again_before_the_files(*args: Any, **kwargs: Any) -> Any:
+        save()
+        return apply(*args, **kwargs)
+
+    monkeypatch.setattr(shard_load, "apply_link", saved_again_before_the_files)
+    loading = _native.Shard(0, 1)
+    with pytest.raises(errors.FailedPreconditionError, match="was saved again as it was read"):
+        shard_files.prepare_load(path, loading)
+    monkeypatch.setattr(shard_load, "apply_link", apply)
+    assert [t.name for t in shard_files.prepare_load(path, loading)["staged"]] == ["t"]

@@ -14,7 +14,6 @@ import json
 import logging
 import posixpath
 import re
-import time
 from typing import Any
 
 from tf_dlt import _native, errors
@@ -128,19 +127,31 @@ class Checkpoint:
     manifest: dict[str, Any]
 
 
-def find(directory: str, *, whole_models: bool = True) -> list[Checkpoint]:
+def find(
+    directory: str, *, whole_models: bool = True, unread: list[str] | None = None
+) -> list[Checkpoint]:
     """The committed checkpoints in `directory` (itself, its
     subdirectories, and model checkpoints' ``tables/``), oldest first by
     save id (the time of the save), then by when each was written.
     `whole_models`: a model checkpoint only when it loads (its model file,
     or its dense weights, there: `read_model`); False: every committed
-    table checkpoint (what a delta may stand on)."""
+    table checkpoint (what a delta may stand on). `unread`: where given,
+    what cannot be read (the listing, a manifest) is appended to it and
+    passed over instead of raised."""
     fs, root = manifest_lib.filesystem(directory)
     candidates = [directory]
-    with contextlib.suppress(FileNotFoundError):
-        for entry in fs.ls(root, detail=True):
-            if entry["type"] == "directory":
-                candidates.append(manifest_lib.url_of(fs, str(entry["name"]).rstrip("/")))
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        entries = []
+    except Exception as e:
+        if unread is None:
+            raise
+        entries = []
+        unread.append(f"{directory} ({e})")
+    for entry in entries:
+        if entry["type"] == "directory":
+            candidates.append(manifest_lib.url_of(fs, str(entry["name"]).rstrip("/")))
     found = []
     for path in candidates:
         for tables, tables_dir in ((path, None), (tables_path(path, TABLES_DIR), TABLES_DIR)):
@@ -148,6 +159,11 @@ def find(directory: str, *, whole_models: bool = True) -> list[Checkpoint]:
                 m = manifest_lib.read_manifest(tables)
             except (errors.NotFoundError, errors.FailedPreconditionError):
                 continue
+            except Exception as e:
+                if unread is None:
+                    raise
+                unread.append(f"{tables} ({e})")
+                break
             if tables_dir and whole_models:  # a model checkpoint: its dense weights too
                 try:
                     read_model(path, m)
@@ -285,22 +301,35 @@ def _needed_beside(deleting: list[str]) -> set[str]:
 def next_save_id(path: str, base: str | None = None) -> str:
     """A save id for a new save into table checkpoint `path`: the time now,
     or later than every save beside it (its directory of checkpoints, as
-    `find` lists them for prune and followers, `path` itself included) and
-    than its base (table checkpoint `base`). A host whose clock is behind
-    theirs would otherwise make an older id: a prune would delete that
-    newest checkpoint, followers would never take it, and a save into the
-    same path would hand the path back to the save it replaced. A
-    directory this process cannot read (the shards' own disks, a URL the
-    shards refuse) is passed over: its time is this host's."""
-    newest = _committed(base) if base is not None else ""
+    `find` lists them for prune and followers), than the save `path` holds
+    and than its base (table checkpoint `base`). A host whose clock is
+    behind theirs would otherwise make an older id: a prune would delete
+    that newest checkpoint, followers would never take it, and a save into
+    the same path would hand the path back to the save it replaced. What
+    cannot be read (a directory or manifest this process may not read, the
+    shards' own disks) is passed over with a warning: the save goes on, its
+    id after what was read."""
+    ids = [_committed(base)] if base is not None else []
+    unread: list[str] = []
     try:
-        for directory in _directories_beside(path):
-            found = find(directory, whole_models=False)
-            if found:
-                newest = max(newest, str(found[-1].manifest["save_id"]))
-    except Exception as e:  # noqa: BLE001 - the save itself reports what the shards meet
-        log.debug("save ids beside %s not read: %s", path, e)
-    return manifest_lib.new_save_id(after=newest)
+        ids.append(_committed(path))
+        directories = _directories_beside(path)
+    except Exception as e:  # noqa: BLE001 - a URL the shards refuse: they say why
+        directories = []
+        unread.append(f"{path} ({e})")
+    for directory in directories:
+        ids.extend(
+            str(c.manifest["save_id"]) for c in find(directory, whole_models=False, unread=unread)
+        )
+    if unread:
+        log.warning(
+            "saving %s: its id follows the saves beside it that could be read, not %s: should "
+            "one of those be newer and this host's clock behind, a prune takes this save as "
+            "the older",
+            path, "; ".join(unread[:3]) + ("; ..." if len(unread) > 3 else ""),
+        )  # fmt: skip
+    # An id of another form (a manifest written by hand) has no time to follow.
+    return manifest_lib.new_save_id(after=max(filter(manifest_lib.is_save_id, ids), default=""))
 
 
 def refuse_breaking_dependents(path: str) -> None:
@@ -359,9 +388,10 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
     return _write_compacted(source, target, *_compaction(source, target, num_shards))
 
 
-def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, str]:
+def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, str, float]:
     """Checks a compaction of `source` into `target` before anything is
-    written; returns its file count and save id."""
+    written; returns its file count, save id, and the creation time of the
+    checkpoint it copies (the copy's is later: it sorts as the newer)."""
     if num_shards is not None and num_shards < 1:
         raise errors.InvalidArgumentError(f"compact: num_shards must be >= 1, got {num_shards}")
     links = manifest_lib.resolve_chain(source)
@@ -393,10 +423,12 @@ def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, 
             f"compact's target {target!r} holds save {held}, newer than the save {save_id} "
             f"that {source!r} holds: the copy would replace newer state; give another target"
         )
-    return n, save_id
+    return n, save_id, float(head.get("created_unix", 0.0))
 
 
-def _write_compacted(source: str, target: str, n: int, save_id: str) -> dict[str, Any]:
+def _write_compacted(
+    source: str, target: str, n: int, save_id: str, created_after: float
+) -> dict[str, Any]:
     parts = []
     for index in range(n):
         shard = _native.Shard(index, n)
@@ -404,7 +436,7 @@ def _write_compacted(source: str, target: str, n: int, save_id: str) -> dict[str
         shard.install_tables(staged["staged"])
         parts.append(shard_files.save_shard(target, shard, save_id))
         del shard, staged
-    return manifest_lib.write_manifest(target, parts, save_id)
+    return manifest_lib.write_manifest(target, parts, save_id, created_after=created_after)
 
 
 def compact_model(source: str, target: str, num_shards: int | None = None) -> dict[str, Any]:
@@ -416,7 +448,7 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     fs, root = manifest_lib.filesystem(source)
     target_fs, target_root = manifest_lib.filesystem(target)
     tables, target_tables = tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR)
-    n, save_id = _compaction(tables, target_tables, num_shards)
+    n, save_id, created = _compaction(tables, target_tables, num_shards)
     if info["save_id"] and info["save_id"] != save_id:
         raise errors.FailedPreconditionError(
             f"{source} was saved again as it was read (its tables hold save {save_id}, its "
@@ -431,9 +463,14 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     manifest_lib.commit_file(
         target_fs, f"{target_root}/{dense}", fs.cat_file(f"{root}/{info['dense_file']}")
     )
-    written = _write_compacted(tables, target_tables, n, save_id)
+    written = _write_compacted(tables, target_tables, n, save_id, created)
     info.pop("parent", None)
-    info.update(kind="full", created_unix=time.time(), save_id=written["save_id"], dense_file=dense)
+    info.update(
+        kind="full",
+        created_unix=written["created_unix"],
+        save_id=written["save_id"],
+        dense_file=dense,
+    )
     manifest_lib.commit_file(
         target_fs, f"{target_root}/{MODEL_FILE}", json.dumps(info, indent=2).encode()
     )

@@ -107,10 +107,15 @@ def new_save_id(after: str = "") -> str:
     keep the order they were made in across hosts whose clocks differ)."""
     micros = time.time_ns() // 1000
     if after:
-        micros = max(micros, _micros_of(after) + 1)
+        micros = max(micros, min(_micros_of(after) + 1, _LAST_MICROS))
     seconds, fraction = divmod(micros, 1_000_000)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds)) + f"{fraction:06d}"
     return f"{stamp}-{secrets.token_hex(4)}"
+
+
+# The last time a save id can hold (its year has four digits): an id at it
+# (one made up) is not followed, and sorts with the saves after it.
+_LAST_MICROS = 253402300799_999_999
 
 
 def _micros_of(save_id: str) -> int:
@@ -283,13 +288,18 @@ def write_manifest(
     parts: list[dict[str, Any]],
     save_id: str,
     parent: dict[str, Any] | None = None,
+    *,
+    created_after: float = 0.0,
 ) -> dict[str, Any]:
     """Commits a checkpoint: writes MANIFEST.json atomically, then removes
     files of earlier saves at `path` that the new manifest does not name.
 
     With `parent` ({"path", "save_id", "chain_length"} of the checkpoint a
     delta was saved on top of) the manifest is a delta naming it, unless
-    every shard wrote every table in full (then it is a full checkpoint)."""
+    every shard wrote every table in full (then it is a full checkpoint).
+    `created_after`: its creation time is later than this one (a compacted
+    copy's, than its source's: of two checkpoints of one save, the one
+    written later sorts as the newer), whatever this host's clock says."""
     parts = sorted(parts, key=lambda p: p["shard_index"])
     num_shards = parts[0]["num_shards"] if parts else 0
     if [p["shard_index"] for p in parts] != list(range(num_shards)):
@@ -336,7 +346,7 @@ def write_manifest(
         "format": FORMAT,
         "format_version": FORMAT_VERSION if sixteen_bit else 1,
         "save_id": save_id,
-        "created_unix": time.time(),
+        "created_unix": max(time.time(), created_after + 0.001),
         "kind": "delta" if delta else "full",
         "num_shards": num_shards,
         "num_buckets": NUM_BUCKETS,

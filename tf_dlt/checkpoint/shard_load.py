@@ -576,6 +576,22 @@ def prepare_load(
         return _prepare_load(path, shard, allow, replace, tables, save_id)
 
 
+def _refuse_saved_again(link: manifest_lib.Link, missing: errors.DltError) -> None:
+    """Raises FailedPreconditionError saying so when checkpoint `link`,
+    whose files failed to read, holds another save now: a save to its path
+    committed while this load read it and removed the files it replaced."""
+    try:
+        now = manifest_lib.committed_save_id(*manifest_lib.filesystem(link.files_at))
+    except Exception:  # noqa: BLE001 - the file not found is the error to report
+        return
+    if now and now != link.save_id:
+        raise errors.FailedPreconditionError(
+            f"{link.path} was saved again as it was read: it holds save {now}, and the read "
+            f"began at save {link.save_id}, whose files that save removed ({missing.message}); "
+            "nothing was taken from it: read it again once no save to it runs"
+        ) from missing
+
+
 def _prepare_load(
     path: str,
     shard: _native.Shard,
@@ -609,7 +625,13 @@ def _prepare_load(
     tables: dict[str, _native.Table] = {}
     lean = bool(shard.memory_status()["budget"])
     for link in chain:
-        apply_link(link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1, lean=lean)
+        try:
+            apply_link(
+                link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1, lean=lean
+            )
+        except (errors.NotFoundError, errors.FailedPreconditionError) as e:
+            _refuse_saved_again(link, e)  # its files removed by a save meanwhile?
+            raise
     staged = list(tables.values())
     _refuse_evictions(staged, shard)
     _refuse_overflow(staged, shard)
