@@ -76,7 +76,8 @@ def test_a_standby_takes_over_with_every_acknowledged_row(replicated: LocalClust
     assert _stats(cluster, 0)["standbys"][0]["connected"]
     text = cluster_stats.format_stats(client.stats(), cluster.addresses)
     assert f"shard 1: took over from its primary (epoch 2, lineage {lineage:016x})" in text
-    assert "shard 1: WARNING no standby attached: it runs on one copy" in text  # its own is dead
+    serving = cluster.process_addresses[3]  # its own standby is dead
+    assert f"shard 1: WARNING no standby attached: it runs on one copy, {serving} (start" in text
     assert "shard 0: WARNING" not in text
     assert re.search(r"shard 0: primary \(epoch 1, lineage [0-9a-f]{16}\)", text)
     assert re.search(r"shard 0: sync standby 127\.0\.0\.1:\d+: caught up, \d+ rows sent", text)

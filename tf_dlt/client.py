@@ -1240,10 +1240,16 @@ class Client:
         bytes, errors by code, pull/push latency (count, p50 and p99 in
         microseconds). Numbers are numbers. `buckets`: also the latency
         histograms' raw counts (`buckets` in each latency, with
-        `bucket_bounds_us` their upper bounds)."""
+        `bucket_bounds_us` their upper bounds). `address`: the data-plane
+        address of the copy that answered (of a shard's standbys, the one
+        serving)."""
         from tf_dlt.proto import dlt_pb2
 
-        return [message_dict(r, buckets) for r in self._on_all("Stats", dlt_pb2.StatsRequest())]
+        replies = self._on_all("Stats", dlt_pb2.StatsRequest())
+        return [
+            {**message_dict(r, buckets), "address": admin.at}
+            for r, admin in zip(replies, self._admins, strict=True)
+        ]
 
     # Data plane ---------------------------------------------------------------
 

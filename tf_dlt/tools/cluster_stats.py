@@ -90,8 +90,9 @@ def _tier_errors(tier: dict[str, Any]) -> str:
     return " ".join(x for x in (error, f"({counts})" if error and counts else counts) if x) or "-"
 
 
-def _replication_lines(s: dict[str, Any]) -> list[str]:
-    """A shard's standby, or its primary, in words (docs/replication.md)."""
+def _replication_lines(s: dict[str, Any], address: str) -> list[str]:
+    """A shard's standby, or its primary (serving at `address`), in words
+    (docs/replication.md)."""
     shard = s.get("shard_index", 0)
     lines = []
     if s.get("reshard"):
@@ -105,8 +106,9 @@ def _replication_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"shard {shard}: took over from its primary ({copy})")
         if not s.get("standbys"):  # its old primary and other standbys are gone
             lines.append(
-                f"shard {shard}: WARNING no standby attached: it runs on one copy (start one "
-                "with --standby-of this address, or restart the others with --replica-set)"
+                f"shard {shard}: WARNING no standby attached: it runs on one copy, {address} "
+                f"(start one with --standby-of {address}, or restart the others with "
+                "--replica-set)"
             )
     elif s.get("standbys"):  # a replicated primary: a new lineage means it began again
         lines.append(f"shard {shard}: primary ({copy})")
@@ -175,7 +177,7 @@ def format_stats(stats: list[dict[str, Any]], addresses: list[str]) -> str:
                 if s.get("follow_error"):
                     line += f"; error: {s['follow_error']}"
             serving.append(line)
-        serving.extend(_replication_lines(s))
+        serving.extend(_replication_lines(s, str(s.get("address") or address)))
     table_rows = [
         (name, str(dim), str(rows), f"{size / _MIB:.1f}", *map(str, counts))
         for name, (rows, size, dim, *counts) in sorted(by_table.items())
