@@ -91,6 +91,17 @@ def test_checkpoint_callback_saves_every_epoch(tmp_path: Path) -> None:
     for path in callback.saved:
         assert (Path(path) / "tf_dlt_model.json").exists()
         assert (Path(path) / "tables" / "MANIFEST.json").exists()
+    # Keras's ModelCheckpoint's path form, with the epoch's logs: a
+    # `{val_loss}` stopped fit with a KeyError after epoch 1, saving nothing.
+    logged = tf_dlt.ModelCheckpoint(str(tmp_path / "ck-{epoch:02d}-{val_loss:.3f}"))
+    history = model.fit(
+        x, y, epochs=2, batch_size=16, verbose=0, validation_split=0.25, callbacks=[logged]
+    )
+    losses = history.history["val_loss"]
+    assert logged.saved == [str(tmp_path / f"ck-{e + 1:02d}-{v:.3f}") for e, v in enumerate(losses)]
+    misnamed = tf_dlt.ModelCheckpoint(str(tmp_path / "ck-{val_los}"))
+    with pytest.raises(KeyError, match=r"names 'val_los', which the logs of epoch 1 do not hold"):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0, callbacks=[misnamed])
 
 
 MISMATCHED_LOAD = """

@@ -348,12 +348,28 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
     embedded.shard().install_tables(loaded["staged"])
 
 
+def _formatted(path: str, epoch: int, logs: dict[str, Any]) -> str:
+    """`path` formatted as keras.callbacks.ModelCheckpoint formats its
+    file path: with ``epoch`` (1-based) and the epoch's logs
+    (``{val_loss:.3f}``)."""
+    try:
+        return path.format(**{**logs, "epoch": epoch})
+    except KeyError as e:
+        raise KeyError(
+            f"tf_dlt.ModelCheckpoint: path {path!r} names {e}, which the logs of epoch {epoch} "
+            f"do not hold (they hold epoch and {sorted(logs)}): name one of those"
+        ) from None
+
+
 class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
     """Saves the model's tables and dense weights with `tf_dlt.save` every
-    `every_n_epochs` epochs, to `path` formatted with ``epoch`` (1-based).
+    `every_n_epochs` epochs, to `path` formatted with ``epoch`` (1-based)
+    and the epoch's logs, as keras.callbacks.ModelCheckpoint formats its
+    file path.
 
     Args:
-        path: e.g. "s3://bucket/run/epoch-{epoch}".
+        path: e.g. "s3://bucket/run/epoch-{epoch}" or
+            "run/epoch-{epoch:02d}-{val_loss:.3f}".
         every_n_epochs: how often, in epochs.
         full_every: every this many saves a full checkpoint, and deltas
             (rows changed since the save before) in between; None: every
@@ -394,7 +410,7 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if (epoch + 1) % self.every_n_epochs != 0:
             return
-        target = self.path.format(epoch=epoch + 1)
+        target = _formatted(self.path, epoch + 1, logs or {})
         base = None
         if self.full_every is not None and self.saved and len(self.saved) % self.full_every:
             base = self.saved[-1]
