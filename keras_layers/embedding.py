@@ -86,6 +86,8 @@ class _PushCount(keras.Variable):  # type: ignore[misc]
 
 # What save_own_variables adds to the layer's weights for an embedded table.
 _ROWS_KEYS = ("table_ids", "table_values", "table_slots", "table_steps", "table_config")
+# The table's lineage (table_home), beside its rows in files since 2026-12-06.
+_LINEAGE_KEY = "table_lineage"
 
 # Bits of integer a float type holds exactly: beyond 2^bits it cannot tell
 # neighbouring ids apart.
@@ -250,6 +252,8 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         self._settled = False
         # The embedded table was taken from an earlier Keras session.
         self._from_earlier_session = False
+        # A file's rows were loaded into the table (table_home: holds_rows).
+        self._rows_loaded = False
         # Set while a serving graph is traced: its lookups must not wait for
         # pushes (a serving process has none), so the graph holds only lookups.
         self.serving = False
@@ -315,6 +319,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         self._from_earlier_session = table_home.create(
             self.name, self.table_config, self.client, provisional
         )
+        table_home.use(self)
+
+    def holds_rows(self) -> bool:
+        """Whether this layer trained its table, or rows were loaded into
+        it (rows a load of another table's must not replace)."""
+        pushes = getattr(self, "pushes", None)
+        return self._rows_loaded or (pushes is not None and int(pushes.numpy()) > 0)
 
     def follow_optimizer(self, optimizer: Any) -> None:
         """Gives the table the server-side form of the Keras `optimizer`,
@@ -633,11 +644,15 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         store[_ROWS_KEYS[2]] = slots
         store[_ROWS_KEYS[3]] = steps
         store[_ROWS_KEYS[4]] = np.frombuffer(config.encode(), np.uint8)
+        lineage = table_home.lineage(self.table_name)
+        store[_LINEAGE_KEY] = np.frombuffer(lineage.encode(), np.uint8)
 
     def load_own_variables(self, store: Any) -> None:
         keys = set(store.keys())
         variables = self._trainable_variables + self._non_trainable_variables
-        if sorted(keys - set(_ROWS_KEYS)) != sorted(str(i) for i in range(len(variables))):
+        if sorted(keys - {*_ROWS_KEYS, _LINEAGE_KEY}) != sorted(
+            str(i) for i in range(len(variables))
+        ):
             raise ValueError(
                 f"layer {self.name!r} has {len(variables)} variables; the file holds {sorted(keys)}"
             )
@@ -661,7 +676,11 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                     "restore them with tf_dlt.load from a tf_dlt.save checkpoint"
                 )
             if has_rows:
-                staged = self._stage_rows(store)
+                lineage = bytes(np.asarray(store[_LINEAGE_KEY])).decode() if (
+                    _LINEAGE_KEY in keys
+                ) else ""  # fmt: skip
+                table_home.check_replacing_rows(self, lineage)
+                staged = (*self._stage_rows(store), lineage)
         self._rows_follow = has_rows and not on_shards  # imported below: no rollback
         try:
             for i, variable in enumerate(variables):
@@ -719,15 +738,18 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             table.provisional = self.optimizer is None and not steps.any()
         return table, config
 
-    def _install_rows(self, table: Any, config: TableConfig) -> None:
-        """Serves `table` (from _stage_rows) as this layer's embedded table."""
+    def _install_rows(self, table: Any, config: TableConfig, lineage: str) -> None:
+        """Serves `table` (from _stage_rows) as this layer's embedded table,
+        of lineage `lineage` (the file's)."""
         assert self.client is not None
         with tf.init_scope():
             ops.flush(self.client)
             embedded.shard().install_tables([table])
+        table_home.rows_replaced(self.table_name, lineage)
         self.table_config = config
         self._settled = False
         self._from_earlier_session = False
+        self._rows_loaded = True
 
 
 class _TableParams(int):

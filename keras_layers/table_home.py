@@ -18,6 +18,7 @@ the embedded tables' lifetime across Keras sessions.
 
 from __future__ import annotations
 
+import secrets
 import weakref
 from typing import Any
 
@@ -28,6 +29,11 @@ from tf_dlt.table_config import TableConfig, difference
 
 # The Keras session each embedded table was made in (table name -> marker).
 _made_in: dict[str, Any] = {}
+# Each embedded table's lineage: a token made with the table and carried by
+# the .keras files of the models that train it (a file of another model's
+# table has another), and the built layers that use the table now.
+_lineages: dict[str, str] = {}
+_users: dict[str, weakref.WeakSet[Any]] = {}
 
 
 def _session() -> Any:
@@ -70,7 +76,59 @@ def create(layer: str, config: TableConfig, client: ops.ClientResource, provisio
         embedded.drop_table(config.name)  # an earlier session's table
         made = embedded.create_table(config, provisional=provisional)
     _made_in[config.name] = weakref.ref(session) if session is not None else lambda: None
+    if made:
+        _lineages[config.name] = secrets.token_hex(8)
     return earlier and not made
+
+
+def use(layer: Any) -> None:
+    """Counts built `layer` among the users of its embedded table."""
+    _users.setdefault(layer.table_name, weakref.WeakSet()).add(layer)
+
+
+def lineage(table: str) -> str:
+    """Embedded table `table`'s lineage (one made now for a table that has
+    none: made by tf_dlt.embedded or tf_dlt.load)."""
+    return _lineages.setdefault(table, secrets.token_hex(8))
+
+
+def check_replacing_rows(layer: Any, lineage_of_file: str) -> None:
+    """Checks that the rows of a .keras file of lineage `lineage_of_file`
+    ("": a file from before lineages) may replace the rows of `layer`'s
+    embedded table (`rows_replaced` once they did). Refused
+    (FailedPreconditionError) when the file holds another table's rows
+    (another model's, whose layer has the same name: Keras names them
+    alike) and another layer alive in this process trained the table or
+    holds rows loaded into it: Keras's loads never change another model's
+    weights, and this one would have replaced that model's rows. A file of
+    the table's own lineage (an older file of the model that trains it)
+    puts its rows back, as documented."""
+    table = layer.table_name
+    if lineage_of_file and lineage_of_file != lineage(table):
+        holders = [
+            other
+            for other in list(_users.get(table, ()))
+            if other is not layer
+            and other.client is not None
+            and other.client.embedded
+            and other.table_name == table
+            and other.holds_rows()
+        ]
+        if holders:
+            raise errors.FailedPreconditionError(
+                f"layer {layer.name!r}: the file holds the rows of another embedded table "
+                f"{table!r} than the one layer {holders[0].name!r} of a model alive in this "
+                "process trains (Keras names layers alike: two models' layers share the table "
+                "name): loading it would replace that model's rows. Load the file in another "
+                "process, or delete the other model first; to keep both, save them with "
+                "distinct layer names or table_name="
+            )
+
+
+def rows_replaced(table: str, lineage_of_file: str) -> None:
+    """Embedded table `table` holds the rows of a file of lineage
+    `lineage_of_file` now ("": a file from before lineages, a new one)."""
+    _lineages[table] = lineage_of_file or secrets.token_hex(8)
 
 
 def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: bool) -> bool:

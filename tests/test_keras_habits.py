@@ -128,6 +128,49 @@ def test_a_keras_file_reloaded_in_process_trains_on_with_the_same_state(tmp_path
     assert embedded.table("habit_reloaded").config["optimizer"]["kind"] == "keras_adagrad"
 
 
+_TRAIN_ANOTHER = """
+import sys
+import keras, numpy as np, tf_dlt
+ids = keras.Input((3,), dtype="int64")
+emb = tf_dlt.layers.Embedding(
+    output_dim=4, is_distributed=True, embeddings_initializer="uniform", name=sys.argv[2])
+model = keras.Model(
+    ids, keras.layers.Dense(1, activation="sigmoid")(keras.layers.Flatten()(emb(ids))))
+model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+x = np.random.default_rng(1).integers(0, 50, (256, 3))
+model.fit(x, (x[:, 1] % 2).astype("float32"), epochs=2, verbose=0)
+model.save(sys.argv[1])
+"""
+
+
+def test_a_keras_file_of_another_models_table_never_replaces_a_live_models_rows(
+    tmp_path: Path,
+) -> None:
+    """Two models whose layers Keras named alike (here both named so; by
+    default both "embedding"), trained in different processes: loading one's
+    .keras file where the other is alive and trained replaced the other's
+    rows with no word (a later tf_dlt.save of it saved the file's rows). It
+    is refused, nothing changed; an older file of the live model itself
+    still puts its own rows back, as documented."""
+    table = "habit_same_name"
+    _run(_TRAIN_ANOTHER, str(tmp_path / "other.keras"), table)
+    model = _model(table)
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "own.keras")
+    saved = embedded.rows(table)
+    model.fit(x, y, epochs=1, verbose=0)
+    trained = embedded.rows(table)
+    with pytest.raises(ValueError, match="holds the rows of another embedded table"):
+        keras.models.load_model(tmp_path / "other.keras")
+    for before, now in zip(trained, embedded.rows(table), strict=True):
+        np.testing.assert_array_equal(before, now)
+    keras.models.load_model(tmp_path / "own.keras")
+    for before, now in zip(saved, embedded.rows(table), strict=True):
+        np.testing.assert_array_equal(before, now)
+
+
 def test_a_keras_file_of_a_model_on_shards_predicts_where_the_shards_are(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
