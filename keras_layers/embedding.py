@@ -135,7 +135,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             holding one), as `keras.layers.Embedding` takes; distributed
             tables get them as ids 0..input_dim-1.
         seed: distributed tables: seed of the deterministic initializer
-            (default: the Keras initializer's seed, else 0).
+            (default: the Keras initializer's seed, else 0: tables left
+            without one start with the same row for the same id; give
+            tables over overlapping id spaces seeds of their own).
         table_name: distributed tables: name of the table (default: the layer
             name).
         sync_push: distributed tables: wait for every push to be applied

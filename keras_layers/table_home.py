@@ -147,7 +147,11 @@ def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: b
         trained = "was trained" in str(e)  # the shard's word for pushes applied
         have = _existing(config.name, client)
     kind = have.optimizer.kind if have is not None else "another optimizer"
-    how = "was trained with" if trained else "was settled by another trainer (or model) with"
+    how = (
+        "was trained with"
+        if trained
+        else "was settled (by an earlier compile of this model, another model or a trainer) with"
+    )
     raise errors.FailedPreconditionError(
         f"table {config.name!r} {how} {kind}; this model is compiled for "
         f"{config.optimizer.kind}: give layer {layer!r} optimizer={kind!r} to keep training it, "
