@@ -855,6 +855,12 @@ def test_prune_keeps_a_checkpoint_whose_directory_holds_another(
         _train(c, ids, 2, {"t": 4})
         c.save(str(run / "c1" / "late"))
         late = c.pull("t", ids)
+    # `ls` of the directory names it under the one that holds it (it listed
+    # c1, c2, c3 only: the newest checkpoint did not show).
+    assert cli.main(["checkpoint", "ls", str(run)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(listed) if f"  {run / 'c1'}  (" in line)
+    assert listed[at + 1].split() == ["holds", "1", "more:", str(run / "c1" / "late")]
     assert cli.main(["checkpoint", "prune", str(run), "--keep", "1"]) == 1
     out = capsys.readouterr()
     assert f"deleted {run / 'c2'}" in out.out and str(run / "c1") not in out.out

@@ -253,6 +253,13 @@ def _committed(tables: str) -> str:
     return manifest_lib.committed_save_id(*manifest_lib.filesystem(tables))
 
 
+def checkpoints_inside(checkpoint: Checkpoint) -> list[str]:
+    """The checkpoints saved inside `checkpoint`'s directory (its own table
+    checkpoint apart), which `find` of the directory above does not list."""
+    fs, root = manifest_lib.filesystem(checkpoint.path)
+    return _checkpoints_inside(fs, root, checkpoint.tables)
+
+
 def _checkpoints_inside(fs: Any, root: str, tables: str) -> list[str]:
     """The directories under `root` (a checkpoint's directory, its table
     checkpoint `tables` apart) that hold a manifest: other checkpoints saved

@@ -90,12 +90,15 @@ def _run(args: argparse.Namespace) -> int:
             except errors.DltError as e:
                 status = f"BROKEN: {e.message}"
             rows.append({"path": c.path, "kind": c.manifest.get("kind", "full"),
-                         "save_id": c.manifest["save_id"], "chain": status})  # fmt: skip
+                         "save_id": c.manifest["save_id"], "chain": status,
+                         "holds": chain.checkpoints_inside(c)})  # fmt: skip
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
             for r in rows:
                 print(f"{r['kind']:6} {r['save_id']}  {r['path']}  ({r['chain']})")
+                if r["holds"]:  # not listed here: `ls` them where they are
+                    print(f"       holds {len(r['holds'])} more: {', '.join(r['holds'])}")
         if not rows:
             print(f"no committed checkpoint in {args.path}", file=sys.stderr)
             return 1
