@@ -646,7 +646,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         store[_ROWS_KEYS[2]] = slots
         store[_ROWS_KEYS[3]] = steps
         store[_ROWS_KEYS[4]] = np.frombuffer(config.encode(), np.uint8)
-        lineage = table_home.lineage(self.table_name)
+        lineage = "|".join(table_home.lineage(self.table_name))
         store[_LINEAGE_KEY] = np.frombuffer(lineage.encode(), np.uint8)
 
     def load_own_variables(self, store: Any) -> None:
@@ -681,8 +681,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 lineage = bytes(np.asarray(store[_LINEAGE_KEY])).decode() if (
                     _LINEAGE_KEY in keys
                 ) else ""  # fmt: skip
-                table_home.check_replacing_rows(self, lineage)
-                staged = (*self._stage_rows(store), lineage)
+                lineage_of_file = [token for token in lineage.split("|") if token]
+                table_home.check_replacing_rows(self, lineage_of_file)
+                staged = (*self._stage_rows(store), lineage_of_file)
         self._rows_follow = has_rows and not on_shards  # imported below: no rollback
         try:
             for i, variable in enumerate(variables):
@@ -740,7 +741,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             table.provisional = self.optimizer is None and not steps.any()
         return table, config
 
-    def _install_rows(self, table: Any, config: TableConfig, lineage: str) -> None:
+    def _install_rows(self, table: Any, config: TableConfig, lineage: list[str]) -> None:
         """Serves `table` (from _stage_rows) as this layer's embedded table,
         of lineage `lineage` (the file's)."""
         assert self.client is not None

@@ -29,10 +29,16 @@ from tf_dlt.table_config import TableConfig, difference
 
 # The Keras session each embedded table was made in (table name -> marker).
 _made_in: dict[str, Any] = {}
-# Each embedded table's lineage: a token made with the table and carried by
-# the .keras files of the models that train it (a file of another model's
-# table has another), and the built layers that use the table now.
-_lineages: dict[str, str] = {}
+# Each embedded table's lineage: tokens naming the line of training its
+# rows descend from, oldest first. A token is made with the table, and
+# again whenever a .keras file's rows are loaded into it (the line forks
+# there: two processes loading one file and training on are two lines).
+# A .keras file keeps the table's lineage; a file whose newest token the
+# table's line lacks holds another model's rows. Empty: not known (rows
+# restored by tf_dlt.load, or from a file from before lineages).
+_lineages: dict[str, list[str]] = {}
+_LINEAGE_TOKENS = 64  # the newest kept
+# The built layers that use each embedded table.
 _users: dict[str, weakref.WeakSet[Any]] = {}
 
 
@@ -77,58 +83,73 @@ def create(layer: str, config: TableConfig, client: ops.ClientResource, provisio
         made = embedded.create_table(config, provisional=provisional)
     _made_in[config.name] = weakref.ref(session) if session is not None else lambda: None
     if made:
-        _lineages[config.name] = secrets.token_hex(8)
+        _lineages[config.name] = [secrets.token_hex(8)]
     return earlier and not made
 
 
 def use(layer: Any) -> None:
-    """Counts built `layer` among the users of its embedded table."""
+    """Counts built `layer` among the users of its embedded table, in this
+    Keras session."""
+    session = _session()
+    layer._built_in_session = weakref.ref(session) if session is not None else lambda: None
     _users.setdefault(layer.table_name, weakref.WeakSet()).add(layer)
 
 
-def lineage(table: str) -> str:
-    """Embedded table `table`'s lineage (one made now for a table that has
-    none: made by tf_dlt.embedded or tf_dlt.load)."""
-    return _lineages.setdefault(table, secrets.token_hex(8))
+def lineage(table: str) -> list[str]:
+    """Embedded table `table`'s lineage, as a .keras file keeps it (one
+    begun now for a table that has none: made by tf_dlt.embedded)."""
+    return list(_lineages.setdefault(table, [secrets.token_hex(8)]))
 
 
-def check_replacing_rows(layer: Any, lineage_of_file: str) -> None:
+def check_replacing_rows(layer: Any, lineage_of_file: list[str]) -> None:
     """Checks that the rows of a .keras file of lineage `lineage_of_file`
-    ("": a file from before lineages) may replace the rows of `layer`'s
-    embedded table (`rows_replaced` once they did). Refused
-    (FailedPreconditionError) when the file holds another table's rows
-    (another model's, whose layer has the same name: Keras names them
-    alike) and another layer alive in this process trained the table or
-    holds rows loaded into it: Keras's loads never change another model's
-    weights, and this one would have replaced that model's rows. A file of
-    the table's own lineage (an older file of the model that trains it)
-    puts its rows back, as documented."""
+    (empty: not known) may replace the rows of `layer`'s embedded table
+    (`rows_replaced` once they did). Refused (FailedPreconditionError) when
+    the file holds another line's rows than the table's while a layer of
+    the same name in another model, alive and built in this Keras session,
+    trained the table or holds rows loaded into it: that model's layer got
+    the table by its name only (Keras names layers alike, `embedding` by
+    default), and Keras's loads never change another model's weights. A
+    file of the table's own line (an older file of the model that trains
+    it) puts its rows back, as documented; so does any file where either
+    lineage is not known."""
     table = layer.table_name
-    if lineage_of_file and lineage_of_file != lineage(table):
-        holders = [
-            other
-            for other in list(_users.get(table, ()))
-            if other is not layer
-            and other.client is not None
-            and other.client.embedded
-            and other.table_name == table
-            and other.holds_rows()
-        ]
-        if holders:
-            raise errors.FailedPreconditionError(
-                f"layer {layer.name!r}: the file holds the rows of another embedded table "
-                f"{table!r} than the one layer {holders[0].name!r} of a model alive in this "
-                "process trains (Keras names layers alike: two models' layers share the table "
-                "name): loading it would replace that model's rows. Load the file in another "
-                "process, or delete the other model first; to keep both, save them with "
-                "distinct layer names or table_name="
-            )
+    line = _lineages.get(table)
+    if not lineage_of_file or not line or lineage_of_file[-1] in line:
+        return
+    session = _session()
+    holders = [
+        other
+        for other in list(_users.get(table, ()))
+        if other is not layer
+        and other.name == layer.name  # siblings sharing a table have names of their own
+        and other.table_name == table
+        and other.client is not None
+        and other.client.embedded
+        and getattr(other, "_built_in_session", lambda: None)() is session
+        and other.holds_rows()
+    ]
+    if holders:
+        raise errors.FailedPreconditionError(
+            f"layer {layer.name!r}: the file holds the rows of another model's embedded table "
+            f"{table!r} than the one layer {holders[0].name!r} of a model alive in this Keras "
+            "session trained or loaded (Keras names layers alike, so both got the table by "
+            "name): loading it would replace that model's rows. Load the file in another "
+            "process, or call keras.backend.clear_session() first (the other model's table is "
+            "then given up); to keep both, name their layers (or table_name=) apart"
+        )
 
 
-def rows_replaced(table: str, lineage_of_file: str) -> None:
-    """Embedded table `table` holds the rows of a file of lineage
-    `lineage_of_file` now ("": a file from before lineages, a new one)."""
-    _lineages[table] = lineage_of_file or secrets.token_hex(8)
+def rows_replaced(table: str, lineage_of_file: list[str]) -> None:
+    """Embedded table `table` holds the rows of a .keras file of lineage
+    `lineage_of_file` now: its line goes on from there, forked."""
+    _lineages[table] = [*lineage_of_file, secrets.token_hex(8)][-_LINEAGE_TOKENS:]
+
+
+def rows_restored(table: str) -> None:
+    """Embedded table `table` holds rows restored by tf_dlt.load, whose
+    checkpoints keep no lineage: not known."""
+    _lineages[table] = []
 
 
 def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: bool) -> bool:

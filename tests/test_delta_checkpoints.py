@@ -925,6 +925,26 @@ def test_prune_keeps_a_checkpoint_saved_again_while_it_ran(
         np.testing.assert_array_equal(c.pull("t", ids), newest)
 
 
+def _clock_behind(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The checkpoint code's clock (save ids, creation times) set back by
+    `seconds`, as on a host whose clock is behind (the client's own calls
+    keep theirs: a shifted clock breaks their deadlines)."""
+
+    class Behind:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        @staticmethod
+        def time() -> float:
+            return time.time() - seconds
+
+        @staticmethod
+        def time_ns() -> int:
+            return time.time_ns() - int(seconds * 1e9)
+
+    monkeypatch.setattr(manifest, "time", Behind())
+
+
 def test_a_save_made_on_a_clock_behind_the_last_saves_still_sorts_as_the_newest(
     start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -940,8 +960,7 @@ def test_a_save_made_on_a_clock_behind_the_last_saves_still_sorts_as_the_newest(
     with start_cluster(1).client() as c:
         _base(c, ids, run / "a")
         c.save(str(run / "b"))
-        real = time.time_ns
-        monkeypatch.setattr(time, "time_ns", lambda: real() - 3600 * 10**9)
+        _clock_behind(monkeypatch, 3600)
         _train(c, ids, 2, {"t": 4})
         c.save(str(run / "c"))
         assert [x.path for x in chain.find(str(run))] == [str(run / p) for p in "abc"]
@@ -974,8 +993,7 @@ def test_a_save_id_follows_what_can_be_read_when_some_cannot(
     with start_cluster(1).client() as c:
         _base(c, ids, run / "a")
         c.save(str(run / "b"))
-        real_ns, real_s = time.time_ns, time.time
-        monkeypatch.setattr(time, "time_ns", lambda: real_ns() - 3600 * 10**9)
+        _clock_behind(monkeypatch, 3600)
         read = manifest.read_manifest
 
         def refused(path: str, *args: Any, **kwargs: Any) -> Any:
@@ -996,7 +1014,7 @@ def test_a_save_id_follows_what_can_be_read_when_some_cannot(
         c.save(str(run / "d"))  # "~" sorts after every id: find lists it last
         found = [x.path for x in chain.find(str(run))]
         assert found[-3:] == [str(run / "c"), str(run / "d"), str(run / "hand")]
-    monkeypatch.setattr(time, "time", lambda: real_s() - 7200)
+    _clock_behind(monkeypatch, 7200)
     chain.compact(str(run / "d"), str(run / "d-full"))
     shutil.rmtree(run / "hand")
     found = [x.path for x in chain.find(str(run))]

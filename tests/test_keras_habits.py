@@ -131,16 +131,24 @@ def test_a_keras_file_reloaded_in_process_trains_on_with_the_same_state(tmp_path
 _TRAIN_ANOTHER = """
 import sys
 import keras, numpy as np, tf_dlt
-ids = keras.Input((3,), dtype="int64")
-emb = tf_dlt.layers.Embedding(
-    output_dim=4, is_distributed=True, embeddings_initializer="uniform", name=sys.argv[2])
-model = keras.Model(
-    ids, keras.layers.Dense(1, activation="sigmoid")(keras.layers.Flatten()(emb(ids))))
-model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
-x = np.random.default_rng(1).integers(0, 50, (256, 3))
+if len(sys.argv) > 4:  # fine-tunes a copy of a saved model
+    model = keras.models.load_model(sys.argv[4])
+else:
+    ids = keras.Input((3,), dtype="int64")
+    emb = tf_dlt.layers.Embedding(
+        output_dim=4, is_distributed=True, embeddings_initializer="uniform", name=sys.argv[2])
+    model = keras.Model(
+        ids, keras.layers.Dense(1, activation="sigmoid")(keras.layers.Flatten()(emb(ids))))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+x = np.random.default_rng(int(sys.argv[3])).integers(0, 50, (256, 3))
 model.fit(x, (x[:, 1] % 2).astype("float32"), epochs=2, verbose=0)
 model.save(sys.argv[1])
 """
+
+
+def _same_rows(table: str, rows: tuple[np.ndarray, ...]) -> None:
+    for before, now in zip(rows, embedded.rows(table), strict=True):
+        np.testing.assert_array_equal(before, now)
 
 
 def test_a_keras_file_of_another_models_table_never_replaces_a_live_models_rows(
@@ -151,9 +159,12 @@ def test_a_keras_file_of_another_models_table_never_replaces_a_live_models_rows(
     .keras file where the other is alive and trained replaced the other's
     rows with no word (a later tf_dlt.save of it saved the file's rows). It
     is refused, nothing changed; an older file of the live model itself
-    still puts its own rows back, as documented."""
+    still puts its own rows back, as documented. Two copies of one saved
+    model fine-tuned apart are two models too; after clear_session the
+    live model's table is given up (as Keras sessions do) and the file
+    loads."""
     table = "habit_same_name"
-    _run(_TRAIN_ANOTHER, str(tmp_path / "other.keras"), table)
+    _run(_TRAIN_ANOTHER, str(tmp_path / "other.keras"), table, "1")
     model = _model(table)
     model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
     x, y = _data()
@@ -162,13 +173,83 @@ def test_a_keras_file_of_another_models_table_never_replaces_a_live_models_rows(
     saved = embedded.rows(table)
     model.fit(x, y, epochs=1, verbose=0)
     trained = embedded.rows(table)
-    with pytest.raises(ValueError, match="holds the rows of another embedded table"):
+    with pytest.raises(ValueError, match="holds the rows of another model's embedded table"):
         keras.models.load_model(tmp_path / "other.keras")
-    for before, now in zip(trained, embedded.rows(table), strict=True):
-        np.testing.assert_array_equal(before, now)
+    _same_rows(table, trained)
     keras.models.load_model(tmp_path / "own.keras")
-    for before, now in zip(saved, embedded.rows(table), strict=True):
-        np.testing.assert_array_equal(before, now)
+    _same_rows(table, saved)
+    # Forks: two processes fine-tune copies of own.keras; here, in a new
+    # Keras session (the models of the one before give their table up).
+    for fork, seed in (("a", "2"), ("b", "3")):
+        _run(_TRAIN_ANOTHER, str(tmp_path / f"{fork}.keras"), table, seed,
+             str(tmp_path / "own.keras"))  # fmt: skip
+    keras.backend.clear_session()
+    fork_a = keras.models.load_model(tmp_path / "a.keras")
+    rows_a = embedded.rows(table)
+    with pytest.raises(ValueError, match="holds the rows of another model's embedded table"):
+        keras.models.load_model(tmp_path / "b.keras")
+    _same_rows(table, rows_a)
+    keras.models.load_model(tmp_path / "own.keras")  # the line a.keras came from: its own
+    _same_rows(table, saved)
+    keras.backend.clear_session()
+    other = keras.models.load_model(tmp_path / "other.keras")
+    assert not np.array_equal(embedded.rows(table)[1], saved[1])
+    del fork_a, other
+
+
+_SHARED_TABLE_MODEL = """
+import keras, tf_dlt
+def shared():
+    ids = keras.Input((3,), dtype="int64")
+    first, second = (
+        tf_dlt.layers.Embedding(output_dim=4, is_distributed=True,
+                                embeddings_initializer="uniform", table_name="habit_shared",
+                                name=name)
+        for name in ("habit_first", "habit_second")
+    )
+    joined = keras.layers.Concatenate()([first(ids), second(ids)])
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(joined)))
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="mse")
+    return model
+"""
+
+
+def test_layers_sharing_a_table_load_a_file_of_another_line_into_their_own_model(
+    tmp_path: Path,
+) -> None:
+    """Two layers of one model sharing a table (table_name=) are not two
+    models: the model trained here loads a file of another process's run
+    into itself (its other layer was taken for another model's, and the
+    load refused); and a model resumed with tf_dlt.load (whose checkpoints
+    keep no lineage) takes its run's .keras file (refused as another
+    model's)."""
+    scope: dict[str, Any] = {}
+    exec(_SHARED_TABLE_MODEL, scope)
+    shared = scope["shared"]
+    x, y = _data()
+    model = shared()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "run.keras")
+    tf_dlt.save(model, str(tmp_path / "ck"))
+    saved = embedded.rows("habit_shared")
+    code = _SHARED_TABLE_MODEL + (
+        "import sys, numpy as np\n"
+        "m = shared()\n"
+        "x = np.random.default_rng(5).integers(0, 50, (256, 3))\n"
+        "m.fit(x, np.ones((256, 1), 'float32'), epochs=1, verbose=0)\n"
+        "m.save(sys.argv[1])\n"
+    )
+    _run(code, str(tmp_path / "elsewhere.keras"))
+    model.fit(x, y, epochs=1, verbose=0)
+    model.load_weights(tmp_path / "elsewhere.keras")  # another run's, into itself
+    assert not np.array_equal(embedded.rows("habit_shared")[1], saved[1])
+    keras.backend.clear_session()
+    resumed = shared()
+    tf_dlt.load(resumed, str(tmp_path / "ck"))
+    _same_rows("habit_shared", saved)
+    keras.models.load_model(tmp_path / "run.keras")
+    _same_rows("habit_shared", saved)
+    del resumed
 
 
 def test_a_keras_file_of_a_model_on_shards_predicts_where_the_shards_are(

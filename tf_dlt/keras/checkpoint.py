@@ -34,6 +34,7 @@ from tf_dlt.checkpoint import chain, manifest, shard_files
 from tf_dlt.client import Client, saved_despite_failovers
 from tf_dlt.keras.row_cache import forget_cached_rows
 from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, table_holders
+from tf_dlt.layers import table_home
 from tf_dlt.layers.embedding import variables_only
 from tf_dlt.table_config import difference, normalized
 
@@ -346,6 +347,8 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
                 f"({difference(layer.table_config.to_dict(), t.config)})"
             )
     embedded.shard().install_tables(loaded["staged"])
+    for name in by_name:
+        table_home.rows_restored(name)  # checkpoints keep no lineage (.keras files do)
 
 
 def _formatted(path: str, epoch: int, logs: dict[str, Any]) -> str:
