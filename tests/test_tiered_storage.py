@@ -465,6 +465,50 @@ def test_a_load_under_a_budget_without_a_tier_never_evicts_installed_rows(
         assert int(c.stats()[0]["staged_bytes"]) == 0
 
 
+def test_large_pulls_never_evict_rows_of_a_budgeted_shard_without_a_tier(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Without a tier an evicted row is gone. A pull of the whole table
+    (its reply buffer, which the data plane keeps pooled for seconds)
+    raised the memory outside the tables, and the keeper evicted rows for
+    good from a table within its share: 6,000 of 60,000 under a 265 MiB
+    budget at 112 MiB resident (a review's repro), some read back as zeros
+    by the next pull, and a save right after the pulls lacked them. Pooled
+    buffers now go first, and a rise must last 10 s before rows give way."""
+    dim, budget = 64, 265 << 20
+    shard = start_cluster(1, "--memory-budget", str(budget))
+    with shard.client() as c:
+        c.create_table("t", dim, "uniform", "adagrad", seed=3)
+
+        def room() -> float:
+            """What the keeper lets the rows take, less what they take."""
+            s = c.stats()[0]
+            tables = sum(int(t["bytes"]) for t in s["tables"])
+            overhead = int(s["resident_bytes"]) - tables
+            return 0.9 * budget - overhead - (128 << 20) - tables
+
+        n = 0
+        # Rows up to near their share: less room left than a third of the
+        # whole table's reply (the keeper evicts about 2 MB past it).
+        while room() > 0.3 * (n + 5_000) * dim * 4 and n < 400_000:
+            ids = np.arange(n, n + 5_000, dtype=np.int64)
+            c.push("t", ids, np.ones((len(ids), dim), np.float32), 0.05)
+            n += len(ids)
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert c.list_tables()["t"]["rows"] == n  # within the share: nothing evicted yet
+        ids = np.arange(n, dtype=np.int64)
+        for _ in range(3):
+            pulled = c.pull("t", ids, training=False, missing="zeros")
+            assert np.any(pulled != 0, axis=1).all(), "rows evicted by an earlier pull read zeros"
+            time.sleep(3.0)
+        c.save(str(tmp_path / "ck"))  # right after the pulls
+        time.sleep(12.0)  # past the 10 s a rise of the overhead waits
+        assert c.list_tables()["t"]["rows"] == n
+        assert c.list_tables()["t"]["evicted"] == 0
+    assert len(staged_rows(str(tmp_path / "ck"), 1)["t"]) == n
+
+
 def test_a_load_the_keeper_would_evict_from_is_refused(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

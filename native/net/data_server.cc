@@ -93,9 +93,14 @@ DataServer::DataServer(std::shared_ptr<Shard> shard, DataServerOptions options)
   handler_.set_admin_port(options_.admin_port);
   handler_.set_payload_pool(&pool_);
   handler_.set_max_staged_bytes(options_.max_buffered_bytes);
+  // Under a memory budget without a tier, pooled buffers go before rows.
+  shard_->SetSpareRelease([this] { pool_.ReleaseIdle(std::chrono::milliseconds(0)); });
 }
 
-DataServer::~DataServer() { Stop(); }
+DataServer::~DataServer() {
+  shard_->SetSpareRelease(nullptr);
+  Stop();
+}
 
 Status DataServer::SwitchLayout(uint64_t layout_epoch, const std::string& addresses) {
   const std::shared_ptr<Shard> next = reshard_target().next();
