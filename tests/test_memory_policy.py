@@ -76,6 +76,25 @@ def test_admission_decides_alike_on_1_and_3_shards(
         np.testing.assert_array_equal(present, expected)
 
 
+def test_an_id_refused_counts_once_per_push_however_often_it_repeats(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """`refused` counts ids per push (docs/observability.md): an id three
+    times in one push was counted three times."""
+    with start_cluster(1).client() as client:
+        grads = np.ones((4, DIM), np.float32)
+        client.create_table("freq", DIM, "uniform", "sgd", admission=admission.Frequency(5))
+        client.push("freq", np.array([5, 5, 5, 7], np.int64), grads, learning_rate=0.1)
+        assert client.list_tables()["freq"]["refused"] == 2
+        client.push("freq", np.array([5, 7, 7, 7], np.int64), grads, learning_rate=0.1)
+        assert client.list_tables()["freq"]["refused"] == 4
+        client.create_table("prob", DIM, "uniform", "sgd", admission=admission.Probability(0.3))
+        ids = np.repeat(np.arange(100, dtype=np.int64), 3)
+        client.push("prob", ids, np.ones((300, DIM), np.float32), learning_rate=0.1)
+        info = client.list_tables()["prob"]
+        assert 0 < info["rows"] < 100 and info["refused"] == 100 - info["rows"]
+
+
 def test_shrink_ttl_eviction_and_their_counters(start_cluster: Callable[..., Cluster]) -> None:
     cluster = start_cluster(2, "--sweep-interval", "0.1")
     with cluster.client() as client:

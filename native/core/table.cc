@@ -407,7 +407,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
   int64_t overflowed = kNoOverflow, summed_past = kNoOverflow;
   const float limit = GradientLimit(lr);
   const bool keep_squares = config_.optimizer.kind == OptimizerKind::kKerasAdagrad;
-  const bool frequency = sketch_ != nullptr;
+  // Admission that decides per id (each id once per push: `counted`).
+  const bool admitting =
+      static_cast<AdmissionKind>(config_.policy.admission) != AdmissionKind::kAll;
   const bool stochastic =
       config_.policy.rounding == static_cast<uint64_t>(RoundingKind::kStochastic);
   GroupByStripe(ids, n, &hashes, &order, &starts);
@@ -427,7 +429,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     cold_slots.clear();
     cold_records.clear();
     cold_generations.clear();
-    if (frequency) {
+    if (admitting) {
       size_t cap = 16;
       while (cap < 2 * size_t{end - begin}) cap <<= 1;
       counted.assign(cap, 0);
@@ -489,8 +491,9 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
       }
       const bool make = rec == kEmpty;
       if (make) {
-        if (!AdmitOnPush(&stripe, hashes[pos], ids[pos], &counted)) {
-          ++refused;
+        bool repeat = false;
+        if (!AdmitOnPush(&stripe, hashes[pos], ids[pos], &counted, &repeat)) {
+          refused += repeat ? 0 : 1;
           continue;
         }
         rec = FindOrCreate(&stripe, hashes[pos], ids[pos]);

@@ -398,7 +398,10 @@ class Table {
  private:
   // Whether the policy admits an absent id on a push; counts it in the
   // sketch (once per push: `counted` holds the hashes counted by this push).
-  bool AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<uint64_t>* counted);
+  // (`*repeat`: set when the id was counted, and refused, earlier in this
+  // push: one refusal per id and push.)
+  bool AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<uint64_t>* counted,
+                   bool* repeat);
   bool ProbabilityAdmits(int64_t id) const;
   // Fills `out` with the unadmitted default of `id`.
   void Unadmitted(int64_t id, float* out) const;

@@ -42,26 +42,26 @@ bool Table::ProbabilityAdmits(int64_t id) const {
          static_cast<double>(config_.policy.probability);
 }
 
-bool Table::AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<uint64_t>* counted) {
-  switch (static_cast<AdmissionKind>(config_.policy.admission)) {
-    case AdmissionKind::kAll:
-      return true;
-    case AdmissionKind::kProbability:
-      return ProbabilityAdmits(id);
-    case AdmissionKind::kFrequency:
-      break;
-  }
-  // Count each id once per push: `counted` is an open-addressing set of
-  // hashes (0 marks a free cell; a hash of 0 is stored as 1, which at worst
-  // merges two ids' counts in one push).
+bool Table::AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<uint64_t>* counted,
+                        bool* repeat) {
+  *repeat = false;
+  const auto kind = static_cast<AdmissionKind>(config_.policy.admission);
+  if (kind == AdmissionKind::kAll) return true;
+  // Each id once per push: `counted` is an open-addressing set of hashes (0
+  // marks a free cell; a hash of 0 is stored as 1, which at worst merges
+  // two ids in one push).
   const uint64_t h = hash == 0 ? 1 : hash;
   const size_t mask = counted->size() - 1;
   size_t i = (h >> 7) & mask;
   while ((*counted)[i] != 0) {
-    if ((*counted)[i] == h) return false;  // counted (and refused) earlier in this push
+    if ((*counted)[i] == h) {  // decided (refused) earlier in this push
+      *repeat = true;
+      return false;
+    }
     i = (i + 1) & mask;
   }
   (*counted)[i] = h;
+  if (kind == AdmissionKind::kProbability) return ProbabilityAdmits(id);
   NoteSketchAdd(stripe, hash);
   return sketch_->Add(hash) >= config_.policy.min_count;
 }
