@@ -382,6 +382,12 @@ def test_policy_arguments_are_validated() -> None:
             tf_dlt.TableConfig.create("t", 4, max_rows=rows)
     with pytest.raises(ValueError, match="admission must be"):
         admission.get({"kind": "frequency", "min_cnt": 2})
+    # A request's config naming a clock there is none of (another client's)
+    # was taken as pushes.
+    raw = tf_dlt.TableConfig.create("t", 4).to_proto()
+    raw.policy.clock, raw.policy.ttl = "minutes", 5
+    with pytest.raises(errors.InvalidArgumentError, match="ttl clock must be 'pushes' or"):
+        tf_dlt.TableConfig.from_proto(raw)
     # Distributed layers turn XLA off (their ops have no XLA kernels), with a
     # memory policy or without; local ones leave it to Keras.
     assert not tf_dlt.layers.Embedding(output_dim=DIM, is_distributed=True).supports_jit

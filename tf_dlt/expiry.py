@@ -70,6 +70,10 @@ def to_config(ttl: Ttl | None) -> dict[str, Any] | None:
 
 
 def from_policy(clock: str, ttl: int) -> Ttl | None:
+    """The ttl of a policy's "clock" and "ttl" fields (a config, a request;
+    a clock left empty is pushes, the field's default)."""
+    if clock not in ("pushes", "seconds", ""):
+        raise errors.InvalidArgumentError(f"ttl clock must be 'pushes' or 'seconds', got {clock!r}")
     if ttl == 0:
         return None
     return Seconds(ttl) if clock == "seconds" else Pushes(ttl)
