@@ -136,10 +136,6 @@ constexpr uint64_t kPassesPerEviction = 50;
 // often.
 constexpr double kTrimShare = 0.05;
 constexpr auto kTrimInterval = std::chrono::seconds(1);
-// Without a tier a row moved out is gone: a rise of the overhead evicts
-// rows only once it lasted this long, past the 2 s after which the data
-// plane gives back its pooled frame buffers (a large pull's reply).
-constexpr auto kEvictionHoldOff = std::chrono::seconds(4);
 // Allocations from this size up are mapped on their own (glibc's threshold
 // otherwise rises to the largest block freed, and a save's or load's 8 and
 // 16 MiB buffers then stay in the heap's arenas after they are freed).
@@ -349,9 +345,9 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
   return OkStatus();
 }
 
-void Shard::SetSpareRelease(std::function<void()> release) {
-  std::lock_guard<std::mutex> lock(spare_mu_);
-  spare_release_ = std::move(release);
+void Shard::SetBufferBytes(std::function<uint64_t()> held) {
+  std::lock_guard<std::mutex> lock(buffer_bytes_mu_);
+  buffer_bytes_ = std::move(held);
 }
 
 void Shard::StopKeeper() {
@@ -419,48 +415,24 @@ size_t Shard::KeepMemory() {
   } else {
     overhead = std::min(overhead, steady_overhead_);
   }
+  // The data plane's buffers (a large pull's reply, frames pooled for
+  // reuse) come and go as a save's do: they take the room held back for
+  // buffers (kPersistReserve), and only what passes it is overhead rows
+  // give way to. (Counted as overhead, one pull of a whole table evicted
+  // rows of a table within its share for good where there is no tier.)
+  uint64_t buffers = 0;
+  {
+    std::lock_guard<std::mutex> lock(buffer_bytes_mu_);
+    if (buffer_bytes_) buffers = std::min(buffer_bytes_(), overhead);
+  }
+  const uint64_t reserve = std::max<uint64_t>(kPersistReserve, buffers);
   const double room =
-      budget_ * kTargetFraction - static_cast<double>(overhead + fixed + kPersistReserve);
+      budget_ * kTargetFraction - static_cast<double>(overhead - buffers + fixed + reserve);
   const uint64_t target = room > 0 ? static_cast<uint64_t>(room) : 0;
   table_target_.store(target, std::memory_order_relaxed);
-  // Rows moved to a tier come back on their next use; without one they are
-  // evicted for good, so only against the overhead that lasted.
-  uint64_t move_target = target;
-  if (tier_root_.empty()) {
-    if (!lasting_known_ || overhead <= lasting_overhead_) {
-      lasting_known_ = true;
-      lasting_overhead_ = overhead;
-      rise_since_ = {};
-    } else if (rise_since_ == std::chrono::steady_clock::time_point{}) {
-      rise_since_ = now;
-      rise_floor_ = overhead;
-    } else {
-      // Above it since rise_since_: the least of that counts once it lasted.
-      rise_floor_ = std::min(rise_floor_, overhead);
-      if (now - rise_since_ >= kEvictionHoldOff) {
-        lasting_overhead_ = rise_floor_;
-        rise_since_ = {};
-      }
-    }
-    const double lasting_room = budget_ * kTargetFraction -
-                                static_cast<double>(lasting_overhead_ + fixed + kPersistReserve);
-    move_target = lasting_room > 0 ? static_cast<uint64_t>(lasting_room) : 0;
-  }
   size_t moved = 0;
-  if (tier_root_.empty() && live_bytes > move_target && !spare_released_) {
-    // Buffers kept for reuse go before any row does: the next pass measures
-    // without them, and evicts only if the rows still do not fit.
-    // (Called under the lock: its owner clearing it waits for the call.)
-    spare_released_ = true;
-    std::lock_guard<std::mutex> lock(spare_mu_);
-    if (spare_release_) {
-      spare_release_();
-      return 0;
-    }
-  }
-  if (live_bytes <= move_target) spare_released_ = false;
-  if (live_bytes > move_target) {
-    const double excess = static_cast<double>(live_bytes) - move_target * kLowWater;
+  if (live_bytes > target) {
+    const double excess = static_cast<double>(live_bytes) - target * kLowWater;
     for (const auto& t : tables) {
       auto f = failed.find(t.get());
       if (f != failed.end() && now - f->second < kErrorBackoff) continue;

@@ -195,10 +195,11 @@ class Shard {
   // One pass of the keeper: moves rows out of RAM until the tables fit
   // the budget; returns the rows moved.
   size_t KeepMemory();
-  // What the keeper calls, without a tier, before it evicts rows for good:
-  // gives back memory held outside the tables for reuse only (the data
-  // plane's pooled buffers). Null: nothing.
-  void SetSpareRelease(std::function<void()> release);
+  // What tells the keeper the bytes the data plane's buffers hold now
+  // (frames in flight and pooled for reuse): they are counted within the
+  // room held back for buffers (kPersistReserve), not as overhead rows
+  // give way to. Null: none.
+  void SetBufferBytes(std::function<uint64_t()> held);
   struct MemoryStatus {
     uint64_t budget = 0;        // bytes; 0: none
     uint64_t resident = 0;      // the process's resident bytes at the last pass
@@ -296,19 +297,9 @@ class Shard {
   // When the overhead is measured afresh at the latest, once no save or
   // load runs (unset: not yet known). Guarded by keeper_pass_mu_.
   std::chrono::steady_clock::time_point settle_by_;
-  // Without a tier, the overhead evictions are measured against: a rise
-  // counts once it lasted kEvictionHoldOff (a pull's reply buffers, given
-  // back within seconds, never remove rows), as the least overhead seen
-  // since it began (rise_since_, unset: none; rise_floor_); a fall at
-  // once. Guarded by keeper_pass_mu_.
-  // SetSpareRelease's; whether this pass's shortfall already asked it.
-  std::mutex spare_mu_;
-  std::function<void()> spare_release_;  // guarded by spare_mu_
-  bool spare_released_ = false;          // guarded by keeper_pass_mu_
-  bool lasting_known_ = false;
-  uint64_t lasting_overhead_ = 0;
-  std::chrono::steady_clock::time_point rise_since_;
-  uint64_t rise_floor_ = 0;
+  // SetBufferBytes's.
+  std::mutex buffer_bytes_mu_;
+  std::function<uint64_t()> buffer_bytes_;  // guarded by buffer_bytes_mu_
   // Tables whose tier failed, and when (guarded by keeper_pass_mu_).
   std::map<const Table*, std::chrono::steady_clock::time_point> keeper_failed_;
 };

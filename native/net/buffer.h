@@ -5,6 +5,7 @@
 #define TF_DLT_NATIVE_NET_BUFFER_H_
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -19,13 +20,17 @@ namespace net {
 class Buffer {
  public:
   Buffer() = default;
+  ~Buffer() { Account(0); }
   Buffer(Buffer&& other) noexcept : data_(std::move(other.data_)), capacity_(other.capacity_) {
     other.capacity_ = 0;
   }
   Buffer& operator=(Buffer&& other) noexcept {
-    data_ = std::move(other.data_);
-    capacity_ = other.capacity_;
-    other.capacity_ = 0;
+    if (this != &other) {
+      Account(0);  // what this one held is freed
+      data_ = std::move(other.data_);
+      capacity_ = other.capacity_;
+      other.capacity_ = 0;
+    }
     return *this;
   }
 
@@ -35,7 +40,7 @@ class Buffer {
       // operator new[] aligns to 16, so 8-byte fields at 8-byte offsets of
       // the payload are aligned.
       data_.reset(new uint8_t[bytes]);
-      capacity_ = bytes;
+      Account(bytes);
     }
     return data_.get();
   }
@@ -45,7 +50,7 @@ class Buffer {
       std::unique_ptr<uint8_t[]> next(new uint8_t[bytes]);
       if (keep > 0) std::memcpy(next.get(), data_.get(), std::min(keep, capacity_));
       data_ = std::move(next);
-      capacity_ = bytes;
+      Account(bytes);
     }
     return data_.get();
   }
@@ -58,10 +63,25 @@ class Buffer {
   }
   void Release() {
     data_.reset();
-    capacity_ = 0;
+    Account(0);
+  }
+  // Bytes the process's Buffers hold now (frames in flight and pooled): a
+  // shard's memory keeper counts them within the room it holds back for
+  // buffers, not as memory that rows must give way to.
+  static uint64_t HeldBytes() {
+    const int64_t held = held_bytes_.load(std::memory_order_relaxed);
+    return held > 0 ? static_cast<uint64_t>(held) : 0;
   }
 
  private:
+  // Sets the capacity to `capacity`, counting the change.
+  void Account(size_t capacity) {
+    held_bytes_.fetch_add(static_cast<int64_t>(capacity) - static_cast<int64_t>(capacity_),
+                          std::memory_order_relaxed);
+    capacity_ = capacity;
+  }
+
+  static inline std::atomic<int64_t> held_bytes_{0};
   std::unique_ptr<uint8_t[]> data_;
   size_t capacity_ = 0;
 };

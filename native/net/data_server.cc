@@ -93,12 +93,12 @@ DataServer::DataServer(std::shared_ptr<Shard> shard, DataServerOptions options)
   handler_.set_admin_port(options_.admin_port);
   handler_.set_payload_pool(&pool_);
   handler_.set_max_staged_bytes(options_.max_buffered_bytes);
-  // Under a memory budget without a tier, pooled buffers go before rows.
-  shard_->SetSpareRelease([this] { pool_.ReleaseIdle(std::chrono::milliseconds(0)); });
+  // Its buffers are counted within the memory keeper's reserve.
+  shard_->SetBufferBytes([] { return net::Buffer::HeldBytes(); });
 }
 
 DataServer::~DataServer() {
-  shard_->SetSpareRelease(nullptr);
+  shard_->SetBufferBytes(nullptr);
   Stop();
 }
 
