@@ -96,9 +96,13 @@ def use(layer: Any) -> None:
 
 
 def lineage(table: str) -> list[str]:
-    """Embedded table `table`'s lineage, as a .keras file keeps it (one
-    begun now for a table that has none: made by tf_dlt.embedded)."""
-    return list(_lineages.setdefault(table, [secrets.token_hex(8)]))
+    """Embedded table `table`'s lineage, as a .keras file keeps it: one
+    begun now for a table that has none (made by tf_dlt.embedded) or whose
+    lineage is not known (restored by tf_dlt.load: its files are checked
+    from now on)."""
+    if not _lineages.get(table):
+        _lineages[table] = [secrets.token_hex(8)]
+    return list(_lineages[table])
 
 
 def check_replacing_rows(layer: Any, lineage_of_file: list[str]) -> None:
@@ -148,7 +152,8 @@ def rows_replaced(table: str, lineage_of_file: list[str]) -> None:
 
 def rows_restored(table: str) -> None:
     """Embedded table `table` holds rows restored by tf_dlt.load, whose
-    checkpoints keep no lineage: not known."""
+    checkpoints keep no lineage: not known (any file is taken) until a
+    .keras file of it is saved."""
     _lineages[table] = []
 
 

@@ -249,7 +249,14 @@ def test_layers_sharing_a_table_load_a_file_of_another_line_into_their_own_model
     _same_rows("habit_shared", saved)
     keras.models.load_model(tmp_path / "run.keras")
     _same_rows("habit_shared", saved)
-    del resumed
+    # Saved once resumed, its table's line begins again: the other run's
+    # file is another model's now.
+    resumed.fit(x, y, epochs=1, verbose=0)
+    resumed.save(tmp_path / "resumed.keras")
+    trained = embedded.rows("habit_shared")
+    with pytest.raises(ValueError, match="holds the rows of another model's embedded table"):
+        keras.models.load_model(tmp_path / "elsewhere.keras")
+    _same_rows("habit_shared", trained)
 
 
 def test_a_keras_file_of_a_model_on_shards_predicts_where_the_shards_are(

@@ -93,6 +93,19 @@ def test_an_id_refused_counts_once_per_push_however_often_it_repeats(
         client.push("prob", ids, np.ones((300, DIM), np.float32), learning_rate=0.1)
         info = client.list_tables()["prob"]
         assert 0 < info["rows"] < 100 and info["refused"] == 100 - info["rows"]
+        # Id 0 (hash 0) and the one id whose hash is 1 are two ids in a push.
+        hash_one = np.array([5818379579481681392], np.uint64).view(np.int64)[0]
+        both = np.array([hash_one, 0], np.int64)
+        client.create_table("zero", DIM, "uniform", "sgd", seed=1,
+                            admission=admission.Probability(0.5))  # fmt: skip
+        client.push("zero", both[1:], grads[:1], learning_rate=0.1)
+        alone = client.list_tables()["zero"]["rows"]
+        client.drop_table("zero")
+        client.create_table("zero", DIM, "uniform", "sgd", seed=1,
+                            admission=admission.Probability(0.5))  # fmt: skip
+        client.push("zero", both, grads[:2], learning_rate=0.1)
+        present = _rows(client, "zero", both[1:])
+        assert alone == 1 and np.any(present != 0), "id 0 admitted alone, refused beside it"
 
 
 def test_shrink_ttl_eviction_and_their_counters(start_cluster: Callable[..., Cluster]) -> None:

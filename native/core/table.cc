@@ -432,7 +432,7 @@ Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
     if (admitting) {
       size_t cap = 16;
       while (cap < 2 * size_t{end - begin}) cap <<= 1;
-      counted.assign(cap, 0);
+      counted.assign(cap + 1, 0);  // (+1: whether a hash of 0 was seen)
     }
     // Cold rows are read one at a time: the pull before a push just read
     // them (in parallel), so these are page-cache reads. Whether RAM is

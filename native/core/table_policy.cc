@@ -47,20 +47,21 @@ bool Table::AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<u
   *repeat = false;
   const auto kind = static_cast<AdmissionKind>(config_.policy.admission);
   if (kind == AdmissionKind::kAll) return true;
-  // Each id once per push: `counted` is an open-addressing set of hashes (0
-  // marks a free cell; a hash of 0 is stored as 1, which at worst merges
-  // two ids in one push).
-  const uint64_t h = hash == 0 ? 1 : hash;
-  const size_t mask = counted->size() - 1;
-  size_t i = (h >> 7) & mask;
-  while ((*counted)[i] != 0) {
-    if ((*counted)[i] == h) {  // decided (refused) earlier in this push
-      *repeat = true;
-      return false;
-    }
-    i = (i + 1) & mask;
+  // Each id once per push: `counted` is an open-addressing set of hashes in
+  // its first cells (0 marks a free one), a power of two of them, and in
+  // its last cell whether a hash of 0 was seen.
+  const size_t cells = counted->size() - 1;
+  uint64_t* cell = &(*counted)[cells];
+  if (hash != 0) {
+    size_t i = (hash >> 7) & (cells - 1);
+    while ((*counted)[i] != 0 && (*counted)[i] != hash) i = (i + 1) & (cells - 1);
+    cell = &(*counted)[i];
   }
-  (*counted)[i] = h;
+  if (*cell != 0) {  // decided (refused) earlier in this push
+    *repeat = true;
+    return false;
+  }
+  *cell = hash != 0 ? hash : 1;
   if (kind == AdmissionKind::kProbability) return ProbabilityAdmits(id);
   NoteSketchAdd(stripe, hash);
   return sketch_->Add(hash) >= config_.policy.min_count;
