@@ -76,6 +76,7 @@ class Buffer {
  private:
   // Sets the capacity to `capacity`, counting the change.
   void Account(size_t capacity) {
+    if (capacity == capacity_) return;  // (an empty one destroyed: no atomic add)
     held_bytes_.fetch_add(static_cast<int64_t>(capacity) - static_cast<int64_t>(capacity_),
                           std::memory_order_relaxed);
     capacity_ = capacity;
