@@ -945,6 +945,16 @@ def _clock_behind(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(manifest, "time", Behind())
 
 
+def _saved_then_clock_behind(
+    client: tf_dlt.Client, ids: np.ndarray, run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_base` at run/a and the same saved at run/b; then this host's clock
+    an hour behind the one they were saved by."""
+    _base(client, ids, run / "a")
+    client.save(str(run / "b"))
+    _clock_behind(monkeypatch, 3600)
+
+
 def test_a_save_made_on_a_clock_behind_the_last_saves_still_sorts_as_the_newest(
     start_cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -958,9 +968,7 @@ def test_a_save_made_on_a_clock_behind_the_last_saves_still_sorts_as_the_newest(
     ids = np.arange(400, dtype=np.int64)
     run = tmp_path / "run"
     with start_cluster(1).client() as c:
-        _base(c, ids, run / "a")
-        c.save(str(run / "b"))
-        _clock_behind(monkeypatch, 3600)
+        _saved_then_clock_behind(c, ids, run, monkeypatch)
         _train(c, ids, 2, {"t": 4})
         c.save(str(run / "c"))
         assert [x.path for x in chain.find(str(run))] == [str(run / p) for p in "abc"]
@@ -991,9 +999,7 @@ def test_a_save_id_follows_what_can_be_read_when_some_cannot(
     ids = np.arange(300, dtype=np.int64)
     run = tmp_path / "run"
     with start_cluster(1).client() as c:
-        _base(c, ids, run / "a")
-        c.save(str(run / "b"))
-        _clock_behind(monkeypatch, 3600)
+        _saved_then_clock_behind(c, ids, run, monkeypatch)
         read = manifest.read_manifest
 
         def refused(path: str, *args: Any, **kwargs: Any) -> Any:

@@ -138,17 +138,21 @@ def find(
     table checkpoint (what a delta may stand on). `unread`: where given,
     what cannot be read (the listing, a manifest) is appended to it and
     passed over instead of raised."""
+
+    def pass_over(what: str, e: Exception) -> None:
+        if unread is None:
+            raise e
+        unread.append(f"{what} ({e})")
+
     fs, root = manifest_lib.filesystem(directory)
     candidates = [directory]
+    entries = []
     try:
         entries = fs.ls(root, detail=True)
     except FileNotFoundError:
-        entries = []
-    except Exception as e:
-        if unread is None:
-            raise
-        entries = []
-        unread.append(f"{directory} ({e})")
+        pass
+    except Exception as e:  # noqa: BLE001 - pass_over raises it again without `unread`
+        pass_over(directory, e)
     for entry in entries:
         if entry["type"] == "directory":
             candidates.append(manifest_lib.url_of(fs, str(entry["name"]).rstrip("/")))
@@ -159,10 +163,8 @@ def find(
                 m = manifest_lib.read_manifest(tables)
             except (errors.NotFoundError, errors.FailedPreconditionError):
                 continue
-            except Exception as e:
-                if unread is None:
-                    raise
-                unread.append(f"{tables} ({e})")
+            except Exception as e:  # noqa: BLE001 - as above
+                pass_over(tables, e)
                 break
             if tables_dir and whole_models:  # a model checkpoint: its dense weights too
                 try:
