@@ -209,6 +209,51 @@ def test_checkpoints_pruned_by_another_program_stop_no_fit(tmp_path: Path) -> No
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
 
 
+def test_a_checkpoint_path_that_repeats_is_saved_in_full_where_a_delta_cannot_be(
+    tmp_path: Path,
+) -> None:
+    """A path that names no field changing each epoch (a fixed path, or
+    ``{val_loss:.0f}``) with `full_every`: the delta due at a path its base
+    loads through stopped `fit` with InvalidArgumentError. It is saved in
+    full; a repeat of a path a newer delta loads through is refused before
+    anything is written, and every checkpoint saved still loads."""
+    model = _model("ck_repeats")
+    x, y = _data()
+    fixed = tf_dlt.ModelCheckpoint(str(tmp_path / "latest"), full_every=3)
+    model.fit(x, y, epochs=3, batch_size=16, verbose=0, callbacks=[fixed])
+    assert fixed.kinds == ["full", "full", "full"]
+    expected = model.predict(x, verbose=0)
+    fresh = _model("ck_repeats")
+    tf_dlt.load(fresh, str(tmp_path / "latest"))
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)
+
+    class Tag(keras.callbacks.Callback):  # type: ignore[misc]
+        def __init__(self, tags: str) -> None:
+            super().__init__()
+            self.tags = tags
+
+        def on_epoch_end(self, epoch: int, logs: dict[str, object] | None = None) -> None:
+            assert logs is not None
+            logs["tag"] = self.tags[epoch]
+
+    tagged = tf_dlt.ModelCheckpoint(str(tmp_path / "ck-{tag}"), full_every=5)
+    model.fit(x, y, epochs=4, batch_size=16, verbose=0, callbacks=[Tag("abba"), tagged])
+    # ck-b on ck-a; ck-b again: full; ck-a on the full ck-b, which no longer
+    # needs the ck-a it replaces.
+    assert tagged.kinds == ["full", "delta", "full", "delta"]
+    expected = model.predict(x, verbose=0)
+    tf_dlt.load(fresh, str(tmp_path / "ck-a"))
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)
+
+    # ck-d is a delta on ck-c: a third save at ck-c would break it.
+    broken = tf_dlt.ModelCheckpoint(str(tmp_path / "ck-{tag}"), full_every=5)
+    with pytest.raises(errors.FailedPreconditionError, match=r"ck-d'? is a delta on top of"):
+        model.fit(x, y, epochs=3, batch_size=16, verbose=0, callbacks=[Tag("cdc"), broken])
+    assert broken.kinds == ["full", "delta"]
+    tf_dlt.load(fresh, str(tmp_path / "ck-c"))
+    tf_dlt.load(fresh, str(tmp_path / "ck-d"))
+
+
 def test_incremental_saves_to_one_path_stay_loadable(tmp_path: Path) -> None:
     """`incremental=True` on the path it saved last would overwrite its own
     base: it saves in full instead."""

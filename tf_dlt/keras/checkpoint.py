@@ -172,14 +172,19 @@ def _implied_base(model: keras.Model, path: str) -> str | None:
     the one it last saved or loaded, unless that is gone or its chain reads
     `path` (saving there would break it); then None (a full save)."""
     last: str | None = getattr(model, _LAST_CHECKPOINT, None)
-    if last is None:
+    if last is None or not _loads(last) or _reads(last, path):
         return None
-    try:
-        if manifest.chain_holds(_tables_of(last), _tables_of(path)):
-            return None
-    except errors.DltError:
-        return None  # the last checkpoint is gone or broken: start a new chain
     return last
+
+
+def _reads(base: str, path: str) -> bool:
+    """Whether a load of model checkpoint `base` reads `path`'s tables (a
+    delta saved at `path` on top of `base` would replace a link of its own
+    chain)."""
+    try:
+        return manifest.chain_holds(_tables_of(base), _tables_of(path))
+    except errors.DltError:
+        return False  # `base` does not load: no chain to break
 
 
 def _loads(path: str) -> bool:
@@ -381,8 +386,11 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
             except the newest `keep` and those they need (the base and
             deltas a kept delta loads through); None: delete nothing.
 
-    A delta whose base no longer loads (another program pruned it) is
-    saved in full instead, with a warning.
+    A delta whose base no longer loads (another program pruned it), or
+    whose path its base loads through (a path that repeats: a fixed one, or
+    ``{val_loss:.0f}``), is saved in full instead, with a warning. A save
+    at a path a newer delta loads through is refused
+    (`errors.FailedPreconditionError`): put ``{epoch}`` in the path.
     """
 
     def __init__(
@@ -421,6 +429,13 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
                 log.warning(
                     "ModelCheckpoint: %s, the base of the delta due now, no longer loads "
                     "(deleted by a prune?): saving %s in full", base, target,
+                )  # fmt: skip
+                base = None
+            elif _reads(base, target):
+                log.warning(
+                    "ModelCheckpoint: %s repeats a path the delta due now would load "
+                    "through (the path names no field that changes each epoch, such as "
+                    "{epoch}): saving it in full", target,
                 )  # fmt: skip
                 base = None
         info = save(self.model, target, base=base)
