@@ -245,6 +245,13 @@ def test_a_checkpoint_path_that_repeats_is_saved_in_full_where_a_delta_cannot_be
     tf_dlt.load(fresh, str(tmp_path / "ck-a"))
     np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)
 
+    # keep= counts paths, each at its newest save: a path saved again is
+    # the newest, and one deleted and saved again is deleted again.
+    kept = tf_dlt.ModelCheckpoint(str(tmp_path / "kept-{tag}"), keep=2)
+    model.fit(x, y, epochs=6, batch_size=16, verbose=0, callbacks=[Tag("abcaab"), kept])
+    assert [p.rsplit("-", 1)[-1] for p in kept.deleted] == ["a", "b", "c"]
+    assert sorted(p.name for p in tmp_path.glob("kept-*")) == ["kept-a", "kept-b"]
+
     # ck-d is a delta on ck-c: a third save at ck-c would break it.
     broken = tf_dlt.ModelCheckpoint(str(tmp_path / "ck-{tag}"), full_every=5)
     with pytest.raises(errors.FailedPreconditionError, match=r"ck-d'? is a delta on top of"):

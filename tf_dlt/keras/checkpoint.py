@@ -416,6 +416,9 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self.epochs: list[int] = []  # epochs completed at each saved path
         self.kinds: list[str] = []  # "full" or "delta", per saved path
         self._save_ids: dict[str, str] = {}  # the save each path got (a prune's snapshot)
+        # The paths saved and not deleted since, each once, in the order of
+        # their newest saves (a path that repeats moves to the end).
+        self._live: list[str] = []
         self.deleted: list[str] = []
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -443,9 +446,11 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self.epochs.append(epoch + 1)
         self.kinds.append(info["kind"])
         self._save_ids[target] = str(info["save_id"])
+        self._live = [p for p in self._live if p != target] + [target]
         if self.keep is not None:
-            live = [p for p in self.saved if p not in self.deleted]
             with errors.storage_errors(f"removing checkpoints older than the last {self.keep}"):
-                self.deleted.extend(
-                    chain.retain(live, self.keep, tables_dir=TABLES_DIR, save_ids=self._save_ids)
+                gone = chain.retain(
+                    self._live, self.keep, tables_dir=TABLES_DIR, save_ids=self._save_ids
                 )
+            self.deleted.extend(gone)
+            self._live = [p for p in self._live if p not in gone]
