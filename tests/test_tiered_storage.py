@@ -592,6 +592,56 @@ def _load_into_room_for_few_rows(tmp_path: Path) -> Any:
     return staged
 
 
+def test_a_failed_load_frees_what_it_staged_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A load that failed after staging its tables kept them (their RAM and
+    # their tier files) until a garbage collection met the cycle its
+    # exception's traceback made with the frames holding them; retries on
+    # a flaky disk piled them up.
+    import gc
+
+    source = _native.Shard(0, 1)
+    source.create_table(TableConfig.create("t", DIM, "normal", "adagrad", seed=5).to_dict())
+    ids = np.arange(20_000, dtype=np.int64)
+    source.get_table("t").push(ids, _grads(0, len(ids)), 0.1)
+    save_id = manifest.new_save_id()
+    part = shard_files.save_shard(str(tmp_path / "ck"), source, save_id)
+    manifest.write_manifest(str(tmp_path / "ck"), [part], save_id)
+    storage = tmp_path / "ssd"
+    target = _native.Shard(0, 1)
+    target.configure_memory(1 << 40, str(storage), 1000)
+    before = sorted(p.name for p in storage.rglob("*"))
+
+    def overflowing(staged: list[Any], shard: Any) -> None:
+        assert len(list(storage.rglob("*"))) > len(before)  # the staged table's files
+        raise tf_dlt.errors.ResourceExhaustedError("no room (injected)")
+
+    def failing_file(*args: Any) -> None:
+        assert len(list(storage.rglob("*"))) > len(before)
+        raise tf_dlt.errors.ResourceExhaustedError("disk full (injected)")
+
+    # The errors stay referenced, as a server's handling of them (a cycle
+    # with its frames) kept them until a collection.
+    kept = []
+    gc.disable()
+    try:
+        for late in (False, True, False, True):
+            if late:  # the rows staged, then refused
+                monkeypatch.setattr(shard_load, "_refuse_overflow", overflowing)
+            else:  # a file failing as it is applied
+                monkeypatch.setattr(shard_load, "_apply_group", failing_file)
+            with pytest.raises(tf_dlt.errors.ResourceExhaustedError, match="injected") as failed:
+                shard_files.prepare_load(str(tmp_path / "ck"), target)
+            monkeypatch.undo()
+            kept.append(failed)
+            assert sorted(p.name for p in storage.rglob("*")) == before
+    finally:
+        gc.enable()
+    (staged,) = shard_files.prepare_load(str(tmp_path / "ck"), target)["staged"]
+    np.testing.assert_array_equal(staged.pull(ids), source.get_table("t").pull(ids))
+
+
 def test_a_tiered_load_keeps_the_hottest_rows_in_ram(tmp_path: Path) -> None:
     # After a restart the rows training touched last are those it touches
     # next: a load past the budget keeps them in RAM, wherever they come in

@@ -270,7 +270,7 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
     }
     if (mode == PullMode::kInitNoInsert && !tiered) {
       for (uint32_t pos : missing) {
-        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, out + size_t{pos} * dim);
+        InitialValues(ids[pos], out + size_t{pos} * dim);
       }
       continue;
     }
@@ -319,7 +319,7 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
         continue;
       }
       if (mode == PullMode::kInitNoInsert) {
-        InitializeRow(config_.initializer, config_.seed, ids[pos], dim, dst);
+        InitialValues(ids[pos], dst);
         continue;
       }
       const bool admit = admission == AdmissionKind::kAll ||
@@ -332,7 +332,7 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
       }
       if (rec == kEmpty) {  // not admitted, or out of address space: store nothing
         if (admit) {
-          InitializeRow(config_.initializer, config_.seed, ids[pos], dim, dst);
+          InitialValues(ids[pos], dst);
         } else {
           Unadmitted(ids[pos], dst);
         }

@@ -405,6 +405,10 @@ class Table {
   bool ProbabilityAdmits(int64_t id) const;
   // Fills `out` with the unadmitted default of `id`.
   void Unadmitted(int64_t id, float* out) const;
+  // Fills `out` with `id`'s initial values as a row made now holds them:
+  // rounded to the stored dtype (a pull that makes no row reads what one
+  // that makes it would).
+  void InitialValues(int64_t id, float* out) const;
   // Removes this stripe's lowest-scoring rows when it holds more than its
   // quota of max_rows. Caller holds the lock.
   void EvictFrom(Stripe* stripe, uint32_t now);

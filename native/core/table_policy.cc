@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "native/core/half.h"
 #include "native/core/initializer.h"
 #include "native/core/table.h"
 #include "native/core/table_stripe.h"
@@ -67,9 +68,20 @@ bool Table::AdmitOnPush(Stripe* stripe, uint64_t hash, int64_t id, std::vector<u
   return sketch_->Add(hash) >= config_.policy.min_count;
 }
 
+void Table::InitialValues(int64_t id, float* out) const {
+  InitializeRow(config_.initializer, config_.seed, id, config_.dim, out);
+  const uint64_t dtype = config_.policy.value_dtype;
+  if (dtype == static_cast<uint64_t>(StorageDtype::kFloat32)) return;
+  // As WriteRow stores a new row's values (nearest, never stochastic).
+  thread_local std::vector<char> stored;
+  stored.resize(value_bytes_);
+  StoreValues(out, dtype, /*stochastic=*/false, 0, config_.dim, stored.data());
+  LoadValues(stored.data(), dtype, config_.dim, out);
+}
+
 void Table::Unadmitted(int64_t id, float* out) const {
   if (config_.policy.unadmitted == static_cast<uint64_t>(UnadmittedValue::kInitial)) {
-    InitializeRow(config_.initializer, config_.seed, id, config_.dim, out);
+    InitialValues(id, out);
   } else {
     std::memset(out, 0, sizeof(float) * config_.dim);
   }

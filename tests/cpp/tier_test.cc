@@ -1386,6 +1386,55 @@ DLT_TEST(TestMemoryTheWaitAfterASaveIsNotExtendedByTheNext) {
   munmap(buffers, kHeld);
 }
 
+DLT_TEST(TestAPullThatMakesNoRowReadsTheValuesAMadeRowHolds) {
+  // A 16-bit table's initial values as a pull that makes no row returns
+  // them (serving's "init", an unadmitted id read as "initial", a tiered
+  // shard at its RAM limit) and as the row made for the id holds them:
+  // one rounding, the same values. (Unrounded, bfloat16 rows differed by
+  // up to 5e-4, so a trainer's forward pass used values no row held.)
+  for (const uint64_t dtype : {uint64_t{1}, uint64_t{2}}) {  // bfloat16, float16
+    TableConfig config = TierTable(OptimizerKind::kAdagrad, InitializerKind::kTruncatedNormal);
+    config.dim = 8;
+    config.initializer.stddev = 0.3f;
+    config.policy.value_dtype = dtype;
+    constexpr size_t kIds = 512;
+    std::vector<int64_t> ids(kIds);
+    for (size_t i = 0; i < kIds; ++i) ids[i] = static_cast<int64_t>(i * 7919 + 3);
+    const size_t floats = kIds * config.dim;
+    Table made(config);
+    std::vector<float> held(floats), read(floats);
+    EXPECT_OK(made.Pull(ids.data(), kIds, PullMode::kInsert, held.data()));
+    EXPECT(made.size() == kIds);
+    EXPECT_OK(made.Pull(ids.data(), kIds, PullMode::kZerosNoInsert, read.data()));
+    EXPECT(read == held);  // what the rows hold
+    Table fresh(config);
+    EXPECT_OK(fresh.Pull(ids.data(), kIds, PullMode::kInitNoInsert, read.data()));
+    EXPECT(fresh.size() == 0 && read == held);
+    TableConfig admitting = config;
+    admitting.policy.admission = static_cast<uint64_t>(AdmissionKind::kFrequency);
+    admitting.policy.min_count = 3;
+    admitting.policy.sketch_bytes = 1 << 20;
+    admitting.policy.unadmitted = static_cast<uint64_t>(UnadmittedValue::kInitial);
+    Table unadmitted(admitting);
+    EXPECT_OK(unadmitted.Pull(ids.data(), kIds, PullMode::kInsert, read.data()));
+    EXPECT(unadmitted.size() == 0 && read == held);
+    // A tiered table whose RAM is full: a training pull leaves new rows to
+    // their push and returns their initial values.
+    TempDir dir;
+    Table tiered(config);
+    tiered.AttachTier(dir.path);
+    tiered.SetRamLimit(kStripes * 2);
+    std::vector<int64_t> filler(kStripes * 16);
+    for (size_t i = 0; i < filler.size(); ++i) filler[i] = -1 - static_cast<int64_t>(i);
+    std::vector<float> scratch(filler.size() * config.dim);
+    EXPECT_OK(tiered.Pull(filler.data(), filler.size(), PullMode::kInsert, scratch.data()));
+    const size_t before = tiered.size();
+    EXPECT_OK(tiered.Pull(ids.data(), kIds, PullMode::kInsert, read.data()));
+    EXPECT(tiered.size() < before + kIds);  // some made no row
+    EXPECT(read == held);
+  }
+}
+
 DLT_TEST(TestStoredImportEqualsFloatImportOnBothTiers) {
   // 16-bit rows imported as stored (a checkpoint's, not widened first) make
   // the same table as the same rows imported as floats, in RAM and on disk

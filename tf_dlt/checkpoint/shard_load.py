@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -573,7 +574,28 @@ def prepare_load(
     whichever is there.
     """
     with persisting(shard):
-        return _prepare_load(path, shard, allow, replace, tables, save_id)
+        try:
+            return _prepare_load(path, shard, allow, replace, tables, save_id)
+        except BaseException as e:
+            _free_frames(e)
+            raise
+
+
+def _free_frames(e: BaseException) -> None:
+    """Clears the locals of the finished frames that `e`, and the errors it
+    was raised from, passed through: the tables a failed load staged, which
+    they hold, are freed now (their RAM and tier files), not whenever a
+    garbage collection meets a cycle that keeps the error (a server's
+    handling of it made one)."""
+    pending: list[BaseException | None] = [e]
+    seen = set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
 
 
 def _refuse_saved_again(link: manifest_lib.Link, missing: errors.DltError) -> None:
@@ -624,17 +646,23 @@ def _prepare_load(
     _check_room(chain, shard, buckets)
     tables: dict[str, _native.Table] = {}
     lean = bool(shard.memory_status()["budget"])
-    for link in chain:
-        try:
-            apply_link(
-                link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1, lean=lean
-            )
-        except (errors.NotFoundError, errors.FailedPreconditionError) as e:
-            _refuse_saved_again(link, e)  # its files removed by a save meanwhile?
-            raise
-    staged = list(tables.values())
-    _refuse_evictions(staged, shard)
-    _refuse_overflow(staged, shard)
+    try:
+        for link in chain:
+            try:
+                apply_link(
+                    link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1, lean=lean
+                )
+            except (errors.NotFoundError, errors.FailedPreconditionError) as e:
+                _refuse_saved_again(link, e)  # its files removed by a save meanwhile?
+                raise
+        staged = list(tables.values())
+        _refuse_evictions(staged, shard)
+        _refuse_overflow(staged, shard)
+    except BaseException:
+        # The functions that applied the files hold `tables` in a cycle
+        # (with the error's frames); emptied, it frees the staged tables.
+        tables.clear()
+        raise
     for t in staged:
         t.mark_loaded(head["save_id"])
     return {
