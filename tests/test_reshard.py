@@ -450,6 +450,34 @@ def test_a_shard_restarted_in_its_new_place_can_be_resharded_again(
         np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", IDS), rows)
 
 
+def test_a_standby_attached_after_a_reshard_serves_new_clients_once_it_takes_over(
+    cluster: LocalCluster,
+) -> None:
+    """After 2 -> 3, a standby of the new shard's process attaches and
+    takes over when that process dies. A client given the standby's
+    address (alone, or after the dead one's) reached nothing: the layout
+    the shards serve names the dead process, and taking it replaced every
+    address the client had for the shard with it. The addresses a client
+    had for a shard stay candidates where the layout keeps the shard count,
+    and the client reaches the copy serving."""
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    joined = cluster.join()
+    three = [*cluster.addresses, joined]
+    assert admin.reshard(three)["layout_epoch"] == 2
+    admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+    with ShardServer(2, 3, standby_of=joined) as standby:
+        _await_standby(admin, 2, standby.address)
+        rows = admin.pull("emb", IDS)
+        cluster.kill(len(cluster.processes) - 1)  # the joined process
+        for listed in (standby.address, f"{joined}|{standby.address}"):
+            client = tf_dlt.Client([*cluster.addresses, listed])
+            np.testing.assert_array_equal(client.pull("emb", IDS), rows)
+            client.push("emb", IDS[:10], np.ones((10, DIM), np.float32), 0.1)
+            rows = client.pull("emb", IDS)
+            client.close()
+
+
 def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalCluster) -> None:
     joined = cluster.join()
     a, b = cluster.addresses

@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -363,6 +364,33 @@ def test_a_load_reads_no_file_outside_the_checkpoint_and_leaks_no_digest(
             assert not any(d in str(raised.value) for d in digests)
             # Named as the client named it, not as the shard held it open.
             assert f"{path}/{entry['file']}" in str(raised.value), raised.value
+
+        # A manifest alone (its file a real one, of a few KB) saying the file
+        # holds 2^50 bytes of 30M rows: the load sized its table for them,
+        # 3 GB touched before the file was opened and found smaller.
+        # Blocks of 1 GiB, which a load keeps several of: a sparse file of a
+        # few KB made it hold 3 GB.
+        blocks = crafted("blocks", lambda p: p.write_bytes(secret.read_bytes()),
+                         bytes=size, block_bytes=32 << 20, block_sha256=["0" * 64])  # fmt: skip
+        with pytest.raises(errors.FailedPreconditionError, match="block_bytes 33554432 is outside"):
+            client.load(blocks)
+
+        def peak_mib() -> int:
+            with open(f"/proc/{cluster.processes[0].pid}/status") as status:
+                return next(int(ln.split()[1]) for ln in status if ln.startswith("VmHWM")) >> 10
+
+        before = peak_mib()
+        bomb = crafted("bomb", lambda p: shutil.copy(root / "good" / entry["file"], p),
+                       bytes=1 << 50, block_sha256=None)  # fmt: skip
+        forged = json.loads((Path(bomb) / "MANIFEST.json").read_text())
+        for f in forged["files"]:
+            f.pop("block_sha256", None), f.pop("block_bytes", None)
+        for t in forged["tables"]:
+            t["rows"] = 30_000_000
+        (Path(bomb) / "MANIFEST.json").write_text(json.dumps(forged))
+        with pytest.raises(errors.FailedPreconditionError, match="the manifest says 1125899906"):
+            client.load(bomb)
+        assert peak_mib() - before < 256, (before, peak_mib())
         (root / "manifest_link").mkdir()
         os.symlink("/dev/zero", root / "manifest_link" / "MANIFEST.json")
         with pytest.raises(errors.FailedPreconditionError, match="a link, not followed") as raised:

@@ -127,8 +127,12 @@ namespace {
 // Rows a pass moves per table at most (a pass stays short), unless a
 // sixteenth of the table is more.
 constexpr size_t kMovesPerPass = 262144;
-// A table whose tier failed is left alone this long.
-constexpr auto kErrorBackoff = std::chrono::seconds(5);
+// A table whose tier failed is tried again after this long, twice as long
+// after each failure in a row, at most kMaxErrorBackoff: a passing fault
+// (one EIO) costs a quarter of a second of demotions, not five seconds
+// (pushes that do not wait for a failing keeper filled RAM meanwhile).
+constexpr auto kErrorBackoff = std::chrono::milliseconds(250);
+constexpr auto kMaxErrorBackoff = std::chrono::milliseconds(5000);
 // Passes between two checks of max_rows across tiers.
 constexpr uint64_t kPassesPerEviction = 50;
 // Memory outside the tables above this share of the budget is given back
@@ -435,7 +439,7 @@ size_t Shard::KeepMemory() {
     const double excess = static_cast<double>(live_bytes) - target * kLowWater;
     for (const auto& t : tables) {
       auto f = failed.find(t.get());
-      if (f != failed.end() && now - f->second < kErrorBackoff) continue;
+      if (f != failed.end() && now < f->second.at) continue;
       const uint64_t rows = t->ram_rows();
       const double share = static_cast<double>(rows * t->ram_row_bytes()) / live_bytes;
       size_t want = static_cast<size_t>(excess * share / t->ram_row_bytes()) + 1;
@@ -444,7 +448,9 @@ size_t Shard::KeepMemory() {
       moved += t->Demote(want, &status);
       if (!status.ok()) {
         t->SetKeeperError(status.message());
-        failed[t.get()] = now;
+        const auto backoff =
+            f == failed.end() ? kErrorBackoff : std::min(2 * f->second.backoff, kMaxErrorBackoff);
+        failed[t.get()] = {now + backoff, backoff};
       } else if (f != failed.end()) {
         t->SetKeeperError("");
         failed.erase(f);

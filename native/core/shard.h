@@ -300,8 +300,13 @@ class Shard {
   // SetBufferBytes's.
   std::mutex buffer_bytes_mu_;
   std::function<uint64_t()> buffer_bytes_;  // guarded by buffer_bytes_mu_
-  // Tables whose tier failed, and when (guarded by keeper_pass_mu_).
-  std::map<const Table*, std::chrono::steady_clock::time_point> keeper_failed_;
+  // Tables whose tier failed: when the keeper tries each again, and the
+  // wait after that try should it fail too (guarded by keeper_pass_mu_).
+  struct KeeperRetry {
+    std::chrono::steady_clock::time_point at;
+    std::chrono::milliseconds backoff;
+  };
+  std::map<const Table*, KeeperRetry> keeper_failed_;
 };
 
 // The embedded tables of this process: one Shard (index 0 of 1), the same

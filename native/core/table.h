@@ -291,8 +291,8 @@ class Table {
   size_t ram_fixed_bytes() const;
   TierStats tier_stats() const;
   // The memory keeper's demotions of this table fail with `error`, or work
-  // again (""): while they fail, pushes do not wait for a keeper that
-  // cannot move rows (WaitForRoom), and stats show the error.
+  // again (""): while they fail, pushes wait for it only far past the RAM
+  // limit (WaitForRoom), and stats show the error.
   void SetKeeperError(const std::string& error);
   // A disk error a request or a maintenance pass met: shown in stats until
   // the tier next reads a row for a request (TierWorked). It does not stop
@@ -465,7 +465,8 @@ class Table {
   // Whether cold `record` (in tier slot `slot`) moves into RAM.
   bool WorthRam(const Stripe& stripe, const char* record, uint32_t slot, bool near_limit) const;
   // Waits (a while at most) for the memory keeper when the RAM rows are
-  // far past the RAM limit.
+  // far past the RAM limit (further while the keeper cannot move rows:
+  // kFailingKeeperSlack).
   void WaitForRoom() const;
   // Calls fn(slot, key, record) for every cold row of `stripe`, reading its
   // tier file a batch of pages at a time; `hold` takes (and returns) the

@@ -49,10 +49,14 @@ constexpr size_t kDemoteBatch = 256;
 // limit by 1/16, in naps of kRoomWaitMicros, for kRoomWaitSeconds at most:
 // back-pressure instead of memory growth, so under sustained inserts a
 // shard grows as fast as the keeper moves rows to disk and its memory stays
-// within the budget. A keeper that fails to move rows (a disk error) is not
-// waited for.
+// within the budget. While the keeper fails to move rows (a disk error; it
+// tries again soon) pushes go on until the RAM rows pass their limit by
+// 1/kFailingKeeperSlack, then wait for it as above: they waited for no
+// failing keeper, and one error let a shard's RAM rows grow 25-fold, its
+// memory 4 times its budget.
 constexpr int kRoomWaitMicros = 200;
 constexpr int kRoomWaitSeconds = 10;
+constexpr uint64_t kFailingKeeperSlack = 4;
 // Salts of the per-id random streams (initial rows use their own).
 constexpr uint64_t kAdmitSalt = 0x243f6a8885a308d3ULL;
 constexpr uint64_t kRoundSalt = 0x13198a2e03707344ULL;

@@ -36,8 +36,16 @@ void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(kRoomWaitSeconds);
-  while (ram_rows() > limit + limit / 16 && !keeper_failing_.load(std::memory_order_relaxed) &&
-         std::chrono::steady_clock::now() < deadline) {
+  for (;;) {
+    const size_t held = ram_rows();
+    if (held <= limit + limit / 16) return;
+    // A keeper that cannot move rows now tries again soon: pushes go on
+    // meanwhile, a little past the limit, not for every failing pass.
+    if (keeper_failing_.load(std::memory_order_relaxed) &&
+        held <= limit + limit / kFailingKeeperSlack) {
+      return;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return;
     std::this_thread::sleep_for(std::chrono::microseconds(kRoomWaitMicros));
   }
 }

@@ -620,6 +620,20 @@ void Client::UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::stri
     st->layout_epoch = epoch;
     st->addresses = net::SplitAddresses(entries[j]);
     st->address = st->addresses.front();
+    if (seen.shards.size() == entries.size()) {
+      // The same shard (bucket ranges follow the count): the addresses
+      // this client had for it stay candidates after the layout's. The
+      // layout names the processes serving when the switch was made, not
+      // a standby that attached and took over since (which the client may
+      // have been given, or learned from a Hello).
+      const ShardState& before = *seen.shards[j];
+      std::lock_guard<std::mutex> before_lock(before.mu);
+      for (const std::string& address : before.addresses) {
+        if (std::find(st->addresses.begin(), st->addresses.end(), address) == st->addresses.end()) {
+          st->addresses.push_back(address);
+        }
+      }
+    }
     if (st->addresses.size() > 1) has_standbys_.store(true);
     next->shards.push_back(st.get());
     states_.push_back(std::move(st));

@@ -1025,6 +1025,44 @@ DLT_TEST(TestAFullDiskLeavesRowsInRamAndSaysSo) {
   EXPECT(t.tier_stats().disk_rows > ids.size() / 2);
 }
 
+DLT_TEST(TestPushesGrowRamOnlyALittleWhileTheKeeperCannotMoveRows) {
+  // While the memory keeper's demotions fail (a disk error), pushes making
+  // new rows go on until the RAM rows pass their limit by a quarter, then
+  // wait for it, and go on once it moves rows again. They waited for
+  // nothing: one error let RAM rows grow 25-fold.
+  TempDir dir;
+  Table t(TierTable(OptimizerKind::kAdagrad));
+  t.AttachTier(dir.path);
+  const uint64_t limit = 40000;
+  t.SetRamLimit(limit);
+  t.SetKeeperError("No space left on device (injected)");
+  constexpr size_t kBatch = 1000;
+  const std::vector<float> grads(kBatch * 4, 0.5f);
+  std::vector<int64_t> ids(kBatch);
+  int64_t next = 0;
+  auto push_new = [&] {
+    for (auto& id : ids) id = next++;
+    return t.Push(ids.data(), grads.data(), kBatch, 0.1f);
+  };
+  while (t.ram_rows() <= limit + limit / 4) EXPECT_OK(push_new());
+  const size_t held = t.ram_rows();
+  EXPECT(held <= limit + limit / 4 + kBatch);
+  std::atomic<bool> done{false};
+  Status waited;
+  std::thread blocked([&] {
+    waited = push_new();
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT(!done && t.ram_rows() == held);  // waiting, nothing made
+  t.SetKeeperError("");                   // the keeper works again
+  Status s;
+  t.Demote(t.ram_rows() - limit, &s);
+  EXPECT_OK(s);
+  blocked.join();
+  EXPECT_OK(waited);
+}
+
 DLT_TEST(TestInjectedDiskFaultsFailTheirRequestAndLoseNoRow) {
   // A read error, a short read and a failing write each fail the request
   // that met them with a typed error naming the tier file, are counted in

@@ -720,7 +720,11 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # A committed shard file's name (any save id `save_tables` accepts): never a path.
 _SHARD_FILE = re.compile(r"^shard-\d{5}-of-\d{5}\.[A-Za-z0-9_-]+\.h5$")
 # Block sizes a manifest may name (a save writes BLOCK_BYTES).
-MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4096, 1 << 30
+# Blocks a manifest may name: at most what saves write (verified.BLOCK_BYTES,
+# 16 MiB since block hashes began), as a load keeps several in memory; up to
+# 1 GiB was taken, and a sparse file of a few KB with 1 GiB blocks made a
+# load hold 3 GB past the shard's memory budget.
+MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4096, 16 << 20
 
 
 def _check_files(manifest: dict[str, Any], path: str) -> None:
@@ -765,7 +769,10 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
                 or not isinstance(block, int)
                 or not (MIN_BLOCK_BYTES <= block <= MAX_BLOCK_BYTES)
             ):
-                raise bad(f"{name}: block_bytes {block!r} is outside [4096, 2^30]")
+                raise bad(
+                    f"{name}: block_bytes {block!r} is outside [{MIN_BLOCK_BYTES}, "
+                    f"{MAX_BLOCK_BYTES}] (16 MiB, the blocks saves write)"
+                )
             if (
                 not isinstance(digests, list)
                 or len(digests) != -(-ints["bytes"] // block)
@@ -774,7 +781,7 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
                 raise bad(f"{name}: block_sha256 does not hold one SHA-256 per block")
         meta = entry.get("meta_block_bytes", 0)
         if isinstance(meta, bool) or not isinstance(meta, int) or not 0 <= meta <= MAX_BLOCK_BYTES:
-            raise bad(f"{name}: meta_block_bytes {meta!r} is outside [0, 2^30]")
+            raise bad(f"{name}: meta_block_bytes {meta!r} is outside [0, {MAX_BLOCK_BYTES}]")
     for info in tables:
         if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
             raise bad("a table entry has no config")

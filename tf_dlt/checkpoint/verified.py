@@ -13,6 +13,7 @@ import collections
 import contextlib
 import hashlib
 import io
+import os
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -24,12 +25,12 @@ import h5py
 import numpy as np
 
 from tf_dlt import errors
-from tf_dlt.checkpoint.manifest import is_local, open_regular
+from tf_dlt.checkpoint.manifest import MAX_BLOCK_BYTES, is_local, open_regular
 
 _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
 # SHA-256, so a load verifies every block as it parses it, in parallel.
-BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = MAX_BLOCK_BYTES
 # Verified blocks a load keeps, and reads ahead (on two threads, so two
 # blocks hash at once while the rows of a third are inserted). A file whose
 # HDF5 metadata lies in blocks of its own (the manifest's meta_block_bytes;
@@ -85,6 +86,29 @@ def _check_block(where: str, k: int, offset: int, data: bytes, digest: str) -> N
             f"checkpoint file {where} is corrupt: SHA-256 of block {k} ({offset} bytes in) "
             "differs from the manifest's"
         )
+
+
+def stored_bytes(fs: fsspec.AbstractFileSystem, targets: list[str]) -> list[int]:
+    """At most the bytes each shard file of `targets` stores, to size a
+    load's tables by before any file is read (never to check one: the open
+    does): its size, and on a local disk its blocks' bytes where fewer (a
+    sparse file stores few); 0 where it cannot be found. A manifest's own
+    `bytes` and `rows` said what to size for, and a 1 KB manifest made a
+    shard reserve gigabytes before its file was seen."""
+
+    def one(target: str) -> int:
+        try:
+            if is_local(fs):
+                info = os.stat(target)  # (a link is refused when it is opened)
+                return min(info.st_size, info.st_blocks * 512)
+            return int(fs.size(target))
+        except (OSError, ValueError, TypeError):  # FileNotFoundError among them
+            return 0
+
+    if is_local(fs) or len(targets) < 2:
+        return [one(t) for t in targets]
+    with ThreadPoolExecutor(min(16, len(targets))) as pool:  # a request a file
+        return list(pool.map(one, targets))
 
 
 def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str, Any]) -> IO[bytes]:
