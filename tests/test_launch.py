@@ -259,7 +259,7 @@ for _ in range(5):
     client.push("emb", ids, np.ones((1000, 4), np.float32), 0.1)
 before = client.pull("emb", ids)
 print("READY", flush=True)
-host, port = ps[1].split("|")[0].rsplit(":", 1)
+host, port = ps[1].split("|")[int(os.environ.get("KILLED_COPY", "0"))].rsplit(":", 1)
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:  # until the launcher killed shard 1's primary
     with socket.socket() as s:
@@ -273,13 +273,15 @@ print("RESULT " + json.dumps({"same": same}), flush=True)
 
 
 class _KillOnReady(io.StringIO):
-    """Launch output that kills shard 1's primary when the trainer is ready."""
+    """Launch output that kills process `process` (1: shard 1's primary)
+    when the trainer is ready."""
 
     launch: Launch | None = None
+    process = 1
 
     def write(self, text: str) -> int:
         if "[worker-0] READY" in text and self.launch and self.launch.cluster:
-            self.launch.cluster.kill(1)
+            self.launch.cluster.kill(self.process)
         return super().write(text)
 
 
@@ -291,6 +293,26 @@ def test_replicas_survive_a_killed_primary() -> None:
     text = out.getvalue()
     assert code == 0, text[-4000:]
     assert "each with a hot standby" in text
-    assert re.search(r"\[launch\] ps-1 exited with -9; ps-1-standby1 of shard 1 still runs", text)
+    assert re.search(
+        r"\[launch\] ps-1 exited with -9; ps-1-standby1 of shard 1 still runs; starting ps-1 "
+        r"again to rejoin it as a standby", text
+    )  # fmt: skip
     assert re.search(r"\[ps-1-standby1\] .*taking over", text)
+    assert _results(text) == [{"same": True}]
+
+
+def test_replicas_survive_a_killed_standby(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync primary acknowledges no push without its standby: a standby
+    killed under `tf-dlt launch --replicas 2` failed training at the push
+    deadline (30 s). The launcher starts it again; it rejoins and catches
+    up, and the trainer's push after the kill is acknowledged."""
+    monkeypatch.setenv("KILLED_COPY", "1")
+    out = _KillOnReady()
+    out.process = 3  # ps-1-standby1
+    launch = Launch(2, 1, [sys.executable, "-c", FAILOVER], replicas=2, out=out)
+    out.launch = launch
+    code = launch.run()
+    text = out.getvalue()
+    assert code == 0, text[-4000:]
+    assert "starting ps-1-standby1 again to rejoin it as a standby" in text, text[-4000:]
     assert _results(text) == [{"same": True}]

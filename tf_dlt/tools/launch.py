@@ -33,6 +33,9 @@ from tf_dlt.server.main import positive_seconds
 _POLL_S = 0.1
 # Seconds shards get to shut down cleanly (at least; --grace when longer).
 _SHARD_STOP_S = 30.0
+# Times a shard process that exits while another of its shard runs is
+# started again (it rejoins as a standby); after that it is only reported.
+_MAX_RESTARTS = 3
 
 
 def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
@@ -134,6 +137,7 @@ class Launch:
         self._tails_done = threading.Event()
         self._stop_signal: int | None = None
         self._reported: set[int] = set()  # processes that exited with their shard alive
+        self._restarts: dict[int, int] = {}  # per process: times started again
         self._start_failed = False  # a shard failed to start (reported already)
 
     def say(self, text: str) -> None:
@@ -219,9 +223,12 @@ class Launch:
                 time.sleep(_POLL_S)
 
     def _check_shards(self, cluster: LocalCluster) -> None:
-        """Raises when a shard has no process left; a process that exited
-        while another of its shard runs is reported once (its standby takes
-        over)."""
+        """Raises when a shard has no process left. A process that exited
+        while another of its shard runs (its standby takes over, or it was
+        the standby) is started again, to rejoin the shard as a standby: a
+        sync primary acknowledges no push without one, so a dead standby
+        stopped training within the request deadline. After _MAX_RESTARTS,
+        or a restart that fails, it is reported once."""
         for i, proc in enumerate(cluster.processes):
             if proc.poll() is None or i in self._reported:
                 continue
@@ -232,11 +239,20 @@ class Launch:
             ]  # fmt: skip
             if not alive:
                 raise RuntimeError(f"{self._role(i)} exited with {proc.returncode}")
-            self._reported.add(i)
-            self.say(
+            exited = (
                 f"{self._role(i)} exited with {proc.returncode}; "
                 f"{', '.join(self._role(p) for p in alive)} of shard {shard} still runs"
             )
+            if self._restarts.get(i, 0) < _MAX_RESTARTS and self._stop_signal is None:
+                self._restarts[i] = self._restarts.get(i, 0) + 1
+                self.say(f"{exited}; starting {self._role(i)} again to rejoin it as a standby")
+                try:
+                    cluster.restart(i)
+                    continue
+                except (RuntimeError, TimeoutError) as e:  # StartInterrupted among them
+                    exited = f"{self._role(i)} did not start again ({str(e).splitlines()[0]})"
+            self._reported.add(i)
+            self.say(exited)
 
     def _start_workers(self, pservers: list[str]) -> None:
         workers = [f"localhost:{i}" for i in range(self.num_workers)]
