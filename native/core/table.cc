@@ -895,7 +895,10 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
       rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
       cold_rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
     }
-    if (inserted && config_.policy.max_rows && !stripe.tier) EvictFrom(&stripe, now);
+    if (inserted && config_.policy.max_rows && !stripe.tier &&
+        import_evicts_.load(std::memory_order_relaxed)) {
+      EvictFrom(&stripe, now);
+    }
   }
   return OkStatus();
 }

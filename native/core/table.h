@@ -264,6 +264,11 @@ class Table {
   // rows out, their first touch moves them into a full RAM, as LRU would.
   void BeginHotLoad(uint64_t rows);
   void EndHotLoad();
+  // Whether imports trim a stripe past its share of max_rows as rows come
+  // in (the default), or take every row (a load of no more rows per shard
+  // than a saving shard held, which may have passed max_rows between its
+  // evictions: the policy trims the excess as training goes on).
+  void SetImportEviction(bool evict) { import_evicts_.store(evict, std::memory_order_relaxed); }
   static constexpr size_t kHotLoadSample = 65536;
   // Moves up to `rows` of the coldest RAM rows (the table's eviction
   // order) to the disk tier, or without one removes them (counted as
@@ -578,6 +583,7 @@ class Table {
   std::string keeper_error_;                  // guarded by tier_error_mu_
   std::string request_error_;                 // guarded by tier_error_mu_
   std::atomic<bool> keeper_failing_{false};   // keeper_error_ is not empty
+  std::atomic<bool> import_evicts_{true};     // SetImportEviction
   std::atomic<bool> request_failing_{false};  // request_error_ is not empty
   TierStats rates_;                           // last counters and rates; guarded by tier_error_mu_
 };

@@ -202,6 +202,7 @@ void BindTable(py::module_& m) {
       .def("set_ram_limit", &Table::SetRamLimit, py::arg("rows"))
       .def("begin_hot_load", &Table::BeginHotLoad, py::arg("rows"))
       .def("end_hot_load", &Table::EndHotLoad)
+      .def("set_import_eviction", &Table::SetImportEviction, py::arg("evict"))
       .def("demote",
            [](Table& t, size_t rows) {
              Status s;

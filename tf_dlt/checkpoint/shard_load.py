@@ -521,7 +521,8 @@ def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None
     loaded onto fewer) would be lost: evicted as they were staged (a table
     in RAM), or later by the memory keeper (a tiered table keeps max_rows
     across its tiers there, not as rows arrive). The load is refused, naming
-    the table and how many rows, and nothing changes."""
+    the table and how many rows, and nothing changes. (Onto as many shards
+    or more, every row is taken: one shard held them.)"""
     for t in staged:
         evicted = int(t.counters()["evicted"])
         max_rows = int(t.config["policy"]["max_rows"])
@@ -648,17 +649,29 @@ def _prepare_load(
     _check_room(chain, shard, buckets)
     tables: dict[str, _native.Table] = {}
     lean = bool(shard.memory_status()["budget"])
+    # No more rows for this shard than a saving shard held (as many shards
+    # or more): every row is taken, max_rows or not (a tiered table passes
+    # it between its evictions, and its checkpoint was refused by the same
+    # shard count). Onto fewer shards, rows past max_rows are refused.
+    whole = all(0 < int(link.manifest.get("num_shards", 0)) <= shard.num_shards for link in chain)
+
+    def new_table(config: dict[str, Any]) -> _native.Table:
+        table = shard.new_table(config)
+        table.set_import_eviction(not whole)
+        return table
+
     try:
         for link in chain:
             try:
-                apply_link(
-                    link, tables, shard.new_table, buckets, threads=os.cpu_count() or 1, lean=lean
-                )
+                apply_link(link, tables, new_table, buckets, threads=os.cpu_count() or 1, lean=lean)
             except (errors.NotFoundError, errors.FailedPreconditionError) as e:
                 _refuse_saved_again(link, e)  # its files removed by a save meanwhile?
                 raise
         staged = list(tables.values())
-        _refuse_evictions(staged, shard)
+        for t in staged:
+            t.set_import_eviction(True)
+        if not whole:
+            _refuse_evictions(staged, shard)
         _refuse_overflow(staged, shard)
     except BaseException:
         # The functions that applied the files hold `tables` in a cycle
