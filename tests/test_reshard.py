@@ -478,6 +478,42 @@ def test_a_standby_attached_after_a_reshard_serves_new_clients_once_it_takes_ove
             client.close()
 
 
+def test_a_process_a_reshard_of_the_same_count_left_out_is_never_used_for_its_old_place(
+    cluster: LocalCluster,
+) -> None:
+    """[A, B] re-sharded to [A, C|S]: a client that knew B for shard 1 keeps
+    it as a candidate. B, left out (still running), and then B restarted
+    with its first flags (shard 1 of 2, at the layout before: none of the
+    rows), are passed over: when C dies the client rides through S's
+    takeover, and once S is gone too it fails UNAVAILABLE instead of
+    taking B's empty shard."""
+    a, b = cluster.addresses
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    trainer = tf_dlt.Client([a, b])
+    trainer.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+    joined = cluster.join(replicas=2)  # processes 2 (C) and 3 (S)
+    deadline = time.monotonic() + 60
+    while True:  # until C has its standby
+        try:
+            admin.reshard([a, joined])
+            break
+        except errors.FailedPreconditionError as e:
+            assert "standby" in str(e) and time.monotonic() < deadline, e
+            time.sleep(0.2)
+    rows = trainer.pull("emb", IDS)  # learns the layout
+    _await_standby(admin, 1, joined.split("|")[1])
+    cluster.kill(2)  # C: S takes over
+    np.testing.assert_array_equal(trainer.pull("emb", IDS), rows)
+    cluster.kill(1)
+    cluster.restart(1)  # B, as shard 1 of 2 of the layout before
+    cluster.kill(3)  # S
+    trainer.close()
+    again = tf_dlt.Client([a, b], request_timeout=5.0)
+    with pytest.raises(errors.UnavailableError, match="passed over"):
+        again.pull("emb", IDS)
+
+
 def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalCluster) -> None:
     joined = cluster.join()
     a, b = cluster.addresses

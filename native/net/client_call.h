@@ -23,6 +23,11 @@ struct Client::ShardState {
   // The shard's primary, then its standbys (an address "a|b|c").
   std::vector<std::string> addresses;
   mutable std::mutex mu;
+  // Those of `addresses` carried over from the layout before (a standby
+  // attached since the switch, or a process the switch left out): used
+  // only where they serve this place at this layout (Client::Hello).
+  // Guarded by mu.
+  std::vector<std::string> kept;
   std::string address;     // the one last connected to (first: the primary); guarded by mu
   std::vector<Conn> idle;  // guarded by mu
   bool greeted = false;    // guarded by mu

@@ -53,6 +53,21 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   DLT_RETURN_IF_ERROR(
       net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply));
+  bool kept;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    kept = std::find(st.kept.begin(), st.kept.end(), address) != st.kept.end();
+  }
+  if (kept && (reply->num_shards != st.count || reply->shard_index != st.index ||
+               reply->layout_epoch < st.layout_epoch)) {
+    // Named for this shard before the layout: it serves elsewhere now, or
+    // an older layout (restarted with its flags), never this place.
+    return Unavailable(address + " was shard " + std::to_string(st.index) +
+                       "'s before layout epoch " + std::to_string(st.layout_epoch) +
+                       " and serves shard " + std::to_string(reply->shard_index) + " of " +
+                       std::to_string(reply->num_shards) + " at layout epoch " +
+                       std::to_string(reply->layout_epoch) + ": passed over");
+  }
   if (reply->num_shards != st.count || reply->shard_index != st.index) {
     const std::string place = "server says it is shard " + std::to_string(reply->shard_index) +
                               " of " + std::to_string(reply->num_shards) +
@@ -621,16 +636,19 @@ void Client::UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::stri
     st->addresses = net::SplitAddresses(entries[j]);
     st->address = st->addresses.front();
     if (seen.shards.size() == entries.size()) {
-      // The same shard (bucket ranges follow the count): the addresses
-      // this client had for it stay candidates after the layout's. The
-      // layout names the processes serving when the switch was made, not
-      // a standby that attached and took over since (which the client may
-      // have been given, or learned from a Hello).
+      // The same shard's place (bucket ranges follow the count): the
+      // addresses this client had for it stay candidates after the
+      // layout's. The layout names the processes serving when the switch
+      // was made, not a standby that attached and took over since (which
+      // the client may have been given, or learned from a Hello). One the
+      // switch left out, or restarted with the flags of the layout before,
+      // is passed over (Hello).
       const ShardState& before = *seen.shards[j];
       std::lock_guard<std::mutex> before_lock(before.mu);
       for (const std::string& address : before.addresses) {
         if (std::find(st->addresses.begin(), st->addresses.end(), address) == st->addresses.end()) {
           st->addresses.push_back(address);
+          st->kept.push_back(address);
         }
       }
     }
