@@ -421,6 +421,16 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self._live: list[str] = []
         self.deleted: list[str] = []
 
+    def record(self, path: str, epochs: int, info: dict[str, Any]) -> None:
+        """Counts the save of `path` after `epochs` epochs (`tf_dlt.save`'s
+        `info`) as one of this callback's: the next delta may stand on it,
+        and `keep` deletes it in turn (resilient_fit's first save)."""
+        self.saved.append(path)
+        self.epochs.append(epochs)
+        self.kinds.append(info["kind"])
+        self._save_ids[path] = str(info["save_id"])
+        self._live = [p for p in self._live if p != path] + [path]
+
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if (epoch + 1) % self.every_n_epochs != 0:
             return
@@ -441,12 +451,7 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
                     "{epoch}): saving it in full", target,
                 )  # fmt: skip
                 base = None
-        info = save(self.model, target, base=base)
-        self.saved.append(target)
-        self.epochs.append(epoch + 1)
-        self.kinds.append(info["kind"])
-        self._save_ids[target] = str(info["save_id"])
-        self._live = [p for p in self._live if p != target] + [target]
+        self.record(target, epoch + 1, save(self.model, target, base=base))
         if self.keep is not None:
             with errors.storage_errors(f"removing checkpoints older than the last {self.keep}"):
                 gone = chain.retain(

@@ -159,9 +159,7 @@ def resilient_fit(
         try:
             if not saver.saved:
                 start = saver.path.format(epoch=initial_epoch)
-                save(model, start)
-                saver.saved.append(start)
-                saver.epochs.append(initial_epoch)
+                saver.record(start, initial_epoch, save(model, start))
             history = model.fit(
                 *args, epochs=epochs, initial_epoch=initial_epoch,
                 callbacks=[*(callbacks or []), epoch_logs, saver], **kwargs,
