@@ -465,6 +465,10 @@ def test_a_standby_attached_after_a_reshard_serves_new_clients_once_it_takes_ove
     joined = cluster.join()
     three = [*cluster.addresses, joined]
     assert admin.reshard(three)["layout_epoch"] == 2
+    # Run again (its reply lost, say): done already, nothing moves.
+    assert admin.reshard(three) == {
+        "layout_epoch": 2, "stream_s": 0.0, "held_s": 0.0, "unchanged": True
+    }  # fmt: skip
     admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
     with ShardServer(2, 3, standby_of=joined) as standby:
         _await_standby(admin, 2, standby.address)

@@ -235,7 +235,8 @@ class Client:
         re-shard may take up to its switch (streaming included); past them
         it aborts (DeadlineExceededError), the old layout serving. Returns
         the new layout epoch, the seconds the ranges streamed and the
-        seconds writes were held."""
+        seconds writes were held; where the shards serve `pservers`
+        already, the epoch they serve and "unchanged": True."""
         from tf_dlt import reshard as resharding
         from tf_dlt.proto import dlt_pb2_grpc
 
