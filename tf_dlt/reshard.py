@@ -97,8 +97,7 @@ def reshard(
         # Done already (run again after a reply was lost, say): nothing to
         # move. It failed, and a script running the documented command a
         # second time took a re-shard that had ended for one that had not.
-        statuses = [call(a, step(step=step.STATUS)) for a in _members(old_sets)]
-        served = max(s.layout_epoch for s in statuses)
+        served = max(call(a, step(step=step.STATUS)).layout_epoch for a in _members(old_sets))
         return {"layout_epoch": served, "stream_s": 0.0, "held_s": 0.0, "unchanged": True}
     _refuse_a_partial_layout(old_sets, hellos)
     _refuse_owners_from_elsewhere(new_sets, old_sets, hellos)

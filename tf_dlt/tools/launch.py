@@ -251,6 +251,8 @@ class Launch:
                     continue
                 except (RuntimeError, TimeoutError) as e:  # StartInterrupted among them
                     exited = f"{self._role(i)} did not start again ({str(e).splitlines()[0]})"
+                    if cluster.processes[i].poll() is None:  # started, never listened
+                        cluster.kill(i)
             self._reported.add(i)
             self.say(exited)
 
