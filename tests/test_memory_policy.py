@@ -634,6 +634,19 @@ def test_a_checkpoint_past_max_rows_loads_whole_onto_as_many_shards(
             c.load(str(tmp_path / "ck"))
             if not args:  # (a tiered table's keeper may trim the excess soon after)
                 np.testing.assert_array_equal(c.pull("t", ids, training=False), values)
+    # A standby takes the rows as its primary holds them: it trimmed them to
+    # max_rows, and after a takeover 639 ids read their initial values.
+    from tf_dlt.server.local import LocalCluster
+
+    with LocalCluster(1, replicas=2, workdir=tmp_path / "replicated") as cluster:
+        c = tf_dlt.Client(cluster.addresses)
+        c.load(str(tmp_path / "ck"))
+        deadline = time.monotonic() + 60
+        while not (c.stats()[0]["standbys"] or [{}])[0].get("caught_up"):
+            assert time.monotonic() < deadline, c.stats()[0]["standbys"]
+            time.sleep(0.1)
+        cluster.kill(0)
+        np.testing.assert_array_equal(c.pull("t", ids, training=False), values)
 
 
 def test_a_sixteen_bit_table_saved_as_float32_by_earlier_versions_still_loads(

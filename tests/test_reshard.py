@@ -506,6 +506,9 @@ def test_a_process_a_reshard_of_the_same_count_left_out_is_never_used_for_its_ol
             assert "standby" in str(e) and time.monotonic() < deadline, e
             time.sleep(0.2)
     rows = trainer.pull("emb", IDS)  # learns the layout
+    # B is no copy of the shard (it was listed as one, and a re-run failed on it).
+    assert admin.pservers == [a, joined]
+    assert admin.reshard([a, joined])["unchanged"]
     _await_standby(admin, 1, joined.split("|")[1])
     cluster.kill(2)  # C: S takes over
     np.testing.assert_array_equal(trainer.pull("emb", IDS), rows)
@@ -516,6 +519,28 @@ def test_a_process_a_reshard_of_the_same_count_left_out_is_never_used_for_its_ol
     again = tf_dlt.Client([a, b], request_timeout=5.0)
     with pytest.raises(errors.UnavailableError, match="passed over"):
         again.pull("emb", IDS)
+
+
+def test_a_shard_restarted_empty_after_a_reshard_is_followed_past_the_process_left_out(
+    cluster: LocalCluster,
+) -> None:
+    """[A, B] re-sharded to [A, C]; C dies and is started again in its place,
+    empty. A client that knew B (left out, still running) failed every call
+    UNAVAILABLE at its deadline: B, answering for no place, stopped it from
+    following the restart. It fails DATA_LOSS at once, as without B."""
+    a, b = cluster.addresses
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    trainer = tf_dlt.Client([a, b], request_timeout=20.0)
+    trainer.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+    joined = cluster.join()
+    admin.reshard([a, joined])
+    trainer.pull("emb", IDS)  # learns the layout
+    cluster.kill(2)
+    port = int(joined.rsplit(":", 1)[1])
+    with ShardServer(1, 2, port=port):
+        with pytest.raises(errors.DataLossError, match="restarted processes serve"):
+            trainer.pull("emb", IDS)
 
 
 def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalCluster) -> None:

@@ -93,13 +93,13 @@ def reshard(
         old_sets = _replica_sets(earlier["layout"].split(","), auth_token, hellos)  # served now
         new_sets = _replica_sets(to, auth_token, hellos)
         layout = _layout(new_sets)
+    _refuse_a_partial_layout(old_sets, hellos)
     if layout == _layout(old_sets):
         # Done already (run again after a reply was lost, say): nothing to
         # move. It failed, and a script running the documented command a
         # second time took a re-shard that had ended for one that had not.
         served = max(call(a, step(step=step.STATUS)).layout_epoch for a in _members(old_sets))
         return {"layout_epoch": served, "stream_s": 0.0, "held_s": 0.0, "unchanged": True}
-    _refuse_a_partial_layout(old_sets, hellos)
     _refuse_owners_from_elsewhere(new_sets, old_sets, hellos)
     taking = [a for replicas in new_sets for a in replicas]
     if len(set(taking)) != len(taking):

@@ -675,8 +675,9 @@ size_t Table::slot_bytes() const {
 }
 
 Status Table::Import(const int64_t* ids, const float* values, const float* slots,
-                     const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk) {
-  return ImportRows(ids, values, slots, steps, n, touched, to_disk, /*stored=*/false);
+                     const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk,
+                     bool evict) {
+  return ImportRows(ids, values, slots, steps, n, touched, to_disk, /*stored=*/false, evict);
 }
 
 Status Table::ImportStored(const int64_t* ids, const void* values, const void* slots,
@@ -686,7 +687,7 @@ Status Table::ImportStored(const int64_t* ids, const void* values, const void* s
 
 Status Table::ImportRows(const int64_t* ids, const void* values, const void* slots,
                          const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk,
-                         bool stored) {
+                         bool stored, bool evict) {
   imports_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t value_dtype = stored ? config_.policy.value_dtype : 0;
   const uint64_t slot_dtype = stored ? config_.policy.slot_dtype : 0;
@@ -895,7 +896,7 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
       rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
       cold_rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
     }
-    if (inserted && config_.policy.max_rows && !stripe.tier &&
+    if (inserted && config_.policy.max_rows && !stripe.tier && evict &&
         import_evicts_.load(std::memory_order_relaxed)) {
       EvictFrom(&stripe, now);
     }

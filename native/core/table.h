@@ -139,8 +139,11 @@ class Table {
   // (and changes nothing for) rows or slots holding NaN or infinity. With
   // a disk tier and RAM at its limit, rows go to disk when `to_disk` (a
   // load; never on the request path), else cold rows move into RAM.
+  // `evict` false: no stripe is trimmed to its share of max_rows (a copy of
+  // a shard's rows: its sender's policy evicts, and sends the removals).
   Status Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
-                size_t n, const uint32_t* touched = nullptr, bool to_disk = true);
+                size_t n, const uint32_t* touched = nullptr, bool to_disk = true,
+                bool evict = true);
   // Import of rows whose values and slots are already in the table's
   // storage dtypes (value_bytes and slot_bytes a row: a checkpoint's 16-bit
   // rows, copied as they are instead of widened and rounded again). Rejects
@@ -481,7 +484,7 @@ class Table {
   // Import's body: rows as floats, or as stored (ImportStored).
   Status ImportRows(const int64_t* ids, const void* values, const void* slots,
                     const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk,
-                    bool stored);
+                    bool stored, bool evict = true);
   // The lowest-scoring `want` of `scored` (score, key) pairs' keys.
   static std::vector<int64_t> Lowest(std::vector<std::pair<uint64_t, int64_t>>* scored,
                                      size_t want);

@@ -207,8 +207,12 @@ class Client {
   // Whether `address` is a standby of `shard` following a copy of `lineage`
   // (it answers a replica's Hello naming it).
   bool FollowsLineage(const ShardState& shard, const std::string& address, uint64_t lineage);
-  // Uses `address` for `shard` from now on, with what its Hello said.
+  // Uses `address` for `shard` from now on, with what its Hello said (a
+  // kept address so met is kept no more).
   void Adopt(ShardState& shard, const std::string& address, const wire::HelloReply& reply);
+  // Whether `address` is one of `shard`'s kept from the layout before
+  // (ShardState::kept), not met serving this place since.
+  static bool IsKept(const ShardState& shard, const std::string& address);
   uint32_t FrameLimit(ShardState& shard);
   // The layout calls route by now.
   std::shared_ptr<const Layout> CurrentLayout() const;

@@ -34,11 +34,14 @@ Status ApplyRows(Shard* shard, const wire::ReplicateRequest& request, PushClock 
   DLT_RETURN_IF_ERROR(shard->CheckOwnership(request.ids, request.rows));
   DLT_RETURN_IF_ERROR(shard->CheckOwnership(request.removed_ids, request.removed));
   if (request.rows) {
+    // A copy of the sender's rows: what passes max_rows is the sender's
+    // to evict (its removals follow). Trimmed here, a standby of a shard
+    // that loaded past max_rows lost the rows it took over with.
     DLT_RETURN_IF_ERROR(table
                             ->Import(request.ids, request.values,
                                      request.slot_floats ? request.slots : nullptr, request.steps,
                                      request.rows, request.touched,
-                                     /*to_disk=*/true)
+                                     /*to_disk=*/true, /*evict=*/false)
                             .WithContext("table '" + request.table + "'"));
   }
   if (request.removed) {

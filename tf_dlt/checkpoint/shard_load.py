@@ -342,10 +342,7 @@ def apply_link(
         owned = (buckets[1] - buckets[0]) / NUM_BUCKETS
         fs, root = filesystem(link.files_at)
         stored = verified.stored_bytes(fs, [f"{root}/{e['file']}" for e in entries])
-        file_bytes = sum(
-            int(e["bytes"]) if n is None else min(int(e["bytes"]), n)
-            for e, n in zip(entries, stored, strict=True)
-        )
+        file_bytes = sum(min(int(e["bytes"]), n) for e, n in zip(entries, stored, strict=True))
         for name, info in listed.items():
             tables[name] = table = new_table(info["config"])
             state.fresh.add(name)

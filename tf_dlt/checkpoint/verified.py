@@ -88,21 +88,21 @@ def _check_block(where: str, k: int, offset: int, data: bytes, digest: str) -> N
         )
 
 
-def stored_bytes(fs: fsspec.AbstractFileSystem, targets: list[str]) -> list[int | None]:
+def stored_bytes(fs: fsspec.AbstractFileSystem, targets: list[str]) -> list[int]:
     """The size of each shard file of `targets`, to size a load's tables by
     before any file is read (never to check one: the open does); 0 where it
-    cannot be found, None where the store does not say. A manifest's own
+    cannot be found or the store does not say (tables then grow as rows
+    come). A manifest's own
     `bytes` and `rows` said what to size for, and a 1 KB manifest made a
     shard reserve gigabytes before its file was seen. (Its blocks on disk
     would undercount: saves leave holes, and a sparse copy of a table of
     zeros stores a tenth of its size.)"""
 
-    def one(target: str) -> int | None:
+    def one(target: str) -> int:
         try:
             if is_local(fs):
                 return os.stat(target).st_size  # (a link is refused when it is opened)
-            size = fs.size(target)
-            return None if size is None else int(size)
+            return int(fs.size(target) or 0)
         except (OSError, ValueError, TypeError):  # FileNotFoundError among them
             return 0
 
