@@ -328,3 +328,42 @@ def test_a_delta_past_a_followers_max_rows_is_refused_not_half_applied(
         table = f.list_tables()["t"]
         assert table["rows"] == 3000 and table["evicted"] == 0, table
         np.testing.assert_array_equal(f.pull("t", first, training=False), served)
+
+
+def test_a_follower_of_a_table_past_max_rows_applies_its_deltas_in_place(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A checkpoint past max_rows (a tiered table's, saved between its
+    evictions) loads whole onto as many shards. A follower of it applied
+    no delta in place after that (held rows and the delta's passed the
+    cap): each one was a staged load of the whole chain. Saved by as many
+    shards, a delta is taken whole in place."""
+    from tf_dlt import _native
+    from tf_dlt.checkpoint import shard_files
+    from tf_dlt.table_config import TableConfig
+
+    source = _native.Shard(0, 1)
+    config = TableConfig.create("t", 4, "normal", "adagrad", seed=1, max_rows=4096)
+    source.create_table(config.to_dict())
+    ids = np.arange(4200, dtype=np.int64)
+    source.get_table("t").set_import_eviction(False)  # as a tiered table holds them
+    source.get_table("t").import_rows(ids, np.ones((len(ids), 4), np.float32))
+    save_id = manifest.new_save_id()
+    part = shard_files.save_shard(str(tmp_path / "past"), source, save_id)
+    manifest.write_manifest(str(tmp_path / "past"), [part], save_id)
+    run = tmp_path / "run"
+    trainer = start_cluster(1)
+    with trainer.client() as c:
+        c.load(str(tmp_path / "past"))
+        full = c.save(str(run / "c1"))
+    followers = start_cluster(1, "--read-only", "--follow", str(run), "--follow-interval", "0.1")
+    _wait_for(followers, _serving(full["save_id"]))
+    with trainer.client() as c:
+        c.push("t", ids[:100], np.ones((100, 4), np.float32), 0.1)  # rows it holds: no eviction
+        d2 = c.save(str(run / "c2"), base=str(run / "c1"))
+        expected = c.pull("t", ids, training=False)
+    stats = _wait_for(followers, _serving(d2["save_id"]))
+    assert stats[0]["deltas_applied"] == 1, stats[0]
+    with followers.client() as f:
+        assert f.list_tables()["t"]["rows"] == len(ids)
+        np.testing.assert_array_equal(f.pull("t", ids, training=False), expected)

@@ -28,7 +28,14 @@ from tf_dlt.checkpoint.shard_format import (
     chunk_rows,
     file_row_bytes,
 )
-from tf_dlt.checkpoint.shard_load import apply_link, load_shard, prepare_load, restore_rows
+from tf_dlt.checkpoint.shard_load import (
+    apply_link,
+    load_shard,
+    prepare_load,
+    restore_rows,
+    tables_taking_every_row,
+    takes_every_row,
+)
 from tf_dlt.checkpoint.shard_save import native_rows, native_state, save_shard, save_tables
 
 __all__ = [
@@ -46,4 +53,6 @@ __all__ = [
     "restore_rows",
     "save_shard",
     "save_tables",
+    "tables_taking_every_row",
+    "takes_every_row",
 ]

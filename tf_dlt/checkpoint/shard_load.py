@@ -516,6 +516,27 @@ def _refuse_overflow(staged: list[_native.Table], shard: _native.Shard) -> None:
         )
 
 
+def takes_every_row(links: list[manifest_lib.Link], shard: _native.Shard) -> bool:
+    """Whether `shard` takes every row `links` hold for it, max_rows or not:
+    none was saved by more shards, so it holds no more rows than a saving
+    shard held (a tiered table passes max_rows between the memory keeper's
+    evictions, and a load of its checkpoint onto the same shard count was
+    refused). Onto fewer shards, rows past max_rows are refused."""
+    return all(0 < int(link.manifest.get("num_shards", 0)) <= shard.num_shards for link in links)
+
+
+def tables_taking_every_row(new_table: NewTable) -> NewTable:
+    """`new_table` making tables whose imports trim no stripe to its share
+    of max_rows (`Table.set_import_eviction`; switched back on once loaded)."""
+
+    def make(config: dict[str, Any]) -> _native.Table:
+        table = new_table(config)
+        table.set_import_eviction(False)
+        return table
+
+    return make
+
+
 def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None:
     """Rows past a staged table's max_rows (a checkpoint of more shards
     loaded onto fewer) would be lost: evicted as they were staged (a table
@@ -649,16 +670,8 @@ def _prepare_load(
     _check_room(chain, shard, buckets)
     tables: dict[str, _native.Table] = {}
     lean = bool(shard.memory_status()["budget"])
-    # No more rows for this shard than a saving shard held (as many shards
-    # or more): every row is taken, max_rows or not (a tiered table passes
-    # it between its evictions, and its checkpoint was refused by the same
-    # shard count). Onto fewer shards, rows past max_rows are refused.
-    whole = all(0 < int(link.manifest.get("num_shards", 0)) <= shard.num_shards for link in chain)
-
-    def new_table(config: dict[str, Any]) -> _native.Table:
-        table = shard.new_table(config)
-        table.set_import_eviction(not whole)
-        return table
+    whole = takes_every_row(chain, shard)
+    new_table = tables_taking_every_row(shard.new_table) if whole else shard.new_table
 
     try:
         for link in chain:

@@ -186,7 +186,10 @@ class Follower:
         buckets = (self._shard.first_bucket, self._shard.end_bucket)
         for link in links[served.index(status.serving_save_id) + 1 :]:
             tables = {t.name: t for t in self._shard.tables()}
-            if not _fits_in_place(link, tables):
+            # Saved by as many shards or fewer, it holds no more for this
+            # shard than one of them held: taken whole, max_rows or not.
+            whole = shard_files.takes_every_row([link], self._shard)
+            if not whole and not _fits_in_place(link, tables):
                 # Applied in place it could take a table past its max_rows,
                 # which would evict rows while the follower reports itself
                 # current: a staged load of the head instead, which refuses
@@ -194,7 +197,16 @@ class Follower:
                 self._load_staged(head, allow)
                 return
             start = time.monotonic()
-            shard_files.apply_link(link, tables, self._shard.new_table, buckets, in_use=True)
+            new_table: Callable[[dict[str, Any]], _native.Table] = self._shard.new_table
+            if whole:
+                new_table = shard_files.tables_taking_every_row(new_table)
+                for t in tables.values():
+                    t.set_import_eviction(False)
+            try:
+                shard_files.apply_link(link, tables, new_table, buckets, in_use=True)
+            finally:
+                for t in tables.values():
+                    t.set_import_eviction(True)
             self._install(list(tables.values()))
             status.serving_path, status.serving_save_id = link.path, link.save_id
             status.deltas_applied += 1
