@@ -88,6 +88,17 @@ class Trainer:
             server.stop()
 
 
+class _Passing:
+    """A stub for the coordinator whose calls other than those a subclass
+    intercepts (Reshard) go to `stub` unchanged."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+
 def _intercepted(
     channels: list[grpc.Channel], around: Callable[[str, Any, Callable[[], Any]], Any]
 ) -> Callable[[str, int], Any]:
@@ -99,11 +110,11 @@ def _intercepted(
         channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
         stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
 
-        class Intercepted:
+        class Intercepted(_Passing):
             def Reshard(self, request: Any, **kwargs: Any) -> Any:  # noqa: N802
                 return around(address, request, lambda: stub.Reshard(request, **kwargs))
 
-        return Intercepted()
+        return Intercepted(stub)
 
     return stub_for
 
@@ -543,6 +554,29 @@ def test_a_shard_restarted_empty_after_a_reshard_is_followed_past_the_process_le
             trainer.pull("emb", IDS)
 
 
+def test_a_reshard_onto_fewer_shards_past_max_rows_is_refused_and_changes_nothing(
+    cluster: LocalCluster,
+) -> None:
+    """2 shards of a table with max_rows 4,096 hold about 7,000 rows: one
+    shard cannot. The streams took them all and the first pushes after the
+    switch evicted 3,008 (before, the streams themselves evicted them). The
+    re-shard is refused before anything moves, naming the table."""
+    a, b = cluster.addresses
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("capped", DIM, optimizer="adagrad", max_rows=4096)
+    ids = np.arange(7000, dtype=np.int64)
+    admin.push("capped", ids, np.ones((len(ids), DIM), np.float32), 0.1)
+    rows = admin.list_tables()["capped"]["rows"]
+    with pytest.raises(
+        errors.FailedPreconditionError,
+        match=r"onto 1 shards would evict rows: table 'capped': about \d+ rows for shard 0 of 1, "
+        r"past its max_rows of 4096",
+    ):
+        admin.reshard([a])
+    assert [s["layout_epoch"] for s in admin.stats()] == [1, 1]
+    assert admin.list_tables()["capped"]["rows"] == rows
+
+
 def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalCluster) -> None:
     joined = cluster.join()
     a, b = cluster.addresses
@@ -603,13 +637,13 @@ def _reshard_killing(cluster: LocalCluster, to: list[str], dying: int, step: str
         channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
         stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
 
-        class Dying:
+        class Dying(_Passing):
             def Reshard(self, request: object, **kwargs: object) -> object:  # noqa: N802
                 if request.step == kill_at and cluster.processes[dying].poll() is None:  # type: ignore[attr-defined]
                     cluster.kill(dying)
                 return stub.Reshard(request, **kwargs)
 
-        return Dying()
+        return Dying(stub)
 
     try:
         with pytest.raises(errors.DltError):
@@ -641,7 +675,7 @@ def test_a_process_frozen_part_way_fails_the_reshard_by_its_timeout_aborting_eve
         channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
         stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
 
-        class Recorded:
+        class Recorded(_Passing):
             def Reshard(self, request: Any, **kwargs: Any) -> Any:  # noqa: N802
                 if request.step == steps.PREPARE and address == frozen:
                     cluster.processes[0].send_signal(signal.SIGSTOP)
@@ -654,7 +688,7 @@ def test_a_process_frozen_part_way_fails_the_reshard_by_its_timeout_aborting_eve
                             (request.step, address, kwargs["timeout"], began, time.monotonic())
                         )
 
-        return Recorded()
+        return Recorded(stub)
 
     try:
         with pytest.raises(errors.DeadlineExceededError, match="PREPARE on " + frozen):
@@ -848,14 +882,14 @@ def test_a_second_coordinator_waits_for_a_live_one_and_never_undoes_it(
         channels.append(grpc.insecure_channel(grpc_util.admin_address(address, admin_port)))
         stub = dlt_pb2_grpc.ShardAdminStub(channels[-1])
 
-        class SlowBeforeHold:
+        class SlowBeforeHold(_Passing):
             def Reshard(self, request: object, **kwargs: object) -> object:  # noqa: N802
                 if request.step == steps.HOLD and not holding.is_set():  # type: ignore[attr-defined]
                     holding.set()
                     time.sleep(4.0)  # longer than the lease: only the heartbeat keeps it
                 return stub.Reshard(request, **kwargs)
 
-        return SlowBeforeHold()
+        return SlowBeforeHold(stub)
 
     first: dict[str, object] = {}
 

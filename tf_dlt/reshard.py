@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from tf_dlt import _native, errors, grpc_util
+from tf_dlt import _native, errors, grpc_util, routing
 
 log = logging.getLogger("tf_dlt.reshard")
 
@@ -104,6 +104,7 @@ def reshard(
     taking = [a for replicas in new_sets for a in replicas]
     if len(set(taking)) != len(taking):
         raise errors.InvalidArgumentError(f"reshard: a process is listed in two shards of {to}")
+    _refuse_past_max_rows(call, old_sets, new_sets)
     # The old primaries stream and hold writes; every process (standbys
     # too: they take the same streams) prepares, switches, is released.
     processes = _members(old_sets + new_sets)
@@ -111,6 +112,45 @@ def reshard(
     epoch = _layout_epoch_served(old_sets, statuses, current) + 1
     with _heartbeat(call, processes):
         return _move(call, old_sets, new_sets, layout, epoch, timeout_s, hold_timeout_s, pace)
+
+
+def _refuse_past_max_rows(
+    call: _Calls, old_sets: list[list[str]], new_sets: list[list[str]]
+) -> None:
+    """Refuses, before anything moves, a re-shard onto fewer shards that
+    would give a new shard more rows of a table than its max_rows: the
+    rows past it would be evicted (they were, silently, as the streams came
+    in). Each new shard's rows are estimated from the old shards' by the
+    buckets it takes of each (hashing spreads rows evenly over buckets).
+    Onto as many shards or more, none gets more than about an old one held."""
+    if len(new_sets) >= len(old_sets):
+        return
+    caps: dict[str, int] = {}
+    rows: dict[str, list[float]] = {}
+    for i, replicas in enumerate(old_sets):
+        lo, hi = routing.bucket_range(i, len(old_sets))
+        for info in call.tables(replicas[0]).tables:
+            cap = int(info.config.policy.max_rows)
+            if not cap:
+                continue
+            caps[info.config.name] = cap
+            held = rows.setdefault(info.config.name, [0.0] * len(new_sets))
+            for j in range(len(new_sets)):
+                first, end = routing.bucket_range(j, len(new_sets))
+                held[j] += info.rows * max(0, min(hi, end) - max(lo, first)) / (hi - lo)
+    past = [
+        f"table {name!r}: about {held[j]:.0f} rows for shard {j} of {len(new_sets)}, past its "
+        f"max_rows of {caps[name]}"
+        for name, held in sorted(rows.items())
+        for j in range(len(new_sets))
+        if held[j] > caps[name]
+    ]
+    if past:
+        raise errors.FailedPreconditionError(
+            f"reshard onto {len(new_sets)} shards would evict rows: {'; '.join(past[:3])}"
+            f"{'; ...' if len(past) > 3 else ''}; nothing was changed. Re-shard onto more "
+            "shards, or raise max_rows"
+        )
 
 
 def _layout_epoch_served(
@@ -249,7 +289,18 @@ class _Calls:
         stamped.coordinator, stamped.lease_s = self.coordinator, self.lease_s
         return self._send(address, stamped)
 
-    def _send(self, address: str, request: Any) -> Any:
+    def tables(self, address: str) -> Any:
+        """The tables process `address` holds (its ListTables reply)."""
+        from tf_dlt.proto import dlt_pb2
+
+        try:
+            return self._stub(address).ListTables(
+                dlt_pb2.ListTablesRequest(), timeout=self._timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise grpc_util.error_from_rpc(e, f"reshard: listing the tables of {address}") from e
+
+    def _stub(self, address: str) -> Any:
         with self._stubs_lock:
             stub = self._stubs.get(address)
         if stub is None:
@@ -260,6 +311,10 @@ class _Calls:
             stub = self._stub_for(address, int(hello["admin_port"]))
             with self._stubs_lock:
                 stub = self._stubs.setdefault(address, stub)
+        return stub
+
+    def _send(self, address: str, request: Any) -> Any:
+        stub = self._stub(address)
         step = type(request).Step.Name(request.step)  # PREPARE, not "step 1"
         timeout, deadline = self._timeout_s, self.deadline
         if deadline is not None:
