@@ -346,8 +346,8 @@ def test_a_follower_of_a_table_past_max_rows_applies_its_deltas_in_place(
     config = TableConfig.create("t", 4, "normal", "adagrad", seed=1, max_rows=4096)
     source.create_table(config.to_dict())
     ids = np.arange(4200, dtype=np.int64)
-    source.get_table("t").set_import_eviction(False)  # as a tiered table holds them
-    source.get_table("t").import_rows(ids, np.ones((len(ids), 4), np.float32))
+    # Past max_rows, as a tiered table holds them between evictions.
+    source.get_table("t").import_rows(ids, np.ones((len(ids), 4), np.float32), evict=False)
     save_id = manifest.new_save_id()
     part = shard_files.save_shard(str(tmp_path / "past"), source, save_id)
     manifest.write_manifest(str(tmp_path / "past"), [part], save_id)

@@ -621,10 +621,9 @@ def test_a_checkpoint_past_max_rows_loads_whole_onto_as_many_shards(
     config = TableConfig.create("t", DIM, "normal", "adagrad", seed=3, max_rows=8000)
     source.create_table(config.to_dict())
     table = source.get_table("t")
-    table.set_import_eviction(False)  # as a tiered table holds them between evictions
     ids = np.arange(8400, dtype=np.int64) * 7
     values = np.random.default_rng(1).normal(size=(len(ids), DIM)).astype(np.float32)
-    table.import_rows(ids, values)
+    table.import_rows(ids, values, evict=False)  # as a tiered table holds them between evictions
     assert table.size() == len(ids)
     save_id = manifest.new_save_id()
     part = shard_files.save_shard(str(tmp_path / "ck"), source, save_id)

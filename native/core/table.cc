@@ -681,8 +681,9 @@ Status Table::Import(const int64_t* ids, const float* values, const float* slots
 }
 
 Status Table::ImportStored(const int64_t* ids, const void* values, const void* slots,
-                           const uint32_t* steps, size_t n, const uint32_t* touched) {
-  return ImportRows(ids, values, slots, steps, n, touched, /*to_disk=*/true, /*stored=*/true);
+                           const uint32_t* steps, size_t n, const uint32_t* touched, bool evict) {
+  return ImportRows(ids, values, slots, steps, n, touched, /*to_disk=*/true, /*stored=*/true,
+                    evict);
 }
 
 Status Table::ImportRows(const int64_t* ids, const void* values, const void* slots,
@@ -896,8 +897,7 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
       rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
       cold_rows_.fetch_add(cold_keys.size(), std::memory_order_relaxed);
     }
-    if (inserted && config_.policy.max_rows && !stripe.tier && evict &&
-        import_evicts_.load(std::memory_order_relaxed)) {
+    if (inserted && config_.policy.max_rows && !stripe.tier && evict) {
       EvictFrom(&stripe, now);
     }
   }

@@ -139,17 +139,21 @@ class Table {
   // (and changes nothing for) rows or slots holding NaN or infinity. With
   // a disk tier and RAM at its limit, rows go to disk when `to_disk` (a
   // load; never on the request path), else cold rows move into RAM.
-  // `evict` false: no stripe is trimmed to its share of max_rows (a copy of
-  // a shard's rows: its sender's policy evicts, and sends the removals).
+  // `evict` false: no stripe is trimmed to its share of max_rows as rows
+  // come in (a copy of a shard's rows, whose sender's policy evicts and
+  // sends the removals; or a load of no more rows per shard than a saving
+  // shard held, which may have passed max_rows between its evictions: the
+  // policy trims the excess as training goes on).
   Status Import(const int64_t* ids, const float* values, const float* slots, const uint32_t* steps,
                 size_t n, const uint32_t* touched = nullptr, bool to_disk = true,
                 bool evict = true);
   // Import of rows whose values and slots are already in the table's
   // storage dtypes (value_bytes and slot_bytes a row: a checkpoint's 16-bit
   // rows, copied as they are instead of widened and rounded again). Rejects
-  // NaN and infinity as Import does.
+  // NaN and infinity as Import does; `evict` as Import's.
   Status ImportStored(const int64_t* ids, const void* values, const void* slots,
-                      const uint32_t* steps, size_t n, const uint32_t* touched = nullptr);
+                      const uint32_t* steps, size_t n, const uint32_t* touched = nullptr,
+                      bool evict = true);
   // Bytes of a row's stored values, and of its stored slots.
   size_t value_bytes() const { return value_bytes_; }
   size_t slot_bytes() const;
@@ -267,11 +271,6 @@ class Table {
   // rows out, their first touch moves them into a full RAM, as LRU would.
   void BeginHotLoad(uint64_t rows);
   void EndHotLoad();
-  // Whether imports trim a stripe past its share of max_rows as rows come
-  // in (the default), or take every row (a load of no more rows per shard
-  // than a saving shard held, which may have passed max_rows between its
-  // evictions: the policy trims the excess as training goes on).
-  void SetImportEviction(bool evict) { import_evicts_.store(evict, std::memory_order_relaxed); }
   static constexpr size_t kHotLoadSample = 65536;
   // Moves up to `rows` of the coldest RAM rows (the table's eviction
   // order) to the disk tier, or without one removes them (counted as
@@ -586,7 +585,6 @@ class Table {
   std::string keeper_error_;                  // guarded by tier_error_mu_
   std::string request_error_;                 // guarded by tier_error_mu_
   std::atomic<bool> keeper_failing_{false};   // keeper_error_ is not empty
-  std::atomic<bool> import_evicts_{true};     // SetImportEviction
   std::atomic<bool> request_failing_{false};  // request_error_ is not empty
   TierStats rates_;                           // last counters and rates; guarded by tier_error_mu_
 };

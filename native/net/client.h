@@ -210,9 +210,6 @@ class Client {
   // Uses `address` for `shard` from now on, with what its Hello said (a
   // kept address so met is kept no more).
   void Adopt(ShardState& shard, const std::string& address, const wire::HelloReply& reply);
-  // Whether `address` is one of `shard`'s kept from the layout before
-  // (ShardState::kept), not met serving this place since.
-  static bool IsKept(const ShardState& shard, const std::string& address);
   uint32_t FrameLimit(ShardState& shard);
   // The layout calls route by now.
   std::shared_ptr<const Layout> CurrentLayout() const;

@@ -6,6 +6,7 @@
 
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <mutex>
@@ -46,6 +47,16 @@ struct Client::ShardState {
   uint64_t switches = 0;
   // When CheckSilent may ask the other addresses next; guarded by mu.
   std::chrono::steady_clock::time_point next_silence_probe{};
+
+  // Whether `a` is one of `kept`; the caller holds mu.
+  bool Kept(const std::string& a) const {
+    return std::find(kept.begin(), kept.end(), a) != kept.end();
+  }
+  // `a` met serving this place: one of the shard's copies now. The caller
+  // holds mu.
+  void Unkeep(const std::string& a) {
+    kept.erase(std::remove(kept.begin(), kept.end(), a), kept.end());
+  }
 
   // It lists standbys (given, or named by a Hello).
   bool HasStandbys() const {

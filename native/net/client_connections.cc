@@ -53,8 +53,13 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
   DLT_RETURN_IF_ERROR(
       net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply));
-  if (IsKept(st, address) && (reply->num_shards != st.count || reply->shard_index != st.index ||
-                              reply->layout_epoch < st.layout_epoch)) {
+  bool kept;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    kept = st.Kept(address);
+  }
+  if (kept && (reply->num_shards != st.count || reply->shard_index != st.index ||
+               reply->layout_epoch < st.layout_epoch)) {
     // Named for this shard before the layout: it serves elsewhere now, or
     // an older layout (restarted with its flags), never this place.
     return Unavailable(address + " was shard " + std::to_string(st.index) +
@@ -133,21 +138,15 @@ Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::H
       has_standbys_.store(true);
     }
     // Kept from the layout before, and named by this place's copy: its own.
-    st.kept.erase(std::remove(st.kept.begin(), st.kept.end(), standby), st.kept.end());
+    st.Unkeep(standby);
     from = bar + 1;
   }
   return OkStatus();
 }
 
-bool Client::IsKept(const ShardState& st, const std::string& address) {
-  std::lock_guard<std::mutex> lock(st.mu);
-  return std::find(st.kept.begin(), st.kept.end(), address) != st.kept.end();
-}
-
 void Client::Adopt(ShardState& st, const std::string& address, const wire::HelloReply& reply) {
   std::lock_guard<std::mutex> lock(st.mu);
-  // A kept address that serves this place: one of the shard's copies now.
-  st.kept.erase(std::remove(st.kept.begin(), st.kept.end(), address), st.kept.end());
+  st.Unkeep(address);
   // The copy used from now on is this one (a first greeting's other
   // addresses may have answered at the same epoch, of another lineage),
   // and a restart noted before it is no longer in question.
@@ -285,7 +284,9 @@ Status Client::FollowRestart(ShardState& st) {
   uint64_t known, candidate;
   {
     std::lock_guard<std::mutex> lock(st.mu);
-    addresses = st.addresses;
+    for (const std::string& a : st.addresses) {
+      if (!st.Kept(a)) addresses.push_back(a);  // a kept one serves no copy of this place
+    }
     known = st.lineage;
     candidate = st.restarted_lineage;
     st.restarted_lineage = 0;
@@ -295,7 +296,6 @@ Status Client::FollowRestart(ShardState& st) {
   uint64_t newest = 0;
   bool serves = false;
   for (const std::string& address : addresses) {
-    if (IsKept(st, address)) continue;  // as if down: it serves no copy of this place
     const Clock::time_point deadline =
         Clock::now() +
         std::chrono::milliseconds(std::min(options_.connect_timeout_ms, kAskLayoutMs));
@@ -492,7 +492,7 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     infos->push_back(st->info);
     std::vector<std::string> copies;  // less those kept from before, not met here yet
     for (const std::string& a : st->addresses) {
-      if (std::find(st->kept.begin(), st->kept.end(), a) == st->kept.end()) copies.push_back(a);
+      if (!st->Kept(a)) copies.push_back(a);
     }
     infos->back().replicas = Joined(copies);
     infos->back().lineage = st->lineage;
@@ -526,8 +526,7 @@ Status Client::CheckSilent(ShardState& st, uint64_t switches, int64_t silent_ms)
     current = st.address;
     epoch = st.epoch;
     for (const std::string& address : st.addresses) {
-      const bool kept = std::find(st.kept.begin(), st.kept.end(), address) != st.kept.end();
-      if (address != current && !kept) others.push_back(address);
+      if (address != current && !st.Kept(address)) others.push_back(address);
     }
   }
   for (const std::string& address : others) {

@@ -111,7 +111,7 @@ void BindTable(py::module_& m) {
       .def(
           "import_rows",
           [](Table& t, const IdArray& ids, const FloatArray& values, const py::object& slots,
-             const py::object& steps, const py::object& touched) {
+             const py::object& steps, const py::object& touched, bool evict) {
             CheckIds(ids);
             const size_t n = static_cast<size_t>(ids.shape(0));
             CheckRows(values, n, t.dim(), "values");
@@ -128,16 +128,17 @@ void BindTable(py::module_& m) {
             Status s;
             {
               py::gil_scoped_release release;
-              s = t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr);
+              s = t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr,
+                           /*to_disk=*/true, evict);
             }
             Check(s);
           },
           py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
-          py::arg("steps") = py::none(), py::arg("touched") = py::none())
+          py::arg("steps") = py::none(), py::arg("touched") = py::none(), py::arg("evict") = true)
       .def(
           "import_stored_rows",
           [](Table& t, const IdArray& ids, const py::array& values, const py::object& slots,
-             const py::object& steps, const py::object& touched) {
+             const py::object& steps, const py::object& touched, bool evict) {
             // Values and slots as the table stores them (uint16 rows for a
             // 16-bit dtype, float32 rows otherwise), C-contiguous.
             CheckIds(ids);
@@ -164,12 +165,13 @@ void BindTable(py::module_& m) {
             Status s;
             {
               py::gil_scoped_release release;
-              s = t.ImportStored(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr);
+              s = t.ImportStored(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr,
+                                 evict);
             }
             Check(s);
           },
           py::arg("ids"), py::arg("values"), py::arg("slots") = py::none(),
-          py::arg("steps") = py::none(), py::arg("touched") = py::none())
+          py::arg("steps") = py::none(), py::arg("touched") = py::none(), py::arg("evict") = true)
       .def(
           "shrink",
           [](Table& t, uint64_t min_count, uint64_t unseen_for, const py::object& now) {
@@ -202,7 +204,6 @@ void BindTable(py::module_& m) {
       .def("set_ram_limit", &Table::SetRamLimit, py::arg("rows"))
       .def("begin_hot_load", &Table::BeginHotLoad, py::arg("rows"))
       .def("end_hot_load", &Table::EndHotLoad)
-      .def("set_import_eviction", &Table::SetImportEviction, py::arg("evict"))
       .def("demote",
            [](Table& t, size_t rows) {
              Status s;

@@ -882,11 +882,11 @@ def location_key(path: str) -> str:
     return os.path.normpath(os.path.abspath(root)) if is_local(fs) else root
 
 
-def chain_holds(base: str, path: str) -> bool:
-    """Whether loading `base` reads the checkpoint at `path` (so saving into
-    `path` would break `base`)."""
+def chain_holds(links: list[Link], path: str) -> bool:
+    """Whether a chain (resolve_chain's `links`) reads the checkpoint at
+    `path` (so saving into `path` would break it)."""
     here = location_key(path)
-    return any(location_key(link.path) == here for link in resolve_chain(base))
+    return any(location_key(link.path) == here for link in links)
 
 
 def delta_parent(path: str, base: str) -> dict[str, Any]:

@@ -33,7 +33,6 @@ from tf_dlt.checkpoint.shard_load import (
     load_shard,
     prepare_load,
     restore_rows,
-    tables_taking_every_row,
     takes_every_row,
 )
 from tf_dlt.checkpoint.shard_save import native_rows, native_state, save_shard, save_tables
@@ -53,6 +52,5 @@ __all__ = [
     "restore_rows",
     "save_shard",
     "save_tables",
-    "tables_taking_every_row",
     "takes_every_row",
 ]

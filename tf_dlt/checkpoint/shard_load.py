@@ -40,11 +40,13 @@ def restore_rows(
     buckets: tuple[int, int],
     offsets: np.ndarray,
     reader: verified.VerifiedBlocks | None,
+    evict: bool = True,
 ) -> None:
     """Imports the rows of buckets [first, end) of file group `g` (whose
     checked `bucket_offsets` are `offsets`) into `table`, with their update
     counts and stamps, and the sketch slices the file has of those buckets;
-    straight from `reader`'s verified blocks where it can. Stamps of a push
+    straight from `reader`'s verified blocks where it can. `evict` false:
+    every row is taken, max_rows or not (`takes_every_row`). Stamps of a push
     clock count against the writer's own clock (each shard counts its
     pushes): they are restored as the same ages against `table`'s clock,
     whichever shards wrote them."""
@@ -101,7 +103,7 @@ def restore_rows(
                     stamps = (now - age) & 0xFFFFFFFF
             if pending is not None:
                 pending.result()
-            pending = importer.submit(imports, ids, values, slot_rows, steps, stamps)
+            pending = importer.submit(imports, ids, values, slot_rows, steps, stamps, evict)
         if pending is not None:
             pending.result()
     if "sketch" in g and table.sketch_slice_bytes:
@@ -222,7 +224,7 @@ def _apply_group(
         link.clocks[name] = table.now()
     lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
     if mode == "full":
-        restore_rows(g, table, buckets, offsets, reader)
+        restore_rows(g, table, buckets, offsets, reader, link.evict)
         if name not in link.fresh:
             # The rows of these buckets are the file's: the others go, after
             # the file's are in (a table in use never reads empty meanwhile).
@@ -238,7 +240,7 @@ def _apply_group(
         target = (link.clocks.setdefault(name, table.now()) + elapsed) % (1 << 32)
         if (target - table.now()) % (1 << 32) < 1 << 31:
             table.set_push_clock(target)
-    restore_rows(g, table, buckets, offsets, reader)
+    restore_rows(g, table, buckets, offsets, reader, link.evict)
     return name
 
 
@@ -302,12 +304,13 @@ def rows_to_size(rows: int, owned: float, file_bytes: int, table: _native.Table)
 @dataclasses.dataclass
 class _LinkState:
     """What applying one checkpoint of a chain keeps across its files: the
-    tables it created (nothing to replace in them) and each table's clock
-    when the link started."""
+    tables it created (nothing to replace in them), each table's clock when
+    the link started, and whether imports trim tables to max_rows."""
 
     fresh: set[str]
     clocks: dict[str, int]
     skipped: frozenset[str] = frozenset()
+    evict: bool = True
 
 
 def apply_link(
@@ -319,6 +322,7 @@ def apply_link(
     in_use: bool = False,
     threads: int = 1,
     lean: bool = False,
+    every_row: bool = False,
 ) -> None:
     """Applies one checkpoint of a chain to `tables` (name -> table) for the
     routing buckets [first, end): a full checkpoint replaces them with new
@@ -329,13 +333,15 @@ def apply_link(
     copied locally and verified whole before anything changes, and a table a
     delta holds whole gets its new rows before the old ones go.
     `lean`: buffer few verified blocks (a shard with a memory budget).
+    `every_row`: no table is trimmed to its max_rows as rows come in
+    (`takes_every_row`).
     """
     m = link.manifest
     listed = {normalized(i["config"])["name"]: i for i in m["tables"]}
     entries = [
         e for e in m["files"] if e["end_bucket"] > buckets[0] and e["first_bucket"] < buckets[1]
     ]
-    state = _LinkState(set(), {}, link.skipped)
+    state = _LinkState(set(), {}, link.skipped, evict=not every_row)
     sizes: list[tuple[_native.Table, int]] = []
     if link.kind == "full":
         tables.clear()
@@ -525,18 +531,6 @@ def takes_every_row(links: list[manifest_lib.Link], shard: _native.Shard) -> boo
     return all(0 < int(link.manifest.get("num_shards", 0)) <= shard.num_shards for link in links)
 
 
-def tables_taking_every_row(new_table: NewTable) -> NewTable:
-    """`new_table` making tables whose imports trim no stripe to its share
-    of max_rows (`Table.set_import_eviction`; switched back on once loaded)."""
-
-    def make(config: dict[str, Any]) -> _native.Table:
-        table = new_table(config)
-        table.set_import_eviction(False)
-        return table
-
-    return make
-
-
 def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None:
     """Rows past a staged table's max_rows (a checkpoint of more shards
     loaded onto fewer) would be lost: evicted as they were staged (a table
@@ -671,18 +665,18 @@ def _prepare_load(
     tables: dict[str, _native.Table] = {}
     lean = bool(shard.memory_status()["budget"])
     whole = takes_every_row(chain, shard)
-    new_table = tables_taking_every_row(shard.new_table) if whole else shard.new_table
 
     try:
         for link in chain:
             try:
-                apply_link(link, tables, new_table, buckets, threads=os.cpu_count() or 1, lean=lean)
+                apply_link(
+                    link, tables, shard.new_table, buckets,
+                    threads=os.cpu_count() or 1, lean=lean, every_row=whole,
+                )  # fmt: skip
             except (errors.NotFoundError, errors.FailedPreconditionError) as e:
                 _refuse_saved_again(link, e)  # its files removed by a save meanwhile?
                 raise
         staged = list(tables.values())
-        for t in staged:
-            t.set_import_eviction(True)
         if not whole:
             _refuse_evictions(staged, shard)
         _refuse_overflow(staged, shard)

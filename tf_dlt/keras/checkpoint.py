@@ -172,30 +172,23 @@ def _implied_base(model: keras.Model, path: str) -> str | None:
     the one it last saved or loaded, unless that is gone or its chain reads
     `path` (saving there would break it); then None (a full save)."""
     last: str | None = getattr(model, _LAST_CHECKPOINT, None)
-    if last is None or not _loads(last) or _reads(last, path):
+    if last is None or _unfit_base(last, path):
         return None
     return last
 
 
-def _reads(base: str, path: str) -> bool:
-    """Whether a load of model checkpoint `base` reads `path`'s tables (a
-    delta saved at `path` on top of `base` would replace a link of its own
-    chain)."""
+def _unfit_base(base: str, path: str) -> str | None:
+    """Why a delta saved at `path` cannot stand on model checkpoint `base`:
+    "gone" (its model file or its tables' chain is not there), "reads" (a
+    load of `base` reads `path`'s tables: the delta would replace a link of
+    its own chain), or None (it can). Each link is read once."""
     try:
-        return manifest.chain_holds(_tables_of(base), _tables_of(path))
+        if not chain.read_model(base)["tables"]:  # the dense weights alone
+            return None
+        links = manifest.resolve_chain(_tables_of(base))
     except errors.DltError:
-        return False  # `base` does not load: no chain to break
-
-
-def _loads(path: str) -> bool:
-    """Whether model checkpoint `path` loads (its model file and its
-    tables' chain are there)."""
-    try:
-        if chain.read_model(path)["tables"]:  # none: the dense weights alone
-            manifest.resolve_chain(_tables_of(path))
-    except errors.DltError:
-        return False
-    return True
+        return "gone"
+    return "reads" if manifest.chain_holds(links, _tables_of(path)) else None
 
 
 def _save_embedded(
@@ -438,13 +431,14 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         base = None
         if self.full_every is not None and self.saved and len(self.saved) % self.full_every:
             base = self.saved[-1]
-            if not _loads(base):
+            unfit = _unfit_base(base, target)
+            if unfit == "gone":
                 log.warning(
                     "ModelCheckpoint: %s, the base of the delta due now, no longer loads "
                     "(deleted by a prune?): saving %s in full", base, target,
                 )  # fmt: skip
                 base = None
-            elif _reads(base, target):
+            elif unfit == "reads":
                 log.warning(
                     "ModelCheckpoint: %s repeats a path the delta due now would load "
                     "through (the path names no field that changes each epoch, such as "

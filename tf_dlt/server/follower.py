@@ -197,16 +197,9 @@ class Follower:
                 self._load_staged(head, allow)
                 return
             start = time.monotonic()
-            new_table: Callable[[dict[str, Any]], _native.Table] = self._shard.new_table
-            if whole:
-                new_table = shard_files.tables_taking_every_row(new_table)
-                for t in tables.values():
-                    t.set_import_eviction(False)
-            try:
-                shard_files.apply_link(link, tables, new_table, buckets, in_use=True)
-            finally:
-                for t in tables.values():
-                    t.set_import_eviction(True)
+            shard_files.apply_link(
+                link, tables, self._shard.new_table, buckets, in_use=True, every_row=whole
+            )
             self._install(list(tables.values()))
             status.serving_path, status.serving_save_id = link.path, link.save_id
             status.deltas_applied += 1
