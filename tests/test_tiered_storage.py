@@ -738,3 +738,29 @@ def test_a_tiered_load_imports_whole_buckets_and_every_row_arrives(
     assert len(spans) <= NUM_BUCKETS
     np.testing.assert_array_equal(staged.pull(ids), expected)
     assert staged.size() == rows
+
+
+def test_a_standbys_keeper_leaves_max_rows_to_its_sender(tmp_path: Path) -> None:
+    """A standby holds its primary's rows as they are; the primary's policy
+    evicts and sends the removals. A tiered standby's keeper trimmed its
+    tables to max_rows on its own, at other moments than its primary, and
+    could drop rows the primary kept (gone at takeover). A shard trims
+    while it sweeps (a primary), not while it does not (a standby, a
+    read-only follower)."""
+    shard = _native.Shard(0, 1)
+    shard.configure_memory(16 << 30, str(tmp_path / "ssd"), 1)  # far above this process
+    config = TableConfig.create("t", DIM, "normal", "adagrad", seed=1, max_rows=4096)
+    shard.create_table(config.to_dict())
+    table = shard.get_table("t")
+    ids = np.arange(6000, dtype=np.int64)
+    table.import_rows(ids, np.ones((len(ids), DIM), np.float32), evict=False)  # as sent
+    for _ in range(120):  # (the keeper's own thread passes too)
+        shard.keep_memory()
+    assert table.size() == len(ids)
+    shard.start_sweeper(60_000)  # it took over
+    try:
+        for _ in range(60):
+            shard.keep_memory()
+        assert table.size() <= 4096
+    finally:
+        shard.stop_sweeper()

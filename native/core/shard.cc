@@ -469,7 +469,7 @@ size_t Shard::KeepMemory() {
     for (const auto& t : tables) t->UpdateTierRates(since);
     keeper_rated_ = now;
   }
-  if (++keeper_passes_ % kPassesPerEviction == 0) {
+  if (++keeper_passes_ % kPassesPerEviction == 0 && sweeping_.load()) {
     for (const auto& t : tables) t->EvictAcrossTiers();
   }
   // Forget tables that are gone.
@@ -526,6 +526,7 @@ size_t Shard::Sweep() {
 
 void Shard::StartSweeper(int interval_ms) {
   std::unique_lock<std::mutex> lock(sweeper_mu_);
+  sweeping_.store(true);
   sweep_interval_ms_ = interval_ms > 0 ? interval_ms : 1;
   if (sweeper_.joinable()) {
     sweeper_cv_.notify_all();
@@ -550,6 +551,7 @@ void Shard::StopSweeper() {
   {
     std::unique_lock<std::mutex> lock(sweeper_mu_);
     ++sweeper_generation_;
+    sweeping_.store(false);
     thread = std::move(sweeper_);
   }
   sweeper_cv_.notify_all();

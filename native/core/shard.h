@@ -154,6 +154,10 @@ class Shard {
   size_t Sweep();
   // Sweeps every `interval_ms` (> 0) on a background thread until
   // destruction or StopSweeper; a second call only changes the interval.
+  // The shard applies its tables' policies on its own while it sweeps:
+  // the memory keeper trims tiered tables to max_rows only then. A
+  // standby or a read-only follower sweeps not: it holds its sender's rows
+  // as they are (the sender's policy evicts, and sends the removals).
   void StartSweeper(int interval_ms);
   void StopSweeper();
 
@@ -263,6 +267,7 @@ class Shard {
   std::condition_variable sweeper_cv_;
   std::thread sweeper_;        // guarded by sweeper_mu_
   int sweep_interval_ms_ = 0;  // guarded by sweeper_mu_
+  std::atomic<bool> sweeping_{false};  // between StartSweeper and StopSweeper
   // Bumped by every StopSweeper: a sweeper thread runs while it is the one
   // it started under, so a restart never revives a thread being stopped.
   uint64_t sweeper_generation_ = 0;  // guarded by sweeper_mu_
