@@ -861,6 +861,11 @@ def test_prune_keeps_a_checkpoint_whose_directory_holds_another(
     listed = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(listed) if f"  {run / 'c1'}  (" in line)
     assert listed[at + 1].split() == ["holds", "1", "more:", str(run / "c1" / "late")]
+    # And `ls` of c1 itself, after its chain (it named none: a prune of c1's
+    # directory deleted checkpoints that its listing never showed).
+    assert cli.main(["checkpoint", "ls", str(run / "c1")]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[-1].split() == ["holds", "1", "more:", str(run / "c1" / "late")]
     assert cli.main(["checkpoint", "prune", str(run), "--keep", "1"]) == 1
     out = capsys.readouterr()
     assert f"deleted {run / 'c2'}" in out.out and str(run / "c1") not in out.out

@@ -433,6 +433,37 @@ def test_a_silent_shard_hits_the_deadline_and_is_named(silent_shard: str) -> Non
     assert time.monotonic() - start < 10
 
 
+def test_a_client_loads_onto_a_shard_restarted_with_another_admin_port(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """`tf-dlt server --port P` run again takes any free admin port. The
+    client that met the shard before asked the dead process's admin port
+    for every control call: its `Client.load` (the documented way back
+    after a restart) failed UNAVAILABLE on every try, and its pulls then
+    read the restarted shard's rows beside the other shard's newer ones
+    without an error. Control calls say the shard restarted (DataLossError,
+    as a pull does); the load goes to the process serving now, and every
+    shard is back at the checkpoint."""
+    cluster = start_cluster(2)
+    ids = np.arange(2000)
+    with cluster.client() as client:
+        client.create_table("r", 4, optimizer="adagrad")
+        client.push("r", ids, np.ones((len(ids), 4), np.float32), 0.1)
+        client.save(str(tmp_path / "ck"))
+        committed = client.pull("r", ids, training=False)
+        client.push("r", ids, np.ones((len(ids), 4), np.float32), 0.1)  # after the checkpoint
+        admin = cluster.admin_ports[1]
+        cluster.kill(1)
+        cluster.restart(1, "--load-from", str(tmp_path / "ck"), same_admin_port=False)
+        assert cluster.admin_ports[1] != admin
+        for _ in range(2):  # (it failed UNAVAILABLE, naming the old admin port, on every try)
+            with pytest.raises(errors.DataLossError, match="started since this client met shard 1"):
+                client.stats()
+        client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("r", ids, training=False), committed)
+        assert [s["shard_index"] for s in client.stats()] == [0, 1]
+
+
 def test_a_restarted_shard_loads_its_part_of_the_last_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -15,9 +15,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from tf_dlt.server.local import LocalCluster
 from tf_dlt.tools.launch import Launch
 
 pytestmark = pytest.mark.cluster
@@ -316,3 +318,30 @@ def test_replicas_survive_a_killed_standby(monkeypatch: pytest.MonkeyPatch) -> N
     assert code == 0, text[-4000:]
     assert "starting ps-1-standby1 again to rejoin it as a standby" in text, text[-4000:]
     assert _results(text) == [{"same": True}]
+
+
+def test_a_restart_that_cannot_start_a_process_is_reported_not_raised() -> None:
+    """A dead standby whose restart fails before any process starts (no file
+    descriptor left: OSError from Popen) is reported, and the launcher goes
+    on with the shard's primary; the OSError escaped the monitor loop and
+    ended the launch."""
+
+    class Proc:
+        def __init__(self, code: int | None) -> None:
+            self.returncode = code
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+    class Cluster:
+        processes = [Proc(None), Proc(-9)]  # ps-0 serves; ps-0-standby1 died
+
+        def restart(self, process: int) -> None:
+            raise OSError(24, "Too many open files")
+
+    out = io.StringIO()
+    launch = Launch(1, 1, [sys.executable, "-c", "pass"], replicas=2, out=out)
+    launch._check_shards(cast(LocalCluster, Cluster()))
+    launch._check_shards(cast(LocalCluster, Cluster()))  # reported once
+    text = out.getvalue()
+    assert text.count("did not start again ([Errno 24] Too many open files)") == 1, text

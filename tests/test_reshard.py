@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tf_dlt
-from tf_dlt import _native, errors, grpc_util
+from tf_dlt import _native, errors, grpc_util, routing
 from tf_dlt import reshard as resharding
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server.local import LocalCluster
@@ -569,12 +569,41 @@ def test_a_reshard_onto_fewer_shards_past_max_rows_is_refused_and_changes_nothin
     rows = admin.list_tables()["capped"]["rows"]
     with pytest.raises(
         errors.FailedPreconditionError,
-        match=r"onto 1 shards would evict rows: table 'capped': about \d+ rows for shard 0 of 1, "
-        r"past its max_rows of 4096",
+        match=r"onto 1 shards would evict rows: table 'capped': about \d+ rows for shard 0 of 1 "
+        r"\(at the density of the densest shard it takes buckets from\), past its max_rows of 4096",
     ):
         admin.reshard([a])
     assert [s["layout_epoch"] for s in admin.stats()] == [1, 1]
     assert admin.list_tables()["capped"]["rows"] == rows
+
+
+def test_a_reshard_onto_fewer_shards_is_refused_where_one_range_would_pass_max_rows(
+    cluster: LocalCluster,
+) -> None:
+    """A shard keeps max_rows per range of its buckets. 3,000 rows on one
+    shard and 400 on the other are 3,400 in all, under a cap of 4,096,
+    but on one shard the first shard's buckets hold 3,000 rows where their
+    share of the cap is 2,048: the re-shard was let through, and one push
+    of 64 new ids after the switch evicted 798 of the moved rows. It is
+    refused; 1,000 rows on each re-shard, and every row stays."""
+    a, b = cluster.addresses
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("capped", DIM, max_rows=4096)
+    ids = np.arange(20_000, dtype=np.int64)
+    owner = routing.shard_of(ids, 2)
+    uneven = np.concatenate([ids[owner == 0][:3000], ids[owner == 1][:400]])
+    admin.push("capped", uneven, np.ones((len(uneven), DIM), np.float32), 0.1)
+    with pytest.raises(errors.FailedPreconditionError, match=r"about 6\d\d\d rows for shard 0"):
+        admin.reshard([a])
+    assert [s["layout_epoch"] for s in admin.stats()] == [1, 1]
+    admin.create_table("under", DIM, max_rows=4096)
+    fits = np.concatenate([ids[owner == 0][:1000], ids[owner == 1][:1000]])
+    admin.push("under", fits, np.ones((len(fits), DIM), np.float32), 0.1)
+    admin.drop_table("capped")
+    before = admin.pull("under", fits)
+    admin.reshard([a])
+    admin.push("under", ids[-64:], np.ones((64, DIM), np.float32), 0.1)
+    np.testing.assert_array_equal(admin.pull("under", fits), before)
 
 
 def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalCluster) -> None:

@@ -131,7 +131,8 @@ def test_mutual_tls_requires_a_client_certificate(
     cert, key = pki.issue("shard", server=True)
     cluster = start_cluster(1, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki.ca)
     with tf_dlt.Client(cluster.addresses, tls=TlsConfig(ca=pki.ca), request_timeout=5) as client:
-        with pytest.raises(errors.UnavailableError):
+        # (The hint named TLS on one side and the CA, never the certificate.)
+        with pytest.raises(errors.UnavailableError, match="this client presents no certificate"):
             client.list_tables()
     client_cert, client_key = pki.issue("trainer", server=False)
     tls = TlsConfig(ca=pki.ca, cert=client_cert, key=client_key)

@@ -94,13 +94,16 @@ def saved_despite_failovers(save: Callable[[], _T], path: str) -> _T:
 class _AdminStub:
     """One shard's control-plane stub: its channel and stub, the copy it
     asks (data-plane address), the epoch that copy greeted with (0:
-    unknown), and the copy the data plane used when it was made."""
+    unknown), and the copy the data plane used when it was made (its
+    address and the admin port it told: a process restarted at the same
+    address tells another)."""
 
     channel: grpc.Channel
     stub: Any
     at: str
     epoch: int
     data_at: str
+    data_admin: int
 
 
 class _Greeted(NamedTuple):
@@ -301,11 +304,14 @@ class Client:
                 )
             return self._admins
         # A shard whose data plane moved to another copy since its stub was
-        # made (it saw a standby take over: the primary went silent, say)
+        # made (it saw a standby take over: the primary went silent, say; or
+        # a process restarted at the same address, with another admin port)
         # is asked there: the copy the stub names may never answer again.
         with contextlib.suppress(errors.DltError):
             for i, info in enumerate(self._data.shard_infos()):
-                if i < len(self._admins) and info["address"] != self._admins[i].data_at:
+                made = self._admins[i] if i < len(self._admins) else None
+                told = (info["address"], int(info["admin_port"]))
+                if made is not None and told != (made.data_at, made.data_admin):
                     self._set_stub(
                         i, info["address"], info["admin_port"], info["address"], info["epoch"]
                     )
@@ -322,19 +328,23 @@ class Client:
         """`shard`'s stub from now on (the first, for the next shard, or in
         place of one whose channel it closes): to the copy at data-plane
         address `at`, its admin port `admin_port`, that greeted at `epoch`
-        (0: unknown); the data plane using `data_at` (None: what it used,
-        as it may not have moved yet)."""
+        (0: unknown); the data plane using `data_at` (the copy `at` itself;
+        None: what it used, as it may not have moved yet)."""
         from tf_dlt.proto import dlt_pb2_grpc
 
         channel = self._channel(grpc_util.admin_address(at, int(admin_port)))
         stub = dlt_pb2_grpc.ShardAdminStub(channel)
-        if shard == len(self._admins):
-            self._admins.append(_AdminStub(channel, stub, at, int(epoch), data_at or at))
-            return stub
-        old = self._admins[shard]
-        old.channel.close()
-        data_at = old.data_at if data_at is None else data_at
-        self._admins[shard] = _AdminStub(channel, stub, at, int(epoch), data_at)
+        old = self._admins[shard] if shard < len(self._admins) else None
+        data = (data_at or at, int(admin_port))
+        if old is not None:
+            old.channel.close()
+            if data_at is None:
+                data = (old.data_at, old.data_admin)
+        made = _AdminStub(channel, stub, at, int(epoch), *data)
+        if old is None:
+            self._admins.append(made)
+        else:
+            self._admins[shard] = made
         return stub
 
     def _call_all(
@@ -446,8 +456,31 @@ class Client:
                 error = grpc_util.error_from_rpc(e, self._what(i, method))
                 if isinstance(error, errors.UnavailableError) and _looks_like_tls(e):
                     error = errors.UnavailableError(f"{error}{self._tls_hint()}")
+                elif isinstance(error, errors.UnavailableError) and i not in watched:
+                    error = self._restarted(i, met[i]["lineage"], error)
                 results.append(error)
         return results
+
+    def _restarted(self, shard: int, lineage: int, error: errors.DltError) -> errors.DltError:
+        """`error` (the control call found no process at the admin port it
+        knows), or DataLossError where the shard's data-plane address
+        answers as a process of another lineage than `lineage`, the one met:
+        it restarted (with another admin port, as `tf-dlt server --port P`
+        run again takes), and the rows the client wrote there are gone.
+        Each control call failed UNAVAILABLE until a pull met the restart."""
+        address = self._admins[shard].data_at
+        try:
+            info = _native.hello(address, self._token, timeout_ms=1000)
+        except errors.DltError:
+            return error
+        if not lineage or int(info["lineage"]) in (0, lineage):
+            return error
+        return errors.DataLossError(
+            f"{error}: {address} is a process that started since this client met shard "
+            f"{shard} (its admin port is {info['admin_port']} now): the rows written to the "
+            "shard before are not there. Load a checkpoint (Client.load or tf_dlt.load, which "
+            "take the processes serving now) so that every shard agrees"
+        )
 
     def _what(self, shard: int, method: str) -> str:
         """How errors of `method` on `shard` begin."""
@@ -810,11 +843,18 @@ class Client:
                 "serves TLS (--tls-cert), give this client TLS too (tls=tf_dlt.tls.TlsConfig(...) "
                 "or TF_DLT_TLS_CA); this client speaks plaintext"
             )
-        return (
+        hint = (
             ". The shard's data plane answered but its control plane did not: this client "
             "speaks TLS (tls= or TF_DLT_TLS_*); if the shard runs without --tls-cert, drop "
             "the client's TLS, else check that the CA matches the shard's certificate"
         )
+        if self._tls.cert is None:
+            hint += (
+                "; and this client presents no certificate: a shard started with "
+                "--tls-client-ca refuses it (give TlsConfig(cert=, key=), or TF_DLT_TLS_CERT "
+                "and TF_DLT_TLS_KEY)"
+            )
+        return hint
 
     def _on_all(
         self,

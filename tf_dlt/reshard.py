@@ -120,13 +120,17 @@ def _refuse_past_max_rows(
     """Refuses, before anything moves, a re-shard onto fewer shards that
     would give a new shard more rows of a table than its max_rows: the
     rows past it would be evicted (they were, silently, as the streams came
-    in). Each new shard's rows are estimated from the old shards' by the
-    buckets it takes of each (hashing spreads rows evenly over buckets).
-    Onto as many shards or more, none gets more than about an old one held."""
+    in). A shard keeps max_rows per range of its buckets (each of its
+    stripes holds at most its buckets' share), so each new shard's rows
+    are estimated at the density of every old shard it takes buckets from
+    (hashing spreads a shard's rows evenly over its buckets): 3,000 rows
+    of one old shard and 400 of the other passed a cap of 4,096 in total,
+    and the first pushes after the switch evicted 798 of them. Onto as
+    many shards or more, no range holds more than an old shard's did."""
     if len(new_sets) >= len(old_sets):
         return
     caps: dict[str, int] = {}
-    rows: dict[str, list[float]] = {}
+    rows: dict[str, list[float]] = {}  # the densest estimate for each new shard
     for i, replicas in enumerate(old_sets):
         lo, hi = routing.bucket_range(i, len(old_sets))
         for info in call.tables(replicas[0]).tables:
@@ -137,10 +141,11 @@ def _refuse_past_max_rows(
             held = rows.setdefault(info.config.name, [0.0] * len(new_sets))
             for j in range(len(new_sets)):
                 first, end = routing.bucket_range(j, len(new_sets))
-                held[j] += info.rows * max(0, min(hi, end) - max(lo, first)) / (hi - lo)
+                if min(hi, end) > max(lo, first):
+                    held[j] = max(held[j], info.rows * (end - first) / (hi - lo))
     past = [
-        f"table {name!r}: about {held[j]:.0f} rows for shard {j} of {len(new_sets)}, past its "
-        f"max_rows of {caps[name]}"
+        f"table {name!r}: about {held[j]:.0f} rows for shard {j} of {len(new_sets)} (at the "
+        f"density of the densest shard it takes buckets from), past its max_rows of {caps[name]}"
         for name, held in sorted(rows.items())
         for j in range(len(new_sets))
         if held[j] > caps[name]

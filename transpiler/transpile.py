@@ -114,8 +114,9 @@ def transpile(
                 if not source.embedded:
                     raise ValueError(
                         f"layer {layer.name!r} is already on other shard servers "
-                        f"({source.pservers}); move tables between clusters with "
-                        "tf_dlt.Client.save and load"
+                        f"({source.pservers}); to move its rows, tf_dlt.save(model, path), "
+                        "build the model on the target (the embedded tables or other shards) "
+                        "and tf_dlt.load(model, path) into it (docs/keras.md)"
                     )
                 ids, values, _, _ = embedded.rows(layer.table_name)
                 uploads.append((new, (ids, values)))

@@ -18,6 +18,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// A Hello with another token than the shard's (or none): how to give it.
+constexpr char kWrongToken[] =
+    "wrong or missing auth token (a client takes it as auth_token= or from the file "
+    "TF_DLT_AUTH_TOKEN_FILE names; tf-dlt commands as --auth-token-file)";
+
 // `s` with its table named, unless its message names it already (a table's
 // own push errors do: "push to table 'x': ...").
 Status InTable(const Status& s, const std::string& table) {
@@ -128,7 +133,7 @@ size_t RequestHandler::Handle(const wire::FrameHeader& header, net::Buffer* fram
                   true);
     }
     if (!auth_token_.empty() && !ConstantTimeEquals(hello.token, auth_token_)) {
-      return fail(Unauthenticated("wrong or missing auth token"), true);
+      return fail(Unauthenticated(kWrongToken), true);
     }
     const bool replica = header.flags & wire::kFlagReplica;
     wire::HelloReply out;

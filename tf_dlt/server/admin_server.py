@@ -34,6 +34,12 @@ log = logging.getLogger("tf_dlt.server")
 
 _SERVICE = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"]
 SERVICE_NAME = _SERVICE.full_name
+# A call with another token than the shard's (or none): how to give it
+# (the data plane's Hello says the same).
+WRONG_TOKEN = (
+    "wrong or missing auth token (a client takes it as auth_token= or from the file "
+    "TF_DLT_AUTH_TOKEN_FILE names; tf-dlt commands as --auth-token-file)"
+)
 # A request's bytes at most: the longest a Save or Load may list is 16,000
 # tables of the longest names. Health checks take a request without a
 # token, and a connection may send each stream's in full: this bounds what
@@ -101,7 +107,7 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             # Who and what, never the token presented.
             log.warning("refused a control-plane call from %s: wrong or missing auth token",
                         context.peer())  # fmt: skip
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing auth token")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, WRONG_TOKEN)
 
         # Taken as a stream of requests, so that none has to arrive first.
         self._deny = grpc.stream_unary_rpc_method_handler(deny)

@@ -168,13 +168,16 @@ class LocalCluster:
         self.processes[process].kill()
         self.processes[process].wait(30)
 
-    def restart(self, process: int, *server_args: str, rejoin: bool = True) -> None:
+    def restart(
+        self, process: int, *server_args: str, rejoin: bool = True, same_admin_port: bool = True
+    ) -> None:
         """Starts process `process` again on the same ports (as a Kubernetes
         pod keeps its name), with extra flags (e.g. "--load-from", path);
         waits until it listens. A process of a shard with a standby rejoins
         it (`--replica-set`: a standby of the one that serves, or the
         primary); any other, or any with `rejoin=False`, keeps the flags it
-        was first started with."""
+        was first started with. `same_admin_port` False: the admin port is
+        any free one (as `tf-dlt server --port P` run again chooses)."""
         if self._stopped:
             raise RuntimeError("the cluster was stopped")
         if self.processes[process].poll() is None:
@@ -188,8 +191,9 @@ class LocalCluster:
             own = [*joining, "--replica-set", self._replica_sets[process],
                    "--advertise", self.process_addresses[process]]  # fmt: skip
         extra = [*own, *server_args]
-        self.processes[process] = self._spawn(process, extra, data, self.admin_ports[process])
-        self._wait_for_ports(process, self.processes[process])
+        admin = self.admin_ports[process] if same_admin_port else 0
+        self.processes[process] = self._spawn(process, extra, data, admin)
+        self.admin_ports[process] = self._wait_for_ports(process, self.processes[process])[1]
 
     def _wait_for_ports(self, process: int, proc: subprocess.Popen[bytes]) -> tuple[int, int, int]:
         port_file = self._port_file(process)

@@ -80,6 +80,9 @@ def _run(args: argparse.Namespace) -> int:
                 print(json.dumps(links, indent=2))
             else:
                 _print_links(links)
+                inside = chain.checkpoints_inside(itself)
+                if inside:  # (a prune of the directory counts them too)
+                    print(f"holds {len(inside)} more: {', '.join(inside)}")
             return 0
         rows = []
         for c in found:

@@ -249,8 +249,9 @@ class Launch:
                 try:
                     cluster.restart(i)
                     continue
-                except (RuntimeError, TimeoutError) as e:  # StartInterrupted among them
-                    exited = f"{self._role(i)} did not start again ({str(e).splitlines()[0]})"
+                except (RuntimeError, TimeoutError, OSError) as e:  # StartInterrupted, EMFILE
+                    why = (str(e).splitlines() or [type(e).__name__])[0]
+                    exited = f"{self._role(i)} did not start again ({why})"
                     if cluster.processes[i].poll() is None:  # started, never listened
                         cluster.kill(i)
             self._reported.add(i)
