@@ -570,7 +570,8 @@ def test_a_reshard_onto_fewer_shards_past_max_rows_is_refused_and_changes_nothin
     with pytest.raises(
         errors.FailedPreconditionError,
         match=r"onto 1 shards would evict rows: table 'capped': about \d+ rows for shard 0 of 1 "
-        r"\(at the density of the densest shard it takes buckets from\), past its max_rows of 4096",
+        r"\(at the density of the densest shard it takes buckets from\), past the about 2821 its "
+        r"max_rows of 4096 holds without evicting",
     ):
         admin.reshard([a])
     assert [s["layout_epoch"] for s in admin.stats()] == [1, 1]
@@ -585,7 +586,8 @@ def test_a_reshard_onto_fewer_shards_is_refused_where_one_range_would_pass_max_r
     but on one shard the first shard's buckets hold 3,000 rows where their
     share of the cap is 2,048: the re-shard was let through, and one push
     of 64 new ids after the switch evicted 798 of the moved rows. It is
-    refused; 1,000 rows on each re-shard, and every row stays."""
+    refused, as is a shard whose stripes would pass their quotas; 1,000
+    rows on each re-shard, and every row stays."""
     a, b = cluster.addresses
     admin = tf_dlt.Client(cluster.addresses)
     admin.create_table("capped", DIM, max_rows=4096)
@@ -595,11 +597,20 @@ def test_a_reshard_onto_fewer_shards_is_refused_where_one_range_would_pass_max_r
     admin.push("capped", uneven, np.ones((len(uneven), DIM), np.float32), 0.1)
     with pytest.raises(errors.FailedPreconditionError, match=r"about 6\d\d\d rows for shard 0"):
         admin.reshard([a])
+    # Under the cap even at that density, but not under every stripe's
+    # quota: 1,843 and 200 rows were let through, and 38 moved rows were
+    # evicted by the first pushes into the fullest stripes.
+    admin.drop_table("capped")
+    admin.create_table("capped", DIM, max_rows=4096)
+    near = np.concatenate([ids[owner == 0][:1843], ids[owner == 1][:200]])
+    admin.push("capped", near, np.ones((len(near), DIM), np.float32), 0.1)
+    with pytest.raises(errors.FailedPreconditionError, match=r"about 3\d\d\d rows for shard 0"):
+        admin.reshard([a])
     assert [s["layout_epoch"] for s in admin.stats()] == [1, 1]
+    admin.drop_table("capped")
     admin.create_table("under", DIM, max_rows=4096)
     fits = np.concatenate([ids[owner == 0][:1000], ids[owner == 1][:1000]])
     admin.push("under", fits, np.ones((len(fits), DIM), np.float32), 0.1)
-    admin.drop_table("capped")
     before = admin.pull("under", fits)
     admin.reshard([a])
     admin.push("under", ids[-64:], np.ones((64, DIM), np.float32), 0.1)

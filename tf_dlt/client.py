@@ -431,6 +431,7 @@ class Client:
                 call = outcome
             end(i, call)
         results: list[Any] = []
+        unreached: dict[int, int] = {}  # shard -> its place in results: no process at its port
         for i in calls:
             if isinstance(ended[i], errors.DltError):
                 results.append(ended[i])
@@ -457,8 +458,16 @@ class Client:
                 if isinstance(error, errors.UnavailableError) and _looks_like_tls(e):
                     error = errors.UnavailableError(f"{error}{self._tls_hint()}")
                 elif isinstance(error, errors.UnavailableError) and i not in watched:
-                    error = self._restarted(i, met[i]["lineage"], error)
+                    unreached[i] = len(results)
                 results.append(error)
+        if unreached:  # each asked once, at the same time
+            with concurrent.futures.ThreadPoolExecutor(min(len(unreached), 64)) as pool:
+                said = pool.map(
+                    lambda i: self._restarted(i, met[i]["lineage"], results[unreached[i]]),
+                    list(unreached),
+                )
+                for i, error in zip(list(unreached), said, strict=True):
+                    results[unreached[i]] = error
         return results
 
     def _restarted(self, shard: int, lineage: int, error: errors.DltError) -> errors.DltError:
@@ -477,7 +486,7 @@ class Client:
             return error
         return errors.DataLossError(
             f"{error}: {address} is a process that started since this client met shard "
-            f"{shard} (its admin port is {info['admin_port']} now): the rows written to the "
+            f"{shard} (admin port {info['admin_port']}): the rows written to the "
             "shard before are not there. Load a checkpoint (Client.load or tf_dlt.load, which "
             "take the processes serving now) so that every shard agrees"
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -125,8 +126,10 @@ def _refuse_past_max_rows(
     are estimated at the density of every old shard it takes buckets from
     (hashing spreads a shard's rows evenly over its buckets): 3,000 rows
     of one old shard and 400 of the other passed a cap of 4,096 in total,
-    and the first pushes after the switch evicted 798 of them. Onto as
-    many shards or more, no range holds more than an old shard's did."""
+    and the first pushes after the switch evicted 798 of them. And they
+    must fit every stripe's quota, not only the table's (`_rows_that_fit`:
+    2,043 rows of 4,096 at twice the density evicted 38). Onto as many
+    shards or more, no range holds more than an old shard's did."""
     if len(new_sets) >= len(old_sets):
         return
     caps: dict[str, int] = {}
@@ -145,10 +148,11 @@ def _refuse_past_max_rows(
                     held[j] = max(held[j], info.rows * (end - first) / (hi - lo))
     past = [
         f"table {name!r}: about {held[j]:.0f} rows for shard {j} of {len(new_sets)} (at the "
-        f"density of the densest shard it takes buckets from), past its max_rows of {caps[name]}"
+        f"density of the densest shard it takes buckets from), past the about "
+        f"{_rows_that_fit(caps[name]):.0f} its max_rows of {caps[name]} holds without evicting"
         for name, held in sorted(rows.items())
         for j in range(len(new_sets))
-        if held[j] > caps[name]
+        if held[j] > _rows_that_fit(caps[name])
     ]
     if past:
         raise errors.FailedPreconditionError(
@@ -156,6 +160,17 @@ def _refuse_past_max_rows(
             f"{'; ...' if len(past) > 3 else ''}; nothing was changed. Re-shard onto more "
             "shards, or raise max_rows"
         )
+
+
+def _rows_that_fit(cap: int) -> float:
+    """The rows a shard's table of max_rows `cap` holds without evicting
+    one: each of its stripes holds at most cap / STRIPES, and hashing fills
+    a stripe as a Poisson count of mean rows / STRIPES fills, so the mean
+    plus three standard deviations stays within the quota (about 69% of a
+    cap of 4,096; 99.7% of one of 50 million)."""
+    quota = cap / _native.STRIPES
+    per_stripe = ((math.sqrt(9 + 4 * quota) - 3) / 2) ** 2  # m + 3 sqrt(m) = quota
+    return per_stripe * _native.STRIPES
 
 
 def _layout_epoch_served(
