@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import subprocess
@@ -815,3 +816,20 @@ def test_a_dataset_larger_than_its_file_is_refused(tmp_path: Path) -> None:
         verified.check_structure(f, "f.h5", (tmp_path / "f.h5").stat().st_size)
         with pytest.raises(errors.FailedPreconditionError, match="more than the file's 1000"):
             verified.check_structure(f, "f.h5", 1000)
+
+
+def test_a_save_the_shards_refuse_warns_of_nothing_but_the_refusal(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save into a URL the shards refuse (a scheme in capitals, a '..'
+    segment) was preceded by a warning that its id follows only the saves
+    beside it that could be read ("Unable to locate credentials"), which
+    sent a user after S3 credentials. The refusal alone is said."""
+    cluster = start_cluster(1, "--checkpoint-root", str(tmp_path))
+    with cluster.client() as client:
+        client.create_table("t", 4)
+        with caplog.at_level(logging.WARNING):
+            for url in ("S3://bucket/x", "s3://bucket/../x"):
+                with pytest.raises((errors.InvalidArgumentError, errors.PermissionDeniedError)):
+                    client.save(url)
+    assert "its id follows" not in caplog.text

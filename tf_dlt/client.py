@@ -1011,9 +1011,16 @@ class Client:
         if save_id is None:
 
             def save_once() -> dict[str, Any]:
+                unread: list[str] = []
                 with errors.storage_errors(f"reading the saves beside {path}"):
-                    save_id = chain.next_save_id(path, manifest.absolute(base) if base else None)
-                return self._save(path, parent, tables, progress, save_id)
+                    save_id = chain.next_save_id(
+                        path, manifest.absolute(base) if base else None, unread
+                    )
+                saved = self._save(path, parent, tables, progress, save_id)
+                # Once the shards took it: a save they refuse (a path outside
+                # their checkpoint roots, say) says why, and no more.
+                chain.warn_unread(path, unread)
+                return saved
 
             return saved_despite_failovers(save_once, path)
         if not manifest.is_save_id(save_id):

@@ -307,7 +307,7 @@ def _needed_beside(deleting: list[str]) -> set[str]:
     return out
 
 
-def next_save_id(path: str, base: str | None = None) -> str:
+def next_save_id(path: str, base: str | None = None, unread: list[str] | None = None) -> str:
     """A save id for a new save into table checkpoint `path`: the time now,
     or later than every save beside it (its directory of checkpoints, as
     `find` lists them for prune and followers), than the save `path` holds
@@ -317,9 +317,12 @@ def next_save_id(path: str, base: str | None = None) -> str:
     the same path would hand the path back to the save it replaced. What
     cannot be read (a directory or manifest this process may not read, the
     shards' own disks) is passed over with a warning: the save goes on, its
-    id after what was read."""
+    id after what was read. With `unread`, what could not be read is added
+    to it instead, for the caller to warn of once the save is taken
+    (`warn_unread`: a save the shards refuse says why, and no more)."""
     ids = [_committed(base)] if base is not None else []
-    unread: list[str] = []
+    warns = unread is None  # here, not by the caller
+    unread = [] if unread is None else unread
     try:
         ids.append(_committed(path))
         directories = _directories_beside(path)
@@ -330,6 +333,15 @@ def next_save_id(path: str, base: str | None = None) -> str:
         ids.extend(
             str(c.manifest["save_id"]) for c in find(directory, whole_models=False, unread=unread)
         )
+    if warns:
+        warn_unread(path, unread)
+    # An id of another form (a manifest written by hand) has no time to follow.
+    return manifest_lib.new_save_id(after=max(filter(manifest_lib.is_save_id, ids), default=""))
+
+
+def warn_unread(path: str, unread: list[str]) -> None:
+    """Warns that the save into `path` took its id after the saves beside it
+    that could be read, not those of `unread` (next_save_id's)."""
     if unread:
         log.warning(
             "saving %s: its id follows the saves beside it that could be read, not %s: should "
@@ -337,8 +349,6 @@ def next_save_id(path: str, base: str | None = None) -> str:
             "the older",
             path, "; ".join(unread[:3]) + ("; ..." if len(unread) > 3 else ""),
         )  # fmt: skip
-    # An id of another form (a manifest written by hand) has no time to follow.
-    return manifest_lib.new_save_id(after=max(filter(manifest_lib.is_save_id, ids), default=""))
 
 
 def refuse_breaking_dependents(path: str) -> None:
