@@ -265,8 +265,8 @@ class Shard {
 
   std::mutex sweeper_mu_;
   std::condition_variable sweeper_cv_;
-  std::thread sweeper_;        // guarded by sweeper_mu_
-  int sweep_interval_ms_ = 0;  // guarded by sweeper_mu_
+  std::thread sweeper_;                // guarded by sweeper_mu_
+  int sweep_interval_ms_ = 0;          // guarded by sweeper_mu_
   std::atomic<bool> sweeping_{false};  // between StartSweeper and StopSweeper
   // Bumped by every StopSweeper: a sweeper thread runs while it is the one
   // it started under, so a restart never revives a thread being stopped.
