@@ -4,11 +4,39 @@ does (None: no reduction)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
+
+
+def embed(
+    layer: Any, inputs: Any, rows_of: Callable[[tf.Tensor], tf.Tensor]
+) -> tf.Tensor | tf.RaggedTensor:
+    """A lookup layer's output (`combiner`, `name`) for dense, ragged or
+    sparse `inputs`, whose ids' rows `rows_of` reads: a row per id (ragged
+    rows for ragged ids), or with a combiner one per example of a ragged or
+    sparse input. A sparse input without a combiner is the dense tensor it
+    stands for (absent entries: id 0), as in keras.layers.Embedding. The
+    live layer and its standalone export both answer so (the export
+    reduced such inputs by "sqrtn", or failed to trace)."""
+    if isinstance(inputs, tf.SparseTensor) and layer.combiner is None:
+        inputs = tf.sparse.to_dense(inputs)
+    if isinstance(inputs, tf.SparseTensor):
+        inputs = tf.RaggedTensor.from_sparse(inputs)
+    if isinstance(inputs, tf.RaggedTensor):
+        rows = rows_of(inputs.flat_values)
+        if layer.combiner is None:
+            return inputs.with_flat_values(rows)
+        return combine(layer.combiner, rows, inputs.value_rowids(), inputs.nrows())
+    if layer.combiner is not None:
+        raise ValueError(
+            f"layer {layer.name!r} has combiner {layer.combiner!r}: feed a RaggedTensor or "
+            "SparseTensor of ids"
+        )
+    return rows_of(inputs)
 
 
 def combine(

@@ -34,7 +34,7 @@ from tf_dlt.memory_policy import MemoryPolicy
 from tf_dlt.table_config import TableConfig, difference, memory_of
 
 from . import combiners, keras_settings, table_home
-from .combiners import COMBINERS, combine
+from .combiners import COMBINERS, embed
 from .gradient_trap import (
     Anchor,
     FlushAtEpochEnd,
@@ -182,6 +182,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         super().__init__(name=name, **kwargs)
+        # Ids are ids, never cast to a mixed precision compute dtype (as in
+        # keras.layers.Embedding): cast to bfloat16, float id 257 read row
+        # 256 and 1000 was refused as "bfloat16 ids".
+        self.autocast = False
         shorthand = {
             "admission": admission, "unadmitted": unadmitted, "ttl": ttl, "max_rows": max_rows,
             "eviction": eviction, "value_dtype": value_dtype, "slot_dtype": slot_dtype,
@@ -357,30 +361,14 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
     # Forward ---------------------------------------------------------------
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
-        if isinstance(inputs, tf.SparseTensor) and self.combiner is None:
-            # As keras.layers.Embedding: the dense tensor it stands for.
-            inputs = tf.sparse.to_dense(inputs)
-        if isinstance(inputs, tf.SparseTensor):
-            inputs = tf.RaggedTensor.from_sparse(inputs)
-        if isinstance(inputs, tf.RaggedTensor):
-            rows = self._rows(self._ids(inputs.flat_values), training)
-            if self.combiner is None:
-                return inputs.with_flat_values(rows)
-            return combine(self.combiner, rows, inputs.value_rowids(), inputs.nrows())
-        ids = self._ids(inputs)
-        if self.combiner is not None:
-            raise ValueError(
-                f"layer {self.name!r} has combiner {self.combiner!r}: feed a RaggedTensor or "
-                "SparseTensor of ids"
-            )
-        return self._rows(ids, training)
+        return embed(self, inputs, lambda ids: self._rows(self._ids(ids), training))
 
     def _ids(self, values: Any) -> tf.Tensor:
         """`values` as int64 ids. Integers are cast; floats (a Keras Input's
-        default dtype, which Keras casts to the layer's float32 first) only
-        where every value is an integer the float type holds exactly
-        (|v| <= 2^24 for float32): above that, distinct ids would round to
-        one row, so InvalidArgumentError names the layer instead."""
+        default dtype; never autocast: see __init__) only where every value
+        is an integer the float type holds exactly (|v| <= 2^24 for float32,
+        2^53 for float64): above that, distinct ids would round to one row,
+        so InvalidArgumentError names the layer instead."""
         values = tf.convert_to_tensor(values)
         if values.dtype.is_integer:
             return tf.cast(values, tf.int64)
@@ -415,9 +403,12 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             training = record.could_possibly_record()
         lookup_training = bool(training)
         optimizer = model_optimizer(self) if lookup_training else None
-        if lookup_training:
+        if lookup_training and self.trainable:
+            # (A frozen layer pushes nothing: the table keeps the optimizer
+            # it has, whatever trains the rest of the model.)
             self._check_optimizer(optimizer)
             self.follow_optimizer(optimizer)
+        if lookup_training:
             self._pending = None  # a new step: rows never applied are dropped
         dynamic_scale = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         scaled = dynamic_scale or getattr(optimizer, "loss_scale_factor", None) is not None
@@ -474,17 +465,30 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         """Keeps one step's rows until the optimizer applies the step. Replicas
         of a MirroredStrategy meet first (`merge_call`, after every replica's
         lookups) and keep their rows together, as the all-reduced gradient
-        Keras applies to a variable."""
+        Keras applies to a variable. A layer called on several inputs (two
+        towers sharing a table) keeps every call's rows of the step, as
+        Keras sums a shared variable's gradients: the last call's alone were
+        pushed, and the others' gradients were lost without a word."""
         graph = tf.compat.v1.get_default_graph()
+
+        def keep(ids: tf.Tensor, grads: tf.Tensor) -> None:
+            kept = self._pending
+            trains = training
+            if kept is not None and kept.graph is graph:  # another call of this step
+                ids, grads = tf.concat([kept.ids, ids], 0), tf.concat([kept.grads, grads], 0)
+                trains = trains and kept.training
+            self._pending = Pending(graph, ids, grads, optimizer, trains)
+
         replica = tf.distribute.get_replica_context()
         if not tf.distribute.has_strategy() or replica is None or replica.num_replicas_in_sync == 1:
-            self._pending = Pending(graph, unique, summed, optimizer, training)
+            keep(unique, summed)
             return
 
         def merged(strategy: tf.distribute.Strategy, unique: Any, summed: Any) -> None:
-            ids = tf.concat(strategy.experimental_local_results(unique), 0)
-            grads = tf.concat(strategy.experimental_local_results(summed), 0)
-            self._pending = Pending(graph, ids, grads, optimizer, training)
+            keep(
+                tf.concat(strategy.experimental_local_results(unique), 0),
+                tf.concat(strategy.experimental_local_results(summed), 0),
+            )
 
         replica.merge_call(merged, args=(unique, summed))
 

@@ -373,3 +373,37 @@ def test_standalone_export_of_ids_per_example_reduced_by_a_combiner(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     np.testing.assert_allclose(np.load(tmp_path / "y.npy"), live, atol=1e-6)
+
+
+class _SumOverIds(keras.layers.Layer):  # type: ignore[misc]
+    """Sums an example's rows (a model's own reduction of ragged rows)."""
+
+    def call(self, rows: Any) -> Any:
+        return tf.reduce_sum(rows, axis=1)
+
+    def compute_output_shape(self, shape: Any) -> tuple[Any, ...]:
+        return (shape[0], shape[-1])
+
+
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_standalone_export_of_ids_per_example_without_a_combiner(tmp_path: Path, kind: str) -> None:
+    """Without a combiner, a ragged input gives ragged rows and a sparse one
+    the rows of the dense tensor it stands for (an absent entry reads id
+    0), as the live layer and keras.layers.Embedding give. The frozen
+    layer reduced both by "sqrtn": the sparse model served zeros for an
+    example with no id, and the ragged one failed to export."""
+    start = (np.arange(20, dtype=np.float32).reshape(5, 4) + 1) / 10  # row 0 is not zeros
+    layer = Embedding(5, 4, is_distributed=True, weights=start, name=f"nocomb_{kind}")
+    if kind == "sparse":
+        ids = keras.Input((1,), dtype="int64", sparse=True)
+        rows = keras.layers.Flatten()(layer(ids))
+        x: Any = tf.SparseTensor([[0, 0], [2, 0]], tf.constant([3, 2], tf.int64), [3, 1])
+    else:
+        ids = keras.Input((None,), dtype="int64", ragged=True)
+        rows = _SumOverIds()(layer(ids))
+        x = tf.ragged.constant([[1, 2, 3], [4], [0, 1]], dtype=tf.int64)
+    model = keras.Model(ids, keras.layers.Dense(1, kernel_initializer="ones")(rows))
+    live = model(x, training=False).numpy()
+    tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode="standalone")
+    served = tf.saved_model.load(str(tmp_path / "m"))  # (held: the call reads its variables)
+    np.testing.assert_allclose(served.serve(x), live, atol=1e-6)

@@ -416,9 +416,13 @@ def test_float_ids_are_taken_only_where_the_float_holds_the_id_exactly() -> None
     for bad in ([[1e12 + 1, 1e12 + 2]], [[1.5, 2.0]], [[float("nan"), 1.0]]):
         with pytest.raises(tf.errors.InvalidArgumentError, match="layer float_ids got float32 ids"):
             model.predict(np.array(bad, np.float32), verbose=0)
-    # Keras casts float inputs to the layer's float32 first: float64 ids
-    # beyond 2^24 are refused as well, never merged.
-    with pytest.raises(tf.errors.InvalidArgumentError, match="got float32 ids"):
-        layer(tf.constant([[2.0**40 + 1, 2.0**40 + 2]], tf.float64))
+    # float64 ids stay float64 (the layer's inputs are never autocast, as in
+    # keras.layers.Embedding): exact up to 2^53, refused past it.
+    big = np.array([2**40 + 1, 2**40 + 2], np.int64)
+    rows = np.array([[1.0] * 4, [2.0] * 4], np.float32)
+    tf_dlt.embedded.table("float_ids").import_rows(big, rows)
+    np.testing.assert_array_equal(layer(tf.constant([big], tf.float64))[0], rows)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="got float64 ids"):
+        layer(tf.constant([[2.0**60 + 2**8, 1.0]], tf.float64))
     with pytest.raises(TypeError, match="takes integer ids, got string"):
         layer(tf.constant([["a"]]))

@@ -650,3 +650,90 @@ def test_restoring_best_weights_warns_that_the_rows_stay_as_trained_last(tmp_pat
         model.fit(x, y, epochs=1, verbose=0)
         model.load_weights(tmp_path / "w.weights.h5")
         model.set_weights(model.get_weights())
+
+
+@pytest.mark.parametrize("where", ["embedded", "remote, pulled ahead"])
+def test_a_layer_called_on_two_inputs_trains_with_both_calls_gradients(
+    where: str, start_cluster: Callable[..., Cluster]
+) -> None:
+    """One layer called on two inputs (two towers sharing a table, history
+    and target item) gets the sum of both calls' gradients, as a Keras
+    variable used twice does. The last call's rows alone were pushed: the
+    other call's gradients were lost without a word (0.024 off Keras after
+    one SGD step, and equal to a Keras model whose first call was
+    stop_gradient'ed)."""
+    vocab, dim = 10, 4
+    start = np.arange(vocab * dim, dtype=np.float32).reshape(vocab, dim) / 40.0 - 0.5
+    rng = np.random.default_rng(0)
+    x = (rng.integers(0, vocab, (8, 3)), rng.integers(0, vocab, (8, 3)))
+    y = rng.random((8, 1)).astype(np.float32)
+    table = f"habit_two_calls_{where.split(',')[0]}"
+
+    def trained(layer: keras.layers.Layer, remote: bool = False) -> keras.Model:
+        a, b = keras.Input((3,), dtype="int64"), keras.Input((3,), dtype="int64")
+        h = keras.layers.Concatenate()(
+            [keras.layers.Flatten()(layer(a)), keras.layers.Flatten()(layer(b))]
+        )
+        head = keras.layers.Dense(1, kernel_initializer="ones", trainable=False)
+        model = keras.Model([a, b], head(h))
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        if remote:
+            model = tf_dlt.pull_ahead(tf_dlt.transpile(model, start_cluster(1).addresses))
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        return model
+
+    oracle = keras.layers.Embedding(vocab, dim, weights=[start])
+    trained(oracle)
+    ours = Embedding(
+        vocab, dim, is_distributed=True, weights=start, table_name=table, sync_push=True
+    )
+    model = trained(ours, remote=where != "embedded")
+    if where == "embedded":
+        ids, values, _, _ = embedded.rows(table)
+    else:
+        layer = next(m for m in model.layers if isinstance(m, Embedding))
+        assert layer.client is not None
+        ids = np.arange(vocab, dtype=np.int64)
+        values = tf_dlt.Client(layer.client.pservers).pull(table, ids, training=False)
+    np.testing.assert_allclose(values[np.argsort(ids)], np.asarray(oracle.embeddings), atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_float_ids_under_mixed_precision_read_their_own_rows(policy: str) -> None:
+    """A keras.Input's default float32 ids under a mixed precision policy:
+    Keras cast them to the compute dtype before the layer saw them (its own
+    Embedding turns that off), so bfloat16 id 257 read row 256 and 1000 was
+    refused as "bfloat16 ids"; float16 id 2049 read row 2048. Each reads
+    its own row, as in keras.layers.Embedding, and leaves in the compute
+    dtype."""
+    bits = ((np.arange(3000)[:, None] >> np.arange(12)) & 1).astype(np.float32)  # row k: k's bits
+    ids = keras.Input((1,))
+    layer = Embedding(3000, 12, is_distributed=True, weights=bits, dtype=policy,
+                      table_name=f"habit_{policy}")  # fmt: skip
+    out = keras.Model(ids, layer(ids))(np.array([[257], [1000], [2049]], np.float32))
+    assert out.dtype == keras.mixed_precision.Policy(policy).compute_dtype
+    read = (np.asarray(out, np.float32)[:, 0].round() * 2 ** np.arange(12)).sum(axis=1)
+    assert read.tolist() == [257, 1000, 2049]
+
+
+def test_a_frozen_layer_lets_the_head_train_with_any_optimizer() -> None:
+    """Fine-tuning the head only (the layer's trainable=False): the table
+    followed the compiled optimizer all the same, so RMSprop or clipnorm
+    were refused, and a table trained with Adagrad refused a recompile
+    with Adam (offering to drop the table). A frozen layer pushes nothing:
+    the head trains, and the rows stay as they were."""
+    x = np.random.default_rng(0).integers(0, 10, (8, 3))
+    y = np.ones((8, 1), np.float32)
+    ids = keras.Input((3,), dtype="int64")
+    layer = Embedding(10, 4, is_distributed=True, table_name="habit_frozen")
+    head = keras.layers.Dense(1)
+    model = keras.Model(ids, head(keras.layers.Flatten()(layer(ids))))
+    model.compile(keras.optimizers.Adagrad(0.1), "mse")
+    model.fit(x, y, verbose=0)
+    pretrained, kernel = embedded.rows("habit_frozen")[1], head.get_weights()[0]
+    layer.trainable = False
+    for optimizer in (keras.optimizers.Adam(0.01, clipnorm=1.0), keras.optimizers.RMSprop(0.01)):
+        model.compile(optimizer, "mse")
+        model.fit(x, y, verbose=0)
+    np.testing.assert_array_equal(embedded.rows("habit_frozen")[1], pretrained)
+    assert not np.array_equal(head.get_weights()[0], kernel)

@@ -165,6 +165,7 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
         self, keys: np.ndarray, rows: np.ndarray, combiner: str | None, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
+        self.autocast = False  # ids are ids (Embedding's)
         self.combiner = combiner
         self.output_dim = int(rows.shape[1])
         if len(keys) == 0:
@@ -182,14 +183,13 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
         self.rows = tf.Variable(padded, trainable=False, name="rows")
 
     def call(self, inputs: Any) -> Any:
-        from tf_dlt.layers.combiners import combine
+        from tf_dlt.layers.combiners import embed
 
-        if isinstance(inputs, tf.SparseTensor):
-            inputs = tf.RaggedTensor.from_sparse(inputs)
-        if isinstance(inputs, tf.RaggedTensor):
-            found = tf.gather(self.rows, self.table.lookup(tf.cast(inputs.flat_values, tf.int64)))
-            return combine(self.combiner, found, inputs.value_rowids(), inputs.nrows())
-        return tf.gather(self.rows, self.table.lookup(tf.cast(inputs, tf.int64)))
+        return embed(
+            self,
+            inputs,
+            lambda ids: tf.gather(self.rows, self.table.lookup(tf.cast(ids, tf.int64))),
+        )
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
         from tf_dlt.layers import combiners
