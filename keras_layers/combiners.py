@@ -24,6 +24,11 @@ def embed(
     reduced such inputs by "sqrtn", or failed to trace)."""
     if isinstance(inputs, tf.SparseTensor) and layer.combiner is None:
         inputs = tf.sparse.to_dense(inputs)
+    if isinstance(inputs, tf.SparseTensor) and inputs.shape.rank == 2:
+        # Each id's example is its row index, wherever in the row it sits
+        # (RaggedTensor.from_sparse refused ids not left-aligned).
+        rows = rows_of(inputs.values)
+        return combine(layer.combiner, rows, inputs.indices[:, 0], inputs.dense_shape[0])
     if isinstance(inputs, tf.SparseTensor):
         inputs = tf.RaggedTensor.from_sparse(inputs)
     if isinstance(inputs, tf.RaggedTensor):

@@ -309,7 +309,11 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if self.initial_weights is None or self.client is None:
             return
         ids = np.arange(len(self.initial_weights), dtype=np.int64)
-        ops.assign(self.client, ids, self.initial_weights, self.table_name, self.output_dim)
+        # Now, wherever the layer is built: a subclassed model builds its
+        # layers in a scratch graph, where the assign never ran (weights=
+        # was dropped without a word).
+        with tf.init_scope():
+            ops.assign(self.client, ids, self.initial_weights, self.table_name, self.output_dim)
 
     def use_client(self, client: ops.ClientResource) -> None:
         """Backs this layer's table with `client` (the transpiler's hook)."""

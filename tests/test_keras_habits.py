@@ -737,3 +737,23 @@ def test_a_frozen_layer_lets_the_head_train_with_any_optimizer() -> None:
         model.fit(x, y, verbose=0)
     np.testing.assert_array_equal(embedded.rows("habit_frozen")[1], pretrained)
     assert not np.array_equal(head.get_weights()[0], kernel)
+
+
+def test_weights_reach_the_table_of_a_layer_a_subclassed_model_builds() -> None:
+    """A subclassed model builds its layers in a scratch graph: the upload of
+    `weights=` ran there, never executed, and the table held the
+    initializer's rows without a word (0.54 off). They are the table's."""
+    start = np.arange(40, dtype=np.float32).reshape(10, 4) / 40.0
+
+    class Model(keras.Model):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = Embedding(10, 4, is_distributed=True, weights=start,
+                                 table_name="habit_subclassed")  # fmt: skip
+
+        def call(self, ids: Any) -> Any:
+            return self.emb(ids)
+
+    Model()(np.array([[1, 2, 3]]))
+    ids, values, _, _ = embedded.rows("habit_subclassed")
+    np.testing.assert_array_equal(values[np.argsort(ids)], start)

@@ -167,6 +167,11 @@ def test_ragged_and_sparse_combiners_match_embedding_lookup_sparse(combiner: str
     expected = tf.nn.embedding_lookup_sparse(table, ragged.to_sparse(), None, combiner=combiner)
     np.testing.assert_allclose(out_ragged.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(out_sparse.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
+    # Ids anywhere in their row (a multi-hot feature, tf.sparse.from_dense):
+    # refused as "not right-ragged" before; an empty example gives zeros.
+    scattered = tf.sparse.from_dense(tf.constant([[0, 3, 0], [1, 0, 2], [0, 0, 0]], tf.int64))
+    expected = tf.nn.safe_embedding_lookup_sparse(table, scattered, combiner=combiner)
+    np.testing.assert_allclose(layer(scattered).numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])
