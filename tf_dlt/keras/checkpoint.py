@@ -161,10 +161,12 @@ def _follow_compiled_optimizer(model: keras.Model) -> None:
     """Tables following the compiled optimizer take (and settle) its form
     before a save writes their configs or a load compares them with the
     checkpoint's: a table not trained yet is saved as the optimizer it
-    will train with."""
+    will train with. A frozen layer's table keeps its own (the model may
+    fine-tune the rest with an optimizer the table could not follow)."""
     if getattr(model, "compiled", False):
         for layer in distributed_layers(model):
-            layer.follow_optimizer(model.optimizer)
+            if layer.trainable:
+                layer.follow_optimizer(model.optimizer)
 
 
 def _implied_base(model: keras.Model, path: str) -> str | None:
