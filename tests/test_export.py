@@ -407,3 +407,28 @@ def test_standalone_export_of_ids_per_example_without_a_combiner(tmp_path: Path,
     tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode="standalone")
     served = tf.saved_model.load(str(tmp_path / "m"))  # (held: the call reads its variables)
     np.testing.assert_allclose(served.serve(x), live, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["standalone", "remote"])
+def test_an_export_under_mixed_precision_gives_rows_in_the_compute_dtype(
+    tmp_path: Path, cluster: Cluster, mode: str
+) -> None:
+    """A layer under mixed_float16 gives its rows in float16, as
+    keras.layers.Embedding does; the standalone export's frozen layer gave
+    float32 (its own dtype policy was the default one). Served from either
+    export, the rows are the live layer's, in the live layer's dtype."""
+    start = (np.arange(12, dtype=np.float32).reshape(3, 4) + 1) / 8  # exact in float16
+    layer = Embedding(3, 4, is_distributed=True, weights=start, dtype="mixed_float16",
+                      name=f"mixed_{mode}")  # fmt: skip
+    ids = keras.Input((2,), dtype="int64")
+    model = keras.Model(ids, layer(ids))
+    if mode == "remote":
+        model = tf_dlt.transpile(model, cluster.addresses)
+    x = np.array([[0, 2], [1, 1]], np.int64)
+    live = model(x, training=False)
+    assert live.dtype == tf.float16
+    tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode=mode)
+    served = tf.saved_model.load(str(tmp_path / "m"))  # (held: the call reads its variables)
+    rows = served.serve(tf.constant(x))
+    assert rows.dtype == tf.float16
+    np.testing.assert_array_equal(rows.numpy(), live.numpy())

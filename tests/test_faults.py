@@ -433,6 +433,19 @@ def test_a_silent_shard_hits_the_deadline_and_is_named(silent_shard: str) -> Non
     assert time.monotonic() - start < 10
 
 
+def _trained_past_a_checkpoint(
+    client: tf_dlt.Client, ids: np.ndarray, dim: int, path: Path
+) -> np.ndarray:
+    """Makes Adagrad table "r", trains `ids`, saves to `path` and trains them
+    again; returns the rows as saved."""
+    client.create_table("r", dim, optimizer="adagrad")
+    client.push("r", ids, np.ones((len(ids), dim), np.float32), 0.1)
+    client.save(str(path))
+    committed = client.pull("r", ids, training=False)
+    client.push("r", ids, np.ones((len(ids), dim), np.float32), 0.1)  # after the checkpoint
+    return committed
+
+
 def test_a_client_loads_onto_a_shard_restarted_with_another_admin_port(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
@@ -447,11 +460,7 @@ def test_a_client_loads_onto_a_shard_restarted_with_another_admin_port(
     cluster = start_cluster(2)
     ids = np.arange(2000)
     with cluster.client() as client:
-        client.create_table("r", 4, optimizer="adagrad")
-        client.push("r", ids, np.ones((len(ids), 4), np.float32), 0.1)
-        client.save(str(tmp_path / "ck"))
-        committed = client.pull("r", ids, training=False)
-        client.push("r", ids, np.ones((len(ids), 4), np.float32), 0.1)  # after the checkpoint
+        committed = _trained_past_a_checkpoint(client, ids, 4, tmp_path / "ck")
         admin = cluster.admin_ports[1]
         cluster.kill(1)
         cluster.restart(1, "--load-from", str(tmp_path / "ck"), same_admin_port=False)
@@ -470,11 +479,7 @@ def test_a_restarted_shard_loads_its_part_of_the_last_checkpoint(
     cluster = start_cluster(2)
     ids = np.arange(5000)
     with cluster.client() as client:
-        client.create_table("r", 8, optimizer="adagrad")
-        client.push("r", ids, np.ones((len(ids), 8), np.float32), 0.1)
-        client.save(str(tmp_path / "ck"))
-        committed = client.pull("r", ids, training=False)
-        client.push("r", ids, np.ones((len(ids), 8), np.float32), 0.1)  # after the checkpoint
+        committed = _trained_past_a_checkpoint(client, ids, 8, tmp_path / "ck")
     cluster.kill(1)
     cluster.restart(1, "--load-from", str(tmp_path / "ck"))
     with cluster.client() as client:

@@ -117,6 +117,23 @@ def test_shard_metrics_move_with_traffic(
     assert later["tf_dlt_connections_accepted_total"] > a["tf_dlt_connections_accepted_total"]
 
 
+def test_a_restarted_shards_metrics_port_is_the_one_it_serves(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """`--metrics-port 0` takes any free port again on a restart:
+    LocalCluster kept the dead process's, so a scrape after
+    `LocalCluster.restart` failed to connect."""
+    cluster = start_cluster(2, "--metrics-port", "0")
+    with cluster.client() as client:
+        client.create_table("m", 4)
+        client.pull("m", np.arange(100))
+    cluster.kill(1)
+    cluster.restart(1)
+    fresh = _scrape(cluster.metrics_ports[1])
+    assert fresh["tf_dlt_pulls_total"] == 0  # the restarted process answered
+    assert fresh["tf_dlt_shard_info{num_shards=2,shard=1}"] == 1
+
+
 def test_half_sent_scrapes_hold_a_bounded_number_of_threads(
     start_cluster: Callable[..., Cluster],
 ) -> None:

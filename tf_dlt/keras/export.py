@@ -188,7 +188,10 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
         return embed(
             self,
             inputs,
-            lambda ids: tf.gather(self.rows, self.table.lookup(tf.cast(ids, tf.int64))),
+            lambda ids: tf.cast(
+                tf.gather(self.rows, self.table.lookup(tf.cast(ids, tf.int64))),
+                self.compute_dtype,
+            ),  # float32 rows leave in the compute dtype, as the live layer's do
         )
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
@@ -317,7 +320,9 @@ def _export_standalone(
     def freeze(layer: keras.layers.Layer) -> keras.layers.Layer:
         if id(layer) in distributed:
             keys, values = rows[layer.table_name]
-            return StandaloneEmbedding(keys, values, layer.combiner, name=layer.name)
+            return StandaloneEmbedding(
+                keys, values, layer.combiner, name=layer.name, dtype=layer.dtype_policy
+            )
         return layer.__class__.from_config(layer.get_config())
 
     # A copy with no tf_dlt op or resource in it: plain TensorFlow loads it.

@@ -193,7 +193,9 @@ class LocalCluster:
         extra = [*own, *server_args]
         admin = self.admin_ports[process] if same_admin_port else 0
         self.processes[process] = self._spawn(process, extra, data, admin)
-        self.admin_ports[process] = self._wait_for_ports(process, self.processes[process])[1]
+        _, self.admin_ports[process], self.metrics_ports[process] = self._wait_for_ports(
+            process, self.processes[process]
+        )  # (a metrics port 0 is any free one again)
 
     def _wait_for_ports(self, process: int, proc: subprocess.Popen[bytes]) -> tuple[int, int, int]:
         port_file = self._port_file(process)
