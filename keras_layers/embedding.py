@@ -406,6 +406,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             # says; else it is inference.
             training = record.could_possibly_record()
         lookup_training = bool(training)
+        # A frozen layer reads as inference does, making no row: ids it has
+        # no row for read zeros (as evaluate and both exports read them),
+        # and its lookups never evict trained rows past max_rows.
+        makes_rows = lookup_training and self.trainable
         optimizer = model_optimizer(self) if lookup_training else None
         if lookup_training and self.trainable:
             # (A frozen layer pushes nothing: the table keeps the optimizer
@@ -427,7 +431,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             flushed = None if lookup_training or layer.serving else ops.flush(client)
             with tf.control_dependencies([flushed] if flushed is not None else []):
                 rows = ops.lookup(
-                    client, ids, table_name, dim, training=lookup_training, missing="zeros"
+                    client, ids, table_name, dim, training=makes_rows, missing="zeros"
                 )
 
             def grad(dy: tf.Tensor) -> tf.Tensor:

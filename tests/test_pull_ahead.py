@@ -357,3 +357,34 @@ def test_a_table_two_inputs_share_is_pulled_ahead_for_each(
     stats = ops.client_stats(remote.get_layer("towers_emb").client)
     steps = 2 * 64 // BATCH
     assert stats["pulls_ahead_used"] == 2 * steps  # every lookup took its own
+
+
+def test_a_frozen_layer_makes_no_rows_and_its_pulls_ahead_serve_it(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Fine-tuning with one table frozen (trainable=False): its training
+    lookups made a row for every id they met (rows that evicted trained
+    ones past max_rows), and read the initializer's values where evaluate
+    and the exports read zeros. A frozen layer reads as inference does,
+    its pulls ahead alike (each one served), and its table keeps the rows
+    it had."""
+    cluster = start_cluster(2)
+    model = _remote(_model(), cluster)
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    trained = _rows(model, "u_emb")
+    with cluster.client() as client:
+        held = client.list_tables()["u_emb"]["rows"]
+    frozen = model.get_layer("u_emb")
+    frozen.trainable = False
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    unseen = {**x, "user": x["user"] + 3 * VOCAB}  # ids no row was made for
+    before = _stats(model)
+    tf_dlt.pull_ahead(model).fit(unseen, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    with cluster.client() as client:
+        assert client.list_tables()["u_emb"]["rows"] == held  # (it grew by every unseen id)
+    np.testing.assert_array_equal(_rows(model, "u_emb"), trained)
+    steps = len(y) // BATCH
+    assert _stats(model)["pulls_ahead_used"] - before["pulls_ahead_used"] == 2 * steps
+    # Zeros for ids without a row, as evaluate reads them (not initial values).
+    assert not np.any(frozen(unseen["user"][:4], training=True).numpy())

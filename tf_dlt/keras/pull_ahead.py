@@ -229,7 +229,7 @@ def _start_pulls(model: keras.Model, *element: Any) -> Any:
                 tf.cast(ids, tf.int64),
                 layer.table_name,
                 layer.output_dim,
-                training=True,
+                training=bool(layer.trainable),  # as the layer's lookup (a frozen one makes no row)
                 missing="zeros",
                 refresh=model._dlt_pull_ahead_refresh,
                 pulls_per_batch=per_batch[(layer.client.shared_name, layer.table_name)],
