@@ -802,6 +802,48 @@ def test_streams_that_never_send_a_request_hold_no_admin_thread(
             peer.close()
 
 
+def test_idle_admin_connections_take_no_descriptor_past_their_cap(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A peer without the token opens idle TCP connections to the admin
+    port. They were not counted: at the open-file limit (20,000 here) new
+    trainers could not connect and saves failed "Too many open files". At
+    most --max-admin-connections are kept (the rest closed as they come),
+    their descriptors left out of the data plane's: a new trainer pulls, a
+    client connected before saves, and the admin port serves new clients
+    once the peer is gone."""
+    cluster = start_cluster(1, "--max-admin-connections", "16", token="s3cret-token-0123")
+    pid = cluster.processes[0].pid
+    with cluster.client() as before:
+        before.create_table("t", dim=4)
+        before.push("t", np.arange(5, dtype=np.int64), np.ones((5, 4), np.float32), 0.1)
+        assert before.stats()[0]["shard_index"] == 0  # (its admin connection is made)
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        idle = [socket.create_connection(("127.0.0.1", cluster.admin_ports[0]), timeout=10)
+                for _ in range(200)]  # fmt: skip
+        try:
+            wait_until(
+                lambda: len(os.listdir(f"/proc/{pid}/fd")) <= fds + 16 + 4,
+                "the admin connections past the cap closed",
+            )
+            with cluster.client() as late:  # the data plane's descriptors are its own
+                assert late.pull("t", np.arange(5, dtype=np.int64), training=False).shape == (5, 4)
+            before.save(str(cluster.workdir / "ck"))  # files open
+            assert len(os.listdir(f"/proc/{pid}/fd")) <= fds + 16 + 4
+        finally:
+            for sock in idle:
+                sock.close()
+    with cluster.client() as after:
+        wait_until(lambda: _stats_answer(after), "a new client's Stats")
+
+
+def _stats_answer(client: tf_dlt.Client) -> bool:
+    try:
+        return bool(client.stats())
+    except errors.UnavailableError:
+        return False
+
+
 def test_health_watch_streams_are_capped(start_cluster: Callable[..., Cluster]) -> None:
     """Health takes no token, and each Watch stream held its memory for as
     long as it stayed open: 5,000 held 74 MB, without bound. Past

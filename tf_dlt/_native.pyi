@@ -231,6 +231,7 @@ class DataServer:
         hello_timeout_ms: int = 5000,
         idle_timeout_ms: int = 600000,
         max_buffered_bytes: int = ...,
+        other_fds: int = 256,
     ) -> None: ...
     def start(self) -> None: ...
     @property

@@ -32,7 +32,6 @@ constexpr size_t kPoolBufferBytes = 16u << 20;
 constexpr auto kPoolIdle = std::chrono::seconds(2);
 // File descriptors kept free for everything but connections (control
 // plane, checkpoints, logs).
-constexpr rlim_t kReservedFds = 256;
 constexpr int kMaxAutoConnections = 65536;
 
 int64_t NowMs() {
@@ -151,10 +150,11 @@ Status DataServer::Start() {
                            std::to_string(wire::kMinMaxFrameBytes) + ", got " +
                            std::to_string(o.max_frame_bytes));
   }
-  if (o.max_connections < 0 || o.max_unauthenticated < 1 || o.worker_threads < 0) {
+  if (o.max_connections < 0 || o.max_unauthenticated < 1 || o.worker_threads < 0 ||
+      o.other_fds < 0) {
     return InvalidArgument(
         "max connections must be >= 0 (0: automatic), max unauthenticated >= 1, worker threads "
-        ">= 0 (0: one per core)");
+        ">= 0 (0: one per core), other file descriptors >= 0");
   }
   if (o.hello_timeout_ms <= 0 || o.io_timeout_ms <= 0 || o.idle_timeout_ms < 0) {
     return InvalidArgument("hello and io timeouts must be > 0 and the idle timeout >= 0");
@@ -166,20 +166,22 @@ Status DataServer::Start() {
   struct rlimit limit;
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return Internal("getrlimit(RLIMIT_NOFILE) failed");
   const rlim_t unauth = static_cast<rlim_t>(o.max_unauthenticated);
+  const rlim_t others = static_cast<rlim_t>(o.other_fds);
   const rlim_t wanted = (o.max_connections > 0 ? static_cast<rlim_t>(o.max_connections)
                                                : static_cast<rlim_t>(kMaxAutoConnections)) +
-                        unauth + kReservedFds;
+                        unauth + others;
   if (limit.rlim_cur < wanted && limit.rlim_cur < limit.rlim_max) {
     limit.rlim_cur = std::min(wanted, limit.rlim_max);
     setrlimit(RLIMIT_NOFILE, &limit);
     getrlimit(RLIMIT_NOFILE, &limit);
   }
-  const rlim_t room =
-      limit.rlim_cur > unauth + kReservedFds ? limit.rlim_cur - unauth - kReservedFds : 0;
+  const rlim_t room = limit.rlim_cur > unauth + others ? limit.rlim_cur - unauth - others : 0;
   if (o.max_connections > 0) {
     if (static_cast<rlim_t>(o.max_connections) > room) {
       return InvalidArgument(std::to_string(o.max_connections) + " connections plus " +
-                             std::to_string(o.max_unauthenticated) + " unauthenticated ones need " +
+                             std::to_string(o.max_unauthenticated) +
+                             " unauthenticated ones and the process's others (admin connections, "
+                             "files) need " +
                              std::to_string(wanted) + " file descriptors; this process may open " +
                              std::to_string(limit.rlim_cur) +
                              " (ulimit -n): raise it or lower the connection caps");

@@ -50,6 +50,10 @@ struct DataServerOptions {
   // Connections that have not said Hello yet; a new one past this closes
   // the oldest of them.
   int max_unauthenticated = 256;
+  // File descriptors the process keeps beside the data plane's connections
+  // (the admin plane's connections, checkpoint and tier files): raised into
+  // the open-file limit with the caps and left out of the automatic one.
+  int other_fds = 256;
   // A connection must complete its Hello within this time.
   int hello_timeout_ms = 5000;
   // An authenticated connection with nothing in flight for this long is

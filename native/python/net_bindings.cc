@@ -66,7 +66,7 @@ void BindNet(py::module_& m) {
                        int max_connections, const std::string& auth_token, uint32_t max_frame_bytes,
                        uint32_t admin_port, int io_timeout_ms, int worker_threads,
                        int max_unauthenticated, int hello_timeout_ms, int idle_timeout_ms,
-                       uint64_t max_buffered_bytes) {
+                       uint64_t max_buffered_bytes, int other_fds) {
              DataServerOptions o;
              o.bind = bind;
              o.port = port;
@@ -80,6 +80,7 @@ void BindNet(py::module_& m) {
              o.hello_timeout_ms = hello_timeout_ms;
              o.idle_timeout_ms = idle_timeout_ms;
              o.max_buffered_bytes = max_buffered_bytes;
+             o.other_fds = other_fds;
              return std::make_unique<DataServer>(std::move(shard), o);
            }),
            py::arg("shard"), py::arg("bind") = "127.0.0.1", py::arg("port") = 0,
@@ -87,7 +88,8 @@ void BindNet(py::module_& m) {
            py::arg("max_frame_bytes") = wire::kDefaultMaxFrameBytes, py::arg("admin_port") = 0,
            py::arg("io_timeout_ms") = 30000, py::arg("worker_threads") = 0,
            py::arg("max_unauthenticated") = 256, py::arg("hello_timeout_ms") = 5000,
-           py::arg("idle_timeout_ms") = 600000, py::arg("max_buffered_bytes") = uint64_t{1} << 30)
+           py::arg("idle_timeout_ms") = 600000, py::arg("max_buffered_bytes") = uint64_t{1} << 30,
+           py::arg("other_fds") = 256)
       .def("start", [](DataServer& s) { Check(s.Start()); })
       .def("set_read_only", &DataServer::set_read_only)
       .def("set_standby", &DataServer::set_standby, py::arg("standby"), py::arg("new_epoch") = true)

@@ -160,8 +160,12 @@ class AdminServer:
         auth_token: str,
         count_error: Callable[[str], None],
         tls_files: tuple[str, str, str | None] | None,
+        max_connections: int,
     ) -> None:
         self._servicer = servicer
+        # Connections at once; gRPC closes any past it as it comes. Each is
+        # a file descriptor the data plane's share leaves out (ShardServer).
+        self._max_connections = max_connections
         self._address = address
         self._auth_token = auth_token
         self._count_error = count_error
@@ -217,6 +221,7 @@ class AdminServer:
                 ("grpc.max_receive_message_length", _REQUEST_BYTES),
                 ("grpc.max_send_message_length", _REPLY_BYTES),
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_allowed_incoming_connections", self._max_connections),
             ],
         )
         handlers = self._on_threads()

@@ -72,6 +72,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="connections yet to say Hello; past it the oldest is closed",
     )
     p.add_argument(
+        "--max-admin-connections",
+        type=_at_least(0, 2**20),
+        default=0,
+        help="control-plane connections at once; past it a new one is closed (default 0: "
+        "4096, or an eighth of the hard open-file limit where that is less)",
+    )
+    p.add_argument(
         "--hello-timeout",
         type=positive_seconds,
         default=5.0,
@@ -416,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             max_connections=args.max_connections,
             max_unauthenticated=args.max_unauthenticated,
+            max_admin_connections=args.max_admin_connections,
             hello_timeout_s=args.hello_timeout,
             idle_timeout_s=args.idle_timeout,
             io_timeout_s=args.io_timeout,

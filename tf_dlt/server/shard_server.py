@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,23 @@ FOLLOW_SERVICE = "tf_dlt.follow"
 # stops another process of the shard (docs/kubernetes.md); "" stays SERVING
 # while the process answers (liveness).
 COPY_SERVICE = "tf_dlt.copy"
+
+# File descriptors a shard process keeps beside its connections: checkpoint
+# and tier files, the admin server's own, logs. With the admin plane's
+# connections they are left out of the data plane's automatic cap, so that
+# neither plane can take the descriptors the other, or a save, needs.
+OTHER_FDS = 256
+# The admin plane's automatic connection cap: at most this, and at most an
+# eighth of the hard open-file limit.
+ADMIN_CONNECTIONS = 4096
+
+
+def _automatic_admin_connections() -> int:
+    """The admin plane's connection cap for --max-admin-connections 0."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return ADMIN_CONNECTIONS
+    return max(16, min(ADMIN_CONNECTIONS, hard // 8))
 
 
 def available_cpus() -> int:
@@ -66,6 +84,10 @@ class ShardServer:
             as many as the open-file limit allows).
         max_unauthenticated: connections that have not said Hello yet; a
             new one past this closes the oldest.
+        max_admin_connections: control-plane connections at once; past it
+            a new one is closed (0: 4,096, or an eighth of the hard
+            open-file limit where that is less). The data plane's
+            automatic cap leaves their file descriptors out.
         hello_timeout_s: a connection must say Hello within this.
         idle_timeout_s: an authenticated connection idle this long is
             closed (0: never).
@@ -135,6 +157,7 @@ class ShardServer:
         threads: int = 0,
         max_connections: int = 0,
         max_unauthenticated: int = 256,
+        max_admin_connections: int = 0,
         hello_timeout_s: float = 5.0,
         idle_timeout_s: float = 600.0,
         io_timeout_s: float = 30.0,
@@ -207,6 +230,7 @@ class ShardServer:
         self._auth_token = auth_token
         self._load_from = load_from
         self._stop_grace_s = stop_grace_s
+        admin_connections = max_admin_connections or _automatic_admin_connections()
         self.data_server = _native.DataServer(
             self.shard,
             bind=bind,
@@ -220,6 +244,7 @@ class ShardServer:
             hello_timeout_ms=max(1, int(hello_timeout_s * 1000)),
             idle_timeout_ms=int(idle_timeout_s * 1000),
             max_buffered_bytes=max_buffered_bytes,
+            other_fds=OTHER_FDS + admin_connections,
         )
         self.servicer = service.ShardAdminServicer(
             self.shard,
@@ -233,6 +258,7 @@ class ShardServer:
             auth_token=auth_token,
             count_error=self.servicer.count_error,
             tls_files=tls,
+            max_connections=admin_connections,
         )
         self._read_only = read_only
         self.servicer.standbys = replication.Standbys(
