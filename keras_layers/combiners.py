@@ -48,17 +48,19 @@ def combine(
     combiner: str | None, rows: tf.Tensor, segment_ids: tf.Tensor, n: tf.Tensor
 ) -> tf.Tensor:
     """Reduces the rows of each example ("sum", "mean" or "sqrtn"), as
-    tf.nn.embedding_lookup_sparse does; empty examples give zeros."""
+    tf.nn.embedding_lookup_sparse does; empty examples give zeros. Summed
+    and divided in float32 and given back in the rows' dtype (a mixed
+    precision layer's float16 rows met float32 counts and failed)."""
     segment_ids = tf.cast(segment_ids, tf.int32)
     n = tf.cast(n, tf.int32)
-    total = tf.math.unsorted_segment_sum(rows, segment_ids, n)
+    total = tf.math.unsorted_segment_sum(tf.cast(rows, tf.float32), segment_ids, n)
     if combiner == "sum":
-        return total
+        return tf.cast(total, rows.dtype)
     counts = tf.math.unsorted_segment_sum(tf.ones_like(segment_ids, tf.float32), segment_ids, n)
     counts = tf.expand_dims(counts, -1)
     if combiner == "mean":
-        return tf.math.divide_no_nan(total, counts)
-    return tf.math.divide_no_nan(total, tf.sqrt(counts))
+        return tf.cast(tf.math.divide_no_nan(total, counts), rows.dtype)
+    return tf.cast(tf.math.divide_no_nan(total, tf.sqrt(counts)), rows.dtype)
 
 
 def output_spec(layer: Any, inputs: Any) -> Any:

@@ -282,6 +282,14 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                     name="anchor",
                 )  # fmt: skip
             self.anchor.overwrite_with_gradient = True
+            if not self.trainable:
+                # As add_weight does for a frozen layer (trainable=False given
+                # to the constructor, from_config of a frozen layer: transpile,
+                # a .keras file): tracked as trainable, so unfreezing trains
+                # it again, and not trained while frozen. Assigned, the
+                # anchor stayed in the model's trainable weights, and every
+                # step pushed.
+                self.anchor.trainable = False
             # Pushes made (the step of a learning-rate schedule); under a
             # MirroredStrategy the replicas push together, once per step.
             # (In the layer's own scope, as add_weight would make it.)

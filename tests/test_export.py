@@ -432,3 +432,52 @@ def test_an_export_under_mixed_precision_gives_rows_in_the_compute_dtype(
     rows = served.serve(tf.constant(x))
     assert rows.dtype == tf.float16
     np.testing.assert_array_equal(rows.numpy(), live.numpy())
+
+
+def test_a_standalone_export_of_a_model_with_dense_weights_on_the_shards(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A model compiled with `tf_dlt.DenseOnShards(auth_token=...)`: its
+    standalone export failed UNAUTHENTICATED, the frozen copy compiled
+    anew with an optimizer made from its config, which holds no token (and
+    which, with the token in the environment, made a table on the shards).
+    The copy is not compiled: the export needs no optimizer."""
+    token = "tok-" + "5a9e" * 8
+    cluster = start_cluster(1, token=token)
+    model = tf_dlt.transpile(_model("exp_dense"), cluster.addresses, auth_token=token)
+    model.compile(
+        optimizer=tf_dlt.DenseOnShards(cluster.addresses, auth_token=token, is_chief=True),
+        loss="mse",
+    )
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    live = model.predict(x, verbose=0)
+    with tf_dlt.Client(cluster.addresses, auth_token=token) as client:
+        tables = sorted(client.list_tables())
+    tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode="standalone")
+    served = _serve_elsewhere(tmp_path, tmp_path / "m", x, with_tf_dlt=False)
+    np.testing.assert_allclose(served, live, atol=1e-6)
+    with tf_dlt.Client(cluster.addresses, auth_token=token) as client:
+        assert sorted(client.list_tables()) == tables
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_a_combiner_under_mixed_precision_trains_and_exports(tmp_path: Path, combiner: str) -> None:
+    """combiner="mean" or "sqrtn" under mixed_float16: the layer's float16
+    rows met the combiner's float32 counts, and fit, predict and the
+    standalone export failed TypeError. Each trains, and the export serves
+    what the model predicts, in float16."""
+    ids = keras.Input((None,), dtype="int64", ragged=True)
+    layer = Embedding(output_dim=4, is_distributed=True, combiner=combiner,
+                      dtype="mixed_float16", name=f"mixed_{combiner}", **TRAINS)  # fmt: skip
+    model = keras.Model(ids, layer(ids))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x = tf.ragged.constant([[1, 2, 3], [4], [2, 2]], dtype=tf.int64)
+    model.fit(x, np.ones((3, 4), np.float32), epochs=2, verbose=0)
+    live = model(x, training=False)
+    assert live.dtype == tf.float16
+    tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode="standalone")
+    served = tf.saved_model.load(str(tmp_path / "m"))  # (held: the call reads its variables)
+    rows = served.serve(x)
+    assert rows.dtype == tf.float16
+    np.testing.assert_array_equal(rows.numpy(), live.numpy())

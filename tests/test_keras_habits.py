@@ -742,6 +742,42 @@ def test_a_frozen_layer_lets_the_head_train_with_any_optimizer(tmp_path: Path) -
     np.testing.assert_array_equal(embedded.rows("habit_frozen")[1], pretrained)
 
 
+def test_a_layer_frozen_before_it_is_built_pushes_nothing(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """`Embedding(..., trainable=False)`, and the frozen layer transpile
+    makes from its config: the anchor was made trainable after Keras froze
+    the layer, stayed in the model's trainable weights, and every step
+    pushed (the rows trained). It is frozen as add_weight freezes a
+    variable; unfreezing (and recompiling) trains the table again."""
+    start = np.arange(40, dtype=np.float32).reshape(10, 4) / 40.0
+    x, y = np.random.default_rng(0).integers(0, 10, (8, 3)), np.ones((8, 1), np.float32)
+    ids = keras.Input((3,), dtype="int64")
+    layer = Embedding(10, 4, is_distributed=True, weights=start, trainable=False,
+                      table_name="habit_frozen_ctor")  # fmt: skip
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+    model.compile(keras.optimizers.Adagrad(0.1), "mse")
+    assert not any(w is layer.anchor for w in model.trainable_weights)
+    model.fit(x, y, verbose=0)
+    table_ids, values, _, _ = embedded.rows("habit_frozen_ctor")
+    np.testing.assert_array_equal(values[np.argsort(table_ids)], start)
+    remote = tf_dlt.transpile(model, start_cluster(2).addresses)
+    remote.compile(keras.optimizers.Adagrad(0.1), "mse")
+    frozen = remote.get_layer(layer.name)
+    assert not frozen.trainable
+
+    def rows() -> np.ndarray:
+        return np.asarray(frozen(np.arange(10)[:, None], training=False))[:, 0]
+
+    np.testing.assert_array_equal(rows(), start)
+    remote.fit(x, y, verbose=0)
+    np.testing.assert_array_equal(rows(), start)
+    frozen.trainable = True
+    remote.compile(keras.optimizers.Adagrad(0.1), "mse")
+    remote.fit(x, y, verbose=0)
+    assert not np.array_equal(rows(), start)
+
+
 def test_weights_reach_the_table_of_a_layer_a_subclassed_model_builds() -> None:
     """A subclassed model builds its layers in a scratch graph: the upload of
     `weights=` ran there, never executed, and the table held the

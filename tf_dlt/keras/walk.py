@@ -118,7 +118,10 @@ def clone_keeping_inputs(model: keras.Model, clone_layer: Any) -> keras.Model:
     model itself, models nested in it) gets inputs as sparse or ragged as
     its own: clone_model's drop both, so a model fed SparseTensor ids could
     no longer take them once transpiled or frozen for export. A layer or
-    model used twice is cloned once, as clone_model's own recursion does."""
+    model used twice is cloned once, as clone_model's own recursion does.
+    The copy is not compiled: clone_model compiles a compiled model's copy
+    from its compile config, which made a `tf_dlt.DenseOnShards` optimizer
+    anew, connecting to the shards without the token it was given."""
     from keras.src.models.functional import Functional
 
     done: dict[int, Any] = {}
@@ -138,7 +141,11 @@ def clone_keeping_inputs(model: keras.Model, clone_layer: Any) -> keras.Model:
             return keras.Sequential(
                 [inputs, *(clone(layer) for layer in m.layers)], name=m.name, trainable=m.trainable
             )
-        return keras.models.clone_model(m, input_tensors=inputs, clone_function=clone)
+        compiled, m.compiled = m.compiled, False  # (what clone_model reads)
+        try:
+            return keras.models.clone_model(m, input_tensors=inputs, clone_function=clone)
+        finally:
+            m.compiled = compiled
 
     return clone_model(model)
 
