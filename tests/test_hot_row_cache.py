@@ -378,3 +378,26 @@ def test_hot_row_cache_errors_and_embedded_no_op(start_cluster: Callable[..., Cl
     with pytest.raises(tf.errors.InvalidArgumentError, match="min_count"):
         ops.configure_cache(ops.ClientResource(cluster.addresses), config, 8,
                             max_staleness_steps=2, min_count=0)  # fmt: skip
+
+
+def test_a_frozen_layers_cache_takes_the_tables_optimizer_as_the_shards_hold_it(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Fine-tuning the head with RMSprop, the table frozen: hot_row_cache
+    made the table follow the compiled optimizer (ValueError: RMSprop has no
+    table form) though a frozen layer pushes nothing. The cache takes the
+    table's config as the shards hold it (Adagrad here), serves its hot
+    rows, and the table keeps its rows."""
+    cluster = start_cluster(2)
+    model = _remote(_model(), cluster)
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    ids = np.arange(VOCAB, dtype=np.int64)
+    trained = _shard_rows(cluster, "hc_emb", ids)
+    model.get_layer("hc_emb").trainable = False
+    model.compile(optimizer=keras.optimizers.RMSprop(0.01), loss="mse")
+    tf_dlt.hot_row_cache(model, rows=16, max_staleness_steps=1000, min_count=1)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    stats = ops.client_stats(model.get_layer("hc_emb").client)
+    assert stats["cache_hits"] > 0
+    np.testing.assert_array_equal(_shard_rows(cluster, "hc_emb", ids), trained)

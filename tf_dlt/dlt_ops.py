@@ -215,18 +215,25 @@ def configure_cache(
     )  # fmt: skip
 
 
+def held_table_config(client: ClientResource, name: str) -> TableConfig | None:
+    """The config of the table the client's shards hold under `name`, or None
+    where they hold none (asked of them, over the control plane)."""
+    addresses = overridden_pservers(client.pservers)
+    with Client(addresses, auth_token=client.auth_token) as shards:
+        held = shards.list_tables().get(name)
+    return None if held is None else held["config"]
+
+
 def _check_cached_table(client: ClientResource, config: TableConfig) -> None:
     """Refuses a cache `config` whose dim or optimizer is not that of the
     table the shards hold under its name (a table not made yet is not
     checked): the cache applies this trainer's pushes with `config`'s
     optimizer, so it would serve rows the shards never hold, or pull state
     of another width."""
-    addresses = overridden_pservers(client.pservers)
-    with Client(addresses, auth_token=client.auth_token) as shards:
-        held = shards.list_tables().get(config.name)
+    held = held_table_config(client, config.name)
     if held is None:
         return
-    given, theirs = config.to_dict(), held["config"].to_dict()
+    given, theirs = config.to_dict(), held.to_dict()
     if given["dim"] != theirs["dim"] or given["optimizer"] != theirs["optimizer"]:
         raise errors.FailedPreconditionError(
             f"configure_cache: the shards' table {config.name!r} is not the config given "

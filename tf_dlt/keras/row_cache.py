@@ -18,6 +18,7 @@ import keras
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.keras.walk import chosen_layers
+from tf_dlt.table_config import TableConfig
 
 
 def hot_row_cache(
@@ -98,7 +99,13 @@ def hot_row_cache(
     _own_clients(model, chosen)
     for layer in chosen:
         assert layer.client is not None
-        if layer.optimizer is None:  # the cache applies the table's optimizer: settle it
+        config = layer.table_config
+        if layer.optimizer is None and not layer.trainable:
+            # A frozen layer pushes nothing and leaves its table's optimizer
+            # as it is (whatever the model is compiled with): its cache
+            # pulls the rows' state as the shards hold it.
+            config = ops.held_table_config(layer.client, layer.table_name) or config
+        elif layer.optimizer is None:  # the cache applies the table's optimizer: settle it
             if not getattr(model, "compiled", False):
                 raise errors.FailedPreconditionError(
                     f"hot_row_cache: layer {layer.name!r} follows the model's optimizer, and "
@@ -106,17 +113,20 @@ def hot_row_cache(
                     "pushes with the table's optimizer)"
                 )
             layer.follow_optimizer(model.optimizer)
+            config = layer.table_config
         # (a tuple: Keras tracks a layer's lists and dicts)
         settings = (rows, max_staleness_steps or 0, max_staleness_ms or 0, min_count)
-        _configure(layer, settings)
-        layer._dlt_row_cache = settings if rows else None
+        _configure(layer, config, settings)
+        layer._dlt_row_cache = (config, settings) if rows else None
     return model
 
 
-def _configure(layer: Any, settings: tuple[int, int, int, int], check: bool = True) -> None:
+def _configure(
+    layer: Any, config: TableConfig, settings: tuple[int, int, int, int], check: bool = True
+) -> None:
     rows, steps, ms, min_count = settings
     ops.configure_cache(
-        layer.client, layer.table_config, rows,
+        layer.client, config, rows,
         max_staleness_steps=steps, max_staleness_ms=ms, min_count=min_count, check=check,
     )  # fmt: skip
 
@@ -127,10 +137,11 @@ def forget_cached_rows(layers: list[Any]) -> None:
     hold are not the shards' any more, and lookups served them, and pushes
     were applied to them, until each was pulled again."""
     for layer in layers:
-        settings = getattr(layer, "_dlt_row_cache", None)
-        if settings and layer.client is not None:
+        cached = getattr(layer, "_dlt_row_cache", None)
+        if cached and layer.client is not None:
             # Checked when made; no round trip that could fail a load done.
-            _configure(layer, settings, check=False)
+            config, settings = cached
+            _configure(layer, config, settings, check=False)
 
 
 def _own_clients(model: keras.Model, chosen: list[Any]) -> None:
