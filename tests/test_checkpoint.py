@@ -467,6 +467,29 @@ def test_a_load_whose_commit_got_no_answer_names_the_shard_that_may_hold_it(
     assert timeouts == [123.0, 123.0]
 
 
+def test_a_manifest_that_leaves_a_shards_file_out_is_refused(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A manifest edited to list one file fewer (valid JSON, each entry
+    well formed) loaded the other shard's rows alone: the cluster's 20,000
+    rows became 9,899 without an error. Refused, and the rows stay."""
+    cluster = start_cluster(2)
+    ids = np.arange(2000)
+    with cluster.client() as client:
+        client.create_table("t", 4, optimizer="adagrad")
+        client.push("t", ids, np.ones((len(ids), 4), np.float32), 0.1)
+        saved = client.save(str(tmp_path / "ck"))
+        held = client.pull("t", ids, training=False)
+        for name in ("MANIFEST.json", manifest_lib.manifest_copy(saved["save_id"])):
+            doc = json.loads((tmp_path / "ck" / name).read_text())
+            doc["files"] = doc["files"][:1]
+            (tmp_path / "ck" / name).write_text(json.dumps(doc))
+        with pytest.raises(errors.FailedPreconditionError, match="not one from each shard"):
+            client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("t", ids, training=False), held)
+        assert client.list_tables()["t"]["rows"] == len(ids)
+
+
 def test_no_manifest_means_no_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import os
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -541,10 +542,14 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     traceback or a misleading reason."""
     import socket
 
-    def server(*flags: str) -> subprocess.CompletedProcess[str]:
+    def server(*flags: str, files: int | None = None) -> subprocess.CompletedProcess[str]:
+        def limit_files() -> None:  # (`files`: the open-file limit, soft and hard)
+            if files is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
         return subprocess.run(
             [sys.executable, "-m", "tf_dlt.server", "--bind", "127.0.0.1", *flags],
-            capture_output=True, text=True, timeout=120, cwd="/",
+            capture_output=True, text=True, timeout=120, cwd="/", preexec_fn=limit_files,
         )  # fmt: skip
 
     def refused(out: subprocess.CompletedProcess[str], says: str) -> None:
@@ -564,6 +569,13 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     refused(server("--port", "0", "--stop-grace", "inf"), "must be at most 2147483.647 seconds")
     refused(server("--port", "0", "--max-frame-bytes", "-1"), "must be >= 4096")
     refused(server("--port", "0", "--max-buffered-bytes", "-1"), "must be >= 1")
+    refused(server("--port", "0", "--max-admin-connections", "-1"), "must be >= 0")
+    # More admin connections than the open-file limit holds: the refusal
+    # named neither them nor the flag.
+    refused(
+        server("--port", "0", "--max-admin-connections", "4096", files=4096),
+        "or lower --max-unauthenticated or --max-admin-connections",
+    )
     # It was taken, and the standby logged "must be host:port" forever.
     refused(server("--port", "0", "--standby-of", "nohost"), "must be host:port")
     # Index N of N owned no bucket and said "shard 2/2 serving" (counted from 1).
@@ -802,46 +814,69 @@ def test_streams_that_never_send_a_request_hold_no_admin_thread(
             peer.close()
 
 
+NEW_TRAINER_LOOKS_UP = """
+import sys
+import numpy as np
+from tf_dlt import dlt_ops as ops
+client = ops.ClientResource([sys.argv[1]], auth_token=sys.argv[2])
+print(ops.lookup(client, np.arange(5), "t", 4, training=False, missing="zeros").numpy().sum())
+"""
+
+
 def test_idle_admin_connections_take_no_descriptor_past_their_cap(
     start_cluster: Callable[..., Cluster],
 ) -> None:
     """A peer without the token opens idle TCP connections to the admin
-    port. They were not counted: at the open-file limit (20,000 here) new
-    trainers could not connect and saves failed "Too many open files". At
-    most --max-admin-connections are kept (the rest closed as they come),
-    their descriptors left out of the data plane's: a new trainer pulls, a
-    client connected before saves, and the admin port serves new clients
-    once the peer is gone."""
-    cluster = start_cluster(1, "--max-admin-connections", "16", token="s3cret-token-0123")
-    pid = cluster.processes[0].pid
+    port. They were not counted, and gRPC kept each for 2 minutes: at the
+    open-file limit (20,000 here) new trainers could not connect and saves
+    failed "Too many open files". At most --max-admin-connections are kept
+    (the rest closed as they come) and their descriptors are left out of
+    the data plane's: a new trainer process's lookups are served and a
+    client connected before saves. And a connection that never finishes
+    gRPC's handshake is closed after --hello-timeout, so a new control-plane
+    connection gets in while the peer still holds its ends."""
+    token = "s3cret-token-0123"
+    cluster = start_cluster(1, "--max-admin-connections", "16", "--hello-timeout", "2", token=token)
+    pid, admin = cluster.processes[0].pid, cluster.admin_ports[0]
     with cluster.client() as before:
         before.create_table("t", dim=4)
         before.push("t", np.arange(5, dtype=np.int64), np.ones((5, 4), np.float32), 0.1)
         assert before.stats()[0]["shard_index"] == 0  # (its admin connection is made)
         fds = len(os.listdir(f"/proc/{pid}/fd"))
-        idle = [socket.create_connection(("127.0.0.1", cluster.admin_ports[0]), timeout=10)
-                for _ in range(200)]  # fmt: skip
+        idle = [socket.create_connection(("127.0.0.1", admin), timeout=10) for _ in range(200)]
         try:
-            wait_until(
-                lambda: len(os.listdir(f"/proc/{pid}/fd")) <= fds + 16 + 4,
-                "the admin connections past the cap closed",
-            )
-            with cluster.client() as late:  # the data plane's descriptors are its own
-                assert late.pull("t", np.arange(5, dtype=np.int64), training=False).shape == (5, 4)
+            assert not _health_on_a_new_connection(admin)  # the cap is full
+            assert len(os.listdir(f"/proc/{pid}/fd")) <= fds + 16 + 4
+            looked_up = subprocess.run(
+                [sys.executable, "-c", NEW_TRAINER_LOOKS_UP, cluster.addresses[0], token],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert looked_up.returncode == 0, looked_up.stderr[-2000:]
+            assert float(looked_up.stdout.split()[-1]) != 0  # the trained rows
             before.save(str(cluster.workdir / "ck"))  # files open
             assert len(os.listdir(f"/proc/{pid}/fd")) <= fds + 16 + 4
+            wait_until(lambda: _health_on_a_new_connection(admin), "a new admin connection")
         finally:
             for sock in idle:
                 sock.close()
-    with cluster.client() as after:
-        wait_until(lambda: _stats_answer(after), "a new client's Stats")
 
 
-def _stats_answer(client: tf_dlt.Client) -> bool:
+def _health_on_a_new_connection(port: int) -> bool:
+    """Whether a health check on a connection of its own (not one another
+    channel of this process shares) is answered."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+    )
     try:
-        return bool(client.stats())
-    except errors.UnavailableError:
+        health = health_pb2_grpc.HealthStub(channel)
+        return health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1
+    except grpc.RpcError:
         return False
+    finally:
+        channel.close()
 
 
 def test_health_watch_streams_are_capped(start_cluster: Callable[..., Cluster]) -> None:

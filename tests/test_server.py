@@ -272,7 +272,7 @@ def test_the_admin_server_serves_many_calls_a_channel_and_stops_in_order() -> No
     def server(seconds: float, port: int = 0) -> AdminServer:
         return AdminServer(
             _SlowStats(seconds), f"127.0.0.1:{port}", auth_token="", count_error=lambda _: None,
-            tls_files=None, max_connections=64,
+            tls_files=None, max_connections=64, handshake_timeout_s=5.0,
         )  # fmt: skip
 
     admin = server(0.05)

@@ -65,6 +65,11 @@ _SILENT_CHECK_S = 1.0
 # How many times an admin call that ends UNAVAILABLE is sent to the copy
 # serving after it (a standby that took over, and the one after it).
 _MAX_MOVES = 3
+# The other reason a control plane closes a connection at once.
+_AT_CAP = (
+    "; or the shard holds --max-admin-connections control-plane connections already "
+    "(connections from hosts that should not reach its admin port?)"
+)
 # How many times a save is made, under a new save id each, while its shards
 # fail over as it runs (errors.FailedOverError): a failure, and another in a
 # row (the copy that took over failing in turn).
@@ -850,7 +855,7 @@ class Client:
             return (
                 ". The shard's data plane answered but its control plane did not: if the shard "
                 "serves TLS (--tls-cert), give this client TLS too (tls=tf_dlt.tls.TlsConfig(...) "
-                "or TF_DLT_TLS_CA); this client speaks plaintext"
+                "or TF_DLT_TLS_CA); this client speaks plaintext" + _AT_CAP
             )
         hint = (
             ". The shard's data plane answered but its control plane did not: this client "
@@ -863,7 +868,7 @@ class Client:
                 "--tls-client-ca refuses it (give TlsConfig(cert=, key=), or TF_DLT_TLS_CERT "
                 "and TF_DLT_TLS_KEY)"
             )
-        return hint
+        return hint + _AT_CAP
 
     def _on_all(
         self,

@@ -190,7 +190,12 @@ Status DataServer::Start() {
   } else {
     if (room < 1) {
       return InvalidArgument("the open-file limit " + std::to_string(limit.rlim_cur) +
-                             " (ulimit -n) leaves no room for connections");
+                             " (ulimit -n) leaves no room for connections after " +
+                             std::to_string(o.max_unauthenticated) +
+                             " unauthenticated ones and the process's " +
+                             std::to_string(o.other_fds) +
+                             " others (admin connections, files): raise it or lower "
+                             "--max-unauthenticated or --max-admin-connections");
     }
     max_connections_ = static_cast<int>(std::min<rlim_t>(room, kMaxAutoConnections));
   }

@@ -308,12 +308,7 @@ def write_manifest(
     # a shard of another layout (a save across a re-shard) would leave rows
     # out, or hold some twice.
     ranges = [(int(p["first_bucket"]), int(p["end_bucket"])) for p in parts]
-    if ranges and (
-        ranges[0][0] != 0
-        or ranges[-1][1] != NUM_BUCKETS
-        or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:], strict=False))
-        or any(first > end for first, end in ranges)
-    ):
+    if ranges and not _tile_every_bucket(ranges):
         raise errors.FailedPreconditionError(
             f"the shards' bucket ranges {ranges} do not cover the {NUM_BUCKETS} buckets once "
             "each (shards of different layouts: a re-shard during the save?)"
@@ -727,6 +722,18 @@ _SHARD_FILE = re.compile(r"^shard-\d{5}-of-\d{5}\.[A-Za-z0-9_-]+\.h5$")
 MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4096, 16 << 20
 
 
+def _tile_every_bucket(ranges: list[tuple[int, int]]) -> bool:
+    """Whether bucket ranges [first, end), in shard order, hold each of the
+    NUM_BUCKETS buckets once."""
+    return (
+        bool(ranges)
+        and ranges[0][0] == 0
+        and ranges[-1][1] == NUM_BUCKETS
+        and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        and all(first <= end for first, end in ranges)
+    )
+
+
 def _check_files(manifest: dict[str, Any], path: str) -> None:
     """Refuses a manifest whose file entries a load could not use safely: a
     name that is not a shard file of this directory (no paths), checksums
@@ -782,6 +789,21 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
         meta = entry.get("meta_block_bytes", 0)
         if isinstance(meta, bool) or not isinstance(meta, int) or not 0 <= meta <= MAX_BLOCK_BYTES:
             raise bad(f"{name}: meta_block_bytes {meta!r} is outside [0, {MAX_BLOCK_BYTES}]")
+    # One file from each shard, their buckets every bucket once: a manifest
+    # that left a file out loaded the others' rows alone, and the cluster
+    # lost the rest of its table without a word.
+    num_shards = manifest.get("num_shards")
+    shards = sorted(files, key=lambda e: int(e["shard_index"]))
+    if (
+        isinstance(num_shards, bool)
+        or not isinstance(num_shards, int)
+        or [int(e["shard_index"]) for e in shards] != list(range(num_shards))
+        or not _tile_every_bucket([(e["first_bucket"], e["end_bucket"]) for e in shards])
+    ):
+        raise bad(
+            f"its files ({len(files)} for num_shards {num_shards!r}) are not one from each shard "
+            f"covering the {NUM_BUCKETS} buckets once"
+        )
     for info in tables:
         if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
             raise bad("a table entry has no config")

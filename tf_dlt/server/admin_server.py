@@ -46,6 +46,9 @@ WRONG_TOKEN = (
 # such a peer makes the shard hold. Replies (Stats, ListTables) may be larger.
 _REQUEST_BYTES = 4 << 20
 _REPLY_BYTES = 64 << 20
+# A control-plane connection with no call for this long is closed (its
+# client reconnects at its next call): see AdminServer's connection cap.
+IDLE_CLOSE_S = 10.0
 # Control-plane calls served at once; more wait for a thread (health checks
 # and reflection take none).
 WORKER_THREADS = 8
@@ -161,11 +164,17 @@ class AdminServer:
         count_error: Callable[[str], None],
         tls_files: tuple[str, str, str | None] | None,
         max_connections: int,
+        handshake_timeout_s: float,
     ) -> None:
         self._servicer = servicer
         # Connections at once; gRPC closes any past it as it comes. Each is
         # a file descriptor the data plane's share leaves out (ShardServer).
+        # A connection must finish gRPC's handshake within
+        # handshake_timeout_s and is closed once IDLE_CLOSE_S passed without
+        # a call, so a peer without the token holds the cap only by
+        # reconnecting all the time (clients reconnect by themselves).
         self._max_connections = max_connections
+        self._handshake_timeout_ms = max(1, int(handshake_timeout_s * 1000))
         self._address = address
         self._auth_token = auth_token
         self._count_error = count_error
@@ -222,6 +231,8 @@ class AdminServer:
                 ("grpc.max_send_message_length", _REPLY_BYTES),
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_allowed_incoming_connections", self._max_connections),
+                ("grpc.server_handshake_timeout_ms", self._handshake_timeout_ms),
+                ("grpc.max_connection_idle_ms", int(IDLE_CLOSE_S * 1000)),
             ],
         )
         handlers = self._on_threads()

@@ -76,7 +76,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=_at_least(0, 2**20),
         default=0,
         help="control-plane connections at once; past it a new one is closed (default 0: "
-        "4096, or an eighth of the hard open-file limit where that is less)",
+        "4096, or a sixteenth of the hard open-file limit where that is less)",
     )
     p.add_argument(
         "--hello-timeout",

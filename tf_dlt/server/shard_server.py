@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import resource
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +40,8 @@ COPY_SERVICE = "tf_dlt.copy"
 # connections they are left out of the data plane's automatic cap, so that
 # neither plane can take the descriptors the other, or a save, needs.
 OTHER_FDS = 256
-# The admin plane's automatic connection cap: at most this, and at most an
-# eighth of the hard open-file limit.
+# The admin plane's automatic connection cap: at most this, and at most a
+# sixteenth of the hard open-file limit.
 ADMIN_CONNECTIONS = 4096
 
 
@@ -49,7 +50,18 @@ def _automatic_admin_connections() -> int:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard == resource.RLIM_INFINITY:
         return ADMIN_CONNECTIONS
-    return max(16, min(ADMIN_CONNECTIONS, hard // 8))
+    return max(8, min(ADMIN_CONNECTIONS, hard // 16))
+
+
+def _listeners(bind: str) -> int:
+    """How many sockets gRPC listens on for `bind` (a host name may stand
+    for an IPv4 and an IPv6 address, each with a listener and a connection
+    cap of its own)."""
+    try:
+        found = socket.getaddrinfo(bind, 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return 1
+    return max(1, len({info[4][0] for info in found}))
 
 
 def available_cpus() -> int:
@@ -85,9 +97,11 @@ class ShardServer:
         max_unauthenticated: connections that have not said Hello yet; a
             new one past this closes the oldest.
         max_admin_connections: control-plane connections at once; past it
-            a new one is closed (0: 4,096, or an eighth of the hard
-            open-file limit where that is less). The data plane's
-            automatic cap leaves their file descriptors out.
+            a new one is closed (0: 4,096, or a sixteenth of the hard
+            open-file limit where that is less; per listening address).
+            The data plane's automatic cap leaves their file descriptors
+            out. One that does not finish gRPC's handshake within
+            hello_timeout_s, or makes no call for 10 s, is closed.
         hello_timeout_s: a connection must say Hello within this.
         idle_timeout_s: an authenticated connection idle this long is
             closed (0: never).
@@ -244,7 +258,7 @@ class ShardServer:
             hello_timeout_ms=max(1, int(hello_timeout_s * 1000)),
             idle_timeout_ms=int(idle_timeout_s * 1000),
             max_buffered_bytes=max_buffered_bytes,
-            other_fds=OTHER_FDS + admin_connections,
+            other_fds=OTHER_FDS + admin_connections * _listeners(bind),
         )
         self.servicer = service.ShardAdminServicer(
             self.shard,
@@ -259,6 +273,7 @@ class ShardServer:
             count_error=self.servicer.count_error,
             tls_files=tls,
             max_connections=admin_connections,
+            handshake_timeout_s=hello_timeout_s,
         )
         self._read_only = read_only
         self.servicer.standbys = replication.Standbys(
