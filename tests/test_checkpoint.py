@@ -468,11 +468,14 @@ def test_a_load_whose_commit_got_no_answer_names_the_shard_that_may_hold_it(
 
 
 def test_a_manifest_that_leaves_a_shards_file_out_is_refused(
-    start_cluster: Callable[..., Cluster], tmp_path: Path
+    start_cluster: Callable[..., Cluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A manifest edited to list one file fewer (valid JSON, each entry
     well formed) loaded the other shard's rows alone: the cluster's 20,000
-    rows became 9,899 without an error. Refused, and the rows stay."""
+    rows became 9,899 without an error. Refused, and the rows stay; `tf-dlt
+    checkpoint ls` of it says why it lists no checkpoint there."""
+    from tf_dlt.tools import cli
+
     cluster = start_cluster(2)
     ids = np.arange(2000)
     with cluster.client() as client:
@@ -488,6 +491,8 @@ def test_a_manifest_that_leaves_a_shards_file_out_is_refused(
             client.load(str(tmp_path / "ck"))
         np.testing.assert_array_equal(client.pull("t", ids, training=False), held)
         assert client.list_tables()["t"]["rows"] == len(ids)
+    assert cli.main(["checkpoint", "ls", str(tmp_path / "ck")]) == 1
+    assert "not one from each shard" in capsys.readouterr().err
 
 
 def test_no_manifest_means_no_checkpoint(

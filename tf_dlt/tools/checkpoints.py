@@ -9,7 +9,7 @@ import json
 import sys
 
 from tf_dlt import errors
-from tf_dlt.checkpoint import chain
+from tf_dlt.checkpoint import chain, manifest
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +61,18 @@ def _print_links(links: list[dict[str, object]]) -> None:
         )
 
 
+def _unlisted(path: str) -> str:
+    """Why a checkpoint at `path` itself is not listed: its manifest's
+    refusal (a listing passes malformed manifests over), or ""."""
+    try:
+        manifest.read_manifest(path)
+    except errors.FailedPreconditionError as e:
+        return f" ({e.message})"
+    except errors.DltError:
+        pass
+    return ""
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         with errors.storage_errors("reading or writing the checkpoints"):
@@ -103,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
                 if r["holds"]:  # not listed here: `ls` them where they are
                     print(f"       holds {len(r['holds'])} more: {', '.join(r['holds'])}")
         if not rows:
-            print(f"no committed checkpoint in {args.path}", file=sys.stderr)
+            print(f"no committed checkpoint in {args.path}{_unlisted(args.path)}", file=sys.stderr)
             return 1
         return 0
     if args.verb == "compact":
