@@ -861,6 +861,27 @@ def test_idle_admin_connections_take_no_descriptor_past_their_cap(
                 sock.close()
 
 
+def test_health_checks_that_never_send_their_request_do_not_hold_the_cap(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Health takes no token. A peer filled --max-admin-connections once
+    with connections each holding a health Check whose request never came
+    (a call in progress: never idle) and kept every new control-plane
+    connection out, the kubelet's probes included, for as long as it
+    liked. A health call's request is awaited --hello-timeout at most; the
+    connection is then idle, and closed."""
+    cluster = start_cluster(1, "--max-admin-connections", "8", "--hello-timeout", "1")
+    admin = cluster.admin_ports[0]
+    peers = [_silent_streams(admin, "/grpc.health.v1.Health/Check", 1) for _ in range(8)]
+    try:
+        assert not _health_on_a_new_connection(admin)  # the cap is full
+        # (--hello-timeout for the request, then the idle close)
+        wait_until(lambda: _health_on_a_new_connection(admin), "a new admin connection")
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 def _health_on_a_new_connection(port: int) -> bool:
     """Whether a health check on a connection of its own (not one another
     channel of this process shares) is answered."""

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from tf_dlt import grpc_util, tls
@@ -171,8 +171,10 @@ class AdminServer:
         # a file descriptor the data plane's share leaves out (ShardServer).
         # A connection must finish gRPC's handshake within
         # handshake_timeout_s and is closed once IDLE_CLOSE_S passed without
-        # a call, so a peer without the token holds the cap only by
-        # reconnecting all the time (clients reconnect by themselves).
+        # a call (a health call, which takes no token, gets its request
+        # within handshake_timeout_s or ends), so a peer without the token
+        # holds the cap only by reconnecting all the time (clients
+        # reconnect by themselves).
         self._max_connections = max_connections
         self._handshake_timeout_ms = max(1, int(handshake_timeout_s * 1000))
         self._address = address
@@ -240,7 +242,7 @@ class AdminServer:
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
         )
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self._add_health(server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
@@ -260,6 +262,53 @@ class AdminServer:
             )
         self._server = server
         return int(port)
+
+    def _add_health(self, server: grpc.aio.Server) -> None:
+        """grpc.health.v1 on `server`, each call's request awaited at most the
+        handshake timeout. Health takes no token, and a Check whose request
+        never came was a call in progress: its connection was never idle,
+        so a peer kept the connection cap full with one batch of them."""
+        wait_s = self._handshake_timeout_ms / 1000
+
+        async def request(context: grpc.aio.ServicerContext) -> Any:
+            try:
+                got = await asyncio.wait_for(context.read(), wait_s)
+            except TimeoutError:
+                got = grpc.aio.EOF
+            if got is grpc.aio.EOF:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no health request within {wait_s:g} s"
+                )
+            return got
+
+        async def check(_: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await self._health.Check(await request(context), context)
+
+        async def list_all(_: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await self._health.List(await request(context), context)
+
+        async def watch(_: Any, context: grpc.aio.ServicerContext) -> None:
+            await self._health.Watch(await request(context), context)
+
+        check_request = health_pb2.HealthCheckRequest.FromString
+        check_reply = health_pb2.HealthCheckResponse.SerializeToString
+        handlers = {
+            "Check": grpc.stream_unary_rpc_method_handler(
+                check, request_deserializer=check_request, response_serializer=check_reply
+            ),
+            "List": grpc.stream_unary_rpc_method_handler(
+                list_all,
+                request_deserializer=health_pb2.HealthListRequest.FromString,
+                response_serializer=health_pb2.HealthListResponse.SerializeToString,
+            ),
+            "Watch": grpc.stream_stream_rpc_method_handler(
+                watch, request_deserializer=check_request, response_serializer=check_reply
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(health.SERVICE_NAME, handlers),)
+        )
+        server.add_registered_method_handlers(health.SERVICE_NAME, handlers)
 
     def start(self) -> None:
         """Serves on the port bound."""
