@@ -345,6 +345,22 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         pushes = getattr(self, "pushes", None)
         return self._rows_loaded or (pushes is not None and int(pushes.numpy()) > 0)
 
+    def configure_row_cache(
+        self, config: TableConfig, settings: tuple[int, int, int, int], check: bool = True
+    ) -> None:
+        """Keeps a hot-row cache of this layer's table in its client
+        (`tf_dlt.hot_row_cache`: `settings` are its rows, staleness bounds
+        in steps and ms, and min_count; rows 0 removes it), applying
+        pushes as `config` (the table's) does."""
+        rows, steps, ms, min_count = settings
+        assert self.client is not None
+        ops.configure_cache(
+            self.client, config, rows,
+            max_staleness_steps=steps, max_staleness_ms=ms, min_count=min_count, check=check,
+        )  # fmt: skip
+        # (a tuple: Keras tracks a layer's lists and dicts)
+        self._dlt_row_cache = (config, settings) if rows else None
+
     def follow_optimizer(self, optimizer: Any) -> None:
         """Gives the table the server-side form of the Keras `optimizer`,
         when the layer names none itself. The first call on a built layer
@@ -364,6 +380,11 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                     self.name, config, self.client, self._from_earlier_session
                 )
                 self.table_config = config
+                cached = getattr(self, "_dlt_row_cache", None)
+                if cached is not None and cached[0].optimizer != config.optimizer:
+                    # The table took this optimizer (a frozen layer's cache
+                    # took the one it had): the cache applies pushes as it.
+                    self.configure_row_cache(config, cached[1], check=False)
                 if fresh:  # an earlier session's table gave way to an empty one
                     self._upload_initial_weights()
             self._settled = True

@@ -401,3 +401,30 @@ def test_a_frozen_layers_cache_takes_the_tables_optimizer_as_the_shards_hold_it(
     stats = ops.client_stats(model.get_layer("hc_emb").client)
     assert stats["cache_hits"] > 0
     np.testing.assert_array_equal(_shard_rows(cluster, "hc_emb", ids), trained)
+
+
+def test_a_cache_taken_frozen_follows_the_optimizer_the_table_takes_when_unfrozen(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A frozen layer's cache takes the table's optimizer as the shards
+    hold it. Unfrozen and recompiled with another optimizer (the table,
+    never trained, takes it), the cache kept the old one: Adam's state
+    pulls failed ("reply of 580 bytes; the request expects 404"). It
+    follows the table, and trains as without the cache."""
+    x, y = _data()
+    base = _model()
+
+    def run(cached: bool) -> list[float]:
+        model = _remote(base, start_cluster(1))
+        layer = model.get_layer("hc_emb")
+        layer.trainable = False
+        model.compile(optimizer=keras.optimizers.RMSprop(0.01), loss="mse")
+        if cached:
+            tf_dlt.hot_row_cache(model, rows=16, max_staleness_steps=1000, min_count=1)
+        model.predict(x, batch_size=BATCH, verbose=0)
+        layer.trainable = True
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return list(history.history["loss"])
+
+    np.testing.assert_allclose(run(cached=True), run(cached=False), rtol=1e-6)

@@ -869,7 +869,12 @@ def test_health_checks_that_never_send_their_request_do_not_hold_the_cap(
     (a call in progress: never idle) and kept every new control-plane
     connection out, the kubelet's probes included, for as long as it
     liked. A health call's request is awaited --hello-timeout at most; the
-    connection is then idle, and closed."""
+    connection is then idle, and closed. Health Watch streams, which stay
+    open by design, held it the same way: at most a quarter of the cap
+    are taken."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     cluster = start_cluster(1, "--max-admin-connections", "8", "--hello-timeout", "1")
     admin = cluster.admin_ports[0]
     peers = [_silent_streams(admin, "/grpc.health.v1.Health/Check", 1) for _ in range(8)]
@@ -880,6 +885,30 @@ def test_health_checks_that_never_send_their_request_do_not_hold_the_cap(
     finally:
         for peer in peers:
             peer.close()
+    channels = [
+        grpc.insecure_channel(f"127.0.0.1:{admin}", options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(8)
+    ]
+    try:
+        watches = [
+            health_pb2_grpc.HealthStub(c).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            for c in channels
+        ]
+        open_watches = []
+        for watch in watches:
+            try:
+                next(watch)  # SERVING
+                open_watches.append(watch)
+            except grpc.RpcError as e:
+                assert e.code() in (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.UNAVAILABLE,
+                ), e
+        assert len(open_watches) == 2  # 8 // 4
+        wait_until(lambda: _health_on_a_new_connection(admin), "a new admin connection")
+    finally:
+        for c in channels:
+            c.close()
 
 
 def _health_on_a_new_connection(port: int) -> bool:

@@ -18,7 +18,6 @@ import keras
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
 from tf_dlt.keras.walk import chosen_layers
-from tf_dlt.table_config import TableConfig
 
 
 def hot_row_cache(
@@ -114,21 +113,9 @@ def hot_row_cache(
                 )
             layer.follow_optimizer(model.optimizer)
             config = layer.table_config
-        # (a tuple: Keras tracks a layer's lists and dicts)
         settings = (rows, max_staleness_steps or 0, max_staleness_ms or 0, min_count)
-        _configure(layer, config, settings)
-        layer._dlt_row_cache = (config, settings) if rows else None
+        layer.configure_row_cache(config, settings)
     return model
-
-
-def _configure(
-    layer: Any, config: TableConfig, settings: tuple[int, int, int, int], check: bool = True
-) -> None:
-    rows, steps, ms, min_count = settings
-    ops.configure_cache(
-        layer.client, config, rows,
-        max_staleness_steps=steps, max_staleness_ms=ms, min_count=min_count, check=check,
-    )  # fmt: skip
 
 
 def forget_cached_rows(layers: list[Any]) -> None:
@@ -141,7 +128,7 @@ def forget_cached_rows(layers: list[Any]) -> None:
         if cached and layer.client is not None:
             # Checked when made; no round trip that could fail a load done.
             config, settings = cached
-            _configure(layer, config, settings, check=False)
+            layer.configure_row_cache(config, settings, check=False)
 
 
 def _own_clients(model: keras.Model, chosen: list[Any]) -> None:

@@ -129,19 +129,20 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 class _HealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
-    """grpc.health.v1 with at most MAX_HEALTH_WATCHES Watch streams at once
-    (one more is refused RESOURCE_EXHAUSTED; Check always answers). Runs on
-    the server's event loop only."""
+    """grpc.health.v1 with at most `max_watches` Watch streams at once (one
+    more is refused RESOURCE_EXHAUSTED; Check always answers). Runs on the
+    server's event loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_watches: int) -> None:
         super().__init__()
         self._watches = 0
+        self._max_watches = max_watches
 
     async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        if self._watches >= MAX_HEALTH_WATCHES:
+        if self._watches >= self._max_watches:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"at most {MAX_HEALTH_WATCHES} health Watch streams at once; Check answers",
+                f"at most {self._max_watches} health Watch streams at once; Check answers",
             )
         self._watches += 1
         try:
@@ -182,7 +183,10 @@ class AdminServer:
         self._count_error = count_error
         self._tls_files = tls_files
         self._pool = futures.ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="dlt-admin")
-        self._health = _HealthServicer()
+        # A Watch (no token) keeps its connection busy for as long as it
+        # stays open: a quarter of the connections at most, so Watches
+        # alone never fill the cap (8 did at a cap of 8, for good).
+        self._health = _HealthServicer(min(MAX_HEALTH_WATCHES, max(1, max_connections // 4)))
         self._statuses: dict[str, Any] = {}  # set before the loop runs
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
