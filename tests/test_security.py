@@ -8,7 +8,6 @@ import datetime
 import ipaddress
 import os
 import re
-import resource
 import shutil
 import socket
 import subprocess
@@ -542,14 +541,19 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
     traceback or a misleading reason."""
     import socket
 
-    def server(*flags: str, files: int | None = None) -> subprocess.CompletedProcess[str]:
-        def limit_files() -> None:  # (`files`: the open-file limit, soft and hard)
-            if files is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
-
+    def server(*flags: str, files: int = 0) -> subprocess.CompletedProcess[str]:
+        # `files`: the open-file limit, soft and hard, set by a first Python
+        # that then becomes the server (a preexec_fn runs Python in a fork
+        # of this many-threaded process, and hung in CI).
+        start = (
+            "import os, resource, sys\n"
+            "if int(sys.argv[1]):\n"
+            "    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]),) * 2)\n"
+            "os.execv(sys.executable, [sys.executable, '-m', 'tf_dlt.server', *sys.argv[2:]])"
+        )
         return subprocess.run(
-            [sys.executable, "-m", "tf_dlt.server", "--bind", "127.0.0.1", *flags],
-            capture_output=True, text=True, timeout=120, cwd="/", preexec_fn=limit_files,
+            [sys.executable, "-c", start, str(files), "--bind", "127.0.0.1", *flags],
+            capture_output=True, text=True, timeout=120, cwd="/",
         )  # fmt: skip
 
     def refused(out: subprocess.CompletedProcess[str], says: str) -> None:
