@@ -473,7 +473,8 @@ def test_a_manifest_that_leaves_a_shards_file_out_is_refused(
     """A manifest edited to list one file fewer (valid JSON, each entry
     well formed) loaded the other shard's rows alone: the cluster's 20,000
     rows became 9,899 without an error. Refused, and the rows stay; `tf-dlt
-    checkpoint ls` of it says why it lists no checkpoint there."""
+    checkpoint ls` of it, or of the directory that holds it beside a good
+    one, says why it is not listed (a listing passed it over in silence)."""
     from tf_dlt.tools import cli
 
     cluster = start_cluster(2)
@@ -482,6 +483,7 @@ def test_a_manifest_that_leaves_a_shards_file_out_is_refused(
         client.create_table("t", 4, optimizer="adagrad")
         client.push("t", ids, np.ones((len(ids), 4), np.float32), 0.1)
         saved = client.save(str(tmp_path / "ck"))
+        client.save(str(tmp_path / "good"))
         held = client.pull("t", ids, training=False)
         for name in ("MANIFEST.json", manifest_lib.manifest_copy(saved["save_id"])):
             doc = json.loads((tmp_path / "ck" / name).read_text())
@@ -493,6 +495,11 @@ def test_a_manifest_that_leaves_a_shards_file_out_is_refused(
         assert client.list_tables()["t"]["rows"] == len(ids)
     assert cli.main(["checkpoint", "ls", str(tmp_path / "ck")]) == 1
     assert "not one from each shard" in capsys.readouterr().err
+    assert cli.main(["checkpoint", "ls", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert str(tmp_path / "good") in out and str(tmp_path / "ck") not in out
+    assert f"{tmp_path / 'ck'}/MANIFEST.json is malformed" in err
+    assert "not one from each shard" in err
 
 
 def test_no_manifest_means_no_checkpoint(

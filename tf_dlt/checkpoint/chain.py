@@ -128,7 +128,11 @@ class Checkpoint:
 
 
 def find(
-    directory: str, *, whole_models: bool = True, unread: list[str] | None = None
+    directory: str,
+    *,
+    whole_models: bool = True,
+    unread: list[str] | None = None,
+    refused: list[str] | None = None,
 ) -> list[Checkpoint]:
     """The committed checkpoints in `directory` (itself, its
     subdirectories, and model checkpoints' ``tables/``), oldest first by
@@ -137,7 +141,8 @@ def find(
     or its dense weights, there: `read_model`); False: every committed
     table checkpoint (what a delta may stand on). `unread`: where given,
     what cannot be read (the listing, a manifest) is appended to it and
-    passed over instead of raised."""
+    passed over instead of raised. `refused`: where given, each manifest
+    (or model checkpoint) a load would refuse is appended to it with why."""
 
     def pass_over(what: str, e: Exception) -> None:
         if unread is None:
@@ -161,7 +166,11 @@ def find(
         for tables, tables_dir in ((path, None), (tables_path(path, TABLES_DIR), TABLES_DIR)):
             try:
                 m = manifest_lib.read_manifest(tables)
-            except (errors.NotFoundError, errors.FailedPreconditionError):
+            except errors.NotFoundError:
+                continue
+            except errors.FailedPreconditionError as e:
+                if refused is not None:
+                    refused.append(e.message)
                 continue
             except Exception as e:  # noqa: BLE001 - as above
                 pass_over(tables, e)
@@ -169,7 +178,9 @@ def find(
             if tables_dir and whole_models:  # a model checkpoint: its dense weights too
                 try:
                     read_model(path, m)
-                except Exception:  # noqa: BLE001 - a model checkpoint a load refuses: not listed
+                except Exception as e:  # noqa: BLE001 - a model checkpoint a load refuses: not listed
+                    if refused is not None:
+                        refused.append(f"{path}: {getattr(e, 'message', e)}")
                     break
             found.append(Checkpoint(path, tables_path(path, tables_dir), m))
             break

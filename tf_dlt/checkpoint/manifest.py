@@ -307,8 +307,8 @@ def write_manifest(
     # The parts' buckets tile the whole range, in shard order: a part from
     # a shard of another layout (a save across a re-shard) would leave rows
     # out, or hold some twice.
-    ranges = [(int(p["first_bucket"]), int(p["end_bucket"])) for p in parts]
-    if ranges and not _tile_every_bucket(ranges):
+    if parts and not _one_from_each_shard(parts, num_shards):
+        ranges = [(p["first_bucket"], p["end_bucket"]) for p in parts]
         raise errors.FailedPreconditionError(
             f"the shards' bucket ranges {ranges} do not cover the {NUM_BUCKETS} buckets once "
             "each (shards of different layouts: a re-shard during the save?)"
@@ -722,11 +722,18 @@ _SHARD_FILE = re.compile(r"^shard-\d{5}-of-\d{5}\.[A-Za-z0-9_-]+\.h5$")
 MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4096, 16 << 20
 
 
-def _tile_every_bucket(ranges: list[tuple[int, int]]) -> bool:
-    """Whether bucket ranges [first, end), in shard order, hold each of the
-    NUM_BUCKETS buckets once."""
+def _one_from_each_shard(parts: list[dict[str, Any]], num_shards: object) -> bool:
+    """Whether `parts` (a save's parts or a manifest's file entries, each
+    with shard_index, first_bucket and end_bucket) are one from each of
+    `num_shards` shards whose bucket ranges, in shard order, hold each of
+    the NUM_BUCKETS buckets once."""
+    parts = sorted(parts, key=lambda p: int(p["shard_index"]))
+    ranges = [(int(p["first_bucket"]), int(p["end_bucket"])) for p in parts]
     return (
-        bool(ranges)
+        not isinstance(num_shards, bool)
+        and isinstance(num_shards, int)
+        and [int(p["shard_index"]) for p in parts] == list(range(num_shards))
+        and bool(ranges)
         and ranges[0][0] == 0
         and ranges[-1][1] == NUM_BUCKETS
         and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
@@ -793,13 +800,7 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
     # that left a file out loaded the others' rows alone, and the cluster
     # lost the rest of its table without a word.
     num_shards = manifest.get("num_shards")
-    shards = sorted(files, key=lambda e: int(e["shard_index"]))
-    if (
-        isinstance(num_shards, bool)
-        or not isinstance(num_shards, int)
-        or [int(e["shard_index"]) for e in shards] != list(range(num_shards))
-        or not _tile_every_bucket([(e["first_bucket"], e["end_bucket"]) for e in shards])
-    ):
+    if not _one_from_each_shard(files, num_shards):
         raise bad(
             f"its files ({len(files)} for num_shards {num_shards!r}) are not one from each shard "
             f"covering the {NUM_BUCKETS} buckets once"

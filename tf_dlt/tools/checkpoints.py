@@ -9,7 +9,7 @@ import json
 import sys
 
 from tf_dlt import errors
-from tf_dlt.checkpoint import chain, manifest
+from tf_dlt.checkpoint import chain
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -61,18 +61,6 @@ def _print_links(links: list[dict[str, object]]) -> None:
         )
 
 
-def _unlisted(path: str) -> str:
-    """Why a checkpoint at `path` itself is not listed: its manifest's
-    refusal (a listing passes malformed manifests over), or ""."""
-    try:
-        manifest.read_manifest(path)
-    except errors.FailedPreconditionError as e:
-        return f" ({e.message})"
-    except errors.DltError:
-        pass
-    return ""
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         with errors.storage_errors("reading or writing the checkpoints"):
@@ -84,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.verb == "ls":
-        found = chain.find(args.path)
+        refused: list[str] = []
+        found = chain.find(args.path, refused=refused)
         itself = next((c for c in found if c.path == args.path), None)
         if itself is not None:  # one checkpoint: the chain it loads
             links = chain.describe(itself.tables)
@@ -114,8 +103,13 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"{r['kind']:6} {r['save_id']}  {r['path']}  ({r['chain']})")
                 if r["holds"]:  # not listed here: `ls` them where they are
                     print(f"       holds {len(r['holds'])} more: {', '.join(r['holds'])}")
+        # What a load would refuse is not listed, but said: an edited or
+        # damaged checkpoint beside good ones must not vanish unnoticed.
+        for why in refused:
+            print(f"tf-dlt checkpoint ls: not listed, a load refuses it: {why}", file=sys.stderr)
         if not rows:
-            print(f"no committed checkpoint in {args.path}{_unlisted(args.path)}", file=sys.stderr)
+            if not refused:
+                print(f"no committed checkpoint in {args.path}", file=sys.stderr)
             return 1
         return 0
     if args.verb == "compact":
