@@ -183,6 +183,38 @@ def _reshard_twice(
     trainer.wait_for(20)
 
 
+def test_a_clients_table_changes_and_saves_follow_another_clients_reshard(
+    cluster: LocalCluster, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """A client whose control plane asked the shards their layout less than
+    5 s before another client re-sharded 2 -> 3 sent its writes to the two
+    old shards alone: a table it made missed the new shard, one it dropped
+    stayed there with its rows (each returned OK), and a save failed after
+    two shards wrote their parts. Shards of the newer layout refuse such
+    calls before applying them, and the client sends them to the new
+    layout's shards."""
+    stale = tf_dlt.Client(cluster.addresses)
+    stale.create_table("emb", DIM, seed=7)
+    stale.create_table("old", DIM, seed=7)
+    stale.push("old", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+    stale.list_tables()  # its layout asked just now
+    joined = cluster.join()
+    three = [*cluster.addresses, joined]
+    assert tf_dlt.Client(cluster.addresses).reshard(three)["layout_epoch"] == 2
+    stale.create_table("new", DIM, seed=1)
+    stale.drop_table("old")
+    saved = stale.save(str(tmp_path / "ckpt"))
+    assert stale.pservers == three
+    fresh = tf_dlt.Client(three)
+    assert [sorted(t["config"]["name"] for t in s["tables"]) for s in fresh.stats()] == [
+        ["emb", "new"]
+    ] * 3
+    assert saved["num_shards"] == 3
+    fresh.pull("new", IDS)
+    with pytest.raises(errors.NotFoundError):
+        fresh.pull("old", IDS)
+
+
 @pytest.mark.parametrize("step", ["PREPARE", "STREAM", "HOLD", "SWITCH"])
 @pytest.mark.parametrize("victim", ["joining", "old"])
 def test_a_reshard_aborts_when_a_participant_dies(
@@ -623,7 +655,19 @@ def test_an_address_listed_twice_in_the_new_layout_is_refused_so(cluster: LocalC
     for to in ([a, b, joined, joined], [a, f"{b}|{joined}", joined]):
         with pytest.raises(errors.InvalidArgumentError, match=f"{joined} is listed twice"):
             tf_dlt.Client(cluster.addresses).reshard(to)
+    # One process under two names: it streamed every range, then failed at
+    # the switch, the process left saying it served shard 1 of 1.
+    alias = joined.replace("127.0.0.1", "localhost")
+    before = _native.hello(joined)
+    for to in ([a, b, joined, alias], [a, b.replace("127.0.0.1", "localhost"), b]):
+        with pytest.raises(errors.InvalidArgumentError, match="are one process") as refused:
+            tf_dlt.Client(cluster.addresses).reshard(to)
+        assert "nothing was changed" in str(refused.value)
     assert [s["layout_epoch"] for s in tf_dlt.Client(cluster.addresses).stats()] == [1, 1]
+    after = _native.hello(joined)
+    assert [after[k] for k in ("shard_index", "num_shards")] == [
+        before[k] for k in ("shard_index", "num_shards")
+    ]
 
 
 def test_a_reshard_onto_a_process_with_a_memory_budget_is_refused_naming_it(

@@ -57,6 +57,9 @@ def _as_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
 # Seconds between a control plane's questions to the shards about their
 # layout (live re-sharding, docs/replication.md).
 _LAYOUT_ASK_S = 5.0
+# Times a control-plane write is sent, each to the layout learned after the
+# last refused it (re-shards one after another).
+_LAYOUT_RETRIES = 3
 # How often an admin call whose shard's copies do not greet asks them again.
 _REGREET_PAUSE_S = 0.2
 # How often an admin call waiting on a shard with standbys looks for another
@@ -125,6 +128,16 @@ class _Greeted(NamedTuple):
     addresses: int
     others: int
     last: errors.DltError
+
+
+def _layout_moved(result: object) -> bool:
+    """Whether a control call's `result` is a refusal by a shard serving a
+    newer layout than the call's (grpc_util.LAYOUT_MOVED)."""
+    return isinstance(result, errors.AbortedError) and grpc_util.LAYOUT_MOVED in result.message
+
+
+def _not_found(result: object) -> bool:
+    return isinstance(result, errors.NotFoundError)
 
 
 def _lineage(lineage: int) -> tuple[tuple[str, str], ...]:
@@ -376,7 +389,14 @@ class Client:
         lineages = {i: met[i]["lineage"] for i in shards}
         # Only writes carry it: a load replaces what a shard holds (the way
         # back after a restart), greeting every shard afresh first.
-        carried = {i: _lineage(lineages[i]) if method in _WRITES else () for i in shards}
+        # And the layout they are of: a shard that switched to a newer one
+        # refuses them (`_on_all` sends them again to the new layout's).
+        carried = {
+            i: _lineage(lineages[i]) + ((grpc_util.LAYOUT_METADATA_KEY, str(layout)),)
+            if method in _WRITES
+            else ()
+            for i in shards
+        }
         if method in _WRITES or method == "Load":
             self._to_newest_copies({i: met[i] for i in shards})
         answered: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
@@ -888,8 +908,23 @@ class Client:
         timeout: float | None = None,
         progress: Progress | None = None,
     ) -> list[Any]:
-        """`_call_all`, raising the first failure (in shard order)."""
-        results = self._call_all(method, request, timeout, progress)
+        """`_call_all`, raising the first failure (in shard order). A write
+        that shards of a newer layout refused (another client re-sharded
+        since this one last asked) is sent again to the new layout's shards,
+        once it is learned."""
+        again = False
+        for _ in range(_LAYOUT_RETRIES):
+            layout = int(self._data.layout_epoch)
+            results = self._call_all(method, request, timeout, progress)
+            if again and method == "DropTable" and not all(_not_found(r) for r in results):
+                # Shards that had not switched dropped it the first time.
+                results = [None if _not_found(r) else r for r in results]
+            if not any(_layout_moved(r) for r in results):
+                break
+            self._follow_layout(learn=True)
+            if int(self._data.layout_epoch) == layout:
+                break  # no shard greets with the newer layout: its refusal stands
+            again = True
         for result in results:
             if isinstance(result, errors.DltError):
                 raise result

@@ -48,6 +48,12 @@ def admin_address(data_address: str, admin_port: int) -> str:
 # hex digits): a shard's admin plane refuses writes from a client that met
 # another lineage (docs/replication.md).
 LINEAGE_METADATA_KEY = "dlt-lineage"
+# Call metadata naming the layout epoch a client's control plane addresses
+# (decimal): a shard serving a newer layout (a re-shard since) refuses its
+# writes ABORTED, saying LAYOUT_MOVED; the client learns the layout and sends
+# them again to its shards.
+LAYOUT_METADATA_KEY = "dlt-layout"
+LAYOUT_MOVED = "a re-shard moved the layout"
 # What a shard's admin port says to a call it refuses while it stops (SIGTERM):
 # a client moves on to the copy that takes over, as from one that died.
 STOPPING = "the shard is stopping"

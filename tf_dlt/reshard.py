@@ -95,6 +95,7 @@ def reshard(
         new_sets = _replica_sets(to, auth_token, hellos)
         layout = _layout(new_sets)
     _refuse_a_partial_layout(old_sets, hellos)
+    _refuse_one_process_twice(new_sets, hellos)
     if layout == _layout(old_sets):
         # Done already (run again after a reply was lost, say): nothing to
         # move. It failed, and a script running the documented command a
@@ -630,6 +631,28 @@ def _refuse_a_partial_layout(
                 f"({_layout(old_sets)}): list every shard of the layout served now, in order "
                 "(before the first re-shard the shards do not know each other's addresses)"
             )
+
+
+def _refuse_one_process_twice(
+    new_sets: list[list[str]], hellos: dict[tuple[str, bool], Any]
+) -> None:
+    """Two shards of the new layout whose primaries greet with one lineage
+    are one process under two names (127.0.0.1:P and localhost:P): the
+    re-shard streamed every range, then failed at its switch, and the
+    process was left saying it served shard 1 of 1."""
+    seen: dict[int, str] = {}
+    for replicas in new_sets:
+        info = hellos.get((replicas[0], False))
+        lineage = int(info.get("lineage", 0)) if isinstance(info, dict) else 0
+        if not lineage:
+            continue
+        if lineage in seen:
+            raise errors.InvalidArgumentError(
+                f"reshard: {seen[lineage]} and {replicas[0]} are one process (both greet "
+                f"with lineage {lineage:016x}): each shard of the new layout needs its own; "
+                "nothing was changed"
+            )
+        seen[lineage] = replicas[0]
 
 
 def _refuse_owners_from_elsewhere(

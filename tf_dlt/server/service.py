@@ -207,6 +207,17 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 f"{self._shard.lineage:016x}, started since the client met lineage {met}: it "
                 f"holds none of the rows written before; {what} goes to the copy the client met"
             )
+        told = context.metadata(grpc_util.LAYOUT_METADATA_KEY) if context is not None else None
+        if told and told.isdigit() and int(told) < int(self._shard.layout_epoch):
+            # The client's stubs are of a layout before a re-shard: applied
+            # here, a table made or dropped would miss the shards that joined
+            # (or a save leave their rows out). Nothing applied: it learns
+            # the layout and sends it again.
+            raise errors.AbortedError(
+                f"shard {self._shard.shard_index} here serves layout epoch "
+                f"{self._shard.layout_epoch}, the client's calls are of epoch {told} "
+                f"({grpc_util.LAYOUT_MOVED}): {what} goes to the shards of the new layout"
+            )
         superseded = int(self._shard.superseded_by)
         if superseded:
             # Replaced while paused or cut off: its rows miss what the new
