@@ -31,6 +31,11 @@ def embed(
         return combine(layer.combiner, rows, inputs.indices[:, 0], inputs.dense_shape[0])
     if isinstance(inputs, tf.SparseTensor):
         inputs = tf.RaggedTensor.from_sparse(inputs)
+    if layer.combiner is not None and _placeholder_of_keras_build(inputs):
+        # Keras builds a model under a tf.distribute strategy from a dense
+        # placeholder of the first batch's shape, ragged or not: only the
+        # output's shape is read there.
+        inputs = tf.RaggedTensor.from_tensor(inputs)
     if isinstance(inputs, tf.RaggedTensor):
         rows = rows_of(inputs.flat_values)
         if layer.combiner is None:
@@ -42,6 +47,21 @@ def embed(
             "SparseTensor of ids"
         )
     return rows_of(inputs)
+
+
+def _placeholder_of_keras_build(inputs: Any) -> bool:
+    """Whether `inputs` is the dense stand-in Keras's symbolic build
+    (`compute_output_spec`, in its symbolic scope) gives a layer for a
+    ragged or sparse batch: a dense tensor of rank 2 or more."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return (
+        in_symbolic_scope()
+        and tf.is_tensor(inputs)
+        and not isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor))
+        and inputs.shape.rank is not None
+        and inputs.shape.rank >= 2
+    )
 
 
 def combine(

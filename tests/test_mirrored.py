@@ -71,3 +71,68 @@ def test_mirrored_strategy_two_replicas_match_keras_embedding(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert "OK" in out.stdout
+
+
+RAGGED = """
+import sys
+import numpy as np, tensorflow as tf
+replicas = int(sys.argv[1])
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+import keras, tf_dlt
+from tf_dlt import dlt_ops as ops
+
+strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+assert strategy.num_replicas_in_sync == replicas
+rng = np.random.default_rng(0)
+lengths = rng.integers(1, 5, size=64)
+ids = tf.RaggedTensor.from_row_lengths(rng.integers(1, 50, size=lengths.sum()), lengths)
+y = rng.integers(0, 2, size=(64, 1)).astype("float32")
+data = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8)
+with strategy.scope():
+    inp = keras.Input(shape=(None,), ragged=True, dtype="int64")
+    layer = tf_dlt.layers.Embedding(
+        output_dim=4, is_distributed=True, combiner="mean", optimizer="sgd",
+        learning_rate=0.5, sync_push=True, name="multi_hot")
+    out = keras.layers.Dense(1, activation="sigmoid")(layer(inp))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="binary_crossentropy")
+seen = np.unique(ids.flat_values.numpy())
+before = ops.lookup(layer.client, seen, "multi_hot", 4, training=False).numpy()
+history = model.fit(data, epochs=3, verbose=0)
+losses = history.history["loss"]
+assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+after = ops.lookup(layer.client, seen, "multi_hot", 4, training=False).numpy()
+assert not np.allclose(before, after)
+assert int(layer.pushes.numpy()) == 3 * 8, int(layer.pushes.numpy())
+model.evaluate(data, verbose=0)
+assert model.predict(data, verbose=0).shape == (64, 1)
+# A dense batch given to a combiner is still refused (at the step's trace).
+dense = tf.data.Dataset.from_tensor_slices((ids.to_tensor(), y)).batch(8)
+try:
+    model.fit(dense, epochs=1, verbose=0)
+except ValueError as e:
+    assert "feed a RaggedTensor or SparseTensor" in str(e), e
+else:
+    raise AssertionError("dense ids were taken by a combiner")
+print("OK", losses)
+"""
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_ragged_ids_with_a_combiner_train_under_mirrored_strategy(
+    tmp_path: Path, replicas: int
+) -> None:
+    """Ragged ids (a multi-hot feature, combiner="mean") through `fit`,
+    `evaluate` and `predict` under a MirroredStrategy: with two replicas
+    Keras's build from the first batch failed (`AttributeError:
+    'RaggedTensor' object has no attribute 'device'`, a plain Keras model's
+    too); with one, the layer refused the dense stand-in Keras builds it
+    from."""
+    out = subprocess.run(
+        [sys.executable, "-c", RAGGED, str(replicas)], capture_output=True, text=True,
+        timeout=300, cwd=tmp_path, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "OK" in out.stdout
