@@ -369,6 +369,13 @@ size_t Shard::KeepMemory() {
   auto& failed = keeper_failed_;
   const auto now = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<Table>> tables = Tables();
+  // A dropped table's entry goes: a table made later at its address would
+  // wait out its backoff.
+  for (auto f = failed.begin(); f != failed.end();) {
+    const bool held = std::any_of(tables.begin(), tables.end(),
+                                  [&f](const auto& t) { return t.get() == f->first; });
+    f = held ? std::next(f) : failed.erase(f);
+  }
   const uint64_t resident = ResidentBytes();
   resident_.store(resident, std::memory_order_relaxed);
   // What is not the tables' (the interpreter, buffers) is measured; the
@@ -456,6 +463,13 @@ size_t Shard::KeepMemory() {
         failed.erase(f);
       }
     }
+  } else if (!failed.empty()) {
+    // Nothing to move: no table's keeper fails now (a failed pass's error
+    // was shown in the stats for good once RAM came back under target).
+    for (const auto& t : tables) {
+      if (failed.count(t.get())) t->SetKeeperError("");
+    }
+    failed.clear();
   }
   // Records the moved rows freed go back to the system while the process
   // holds more than its rows may take (else the next rows made take them

@@ -1393,6 +1393,29 @@ DLT_TEST(TestMemoryASaveOrLoadLeavesBehindMovesNoRowWhileItGoes) {
   munmap(more, kHeld);
 }
 
+DLT_TEST(TestAKeepersDiskErrorClearsOnceNothingNeedsMoving) {
+  // The keeper's failure to move rows (a full disk) is shown in the tier's
+  // stats while rows need moving; once RAM is back under its target (the
+  // memory that pushed it over was given back), it no longer fails, and the
+  // error goes. It stayed in `tf-dlt stats` for good.
+  FilledShard made;
+  Shard* shard = made.shard.get();
+  const std::shared_ptr<Table>& t = made.t;
+  if (testing::kUnderAddressSanitizer) return;  // measures resident memory
+  SettleMemory(shard);
+  EXPECT(t->tier_stats().error.empty());
+  DiskFaults full;
+  full.failing_writes = 1 << 30;
+  InjectDiskFaults(full);
+  void* taken = TakeMemory();
+  for (int i = 0; i < 3; ++i) shard->KeepMemory();
+  EXPECT(t->tier_stats().error.find("No space left on device") != std::string::npos);
+  munmap(taken, kHeld);
+  for (int i = 0; i < 3; ++i) shard->KeepMemory();
+  InjectDiskFaults(DiskFaults{});
+  EXPECT(t->tier_stats().error.empty());
+}
+
 DLT_TEST(TestMemoryTheWaitAfterASaveIsNotExtendedByTheNext) {
   // The keeper waits Shard::kSettle at most from the end of the first save
   // or load, however many end within it (a follower's deltas, a few
