@@ -215,6 +215,37 @@ def test_a_clients_table_changes_and_saves_follow_another_clients_reshard(
         fresh.pull("old", IDS)
 
 
+def test_a_write_whose_client_learns_a_reshard_as_it_sends_goes_to_the_new_layout(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data plane learning the new layout between the control plane's
+    stubs and the write (a push from another thread meeting the re-shard)
+    sent the write to the old shards carrying the new epoch: they took it,
+    and the new shard missed the table. The write carries the epoch its
+    stubs are of."""
+    stale = tf_dlt.Client(cluster.addresses)
+    stale.create_table("emb", DIM, seed=7)
+    stale.list_tables()
+    joined = cluster.join()
+    three = [*cluster.addresses, joined]
+    assert tf_dlt.Client(cluster.addresses).reshard(three)["layout_epoch"] == 2
+    stubs_of = tf_dlt.Client._admin
+    learned: list[bool] = []
+
+    def admin_then_learn(self: tf_dlt.Client) -> Any:
+        stubs = stubs_of(self)
+        if not learned:  # once, as a concurrent push would
+            learned.append(True)
+            self._data.learn_layout()
+        return stubs
+
+    monkeypatch.setattr(tf_dlt.Client, "_admin", admin_then_learn)
+    stale.create_table("new", DIM, seed=1)
+    assert learned
+    stats = tf_dlt.Client(three).stats()
+    assert [sorted(t["config"]["name"] for t in s["tables"]) for s in stats] == [["emb", "new"]] * 3
+
+
 @pytest.mark.parametrize("step", ["PREPARE", "STREAM", "HOLD", "SWITCH"])
 @pytest.mark.parametrize("victim", ["joining", "old"])
 def test_a_reshard_aborts_when_a_participant_dies(
@@ -466,6 +497,17 @@ def test_a_reshard_onto_a_shard_of_another_cluster_is_refused_and_changes_nothin
     np.testing.assert_array_equal(admin.pull("emb", IDS[:100]), rows)
 
 
+def _trained_and_grown_to_three(cluster: LocalCluster) -> tuple[tf_dlt.Client, list[str]]:
+    """A client of `cluster` whose table "emb" has a row for each of IDS,
+    after a re-shard 2 -> 3 onto a joined process; the three addresses."""
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.create_table("emb", DIM, optimizer="adagrad")
+    admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+    three = [*cluster.addresses, cluster.join()]
+    assert admin.reshard(three)["layout_epoch"] == 2
+    return admin, three
+
+
 def test_a_shard_restarted_in_its_new_place_can_be_resharded_again(
     cluster: LocalCluster,
     tmp_path,  # type: ignore[no-untyped-def]
@@ -475,12 +517,8 @@ def test_a_shard_restarted_in_its_new_place_can_be_resharded_again(
     the others serve epoch 2. The newest layout names it at its index, so
     the cluster can be re-sharded again (it was refused: "serve different
     layouts")."""
-    admin = tf_dlt.Client(cluster.addresses)
-    admin.create_table("emb", DIM, optimizer="adagrad")
-    admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
-    joined = cluster.join()
-    three = [*cluster.addresses, joined]
-    assert admin.reshard(three)["layout_epoch"] == 2
+    admin, three = _trained_and_grown_to_three(cluster)
+    joined = three[-1]
     admin.save(str(tmp_path / "ckpt"))
     rows = admin.pull("emb", IDS)
     cluster.kill(2)
@@ -523,6 +561,30 @@ def test_a_standby_attached_after_a_reshard_serves_new_clients_once_it_takes_ove
             client.push("emb", IDS[:10], np.ones((10, DIM), np.float32), 0.1)
             rows = client.pull("emb", IDS)
             client.close()
+
+
+def test_a_standby_attached_after_a_reshard_moves_with_its_shard_in_the_next(
+    cluster: LocalCluster,
+) -> None:
+    """After 2 -> 3 a standby attaches to shard 0. The layout the shards
+    serve does not name it, so every later re-shard was refused (its
+    primary "replicates to [S], but the shard lists none"), even one given
+    `a|S`: the coordinator read the layout served now from the shards. The
+    standbys a primary names move with it; 3 -> 2 runs, and the standby
+    takes over shard 0 of the new layout with every row."""
+    admin, three = _trained_and_grown_to_three(cluster)
+    a = cluster.addresses[0]
+    with ShardServer(0, 3, standby_of=a) as standby:
+        _await_standby(admin, 0, standby.address)
+        # Run again with or without it: done already.
+        assert admin.reshard(three)["unchanged"]
+        assert admin.reshard([f"{a}|{standby.address}", *three[1:]])["unchanged"]
+        admin.push("emb", IDS[:100], np.ones((100, DIM), np.float32), 0.1)
+        assert admin.reshard(cluster.addresses)["layout_epoch"] == 3
+        rows = admin.pull("emb", IDS)
+        _await_standby(admin, 0, standby.address)
+        cluster.kill(0)  # the standby takes shard 0 of 2
+        np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", IDS), rows)
 
 
 def test_a_process_a_reshard_of_the_same_count_left_out_is_never_used_for_its_old_place(

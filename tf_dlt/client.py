@@ -380,7 +380,11 @@ class Client:
         the shard, in the order of the shards. `progress` advances as each
         shard answers."""
         admins = self._admin()
-        layout = int(self._data.layout_epoch)  # the layout these stubs are of
+        for _ in range(_LAYOUT_RETRIES):
+            if int(self._data.layout_epoch) == self._stubs_layout:
+                break
+            admins = self._admin()  # the data plane learned a newer one meanwhile
+        layout = self._stubs_layout  # the layout these stubs are of
         shards = range(len(admins)) if shards is None else list(shards)
         deadline = timeout or self._request_timeout
         metadata = grpc_util.bearer(self._token)

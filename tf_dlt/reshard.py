@@ -554,9 +554,13 @@ def _replica_sets(
     shards: list[str], auth_token: str, hellos: dict[tuple[str, bool], Any]
 ) -> list[list[str]]:
     """Each shard's processes, the primary (the one serving trainers)
-    first, checked against the standbys it replicates to: a re-shard moves
-    the primary and every standby it has, or none. `hellos` keeps what each
-    process said (or the error it met), so each is greeted once."""
+    first, then every standby it replicates to: a re-shard moves the
+    primary and every standby it has, or none. A standby the primary's
+    Hello names and the list leaves out is added (one attached since the
+    layout was set: the layout the shards serve does not name it, and every
+    re-shard after it was refused); a listed process it does not replicate
+    to is refused. `hellos` keeps what each process said (or the error it
+    met), so each is greeted once."""
 
     def hello(address: str, replica: bool) -> dict[str, Any]:
         key = (address, replica)
@@ -604,12 +608,15 @@ def _replica_sets(
                 f"primary); {serving or 'none'} did"
             )
         others = [a for a in replicas if a != serving[0]]
-        if set(others) != said:
+        if not set(others) <= said:
             raise errors.FailedPreconditionError(
                 f"reshard: {serving[0]} replicates to {sorted(said) or 'no standby'}, but the "
-                f"shard lists {others or 'none'}: list each shard's primary and all its standbys"
+                f"shard lists {others}: list each shard's primary and its standbys only"
             )
-        sets.append([serving[0], *others])
+        unlisted = sorted(said - set(others))
+        if unlisted:
+            log.info("reshard: %s replicates to %s too: they move with it", serving[0], unlisted)
+        sets.append([serving[0], *others, *unlisted])
     return sets
 
 
