@@ -369,13 +369,6 @@ size_t Shard::KeepMemory() {
   auto& failed = keeper_failed_;
   const auto now = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<Table>> tables = Tables();
-  // A dropped table's entry goes: a table made later at its address would
-  // wait out its backoff.
-  for (auto f = failed.begin(); f != failed.end();) {
-    const bool held = std::any_of(tables.begin(), tables.end(),
-                                  [&f](const auto& t) { return t.get() == f->first; });
-    f = held ? std::next(f) : failed.erase(f);
-  }
   const uint64_t resident = ResidentBytes();
   resident_.store(resident, std::memory_order_relaxed);
   // What is not the tables' (the interpreter, buffers) is measured; the
@@ -445,7 +438,7 @@ size_t Shard::KeepMemory() {
   if (live_bytes > target) {
     const double excess = static_cast<double>(live_bytes) - target * kLowWater;
     for (const auto& t : tables) {
-      auto f = failed.find(t.get());
+      auto f = failed.find(t);
       if (f != failed.end() && now < f->second.at) continue;
       const uint64_t rows = t->ram_rows();
       const double share = static_cast<double>(rows * t->ram_row_bytes()) / live_bytes;
@@ -457,19 +450,25 @@ size_t Shard::KeepMemory() {
         t->SetKeeperError(status.message());
         const auto backoff =
             f == failed.end() ? kErrorBackoff : std::min(2 * f->second.backoff, kMaxErrorBackoff);
-        failed[t.get()] = {now + backoff, backoff};
+        failed[t] = {now + backoff, backoff, now};
       } else if (f != failed.end()) {
         t->SetKeeperError("");
         failed.erase(f);
       }
     }
-  } else if (!failed.empty()) {
-    // Nothing to move: no table's keeper fails now (a failed pass's error
-    // was shown in the stats for good once RAM came back under target).
-    for (const auto& t : tables) {
-      if (failed.count(t.get())) t->SetKeeperError("");
+  } else {
+    // Nothing to move: a table whose moves failed no longer fails once
+    // kKeeperErrorHold passed since (its error stayed in the stats for good
+    // once RAM came back under target; held a while, it does not come and
+    // go as RAM passes the target and back while the disk stays full).
+    for (auto f = failed.begin(); f != failed.end();) {
+      if (now < f->second.failed_at + kKeeperErrorHold) {
+        ++f;
+        continue;
+      }
+      if (const std::shared_ptr<Table> t = f->first.lock()) t->SetKeeperError("");
+      f = failed.erase(f);
     }
-    failed.clear();
   }
   // Records the moved rows freed go back to the system while the process
   // holds more than its rows may take (else the next rows made take them
@@ -488,8 +487,9 @@ size_t Shard::KeepMemory() {
   }
   // Forget tables that are gone.
   for (auto it = failed.begin(); it != failed.end();) {
-    const bool present = std::any_of(tables.begin(), tables.end(),
-                                     [&](const auto& t) { return t.get() == it->first; });
+    const bool present = std::any_of(tables.begin(), tables.end(), [&](const auto& t) {
+      return !it->first.owner_before(t) && !t.owner_before(it->first);
+    });
     it = present ? std::next(it) : failed.erase(it);
   }
   return moved;

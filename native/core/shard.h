@@ -199,6 +199,9 @@ class Shard {
   // One pass of the keeper: moves rows out of RAM until the tables fit
   // the budget; returns the rows moved.
   size_t KeepMemory();
+  // How long a table's keeper error stays shown once nothing needs moving
+  // (RAM back under its target), counted from its last failed move.
+  static constexpr std::chrono::seconds kKeeperErrorHold{5};
   // What tells the keeper the bytes the data plane's buffers hold now
   // (frames in flight and pooled for reuse): they are counted within the
   // room held back for buffers (kPersistReserve), not as overhead rows
@@ -305,13 +308,17 @@ class Shard {
   // SetBufferBytes's.
   std::mutex buffer_bytes_mu_;
   std::function<uint64_t()> buffer_bytes_;  // guarded by buffer_bytes_mu_
-  // Tables whose tier failed: when the keeper tries each again, and the
-  // wait after that try should it fail too (guarded by keeper_pass_mu_).
+  // Tables whose tier failed: when the keeper tries each again, the wait
+  // after that try should it fail too, and when it last failed (guarded by
+  // keeper_pass_mu_). Weak references: a table made after one was dropped
+  // never shares its entry (keyed by address, it could, and waited out the
+  // dropped one's backoff).
   struct KeeperRetry {
     std::chrono::steady_clock::time_point at;
     std::chrono::milliseconds backoff;
+    std::chrono::steady_clock::time_point failed_at;
   };
-  std::map<const Table*, KeeperRetry> keeper_failed_;
+  std::map<std::weak_ptr<Table>, KeeperRetry, std::owner_less<>> keeper_failed_;
 };
 
 // The embedded tables of this process: one Shard (index 0 of 1), the same
