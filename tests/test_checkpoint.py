@@ -688,6 +688,12 @@ def test_storage_library_failures_become_typed_errors_with_one_bounded_line() ->
             errors.FailedPreconditionError,
         ),
         (RuntimeError('DataTransferError("All DataNodes failed")'), errors.UnavailableError),
+        # A DataNode gone silent mid-write: a bare RuntimeError reached the trainer.
+        (
+            RuntimeError('OperationFailed("Failed to complete file in time")'),
+            errors.UnavailableError,
+        ),
+        (RuntimeError('ChecksumError("block 3")'), errors.FailedPreconditionError),
     ]
     for raised, expected in cases:
         with pytest.raises(expected) as caught, errors.storage_errors("Save to s3://b/ck"):

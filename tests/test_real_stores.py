@@ -320,6 +320,40 @@ def test_a_corrupt_block_is_refused_naming_its_file(
         for name, rows in moved.items():  # nothing changed
             np.testing.assert_array_equal(c.pull(name, IDS), rows)
         assert not np.array_equal(moved["ada"], before["ada"])
+        # Bytes appended after the last block: refused as on a local disk
+        # (they were read past unseen here).
+        c.save(store.url("c2"))
+        victim = manifest.read_manifest(store.url("c2"))["files"][1]["file"]
+        fs, path = store.fs(store.url("c2", victim))
+        fs.pipe_file(path, fs.cat_file(path) + b"appended" * 1000)
+        with pytest.raises(errors.FailedPreconditionError, match=f"{victim} holds .* bytes"):
+            c.load(store.url("c2"))
+        for name, rows in moved.items():
+            np.testing.assert_array_equal(c.pull(name, IDS), rows)
+
+
+def test_a_url_with_a_query_or_fragment_is_refused_before_a_write(
+    store: Store, start_cluster: Callable[..., Cluster]
+) -> None:
+    """s3fs cuts a key at '?versionId=': every file of a save to
+    `.../x?versionId=1` landed on one object `.../x` (the save returned
+    success, the checkpoint did not load), and a save to
+    `.../c1/MANIFEST.json?versionId=1` replaced c1's manifest. HDFS drops
+    them. Refused, and c1 still loads."""
+    with start_cluster(2, *store.flags, env=store.env).client() as c:
+        c.create_table("ada", 8, "normal", "adagrad", seed=1)
+        c.create_table("adam", 4, "uniform", "adam", seed=2)
+        _train(c, IDS, 1)
+        c.save(store.url("c1"))
+        for url in (
+            store.url("x") + "?versionId=1",
+            store.url("c1", "MANIFEST.json") + "?versionId=1",
+            store.url("y") + "#frag",
+        ):
+            with pytest.raises(errors.InvalidArgumentError, match="query or fragment"):
+                c.save(url)
+        assert store.names(store.url()) == ["c1"]
+        c.load(store.url("c1"))
 
 
 def _bounded(error: errors.DltError) -> None:
@@ -377,3 +411,48 @@ def test_store_failures_reach_the_caller_as_typed_bounded_errors(
             with pytest.raises(errors.PermissionDeniedError) as refused:
                 c.save(store.url("ck"))
             _bounded(refused.value)
+
+
+def test_an_upload_to_a_store_that_stopped_answering_ends_by_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An S3 endpoint that accepts connections and stops reading (a hung
+    host) held a shard's save, and every save and load of the shard after
+    it, until the endpoint woke (8 minutes and more: botocore's read timeout
+    does not cover sending a request's body). Uploads end by a deadline of
+    their size (shortened here): UNAVAILABLE, naming the object."""
+    reason = local_stores.s3_unavailable()
+    if reason:
+        _unavailable(reason)
+    import s3fs
+
+    monkeypatch.setattr(manifest, "UPLOAD_DEADLINE_S", 3.0)
+    monkeypatch.setattr(manifest, "UPLOAD_FLOOR_BYTES_PER_S", 1 << 40)
+    part = tmp_path / "part.h5"
+    part.write_bytes(os.urandom(24 << 20))
+    with local_stores.LocalS3(tmp_path / "s3") as s3:
+        for key, value in s3.env.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        fs, root = manifest.filesystem("s3://tf-dlt/run")
+        manifest.put_durably(fs, str(part), f"{root}/before.h5")  # it answers
+        outcome: list[BaseException | None] = []
+
+        def upload() -> None:
+            try:
+                manifest.put_durably(fs, str(part), f"{root}/during.h5")
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                outcome.append(e)
+
+        with s3.paused("s3"):
+            started = time.monotonic()
+            thread = threading.Thread(target=upload, daemon=True)
+            thread.start()
+            thread.join(60)
+            took = time.monotonic() - started
+        thread.join(120)
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert outcome and isinstance(outcome[0], errors.UnavailableError), outcome
+    assert "during.h5 did not end within 3 s" in outcome[0].message
+    assert took < 30, took

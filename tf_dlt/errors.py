@@ -147,8 +147,19 @@ _NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
 # whose checksum does not match, say): FAILED_PRECONDITION, naming it.
 _STORE_LIBRARY = frozenset({"BotoCoreError", "ClientError"})
 # hdfs-native's failures that are not OSErrors come as RuntimeError("Kind(...)"):
-# these kinds mean the DataNodes or NameNode could not be reached.
-_HDFS_UNREACHABLE = ("DataTransferError", "RPCError")
+# these kinds mean the DataNodes or NameNode could not be reached, or did not
+# answer in time (OperationFailed: "Failed to complete file in time", a
+# DataNode gone silent mid-write, reached a trainer as a bare RuntimeError);
+# the others are HDFS's own failures (FAILED_PRECONDITION).
+_HDFS_UNREACHABLE = ("DataTransferError", "RPCError", "OperationFailed")
+_HDFS_OTHER = (
+    "BlocksNotFound",
+    "ChecksumError",
+    "FatalRPCError",
+    "InternalError",
+    "InvalidRPCResponse",
+    "IOError",
+)
 # Most characters of a filesystem library's own message kept in an error.
 MAX_REASON_CHARS = 400
 
@@ -224,7 +235,11 @@ def is_storage_error(error: BaseException) -> bool:
     or NameNode). Before, a botocore checksum error or an HDFS DataNode
     failure reached the caller as itself (or InternalError)."""
     library = _class_names(error) & (_UNREACHABLE | _NO_CREDENTIALS | _STORE_LIBRARY)
-    return isinstance(error, OSError) or bool(library) or _hdfs_kind(error) in _HDFS_UNREACHABLE
+    return (
+        isinstance(error, OSError)
+        or bool(library)
+        or _hdfs_kind(error) in _HDFS_UNREACHABLE + _HDFS_OTHER
+    )
 
 
 @contextlib.contextmanager

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 import fsspec
+import fsspec.asyn
+import fsspec.exceptions
 
 from tf_dlt import errors
 from tf_dlt.routing import NUM_BUCKETS
@@ -163,14 +165,30 @@ S3_DEFAULTS = {
     }
 }
 S3_CALL_TRIES = 2
+# An upload to an object store ends within this many seconds plus one for
+# each UPLOAD_FLOOR_BYTES_PER_S bytes (a slower link fails it, UNAVAILABLE):
+# botocore's read timeout does not cover sending a request's body, and an
+# endpoint that stopped reading it held a shard's save (and every save and
+# load of the shard after it) until the endpoint woke, 8 minutes and more.
+UPLOAD_DEADLINE_S = 60.0
+UPLOAD_FLOOR_BYTES_PER_S = 2 << 20
 # Filesystems whose rename replaces a file atomically: a reader sees the
 # old MANIFEST.json or the new one, never a part of it or none.
 _ATOMIC_RENAME = frozenset({"hdfs", "viewfs"})
 
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of `path` and the path within it."""
+    """The fsspec filesystem of `path` and the path within it. A URL of a
+    remote store with a query or fragment ('?', '#') is refused: s3fs cuts
+    each key at '?versionId=', so every file of a save to `.../x?versionId=1`
+    landed on one object `.../x` (and one to `.../MANIFEST.json?versionId=1`
+    replaced another checkpoint's manifest), and hdfs drops them."""
     protocol = (fsspec.core.split_protocol(path)[0] or "file").lower()
+    if protocol not in ("file", "local") and ("?" in path or "#" in path):
+        raise errors.InvalidArgumentError(
+            f"checkpoint URL {path!r} holds a query or fragment ('?' or '#'), which the store "
+            "does not read as part of the path"
+        )
     options: dict[str, Any] = {}
     if protocol in _ATOMIC_RENAME:
         options = dict(HDFS_DEFAULTS)
@@ -209,7 +227,28 @@ def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None
                 if fs.exists(tmp):
                     fs.rm(tmp)
         return
-    fs.pipe_file(target, data)
+    _upload_within_deadline(fs, lambda **o: fs.pipe_file(target, data, **o), target, len(data))
+
+
+def _upload_within_deadline(
+    fs: fsspec.AbstractFileSystem, upload: Callable[..., Any], target: str, size: int
+) -> None:
+    """`upload(**options)` (fs.put_file or fs.pipe_file of `size` bytes to
+    `target`); to an object store (fsspec's asynchronous filesystems, which
+    take `timeout=`) within UPLOAD_DEADLINE_S plus a second per
+    UPLOAD_FLOOR_BYTES_PER_S, else UnavailableError."""
+    if not isinstance(fs, fsspec.asyn.AsyncFileSystem):
+        upload()
+        return
+    deadline = UPLOAD_DEADLINE_S + size / UPLOAD_FLOOR_BYTES_PER_S
+    try:
+        upload(timeout=deadline)
+    except fsspec.exceptions.FSTimeoutError:
+        raise errors.UnavailableError(
+            f"uploading {size} bytes to {target} did not end within {deadline:.0f} s (the store "
+            f"stopped answering? uploads are given {UPLOAD_DEADLINE_S:.0f} s plus a second per "
+            f"{UPLOAD_FLOOR_BYTES_PER_S / (1 << 20):g} MiB)"
+        ) from None
 
 
 def put_durably(fs: fsspec.AbstractFileSystem, local: str, target: str) -> None:
@@ -218,7 +257,8 @@ def put_durably(fs: fsspec.AbstractFileSystem, local: str, target: str) -> None:
     commit can be, so a crash after the commit never finds it short; an
     upload elsewhere (an object appears whole, HDFS keeps its replicas)."""
     if not is_local(fs):
-        fs.put_file(local, target)
+        size = os.path.getsize(local)
+        _upload_within_deadline(fs, lambda **o: fs.put_file(local, target, **o), target, size)
         return
     with replaced_durably(target) as (fd, _), open(local, "rb") as source:
         while chunk := source.read(8 << 20):
@@ -478,7 +518,8 @@ def _commit_with_copy(
         elif is_local(fs):
             commit_file(fs, copy, data)  # never written through a link planted at its name
         else:
-            fs.pipe_file(copy, data)  # one PUT: an object appears whole
+            # One PUT: an object appears whole.
+            _upload_within_deadline(fs, lambda **o: fs.pipe_file(copy, data, **o), copy, len(data))
     except FileNotFoundError:
         pass  # a newer save removed its temp name as superseded: hold_newest finds that one
     except OSError as e:

@@ -28,6 +28,7 @@ from tf_dlt.checkpoint.manifest import (
     filesystem,
     is_local,
     make_directory,
+    put_durably,
     replaced_durably,
     shard_file_name,
 )
@@ -357,7 +358,7 @@ def save_tables(
             with open(local, "rb") as f:
                 sha, blocks = verified.file_digests(f)
             size = os.path.getsize(local)
-            fs.put_file(local, target)
+            put_durably(fs, local, target)  # within a deadline
     return {
         "file": name,
         "sha256": sha,

@@ -123,9 +123,16 @@ def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str,
     )
     if not is_local(fs):
         try:
-            return fs.open(target, "rb")  # type: ignore[no-any-return]
+            remote: IO[bytes] = fs.open(target, "rb")
         except FileNotFoundError:
             raise missing from None
+        # The store's size of it, where its file object knows one (bytes
+        # appended after the blocks were read past unseen on S3 and HDFS).
+        stored = getattr(remote, "size", None)
+        if isinstance(stored, int) and stored != int(entry["bytes"]):
+            remote.close()
+            raise _other_size(target, stored, entry)
+        return remote
     try:
         f, size = open_regular(target)
     except FileNotFoundError:
@@ -140,10 +147,14 @@ def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str,
         ) from None
     if size != int(entry["bytes"]):
         f.close()
-        raise errors.FailedPreconditionError(
-            f"checkpoint file {target} holds {size} bytes, the manifest says {entry['bytes']}"
-        )
+        raise _other_size(target, size, entry)
     return f
+
+
+def _other_size(target: str, size: int, entry: dict[str, Any]) -> errors.FailedPreconditionError:
+    return errors.FailedPreconditionError(
+        f"checkpoint file {target} holds {size} bytes, the manifest says {entry['bytes']}"
+    )
 
 
 def fetch_verified(

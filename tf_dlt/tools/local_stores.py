@@ -19,6 +19,7 @@ runs it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,17 @@ class _Server:
                 break
             time.sleep(0.1)
         raise RuntimeError(f"{name} did not start; its log ends:\n{self.log(name)[-3000:]}")
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """Process `name` stopped (SIGSTOP: its connections stay open and
+        nothing answers, as when a host hangs) until the block ends."""
+        proc = self._procs[name]
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            proc.send_signal(signal.SIGCONT)
 
     def kill(self, name: str) -> None:
         proc = self._procs.pop(name, None)
