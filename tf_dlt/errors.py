@@ -158,7 +158,6 @@ _HDFS_OTHER = (
     "FatalRPCError",
     "InternalError",
     "InvalidRPCResponse",
-    "IOError",
 )
 # Most characters of a filesystem library's own message kept in an error.
 MAX_REASON_CHARS = 400

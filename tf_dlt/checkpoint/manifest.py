@@ -20,6 +20,7 @@ import secrets
 import stat
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
@@ -178,16 +179,19 @@ _ATOMIC_RENAME = frozenset({"hdfs", "viewfs"})
 
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of `path` and the path within it. A URL of a
-    remote store with a query or fragment ('?', '#') is refused: s3fs cuts
-    each key at '?versionId=', so every file of a save to `.../x?versionId=1`
-    landed on one object `.../x` (and one to `.../MANIFEST.json?versionId=1`
-    replaced another checkpoint's manifest), and hdfs drops them."""
+    """The fsspec filesystem of `path` and the path within it. A URL the
+    store would read as another path is refused: s3fs cuts each key at
+    '?versionId=', so every file of a save to `.../x?versionId=1` landed on
+    one object `.../x` (and one to `.../MANIFEST.json?versionId=1` replaced
+    another checkpoint's manifest); HDFS drops a query or fragment."""
     protocol = (fsspec.core.split_protocol(path)[0] or "file").lower()
-    if protocol not in ("file", "local") and ("?" in path or "#" in path):
+    cut = (protocol in ("s3", "s3a") and "?versionId=" in path) or (
+        protocol in _ATOMIC_RENAME and bool(_query_or_fragment(path))
+    )
+    if cut:
         raise errors.InvalidArgumentError(
-            f"checkpoint URL {path!r} holds a query or fragment ('?' or '#'), which the store "
-            "does not read as part of the path"
+            f"checkpoint URL {path!r} holds a query or fragment ('?versionId=', or '?' or '#' "
+            f"in an {protocol} URL), which the store does not read as part of the path"
         )
     options: dict[str, Any] = {}
     if protocol in _ATOMIC_RENAME:
@@ -230,24 +234,65 @@ def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None
     _upload_within_deadline(fs, lambda **o: fs.pipe_file(target, data, **o), target, len(data))
 
 
+def _query_or_fragment(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return parts.query or parts.fragment
+
+
+def _upload_deadline(size: int) -> float:
+    """Seconds an upload of `size` bytes may take: TF_DLT_UPLOAD_DEADLINE_S
+    (default UPLOAD_DEADLINE_S; 0: no deadline) plus a second per
+    TF_DLT_UPLOAD_MIN_BYTES_PER_S (default UPLOAD_FLOOR_BYTES_PER_S), read
+    from the environment of the process uploading (shard servers upload
+    their files; the client the manifest)."""
+    base = float(os.environ.get("TF_DLT_UPLOAD_DEADLINE_S", UPLOAD_DEADLINE_S))
+    floor = float(os.environ.get("TF_DLT_UPLOAD_MIN_BYTES_PER_S", UPLOAD_FLOOR_BYTES_PER_S))
+    if base <= 0:
+        return 0.0
+    return base + (size / floor if floor > 0 else 0.0)
+
+
+def _abort_multipart_uploads(fs: fsspec.AbstractFileSystem, target: str) -> None:
+    """Aborts the incomplete multipart uploads of `target` on S3, best
+    effort, 10 s a call: s3fs aborts its own only on an Exception, and one
+    cancelled by a deadline left its parts stored (and billed) for good."""
+    call, split = getattr(fs, "call_s3", None), getattr(fs, "split_path", None)
+    if call is None or split is None:
+        return
+    try:
+        bucket, key, _ = split(target)
+        listed = call("list_multipart_uploads", Bucket=bucket, Prefix=key, timeout=10)
+        for upload in listed.get("Uploads", []):
+            if upload.get("Key") == key:
+                call(
+                    "abort_multipart_upload", Bucket=bucket, Key=key,
+                    UploadId=upload["UploadId"], timeout=10,
+                )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - best effort: the upload's own error is raised
+        log.warning("could not abort the incomplete uploads of %s: %s", target, e)
+
+
 def _upload_within_deadline(
     fs: fsspec.AbstractFileSystem, upload: Callable[..., Any], target: str, size: int
 ) -> None:
     """`upload(**options)` (fs.put_file or fs.pipe_file of `size` bytes to
     `target`); to an object store (fsspec's asynchronous filesystems, which
-    take `timeout=`) within UPLOAD_DEADLINE_S plus a second per
-    UPLOAD_FLOOR_BYTES_PER_S, else UnavailableError."""
-    if not isinstance(fs, fsspec.asyn.AsyncFileSystem):
+    take `timeout=`) within `_upload_deadline(size)`, else UnavailableError
+    (its incomplete multipart upload aborted)."""
+    deadline = _upload_deadline(size)
+    if not isinstance(fs, fsspec.asyn.AsyncFileSystem) or not deadline:
         upload()
         return
-    deadline = UPLOAD_DEADLINE_S + size / UPLOAD_FLOOR_BYTES_PER_S
+    started = time.monotonic()
     try:
         upload(timeout=deadline)
     except fsspec.exceptions.FSTimeoutError:
+        took = time.monotonic() - started
+        _abort_multipart_uploads(fs, target)
         raise errors.UnavailableError(
-            f"uploading {size} bytes to {target} did not end within {deadline:.0f} s (the store "
-            f"stopped answering? uploads are given {UPLOAD_DEADLINE_S:.0f} s plus a second per "
-            f"{UPLOAD_FLOOR_BYTES_PER_S / (1 << 20):g} MiB)"
+            f"uploading {size} bytes to {target} timed out after {took:.0f} s (its deadline "
+            f"{deadline:.0f} s: TF_DLT_UPLOAD_DEADLINE_S plus a second per "
+            "TF_DLT_UPLOAD_MIN_BYTES_PER_S; the store stopped answering?)"
         ) from None
 
 
