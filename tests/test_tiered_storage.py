@@ -580,6 +580,35 @@ def test_a_budgeted_shard_stays_within_its_budget_through_saves_and_loads(
         start_cluster(1, "--memory-budget", str(100 << 20))
 
 
+def test_a_load_of_wide_rows_stays_within_the_budget(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Rows of dim 4,096 with Adagrad (32 KiB each) loaded into a budgeted
+    shard, with --load-from and in place: each tiered table kept at least
+    64 rows a stripe in RAM, and faulted in 64 more a stripe as a margin
+    (4,096 + 4,096 rows: 256 MiB), whatever their width; a 265 MiB budget
+    peaked at 502 MiB (--load-from) and 894 MiB (in place). The floor and
+    margins are counted in bytes as well as rows."""
+    ids = np.arange(8000, dtype=np.int64) * 5 + 9
+    with start_cluster(1).client() as c:
+        c.create_table("t", 4096, "normal", "adagrad", seed=4)
+        for at in range(0, len(ids), 250):
+            c.push("t", ids[at : at + 250], np.full((250, 4096), 0.1, np.float32), 0.05)
+        c.save(str(tmp_path / "ck"))
+        rows = c.pull("t", ids[:500], training=False)
+    budget = int(_budget())
+    shard = start_cluster(
+        1, "--memory-budget", str(budget), "--storage-dir", str(tmp_path / "ssd"),
+        "--load-from", str(tmp_path / "ck"),
+    )  # fmt: skip
+    with shard.client(persist_timeout=300.0) as c:
+        np.testing.assert_array_equal(c.pull("t", ids[:500], training=False), rows)
+        assert _peak_resident(shard) <= budget * 1.1, (_peak_resident(shard) >> 20, budget >> 20)
+        c.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(c.pull("t", ids[:500], training=False), rows)
+    assert _peak_resident(shard) <= budget * 1.1, (_peak_resident(shard) >> 20, budget >> 20)
+
+
 def _load_into_room_for_few_rows(tmp_path: Path) -> Any:
     """The table of the checkpoint at tmp_path/ck as a shard whose budget
     leaves rows their least room (16 MiB) stages it, with a disk tier."""

@@ -224,7 +224,7 @@ std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
   const uint64_t free_bytes = used < budget_ * kTargetFraction
                                   ? static_cast<uint64_t>(budget_ * kTargetFraction) - used
                                   : 0;
-  table->SetRamLimit(std::max<uint64_t>(kStripes * 64, free_bytes / table->ram_row_bytes()));
+  table->SetRamLimit(std::max<uint64_t>(LeastRamRows(*table), free_bytes / table->ram_row_bytes()));
   return publish();
 }
 
@@ -505,9 +505,17 @@ void Shard::SetRamLimits(const std::vector<std::shared_ptr<Table>>& tables, uint
     const double share = live_bytes > 0
                              ? static_cast<double>(t->ram_rows() * t->ram_row_bytes()) / live_bytes
                              : 1.0 / tables.size();
-    t->SetRamLimit(std::max<uint64_t>(kStripes * 64,
+    t->SetRamLimit(std::max<uint64_t>(LeastRamRows(*t),
                                       static_cast<uint64_t>(target * share / t->ram_row_bytes())));
   }
+}
+
+uint64_t Shard::LeastRamRows(const Table& t) const {
+  // 64 rows a stripe, unless that passes kLeastRamShare of the budget: at
+  // dim 4,096 with Adagrad 4,096 rows are 128 MiB, and a load into a
+  // 265 MiB budget peaked at 500-900 MiB. At least a row a stripe.
+  const uint64_t by_bytes = static_cast<uint64_t>(budget_ * kLeastRamShare) / t.ram_row_bytes();
+  return std::max<uint64_t>(kStripes, std::min<uint64_t>(kStripes * 64, by_bytes));
 }
 
 void Shard::SetPersisting(bool persisting) {

@@ -181,6 +181,9 @@ class Shard {
   // primary and its standbys: at most 1 + ReplicaGroup::kMaxStandbys).
   static constexpr int kMaxTierDirs = 5;
   static constexpr uint64_t kMinRowRoom = uint64_t{16} << 20;
+  // A tiered table's RAM limit is never below this share of the budget's
+  // worth of its rows, nor above 64 rows a stripe (LeastRamRows).
+  static constexpr double kLeastRamShare = 1.0 / 64;
   // The keeper keeps the process under this fraction of the budget (the
   // rest is headroom for rows that arrive between passes): what a load
   // may stage is sized against it too, or the keeper evicts what it loaded.
@@ -199,6 +202,8 @@ class Shard {
   // One pass of the keeper: moves rows out of RAM until the tables fit
   // the budget; returns the rows moved.
   size_t KeepMemory();
+  // The least RAM rows tiered table `t` is limited to.
+  uint64_t LeastRamRows(const Table& t) const;
   // How long a table's keeper error stays shown once nothing needs moving
   // (RAM back under its target), counted from its last failed move.
   static constexpr std::chrono::seconds kKeeperErrorHold{5};

@@ -922,8 +922,11 @@ TableCounters Table::counters() const {
 }
 
 void Table::Reserve(size_t rows, uint32_t threads) {
-  // A stripe's share of `n` rows spread over the buckets, with a margin.
-  auto per_stripe_of = [](uint64_t n) { return n / kStripes + n / (kStripes * 16) + 64; };
+  // A stripe's share of `n` rows spread over the buckets, with a margin
+  // (rows, at most kMarginBytes of them in a tiered table: 64 rows of dim
+  // 4,096 with Adagrad a stripe were 128 MiB faulted in past the budget).
+  const uint64_t margin = has_tier() ? TierMarginRows(64) : 64;
+  auto per_stripe_of = [margin](uint64_t n) { return n / kStripes + n / (kStripes * 16) + margin; };
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (has_tier() && limit != 0 && rows > limit) {
     // The rows past the RAM limit go to disk: size the tier files for them.
@@ -941,7 +944,7 @@ void Table::Reserve(size_t rows, uint32_t threads) {
       }
       const uint64_t held = tier_bytes / ram_row_bytes();
       // Never above the limit given; a floor of a few rows per stripe.
-      ram_rows = std::max<uint64_t>(std::min<uint64_t>(limit, kStripes * 64),
+      ram_rows = std::max<uint64_t>(std::min<uint64_t>(limit, kStripes * margin),
                                     limit > held ? limit - held : 0);
     }
     SetRamLimit(ram_rows);

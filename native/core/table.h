@@ -251,6 +251,10 @@ class Table {
   // owns; removed with the table). Call before the table is used.
   void AttachTier(const std::string& dir);
   bool has_tier() const { return !tier_dir_.empty(); }
+  // `rows` (a margin of rows a stripe a tiered table takes in RAM), fewer
+  // where they pass kMarginBytes of records; at least 1.
+  uint64_t TierMarginRows(uint64_t rows) const;
+  static constexpr uint64_t kMarginBytes = uint64_t{64} << 10;
   // Rows the RAM tier should hold (0: no limit). Past it (by a margin) a
   // pull reads a cold row where it is instead of moving it, and an import
   // places new rows on disk. Set by the shard's memory keeper.
@@ -574,6 +578,8 @@ class Table {
   std::string tier_dir_;  // "" without a disk tier
   std::atomic<int64_t> cold_rows_{0};
   std::atomic<uint64_t> ram_limit_{0};
+  // RamFull's margin of rows a stripe past its share (set by AttachTier).
+  uint64_t ram_slack_rows_ = 16;
   std::atomic<uint64_t> promotions_{0}, demotions_{0}, disk_updates_{0};
   // A hot load (BeginHotLoad), guarded by hot_load_mu_.
   std::mutex hot_load_mu_;

@@ -17,6 +17,7 @@ namespace dlt {
 
 void Table::AttachTier(const std::string& dir) {
   tier_dir_ = dir;
+  ram_slack_rows_ = TierMarginRows(16);
   for (uint32_t s = 0; s < kStripes; ++s) {
     // The stripe's buckets (contiguous): its tier file's pages follow them.
     uint32_t first = kNumBuckets, count = 0;
@@ -106,7 +107,11 @@ bool Table::RamFull(const Stripe& stripe) const {
   if (limit == 0 || !stripe.tier) return false;
   // A stripe's share, plus a margin for uneven stripes and for rows that
   // arrive between two passes of the keeper.
-  return stripe.live >= limit / kStripes + limit / (16 * kStripes) + 16;
+  return stripe.live >= limit / kStripes + limit / (16 * kStripes) + ram_slack_rows_;
+}
+
+uint64_t Table::TierMarginRows(uint64_t rows) const {
+  return std::clamp<uint64_t>(kMarginBytes / record_bytes_, 1, rows);
 }
 
 Status Table::FindCold(Stripe* stripe, uint64_t hash, int64_t id, char* record, uint32_t* slot,
