@@ -587,6 +587,29 @@ def test_a_standby_attached_after_a_reshard_moves_with_its_shard_in_the_next(
         np.testing.assert_array_equal(tf_dlt.Client(cluster.addresses).pull("emb", IDS), rows)
 
 
+def test_a_dead_standby_its_primary_still_names_is_left_out_though_not_listed(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A standby dies (-9); until its primary detaches it (at its next push,
+    or after --detach-standby-after) the primary's Hello still names it. A
+    re-shard given the primary alone added the standby unasked, ungreeted,
+    and failed at its STATUS step with an UnavailableError naming it. It is
+    greeted first and, like a listed process that does not answer, left
+    out: 2 -> 3 runs, and every row moves."""
+    with LocalCluster(2, replicas=2, workdir=tmp_path / "cluster") as cluster:
+        a, b, dead = cluster.process_addresses[:3]
+        admin = tf_dlt.Client(cluster.addresses)
+        admin.create_table("emb", DIM, optimizer="adagrad")
+        admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
+        rows = admin.pull("emb", IDS)
+        cluster.kill(2)  # shard 0's standby
+        assert [s["address"] for s in admin.stats()[0]["standbys"]] == [dead], "nothing tested"
+        three = [a, cluster.addresses[1], cluster.join()]
+        assert admin.reshard(three)["layout_epoch"] == 2
+        np.testing.assert_array_equal(tf_dlt.Client(three).pull("emb", IDS), rows)
+        assert b in three[1]
+
+
 def test_a_process_a_reshard_of_the_same_count_left_out_is_never_used_for_its_old_place(
     cluster: LocalCluster,
 ) -> None:

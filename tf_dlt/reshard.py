@@ -556,10 +556,10 @@ def _replica_sets(
     """Each shard's processes, the primary (the one serving trainers)
     first, then every standby it replicates to: a re-shard moves the
     primary and every standby it has, or none. A standby the primary's
-    Hello names and the list leaves out is added (one attached since the
-    layout was set: the layout the shards serve does not name it, and every
-    re-shard after it was refused); a listed process it does not replicate
-    to is refused. `hellos` keeps what each process said (or the error it
+    Hello names and the list leaves out is added if it answers (one attached
+    since the layout was set: the layout the shards serve does not name it,
+    and every re-shard after it was refused); a listed process it does not
+    replicate to is refused. `hellos` keeps what each process said (or the error it
     met), so each is greeted once."""
 
     def hello(address: str, replica: bool) -> dict[str, Any]:
@@ -613,11 +613,22 @@ def _replica_sets(
                 f"reshard: {serving[0]} replicates to {sorted(said) or 'no standby'}, but the "
                 f"shard lists {others}: list each shard's primary and its standbys only"
             )
-        unlisted = sorted(said - set(others))
+        unlisted = [a for a in sorted(said - set(others)) if _answers(hello, a)]
         if unlisted:
             log.info("reshard: %s replicates to %s too: they move with it", serving[0], unlisted)
         sets.append([serving[0], *others, *unlisted])
     return sets
+
+
+def _answers(hello: Callable[[str, bool], dict[str, Any]], standby: str) -> bool:
+    """Whether `standby` answers a standby's Hello. One that died stays
+    named by its primary until the primary detaches it; like a listed
+    process that does not answer, it is left out of the next layout."""
+    try:
+        hello(standby, True)
+    except errors.DltError:
+        return False
+    return True
 
 
 def _refuse_a_partial_layout(
