@@ -28,65 +28,36 @@ Usage: python bench/bench_wire.py [--shards 2] [--threads 1,2,4] [--clients 1]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
-import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from common import OUT, emit
+from common import emit, load_module
 
 ROOT = Path(__file__).resolve().parent.parent
-SETUP = ROOT / "setup.py"
 CAPACITY = ROOT / "tf_dlt" / "tools" / "data" / "capacity.json"
 
 
-def setup_list(name: str) -> list[str]:
-    """The strings of the list literal `name` in setup.py."""
-    text = SETUP.read_text()
-    block = text[text.index(f"{name} = [") :]
-    return re.findall(r'"([^"]+)"', block[: block.index("]")])
-
-
-def core_sources() -> list[str]:
-    """The native core's sources (setup.py's list, without the Python bindings)."""
-    return [s for s in setup_list("NATIVE_CORE_SOURCES") if "/python/" not in s]
-
-
-# The flags setup.py builds the native core with (what users run): at -O2
-# this compiler leaves the table core's checks unvectorized.
-FLAGS = setup_list("NATIVE_FLAGS")
+build_program = load_module("tests/native_build.py").build
 
 
 def built() -> Path:
-    """bench/out/wire_bench-<digest of its sources>, built unless it is there."""
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
-    sources = [ROOT / "bench/wire_bench.cc", *[ROOT / s for s in core_sources()]]
-    for path in sorted({*sources, *(ROOT / "native").rglob("*.h")}):
-        digest.update(path.read_bytes())
-    out = OUT / f"wire_bench-{digest.hexdigest()[:16]}"
-    return out if out.exists() else build(out)
+    """The static wire_bench binary: bench/wire_bench.cc and the native core
+    at setup.py's flags (what users run), built unless its objects and
+    binary are cached (tests/native_build.py)."""
+    return build_program("wire_bench", "optimized", [ROOT / "bench/wire_bench.cc"], static=True)
 
 
-def build(out: Path, static: bool = True) -> Path:
-    """Compiles bench/wire_bench.cc with the native core into `out`."""
+def build(out: Path) -> Path:
+    """A static wire_bench binary at `out`, to copy to another machine."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        os.environ.get("CXX", "g++"), *FLAGS, "-std=c++17", "-pthread", f"-I{ROOT}",
-        str(ROOT / "bench/wire_bench.cc"), *[str(ROOT / s) for s in core_sources()],
-        "-o", str(out),
-    ]  # fmt: skip
-    if static:
-        cmd.append("-static")
-    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")  # builds may run at once
-    cmd[cmd.index(str(out))] = str(partial)
-    subprocess.run(cmd, check=True, timeout=1800)
-    partial.rename(out)
+    shutil.copy2(built(), out)
     return out
 
 

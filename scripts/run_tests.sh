@@ -18,4 +18,4 @@ fi
 .venv/bin/clang-format --dry-run --Werror native/*/*.h native/*/*.cc ops/cc/*/*.h ops/cc/*/*.cc tests/cpp/*.h tests/cpp/*.cc bench/*.cc
 # Plain `pytest` (not `python -m pytest`) so the installed package is tested,
 # not the checkout. Exit code 5 (no tests collected) is a failure too.
-.venv/bin/pytest tests "$@"
+.venv/bin/pytest --durations=30 tests "$@"

@@ -1,11 +1,14 @@
 """Builds the C++ test programs of tests/cpp against the native core with
 g++, plain or with AddressSanitizer and UndefinedBehaviorSanitizer. Objects
 are cached by content under tests/cpp/build/, so only what changed is
-rebuilt; two compilers run at once."""
+rebuilt; two compilers run at once. The benchmarks' C++ programs are built
+here too ("optimized": setup.py's flags)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +36,23 @@ SUITE_SOURCES = [
     "tests/cpp/tier_test.cc",
     "tests/cpp/replication_test.cc",
 ]
-FLAVORS = {"plain": ["-O1"], "optimized": ["-O2"], "sanitized": ["-O1", *SANITIZE]}
+
+
+def setup_list(name: str) -> list[str]:
+    """The strings of the list literal `name` in setup.py."""
+    text = (ROOT / "setup.py").read_text()
+    block = text[text.index(f"{name} = [") :]
+    return re.findall(r'"([^"]+)"', block[: block.index("]")])
+
+
+# "optimized" (benchmarks): the flags setup.py builds the native core with,
+# what users run (at -O2 this compiler leaves the table core's checks
+# unvectorized).
+FLAVORS = {
+    "plain": ["-O1"],
+    "optimized": setup_list("NATIVE_FLAGS"),
+    "sanitized": ["-O1", *SANITIZE],
+}
 
 
 def _headers_digest() -> str:
@@ -44,21 +63,25 @@ def _headers_digest() -> str:
 
 
 def _compile(source: Path, flavor: str, headers: str) -> Path:
-    key = hashlib.sha256(source.read_bytes() + headers.encode() + flavor.encode()).hexdigest()
+    flags = " ".join([*FLAGS, *FLAVORS[flavor]])
+    key = hashlib.sha256(source.read_bytes() + headers.encode() + flags.encode()).hexdigest()
     obj = BUILD / f"{source.stem}-{flavor}-{key[:16]}.o"
     if not obj.exists():
-        tmp = obj.with_suffix(".o.tmp")
+        tmp = obj.with_suffix(f".o.partial-{os.getpid()}")  # builds may run at once
         cmd = ["g++", *FLAGS, *FLAVORS[flavor], "-c", str(source), "-o", str(tmp)]
         subprocess.run(cmd, check=True, timeout=900)
         tmp.rename(obj)
     return obj
 
 
-def build(program: str, flavor: str = "plain", sources: Sequence[Path] = ()) -> Path:
+def build(
+    program: str, flavor: str = "plain", sources: Sequence[Path] = (), static: bool = False
+) -> Path:
     """Builds `program` from the native core (no Python bindings) and its own
     `sources`; by default those of tests/cpp: "native_test" (the C++ suite)
     or "fuzz_shard" (a data-plane shard with no Python). `flavor`: "plain",
-    "optimized" (benchmarks) or "sanitized"."""
+    "optimized" (benchmarks) or "sanitized". `static`: linked with -static
+    (a binary to copy to another x86-64 Linux machine)."""
     BUILD.mkdir(parents=True, exist_ok=True)
     core = [s for s in sorted((ROOT / "native").rglob("*.cc")) if "python" not in s.parts]
     cpp = ROOT / "tests/cpp"
@@ -71,9 +94,10 @@ def build(program: str, flavor: str = "plain", sources: Sequence[Path] = ()) -> 
     with ThreadPoolExecutor(2) as pool:
         objects = list(pool.map(lambda s: _compile(s, flavor, headers), core + own))
     key = hashlib.sha256("".join(o.name for o in objects).encode()).hexdigest()
-    binary = BUILD / f"{program}-{flavor}-{key[:16]}"
+    binary = BUILD / f"{program}-{flavor}{'-static' if static else ''}-{key[:16]}"
     if not binary.exists():
-        link = ["g++", *FLAGS, *FLAVORS[flavor], *map(str, objects), "-o", f"{binary}.tmp"]
-        subprocess.run(link, check=True, timeout=300)
-        Path(f"{binary}.tmp").rename(binary)
+        partial = f"{binary}.partial-{os.getpid()}"  # builds may run at once
+        link = ["g++", *FLAGS, *FLAVORS[flavor], *map(str, objects), "-o", partial]
+        subprocess.run([*link, *(["-static"] if static else [])], check=True, timeout=300)
+        Path(partial).rename(binary)
     return binary

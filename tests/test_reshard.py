@@ -597,7 +597,7 @@ def test_a_dead_standby_its_primary_still_names_is_left_out_though_not_listed(
     greeted first and, like a listed process that does not answer, left
     out: 2 -> 3 runs, and every row moves."""
     with LocalCluster(2, replicas=2, workdir=tmp_path / "cluster") as cluster:
-        a, b, dead = cluster.process_addresses[:3]
+        a, _, dead = cluster.process_addresses[:3]
         admin = tf_dlt.Client(cluster.addresses)
         admin.create_table("emb", DIM, optimizer="adagrad")
         admin.push("emb", IDS, np.ones((len(IDS), DIM), np.float32), 0.1)
@@ -607,7 +607,6 @@ def test_a_dead_standby_its_primary_still_names_is_left_out_though_not_listed(
         three = [a, cluster.addresses[1], cluster.join()]
         assert admin.reshard(three)["layout_epoch"] == 2
         np.testing.assert_array_equal(tf_dlt.Client(three).pull("emb", IDS), rows)
-        assert b in three[1]
 
 
 def test_a_process_a_reshard_of_the_same_count_left_out_is_never_used_for_its_old_place(
