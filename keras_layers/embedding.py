@@ -343,7 +343,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         """Whether this layer trained its table, or rows were loaded into
         it (rows a load of another table's must not replace)."""
         pushes = getattr(self, "pushes", None)
-        return self._rows_loaded or (pushes is not None and int(pushes.numpy()) > 0)
+        # (No value yet while Keras builds the layer symbolically: an empty
+        # array.)
+        count = np.asarray(pushes.numpy()) if pushes is not None else np.zeros(0)
+        return self._rows_loaded or (count.size == 1 and int(count) > 0)
 
     def configure_row_cache(
         self, config: TableConfig, settings: tuple[int, int, int, int], check: bool = True
@@ -361,13 +364,15 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # (a tuple: Keras tracks a layer's lists and dicts)
         self._dlt_row_cache = (config, settings) if rows else None
 
-    def follow_optimizer(self, optimizer: Any) -> None:
+    def follow_optimizer(self, optimizer: Any, restoring: bool = False) -> None:
         """Gives the table the server-side form of the Keras `optimizer`,
         when the layer names none itself. The first call on a built layer
         settles the table where it lives: one made before the optimizer was
         known is replaced (rows kept, fresh slots) if no push trained it;
         one trained with another optimizer is a FailedPreconditionError
-        saying what to do (see table_home)."""
+        saying what to do (see table_home); shards that lack the table of a
+        layer that trained it, NotFoundError, unless `restoring` (a load
+        is about to put its rows there)."""
         if not self.is_distributed or self.optimizer is not None or optimizer is None:
             return
         wanted = keras_settings.table_optimizer(optimizer, self)
@@ -377,8 +382,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if self.built and self.client is not None:
             with tf.init_scope():
                 fresh = table_home.settle(
-                    self.name, config, self.client, self._from_earlier_session
-                )
+                    self.name, config, self.client, self._from_earlier_session,
+                    trained=not restoring and self.holds_rows(),
+                )  # fmt: skip
                 self.table_config = config
                 cached = getattr(self, "_dlt_row_cache", None)
                 if cached is not None and cached[0].optimizer != config.optimizer:

@@ -157,11 +157,26 @@ def rows_restored(table: str) -> None:
     _lineages[table] = []
 
 
-def settle(layer: str, config: TableConfig, client: ops.ClientResource, fresh: bool) -> bool:
+def settle(
+    layer: str, config: TableConfig, client: ops.ClientResource, fresh: bool, trained: bool
+) -> bool:
     """Gives the table the optimizer of `config` (which knows it). `fresh`:
     the table came from an earlier Keras session (and this layer has not
     settled it yet), so one trained with another optimizer is replaced by
-    a fresh, empty one instead of refused; returns True then."""
+    a fresh, empty one instead of refused; returns True then. `trained`:
+    the layer trained its table, or holds its rows (a .keras file's
+    `pushes`): on shards that lack the table (restarted without
+    --load-from), NotFoundError, where a table made afresh would train
+    from initial rows under the trained dense weights, without a word."""
+    if trained and not client.embedded and _existing(config.name, client) is None:
+        shards = ",".join(ops.overridden_pservers(client.pservers))
+        raise errors.NotFoundError(
+            f"layer {layer!r} trained table {config.name!r}, and the shards at {shards} do not "
+            "have it (started again without --load-from?): training on would make it afresh "
+            "and lose its rows. Load its checkpoint onto the shards (tf-dlt server "
+            "--load-from, or tf_dlt.load(model, ...)) and train on; to train afresh, build a "
+            "new model"
+        )
     try:
         _create(config, client, provisional=False)
         return False

@@ -306,6 +306,43 @@ def test_a_keras_file_of_a_model_on_shards_predicts_where_the_shards_are(
         model.load_weights(tmp_path / "w.weights.h5")
 
 
+def test_a_trained_keras_file_refuses_to_train_on_shards_that_lost_its_table(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """The shards were started again without --load-from: a loaded model
+    whose layer follows the compiled optimizer made its table afresh in
+    fit and trained from initial rows under the trained dense weights,
+    without a word (one naming its optimizer, or predict, met NotFound).
+    fit refuses now, and makes nothing."""
+    cluster = start_cluster(2)
+    model = _model("habit_lost")
+    model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    model = tf_dlt.transpile(model, cluster.addresses)
+    x, y = _data()
+    model.fit(x, y, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    tf_dlt.save(model, str(tmp_path / "ck"))
+    expected = model.predict(x[:16], verbose=0)
+    admin = tf_dlt.Client(cluster.addresses)
+    admin.drop_table("habit_lost")  # as shards started again, empty
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    with pytest.raises(tf_dlt.errors.NotFoundError, match="do not have it"):
+        loaded.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(tf_dlt.errors.NotFoundError, match="do not have it"):
+        tf_dlt.save(loaded, str(tmp_path / "empty"))  # a table made afresh, saved
+    assert "habit_lost" not in admin.list_tables()
+    # Its checkpoint loaded, training goes on from its rows.
+    tf_dlt.load(loaded, str(tmp_path / "ck"))
+    np.testing.assert_allclose(loaded.predict(x[:16], verbose=0), expected)
+    loaded.fit(x, y, epochs=1, verbose=0)
+    admin.drop_table("habit_lost")
+    # A new model of the same layer trains afresh, as the error says.
+    fresh = tf_dlt.transpile(_model("habit_lost"), cluster.addresses)
+    fresh.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    fresh.fit(x, y, epochs=1, verbose=0)
+    assert "habit_lost" in admin.list_tables()
+
+
 def test_an_embedded_keras_file_refuses_a_layer_on_shards_rather_than_differ(
     tmp_path: Path,
 ) -> None:

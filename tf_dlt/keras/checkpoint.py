@@ -157,16 +157,18 @@ def _tables_of(path: str) -> str:
     return f"{path.rstrip('/')}/{TABLES_DIR}"
 
 
-def _follow_compiled_optimizer(model: keras.Model) -> None:
+def _follow_compiled_optimizer(model: keras.Model, restoring: bool = False) -> None:
     """Tables following the compiled optimizer take (and settle) its form
-    before a save writes their configs or a load compares them with the
-    checkpoint's: a table not trained yet is saved as the optimizer it
-    will train with. A frozen layer's table keeps its own (the model may
-    fine-tune the rest with an optimizer the table could not follow)."""
+    before a save writes their configs or a load (`restoring`) compares
+    them with the checkpoint's: a table not trained yet is saved as the
+    optimizer it will train with. A frozen layer's table keeps its own (the
+    model may fine-tune the rest with an optimizer the table could not
+    follow). A save of a trained layer whose table the shards lack is
+    NotFoundError (it would save a table made afresh)."""
     if getattr(model, "compiled", False):
         for layer in distributed_layers(model):
             if layer.trainable:
-                layer.follow_optimizer(model.optimizer)
+                layer.follow_optimizer(model.optimizer, restoring=restoring)
 
 
 def _implied_base(model: keras.Model, path: str) -> str | None:
@@ -227,7 +229,7 @@ def _load(model: keras.Model, path: str) -> dict[str, Any]:
     # table only once built (a model built afresh to resume).
     _build_optimizer(model)
     layers = table_holders(model)
-    _follow_compiled_optimizer(model)
+    _follow_compiled_optimizer(model, restoring=True)
     missing = set(info["tables"]) - {layer.table_name for layer in layers}
     if missing:
         raise errors.FailedPreconditionError(
