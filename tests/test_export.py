@@ -117,6 +117,28 @@ def test_standalone_export_loads_with_plain_tensorflow(tmp_path: Path) -> None:
     np.testing.assert_allclose(served, model.predict(x, verbose=0), atol=1e-6)
 
 
+def test_a_standalone_export_of_a_sequential_model_keeps_its_mask_and_takes_any_batch(
+    tmp_path: Path,
+) -> None:
+    """A Sequential model built by its first batch (no keras.Input), whose
+    layer masks padding (mask_zero) for an LSTM. The export served the
+    rows unmasked (the frozen layer made no mask), and only batches of the
+    training batch's size (its input's shape was taken whole), where
+    Keras's own export takes any."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(1, 20, (64, 6)).astype("float32")
+    x[:, 3:] = 0  # three ids, then padding
+    model = keras.Sequential([
+        Embedding(output_dim=4, is_distributed=True, mask_zero=True, name="exp_seq_mask"),
+        keras.layers.LSTM(3), keras.layers.Dense(1),
+    ])  # fmt: skip
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    model.fit(x, rng.normal(size=(64, 1)), epochs=1, batch_size=8, verbose=0)
+    tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode="standalone")
+    served = _serve_elsewhere(tmp_path, tmp_path / "m", x[:5], with_tf_dlt=False)
+    np.testing.assert_allclose(served, model.predict(x[:5], verbose=0), atol=1e-6)
+
+
 def test_standalone_export_of_chosen_ids(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -78,12 +78,15 @@ def _add_serve(archive: Any, model: keras.Model, called: keras.Model) -> None:
     dense, and the export failed or served the wrong shape.)"""
     specs = []
     for i in model.inputs:
+        # Any batch size, as Keras's own export: a Sequential model built by
+        # its first batch has that batch's size in its input's shape.
+        shape = (None, *i.shape[1:])
         if getattr(i, "sparse", False):
-            specs.append(tf.SparseTensorSpec(i.shape, i.dtype))
+            specs.append(tf.SparseTensorSpec(shape, i.dtype))
         elif getattr(i, "ragged", False):
-            specs.append(tf.RaggedTensorSpec(i.shape, i.dtype, ragged_rank=len(i.shape) - 1))
+            specs.append(tf.RaggedTensorSpec(shape, i.dtype, ragged_rank=len(shape) - 1))
         else:
-            specs.append(tf.TensorSpec(i.shape, i.dtype, name=i.name))
+            specs.append(tf.TensorSpec(shape, i.dtype, name=i.name))
     if not _composite(model):
         archive.add_endpoint("serve", lambda *xs: _call(called, xs), specs)
         return
@@ -162,11 +165,18 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
     static hash table, rows in a variable, unknown ids read as zeros."""
 
     def __init__(
-        self, keys: np.ndarray, rows: np.ndarray, combiner: str | None, **kwargs: Any
+        self,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        combiner: str | None,
+        mask_zero: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.autocast = False  # ids are ids (Embedding's)
         self.combiner = combiner
+        self.mask_zero = mask_zero  # id 0 is padding, masked as the live layer masks it
+        self.supports_masking = mask_zero
         self.output_dim = int(rows.shape[1])
         if len(keys) == 0:
             # A table without rows (never trained): TF's hash table takes no
@@ -193,6 +203,9 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
                 self.compute_dtype,
             ),  # float32 rows leave in the compute dtype, as the live layer's do
         )
+
+    def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
+        return keras.ops.not_equal(inputs, 0) if self.mask_zero else None
 
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
         from tf_dlt.layers import combiners
@@ -321,8 +334,9 @@ def _export_standalone(
         if id(layer) in distributed:
             keys, values = rows[layer.table_name]
             return StandaloneEmbedding(
-                keys, values, layer.combiner, name=layer.name, dtype=layer.dtype_policy
-            )
+                keys, values, layer.combiner, layer.mask_zero, name=layer.name,
+                dtype=layer.dtype_policy,
+            )  # fmt: skip
         return layer.__class__.from_config(layer.get_config())
 
     # A copy with no tf_dlt op or resource in it: plain TensorFlow loads it.
