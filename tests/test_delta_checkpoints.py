@@ -550,6 +550,35 @@ def test_a_shard_restarted_empty_is_saved_as_it_is(
     assert 0 < len(staged_rows(str(tmp_path / "d1"), 1)["t"]) < len(ids)
 
 
+def test_a_table_made_since_the_base_that_a_restarted_shard_lacks_loads_on_every_shard(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Table x is made after the base; shard 1 restarts empty, so the
+    delta's file of it holds no x. Loaded, x was missing on every shard
+    that reads only that file's buckets (pulls there: NotFoundError), where
+    the full save of the same moment gives x on every shard."""
+    cluster = start_cluster(2)
+    ids = np.arange(4000, dtype=np.int64)
+    with cluster.client() as c:
+        _base(c, ids, tmp_path / "base")
+        c.create_table("x", 4, "normal", "adagrad", seed=1)
+        _train(c, ids, 3, {"x": 4})
+    cluster.kill(1)
+    cluster.restart(1)
+    with cluster.client() as c:
+        d1 = c.save(str(tmp_path / "d1"), base=str(tmp_path / "base"))
+        c.save(str(tmp_path / "full1"))
+    assert d1["kind"] == "delta"
+    for n in (2, 3):
+        for path in ("d1", "full1"):
+            for index in range(n):
+                staged = shard_files.prepare_load(
+                    str(tmp_path / path), _native.Shard(index, n)
+                )["staged"]  # fmt: skip
+                assert {t.name for t in staged} == {"t", "x"}, (path, index, n)
+        assert staged_rows(str(tmp_path / "d1"), n) == staged_rows(str(tmp_path / "full1"), n)
+
+
 @pytest.mark.parametrize(
     "field, value, why",
     [

@@ -5,6 +5,7 @@ delta is broken, saying so in Stats and the health service."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,25 @@ def _start_run(c: tf_dlt.Client, ids: np.ndarray, run: Path) -> np.ndarray:
     _push(c, ids, 1)
     c.save(str(run / "c1"))
     return c.pull("t", ids)
+
+
+def _saved_twice(c: tf_dlt.Client, ids: np.ndarray, run: Path) -> tuple[dict[str, Any], Any]:
+    """`_start_run`, then a delta run/c2 on it: its manifest and rows."""
+    _start_run(c, ids, run)
+    _push(c, ids[:10], 2)
+    d2 = c.save(str(run / "c2"), base=str(run / "c1"))
+    return d2, c.pull("t", ids)
+
+
+def _corrupt_delta(c: tf_dlt.Client, ids: np.ndarray, run: Path, stage: Path) -> dict[str, Any]:
+    """A delta run/c3 on run/c2 with a byte of a file flipped; its manifest.
+    Written in `stage` and moved in whole once corrupt, so followers never
+    see it intact (its parent path is relative)."""
+    _push(c, ids[:10], 3)
+    d3 = c.save(str(stage / "c3"), base=str(run / "c2"))
+    flip_byte(stage / "c3" / d3["files"][0]["file"], 0.5)
+    (stage / "c3").rename(run / "c3")
+    return d3
 
 
 def test_followers_track_training_through_deltas_and_refuse_writes(
@@ -118,21 +138,13 @@ def test_a_broken_delta_keeps_followers_serving_what_they_have(
     ids = np.arange(2000, dtype=np.int64)
     trainer = start_cluster(1)
     with trainer.client() as c:
-        _start_run(c, ids, run)
-        _push(c, ids[:10], 2)
-        d2 = c.save(str(run / "c2"), base=str(run / "c1"))
-        served = c.pull("t", ids)
+        d2, served = _saved_twice(c, ids, run)
     followers = start_cluster(
         2, "--read-only", "--follow", str(run), "--follow-interval", "0.1"
     )  # fmt: skip
     _wait_for(followers, _serving(d2["save_id"]))
     with trainer.client() as c:
-        _push(c, ids[:10], 3)
-        # Written beside the run and moved in whole once corrupt, so the
-        # followers never see it intact (its parent path is relative).
-        d3 = c.save(str(tmp_path / "stage" / "c3"), base=str(run / "c2"))
-    flip_byte(tmp_path / "stage" / "c3" / d3["files"][0]["file"], 0.5)
-    (tmp_path / "stage" / "c3").rename(run / "c3")
+        d3 = _corrupt_delta(c, ids, run, tmp_path / "stage")
     stats = _wait_for(followers, lambda s: all(x.get("follow_error") for x in s))
     for s in stats:
         assert s["serving_save_id"] == d2["save_id"] and not s["follow_current"]
@@ -197,6 +209,88 @@ def test_a_checkpoint_that_fails_is_read_again_less_and_less_often(
             "the follower to load the newer checkpoint",
             10,  # within 60 s only if it were read no sooner than c2
         )
+
+
+def test_a_follower_serves_the_newest_checkpoint_that_loads_and_follows_a_withdrawal(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Started while the newest checkpoint has a corrupt file, a follower
+    served nothing (NotFoundError to every pull) though the chain before it
+    loads: it serves that, not current, naming the bad one. A checkpoint
+    served that is then removed from the directory (a bad model rolled
+    back) was served on, reported current: the newest left is served, as a
+    follower started then would serve it."""
+    run = tmp_path / "run"
+    ids = np.arange(500, dtype=np.int64)
+    trainer = start_cluster(1)
+    with trainer.client() as c:
+        d2, c2 = _saved_twice(c, ids, run)
+        _corrupt_delta(c, ids, run, tmp_path / "stage")
+    followers = start_cluster(1, "--read-only", "--follow", str(run), "--follow-interval", "0.1")
+    [stats] = _wait_for(followers, _serving(d2["save_id"]))
+    assert not stats["follow_current"] and "c3" in stats["follow_error"]
+    with followers.client() as f:
+        np.testing.assert_array_equal(f.pull("t", ids), c2)
+    shutil.rmtree(run / "c3")
+    [stats] = _wait_for(followers, lambda s: s[0]["follow_current"])
+    assert stats["serving_save_id"] == d2["save_id"] and not stats["follow_error"]
+    with trainer.client() as c:
+        _push(c, ids, 4)
+        d4 = c.save(str(run / "c4"))
+    _wait_for(followers, _serving(d4["save_id"]))
+    shutil.rmtree(run / "c4")  # withdrawn
+    [stats] = _wait_for(followers, _serving(d2["save_id"]))
+    with followers.client() as f:
+        np.testing.assert_array_equal(f.pull("t", ids), c2)
+    [stats] = _wait_for(followers, lambda s: s[0]["follow_current"])
+    assert "withdrawn" in followers.log(0)
+
+
+def test_a_followers_status_says_it_is_catching_up_while_it_reads(tmp_path: Path) -> None:
+    """A poll reading a newer checkpoint (a large one, a slow store) left
+    the status it had before, "current", for as long as it read, and
+    status() waited for the poll."""
+    import threading
+
+    from tf_dlt.checkpoint import shard_files
+    from tf_dlt.server import follower as follower_module
+
+    shard = tf_dlt._native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    run = tmp_path / "run"
+
+    def save(name: str) -> str:
+        shard.get_table("t").push(np.arange(10, dtype=np.int64), np.ones((10, 2), np.float32), 0.1)
+        save_id = manifest.new_save_id()
+        part = shard_files.save_shard(str(run / name), shard, save_id)
+        manifest.write_manifest(str(run / name), [part], save_id)
+        return save_id
+
+    first = save("c1")
+    served = tf_dlt._native.Shard(0, 1)
+    follower = follower_module.Follower(served, str(run), interval_s=60)
+    assert follower.poll().current
+    save("c2")
+    reading, go_on = threading.Event(), threading.Event()
+    prepare_load = shard_files.prepare_load
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        reading.set()
+        assert go_on.wait(30)
+        return prepare_load(*args, **kwargs)
+
+    follower_module.shard_files.prepare_load = slow  # type: ignore[assignment]
+    try:
+        poll = threading.Thread(target=follower.poll)
+        poll.start()
+        assert reading.wait(30)
+        status = follower.status()  # not waiting for the poll
+        assert (status.current, status.serving_save_id) == (False, first)
+        go_on.set()
+        poll.join(30)
+    finally:
+        follower_module.shard_files.prepare_load = prepare_load  # type: ignore[assignment]
+    assert follower.status().current and follower.status().serving_save_id != first
 
 
 def test_a_follower_restarted_serves_its_clients_on(
@@ -328,6 +422,37 @@ def test_a_delta_past_a_followers_max_rows_is_refused_not_half_applied(
         table = f.list_tables()["t"]
         assert table["rows"] == 3000 and table["evicted"] == 0, table
         np.testing.assert_array_equal(f.pull("t", first, training=False), served)
+
+
+def test_a_delta_within_max_rows_that_fills_a_stripe_is_refused_not_half_applied(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A table's stripes each hold their share of max_rows: one fills before
+    the table does. A delta that took the rows a follower holds to 3,000 of
+    4,096 passed the follower's check of the table's total, and applied in
+    place it evicted 9 rows (read as zeros) while the follower reported
+    itself current. It is refused, and every row served stays."""
+    run = tmp_path / "run"
+    trainer = start_cluster(2)
+    ids = np.arange(2000, 5000, dtype=np.int64)
+    with trainer.client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1, max_rows=4096)
+        _push(c, ids[:1000], 1)
+        full = c.save(str(run / "c1"))
+    followers = start_cluster(1, "--read-only", "--follow", str(run), "--follow-interval", "0.1")
+    _wait_for(followers, _serving(full["save_id"]))
+    with followers.client() as f:
+        served = f.pull("t", ids[:1000], training=False)
+    with trainer.client() as c:
+        _push(c, ids[1000:], 2)
+        c.save(str(run / "c2"), base=str(run / "c1"))
+    [stats] = _wait_for(followers, lambda s: all(x.get("follow_error") for x in s))
+    assert "past its max_rows" in stats["follow_error"], stats["follow_error"]
+    assert stats["serving_save_id"] == full["save_id"] and not stats["follow_current"]
+    with followers.client() as f:
+        table = f.list_tables()["t"]
+        assert table["rows"] == 1000 and table["evicted"] == 0, table
+        np.testing.assert_array_equal(f.pull("t", ids[:1000], training=False), served)
 
 
 def test_a_follower_of_a_table_past_max_rows_applies_its_deltas_in_place(

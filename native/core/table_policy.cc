@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -100,6 +101,25 @@ void Table::EvictFrom(Stripe* stripe, uint32_t now) {
     scored.emplace_back(Score(stripe->Record(e.record, record_bytes_), now), e.key);
   }
   evicted_.fetch_add(EraseFrom(stripe, Lowest(&scored, want)), std::memory_order_relaxed);
+}
+
+uint64_t Table::RowsPastQuota(const int64_t* ids, size_t n) const {
+  if (config_.policy.max_rows == 0 || has_tier()) return 0;
+  std::vector<uint64_t> fresh(kStripes, 0);  // ids not held, per stripe
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t hash = Mix64(static_cast<uint64_t>(ids[i]));
+    const uint32_t s = StripeOf(hash);
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    if (stripes_[s].Find(hash, ids[i]) == kEmpty) ++fresh[s];
+  }
+  uint64_t past = 0;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    if (fresh[s] == 0) continue;  // (a stripe past its quota evicts only as rows come in)
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    const uint64_t rows = stripes_[s].live + fresh[s];
+    if (rows > stripe_quota_[s]) past += rows - stripe_quota_[s];
+  }
+  return past;
 }
 
 size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,

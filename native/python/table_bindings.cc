@@ -274,6 +274,12 @@ void BindTable(py::module_& m) {
              std::copy(ids.begin(), ids.end(), out.mutable_data());
              return out;
            })
+      .def("rows_past_quota",
+           [](const Table& t, const IdArray& ids) {
+             CheckIds(ids);
+             py::gil_scoped_release release;
+             return t.RowsPastQuota(ids.data(), static_cast<size_t>(ids.shape(0)));
+           })
       .def("erase",
            [](Table& t, const IdArray& ids) {
              CheckIds(ids);

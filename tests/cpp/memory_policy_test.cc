@@ -170,6 +170,31 @@ DLT_TEST(TestEvictionKeepsTheBoundAndTheFrequentRows) {
   }
 }
 
+DLT_TEST(TestRowsPastQuotaSaysWhetherAnImportWouldEvict) {
+  // A stripe fills its share of max_rows before the table fills: 4,096
+  // rows over 64 stripes, 64 each. The rows an import would take past the
+  // stripes' shares are what it would evict (none when it evicts none),
+  // counting only ids the table does not hold.
+  TableConfig c = PolicyTable(2);
+  c.policy.max_rows = 4096;
+  Table t(c);
+  std::vector<int64_t> same_stripe;
+  for (int64_t id = 0; same_stripe.size() < 70; ++id) {
+    if (t.StripeOfBucket(BucketOf(id)) == 0) same_stripe.push_back(id);
+  }
+  std::vector<float> grads(2 * 70, 0.01f);
+  EXPECT_OK(t.Push(same_stripe.data(), grads.data(), 60, 0.1f));
+  EXPECT(t.RowsPastQuota(same_stripe.data(), 60) == 0);  // held: none new
+  EXPECT(t.RowsPastQuota(same_stripe.data(), 64) == 0);  // 64 of 64
+  EXPECT(t.RowsPastQuota(same_stripe.data(), 70) == 6);  // 70 of 64
+  EXPECT(t.RowsPastQuota(same_stripe.data() + 60, 10) == 6);
+  EXPECT_OK(t.Push(same_stripe.data(), grads.data(), 70, 0.1f));
+  EXPECT(t.counters().evicted > 0);
+  TableConfig unbounded = PolicyTable(2);
+  Table u(unbounded);
+  EXPECT(u.RowsPastQuota(same_stripe.data(), 70) == 0);
+}
+
 DLT_TEST(TestAShardOfFewBucketsSpreadsThemOverTheStripes) {
   // A shard of 256 owns 16 buckets: they go to 16 stripes (16 locks), in
   // bucket order, so exports stay in (bucket, id) order and eviction quotas

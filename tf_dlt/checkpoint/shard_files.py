@@ -29,6 +29,7 @@ from tf_dlt.checkpoint.shard_format import (
     file_row_bytes,
 )
 from tf_dlt.checkpoint.shard_load import (
+    WouldEvict,
     apply_link,
     load_shard,
     prepare_load,
@@ -42,6 +43,7 @@ __all__ = [
     "ShardLayout",
     "TableRows",
     "TableState",
+    "WouldEvict",
     "apply_link",
     "chunk_rows",
     "file_row_bytes",

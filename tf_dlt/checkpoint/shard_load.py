@@ -331,7 +331,9 @@ def apply_link(
 
     `in_use`: the tables serve meanwhile. Every file of the link is then
     copied locally and verified whole before anything changes, and a table a
-    delta holds whole gets its new rows before the old ones go.
+    delta holds whole gets its new rows before the old ones go; a link that
+    would evict rows (a stripe past its share of max_rows) is refused,
+    `WouldEvict`, before anything changes.
     `lean`: buffer few verified blocks (a shard with a memory budget).
     `every_row`: no table is trimmed to its max_rows as rows come in
     (`takes_every_row`).
@@ -406,11 +408,17 @@ def _apply_files(
             for g in groups
         } - {None}
         # A table the writer did not have (it restarted empty, say) has no
-        # rows in the writer's buckets, as in a full checkpoint.
+        # rows in the writer's buckets, as in a full checkpoint; one made
+        # since the base (on the other writers) is made here too, empty:
+        # the shards loading only such writers' buckets lacked it.
         lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
         for name in set(listed) - held:
             if name in tables:
                 tables[name].erase_buckets(lo, hi)
+            else:
+                tables[name] = new_table(listed[name]["config"])
+                state.fresh.add(name)
+                state.clocks[name] = tables[name].now()
 
     if not in_use:
         for entry in entries:
@@ -424,15 +432,53 @@ def _apply_files(
         # And every table of every file checked: a file refused half way
         # would leave the tables serving with part of the link applied.
         configs = {n: normalized(t.config) for n, t in tables.items()}
+        coming: dict[str, tuple[dict[str, Any], list[np.ndarray]]] = {}  # rows per table
         for entry in entries:
             with verified.open_verified(local, local_root, entry, lean=lean) as (f, _):
                 for g in list(f["tables"].values()):
                     checked = _check_group(g, entry, listed, configs.get, state.skipped)
-                    if checked is not None and checked[1] == "full":
-                        configs[str(checked[0]["name"])] = normalized(checked[0])
+                    if checked is None:
+                        continue
+                    config, mode, offsets = checked
+                    if mode == "full":
+                        configs[str(config["name"])] = normalized(config)
+                    if state.evict and config.get("policy", {}).get("max_rows"):
+                        lo = max(buckets[0], entry["first_bucket"])
+                        hi = min(buckets[1], entry["end_bucket"])
+                        ids = np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64)
+                        coming.setdefault(str(config["name"]), (config, []))[1].append(ids)
+        _refuse_rows_past_quota(link, coming, tables, new_table)
         for entry in entries:
             with verified.open_verified(local, local_root, entry, lean=lean) as (f, reader):
                 apply_file(entry, f, reader)
+
+
+class WouldEvict(errors.FailedPreconditionError):
+    """Applied in place, a link would evict rows (a table's stripe past its
+    share of max_rows): nothing was changed."""
+
+
+def _refuse_rows_past_quota(
+    link: manifest_lib.Link,
+    coming: dict[str, tuple[dict[str, Any], list[np.ndarray]]],
+    tables: dict[str, _native.Table],
+    new_table: NewTable,
+) -> None:
+    """WouldEvict where the rows `coming` into a table (name -> its config
+    and its rows' ids) would take one of its stripes past its share of
+    max_rows: they would evict rows as they came in, and the shard would
+    serve the link with rows lost."""
+    for name, (config, ids) in coming.items():
+        table = tables.get(name)
+        if table is None or normalized(table.config) != normalized(config):
+            table = new_table(config)  # made by the link: empty
+        past = table.rows_past_quota(np.concatenate(ids))
+        if past:
+            raise WouldEvict(
+                f"table {name!r}: applying {link.path} in place would take {past} rows past its "
+                f"max_rows of {config['policy']['max_rows']} per shard (kept per stripe: each "
+                "holds its share), evicting them; nothing was changed"
+            )
 
 
 # Bytes a table's index takes per row besides its record (measured: about
@@ -541,14 +587,22 @@ def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None
     for t in staged:
         evicted = int(t.counters()["evicted"])
         max_rows = int(t.config["policy"]["max_rows"])
-        held = t.size() + evicted
-        if evicted or (max_rows and held > max_rows):
-            dropped = str(evicted) if evicted else f"at least {held - max_rows}"
+        if evicted:
+            # (Each of a table's stripes keeps its share of max_rows: one
+            # fills before the table does. Rows a chain's deltas changed are
+            # counted once per delta: a count of rows would mislead.)
             raise errors.FailedPreconditionError(
-                f"table {t.name!r}: the checkpoint holds {held} rows for shard "
-                f"{shard.shard_index} of {shard.num_shards}, past its max_rows of "
-                f"{max_rows} per shard; loading would drop {dropped} of "
-                "them, so nothing was changed. Load onto more shards, or raise max_rows"
+                f"table {t.name!r}: loading it onto shard {shard.shard_index} of "
+                f"{shard.num_shards} evicted {evicted} rows: its rows there go past its "
+                f"max_rows of {max_rows} per shard (kept per stripe: each of its stripes holds "
+                "its share), so nothing was changed. Load onto more shards, or raise max_rows"
+            )
+        if max_rows and t.size() > max_rows:
+            raise errors.FailedPreconditionError(
+                f"table {t.name!r}: the checkpoint holds {t.size()} rows for shard "
+                f"{shard.shard_index} of {shard.num_shards}, past its max_rows of {max_rows} per "
+                f"shard; loading would drop at least {t.size() - max_rows} of them, so nothing "
+                "was changed. Load onto more shards, or raise max_rows"
             )
 
 

@@ -76,6 +76,10 @@ class Follower:
         self._reading = reading or (lambda: contextlib.nullcontext(lambda path: path))
         self._status = FollowStatus(directory)
         self._lock = threading.Lock()  # one poll at a time; guards _status
+        # What status() returns: _status as last published (a poll holds
+        # _lock while it reads and applies checkpoints, for minutes maybe).
+        self._published = FollowStatus(directory)
+        self._published_lock = threading.Lock()
         # A checkpoint that does not load is tried again and again: said
         # once a minute, not at each try (each newer one that fails, at once).
         self._complaints = Repeated(log, every_s=60.0)
@@ -88,8 +92,8 @@ class Follower:
         self._thread: threading.Thread | None = None
 
     def status(self) -> FollowStatus:
-        with self._lock:
-            return dataclasses.replace(self._status)
+        with self._published_lock:
+            return dataclasses.replace(self._published)
 
     def start(self) -> Follower:
         """Brings the shard to the newest checkpoint now (serving whatever
@@ -128,7 +132,12 @@ class Follower:
     def _poll(self) -> None:
         status = self._status
         found = chain.find(status.directory, whole_models=False)  # the tables are what it serves
-        newer = [c for c in found if str(c.manifest["save_id"]) > status.serving_save_id]
+        served = status.serving_save_id
+        # A checkpoint served that is gone from the directory was withdrawn
+        # (a bad model rolled back): the newest there is served instead, as
+        # a follower started now would serve it.
+        withdrawn = bool(found and served) and served not in _save_ids(found)
+        newer = found if withdrawn else [c for c in found if _save_id(c) > served]
         if not newer:
             status.error = "" if found else f"no committed checkpoint in {status.directory}"
             self._complaints.clear()
@@ -136,23 +145,29 @@ class Follower:
             status.current, status.lag_seconds = bool(found), 0.0
             self._changed()
             return
-        head = str(newer[-1].manifest["save_id"])
+        head = _save_id(newer[-1])
+        status.current = False  # said while it reads (a large chain, a slow store)
+        status.lag_seconds = _lag(newer, served)
         if head == self._failing and time.monotonic() < self._retry_at:
-            status.lag_seconds = _lag(newer, status.serving_save_id)
             self._changed()
             return  # it failed lately: read again once its pause ends
+        if withdrawn:
+            status.error = f"{status.serving_path} was withdrawn from {status.directory}"
+            log.warning("following %s: %s", status.directory, status.error)
+        self._changed()
         failures = []
         for candidate in reversed(newer):  # the newest that can be reached
-            resolved = False
+            if not withdrawn and _save_id(candidate) <= status.serving_save_id:
+                break  # an older one than what the failed one's links brought
             try:
                 with self._reading() as allow:
                     links = manifest_lib.resolve_chain(candidate.tables, allow)
-                    resolved = True
                     self._catch_up(candidate, links, allow)
             except errors.DltError as e:
+                # An older one may load (a file of the newest is damaged):
+                # served meanwhile, the newest tried again after a pause.
                 failures.append(f"{candidate.path}: {e.message}")
-                if not resolved:
-                    continue
+                continue
             break
         status.current = status.serving_save_id == head
         status.error = "; ".join(failures)
@@ -189,17 +204,18 @@ class Follower:
             # Saved by as many shards or fewer, it holds no more for this
             # shard than one of them held: taken whole, max_rows or not.
             whole = shard_files.takes_every_row([link], self._shard)
-            if not whole and not _fits_in_place(link, tables):
-                # Applied in place it could take a table past its max_rows,
-                # which would evict rows while the follower reports itself
-                # current: a staged load of the head instead, which refuses
-                # to drop any (and keeps serving what it served).
+            start = time.monotonic()
+            try:
+                shard_files.apply_link(
+                    link, tables, self._shard.new_table, buckets, in_use=True, every_row=whole
+                )
+            except shard_files.WouldEvict:
+                # Applied in place it would take a table past its max_rows,
+                # evicting rows while the follower reports itself current:
+                # a staged load of the head instead, which refuses to drop
+                # any (and keeps serving what it served).
                 self._load_staged(head, allow)
                 return
-            start = time.monotonic()
-            shard_files.apply_link(
-                link, tables, self._shard.new_table, buckets, in_use=True, every_row=whole
-            )
             self._install(list(tables.values()))
             status.serving_path, status.serving_save_id = link.path, link.save_id
             status.deltas_applied += 1
@@ -225,8 +241,18 @@ class Follower:
                 self._shard.drop_table(name)
 
     def _changed(self) -> None:
+        with self._published_lock:
+            self._published = dataclasses.replace(self._status)
         if self._on_change is not None:
             self._on_change(dataclasses.replace(self._status))
+
+
+def _save_id(checkpoint: chain.Checkpoint) -> str:
+    return str(checkpoint.manifest["save_id"])
+
+
+def _save_ids(found: list[chain.Checkpoint]) -> set[str]:
+    return {_save_id(c) for c in found}
 
 
 def _lag(newer: list[chain.Checkpoint], serving_save_id: str) -> float:
@@ -237,22 +263,6 @@ def _lag(newer: list[chain.Checkpoint], serving_save_id: str) -> float:
         if str(c.manifest["save_id"]) > serving_save_id
     ]
     return max(0.0, time.time() - min(waiting)) if waiting else 0.0
-
-
-def _fits_in_place(link: manifest_lib.Link, tables: dict[str, _native.Table]) -> bool:
-    """Whether applying `link` in place keeps every table within its
-    max_rows: the rows the table holds and every row the link wrote (over
-    all its shards: an upper bound of what it adds here) within the cap."""
-    for info in link.manifest["tables"]:
-        config = info["config"]
-        cap = int(config.get("policy", {}).get("max_rows", 0) or 0)
-        table = tables.get(config["name"])
-        # A table every shard wrote whole replaces what is held.
-        whole = int(info.get("full_files", 0)) >= int(link.manifest["num_shards"])
-        held = table.size() if table is not None and not whole else 0
-        if cap and held + int(info["rows"]) > cap:
-            return False
-    return True
 
 
 def describe(status: FollowStatus) -> dict[str, Any]:
