@@ -242,6 +242,11 @@ def test_bad_arguments_are_refused() -> None:
     assert run.returncode == 2 and "--workers >= 1" in run.stderr
     run = _launch("--pservers", "1")
     assert run.returncode == 2 and "no trainer command" in run.stderr
+    # Where each shard listens and which shard it is are the launcher's: a
+    # flag overriding them started shards the trainers were not told of.
+    for flag in ("--server-arg=--shard-index=1", "--server-arg=--port"):
+        run = _launch("--pservers", "1", flag, "--", "true")
+        assert run.returncode == 2 and flag.split("=")[1] in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("bad", ["--pservers=x", "--grace=0", "--grace=-1", "--start-timeout=0"])

@@ -24,6 +24,27 @@ def _check_replicas(replicas: int) -> None:
         )
 
 
+# The flags a LocalCluster gives each process itself (where it listens,
+# which shard it is, which processes it replicates with).
+PLACEMENT_FLAGS = (
+    "--port", "--admin-port", "--shard-index", "--num-shards", "--port-file", "--parent-pid",
+    "--join", "--standby-of", "--replica-set", "--advertise",
+)  # fmt: skip
+
+
+def refuse_placement(server_args: Sequence[str]) -> None:
+    """ValueError naming a flag of `server_args` that would override how the
+    cluster places its processes (the shards then served other places than
+    their clients were given, and the trainers failed later, unclearly)."""
+    given = sorted({a.split("=", 1)[0] for a in server_args} & set(PLACEMENT_FLAGS))
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: the local cluster sets each process's ports, shard and "
+            "standbys itself; give `tf-dlt server` flags other than "
+            f"{', '.join(PLACEMENT_FLAGS)}"
+        )
+
+
 class StartInterrupted(RuntimeError):
     """LocalCluster.start gave up: its `interrupted` said so."""
 
@@ -56,6 +77,7 @@ class LocalCluster:
         replicas: int = 1,
     ) -> None:
         _check_replicas(replicas)
+        refuse_placement(server_args)
         self.num_shards = num_shards
         self.replicas = replicas
         self._args = list(server_args)

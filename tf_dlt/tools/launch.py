@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from tf_dlt import grpc_util
 from tf_dlt.cluster import MAX_REPLICAS, ClusterSpec
-from tf_dlt.server.local import LocalCluster, StartInterrupted
+from tf_dlt.server.local import LocalCluster, StartInterrupted, refuse_placement
 from tf_dlt.server.main import positive_seconds
 
 _POLL_S = 0.1
@@ -123,6 +123,7 @@ class Launch:
             raise ValueError(
                 f"need --replicas 1 to {MAX_REPLICAS} (a primary and its standbys), got {replicas}"
             )
+        refuse_placement(server_args)
         self.replicas = replicas
         self.num_pservers = num_pservers
         self.num_workers = num_workers
