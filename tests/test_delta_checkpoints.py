@@ -648,6 +648,13 @@ def test_a_delta_never_overwrites_a_checkpoint_its_base_needs(
             c.save(str(tmp_path / "a"), base=str(tmp_path / "b"))
         c.load(str(tmp_path / "b"))
         c.load(str(tmp_path / "a"))
+        # Nor lies inside one, or holds one: listings and prunes mixed them
+        # (accepted before; compact refused the same layouts).
+        for nested in (tmp_path / "a" / "inner", tmp_path):
+            with pytest.raises(errors.InvalidArgumentError, match="lies inside, or holds"):
+                c.save(str(nested), base=str(tmp_path / "b"))
+        assert not (tmp_path / "a" / "inner").exists()
+        assert not (tmp_path / manifest.MANIFEST).exists()
 
 
 def test_a_delta_names_a_base_on_another_filesystem_by_its_whole_url(tmp_path: Path) -> None:

@@ -434,7 +434,7 @@ def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, 
                 "source, its base or one of its deltas): writing there would break the chain; "
                 "give another target"
             )
-        if here.startswith(there.rstrip("/") + "/") or there.startswith(here.rstrip("/") + "/"):
+        if manifest_lib.nested(here, there):
             raise errors.InvalidArgumentError(
                 f"compact's target {target!r} lies inside, or holds, {link.path!r}, which loading "
                 f"{source!r} reads: listings and prunes of the directory would mix them up; give "

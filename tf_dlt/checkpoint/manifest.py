@@ -991,6 +991,12 @@ def location_key(path: str) -> str:
     return os.path.normpath(os.path.abspath(root)) if is_local(fs) else root
 
 
+def nested(a: str, b: str) -> bool:
+    """Whether one of two checkpoint locations (`location_key` forms) lies
+    inside the other: listings and prunes of a directory would mix them."""
+    return a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
 def chain_holds(links: list[Link], path: str) -> bool:
     """Whether a chain (resolve_chain's `links`) reads the checkpoint at
     `path` (so saving into `path` would break it)."""
@@ -1006,10 +1012,17 @@ def delta_parent(path: str, base: str) -> dict[str, Any]:
     links = resolve_chain(base)
     here = location_key(path)
     for link in links:
-        if location_key(link.path) == here:
+        there = location_key(link.path)
+        if there == here:
             raise errors.InvalidArgumentError(
                 f"a delta at {path!r} would overwrite {link.path!r}, which its base {base!r} "
                 "needs: save a delta into a directory of its own"
+            )
+        if nested(here, there):
+            raise errors.InvalidArgumentError(
+                f"a delta at {path!r} lies inside, or holds, {link.path!r}, which its base "
+                f"{base!r} needs: listings and prunes of the directory would mix them up (a "
+                "prune of one deletes the other); save it into a directory beside it"
             )
     head = links[-1].manifest
     return {
