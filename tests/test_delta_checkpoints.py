@@ -553,16 +553,21 @@ def test_a_shard_restarted_empty_is_saved_as_it_is(
 def test_a_table_made_since_the_base_that_a_restarted_shard_lacks_loads_on_every_shard(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
-    """Table x is made after the base; shard 1 restarts empty, so the
-    delta's file of it holds no x. Loaded, x was missing on every shard
-    that reads only that file's buckets (pulls there: NotFoundError), where
-    the full save of the same moment gives x on every shard."""
+    """Table x is made after the base, and u made again with another dim;
+    shard 1 restarts empty, so the delta's file of it holds neither. Loaded,
+    x was missing on every shard that reads only that file's buckets
+    (pulls there: NotFoundError), and u kept the base's dim there, where
+    the full save of the same moment gives both, as saved, on every shard."""
     cluster = start_cluster(2)
     ids = np.arange(4000, dtype=np.int64)
     with cluster.client() as c:
+        c.create_table("u", 4, "normal", "adagrad", seed=1)
+        _train(c, ids, 5, {"u": 4})
         _base(c, ids, tmp_path / "base")
         c.create_table("x", 4, "normal", "adagrad", seed=1)
-        _train(c, ids, 3, {"x": 4})
+        c.drop_table("u")
+        c.create_table("u", 8, "normal", "adagrad", seed=1)
+        _train(c, ids, 3, {"x": 4, "u": 8, "t": 4})
     cluster.kill(1)
     cluster.restart(1)
     with cluster.client() as c:
@@ -575,7 +580,8 @@ def test_a_table_made_since_the_base_that_a_restarted_shard_lacks_loads_on_every
                 staged = shard_files.prepare_load(
                     str(tmp_path / path), _native.Shard(index, n)
                 )["staged"]  # fmt: skip
-                assert {t.name for t in staged} == {"t", "x"}, (path, index, n)
+                tables = {(t.name, t.dim) for t in staged}
+                assert tables == {("t", 4), ("u", 8), ("x", 4)}, (path, index)
         assert staged_rows(str(tmp_path / "d1"), n) == staged_rows(str(tmp_path / "full1"), n)
 
 

@@ -30,7 +30,7 @@ def _wait_for(cluster: Cluster, done: Callable[[list[dict[str, Any]]], bool]) ->
             stats = c.stats()
             if done(stats):
                 return stats
-            assert time.monotonic() < deadline, stats
+            assert time.monotonic() < deadline, (stats, cluster.log(0)[-3000:])
             time.sleep(0.05)
 
 
@@ -236,14 +236,53 @@ def test_a_follower_serves_the_newest_checkpoint_that_loads_and_follows_a_withdr
     assert stats["serving_save_id"] == d2["save_id"] and not stats["follow_error"]
     with trainer.client() as c:
         _push(c, ids, 4)
-        d4 = c.save(str(run / "c4"))
+        c.save(str(run / "c4"))
+        _push(c, ids, 5)
+        d4 = c.save(str(run / "c4"))  # saved again at its path: newer, not withdrawn
     _wait_for(followers, _serving(d4["save_id"]))
+    assert "withdrawn" not in followers.log(0)
     shutil.rmtree(run / "c4")  # withdrawn
     [stats] = _wait_for(followers, _serving(d2["save_id"]))
     with followers.client() as f:
         np.testing.assert_array_equal(f.pull("t", ids), c2)
     [stats] = _wait_for(followers, lambda s: s[0]["follow_current"])
     assert "withdrawn" in followers.log(0)
+
+
+def test_a_failure_every_checkpoint_shares_reads_two_not_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the newest checkpoint fails, the one before it is tried (a file
+    of the newest damaged); where the failure is one they all share (a
+    damaged base of a chain of deltas), each poll read every checkpoint."""
+    from tf_dlt.checkpoint import shard_files
+    from tf_dlt.server import follower as follower_module
+
+    shard = tf_dlt._native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    run = tmp_path / "run"
+    before = ("", "")  # the last save's path and id
+    for k in range(6):  # a full base and 5 deltas
+        shard.get_table("t").push(np.arange(10, dtype=np.int64), np.ones((10, 2), np.float32), 0.1)
+        save_id = manifest.new_save_id()
+        where = str(run / f"c{k}")
+        part = shard_files.save_shard(where, shard, save_id, base=before[1])
+        parent = manifest.delta_parent(where, before[0]) if k else None
+        manifest.write_manifest(where, [part], save_id, parent=parent)
+        before = (where, save_id)
+    base = manifest.read_manifest(str(run / "c0"))["files"][0]["file"]
+    flip_byte(run / "c0" / base, 0.5)
+    tries: list[str] = []
+    resolve_chain = follower_module.manifest_lib.resolve_chain
+
+    def counting(tables: Any, *args: Any) -> Any:
+        tries.append(str(tables))
+        return resolve_chain(tables, *args)
+
+    monkeypatch.setattr(follower_module.manifest_lib, "resolve_chain", counting)
+    status = follower_module.Follower(tf_dlt._native.Shard(0, 1), str(run), interval_s=60).poll()
+    assert not status.serving_save_id and base in status.error
+    assert sorted({Path(t).name for t in tries}) == ["c4", "c5"], tries  # of c0 to c5
 
 
 def test_a_followers_status_says_it_is_catching_up_while_it_reads(tmp_path: Path) -> None:

@@ -341,10 +341,12 @@ class Table {
 
   // Rows in both tiers.
   size_t size() const;
-  // Rows an import of `ids` (distinct) would take past the share of
-  // max_rows of the stripes they go to: 0 when it evicts none. (0 without
-  // max_rows, and with a disk tier: its keeper keeps max_rows across tiers.)
-  uint64_t RowsPastQuota(const int64_t* ids, size_t n) const;
+  // Rows an import of `ids` (distinct), after `removed` are erased, would
+  // take past the share of max_rows of the stripes they go to: 0 when it
+  // evicts none. (0 without max_rows, and with a disk tier: its keeper
+  // keeps max_rows across tiers.)
+  uint64_t RowsPastQuota(const int64_t* ids, size_t n, const int64_t* removed = nullptr,
+                         size_t m = 0) const;
   // RAM bytes in use: rows with their slots, the index, the sketch and the
   // disk tier's per-slot fingerprints.
   size_t bytes() const;

@@ -103,20 +103,39 @@ void Table::EvictFrom(Stripe* stripe, uint32_t now) {
   evicted_.fetch_add(EraseFrom(stripe, Lowest(&scored, want)), std::memory_order_relaxed);
 }
 
-uint64_t Table::RowsPastQuota(const int64_t* ids, size_t n) const {
+uint64_t Table::RowsPastQuota(const int64_t* ids, size_t n, const int64_t* removed,
+                              size_t m) const {
   if (config_.policy.max_rows == 0 || has_tier()) return 0;
-  std::vector<uint64_t> fresh(kStripes, 0);  // ids not held, per stripe
-  for (size_t i = 0; i < n; ++i) {
-    const uint64_t hash = Mix64(static_cast<uint64_t>(ids[i]));
-    const uint32_t s = StripeOf(hash);
-    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-    if (stripes_[s].Find(hash, ids[i]) == kEmpty) ++fresh[s];
+  std::vector<int64_t> gone(removed, removed + m);
+  std::sort(gone.begin(), gone.end());
+  const auto is_gone = [&gone](int64_t id) {
+    return std::binary_search(gone.begin(), gone.end(), id);
+  };
+  // Per stripe: rows held that the removals take, and ids that come in
+  // where no row is held once they are made.
+  std::vector<uint64_t> taken(kStripes, 0), fresh(kStripes, 0);
+  for (size_t pass = 0; pass < 2; ++pass) {
+    const int64_t* keys = pass == 0 ? gone.data() : ids;
+    const size_t count = pass == 0 ? gone.size() : n;
+    for (size_t i = 0; i < count; ++i) {
+      if (pass == 0 && i > 0 && keys[i] == keys[i - 1]) continue;
+      const uint64_t hash = Mix64(static_cast<uint64_t>(keys[i]));
+      const uint32_t s = StripeOf(hash);
+      std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+      const bool held = stripes_[s].Find(hash, keys[i]) != kEmpty;
+      if (pass == 0) {
+        taken[s] += held;
+      } else if (!held || is_gone(keys[i])) {
+        ++fresh[s];
+      }
+    }
   }
   uint64_t past = 0;
   for (uint32_t s = 0; s < kStripes; ++s) {
     if (fresh[s] == 0) continue;  // (a stripe past its quota evicts only as rows come in)
     std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-    const uint64_t rows = stripes_[s].live + fresh[s];
+    const uint64_t rows =
+        stripes_[s].live - std::min<uint64_t>(taken[s], stripes_[s].live) + fresh[s];
     if (rows > stripe_quota_[s]) past += rows - stripe_quota_[s];
   }
   return past;

@@ -274,12 +274,16 @@ void BindTable(py::module_& m) {
              std::copy(ids.begin(), ids.end(), out.mutable_data());
              return out;
            })
-      .def("rows_past_quota",
-           [](const Table& t, const IdArray& ids) {
-             CheckIds(ids);
-             py::gil_scoped_release release;
-             return t.RowsPastQuota(ids.data(), static_cast<size_t>(ids.shape(0)));
-           })
+      .def(
+          "rows_past_quota",
+          [](const Table& t, const IdArray& ids, const IdArray& removed) {
+            CheckIds(ids);
+            CheckIds(removed);
+            py::gil_scoped_release release;
+            return t.RowsPastQuota(ids.data(), static_cast<size_t>(ids.shape(0)), removed.data(),
+                                   static_cast<size_t>(removed.shape(0)));
+          },
+          py::arg("ids"), py::arg("removed"))
       .def("erase",
            [](Table& t, const IdArray& ids) {
              CheckIds(ids);

@@ -188,6 +188,12 @@ DLT_TEST(TestRowsPastQuotaSaysWhetherAnImportWouldEvict) {
   EXPECT(t.RowsPastQuota(same_stripe.data(), 64) == 0);  // 64 of 64
   EXPECT(t.RowsPastQuota(same_stripe.data(), 70) == 6);  // 70 of 64
   EXPECT(t.RowsPastQuota(same_stripe.data() + 60, 10) == 6);
+  // Removed first (a delta's removals), held rows make room.
+  EXPECT(t.RowsPastQuota(same_stripe.data() + 60, 10, same_stripe.data(), 6) == 0);
+  EXPECT(t.RowsPastQuota(same_stripe.data() + 60, 10, same_stripe.data(), 5) == 1);
+  // A row removed and made again comes in afresh.
+  EXPECT(t.RowsPastQuota(same_stripe.data(), 64, same_stripe.data(), 4) == 0);
+  EXPECT(t.RowsPastQuota(same_stripe.data() + 64, 6, same_stripe.data() + 64, 6) == 2);
   EXPECT_OK(t.Push(same_stripe.data(), grads.data(), 70, 0.1f));
   EXPECT(t.counters().evicted > 0);
   TableConfig unbounded = PolicyTable(2);

@@ -413,10 +413,11 @@ def _apply_files(
         # the shards loading only such writers' buckets lacked it.
         lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
         for name in set(listed) - held:
-            if name in tables:
+            config = listed[name]["config"]
+            if name in tables and normalized(tables[name].config) == normalized(config):
                 tables[name].erase_buckets(lo, hi)
-            else:
-                tables[name] = new_table(listed[name]["config"])
+            else:  # (or made again since the base, as another table)
+                tables[name] = new_table(config)
                 state.fresh.add(name)
                 state.clocks[name] = tables[name].now()
 
@@ -432,7 +433,7 @@ def _apply_files(
         # And every table of every file checked: a file refused half way
         # would leave the tables serving with part of the link applied.
         configs = {n: normalized(t.config) for n, t in tables.items()}
-        coming: dict[str, tuple[dict[str, Any], list[np.ndarray]]] = {}  # rows per table
+        coming: dict[str, _Coming] = {}  # each capped table's rows and removals
         for entry in entries:
             with verified.open_verified(local, local_root, entry, lean=lean) as (f, _):
                 for g in list(f["tables"].values()):
@@ -443,10 +444,7 @@ def _apply_files(
                     if mode == "full":
                         configs[str(config["name"])] = normalized(config)
                     if state.evict and config.get("policy", {}).get("max_rows"):
-                        lo = max(buckets[0], entry["first_bucket"])
-                        hi = min(buckets[1], entry["end_bucket"])
-                        ids = np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64)
-                        coming.setdefault(str(config["name"]), (config, []))[1].append(ids)
+                        _note_coming(coming, g, entry, buckets, config, mode, offsets)
         _refuse_rows_past_quota(link, coming, tables, new_table)
         for entry in entries:
             with verified.open_verified(local, local_root, entry, lean=lean) as (f, reader):
@@ -458,21 +456,57 @@ class WouldEvict(errors.FailedPreconditionError):
     share of max_rows): nothing was changed."""
 
 
+@dataclasses.dataclass
+class _Coming:
+    """What one link brings a table: its config, its rows' ids and the ids
+    it removes first (a delta's), over the link's files."""
+
+    config: dict[str, Any]
+    ids: list[np.ndarray]
+    removed: list[np.ndarray]
+
+
+def _note_coming(
+    coming: dict[str, _Coming],
+    g: h5py.Group,
+    entry: dict[str, Any],
+    buckets: tuple[int, int],
+    config: dict[str, Any],
+    mode: str,
+    offsets: np.ndarray,
+) -> None:
+    """Adds to `coming` the ids a file's table group `g` (checked:
+    `config`, `mode`, `offsets`) brings buckets `buckets`, and removes."""
+    lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+    into = coming.setdefault(str(config["name"]), _Coming(config, [], []))
+    into.ids.append(np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64))
+    if mode != "full" and "removed" in g:
+        where = f"{entry['file']} (table {config['name']!r})"
+        at = _offsets(g, "removed_offsets", len(g["removed"]), where)
+        into.removed.append(np.asarray(g["removed"][int(at[lo]) : int(at[hi])], np.int64))
+
+
 def _refuse_rows_past_quota(
     link: manifest_lib.Link,
-    coming: dict[str, tuple[dict[str, Any], list[np.ndarray]]],
+    coming: dict[str, _Coming],
     tables: dict[str, _native.Table],
     new_table: NewTable,
 ) -> None:
-    """WouldEvict where the rows `coming` into a table (name -> its config
-    and its rows' ids) would take one of its stripes past its share of
-    max_rows: they would evict rows as they came in, and the shard would
-    serve the link with rows lost."""
-    for name, (config, ids) in coming.items():
+    """WouldEvict where the rows `coming` into a table would take one of
+    its stripes past its share of max_rows once the link's removals went:
+    they would evict rows as they came in, and the shard would serve the
+    link with rows lost."""
+    none = np.zeros(0, np.int64)
+    for name, came in coming.items():
+        config = came.config
         table = tables.get(name)
+        if table is not None and table.has_tier:
+            continue  # its keeper keeps max_rows across tiers, later
         if table is None or normalized(table.config) != normalized(config):
             table = new_table(config)  # made by the link: empty
-        past = table.rows_past_quota(np.concatenate(ids))
+        past = table.rows_past_quota(
+            np.concatenate(came.ids), np.concatenate([none, *came.removed])
+        )  # fmt: skip
         if past:
             raise WouldEvict(
                 f"table {name!r}: applying {link.path} in place would take {past} rows past its "

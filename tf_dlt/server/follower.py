@@ -31,6 +31,8 @@ log = logging.getLogger("tf_dlt.server")
 # from the poll interval up to this (it may be gigabytes, on shared storage);
 # a newer one is read at the next poll.
 MAX_RETRY_PAUSE_S = 60.0
+# Checkpoints older than the newest read in one poll when the newest fails.
+_FALLBACKS = 1
 
 
 @dataclasses.dataclass
@@ -133,11 +135,14 @@ class Follower:
         status = self._status
         found = chain.find(status.directory, whole_models=False)  # the tables are what it serves
         served = status.serving_save_id
-        # A checkpoint served that is gone from the directory was withdrawn
-        # (a bad model rolled back): the newest there is served instead, as
-        # a follower started now would serve it.
-        withdrawn = bool(found and served) and served not in _save_ids(found)
-        newer = found if withdrawn else [c for c in found if _save_id(c) > served]
+        # A checkpoint served that is gone from the directory, with none
+        # newer there, was withdrawn (a bad model rolled back): the newest
+        # there is served instead, as a follower started now would serve it.
+        # (One saved again at its path is newer.)
+        newer = [c for c in found if _save_id(c) > served]
+        withdrawn = bool(found and served and not newer) and served not in _save_ids(found)
+        if withdrawn:
+            newer = found
         if not newer:
             status.error = "" if found else f"no committed checkpoint in {status.directory}"
             self._complaints.clear()
@@ -148,7 +153,7 @@ class Follower:
         head = _save_id(newer[-1])
         status.current = False  # said while it reads (a large chain, a slow store)
         status.lag_seconds = _lag(newer, served)
-        if head == self._failing and time.monotonic() < self._retry_at:
+        if not withdrawn and head == self._failing and time.monotonic() < self._retry_at:
             self._changed()
             return  # it failed lately: read again once its pause ends
         if withdrawn:
@@ -164,10 +169,14 @@ class Follower:
                     links = manifest_lib.resolve_chain(candidate.tables, allow)
                     self._catch_up(candidate, links, allow)
             except errors.DltError as e:
-                # An older one may load (a file of the newest is damaged):
-                # served meanwhile, the newest tried again after a pause.
                 failures.append(f"{candidate.path}: {e.message}")
-                continue
+                # The one before it may load (a file of the newest is
+                # damaged): served meanwhile, the newest read again after
+                # its pause. No further back: a failure they all share (a
+                # damaged base, a shard too small) read every one at every
+                # try.
+                if len(failures) < _FALLBACKS + 1:
+                    continue
             break
         status.current = status.serving_save_id == head
         status.error = "; ".join(failures)
