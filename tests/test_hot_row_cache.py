@@ -370,6 +370,12 @@ def test_hot_row_cache_errors_and_embedded_no_op(start_cluster: Callable[..., Cl
             tf_dlt.hot_row_cache(embedded, rows=8, min_count=bad)
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="not a distributed Embedding"):
         tf_dlt.hot_row_cache(embedded, rows=8, layers=["price"])
+    # A name alone was taken letter by letter ("'h' is not a distributed
+    # Embedding"); True was a staleness of 1.
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match=r"layers=\['hc_emb'\]"):
+        tf_dlt.hot_row_cache(embedded, rows=8, layers="hc_emb")  # type: ignore[arg-type]
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="max_staleness_steps must"):
+        tf_dlt.hot_row_cache(embedded, rows=8, max_staleness_steps=True)
     dense_only = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="no distributed Embedding"):
         tf_dlt.hot_row_cache(dense_only, rows=8)
@@ -378,6 +384,61 @@ def test_hot_row_cache_errors_and_embedded_no_op(start_cluster: Callable[..., Cl
     with pytest.raises(tf.errors.InvalidArgumentError, match="min_count"):
         ops.configure_cache(ops.ClientResource(cluster.addresses), config, 8,
                             max_staleness_steps=2, min_count=0)  # fmt: skip
+
+
+def test_a_cache_of_one_of_two_layers_sharing_a_table_trains_as_without(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Two layers share a table (table_name=); a cache of one of them moved
+    it alone to a client of the model's own, and the other's pushes went
+    past the cache: losses and rows differed from a run without it. Every
+    layer of the table looks it up through the cache."""
+    items = keras.Input((3,), dtype="int64", name="items")
+    price = keras.Input((2,), name="price")
+    pooled = [
+        keras.layers.GlobalAveragePooling1D()(
+            Embedding(
+                output_dim=DIM, is_distributed=True, name=name, table_name="hc_shared", seed=2
+            )(ids)
+        )
+        for name, ids in (("hc_a", items), ("hc_b", keras.ops.flip(items, axis=1)))
+    ]
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()([*pooled, price]))
+    model = keras.Model({"items": items, "price": price}, out)
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    x, y = _data()
+    runs = []
+    for cache in (False, True):
+        cluster = start_cluster(2)
+        remote = tf_dlt.transpile(model, cluster.addresses)
+        for name in ("hc_a", "hc_b"):
+            remote.get_layer(name).sync_push = True
+        if cache:
+            tf_dlt.hot_row_cache(remote, rows=16, max_staleness_steps=1000, layers=["hc_a"])
+        history = remote.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+        losses = history["loss"]
+        runs.append((losses, _shard_rows(cluster, "hc_shared", np.arange(VOCAB, dtype=np.int64))))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    assert ops.client_stats(remote.get_layer("hc_b").client)["cache_hits"] > 0
+
+
+def test_a_cache_of_a_table_trained_in_16_bits_is_refused(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """The shards round each update of a bfloat16 or float16 table into 16
+    bits; the cache applied this trainer's pushes in float32, and served
+    rows that drifted from the shards' with every push (bitwise equal
+    training was promised)."""
+    items = keras.Input((3,), dtype="int64", name="items")
+    emb = Embedding(output_dim=DIM, is_distributed=True, name="hc_bf16", value_dtype="bfloat16")
+    model = keras.Model(items, keras.layers.Dense(1)(keras.layers.Flatten()(emb(items))))
+    model.compile(optimizer="adagrad", loss="mse")
+    remote = tf_dlt.transpile(model, start_cluster(1).addresses)
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="stored as bfloat16"):
+        tf_dlt.hot_row_cache(remote, rows=16)
+    tf_dlt.pull_ahead(remote)  # what it says to use instead
+    remote.fit(_data(32)[0]["items"], np.ones(32), batch_size=BATCH, verbose=0)
 
 
 def test_a_frozen_layers_cache_takes_the_tables_optimizer_as_the_shards_hold_it(

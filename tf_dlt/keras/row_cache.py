@@ -17,7 +17,7 @@ import keras
 
 from tf_dlt import dlt_ops as ops
 from tf_dlt import errors
-from tf_dlt.keras.walk import chosen_layers
+from tf_dlt.keras.walk import chosen_layers, distributed_layers
 
 
 def hot_row_cache(
@@ -56,7 +56,15 @@ def hot_row_cache(
             a newcomer replaces the rarest of a few sampled rows if it is
             more frequent.
         layers: the distributed `Embedding` layers (objects or names) whose
-            tables to cache; None: every one.
+            tables to cache; None: every one. Every layer of the model that
+            uses one of their tables (`table_name=`) looks it up through
+            the cache too (the cache is the table's: a sibling outside it
+            pushed past it, and the cached rows missed those pushes).
+
+    Tables whose rows or slots are stored in 16 bits (`value_dtype`,
+    `slot_dtype`) are refused where the layer trains: the shard rounds each
+    update into 16 bits, which the cache, applying pushes in float32, would
+    not (its rows drifted from the shards' with every push).
 
     Consistency: a cached row reflects every push of this trainer, each
     applied to it as the push leaves (a push that fails is forgotten: its
@@ -76,7 +84,8 @@ def hot_row_cache(
         )
     for name, value in (("max_staleness_steps", max_staleness_steps),
                         ("max_staleness_ms", max_staleness_ms)):  # fmt: skip
-        if value is not None and (not isinstance(value, int) or value < 1):
+        counted = isinstance(value, int) and not isinstance(value, bool)
+        if value is not None and (not counted or value < 1):
             raise errors.InvalidArgumentError(
                 f"hot_row_cache: {name} must be an int >= 1 or None, got {value!r}"
             )
@@ -94,6 +103,18 @@ def hot_row_cache(
             raise errors.FailedPreconditionError(
                 f"hot_row_cache: layer {layer.name!r} is not built yet; build the model "
                 "(tf_dlt.transpile does) first"
+            )
+    chosen = _with_siblings(model, chosen)
+    for layer in chosen:
+        memory = layer.table_config.memory
+        narrow = [d for d in (memory.value_dtype, memory.slot_dtype) if d != "float32"]
+        if rows and narrow and layer.trainable and not layer.client.embedded:
+            raise errors.InvalidArgumentError(
+                f"hot_row_cache: layer {layer.name!r} trains table {layer.table_name!r}, whose "
+                f"rows are stored as {memory.value_dtype} (slots {memory.slot_dtype}): the "
+                "shards round each update into 16 bits, and the cache, applying this "
+                "trainer's pushes in float32, would serve rows they do not hold. Leave it out "
+                "(layers=), or use tf_dlt.pull_ahead, which reads the shards' rows"
             )
     _own_clients(model, chosen)
     for layer in chosen:
@@ -129,6 +150,20 @@ def forget_cached_rows(layers: list[Any]) -> None:
             # Checked when made; no round trip that could fail a load done.
             config, settings = cached
             layer.configure_row_cache(config, settings, check=False)
+
+
+def _with_siblings(model: keras.Model, chosen: list[Any]) -> list[Any]:
+    """`chosen` and every other distributed layer of `model` that uses one
+    of their tables (same shards, same table_name): a table's cache lives
+    in the client, so they all look it up there."""
+    tables = {(layer.client.shared_name, layer.table_name) for layer in chosen}
+    out = list(chosen)
+    for layer in distributed_layers(model):
+        if layer.client is None or any(layer is c for c in out):
+            continue
+        if (layer.client.shared_name, layer.table_name) in tables:
+            out.append(layer)
+    return out
 
 
 def _own_clients(model: keras.Model, chosen: list[Any]) -> None:

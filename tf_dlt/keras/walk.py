@@ -52,6 +52,11 @@ def chosen_layers(model: keras.Model, wanted: list[Any] | None, caller: str) -> 
     candidates = distributed_layers(model)
     if wanted is None:
         return candidates
+    if isinstance(wanted, str) or not isinstance(wanted, (list, tuple)):
+        raise errors.InvalidArgumentError(
+            f"{caller}: layers must be a list of distributed Embedding layers or their names, "
+            f"got {wanted!r} (one layer: layers=[{wanted!r}])"
+        )
     by_name = {layer.name: layer for layer in candidates}
     chosen = []
     for item in wanted:
