@@ -372,7 +372,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         one trained with another optimizer is a FailedPreconditionError
         saying what to do (see table_home); shards that lack the table of a
         layer that trained it, NotFoundError, unless `restoring` (a load
-        is about to put its rows there)."""
+        is about to put its rows there: the table is then left to the load
+        to make, and the layer unsettled, so a load that fails makes
+        nothing and the next fit still refuses)."""
         if not self.is_distributed or self.optimizer is not None or optimizer is None:
             return
         wanted = keras_settings.table_optimizer(optimizer, self)
@@ -381,9 +383,13 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         config = dataclasses.replace(self.table_config, optimizer=wanted)
         if self.built and self.client is not None:
             with tf.init_scope():
+                trained = self.holds_rows()
+                if restoring and trained and table_home.lost(self.table_name, self.client):
+                    self.table_config = config
+                    return
                 fresh = table_home.settle(
                     self.name, config, self.client, self._from_earlier_session,
-                    trained=not restoring and self.holds_rows(),
+                    trained=trained and not restoring,
                 )  # fmt: skip
                 self.table_config = config
                 cached = getattr(self, "_dlt_row_cache", None)

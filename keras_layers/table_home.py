@@ -168,7 +168,7 @@ def settle(
     `pushes`): on shards that lack the table (restarted without
     --load-from), NotFoundError, where a table made afresh would train
     from initial rows under the trained dense weights, without a word."""
-    if trained and not client.embedded and _existing(config.name, client) is None:
+    if trained and lost(config.name, client):
         shards = ",".join(ops.overridden_pservers(client.pservers))
         raise errors.NotFoundError(
             f"layer {layer!r} trained table {config.name!r}, and the shards at {shards} do not "
@@ -210,6 +210,12 @@ def _create(config: TableConfig, client: ops.ClientResource, provisional: bool) 
         return
     with control_client(client) as control:
         control.create_table_from_config(config, provisional=provisional)
+
+
+def lost(name: str, client: ops.ClientResource) -> bool:
+    """Whether the shards `client` reaches lack table `name` (embedded
+    tables are never lost: they are the process's)."""
+    return not client.embedded and _existing(name, client) is None
 
 
 def _existing(name: str, client: ops.ClientResource) -> TableConfig | None:

@@ -372,7 +372,7 @@ def test_hot_row_cache_errors_and_embedded_no_op(start_cluster: Callable[..., Cl
         tf_dlt.hot_row_cache(embedded, rows=8, layers=["price"])
     # A name alone was taken letter by letter ("'h' is not a distributed
     # Embedding"); True was a staleness of 1.
-    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match=r"layers=\['hc_emb'\]"):
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="'hc_emb' alone"):
         tf_dlt.hot_row_cache(embedded, rows=8, layers="hc_emb")  # type: ignore[arg-type]
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="max_staleness_steps must"):
         tf_dlt.hot_row_cache(embedded, rows=8, max_staleness_steps=True)

@@ -330,6 +330,18 @@ def test_a_trained_keras_file_refuses_to_train_on_shards_that_lost_its_table(
         loaded.fit(x, y, epochs=1, verbose=0)
     with pytest.raises(tf_dlt.errors.NotFoundError, match="do not have it"):
         tf_dlt.save(loaded, str(tmp_path / "empty"))  # a table made afresh, saved
+    # resilient_fit took the refusal for a shard restarted empty and made
+    # the table afresh (untrained, SGD); a load that failed made it too.
+    with pytest.raises(tf_dlt.errors.NotFoundError, match="do not have it"):
+        tf_dlt.resilient_fit(loaded, x, y, epochs=1, verbose=0, checkpoint=str(tmp_path / "rf"))
+    other = tf_dlt.transpile(_model("habit_other"), cluster.addresses)
+    other.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="binary_crossentropy")
+    other.fit(x, y, epochs=1, verbose=0)
+    tf_dlt.save(other, str(tmp_path / "other"))
+    with pytest.raises(tf_dlt.errors.FailedPreconditionError, match="no layer for"):
+        tf_dlt.load(loaded, str(tmp_path / "other"))
+    with pytest.raises(tf_dlt.errors.NotFoundError, match="do not have it"):
+        loaded.fit(x, y, epochs=1, verbose=0)
     assert "habit_lost" not in admin.list_tables()
     # Its checkpoint loaded, training goes on from its rows.
     tf_dlt.load(loaded, str(tmp_path / "ck"))

@@ -95,6 +95,17 @@ def _drain(model: keras.Model) -> None:
             pass
 
 
+def _rows_to_lose(layers: list[Any], saver: ModelCheckpoint) -> bool:
+    """Whether a recovery now would lose trained rows: before this run's
+    first checkpoint (its first save failed) a recovery makes the tables
+    afresh, and a layer holds rows (it trained, or a .keras file's were
+    loaded into it) that no checkpoint of this run keeps. A shard that
+    lost the table of such a layer made its first save raise NotFoundError,
+    and a recovery made the table afresh, untrained, with another
+    optimizer (the loaded model's was not settled yet)."""
+    return not saver.saved and any(layer.holds_rows() for layer in layers)
+
+
 def _create_tables(model: keras.Model, pservers: Sequence[str], token: str) -> None:
     """Creates the model's tables on every shard where they are missing (a
     shard restarted empty); existing ones are left as they are. The model's
@@ -168,7 +179,7 @@ def resilient_fit(
             history.restarts = restarts
             return history
         except SHARD_LOST as e:
-            if restarts >= max_restarts:
+            if restarts >= max_restarts or _rows_to_lose(layers, saver):
                 raise
             restarts += 1
             log.warning("lost a shard (%s); recovery %d of %d", e, restarts, max_restarts)
@@ -176,7 +187,11 @@ def resilient_fit(
             # A shard restarted before its clients noticed (no standby, or a
             # replica set whose reload went to a member that then followed
             # the other): it answers, without the model's tables.
-            if restarts >= max_restarts or not _lacks_tables(model, pservers, token):
+            if (
+                restarts >= max_restarts
+                or _rows_to_lose(layers, saver)
+                or not _lacks_tables(model, pservers, token)
+            ):
                 raise
             restarts += 1
             log.warning(

@@ -52,10 +52,10 @@ def chosen_layers(model: keras.Model, wanted: list[Any] | None, caller: str) -> 
     candidates = distributed_layers(model)
     if wanted is None:
         return candidates
-    if isinstance(wanted, str) or not isinstance(wanted, (list, tuple)):
+    if isinstance(wanted, (str, keras.layers.Layer)):
         raise errors.InvalidArgumentError(
             f"{caller}: layers must be a list of distributed Embedding layers or their names, "
-            f"got {wanted!r} (one layer: layers=[{wanted!r}])"
+            f"got {getattr(wanted, 'name', wanted)!r} alone (one layer: layers=[...])"
         )
     by_name = {layer.name: layer for layer in candidates}
     chosen = []
