@@ -319,6 +319,12 @@ def test_compact_ls_and_prune_from_the_command_line(
     for target in (run / "c5" / "inner", run):
         out = cli("compact", str(run / "c5"), str(target))
         assert out.returncode != 0 and "lies inside, or holds" in out.stderr, out.stderr
+    # A link to its base, elsewhere, is its base: the compact overwrote it
+    # (c1's files deleted, the chain broken for good).
+    (tmp_path / "link").symlink_to(run / "c1")
+    out = cli("compact", str(run / "c5"), str(tmp_path / "link"))
+    assert out.returncode != 0 and "would break the chain" in out.stderr, out.stderr
+    assert staged_rows(str(run / "c5"), 2) == before
     for bad in ("0", "-2"):
         out = cli("compact", str(run / "c5"), str(tmp_path / "x"), "--num-shards", bad)
         assert out.returncode != 0 and "num_shards must be >= 1" in out.stderr, out.stderr

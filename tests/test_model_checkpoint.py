@@ -276,6 +276,27 @@ def test_incremental_saves_to_one_path_stay_loadable(tmp_path: Path) -> None:
     np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, atol=1e-6)
 
 
+def test_a_model_delta_or_compact_inside_a_checkpoint_of_its_chain_is_refused(
+    tmp_path: Path,
+) -> None:
+    """As for table checkpoints: a model checkpoint's delta (or compacted
+    copy) inside a checkpoint its chain reads, or holding one, was taken
+    (their tables/ directories are not inside one another)."""
+    from tf_dlt.checkpoint import chain
+
+    model = _model("ck_nested")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.save(model, str(tmp_path / "run" / "step-1"))
+    for nested in (tmp_path / "run" / "step-1" / "inner", tmp_path / "run"):
+        with pytest.raises(errors.InvalidArgumentError, match="lies inside, or holds"):
+            tf_dlt.save(model, str(nested), incremental=True, base=str(tmp_path / "run" / "step-1"))
+        with pytest.raises(errors.InvalidArgumentError, match="lies inside, or holds"):
+            chain.compact_model(str(tmp_path / "run" / "step-1"), str(nested))
+    assert not (tmp_path / "run" / "step-1" / "inner").exists()
+    assert not (tmp_path / "run" / "tables").exists()
+
+
 def test_a_models_save_and_load_touch_only_its_own_tables(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

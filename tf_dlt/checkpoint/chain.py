@@ -26,7 +26,7 @@ _key = manifest_lib.location_key  # a path in one normal form
 
 # A model checkpoint (`tf_dlt.save`): its tables' checkpoint, its dense
 # weights (`model.save_weights`), and, written last, what it holds.
-TABLES_DIR = "tables"
+TABLES_DIR = manifest_lib.TABLES_DIR
 DENSE_FILE = "dense.weights.h5"  # before each save named its own (still read)
 MODEL_FILE = "tf_dlt_model.json"
 # A save's dense weights, and DENSE_FILE (no save id: older than any).

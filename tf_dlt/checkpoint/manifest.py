@@ -986,15 +986,31 @@ def resolve_chain(path: str, allow: Callable[[str], str | None] | None = None) -
 
 
 def location_key(path: str) -> str:
-    """A checkpoint's location in one normal form, to compare two paths."""
+    """A checkpoint's location in one normal form, to compare two paths
+    (local ones with symbolic links resolved: a link to a checkpoint is that
+    checkpoint, and a compact through one overwrote its source's base)."""
     fs, root = filesystem(path)
-    return os.path.normpath(os.path.abspath(root)) if is_local(fs) else root
+    return os.path.realpath(root) if is_local(fs) else root
+
+
+# A model checkpoint's table checkpoint, in its directory.
+TABLES_DIR = "tables"
 
 
 def nested(a: str, b: str) -> bool:
     """Whether one of two checkpoint locations (`location_key` forms) lies
-    inside the other: listings and prunes of a directory would mix them."""
-    return a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+    inside the other, or the model checkpoint holding one (its `tables/`)
+    inside the other's: listings and prunes of a directory would mix them."""
+
+    def places(key: str) -> list[str]:
+        suffix = "/" + TABLES_DIR
+        return [key, key[: -len(suffix)]] if key.endswith(suffix) else [key]
+
+    return any(
+        x.startswith(y.rstrip("/") + "/") or y.startswith(x.rstrip("/") + "/")
+        for x in places(a)
+        for y in places(b)
+    )
 
 
 def chain_holds(links: list[Link], path: str) -> bool:

@@ -76,10 +76,12 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     for layer in layers:
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
-    fs, root = manifest.filesystem(path)
-    manifest.make_directory(fs, root)
     tables = _tables_of(path)
     base_tables = _tables_of(base) if base is not None else None
+    if base_tables is not None:  # a delta refused (its path) before anything is written
+        manifest.delta_parent(tables, base_tables)
+    fs, root = manifest.filesystem(path)
+    manifest.make_directory(fs, root)
     # The dense weights first, under the save's own name: when the tables
     # commit, the save is whole but for its model file (`chain.read_model`).
     save_id = chain.next_save_id(tables, base_tables)
