@@ -76,6 +76,29 @@ def test_plan_command_prints_the_plan_and_its_assumptions() -> None:
         assert expected in text
     bad = subprocess.run(cmd[:5] + ["0", "--dim", "10"], capture_output=True, text=True, cwd="/")
     assert bad.returncode == 2 and "must be positive" in bad.stderr
+    # A budget per shard without an SSD: the shards are of that size (the
+    # text said 64 GiB, the default).
+    budget = subprocess.run([*cmd, "--memory-budget", "8GiB"], capture_output=True, text=True,
+                            timeout=60, cwd="/")  # fmt: skip
+    assert budget.returncode == 0 and "at 8 GiB each" in budget.stdout, budget.stdout
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ({"shard_memory_gib": 0}, "shard_memory_gib"),  # ZeroDivisionError
+        ({"rows": float("inf")}, "finite"),  # OverflowError
+        ({"skew": float("nan")}, "finite"),  # "hit rate nan%"
+        ({"headroom": -1}, "headroom"),  # "memory per shard: -143.5 GiB"
+        ({"steps_per_second": -5}, "steps_per_second"),
+        ({"unique_fraction": -1}, "unique_fraction"),
+    ],
+)
+def test_plan_refuses_figures_that_make_no_plan(args: dict[str, float], says: str) -> None:
+    given: dict[str, float] = {"rows": 1e9, **args}
+    rows = given.pop("rows")
+    with pytest.raises(ValueError, match=says):
+        capacity.plan(rows, 16, "adagrad", 10, 4096, **given)  # type: ignore[arg-type]
 
 
 def test_plan_takes_admission_and_16_bit_rows() -> None:

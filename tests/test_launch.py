@@ -244,7 +244,7 @@ def test_bad_arguments_are_refused() -> None:
     assert run.returncode == 2 and "no trainer command" in run.stderr
     # Where each shard listens and which shard it is are the launcher's: a
     # flag overriding them started shards the trainers were not told of.
-    for flag in ("--server-arg=--shard-index=1", "--server-arg=--port"):
+    for flag in ("--server-arg=--shard-index=1", "--server-arg=--port", "--server-arg=--shard-ind"):
         run = _launch("--pservers", "1", flag, "--", "true")
         assert run.returncode == 2 and flag.split("=")[1] in run.stderr, run.stderr
 

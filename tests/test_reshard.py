@@ -1120,3 +1120,10 @@ def test_reshard_flags_out_of_range_are_usage_errors(
         cli.main(["reshard", "--pservers", "127.0.0.1:1", "--to", "127.0.0.1:1", flag])
     assert exited.value.code == 2
     assert re.search(said, capsys.readouterr().err)
+
+
+def test_a_bad_reshard_target_is_a_message_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["reshard", "--pservers", "127.0.0.1:1", "--to", "bogus"]) == 1
+    assert "tf-dlt reshard: " in capsys.readouterr().err

@@ -634,6 +634,9 @@ def test_operator_mistakes_are_refused_at_start_naming_them(tmp_path: Path) -> N
         (["--auth-token-file", "s3cr3t-TOKEN"], "cannot read the auth token file"),
         (["--auth-token-file", str(empty)], "--auth-token-file names is empty"),
         (["--tls-cert", cert], "--tls-cert and --tls-key need --tls-ca"),
+        # (read only at the first call, they were a ValueError traceback)
+        (["--tls-ca", "/nonexistent/ca.pem"], "cannot read the TLS CA certificate"),
+        (["--tls-ca", cert, "--tls-cert", cert], "needs both cert and key"),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "tf_dlt.tools.cli", "stats", "--pservers", "127.0.0.1:1",

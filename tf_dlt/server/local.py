@@ -36,7 +36,16 @@ def refuse_placement(server_args: Sequence[str]) -> None:
     """ValueError naming a flag of `server_args` that would override how the
     cluster places its processes (the shards then served other places than
     their clients were given, and the trainers failed later, unclearly)."""
-    given = sorted({a.split("=", 1)[0] for a in server_args} & set(PLACEMENT_FLAGS))
+    from tf_dlt.server.main import build_parser
+
+    known = set(build_parser()._option_string_actions)
+    given = sorted({
+        name
+        for name in (a.split("=", 1)[0] for a in server_args if a.startswith("--"))
+        # (or a prefix of one, which the server's parser takes for it)
+        if name in PLACEMENT_FLAGS
+        or (name not in known and any(f.startswith(name) for f in PLACEMENT_FLAGS))
+    })  # fmt: skip
     if given:
         raise ValueError(
             f"{', '.join(given)}: the local cluster sets each process's ports, shard and "

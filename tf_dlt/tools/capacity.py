@@ -255,8 +255,19 @@ def plan(
     enough that each SSD serves its shard's reads of rows not in RAM
     (`ssd_reads_per_second` random reads a second per shard; 0: the
     measured figure): more shards hold more of the hot rows in RAM."""
+    figures_given = (rows, shard_memory_gib, headroom, steps_per_second, unique_fraction,
+                     sketch_bytes, memory_budget, ssd_bytes, skew, shard_cores,
+                     ssd_reads_per_second)  # fmt: skip
+    if not all(math.isfinite(x) for x in figures_given):
+        raise ValueError("every figure must be a finite number (not nan or inf)")
     if rows <= 0 or dim < 1 or trainers < 1 or batch < 1 or shard_cores <= 0:
         raise ValueError("rows, dim, trainers, batch and shard_cores must be positive")
+    if shard_memory_gib <= 0 or headroom < 1 or steps_per_second <= 0:
+        raise ValueError(
+            "shard_memory_gib and steps_per_second must be > 0, and headroom >= 1 (1: none)"
+        )
+    if not 0 < unique_fraction <= 1:
+        raise ValueError("unique_fraction must be in (0, 1]")
     if memory_budget < 0 or ssd_bytes < 0 or skew <= 0 or ssd_reads_per_second < 0:
         raise ValueError(
             "memory_budget, ssd_bytes and ssd_reads_per_second must be >= 0 and skew > 0"
@@ -383,7 +394,8 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         + (
             f"with a {args.memory_budget / 2**30:.3g} GiB budget and {_size(args.ssd)} SSD each"
             if t
-            else f"at {args.shard_memory_gib:g} GiB each with x{args.headroom:g} headroom"
+            else f"at {(args.memory_budget or args.shard_memory_gib * 2**30) / 2**30:.3g} GiB "
+            f"each with x{args.headroom:g} headroom"
         )
         + f"; throughput needs {p.throughput_shards} for {args.steps_per_second:g} steps/s"
         + (f"; the SSDs' reads need {p.disk_read_shards}" if t else "")

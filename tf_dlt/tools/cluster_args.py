@@ -36,6 +36,8 @@ def credentials(args: argparse.Namespace) -> tuple[str, TlsConfig | None]:
         )
     try:
         secure = TlsConfig(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+        if secure is not None:
+            secure.channel_credentials()  # its files read now: a bad one named, not a traceback
     except ValueError as e:
         raise errors.InvalidArgumentError(str(e)) from None
     return token, secure

@@ -52,8 +52,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
-    to = address_list(args.to)
     try:
+        to = address_list(args.to)
         with cluster_args.client(args) as client:
             done = client.reshard(to, timeout=args.timeout, pace=args.pace)
             served = client.pservers  # the layout the shards serve: --to, less any left out
