@@ -324,6 +324,10 @@ def test_compact_ls_and_prune_from_the_command_line(
     (tmp_path / "link").symlink_to(run / "c1")
     out = cli("compact", str(run / "c5"), str(tmp_path / "link"))
     assert out.returncode != 0 and "would break the chain" in out.stderr, out.stderr
+    # And another checkpoint compacted onto it: the deltas beside c1 (not
+    # beside the link) are looked for.
+    out = cli("compact", str(tmp_path / "compacted"), str(tmp_path / "link"))
+    assert out.returncode != 0 and "is a delta on top of" in out.stderr, out.stderr
     assert staged_rows(str(run / "c5"), 2) == before
     for bad in ("0", "-2"):
         out = cli("compact", str(run / "c5"), str(tmp_path / "x"), "--num-shards", bad)
@@ -667,6 +671,10 @@ def test_a_delta_never_overwrites_a_checkpoint_its_base_needs(
                 c.save(str(nested), base=str(tmp_path / "b"))
         assert not (tmp_path / "a" / "inner").exists()
         assert not (tmp_path / manifest.MANIFEST).exists()
+        # A table checkpoint named "tables" is no model's: a delta beside it
+        # is beside it.
+        c.save(str(tmp_path / "run" / "tables"))
+        c.save(str(tmp_path / "run" / "d1"), base=str(tmp_path / "run" / "tables"))
 
 
 def test_a_delta_names_a_base_on_another_filesystem_by_its_whole_url(tmp_path: Path) -> None:

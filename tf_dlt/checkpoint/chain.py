@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import posixpath
 import re
 from typing import Any
@@ -298,6 +299,8 @@ def _directories_beside(path: str) -> list[str]:
     own parent, and for a model checkpoint's tables, the model
     checkpoint's parent too."""
     fs, root = manifest_lib.filesystem(path)
+    if manifest_lib.is_local(fs):  # beside what a link names, not beside the link
+        root = os.path.realpath(root)
     directories = [manifest_lib.url_of(fs, posixpath.dirname(root))]
     if posixpath.basename(root) == TABLES_DIR:  # a model checkpoint's tables
         directories.append(manifest_lib.url_of(fs, posixpath.dirname(posixpath.dirname(root))))
@@ -415,13 +418,16 @@ def compact(source: str, target: str, num_shards: int | None = None) -> dict[str
     """Writes the state the chain of `source` loads as one full checkpoint
     at `target`, with `num_shards` files (default: the head's shard count).
     One file's share of the table is in memory at a time."""
-    return _write_compacted(source, target, *_compaction(source, target, num_shards))
+    return _write_compacted(source, target, *_compaction(source, target, num_shards, False))
 
 
-def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, str, float]:
+def _compaction(
+    source: str, target: str, num_shards: int | None, models: bool
+) -> tuple[int, str, float]:
     """Checks a compaction of `source` into `target` before anything is
-    written; returns its file count, save id, and the creation time of the
-    checkpoint it copies (the copy's is later: it sorts as the newer)."""
+    written (`models`: both are model checkpoints' `tables/`); returns its
+    file count, save id, and the creation time of the checkpoint it copies
+    (the copy's is later: it sorts as the newer)."""
     if num_shards is not None and num_shards < 1:
         raise errors.InvalidArgumentError(f"compact: num_shards must be >= 1, got {num_shards}")
     links = manifest_lib.resolve_chain(source)
@@ -434,7 +440,7 @@ def _compaction(source: str, target: str, num_shards: int | None) -> tuple[int, 
                 "source, its base or one of its deltas): writing there would break the chain; "
                 "give another target"
             )
-        if manifest_lib.nested(here, there):
+        if manifest_lib.nested(here, there, models):
             raise errors.InvalidArgumentError(
                 f"compact's target {target!r} lies inside, or holds, {link.path!r}, which loading "
                 f"{source!r} reads: listings and prunes of the directory would mix them up; give "
@@ -478,7 +484,7 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     fs, root = manifest_lib.filesystem(source)
     target_fs, target_root = manifest_lib.filesystem(target)
     tables, target_tables = tables_path(source, TABLES_DIR), tables_path(target, TABLES_DIR)
-    n, save_id, created = _compaction(tables, target_tables, num_shards)
+    n, save_id, created = _compaction(tables, target_tables, num_shards, True)
     if info["save_id"] and info["save_id"] != save_id:
         raise errors.FailedPreconditionError(
             f"{source} was saved again as it was read (its tables hold save {save_id}, its "

@@ -997,14 +997,16 @@ def location_key(path: str) -> str:
 TABLES_DIR = "tables"
 
 
-def nested(a: str, b: str) -> bool:
+def nested(a: str, b: str, models: bool = False) -> bool:
     """Whether one of two checkpoint locations (`location_key` forms) lies
-    inside the other, or the model checkpoint holding one (its `tables/`)
-    inside the other's: listings and prunes of a directory would mix them."""
+    inside the other: listings and prunes of a directory would mix them.
+    `models`: both are model checkpoints' `tables/`, and the model
+    checkpoints' directories are compared too (a table checkpoint may be
+    named `tables` itself: its siblings are no model's)."""
 
     def places(key: str) -> list[str]:
         suffix = "/" + TABLES_DIR
-        return [key, key[: -len(suffix)]] if key.endswith(suffix) else [key]
+        return [key, key[: -len(suffix)]] if models and key.endswith(suffix) else [key]
 
     return any(
         x.startswith(y.rstrip("/") + "/") or y.startswith(x.rstrip("/") + "/")
@@ -1020,11 +1022,12 @@ def chain_holds(links: list[Link], path: str) -> bool:
     return any(location_key(link.path) == here for link in links)
 
 
-def delta_parent(path: str, base: str) -> dict[str, Any]:
+def delta_parent(path: str, base: str, models: bool = False) -> dict[str, Any]:
     """The parent record of a delta to be saved at `path` on top of `base`
     (write_manifest's `parent`, with the names of the tables `base` holds);
-    refuses a `path` that `base`'s chain reads,
-    which the save would overwrite."""
+    refuses a `path` that `base`'s chain reads, which the save would
+    overwrite, or one nested in one of its checkpoints or holding one
+    (`models`: model checkpoints' `tables/`, see `nested`)."""
     links = resolve_chain(base)
     here = location_key(path)
     for link in links:
@@ -1034,7 +1037,7 @@ def delta_parent(path: str, base: str) -> dict[str, Any]:
                 f"a delta at {path!r} would overwrite {link.path!r}, which its base {base!r} "
                 "needs: save a delta into a directory of its own"
             )
-        if nested(here, there):
+        if nested(here, there, models):
             raise errors.InvalidArgumentError(
                 f"a delta at {path!r} lies inside, or holds, {link.path!r}, which its base "
                 f"{base!r} needs: listings and prunes of the directory would mix them up (a "

@@ -79,7 +79,7 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     tables = _tables_of(path)
     base_tables = _tables_of(base) if base is not None else None
     if base_tables is not None:  # a delta refused (its path) before anything is written
-        manifest.delta_parent(tables, base_tables)
+        manifest.delta_parent(tables, base_tables, models=True)
     fs, root = manifest.filesystem(path)
     manifest.make_directory(fs, root)
     # The dense weights first, under the save's own name: when the tables
@@ -203,7 +203,7 @@ def _save_embedded(
     """Writes the layers' embedded tables into a one-shard checkpoint at
     `tables`, as a shard server writes its own, as save `save_id`; a delta
     on top of `base` when given."""
-    parent = manifest.delta_parent(tables, base) if base is not None else None
+    parent = manifest.delta_parent(tables, base, models=True) if base is not None else None
     layout = shard_files.ShardLayout()
     rows = [
         shard_files.native_rows(

@@ -19,7 +19,10 @@ Before the first epoch it writes a checkpoint of the starting state
 (``epoch-<initial_epoch>``), so a shard lost in the first epoch has a
 consistent point to return to too. A shard lost while that first checkpoint
 is written gets its tables created again (their rows start from the
-tables' initializers) before the checkpoint is retried.
+tables' initializers) before the checkpoint is retried, unless the model
+holds trained rows (it trained, or rows were loaded into it) that no
+checkpoint keeps yet: then the error propagates, where the tables made
+afresh would train from initial rows.
 
 After `max_restarts` recoveries, or on any other error, the error propagates.
 """
@@ -96,13 +99,15 @@ def _drain(model: keras.Model) -> None:
 
 
 def _rows_to_lose(layers: list[Any], saver: ModelCheckpoint) -> bool:
-    """Whether a recovery now would lose trained rows: before this run's
-    first checkpoint (its first save failed) a recovery makes the tables
-    afresh, and a layer holds rows (it trained, or a .keras file's were
-    loaded into it) that no checkpoint of this run keeps. A shard that
-    lost the table of such a layer made its first save raise NotFoundError,
-    and a recovery made the table afresh, untrained, with another
-    optimizer (the loaded model's was not settled yet)."""
+    """Whether making lost tables afresh would lose trained rows: before
+    this run's first checkpoint (its first save failed) a recovery makes
+    the tables a shard lacks afresh, and a layer holds rows (it trained, or
+    a .keras file's or a checkpoint's were loaded into it) that no
+    checkpoint of this run keeps. A shard that lost the table of such a
+    layer made its first save raise NotFoundError, and a recovery made the
+    table afresh, untrained, with another optimizer (the loaded model's was
+    not settled yet). A shard that comes back with its tables (a slow
+    save, a standby that took over) loses nothing: that recovery goes on."""
     return not saver.saved and any(layer.holds_rows() for layer in layers)
 
 
@@ -179,7 +184,7 @@ def resilient_fit(
             history.restarts = restarts
             return history
         except SHARD_LOST as e:
-            if restarts >= max_restarts or _rows_to_lose(layers, saver):
+            if restarts >= max_restarts:
                 raise
             restarts += 1
             log.warning("lost a shard (%s); recovery %d of %d", e, restarts, max_restarts)
@@ -206,6 +211,13 @@ def resilient_fit(
             initial_epoch = saver.epochs[-1]
             log.warning("shards back after %.1f s; resumed from %s", waited, last)
         else:
+            if _rows_to_lose(layers, saver) and _lacks_tables(model, pservers, token):
+                raise errors.NotFoundError(
+                    "a shard came back without the model's tables before resilient_fit's first "
+                    "checkpoint, and the model holds trained rows that no checkpoint of this run "
+                    "keeps (made afresh, its tables would train from initial rows): load the "
+                    "model's last checkpoint (tf_dlt.load) and call resilient_fit again"
+                )
             _create_tables(model, pservers, token)
             log.warning("shards back after %.1f s before the first checkpoint: tables created "
                         "again where missing", waited)  # fmt: skip
