@@ -91,10 +91,15 @@ def test_plan_command_prints_the_plan_and_its_assumptions() -> None:
         ({"skew": float("nan")}, "finite"),  # "hit rate nan%"
         ({"headroom": -1}, "headroom"),  # "memory per shard: -143.5 GiB"
         ({"steps_per_second": -5}, "steps_per_second"),
+        ({"shard_memory_gib": -1, "memory_budget": 0}, "shard_memory_gib"),
         ({"unique_fraction": -1}, "unique_fraction"),
     ],
 )
 def test_plan_refuses_figures_that_make_no_plan(args: dict[str, float], says: str) -> None:
+    # (A memory-only plan, steps 0, and a budget in place of shard_memory_gib
+    # still plan.)
+    capacity.plan(1e9, 16, "adagrad", 10, 4096, steps_per_second=0)
+    capacity.plan(1e9, 16, "adagrad", 10, 4096, shard_memory_gib=0, memory_budget=8 << 30)
     given: dict[str, float] = {"rows": 1e9, **args}
     rows = given.pop("rows")
     with pytest.raises(ValueError, match=says):

@@ -374,6 +374,8 @@ def test_hot_row_cache_errors_and_embedded_no_op(start_cluster: Callable[..., Cl
     # Embedding"); True was a staleness of 1.
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="'hc_emb' alone"):
         tf_dlt.hot_row_cache(embedded, rows=8, layers="hc_emb")  # type: ignore[arg-type]
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="layers must be"):
+        tf_dlt.hot_row_cache(embedded, rows=8, layers=3)  # type: ignore[arg-type]
     with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="max_staleness_steps must"):
         tf_dlt.hot_row_cache(embedded, rows=8, max_staleness_steps=True)
     dense_only = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

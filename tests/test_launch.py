@@ -19,7 +19,7 @@ from typing import cast
 
 import pytest
 
-from tf_dlt.server.local import LocalCluster
+from tf_dlt.server.local import LocalCluster, refuse_placement
 from tf_dlt.tools.launch import Launch
 
 pytestmark = pytest.mark.cluster
@@ -244,6 +244,7 @@ def test_bad_arguments_are_refused() -> None:
     assert run.returncode == 2 and "no trainer command" in run.stderr
     # Where each shard listens and which shard it is are the launcher's: a
     # flag overriding them started shards the trainers were not told of.
+    refuse_placement(["--threads=2", "--storage", "/x", "--"])  # none of them places a shard
     for flag in ("--server-arg=--shard-index=1", "--server-arg=--port", "--server-arg=--shard-ind"):
         run = _launch("--pservers", "1", flag, "--", "true")
         assert run.returncode == 2 and flag.split("=")[1] in run.stderr, run.stderr

@@ -5,6 +5,7 @@ tables live on, and everything that holds a table (the embeddings and a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import keras
@@ -52,7 +53,7 @@ def chosen_layers(model: keras.Model, wanted: list[Any] | None, caller: str) -> 
     candidates = distributed_layers(model)
     if wanted is None:
         return candidates
-    if isinstance(wanted, (str, keras.layers.Layer)):
+    if isinstance(wanted, (str, bytes, keras.layers.Layer)) or not isinstance(wanted, Iterable):
         raise errors.InvalidArgumentError(
             f"{caller}: layers must be a list of distributed Embedding layers or their names, "
             f"got {getattr(wanted, 'name', wanted)!r} alone (one layer: layers=[...])"

@@ -41,7 +41,7 @@ def refuse_placement(server_args: Sequence[str]) -> None:
     known = set(build_parser()._option_string_actions)
     given = sorted({
         name
-        for name in (a.split("=", 1)[0] for a in server_args if a.startswith("--"))
+        for name in (a.split("=", 1)[0] for a in server_args if a.startswith("--") and a != "--")
         # (or a prefix of one, which the server's parser takes for it)
         if name in PLACEMENT_FLAGS
         or (name not in known and any(f.startswith(name) for f in PLACEMENT_FLAGS))

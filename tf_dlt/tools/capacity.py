@@ -262,9 +262,10 @@ def plan(
         raise ValueError("every figure must be a finite number (not nan or inf)")
     if rows <= 0 or dim < 1 or trainers < 1 or batch < 1 or shard_cores <= 0:
         raise ValueError("rows, dim, trainers, batch and shard_cores must be positive")
-    if shard_memory_gib <= 0 or headroom < 1 or steps_per_second <= 0:
+    if (shard_memory_gib <= 0 and not memory_budget) or headroom < 1 or steps_per_second < 0:
         raise ValueError(
-            "shard_memory_gib and steps_per_second must be > 0, and headroom >= 1 (1: none)"
+            "shard_memory_gib must be > 0 (without a memory budget), steps_per_second >= 0 "
+            "(0: memory alone), and headroom >= 1 (1: none)"
         )
     if not 0 < unique_fraction <= 1:
         raise ValueError("unique_fraction must be in (0, 1]")
@@ -394,7 +395,7 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         + (
             f"with a {args.memory_budget / 2**30:.3g} GiB budget and {_size(args.ssd)} SSD each"
             if t
-            else f"at {(args.memory_budget or args.shard_memory_gib * 2**30) / 2**30:.3g} GiB "
+            else f"at {(args.memory_budget or args.shard_memory_gib * 2**30) / 2**30:g} GiB "
             f"each with x{args.headroom:g} headroom"
         )
         + f"; throughput needs {p.throughput_shards} for {args.steps_per_second:g} steps/s"
