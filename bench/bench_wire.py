@@ -44,20 +44,24 @@ ROOT = Path(__file__).resolve().parent.parent
 CAPACITY = ROOT / "tf_dlt" / "tools" / "data" / "capacity.json"
 
 
-build_program = load_module("tests/native_build.py").build
+native_build = load_module("tests/native_build.py")
 
 
-def built() -> Path:
-    """The static wire_bench binary: bench/wire_bench.cc and the native core
-    at setup.py's flags (what users run), built unless its objects and
-    binary are cached (tests/native_build.py)."""
-    return build_program("wire_bench", "optimized", [ROOT / "bench/wire_bench.cc"], static=True)
+def built(static: bool | None = None) -> Path:
+    """The wire_bench binary: bench/wire_bench.cc linked with the native core
+    users run (tf_dlt/libdlt_core.so, built in place), or, static, with the
+    core compiled at setup.py's flags; static by default only where the
+    checkout has no built core (a machine without TensorFlow). Built unless
+    its objects and binary are cached (tests/native_build.py)."""
+    if static is None:
+        static = not native_build.CORE_LIBRARY.exists()
+    return native_build.build("wire_bench", "optimized", [ROOT / "bench/wire_bench.cc"], static)
 
 
 def build(out: Path) -> Path:
     """A static wire_bench binary at `out`, to copy to another machine."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(built(), out)
+    shutil.copy2(built(static=True), out)
     return out
 
 

@@ -2,7 +2,13 @@
 g++, plain or with AddressSanitizer and UndefinedBehaviorSanitizer. Objects
 are cached by content under tests/cpp/build/, so only what changed is
 rebuilt; two compilers run at once. The benchmarks' C++ programs are built
-here too ("optimized": setup.py's flags)."""
+here too ("optimized": setup.py's flags).
+
+Only the sanitized flavor and static binaries compile the native core
+themselves (the sanitizers must instrument it; a static binary carries it).
+The others link the core users run, tf_dlt/libdlt_core.so as
+`setup.py build_ext --inplace` built it, and refuse one older than the
+core's sources."""
 
 from __future__ import annotations
 
@@ -74,6 +80,22 @@ def _compile(source: Path, flavor: str, headers: str) -> Path:
     return obj
 
 
+CORE_LIBRARY = ROOT / "tf_dlt/libdlt_core.so"
+
+
+def shipped_core() -> Path:
+    """tf_dlt/libdlt_core.so, refused when a source or header of the core
+    changed after it was built."""
+    sources = [p for p in (ROOT / "native").rglob("*.[ch]*") if "python" not in p.parts]
+    newest = max(sources, key=lambda p: p.stat().st_mtime)
+    if not CORE_LIBRARY.exists() or newest.stat().st_mtime > CORE_LIBRARY.stat().st_mtime:
+        raise RuntimeError(
+            f"{CORE_LIBRARY} is missing or older than {newest.relative_to(ROOT)}: "
+            "build it again with `.venv/bin/python setup.py build_ext --inplace`"
+        )
+    return CORE_LIBRARY
+
+
 def build(
     program: str, flavor: str = "plain", sources: Sequence[Path] = (), static: bool = False
 ) -> Path:
@@ -81,9 +103,16 @@ def build(
     `sources`; by default those of tests/cpp: "native_test" (the C++ suite)
     or "fuzz_shard" (a data-plane shard with no Python). `flavor`: "plain",
     "optimized" (benchmarks) or "sanitized". `static`: linked with -static
-    (a binary to copy to another x86-64 Linux machine)."""
+    (a binary to copy to another x86-64 Linux machine). Unless sanitized or
+    static, the core is the shipped library (`shipped_core`)."""
     BUILD.mkdir(parents=True, exist_ok=True)
+    compiled = flavor == "sanitized" or static
     core = [s for s in sorted((ROOT / "native").rglob("*.cc")) if "python" not in s.parts]
+    library: list[str] = []
+    if not compiled:
+        shipped = shipped_core()
+        core = []
+        library = [f"-L{shipped.parent}", "-ldlt_core", f"-Wl,-rpath,{shipped.parent}"]
     cpp = ROOT / "tests/cpp"
     own = list(sources) or (
         [ROOT / source for source in SUITE_SOURCES]
@@ -93,11 +122,14 @@ def build(
     headers = _headers_digest()
     with ThreadPoolExecutor(2) as pool:
         objects = list(pool.map(lambda s: _compile(s, flavor, headers), core + own))
-    key = hashlib.sha256("".join(o.name for o in objects).encode()).hexdigest()
+    names = "".join(o.name for o in objects) + "".join(library)
+    if library:  # relinked when the library is rebuilt
+        names += str(CORE_LIBRARY.stat().st_mtime_ns)
+    key = hashlib.sha256(names.encode()).hexdigest()
     binary = BUILD / f"{program}-{flavor}{'-static' if static else ''}-{key[:16]}"
     if not binary.exists():
         partial = f"{binary}.partial-{os.getpid()}"  # builds may run at once
-        link = ["g++", *FLAGS, *FLAVORS[flavor], *map(str, objects), "-o", partial]
+        link = ["g++", *FLAGS, *FLAVORS[flavor], *map(str, objects), *library, "-o", partial]
         subprocess.run([*link, *(["-static"] if static else [])], check=True, timeout=300)
         Path(partial).rename(binary)
     return binary

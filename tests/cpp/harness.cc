@@ -1,5 +1,7 @@
 #include "tests/cpp/harness.h"
 
+#include <chrono>
+#include <cstdlib>
 #include <utility>
 #include <vector>
 
@@ -32,12 +34,19 @@ int main(int argc, char** argv) {
     return 2;
   }
   dlt::testing::g_data_dir = argv[1];
+  // NATIVE_TEST_TIMES=1: each test's wall time on stderr, to find slow ones.
+  const bool times = std::getenv("NATIVE_TEST_TIMES") != nullptr;
   int passed = 0, failed = 0;
   for (const auto& [name, fn] : dlt::testing::Tests()) {
     if (argc > 2 && std::string(argv[2]) != name) continue;
     dlt::testing::g_failures_in_test = 0;
+    const auto start = std::chrono::steady_clock::now();
     fn();
     std::fflush(stdout);
+    if (times) {
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      std::fprintf(stderr, "%8.3f s  %s\n", took.count(), name);
+    }
     if (dlt::testing::g_failures_in_test == 0) {
       ++passed;
     } else {

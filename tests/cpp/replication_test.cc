@@ -701,6 +701,8 @@ DLT_TEST(TestAClientFollowsAReplicaSetRestartedWholeOnlyOnceNoOldCopyServes) {
   const int port = served->port();
   ClientOptions o;
   o.pull_retries = 1;
+  // The refused pull below retries until this deadline (the default 30 s).
+  o.request_timeout_ms = 3000;
   Client client({Address(*served) + "|" + Address(old_copy)}, o);
   const int64_t ids[] = {1, 2, 3};
   std::vector<float> rows(12), fresh(12);
