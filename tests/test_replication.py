@@ -657,11 +657,12 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
 
 
 def _trained_with_standby(
-    cluster: LocalCluster, shard: int, n: int
+    cluster: LocalCluster, shard: int, n: int, **client_options: Any
 ) -> tuple[tf_dlt.Client, np.ndarray, np.ndarray]:
-    """A client of `cluster` that made table "emb" (Adagrad) and pushed to
-    `n` ids once `shard`'s standby caught up: the client, the ids, their rows."""
-    client = tf_dlt.Client(cluster.addresses)
+    """A client of `cluster` (`client_options`) that made table "emb"
+    (Adagrad) and pushed to `n` ids once `shard`'s standby caught up: the
+    client, the ids, their rows."""
+    client = tf_dlt.Client(cluster.addresses, **client_options)
     client.create_table("emb", DIM, optimizer="adagrad")
     wait_until(lambda: _caught_up(cluster, shard), f"shard {shard}'s standby")
     ids = np.arange(n, dtype=np.int64)
@@ -846,7 +847,8 @@ def test_a_save_never_goes_to_a_primary_older_than_the_copy_met(tmp_path: Path) 
     checkpoint commits. Before, the save went to the woken primary and
     committed the rows of before the pause, without the acknowledged push."""
     with LocalCluster(1, workdir=tmp_path / "cluster", replicas=2) as cluster:
-        trainer, ids, _ = _trained_with_standby(cluster, 0, 200)
+        # Each refusal below retries until the request deadline (30 s by default).
+        trainer, ids, _ = _trained_with_standby(cluster, 0, 200, request_timeout=8)
         _pause_past_takeover(cluster, trainer, ids)  # met at epoch 2, woken
         cluster.processes[0].send_signal(signal.SIGSTOP)  # (so it hears of no one first)
         cluster.kill(1)
