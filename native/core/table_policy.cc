@@ -111,27 +111,26 @@ uint64_t Table::RowsPastQuota(const int64_t* ids, size_t n, const int64_t* remov
   const auto is_gone = [&gone](int64_t id) {
     return std::binary_search(gone.begin(), gone.end(), id);
   };
+  // The stripe of `id`, and whether it holds a row for it.
+  const auto held = [this](int64_t id, uint32_t* stripe) {
+    const uint64_t hash = Mix64(static_cast<uint64_t>(id));
+    *stripe = StripeOf(hash);
+    std::shared_lock<std::shared_mutex> lock(stripes_[*stripe].mu);
+    return stripes_[*stripe].Find(hash, id) != kEmpty;
+  };
   // Per stripe: rows held that the removals take, and ids that come in
   // where no row is held once they are made.
   std::vector<uint64_t> taken(kStripes, 0), fresh(kStripes, 0);
-  for (size_t pass = 0; pass < 2; ++pass) {
-    const int64_t* keys = pass == 0 ? gone.data() : ids;
-    const size_t count = pass == 0 ? gone.size() : n;
-    for (size_t i = 0; i < count; ++i) {
-      if (pass == 0 && i > 0 && keys[i] == keys[i - 1]) continue;
-      const uint64_t hash = Mix64(static_cast<uint64_t>(keys[i]));
-      const uint32_t s = StripeOf(hash);
-      std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
-      const bool held = stripes_[s].Find(hash, keys[i]) != kEmpty;
-      if (pass == 0) {
-        taken[s] += held;
-      } else if (!held || is_gone(keys[i])) {
-        ++fresh[s];
-      }
-    }
+  uint32_t s = 0;
+  for (size_t i = 0; i < gone.size(); ++i) {
+    if (i > 0 && gone[i] == gone[i - 1]) continue;
+    if (held(gone[i], &s)) ++taken[s];
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!held(ids[i], &s) || is_gone(ids[i])) ++fresh[s];
   }
   uint64_t past = 0;
-  for (uint32_t s = 0; s < kStripes; ++s) {
+  for (s = 0; s < kStripes; ++s) {
     if (fresh[s] == 0) continue;  // (a stripe past its quota evicts only as rows come in)
     std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
     const uint64_t rows =

@@ -222,7 +222,7 @@ def _apply_group(
         table = tables[name] = new_table(config)
         link.fresh.add(name)
         link.clocks[name] = table.now()
-    lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+    lo, hi = _overlap(buckets, entry)
     if mode == "full":
         restore_rows(g, table, buckets, offsets, reader, link.evict)
         if name not in link.fresh:
@@ -231,8 +231,7 @@ def _apply_group(
             keep = np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64)
             table.erase_buckets(lo, hi, keep)
         return name
-    removed = _offsets(g, "removed_offsets", len(g["removed"]) if "removed" in g else 0, where)
-    table.erase(np.asarray(g["removed"][int(removed[lo]) : int(removed[hi])], np.int64))
+    table.erase(_removed_ids(g, lo, hi, where))
     if config.get("policy", {}).get("clock") != "seconds":
         # Rows already here aged by the pushes the writer took since the
         # base; several writers of our buckets: the most of them.
@@ -242,6 +241,20 @@ def _apply_group(
             table.set_push_clock(target)
     restore_rows(g, table, buckets, offsets, reader, link.evict)
     return name
+
+
+def _overlap(buckets: tuple[int, int], entry: dict[str, Any]) -> tuple[int, int]:
+    """The buckets of `buckets` that manifest file entry `entry` holds."""
+    return max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+
+
+def _removed_ids(g: h5py.Group, lo: int, hi: int, where: str) -> np.ndarray:
+    """The ids delta group `g` removed from buckets [lo, hi) (none when it
+    holds no "removed")."""
+    if "removed" not in g:
+        return np.zeros(0, np.int64)
+    at = _offsets(g, "removed_offsets", len(g["removed"]), where)
+    return np.asarray(g["removed"][int(at[lo]) : int(at[hi])], np.int64)
 
 
 def _config_of(tables: dict[str, _native.Table], name: str) -> dict[str, Any] | None:
@@ -411,7 +424,7 @@ def _apply_files(
         # rows in the writer's buckets, as in a full checkpoint; one made
         # since the base (on the other writers) is made here too, empty:
         # the shards loading only such writers' buckets lacked it.
-        lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+        lo, hi = _overlap(buckets, entry)
         for name in set(listed) - held:
             config = listed[name]["config"]
             if name in tables and normalized(tables[name].config) == normalized(config):
@@ -477,13 +490,11 @@ def _note_coming(
 ) -> None:
     """Adds to `coming` the ids a file's table group `g` (checked:
     `config`, `mode`, `offsets`) brings buckets `buckets`, and removes."""
-    lo, hi = max(buckets[0], entry["first_bucket"]), min(buckets[1], entry["end_bucket"])
+    lo, hi = _overlap(buckets, entry)
     into = coming.setdefault(str(config["name"]), _Coming(config, [], []))
     into.ids.append(np.asarray(g["ids"][int(offsets[lo]) : int(offsets[hi])], np.int64))
-    if mode != "full" and "removed" in g:
-        where = f"{entry['file']} (table {config['name']!r})"
-        at = _offsets(g, "removed_offsets", len(g["removed"]), where)
-        into.removed.append(np.asarray(g["removed"][int(at[lo]) : int(at[hi])], np.int64))
+    if mode != "full":
+        into.removed.append(_removed_ids(g, lo, hi, f"{entry['file']} (table {config['name']!r})"))
 
 
 def _refuse_rows_past_quota(
