@@ -93,6 +93,8 @@ def test_plan_command_prints_the_plan_and_its_assumptions() -> None:
         ({"steps_per_second": -5}, "steps_per_second"),
         ({"shard_memory_gib": -1, "memory_budget": 0}, "shard_memory_gib"),
         ({"unique_fraction": -1}, "unique_fraction"),
+        # 4.6 million shards of 1 KiB: a shard refuses a budget under ~234 MiB.
+        ({"memory_budget": 1024, "ssd_bytes": 1 << 40}, "below the smallest a shard takes"),
     ],
 )
 def test_plan_refuses_figures_that_make_no_plan(args: dict[str, float], says: str) -> None:
@@ -100,6 +102,7 @@ def test_plan_refuses_figures_that_make_no_plan(args: dict[str, float], says: st
     # still plan.)
     capacity.plan(1e9, 16, "adagrad", 10, 4096, steps_per_second=0)
     capacity.plan(1e9, 16, "adagrad", 10, 4096, shard_memory_gib=0, memory_budget=8 << 30)
+    capacity.plan(1e9, 16, "adagrad", 10, 4096, memory_budget=256 << 20, ssd_bytes=1 << 40)
     given: dict[str, float] = {"rows": 1e9, **args}
     rows = given.pop("rows")
     with pytest.raises(ValueError, match=says):

@@ -700,6 +700,10 @@ def test_storage_library_failures_become_typed_errors_with_one_bounded_line() ->
             raise raised
         assert caught.value.message.startswith("Save to s3://b/ck: ")
         assert len(caught.value.message) <= 500 and "\tat " not in caught.value.message
+    # The file an OSError names is said (a compact onto a file: "File exists").
+    with pytest.raises(errors.AlreadyExistsError) as named, errors.storage_errors("compact"):
+        raise FileExistsError(errno.EEXIST, "File exists", "/ck/target")
+    assert named.value.message == "compact: File exists: /ck/target"
     with pytest.raises(ZeroDivisionError), errors.storage_errors("x"):  # not a storage failure
         raise ZeroDivisionError
     with pytest.raises(RuntimeError), errors.storage_errors("x"):  # nor any RuntimeError

@@ -894,6 +894,24 @@ def test_ls_shows_a_creation_time_no_calendar_holds_as_unknown(
     assert [line.split()[1] for line in lines] == ["?", "?"]
 
 
+def test_ls_of_a_relative_path_shows_its_chain_with_absolute_paths(
+    start_cluster: Callable[..., Cluster],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tf-dlt checkpoint ls d1` showed the head as given ("d1") and its
+    base absolute, as if they lay apart."""
+    from tf_dlt.tools import cli
+
+    with start_cluster(1).client() as c:
+        _base_and_delta(c, np.arange(100, dtype=np.int64), tmp_path / "base", tmp_path / "d1")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["checkpoint", "ls", "d1"]) == 0
+    paths = [line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert paths == [str(tmp_path / "base"), str(tmp_path / "d1")]
+
+
 def test_prune_keeps_a_checkpoint_whose_directory_holds_another(
     start_cluster: Callable[..., Cluster], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -213,7 +213,19 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
             reason = f"{reason} [{os.strerror(code)}]"
         if type(error).__module__ != "builtins":
             reason = f"{type(error).__name__}: {reason}"
+        # The files an OSError names (a strerror alone, "File exists", left
+        # the caller to guess which), unless the reason says them already.
+        for name in _file_names(error):
+            if name not in reason:
+                reason = f"{reason}: {name}"
     return cls(f"{what}: {reason}")
+
+
+def _file_names(error: BaseException) -> list[str]:
+    if not isinstance(error, OSError):
+        return []
+    names = [error.filename, error.filename2]
+    return [os.fsdecode(n) if isinstance(n, bytes) else str(n) for n in names if n is not None]
 
 
 def _class_names(error: BaseException) -> set[str]:

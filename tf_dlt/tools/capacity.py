@@ -45,7 +45,14 @@ GENERATION_BYTES = _native.GENERATION_BYTES
 # so slots are 3/8 to 3/4 used: the plan takes the mean, 9/16.
 TIER_MEAN_FILL = 9 / 16
 # The keeper holds RAM rows under this fraction of --memory-budget.
-BUDGET_FRACTION = 0.9
+BUDGET_FRACTION = _native.MEMORY_TARGET_FRACTION
+# What a shard process holds before any table (67-80 MiB measured at
+# start): with a save's buffers and the least room for rows, the smallest
+# budget a shard takes (it refuses less at start; docs/tiered_storage.md).
+PROCESS_BYTES = 80 << 20
+LEAST_BUDGET = (PROCESS_BYTES + _native.PERSIST_RESERVE_BYTES + _native.MIN_ROW_ROOM_BYTES) / (
+    _native.MEMORY_TARGET_FRACTION
+)
 
 
 def tier_slot_bytes(record: int) -> tuple[float, float]:
@@ -275,6 +282,12 @@ def plan(
         )
     if ssd_bytes and not memory_budget:
         raise ValueError("an SSD size needs a memory budget: rows move to disk past it")
+    if memory_budget and memory_budget < LEAST_BUDGET:
+        raise ValueError(
+            f"a memory budget of {memory_budget / 2**20:.3g} MiB is below the smallest a shard "
+            f"takes, about {LEAST_BUDGET / 2**20:.0f} MiB (what the process holds, a save's "
+            "buffers and room for rows): shards would refuse it at start"
+        )
     if not 0 < admission_rate <= 1 or sketch_bytes < 0:
         raise ValueError("admission_rate must be in (0, 1] and sketch_bytes >= 0")
     f = figures()

@@ -9,7 +9,7 @@ import json
 import sys
 
 from tf_dlt import errors
-from tf_dlt.checkpoint import chain
+from tf_dlt.checkpoint import chain, manifest
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.verb == "ls":
+        # Absolute, as the chain's bases are (a relative head beside them read
+        # as if it lay elsewhere).
+        args.path = manifest.absolute(args.path)
         refused: list[str] = []
         found = chain.find(args.path, refused=refused)
         itself = next((c for c in found if c.path == args.path), None)
