@@ -18,6 +18,7 @@ the embedded tables' lifetime across Keras sessions.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import weakref
 from typing import Any
@@ -188,6 +189,10 @@ def settle(
         trained = "was trained" in str(e)  # the shard's word for pushes applied
         have = _existing(config.name, client)
     kind = have.optimizer.kind if have is not None else "another optimizer"
+    wanted, keep = config.optimizer.kind, repr(kind)
+    if have is not None and kind == wanted:  # the same kind: its hyperparameters differ
+        kind, wanted = _spelled(have.optimizer), _spelled(config.optimizer)
+        keep = f"tf_dlt.optimizers.{kind}"
     how = (
         "was trained with"
         if trained
@@ -195,11 +200,23 @@ def settle(
     )
     raise errors.FailedPreconditionError(
         f"table {config.name!r} {how} {kind}; this model is compiled for "
-        f"{config.optimizer.kind}: give layer {layer!r} optimizer={kind!r} to keep training it, "
+        f"{wanted}: give layer {layer!r} optimizer={keep} to keep training it, "
         "start from a checkpoint saved with the new optimizer, or drop the table "
         f"(tf_dlt.embedded.drop_table / tf_dlt.Client.drop_table({config.name!r}), which loses "
         "its rows) to train it afresh"
     )
+
+
+def _spelled(optimizer: Any) -> str:
+    """`optimizer` as its constructor call, floats to float32's precision
+    (a shard's config holds 0.9 as 0.8999999761581421)."""
+    args = ", ".join(
+        f"{f.name}={getattr(optimizer, f.name):.7g}"
+        if isinstance(getattr(optimizer, f.name), float)
+        else f"{f.name}={getattr(optimizer, f.name)!r}"
+        for f in dataclasses.fields(optimizer)
+    )
+    return f"{type(optimizer).__name__}({args})"
 
 
 def _create(config: TableConfig, client: ops.ClientResource, provisional: bool) -> None:
