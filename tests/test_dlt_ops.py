@@ -219,6 +219,18 @@ def test_non_int64_ids_are_rejected() -> None:
         ops.lookup(client, tf.constant([1.0, 2.0]), "typed", 4)
     with pytest.raises((TypeError, tf.errors.InvalidArgumentError)):
         ops.lookup(client, tf.constant([1, 2], tf.int32), "typed", 4)
+    # Ragged and sparse ids are named, with what to do (a ValueError about
+    # len() of a RaggedTensor, or "Attempt to convert a value", before).
+    ragged = tf.ragged.constant([[1, 2], [3]], tf.int64)
+    sparse = tf.sparse.from_dense(tf.constant([[1, 0], [3, 4]], tf.int64))
+    for ids, kind in ((ragged, "RaggedTensor"), (sparse, "SparseTensor")):
+        says = f"dense tensor of int64 ids, got a {kind}"
+        with pytest.raises(TypeError, match=says):
+            ops.lookup(client, ids, "typed", 4)
+        with pytest.raises(TypeError, match=says):
+            ops.pull_ahead(client, ids, "typed", 4)
+        with pytest.raises(TypeError, match=says):
+            ops.lookup_grad(ids, tf.zeros((3, 4)))
 
 
 def test_unknown_table_is_not_found(cluster: Cluster) -> None:

@@ -139,6 +139,33 @@ def test_a_standalone_export_of_a_sequential_model_keeps_its_mask_and_takes_any_
     np.testing.assert_allclose(served, model.predict(x[:5], verbose=0), atol=1e-6)
 
 
+def test_a_standalone_export_keeps_each_nested_models_own_layer_of_a_shared_name(
+    tmp_path: Path,
+) -> None:
+    """Two towers made by one function, each with a Dense named "hidden":
+    the frozen copy took one tower's weights for both (copied by name over
+    all layers at once), so the export served other predictions."""
+
+    def tower(name: str) -> keras.Model:
+        inp = keras.Input((2,), dtype="int64", name=f"{name}_in")
+        rows = Embedding(output_dim=4, is_distributed=True, name=f"exp_{name}")(inp)
+        out = keras.layers.Dense(1, name="hidden")(keras.layers.Flatten()(rows))
+        return keras.Model(inp, out, name=name)
+
+    user, item = tower("user"), tower("item")
+    a, b = keras.Input((2,), dtype="int64", name="a"), keras.Input((2,), dtype="int64", name="b")
+    model = keras.Model([a, b], keras.layers.Concatenate()([user(a), item(b)]))
+    x = [np.array([[1, 2]], np.int64), np.array([[3, 4]], np.int64)]
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, np.ones((1, 2)), verbose=0)  # rows exist
+    for value, t in ((1.0, user), (2.0, item)):
+        t.get_layer("hidden").set_weights([np.full((8, 1), value), np.zeros(1)])
+    tf_dlt.export_saved_model(model, str(tmp_path / "m"), mode="standalone")
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    served = loaded.serve(*[tf.constant(v) for v in x])
+    np.testing.assert_allclose(served.numpy(), model.predict(x, verbose=0), atol=1e-6)
+
+
 def test_standalone_export_of_chosen_ids(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_dlt
 from tf_dlt import dlt_ops as ops
@@ -82,6 +83,58 @@ def test_keras_embeddings_are_converted_on_request(start_cluster: Callable[..., 
     )
 
 
+def test_converted_embeddings_keep_what_they_were_or_are_refused(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A frozen Keras Embedding stays frozen (it became trainable and fit
+    changed its rows); a local tf_dlt Embedding keeps its combiner and
+    optimizer (they were dropped: the mean over a bag became a row per id);
+    what a table cannot keep (a regularizer, LoRA, an unbuilt layer) is
+    refused before any table is made (an unbuilt one made its table, then
+    an IndexError)."""
+    cluster = start_cluster(1)
+    x, y = _data()
+    frozen = keras.layers.Embedding(VOCAB, DIM, name="conv_frozen", trainable=False)
+    model = _functional(frozen)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    converted = tf_dlt.transpile(model, cluster.addresses, convert_keras_embeddings=True)
+    assert not converted.get_layer("conv_frozen").trainable
+    converted.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    with cluster.client() as client:
+        np.testing.assert_array_equal(
+            client.pull("conv_frozen", np.arange(VOCAB)), frozen.get_weights()[0]
+        )
+    bags = keras.Input((None,), dtype="int64", ragged=True)
+    local = Embedding(VOCAB, DIM, combiner="mean", optimizer="adagrad", name="conv_bag")
+    model = keras.Model(bags, keras.layers.Dense(1)(local(bags)))
+    ragged = tf.ragged.constant([[1, 2, 3], [4]], tf.int64)
+    converted = tf_dlt.transpile(model, cluster.addresses, convert_keras_embeddings=True)
+    layer = converted.get_layer("conv_bag")
+    assert layer.is_distributed and layer.combiner == "mean"
+    assert layer.table_config.optimizer.kind == "adagrad"
+    np.testing.assert_allclose(converted.predict(ragged, verbose=0),
+                               model.predict(ragged, verbose=0), atol=1e-6)  # fmt: skip
+
+    def refused(embedding: keras.layers.Layer, says: str, build: bool = True) -> None:
+        model = keras.Sequential([embedding, keras.layers.Flatten(), keras.layers.Dense(1)])
+        if build:
+            model(x[:1])
+        with pytest.raises(ValueError, match=says):
+            tf_dlt.transpile(model, cluster.addresses, convert_keras_embeddings=True)
+        with cluster.client() as client:
+            assert embedding.name not in client.list_tables()
+
+    refused(keras.layers.Embedding(VOCAB, DIM, name="conv_unbuilt"), "not built", build=False)
+    refused(
+        keras.layers.Embedding(VOCAB, DIM, embeddings_regularizer="l2", name="conv_l2"),
+        "has embeddings_regularizer",
+    )
+    lora = keras.layers.Embedding(VOCAB, DIM, name="conv_lora")
+    lora.build()
+    lora.enable_lora(2)
+    refused(lora, "has LoRA enabled")
+
+
 def test_nested_models(start_cluster: Callable[..., Cluster]) -> None:
     cluster = start_cluster(1)
     inner_in = keras.Input((3,), dtype="int64")
@@ -98,6 +151,35 @@ def test_nested_models(start_cluster: Callable[..., Cluster]) -> None:
     remote = tf_dlt.transpile(outer, cluster.addresses)
     np.testing.assert_allclose(remote.predict(x, verbose=0), outer.predict(x, verbose=0), atol=1e-6)
     assert remote.get_layer("inner").get_layer("n_emb").client.pservers == cluster.addresses
+
+
+def _towers() -> tuple[keras.Model, list[np.ndarray]]:
+    """Two towers made by one function, each with a Dense named "hidden"
+    (its kernel all 1s in one tower, all 2s in the other), and an input."""
+
+    def tower(name: str) -> keras.Model:
+        inp = keras.Input((2,), name=f"{name}_in")
+        return keras.Model(inp, keras.layers.Dense(1, name="hidden")(inp), name=name)
+
+    user, item = tower("user_tower"), tower("item_tower")
+    a, b = keras.Input((2,), name="a"), keras.Input((2,), name="b")
+    model = keras.Model([a, b], keras.layers.Concatenate()([user(a), item(b)]))
+    for value, t in ((1.0, user), (2.0, item)):
+        t.get_layer("hidden").set_weights([np.full((2, 1), value), np.zeros(1)])
+    return model, [np.array([[1, 2]], np.float32), np.array([[3, 4]], np.float32)]
+
+
+def test_layers_of_the_same_name_in_two_nested_models_keep_their_own_weights(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Each tower's "hidden" keeps its trained weights: weights were copied
+    by name over all layers at once, so one tower got the other's and the
+    other kept fresh random ones, without a word."""
+    cluster = start_cluster(1)
+    model, x = _towers()
+    np.testing.assert_allclose(model.predict(x, verbose=0), [[3.0, 14.0]])
+    remote = tf_dlt.transpile(model, cluster.addresses)
+    np.testing.assert_allclose(remote.predict(x, verbose=0), [[3.0, 14.0]])
 
 
 @pytest.mark.parametrize("shape", ["functional", "sequential", "nested"])

@@ -242,6 +242,18 @@ def _check_cached_table(client: ClientResource, config: TableConfig) -> None:
         )
 
 
+def _dense(ids: Any, op: str) -> Any:
+    """`ids` where it is not ragged or sparse; else TypeError naming what
+    to do (the op took it as a plain value and failed on its len())."""
+    if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+        raise TypeError(
+            f"{op} takes a dense tensor of int64 ids, got a {type(ids).__name__}: pass its "
+            "flat values (`.flat_values` or `.values`) and shape the rows back, or use "
+            "tf_dlt.layers.Embedding, which takes ragged and sparse ids"
+        )
+    return ids
+
+
 def lookup(
     client: ClientResource,
     ids: tf.Tensor,
@@ -259,8 +271,8 @@ def lookup(
     or zeros (``missing="zeros"``).
     """
     return load_library().dlt_lookup(
-        client=client.resource_handle, ids=ids, table=table, dim=dim, training=training,
-        missing=missing,
+        client=client.resource_handle, ids=_dense(ids, "lookup"), table=table, dim=dim,
+        training=training, missing=missing,
     )  # fmt: skip
 
 
@@ -291,8 +303,8 @@ def pull_ahead(
     Remote clients only: with the embedded tables it just returns `ids`.
     """
     return load_library().dlt_pull_ahead(
-        client=client.resource_handle, ids=ids, table=table, dim=dim, training=training,
-        missing=missing, refresh=refresh, pulls_per_batch=int(pulls_per_batch),
+        client=client.resource_handle, ids=_dense(ids, "pull_ahead"), table=table, dim=dim,
+        training=training, missing=missing, refresh=refresh, pulls_per_batch=int(pulls_per_batch),
     )  # fmt: skip
 
 
@@ -314,7 +326,7 @@ def regreet(client: ClientResource) -> None:
 def lookup_grad(ids: tf.Tensor, grads: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """(unique_ids, summed_grads): the gradient of looked-up rows
     (``ids.shape + [dim]``) summed per distinct id, in first-seen order."""
-    out = load_library().dlt_lookup_grad(ids=ids, grads=grads)
+    out = load_library().dlt_lookup_grad(ids=_dense(ids, "lookup_grad"), grads=grads)
     return out.unique_ids, out.summed_grads
 
 

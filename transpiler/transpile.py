@@ -18,7 +18,7 @@ import numpy as np
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded
 from tf_dlt.cluster import ClusterSpec
-from tf_dlt.keras.walk import clone_keeping_inputs, copy_weights
+from tf_dlt.keras.walk import clone_keeping_inputs, copy_weights, walk_layers
 from tf_dlt.layers import table_home
 from tf_dlt.layers.embedding import Embedding
 from tf_dlt.progress import Progress
@@ -41,6 +41,58 @@ def _check_rewritable(model: keras.Model) -> None:
     for layer in model.layers:
         if isinstance(layer, keras.Model):
             _check_rewritable(layer)
+
+
+def _is_local_embedding(layer: keras.layers.Layer) -> bool:
+    return isinstance(layer, keras.layers.Embedding) or (
+        isinstance(layer, Embedding) and not layer.is_distributed
+    )
+
+
+def _check_convertible(layer: keras.layers.Layer) -> None:
+    """ValueError where `convert_keras_embeddings` cannot make a local
+    embedding a table that reads and trains as it did: before anything is
+    made (a table of an unbuilt layer was made, then an IndexError)."""
+    if not _is_local_embedding(layer):
+        return
+    refuse = f"convert_keras_embeddings: layer {layer.name!r}"
+    if not layer.built:
+        raise ValueError(
+            f"{refuse} is not built, so it has no rows to upload: build the model first (give "
+            "it a keras.Input, or call it on a batch)"
+        )
+    if getattr(layer, "quantization_mode", None):
+        raise ValueError(
+            f"{refuse} is quantized ({layer.quantization_mode}); a table holds float rows: "
+            "convert the model before quantizing it"
+        )
+    if getattr(layer, "lora_enabled", False):
+        raise ValueError(
+            f"{refuse} has LoRA enabled; a table holds and trains whole rows: convert the model "
+            "before enabling LoRA, or leave its embeddings local"
+        )
+    for option in (
+        "embeddings_regularizer", "activity_regularizer", "embeddings_constraint",
+    ):  # fmt: skip
+        if getattr(layer, option, None) is not None:
+            raise ValueError(
+                f"{refuse} has {option}, which a table does not apply: remove it, or leave the "
+                "model's embeddings local (convert_keras_embeddings=False)"
+            )
+
+
+def _distributed_like(layer: keras.layers.Layer) -> Embedding:
+    """The distributed Embedding that takes local embedding `layer`'s place:
+    a tf_dlt one keeps its whole config (combiner, optimizer, policies); a
+    Keras one its size, mask and trainable flag."""
+    if isinstance(layer, Embedding):
+        config = {**layer.get_config(), "is_distributed": True}
+        config.pop("pservers", None)
+        return Embedding.from_config(config)
+    return Embedding(
+        input_dim=layer.input_dim, output_dim=layer.output_dim, is_distributed=True,
+        mask_zero=layer.mask_zero, name=layer.name, trainable=layer.trainable,
+    )  # fmt: skip
 
 
 def transpile(
@@ -77,6 +129,9 @@ def transpile(
         again gives an equivalent model and moves no rows.
     """
     _check_rewritable(model)
+    if convert_keras_embeddings:
+        for layer in walk_layers(model):
+            _check_convertible(layer)
     if isinstance(pservers, ClusterSpec):
         addresses = list(pservers.pservers)
     elif isinstance(pservers, str):
@@ -121,17 +176,11 @@ def transpile(
                 ids, values, _, _ = embedded.rows(layer.table_name)
                 uploads.append((new, (ids, values)))
             return new
-        is_local_embedding = isinstance(layer, keras.layers.Embedding) or (
-            isinstance(layer, Embedding) and not layer.is_distributed
-        )
-        if convert_keras_embeddings and is_local_embedding:
-            new = Embedding(
-                input_dim=layer.input_dim, output_dim=layer.output_dim, is_distributed=True,
-                mask_zero=layer.mask_zero, name=layer.name,
-            )  # fmt: skip
+        if convert_keras_embeddings and _is_local_embedding(layer):
+            new = _distributed_like(layer)
             new.use_client(target)
             create(new)
-            weights = layer.get_weights()[0]
+            weights = keras.ops.convert_to_numpy(layer.embeddings)
             uploads.append((new, (np.arange(len(weights), dtype=np.int64), weights)))
             return new
         return layer.__class__.from_config(layer.get_config())

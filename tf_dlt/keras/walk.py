@@ -5,7 +5,7 @@ tables live on, and everything that holds a table (the embeddings and a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import keras
@@ -97,22 +97,33 @@ def table_holders(model: keras.Model) -> list[Any]:
     return holders
 
 
-def _flat_layers(model: keras.Model) -> dict[str, keras.layers.Layer]:
-    return {layer.name: layer for layer in walk_layers(model)}
+def _paired(
+    source: keras.Model, target: keras.Model
+) -> Iterator[tuple[keras.layers.Layer, keras.layers.Layer]]:
+    """(layer of `source`, layer of `target`) of the same name in the same
+    model, nested models' layers paired inside them: a name is unique
+    within one model only (two towers made by one function each hold a
+    "hidden"), so layers are never paired across models."""
+    old = {layer.name: layer for layer in source.layers}
+    for layer in target.layers:
+        match = old.get(layer.name)
+        if match is None:
+            continue
+        yield match, layer
+        if isinstance(layer, keras.Model) and isinstance(match, keras.Model):
+            yield from _paired(match, layer)
 
 
 def copy_weights(source: keras.Model, target: keras.Model) -> None:
-    """Copies the weights of every layer of `source` into the layer of the
-    same name in `target`, except distributed tables (their rows live in the
+    """Copies the weights of every layer of `source` into its counterpart in
+    `target` (`_paired`), except distributed tables (their rows live in the
     tables) and layers whose weights differ in shape (rewritten layers)."""
-    old_layers = _flat_layers(source)
-    for name, layer in _flat_layers(target).items():
+    for old, layer in _paired(source, target):
         if isinstance(layer, keras.Model) or (
             isinstance(layer, Embedding) and layer.is_distributed
         ):
             continue
-        old = old_layers.get(name)
-        if old is None or not old.get_weights() or not layer.get_weights():
+        if not old.get_weights() or not layer.get_weights():
             continue
         if [w.shape for w in old.get_weights()] == [w.shape for w in layer.get_weights()]:
             layer.set_weights(old.get_weights())
