@@ -1166,3 +1166,41 @@ def test_a_complaint_that_repeats_is_logged_once_in_a_while(
         "not taking over",
         "standby: refused; trying again",
     ]
+
+
+@pytest.mark.unit
+def test_a_standby_stopping_with_its_primary_says_so_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At a launch's end the primary stops as its standby tells it it
+    stops: the primary's server cancels that call, which was logged as a
+    WARNING ("could not tell ... CANCELLED") on every clean shutdown, as
+    if something had failed. It is the same as a primary that stops too."""
+    from concurrent import futures
+
+    import grpc
+
+    from tf_dlt.proto import dlt_pb2_grpc
+
+    class Stopping(dlt_pb2_grpc.ShardAdminServicer):  # type: ignore[misc]
+        def AttachStandby(self, request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    dlt_pb2_grpc.add_ShardAdminServicer_to_server(Stopping(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        link = replication.StandbyLink(
+            "127.0.0.1:1", "127.0.0.1:2", 0, 1, "", take_over=lambda: None,
+            caught_up=lambda: True,
+        )  # fmt: skip
+        link._incarnation, link._admin = 7, f"127.0.0.1:{port}"  # attached once
+        with caplog.at_level(logging.INFO, logger="tf_dlt"):
+            link._leave()
+        said = [(r.levelno, r.getMessage()) for r in caplog.records]
+        assert said and all(level == logging.INFO for level, _ in said), said
+        assert "as this standby stops" in said[-1][1]
+        link._close_channel()
+    finally:
+        server.stop(None)

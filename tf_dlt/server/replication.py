@@ -324,7 +324,8 @@ class StandbyLink:
         try:
             self._call("AttachStandby", request, timeout=2)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:  # it stops too (a launch's end), or died
+            # It stops too (a launch's end: its server cancels the call), or died.
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 log.info(
                     "could not reach %s as this standby stops (it stops too, or is cut off: it "
                     "then detaches this standby as one down)", self.primary,
