@@ -364,6 +364,23 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         # (a tuple: Keras tracks a layer's lists and dicts)
         self._dlt_row_cache = (config, settings) if rows else None
 
+    def refuse_cached_16_bit_pushes(self, caller: str) -> None:
+        """InvalidArgumentError where this layer trains a table of 16-bit
+        rows or slots through a hot-row cache (`tf_dlt.hot_row_cache`):
+        the shards round each update into 16 bits, and the cache, applying
+        this trainer's pushes in float32, would serve rows they do not hold."""
+        memory = self.table_config.memory
+        narrow = [d for d in (memory.value_dtype, memory.slot_dtype) if d != "float32"]
+        if narrow and self.trainable and self.client is not None and not self.client.embedded:
+            raise errors.InvalidArgumentError(
+                f"{caller}: layer {self.name!r} trains table {self.table_name!r}, whose "
+                f"rows are stored as {memory.value_dtype} (slots {memory.slot_dtype}), through "
+                "a hot-row cache: the shards round each update into 16 bits, and the cache, "
+                "applying this trainer's pushes in float32, would serve rows they do not hold. "
+                "Leave it out of hot_row_cache (layers=), or use tf_dlt.pull_ahead, which "
+                "reads the shards' rows"
+            )
+
     def follow_optimizer(self, optimizer: Any, restoring: bool = False) -> None:
         """Gives the table the server-side form of the Keras `optimizer`,
         when the layer names none itself. The first call on a built layer
@@ -574,6 +591,9 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 "which made no rows and know no optimizer to push with: call the layer with "
                 "training=True (or pass the model's `training` argument through) where it trains"
             )
+        if getattr(self, "_dlt_row_cache", None) is not None:
+            # (A layer frozen when its cache was made, trained since.)
+            self.refuse_cached_16_bit_pushes("training")
         lr = self._current_learning_rate(pending.optimizer)
         pushed = ops.push(
             client, pending.ids, pending.grads, lr, self.table_name, self.output_dim,

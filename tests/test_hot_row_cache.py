@@ -441,6 +441,18 @@ def test_a_cache_of_a_table_trained_in_16_bits_is_refused(
         tf_dlt.hot_row_cache(remote, rows=16)
     tf_dlt.pull_ahead(remote)  # what it says to use instead
     remote.fit(_data(32)[0]["items"], np.ones(32), batch_size=BATCH, verbose=0)
+    # Frozen, it is cached (it pushes nothing); unfrozen, its first
+    # training step is refused the same way (its pushes went through the
+    # cache in float32).
+    frozen = tf_dlt.transpile(model, start_cluster(1).addresses)
+    frozen.get_layer("hc_bf16").trainable = False
+    frozen.compile(optimizer="adagrad", loss="mse")
+    tf_dlt.hot_row_cache(frozen, rows=16, max_staleness_steps=1000, min_count=1)
+    frozen.fit(_data(32)[0]["items"], np.ones(32), batch_size=BATCH, verbose=0)
+    frozen.get_layer("hc_bf16").trainable = True
+    frozen.compile(optimizer="adagrad", loss="mse")
+    with pytest.raises(tf_dlt.errors.InvalidArgumentError, match="through a hot-row cache"):
+        frozen.fit(_data(32)[0]["items"], np.ones(32), batch_size=BATCH, verbose=0)
 
 
 def test_a_frozen_layers_cache_takes_the_tables_optimizer_as_the_shards_hold_it(

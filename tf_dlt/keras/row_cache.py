@@ -62,9 +62,10 @@ def hot_row_cache(
             pushed past it, and the cached rows missed those pushes).
 
     Tables whose rows or slots are stored in 16 bits (`value_dtype`,
-    `slot_dtype`) are refused where the layer trains: the shard rounds each
-    update into 16 bits, which the cache, applying pushes in float32, would
-    not (its rows drifted from the shards' with every push).
+    `slot_dtype`) are refused where the layer trains (and a frozen one's
+    first training step, once unfrozen): the shard rounds each update into
+    16 bits, which the cache, applying pushes in float32, would not (its
+    rows drifted from the shards' with every push).
 
     Consistency: a cached row reflects every push of this trainer, each
     applied to it as the push leaves (a push that fails is forgotten: its
@@ -105,17 +106,8 @@ def hot_row_cache(
                 "(tf_dlt.transpile does) first"
             )
     chosen = _with_siblings(model, chosen)
-    for layer in chosen:
-        memory = layer.table_config.memory
-        narrow = [d for d in (memory.value_dtype, memory.slot_dtype) if d != "float32"]
-        if rows and narrow and layer.trainable and not layer.client.embedded:
-            raise errors.InvalidArgumentError(
-                f"hot_row_cache: layer {layer.name!r} trains table {layer.table_name!r}, whose "
-                f"rows are stored as {memory.value_dtype} (slots {memory.slot_dtype}): the "
-                "shards round each update into 16 bits, and the cache, applying this "
-                "trainer's pushes in float32, would serve rows they do not hold. Leave it out "
-                "(layers=), or use tf_dlt.pull_ahead, which reads the shards' rows"
-            )
+    for layer in chosen if rows else ():
+        layer.refuse_cached_16_bit_pushes("hot_row_cache")
     _own_clients(model, chosen)
     for layer in chosen:
         assert layer.client is not None
