@@ -4,6 +4,8 @@ starts from the chief's weights; a table of another model is refused."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,3 +139,66 @@ def test_save_and_load_include_the_dense_table(tmp_path: Path) -> None:
     model.optimizer.learning_rate = 0.0
     model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
     np.testing.assert_allclose(model.predict(x, verbose=0), saved, atol=1e-6)
+
+
+def test_a_keras_file_loaded_in_a_new_process_trains_on_from_its_weights(tmp_path: Path) -> None:
+    """keras.models.load_model builds the optimizer as it compiles, before
+    it loads the file's weights: the chief wrote the model's fresh random
+    weights into the new dense table then, and its first step read them
+    back over the file's (at learning rate 0, the trained model became an
+    untrained one, without a word)."""
+    model = _model(7)
+    model.compile(optimizer=tf_dlt.DenseOnShards([], "sgd", 0.5, table="dense_file"), loss="mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    script = (
+        "import sys, numpy as np, keras, tf_dlt\n"
+        "d = sys.argv[1]\n"
+        "x, y = np.load(d + '/x.npy'), np.load(d + '/y.npy')\n"
+        "keras.utils.set_random_seed(123)\n"
+        "m = keras.models.load_model(d + '/m.keras')\n"
+        "m.optimizer.learning_rate.assign(0.0)\n"
+        "m.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)\n"
+        "np.save(d + '/after.npy', m.predict(x, verbose=0))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+        timeout=300, cwd="/",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    np.testing.assert_allclose(np.load(tmp_path / "after.npy"), model.predict(x, verbose=0),
+                               atol=1e-6)  # fmt: skip
+
+
+def test_a_layer_frozen_between_fits_stays_as_it_is_and_the_others_train_as_with_keras() -> None:
+    """Fine-tuning: a layer frozen after a fit, the model compiled again
+    with its optimizer. The next fit failed with a bare ValueError ("zip()
+    argument 2 is longer than argument 1"). The frozen layer's rows are now
+    read and never pushed, and the rest trains as Keras SGD trains it."""
+    x, y = _data()
+    models = {"shared": _model(8), "local": _model(8)}
+    optimizers = {
+        "shared": tf_dlt.DenseOnShards([], "sgd", 0.05, table="dense_frozen"),
+        "local": keras.optimizers.SGD(0.05),
+    }
+    losses = {}
+    for name, model in models.items():
+        model.compile(optimizer=optimizers[name], loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        model.layers[1].trainable = False  # the hidden Dense
+        frozen = model.layers[1].get_weights()
+        model.compile(optimizer=model.optimizer, loss="mse")
+        history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        losses[name] = history.history["loss"]
+        for a, b in zip(model.layers[1].get_weights(), frozen, strict=True):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(losses["shared"], losses["local"], rtol=1e-5)
+    for a, b in zip(models["shared"].get_weights(), models["local"].get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # Unfrozen again: the optimizer has its rows (laid out at build).
+    models["shared"].layers[1].trainable = True
+    models["shared"].compile(optimizer=models["shared"].optimizer, loss="mse")
+    models["shared"].fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -143,8 +143,11 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         self._sizes, self._offsets, self._rows = _layout(dense)
         self._ids = tf.constant(np.arange(self._rows, dtype=np.int64))
         marker = _marker(self._sizes)
+        # What this chief wrote as the initial weights, until its first step.
+        self._written: np.ndarray | None = None
         if self.is_chief and not self._has_marker():
-            ops.assign(self.client, self._ids, self._pack(dense), self.table, ROW)
+            self._written = self._pack(dense).numpy()
+            ops.assign(self.client, self._ids, self._written, self.table, ROW)
             ops.assign(
                 self.client, tf.constant([MARKER_ID], tf.int64), marker[None], self.table, ROW
             )
@@ -155,7 +158,9 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
             raise errors.FailedPreconditionError(
                 f"dense table {self.table!r} holds another model's weights "
                 f"({_described(found)}; this model: {_described(marker)}); use another table "
-                "name"
+                "name. (The same model with layers frozen since counts fewer: its trainable "
+                "variables are laid out when the optimizer is built. To freeze layers, compile "
+                "again with the optimizer it has, model.compile(optimizer=model.optimizer, ...))"
             )
         self.refresh()
 
@@ -197,10 +202,11 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
 
     # Packing ------------------------------------------------------------------
 
-    def _pack(self, tensors: Sequence[Any]) -> tf.Tensor:
-        """Variables (or their gradients) as [rows, ROW] float32."""
+    def _pack(self, tensors: Sequence[Any], sizes: Sequence[int] | None = None) -> tf.Tensor:
+        """Variables (or their gradients) as [rows, ROW] float32: all the
+        dense variables', or those of `sizes`."""
         parts = []
-        for t, size in zip(tensors, self._sizes, strict=True):
+        for t, size in zip(tensors, self._sizes if sizes is None else sizes, strict=True):
             flat = tf.reshape(tf.cast(tf.convert_to_tensor(t), tf.float32), [-1])
             parts.append(tf.pad(flat, [[0, -(-size // ROW) * ROW - size]]))
         if not parts:
@@ -221,24 +227,63 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         variables = list(trainable_variables or self._trainable_variables)
         if not self.built:
             self.build(variables)
-        dense, dense_grads = [], []
+        grads_of: dict[int, Any] = {}
         for g, v in zip(grads, variables, strict=True):
             if _overwritten(v):
                 if g is not None:
                     v.assign(g)
                 continue
-            dense.append(v)
-            dense_grads.append(tf.zeros(v.shape, tf.float32) if g is None else g)
+            grads_of[id(v)] = g
         assert self.client is not None
-        if dense:
-            lr = tf.cast(self._get_current_learning_rate(), tf.float32)
-            pushed = ops.push(
-                self.client, self._ids, self._pack(dense_grads), lr, self.table, ROW, sync=True
+        self._write_loaded_weights()
+        # The variables trainable now: fewer than at build where layers were
+        # frozen since (their rows are read, never pushed); never more.
+        built = {id(v) for v in self._dense}
+        unknown = [v for v in variables if id(v) in grads_of and id(v) not in built]
+        if unknown:
+            raise errors.FailedPreconditionError(
+                f"DenseOnShards: variable {unknown[0].path!r} was not trainable when the "
+                "optimizer was built, so the dense table has no rows for it: compile the model "
+                "with a new DenseOnShards (and a new table) to train it"
             )
+        trained = [i for i, v in enumerate(self._dense) if id(v) in grads_of]
+        if trained:
+            ids = self._ids
+            if len(trained) < len(self._dense):
+                ids = tf.constant(np.concatenate([self._rows_of(i) for i in trained]))
+            dense_grads = [grads_of[id(self._dense[i])] for i in trained]
+            dense_grads = [
+                tf.zeros(self._dense[i].shape, tf.float32) if g is None else g
+                for i, g in zip(trained, dense_grads, strict=True)
+            ]
+            lr = tf.cast(self._get_current_learning_rate(), tf.float32)
+            packed = self._pack(dense_grads, [self._sizes[i] for i in trained])
+            pushed = ops.push(self.client, ids, packed, lr, self.table, ROW, sync=True)
             with tf.control_dependencies([pushed] if pushed is not None else []):
                 rows = ops.lookup(self.client, self._ids, self.table, ROW, training=False)
-            self._unpack_into(dense, rows)
+            self._unpack_into(self._dense, rows)
         self._iterations.assign_add(1)
+
+    def _rows_of(self, index: int) -> np.ndarray:
+        """The table ids of dense variable `index`."""
+        first = self._offsets[index]
+        return np.arange(first, first + -(-self._sizes[index] // ROW), dtype=np.int64)
+
+    def _write_loaded_weights(self) -> None:
+        """At the first step of a chief that wrote the initial weights at
+        build: weights given to the model since (keras.models.load_model
+        builds the optimizer while it compiles, then loads the file's
+        weights) go into the table, which every step reads back: the
+        file's weights were replaced by the random ones written at build,
+        without a word. (Once per optimizer, as the step is traced.)"""
+        written, self._written = getattr(self, "_written", None), None
+        if written is None:
+            return
+        assert self.client is not None
+        with tf.init_scope():
+            now = self._pack(self._dense).numpy()
+            if not np.array_equal(now, written):
+                ops.assign(self.client, self._ids, now, self.table, ROW)
 
     def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
         raise NotImplementedError("DenseOnShards applies every variable at once in apply()")
