@@ -23,6 +23,8 @@ import secrets
 import weakref
 from typing import Any
 
+import numpy as np
+
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors
 from tf_dlt.client import Client
@@ -188,6 +190,11 @@ def settle(
             return True
         trained = "was trained" in str(e)  # the shard's word for pushes applied
         have = _existing(config.name, client)
+    if have is not None and have.optimizer == config.optimizer:  # refused for another field
+        raise errors.FailedPreconditionError(
+            f"table {config.name!r} exists with another config than layer {layer!r} asks for "
+            f"({difference(have.to_dict(), config.to_dict())}, the table's first)"
+        )
     kind = have.optimizer.kind if have is not None else "another optimizer"
     wanted, keep = config.optimizer.kind, repr(kind)
     if have is not None and kind == wanted:  # the same kind: its hyperparameters differ
@@ -208,10 +215,11 @@ def settle(
 
 
 def _spelled(optimizer: Any) -> str:
-    """`optimizer` as its constructor call, floats to float32's precision
-    (a shard's config holds 0.9 as 0.8999999761581421)."""
+    """`optimizer` as its constructor call, each float as the shortest that
+    float32 reads back as it (a shard's config holds 0.9 as
+    0.8999999761581421; two that differ in float32 are told apart)."""
     args = ", ".join(
-        f"{f.name}={getattr(optimizer, f.name):.7g}"
+        f"{f.name}={str(np.float32(getattr(optimizer, f.name)))}"  # float32 shortest
         if isinstance(getattr(optimizer, f.name), float)
         else f"{f.name}={getattr(optimizer, f.name)!r}"
         for f in dataclasses.fields(optimizer)

@@ -704,6 +704,10 @@ def test_storage_library_failures_become_typed_errors_with_one_bounded_line() ->
     with pytest.raises(errors.AlreadyExistsError) as named, errors.storage_errors("compact"):
         raise FileExistsError(errno.EEXIST, "File exists", "/ck/target")
     assert named.value.message == "compact: File exists: /ck/target"
+    # Both of a rename's (the target's name is a prefix of its temp file's).
+    with pytest.raises(errors.DltError) as renamed, errors.storage_errors("Save"):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", "/ck/a.h5.tmp-1", None, "/ck/a.h5")
+    assert renamed.value.message == "Save: Is a directory: /ck/a.h5.tmp-1 -> /ck/a.h5"
     with pytest.raises(ZeroDivisionError), errors.storage_errors("x"):  # not a storage failure
         raise ZeroDivisionError
     with pytest.raises(RuntimeError), errors.storage_errors("x"):  # nor any RuntimeError

@@ -610,9 +610,9 @@ def test_a_table_taken_from_an_earlier_session_is_kept_once_this_session_trained
     fresh.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="binary_crossentropy")
     with pytest.raises(errors.FailedPreconditionError) as same_kind:
         fresh.fit(x, y, epochs=1, verbose=0)
-    assert "trained with Momentum(weight_decay=0, momentum=0.9," in same_kind.value.message
-    assert "compiled for Momentum(weight_decay=0, momentum=0.5," in same_kind.value.message
-    assert "optimizer=tf_dlt.optimizers.Momentum(weight_decay=0, momentum=0.9," in (
+    assert "trained with Momentum(weight_decay=0.0, momentum=0.9," in same_kind.value.message
+    assert "compiled for Momentum(weight_decay=0.0, momentum=0.5," in same_kind.value.message
+    assert "optimizer=tf_dlt.optimizers.Momentum(weight_decay=0.0, momentum=0.9," in (
         same_kind.value.message
     )
     assert embedded.rows("habit_kept")[3].sum() > 3  # still the trained table

@@ -134,6 +134,26 @@ def test_converted_embeddings_keep_what_they_were_or_are_refused(
     lora.enable_lora(2)
     refused(lora, "has LoRA enabled")
 
+    # Two towers made by one function, each converting its "emb" into table
+    # "emb": the second upload replaced the first's rows.
+    def tower(name: str) -> keras.Model:
+        inp = keras.Input((3,), dtype="int64", name=f"{name}_in")
+        rows = keras.layers.Embedding(VOCAB, DIM, name="conv_tower_emb")(inp)
+        return keras.Model(inp, keras.layers.Flatten()(rows), name=name)
+
+    ids = keras.Input((3,), dtype="int64")
+    towers = keras.Model(ids, keras.layers.Concatenate()([tower("u")(ids), tower("i")(ids)]))
+    with pytest.raises(ValueError, match="would both be table 'conv_tower_emb'"):
+        tf_dlt.transpile(towers, cluster.addresses, convert_keras_embeddings=True)
+    # An initializer a table cannot apply row by row (its rows are uploaded).
+    orthogonal = Embedding(VOCAB, DIM, embeddings_initializer="orthogonal", name="conv_orth")
+    model = _functional(orthogonal)
+    converted = tf_dlt.transpile(model, cluster.addresses, convert_keras_embeddings=True)
+    np.testing.assert_allclose(converted.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-6)  # fmt: skip
+    with cluster.client() as client:
+        assert "conv_tower_emb" not in client.list_tables()
+
 
 def test_nested_models(start_cluster: Callable[..., Cluster]) -> None:
     cluster = start_cluster(1)

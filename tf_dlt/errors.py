@@ -213,11 +213,10 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
             reason = f"{reason} [{os.strerror(code)}]"
         if type(error).__module__ != "builtins":
             reason = f"{type(error).__name__}: {reason}"
-        # The files an OSError names (a strerror alone, "File exists", left
-        # the caller to guess which), unless the reason says them already.
-        for name in _file_names(error):
-            if name not in reason:
-                reason = f"{reason}: {name}"
+        # The files an OSError names, where its reason is its strerror alone
+        # ("File exists" left the caller to guess which).
+        if isinstance(error, OSError) and error.strerror and _file_names(error):
+            reason = f"{reason}: {' -> '.join(_file_names(error))}"  # (a rename's: from, to)
     return cls(f"{what}: {reason}")
 
 

@@ -19,7 +19,7 @@ from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded
 from tf_dlt.cluster import ClusterSpec
 from tf_dlt.keras.walk import clone_keeping_inputs, copy_weights, walk_layers
-from tf_dlt.layers import table_home
+from tf_dlt.layers import keras_settings, table_home
 from tf_dlt.layers.embedding import Embedding
 from tf_dlt.progress import Progress
 
@@ -81,6 +81,26 @@ def _check_convertible(layer: keras.layers.Layer) -> None:
             )
 
 
+def _check_conversion(model: keras.Model) -> None:
+    """`_check_convertible` for every layer, and ValueError where a
+    converted layer's table would be another layer's: two towers made by
+    one function each convert their "emb" into table "emb", and the second
+    upload replaced the first's rows."""
+    owners: dict[str, keras.layers.Layer] = {}
+    for layer in walk_layers(model):
+        _check_convertible(layer)
+        if not isinstance(layer, (Embedding, keras.layers.Embedding)):
+            continue
+        table = layer.table_name if isinstance(layer, Embedding) else layer.name
+        other = owners.setdefault(table, layer)
+        if other is not layer and (_is_local_embedding(layer) or _is_local_embedding(other)):
+            raise ValueError(
+                f"convert_keras_embeddings: layers {other.name!r} and {layer.name!r} (of two "
+                f"models) would both be table {table!r}: rename one of them (or give a tf_dlt "
+                "Embedding its own table_name=)"
+            )
+
+
 def _distributed_like(layer: keras.layers.Layer) -> Embedding:
     """The distributed Embedding that takes local embedding `layer`'s place:
     a tf_dlt one keeps its whole config (combiner, optimizer, policies); a
@@ -88,6 +108,12 @@ def _distributed_like(layer: keras.layers.Layer) -> Embedding:
     if isinstance(layer, Embedding):
         config = {**layer.get_config(), "is_distributed": True}
         config.pop("pservers", None)
+        try:  # (its rows are uploaded: the initializer makes only later ids')
+            keras_settings.table_initializer(
+                config["embeddings_initializer"], layer.input_dim, layer.output_dim
+            )
+        except ValueError:  # one a table cannot apply row by row (Orthogonal): the default
+            config.pop("embeddings_initializer")
         return Embedding.from_config(config)
     return Embedding(
         input_dim=layer.input_dim, output_dim=layer.output_dim, is_distributed=True,
@@ -130,8 +156,7 @@ def transpile(
     """
     _check_rewritable(model)
     if convert_keras_embeddings:
-        for layer in walk_layers(model):
-            _check_convertible(layer)
+        _check_conversion(model)
     if isinstance(pservers, ClusterSpec):
         addresses = list(pservers.pservers)
     elif isinstance(pservers, str):

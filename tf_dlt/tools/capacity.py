@@ -47,9 +47,10 @@ TIER_MEAN_FILL = 9 / 16
 # The keeper holds RAM rows under this fraction of --memory-budget.
 BUDGET_FRACTION = _native.MEMORY_TARGET_FRACTION
 # What a shard process holds before any table (67-80 MiB measured at
-# start): with a save's buffers and the least room for rows, the smallest
-# budget a shard takes (it refuses less at start; docs/tiered_storage.md).
-PROCESS_BYTES = 80 << 20
+# start; the shard measures its own): with a save's buffers and the least
+# room for rows, about the smallest budget a shard takes (it refuses less
+# at start; docs/tiered_storage.md).
+PROCESS_BYTES = 72 << 20
 LEAST_BUDGET = (PROCESS_BYTES + _native.PERSIST_RESERVE_BYTES + _native.MIN_ROW_ROOM_BYTES) / (
     _native.MEMORY_TARGET_FRACTION
 )
