@@ -28,7 +28,7 @@ import numpy as np
 from tf_dlt import dlt_ops as ops
 from tf_dlt import embedded, errors
 from tf_dlt.client import Client
-from tf_dlt.table_config import TableConfig, difference
+from tf_dlt.table_config import TableConfig, difference, normalized
 
 # The Keras session each embedded table was made in (table name -> marker).
 _made_in: dict[str, Any] = {}
@@ -190,7 +190,8 @@ def settle(
             return True
         trained = "was trained" in str(e)  # the shard's word for pushes applied
         have = _existing(config.name, client)
-    if have is not None and have.optimizer == config.optimizer:  # refused for another field
+    same = have is not None and _optimizer_of(have) == _optimizer_of(config)
+    if have is not None and same:  # refused for another field
         raise errors.FailedPreconditionError(
             f"table {config.name!r} exists with another config than layer {layer!r} asks for "
             f"({difference(have.to_dict(), config.to_dict())}, the table's first)"
@@ -212,6 +213,11 @@ def settle(
         f"(tf_dlt.embedded.drop_table / tf_dlt.Client.drop_table({config.name!r}), which loses "
         "its rows) to train it afresh"
     )
+
+
+def _optimizer_of(config: TableConfig) -> Any:
+    """`config`'s optimizer at float32 precision, as a shard holds it."""
+    return normalized(config.to_dict())["optimizer"]
 
 
 def _spelled(optimizer: Any) -> str:

@@ -141,36 +141,62 @@ def test_save_and_load_include_the_dense_table(tmp_path: Path) -> None:
     np.testing.assert_allclose(model.predict(x, verbose=0), saved, atol=1e-6)
 
 
-def test_a_keras_file_loaded_in_a_new_process_trains_on_from_its_weights(tmp_path: Path) -> None:
+_IN_A_NEW_PROCESS = """
+import sys, numpy as np, keras, tf_dlt
+d, how = sys.argv[1], sys.argv[2]
+x, y = np.load(d + "/x.npy"), np.load(d + "/y.npy")
+keras.utils.set_random_seed(123)
+if how == "load_model":  # then a step at learning rate 0
+    m = keras.models.load_model(d + "/m.keras")
+    m.optimizer.learning_rate.assign(0.0)
+    m.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+elif how == "load_model_and_save":  # no step
+    m = keras.models.load_model(d + "/m.keras")
+    tf_dlt.save(m, d + "/saved")
+else:  # built afresh, tf_dlt.load, then the step the saving process took next
+    inp = keras.Input((6,))
+    m = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Dense(5, activation="tanh")(inp)))
+    m.compile(optimizer=tf_dlt.DenseOnShards([], "adam", 0.01, table="dense_file"), loss="mse")
+    tf_dlt.load(m, d + "/ck")
+    m.fit(x[:16], y[:16], batch_size=16, epochs=1, shuffle=False, verbose=0)
+np.save(d + "/after.npy", m.predict(x, verbose=0))
+"""
+
+
+def test_a_chief_in_a_new_process_trains_on_from_the_weights_it_loaded(tmp_path: Path) -> None:
     """keras.models.load_model builds the optimizer as it compiles, before
-    it loads the file's weights: the chief wrote the model's fresh random
+    it sets the file's weights: the chief wrote the model's fresh random
     weights into the new dense table then, and its first step read them
     back over the file's (at learning rate 0, the trained model became an
-    untrained one, without a word)."""
+    untrained one, without a word), as a tf_dlt.save before any step
+    saved them. A tf_dlt.load into a model built afresh resumes with the
+    table's Adam state (a first fix rewrote the loaded rows, slots reset)."""
     model = _model(7)
-    model.compile(optimizer=tf_dlt.DenseOnShards([], "sgd", 0.5, table="dense_file"), loss="mse")
+    model.compile(optimizer=tf_dlt.DenseOnShards([], "adam", 0.01, table="dense_file"),
+                  loss="mse")  # fmt: skip
     x, y = _data()
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     model.save(tmp_path / "m.keras")
+    tf_dlt.save(model, str(tmp_path / "ck"))
+    trained = model.predict(x, verbose=0)
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", y)
-    script = (
-        "import sys, numpy as np, keras, tf_dlt\n"
-        "d = sys.argv[1]\n"
-        "x, y = np.load(d + '/x.npy'), np.load(d + '/y.npy')\n"
-        "keras.utils.set_random_seed(123)\n"
-        "m = keras.models.load_model(d + '/m.keras')\n"
-        "m.optimizer.learning_rate.assign(0.0)\n"
-        "m.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)\n"
-        "np.save(d + '/after.npy', m.predict(x, verbose=0))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-        timeout=300, cwd="/",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    np.testing.assert_allclose(np.load(tmp_path / "after.npy"), model.predict(x, verbose=0),
-                               atol=1e-6)  # fmt: skip
+
+    def in_a_new_process(how: str) -> np.ndarray:
+        out = subprocess.run(
+            [sys.executable, "-c", _IN_A_NEW_PROCESS, str(tmp_path), how], capture_output=True,
+            text=True, timeout=300, cwd="/",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return np.asarray(np.load(tmp_path / "after.npy"))
+
+    np.testing.assert_allclose(in_a_new_process("load_model"), trained, atol=1e-6)
+    in_a_new_process("load_model_and_save")
+    resumed = in_a_new_process("tf_dlt.load")
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(resumed, model.predict(x, verbose=0), atol=1e-6)
+    tf_dlt.load(model, str(tmp_path / "saved"))  # what the process that saved at once saved
+    np.testing.assert_allclose(model.predict(x, verbose=0), trained, atol=1e-6)
 
 
 def test_a_layer_frozen_between_fits_stays_as_it_is_and_the_others_train_as_with_keras() -> None:

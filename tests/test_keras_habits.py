@@ -618,6 +618,26 @@ def test_a_table_taken_from_an_earlier_session_is_kept_once_this_session_trained
     assert embedded.rows("habit_kept")[3].sum() > 3  # still the trained table
 
 
+def test_a_table_refused_for_another_field_than_its_optimizer_names_that_field() -> None:
+    """A table whose optimizer is the one asked for (Adam: its floats held
+    at float32, 0.9 as 0.8999999761581421) refused for another field (its
+    seed): the refusal named the same optimizer twice, and not the field."""
+    from tf_dlt import dlt_ops as ops
+    from tf_dlt import initializers, optimizers
+    from tf_dlt.layers import table_home
+
+    def config(seed: int) -> tf_dlt.TableConfig:
+        return tf_dlt.TableConfig.create(
+            "habit_seeded", 8, initializers.Zeros(), optimizers.get("adam"), seed
+        )
+
+    embedded.create_table(config(0))
+    with pytest.raises(errors.FailedPreconditionError) as refused:
+        table_home.settle("emb", config(7), ops.ClientResource([]), fresh=False, trained=False)
+    assert "exists with another config" in refused.value.message
+    assert "seed: 0 vs 7" in refused.value.message
+
+
 def test_a_conflicting_layer_in_another_thread_of_the_session_is_refused() -> None:
     _model("habit_threads", initializer="zeros")
     failures: list[BaseException] = []

@@ -74,6 +74,8 @@ def _save(model: keras.Model, path: str, incremental: bool, base: str | None) ->
     layers = table_holders(model)
     _follow_compiled_optimizer(model)
     for layer in layers:
+        if hasattr(layer, "write_loaded_weights"):  # DenseOnShards before its first step
+            layer.write_loaded_weights()
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
     tables = _tables_of(path)

@@ -143,11 +143,10 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         self._sizes, self._offsets, self._rows = _layout(dense)
         self._ids = tf.constant(np.arange(self._rows, dtype=np.int64))
         marker = _marker(self._sizes)
-        # What this chief wrote as the initial weights, until its first step.
-        self._written: np.ndarray | None = None
+        written = None  # the initial weights, where this chief writes them
         if self.is_chief and not self._has_marker():
-            self._written = self._pack(dense).numpy()
-            ops.assign(self.client, self._ids, self._written, self.table, ROW)
+            written = self._pack(dense).numpy()
+            ops.assign(self.client, self._ids, written, self.table, ROW)
             ops.assign(
                 self.client, tf.constant([MARKER_ID], tf.int64), marker[None], self.table, ROW
             )
@@ -163,12 +162,15 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
                 "again with the optimizer it has, model.compile(optimizer=model.optimizer, ...))"
             )
         self.refresh()
+        # Until its first step (write_loaded_weights).
+        self._written: np.ndarray | None = written
 
     def refresh(self) -> None:
         """Pulls the dense table's weights into the model's variables: the
         table, which every trainer pushes to, holds the newest (after a
         load, the checkpoint's, where the weights file holds the saving
         trainer's own copy as of its last step)."""
+        self._written = None  # the table's weights are the model's now
         self._unpack_into(self._dense, tf.constant(self._pull(np.arange(self._rows))))
 
     def _create_table(self) -> None:
@@ -235,7 +237,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
                 continue
             grads_of[id(v)] = g
         assert self.client is not None
-        self._write_loaded_weights()
+        self.write_loaded_weights()
         # The variables trainable now: fewer than at build where layers were
         # frozen since (their rows are read, never pushed); never more.
         built = {id(v) for v in self._dense}
@@ -269,18 +271,22 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         first = self._offsets[index]
         return np.arange(first, first + -(-self._sizes[index] // ROW), dtype=np.int64)
 
-    def _write_loaded_weights(self) -> None:
-        """At the first step of a chief that wrote the initial weights at
-        build: weights given to the model since (keras.models.load_model
-        builds the optimizer while it compiles, then loads the file's
-        weights) go into the table, which every step reads back: the
-        file's weights were replaced by the random ones written at build,
-        without a word. (Once per optimizer, as the step is traced.)"""
+    def write_loaded_weights(self) -> None:
+        """Where this chief wrote the initial weights at build and nothing
+        has changed the table since: weights given to the model since
+        (keras.models.load_model builds the optimizer while it compiles,
+        then sets the file's weights) go into the table, which every step
+        reads back (the file's weights were replaced by the random ones
+        written at build, without a word). Called at the first step (as it
+        is traced) and by tf_dlt.save; once. A table changed since (a
+        tf_dlt.load, another trainer's pushes) is left as it is."""
         written, self._written = getattr(self, "_written", None), None
         if written is None:
             return
         assert self.client is not None
         with tf.init_scope():
+            if not np.array_equal(self._pull(np.arange(self._rows)), written):
+                return
             now = self._pack(self._dense).numpy()
             if not np.array_equal(now, written):
                 ops.assign(self.client, self._ids, now, self.table, ROW)
