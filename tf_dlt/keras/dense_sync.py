@@ -227,6 +227,19 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         variables = list(trainable_variables or self._trainable_variables)
+        replica = tf.distribute.get_replica_context()
+        if (
+            tf.distribute.has_strategy()
+            and replica is not None
+            and replica.num_replicas_in_sync > 1
+        ):
+            raise errors.InvalidArgumentError(
+                "DenseOnShards: the model trains on "
+                f"{replica.num_replicas_in_sync} replicas (a MirroredStrategy), and each would "
+                "push its own part of the batch's gradients as a step: train with one replica "
+                "per trainer process (several trainers share the dense table), or use a Keras "
+                "optimizer for the dense weights"
+            )
         if not self.built:
             self.build(variables)
         grads_of: dict[int, Any] = {}
@@ -234,12 +247,13 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
             if _overwritten(v):
                 if g is not None:
                     v.assign(g)
-                continue
-            grads_of[id(v)] = g
+            elif g is not None:  # (none: not trained this step, as Keras skips it)
+                grads_of[id(v)] = g
         assert self.client is not None
         self.write_loaded_weights()
-        # The variables trainable now: fewer than at build where layers were
-        # frozen since (their rows are read, never pushed); never more.
+        # The variables trained now: fewer than at build where layers were
+        # frozen since, or a variable has no gradient this step (their rows
+        # are read, never pushed); never others.
         built = {id(v) for v in self._dense}
         unknown = [v for v in variables if id(v) in grads_of and id(v) not in built]
         if unknown:
@@ -254,10 +268,6 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
             if len(trained) < len(self._dense):
                 ids = tf.constant(np.concatenate([self._rows_of(i) for i in trained]))
             dense_grads = [grads_of[id(self._dense[i])] for i in trained]
-            dense_grads = [
-                tf.zeros(self._dense[i].shape, tf.float32) if g is None else g
-                for i, g in zip(trained, dense_grads, strict=True)
-            ]
             lr = tf.cast(self._get_current_learning_rate(), tf.float32)
             packed = self._pack(dense_grads, [self._sizes[i] for i in trained])
             pushed = ops.push(self.client, ids, packed, lr, self.table, ROW, sync=True)
