@@ -228,3 +228,46 @@ def test_a_layer_frozen_between_fits_stays_as_it_is_and_the_others_train_as_with
     models["shared"].layers[1].trainable = True
     models["shared"].compile(optimizer=models["shared"].optimizer, loss="mse")
     models["shared"].fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_weights_set_before_the_first_step_reach_the_table_however_the_chief_gets_there(
+    tmp_path: Path,
+) -> None:
+    """A chief's weights set between its build and its first step (a
+    .keras load, set_weights) reach the table also where the model was
+    compiled again with a new DenseOnShards first (the new one read the
+    build's weights back over them) or a tf_dlt.save came between (the
+    save ended the watch). A tf_dlt.save before the optimizer was built
+    saved no dense table, and its load was refused."""
+    x, y = _data()
+    wanted = _model(11).get_weights()
+
+    def chief(table: str) -> keras.Model:
+        model = _model(10)
+        model.compile(optimizer=tf_dlt.DenseOnShards([], "sgd", 0.0, table=table), loss="mse")
+        model.optimizer.build(model.trainable_variables)  # as load_model builds it
+        return model
+
+    def trains_on_wanted(model: keras.Model) -> None:
+        model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)  # learning rate 0
+        for a, b in zip(model.get_weights(), wanted, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    again = chief("dense_again")
+    again.set_weights(wanted)
+    again.compile(optimizer=tf_dlt.DenseOnShards([], "sgd", 0.0, table="dense_again"), loss="mse")
+    trains_on_wanted(again)
+    saved_first = chief("dense_saved_first")
+    tf_dlt.save(saved_first, str(tmp_path / "first"))
+    saved_first.set_weights(wanted)
+    trains_on_wanted(saved_first)
+    unbuilt = _model(12)
+    unbuilt.compile(optimizer=tf_dlt.DenseOnShards([], "adam", 0.01, table="dense_unbuilt"),
+                    loss="mse")  # fmt: skip
+    tf_dlt.save(unbuilt, str(tmp_path / "unbuilt"))
+    fresh = _model(13)
+    fresh.compile(optimizer=tf_dlt.DenseOnShards([], "adam", 0.01, table="dense_unbuilt"),
+                  loss="mse")  # fmt: skip
+    tf_dlt.load(fresh, str(tmp_path / "unbuilt"))
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), unbuilt.predict(x, verbose=0),
+                               atol=1e-6)  # fmt: skip

@@ -71,11 +71,16 @@ def save(
 def _save(model: keras.Model, path: str, incremental: bool, base: str | None) -> dict[str, Any]:
     if base is None and incremental:
         base = _implied_base(model, path)
+    if hasattr(getattr(model, "optimizer", None), "write_loaded_weights"):
+        # A DenseOnShards not built yet (compiled, not trained: evaluate and
+        # predict build none) holds no table to save: the checkpoint lacked
+        # it, and its load was refused.
+        _build_optimizer(model)
     layers = table_holders(model)
     _follow_compiled_optimizer(model)
     for layer in layers:
         if hasattr(layer, "write_loaded_weights"):  # DenseOnShards before its first step
-            layer.write_loaded_weights()
+            layer.write_loaded_weights(first_step=False)
         ops.flush(layer.client)
     addresses, token = cluster_of(layers)
     tables = _tables_of(path)

@@ -33,6 +33,10 @@ from tf_dlt.table_config import TableConfig
 ROW = 64
 MARKER_ID = -1
 _MARKER_FORMAT = 1.0
+# Per (shards, table): the weights this process's chief wrote at build, as
+# long as no step has run on them (write_loaded_weights): an optimizer built
+# again on the table before it (a model compiled again) takes the watch over.
+_WRITTEN: dict[tuple[tuple[str, ...], str], np.ndarray | None] = {}
 
 
 def _layout(variables: Sequence[Any]) -> tuple[list[int], list[int], int]:
@@ -143,6 +147,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         self._sizes, self._offsets, self._rows = _layout(dense)
         self._ids = tf.constant(np.arange(self._rows, dtype=np.int64))
         marker = _marker(self._sizes)
+        self._key = (tuple(self.pservers), self.table)
         written = None  # the initial weights, where this chief writes them
         if self.is_chief and not self._has_marker():
             written = self._pack(dense).numpy()
@@ -161,9 +166,16 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
                 "variables are laid out when the optimizer is built. To freeze layers, compile "
                 "again with the optimizer it has, model.compile(optimizer=model.optimizer, ...))"
             )
-        self.refresh()
+        earlier = _WRITTEN.get(self._key) if self.is_chief and written is None else None
+        if earlier is not None and earlier.shape == (self._rows, ROW):
+            # Built here before, and no step since: the model's weights are
+            # the ones to keep (a compile of another optimizer after a load).
+            written = earlier
+        else:
+            self.refresh()
         # Until its first step (write_loaded_weights).
         self._written: np.ndarray | None = written
+        _WRITTEN[self._key] = written
 
     def refresh(self) -> None:
         """Pulls the dense table's weights into the model's variables: the
@@ -171,6 +183,8 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         load, the checkpoint's, where the weights file holds the saving
         trainer's own copy as of its last step)."""
         self._written = None  # the table's weights are the model's now
+        if hasattr(self, "_key"):
+            _WRITTEN.pop(self._key, None)
         self._unpack_into(self._dense, tf.constant(self._pull(np.arange(self._rows))))
 
     def _create_table(self) -> None:
@@ -250,7 +264,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
             elif g is not None:  # (none: not trained this step, as Keras skips it)
                 grads_of[id(v)] = g
         assert self.client is not None
-        self.write_loaded_weights()
+        self.write_loaded_weights(first_step=True)
         # The variables trained now: fewer than at build where layers were
         # frozen since, or a variable has no gradient this step (their rows
         # are read, never pushed); never others.
@@ -281,25 +295,30 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         first = self._offsets[index]
         return np.arange(first, first + -(-self._sizes[index] // ROW), dtype=np.int64)
 
-    def write_loaded_weights(self) -> None:
-        """Where this chief wrote the initial weights at build and nothing
-        has changed the table since: weights given to the model since
-        (keras.models.load_model builds the optimizer while it compiles,
-        then sets the file's weights) go into the table, which every step
-        reads back (the file's weights were replaced by the random ones
-        written at build, without a word). Called at the first step (as it
-        is traced) and by tf_dlt.save; once. A table changed since (a
-        tf_dlt.load, another trainer's pushes) is left as it is."""
-        written, self._written = getattr(self, "_written", None), None
+    def write_loaded_weights(self, first_step: bool = True) -> None:
+        """Where this process's chief wrote the initial weights at build and
+        nothing has changed the table since: weights given to the model
+        since (keras.models.load_model builds the optimizer while it
+        compiles, then sets the file's weights; set_weights, load_weights)
+        go into the table, which every step reads back (the file's weights
+        were replaced by the random ones written at build, without a word).
+        Called at the first step (as it is traced), which ends the watch,
+        and by tf_dlt.save. A table changed since (a tf_dlt.load, another
+        trainer's pushes) is left as it is."""
+        written = getattr(self, "_written", None)
         if written is None:
             return
         assert self.client is not None
         with tf.init_scope():
-            if not np.array_equal(self._pull(np.arange(self._rows)), written):
-                return
             now = self._pack(self._dense).numpy()
             if not np.array_equal(now, written):
-                ops.assign(self.client, self._ids, now, self.table, ROW)
+                if np.array_equal(self._pull(np.arange(self._rows)), written):
+                    ops.assign(self.client, self._ids, now, self.table, ROW)
+                    written = now
+                else:
+                    written = None  # the table moved on: it wins
+        self._written = None if first_step else written
+        _WRITTEN[self._key] = self._written
 
     def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
         raise NotImplementedError("DenseOnShards applies every variable at once in apply()")
