@@ -4,7 +4,9 @@ waits, every process stopped in teardown)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -91,6 +93,19 @@ def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def freeze(process: subprocess.Popen[bytes]) -> None:
+    """Stops `process` (SIGSTOP) and returns once the kernel says it is
+    stopped: a signal is delivered asynchronously, and under load the
+    process went on for a few more requests (a frozen standby acknowledged
+    the pushes meant to find it silent)."""
+    process.send_signal(signal.SIGSTOP)
+
+    def state() -> str:
+        return Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    wait_until(lambda: state() == "T", f"process {process.pid} to stop")
 
 
 def flip_byte(file: Path, fraction: float = 0.75) -> None:

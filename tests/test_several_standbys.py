@@ -23,7 +23,7 @@ from tf_dlt.server.local import LocalCluster
 from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.tools import cluster_stats
 
-from conftest import free_port, wait_until
+from conftest import free_port, freeze, wait_until
 
 DIM = 8
 IDS = np.arange(600, dtype=np.int64)
@@ -251,7 +251,7 @@ def test_a_standby_the_primary_left_out_never_takes_over(tmp_path) -> None:  # t
         # Freeze the one that comes first in the set: it would be chosen.
         first = cluster.process_addresses.index(_stats_of(cluster, 0).insync[0])
         (second,) = {1, 2} - {first}
-        cluster.processes[first].send_signal(signal.SIGSTOP)
+        freeze(cluster.processes[first])
         try:
             _train(client, 4)  # acknowledged once the frozen one is out of the set
             primary = _stats_of(cluster, 0)
