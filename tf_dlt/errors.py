@@ -215,8 +215,9 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
             reason = f"{type(error).__name__}: {reason}"
         # The files an OSError names, where its reason is its strerror alone
         # ("File exists" left the caller to guess which).
-        if isinstance(error, OSError) and error.strerror and _file_names(error):
-            reason = f"{reason}: {' -> '.join(_file_names(error))}"  # (a rename's: from, to)
+        files = _file_names(error) if isinstance(error, OSError) and error.strerror else []
+        if files:
+            reason = f"{reason}: {' -> '.join(files)}"  # (a rename's: from, to)
     return cls(f"{what}: {reason}")
 
 

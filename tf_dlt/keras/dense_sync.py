@@ -173,18 +173,23 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
             written = earlier
         else:
             self.refresh()
-        # Until its first step (write_loaded_weights).
-        self._written: np.ndarray | None = written
-        _WRITTEN[self._key] = written
+        self._watch(written)  # until its first step (write_loaded_weights)
+
+    def _watch(self, written: np.ndarray | None) -> None:
+        """Records the weights this process's chief wrote into the table
+        (None: nothing to watch)."""
+        if written is None:
+            _WRITTEN.pop(self._key, None)
+        else:
+            _WRITTEN[self._key] = written
 
     def refresh(self) -> None:
         """Pulls the dense table's weights into the model's variables: the
         table, which every trainer pushes to, holds the newest (after a
         load, the checkpoint's, where the weights file holds the saving
         trainer's own copy as of its last step)."""
-        self._written = None  # the table's weights are the model's now
         if hasattr(self, "_key"):
-            _WRITTEN.pop(self._key, None)
+            self._watch(None)  # the table's weights are the model's now
         self._unpack_into(self._dense, tf.constant(self._pull(np.arange(self._rows))))
 
     def _create_table(self) -> None:
@@ -305,7 +310,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         Called at the first step (as it is traced), which ends the watch,
         and by tf_dlt.save. A table changed since (a tf_dlt.load, another
         trainer's pushes) is left as it is."""
-        written = getattr(self, "_written", None)
+        written = _WRITTEN.get(self._key) if hasattr(self, "_key") else None
         if written is None:
             return
         assert self.client is not None
@@ -317,8 +322,7 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
                     written = now
                 else:
                     written = None  # the table moved on: it wins
-        self._written = None if first_step else written
-        _WRITTEN[self._key] = self._written
+        self._watch(None if first_step else written)
 
     def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
         raise NotImplementedError("DenseOnShards applies every variable at once in apply()")
