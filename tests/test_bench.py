@@ -38,8 +38,8 @@ def test_the_case_list_holds_every_benchmark_and_none_edits_sys_path() -> None:
 @pytest.mark.slow
 def test_every_case_runs_quick() -> None:
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, cwd=ROOT,
-        timeout=1800,
+        [sys.executable, str(BENCH), "--quick", "--jobs", "2"], capture_output=True, text=True,
+        cwd=ROOT, timeout=1800,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-6000:]
     ran = re.findall(r"^(bench_\w+): ok in", out.stderr, re.M)
