@@ -87,7 +87,7 @@ def test_converted_embeddings_keep_what_they_were_or_are_refused(
     start_cluster: Callable[..., Cluster],
 ) -> None:
     """A frozen Keras Embedding stays frozen (it became trainable and fit
-    changed its rows); a local tf_dlt Embedding keeps its combiner and
+    changed its rows), a mixed-precision one mixed; a local tf_dlt Embedding keeps its combiner and
     optimizer (they were dropped: the mean over a bag became a row per id);
     what a table cannot keep (a regularizer, LoRA, an unbuilt layer) is
     refused before any table is made (an unbuilt one made its table, then
@@ -104,6 +104,13 @@ def test_converted_embeddings_keep_what_they_were_or_are_refused(
         np.testing.assert_array_equal(
             client.pull("conv_frozen", np.arange(VOCAB)), frozen.get_weights()[0]
         )
+    mixed = keras.layers.Embedding(VOCAB, DIM, name="conv_mixed", dtype="mixed_bfloat16")
+    converted = tf_dlt.transpile(
+        _functional(mixed), cluster.addresses, convert_keras_embeddings=True
+    )
+    layer = converted.get_layer("conv_mixed")  # it handed float32 on
+    assert layer.dtype_policy.name == "mixed_bfloat16"
+    assert layer(x[:1]).dtype == mixed(x[:1]).dtype == tf.bfloat16
     bags = keras.Input((None,), dtype="int64", ragged=True)
     local = Embedding(VOCAB, DIM, combiner="mean", optimizer="adagrad", name="conv_bag")
     model = keras.Model(bags, keras.layers.Dense(1)(local(bags)))

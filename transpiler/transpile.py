@@ -104,7 +104,8 @@ def _check_conversion(model: keras.Model) -> None:
 def _distributed_like(layer: keras.layers.Layer) -> Embedding:
     """The distributed Embedding that takes local embedding `layer`'s place:
     a tf_dlt one keeps its whole config (combiner, optimizer, policies); a
-    Keras one its size, mask and trainable flag."""
+    Keras one its size, mask, trainable flag and dtype policy (a mixed one
+    still hands bfloat16 or float16 on)."""
     if isinstance(layer, Embedding):
         config = {**layer.get_config(), "is_distributed": True}
         config.pop("pservers", None)
@@ -118,6 +119,7 @@ def _distributed_like(layer: keras.layers.Layer) -> Embedding:
     return Embedding(
         input_dim=layer.input_dim, output_dim=layer.output_dim, is_distributed=True,
         mask_zero=layer.mask_zero, name=layer.name, trainable=layer.trainable,
+        dtype=layer.dtype_policy,
     )  # fmt: skip
 
 
