@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <sstream>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -30,15 +32,29 @@ bool Register(const char* name, void (*fn)()) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: native_test <tests/data dir> [test name]\n");
+    std::fprintf(stderr, "usage: native_test <tests/data dir> [test name | --part=K/N]\n");
     return 2;
   }
   dlt::testing::g_data_dir = argv[1];
+  // --part=K/N: the tests whose index is K modulo N (N processes at once
+  // share the suite: most of its time is waiting).
+  const std::string chosen = argc > 2 ? argv[2] : "";
+  size_t part = 0, parts = 0;
+  if (chosen.rfind("--part=", 0) == 0) {
+    char slash = 0;
+    std::istringstream spec(chosen.substr(7));
+    if (!(spec >> part >> slash >> parts) || slash != '/' || part >= parts || !spec.eof()) {
+      std::fprintf(stderr, "bad %s: want --part=K/N with K < N\n", chosen.c_str());
+      return 2;
+    }
+  }
   // NATIVE_TEST_TIMES=1: each test's wall time on stderr, to find slow ones.
   const bool times = std::getenv("NATIVE_TEST_TIMES") != nullptr;
   int passed = 0, failed = 0;
-  for (const auto& [name, fn] : dlt::testing::Tests()) {
-    if (argc > 2 && std::string(argv[2]) != name) continue;
+  const auto& tests = dlt::testing::Tests();
+  for (size_t i = 0; i < tests.size(); ++i) {
+    const auto& [name, fn] = tests[i];
+    if (parts > 0 ? i % parts != part : !chosen.empty() && chosen != name) continue;
     dlt::testing::g_failures_in_test = 0;
     const auto start = std::chrono::steady_clock::now();
     fn();
@@ -55,7 +71,8 @@ int main(int argc, char** argv) {
     }
   }
   if (passed + failed == 0) {  // a misspelled name must not pass as "0 failed"
-    std::fprintf(stderr, "no test named %s\n", argc > 2 ? argv[2] : "(none registered)");
+    std::fprintf(stderr, "no test %s %s\n", parts > 0 ? "in" : "named",
+                 argc > 2 ? argv[2] : "(none registered)");
     return 2;
   }
   std::printf("%d passed, %d failed\n", passed, failed);
