@@ -29,6 +29,9 @@
 #include "native/core/table.h"
 #include "tests/cpp/harness.h"
 
+// AddressSanitizer's (sanitizer/allocator_interface.h); null in a plain build.
+extern "C" void __sanitizer_purge_allocator() __attribute__((weak));
+
 namespace dlt {
 namespace {
 
@@ -37,6 +40,15 @@ std::vector<int64_t> Removed(const Table& t, uint32_t since) {
   std::vector<int64_t> ids;
   EXPECT_OK(t.RemovedSince(since, &ids));
   return ids;
+}
+
+// Gives the heap's free memory back to the system now: malloc_trim, and
+// under AddressSanitizer (whose allocator ignores it and gives memory back
+// on its own some seconds later, so a process's resident set could fall
+// by what earlier tests freed in the middle of a test) its purge.
+void TrimHeap() {
+  malloc_trim(0);
+  if (__sanitizer_purge_allocator != nullptr) __sanitizer_purge_allocator();
 }
 
 // A fresh directory under the system temp dir, removed at scope exit.
@@ -662,13 +674,13 @@ DLT_TEST(TestDemotionsGiveTheRecordsMemoryBack) {
   };
   EXPECT(take(100) == 100);
   const size_t bytes = t.bytes();
-  malloc_trim(0);
+  TrimHeap();
   const uint64_t resident = Shard::ResidentBytes();
   Status s;
   EXPECT(t.Demote(kRows * 3 / 4, &s) >= kRows * 3 / 4 - kStripes);
   EXPECT_OK(s);
   t.Compact();
-  malloc_trim(0);
+  TrimHeap();
   const uint64_t after = Shard::ResidentBytes();
   // Records of 104 bytes (and 12-byte index slots): 300,000 rows held
   // about 40 MB; a quarter of them stays.
@@ -714,7 +726,7 @@ DLT_TEST(TestAPullOfManyColdRowsKeepsLittleMemoryAfterIt) {
   t.SetRamLimit(kStripes * 64);
   const size_t cold = t.tier_stats().disk_rows;
   EXPECT(cold > kRows * 9 / 10);
-  malloc_trim(0);
+  TrimHeap();
   // Heap chunks in use and mmapped ones (a large buffer is one).
   const auto in_use = [] {
     const struct mallinfo2 m = mallinfo2();
@@ -1265,7 +1277,7 @@ std::shared_ptr<Table> FillPastTheBudget(Shard* shard) {
 // The smallest memory budget a shard of this process honours now, as
 // ConfigureMemory measures it (after a trim).
 uint64_t SmallestBudget() {
-  malloc_trim(0);
+  TrimHeap();
   return (Shard::ResidentBytes() + Shard::kPersistReserve + Shard::kMinRowRoom) * 10 / 9;
 }
 
@@ -1356,7 +1368,7 @@ void* TakeMemory() {
 // `shard`'s keeper measure it: otherwise a trim during a test's passes
 // could give back as much as the test takes, and hide it.
 void SettleMemory(Shard* shard) {
-  malloc_trim(0);
+  TrimHeap();
   for (int i = 0; i < 3; ++i) shard->KeepMemory();
 }
 
