@@ -141,6 +141,50 @@ def test_mutual_tls_requires_a_client_certificate(
 
 
 @pytest.mark.cluster
+def test_a_standby_of_a_tls_primary_attaches_or_is_refused_at_start(tmp_path: Path) -> None:
+    """A standby calls its primary's control plane as a client, with the
+    TF_DLT_TLS_* settings of its environment: without them it never
+    attached (logging only that a socket closed) and the shard ran with no
+    standby. It is refused at start, naming what to set; given them, it
+    attaches. Client certificates set without the CA are refused too (the
+    client spoke plaintext)."""
+    from tf_dlt.server.local import LocalCluster
+
+    pki = Pki(tmp_path / "pki")
+    cert, key = pki.issue("shard", server=True)
+    flags = ["--tls-cert", cert, "--tls-key", key]
+    plain_env = {k: v for k, v in os.environ.items() if not k.startswith("TF_DLT_TLS_")}
+
+    def refusal(*extra: str, **env: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "tf_dlt.server", "--port", "0", *flags, *extra,
+             "--standby-of", "127.0.0.1:9"],
+            capture_output=True, text=True, timeout=60, cwd="/", env={**plain_env, **env},
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr
+        return out.stderr
+
+    assert "set TF_DLT_TLS_CA (the CA" in refusal()
+    mutual = refusal("--tls-client-ca", pki.ca, TF_DLT_TLS_CA=pki.ca)
+    assert "set TF_DLT_TLS_CERT and TF_DLT_TLS_KEY" in mutual
+    assert "TF_DLT_TLS_CERT set without TF_DLT_TLS_CA" in refusal(TF_DLT_TLS_CERT=cert)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TF_DLT_TLS_CA", raising=False)
+        mp.setenv("TF_DLT_TLS_SERVER_NAME", "localhost")
+        with pytest.raises(ValueError, match="TF_DLT_TLS_SERVER_NAME set without TF_DLT_TLS_CA"):
+            tf_dlt.Client(["127.0.0.1:9"])
+    with LocalCluster(
+        1, *flags, workdir=tmp_path / "cluster", replicas=2, env={"TF_DLT_TLS_CA": pki.ca}
+    ) as cluster:
+        with tf_dlt.Client(cluster.addresses, tls=TlsConfig(ca=pki.ca)) as client:
+            wait_until(
+                lambda: [s["connected"] for s in client.stats()[0]["standbys"]] == [True],
+                "the standby to attach",
+            )
+            _exercise(client)
+
+
+@pytest.mark.cluster
 def test_bad_tls_flags_are_refused(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--tls-cert", "c.pem"],

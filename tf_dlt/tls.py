@@ -44,8 +44,17 @@ class TlsConfig:
 
     @classmethod
     def from_env(cls) -> TlsConfig | None:
-        """The TF_DLT_TLS_* settings, or None when TF_DLT_TLS_CA is unset."""
+        """The TF_DLT_TLS_* settings, or None when none is set. ValueError
+        when TF_DLT_TLS_CA is unset and another is set: the client spoke
+        plaintext without a word, its certificate never shown."""
         if not os.environ.get(ENV_CA):
+            named = [v for v in (ENV_CERT, ENV_KEY, ENV_SERVER_NAME) if os.environ.get(v)]
+            if named:
+                raise ValueError(
+                    f"{' and '.join(named)} set without {ENV_CA} (without it the client "
+                    f"speaks plaintext): set {ENV_CA} to the CA certificate that signed the "
+                    "shards' certificates, or unset them"
+                )
             return None
         return cls(
             os.environ[ENV_CA],

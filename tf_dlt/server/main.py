@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from tf_dlt import _native, errors, sizes
+from tf_dlt import _native, errors, sizes, tls
 from tf_dlt.client import MAX_TIMEOUT_MS, read_token_file
 from tf_dlt.server.shard_server import ShardServer
 
@@ -336,6 +336,29 @@ class _Place(logging.Filter):
         return True
 
 
+def _peer_tls_refusal(mutual: bool) -> str:
+    """Why a replica-set member whose control plane is behind TLS cannot
+    call its peers' (behind the same TLS) with the TF_DLT_TLS_* settings
+    of its environment ("" if it can): a standby never attached, and said
+    only that a socket closed."""
+    try:
+        peers = tls.TlsConfig.from_env()
+    except ValueError as e:
+        return str(e)
+    missing = [] if peers is not None else [tls.ENV_CA]
+    if mutual and (peers is None or not peers.cert):
+        missing += [tls.ENV_CERT, tls.ENV_KEY]
+    if not missing:
+        return ""
+    return (
+        f"--tls-cert with --standby-of or --replica-set: this process calls its peers' control "
+        f"planes, behind TLS as its own is, as a client: set {' and '.join(missing)} (the CA "
+        "certificate that signed the peers' certificates"
+        + (", and a client certificate and key it signed, for --tls-client-ca" if mutual else "")
+        + "; docs/security.md)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     place = _Place(args.shard_index)
     handler = logging.StreamHandler(sys.stderr)
@@ -379,6 +402,11 @@ def run(args: argparse.Namespace) -> int:
             log.error(
                 "--tls-client-ca %s holds no CA certificate in PEM: %s", args.tls_client_ca, e
             )
+            return 2
+    if args.tls_cert and (args.standby_of or args.replica_set):
+        refusal = _peer_tls_refusal(args.tls_client_ca is not None)
+        if refusal:
+            log.error("%s", refusal)
             return 2
     if not token and not args.insecure and not is_loopback(args.bind):
         log.error(
