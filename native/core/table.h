@@ -347,6 +347,10 @@ class Table {
   // keeps max_rows across tiers.)
   uint64_t RowsPastQuota(const int64_t* ids, size_t n, const int64_t* removed = nullptr,
                          size_t m = 0) const;
+  // Rows held past the share of max_rows of their stripes (rows imported
+  // whole, none evicted): what the next rows made there would evict. (0
+  // without max_rows, and with a disk tier, as above.)
+  uint64_t RowsHeldPastQuota() const;
   // RAM bytes in use: rows with their slots, the index, the sketch and the
   // disk tier's per-slot fingerprints.
   size_t bytes() const;

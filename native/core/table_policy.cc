@@ -140,6 +140,16 @@ uint64_t Table::RowsPastQuota(const int64_t* ids, size_t n, const int64_t* remov
   return past;
 }
 
+uint64_t Table::RowsHeldPastQuota() const {
+  if (config_.policy.max_rows == 0 || has_tier()) return 0;
+  uint64_t past = 0;
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::shared_lock<std::shared_mutex> lock(stripes_[s].mu);
+    if (stripes_[s].live > stripe_quota_[s]) past += stripes_[s].live - stripe_quota_[s];
+  }
+  return past;
+}
+
 size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
                      std::atomic<uint64_t>* counter) {
   if (min_count == 0 && unseen_for == 0) return 0;

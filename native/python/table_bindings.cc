@@ -284,6 +284,11 @@ void BindTable(py::module_& m) {
                                    static_cast<size_t>(removed.shape(0)));
           },
           py::arg("ids"), py::arg("removed"))
+      .def("rows_held_past_quota",
+           [](const Table& t) {
+             py::gil_scoped_release release;
+             return t.RowsHeldPastQuota();
+           })
       .def("erase",
            [](Table& t, const IdArray& ids) {
              CheckIds(ids);

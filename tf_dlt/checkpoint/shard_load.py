@@ -624,30 +624,28 @@ def takes_every_row(links: list[manifest_lib.Link], shard: _native.Shard) -> boo
 
 def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None:
     """Rows past a staged table's max_rows (a checkpoint of more shards
-    loaded onto fewer) would be lost: evicted as they were staged (a table
-    in RAM), or later by the memory keeper (a tiered table keeps max_rows
-    across its tiers there, not as rows arrive). The load is refused, naming
-    the table and how many rows, and nothing changes. (Onto as many shards
-    or more, every row is taken: one shard held them.)"""
+    loaded onto fewer), staged whole, would be lost once installed: evicted
+    by the next rows made, or by the memory keeper (a tiered table keeps
+    max_rows across its tiers there). The load is refused, naming the table
+    and how many rows, and nothing changes. (Onto as many shards or more,
+    every row is taken: one shard held them.)"""
     for t in staged:
-        evicted = int(t.counters()["evicted"])
         max_rows = int(t.config["policy"]["max_rows"])
-        if evicted:
-            # (Each of a table's stripes keeps its share of max_rows: one
-            # fills before the table does. Rows a chain's deltas changed are
-            # counted once per delta: a count of rows would mislead.)
-            raise errors.FailedPreconditionError(
-                f"table {t.name!r}: loading it onto shard {shard.shard_index} of "
-                f"{shard.num_shards} evicted {evicted} rows: its rows there go past its "
-                f"max_rows of {max_rows} per shard (kept per stripe: each of its stripes holds "
-                "its share), so nothing was changed. Load onto more shards, or raise max_rows"
-            )
         if max_rows and t.size() > max_rows:
             raise errors.FailedPreconditionError(
                 f"table {t.name!r}: the checkpoint holds {t.size()} rows for shard "
                 f"{shard.shard_index} of {shard.num_shards}, past its max_rows of {max_rows} per "
                 f"shard; loading would drop at least {t.size() - max_rows} of them, so nothing "
                 "was changed. Load onto more shards, or raise max_rows"
+            )
+        past = t.rows_held_past_quota()
+        if past:  # (each of a table's stripes holds its share: one fills before the table)
+            raise errors.FailedPreconditionError(
+                f"table {t.name!r}: the checkpoint holds {t.size()} rows for shard "
+                f"{shard.shard_index} of {shard.num_shards}, {past} of them past its max_rows of "
+                f"{max_rows} per shard as kept per stripe (each of its stripes holds its share), "
+                "where the next rows made would evict them; nothing was changed. Load onto more "
+                "shards, or raise max_rows"
             )
 
 
@@ -768,9 +766,12 @@ def _prepare_load(
     try:
         for link in chain:
             try:
+                # Every row staged, trimmed by none: what counts is what the
+                # chain's head holds (a base past max_rows whose deltas
+                # removed rows since fits, and was refused as evicting).
                 apply_link(
                     link, tables, shard.new_table, buckets,
-                    threads=os.cpu_count() or 1, lean=lean, every_row=whole,
+                    threads=os.cpu_count() or 1, lean=lean, every_row=True,
                 )  # fmt: skip
             except (errors.NotFoundError, errors.FailedPreconditionError) as e:
                 _refuse_saved_again(link, e)  # its files removed by a save meanwhile?
