@@ -99,7 +99,13 @@ def test_tls_control_plane(start_cluster: Callable[..., Cluster], tmp_path: Path
         client.save(str(tmp_path / "ck"))
     # Plaintext, or a CA that did not sign the shard's certificate: refused.
     other = Pki(tmp_path / "other", "another CA")
-    for tls, says in ((None, "serves TLS.*speaks plaintext"), (TlsConfig(ca=other.ca), "CA")):
+    for tls, says in (
+        (None, "serves TLS.*speaks plaintext"),
+        (TlsConfig(ca=other.ca), "CA"),
+        # (A name the certificate does not hold: gRPC said only that a
+        # "Hostname Verification Check failed", with no hint.)
+        (TlsConfig(ca=pki.ca, server_name="elsewhere.test"), "names the host.*'elsewhere.test'"),
+    ):
         with pytest.MonkeyPatch.context() as mp:
             mp.delenv("TF_DLT_TLS_CA", raising=False)
             with tf_dlt.Client(cluster.addresses, tls=tls, request_timeout=5) as client:

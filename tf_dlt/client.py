@@ -173,7 +173,7 @@ def _looks_like_tls(error: grpc.RpcError) -> bool:
     if any(gone in details for gone in ("Stream removed", "Cancelling", "Connection refused")):
         return False
     return "Socket closed" in details or any(
-        sign in lowered for sign in ("handshake", "ssl", "certificate", "tls")
+        sign in lowered for sign in ("handshake", "ssl", "certificate", "tls", "verification")
     )
 
 
@@ -895,8 +895,11 @@ class Client:
         hint = (
             ". The shard's data plane answered but its control plane did not: this client "
             "speaks TLS (tls= or TF_DLT_TLS_*); if the shard runs without --tls-cert, drop "
-            "the client's TLS, else check that the CA matches the shard's certificate"
-        )
+            "the client's TLS, else check that the CA matches the shard's certificate and "
+            "that the certificate names the host this client dials"
+            + (f" (here {self._tls.server_name!r}, server_name=)" if self._tls.server_name else
+               " (or name the one it holds: server_name=, TF_DLT_TLS_SERVER_NAME)")
+        )  # fmt: skip
         if self._tls.cert is None:
             hint += (
                 "; and this client presents no certificate: a shard started with "
