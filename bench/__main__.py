@@ -42,19 +42,25 @@ def main() -> int:
     running: list[tuple[str, subprocess.Popen[bytes], float]] = []
     waiting = list(cases)
     env = {**os.environ, QUICK_ENV: "1"} if args.quick else None
-    while waiting or running:
-        while waiting and len(running) < args.jobs:
-            case = waiting.pop(0)
-            cmd = [sys.executable, str(ROOT / "bench" / f"{case.name}.py"),
-                   *(case.quick if args.quick else case.full)]  # fmt: skip
-            running.append((case.name, subprocess.Popen(cmd, cwd=ROOT, env=env), time.monotonic()))
-        done = _first_done(running)
-        running.remove(done)
-        name, process, start = done
-        outcome = "ok" if process.returncode == 0 else f"FAILED ({process.returncode})"
-        log(f"{name}: {outcome} in {time.monotonic() - start:.0f} s")
-        if process.returncode != 0:
-            failed.append(name)
+    try:
+        while waiting or running:
+            while waiting and len(running) < args.jobs:
+                case = waiting.pop(0)
+                cmd = [sys.executable, str(ROOT / "bench" / f"{case.name}.py"),
+                       *(case.quick if args.quick else case.full)]  # fmt: skip
+                process = subprocess.Popen(cmd, cwd=ROOT, env=env)
+                running.append((case.name, process, time.monotonic()))
+            done = _first_done(running)
+            running.remove(done)
+            name, process, start = done
+            outcome = "ok" if process.returncode == 0 else f"FAILED ({process.returncode})"
+            log(f"{name}: {outcome} in {time.monotonic() - start:.0f} s")
+            if process.returncode != 0:
+                failed.append(name)
+    finally:  # (interrupted: no case left running)
+        for _, process, _ in running:
+            process.kill()
+            process.wait()
     summary = f"{len(cases) - len(failed)} of {len(cases)} cases ok"
     log(summary + (f"; failed: {failed}" if failed else ""))
     return 1 if failed else 0

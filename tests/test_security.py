@@ -104,7 +104,7 @@ def test_tls_control_plane(start_cluster: Callable[..., Cluster], tmp_path: Path
         (TlsConfig(ca=other.ca), "CA"),
         # (A name the certificate does not hold: gRPC said only that a
         # "Hostname Verification Check failed", with no hint.)
-        (TlsConfig(ca=pki.ca, server_name="elsewhere.test"), "names the host.*'elsewhere.test'"),
+        (TlsConfig(ca=pki.ca, server_name="elsewhere.test"), "certificate names 'elsewhere.test'"),
     ):
         with pytest.MonkeyPatch.context() as mp:
             mp.delenv("TF_DLT_TLS_CA", raising=False)
@@ -153,7 +153,8 @@ def test_a_standby_of_a_tls_primary_attaches_or_is_refused_at_start(tmp_path: Pa
     attached (logging only that a socket closed) and the shard ran with no
     standby. It is refused at start, naming what to set; given them, it
     attaches. Client certificates set without the CA are refused too (the
-    client spoke plaintext)."""
+    client spoke plaintext), and so are settings that make no client (a
+    certificate without its key), on a plaintext standby too."""
     from tf_dlt.server.local import LocalCluster
 
     pki = Pki(tmp_path / "pki")
@@ -161,10 +162,10 @@ def test_a_standby_of_a_tls_primary_attaches_or_is_refused_at_start(tmp_path: Pa
     flags = ["--tls-cert", cert, "--tls-key", key]
     plain_env = {k: v for k, v in os.environ.items() if not k.startswith("TF_DLT_TLS_")}
 
-    def refusal(*extra: str, **env: str) -> str:
+    def refusal(*extra: str, tls: bool = True, **env: str) -> str:
         out = subprocess.run(
-            [sys.executable, "-m", "tf_dlt.server", "--port", "0", *flags, *extra,
-             "--standby-of", "127.0.0.1:9"],
+            [sys.executable, "-m", "tf_dlt.server", "--port", "0", *(flags if tls else []),
+             *extra, "--standby-of", "127.0.0.1:9"],
             capture_output=True, text=True, timeout=60, cwd="/", env={**plain_env, **env},
         )  # fmt: skip
         assert out.returncode == 2, out.stderr
@@ -174,6 +175,11 @@ def test_a_standby_of_a_tls_primary_attaches_or_is_refused_at_start(tmp_path: Pa
     mutual = refusal("--tls-client-ca", pki.ca, TF_DLT_TLS_CA=pki.ca)
     assert "set TF_DLT_TLS_CERT and TF_DLT_TLS_KEY" in mutual
     assert "TF_DLT_TLS_CERT set without TF_DLT_TLS_CA" in refusal(TF_DLT_TLS_CERT=cert)
+    # Settings that make no client, on a plaintext standby too (its standby
+    # thread met them at its first call, and ended).
+    stray = refusal(tls=False, TF_DLT_TLS_SERVER_NAME="localhost")
+    assert "TF_DLT_TLS_SERVER_NAME set without TF_DLT_TLS_CA" in stray
+    assert "needs both cert and key" in refusal(TF_DLT_TLS_CA=pki.ca, TF_DLT_TLS_CERT=cert)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TF_DLT_TLS_CA", raising=False)
         mp.setenv("TF_DLT_TLS_SERVER_NAME", "localhost")

@@ -896,9 +896,9 @@ class Client:
             ". The shard's data plane answered but its control plane did not: this client "
             "speaks TLS (tls= or TF_DLT_TLS_*); if the shard runs without --tls-cert, drop "
             "the client's TLS, else check that the CA matches the shard's certificate and "
-            "that the certificate names the host this client dials"
-            + (f" (here {self._tls.server_name!r}, server_name=)" if self._tls.server_name else
-               " (or name the one it holds: server_name=, TF_DLT_TLS_SERVER_NAME)")
+            + (f"that the certificate names {self._tls.server_name!r} (server_name=)"
+               if self._tls.server_name else "that the certificate names the host this client "
+               "dials (or name the one it holds: server_name=, TF_DLT_TLS_SERVER_NAME)")
         )  # fmt: skip
         if self._tls.cert is None:
             hint += (

@@ -624,13 +624,22 @@ def takes_every_row(links: list[manifest_lib.Link], shard: _native.Shard) -> boo
 
 def _refuse_evictions(staged: list[_native.Table], shard: _native.Shard) -> None:
     """Rows past a staged table's max_rows (a checkpoint of more shards
-    loaded onto fewer), staged whole, would be lost once installed: evicted
-    by the next rows made, or by the memory keeper (a tiered table keeps
-    max_rows across its tiers there). The load is refused, naming the table
-    and how many rows, and nothing changes. (Onto as many shards or more,
-    every row is taken: one shard held them.)"""
+    loaded onto fewer) would be lost: evicted as they were staged (one
+    checkpoint, in RAM), or, staged whole (a chain), by the next rows made
+    or the memory keeper (a tiered table keeps max_rows across its tiers
+    there). The load is refused, naming the table and how many rows, and
+    nothing changes. (Onto as many shards or more, every row is taken: one
+    shard held them.)"""
     for t in staged:
+        evicted = int(t.counters()["evicted"])
         max_rows = int(t.config["policy"]["max_rows"])
+        if evicted:
+            raise errors.FailedPreconditionError(
+                f"table {t.name!r}: loading it onto shard {shard.shard_index} of "
+                f"{shard.num_shards} evicted {evicted} rows: its rows there go past its "
+                f"max_rows of {max_rows} per shard (kept per stripe: each of its stripes holds "
+                "its share), so nothing was changed. Load onto more shards, or raise max_rows"
+            )
         if max_rows and t.size() > max_rows:
             raise errors.FailedPreconditionError(
                 f"table {t.name!r}: the checkpoint holds {t.size()} rows for shard "
@@ -762,16 +771,18 @@ def _prepare_load(
     tables: dict[str, _native.Table] = {}
     lean = bool(shard.memory_status()["budget"])
     whole = takes_every_row(chain, shard)
+    # A chain is staged whole, trimmed by none: what counts is what its head
+    # holds (a base past max_rows whose deltas removed rows since fits, and
+    # was refused as it evicted link by link). One checkpoint is trimmed as
+    # it comes in (its rows past max_rows never all held), and refused.
+    chained = len(chain) > 1
 
     try:
         for link in chain:
             try:
-                # Every row staged, trimmed by none: what counts is what the
-                # chain's head holds (a base past max_rows whose deltas
-                # removed rows since fits, and was refused as evicting).
                 apply_link(
                     link, tables, shard.new_table, buckets,
-                    threads=os.cpu_count() or 1, lean=lean, every_row=True,
+                    threads=os.cpu_count() or 1, lean=lean, every_row=whole or chained,
                 )  # fmt: skip
             except (errors.NotFoundError, errors.FailedPreconditionError) as e:
                 _refuse_saved_again(link, e)  # its files removed by a save meanwhile?

@@ -336,15 +336,21 @@ class _Place(logging.Filter):
         return True
 
 
-def _peer_tls_refusal(mutual: bool) -> str:
-    """Why a replica-set member whose control plane is behind TLS cannot
-    call its peers' (behind the same TLS) with the TF_DLT_TLS_* settings
-    of its environment ("" if it can): a standby never attached, and said
-    only that a socket closed."""
+def _peer_tls_refusal(serves_tls: bool, mutual: bool) -> str:
+    """Why a replica-set member cannot call its peers' control planes with
+    the TF_DLT_TLS_* settings of its environment ("" if it can): settings
+    that do not make a client (a certificate without its key, a file it
+    cannot read), or, behind TLS itself (its peers are too), none. Its
+    standby thread met them only at its first call, and ended: the shard
+    ran with no standby (said only that a socket closed)."""
     try:
         peers = tls.TlsConfig.from_env()
+        if peers is not None:
+            peers.channel_credentials()  # the pair complete, every file readable
     except ValueError as e:
-        return str(e)
+        return f"the TLS this process calls its peers with (TF_DLT_TLS_*): {e}"
+    if not serves_tls:
+        return ""
     missing = [] if peers is not None else [tls.ENV_CA]
     if mutual and (peers is None or not peers.cert):
         missing += [tls.ENV_CERT, tls.ENV_KEY]
@@ -403,8 +409,8 @@ def run(args: argparse.Namespace) -> int:
                 "--tls-client-ca %s holds no CA certificate in PEM: %s", args.tls_client_ca, e
             )
             return 2
-    if args.tls_cert and (args.standby_of or args.replica_set):
-        refusal = _peer_tls_refusal(args.tls_client_ca is not None)
+    if args.standby_of or args.replica_set:
+        refusal = _peer_tls_refusal(bool(args.tls_cert), args.tls_client_ca is not None)
         if refusal:
             log.error("%s", refusal)
             return 2

@@ -369,7 +369,7 @@ class StandbyLink:
     def _call(self, method: str, request: Any, timeout: float) -> Any:
         if self._stub is None:
             assert self._admin is not None
-            self._channel = tls.channel(self._admin, tls.TlsConfig.from_env())
+            self._channel = _peer_channel(self._admin)
             self._stub = dlt_pb2_grpc.ShardAdminStub(self._channel)
         return getattr(self._stub, method)(
             request, timeout=timeout, metadata=grpc_util.bearer(self._token)
@@ -787,11 +787,11 @@ class StandbyLink:
             )  # fmt: skip
             try:
                 admin = grpc_util.admin_address(peer, admin_port)
-                with tls.channel(admin, tls.TlsConfig.from_env()) as channel:
+                with _peer_channel(admin) as channel:
                     reply = dlt_pb2_grpc.ShardAdminStub(channel).ClaimTakeover(
                         request, timeout=5, metadata=grpc_util.bearer(self._token)
                     )
-            except (grpc.RpcError, OSError) as e:
+            except (errors.DltError, grpc.RpcError, OSError) as e:
                 reply = dlt_pb2.ClaimTakeoverResponse(granted=False, reason=str(e))
             if not reply.granted:
                 with self._lock:
@@ -904,13 +904,27 @@ class StandbyLink:
         self._close_channel()
 
 
+def _peer_channel(admin: str) -> grpc.Channel:
+    """A channel to a peer's control plane with the TLS of the environment
+    (TF_DLT_TLS_*, checked as the process started: tf_dlt.server.main);
+    settings that make no client (a file gone since) raise
+    FailedPreconditionError, which the standby's loops report and retry (a
+    ValueError ended its thread)."""
+    try:
+        return tls.channel(admin, tls.TlsConfig.from_env())
+    except ValueError as e:
+        raise errors.FailedPreconditionError(
+            f"the TLS this process calls its peers with (TF_DLT_TLS_*): {e}"
+        ) from None
+
+
 def member_stats(
     address: str, admin_port: int, token: str, secure: tls.TlsConfig | None = None
 ) -> Any:
     """Stats of the shard server whose data plane is at `address`, over
     `secure` (None: the TLS the environment names, as a Client's)."""
     admin = grpc_util.admin_address(address, admin_port)
-    with tls.channel(admin, secure or tls.TlsConfig.from_env()) as channel:
+    with tls.channel(admin, secure) if secure else _peer_channel(admin) as channel:
         return dlt_pb2_grpc.ShardAdminStub(channel).Stats(
             dlt_pb2.StatsRequest(), timeout=5, metadata=grpc_util.bearer(token)
         )
