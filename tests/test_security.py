@@ -128,6 +128,18 @@ def test_tls_control_plane(start_cluster: Callable[..., Cluster], tmp_path: Path
         capture_output=True, text=True, timeout=60, cwd="/",
     )  # fmt: skip
     assert out.returncode == 0 and "secure" in out.stdout, out.stderr
+    # Without TLS it fails, and adds no error on the healthy shards: its
+    # fallback for standbys sent them a replica's Hello, which they refused
+    # and counted as FAILED_PRECONDITION (an alert on errors fired).
+    plain_env = {k: v for k, v in os.environ.items() if not k.startswith("TF_DLT_TLS_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "stats",
+         "--pservers", ",".join(cluster.addresses)],
+        capture_output=True, text=True, timeout=120, cwd="/", env=plain_env,
+    )  # fmt: skip
+    assert out.returncode == 1 and "speaks plaintext" in out.stderr, out.stderr
+    with tf_dlt.Client(cluster.addresses, tls=TlsConfig(ca=pki.ca)) as client:
+        assert not [s["errors"] for s in client.stats() if "FAILED_PRECONDITION" in s["errors"]]
 
 
 def test_mutual_tls_requires_a_client_certificate(

@@ -163,6 +163,11 @@ def address_list(pservers: Sequence[str] | str) -> list[str]:
     return entries
 
 
+# What an UNAVAILABLE error says where a shard's data plane greeted the
+# client and its control plane did not (TLS on one side only).
+CONTROL_PLANE_UNREACHED = "The shard's data plane answered but its control plane did not"
+
+
 def _looks_like_tls(error: grpc.RpcError) -> bool:
     """Whether an UNAVAILABLE control-plane call may have met TLS on one side
     only: gRPC then says the socket closed or the handshake failed. A shard
@@ -888,12 +893,12 @@ class Client:
         "handshake failed")."""
         if self._tls is None:
             return (
-                ". The shard's data plane answered but its control plane did not: if the shard "
+                f". {CONTROL_PLANE_UNREACHED}: if the shard "
                 "serves TLS (--tls-cert), give this client TLS too (tls=tf_dlt.tls.TlsConfig(...) "
                 "or TF_DLT_TLS_CA); this client speaks plaintext" + _AT_CAP
             )
         hint = (
-            ". The shard's data plane answered but its control plane did not: this client "
+            f". {CONTROL_PLANE_UNREACHED}: this client "
             "speaks TLS (tls= or TF_DLT_TLS_*); if the shard runs without --tls-cert, drop "
             "the client's TLS, else check that the CA matches the shard's certificate and "
             + (f"that the certificate names {self._tls.server_name!r} (server_name=)"
