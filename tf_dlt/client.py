@@ -165,7 +165,7 @@ def address_list(pservers: Sequence[str] | str) -> list[str]:
 
 # What an UNAVAILABLE error says where a shard's data plane greeted the
 # client and its control plane did not (TLS on one side only).
-CONTROL_PLANE_UNREACHED = "The shard's data plane answered but its control plane did not"
+_CONTROL_PLANE_UNREACHED = "The shard's data plane answered but its control plane did not"
 
 
 def _looks_like_tls(error: grpc.RpcError) -> bool:
@@ -492,7 +492,7 @@ class Client:
                     continue
                 error = grpc_util.error_from_rpc(e, self._what(i, method))
                 if isinstance(error, errors.UnavailableError) and _looks_like_tls(e):
-                    error = errors.UnavailableError(f"{error}{self._tls_hint()}")
+                    error = errors.ControlPlaneUnreachedError(f"{error}{self._tls_hint()}")
                 elif isinstance(error, errors.UnavailableError) and i not in watched:
                     unreached[i] = len(results)
                 results.append(error)
@@ -893,12 +893,12 @@ class Client:
         "handshake failed")."""
         if self._tls is None:
             return (
-                f". {CONTROL_PLANE_UNREACHED}: if the shard "
+                f". {_CONTROL_PLANE_UNREACHED}: if the shard "
                 "serves TLS (--tls-cert), give this client TLS too (tls=tf_dlt.tls.TlsConfig(...) "
                 "or TF_DLT_TLS_CA); this client speaks plaintext" + _AT_CAP
             )
         hint = (
-            f". {CONTROL_PLANE_UNREACHED}: this client "
+            f". {_CONTROL_PLANE_UNREACHED}: this client "
             "speaks TLS (tls= or TF_DLT_TLS_*); if the shard runs without --tls-cert, drop "
             "the client's TLS, else check that the CA matches the shard's certificate and "
             + (f"that the certificate names {self._tls.server_name!r} (server_name=)"

@@ -67,6 +67,12 @@ class UnavailableError(DltError, ConnectionError):
     code, code_name = 14, "UNAVAILABLE"
 
 
+class ControlPlaneUnreachedError(UnavailableError):
+    """A shard's data plane greeted the client and its control plane did
+    not: TLS on one side only, most likely (the message says what to check).
+    Its standbys would not greet this client either."""
+
+
 class FailedOverError(UnavailableError):
     """A save given up because its shard failed over while it ran (the
     primary writing it went silent, or failed as it ran, and a standby took

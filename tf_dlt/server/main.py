@@ -16,6 +16,7 @@ from typing import Any
 
 from tf_dlt import _native, errors, sizes, tls
 from tf_dlt.client import MAX_TIMEOUT_MS, read_token_file
+from tf_dlt.server import replication
 from tf_dlt.server.shard_server import ShardServer
 
 
@@ -344,11 +345,9 @@ def _peer_tls_refusal(serves_tls: bool, mutual: bool) -> str:
     standby thread met them only at its first call, and ended: the shard
     ran with no standby (said only that a socket closed)."""
     try:
-        peers = tls.TlsConfig.from_env()
-        if peers is not None:
-            peers.channel_credentials()  # the pair complete, every file readable
-    except ValueError as e:
-        return f"the TLS this process calls its peers with (TF_DLT_TLS_*): {e}"
+        peers = replication.peer_tls()
+    except errors.DltError as e:
+        return e.message
     if not serves_tls:
         return ""
     missing = [] if peers is not None else [tls.ENV_CA]

@@ -904,18 +904,27 @@ class StandbyLink:
         self._close_channel()
 
 
-def _peer_channel(admin: str) -> grpc.Channel:
-    """A channel to a peer's control plane with the TLS of the environment
-    (TF_DLT_TLS_*, checked as the process started: tf_dlt.server.main);
-    settings that make no client (a file gone since) raise
-    FailedPreconditionError, which the standby's loops report and retry (a
-    ValueError ended its thread)."""
+def peer_tls() -> tls.TlsConfig | None:
+    """The TLS this process calls its peers' control planes with: the
+    environment's (TF_DLT_TLS_*), every file read. Settings that make no
+    client (a certificate without its key, a file it cannot read) raise
+    FailedPreconditionError naming them: checked as a replica-set member
+    starts (tf_dlt.server.main), and at each call, which the standby's loops
+    report and retry (a ValueError ended its thread)."""
     try:
-        return tls.channel(admin, tls.TlsConfig.from_env())
+        secure = tls.TlsConfig.from_env()
+        if secure is not None:
+            secure.channel_credentials()
     except ValueError as e:
         raise errors.FailedPreconditionError(
             f"the TLS this process calls its peers with (TF_DLT_TLS_*): {e}"
         ) from None
+    return secure
+
+
+def _peer_channel(admin: str) -> grpc.Channel:
+    """A channel to a peer's control plane, over peer_tls()."""
+    return tls.channel(admin, peer_tls())
 
 
 def member_stats(

@@ -19,7 +19,7 @@ from typing import IO, Any
 import grpc
 
 from tf_dlt import _native, errors
-from tf_dlt.client import CONTROL_PLANE_UNREACHED, message_dict
+from tf_dlt.client import message_dict
 from tf_dlt.server.replication import member_stats
 from tf_dlt.tools import cluster_args
 
@@ -228,7 +228,9 @@ def run(args: argparse.Namespace, out: IO[str] | None = None) -> int:
         # Standbys (which greet no trainer) each give their own stats; not
         # where the data plane greeted this client: a primary refuses the
         # replica's Hello, and counted each such stats call as an error.
-        standbys = isinstance(e, errors.UnavailableError) and CONTROL_PLANE_UNREACHED not in str(e)
+        standbys = isinstance(e, errors.UnavailableError) and not isinstance(
+            e, errors.ControlPlaneUnreachedError
+        )
         own = _own_stats(args) if standbys else None
         if own is None:
             print(f"tf-dlt stats: {e}", file=sys.stderr)
