@@ -238,6 +238,19 @@ def test_a_second_signal_as_a_shard_stops_leaves_its_exit_clean() -> None:
         cluster.stop()
 
 
+def test_a_shard_whose_terminal_closed_stops_as_on_sigterm() -> None:
+    """SIGHUP (the terminal a shard ran in closed) killed it, with no
+    grace for a running save."""
+    cluster = LocalCluster(1).start()
+    try:
+        proc = cluster.processes[0]
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0, cluster.log(0)[-2000:]
+        assert "received SIGHUP, shutting down" in cluster.log(0)
+    finally:
+        cluster.stop()
+
+
 class _SlowStats:
     """A ShardAdmin servicer whose Stats takes `seconds`; its Shrink raises
     SystemExit (no method of the real one lets it escape)."""

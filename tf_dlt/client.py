@@ -222,7 +222,12 @@ class Client:
         else:
             auth_token = token_from_env()
         self._token = auth_token
-        self._tls = tls if tls is not None else TlsConfig.from_env()
+        try:
+            self._tls = tls if tls is not None else TlsConfig.from_env()
+            if self._tls is not None:  # its files read now, not at the first call
+                self._tls.channel_credentials()
+        except ValueError as e:
+            raise errors.InvalidArgumentError(str(e)) from None
         self._request_timeout = request_timeout
         self._persist_timeout = persist_timeout
         timeout_ms("persist_timeout", persist_timeout)  # checked alike

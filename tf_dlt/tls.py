@@ -23,12 +23,18 @@ ENV_SERVER_NAME = "TF_DLT_TLS_SERVER_NAME"
 
 
 def _read(path: str | None, what: str) -> bytes | None:
+    """The PEM file `path` holds (None for none). ValueError where it cannot
+    be read or holds no PEM block: gRPC said only that a handshake failed,
+    at the first call."""
     if not path:
         return None
     try:
-        return Path(path).read_bytes()
+        pem = Path(path).read_bytes()
     except OSError as e:
         raise ValueError(f"cannot read the TLS {what} {path!r}: {e.strerror}") from None
+    if b"-----BEGIN " not in pem:
+        raise ValueError(f"the TLS {what} {path!r} is not PEM (no -----BEGIN line)")
+    return pem
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent import futures
 from typing import Any, NoReturn
@@ -31,6 +32,9 @@ from tf_dlt import grpc_util, tls
 from tf_dlt.proto import dlt_pb2
 
 log = logging.getLogger("tf_dlt.server")
+
+# Calls refused for their token: one log line at most this often.
+REFUSAL_LOG_SECONDS = 10.0
 
 _SERVICE = dlt_pb2.DESCRIPTOR.services_by_name["ShardAdmin"]
 SERVICE_NAME = _SERVICE.full_name
@@ -105,11 +109,24 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # the token's length either.
         self._expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
 
+        # At most one line per REFUSAL_LOG_SECONDS: a client sending a
+        # wrong token in a loop wrote a line per call, and filled the disk
+        # of the shard's logs (every refusal is counted in the metrics).
+        last, unlogged = -REFUSAL_LOG_SECONDS, 0
+
         async def deny(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            nonlocal last, unlogged
             count_error("UNAUTHENTICATED")
-            # Who and what, never the token presented.
-            log.warning("refused a control-plane call from %s: wrong or missing auth token",
-                        context.peer())  # fmt: skip
+            now = time.monotonic()
+            if now - last < REFUSAL_LOG_SECONDS:
+                unlogged += 1
+            else:  # who, never the token presented
+                log.warning(
+                    "refused a control-plane call from %s: wrong or missing auth token%s",
+                    context.peer(),
+                    f" ({unlogged} more refused since the last such line)" if unlogged else "",
+                )
+                last, unlogged = now, 0
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, WRONG_TOKEN)
 
         # Taken as a stream of requests, so that none has to arrive first.

@@ -493,8 +493,10 @@ def run(args: argparse.Namespace) -> int:
         # stop() blocks for the grace period; run it outside the handler.
         threading.Thread(target=server.stop, name="dlt-stop").start()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # SIGHUP too (the terminal it ran in closed): it killed the shard
+    # there, with no --stop-grace for a running Save.
+    for stop_signal in _STOP_SIGNALS:
+        signal.signal(stop_signal, on_signal)
     # A file past the size limit fails its write (a disk tier or checkpoint
     # error the shard reports) instead of killing the shard.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -509,6 +511,10 @@ def run(args: argparse.Namespace) -> int:
         place.shard = None
 
 
+# What stops a shard as SIGTERM does.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def _serve(server: ShardServer, args: argparse.Namespace, log: logging.Logger) -> int:
     """Serves until stopped (a signal, or the launcher that started it gone)."""
     orphaned = False
@@ -521,8 +527,8 @@ def _serve(server: ShardServer, args: argparse.Namespace, log: logging.Logger) -
     # Stopped: a second signal (Ctrl-C, then a launcher's SIGTERM) changes
     # nothing, and must not kill the process as it exits (the interpreter
     # puts back the default action of signals it handled).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for stop_signal in _STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
     return 0
 
 
