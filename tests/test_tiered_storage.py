@@ -583,20 +583,26 @@ def test_a_budgeted_shard_stays_within_its_budget_through_saves_and_loads(
         start_cluster(1, "--memory-budget", str(100 << 20))
 
 
+@pytest.mark.parametrize("dim, rows", [(4096, 8000), (8192, 4000)])
 def test_a_load_of_wide_rows_stays_within_the_budget(
-    start_cluster: Callable[..., Cluster], tmp_path: Path
+    start_cluster: Callable[..., Cluster], tmp_path: Path, dim: int, rows: int
 ) -> None:
     """Rows of dim 4,096 with Adagrad (32 KiB each) loaded into a budgeted
     shard, with --load-from and in place: each tiered table kept at least
     64 rows a stripe in RAM, and faulted in 64 more a stripe as a margin
     (4,096 + 4,096 rows: 256 MiB), whatever their width; a 265 MiB budget
     peaked at 502 MiB (--load-from) and 894 MiB (in place). The floor and
-    margins are counted in bytes as well as rows."""
-    ids = np.arange(8000, dtype=np.int64) * 5 + 9
+    margins are counted in bytes as well as rows. Rows of dim 8,192 (64 KiB)
+    peaked at 352-364 MiB in place: each stripe's last 2 MiB page held a
+    few rows (Table::KeepPagesSmall), and the pages faulted in for a RAM
+    limit that fell as the load ran stayed (Stripe::Compact gives them back)."""
+    ids = np.arange(rows, dtype=np.int64) * 5 + 9
     with start_cluster(1).client() as c:
-        c.create_table("t", 4096, "normal", "adagrad", seed=4)
-        for at in range(0, len(ids), 250):
-            c.push("t", ids[at : at + 250], np.full((250, 4096), 0.1, np.float32), 0.05)
+        c.create_table("t", dim, "normal", "adagrad", seed=4)
+        step = (4 << 20) // (dim * 4)  # 4 MiB of gradients a push
+        for at in range(0, len(ids), step):
+            part = ids[at : at + step]
+            c.push("t", part, np.full((len(part), dim), 0.1, np.float32), 0.05)
         c.save(str(tmp_path / "ck"))
         rows = c.pull("t", ids[:500], training=False)
     budget = int(_budget())

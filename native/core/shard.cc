@@ -206,6 +206,7 @@ std::shared_ptr<Table> Shard::NewTable(const TableConfig& config) const {
     made_.push_back(table);
     return table;
   };
+  if (budget_ != 0) table->KeepPagesSmall();
   if (tier_root_.empty()) return publish();
   // Each table object has a directory of its own: a load builds a table
   // while the one it replaces still serves.

@@ -977,6 +977,8 @@ void Table::Reserve(size_t rows, uint32_t threads) {
         const size_t used =
             std::min(stripe.chunk_bytes[k], (per_stripe - first_record) * record_bytes_);
         for (size_t b = 0; b < used; b += 4096) stripe.chunks[k][b] = 0;
+        stripe.faulted = static_cast<uint32_t>(
+            std::max<size_t>(stripe.faulted, first_record + used / record_bytes_));
       }
     }
   };

@@ -250,6 +250,11 @@ class Table {
   // in one file per stripe under `dir` (an empty directory this table
   // owns; removed with the table). Call before the table is used.
   void AttachTier(const std::string& dir);
+  // Maps only arena chunks of 32 MiB or more on 2 MiB pages (a shard with a
+  // memory budget; call before rows come): a stripe's last huge page holds
+  // 2 MiB however few of its bytes rows use, so a table of few or wide rows
+  // per stripe (64 KiB rows, a handful a stripe) held 128 MiB past them.
+  void KeepPagesSmall();
   bool has_tier() const { return !tier_dir_.empty(); }
   // `rows` (a margin of rows a stripe a tiered table takes in RAM), fewer
   // where they pass kMarginBytes of records; at least 1.

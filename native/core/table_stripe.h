@@ -24,6 +24,10 @@ constexpr uint32_t kEmpty = 0xffffffffu;
 constexpr uint32_t kBaseRecordsLog2 = 6;
 constexpr uint32_t kMaxChunks = 32;
 constexpr size_t kHugePage = size_t{2} << 20;
+// The smallest arena chunk on huge pages in a table that keeps its pages
+// small: the stripe's records before it fill 16 huge pages or more, so its
+// last, partly used one adds at most a sixteenth.
+constexpr size_t kFrugalHugeChunk = 16 * kHugePage;
 // Prefetch distances (in ids) of the batched lookup's index probes and row copies.
 constexpr uint32_t kProbeAhead = 32;
 constexpr uint32_t kCopyAhead = 8;
@@ -37,10 +41,14 @@ constexpr uint32_t kApplyAhead = 2;
 constexpr size_t kRemovalSlots = 8192;
 // The most passes an explicit shrink makes (Table::Shrink).
 constexpr int kShrinkPasses = 4;
-// A stripe gives freed records' memory back once this many, and a tenth of
-// its records, are free (Stripe::Compact): the memory keeper making room
-// for a tier file's doubling moves about a tenth of the RAM rows out.
+// A stripe gives freed records' memory back once this many, or this many
+// bytes of them, and a tenth of its records, are free (Stripe::Compact):
+// the memory keeper making room for a tier file's doubling moves about a
+// tenth of the RAM rows out. (Counted in records alone, a stripe of wide
+// rows, 64 KiB each, kept up to 64 MiB of freed records for good: after a
+// load into a tiered table, the process held 120 MiB past its rows.)
 constexpr uint32_t kCompactMinFree = 1024;
+constexpr size_t kCompactMinFreeBytes = size_t{256} << 10;
 // Disk tier pages a pass over cold rows reads per hold of a stripe's lock,
 // and rows a demotion writes per hold.
 constexpr uint32_t kColdPagesPerHold = 32;
@@ -151,6 +159,12 @@ struct Table::Stripe {
   Index index;               // capacity is a power of two (or empty)
   uint32_t num_records = 0;  // records ever allocated (live + free)
   uint32_t live = 0;
+  // Arena chunks of at least this many bytes are mapped on 2 MiB pages
+  // (Table::KeepPagesSmall).
+  size_t huge_from = kHugePage;
+  // Records whose arena pages a load's sizing faulted in ahead of the rows
+  // (Table::Reserve); Compact gives back those no row came to use.
+  uint32_t faulted = 0;
   // Where the memory keeper's next sweep for cold rows starts (an index
   // slot; taken modulo the index size).
   std::atomic<size_t> sweep{0};
@@ -318,7 +332,7 @@ struct Table::Stripe {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return false;
-    if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);
+    if (bytes >= huge_from) madvise(p, bytes, MADV_HUGEPAGE);
     generations[k].reset(new (std::nothrow) uint16_t[records]);
     if (!generations[k]) {
       munmap(p, bytes);
@@ -336,29 +350,43 @@ struct Table::Stripe {
   // highest records into free records below, unmaps or releases
   // (MADV_DONTNEED) the arena and generations above, and halves an index
   // far emptier than its load. Records move, so `removals` is bumped:
-  // exports find their rows again. Caller holds mu exclusively. True when
-  // it compacted.
+  // exports find their rows again. Also gives back the pages a load's
+  // sizing faulted in past the records in use (`faulted`: sized for a RAM
+  // limit that fell as the load ran, 80 MiB of wide rows stayed with the
+  // process). Caller holds mu exclusively. True when records moved.
   bool Compact(size_t record_bytes) {
     const uint32_t free = num_records - live;
-    if (free < kCompactMinFree || free < num_records / 10) return false;
+    // kCompactMinFree records, or fewer that hold kCompactMinFreeBytes.
+    const auto min_free = static_cast<uint32_t>(
+        std::clamp<size_t>(kCompactMinFreeBytes / record_bytes, 1, kCompactMinFree));
+    const uint32_t spare = (min_free + 3) / 4;
     // Records [0, top) stay: the live rows and a few more for reuse.
-    const uint32_t top = live + live / 32 + kCompactMinFree / 4;
-    if (top >= num_records) return false;
-    std::vector<uint32_t> below;
-    below.reserve(top - live);
-    for (uint32_t r : free_records) {
-      if (r < top) below.push_back(r);
+    uint32_t top = live + live / 32 + spare;
+    const bool moves = free >= min_free && free >= num_records / 10 && top < num_records;
+    if (!moves) {
+      top = num_records + spare;
+      if (faulted <= top) return false;
     }
-    for (IndexEntry& e : index) {
-      if (e.record == kEmpty || e.record < top) continue;
-      const uint32_t to = below.back();  // as many free below top as live above it
-      below.pop_back();
-      std::memcpy(Record(to, record_bytes), Record(e.record, record_bytes), record_bytes);
-      Generation(to) = Generation(e.record);
-      e.record = to;
+    faulted = 0;
+    if (moves) {
+      std::vector<uint32_t> below;
+      below.reserve(top - live);
+      for (uint32_t r : free_records) {
+        if (r < top) below.push_back(r);
+      }
+      for (IndexEntry& e : index) {
+        if (e.record == kEmpty || e.record < top) continue;
+        const uint32_t to = below.back();  // as many free below top as live above it
+        below.pop_back();
+        std::memcpy(Record(to, record_bytes), Record(e.record, record_bytes), record_bytes);
+        Generation(to) = Generation(e.record);
+        e.record = to;
+      }
+      free_records.swap(below);
+      free_records.shrink_to_fit();
+      num_records = top;
+      ++removals;
     }
-    free_records.swap(below);
-    free_records.shrink_to_fit();
     for (uint32_t k = num_chunks; k-- > 0;) {
       const size_t first = FirstRecordOf(k), records = size_t{1} << (k + kBaseRecordsLog2);
       if (first + records <= top) break;
@@ -374,8 +402,7 @@ struct Table::Stripe {
       ReleasePages(reinterpret_cast<char*>(generations[k].get() + (top - first)),
                    reinterpret_cast<char*>(generations[k].get() + records));
     }
-    num_records = top;
-    ++removals;
+    if (!moves) return false;
     // An index at under 3/16 load halves until at most 3/8 (best effort:
     // without the memory for the smaller one, it stays as it is).
     size_t capacity = index.size();

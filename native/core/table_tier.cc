@@ -33,6 +33,13 @@ void Table::AttachTier(const std::string& dir) {
   }
 }
 
+void Table::KeepPagesSmall() {
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    stripes_[s].huge_from = kFrugalHugeChunk;
+  }
+}
+
 void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
