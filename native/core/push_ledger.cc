@@ -78,7 +78,15 @@ void PushLedger::End(const PushId& id, const Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   RecordLocked(id, status);
   for (uint32_t mask = tracked_; mask != 0; mask &= mask - 1) {
-    applied_[__builtin_ctz(mask)].push_back(id);
+    std::vector<PushId>& applied = applied_[__builtin_ctz(mask)];
+    applied.push_back(id);
+    // A stream that takes no round (its standby down: an async primary's
+    // last standby is never detached) keeps the newest ids the ledger
+    // remembers, not every push since: an older one is forgotten here too,
+    // and its next round, a whole copy, sends Done()'s ids instead.
+    if (applied.size() >= 2 * capacity_) {
+      applied.erase(applied.begin(), applied.end() - static_cast<std::ptrdiff_t>(capacity_));
+    }
   }
   cv_.notify_all();
 }

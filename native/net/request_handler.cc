@@ -454,7 +454,33 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
       }
       shard_->push_ledger().Insert(ids.data(), ids.size());
       shard_->set_epoch(epoch);  // its primary's, until it takes over
-      if (request.action == wire::kCaughtUp) caught_up_.store(true);
+      if (request.action == wire::kCaughtUp) {
+        // The end of this connection's first round, which copied every
+        // table its primary holds: a table held here that it did not copy
+        // was dropped there while no connection could tell (the round that
+        // would have dropped it failed). Kept, it served a takeover with its
+        // old rows, and a table made again of its name took them.
+        std::set<std::string> copied;
+        bool first_copy;
+        {
+          std::lock_guard<std::mutex> lock(staged_mu_);
+          first_copy = caught_up_session_ != replica_hello;
+          caught_up_session_ = replica_hello;
+          if (copy_session_ == replica_hello) copied = copied_;
+        }
+        for (const std::shared_ptr<Table>& table :
+             first_copy ? shard_->Tables() : std::vector<std::shared_ptr<Table>>{}) {
+          const std::string& name = table->config().name;
+          if (copied.count(name) != 0) continue;
+          const Status dropped = shard_->DropTable(name);
+          if (!dropped.ok() && dropped.code() != Code::kNotFound) {
+            caught_up_.store(false);
+            *stale = true;
+            return dropped;
+          }
+        }
+        caught_up_.store(true);
+      }
       return OkStatus();
     }
     if (request.action == wire::kProvisional) {
@@ -494,6 +520,15 @@ Status RequestHandler::ApplyFromPrimary(const wire::FrameHeader& header, net::Bu
     }
     {
       std::lock_guard<std::mutex> lock(staged_mu_);
+      if (copy_session_ != replica_hello) {
+        copy_session_ = replica_hello;
+        copied_.clear();
+      }
+      if (made != nullptr) {
+        copied_.insert(config.name);
+      } else {
+        copied_.erase(config.name);
+      }
       if (same_session && caught_up_.load()) {
         // The copy this standby holds serves a takeover until the round
         // that finishes the new one ends.

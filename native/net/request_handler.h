@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -229,6 +230,15 @@ class RequestHandler {
   // on another installs none of them (a copy its lost connection left half
   // done); guarded by staged_mu_.
   uint64_t pending_session_ = 0;
+  // The connection (by its Hello) that made the tables named in copied_
+  // (those made and not dropped on it since), and the one whose copy's end
+  // (kCaughtUp) was applied last: a connection's first round copies every
+  // table its primary holds, so at its end this standby drops every other
+  // one (dropped there while no connection could tell); guarded by
+  // staged_mu_.
+  uint64_t copy_session_ = 0;
+  std::set<std::string> copied_;
+  uint64_t caught_up_session_ = 0;
   uint64_t max_staged_bytes_ = uint64_t{1} << 30;
   net::BufferPool* payload_pool_ = nullptr;
   std::string standbys_;                     // guarded by staged_mu_

@@ -2228,5 +2228,79 @@ DLT_TEST(TestAGroupRefusesAStandbyPastItsLimit) {
   group.Stop();
 }
 
+DLT_TEST(TestATableDroppedWhileTheStandbyWasAwayIsDroppedThereByTheNextCopy) {
+  // The primary drops a table while its connection to the standby is lost
+  // (a network blip, a standby paused past the I/O timeout). The next
+  // connection copies every table the primary holds, and the standby must
+  // hold no other: before, it kept the dropped table with its old rows, and
+  // served it once it took over (a table dropped and made again came back
+  // with those rows).
+  Pair pair;
+  bool created;
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("emb", 4), &created));
+  EXPECT_OK(pair.primary->CreateTable(AdagradConfig("gone", 4), &created));
+  const int64_t ids[] = {1, 2, 3};
+  const float grads[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  EXPECT_OK(TableOf(*pair.primary, "gone")->Push(ids, grads, 3, 0.1f));
+  std::atomic<bool> cut{false};
+  Replicator* self = nullptr;
+  ReplicatorOptions r;
+  r.io_timeout_ms = 10000;
+  r.after_take = [&] {
+    if (!cut.exchange(false)) return;
+    // Dropped here as the connection is lost: the round that would tell
+    // the standby fails, and the next connection copies afresh.
+    EXPECT_OK(pair.primary->DropTable("gone"));
+    self->Reconnect();
+  };
+  auto replicator = std::make_shared<Replicator>(pair.primary, Address(*pair.standby_server), r);
+  self = replicator.get();
+  replicator->Start();
+  EXPECT(Eventually([&] { return replicator->status().caught_up; }));
+  EXPECT(TableOf(*pair.standby, "gone") != nullptr);
+  const uint64_t connects = replicator->status().connects;
+  cut = true;
+  EXPECT(Eventually([&] {
+    const ReplicationStatus s = replicator->status();
+    return !cut.load() && s.connects > connects && s.caught_up;
+  }));
+  EXPECT(pair.standby_server->standby_caught_up());
+  EXPECT(TableOf(*pair.primary, "gone") == nullptr);
+  EXPECT(TableOf(*pair.standby, "emb") != nullptr);
+  EXPECT(TableOf(*pair.standby, "gone") == nullptr);
+  replicator->Stop();
+}
+
+DLT_TEST(TestAStreamWhoseStandbyIsDownKeepsABoundedListOfPushIds) {
+  // An async primary whose only standby is down (it is never detached, the
+  // last one) goes on acknowledging pushes; its stream takes no round, so
+  // the ids End records for it were kept, 16 bytes a push, without bound.
+  std::shared_ptr<Shard> shard = std::make_shared<Shard>(0, 1);
+  ReplicatorOptions r;
+  r.sync = false;
+  r.connect_timeout_ms = 50;
+  Replicator replicator(shard, "127.0.0.1:1", r);  // nobody listens there
+  replicator.Start();
+  PushLedger& ledger = shard->push_ledger();
+  const size_t pushes = 3 * PushLedger::kCapacity;
+  for (size_t i = 0; i < pushes; ++i) {
+    const PushId id{7, i};
+    Status first;
+    EXPECT(ledger.Begin(id, &first));
+    ledger.End(id, OkStatus());
+  }
+  EXPECT(!replicator.status().connected);
+  // What its first round would take (it never connects: this test takes it).
+  std::vector<PushId> kept;
+  {
+    std::unique_lock<WriterFirstLock> gate(ledger.gate());
+    ledger.TakeApplied(0, &kept);
+  }
+  EXPECT(kept.size() <= 2 * PushLedger::kCapacity);
+  EXPECT(kept.size() >= PushLedger::kCapacity);
+  EXPECT(!kept.empty() && kept.back() == (PushId{7, pushes - 1}));
+  replicator.Stop();
+}
+
 }  // namespace
 }  // namespace dlt
