@@ -61,10 +61,12 @@ _META_BLOCK_BYTES = 1 << 20
 _CHUNK_CACHE_BYTES = 0
 
 
-def native_state(table: _native.Table, first_bucket: int, end_bucket: int) -> TableState:
-    """A native table's clock and its sketch slices of [first_bucket,
-    end_bucket)."""
-    state = TableState(clock=table.now(), first_bucket=first_bucket)
+def native_state(
+    table: _native.Table, first_bucket: int, end_bucket: int, clock: int | None = None
+) -> TableState:
+    """A native table's clock (`clock`, else now) and its sketch slices of
+    [first_bucket, end_bucket)."""
+    state = TableState(clock=table.now() if clock is None else clock, first_bucket=first_bucket)
     if table.sketch_slice_bytes:
         state.sketch, state.added = table.read_sketch(first_bucket, end_bucket)
     return state
@@ -77,6 +79,15 @@ def native_rows(
     `save_id`, the copy is that save of the table (its change tracking
     starts a new generation): on top of save `base`, when the table tracks
     it, only the rows changed since, with the ids removed since."""
+    # The file's clock is the table's as the save begins: its mark holds
+    # that clock (Table::BeginSave), and a delta on it ages the rows it does
+    # not hold from there. Read after the rows (as it was), it counted the
+    # pushes taken during the save twice in a chain, in the base's ages and
+    # again in the delta's, once per link: a Pushes ttl expired a loaded
+    # chain's rows early. Read just before the mark, never after it: rows
+    # pushed meanwhile load as young as at the save's start (a row stamped
+    # after the clock loads as just touched), never older than they are.
+    clock = table.now()
     tracked, since, base_clock = table.begin_save(save_id, base) if save_id else (False, 0, 0)
 
     def chunks(delta: bool) -> Iterator[Chunk]:
@@ -85,7 +96,7 @@ def native_rows(
             yield chunk
 
     def state() -> TableState:
-        return native_state(table, layout.first_bucket, layout.end_bucket)
+        return native_state(table, layout.first_bucket, layout.end_bucket, clock)
 
     def delta_state() -> TableState:
         out = state()
