@@ -50,5 +50,9 @@ def test_native_suite_passes(flavor: str) -> None:
         for half in halves:
             half.kill()
             half.wait()
-    assert passed >= 170, passed
+    listed = subprocess.run(
+        [str(binary), str(ROOT / "tests/data"), "--list"],
+        env=env, text=True, capture_output=True, check=True, timeout=60,
+    ).stdout.split()  # fmt: skip
+    assert len(listed) >= 170 and passed == len(listed), (passed, len(listed))
     print(f"{passed} passed")

@@ -32,10 +32,14 @@ bool Register(const char* name, void (*fn)()) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: native_test <tests/data dir> [test name | --part=K/N]\n");
+    std::fprintf(stderr, "usage: native_test <tests/data dir> [test name | --part=K/N | --list]\n");
     return 2;
   }
   dlt::testing::g_data_dir = argv[1];
+  if (argc > 2 && std::string(argv[2]) == "--list") {  // every test's name, one a line
+    for (const auto& test : dlt::testing::Tests()) std::printf("%s\n", test.first);
+    return 0;
+  }
   // --part=K/N: the tests whose index is K modulo N (N processes at once
   // share the suite: most of its time is waiting).
   const std::string chosen = argc > 2 ? argv[2] : "";
