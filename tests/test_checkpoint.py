@@ -882,3 +882,29 @@ def test_a_save_the_shards_refuse_warns_of_nothing_but_the_refusal(
                 with pytest.raises((errors.InvalidArgumentError, errors.PermissionDeniedError)):
                     client.save(url)
     assert "its id follows" not in caplog.text
+
+
+def test_a_save_to_a_store_that_does_not_answer_fails_before_its_shards_write(
+    tmp_path: Path, start_cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks a save makes before its shards write (a delta beside it
+    whose chain it would break, the save ids beside it) passed over a store
+    that timed out as if nothing were there: against an S3 endpoint that
+    stopped answering each took 3 minutes, and the save reached its shards
+    after 12, its checks skipped. UNAVAILABLE at the first, no shard
+    writes, and nothing more is asked of the store."""
+    with start_cluster(1).client() as c:
+        c.create_table("t", 4, "normal", "adagrad", seed=1)
+        c.save(str(tmp_path / "c1"))
+        asked: list[str] = []
+
+        def timed_out(*args: Any, **kwargs: Any) -> Any:
+            asked.append(str(args[:1]))
+            raise TimeoutError("Read timeout on endpoint URL")  # (botocore's ReadTimeoutError)
+
+        monkeypatch.setattr(manifest_lib, "read_manifest", timed_out)
+        monkeypatch.setattr(manifest_lib, "committed_save_id", timed_out)
+        with pytest.raises(errors.UnavailableError, match="Read timeout"):
+            c.save(str(tmp_path / "c2"))
+        assert len(asked) == 1, asked
+        assert not (tmp_path / "c2").exists()

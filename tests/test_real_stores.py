@@ -480,3 +480,69 @@ def test_an_upload_to_a_store_that_stopped_answering_ends_by_its_deadline(
         bucket = root.split("/", 1)[0]
         assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_shard_file_read_from_a_store_that_stopped_answering_ends_by_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that keeps a GET of a shard file open (a byte now and then:
+    botocore's read timeout bounds each socket read, not a request) held a
+    shard's load, every save and load of the shard after it, and the
+    process past SIGTERM, for as long as it went on. A ranged read ends by
+    the deadline of its size: UNAVAILABLE, naming the file."""
+    reason = local_stores.s3_unavailable()
+    if reason:
+        _unavailable(reason)
+    import s3fs
+
+    from tf_dlt.checkpoint import verified
+
+    monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "3")
+    monkeypatch.setenv("TF_DLT_UPLOAD_MIN_BYTES_PER_S", str(1 << 40))
+    data = os.urandom(3 << 20)
+    block = 1 << 20
+    import hashlib
+
+    entry = {
+        "file": "part.h5",
+        "bytes": len(data),
+        "block_bytes": block,
+        "block_sha256": [
+            hashlib.sha256(data[k : k + block]).hexdigest() for k in range(0, len(data), block)
+        ],
+    }
+    with local_stores.LocalS3(tmp_path / "s3") as s3:
+        for key, value in s3.env.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        fs, root = manifest.filesystem("s3://tf-dlt/run")
+        fs.pipe_file(f"{root}/part.h5", data)
+        got = verified.fetch_verified(fs, root, entry, str(tmp_path))  # it answers
+        assert Path(got).read_bytes() == data
+        answered = fs._call_s3
+
+        async def a_get_that_never_ends(method: str, *args: Any, **kwargs: Any) -> Any:
+            if method == "get_object":
+                await asyncio.sleep(3600)
+            return await answered(method, *args, **kwargs)
+
+        monkeypatch.setattr(fs, "_call_s3", a_get_that_never_ends)
+        outcome: list[BaseException | None] = []
+
+        def fetch() -> None:
+            try:
+                verified.fetch_verified(fs, root, entry, str(tmp_path))
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                outcome.append(e)
+
+        started = time.monotonic()
+        thread = threading.Thread(target=fetch, daemon=True)
+        thread.start()
+        thread.join(60)
+        took = time.monotonic() - started
+        monkeypatch.setattr(fs, "_call_s3", answered)
+        assert outcome and isinstance(outcome[0], errors.UnavailableError), (outcome, took)
+        assert "part.h5 timed out after 3 s" in outcome[0].message
+        assert took < 30, took
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -325,3 +325,48 @@ def test_the_admin_server_serves_many_calls_a_channel_and_stops_in_order() -> No
     again = server(0.0, port)
     assert again.bind() == port  # released
     again.stop(0)
+
+
+def test_sigterm_ends_the_process_past_a_save_the_store_never_answers(
+    tmp_path: Path, start_cluster: Callable[..., Cluster]
+) -> None:
+    """A Save held in a call to a store that does not answer (a frozen S3
+    endpoint: 3 minutes a call; one sending a byte now and then: for as long
+    as it does). SIGTERM: the shard logged "stopped" after --stop-grace, yet
+    its process stayed until that call ended (the interpreter waits for the
+    thread at exit). It exits within the grace and a few seconds."""
+    import tf_dlt
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import time\n"
+        "from tf_dlt.checkpoint import shard_files\n"
+        "def stuck(*args, **kwargs):\n"
+        "    time.sleep(3600)\n"
+        "shard_files.save_shard = stuck\n"
+    )
+    env = {"PYTHONPATH": f"{hook}:{Path(tf_dlt.__file__).parent.parent}"}
+    cluster = start_cluster(1, "--stop-grace", "1", env=env)
+    client = cluster.client()
+    client.create_table("t", 4)
+    saver = threading.Thread(
+        target=lambda: pytest.raises(tf_dlt_errors.DltError, client.save, str(tmp_path / "c")),
+        daemon=True,
+    )
+    saver.start()
+    deadline = time.monotonic() + 30
+    while "saving to" not in cluster.log(0):
+        assert time.monotonic() < deadline, cluster.log(0)
+        time.sleep(0.05)
+    process = cluster.processes[0]
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(40)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"still running 40 s after SIGTERM:\n{cluster.log(0)[-2000:]}")
+    assert code == 0 and time.monotonic() - started < 20
+    assert "given up" in cluster.log(0)
+    saver.join(30)

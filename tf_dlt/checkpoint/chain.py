@@ -321,6 +321,22 @@ def _needed_beside(deleting: list[str]) -> set[str]:
     return out
 
 
+def _raise_if_unreachable(error: Exception) -> None:
+    """Raises `error` (as its DltError) where it says the store could not be
+    reached or did not answer (UNAVAILABLE): a save's checks passed over
+    such a failure as "nothing there", each after the store's timeouts (3
+    minutes a call on S3), and a save to a store that stopped answering
+    reached its shards after 12 minutes, its checks skipped."""
+    if isinstance(error, errors.DltError):
+        mapped: errors.DltError = error
+    elif errors.is_storage_error(error):
+        mapped = errors.error_for_storage(error, "reading the checkpoints")
+    else:
+        return
+    if isinstance(mapped, errors.UnavailableError):
+        raise mapped from error
+
+
 def next_save_id(path: str, base: str | None = None, unread: list[str] | None = None) -> str:
     """A save id for a new save into table checkpoint `path`: the time now,
     or later than every save beside it (its directory of checkpoints, as
@@ -341,6 +357,7 @@ def next_save_id(path: str, base: str | None = None, unread: list[str] | None = 
         ids.append(_committed(path))
         directories = _directories_beside(path)
     except Exception as e:  # noqa: BLE001 - a URL the shards refuse: they say why
+        _raise_if_unreachable(e)
         directories = []
         unread.append(f"{path} ({e})")
     for directory in directories:
@@ -373,7 +390,8 @@ def refuse_breaking_dependents(path: str) -> None:
     parent would hold another save). Deltas elsewhere are not looked for."""
     try:
         current = manifest_lib.read_manifest(path)
-    except Exception:  # noqa: BLE001 - nothing committed there, or a URL the shards refuse
+    except Exception as e:  # noqa: BLE001 - nothing committed there, or a URL the shards refuse
+        _raise_if_unreachable(e)
         return
     here = _key(path)
     for directory in _directories_beside(path):

@@ -155,7 +155,8 @@ HDFS_DEFAULTS = {
 # S3 client settings tf_dlt starts from (botocore's; fsspec's configuration
 # for "s3" comes on top), and the times s3fs tries each call (its own retries
 # around botocore's): an endpoint that accepts connections and never answers
-# fails a request after 2 x 2 reads of 30 s, where the defaults went on for
+# fails a request after about 3 minutes (183 s measured: 2 x 2 reads of 30 s
+# and the connections' own retries), where the defaults went on for
 # many minutes (a save was still waiting after 8, its shard taking no other
 # save or load meanwhile).
 S3_DEFAULTS = {
@@ -163,6 +164,10 @@ S3_DEFAULTS = {
         "connect_timeout": 10,
         "read_timeout": 30,
         "retries": {"max_attempts": 2, "mode": "standard"},
+        # A shard file is read in ranges, each block checked against the
+        # manifest's SHA-256; S3-compatible servers that send the whole
+        # object's checksum with a range (rclone) failed botocore's check.
+        "response_checksum_validation": "when_required",
     }
 }
 S3_CALL_TRIES = 2
@@ -250,6 +255,12 @@ def _upload_deadline(size: int) -> float:
     if base <= 0:
         return 0.0
     return base + (size / floor if floor > 0 else 0.0)
+
+
+def transfer_deadline(size: int) -> float:
+    """Seconds a transfer of `size` bytes to or from an object store may
+    take (0: no deadline): an upload's, and a ranged read of a shard file's."""
+    return _upload_deadline(size)
 
 
 def _abort_multipart_uploads(fs: fsspec.AbstractFileSystem, target: str) -> None:

@@ -18,14 +18,14 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import fsspec
 import h5py
 import numpy as np
 
 from tf_dlt import errors
-from tf_dlt.checkpoint.manifest import MAX_BLOCK_BYTES, is_local, open_regular
+from tf_dlt.checkpoint.manifest import MAX_BLOCK_BYTES, is_local, open_regular, transfer_deadline
 
 _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
@@ -132,6 +132,9 @@ def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str,
         if isinstance(stored, int) and stored != int(entry["bytes"]):
             remote.close()
             raise _other_size(target, stored, entry)
+        if isinstance(fs, fsspec.asyn.AsyncFileSystem) and isinstance(stored, int):
+            remote.close()
+            return cast(IO[bytes], _RangedRemote(fs, target, stored))
         return remote
     try:
         f, size = open_regular(target)
@@ -204,6 +207,57 @@ def _copy_whole(
         raise errors.FailedPreconditionError(
             f"checkpoint file {target} is corrupt: its SHA-256 differs from the manifest's"
         )
+
+
+class _RangedRemote(io.RawIOBase):
+    """A shard file on an object store (fsspec's asynchronous filesystems)
+    read by ranged GETs, each within a deadline of its size
+    (`manifest.transfer_deadline`), else UnavailableError naming the file.
+    botocore's read timeout bounds each socket read, not a request: a store
+    that sent a byte now and then (a degraded link, a stalled proxy) held a
+    shard's load, and every save and load of the shard after it, for as
+    long as it went on, and the process past SIGTERM."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, target: str, size: int) -> None:
+        super().__init__()
+        self._fs, self._target, self.size, self._pos = fs, target, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = max(0, self.size - self._pos)
+        n = left if n is None or n < 0 else min(n, left)
+        if n == 0:
+            return b""
+        deadline = transfer_deadline(n)
+        options = {"timeout": deadline} if deadline else {}
+        try:
+            data = self._fs.cat_file(self._target, start=self._pos, end=self._pos + n, **options)
+        except fsspec.exceptions.FSTimeoutError:
+            raise errors.UnavailableError(
+                f"reading {n} bytes of {self._target} timed out after {deadline:.0f} s "
+                "(TF_DLT_UPLOAD_DEADLINE_S plus a second per TF_DLT_UPLOAD_MIN_BYTES_PER_S; "
+                "the store stopped answering?)"
+            ) from None
+        self._pos += len(data)
+        return bytes(data)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer)))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
 
 
 class VerifiedBlocks(io.RawIOBase):

@@ -10,6 +10,7 @@ import signal
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
@@ -506,9 +507,59 @@ def run(args: argparse.Namespace) -> int:
             f.write(f"{server.port} {server.admin_port} {server.metrics_port}\n")
         os.replace(tmp, args.port_file)
     try:
-        return _serve(server, args, log)
+        code = _serve(server, args, log)
     finally:
         place.shard = None
+    _exit_past_stuck_threads(code, log)
+    return code
+
+
+# Seconds a stopped shard waits for its other threads (a stop's own) before
+# it exits without them.
+_EXIT_WAIT_S = 5.0
+
+
+def _exit_past_stuck_threads(code: int, log: logging.Logger) -> None:
+    """Exits the process now (os._exit, after flushing the logs) when a
+    thread the interpreter would wait for at exit is still running once the
+    shard stopped: a Save or Load in a call to a store that does not answer
+    (past --stop-grace). The shard logged "stopped", yet its process stayed
+    until the call failed: 3 minutes for an S3 endpoint that froze, for as
+    long as one went on sending a byte now and then."""
+    from concurrent.futures import thread as executor_threads
+
+    def waited_for() -> list[threading.Thread]:
+        # Non-daemon threads, and every thread of a ThreadPoolExecutor
+        # (the admin plane's calls among them), which the interpreter joins
+        # at exit whatever their daemon flag.
+        pooled = set(getattr(executor_threads, "_threads_queues", {}))
+        return [
+            t for t in threading.enumerate()
+            if t is not threading.current_thread() and t.is_alive()
+            and (not t.daemon or t in pooled)
+        ]  # fmt: skip
+
+    # What the interpreter's exit does first (concurrent.futures'
+    # _python_exit): idle pool threads end, those in a call go on.
+    queues = dict(getattr(executor_threads, "_threads_queues", {}))
+    with getattr(executor_threads, "_global_shutdown_lock", threading.Lock()):
+        executor_threads._shutdown = True
+    for queue in queues.values():
+        queue.put(None)
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for thread in waited_for():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in waited_for()]
+    if not stuck:
+        return
+    log.warning(
+        "exiting with %d thread(s) still in a call that does not end (%s): a save or load "
+        "to a store that stopped answering, given up", len(stuck), ", ".join(stuck[:4]),
+    )  # fmt: skip
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # What stops a shard as SIGTERM does.
