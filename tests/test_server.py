@@ -251,6 +251,35 @@ def test_a_shard_whose_terminal_closed_stops_as_on_sigterm() -> None:
         cluster.stop()
 
 
+def test_a_shard_started_under_nohup_outlives_its_terminal(tmp_path: Path) -> None:
+    """A shard started ignoring SIGHUP (nohup) keeps serving when its
+    terminal closes, as before SIGHUP stopped a shard: the handler for it
+    replaced the ignore nohup set."""
+    port_file, log = tmp_path / "port", tmp_path / "shard.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--admin-port", "0",
+             "--bind", "127.0.0.1", "--shard-index", "0", "--num-shards", "1",
+             "--port-file", str(port_file)],
+            stdout=subprocess.DEVNULL, stderr=out,
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert port_file.exists(), log.read_text()
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.5)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 class _SlowStats:
     """A ShardAdmin servicer whose Stats takes `seconds`; its Shrink raises
     SystemExit (no method of the real one lets it escape)."""

@@ -168,25 +168,46 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
   };
   for (uint32_t s = stripe_of_bucket_[first]; s <= stripe_of_bucket_[end - 1]; ++s) {
     Stripe& stripe = stripes_[s];
-    {
-      std::unique_lock<std::shared_mutex> lock(stripe.mu);
-      keys.clear();
-      for (const IndexEntry& e : stripe.index) {
-        if (e.record != kEmpty && goes(e.key)) keys.push_back(e.key);
+    // Rows may move between the tiers while the cold rows are read a batch
+    // of pages at a time (a pull moves one into RAM after the RAM pass, a
+    // demotion grows the file and moves rows into pages already read): a
+    // pass that saw a move is made again, the third time under one hold of
+    // the lock.
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const bool whole = attempt == 2 || !stripe.tier;
+      std::unique_lock<std::shared_mutex> held;
+      if (whole) held = std::unique_lock<std::shared_mutex>(stripe.mu);
+      auto hold = [&] {
+        return whole ? std::unique_lock<std::shared_mutex>()
+                     : std::unique_lock<std::shared_mutex>(stripe.mu);
+      };
+      uint64_t removals, layout;
+      {
+        auto lock = hold();
+        keys.clear();
+        for (const IndexEntry& e : stripe.index) {
+          if (e.record != kEmpty && goes(e.key)) keys.push_back(e.key);
+        }
+        erased += EraseFrom(&stripe, keys, error);
+        removals = stripe.removals;
+        layout = stripe.tier ? stripe.tier->layout() : 0;
       }
-      erased += EraseFrom(&stripe, keys, error);
+      uint64_t own = 0;  // removals this pass made itself
+      const Status read = ForEachCold(&stripe, hold, [&](uint32_t slot, int64_t key, const char*) {
+        if (!goes(key)) return;
+        EraseCold(&stripe, slot, key);
+        ++erased;
+        ++own;
+      });
+      if (!read.ok()) {
+        NoteTierError(read.message());
+        if (error != nullptr && error->ok()) *error = read;
+      }
+      auto lock = hold();
+      const bool moved =
+          stripe.tier && (stripe.removals != removals + own || stripe.tier->layout() != layout);
       stripe.Compact(record_bytes_);
-    }
-    const Status read = ForEachCold(
-        &stripe, [&] { return std::unique_lock<std::shared_mutex>(stripe.mu); },
-        [&](uint32_t slot, int64_t key, const char*) {
-          if (!goes(key)) return;
-          EraseCold(&stripe, slot, key);
-          ++erased;
-        });
-    if (!read.ok()) {
-      NoteTierError(read.message());
-      if (error != nullptr && error->ok()) *error = read;
+      if (!moved || !read.ok()) break;
     }
   }
   return erased;

@@ -1828,4 +1828,43 @@ DLT_TEST(TestAFullDiskFailsAnUpdateOnDiskAndLeavesTheRow) {
   EXPECT(Rows(&t) == Rows(&oracle));
 }
 
+DLT_TEST(TestEraseBucketsLeavesNoRowAPullMovesInMeanwhile) {
+  // A follower applies a table held whole in place: its rows not in the
+  // file go (EraseBuckets) while pulls serve. A pull that moves a cold row
+  // of those buckets into RAM between the erase's RAM pass and its pass
+  // over the cold rows must not let the row survive.
+  TempDir dir;
+  const TableConfig config = TierTable(OptimizerKind::kSgd, InitializerKind::kZeros);
+  Table t(config);
+  t.AttachTier(dir.path);
+  constexpr size_t kRows = 20000;
+  std::vector<int64_t> ids(kRows);
+  std::vector<float> values(kRows * 4, 1.0f);
+  for (size_t i = 0; i < kRows; ++i) ids[i] = static_cast<int64_t>(i) * 7919 + 5;
+  std::atomic<bool> stop{false};
+  std::thread reader([&] {
+    std::mt19937_64 rng(7);
+    std::vector<int64_t> some(64);
+    std::vector<float> out(64 * 4);
+    while (!stop.load()) {
+      for (auto& id : some) id = ids[rng() % kRows];
+      (void)t.Pull(some.data(), some.size(), PullMode::kZerosNoInsert, out.data());
+    }
+  });
+  size_t survived = 0;
+  for (int round = 0; round < 20 && survived == 0; ++round) {
+    EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, nullptr, kRows));
+    Status s;
+    t.Demote(t.ram_rows(), &s);  // every row on disk
+    EXPECT_OK(s);
+    Status erased;
+    t.EraseBuckets(0, kNumBuckets, nullptr, 0, &erased);
+    EXPECT_OK(erased);
+    survived = t.size();
+  }
+  stop.store(true);
+  reader.join();
+  EXPECT(survived == 0);
+}
+
 }  // namespace dlt

@@ -25,8 +25,9 @@ Chunk = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nda
 
 @dataclasses.dataclass
 class TableState:
-    """What a table keeps besides its rows: its clock when the rows were
-    read (stamps are saved relative to it for a push clock) and, with
+    """What a table keeps besides its rows: its clock as the save began
+    (stamps are saved relative to it for a push clock; a row stamped after
+    it, pushed while the save ran, loads as just touched) and, with
     Frequency admission, the sketch slices of buckets [first_bucket,
     first_bucket + len(added)). For a delta (rows changed since a base):
     the clock at the base and the ids removed since, in (bucket, id) order."""
@@ -48,7 +49,8 @@ class TableRows:
     """The rows of one table to write: its config (the native dict form),
     its row layout, its chunks in (bucket, id) order, produced one at a time
     so no second copy of the table is ever held, and its state, read once
-    the last chunk was copied (so the clock is never older than a stamp)."""
+    the last chunk was copied (its clock is the one as the save began:
+    stamps may be newer, docs/checkpoints.md)."""
 
     config: dict[str, Any]
     dim: int

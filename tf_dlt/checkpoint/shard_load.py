@@ -99,7 +99,7 @@ def restore_rows(
                 if not seconds:  # the same age against the table's clock (modulo 2^32:
                     # the low 32 bits, a mask, which numpy applies far faster than %)
                     age = (saved_clock - stamps.astype(np.int64)) & 0xFFFFFFFF
-                    age[age >= 1 << 31] = 0  # newer than the clock (files of older builds)
+                    age[age >= 1 << 31] = 0  # newer than the clock: pushed as the save ran
                     stamps = (now - age) & 0xFFFFFFFF
             if pending is not None:
                 pending.result()

@@ -112,7 +112,7 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # At most one line per REFUSAL_LOG_SECONDS: a client sending a
         # wrong token in a loop wrote a line per call, and filled the disk
         # of the shard's logs (every refusal is counted in the metrics).
-        last, unlogged = -REFUSAL_LOG_SECONDS, 0
+        last, unlogged = float("-inf"), 0  # (monotonic may be under 10 s after a boot)
 
         async def deny(requests: Any, context: grpc.aio.ServicerContext) -> None:
             nonlocal last, unlogged

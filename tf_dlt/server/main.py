@@ -495,8 +495,12 @@ def run(args: argparse.Namespace) -> int:
         threading.Thread(target=server.stop, name="dlt-stop").start()
 
     # SIGHUP too (the terminal it ran in closed): it killed the shard
-    # there, with no --stop-grace for a running Save.
+    # there, with no --stop-grace for a running Save. Not where it was
+    # started ignoring SIGHUP (nohup, a daemonizing wrapper): the operator
+    # asked it to outlive its terminal, and it did before.
     for stop_signal in _STOP_SIGNALS:
+        if stop_signal == signal.SIGHUP and signal.getsignal(stop_signal) == signal.SIG_IGN:
+            continue
         signal.signal(stop_signal, on_signal)
     # A file past the size limit fails its write (a disk tier or checkpoint
     # error the shard reports) instead of killing the shard.
