@@ -52,6 +52,7 @@ constexpr size_t kCompactMinFreeBytes = size_t{256} << 10;
 // Disk tier pages a pass over cold rows reads per hold of a stripe's lock,
 // and rows a demotion writes per hold.
 constexpr uint32_t kColdPagesPerHold = 32;
+constexpr size_t kColdBytesPerHold = size_t{1} << 20;
 constexpr size_t kDemoteBatch = 256;
 // A push waits for the memory keeper while the RAM rows are past their
 // limit by 1/16, in naps of kRoomWaitMicros, for kRoomWaitSeconds at most:
@@ -487,10 +488,16 @@ Status Table::ForEachCold(Stripe* stripe, Hold hold, Fn fn) {
   TierFile* tier = stripe->tier.get();
   if (tier == nullptr) return OkStatus();
   std::vector<char> buffer;
-  for (uint32_t first = 0;; first += kColdPagesPerHold) {
+  for (uint32_t next = 0;;) {
     auto lock = hold();
-    if (first >= tier->pages()) break;
-    const uint32_t n = std::min(kColdPagesPerHold, tier->pages() - first);
+    if (next >= tier->pages()) break;
+    // At most kColdBytesPerHold of pages (one at least): 32 pages of rows
+    // of dim 8,192 were a 64 MiB buffer, held by every save's listing and
+    // ttl sweep of a budgeted shard.
+    const auto most = static_cast<uint32_t>(
+        std::clamp<size_t>(kColdBytesPerHold / tier->page_bytes(), 1, kColdPagesPerHold));
+    const uint32_t first = next, n = std::min(most, tier->pages() - first);
+    next = first + n;
     const uint32_t per_page = tier->slots_per_page();
     bool any = false;
     for (uint32_t slot = first * per_page; slot < (first + n) * per_page && !any; ++slot) {

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
@@ -732,6 +733,44 @@ DLT_TEST(TestCompactGivesBackPagesASizingFaultedInForRowsThatNeverCame) {
   std::vector<float> rows(more.size() * 4096);
   EXPECT_OK(t.Pull(more.data(), more.size(), PullMode::kInsert, rows.data()));
   EXPECT(t.size() == ids.size() + more.size());
+}
+
+DLT_TEST(TestAPassOverColdWideRowsReadsAMegabyteAtATime) {
+  // Passes over a stripe's cold rows (a save's listing, a ttl sweep, an
+  // erase) read 32 pages per hold of its lock: of rows of dim 8,192 with
+  // Adagrad (2 MiB pages), a 64 MiB buffer past a budgeted shard's rows.
+  if (testing::kUnderAddressSanitizer) return;  // its allocator, not glibc's
+  TempDir dir;
+  TableConfig config = TierTable(OptimizerKind::kAdagrad);
+  config.dim = 8192;
+  Table t(config);
+  t.AttachTier(dir.path);
+  std::vector<int64_t> ids;  // all in the first stripe: 34 pages of it
+  for (int64_t k = 1; ids.size() < 1100; ++k) {
+    if (BucketOf(k) < kNumBuckets / kStripes) ids.push_back(k);
+  }
+  {
+    std::vector<float> values(ids.size() * 8192, 0.5f);
+    EXPECT_OK(t.Import(ids.data(), values.data(), nullptr, nullptr, ids.size()));
+  }
+  Status s;
+  t.Demote(t.ram_rows(), &s);
+  EXPECT_OK(s);
+  EXPECT(t.ram_rows() == 0);
+  t.Compact();
+  TrimHeap();
+  const uint64_t before = Shard::ResidentBytes();
+  std::ofstream("/proc/self/clear_refs") << "5";  // the peak starts again from here
+  Status erased;
+  EXPECT(t.EraseBuckets(0, kNumBuckets, nullptr, 0, &erased) == ids.size());
+  EXPECT_OK(erased);
+  std::ifstream status("/proc/self/status");
+  uint64_t peak_kib = 0;
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) peak_kib = std::stoull(line.substr(6));
+  }
+  EXPECT(peak_kib > 0);
+  EXPECT((peak_kib << 10) < before + (uint64_t{16} << 20));
 }
 
 DLT_TEST(TestAPullOfManyColdRowsKeepsLittleMemoryAfterIt) {
