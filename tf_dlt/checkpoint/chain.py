@@ -322,19 +322,26 @@ def _needed_beside(deleting: list[str]) -> set[str]:
 
 
 def _raise_if_unreachable(error: Exception) -> None:
-    """Raises `error` (as its DltError) where it says the store could not be
-    reached or did not answer (UNAVAILABLE): a save's checks passed over
-    such a failure as "nothing there", each after the store's timeouts (3
-    minutes a call on S3), and a save to a store that stopped answering
-    reached its shards after 12 minutes, its checks skipped."""
-    if isinstance(error, errors.DltError):
-        mapped: errors.DltError = error
-    elif errors.is_storage_error(error):
-        mapped = errors.error_for_storage(error, "reading the checkpoints")
-    else:
+    """Raises `error` (as UNAVAILABLE) where the store did not answer in
+    time: a save's checks passed over such a failure as "nothing there",
+    each after the store's timeouts (3 minutes a call on S3), and a save to a
+    store that stopped answering reached its shards after 12 minutes, its
+    checks skipped. Other failures, a refused connection among them (fast),
+    are passed over as before: the shards say why, refusing a URL outside
+    their roots (PERMISSION_DENIED) before they would try it."""
+    timed_out = isinstance(error, (TimeoutError, errors.DeadlineExceededError)) or any(
+        "Timeout" in cls.__name__ for cls in type(error).__mro__
+    )
+    if not timed_out:
         return
-    if isinstance(mapped, errors.UnavailableError):
-        raise mapped from error
+    mapped = (
+        error
+        if isinstance(error, errors.DltError)
+        else errors.error_for_storage(error, "reading the checkpoints")
+    )
+    if not isinstance(mapped, errors.UnavailableError):
+        mapped = errors.UnavailableError(mapped.message)
+    raise mapped from error
 
 
 def next_save_id(path: str, base: str | None = None, unread: list[str] | None = None) -> str:
