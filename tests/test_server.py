@@ -257,12 +257,13 @@ def test_a_shard_started_under_nohup_outlives_its_terminal(tmp_path: Path) -> No
     replaced the ignore nohup set."""
     port_file, log = tmp_path / "port", tmp_path / "shard.log"
     with log.open("wb") as out:
+        # Started by nohup itself (a preexec_fn setting SIGHUP ignored ran
+        # Python in the forked child of a threaded pytest, and hung there).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tf_dlt.server", "--port", "0", "--admin-port", "0",
+            ["nohup", sys.executable, "-m", "tf_dlt.server", "--port", "0", "--admin-port", "0",
              "--bind", "127.0.0.1", "--shard-index", "0", "--num-shards", "1",
              "--port-file", str(port_file)],
             stdout=subprocess.DEVNULL, stderr=out,
-            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
