@@ -3,7 +3,9 @@ waits, every process stopped in teardown)."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -78,11 +80,26 @@ def staged_rows(path: str, num_shards: int) -> dict[str, Rows]:
     return out
 
 
+# Ports handed out by `free_port`: below the kernel's ephemeral range
+# (32768-60999 by default), so that no socket bound to port 0 and no
+# outgoing connection takes one between its check and its server's bind (a
+# replica set's second member once found its port taken by the first's).
+_PORTS = itertools.cycle(range(20000, 32768))
+for _ in range(random.randrange(12768)):  # apart from another suite's run
+    next(_PORTS)
+
+
 def free_port() -> int:
-    """A loopback TCP port free now (for servers that need theirs up front)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port free now, for servers that need theirs up front;
+    none is handed out twice within 12,768 calls."""
+    for port in itertools.islice(_PORTS, 12768):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no loopback port is free in 20000-32767")
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:

@@ -618,9 +618,11 @@ def test_a_member_that_began_beside_a_newer_copy_steps_down_and_follows_it(
 
     # The standby takes over only on seeing a new process at its primary's
     # address, so the restart below always comes first.
-    first, second = member(0).start(), member(1, takeover_after_s=60).start()
+    first, second = member(0), member(1, takeover_after_s=60)
     restarted: ShardServer | None = None
     try:
+        first.start()
+        second.start()
         wait_until(lambda: bool(second.servicer.snapshot().get("caught_up")), "the standby")
         client = tf_dlt.Client(["|".join(members)])
         client.create_table("emb", DIM)

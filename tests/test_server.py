@@ -281,6 +281,37 @@ def test_a_shard_started_under_nohup_outlives_its_terminal(tmp_path: Path) -> No
             proc.wait(10)
 
 
+_EXIT_WITH_A_SERVER_RUNNING = """
+import socket, sys, time
+from tf_dlt.server.shard_server import ShardServer
+mute = socket.socket()  # its peer: connections wait in its backlog, unanswered
+mute.bind(("127.0.0.1", 0))
+mute.listen(64)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+members = [f"127.0.0.1:{port}", f"127.0.0.1:{mute.getsockname()[1]}"]
+ShardServer(0, 1, port=port, replica_set=members, advertise=members[0]).start()
+time.sleep(float(sys.argv[1]))
+print("leaving", flush=True)
+"""
+
+
+@pytest.mark.parametrize("seconds", [3, 6])
+def test_a_process_that_exits_with_a_shard_serving_exits_cleanly(seconds: int) -> None:
+    """A program that ends with a ShardServer still running (no stop) exits
+    0: the server stops as the interpreter exits. Its threads were cut off
+    inside native calls, which aborted the process (exit code 134), here a
+    replica set member's calls to a peer that never answers."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_A_SERVER_RUNNING, str(seconds)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "leaving" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr
+
+
 class _SlowStats:
     """A ShardAdmin servicer whose Stats takes `seconds`; its Shrink raises
     SystemExit (no method of the real one lets it escape)."""

@@ -4,12 +4,14 @@ ShardAdmin, grpc.health.v1, reflection), and stops them in order."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import resource
 import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -430,6 +432,16 @@ class ShardServer:
         )  # fmt: skip
 
     def start(self) -> ShardServer:
+        """Serves: loads what it was given, binds its ports and starts its
+        threads. A start that fails stops what it had started."""
+        _RUNNING.add(self)
+        try:
+            return self._start()
+        except BaseException:
+            self.stop(0)
+            raise
+
+    def _start(self) -> ShardServer:
         if self._standby_of or self._replica_set:
             self.data_server.set_standby(True)
             self.servicer.read_only = (
@@ -452,16 +464,11 @@ class ShardServer:
                 }  # fmt: skip
         if self.follower is not None:
             self.follower.start()
-        try:
-            self.admin_port = self._admin.bind()
-            if self._metrics_port_requested is not None:
-                self._metrics, self.metrics_port = metrics.serve(
-                    self.servicer, self._bind, self._metrics_port_requested
-                )
-        except OSError:
-            self._admin.stop(0)
-            self.data_server.stop()
-            raise
+        self.admin_port = self._admin.bind()
+        if self._metrics_port_requested is not None:
+            self._metrics, self.metrics_port = metrics.serve(
+                self.servicer, self._bind, self._metrics_port_requested
+            )
         self.data_server.set_admin_port(self.admin_port)
         self.data_server.start()
         if self._standby_of or self._replica_set:
@@ -538,6 +545,7 @@ class ShardServer:
                 http_server.server_close()
                 thread.join(5)
             self._stopped.set()
+            _RUNNING.discard(self)
             log.info("shard %d stopped", self.shard.shard_index)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -549,6 +557,19 @@ class ShardServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+# Servers of this process started and not stopped yet.
+_RUNNING: weakref.WeakSet[ShardServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """A process that exits with servers still running stops them first:
+    the interpreter would otherwise end their threads where they stand, and
+    one ended inside a native call aborts the process (exit code 134)."""
+    for server in list(_RUNNING):
+        server.stop(0)
 
 
 def _own_addresses(bind: str, port: int, advertise: str | None) -> set[str]:
