@@ -714,6 +714,29 @@ def test_storage_library_failures_become_typed_errors_with_one_bounded_line() ->
         raise RuntimeError("something else(1)")
 
 
+def test_a_store_that_did_not_answer_in_time_is_told_from_one_that_refused() -> None:
+    """`errors.is_timeout`, which a save's checks raise UNAVAILABLE on (a
+    refusal is passed over: the shards say why): the libraries' own classes
+    by name, not any class whose name holds "Timeout"."""
+    from botocore import exceptions as boto
+
+    timed_out = [
+        TimeoutError("timed out"),
+        errors.DeadlineExceededError("no answer"),
+        OSError(errno.ETIMEDOUT, "Connection timed out"),
+        boto.ReadTimeoutError(endpoint_url="http://s3"),
+        boto.ConnectTimeoutError(endpoint_url="http://s3"),
+    ]
+    answered = [
+        ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"),
+        boto.EndpointConnectionError(endpoint_url="http://s3"),
+        PermissionError("Forbidden"),
+        type("TimeoutPolicyError", (Exception,), {})("a policy, not a timeout"),
+    ]
+    assert [errors.is_timeout(e) for e in timed_out] == [True] * len(timed_out)
+    assert [errors.is_timeout(e) for e in answered] == [False] * len(answered)
+
+
 def test_a_save_the_disk_cannot_hold_is_refused_before_it_writes(tmp_path: Path) -> None:
     """A file system (here: the process's file size limit) without room for
     the shard file at its largest: refused before anything is written. HDF5

@@ -149,6 +149,12 @@ _UNREACHABLE = frozenset({
     "ConnectionClosedError", "ClientConnectorError", "ServerTimeoutError",
 })  # fmt: skip
 _NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+# Store libraries' failures of a call that got no answer in time (botocore,
+# urllib3, aiohttp, requests), beside TimeoutError and ETIMEDOUT.
+_TIMED_OUT = frozenset({
+    "ConnectTimeoutError", "ReadTimeoutError", "ServerTimeoutError", "ConnectTimeout",
+    "ReadTimeout",
+})  # fmt: skip
 # Any other failure of an object store's client library (botocore: a read
 # whose checksum does not match, say): FAILED_PRECONDITION, naming it.
 _STORE_LIBRARY = frozenset({"BotoCoreError", "ClientError"})
@@ -225,6 +231,16 @@ def error_for_storage(error: BaseException, what: str) -> DltError:
         if files:
             reason = f"{reason}: {' -> '.join(files)}"  # (a rename's: from, to)
     return cls(f"{what}: {reason}")
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether `error` is a call to a store that got no answer in time, as
+    opposed to one refused or failed at once."""
+    return (
+        isinstance(error, TimeoutError)
+        or (isinstance(error, OSError) and error.errno == errno.ETIMEDOUT)
+        or bool(_class_names(error) & _TIMED_OUT)
+    )
 
 
 def _file_names(error: BaseException) -> list[str]:

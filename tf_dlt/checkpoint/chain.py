@@ -329,10 +329,7 @@ def _raise_if_unreachable(error: Exception) -> None:
     checks skipped. Other failures, a refused connection among them (fast),
     are passed over as before: the shards say why, refusing a URL outside
     their roots (PERMISSION_DENIED) before they would try it."""
-    timed_out = isinstance(error, (TimeoutError, errors.DeadlineExceededError)) or any(
-        "Timeout" in cls.__name__ for cls in type(error).__mro__
-    )
-    if not timed_out:
+    if not errors.is_timeout(error):
         return
     mapped = (
         error

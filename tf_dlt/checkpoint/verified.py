@@ -209,18 +209,13 @@ def _copy_whole(
         )
 
 
-class _RangedRemote(io.RawIOBase):
-    """A shard file on an object store (fsspec's asynchronous filesystems)
-    read by ranged GETs, each within a deadline of its size
-    (`manifest.transfer_deadline`), else UnavailableError naming the file.
-    botocore's read timeout bounds each socket read, not a request: a store
-    that sent a byte now and then (a degraded link, a stalled proxy) held a
-    shard's load, and every save and load of the shard after it, for as
-    long as it went on, and the process past SIGTERM."""
+class _SizedFile(io.RawIOBase):
+    """A read-only, seekable file of `size` bytes that keeps its own
+    position; subclasses read from it (`readinto`)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, target: str, size: int) -> None:
+    def __init__(self, size: int) -> None:
         super().__init__()
-        self._fs, self._target, self.size, self._pos = fs, target, size, 0
+        self.size, self._pos = size, 0
 
     def readable(self) -> bool:
         return True
@@ -235,6 +230,20 @@ class _RangedRemote(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
+
+
+class _RangedRemote(_SizedFile):
+    """A shard file on an object store (fsspec's asynchronous filesystems)
+    read by ranged GETs, each within a deadline of its size
+    (`manifest.transfer_deadline`), else UnavailableError naming the file.
+    botocore's read timeout bounds each socket read, not a request: a store
+    that sent a byte now and then (a degraded link, a stalled proxy) held a
+    shard's load, and every save and load of the shard after it, for as
+    long as it went on, and the process past SIGTERM."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, target: str, size: int) -> None:
+        super().__init__(size)
+        self._fs, self._target = fs, target
 
     def read(self, n: int | None = -1) -> bytes:
         left = max(0, self.size - self._pos)
@@ -260,7 +269,7 @@ class _RangedRemote(io.RawIOBase):
         return len(data)
 
 
-class VerifiedBlocks(io.RawIOBase):
+class VerifiedBlocks(_SizedFile):
     """A shard file read through blocks checked against the manifest's
     per-block SHA-256 before any byte of them is returned: what HDF5 parses
     is what was verified, even if the file changes meanwhile. Blocks are
@@ -269,13 +278,11 @@ class VerifiedBlocks(io.RawIOBase):
     def __init__(
         self, f: IO[bytes], entry: dict[str, Any], where: str, *, lean: bool = False
     ) -> None:
-        super().__init__()
+        super().__init__(int(entry["bytes"]))
         self._f = f
         self.where = where
-        self._size = int(entry["bytes"])
         self._block = self.block_bytes = int(entry["block_bytes"])
         self._digests = list(entry["block_sha256"])  # checked by manifest.read_manifest
-        self._pos = 0
         clustered = int(entry.get("meta_block_bytes", 0)) > 0
         self._cached = _CACHED_BLOCKS if clustered else _SPREAD_CACHED_BLOCKS
         self._ahead = _READ_AHEAD if clustered else _SPREAD_READ_AHEAD
@@ -303,14 +310,14 @@ class VerifiedBlocks(io.RawIOBase):
 
     def _read_block(self, k: int) -> memoryview:
         offset = k * self._block
-        want = min(self._block, self._size - offset)
+        want = min(self._block, self.size - offset)
         with self._io:
             self._f.seek(offset)
             data = self._f.read(want)
             self.reads += 1
         if len(data) != want:
             raise errors.FailedPreconditionError(
-                f"checkpoint file {self.where} is shorter than the manifest's {self._size} bytes"
+                f"checkpoint file {self.where} is shorter than the manifest's {self.size} bytes"
             )
         _check_block(self.where, k, offset, data, self._digests[k])
         return memoryview(data)
@@ -341,7 +348,7 @@ class VerifiedBlocks(io.RawIOBase):
     def view(self, offset: int, size: int) -> memoryview:
         """Bytes [offset, offset + size) of the file, verified: a view of
         one block when they lie in one, else a copy."""
-        if offset < 0 or offset + size > self._size:
+        if offset < 0 or offset + size > self.size:
             raise errors.FailedPreconditionError(
                 f"{self.where}: a dataset chunk lies outside the file"
             )
@@ -353,23 +360,9 @@ class VerifiedBlocks(io.RawIOBase):
         self.readinto(out)
         return memoryview(out)
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), self._size - self._pos))
+        n = max(0, min(len(out), self.size - self._pos))
         done = 0
         while done < n:
             k, within = divmod(self._pos + done, self._block)
