@@ -921,6 +921,13 @@ TableCounters Table::counters() const {
   return c;
 }
 
+void Table::KeepPagesSmall() {
+  for (uint32_t s = 0; s < kStripes; ++s) {
+    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
+    stripes_[s].huge_from = kFrugalHugeChunk;
+  }
+}
+
 void Table::Reserve(size_t rows, uint32_t threads) {
   // A stripe's share of `n` rows spread over the buckets, with a margin
   // (rows, at most kMarginBytes of them in a tiered table: 64 rows of dim

@@ -438,9 +438,10 @@ class Table {
   // Removes this stripe's lowest-scoring rows when it holds more than its
   // quota of max_rows. Caller holds the lock.
   void EvictFrom(Stripe* stripe, uint32_t now);
-  // Rows removed by Shrink / Expire into `counter`.
+  // Rows removed by Shrink / Expire into `counter`; `exact` as
+  // EraseWhere's.
   size_t Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
-                std::atomic<uint64_t>* counter);
+                std::atomic<uint64_t>* counter, bool exact);
   // Copies a stored row's values (or slots) to/from float32.
   void ReadValues(const char* record, float* out) const;
   // Pull's kState.
@@ -499,6 +500,24 @@ class Table {
   // lock for each batch. Stops at a disk error.
   template <typename Hold, typename Fn>
   Status ForEachCold(Stripe* stripe, Hold hold, Fn fn);
+  // Removes the rows of `stripe`, in either tier, for which goes(key,
+  // record) holds, a slice of the index or a batch of cold pages per hold
+  // of the lock; returns how many. Rows may move meanwhile (a pull moves a
+  // cold one into RAM after the RAM pass, the keeper moves one out into
+  // pages read already, the index grows or the tier file doubles): when
+  // `exact`, a pass that saw a move is made again, the third time under
+  // one hold, so no row that goes is left. A disk read error lands in
+  // *error (when given).
+  template <typename Goes>
+  size_t EraseWhere(Stripe* stripe, bool exact, Goes goes, Status* error);
+  // Removes `want` rows of `stripe` (held by no lock), the lowest scoring
+  // at clock `now` of `scored`: (score, key) pairs of its rows weighed a
+  // batch at a time, which may have moved, been weighed twice, or scored
+  // higher since. Candidates are taken in order of the scores weighed; one
+  // goes only while it still scores no higher than the want-th lowest of
+  // those not passed over (a row pushed meanwhile stays). Returns how many.
+  size_t EraseLowest(Stripe* stripe, std::vector<std::pair<uint64_t, int64_t>>* scored, size_t want,
+                     uint32_t now);
   // Import's body: rows as floats, or as stored (ImportStored).
   Status ImportRows(const int64_t* ids, const void* values, const void* slots,
                     const uint32_t* steps, size_t n, const uint32_t* touched, bool to_disk,

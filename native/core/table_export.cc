@@ -160,55 +160,15 @@ size_t Table::EraseBuckets(uint32_t first, uint32_t end, const int64_t* keep, si
   std::vector<int64_t> kept(keep, keep + num_keep);
   std::sort(kept.begin(), kept.end());
   size_t erased = 0;
-  std::vector<int64_t> keys;
   // Stripes hold contiguous bucket ranges, in order.
-  const auto goes = [&](int64_t key) {
+  const auto goes = [&](int64_t key, const char*) {
     const uint32_t bucket = BucketOf(key);
     return bucket >= first && bucket < end && !std::binary_search(kept.begin(), kept.end(), key);
   };
+  // A row a pull moves into RAM during the pass over the cold rows (a
+  // follower applying a table in place) must not survive: exact.
   for (uint32_t s = stripe_of_bucket_[first]; s <= stripe_of_bucket_[end - 1]; ++s) {
-    Stripe& stripe = stripes_[s];
-    // Rows may move between the tiers while the cold rows are read a batch
-    // of pages at a time (a pull moves one into RAM after the RAM pass, a
-    // demotion grows the file and moves rows into pages already read): a
-    // pass that saw a move is made again, the third time under one hold of
-    // the lock.
-    for (int attempt = 0; attempt < 3; ++attempt) {
-      const bool whole = attempt == 2 || !stripe.tier;
-      std::unique_lock<std::shared_mutex> held;
-      if (whole) held = std::unique_lock<std::shared_mutex>(stripe.mu);
-      auto hold = [&] {
-        return whole ? std::unique_lock<std::shared_mutex>()
-                     : std::unique_lock<std::shared_mutex>(stripe.mu);
-      };
-      uint64_t removals, layout;
-      {
-        auto lock = hold();
-        keys.clear();
-        for (const IndexEntry& e : stripe.index) {
-          if (e.record != kEmpty && goes(e.key)) keys.push_back(e.key);
-        }
-        erased += EraseFrom(&stripe, keys, error);
-        removals = stripe.removals;
-        layout = stripe.tier ? stripe.tier->layout() : 0;
-      }
-      uint64_t own = 0;  // removals this pass made itself
-      const Status read = ForEachCold(&stripe, hold, [&](uint32_t slot, int64_t key, const char*) {
-        if (!goes(key)) return;
-        EraseCold(&stripe, slot, key);
-        ++erased;
-        ++own;
-      });
-      if (!read.ok()) {
-        NoteTierError(read.message());
-        if (error != nullptr && error->ok()) *error = read;
-      }
-      auto lock = hold();
-      const bool moved =
-          stripe.tier && (stripe.removals != removals + own || stripe.tier->layout() != layout);
-      stripe.Compact(record_bytes_);
-      if (!moved || !read.ok()) break;
-    }
+    erased += EraseWhere(&stripes_[s], /*exact=*/true, goes, error);
   }
   return erased;
 }

@@ -151,70 +151,34 @@ uint64_t Table::RowsHeldPastQuota() const {
 }
 
 size_t Table::Remove(uint64_t min_count, uint64_t unseen_for, uint32_t now,
-                     std::atomic<uint64_t>* counter) {
+                     std::atomic<uint64_t>* counter, bool exact) {
   if (min_count == 0 && unseen_for == 0) return 0;
+  const auto goes = [&](int64_t, const char* record) {
+    const auto* h = reinterpret_cast<const RowHeader*>(record);
+    const bool rare = min_count != 0 && h->step < min_count;
+    const bool stale = unseen_for != 0 && AgeAt(now, h->touched) > unseen_for;
+    return rare || stale;
+  };
   size_t removed = 0;
-  std::vector<int64_t> victims;
   for (uint32_t s = 0; s < kStripes; ++s) {
-    Stripe& stripe = stripes_[s];
-    // A slice of the index per lock hold, examined again after each
-    // removal: a removal shifts later entries of its probe run back, into
-    // the slice (25 of 900,000 matching rows of 1M were passed over). An index
-    // growth between holds can still hide a row from this pass.
-    for (size_t begin = 0;; begin += kRemovalSlots) {
-      std::unique_lock<std::shared_mutex> lock(stripe.mu);
-      if (begin >= stripe.index.size()) break;
-      const size_t end = std::min(stripe.index.size(), begin + kRemovalSlots);
-      do {
-        victims.clear();
-        for (size_t i = begin; i < end; ++i) {
-          const IndexEntry& e = stripe.index[i];
-          if (e.record == kEmpty) continue;
-          const auto* h =
-              reinterpret_cast<const RowHeader*>(stripe.Record(e.record, record_bytes_));
-          const bool rare = min_count != 0 && h->step < min_count;
-          const bool stale = unseen_for != 0 && AgeAt(now, h->touched) > unseen_for;
-          if (rare || stale) victims.push_back(e.key);
-        }
-        removed += EraseFrom(&stripe, victims);
-      } while (!victims.empty());
-    }
-    {
-      std::unique_lock<std::shared_mutex> lock(stripe.mu);
-      stripe.Compact(record_bytes_);
-    }
-    // Cold rows: each batch of pages is read and judged under the lock.
-    const Status read = ForEachCold(
-        &stripe, [&] { return std::unique_lock<std::shared_mutex>(stripe.mu); },
-        [&](uint32_t slot, int64_t key, const char* record) {
-          const auto* h = reinterpret_cast<const RowHeader*>(record);
-          const bool rare = min_count != 0 && h->step < min_count;
-          const bool stale = unseen_for != 0 && AgeAt(now, h->touched) > unseen_for;
-          if (!rare && !stale) return;
-          EraseCold(&stripe, slot, key);
-          ++removed;
-        });
-    if (!read.ok()) NoteTierError(read.message());
+    removed += EraseWhere(&stripes_[s], exact, goes, nullptr);
   }
   counter->fetch_add(removed, std::memory_order_relaxed);
   return removed;
 }
 
 size_t Table::Shrink(uint64_t min_count, uint64_t unseen_for, uint32_t now) {
-  // An explicit shrink takes every matching row: a row the memory keeper
-  // moved between the tiers during a pass (into a part examined already)
-  // is taken by the next. Passes end when one finds none, or after a few
-  // (rows written meanwhile may keep matching).
-  size_t removed = 0;
-  for (int pass = 0; pass < kShrinkPasses; ++pass) {
-    const size_t found = Remove(min_count, unseen_for, now, &shrunk_);
-    removed += found;
-    if (found == 0) break;
-  }
-  return removed;
+  // An explicit shrink takes every matching row, also one the memory
+  // keeper or a pull moves between the tiers during its pass (rows written
+  // after a stripe's pass may match again).
+  return Remove(min_count, unseen_for, now, &shrunk_, /*exact=*/true);
 }
 
-size_t Table::Expire(uint32_t now) { return Remove(0, config_.policy.ttl, now, &expired_); }
+size_t Table::Expire(uint32_t now) {
+  // A sweep runs often, under traffic: one pass, no stripe held whole (a
+  // row that moved between the tiers during it goes at the next sweep).
+  return Remove(0, config_.policy.ttl, now, &expired_, /*exact=*/false);
+}
 
 bool Table::SketchHolds(uint32_t first_bucket, uint32_t end_bucket) const {
   return sketch_ != nullptr && first_bucket >= first_bucket_ && end_bucket <= end_bucket_ &&

@@ -33,13 +33,6 @@ void Table::AttachTier(const std::string& dir) {
   }
 }
 
-void Table::KeepPagesSmall() {
-  for (uint32_t s = 0; s < kStripes; ++s) {
-    std::unique_lock<std::shared_mutex> lock(stripes_[s].mu);
-    stripes_[s].huge_from = kFrugalHugeChunk;
-  }
-}
-
 void Table::WaitForRoom() const {
   const uint64_t limit = ram_limit_.load(std::memory_order_relaxed);
   if (!has_tier() || limit == 0) return;
@@ -315,10 +308,13 @@ size_t Table::EvictAcrossTiers() {
     Stripe& stripe = stripes_[s];
     const uint64_t quota = stripe_quota_[s];
     size_t rows;
+    uint64_t removals, layout;
     {
       std::shared_lock<std::shared_mutex> lock(stripe.mu);
       rows = stripe.live + stripe.tier->rows();
       if (rows <= quota + quota / 32) continue;
+      removals = stripe.removals;
+      layout = stripe.tier->layout();
       scored.clear();
       for (const IndexEntry& e : stripe.index) {
         if (e.record == kEmpty) continue;
@@ -334,14 +330,72 @@ size_t Table::EvictAcrossTiers() {
       NoteTierError(read.message());
       continue;
     }
+    bool moved;
+    {
+      std::shared_lock<std::shared_mutex> lock(stripe.mu);
+      moved = stripe.removals != removals || stripe.tier->layout() != layout;
+    }
+    if (moved) {
+      // Rows moved out to disk during the pass were weighed in RAM and may
+      // be read again from disk, and a tier file that doubled between
+      // batches of pages may show a row twice (337 of a stripe's 6,276
+      // weighed while the keeper moved rows out): each row once, at the
+      // higher of its scores.
+      std::sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
+        return a.second != b.second ? a.second < b.second : a.first > b.first;
+      });
+      scored.erase(std::unique(scored.begin(), scored.end(),
+                               [](const auto& a, const auto& b) { return a.second == b.second; }),
+                   scored.end());
+    }
     // Down to the quota less the same slack EvictFrom leaves.
-    const std::vector<int64_t> victims = Lowest(&scored, rows - quota + quota / 32);
-    std::unique_lock<std::shared_mutex> lock(stripe.mu);
-    evicted += EraseFrom(&stripe, victims);
-    stripe.Compact(record_bytes_);
+    evicted += EraseLowest(&stripe, &scored, rows - quota + quota / 32, now);
   }
   evicted_.fetch_add(evicted, std::memory_order_relaxed);
   return evicted;
+}
+
+size_t Table::EraseLowest(Stripe* stripe, std::vector<std::pair<uint64_t, int64_t>>* scored,
+                          size_t want, uint32_t now) {
+  // The candidates, lowest first (sorted before the lock is taken): those
+  // wanted and a few more, for rows weighed twice (moved out to disk during
+  // the pass, or read again from a tier file that doubled) or scoring
+  // higher now.
+  const size_t m = std::min(scored->size(), want + want / 16 + kEvictSpare);
+  if (want == 0 || m == 0) return 0;
+  std::nth_element(scored->begin(), scored->begin() + (m - 1), scored->end());
+  std::sort(scored->begin(), scored->begin() + m);
+  std::unique_lock<std::shared_mutex> lock(stripe->mu);
+  char* scratch = ScratchRecord();
+  std::vector<int64_t> one(1);
+  size_t taken = 0;
+  for (size_t i = 0; i < m && taken < want; ++i) {
+    // The cut: the score of the want-th lowest candidate not passed over.
+    const uint64_t cut = (*scored)[std::min(m - 1, i + (want - taken) - 1)].first;
+    const int64_t key = (*scored)[i].second;
+    const uint64_t hash = Mix64(static_cast<uint64_t>(key));
+    const uint32_t rec = stripe->Find(hash, key);
+    if (rec != kEmpty) {
+      if (Score(stripe->Record(rec, record_bytes_), now) > cut) continue;  // touched since
+      one[0] = key;
+      taken += EraseFrom(stripe, one);
+      continue;
+    }
+    if (!stripe->tier || stripe->tier->rows() == 0) continue;
+    uint32_t slot;
+    uint16_t generation;
+    const Status found = stripe->tier->Find(hash, key, scratch, &slot, &generation);
+    if (!found.ok()) {
+      NoteTierError(found.message());
+      continue;
+    }
+    // Gone (or taken already, as a row weighed twice), or updated on disk.
+    if (slot == TierFile::kNoSlot || Score(scratch, now) > cut) continue;
+    EraseCold(stripe, slot, key);
+    ++taken;
+  }
+  stripe->Compact(record_bytes_);
+  return taken;
 }
 
 size_t Table::RamBytes(bool fixed_only) const {
