@@ -99,6 +99,25 @@ def test_clients_given_only_the_primaries_learn_the_standbys(replicated: LocalCl
     assert _stats(cluster, 1)["pushes"] == 1  # the standby's own: the one after the kill
 
 
+def test_an_assign_sent_across_a_takeover_lands_on_the_copy_that_took_over(
+    replicated: LocalCluster,
+) -> None:
+    """An assign (an embedding uploaded) whose shard's primary died goes on
+    to the standby that takes over, as pushes and pulls do: it failed
+    UNAVAILABLE on the dead primary's connection."""
+    cluster = replicated
+    client = tf_dlt.Client(cluster.addresses)
+    client.create_table("emb", DIM, optimizer="adagrad")
+    wait_until(lambda: _caught_up(cluster, 1), "shard 1's standby")
+    ids = np.arange(500, dtype=np.int64)
+    client.push("emb", ids, np.ones((500, DIM), np.float32), 0.1)  # connections to both
+    cluster.kill(1)
+    values = np.random.default_rng(3).normal(size=(500, DIM)).astype(np.float32)
+    client.assign("emb", ids, values)
+    np.testing.assert_array_equal(client.pull("emb", ids), values)
+    assert _stats(cluster, 1)["role"] == "primary"
+
+
 def test_a_primary_restarted_empty_never_wipes_its_standby(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A primary killed and started again at its address before its standby
     took over (a supervisor restarting it at once) holds none of the rows:

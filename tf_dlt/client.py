@@ -1428,7 +1428,9 @@ class Client:
     def assign(self, table: str, ids: npt.ArrayLike, values: npt.ArrayLike) -> None:
         """Sets the rows of `ids` to `values` (``ids.shape + (dim,)``), with
         fresh optimizer slots: uploads an existing embedding. Non-finite
-        values are rejected and nothing is assigned."""
+        values are rejected and nothing is assigned. Sent again to the
+        standby that takes over when a shard's primary dies (a push to the
+        same rows that landed there meanwhile is overwritten)."""
         flat_ids, rows, dim = self._id_rows(table, ids, values, "values")
         self._data.assign(table, dim, flat_ids, rows)
 

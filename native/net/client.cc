@@ -506,10 +506,11 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   }
   bool any_reused = false;
   Status sent = Exchange(&calls, op, deadline, &any_reused);
-  if (identified) {
+  if (identified || (opcode == wire::Opcode::kAssign && has_standbys_.load())) {
     // A shard's primary died or lost its standby: the same frames again, to
-    // whichever address greets, until the deadline. Frames a shard applied
-    // before are answered without being applied twice (their ids).
+    // whichever address greets, until the deadline. Push frames a shard
+    // applied before are answered without being applied twice (their ids);
+    // an assign sets the same rows again.
     int backoff_ms = options_.retry_backoff_ms;
     while (sent.code() == Code::kUnavailable) {
       const auto wake = Clock::now() + std::chrono::milliseconds(backoff_ms);

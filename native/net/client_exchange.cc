@@ -454,6 +454,9 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
   for (size_t c = 0; c < count; ++c) {
     Conn conn;
     conn.fd = io[c].fd;
+    // The switch it was made at: Release pools it only while that is the
+    // shard's (0 would close every connection after a failover or Regreet).
+    conn.switches = io[c].switches;
     conn.buffer = std::move(io[c].payload);
     Release(*calls[c].state, std::move(conn));
   }

@@ -514,6 +514,11 @@ bool DataServer::ReadFrames(Conn* conn) {
           counters_.bytes_in.fetch_add(static_cast<uint64_t>(n));
           if (conn->payload_got < conn->header.payload_bytes) continue;
         }
+        // The frame arrived: its I/O time stops while it is served (a push
+        // waits for its standby or the memory keeper within bounds of its
+        // own); closed meanwhile, the push was applied and its peer told
+        // the connection was lost. The reply's I/O time starts if it waits.
+        if (conn->authenticated) SetDeadline(conn, Deadline::kNone, 0);
         if (!ServeFrame(conn)) return false;
         if (conn->out_sent < conn->out_bytes) {  // the socket is full: wait for it
           SetDeadline(conn, Deadline::kIo, options_.io_timeout_ms);

@@ -60,10 +60,13 @@ Status SayHello(int fd, const std::string& token, uint16_t flags, uint64_t reque
   request.token = token;
   const std::string payload = wire::EncodeHelloRequest(request);
   const bool topology = flags & wire::kFlagTopology;
+  // The topology part: the standbys, the layout and the lineage after them
+  // (left out, a reply of the longest standbys and layout was refused).
   const size_t max_reply =
-      wire::kHelloReplyBytes + (topology ? wire::kHelloTopologyFixed + wire::kMaxStandbysBytes +
-                                               wire::kHelloLayoutFixed + wire::kMaxLayoutBytes
-                                         : 0);
+      wire::kHelloReplyBytes +
+      (topology ? wire::kHelloTopologyFixed + wire::kMaxStandbysBytes + wire::kHelloLayoutFixed +
+                      wire::kMaxLayoutBytes + sizeof(uint64_t)
+                : 0);
   std::string body;
   const Status called = CallFrame(fd, wire::Opcode::kHello, request_id, payload.data(),
                                   payload.size(), max_reply, deadline, &body, flags);

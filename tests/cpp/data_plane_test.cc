@@ -281,6 +281,71 @@ DLT_TEST(TestIdleAndSlowConnectionsAreClosed) {
   EXPECT(WaitFor([&] { return server.counters().buffered_bytes.load() == 0; }, 2000));
 }
 
+// A standby that acknowledges each write after `delay_ms`.
+class SlowStandby : public WriteListener {
+ public:
+  explicit SlowStandby(int delay_ms) : delay_ms_(delay_ms) {}
+  uint64_t Applied() override { return 1; }
+  Status Written(uint64_t) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
+    return OkStatus();
+  }
+
+ private:
+  const int delay_ms_;
+};
+
+DLT_TEST(TestAFrameServedLongerThanTheIoTimeoutIsAnswered) {
+  // The I/O timeout bounds a frame's arrival and its reply's departure, not
+  // the time the shard takes to serve it (a push waiting for its standby, or
+  // for the memory keeper): the reaper closed such a connection while its
+  // push was being applied, so the push was applied and its peer told the
+  // connection was lost.
+  auto shard = ShardWithTable(8);
+  DataServerOptions o;
+  o.io_timeout_ms = 300;
+  DataServer server(shard, o);
+  server.set_write_listener(std::make_shared<SlowStandby>(1000));
+  EXPECT_OK(server.Start());
+  Raw r(Address(server));
+  EXPECT_OK(r.Greet());
+  const std::vector<int64_t> ids = Iota(4);
+  const std::vector<float> grads(4 * 8, 0.5f);
+  std::string push = wire::EncodePushPrefix("emb", 8, 4, 0.1f);
+  push.append(reinterpret_cast<const char*>(ids.data()), ids.size() * 8);
+  push.append(reinterpret_cast<const char*>(grads.data()), grads.size() * 4);
+  EXPECT_OK(r.Send(FrameOf(wire::Opcode::kPush, 9, push)));
+  wire::FrameHeader h;
+  std::string payload;
+  EXPECT_OK(r.Read(&h, &payload, 5000));
+  EXPECT(h.opcode == wire::Opcode::kPush && h.request_id == 9);
+  EXPECT(server.counters().io_timeouts.load() == 0);
+  // Its I/O time runs again for the next frame.
+  EXPECT_OK(r.Send(PullFrame(10, 8, Iota(16)).substr(0, 30)));
+  EXPECT(r.ClosedByPeer(5000));
+  EXPECT(server.counters().io_timeouts.load() == 1);
+}
+
+DLT_TEST(TestAHelloReplyOfTheLongestStandbysAndLayoutIsTaken) {
+  // A Hello's reply may carry standbys and a layout of their largest sizes,
+  // and the lineage after them: the bound a client read it within left the
+  // lineage out, so such a shard was refused by every client (INTERNAL:
+  // "reply of 69688 bytes exceeds 69680").
+  auto shard = ShardWithTable(8);
+  const std::string layout(wire::kMaxLayoutBytes, 'l'), standbys(wire::kMaxStandbysBytes, 's');
+  shard->RevertLayout(2, layout);  // none to go back to: the layout is taken all the same
+  DataServer server(shard, DataServerOptions());
+  server.set_standbys(standbys);
+  EXPECT_OK(server.Start());
+  int fd = -1;
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  EXPECT_OK(net::Connect(Address(server), deadline, &fd));
+  wire::HelloReply reply;
+  EXPECT_OK(net::SayHello(fd, "", wire::kFlagTopology, 1, deadline, &reply));
+  EXPECT(reply.layout == layout && reply.standbys == standbys && reply.lineage != 0);
+  net::CloseFd(fd);
+}
+
 DLT_TEST(TestPipelinedFramesAreAnsweredInOrder) {
   auto shard = ShardWithTable(4);
   DataServer server(shard, DataServerOptions());
@@ -760,6 +825,29 @@ DLT_TEST(TestPooledConnectionClosedByTheServerIsNotUsed) {
   EXPECT(WaitFor([&] { return server.counters().idle_timeouts.load() == 1; }, 5000));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), 8, 0.1f));
+}
+
+// After a Regreet (as before a checkpoint load) calls go back to reusing
+// pooled connections: a connection a call returns keeps the switch count it
+// was made at, so the pool does not take it for one to a copy left behind
+// and close it (once every later call connected and said Hello afresh).
+DLT_TEST(TestConnectionsArePooledAgainAfterARegreet) {
+  auto shard = ShardWithTable(8);
+  DataServer server(shard, DataServerOptions());
+  EXPECT_OK(server.Start());
+  ClientOptions o;
+  o.exchange_threads = 1;
+  Client client({Address(server)}, o);
+  const std::vector<int64_t> ids = Iota(8);
+  std::vector<float> out(8 * 8), grads(8 * 8, 1.0f);
+  EXPECT_OK(client.Pull("emb", 8, ids.data(), 8, PullMode::kInsert, out.data()));
+  EXPECT_OK(client.Regreet());
+  const uint64_t accepted = server.counters().connections_accepted.load();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_OK(client.Pull("emb", 8, ids.data(), 8, PullMode::kInsert, out.data()));
+    EXPECT_OK(client.Push("emb", 8, ids.data(), grads.data(), 8, 0.1f));
+  }
+  EXPECT(server.counters().connections_accepted.load() == accepted);
 }
 
 // A large call goes to each shard over several connections, each exchanged
