@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 
@@ -44,6 +46,36 @@ def test_every_case_runs_quick() -> None:
     assert out.returncode == 0, out.stderr[-6000:]
     ran = re.findall(r"^(bench_\w+): ok in", out.stderr, re.M)
     assert sorted(ran) == sorted(_case_names()), out.stderr[-3000:]
+
+
+def test_a_case_past_its_timeout_is_stopped_with_every_process_it_started() -> None:
+    """`python bench --timeout S`: a case that runs past it fails, and its
+    shard processes go with it (a hung case held a run of every case for
+    good)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--timeout", "9", "bench_soak"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    found = re.search(r"bench_soak: FAILED \(stopped past --timeout 9 s, with every "
+                      r"process of session (\d+)\)", out.stderr)  # fmt: skip
+    assert found, out.stderr[-3000:]
+    session = int(found.group(1))
+
+    def left() -> list[str]:
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            # (state, and the session id: the 3rd and 6th fields; a zombie
+            # waits for init to collect it)
+            if int(fields[3]) == session and fields[0] != "Z":
+                alive.append(stat.parent.name)
+        return alive
+
+    wait_until(lambda: not left(), f"the processes of session {session} to end", timeout=10)
 
 
 @pytest.mark.slow
