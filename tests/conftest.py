@@ -191,11 +191,14 @@ def cluster(request: pytest.FixtureRequest, start_cluster: Callable[..., Cluster
 
 def two_table_model(dim: int):  # type: ignore[no-untyped-def]
     """A compiled Keras model with two distributed tables, "u" (one user id
-    per example) and "i" (three item ids, averaged), Adagrad."""
+    per example) and "i" (three item ids, averaged), Adagrad; built in a
+    fresh Keras session (an earlier test's embedded "u" of another dim
+    would refuse it, whichever test ran before)."""
     import keras
 
     from tf_dlt.layers import Embedding
 
+    keras.backend.clear_session()
     user = keras.Input((1,), dtype="int64", name="user")
     items = keras.Input((3,), dtype="int64", name="items")
     u = keras.layers.Flatten()(

@@ -376,7 +376,6 @@ def test_model_fit_on_a_tiered_shard_trains_every_row_as_on_an_all_ram_one(
     shard's RAM budget keeps: the uniform user ids are mostly cold, read and
     updated on disk or moved in. Losses, dense weights and every row with
     its optimizer slot, step and age equal the same fit on an all-RAM shard."""
-    import keras
     import tensorflow as tf
 
     from conftest import assert_same_training, fit_outcome, two_table_model
@@ -386,7 +385,6 @@ def test_model_fit_on_a_tiered_shard_trains_every_row_as_on_an_all_ram_one(
     rng = np.random.default_rng(5)
     x = {"user": rng.integers(0, users, (2560, 1)), "items": rng.integers(0, items, (2560, 3))}
     data = tf.data.Dataset.from_tensor_slices((x, rng.normal(size=(2560, 1)))).batch(64)
-    keras.backend.clear_session()  # other tests' embedded tables "u" and "i" are dim 8
     model = two_table_model(64)
     results = []
     for tiered in (False, True):

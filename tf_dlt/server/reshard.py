@@ -104,10 +104,16 @@ class ReshardSteps:
         process leaves the layout) of the re-shard `plan` (the layouts from
         and to). `why_not`: why this process cannot take part (a read-only
         shard, ...), or None."""
+        # Standbys of the layouts from and to (the coordinator leaves out one
+        # that does not answer, which its primary may still name).
+        taking_part = {
+            a for layout in plan for shard in layout.split(",") for a in shard.split("|")
+        }
         behind = [
             s["standby"]
             for s in (self._standbys.statuses() if self._standbys is not None else [])
             if not (s["connected"] and s["caught_up"])
+            and (s["standby"] in taking_part or not any(plan))
         ]
         if why_not is None and behind:
             why_not = f"its standby {', '.join(behind)} has not caught up with it"
