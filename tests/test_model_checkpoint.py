@@ -4,12 +4,14 @@ processes, and a checkpoint moves between the two."""
 
 from __future__ import annotations
 
+import errno
 import shutil
 import subprocess
 import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -398,6 +400,43 @@ def test_a_first_save_or_compaction_stopped_before_its_model_file_is_listed_only
     paths = [str(run / "step-1"), str(run / "step-2")]
     gone = str(run / "step-0")  # deleted by another prune as this one ran
     assert chain.retain([gone, *paths], keep=2, tables_dir=chain.TABLES_DIR) == [gone]
+
+
+def test_a_save_that_fails_after_its_commit_keeps_its_dense_weights_when_unsure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save whose tables committed and which failed after (in a cleanup)
+    removes its dense weights only when the path is known to hold another
+    save: a manifest it could not read back (a store's error) was taken for
+    "none", and the committed save lost its dense weights (no load)."""
+    from tf_dlt.keras import checkpoint as keras_checkpoint
+
+    model = _model("ck_unsure")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    expected = model.predict(x, verbose=0)
+    save_embedded, read_bytes = keras_checkpoint._save_embedded, manifest._read_manifest_bytes
+    store_down = []
+
+    def unreadable(*args: Any) -> bytes:
+        if store_down:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_bytes(*args)
+
+    def committed_then_failed(*args: Any) -> Any:
+        save_embedded(*args)
+        store_down.append(True)
+        raise RuntimeError("failed in its cleanup, after the commit")
+
+    monkeypatch.setattr(manifest, "_read_manifest_bytes", unreadable)
+    monkeypatch.setattr(keras_checkpoint, "_save_embedded", committed_then_failed)
+    with pytest.raises(RuntimeError, match="after the commit"):
+        tf_dlt.save(model, str(tmp_path / "ck"))
+    monkeypatch.undo()
+    assert list((tmp_path / "ck").glob("dense*.h5"))
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
+    tf_dlt.load(model, str(tmp_path / "ck"))
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
 
 
 def test_a_model_made_afresh_resumes_with_the_optimizer_and_schedule_it_saved(

@@ -442,7 +442,10 @@ def test_an_upload_to_a_store_that_stopped_answering_ends_by_its_deadline(
             monkeypatch.setenv(key, value)
         s3fs.S3FileSystem.clear_instance_cache()
         fs, root = manifest.filesystem("s3://tf-dlt/run")
-        manifest.put_durably(fs, str(part), f"{root}/before.h5")  # it answers
+        # It answers (within a deadline no loaded machine passes; 3 s then).
+        monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "120")
+        manifest.put_durably(fs, str(part), f"{root}/before.h5")
+        monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "3")
         outcome: list[BaseException | None] = []
 
         def upload() -> None:
@@ -497,7 +500,7 @@ def test_a_shard_file_read_from_a_store_that_stopped_answering_ends_by_its_deadl
 
     from tf_dlt.checkpoint import verified
 
-    monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "3")
+    monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "120")  # 3 s once the store stalls
     monkeypatch.setenv("TF_DLT_UPLOAD_MIN_BYTES_PER_S", str(1 << 40))
     data = os.urandom(3 << 20)
     block = 1 << 20
@@ -527,6 +530,7 @@ def test_a_shard_file_read_from_a_store_that_stopped_answering_ends_by_its_deadl
             return await answered(method, *args, **kwargs)
 
         monkeypatch.setattr(fs, "_call_s3", a_get_that_never_ends)
+        monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "3")
         outcome: list[BaseException | None] = []
 
         def fetch() -> None:
@@ -545,4 +549,79 @@ def test_a_shard_file_read_from_a_store_that_stopped_answering_ends_by_its_deadl
         assert outcome and isinstance(outcome[0], errors.UnavailableError), (outcome, took)
         assert "part.h5 timed out after 3 s" in outcome[0].message
         assert took < 30, took
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.parametrize(
+    ("stalled", "asking", "what"),
+    [
+        ("get_object", "read_manifest", "reading s3://tf-dlt/run/c1/MANIFEST.json"),
+        ("list_objects_v2", "find", "listing s3://tf-dlt/run"),
+        ("head_object", "read_manifest", "looking up s3://tf-dlt/run/c1/MANIFEST.json"),
+    ],
+    ids=["manifest_read", "listing", "head"],
+)
+def test_a_manifest_read_a_listing_and_a_head_against_a_store_that_trickles_end_by_their_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stalled: str, asking: str, what: str
+) -> None:
+    """The small requests to a store (a HEAD, a listing, a read of
+    MANIFEST.json) had no deadline: a store that kept one open (a byte now
+    and then: botocore's read timeout bounds each socket read, not a
+    request) held a save's checks, a load, a follower's poll, `tf-dlt
+    checkpoint ls` and the process past SIGTERM for as long as it went on.
+    Each ends by its deadline (shortened here): UNAVAILABLE, naming the
+    request and the path."""
+    reason = local_stores.s3_unavailable()
+    if reason:
+        _unavailable(reason)
+    import s3fs
+
+    from tf_dlt import _native
+    from tf_dlt.checkpoint import chain, shard_files
+    from tf_dlt.table_config import TableConfig
+
+    monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "120")  # 2 s once the store stalls
+    monkeypatch.setenv("TF_DLT_UPLOAD_MIN_BYTES_PER_S", str(1 << 40))
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 2).to_dict())
+    url = "s3://tf-dlt/run/c1"
+    ask = {
+        "read_manifest": lambda: manifest.read_manifest(url),  # a load's, a save's checks
+        "find": lambda: chain.find("s3://tf-dlt/run"),  # a follower's poll, checkpoint ls
+    }[asking]
+    with local_stores.LocalS3(tmp_path / "s3") as s3:
+        for key, value in s3.env.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        save_id = manifest.new_save_id()
+        manifest.write_manifest(url, [shard_files.save_shard(url, shard, save_id)], save_id)
+        assert ask()  # it answers
+        fs, _ = manifest.filesystem(url)
+        answered = fs._call_s3
+
+        async def trickling(method: str, *args: Any, **kwargs: Any) -> Any:
+            if method == stalled:
+                await asyncio.sleep(3600)
+            return await answered(method, *args, **kwargs)
+
+        monkeypatch.setattr(fs, "_call_s3", trickling)
+        monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "2")
+        outcome: list[BaseException | None] = []
+
+        def send() -> None:
+            try:
+                ask()
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                outcome.append(e)
+
+        started = time.monotonic()
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        thread.join(20)
+        took = time.monotonic() - started
+        monkeypatch.setattr(fs, "_call_s3", answered)
+        assert outcome and isinstance(outcome[0], errors.UnavailableError), (outcome, took)
+        assert f"{what} timed out after 2 s (its deadline 2 s" in outcome[0].message
+        assert took < 15, took
         s3fs.S3FileSystem.clear_instance_cache()

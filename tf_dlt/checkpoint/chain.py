@@ -55,14 +55,14 @@ def read_model(path: str, tables: dict[str, Any] | None = None) -> dict[str, Any
     it already."""
     fs, root = manifest_lib.filesystem(path)
     try:
-        info: dict[str, Any] = json.loads(fs.cat_file(f"{root}/{MODEL_FILE}"))
+        info: dict[str, Any] = json.loads(manifest_lib.read_file(fs, f"{root}/{MODEL_FILE}"))
     except FileNotFoundError:
         info = {"format": "tf_dlt-model", "format_version": 1}  # a first save, stopped?
         try:
             tables = tables or manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
         except (errors.NotFoundError, errors.FailedPreconditionError):
             tables = None
-        if tables is None or not fs.exists(f"{root}/{dense_file(str(tables['save_id']))}"):
+        if tables is None or not _exists(fs, f"{root}/{dense_file(str(tables['save_id']))}"):
             raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
         return _held_by_tables(info, tables)
     committed = str(info.get("save_id", ""))
@@ -72,7 +72,7 @@ def read_model(path: str, tables: dict[str, Any] | None = None) -> dict[str, Any
     saved = str(tables["save_id"])
     if saved == committed:
         return {**info, "dense_file": dense_file(saved)}
-    if saved > committed and fs.exists(f"{root}/{dense_file(saved)}"):
+    if saved > committed and _exists(fs, f"{root}/{dense_file(saved)}"):
         return _held_by_tables(info, tables)
     if not committed:  # saved before saves named their dense weights
         return {**info, "save_id": "", "dense_file": DENSE_FILE}
@@ -80,6 +80,13 @@ def read_model(path: str, tables: dict[str, Any] | None = None) -> dict[str, Any
         f"model checkpoint {path!r}: its tables are save {saved}'s, its model file names save "
         f"{committed}, and the dense weights of save {saved} are not there (another program "
         "wrote into it?); nothing was loaded"
+    )
+
+
+def _exists(fs: Any, target: str) -> bool:
+    """Whether `target` exists, asked within its deadline."""
+    return bool(
+        manifest_lib.within_deadline(fs, lambda **o: fs.exists(target, **o), "looking up", target)
     )
 
 
@@ -154,7 +161,9 @@ def find(
     candidates = [directory]
     entries = []
     try:
-        entries = fs.ls(root, detail=True)
+        entries = manifest_lib.within_deadline(
+            fs, lambda **o: fs.ls(root, detail=True, **o), "listing", root
+        )
     except FileNotFoundError:
         pass
     except Exception as e:  # noqa: BLE001 - pass_over raises it again without `unread`
@@ -257,9 +266,14 @@ def retain(
                 )
             continue
         with contextlib.suppress(FileNotFoundError):  # deleted already (another prune)
-            fs.rm(root, recursive=True)
+            _remove_tree(fs, root)
         deleted.append(path)
     return deleted
+
+
+def _remove_tree(fs: Any, root: str) -> None:
+    """Removes directory `root` and all in it, within its deadline."""
+    manifest_lib.within_deadline(fs, lambda **o: fs.rm(root, recursive=True, **o), "removing", root)
 
 
 def _committed(tables: str) -> str:
@@ -280,7 +294,7 @@ def _checkpoints_inside(fs: Any, root: str, tables: str) -> list[str]:
     inside it."""
     own = posixpath.join(manifest_lib.filesystem(tables)[1], manifest_lib.MANIFEST)
     try:
-        files = fs.find(root)
+        files = manifest_lib.within_deadline(fs, lambda **o: fs.find(root, **o), "listing", root)
     except FileNotFoundError:
         return []
     skip = {
@@ -518,9 +532,8 @@ def compact_model(source: str, target: str, num_shards: int | None = None) -> di
     # whole but for its model file, which `read_model` does without.
     dense = dense_file(save_id)
     manifest_lib.make_directory(target_fs, target_root)
-    manifest_lib.commit_file(
-        target_fs, f"{target_root}/{dense}", fs.cat_file(f"{root}/{info['dense_file']}")
-    )
+    weights = manifest_lib.read_file(fs, f"{root}/{info['dense_file']}")
+    manifest_lib.commit_file(target_fs, f"{target_root}/{dense}", weights)
     written = _write_compacted(tables, target_tables, n, save_id, created)
     info.pop("parent", None)
     info.update(

@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import fsspec
 import fsspec.asyn
@@ -40,6 +40,7 @@ READABLE_VERSIONS = (1, 2)
 
 
 log = logging.getLogger("tf_dlt.checkpoint")
+_T = TypeVar("_T")
 
 # Files a save writes: shard-<i>-of-<n>.<save id>.h5, and .tmp-<random>
 # while it is written (exclusive_temp); save ids are "<UTC date>T<time>
@@ -258,9 +259,73 @@ def _upload_deadline(size: int) -> float:
 
 
 def transfer_deadline(size: int) -> float:
-    """Seconds a transfer of `size` bytes to or from an object store may
-    take (0: no deadline): an upload's, and a ranged read of a shard file's."""
+    """Seconds a request to an object store moving `size` bytes may take
+    (0: no deadline): an upload's, a ranged read of a shard file's, and
+    the small requests' (a HEAD, a listing, a manifest's read: `size` 0, or
+    the size a HEAD gave)."""
     return _upload_deadline(size)
+
+
+def within_deadline(
+    fs: fsspec.AbstractFileSystem,
+    call: Callable[..., _T],
+    what: str,
+    target: str,
+    size: int = 0,
+    on_timeout: Callable[[], None] | None = None,
+) -> _T:
+    """`call(**options)`, a request to `fs` about `target` (`what` it does:
+    "listing", "uploading 5 bytes to") moving about `size` bytes; to an
+    object store (fsspec's asynchronous filesystems, which take
+    `timeout=`) within `transfer_deadline(size)`, else UnavailableError
+    naming `what` and `target` (`on_timeout()` called first). botocore's
+    read timeout bounds each socket read, not a request: a store that sent
+    a byte now and then held a HEAD, a listing or a manifest's read (a
+    save's checks, a load, a follower's poll, `tf-dlt checkpoint ls`, a
+    process past SIGTERM) for as long as it went on. Local files and HDFS
+    (a synchronous client, which takes no `timeout=`) are called as they
+    are."""
+    deadline = transfer_deadline(size)
+    if not isinstance(fs, fsspec.asyn.AsyncFileSystem) or not deadline:
+        return call()
+    started = time.monotonic()
+    try:
+        return call(timeout=deadline)
+    except fsspec.exceptions.FSTimeoutError:
+        took = time.monotonic() - started
+        if on_timeout is not None:
+            on_timeout()
+        raise errors.UnavailableError(
+            f"{what} {url_of(fs, target)} timed out after {took:.0f} s (its deadline "
+            f"{deadline:.0f} s: TF_DLT_UPLOAD_DEADLINE_S plus a second per "
+            "TF_DLT_UPLOAD_MIN_BYTES_PER_S; the store stopped answering?)"
+        ) from None
+
+
+def read_file(fs: fsspec.AbstractFileSystem, target: str, limit: int | None = None) -> bytes:
+    """The bytes of file `target` (a manifest, a model file, dense
+    weights); FailedPreconditionError when it holds more than `limit`. On
+    an object store a HEAD, then one ranged GET of the object as it is
+    then, each within its deadline (`within_deadline`: the GET's of the
+    size the HEAD gave); elsewhere read through `fs.open`."""
+    too_large = errors.FailedPreconditionError(f"{target} is larger than {limit} bytes")
+    if not isinstance(fs, fsspec.asyn.AsyncFileSystem):
+        with fs.open(target, "rb") as f:
+            data = f.read(-1 if limit is None else limit + 1)
+    else:
+        info = within_deadline(fs, lambda **o: fs.info(target, **o), "looking up", target)
+        size = info.get("size") if isinstance(info.get("size"), int) else None
+        if limit is not None and size is not None and size > limit:
+            raise too_large
+        if size == 0:
+            return b""  # (a range of an empty object is refused: 416)
+        end = None if limit is None else limit + 1
+        data = within_deadline(
+            fs, lambda **o: fs.cat_file(target, start=0, end=end, **o), "reading", target, size or 0
+        )
+    if limit is not None and len(data) > limit:
+        raise too_large
+    return bytes(data)
 
 
 def _abort_multipart_uploads(fs: fsspec.AbstractFileSystem, target: str) -> None:
@@ -287,24 +352,13 @@ def _upload_within_deadline(
     fs: fsspec.AbstractFileSystem, upload: Callable[..., Any], target: str, size: int
 ) -> None:
     """`upload(**options)` (fs.put_file or fs.pipe_file of `size` bytes to
-    `target`); to an object store (fsspec's asynchronous filesystems, which
-    take `timeout=`) within `_upload_deadline(size)`, else UnavailableError
-    (its incomplete multipart upload aborted)."""
-    deadline = _upload_deadline(size)
-    if not isinstance(fs, fsspec.asyn.AsyncFileSystem) or not deadline:
-        upload()
-        return
-    started = time.monotonic()
-    try:
-        upload(timeout=deadline)
-    except fsspec.exceptions.FSTimeoutError:
-        took = time.monotonic() - started
-        _abort_multipart_uploads(fs, target)
-        raise errors.UnavailableError(
-            f"uploading {size} bytes to {target} timed out after {took:.0f} s (its deadline "
-            f"{deadline:.0f} s: TF_DLT_UPLOAD_DEADLINE_S plus a second per "
-            "TF_DLT_UPLOAD_MIN_BYTES_PER_S; the store stopped answering?)"
-        ) from None
+    `target`) within `transfer_deadline(size)` on an object store
+    (`within_deadline`), else UnavailableError (its incomplete multipart
+    upload aborted)."""
+    within_deadline(
+        fs, upload, f"uploading {size} bytes to", target, size,
+        on_timeout=lambda: _abort_multipart_uploads(fs, target),
+    )  # fmt: skip
 
 
 def put_durably(fs: fsspec.AbstractFileSystem, local: str, target: str) -> None:
@@ -667,22 +721,24 @@ def _all_there(fs: fsspec.AbstractFileSystem, root: str, files: Iterable[str]) -
 
 def _there(fs: fsspec.AbstractFileSystem, target: str) -> bool:
     """Whether file `target` exists. Unlike fsspec's `exists`, a store that
-    fails to answer raises (OSError) rather than reading as "not there"."""
+    fails to answer raises (OSError; UnavailableError past its deadline)
+    rather than reading as "not there"."""
     try:
-        fs.info(target)
+        within_deadline(fs, lambda **o: fs.info(target, **o), "looking up", target)
     except FileNotFoundError:
         return False
     return True
 
 
 def _names(fs: fsspec.AbstractFileSystem, root: str) -> set[str]:
-    """The names in directory `root`."""
-    return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False)}
+    """The names in directory `root` (listed within its deadline)."""
+    listed = within_deadline(fs, lambda **o: fs.ls(root, detail=False, **o), "listing", root)
+    return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in listed}
 
 
 def _remove_quietly(fs: fsspec.AbstractFileSystem, target: str) -> None:
-    with contextlib.suppress(OSError):  # gone already, or the store refused
-        fs.rm(target)
+    with contextlib.suppress(OSError):  # gone already, the store refused or timed out
+        within_deadline(fs, lambda **o: fs.rm(target, **o), "removing", target)
 
 
 def committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
@@ -744,14 +800,13 @@ def open_regular(path: str) -> tuple[IO[bytes], int]:
 
 def _read_manifest_bytes(fs: fsspec.AbstractFileSystem, target: str) -> bytes:
     """MANIFEST.json's bytes: on a local disk a regular file only, never
-    through a link (nor a FIFO or a device); at most MAX_MANIFEST_BYTES."""
-    if is_local(fs):
-        f, _ = open_regular(target)
-        with f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    else:
-        with fs.open(target, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+    through a link (nor a FIFO or a device); at most MAX_MANIFEST_BYTES; on
+    an object store within deadlines (`read_file`)."""
+    if not is_local(fs):
+        return read_file(fs, target, MAX_MANIFEST_BYTES)
+    f, _ = open_regular(target)
+    with f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
     if len(data) > MAX_MANIFEST_BYTES:
         raise errors.FailedPreconditionError(f"{target} is larger than {MAX_MANIFEST_BYTES} bytes")
     return bytes(data)
@@ -778,7 +833,8 @@ def _model_save_hint(fs: fsspec.AbstractFileSystem, root: str, path: str) -> str
     """Where the tables are when `path` is a model's save (tf_dlt.save,
     tf_dlt.ModelCheckpoint), whose tables are a checkpoint in its `tables/`."""
     try:
-        if fs.isfile(f"{root}/tables/{MANIFEST}"):
+        held = f"{root}/tables/{MANIFEST}"
+        if within_deadline(fs, lambda **o: fs.isfile(held, **o), "looking up", held):
             return f" (it holds a model's save: its tables are the checkpoint at {path}/tables)"
     except Exception:  # noqa: BLE001 - only a hint: the NotFoundError is what counts
         pass

@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 
 from tf_dlt import errors
-from tf_dlt.checkpoint.manifest import MAX_BLOCK_BYTES, is_local, open_regular, transfer_deadline
+from tf_dlt.checkpoint.manifest import MAX_BLOCK_BYTES, is_local, open_regular, within_deadline
 
 _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
@@ -102,8 +102,9 @@ def stored_bytes(fs: fsspec.AbstractFileSystem, targets: list[str]) -> list[int]
         try:
             if is_local(fs):
                 return os.stat(target).st_size  # (a link is refused when it is opened)
-            return int(fs.size(target) or 0)
-        except (OSError, ValueError, TypeError):  # FileNotFoundError among them
+            size = within_deadline(fs, lambda **o: fs.size(target, **o), "looking up", target)
+            return int(size or 0)
+        except (OSError, ValueError, TypeError):  # FileNotFoundError, UnavailableError among them
             return 0
 
     if is_local(fs) or len(targets) < 2:
@@ -121,6 +122,16 @@ def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str,
     missing = errors.FailedPreconditionError(
         f"checkpoint file {target} named in the manifest is missing"
     )
+    if isinstance(fs, fsspec.asyn.AsyncFileSystem):  # an object store: HEAD within its deadline
+        try:
+            info = within_deadline(fs, lambda **o: fs.info(target, **o), "looking up", target)
+        except FileNotFoundError:
+            raise missing from None
+        stored = info.get("size")
+        if isinstance(stored, int):
+            if stored != int(entry["bytes"]):
+                raise _other_size(target, stored, entry)
+            return cast(IO[bytes], _RangedRemote(fs, target, stored))
     if not is_local(fs):
         try:
             remote: IO[bytes] = fs.open(target, "rb")
@@ -132,9 +143,6 @@ def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str,
         if isinstance(stored, int) and stored != int(entry["bytes"]):
             remote.close()
             raise _other_size(target, stored, entry)
-        if isinstance(fs, fsspec.asyn.AsyncFileSystem) and isinstance(stored, int):
-            remote.close()
-            return cast(IO[bytes], _RangedRemote(fs, target, stored))
         return remote
     try:
         f, size = open_regular(target)
@@ -235,7 +243,7 @@ class _SizedFile(io.RawIOBase):
 class _RangedRemote(_SizedFile):
     """A shard file on an object store (fsspec's asynchronous filesystems)
     read by ranged GETs, each within a deadline of its size
-    (`manifest.transfer_deadline`), else UnavailableError naming the file.
+    (`manifest.within_deadline`), else UnavailableError naming the file.
     botocore's read timeout bounds each socket read, not a request: a store
     that sent a byte now and then (a degraded link, a stalled proxy) held a
     shard's load, and every save and load of the shard after it, for as
@@ -250,16 +258,11 @@ class _RangedRemote(_SizedFile):
         n = left if n is None or n < 0 else min(n, left)
         if n == 0:
             return b""
-        deadline = transfer_deadline(n)
-        options = {"timeout": deadline} if deadline else {}
-        try:
-            data = self._fs.cat_file(self._target, start=self._pos, end=self._pos + n, **options)
-        except fsspec.exceptions.FSTimeoutError:
-            raise errors.UnavailableError(
-                f"reading {n} bytes of {self._target} timed out after {deadline:.0f} s "
-                "(TF_DLT_UPLOAD_DEADLINE_S plus a second per TF_DLT_UPLOAD_MIN_BYTES_PER_S; "
-                "the store stopped answering?)"
-            ) from None
+        start, fs, target = self._pos, self._fs, self._target
+        data = within_deadline(
+            fs, lambda **o: fs.cat_file(target, start=start, end=start + n, **o),
+            f"reading {n} bytes of", target, n,
+        )  # fmt: skip
         self._pos += len(data)
         return bytes(data)
 

@@ -282,7 +282,10 @@ def _scan_shards(
         made = ""  # the staging directory, where this export made it
         if staging is not None:
             _, staged_in = manifest.filesystem(staging)
-            if staged_in and not fs.exists(staged_in):  # "": the filesystem's root
+            there = staged_in and manifest.within_deadline(
+                fs, lambda **o: fs.exists(staged_in, **o), "looking up", staged_in
+            )
+            if staged_in and not there:  # "": the filesystem's root
                 made = staged_in
         try:
             with Client(addresses, auth_token=token) as client:
@@ -301,7 +304,9 @@ def _scan_shards(
         finally:
             if staging is not None:
                 with contextlib.suppress(FileNotFoundError):
-                    fs.rm(root, recursive=True)
+                    manifest.within_deadline(
+                        fs, lambda **o: fs.rm(root, recursive=True, **o), "removing", root
+                    )
                 if made and manifest.is_local(fs):  # elsewhere no directory stays
                     with contextlib.suppress(OSError):
                         os.rmdir(made)  # only if nothing else came to it
