@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -513,3 +516,94 @@ def test_a_peer_that_half_closes_with_a_large_reply_pending_costs_nothing(
         received += len(chunk)
     assert received < 20_000 * 256 * 4
     sock.close()
+
+
+def _run_native(code: str) -> subprocess.CompletedProcess[str]:
+    """Runs `code` (after `from tf_dlt import _native, errors`) in a fresh
+    interpreter: a case that used to crash the process crashes only that."""
+    code = "import numpy as np\nfrom tf_dlt import _native, errors\n" + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_data_server_starts_once() -> None:
+    """A second start of a DataServer, or a start after its stop, raises
+    FAILED_PRECONDITION: it started threads over the ones it held (or left
+    them unjoined at its end), which aborted the process."""
+    done = _run_native("""
+        shard = _native.Shard(0, 1)
+        server = _native.DataServer(shard)
+        server.start()
+        try:
+            server.start()
+        except errors.FailedPreconditionError as e:
+            print("again:", e)
+        server.stop()
+        try:
+            server.start()
+        except errors.FailedPreconditionError as e:
+            print("after stop:", e)
+        del server
+        stopped = _native.DataServer(shard)
+        stopped.stop()
+        try:
+            stopped.start()
+        except errors.FailedPreconditionError as e:
+            print("stopped first:", e)
+        print("done")
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "again: this data server has started already" in done.stdout
+    assert "after stop: this data server was stopped" in done.stdout
+    assert "stopped first: this data server was stopped" in done.stdout
+    assert "done" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "_native.DataServer(None)",
+        "_native.Replicator(None, '127.0.0.1:1').start()",
+        "_native.ReplicaGroup(None).attach('127.0.0.1:1')",
+        "_native.Shard(0, 1).install_tables([None])",
+    ],
+)
+def test_none_for_a_shard_or_table_is_a_type_error(call: str) -> None:
+    """None where a binding takes a Shard or a Table raises TypeError (it was
+    taken as a null pointer, and the process crashed on its first use)."""
+    done = _run_native(f"""
+        try:
+            {call}
+        except TypeError as e:
+            print("refused:", type(e).__name__)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: TypeError" in done.stdout
+
+
+def test_one_exporter_read_by_several_threads() -> None:
+    """Threads that share one Exporter take its rows in turn, each row
+    once: their calls ran at once without the GIL and corrupted its state
+    (a double free)."""
+    done = _run_native("""
+        import threading
+        cfg = dict(name="t", dim=4, seed=1, initializer=dict(kind="zeros"),
+                   optimizer=dict(kind="adagrad"))
+        table = _native.Table(cfg)
+        table.pull(np.arange(100_000, dtype=np.int64))
+        for _ in range(10):
+            exporter = table.exporter()
+            seen = []
+            def read():
+                while (rows := exporter.next(7)) is not None:
+                    seen.append(rows[0])
+            threads = [threading.Thread(target=read) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            ids = np.concatenate(seen)
+            assert len(ids) == 100_000 and len(np.unique(ids)) == 100_000, len(ids)
+        print("done")
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done" in done.stdout

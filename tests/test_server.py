@@ -312,6 +312,73 @@ def test_a_process_that_exits_with_a_shard_serving_exits_cleanly(seconds: int) -
     assert "terminate called" not in done.stderr
 
 
+_EXIT_WITH_NATIVE_CALLS_RUNNING = """
+import sys, threading, time
+import numpy as np
+from tf_dlt import _native
+cfg = dict(name="t", dim=64, seed=1, initializer=dict(kind="uniform"),
+           optimizer=dict(kind="adagrad"))
+ids = np.arange(50_000, dtype=np.int64)
+if sys.argv[1] == "table":
+    table = _native.Table(cfg)
+    pull = lambda: table.pull(ids)
+else:
+    shard = _native.Shard(0, 1)
+    shard.create_table(cfg)
+    server = _native.DataServer(shard, worker_threads=2)
+    server.start()
+    client = _native.Client([f"127.0.0.1:{server.port}"])
+    pull = lambda: client.pull("t", 64, ids)
+pull()
+def run():
+    while True:
+        pull()
+for _ in range(4):
+    threading.Thread(target=run, daemon=True).start()
+time.sleep(0.5)
+print("leaving", flush=True)
+"""
+
+
+@pytest.mark.parametrize("source", ["table", "client"])
+def test_a_process_that_exits_with_daemon_threads_in_native_calls_exits_cleanly(
+    source: str,
+) -> None:
+    """Daemon threads inside native calls that released the GIL (a table's
+    or a client's pulls) as the program ends: it exits 0. Each such thread
+    was ended by the interpreter as it took the GIL back, through a
+    destructor that could not let that pass, and aborted the process (exit
+    code 134, "terminate called without an active exception")."""
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", _EXIT_WITH_NATIVE_CALLS_RUNNING, source],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert "leaving" in done.stdout, done.stderr[-3000:]
+        assert "terminate called" not in done.stderr
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_shard_server_starts_once_and_a_second_start_leaves_it_serving() -> None:
+    """ShardServer.start() again raises FAILED_PRECONDITION and the server
+    serves on (a second start of its data server aborted the process); a
+    stopped one does not start again."""
+    import tf_dlt
+    from tf_dlt.server.shard_server import ShardServer
+
+    server = ShardServer(0, 1, port=0).start()
+    try:
+        with pytest.raises(tf_dlt_errors.FailedPreconditionError, match="starts once"):
+            server.start()
+        client = tf_dlt.Client([server.address])
+        client.create_table("t", 4)
+        assert client.pull("t", np.arange(3, dtype=np.int64)).shape == (3, 4)
+    finally:
+        server.stop(0)
+    with pytest.raises(tf_dlt_errors.FailedPreconditionError, match="starts once"):
+        server.start()
+
+
 class _SlowStats:
     """A ShardAdmin servicer whose Stats takes `seconds`; its Shrink raises
     SystemExit (no method of the real one lets it escape)."""

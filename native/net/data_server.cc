@@ -144,6 +144,15 @@ bool DataServer::RevertLayout(uint64_t layout_epoch, const std::string& addresse
 }
 
 Status DataServer::Start() {
+  // Once: a second start would start threads over those it holds (or, after
+  // Stop, leave them unjoined at its end), and either aborts the process.
+  if (stopping_.load()) {
+    return FailedPrecondition(
+        "this data server was stopped: a stopped server does not start again");
+  }
+  if (listen_fd_ >= 0 || reaper_.joinable()) {
+    return FailedPrecondition("this data server has started already");
+  }
   const DataServerOptions& o = options_;
   if (o.max_frame_bytes < wire::kMinMaxFrameBytes) {
     return InvalidArgument("max frame bytes must be at least " +

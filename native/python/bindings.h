@@ -12,6 +12,11 @@
 #include <cstddef>
 #include <cstdint>
 
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
+#include <unistd.h>
+
 #include "native/core/status.h"
 #include "native/core/table.h"
 #include "native/core/table_config.h"
@@ -30,13 +35,42 @@ using ByteArray = py::array_t<uint8_t, py::array::c_style>;
 
 void Check(const Status& s);
 
+// Releases the GIL for its scope, as py::gil_scoped_release does, for every
+// binding (a call guard too). A thread that takes the GIL back while the
+// interpreter finalizes (a daemon thread of a process that exits) is ended
+// there by pthread_exit: its forced unwind met py::gil_scoped_release's
+// noexcept destructor, which called std::terminate ("terminate called
+// without an active exception": the process aborted). Here that thread
+// stops where it stands, as Python 3.14 stops it, until the process ends;
+// nothing of Python is touched without the GIL on its way out.
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+  ~GilRelease() {
+#if defined(__GLIBCXX__)
+    try {
+      PyEval_RestoreThread(state_);
+    } catch (abi::__forced_unwind&) {
+      for (;;) pause();  // never rethrown: the handler is never left
+    }
+#else
+    PyEval_RestoreThread(state_);
+#endif
+  }
+
+ private:
+  PyThreadState* state_;
+};
+
 // Runs `call` (returning a Status) with the GIL released, then raises its
 // error as Check does.
 template <typename F>
 void CheckWithoutGil(F&& call) {
   Status st;
   {
-    py::gil_scoped_release release;
+    GilRelease release;
     st = call();
   }
   Check(st);

@@ -83,7 +83,7 @@ void BindNet(py::module_& m) {
              o.other_fds = other_fds;
              return std::make_unique<DataServer>(std::move(shard), o);
            }),
-           py::arg("shard"), py::arg("bind") = "127.0.0.1", py::arg("port") = 0,
+           py::arg("shard").none(false), py::arg("bind") = "127.0.0.1", py::arg("port") = 0,
            py::arg("max_connections") = 0, py::arg("auth_token") = "",
            py::arg("max_frame_bytes") = wire::kDefaultMaxFrameBytes, py::arg("admin_port") = 0,
            py::arg("io_timeout_ms") = 30000, py::arg("worker_threads") = 0,
@@ -138,8 +138,8 @@ void BindNet(py::module_& m) {
           },
           py::arg("layout_epoch"), py::arg("addresses"))
       .def("revert_layout", &DataServer::RevertLayout, py::arg("layout_epoch"),
-           py::arg("addresses"), py::call_guard<py::gil_scoped_release>())
-      .def("stop", &DataServer::Stop, py::call_guard<py::gil_scoped_release>())
+           py::arg("addresses"), py::call_guard<GilRelease>())
+      .def("stop", &DataServer::Stop, py::call_guard<GilRelease>())
       .def("counters", [](const DataServer& s) { return CountersToDict(s.counters()); });
 
   m.def(
@@ -148,7 +148,7 @@ void BindNet(py::module_& m) {
         wire::HelloReply reply;
         Status s;
         {
-          py::gil_scoped_release release;
+          GilRelease release;
           const auto deadline = net::Clock::now() + std::chrono::milliseconds(timeout_ms);
           int fd = -1;
           s = net::Connect(address, deadline, &fd);
@@ -191,12 +191,12 @@ void BindNet(py::module_& m) {
              o.copy_pace = copy_pace;
              return std::make_shared<Replicator>(std::move(shard), standby, o);
            }),
-           py::arg("shard"), py::arg("standby"), py::arg("auth_token") = "", py::arg("sync") = true,
-           py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
+           py::arg("shard").none(false), py::arg("standby"), py::arg("auth_token") = "",
+           py::arg("sync") = true, py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
            py::arg("range_stream") = false, py::arg("copy_pace") = 1.0,
            py::arg("write_timeout_ms") = 10000)
       .def("start", &Replicator::Start)
-      .def("stop", &Replicator::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &Replicator::Stop, py::call_guard<GilRelease>())
       .def(
           "pause",
           [](Replicator& r, bool pause) { CheckWithoutGil([&] { return r.Pause(pause); }); },
@@ -213,7 +213,7 @@ void BindNet(py::module_& m) {
                  Options(auth_token, sync, io_timeout_ms, interval_ms, write_timeout_ms),
                  detach_after_ms);
            }),
-           py::arg("shard"), py::arg("auth_token") = "", py::arg("sync") = true,
+           py::arg("shard").none(false), py::arg("auth_token") = "", py::arg("sync") = true,
            py::arg("io_timeout_ms") = 30000, py::arg("interval_ms") = 10,
            py::arg("detach_after_ms") = 60000, py::arg("write_timeout_ms") = 10000)
       .def("attach",
@@ -221,8 +221,8 @@ void BindNet(py::module_& m) {
              // Without the GIL: a replaced replicator stops first.
              CheckWithoutGil([&] { return g.Attach(address); });
            })
-      .def("detach", &ReplicaGroup::Detach, py::call_guard<py::gil_scoped_release>())
-      .def("stop", &ReplicaGroup::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("detach", &ReplicaGroup::Detach, py::call_guard<GilRelease>())
+      .def("stop", &ReplicaGroup::Stop, py::call_guard<GilRelease>())
       .def(
           "pause",
           [](ReplicaGroup& g, bool pause) { CheckWithoutGil([&] { return g.Pause(pause); }); },
@@ -268,19 +268,19 @@ void BindNet(py::module_& m) {
       .def(
           "learn_layout",
           [](Client& c) {
-            py::gil_scoped_release release;
+            GilRelease release;
             return c.LearnNewerLayout();
           },
           "Asks the shards for their layout and routes by a newer one from now on; True when "
           "the layout changed.")
-      .def("close_idle", &Client::CloseIdle, py::call_guard<py::gil_scoped_release>(),
+      .def("close_idle", &Client::CloseIdle, py::call_guard<GilRelease>(),
            "Closes every pooled connection now; a later call connects again.")
       .def(
           "regreet",
           [](Client& c) {
             Status s;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               s = c.Regreet();
             }
             Check(s);
@@ -292,7 +292,7 @@ void BindNet(py::module_& m) {
              std::vector<ShardInfo> infos;
              Status s;
              {
-               py::gil_scoped_release release;
+               GilRelease release;
                s = c.GetShardInfos(&infos);
              }
              Check(s);
@@ -320,7 +320,7 @@ void BindNet(py::module_& m) {
             FloatArray out({n, static_cast<size_t>(dim)});
             Status s;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               s = c.Pull(table, dim, ids.data(), n, static_cast<PullMode>(mode),
                          out.mutable_data());
             }
@@ -337,7 +337,7 @@ void BindNet(py::module_& m) {
             FloatArray out({n, static_cast<size_t>(StateFloats(dim, slot_floats))});
             Status s;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               s = c.PullState(table, dim, slot_floats, ids.data(), n, out.mutable_data(), insert);
             }
             Check(s);
@@ -355,7 +355,7 @@ void BindNet(py::module_& m) {
              CheckRows(grads, n, dim, "grads");
              Status s;
              {
-               py::gil_scoped_release release;
+               GilRelease release;
                s = c.Push(table, dim, ids.data(), grads.data(), n, lr);
              }
              Check(s);
@@ -367,7 +367,7 @@ void BindNet(py::module_& m) {
         CheckRows(values, n, dim, "values");
         Status s;
         {
-          py::gil_scoped_release release;
+          GilRelease release;
           s = c.Assign(table, dim, ids.data(), values.data(), n);
         }
         Check(s);

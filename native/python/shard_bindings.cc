@@ -62,21 +62,27 @@ void BindShard(py::module_& m) {
              Check(ValidateTableConfig(c));
              return s.NewTable(c);
            })
-      .def("sweep", &Shard::Sweep, py::call_guard<py::gil_scoped_release>())
+      .def("sweep", &Shard::Sweep, py::call_guard<GilRelease>())
       .def("start_sweeper", &Shard::StartSweeper, py::arg("interval_ms"))
-      .def("stop_sweeper", &Shard::StopSweeper, py::call_guard<py::gil_scoped_release>())
-      .def("install_tables", &Shard::InstallTables)
+      .def("stop_sweeper", &Shard::StopSweeper, py::call_guard<GilRelease>())
+      .def("install_tables",
+           [](Shard& s, const std::vector<std::shared_ptr<Table>>& tables) {
+             for (const auto& t : tables) {
+               if (t == nullptr) throw py::type_error("install_tables takes Tables, not None");
+             }
+             s.InstallTables(tables);
+           })
       .def(
           "configure_memory",
           [](Shard& s, uint64_t budget, const std::string& storage_dir, int interval_ms) {
             Check(s.ConfigureMemory(budget, storage_dir, interval_ms));
           },
           py::arg("budget_bytes"), py::arg("storage_dir") = "", py::arg("interval_ms") = 20)
-      .def("keep_memory", &Shard::KeepMemory, py::call_guard<py::gil_scoped_release>())
+      .def("keep_memory", &Shard::KeepMemory, py::call_guard<GilRelease>())
       .def("set_persisting", &Shard::SetPersisting, py::arg("persisting"))
       .def_static("resident_bytes", &Shard::ResidentBytes)
       .def_static("trimmed_resident_bytes", &Shard::TrimmedResidentBytes,
-                  py::call_guard<py::gil_scoped_release>())
+                  py::call_guard<GilRelease>())
       .def("memory_status",
            [](const Shard& s) {
              const Shard::MemoryStatus m = s.memory_status();

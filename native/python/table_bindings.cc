@@ -1,6 +1,7 @@
 // Bindings of Table (the table core: pulls, pushes, import/export, the
 // sketch, the disk tier, change tracking) and its Exporter.
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -16,7 +17,7 @@ FloatArray PullTable(Table& t, const IdArray& ids, int mode) {
   FloatArray out({n, static_cast<size_t>(t.dim())});
   Status status;
   {
-    py::gil_scoped_release release;
+    GilRelease release;
     status = t.Pull(ids.data(), n, static_cast<PullMode>(mode), out.mutable_data());
   }
   if (!status.ok()) Raise(status);
@@ -41,11 +42,17 @@ class PyExporter {
     RowBuffers b{ids.mutable_data(),   values.mutable_data(),  slot_values.mutable_data(),
                  steps.mutable_data(), buckets.mutable_data(), touched.mutable_data()};
     size_t n;
+    Status error;
     {
-      py::gil_scoped_release release;
+      // One call at a time: threads that share an exporter take its rows in
+      // turn (its position is no more than a plain struct). The lock is
+      // taken without the GIL, so a call waiting for it blocks no thread.
+      GilRelease release;
+      std::lock_guard<std::mutex> lock(mu_);
       n = exporter_.Next(max_rows, b);
+      error = exporter_.error();
     }
-    if (!exporter_.error().ok()) Raise(exporter_.error());
+    if (!error.ok()) Raise(error);
     if (n == 0) return py::none();
     py::slice head(0, static_cast<py::ssize_t>(n), 1);
     return py::make_tuple(ids[head], values[head], slot_values[head], steps[head], buckets[head],
@@ -54,7 +61,8 @@ class PyExporter {
 
  private:
   std::shared_ptr<Table> table_;
-  Table::Exporter exporter_;
+  std::mutex mu_;
+  Table::Exporter exporter_;  // guarded by mu_
 };
 
 void CheckSketch(const Table& t, uint32_t first_bucket, uint32_t end_bucket) {
@@ -103,7 +111,7 @@ void BindTable(py::module_& m) {
              CheckRows(grads, n, t.dim(), "grads");
              Status s;
              {
-               py::gil_scoped_release release;
+               GilRelease release;
                s = t.Push(ids.data(), grads.data(), n, lr);
              }
              Check(s);
@@ -127,7 +135,7 @@ void BindTable(py::module_& m) {
             const uint32_t* touched_ptr = OptionalSteps(touched, n, &touched_array);
             Status s;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               s = t.Import(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr,
                            /*to_disk=*/true, evict);
             }
@@ -164,7 +172,7 @@ void BindTable(py::module_& m) {
             const uint32_t* touched_ptr = OptionalSteps(touched, n, &touched_array);
             Status s;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               s = t.ImportStored(ids.data(), values.data(), slot_ptr, step_ptr, n, touched_ptr,
                                  evict);
             }
@@ -176,7 +184,7 @@ void BindTable(py::module_& m) {
           "shrink",
           [](Table& t, uint64_t min_count, uint64_t unseen_for, const py::object& now) {
             const uint32_t at = now.is_none() ? t.Now() : py::cast<uint32_t>(now);
-            py::gil_scoped_release release;
+            GilRelease release;
             return t.Shrink(min_count, unseen_for, at);
           },
           py::arg("min_count") = 0, py::arg("unseen_for") = 0, py::arg("now") = py::none())
@@ -184,7 +192,7 @@ void BindTable(py::module_& m) {
           "expire",
           [](Table& t, const py::object& now) {
             const uint32_t at = now.is_none() ? t.Now() : py::cast<uint32_t>(now);
-            py::gil_scoped_release release;
+            GilRelease release;
             return t.Expire(at);
           },
           py::arg("now") = py::none())
@@ -195,7 +203,7 @@ void BindTable(py::module_& m) {
            [](const Table& t) {
              TierStats stats;
              {
-               py::gil_scoped_release release;
+               GilRelease release;
                stats = t.tier_stats();
              }
              return TierStatsToDict(stats);
@@ -209,7 +217,7 @@ void BindTable(py::module_& m) {
              Status s;
              size_t moved;
              {
-               py::gil_scoped_release release;
+               GilRelease release;
                moved = t.Demote(rows, &s);
              }
              Check(s);
@@ -255,18 +263,20 @@ void BindTable(py::module_& m) {
           py::arg("since") = py::none())
       .def("begin_save",
            [](Table& t, const std::string& save_id, const std::string& base) {
-             py::gil_scoped_release release;
-             const SaveStart s = t.BeginSave(save_id, base);
-             py::gil_scoped_acquire acquire;
+             SaveStart s;
+             {
+               GilRelease release;
+               s = t.BeginSave(save_id, base);
+             }
              return py::make_tuple(s.tracked, s.since, s.base_clock);
            })
-      .def("mark_loaded", &Table::MarkLoaded, py::call_guard<py::gil_scoped_release>())
+      .def("mark_loaded", &Table::MarkLoaded, py::call_guard<GilRelease>())
       .def("removed_since",
            [](const Table& t, uint32_t since) {
              std::vector<int64_t> ids;
              Status status;
              {
-               py::gil_scoped_release release;
+               GilRelease release;
                status = t.RemovedSince(since, &ids);
              }
              Check(status);
@@ -279,14 +289,14 @@ void BindTable(py::module_& m) {
           [](const Table& t, const IdArray& ids, const IdArray& removed) {
             CheckIds(ids);
             CheckIds(removed);
-            py::gil_scoped_release release;
+            GilRelease release;
             return t.RowsPastQuota(ids.data(), static_cast<size_t>(ids.shape(0)), removed.data(),
                                    static_cast<size_t>(removed.shape(0)));
           },
           py::arg("ids"), py::arg("removed"))
       .def("rows_held_past_quota",
            [](const Table& t) {
-             py::gil_scoped_release release;
+             GilRelease release;
              return t.RowsHeldPastQuota();
            })
       .def("erase",
@@ -295,7 +305,7 @@ void BindTable(py::module_& m) {
              size_t erased;
              Status status;
              {
-               py::gil_scoped_release release;
+               GilRelease release;
                erased = t.Erase(ids.data(), static_cast<size_t>(ids.shape(0)), &status);
              }
              Check(status);
@@ -313,7 +323,7 @@ void BindTable(py::module_& m) {
             size_t erased;
             Status status;
             {
-              py::gil_scoped_release release;
+              GilRelease release;
               erased = t.EraseBuckets(first, end, n ? kept.data() : nullptr, n, &status);
             }
             Check(status);
@@ -321,7 +331,7 @@ void BindTable(py::module_& m) {
           },
           py::arg("first"), py::arg("end"), py::arg("keep") = py::none())
       .def("reserve", &Table::Reserve, py::arg("rows"), py::arg("threads") = 1,
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<GilRelease>());
 
   py::class_<PyExporter>(m, "Exporter").def("next", &PyExporter::Next);
 }

@@ -433,7 +433,14 @@ class ShardServer:
 
     def start(self) -> ShardServer:
         """Serves: loads what it was given, binds its ports and starts its
-        threads. A start that fails stops what it had started."""
+        threads. A start that fails stops what it had started. Once: a
+        server started or stopped before raises FailedPreconditionError and
+        stays as it was."""
+        if self in _RUNNING or self._stopped.is_set():
+            raise errors.FailedPreconditionError(
+                f"shard {self.shard.shard_index}'s server has started before: a server starts "
+                "once (make another to serve again)"
+            )
         _RUNNING.add(self)
         try:
             return self._start()
