@@ -355,6 +355,11 @@ void Shard::SetBufferBytes(std::function<uint64_t()> held) {
   buffer_bytes_ = std::move(held);
 }
 
+uint64_t Shard::BufferBytes() const {
+  std::lock_guard<std::mutex> lock(buffer_bytes_mu_);
+  return buffer_bytes_ ? buffer_bytes_() : 0;
+}
+
 void Shard::StopKeeper() {
   {
     std::lock_guard<std::mutex> lock(keeper_mu_);
@@ -370,6 +375,13 @@ size_t Shard::KeepMemory() {
   auto& failed = keeper_failed_;
   const auto now = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<Table>> tables = Tables();
+  // The data plane's buffers are read before the resident memory and again
+  // after it (below): a buffer freed in between (freed, then uncounted) is
+  // in the first count, one made in between (counted, then touched) in the
+  // second, so neither is taken for overhead. (Read once, after: a pooled
+  // reply freed between the two reads counted as overhead, and rows of a
+  // table within its share were evicted for good.)
+  const uint64_t buffers_before = BufferBytes();
   const uint64_t resident = ResidentBytes();
   resident_.store(resident, std::memory_order_relaxed);
   // What is not the tables' (the interpreter, buffers) is measured; the
@@ -425,11 +437,7 @@ size_t Shard::KeepMemory() {
   // buffers (kPersistReserve), and only what passes it is overhead rows
   // give way to. (Counted as overhead, one pull of a whole table evicted
   // rows of a table within its share for good where there is no tier.)
-  uint64_t buffers = 0;
-  {
-    std::lock_guard<std::mutex> lock(buffer_bytes_mu_);
-    if (buffer_bytes_) buffers = std::min(buffer_bytes_(), overhead);
-  }
+  const uint64_t buffers = std::min(std::max(buffers_before, BufferBytes()), overhead);
   const uint64_t reserve = std::max<uint64_t>(kPersistReserve, buffers);
   const double room =
       budget_ * kTargetFraction - static_cast<double>(overhead - buffers + fixed + reserve);

@@ -233,6 +233,8 @@ class Shard {
 
  private:
   void StopKeeper();
+  // What SetBufferBytes's function says now (0: none).
+  uint64_t BufferBytes() const;
   // Copies every row of `from` into `to` (values, update counts, stamps;
   // fresh optimizer slots).
   static Status CopyRows(Table* from, Table* to);
@@ -311,7 +313,7 @@ class Shard {
   // load runs (unset: not yet known). Guarded by keeper_pass_mu_.
   std::chrono::steady_clock::time_point settle_by_;
   // SetBufferBytes's.
-  std::mutex buffer_bytes_mu_;
+  mutable std::mutex buffer_bytes_mu_;
   std::function<uint64_t()> buffer_bytes_;  // guarded by buffer_bytes_mu_
   // Tables whose tier failed: when the keeper tries each again, the wait
   // after that try should it fail too, and when it last failed (guarded by

@@ -44,16 +44,6 @@ class Buffer {
     }
     return data_.get();
   }
-  // Returns storage for at least `bytes`, keeping the first `keep` bytes.
-  uint8_t* Grow(size_t bytes, size_t keep) {
-    if (bytes > capacity_) {
-      std::unique_ptr<uint8_t[]> next(new uint8_t[bytes]);
-      if (keep > 0) std::memcpy(next.get(), data_.get(), std::min(keep, capacity_));
-      data_ = std::move(next);
-      Account(bytes);
-    }
-    return data_.get();
-  }
   uint8_t* data() { return data_.get(); }
   const uint8_t* data() const { return data_.get(); }
   size_t capacity() const { return capacity_; }

@@ -1478,6 +1478,40 @@ DLT_TEST(TestMemoryASaveOrLoadLeavesBehindMovesNoRowWhileItGoes) {
   munmap(more, kHeld);
 }
 
+DLT_TEST(TestMemoryABufferFreedWhileTheKeeperMeasuresMovesNoRow) {
+  // The data plane's buffers (a pooled reply) are counted within the room
+  // held back for buffers, not as overhead rows give way to. One freed
+  // while a pass measures is gone from the resident memory or still in
+  // the count, never neither: the keeper read the count once, after the
+  // resident memory, and a pooled reply let go between the two reads
+  // counted as overhead (rows of a table without a tier were evicted for
+  // good, once in a dozen runs of a test of large pulls).
+  FilledShard made;
+  Shard* shard = made.shard.get();
+  const std::shared_ptr<Table>& t = made.t;
+  if (testing::kUnderAddressSanitizer) return;  // measures resident memory
+  void* buffer = TakeMemory();
+  std::atomic<bool> release{false};
+  shard->SetBufferBytes([&] {
+    // A buffer pooled until `release`, then let go by the first pass that
+    // asks: freed just as it measures, counted until then.
+    if (!release.load() || buffer == nullptr) return buffer == nullptr ? uint64_t{0} : kHeld;
+    munmap(buffer, kHeld);
+    buffer = nullptr;
+    return uint64_t{0};
+  });
+  SettleMemory(shard);
+  const uint64_t ram_rows = t->tier_stats().ram_rows;
+  EXPECT(ram_rows > 0);
+  for (int i = 0; i < 3; ++i) EXPECT(shard->KeepMemory() == 0);  // counted as a buffer
+  release = true;
+  EXPECT(shard->KeepMemory() == 0);
+  EXPECT(buffer == nullptr);
+  for (int i = 0; i < 3; ++i) EXPECT(shard->KeepMemory() == 0);  // and gone
+  EXPECT(t->tier_stats().ram_rows == ram_rows);
+  shard->SetBufferBytes(nullptr);
+}
+
 DLT_TEST(TestAKeepersDiskErrorClearsOnceNothingNeedsMoving) {
   // The keeper's failure to move rows (a full disk) is shown in the tier's
   // stats while rows need moving; once RAM is back under its target (the

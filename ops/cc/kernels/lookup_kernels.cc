@@ -4,6 +4,7 @@
 // order as they arrive); ComputeAsync blocks only for small lookups (kInlineFloats), pulled on
 // the calling thread. Embedded: the in-process table is read in place.
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -94,7 +95,11 @@ class CachedLookup {
     Scratch own;
     dlt::ThreadScratch(static_cast<size_t>(n_), own).dedup.Run(id, n_, &unique_, &slot_);
     distinct_.resize(unique_.size() * dim_);
-    now_ms_ = static_cast<int64_t>(Env::Default()->NowMicros() / 1000);
+    // A monotonic clock: the wall clock stepped back (NTP) kept rows fresh
+    // past their age limit, and stepped forward made every row stale.
+    now_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(
+                  std::chrono::steady_clock::now().time_since_epoch())
+                  .count();
     cache_->Lookup(unique_.data(), unique_.size(), now_ms_, distinct_.data(), &plan_);
     c_->CountCached(plan_);
     for (uint32_t p : plan_.fill) fill_ids_.push_back(unique_[p]);
