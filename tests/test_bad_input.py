@@ -530,25 +530,22 @@ def test_a_data_server_starts_once() -> None:
     FAILED_PRECONDITION: it started threads over the ones it held (or left
     them unjoined at its end), which aborted the process."""
     done = _run_native("""
+        def start(server, when):
+            try:
+                server.start()
+            except errors.FailedPreconditionError as e:
+                print(f"{when}:", e)
+
         shard = _native.Shard(0, 1)
         server = _native.DataServer(shard)
         server.start()
-        try:
-            server.start()
-        except errors.FailedPreconditionError as e:
-            print("again:", e)
+        start(server, "again")
         server.stop()
-        try:
-            server.start()
-        except errors.FailedPreconditionError as e:
-            print("after stop:", e)
+        start(server, "after stop")
         del server
         stopped = _native.DataServer(shard)
         stopped.stop()
-        try:
-            stopped.start()
-        except errors.FailedPreconditionError as e:
-            print("stopped first:", e)
+        start(stopped, "stopped first")
         print("done")
     """)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -607,3 +604,68 @@ def test_one_exporter_read_by_several_threads() -> None:
     """)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done" in done.stdout
+
+
+def test_a_state_pull_with_other_slot_floats_names_the_tables(one: Cluster) -> None:
+    """pull_state told other slot floats than the table's got a reply of
+    another size, raised as INTERNAL ("reply of 88 bytes; the request
+    expects 32"): INVALID_ARGUMENT naming the table's and the request's."""
+    raw = _native.Client(one.addresses)
+    with pytest.raises(
+        errors.InvalidArgumentError,
+        match="the table has 4 slot floats per row, the request says 1 \\(pull_state's slot_floats",
+    ):
+        raw.pull_state("emb", 4, 1, np.array([1, 2], np.int64))
+    assert raw.pull_state("emb", 4, 4, np.array([1, 2], np.int64)).shape == (2, 9)
+    _still_serves(one)
+
+
+def test_a_time_out_of_range_for_shrink_or_expire_is_invalid_argument() -> None:
+    """A negative `now` raised a bare RuntimeError ("Unable to cast Python
+    instance of type int to C++ type '?'")."""
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 2).to_dict())
+    table = shard.get_table("t")
+    for now in (-1, 1 << 32):
+        with pytest.raises(errors.InvalidArgumentError, match=f"now must be .*, got {now}"):
+            table.shrink(min_count=1, now=now)
+        with pytest.raises(errors.InvalidArgumentError, match=f"now must be .*, got {now}"):
+            table.expire(now=now)
+    assert table.shrink(min_count=1, now=0) == 0
+
+
+@pytest.mark.parametrize(
+    ("drop", "named"),
+    [
+        (("dim",), "table config has no 'dim'"),
+        (("optimizer", "kind"), "table config's optimizer has no 'kind'"),
+    ],
+)
+def test_a_table_config_missing_an_entry_names_it(drop: tuple[str, ...], named: str) -> None:
+    """A config dict without one of its entries raised a bare KeyError
+    ('dim') from the native shard."""
+    config = TableConfig("t", 2).to_dict()
+    held = config
+    for key in drop[:-1]:
+        held = held[key]
+    del held[drop[-1]]
+    with pytest.raises(errors.InvalidArgumentError, match=named):
+        _native.Shard(0, 1).create_table(config)
+
+
+def test_a_table_config_dict_missing_entries_names_them() -> None:
+    """TableConfig.from_dict raised a bare KeyError ('dim')."""
+    config = TableConfig("t", 2).to_dict()
+    del config["dim"], config["seed"]
+    with pytest.raises(errors.InvalidArgumentError, match="table config 't' has no 'dim', 'seed'"):
+        TableConfig.from_dict(config)
+
+
+def test_a_port_past_65535_is_refused() -> None:
+    """A data server given port 70000 listened on 4464 (70000 modulo 65536)."""
+    shard = _native.Shard(0, 1)
+    for options in ({"port": 70000}, {"port": -1}, {"admin_port": 70000}):
+        server = _native.DataServer(shard, **options)
+        with pytest.raises(errors.InvalidArgumentError, match="must be 0-65535"):
+            server.start()
+        server.stop()

@@ -303,6 +303,40 @@ def test_a_commit_that_fails_on_hdfs_leaves_no_copy_of_its_manifest() -> None:
     assert names == sorted([manifest_lib.MANIFEST, manifest_lib.manifest_copy(save_id)])
 
 
+def test_a_store_failing_to_read_the_manifest_is_not_nothing_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """committed_save_id read any failure to read MANIFEST.json as "nothing
+    committed": a save checking that no newer save holds its path went on
+    over a store that did not answer, and committed. The failure is raised,
+    of the class it calls for (UNAVAILABLE for a connection reset), and the
+    save commits nothing; a manifest that is not there is "" still."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class FailingStore(MemoryFileSystem):  # type: ignore[misc]
+        failure: Exception | None = None
+
+        def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+            if self.failure is not None and "r" in mode:
+                raise self.failure
+            return super()._open(path, mode, **kwargs)
+
+    fs = FailingStore(skip_instance_cache=True)
+    root = "/failing/ck"
+    fs.makedirs(root, exist_ok=True)
+    assert manifest_lib.committed_save_id(fs, root) == ""
+    save_id = manifest_lib.new_save_id()
+    part = shard_files.save_shard(str(tmp_path / "ck"), _small_shard(), save_id)
+    fs.pipe_file(f"{root}/{part['file']}", b"")  # (only looked up)
+    fs.failure = ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+    with pytest.raises(errors.UnavailableError, match="MANIFEST.json: Connection reset"):
+        manifest_lib.committed_save_id(fs, root)
+    monkeypatch.setattr(manifest_lib, "filesystem", lambda path: (fs, root))
+    with pytest.raises(errors.UnavailableError, match="Connection reset"):
+        manifest_lib.write_manifest("memory://failing/ck", [part], save_id)
+    assert not fs.exists(f"{root}/{manifest_lib.MANIFEST}")
+
+
 def _small_shard() -> _native.Shard:
     """One shard holding table "t" with 10 trained rows."""
     shard = _native.Shard(0, 1)

@@ -679,3 +679,26 @@ def test_a_save_given_up_as_a_shard_fails_over_is_made_again(
     model.fit(x, y, epochs=1, batch_size=16, verbose=0)  # moves everything on
     tf_dlt.load(model, str(tmp_path / "ck"))
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+
+
+def test_a_store_failing_to_answer_for_the_dense_weights_is_no_missing_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether a model save's dense weights are there was asked through
+    fsspec's `exists`, which reads a store that fails to answer as "not
+    there": a save stopped before its model file then read as no checkpoint
+    at all (NotFoundError, and a trainer starts afresh). The store's failure
+    is raised."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from tf_dlt.checkpoint import chain
+
+    class FailingStore(MemoryFileSystem):  # type: ignore[misc]
+        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+
+    fs = FailingStore(skip_instance_cache=True)
+    monkeypatch.setattr(manifest, "filesystem", lambda path: (fs, "/failing/model"))
+    tables = {"save_id": manifest.new_save_id(), "tables": []}
+    with pytest.raises(ConnectionResetError, match="Connection reset"):
+        chain.read_model("memory://failing/model", tables)

@@ -363,6 +363,24 @@ def test_a_url_with_a_query_or_fragment_is_refused_before_a_write(
             np.testing.assert_array_equal(c.pull("ada", IDS), rows)
 
 
+def _on_a_thread(call: Callable[[], object]) -> tuple[threading.Thread, list[BaseException | None]]:
+    """`call()` on a daemon thread, started: the thread, and a list that
+    takes its outcome when it ends (None if it returned, else what it
+    raised)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
 def _bounded(error: errors.DltError) -> None:
     """A store's failure reaches the caller as a short message of its own
     (a Java stack trace or a server's reply left out)."""
@@ -446,19 +464,11 @@ def test_an_upload_to_a_store_that_stopped_answering_ends_by_its_deadline(
         monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "120")
         manifest.put_durably(fs, str(part), f"{root}/before.h5")
         monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "3")
-        outcome: list[BaseException | None] = []
-
-        def upload() -> None:
-            try:
-                manifest.put_durably(fs, str(part), f"{root}/during.h5")
-                outcome.append(None)
-            except BaseException as e:  # noqa: BLE001 - the test reads it
-                outcome.append(e)
-
         with s3.paused("s3"):
             started = time.monotonic()
-            thread = threading.Thread(target=upload, daemon=True)
-            thread.start()
+            thread, outcome = _on_a_thread(
+                lambda: manifest.put_durably(fs, str(part), f"{root}/during.h5")
+            )
             thread.join(60)
             took = time.monotonic() - started
         thread.join(120)
@@ -531,18 +541,10 @@ def test_a_shard_file_read_from_a_store_that_stopped_answering_ends_by_its_deadl
 
         monkeypatch.setattr(fs, "_call_s3", a_get_that_never_ends)
         monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "3")
-        outcome: list[BaseException | None] = []
-
-        def fetch() -> None:
-            try:
-                verified.fetch_verified(fs, root, entry, str(tmp_path))
-                outcome.append(None)
-            except BaseException as e:  # noqa: BLE001 - the test reads it
-                outcome.append(e)
-
         started = time.monotonic()
-        thread = threading.Thread(target=fetch, daemon=True)
-        thread.start()
+        thread, outcome = _on_a_thread(
+            lambda: verified.fetch_verified(fs, root, entry, str(tmp_path))
+        )
         thread.join(60)
         took = time.monotonic() - started
         monkeypatch.setattr(fs, "_call_s3", answered)
@@ -606,18 +608,8 @@ def test_a_manifest_read_a_listing_and_a_head_against_a_store_that_trickles_end_
 
         monkeypatch.setattr(fs, "_call_s3", trickling)
         monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "2")
-        outcome: list[BaseException | None] = []
-
-        def send() -> None:
-            try:
-                ask()
-                outcome.append(None)
-            except BaseException as e:  # noqa: BLE001 - the test reads it
-                outcome.append(e)
-
         started = time.monotonic()
-        thread = threading.Thread(target=send, daemon=True)
-        thread.start()
+        thread, outcome = _on_a_thread(ask)
         thread.join(20)
         took = time.monotonic() - started
         monkeypatch.setattr(fs, "_call_s3", answered)

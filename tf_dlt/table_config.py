@@ -111,6 +111,14 @@ class TableConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TableConfig:
+        """The config `to_dict` gave; InvalidArgumentError naming the
+        entries `d` lacks (a bare KeyError before)."""
+        missing = [k for k in ("name", "dim", "seed", "initializer", "optimizer") if k not in d]
+        if missing:
+            raise errors.InvalidArgumentError(
+                f"table config {d.get('name', '')!r} has no {', '.join(map(repr, missing))} "
+                "(TableConfig.to_dict() gives a whole one)"
+            )
         return cls(
             name=str(d["name"]),
             dim=int(d["dim"]),

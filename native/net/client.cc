@@ -342,6 +342,7 @@ Status Client::PullOnce(const Layout& layout, const std::string& table, uint32_t
       call.rows.out = out;
       call.rows.pos = in_order ? nullptr : pos.data();
       call.rows.row_floats = row_floats;
+      call.rows.state_dim = IsStatePull(mode) ? dim : 0;
       call.rows.stream = StreamsPulledRows(out, row_floats, n);
       call.rows.fixed = wire::kPullReplyFixed;
       call.on_reply = [rows = end - first, rows_per_frame, dim](size_t frame, const uint8_t* p,

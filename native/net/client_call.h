@@ -127,6 +127,9 @@ struct Client::Call {
     const uint32_t* pos = nullptr;
     size_t row_floats = 0;
     size_t fixed = 0;
+    // A state pull's dim (0 for other pulls): a reply whose rows are of
+    // another width names the table's slot floats (CheckReply).
+    size_t state_dim = 0;
     // Scattered rows are written with non-temporal stores
     // (StreamsPulledRows).
     bool stream = false;

@@ -178,6 +178,20 @@ Status Client::Call::CheckReply(const wire::FrameHeader& frame,
   }
   if (frame.opcode != opcode) return Internal("reply opcode does not match the request");
   const size_t expected = frames[id - first_request_id].reply_bytes;
+  if (frame.payload_bytes != expected && rows.state_dim > 0 &&
+      frame.payload_bytes > wire::kPullReplyFixed) {
+    // A state pull of a table with other slot floats than PullState was
+    // told: as many rows, each of another width.
+    const size_t count = (expected - wire::kPullReplyFixed) / (sizeof(float) * rows.row_floats);
+    const size_t got = frame.payload_bytes - wire::kPullReplyFixed;
+    const size_t width = count > 0 ? got / (sizeof(float) * count) : 0;
+    if (width * sizeof(float) * count == got && width > rows.state_dim) {
+      return InvalidArgument("the table has " + std::to_string(width - rows.state_dim - 1) +
+                             " slot floats per row, the request says " +
+                             std::to_string(rows.row_floats - rows.state_dim - 1) +
+                             " (pull_state's slot_floats)");
+    }
+  }
   if (frame.payload_bytes != expected) {
     return Internal("reply of " + std::to_string(frame.payload_bytes) +
                     " bytes; the request expects " + std::to_string(expected));

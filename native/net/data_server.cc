@@ -169,6 +169,11 @@ Status DataServer::Start() {
     return InvalidArgument("hello and io timeouts must be > 0 and the idle timeout >= 0");
   }
   if (o.max_buffered_bytes == 0) return InvalidArgument("max buffered bytes must be > 0");
+  if (o.port < 0 || o.port > 65535 || o.admin_port > 65535) {
+    // A larger port was bound modulo 65536 (70000 listened on 4464).
+    return InvalidArgument("port and admin port must be 0-65535 (0: any free one), got port " +
+                           std::to_string(o.port) + ", admin port " + std::to_string(o.admin_port));
+  }
 
   // Connections are file descriptors: raise the soft limit as far as needed
   // (up to the hard limit) and size the authenticated cap from it.

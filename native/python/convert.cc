@@ -17,24 +17,40 @@ void Check(const Status& s) {
   if (!s.ok()) Raise(s);
 }
 
+namespace {
+
+// Entry `key` of config dict `d` (`of`: which dict); InvalidArgument naming
+// the key when it has none (a bare KeyError before).
+py::object Entry(const py::dict& d, const char* key, const char* of) {
+  if (!d.contains(key)) {
+    Raise(InvalidArgument(std::string(of) + " has no '" + key +
+                          "' (tf_dlt.TableConfig.to_dict() gives a whole one)"));
+  }
+  return d[key];
+}
+
+}  // namespace
+
 // A config from its dict form (tf_dlt.TableConfig.to_dict()); parameters
 // not given keep their defaults. The field names come from the one list in
 // table_config.h.
 TableConfig ConfigFromDict(const py::dict& d) {
   TableConfig c;
-  c.name = py::cast<std::string>(d["name"]);
-  c.dim = py::cast<uint32_t>(d["dim"]);
-  c.seed = py::cast<uint64_t>(d["seed"]);
-  const py::dict init = d["initializer"];
-  const std::string init_kind = py::cast<std::string>(init["kind"]);
+  c.name = py::cast<std::string>(Entry(d, "name", "table config"));
+  c.dim = py::cast<uint32_t>(Entry(d, "dim", "table config"));
+  c.seed = py::cast<uint64_t>(Entry(d, "seed", "table config"));
+  const py::dict init = Entry(d, "initializer", "table config");
+  const std::string init_kind =
+      py::cast<std::string>(Entry(init, "kind", "table config's initializer"));
   if (!ParseInitializerKind(init_kind, &c.initializer.kind)) {
     Raise(InvalidArgument("unknown initializer '" + init_kind + "'"));
   }
   for (const InitializerField& f : kInitializerFields) {
     if (init.contains(f.name)) c.initializer.*f.member = py::cast<float>(init[f.name]);
   }
-  const py::dict opt = d["optimizer"];
-  const std::string opt_kind = py::cast<std::string>(opt["kind"]);
+  const py::dict opt = Entry(d, "optimizer", "table config");
+  const std::string opt_kind =
+      py::cast<std::string>(Entry(opt, "kind", "table config's optimizer"));
   if (!ParseOptimizerKind(opt_kind, &c.optimizer.kind)) {
     Raise(InvalidArgument("unknown optimizer '" + opt_kind + "'"));
   }

@@ -73,6 +73,18 @@ void CheckSketch(const Table& t, uint32_t first_bucket, uint32_t end_bucket) {
   }
 }
 
+// The time `now` of shrink and expire: the table's clock for None, else
+// an integer 0 to 2^32 - 1 (a negative one raised a bare RuntimeError).
+uint32_t NowOf(const Table& t, const py::object& now) {
+  if (now.is_none()) return t.Now();
+  try {
+    return py::cast<uint32_t>(now);
+  } catch (const py::cast_error&) {
+    Raise(InvalidArgument("now must be an integer 0 to 4294967295 (None: the table's clock), got " +
+                          py::cast<std::string>(py::repr(now))));
+  }
+}
+
 // The update counts (or stamps) of an import: null for None, else one per
 // row, held in `keep`.
 const uint32_t* OptionalSteps(const py::object& steps, size_t n, StepArray* keep) {
@@ -183,7 +195,7 @@ void BindTable(py::module_& m) {
       .def(
           "shrink",
           [](Table& t, uint64_t min_count, uint64_t unseen_for, const py::object& now) {
-            const uint32_t at = now.is_none() ? t.Now() : py::cast<uint32_t>(now);
+            const uint32_t at = NowOf(t, now);
             GilRelease release;
             return t.Shrink(min_count, unseen_for, at);
           },
@@ -191,7 +203,7 @@ void BindTable(py::module_& m) {
       .def(
           "expire",
           [](Table& t, const py::object& now) {
-            const uint32_t at = now.is_none() ? t.Now() : py::cast<uint32_t>(now);
+            const uint32_t at = NowOf(t, now);
             GilRelease release;
             return t.Expire(at);
           },

@@ -62,7 +62,9 @@ def read_model(path: str, tables: dict[str, Any] | None = None) -> dict[str, Any
             tables = tables or manifest_lib.read_manifest(tables_path(path, TABLES_DIR))
         except (errors.NotFoundError, errors.FailedPreconditionError):
             tables = None
-        if tables is None or not _exists(fs, f"{root}/{dense_file(str(tables['save_id']))}"):
+        if tables is None or not manifest_lib.exists(
+            fs, f"{root}/{dense_file(str(tables['save_id']))}"
+        ):
             raise errors.NotFoundError(f"no tf_dlt model checkpoint at {path!r}") from None
         return _held_by_tables(info, tables)
     committed = str(info.get("save_id", ""))
@@ -72,7 +74,7 @@ def read_model(path: str, tables: dict[str, Any] | None = None) -> dict[str, Any
     saved = str(tables["save_id"])
     if saved == committed:
         return {**info, "dense_file": dense_file(saved)}
-    if saved > committed and _exists(fs, f"{root}/{dense_file(saved)}"):
+    if saved > committed and manifest_lib.exists(fs, f"{root}/{dense_file(saved)}"):
         return _held_by_tables(info, tables)
     if not committed:  # saved before saves named their dense weights
         return {**info, "save_id": "", "dense_file": DENSE_FILE}
@@ -80,13 +82,6 @@ def read_model(path: str, tables: dict[str, Any] | None = None) -> dict[str, Any
         f"model checkpoint {path!r}: its tables are save {saved}'s, its model file names save "
         f"{committed}, and the dense weights of save {saved} are not there (another program "
         "wrote into it?); nothing was loaded"
-    )
-
-
-def _exists(fs: Any, target: str) -> bool:
-    """Whether `target` exists, asked within its deadline."""
-    return bool(
-        manifest_lib.within_deadline(fs, lambda **o: fs.exists(target, **o), "looking up", target)
     )
 
 

@@ -245,25 +245,20 @@ def _query_or_fragment(url: str) -> str:
     return parts.query or parts.fragment
 
 
-def _upload_deadline(size: int) -> float:
-    """Seconds an upload of `size` bytes may take: TF_DLT_UPLOAD_DEADLINE_S
-    (default UPLOAD_DEADLINE_S; 0: no deadline) plus a second per
+def transfer_deadline(size: int) -> float:
+    """Seconds a request to an object store moving `size` bytes may take
+    (0: no deadline): an upload's, a ranged read of a shard file's, and
+    the small requests' (a HEAD, a listing, a manifest's read: `size` 0, or
+    the size a HEAD gave). TF_DLT_UPLOAD_DEADLINE_S (default
+    UPLOAD_DEADLINE_S; 0: no deadline) plus a second per
     TF_DLT_UPLOAD_MIN_BYTES_PER_S (default UPLOAD_FLOOR_BYTES_PER_S), read
-    from the environment of the process uploading (shard servers upload
-    their files; the client the manifest)."""
+    from the environment of the process making the request (shard servers
+    upload and read their files; the client the manifest)."""
     base = float(os.environ.get("TF_DLT_UPLOAD_DEADLINE_S", UPLOAD_DEADLINE_S))
     floor = float(os.environ.get("TF_DLT_UPLOAD_MIN_BYTES_PER_S", UPLOAD_FLOOR_BYTES_PER_S))
     if base <= 0:
         return 0.0
     return base + (size / floor if floor > 0 else 0.0)
-
-
-def transfer_deadline(size: int) -> float:
-    """Seconds a request to an object store moving `size` bytes may take
-    (0: no deadline): an upload's, a ranged read of a shard file's, and
-    the small requests' (a HEAD, a listing, a manifest's read: `size` 0, or
-    the size a HEAD gave)."""
-    return _upload_deadline(size)
 
 
 def within_deadline(
@@ -535,7 +530,7 @@ def write_manifest(
     if delta and parent is not None:
         _check_base(path, parent, save_id, committed=False)
     for part in parts:  # a concurrent save to the same path may have removed them
-        if not _there(fs, f"{root}/{part['file']}"):
+        if not exists(fs, f"{root}/{part['file']}"):
             raise errors.FailedPreconditionError(
                 f"{part['file']} is gone from {path} before its manifest was written (another "
                 "save to the same path removed it?); the checkpoint there is unchanged"
@@ -716,13 +711,14 @@ def _newest_whole(
 
 def _all_there(fs: fsspec.AbstractFileSystem, root: str, files: Iterable[str]) -> bool:
     """Whether every one of `files` is at `root` (asked one by one)."""
-    return all(_there(fs, f"{root}/{name}") for name in files)
+    return all(exists(fs, f"{root}/{name}") for name in files)
 
 
-def _there(fs: fsspec.AbstractFileSystem, target: str) -> bool:
-    """Whether file `target` exists. Unlike fsspec's `exists`, a store that
-    fails to answer raises (OSError; UnavailableError past its deadline)
-    rather than reading as "not there"."""
+def exists(fs: fsspec.AbstractFileSystem, target: str) -> bool:
+    """Whether file `target` exists, asked within its deadline. Unlike
+    fsspec's `exists`, a store that fails to answer raises (OSError;
+    UnavailableError past its deadline) rather than reading as "not
+    there"."""
     try:
         within_deadline(fs, lambda **o: fs.info(target, **o), "looking up", target)
     except FileNotFoundError:
@@ -743,10 +739,29 @@ def _remove_quietly(fs: fsspec.AbstractFileSystem, target: str) -> None:
 
 def committed_save_id(fs: fsspec.AbstractFileSystem, root: str) -> str:
     """The save id of the manifest committed at `root`; "" when none (or
-    one this build cannot read: the save replaces it)."""
+    one this build cannot read: the save replaces it). A store that fails
+    to answer raises the DltError `errors.error_for_storage` gives
+    (UNAVAILABLE when it cannot be reached or timed out): before, it read
+    as "nothing committed", and a save checking for a newer one went on."""
+    target = f"{root}/{MANIFEST}"
     try:
-        save_id = json.loads(_read_manifest_bytes(fs, f"{root}/{MANIFEST}")).get("save_id", "")
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError, errors.DltError):
+        data = _read_manifest_bytes(fs, target)
+    except errors.FailedPreconditionError:
+        return ""  # not a regular file, or too large: the save replaces it
+    except errors.DltError:
+        raise  # the store did not answer within its deadline
+    except Exception as e:
+        if not errors.is_storage_error(e):
+            raise
+        if isinstance(e, OSError) and e.errno == errno.ELOOP:
+            return ""  # a link at its name: never followed, the save replaces it
+        error = errors.error_for_storage(e, f"cannot read {url_of(fs, target)}")
+        if isinstance(error, errors.NotFoundError):
+            return ""
+        raise error from e
+    try:
+        save_id = json.loads(data).get("save_id", "")
+    except (ValueError, UnicodeDecodeError, AttributeError):
         return ""
     return save_id if isinstance(save_id, str) else ""
 
