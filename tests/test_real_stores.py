@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -617,3 +618,80 @@ def test_a_manifest_read_a_listing_and_a_head_against_a_store_that_trickles_end_
         assert f"{what} timed out after 2 s (its deadline 2 s" in outcome[0].message
         assert took < 15, took
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_hdfs_calls_to_a_namenode_that_never_answers_end_by_their_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """hdfs-native has no setting that bounds a NameNode that accepts
+    connections and never answers (no RPC or connect timeout): a lookup
+    waited past 150 s, and a shard's save (and every save and load of the
+    shard after it), a load, a follower's poll or `tf-dlt checkpoint ls`
+    would wait for good. Each HDFS call ends by its deadline (shortened
+    here), as on S3: UNAVAILABLE, naming the request and the path. Needs
+    hdfs-native only (no HDFS): a loopback socket plays the NameNode."""
+    pytest.importorskip("hdfs_native")
+    from tf_dlt import _native
+    from tf_dlt.checkpoint import chain, shard_files
+    from tf_dlt.table_config import TableConfig
+
+    monkeypatch.setenv("TF_DLT_UPLOAD_DEADLINE_S", "2")
+    monkeypatch.setenv("TF_DLT_UPLOAD_MIN_BYTES_PER_S", str(1 << 40))
+    shard = _native.Shard(0, 1)
+    shard.create_table(TableConfig("t", 2).to_dict())
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.2)
+        root = f"hdfs://127.0.0.1:{listener.getsockname()[1]}/run"
+
+        def accept() -> None:  # and never answer
+            while not stop.is_set():
+                try:
+                    accepted.append(listener.accept()[0])
+                except TimeoutError:
+                    continue
+
+        acceptor = threading.Thread(target=accept, daemon=True)
+        acceptor.start()
+        asks: list[tuple[str, Callable[[], object]]] = [
+            (f"looking up {root}/c1/MANIFEST.json", lambda: manifest.read_manifest(f"{root}/c1")),
+            (f"listing {root}", lambda: chain.find(root)),  # a follower's poll, checkpoint ls
+            (  # a shard's save
+                f"making the directory {root}/c2",
+                lambda: shard_files.save_shard(f"{root}/c2", shard, manifest.new_save_id()),
+            ),
+        ]
+        try:
+            for what, ask in asks:
+                outcome: list[BaseException | None] = []
+
+                def send(ask: Callable[[], object] = ask, outcome: list[Any] = outcome) -> None:
+                    try:
+                        ask()
+                        outcome.append(None)
+                    except BaseException as e:  # noqa: BLE001 - the test reads it
+                        outcome.append(e)
+
+                started = time.monotonic()
+                thread = threading.Thread(target=send, daemon=True)
+                thread.start()
+                thread.join(30)
+                took = time.monotonic() - started
+                assert outcome and isinstance(outcome[0], errors.UnavailableError), (
+                    what, outcome, took,
+                )  # fmt: skip
+                assert f"{what} timed out after 2 s (its deadline 2 s" in outcome[0].message
+                assert took < 30, took
+            assert accepted  # it was asked, and never answered
+        finally:
+            stop.set()
+            acceptor.join(10)
+            for conn in accepted:  # the calls left behind end on their closed connections
+                conn.close()
+    # Each call left behind past its deadline ends once its connection
+    # does (hdfs-native's retries refused): none outlives the test (one
+    # returning as the interpreter exits aborted it, "exception not rethrown").
+    for left in [t for t in threading.enumerate() if t.name.startswith("tf_dlt-hdfs ")]:
+        left.join(60)
+        assert not left.is_alive(), left.name

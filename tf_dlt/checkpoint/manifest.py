@@ -19,10 +19,11 @@ import re
 import secrets
 import stat
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any, TypeVar
+from typing import IO, Any, TypeVar, cast
 
 import fsspec
 import fsspec.asyn
@@ -147,7 +148,13 @@ def absolute(path: str) -> str:
 # the cluster's HADOOP_CONF_DIR files and fsspec's own configuration for
 # "hdfs" come on top): a NameNode that cannot be reached fails the request
 # after a few seconds of retries instead of blocking a shard's Save for
-# minutes.
+# minutes. hdfs-native (0.14) has no key that bounds a NameNode that
+# accepts connections and never answers: it reads no ipc.client.* key (no
+# connect or RPC timeout; a call waits for its reply for good, measured
+# past 150 s), and dfs.client.socket-timeout (default 60 s) bounds only
+# connecting to a DataNode and each wait for a DataNode's next bytes (not a
+# DataNode that trickles). Every HDFS call tf_dlt makes therefore runs
+# within the deadline of `within_deadline`, as on S3.
 HDFS_DEFAULTS = {
     "dfs.client.failover.max.attempts": "4",
     "dfs.client.failover.sleep.base.millis": "200",
@@ -227,15 +234,18 @@ def commit_file(fs: fsspec.AbstractFileSystem, target: str, data: bytes) -> None
         with replaced_durably(target) as (fd, _):
             _write_all(fd, data)  # through our descriptor: never a file planted by name
         return
-    if _renames_atomically(fs):
+    if _renames_atomically(fs):  # each call within its deadline (`within_deadline`)
         tmp = f"{target}.tmp-{secrets.token_hex(8)}"
-        fs.pipe_file(tmp, data)
+        _upload_within_deadline(fs, lambda **o: fs.pipe_file(tmp, data, **o), tmp, len(data))
         try:
-            fs.mv(tmp, target, overwrite=True)
-        finally:
-            with contextlib.suppress(FileNotFoundError, OSError):
-                if fs.exists(tmp):
-                    fs.rm(tmp)
+            within_deadline(
+                fs, lambda **o: fs.mv(tmp, target, overwrite=True, **o), "renaming", tmp
+            )
+        except errors.UnavailableError:
+            raise  # past its deadline: no further call waits on a store that stopped answering
+        except BaseException:
+            _remove_quietly(fs, tmp)
+            raise
         return
     _upload_within_deadline(fs, lambda **o: fs.pipe_file(target, data, **o), target, len(data))
 
@@ -246,19 +256,67 @@ def _query_or_fragment(url: str) -> str:
 
 
 def transfer_deadline(size: int) -> float:
-    """Seconds a request to an object store moving `size` bytes may take
-    (0: no deadline): an upload's, a ranged read of a shard file's, and
-    the small requests' (a HEAD, a listing, a manifest's read: `size` 0, or
-    the size a HEAD gave). TF_DLT_UPLOAD_DEADLINE_S (default
-    UPLOAD_DEADLINE_S; 0: no deadline) plus a second per
-    TF_DLT_UPLOAD_MIN_BYTES_PER_S (default UPLOAD_FLOOR_BYTES_PER_S), read
-    from the environment of the process making the request (shard servers
-    upload and read their files; the client the manifest)."""
+    """Seconds a request to an object store or HDFS moving `size` bytes may
+    take (0: no deadline): an upload's, a ranged read of a shard file's,
+    and the small requests' (a HEAD or a NameNode's file status, a listing,
+    a manifest's read, a rename: `size` 0, or the size a HEAD gave).
+    TF_DLT_UPLOAD_DEADLINE_S (default UPLOAD_DEADLINE_S; 0: no deadline)
+    plus a second per TF_DLT_UPLOAD_MIN_BYTES_PER_S (default
+    UPLOAD_FLOOR_BYTES_PER_S), read from the environment of the process
+    making the request (shard servers upload and read their files; the
+    client the manifest)."""
     base = float(os.environ.get("TF_DLT_UPLOAD_DEADLINE_S", UPLOAD_DEADLINE_S))
     floor = float(os.environ.get("TF_DLT_UPLOAD_MIN_BYTES_PER_S", UPLOAD_FLOOR_BYTES_PER_S))
     if base <= 0:
         return 0.0
     return base + (size / floor if floor > 0 else 0.0)
+
+
+def has_deadlines(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `within_deadline` bounds the calls to `fs`: an object store
+    (fsspec's asynchronous filesystems) or HDFS; not a local disk or
+    memory."""
+    return isinstance(fs, fsspec.asyn.AsyncFileSystem) or _renames_atomically(fs)
+
+
+class _PastDeadline(Exception):
+    """A call run on a helper thread (`_on_helper_thread`) went past its
+    deadline."""
+
+
+def _on_helper_thread(call: Callable[[], _T], deadline: float, name: str) -> _T:
+    """`call()` on a daemon thread of its own, waited for `deadline`
+    seconds; _PastDeadline past it. hdfs-native's client is synchronous,
+    takes no timeout and has no setting that bounds a NameNode that never
+    answers (HDFS_DEFAULTS): the only way to stop waiting for such a call is
+    to leave it. The thread left behind stays blocked in the client (the
+    GIL released) until the store answers or drops the connection, then
+    ends: its result or error is dropped, and nothing else is held for it
+    (no lock of tf_dlt's, no file of the caller's; a file the call opened
+    itself it closes as it ends). Like an S3 request past its deadline, a
+    call left may still take effect later (a rename, an upload of a file
+    no manifest names yet): callers treat UnavailableError as "not known
+    to have happened". (A thread left that returns just as the interpreter
+    exits is ended inside hdfs-native, which can abort the exit: "FATAL:
+    exception not rethrown"; one still blocked is not.)"""
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    if not done.wait(deadline):
+        raise _PastDeadline
+    ok, value = outcome.pop()
+    if not ok:
+        raise value
+    return cast(_T, value)
 
 
 def within_deadline(
@@ -271,22 +329,26 @@ def within_deadline(
 ) -> _T:
     """`call(**options)`, a request to `fs` about `target` (`what` it does:
     "listing", "uploading 5 bytes to") moving about `size` bytes; to an
-    object store (fsspec's asynchronous filesystems, which take
-    `timeout=`) within `transfer_deadline(size)`, else UnavailableError
-    naming `what` and `target` (`on_timeout()` called first). botocore's
-    read timeout bounds each socket read, not a request: a store that sent
-    a byte now and then held a HEAD, a listing or a manifest's read (a
-    save's checks, a load, a follower's poll, `tf-dlt checkpoint ls`, a
-    process past SIGTERM) for as long as it went on. Local files and HDFS
-    (a synchronous client, which takes no `timeout=`) are called as they
-    are."""
+    object store or HDFS (`has_deadlines`) within `transfer_deadline(size)`,
+    else UnavailableError naming `what` and `target` (`on_timeout()` called
+    first). botocore's read timeout bounds each socket read, not a request:
+    a store that sent a byte now and then held a HEAD, a listing or a
+    manifest's read (a save's checks, a load, a follower's poll, `tf-dlt
+    checkpoint ls`, a process past SIGTERM) for as long as it went on; a
+    NameNode that accepted connections and never answered held them for
+    good. Object stores (fsspec's asynchronous filesystems) take
+    `timeout=`; HDFS (hdfs-native: synchronous, no timeout) is called with
+    no options on a helper thread, left past the deadline
+    (`_on_helper_thread`). Local files and memory are called as they are."""
     deadline = transfer_deadline(size)
-    if not isinstance(fs, fsspec.asyn.AsyncFileSystem) or not deadline:
+    if not deadline or not has_deadlines(fs):
         return call()
     started = time.monotonic()
     try:
-        return call(timeout=deadline)
-    except fsspec.exceptions.FSTimeoutError:
+        if isinstance(fs, fsspec.asyn.AsyncFileSystem):
+            return call(timeout=deadline)
+        return _on_helper_thread(call, deadline, f"tf_dlt-hdfs {what}")
+    except (fsspec.exceptions.FSTimeoutError, _PastDeadline):
         took = time.monotonic() - started
         if on_timeout is not None:
             on_timeout()
@@ -302,9 +364,10 @@ def read_file(fs: fsspec.AbstractFileSystem, target: str, limit: int | None = No
     weights); FailedPreconditionError when it holds more than `limit`. On
     an object store a HEAD, then one ranged GET of the object as it is
     then, each within its deadline (`within_deadline`: the GET's of the
-    size the HEAD gave); elsewhere read through `fs.open`."""
+    size the HEAD gave); on HDFS the same (a file status, then a read);
+    elsewhere read through `fs.open`."""
     too_large = errors.FailedPreconditionError(f"{target} is larger than {limit} bytes")
-    if not isinstance(fs, fsspec.asyn.AsyncFileSystem):
+    if not has_deadlines(fs):
         with fs.open(target, "rb") as f:
             data = f.read(-1 if limit is None else limit + 1)
     else:
@@ -399,7 +462,9 @@ def make_directory(fs: fsspec.AbstractFileSystem, root: str) -> None:
     wrote there; the save now fails on the missing bucket."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     if _DIRECTORIES.intersection(protocols):
-        fs.makedirs(root, exist_ok=True)
+        within_deadline(
+            fs, lambda **o: fs.makedirs(root, exist_ok=True, **o), "making the directory", root
+        )
 
 
 def parent_reference(path: str, parent: str) -> str:
@@ -608,18 +673,24 @@ def _commit_with_copy(
     copy = f"{root}/{manifest_copy(save_id)}"
     staged = f"{copy}.tmp-{secrets.token_hex(8)}" if _renames_atomically(fs) else ""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        staging = pool.submit(fs.pipe_file, staged, data) if staged else None
+        stage = lambda **o: fs.pipe_file(staged, data, **o)  # noqa: E731
+        staging = (
+            pool.submit(_upload_within_deadline, fs, stage, staged, len(data)) if staged else None
+        )
         try:
             commit_file(fs, f"{root}/{MANIFEST}", data)
-        except BaseException:
+        except BaseException as e:
             if staging is not None:
-                concurrent.futures.wait([staging])
-                _remove_quietly(fs, staged)
+                concurrent.futures.wait([staging])  # (within its deadline)
+                if not isinstance(e, errors.UnavailableError):  # past a deadline: left for
+                    _remove_quietly(fs, staged)  # a later save (remove_superseded)
             raise
     try:
         if staging is not None:
             staging.result()
-            fs.mv(staged, copy, overwrite=True)
+            within_deadline(
+                fs, lambda **o: fs.mv(staged, copy, overwrite=True, **o), "renaming", staged
+            )
         elif is_local(fs):
             commit_file(fs, copy, data)  # never written through a link planted at its name
         else:
@@ -628,7 +699,7 @@ def _commit_with_copy(
     except FileNotFoundError:
         pass  # a newer save removed its temp name as superseded: hold_newest finds that one
     except OSError as e:
-        if staged:
+        if staged and not isinstance(e, errors.UnavailableError):  # (see above)
             _remove_quietly(fs, staged)
         log.warning("saved %s; writing the manifest's copy failed: %s", path, e)
     return copy

@@ -25,7 +25,13 @@ import h5py
 import numpy as np
 
 from tf_dlt import errors
-from tf_dlt.checkpoint.manifest import MAX_BLOCK_BYTES, is_local, open_regular, within_deadline
+from tf_dlt.checkpoint.manifest import (
+    MAX_BLOCK_BYTES,
+    has_deadlines,
+    is_local,
+    open_regular,
+    within_deadline,
+)
 
 _HASH_BLOCK = 8 << 20
 # Files are hashed in blocks of this size: the manifest lists each block's
@@ -122,7 +128,7 @@ def open_shard_file(fs: fsspec.AbstractFileSystem, target: str, entry: dict[str,
     missing = errors.FailedPreconditionError(
         f"checkpoint file {target} named in the manifest is missing"
     )
-    if isinstance(fs, fsspec.asyn.AsyncFileSystem):  # an object store: HEAD within its deadline
+    if has_deadlines(fs):  # an object store or HDFS: HEAD (file status) within its deadline
         try:
             info = within_deadline(fs, lambda **o: fs.info(target, **o), "looking up", target)
         except FileNotFoundError:
@@ -242,12 +248,15 @@ class _SizedFile(io.RawIOBase):
 
 class _RangedRemote(_SizedFile):
     """A shard file on an object store (fsspec's asynchronous filesystems)
-    read by ranged GETs, each within a deadline of its size
-    (`manifest.within_deadline`), else UnavailableError naming the file.
-    botocore's read timeout bounds each socket read, not a request: a store
-    that sent a byte now and then (a degraded link, a stalled proxy) held a
-    shard's load, and every save and load of the shard after it, for as
-    long as it went on, and the process past SIGTERM."""
+    or HDFS read by ranged GETs (on HDFS an open and a read of the range),
+    each within a deadline of its size (`manifest.within_deadline`), else
+    UnavailableError naming the file. botocore's read timeout bounds each
+    socket read, not a request: a store that sent a byte now and then (a
+    degraded link, a stalled proxy) held a shard's load, and every save and
+    load of the shard after it, for as long as it went on, and the process
+    past SIGTERM; hdfs-native has no deadline of its own. Each read has a
+    file of its own: one left past its deadline shares nothing with the
+    next."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, target: str, size: int) -> None:
         super().__init__(size)
