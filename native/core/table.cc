@@ -766,6 +766,8 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
   // empty: an id twice in the call may have gone to the batch first.
   std::vector<int64_t>& ram_after_cold = tls_ram_after_cold;
   char* const cold = ScratchRecord();
+  thread_local std::vector<char> tls_cold_before;
+  std::vector<char>& cold_before = tls_cold_before;
   // During a hot load (only with a tier: every stripe has a file), the rows
   // that go to RAM (the others to disk).
   const HotFloor hot = to_disk && has_tier() ? HotLoadFloor(steps, touched, n, now) : HotFloor();
@@ -815,15 +817,34 @@ Status Table::ImportRows(const int64_t* ids, const void* values, const void* slo
         uint32_t slot = TierFile::kNoSlot;
         uint16_t old_generation;
         DLT_RETURN_IF_ERROR(stripe.tier->Find(hashes[pos], ids[pos], cold, &slot, &old_generation));
+        // The copy on disk as it was: a rewrite that fails puts it back (a
+        // slot across a 4 KiB boundary may be half written).
+        if (slot != TierFile::kNoSlot) cold_before.assign(cold, cold + record_bytes_);
         auto* cold_header = reinterpret_cast<RowHeader*>(cold);
         cold_header->step = steps ? steps[pos] : 0;
         cold_header->touched = touched ? touched[pos] : now;
         write_row(cold, pos);
-        NoteChange(&stripe, ids[pos]);
         if (slot != TierFile::kNoSlot) {
-          DLT_RETURN_IF_ERROR(stripe.tier->Rewrite(slot, ids[pos], cold, generation));
+          const Status written = stripe.tier->Rewrite(slot, ids[pos], cold, generation);
+          if (!written.ok()) {
+            const bool restored =
+                stripe.tier->Rewrite(slot, ids[pos], cold_before.data(), old_generation).ok();
+            const Status failed(
+                written.code(),
+                "import into table '" + config_.name + "': " + written.message() + "; row (id " +
+                    std::to_string(ids[pos]) + ") on disk " +
+                    (restored ? "left as it was"
+                              : "may be left part written (putting it back "
+                                "failed too)") +
+                    "; the import stopped there, its other rows imported in part (importing "
+                    "them again is safe)");
+            NoteTierError(failed.message());
+            return failed;
+          }
+          NoteChange(&stripe, ids[pos]);
           continue;
         }
+        NoteChange(&stripe, ids[pos]);
         // Into the batch (an id twice in one call: its last row wins, below).
         cold_hashes.push_back(hashes[pos]);
         cold_keys.push_back(ids[pos]);

@@ -219,11 +219,11 @@ Client::Call Client::RunCall(size_t shard, ShardState* state, wire::Opcode opcod
   return call;
 }
 
-Status Client::Route(const Layout& layout, const int64_t* ids, size_t n,
+Status Client::Route(const Layout& layout, const int64_t* ids, size_t n, Clock::time_point deadline,
                      std::vector<std::vector<uint32_t>>* groups,
                      std::vector<std::pair<uint32_t, uint32_t>>* repeats) {
   std::vector<ShardInfo> infos;  // greets every shard once
-  DLT_RETURN_IF_ERROR(GreetAll(layout, &infos));
+  DLT_RETURN_IF_ERROR(GreetAll(layout, &infos, deadline));
   GroupByShard(ids, n, layout.shards.size(), groups, repeats);
   return OkStatus();
 }
@@ -300,7 +300,7 @@ Status Client::PullOnce(const Layout& layout, const std::string& table, uint32_t
   // position and is copied to the later ones.
   std::vector<std::vector<uint32_t>> groups;
   std::vector<std::pair<uint32_t, uint32_t>> repeats;
-  DLT_RETURN_IF_ERROR(Route(layout, ids, n, &groups, dedup ? &repeats : nullptr));
+  DLT_RETURN_IF_ERROR(Route(layout, ids, n, deadline, &groups, dedup ? &repeats : nullptr));
   // Each shard's ids in request order, gathered by the thread that sends them.
   CallCopies own;
   CallCopies& copies = CopiesFor(n * sizeof(int64_t), own);
@@ -416,7 +416,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   int backoff_ms = options_.retry_backoff_ms;
   int retries = 0;
   for (;;) {
-    const Status routed = Route(*layout, ids, n, &groups);
+    const Status routed = Route(*layout, ids, n, deadline, &groups);
     if (routed.ok()) break;
     if (routed.code() == Code::kAborted) {
       // A shard serves a newer layout: routed by it once it is known.

@@ -181,19 +181,22 @@ class Client {
 
   // A pooled connection that is still open, or a new one (connected and
   // greeted; a Hello refused with RESOURCE_EXHAUSTED is retried with backoff
-  // within the connect timeout).
-  Status Acquire(ShardState& shard, Conn* conn);
+  // within the connect timeout). `deadline`: the request's; no connect or
+  // Hello waits past it (UNAVAILABLE then, as a connect timeout is).
+  Status Acquire(ShardState& shard, Conn* conn, std::chrono::steady_clock::time_point deadline);
   // Connects to the shard's current address, else to its others in order
-  // (those that are down or standbys answer UNAVAILABLE).
-  Status Connect(ShardState& shard, int* fd);
-  Status ConnectTo(ShardState& shard, const std::string& address, int* fd, wire::HelloReply* reply);
+  // (those that are down or standbys answer UNAVAILABLE), by `deadline`.
+  Status Connect(ShardState& shard, int* fd, std::chrono::steady_clock::time_point deadline);
+  Status ConnectTo(ShardState& shard, const std::string& address, int* fd, wire::HelloReply* reply,
+                   std::chrono::steady_clock::time_point deadline);
   void Release(ShardState& shard, Conn conn);
   // Says Hello on `fd` (to `address`): checks the shard's place (ABORTED
   // when it serves a newer layout), refuses (UNAVAILABLE) a copy older than
   // one met before, or one of another lineage than the one met (a process
   // started since: it holds none of the rows written before), learns the
   // standbys it names.
-  Status Hello(ShardState& shard, const std::string& address, int fd, wire::HelloReply* reply);
+  Status Hello(ShardState& shard, const std::string& address, int fd, wire::HelloReply* reply,
+               std::chrono::steady_clock::time_point deadline);
   // After every address of `shard` refused a call, one of them as a copy of
   // another lineage (restarted_lineage): DATA_LOSS, and that lineage and its
   // newest epoch are the shard's from now on, when each address serves that
@@ -203,7 +206,7 @@ class Client {
   // copy of the lineage met (serving, or a standby that may take over), or
   // an address that does not answer, keeps the refusal (OK: the call's own
   // error stands; docs/replication.md).
-  Status FollowRestart(ShardState& shard);
+  Status FollowRestart(ShardState& shard, std::chrono::steady_clock::time_point deadline);
   // Whether `address` is a standby of `shard` following a copy of `lineage`
   // (it answers a replica's Hello naming it).
   bool FollowsLineage(const ShardState& shard, const std::string& address, uint64_t lineage);
@@ -216,8 +219,9 @@ class Client {
   // After a shard refused a request of layout `seen` (ABORTED): asks the
   // shards for their layout and routes by a newer one from now on. OK when
   // a layout newer than `seen` is in use (learned here or by another call);
-  // ABORTED when none is known yet (the switch is under way).
-  Status LearnLayout(const Layout& seen);
+  // ABORTED when none is known yet (the switch is under way). No address
+  // is asked past `deadline` (the request's), nor waited for beyond it.
+  Status LearnLayout(const Layout& seen, std::chrono::steady_clock::time_point deadline);
   // After a shard of layout `seen` could not be reached (nothing sent to
   // it): true when a newer layout is in use or the first other shard that
   // answers serves one (now in use). A switch whose joining process died is
@@ -242,9 +246,11 @@ class Client {
   // from a primary that went silent: connections go there from now on);
   // else OK, to go on waiting.
   Status CheckSilent(ShardState& shard, uint64_t switches, int64_t silent_ms);
-  // One Hello to `address` on a connection of its own: what it said
-  // (false: no answer).
-  bool AskLayout(const std::string& address, wire::HelloReply* reply);
+  // One Hello to `address` on a connection of its own, within kAskLayoutMs
+  // and by `deadline`: what it said (false: no answer).
+  bool AskLayout(const std::string& address, wire::HelloReply* reply,
+                 std::chrono::steady_clock::time_point deadline =
+                     std::chrono::steady_clock::time_point::max());
   // Routes by layout `epoch` of `addresses` ("a|a2,b,...") from now on;
   // caller holds layout_mu_.
   void UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::string& addresses);
@@ -257,9 +263,11 @@ class Client {
   // by shard; with `repeats`, each distinct id once (GroupByShard in
   // client.cc).
   Status Route(const Layout& layout, const int64_t* ids, size_t n,
+               std::chrono::steady_clock::time_point deadline,
                std::vector<std::vector<uint32_t>>* groups,
                std::vector<std::pair<uint32_t, uint32_t>>* repeats = nullptr);
-  Status GreetAll(const Layout& layout, std::vector<ShardInfo>* infos);
+  Status GreetAll(const Layout& layout, std::vector<ShardInfo>* infos,
+                  std::chrono::steady_clock::time_point deadline);
   // The most rows per frame to `shard` whose request (prefix_bytes plus
   // request_row_bytes per row) and reply (reply_row_bytes per row, 0: none)
   // fit its frame limit.
@@ -308,7 +316,7 @@ class Client {
   const ClientOptions options_;
   // Every shard this client met, by layout (a re-shard's makes new ones);
   // guarded by layout_mu_, which also orders writes of layout_.
-  std::mutex layout_mu_;
+  std::timed_mutex layout_mu_;
   std::vector<std::unique_ptr<ShardState>> states_;
   std::shared_ptr<const Layout> layout_;  // std::atomic_load / atomic_store only
   // When NewerLayoutThan last asked and found nothing, and where it starts

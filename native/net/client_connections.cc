@@ -48,9 +48,8 @@ bool ClosedWhileIdle(int fd) {
 
 }  // namespace
 
-Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::HelloReply* reply) {
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+Status Client::Hello(ShardState& st, const std::string& address, int fd, wire::HelloReply* reply,
+                     Clock::time_point deadline) {
   DLT_RETURN_IF_ERROR(
       net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply));
   bool kept;
@@ -163,7 +162,7 @@ void Client::Adopt(ShardState& st, const std::string& address, const wire::Hello
   st.greeted_ms = NowMs();
 }
 
-Status Client::Acquire(ShardState& st, Conn* conn) {
+Status Client::Acquire(ShardState& st, Conn* conn, Clock::time_point deadline) {
   const int64_t now = NowMs();
   uint64_t switches;
   for (;;) {
@@ -186,14 +185,14 @@ Status Client::Acquire(ShardState& st, Conn* conn) {
     return OkStatus();
   }
   int fd = -1;
-  DLT_RETURN_IF_ERROR(Connect(st, &fd));
+  DLT_RETURN_IF_ERROR(Connect(st, &fd, deadline));
   conn->fd = fd;
   conn->reused = false;
   conn->switches = switches;
   return OkStatus();
 }
 
-Status Client::Connect(ShardState& st, int* out_fd) {
+Status Client::Connect(ShardState& st, int* out_fd, Clock::time_point deadline) {
   std::vector<std::string> addresses;
   std::string current;
   bool first;
@@ -216,7 +215,7 @@ Status Client::Connect(ShardState& st, int* out_fd) {
     for (const std::string& address : addresses) {
       int fd = -1;
       wire::HelloReply r;
-      const Status s = ConnectTo(st, address, &fd, &r);
+      const Status s = ConnectTo(st, address, &fd, &r, deadline);
       if (!s.ok()) {
         tried += (tried.empty() ? "" : "; ") + address + ": " + s.message();
         if (s.code() == Code::kFailedPrecondition) {
@@ -255,7 +254,7 @@ Status Client::Connect(ShardState& st, int* out_fd) {
   Status s, misplaced;  // misplaced: as above
   std::string tried;
   for (const std::string& address : order) {
-    s = ConnectTo(st, address, out_fd, &reply);
+    s = ConnectTo(st, address, out_fd, &reply, deadline);
     if (s.ok()) {
       Adopt(st, address, reply);
       return s;
@@ -273,13 +272,13 @@ Status Client::Connect(ShardState& st, int* out_fd) {
   if (misplaced.ok()) {
     // Followed from now on; this call fails, never retried: what the shard
     // held is gone, and the trainer must know (resilient_fit reloads).
-    const Status restarted = FollowRestart(st);
+    const Status restarted = FollowRestart(st, deadline);
     if (!restarted.ok()) return restarted;
   }
   return misplaced.ok() ? s : misplaced;
 }
 
-Status Client::FollowRestart(ShardState& st) {
+Status Client::FollowRestart(ShardState& st, Clock::time_point call_deadline) {
   std::vector<std::string> addresses;
   uint64_t known, candidate;
   {
@@ -297,8 +296,8 @@ Status Client::FollowRestart(ShardState& st) {
   bool serves = false;
   for (const std::string& address : addresses) {
     const Clock::time_point deadline =
-        Clock::now() +
-        std::chrono::milliseconds(std::min(options_.connect_timeout_ms, kAskLayoutMs));
+        std::min(call_deadline, Clock::now() + std::chrono::milliseconds(std::min(
+                                                   options_.connect_timeout_ms, kAskLayoutMs)));
     int fd = -1;
     bool refused = false;
     if (!net::Connect(address, deadline, &fd, &refused).ok()) {
@@ -353,12 +352,18 @@ bool Client::FollowsLineage(const ShardState& st, const std::string& address, ui
 }
 
 Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd,
-                         wire::HelloReply* reply) {
+                         wire::HelloReply* reply, Clock::time_point call_deadline) {
   // With standbys, an address that does not answer soon (a host gone
-  // without a reset, a hung process) gives way to the next.
+  // without a reset, a hung process) gives way to the next. Never past the
+  // request's deadline: a peer that accepts and never answers costs the
+  // call no more than its own timeout.
   const int wait_ms = st.HasStandbys() ? std::min(options_.connect_timeout_ms, kReplicaConnectMs)
                                        : options_.connect_timeout_ms;
-  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
+  const Clock::time_point deadline =
+      std::min(call_deadline, Clock::now() + std::chrono::milliseconds(wait_ms));
+  if (Clock::now() >= deadline) {
+    return Unavailable("connect: the request's deadline passed before " + address + " was tried");
+  }
   int backoff_ms = options_.retry_backoff_ms;
   for (;;) {
     int fd = -1;
@@ -370,7 +375,10 @@ Status Client::ConnectTo(ShardState& st, const std::string& address, int* out_fd
       }
       return s;  // it says "connect: ..." (or what failed before: resolving, a socket)
     }
-    s = Hello(st, address, fd, reply);
+    // The Hello's own wait, as before, within the request's.
+    s = Hello(st, address, fd, reply,
+              std::min(call_deadline,
+                       Clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms)));
     if (s.ok()) {
       *out_fd = fd;
       return OkStatus();
@@ -421,10 +429,10 @@ Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
   int retries = 0;
   for (;;) {
     const std::shared_ptr<const Layout> layout = CurrentLayout();
-    Status s = GreetAll(*layout, infos);
+    Status s = GreetAll(*layout, infos, deadline);
     // A shard serves a newer layout: that one's shards.
-    if (s.code() == Code::kAborted && LearnLayout(*layout).ok()) {
-      s = GreetAll(*CurrentLayout(), infos);
+    if (s.code() == Code::kAborted && LearnLayout(*layout, deadline).ok()) {
+      s = GreetAll(*CurrentLayout(), infos, deadline);
     }
     // No copy of a shard greets (its standby is taking over, say): again
     // until the deadline, as a pull is.
@@ -459,7 +467,7 @@ Status Client::Regreet() {
 }
 
 void Client::CloseIdle() {
-  std::lock_guard<std::mutex> lock(layout_mu_);  // states_ grows under it
+  std::lock_guard<std::timed_mutex> lock(layout_mu_);  // states_ grows under it
   for (auto& st : states_) {
     std::lock_guard<std::mutex> st_lock(st->mu);
     for (Conn& idle : st->idle) net::CloseFd(idle.fd);
@@ -473,7 +481,8 @@ std::string Client::GreetingContext(const ShardState& st) const {
   return Context(st.index, st.addresses.size() < 2 ? st.address : Joined(st.addresses), "greeting");
 }
 
-Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
+Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos,
+                        Clock::time_point deadline) {
   infos->clear();
   for (ShardState* st : layout.shards) {
     bool greeted;
@@ -483,7 +492,7 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos) {
     }
     if (!greeted) {
       Conn conn;
-      Status s = Acquire(*st, &conn);
+      Status s = Acquire(*st, &conn, deadline);
       // (s says which step failed: "connect: ...", "Hello: ...")
       if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(GreetingContext(*st)));
       Release(*st, std::move(conn));
@@ -509,7 +518,11 @@ size_t Client::num_shards() const { return CurrentLayout()->shards.size(); }
 
 uint64_t Client::layout_epoch() const { return CurrentLayout()->epoch; }
 
-bool Client::LearnNewerLayout() { return LearnLayout(*CurrentLayout()).ok(); }
+bool Client::LearnNewerLayout() {
+  return LearnLayout(*CurrentLayout(),
+                     Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms))
+      .ok();
+}
 
 Status Client::CheckSilent(ShardState& st, uint64_t switches, int64_t silent_ms) {
   std::vector<std::string> others;
@@ -552,11 +565,14 @@ Status Client::CheckSilent(ShardState& st, uint64_t switches, int64_t silent_ms)
   return OkStatus();
 }
 
-bool Client::AskLayout(const std::string& address, wire::HelloReply* reply) {
+bool Client::AskLayout(const std::string& address, wire::HelloReply* reply,
+                       Clock::time_point call_deadline) {
   // Other calls wait for layout_mu_ meanwhile: a host that does not answer
   // (no reset) costs at most kAskLayoutMs, not a connect timeout.
   const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(std::min(options_.connect_timeout_ms, kAskLayoutMs));
+      std::min(call_deadline, Clock::now() + std::chrono::milliseconds(std::min(
+                                                 options_.connect_timeout_ms, kAskLayoutMs)));
+  if (Clock::now() >= deadline) return false;
   int fd = -1;
   if (!net::Connect(address, deadline, &fd).ok()) return false;
   const Status s = net::SayHello(fd, options_.auth_token, wire::kFlagTopology, 0, deadline, reply);
@@ -564,8 +580,13 @@ bool Client::AskLayout(const std::string& address, wire::HelloReply* reply) {
   return s.ok();
 }
 
-Status Client::LearnLayout(const Layout& seen) {
-  std::lock_guard<std::mutex> lock(layout_mu_);
+Status Client::LearnLayout(const Layout& seen, Clock::time_point deadline) {
+  // Another call learning it holds layout_mu_ as long as its own deadline
+  // allows: this one waits no longer than its own.
+  std::unique_lock<std::timed_mutex> lock(layout_mu_, deadline);
+  if (!lock.owns_lock()) {
+    return Unavailable("no layout learned by the request's deadline (another call is asking)");
+  }
   if (CurrentLayout()->epoch > seen.epoch) return OkStatus();  // another call learned it
   // The newest layout any shard of the one in use serves.
   uint64_t epoch = seen.epoch;
@@ -578,7 +599,8 @@ Status Client::LearnLayout(const Layout& seen) {
     }
     for (const std::string& address : candidates) {
       wire::HelloReply reply;
-      if (AskLayout(address, &reply) && reply.layout_epoch > epoch && !reply.layout.empty()) {
+      if (AskLayout(address, &reply, deadline) && reply.layout_epoch > epoch &&
+          !reply.layout.empty()) {
         epoch = reply.layout_epoch;
         addresses = reply.layout;
       }
@@ -602,7 +624,7 @@ Status Client::UnlessLayoutLeft(const ShardState& st, const Status& s) {
 }
 
 bool Client::NewerLayoutThan(const Layout& seen, const ShardState* unreachable) {
-  std::lock_guard<std::mutex> lock(layout_mu_);
+  std::lock_guard<std::timed_mutex> lock(layout_mu_);
   if (CurrentLayout()->epoch > seen.epoch) return true;  // another call learned it
   const Clock::time_point now = Clock::now();
   if (now - last_probe_ < std::chrono::milliseconds(kLayoutProbeMs)) return false;
@@ -688,7 +710,7 @@ bool Client::PauseToRetry(int* retries, int* backoff_ms, Clock::time_point deadl
 }
 
 bool Client::AwaitLayout(const Layout& seen, int* backoff_ms, Clock::time_point deadline) {
-  if (LearnLayout(seen).ok()) return Clock::now() < deadline;
+  if (LearnLayout(seen, deadline).ok()) return Clock::now() < deadline;
   // The switch is under way: writes are held, and the new layout comes soon.
   const Clock::time_point wake = Clock::now() + std::chrono::milliseconds(*backoff_ms);
   if (wake >= deadline) return false;

@@ -257,7 +257,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
   for (size_t c = 0; c < count; ++c) {
     Call& call = calls[c];
     Conn conn;
-    Status s = Acquire(*call.state, &conn);
+    Status s = Acquire(*call.state, &conn, deadline);
     if (!s.ok()) {
       close_all();
       s = UnlessLayoutLeft(*call.state, s.WithContext(Context(*call.state, op)));

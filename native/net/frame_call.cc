@@ -7,8 +7,26 @@
 namespace dlt {
 namespace net {
 
+namespace {
+
+// A payload a frame can carry: a header's length is 32 bits (a longer one
+// went out with its length cut, and the peer read the rest as frames), and
+// a frame past the peer's limit is refused there after the whole payload.
+Status CheckPayload(wire::Opcode opcode, size_t payload_bytes, uint32_t max_payload_bytes) {
+  const uint64_t limit = max_payload_bytes == 0 ? uint64_t{UINT32_MAX} : max_payload_bytes;
+  if (payload_bytes <= limit) return OkStatus();
+  return ResourceExhausted("frame payload of " + std::to_string(payload_bytes) + " bytes (opcode " +
+                           std::to_string(static_cast<int>(opcode)) +
+                           ") exceeds the frame limit of " + std::to_string(limit) +
+                           " bytes; nothing sent");
+}
+
+}  // namespace
+
 Status SendFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
-                 size_t payload_bytes, Clock::time_point deadline, uint16_t flags) {
+                 size_t payload_bytes, Clock::time_point deadline, uint16_t flags,
+                 uint32_t max_payload_bytes) {
+  DLT_RETURN_IF_ERROR(CheckPayload(opcode, payload_bytes, max_payload_bytes));
   uint8_t header[wire::kHeaderBytes];
   wire::EncodeHeader({opcode, flags, request_id, static_cast<uint32_t>(payload_bytes)}, header);
   struct iovec iov[2] = {{header, sizeof(header)}, {const_cast<void*>(payload), payload_bytes}};
@@ -45,8 +63,11 @@ Status ReceiveReply(int fd, wire::Opcode opcode, uint64_t request_id, size_t max
 
 Status CallFrame(int fd, wire::Opcode opcode, uint64_t request_id, const void* payload,
                  size_t payload_bytes, size_t max_reply_bytes, Clock::time_point deadline,
-                 std::string* reply, uint16_t flags) {
-  const Status sent = SendFrame(fd, opcode, request_id, payload, payload_bytes, deadline, flags);
+                 std::string* reply, uint16_t flags, uint32_t max_payload_bytes) {
+  // Nothing goes: there is no reply to wait for.
+  DLT_RETURN_IF_ERROR(CheckPayload(opcode, payload_bytes, max_payload_bytes));
+  const Status sent =
+      SendFrame(fd, opcode, request_id, payload, payload_bytes, deadline, flags, max_payload_bytes);
   bool answered = false;
   const Status received =
       ReceiveReply(fd, opcode, request_id, max_reply_bytes, deadline, reply, &answered);

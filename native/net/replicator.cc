@@ -716,7 +716,7 @@ Status Replicator::SendOn(int fd, size_t first, size_t stride, size_t count, uin
     if (waiting.size() == kFramesInFlight) DLT_RETURN_IF_ERROR(receive());
     const Status sent = net::SendFrame(
         fd, wire::Opcode::kReplicate, first_id + i, frames_[i].payload.data(), frames_[i].bytes,
-        Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms));
+        Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms), 0, standby_frame_bytes_);
     if (!sent.ok()) {
       // The standby may have said why before it closed.
       while (!waiting.empty()) DLT_RETURN_IF_ERROR(receive());
@@ -869,7 +869,7 @@ Status Replicator::Call(uint8_t opcode, const void* payload, size_t bytes) {
       Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
   std::string reply;
   return net::CallFrame(fd_, static_cast<wire::Opcode>(opcode), next_request_id_++, payload, bytes,
-                        wire::kPushReplyBytes, deadline, &reply)
+                        wire::kPushReplyBytes, deadline, &reply, 0, standby_frame_bytes_)
       .WithContext("standby " + standby_);
 }
 

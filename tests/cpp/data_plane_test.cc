@@ -2,11 +2,13 @@
 // connection caps, memory bounds, many connections, and peers that send
 // malformed replies. Real sockets on loopback, bounded waits.
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -642,6 +644,122 @@ DLT_TEST(TestClientBoundsReplySizes) {
            s.message().find("expected the reply to request 7") != std::string::npos);
     close(fds[0]);
     close(fds[1]);
+  }
+}
+
+DLT_TEST(TestAFramePastItsLimitIsRefusedBeforeAnythingIsSent) {
+  // A frame's header holds its length in 32 bits: a payload over 4 GiB (or
+  // past the peer's frame limit) is refused with RESOURCE_EXHAUSTED before
+  // a byte goes, never sent with its length cut (the peer read the rest of
+  // the payload as frames of their own).
+  int fds[2];
+  EXPECT(socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds) == 0);  // as connections are
+  auto nothing_arrived = [&]() {
+    char byte;
+    return recv(fds[1], &byte, 1, MSG_DONTWAIT) < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  };
+  // Zero pages, never touched: 4 GiB and 16 bytes of address space, not memory.
+  const size_t huge = (size_t{1} << 32) + 16;
+  void* payload =
+      mmap(nullptr, huge, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  EXPECT(payload != MAP_FAILED);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(300);
+  Status s = net::SendFrame(fds[0], wire::Opcode::kReplicate, 1, payload, huge, deadline);
+  EXPECT(s.code() == Code::kResourceExhausted);
+  EXPECT(s.message().find("4294967312 bytes") != std::string::npos &&
+         s.message().find("nothing sent") != std::string::npos);
+  EXPECT(nothing_arrived());
+  // Past the peer's limit: refused at once, the call waiting for no reply.
+  const std::string body(5000, 'x');
+  s = net::SendFrame(fds[0], wire::Opcode::kReplicate, 2, body.data(), body.size(), deadline, 0,
+                     4096);
+  EXPECT(s.code() == Code::kResourceExhausted &&
+         s.message().find("frame limit of 4096 bytes") != std::string::npos);
+  EXPECT(nothing_arrived());
+  std::string reply;
+  const auto began = Clock::now();
+  s = net::CallFrame(fds[0], wire::Opcode::kStandbyTable, 3, body.data(), body.size(), 64,
+                     Clock::now() + std::chrono::seconds(5), &reply, 0, 4096);
+  EXPECT(s.code() == Code::kResourceExhausted);
+  EXPECT(Clock::now() - began < std::chrono::seconds(2));
+  EXPECT(nothing_arrived());
+  // Within it: sent whole.
+  EXPECT_OK(
+      net::SendFrame(fds[0], wire::Opcode::kReplicate, 4, body.data(), 4096, deadline, 0, 4096));
+  std::string got(wire::kHeaderBytes + 4096, '\0');
+  EXPECT_OK(net::RecvAll(fds[1], &got[0], got.size(), Clock::now() + std::chrono::seconds(5)));
+  wire::FrameHeader h;
+  EXPECT_OK(wire::DecodeHeader(reinterpret_cast<const uint8_t*>(got.data()), 4096, &h));
+  EXPECT(h.request_id == 4 && h.payload_bytes == 4096);
+  munmap(payload, huge);
+  close(fds[0]);
+  close(fds[1]);
+}
+
+// A "shard" that accepts connections and never answers on them (a hung
+// process): on 127.0.0.1, port 0.
+struct SilentPeer {
+  int listener = -1;
+  int port = 0;
+  std::atomic<bool> stop{false};
+  std::vector<int> accepted;  // the accepting thread's, until it is joined
+  std::thread acceptor;
+  SilentPeer() {
+    EXPECT_OK(net::Listen("127.0.0.1", 0, 16, &listener, &port));
+    acceptor = std::thread([this] {
+      while (!stop.load()) {
+        pollfd p{listener, POLLIN, 0};
+        if (poll(&p, 1, 20) <= 0) continue;
+        const int fd = accept(listener, nullptr, nullptr);
+        if (fd >= 0) accepted.push_back(fd);
+      }
+    });
+  }
+  ~SilentPeer() {
+    stop.store(true);
+    acceptor.join();
+    for (const int fd : accepted) close(fd);
+    net::CloseFd(listener);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+DLT_TEST(TestConnectingToAPeerThatNeverAnswersEndsByTheRequestsDeadline) {
+  // A shard (or every shard asked for a layout) that accepts and never
+  // says Hello costs a call its request deadline, not the connect timeout
+  // per connection and address: the call ends UNAVAILABLE by then.
+  ClientOptions o;
+  o.connect_timeout_ms = 8000;
+  o.request_timeout_ms = 500;
+  const auto late = std::chrono::milliseconds(o.request_timeout_ms + 1500);
+  std::vector<int64_t> ids = {1, 2, 3};
+  std::vector<float> out(3 * 4);
+  {
+    SilentPeer peer;
+    Client client({peer.address()}, o);
+    auto began = Clock::now();
+    Status s = client.Pull("emb", 4, ids.data(), ids.size(), PullMode::kInsert, out.data());
+    EXPECT(s.code() == Code::kUnavailable || s.code() == Code::kDeadlineExceeded);
+    EXPECT(Clock::now() - began < late);
+    std::vector<float> grads(3 * 4, 0.5f);
+    began = Clock::now();
+    s = client.Push("emb", 4, ids.data(), grads.data(), ids.size(), 0.1f);
+    EXPECT(s.code() == Code::kUnavailable || s.code() == Code::kDeadlineExceeded);
+    EXPECT(Clock::now() - began < late);
+    std::vector<ShardInfo> infos;
+    began = Clock::now();
+    s = client.GetShardInfos(&infos);
+    EXPECT(s.code() == Code::kUnavailable || s.code() == Code::kDeadlineExceeded);
+    EXPECT(Clock::now() - began < late);
+  }
+  {
+    // Learning a layout asks every address: each silent one cost up to
+    // kAskLayoutMs, past the request's deadline.
+    SilentPeer a, b, c, d;
+    Client client({a.address(), b.address(), c.address(), d.address()}, o);
+    const auto began = Clock::now();
+    EXPECT(!client.LearnNewerLayout());
+    EXPECT(Clock::now() - began < late);
   }
 }
 

@@ -1543,8 +1543,9 @@ DLT_TEST(TestAKeepersDiskErrorClearsOnceNothingNeedsMoving) {
 DLT_TEST(TestMemoryTheWaitAfterASaveIsNotExtendedByTheNext) {
   // The keeper waits Shard::kSettle at most from the end of the first save
   // or load, however many end within it (a follower's deltas, a few
-  // hundred ms apart): memory still held after that counts. (Sleeps
-  // kSettle.)
+  // hundred ms apart): memory still held after that counts. (Takes
+  // kSettle: it waits for the keeper to move rows, which a wait extended
+  // by the second save would not let it do before that one's kSettle.)
   FilledShard made;
   Shard* shard = made.shard.get();
   const std::shared_ptr<Table>& t = made.t;
@@ -1563,10 +1564,24 @@ DLT_TEST(TestMemoryTheWaitAfterASaveIsNotExtendedByTheNext) {
   EXPECT(shard->KeepMemory() == 0);
   shard->SetPersisting(false);
   EXPECT(shard->KeepMemory() == 0);  // within the first one's wait
-  std::this_thread::sleep_until(first_end + Shard::kSettle + std::chrono::milliseconds(100));
+  const auto second_end = std::chrono::steady_clock::now();
+  // Passes until one moves rows: never before the first one's wait is
+  // over, and well before the second's would be.
+  const auto by = second_end + Shard::kSettle - Shard::kSettle / 4;
   size_t moved = 0;
-  for (int i = 0; i < 20; ++i) moved += shard->KeepMemory();
+  auto first_move = by;
+  while (moved == 0 && std::chrono::steady_clock::now() < by) {
+    const auto pass = std::chrono::steady_clock::now();
+    moved = shard->KeepMemory();
+    if (moved == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } else {
+      first_move = pass;
+    }
+  }
   EXPECT(moved > 0);
+  EXPECT(first_move >= first_end + Shard::kSettle - std::chrono::milliseconds(50));
+  for (int i = 0; i < 20; ++i) moved += shard->KeepMemory();
   EXPECT(t->tier_stats().ram_rows < ram_rows);
   munmap(buffers, kHeld);
 }
@@ -1899,6 +1914,62 @@ DLT_TEST(TestAFullDiskFailsAnUpdateOnDiskAndLeavesTheRow) {
   push(mixed.data(), mixed.size());
   EXPECT(t.tier_stats().disk_updates == 3);
   EXPECT(Rows(&t) == Rows(&oracle));
+}
+
+DLT_TEST(TestAnImportOverARowOnDiskThatFailsHalfWayLeavesTheRowWhole) {
+  // An import (a load past the RAM limit) of a row whose copy lies on disk
+  // rewrites it where it lies. A slot across a 4 KiB boundary is written
+  // in two; when the second write fails, the import fails with
+  // RESOURCE_EXHAUSTED and the row is put back as it was, not left with
+  // its new values and its old slots (or half a value). Every other row,
+  // in RAM or on disk, is as it was; a retry imports the row.
+  // (Rows of dim 16 make tier pages of 8 KiB, some slots across their middle.)
+  TempDir dir;
+  TableConfig config = TierTable(OptimizerKind::kAdagrad, InitializerKind::kZeros);
+  constexpr uint32_t kDim = 16;
+  config.dim = kDim;
+  Table t(config);
+  t.AttachTier(dir.path);
+  constexpr size_t kCold = 4096, kWarm = kStripes * 64;
+  std::vector<int64_t> cold(kCold), warm(kWarm);
+  for (size_t i = 0; i < kCold; ++i) cold[i] = static_cast<int64_t>(Mix64(i + 101));
+  for (size_t i = 0; i < kWarm; ++i) warm[i] = static_cast<int64_t>(Mix64(i + 900001));
+  std::vector<float> ones(kCold * kDim, 1.0f), twos(kWarm * kDim, 2.0f);
+  const std::vector<uint32_t> steps(kCold, 7);
+  EXPECT_OK(t.Import(cold.data(), ones.data(), nullptr, steps.data(), kCold));
+  Status s;
+  t.Demote(t.ram_rows(), &s);  // every row on disk
+  EXPECT_OK(s);
+  EXPECT_OK(t.Import(warm.data(), twos.data(), nullptr, nullptr, kWarm));
+  t.SetRamLimit(1);  // every stripe's RAM full: imports go to disk
+  std::map<int64_t, Row> expected = Rows(&t);
+  const std::vector<float> threes(kDim, 3.0f);
+  size_t failed = 0;
+  for (size_t i = 0; i < kCold && failed == 0; ++i) {
+    DiskFaults second;
+    second.passing_writes = 1;
+    second.failing_writes = 1;
+    InjectDiskFaults(second);
+    s = t.Import(&cold[i], threes.data(), nullptr, nullptr, 1);
+    InjectDiskFaults(DiskFaults{});
+    if (s.ok()) {
+      expected[cold[i]].values = threes;
+      expected[cold[i]].step = 0;
+      continue;
+    }
+    ++failed;
+    EXPECT(s.code() == Code::kResourceExhausted);
+    EXPECT(s.message().find("No space left on device") != std::string::npos);
+    EXPECT(s.message().find("left as it was") != std::string::npos);
+    EXPECT(t.tier_stats().error == s.message());
+    EXPECT(Rows(&t) == expected);  // the row as it was, every other too
+    EXPECT_OK(t.Import(&cold[i], threes.data(), nullptr, nullptr, 1));
+    expected[cold[i]].values = threes;
+    expected[cold[i]].step = 0;
+  }
+  EXPECT(failed == 1);  // some slot lies across a 4 KiB boundary
+  EXPECT(t.ram_rows() == kWarm && t.size() == kCold + kWarm);
+  EXPECT(Rows(&t) == expected);
 }
 
 DLT_TEST(TestEraseBucketsLeavesNoRowAPullMovesInMeanwhile) {
