@@ -102,6 +102,47 @@ def test_batches_larger_than_a_frame_are_split(start_cluster: Callable[..., Clus
     client.close()
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "keras_adagrad", "adam"])
+def test_a_push_over_many_frames_updates_a_repeated_id_once(
+    start_cluster: Callable[..., Cluster], optimizer: str
+) -> None:
+    """A push of many frames whose ids repeat far apart in it (a quarter of
+    the batch apart, many frames) updates each row once, as the in-process
+    table does for the whole batch: a shard sums an id's rows within a
+    frame, so every occurrence of an id goes in one frame (an id updated
+    once per frame it met moves its slots twice)."""
+    cluster = start_cluster(2, "--max-frame-bytes", "65536")
+    client = cluster.client()
+    client.create_table("rep", 16, "uniform", optimizer, seed=2)
+    oracle = _oracle("rep", 16, optimizer, seed=2)
+    ids = _ids(50_000, seed=3)
+    grads = np.random.default_rng(4).normal(size=(len(ids), 16)).astype(np.float32)
+    for lr in (0.1, 0.05):
+        client.push("rep", ids, grads, lr)
+        oracle.push(ids, grads, lr)
+    np.testing.assert_allclose(client.pull("rep", ids), oracle.pull(ids), rtol=1e-5, atol=1e-6)
+    assert sum(int(s["pushes"]) for s in client.stats()) > 8  # several frames per shard
+    client.close()
+
+
+def test_an_id_repeated_past_what_a_frame_holds_is_refused_and_nothing_is_sent(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """An id more often in one push than one frame holds cannot be summed
+    by a shard as the rest are: refused before anything is sent, naming the
+    id and its count."""
+    cluster = start_cluster(1, "--max-frame-bytes", "65536")
+    client = cluster.client()
+    client.create_table("rep", 16, "uniform", "adagrad", seed=2)
+    ids = np.concatenate([np.arange(100), np.full(5000, 1000), np.arange(100, 200)])
+    before = client.pull("rep", ids)
+    refused = r"id 1000 occurs 5000 times.*nothing sent"
+    with pytest.raises(tf_dlt_errors.ResourceExhaustedError, match=refused):
+        client.push("rep", ids, np.ones((len(ids), 16), np.float32), 0.1)
+    np.testing.assert_array_equal(client.pull("rep", ids), before)
+    client.close()
+
+
 def test_concurrent_clients_lose_no_update(cluster: Cluster) -> None:
     setup = cluster.client()
     setup.create_table("c", 4, "zeros", "sgd")

@@ -145,6 +145,74 @@ std::vector<size_t> SplitById(const int64_t* ids, size_t lanes, std::vector<uint
   return starts;
 }
 
+// Frames of at most `rows_per_frame` rows for rows [first, end) of `pos`
+// (positions of `ids`) with every occurrence of an id in one frame, as a
+// shard sums an id's rows only within a frame (Keras Adagrad squares each
+// occurrence; split over two frames, the row is updated twice): where an id
+// repeats, its occurrences join its first (input order kept otherwise) and
+// frames are cut between ids. `cuts` gets the frames' starts, then `end`;
+// left empty when no id repeats (frames of rows_per_frame rows). Fails
+// naming an id that occurs more often than one frame holds.
+Status FramesById(const int64_t* ids, size_t first, size_t end, size_t rows_per_frame,
+                  std::vector<uint32_t>* pos, std::vector<size_t>* cuts) {
+  struct Scratch {
+    Deduper dedup;
+    std::vector<int64_t> ids;
+    std::vector<uint32_t> distinct_of, firsts, place, sorted;
+  };
+  Scratch own;
+  const size_t n = end - first;
+  Scratch& scratch = ThreadScratch(n, own);
+  uint32_t* const run = pos->data() + first;
+  scratch.ids.resize(n);
+  for (size_t k = 0; k < n; ++k) scratch.ids[k] = ids[run[k]];
+  std::vector<uint32_t>& distinct_of = scratch.distinct_of;
+  std::vector<uint32_t>& firsts = scratch.firsts;
+  std::vector<uint32_t>& place = scratch.place;  // occurrences, then first place
+  distinct_of.resize(n);
+  firsts.clear();
+  place.clear();
+  bool repeated = false;
+  scratch.dedup.Visit(
+      scratch.ids.data(), n,
+      [&](size_t k, uint64_t, uint32_t u) {
+        distinct_of[k] = u;
+        firsts.push_back(static_cast<uint32_t>(k));
+        place.push_back(1);
+      },
+      [&](size_t k, uint32_t u) {
+        distinct_of[k] = u;
+        ++place[u];
+        repeated = true;
+      });
+  cuts->clear();
+  if (!repeated) return OkStatus();
+  cuts->push_back(first);
+  size_t placed = 0, frame_rows = 0;
+  for (size_t u = 0; u < place.size(); ++u) {
+    const uint32_t occurrences = place[u];
+    if (occurrences > rows_per_frame) {
+      cuts->clear();
+      return ResourceExhausted("id " + std::to_string(scratch.ids[firsts[u]]) + " occurs " +
+                               std::to_string(occurrences) + " times, more than one frame holds (" +
+                               std::to_string(rows_per_frame) + " rows)");
+    }
+    if (frame_rows + occurrences > rows_per_frame) {
+      cuts->push_back(first + placed);
+      frame_rows = 0;
+    }
+    frame_rows += occurrences;
+    place[u] = static_cast<uint32_t>(placed);
+    placed += occurrences;
+  }
+  cuts->push_back(end);
+  std::vector<uint32_t>& sorted = scratch.sorted;
+  sorted.resize(n);
+  for (size_t k = 0; k < n; ++k) sorted[place[distinct_of[k]]++] = run[k];
+  std::copy(sorted.begin(), sorted.end(), run);
+  return OkStatus();
+}
+
 // Per-shard copies of a call's ids (and rows), which the thread that sends
 // a part fills. Kept by the calling thread for its next call up to
 // kKeepCopyBytes: fresh memory for a push's 17 MB of copies cost more CPU in
@@ -204,7 +272,8 @@ Status AfterRetries(const Status& last, const Status& before) {
 Client::Call Client::RunCall(size_t shard, ShardState* state, wire::Opcode opcode, size_t first,
                              size_t end, size_t rows_per_frame,
                              std::function<void(size_t, size_t)> fill,
-                             const std::function<void(size_t, size_t, Call*)>& add_frame) {
+                             const std::function<void(size_t, size_t, Call*)>& add_frame,
+                             std::vector<size_t> cuts) {
   Call call;
   call.shard = shard;
   call.state = state;
@@ -213,8 +282,9 @@ Client::Call Client::RunCall(size_t shard, ShardState* state, wire::Opcode opcod
   call.first_row = first;
   call.num_rows = end - first;
   call.fill = std::move(fill);
-  for (size_t begin = first; begin < end; begin += rows_per_frame) {
-    add_frame(begin, std::min(rows_per_frame, end - begin), &call);
+  call.frame_starts = std::move(cuts);
+  for (size_t f = 0, begin = first; begin < end; begin += call.FrameRows(f), ++f) {
+    add_frame(begin, call.FrameRows(f), &call);
   }
   return call;
 }
@@ -375,9 +445,10 @@ Status Client::PullOnce(const Layout& layout, const std::string& table, uint32_t
 }
 
 Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
-                    size_t n, float learning_rate) {
+                    size_t n, float learning_rate, bool distinct) {
   return SendRows(wire::Opcode::kPush, table, dim, ids, grads, n, learning_rate,
-                  Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms), nullptr);
+                  Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms), nullptr,
+                  distinct);
 }
 
 Status Client::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
@@ -388,7 +459,8 @@ Status Client::Assign(const std::string& table, uint32_t dim, const int64_t* ids
 
 Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim,
                         const int64_t* ids, const float* rows, size_t n, float learning_rate,
-                        Clock::time_point deadline, const std::vector<PushId>* ancestors) {
+                        Clock::time_point deadline, const std::vector<PushId>* ancestors,
+                        bool distinct) {
   const char* op = opcode == wire::Opcode::kPush ? "Push" : "Assign";
   const bool part = ancestors != nullptr && !ancestors->empty();
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
@@ -458,10 +530,23 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     const size_t lanes = part ? 1 : LanesFor(pos.size(), pos.size() * (8 + row_bytes), touched);
     const std::vector<size_t> starts =
         lanes > 1 ? SplitById(ids, lanes, &pos) : std::vector<size_t>{0, pos.size()};
+    // ... and in one frame (FramesById) where a connection's run takes more.
+    std::vector<std::vector<size_t>> cuts(starts.size() - 1);
+    bool reordered = false;
+    for (size_t lane = 0; opcode == wire::Opcode::kPush && !distinct && lane < cuts.size();
+         ++lane) {
+      if (starts[lane + 1] - starts[lane] <= rows_per_frame) continue;
+      const Status cut =
+          FramesById(ids, starts[lane], starts[lane + 1], rows_per_frame, &pos, &cuts[lane]);
+      if (!cut.ok()) {
+        return Status(cut.code(), Context(*state, op) + ": " + cut.message() + "; nothing sent");
+      }
+      reordered = reordered || !cuts[lane].empty();
+    }
     const int64_t* ids_ptr = ids;
     const float* rows_ptr = rows;
     std::function<void(size_t, size_t)> fill;
-    if (layout->shards.size() > 1 || lanes > 1) {
+    if (layout->shards.size() > 1 || lanes > 1 || reordered) {
       int64_t* to_ids = copies.Get<int64_t>(2 * s, pos.size());
       float* to_rows = copies.Get<float>(2 * s + 1, pos.size() * dim);
       ids_ptr = to_ids;
@@ -495,7 +580,8 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
             fr.body_bytes[1] = count * row_bytes;
             fr.reply_bytes = wire::kPushReplyBytes;
             to->frames.push_back(std::move(fr));
-          });
+          },
+          std::move(cuts[lane]));
       call.on_reply = [op](size_t, const uint8_t*, size_t bytes) -> Status {
         if (bytes != wire::kPushReplyBytes) {
           return Internal(std::string(op) + " reply has the wrong size");
@@ -536,8 +622,8 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
         if (!AwaitLayout(*layout, &layout_backoff_ms, deadline)) return call.refusal;
         waited = true;
       }
-      const size_t begin = call.first_row + f * call.rows_per_frame;
-      const size_t count = std::min(call.rows_per_frame, call.first_row + call.num_rows - begin);
+      const size_t begin = call.FrameBegin(f);
+      const size_t count = call.FrameRows(f);
       const std::vector<uint32_t>& pos = groups[call.shard];
       std::vector<int64_t> again_ids(count);
       std::vector<float> again_rows(count * dim);
@@ -552,7 +638,8 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
         if (lineage.size() > wire::kMaxPushAncestors) return call.refusal;  // switch after switch
       }
       DLT_RETURN_IF_ERROR(SendRows(opcode, table, dim, again_ids.data(), again_rows.data(), count,
-                                   learning_rate, deadline, lineage.empty() ? nullptr : &lineage));
+                                   learning_rate, deadline, lineage.empty() ? nullptr : &lineage,
+                                   distinct));
     }
   }
   return OkStatus();

@@ -151,8 +151,11 @@ class Client {
   // refused unapplied (ABORTED: a re-shard's switch) are sent again, routed
   // by the newer layout once the shards have one, until the deadline; so
   // are pulls.
+  // Every occurrence of an id goes in one frame, as a shard sums an id's
+  // rows within a frame; `distinct`: the caller's ids are distinct (the
+  // ops' pushes), so the client need not look for repeats.
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
-              size_t n, float learning_rate);
+              size_t n, float learning_rate, bool distinct = false);
 
   // Sets the values of rows (fresh optimizer slots), e.g. to upload an
   // existing embedding. Rejects non-finite values. Not retried.
@@ -285,21 +288,23 @@ class Client {
   // when `touched` shards share the call.
   size_t LanesFor(size_t rows, size_t bytes, size_t touched) const;
   // A call for rows [first, end) of `shard`'s part, on a connection of its
-  // own: frames of at most `rows_per_frame` rows, each appended by
-  // add_frame(its first row, its rows, the call).
+  // own: frames of at most `rows_per_frame` rows (or those starting at
+  // `cuts`, then `end`), each appended by add_frame(its first row, its rows,
+  // the call).
   static Call RunCall(size_t shard, ShardState* state, wire::Opcode opcode, size_t first,
                       size_t end, size_t rows_per_frame, std::function<void(size_t, size_t)> fill,
-                      const std::function<void(size_t, size_t, Call*)>& add_frame);
+                      const std::function<void(size_t, size_t, Call*)>& add_frame,
+                      std::vector<size_t> cuts = {});
   // Push and Assign until `deadline`. With `ancestors`, the rows were one
   // frame a shard refused unapplied, the last of them its id (the others:
   // frames it was a part of in turn): each shard's part goes in frames of
   // ids of their own naming them (wire::kPushPart), so a shard that
   // applied one of them whole does not apply the part, and parts applied
-  // on one shard never pass for each other.
+  // on one shard never pass for each other. `distinct` as in Push.
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
                   const float* rows, size_t n, float learning_rate,
                   std::chrono::steady_clock::time_point deadline,
-                  const std::vector<PushId>* ancestors);
+                  const std::vector<PushId>* ancestors, bool distinct = false);
   // Pull and PullState: rows of `row_floats` floats, retried.
   Status PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                   PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent);

@@ -108,6 +108,16 @@ struct Client::Call {
   size_t rows_per_frame = 0;
   size_t first_row = 0;
   size_t num_rows = 0;
+  // A push's frames cut between ids (FramesById in client.cc): frame f the
+  // rows [frame_starts[f], frame_starts[f + 1]); empty: the stride above.
+  std::vector<size_t> frame_starts;
+  size_t FrameBegin(size_t f) const {
+    return frame_starts.empty() ? first_row + f * rows_per_frame : frame_starts[f];
+  }
+  size_t FrameRows(size_t f) const {
+    return frame_starts.empty() ? std::min(rows_per_frame, first_row + num_rows - FrameBegin(f))
+                                : frame_starts[f + 1] - frame_starts[f];
+  }
   // Run by the thread that exchanges this call, before it sends: fills the
   // frames' bodies for rows [begin, end) of the shard's part.
   std::function<void(size_t begin, size_t end)> fill;

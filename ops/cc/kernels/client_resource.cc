@@ -136,7 +136,8 @@ absl::Status ClientResource::PushToCache(const std::string& table, uint32_t dim,
 absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const int64_t* ids,
                                   const float* grads, size_t n, float learning_rate) {
   const uint64_t start = Env::Default()->NowMicros();
-  const absl::Status status = ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate));
+  const absl::Status status =
+      ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate, /*distinct=*/true));
   // Even a failed push may have been applied in part.
   RefreshAhead(pull_ahead_.Pushed(table, ids, n));
   if (!status.ok()) {

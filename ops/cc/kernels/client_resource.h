@@ -119,7 +119,7 @@ class ClientResource : public ResourceBase {
   // to its rows.
   void CountLookup(uint64_t micros) { counters_.lookup_latency.Record(micros); }
 
-  // Blocking push of `n` rows.
+  // Blocking push of `n` rows of distinct ids (Dlt>Push's unique_ids).
   absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
                     size_t n, float learning_rate);
 
