@@ -8,6 +8,13 @@ plain disk I/O of the same number of bytes measured in the same run:
   and on a VM the first touch of memory the guest has not used yet costs far
   more than the load itself; later loads reuse memory a table held before,
   as a long-running shard does.
+- beside the loads, the first touch of as much fresh memory as the table
+  holds (anonymous, huge pages advised, as the table's), which a load must
+  fault in: for the cold load after the process sat idle for 3 s, for the
+  others right after the last touch freed its memory, as the loads ran
+  (`first_touch_seconds` beside each load's `seconds`). On a VM whose host
+  takes back the memory a guest frees (free page reporting), memory freed
+  a second or more ago costs several seconds per GiB to touch again.
 
 GB/s counts the shard file's bytes. Disk figures swing a lot here, so save,
 load and the plain I/O baseline run interleaved `--reps` times and the
@@ -73,6 +80,26 @@ def direct_read(path: Path) -> float:
     return total / (time.perf_counter() - start) / 1e9
 
 
+def first_touch(nbytes: int) -> float:
+    """Seconds to fault in `nbytes` of fresh private anonymous memory with
+    huge pages advised (as the table maps its rows), a write per 4 KiB."""
+    import mmap
+
+    import numpy as np
+
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        pages = np.frombuffer(m, dtype=np.uint8)
+        start = time.perf_counter()
+        pages[::4096] = 1
+        seconds = time.perf_counter() - start
+        del pages
+    finally:
+        m.close()
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,8 +138,14 @@ def main() -> None:
             loads.append(time.perf_counter() - start)
             assert fresh.tables()[0].size() == args.rows
             del fresh
+        # As many first touches, after the loads (measured before, they
+        # would hand the loads memory just freed): the first after 3 s idle,
+        # the others back to back, as the loads ran.
+        time.sleep(3)
+        touches = [first_touch(table.bytes()) for _ in range(args.reps)]
         nbytes = part["bytes"]
         cold_s = loads.pop(0)
+        touch_cold_s = touches.pop(0)
         save_s, load_s = statistics.median(saves), statistics.median(loads)
         write_gbs, read_gbs = statistics.median(writes), statistics.median(reads)
         common = {
@@ -125,11 +158,16 @@ def main() -> None:
             "target_ratio": ">= 0.7",
         })  # fmt: skip
         direct_gbs = statistics.median(directs)
-        for name, seconds in (("persist_load", load_s), ("persist_load_cold", cold_s)):
+        touch_s = statistics.median(touches)
+        for name, seconds, touched in (
+            ("persist_load", load_s, touch_s),
+            ("persist_load_cold", cold_s, touch_cold_s),
+        ):
             emit({
                 **common, "name": name, "value": nbytes / seconds / 1e9, "seconds": seconds,
                 "baseline_name": "sequential read (page cache), same bytes",
                 "baseline_value": read_gbs, "disk_read_gbs": direct_gbs,
+                "first_touch_seconds": touched, "table_bytes": table.bytes(),
                 "target": ">= 1 GB/s",
             })  # fmt: skip
     finally:
