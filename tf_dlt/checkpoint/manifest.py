@@ -186,9 +186,11 @@ S3_CALL_TRIES = 2
 # load of the shard after it) until the endpoint woke, 8 minutes and more.
 UPLOAD_DEADLINE_S = 60.0
 UPLOAD_FLOOR_BYTES_PER_S = 2 << 20
-# Filesystems whose rename replaces a file atomically: a reader sees the
-# old MANIFEST.json or the new one, never a part of it or none.
-_ATOMIC_RENAME = frozenset({"hdfs", "viewfs"})
+# HDFS, reached through hdfs-native: its rename replaces a file atomically
+# (a reader sees the old MANIFEST.json or the new one, never a part of it
+# or none), and its calls take no timeout (each runs on a helper thread,
+# `_on_helper_thread`).
+_HDFS = frozenset({"hdfs", "viewfs"})
 
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -199,7 +201,7 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     another checkpoint's manifest); HDFS drops a query or fragment."""
     protocol = (fsspec.core.split_protocol(path)[0] or "file").lower()
     cut = (protocol in ("s3", "s3a") and "?versionId=" in path) or (
-        protocol in _ATOMIC_RENAME and bool(_query_or_fragment(path))
+        protocol in _HDFS and bool(_query_or_fragment(path))
     )
     if cut:
         raise errors.InvalidArgumentError(
@@ -207,7 +209,7 @@ def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
             f"in an {protocol} URL), which the store does not read as part of the path"
         )
     options: dict[str, Any] = {}
-    if protocol in _ATOMIC_RENAME:
+    if protocol in _HDFS:
         options = dict(HDFS_DEFAULTS)
     elif protocol not in ("file", "local", "memory"):
         # Object stores: a listing must show what other processes wrote
@@ -276,7 +278,7 @@ def has_deadlines(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether `within_deadline` bounds the calls to `fs`: an object store
     (fsspec's asynchronous filesystems) or HDFS; not a local disk or
     memory."""
-    return isinstance(fs, fsspec.asyn.AsyncFileSystem) or _renames_atomically(fs)
+    return isinstance(fs, fsspec.asyn.AsyncFileSystem) or _is_hdfs(fs)
 
 
 class _PastDeadline(Exception):
@@ -705,10 +707,15 @@ def _commit_with_copy(
     return copy
 
 
+def _is_hdfs(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` is HDFS (`_HDFS`)."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return bool(_HDFS & set(protocols))
+
+
 def _renames_atomically(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether `fs` (not a local disk) replaces a file by rename atomically."""
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return bool(_ATOMIC_RENAME & set(protocols))
+    return _is_hdfs(fs)
 
 
 def manifest_copy(save_id: str) -> str:
