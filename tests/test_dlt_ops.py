@@ -197,6 +197,66 @@ def test_big_batches_are_split_into_frames(start_cluster: Callable[..., Cluster]
     ops.push(client, ids, tf.ones((100_000, DIM)), 0.1, "emb", DIM, sync=True)
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "keras_adagrad", "adam"])
+def test_an_op_push_of_an_id_repeated_past_a_frame_updates_it_once(
+    start_cluster: Callable[..., Cluster], optimizer: str
+) -> None:
+    """The ops push every occurrence of an id where Keras Adagrad needs each
+    one (tf_dlt.layers.Embedding), and several calls' ids at once: 300
+    occurrences of one id over 4 KiB frames (100 rows each) go in one frame,
+    one update as the in-process table makes it; split, each frame updated
+    the row again (Adagrad's step doubled)."""
+    cluster = start_cluster(1)
+    client = _remote(cluster, optimizer, frame_bytes=4096)
+    oracle = _oracle(optimizer)
+    ids = np.concatenate([np.arange(150), np.full(300, 7), np.arange(150, 300)]).astype(np.int64)
+    grads = np.random.default_rng(3).normal(size=(len(ids), DIM)).astype(np.float32)
+    oracle.pull(ids)
+    ops.lookup(client, ids, "emb", DIM)
+    ops.push(client, ids, grads, 0.1, "emb", DIM, sync=True)
+    oracle.push(ids, grads, 0.1)
+    got = ops.lookup(client, ids, "emb", DIM, training=False).numpy()
+    np.testing.assert_allclose(got, oracle.pull(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_adagrad_trains_the_same_whatever_the_frame_size(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """One step of a model with Keras Adagrad (its ids pushed per
+    occurrence) gives the embedded tables' rows on shards with 8 MiB frames
+    and with 4 KiB ones (a batch's 2,048 ids of 20 over many frames)."""
+    import keras
+
+    from tf_dlt.layers import Embedding
+
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(1)
+        items = keras.Input((4,), dtype="int64", name="items")
+        e = Embedding(output_dim=DIM, is_distributed=True, name="kf_emb", seed=2)(items)
+        x = keras.layers.GlobalAveragePooling1D()(e)
+        m = keras.Model(items, keras.layers.Dense(1)(x))
+        m.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="mse")
+        return m
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, size=(512, 4)).astype(np.int64)
+    y = (1000 * rng.normal(size=(512, 1))).astype(np.float32)
+    ids = np.arange(20, dtype=np.int64)
+    got = {}
+    for frame_bytes in (8 << 20, 4096):
+        cluster = start_cluster(1)
+        remote = tf_dlt.transpile(model(), cluster.addresses, frame_bytes=frame_bytes)
+        remote.get_layer("kf_emb").sync_push = True
+        remote.fit(x, y, batch_size=512, epochs=1, verbose=0, shuffle=False)
+        reader = ops.ClientResource(cluster.addresses, frame_bytes=frame_bytes)
+        got[frame_bytes] = ops.lookup(reader, ids, "kf_emb", DIM, training=False).numpy()
+    # Last: transpile carries an embedded table's rows to the shards.
+    model().fit(x, y, batch_size=512, epochs=1, verbose=0, shuffle=False)
+    want = ops.lookup(ops.ClientResource(None), ids, "kf_emb", DIM, training=False).numpy()
+    for frame_bytes, rows in got.items():
+        np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-6, err_msg=f"{frame_bytes=}")
+
+
 def test_xla_is_refused(start_cluster: Callable[..., Cluster]) -> None:
     client = ops.ClientResource()
     tf_dlt.embedded.create_table(TableConfig.create("xla", 4))
@@ -421,6 +481,12 @@ def test_the_longest_timeouts_are_kept_and_the_kernel_checks_its_own() -> None:
         ops.load_library().dlt_client(
             addresses=["127.0.0.1:1"], connect_timeout_ms=1000, request_timeout_ms=2**31,
             frame_bytes=8 << 20, max_inflight_pushes=4, shared_name="dlt_timeouts_unchecked",
+        )  # fmt: skip
+    # An int: 2**32 wrapped to 0, which the push queue took as 1.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="max_inflight_pushes must be in"):
+        ops.load_library().dlt_client(
+            addresses=["127.0.0.1:1"], connect_timeout_ms=1000, request_timeout_ms=1000,
+            frame_bytes=8 << 20, max_inflight_pushes=2**32, shared_name="dlt_inflight_unchecked",
         )  # fmt: skip
 
 

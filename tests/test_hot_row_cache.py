@@ -6,6 +6,7 @@ bound, failed pushes forgotten, and the counters ClientMetrics logs."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 import uuid
@@ -23,7 +24,7 @@ from tf_dlt import errors
 from tf_dlt.layers import Embedding
 
 import frames
-from conftest import Cluster
+from conftest import Cluster, freeze
 
 VOCAB, DIM, BATCH = 40, 4, 16
 
@@ -321,24 +322,87 @@ def test_a_cache_on_shards_older_than_its_state_pull_falls_back(
     assert cluster.client().list_tables()["t"]["rows"] == 5
 
 
-def test_a_failed_push_is_forgotten_and_its_rows_pulled_again(
+def _two_cached_rows(
     start_cluster: Callable[..., Cluster],
-) -> None:
+) -> tuple[Cluster, ops.ClientResource, np.ndarray, np.ndarray]:
+    """A shard with an SGD table "t", and a client whose cache holds its
+    rows 1 and 2: (the shard, the client, the ids, their rows)."""
     cluster = start_cluster(1)
     config = cluster.client().create_table("t", DIM, optimizer="sgd")
     mine = _fresh_client(cluster.addresses)
     ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
     ids = np.array([1, 2], dtype=np.int64)
     ops.lookup(mine, ids, "t", DIM)
-    before = ops.lookup(mine, ids, "t", DIM).numpy()  # cached now
-    bad = np.full((2, DIM), np.nan, dtype=np.float32)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite|NaN|finite"):
-        ops.push(mine, ids, bad, 0.1, "t", DIM, sync=True)
+    return cluster, mine, ids, ops.lookup(mine, ids, "t", DIM).numpy()  # cached now
+
+
+def test_a_push_the_shards_would_refuse_is_refused_at_once_and_changes_no_cached_row(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A push of non-finite gradients (or a bad learning rate) fails as it is
+    issued, asynchronous or not, before the cache applies it: a lookup while
+    it waited to be sent was served its NaN rows from the cache."""
+    cluster, mine, ids, before = _two_cached_rows(start_cluster)
     refreshes = ops.client_stats(mine)["cache_refreshes"]
-    after = ops.lookup(mine, ids, "t", DIM).numpy()
-    np.testing.assert_array_equal(after, before)  # the shards refused it: unchanged
-    assert np.isfinite(after).all()
-    assert ops.client_stats(mine)["cache_refreshes"] == refreshes + 2
+    bad = np.full((2, DIM), np.nan, dtype=np.float32)
+    for sync in (False, True):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="non-finite"):
+            ops.push(mine, ids, bad, 0.1, "t", DIM, sync=sync)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="learning rate"):
+        ops.push(mine, ids, np.ones((2, DIM), np.float32), -1.0, "t", DIM)
+    np.testing.assert_array_equal(ops.lookup(mine, ids, "t", DIM).numpy(), before)
+    assert ops.client_stats(mine)["cache_refreshes"] == refreshes  # served from the cache
+    ops.flush(mine)  # nothing was sent
+    np.testing.assert_array_equal(_shard_rows(cluster, "t", ids), before)
+
+
+def test_a_row_the_shards_leave_as_it_was_is_never_served_changed(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A row whose repeats sum past what a shard takes is left as it was by
+    the shards (the push's other rows applied, INVALID_ARGUMENT): while the
+    push is on its way the cache reads that row again instead of serving
+    its own update of it; the rest of the push it serves."""
+    cluster, mine, ids, before = _two_cached_rows(start_cluster)
+    for p in cluster.processes:
+        freeze(p)
+    served: list[np.ndarray] = []
+    try:
+        # Id 1 twice: 2 x 9e17 passes the 1e18 a gradient may reach.
+        pushed = np.array([1, 1, 2], dtype=np.int64)
+        ops.push(mine, pushed, np.full((3, DIM), 9e17, np.float32), 0.1, "t", DIM)
+        reader = threading.Thread(
+            target=lambda: served.append(ops.lookup(mine, ids, "t", DIM).numpy())
+        )
+        reader.start()
+        reader.join(1.0)
+        assert not served  # row 1 is read from the (frozen) shard, not served
+    finally:
+        for p in cluster.processes:
+            p.send_signal(signal.SIGCONT)
+    reader.join(30)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sum past"):
+        ops.flush(mine)
+    np.testing.assert_array_equal(served[0][0], before[0])
+    np.testing.assert_allclose(served[0][1], before[1] - 0.1 * 9e17, rtol=1e-6)
+    np.testing.assert_array_equal(_shard_rows(cluster, "t", ids)[0], before[0])
+
+
+def test_a_cache_whose_rows_with_their_state_pass_a_frame_says_so(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A cache pulls rows with their optimizer slots: a dim-512 Adam row
+    fits a 4 KiB frame, with its slots it takes 6 KiB. The error said "one
+    row of dim 512 exceeds the frame limit", which a plain lookup belied."""
+    cluster = start_cluster(1)
+    config = cluster.client().create_table("wide", 512, optimizer="adam")
+    mine = ops.ClientResource(cluster.addresses, frame_bytes=4096, instance=uuid.uuid4().hex)
+    ids = np.array([1, 2], dtype=np.int64)
+    ops.lookup(mine, ids, "wide", 512)  # fits
+    ops.configure_cache(mine, config, rows=8, max_staleness_steps=100, min_count=1)
+    said = r"dim 512 with its optimizer state \(6148 bytes\)"
+    with pytest.raises(tf.errors.ResourceExhaustedError, match=said):
+        ops.lookup(mine, ids, "wide", 512)
 
 
 def test_cached_tables_are_not_pulled_ahead(start_cluster: Callable[..., Cluster]) -> None:

@@ -1422,8 +1422,9 @@ class Client:
         """Applies `grads` (``ids.shape + (dim,)``) to the rows of `ids` with
         the table's optimizer and `learning_rate`. Repeated ids are summed
         (every occurrence of an id travels in one frame; an id repeated more
-        often than one frame holds raises ResourceExhaustedError and nothing
-        is sent). Non-finite gradients are rejected and nothing is applied."""
+        often than the shard's largest frame holds raises
+        ResourceExhaustedError and nothing is sent). Non-finite gradients are
+        rejected and nothing is applied."""
         flat_ids, rows, dim = self._id_rows(table, ids, grads, "grads")
         self._data.push(table, dim, flat_ids, rows, float(learning_rate))
 

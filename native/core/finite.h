@@ -93,6 +93,18 @@ inline bool WithinLimit(const float* g, size_t n, float limit) {
   return any == 0;
 }
 
+// A push's learning rate as every receiver checks it: finite and >= 0, and
+// > 0 for FTRL (`ftrl`), which divides by it; `op` starts the message.
+inline Status CheckLearningRate(float lr, bool ftrl, const std::string& op) {
+  if (!std::isfinite(lr) || lr < 0) {
+    return InvalidArgument(op + "learning rate must be finite and >= 0, got " + std::to_string(lr));
+  }
+  if (ftrl && !(lr > 0)) {
+    return InvalidArgument(op + "ftrl needs a learning rate > 0, got " + std::to_string(lr));
+  }
+  return OkStatus();
+}
+
 inline Status CheckGradients(const int64_t* ids, const float* grads, size_t n, uint32_t dim,
                              float lr, const std::string& op, const std::string& outcome) {
   const float limit = GradientLimit(lr);

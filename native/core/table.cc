@@ -349,12 +349,7 @@ Status Table::Pull(const int64_t* ids, size_t n, PullMode mode, float* out) {
 }
 
 Status Table::Push(const int64_t* ids, const float* grads, size_t n, float lr) {
-  if (!std::isfinite(lr) || lr < 0) {
-    return InvalidArgument("learning rate must be finite and >= 0, got " + std::to_string(lr));
-  }
-  if (config_.optimizer.kind == OptimizerKind::kFtrl && !(lr > 0)) {
-    return InvalidArgument("ftrl needs a learning rate > 0, got " + std::to_string(lr));
-  }
+  DLT_RETURN_IF_ERROR(CheckLearningRate(lr, config_.optimizer.kind == OptimizerKind::kFtrl, ""));
   const uint32_t dim = config_.dim;
   DLT_RETURN_IF_ERROR(CheckGradients(ids, grads, n, dim, lr, "", "nothing applied"));
   WaitForRoom();

@@ -150,11 +150,14 @@ std::vector<size_t> SplitById(const int64_t* ids, size_t lanes, std::vector<uint
 // shard sums an id's rows only within a frame (Keras Adagrad squares each
 // occurrence; split over two frames, the row is updated twice): where an id
 // repeats, its occurrences join its first (input order kept otherwise) and
-// frames are cut between ids. `cuts` gets the frames' starts, then `end`;
-// left empty when no id repeats (frames of rows_per_frame rows). Fails
-// naming an id that occurs more often than one frame holds.
+// frames are cut between ids. An id that occurs more often than
+// `rows_per_frame` gets a frame of its own, of at most `max_rows` rows (the
+// shard's maximum frame): Keras Adagrad pushes every occurrence, and a hot
+// id may fill more than a frame. `cuts` gets the frames' starts, then
+// `end`; left empty when no id repeats (frames of rows_per_frame rows).
+// Fails naming an id that occurs more often than `max_rows`.
 Status FramesById(const int64_t* ids, size_t first, size_t end, size_t rows_per_frame,
-                  std::vector<uint32_t>* pos, std::vector<size_t>* cuts) {
+                  size_t max_rows, std::vector<uint32_t>* pos, std::vector<size_t>* cuts) {
   struct Scratch {
     Deduper dedup;
     std::vector<int64_t> ids;
@@ -191,13 +194,14 @@ Status FramesById(const int64_t* ids, size_t first, size_t end, size_t rows_per_
   size_t placed = 0, frame_rows = 0;
   for (size_t u = 0; u < place.size(); ++u) {
     const uint32_t occurrences = place[u];
-    if (occurrences > rows_per_frame) {
+    if (occurrences > max_rows) {
       cuts->clear();
       return ResourceExhausted("id " + std::to_string(scratch.ids[firsts[u]]) + " occurs " +
-                               std::to_string(occurrences) + " times, more than one frame holds (" +
-                               std::to_string(rows_per_frame) + " rows)");
+                               std::to_string(occurrences) +
+                               " times, more than one frame of the shard's maximum holds (" +
+                               std::to_string(max_rows) + " rows; --max-frame-bytes)");
     }
-    if (frame_rows + occurrences > rows_per_frame) {
+    if (frame_rows > 0 && frame_rows + occurrences > rows_per_frame) {
       cuts->push_back(first + placed);
       frame_rows = 0;
     }
@@ -304,8 +308,14 @@ Status Client::RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, siz
   size_t n = (limit - prefix_bytes) / request_row_bytes;
   if (reply_row_bytes > 0) n = std::min(n, (limit - wire::kPullReplyFixed) / reply_row_bytes);
   if (n == 0) {
+    // A state pull's rows (a hot-row cache's) carry the optimizer slots too.
+    const std::string with_state =
+        reply_row_bytes > sizeof(float) * dim
+            ? " with its optimizer state (" + std::to_string(reply_row_bytes) + " bytes)"
+            : "";
     return ResourceExhausted(Context(shard, op) + ": one row of dim " + std::to_string(dim) +
-                             " exceeds the frame limit of " + std::to_string(limit) + " bytes");
+                             with_state + " exceeds the frame limit of " + std::to_string(limit) +
+                             " bytes");
   }
   *rows = n;
   return OkStatus();
@@ -445,10 +455,9 @@ Status Client::PullOnce(const Layout& layout, const std::string& table, uint32_t
 }
 
 Status Client::Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
-                    size_t n, float learning_rate, bool distinct) {
+                    size_t n, float learning_rate) {
   return SendRows(wire::Opcode::kPush, table, dim, ids, grads, n, learning_rate,
-                  Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms), nullptr,
-                  distinct);
+                  Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms), nullptr);
 }
 
 Status Client::Assign(const std::string& table, uint32_t dim, const int64_t* ids,
@@ -459,8 +468,7 @@ Status Client::Assign(const std::string& table, uint32_t dim, const int64_t* ids
 
 Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim,
                         const int64_t* ids, const float* rows, size_t n, float learning_rate,
-                        Clock::time_point deadline, const std::vector<PushId>* ancestors,
-                        bool distinct) {
+                        Clock::time_point deadline, const std::vector<PushId>* ancestors) {
   const char* op = opcode == wire::Opcode::kPush ? "Push" : "Assign";
   const bool part = ancestors != nullptr && !ancestors->empty();
   DLT_RETURN_IF_ERROR(CheckBatch(n, dim));
@@ -469,10 +477,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
   // Checked here, before any shard gets its part, so a bad batch changes no
   // shard (each shard checks its own part again).
   if (opcode == wire::Opcode::kPush) {
-    if (!std::isfinite(learning_rate) || learning_rate < 0) {
-      return InvalidArgument("Push: learning rate must be finite and >= 0, got " +
-                             std::to_string(learning_rate));
-    }
+    DLT_RETURN_IF_ERROR(CheckLearningRate(learning_rate, /*ftrl=*/false, "Push: "));
     DLT_RETURN_IF_ERROR(CheckGradients(ids, rows, n, dim, learning_rate, "Push: ", "nothing sent"));
   } else {
     const size_t bad = FirstNonFinite(rows, n * dim);
@@ -533,11 +538,14 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     // ... and in one frame (FramesById) where a connection's run takes more.
     std::vector<std::vector<size_t>> cuts(starts.size() - 1);
     bool reordered = false;
-    for (size_t lane = 0; opcode == wire::Opcode::kPush && !distinct && lane < cuts.size();
-         ++lane) {
+    const uint32_t shard_limit = ShardFrameLimit(*state);
+    const size_t max_rows =
+        std::max(rows_per_frame,
+                 shard_limit > prefix_bytes ? (shard_limit - prefix_bytes) / (8 + row_bytes) : 0);
+    for (size_t lane = 0; opcode == wire::Opcode::kPush && lane < cuts.size(); ++lane) {
       if (starts[lane + 1] - starts[lane] <= rows_per_frame) continue;
-      const Status cut =
-          FramesById(ids, starts[lane], starts[lane + 1], rows_per_frame, &pos, &cuts[lane]);
+      const Status cut = FramesById(ids, starts[lane], starts[lane + 1], rows_per_frame, max_rows,
+                                    &pos, &cuts[lane]);
       if (!cut.ok()) {
         return Status(cut.code(), Context(*state, op) + ": " + cut.message() + "; nothing sent");
       }
@@ -638,8 +646,7 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
         if (lineage.size() > wire::kMaxPushAncestors) return call.refusal;  // switch after switch
       }
       DLT_RETURN_IF_ERROR(SendRows(opcode, table, dim, again_ids.data(), again_rows.data(), count,
-                                   learning_rate, deadline, lineage.empty() ? nullptr : &lineage,
-                                   distinct));
+                                   learning_rate, deadline, lineage.empty() ? nullptr : &lineage));
     }
   }
   return OkStatus();

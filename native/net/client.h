@@ -152,10 +152,10 @@ class Client {
   // by the newer layout once the shards have one, until the deadline; so
   // are pulls.
   // Every occurrence of an id goes in one frame, as a shard sums an id's
-  // rows within a frame; `distinct`: the caller's ids are distinct (the
-  // ops' pushes), so the client need not look for repeats.
+  // rows within a frame (one past `frame_bytes` where the id repeats more
+  // often than that holds, up to the shard's maximum).
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
-              size_t n, float learning_rate, bool distinct = false);
+              size_t n, float learning_rate);
 
   // Sets the values of rows (fresh optimizer slots), e.g. to upload an
   // existing embedding. Rejects non-finite values. Not retried.
@@ -216,7 +216,10 @@ class Client {
   // Uses `address` for `shard` from now on, with what its Hello said (a
   // kept address so met is kept no more).
   void Adopt(ShardState& shard, const std::string& address, const wire::HelloReply& reply);
+  // The payload bytes of a frame to `shard`: the client's frame_bytes
+  // within the shard's maximum; and that maximum.
   uint32_t FrameLimit(ShardState& shard);
+  uint32_t ShardFrameLimit(ShardState& shard);
   // The layout calls route by now.
   std::shared_ptr<const Layout> CurrentLayout() const;
   // After a shard refused a request of layout `seen` (ABORTED): asks the
@@ -300,11 +303,11 @@ class Client {
   // frames it was a part of in turn): each shard's part goes in frames of
   // ids of their own naming them (wire::kPushPart), so a shard that
   // applied one of them whole does not apply the part, and parts applied
-  // on one shard never pass for each other. `distinct` as in Push.
+  // on one shard never pass for each other.
   Status SendRows(wire::Opcode opcode, const std::string& table, uint32_t dim, const int64_t* ids,
                   const float* rows, size_t n, float learning_rate,
                   std::chrono::steady_clock::time_point deadline,
-                  const std::vector<PushId>* ancestors, bool distinct = false);
+                  const std::vector<PushId>* ancestors);
   // Pull and PullState: rows of `row_floats` floats, retried.
   Status PullRows(const std::string& table, uint32_t dim, const int64_t* ids, size_t n,
                   PullMode mode, uint32_t row_floats, float* out, bool dedup, size_t* sent);

@@ -422,6 +422,11 @@ uint32_t Client::FrameLimit(ShardState& st) {
   return std::min(options_.frame_bytes, st.info.max_frame_bytes);
 }
 
+uint32_t Client::ShardFrameLimit(ShardState& st) {
+  std::lock_guard<std::mutex> lock(st.mu);
+  return st.info.max_frame_bytes;
+}
+
 Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
   const Clock::time_point deadline =
       Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);

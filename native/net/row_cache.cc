@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "native/core/dedup.h"
+#include "native/core/finite.h"
 #include "native/core/optimizer.h"
 #include "native/core/routing.h"
 #include "native/core/table.h"
@@ -344,7 +345,11 @@ void RowCache::Fill(const int64_t* ids, size_t n, const float* states, int64_t n
   }
 }
 
-void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr) {
+Status RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr) {
+  // Refused as Table::Push refuses it (nothing applied), so no row a shard
+  // will never hold is served.
+  DLT_RETURN_IF_ERROR(CheckLearningRate(lr, optimizer_.kind == OptimizerKind::kFtrl, "Push: "));
+  DLT_RETURN_IF_ERROR(CheckGradients(ids, grads, n, dim_, lr, "Push: ", "nothing sent"));
   // As Table::Push: an id's rows are summed in order (and, for Keras
   // Adagrad, their squares), then applied once.
   struct Scratch : DedupScratch {
@@ -364,6 +369,7 @@ void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr
         [&](size_t i) { return grads + i * dim_; });
   }
   const size_t stride = dim_ + slot_floats_;
+  const float limit = GradientLimit(lr);
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t u = 0; u < unique.size(); ++u) {
     const uint32_t cached = index_.Find(unique[u]);
@@ -373,9 +379,19 @@ void RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float lr
     // An id pushed once: its gradient as sent (the u-th, with no repeats).
     const float* g = summed != nullptr ? summed : grads + (repeated ? sums.First(u) : u) * dim_;
     const float* sq = summed != nullptr ? sums.Squares(u) : nullptr;
-    ApplyRow(optimizer_, dim_, lr, g, sq, row, row + dim_, &steps_[cached]);
+    // A row the shards leave as it was (INVALID_ARGUMENT: its repeats sum
+    // past the gradient limit, or its update is not finite): read again at
+    // the next lookup.
+    const bool applied = (summed == nullptr || WithinLimit(summed, dim_, limit)) &&
+                         ApplyRow(optimizer_, dim_, lr, g, sq, row, row + dim_, &steps_[cached]);
+    if (!applied) {
+      filled_step_[cached] = clock_ - (uint64_t{1} << 40);
+      filled_ms_[cached] = INT64_MIN / 4;
+      continue;
+    }
     ++counts_.applied;
   }
+  return OkStatus();
 }
 
 void RowCache::Invalidate(const int64_t* ids, size_t n) {

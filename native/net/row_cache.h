@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "native/core/status.h"
 #include "native/core/table_config.h"
 
 namespace dlt {
@@ -93,8 +94,11 @@ class RowCache {
   void Fill(const int64_t* ids, size_t n, const float* states, int64_t now_ms, float* rows,
             std::vector<uint32_t>* absent);
   // This trainer pushed `grads` ([n, dim]) for `ids`: applied to the cached
-  // ones as the shards apply it (repeated ids summed first).
-  void Pushed(const int64_t* ids, const float* grads, size_t n, float lr);
+  // ones as the shards apply it (repeated ids summed first). A push the
+  // shards would refuse whole (a learning rate or gradient past what they
+  // take) is refused here first, nothing applied; a row the shards would
+  // leave as it was (its update not finite) is read again.
+  Status Pushed(const int64_t* ids, const float* grads, size_t n, float lr);
   // Forgets the cached rows of `ids` (an assignment, a failed push).
   void Invalidate(const int64_t* ids, size_t n);
 

@@ -23,8 +23,8 @@ class Tcp : public Transport {
     return client_.PullState(table, dim, slot_floats, ids, n, out, insert);
   }
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
-              size_t n, float learning_rate, bool distinct) override {
-    return client_.Push(table, dim, ids, grads, n, learning_rate, distinct);
+              size_t n, float learning_rate) override {
+    return client_.Push(table, dim, ids, grads, n, learning_rate);
   }
   Status Assign(const std::string& table, uint32_t dim, const int64_t* ids, const float* values,
                 size_t n) override {
@@ -67,7 +67,7 @@ class Embedded : public Transport {
     return t->Pull(ids, n, insert ? PullMode::kStateInsert : PullMode::kState, out);
   }
   Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
-              size_t n, float learning_rate, bool /*distinct*/) override {
+              size_t n, float learning_rate) override {
     std::shared_ptr<Table> t;
     DLT_RETURN_IF_ERROR(Find(table, dim, "Push", &t));
     return t->Push(ids, grads, n, learning_rate).WithContext(Where(table, "Push"));

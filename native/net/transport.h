@@ -30,9 +30,8 @@ class Transport {
   // Rows with their optimizer state (Client::PullState).
   virtual Status PullState(const std::string& table, uint32_t dim, uint32_t slot_floats,
                            const int64_t* ids, size_t n, float* out, bool insert) = 0;
-  // Client::Push (`distinct` as there).
   virtual Status Push(const std::string& table, uint32_t dim, const int64_t* ids,
-                      const float* grads, size_t n, float learning_rate, bool distinct) = 0;
+                      const float* grads, size_t n, float learning_rate) = 0;
   // Sets rows (fresh optimizer slots).
   virtual Status Assign(const std::string& table, uint32_t dim, const int64_t* ids,
                         const float* values, size_t n) = 0;

@@ -804,7 +804,7 @@ DLT_TEST(TestEmbeddedTransportServesTheProcessShard) {
   std::vector<float> rows(12), grads(12, 1.0f), again(12);
   EXPECT_OK(
       embedded->Pull("emb", 4, ids.data(), 3, PullMode::kInsert, rows.data(), false, nullptr));
-  EXPECT_OK(embedded->Push("emb", 4, ids.data(), grads.data(), 3, 0.1f, true));
+  EXPECT_OK(embedded->Push("emb", 4, ids.data(), grads.data(), 3, 0.1f));
   EXPECT_OK(
       other->Pull("emb", 4, ids.data(), 3, PullMode::kZerosNoInsert, again.data(), false, nullptr));
   std::shared_ptr<Table> table;

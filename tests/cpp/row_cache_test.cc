@@ -105,7 +105,7 @@ DLT_TEST(RowCacheWithOwnPushesReadsExactlyWhatTheTableHolds) {
       std::vector<float> grads(pushed.size() * config.dim);
       for (float& g : grads) g = grad(rng);
       EXPECT_OK(table.Push(pushed.data(), grads.data(), pushed.size(), 0.05f));
-      cache.Pushed(pushed.data(), grads.data(), pushed.size(), 0.05f);
+      EXPECT_OK(cache.Pushed(pushed.data(), grads.data(), pushed.size(), 0.05f));
     }
     EXPECT(hits > 150);  // the 5 hot ids from the third step on, and part of the tail
     EXPECT(cache.counts().applied > 0 && cache.counts().refreshes == 0);

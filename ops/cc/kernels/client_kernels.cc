@@ -63,8 +63,10 @@ class ClientOp : public ResourceOpKernel<ClientResource> {
                                         "] ms (24.8 days), got ", connect_ms, " and ", request_ms));
     OP_REQUIRES(ctx, frame_bytes >= 4096 && frame_bytes <= (int64_t{1} << 31),
                 errors::InvalidArgument("frame_bytes must be in [4096, 2^31], got ", frame_bytes));
-    OP_REQUIRES(ctx, inflight >= 1,
-                errors::InvalidArgument("max_inflight_pushes must be >= 1, got ", inflight));
+    constexpr int64_t kMaxInflight = std::numeric_limits<int>::max();
+    OP_REQUIRES(ctx, inflight >= 1 && inflight <= kMaxInflight,
+                errors::InvalidArgument("max_inflight_pushes must be in [1, ", kMaxInflight,
+                                        "], got ", inflight));
     options_.tcp.connect_timeout_ms = static_cast<int>(connect_ms);
     options_.tcp.request_timeout_ms = static_cast<int>(request_ms);
     options_.tcp.frame_bytes = static_cast<uint32_t>(frame_bytes);

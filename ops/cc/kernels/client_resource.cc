@@ -129,15 +129,14 @@ absl::Status ClientResource::PushToCache(const std::string& table, uint32_t dim,
                                          const float* grads, size_t n, float learning_rate) {
   std::shared_ptr<dlt::RowCache> cache;
   TF_RETURN_IF_ERROR(CacheFor(table, dim, &cache));
-  if (cache != nullptr) cache->Pushed(ids, grads, n, learning_rate);
+  if (cache != nullptr) return ToAbsl(cache->Pushed(ids, grads, n, learning_rate));
   return absl::OkStatus();
 }
 
 absl::Status ClientResource::Push(const std::string& table, uint32_t dim, const int64_t* ids,
                                   const float* grads, size_t n, float learning_rate) {
   const uint64_t start = Env::Default()->NowMicros();
-  const absl::Status status =
-      ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate, /*distinct=*/true));
+  const absl::Status status = ToAbsl(transport_->Push(table, dim, ids, grads, n, learning_rate));
   // Even a failed push may have been applied in part.
   RefreshAhead(pull_ahead_.Pushed(table, ids, n));
   if (!status.ok()) {

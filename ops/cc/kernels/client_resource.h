@@ -82,7 +82,8 @@ class ClientResource : public ResourceBase {
   }
   // Applies this client's push of width `dim` to the cached rows of
   // `table` (at once, so the next lookup reads it even while the push is on
-  // its way); an error (CacheFor's) applies nothing.
+  // its way); an error (CacheFor's, or a push the shards would refuse:
+  // RowCache::Pushed) applies nothing.
   absl::Status PushToCache(const std::string& table, uint32_t dim, const int64_t* ids,
                            const float* grads, size_t n, float learning_rate);
 
@@ -119,7 +120,7 @@ class ClientResource : public ResourceBase {
   // to its rows.
   void CountLookup(uint64_t micros) { counters_.lookup_latency.Record(micros); }
 
-  // Blocking push of `n` rows of distinct ids (Dlt>Push's unique_ids).
+  // Blocking push of `n` rows.
   absl::Status Push(const std::string& table, uint32_t dim, const int64_t* ids, const float* grads,
                     size_t n, float learning_rate);
 
