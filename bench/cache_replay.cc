@@ -87,7 +87,11 @@ int main(int argc, char** argv) {
     const Clock::time_point pushing = Clock::now();
     in_fill += pushing - filling;
     grads.assign(size_t(n) * kDim, 0.01f);
-    cache.Pushed(ids.data(), grads.data(), ids.size(), 0.1f);
+    const dlt::Status applied = cache.Pushed(ids.data(), grads.data(), ids.size(), 0.1f);
+    if (!applied.ok()) {
+      std::fprintf(stderr, "cache_replay: push refused: %s\n", applied.message().c_str());
+      return 1;
+    }
     in_pushed += Clock::now() - pushing;
   }
   std::fclose(f);
