@@ -385,8 +385,7 @@ Status RowCache::Pushed(const int64_t* ids, const float* grads, size_t n, float 
     const bool applied = (summed == nullptr || WithinLimit(summed, dim_, limit)) &&
                          ApplyRow(optimizer_, dim_, lr, g, sq, row, row + dim_, &steps_[cached]);
     if (!applied) {
-      filled_step_[cached] = clock_ - (uint64_t{1} << 40);
-      filled_ms_[cached] = INT64_MIN / 4;
+      MarkStale(cached);
       continue;
     }
     ++counts_.applied;
@@ -398,11 +397,13 @@ void RowCache::Invalidate(const int64_t* ids, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < n; ++i) {
     const uint32_t cached = index_.Find(ids[i]);
-    // Marked as pulled long ago: the next lookup refreshes it.
-    if (cached == SlotIndex::kNone) continue;
-    filled_step_[cached] = clock_ - (uint64_t{1} << 40);
-    filled_ms_[cached] = INT64_MIN / 4;
+    if (cached != SlotIndex::kNone) MarkStale(cached);
   }
+}
+
+void RowCache::MarkStale(uint32_t cached) {
+  filled_step_[cached] = clock_ - (uint64_t{1} << 40);
+  filled_ms_[cached] = INT64_MIN / 4;
 }
 
 RowCache::Counts RowCache::counts() const {

@@ -115,6 +115,9 @@ class RowCache {
   Counts counts() const;
 
  private:
+  // Marks cached row `cached` as pulled long ago: the next lookup of it
+  // refreshes it (mu_ held).
+  void MarkStale(uint32_t cached);
   uint32_t Count(int64_t id);  // counts one lookup of `id`; the estimate
   uint32_t Estimate(int64_t id) const;
   // Where an id of Mix64 `hash` counts in the sketch's `row` (an index
