@@ -303,8 +303,10 @@ Status Client::Route(const Layout& layout, const int64_t* ids, size_t n, Clock::
 }
 
 Status Client::RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, size_t prefix_bytes,
-                            size_t request_row_bytes, size_t reply_row_bytes, size_t* rows) {
-  const uint32_t limit = FrameLimit(shard);
+                            size_t request_row_bytes, size_t reply_row_bytes, size_t* rows,
+                            size_t* most_rows) {
+  const FrameLimits limits = FrameLimit(shard);
+  const uint32_t limit = limits.ours;
   size_t n = (limit - prefix_bytes) / request_row_bytes;
   if (reply_row_bytes > 0) n = std::min(n, (limit - wire::kPullReplyFixed) / reply_row_bytes);
   if (n == 0) {
@@ -318,6 +320,10 @@ Status Client::RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, siz
                              " bytes");
   }
   *rows = n;
+  if (most_rows != nullptr) {
+    *most_rows = std::max(
+        n, limits.shard > prefix_bytes ? (limits.shard - prefix_bytes) / request_row_bytes : 0);
+  }
   return OkStatus();
 }
 
@@ -524,9 +530,9 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     std::vector<uint32_t>& pos = groups[s];
     if (pos.empty()) continue;
     ShardState* state = layout->shards[s];
-    size_t rows_per_frame;
+    size_t rows_per_frame, max_rows;
     DLT_RETURN_IF_ERROR(
-        RowsPerFrame(*state, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame));
+        RowsPerFrame(*state, op, dim, prefix_bytes, 8 + row_bytes, 0, &rows_per_frame, &max_rows));
     // A shard sums an id's rows within a frame (Keras Adagrad squares each
     // one): every occurrence of an id goes to the same connection, so what
     // a push does never depends on how it was split. A refused frame's part
@@ -538,10 +544,6 @@ Status Client::SendRows(wire::Opcode opcode, const std::string& table, uint32_t 
     // ... and in one frame (FramesById) where a connection's run takes more.
     std::vector<std::vector<size_t>> cuts(starts.size() - 1);
     bool reordered = false;
-    const uint32_t shard_limit = ShardFrameLimit(*state);
-    const size_t max_rows =
-        std::max(rows_per_frame,
-                 shard_limit > prefix_bytes ? (shard_limit - prefix_bytes) / (8 + row_bytes) : 0);
     for (size_t lane = 0; opcode == wire::Opcode::kPush && lane < cuts.size(); ++lane) {
       if (starts[lane + 1] - starts[lane] <= rows_per_frame) continue;
       const Status cut = FramesById(ids, starts[lane], starts[lane + 1], rows_per_frame, max_rows,

@@ -217,9 +217,11 @@ class Client {
   // kept address so met is kept no more).
   void Adopt(ShardState& shard, const std::string& address, const wire::HelloReply& reply);
   // The payload bytes of a frame to `shard`: the client's frame_bytes
-  // within the shard's maximum; and that maximum.
-  uint32_t FrameLimit(ShardState& shard);
-  uint32_t ShardFrameLimit(ShardState& shard);
+  // within the shard's maximum (`ours`), and that maximum (`shard`).
+  struct FrameLimits {
+    uint32_t ours, shard;
+  };
+  FrameLimits FrameLimit(ShardState& shard);
   // The layout calls route by now.
   std::shared_ptr<const Layout> CurrentLayout() const;
   // After a shard refused a request of layout `seen` (ABORTED): asks the
@@ -276,9 +278,11 @@ class Client {
                   std::chrono::steady_clock::time_point deadline);
   // The most rows per frame to `shard` whose request (prefix_bytes plus
   // request_row_bytes per row) and reply (reply_row_bytes per row, 0: none)
-  // fit its frame limit.
+  // fit its frame limit; and, if `most_rows`, the most such request rows a
+  // frame of the shard's own maximum holds (at least `*rows`).
   Status RowsPerFrame(ShardState& shard, const char* op, uint32_t dim, size_t prefix_bytes,
-                      size_t request_row_bytes, size_t reply_row_bytes, size_t* rows);
+                      size_t request_row_bytes, size_t reply_row_bytes, size_t* rows,
+                      size_t* most_rows = nullptr);
   // Sends every call's frames and receives their replies: the calls at once
   // on threads of their own when they are large enough to pay for it
   // (ExchangeOn each), else all on the calling thread (one ExchangeOn).

@@ -417,14 +417,9 @@ void Client::Release(ShardState& st, Conn conn) {
   }
 }
 
-uint32_t Client::FrameLimit(ShardState& st) {
+Client::FrameLimits Client::FrameLimit(ShardState& st) {
   std::lock_guard<std::mutex> lock(st.mu);
-  return std::min(options_.frame_bytes, st.info.max_frame_bytes);
-}
-
-uint32_t Client::ShardFrameLimit(ShardState& st) {
-  std::lock_guard<std::mutex> lock(st.mu);
-  return st.info.max_frame_bytes;
+  return {std::min(options_.frame_bytes, st.info.max_frame_bytes), st.info.max_frame_bytes};
 }
 
 Status Client::GetShardInfos(std::vector<ShardInfo>* infos) {
