@@ -236,12 +236,15 @@ class Client {
   // undone as a newer layout, which that shard never serves. At most one
   // probe per kLayoutProbeMs that found nothing, so a failover does not
   // make every client greet every shard on each retry.
-  bool NewerLayoutThan(const Layout& seen, const ShardState* unreachable);
+  // Asks no longer than `deadline` (the call's).
+  bool NewerLayoutThan(const Layout& seen, const ShardState* unreachable,
+                       std::chrono::steady_clock::time_point deadline);
   // `s` from a shard that could not be reached (nothing sent to it), as
   // ABORTED when its layout was left or another shard serves a newer one
   // (a re-shard replaced it, or undid the switch that brought it: routed
   // by the newer layout); else `s`.
-  Status UnlessLayoutLeft(const ShardState& shard, const Status& s);
+  Status UnlessLayoutLeft(const ShardState& shard, const Status& s,
+                          std::chrono::steady_clock::time_point deadline);
   // Before a call is made again after UNAVAILABLE: pauses `*backoff_ms`,
   // doubling (to kFailoverBackoffMs with standbys), and counts the retry;
   // false when none is left (pull_retries without standbys, or the
@@ -252,13 +255,13 @@ class Client {
   // the shard's copy was replaced since (another call found it), or another
   // of its addresses serves it now at a newer epoch (a standby took over
   // from a primary that went silent: connections go there from now on);
-  // else OK, to go on waiting.
-  Status CheckSilent(ShardState& shard, uint64_t switches, int64_t silent_ms);
+  // else OK, to go on waiting. Asks no longer than `deadline` (the call's).
+  Status CheckSilent(ShardState& shard, uint64_t switches, int64_t silent_ms,
+                     std::chrono::steady_clock::time_point deadline);
   // One Hello to `address` on a connection of its own, within kAskLayoutMs
   // and by `deadline`: what it said (false: no answer).
   bool AskLayout(const std::string& address, wire::HelloReply* reply,
-                 std::chrono::steady_clock::time_point deadline =
-                     std::chrono::steady_clock::time_point::max());
+                 std::chrono::steady_clock::time_point deadline);
   // Routes by layout `epoch` of `addresses` ("a|a2,b,...") from now on;
   // caller holds layout_mu_.
   void UseLayoutLocked(const Layout& seen, uint64_t epoch, const std::string& addresses);

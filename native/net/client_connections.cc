@@ -494,7 +494,7 @@ Status Client::GreetAll(const Layout& layout, std::vector<ShardInfo>* infos,
       Conn conn;
       Status s = Acquire(*st, &conn, deadline);
       // (s says which step failed: "connect: ...", "Hello: ...")
-      if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(GreetingContext(*st)));
+      if (!s.ok()) return UnlessLayoutLeft(*st, s.WithContext(GreetingContext(*st)), deadline);
       Release(*st, std::move(conn));
     }
     std::lock_guard<std::mutex> lock(st->mu);
@@ -524,7 +524,8 @@ bool Client::LearnNewerLayout() {
       .ok();
 }
 
-Status Client::CheckSilent(ShardState& st, uint64_t switches, int64_t silent_ms) {
+Status Client::CheckSilent(ShardState& st, uint64_t switches, int64_t silent_ms,
+                           Clock::time_point deadline) {
   std::vector<std::string> others;
   std::string current;
   uint64_t epoch;
@@ -545,7 +546,7 @@ Status Client::CheckSilent(ShardState& st, uint64_t switches, int64_t silent_ms)
   for (const std::string& address : others) {
     wire::HelloReply reply;
     // A standby that has not taken over refuses a trainer's Hello.
-    if (!AskLayout(address, &reply) || reply.shard_index != st.index ||
+    if (!AskLayout(address, &reply, deadline) || reply.shard_index != st.index ||
         reply.num_shards != st.count || reply.epoch <= epoch) {
       continue;
     }
@@ -614,17 +615,20 @@ Status Client::LearnLayout(const Layout& seen, Clock::time_point deadline) {
   return OkStatus();
 }
 
-Status Client::UnlessLayoutLeft(const ShardState& st, const Status& s) {
+Status Client::UnlessLayoutLeft(const ShardState& st, const Status& s, Clock::time_point deadline) {
   if (s.code() != Code::kUnavailable) return s;
   const std::shared_ptr<const Layout> now = CurrentLayout();
-  if (now->epoch > st.layout_epoch || NewerLayoutThan(*now, &st)) {
+  if (now->epoch > st.layout_epoch || NewerLayoutThan(*now, &st, deadline)) {
     return Aborted(s.message() + "; another shard serves a newer layout");
   }
   return s;
 }
 
-bool Client::NewerLayoutThan(const Layout& seen, const ShardState* unreachable) {
-  std::lock_guard<std::timed_mutex> lock(layout_mu_);
+bool Client::NewerLayoutThan(const Layout& seen, const ShardState* unreachable,
+                             Clock::time_point deadline) {
+  // (Another call asking holds layout_mu_ as long as its deadline allows.)
+  std::unique_lock<std::timed_mutex> lock(layout_mu_, deadline);
+  if (!lock.owns_lock()) return false;
   if (CurrentLayout()->epoch > seen.epoch) return true;  // another call learned it
   const Clock::time_point now = Clock::now();
   if (now - last_probe_ < std::chrono::milliseconds(kLayoutProbeMs)) return false;
@@ -639,7 +643,7 @@ bool Client::NewerLayoutThan(const Layout& seen, const ShardState* unreachable) 
     }
     for (const std::string& address : candidates) {
       wire::HelloReply reply;
-      if (!AskLayout(address, &reply)) continue;
+      if (!AskLayout(address, &reply, deadline)) continue;
       // One answer: a process that switched serves the newer layout, and
       // after an undo every one does.
       next_probe_ = (next_probe_ + k + 1) % n;

@@ -260,7 +260,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
     Status s = Acquire(*call.state, &conn, deadline);
     if (!s.ok()) {
       close_all();
-      s = UnlessLayoutLeft(*call.state, s.WithContext(Context(*call.state, op)));
+      s = UnlessLayoutLeft(*call.state, s.WithContext(Context(*call.state, op)), deadline);
       if (s.code() != Code::kAborted) return s;
       // The shard serves a newer layout: no frame of these calls was sent,
       // so all are refused, to be sent again routed by it.
@@ -315,7 +315,7 @@ Status Client::ExchangeOn(Call* calls, size_t count, const char* op, Clock::time
         const int64_t silent_ms =
             std::chrono::duration_cast<std::chrono::milliseconds>(now - x.heard).count();
         if (silent_ms < kSilentMs) continue;
-        const Status s = CheckSilent(*calls[c].state, x.switches, silent_ms);
+        const Status s = CheckSilent(*calls[c].state, x.switches, silent_ms, deadline);
         if (!s.ok()) {
           close_all();
           return s.WithContext(Context(*calls[c].state, op));

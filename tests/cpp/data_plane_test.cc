@@ -761,6 +761,22 @@ DLT_TEST(TestConnectingToAPeerThatNeverAnswersEndsByTheRequestsDeadline) {
     EXPECT(!client.LearnNewerLayout());
     EXPECT(Clock::now() - began < late);
   }
+  {
+    // A shard not reached makes a call look for a newer layout at the
+    // other shards' addresses: each silent one cost kAskLayoutMs past the
+    // request's deadline (4 s here).
+    int gone = -1, gone_port = 0;
+    EXPECT_OK(net::Listen("127.0.0.1", 0, 1, &gone, &gone_port));
+    net::CloseFd(gone);  // connections to it are refused
+    SilentPeer a, b, c, d;
+    Client client({"127.0.0.1:" + std::to_string(gone_port),
+                   a.address() + "|" + b.address() + "|" + c.address() + "|" + d.address()},
+                  o);
+    const auto began = Clock::now();
+    const Status s = client.Pull("emb", 4, ids.data(), ids.size(), PullMode::kInsert, out.data());
+    EXPECT(s.code() == Code::kUnavailable || s.code() == Code::kDeadlineExceeded);
+    EXPECT(Clock::now() - began < late);
+  }
 }
 
 // A Pull reply of rows whose values name their id (id + k / 8 for float k).
