@@ -3,6 +3,7 @@ server keeps serving other connections, and nothing partial is committed."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from tf_dlt import Client, _native, errors
+from tf_dlt import cluster as cluster_lib
 from tf_dlt import dlt_ops as ops
 from tf_dlt.checkpoint import shard_format, shard_save
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
@@ -68,8 +70,57 @@ def test_an_address_no_call_could_reach_is_refused_when_given() -> None:
             tf_dlt.Client(bad)
         with pytest.raises(errors.InvalidArgumentError, match="is not host:port"):
             ops.ClientResource(bad)
+    # A bare IPv6 address, a space or a comma in a host, and digits that are
+    # not ASCII (int() refused '²' with a bare ValueError) were accepted
+    # and failed every call UNAVAILABLE ("cannot resolve ':'").
+    for bad in ("::1", "fe80::1:7000", "h :7000", "a:7000,b:7000", "h:\u00b2", "h:\u0667\u0660"):
+        with pytest.raises(errors.InvalidArgumentError, match="is not host:port"):
+            tf_dlt.Client([bad])
+        with pytest.raises(errors.InvalidArgumentError, match="is not host:port"):
+            ops.ClientResource([bad])
+    for bad_ps in (["::1"], ["ps-0:7000| ps-1:7000"], ["[::g]:7000"]):
+        text = json.dumps({"cluster": {"ps": bad_ps, "worker": ["w:0"]}, "task": {"index": 0}})
+        with pytest.raises(ValueError, match="TF_CONFIG"):
+            cluster_lib.parse(text)
+    with pytest.raises(ValueError, match="JOB_COMPLETION_INDEX"):
+        cluster_lib.cluster_from_env(
+            {"TF_CONFIG": '{"cluster": {"worker": ["a:0", "b:0"]}}', "JOB_COMPLETION_INDEX": "²"}
+        )
     # Spaces around an address (a list pasted from a config) are dropped.
     assert ops.ClientResource([" 127.0.0.1:7000 "]).pservers == ["127.0.0.1:7000"]
+    assert tf_dlt.Client(["[::1]:7000", "ps_0.ns-1.svc:7000"]).pservers == [
+        "[::1]:7000",
+        "ps_0.ns-1.svc:7000",
+    ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"frame_bytes": 2**40},
+        {"frame_bytes": -1},
+        {"frame_bytes": 4096.5},
+        {"request_timeout": None},
+        {"connect_timeout": "5"},
+        {"auth_token": 12345},
+        {"auth_token": b"\xff-not-ascii"},
+    ],
+)
+def test_bad_client_arguments_are_invalid_argument_naming_them(kwargs: dict) -> None:
+    """They raised pybind's TypeError, AttributeError or a bare TypeError."""
+    import tf_dlt
+
+    with pytest.raises(errors.InvalidArgumentError, match=next(iter(kwargs))):
+        tf_dlt.Client(["127.0.0.1:1"], **kwargs)
+
+
+@pytest.mark.unit
+def test_a_token_read_as_bytes_is_taken() -> None:
+    """`open(path, "rb").read()` gave AttributeError ('bytes' has no encode)."""
+    import tf_dlt
+
+    tf_dlt.Client(["127.0.0.1:1"], auth_token=b"s3cret-token\n").close()
 
 
 def test_unknown_table_and_dim_mismatch(one: Cluster) -> None:

@@ -125,6 +125,30 @@ def test_saving_again_replaces_the_previous_files(
         np.testing.assert_array_equal(client.pull("t", np.arange(100)), after)
 
 
+def test_a_save_or_load_of_no_tables_is_refused_and_changes_nothing(
+    start_cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """`tables=[]` (a list filtered down to nothing) went to the shards as no
+    names, which they take for every table: the load put every table back
+    at the checkpoint, undoing what was trained since, and the save wrote
+    them all. A string's letters were taken for table names."""
+    cluster = start_cluster(1)
+    with cluster.client() as client:
+        client.create_table("a", 2)
+        client.create_table("b", 2)
+        client.pull("b", [1])
+        client.save(str(tmp_path / "ck"))
+        client.push("b", [1], np.ones((1, 2), np.float32), 1.0)
+        trained = client.pull("b", [1])
+        for tables in ([], "b", [b"b"]):
+            with pytest.raises(errors.InvalidArgumentError, match="tables"):
+                client.load(str(tmp_path / "ck"), tables=tables)  # type: ignore[arg-type]
+            with pytest.raises(errors.InvalidArgumentError, match="tables"):
+                client.save(str(tmp_path / "ck2"), tables=tables)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(client.pull("b", [1]), trained)
+        assert not (tmp_path / "ck2").exists()
+
+
 def test_two_saves_to_one_path_never_both_report_success(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

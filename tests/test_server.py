@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -539,3 +540,56 @@ def test_sigterm_ends_the_process_past_a_save_the_store_never_answers(
     assert code == 0 and time.monotonic() - started < 20
     assert "given up" in cluster.log(0)
     saver.join(30)
+
+
+def test_threads_sharing_a_new_client_all_get_their_rows(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """Threads making a new client's first calls at once each made every
+    control-plane stub, the later ones closing the channels the first were
+    calling on: raw ValueError('Cannot invoke RPC: Channel closed!'), or a
+    CANCELLED call given as the base DltError."""
+    cluster = start_cluster(3)
+    with cluster.client() as c:
+        c.create_table("emb", 4)
+    for attempt in range(5):
+        client = cluster.client()
+        barrier = threading.Barrier(8)
+        out: list[object] = []
+
+        def work(client: Any, barrier: threading.Barrier, out: list[object]) -> None:
+            barrier.wait()
+            try:
+                out.append(client.pull("emb", np.arange(10)).shape)
+            except Exception as e:  # noqa: BLE001 - what each thread met
+                out.append(repr(e))
+
+        threads = [threading.Thread(target=work, args=(client, barrier, out)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        client.close()
+        assert out == [(10, 4)] * 8, (attempt, out)
+
+
+def test_a_table_made_again_with_another_dim_is_followed(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A client kept the dim it first met: after another client dropped the
+    table and made it again at another dim, each of its pulls failed
+    INVALID_ARGUMENT until something made it list the tables."""
+    cluster = start_cluster(1)
+    with cluster.client() as a, cluster.client() as b:
+        a.create_table("emb", 4)
+        assert a.pull("emb", [1, 2]).shape == (2, 4)
+        b.drop_table("emb")
+        b.create_table("emb", 8)
+        assert a.pull("emb", [1, 2]).shape == (2, 8)
+        b.drop_table("emb")
+        b.create_table("emb", 2)
+        with pytest.raises(tf_dlt_errors.InvalidArgumentError, match="has dim 2"):
+            a.push("emb", [1], np.ones((1, 8), np.float32), 0.1)
+        with pytest.raises(tf_dlt_errors.InvalidArgumentError, match=r"shape \(1, 2\)"):
+            a.push("emb", [1], np.ones((1, 8), np.float32), 0.1)  # the dim learned again
+        a.push("emb", [1], np.ones((1, 2), np.float32), 0.1)

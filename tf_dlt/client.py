@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -65,6 +66,8 @@ _REGREET_PAUSE_S = 0.2
 # How often an admin call waiting on a shard with standbys looks for another
 # copy serving (Client._leave_silent).
 _SILENT_CHECK_S = 1.0
+# frame_bytes a client takes (wire::kMinMaxFrameBytes; a uint32).
+_MIN_FRAME_BYTES, _MAX_FRAME_BYTES = 4096, 2**32 - 1
 # How many times an admin call that ends UNAVAILABLE is sent to the copy
 # serving after it (a standby that took over, and the one after it).
 _MAX_MOVES = 3
@@ -204,7 +207,7 @@ class Client:
         self,
         pservers: Sequence[str] | str,
         *,
-        auth_token: str | None = "",
+        auth_token: str | bytes | None = "",
         connect_timeout: float = 5.0,
         request_timeout: float = 30.0,
         persist_timeout: float = 3600.0,
@@ -215,7 +218,19 @@ class Client:
         if not self.pservers:
             raise errors.InvalidArgumentError("Client needs at least one shard address")
         # Surrounding whitespace is never part of a token (the shards drop
-        # it from their token file): `open(path).read()` works as given.
+        # it from their token file): `open(path).read()` works as given,
+        # and so does `open(path, "rb").read()`.
+        if isinstance(auth_token, bytes):
+            try:
+                auth_token = auth_token.decode("ascii")
+            except UnicodeDecodeError:
+                raise errors.InvalidArgumentError(
+                    "the auth_token given holds bytes that are not ASCII"
+                ) from None
+        if auth_token is not None and not isinstance(auth_token, str):
+            raise errors.InvalidArgumentError(
+                f"auth_token must be a str, got {type(auth_token).__name__}"
+            )
         auth_token = (auth_token or "").strip()
         if auth_token:
             check_token(auth_token, "the auth_token given")
@@ -231,17 +246,29 @@ class Client:
         self._request_timeout = request_timeout
         self._persist_timeout = persist_timeout
         timeout_ms("persist_timeout", persist_timeout)  # checked alike
+        if (
+            not isinstance(frame_bytes, int | np.integer)
+            or isinstance(frame_bytes, bool)
+            or not _MIN_FRAME_BYTES <= frame_bytes <= _MAX_FRAME_BYTES
+        ):
+            raise errors.InvalidArgumentError(
+                f"frame_bytes must be an int from {_MIN_FRAME_BYTES} to {_MAX_FRAME_BYTES}, got "
+                f"{frame_bytes!r}"
+            )
         self._data = _native.Client(
             self.pservers,
             auth_token=auth_token,
             connect_timeout_ms=timeout_ms("connect_timeout", connect_timeout),
             request_timeout_ms=timeout_ms("request_timeout", request_timeout),
-            frame_bytes=frame_bytes,
+            frame_bytes=int(frame_bytes),
         )
         self._connect_timeout = connect_timeout
         self._frame_bytes = frame_bytes
         self._dims: dict[str, int] = {}
         self._admins: list[_AdminStub] = []  # each shard's, once made (_admin)
+        # Guards _admins: threads sharing a new client each made every stub,
+        # and the later ones closed the channels the first were calling on.
+        self._stubs_lock = threading.RLock()
         self._expected_lineages: list[int] = []  # expect_lineages
         self._expected_layout = 0
         self._prepared_at: list[str] = []  # _prepare_load
@@ -324,6 +351,10 @@ class Client:
     # Control plane ------------------------------------------------------------
 
     def _admin(self) -> list[_AdminStub]:
+        with self._stubs_lock:
+            return self._admin_locked()
+
+    def _admin_locked(self) -> list[_AdminStub]:
         # Another client's re-shard shows within _LAYOUT_ASK_S (this one's,
         # and a data-plane call's meeting it, at once).
         self._follow_layout(learn=time.monotonic() - self._layout_asked > _LAYOUT_ASK_S)
@@ -360,6 +391,12 @@ class Client:
         address `at`, its admin port `admin_port`, that greeted at `epoch`
         (0: unknown); the data plane using `data_at` (the copy `at` itself;
         None: what it used, as it may not have moved yet)."""
+        with self._stubs_lock:
+            return self._set_stub_locked(shard, at, admin_port, data_at, epoch)
+
+    def _set_stub_locked(
+        self, shard: int, at: str, admin_port: int, data_at: str | None, epoch: int
+    ) -> Any:
         from tf_dlt.proto import dlt_pb2_grpc
 
         channel = self._channel(grpc_util.admin_address(at, int(admin_port)))
@@ -1058,6 +1095,7 @@ class Client:
         """
         from tf_dlt.checkpoint import chain
 
+        _check_tables(tables, "save")
         path = manifest.absolute(path)  # the shards' working directory is not ours
         parent: dict[str, Any] | None = None
         if base is not None:
@@ -1167,6 +1205,7 @@ class Client:
         shard restarted since it met it (which would otherwise fail its next
         call with DataLossError, docs/replication.md).
         """
+        _check_tables(tables, "load")
         path = manifest.absolute(path)  # the shards' working directory is not ours
         with errors.storage_errors(f"reading {path}"):
             # Fails fast, before any shard starts; and every shard reads
@@ -1409,8 +1448,23 @@ class Client:
         a = _as_ids(ids)
         dim = self._dim(table)
         mode = 0 if training else _PULL_MODES[missing]
-        rows = self._data.pull(table, dim, a.reshape(-1), mode)
+        try:
+            rows = self._data.pull(table, dim, a.reshape(-1), mode)
+        except errors.InvalidArgumentError as e:
+            if not self._forgot_dim(table, e):
+                raise
+            dim = self._dim(table)  # made again with another dim: pulled at it
+            rows = self._data.pull(table, dim, a.reshape(-1), mode)
         return rows.reshape(a.shape + (dim,))
+
+    def _forgot_dim(self, table: str, e: errors.InvalidArgumentError) -> bool:
+        """Whether `e` says the shards hold `table` at a dim other than the
+        one this client took it for (another client dropped it and made it
+        again): then the dim is asked again at the next use."""
+        if "the request says" not in str(e):
+            return False
+        self._dims.pop(table, None)
+        return True
 
     def push(
         self,
@@ -1426,7 +1480,11 @@ class Client:
         ResourceExhaustedError and nothing is sent). Non-finite gradients are
         rejected and nothing is applied."""
         flat_ids, rows, dim = self._id_rows(table, ids, grads, "grads")
-        self._data.push(table, dim, flat_ids, rows, float(learning_rate))
+        try:
+            self._data.push(table, dim, flat_ids, rows, float(learning_rate))
+        except errors.InvalidArgumentError as e:
+            self._forgot_dim(table, e)  # the next call takes the dim it has now
+            raise
 
     def assign(self, table: str, ids: npt.ArrayLike, values: npt.ArrayLike) -> None:
         """Sets the rows of `ids` to `values` (``ids.shape + (dim,)``), with
@@ -1435,7 +1493,11 @@ class Client:
         standby that takes over when a shard's primary dies (a push to the
         same rows that landed there meanwhile is overwritten)."""
         flat_ids, rows, dim = self._id_rows(table, ids, values, "values")
-        self._data.assign(table, dim, flat_ids, rows)
+        try:
+            self._data.assign(table, dim, flat_ids, rows)
+        except errors.InvalidArgumentError as e:
+            self._forgot_dim(table, e)
+            raise
 
     def _id_rows(
         self, table: str, ids: npt.ArrayLike, rows: npt.ArrayLike, what: str
@@ -1460,9 +1522,10 @@ class Client:
         connections (each holds one of a shard's `--max-connections` until
         closed, or until the object is collected). A later call opens what
         it needs again."""
-        for admin in self._admins:
-            admin.channel.close()
-        self._admins.clear()
+        with self._stubs_lock:
+            for admin in self._admins:
+                admin.channel.close()
+            self._admins.clear()
         self._data.close_idle()
 
     def __enter__(self) -> Client:
@@ -1475,6 +1538,23 @@ class Client:
 TOKEN_FILE_ENV = "TF_DLT_AUTH_TOKEN_FILE"
 # The longest timeout: the native core keeps milliseconds in an int.
 MAX_TIMEOUT_MS = 2**31 - 1
+
+
+def _check_tables(tables: Any, what: str) -> None:
+    """Refuses a `tables=` of a save or load that names no table: an empty
+    list (the shards take no names for every table: a list filtered down to
+    nothing loaded every table, undoing what was trained since) or a string
+    (its letters were taken for table names)."""
+    if tables is None:
+        return
+    if isinstance(tables, str | bytes) or not all(isinstance(t, str) for t in tables):
+        raise errors.InvalidArgumentError(
+            f"{what}: tables must be a list of table names (or None: every table), got {tables!r}"
+        )
+    if not tables:
+        raise errors.InvalidArgumentError(
+            f"{what}: tables=[] names no table; nothing to {what} (None: every table)"
+        )
 
 
 def _prepare(path: str, load_id: str, tables: list[str] | None, save_id: str) -> Any:
@@ -1496,6 +1576,8 @@ def timeout_ms(what: str, seconds: float) -> int:
     """`seconds` in whole milliseconds (at least 1); InvalidArgumentError
     naming `what` unless it is above 0 and at most MAX_TIMEOUT_MS (24.8
     days): 30 days wrapped to a negative deadline, 0 was taken as 1 ms."""
+    if not isinstance(seconds, int | float | np.integer | np.floating) or isinstance(seconds, bool):
+        raise errors.InvalidArgumentError(f"{what} must be a number of seconds, got {seconds!r}")
     if not 0 < seconds * 1000 <= MAX_TIMEOUT_MS:  # NaN fails too
         raise errors.InvalidArgumentError(
             f"{what} must be more than 0 and at most {MAX_TIMEOUT_MS / 1000:.3f} seconds "

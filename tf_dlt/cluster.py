@@ -16,8 +16,10 @@ one pod template serves every trainer.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,8 @@ ENV = "TF_CONFIG"
 MAX_REPLICAS = 5
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 _JOBS = ("ps", "worker")
+# A host name or IPv4 address (is_address).
+_HOST = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,24 @@ def _fail(problem: str) -> ValueError:
 
 def is_address(a: str, port_zero: bool = False) -> bool:
     """Whether `a` is host:port (a port 1 to 65535, or 0 with `port_zero`: a
-    trainer's, which listens on nothing; an IPv6 host in [])."""
+    trainer's, which listens on nothing; an IPv6 host in []): a host name or
+    IPv4 address of letters, digits, '.', '-' and '_' only (a space, a comma
+    or a bare IPv6 address's colons named a host no call could reach)."""
     host, _, port = a.rpartition(":")
-    return bool(host) and port.isdigit() and (1 - port_zero) <= int(port) <= 65535
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+    elif not _HOST.fullmatch(host):
+        return False
+    return _is_count(port) and (1 - port_zero) <= int(port) <= 65535
+
+
+def _is_count(text: str) -> bool:
+    """Whether `text` is a non-negative int in ASCII digits (str.isdigit
+    takes '²' and Arabic-Indic digits, which int() then refuses or reads)."""
+    return text.isascii() and text.isdigit()
 
 
 def parse(text: str, default_index: int | None = None) -> ClusterSpec:
@@ -150,6 +169,6 @@ def cluster_from_env(environ: dict[str, str] | None = None) -> ClusterSpec:
     if not text:
         return ClusterSpec()
     index = env.get(INDEX_ENV)
-    if index is not None and not index.isdigit():
+    if index is not None and not _is_count(index):
         raise _fail(f"{INDEX_ENV} must be a non-negative int, got {index!r}")
     return parse(text, int(index) if index is not None else None)
