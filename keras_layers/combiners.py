@@ -37,6 +37,11 @@ def embed(
         # output's shape is read there.
         inputs = tf.RaggedTensor.from_tensor(inputs)
     if isinstance(inputs, tf.RaggedTensor):
+        if layer.combiner is not None and inputs.shape.rank > 2:
+            # Every id of an example, however nested (ragged_rank 2, or
+            # uniform inner dims): the rows of its flat values were summed
+            # by the outer rows' ids, into other examples.
+            inputs = inputs.merge_dims(1, -1)
         rows = rows_of(inputs.flat_values)
         if layer.combiner is None:
             return inputs.with_flat_values(rows)

@@ -300,9 +300,19 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             self.flush_at_epoch_end = FlushAtEpochEnd(self)
             if self.client is None:
                 self.client = ops.ClientResource()
-            if self.client.embedded:
-                self._create_embedded_table()
+            if self.client.embedded and self._create_embedded_table():
                 self._upload_initial_weights()
+            elif self.client.embedded and self.initial_weights is not None:
+                # Another layer's table of this session, or one kept from
+                # an earlier session (a cell run again): weights= replaced
+                # the rows a live model had trained.
+                warnings.warn(
+                    f"layer {self.name!r}: table {self.table_name!r} exists already (another "
+                    "layer's, or kept from an earlier Keras session), and its rows are kept: "
+                    "weights= is not applied (give the layer another name or table_name= for a "
+                    "table of its own)",
+                    stacklevel=2,
+                )
         else:
             self.embeddings = self.add_weight(
                 shape=(self.input_dim, self.output_dim),
@@ -330,14 +340,16 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         if self.built and client.embedded:
             self._create_embedded_table()
 
-    def _create_embedded_table(self) -> None:
+    def _create_embedded_table(self) -> bool:
+        """Makes (or takes) the layer's embedded table; whether it was made
+        now."""
         assert self.client is not None
         # Following the model's optimizer: not known before compile.
         provisional = self.optimizer is None
-        self._from_earlier_session = table_home.create(
-            self.name, self.table_config, self.client, provisional
-        )
+        created = table_home.create(self.name, self.table_config, self.client, provisional)
+        self._from_earlier_session = created.earlier
         table_home.use(self)
+        return created.made
 
     def holds_rows(self) -> bool:
         """Whether this layer trained its table, or rows were loaded into
@@ -394,7 +406,10 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         nothing and the next fit still refuses)."""
         if not self.is_distributed or self.optimizer is not None or optimizer is None:
             return
-        wanted = keras_settings.table_optimizer(optimizer, self)
+        self._settle_optimizer(keras_settings.table_optimizer(optimizer, self), restoring)
+
+    def _settle_optimizer(self, wanted: optimizers.Optimizer, restoring: bool) -> None:
+        """follow_optimizer's body: the table takes `wanted`."""
         if wanted == self.table_config.optimizer and self._settled:
             return
         config = dataclasses.replace(self.table_config, optimizer=wanted)
@@ -419,6 +434,27 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
             self._settled = True
             self._from_earlier_session = False  # ours now: never thrown away again
         self.table_config = config
+
+    def takes_saved_optimizer(self) -> bool:
+        """Whether a load gives the table the optimizer it was saved with:
+        the layer follows the model's optimizer, which has not settled its
+        table (the model is not compiled yet, or the layer is frozen and
+        trains with none). A load for inference, or to fine-tune the layers
+        above, was refused for the stand-in optimizer's config."""
+        return self.is_distributed and self.optimizer is None and not self._settled
+
+    def took_saved_optimizer(self, saved: TableConfig) -> None:
+        """After a load into the embedded tables (`takes_saved_optimizer`):
+        the table's config names the optimizer the rows were saved with (a
+        compile that follows another is then refused as for any trained
+        table)."""
+        self.table_config = dataclasses.replace(self.table_config, optimizer=saved.optimizer)
+
+    def settle_saved_optimizer(self, saved: TableConfig) -> None:
+        """Before a load onto shard servers (`takes_saved_optimizer`): the
+        table takes the optimizer the rows were saved with where it lives
+        (the shards refuse to load over a table of another config)."""
+        self._settle_optimizer(saved.optimizer, restoring=True)
 
     # Forward ---------------------------------------------------------------
 
@@ -614,6 +650,18 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
                 "not support: their rows are pushed every step. Use a larger batch instead."
             )
         if optimizer is None and (self.optimizer is None or self.learning_rate is None):
+            entry = getattr(self._get_call_context(), "entry_layer", None)
+            if isinstance(entry, keras.Model) and entry is not self:
+                # A custom train_step calling a sub-model: the compiled
+                # model's optimizer is not the call's.
+                raise ValueError(
+                    f"layer {self.name!r} follows the model's optimizer (optimizer=None or "
+                    f"learning_rate=None), and it trains in a call of model {entry.name!r}, "
+                    "which is not compiled (a train_step calling a sub-model itself): call the "
+                    "compiled model (self(x, training=True)), compile "
+                    f"{entry.name!r} with the compiled model's optimizer object too, or give the "
+                    "layer optimizer= and learning_rate="
+                )
             raise ValueError(
                 f"layer {self.name!r} follows the model's optimizer (optimizer=None or "
                 "learning_rate=None), but it trains outside a compiled model: compile the model, "

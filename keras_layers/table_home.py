@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,9 +62,19 @@ def control_client(client: ops.ClientResource) -> Client:
     return Client(ops.overridden_pservers(client.pservers), auth_token=client.auth_token)
 
 
-def create(layer: str, config: TableConfig, client: ops.ClientResource, provisional: bool) -> bool:
-    """Creates `config`'s table where `client` points; returns True when the
-    table was taken from an earlier Keras session (embedded only)."""
+class Created(NamedTuple):
+    """What `create` found: the table was taken from an earlier Keras
+    session (`earlier`), made now (`made`: False where one like it was
+    there already; embedded tables only, True on shards)."""
+
+    earlier: bool
+    made: bool
+
+
+def create(
+    layer: str, config: TableConfig, client: ops.ClientResource, provisional: bool
+) -> Created:
+    """Creates `config`'s table where `client` points (`Created`)."""
     if not client.embedded:
         try:
             _create(config, client, provisional)
@@ -74,7 +84,7 @@ def create(layer: str, config: TableConfig, client: ops.ClientResource, provisio
                 f"drop the shards' table first (tf_dlt.Client(...).drop_table({config.name!r}"
                 "), which loses its rows)"
             ) from None
-        return False
+        return Created(earlier=False, made=True)
     session = _session()
     earlier = config.name in _made_in and _made_in[config.name]() is not session
     try:
@@ -87,7 +97,7 @@ def create(layer: str, config: TableConfig, client: ops.ClientResource, provisio
     _made_in[config.name] = weakref.ref(session) if session is not None else lambda: None
     if made:
         _lineages[config.name] = [secrets.token_hex(8)]
-    return earlier and not made
+    return Created(earlier=earlier and not made, made=bool(made))
 
 
 def use(layer: Any) -> None:

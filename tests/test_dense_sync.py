@@ -50,6 +50,26 @@ def test_sgd_on_the_table_matches_keras_sgd(
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"global_clipnorm": 1e-3},
+        {"clipnorm": 1.0},
+        {"clipvalue": 1e-3},
+        {"loss_scale_factor": 1000.0},
+        {"use_ema": True},
+        {"gradient_accumulation_steps": 2},
+    ],
+)
+def test_keras_options_the_dense_table_would_not_apply_are_refused(option: dict) -> None:
+    """They were taken and never applied (a step moved a weight 200.0
+    where Keras SGD with global_clipnorm=1e-3 moved it 0.0007; a loss
+    scale of 1000 was not undone)."""
+    with pytest.raises(ValueError, match=f"DenseOnShards: {next(iter(option))} is not applied"):
+        tf_dlt.DenseOnShards([], "sgd", 1.0, table="dense_options", **option)
+    tf_dlt.DenseOnShards([], "sgd", 1.0, table="dense_options", gradient_accumulation_steps=None)
+
+
 def test_second_trainer_starts_from_the_chiefs_weights(
     start_cluster: Callable[..., Cluster],
 ) -> None:

@@ -117,6 +117,33 @@ def test_standalone_export_loads_with_plain_tensorflow(tmp_path: Path) -> None:
     np.testing.assert_allclose(served, model.predict(x, verbose=0), atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["standalone", "remote"])
+def test_an_export_of_a_model_of_a_dict_of_features_serves_them_by_name(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, mode: str
+) -> None:
+    """A model taking a dict of features was called with a list of them:
+    the export failed (`The structure of inputs doesn't match`)."""
+    user = keras.Input((2,), dtype="int64", name="user")
+    item = keras.Input((1,), dtype="int64", name="item")
+    towers = [
+        keras.layers.Flatten()(Embedding(output_dim=4, is_distributed=True, name=n)(i))
+        for n, i in ((f"exp_duser_{mode}", user), (f"exp_ditem_{mode}", item))
+    ]
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()(towers))
+    model = keras.Model({"user": user, "item": item}, out)
+    if mode == "remote":
+        model = tf_dlt.transpile(model, start_cluster(2).addresses)
+    model.compile(optimizer="adagrad", loss="mse")
+    rng = np.random.default_rng(0)
+    data = {"user": rng.integers(0, 20, (16, 2)), "item": rng.integers(0, 20, (16, 1))}
+    model.fit(data, np.ones((16, 1)), verbose=0)
+    expected = model.predict(data, verbose=0)
+    tf_dlt.export_saved_model(model, str(tmp_path / "s"), mode=mode)
+    serve = tf.saved_model.load(str(tmp_path / "s")).signatures["serve"]
+    got = serve(user=tf.constant(data["user"]), item=tf.constant(data["item"]))
+    np.testing.assert_allclose(next(iter(got.values())).numpy(), expected, atol=1e-5)
+
+
 def test_a_standalone_export_of_a_sequential_model_keeps_its_mask_and_takes_any_batch(
     tmp_path: Path,
 ) -> None:

@@ -875,3 +875,73 @@ def test_weights_reach_the_table_of_a_layer_a_subclassed_model_builds() -> None:
     Model()(np.array([[1, 2, 3]]))
     ids, values, _, _ = embedded.rows("habit_subclassed")
     np.testing.assert_array_equal(values[np.argsort(ids)], start)
+
+
+def test_weights_never_replace_the_rows_a_live_model_trained() -> None:
+    """A second model built with `weights=` (a cell run again, a model for
+    evaluation) uploaded them over the table the first had trained, which
+    it takes by its name: the first model's predictions changed without a
+    word. The rows are kept, and the build says why weights= is not
+    applied."""
+    start = np.full((10, 4), 0.5, np.float32)
+
+    def made() -> keras.Model:
+        inp = keras.Input((3,), dtype="int64")
+        emb = Embedding(10, 4, is_distributed=True, weights=start, name="habit_weights")
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x = np.random.default_rng(0).integers(0, 10, (64, 3))
+    first = made()
+    ids, values, _, _ = embedded.rows("habit_weights")
+    np.testing.assert_array_equal(values[np.argsort(ids)], start)  # applied to a new table
+    first.fit(x, np.ones((64, 1), "float32"), verbose=0, epochs=3)
+    before = first.predict(x, verbose=0)
+    trained = embedded.rows("habit_weights")[1]
+    with pytest.warns(UserWarning, match="habit_weights.*rows are kept: weights= is not applied"):
+        made()
+    np.testing.assert_array_equal(embedded.rows("habit_weights")[1], trained)
+    np.testing.assert_allclose(first.predict(x, verbose=0), before, atol=1e-6)
+
+
+class TwoTowerModel(keras.Model):  # type: ignore[misc]
+    """keras.io's "Customizing what happens in fit()": a train_step that
+    calls a sub-model itself."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        ids = keras.Input((3,), dtype="int64")
+        emb = Embedding(output_dim=4, is_distributed=True, name=name)
+        self.tower = keras.Model(ids, keras.layers.Flatten()(emb(ids)), name="habit_tower")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x: Any, training: Any = None) -> Any:
+        return self.head(self.tower(x, training=training))
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self.head(self.tower(x, training=True)))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+def test_a_train_step_calling_a_sub_model_is_told_what_to_do_and_trains_so() -> None:
+    """It was told "trains outside a compiled model: compile the model",
+    of a compiled model. The error names the sub-model the call went
+    through; compiled with the model's optimizer too, it trains."""
+    x = np.random.default_rng(0).integers(0, 30, (32, 3))
+    y = np.ones((32, 1), "float32")
+    refused = TwoTowerModel("habit_tower_refused")
+    refused.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    with pytest.raises(ValueError, match="model 'habit_tower', which is not compiled"):
+        refused.fit(x, y, verbose=0, batch_size=8)
+    model = TwoTowerModel("habit_tower_trained")
+    model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+    model.tower.compile(optimizer=model.optimizer)
+    before = model.predict(x, verbose=0)
+    model.fit(x, y, verbose=0, batch_size=8)
+    assert int(model.tower.get_layer("habit_tower_trained").pushes.numpy()) == 4
+    assert not np.allclose(model.predict(x, verbose=0), before)

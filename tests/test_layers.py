@@ -174,6 +174,26 @@ def test_ragged_and_sparse_combiners_match_embedding_lookup_sparse(combiner: str
     np.testing.assert_allclose(layer(scattered).numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("is_distributed", [True, False], ids=["distributed", "local"])
+def test_a_combiner_reduces_every_id_of_an_example_however_nested(is_distributed: bool) -> None:
+    """Ids of ragged_rank 2 (or a uniform inner dim): the rows of the flat
+    ids were summed by the outer rows' ids, into other examples (example 0
+    got row 1 here), or failed in UnsortedSegmentSum."""
+    weights = np.arange(20, dtype=np.float32).reshape(10, 2)
+    layer = Embedding(10, 2, is_distributed=is_distributed, combiner="sum", weights=weights,
+                      name=f"comb_nested_{is_distributed}")  # fmt: skip
+    nested = tf.ragged.constant([[[]], [[1, 2], [3]]], dtype=tf.int64)
+    np.testing.assert_allclose(
+        layer(nested).numpy(), [[0, 0], weights[1] + weights[2] + weights[3]]
+    )
+    uniform = tf.RaggedTensor.from_row_lengths(
+        tf.constant([[1, 2], [3, 4], [5, 6]], tf.int64), [1, 2]
+    )
+    np.testing.assert_allclose(
+        layer(uniform).numpy(), [weights[1] + weights[2], weights[3:7].sum(axis=0)]
+    )
+
+
 @pytest.mark.parametrize("num_shards", [1, 2])
 def test_combiners_on_shard_processes(
     start_cluster: Callable[..., Cluster], num_shards: int

@@ -106,6 +106,62 @@ def test_checkpoint_callback_saves_every_epoch(tmp_path: Path) -> None:
         model.fit(x, y, epochs=1, batch_size=16, verbose=0, callbacks=[misnamed])
 
 
+def _following(name: str, trainable: bool = True) -> keras.Model:
+    """A model whose table follows the model's optimizer (names none)."""
+    inp = keras.Input((3,), dtype="int64")
+    emb = Embedding(output_dim=4, is_distributed=True, name=name, trainable=trainable)
+    return keras.Model(inp, keras.layers.Dense(1, name="head")(keras.layers.Flatten()(emb(inp))))
+
+
+@pytest.mark.parametrize("how", ["not_compiled", "frozen", "not_compiled_on_shards"])
+def test_a_checkpoint_loads_into_a_model_whose_table_follows_an_optimizer_not_known_yet(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, how: str
+) -> None:
+    """An inference script (load, predict: no compile) and a fine-tune of
+    the layers above a frozen embedding were refused: the table's config
+    held the stand-in SGD it keeps until compile (`FailedPreconditionError
+    ... optimizer.kind: sgd vs keras_adagrad`). The table takes the
+    optimizer it was saved with; a compile that follows another optimizer
+    is then refused as for any trained table."""
+    name = f"ck_follow_{how}"
+    cluster = start_cluster(2) if how.endswith("on_shards") else None
+
+    def made(trainable: bool = True) -> keras.Model:
+        model = _following(name, trainable)
+        return tf_dlt.transpile(model, cluster.addresses) if cluster is not None else model
+
+    model = made()
+    model.compile(optimizer="adagrad", loss="mse")
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    tf_dlt.save(model, str(tmp_path / "ck"))
+    expected = model.predict(x, verbose=0)
+    if cluster is not None:
+        with cluster.client() as client:
+            client.drop_table(name)  # as for shards started afresh
+    else:
+        state = _state(model, name)
+        tf_dlt.embedded.drop_table(name)  # as in a fresh process
+    keras.backend.clear_session()
+    again = made(trainable=how != "frozen")
+    if how == "frozen":
+        again.compile(optimizer="adam", loss="mse")
+    tf_dlt.load(again, str(tmp_path / "ck"))
+    np.testing.assert_allclose(again.predict(x, verbose=0), expected, atol=1e-6)
+    if cluster is None:
+        _assert_state(_state(again, name), state)
+    if how == "frozen":
+        again.fit(x, y, epochs=1, batch_size=16, verbose=0)  # the head only
+        _assert_state(_state(again, name), state)
+        return
+    assert again.get_layer(name).table_config.optimizer.kind == "keras_adagrad"
+    again.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(errors.FailedPreconditionError, match="settled .*with keras_adagrad"):
+        again.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    again.compile(optimizer="adagrad", loss="mse")
+    again.fit(x, y, epochs=1, batch_size=16, verbose=0)
+
+
 MISMATCHED_LOAD = """
 import sys
 import keras, numpy as np, tf_dlt

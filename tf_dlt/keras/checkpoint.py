@@ -19,6 +19,7 @@ write theirs (one shard), so either kind loads the other's checkpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from tf_dlt.keras.row_cache import forget_cached_rows
 from tf_dlt.keras.walk import cluster_of, distributed_layers, model_clients, table_holders
 from tf_dlt.layers import table_home
 from tf_dlt.layers.embedding import variables_only
-from tf_dlt.table_config import difference, normalized
+from tf_dlt.table_config import TableConfig, difference, normalized
 
 log = logging.getLogger("tf_dlt.keras.checkpoint")
 MODEL_FILE = chain.MODEL_FILE
@@ -348,6 +349,16 @@ def _load_tables(model: keras.Model, layers: list[Any], tables: str) -> None:
             # The load replaces the rows of a shard restarted since these
             # clients met it: their calls take it without DataLossError.
             ops.regreet(model_client)
+        taking = [layer for layer in layers if _takes_saved_optimizer(layer)]
+        if taking:
+            with errors.storage_errors(f"reading {tables}"):
+                saved = {
+                    t["config"]["name"]: TableConfig.from_dict(t["config"])
+                    for t in manifest.resolve_chain(tables)[-1].manifest["tables"]
+                }
+            for layer in taking:
+                if layer.table_name in saved:
+                    layer.settle_saved_optimizer(saved[layer.table_name])
         with Client(addresses, auth_token=token) as client:
             # This model's tables only: other models' on the same shards
             # are left as they are.
@@ -355,6 +366,12 @@ def _load_tables(model: keras.Model, layers: list[Any], tables: str) -> None:
         forget_cached_rows(layers)
     elif layers:
         _load_embedded(tables, layers)
+
+
+def _takes_saved_optimizer(layer: Any) -> bool:
+    """Whether a load gives `layer`'s table the optimizer it was saved
+    with (`Embedding.takes_saved_optimizer`; a DenseOnShards' table: no)."""
+    return bool(getattr(layer, "takes_saved_optimizer", lambda: False)())
 
 
 def _build_optimizer(model: keras.Model) -> None:
@@ -375,14 +392,24 @@ def _load_embedded(tables: str, layers: list[Any]) -> None:
     ours = sorted({layer.table_name for layer in layers})
     loaded = shard_files.prepare_load(tables, embedded.shard(), replace=True, tables=ours)
     by_name = {t.name: t for t in loaded["staged"]}
+    taking = []  # (layer, the checkpoint's config): layers given its optimizer
     for layer in layers:  # check everything before changing anything
         t = by_name.get(layer.table_name)
-        if t is not None and normalized(t.config) != layer.table_config.to_dict():
+        if t is None:
+            continue
+        saved = TableConfig.from_dict(t.config)
+        mine = layer.table_config
+        if _takes_saved_optimizer(layer):
+            mine = dataclasses.replace(mine, optimizer=saved.optimizer)
+            taking.append((layer, saved))
+        if normalized(t.config) != mine.to_dict():
             raise errors.FailedPreconditionError(
                 f"table {layer.table_name!r} differs from the checkpoint's "
-                f"({difference(layer.table_config.to_dict(), t.config)})"
+                f"({difference(mine.to_dict(), t.config)})"
             )
     embedded.shard().install_tables(loaded["staged"])
+    for layer, saved in taking:
+        layer.took_saved_optimizer(saved)
     for name in by_name:
         table_home.rows_restored(name)  # checkpoints keep no lineage (.keras files do)
 

@@ -77,6 +77,18 @@ def _overwritten(variable: Any) -> bool:
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
+# keras.optimizers.Optimizer's options that act on the gradients in the
+# base class's apply, which DenseOnShards replaces.
+_UNAPPLIED = (
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "loss_scale_factor",
+    "use_ema",
+    "gradient_accumulation_steps",
+)
+
+
 @keras.saving.register_keras_serializable(package="tf_dlt")
 class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
     """Trains a model's dense weights in a shard table shared by trainers.
@@ -107,6 +119,21 @@ class DenseOnShards(keras.optimizers.Optimizer):  # type: ignore[misc]
         name: str = "dense_on_shards",
         **kwargs: Any,
     ) -> None:
+        ignored = sorted(
+            k
+            for k in _UNAPPLIED
+            if kwargs.get(k) and not (k == "gradient_accumulation_steps" and kwargs[k] == 1)
+        )
+        if ignored:
+            # Accepted by keras.optimizers.Optimizer and never applied: the
+            # gradients go to the dense table as they are (the loss scale
+            # was not undone, a clip not made).
+            raise ValueError(
+                f"DenseOnShards: {', '.join(ignored)} is not applied to the dense table's "
+                "gradients (the shards apply update_method to them as they come): clip or "
+                "scale the gradients in the model (a custom train_step), or use a Keras "
+                "optimizer for the dense weights"
+            )
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         spec = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(list(cluster))
         self.pservers = list(spec.pservers)

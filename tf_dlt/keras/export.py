@@ -49,7 +49,18 @@ def _serving(layers: list[Any]) -> Iterator[None]:
 
 
 def _call(model: keras.Model, xs: tuple[tf.Tensor, ...]) -> Any:
-    return model(xs[0] if len(xs) == 1 else list(xs), training=False)
+    """`model` on the endpoint's inputs `xs` (in the order of
+    `model.inputs`), given in the structure the model takes: a dict of
+    features was given as a list, and the export failed."""
+    if len(xs) == 1:
+        return model(xs[0], training=False)
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):  # never called on Inputs of its own
+        structure = None
+    if isinstance(structure, dict):
+        return model(keras.tree.pack_sequence_as(structure, list(xs)), training=False)
+    return model(list(xs), training=False)
 
 
 def _composite(model: keras.Model) -> bool:

@@ -40,7 +40,7 @@ def model_clients(model: keras.Model) -> list[ops.ClientResource]:
     dense table, under tf_dlt.DenseOnShards)."""
     found: dict[str, ops.ClientResource] = {}
     candidates = [layer.client for layer in distributed_layers(model)]
-    candidates.append(getattr(model.optimizer, "client", None))
+    candidates.append(getattr(getattr(model, "optimizer", None), "client", None))
     for client in candidates:
         if isinstance(client, ops.ClientResource):
             found.setdefault(client.shared_name, client)
