@@ -94,6 +94,31 @@ _LINEAGE_KEY = "table_lineage"
 _EXACT_INTEGER_BITS = {tf.float16: 11, tf.bfloat16: 8, tf.float32: 24, tf.float64: 53}
 
 
+def exact_ids(values: Any, layer: str) -> tf.Tensor:
+    """`values` as int64 ids of `layer`. Integers are cast; floats (a Keras
+    Input's default dtype; never autocast: see Embedding.__init__) only
+    where every value is an integer the float type holds exactly (|v| <=
+    2^24 for float32, 2^53 for float64): above that, distinct ids would
+    round to one row, so InvalidArgumentError names the layer instead. The
+    live layer and its standalone export both check (the export read
+    another id's row)."""
+    values = tf.convert_to_tensor(values)
+    if values.dtype.is_integer:
+        return tf.cast(values, tf.int64)
+    if not values.dtype.is_floating:
+        raise TypeError(f"layer {layer!r} takes integer ids, got {values.dtype.name}")
+    exact = float(2 ** _EXACT_INTEGER_BITS[values.dtype])
+    whole = tf.reduce_all((tf.floor(values) == values) & (tf.abs(values) <= exact))
+    message = (
+        f"layer {layer} got {values.dtype.name} ids that are not whole numbers or are "
+        f"beyond +-{exact:.0f}, where {values.dtype.name} cannot tell ids apart: feed int64 "
+        "ids (a keras.Input of dtype int64)"
+    )
+    check = tf.debugging.Assert(whole, [message], name="ids_are_exact")
+    with tf.control_dependencies([check]):
+        return tf.cast(values, tf.int64)
+
+
 @keras.saving.register_keras_serializable(package="tf_dlt")
 class Embedding(keras.layers.Layer):  # type: ignore[misc]
     """Turns int ids into dense vectors, like `keras.layers.Embedding`.
@@ -462,26 +487,7 @@ class Embedding(keras.layers.Layer):  # type: ignore[misc]
         return embed(self, inputs, lambda ids: self._rows(self._ids(ids), training))
 
     def _ids(self, values: Any) -> tf.Tensor:
-        """`values` as int64 ids. Integers are cast; floats (a Keras Input's
-        default dtype; never autocast: see __init__) only where every value
-        is an integer the float type holds exactly (|v| <= 2^24 for float32,
-        2^53 for float64): above that, distinct ids would round to one row,
-        so InvalidArgumentError names the layer instead."""
-        values = tf.convert_to_tensor(values)
-        if values.dtype.is_integer:
-            return tf.cast(values, tf.int64)
-        if not values.dtype.is_floating:
-            raise TypeError(f"layer {self.name!r} takes integer ids, got {values.dtype.name}")
-        exact = float(2 ** _EXACT_INTEGER_BITS[values.dtype])
-        whole = tf.reduce_all((tf.floor(values) == values) & (tf.abs(values) <= exact))
-        message = (
-            f"layer {self.name} got {values.dtype.name} ids that are not whole numbers or are "
-            f"beyond +-{exact:.0f}, where {values.dtype.name} cannot tell ids apart: feed int64 "
-            "ids (a keras.Input of dtype int64)"
-        )
-        check = tf.debugging.Assert(whole, [message], name="ids_are_exact")
-        with tf.control_dependencies([check]):
-            return tf.cast(values, tf.int64)
+        return exact_ids(values, self.name)
 
     def _rows(self, ids: tf.Tensor, training: bool | None) -> tf.Tensor:
         if not self.is_distributed:

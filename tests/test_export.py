@@ -117,6 +117,47 @@ def test_standalone_export_loads_with_plain_tensorflow(tmp_path: Path) -> None:
     np.testing.assert_allclose(served, model.predict(x, verbose=0), atol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["embedded", "2shards"])
+def test_an_adapted_lookup_keeps_its_vocabulary_through_transpile_and_export(
+    start_cluster: Callable[..., Cluster], tmp_path: Path, where: str
+) -> None:
+    """A layer whose state is not in its weights (an adapted IntegerLookup's
+    vocabulary) was made again from its config by transpile and by the
+    standalone export: the transpiled model failed its first call, the
+    export served `Table not initialized`."""
+    raw = keras.Input((3,), dtype="int64")
+    lookup = keras.layers.IntegerLookup(name="exp_lookup")
+    lookup.adapt(np.array([[100, 200, 300], [400, 500, 600]]))
+    emb = Embedding(output_dim=4, is_distributed=True, name=f"exp_lookup_{where}")
+    out = keras.layers.Dense(1)(keras.layers.Flatten()(emb(lookup(raw))))
+    model = keras.Model(raw, out)
+    if where == "2shards":
+        model = tf_dlt.transpile(model, start_cluster(2).addresses)
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.array([[100, 200, 300], [400, 500, 600], [700, 100, 200]] * 4)
+    model.fit(x, np.ones((12, 1)), verbose=0)
+    expected = model.predict(x, verbose=0)
+    tf_dlt.export_saved_model(model, str(tmp_path / "s"), mode="standalone")
+    loaded = tf.saved_model.load(str(tmp_path / "s"))
+    np.testing.assert_allclose(loaded.serve(tf.constant(x)).numpy(), expected, atol=1e-5)
+
+
+def test_a_standalone_export_refuses_float_ids_it_cannot_tell_apart(tmp_path: Path) -> None:
+    """The live layer refuses float ids past what the float holds exactly
+    (2^24 in float32); the standalone export cast them and served a
+    neighbouring id's row."""
+    ids = keras.Input((1,))  # float32, Keras's default
+    rows = np.arange(8, dtype=np.float32).reshape(4, 2)
+    layer = Embedding(4, 2, is_distributed=True, weights=rows, table_name="exp_float_ids")
+    model = keras.Model(ids, keras.layers.Flatten()(layer(ids)))
+    tf_dlt.export_saved_model(model, str(tmp_path / "s"), mode="standalone")
+    loaded = tf.saved_model.load(str(tmp_path / "s"))
+    np.testing.assert_array_equal(loaded.serve(tf.constant([[1.0], [3.0]])).numpy(), rows[[1, 3]])
+    for bad in (2.0**24 + 2, 1.5):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="cannot tell ids apart"):
+            loaded.serve(tf.constant([[bad]]))
+
+
 @pytest.mark.parametrize("mode", ["standalone", "remote"])
 def test_an_export_of_a_model_of_a_dict_of_features_serves_them_by_name(
     start_cluster: Callable[..., Cluster], tmp_path: Path, mode: str

@@ -27,10 +27,10 @@ from tf_dlt import dlt_ops as ops
 from tf_dlt.keras.walk import (
     clone_keeping_inputs,
     cluster_of,
-    copy_weights,
     distributed_layers,
     walk_layers,
 )
+from tf_dlt.layers.embedding import exact_ids
 
 MODES = ("remote", "standalone")
 # Custom gradients are not saved: the graph then needs no push op.
@@ -210,7 +210,7 @@ class StandaloneEmbedding(keras.layers.Layer):  # type: ignore[misc]
             self,
             inputs,
             lambda ids: tf.cast(
-                tf.gather(self.rows, self.table.lookup(tf.cast(ids, tf.int64))),
+                tf.gather(self.rows, self.table.lookup(exact_ids(ids, self.name))),
                 self.compute_dtype,
             ),  # float32 rows leave in the compute dtype, as the live layer's do
         )
@@ -353,11 +353,13 @@ def _export_standalone(
                 keys, values, layer.combiner, layer.mask_zero, name=layer.name,
                 dtype=layer.dtype_policy,
             )  # fmt: skip
-        return layer.__class__.from_config(layer.get_config())
+        # The layer itself: made again from its config, a layer whose state
+        # is not in its weights lost it (an adapted IntegerLookup's
+        # vocabulary: the export served "Table not initialized").
+        return layer
 
     # A copy with no tf_dlt op or resource in it: plain TensorFlow loads it.
     frozen = clone_keeping_inputs(model, freeze)
-    copy_weights(model, frozen)
     archive = keras.export.ExportArchive()
     _track(archive, frozen)
     _add_serve(archive, model, frozen)

@@ -5,6 +5,7 @@ tables live on, and everything that holds a table (the embeddings and a
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -117,12 +118,20 @@ def _paired(
 def copy_weights(source: keras.Model, target: keras.Model) -> None:
     """Copies the weights of every layer of `source` into its counterpart in
     `target` (`_paired`), except distributed tables (their rows live in the
-    tables) and layers whose weights differ in shape (rewritten layers)."""
+    tables) and layers whose weights differ in shape (rewritten layers); and
+    the state a layer keeps in assets, as a .keras file does (an adapted
+    IntegerLookup's vocabulary: made again from its config, the layer had
+    none, and the transpiled model failed its first call with "Table not
+    initialized")."""
     for old, layer in _paired(source, target):
         if isinstance(layer, keras.Model) or (
             isinstance(layer, Embedding) and layer.is_distributed
         ):
             continue
+        if callable(getattr(old, "save_assets", None)) and type(old) is type(layer):
+            with tempfile.TemporaryDirectory(prefix="tf_dlt-assets-") as assets:
+                old.save_assets(assets)
+                layer.load_assets(assets)
         if not old.get_weights() or not layer.get_weights():
             continue
         if [w.shape for w in old.get_weights()] == [w.shape for w in layer.get_weights()]:
