@@ -58,6 +58,9 @@ def test_wrong_dtypes_are_rejected(one: Cluster) -> None:
         with pytest.raises(errors.InvalidArgumentError, match=r"grads must have shape \(2, 4\)"):
             client.push("emb", [1, 2], np.ones((2, 3), np.float32), 0.1)
         client.pull("emb", np.array([1, 2], np.int32))  # safe integer casts are fine
+        with pytest.raises(errors.InvalidArgumentError, match="missing='zeros' applies to"):
+            client.pull("emb", [5], missing="zeros")  # (ignored: it made the row)
+        assert client.pull("emb", [5], training=False, missing="zeros").sum() == 0
 
 
 @pytest.mark.unit

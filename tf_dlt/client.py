@@ -1445,6 +1445,12 @@ class Client:
             raise errors.InvalidArgumentError(
                 f"missing must be one of {sorted(_PULL_MODES)}, got {missing!r}"
             )
+        if training and missing != "init":
+            # (It was ignored: a training pull makes the rows it admits.)
+            raise errors.InvalidArgumentError(
+                f"missing={missing!r} applies to pulls with training=False; a training pull "
+                "makes the rows of unseen ids (or reads the table's unadmitted default)"
+            )
         a = _as_ids(ids)
         dim = self._dim(table)
         mode = 0 if training else _PULL_MODES[missing]
