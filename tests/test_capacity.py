@@ -95,6 +95,9 @@ def test_plan_command_prints_the_plan_and_its_assumptions() -> None:
         ({"unique_fraction": -1}, "unique_fraction"),
         # 4.6 million shards of 1 KiB: a shard refuses a budget under ~234 MiB.
         ({"memory_budget": 1024, "ssd_bytes": 1 << 40}, "below the smallest a shard takes"),
+        # Finite figures whose product is past floats: OverflowError.
+        ({"rows": 1e307}, "more memory than any cluster has"),
+        ({"sketch_bytes": 1e308, "headroom": 10}, "more memory than any cluster has"),
     ],
 )
 def test_plan_refuses_figures_that_make_no_plan(args: dict[str, float], says: str) -> None:

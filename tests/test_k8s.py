@@ -191,11 +191,43 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
             "--name ctr --image i --checkpoint s3://b/ctr --load-from /checkpoints/ctr/epoch-1",
             "only a --checkpoint on it mounts",
         ),
+        # Printed with exit 0 before, for shards that refused them at start
+        # (pods in a crash loop), or an OverflowError traceback.
+        ("--name ctr --image i --rows 1e307", "need more memory than any cluster has"),
+        ("--name ctr --image i --memory-budget 100MiB", "below the smallest a shard takes"),
+        ("--name ctr --image i --pservers 5000", "pservers must be at most 4096"),
+        ("--name ctr --image i --checkpoint s3://bucket//run", "empty segment"),
+        ("--name ctr --image i --checkpoint S3://bucket/run", "in lowercase"),
+        ("--name ctr --image i --checkpoint s3://bucket/run/../x", "'.' or '..' segments"),
+        # Each shard saved to its own container disk (no volume was made).
+        ("--name ctr --image i --checkpoint file:///checkpoints/run", "without file://"),
+        # Written into a YAML comment unescaped: the manifest did not parse.
+        ("--name ctr --image i --checkpoint 's3://b/run\nx: ['", "a control character"),
     ],
 )
 def test_bad_flags_are_refused(flags: str, message: str) -> None:
     out = _generate(flags)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_a_load_from_path_is_given_to_the_shards_as_they_resolve_it() -> None:
+    """`--load-from /checkpoints/run/../old/ckpt` began with the checkpoint
+    root's string, so no root was added for it; the shards resolved it to
+    /checkpoints/old/ckpt, outside their only root, and refused the load."""
+    from tf_dlt.server.paths import CheckpointRoots
+
+    spec = k8s.JobSpec(
+        name="ctr", image="i", command=["x"], checkpoint="/checkpoints/run",
+        load_from="/checkpoints/run/../old/ckpt",
+    )  # fmt: skip
+    (shard_set,) = [
+        m for m in k8s.manifests(spec)
+        if m["kind"] == "StatefulSet" and m["metadata"]["name"] == spec.ps_service
+    ]  # fmt: skip
+    args = shard_set["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--load-from=/checkpoints/old/ckpt" in args
+    roots = [a.split("=", 1)[1] for a in args if a.startswith("--checkpoint-root=")]
+    CheckpointRoots(roots).check("/checkpoints/old/ckpt", "Load")
 
 
 def test_a_disk_tier_gets_a_volume_per_shard_that_goes_with_its_pod() -> None:

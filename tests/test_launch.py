@@ -248,6 +248,12 @@ def test_bad_arguments_are_refused() -> None:
     for flag in ("--server-arg=--shard-index=1", "--server-arg=--port", "--server-arg=--shard-ind"):
         run = _launch("--pservers", "1", flag, "--", "true")
         assert run.returncode == 2 and flag.split("=")[1] in run.stderr, run.stderr
+    # A shard the cluster cannot greet on 127.0.0.1 was waited for until
+    # the start timed out ("not SERVING"), its own log saying it served.
+    run = _launch("--pservers", "1", "--server-arg=--bind=127.0.0.2", "--", "true")
+    assert run.returncode == 2 and "reaches its shards on 127.0.0.1" in run.stderr, run.stderr
+    refuse_placement(["--bind", "0.0.0.0"])  # every address: loopback too
+    refuse_placement(["--bind=127.0.0.1"])
 
 
 @pytest.mark.parametrize("bad", ["--pservers=x", "--grace=0", "--grace=-1", "--start-timeout=0"])

@@ -261,6 +261,38 @@ def test_an_admin_port_in_use_is_refused_with_a_reason_not_a_traceback() -> None
     assert "Traceback" not in result.stderr
 
 
+def _server(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tf_dlt.server", "--port", "0", *flags],
+        capture_output=True, text=True, timeout=120, cwd="/",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        # pybind's TypeError traceback (the shard takes 32 bits; 4096 at most).
+        (["--num-shards", str(2**32)], "--num-shards: must be at most 4096"),
+        (["--shard-index", str(2**32), "--num-shards", "2"], "--shard-index: must be at most"),
+        # A RuntimeError traceback ("Resource temporarily unavailable").
+        (["--threads", "2147483647"], "cannot start"),
+    ],
+)
+def test_flags_the_shard_cannot_take_are_refused_without_a_traceback(
+    flags: list[str], says: str
+) -> None:
+    result = _server(*flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_port_file_it_cannot_write_stops_the_shard_with_a_reason(tmp_path: Path) -> None:
+    """A FileNotFoundError traceback, exit 1, after the log said it served."""
+    result = _server("--port-file", str(tmp_path / "missing" / "ports"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "cannot write --port-file" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_second_signal_as_a_shard_stops_leaves_its_exit_clean() -> None:
     """Ctrl-C reaches a launcher's shards, then its SIGTERM: one that came
     as the process exited killed it (-15; the interpreter puts back the

@@ -4,6 +4,7 @@ every wait is bounded and `stop()` ends every process."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -32,6 +33,10 @@ PLACEMENT_FLAGS = (
 )  # fmt: skip
 
 
+# --bind addresses on which a shard answers 127.0.0.1.
+_LOOPBACK_REACHED = ("127.0.0.1", "0.0.0.0", "localhost")
+
+
 def refuse_placement(server_args: Sequence[str]) -> None:
     """ValueError naming a flag of `server_args` that would override how the
     cluster places its processes (the shards then served other places than
@@ -51,6 +56,16 @@ def refuse_placement(server_args: Sequence[str]) -> None:
             f"{', '.join(given)}: the local cluster sets each process's ports, shard and "
             "standbys itself; give `tf-dlt server` flags other than "
             f"{', '.join(PLACEMENT_FLAGS)}"
+        )
+    # The cluster greets its shards and hands trainers 127.0.0.1:<port>: a
+    # shard listening elsewhere was waited for until the start timed out.
+    only_bind = argparse.ArgumentParser(add_help=False)
+    only_bind.add_argument("--bind", default="127.0.0.1")
+    bind = only_bind.parse_known_args(list(server_args))[0].bind
+    if bind not in _LOOPBACK_REACHED:
+        raise ValueError(
+            f"--bind {bind}: the local cluster reaches its shards on 127.0.0.1; give --bind "
+            "127.0.0.1 (the default) or 0.0.0.0 (every address, loopback included)"
         )
 
 

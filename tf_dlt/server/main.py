@@ -27,9 +27,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--port", type=_port, default=7000, help="data-plane port (0: any free port)")
     p.add_argument("--admin-port", type=_port, default=0, help="gRPC control-plane port (0: any)")
-    p.add_argument("--shard-index", type=_at_least(0), default=0, help="this shard's index")
     p.add_argument(
-        "--num-shards", type=_at_least(1), default=1, help="number of shards in the cluster"
+        "--shard-index",
+        type=_at_least(0, _native.NUM_BUCKETS - 1),
+        default=0,
+        help="this shard's index",
+    )
+    p.add_argument(
+        "--num-shards",
+        type=_at_least(1, _native.NUM_BUCKETS),
+        default=1,
+        help=f"number of shards in the cluster (at most {_native.NUM_BUCKETS}: one bucket each)",
     )
     p.add_argument(
         "--join",
@@ -484,7 +492,8 @@ def run(args: argparse.Namespace) -> int:
         )
         place.shard = server.shard  # log lines name the shard it serves from now on
         server.start()
-    except (errors.DltError, OSError, ValueError) as e:
+    except (errors.DltError, OSError, ValueError, RuntimeError) as e:
+        # (RuntimeError: worker threads the system would not start)
         log.error("cannot start: %s", e)
         place.shard = None
         return 2
@@ -507,9 +516,16 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if args.port_file:
         tmp = f"{args.port_file}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(f"{server.port} {server.admin_port} {server.metrics_port}\n")
-        os.replace(tmp, args.port_file)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(f"{server.port} {server.admin_port} {server.metrics_port}\n")
+            os.replace(tmp, args.port_file)
+        except OSError as e:
+            # Whoever waits for the file would wait for good: stop instead.
+            log.error("cannot write --port-file %s: %s; stopping", args.port_file, e)
+            server.stop(0)
+            place.shard = None
+            return 2
     try:
         code = _serve(server, args, log)
     finally:

@@ -295,6 +295,11 @@ def plan(
     per_row = bytes_per_row(dim, optimizer, value_dtype, slot_dtype)
     resident = rows * admission_rate
     table = table_bytes(rows, dim, optimizer, value_dtype, slot_dtype, admission_rate, sketch_bytes)
+    if not math.isfinite(table * headroom):  # finite figures, a product past floats
+        raise ValueError(
+            f"{rows:g} rows of dim {dim} (with a sketch of {sketch_bytes:g} bytes) need more "
+            "memory than any cluster has: check rows and sketch_bytes"
+        )
     shard_memory = memory_budget or shard_memory_gib * 2**30
     memory_shards = math.ceil(table * headroom / shard_memory)
     record = raw_record_bytes(dim, optimizer, value_dtype, slot_dtype)

@@ -12,7 +12,10 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from tf_dlt import errors
 from tf_dlt.cluster import MAX_REPLICAS
+from tf_dlt.routing import NUM_BUCKETS
+from tf_dlt.server.paths import CheckpointRoots
 from tf_dlt.table_config import MAX_DIM
 from tf_dlt.tools import capacity
 
@@ -158,6 +161,11 @@ class JobSpec:
             raise ValueError(
                 f"need pservers >= 1 and workers >= 1, got {self.pservers}, {self.workers}"
             )
+        if self.pservers > NUM_BUCKETS:
+            raise ValueError(
+                f"pservers must be at most {NUM_BUCKETS} (a shard owns at least one of the "
+                f"{NUM_BUCKETS} buckets; the shards refuse more at start), got {self.pservers}"
+            )
         if not 1 <= self.replicas <= MAX_REPLICAS:
             raise ValueError(
                 f"replicas must be 1 to {MAX_REPLICAS} (a primary and its standbys), "
@@ -186,12 +194,33 @@ class JobSpec:
                 )
         if not self.command:
             raise ValueError("no trainer command: give it after '--'")
+        if self.load_from is not None and not _is_url(self.load_from):
+            # As the shards resolve it ("/checkpoints/run/../old" is not under
+            # a root of /checkpoints/run, whatever the string's start).
+            self.load_from = posixpath.normpath(self.load_from)
+        if not _is_url(self.checkpoint):
+            self.checkpoint = posixpath.normpath(self.checkpoint)
         for flag, location in (("--checkpoint", self.checkpoint), ("--load-from", self.load_from)):
+            if location is None:
+                continue
+            if any(not c.isprintable() for c in location):
+                raise ValueError(f"{flag} holds a control character (a newline?): {location!r}")
+            if location.startswith("file:"):
+                raise ValueError(
+                    f"{flag} {location!r}: give a path under {CHECKPOINT_MOUNT}/ (the shared "
+                    "volume) without file://, or an object store's URL (s3://...)"
+                )
+            if _is_url(location):
+                # One the shards take as a --checkpoint-root (they refused
+                # "s3://b//run", "S3://b/run" and ".." at start).
+                try:
+                    CheckpointRoots([location]).check(location, "Load")
+                except errors.DltError as e:
+                    raise ValueError(f"{flag} {location!r}: {e}") from None
+                continue
             # Shards read and write nothing else: a URL, or the shared volume
             # ("/checkpoints/../etc" is the container's /etc).
-            if location is None or _is_url(location):
-                continue
-            if not posixpath.normpath(location).startswith(CHECKPOINT_MOUNT + "/"):
+            if not location.startswith(CHECKPOINT_MOUNT + "/"):
                 raise ValueError(
                     f"{flag} must be a URL (s3://...) or a path under {CHECKPOINT_MOUNT}/ "
                     f"(the shared volume), got {location!r}"
@@ -203,6 +232,21 @@ class JobSpec:
                 )
         if self.memory_budget < 0:
             raise ValueError(f"memory_budget must be >= 0, got {self.memory_budget}")
+        if self.memory_budget and self.memory_budget < capacity.LEAST_BUDGET:
+            raise ValueError(
+                f"a memory budget of {self.memory_budget / 2**20:.3g} MiB is below the smallest "
+                f"a shard takes, about {capacity.LEAST_BUDGET / 2**20:.0f} MiB: the shards "
+                "would refuse it at start"
+            )
+        table = capacity.table_bytes(
+            self.rows, self.dim, self.optimizer, self.value_dtype, self.slot_dtype,
+            self.admission_rate, self.sketch_bytes,
+        )  # fmt: skip
+        if not math.isfinite(table * self.headroom):  # finite sizes, a product past floats
+            raise ValueError(
+                f"{self.rows:g} rows of dim {self.dim} (with a sketch of {self.sketch_bytes:g} "
+                "bytes) need more memory than any cluster has: check --rows and --sketch-bytes"
+            )
         if self.tier_volume_size and not self.memory_budget:
             raise ValueError("a disk tier (--ssd) needs --memory-budget: rows move to it past it")
         if self.insecure and self.auth_token_secret:
