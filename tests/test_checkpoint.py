@@ -560,6 +560,51 @@ def test_a_manifest_that_leaves_a_shards_file_out_is_refused(
     assert "not one from each shard" in err
 
 
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        # `tf-dlt checkpoint ls` died with a TypeError traceback.
+        (lambda d: d["tables"][0].__setitem__("removed", None), "removed must be an integer"),
+        # OverflowError from a load, ls, prune and compact.
+        (lambda d: d.__setitem__("num_shards", 10**20), "not one from each shard"),
+        # ValueError / TypeError from a load and a compaction, INTERNAL from a shard.
+        (lambda d: d["tables"][0]["config"].__setitem__("dim", "x"), "a config no table can have"),
+        (lambda d: d["tables"][0]["config"].__setitem__("dim", None), "a config no table can have"),
+    ],
+    ids=["removed", "num_shards", "dim_text", "dim_null"],
+)
+def test_a_manifest_edited_past_what_a_load_can_read_is_refused_by_every_reader(
+    start_cluster: Callable[..., Cluster],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    edit: Callable[[dict[str, Any]], None],
+    says: str,
+) -> None:
+    from tf_dlt.checkpoint import chain
+    from tf_dlt.tools import cli
+
+    cluster = start_cluster(1)
+    ids = np.arange(50)
+    with cluster.client() as client:
+        client.create_table("t", 2)
+        client.push("t", ids, np.ones((len(ids), 2), np.float32), 0.1)
+        saved = client.save(str(tmp_path / "ck"))
+        held = client.pull("t", ids, training=False)
+        for name in ("MANIFEST.json", manifest_lib.manifest_copy(saved["save_id"])):
+            doc = json.loads((tmp_path / "ck" / name).read_text())
+            edit(doc)
+            (tmp_path / "ck" / name).write_text(json.dumps(doc))
+        with pytest.raises(errors.FailedPreconditionError, match=f"malformed: .*{says}"):
+            client.load(str(tmp_path / "ck"))
+        np.testing.assert_array_equal(client.pull("t", ids, training=False), held)
+    with pytest.raises(errors.FailedPreconditionError, match=says):
+        shard_files.prepare_load(str(tmp_path / "ck"), _native.Shard(0, 1))
+    with pytest.raises(errors.FailedPreconditionError, match=says):
+        chain.compact(str(tmp_path / "ck"), str(tmp_path / "copy"))
+    assert cli.main(["checkpoint", "ls", str(tmp_path / "ck")]) == 1
+    assert says in capsys.readouterr().err
+
+
 def test_no_manifest_means_no_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -31,6 +31,7 @@ import fsspec.exceptions
 
 from tf_dlt import errors
 from tf_dlt.routing import NUM_BUCKETS
+from tf_dlt.table_config import TableConfig
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "tf_dlt-checkpoint"
@@ -514,7 +515,7 @@ def write_manifest(
     written later sorts as the newer), whatever this host's clock says."""
     parts = sorted(parts, key=lambda p: p["shard_index"])
     num_shards = parts[0]["num_shards"] if parts else 0
-    if [p["shard_index"] for p in parts] != list(range(num_shards)):
+    if num_shards != len(parts) or [p["shard_index"] for p in parts] != list(range(len(parts))):
         raise errors.InvalidArgumentError("a checkpoint needs one part from every shard")
     # The parts' buckets tile the whole range, in shard order: a part from
     # a shard of another layout (a save across a re-shard) would leave rows
@@ -978,7 +979,9 @@ def _one_from_each_shard(parts: list[dict[str, Any]], num_shards: object) -> boo
     return (
         not isinstance(num_shards, bool)
         and isinstance(num_shards, int)
-        and [int(p["shard_index"]) for p in parts] == list(range(num_shards))
+        # (a count before the range: range(10**20) raised OverflowError)
+        and num_shards == len(parts)
+        and [int(p["shard_index"]) for p in parts] == list(range(len(parts)))
         and bool(ranges)
         and ranges[0][0] == 0
         and ranges[-1][1] == NUM_BUCKETS
@@ -1054,9 +1057,17 @@ def _check_files(manifest: dict[str, Any], path: str) -> None:
     for info in tables:
         if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
             raise bad("a table entry has no config")
-        rows = info.get("rows")
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise bad(f"a table's rows must be an integer >= 0, got {rows!r}")
+        for key in ("rows", "removed"):
+            count = info.get(key, 0)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise bad(f"a table's {key} must be an integer >= 0, got {count!r}")
+        # A config a load would make a table of (a hand-edited "dim": "x"
+        # came out of a load, a compaction or a shard as ValueError).
+        try:
+            TableConfig.from_dict(info["config"]).validate()
+        except (errors.DltError, ValueError, TypeError, KeyError, AttributeError) as e:
+            name = info["config"].get("name")
+            raise bad(f"table {name!r} has a config no table can have ({e})") from None
 
 
 # A chain longer than this is refused (a cycle, or a chain that should have
