@@ -364,6 +364,11 @@ def _load_tables(model: keras.Model, layers: list[Any], tables: str) -> None:
             # are left as they are.
             client.load(tables, tables=[layer.table_name for layer in layers])
         forget_cached_rows(layers)
+        for model_client in model_clients(model):
+            # Rows an input pipeline pulled ahead before the load (a load in
+            # a callback of a pull_ahead fit) are not the table's any more:
+            # the next steps trained on them.
+            ops.drop_pulled_ahead(model_client)
     elif layers:
         _load_embedded(tables, layers)
 
