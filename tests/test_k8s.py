@@ -203,6 +203,9 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
         ("--name ctr --image i --checkpoint file:///checkpoints/run", "without file://"),
         # Written into a YAML comment unescaped: the manifest did not parse.
         ("--name ctr --image i --checkpoint 's3://b/run\nx: ['", "a control character"),
+        ("--name ctr --image i --shard-cpu 1e10", "more than 4096 cores"),
+        # 0.5 bytes: no budget at all.
+        ("--name ctr --image i --memory-budget 0.5", "under one byte"),
     ],
 )
 def test_bad_flags_are_refused(flags: str, message: str) -> None:

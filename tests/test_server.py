@@ -276,6 +276,10 @@ def _server(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--shard-index", str(2**32), "--num-shards", "2"], "--shard-index: must be at most"),
         # A RuntimeError traceback ("Resource temporarily unavailable").
         (["--threads", "2147483647"], "cannot start"),
+        # Stopped at once with exit 0; the working directory; no budget.
+        (["--parent-pid", "-1"], "--parent-pid: must be >= 0"),
+        (["--checkpoint-root", ""], "must name a path or URL"),
+        (["--memory-budget", "0.5"], "under one byte"),
     ],
 )
 def test_flags_the_shard_cannot_take_are_refused_without_a_traceback(

@@ -20,6 +20,7 @@ from typing import Any
 from tf_dlt import _native, errors
 from tf_dlt.checkpoint import manifest as manifest_lib
 from tf_dlt.checkpoint import shard_files
+from tf_dlt.routing import NUM_BUCKETS
 
 log = logging.getLogger("tf_dlt.checkpoint")
 
@@ -459,8 +460,11 @@ def _compaction(
     written (`models`: both are model checkpoints' `tables/`); returns its
     file count, save id, and the creation time of the checkpoint it copies
     (the copy's is later: it sorts as the newer)."""
-    if num_shards is not None and num_shards < 1:
-        raise errors.InvalidArgumentError(f"compact: num_shards must be >= 1, got {num_shards}")
+    if num_shards is not None and not 1 <= num_shards <= NUM_BUCKETS:
+        raise errors.InvalidArgumentError(
+            f"compact: num_shards must be 1 to {NUM_BUCKETS} (a shard owns at least one "
+            f"bucket), got {num_shards}"
+        )
     links = manifest_lib.resolve_chain(source)
     here = _key(target)
     for link in links:

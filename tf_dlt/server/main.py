@@ -115,6 +115,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--checkpoint-root",
         action="append",
+        type=_non_empty,
         default=[],
         help="where Save and Load may go: a path or URL prefix (repeat for several; "
         "memory:// only when named; default: any local path or object store)",
@@ -239,7 +240,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--parent-pid",
-        type=int,
+        type=_at_least(0, 2**31 - 1),  # (-1 stopped the shard at once, exit 0)
         default=0,
         help="stop, as on SIGTERM, once the process PID is no longer this one's parent (it "
         "died: a launcher or LocalCluster killed with SIGKILL, or by the OOM killer); "
@@ -304,6 +305,14 @@ def positive_seconds(text: str) -> float:
 def _seconds_or_zero(text: str) -> float:
     """Seconds >= 0 and at most MAX_SECONDS; not NaN."""
     return _seconds(text, zero=True)
+
+
+def _non_empty(text: str) -> str:
+    """A path or URL: not empty (an empty --checkpoint-root was the working
+    directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a path or URL, got an empty one")
+    return text
 
 
 def _size(text: str) -> int:

@@ -25,6 +25,8 @@ TIER_MOUNT = "/tier"
 # Requests: the table (bytes per row as tf_dlt.tools.capacity measured them) times
 # `headroom` for growth and save buffers, plus the process and gRPC server.
 BASE_MEMORY_MIB = 512
+# More cores than any node has: a CPU request past it is a typo.
+MAX_CORES = 4096
 
 
 def shard_memory(spec: JobSpec) -> int:
@@ -147,7 +149,10 @@ class JobSpec:
         if not self.image.strip() or any(c.isspace() for c in self.image):
             raise ValueError(f"image must name a container image, got {self.image!r}")
         for flag, cpu in (("--shard-cpu", self.shard_cpu), ("--worker-cpu", self.worker_cpu)):
-            _quantity(flag, cpu, _CPU_QUANTITY, "2 or 500m")
+            if _quantity(flag, cpu, _CPU_QUANTITY, "2 or 500m") > MAX_CORES:
+                # (--shard-cpu 1e10 became --threads=10000000000, which the
+                # shards refused at start)
+                raise ValueError(f"{flag} {cpu!r} is more than {MAX_CORES} cores")
         for flag, size in (
             ("--worker-memory", self.worker_memory),
             ("--checkpoint-volume-size", self.checkpoint_volume_size),
