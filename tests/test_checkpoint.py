@@ -605,14 +605,6 @@ def test_a_manifest_edited_past_what_a_load_can_read_is_refused_by_every_reader(
     assert says in capsys.readouterr().err
 
 
-def test_a_compaction_into_more_files_than_buckets_is_refused(tmp_path: Path) -> None:
-    """Each output file re-read the whole source: 10**6 files ran for good."""
-    from tf_dlt.checkpoint import chain
-
-    with pytest.raises(errors.InvalidArgumentError, match="num_shards must be 1 to 4096"):
-        chain.compact(str(tmp_path / "ck"), str(tmp_path / "copy"), num_shards=4097)
-
-
 def test_no_manifest_means_no_checkpoint(
     start_cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:

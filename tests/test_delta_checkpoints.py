@@ -329,9 +329,10 @@ def test_compact_ls_and_prune_from_the_command_line(
     out = cli("compact", str(tmp_path / "compacted"), str(tmp_path / "link"))
     assert out.returncode != 0 and "is a delta on top of" in out.stderr, out.stderr
     assert staged_rows(str(run / "c5"), 2) == before
-    for bad in ("0", "-2"):
+    # (past 4096 files, each of which re-reads the whole source, too)
+    for bad in ("0", "-2", "4097"):
         out = cli("compact", str(run / "c5"), str(tmp_path / "x"), "--num-shards", bad)
-        assert out.returncode != 0 and "num_shards must be >= 1" in out.stderr, out.stderr
+        assert out.returncode != 0 and "num_shards must be 1 to 4096" in out.stderr, out.stderr
     assert not (run / "c5" / "inner").exists() and not (tmp_path / "x").exists()
     # Keep the newest 2 (c6, c7): c1..c5 go. Keep 4 (c4..c7): c4 and c5
     # need c1..c3, so nothing goes.
