@@ -1062,7 +1062,11 @@ def test_a_second_coordinator_waits_for_a_live_one_and_never_undoes_it(
             def Reshard(self, request: object, **kwargs: object) -> object:  # noqa: N802
                 if request.step == steps.HOLD and not holding.is_set():  # type: ignore[attr-defined]
                     holding.set()
-                    time.sleep(4.0)  # longer than the lease: only the heartbeat keeps it
+                    # Past the lease (2 s): only the heartbeat keeps the first
+                    # alive. Not by much: the second gives up on a live first a
+                    # lease and 2 s after it first sees it, and the first must
+                    # end (HOLD, switch, release) within that, on a busy host too.
+                    time.sleep(2.5)
                 return stub.Reshard(request, **kwargs)
 
         return SlowBeforeHold(stub)
