@@ -45,6 +45,26 @@ def test_serving_beyond_loopback_needs_a_token_or_insecure(tmp_path: Path) -> No
     assert "--insecure" in refused.stderr
 
 
+@pytest.mark.parametrize(
+    ("bind", "said"),
+    [("0.0.0.0:7000", "without a port"), ("a b", "not a host name or IP address"),
+     ("", "not a host name or IP address"), ("[x]", "not an IPv6 address")],
+)  # fmt: skip
+def test_a_bind_address_no_socket_takes_is_refused_by_name(bind: str, said: str) -> None:
+    # A port in --bind, or a host no socket could take, was refused at the
+    # bind as "in use by another process" (the host bracketed once more).
+    refused = _serve("--bind", bind)
+    assert refused.returncode == 2
+    assert "argument --bind" in refused.stderr and said in refused.stderr, refused.stderr
+
+
+def test_a_bracketed_ipv6_bind_address_is_taken() -> None:
+    from tf_dlt.server import main
+
+    parsed = main.build_parser().parse_args(["--bind", "[::1]"])
+    assert parsed.bind == "::1" and main.is_loopback(parsed.bind)
+
+
 def test_insecure_serves_beyond_loopback(start_cluster: Callable[..., Cluster]) -> None:
     # LocalCluster binds 127.0.0.1 first; a later --bind wins.
     cluster = start_cluster(1, "--bind", "0.0.0.0", "--insecure")

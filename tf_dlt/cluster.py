@@ -90,10 +90,10 @@ def is_address(a: str, port_zero: bool = False) -> bool:
             return False
     elif not _HOST.fullmatch(host):
         return False
-    return _is_count(port) and (1 - port_zero) <= int(port) <= 65535
+    return is_count(port) and (1 - port_zero) <= int(port) <= 65535
 
 
-def _is_count(text: str) -> bool:
+def is_count(text: str) -> bool:
     """Whether `text` is a non-negative int in ASCII digits (str.isdigit
     takes '²' and Arabic-Indic digits, which int() then refuses or reads)."""
     return text.isascii() and text.isdigit()
@@ -169,6 +169,6 @@ def cluster_from_env(environ: dict[str, str] | None = None) -> ClusterSpec:
     if not text:
         return ClusterSpec()
     index = env.get(INDEX_ENV)
-    if index is not None and not _is_count(index):
+    if index is not None and not is_count(index):
         raise _fail(f"{INDEX_ENV} must be a non-negative int, got {index!r}")
     return parse(text, int(index) if index is not None else None)

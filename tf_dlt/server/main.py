@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from tf_dlt import _native, errors, sizes, tls
+from tf_dlt import _native, cluster, errors, sizes, tls
 from tf_dlt.client import MAX_TIMEOUT_MS, read_token_file
 from tf_dlt.server import replication
 from tf_dlt.server.shard_server import ShardServer
@@ -48,6 +49,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--bind",
         default="127.0.0.1",
+        type=_bind_host,
         help="listen address of both planes (default loopback; another address needs "
         "--auth-token-file or --insecure)",
     )
@@ -260,6 +262,27 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free one), got {port}")
     return port
+
+
+def _bind_host(text: str) -> str:
+    """A host name or IP address to listen on; an IPv6 one may be written
+    in brackets (`[::1]` was bound as `[[::1]]` and refused as "in use")."""
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(text[1:-1]))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an IPv6 address in []: {text!r}") from None
+    host = text
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(host))
+    if ":" in host:
+        raise argparse.ArgumentTypeError(
+            f"takes a host or address without a port (the ports are --port and --admin-port), "
+            f"got {text!r}"
+        )
+    if not cluster.is_address(f"{host}:1"):
+        raise argparse.ArgumentTypeError(f"not a host name or IP address: {text!r}")
+    return host
 
 
 def _at_least(least: int, most: int = 2**64 - 1) -> Callable[[str], int]:

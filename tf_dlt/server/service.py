@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from tf_dlt import _native, errors, grpc_util, latency
+from tf_dlt import _native, cluster, errors, grpc_util, latency
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
 from tf_dlt.server import paths, replication, reshard
@@ -208,7 +208,7 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
                 f"holds none of the rows written before; {what} goes to the copy the client met"
             )
         told = context.metadata(grpc_util.LAYOUT_METADATA_KEY) if context is not None else None
-        if told and told.isascii() and told.isdigit() and int(told) < int(self._shard.layout_epoch):
+        if told and cluster.is_count(told) and int(told) < int(self._shard.layout_epoch):
             # The client's stubs are of a layout before a re-shard: applied
             # here, a table made or dropped would miss the shards that joined
             # (or a save leave their rows out). Nothing applied: it learns
