@@ -206,6 +206,12 @@ def test_a_volume_checkpoint_is_shared_by_shards_and_trainers() -> None:
         ("--name ctr --image i --shard-cpu 1e10", "more than 4096 cores"),
         # 0.5 bytes: no budget at all.
         ("--name ctr --image i --memory-budget 0.5", "under one byte"),
+        # Left out of the manifests without a word: no such volume is made.
+        (
+            "--name ctr --image i --checkpoint s3://b/run --storage-class fast",
+            "which a --checkpoint URL (s3://b/run) does not use",
+        ),
+        ("--name ctr --image i --tier-storage-class local-ssd", "which only --ssd makes"),
     ],
 )
 def test_bad_flags_are_refused(flags: str, message: str) -> None:

@@ -254,6 +254,18 @@ class JobSpec:
             )
         if self.tier_volume_size and not self.memory_budget:
             raise ValueError("a disk tier (--ssd) needs --memory-budget: rows move to it past it")
+        # Classes of volumes the job would not have, refused rather than
+        # left out of the manifests unsaid.
+        if self.storage_class and not self.on_volume:
+            raise ValueError(
+                f"--storage-class {self.storage_class!r} is the class of the shared checkpoint "
+                f"volume, which a --checkpoint URL ({self.checkpoint}) does not use"
+            )
+        if self.tier_storage_class and not self.tier_volume_size:
+            raise ValueError(
+                f"--tier-storage-class {self.tier_storage_class!r} is the class of the disk tier "
+                "volumes, which only --ssd makes"
+            )
         if self.insecure and self.auth_token_secret:
             raise ValueError("--insecure and --auth-token-secret exclude each other")
         if not self.insecure and not self.auth_token_secret and not self.generated_token:
