@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -1225,3 +1226,135 @@ def test_a_standby_stopping_with_its_primary_says_so_without_a_warning(
         link._close_channel()
     finally:
         server.stop(None)
+
+
+def _exit_within(args: list[str], seconds: float) -> tuple[int | None, str]:
+    """Runs `tf-dlt server ARGS`: its exit code (None: still running after
+    `seconds`, then stopped) and its log."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_dlt.server", "--bind", "127.0.0.1", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=seconds)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        return None, out
+
+
+@pytest.mark.parametrize("flags", ["replica_set_without_port", "advertise_without_port"])
+def test_a_peer_address_without_a_port_is_refused_at_start(flags: str) -> None:
+    """A replica set's member or a standby's --advertise without its port
+    (`--replica-set "h:7000|h"`, `--advertise h`) was taken: the member
+    logged "must be host:port" and stayed "joining" for good; the standby
+    attached under an address its primary never reached, and every sync
+    push failed in doubt. Refused at start (exit 2), as --standby-of is."""
+    port = free_port()
+    own = f"127.0.0.1:{port}"
+    primary = None
+    if flags == "replica_set_without_port":
+        args = ["--port", str(port), "--replica-set", f"{own}|127.0.0.1", "--advertise", own]
+    else:
+        primary = ShardServer(0, 1).start()
+        args = ["--port", str(port), "--standby-of", primary.address, "--advertise", "nohost"]
+    try:
+        code, out = _exit_within(args, 15)
+    finally:
+        if primary is not None:
+            primary.stop(0)
+    assert code == 2 and "must be host:port" in out, f"exit code {code}; log:\n{out[-1500:]}"
+
+
+def _push_error(client: tf_dlt.Client) -> str:
+    """ "" when a push goes through, else its error."""
+    try:
+        client.push("emb", np.arange(10), np.ones((10, 4), np.float32), 0.1)
+    except errors.DltError as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+@pytest.mark.parametrize("mistake", ["advertises_its_primary", "token_its_primary_lacks"])
+def test_a_standby_its_primary_cannot_replicate_to_is_refused_and_stops_no_write(
+    mistake: str,
+) -> None:
+    """A standby whose --advertise names its primary (on two hosts it
+    happens by default: `--bind 0.0.0.0` and one port on both advertise
+    127.0.0.1:PORT), or one given a token its primary lacks: the primary
+    attached it (itself, in the first case), could never replicate to it,
+    and every sync push of the healthy primary failed "in doubt" for as long
+    as the standby ran (the last standby is never detached). The primary now
+    greets a standby before attaching it: the attach is refused, the
+    standby's stats say why, and writes go on."""
+    primary = ShardServer(0, 1).start()
+    standby = None
+    try:
+        client = tf_dlt.Client([primary.address], request_timeout=5)
+        client.create_table("emb", 4)
+        if mistake == "advertises_its_primary":
+            standby = ShardServer(
+                0, 1, standby_of=primary.address, advertise=f"localhost:{primary.port}"
+            ).start()
+            said = "does not answer as a standby"
+        else:
+            standby = ShardServer(0, 1, auth_token="tok", standby_of=primary.address).start()
+            said = "cannot greet standby"
+        link = standby.servicer.standby_link
+        wait_until(lambda: said in link.error, "the standby's attach to be refused")
+        assert _push_error(client) == ""
+        assert not replication.member_stats(primary.address, primary.admin_port, "").standbys
+        assert not _native.hello(primary.address, "", timeout_ms=1000)["standbys"]
+        token = "tok" if mistake == "token_its_primary_lacks" else ""
+        stats = replication.member_stats(standby.address, standby.admin_port, token)
+        assert said in stats.standby_error
+    finally:
+        if standby is not None:
+            standby.stop(0)
+        primary.stop(0)
+
+
+@pytest.mark.parametrize("address", ["", "nohost", "127.0.0.1:0", "127.0.0.1:1|127.0.0.1:2"])
+def test_attach_standby_refuses_an_address_that_is_not_host_port(address: str) -> None:
+    """AttachStandby took any string, even "a:1|b:2", which the primary
+    published in its Hello's "|"-separated standbys (clients learned two
+    made-up standbys). INVALID_ARGUMENT now, and nothing attached."""
+    from tf_dlt.proto import dlt_pb2, dlt_pb2_grpc
+
+    primary = ShardServer(0, 1).start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{primary.admin_port}") as channel:
+            stub = dlt_pb2_grpc.ShardAdminStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.AttachStandby(
+                    dlt_pb2.AttachStandbyRequest(address=address, shard_index=0, num_shards=1),
+                    timeout=10,
+                )
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not _native.hello(primary.address, "", timeout_ms=1000)["standbys"]
+    finally:
+        primary.stop(0)
+
+
+def test_tf_dlt_stats_of_a_standby_that_cannot_attach_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A standby started with the wrong --shard-index (1 of 2 behind shard
+    0's primary): `tf-dlt stats` of it said only "not caught up: it may not
+    take over yet", as of one still copying, and its primary's stats show
+    no standby. It now shows why it does not follow."""
+    primary = ShardServer(0, 2).start()
+    standby = ShardServer(1, 2, standby_of=primary.address).start()
+    try:
+        wait_until(lambda: standby.servicer.standby_link.error, "the standby's first attach")
+        assert cli.main(["stats", "--pservers", standby.address]) == 0
+        out = capsys.readouterr().out
+        assert "not caught up" in out and "shard 0 of 2" in out, out[-800:]
+    finally:
+        standby.stop(0)
+        primary.stop(0)

@@ -220,8 +220,13 @@ def test_a_standby_that_just_attached_knows_the_others_before_its_first_probe(
         client.create_table("emb", DIM, optimizer="adagrad")
         wait_until(lambda: _all_caught_up(cluster, 0, [1]), "the first standby")
         primary, first = cluster.process_addresses
+        # A data plane that greets as a standby (the primary greets one
+        # before it attaches it), driven by this link.
+        standby = _native.DataServer(_native.Shard(0, 1), bind="127.0.0.1", worker_threads=1)
+        standby.set_standby(True)
+        standby.start()
         link = replication.StandbyLink(
-            primary, f"127.0.0.1:{free_port()}", 0, 1, "",
+            primary, f"127.0.0.1:{standby.port}", 0, 1, "",
             take_over=lambda: None, caught_up=lambda: False,
         )  # fmt: skip
         try:
@@ -231,6 +236,7 @@ def test_a_standby_that_just_attached_knows_the_others_before_its_first_probe(
             wait_until(lambda: link._serving_peer() == first, "the first standby to take over")
         finally:
             link.stop()
+            standby.stop()
 
 
 def test_a_standby_the_primary_left_out_never_takes_over(tmp_path) -> None:  # type: ignore[no-untyped-def]

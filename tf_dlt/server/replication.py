@@ -46,6 +46,9 @@ _SURVEY_INTERVAL_S = 0.5
 # greeting to pass over.
 _TIMEOUT_SLACK_S = 0.05
 BEGIN_ALONE_AFTER_S = 10.0
+# How long a primary's greeting of a standby that attaches may take (the
+# standby's AttachStandby waits 10 s).
+_GREET_STANDBY_MS = 3000
 # What a survey of the replica set found (besides a member to follow).
 _WAIT, _BEGIN, _ALONE = "wait", "begin", "alone"
 # What an election found (besides a member to follow).
@@ -85,8 +88,10 @@ class Standbys:
         self._group: _native.ReplicaGroup | None = None  # guarded by _lock
 
     def attach(self, address: str, shard_index: int, num_shards: int) -> None:
-        """Replicates to the standby at `address` from now on."""
+        """Replicates to the standby at `address` from now on, once it
+        answers this primary's greeting as a standby."""
         self._check_place(shard_index, num_shards)
+        self._greet_standby(address)
         with self._lock:
             if self._group is None:
                 self._group = _native.ReplicaGroup(
@@ -120,6 +125,30 @@ class Standbys:
             address,
             " (no standby left: writes are acknowledged by this copy alone)" if alone else "",
         )
+
+    def _greet_standby(self, address: str) -> None:
+        """Refuses a standby this primary cannot replicate to: one its
+        greeting does not reach, or that takes its token not, or that is
+        no standby (this primary itself: a standby advertising the
+        primary's address). Attached, each made every sync write fail "in
+        doubt" for as long as it ran (the last standby is never detached)."""
+        try:
+            _native.hello(address, self._auth_token, timeout_ms=_GREET_STANDBY_MS, replica=True)
+        except errors.UnauthenticatedError as e:
+            raise errors.FailedPreconditionError(
+                f"this primary cannot greet standby {address} with its auth token ({e}): give "
+                "the primary and its standbys the same --auth-token-file"
+            ) from None
+        except errors.FailedPreconditionError as e:
+            raise errors.FailedPreconditionError(
+                f"{address} does not answer as a standby ({e}): a standby's --advertise names "
+                "the standby as its primary reaches it, not the primary"
+            ) from None
+        except errors.DltError as e:
+            raise errors.UnavailableError(
+                f"this primary cannot reach standby {address} ({e}): a standby's --advertise "
+                "names it as its primary reaches it"
+            ) from None
 
     def _check_place(self, shard_index: int, num_shards: int) -> None:
         """FailedPreconditionError unless a standby of shard `shard_index`
@@ -408,6 +437,7 @@ class StandbyLink:
             timeout=10,
         )
         self._incarnation = reply.incarnation
+        self.error = ""
         log.info("standby of %s (%s replication)", self.primary, reply.replication)
 
     def _alive(self) -> bool:
@@ -953,6 +983,7 @@ def describe(
             "insync": link.view(),
             "promised_to": link.promised_to(),
             "peers": link.known_peers(),
+            "standby_error": link.error,
         }
     return {
         "epoch": shard.epoch,

@@ -317,6 +317,12 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
 
     @_handler
     def AttachStandby(self, request: Any, context: CallContext) -> Any:
+        if not cluster.is_address(request.address):
+            # Published in the Hello's "|"-separated standbys as it came.
+            raise errors.InvalidArgumentError(
+                f"a standby's address must be host:port (an IPv6 host in []) with a port 1 to "
+                f"65535, got {request.address!r}"
+            )
         self._writable("a standby")
         self._not_resharding("attach a standby")
         if self.standbys is None:
@@ -769,4 +775,5 @@ class ShardAdminServicer(dlt_pb2_grpc.ShardAdminServicer):
             insync=[a for a in s["insync"].get("members", "").split("|") if a],
             promised_to=s.get("promised_to", ""),
             peers=s.get("peers", []),
+            standby_error=s.get("standby_error", ""),
         )

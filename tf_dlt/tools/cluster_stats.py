@@ -100,6 +100,8 @@ def _replication_lines(s: dict[str, Any], address: str) -> list[str]:
     copy = f"epoch {s.get('epoch', 0)}, lineage {int(s.get('lineage', 0)):016x}"
     if s.get("role") == "standby":  # asked alone (a client greets primaries only)
         state = "caught up" if s.get("caught_up") else "not caught up: it may not take over yet"
+        if s.get("standby_error"):  # refused or cut off, not copying
+            state += f"; {s['standby_error']}"
         primary = s.get("standby_of") or "its replica set"
         lines.append(f"shard {shard}: standby of {primary}: {state} ({copy})")
     elif s.get("takeovers"):
