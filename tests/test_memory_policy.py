@@ -715,3 +715,39 @@ def test_a_sixteen_bit_table_saved_as_float32_by_earlier_versions_still_loads(
     fresh = _native.Shard(0, 1)
     shard_files.load_shard(str(tmp_path / "ck"), fresh)
     np.testing.assert_array_equal(fresh.get_table("old").pull(ids), table.pull(ids))
+
+
+def test_a_dtype_object_is_taken_by_its_name() -> None:
+    """`MemoryPolicy.create(value_dtype=tf.bfloat16)`: tf.DType equals its
+    name, so the check passed and the policy held "<dtype: 'bfloat16'>",
+    refused later by the table as an unknown dtype."""
+    import tensorflow as tf
+
+    policy = tf_dlt.MemoryPolicy.create(value_dtype=tf.bfloat16, slot_dtype=np.dtype("float16"))
+    assert (policy.value_dtype, policy.slot_dtype) == ("bfloat16", "float16")
+    assert tf_dlt.MemoryPolicy.create(value_dtype=tf.float32) == tf_dlt.MemoryPolicy()
+    with pytest.raises(errors.InvalidArgumentError, match="value_dtype must be one of"):
+        tf_dlt.MemoryPolicy.create(value_dtype=tf.int8)
+
+
+def test_a_table_whose_sketch_leaves_its_rows_no_room_is_refused(
+    start_cluster: Callable[..., Cluster],
+) -> None:
+    """A shard with a 265 MiB budget and no disk tier, a table with
+    Frequency admission and its default 64 MiB sketch: it was made, and the
+    keeper evicted every row it got (rows 0, evicted 5,000; only the
+    eviction counter said so). Refused now, naming the sketch and the
+    budget; a sketch that fits is taken and keeps its rows."""
+    shard = start_cluster(1, "--memory-budget", "265MiB")
+    with shard.client() as c:
+        with pytest.raises(errors.ResourceExhaustedError, match="admission sketch takes 64 MiB"):
+            c.create_table("t", 8, "normal", "adagrad", admission=admission.Frequency(min_count=1))
+        assert "t" not in c.list_tables()
+        c.create_table(
+            "t", 8, "normal", "adagrad",
+            admission=admission.Frequency(min_count=1, sketch_bytes=1 << 20),
+        )  # fmt: skip
+        ids = np.arange(5000, dtype=np.int64)
+        c.push("t", ids, np.ones((len(ids), 8), np.float32), 0.1)
+        time.sleep(1.0)  # the keeper's passes
+        assert c.list_tables()["t"]["rows"] == len(ids)

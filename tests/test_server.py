@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tf_dlt import _native
 from tf_dlt import errors as tf_dlt_errors
 from tf_dlt.server.local import LocalCluster
+from tf_dlt.server.shard_server import ShardServer
 from tf_dlt.table_config import TableConfig
 
 from conftest import Cluster
@@ -280,6 +281,10 @@ def _server(*flags: str) -> subprocess.CompletedProcess[str]:
         (["--parent-pid", "-1"], "--parent-pid: must be >= 0"),
         (["--checkpoint-root", ""], "must name a path or URL"),
         (["--memory-budget", "0.5"], "under one byte"),
+        # A TypeError traceback from the native core (it takes 64 bits).
+        (["--memory-budget", "1e30"], "2^64 bytes or more"),
+        # An unset $TIER_DIR: no tier, and the rows past the budget evicted.
+        (["--memory-budget", "300MiB", "--storage-dir", ""], "--storage-dir: must name a path"),
     ],
 )
 def test_flags_the_shard_cannot_take_are_refused_without_a_traceback(
@@ -288,6 +293,23 @@ def test_flags_the_shard_cannot_take_are_refused_without_a_traceback(
     result = _server(*flags)
     assert result.returncode == 2, result.stderr[-2000:]
     assert says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_shard_server_takes_its_budget_as_a_size(tmp_path: Path) -> None:
+    """`ShardServer(memory_budget=3e10)` or `"16GiB"` (docs/tiered_storage.md:
+    it takes what --memory-budget takes) raised raw TypeErrors. (Budgets
+    well above what this test process holds, TensorFlow loaded.)"""
+    for budget, bytes_ in ((3e10, 30_000_000_000), ("16GiB", 16 << 30), (16 << 30, 16 << 30)):
+        server = ShardServer(memory_budget=budget, storage_dir=str(tmp_path / "ssd"))
+        try:
+            assert server.shard.memory_status()["budget"] == bytes_
+        finally:
+            server.stop(0)
+    for bad in ([1], True, "lots", -1):
+        with pytest.raises(ValueError, match="memory_budget must be a number|is not a size"):
+            ShardServer(memory_budget=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="storage_dir must name a directory"):
+        ShardServer(memory_budget="16GiB", storage_dir=" ")
 
 
 def test_a_port_file_it_cannot_write_stops_the_shard_with_a_reason(tmp_path: Path) -> None:

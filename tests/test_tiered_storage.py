@@ -26,6 +26,7 @@ from tf_dlt import _native
 from tf_dlt.checkpoint import manifest, shard_files, shard_load, shard_save
 from tf_dlt.checkpoint.shard_format import file_row_bytes
 from tf_dlt.routing import NUM_BUCKETS
+from tf_dlt.server.local import LocalCluster
 from tf_dlt.table_config import TableConfig
 
 from conftest import Cluster, flip_byte, staged_rows, wait_until
@@ -802,3 +803,53 @@ def test_a_standbys_keeper_leaves_max_rows_to_its_sender(tmp_path: Path) -> None
         assert table.size() <= 4096
     finally:
         shard.stop_sweeper()
+
+
+def test_a_shards_start_never_deletes_a_live_shards_tier_directory(tmp_path: Path) -> None:
+    """Shard 1 given --storage-dir /ssd/shard-1 (its tier: /ssd/shard-1/
+    shard-1, LOCK held), then shard 0 given /ssd: shard 0's start took
+    /ssd/shard-1 for a stale tier (no LOCK of its own: the live one is a
+    level down), locked and deleted it whole, and shard 1's next demotion
+    failed "disk tier open failed ... No such file or directory". Only a
+    directory holding a tier's own entries (LOCK, t<n>) is cleared now."""
+    ssd = tmp_path / "ssd"
+    live = _native.Shard(1, 2)
+    live.configure_memory(16 << 30, str(ssd / "shard-1"), 600_000)
+    tier = Path(live.memory_status()["storage_dir"])
+    assert tier == ssd / "shard-1" / "shard-1"
+    live.create_table(TableConfig.create("t", 4, seed=1).to_dict())
+    table = live.get_table("t")
+    stale = ssd / "shard-5"  # a tier of a shard gone: cleared as before
+    (stale / "t0").mkdir(parents=True)
+    (stale / "LOCK").touch()
+    (stale / "t0" / "stripe-00.tier").touch()
+    other = _native.Shard(0, 2)
+    other.configure_memory(16 << 30, str(ssd), 600_000)
+    assert tier.is_dir() and not stale.exists()
+    ids = np.arange(200_000, dtype=np.int64)
+    buckets = _native.bucket_of(ids)
+    ids = ids[(buckets >= live.first_bucket) & (buckets < live.end_bucket)][:20_000]
+    table.push(ids, np.ones((len(ids), 4), np.float32), 0.1)
+    table.set_ram_limit(4096)
+    assert table.demote(len(ids)) > 0
+    assert table.size() == len(ids)
+
+
+def test_a_relative_storage_dir_of_a_local_cluster_is_the_callers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tf-dlt launch --server-arg=--storage-dir=ssd` (a LocalCluster) put
+    the tier in the cluster's working directory, a temporary folder deleted
+    with it, not in the caller's ./ssd. Path flags are made absolute."""
+    monkeypatch.chdir(tmp_path)
+    cluster = LocalCluster(
+        1, "--memory-budget", "300MiB", "--storage-dir", "ssd", workdir=tmp_path / "work"
+    )
+    cluster.start()
+    try:
+        with tf_dlt.Client(cluster.addresses) as client:
+            client.create_table("t", 4)
+            where = client.stats()[0]["storage_dir"]
+        assert where == str(tmp_path / "ssd" / "shard-0") and Path(where).is_dir()
+    finally:
+        cluster.stop()

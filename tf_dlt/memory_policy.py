@@ -32,10 +32,14 @@ def choices(field: str) -> tuple[str, ...]:
 
 
 def _choice(field: str, value: object) -> str:
+    """`value` as the name of one of `field`'s choices; a dtype (TensorFlow's
+    or NumPy's) by its name (tf.bfloat16 passed `in`, being equal to the
+    string, and was kept as "<dtype: 'bfloat16'>", refused later)."""
     allowed = choices(field)
-    if value not in allowed:
+    name = value if isinstance(value, str) else getattr(value, "name", value)
+    if not isinstance(name, str) or name not in allowed:
         raise errors.InvalidArgumentError(f"{field} must be one of {list(allowed)}, got {value!r}")
-    return str(value)
+    return name
 
 
 def as_float32(fields: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,9 @@ def parse_bytes(text: str) -> int:
             f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, TiB "
             "(powers of 1024) or K, M, G, T (powers of 1000)"
         )
+    if value * _UNITS[unit] >= 2**64:
+        # (a budget of 1e30 bytes reached the native core as a traceback)
+        raise ValueError(f"{text!r} is 2^64 bytes or more: past any machine's")
     if value > 0 and int(value * _UNITS[unit]) == 0:
         # "0.5" (a unit left out) was taken as 0 bytes: no budget at all.
         raise ValueError(f"{text!r} is under one byte: a unit left out? (e.g. 0.5GiB)")

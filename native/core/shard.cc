@@ -17,6 +17,7 @@
 
 #include "native/core/random.h"
 #include "native/core/routing.h"
+#include "native/core/sketch.h"
 
 namespace dlt {
 
@@ -157,6 +158,21 @@ bool IsTierDirectory(const std::string& name) {
   };
   if (dash == std::string::npos) return digits(6, name.size());
   return digits(6, dash) && digits(dash + 1, name.size());
+}
+
+// Whether `dir` holds only what a tier's directory does: its LOCK and a
+// directory per table, t<n> (t<n>-<name> in older builds). One named like a
+// tier's but holding anything else is no tier's to clear: a directory given
+// as another shard's storage dir, its live tier inside, was deleted whole by
+// this shard's start.
+bool HoldsATierOnly(const std::string& dir) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    const bool table_dir = name.size() > 1 && name[0] == 't' && name[1] >= '0' && name[1] <= '9';
+    if (name != "LOCK" && !table_dir) return false;
+  }
+  return !error;
 }
 
 int LockDirectory(const std::string& dir) {
@@ -301,6 +317,7 @@ Status Shard::ConfigureMemory(uint64_t budget_bytes, const std::string& storage_
       // A link is not a tier's directory (its target is no shard's to
       // clear), whatever its name.
       if (!tier || entry.is_symlink() || !entry.is_directory()) continue;
+      if (!HoldsATierOnly(entry.path().string())) continue;
       const int fd = LockDirectory(entry.path().string());
       if (fd < 0) continue;
       fs::remove_all(entry.path(), error);
@@ -589,9 +606,43 @@ void Shard::StopSweeper() {
   if (thread.joinable()) thread.join();
 }
 
+Status Shard::CheckRoomForFixedParts(const TableConfig& config) const {
+  // (With a tier the rows past the room move to disk: slower, not lost.)
+  if (budget_ == 0 || !tier_root_.empty() ||
+      config.policy.admission != static_cast<uint64_t>(AdmissionKind::kFrequency)) {
+    return OkStatus();
+  }
+  const uint64_t place = place_.load();
+  const uint64_t sketch =
+      FrequencySketch::BytesFor(config.policy.sketch_bytes, First(place), End(place));
+  // As the keeper counts (KeepMemory): what is not the tables' is overhead.
+  uint64_t table_bytes = 0, fixed = 0;
+  for (const auto& t : Tables()) {
+    table_bytes += t->bytes();
+    fixed += t->ram_fixed_bytes();
+  }
+  const uint64_t resident = ResidentBytes();
+  const uint64_t overhead = resident > table_bytes ? resident - table_bytes : 0;
+  const double room =
+      budget_ * kTargetFraction - static_cast<double>(overhead + fixed + sketch + kPersistReserve);
+  if (room >= static_cast<double>(kMinRowRoom)) return OkStatus();
+  const auto mib = [](double b) { return std::to_string(static_cast<int64_t>(b / (1 << 20))); };
+  return ResourceExhausted(
+      "table '" + config.name + "': its admission sketch takes " + mib(sketch) +
+      " MiB of this shard, which leaves its rows " + mib(std::max(room, 0.0)) +
+      " MiB of the memory budget of " + mib(budget_) + " MiB (the process holds " + mib(overhead) +
+      " MiB, other tables' fixed parts " + mib(fixed) + " MiB, and " + mib(kPersistReserve) +
+      " MiB is kept for a save's buffers): every row it got would be evicted. Give it a " +
+      "smaller sketch_bytes, or the shard a larger budget or a --storage-dir for the rows");
+}
+
 Status Shard::CreateTable(const TableConfig& config, bool* created, bool provisional) {
   *created = false;
   DLT_RETURN_IF_ERROR(ValidateTableConfig(config));
+  {
+    std::shared_ptr<Table> have;
+    if (!GetTable(config.name, &have).ok()) DLT_RETURN_IF_ERROR(CheckRoomForFixedParts(config));
+  }
   while (true) {
     std::shared_ptr<Table> old;
     uint64_t writes = 0;

@@ -204,6 +204,11 @@ class Shard {
   size_t KeepMemory();
   // The least RAM rows tiered table `t` is limited to.
   uint64_t LeastRamRows(const Table& t) const;
+  // ResourceExhausted when a new table of `config` would leave the rows
+  // less than kMinRowRoom of the budget beside the tables' fixed parts
+  // (its admission sketch above all) on a shard without a tier: the
+  // keeper then evicted every row it got.
+  Status CheckRoomForFixedParts(const TableConfig& config) const;
   // How long a table's keeper error stays shown once nothing needs moving
   // (RAM back under its target), counted from its last failed move.
   static constexpr std::chrono::seconds kKeeperErrorHold{5};

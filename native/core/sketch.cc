@@ -19,6 +19,12 @@ FrequencySketch::FrequencySketch(uint64_t sketch_bytes, uint32_t first_bucket, u
       counters_(size_t{end_bucket - first_bucket} * kDepth * width_, 0),
       added_(end_bucket - first_bucket, 0) {}
 
+uint64_t FrequencySketch::BytesFor(uint64_t sketch_bytes, uint32_t first_bucket,
+                                   uint32_t end_bucket) {
+  return uint64_t{end_bucket - first_bucket} *
+         (kDepth * uint64_t{WidthFor(sketch_bytes)} + sizeof(uint32_t));
+}
+
 uint32_t FrequencySketch::Column(uint64_t hash, uint32_t row) const {
   // The bucket took hash % 4096; the columns take other bits, one mix per row.
   return static_cast<uint32_t>(Mix64(hash + (uint64_t{row} + 1) * 0x9e3779b97f4a7c15ULL) % width_);

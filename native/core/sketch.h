@@ -27,6 +27,8 @@ class FrequencySketch {
 
   // Slices for buckets [first_bucket, end_bucket).
   FrequencySketch(uint64_t sketch_bytes, uint32_t first_bucket, uint32_t end_bucket);
+  // bytes() of such a sketch, before it is made.
+  static uint64_t BytesFor(uint64_t sketch_bytes, uint32_t first_bucket, uint32_t end_bucket);
 
   uint32_t width() const { return width_; }
   // Counters of one bucket's slice (kDepth * width).

@@ -37,6 +37,38 @@ PLACEMENT_FLAGS = (
 _LOOPBACK_REACHED = ("127.0.0.1", "0.0.0.0", "localhost")
 
 
+# `tf-dlt server` flags that name a local file or directory (or a URL).
+_PATH_FLAGS = (
+    "--auth-token-file", "--checkpoint-root", "--storage-dir", "--load-from", "--follow",
+    "--tls-cert", "--tls-key", "--tls-client-ca",
+)  # fmt: skip
+
+
+def absolute_paths(server_args: Sequence[str]) -> list[str]:
+    """`server_args` with each relative path of a flag that names one made
+    absolute against this process's working directory: the shards run in
+    the cluster's own (a temporary folder by default), where a relative
+    `--storage-dir` put the disk tier, deleted with the cluster. URLs stay."""
+
+    def absolute(value: str) -> str:
+        return value if not value or "://" in value else os.path.abspath(value)
+
+    out: list[str] = []
+    value_of = ""
+    for arg in server_args:
+        if value_of:
+            out.append(absolute(arg))
+            value_of = ""
+            continue
+        flag, eq, value = arg.partition("=")
+        if flag in _PATH_FLAGS and eq:
+            out.append(f"{flag}={absolute(value)}")
+        else:
+            out.append(arg)
+            value_of = arg if arg in _PATH_FLAGS else ""
+    return out
+
+
 def refuse_placement(server_args: Sequence[str]) -> None:
     """ValueError naming a flag of `server_args` that would override how the
     cluster places its processes (the shards then served other places than
@@ -78,7 +110,8 @@ class LocalCluster:
 
     Args:
         num_shards: shards to start.
-        server_args: extra `tf-dlt server` flags for every shard.
+        server_args: extra `tf-dlt server` flags for every shard (relative
+            paths in them are the caller's, made absolute).
         workdir: where port files and logs go (default: a temporary folder).
         env: extra environment variables of the processes.
         start_timeout: seconds each shard gets to start serving.
@@ -104,7 +137,7 @@ class LocalCluster:
         refuse_placement(server_args)
         self.num_shards = num_shards
         self.replicas = replicas
-        self._args = list(server_args)
+        self._args = absolute_paths(server_args)
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="tf_dlt-cluster-")
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self._env = {**os.environ, **(env or {})}
@@ -236,7 +269,7 @@ class LocalCluster:
             joining = ["--join"] if "--join" in own else []
             own = [*joining, "--replica-set", self._replica_sets[process],
                    "--advertise", self.process_addresses[process]]  # fmt: skip
-        extra = [*own, *server_args]
+        extra = [*own, *absolute_paths(server_args)]
         admin = self.admin_ports[process] if same_admin_port else 0
         self.processes[process] = self._spawn(process, extra, data, admin)
         _, self.admin_ports[process], self.metrics_ports[process] = self._wait_for_ports(

@@ -144,6 +144,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument(
         "--storage-dir",
+        type=_non_empty,  # an unset $TIER_DIR was no tier: rows past the budget evicted
         help="local SSD directory for the disk tier of rows past --memory-budget; a cache of "
         "this shard's state, emptied at start (a restart loads from a checkpoint)",
     )

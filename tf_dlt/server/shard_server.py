@@ -17,7 +17,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from tf_dlt import _native, errors
+from tf_dlt import _native, errors, sizes
 from tf_dlt.checkpoint import shard_files
 from tf_dlt.cluster import MAX_REPLICAS, is_address
 from tf_dlt.server import follower, metrics, paths, replication, reshard, service
@@ -132,7 +132,8 @@ class ShardServer:
             as it is committed.
         follow_interval_s: how often `follow` is read.
         memory_budget: bytes of resident memory this process may use (0:
-            no budget). Past it the coldest rows move to `storage_dir`, or
+            no budget), or a size as `--memory-budget` takes it ("48GiB").
+            Past it the coldest rows move to `storage_dir`, or
             without one are evicted (docs/tiered_storage.md).
         storage_dir: a local SSD directory for the disk tier: a cache of
             this shard's state, emptied at start (a restart loads from a
@@ -188,7 +189,7 @@ class ShardServer:
         read_only: bool = False,
         follow: str | None = None,
         follow_interval_s: float = 5.0,
-        memory_budget: int = 0,
+        memory_budget: int | float | str = 0,
         storage_dir: str | None = None,
         standby_of: str | None = None,
         replication_mode: str = "sync",
@@ -204,11 +205,25 @@ class ShardServer:
             raise ValueError("following a checkpoint directory needs read_only")
         if follow and load_from:
             raise ValueError("give load_from or follow, not both")
-        if memory_budget < 0:
-            raise ValueError(f"memory_budget must be >= 0 bytes, got {memory_budget}")
+        # Bytes, or a size as the flag takes it ("300MiB"); a float or a
+        # string reached the native core as a raw TypeError.
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float, str)):
+            raise ValueError(f"memory_budget must be a number of bytes, got {memory_budget!r}")
+        memory_budget = sizes.parse_bytes(str(memory_budget)) if memory_budget else 0
+        if storage_dir is not None and not storage_dir.strip():
+            # (an unset $TIER_DIR: no tier at all, rows past the budget evicted)
+            raise ValueError("storage_dir must name a directory, got an empty one (None: no tier)")
         if standby_of and not is_address(standby_of):
             # It was taken, and the standby logged "must be host:port" forever.
             raise ValueError(f"standby_of {standby_of!r} must be host:port")
+        # An address its peers could not reach was taken: a replica set's
+        # member stayed "joining" for good, and a standby attached under an
+        # address its primary never reached (every sync push then failed).
+        for what, peer in (("advertise", advertise), *(("replica_set", a) for a in replica_set)):
+            if peer is not None and not is_address(peer):
+                raise ValueError(
+                    f"{what} {peer!r} must be host:port (an IPv6 host in []) with a port 1 to 65535"
+                )
         if standby_of and (read_only or load_from):
             raise ValueError("a standby takes its primary's tables: no read_only or load_from")
         if standby_of and standby_of in _own_addresses(bind, port, advertise):
@@ -314,7 +329,7 @@ class ShardServer:
     @property
     def address(self) -> str:
         host = "127.0.0.1" if self._bind in ("0.0.0.0", "::", "") else self._bind
-        return f"{host}:{self.port}"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def watch(self) -> None:
         """Logs, once each, what the data plane learned on its own: that
