@@ -299,7 +299,9 @@ def test_a_shard_server_takes_its_budget_as_a_size(tmp_path: Path) -> None:
     """`ShardServer(memory_budget=3e10)` or `"16GiB"` (docs/tiered_storage.md:
     it takes what --memory-budget takes) raised raw TypeErrors. (Budgets
     well above what this test process holds, TensorFlow loaded.)"""
-    for budget, bytes_ in ((3e10, 30_000_000_000), ("16GiB", 16 << 30), (16 << 30, 16 << 30)):
+    for budget, bytes_ in (
+        (3e10, 30_000_000_000), ("16GiB", 16 << 30), (16 << 30, 16 << 30), (np.int64(3e10), 3e10),
+    ):  # fmt: skip
         server = ShardServer(memory_budget=budget, storage_dir=str(tmp_path / "ssd"))
         try:
             assert server.shard.memory_status()["budget"] == bytes_

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import numbers
 import os
 import resource
 import socket
@@ -207,7 +208,7 @@ class ShardServer:
             raise ValueError("give load_from or follow, not both")
         # Bytes, or a size as the flag takes it ("300MiB"); a float or a
         # string reached the native core as a raw TypeError.
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float, str)):
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (numbers.Real, str)):
             raise ValueError(f"memory_budget must be a number of bytes, got {memory_budget!r}")
         memory_budget = sizes.parse_bytes(str(memory_budget)) if memory_budget else 0
         if storage_dir is not None and not storage_dir.strip():
