@@ -1191,3 +1191,98 @@ def test_a_chain_keeps_the_ages_of_rows_pushes_during_its_base_save_did_not_touc
     assert full[int(a[0])][3] == 6  # pushed at clock 1, saved at 7
     assert {x: r[3] for x, r in chain.items()} == {x: r[3] for x, r in full.items()}
     assert chain == full
+
+
+def _one_shard() -> _native.Shard:
+    shard = _native.Shard(0, 1)
+    shard.create_table(tf_dlt.TableConfig("t", 2).to_dict())
+    return shard
+
+
+def _push_all(shard: _native.Shard, value: float) -> None:
+    ids = np.arange(10, dtype=np.int64)
+    shard.get_table("t").push(ids, np.full((10, 2), value, np.float32), 1.0)
+
+
+def _commit(shard: _native.Shard, path: Path, base: Path | None = None, base_id: str = "") -> str:
+    """A one-shard save of `shard` at `path` (a delta on `base` when given),
+    committed as Client.save commits one."""
+    save_id = chain.next_save_id(str(path))
+    part = shard_files.save_shard(str(path), shard, save_id, base_id)
+    parent = manifest.delta_parent(str(path), str(base)) if base is not None else None
+    return str(manifest.write_manifest(str(path), [part], save_id, parent)["save_id"])
+
+
+def _checkpoint_cli(verb: str, **kwargs: object) -> int:
+    import argparse
+
+    from tf_dlt.tools import checkpoints
+
+    return checkpoints.run(argparse.Namespace(verb=verb, **kwargs))
+
+
+def test_compact_never_writes_over_a_checkpoint_of_the_other_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tf-dlt checkpoint compact run/c1 run/m2`, run/m2 a model checkpoint
+    holding a newer save (a typo in the target): it wrote c1's older rows as
+    a table checkpoint into run/m2 itself, which hid the model's save from
+    listings, and a follower of run served the older rows in its place,
+    reporting itself current (helper-125's review). The reverse (a model
+    checkpoint compacted into a table checkpoint's directory) hid the
+    copy. Both refused now, nothing written, the follower unmoved."""
+    from tf_dlt.server.follower import Follower
+
+    run = tmp_path / "run"
+    shard = _one_shard()
+    _push_all(shard, 1.0)
+    _commit(shard, run / "c1")
+    _push_all(shard, 1.0)
+    newer = _commit(shard, run / "m2" / "tables")
+    (run / "m2" / chain.dense_file(newer)).write_bytes(b"")
+    served = _native.Shard(0, 1)
+    follow = Follower(served, str(run), interval_s=60)
+    assert follow.poll().serving_save_id == newer
+    before = served.get_table("t").pull(np.arange(10, dtype=np.int64)).copy()
+    code = _checkpoint_cli(
+        "compact", source=str(run / "c1"), target=str(run / "m2"), num_shards=None
+    )
+    assert code == 1 and "holds a model checkpoint" in capsys.readouterr().err
+    assert not (run / "m2" / manifest.MANIFEST).exists()
+    assert follow.poll().serving_save_id == newer
+    np.testing.assert_array_equal(served.get_table("t").pull(np.arange(10, dtype=np.int64)), before)
+    # The reverse: a model checkpoint into a table checkpoint's directory.
+    code = _checkpoint_cli(
+        "compact", source=str(run / "m2"), target=str(run / "c1"), num_shards=None
+    )
+    assert code == 1 and "holds a table checkpoint" in capsys.readouterr().err
+    assert not (run / "c1" / "tables").exists()
+
+
+def test_prune_deletes_nothing_beside_a_checkpoint_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """run/c1 full, run/c2 a delta on c1 whose manifest is mid-edit (a load
+    refuses it), run/c3 full; `tf-dlt checkpoint prune run --keep 1`
+    deleted c1 with exit 0, and c2, repaired, was a broken chain for good.
+    Nothing is deleted now (c2 may need any of them), naming c2, exit 1."""
+    run = tmp_path / "run"
+    shard = _one_shard()
+    _push_all(shard, 1.0)
+    c1 = _commit(shard, run / "c1")
+    _push_all(shard, 1.0)
+    _commit(shard, run / "c2", base=run / "c1", base_id=c1)
+    _push_all(shard, 1.0)
+    _commit(shard, run / "c3")
+    text = (run / "c2" / manifest.MANIFEST).read_text()
+    edited = json.loads(text)
+    edited["num_buckets"] = 1024  # mid-edit: a load refuses it
+    (run / "c2" / manifest.MANIFEST).write_text(json.dumps(edited))
+    code = _checkpoint_cli("prune", directory=str(run), keep=1)
+    err = capsys.readouterr().err
+    assert code == 1 and "nothing deleted" in err and str(run / "c2") in err, err
+    (run / "c2" / manifest.MANIFEST).write_text(text)  # the edit undone
+    assert [link.path for link in manifest.resolve_chain(str(run / "c2"))][0].endswith("c1")
+    # Once it reads again, the prune goes on: c2 and its base together.
+    assert _checkpoint_cli("prune", directory=str(run), keep=1) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["c3"]

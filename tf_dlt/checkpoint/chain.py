@@ -175,8 +175,8 @@ def find(
             except errors.NotFoundError:
                 continue
             except errors.FailedPreconditionError as e:
-                if refused is not None:
-                    refused.append(e.message)
+                if refused is not None:  # named: some messages leave the path out
+                    refused.append(e.message if tables in e.message else f"{tables}: {e.message}")
                 continue
             except Exception as e:  # noqa: BLE001 - as above
                 pass_over(tables, e)
@@ -242,7 +242,17 @@ def retain(
         return []  # a broken chain: never guess what it needs
     # A delta may have committed on one of them since the caller listed
     # them: what every other checkpoint beside them needs now stays too.
-    need |= _needed_beside([_tables_of(p, tables_dir, tables) for p in paths[:-keep]])
+    refused: list[str] = []
+    need |= _needed_beside([_tables_of(p, tables_dir, tables) for p in paths[:-keep]], refused)
+    if refused:
+        # A delta among them (a manifest mid-edit, say) may need any of
+        # them: deleting its base lost it for good.
+        if problems is not None:
+            problems.append(
+                "nothing deleted: a checkpoint beside them cannot be read, and any of them may "
+                f"be its base ({'; '.join(refused[:3])}{'; ...' if len(refused) > 3 else ''})"
+            )
+        return []
     deleted = []
     for path in paths[:-keep]:
         own = _tables_of(path, tables_dir, tables)
@@ -317,14 +327,15 @@ def _directories_beside(path: str) -> list[str]:
     return directories
 
 
-def _needed_beside(deleting: list[str]) -> set[str]:
+def _needed_beside(deleting: list[str], refused: list[str]) -> set[str]:
     """What the checkpoints beside the table checkpoints `deleting`
     (`_directories_beside`), other than those, need (`needed`, in `_key`
-    form)."""
+    form). Why each one beside them that cannot be read (a load refuses
+    its manifest) is appended to `refused`: what it needs is unknown."""
     going = {_key(p) for p in deleting}
     out: set[str] = set()
     for directory in sorted({d for path in deleting for d in _directories_beside(path)}):
-        for c in find(directory, whole_models=False):
+        for c in find(directory, whole_models=False, refused=refused):
             if _key(c.tables) not in going:
                 with contextlib.suppress(errors.NotFoundError, errors.FailedPreconditionError):
                     out |= needed([c.tables])  # a broken chain loads nothing to keep
@@ -488,11 +499,24 @@ def _compaction(
     # that save does (prune's newest, a follower's next), not as the newest
     # checkpoint of all (a prune after a compact deleted newer ones).
     save_id = str(head["save_id"])
-    held = manifest_lib.committed_save_id(*manifest_lib.filesystem(target))
+    fs, root = manifest_lib.filesystem(target)
+    held = manifest_lib.committed_save_id(fs, root)
     if held > save_id:
         raise errors.FailedPreconditionError(
             f"compact's target {target!r} holds save {held}, newer than the save {save_id} "
             f"that {source!r} holds: the copy would replace newer state; give another target"
+        )
+    # A checkpoint of the other layout at the target (a model checkpoint's
+    # tables/ under a table checkpoint's directory, or the reverse): the copy
+    # hid it from listings, prunes and followers, which served the copy's
+    # older rows in its place.
+    other = posixpath.dirname(root.rstrip("/")) if models else f"{root.rstrip('/')}/{TABLES_DIR}"
+    if manifest_lib.committed_save_id(fs, other):
+        kinds = ("a model", "a table") if models else ("a table", "a model")
+        raise errors.FailedPreconditionError(
+            f"compact's target {posixpath.dirname(target) if models else target!r} holds "
+            f"{kinds[1]} checkpoint ({manifest_lib.url_of(fs, other)}), which {kinds[0]} "
+            "checkpoint written there would hide; give another target"
         )
     return n, save_id, float(head.get("created_unix", 0.0))
 

@@ -518,8 +518,12 @@ class ModelCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]
         self.record(target, epoch + 1, save(self.model, target, base=base))
         if self.keep is not None:
             with errors.storage_errors(f"removing checkpoints older than the last {self.keep}"):
+                problems: list[str] = []
                 gone = chain.retain(
-                    self._live, self.keep, tables_dir=TABLES_DIR, save_ids=self._save_ids
-                )
+                    self._live, self.keep, tables_dir=TABLES_DIR, save_ids=self._save_ids,
+                    problems=problems,
+                )  # fmt: skip
+            for problem in problems:  # (kept: a chain it cannot read, a save meanwhile)
+                log.warning("ModelCheckpoint: %s", problem)
             self.deleted.extend(gone)
             self._live = [p for p in self._live if p not in gone]
