@@ -5,6 +5,7 @@ of 1 trainer on all of it (examples/ctr_multi_trainer.py)."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from typing import cast
 
 import pytest
 
+from tf_dlt.server import local
 from tf_dlt.server.local import LocalCluster, refuse_placement
 from tf_dlt.tools.launch import Launch
 
@@ -357,3 +359,148 @@ def test_a_restart_that_cannot_start_a_process_is_reported_not_raised() -> None:
     launch._check_shards(cast(LocalCluster, Cluster()))  # reported once
     text = out.getvalue()
     assert text.count("did not start again ([Errno 24] Too many open files)") == 1, text
+
+
+CHATTY = "import time\ntime.sleep(1)\nfor i in range(200000): print('line', i)\n"
+
+
+def test_launch_whose_output_is_closed_still_ends_with_its_trainer() -> None:
+    """A user pipes the launcher into `head` (or `tee` that dies, a log
+    shipper that goes away) and the reader closes its end after the
+    launcher's first lines. Before: the pump thread of the trainer's
+    output dies on BrokenPipeError ("Exception in thread ... (_pump)"), so
+    nobody reads the trainer's pipe any more; the trainer blocks on its
+    next print once the 64 KiB pipe buffer is full, and the launcher waits
+    for it for ever (a trainer that needs a second runs for good; only a
+    signal ends it, with a raw BrokenPipeError traceback). Now: the
+    launcher keeps draining its roles' output (dropping what it cannot
+    write) and exits when the trainer does, with a meaningful code."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", "0", "--",
+         sys.executable, "-c", CHATTY],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line or line.startswith("[launch] started"):
+            break
+    proc.stdout.close()  # the reader went away (`| head`)
+    try:
+        proc.wait(60)  # the trainer alone needs about a second
+        hung = False
+    except subprocess.TimeoutExpired:
+        hung = True
+        proc.send_signal(signal.SIGINT)  # the launcher then stops its trainer
+        proc.wait(60)
+    err = proc.stderr.read() if proc.stderr else ""
+    assert not hung, "launch still running 60 s after its trainer could have ended:\n" + err[-2000:]
+
+
+def test_launch_with_broken_stdout_returns_its_code() -> None:
+    """A user runs `tf-dlt launch ... | head -3`. Before: the
+    launcher's own next line raises BrokenPipeError out of Launch.run()
+    (a raw traceback, from `say`, launch.py:145, called unguarded from
+    run()/_supervise()), whatever the trainers did. Now:
+    run() returns an exit code (the trainers' outcome), output errors are
+    not fatal."""
+
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            if "shards healthy" in self.getvalue() or "no shard servers" in self.getvalue():
+                raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+            return super().write(text)
+
+    launch = Launch(0, 1, [sys.executable, "-c", "pass"], out=Closed())
+    try:
+        code = launch.run()
+    except BrokenPipeError as e:
+        pytest.fail(f"Launch.run() raised {e!r} instead of returning an exit code")
+    assert code == 0
+
+
+def test_an_oserror_while_starting_shards_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An operator launches many shards and the launcher runs out of file
+    descriptors (EMFILE) or processes (EAGAIN) or /tmp is full while it
+    starts them. Before: LocalCluster.start stops what it started and
+    re-raises the OSError; Launch._start_shards (launch.py:185) and
+    Launch.run (launch.py:361) catch only RuntimeError/TimeoutError, so
+    the OSError leaves `tf-dlt launch` as a raw traceback (the same error in
+    a restart, and in starting a trainer, is caught and reported). What
+    should happen: `[launch] failed: cannot start ps-N: Too many open
+    files`, exit 1."""
+
+    def spawn(self: local.LocalCluster, process: int, *args: object, **kw: object) -> object:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(local.LocalCluster, "_spawn", spawn)
+    out = io.StringIO()
+    launch = Launch(2, 1, [sys.executable, "-c", "pass"], out=out)
+    try:
+        code = launch.run()
+    except OSError as e:
+        pytest.fail(f"Launch.run() raised {e!r} instead of reporting it:\n{out.getvalue()}")
+    assert code == 1 and "failed" in out.getvalue()
+
+
+SAVE_ON_SIGTERM = """
+import signal, sys, time, numpy as np
+from tf_dlt.cluster import cluster_from_env
+from tf_dlt.client import Client
+c = Client(cluster_from_env().pservers)
+c.create_table("t", 4)
+c.pull("t", np.arange(100, dtype=np.int64))
+def on_term(*_):
+    try:
+        c.save(sys.argv[1])
+        print("SAVED", flush=True)
+        sys.exit(0)
+    except Exception as e:
+        print("SAVE FAILED", type(e).__name__, str(e)[:200], flush=True)
+        sys.exit(3)
+signal.signal(signal.SIGTERM, on_term)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_ctrl_c_in_a_terminal_leaves_the_shards_to_the_trainers_save(tmp_path) -> None:
+    """A user presses Ctrl-C in the terminal running `tf-dlt launch
+    --pservers 2 -- python train.py`, whose trainer saves a checkpoint on
+    SIGTERM (the launcher gives trainers SIGTERM and --grace for this, and
+    stops the shards only after them). The terminal sends SIGINT to the
+    whole foreground process group. Before: the trainers are in
+    sessions of their own, but the shard servers are not
+    (LocalCluster._spawn, tf_dlt/server/local.py:241, Popen without
+    start_new_session): they get the SIGINT themselves and shut down at
+    once ("received SIGINT, shutting down"), so when the launcher then
+    sends the trainer SIGTERM its save fails with UnavailableError
+    (connection refused): the final checkpoint is lost. (test_launch's
+    SIGINT test signals the launcher's pid only, not its group.) What
+    should happen: the shards only stop when the launcher stops them, after
+    the trainers (the save succeeds)."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tf_dlt.tools.cli", "launch", "--pservers", "2", "--",
+         sys.executable, "-c", SAVE_ON_SIGTERM, str(ckpt)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
+        start_new_session=True,  # a terminal's foreground group, led by the launcher
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith("[worker-0] READY") or not line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: every process of the foreground group
+    out, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + out
+    assert "[worker-0] SAVED" in text, text[-3000:]

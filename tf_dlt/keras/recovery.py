@@ -4,7 +4,9 @@ A shard that dies (kill -9, a lost node) makes the running step fail with
 UnavailableError (or DeadlineExceededError) within the client's request
 deadline; a shard with standbys whose every process died fails it with
 DataLossError once its restarted replica set serves. Its supervisor
-(Kubernetes, `tf-dlt launch`, systemd) restarts it at the same address.
+(Kubernetes, systemd; `tf-dlt launch` only for a shard with standbys,
+`--replicas 2` or more: a lone shard's death ends a launch) restarts it at
+the same address.
 resilient_fit then:
 
 1. waits until every shard of the model answers again (bounded);

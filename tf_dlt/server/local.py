@@ -238,9 +238,14 @@ class LocalCluster:
             *self._args, *extra,
         ]  # fmt: skip
         with self.log_path(process).open("ab") as log:
+            # A session of its own: a terminal's Ctrl-C (SIGINT to the whole
+            # foreground group) stopped the shards at once, before the
+            # trainers' saves on the launcher's SIGTERM (--parent-pid stops
+            # them when this process dies).
             return subprocess.Popen(
-                cmd, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=log, env=self._env
-            )
+                cmd, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=log, env=self._env,
+                start_new_session=True,
+            )  # fmt: skip
 
     def kill(self, process: int) -> None:
         """SIGKILL to process `process` (a crash: nothing is flushed or saved)."""

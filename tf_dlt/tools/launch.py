@@ -63,11 +63,26 @@ class _Printer:
     def __init__(self, out: IO[str]) -> None:
         self._out = out
         self._lock = threading.Lock()
+        self._closed = False  # guarded by _lock
 
     def line(self, role: str, text: str) -> None:
+        """Writes one line; once the output is gone (`| head` closed its
+        end) the rest are dropped, while the roles' pipes are still read:
+        the thread copying a trainer's output died, the trainer blocked on
+        its full pipe, and the launch waited for it for good."""
         with self._lock:
-            self._out.write(f"[{role}] {text.rstrip()}\n")
-            self._out.flush()
+            if self._closed:
+                return
+            try:
+                self._out.write(f"[{role}] {text.rstrip()}\n")
+                self._out.flush()
+            except (OSError, ValueError):  # BrokenPipeError; a closed stream
+                self._closed = True
+                if self._out is sys.stdout:  # nor a traceback at exit, flushing it
+                    with contextlib.suppress(OSError, ValueError):
+                        devnull = os.open(os.devnull, os.O_WRONLY)
+                        os.dup2(devnull, sys.stdout.fileno())
+                        os.close(devnull)
 
 
 def _pump(stream: IO[bytes], role: str, printer: _Printer) -> None:
@@ -182,7 +197,7 @@ class Launch:
             cluster.start()
         except StartInterrupted:
             raise
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, OSError) as e:  # OSError: EMFILE, EAGAIN, ENOSPC
             # start() stopped every process it had started: only the one
             # that failed is to blame, and its log says why.
             self._start_failed = True
@@ -358,7 +373,7 @@ class Launch:
         except StartInterrupted:
             self._start_failed = True  # shards stopped before their handlers: no blame
             code = self._supervise()  # says which signal, and gives its code
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, OSError) as e:
             self.say(f"failed: {e}")
             code = 1
         finally:
