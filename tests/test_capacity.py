@@ -188,3 +188,33 @@ def test_plan_command_reports_the_ssd_reads() -> None:
     assert out.returncode == 0, out.stderr
     assert "of the SSD's 20,000/s" in out.stdout and "the SSDs' reads need" in out.stdout
     assert "bench/bench_tier_scale.py --rows" in out.stdout and "--load-fractions" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("rows", "budget", "headroom"), [(1e7, 300 << 20, 1.5), (1e10, 48 << 30, 1.0)]
+)
+def test_a_budgeted_plan_sizes_shards_by_the_room_they_give_rows(
+    rows: float, budget: int, headroom: float
+) -> None:
+    """`tf-dlt plan --rows 1e7 --dim 16 --memory-budget 300MiB` planned 8
+    shards of 184 MiB of rows each, dividing the table by the whole budget;
+    a shard under it gives its rows about 70 MiB (90% of the budget less a
+    save's reserve and the process), and without a tier it evicted 69% of
+    them for good (helper-126's review). Tiered plans counted the same
+    90% as room for hot rows. Both size by `capacity.row_room` now."""
+    room = (
+        budget * capacity.BUDGET_FRACTION
+        - capacity._native.PERSIST_RESERVE_BYTES
+        - capacity.PROCESS_BYTES
+    )
+    assert capacity.row_room(budget) == pytest.approx(room)
+    p = capacity.plan(rows, 16, "adagrad", 1, 4096, memory_budget=budget, headroom=headroom)
+    assert p.table_bytes / p.shards <= room
+    tiered = capacity.plan(1e9, 16, "adagrad", 1, 4096, memory_budget=1 << 30, ssd_bytes=1e12)
+    assert tiered.tiers is not None
+    t = tiered.tiers
+    ram = (
+        t.ram_rows_per_shard * tiered.bytes_per_row
+        + t.disk_rows_per_shard * t.cold_ram_bytes_per_row
+    )
+    assert ram <= capacity.row_room(1 << 30) * 1.0001

@@ -56,6 +56,14 @@ LEAST_BUDGET = (PROCESS_BYTES + _native.PERSIST_RESERVE_BYTES + _native.MIN_ROW_
 )
 
 
+def row_room(budget: float) -> float:
+    """The bytes a shard under `budget` lets its rows (and tier entries)
+    take: the keeper's fraction of it, less a save's buffers and what the
+    process holds (the plan divided tables by the whole budget: a 300 MiB
+    shard planned for 184 MiB of rows kept 70 and evicted the rest)."""
+    return max(0.0, budget * BUDGET_FRACTION - _native.PERSIST_RESERVE_BYTES - PROCESS_BYTES)
+
+
 def tier_slot_bytes(record: int) -> tuple[float, float]:
     """RAM and disk bytes per disk tier slot for records of `record` bytes:
     its page's fingerprints (16 bits a slot), ghost bits (1 a slot) and
@@ -184,7 +192,7 @@ def tier_plan(
     ram_slot, disk_slot = tier_slot_bytes(record)
     cold_ram = ram_slot / TIER_MEAN_FILL
     disk_row = disk_slot / TIER_MEAN_FILL
-    room = budget * BUDGET_FRACTION - rows_per_shard * cold_ram
+    room = row_room(budget) - rows_per_shard * cold_ram
     ram_rows = min(rows_per_shard, max(0.0, room / (per_row - cold_ram)))
     disk_rows = rows_per_shard - ram_rows
     hit_rate = zipf_hit_rate(rows_per_shard, ram_rows, skew)
@@ -300,14 +308,14 @@ def plan(
             f"{rows:g} rows of dim {dim} (with a sketch of {sketch_bytes:g} bytes) need more "
             "memory than any cluster has: check rows and sketch_bytes"
         )
-    shard_memory = memory_budget or shard_memory_gib * 2**30
+    shard_memory = row_room(memory_budget) if memory_budget else shard_memory_gib * 2**30
     memory_shards = math.ceil(table * headroom / shard_memory)
     record = raw_record_bytes(dim, optimizer, value_dtype, slot_dtype)
     if ssd_bytes:
         # The fewest shards whose budgets keep a tenth for hot rows after
         # the cold entries, and whose SSDs hold the rest.
         ram_slot, disk_slot = tier_slot_bytes(record)
-        by_index = resident * ram_slot / TIER_MEAN_FILL / (memory_budget * BUDGET_FRACTION * 0.9)
+        by_index = resident * ram_slot / TIER_MEAN_FILL / (row_room(memory_budget) * 0.9)
         by_disk = resident * disk_slot / TIER_MEAN_FILL / ssd_bytes
         memory_shards = max(1, math.ceil(max(by_index, by_disk)))
     ids = math.ceil(trainers * batch * unique_fraction)
@@ -390,7 +398,9 @@ def report(p: Plan, args: argparse.Namespace) -> str:
         f"tiers per shard: RAM {t.ram_rows_per_shard:.3g} hot rows + "
         f"{t.cold_ram_bytes_per_row:.1f} B per cold row "
         f"({args.memory_budget / 2**30:.3g} GiB budget, "
-        f"{BUDGET_FRACTION:g} of it for the tables); disk {t.disk_rows_per_shard:.3g} rows x "
+        f"{row_room(args.memory_budget) / 2**30:.3g} GiB of it for the tables: "
+        f"{BUDGET_FRACTION:g} of it less a save's buffers and the process); disk "
+        f"{t.disk_rows_per_shard:.3g} rows x "
         f"{t.disk_bytes_per_row:.0f} B = {_size(t.disk_bytes_per_shard)} of "
         f"{_size(args.ssd)} SSD",
         f"expected RAM hit rate under Zipf({args.skew:g}) traffic: {100 * t.hit_rate:.1f}% "
