@@ -32,6 +32,20 @@ EXAMPLE = ROOT / "examples" / "ctr_multi_trainer.py"
 AUC_TOLERANCE = 0.02
 
 
+def _lines_until(proc: subprocess.Popen[str], prefix: str, seconds: float) -> list[str]:
+    """`proc`'s output lines up to the first that starts with `prefix` (or
+    its end, or `seconds`)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith(prefix) or not line:
+            break
+    return lines
+
+
 def _launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "tf_dlt.tools.cli", "launch", *args]
     return subprocess.run(
@@ -193,14 +207,7 @@ def _launched(pservers: int, workers: int) -> tuple[subprocess.Popen[str], list[
          "import os, time; print('up', os.getpid(), flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
     )  # fmt: skip
-    assert proc.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if line.startswith(f"[worker-{workers - 1}] up") or not line:
-            break
+    lines = _lines_until(proc, f"[worker-{workers - 1}] up", 60)
     return proc, lines
 
 
@@ -492,14 +499,7 @@ def test_ctrl_c_in_a_terminal_leaves_the_shards_to_the_trainers_save(tmp_path) -
         start_new_session=True,  # a terminal's foreground group, led by the launcher
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
-    assert proc.stdout is not None
-    lines = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if line.startswith("[worker-0] READY") or not line:
-            break
+    lines = _lines_until(proc, "[worker-0] READY", 90)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: every process of the foreground group
     out, _ = proc.communicate(timeout=120)
     text = "".join(lines) + out
